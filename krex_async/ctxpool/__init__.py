@@ -1,0 +1,1 @@
+"""Warm GPU context processes that run Python commands as if they were fresh processes."""

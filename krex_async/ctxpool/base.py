@@ -1,0 +1,22 @@
+"""The pool interface the daemon uses: run a Python command in a warm worker, or decline it.
+
+    pool = Pool(device, config)        # one per device
+    await pool.start()                 # begins warming toward config.size, one context at a time
+    launched = await pool.launch(spec) # a Launched (krex_async.spawn) or None when it cannot take it
+    pool.pause() / pool.resume()       # no context creation while a region is held on the device
+    pool.status()                      # sizes and counts for `krex status`
+    await pool.close()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PoolConfig:
+    size: int = 0  # warm workers per device; 0 disables the pool
+    max_uses: int = 1
+    preload: list[str] = field(default_factory=list)  # modules every worker imports, e.g. ["torch"]
+    python: str = ""  # the interpreter whose commands the pool accepts (default: sys.executable)
+    init_context: bool = True  # create the device context (torch.cuda.init / cuInit) when warming

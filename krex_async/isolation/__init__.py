@@ -1,0 +1,1 @@
+"""Isolation backends: freeze, thaw and fence commands' processes (see base.py)."""

@@ -1,0 +1,1 @@
+"""eBPF and tracefs probes on GPU driver activity (see base.py)."""

@@ -1,0 +1,326 @@
+"""Every message between krex's daemon and its clients, and the framing that carries them.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. The length is checked
+against the limit before the body is read, so a hostile length allocates nothing. Messages are msgspec
+Structs tagged by their `type` field, decoded into one of two unions: `Request` (client to daemon) and
+`Reply` (daemon to client). Every request carries an `id` that the replies and streamed events for it
+carry back. New fields always get defaults, so old peers keep decoding (msgspec schema evolution).
+
+The first request on every connection is `Hello`, which carries the protocol version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024
+HEADER = struct.Struct(">I")
+
+# Length bounds for strings and lists that come from peers (no unbounded fields).
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=1 << 20)]
+Arg = Annotated[str, msgspec.Meta(max_length=128 * 1024)]
+Argv = Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=4096)]
+Env = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4096)], Arg], msgspec.Meta(max_length=4096)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
+
+class Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------------------------------- requests
+
+class Hello(Msg, tag="hello"):
+    id: ReqId = 0
+    version: int = PROTOCOL_VERSION
+    role: Literal["agent", "command"] = "agent"
+    client: Name = ""
+
+
+class Submit(Msg, tag="submit"):
+    """Start a command. Replies: Accepted, then Output events, then Exited (or Error)."""
+
+    id: ReqId
+    argv: Argv
+    cwd: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    env: Env | None = None  # None: the agent's environment is not passed; the daemon's minimal one is
+    device: Name = "auto"  # "auto", an index ("0"), a key ("cpu", "nvidia0"), or "none"
+    timeout: Seconds | None = None
+    mem: Annotated[int, msgspec.Meta(ge=0)] = 0  # bytes of device memory the command needs
+    stdin: bytes | None = None  # fed to the command's stdin then closed; None: /dev/null
+    on_disconnect: Literal["kill", "keep"] = "kill"
+    stream: bool = True  # send Output events (False: only keep the output for the report)
+    label: Name = ""
+
+
+class Attach(Msg, tag="attach"):
+    """Re-attach to a command (after a reconnect): replies as Submit, from its current state."""
+
+    id: ReqId
+    command: Name
+
+
+class Cancel(Msg, tag="cancel"):
+    id: ReqId
+    command: Name
+    signal: Annotated[int, msgspec.Meta(ge=1, le=64)] = 15
+
+
+class Status(Msg, tag="status"):
+    id: ReqId
+
+
+class RegionEnter(Msg, tag="region_enter"):
+    """From inside a command: ask for exclusivity on its device. Reply: RegionGranted or Error."""
+
+    id: ReqId
+    command: Name
+    token: Name
+    name: Name = "region"
+    pid: int = 0  # the requesting process (checked against SO_PEERCRED)
+    freeze_own_children: bool = True
+    warm_ms: Seconds = 0.0
+
+
+class RegionExit(Msg, tag="region_exit"):
+    id: ReqId
+    region: Name
+    token: Name
+
+
+class QuiesceReady(Msg, tag="quiesce_ready"):
+    """From a command's in-process runtime: it listens for quiesce requests on this connection."""
+
+    id: ReqId
+    command: Name
+    token: Name
+    pid: int = 0
+
+
+class QuiesceAck(Msg, tag="quiesce_ack"):
+    id: ReqId
+    region: Name
+    synced: str = ""  # what it synchronised: "torch", "cupy", "cuda", "hip", "none"
+    seconds: float = 0.0
+
+
+class Subscribe(Msg, tag="subscribe"):
+    """Stream trace events (region boundaries, freezes, probe events) until the connection closes."""
+
+    id: ReqId
+    probes: bool = True
+
+
+Request = Hello | Submit | Attach | Cancel | Status | RegionEnter | RegionExit | QuiesceReady | \
+    QuiesceAck | Subscribe
+
+
+# ----------------------------------------------------------------------------------------- reports
+
+class RegionReport(msgspec.Struct, omit_defaults=True):
+    """One region of a command: when it was asked for, what entering cost, how it ended."""
+
+    region: str
+    name: str
+    device: str
+    pid: int
+    policy: str
+    requested_at: float = 0.0  # unix seconds
+    wait_s: float = 0.0  # queued behind other regions
+    quiesce_s: float = 0.0
+    freeze_s: float = 0.0
+    drain_s: float = 0.0
+    cores_s: float = 0.0
+    enter_s: float = 0.0  # request to grant, all steps
+    held_s: float = 0.0
+    exit_s: float = 0.0  # release: thaw and restore
+    frozen: list[str] = []  # command ids frozen for it
+    frozen_pids: int = 0
+    cores: list[int] = []
+    drain: str = "not-needed"  # synced, idle-verified, timeout, not-needed
+    outcome: str = "open"  # released, expired, owner-died, shutdown, refused
+    error: str = ""
+    strays: int = 0
+    stray_pids: list[int] = []
+    tainted: bool = False
+
+
+class CommandReport(msgspec.Struct, omit_defaults=True):
+    command: str
+    argv: list[str]
+    device: str
+    policy: str
+    state: str  # exited, signaled, timeout, cancelled, shutdown, failed
+    exit_code: int | None = None
+    signal: int | None = None
+    wall_s: float = 0.0
+    queued_s: float = 0.0  # waiting for the device (policy command)
+    cpu_user_s: float = 0.0
+    cpu_system_s: float = 0.0
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    regions: list[RegionReport] = []
+    error: str = ""
+    label: str = ""
+    via: str = "exec"
+    start_latency_s: float | None = None
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+
+
+# ------------------------------------------------------------------------------------------ replies
+
+class Welcome(Msg, tag="welcome"):
+    id: ReqId
+    version: int
+    server: str
+    policy: str
+    uid: int = -1  # the peer as the daemon sees it
+
+
+class Accepted(Msg, tag="accepted"):
+    id: ReqId
+    command: str
+    device: str
+    token: str = ""  # only to the command's own environment, never needed by agents
+    queued: bool = False
+
+
+class Started(Msg, tag="started"):
+    id: ReqId
+    command: str
+    pid: int
+
+
+class Output(Msg, tag="output"):
+    id: ReqId
+    command: str
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+class Exited(Msg, tag="exited"):
+    id: ReqId
+    report: CommandReport
+    stdout_tail: bytes = b""  # for Attach after disconnect: what was not streamed
+    stderr_tail: bytes = b""
+
+
+class RegionGranted(Msg, tag="region_granted"):
+    id: ReqId
+    report: RegionReport
+
+
+class RegionReleased(Msg, tag="region_released"):
+    id: ReqId
+    report: RegionReport
+
+
+class RegionRevoked(Msg, tag="region_revoked"):
+    """Unsolicited, to the owner: its region outlived its lease and was taken back."""
+
+    id: ReqId
+    report: RegionReport
+
+
+class Quiesce(Msg, tag="quiesce"):
+    """To a command's runtime: stop at the next bytecode boundary, synchronise, acknowledge."""
+
+    id: ReqId
+    region: str
+
+
+class Resume(Msg, tag="resume"):
+    id: ReqId
+    region: str
+
+
+class StatusReply(Msg, tag="status_reply"):
+    id: ReqId
+    status: dict[str, object]  # daemon-built JSON-able tree, for people and scripts
+
+
+class TraceEvent(Msg, tag="trace"):
+    id: ReqId
+    ts: float  # unix seconds
+    kind: str  # region_request, region_grant, region_release, freeze, thaw, probe, stray, command_*
+    device: str = ""
+    command: str = ""
+    region: str = ""
+    pid: int = 0
+    detail: dict[str, object] = {}
+
+
+class Ok(Msg, tag="ok"):
+    id: ReqId
+
+
+class Error(Msg, tag="error"):
+    id: ReqId
+    code: str  # bad_frame, bad_request, unknown_command, forbidden, bad_device, bad_spec, busy ...
+    message: str
+
+
+Reply = Welcome | Accepted | Started | Output | Exited | RegionGranted | RegionReleased | \
+    RegionRevoked | Quiesce | Resume | StatusReply | TraceEvent | Ok | Error
+
+
+# ------------------------------------------------------------------------------------------ framing
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a frame we accept; the message says what."""
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One frame: header and body in a single buffer (one write, one syscall)."""
+    buf = bytearray(4)
+    _encoder.encode_into(msg, buf, 4)
+    HEADER.pack_into(buf, 0, len(buf) - 4)
+    return bytes(buf)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME,
+                     body_timeout: float | None = 30.0) -> bytes | None:
+    """The next frame's body, or None at a clean end of stream between frames.
+
+    Raises FrameError for an oversize length or a stream that ends mid-frame, and TimeoutError when
+    a started frame's body does not arrive within `body_timeout` (slow senders).
+    """
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise FrameError("stream ended inside a frame header") from None
+        return None
+    (n,) = HEADER.unpack(head)
+    if n > max_frame:
+        raise FrameError(f"frame of {n} bytes exceeds the limit of {max_frame}")
+    try:
+        return await asyncio.wait_for(reader.readexactly(n), body_timeout)
+    except asyncio.IncompleteReadError:
+        raise FrameError(f"stream ended inside a frame of {n} bytes") from None
+
+
+def decode_request(body: bytes) -> Request:
+    """Raises msgspec.DecodeError / ValidationError with a message naming the bad field."""
+    return request_decoder.decode(body)
+
+
+def decode_reply(body: bytes) -> Reply:
+    return reply_decoder.decode(body)
+
+
+def to_builtins(obj: object) -> object:
+    return msgspec.to_builtins(obj)
