@@ -164,27 +164,36 @@ class Daemon:
                    pid=cmd.pid or 0, frozen=region is not None)
 
     def _on_exit(self, cmd: Command) -> None:
-        """A command ended: release its regions, promote waiters, deliver its report."""
+        self.track(asyncio.get_running_loop().create_task(self._finalize(cmd)))
+
+    async def _finalize(self, cmd: Command) -> None:
+        """A command ended: release its regions (so its report has their outcome), promote waiters,
+        deliver its report, and keep it for the retention time."""
+        ending = []
         for rid in self.scheduler.regions_of(cmd.id):
             r = self.regions.active.get(rid)
             if r is not None:
                 r.end("owner-died")
+                if r.task is not None:
+                    ending.append(r.task)
+        if ending:
+            await asyncio.wait(ending, timeout=10)
+        loop = asyncio.get_running_loop()
         for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
-            self.track(asyncio.get_running_loop().create_task(self._start(self.commands[nxt])))
+            self.track(loop.create_task(self._start(self.commands[nxt])))
         assert cmd.report is not None
         cmd.done.set()
         report = cmd.report
         cmd.publish(lambda rid: P.Exited(id=rid, report=report))
         self.trace("command_end", None, command=cmd.id, device=cmd.device_key or "",
-                   state=cmd.report.state, exit_code=cmd.report.exit_code)
-        rep = cmd.report
-        log.info("command", command=cmd.id, state=rep.state, exit_code=rep.exit_code,
-                 signal=rep.signal, wall_s=round(rep.wall_s, 6), queued_s=round(rep.queued_s, 6),
-                 regions=len(rep.regions), device=rep.device, via=rep.via)
-        if self.backend is not None and cmd.group is not None:
-            self.track(asyncio.get_running_loop().create_task(self.backend.remove(cmd.group)))
-        asyncio.get_running_loop().call_later(self.config.retention,
-                                              lambda: self.commands.pop(cmd.id, None))
+                   state=report.state, exit_code=report.exit_code)
+        log.info("command", command=cmd.id, state=report.state, exit_code=report.exit_code,
+                 signal=report.signal, wall_s=round(report.wall_s, 6),
+                 queued_s=round(report.queued_s, 6), regions=len(report.regions),
+                 device=report.device, via=report.via)
+        if cmd.group is not None:
+            await self.backend.remove(cmd.group)
+        loop.call_later(self.config.retention, lambda: self.commands.pop(cmd.id, None))
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
         cmd = self._own(req.command, uid)
