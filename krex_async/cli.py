@@ -3,6 +3,7 @@
     krex serve  [--socket PATH] [--policy region|command|shared] [--isolation auto|cgroup|signal] ...
     krex run    [--socket PATH] [--device D] [--timeout S] [--report FILE] -- CMD ...
     krex status [--socket PATH] [--json]
+    krex demo   [-n N]
 
 `krex run` behaves like running CMD directly: its stdout and stderr, and its exit code (128+N when a
 signal N ended it, 124 when krex's timeout did, 125 when krex itself could not run it, 127 when the
@@ -85,8 +86,11 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"krex run: {e.message}", file=sys.stderr)
             return 127 if "not found" in e.message else 125
         loop = asyncio.get_running_loop()
+        def forward(sig: int) -> None:
+            asyncio.ensure_future(h.cancel(sig))
+
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(h.cancel(s)))
+            loop.add_signal_handler(sig, forward, sig)
         out, err = sys.stdout.buffer, sys.stderr.buffer
         try:
             async for stream, data in h.output():
@@ -157,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
     s.add_argument("--socket")
     s.add_argument("--json", action="store_true")
+    dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
+    dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
     args = ap.parse_args(argv)
+    if args.verb == "demo":
+        from . import demo
+
+        return demo.main(args.n)
     if args.verb == "serve":
         return _serve(args)
     if args.verb == "run":

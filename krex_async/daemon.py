@@ -40,7 +40,7 @@ class RequestError(Exception):
 
 def _ancestors(pid: int, limit: int = 512) -> list[int]:
     """pid and its parents up to init, read from /proc."""
-    out = []
+    out: list[int] = []
     while pid > 1 and len(out) < limit:
         out.append(pid)
         try:

@@ -116,7 +116,8 @@ class Regions:
                 r.turn.set_result(None)
             else:
                 self.d.trace("region_queued", r)
-            await asyncio.wait([r.turn, r.ended], return_when=asyncio.FIRST_COMPLETED)
+            waiters: list[asyncio.Future[object]] = [r.turn, r.ended]  # type: ignore[list-item]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if r.ended.done():  # withdrawn while queued (owner died, shutdown)
                 rep.outcome = r.ended.result()
                 return
