@@ -1,0 +1,255 @@
+"""The pool's life: recovery from crashes, reuse hygiene, what it accepts, warming and pausing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from krex_async.ctxpool import Pool, PoolConfig, WorkerStartError
+from krex_async.devices.base import Device
+from krex_async.spawn import LaunchSpec
+from tests.ctxpool.conftest import CPU, PY, finish, make_spec, run_pooled
+
+
+async def test_os_exit_reported_and_pool_recovers(pool: Pool, tmp_path: Path) -> None:
+    r = await run_pooled(pool, [PY, "-c", "import os; os._exit(9)"], str(tmp_path))
+    assert r.returncode == 9
+    await pool.wait_warm(timeout=30)
+    st = pool.status()
+    assert st["warm"] == 2 and st["retired"] >= 1
+    assert (await run_pooled(pool, [PY, "-c", "print('again')"], str(tmp_path))).stdout == b"again\n"
+
+
+async def test_crash_by_signal_reported_and_pool_recovers(pool: Pool, tmp_path: Path) -> None:
+    r = await run_pooled(pool, [PY, "-c", "import ctypes; ctypes.string_at(0)"], str(tmp_path))
+    assert r.returncode == -signal.SIGSEGV
+    await pool.wait_warm(timeout=30)
+    assert pool.status()["warm"] == 2
+
+
+async def test_idle_worker_killed_is_replaced(pool: Pool) -> None:
+    victim = pool._idle[0].pid
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(200):
+        if all(w.pid != victim for w in pool._workers) and pool.status()["warm"] == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert all(w.pid != victim for w in pool._workers)
+    await pool.wait_warm(timeout=30)
+    assert pool.status()["retired"] == 1
+
+
+async def test_killed_process_group_resolves_launched(pool: Pool, tmp_path: Path) -> None:
+    """The daemon's timeout kills the command's process group: the worker is its leader."""
+    spec, ours = make_spec([PY, "-c", "import time; print('up', flush=True); time.sleep(60)"], str(tmp_path))
+    launched = await pool.launch(spec)
+    assert launched is not None
+    await asyncio.sleep(0.3)
+    os.killpg(launched.pid, signal.SIGKILL)
+    r = await finish(spec, ours, launched)
+    assert (r.returncode, r.stdout) == (-signal.SIGKILL, b"up\n")
+
+
+async def test_single_use_worker_exits_and_replacement_warms_ahead(pool: Pool, tmp_path: Path) -> None:
+    spec, ours = make_spec([PY, "-c", "import time; time.sleep(0.5)"], str(tmp_path))
+    launched = await pool.launch(spec)
+    assert launched is not None
+    await pool.wait_warm(2, timeout=10)  # a replacement is warm while the command still runs
+    assert pool.status()["busy"] == 1
+    r = await finish(spec, ours, launched)
+    assert r.returncode == 0
+    assert pool.status()["busy"] == 0 and pool.status()["warm"] == 2
+
+
+async def test_launch_returns_none_when_nothing_warm(tmp_path: Path) -> None:
+    p = Pool(CPU, PoolConfig(size=1, preload=["json"]))
+    await p.start()
+    try:
+        await p.wait_warm(timeout=30)
+        spec, _ = make_spec([PY, "-c", "import time; time.sleep(0.3)"], str(tmp_path))
+        first = await p.launch(spec)
+        spec2, _ = make_spec([PY, "-c", "pass"], str(tmp_path))
+        assert first is not None and await p.launch(spec2) is None  # replacement still warming
+        assert p.status()["misses"] == 1
+        await first.wait()
+    finally:
+        await p.close()
+
+
+async def test_reuse_leaks_no_module_env_or_cwd(reuse_pool: Pool, tmp_path: Path) -> None:
+    cwd = str(tmp_path)
+    first = await run_pooled(reuse_pool, [PY, "-c", (
+        "import os, sys, colorsys, xml.dom, logging; os.environ['LEAK'] = '1'; os.chdir('/'); "
+        "sys.path.append('/leak'); os.umask(0o077); logging.basicConfig(); print(os.getpid())")], cwd)
+    probe = ("import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'xml.dom' in sys.modules, "
+             "'LEAK' in os.environ, os.getcwd(), '/leak' in sys.path, oct(os.umask(0o022)), "
+             "sorted(os.environ) == sorted(%r))")
+    env = dict(os.environ)
+    umask = os.umask(0)
+    os.umask(umask)
+    second = await run_pooled(reuse_pool, [PY, "-c", probe % sorted(env)], cwd, env)
+    pid = first.stdout.split()[0]
+    assert first.launched.pid == second.launched.pid == int(pid)
+    assert second.stdout.decode().split() == [pid.decode(), "False", "False", "False", cwd, "False",
+                                              oct(umask), "True"]
+    # xml may be baseline (imported by a preload) or not; its .dom attribute must not survive either way
+    third = await run_pooled(reuse_pool, [PY, "-c", "import xml, sys; print(hasattr(xml, 'dom'))"], cwd)
+    assert third.launched.pid == first.launched.pid and third.stdout == b"False\n"
+    await reuse_pool.wait_warm(timeout=30)  # max_uses=3 reached: that worker exited, another is warm
+    assert first.launched.pid not in [w.pid for w in reuse_pool._workers]
+
+
+async def test_reuse_reports_exit_codes_and_exceptions(reuse_pool: Pool, tmp_path: Path) -> None:
+    r1 = await run_pooled(reuse_pool, [PY, "-c", "import sys; sys.exit(4)"], str(tmp_path))
+    r2 = await run_pooled(reuse_pool, [PY, "-c", "raise KeyError('k')"], str(tmp_path))
+    assert (r1.returncode, r2.returncode) == (4, 1)
+    assert r2.stderr.endswith(b"KeyError: 'k'\n") and r1.launched.pid == r2.launched.pid
+
+
+async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path: Path) -> None:
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
+    r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    assert r.returncode == 0
+    await reuse_pool.wait_warm(timeout=30)
+    assert r.launched.pid not in [w.pid for w in reuse_pool._workers]
+    assert reuse_pool.status()["retired"] == 1
+
+
+async def test_reuse_os_exit_resolves_with_real_status(reuse_pool: Pool, tmp_path: Path) -> None:
+    r = await run_pooled(reuse_pool, [PY, "-c", "import os; os._exit(3)"], str(tmp_path))
+    assert r.returncode == 3
+    await reuse_pool.wait_warm(timeout=30)
+
+
+async def test_warm_failure_is_a_typed_error_with_the_child_traceback() -> None:
+    p = Pool(CPU, PoolConfig(size=1, preload=["no_such_module_krex"]))
+    await p.start()
+    try:
+        with pytest.raises(WorkerStartError, match="ModuleNotFoundError"):
+            await p.wait_warm(timeout=30)
+        assert p.status()["failures"] >= 1
+    finally:
+        await p.close()
+
+
+def test_accepts(tmp_path: Path) -> None:
+    p = Pool(CPU, PoolConfig(size=1))
+    env = dict(os.environ)
+
+    def spec(argv: list[str], **kw: object) -> LaunchSpec:
+        e = kw.pop("env", env)
+        return LaunchSpec(argv=argv, cwd=str(tmp_path), env=e, stdin_fd=0, stdout_fd=1, stderr_fd=2,
+                          **kw)  # type: ignore[arg-type]
+
+    assert p.accepts(spec([PY, "-c", "pass"]))
+    assert p.accepts(spec([PY, "script.py", "-u"]))
+    assert p.accepts(spec([PY, "-m", "json.tool"]))
+    assert p.accepts(spec(["python", "-c", "pass"], env=dict(env, PATH=os.path.dirname(PY))))
+    assert p.accepts(spec([PY, "-c", "pass"], uid=os.getuid()))
+    assert not p.accepts(spec(["python", "-c", "pass"], env=dict(env, PATH="/nonexistent")))
+    assert not p.accepts(spec(["echo", "hi"]))
+    assert not p.accepts(spec(["/bin/sh", "-c", "echo hi"]))
+    assert not p.accepts(spec([PY]))
+    assert not p.accepts(spec([PY, "-u", "-c", "pass"]))
+    assert not p.accepts(spec([PY, "-I", "script.py"]))
+    assert not p.accepts(spec([PY, "-"]))
+    assert not p.accepts(spec([PY, "-c", "pass"], uid=os.getuid() + 1))
+    assert not p.accepts(spec([PY, "-c", "pass"], env=dict(env, PYTHONPATH="/elsewhere")))
+    base = os.path.realpath(PY)  # the interpreter a venv links to, without the venv's site-packages
+    if sys.prefix != sys.base_prefix:
+        assert not p.accepts(spec([base, "-c", "pass"]))
+    other = shutil.which("python3", path="/usr/bin:/bin")
+    if other and os.path.realpath(other) != base:
+        assert not p.accepts(spec([other, "-c", "pass"]))
+    assert not Pool(CPU, PoolConfig(size=0)).accepts(spec([PY, "-c", "pass"]))
+
+
+AMD = Device(index=0, key="amd0", vendor="amd", name="needs init, has no driver path without torch")
+
+
+async def test_pause_holds_context_creation() -> None:
+    """A non-cpu device goes through the node lock; while paused no worker gets to create a context."""
+    p = Pool(AMD, PoolConfig(size=2, preload=["json"]))
+    p.pause()
+    await p.start()
+    try:
+        await asyncio.sleep(1.5)  # long enough to import json and ask for the lock
+        st = p.status()
+        assert (st["warm"], st["starting"], st["paused"]) == (0, 2, True)
+        p.resume()
+        await p.wait_warm(timeout=30)
+        assert p.status()["warm"] == 2
+    finally:
+        await p.close()
+
+
+async def test_context_creation_one_at_a_time_across_pools() -> None:
+    from krex_async.ctxpool.pool import node_lock
+    pools = [Pool(Device(index=i, key=f"amd{i}", vendor="amd", name="x"), PoolConfig(size=2)) for i in (0, 1)]
+    lock, held = node_lock(), []
+
+    async def watch() -> None:
+        while True:
+            held.append(lock.locked())
+            await asyncio.sleep(0)
+
+    w = asyncio.ensure_future(watch())
+    for p in pools:
+        await p.start()
+    try:
+        for p in pools:
+            await p.wait_warm(timeout=30)
+        assert any(held)  # every init went through the one node lock
+    finally:
+        w.cancel()
+        for p in pools:
+            await p.close()
+
+
+async def test_close_stops_idle_workers() -> None:
+    p = Pool(CPU, PoolConfig(size=2))
+    await p.start()
+    await p.wait_warm(timeout=30)
+    pids = [w.pid for w in p._workers]
+    await p.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+V2 = "/sys/fs/cgroup/unified" if os.path.exists("/sys/fs/cgroup/unified/cgroup.procs") else "/sys/fs/cgroup"
+
+
+async def test_worker_joins_command_cgroup(pool: Pool, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not os.access(os.path.join(V2, "cgroup.procs"), os.W_OK):
+        pytest.skip("needs a writable cgroup v2 hierarchy")
+    cg = os.path.join(V2, f"krex-ctxpool-test-{os.getpid()}")
+    os.mkdir(cg)
+    try:
+        spec, ours = make_spec([PY, "-c", "print(open('/proc/self/cgroup').read())"], str(tmp_path))
+        spec.cgroup_procs = os.path.join(cg, "cgroup.procs")
+        launched = await pool.launch(spec)
+        assert launched is not None
+        r = await finish(spec, ours, launched)
+        assert f"0::/{os.path.basename(cg)}" in r.stdout.decode()
+    finally:
+        for _ in range(100):
+            try:
+                os.rmdir(cg)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+
+
+async def test_status_latencies(pool: Pool, tmp_path: Path) -> None:
+    for form in (["-c", "pass"],):
+        await run_pooled(pool, [PY, *form], str(tmp_path))
+    st = pool.status()
+    assert st["launched"] == 1 and st["start_latency_s"]["n"] == 1
+    assert 0 < st["start_latency_s"]["p50"] < 1.0 and st["by_form"]["code"]["n"] == 1
