@@ -52,6 +52,9 @@ class Baseline:
         self.recursion_limit = sys.getrecursionlimit()
         self.warning_filters = list(warnings.filters)
         self.stdlib_ext = os.path.dirname(getattr(sys.modules.get("_json"), "__file__", "") or "")
+        # site.py ran these at the worker's start; a fresh interpreter runs them with the command's env
+        self.customize = [(n, sys.modules[n].__file__) for n in ("sitecustomize", "usercustomize")
+                          if getattr(sys.modules.get(n), "__file__", None)]
 
 
 def _stdio(fd: int, name: str, like: Any) -> io.TextIOWrapper:
@@ -115,12 +118,28 @@ def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
     else:
         sys.argv = ["-c"] + form.args
         path0 = ""
-    sys.path[:] = [path0] + base.path_rest
+    sys.path[:] = base.path_rest
+    for name, path in base.customize:
+        _customize(name, path)
+    sys.path.insert(0, path0)
     main = types.ModuleType("__main__")
     main.__dict__["__annotations__"] = {}
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
     return main
+
+
+def _customize(name: str, path: str) -> None:
+    """Run site's sitecustomize/usercustomize again, as site.py does, errors reported its way."""
+    mod = types.ModuleType(name)
+    mod.__file__ = path
+    sys.modules[name] = mod
+    try:
+        with open(path, "rb") as f:
+            exec(compile(f.read(), path, "exec"), mod.__dict__)
+    except Exception as err:  # noqa: BLE001 - site.py reports and goes on
+        sys.stderr.write(f"Error in {name}; set PYTHONVERBOSE for traceback:\n"
+                         f"{err.__class__.__name__}: {err}\n")
 
 
 def run(form: Form, spec: dict[str, Any], main: types.ModuleType) -> tuple[int, bool]:

@@ -129,16 +129,11 @@ class Pool:
     async def launch(self, spec: LaunchSpec) -> Launched | None:
         """Hand `spec` to a warm worker; None when none is warm or the pool does not take it.
 
-        The fds in `spec` are duplicated into the worker by the send: the caller closes its own copies
-        as it would after spawn(). Errors of the cgroup hook propagate, with the worker put back.
+        Never waits for warming. The fds in `spec` are duplicated into the worker by the send: the
+        caller closes its own copies as it does after spawn(). Errors of the cgroup hook (sync or
+        async) propagate, with the worker put back.
         """
-        if not self.accepts(spec) or not os.path.isdir(spec.cwd):
-            return None
-        loop = asyncio.get_running_loop()
-        while self._idle:
-            w = self._idle.popleft()
-            if w.state != "warm" or w.exited.done():
-                continue
+        while (w := self._take(spec)) is not None:
             if self.cgroup_hook is not None:
                 try:
                     r = self.cgroup_hook(w.pid, spec)
@@ -147,23 +142,52 @@ class Pool:
                 except BaseException:
                     self._idle.appendleft(w)
                     raise
-            w.state, w.submit_ts = "busy", time.monotonic()
-            w.uses += 1
-            w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
-            w.done = w.exited if self.config.max_uses <= 1 else loop.create_future()
-            msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
-                                        "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs}}
-            try:
-                channel.send(w.sock, msg, [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
-            except OSError as e:
-                self._retire(w, f"channel: {e}")
-                continue
-            w.launched = Launched(pid=w.pid, _done=w.done, via="pool")
-            self.launched += 1
-            self._refill()
-            return w.launched
+            if (launched := self._hand(w, spec)) is not None:
+                return launched
+        return None
+
+    def launch_nowait(self, spec: LaunchSpec) -> Launched | None:
+        """launch() for a synchronous caller (the daemon's Runner.launcher); the hook must be sync."""
+        while (w := self._take(spec)) is not None:
+            if self.cgroup_hook is not None:
+                try:
+                    r = self.cgroup_hook(w.pid, spec)
+                    if inspect.isawaitable(r):
+                        raise TypeError("launch_nowait() needs a synchronous cgroup_hook")
+                except BaseException:
+                    self._idle.appendleft(w)
+                    raise
+            if (launched := self._hand(w, spec)) is not None:
+                return launched
+        return None
+
+    def _take(self, spec: LaunchSpec) -> _Worker | None:
+        if not self.accepts(spec) or not os.path.isdir(spec.cwd):
+            return None
+        while self._idle:
+            w = self._idle.popleft()
+            if w.state == "warm" and not w.exited.done():
+                return w
         self.misses += 1
         return None
+
+    def _hand(self, w: _Worker, spec: LaunchSpec) -> Launched | None:
+        """Send the command to `w`; None (and `w` retired) when its channel is gone."""
+        w.state, w.submit_ts = "busy", time.monotonic()
+        w.uses += 1
+        w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
+        w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
+        msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
+                                    "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs}}
+        try:
+            channel.send(w.sock, msg, [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
+        except OSError as e:
+            self._retire(w, f"channel: {e}")
+            return None
+        w.launched = Launched(pid=w.pid, _done=w.done, via="pool")
+        self.launched += 1
+        self._refill()
+        return w.launched
 
     def pause(self) -> None:
         """No new device context is created until resume(); one being created finishes."""

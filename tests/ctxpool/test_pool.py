@@ -253,3 +253,31 @@ async def test_status_latencies(pool: Pool, tmp_path: Path) -> None:
     st = pool.status()
     assert st["launched"] == 1 and st["start_latency_s"]["n"] == 1
     assert 0 < st["start_latency_s"]["p50"] < 1.0 and st["by_form"]["code"]["n"] == 1
+
+
+async def test_sitecustomize_runs_with_the_command_env(tmp_path: Path) -> None:
+    """A sitecustomize on PYTHONPATH (the daemon's runtime hook) runs per command, in its env."""
+    from tests.ctxpool.conftest import run_plain
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nprint('site sees', os.environ.get('MARK'))\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    p = Pool(CPU, PoolConfig(size=1), env=env)
+    await p.start()
+    try:
+        cmd_env = dict(env, MARK="command-1")
+        argv = [PY, "-c", "import sitecustomize, sys; print(sys.path[:2])"]
+        plain = await run_plain(argv, str(tmp_path), cmd_env)
+        pooled = await run_pooled(p, argv, str(tmp_path), cmd_env)
+        assert plain.stdout.startswith(b"site sees command-1\n")
+        assert (pooled.stdout, pooled.stderr, pooled.returncode) == (plain.stdout, plain.stderr, 0)
+    finally:
+        await p.close()
+
+
+async def test_launch_nowait_for_sync_callers(pool: Pool, tmp_path: Path) -> None:
+    spec, ours = make_spec([PY, "-c", "print('sync')"], str(tmp_path))
+    launched = pool.launch_nowait(spec)
+    assert launched is not None and launched.via == "pool"
+    r = await finish(spec, ours, launched)
+    assert (r.returncode, r.stdout) == (0, b"sync\n")
