@@ -27,7 +27,7 @@ from typing import Any
 
 from krex_async.ctxpool.forms import Form, executable_for
 
-_PYTHON_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
+_PYTHON_DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
                     signal.SIGXFSZ: signal.SIG_IGN}
 
 
@@ -53,7 +53,7 @@ class Baseline:
         self.warning_filters = list(warnings.filters)
         self.stdlib_ext = os.path.dirname(getattr(sys.modules.get("_json"), "__file__", "") or "")
         # site.py ran these at the worker's start; a fresh interpreter runs them with the command's env
-        self.customize = [(n, sys.modules[n].__file__) for n in ("sitecustomize", "usercustomize")
+        self.customize: list[tuple[str, str]] = [(n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
                           if getattr(sys.modules.get(n), "__file__", None)]
 
 
@@ -62,7 +62,7 @@ def _stdio(fd: int, name: str, like: Any) -> io.TextIOWrapper:
     write = fd != 0
     buffered = not like.write_through  # PYTHONUNBUFFERED (the same for worker and command)
     buffering = 0 if (write and not buffered) else -1
-    buf = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
+    buf: Any = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
     raw = buf.raw if buffering else buf
     raw.name = name
     line = buffered and (raw.isatty() or fd == 2)
@@ -208,6 +208,9 @@ def _system_exit(e: SystemExit) -> int:
 
 
 def _print_uncaught(tp: type[BaseException], e: BaseException, tb: Any) -> None:
+    sys.last_type, sys.last_value, sys.last_traceback = tp, e, tb  # as PyErr_Print sets them
+    if sys.version_info >= (3, 12):
+        sys.last_exc = e  # type: ignore[attr-defined]
     try:
         sys.excepthook(tp, e, tb)
     except BaseException as hook_error:  # noqa: BLE001 - as PyErr_Print reports it
@@ -250,9 +253,12 @@ def leave(base: Baseline, devnull: int) -> str | None:
     sys.path_importer_cache.clear()
     sys.path_importer_cache.update(base.importer_cache)
     sys.setrecursionlimit(base.recursion_limit)
-    warnings.filters[:] = base.warning_filters
+    warnings.filters[:] = base.warning_filters  # type: ignore[index]
     warnings._filters_mutated()  # type: ignore[attr-defined]
     linecache.clearcache()
+    for k in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, k):
+            delattr(sys, k)  # they hold the command's frames, and with them its device memory
     sys.modules["__main__"] = base.main
     reason = _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]

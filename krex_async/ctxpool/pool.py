@@ -276,7 +276,7 @@ class Pool:
         mine.setblocking(False)
         w = _Worker(pid=proc.pid, sock=mine, exited=watch_pid(loop, proc.pid))
         self._workers.add(w)
-        w.exited.add_done_callback(lambda f, w=w: self._on_exit(w))
+        w.exited.add_done_callback(lambda _f: self._on_exit(w))
         self._task(self._read(w))
 
     def _task(self, coro: Any) -> None:
@@ -341,9 +341,10 @@ class Pool:
                     channel.send(w.sock, {"t": "init"})
                 except OSError:
                     return
-                ready = asyncio.ensure_future(w.ready.wait())
+                ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
                 try:
-                    await asyncio.wait([ready, w.exited], return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait([ready, w.exited],  # type: ignore[list-item]
+                                       return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     ready.cancel()
                 return

@@ -42,7 +42,7 @@ class Context:
             return
         if "torch" in sys.modules:
             self.torch = sys.modules["torch"]
-            self.torch.ones(1, device="cuda")
+            self.torch.ones(1, device=f"cuda:{self.ordinal}")
             self.torch.cuda.synchronize()
             self.baseline_bytes = self.torch.cuda.memory_allocated()
             return
