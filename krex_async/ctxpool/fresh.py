@@ -53,6 +53,9 @@ class Baseline:
         self.warning_filters = list(warnings.filters)
         self.stdlib_ext = os.path.dirname(getattr(sys.modules.get("_json"), "__file__", "") or "")
         # site.py ran these at the worker's start; a fresh interpreter runs them with the command's env
+        self.cgroup_mount: str | None
+        self.cgroup_home: str | None
+        self.cgroup_mount, self.cgroup_home = _v2_cgroup()  # where a reused worker goes back to after a command
         self.customize: list[tuple[str, str]] = [(n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
                           if getattr(sys.modules.get(n), "__file__", None)]
 
@@ -235,7 +238,38 @@ def finish(code: int) -> None:
             pass
 
 
-def leave(base: Baseline, devnull: int) -> str | None:
+def _v2_cgroup() -> tuple[str | None, str | None]:
+    """The cgroup v2 mount and this process's cgroup.procs file there (None, None: no v2)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.strip()[3:] for ln in f if ln.startswith("0::")), None)
+        with open("/proc/self/mountinfo") as f:
+            mount = next((ln.split()[4] for ln in f if " - cgroup2 " in ln), None)
+    except OSError:
+        return None, None
+    if rel is None or mount is None:
+        return None, None
+    return mount, os.path.join(mount, rel.lstrip("/"), "cgroup.procs")
+
+
+def _go_home(spec: dict[str, Any], base: Baseline) -> str | None:
+    joined = spec.get("cgroup_procs")
+    if spec.get("cgroup_hook"):
+        return "joined its command's cgroups through the daemon's hook"
+    if not joined:
+        return None
+    home, mount = base.cgroup_home, base.cgroup_mount
+    if home is None or mount is None or not os.path.realpath(joined).startswith(mount + "/"):
+        return f"cannot leave {joined}: not in the cgroup v2 hierarchy"
+    try:
+        with open(home, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as e:
+        return f"cannot go back to {home}: {e}"
+    return None
+
+
+def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
     """Put a reused worker back to its baseline; returns why it must retire instead, or None."""
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)  # the command's pipes see EOF once its own children are done
@@ -260,7 +294,7 @@ def leave(base: Baseline, devnull: int) -> str | None:
         if hasattr(sys, k):
             delattr(sys, k)  # they hold the command's frames, and with them its device memory
     sys.modules["__main__"] = base.main
-    reason = _drop_modules(base)
+    reason = _go_home(spec, base) or _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:
         reason = reason or f"threads left running: {', '.join(alive)}"

@@ -178,7 +178,8 @@ class Pool:
         w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
         w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
         msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
-                                    "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs}}
+                                    "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
+                                    "cgroup_hook": self.cgroup_hook is not None}}
         try:
             channel.send(w.sock, msg, [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
         except OSError as e:

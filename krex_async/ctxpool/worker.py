@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
             return _exit_like_python(code, interrupted)
         fresh.finish(code)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
-        reason = fresh.leave(base, devnull)
+        reason = fresh.leave(base, devnull, msg["spec"])
         gc.collect()  # the command's __main__ and what it held go now
         reason = reason or ctx.check()
         _send_quiet(sock, {"t": "exited", "code": -signal.SIGINT if interrupted else code,

@@ -281,3 +281,38 @@ async def test_launch_nowait_for_sync_callers(pool: Pool, tmp_path: Path) -> Non
     assert launched is not None and launched.via == "pool"
     r = await finish(spec, ours, launched)
     assert (r.returncode, r.stdout) == (0, b"sync\n")
+
+
+async def test_reused_worker_leaves_the_command_cgroup(reuse_pool: Pool, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not os.access(os.path.join(V2, "cgroup.procs"), os.W_OK):
+        pytest.skip("needs a writable cgroup v2 hierarchy")
+    cg = os.path.join(V2, f"krex-ctxpool-reuse-{os.getpid()}")
+    os.mkdir(cg)
+    try:
+        spec, ours = make_spec([PY, "-c", "print(open('/proc/self/cgroup').read())"], str(tmp_path))
+        spec.cgroup_procs = os.path.join(cg, "cgroup.procs")
+        launched = await reuse_pool.launch(spec)
+        assert launched is not None
+        r = await finish(spec, ours, launched)
+        assert f"0::/{os.path.basename(cg)}" in r.stdout.decode()
+        await reuse_pool.wait_warm(timeout=30)
+        assert [w.pid for w in reuse_pool._workers] == [launched.pid]  # reused, not retired
+        with open(spec.cgroup_procs) as f:
+            assert f.read() == ""  # back home: the command's cgroup is empty and can go
+    finally:
+        os.rmdir(cg)
+
+
+async def test_cgroup_hook_gets_the_worker_pid(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    async def hook(pid: int, spec: LaunchSpec) -> None:
+        seen.append(pid)
+
+    p = Pool(CPU, PoolConfig(size=1), cgroup_hook=hook)
+    await p.start()
+    try:
+        r = await run_pooled(p, [PY, "-c", "import os; print(os.getpid())"], str(tmp_path))
+        assert seen == [r.launched.pid] == [int(r.stdout)]
+    finally:
+        await p.close()
