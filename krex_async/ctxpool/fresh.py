@@ -294,11 +294,24 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
         if hasattr(sys, k):
             delattr(sys, k)  # they hold the command's frames, and with them its device memory
     sys.modules["__main__"] = base.main
+    _reset_region_client()
     reason = _go_home(spec, base) or _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:
         reason = reason or f"threads left running: {', '.join(alive)}"
     return reason
+
+
+def _reset_region_client() -> None:
+    """krex_async.region is baseline (the worker imports krex_async): drop the command's connection."""
+    mod = sys.modules.get("krex_async.region")
+    if mod is None:
+        return
+    ch = getattr(mod, "_channel", None)
+    if ch is not None:
+        ch.close()
+    mod._channel = None  # type: ignore[attr-defined]
+    mod._warned = False  # type: ignore[attr-defined]
 
 
 def _drop_modules(base: Baseline) -> str | None:

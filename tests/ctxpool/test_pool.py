@@ -316,3 +316,13 @@ async def test_cgroup_hook_gets_the_worker_pid(tmp_path: Path) -> None:
         assert seen == [r.launched.pid] == [int(r.stdout)]
     finally:
         await p.close()
+
+
+async def test_reuse_resets_region_client_state(reuse_pool: Pool, tmp_path: Path) -> None:
+    """region() outside krex warns once per process: a reused worker warns again for each command."""
+    code = "from krex_async import region\nwith region('t'):\n    pass\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    a = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path), env)
+    b = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path), env)
+    assert a.launched.pid == b.launched.pid
+    assert a.stderr and a.stderr == b.stderr, (a.stderr, b.stderr)
