@@ -83,8 +83,14 @@ class Pool:
     """Warm workers for one device. Every method runs on the daemon's event loop."""
 
     def __init__(self, device: Device, config: PoolConfig, *, cgroup_hook: CgroupHook | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 user: tuple[int, int, list[int]] | None = None) -> None:
+        """`env`: the environment workers start with (default: the daemon's), plus device.env; a
+        command is taken only when the variables that shape interpreter start-up (forms.INIT_VARS)
+        agree with it. `user`: (uid, gid, groups) the workers run as (default: the daemon's)."""
         self.device, self.config, self.cgroup_hook = device, config, cgroup_hook
+        self.user = user
+        self._ident = _identity(*(user or (None, None, None)))
         self.python = config.python or sys.executable
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
@@ -118,9 +124,7 @@ class Pool:
             return False
         if form.kind == "script" and form.target.endswith((".pyc", ".pyo")):  # type: ignore[union-attr]
             return False
-        if spec.uid not in (None, os.getuid()) or spec.gid not in (None, os.getgid()):
-            return False
-        if spec.groups is not None and sorted(spec.groups) != sorted(os.getgroups()):
+        if _identity(spec.uid, spec.gid, spec.groups) != self._ident:
             return False
         if spec.frozen and not (spec.cgroup_procs or self.cgroup_hook):
             return False  # only a cgroup can hold a worker frozen at its first instruction
@@ -187,7 +191,7 @@ class Pool:
             return None
         w.launched = Launched(pid=w.pid, _done=w.done, via="pool")
         self.launched += 1
-        self._refill()
+        asyncio.get_running_loop().call_soon(self._refill)  # fork/exec after the caller's burst
         return w.launched
 
     def pause(self) -> None:
@@ -267,7 +271,10 @@ class Pool:
                     "--lc-ctype-coerced", "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1"]
             proc = subprocess.Popen(argv, cwd=_ROOT, env=self.env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
-                                    start_new_session=True, restore_signals=True)
+                                    start_new_session=True, restore_signals=True,
+                                    user=self.user[0] if self.user else None,
+                                    group=self.user[1] if self.user else None,
+                                    extra_groups=self.user[2] if self.user else None)
         except BaseException:
             mine.close()
             raise
@@ -382,6 +389,12 @@ class Pool:
         self._consecutive_failures += 1
         self.last_error = error
         self._changed.set()
+
+
+def _identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
+    """Who a process started with these spawn() arguments runs as (None: the daemon's own)."""
+    return (os.getuid() if uid is None else uid, os.getgid() if gid is None else gid,
+            sorted(os.getgroups() if groups is None else groups))
 
 
 def _kill(pid: int) -> None:

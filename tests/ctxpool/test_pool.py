@@ -13,7 +13,7 @@ import pytest
 
 from krex_async.ctxpool import Pool, PoolConfig, WorkerStartError
 from krex_async.devices.base import Device
-from krex_async.spawn import LaunchSpec
+from krex_async.spawn import LaunchSpec, spawn
 from tests.ctxpool.conftest import CPU, PY, finish, make_spec, run_pooled
 
 
@@ -326,3 +326,37 @@ async def test_reuse_resets_region_client_state(reuse_pool: Pool, tmp_path: Path
     b = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path), env)
     assert a.launched.pid == b.launched.pid
     assert a.stderr and a.stderr == b.stderr, (a.stderr, b.stderr)
+
+
+async def test_pool_of_another_user(tmp_path: Path) -> None:
+    """The daemon runs as root and commands as their agent's user: a pool per user takes theirs."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start workers as another user")
+    nobody = 65534
+    spec, ours = make_spec([PY, "-m", "krex_async.ctxpool.forms"], os.getcwd())
+    spec.uid = spec.gid = nobody
+    spec.groups = []
+    try:
+        readable = (await finish(spec, ours, spawn(spec))).returncode == 0
+    except PermissionError:
+        for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd, *ours):
+            os.close(fd)
+        readable = False
+    if not readable:
+        pytest.skip("this interpreter or checkout is not usable by uid 65534")
+    os.chmod(tmp_path, 0o777)
+    p = Pool(CPU, PoolConfig(size=1), user=(nobody, nobody, []))
+    await p.start()
+    try:
+        spec, ours = make_spec([PY, "-c", "import os; print(os.getuid(), os.getgid(), os.getgroups())"],
+                               str(tmp_path))
+        assert not p.accepts(spec)  # the daemon's own identity: not this pool's
+        spec.uid, spec.gid, spec.groups = nobody, nobody, []
+        assert p.accepts(spec)
+        await p.wait_warm(timeout=30)
+        launched = await p.launch(spec)
+        assert launched is not None
+        r = await finish(spec, ours, launched)
+        assert r.stdout == f"{nobody} {nobody} []\n".encode()
+    finally:
+        await p.close()
