@@ -360,3 +360,22 @@ async def test_pool_of_another_user(tmp_path: Path) -> None:
         assert r.stdout == f"{nobody} {nobody} []\n".encode()
     finally:
         await p.close()
+
+
+async def test_large_environment_crosses_the_channel(pool: Pool, tmp_path: Path) -> None:
+    env = dict(os.environ, BIG="x" * 300_000, MANY="1")
+    env.update({f"KREX_T_{i}": str(i) * 50 for i in range(2000)})
+    code = "import os; print(len(os.environ['BIG']), len(os.environ), os.environ['KREX_T_1999'][:4])"
+    r = await run_pooled(pool, [PY, "-c", code], str(tmp_path), env)
+    assert r.stdout == f"300000 {len(env)} 1999\n".encode(), r.stderr
+
+
+async def test_fork_in_reused_worker_child_exits_like_python(reuse_pool: Pool, tmp_path: Path) -> None:
+    from tests.ctxpool.conftest import run_plain
+    code = ("import os, sys\npid = os.fork()\nif pid == 0:\n    print('child', flush=True)\n"
+            "    sys.exit(3)\n_, st = os.waitpid(pid, 0)\nprint('parent saw', os.waitstatus_to_exitcode(st))\n")
+    plain = await run_plain([PY, "-c", code], str(tmp_path))
+    pooled = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    again = await run_pooled(reuse_pool, [PY, "-c", "print('next')"], str(tmp_path))
+    assert again.stdout == b"next\n" and again.launched.pid == pooled.launched.pid
