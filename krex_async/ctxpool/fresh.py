@@ -288,7 +288,7 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
     sys.path_importer_cache.update(base.importer_cache)
     sys.setrecursionlimit(base.recursion_limit)
     warnings.filters[:] = base.warning_filters  # type: ignore[index]
-    warnings._filters_mutated()  # type: ignore[attr-defined]
+    getattr(warnings, "_filters_mutated", lambda: None)()  # drops the per-module "once" caches
     linecache.clearcache()
     for k in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, k):

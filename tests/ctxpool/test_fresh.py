@@ -7,9 +7,25 @@ import re
 import textwrap
 from pathlib import Path
 
-import pytest
+from typing import AsyncIterator
 
-from tests.ctxpool.conftest import PY, run_plain, run_pooled
+import pytest
+import pytest_asyncio
+
+from krex_async.ctxpool import Pool, PoolConfig
+from tests.ctxpool.conftest import CPU, PY, run_plain, run_pooled
+
+# One pool for the whole module (its workers are single-use, so every case still gets a fresh one).
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def pool() -> AsyncIterator[Pool]:
+    p = Pool(CPU, PoolConfig(size=2, preload=["json", "decimal"]))
+    await p.start()
+    await p.wait_warm(timeout=30)
+    yield p
+    await p.close()
 
 INFO = textwrap.dedent(r'''
     import os, signal, sys
