@@ -50,21 +50,24 @@ async def test_killed_process_group_resolves_launched(pool: Pool, tmp_path: Path
     spec, ours = make_spec([PY, "-c", "import time; print('up', flush=True); time.sleep(60)"], str(tmp_path))
     launched = await pool.launch(spec)
     assert launched is not None
-    await asyncio.sleep(0.3)
+    loop = asyncio.get_running_loop()
+    first = await loop.run_in_executor(None, os.read, ours[0], 100)  # it runs: now time it out
     os.killpg(launched.pid, signal.SIGKILL)
     r = await finish(spec, ours, launched)
-    assert (r.returncode, r.stdout) == (-signal.SIGKILL, b"up\n")
+    assert (r.returncode, first + r.stdout) == (-signal.SIGKILL, b"up\n")
 
 
 async def test_single_use_worker_exits_and_replacement_warms_ahead(pool: Pool, tmp_path: Path) -> None:
-    spec, ours = make_spec([PY, "-c", "import time; time.sleep(0.5)"], str(tmp_path))
+    spec, ours = make_spec([PY, "-c", "import time; time.sleep(60)"], str(tmp_path))
     launched = await pool.launch(spec)
     assert launched is not None
-    await pool.wait_warm(2, timeout=10)  # a replacement is warm while the command still runs
+    await pool.wait_warm(2, timeout=30)  # a replacement is warm while the command still runs
     assert pool.status()["busy"] == 1
+    os.killpg(launched.pid, signal.SIGTERM)
     r = await finish(spec, ours, launched)
-    assert r.returncode == 0
+    assert r.returncode == -signal.SIGTERM
     assert pool.status()["busy"] == 0 and pool.status()["warm"] == 2
+    assert launched.pid not in [w.pid for w in pool._workers]  # single use: that worker is gone
 
 
 async def test_launch_returns_none_when_nothing_warm(tmp_path: Path) -> None:
