@@ -42,6 +42,7 @@ CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = \
     weakref.WeakKeyDictionary()
+CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
 
 
@@ -352,9 +353,12 @@ class Pool:
                 ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
                 try:
                     await asyncio.wait([ready, w.exited],  # type: ignore[list-item]
-                                       return_when=asyncio.FIRST_COMPLETED)
+                                       timeout=CONTEXT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     ready.cancel()
+                if not w.ready.is_set() and not w.exited.done():  # hung in the driver: free the node
+                    w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
+                    _kill(w.pid)
                 return
 
     def _on_exit(self, w: _Worker) -> None:
