@@ -53,11 +53,41 @@ class Baseline:
         self.warning_filters = list(warnings.filters)
         self.stdlib_ext = os.path.dirname(getattr(sys.modules.get("_json"), "__file__", "") or "")
         # site.py ran these at the worker's start; a fresh interpreter runs them with the command's env
+        self.logging = _logging_state()
         self.cgroup_mount: str | None
         self.cgroup_home: str | None
         self.cgroup_mount, self.cgroup_home = _v2_cgroup()  # where a reused worker goes back to after a command
         self.customize: list[tuple[str, str]] = [(n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
                           if getattr(sys.modules.get(n), "__file__", None)]
+
+
+def _logging_state() -> tuple[Any, ...] | None:
+    """The logging configuration where logging is baseline (asyncio imports it), to put back."""
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return None
+    root = logging.getLogger()
+    return (list(root.handlers), root.level, set(logging.Logger.manager.loggerDict),
+            logging.root.manager.disable)
+
+
+def _restore_logging(state: tuple[Any, ...] | None) -> None:
+    logging = sys.modules.get("logging")
+    if state is None or logging is None:
+        return
+    handlers, level, names, disable = state
+    root = logging.getLogger()
+    for h in root.handlers:
+        if h not in handlers:
+            try:
+                h.close()
+            except Exception:  # noqa: BLE001 - a handler of the command's; it is gone either way
+                pass
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.disable(disable)
+    for name in set(logging.Logger.manager.loggerDict) - names:
+        del logging.Logger.manager.loggerDict[name]
 
 
 def _stdio(fd: int, name: str, like: Any) -> io.TextIOWrapper:
@@ -295,6 +325,11 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
             delattr(sys, k)  # they hold the command's frames, and with them its device memory
     sys.modules["__main__"] = base.main
     _reset_region_client()
+    _restore_logging(base.logging)
+    sys.settrace(None)
+    sys.setprofile(None)
+    threading.settrace(None)  # type: ignore[arg-type]
+    threading.setprofile(None)  # type: ignore[arg-type]
     reason = _go_home(spec, base) or _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:

@@ -381,3 +381,14 @@ async def test_fork_in_reused_worker_child_exits_like_python(reuse_pool: Pool, t
     assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     again = await run_pooled(reuse_pool, [PY, "-c", "print('next')"], str(tmp_path))
     assert again.stdout == b"next\n" and again.launched.pid == pooled.launched.pid
+
+
+async def test_reuse_resets_logging(reuse_pool: Pool, tmp_path: Path) -> None:
+    """logging is baseline in a worker; a command's basicConfig must not silence the next one's."""
+    from tests.ctxpool.conftest import run_plain
+    code = "import logging; logging.basicConfig(format='%(levelname)s:%(message)s'); logging.warning('hi')"
+    plain = await run_plain([PY, "-c", code], str(tmp_path))
+    a = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    b = await run_pooled(reuse_pool, [PY, "-c", code.replace("%(levelname)s", "L")], str(tmp_path))
+    assert a.launched.pid == b.launched.pid
+    assert (a.stderr, b.stderr) == (plain.stderr, b"L:hi\n")
