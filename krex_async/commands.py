@@ -49,6 +49,14 @@ def resolve_argv0(argv0: str, env: dict[str, str], cwd: str) -> str:
     return found
 
 
+def with_runtime(env: dict[str, str]) -> dict[str, str]:
+    """env with krex's in-command runtime (runtime/sitecustomize.py) first on PYTHONPATH."""
+    if os.path.exists(os.path.join(RUNTIME_DIR, "sitecustomize.py")):
+        env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
+                                           if env.get("PYTHONPATH") else "")
+    return env
+
+
 @dataclass
 class Subscriber:
     send: Callable[[P.Msg], bool]  # False once the connection is gone
@@ -123,17 +131,14 @@ class Command:
                    KREX_DEVICE=self.device_key or "none")
         if self.device is not None:
             env.update(self.device.env)
-        if os.path.exists(os.path.join(RUNTIME_DIR, "sitecustomize.py")):
-            env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
-                                               if env.get("PYTHONPATH") else "")
-        return env
+        return with_runtime(env)
 
 
 class Runner:
     """Spawns commands and watches them; calls `on_exit(cmd)` once each has ended."""
 
     def __init__(self, backend: Backend, socket: str, on_exit: Callable[[Command], None],
-                 launcher: Callable[[LaunchSpec], Launched | None] | None = None) -> None:
+                 launcher: Callable[[Command, LaunchSpec], Launched | None] | None = None) -> None:
         self.backend = backend
         self.socket = socket
         self.on_exit = on_exit
@@ -175,7 +180,7 @@ class Runner:
                               uid=cmd.uid if cmd.uid != os.geteuid() else None,
                               gid=cmd.gid if cmd.uid != os.geteuid() else None,
                               groups=[] if cmd.uid != os.geteuid() else None, frozen=frozen)
-            launched = self.launcher(spec) if (self.launcher and not frozen) else None
+            launched = self.launcher(cmd, spec) if (self.launcher and not frozen) else None
             if launched is None:
                 launched = spawn(spec, self.backend.launch_argv(group, spec.argv, frozen=frozen))
         except (OSError, ValueError, SpecError) as e:

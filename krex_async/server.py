@@ -278,6 +278,7 @@ async def serve(config: ServeConfig) -> int:
     devices = cpu_devices(cfg.devices) if cfg.devices in ("none", "auto") or \
         cfg.devices.startswith("cpu") else cpu_devices("none")
     daemon = Daemon(cfg, backend, devices)
+    await daemon.start_pools()
     return await Server(cfg, daemon).run()
 
 

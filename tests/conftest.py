@@ -49,9 +49,8 @@ async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIter
     d = tempfile.mkdtemp(prefix="krex-", dir="/tmp")
     sock = os.path.join(d, "s")
     log = Path(d) / "daemon.log"
-    e = dict(os.environ, **(env or {}))
+    e = dict(env) if env is not None else py_env()
     e.pop("KREX_SOCKET", None)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     with open(log, "wb") as f:
         proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", sock,
                                  "--log-format", "json", "--state-dir", os.path.join(d, "state"),

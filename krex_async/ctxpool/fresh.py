@@ -338,15 +338,10 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
 
 
 def _reset_region_client() -> None:
-    """krex_async.region is baseline (the worker imports krex_async): drop the command's connection."""
-    mod = sys.modules.get("krex_async.region")
-    if mod is None:
-        return
-    ch = getattr(mod, "_channel", None)
-    if ch is not None:
-        ch.close()
-    mod._channel = None  # type: ignore[attr-defined]
-    mod._warned = False  # type: ignore[attr-defined]
+    """krex_async.regionclient is baseline (the worker imports krex_async): drop the command's connection."""
+    mod = sys.modules.get("krex_async.regionclient")
+    if mod is not None:
+        mod.reset()
 
 
 def _drop_modules(base: Baseline) -> str | None:
