@@ -21,6 +21,7 @@ import asyncio
 import errno
 import os
 import signal as _signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -94,6 +95,14 @@ class CgroupBackend(Backend):
         self.groups: dict[str, CgroupGroup] = {}
         self.orphans: list[tuple[str, list[int]]] = []
         self._watcher: EventsWatcher | None = None
+        self.watchdog: subprocess.Popen[bytes] | None = None
+
+    def start_watchdog(self, pid: int | None = None) -> None:
+        """Start the guard process that sweeps when `pid` (default: us) dies. Raises RuntimeError."""
+        from krex_async.isolation.watchdog import start_watchdog
+        lay = self.layout
+        self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, lay.cpuset,
+                                       self.state_dir)
 
     def _watch(self, rel: str):  # type: ignore[no-untyped-def]
         if self._watcher is None:
@@ -277,6 +286,13 @@ class CgroupBackend(Backend):
         return lines or ["nothing left by a previous daemon"]
 
     async def close(self) -> None:
+        """Stop the watchdog (clean shutdown: nothing is frozen any more) and the inotify watcher."""
+        if self.watchdog is not None:
+            self.watchdog.terminate()
+            self.watchdog.wait()
+            if self.watchdog.stdout:
+                self.watchdog.stdout.close()
+            self.watchdog = None
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
