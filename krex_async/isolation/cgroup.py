@@ -89,19 +89,30 @@ class CgroupBackend(Backend):
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = frozenset(allowed[:ncpus] if ncpus else allowed)
         self.v2.mkdir(KREX)
-        self.cores.setup_root()
-        self.has_kill = self.v2.exists(KREX, "cgroup.kill")
         self.reason = self.layout.reason
+        try:
+            self.cores.setup_root()
+        except CgroupFileError as e:
+            if self.layout.cpuset != "v2":
+                raise
+            # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
+            # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
+            self.cores = Cores("none", self.v2, None, self.intent)
+            self.reason += (f"; cpuset unusable ({e}): cores fenced with sched_setaffinity"
+                            " (run the daemon in a leaf cgroup or configure a root to fix)")
+        self.has_kill = self.v2.exists(KREX, "cgroup.kill")
         self.groups: dict[str, CgroupGroup] = {}
         self.orphans: list[tuple[str, list[int]]] = []
         self._watcher: EventsWatcher | None = None
         self.watchdog: subprocess.Popen[bytes] | None = None
+        #: re-read cgroup.events on every loop turn this long before relying on the notification
+        self.freeze_spin_s = 0.002
 
     def start_watchdog(self, pid: int | None = None) -> None:
         """Start the guard process that sweeps when `pid` (default: us) dies. Raises RuntimeError."""
         from krex_async.isolation.watchdog import start_watchdog
         lay = self.layout
-        self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, lay.cpuset,
+        self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode,
                                        self.state_dir)
 
     def _watch(self, rel: str):  # type: ignore[no-untyped-def]
@@ -176,7 +187,8 @@ class CgroupBackend(Backend):
                 g.frozen, g.frozen_at = True, target
                 if self.v2.read(target, "cgroup.freeze").strip() != "1":
                     raise FreezeError(g.name, f"{self.v2.path(target, 'cgroup.freeze')} did not read 1")
-                ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout)
+                ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout,
+                                   spin=self.freeze_spin_s)
             if not ok:
                 stuck = self._not_frozen(target)
                 raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
@@ -281,7 +293,7 @@ class CgroupBackend(Backend):
     async def reconcile(self) -> list[str]:
         """Thaw everything under krex/, restore cpusets and partitions, remove empty command cgroups;
         report also what the previous intent record said. Populated leftovers stay (self.orphans)."""
-        lines, self.orphans = sweep(self.v2, self.v1, self.layout.cpuset, self.state_dir)
+        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir)
         self.intent.write_now()
         return lines or ["nothing left by a previous daemon"]
 

@@ -60,7 +60,7 @@ class Cores:
 
     def __init__(self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent) -> None:
         self.mode, self.v2, self.v1, self.intent = mode, v2, v1, intent
-        self.fs = v1 if mode == "v1" else v2
+        self.fs: CgroupFS = v1 if (mode == "v1" and v1 is not None) else v2
         self.partition: bool | None = None  # None: not tried yet
         self.partition_why = ""
 

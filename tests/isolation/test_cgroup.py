@@ -114,7 +114,7 @@ async def test_set_cores_fences_all_threads_and_restores(cgroot, tmp_path, mode)
         one = sorted(b.cpus)[-1]
         await b.set_cores(g, frozenset({one}))
         assert allowed(p.pid) == {str(one)}
-        if b.layout.cpuset != "none":
+        if b.cores.mode != "none":
             assert b.cores.fs.read(g.run, "cpuset.effective_cpus").strip() == str(one)
             assert os.path.exists(b.intent.path)
         await b.set_cores(g, None)
@@ -274,7 +274,7 @@ async def test_reconcile_thaws_leftover_and_restores_cpusets(cgroot, tmp_path):
         before = allowed(p.pid)
         await old.freeze(g)
         await old.freeze(empty)
-        if old.layout.cpuset != "none" and len(old.cpus) > 1:
+        if old.cores.mode != "none" and len(old.cpus) > 1:
             await old.set_cores(g, frozenset({sorted(old.cpus)[0]}))
         await old.close()  # the old daemon "dies" without thawing
         with open(os.path.join(state_dir, "intent.json"), "w") as f:
@@ -290,7 +290,7 @@ async def test_reconcile_thaws_leftover_and_restores_cpusets(cgroot, tmp_path):
         await asyncio.sleep(0.2)
         assert cpu_ticks(p.pid) > t0
         assert allowed(p.pid) == before
-        if new.layout.cpuset == "v1":
+        if new.cores.mode == "v1":
             assert new.v1.read(g.run, "cpuset.cpus") == new.v1.read(g.top, "cpuset.cpus")  # type: ignore[union-attr]
         await new.close()
     finally:
@@ -303,7 +303,7 @@ async def test_watchdog_thaws_within_a_second_of_sigkill(backend):
     try:
         backend.start_watchdog(standin.pid)
         await backend.freeze(g)
-        if len(backend.cpus) > 1 and backend.layout.cpuset != "none":
+        if len(backend.cpus) > 1 and backend.cores.mode != "none":
             await backend.set_cores(g, frozenset({sorted(backend.cpus)[0]}))
         assert frozen_reads(backend, g.top) == 1
         t0 = time.monotonic()
@@ -311,7 +311,7 @@ async def test_watchdog_thaws_within_a_second_of_sigkill(backend):
         assert wait_for(lambda: frozen_reads(backend, g.top) == 0, timeout=1.0), "still frozen after 1 s"
         took = time.monotonic() - t0
         assert took < 1.0
-        if backend.layout.cpuset == "v1":
+        if backend.cores.mode == "v1":
             assert wait_for(lambda: len(allowed(p.pid)) == 1 and
                             allowed(p.pid) != {str(sorted(backend.cpus)[0])}, 1.0 - took)
         assert backend.watchdog is not None and backend.watchdog.wait(timeout=2) == 0
