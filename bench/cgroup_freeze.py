@@ -3,7 +3,7 @@
     sudo python bench/cgroup_freeze.py [--reps 50] [--siblings 1,4,16,64]
 
 Each sibling is a `sleep` in its own command cgroup under a private root (krex-bench-<id>/ below
-our own cgroup, with the v1 cpuset twin on hybrid hosts), removed afterwards. One "enter" is what a
+the mount root, with the v1 cpuset twin on hybrid hosts), removed afterwards. One "enter" is what a
 region entry costs the backend: freeze every sibling (concurrently, as the daemon does) and fence
 every sibling off the region core; "exit" thaws and restores. Times are wall-clock milliseconds.
 """
@@ -23,7 +23,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from krex_async.isolation.cgroup import CgroupBackend  # noqa: E402
-from krex_async.isolation.cgroupfs import CgroupFS, cgroup_mounts, own_cgroups  # noqa: E402
+from krex_async.isolation.cgroupfs import CgroupFS, cgroup_mounts  # noqa: E402
 from krex_async.isolation.intent import sweep  # noqa: E402
 
 
@@ -31,16 +31,15 @@ def _private_root() -> tuple[str, str | None]:
     v2_mount, v1_mount = cgroup_mounts()
     if v2_mount is None:
         raise SystemExit("no cgroup2 mount")
-    mine = own_cgroups()
     name = f"krex-bench-{uuid.uuid4().hex[:6]}"
-    v2 = os.path.join(v2_mount, mine.get("", "/").lstrip("/"), name)
+    v2 = os.path.join(v2_mount, name)  # below the mount root: our own cgroup may hold processes
     os.mkdir(v2)
     parent = CgroupFS(os.path.dirname(v2))
     if "cpuset" in parent.read("", "cgroup.subtree_control").split():
         CgroupFS(v2).write("", "cgroup.subtree_control", "+cpuset")
     v1 = None
     if v1_mount and "cpuset" not in parent.read("", "cgroup.controllers").split():
-        v1 = os.path.join(v1_mount, mine.get("cpuset", "/").lstrip("/"), name)
+        v1 = os.path.join(v1_mount, name)
         os.mkdir(v1)
         for f in ("cpuset.cpus", "cpuset.mems"):
             CgroupFS(v1).write("", f, CgroupFS(os.path.dirname(v1)).read("", f).strip())

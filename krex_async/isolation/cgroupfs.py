@@ -67,14 +67,15 @@ class CgroupFS:
             raise _error("read", p, None, e) from None
 
     def write(self, rel: str, name: str, data: str) -> None:
-        """One write(2) of `data`; the kernel's verdict (EINVAL, EBUSY...) comes back as CgroupFileError."""
+        """One write(2) of `data` ("" is sent as "\\n": an empty write may never reach the kernel's
+        handler); the kernel's verdict (EINVAL, EBUSY...) comes back as CgroupFileError."""
         p = self.path(rel, name)
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as e:
             raise _error("write", p, data, e) from None
         try:
-            os.write(fd, data.encode())
+            os.write(fd, (data or "\n").encode())
         except OSError as e:
             raise _error("write", p, data, e) from None
         finally:

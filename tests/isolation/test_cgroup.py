@@ -115,7 +115,8 @@ async def test_set_cores_fences_all_threads_and_restores(cgroot, tmp_path, mode)
         await b.set_cores(g, frozenset({one}))
         assert allowed(p.pid) == {str(one)}
         if b.cores.mode != "none":
-            assert b.cores.fs.read(g.run, "cpuset.effective_cpus").strip() == str(one)
+            eff = "cpuset.effective_cpus" if b.cores.mode == "v1" else "cpuset.cpus.effective"
+            assert b.cores.fs.read(g.run, eff).strip() == str(one)
             assert os.path.exists(b.intent.path)
         await b.set_cores(g, None)
         assert allowed(p.pid) == before
