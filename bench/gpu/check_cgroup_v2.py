@@ -131,21 +131,21 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
     await b.close()
     b2 = CgroupBackend(root=v2, state_dir=state, cpuset_root=v1)
     lines = await b2.reconcile()
-    t0 = ticks(p3.pid)
+    tk = ticks(p3.pid)
     await asyncio.sleep(0.2)
-    report(b2.v2.events(g3.top)["frozen"] == 0 and ticks(p3.pid) > t0 and
+    report(b2.v2.events(g3.top)["frozen"] == 0 and ticks(p3.pid) > tk and
            b2.v2.read(g3.run, "cpuset.cpus").strip() == "", "reconcile thaws and restores", "; ".join(lines))
 
     standin = subprocess.Popen(["sleep", "60"])
     b2.start_watchdog(standin.pid)
     b2.groups[g3.command_id] = g3
     await b2.freeze(g3)
-    t0 = time.monotonic()
+    killed_at = time.monotonic()
     standin.kill()
     standin.wait()
-    while b2.v2.events(g3.top)["frozen"] == 1 and time.monotonic() - t0 < 2:
+    while b2.v2.events(g3.top)["frozen"] == 1 and time.monotonic() - killed_at < 2:
         await asyncio.sleep(0.005)
-    took = time.monotonic() - t0
+    took = time.monotonic() - killed_at
     report(took < 1.0, "watchdog thaws after SIGKILL of the daemon", f"{took * 1e3:.1f} ms")
     await b2.kill(g3)
     p3.wait()

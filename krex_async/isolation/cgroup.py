@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
 import signal as _signal
 import subprocess
 import time
@@ -134,14 +135,24 @@ class CgroupBackend(Backend):
         self.groups[command_id] = g
         return g
 
-    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool) -> list[str]:
+    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
+                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
         """`/bin/sh -c <join cgroups; exec>`; with `frozen` the v2 leaf is frozen first (intent
         recorded synchronously), so the command is stopped before its first instruction.
 
-        The wrapper must run with the daemon's privileges (it writes cgroup.procs): drop to the
-        submitting user after it (e.g. `setpriv` in argv), not through Popen(user=).
+        The wrapper writes cgroup.procs, so it must start with the daemon's privileges: pass
+        `as_user=(uid, gid, groups)` to drop to the submitting user after joining (setpriv), and
+        spawn without Popen(user=). Raises IsolationError when setpriv is missing.
         """
         g = self._g(group)
+        if as_user is not None:
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise IsolationError("setpriv (util-linux) not found: cannot drop to the user after "
+                                     "joining the cgroup")
+            uid, gid, groups = as_user
+            grp = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+            argv = [setpriv, f"--reuid={uid}", f"--regid={gid}", grp, "--", *argv]
         files = [f for f in (self.cores.procs_path(g.run),) if f]
         files.append(self.v2.path(g.run, "cgroup.procs"))
         if frozen:

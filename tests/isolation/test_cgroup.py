@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import pathlib
 import subprocess
+import tempfile
 import time
 import uuid
 
@@ -63,6 +65,24 @@ async def test_command_starts_inside_its_cgroup(backend):
         reap(p)
         await backend.remove(g)
     assert not backend.v2.exists(g.top)
+
+
+async def test_command_runs_as_user_inside_its_cgroup(backend):
+    where = tempfile.mkdtemp(prefix="krex-user-")  # pytest's tmp_path is private to root
+    os.chmod(where, 0o777)
+    out = pathlib.Path(where) / "id"
+    g = await backend.create("user")
+    argv = backend.launch_argv(g, ["/bin/sh", "-c", f"id -u > {out}; id -G >> {out}; "
+                                   f"cat /proc/self/cgroup >> {out}"],
+                               frozen=False, as_user=(65534, 65534, []))
+    p = subprocess.Popen(argv)
+    assert p.wait(timeout=5) == 0
+    uid, groups, *cg = out.read_text().splitlines()
+    assert uid == "65534" and groups == "65534"
+    assert any(line.endswith(f"{g.top}/run") for line in cg)
+    await backend.remove(g)
+    out.unlink()
+    os.rmdir(where)
 
 
 async def test_spinning_sibling_frozen_makes_no_progress(backend):
