@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
@@ -56,7 +57,7 @@ class Intent:
             os.close(dfd)
         self._written = state
 
-    async def ensure(self, frozen: list[str] = (), fenced: dict[str, str] | None = None) -> None:  # type: ignore[assignment]
+    async def ensure(self, frozen: Iterable[str] = (), fenced: dict[str, str] | None = None) -> None:
         """Add entries and return once they are durable. Callers in the same loop turn share one write."""
         new = [p for p in frozen if p not in self.frozen]
         newf = {k: v for k, v in (fenced or {}).items() if k not in self.fenced}
