@@ -103,34 +103,47 @@ class Cores:
 
     async def apply(self, name: str, top: str, run: str, keep: str, cpus: frozenset[int] | None,
                     pids: list[int] | None, all_pids: list[int], affinity: dict[int, set[int]]) -> None:
-        """Fence `pids` (moved into keep/) or the whole group onto `cpus`; None restores all of it.
+        """Fence the whole group (`pids` None) or exactly `pids` onto `cpus`; None restores.
 
-        Raises IsolationError naming the file; a vanished group is left alone.
+        Per-pid fences map onto the two leaves: pids that are all of run/ (a sibling fenced except
+        for nothing, or the owner's other processes) fence run/; any other set of pids is moved into
+        keep/ (the region owner's processes; others there go back to run/) and fences keep/, with a
+        cpuset partition in v2. Pids of other leaves keep their cpus. Raises IsolationError naming
+        the file; a vanished group is left alone (CgroupVanished propagates to the caller).
         """
         if self.mode == "none":
-            self._affinity(cpus, pids if pids is not None else all_pids, affinity)
+            self._affinity(cpus, pids if pids is not None else all_pids, affinity, pids is None)
             return
         fs = self.fs
         original = fs.read(top, "cpuset.cpus").strip() if self.mode == "v1" else ""
+        in_run, in_keep = set(fs.procs(run)), set(fs.procs(keep))
+        if pids is None:
+            leaves = [leaf for leaf in (run, keep) if fs.exists(leaf)]
+        else:
+            want = set(pids) & (in_run | in_keep)
+            if not want:
+                return
+            if want == in_run:
+                leaves = [run]
+            elif want == in_keep or cpus is None:
+                leaves = [keep] if want <= in_keep else [run, keep]
+            else:
+                fs.mkdir(keep)
+                move(fs, run, sorted(in_keep - want))
+                move(fs, keep, sorted(want - in_keep))
+                leaves = [keep]
         if cpus is None:
-            if self.mode == "v2" and fs.exists(keep):
+            if self.mode == "v2" and keep in leaves:
                 self._unpartition(keep, top)
-            for leaf in (run, keep):
-                if fs.exists(leaf):
-                    fs.write(leaf, "cpuset.cpus", original)
+            for leaf in leaves:
+                fs.write(leaf, "cpuset.cpus", original)
             return
         if not cpus:
             raise IsolationError(f"set_cores of {name}: empty cpu set")
-        if pids is not None:
-            fs.mkdir(keep)
-            move(fs, keep, pids)
-            leaves = [keep]
-        else:
-            leaves = [leaf for leaf in (run, keep) if fs.exists(leaf)]
         await self.intent.ensure(fenced={fs.path(leaf, "cpuset.cpus"): original for leaf in leaves})
         for leaf in leaves:
             fs.write(leaf, "cpuset.cpus", fmt(cpus))
-        if self.mode == "v2" and pids is not None:
+        if self.mode == "v2" and leaves == [keep] and pids is not None:
             self._partition(keep, top, cpus)
 
     def _partition(self, keep: str, top: str, cpus: frozenset[int]) -> None:
@@ -171,25 +184,27 @@ class Cores:
             pass
 
     @staticmethod
-    def _affinity(cpus: frozenset[int] | None, pids: list[int], saved: dict[int, set[int]]) -> None:
+    def _affinity(cpus: frozenset[int] | None, pids: list[int], saved: dict[int, set[int]],
+                  everything: bool) -> None:
+        tids: list[int] = []
+        for pid in pids:
+            try:
+                tids.extend(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+            except FileNotFoundError:
+                continue
         if cpus is None:
-            for tid, orig in list(saved.items()):
+            for tid in list(saved) if everything else [t for t in tids if t in saved]:
                 try:
-                    os.sched_setaffinity(tid, orig)
+                    os.sched_setaffinity(tid, saved[tid])
                 except OSError:
                     pass
                 del saved[tid]
             return
-        for pid in pids:
+        for tid in tids:
             try:
-                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            except FileNotFoundError:
+                saved.setdefault(tid, os.sched_getaffinity(tid))
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
                 continue
-            for tid in tids:
-                try:
-                    saved.setdefault(tid, os.sched_getaffinity(tid))
-                    os.sched_setaffinity(tid, cpus)
-                except ProcessLookupError:
-                    continue
-                except OSError as e:
-                    raise IsolationError(f"sched_setaffinity({tid}, {fmt(cpus)}): {e.strerror}") from None
+            except OSError as e:
+                raise IsolationError(f"sched_setaffinity({tid}, {fmt(cpus)}): {e.strerror}") from None

@@ -164,6 +164,59 @@ async def test_set_cores_pids_fences_only_those(backend):
         reap(p)
 
 
+@pytest.mark.parametrize("mode", ["auto", "none"])
+async def test_region_fencing_pattern_of_the_daemon(cgroot, tmp_path, mode):
+    """What regions.py does: owner pid onto the region core, the owner's other processes and a
+    sibling off it (pids= all of theirs, or none at all), then everything back."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("fencing needs at least 2 cpus")
+    backend = CgroupBackend(root=cgroot.v2, state_dir=str(tmp_path), cpuset_root=cgroot.v1,
+                            cpuset=mode)
+    owner, p = await start(backend, ["/bin/sh", "-c", "sleep 30 & exec sleep 30"])
+    sib, q = await start(backend, ["sleep", "30"])
+    try:
+        assert wait_for(lambda: len(backend.pids(owner)) == 2)
+        helper = [x for x in backend.pids(owner) if x != p.pid][0]
+        before = allowed(p.pid)
+        core, rest = sorted(backend.cpus)[-1], frozenset(sorted(backend.cpus)[:-1])
+        await backend.set_cores(owner, frozenset({core}), pids=[p.pid])
+        await backend.set_cores(owner, rest, pids=[helper])
+        await backend.set_cores(sib, rest, pids=backend.pids(sib))
+        await backend.set_cores(owner, rest, pids=[])  # nothing named: nothing changes
+        rest_s = {x for x in allowed(helper)}
+        assert allowed(p.pid) == {str(core)}
+        assert rest_s == allowed(q.pid) and str(core) not in ",".join(rest_s)
+        await backend.set_cores(owner, None, pids=[p.pid])
+        assert allowed(p.pid) == before and allowed(helper) == rest_s
+        await backend.set_cores(owner, None, pids=[helper])
+        await backend.set_cores(sib, None, pids=backend.pids(sib))
+        assert allowed(helper) == before and allowed(q.pid) == before
+    finally:
+        for g in (owner, sib):
+            await backend.kill(g)
+        reap(p)
+        reap(q)
+
+
+async def test_freeze_many_freezes_all_or_none(backend):
+    gs = [await start(backend, SPIN) for _ in range(4)]
+    try:
+        res = await backend.freeze_many([g for g, _ in gs])
+        assert len(res) == 4 and all(frozen_reads(backend, g.top) == 1 for g, _ in gs)
+        for g, _ in gs:
+            await backend.thaw(g)
+        held = v1_frozen_task(backend, gs[0][0], gs[0][1])
+        try:
+            with pytest.raises(FreezeError):
+                await backend.freeze_many([g for g, _ in gs], timeout=0.2)
+            assert all(backend.v2.read(g.top, "cgroup.freeze").strip() == "0" for g, _ in gs)
+        finally:
+            v1_release(held)
+    finally:
+        for _, p in gs:
+            reap(p)
+
+
 async def test_sigstopped_sibling_stays_stopped_after_thaw(backend):
     g, p = await start(backend, ["sleep", "30"])
     try:
