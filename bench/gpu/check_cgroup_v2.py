@@ -92,7 +92,7 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
         report(allowed(p.pid) == before and b.v2.read(g.run, "cpuset.cpus").strip() == "",
                "set_cores None restores", f"{allowed(p.pid)}")
         owner, q = await start(b, ["sleep", "30"])
-        await b.set_cores(owner, frozenset({cpus[0]}), pids=[q.pid])
+        await b.set_cores(owner, frozenset({cpus[0]}), pids=[q.pid], exclusive=True)
         part = b.v2.read(owner.keep, "cpuset.cpus.partition").strip() \
             if b.v2.exists(owner.keep, "cpuset.cpus.partition") else "absent"
         report(allowed(q.pid) == {str(cpus[0])}, "owner pid fenced onto a region core",
@@ -101,7 +101,7 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
                b.cores.partition_why or part)
         others_eff = b.v2.read(g.run, "cpuset.cpus.effective").strip()
         print(f"INFO sibling effective cpus while owner partitioned: {others_eff}")
-        await b.set_cores(owner, None)
+        await b.set_cores(owner, None, pids=[q.pid])
         report(allowed(q.pid) == before, "owner restored (partition back to member)",
                b.v2.read(owner.keep, "cpuset.cpus.partition").strip()
                if b.v2.exists(owner.keep, "cpuset.cpus.partition") else "")

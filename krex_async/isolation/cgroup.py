@@ -257,12 +257,16 @@ class CgroupBackend(Backend):
         return time.perf_counter() - t0
 
     async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
-                        pids: list[int] | None = None) -> None:
-        """Fence the group, or only `pids` (moved to keep/), onto `cpus`; None restores the whole
-        group. A vanished group is left alone; other failures raise IsolationError."""
+                        pids: list[int] | None = None, exclusive: bool = False) -> None:
+        """Fence the group, or exactly `pids`, onto `cpus`; None restores (those pids' leaf, or
+        the whole group). `exclusive`: these are region cores for the owner's `pids`: they go to
+        keep/ and, on v2, into a cpuset partition where the kernel allows it (else a plain cpuset;
+        `self.cores.partition_why` says why). A vanished group is left alone; other failures
+        raise IsolationError."""
         g = self._g(group)
         try:
-            await self.cores.apply(g.name, g.top, g.run, g.keep, cpus, pids, self.pids(g), g.affinity)
+            await self.cores.apply(g.name, g.top, g.run, g.keep, cpus, pids, self.pids(g), g.affinity,
+                                   exclusive)
         except CgroupVanished:
             return
         if pids is None:

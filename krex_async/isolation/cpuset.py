@@ -102,14 +102,16 @@ class Cores:
         return self.v1.path(leaf, "cgroup.procs") if self.mode == "v1" and self.v1 else None
 
     async def apply(self, name: str, top: str, run: str, keep: str, cpus: frozenset[int] | None,
-                    pids: list[int] | None, all_pids: list[int], affinity: dict[int, set[int]]) -> None:
+                    pids: list[int] | None, all_pids: list[int], affinity: dict[int, set[int]],
+                    exclusive: bool = False) -> None:
         """Fence the whole group (`pids` None) or exactly `pids` onto `cpus`; None restores.
 
         Per-pid fences map onto the two leaves: pids that are all of run/ (a sibling fenced except
-        for nothing, or the owner's other processes) fence run/; any other set of pids is moved into
-        keep/ (the region owner's processes; others there go back to run/) and fences keep/, with a
-        cpuset partition in v2. Pids of other leaves keep their cpus. Raises IsolationError naming
-        the file; a vanished group is left alone (CgroupVanished propagates to the caller).
+        for nothing, or the owner's other processes) fence run/; any other set of pids, and any
+        `exclusive` fence (the region owner's cores), is moved into keep/ (others there go back to
+        run/) and fences keep/; `exclusive` also asks for a v2 cpuset partition. Pids of other
+        leaves keep their cpus. Raises IsolationError naming the file; a vanished group is left
+        alone (CgroupVanished propagates to the caller).
         """
         if self.mode == "none":
             self._affinity(cpus, pids if pids is not None else all_pids, affinity, pids is None)
@@ -123,7 +125,7 @@ class Cores:
             want = set(pids) & (in_run | in_keep)
             if not want:
                 return
-            if want == in_run:
+            if want == in_run and not (exclusive and cpus is not None):
                 leaves = [run]
             elif want == in_keep or cpus is None:
                 leaves = [keep] if want <= in_keep else [run, keep]
@@ -143,7 +145,7 @@ class Cores:
         await self.intent.ensure(fenced={fs.path(leaf, "cpuset.cpus"): original for leaf in leaves})
         for leaf in leaves:
             fs.write(leaf, "cpuset.cpus", fmt(cpus))
-        if self.mode == "v2" and leaves == [keep] and pids is not None:
+        if self.mode == "v2" and exclusive and leaves == [keep]:
             self._partition(keep, top, cpus)
 
     def _partition(self, keep: str, top: str, cpus: frozenset[int]) -> None:

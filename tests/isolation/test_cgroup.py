@@ -179,7 +179,7 @@ async def test_region_fencing_pattern_of_the_daemon(cgroot, tmp_path, mode):
         helper = [x for x in backend.pids(owner) if x != p.pid][0]
         before = allowed(p.pid)
         core, rest = sorted(backend.cpus)[-1], frozenset(sorted(backend.cpus)[:-1])
-        await backend.set_cores(owner, frozenset({core}), pids=[p.pid])
+        await backend.set_cores(owner, frozenset({core}), pids=[p.pid], exclusive=True)
         await backend.set_cores(owner, rest, pids=[helper])
         await backend.set_cores(sib, rest, pids=backend.pids(sib))
         await backend.set_cores(owner, rest, pids=[])  # nothing named: nothing changes
