@@ -290,6 +290,22 @@ def own_cgroups(pid: str = "self") -> dict[str, str]:
     return out
 
 
+def _v1_twin(path: str) -> str | None:
+    """Make (or find) the v1 cpuset directory `path` with its parent's cpus and mems; None if not."""
+    try:
+        if not os.path.isdir(path):
+            os.mkdir(path)
+            parent = os.path.dirname(path)
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                with open(os.path.join(parent, name)) as f:
+                    value = f.read().strip()
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(value)
+        return path
+    except OSError:
+        return None
+
+
 def detect(root: str | None = None, cpuset_root: str | None = None, cpuset: str = "auto") -> Layout:
     """Find the layout and the delegated directories. Raises IsolationError saying why none is usable.
 
@@ -298,6 +314,7 @@ def detect(root: str | None = None, cpuset_root: str | None = None, cpuset: str 
     without controllers this way).
     """
     v2_mount, v1_mount = cgroup_mounts()
+    configured = root is not None
     if root is None:
         if v2_mount is None:
             raise IsolationError("no cgroup2 mount (needed for cgroup.freeze)")
@@ -313,7 +330,12 @@ def detect(root: str | None = None, cpuset_root: str | None = None, cpuset: str 
     except OSError as e:
         raise IsolationError(f"{root}/cgroup.controllers: {e.strerror}") from None
     if cpuset_root is None and v1_mount is not None:
-        cpuset_root = os.path.join(v1_mount, own_cgroups().get("cpuset", "/").lstrip("/")).rstrip("/")
+        if configured and v2_mount is not None and root.startswith(v2_mount.rstrip("/") + "/"):
+            # a configured v2 root gets the same path in the v1 cpuset tree, so it stays private
+            cpuset_root = _v1_twin(os.path.join(v1_mount, os.path.relpath(root, v2_mount)))
+        else:
+            own = own_cgroups().get("cpuset", "/").lstrip("/")
+            cpuset_root = os.path.join(v1_mount, own).rstrip("/")
     v1_ok = cpuset_root is not None and os.path.exists(os.path.join(cpuset_root, "cpuset.cpus"))
     if cpuset == "auto":
         cpuset = "v2" if "cpuset" in v2_ctrls else "v1" if v1_ok else "none"

@@ -54,6 +54,13 @@ async def test_probe_and_reason(backend):
     assert backend.reason and backend.layout.v2 in backend.reason
 
 
+async def test_configured_root_gets_a_private_v1_twin(cgroot, tmp_path):
+    if cgroot.v1 is None:
+        pytest.skip("no v1 cpuset hierarchy: nothing to pair with")
+    b = CgroupBackend(root=cgroot.v2, state_dir=str(tmp_path))
+    assert b.layout.v1_cpuset == cgroot.v1 and b.cores.mode == "v1"
+
+
 async def test_command_starts_inside_its_cgroup(backend):
     g, p = await start(backend, ["/bin/sh", "-c", "cat /proc/self/cgroup; sleep 5"])
     try:
