@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import protocol as P
 from .devices.base import Device
-from .isolation.base import Backend, Group
+from .isolation.base import Backend, Group, IsolationError
 from .spawn import ExitStatus, LaunchSpec, Launched, spawn
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
@@ -55,6 +56,14 @@ def with_runtime(env: dict[str, str]) -> dict[str, str]:
         env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
                                            if env.get("PYTHONPATH") else "")
     return env
+
+
+def user_groups(uid: int, gid: int) -> list[int]:
+    """The supplementary groups of the submitting user, as a login would give them."""
+    try:
+        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+    except KeyError:  # a uid without a passwd entry: its primary group only
+        return [gid]
 
 
 @dataclass
@@ -143,6 +152,7 @@ class Runner:
         self.socket = socket
         self.on_exit = on_exit
         self.launcher = launcher  # the ctxpool, when it can take the command
+        self.launching: Group | None = None  # the group a pool worker must join (during launcher())
 
     def check(self, cmd: Command) -> tuple[str, dict[str, str]]:
         """Validate cwd and argv before anything is created; returns (cwd, env)."""
@@ -174,16 +184,29 @@ class Runner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)
+        other_user = cmd.uid != os.geteuid()
         try:
             spec = LaunchSpec(argv=list(cmd.spec.argv), cwd=cwd, env=env, stdin_fd=stdin_fd,
                               stdout_fd=out_w, stderr_fd=err_w,
-                              uid=cmd.uid if cmd.uid != os.geteuid() else None,
-                              gid=cmd.gid if cmd.uid != os.geteuid() else None,
-                              groups=[] if cmd.uid != os.geteuid() else None, frozen=frozen)
-            launched = self.launcher(cmd, spec) if (self.launcher and not frozen) else None
+                              uid=cmd.uid if other_user else None,
+                              gid=cmd.gid if other_user else None,
+                              groups=user_groups(cmd.uid, cmd.gid) if other_user else None,
+                              frozen=frozen)
+            launched = None
+            if self.launcher and not frozen:
+                self.launching = group
+                try:
+                    launched = self.launcher(cmd, spec)
+                finally:
+                    self.launching = None
             if launched is None:
-                launched = spawn(spec, self.backend.launch_argv(group, spec.argv, frozen=frozen))
-        except (OSError, ValueError, SpecError) as e:
+                as_user = None
+                if other_user and self.backend.wrapper_drops_privileges:
+                    as_user = (cmd.uid, cmd.gid, spec.groups or [])
+                    spec.uid = spec.gid = spec.groups = None
+                argv = self.backend.launch_argv(group, spec.argv, frozen=frozen, as_user=as_user)
+                launched = spawn(spec, argv)
+        except (OSError, ValueError, SpecError, IsolationError) as e:
             for fd in (out_r, err_r):
                 os.close(fd)
             await self.backend.remove(group)

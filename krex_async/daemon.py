@@ -88,11 +88,16 @@ class Daemon:
             env = dict(os.environ)
             env.pop("KREX_SOCKET", None)
             env.update(d.env)
-            pool = Pool(d, PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
+            pool = Pool(d, cgroup_hook=self._join_group, config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
                                       preload=preload, init_context=d.vendor != "cpu"),
                         env=with_runtime(env))
             await pool.start()
             self.pools[d.key] = pool
+
+    def _join_group(self, pid: int, spec: LaunchSpec) -> None:
+        """Pool hook: the worker taking a command joins that command's group first."""
+        if self.runner.launching is not None:
+            self.backend.join(self.runner.launching, pid)
 
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")

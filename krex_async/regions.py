@@ -289,7 +289,7 @@ class Regions:
         self.reserved[r.id] = cores
         r.report.cores = sorted(cores)
         assert r.command.group is not None
-        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid])
+        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
         await self.refence()
 
     async def refence(self) -> None:

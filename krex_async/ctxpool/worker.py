@@ -97,7 +97,9 @@ def main(argv: list[str]) -> int:
     ctx = Context(opts["vendor"], int(opts["ordinal"]))
     t0 = time.monotonic()
     try:
-        for name in filter(None, opts["preload"].split(",")):
+        # krex's own in-command client is part of every worker's baseline: commands that use
+        # region() then import nothing new, and a reused worker need not retire for it.
+        for name in ["krex_async.regionclient", *filter(None, opts["preload"].split(","))]:
             __import__(name)
         channel.send(sock, {"t": "imported", "pid": os.getpid(), "s": time.monotonic() - t0})
         if opts["init-context"] == "1" and ctx.vendor != "cpu":

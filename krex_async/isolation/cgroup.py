@@ -76,6 +76,7 @@ class CgroupBackend(Backend):
     `ncpus`: cpus krex may hand out (default: our affinity). Raises IsolationError when unusable."""
 
     name = "cgroup"
+    wrapper_drops_privileges = True
 
     def __init__(self, root: str | None = None, state_dir: str = DEFAULT_STATE_DIR,
                  ncpus: int | None = None, *, cpuset_root: str | None = None,
@@ -153,14 +154,29 @@ class CgroupBackend(Backend):
             uid, gid, groups = as_user
             grp = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
             argv = [setpriv, f"--reuid={uid}", f"--regid={gid}", grp, "--", *argv]
-        files = [f for f in (self.cores.procs_path(g.run),) if f]
-        files.append(self.v2.path(g.run, "cgroup.procs"))
+        files = self._procs_files(g)
         if frozen:
             self.intent.frozen.add(self.v2.path(g.run))
             self.intent.write_now()
             self.v2.write(g.run, "cgroup.freeze", "1")
             g.frozen, g.frozen_at = True, g.run
         return ["/bin/sh", "-c", _ENTER, "krex-enter", *files, "--", *argv]
+
+    def _procs_files(self, g: CgroupGroup) -> list[str]:
+        """The cgroup.procs (and v1 cpuset tasks) files a process of the group's run/ leaf joins."""
+        files = [f for f in (self.cores.procs_path(g.run),) if f]
+        files.append(self.v2.path(g.run, "cgroup.procs"))
+        return files
+
+    def join(self, group: Group, pid: int) -> None:
+        """Write `pid` into the group's run/ leaf (v1 cpuset twin first, as the launch wrapper does).
+        Raises IsolationError (CgroupFileError) when the kernel refuses."""
+        for path in self._procs_files(self._g(group)):
+            try:
+                with open(path, "w") as f:
+                    f.write(str(pid))
+            except OSError as e:
+                raise IsolationError(f"cannot move pid {pid} into {path}: {e.strerror}") from None
 
     async def started(self, group: Group, pid: int) -> None:
         group.pid = pid
