@@ -1,0 +1,165 @@
+"""What the bcc backends share: importing bcc, and a ring-buffer poller on its own thread.
+
+Data flow of a bcc backend:
+
+    BPF program (tracepoint/uprobe) ──ringbuf_reserve──► ring buffer ──► poll thread
+        │  (reserve fails: lost[0] += 1)                     bpf.ring_buffer_poll(100 ms) blocks in C,
+        └─ counts map (per tgid, lossless)                   the callback decodes each record; after each
+                                                             poll the batch goes to the loop through
+                                                             loop.call_soon_threadsafe(on_events, batch)
+
+bcc is Debian's python3-bpfcc (not on PyPI). `import_bcc()` imports it from sys.path (a venv with the
+.pth file that .ci/install-bcc.sh writes, or PYTHONPATH as .bcc/activate.sh sets) and otherwise loads
+the `bcc` package alone from /usr/lib/python3/dist-packages, without putting the rest of Debian's
+packages on sys.path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes as ct
+import importlib.util
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .base import ProbeEvent, ProbeUnavailable
+
+DEBIAN_BCC = "/usr/lib/python3/dist-packages/bcc/__init__.py"
+POLL_TIMEOUT_MS = 100
+
+
+def import_bcc() -> ModuleType:
+    """Return the `bcc` module. Raises ProbeUnavailable (with the reason) when it cannot be imported."""
+    try:
+        import bcc  # type: ignore[import-not-found]
+        return bcc
+    except ImportError as e:
+        first = e
+    except Exception as e:  # libbcc.so missing or broken: bcc raises OSError at import
+        raise ProbeUnavailable(f"bcc import failed: {e}") from e
+    if not os.path.exists(DEBIAN_BCC):
+        raise ProbeUnavailable(f"bcc not installed ({first}); run .ci/install-bcc.sh")
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bcc", DEBIAN_BCC, submodule_search_locations=[os.path.dirname(DEBIAN_BCC)])
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bcc"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    except Exception as e:
+        sys.modules.pop("bcc", None)
+        raise ProbeUnavailable(f"bcc from {DEBIAN_BCC} failed to load: {e}") from e
+
+
+def check_root() -> None:
+    """bcc needs CAP_BPF/CAP_PERFMON; root is the simple way. Raises ProbeUnavailable otherwise."""
+    if os.geteuid() != 0:
+        raise ProbeUnavailable("eBPF probes need root (euid is %d)" % os.geteuid())
+
+
+def compile_bpf(text: str, what: str) -> Any:
+    """Compile and load BPF text. Raises ProbeUnavailable with bcc's error (first lines) on failure."""
+    bcc = import_bcc()
+    check_root()
+    try:
+        return bcc.BPF(text=text)
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        raise ProbeUnavailable(f"{what}: BPF compile/load failed: {' | '.join(msg[:3])}") from e
+
+
+def read_str(buf: Any) -> str:
+    """A NUL-terminated ctypes char array as text (undecodable bytes replaced)."""
+    return bytes(buf).split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def sum_percpu(table: Any, key: int = 0) -> int:
+    """Sum one key of a BPF_PERCPU_ARRAY across CPUs."""
+    try:
+        return int(sum(table.getvalue(table.Key(key))))
+    except Exception:
+        return 0
+
+
+class RingPoller:
+    """Owns a loaded BPF object's ring buffer and the thread that polls it.
+
+    `decode(data_ptr, size) -> ProbeEvent | None` runs on the poll thread for each record; each poll's
+    events are handed to the loop in one batch. `tick()` is called on the poll thread about once a
+    second (for map upkeep). `stop()` joins the thread, then detaches everything (bpf.cleanup()).
+    """
+
+    def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[int, int], ProbeEvent | None],
+                 name: str, tick: Callable[[], None] | None = None, tick_s: float = 1.0) -> None:
+        self.bpf = bpf
+        self._decode = decode
+        self._tick = tick
+        self._tick_s = tick_s
+        self._name = name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._batch: list[ProbeEvent] = []
+        self.delivered = 0
+        self.error: BaseException | None = None
+        self.paused = threading.Event()  # set: records wait in the ring buffer (tests, benchmarks)
+        bpf[ringbuf].open_ring_buffer(self._on_record)
+
+    def _on_record(self, _ctx: Any, data: int, size: int) -> int:
+        try:
+            ev = self._decode(data, size)
+        except Exception as e:  # a decode bug must not kill the poll thread
+            self.error = e
+            return 0
+        if ev is not None:
+            self._batch.append(ev)
+        return 0
+
+    def start(self, loop: asyncio.AbstractEventLoop,
+              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+        def run() -> None:
+            next_tick = time.monotonic() + self._tick_s
+            while not self._stop.is_set():
+                if self.paused.is_set():
+                    self._stop.wait(0.01)
+                    continue
+                self.bpf.ring_buffer_poll(POLL_TIMEOUT_MS)
+                if self._batch:
+                    batch, self._batch = self._batch, []
+                    self.delivered += len(batch)
+                    try:
+                        loop.call_soon_threadsafe(on_events, batch)
+                    except RuntimeError:  # loop closed under us: stop quietly
+                        return
+                if self._tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_s
+                    try:
+                        self._tick()
+                    except Exception as e:
+                        self.error = e
+        self._thread = threading.Thread(target=run, name=f"krex-probe-{self._name}", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Consume what is in the ring buffer now (on the caller's thread; only when not polling)."""
+        self.bpf.ring_buffer_consume()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            self.bpf.cleanup()
+        except Exception:
+            pass
+
+
+def cast(data: int, struct: type[ct.Structure]) -> Any:
+    """View a ring-buffer record as a ctypes struct (valid only inside the callback)."""
+    return ct.cast(data, ct.POINTER(struct)).contents
