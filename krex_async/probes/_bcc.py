@@ -68,7 +68,7 @@ def compile_bpf(text: str, what: str) -> Any:
     bcc = import_bcc()
     check_root()
     try:
-        return bcc.BPF(text=text)
+        return bcc.BPF(text=text.encode())
     except Exception as e:
         msg = str(e).strip().splitlines()
         raise ProbeUnavailable(f"{what}: BPF compile/load failed: {' | '.join(msg[:3])}") from e
@@ -108,7 +108,7 @@ class RingPoller:
         self.delivered = 0
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: records wait in the ring buffer (tests, benchmarks)
-        bpf[ringbuf].open_ring_buffer(self._on_record)
+        bpf[ringbuf.encode()].open_ring_buffer(self._on_record)
 
     def _on_record(self, _ctx: Any, data: int, size: int) -> int:
         try:

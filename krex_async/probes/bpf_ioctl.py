@@ -174,10 +174,12 @@ def check_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:
 def tracepoint_exists(category: str, event: str) -> bool:
     """Probe for a tracepoint through bcc when it imports, else through tracefs."""
     try:
-        return bool(_bcc.import_bcc().BPF.tracepoint_exists(category, event))
+        if _bcc.import_bcc().BPF.tracepoint_exists(category, event):
+            return True  # bcc looks under debugfs only: tracefs may be mounted without it
     except ProbeUnavailable:
-        return any(os.path.isdir(f"{root}/events/{category}/{event}")
-                   for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
+        pass
+    return any(os.path.isdir(f"{root}/events/{category}/{event}")
+           for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
 
 
 def bpf_text(prefixes: Iterable[str] = DEFAULT_PREFIXES, ring_pages: int = 1024,
@@ -271,7 +273,7 @@ class IoctlProbe(ProbeBackend):
 
     def seed(self) -> int:
         """Put every matching fd now open in /proc into `tracked`. Returns how many were found."""
-        table = self._bpf["tracked"]
+        table = self._bpf[b"tracked"]
         n = 0
         for tgid, fd, path in scan_proc(self.prefixes):
             key = table.Key(tgid, fd)
@@ -284,12 +286,12 @@ class IoctlProbe(ProbeBackend):
 
     def _upkeep(self) -> None:
         """Drop tracked fds and counts of processes that are gone (counts move to Python), reseed."""
-        table = self._bpf["tracked"]
+        table = self._bpf[b"tracked"]
         for k in list(table.keys()):
             if not os.path.exists(f"/proc/{k.tgid}"):
                 table.pop(k, None)
                 self.fd_paths.pop((k.tgid, k.fd), None)
-        counts = self._bpf["counts"]
+        counts = self._bpf[b"counts"]
         for k, v in list(counts.items()):
             if not os.path.exists(f"/proc/{k.value}"):
                 self._gone_counts[k.value] = self._gone_counts.get(k.value, 0) + v.value
@@ -311,13 +313,13 @@ class IoctlProbe(ProbeBackend):
     def lost(self) -> int:
         if self._bpf is None:
             return self._final_lost
-        return _bcc.sum_percpu(self._bpf["lost"])
+        return _bcc.sum_percpu(self._bpf[b"lost"])
 
     def counts(self) -> dict[int, int]:
         if self._bpf is None:
             return dict(self._final_counts)
         out = dict(self._gone_counts)
-        for k, v in self._bpf["counts"].items():
+        for k, v in self._bpf[b"counts"].items():
             out[k.value] = out.get(k.value, 0) + v.value
         return out
 
@@ -325,7 +327,7 @@ class IoctlProbe(ProbeBackend):
         """Events per cgroup v2 id (the inode number of the cgroup's directory, os.stat().st_ino)."""
         if self._bpf is None:
             return {}
-        return {k.value: v.value for k, v in self._bpf["cg_counts"].items()}
+        return {k.value: v.value for k, v in self._bpf[b"cg_counts"].items()}
 
     @property
     def poller(self) -> _bcc.RingPoller | None:

@@ -243,7 +243,7 @@ class LaunchProbe(ProbeBackend):
         """Calls per (tgid, symbol) since start, lossless."""
         if self._bpf is None:
             return dict(self._final)
-        return {(k.tgid, self.symbols[k.sym]): v.value for k, v in self._bpf["counts"].items()}
+        return {(k.tgid, self.symbols[k.sym]): v.value for k, v in self._bpf[b"counts"].items()}
 
     def counts(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -252,7 +252,7 @@ class LaunchProbe(ProbeBackend):
         return out
 
     def lost(self) -> int:
-        return self._final_lost if self._bpf is None else _bcc.sum_percpu(self._bpf["lost"])
+        return self._final_lost if self._bpf is None else _bcc.sum_percpu(self._bpf[b"lost"])
 
     def stop(self) -> None:
         if self._bpf is None:
