@@ -2,11 +2,11 @@
 
 Data flow of a bcc backend:
 
-    BPF program (tracepoint/uprobe) ──ringbuf_reserve──► ring buffer ──► poll thread
-        │  (reserve fails: lost[0] += 1)                     bpf.ring_buffer_poll(100 ms) blocks in C,
-        └─ counts map (per tgid, lossless)                   the callback decodes each record; after each
-                                                             poll the batch goes to the loop through
-                                                             loop.call_soon_threadsafe(on_events, batch)
+    BPF program (tracepoint/uprobe) ──ringbuf_reserve──► ring buffer ──► drain thread
+        │  (reserve fails: lost[0] += 1;                   every 10 ms: bpf.ring_buffer_consume() (in C,
+        │   submit with BPF_RB_NO_WAKEUP)                  GIL released; the callback copies each record),
+        └─ counts map (per tgid, lossless)                 decode, then the batch goes to the loop through
+                                                           loop.call_soon_threadsafe(on_events, batch)
 
 bcc is Debian's python3-bpfcc (not on PyPI). `import_bcc()` imports it from sys.path (a venv with the
 .pth file that .ci/install-bcc.sh writes, or PYTHONPATH as .bcc/activate.sh sets) and otherwise loads
@@ -30,7 +30,6 @@ from typing import Any
 from .base import ProbeEvent, ProbeUnavailable
 
 DEBIAN_BCC = "/usr/lib/python3/dist-packages/bcc/__init__.py"
-POLL_TIMEOUT_MS = 100
 
 
 def import_bcc() -> ModuleType:
@@ -74,11 +73,6 @@ def compile_bpf(text: str, what: str) -> Any:
         raise ProbeUnavailable(f"{what}: BPF compile/load failed: {' | '.join(msg[:3])}") from e
 
 
-def read_str(buf: Any) -> str:
-    """A NUL-terminated ctypes char array as text (undecodable bytes replaced)."""
-    return bytes(buf).split(b"\0", 1)[0].decode("utf-8", "replace")
-
-
 def sum_percpu(table: Any, key: int = 0) -> int:
     """Sum one key of a BPF_PERCPU_ARRAY across CPUs."""
     try:
@@ -88,49 +82,60 @@ def sum_percpu(table: Any, key: int = 0) -> int:
 
 
 class RingPoller:
-    """Owns a loaded BPF object's ring buffer and the thread that polls it.
+    """Owns a loaded BPF object's ring buffer and the thread that drains it.
 
-    `decode(data_ptr, size) -> ProbeEvent | None` runs on the poll thread for each record; each poll's
-    events are handed to the loop in one batch. `tick()` is called on the poll thread about once a
-    second (for map upkeep). `stop()` joins the thread, then detaches everything (bpf.cleanup()).
+    The BPF side submits with BPF_RB_NO_WAKEUP, so producers never pay for waking us; this thread
+    drains the ring every `interval_s` (ring_buffer_consume), copies each record out as bytes in the
+    callback, then decodes the lot with `decode(raw) -> ProbeEvent | None` and hands the batch to
+    the loop. The ring must hold `interval_s` worth of events (1024 pages: about 35k ioctl events).
+    `tick()` runs on this thread every `tick_s` (map upkeep). `stop()` joins the thread, then
+    detaches everything (bpf.cleanup()).
     """
 
-    def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[int, int], ProbeEvent | None],
-                 name: str, tick: Callable[[], None] | None = None, tick_s: float = 1.0) -> None:
+    def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],
+                 name: str, tick: Callable[[], None] | None = None, tick_s: float = 1.0,
+                 interval_s: float = 0.01) -> None:
         self.bpf = bpf
         self._decode = decode
         self._tick = tick
         self._tick_s = tick_s
+        self._interval_s = interval_s
         self._name = name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._batch: list[ProbeEvent] = []
+        self._raw: list[bytes] = []
         self.delivered = 0
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: records wait in the ring buffer (tests, benchmarks)
         bpf[ringbuf.encode()].open_ring_buffer(self._on_record)
 
     def _on_record(self, _ctx: Any, data: int, size: int) -> int:
-        try:
-            ev = self._decode(data, size)
-        except Exception as e:  # a decode bug must not kill the poll thread
-            self.error = e
-            return 0
-        if ev is not None:
-            self._batch.append(ev)
+        self._raw.append(ct.string_at(data, size))
         return 0
+
+    def _drain(self) -> list[ProbeEvent]:
+        self.bpf.ring_buffer_consume()
+        raw, self._raw = self._raw, []
+        out = []
+        for r in raw:
+            try:
+                ev = self._decode(r)
+            except Exception as e:  # a decode bug must not kill the poll thread
+                self.error = e
+                continue
+            if ev is not None:
+                out.append(ev)
+        return out
 
     def start(self, loop: asyncio.AbstractEventLoop,
               on_events: Callable[[list[ProbeEvent]], None]) -> None:
         def run() -> None:
             next_tick = time.monotonic() + self._tick_s
-            while not self._stop.is_set():
+            while not self._stop.wait(self._interval_s):
                 if self.paused.is_set():
-                    self._stop.wait(0.01)
                     continue
-                self.bpf.ring_buffer_poll(POLL_TIMEOUT_MS)
-                if self._batch:
-                    batch, self._batch = self._batch, []
+                batch = self._drain()
+                if batch:
                     self.delivered += len(batch)
                     try:
                         loop.call_soon_threadsafe(on_events, batch)
@@ -145,10 +150,6 @@ class RingPoller:
         self._thread = threading.Thread(target=run, name=f"krex-probe-{self._name}", daemon=True)
         self._thread.start()
 
-    def drain(self) -> None:
-        """Consume what is in the ring buffer now (on the caller's thread; only when not polling)."""
-        self.bpf.ring_buffer_consume()
-
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -160,6 +161,6 @@ class RingPoller:
             pass
 
 
-def cast(data: int, struct: type[ct.Structure]) -> Any:
-    """View a ring-buffer record as a ctypes struct (valid only inside the callback)."""
-    return ct.cast(data, ct.POINTER(struct)).contents
+def cstr(raw: bytes) -> str:
+    """A NUL-terminated byte field as text."""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")

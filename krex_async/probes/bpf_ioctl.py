@@ -6,7 +6,8 @@ BPF side (BPF_TEXT, specialised by `bpf_text()`):
   parked per thread in `pending`.
 - sys_exit_openat/openat2/open: on success, (tgid, fd) -> path goes into `tracked`; an "open" event.
 - sys_enter_close: the (tgid, fd) leaves `tracked`.
-- sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, comm, path}.
+- sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, comm} (48 bytes;
+  the path travels only with "open" events and seeds, and is kept in user space per (tgid, fd)).
 Every event is counted per tgid in `counts` and per cgroup (v2 id) in `cg_counts` before it is
 offered to the ring buffer, so counts lose nothing; a failed ring-buffer reservation adds to `lost`.
 Thus sum(counts) == delivered + lost. No kernel struct is read: only tracepoint arguments and helpers
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes as ct
 import os
+import struct
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -41,13 +42,12 @@ BPF_TEXT = r"""
 #define RING_PAGES __RING_PAGES__
 #define STREAM __STREAM__
 #define MATCH(w) (__MATCH__)
+#define RB_NO_WAKEUP 1  /* BPF_RB_NO_WAKEUP: the drain thread polls on a timer */
 
 struct key_t { u32 tgid; s32 fd; };
 struct path_t { char s[PATH_LEN]; } __attribute__((aligned(8)));
-struct event_t {
-    u64 ts; u32 tgid; u32 tid; s32 fd; u32 cmd; u32 kind; u32 pad;
-    char comm[16]; char path[PATH_LEN];
-};
+struct event_t { u64 ts; u32 tgid; u32 tid; s32 fd; u32 cmd; u32 kind; u32 pad; char comm[16]; };
+struct open_event_t { struct event_t h; char path[PATH_LEN]; };
 
 BPF_HASH(tracked, struct key_t, struct path_t, 65536);
 BPF_HASH(pending, u32, struct path_t, 4096);
@@ -56,27 +56,25 @@ BPF_HASH(cg_counts, u64, u64, 16384);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 BPF_RINGBUF_OUTPUT(events, RING_PAGES);
 
-static __always_inline void count_and_emit(u64 id, u32 kind, s32 fd, u32 cmd, struct path_t *p) {
+static __always_inline void count(u64 id) {
     u32 tgid = id >> 32;
     u64 zero = 0, *c = counts.lookup_or_try_init(&tgid, &zero);
     if (c) __sync_fetch_and_add(c, 1);
     u64 cg = bpf_get_current_cgroup_id();
     c = cg_counts.lookup_or_try_init(&cg, &zero);
     if (c) __sync_fetch_and_add(c, 1);
-#if STREAM
-    struct event_t *e = events.ringbuf_reserve(sizeof(struct event_t));
-    if (!e) {
-        int k = 0;
-        u64 *l = lost.lookup(&k);
-        if (l) *l += 1;
-        return;
-    }
+}
+
+static __always_inline void lost_one(void) {
+    int k = 0;
+    u64 *l = lost.lookup(&k);
+    if (l) *l += 1;
+}
+
+static __always_inline void fill(struct event_t *e, u64 id, u32 kind, s32 fd, u32 cmd) {
     e->ts = bpf_ktime_get_ns();
-    e->tgid = tgid; e->tid = (u32)id; e->fd = fd; e->cmd = cmd; e->kind = kind; e->pad = 0;
+    e->tgid = id >> 32; e->tid = (u32)id; e->fd = fd; e->cmd = cmd; e->kind = kind; e->pad = 0;
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
-    __builtin_memcpy(e->path, p->s, PATH_LEN);
-    events.ringbuf_submit(e, 0);
-#endif
 }
 
 static __always_inline int enter_open(const char *filename) {
@@ -99,7 +97,17 @@ static __always_inline int exit_open(long ret) {
     if (ret >= 0) {
         struct key_t k = {.tgid = id >> 32, .fd = (s32)ret};
         tracked.update(&k, p);
-        count_and_emit(id, 1, (s32)ret, 0, p);
+        count(id);
+#if STREAM
+        struct open_event_t *e = events.ringbuf_reserve(sizeof(struct open_event_t));
+        if (e) {
+            fill(&e->h, id, 1, (s32)ret, 0);
+            __builtin_memcpy(e->path, p->s, PATH_LEN);
+            events.ringbuf_submit(e, RB_NO_WAKEUP);
+        } else {
+            lost_one();
+        }
+#endif
     }
     pending.delete(&tid);
     return 0;
@@ -122,7 +130,16 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
     struct path_t *p = tracked.lookup(&k);
     if (!p)
         return 0;
-    count_and_emit(id, 2, k.fd, (u32)args->cmd, p);
+    count(id);
+#if STREAM
+    struct event_t *e = events.ringbuf_reserve(sizeof(struct event_t));
+    if (!e) {
+        lost_one();
+        return 0;
+    }
+    fill(e, id, 2, k.fd, (u32)args->cmd);
+    events.ringbuf_submit(e, RB_NO_WAKEUP);
+#endif
     return 0;
 }
 """
@@ -133,10 +150,8 @@ _OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->
 TRACEPOINT_PROBE(syscalls, sys_exit_open) { return exit_open(args->ret); }"""
 
 
-class Event(ct.Structure):
-    _fields_ = [("ts", ct.c_uint64), ("tgid", ct.c_uint32), ("tid", ct.c_uint32),
-                ("fd", ct.c_int32), ("cmd", ct.c_uint32), ("kind", ct.c_uint32),
-                ("pad", ct.c_uint32), ("comm", ct.c_char * 16), ("path", ct.c_char * PATH_LEN)]
+EVENT = struct.Struct("<QIIiIII16s")  # struct event_t
+OPEN_EVENT = struct.Struct(f"<QIIiIII16s{PATH_LEN}s")  # struct open_event_t
 
 
 def match_expr(prefixes: Iterable[str]) -> str:
@@ -244,6 +259,8 @@ class IoctlProbe(ProbeBackend):
         self._final_counts: dict[int, int] = {}
         self._final_lost = 0
         self._gone_counts: dict[int, int] = {}
+        self._names: dict[tuple[int, str], str] = {}
+        self._comms: dict[bytes, str] = {}
 
     def text(self) -> str:
         return bpf_text(self.prefixes, self.ring_pages, self.stream)
@@ -262,14 +279,24 @@ class IoctlProbe(ProbeBackend):
             self._bpf = None
             raise ProbeUnavailable(f"{self.name}: start failed: {e}") from e
 
-    def _decode(self, data: int, size: int) -> ProbeEvent | None:
-        e = _bcc.cast(data, Event)
-        path = _bcc.read_str(e.path)
-        if e.kind == KIND_OPEN:
-            self.fd_paths[(e.tgid, e.fd)] = path
-            return ProbeEvent(e.ts, e.tgid, e.tid, "open", e.fd, 0, path, _bcc.read_str(e.comm))
-        return ProbeEvent(e.ts, e.tgid, e.tid, "ioctl", e.fd, e.cmd, ioctl_name(e.cmd, path),
-                          _bcc.read_str(e.comm))
+    def _decode(self, raw: bytes) -> ProbeEvent | None:
+        if len(raw) >= OPEN_EVENT.size:
+            ts, tgid, tid, fd, cmd, kind, _, comm, path_b = OPEN_EVENT.unpack_from(raw)
+            path = _bcc.cstr(path_b)
+            self.fd_paths[(tgid, fd)] = path
+            return ProbeEvent(ts, tgid, tid, "open", fd, 0, path, self._comm(comm))
+        ts, tgid, tid, fd, cmd, kind, _, comm = EVENT.unpack_from(raw)
+        path = self.fd_paths.get((tgid, fd), "")
+        name = self._names.get((cmd, path))
+        if name is None:
+            name = self._names[(cmd, path)] = ioctl_name(cmd, path)
+        return ProbeEvent(ts, tgid, tid, "ioctl", fd, cmd, name, self._comm(comm))
+
+    def _comm(self, raw: bytes) -> str:
+        c = self._comms.get(raw)
+        if c is None:
+            c = self._comms[raw] = _bcc.cstr(raw)
+        return c
 
     def seed(self) -> int:
         """Put every matching fd now open in /proc into `tracked`. Returns how many were found."""
@@ -346,7 +373,10 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        probe.start(loop, lambda batch: [print(ev) for ev in batch])
+        def show(batch: list[ProbeEvent]) -> None:
+            for ev in batch:
+                print(ev, flush=True)
+        probe.start(loop, show)
         try:
             await asyncio.Event().wait()
         finally:

@@ -22,10 +22,10 @@ through the ring buffer as a "launch" ProbeEvent (name = the symbol), reservatio
 from __future__ import annotations
 
 import asyncio
-import ctypes as ct
 import glob
 import os
 import re
+import struct
 import subprocess
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -67,7 +67,7 @@ static __always_inline int hit(u32 sym) {
     }
     e->ts = bpf_ktime_get_ns(); e->tgid = id >> 32; e->tid = (u32)id; e->sym = sym; e->pad = 0;
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, 1);  /* BPF_RB_NO_WAKEUP: drained on a timer */
 #endif
     return 0;
 }
@@ -75,9 +75,7 @@ __FUNCS__
 """
 
 
-class LaunchEvent(ct.Structure):
-    _fields_ = [("ts", ct.c_uint64), ("tgid", ct.c_uint32), ("tid", ct.c_uint32),
-                ("sym", ct.c_uint32), ("pad", ct.c_uint32), ("comm", ct.c_char * 16)]
+LAUNCH_EVENT = struct.Struct("<QIIII16s")  # struct levent_t
 
 
 def bpf_text(n_symbols: int = len(SYMBOLS), ring_pages: int = 256, stream: bool = False) -> str:
@@ -234,10 +232,9 @@ class LaunchProbe(ProbeBackend):
             self._bpf = None
             raise
 
-    def _decode(self, data: int, size: int) -> ProbeEvent:
-        e = _bcc.cast(data, LaunchEvent)
-        return ProbeEvent(e.ts, e.tgid, e.tid, "launch", -1, 0, self.symbols[e.sym],
-                          _bcc.read_str(e.comm))
+    def _decode(self, raw: bytes) -> ProbeEvent:
+        ts, tgid, tid, sym, _, comm = LAUNCH_EVENT.unpack_from(raw)
+        return ProbeEvent(ts, tgid, tid, "launch", -1, 0, self.symbols[sym], _bcc.cstr(comm))
 
     def by_symbol(self) -> dict[tuple[int, str], int]:
         """Calls per (tgid, symbol) since start, lossless."""
