@@ -20,6 +20,12 @@ from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 MODES = ("auto", "ioctl", "launches", "tracefs", "off")
 
 
+def wall_time(ts_ns: int) -> float:
+    """A ProbeEvent's CLOCK_MONOTONIC ts_ns as unix seconds (for trace records and timelines)."""
+    import time
+    return time.time() - (time.monotonic_ns() - ts_ns) / 1e9
+
+
 class CombinedProbe(ProbeBackend):
     """Runs several backends as one: start() starts each (a later one failing with ProbeUnavailable
     leaves the earlier ones running and is recorded in `failed`); stop() stops all; counts and lost
@@ -124,4 +130,4 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
 
 
 __all__ = ["CombinedProbe", "MODES", "ProbeBackend", "ProbeEvent", "ProbeUnavailable",
-           "open_probes"]
+           "open_probes", "wall_time"]

@@ -147,6 +147,13 @@ class RingPoller:
                         self._tick()
                     except Exception as e:
                         self.error = e
+            batch = self._drain()  # stopping: hand over what is still in the ring
+            if batch:
+                self.delivered += len(batch)
+                try:
+                    loop.call_soon_threadsafe(on_events, batch)
+                except RuntimeError:
+                    pass
         self._thread = threading.Thread(target=run, name=f"krex-probe-{self._name}", daemon=True)
         self._thread.start()
 
