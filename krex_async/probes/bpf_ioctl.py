@@ -6,8 +6,8 @@ BPF side (BPF_TEXT, specialised by `bpf_text()`):
   parked per thread in `pending`.
 - sys_exit_openat/openat2/open: on success, (tgid, fd) -> path goes into `tracked`; an "open" event.
 - sys_enter_close: the (tgid, fd) leaves `tracked`.
-- sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, comm} (48 bytes;
-  the path travels only with "open" events and seeds, and is kept in user space per (tgid, fd)).
+- sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, cgroup, comm} (56
+  bytes; the path travels only with "open" events and seeds, and is kept in user space per fd).
 Every event is counted per tgid in `counts` and per cgroup (v2 id) in `cg_counts` before it is
 offered to the ring buffer, so counts lose nothing; a failed ring-buffer reservation adds to `lost`.
 Thus sum(counts) == delivered + lost. No kernel struct is read: only tracepoint arguments and helpers
@@ -26,6 +26,7 @@ import asyncio
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from . import _bcc
@@ -46,7 +47,9 @@ BPF_TEXT = r"""
 
 struct key_t { u32 tgid; s32 fd; };
 struct path_t { char s[PATH_LEN]; } __attribute__((aligned(8)));
-struct event_t { u64 ts; u32 tgid; u32 tid; s32 fd; u32 cmd; u32 kind; u32 pad; char comm[16]; };
+struct event_t {
+    u64 ts; u32 tgid; u32 tid; s32 fd; u32 cmd; u32 kind; u32 pad; u64 cgroup; char comm[16];
+};
 struct open_event_t { struct event_t h; char path[PATH_LEN]; };
 
 BPF_HASH(tracked, struct key_t, struct path_t, 65536);
@@ -74,6 +77,7 @@ static __always_inline void lost_one(void) {
 static __always_inline void fill(struct event_t *e, u64 id, u32 kind, s32 fd, u32 cmd) {
     e->ts = bpf_ktime_get_ns();
     e->tgid = id >> 32; e->tid = (u32)id; e->fd = fd; e->cmd = cmd; e->kind = kind; e->pad = 0;
+    e->cgroup = bpf_get_current_cgroup_id();
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
 }
 
@@ -150,8 +154,17 @@ _OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->
 TRACEPOINT_PROBE(syscalls, sys_exit_open) { return exit_open(args->ret); }"""
 
 
-EVENT = struct.Struct("<QIIiIII16s")  # struct event_t
-OPEN_EVENT = struct.Struct(f"<QIIiIII16s{PATH_LEN}s")  # struct open_event_t
+EVENT = struct.Struct("<QIIiIIIQ16s")  # struct event_t
+OPEN_EVENT = struct.Struct(f"<QIIiIIIQ16s{PATH_LEN}s")  # struct open_event_t
+
+
+@dataclass(frozen=True, slots=True)
+class BccEvent(ProbeEvent):
+    """A ProbeEvent with the cgroup v2 id of the calling task (bpf_get_current_cgroup_id): the inode
+    number of its cgroup directory, so an event maps to a command's cgroup even after the process
+    has exited. 0 from backends that do not know it."""
+
+    cgroup: int = 0
 
 
 def match_expr(prefixes: Iterable[str]) -> str:
@@ -281,16 +294,16 @@ class IoctlProbe(ProbeBackend):
 
     def _decode(self, raw: bytes) -> ProbeEvent | None:
         if len(raw) >= OPEN_EVENT.size:
-            ts, tgid, tid, fd, cmd, kind, _, comm, path_b = OPEN_EVENT.unpack_from(raw)
+            ts, tgid, tid, fd, cmd, kind, _, cg, comm, path_b = OPEN_EVENT.unpack_from(raw)
             path = _bcc.cstr(path_b)
             self.fd_paths[(tgid, fd)] = path
-            return ProbeEvent(ts, tgid, tid, "open", fd, 0, path, self._comm(comm))
-        ts, tgid, tid, fd, cmd, kind, _, comm = EVENT.unpack_from(raw)
+            return BccEvent(ts, tgid, tid, "open", fd, 0, path, self._comm(comm), cg)
+        ts, tgid, tid, fd, cmd, kind, _, cg, comm = EVENT.unpack_from(raw)
         path = self.fd_paths.get((tgid, fd), "")
         name = self._names.get((cmd, path))
         if name is None:
             name = self._names[(cmd, path)] = ioctl_name(cmd, path)
-        return ProbeEvent(ts, tgid, tid, "ioctl", fd, cmd, name, self._comm(comm))
+        return BccEvent(ts, tgid, tid, "ioctl", fd, cmd, name, self._comm(comm), cg)
 
     def _comm(self, raw: bytes) -> str:
         c = self._comms.get(raw)

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import fcntl, json, os, sys, threading
     path, n_main, n_thread, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     fd = os.open(path, os.O_RDWR)
-    if wait == "1":
+    if wait != "0":
         print(json.dumps({"ready": fd}), flush=True)
         sys.stdin.readline()
     def burst(n, req):
@@ -41,6 +41,8 @@ CHILD = textwrap.dedent("""
     t = threading.Thread(target=worker); t.start(); t.join()
     print(json.dumps({"pid": os.getpid(), "tid": threading.get_native_id(),
                       "thread_tid": box["tid"], "fd": fd}), flush=True)
+    if wait == "2":  # stay alive until told (for attribution through /proc)
+        sys.stdin.readline()
 """)
 
 
@@ -82,21 +84,24 @@ def run_child(path: str, n_main: int, n_thread: int) -> dict[str, int]:
 class WaitingChild:
     """CHILD that opens the device, says ready, and makes its ioctls only when go() is called."""
 
-    def __init__(self, path: str, n_main: int, n_thread: int) -> None:
+    def __init__(self, path: str, n_main: int, n_thread: int, linger: bool = False) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, path, str(n_main),
-                                      str(n_thread), "1"], stdin=subprocess.PIPE,
+                                      str(n_thread), "2" if linger else "1"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.fd = json.loads(self.proc.stdout.readline())["ready"]
 
     def go(self) -> dict[str, int]:
-        out, _ = self.proc.communicate("go\n", timeout=30)
-        return json.loads(out.strip().splitlines()[-1])
+        """Let it make its ioctls; returns its report (it then exits, or lingers until kill())."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.communicate()
 
 
 class Collector:

@@ -92,7 +92,7 @@ async def test_close_untracks_and_other_paths_are_ignored(devdir: str) -> None:
 
 async def test_ring_buffer_overflow_is_counted_as_lost(devdir: str) -> None:
     need_bcc()
-    probe = IoctlProbe([devdir + "/"], ring_pages=1)  # 4 KiB: about 73 ioctl records of 56 bytes
+    probe = IoctlProbe([devdir + "/"], ring_pages=1)  # 4 KiB: about 64 ioctl records of 64 bytes
     col = Collector(probe)
     col.start()
     try:
