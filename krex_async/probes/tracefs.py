@@ -91,6 +91,7 @@ class TracefsProbe(ProbeBackend):
         self._pids: set[int] = set()
         self._fds: set[int] = set()
         self.error: BaseException | None = None
+        self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
 
     def _write(self, rel: str, value: str) -> None:
         path = f"{self.instance}/{rel}"
@@ -164,6 +165,9 @@ class TracefsProbe(ProbeBackend):
                         self._refresh()
                     except ProbeUnavailable as e:
                         self.error = e
+                if self.paused.is_set():
+                    self._stop.wait(0.01)
+                    continue
                 if not poller.poll(100):
                     continue
                 try:

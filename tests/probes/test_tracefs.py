@@ -54,3 +54,23 @@ def test_parse_line_formats() -> None:
     old = "  my-app-x-12 (   -----) [001] d..1  10.000001: sys_ioctl(fd: c, cmd: 541b, arg: 0)"
     assert parse_line(old, fd_hex=True) == (10000001000, 12, 12, 12, FIONREAD, "my-app-x")
     assert parse_line("# tracer: nop") is None
+
+
+async def test_tracefs_overrun_is_counted_as_lost(devdir: str) -> None:
+    need_tracefs()
+    child = WaitingChild(f"{devdir}/null0", 5000, 0)
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.2, buffer_kb=8)  # a few pages per CPU
+    col = Collector(probe)
+    try:
+        col.start()
+        await col.wait_for(lambda: bool(probe._pids))
+        probe.paused.set()  # nobody reads: the per-CPU buffers wrap and count overruns
+        pid = child.go()["pid"]
+        lost = probe.lost()
+        probe.paused.clear()
+        await col.wait_for(lambda: len(col.of(pid)) + lost >= 5000, timeout=3)
+    finally:
+        probe.stop()
+        child.kill()
+    assert lost > 1000
+    assert len(col.of(pid)) + lost == 5000
