@@ -142,8 +142,21 @@ def loss_part(rate: float, seconds: float, tmp: str) -> dict[str, Any]:
         time.sleep(0.3)
         r.pump()
         counts, lost = probe.counts().get(pid, 0), probe.lost()
+    # Consumer CPU per event: fill the ring while paused, then time one drain on this thread.
+    probe = IoctlProbe([tmp + "/"], ring_pages=2048)
+    with Running(probe):
+        assert probe.poller is not None
+        probe.poller.paused.set()
+        time.sleep(0.05)
+        run([w, "ioctl", dev, "100000"])
+        t0 = time.thread_time()
+        got = len(probe.poller._drain())
+        per_event = (time.thread_time() - t0) * 1e9 / max(got, 1)
+        reader = probe.poller.reader
+        probe.poller.paused.clear()
     return {"requested_rate": rate, "achieved_rate": float(out[2]), "ioctls": n,
-            "counted": counts, "delivered": r.events, "lost": lost}
+            "counted": counts, "delivered": r.events, "lost": lost,
+            "consumer_ns_per_event": per_event, "reader": reader}
 
 
 def gpu_part(reps: int, n: int) -> list[dict[str, Any]]:

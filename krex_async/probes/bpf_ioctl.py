@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -261,11 +262,12 @@ class IoctlProbe(ProbeBackend):
     name = "bcc-ioctl"
 
     def __init__(self, prefixes: Iterable[str] | None = None, ring_pages: int = 1024,
-                 stream: bool = True, rescan_s: float = 5.0) -> None:
+                 stream: bool = True, rescan_s: float = 5.0, mmap_reader: bool = True) -> None:
         self.prefixes = check_prefixes(prefixes if prefixes is not None else DEFAULT_PREFIXES)
         self.ring_pages = ring_pages
         self.stream = stream
         self.rescan_s = rescan_s
+        self.mmap_reader = mmap_reader  # False: bcc's ring_buffer_consume (a ctypes call per record)
         self.fd_paths: dict[tuple[int, int], str] = {}  # (tgid, fd) -> path, from seeds and opens
         self._poller: _bcc.RingPoller | None = None
         self._bpf: Any = None
@@ -284,8 +286,10 @@ class IoctlProbe(ProbeBackend):
         try:
             self._bpf = bpf
             self.seed()
+            ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(bpf, "events", self._decode, self.name,
-                                           tick=self._upkeep, tick_s=self.rescan_s or 3600.0)
+                                           tick=self._upkeep, tick_s=self.rescan_s or 3600.0,
+                                           ring_bytes=ring_bytes)
             self._poller.start(loop, on_events)
         except Exception as e:
             bpf.cleanup()

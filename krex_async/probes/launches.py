@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import mmap
 import os
 import re
 import struct
@@ -159,12 +160,13 @@ class LaunchProbe(ProbeBackend):
 
     def __init__(self, libs: Iterable[str] | None = None, search: bool = True, stream: bool = False,
                  ring_pages: int = 256, rescan_s: float = 5.0,
-                 symbols: Iterable[str] = SYMBOLS) -> None:
+                 symbols: Iterable[str] = SYMBOLS, mmap_reader: bool = True) -> None:
         self.libs_configured = list(libs or ())
         self.search = search
         self.stream = stream
         self.ring_pages = ring_pages
         self.rescan_s = rescan_s
+        self.mmap_reader = mmap_reader
         self.symbols = tuple(symbols)
         self.attached: dict[str, list[str]] = {}  # library path -> symbols probed there
         self._seen_files: set[tuple[int, int]] = set()
@@ -224,8 +226,10 @@ class LaunchProbe(ProbeBackend):
                 self._attach_lib(lib)
             if not self.attached:
                 raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
+            ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(self._bpf, "events", self._decode, self.name,
-                                           tick=self._rescan, tick_s=self.rescan_s or 3600.0)
+                                           tick=self._rescan, tick_s=self.rescan_s or 3600.0,
+                                           ring_bytes=ring_bytes)
             self._poller.start(loop, on_events)
         except BaseException:
             self._bpf.cleanup()

@@ -14,14 +14,18 @@ from krex_async.probes.bpf_ioctl import IoctlProbe, bpf_text, check_prefixes, ma
 from .conftest import FIONREAD, TCGETS, Collector, WaitingChild, need_bcc, run_child
 
 
-async def test_ioctls_seen_with_identity(devdir: str) -> None:
+@pytest.mark.parametrize("mmap_reader", [True, False], ids=["mmap-reader", "bcc-reader"])
+async def test_ioctls_seen_with_identity(devdir: str, mmap_reader: bool) -> None:
     need_bcc()
     # Two prefixes: the device matches only the second, so the generated compare must OR them.
-    probe = IoctlProbe(["/nonexistent/krex", devdir + "/"])
+    probe = IoctlProbe(["/nonexistent/krex", devdir + "/"], mmap_reader=mmap_reader)
     col = Collector(probe)
     t0 = time.monotonic_ns()
     col.start()
     try:
+        assert probe.poller is not None
+        assert probe.poller.reader == ("mmap" if mmap_reader and os.uname().machine == "x86_64"
+                                       else "bcc")
         child = run_child(f"{devdir}/null0", 5, 3)
         pid = child["pid"]
         assert await col.wait_for(lambda: len(col.of(pid)) >= 9)
