@@ -101,7 +101,7 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
     mechanism (ValueError for an unknown mode or bad prefixes). The backend is not started.
     """
     from .bpf_ioctl import DEFAULT_PREFIXES, IoctlProbe, check_prefixes
-    from .launches import LaunchProbe
+    from .launches import LaunchProbe, find_libraries
     from .tracefs import TracefsProbe
 
     if mode not in MODES:
@@ -118,8 +118,11 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
     if ok:
         ioctl = IoctlProbe(pre)
         if mode == "launches" or (mode == "auto" and launch_libs):
+            libs = find_libraries(launch_libs)
+            found = ("on " + ", ".join(libs)) if libs else \
+                "none found yet: /proc/*/maps rescanned every 5 s"
             return (CombinedProbe(ioctl, LaunchProbe(launch_libs)),
-                    f"probes: bcc ioctl on {where} + launch uprobes ({why})")
+                    f"probes: bcc ioctl on {where} + launch uprobes ({found}) ({why})")
         return ioctl, f"probes: bcc ioctl on {where} ({why})"
     if mode != "auto":
         return None, f"probes: none ({mode} requested, bcc unavailable: {why})"

@@ -152,8 +152,10 @@ def find_libraries(configured: Iterable[str] | None = None, names: Iterable[str]
 class LaunchProbe(ProbeBackend):
     """bcc uprobes on launch APIs; see the module docstring.
 
-    start() raises ProbeUnavailable when bcc cannot run or no library exports a known symbol (with
-    what was searched). stop() detaches every uprobe and joins the poll thread.
+    start() raises ProbeUnavailable when bcc cannot run, or (with search=False) when no configured
+    library exports a known symbol. With search=True it starts even with none found yet and probes
+    libraries as /proc/*/maps shows them (`attached` says what is probed). stop() detaches every
+    uprobe and joins the poll thread.
     """
 
     name = "bcc-launches"
@@ -217,14 +219,14 @@ class LaunchProbe(ProbeBackend):
     def start(self, loop: asyncio.AbstractEventLoop,
               on_events: Callable[[list[ProbeEvent]], None]) -> None:
         libs = find_libraries(self.libs_configured, LIB_NAMES, self.search)
-        if not libs:
+        if not libs and not self.search:
             raise ProbeUnavailable(f"{self.name}: no {'/'.join(LIB_NAMES)} found (configured "
-                                   f"{self.libs_configured}, ldconfig, {KNOWN_DIRS}, /proc/*/maps)")
+                                   f"{self.libs_configured})")
         self._bpf = _bcc.compile_bpf(self.text(), self.name)
         try:
             for lib in libs:
                 self._attach_lib(lib)
-            if not self.attached:
+            if not self.attached and not self.search:
                 raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(self._bpf, "events", self._decode, self.name,

@@ -95,8 +95,31 @@ def test_find_libraries_dedupes_by_inode(fake_libcuda: str, tmp_path: Path) -> N
 
 
 async def test_no_library_is_unavailable(tmp_path: Path) -> None:
-    from krex_async.probes.base import ProbeUnavailable
     import asyncio
+
+    from krex_async.probes.base import ProbeUnavailable
     probe = LaunchProbe([str(tmp_path / "nothing.so")], search=False)
     with pytest.raises(ProbeUnavailable, match="no libcuda"):
         probe.start(asyncio.get_running_loop(), lambda b: None)
+
+
+async def test_library_loaded_after_start_is_probed(fake_libcuda: str) -> None:
+    """With search on, a libcuda first seen in a process's /proc/<pid>/maps gets probed."""
+    need_bcc()
+    import asyncio
+    probe = LaunchProbe(search=True, rescan_s=0.1)
+    probe.start(asyncio.get_running_loop(), lambda b: None)
+    holder = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; "
+                               f"ctypes.CDLL({fake_libcuda!r}); sys.stdin.readline()"],
+                              stdin=subprocess.PIPE, text=True)
+    try:
+        for _ in range(100):
+            if fake_libcuda in probe.attached:
+                break
+            await asyncio.sleep(0.05)
+        assert fake_libcuda in probe.attached
+        pid = call(fake_libcuda, 40, 0, 0, 0)
+        assert probe.by_symbol()[(pid, "cuLaunchKernel")] == 40
+    finally:
+        holder.communicate("x\n")
+        probe.stop()
