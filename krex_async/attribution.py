@@ -1,7 +1,8 @@
 """Probe events to commands, devices and regions: who touched the GPU driver, and was it a stray.
 
-Every event names a tgid. It belongs to a command when the tgid is in the command's cgroup (read from
-/proc/<tgid>/cgroup) or descends from the command's leader; otherwise it is from outside krex. While a
+Every event names a tgid (and, from bcc, its cgroup id). It belongs to a command when its cgroup is the
+command's or the tgid descends from the command's leader (probes.attribution); otherwise it is from
+outside krex. While a
 region is held on a device, an event from any process that is not the owner command's, on that device
 or from outside krex (which could be on any device), is a *stray*: it is counted in the region's report
 with its pid and first events, and sent to `krex trace` at once.
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import logs
+from .probes.attribution import Attributor as Mapper
 from .probes.base import ProbeBackend, ProbeEvent
 
 if TYPE_CHECKING:
@@ -43,50 +44,25 @@ class Watch:
     first: list[str] = field(default_factory=list)
 
 
-def _parents(pid: int, limit: int = 256) -> list[int]:
-    out: list[int] = []
-    while pid > 1 and len(out) < limit:
-        out.append(pid)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            break
-        pid = int(data[data.rindex(b")") + 2:].split()[1])
-    return out
-
-
-def _cgroup_command(tgid: int) -> str | None:
-    try:
-        with open(f"/proc/{tgid}/cgroup") as f:
-            text = f.read()
-    except OSError:
-        return None
-    for part in text.replace("\n", "/").split("/"):
-        if part.startswith("cmd-"):
-            return part[4:]
-    return None
-
-
 class Attributor:
     def __init__(self, daemon: "Daemon", backend: ProbeBackend) -> None:
         self.d = daemon
         self.backend = backend
         self.watches: dict[str, Watch] = {}  # region id -> watch
-        self._cache: OrderedDict[int, str | None] = OrderedDict()
+        self.mapper = Mapper()
         self.events = 0
 
-    def command_of(self, tgid: int) -> "Command | None":
-        if tgid in self._cache:
-            cid = self._cache[tgid]
-        else:
-            cid = _cgroup_command(tgid)
-            if cid is None:
-                leaders = {c.pid: c.id for c in self.d.commands.values() if c.pid}
-                cid = next((leaders[p] for p in _parents(tgid) if p in leaders), None)
-            self._cache[tgid] = cid
-            if len(self._cache) > 65536:
-                self._cache.popitem(last=False)
+    def command_started(self, cmd: "Command") -> None:
+        if cmd.pid is not None and cmd.group is not None:
+            self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.d.backend.cgroup_dir(cmd.group))
+
+    def command_ended(self, cmd: "Command") -> None:
+        self.mapper.remove(cmd.id)
+
+    def command_of(self, ev: ProbeEvent | int) -> "Command | None":
+        if isinstance(ev, int):
+            ev = ProbeEvent(ts_ns=0, tgid=ev, tid=ev, kind="count")
+        cid = self.mapper.command_of(ev)
         return self.d.commands.get(cid) if cid else None
 
     # ------------------------------------------------------------------------------ regions
@@ -111,10 +87,10 @@ class Attributor:
         if self.backend.lost() > w.lost_at_start:
             rep.tainted = True
 
-    def _is_stray(self, r: "Region", tgid: int) -> bool:
-        if tgid == os.getpid():
+    def _is_stray(self, r: "Region", ev: ProbeEvent | int) -> bool:
+        if (ev if isinstance(ev, int) else ev.tgid) == os.getpid():
             return False
-        cmd = self.command_of(tgid)
+        cmd = self.command_of(ev)
         if cmd is None:
             return True  # outside krex: it may be on any device
         if cmd is r.command:
@@ -131,16 +107,16 @@ class Attributor:
             stray_for = None
             for r in held:
                 w = self.watches[r.id]
-                if ev.ts_ns >= w.since_ns and self._is_stray(r, ev.tgid):
+                if ev.ts_ns >= w.since_ns and self._is_stray(r, ev):
                     stray_for = r
                     w.pids[ev.tgid] = w.pids.get(ev.tgid, 0) + 1
                     if len(w.first) < FIRST_STRAYS:
                         w.first.append(f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
                                        f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}")
                     if ev.kind == "open":
-                        self.d.regions.freeze_late(r, ev.tgid)
+                        self.d.regions.freeze_late(r, ev)
             if self.d.tracers:
-                cmd = self.command_of(ev.tgid)
+                cmd = self.command_of(ev)
                 self.d.trace("stray" if stray_for else "probe", stray_for,
                              command=cmd.id if cmd else "", pid=ev.tgid, tid=ev.tid,
                              probe=ev.kind, fd=ev.fd, request=ev.request, name=ev.name,

@@ -46,7 +46,11 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--state-dir")
     p.add_argument("--log-format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"])
+    p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"],
+                   help="GPU driver probes (default auto: bcc, else tracefs, else none)")
+    p.add_argument("--probe-prefixes", help="comma-separated device path prefixes to watch "
+                                            "(default /dev/nvidia,/dev/kfd,/dev/dri/renderD)")
+    p.add_argument("--launch-libs", help="comma-separated libraries for --probes launches")
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")

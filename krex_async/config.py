@@ -46,7 +46,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state_dir: str = ""
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "off"
+    probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "auto"
+    probe_prefixes: str = ""  # comma-separated device path prefixes ("" = the GPU defaults)
+    launch_libs: str = ""  # comma-separated libcuda / libhsa-runtime64 paths for --probes launches
     admin_group: str = ""
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1

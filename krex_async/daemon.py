@@ -195,6 +195,8 @@ class Daemon:
             region.frozen.append(cmd.group)
             region.frozen_ids.append(cmd.id)
             region.report.frozen.append(cmd.id)
+        if self.attributor is not None:
+            self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
         self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
                    pid=cmd.pid or 0, frozen=region is not None)
@@ -229,6 +231,8 @@ class Daemon:
                  device=report.device, via=report.via)
         if cmd.group is not None:
             await self.backend.remove(cmd.group)
+        if self.attributor is not None:
+            loop.call_later(1.0, self.attributor.command_ended, cmd)  # late events still attribute
         loop.call_later(self.config.retention, lambda: self.commands.pop(cmd.id, None))
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
@@ -397,5 +401,7 @@ class Daemon:
                 await asyncio.wait(pending, timeout=5)
         for pool in self.pools.values():
             await pool.close()
+        if self.attributor is not None:
+            self.attributor.backend.stop()
         await self.backend.close()
 

@@ -28,6 +28,7 @@ from .isolation.base import FreezeError, Group
 
 if TYPE_CHECKING:
     from .daemon import Daemon
+    from .probes.base import ProbeEvent
 
 log = logs.get("krex.region")
 
@@ -334,13 +335,13 @@ class Regions:
             except Exception as e:
                 log.error("cores_restore_failed", region=r.id, error=repr(e))
 
-    def freeze_late(self, r: Region, tgid: int) -> None:
+    def freeze_late(self, r: Region, ev: "ProbeEvent") -> None:
         """--freeze device-holders: a sibling that opened a GPU device during the region is frozen
         as soon as the probes see the open (the open itself is reported as a stray)."""
         if self.d.config.freeze != "device-holders" or r.report.outcome != "held":
             return
         assert self.d.attributor is not None
-        cmd = self.d.attributor.command_of(tgid)
+        cmd = self.d.attributor.command_of(ev)
         if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
                 or cmd.group.frozen:
             return
@@ -363,8 +364,11 @@ class Regions:
         self.d.track(asyncio.get_running_loop().create_task(freeze()))
 
     def admit_frozen(self, cmd: Command) -> Region | None:
-        """A command starting on a device whose region is held lands frozen: the region it joins."""
-        if cmd.device is None or not self.d.scheduler.isolates():
+        """A command starting on a device whose region is held lands frozen: the region it joins.
+        Under --freeze device-holders it holds no GPU file yet, so it starts (fenced off the
+        region cores) and is frozen if it opens one during the region."""
+        if cmd.device is None or not self.d.scheduler.isolates() or \
+                self.d.config.freeze == "device-holders":
             return None
         r = self.holder_on(cmd.device.key)
         return r if r is not None and r.report.outcome in ("open", "held") else None

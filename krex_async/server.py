@@ -24,6 +24,7 @@ import msgspec
 from . import logs
 from . import protocol as P
 from .config import ServeConfig
+from .attribution import Attributor
 from .daemon import Daemon, RequestError
 from .devices.base import Device
 from .isolation import choose_backend
@@ -269,6 +270,32 @@ def cpu_devices(spec: str) -> list[Device]:
             for i in range(n)]
 
 
+def start_probes(daemon: Daemon) -> None:
+    """Open the probe backend `--probes` asks for and feed its events to the attributor. A probe
+    that cannot run is a logged state, never a reason not to serve."""
+    cfg = daemon.config
+    if cfg.probes == "off":
+        log.info("probes", backend=None, reason="off (--probes off)")
+        return
+    from .probes import open_probes
+
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()] or None  # noqa: E731
+    backend, reason = open_probes(cfg.probes, split(cfg.probe_prefixes), split(cfg.launch_libs))
+    log.info("probes", backend=backend.name if backend else None, reason=reason)
+    if backend is None:
+        return
+    attributor = Attributor(daemon, backend)
+    try:
+        backend.start(asyncio.get_running_loop(), attributor.on_events)
+    except Exception as e:  # ProbeUnavailable or a failed attach: run without probes, and say so
+        log.warning("probes", backend=None, reason=f"{backend.name} failed to start: {e}")
+        return
+    daemon.attributor = attributor
+    failed = getattr(backend, "failed", None)
+    if failed:
+        log.warning("probes_partial", failed=failed)
+
+
 async def serve(config: ServeConfig) -> int:
     cfg = config.resolved()
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
@@ -281,6 +308,7 @@ async def serve(config: ServeConfig) -> int:
     devices = cpu_devices(cfg.devices) if cfg.devices in ("none", "auto") or \
         cfg.devices.startswith("cpu") else cpu_devices("none")
     daemon = Daemon(cfg, backend, devices)
+    start_probes(daemon)
     await daemon.start_pools()
     return await Server(cfg, daemon).run()
 

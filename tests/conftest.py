@@ -82,6 +82,8 @@ async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIter
         cg = private_cgroup_root()
         if cg is not None:
             args = (*args, "--cgroup-root", cg)
+    if "--probes" not in args:
+        args = (*args, "--probes", "off")  # each test that wants probes asks for them
     d = tempfile.mkdtemp(prefix="krex-", dir="/tmp")
     sock = os.path.join(d, "s")
     log = Path(d) / "daemon.log"

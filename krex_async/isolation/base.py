@@ -86,6 +86,10 @@ class Backend(abc.ABC):
         """
         return argv
 
+    def cgroup_dir(self, group: Group) -> str | None:
+        """The cgroup v2 directory the group's processes start in, where there is one."""
+        return None
+
     def join(self, group: Group, pid: int) -> None:
         """Move a process that was started elsewhere (a pool worker) into the group, before it runs
         the command's first instruction. Backends without a kernel group do nothing."""

@@ -168,6 +168,9 @@ class CgroupBackend(Backend):
         files.append(self.v2.path(g.run, "cgroup.procs"))
         return files
 
+    def cgroup_dir(self, group: Group) -> str | None:
+        return self.v2.path(self._g(group).run)
+
     def join(self, group: Group, pid: int) -> None:
         """Write `pid` into the group's run/ leaf (v1 cpuset twin first, as the launch wrapper does).
         Raises IsolationError (CgroupFileError) when the kernel refuses."""
