@@ -261,18 +261,18 @@ class Daemon:
     def disconnected(self, send: Send) -> None:
         """A connection closed: end the regions it held and the commands only it was watching."""
         for r in list(self.regions.active.values()):
-            if r.send is send:
+            if r.send == send:
                 r.end("owner-died")
         for cmd in self.commands.values():
-            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s is not send}
+            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s != send}
             before = len(cmd.subscribers)
-            cmd.subscribers = [s for s in cmd.subscribers if s.send is not send]
+            cmd.subscribers = [s for s in cmd.subscribers if s.send != send]
             if before and not cmd.subscribers and cmd.state in ("queued", "running") \
                     and cmd.spec.on_disconnect == "kill":
                 log.info("agent_disconnected", command=cmd.id, action="kill")
                 self.track(asyncio.get_running_loop().create_task(
                     self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)))
-        self.tracers = [(s, i) for s, i in self.tracers if s is not send]
+        self.tracers = [(s, i) for s, i in self.tracers if s != send]
 
     # ---------------------------------------------------------------------------------- regions
 

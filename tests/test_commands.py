@@ -177,3 +177,20 @@ async def test_cancel_and_attach_after_disconnect(script):
             await c.cancel(h2.command)
             r2 = await h2.wait()
             assert r2.report.state == "cancelled" and r2.returncode == -15
+
+
+async def test_disconnect_kills_or_keeps_per_request(tmp_path):
+    pids = {k: tmp_path / k for k in ("kill", "keep")}
+    async with run_daemon() as d:
+        c = await d.client()
+        for mode, path in pids.items():
+            await c.submit(["sh", "-c", f"echo $$ > {path}; exec sleep 30"], on_disconnect=mode)
+        deadline = time.monotonic() + 10
+        while not all(p.exists() and p.read_text().strip() for p in pids.values()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await c.close()
+        await asyncio.sleep(1.0)
+        killed, kept = (int(p.read_text()) for p in pids.values())
+        assert proc_state(killed) in (None, "Z"), "on_disconnect=kill left the command running"
+        assert proc_state(kept) not in (None, "Z"), "on_disconnect=keep ended the command"
