@@ -50,6 +50,8 @@ def _region(name: str) -> Any:
         from krex_async import region
     except ImportError:
         return contextlib.nullcontext(None)
+    if not callable(region):  # a checkout whose package does not re-export it yet
+        region = region.region
     return region(name)
 
 
