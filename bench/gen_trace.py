@@ -159,8 +159,12 @@ def _command(rng: random.Random, profile: dict[str, Any], session: str, order: i
     cmd_s = others + phases["timing"]["expect_s"]
     cs = float(profile["command_share"])
     think_mean = cmd_s * (1.0 - cs) / cs
-    sigma = float(profile.get("think", {}).get("sigma", 0.6))
+    tk = profile.get("think", {})
+    sigma = float(tk.get("sigma", 0.6))
     think = rng.lognormvariate(math.log(think_mean) - sigma * sigma / 2.0, sigma) if think_mean > 0 else 0.0
+    think = min(think, float(tk.get("max_factor", math.inf)) * think_mean)
+    if order == 0 and tk.get("first") == "residual":
+        think *= rng.random()  # the replay window opens while the agent is already thinking
     return {"v": VERSION, "session": session, "order": order, "think_s": round(think, 4),
             "target": target, "kernel": kernel, "phases": phases}
 

@@ -282,14 +282,22 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                    "host": os.uname().nodename},
         "passes": {}}
     data["isolated"] = await isolated_pass(trace, a)
+    _write(a.out, data)
     for pol in a.policies:
         data["passes"][pol] = await replay_pass(pol, trace, a)
-    data["summary"] = analysis.summarise(data, trace)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(a.out)
+        data["summary"] = analysis.summarise(data, trace)
+        _write(a.out, data)  # after every pass: a run cut short still leaves what it measured
+    data["config"]["ended_at"] = time.time()
+    _write(a.out, data)
     return data
+
+
+def _write(out: Path, data: dict[str, Any]) -> None:
+    """Replace `out` atomically (write a temporary file, then rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
