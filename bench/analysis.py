@@ -77,7 +77,7 @@ def measured_ideal(passes: dict[str, Any], lines: list[dict[str, Any]], n: int, 
     return bound(C, R, W, max(per.values(), default=0.0), min(n, len(per)) or 1, cores)
 
 
-def baselines(isolated: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def baselines(isolated: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per kernel|method key: the median over repeats of the isolated median and p95, and the bucket."""
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in isolated:
@@ -92,7 +92,7 @@ def baselines(isolated: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def inflation(p: dict[str, Any], base: dict[str, dict[str, float]]) -> dict[str, Any]:
+def inflation(p: dict[str, Any], base: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Inflation of each command's median (and p95) over the isolated one, summarised as p50 and p95
     across commands per bucket, and per bucket and timing method."""
     rows = []

@@ -118,7 +118,7 @@ def make_callable(source: dict[str, Any], gpu: bool, seed: int) -> tuple[Callabl
         mod = _load(root / source["path"], f"kb_{abs(hash(source['path']))}")
         model = mod.Model(*mod.get_init_inputs())
         args = [_to_device(x, gpu) for x in mod.get_inputs()]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[Any, Any] = {}
     else:
         op = root / source["path"]
         shape = json.loads((op / "shapes.json").read_text(encoding="utf-8"))[source["shape"]]

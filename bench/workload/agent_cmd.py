@@ -47,7 +47,7 @@ def _use_gpu() -> bool:
 def _region(name: str) -> Any:
     """krex's region when krex is importable (itself a no-op outside a krex command), else a no-op."""
     try:
-        from krex_async import region
+        from krex_async import region  # type: ignore[attr-defined]
     except ImportError:
         return contextlib.nullcontext(None)
     if not callable(region):  # a checkout whose package does not re-export it yet
@@ -88,14 +88,14 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int) -> di
     times: dict[str, float] = {"import": imported_s}
     tag = ph["compile"].get("tag") or f"{line['session']}-{line['order']}"
     t0 = time.perf_counter()
+    import cpu_kernels as K_cpu
+    K: Any = K_cpu
+    compiled: list[Any] = []
     if gpu:
-        import gpu_kernels as K
+        import gpu_kernels
+        K = gpu_kernels
         g = ph["compile"].get("gpu") or {}
         compiled = K.compile_fresh(tag, int(g.get("count", 1)), g.get("compile", "triton"))
-    else:
-        import cpu_kernels as K
-        compiled = []
-    K_cpu = __import__("cpu_kernels")
     K_cpu.host_work(float(ph["compile"].get("cpu_s", 0.0)), tag)
     times["compile"] = time.perf_counter() - t0
 

@@ -101,6 +101,9 @@ def _make_numpy(kind: str, size: list[int], g: Any) -> tuple[Callable[[], Any], 
 def _make_python(kind: str, size: list[int], rng: random.Random) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     def vec(n: int) -> list[float]:
         return [rng.gauss(0.0, 1.0) for _ in range(n)]
+    x: Any
+    got: Callable[[], Any]
+    ref: Callable[[], Any]
     if kind == "matmul":
         m, n, k = size
         a, b = [vec(k) for _ in range(m)], [vec(n) for _ in range(k)]
@@ -147,7 +150,7 @@ def _make_python(kind: str, size: list[int], rng: random.Random) -> tuple[Callab
         raise ValueError(f"cpu device has no kernel kind {kind!r}")
 
     def check() -> tuple[bool, float]:
-        err = max(abs(p - q) for gr, rr in zip(got(), ref()) for p, q in zip(gr, rr))
+        err = max((abs(p - q) for gr, rr in zip(got(), ref()) for p, q in zip(gr, rr)), default=0.0)
         return math.isfinite(err) and err < 1e-6, err
     return fn, check
 
