@@ -218,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(x) for x in a.suite_levels.split(",") if x]
         suite_kernels = suites.suite_kernels(a.suite, a.suite_path, levels=levels,
                                              expected_ms=float(profile.get("suite_expected_ms", 1.0)))
-        profile = dict(profile, target="gpu") if profile["target"] != "cpu" else profile
     lines = generate(profile, a.sessions or int(profile["sessions"]), a.seed, suite_kernels)
     for line in lines:
         errs = validate_line(line)

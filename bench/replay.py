@@ -127,7 +127,7 @@ class Progress:
 
     def show(self, final: bool = False) -> None:
         now = time.monotonic()
-        if not final and not self.tty and now - self._last < 5.0:
+        if not final and not self.tty and now - self._last < 10.0:
             return
         self._last = now
         width = 24
