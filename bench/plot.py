@@ -37,10 +37,13 @@ def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     ideal = s["ideal_trace"]["ratio"]
+    top = max(vals, default=1.0)
     if "command" in s["policies"]:
-        ax.axhline(s["policies"]["command"]["commands_per_hour"] * ideal, ls="--", color="gray",
-                   label=f"ideal region ({ideal:.2f}x command)")
+        line = s["policies"]["command"]["commands_per_hour"] * ideal
+        top = max(top, line)
+        ax.axhline(line, ls="--", color="gray", label=f"ideal region ({ideal:.2f}x command)")
         ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(0, top * 1.3)
     ax.set_ylabel("commands / hour")
     ax.set_title(f"throughput, {data['config']['commands']} commands, {data['config']['concurrency']} agents")
     fig.tight_layout()
