@@ -55,6 +55,15 @@ def trace_ideal(lines: list[dict[str, Any]], n: int, cores: int, think_scale: fl
     return bound(C, R, W, max(per.values(), default=0.0), min(n, len(per)) or 1, cores)
 
 
+def exclusive_s(r: dict[str, Any]) -> float:
+    """How long a command ran (start to end of its process, queueing for the device excluded)."""
+    rep = r.get("report") or {}
+    start, end = float(rep.get("started_at", 0.0)), float(rep.get("ended_at", 0.0))
+    if start > 0 and end >= start:
+        return end - start
+    return max(0.0, float(r["client_s"]) - float(rep.get("queued_s", 0.0)))
+
+
 def measured_ideal(passes: dict[str, Any], lines: list[dict[str, Any]], n: int, cores: int,
                    think_scale: float) -> dict[str, float] | None:
     """The ideal ratio from measurements: command-pass exclusive times and region-pass regions."""
@@ -64,8 +73,7 @@ def measured_ideal(passes: dict[str, Any], lines: list[dict[str, Any]], n: int, 
     per: dict[str, float] = defaultdict(float)
     C = W = 0.0
     for r in passes["command"]["commands"]:
-        rep = r.get("report") or {}
-        own = max(0.0, float(rep.get("wall_s", r["client_s"])) - float(rep.get("queued_s", 0.0)))
+        own = exclusive_s(r)
         C += own
         t = think.get((r["session"], r["order"]), 0.0)
         W += own + t
