@@ -34,7 +34,8 @@ def test_two_sessions_all_policies(tmp_path: Path) -> None:
     prof.write_text(json.dumps({
         "name": "tiny", "base": "quick", "sessions": 2, "concurrency": 2,
         "commands_per_session": {"mean": 2, "min": 2, "max": 2},
-        "timing": {"min_reps": 5, "max_reps": 40, "warmup_ms": 2}}))
+        "timing": {"min_reps": 5, "max_reps": 40, "warmup_ms": 2},
+        "phases": {n: {"expect_s": 0.05, "cpu_s": 0.02} for n in ("import", "compile", "inputs", "check")}}))
     out = tmp_path / "res" / "tiny.json"
     p = run_script("bench/replay.py", "--profile", str(prof), "--seed", "5", "--think-scale", "0.05",
                    "--repeats", "1", "--out", str(out), timeout=120,
