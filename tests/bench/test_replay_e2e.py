@@ -59,3 +59,19 @@ def test_two_sessions_all_policies(tmp_path: Path) -> None:
     assert s["ideal_trace"]["ratio"] >= 1.0 and s["ideal_measured"]["ratio"] > 0
     assert s["baselines"] and all(b["repeats"] == 1 for b in s["baselines"].values())
     assert any(s["policies"][p]["inflation"]["by_bucket"] for p in s["policies"])
+
+
+def test_plot_from_a_results_file(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (not a project dependency)")
+    import analysis
+    import plot
+    iso = [{"key": "k|do_bench", "timing": {"median_ms": 2.0, "p95_ms": 2.2}}]
+    cmd = {"ok": True, "session": "s0", "order": 0, "client_s": 5.0, "result": {"key": "k|do_bench", "method": "do_bench",
+                                  "timing": {"median_ms": 2.1, "p95_ms": 2.3}}, "report": {}}
+    data = {"config": {"commands": 1, "concurrency": 1, "cores": 2, "think_scale": 1.0},
+            "isolated": {"results": iso},
+            "passes": {p: {"makespan_s": 10.0, "commands": [cmd]} for p in ("region", "command", "shared")}}
+    data["summary"] = analysis.summarise(data, [])
+    paths = plot.plot(data, tmp_path, "x")
+    assert [p.name for p in paths] == ["x-throughput.png", "x-inflation-cdf.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
