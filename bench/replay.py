@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,8 +65,9 @@ class Daemon:
                  grace: float = 15.0) -> None:
         self.dir = tempfile.mkdtemp(prefix="krex-rp-", dir="/tmp")
         self.socket = os.path.join(self.dir, "k.sock")
+        # A private state dir: a daemon's start-up sweep must not touch another daemon's state.
         self.argv = [python, "-m", "krex_async", "serve", "--socket", self.socket, "--policy", policy,
-                     "--log-format", "json", *args]
+                     "--log-format", "json", "--state-dir", os.path.join(self.dir, "state"), *args]
         self.log, self.ready_s, self.grace = log, ready_s, grace
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -108,9 +110,7 @@ class Daemon:
                     os.killpg(p.pid, signal.SIGKILL)
                 await asyncio.to_thread(p.wait)
         self._logf.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket)
-            os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stop()
