@@ -156,7 +156,7 @@ async def _submit(c: Any, argv: list[str], opts: argparse.Namespace, env: dict[s
 
 async def replay_pass(policy: str, trace: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
     """Run the trace's sessions under one policy's daemon; returns the pass's raw records."""
-    from krex_async import Client  # type: ignore[attr-defined]
+    from krex_async import Client
     by = sessions(trace)
     queue: asyncio.Queue[str] = asyncio.Queue()
     for s in by:
@@ -233,7 +233,7 @@ def isolated_lines(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
     """Every distinct kernel timed alone (one command, nothing else on the daemon), `repeats` times."""
-    from krex_async import Client  # type: ignore[attr-defined]
+    from krex_async import Client
     lines = isolated_lines(trace)
     spec = opts.logdir / "isolated-kernels.jsonl"
     spec.write_text("".join(dump_lines(lines)))

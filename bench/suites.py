@@ -18,6 +18,7 @@ import ast
 import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -88,8 +89,9 @@ def _load(path: Path, name: str) -> Any:
 
 
 def _to_device(x: Any, gpu: bool) -> Any:
-    if gpu and hasattr(x, "cuda"):
-        return x.cuda()
+    """A tensor or module moved to the GPU (KREX_BENCH_TORCH_DEVICE overrides "cuda" for smoke tests)."""
+    if gpu and hasattr(x, "to") and hasattr(x, "cuda"):
+        return x.to(os.environ.get("KREX_BENCH_TORCH_DEVICE", "cuda"))
     return x
 
 
@@ -130,8 +132,7 @@ def make_callable(source: dict[str, Any], gpu: bool, seed: int) -> tuple[Callabl
         args, kwargs = [], {k: _to_device(v, gpu) for k, v in made.items()}
         if all(isinstance(k, int) for k in kwargs):
             args, kwargs = [kwargs[k] for k in sorted(kwargs)], {}
-    if gpu and hasattr(model, "cuda"):
-        model = model.cuda()
+    model = _to_device(model, gpu)
     if hasattr(model, "eval"):
         model = model.eval()
 

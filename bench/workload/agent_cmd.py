@@ -41,17 +41,17 @@ def _use_gpu() -> bool:
         import torch
     except ImportError:
         return False
+    if os.environ.get("KREX_BENCH_TORCH_DEVICE") == "cpu":  # smoke test of the torch paths, no GPU
+        return True
     return bool(torch.cuda.is_available())
 
 
 def _region(name: str) -> Any:
     """krex's region when krex is importable (itself a no-op outside a krex command), else a no-op."""
     try:
-        from krex_async import region  # type: ignore[attr-defined]
+        from krex_async import region
     except ImportError:
         return contextlib.nullcontext(None)
-    if not callable(region):  # a checkout whose package does not re-export it yet
-        region = region.region
     return region(name)
 
 
@@ -135,7 +135,7 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int) -> di
     return {"krex_bench": 1, "session": line["session"], "order": line["order"],
             "kernel": kernel["id"], "key": f"{kernel['id']}|{t['method']}", "method": t["method"],
             "bucket_expected": kernel.get("bucket"), "reps": reps,
-            "device": "cuda" if gpu else "cpu", "backend": "torch" if gpu else K_cpu.BACKEND,
+            "device": os.environ.get("KREX_BENCH_TORCH_DEVICE", "cuda") if gpu else "cpu", "backend": "torch" if gpu else K_cpu.BACKEND,
             "check": {"ok": bool(ok), "max_abs_err": float(err)},
             "phases_s": {k: round(v, 6) for k, v in times.items()}, "region_held_s": round(held, 6),
             "region": _report(r), "timing": summarise(samples), "pid": os.getpid()}
@@ -155,9 +155,15 @@ def _one_call_ms(fn: Any, gpu_mod: Any) -> float:
 def _imports(gpu: bool, modules: list[str]) -> float:
     t0 = time.perf_counter()
     if gpu:
-        import torch  # noqa: F401
-        import triton  # noqa: F401
-        torch.cuda.init()
+        import torch
+        on_host = os.environ.get("KREX_BENCH_TORCH_DEVICE") == "cpu"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            if not on_host:
+                raise
+        if not on_host:
+            torch.cuda.init()
     else:
         with contextlib.suppress(ImportError):
             import numpy  # noqa: F401

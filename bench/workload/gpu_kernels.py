@@ -1,6 +1,9 @@
 """Kernels, inputs, references, fresh Triton compiles and timing methods for a CUDA device (torch and
 triton). Imported only on GPU machines. Tensors live on the current CUDA device and are freed with the
 process; compiled kernels' sources are written to a temporary directory that is removed at exit.
+
+KREX_BENCH_TORCH_DEVICE=cpu runs the same torch code on the host (no Triton, no CUDA events): only
+for smoke-testing these code paths without a GPU; its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import os
+
 import torch
-import triton
+
+try:
+    import triton
+except ImportError:  # only the smoke test on torch-cpu runs without it
+    triton = None
+
+DEVICE = os.environ.get("KREX_BENCH_TORCH_DEVICE", "cuda")
 
 _SRC_DIR = Path(tempfile.mkdtemp(prefix="krex-agent-"))
 atexit.register(shutil.rmtree, _SRC_DIR, True)
@@ -49,7 +60,7 @@ def compile_fresh(tag: str, count: int, how: str = "triton") -> list[tuple[Calla
     """Compile `count` kernels nobody compiled before (Triton cache misses, or torch.compile) and run
     each once on a small tensor so the compile happens here. Returns (launch(x, y), constant) pairs."""
     out: list[tuple[Callable[..., Any], float]] = []
-    small = torch.randn(4096, device="cuda")
+    small = torch.randn(4096, device=DEVICE)
     for i in range(count):
         c = _const(tag, i)
         if how == "torch_compile":
@@ -72,7 +83,7 @@ def compile_fresh(tag: str, count: int, how: str = "triton") -> list[tuple[Calla
                 kern[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
             launch(small, torch.empty_like(small))
         out.append((launch, c))
-    torch.cuda.synchronize()
+    sync()
     return out
 
 
@@ -82,12 +93,12 @@ def make(kernel: dict[str, Any], seed: int, compiled: list[tuple[Callable[..., A
     reference computed another way (in float32/float64) and returns (ok, max_abs_error)."""
     kind, size = kernel["kind"], list(kernel["size"])
     dt = DTYPES[kernel.get("dtype") or "float32"]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=dt, generator=g)  # noqa: E731
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=DEVICE, dtype=dt, generator=g)  # noqa: E731
     if kind == "matmul":
         m, n, k = size
         a, b = rnd(m, k), rnd(k, n)
-        c = torch.empty(m, n, device="cuda", dtype=dt)
+        c = torch.empty(m, n, device=DEVICE, dtype=dt)
         fn = lambda: torch.mm(a, b, out=c)  # noqa: E731
         got = lambda: fn()[:64].double()  # noqa: E731
         ref = lambda: a[:64].double() @ b.double()  # noqa: E731
@@ -142,15 +153,15 @@ def time_calls(fn: Callable[[], Any], method: str, reps: int, warmup_ms: float, 
                                                               rep=max(1, int(rep_ms)), return_mode="all")]
         except TypeError:  # an older triton without return_mode: one mean only
             return [float(triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms))))]
-    torch.cuda.synchronize()
+    sync()
     end = time.perf_counter() + warmup_ms / 1000.0
     n = 0
     while n < 3 or time.perf_counter() < end:
         fn()
         n += 1
         if n % 8 == 0:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
+            sync()
+    sync()
     if method == "cuda_events":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -158,19 +169,20 @@ def time_calls(fn: Callable[[], Any], method: str, reps: int, warmup_ms: float, 
             s.record()
             fn()
             e.record()
-        torch.cuda.synchronize()
+        sync()
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
     out: list[float] = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         out.append((time.perf_counter() - t0) * 1000.0)
     return out
 
 
 def sync() -> str:
-    torch.cuda.synchronize()
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
     return "torch"
 
 
