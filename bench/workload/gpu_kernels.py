@@ -151,7 +151,10 @@ def time_calls(fn: Callable[[], Any], method: str, reps: int, warmup_ms: float, 
         try:
             return [float(v) for v in triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)),
                                                               rep=max(1, int(rep_ms)), return_mode="all")]
-        except TypeError:  # an older triton without return_mode: one mean only
+        except (TypeError, AssertionError, ValueError):  # a triton without return_mode="all": one median
+            return [float(triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms)),
+                                                  return_mode="median"))]
+        except Exception:  # noqa: BLE001 - very old: no return_mode at all
             return [float(triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms))))]
     sync()
     end = time.perf_counter() + warmup_ms / 1000.0
