@@ -154,8 +154,6 @@ def time_calls(fn: Callable[[], Any], method: str, reps: int, warmup_ms: float, 
         except (TypeError, AssertionError, ValueError):  # a triton without return_mode="all": one median
             return [float(triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms)),
                                                   return_mode="median"))]
-        except Exception:  # noqa: BLE001 - very old: no return_mode at all
-            return [float(triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms))))]
     sync()
     end = time.perf_counter() + warmup_ms / 1000.0
     n = 0
