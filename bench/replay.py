@@ -277,7 +277,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {
         "config": {"trace": str(path), "commands": len(trace), "sessions": n_sessions,
                    "concurrency": a.concurrency, "policies": a.policies, "think_scale": a.think_scale,
-                   "cores": os.cpu_count() or 1, "device": a.device, "daemon_args": a.daemon_arg,
+                   "cores": a.cores, "device": a.device, "daemon_args": a.daemon_arg,
                    "repeats": a.repeats, "started_at": time.time(), "argv": sys.argv,
                    "host": os.uname().nodename},
         "passes": {}}
@@ -316,6 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--command-python", default=None, help="interpreter of the commands (default: --python)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra `krex serve` argument")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replay.json")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="cores for the ideal ratio's C/P bound (default: this machine's)")
+    ap.add_argument("--plan", action="store_true", help="print sizes, ideal ratio and lower-bound "
+                    "pass durations of the trace, run nothing")
     a = ap.parse_args(argv)
     a.policies = [p for p in a.policies.split(",") if p]
     bad = set(a.policies) - {"region", "command", "shared"}
@@ -327,8 +331,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def plan(a: argparse.Namespace) -> dict[str, Any]:
+    """What a run would do, from the trace alone: sizes, the ideal ratio, rough pass durations (s)."""
+    import gen_trace
+    path, trace = _trace_from_args(a)
+    n = a.concurrency or len(sessions(trace))
+    ideal = analysis.trace_ideal(trace, n, a.cores, a.think_scale)
+    iso = isolated_lines(trace)
+    iso_s = 5.0 + a.repeats * sum(x["phases"]["timing"]["expect_s"] + 0.5 for x in iso)
+    est = {"isolated": iso_s, "command": ideal["lb_command_s"], "region": ideal["lb_region_s"],
+           "shared": ideal["lb_region_s"]}
+    return {"trace": str(path), **gen_trace.summary(trace), "sessions": len(sessions(trace)),
+            "concurrency": n, "distinct_kernels": len(iso), "ideal_trace": ideal,
+            "estimated_s": {k: round(v, 1) for k, v in est.items() if k == "isolated" or k in a.policies},
+            "estimated_total_s": round(iso_s + sum(est[p] for p in a.policies), 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.plan:
+        print(json.dumps(plan(a), indent=1))
+        return 0
     data = asyncio.run(run(a))
     print(analysis.table(data["summary"]))
     print(f"\nraw numbers: {a.out}")

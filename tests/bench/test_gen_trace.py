@@ -83,3 +83,13 @@ def test_read_trace_rejects_a_bad_line(tmp_path: Path) -> None:
     p.write_text('{"v": 1}\n')
     with pytest.raises(ValueError, match=r"t.jsonl:1"):
         read_trace(p)
+
+
+def test_replay_plan_runs_nothing_and_sizes_the_trace(tmp_path: Path) -> None:
+    p = run_script("bench/replay.py", "--profile", "gpu-10min", "--seed", "2", "--cores", "16", "--plan",
+                   "--out", str(tmp_path / "x.json"))
+    plan = json.loads(p.stdout)
+    assert plan["commands"] == 40 and plan["concurrency"] == 40
+    assert plan["ideal_trace"]["ratio"] > 4.0
+    assert plan["estimated_total_s"] < 480  # the one-call budget the profile is sized for
+    assert not (tmp_path / "x.json").exists()
