@@ -47,6 +47,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--log-format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"])
+    p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
+    p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
+    p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
     p.add_argument("--print-config", action="store_true", help="print the resolved options and exit")
 
 

@@ -48,6 +48,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "off"
     admin_group: str = ""
+    pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
+    pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
+    pool_preload: str = ""  # comma-separated modules every worker imports, e.g. "torch"
 
     def resolved(self) -> "ServeConfig":
         """A copy with defaults that depend on the machine filled in."""

@@ -21,13 +21,15 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command, Runner, SpecError, Subscriber
+from .commands import Command, Runner, SpecError, Subscriber, with_runtime
 from .config import ServeConfig
+from .ctxpool import Pool, PoolConfig
 from .devices.base import Device
 from .isolation.base import Backend
 from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
+from .spawn import Launched, LaunchSpec
 
 log = logs.get("krex.daemon")
 
@@ -64,7 +66,8 @@ class Daemon:
         self.commands: dict[str, Command] = {}
         self.regions = Regions(self)
         self.attributor: Attributor | None = None  # set when probes run
-        self.runner = Runner(backend, config.socket, self._on_exit)
+        self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
+        self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
         self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
@@ -73,6 +76,34 @@ class Daemon:
         self._boot = f"{int(time.time()) % 100000:05d}"
 
     # ---------------------------------------------------------------------------------- helpers
+
+    async def start_pools(self) -> None:
+        """One pool of warm workers per device, started as the daemon's user (commands of other
+        users are spawned plainly), with the environment commands get from the daemon."""
+        cfg = self.config
+        if cfg.pool_size <= 0:
+            return
+        preload = [m.strip() for m in cfg.pool_preload.split(",") if m.strip()]
+        for d in self.devices:
+            env = dict(os.environ)
+            env.pop("KREX_SOCKET", None)
+            env.update(d.env)
+            pool = Pool(d, cgroup_hook=self._join_group, config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
+                                      preload=preload, init_context=d.vendor != "cpu"),
+                        env=with_runtime(env))
+            await pool.start()
+            self.pools[d.key] = pool
+
+    def _join_group(self, pid: int, spec: LaunchSpec) -> None:
+        """Pool hook: the worker taking a command joins that command's group first."""
+        if self.runner.launching is not None:
+            self.backend.join(self.runner.launching, pid)
+
+    def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
+        pool = self.pools.get(cmd.device_key or "")
+        if pool is None or spec.uid is not None or not pool.accepts(spec):
+            return None
+        return pool.launch_nowait(spec)
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self.tasks.add(task)
@@ -329,6 +360,7 @@ class Daemon:
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},
+                "pools": {k: p.status() for k, p in self.pools.items()},
                 "freeze": self.config.freeze, "region_cores": self.config.region_cores,
                 "devices": devices, "commands": commands}
 
@@ -363,5 +395,7 @@ class Daemon:
                     if c.state == "running" and c.group is not None:
                         await self.backend.kill(c.group, signal.SIGKILL)
                 await asyncio.wait(pending, timeout=5)
+        for pool in self.pools.values():
+            await pool.close()
         await self.backend.close()
 

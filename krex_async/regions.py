@@ -54,6 +54,7 @@ class Region:
     cores: frozenset[int] = frozenset()
     task: asyncio.Task[None] | None = None
     exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
+    paused_pool: bool = False
 
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():
@@ -201,6 +202,10 @@ class Regions:
     async def _isolate(self, r: Region) -> None:
         rep = r.report
         backend = self.d.backend
+        pool = self.d.pools.get(r.device)
+        if pool is not None:
+            pool.pause()  # no context creation on the device while it is held
+            r.paused_pool = True
         targets = self._targets(r)
         t0 = time.perf_counter()
         await self._quiesce(r, targets)
@@ -284,7 +289,7 @@ class Regions:
         self.reserved[r.id] = cores
         r.report.cores = sorted(cores)
         assert r.command.group is not None
-        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid])
+        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
         await self.refence()
 
     async def refence(self) -> None:
@@ -307,6 +312,9 @@ class Regions:
     async def _release(self, r: Region) -> None:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.d.backend
+        if r.paused_pool and r.device in self.d.pools:
+            self.d.pools[r.device].resume()
+            r.paused_pool = False
         for g in r.frozen:
             try:
                 await backend.thaw(g)

@@ -275,9 +275,13 @@ async def serve(config: ServeConfig) -> int:
     backend = choose_backend(cfg)
     for line in await backend.reconcile():
         log.info("reconciled", action=line)
+    start_watchdog = getattr(backend, "start_watchdog", None)
+    if start_watchdog is not None:
+        start_watchdog()  # thaws every krex cgroup within 1 s of this daemon's death
     devices = cpu_devices(cfg.devices) if cfg.devices in ("none", "auto") or \
         cfg.devices.startswith("cpu") else cpu_devices("none")
     daemon = Daemon(cfg, backend, devices)
+    await daemon.start_pools()
     return await Server(cfg, daemon).run()
 
 

@@ -62,7 +62,8 @@ async def still_serving(d) -> None:
     (frame([1, 2, 3]), "bad_request"),
     (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_request"),  # 0xc1 is never valid msgpack
     (struct.pack(">I", 7) + b"\x81\xa4typ\xff\xc0", "bad_request"),  # invalid UTF-8 in a key
-])
+], ids=["unknown-type", "wrong-field-type", "empty-argv", "oversize-arg", "not-a-map",
+        "invalid-msgpack", "invalid-utf8"])
 async def test_undecodable_frames_get_an_error_and_the_connection_goes_on(payload, code):
     async with run_daemon() as d:
         s = await asyncio.to_thread(raw, d.socket)

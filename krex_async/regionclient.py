@@ -16,6 +16,7 @@ unprotected after a single warning on stderr, so the same script still runs alon
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
 import socket
@@ -90,8 +91,19 @@ _warned = False
 def _get_channel() -> _Channel:
     global _channel
     if _channel is None or _channel.pid != os.getpid():
+        if _channel is None:
+            atexit.register(reset)
         _channel = _Channel(os.environ["KREX_SOCKET"])
     return _channel
+
+
+def reset() -> None:
+    """Forget this process's connection and warning (a pool worker does this between commands)."""
+    global _channel, _warned
+    if _channel is not None:
+        _channel.close()
+    _channel = None
+    _warned = False
 
 
 def inside_krex() -> bool:
