@@ -120,6 +120,7 @@ class Runner:
         self.policy = ""
         self.running: dict[str, asyncio.Task[None]] = {}
         self.commands: dict[str, str] = {}  # job id -> krex command id
+        self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -143,7 +144,26 @@ class Runner:
             return None
         self.daemon_error = ""
         self.policy = self.client.welcome.policy if self.client.welcome else ""
+        if self.orphans:
+            await self._reap(self.client)
         return self.client
+
+    async def _reap(self, client: Client) -> None:
+        """Kill the krex commands of jobs a previous gateway left running (found by label), so a
+        job marked gateway_restarted is not still running behind its record."""
+        labels = {f"gateway {j}" for j in self.orphans}
+        try:
+            status = await client.status()
+            for c in status.get("commands", []):
+                if c.get("label") in labels and c.get("state") in ("queued", "starting",
+                                                                    "running"):
+                    try:
+                        await client.cancel(c["command"], 9)
+                    except KrexError:
+                        pass  # it ended meanwhile
+        except KrexError:
+            return  # try again on the next connection
+        self.orphans.clear()
 
     async def _loop(self) -> None:
         while not self._stopping:

@@ -71,6 +71,8 @@ class Store:
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(SCHEMA)
         now = time.time()
+        self.orphans = [r[0] for r in self.db.execute(
+            "SELECT job_id FROM jobs WHERE status='running'").fetchall()]
         self.restarted = self.db.execute(
             "UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? "
             "WHERE status='running'",
