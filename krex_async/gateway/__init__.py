@@ -103,7 +103,8 @@ async def serve(args: argparse.Namespace) -> int:
     runner = Runner(store, state / "jobs", limits, args.socket, kinds,
                     lambda job_id: gw.changed(job_id) if gw else None)
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, args.token)
-    app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False)
+    app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
+                               shutdown_timeout=3.0)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port, reuse_address=True)
     try:
@@ -126,6 +127,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await stop.wait()
     finally:
+        gw.close()
         await app_runner.cleanup()
         await runner.stop()
         store.close()

@@ -48,6 +48,13 @@ class Gateway:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
         self.kinds, self.missing, self.token = kinds, missing, token
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self.closing = False
+
+    def close(self) -> None:
+        """Shutting down: every long poll answers now, with the job as it is."""
+        self.closing = True
+        for job_id in list(self.waiters):
+            self.changed(job_id)
 
     def changed(self, job_id: str) -> None:
         for f in self.waiters.pop(job_id, ()):
@@ -205,7 +212,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         job = self.store.get(job_id)
-        while job is not None and job["status"] not in TERMINAL:
+        while job is not None and job["status"] not in TERMINAL and not self.closing:
             left = deadline - loop.time()
             if left <= 0:
                 break
@@ -216,7 +223,11 @@ class Gateway:
             except TimeoutError:
                 pass
             finally:
-                self.waiters.get(job_id, set()).discard(fut)
+                waiting = self.waiters.get(job_id)
+                if waiting is not None:
+                    waiting.discard(fut)
+                    if not waiting:
+                        del self.waiters[job_id]
             job = self.store.get(job_id)
         return job
 

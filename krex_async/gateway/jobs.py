@@ -15,6 +15,7 @@ new connection is made (the queue waits). Cancelling a running job cancels its k
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -182,9 +183,9 @@ class Runner:
                 task = asyncio.get_running_loop().create_task(self._run(client, job_id, kind,
                                                                         request))
                 self.running[job_id] = task
-                task.add_done_callback(lambda _t, j=job_id: self._done(j))
+                task.add_done_callback(functools.partial(self._done, job_id))
 
-    def _done(self, job_id: str) -> None:
+    def _done(self, job_id: str, _task: object = None) -> None:
         self.running.pop(job_id, None)
         self.commands.pop(job_id, None)
         self.on_change(job_id)

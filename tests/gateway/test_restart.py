@@ -7,6 +7,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import ROOT, run_daemon
@@ -84,3 +85,38 @@ async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path) -> None:
     finally:
         await c.close()
         gw.stop()
+
+
+async def test_sigterm_fails_the_running_job_and_ends_its_command(tmp_path: Path) -> None:
+    state = tmp_path / "gw"
+    async with run_daemon() as daemon:
+        gw = start_gateway(daemon.socket, state)
+        c = gw.client()
+        try:
+            job = await c.dev("echo $$ > ../../pid; exec sleep 60")
+            for _ in range(200):
+                if (state / "pid").exists() and (state / "pid").read_text().strip():
+                    break
+                await asyncio.sleep(0.05)
+            pid = int((state / "pid").read_text())
+            poller = gw.client()
+            poll = asyncio.ensure_future(poller.get(job["job_id"], wait=True, timeout=60))
+            await asyncio.sleep(0.3)
+            assert not poll.done()
+            t = time.monotonic()
+            assert await asyncio.to_thread(gw.stop, signal.SIGTERM, 10) == 0
+            assert time.monotonic() - t < 5
+            # The long poll answered at shutdown instead of being cut off.
+            assert (await asyncio.wait_for(poll, 5))["status"] in ("running", "failed")
+            assert not pid_alive(pid)
+        finally:
+            await c.close()
+            await poller.close()
+        gw = start_gateway(daemon.socket, state)
+        c = gw.client()
+        try:
+            view = await c.get(job["job_id"])
+            assert view["status"] == "failed" and view["error"]["reason"] == "gateway_stopped"
+        finally:
+            await c.close()
+            gw.stop()
