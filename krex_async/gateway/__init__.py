@@ -80,7 +80,7 @@ async def serve(args: argparse.Namespace) -> int:
     from . import kinds as K
     from .app import Gateway, make_app
     from .env import Environment
-    from .jobs import Runner
+    from .jobs import Runner, make_shims
     from .store import Store
 
     host, port = parse_listen(args.listen)
@@ -102,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
     gw: Gateway | None = None
     runner = Runner(store, state / "jobs", limits, args.socket, kinds,
                     lambda job_id: gw.changed(job_id) if gw else None)
+    runner.shims = make_shims(state / "bin")
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, args.token)
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
                                shutdown_timeout=3.0)

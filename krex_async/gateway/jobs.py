@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -72,16 +73,32 @@ def write_files(root: Path, files: dict[str, str]) -> None:
         os.close(rootfd)
 
 
-def job_env(job_id: str, workdir: Path, extra: dict[str, str]) -> dict[str, str]:
+def make_shims(bindir: Path) -> Path:
+    """<state>/bin/python and python3: run this interpreter (images often lack a `python`).
+
+    Scripts, not symlinks: a venv's interpreter finds its environment only when called by its path.
+    """
+    bindir.mkdir(mode=0o755, exist_ok=True)
+    for name in ("python", "python3"):
+        tmp = bindir / f".{name}.new"
+        tmp.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        tmp.chmod(0o755)
+        tmp.replace(bindir / name)
+    return bindir
+
+
+def job_env(job_id: str, workdir: Path, extra: dict[str, str],
+            shims: Path | None = None) -> dict[str, str]:
     """The gateway's environment, the job's variables, and what krex and the API add."""
     env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
     env.update(extra)
     env.setdefault("KREX_AUTO_REGION", "1")
     env["ATREX_LOCAL_JOB_ID"] = env["KREX_GATEWAY_JOB"] = job_id
-    if "PATH" not in extra:  # `python` in a job is the gateway's interpreter
-        bindir = str(Path(sys.executable).parent)
-        env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", os.defpath)
-                                                  .split(os.pathsep) if p and p != bindir])
+    if "PATH" not in extra:  # `python` (and python3) in a job is the gateway's interpreter
+        first = [str(shims)] if shims is not None else []
+        first.append(str(Path(sys.executable).parent))
+        env["PATH"] = os.pathsep.join(first + [p for p in env.get("PATH", os.defpath)
+                                               .split(os.pathsep) if p and p not in first])
     if "TORCH_EXTENSIONS_DIR" not in extra:  # torch's build locks survive SIGKILL: keep them local
         env["TORCH_EXTENSIONS_DIR"] = str(workdir / ".torch_extensions")
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -116,6 +133,7 @@ class Runner:
         self.socket = socket
         self.kinds = kinds
         self.on_change = on_change
+        self.shims: Path | None = None  # a directory with `python` for jobs' PATH
         self.client: Client | None = None
         self.daemon_error = ""
         self.policy = ""
@@ -199,7 +217,7 @@ class Runner:
             workdir.mkdir(mode=0o700)
             (workdir / ".torch_extensions").mkdir(mode=0o700)
             argv, timeout = runner.prepare(request, workdir)
-            env = job_env(job_id, workdir, request.get("env_vars") or {})
+            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims)
             if self.store.status(job_id) != "running":
                 return  # cancelled while being prepared
             h = await client.submit(argv, cwd=str(workdir), env=env, device="auto",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -56,7 +57,8 @@ async def test_health_env_and_a_dev_job(tmp_path: Path) -> None:
         status, job = await c.request(
             "POST", "/v1/jobs/dev", headers={"X-Trace-Id": "trace-abc"},
             json=c.dev_request('cat in/data.txt; echo "$GREETING"; echo oops >&2; '
-                               'echo "$KREX_AUTO_REGION $KREX_DEVICE"; pwd',
+                               'echo "$KREX_AUTO_REGION $KREX_DEVICE"; pwd; '
+                               'python -c "import sys; print(sys.executable)"',
                                files={"in/data.txt": "payload\n"},
                                env_vars={"GREETING": "hi there"}, hardware="h200"))
         assert status == 202, job
@@ -68,6 +70,7 @@ async def test_health_env_and_a_dev_job(tmp_path: Path) -> None:
         lines = r["stdout"].splitlines()
         assert lines[:3] == ["payload", "hi there", "1 cpu"], r
         assert lines[3] == str(gw.state / "jobs" / job["job_id"])
+        assert lines[4] == sys.executable  # `python` is the gateway's interpreter
         assert r["stderr"] == "oops\n" and r["exit_code"] == 0
         assert r["stdout_truncated"] is False and r["regions"] == []
         assert r["krex"]["state"] == "exited" and r["krex"]["command"] == done["krex_command"]
@@ -187,7 +190,7 @@ async def test_do_bench_with_an_explicit_region_shows_the_region(tmp_path: Path)
                                                     "triton/testing.py": FAKE_TRITON_EXPLICIT,
                                                     "bench.py": BENCH})
         view = await c.wait(job["job_id"], 60)
-        assert view["status"] == "succeeded", view
+        assert view["status"] == "succeeded", (view["error"], view["result"])
         (reg,) = view["result"]["regions"]
         assert reg["name"] == "do_bench" and reg["outcome"] == "released"
         assert reg["policy"] == "region" and reg["held_s"] > 0
@@ -203,6 +206,41 @@ async def test_do_bench_without_a_region_gets_an_auto_region(tmp_path: Path) -> 
                                                     "triton/testing.py": FAKE_TRITON_PLAIN,
                                                     "bench.py": BENCH})
         view = await c.wait(job["job_id"], 60)
-        assert view["status"] == "succeeded", view
+        assert view["status"] == "succeeded", (view["error"], view["result"])
         assert len(view["result"]["regions"]) == 1, view["result"]
         assert view["result"]["regions"][0]["outcome"] == "released"
+
+
+def _cuda() -> bool:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        return False
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                       capture_output=True, text=True, timeout=120)
+    return r.stdout.strip() == "True"
+
+
+GPU_BENCH = textwrap.dedent('''
+    import importlib.util, torch, triton.testing
+    x = torch.randn(1 << 22, device="cuda")
+    fn = lambda: x.add_(1.0)
+    if importlib.util.find_spec("krex_async.integrations") is None:
+        from krex_async import region
+        with region("do_bench"):
+            ms = triton.testing.do_bench(fn)
+        print("explicit", ms)
+    else:
+        print("auto", triton.testing.do_bench(fn))
+''')
+
+
+@pytest.mark.gpu
+async def test_real_triton_do_bench_on_the_gpu_is_a_region(tmp_path: Path) -> None:
+    if not _cuda():
+        pytest.skip("needs torch with CUDA and triton (the accelerator machine)")
+    async with stack(tmp_path) as (_, _gw, c):
+        job = await c.dev("python bench.py", files={"bench.py": GPU_BENCH}, timeout_s=300)
+        view = await c.wait(job["job_id"], 300)
+        assert view["status"] == "succeeded", (view["error"], view["result"])
+        (reg,) = view["result"]["regions"]
+        assert reg["outcome"] == "released" and reg["held_s"] > 0, reg
