@@ -227,7 +227,7 @@ async def main() -> int:
             st.stop()
         infl = [r["ms"] / alone[s["key"]] for s, r, _ in results]
         regions = sum(len(v["result"]["regions"]) for _, _, v in results)
-        waits = [r["wait_s"] for _, r, _ in results if r["wait_s"] is not None]
+        waits = [g.get("wait_s", 0.0) for _, _, v in results for g in v["result"]["regions"]]
         rows.append({"policy": policy, "makespan_s": makespan,
                      "jobs_per_min": 60 * len(specs) / makespan,
                      "inflation_p50": statistics.median(infl), "inflation_max": max(infl),
