@@ -157,6 +157,11 @@ def main(args: argparse.Namespace) -> int:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
         return 2
     try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("krex gateway: needs aiohttp (pip install 'krex[gateway]')", file=sys.stderr)
+        return 2
+    try:
         import uvloop
     except ImportError:  # pragma: no cover
         return asyncio.run(serve(args))

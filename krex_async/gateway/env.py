@@ -31,7 +31,7 @@ def probe_host() -> tuple[dict[str, Any], list[str]]:
     """Blocking: driver, toolkit and framework versions. Returns (fields, errors)."""
     errors: list[str] = []
     out: dict[str, Any] = {"driver_version": None, "gpu_model": None, "total_memory_mb": None,
-                           "vendor": "unknown"}
+                           "vendor": "unknown", "arch": None}
     tool: dict[str, Any] = {"python": platform.python_version(), "krex": __version__}
     if shutil.which("nvidia-smi"):
         try:
@@ -42,6 +42,13 @@ def probe_host() -> tuple[dict[str, Any], list[str]]:
                        driver_version=driver)
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
             errors.append(f"nvidia-smi: {e}")
+        try:  # a separate query: older drivers do not know compute_cap
+            cap = _run(["nvidia-smi", "--query-gpu=compute_cap",
+                        "--format=csv,noheader"]).split()[0]
+            major, minor = cap.split(".")
+            out["arch"] = f"sm_{int(major)}{int(minor)}"
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
     else:
         errors.append("nvidia-smi: not on PATH")
     if shutil.which("nvcc"):
@@ -96,7 +103,7 @@ class Environment:
             "gpu_model": host["gpu_model"] or (gpus[0]["name"] if gpus else None),
             "gpu_count": len(gpus), "devices": devices,
             "total_memory_mb": host["total_memory_mb"], "driver_version": host["driver_version"],
-            "arch": None, "sm_count": None, "toolchain": host["toolchain"],
+            "arch": host["arch"], "sm_count": None, "toolchain": host["toolchain"],
             "krex": {"policy": policy, "version": __version__, "auto_region": True},
             "source": "probe", "probed_at": self._probed_at,
             "probe_error": "; ".join(errors) or None, "checked_at": time.time(),

@@ -1,4 +1,4 @@
-"""eval and profile jobs where an evaluator and a profiler are installed: a stand-in Atrex-Bench
+"""/v1/env with a driver and toolkit, and eval and profile jobs where an evaluator and a profiler are installed: a stand-in Atrex-Bench
 checkout (scripts/run_eval.py) and a stand-in `ncu` on PATH exercise the gateway's side (request
 checks, bundle layout, argv, result parsing) on real processes; the real tools need the GPU host."""
 
@@ -45,6 +45,15 @@ FAKE_NCU = textwrap.dedent('''\
 ''')
 
 
+FAKE_SMI = textwrap.dedent('''\
+    #!/bin/sh
+    case "$1" in
+      --query-gpu=compute_cap) echo 9.0 ;;
+      *) echo "NVIDIA H200, 143771, 580.159.04" ;;
+    esac
+''')
+
+
 def bundle(c: object) -> dict[str, object]:
     return {"spec": {"target_hardware": ["local"]}, "candidate": "class Model: pass\n",
             "reference": {"operator": "add", "reference_py": "class Model: pass\n",
@@ -63,8 +72,17 @@ async def test_eval_and_profile_with_installed_tools(tmp_path: Path) -> None:
     import sys
     ncu.write_text(FAKE_NCU.format(py=sys.executable))
     ncu.chmod(0o755)
+    (bindir / "nvidia-smi").write_text(FAKE_SMI)
+    (bindir / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    for tool in ("nvidia-smi", "nvcc"):
+        (bindir / tool).chmod(0o755)
     env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, _gw, c):
+        node = (await c.env("local"))
+        assert (node["vendor"], node["gpu_model"], node["total_memory_mb"]) == \
+            ("nvidia", "NVIDIA H200", 143771)
+        assert node["driver_version"] == "580.159.04" and node["arch"] == "sm_90"
+        assert node["toolchain"]["nvcc"] == "12.8" and node["probe_error"] is None
         status, job = await c.request("POST", "/v1/jobs/eval", json=bundle(c))
         assert status == 202 and job["kind"] == "eval" and job["job_id"].startswith("ev_"), job
         assert job["mode"] == "full" and job["mode_enforced"] is True
