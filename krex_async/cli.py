@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     x = sub.add_parser("export", help="write the daemon's recent timeline for Perfetto")
     x.add_argument("--socket")
     x.add_argument("--perfetto", required=True, metavar="FILE", help="Chrome-trace JSON output")
+    from . import gateway
+
+    gateway.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
     args = ap.parse_args(argv)
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.verb == "run":
         return asyncio.run(_run(args))
+    if args.verb == "gateway":
+        return gateway.main(args)
     if args.verb == "trace":
         return asyncio.run(_trace(args))
     if args.verb == "export":
