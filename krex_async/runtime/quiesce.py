@@ -22,12 +22,14 @@ krex_async.protocol both ways. Every error ends the listener silently; none reac
 from __future__ import annotations
 
 import _socket
+import _struct as struct  # the C module: `struct` and `typing` would cost the listener ~10 ms
 import _thread
 import os
-import struct
 import sys
 import time
-from typing import Any
+
+if False:  # for type checkers only (annotations are strings here)
+    from typing import Any
 
 MAX_FRAME = 16 * 1024 * 1024
 _state: "_Listener | None" = None

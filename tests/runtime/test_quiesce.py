@@ -211,15 +211,25 @@ def test_existing_sitecustomize_is_chained(tmp_path: Path) -> None:
     assert out.stdout == b"ran\n" and b"boom" in out.stderr
 
 
+def _site_cost_us(env: dict[str, str]) -> int:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    m = re.search(r"import time:\s+\d+ \|\s+(\d+) \|\s*site$", out.stderr, re.M)
+    assert m, out.stderr
+    return int(m.group(1))
+
+
+@pytest.mark.skipif(os.getloadavg()[0] > (os.cpu_count() or 1),
+                    reason="machine too loaded to time interpreter start-up")
 def test_start_up_cost_is_small(server: Server) -> None:
-    """The main thread's cost is the import of sitecustomize itself (-X importtime, in us)."""
-    costs = []
-    for _ in range(5):
-        out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"],
-                             env=command_env(server.path), capture_output=True, text=True, timeout=30)
-        m = re.search(r"import time:\s+\d+ \|\s+(\d+) \|\s+sitecustomize$", out.stderr, re.M)
-        assert m, out.stderr
-        costs.append(int(m.group(1)))
-    best = min(costs)
-    print(f"sitecustomize import cost, best of 5: {best} us")
-    assert best < 5000, costs  # goal ~2 ms on a fast machine; CI's 2 slow cores get headroom
+    """What krex adds to `site` (which imports sitecustomize): best of 10 runs, with minus without.
+
+    The listener's socket and module loading run on its own thread; the main thread pays for
+    sitecustomize and the chained search only.
+    """
+    with_krex = command_env(server.path)
+    without = {k: v for k, v in with_krex.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
+    best_with = min(_site_cost_us(with_krex) for _ in range(10))
+    best_without = min(_site_cost_us(without) for _ in range(10))
+    print(f"site import: {best_with} us with krex, {best_without} us without")
+    assert best_with - best_without < 5000  # goal ~2 ms on a quiet machine; CI gets headroom
