@@ -28,9 +28,10 @@ _MARK = "__krex_region__"
 def _region_factory() -> Callable[..., ContextManager[Any]]:
     """krex_async.region, looked up at call time (so a command that never times pays nothing)."""
     import krex_async
-    region = getattr(krex_async, "region", None)
+    region: Any = getattr(krex_async, "region", None)
     if region is None:
-        from krex_async.region import region
+        import krex_async.region as module
+        region = getattr(module, "region")
     return region  # type: ignore[no-any-return]
 
 
@@ -78,7 +79,7 @@ def wrap_torch_timer(module: Any) -> list[str]:
     """Wrap the measuring methods of `module.Timer` (torch.utils.benchmark.utils.timer or
     torch.utils.benchmark) on the class, so every import path sees them."""
     timer = getattr(module, "Timer", None)
-    done = []
+    done: list[str] = []
     if timer is None:
         return done
     for attr in ("timeit", "blocked_autorange", "adaptive_autorange"):

@@ -80,11 +80,11 @@ class AmdVendor(Vendor):
         self._handles[key] = handle
         uuid = self._try(lambda: smi.amdsmi_get_gpu_device_uuid(handle), "")
         bdf = self._try(lambda: smi.amdsmi_get_gpu_device_bdf(handle), "")
-        asic = self._try(lambda: smi.amdsmi_get_gpu_asic_info(handle), {})
+        asic: dict[str, Any] = self._try(lambda: smi.amdsmi_get_gpu_asic_info(handle), {})
         total = self._try(lambda: smi.amdsmi_get_gpu_memory_total(handle, smi.AmdSmiMemoryType.VRAM), 0)
         used = self._try(lambda: smi.amdsmi_get_gpu_memory_usage(handle, smi.AmdSmiMemoryType.VRAM), 0)
         node = self._try(lambda: smi.amdsmi_topo_get_numa_node_number(handle), None)
-        enum = self._try(lambda: smi.amdsmi_get_gpu_enumeration_info(handle), {})
+        enum: dict[str, Any] = self._try(lambda: smi.amdsmi_get_gpu_enumeration_info(handle), {})
         hip_uuid = enum.get("hip_uuid") or ""
         if hip_uuid:  # ROCr narrows to this GPU by uuid; HIP then sees it as device 0
             env = {"ROCR_VISIBLE_DEVICES": hip_uuid, "HIP_VISIBLE_DEVICES": "0"}
@@ -106,7 +106,7 @@ class AmdVendor(Vendor):
         smi = self._smi
         clocks = {}
         for name, kind in (("graphics", smi.AmdSmiClkType.GFX), ("mem", smi.AmdSmiClkType.MEM)):
-            info = self._try(lambda: smi.amdsmi_get_clock_info(handle, kind), {})
+            info: dict[str, Any] = self._try(lambda: smi.amdsmi_get_clock_info(handle, kind), {})
             if isinstance(info.get("clk"), int):
                 clocks[name] = info["clk"]
         if "graphics" in clocks:
@@ -117,7 +117,7 @@ class AmdVendor(Vendor):
         handle = self._handles.get(device.key)
         if handle is None:
             return []
-        procs = self._try(lambda: self._smi.amdsmi_get_gpu_process_list(handle), [])
+        procs: list[Any] = self._try(lambda: self._smi.amdsmi_get_gpu_process_list(handle), [])
         return [DeviceProcess(pid=int(p["pid"]), used_memory_bytes=int(p.get("mem") or 0))
                 for p in procs if isinstance(p, dict) and "pid" in p]
 
@@ -125,7 +125,7 @@ class AmdVendor(Vendor):
         handle = self._handles.get(device.key)
         if handle is None:
             return None
-        activity = self._try(lambda: self._smi.amdsmi_get_gpu_activity(handle), {})
+        activity: dict[str, Any] = self._try(lambda: self._smi.amdsmi_get_gpu_activity(handle), {})
         gfx = activity.get("gfx_activity")
         return float(gfx) if isinstance(gfx, (int, float)) else None
 

@@ -135,7 +135,7 @@ class NvidiaVendor(Vendor):
         handle = self._handles.get(device.key)
         if handle is None:
             return []
-        procs = self._try(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle), [])
+        procs: list[Any] = self._try(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle), [])
         return [DeviceProcess(pid=int(p.pid),
                               used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory))
                 for p in procs]

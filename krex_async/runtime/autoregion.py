@@ -73,7 +73,7 @@ class _Finder:
                 spec = finder.find_spec(name, path, target)
                 if spec is not None:
                     if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _Loader(spec.loader, name)
+                        spec.loader = _Loader(spec.loader, name)  # type: ignore[assignment]
                     return spec
             return None
         finally:

@@ -124,13 +124,17 @@ def _tiny_kernel() -> tuple[str, Callable[[], None]] | None:
 
 
 def idle_verify(timeout_s: float = 5.0, streak: int = 16, tolerance: float = 1.5,
-                slack_s: float = 20e-6, calibrate: int = 8) -> tuple[str, float]:
+                slack_s: float = 200e-6, calibrate: int = 8, span_s: float = 0.02) -> tuple[str, float]:
     """Time a tiny kernel's round trip (launch, then wait) until the device is idle again.
 
     While another context's queued work still runs, the GPU time-slices between contexts and the
     tiny kernel's round trip waits for a slice (milliseconds instead of microseconds). The idle level
     is the lowest round trip seen (from `calibrate` samples, then updated); the device counts as
-    drained after `streak` consecutive samples within `tolerance` x idle + `slack_s`.
+    drained after `streak` consecutive samples within `tolerance` x idle + `slack_s` that also
+    span at least `span_s` of wall-clock (longer than a time slice, so a run of fast samples inside
+    one of our own slices does not pass for idle). The slack is well above OS jitter and well
+    below a time slice behind a neighbour's kernel; residual neighbour kernels shorter than the
+    slack can go unnoticed (their effect on the owner is of that order too).
 
     Returns ("idle-verified", seconds), ("timeout", seconds) when that did not happen within
     timeout_s, or ("not-needed", 0.0) when neither torch nor cupy is imported here (nothing to time
@@ -145,6 +149,7 @@ def idle_verify(timeout_s: float = 5.0, streak: int = 16, tolerance: float = 1.5
     best = float("inf")
     good = 0
     n = 0
+    streak_start = t_start
     try:
         while True:
             t0 = time.perf_counter()
@@ -153,8 +158,13 @@ def idle_verify(timeout_s: float = 5.0, streak: int = 16, tolerance: float = 1.5
             n += 1
             best = min(best, dt)
             if n > calibrate:
-                good = good + 1 if dt <= best * tolerance + slack_s else 0
-                if good >= streak:
+                if dt <= best * tolerance + slack_s:
+                    if good == 0:
+                        streak_start = t0
+                    good += 1
+                else:
+                    good = 0
+                if good >= streak and t0 + dt - streak_start >= span_s:
                     return "idle-verified", time.perf_counter() - t_start
             if t0 + dt >= deadline:
                 return "timeout", time.perf_counter() - t_start

@@ -88,7 +88,7 @@ def unpack(data: bytes) -> Any:
     """Decode one msgpack value; ValueError for anything malformed or an extension type."""
     try:
         value, end = _unpack(data, 0)
-    except (IndexError, struct.error) as e:
+    except (IndexError, struct.error) as e:  # type: ignore[attr-defined]
         raise ValueError(f"truncated msgpack: {e}") from None
     if end != len(data):
         raise ValueError("trailing bytes after msgpack value")
