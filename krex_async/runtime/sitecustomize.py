@@ -66,13 +66,10 @@ def _load(name: str, filename: str):  # type: ignore[no-untyped-def]
     module.__spec__ = ModuleSpec(name, loader, origin=path)
     module.__file__ = path
     module.__loader__ = loader
-    sys.modules[name] = module
-    try:
-        loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
+    loader.exec_module(module)
+    # Registered only once complete: a child forked while another thread was still loading it
+    # (that thread does not exist in the child) loads its own copy instead of a half-run module.
+    return sys.modules.setdefault(name, module)
 
 
 def _start() -> None:
