@@ -47,7 +47,7 @@ class Launched:
     """A started leader process. `wait()` may be awaited by many; it resolves once."""
 
     pid: int
-    _done: asyncio.Future[ExitStatus] = field(repr=False, default=None)  # type: ignore[assignment]
+    _done: asyncio.Future[ExitStatus] = field(repr=False)
     via: str = "exec"  # "exec" or "pool"
     start_latency_s: float | None = None  # submit to first instruction, where known (pool)
 

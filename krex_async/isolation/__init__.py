@@ -1,1 +1,40 @@
-"""Isolation backends: freeze, thaw and fence commands' processes (see base.py)."""
+"""Isolation backends: freeze, thaw and fence commands' processes (see base.py).
+
+`choose_backend()` implements `--isolation auto|cgroup|signal`: auto takes the cgroup backend when the
+daemon can write a cgroup hierarchy here and the signal backend otherwise, and the backend's `reason`
+says which and why (shown at start and by `krex status`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Backend, Freeze, FreezeError, Group, IsolationError
+from .signal import SignalBackend
+
+if TYPE_CHECKING:
+    from ..config import ServeConfig
+
+__all__ = ["Backend", "Freeze", "FreezeError", "Group", "IsolationError", "SignalBackend",
+           "choose_backend"]
+
+
+def choose_backend(cfg: "ServeConfig") -> Backend:
+    if cfg.isolation == "signal":
+        b: Backend = SignalBackend()
+        b.reason = "signal backend, as asked (--isolation signal)"
+        return b
+    try:
+        from .cgroup import CgroupBackend, probe_cgroup
+    except ImportError as e:
+        why = f"the cgroup backend is not installed ({e})"
+        usable = False
+    else:
+        usable, why = probe_cgroup(cfg.cgroup_root or None)
+    if usable:
+        return CgroupBackend(root=cfg.cgroup_root or None, state_dir=cfg.state_dir)
+    if cfg.isolation == "cgroup":
+        raise SystemExit(f"krex: --isolation cgroup is not possible here: {why}")
+    b = SignalBackend()
+    b.reason = f"signal backend: {why}"
+    return b

@@ -98,6 +98,22 @@ class Backend(abc.ABC):
         Raises FreezeError after thawing again when the freeze cannot be verified within `timeout`.
         """
 
+    async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
+                          timeout: float = 1.0) -> list[Freeze]:
+        """Freeze several groups (concurrently where the backend can). On a FreezeError the groups
+        this call froze are thawed again before it propagates."""
+        done: list[Group] = []
+        out: list[Freeze] = []
+        try:
+            for g in groups:
+                out.append(await self.freeze(g, keep=keep, timeout=timeout))
+                done.append(g)
+        except BaseException:
+            for g in done:
+                await self.thaw(g)
+            raise
+        return out
+
     @abc.abstractmethod
     async def thaw(self, group: Group) -> float:
         """Resume what `freeze` stopped; returns seconds taken. Safe to call on a thawed group."""

@@ -1,0 +1,169 @@
+"""What a region costs: enter and exit latency with idle siblings, and with commands contending.
+
+    python bench/region_overhead.py [--backends signal,cgroup] [--siblings 1,4,16] [--regions 200]
+
+Table 1 (siblings): one owner enters and leaves `--regions` empty regions while S idle sibling
+commands share its device, so every entry freezes S commands and fences cores. Columns: the owner's
+observed enter and exit latency (call to return), and the daemon's own split of the entry into freeze
+and cpuset time, p50/p99 in milliseconds.
+
+Table 2 (contending): N commands on one device all loop over regions; enter latency then includes the
+wait behind the others (FIFO). Runs on the `cpu` device: it needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+OWNER = r'''
+import json, sys, time
+from krex_async import region
+n = int(sys.argv[1])
+enter, exit_, rep = [], [], []
+for _ in range(n):
+    t0 = time.perf_counter()
+    r = region("bench")
+    r.__enter__()
+    t1 = time.perf_counter()
+    r.__exit__(None, None, None)
+    t2 = time.perf_counter()
+    enter.append(t1 - t0)
+    exit_.append(t2 - t1)
+    rep.append((r.report.freeze_s, r.report.cores_s, r.report.wait_s, r.report.enter_s,
+                len(r.report.frozen)))
+print(json.dumps({"enter": enter, "exit": exit_, "rep": rep}))
+'''
+
+SLEEPER = "import time\nwhile True: time.sleep(0.05)\n"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.pop("KREX_SOCKET", None)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+class Daemon:
+    def __init__(self, tmp: str, backend: str) -> None:
+        self.sock = os.path.join(tmp, f"{backend}.sock")
+        self.log = open(os.path.join(tmp, f"{backend}.log"), "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock, "--isolation",
+             backend, "--log-level", "warning", "--state-dir", os.path.join(tmp, "state")],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env())
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"daemon ({backend}) failed: {open(self.log.name).read()}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+async def siblings_case(sock: str, owner: str, sleeper: str, n_sib: int, regions: int) -> dict:
+    from krex_async import Client
+
+    async with await Client.connect(sock) as c:
+        sibs = [await c.submit([sys.executable, sleeper], env=env()) for _ in range(n_sib)]
+        await asyncio.sleep(0.5 + 0.02 * n_sib)  # let them start
+        res = await c.run([sys.executable, owner, str(regions)], env=env())
+        for s in sibs:
+            await s.cancel(9)
+        for s in sibs:
+            await s.wait()
+    if res.returncode != 0:
+        raise SystemExit(res.stderr.decode())
+    data = json.loads(res.stdout)
+    rep = data["rep"][5:]  # the first entries warm caches
+    return {"siblings": n_sib, "enter": data["enter"][5:], "exit": data["exit"][5:],
+            "freeze": [r[0] for r in rep], "cores": [r[1] for r in rep],
+            "frozen": statistics.median(r[4] for r in rep) if rep else 0}
+
+
+async def contending_case(sock: str, owner: str, n: int, regions: int) -> dict:
+    from krex_async import Client
+
+    async with await Client.connect(sock) as c:
+        results = await asyncio.gather(*(c.run([sys.executable, owner, str(regions)], env=env())
+                                         for _ in range(n)))
+    enter, exit_, wait = [], [], []
+    for res in results:
+        if res.returncode != 0:
+            raise SystemExit(res.stderr.decode())
+        d = json.loads(res.stdout)
+        enter += d["enter"][2:]
+        exit_ += d["exit"][2:]
+        wait += [r[2] for r in d["rep"][2:]]
+    return {"commands": n, "enter": enter, "exit": exit_, "wait": wait}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--backends", default="signal")
+    ap.add_argument("--siblings", default="1,4,16")
+    ap.add_argument("--contending", default="1,4,16")
+    ap.add_argument("--regions", type=int, default=200)
+    ap.add_argument("--json", help="write raw numbers here")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="krex-bench-", dir="/tmp")
+    owner = os.path.join(tmp, "owner.py")
+    sleeper = os.path.join(tmp, "sleeper.py")
+    open(owner, "w").write(OWNER)
+    open(sleeper, "w").write(SLEEPER)
+    out: dict[str, object] = {"cpus": len(os.sched_getaffinity(0)), "date": time.strftime("%F %T"),
+                              "rows": []}
+    print(f"region overhead on the cpu device ({out['cpus']} cpus), {args.regions} regions a row\n")
+    print(f"{'backend':<8} {'siblings':>8} {'frozen':>6} {'enter p50':>10} {'enter p99':>10} "
+          f"{'freeze p50':>11} {'freeze p99':>11} {'cpuset p50':>11} {'cpuset p99':>11} "
+          f"{'exit p50':>9} {'exit p99':>9}")
+    for backend in args.backends.split(","):
+        d = Daemon(tmp, backend)
+        try:
+            for s in [int(x) for x in args.siblings.split(",") if x]:
+                r = asyncio.run(siblings_case(d.sock, owner, sleeper, s, args.regions))
+                r["backend"] = backend
+                out["rows"].append(r)  # type: ignore[attr-defined]
+                print(f"{backend:<8} {s:>8} {r['frozen']:>6.0f} {pct(r['enter'], .5):>10.3f} "
+                      f"{pct(r['enter'], .99):>10.3f} {pct(r['freeze'], .5):>11.3f} "
+                      f"{pct(r['freeze'], .99):>11.3f} {pct(r['cores'], .5):>11.3f} "
+                      f"{pct(r['cores'], .99):>11.3f} {pct(r['exit'], .5):>9.3f} "
+                      f"{pct(r['exit'], .99):>9.3f}", flush=True)
+            print(f"\n{'backend':<8} {'commands':>8} {'enter p50':>10} {'enter p99':>10} "
+                  f"{'wait p50':>9} {'wait p99':>9} {'exit p50':>9} {'exit p99':>9}")
+            for n in [int(x) for x in args.contending.split(",") if x]:
+                r = asyncio.run(contending_case(d.sock, owner, n, max(10, args.regions // n)))
+                r["backend"] = backend
+                out["rows"].append(r)  # type: ignore[attr-defined]
+                print(f"{backend:<8} {n:>8} {pct(r['enter'], .5):>10.3f} "
+                      f"{pct(r['enter'], .99):>10.3f} {pct(r['wait'], .5):>9.3f} "
+                      f"{pct(r['wait'], .99):>9.3f} {pct(r['exit'], .5):>9.3f} "
+                      f"{pct(r['exit'], .99):>9.3f}", flush=True)
+            print()
+        finally:
+            d.stop()
+    print("latencies in ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The async client for agents: many concurrent commands over one connection.
+
+    async with await Client.connect() as c:
+        h = await c.submit(["python", "bench.py"], device="auto", timeout=600)
+        async for stream, data in h.output():
+            ...
+        res = await h.wait()          # Result(report, stdout, stderr)
+
+Replies are routed to their request by id by one reader task; each request has its own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import protocol as P
+from .config import default_socket
+
+
+class KrexError(Exception):
+    """The daemon answered with an error: `code` is machine-readable, the message is for people."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Result:
+    report: P.CommandReport
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def returncode(self) -> int | None:
+        """As subprocess reports it: the exit code, or minus the signal that ended the command."""
+        if self.report.signal:
+            return -self.report.signal
+        return self.report.exit_code
+
+
+class CommandHandle:
+    def __init__(self, client: "Client", req_id: int, accepted: P.Accepted,
+                 queue: asyncio.Queue[P.Reply | None]) -> None:
+        self.client = client
+        self.req_id = req_id
+        self.command = accepted.command
+        self.device = accepted.device
+        self.queued = accepted.queued
+        self.pid: int | None = None
+        self._queue = queue
+        self._out = bytearray()
+        self._err = bytearray()
+        self._result: Result | None = None
+
+    async def output(self) -> AsyncIterator[tuple[str, bytes]]:
+        """Yield (stream, data) as the command writes, until it ends (then `wait()` returns at once)."""
+        while self._result is None:
+            msg = await self._queue.get()
+            if msg is None:
+                raise KrexError("disconnected", "the daemon closed the connection")
+            match msg:
+                case P.Output():
+                    (self._out if msg.stream == "stdout" else self._err).extend(msg.data)
+                    yield msg.stream, msg.data
+                case P.Started():
+                    self.pid = msg.pid
+                case P.Exited():
+                    self._out += msg.stdout_tail
+                    self._err += msg.stderr_tail
+                    self._result = Result(msg.report, bytes(self._out), bytes(self._err))
+                    self.client._forget(self.req_id)
+                case P.Error():
+                    self.client._forget(self.req_id)
+                    raise KrexError(msg.code, msg.message)
+
+    async def wait(self) -> Result:
+        async for _ in self.output():
+            pass
+        assert self._result is not None
+        return self._result
+
+    async def cancel(self, sig: int = 15) -> None:
+        await self.client.cancel(self.command, sig)
+
+
+class Client:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 path: str) -> None:
+        self.path = path
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue[P.Reply | None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.welcome: P.Welcome | None = None
+
+    @classmethod
+    async def connect(cls, path: str | None = None, timeout: float = 10.0) -> "Client":
+        """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens."""
+        path = path or default_socket()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(path, limit=P.MAX_FRAME + 8), timeout)
+        except (OSError, TimeoutError) as e:
+            raise KrexError("unreachable", f"no krex daemon at {path}: {e}") from None
+        self = cls(reader, writer, path)
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        reply = await self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}"))
+        assert isinstance(reply, P.Welcome)
+        self.welcome = reply
+        return self
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except (OSError, asyncio.CancelledError):
+            pass
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                body = await P.read_frame(self._reader, P.MAX_FRAME * 4, None)
+                if body is None:
+                    break
+                msg = P.decode_reply(body)
+                q = self._queues.get(msg.id)
+                if q is not None:
+                    q.put_nowait(msg)
+        except (OSError, P.FrameError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for q in self._queues.values():
+                q.put_nowait(None)
+
+    def _forget(self, req_id: int) -> None:
+        self._queues.pop(req_id, None)
+
+    def _send(self, msg: P.Msg) -> asyncio.Queue[P.Reply | None]:
+        q: asyncio.Queue[P.Reply | None] = asyncio.Queue()
+        self._queues[msg.id] = q  # type: ignore[attr-defined]
+        self._writer.write(P.encode(msg))
+        return q
+
+    async def _call(self, msg: P.Msg) -> P.Reply:
+        q = self._send(msg)
+        try:
+            reply = await q.get()
+        finally:
+            self._forget(msg.id)  # type: ignore[attr-defined]
+        if reply is None:
+            raise KrexError("disconnected", "the daemon closed the connection")
+        if isinstance(reply, P.Error):
+            raise KrexError(reply.code, reply.message)
+        return reply
+
+    async def submit(self, argv: list[str], *, cwd: str | None = None,
+                     env: dict[str, str] | None = None, device: str | int = "auto",
+                     timeout: float | None = None, mem: int = 0, stdin: bytes | None = None,
+                     on_disconnect: str = "kill", label: str = "", stream: bool = True,
+                     ) -> CommandHandle:
+        """Start a command. env=None passes this process's environment (as a shell would)."""
+        req_id = next(self._ids)
+        msg = P.Submit(id=req_id, argv=list(argv), cwd=cwd or os.getcwd(),
+                       env=dict(os.environ) if env is None else env, device=str(device),
+                       timeout=timeout, mem=mem, stdin=stdin, on_disconnect=on_disconnect,  # type: ignore[arg-type]
+                       label=label, stream=stream)
+        q = self._send(msg)
+        first = await q.get()
+        if first is None:
+            raise KrexError("disconnected", "the daemon closed the connection")
+        if isinstance(first, P.Error):
+            self._forget(req_id)
+            raise KrexError(first.code, first.message)
+        assert isinstance(first, P.Accepted)
+        return CommandHandle(self, req_id, first, q)
+
+    async def run(self, argv: list[str], **kw: Any) -> Result:
+        return await (await self.submit(argv, **kw)).wait()
+
+    async def attach(self, command: str) -> CommandHandle:
+        req_id = next(self._ids)
+        q = self._send(P.Attach(id=req_id, command=command))
+        first = await q.get()
+        if isinstance(first, P.Error):
+            self._forget(req_id)
+            raise KrexError(first.code, first.message)
+        if first is None:
+            raise KrexError("disconnected", "the daemon closed the connection")
+        assert isinstance(first, P.Accepted)
+        return CommandHandle(self, req_id, first, q)
+
+    async def status(self) -> dict[str, Any]:
+        reply = await self._call(P.Status(id=next(self._ids)))
+        assert isinstance(reply, P.StatusReply)
+        return reply.status
+
+    async def cancel(self, command: str, sig: int = 15) -> None:
+        await self._call(P.Cancel(id=next(self._ids), command=command, signal=sig))
+
+    async def timeline(self) -> list[P.TraceEvent]:
+        """The daemon's recent trace records (its bounded ring), oldest first."""
+        req_id = next(self._ids)
+        q = self._send(P.Timeline(id=req_id))
+        out: list[P.TraceEvent] = []
+        try:
+            while True:
+                msg = await q.get()
+                if msg is None:
+                    raise KrexError("disconnected", "the daemon closed the connection")
+                if isinstance(msg, P.Error):
+                    raise KrexError(msg.code, msg.message)
+                if isinstance(msg, P.TimelineChunk):
+                    out += msg.events
+                    if msg.last:
+                        return out
+        finally:
+            self._forget(req_id)
+
+    async def trace(self, probes: bool = True) -> AsyncIterator[P.TraceEvent]:
+        req_id = next(self._ids)
+        q = self._send(P.Subscribe(id=req_id, probes=probes))
+        while True:
+            msg = await q.get()
+            if msg is None:
+                return
+            if isinstance(msg, P.Error):
+                raise KrexError(msg.code, msg.message)
+            if isinstance(msg, P.TraceEvent):
+                yield msg

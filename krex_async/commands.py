@@ -1,0 +1,293 @@
+"""One command's life: validate its spec, spawn it inside its isolation group, pump its output, time
+it out, and build its report.
+
+Output is read from pipes with the loop's readers and handed to every subscriber as it comes; the last
+`output_tail` bytes of each stream stay with the command, so an agent that re-attaches after a
+disconnect still gets them with the report. When the leader exits, what is left of its process tree is
+ended (a command's lifetime is its leader's), after its pipes had a moment to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import protocol as P
+from .devices.base import Device
+from .isolation.base import Backend, Group
+from .spawn import ExitStatus, LaunchSpec, Launched, spawn
+
+RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
+
+
+class SpecError(Exception):
+    """The command cannot be started as asked; the message says which field and why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_argv0(argv0: str, env: dict[str, str], cwd: str) -> str:
+    """The executable a spawn would run, or SpecError naming what was looked up."""
+    if "\x00" in argv0 or not argv0:
+        raise SpecError("bad_spec", "argv[0] is empty or contains NUL")
+    if "/" in argv0:
+        path = argv0 if os.path.isabs(argv0) else os.path.join(cwd, argv0)
+        if not os.path.isfile(path) or not os.access(path, os.X_OK):
+            raise SpecError("bad_spec", f"argv[0] {argv0!r} is not an executable file")
+        return path
+    found = shutil.which(argv0, path=env.get("PATH", os.defpath))
+    if not found:
+        raise SpecError("bad_spec", f"argv[0] {argv0!r} not found on PATH {env.get('PATH', '')!r}")
+    return found
+
+
+@dataclass
+class Subscriber:
+    send: Callable[[P.Msg], bool]  # False once the connection is gone
+    req_id: int
+    stream: bool = True
+
+
+class Tail:
+    """The last `limit` bytes written to a stream, and how many were written in all."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buf = bytearray()
+        self.total = 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        self.buf += data
+        if len(self.buf) > self.limit:
+            del self.buf[: len(self.buf) - self.limit]
+
+
+@dataclass
+class Command:
+    id: str
+    spec: P.Submit
+    uid: int
+    gid: int
+    device: Device | None
+    policy: str
+    tail_limit: int
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    state: str = "queued"  # queued, starting, running, ended
+    group: Group | None = None
+    launched: Launched | None = None
+    report: P.CommandReport | None = None
+    subscribers: list[Subscriber] = field(default_factory=list)
+    runtimes: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)  # pid -> send
+    regions: list[P.RegionReport] = field(default_factory=list)
+    submitted: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    ended_at: float = 0.0
+    end_reason: str = ""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    watch_task: asyncio.Task[None] | None = None
+    pipe_closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.out = Tail(self.tail_limit)
+        self.err = Tail(self.tail_limit)
+
+    @property
+    def device_key(self) -> str | None:
+        return self.device.key if self.device else None
+
+    @property
+    def pid(self) -> int | None:
+        return self.launched.pid if self.launched else None
+
+    def publish(self, make: Callable[[int], P.Msg], *, output: bool = False) -> None:
+        """Send make(request id) to every subscriber (output only to those that stream)."""
+        for sub in list(self.subscribers):
+            if output and not sub.stream:
+                continue
+            if not sub.send(make(sub.req_id)):
+                self.subscribers.remove(sub)
+
+    def environment(self, socket: str) -> dict[str, str]:
+        env = dict(self.spec.env) if self.spec.env is not None else {
+            "PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")}
+        env.update(KREX_SOCKET=socket, KREX_COMMAND=self.id, KREX_TOKEN=self.token,
+                   KREX_DEVICE=self.device_key or "none")
+        if self.device is not None:
+            env.update(self.device.env)
+        if os.path.exists(os.path.join(RUNTIME_DIR, "sitecustomize.py")):
+            env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
+                                               if env.get("PYTHONPATH") else "")
+        return env
+
+
+class Runner:
+    """Spawns commands and watches them; calls `on_exit(cmd)` once each has ended."""
+
+    def __init__(self, backend: Backend, socket: str, on_exit: Callable[[Command], None],
+                 launcher: Callable[[LaunchSpec], Launched | None] | None = None) -> None:
+        self.backend = backend
+        self.socket = socket
+        self.on_exit = on_exit
+        self.launcher = launcher  # the ctxpool, when it can take the command
+
+    def check(self, cmd: Command) -> tuple[str, dict[str, str]]:
+        """Validate cwd and argv before anything is created; returns (cwd, env)."""
+        cwd = cmd.spec.cwd or "/"
+        if not os.path.isabs(cwd):
+            raise SpecError("bad_spec", f"cwd {cwd!r} must be an absolute path")
+        if not os.path.isdir(cwd):
+            raise SpecError("bad_spec", f"cwd {cwd!r} is not a directory")
+        env = cmd.environment(self.socket)
+        for k in env:
+            if not k or "=" in k or "\x00" in k or "\x00" in env[k]:
+                raise SpecError("bad_spec", f"environment variable name {k!r} is invalid")
+        resolve_argv0(cmd.spec.argv[0], env, cwd)
+        if any("\x00" in a for a in cmd.spec.argv):
+            raise SpecError("bad_spec", "argv contains a NUL byte")
+        return cwd, env
+
+    async def start(self, cmd: Command, *, frozen: bool, cores: frozenset[int] | None) -> None:
+        """Create the group, spawn the leader into it, start pumps and the timeout.
+
+        Raises SpecError (after releasing the group) when the spawn fails.
+        """
+        cwd, env = self.check(cmd)
+        loop = asyncio.get_running_loop()
+        cmd.state = "starting"
+        cmd.group = group = await self.backend.create(cmd.id)
+        if cores is not None:
+            await self.backend.set_cores(group, cores)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        stdin_fd = self._stdin(cmd.spec.stdin)
+        try:
+            spec = LaunchSpec(argv=list(cmd.spec.argv), cwd=cwd, env=env, stdin_fd=stdin_fd,
+                              stdout_fd=out_w, stderr_fd=err_w,
+                              uid=cmd.uid if cmd.uid != os.geteuid() else None,
+                              gid=cmd.gid if cmd.uid != os.geteuid() else None,
+                              groups=[] if cmd.uid != os.geteuid() else None, frozen=frozen)
+            launched = self.launcher(spec) if (self.launcher and not frozen) else None
+            if launched is None:
+                launched = spawn(spec, self.backend.launch_argv(group, spec.argv, frozen=frozen))
+        except (OSError, ValueError, SpecError) as e:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            await self.backend.remove(group)
+            cmd.group = None
+            raise SpecError("spawn_failed", f"cannot start {cmd.spec.argv[0]!r}: {e}") from None
+        finally:
+            for fd in (out_w, err_w, stdin_fd):
+                os.close(fd)
+        cmd.launched = launched
+        cmd.started = time.monotonic()
+        cmd.state = "running"
+        await self.backend.started(group, launched.pid)
+        pipes_done = [self._pump(loop, cmd, out_r, "stdout"), self._pump(loop, cmd, err_r, "stderr")]
+        cmd.watch_task = loop.create_task(self._watch(cmd, launched, pipes_done))
+
+    @staticmethod
+    def _stdin(data: bytes | None) -> int:
+        if data is None:
+            return os.open(os.devnull, os.O_RDONLY)
+        fd = os.memfd_create("krex-stdin", os.MFD_CLOEXEC)
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    def _pump(self, loop: asyncio.AbstractEventLoop, cmd: Command, fd: int,
+              stream: str) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = loop.create_future()
+        os.set_blocking(fd, False)
+        tail = cmd.out if stream == "stdout" else cmd.err
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if data:
+                tail.add(data)
+                cmd.publish(lambda rid: P.Output(id=rid, command=cmd.id, stream=stream,  # type: ignore[arg-type]
+                                                 data=data), output=True)
+                return
+            close()
+
+        def close() -> None:
+            if not done.done():
+                loop.remove_reader(fd)
+                os.close(fd)
+                done.set_result(None)
+
+        loop.add_reader(fd, readable)
+        cmd.pipe_closers.append(close)
+        return done
+
+    async def _watch(self, cmd: Command, launched: Launched,
+                     pipes: list[asyncio.Future[None]]) -> None:
+        try:
+            status = await asyncio.wait_for(launched.wait(), cmd.spec.timeout)
+        except TimeoutError:
+            await self.kill(cmd, "timeout")
+            status = await launched.wait()
+        # Give output written just before exit a moment to arrive, then end what is left of the tree.
+        await asyncio.wait(pipes, timeout=0.5)
+        if cmd.group is not None:
+            await self.backend.kill(cmd.group, signal.SIGKILL)
+        await asyncio.wait(pipes, timeout=0.5)
+        for close in cmd.pipe_closers:
+            close()
+        self._finish(cmd, status)
+
+    async def kill(self, cmd: Command, reason: str, sig: int = signal.SIGKILL) -> None:
+        """End the command's whole tree (frozen processes included) and record why."""
+        if cmd.state != "running" or cmd.group is None:
+            return
+        cmd.end_reason = cmd.end_reason or reason
+        await self.backend.kill(cmd.group, sig)
+
+    def _finish(self, cmd: Command, status: ExitStatus) -> None:
+        now = time.monotonic()
+        cmd.ended_at = now
+        cmd.state = "ended"
+        if cmd.end_reason:
+            state = cmd.end_reason
+        else:
+            state = "signaled" if status.signal else "exited"
+        cmd.report = P.CommandReport(
+            command=cmd.id, argv=list(cmd.spec.argv), device=cmd.device_key or "none",
+            policy=cmd.policy, state=state, exit_code=None if status.signal else status.returncode,
+            signal=status.signal, wall_s=now - cmd.started, queued_s=cmd.started - cmd.submitted,
+            cpu_user_s=status.user_s, cpu_system_s=status.system_s,
+            started_at=time.time() - (now - cmd.started), ended_at=time.time(),
+            regions=cmd.regions, label=cmd.spec.label, via=cmd.launched.via if cmd.launched else "exec",
+            start_latency_s=cmd.launched.start_latency_s if cmd.launched else None,
+            stdout_bytes=cmd.out.total, stderr_bytes=cmd.err.total,
+            error=_describe(state, status, cmd),
+        )
+        self.on_exit(cmd)
+
+
+def _describe(state: str, status: ExitStatus, cmd: Command) -> str:
+    if state == "timeout":
+        return f"killed after its timeout of {cmd.spec.timeout} s"
+    if state == "shutdown":
+        return "ended because the daemon shut down"
+    if state == "cancelled":
+        return "cancelled by its agent"
+    if status.signal:
+        try:
+            return f"killed by {signal.Signals(status.signal).name}"
+        except ValueError:
+            return f"killed by signal {status.signal}"
+    return ""

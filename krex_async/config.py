@@ -1,0 +1,58 @@
+"""The daemon's options, one Struct, shared by the command line and (later) the config file."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+import msgspec
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+
+
+def default_socket() -> str:
+    """$KREX_SOCKET, else /run/krex/krex.sock as root, else $XDG_RUNTIME_DIR/krex.sock."""
+    if os.environ.get("KREX_SOCKET"):
+        return os.environ["KREX_SOCKET"]
+    if os.geteuid() == 0:
+        return "/run/krex/krex.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/krex-{os.getuid()}"
+    return os.path.join(runtime, "krex.sock")
+
+
+def default_region_cores() -> int:
+    return 1 if len(os.sched_getaffinity(0)) <= 2 else 2
+
+
+class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    socket: str = ""
+    socket_group: str = ""
+    policy: Literal["region", "command", "shared"] = "region"
+    isolation: Literal["auto", "cgroup", "signal"] = "auto"
+    cgroup_root: str = ""  # a delegated v2 cgroup to create command cgroups under ("" = find one)
+    devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
+    freeze: Literal["all", "device-holders"] = "all"
+    region_timeout: Positive = 60.0
+    region_cores: Annotated[int, msgspec.Meta(ge=0)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
+    quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.05
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    freeze_timeout: Positive = 1.0
+    kill_grace: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    retention: Positive = 600.0  # seconds an ended command's result is kept for its agent
+    max_frame: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
+    max_conn_buffer: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
+    output_tail: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20  # bytes of each stream kept per command
+    read_timeout: Positive = 30.0
+    state_dir: str = ""
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "off"
+    admin_group: str = ""
+
+    def resolved(self) -> "ServeConfig":
+        """A copy with defaults that depend on the machine filled in."""
+        socket = self.socket or default_socket()
+        cores = self.region_cores if self.region_cores >= 0 else default_region_cores()
+        state = self.state_dir or ("/run/krex" if os.geteuid() == 0 else
+                                   os.path.join(os.path.dirname(socket), "krex-state"))
+        return msgspec.structs.replace(self, socket=socket, region_cores=cores, state_dir=state)

@@ -1,0 +1,367 @@
+"""The daemon's state and its answers to requests. One event loop owns all of it.
+
+`Daemon` holds the devices, the scheduler, the commands (running, queued, and ended ones whose results
+are kept for their agents), the regions, and the isolation backend. `server.py` feeds it decoded
+requests with the peer's credentials; every handler answers through the connection's `send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import itertools
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from . import logs
+from . import protocol as P
+from .commands import Command, Runner, SpecError, Subscriber
+from .config import ServeConfig
+from .devices.base import Device
+from .isolation.base import Backend
+from .attribution import Attributor
+from .regions import Regions
+from .scheduler import Scheduler
+
+log = logs.get("krex.daemon")
+
+Send = Callable[[P.Msg], bool]
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _ancestors(pid: int, limit: int = 512) -> list[int]:
+    """pid and its parents up to init, read from /proc."""
+    out: list[int] = []
+    while pid > 1 and len(out) < limit:
+        out.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            break
+        pid = int(data[data.rindex(b")") + 2:].split()[1])
+    return out
+
+
+class Daemon:
+    def __init__(self, config: ServeConfig, backend: Backend, devices: list[Device]) -> None:
+        self.config = config
+        self.backend = backend
+        self.devices = devices
+        self.all_cpus = frozenset(os.sched_getaffinity(0))
+        self.scheduler = Scheduler(config.policy, [d.key for d in devices])
+        self.commands: dict[str, Command] = {}
+        self.regions = Regions(self)
+        self.attributor: Attributor | None = None  # set when probes run
+        self.runner = Runner(backend, config.socket, self._on_exit)
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tracers: list[tuple[Send, int]] = []
+        self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
+        self.closing = False
+        self._ids = itertools.count(1)
+        self._boot = f"{int(time.time()) % 100000:05d}"
+
+    # ---------------------------------------------------------------------------------- helpers
+
+    def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    def device(self, key: str) -> Device:
+        return next(d for d in self.devices if d.key == key)
+
+    def trace(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
+              pid: int = 0, **detail: Any) -> None:
+        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers."""
+        ev = P.TraceEvent(id=0, ts=time.time(), kind=kind,
+                          device=device or (region.device if region is not None else ""),
+                          command=command or (region.command.id if region is not None else ""),
+                          region=region.id if region is not None else "",
+                          pid=pid or (region.pid if region is not None else 0), detail=detail)
+        self.timeline.append(ev)
+        for send, req_id in list(self.tracers):
+            if not send(msgspec.structs.replace(ev, id=req_id)):
+                self.tracers.remove((send, req_id))
+
+    def _place(self, spec: P.Submit) -> Device | None:
+        want = spec.device
+        if want == "none":
+            return None
+        if want == "auto":
+            fits = [d for d in self.devices if spec.mem == 0 or d.vendor == "cpu"
+                    or d.memory_free_bytes >= spec.mem]
+            if not fits:
+                raise RequestError("bad_device", f"no device has {spec.mem} bytes of free memory")
+            load = {d.key: len(self.scheduler.devices[d.key].commands) for d in fits}
+            return min(fits, key=lambda d: (load[d.key], d.index))
+        for d in self.devices:
+            if want == d.key or (want.isdigit() and int(want) == d.index):
+                return d
+        names = ", ".join(["auto", "none", *(f"{d.index} ({d.key})" for d in self.devices)])
+        raise RequestError("bad_device", f"unknown device {want!r}; this node has: {names}")
+
+    def _own(self, command: str, uid: int) -> Command:
+        cmd = self.commands.get(command)
+        if cmd is None:
+            raise RequestError("unknown_command", f"no command {command!r} (ended results are kept "
+                                                  f"for {self.config.retention:.0f} s)")
+        if uid not in (0, cmd.uid):
+            raise RequestError("forbidden", f"command {command} belongs to another user")
+        return cmd
+
+    # --------------------------------------------------------------------------------- commands
+
+    async def submit(self, req: P.Submit, uid: int, gid: int, send: Send) -> None:
+        if self.closing:
+            raise RequestError("shutdown", "the daemon is shutting down")
+        device = self._place(req)
+        cid = f"{self._boot}-{next(self._ids)}"
+        cmd = Command(id=cid, spec=req, uid=uid, gid=gid, device=device,
+                      policy=self.scheduler.policy.value, tail_limit=self.config.output_tail)
+        try:
+            self.runner.check(cmd)
+        except SpecError as e:
+            raise RequestError(e.code, str(e)) from None
+        cmd.subscribers.append(Subscriber(send, req.id, req.stream))
+        self.commands[cid] = cmd
+        start_now = self.scheduler.add_command(cid, cmd.device_key)
+        send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
+        log.info("command_submitted", command=cid, argv=req.argv[:8], device=cmd.device_key,
+                 queued=not start_now, uid=uid)
+        if start_now:
+            await self._start(cmd)
+
+    async def _start(self, cmd: Command) -> None:
+        region = self.regions.admit_frozen(cmd)
+        try:
+            await self.runner.start(cmd, frozen=region is not None,
+                                    cores=self.regions.fence_for_new())
+        except SpecError as e:
+            cmd.state = "ended"
+            cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
+                                         device=cmd.device_key or "none", policy=cmd.policy,
+                                         state="failed", error=str(e), label=cmd.spec.label)
+            self._on_exit(cmd)
+            return
+        if region is not None and cmd.group is not None:
+            region.frozen.append(cmd.group)
+            region.frozen_ids.append(cmd.id)
+            region.report.frozen.append(cmd.id)
+        cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
+        self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
+                   pid=cmd.pid or 0, frozen=region is not None)
+
+    def _on_exit(self, cmd: Command) -> None:
+        self.track(asyncio.get_running_loop().create_task(self._finalize(cmd)))
+
+    async def _finalize(self, cmd: Command) -> None:
+        """A command ended: release its regions (so its report has their outcome), promote waiters,
+        deliver its report, and keep it for the retention time."""
+        ending = []
+        for rid in self.scheduler.regions_of(cmd.id):
+            r = self.regions.active.get(rid)
+            if r is not None:
+                r.end("owner-died")
+                if r.task is not None:
+                    ending.append(r.task)
+        if ending:
+            await asyncio.wait(ending, timeout=10)
+        loop = asyncio.get_running_loop()
+        for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
+            self.track(loop.create_task(self._start(self.commands[nxt])))
+        assert cmd.report is not None
+        cmd.done.set()
+        report = cmd.report
+        cmd.publish(lambda rid: P.Exited(id=rid, report=report))
+        self.trace("command_end", None, command=cmd.id, device=cmd.device_key or "",
+                   state=report.state, exit_code=report.exit_code)
+        log.info("command", command=cmd.id, state=report.state, exit_code=report.exit_code,
+                 signal=report.signal, wall_s=round(report.wall_s, 6),
+                 queued_s=round(report.queued_s, 6), regions=len(report.regions),
+                 device=report.device, via=report.via)
+        if cmd.group is not None:
+            await self.backend.remove(cmd.group)
+        loop.call_later(self.config.retention, lambda: self.commands.pop(cmd.id, None))
+
+    async def cancel(self, req: P.Cancel, uid: int) -> None:
+        cmd = self._own(req.command, uid)
+        if cmd.state == "queued":
+            self.scheduler.end_command(cmd.id, cmd.device_key)
+            cmd.state = "ended"
+            cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
+                                         device=cmd.device_key or "none", policy=cmd.policy,
+                                         state="cancelled", error="cancelled before it started")
+            self._on_exit(cmd)
+        elif cmd.state == "running":
+            await self.runner.kill(cmd, "cancelled", req.signal)
+
+    def attach(self, req: P.Attach, uid: int, send: Send) -> None:
+        cmd = self._own(req.command, uid)
+        send(P.Accepted(id=req.id, command=cmd.id, device=cmd.device_key or "none",
+                        queued=cmd.state == "queued"))
+        if cmd.state == "ended":
+            assert cmd.report is not None
+            send(P.Exited(id=req.id, report=cmd.report, stdout_tail=bytes(cmd.out.buf),
+                          stderr_tail=bytes(cmd.err.buf)))
+        else:
+            cmd.subscribers.append(Subscriber(send, req.id, True))
+
+    def disconnected(self, send: Send) -> None:
+        """A connection closed: end the regions it held and the commands only it was watching."""
+        for r in list(self.regions.active.values()):
+            if r.send is send:
+                r.end("owner-died")
+        for cmd in self.commands.values():
+            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s is not send}
+            before = len(cmd.subscribers)
+            cmd.subscribers = [s for s in cmd.subscribers if s.send is not send]
+            if before and not cmd.subscribers and cmd.state in ("queued", "running") \
+                    and cmd.spec.on_disconnect == "kill":
+                log.info("agent_disconnected", command=cmd.id, action="kill")
+                self.track(asyncio.get_running_loop().create_task(
+                    self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)))
+        self.tracers = [(s, i) for s, i in self.tracers if s is not send]
+
+    # ---------------------------------------------------------------------------------- regions
+
+    def _inside(self, cmd: Command, peer_pid: int, token: str, claimed_pid: int) -> int:
+        """The requesting pid, after checking the token and that the peer runs inside the command."""
+        if not hmac.compare_digest(token.encode(), cmd.token.encode()):
+            raise RequestError("forbidden", f"wrong token for command {cmd.id}")
+        if claimed_pid and claimed_pid != peer_pid:
+            raise RequestError("forbidden", f"request claims pid {claimed_pid} but comes from "
+                                            f"pid {peer_pid}")
+        if cmd.state != "running" or cmd.group is None:
+            raise RequestError("bad_request", f"command {cmd.id} is {cmd.state}, not running")
+        if cmd.pid not in _ancestors(peer_pid) and peer_pid not in self.backend.pids(cmd.group):
+            raise RequestError("forbidden", f"pid {peer_pid} is not a process of command {cmd.id}")
+        return peer_pid
+
+    def region_enter(self, req: P.RegionEnter, peer_pid: int, send: Send) -> None:
+        cmd = self.commands.get(req.command)
+        if cmd is None:
+            raise RequestError("unknown_command", f"no command {req.command!r}")
+        pid = self._inside(cmd, peer_pid, req.token, req.pid)
+        if cmd.device is None:
+            raise RequestError("bad_request", f"command {cmd.id} has no device (device=none)")
+        if self.closing:
+            raise RequestError("shutdown", "the daemon is shutting down")
+        if self.regions.by_owner_pid(cmd, pid) is not None:
+            raise RequestError("bad_request", f"pid {pid} already holds or awaits a region: "
+                                              "regions do not nest")
+        self.regions.create(cmd, req, pid, send)
+
+    def region_exit(self, req: P.RegionExit, peer_pid: int) -> None:
+        r = self.regions.active.get(req.region)
+        if r is None:
+            raise RequestError("unknown_region", f"no active region {req.region!r}")
+        if not hmac.compare_digest(req.token.encode(), r.command.token.encode()) or r.pid != peer_pid:
+            raise RequestError("forbidden", f"region {req.region} belongs to another process")
+        r.exit_id = req.id
+        if req.drain:
+            r.report.drain = req.drain
+            r.report.drain_s = req.drain_s
+        r.report.warm_s = req.warm_s
+        r.end("released")
+
+    def quiesce_ready(self, req: P.QuiesceReady, peer_pid: int, send: Send) -> None:
+        cmd = self.commands.get(req.command)
+        if cmd is None:
+            raise RequestError("unknown_command", f"no command {req.command!r}")
+        pid = self._inside(cmd, peer_pid, req.token, req.pid)
+        cmd.runtimes[pid] = send
+
+    def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
+        r = self.regions.active.get(req.region)
+        if r is not None:
+            self.regions.ack(r.command, peer_pid, req)
+
+    def send_timeline(self, req: P.Timeline, send: Send) -> None:
+        events = list(self.timeline)
+        step = 2000
+        for i in range(0, max(1, len(events)), step):
+            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i:i + step]]
+            if not send(P.TimelineChunk(id=req.id, events=chunk, last=i + step >= len(events))):
+                return
+
+    # ----------------------------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        devices = []
+        for d in self.devices:
+            q = self.scheduler.devices[d.key]
+            holder = self.regions.holder_on(d.key)
+            devices.append({
+                "index": d.index, "key": d.key, "vendor": d.vendor, "name": d.name,
+                "memory_total_bytes": d.memory_total_bytes, "numa_node": d.numa_node,
+                "cpus": sorted(d.cpus), "commands": sorted(q.commands),
+                "holder": q.holder,
+                "region": None if holder is None else {
+                    "region": holder.id, "name": holder.report.name, "command": holder.command.id,
+                    "pid": holder.pid, "state": holder.report.outcome,
+                    "frozen": list(holder.frozen_ids), "cores": sorted(holder.cores)},
+                "queued": q.waiting and list(q.waiting) or [],
+            })
+        commands = [{
+            "command": c.id, "argv": list(c.spec.argv), "state": c.state,
+            "device": c.device_key or "none", "pid": c.pid, "uid": c.uid,
+            "age_s": round(now - c.submitted, 3), "frozen": bool(c.group and c.group.frozen),
+            "regions": len(c.regions), "label": c.spec.label,
+            "result": c.report.state if c.report else None,
+        } for c in self.commands.values()]
+        return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
+                "isolation": {"backend": self.backend.name, "reason": self.backend.reason},
+                "freeze": self.config.freeze, "region_cores": self.config.region_cores,
+                "devices": devices, "commands": commands}
+
+    # --------------------------------------------------------------------------------- shutdown
+
+    async def shutdown(self) -> None:
+        """End every region (thawing), then every command: SIGTERM, then SIGKILL after the grace."""
+        self.closing = True
+        for r in list(self.regions.active.values()):
+            r.end("shutdown")
+        region_tasks = [r.task for r in self.regions.active.values() if r.task]
+        if region_tasks:
+            await asyncio.wait(region_tasks, timeout=5)
+        live = [c for c in self.commands.values() if c.state in ("queued", "running", "starting")]
+        for c in live:
+            if c.state == "queued":
+                self.scheduler.end_command(c.id, c.device_key)
+                c.state = "ended"
+                c.report = P.CommandReport(command=c.id, argv=list(c.spec.argv),
+                                           device=c.device_key or "none", policy=c.policy,
+                                           state="shutdown", error="the daemon shut down first")
+                self._on_exit(c)
+            elif c.group is not None:
+                if c.group.frozen:
+                    await self.backend.thaw(c.group)
+                await self.runner.kill(c, "shutdown", signal.SIGTERM)
+        waits = [asyncio.ensure_future(c.done.wait()) for c in live if c.state != "ended"]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.config.kill_grace)
+            if pending:
+                for c in live:
+                    if c.state == "running" and c.group is not None:
+                        await self.backend.kill(c.group, signal.SIGKILL)
+                await asyncio.wait(pending, timeout=5)
+        await self.backend.close()
+

@@ -1,0 +1,229 @@
+"""The signal backend: SIGSTOP/SIGCONT of a command's process tree and sched_setaffinity of its threads.
+
+It needs no cgroups and no root, so it runs on laptops and in CI containers. A command's processes are
+its leader's descendants plus every process still in the leader's session (which catches orphans that
+were reparented to init); a process that starts its own session and leaves the tree is not seen, which
+is the limit of this backend and the reason the cgroup backend exists.
+
+One /proc snapshot serves a whole batch of freezes (`freeze_many`), so entering a region with many
+siblings reads /proc once, not once per sibling. A process that was already stopped (state T) before a
+freeze is remembered and left stopped at thaw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .base import Backend, Freeze, FreezeError, Group
+
+_STOPPED = frozenset("tT")
+
+
+@dataclass(slots=True)
+class _Proc:
+    pid: int
+    ppid: int
+    sid: int
+    state: str
+
+
+class _Snapshot:
+    """Every process's parent, session and state, read from /proc at one moment."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, _Proc] = {}
+        self.children: dict[int, list[int]] = defaultdict(list)
+        self.sessions: dict[int, list[int]] = defaultdict(list)
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            p = _read_stat(int(name))
+            if p is None:
+                continue
+            self.procs[p.pid] = p
+            self.children[p.ppid].append(p.pid)
+            self.sessions[p.sid].append(p.pid)
+
+    def tree(self, leader: int) -> list[int]:
+        """The leader (if alive), its descendants, and its session's members, each once."""
+        out: list[int] = []
+        seen: set[int] = set()
+        stack = [leader] if leader in self.procs else []
+        stack += self.sessions.get(leader, [])
+        while stack:
+            pid = stack.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            out.append(pid)
+            stack.extend(self.children.get(pid, ()))
+        if leader in seen:
+            out.remove(leader)
+            out.insert(0, leader)
+        return out
+
+
+def _read_stat(pid: int) -> _Proc | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return _Proc(pid, int(fields[1]), int(fields[3]), fields[0].decode())
+
+
+def _state(pid: int) -> str | None:
+    p = _read_stat(pid)
+    return p.state if p else None
+
+
+def _set_affinity(pid: int, cpus: set[int]) -> None:
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # the thread exited meanwhile
+            pass
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+class SignalBackend(Backend):
+    name = "signal"
+
+    def __init__(self, cpus: frozenset[int] | None = None) -> None:
+        super().__init__()
+        self.all_cpus = frozenset(cpus or os.sched_getaffinity(0))
+        self.reason = "signals and sched_setaffinity: needs no cgroups and no root"
+
+    async def create(self, command_id: str) -> Group:
+        return Group(command_id)
+
+    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool) -> list[str]:
+        if not frozen:
+            return argv
+        # The shell stops itself before exec: the command's first instruction runs only after thaw.
+        group.frozen = True
+        group.extra["sent"] = []
+        group.extra["launched_stopped"] = True
+        return ["/bin/sh", "-c", 'kill -STOP $$; exec "$@"', "krex-launch", *argv]
+
+    async def started(self, group: Group, pid: int) -> None:
+        group.pid = pid
+        if group.cores is not None:
+            _set_affinity(pid, set(group.cores))
+
+    def pids(self, group: Group) -> list[int]:
+        return _Snapshot().tree(group.pid) if group.pid is not None else []
+
+    async def freeze(self, group: Group, *, keep: frozenset[int] = frozenset(),
+                     timeout: float = 1.0) -> Freeze:
+        return (await self.freeze_many([group], keep=keep, timeout=timeout))[0]
+
+    async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
+                          timeout: float = 1.0) -> list[Freeze]:
+        """Stop the groups' processes from one /proc snapshot, then verify they all stopped.
+
+        Children forked while their parent was being stopped are caught by re-reading until a pass
+        finds nothing new. On failure every group of the batch is resumed and FreezeError raised.
+        """
+        t0 = time.perf_counter()
+        todo = [g for g in groups if not g.frozen and g.pid is not None]
+        results = {g.name: Freeze(g.name, vanished=g.pid is None) for g in groups}
+        sent: dict[str, list[int]] = {g.name: [] for g in todo}
+        already: dict[str, set[int]] = {g.name: set() for g in todo}
+        for _ in range(64):
+            snap = _Snapshot()
+            fresh = False
+            for g in todo:
+                done = set(sent[g.name])
+                for pid in snap.tree(g.pid):  # type: ignore[arg-type]
+                    if pid in keep or pid in done:
+                        continue
+                    fresh = True
+                    if snap.procs[pid].state in _STOPPED:
+                        already[g.name].add(pid)
+                    _signal([pid], signal.SIGSTOP)
+                    sent[g.name].append(pid)
+            if not fresh:
+                break
+        else:
+            self._resume_all(todo, sent, already)
+            raise FreezeError(",".join(sent), "process tree kept growing while being stopped")
+        deadline = t0 + timeout
+        pending = [pid for pids in sent.values() for pid in pids]
+        while True:
+            pending = [pid for pid in pending if _state(pid) not in (None, "Z", "X", *_STOPPED)]
+            if not pending:
+                break
+            if time.perf_counter() > deadline:
+                self._resume_all(todo, sent, already)
+                raise FreezeError(",".join(sent), f"pids {pending} did not stop within {timeout:.3f} s")
+            await asyncio.sleep(0.0002)
+        elapsed = time.perf_counter() - t0
+        for g in todo:
+            g.frozen = True
+            g.extra["sent"] = sent[g.name]
+            g.extra["stopped"] = already[g.name]
+            r = results[g.name]
+            r.pids = len(sent[g.name])
+            r.vanished = not sent[g.name]
+            r.seconds = elapsed
+        return [results[g.name] for g in groups]
+
+    @staticmethod
+    def _resume_all(groups: list[Group], sent: dict[str, list[int]],
+                    already: dict[str, set[int]]) -> None:
+        for g in groups:
+            _signal([p for p in sent[g.name] if p not in already[g.name]], signal.SIGCONT)
+
+    async def thaw(self, group: Group) -> float:
+        t0 = time.perf_counter()
+        if not group.frozen:
+            return 0.0
+        sent: list[int] = list(group.extra.pop("sent", []))  # type: ignore[call-overload]
+        already: set[int] = group.extra.pop("stopped", set())  # type: ignore[assignment]
+        if group.extra.pop("launched_stopped", False) and group.pid is not None:
+            sent.append(group.pid)
+        _signal([p for p in sent if p not in already], signal.SIGCONT)
+        group.frozen = False
+        return time.perf_counter() - t0
+
+    async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
+                        pids: list[int] | None = None) -> None:
+        target = set(cpus) if cpus is not None else set(self.all_cpus)
+        if pids is None:
+            group.cores = cpus
+            pids = self.pids(group)
+        for pid in pids:
+            _set_affinity(pid, target)
+
+    async def kill(self, group: Group, sig: int = signal.SIGKILL) -> None:
+        """Signal the process group and every process of the tree (a stopped one acts on SIGKILL at
+        once, on other signals only once thawed)."""
+        if group.pid is None:
+            return
+        pids = self.pids(group)
+        try:
+            os.killpg(group.pid, sig)
+        except OSError:
+            pass
+        _signal(pids, sig)
+
+    async def remove(self, group: Group) -> None:
+        group.extra.clear()

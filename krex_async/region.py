@@ -1,0 +1,189 @@
+"""`region()`: inside a command, hold the command's device exclusively for a block of code.
+
+    from krex_async import region
+
+    with region("timing") as r:          # returns once the daemon granted exclusivity
+        t = time_kernel()
+    print(r.report.enter_s, r.report.frozen)
+
+The request travels over the daemon's socket (KREX_SOCKET) with the command's id and token, on one
+blocking connection per process (re-made after fork). The daemon checks the token and that the
+connection's peer is a process of the command. If the process dies inside the block its connection
+closes and the daemon releases the region at once. Outside krex (no KREX_SOCKET) the block runs
+unprotected after a single warning on stderr, so the same script still runs alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+from types import TracebackType
+from typing import Any
+
+from . import protocol as P
+
+
+class RegionError(Exception):
+    """The daemon refused or lost the region: `code` says why (forbidden, region_refused, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class _Channel:
+    """One blocking connection to the daemon per process."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.pid = os.getpid()
+        self.ids = itertools.count(1)
+        self.revoked: dict[int, P.RegionReport] = {}
+        reply = self.call(P.Hello(id=0, role="command", client=f"pid {self.pid}"))
+        if not isinstance(reply, P.Welcome):
+            raise RegionError("handshake", f"unexpected reply {reply!r}")
+
+    def _recv(self) -> P.Reply:
+        head = self._exact(4)
+        (n,) = P.HEADER.unpack(head)
+        return P.decode_reply(self._exact(n))
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise RegionError("disconnected", "the krex daemon closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def call(self, msg: P.Msg) -> P.Reply:
+        """Send and wait for the reply with the same id, keeping revocations that arrive meanwhile."""
+        self.sock.sendall(P.encode(msg))
+        want = msg.id  # type: ignore[attr-defined]
+        while True:
+            reply = self._recv()
+            if reply.id == want:
+                return reply
+            if isinstance(reply, P.RegionRevoked):
+                self.revoked[reply.id] = reply.report
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+_lock = threading.Lock()
+_channel: _Channel | None = None
+_warned = False
+
+
+def _get_channel() -> _Channel:
+    global _channel
+    if _channel is None or _channel.pid != os.getpid():
+        _channel = _Channel(os.environ["KREX_SOCKET"])
+    return _channel
+
+
+def inside_krex() -> bool:
+    return all(os.environ.get(k) for k in ("KREX_SOCKET", "KREX_COMMAND", "KREX_TOKEN"))
+
+
+class region:  # noqa: N801 - used like a function, as `with region("timing"):`
+    """Exclusive use of the command's device for the block. Not reentrant: regions do not nest.
+
+    `report` (a protocol.RegionReport) holds what the grant cost on entry and the whole region's
+    record after exit; it is None outside krex. Raises RegionError when the daemon refuses.
+    """
+
+    def __init__(self, name: str = "region", *, warm_ms: float = 0.0,
+                 freeze_own_children: bool = True) -> None:
+        self.name = name
+        self.warm_ms = warm_ms
+        self.freeze_own_children = freeze_own_children
+        self.report: P.RegionReport | None = None
+        self.expired = False
+        self._enter_id = 0
+
+    def __getattr__(self, key: str) -> Any:  # r.wait_s, r.enter_s ... straight from the report
+        report = self.__dict__.get("report")
+        if report is not None and key in P.RegionReport.__struct_fields__:
+            return getattr(report, key)
+        raise AttributeError(key)
+
+    def __enter__(self) -> "region":
+        global _warned
+        if not inside_krex():
+            if not _warned:
+                _warned = True
+                print("krex: not running under krex (KREX_SOCKET unset): region() does not "
+                      "protect anything", file=sys.stderr)
+            return self
+        with _lock:
+            ch = _get_channel()
+            self._enter_id = next(ch.ids)
+            reply = ch.call(P.RegionEnter(
+                id=self._enter_id, command=os.environ["KREX_COMMAND"],
+                token=os.environ["KREX_TOKEN"], name=self.name, pid=os.getpid(),
+                freeze_own_children=self.freeze_own_children, warm_ms=self.warm_ms))
+        if isinstance(reply, P.Error):
+            raise RegionError(reply.code, reply.message)
+        assert isinstance(reply, P.RegionGranted)
+        self.report = reply.report
+        self._prepare(reply)
+        return self
+
+    def _prepare(self, grant: P.RegionGranted) -> None:
+        """Before the timed loop: verify the device drained when a sibling did not acknowledge, and
+        warm the device's clocks when asked (both only touch this process's own device context)."""
+        rep = grant.report
+        if rep.drain != "pending" and not self.warm_ms:
+            return
+        from .runtime import devicework
+
+        if rep.drain == "pending":
+            rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout)
+        if self.warm_ms:
+            t0 = time.perf_counter()
+            devicework.warm(self.warm_ms)
+            rep.warm_s = time.perf_counter() - t0
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.report is None:
+            return
+        with _lock:
+            ch = _get_channel()
+            reply: P.Reply | None = None
+            if self._enter_id not in ch.revoked:
+                rep = self.report
+                drain = rep.drain if rep.drain in ("idle-verified", "timeout") else ""
+                reply = ch.call(P.RegionExit(id=next(ch.ids), region=rep.region,
+                                             token=os.environ["KREX_TOKEN"], drain=drain,  # type: ignore[arg-type]
+                                             drain_s=rep.drain_s, warm_s=rep.warm_s))
+            if self._enter_id in ch.revoked:  # it outlived --region-timeout and was taken back
+                self.report = ch.revoked.pop(self._enter_id)
+                self.expired = True
+                print(f"krex: region {self.name!r} expired after {self.report.held_s:.1f} s and was "
+                      "revoked before its end: its timings are not protected", file=sys.stderr)
+                return
+        if isinstance(reply, P.RegionReleased):
+            self.report = reply.report
+        elif isinstance(reply, P.Error):
+            warnings.warn(f"krex: region exit: {reply.code}: {reply.message}", stacklevel=2)
+
+    async def __aenter__(self) -> "region":
+        return await asyncio.to_thread(self.__enter__)
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await asyncio.to_thread(self.__exit__, et, ev, tb)

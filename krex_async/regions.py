@@ -1,0 +1,363 @@
+"""A region's life under the daemon: queue, isolate, grant, hold, release (DESIGN.md, region protocol).
+
+Each region runs as one task, `Regions.run()`, whose `finally` undoes every isolation step it took, so
+no path out of a region (release, owner death, expiry, shutdown, a failed freeze, a cancelled task)
+leaves a process frozen or a core fenced. Steps and their cost:
+
+    wait     queued behind other regions on the device (FIFO)
+    quiesce  ask siblings' in-command runtimes to stop at a bytecode boundary and synchronise
+    freeze   freeze every other command on the device (and the owner's other processes)
+    cores    give the owner's process its region cores; fence every other running command off them
+    grant    the owner runs its timed loop
+    exit     thaw, restore cpusets, resume quiesced runtimes, promote the next region
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import logs
+from . import protocol as P
+from .commands import Command
+from .isolation.base import FreezeError, Group
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logs.get("krex.region")
+
+GPU_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
+
+
+@dataclass
+class Region:
+    id: str
+    command: Command
+    device: str
+    pid: int
+    send: Callable[[P.Msg], bool]  # to the owner's connection
+    req_id: int
+    request: P.RegionEnter
+    report: P.RegionReport
+    t_request: float = field(default_factory=time.perf_counter)
+    turn: asyncio.Future[None] | None = None
+    ended: asyncio.Future[str] | None = None
+    frozen: list[Group] = field(default_factory=list)
+    frozen_ids: list[str] = field(default_factory=list)
+    quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
+    acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
+    cores: frozenset[int] = frozenset()
+    task: asyncio.Task[None] | None = None
+    exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
+
+    def end(self, reason: str) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result(reason)
+
+
+def holds_gpu_file(pid: int) -> bool:
+    """Whether the process has a GPU device file open (read from /proc/<pid>/fd)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(GPU_PREFIXES):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+class Regions:
+    def __init__(self, daemon: "Daemon") -> None:
+        self.d = daemon
+        self.active: dict[str, Region] = {}  # every region from request to release
+        self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
+
+    def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
+               ) -> Region:
+        rid = f"{cmd.id}.{len(cmd.regions) + 1}"
+        report = P.RegionReport(region=rid, name=req.name, device=cmd.device_key or "none", pid=pid,
+                                policy=self.d.scheduler.policy.value, requested_at=time.time())
+        cmd.regions.append(report)
+        loop = asyncio.get_running_loop()
+        r = Region(id=rid, command=cmd, device=cmd.device_key or "none", pid=pid, send=send,
+                   req_id=req.id, request=req, report=report, turn=loop.create_future(),
+                   ended=loop.create_future())
+        self.active[rid] = r
+        r.task = loop.create_task(self.run(r), name=f"region-{rid}")
+        self.d.track(r.task)
+        return r
+
+    def by_owner_pid(self, cmd: Command, pid: int) -> Region | None:
+        return next((r for r in self.active.values() if r.command is cmd and r.pid == pid), None)
+
+    def holder_on(self, device: str) -> Region | None:
+        rid = self.d.scheduler.holder(device)
+        return self.active.get(rid) if rid else None
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def run(self, r: Region) -> None:
+        sched = self.d.scheduler
+        rep = r.report
+        assert r.turn is not None and r.ended is not None
+        log_ = log.bind(region=r.id, command=r.command.id, device=r.device)
+        granted = False
+        try:
+            if sched.request_region(r.id, r.command.id, r.device):
+                r.turn.set_result(None)
+            else:
+                self.d.trace("region_queued", r)
+            waiters: list[asyncio.Future[object]] = [r.turn, r.ended]  # type: ignore[list-item]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if r.ended.done():  # withdrawn while queued (owner died, shutdown)
+                rep.outcome = r.ended.result()
+                return
+            t_turn = time.perf_counter()
+            rep.wait_s = t_turn - r.t_request
+            if sched.isolates():
+                await self._isolate(r)
+            rep.enter_s = time.perf_counter() - r.t_request
+            rep.outcome = "held"
+            granted = True
+            if self.d.attributor is not None:
+                self.d.attributor.region_granted(r)
+            r.send(P.RegionGranted(id=r.req_id, report=rep,
+                                   drain_timeout=self.d.config.drain_timeout))
+            self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
+            t_held = time.perf_counter()
+            timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
+                                                          r.end, "expired")
+            try:
+                reason = await asyncio.shield(r.ended)
+            finally:
+                timer.cancel()
+            rep.held_s = time.perf_counter() - t_held
+            rep.outcome = reason
+        except FreezeError as e:
+            rep.outcome = "refused"
+            rep.error = str(e)
+            log_.warning("region_refused", error=str(e))
+        except asyncio.CancelledError:
+            rep.outcome = rep.outcome if rep.outcome not in ("open", "held") else "shutdown"
+            raise
+        finally:
+            t_exit = time.perf_counter()
+            await asyncio.shield(self._release(r))
+            rep.exit_s = time.perf_counter() - t_exit
+            if self.d.attributor is not None:
+                self.d.attributor.region_released(r)
+            self.active.pop(r.id, None)
+            nxt = sched.release_region(r.id)
+            if nxt and nxt in self.active:
+                turn = self.active[nxt].turn
+                if turn is not None and not turn.done():
+                    turn.set_result(None)
+            self._tell_owner(r, granted)
+            self.d.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
+            log_.info("region", name=rep.name, outcome=rep.outcome, wait_s=round(rep.wait_s, 6),
+                      quiesce_s=round(rep.quiesce_s, 6), freeze_s=round(rep.freeze_s, 6),
+                      cores_s=round(rep.cores_s, 6), enter_s=round(rep.enter_s, 6),
+                      held_s=round(rep.held_s, 6), exit_s=round(rep.exit_s, 6),
+                      frozen=len(rep.frozen), cores=rep.cores, drain=rep.drain)
+
+    def _tell_owner(self, r: Region, granted: bool) -> None:
+        rep = r.report
+        if rep.outcome == "refused":
+            r.send(P.Error(id=r.req_id, code="region_refused", message=rep.error))
+        elif rep.outcome == "expired":
+            r.send(P.RegionRevoked(id=r.req_id, report=rep))
+        elif rep.outcome == "released":
+            r.send(P.RegionReleased(id=r.exit_id if r.exit_id is not None else r.req_id, report=rep))
+        elif not granted and rep.outcome == "shutdown":
+            r.send(P.Error(id=r.req_id, code="shutdown", message="the daemon is shutting down"))
+        elif granted:
+            r.send(P.RegionRevoked(id=r.req_id, report=rep))
+
+    # ------------------------------------------------------------------------------ isolation
+
+    def _targets(self, r: Region) -> list[Command]:
+        """The commands frozen for this region: every other command on its device (or, with
+        --freeze device-holders, those of them that hold a GPU device file)."""
+        out = []
+        for cid in self.d.scheduler.siblings(r.device, r.command.id):
+            cmd = self.d.commands.get(cid)
+            if cmd is None or cmd.state != "running" or cmd.group is None:
+                continue
+            if self.d.config.freeze == "device-holders" and not any(
+                    holds_gpu_file(p) for p in self.d.backend.pids(cmd.group)):
+                continue
+            out.append(cmd)
+        return out
+
+    async def _isolate(self, r: Region) -> None:
+        rep = r.report
+        backend = self.d.backend
+        targets = self._targets(r)
+        t0 = time.perf_counter()
+        await self._quiesce(r, targets)
+        t1 = time.perf_counter()
+        rep.quiesce_s = t1 - t0
+        groups = [c.group for c in targets if c.group is not None and not c.group.frozen]
+        # Mark before freezing: a failure part-way still thaws every one of them in _release.
+        r.frozen.extend(groups)
+        r.frozen_ids.extend(c.id for c in targets)
+        results = await backend.freeze_many(groups, timeout=self.d.config.freeze_timeout)
+        if r.request.freeze_own_children and r.command.group is not None:
+            own = r.command.group
+            if any(p != r.pid for p in backend.pids(own)):
+                res = await backend.freeze(own, keep=frozenset({r.pid}),
+                                           timeout=self.d.config.freeze_timeout)
+                r.frozen.append(own)
+                results.append(res)
+        t2 = time.perf_counter()
+        rep.freeze_s = t2 - t1
+        rep.frozen = list(r.frozen_ids)
+        rep.frozen_pids = sum(x.pids for x in results)
+        self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen), pids=rep.frozen_pids)
+        await self._reserve_cores(r)
+        rep.cores_s = time.perf_counter() - t2
+        rep.drain = self._drain_state(r, targets)
+
+    async def _quiesce(self, r: Region, targets: list[Command]) -> None:
+        """Ask the in-command runtimes of the targets to stop and synchronise; wait for their acks
+        up to --quiesce-timeout. Those that do not answer are frozen anyway (and drained)."""
+        loop = asyncio.get_running_loop()
+        owners = [(c, pid, send) for c in targets for pid, send in c.runtimes.items()]
+        if r.request.freeze_own_children:
+            owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items()
+                       if pid != r.pid]
+        for _, pid, send in owners:
+            fut: asyncio.Future[P.QuiesceAck] = loop.create_future()
+            r.acks[pid] = fut
+            if send(P.Quiesce(id=0, region=r.id)):
+                r.quiesced.append(send)
+            else:
+                fut.cancel()
+        pending = [f for f in r.acks.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.d.config.quiesce_timeout)
+
+    def _drain_state(self, r: Region, targets: list[Command]) -> str:
+        """not-needed (no siblings, or a device without queues), synced (every sibling process that
+        holds a GPU file acknowledged after synchronising), else pending: the owner verifies."""
+        if not targets or self.d.device(r.device).vendor == "cpu":
+            return "not-needed"
+        acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
+        holders = [p for c in targets if c.group is not None
+                   for p in self.d.backend.pids(c.group) if holds_gpu_file(p)]
+        return "synced" if all(p in acked for p in holders) else "pending"
+
+    def ack(self, cmd: Command, pid: int, msg: P.QuiesceAck) -> None:
+        r = self.active.get(msg.region)
+        fut = r.acks.get(pid) if r else None
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def _spare_cores(self, r: Region) -> frozenset[int]:
+        """Up to --region-cores cores near the device, never leaving the rest of the node none."""
+        want = self.d.config.region_cores
+        all_cpus = self.d.all_cpus
+        taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
+        near = sorted((self.d.device(r.device).cpus or all_cpus) - taken, reverse=True)
+        chosen: list[int] = []
+        for c in near:
+            if len(chosen) == want:
+                break
+            if len(all_cpus - taken - frozenset(chosen) - {c}) >= 1:
+                chosen.append(c)
+        return frozenset(chosen)
+
+    async def _reserve_cores(self, r: Region) -> None:
+        cores = self._spare_cores(r)
+        if not cores:
+            return
+        r.cores = cores
+        self.reserved[r.id] = cores
+        r.report.cores = sorted(cores)
+        assert r.command.group is not None
+        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid])
+        await self.refence()
+
+    async def refence(self) -> None:
+        """Fence every running command that is not frozen off all reserved cores (or lift it)."""
+        taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
+        allowed = None if not taken else self.d.all_cpus - taken
+        for cmd in self.d.commands.values():
+            g = cmd.group
+            if cmd.state != "running" or g is None or g.frozen or g.cores == allowed:
+                continue
+            owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
+            pids = [p for p in self.d.backend.pids(g) if owner is None or p != owner.pid]
+            await self.d.backend.set_cores(g, allowed, pids=pids)
+            g.cores = allowed
+
+    def fence_for_new(self) -> frozenset[int] | None:
+        taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
+        return self.d.all_cpus - taken if taken else None
+
+    async def _release(self, r: Region) -> None:
+        """Undo every step, each in its own try so one failure does not skip the others."""
+        backend = self.d.backend
+        for g in r.frozen:
+            try:
+                await backend.thaw(g)
+            except Exception as e:  # a vanished group thaws as a no-op; anything else is logged
+                log.error("thaw_failed", region=r.id, group=g.name, error=repr(e))
+        if r.frozen:
+            self.d.trace("thaw", r, groups=len(r.frozen))
+        r.frozen.clear()
+        for send in r.quiesced:
+            send(P.Resume(id=0, region=r.id))
+        r.quiesced.clear()
+        if self.reserved.pop(r.id, None) is not None:
+            try:
+                if r.command.group is not None and r.command.state == "running":
+                    await backend.set_cores(r.command.group, None, pids=[r.pid])
+                await self.refence()
+            except Exception as e:
+                log.error("cores_restore_failed", region=r.id, error=repr(e))
+
+    def freeze_late(self, r: Region, tgid: int) -> None:
+        """--freeze device-holders: a sibling that opened a GPU device during the region is frozen
+        as soon as the probes see the open (the open itself is reported as a stray)."""
+        if self.d.config.freeze != "device-holders" or r.report.outcome != "held":
+            return
+        assert self.d.attributor is not None
+        cmd = self.d.attributor.command_of(tgid)
+        if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
+                or cmd.group.frozen:
+            return
+        group = cmd.group
+
+        async def freeze() -> None:
+            try:
+                await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
+            except FreezeError as e:
+                log.warning("late_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+                return
+            if r.id in self.active and r.report.outcome == "held":
+                r.frozen.append(group)
+                r.frozen_ids.append(cmd.id)
+                r.report.frozen.append(cmd.id)
+            else:  # the region ended meanwhile: undo at once
+                await self.d.backend.thaw(group)
+            self.d.trace("freeze", r, command=cmd.id, late=True)
+
+        self.d.track(asyncio.get_running_loop().create_task(freeze()))
+
+    def admit_frozen(self, cmd: Command) -> Region | None:
+        """A command starting on a device whose region is held lands frozen: the region it joins."""
+        if cmd.device is None or not self.d.scheduler.isolates():
+            return None
+        r = self.holder_on(cmd.device.key)
+        return r if r is not None and r.report.outcome in ("open", "held") else None
+

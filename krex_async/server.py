@@ -1,0 +1,290 @@
+"""The Unix-socket server: listener, connections, framing, dispatch, and an orderly shutdown.
+
+Server, connection and daemon state are kept apart (uvicorn's layout): the server owns the listener and
+the set of connections; a `Connection` owns one peer's reader and writer and the tasks it started; the
+`Daemon` owns all runtime state. A frame that does not decode gets an error reply and the connection
+goes on; a frame that breaks the framing (oversize length, truncated body, slow body) gets an error and
+the connection is closed. Nothing a peer sends can stop the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import signal
+import socket
+import struct
+import time
+from typing import Any
+
+import msgspec
+
+from . import logs
+from . import protocol as P
+from .config import ServeConfig
+from .daemon import Daemon, RequestError
+from .devices.base import Device
+from .isolation import choose_backend
+
+log = logs.get("krex.server")
+
+_CREDS = struct.Struct("3i")
+
+
+class _IdOnly(msgspec.Struct):
+    id: int = 0
+
+
+def _request_id(body: bytes) -> int:
+    try:
+        return max(0, msgspec.msgpack.decode(body, type=_IdOnly).id)
+    except Exception:
+        return 0
+
+
+class Connection:
+    """One peer. `send()` never blocks the loop: past `max_buffer` unsent bytes the peer is dropped
+    as a slow consumer (with the reason logged) instead of growing memory without bound."""
+
+    def __init__(self, server: "Server", reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        sock = writer.get_extra_info("socket")
+        self.pid, self.uid, self.gid = _CREDS.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+        self.closed = False
+        self.close_reason = ""
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.greeted = False
+
+    def send(self, msg: P.Msg) -> bool:
+        if self.closed:
+            return False
+        transport = self.writer.transport
+        if transport.is_closing():
+            self.closed = True
+            return False
+        self.writer.write(P.encode(msg))
+        if transport.get_write_buffer_size() > self.server.config.max_conn_buffer:
+            self.drop("slow consumer: more than "
+                      f"{self.server.config.max_conn_buffer} bytes unread")
+            return False
+        return True
+
+    def drop(self, reason: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self.close_reason = reason
+            log.warning("connection_dropped", pid=self.pid, uid=self.uid, reason=reason)
+            self.writer.transport.abort()
+
+    def error(self, req_id: int, code: str, message: str) -> None:
+        self.send(P.Error(id=req_id, code=code, message=message))
+
+    async def serve(self) -> None:
+        cfg = self.server.config
+        daemon = self.server.daemon
+        try:
+            while not self.closed:
+                try:
+                    body = await P.read_frame(self.reader, cfg.max_frame, cfg.read_timeout)
+                except P.FrameError as e:
+                    self.error(0, "bad_frame", str(e))
+                    break
+                except TimeoutError:
+                    self.error(0, "bad_frame", f"frame body not received within {cfg.read_timeout} s")
+                    break
+                if body is None:
+                    break
+                try:
+                    req = P.decode_request(body)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+                    self.error(_request_id(body), "bad_request", f"undecodable request: {e}")
+                    continue
+                self.dispatch(req)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.closed = True
+            daemon.disconnected(self.send)
+            for t in list(self.tasks):
+                t.cancel()
+            with contextlib.suppress(Exception):
+                self.writer.close()
+
+    def dispatch(self, req: P.Request) -> None:
+        daemon = self.server.daemon
+        if not self.greeted and not isinstance(req, P.Hello):
+            self.error(req.id, "bad_request", "the first request must be hello")
+            return
+        try:
+            match req:
+                case P.Hello():
+                    if req.version != P.PROTOCOL_VERSION:
+                        self.error(req.id, "version", f"protocol version {req.version} is not "
+                                                      f"supported (this daemon speaks "
+                                                      f"{P.PROTOCOL_VERSION})")
+                        return
+                    self.greeted = True
+                    self.send(P.Welcome(id=req.id, version=P.PROTOCOL_VERSION, server="krex",
+                                        policy=daemon.scheduler.policy.value, uid=self.uid))
+                case P.Submit():
+                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send))
+                case P.Attach():
+                    daemon.attach(req, self.uid, self.send)
+                case P.Cancel():
+                    self._spawn(req.id, daemon.cancel(req, self.uid), ok=True)
+                case P.Status():
+                    self.send(P.StatusReply(id=req.id, status=daemon.status()))
+                case P.RegionEnter():
+                    daemon.region_enter(req, self.pid, self.send)
+                case P.RegionExit():
+                    daemon.region_exit(req, self.pid)
+                case P.QuiesceReady():
+                    daemon.quiesce_ready(req, self.pid, self.send)
+                    self.send(P.Ok(id=req.id))
+                case P.QuiesceAck():
+                    daemon.quiesce_ack(req, self.pid)
+                case P.Timeline():
+                    daemon.send_timeline(req, self.send)
+                case P.Subscribe():
+                    daemon.tracers.append((self.send, req.id))
+                    self.send(P.Ok(id=req.id))
+        except RequestError as e:
+            self.error(req.id, e.code, str(e))
+
+    def _spawn(self, req_id: int, coro: Any, ok: bool = False) -> None:
+        async def run() -> None:
+            try:
+                await coro
+                if ok:
+                    self.send(P.Ok(id=req_id))
+            except RequestError as e:
+                self.error(req_id, e.code, str(e))
+            except Exception as e:  # a bug must cost one request, not the daemon
+                log.exception("request_failed", req_id=req_id)
+                self.error(req_id, "internal", f"{type(e).__name__}: {e}")
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+def bind_socket(path: str, group: str = "") -> socket.socket:
+    """Bind the listening socket with its final mode from the first instant (umask around bind).
+
+    A leftover socket file that nobody answers on is replaced; a live one is never stolen.
+    """
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    if os.path.exists(path) or os.path.islink(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+        except OSError as e:
+            raise SystemExit(f"krex: {path} exists and is not a usable socket: {e}") from None
+        else:
+            raise SystemExit(f"krex: another daemon is serving on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o117 if group else 0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    if group:
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Server:
+    def __init__(self, config: ServeConfig, daemon: Daemon) -> None:
+        self.config = config
+        self.daemon = daemon
+        self.connections: set[Connection] = set()
+        self.stop = asyncio.Event()
+
+    async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, reader, writer)
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
+
+    async def run(self) -> int:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        sock = bind_socket(cfg.socket, cfg.socket_group)
+        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        log.info("serving", socket=cfg.socket, policy=cfg.policy, isolation=self.daemon.backend.name,
+                 isolation_reason=self.daemon.backend.reason, pid=os.getpid(),
+                 devices=[d.key for d in self.daemon.devices], region_cores=cfg.region_cores,
+                 freeze=cfg.freeze)
+        print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation "
+              f"{self.daemon.backend.name})", flush=True)
+        try:
+            await self.stop.wait()
+        finally:
+            log.info("shutting_down", commands=sum(c.state != "ended"
+                                                   for c in self.daemon.commands.values()))
+            server.close()
+            await self.daemon.shutdown()
+            # Let the last reports reach their agents, then close everyone.
+            deadline = time.monotonic() + 2
+            for conn in list(self.connections):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.writer.drain(),
+                                           max(0.01, deadline - time.monotonic()))
+                conn.writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.socket)
+            log.info("stopped")
+        return 0
+
+
+def cpu_devices(spec: str) -> list[Device]:
+    """The `cpu` device (or N logical ones, `cpu:N`, splitting the host's cpus evenly)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = 1
+    if spec.startswith("cpu:"):
+        n = int(spec.split(":", 1)[1])
+        if not 1 <= n <= max(1, len(cpus)) * 8:
+            raise ValueError(f"--devices {spec}: N must be between 1 and {len(cpus) * 8}")
+    if n == 1 and not spec.startswith("cpu:"):
+        return [Device(index=0, key="cpu", vendor="cpu", name="cpu", cpus=frozenset(cpus))]
+    per = max(1, len(cpus) // n)
+    return [Device(index=i, key=f"cpu{i}", vendor="cpu", name=f"cpu{i}",
+                   cpus=frozenset(cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per]))
+            for i in range(n)]
+
+
+async def serve(config: ServeConfig) -> int:
+    cfg = config.resolved()
+    os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    backend = choose_backend(cfg)
+    for line in await backend.reconcile():
+        log.info("reconciled", action=line)
+    devices = cpu_devices(cfg.devices) if cfg.devices in ("none", "auto") or \
+        cfg.devices.startswith("cpu") else cpu_devices("none")
+    daemon = Daemon(cfg, backend, devices)
+    return await Server(cfg, daemon).run()
+
+
+def run(config: ServeConfig) -> int:
+    logs.configure(config.log_format, config.log_level)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio still works
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Runs the whole test suite (setting the machine up first if needed), then type-checks the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+.venv/bin/python -m mypy

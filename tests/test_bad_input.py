@@ -1,0 +1,189 @@
+"""Bad input gets a clear error and never stops the daemon or leaves anything frozen."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import subprocess
+
+import msgspec
+import pytest
+
+from krex_async import KrexError
+from krex_async import protocol as P
+
+from .conftest import PY, py_env, run_daemon
+
+
+def raw(sock_path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(sock_path)
+    return s
+
+
+def recv(s: socket.socket) -> P.Reply | None:
+    head = b""
+    while len(head) < 4:
+        chunk = s.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (n,) = struct.unpack(">I", head)
+    body = b""
+    while len(body) < n:
+        body += s.recv(n - len(body))
+    return P.decode_reply(body)
+
+
+def frame(obj: object) -> bytes:
+    body = msgspec.msgpack.encode(obj)
+    return struct.pack(">I", len(body)) + body
+
+
+def hello(s: socket.socket) -> None:
+    s.sendall(P.encode(P.Hello(id=1)))
+    assert isinstance(recv(s), P.Welcome)
+
+
+async def still_serving(d) -> None:
+    async with await d.client() as c:
+        res = await c.run(["echo", "alive"])
+        assert res.stdout == b"alive\n"
+
+
+@pytest.mark.parametrize("payload, code", [
+    (frame({"type": "no_such_message", "id": 3}), "bad_request"),
+    (frame({"type": "submit", "id": 4, "argv": "not-a-list"}), "bad_request"),
+    (frame({"type": "submit", "id": 5, "argv": []}), "bad_request"),
+    (frame({"type": "submit", "id": 6, "argv": ["x" * 200_000]}), "bad_request"),
+    (frame([1, 2, 3]), "bad_request"),
+    (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_request"),  # 0xc1 is never valid msgpack
+    (struct.pack(">I", 7) + b"\x81\xa4typ\xff\xc0", "bad_request"),  # invalid UTF-8 in a key
+])
+async def test_undecodable_frames_get_an_error_and_the_connection_goes_on(payload, code):
+    async with run_daemon() as d:
+        s = await asyncio.to_thread(raw, d.socket)
+        await asyncio.to_thread(hello, s)
+        s.sendall(payload)
+        reply = await asyncio.to_thread(recv, s)
+        assert isinstance(reply, P.Error) and reply.code == code, reply
+        s.sendall(P.encode(P.Status(id=9)))  # the same connection still works
+        assert isinstance(await asyncio.to_thread(recv, s), P.StatusReply)
+        s.close()
+        await still_serving(d)
+
+
+async def test_oversize_length_is_refused_before_reading():
+    async with run_daemon("--max-frame", "65536") as d:
+        s = await asyncio.to_thread(raw, d.socket)
+        s.sendall(struct.pack(">I", 0xFFFFFFFF))
+        reply = await asyncio.to_thread(recv, s)
+        assert isinstance(reply, P.Error) and reply.code == "bad_frame" and "limit" in reply.message
+        assert await asyncio.to_thread(recv, s) is None  # then closed
+        await still_serving(d)
+
+
+async def test_truncated_frame_and_first_message_not_hello():
+    async with run_daemon("--read-timeout", "0.5") as d:
+        s = await asyncio.to_thread(raw, d.socket)
+        s.sendall(P.encode(P.Status(id=2)))
+        reply = await asyncio.to_thread(recv, s)
+        assert isinstance(reply, P.Error) and "hello" in reply.message
+        s.sendall(struct.pack(">I", 100) + b"abc")  # then silence: a slow sender
+        reply = await asyncio.to_thread(recv, s)
+        assert isinstance(reply, P.Error) and reply.code == "bad_frame"
+        s.close()
+        s = await asyncio.to_thread(raw, d.socket)
+        s.sendall(P.encode(P.Hello(id=1, version=99)))
+        reply = await asyncio.to_thread(recv, s)
+        assert isinstance(reply, P.Error) and reply.code == "version"
+        await still_serving(d)
+
+
+async def test_bad_specs_are_refused_with_reasons(tmp_path):
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            cases = [
+                (dict(argv=["/no/such/binary"]), "not an executable"),
+                (dict(argv=["no-such-prog-krex"]), "not found on PATH"),
+                (dict(argv=["true"], cwd="relative/dir"), "absolute"),
+                (dict(argv=["true"], cwd=str(tmp_path / "missing")), "not a directory"),
+                (dict(argv=["true"], env={"A=B": "1", "PATH": os.environ["PATH"]}), "invalid"),
+                (dict(argv=["true"], device="gpu9"), "unknown device"),
+            ]
+            for kw, words in cases:
+                with pytest.raises(KrexError) as e:
+                    await c.submit(**kw)
+                assert words in e.value.message, (kw, e.value.message)
+            with pytest.raises(KrexError) as e:
+                await c.cancel("nope")
+            assert e.value.code == "unknown_command"
+        await still_serving(d)
+
+
+async def test_region_requests_from_outside_the_command_are_refused(script):
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, "-c", "import os,time; print(os.environ['KREX_TOKEN'], "
+                                          "flush=True); time.sleep(5)"], env=py_env())
+            token = None
+            async for stream, data in h.output():
+                token = data.decode().strip()
+                break
+            # The right token from a process that is not the command's: refused.
+            src = script("steal.py", f"""
+                import os
+                os.environ.update(KREX_SOCKET={d.socket!r}, KREX_COMMAND={h.command!r},
+                                  KREX_TOKEN={token!r})
+                from krex_async import region, RegionError
+                try:
+                    with region("x"):
+                        print("granted")
+                except RegionError as e:
+                    print(e.code)
+                os.environ["KREX_TOKEN"] = "0" * 32
+                try:
+                    with region("x"):
+                        print("granted")
+                except RegionError as e:
+                    print(e.code)
+            """)
+            p = await asyncio.to_thread(subprocess.run, [PY, src], env=py_env(),
+                                        capture_output=True, timeout=30)
+            assert p.stdout.split() == [b"forbidden", b"forbidden"], p.stderr
+            st = await c.status()
+            assert st["devices"][0]["region"] is None
+            await h.cancel(9)
+            await h.wait()
+        await still_serving(d)
+
+
+async def test_nested_region_is_refused(script):
+    src = script("nest.py", """
+        from krex_async import region, RegionError
+        with region("outer"):
+            try:
+                with region("inner"):
+                    print("nested")
+            except RegionError as e:
+                print(e.code)
+    """)
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            res = await c.run([PY, src], env=py_env())
+    assert res.stdout.strip() == b"bad_request", res.stderr
+
+
+async def test_a_live_socket_is_not_stolen():
+    async with run_daemon() as d:
+        e = py_env()
+        p = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "serve", "--socket",
+                                                     d.socket], capture_output=True, env=e,
+                                    timeout=30)
+        assert p.returncode != 0 and b"another daemon" in p.stderr
+        await still_serving(d)
+        mode = os.stat(d.socket).st_mode & 0o777
+        assert mode == 0o600, oct(mode)

@@ -1,0 +1,179 @@
+"""Commands on real processes: output, environment, timeout, policies, the CLI, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from .conftest import PY, ROOT, proc_state, py_env, run_daemon
+
+
+async def test_output_env_and_exit(script, tmp_path):
+    src = script("env.py", """
+        import os, sys
+        print("out", flush=True)
+        print("err", file=sys.stderr, flush=True)
+        print(os.getcwd())
+        for k in ("KREX_COMMAND", "KREX_DEVICE", "FOO"):
+            print(k, os.environ.get(k))
+        print("token", bool(os.environ.get("KREX_TOKEN")), "socket", bool(os.environ.get("KREX_SOCKET")))
+        sys.exit(5)
+    """)
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, src], cwd=str(tmp_path), env=py_env(FOO="bar"))
+            chunks = [(s, data) async for s, data in h.output()]
+            res = await h.wait()
+    assert res.returncode == 5
+    assert b"".join(data for s, data in chunks if s == "stderr") == b"err\n"
+    assert b"".join(data for s, data in chunks if s == "stdout") == res.stdout
+    lines = res.stdout.decode().splitlines()
+    assert lines[0] == "out" and lines[1] == str(tmp_path)
+    assert f"KREX_COMMAND {h.command}" in lines and "KREX_DEVICE cpu" in lines
+    assert "FOO bar" in lines and "token True socket True" in lines
+    assert res.report.state == "exited" and res.report.wall_s > 0
+
+
+async def test_timeout_kills_the_whole_tree(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            t0 = time.monotonic()
+            res = await c.run(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; wait"], timeout=0.5)
+            elapsed = time.monotonic() - t0
+    assert res.report.state == "timeout" and res.report.signal == signal.SIGKILL
+    assert elapsed < 5
+    child = int(pidfile.read_text())
+    assert proc_state(child) in (None, "Z"), "the timed-out command's child survived"
+
+
+async def test_leftover_processes_end_with_the_leader(tmp_path):
+    pidfile = tmp_path / "bg.pid"
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            res = await c.run(["sh", "-c", f"sleep 30 > /dev/null 2>&1 & echo $! > {pidfile}"])
+            await asyncio.sleep(0.3)
+    assert res.returncode == 0
+    assert proc_state(int(pidfile.read_text())) in (None, "Z")
+
+
+async def test_command_policy_serialises_commands(script):
+    async with run_daemon("--policy", "command") as d:
+        async with await d.client() as c:
+            src = script("r.py", """
+                import time
+                from krex_async import region
+                t0 = time.monotonic()
+                with region("timing") as r:
+                    time.sleep(0.3)
+                print(t0, time.monotonic(), r.report.frozen, r.report.policy)
+            """)
+            a, b = await asyncio.gather(c.run([PY, src], env=py_env()),
+                                        c.run([PY, src], env=py_env()))
+    (a0, a1, *_), (b0, b1, *_) = (x.stdout.split() for x in (a, b))
+    first, second = sorted([(float(a0), float(a1)), (float(b0), float(b1))])
+    assert second[0] >= first[1], "under policy command two commands on a device overlapped"
+    assert max(a.report.queued_s, b.report.queued_s) > 0.25
+    assert a.report.regions[0].policy == "command" and a.report.regions[0].frozen == []
+
+
+async def test_device_none_and_bad_devices():
+    from krex_async import KrexError
+
+    async with run_daemon("--devices", "cpu:2") as d:
+        async with await d.client() as c:
+            res = await c.run(["sh", "-c", "echo $KREX_DEVICE"], device="none")
+            assert res.stdout == b"none\n"
+            res = await c.run(["sh", "-c", "echo $KREX_DEVICE"], device="cpu1")
+            assert res.stdout == b"cpu1\n"
+            with pytest.raises(KrexError) as e:
+                await c.submit(["true"], device="7")
+            assert e.value.code == "bad_device" and "cpu0" in e.value.message
+
+
+async def test_cli_run_behaves_like_the_command(tmp_path):
+    report = tmp_path / "r.json"
+    cmd = ["sh", "-c", "echo to-out; echo to-err >&2; exit 4"]
+    direct = subprocess.run(cmd, capture_output=True)
+    async with run_daemon() as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        p = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "run", "--report",
+                                                     str(report), "--", *cmd],
+                                    capture_output=True, env=env, cwd=ROOT, timeout=30)
+        missing = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "run", "--",
+                                                           "no-such-program-krex"],
+                                          capture_output=True, env=env, timeout=30)
+        killed = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "run", "--",
+                                                          "sh", "-c", "kill -9 $$"],
+                                         capture_output=True, env=env, timeout=30)
+        st = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "status", "--json"],
+                                     capture_output=True, env=env, timeout=30)
+    assert (p.returncode, p.stdout, p.stderr) == (direct.returncode, direct.stdout, direct.stderr)
+    rep = json.loads(report.read_text())
+    assert rep["exit_code"] == 4 and rep["state"] == "exited"
+    assert missing.returncode == 127 and b"not found" in missing.stderr
+    assert killed.returncode == 128 + 9
+    status = json.loads(st.stdout)
+    assert status["policy"] == "region" and status["devices"][0]["key"] == "cpu"
+
+
+async def test_shutdown_mid_region_leaves_nothing_stopped(script, tmp_path):
+    pids = tmp_path / "pids"
+    sibling = script("sib.py", f"""
+        import os, time
+        open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
+        while True:
+            time.sleep(0.01)
+    """)
+    holder = script("hold.py", f"""
+        import os, time
+        from krex_async import region
+        with region("timing"):
+            open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
+            time.sleep(60)
+    """)
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            hs = [await c.submit([PY, sibling], env=py_env()) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            owner = await c.submit([PY, holder], env=py_env())
+            deadline = time.monotonic() + 10
+            while not pids.exists() or len(pids.read_text().split()) < 3:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            all_pids = [int(x) for x in pids.read_text().split()]
+            assert any(proc_state(p) == "T" for p in all_pids), "no sibling was frozen"
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*(h.wait() for h in [*hs, owner]))
+            rc = await asyncio.to_thread(d.proc.wait, 20)
+    assert rc == 0
+    assert time.monotonic() - t0 < 10
+    assert all(r.report.state == "shutdown" for r in results)
+    assert not os.path.exists(d.socket), "the socket was not removed"
+    for p in all_pids:
+        assert proc_state(p) in (None, "Z"), f"pid {p} left behind in state {proc_state(p)}"
+
+
+async def test_cancel_and_attach_after_disconnect(script):
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            h = await c.submit(["sh", "-c", "echo early; sleep 0.5; echo late"],
+                               on_disconnect="keep")
+            cid = h.command
+        await asyncio.sleep(1.0)
+        async with await d.client() as c:
+            res = await (await c.attach(cid)).wait()
+            assert res.returncode == 0 and res.stdout == b"early\nlate\n"
+            h2 = await c.submit(["sleep", "30"])
+            await asyncio.sleep(0.2)
+            await c.cancel(h2.command)
+            r2 = await h2.wait()
+            assert r2.report.state == "cancelled" and r2.returncode == -15
