@@ -241,6 +241,8 @@ def on_signal() -> None:
             t0 = time.perf_counter()
             synced = _devicework().synchronize()
             seconds = time.perf_counter() - t0
+            if st.pending is not p:  # resumed (or replaced) while we synchronised: no stale ack
+                continue
             try:
                 st.send({"type": "quiesce_ack", "id": p.id, "region": p.region,
                          "synced": synced, "seconds": seconds})
