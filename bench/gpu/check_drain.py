@@ -175,7 +175,7 @@ def thaw_checks(daemon: MiniDaemon) -> None:
                     check(f"thaw.{how}", True, f"skipped: {e}")
                     proc.kill()
                     continue
-                time.sleep(2)
+                time.sleep(1)
                 (cg / "cgroup.freeze").write_text("0")
             elif how == "quiesce+sigstop":
                 t0 = time.perf_counter()
@@ -183,12 +183,12 @@ def thaw_checks(daemon: MiniDaemon) -> None:
                 ack = conn.recv(60)
                 q_s = time.perf_counter() - t0
                 os.kill(proc.pid, signal.SIGSTOP)
-                time.sleep(2)
+                time.sleep(1)
                 os.kill(proc.pid, signal.SIGCONT)
                 conn.send({"type": "resume", "id": 2, "region": "v"})
             else:
                 os.kill(proc.pid, signal.SIGSTOP)
-                time.sleep(2)
+                time.sleep(1)
                 os.kill(proc.pid, signal.SIGCONT)
             result = proc.stdout.readline().strip()
             rc = proc.wait(120)
