@@ -72,19 +72,39 @@ def _load(name: str, filename: str):  # type: ignore[no-untyped-def]
     return sys.modules.setdefault(name, module)
 
 
-def _start() -> None:
+_armed = False
+
+
+def arm() -> bool:
+    """Start the quiesce listener for the command named in the environment (from the main thread).
+
+    Called at interpreter start; a ctxpool worker that learns its command later sets KREX_SOCKET,
+    KREX_COMMAND and KREX_TOKEN in os.environ and calls `sitecustomize.arm()` itself. Idempotent;
+    returns whether a listener was started (now or before). Never raises.
+    """
+    global _armed
+    if _armed:
+        return True
+    try:
+        _armed = _start()
+    except BaseException:  # noqa: BLE001
+        _armed = False
+    return _armed
+
+
+def _start() -> bool:
     env = os.environ
     if not (env.get("KREX_SOCKET") and env.get("KREX_COMMAND") and env.get("KREX_TOKEN")):
-        return
+        return False
     import _signal
     import _thread
 
     try:
         signum = int(env.get("KREX_QUIESCE_SIGNAL") or _signal.SIGRTMAX - 6)
     except ValueError:
-        return
+        return False
     if _signal.getsignal(signum) not in (_signal.SIG_DFL, None):
-        return  # taken by someone: stay out of the way (the daemon's timeout path covers us)
+        return False  # taken by someone: stay out of the way (the daemon's timeout path covers us)
     box: dict = {}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -116,6 +136,7 @@ def _start() -> None:
 
     os.register_at_fork(after_in_child=after_fork_in_child)
     _thread.start_new_thread(boot, ())
+    return True
 
 
 def _auto_regions() -> None:
@@ -127,8 +148,5 @@ try:
     _auto_regions()
 except BaseException:  # noqa: BLE001
     pass
-try:
-    _start()
-except BaseException:  # noqa: BLE001
-    pass
+arm()
 _chain()

@@ -233,3 +233,24 @@ def test_start_up_cost_is_small(server: Server) -> None:
     best_without = min(_site_cost_us(without) for _ in range(10))
     print(f"site import: {best_with} us with krex, {best_without} us without")
     assert best_with - best_without < 5000  # goal ~2 ms on a quiet machine; CI gets headroom
+
+
+def test_pool_worker_arms_later(server: Server, tmp_path: Path) -> None:
+    """A warm worker starts without a command and arms the runtime once it is given one."""
+    out = tmp_path / "stamps"
+    code = ("import os, sys, sitecustomize\n"
+            "assert sitecustomize.arm() is False\n"  # nothing to listen for yet
+            f"os.environ.update(KREX_SOCKET={server.path!r}, KREX_COMMAND='c1', KREX_TOKEN='t0k')\n"
+            "assert sitecustomize.arm() and sitecustomize.arm()\n"  # idempotent
+            "sys.argv = ['spin', sys.argv[1], 'sleep']\n"
+            f"exec(compile({SPIN!r}, 'spin', 'exec'))\n")
+    env = {k: v for k, v in command_env(server.path).items() if not k.startswith("KREX_")}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
+    try:
+        peer = server.accept()
+        assert peer is not None and peer.ready.pid == proc.pid
+        quiesce_cycle(peer, out, "rp")
+        assert server.accept(timeout=0.3) is None  # armed once
+    finally:
+        proc.kill()
+        proc.wait()
