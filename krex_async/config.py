@@ -33,7 +33,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
     freeze: Literal["all", "device-holders"] = "all"
     region_timeout: Positive = 60.0
-    region_cores: Annotated[int, msgspec.Meta(ge=0)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
+    region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.05
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     freeze_timeout: Positive = 1.0

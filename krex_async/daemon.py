@@ -24,6 +24,7 @@ from . import protocol as P
 from .commands import Command, Runner, SpecError, Subscriber, with_runtime
 from .config import ServeConfig
 from .ctxpool import Pool, PoolConfig
+from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
 from .attribution import Attributor
@@ -57,10 +58,12 @@ def _ancestors(pid: int, limit: int = 512) -> list[int]:
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig, backend: Backend, devices: list[Device]) -> None:
+    def __init__(self, config: ServeConfig, backend: Backend, devices: list[Device],
+                 node: Node | None = None) -> None:
         self.config = config
         self.backend = backend
         self.devices = devices
+        self.node = node  # the opened vendor libraries, for live queries (status)
         self.all_cpus = frozenset(os.sched_getaffinity(0))
         self.scheduler = Scheduler(config.policy, [d.key for d in devices])
         self.commands: dict[str, Command] = {}
@@ -136,12 +139,11 @@ class Daemon:
         if want == "none":
             return None
         if want == "auto":
-            fits = [d for d in self.devices if spec.mem == 0 or d.vendor == "cpu"
-                    or d.memory_free_bytes >= spec.mem]
-            if not fits:
-                raise RequestError("bad_device", f"no device has {spec.mem} bytes of free memory")
-            load = {d.key: len(self.scheduler.devices[d.key].commands) for d in fits}
-            return min(fits, key=lambda d: (load[d.key], d.index))
+            load = {k: len(q.commands) for k, q in self.scheduler.devices.items()}
+            try:
+                return place(self.devices, load, spec.mem)
+            except NoDevice as e:
+                raise RequestError("bad_device", str(e)) from None
         for d in self.devices:
             if want == d.key or (want.isdigit() and int(want) == d.index):
                 return d
@@ -338,6 +340,31 @@ class Daemon:
 
     # ----------------------------------------------------------------------------------- status
 
+    async def status_live(self) -> dict[str, Any]:
+        """status() with each GPU's current memory, clocks, utilisation and context holders, read
+        from the vendor libraries on a thread (their calls block)."""
+        st = self.status()
+        node = self.node
+        if node is None or all(d.vendor == "cpu" for d in self.devices):
+            return st
+
+        def query() -> list[dict[str, Any]]:
+            out = []
+            for d in node.refresh():
+                out.append({"memory_free_bytes": d.memory_free_bytes, "clocks_mhz": d.clocks_mhz,
+                            "utilisation_pct": node.utilisation(d),
+                            "processes": [p.pid for p in node.processes(d)]})
+            return out
+
+        try:
+            live = await asyncio.get_running_loop().run_in_executor(None, query)
+        except Exception as e:  # a vendor library error must not fail status
+            st["devices_error"] = repr(e)
+            return st
+        for entry, extra in zip(st["devices"], live):
+            entry.update(extra)
+        return st
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         devices = []
@@ -346,7 +373,9 @@ class Daemon:
             holder = self.regions.holder_on(d.key)
             devices.append({
                 "index": d.index, "key": d.key, "vendor": d.vendor, "name": d.name,
-                "memory_total_bytes": d.memory_total_bytes, "numa_node": d.numa_node,
+                "uuid": d.uuid, "memory_total_bytes": d.memory_total_bytes,
+                "memory_free_bytes": d.memory_free_bytes, "numa_node": d.numa_node,
+                "clocks_mhz": d.clocks_mhz,
                 "cpus": sorted(d.cpus), "commands": sorted(q.commands),
                 "holder": q.holder,
                 "region": None if holder is None else {
@@ -404,4 +433,6 @@ class Daemon:
         if self.attributor is not None:
             self.attributor.backend.stop()
         await self.backend.close()
+        if self.node is not None:
+            self.node.close()
 

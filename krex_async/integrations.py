@@ -28,11 +28,8 @@ _MARK = "__krex_region__"
 def _region_factory() -> Callable[..., ContextManager[Any]]:
     """krex_async.region, looked up at call time (so a command that never times pays nothing)."""
     import krex_async
-    region: Any = getattr(krex_async, "region", None)
-    if region is None:
-        import krex_async.region as module
-        region = getattr(module, "region")
-    return region  # type: ignore[no-any-return]
+
+    return krex_async.region  # type: ignore[no-any-return]
 
 
 def _wrap(fn: F, name: str, region_kwargs: dict[str, Any]) -> F:

@@ -22,7 +22,6 @@ import os
 import socket
 import sys
 import threading
-import time
 import warnings
 from types import TracebackType
 from typing import Any
@@ -86,6 +85,7 @@ class _Channel:
 _lock = threading.Lock()
 _channel: _Channel | None = None
 _warned = False
+_held: "tuple[int, region] | None" = None  # (pid, the outermost region) while this process holds one
 
 
 def _get_channel() -> _Channel:
@@ -99,7 +99,8 @@ def _get_channel() -> _Channel:
 
 def reset() -> None:
     """Forget this process's connection and warning (a pool worker does this between commands)."""
-    global _channel, _warned
+    global _channel, _warned, _held
+    _held = None
     if _channel is not None:
         _channel.close()
     _channel = None
@@ -111,7 +112,11 @@ def inside_krex() -> bool:
 
 
 class region:  # noqa: N801 - used like a function, as `with region("timing"):`
-    """Exclusive use of the command's device for the block. Not reentrant: regions do not nest.
+    """Exclusive use of the command's device for the block.
+
+    A region entered while this process already holds one (an explicit region around an
+    auto-wrapped do_bench, say) joins the outer one: it returns at once with the outer report and
+    releases nothing at its end.
 
     `report` (a protocol.RegionReport) holds what the grant cost on entry and the whole region's
     record after exit; it is None outside krex. Raises RegionError when the daemon refuses.
@@ -125,6 +130,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         self.report: P.RegionReport | None = None
         self.expired = False
         self._enter_id = 0
+        self._joined = False
 
     def __getattr__(self, key: str) -> Any:  # r.wait_s, r.enter_s ... straight from the report
         report = self.__dict__.get("report")
@@ -133,7 +139,11 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         raise AttributeError(key)
 
     def __enter__(self) -> "region":
-        global _warned
+        global _warned, _held
+        if _held is not None and _held[0] == os.getpid():
+            self._joined = True
+            self.report = _held[1].report
+            return self
         if not inside_krex():
             if not _warned:
                 _warned = True
@@ -151,7 +161,12 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             raise RegionError(reply.code, reply.message)
         assert isinstance(reply, P.RegionGranted)
         self.report = reply.report
-        self._prepare(reply)
+        _held = (os.getpid(), self)
+        try:
+            self._prepare(reply)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def _prepare(self, grant: P.RegionGranted) -> None:
@@ -165,14 +180,17 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         if rep.drain == "pending":
             rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout)
         if self.warm_ms:
-            t0 = time.perf_counter()
-            devicework.warm(self.warm_ms)
-            rep.warm_s = time.perf_counter() - t0
+            _, rep.warm_s = devicework.warm(self.warm_ms)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
+        global _held
+        if self._joined:
+            self._joined = False
+            return
         if self.report is None:
             return
+        _held = None
         with _lock:
             ch = _get_channel()
             reply: P.Reply | None = None

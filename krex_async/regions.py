@@ -132,10 +132,10 @@ class Regions:
             granted = True
             if self.d.attributor is not None:
                 self.d.attributor.region_granted(r)
+            t_held = time.perf_counter()
             r.send(P.RegionGranted(id=r.req_id, report=rep,
                                    drain_timeout=self.d.config.drain_timeout))
             self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
-            t_held = time.perf_counter()
             timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
                                                           r.end, "expired")
             try:

@@ -26,7 +26,7 @@ from . import protocol as P
 from .config import ServeConfig
 from .attribution import Attributor
 from .daemon import Daemon, RequestError
-from .devices.base import Device
+from .devices import Unavailable, open_node
 from .isolation import choose_backend
 
 log = logs.get("krex.server")
@@ -140,7 +140,7 @@ class Connection:
                 case P.Cancel():
                     self._spawn(req.id, daemon.cancel(req, self.uid), ok=True)
                 case P.Status():
-                    self.send(P.StatusReply(id=req.id, status=daemon.status()))
+                    self._spawn(req.id, self._status(req.id))
                 case P.RegionEnter():
                     daemon.region_enter(req, self.pid, self.send)
                 case P.RegionExit():
@@ -157,6 +157,9 @@ class Connection:
                     self.send(P.Ok(id=req.id))
         except RequestError as e:
             self.error(req.id, e.code, str(e))
+
+    async def _status(self, req_id: int) -> None:
+        self.send(P.StatusReply(id=req_id, status=await self.server.daemon.status_live()))
 
     def _spawn(self, req_id: int, coro: Any, ok: bool = False) -> None:
         async def run() -> None:
@@ -254,22 +257,6 @@ class Server:
         return 0
 
 
-def cpu_devices(spec: str) -> list[Device]:
-    """The `cpu` device (or N logical ones, `cpu:N`, splitting the host's cpus evenly)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    n = 1
-    if spec.startswith("cpu:"):
-        n = int(spec.split(":", 1)[1])
-        if not 1 <= n <= max(1, len(cpus)) * 8:
-            raise ValueError(f"--devices {spec}: N must be between 1 and {len(cpus) * 8}")
-    if n == 1 and not spec.startswith("cpu:"):
-        return [Device(index=0, key="cpu", vendor="cpu", name="cpu", cpus=frozenset(cpus))]
-    per = max(1, len(cpus) // n)
-    return [Device(index=i, key=f"cpu{i}", vendor="cpu", name=f"cpu{i}",
-                   cpus=frozenset(cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per]))
-            for i in range(n)]
-
-
 def start_probes(daemon: Daemon) -> None:
     """Open the probe backend `--probes` asks for and feed its events to the attributor. A probe
     that cannot run is a logged state, never a reason not to serve."""
@@ -305,9 +292,13 @@ async def serve(config: ServeConfig) -> int:
     start_watchdog = getattr(backend, "start_watchdog", None)
     if start_watchdog is not None:
         start_watchdog()  # thaws every krex cgroup within 1 s of this daemon's death
-    devices = cpu_devices(cfg.devices) if cfg.devices in ("none", "auto") or \
-        cfg.devices.startswith("cpu") else cpu_devices("none")
-    daemon = Daemon(cfg, backend, devices)
+    try:
+        node = open_node(cfg.devices)
+    except (ValueError, Unavailable) as e:
+        raise SystemExit(f"krex: --devices {cfg.devices}: {e}") from None
+    for note in node.notes:
+        log.info("devices", note=note)
+    daemon = Daemon(cfg, backend, node.devices, node=node)
     start_probes(daemon)
     await daemon.start_pools()
     return await Server(cfg, daemon).run()

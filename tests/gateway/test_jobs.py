@@ -192,7 +192,8 @@ async def test_do_bench_with_an_explicit_region_shows_the_region(tmp_path: Path)
         view = await c.wait(job["job_id"], 60)
         assert view["status"] == "succeeded", (view["error"], view["result"])
         (reg,) = view["result"]["regions"]
-        assert reg["name"] == "do_bench" and reg["outcome"] == "released"
+        # KREX_AUTO_REGION wraps do_bench; the explicit region inside it joins that one.
+        assert reg["name"] in ("do_bench", "triton.do_bench") and reg["outcome"] == "released"
         assert reg["policy"] == "region" and reg["held_s"] > 0
         assert view["result"]["stdout"].startswith("ms=")
 
