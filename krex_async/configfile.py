@@ -88,12 +88,12 @@ def read_file(path: str | None) -> tuple[str | None, dict[str, Any]]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if isinstance(value, dict):
+            raise ConfigError(f"{path}:{key}: is a table; options are top-level `key = value` lines")
         if name not in known:
             raise ConfigError(f"{path}:{key}: unknown key (known keys: {', '.join(sorted(known))})")
         if name in out:
             raise ConfigError(f"{path}:{key}: given twice (as {name!r} and with dashes)")
-        if isinstance(value, dict):
-            raise ConfigError(f"{path}:{key}: is a table; options are top-level `key = value` lines")
         out[name] = value
     _validate(out, lambda k: f"{path}:{k}" if k else path, strict=True)
     return path, out
