@@ -45,7 +45,7 @@ class Mount:
 
 def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
     """cgroup and cgroup2 mounts of this mount namespace, in mountinfo order."""
-    out = []
+    out: list[Mount] = []
     try:
         with open(mountinfo) as f:
             lines = f.read().splitlines()
@@ -257,8 +257,8 @@ def cleanup_main(args: argparse.Namespace) -> int:
     else:
         for a in res.actions:
             print(f"krex cleanup: {a}")
-        for e in res.errors:
-            print(f"krex cleanup: error: {e}", file=sys.stderr)
+        for err in res.errors:
+            print(f"krex cleanup: error: {err}", file=sys.stderr)
         print(f"krex cleanup: {len(res.trees)} tree(s) swept, {len(res.actions)} change(s), "
               f"{len(res.errors)} error(s)")
     return 0 if res.ok else 1

@@ -34,10 +34,12 @@ Metric names (all prefixed krex_):
 from __future__ import annotations
 
 import threading
+from types import ModuleType
 from typing import Any
 
 __all__ = ["Metrics", "MetricsUnavailable", "parse_addr"]
 
+_prom: ModuleType | None
 try:
     import prometheus_client as _prom
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -74,6 +76,7 @@ class Metrics:
         self.thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
         self._retired: dict[str, int] = {}
+        self._queued: set[str] = set()
         if _prom is None:
             return
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -121,30 +124,36 @@ class Metrics:
         if self.available:
             self._info.labels(version, policy, isolation).set(1)
 
-    def command_submitted(self, policy: str, device: str, queued: bool) -> None:
-        """A command was accepted; `queued` when it waits for its device (policy command)."""
+    def command_submitted(self, policy: str, device: str, queued: bool, command: str = "") -> None:
+        """A command was accepted; `queued` when it waits for its device (policy command). With its
+        id, its later start or end takes it out of the queued gauge again."""
         if self.available and queued:
             self._commands.labels("queued", policy).inc()
+            self._queued.add(command)
 
-    def command_started(self, policy: str, device: str, via: str, was_queued: bool = False) -> None:
+    def _unqueue(self, policy: str, command: str) -> None:
+        if command and command in self._queued:
+            self._queued.discard(command)
+            self._commands.labels("queued", policy).dec()
+
+    def command_started(self, policy: str, device: str, via: str, command: str = "") -> None:
+        """A command's leader was spawned (`via`: exec, or pool when a warm worker ran it)."""
         if not self.available:
             return
-        if was_queued:
-            self._commands.labels("queued", policy).dec()
+        self._unqueue(policy, command)
         self._commands.labels("running", policy).inc()
         self._started.labels(policy, device, via).inc()
 
-    def command_ended(self, policy: str, state: str, wall_s: float, *, started: bool = True,
-                      was_queued: bool = False) -> None:
-        """A command ended. `started=False` for one that never ran (cancelled while queued, failed to
-        spawn); `was_queued` when it left the queue without running."""
+    def command_ended(self, policy: str, state: str, wall_s: float, command: str = "", *,
+                      started: bool = True) -> None:
+        """A command ended in `state` (exited, signaled, timeout, cancelled, shutdown, failed).
+        `started=False` for one that never ran (cancelled while queued, failed to spawn)."""
         if not self.available:
             return
+        self._unqueue(policy, command)
         if started:
             self._commands.labels("running", policy).dec()
             self._wall.labels(policy).observe(max(0.0, wall_s))
-        elif was_queued:
-            self._commands.labels("queued", policy).dec()
         self._ended.labels(policy, state).inc()
 
     # -------------------------------------------------------------------------------- regions

@@ -42,24 +42,25 @@ def metrics():
 def test_commands_by_state_and_policy(metrics):
     m = metrics
     m.info("0.1.0", "region", "cgroup")
-    m.command_submitted("region", "cpu", queued=False)
-    m.command_started("region", "cpu", "exec")
-    m.command_submitted("command", "cpu", queued=True)
-    m.command_submitted("command", "cpu", queued=True)
-    m.command_started("command", "cpu", "pool", was_queued=True)
+    m.command_submitted("region", "cpu", queued=False, command="1")
+    m.command_started("region", "cpu", "exec", command="1")
+    m.command_submitted("command", "cpu", queued=True, command="2")
+    m.command_submitted("command", "cpu", queued=True, command="3")
+    m.command_started("command", "cpu", "pool", command="2")
     got = scrape(m.address)
     assert got[("krex_commands", L(state="running", policy="region"))] == 1
     assert got[("krex_commands", L(state="queued", policy="command"))] == 1
     assert got[("krex_commands", L(state="running", policy="command"))] == 1
     assert got[("krex_commands_started_total", L(policy="command", device="cpu", via="pool"))] == 1
     assert got[("krex_info", L(version="0.1.0", policy="region", isolation="cgroup"))] == 1
-    m.command_ended("region", "exited", 2.0)
-    m.command_ended("command", "cancelled", 0.0, started=False, was_queued=True)
+    m.command_ended("region", "exited", 2.0, command="1")
+    m.command_ended("command", "cancelled", 0.0, command="3", started=False)
+    m.command_ended("command", "cancelled", 0.0, command="3", started=False)  # unqueued once
     got = scrape(m.address)
     assert got[("krex_commands", L(state="running", policy="region"))] == 0
     assert got[("krex_commands", L(state="queued", policy="command"))] == 0
     assert got[("krex_commands_ended_total", L(policy="region", state="exited"))] == 1
-    assert got[("krex_commands_ended_total", L(policy="command", state="cancelled"))] == 1
+    assert got[("krex_commands_ended_total", L(policy="command", state="cancelled"))] == 2
     assert got[("krex_command_wall_seconds_count", L(policy="region"))] == 1
     assert got[("krex_command_wall_seconds_sum", L(policy="region"))] == 2.0
 
