@@ -122,3 +122,11 @@ def test_serve_print_config_uses_all_layers(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=30,
                          env=py_env(KREX_REGION_TIMEOUT="later"))
     assert bad.returncode == 2 and "KREX_REGION_TIMEOUT='later'" in bad.stderr
+
+
+def test_example_file_loads_and_documents_every_option():
+    example = ROOT / "packaging" / "krex.toml.example"
+    assert load_config(str(example), {}, {}) == ServeConfig()  # the example states the defaults
+    text = example.read_text()
+    for name in ServeConfig.__struct_fields__:
+        assert f"\n{name} =" in text or f"\n# {name} =" in text, f"{name} not in the example"
