@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -146,6 +147,50 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _trace(args: argparse.Namespace) -> int:
+    """Stream region boundaries, freezes and probe events; strays are marked."""
+    from .client import Client, KrexError
+
+    try:
+        client = await Client.connect(args.socket)
+    except KrexError as e:
+        print(f"krex trace: {e.message}", file=sys.stderr)
+        return 1
+    async with client:
+        try:
+            async for ev in client.trace(probes=not args.no_probes):
+                if args.json:
+                    print(msgspec.json.encode(ev).decode(), flush=True)
+                    continue
+                mark = "STRAY " if ev.kind == "stray" else ""
+                when = time.strftime("%H:%M:%S", time.localtime(ev.ts)) + f".{int(ev.ts * 1e3) % 1000:03d}"
+                extra = " ".join(f"{k}={v}" for k, v in ev.detail.items())
+                print(f"{when} {mark}{ev.kind:<15} dev={ev.device or '-':<7} cmd={ev.command or '-':<10} "
+                      f"region={ev.region or '-':<12} pid={ev.pid or '-'} {extra}", flush=True)
+        except KrexError as e:
+            print(f"krex trace: {e.message}", file=sys.stderr)
+            return 1
+    return 0
+
+
+async def _export(args: argparse.Namespace) -> int:
+    """Write the daemon's recent timeline as Chrome-trace JSON (opens in Perfetto)."""
+    from .client import Client, KrexError
+    from .timeline import chrome_trace
+
+    try:
+        async with await Client.connect(args.socket) as c:
+            events = await c.timeline()
+    except KrexError as e:
+        print(f"krex export: {e.message}", file=sys.stderr)
+        return 1
+    records = [msgspec.to_builtins(e) for e in events]
+    with open(args.perfetto, "w") as f:
+        json.dump(chrome_trace(records), f)
+    print(f"krex export: {len(records)} events written to {args.perfetto}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="krex", description="region-granular GPU exclusivity")
     sub = ap.add_subparsers(dest="verb", required=True)
@@ -161,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
     s.add_argument("--socket")
     s.add_argument("--json", action="store_true")
+    t = sub.add_parser("trace", help="live stream of regions, freezes and probe events (strays marked)")
+    t.add_argument("--socket")
+    t.add_argument("--json", action="store_true", help="one JSON object a line")
+    t.add_argument("--no-probes", action="store_true", help="only region and command events")
+    x = sub.add_parser("export", help="write the daemon's recent timeline for Perfetto")
+    x.add_argument("--socket")
+    x.add_argument("--perfetto", required=True, metavar="FILE", help="Chrome-trace JSON output")
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
     args = ap.parse_args(argv)
@@ -172,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.verb == "run":
         return asyncio.run(_run(args))
+    if args.verb == "trace":
+        return asyncio.run(_trace(args))
+    if args.verb == "export":
+        return asyncio.run(_export(args))
     return asyncio.run(_status(args))
 
 

@@ -8,6 +8,7 @@ requests with the peer's credentials; every handler answers through the connecti
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import itertools
 import os
@@ -24,6 +25,7 @@ from .commands import Command, Runner, SpecError, Subscriber
 from .config import ServeConfig
 from .devices.base import Device
 from .isolation.base import Backend
+from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
 
@@ -61,9 +63,11 @@ class Daemon:
         self.scheduler = Scheduler(config.policy, [d.key for d in devices])
         self.commands: dict[str, Command] = {}
         self.regions = Regions(self)
+        self.attributor: Attributor | None = None  # set when probes run
         self.runner = Runner(backend, config.socket, self._on_exit)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
+        self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
         self.closing = False
         self._ids = itertools.count(1)
         self._boot = f"{int(time.time()) % 100000:05d}"
@@ -83,14 +87,15 @@ class Daemon:
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)
 
-    def trace(self, kind: str, region: Any = None, **detail: Any) -> None:
-        if not self.tracers:
-            return
+    def trace(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
+              pid: int = 0, **detail: Any) -> None:
+        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers."""
         ev = P.TraceEvent(id=0, ts=time.time(), kind=kind,
-                          device=getattr(region, "device", "") or detail.pop("device", ""),
-                          command=region.command.id if region is not None else detail.pop("command", ""),
-                          region=getattr(region, "id", ""), pid=getattr(region, "pid", 0),
-                          detail=detail)
+                          device=device or (region.device if region is not None else ""),
+                          command=command or (region.command.id if region is not None else ""),
+                          region=region.id if region is not None else "",
+                          pid=pid or (region.pid if region is not None else 0), detail=detail)
+        self.timeline.append(ev)
         for send, req_id in list(self.tracers):
             if not send(msgspec.structs.replace(ev, id=req_id)):
                 self.tracers.remove((send, req_id))
@@ -270,6 +275,10 @@ class Daemon:
         if not hmac.compare_digest(req.token.encode(), r.command.token.encode()) or r.pid != peer_pid:
             raise RequestError("forbidden", f"region {req.region} belongs to another process")
         r.exit_id = req.id
+        if req.drain:
+            r.report.drain = req.drain
+            r.report.drain_s = req.drain_s
+        r.report.warm_s = req.warm_s
         r.end("released")
 
     def quiesce_ready(self, req: P.QuiesceReady, peer_pid: int, send: Send) -> None:
@@ -283,6 +292,14 @@ class Daemon:
         r = self.regions.active.get(req.region)
         if r is not None:
             self.regions.ack(r.command, peer_pid, req)
+
+    def send_timeline(self, req: P.Timeline, send: Send) -> None:
+        events = list(self.timeline)
+        step = 2000
+        for i in range(0, max(1, len(events)), step):
+            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i:i + step]]
+            if not send(P.TimelineChunk(id=req.id, events=chunk, last=i + step >= len(events))):
+                return
 
     # ----------------------------------------------------------------------------------- status
 

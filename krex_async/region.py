@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import warnings
 from types import TracebackType
 from typing import Any
@@ -138,7 +139,23 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             raise RegionError(reply.code, reply.message)
         assert isinstance(reply, P.RegionGranted)
         self.report = reply.report
+        self._prepare(reply)
         return self
+
+    def _prepare(self, grant: P.RegionGranted) -> None:
+        """Before the timed loop: verify the device drained when a sibling did not acknowledge, and
+        warm the device's clocks when asked (both only touch this process's own device context)."""
+        rep = grant.report
+        if rep.drain != "pending" and not self.warm_ms:
+            return
+        from .runtime import devicework
+
+        if rep.drain == "pending":
+            rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout)
+        if self.warm_ms:
+            t0 = time.perf_counter()
+            devicework.warm(self.warm_ms)
+            rep.warm_s = time.perf_counter() - t0
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -148,8 +165,11 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             ch = _get_channel()
             reply: P.Reply | None = None
             if self._enter_id not in ch.revoked:
-                reply = ch.call(P.RegionExit(id=next(ch.ids), region=self.report.region,
-                                             token=os.environ["KREX_TOKEN"]))
+                rep = self.report
+                drain = rep.drain if rep.drain in ("idle-verified", "timeout") else ""
+                reply = ch.call(P.RegionExit(id=next(ch.ids), region=rep.region,
+                                             token=os.environ["KREX_TOKEN"], drain=drain,  # type: ignore[arg-type]
+                                             drain_s=rep.drain_s, warm_s=rep.warm_s))
             if self._enter_id in ch.revoked:  # it outlived --region-timeout and was taken back
                 self.report = ch.revoked.pop(self._enter_id)
                 self.expired = True

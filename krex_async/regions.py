@@ -128,7 +128,10 @@ class Regions:
             rep.enter_s = time.perf_counter() - r.t_request
             rep.outcome = "held"
             granted = True
-            r.send(P.RegionGranted(id=r.req_id, report=rep))
+            if self.d.attributor is not None:
+                self.d.attributor.region_granted(r)
+            r.send(P.RegionGranted(id=r.req_id, report=rep,
+                                   drain_timeout=self.d.config.drain_timeout))
             self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
             t_held = time.perf_counter()
             timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
@@ -150,6 +153,8 @@ class Regions:
             t_exit = time.perf_counter()
             await asyncio.shield(self._release(r))
             rep.exit_s = time.perf_counter() - t_exit
+            if self.d.attributor is not None:
+                self.d.attributor.region_released(r)
             self.active.pop(r.id, None)
             nxt = sched.release_region(r.id)
             if nxt and nxt in self.active:
@@ -320,6 +325,34 @@ class Regions:
                 await self.refence()
             except Exception as e:
                 log.error("cores_restore_failed", region=r.id, error=repr(e))
+
+    def freeze_late(self, r: Region, tgid: int) -> None:
+        """--freeze device-holders: a sibling that opened a GPU device during the region is frozen
+        as soon as the probes see the open (the open itself is reported as a stray)."""
+        if self.d.config.freeze != "device-holders" or r.report.outcome != "held":
+            return
+        assert self.d.attributor is not None
+        cmd = self.d.attributor.command_of(tgid)
+        if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
+                or cmd.group.frozen:
+            return
+        group = cmd.group
+
+        async def freeze() -> None:
+            try:
+                await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
+            except FreezeError as e:
+                log.warning("late_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+                return
+            if r.id in self.active and r.report.outcome == "held":
+                r.frozen.append(group)
+                r.frozen_ids.append(cmd.id)
+                r.report.frozen.append(cmd.id)
+            else:  # the region ended meanwhile: undo at once
+                await self.d.backend.thaw(group)
+            self.d.trace("freeze", r, command=cmd.id, late=True)
+
+        self.d.track(asyncio.get_running_loop().create_task(freeze()))
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins."""

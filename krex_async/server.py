@@ -149,6 +149,8 @@ class Connection:
                     self.send(P.Ok(id=req.id))
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
+                case P.Timeline():
+                    daemon.send_timeline(req, self.send)
                 case P.Subscribe():
                     daemon.tracers.append((self.send, req.id))
                     self.send(P.Ok(id=req.id))

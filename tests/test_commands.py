@@ -31,7 +31,8 @@ async def test_output_env_and_exit(script, tmp_path):
             chunks = [(s, data) async for s, data in h.output()]
             res = await h.wait()
     assert res.returncode == 5
-    assert ("stderr", b"err\n") in chunks
+    assert b"".join(data for s, data in chunks if s == "stderr") == b"err\n"
+    assert b"".join(data for s, data in chunks if s == "stdout") == res.stdout
     lines = res.stdout.decode().splitlines()
     assert lines[0] == "out" and lines[1] == str(tmp_path)
     assert f"KREX_COMMAND {h.command}" in lines and "KREX_DEVICE cpu" in lines
