@@ -77,6 +77,7 @@ class Metrics:
         self.address: tuple[str, int] | None = None
         self._retired: dict[str, int] = {}
         self._queued: set[str] = set()
+        self._lost_total = 0
         if _prom is None:
             return
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -185,8 +186,14 @@ class Metrics:
             self._strays.labels(device).inc(n)
 
     def probe_lost(self, n: int) -> None:
+        """`n` more probe events were lost."""
         if self.available and n > 0:
             self._lost.inc(n)
+
+    def probe_lost_total(self, total: int) -> None:
+        """The probe backend's running count of lost events (its `lost()`); exports the increase."""
+        self.probe_lost(total - self._lost_total)
+        self._lost_total = max(self._lost_total, total)
 
     # -------------------------------------------------------------------------- pool, devices
 

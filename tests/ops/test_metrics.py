@@ -81,6 +81,8 @@ def test_regions_histograms_and_counters(metrics):
     m.strays("nvidia0", 3)
     m.strays("nvidia0", 0)
     m.probe_lost(7)
+    m.probe_lost_total(5)
+    m.probe_lost_total(5)
     got = scrape(m.address)
     assert got[("krex_regions_held", L(device="nvidia0"))] == 0
     assert got[("krex_region_hold_seconds_count", L(device="nvidia0"))] == 2
@@ -90,7 +92,7 @@ def test_regions_histograms_and_counters(metrics):
     assert got[("krex_region_drain_total", L(device="nvidia0", drain="timeout"))] == 1
     assert ("krex_region_drain_total", L(device="nvidia0", drain="not-needed")) not in got
     assert got[("krex_strays_total", L(device="nvidia0"))] == 3
-    assert got[("krex_probe_lost_events_total", ())] == 7
+    assert got[("krex_probe_lost_events_total", ())] == 12
 
 
 def test_pool_and_devices(metrics):
