@@ -62,13 +62,8 @@ async def test_counters_after_commands_with_regions(script):
                 c.run([PY, "-c", "print('no region')"], env=py_env()))
         assert [r.returncode for r in results] == [0, 0, 0, 0]
         assert [r.stdout.strip() for r in results[:3]] == [b"released"] * 3
-        got = await _scrape_when_up(addr)
-        # The region task records its release just after the owner is told; allow it a moment.
-        deadline = time.monotonic() + 5
-        while got.get(("krex_regions_total", L(device="cpu", outcome="released")), 0) < 3:
-            assert time.monotonic() < deadline, got
-            await asyncio.sleep(0.05)
-            got = scrape(addr)
+        # The daemon counts a command and a region before it tells their owner: no waiting here.
+        got = scrape(addr)
     assert got[("krex_commands_ended_total", L(policy="region", state="exited"))] == 4
     assert got[("krex_commands", L(state="running", policy="region"))] == 0
     assert sum(v for k, v in got.items() if k[0] == "krex_commands_started_total") == 4
@@ -77,6 +72,8 @@ async def test_counters_after_commands_with_regions(script):
     assert got[("krex_region_enter_seconds_count", L(device="cpu"))] == 3
     assert got[("krex_region_freeze_seconds_count", L(device="cpu"))] == 3
     assert got[("krex_region_hold_seconds_count", L(device="cpu"))] == 3
-    assert got[("krex_region_hold_seconds_sum", L(device="cpu"))] >= 3 * 0.05
+    # Each owner slept 0.05 s inside; the daemon's clock starts just after it sent the grant, so on
+    # a loaded machine its held_s can come out a little shorter than the owner's sleep.
+    assert 3 * 0.025 <= got[("krex_region_hold_seconds_sum", L(device="cpu"))] < 10
     assert got[("krex_regions_held", L(device="cpu"))] == 0
     assert sum(v for k, v in got.items() if k[0] == "krex_region_drain_total") == 3
