@@ -31,6 +31,7 @@ from typing import Any
 from . import cleanup as cg
 
 OK, WARN, FAIL = "ok", "warn", "fail"
+SERVICE_CGROUP = "/system.slice/krex.service"  # where packaging/krex.service runs the daemon
 
 #: distribution name, import name, required?, what it is for
 PACKAGES = [
@@ -109,12 +110,16 @@ def _read(path: str) -> str | None:
 
 
 def v2_subtree(cgroup_root: str = "") -> tuple[str | None, str]:
-    """The v2 directory the daemon would create command cgroups under, and how it was found."""
+    """The v2 directory the daemon would create command cgroups under, and how it was found: the
+    configured root, else the krex.service cgroup when the unit runs, else this process's own."""
     if cgroup_root:
         return cgroup_root, "configured cgroup_root"
     m = cg.v2_mount()
     if m is None:
         return None, "no cgroup v2 mount"
+    unit = os.path.join(m, SERVICE_CGROUP.lstrip("/"))
+    if os.path.isdir(unit):  # the running service's delegated cgroup, not this shell's session
+        return unit, "the krex.service cgroup (Delegate=yes)"
     own = cg.own_cgroup("") or "/"
     if own == "/" and cg.layout() == "hybrid":
         return m, f"the v2 mount of a hybrid host ({m})"
