@@ -17,7 +17,8 @@ What, per tree:
    top-down `cpuset.cpus` empty (inherit the parent's). v1: bottom-up `cpuset.cpu_exclusive` 0, then
    top-down the parent's `cpuset.cpus` and `cpuset.mems` written into each child.
 3. remove, bottom-up: every directory below `krex` with no processes and no children (not `krex`).
-A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
+It refuses to run while a daemon answers on its socket (unless --force): a sweep under a live daemon
+would thaw its regions. A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
 exit status is 1. Nothing is raised to the caller of `cleanup()`.
 """
 
@@ -27,6 +28,7 @@ import argparse
 import errno
 import json
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -220,6 +222,27 @@ def cleanup(roots: list[str], remove_empty: bool = True) -> Result:
     return res
 
 
+def _default_socket() -> str:
+    try:
+        from .config import default_socket
+    except ImportError:
+        return "/run/krex/krex.sock"
+    return default_socket()
+
+
+def _serving(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket `path` (a stale file: False)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return True
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = subparsers.add_parser("cleanup", help="thaw and restore every krex cgroup (ExecStopPost)")
     _arguments(p)
@@ -233,23 +256,30 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="read cgroup_root from this krex.toml (default: "
                                     "/etc/krex/krex.toml when it exists)")
     p.add_argument("--keep-empty", action="store_true", help="do not remove empty command cgroups")
+    p.add_argument("--socket", help="the daemon's socket (default: from the config, else the "
+                                    "default path): cleanup refuses while a daemon answers there")
+    p.add_argument("--force", action="store_true", help="sweep even while a daemon is serving")
     p.add_argument("--json", action="store_true")
 
 
 def cleanup_main(args: argparse.Namespace) -> int:
     """Run the sweep for parsed `krex cleanup` arguments; print what was done. 0 ok, 1 if any
     write failed (each failure printed with its path)."""
-    root = args.cgroup_root
-    if not root and not args.root:
-        try:
-            from .configfile import ConfigError, read_file
+    conf: dict[str, object] = {}
+    try:
+        from .configfile import ConfigError, read_file
 
-            root = str(read_file(args.config)[1].get("cgroup_root", ""))
-        except ConfigError as e:  # a broken config must not stop the thaw: sweep the defaults
-            print(f"krex cleanup: warning: {e}", file=sys.stderr)
-        except ImportError:  # msgspec missing: the sweep itself needs nothing but the stdlib
-            pass
-    roots = list(args.root) or default_roots(root)
+        conf = read_file(args.config)[1]
+    except ConfigError as e:  # a broken config must not stop the thaw: sweep the defaults
+        print(f"krex cleanup: warning: {e}", file=sys.stderr)
+    except ImportError:  # msgspec missing: the sweep itself needs nothing but the stdlib
+        pass
+    sock = args.socket or str(conf.get("socket") or "") or _default_socket()
+    if not args.force and _serving(sock):
+        print(f"krex cleanup: a daemon is serving on {sock}: a sweep would thaw its regions and "
+              "remove cgroups it is about to use; stop it first, or pass --force", file=sys.stderr)
+        return 1
+    roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     res = cleanup(roots, remove_empty=not args.keep_empty)
     if args.json:
         print(json.dumps({"ok": res.ok, "trees": res.trees, "actions": res.actions,

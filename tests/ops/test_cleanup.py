@@ -83,7 +83,8 @@ def progresses(path: str, wait: float = 0.3) -> bool:
 
 
 def run_cleanup(*roots: str) -> dict:
-    args = [a for r in roots for a in ("--root", r)]
+    # --socket: a path nobody serves on, so a daemon elsewhere on this machine cannot refuse us.
+    args = [a for r in roots for a in ("--root", r)] + ["--socket", "/nonexistent/krex.sock"]
     p = subprocess.run([PY, "-m", "krex_async.cleanup", "--json", *args], capture_output=True,
                        text=True, env=py_env(), cwd=ROOT, timeout=30)
     out = json.loads(p.stdout)
@@ -207,6 +208,29 @@ def test_v2_cpuset_restored(tmp_path):
             proc.wait()
 
 
+async def test_refuses_while_a_daemon_serves(tmp_path):
+    from ..conftest import run_daemon
+
+    with tree(cg.v2_mount(), "cgroup v2") as base:
+        cmd = os.path.join(base, "krex", "cmd-1")
+        os.makedirs(cmd)
+        if not os.path.exists(os.path.join(cmd, "cgroup.freeze")):
+            pytest.skip("no cgroup v2 freezer")
+        write(os.path.join(cmd, "cgroup.freeze"), "1")
+        async with run_daemon() as d:
+            p = subprocess.run([PY, "-m", "krex_async.cleanup", "--root", base, "--socket",
+                                d.socket], capture_output=True, text=True, env=py_env(), cwd=ROOT,
+                               timeout=30)
+            assert p.returncode == 1 and "a daemon is serving" in p.stderr, p.stderr
+            assert read(os.path.join(cmd, "cgroup.freeze")) == "1"  # untouched
+            p = subprocess.run([PY, "-m", "krex_async.cleanup", "--root", base, "--socket",
+                                d.socket, "--force", "--keep-empty"], capture_output=True,
+                               text=True, env=py_env(), cwd=ROOT, timeout=30)
+            assert p.returncode == 0 and read(os.path.join(cmd, "cgroup.freeze")) == "0"
+        # After the daemon stopped its socket is gone (or stale): no refusal.
+        assert run_cleanup(base)["ok"]
+
+
 def test_default_roots_cover_own_cgroup_and_mounts():
     roots = cg.default_roots("/x/configured")
     assert roots[0] == "/x/configured"
@@ -225,7 +249,8 @@ def test_krex_cleanup_verb(tmp_path):
                          env=py_env(), cwd=ROOT, timeout=30)
     if "cleanup" not in top.stdout:
         pytest.skip("wired by lead: `krex cleanup` is not a verb yet")
-    p = subprocess.run([PY, "-m", "krex_async", "cleanup", "--json", "--root", str(tmp_path)],
+    p = subprocess.run([PY, "-m", "krex_async", "cleanup", "--json", "--root", str(tmp_path),
+                        "--socket", "/nonexistent/krex.sock"],
                        capture_output=True, text=True, env=py_env(), cwd=ROOT, timeout=30)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"ok": True, "trees": [], "actions": [], "errors": []}
