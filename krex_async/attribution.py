@@ -102,6 +102,7 @@ class Attributor:
     def on_events(self, batch: list[ProbeEvent]) -> None:
         """Called on the loop with each batch the backend's polling thread delivered."""
         self.events += len(batch)
+        self.d.metrics.probe_lost_total(self.backend.lost())
         held = [self.d.regions.active[rid] for rid in self.watches if rid in self.d.regions.active]
         for ev in batch:
             stray_for = None

@@ -54,21 +54,26 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
-    p.add_argument("--print-config", action="store_true", help="print the resolved options and exit")
+    p.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
+    p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the merged options (file < KREX_* env < flags) as TOML and exit")
 
 
 def _serve(args: argparse.Namespace) -> int:
     from . import server
 
+    from .configfile import ConfigError, load_config_with_sources, print_config
+
     given = {k: v for k, v in vars(args).items()
              if v is not None and k in ServeConfig.__struct_fields__}
     try:
-        cfg = msgspec.convert(given, ServeConfig)
-    except msgspec.ValidationError as e:
-        print(f"krex serve: bad option: {e}", file=sys.stderr)
+        cfg, sources = load_config_with_sources(args.config, os.environ, given)
+    except ConfigError as e:
+        print(f"krex serve: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(json.dumps(msgspec.to_builtins(cfg.resolved()), indent=2))
+        print(print_config(cfg.resolved(), sources), end="")
         return 0
     return server.run(cfg)
 
@@ -225,7 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     gateway.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
+    from . import cleanup, doctor
+
+    doctor.add_parser(sub)
+    cleanup.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.verb == "doctor":
+        return doctor.main(args)
+    if args.verb == "cleanup":
+        return cleanup.cleanup_main(args)
     if args.verb == "demo":
         from . import demo
 

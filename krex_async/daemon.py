@@ -27,6 +27,7 @@ from .ctxpool import Pool, PoolConfig
 from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
+from .metrics import Metrics
 from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
@@ -75,6 +76,7 @@ class Daemon:
         self.tracers: list[tuple[Send, int]] = []
         self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
         self.closing = False
+        self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         self._ids = itertools.count(1)
         self._boot = f"{int(time.time()) % 100000:05d}"
 
@@ -176,6 +178,7 @@ class Daemon:
         self.commands[cid] = cmd
         start_now = self.scheduler.add_command(cid, cmd.device_key)
         send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
+        self.metrics.command_submitted(cmd.policy, cmd.device_key or "none", not start_now, cid)
         log.info("command_submitted", command=cid, argv=req.argv[:8], device=cmd.device_key,
                  queued=not start_now, uid=uid)
         if start_now:
@@ -200,6 +203,8 @@ class Daemon:
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
+        self.metrics.command_started(cmd.policy, cmd.device_key or "none",
+                                     cmd.launched.via if cmd.launched else "exec", cmd.id)
         self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
                    pid=cmd.pid or 0, frozen=region is not None)
 
@@ -224,6 +229,9 @@ class Daemon:
         assert cmd.report is not None
         cmd.done.set()
         report = cmd.report
+        # Before the agent hears of it: a scrape after a report always includes that command.
+        self.metrics.command_ended(report.policy, report.state, report.wall_s, cmd.id,
+                                   started=cmd.launched is not None)
         cmd.publish(lambda rid: P.Exited(id=rid, report=report))
         self.trace("command_end", None, command=cmd.id, device=cmd.device_key or "",
                    state=report.state, exit_code=report.exit_code)

@@ -132,6 +132,8 @@ class Regions:
             granted = True
             if self.d.attributor is not None:
                 self.d.attributor.region_granted(r)
+            self.d.metrics.region_entered(r.device, rep.enter_s, rep.freeze_s, rep.cores_s,
+                                          rep.quiesce_s)
             t_held = time.perf_counter()
             r.send(P.RegionGranted(id=r.req_id, report=rep,
                                    drain_timeout=self.d.config.drain_timeout))
@@ -163,6 +165,9 @@ class Regions:
                 turn = self.active[nxt].turn
                 if turn is not None and not turn.done():
                     turn.set_result(None)
+            self.d.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain,
+                                           granted=granted)
+            self.d.metrics.strays(r.device, rep.strays)
             self._tell_owner(r, granted)
             self.d.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
             log_.info("region", name=rep.name, outcome=rep.outcome, wait_s=round(rep.wait_s, 6),

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from . import logs
+from . import logs, sdnotify
 from . import protocol as P
 from .config import ServeConfig
 from .attribution import Attributor
@@ -237,9 +237,13 @@ class Server:
                  freeze=cfg.freeze)
         print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation "
               f"{self.daemon.backend.name})", flush=True)
+        sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")
+        watchdog = loop.create_task(sdnotify.watchdog_loop(), name="sd-watchdog")
         try:
             await self.stop.wait()
         finally:
+            sdnotify.notify("STOPPING=1")
+            watchdog.cancel()
             log.info("shutting_down", commands=sum(c.state != "ended"
                                                    for c in self.daemon.commands.values()))
             server.close()
@@ -299,9 +303,23 @@ async def serve(config: ServeConfig) -> int:
     for note in node.notes:
         log.info("devices", note=note)
     daemon = Daemon(cfg, backend, node.devices, node=node)
+    if cfg.metrics:
+        from .metrics import MetricsUnavailable
+
+        try:
+            host, port = daemon.metrics.start(cfg.metrics)
+        except (MetricsUnavailable, ValueError, OSError) as e:
+            raise SystemExit(f"krex: --metrics {cfg.metrics}: {e}") from None
+        log.info("metrics_serving", address=f"http://{host}:{port}/metrics")
+    from . import __version__
+
+    daemon.metrics.info(__version__, cfg.policy, backend.name)
     start_probes(daemon)
     await daemon.start_pools()
-    return await Server(cfg, daemon).run()
+    try:
+        return await Server(cfg, daemon).run()
+    finally:
+        daemon.metrics.stop()
 
 
 def run(config: ServeConfig) -> int:

@@ -74,7 +74,7 @@ def test_env_errors_name_the_variable(env, msg):
 
 @pytest.mark.parametrize("cli, msg", [
     ({"region_timeout": 0.0}, "--region-timeout: Expected `float` > 0.0"),
-    ({"region_cores": -5}, "--region-cores: Expected `int` >= 0"),
+    ({"region_cores": -5}, "--region-cores: Expected `int` >= -1"),
     ({"bogus_flag": 1}, "--bogus-flag: not a serve option"),
 ])
 def test_cli_errors_name_the_flag(cli, msg):
