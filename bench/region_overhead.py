@@ -60,12 +60,13 @@ def env() -> dict[str, str]:
 
 
 class Daemon:
-    def __init__(self, tmp: str, backend: str) -> None:
+    def __init__(self, tmp: str, backend: str, extra: list[str]) -> None:
         self.sock = os.path.join(tmp, f"{backend}.sock")
         self.log = open(os.path.join(tmp, f"{backend}.log"), "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock, "--isolation",
-             backend, "--log-level", "warning", "--state-dir", os.path.join(tmp, "state")],
+             backend, "--log-level", "warning", "--state-dir", os.path.join(tmp, "state"),
+             "--probes", "off", *(extra if backend == "cgroup" else [])],
             stdout=self.log, stderr=subprocess.STDOUT, env=env())
         while not os.path.exists(self.sock):
             if self.proc.poll() is not None:
@@ -121,6 +122,8 @@ def main() -> int:
     ap.add_argument("--contending", default="1,4,16")
     ap.add_argument("--regions", type=int, default=200)
     ap.add_argument("--json", help="write raw numbers here")
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="extra `krex serve` argument for the cgroup daemon (e.g. --cgroup-root=...)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="krex-bench-", dir="/tmp")
     owner = os.path.join(tmp, "owner.py")
@@ -134,7 +137,7 @@ def main() -> int:
           f"{'freeze p50':>11} {'freeze p99':>11} {'cpuset p50':>11} {'cpuset p99':>11} "
           f"{'exit p50':>9} {'exit p99':>9}")
     for backend in args.backends.split(","):
-        d = Daemon(tmp, backend)
+        d = Daemon(tmp, backend, args.daemon_arg)
         try:
             for s in [int(x) for x in args.siblings.split(",") if x]:
                 r = asyncio.run(siblings_case(d.sock, owner, sleeper, s, args.regions))
