@@ -37,6 +37,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.05
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     freeze_timeout: Positive = 1.0
+    warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: 200 on GPUs, 0 on cpu
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     retention: Positive = 600.0  # seconds an ended command's result is kept for its agent
     max_frame: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024

@@ -86,7 +86,7 @@ class RegionEnter(Msg, tag="region_enter"):
     name: Name = "region"
     pid: int = 0  # the requesting process (checked against SO_PEERCRED)
     freeze_own_children: bool = True
-    warm_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 0.0
+    warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: the daemon's default
 
 
 class RegionExit(Msg, tag="region_exit"):
@@ -231,6 +231,7 @@ class RegionGranted(Msg, tag="region_granted"):
     id: ReqId
     report: RegionReport
     drain_timeout: float = 0.0
+    warm_ms: float = 0.0  # warm the device's clocks this long before the timed loop
 
 
 class RegionReleased(Msg, tag="region_released"):

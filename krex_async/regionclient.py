@@ -122,7 +122,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
     record after exit; it is None outside krex. Raises RegionError when the daemon refuses.
     """
 
-    def __init__(self, name: str = "region", *, warm_ms: float = 0.0,
+    def __init__(self, name: str = "region", *, warm_ms: float | None = None,
                  freeze_own_children: bool = True) -> None:
         self.name = name
         self.warm_ms = warm_ms
@@ -156,7 +156,8 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             reply = ch.call(P.RegionEnter(
                 id=self._enter_id, command=os.environ["KREX_COMMAND"],
                 token=os.environ["KREX_TOKEN"], name=self.name, pid=os.getpid(),
-                freeze_own_children=self.freeze_own_children, warm_ms=self.warm_ms))
+                freeze_own_children=self.freeze_own_children,
+                warm_ms=-1.0 if self.warm_ms is None else self.warm_ms))
         if isinstance(reply, P.Error):
             raise RegionError(reply.code, reply.message)
         assert isinstance(reply, P.RegionGranted)
@@ -173,14 +174,14 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         """Before the timed loop: verify the device drained when a sibling did not acknowledge, and
         warm the device's clocks when asked (both only touch this process's own device context)."""
         rep = grant.report
-        if rep.drain != "pending" and not self.warm_ms:
+        if rep.drain != "pending" and not grant.warm_ms:
             return
         from .runtime import devicework
 
         if rep.drain == "pending":
             rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout)
-        if self.warm_ms:
-            _, rep.warm_s = devicework.warm(self.warm_ms)
+        if grant.warm_ms:
+            _, rep.warm_s = devicework.warm(grant.warm_ms)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -136,7 +136,8 @@ class Regions:
                                           rep.quiesce_s)
             t_held = time.perf_counter()
             r.send(P.RegionGranted(id=r.req_id, report=rep,
-                                   drain_timeout=self.d.config.drain_timeout))
+                                   drain_timeout=self.d.config.drain_timeout,
+                                   warm_ms=self._warm_ms(r)))
             self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
             timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
                                                           r.end, "expired")
@@ -175,6 +176,16 @@ class Regions:
                       cores_s=round(rep.cores_s, 6), enter_s=round(rep.enter_s, 6),
                       held_s=round(rep.held_s, 6), exit_s=round(rep.exit_s, 6),
                       frozen=len(rep.frozen), cores=rep.cores, drain=rep.drain)
+
+    def _warm_ms(self, r: Region) -> float:
+        """What the region asked for, else --warm-ms, whose default warms GPUs only: on the H200 a
+        0.1 ms kernel timed right after a neighbour was quiesced ran 27% slow without warming and
+        within 2% with 200 ms of it (bench/gpu/check_drain.py, RESULTS.md)."""
+        if r.request.warm_ms >= 0:
+            return r.request.warm_ms
+        if self.d.config.warm_ms >= 0:
+            return self.d.config.warm_ms
+        return 0.0 if self.d.device(r.device).vendor == "cpu" else 200.0
 
     def _tell_owner(self, r: Region, granted: bool) -> None:
         rep = r.report

@@ -61,7 +61,13 @@ class Cores:
     def __init__(self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent) -> None:
         self.mode, self.v2, self.v1, self.intent = mode, v2, v1, intent
         self.fs: CgroupFS = v1 if (mode == "v1" and v1 is not None) else v2
-        self.partition: bool | None = None  # None: not tried yet
+        # Partitions are opt-in (KREX_CPUSET_PARTITION=1): on the accelerator's 6.18 kernel, undoing
+        # one left its sibling leaf refusing cpuset.cpus="" with ENOSPC. Plain cpuset fences give
+        # the owner its cores alone as well, since every other command is fenced off them.
+        self.partition: bool | None = None if os.environ.get("KREX_CPUSET_PARTITION") == "1" \
+            else False
+        if self.partition is False:
+            self.partition_why = "cpuset partitions are off (KREX_CPUSET_PARTITION=1 turns them on)"
         self.partition_why = ""
 
     def setup_root(self) -> None:
@@ -138,7 +144,7 @@ class Cores:
             if self.mode == "v2" and keep in leaves:
                 self._unpartition(keep, top)
             for leaf in leaves:
-                fs.write(leaf, "cpuset.cpus", original)
+                self._restore(leaf, top, original)
             return
         if not cpus:
             raise IsolationError(f"set_cores of {name}: empty cpu set")
@@ -147,6 +153,16 @@ class Cores:
             fs.write(leaf, "cpuset.cpus", fmt(cpus))
         if self.mode == "v2" and exclusive and leaves == [keep]:
             self._partition(keep, top, cpus)
+
+    def _restore(self, leaf: str, top: str, original: str) -> None:
+        """Write the leaf's cpus back. On v2, "" (inherit) can be refused with ENOSPC while cpus
+        of the parent are exclusive elsewhere: then the parent's effective cpus are written."""
+        try:
+            self.fs.write(leaf, "cpuset.cpus", original)
+        except CgroupFileError as e:
+            if self.mode != "v2" or original or e.errno != errno.ENOSPC:
+                raise
+            self.fs.write(leaf, "cpuset.cpus", self.fs.read(top, "cpuset.cpus.effective").strip())
 
     def _partition(self, keep: str, top: str, cpus: frozenset[int]) -> None:
         fs = self.fs
