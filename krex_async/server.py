@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import grp
 import os
+import resource
 import signal
 import socket
+import stat
 import struct
 import time
 from typing import Any
@@ -172,35 +174,81 @@ class Connection:
         task.add_done_callback(self.tasks.discard)
 
 
-def bind_socket(path: str, group: str = "") -> socket.socket:
-    """Bind the listening socket with its final mode from the first instant (umask around bind).
+def _group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise SystemExit(f"krex: --socket-group {group!r}: no such group") from None
 
-    A leftover socket file that nobody answers on is replaced; a live one is never stolen.
+
+def bind_socket(path: str, group: str = "") -> socket.socket:
+    """Bind and listen with the final mode from the first instant; only then give it its name.
+
+    The socket is bound under a temporary name with umask 0177 (mode 0600), given its group and mode
+    0660 when `group` is set, put into listening state, and renamed onto `path`: at no moment is there
+    a file at `path` with a looser mode, or one that refuses connections because it is not listening
+    yet. A leftover socket at `path` that nobody answers on is replaced; a live one is never stolen;
+    anything that is not a socket is left alone (SystemExit), so a wrong path deletes nothing.
     """
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    if os.path.exists(path) or os.path.islink(path):
+    gid = _group_id(group) if group else None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SystemExit(f"krex: {path} exists and is not a socket; not replacing it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(path)
+            pass  # stale: left by a daemon that died; the rename below replaces it
         except OSError as e:
             raise SystemExit(f"krex: {path} exists and is not a usable socket: {e}") from None
         else:
             raise SystemExit(f"krex: another daemon is serving on {path}")
         finally:
             probe.close()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117 if group else 0o177)
+    old = os.umask(0o177)
     try:
-        sock.bind(path)
+        sock.bind(tmp)
     finally:
         os.umask(old)
-    if group:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
-    sock.listen(1024)
+    try:
+        if gid is not None:
+            os.chown(tmp, -1, gid)
+            os.chmod(tmp, 0o660)
+        sock.listen(1024)
+        os.rename(tmp, path)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     sock.setblocking(False)
     return sock
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (thousands of idle agents are normal).
+    Returns the soft limit now in force; never raises."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class Server:
@@ -221,6 +269,7 @@ class Server:
     async def run(self) -> int:
         cfg = self.config
         loop = asyncio.get_running_loop()
+        nofile = raise_nofile_limit()
         sock = bind_socket(cfg.socket, cfg.socket_group)
         server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,7 +277,7 @@ class Server:
         log.info("serving", socket=cfg.socket, policy=cfg.policy, isolation=self.daemon.backend.name,
                  isolation_reason=self.daemon.backend.reason, pid=os.getpid(),
                  devices=[d.key for d in self.daemon.devices], region_cores=cfg.region_cores,
-                 freeze=cfg.freeze)
+                 freeze=cfg.freeze, nofile=nofile)
         print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation "
               f"{self.daemon.backend.name})", flush=True)
         try:
