@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import grp
 import os
+import pwd
 import resource
 import signal
 import socket
@@ -58,6 +59,8 @@ class Connection:
         sock = writer.get_extra_info("socket")
         self.pid, self.uid, self.gid = _CREDS.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+        # Root and members of --admin-group act on every command; everyone else on their own.
+        self.admin = server.is_admin(self.uid, self.gid)
         self.closed = False
         self.close_reason = ""
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -137,11 +140,14 @@ class Connection:
                 case P.Submit():
                     self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send))
                 case P.Attach():
-                    daemon.attach(req, self.uid, self.send)
+                    daemon.attach(req, self.acting_uid, self.send)
                 case P.Cancel():
-                    self._spawn(req.id, daemon.cancel(req, self.uid), ok=True)
+                    self._spawn(req.id, daemon.cancel(req, self.acting_uid), ok=True)
                 case P.Status():
-                    self.send(P.StatusReply(id=req.id, status=daemon.status()))
+                    status = daemon.status()
+                    if not self.admin:
+                        status = visible_status(status, self.uid)
+                    self.send(P.StatusReply(id=req.id, status=status))
                 case P.RegionEnter():
                     daemon.region_enter(req, self.pid, self.send)
                 case P.RegionExit():
@@ -152,10 +158,26 @@ class Connection:
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
                 case P.Subscribe():
-                    daemon.tracers.append((self.send, req.id))
+                    daemon.tracers.append((self.send if self.admin else self._send_own, req.id))
                     self.send(P.Ok(id=req.id))
         except RequestError as e:
             self.error(req.id, e.code, str(e))
+        except Exception as e:  # a bug must cost one request, not the connection or the daemon
+            log.exception("request_failed", req_id=req.id, type=type(req).__name__)
+            self.error(req.id, "internal", f"{type(e).__name__}: {e}")
+
+    @property
+    def acting_uid(self) -> int:
+        """The uid the daemon checks ownership against: 0 (every command) for admins."""
+        return 0 if self.admin else self.uid
+
+    def _send_own(self, msg: P.Msg) -> bool:
+        """A trace subscriber that is not an admin sees only events of its own commands."""
+        if isinstance(msg, P.TraceEvent):
+            cmd = self.server.daemon.commands.get(msg.command)
+            if cmd is None or cmd.uid != self.uid:
+                return not self.closed
+        return self.send(msg)
 
     def _spawn(self, req_id: int, coro: Any, ok: bool = False) -> None:
         async def run() -> None:
@@ -174,13 +196,39 @@ class Connection:
         task.add_done_callback(self.tasks.discard)
 
 
-def _group_id(group: str) -> int:
+def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:
+    """What `krex status` shows a peer that is not an admin: its own commands in full, other users'
+    commands only counted (`other_commands`), and a device held by another user's region as held,
+    without naming its command or region."""
+    mine = [c for c in status["commands"] if c.get("uid") == uid]
+    own = {c["command"] for c in mine}
+
+    def own_id(x: object) -> bool:  # a command id, or a region id "<command>.<n>"
+        return isinstance(x, str) and (x in own or x.rsplit(".", 1)[0] in own)
+
+    devices = []
+    for d in status["devices"]:
+        d = dict(d, commands=[c for c in d["commands"] if c in own],
+                 other_commands=sum(c not in own for c in d["commands"]),
+                 queued=[q for q in d["queued"] if own_id(q)],
+                 holder=d["holder"] if d["holder"] is None or own_id(d["holder"]) else "other")
+        r = d.get("region")
+        if r is not None and r.get("command") not in own:
+            d["region"] = {"region": "other", "name": "", "command": "other user", "pid": None,
+                           "state": r.get("state"), "cores": r.get("cores", []),
+                           "frozen": [f for f in r.get("frozen", []) if f in own]}
+        devices.append(d)
+    return dict(status, devices=devices, commands=mine,
+                other_commands=len(status["commands"]) - len(mine))
+
+
+def _group_id(group: str, option: str = "--socket-group") -> int:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         if group.isdigit():
             return int(group)
-        raise SystemExit(f"krex: --socket-group {group!r}: no such group") from None
+        raise SystemExit(f"krex: {option} {group!r}: no such group") from None
 
 
 def bind_socket(path: str, group: str = "") -> socket.socket:
@@ -257,9 +305,30 @@ class Server:
         self.daemon = daemon
         self.connections: set[Connection] = set()
         self.stop = asyncio.Event()
+        self.admin_gid = _group_id(config.admin_group, "--admin-group") if config.admin_group else None
+
+    def is_admin(self, uid: int, gid: int) -> bool:
+        """Root, or a user whose primary or supplementary groups (from the group database, not
+        the peer's /proc entry, whose pid may be reused) include --admin-group."""
+        if uid == 0:
+            return True
+        if self.admin_gid is None:
+            return False
+        if gid == self.admin_gid:
+            return True
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return False
+        return self.admin_gid in os.getgrouplist(name, gid)
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(self, reader, writer)
+        try:
+            conn = Connection(self, reader, writer)
+        except OSError as e:  # the peer vanished before its credentials could be read
+            log.warning("connection_refused", error=repr(e))
+            writer.transport.abort()
+            return
         self.connections.add(conn)
         try:
             await conn.serve()
