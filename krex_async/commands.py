@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -47,6 +48,16 @@ def resolve_argv0(argv0: str, env: dict[str, str], cwd: str) -> str:
     if not found:
         raise SpecError("bad_spec", f"argv[0] {argv0!r} not found on PATH {env.get('PATH', '')!r}")
     return found
+
+
+def user_groups(uid: int, gid: int) -> list[int]:
+    """The supplementary groups a login of `uid` would have (group database); [] for a uid that
+    has no passwd entry, so such a command gets no group beyond `gid`."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return []
+    return [g for g in os.getgrouplist(name, gid) if g != gid]
 
 
 @dataclass
@@ -170,11 +181,13 @@ class Runner:
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)
         try:
+            as_other = cmd.uid != os.geteuid()
             spec = LaunchSpec(argv=list(cmd.spec.argv), cwd=cwd, env=env, stdin_fd=stdin_fd,
                               stdout_fd=out_w, stderr_fd=err_w,
-                              uid=cmd.uid if cmd.uid != os.geteuid() else None,
-                              gid=cmd.gid if cmd.uid != os.geteuid() else None,
-                              groups=[] if cmd.uid != os.geteuid() else None, frozen=frozen)
+                              uid=cmd.uid if as_other else None,
+                              gid=cmd.gid if as_other else None,
+                              groups=user_groups(cmd.uid, cmd.gid) if as_other else None,
+                              frozen=frozen)
             launched = self.launcher(spec) if (self.launcher and not frozen) else None
             if launched is None:
                 launched = spawn(spec, self.backend.launch_argv(group, spec.argv, frozen=frozen))
