@@ -101,7 +101,8 @@ class Connection:
                     self.error(0, "bad_frame", str(e))
                     break
                 except TimeoutError:
-                    self.error(0, "bad_frame", f"frame body not received within {cfg.read_timeout} s")
+                    self.error(0, "bad_frame", f"frame not received within {cfg.read_timeout} s "
+                                                  "of its first byte")
                     break
                 if body is None:
                     break
