@@ -34,6 +34,7 @@ from .isolation import choose_backend
 log = logs.get("krex.server")
 
 _CREDS = struct.Struct("3i")
+LISTEN_BACKLOG = 4096
 
 
 class _IdOnly(msgspec.Struct):
@@ -274,7 +275,7 @@ def bind_socket(path: str, group: str = "") -> socket.socket:
         if gid is not None:
             os.chown(tmp, -1, gid)
             os.chmod(tmp, 0o660)
-        sock.listen(1024)
+        sock.listen(LISTEN_BACKLOG)
         os.rename(tmp, path)
     except BaseException:
         sock.close()
@@ -341,7 +342,10 @@ class Server:
         loop = asyncio.get_running_loop()
         nofile = raise_nofile_limit()
         sock = bind_socket(cfg.socket, cfg.socket_group)
-        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20)
+        # backlog: start_unix_server re-listens with its own (default 100), which a storm of
+        # connects overflows; the kernel caps this at net.core.somaxconn.
+        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20,
+                                                 backlog=LISTEN_BACKLOG)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         log.info("serving", socket=cfg.socket, policy=cfg.policy, isolation=self.daemon.backend.name,
