@@ -62,23 +62,31 @@ class Connection:
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
         # Root and members of --admin-group act on every command; everyone else on their own.
         self.admin = server.is_admin(self.uid, self.gid)
-        self.closed = False
+        # The daemon recognises a connection's subscriptions by the identity of its send function
+        # (`s.send is send`), and every `self.send` access makes a new bound method: bind each once.
+        self.send = self.send  # type: ignore[method-assign]
+        self._send_own = self._send_own  # type: ignore[method-assign]
+        self.closed = False  # no more reading or writing
+        self.gone = False  # and the daemon has been told (disconnected)
         self.close_reason = ""
         self.tasks: set[asyncio.Task[Any]] = set()
         self.greeted = False
 
     def send(self, msg: P.Msg) -> bool:
-        if self.closed:
+        """Queue `msg` for the peer. Returns False only once the daemon has been told that this
+        connection is gone (`Daemon.disconnected`): until then a message for a closing peer is
+        dropped but True is returned, so the daemon's subscriptions stay in place until
+        `disconnected()` ends them under each command's on_disconnect rule (a False here makes
+        `Command.publish` forget the subscriber silently, and the command would never be killed)."""
+        if self.gone:
             return False
-        transport = self.writer.transport
-        if transport.is_closing():
+        if self.closed or self.writer.transport.is_closing():
             self.closed = True
-            return False
+            return True
         self.writer.write(P.encode(msg))
-        if transport.get_write_buffer_size() > self.server.config.max_conn_buffer:
+        if self.writer.transport.get_write_buffer_size() > self.server.config.max_conn_buffer:
             self.drop("slow consumer: more than "
                       f"{self.server.config.max_conn_buffer} bytes unread")
-            return False
         return True
 
     def drop(self, reason: str) -> None:
@@ -118,6 +126,7 @@ class Connection:
         finally:
             self.closed = True
             daemon.disconnected(self.send)
+            self.gone = True
             for t in list(self.tasks):
                 t.cancel()
             with contextlib.suppress(Exception):
@@ -178,7 +187,7 @@ class Connection:
         if isinstance(msg, P.TraceEvent):
             cmd = self.server.daemon.commands.get(msg.command)
             if cmd is None or cmd.uid != self.uid:
-                return not self.closed
+                return not self.gone
         return self.send(msg)
 
     def _spawn(self, req_id: int, coro: Any, ok: bool = False) -> None:

@@ -61,6 +61,47 @@ async def test_two_thousand_idle_connections_do_not_stop_service(many_fds):
         assert await wait_for_fds(d.proc.pid, base) <= base
 
 
+async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds):
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            await c.status()
+        base = await wait_for_fds(d.proc.pid, 10**6, 0)
+
+        def storm() -> None:
+            for i in range(3000):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(d.socket)
+                kind = i % 4
+                if kind == 1:
+                    s.sendall(struct.pack(">I", 1000) + b"half")  # a frame cut short
+                elif kind == 2:
+                    s.sendall(P.encode(P.Hello(id=1)) + P.encode(P.Status(id=2)))
+                elif kind == 3 and i % 40 == 3:  # a command whose only agent vanishes
+                    s.sendall(P.encode(P.Hello(id=1)) +
+                              P.encode(P.Submit(id=2, argv=["sleep", "300"])))
+                    s.recv(4096)  # welcome (and maybe accepted)
+                if i % 7 == 0:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()  # some with a reset instead of a clean close
+
+        await asyncio.gather(*(asyncio.to_thread(storm) for _ in range(2)))
+        async with await d.client() as c:
+            res = await c.run(["echo", "ok"])
+            assert res.stdout == b"ok\n"
+            deadline = time.monotonic() + 15
+            while True:
+                st = await c.status()
+                live = [x for x in st["commands"] if x["state"] != "ended"]
+                if not live or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            assert live == [], live  # on_disconnect=kill: the storm's sleeps are gone
+        assert await wait_for_fds(d.proc.pid, base) <= base
+        sleeps = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == b"sleep\x00300\x00"]
+        assert sleeps == []
+        assert d.proc.poll() is None
+
+
 def _cmdline(pid: str) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
