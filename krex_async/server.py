@@ -38,12 +38,14 @@ LISTEN_BACKLOG = 4096
 
 
 class _IdOnly(msgspec.Struct):
-    id: int = 0
+    id: P.ReqId = 0
 
 
 def _request_id(body: bytes) -> int:
+    """The id of an undecodable request, for its error reply; 0 when the id itself is unusable
+    (an id out of ReqId's range would make the error reply undecodable for the client)."""
     try:
-        return max(0, msgspec.msgpack.decode(body, type=_IdOnly).id)
+        return msgspec.msgpack.decode(body, type=_IdOnly).id
     except Exception:
         return 0
 

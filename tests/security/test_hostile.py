@@ -158,3 +158,15 @@ async def test_a_client_that_stops_reading_is_dropped_and_memory_stays_bounded()
         assert peak - before < 48 * 1024, (before, peak)  # KiB, versus a 400 MiB flood
         assert "slow consumer" in d.logs()
         s.close()
+
+
+@pytest.mark.parametrize("bad_id", [-1, 2**53 + 1, 2**64 - 1])
+async def test_an_unusable_request_id_is_answered_with_id_0(bad_id):
+    """The error for a request whose id is out of range must itself be decodable by clients."""
+    async with run_daemon() as d:
+        s = await asyncio.to_thread(raw, d.socket)
+        await asyncio.to_thread(hello, s)
+        s.sendall(framed(msgspec.msgpack.encode({"type": "status", "id": bad_id})))
+        reply = await asyncio.to_thread(recv, s)  # recv decodes with the clients' reply decoder
+        assert isinstance(reply, P.Error) and reply.code == "bad_request" and reply.id == 0, reply
+        s.close()
