@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from . import protocol as P
 from .config import default_socket
 
@@ -41,6 +43,17 @@ async def _connect_unix(path: str) -> socket.socket:
         except BaseException:
             sock.close()
             raise
+
+
+class _IdOnly(msgspec.Struct):
+    id: P.ReqId = 0
+
+
+def _reply_id(body: bytes) -> int:
+    try:
+        return msgspec.msgpack.decode(body, type=_IdOnly).id
+    except Exception:
+        return 0
 
 
 class KrexError(Exception):
@@ -159,7 +172,13 @@ class Client:
                 body = await P.read_frame(self._reader, P.MAX_FRAME * 4, None)
                 if body is None:
                     break
-                msg = P.decode_reply(body)
+                try:
+                    msg = P.decode_reply(body)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+                    # A reply this client cannot read (a newer daemon's message, a daemon bug):
+                    # the request it answers fails with the reason; the connection goes on.
+                    msg = P.Error(id=_reply_id(body), code="bad_reply",
+                                  message=f"undecodable reply from the daemon: {e}")
                 q = self._queues.get(msg.id)
                 if q is not None:
                     q.put_nowait(msg)
