@@ -28,6 +28,8 @@ async def main(path, action, *args):
             elif action == "attach":
                 h = await c.attach(args[0])
                 print("ok", h.command)
+            elif action == "whoami":
+                print(c.welcome.uid)
             elif action == "status":
                 print(json.dumps(await c.status()))
         except KrexError as e:
@@ -92,3 +94,11 @@ async def test_a_user_cannot_reach_the_daemon_without_the_socket_group(users):
             timeout=60, input="{}")
         assert p.returncode != 0 and "unreachable" in p.stderr, (p.stdout, p.stderr)
         assert os.stat(d.socket).st_mode & 0o007 == 0
+
+
+async def test_each_connection_is_identified_by_its_own_peer_credentials(users):
+    async with config_daemon(dir_mode=0o755, socket_group="krexg") as d:
+        got = await asyncio.gather(*(call(users[u], d.socket, "whoami") for u in ("alice", "mallory")))
+        assert [int(x) for x in got] == [users["alice"].uid, users["mallory"].uid]
+        async with await d.client() as c:
+            assert c.welcome is not None and c.welcome.uid == 0
