@@ -273,7 +273,11 @@ def bind_socket(path: str, group: str = "") -> socket.socket:
             raise SystemExit(f"krex: another daemon is serving on {path}")
         finally:
             probe.close()
-    tmp = f"{path}.{os.getpid()}.tmp"
+    # A short temporary name in the same directory (AF_UNIX paths end near 108 bytes; a path too
+    # long for a suffix is bound directly: its mode is still right, only the listen window remains).
+    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}~")
+    if len(os.fsencode(tmp)) >= 108:
+        tmp = path
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -287,7 +291,8 @@ def bind_socket(path: str, group: str = "") -> socket.socket:
             os.chown(tmp, -1, gid)
             os.chmod(tmp, 0o660)
         sock.listen(LISTEN_BACKLOG)
-        os.rename(tmp, path)
+        if tmp != path:
+            os.rename(tmp, path)
     except BaseException:
         sock.close()
         with contextlib.suppress(FileNotFoundError):

@@ -45,10 +45,10 @@ async def config_daemon(dir_mode: int = 0o700, **cfg: object) -> AsyncIterator[D
     """
     d = tempfile.mkdtemp(prefix="krexs-", dir="/tmp")
     os.chmod(d, dir_mode)
-    sock = os.path.join(d, "s")
+    sock = str(cfg.get("socket") or os.path.join(d, "s"))
     log = Path(d) / "daemon.log"
     full = {"socket": sock, "state_dir": os.path.join(d, "state"), "log_format": "json",
-            "isolation": "signal", **cfg}
+            "isolation": "signal", **{**cfg, "socket": sock}}
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KREX_SOCKET", None)
     with open(log, "wb") as f:

@@ -7,6 +7,7 @@ import grp
 import json
 import os
 import resource
+import shutil
 import socket
 import stat
 import subprocess
@@ -150,3 +151,16 @@ async def test_daemon_raises_its_open_file_limit_to_the_hard_limit():
     assert d_soft == d_hard != "1024", line
 
 
+
+
+async def test_a_socket_path_near_the_af_unix_limit_still_works(tmp_path):
+    base = tempfile.mkdtemp(prefix="k", dir="/tmp")
+    deep = os.path.join(base, "d" * (102 - len(base) - 1))  # a 102-byte directory
+    os.mkdir(deep)
+    path = os.path.join(deep, "s")  # 104 bytes: no room for a temporary name beside it
+    async with config_daemon(socket=path) as d:
+        assert d.socket == path and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        s = await asyncio.to_thread(raw, path)
+        await asyncio.to_thread(hello, s)
+        s.close()
+    shutil.rmtree(base, ignore_errors=True)
