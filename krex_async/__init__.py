@@ -2,10 +2,30 @@
 
 Inside a command: `with region("timing"):` holds the command's device exclusively for the block.
 Agents: `Client` submits commands to the daemon and streams their output and reports.
+
+Names are imported on first use, so `import krex_async` (which every pool worker and every command's
+in-process runtime does) costs neither asyncio nor the client.
 """
 
-from .client import Client, CommandHandle, KrexError, Result
-from .region import RegionError, region
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = ["Client", "CommandHandle", "KrexError", "RegionError", "Result", "region", "__version__"]
+
+_WHERE = {"Client": "client", "CommandHandle": "client", "KrexError": "client", "Result": "client",
+          "RegionError": "regionclient", "region": "regionclient"}
+
+if TYPE_CHECKING:
+    from .client import Client, CommandHandle, KrexError, Result
+    from .regionclient import RegionError, region
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'krex_async' has no attribute {name!r}")

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -45,7 +46,14 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--state-dir")
     p.add_argument("--log-format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"])
+    p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"],
+                   help="GPU driver probes (default auto: bcc, else tracefs, else none)")
+    p.add_argument("--probe-prefixes", help="comma-separated device path prefixes to watch "
+                                            "(default /dev/nvidia,/dev/kfd,/dev/dri/renderD)")
+    p.add_argument("--launch-libs", help="comma-separated libraries for --probes launches")
+    p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
+    p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
+    p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
     p.add_argument("--print-config", action="store_true", help="print the resolved options and exit")
 
 
@@ -146,6 +154,50 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _trace(args: argparse.Namespace) -> int:
+    """Stream region boundaries, freezes and probe events; strays are marked."""
+    from .client import Client, KrexError
+
+    try:
+        client = await Client.connect(args.socket)
+    except KrexError as e:
+        print(f"krex trace: {e.message}", file=sys.stderr)
+        return 1
+    async with client:
+        try:
+            async for ev in client.trace(probes=not args.no_probes):
+                if args.json:
+                    print(msgspec.json.encode(ev).decode(), flush=True)
+                    continue
+                mark = "STRAY " if ev.kind == "stray" else ""
+                when = time.strftime("%H:%M:%S", time.localtime(ev.ts)) + f".{int(ev.ts * 1e3) % 1000:03d}"
+                extra = " ".join(f"{k}={v}" for k, v in ev.detail.items())
+                print(f"{when} {mark}{ev.kind:<15} dev={ev.device or '-':<7} cmd={ev.command or '-':<10} "
+                      f"region={ev.region or '-':<12} pid={ev.pid or '-'} {extra}", flush=True)
+        except KrexError as e:
+            print(f"krex trace: {e.message}", file=sys.stderr)
+            return 1
+    return 0
+
+
+async def _export(args: argparse.Namespace) -> int:
+    """Write the daemon's recent timeline as Chrome-trace JSON (opens in Perfetto)."""
+    from .client import Client, KrexError
+    from .timeline import chrome_trace
+
+    try:
+        async with await Client.connect(args.socket) as c:
+            events = await c.timeline()
+    except KrexError as e:
+        print(f"krex export: {e.message}", file=sys.stderr)
+        return 1
+    records = [msgspec.to_builtins(e) for e in events]
+    with open(args.perfetto, "w") as f:
+        json.dump(chrome_trace(records), f)
+    print(f"krex export: {len(records)} events written to {args.perfetto}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="krex", description="region-granular GPU exclusivity")
     sub = ap.add_subparsers(dest="verb", required=True)
@@ -161,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
     s.add_argument("--socket")
     s.add_argument("--json", action="store_true")
+    t = sub.add_parser("trace", help="live stream of regions, freezes and probe events (strays marked)")
+    t.add_argument("--socket")
+    t.add_argument("--json", action="store_true", help="one JSON object a line")
+    t.add_argument("--no-probes", action="store_true", help="only region and command events")
+    x = sub.add_parser("export", help="write the daemon's recent timeline for Perfetto")
+    x.add_argument("--socket")
+    x.add_argument("--perfetto", required=True, metavar="FILE", help="Chrome-trace JSON output")
+    from . import gateway
+
+    gateway.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
     args = ap.parse_args(argv)
@@ -172,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.verb == "run":
         return asyncio.run(_run(args))
+    if args.verb == "gateway":
+        return gateway.main(args)
+    if args.verb == "trace":
+        return asyncio.run(_trace(args))
+    if args.verb == "export":
+        return asyncio.run(_export(args))
     return asyncio.run(_status(args))
 
 

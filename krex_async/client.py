@@ -253,6 +253,25 @@ class Client:
     async def cancel(self, command: str, sig: int = 15) -> None:
         await self._call(P.Cancel(id=next(self._ids), command=command, signal=sig))
 
+    async def timeline(self) -> list[P.TraceEvent]:
+        """The daemon's recent trace records (its bounded ring), oldest first."""
+        req_id = next(self._ids)
+        q = self._send(P.Timeline(id=req_id))
+        out: list[P.TraceEvent] = []
+        try:
+            while True:
+                msg = await q.get()
+                if msg is None:
+                    raise KrexError("disconnected", "the daemon closed the connection")
+                if isinstance(msg, P.Error):
+                    raise KrexError(msg.code, msg.message)
+                if isinstance(msg, P.TimelineChunk):
+                    out += msg.events
+                    if msg.last:
+                        return out
+        finally:
+            self._forget(req_id)
+
     async def trace(self, probes: bool = True) -> AsyncIterator[P.TraceEvent]:
         req_id = next(self._ids)
         q = self._send(P.Subscribe(id=req_id, probes=probes))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import protocol as P
 from .devices.base import Device
-from .isolation.base import Backend, Group
+from .isolation.base import Backend, Group, IsolationError
 from .spawn import ExitStatus, LaunchSpec, Launched, spawn
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
@@ -50,14 +50,20 @@ def resolve_argv0(argv0: str, env: dict[str, str], cwd: str) -> str:
     return found
 
 
+def with_runtime(env: dict[str, str]) -> dict[str, str]:
+    """env with krex's in-command runtime (runtime/sitecustomize.py) first on PYTHONPATH."""
+    if os.path.exists(os.path.join(RUNTIME_DIR, "sitecustomize.py")):
+        env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
+                                           if env.get("PYTHONPATH") else "")
+    return env
+
+
 def user_groups(uid: int, gid: int) -> list[int]:
-    """The supplementary groups a login of `uid` would have (group database); [] for a uid that
-    has no passwd entry, so such a command gets no group beyond `gid`."""
+    """The supplementary groups of the submitting user, as a login would give them."""
     try:
-        name = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return []
-    return [g for g in os.getgrouplist(name, gid) if g != gid]
+        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+    except KeyError:  # a uid without a passwd entry: its primary group only
+        return [gid]
 
 
 @dataclass
@@ -134,21 +140,19 @@ class Command:
                    KREX_DEVICE=self.device_key or "none")
         if self.device is not None:
             env.update(self.device.env)
-        if os.path.exists(os.path.join(RUNTIME_DIR, "sitecustomize.py")):
-            env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
-                                               if env.get("PYTHONPATH") else "")
-        return env
+        return with_runtime(env)
 
 
 class Runner:
     """Spawns commands and watches them; calls `on_exit(cmd)` once each has ended."""
 
     def __init__(self, backend: Backend, socket: str, on_exit: Callable[[Command], None],
-                 launcher: Callable[[LaunchSpec], Launched | None] | None = None) -> None:
+                 launcher: Callable[[Command, LaunchSpec], Launched | None] | None = None) -> None:
         self.backend = backend
         self.socket = socket
         self.on_exit = on_exit
         self.launcher = launcher  # the ctxpool, when it can take the command
+        self.launching: Group | None = None  # the group a pool worker must join (during launcher())
 
     def check(self, cmd: Command) -> tuple[str, dict[str, str]]:
         """Validate cwd and argv before anything is created; returns (cwd, env)."""
@@ -180,18 +184,29 @@ class Runner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)
+        other_user = cmd.uid != os.geteuid()
         try:
-            as_other = cmd.uid != os.geteuid()
             spec = LaunchSpec(argv=list(cmd.spec.argv), cwd=cwd, env=env, stdin_fd=stdin_fd,
                               stdout_fd=out_w, stderr_fd=err_w,
-                              uid=cmd.uid if as_other else None,
-                              gid=cmd.gid if as_other else None,
-                              groups=user_groups(cmd.uid, cmd.gid) if as_other else None,
+                              uid=cmd.uid if other_user else None,
+                              gid=cmd.gid if other_user else None,
+                              groups=user_groups(cmd.uid, cmd.gid) if other_user else None,
                               frozen=frozen)
-            launched = self.launcher(spec) if (self.launcher and not frozen) else None
+            launched = None
+            if self.launcher and not frozen:
+                self.launching = group
+                try:
+                    launched = self.launcher(cmd, spec)
+                finally:
+                    self.launching = None
             if launched is None:
-                launched = spawn(spec, self.backend.launch_argv(group, spec.argv, frozen=frozen))
-        except (OSError, ValueError, SpecError) as e:
+                as_user = None
+                if other_user and self.backend.wrapper_drops_privileges:
+                    as_user = (cmd.uid, cmd.gid, spec.groups or [])
+                    spec.uid = spec.gid = spec.groups = None
+                argv = self.backend.launch_argv(group, spec.argv, frozen=frozen, as_user=as_user)
+                launched = spawn(spec, argv)
+        except (OSError, ValueError, SpecError, IsolationError) as e:
             for fd in (out_r, err_r):
                 os.close(fd)
             await self.backend.remove(group)

@@ -33,7 +33,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
     freeze: Literal["all", "device-holders"] = "all"
     region_timeout: Positive = 60.0
-    region_cores: Annotated[int, msgspec.Meta(ge=0)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
+    region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.05
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     freeze_timeout: Positive = 1.0
@@ -46,8 +46,13 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state_dir: str = ""
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "off"
+    probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "auto"
+    probe_prefixes: str = ""  # comma-separated device path prefixes ("" = the GPU defaults)
+    launch_libs: str = ""  # comma-separated libcuda / libhsa-runtime64 paths for --probes launches
     admin_group: str = ""
+    pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
+    pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
+    pool_preload: str = ""  # comma-separated modules every worker imports, e.g. "torch"
 
     def resolved(self) -> "ServeConfig":
         """A copy with defaults that depend on the machine filled in."""

@@ -8,6 +8,7 @@ requests with the peer's credentials; every handler answers through the connecti
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import itertools
 import os
@@ -20,12 +21,16 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command, Runner, SpecError, Subscriber
+from .commands import Command, Runner, SpecError, Subscriber, with_runtime
 from .config import ServeConfig
+from .ctxpool import Pool, PoolConfig
+from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
+from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
+from .spawn import Launched, LaunchSpec
 
 log = logs.get("krex.daemon")
 
@@ -53,22 +58,55 @@ def _ancestors(pid: int, limit: int = 512) -> list[int]:
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig, backend: Backend, devices: list[Device]) -> None:
+    def __init__(self, config: ServeConfig, backend: Backend, devices: list[Device],
+                 node: Node | None = None) -> None:
         self.config = config
         self.backend = backend
         self.devices = devices
+        self.node = node  # the opened vendor libraries, for live queries (status)
         self.all_cpus = frozenset(os.sched_getaffinity(0))
         self.scheduler = Scheduler(config.policy, [d.key for d in devices])
         self.commands: dict[str, Command] = {}
         self.regions = Regions(self)
-        self.runner = Runner(backend, config.socket, self._on_exit)
+        self.attributor: Attributor | None = None  # set when probes run
+        self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
+        self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
+        self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
         self.closing = False
         self._ids = itertools.count(1)
         self._boot = f"{int(time.time()) % 100000:05d}"
 
     # ---------------------------------------------------------------------------------- helpers
+
+    async def start_pools(self) -> None:
+        """One pool of warm workers per device, started as the daemon's user (commands of other
+        users are spawned plainly), with the environment commands get from the daemon."""
+        cfg = self.config
+        if cfg.pool_size <= 0:
+            return
+        preload = [m.strip() for m in cfg.pool_preload.split(",") if m.strip()]
+        for d in self.devices:
+            env = dict(os.environ)
+            env.pop("KREX_SOCKET", None)
+            env.update(d.env)
+            pool = Pool(d, cgroup_hook=self._join_group, config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
+                                      preload=preload, init_context=d.vendor != "cpu"),
+                        env=with_runtime(env))
+            await pool.start()
+            self.pools[d.key] = pool
+
+    def _join_group(self, pid: int, spec: LaunchSpec) -> None:
+        """Pool hook: the worker taking a command joins that command's group first."""
+        if self.runner.launching is not None:
+            self.backend.join(self.runner.launching, pid)
+
+    def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
+        pool = self.pools.get(cmd.device_key or "")
+        if pool is None or spec.uid is not None or not pool.accepts(spec):
+            return None
+        return pool.launch_nowait(spec)
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self.tasks.add(task)
@@ -83,14 +121,15 @@ class Daemon:
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)
 
-    def trace(self, kind: str, region: Any = None, **detail: Any) -> None:
-        if not self.tracers:
-            return
+    def trace(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
+              pid: int = 0, **detail: Any) -> None:
+        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers."""
         ev = P.TraceEvent(id=0, ts=time.time(), kind=kind,
-                          device=getattr(region, "device", "") or detail.pop("device", ""),
-                          command=region.command.id if region is not None else detail.pop("command", ""),
-                          region=getattr(region, "id", ""), pid=getattr(region, "pid", 0),
-                          detail=detail)
+                          device=device or (region.device if region is not None else ""),
+                          command=command or (region.command.id if region is not None else ""),
+                          region=region.id if region is not None else "",
+                          pid=pid or (region.pid if region is not None else 0), detail=detail)
+        self.timeline.append(ev)
         for send, req_id in list(self.tracers):
             if not send(msgspec.structs.replace(ev, id=req_id)):
                 self.tracers.remove((send, req_id))
@@ -100,12 +139,11 @@ class Daemon:
         if want == "none":
             return None
         if want == "auto":
-            fits = [d for d in self.devices if spec.mem == 0 or d.vendor == "cpu"
-                    or d.memory_free_bytes >= spec.mem]
-            if not fits:
-                raise RequestError("bad_device", f"no device has {spec.mem} bytes of free memory")
-            load = {d.key: len(self.scheduler.devices[d.key].commands) for d in fits}
-            return min(fits, key=lambda d: (load[d.key], d.index))
+            load = {k: len(q.commands) for k, q in self.scheduler.devices.items()}
+            try:
+                return place(self.devices, load, spec.mem)
+            except NoDevice as e:
+                raise RequestError("bad_device", str(e)) from None
         for d in self.devices:
             if want == d.key or (want.isdigit() and int(want) == d.index):
                 return d
@@ -159,6 +197,8 @@ class Daemon:
             region.frozen.append(cmd.group)
             region.frozen_ids.append(cmd.id)
             region.report.frozen.append(cmd.id)
+        if self.attributor is not None:
+            self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
         self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
                    pid=cmd.pid or 0, frozen=region is not None)
@@ -193,6 +233,8 @@ class Daemon:
                  device=report.device, via=report.via)
         if cmd.group is not None:
             await self.backend.remove(cmd.group)
+        if self.attributor is not None:
+            loop.call_later(1.0, self.attributor.command_ended, cmd)  # late events still attribute
         loop.call_later(self.config.retention, lambda: self.commands.pop(cmd.id, None))
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
@@ -221,18 +263,18 @@ class Daemon:
     def disconnected(self, send: Send) -> None:
         """A connection closed: end the regions it held and the commands only it was watching."""
         for r in list(self.regions.active.values()):
-            if r.send is send:
+            if r.send == send:
                 r.end("owner-died")
         for cmd in self.commands.values():
-            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s is not send}
+            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s != send}
             before = len(cmd.subscribers)
-            cmd.subscribers = [s for s in cmd.subscribers if s.send is not send]
+            cmd.subscribers = [s for s in cmd.subscribers if s.send != send]
             if before and not cmd.subscribers and cmd.state in ("queued", "running") \
                     and cmd.spec.on_disconnect == "kill":
                 log.info("agent_disconnected", command=cmd.id, action="kill")
                 self.track(asyncio.get_running_loop().create_task(
                     self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)))
-        self.tracers = [(s, i) for s, i in self.tracers if s is not send]
+        self.tracers = [(s, i) for s, i in self.tracers if s != send]
 
     # ---------------------------------------------------------------------------------- regions
 
@@ -270,6 +312,10 @@ class Daemon:
         if not hmac.compare_digest(req.token.encode(), r.command.token.encode()) or r.pid != peer_pid:
             raise RequestError("forbidden", f"region {req.region} belongs to another process")
         r.exit_id = req.id
+        if req.drain:
+            r.report.drain = req.drain
+            r.report.drain_s = req.drain_s
+        r.report.warm_s = req.warm_s
         r.end("released")
 
     def quiesce_ready(self, req: P.QuiesceReady, peer_pid: int, send: Send) -> None:
@@ -284,7 +330,40 @@ class Daemon:
         if r is not None:
             self.regions.ack(r.command, peer_pid, req)
 
+    def send_timeline(self, req: P.Timeline, send: Send) -> None:
+        events = list(self.timeline)
+        step = 2000
+        for i in range(0, max(1, len(events)), step):
+            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i:i + step]]
+            if not send(P.TimelineChunk(id=req.id, events=chunk, last=i + step >= len(events))):
+                return
+
     # ----------------------------------------------------------------------------------- status
+
+    async def status_live(self) -> dict[str, Any]:
+        """status() with each GPU's current memory, clocks, utilisation and context holders, read
+        from the vendor libraries on a thread (their calls block)."""
+        st = self.status()
+        node = self.node
+        if node is None or all(d.vendor == "cpu" for d in self.devices):
+            return st
+
+        def query() -> list[dict[str, Any]]:
+            out = []
+            for d in node.refresh():
+                out.append({"memory_free_bytes": d.memory_free_bytes, "clocks_mhz": d.clocks_mhz,
+                            "utilisation_pct": node.utilisation(d),
+                            "processes": [p.pid for p in node.processes(d)]})
+            return out
+
+        try:
+            live = await asyncio.get_running_loop().run_in_executor(None, query)
+        except Exception as e:  # a vendor library error must not fail status
+            st["devices_error"] = repr(e)
+            return st
+        for entry, extra in zip(st["devices"], live):
+            entry.update(extra)
+        return st
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -294,7 +373,9 @@ class Daemon:
             holder = self.regions.holder_on(d.key)
             devices.append({
                 "index": d.index, "key": d.key, "vendor": d.vendor, "name": d.name,
-                "memory_total_bytes": d.memory_total_bytes, "numa_node": d.numa_node,
+                "uuid": d.uuid, "memory_total_bytes": d.memory_total_bytes,
+                "memory_free_bytes": d.memory_free_bytes, "numa_node": d.numa_node,
+                "clocks_mhz": d.clocks_mhz,
                 "cpus": sorted(d.cpus), "commands": sorted(q.commands),
                 "holder": q.holder,
                 "region": None if holder is None else {
@@ -312,6 +393,7 @@ class Daemon:
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},
+                "pools": {k: p.status() for k, p in self.pools.items()},
                 "freeze": self.config.freeze, "region_cores": self.config.region_cores,
                 "devices": devices, "commands": commands}
 
@@ -346,5 +428,11 @@ class Daemon:
                     if c.state == "running" and c.group is not None:
                         await self.backend.kill(c.group, signal.SIGKILL)
                 await asyncio.wait(pending, timeout=5)
+        for pool in self.pools.values():
+            await pool.close()
+        if self.attributor is not None:
+            self.attributor.backend.stop()
         await self.backend.close()
+        if self.node is not None:
+            self.node.close()
 

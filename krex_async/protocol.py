@@ -103,13 +103,16 @@ class RegionEnter(Msg, tag="region_enter"):
     name: Name = "region"
     pid: Pid = 0  # the requesting process (checked against SO_PEERCRED)
     freeze_own_children: bool = True
-    warm_ms: Seconds = 0.0
+    warm_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 0.0
 
 
 class RegionExit(Msg, tag="region_exit"):
     id: ReqId
     region: Name
     token: Name
+    drain: Literal["", "idle-verified", "timeout", "not-needed"] = ""  # the owner's drain check
+    drain_s: Seconds = 0.0
+    warm_s: Seconds = 0.0
 
 
 class QuiesceReady(Msg, tag="quiesce_ready"):
@@ -135,8 +138,14 @@ class Subscribe(Msg, tag="subscribe"):
     probes: bool = True
 
 
+class Timeline(Msg, tag="timeline"):
+    """The daemon's recent trace records (a bounded ring), in TimelineChunk replies."""
+
+    id: ReqId
+
+
 Request = Hello | Submit | Attach | Cancel | Status | RegionEnter | RegionExit | QuiesceReady | \
-    QuiesceAck | Subscribe
+    QuiesceAck | Subscribe | Timeline
 
 
 # ----------------------------------------------------------------------------------------- reports
@@ -161,11 +170,13 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     frozen: list[str] = []  # command ids frozen for it
     frozen_pids: int = 0
     cores: list[int] = []
-    drain: str = "not-needed"  # synced, idle-verified, timeout, not-needed
+    drain: str = "not-needed"  # synced, idle-verified, timeout, not-needed (pending while held)
+    warm_s: float = 0.0  # the owner warmed the device's clocks for this long (warm_ms)
     outcome: str = "open"  # released, expired, owner-died, shutdown, refused
     error: str = ""
     strays: int = 0
     stray_pids: list[int] = []
+    first_strays: list[str] = []
     tainted: bool = False
 
 
@@ -231,8 +242,12 @@ class Exited(Msg, tag="exited"):
 
 
 class RegionGranted(Msg, tag="region_granted"):
+    """report.drain == "pending": some sibling did not acknowledge; the owner verifies the device
+    is idle (up to drain_timeout seconds) before its timed loop and says how that ended at exit."""
+
     id: ReqId
     report: RegionReport
+    drain_timeout: float = 0.0
 
 
 class RegionReleased(Msg, tag="region_released"):
@@ -275,6 +290,12 @@ class TraceEvent(Msg, tag="trace"):
     detail: dict[str, object] = {}
 
 
+class TimelineChunk(Msg, tag="timeline_chunk"):
+    id: ReqId
+    events: list[TraceEvent]
+    last: bool = True
+
+
 class Ok(Msg, tag="ok"):
     id: ReqId
 
@@ -286,7 +307,7 @@ class Error(Msg, tag="error"):
 
 
 Reply = Welcome | Accepted | Started | Output | Exited | RegionGranted | RegionReleased | \
-    RegionRevoked | Quiesce | Resume | StatusReply | TraceEvent | Ok | Error
+    RegionRevoked | Quiesce | Resume | StatusReply | TraceEvent | TimelineChunk | Ok | Error
 
 
 # ------------------------------------------------------------------------------------------ framing

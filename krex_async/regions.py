@@ -28,6 +28,7 @@ from .isolation.base import FreezeError, Group
 
 if TYPE_CHECKING:
     from .daemon import Daemon
+    from .probes.base import ProbeEvent
 
 log = logs.get("krex.region")
 
@@ -54,6 +55,7 @@ class Region:
     cores: frozenset[int] = frozenset()
     task: asyncio.Task[None] | None = None
     exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
+    paused_pool: bool = False
 
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():
@@ -128,9 +130,12 @@ class Regions:
             rep.enter_s = time.perf_counter() - r.t_request
             rep.outcome = "held"
             granted = True
-            r.send(P.RegionGranted(id=r.req_id, report=rep))
-            self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
+            if self.d.attributor is not None:
+                self.d.attributor.region_granted(r)
             t_held = time.perf_counter()
+            r.send(P.RegionGranted(id=r.req_id, report=rep,
+                                   drain_timeout=self.d.config.drain_timeout))
+            self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
             timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
                                                           r.end, "expired")
             try:
@@ -150,6 +155,8 @@ class Regions:
             t_exit = time.perf_counter()
             await asyncio.shield(self._release(r))
             rep.exit_s = time.perf_counter() - t_exit
+            if self.d.attributor is not None:
+                self.d.attributor.region_released(r)
             self.active.pop(r.id, None)
             nxt = sched.release_region(r.id)
             if nxt and nxt in self.active:
@@ -196,6 +203,10 @@ class Regions:
     async def _isolate(self, r: Region) -> None:
         rep = r.report
         backend = self.d.backend
+        pool = self.d.pools.get(r.device)
+        if pool is not None:
+            pool.pause()  # no context creation on the device while it is held
+            r.paused_pool = True
         targets = self._targets(r)
         t0 = time.perf_counter()
         await self._quiesce(r, targets)
@@ -279,7 +290,7 @@ class Regions:
         self.reserved[r.id] = cores
         r.report.cores = sorted(cores)
         assert r.command.group is not None
-        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid])
+        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
         await self.refence()
 
     async def refence(self) -> None:
@@ -302,6 +313,9 @@ class Regions:
     async def _release(self, r: Region) -> None:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.d.backend
+        if r.paused_pool and r.device in self.d.pools:
+            self.d.pools[r.device].resume()
+            r.paused_pool = False
         for g in r.frozen:
             try:
                 await backend.thaw(g)
@@ -321,9 +335,40 @@ class Regions:
             except Exception as e:
                 log.error("cores_restore_failed", region=r.id, error=repr(e))
 
+    def freeze_late(self, r: Region, ev: "ProbeEvent") -> None:
+        """--freeze device-holders: a sibling that opened a GPU device during the region is frozen
+        as soon as the probes see the open (the open itself is reported as a stray)."""
+        if self.d.config.freeze != "device-holders" or r.report.outcome != "held":
+            return
+        assert self.d.attributor is not None
+        cmd = self.d.attributor.command_of(ev)
+        if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
+                or cmd.group.frozen:
+            return
+        group = cmd.group
+
+        async def freeze() -> None:
+            try:
+                await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
+            except FreezeError as e:
+                log.warning("late_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+                return
+            if r.id in self.active and r.report.outcome == "held":
+                r.frozen.append(group)
+                r.frozen_ids.append(cmd.id)
+                r.report.frozen.append(cmd.id)
+            else:  # the region ended meanwhile: undo at once
+                await self.d.backend.thaw(group)
+            self.d.trace("freeze", r, command=cmd.id, late=True)
+
+        self.d.track(asyncio.get_running_loop().create_task(freeze()))
+
     def admit_frozen(self, cmd: Command) -> Region | None:
-        """A command starting on a device whose region is held lands frozen: the region it joins."""
-        if cmd.device is None or not self.d.scheduler.isolates():
+        """A command starting on a device whose region is held lands frozen: the region it joins.
+        Under --freeze device-holders it holds no GPU file yet, so it starts (fenced off the
+        region cores) and is frozen if it opens one during the region."""
+        if cmd.device is None or not self.d.scheduler.isolates() or \
+                self.d.config.freeze == "device-holders":
             return None
         r = self.holder_on(cmd.device.key)
         return r if r is not None and r.report.outcome in ("open", "held") else None

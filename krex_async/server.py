@@ -27,8 +27,9 @@ import msgspec
 from . import logs
 from . import protocol as P
 from .config import ServeConfig
+from .attribution import Attributor
 from .daemon import Daemon, RequestError
-from .devices.base import Device
+from .devices import Unavailable, open_node
 from .isolation import choose_backend
 
 log = logs.get("krex.server")
@@ -157,10 +158,7 @@ class Connection:
                 case P.Cancel():
                     self._spawn(req.id, daemon.cancel(req, self.acting_uid), ok=True)
                 case P.Status():
-                    status = daemon.status()
-                    if not self.admin:
-                        status = visible_status(status, self.uid)
-                    self.send(P.StatusReply(id=req.id, status=status))
+                    self._spawn(req.id, self._status(req.id))
                 case P.RegionEnter():
                     daemon.region_enter(req, self.pid, self.send)
                 case P.RegionExit():
@@ -170,6 +168,8 @@ class Connection:
                     self.send(P.Ok(id=req.id))
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
+                case P.Timeline():
+                    daemon.send_timeline(req, self.send)
                 case P.Subscribe():
                     daemon.tracers.append((self.send if self.admin else self._send_own, req.id))
                     self.send(P.Ok(id=req.id))
@@ -191,6 +191,12 @@ class Connection:
             if cmd is None or cmd.uid != self.uid:
                 return not self.gone
         return self.send(msg)
+
+    async def _status(self, req_id: int) -> None:
+        status = await self.server.daemon.status_live()
+        if not self.admin:
+            status = visible_status(status, self.uid)
+        self.send(P.StatusReply(id=req_id, status=status))
 
     def _spawn(self, req_id: int, coro: Any, ok: bool = False) -> None:
         async def run() -> None:
@@ -390,20 +396,30 @@ class Server:
         return 0
 
 
-def cpu_devices(spec: str) -> list[Device]:
-    """The `cpu` device (or N logical ones, `cpu:N`, splitting the host's cpus evenly)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    n = 1
-    if spec.startswith("cpu:"):
-        n = int(spec.split(":", 1)[1])
-        if not 1 <= n <= max(1, len(cpus)) * 8:
-            raise ValueError(f"--devices {spec}: N must be between 1 and {len(cpus) * 8}")
-    if n == 1 and not spec.startswith("cpu:"):
-        return [Device(index=0, key="cpu", vendor="cpu", name="cpu", cpus=frozenset(cpus))]
-    per = max(1, len(cpus) // n)
-    return [Device(index=i, key=f"cpu{i}", vendor="cpu", name=f"cpu{i}",
-                   cpus=frozenset(cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per]))
-            for i in range(n)]
+def start_probes(daemon: Daemon) -> None:
+    """Open the probe backend `--probes` asks for and feed its events to the attributor. A probe
+    that cannot run is a logged state, never a reason not to serve."""
+    cfg = daemon.config
+    if cfg.probes == "off":
+        log.info("probes", backend=None, reason="off (--probes off)")
+        return
+    from .probes import open_probes
+
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()] or None  # noqa: E731
+    backend, reason = open_probes(cfg.probes, split(cfg.probe_prefixes), split(cfg.launch_libs))
+    log.info("probes", backend=backend.name if backend else None, reason=reason)
+    if backend is None:
+        return
+    attributor = Attributor(daemon, backend)
+    try:
+        backend.start(asyncio.get_running_loop(), attributor.on_events)
+    except Exception as e:  # ProbeUnavailable or a failed attach: run without probes, and say so
+        log.warning("probes", backend=None, reason=f"{backend.name} failed to start: {e}")
+        return
+    daemon.attributor = attributor
+    failed = getattr(backend, "failed", None)
+    if failed:
+        log.warning("probes_partial", failed=failed)
 
 
 async def serve(config: ServeConfig) -> int:
@@ -412,9 +428,18 @@ async def serve(config: ServeConfig) -> int:
     backend = choose_backend(cfg)
     for line in await backend.reconcile():
         log.info("reconciled", action=line)
-    devices = cpu_devices(cfg.devices) if cfg.devices in ("none", "auto") or \
-        cfg.devices.startswith("cpu") else cpu_devices("none")
-    daemon = Daemon(cfg, backend, devices)
+    start_watchdog = getattr(backend, "start_watchdog", None)
+    if start_watchdog is not None:
+        start_watchdog()  # thaws every krex cgroup within 1 s of this daemon's death
+    try:
+        node = open_node(cfg.devices)
+    except (ValueError, Unavailable) as e:
+        raise SystemExit(f"krex: --devices {cfg.devices}: {e}") from None
+    for note in node.notes:
+        log.info("devices", note=note)
+    daemon = Daemon(cfg, backend, node.devices, node=node)
+    start_probes(daemon)
+    await daemon.start_pools()
     return await Server(cfg, daemon).run()
 
 

@@ -40,18 +40,55 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
+def v2_mount() -> str | None:
+    """Where cgroup v2 is mounted (pure v2 at /sys/fs/cgroup, hybrid at /sys/fs/cgroup/unified)."""
+    for path in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+        if os.path.exists(os.path.join(path, "cgroup.procs")) and \
+                os.path.exists(os.path.join(path, "cgroup.subtree_control")):
+            return path
+    return None
+
+
+def private_cgroup_root() -> str | None:
+    """As root, a fresh v2 cgroup for one daemon, so daemons of concurrent tests (and sessions) never
+    reconcile each other's command cgroups. None where the cgroup backend cannot run."""
+    mount = v2_mount()
+    if os.geteuid() != 0 or mount is None:
+        return None
+    path = tempfile.mkdtemp(prefix="krex-test-", dir=mount)
+    return path
+
+
+def remove_cgroup_tree(path: str) -> None:
+    """rmdir a cgroup tree leaf first (cgroup directories hold only kernel files)."""
+    for top in ([path] + [path.replace("/unified/", "/cpuset/", 1)] if "/unified/" in path else [path]):
+        if not os.path.isdir(top):
+            continue
+        for dirpath, dirnames, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+
 @contextlib.asynccontextmanager
 async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
     """Start `python -m krex_async serve` on a fresh short socket path; stop it (SIGTERM) after.
 
-    AF_UNIX paths stop near 108 bytes, so the socket lives in a short temporary directory.
+    AF_UNIX paths stop near 108 bytes, so the socket lives in a short temporary directory. As root,
+    each daemon gets its own cgroup root (`--cgroup-root`), unless the test passes one or picks the
+    signal backend.
     """
+    cg = None
+    if "--cgroup-root" not in args and "signal" not in args:
+        cg = private_cgroup_root()
+        if cg is not None:
+            args = (*args, "--cgroup-root", cg)
+    if "--probes" not in args:
+        args = (*args, "--probes", "off")  # each test that wants probes asks for them
     d = tempfile.mkdtemp(prefix="krex-", dir="/tmp")
     sock = os.path.join(d, "s")
     log = Path(d) / "daemon.log"
-    e = dict(os.environ, **(env or {}))
+    e = dict(env) if env is not None else py_env()
     e.pop("KREX_SOCKET", None)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     with open(log, "wb") as f:
         proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", sock,
                                  "--log-format", "json", "--state-dir", os.path.join(d, "state"),
@@ -73,6 +110,8 @@ async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIter
             proc.kill()
             proc.wait()
         shutil.rmtree(d, ignore_errors=True)
+        if cg is not None:
+            remove_cgroup_tree(cg)
 
 
 @pytest.fixture
@@ -94,6 +133,23 @@ def py_env(**extra: str) -> dict[str, str]:
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.update(extra)
     return e
+
+
+def is_frozen(pid: int) -> bool:
+    """Stopped by a signal (state T) or by the cgroup v2 freezer (its cgroup reads `frozen 1`)."""
+    if proc_state(pid) in ("T", "t"):
+        return True
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            rel = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+    except (OSError, StopIteration):
+        return False
+    mount = v2_mount()
+    try:
+        with open(f"{mount}{rel}/cgroup.events") as f:
+            return "frozen 1" in f.read()
+    except OSError:
+        return False
 
 
 def proc_state(pid: int) -> str | None:

@@ -62,7 +62,8 @@ async def still_serving(d) -> None:
     (frame([1, 2, 3]), "bad_request"),
     (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_request"),  # 0xc1 is never valid msgpack
     (struct.pack(">I", 7) + b"\x81\xa4typ\xff\xc0", "bad_request"),  # invalid UTF-8 in a key
-])
+], ids=["unknown-type", "wrong-field-type", "empty-argv", "oversize-arg", "not-a-map",
+        "invalid-msgpack", "invalid-utf8"])
 async def test_undecodable_frames_get_an_error_and_the_connection_goes_on(payload, code):
     async with run_daemon() as d:
         s = await asyncio.to_thread(raw, d.socket)
@@ -161,20 +162,27 @@ async def test_region_requests_from_outside_the_command_are_refused(script):
         await still_serving(d)
 
 
-async def test_nested_region_is_refused(script):
+async def test_nested_region_joins_the_outer_one_and_raw_nesting_is_refused(script):
     src = script("nest.py", """
+        import os
         from krex_async import region, RegionError
-        with region("outer"):
-            try:
-                with region("inner"):
-                    print("nested")
-            except RegionError as e:
-                print(e.code)
+        from krex_async import protocol as P
+        from krex_async.regionclient import _get_channel
+        with region("outer") as outer:
+            with region("inner") as inner:
+                print(inner.report.region == outer.report.region)
+            # The daemon itself refuses a second region for the same process.
+            ch = _get_channel()
+            reply = ch.call(P.RegionEnter(id=999, command=os.environ["KREX_COMMAND"],
+                                          token=os.environ["KREX_TOKEN"], pid=os.getpid()))
+            print(reply.code)
+        print(outer.report.outcome)
     """)
     async with run_daemon() as d:
         async with await d.client() as c:
             res = await c.run([PY, src], env=py_env())
-    assert res.stdout.strip() == b"bad_request", res.stderr
+    assert res.stdout.split() == [b"True", b"bad_request", b"released"], res.stderr
+    assert len(res.report.regions) == 1
 
 
 async def test_a_live_socket_is_not_stolen():

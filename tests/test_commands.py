@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .conftest import PY, ROOT, proc_state, py_env, run_daemon
+from .conftest import PY, ROOT, is_frozen, proc_state, py_env, run_daemon
 
 
 async def test_output_env_and_exit(script, tmp_path):
@@ -31,7 +31,8 @@ async def test_output_env_and_exit(script, tmp_path):
             chunks = [(s, data) async for s, data in h.output()]
             res = await h.wait()
     assert res.returncode == 5
-    assert ("stderr", b"err\n") in chunks
+    assert b"".join(data for s, data in chunks if s == "stderr") == b"err\n"
+    assert b"".join(data for s, data in chunks if s == "stdout") == res.stdout
     lines = res.stdout.decode().splitlines()
     assert lines[0] == "out" and lines[1] == str(tmp_path)
     assert f"KREX_COMMAND {h.command}" in lines and "KREX_DEVICE cpu" in lines
@@ -148,7 +149,7 @@ async def test_shutdown_mid_region_leaves_nothing_stopped(script, tmp_path):
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)
             all_pids = [int(x) for x in pids.read_text().split()]
-            assert any(proc_state(p) == "T" for p in all_pids), "no sibling was frozen"
+            assert any(is_frozen(p) for p in all_pids), "no sibling was frozen"
             t0 = time.monotonic()
             d.proc.send_signal(signal.SIGTERM)
             results = await asyncio.gather(*(h.wait() for h in [*hs, owner]))
@@ -176,3 +177,20 @@ async def test_cancel_and_attach_after_disconnect(script):
             await c.cancel(h2.command)
             r2 = await h2.wait()
             assert r2.report.state == "cancelled" and r2.returncode == -15
+
+
+async def test_disconnect_kills_or_keeps_per_request(tmp_path):
+    pids = {k: tmp_path / k for k in ("kill", "keep")}
+    async with run_daemon() as d:
+        c = await d.client()
+        for mode, path in pids.items():
+            await c.submit(["sh", "-c", f"echo $$ > {path}; exec sleep 30"], on_disconnect=mode)
+        deadline = time.monotonic() + 10
+        while not all(p.exists() and p.read_text().strip() for p in pids.values()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await c.close()
+        await asyncio.sleep(1.0)
+        killed, kept = (int(p.read_text()) for p in pids.values())
+        assert proc_state(killed) in (None, "Z"), "on_disconnect=kill left the command running"
+        assert proc_state(kept) not in (None, "Z"), "on_disconnect=keep ended the command"

@@ -1,1 +1,163 @@
-"""Devices of the node: one module per vendor behind devices.base.Vendor; `cpu` otherwise."""
+"""Devices of the node: one module per vendor behind devices.base.Vendor; `cpu` otherwise.
+
+    discover(spec) -> (devices, notes)     what the daemon serialises regions on
+    open_node(spec) -> Node                the same, keeping the opened vendors for live queries
+    place(devices, counts, mem_bytes)      `--device auto`: fewest commands among those that fit
+
+spec: "auto" (NVIDIA, then AMD; every vendor that answers contributes its GPUs; none: one `cpu`
+device), "none" (only `cpu`), "cpu:N" (N logical cpu devices cpu0..cpuN-1 splitting the host's
+cpus), "nvidia" / "amd" (only that vendor; Unavailable with the reason when it is missing).
+Notes are one line per vendor asked, for logs and `krex status`:
+"nvidia: unavailable: NVML library not found (libnvidia-ml.so.1)", "nvidia: 8 device(s)".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import Device, DeviceProcess, Unavailable, Vendor
+from .cpu import CpuVendor
+
+__all__ = ["Device", "DeviceProcess", "Node", "NoDevice", "Unavailable", "Vendor", "describe",
+           "discover", "open_node", "place"]
+
+
+class NoDevice(Exception):
+    """No device satisfies a placement request; the message names what was asked and what exists."""
+
+
+def _gpu_vendors() -> dict[str, type[Vendor]]:
+    from .amd import AmdVendor
+    from .nvidia import NvidiaVendor
+    return {"nvidia": NvidiaVendor, "amd": AmdVendor}
+
+
+@dataclass
+class Node:
+    """The node's devices and the vendors that answer for them (close() shuts the libraries)."""
+
+    devices: list[Device]
+    notes: list[str]
+    vendors: dict[str, Vendor] = field(default_factory=dict)
+
+    def vendor(self, device: Device) -> Vendor | None:
+        return self.vendors.get(device.vendor)
+
+    def processes(self, device: Device) -> list[DeviceProcess]:
+        v = self.vendor(device)
+        return v.processes(device) if v else []
+
+    def utilisation(self, device: Device) -> float | None:
+        v = self.vendor(device)
+        return v.utilisation(device) if v else None
+
+    def refresh(self) -> list[Device]:
+        """Re-read memory and clocks of every device (blocking library calls: run off the loop)."""
+        self.devices = [(v.refresh(d) if (v := self.vendor(d)) else d) for d in self.devices]
+        return self.devices
+
+    def close(self) -> None:
+        for v in self.vendors.values():
+            v.close()
+        self.vendors.clear()
+
+
+def _parse_cpu_spec(spec: str) -> int:
+    try:
+        n = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"bad device spec {spec!r}: expected cpu:N with N a number") from None
+    if n < 1:
+        raise ValueError(f"bad device spec {spec!r}: N must be at least 1")
+    return n
+
+
+def open_node(spec: str = "auto") -> Node:
+    """Open the devices named by `spec` (see the module docstring).
+
+    Raises ValueError for a spec it does not know and Unavailable (with the vendor's reason) when
+    the spec names one vendor that is missing. Vendors that fail under "auto" are closed again and
+    only noted.
+    """
+    spec = spec.strip().lower()
+    if spec in ("none", "cpu"):
+        cpu = CpuVendor()
+        return Node(cpu.open(), ["cpu: devices=none, one cpu device"], {"cpu": cpu})
+    if spec.startswith("cpu:"):
+        cpu = CpuVendor(_parse_cpu_spec(spec))
+        devs = cpu.open()
+        return Node(devs, [f"cpu: {len(devs)} logical cpu devices"], {"cpu": cpu})
+    vendors = _gpu_vendors()
+    if spec == "auto":
+        wanted = list(vendors)
+    elif spec in vendors:
+        wanted = [spec]
+    else:
+        raise ValueError(f"bad device spec {spec!r}: expected auto, none, cpu:N, nvidia or amd")
+    node = Node([], [])
+    for name in wanted:
+        vendor = vendors[name]()
+        try:
+            devs = vendor.open()
+        except Unavailable as e:
+            vendor.close()
+            if spec != "auto":
+                raise Unavailable(f"{name}: {e}") from None
+            node.notes.append(f"{name}: unavailable: {e}")
+            continue
+        node.devices.extend(devs)
+        node.vendors[name] = vendor
+        node.notes.append(f"{name}: {len(devs)} device(s)")
+    if not node.devices:
+        cpu = CpuVendor()
+        node.devices = cpu.open()
+        node.vendors["cpu"] = cpu
+        node.notes.append("cpu: no GPU vendor answered, one cpu device")
+    return node
+
+
+def discover(spec: str = "auto") -> tuple[list[Device], list[str]]:
+    """The node's devices and one note per vendor asked; vendor libraries are shut again.
+
+    Errors as open_node(). The daemon that needs live process and utilisation queries keeps the
+    Node from open_node() instead.
+    """
+    node = open_node(spec)
+    node.close()
+    return node.devices, node.notes
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def place(devices: list[Device], counts: dict[str, int], mem_bytes: int = 0) -> Device:
+    """The device for `--device auto`: fewest commands (counts[key], missing = 0) among those with
+    at least `mem_bytes` free; ties go to the most free memory, then the lowest index.
+
+    Raises NoDevice naming what was asked and what each device has free when none fits.
+    """
+    if not devices:
+        raise NoDevice("no devices on this node")
+    fits = [d for d in devices if mem_bytes <= 0 or d.memory_free_bytes >= mem_bytes]
+    if not fits:
+        have = ", ".join(f"{d.key} has {_gib(d.memory_free_bytes)} free" for d in devices)
+        raise NoDevice(f"no device has the memory asked for (mem={mem_bytes} bytes, "
+                       f"{_gib(mem_bytes)}): {have}")
+    return min(fits, key=lambda d: (counts.get(d.key, 0), -d.memory_free_bytes, d.index))
+
+
+def describe(device: Device, node: Node | None = None) -> dict[str, object]:
+    """A JSON-able view of one device for `krex status`, with live processes and utilisation when
+    a Node is given (blocking library calls)."""
+    out: dict[str, object] = {
+        "key": device.key, "vendor": device.vendor, "index": device.index, "name": device.name,
+        "uuid": device.uuid, "memory_total_bytes": device.memory_total_bytes,
+        "memory_free_bytes": device.memory_free_bytes, "numa_node": device.numa_node,
+        "cpus": sorted(device.cpus), "clocks_mhz": dict(device.clocks_mhz), "env": dict(device.env),
+    }
+    if node is not None:
+        out["utilisation_pct"] = node.utilisation(device)
+        out["processes"] = [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes}
+                            for p in node.processes(device)]
+    return out

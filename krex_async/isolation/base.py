@@ -67,6 +67,9 @@ class Backend(abc.ABC):
 
     #: "signal" or "cgroup"
     name: str = "?"
+    #: the launch wrapper needs the daemon's privileges (it writes cgroup files): spawn as the
+    #: daemon and let launch_argv(as_user=...) drop to the submitting user before exec
+    wrapper_drops_privileges: bool = False
 
     def __init__(self) -> None:
         self.reason = ""  # why this backend was chosen, for `krex status` and the start-up line
@@ -75,12 +78,21 @@ class Backend(abc.ABC):
     async def create(self, command_id: str) -> Group:
         """Make the group for a command that is about to start."""
 
-    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool) -> list[str]:
+    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
+                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
         """The argv to exec so that the command starts inside its group (and stopped when `frozen`).
 
         The default runs argv unchanged; backends that must act before the first instruction wrap it.
         """
         return argv
+
+    def cgroup_dir(self, group: Group) -> str | None:
+        """The cgroup v2 directory the group's processes start in, where there is one."""
+        return None
+
+    def join(self, group: Group, pid: int) -> None:
+        """Move a process that was started elsewhere (a pool worker) into the group, before it runs
+        the command's first instruction. Backends without a kernel group do nothing."""
 
     @abc.abstractmethod
     async def started(self, group: Group, pid: int) -> None:
@@ -120,8 +132,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
-                        pids: list[int] | None = None) -> None:
-        """Fence the group (or only `pids` of it) onto `cpus`; None restores the original cpus."""
+                        pids: list[int] | None = None, exclusive: bool = False) -> None:
+        """Fence the group (or only `pids` of it) onto `cpus`; None restores the original cpus.
+        `exclusive`: these are a region owner's cores (a cpuset partition where the kernel allows)."""
 
     @abc.abstractmethod
     async def kill(self, group: Group, sig: int = _signal.SIGKILL) -> None:

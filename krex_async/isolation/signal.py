@@ -114,7 +114,8 @@ class SignalBackend(Backend):
     async def create(self, command_id: str) -> Group:
         return Group(command_id)
 
-    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool) -> list[str]:
+    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
+                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
         if not frozen:
             return argv
         # The shell stops itself before exec: the command's first instruction runs only after thaw.
@@ -205,7 +206,7 @@ class SignalBackend(Backend):
         return time.perf_counter() - t0
 
     async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
-                        pids: list[int] | None = None) -> None:
+                        pids: list[int] | None = None, exclusive: bool = False) -> None:
         target = set(cpus) if cpus is not None else set(self.all_cpus)
         if pids is None:
             group.cores = cpus

@@ -1,1 +1,136 @@
-"""eBPF and tracefs probes on GPU driver activity (see base.py)."""
+"""eBPF and tracefs probes on GPU driver activity (interface in base.py).
+
+    backend, reason = open_probes("auto")      # at daemon start; log `reason` (one line)
+    if backend: backend.start(loop, on_events)  # on_events(list[ProbeEvent]) runs on the loop
+    ...; backend.counts(); backend.lost(); backend.stop()
+
+Modes: `off`; `ioctl` (bcc syscall tracepoints); `launches` (ioctl plus launch uprobes on libcuda /
+libhsa-runtime64); `tracefs` (no compiler needed); `auto` (bcc ioctl when a BPF program compiles and
+loads here, else tracefs, else None; with launch_libs given, launch uprobes too).
+Events carry tgid and ts_ns on CLOCK_MONOTONIC (compare with time.monotonic_ns()).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
+
+MODES = ("auto", "ioctl", "launches", "tracefs", "off")
+
+
+def wall_time(ts_ns: int) -> float:
+    """A ProbeEvent's CLOCK_MONOTONIC ts_ns as unix seconds (for trace records and timelines)."""
+    import time
+    return time.time() - (time.monotonic_ns() - ts_ns) / 1e9
+
+
+class CombinedProbe(ProbeBackend):
+    """Runs several backends as one: start() starts each (a later one failing with ProbeUnavailable
+    leaves the earlier ones running and is recorded in `failed`); stop() stops all; counts and lost
+    are summed over the running parts."""
+
+    def __init__(self, *parts: ProbeBackend) -> None:
+        self.parts = list(parts)
+        self.failed: dict[str, str] = {}
+        self.name = "+".join(p.name for p in parts)
+
+    def start(self, loop: asyncio.AbstractEventLoop,
+              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+        running = []
+        for i, p in enumerate(self.parts):
+            try:
+                p.start(loop, on_events)
+                running.append(p)
+            except ProbeUnavailable as e:
+                if i == 0:
+                    raise
+                self.failed[p.name] = str(e)
+        self.parts = running
+        self.name = "+".join(p.name for p in running)
+
+    def stop(self) -> None:
+        for p in self.parts:
+            p.stop()
+
+    def lost(self) -> int:
+        return sum(p.lost() for p in self.parts)
+
+    def counts(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for p in self.parts:
+            for tgid, n in p.counts().items():
+                out[tgid] = out.get(tgid, 0) + n
+        return out
+
+
+def bcc_works() -> tuple[bool, str]:
+    """Whether a BPF tracepoint program compiles and loads here (about 0.3 s), and why not."""
+    from . import _bcc
+    try:
+        bpf = _bcc.compile_bpf("TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) { return 0; }",
+                               "bcc check")
+    except ProbeUnavailable as e:
+        return False, str(e)
+    bpf.cleanup()
+    return True, "bcc compiles and loads tracepoint programs"
+
+
+def tracefs_works() -> tuple[bool, str]:
+    """Whether the tracefs backend can run here, and why not."""
+    import os
+
+    from .tracefs import EVENT, tracefs_root
+    try:
+        root = tracefs_root()
+    except ProbeUnavailable as e:
+        return False, str(e)
+    if not os.path.isdir(f"{root}/{EVENT}"):
+        return False, f"no {EVENT} under {root}"
+    if not os.access(f"{root}/instances", os.W_OK):
+        return False, f"{root}/instances not writable (root needed)"
+    return True, f"tracefs at {root}"
+
+
+def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
+                launch_libs: list[str] | None = None) -> tuple[ProbeBackend | None, str]:
+    """Choose a probe backend for `mode` and say which and why, in one line.
+
+    Returns (None, reason) when probes are off or nothing can run; never raises for an unavailable
+    mechanism (ValueError for an unknown mode or bad prefixes). The backend is not started.
+    """
+    from .bpf_ioctl import DEFAULT_PREFIXES, IoctlProbe, check_prefixes
+    from .launches import LaunchProbe, find_libraries
+    from .tracefs import TracefsProbe
+
+    if mode not in MODES:
+        raise ValueError(f"probe mode {mode!r}: one of {', '.join(MODES)}")
+    if mode == "off":
+        return None, "probes: off (requested)"
+    pre = list(check_prefixes(prefixes if prefixes is not None else DEFAULT_PREFIXES))
+    where = ",".join(pre)
+    if mode == "tracefs":
+        ok, why = tracefs_works()
+        return (TracefsProbe(pre), f"probes: tracefs on {where} ({why})") if ok else \
+            (None, f"probes: none (tracefs requested, unavailable: {why})")
+    ok, why = bcc_works()
+    if ok:
+        ioctl = IoctlProbe(pre)
+        if mode == "launches" or (mode == "auto" and launch_libs):
+            libs = find_libraries(launch_libs)
+            found = ("on " + ", ".join(libs)) if libs else \
+                "none found yet: /proc/*/maps rescanned every 5 s"
+            return (CombinedProbe(ioctl, LaunchProbe(launch_libs)),
+                    f"probes: bcc ioctl on {where} + launch uprobes ({found}) ({why})")
+        return ioctl, f"probes: bcc ioctl on {where} ({why})"
+    if mode != "auto":
+        return None, f"probes: none ({mode} requested, bcc unavailable: {why})"
+    ok2, why2 = tracefs_works()
+    if ok2:
+        return TracefsProbe(pre), f"probes: tracefs on {where} (bcc unavailable: {why}; {why2})"
+    return None, f"probes: none (bcc unavailable: {why}; tracefs unavailable: {why2})"
+
+
+__all__ = ["CombinedProbe", "MODES", "ProbeBackend", "ProbeEvent", "ProbeUnavailable",
+           "open_probes", "wall_time"]

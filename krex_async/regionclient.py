@@ -16,6 +16,7 @@ unprotected after a single warning on stderr, so the same script still runs alon
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
 import socket
@@ -84,13 +85,26 @@ class _Channel:
 _lock = threading.Lock()
 _channel: _Channel | None = None
 _warned = False
+_held: "tuple[int, region] | None" = None  # (pid, the outermost region) while this process holds one
 
 
 def _get_channel() -> _Channel:
     global _channel
     if _channel is None or _channel.pid != os.getpid():
+        if _channel is None:
+            atexit.register(reset)
         _channel = _Channel(os.environ["KREX_SOCKET"])
     return _channel
+
+
+def reset() -> None:
+    """Forget this process's connection and warning (a pool worker does this between commands)."""
+    global _channel, _warned, _held
+    _held = None
+    if _channel is not None:
+        _channel.close()
+    _channel = None
+    _warned = False
 
 
 def inside_krex() -> bool:
@@ -98,7 +112,11 @@ def inside_krex() -> bool:
 
 
 class region:  # noqa: N801 - used like a function, as `with region("timing"):`
-    """Exclusive use of the command's device for the block. Not reentrant: regions do not nest.
+    """Exclusive use of the command's device for the block.
+
+    A region entered while this process already holds one (an explicit region around an
+    auto-wrapped do_bench, say) joins the outer one: it returns at once with the outer report and
+    releases nothing at its end.
 
     `report` (a protocol.RegionReport) holds what the grant cost on entry and the whole region's
     record after exit; it is None outside krex. Raises RegionError when the daemon refuses.
@@ -112,6 +130,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         self.report: P.RegionReport | None = None
         self.expired = False
         self._enter_id = 0
+        self._joined = False
 
     def __getattr__(self, key: str) -> Any:  # r.wait_s, r.enter_s ... straight from the report
         report = self.__dict__.get("report")
@@ -120,7 +139,11 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         raise AttributeError(key)
 
     def __enter__(self) -> "region":
-        global _warned
+        global _warned, _held
+        if _held is not None and _held[0] == os.getpid():
+            self._joined = True
+            self.report = _held[1].report
+            return self
         if not inside_krex():
             if not _warned:
                 _warned = True
@@ -138,18 +161,45 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             raise RegionError(reply.code, reply.message)
         assert isinstance(reply, P.RegionGranted)
         self.report = reply.report
+        _held = (os.getpid(), self)
+        try:
+            self._prepare(reply)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
+
+    def _prepare(self, grant: P.RegionGranted) -> None:
+        """Before the timed loop: verify the device drained when a sibling did not acknowledge, and
+        warm the device's clocks when asked (both only touch this process's own device context)."""
+        rep = grant.report
+        if rep.drain != "pending" and not self.warm_ms:
+            return
+        from .runtime import devicework
+
+        if rep.drain == "pending":
+            rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout)
+        if self.warm_ms:
+            _, rep.warm_s = devicework.warm(self.warm_ms)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
+        global _held
+        if self._joined:
+            self._joined = False
+            return
         if self.report is None:
             return
+        _held = None
         with _lock:
             ch = _get_channel()
             reply: P.Reply | None = None
             if self._enter_id not in ch.revoked:
-                reply = ch.call(P.RegionExit(id=next(ch.ids), region=self.report.region,
-                                             token=os.environ["KREX_TOKEN"]))
+                rep = self.report
+                drain = rep.drain if rep.drain in ("idle-verified", "timeout") else ""
+                reply = ch.call(P.RegionExit(id=next(ch.ids), region=rep.region,
+                                             token=os.environ["KREX_TOKEN"], drain=drain,  # type: ignore[arg-type]
+                                             drain_s=rep.drain_s, warm_s=rep.warm_s))
             if self._enter_id in ch.revoked:  # it outlived --region-timeout and was taken back
                 self.report = ch.revoked.pop(self._enter_id)
                 self.expired = True

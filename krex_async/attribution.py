@@ -1,0 +1,123 @@
+"""Probe events to commands, devices and regions: who touched the GPU driver, and was it a stray.
+
+Every event names a tgid (and, from bcc, its cgroup id). It belongs to a command when its cgroup is the
+command's or the tgid descends from the command's leader (probes.attribution); otherwise it is from
+outside krex. While a
+region is held on a device, an event from any process that is not the owner command's, on that device
+or from outside krex (which could be on any device), is a *stray*: it is counted in the region's report
+with its pid and first events, and sent to `krex trace` at once.
+
+The event stream can lose events under load; the backend's kernel-side counts per tgid do not. At
+release the region compares those counts to what it saw, and a region during which the backend lost
+events is marked `tainted`, never reported clean.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import logs
+from .probes.attribution import Attributor as Mapper
+from .probes.base import ProbeBackend, ProbeEvent
+
+if TYPE_CHECKING:
+    from .commands import Command
+    from .daemon import Daemon
+    from .regions import Region
+
+log = logs.get("krex.probes")
+
+FIRST_STRAYS = 10
+
+
+@dataclass
+class Watch:
+    """What a held region has seen so far."""
+
+    since_ns: int
+    lost_at_start: int
+    counts_at_start: dict[int, int]
+    pids: dict[int, int] = field(default_factory=dict)  # stray tgid -> events
+    first: list[str] = field(default_factory=list)
+
+
+class Attributor:
+    def __init__(self, daemon: "Daemon", backend: ProbeBackend) -> None:
+        self.d = daemon
+        self.backend = backend
+        self.watches: dict[str, Watch] = {}  # region id -> watch
+        self.mapper = Mapper()
+        self.events = 0
+
+    def command_started(self, cmd: "Command") -> None:
+        if cmd.pid is not None and cmd.group is not None:
+            self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.d.backend.cgroup_dir(cmd.group))
+
+    def command_ended(self, cmd: "Command") -> None:
+        self.mapper.remove(cmd.id)
+
+    def command_of(self, ev: ProbeEvent | int) -> "Command | None":
+        if isinstance(ev, int):
+            ev = ProbeEvent(ts_ns=0, tgid=ev, tid=ev, kind="count")
+        cid = self.mapper.command_of(ev)
+        return self.d.commands.get(cid) if cid else None
+
+    # ------------------------------------------------------------------------------ regions
+
+    def region_granted(self, r: "Region") -> None:
+        self.watches[r.id] = Watch(since_ns=time.monotonic_ns(), lost_at_start=self.backend.lost(),
+                                   counts_at_start=dict(self.backend.counts()))
+
+    def region_released(self, r: "Region") -> None:
+        w = self.watches.pop(r.id, None)
+        if w is None:
+            return
+        rep = r.report
+        # Lossless kernel-side counts catch strays whose events the stream dropped.
+        for tgid, n in self.backend.counts().items():
+            extra = n - w.counts_at_start.get(tgid, 0)
+            if extra > w.pids.get(tgid, 0) and self._is_stray(r, tgid):
+                w.pids[tgid] = extra
+        rep.strays = sum(w.pids.values())
+        rep.stray_pids = sorted(w.pids)
+        rep.first_strays = list(w.first)
+        if self.backend.lost() > w.lost_at_start:
+            rep.tainted = True
+
+    def _is_stray(self, r: "Region", ev: ProbeEvent | int) -> bool:
+        if (ev if isinstance(ev, int) else ev.tgid) == os.getpid():
+            return False
+        cmd = self.command_of(ev)
+        if cmd is None:
+            return True  # outside krex: it may be on any device
+        if cmd is r.command:
+            return False
+        return cmd.device_key == r.device
+
+    # ------------------------------------------------------------------------------- events
+
+    def on_events(self, batch: list[ProbeEvent]) -> None:
+        """Called on the loop with each batch the backend's polling thread delivered."""
+        self.events += len(batch)
+        held = [self.d.regions.active[rid] for rid in self.watches if rid in self.d.regions.active]
+        for ev in batch:
+            stray_for = None
+            for r in held:
+                w = self.watches[r.id]
+                if ev.ts_ns >= w.since_ns and self._is_stray(r, ev):
+                    stray_for = r
+                    w.pids[ev.tgid] = w.pids.get(ev.tgid, 0) + 1
+                    if len(w.first) < FIRST_STRAYS:
+                        w.first.append(f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
+                                       f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}")
+                    if ev.kind == "open":
+                        self.d.regions.freeze_late(r, ev)
+            if self.d.tracers:
+                cmd = self.command_of(ev)
+                self.d.trace("stray" if stray_for else "probe", stray_for,
+                             command=cmd.id if cmd else "", pid=ev.tgid, tid=ev.tid,
+                             probe=ev.kind, fd=ev.fd, request=ev.request, name=ev.name,
+                             comm=ev.comm)

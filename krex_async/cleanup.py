@@ -1,0 +1,304 @@
+"""`krex cleanup`: thaw and restore every krex cgroup, whatever state a dead daemon left them in.
+
+Runs as the unit's ExecStopPost (after a clean stop, a crash or SIGKILL alike) and by hand. It needs
+nothing but the cgroup filesystems: not the daemon, not its state file, not the cgroup backend module
+(`python -m krex_async.cleanup` works on its own). Thawing is always safe, so it runs even when no
+record of what was frozen survives.
+
+Which trees: the `krex` directory under each root. Roots are the `--root` directories given, else the
+configured cgroup_root, this process's own cgroup v2 (with systemd's `.control` leaf stripped, so an
+ExecStopPost finds the service's delegated subtree), the cgroup v2 mount, and the v1 freezer and cpuset
+hierarchies (their mounts and this process's place in them). Only directories named `krex` and what lies
+below them are touched; a root without one is skipped.
+
+What, per tree:
+1. thaw, top-down: v2 `cgroup.freeze` 0; v1 `freezer.state` THAWED.
+2. cpusets, v2: bottom-up `cpuset.cpus.partition` member and `cpuset.cpus.exclusive` empty, then
+   top-down `cpuset.cpus` empty (inherit the parent's). v1: bottom-up `cpuset.cpu_exclusive` 0, then
+   top-down the parent's `cpuset.cpus` and `cpuset.mems` written into each child.
+3. remove, bottom-up: every directory below `krex` with no processes and no children (not `krex`).
+It refuses to run while a daemon answers on its socket (unless --force): a sweep under a live daemon
+would thaw its regions. A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
+exit status is 1. Nothing is raised to the caller of `cleanup()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+SUBTREE = "krex"
+
+
+# ----------------------------------------------------------------------------- cgroup layout
+
+@dataclass
+class Mount:
+    path: str
+    fstype: str  # cgroup2 or cgroup
+    controllers: frozenset[str]  # v1 only
+
+
+def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+    """cgroup and cgroup2 mounts of this mount namespace, in mountinfo order."""
+    out: list[Mount] = []
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        parts, rparts = left.split(), right.split()
+        if len(parts) < 5 or len(rparts) < 3 or rparts[0] not in ("cgroup", "cgroup2"):
+            continue
+        point = parts[4].replace("\\040", " ")
+        ctrls = frozenset(rparts[2].split(",")) if rparts[0] == "cgroup" else frozenset()
+        out.append(Mount(point, rparts[0], ctrls))
+    return out
+
+
+def v2_mount(ms: list[Mount] | None = None) -> str | None:
+    ms = mounts() if ms is None else ms
+    return next((m.path for m in ms if m.fstype == "cgroup2"), None)
+
+
+def v1_mount(controller: str, ms: list[Mount] | None = None) -> str | None:
+    ms = mounts() if ms is None else ms
+    return next((m.path for m in ms if m.fstype == "cgroup" and controller in m.controllers), None)
+
+
+def layout(ms: list[Mount] | None = None) -> str:
+    """'v2' (unified only), 'hybrid' (v2 beside v1 controllers), 'v1', or 'none'."""
+    ms = mounts() if ms is None else ms
+    has2 = any(m.fstype == "cgroup2" for m in ms)
+    has1 = any(m.fstype == "cgroup" and m.controllers - {"name=systemd"} for m in ms)
+    return "hybrid" if has2 and has1 else "v2" if has2 else "v1" if has1 else "none"
+
+
+def own_cgroup(controller: str = "", pid: str = "self") -> str | None:
+    """This process's cgroup path ('/system.slice/krex.service') in v2 (controller '') or in the v1
+    hierarchy of `controller`; systemd's `.control` leaf (ExecStopPost under Delegate=yes) stripped."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, ctrls, path = line.split(":", 2)
+        if (not controller and hid == "0" and ctrls == "") or \
+                (controller and controller in ctrls.split(",")):
+            while os.path.basename(path) in (".control", "daemon"):
+                path = os.path.dirname(path)
+            return path
+    return None
+
+
+# ---------------------------------------------------------------------------------- file I/O
+
+@dataclass
+class Result:
+    trees: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _write(res: Result, path: str, data: str, why: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(data)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENODEV):  # the cgroup vanished: a state, not a failure
+            return
+        res.errors.append(f"{path}: writing {data!r} ({why}) failed: {e.strerror}")
+    else:
+        res.actions.append(f"{why}: {path} <- {data!r}")
+
+
+def _walk(tree: str) -> Iterator[str]:
+    """The tree's cgroup directories, parents before children."""
+    for dirpath, dirnames, _ in os.walk(tree):
+        dirnames.sort()
+        yield dirpath
+
+
+# ------------------------------------------------------------------------------------ sweep
+
+def sweep(tree: str, res: Result, remove_empty: bool = True) -> None:
+    """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc)."""
+    dirs = list(_walk(tree))
+    for d in dirs:  # 1. thaw, top-down
+        if _read(os.path.join(d, "cgroup.freeze")) not in (None, "0"):
+            _write(res, os.path.join(d, "cgroup.freeze"), "0", "thaw")
+        state = _read(os.path.join(d, "freezer.state"))
+        if state is not None and state != "THAWED":
+            _write(res, os.path.join(d, "freezer.state"), "THAWED", "thaw")
+    for d in reversed(dirs):  # 2a. exclusivity off, bottom-up
+        p = _read(os.path.join(d, "cpuset.cpus.partition"))
+        if p is not None and not p.startswith("member"):
+            _write(res, os.path.join(d, "cpuset.cpus.partition"), "member", "partition off")
+        if _read(os.path.join(d, "cpuset.cpus.exclusive")):
+            _write(res, os.path.join(d, "cpuset.cpus.exclusive"), "", "exclusive cpus off")
+        if _read(os.path.join(d, "cpuset.cpu_exclusive")) == "1":
+            _write(res, os.path.join(d, "cpuset.cpu_exclusive"), "0", "exclusive cpus off")
+    for d in dirs:  # 2b. cpus back to the parent's, top-down
+        v2 = os.path.exists(os.path.join(d, "cgroup.controllers"))
+        cpus = _read(os.path.join(d, "cpuset.cpus"))
+        if cpus is None:
+            continue
+        if v2:
+            if cpus:
+                _write(res, os.path.join(d, "cpuset.cpus"), "", "restore cpus (inherit)")
+            continue
+        parent = os.path.dirname(d)
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            want = _read(os.path.join(parent, name))
+            if want is not None and want != _read(os.path.join(d, name)):
+                _write(res, os.path.join(d, name), want, f"restore {name[7:]} from parent")
+    if not remove_empty:
+        return
+    for d in reversed(dirs[1:]):  # 3. remove empty children, bottom-up
+        if _read(os.path.join(d, "cgroup.procs")) == "" and not any(
+                e.is_dir() for e in os.scandir(d)):
+            try:
+                os.rmdir(d)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    res.errors.append(f"{d}: rmdir failed: {e.strerror}")
+            else:
+                res.actions.append(f"removed empty {d}")
+
+
+def default_roots(cgroup_root: str = "") -> list[str]:
+    """Where krex trees may be: the configured root, own cgroups, the mounts (see module doc)."""
+    ms = mounts()
+    roots = [cgroup_root] if cgroup_root else []
+    m2 = v2_mount(ms)
+    if m2:
+        own = own_cgroup("")
+        if own:
+            roots.append(os.path.join(m2, own.lstrip("/")))
+        roots.append(m2)
+    for ctrl in ("freezer", "cpuset"):
+        m1 = v1_mount(ctrl, ms)
+        if m1:
+            own = own_cgroup(ctrl)
+            if own:
+                roots.append(os.path.join(m1, own.lstrip("/")))
+            roots.append(m1)
+    return roots
+
+
+def cleanup(roots: list[str], remove_empty: bool = True) -> Result:
+    """Sweep `<root>/krex` (or `root` itself when it is named krex) for each root that exists."""
+    res = Result()
+    seen = set()
+    for root in roots:
+        tree = root if os.path.basename(root.rstrip("/")) == SUBTREE else os.path.join(root, SUBTREE)
+        real = os.path.realpath(tree)
+        if real in seen or not os.path.isdir(real):
+            continue
+        seen.add(real)
+        res.trees.append(real)
+        sweep(real, res, remove_empty)
+    return res
+
+
+def _default_socket() -> str:
+    try:
+        from .config import default_socket
+    except ImportError:
+        return "/run/krex/krex.sock"
+    return default_socket()
+
+
+def _serving(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket `path` (a stale file: False)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return True
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = subparsers.add_parser("cleanup", help="thaw and restore every krex cgroup (ExecStopPost)")
+    _arguments(p)
+    return p
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", action="append", default=[],
+                   help="sweep ROOT/krex only (repeatable); default: every place krex may use")
+    p.add_argument("--cgroup-root", default="", help="the daemon's configured cgroup root")
+    p.add_argument("--config", help="read cgroup_root from this krex.toml (default: "
+                                    "/etc/krex/krex.toml when it exists)")
+    p.add_argument("--keep-empty", action="store_true", help="do not remove empty command cgroups")
+    p.add_argument("--socket", help="the daemon's socket (default: from the config, else the "
+                                    "default path): cleanup refuses while a daemon answers there")
+    p.add_argument("--force", action="store_true", help="sweep even while a daemon is serving")
+    p.add_argument("--json", action="store_true")
+
+
+def cleanup_main(args: argparse.Namespace) -> int:
+    """Run the sweep for parsed `krex cleanup` arguments; print what was done. 0 ok, 1 if any
+    write failed (each failure printed with its path)."""
+    conf: dict[str, object] = {}
+    try:
+        from .configfile import ConfigError, read_file
+
+        conf = read_file(args.config)[1]
+    except ConfigError as e:  # a broken config must not stop the thaw: sweep the defaults
+        print(f"krex cleanup: warning: {e}", file=sys.stderr)
+    except ImportError:  # msgspec missing: the sweep itself needs nothing but the stdlib
+        pass
+    sock = args.socket or str(conf.get("socket") or "") or _default_socket()
+    if not args.force and _serving(sock):
+        print(f"krex cleanup: a daemon is serving on {sock}: a sweep would thaw its regions and "
+              "remove cgroups it is about to use; stop it first, or pass --force", file=sys.stderr)
+        return 1
+    roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
+    res = cleanup(roots, remove_empty=not args.keep_empty)
+    if args.json:
+        print(json.dumps({"ok": res.ok, "trees": res.trees, "actions": res.actions,
+                          "errors": res.errors}, indent=2))
+    else:
+        for a in res.actions:
+            print(f"krex cleanup: {a}")
+        for err in res.errors:
+            print(f"krex cleanup: error: {err}", file=sys.stderr)
+        print(f"krex cleanup: {len(res.trees)} tree(s) swept, {len(res.actions)} change(s), "
+              f"{len(res.errors)} error(s)")
+    return 0 if res.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="krex cleanup", description=__doc__.splitlines()[0])
+    _arguments(p)
+    return cleanup_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

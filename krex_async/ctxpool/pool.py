@@ -1,0 +1,415 @@
+"""A pool of warm worker processes per device that run Python commands as if they were fresh processes.
+
+Data flow (one Pool per device, all on the daemon's event loop):
+
+    daemon ── pool.launch(spec) ──► idle deque ──► worker (warm) ──"run" + fds 0/1/2 (SCM_RIGHTS)──┐
+      ▲                                                                                          ▼
+      │ Launched.wait()  ◄── pidfd of the worker (spawn.watch_pid) ◄── exit status ◄── command runs
+      │                  ◄── "exited" (max_uses > 1)  ◄────────────────────────────── in the worker
+      │
+    _refill ── Popen(python -m krex_async.ctxpool.worker) ──► "imported" ──► node lock (one context
+               at a time per node, none while the device is paused) ──"init"──► "ready" ──► idle deque
+
+Workers are started with a fresh interpreter (exec, never a fork of a process that holds a context) in
+their own session, with stdin/stdout on /dev/null, the daemon's stderr, and one end of a SOCK_SEQPACKET
+socketpair (channel.py). The pool learns of a worker's death from its pidfd, not from the channel: a
+worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced, one
+that dies running a command resolves that command's Launched with the real exit status (os._exit(n):
+n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so warming runs
+ahead of demand; `launch()` never waits for warming and returns None when no worker is warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from krex_async.ctxpool import channel, forms
+from krex_async.ctxpool.base import PoolConfig
+from krex_async.devices.base import Device
+from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
+
+CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = \
+    weakref.WeakKeyDictionary()
+CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
+MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
+
+
+class BrokenWorker(Exception):
+    """A worker could not do what it was started for; the message carries the worker's own words."""
+
+
+class WorkerStartError(BrokenWorker):
+    """Warming failed: an import or the device context raised (traceback attached) or it died."""
+
+
+def node_lock() -> asyncio.Lock:
+    """The lock every pool of this daemon holds while a worker creates its device context."""
+    loop = asyncio.get_running_loop()
+    lock = _NODE_LOCKS.get(loop)
+    if lock is None:
+        lock = _NODE_LOCKS[loop] = asyncio.Lock()
+    return lock
+
+
+@dataclass(eq=False)
+class _Worker:
+    pid: int
+    sock: Any
+    exited: asyncio.Future[ExitStatus]
+    state: str = "starting"  # starting, warm, busy, retired
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    launched: Launched | None = None
+    done: asyncio.Future[ExitStatus] | None = None  # the running command's (max_uses > 1)
+    submit_ts: float = 0.0
+    form: str = ""
+    rusage0: tuple[float, float] = (0.0, 0.0)
+    error: str = ""
+    uses: int = 0
+    warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
+
+
+class Pool:
+    """Warm workers for one device. Every method runs on the daemon's event loop."""
+
+    def __init__(self, device: Device, config: PoolConfig, *, cgroup_hook: CgroupHook | None = None,
+                 env: dict[str, str] | None = None,
+                 user: tuple[int, int, list[int]] | None = None) -> None:
+        """`env`: the environment workers start with (default: the daemon's), plus device.env; a
+        command is taken only when the variables that shape interpreter start-up (forms.INIT_VARS)
+        agree with it. `user`: (uid, gid, groups) the workers run as (default: the daemon's)."""
+        self.device, self.config, self.cgroup_hook = device, config, cgroup_hook
+        self.user = user
+        self._ident = _identity(*(user or (None, None, None)))
+        self.python = config.python or sys.executable
+        self.env = {**(os.environ if env is None else env), **device.env}
+        self._init_key = forms.init_key(self.env)
+        self._workers: set[_Worker] = set()
+        self._idle: collections.deque[_Worker] = collections.deque()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._changed = asyncio.Event()
+        self._started = self._closed = False
+        self.retired = self.failures = self.launched = self.misses = 0
+        self._consecutive_failures = 0
+        self.last_error: str | None = None
+        self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=1000))
+
+    # ------------------------------------------------------------------------------------ daemon API
+
+    async def start(self) -> None:
+        """Begin warming toward config.size workers; returns at once (warming goes on behind)."""
+        self._started = True
+        self._refill()
+
+    def accepts(self, spec: LaunchSpec) -> bool:
+        """Whether `spec` is a python command line of this pool's interpreter that a worker can run."""
+        if self.config.size <= 0 or self._closed:
+            return False
+        form = forms.parse(spec.argv)
+        exe = forms.which(spec.argv[0], spec.env, spec.cwd) if form else None
+        if exe is None or not forms.same_interpreter(exe, self.python):
+            return False
+        if form.kind == "script" and form.target.endswith((".pyc", ".pyo")):  # type: ignore[union-attr]
+            return False
+        if _identity(spec.uid, spec.gid, spec.groups) != self._ident:
+            return False
+        if spec.frozen and not (spec.cgroup_procs or self.cgroup_hook):
+            return False  # only a cgroup can hold a worker frozen at its first instruction
+        return forms.init_key(spec.env) == self._init_key
+
+    async def launch(self, spec: LaunchSpec) -> Launched | None:
+        """Hand `spec` to a warm worker; None when none is warm or the pool does not take it.
+
+        Never waits for warming. The fds in `spec` are duplicated into the worker by the send: the
+        caller closes its own copies as it does after spawn(). Errors of the cgroup hook (sync or
+        async) propagate, with the worker put back.
+        """
+        while (w := self._take(spec)) is not None:
+            if self.cgroup_hook is not None:
+                try:
+                    r = self.cgroup_hook(w.pid, spec)
+                    if inspect.isawaitable(r):
+                        await r
+                except BaseException:
+                    self._idle.appendleft(w)
+                    raise
+            if (launched := self._hand(w, spec)) is not None:
+                return launched
+        return None
+
+    def launch_nowait(self, spec: LaunchSpec) -> Launched | None:
+        """launch() for a synchronous caller (the daemon's Runner.launcher); the hook must be sync."""
+        while (w := self._take(spec)) is not None:
+            if self.cgroup_hook is not None:
+                try:
+                    r = self.cgroup_hook(w.pid, spec)
+                    if inspect.isawaitable(r):
+                        raise TypeError("launch_nowait() needs a synchronous cgroup_hook")
+                except BaseException:
+                    self._idle.appendleft(w)
+                    raise
+            if (launched := self._hand(w, spec)) is not None:
+                return launched
+        return None
+
+    def _take(self, spec: LaunchSpec) -> _Worker | None:
+        if not self.accepts(spec) or not os.path.isdir(spec.cwd):
+            return None
+        while self._idle:
+            w = self._idle.popleft()
+            if w.state == "warm" and not w.exited.done():
+                return w
+        self.misses += 1
+        return None
+
+    def _hand(self, w: _Worker, spec: LaunchSpec) -> Launched | None:
+        """Send the command to `w`; None (and `w` retired) when its channel is gone."""
+        w.state, w.submit_ts = "busy", time.monotonic()
+        w.uses += 1
+        w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
+        w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
+        msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
+                                    "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
+                                    "cgroup_hook": self.cgroup_hook is not None}}
+        try:
+            channel.send(w.sock, msg, [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
+        except OSError as e:
+            self._retire(w, f"channel: {e}")
+            return None
+        w.launched = Launched(pid=w.pid, _done=w.done, via="pool")
+        self.launched += 1
+        asyncio.get_running_loop().call_soon(self._refill)  # fork/exec after the caller's burst
+        return w.launched
+
+    def pause(self) -> None:
+        """No new device context is created until resume(); one being created finishes."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    def status(self) -> dict[str, Any]:
+        counts = collections.Counter(w.state for w in self._workers)
+        lat = {k: _summary(v) for k, v in self.latencies.items()}
+        everything = [x for v in self.latencies.values() for x in v]
+        return {"device": self.device.key, "size": self.config.size, "max_uses": self.config.max_uses,
+                "warm": counts["warm"], "busy": counts["busy"], "starting": counts["starting"],
+                "retired": self.retired, "failures": self.failures, "launched": self.launched,
+                "misses": self.misses, "paused": not self._resumed.is_set(),
+                "last_error": self.last_error, "start_latency_s": _summary(everything), "by_form": lat}
+
+    async def wait_warm(self, n: int | None = None, timeout: float = 60.0) -> int:
+        """Wait until `n` (default config.size) workers are warm; returns the count. For benches/tests."""
+        n = self.config.size if n is None else n
+        async with asyncio.timeout(timeout):
+            while sum(w.state == "warm" for w in self._workers) < n:
+                if self.last_error and self._consecutive_failures >= MAX_FAILURES:
+                    raise WorkerStartError(self.last_error)
+                self._changed.clear()
+                await self._changed.wait()
+        return n
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Stop warming; idle and starting workers get EOF, then SIGKILL after `timeout`.
+
+        Busy workers keep running their commands (their Launched still resolves); a reused one exits
+        after its command, on EOF.
+        """
+        self._closed = True
+        idle = [w for w in self._workers if w.state != "busy"]
+        for w in self._workers:
+            w.sock.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if idle:
+            await asyncio.wait([w.exited for w in idle], timeout=timeout)
+        for w in idle:
+            if not w.exited.done():
+                _kill(w.pid)
+        if idle:
+            await asyncio.wait([w.exited for w in idle], timeout=timeout)
+
+    # ------------------------------------------------------------------------------------ warming
+
+    def _refill(self) -> None:
+        if not self._started or self._closed or self._consecutive_failures >= MAX_FAILURES:
+            return
+        for _ in range(self.config.size - self._have()):
+            try:
+                self._spawn()
+            except OSError as e:
+                self._failed(f"spawn: {e}")
+                return
+
+    def _have(self) -> int:
+        """Workers warm, warming, or busy and coming back (a reused one with uses left)."""
+        return sum(w.state in ("starting", "warm")
+                   or (w.state == "busy" and w.uses < self.config.max_uses) for w in self._workers)
+
+    def _spawn(self) -> None:
+        loop = asyncio.get_running_loop()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ordinal = 0 if "CUDA_VISIBLE_DEVICES" in self.device.env else self.device.index
+            argv = [self.python, "-m", "krex_async.ctxpool.worker", "--fd", str(theirs.fileno()),
+                    "--preload", ",".join(self.config.preload), "--vendor", self.device.vendor,
+                    "--ordinal", str(ordinal), "--init-context", "1" if self.config.init_context else "0",
+                    "--max-uses", str(max(1, self.config.max_uses)),
+                    "--lc-ctype-coerced", "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1"]
+            proc = subprocess.Popen(argv, cwd=_ROOT, env=self.env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                                    start_new_session=True, restore_signals=True,
+                                    user=self.user[0] if self.user else None,
+                                    group=self.user[1] if self.user else None,
+                                    extra_groups=self.user[2] if self.user else None)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        proc.returncode = 0  # we reap it through its pidfd, not Popen
+        mine.setblocking(False)
+        w = _Worker(pid=proc.pid, sock=mine, exited=watch_pid(loop, proc.pid))
+        self._workers.add(w)
+        w.exited.add_done_callback(lambda _f: self._on_exit(w))
+        self._task(self._read(w))
+
+    def _task(self, coro: Any) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _read(self, w: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        rx = channel.Receiver()
+        try:
+            while True:
+                got = rx.feed(await loop.sock_recv(w.sock, channel.CHUNK + 1), [])
+                if got is not None:
+                    self._on_message(w, got[0])
+        except (EOFError, OSError):
+            pass  # closed, or the worker died: its pidfd tells the rest
+
+    def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
+        t = msg.get("t")
+        if t == "imported":
+            if self.config.init_context and self.device.vendor != "cpu":
+                self._task(self._create_context(w))
+        elif t == "ready":
+            if w.warmed and self._have() > self.config.size:
+                self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
+                w.sock.close()  # EOF: it exits
+                return
+            w.state, w.warmed = "warm", True
+            w.ready.set()
+            self._idle.append(w)
+            self._consecutive_failures = 0
+            self._changed.set()
+        elif t == "failed":
+            w.error = msg.get("error", "")
+        elif t == "started" and w.launched is not None:
+            lat = max(0.0, msg["ts"] - w.submit_ts)
+            w.launched.start_latency_s = lat
+            w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
+            self.latencies[w.form].append(lat)
+        elif t == "exited" and w.done is not None and not w.done.done():
+            w.done.set_result(ExitStatus(msg["code"], user_s=msg["user_s"] - w.rusage0[0],
+                                         system_s=msg["system_s"] - w.rusage0[1]))
+            w.launched = None
+            if msg.get("retire"):
+                self._retire(w, msg["retire"], kill=False)
+            else:
+                w.state = "starting"  # until its "ready" after the reset
+                w.ready.clear()
+
+    async def _create_context(self, w: _Worker) -> None:
+        """Let `w` create its context while holding the node lock, never while the device is paused."""
+        lock = node_lock()
+        while True:
+            await self._resumed.wait()
+            async with lock:
+                if not self._resumed.is_set():
+                    continue
+                if w.exited.done() or self._closed:
+                    return
+                try:
+                    channel.send(w.sock, {"t": "init"})
+                except OSError:
+                    return
+                ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
+                try:
+                    await asyncio.wait([ready, w.exited],  # type: ignore[list-item]
+                                       timeout=CONTEXT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ready.cancel()
+                if not w.ready.is_set() and not w.exited.done():  # hung in the driver: free the node
+                    w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
+                    _kill(w.pid)
+                return
+
+    def _on_exit(self, w: _Worker) -> None:
+        status = w.exited.result()
+        was = w.state
+        if w.done is not None and w.done is not w.exited and not w.done.done():
+            w.done.set_result(status)  # died running a command it would have reported
+        if w.launched is not None and w.done is w.exited and w.rusage0 != (0.0, 0.0):
+            status.user_s -= w.rusage0[0]
+            status.system_s -= w.rusage0[1]
+        w.sock.close()
+        if not w.warmed and not self._closed:
+            self._failed(w.error or f"worker {w.pid} died while warming: returncode {status.returncode}")
+        elif was != "retired":
+            self.retired += 1
+        w.state = "retired"
+        self._workers.discard(w)
+        self._changed.set()
+        self._refill()
+
+    def _retire(self, w: _Worker, reason: str, kill: bool = True) -> None:
+        if w.state != "retired":
+            self.retired += 1
+        w.state, w.error = "retired", reason
+        if kill:
+            _kill(w.pid)
+        self._changed.set()
+        self._refill()
+
+    def _failed(self, error: str) -> None:
+        self.failures += 1
+        self._consecutive_failures += 1
+        self.last_error = error
+        self._changed.set()
+
+
+def _identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
+    """Who a process started with these spawn() arguments runs as (None: the daemon's own)."""
+    return (os.getuid() if uid is None else uid, os.getgid() if gid is None else gid,
+            sorted(os.getgroups() if groups is None else groups))
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _summary(values: Any) -> dict[str, Any]:
+    v = sorted(values)
+    if not v:
+        return {"n": 0, "p50": None, "p95": None}
+    return {"n": len(v), "p50": v[(len(v) - 1) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))]}

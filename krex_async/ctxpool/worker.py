@@ -1,0 +1,182 @@
+"""A warm worker: `python -m krex_async.ctxpool.worker --fd N ...`, started by a Pool, never forked.
+
+    start ── import preload ──► "imported" ──(pool holds the node lock)── "init" ──► create context
+          ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started" ──► run __main__
+          ──► max_uses reached: exit with the command's status (atexit, flush: a normal exit)
+          ──► else: finish, report "exited", fresh.leave, health check ──► "ready" again, or retire
+
+The worker keeps its channel (a SOCK_SEQPACKET fd from the pool, close-on-exec) open while it waits;
+EOF on it means the pool is gone, and the worker exits. Warming errors are sent back as a traceback
+("failed") and the worker exits 3. Errors while entering the command's world (cwd gone, cgroup write
+refused) are printed on the command's stderr and end the worker with status 1, as a failed exec would
+end a plain start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from krex_async.ctxpool import channel, forms, fresh
+
+
+class Context:
+    """The device context of this worker: through torch when torch is preloaded, else the driver."""
+
+    def __init__(self, vendor: str, ordinal: int) -> None:
+        self.vendor, self.ordinal = vendor, ordinal
+        self.torch: Any = None
+        self.cuda: Any = None
+        self.baseline_bytes = 0
+
+    def create(self) -> None:
+        if self.vendor == "cpu":
+            return
+        if "torch" in sys.modules:
+            self.torch = sys.modules["torch"]
+            self.torch.ones(1, device=f"cuda:{self.ordinal}")
+            self.torch.cuda.synchronize()
+            self.baseline_bytes = self.torch.cuda.memory_allocated()
+            return
+        if self.vendor != "nvidia":
+            return  # no driver API path for this vendor without torch: warm imports only
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), self.ordinal))):
+            _check(call, getattr(cuda, call)(*args))
+        _check("cuDevicePrimaryCtxRetain", cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        _check("cuCtxSetCurrent", cuda.cuCtxSetCurrent(ctx))
+        self.cuda = cuda
+
+    def check(self) -> str | None:
+        """Why this context cannot serve another command (sticky error, memory not returned)."""
+        if self.torch is not None:
+            try:
+                self.torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - any failure here means the context is broken
+                return f"device error: {e}"
+            now = self.torch.cuda.memory_allocated()
+            if now > self.baseline_bytes:
+                return f"device memory not returned: {now - self.baseline_bytes} bytes"
+        elif self.cuda is not None:
+            rc = self.cuda.cuCtxSynchronize()
+            if rc != 0:
+                return f"device error: cuCtxSynchronize returned {rc}"
+        return None
+
+
+def _check(call: str, rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{call} failed: CUresult {rc}")
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    opts = {"preload": "", "vendor": "cpu", "ordinal": "0", "init-context": "1", "max-uses": "1",
+            "lc-ctype-coerced": "0"}
+    it = iter(argv)
+    for a in it:
+        if not a.startswith("--") or a[2:] not in opts and a != "--fd":
+            raise SystemExit(f"worker: unknown option {a!r}")
+        opts[a[2:]] = next(it)
+    return opts
+
+
+def main(argv: list[str]) -> int:
+    opts = _options(argv)
+    sock = socket.socket(fileno=int(opts["fd"]))
+    rx = channel.Receiver()
+    path_rest = sys.path[1:]  # entry 0 is the directory `-m` started the worker in
+    ctx = Context(opts["vendor"], int(opts["ordinal"]))
+    t0 = time.monotonic()
+    try:
+        # krex's own in-command client is part of every worker's baseline: commands that use
+        # region() then import nothing new, and a reused worker need not retire for it.
+        for name in ["krex_async.regionclient", *filter(None, opts["preload"].split(","))]:
+            __import__(name)
+        channel.send(sock, {"t": "imported", "pid": os.getpid(), "s": time.monotonic() - t0})
+        if opts["init-context"] == "1" and ctx.vendor != "cpu":
+            msg, _ = channel.recv(sock, rx)
+            if msg["t"] != "init":
+                raise RuntimeError(f"expected init, got {msg['t']!r}")
+            ctx.create()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the pool went away while we warmed
+    except BaseException:  # noqa: BLE001 - carried back to the pool as text, like process.py does
+        _send_quiet(sock, {"t": "failed", "error": traceback.format_exc()})
+        return 3
+    lc_ctype = os.environ.get("LC_CTYPE") if opts["lc-ctype-coerced"] == "1" else None
+    os.chdir("/")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    gc.collect()
+    base = fresh.Baseline(path_rest)
+    max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
+    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0})
+    while True:
+        try:
+            msg, fds = channel.recv(sock, rx)
+        except EOFError:
+            return 0
+        if msg["t"] != "run":
+            continue
+        uses += 1
+        last = uses >= max_uses
+        code, interrupted = _serve(msg["spec"], fds, sock, base, lc_ctype, last)
+        if last or os.getpid() != me:  # single use, or a forked child of the command finishing
+            return _exit_like_python(code, interrupted)
+        fresh.finish(code)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        reason = fresh.leave(base, devnull, msg["spec"])
+        gc.collect()  # the command's __main__ and what it held go now
+        reason = reason or ctx.check()
+        _send_quiet(sock, {"t": "exited", "code": -signal.SIGINT if interrupted else code,
+                           "retire": reason, "user_s": r0.ru_utime, "system_s": r0.ru_stime})
+        if reason:
+            return 0
+        _send_quiet(sock, {"t": "ready", "s": 0.0})
+
+
+def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fresh.Baseline,
+           lc_ctype: str | None, last: bool) -> tuple[int, bool]:
+    form = forms.parse(spec["argv"])
+    if form is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return 1, False
+    try:
+        main_mod = fresh.enter(spec, form, fds, base, lc_ctype)
+    except OSError as e:  # half entered: end like a failed exec, never serve again
+        os.write(2, f"krex: cannot start {spec['argv'][0]!r}: {e}\n".encode(errors="replace"))
+        os._exit(1)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    _send_quiet(sock, {"t": "started", "ts": time.monotonic(), "user_s": ru.ru_utime,
+                       "system_s": ru.ru_stime})
+    if last:
+        sock.close()  # nothing more to say: the exit status is the process's
+    return fresh.run(form, spec, main_mod)
+
+
+def _send_quiet(sock: socket.socket, msg: dict[str, Any]) -> None:
+    try:
+        channel.send(sock, msg)
+    except OSError:
+        pass  # the pool is gone; the command still runs to its end
+
+
+def _exit_like_python(code: int, interrupted: bool) -> int:
+    if interrupted:  # python ends by SIGINT after an uncaught KeyboardInterrupt, once finalised
+        fresh.finish(code)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code  # SystemExit(code) from here: threads joined, atexit run, stdio flushed by python
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

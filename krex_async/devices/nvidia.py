@@ -1,0 +1,166 @@
+"""NVIDIA GPUs through NVML (nvidia-ml-py, import name `pynvml`).
+
+`NvidiaVendor.open()` raises Unavailable with the reason when the package, the library
+(libnvidia-ml.so.1) or the driver is missing, or NVML sees no GPU. Per-field queries that a GPU or
+driver does not support leave that field unknown instead of failing the device: a missing clock is
+left out of `clocks_mhz`, a missing NUMA node falls back to sysfs, then None. Nothing here changes
+clocks, power limits or compute modes: only queries.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from typing import Any, Callable, TypeVar
+
+from .base import Device, DeviceProcess, Unavailable, Vendor
+from .cpu import cpus_from_mask, pci_local_cpus, pci_numa_node, sysfs_bus_id, usable_cpus
+
+T = TypeVar("T")
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class NvidiaVendor(Vendor):
+    name = "nvidia"
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handles: dict[str, Any] = {}  # device key -> NVML handle
+        self._bus: dict[str, str] = {}  # device key -> sysfs PCI bus id
+
+    # ------------------------------------------------------------------------------------ library
+
+    def _load(self) -> Any:
+        try:
+            import pynvml
+        except ImportError as e:
+            raise Unavailable(f"nvidia-ml-py (pynvml) is not installed: {e}") from None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError_LibraryNotFound:
+            raise Unavailable("NVML library not found (libnvidia-ml.so.1)") from None
+        except pynvml.NVMLError_DriverNotLoaded:
+            raise Unavailable("NVIDIA driver not loaded") from None
+        except pynvml.NVMLError as e:
+            raise Unavailable(f"nvmlInit failed: {e}") from None
+        except OSError as e:  # a broken library file
+            raise Unavailable(f"NVML could not be loaded: {e}") from None
+        return pynvml
+
+    def _try(self, fn: Callable[[], T], default: T) -> T:
+        """One query; NVML errors (not supported, function not found in an old driver) -> default."""
+        try:
+            return fn()
+        except (self._nvml.NVMLError, AttributeError):
+            return default
+
+    # ------------------------------------------------------------------------------------ devices
+
+    def open(self) -> list[Device]:
+        nvml = self._nvml = self._load()
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as e:
+            self.close()
+            raise Unavailable(f"nvmlDeviceGetCount failed: {e}") from None
+        if count == 0:
+            self.close()
+            raise Unavailable("NVML found no GPU")
+        devices = []
+        for index in range(count):
+            try:
+                devices.append(self._device(index))
+            except nvml.NVMLError:  # a GPU that fell off the bus: leave it out, keep the others
+                continue
+        if not devices:
+            self.close()
+            raise Unavailable(f"NVML lists {count} GPU(s) but none answers queries")
+        return devices
+
+    def _device(self, index: int) -> Device:
+        nvml = self._nvml
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        key = f"nvidia{index}"
+        uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        bus = sysfs_bus_id(_text(self._try(lambda: nvml.nvmlDeviceGetPciInfo(handle).busId, "")))
+        self._handles[key] = handle
+        self._bus[key] = bus
+        mem = self._try(lambda: nvml.nvmlDeviceGetMemoryInfo(handle), None)
+        return Device(
+            index=index, key=key, vendor="nvidia",
+            name=_text(self._try(lambda: nvml.nvmlDeviceGetName(handle), "NVIDIA GPU")),
+            uuid=uuid,
+            memory_total_bytes=int(mem.total) if mem else 0,
+            memory_free_bytes=int(mem.free) if mem else 0,
+            numa_node=self._numa_node(handle, bus),
+            cpus=usable_cpus(self._cpu_affinity(handle, bus)),
+            env={"CUDA_VISIBLE_DEVICES": uuid or str(index)},
+            clocks_mhz=self._clocks(handle),
+        )
+
+    def _numa_node(self, handle: Any, bus: str) -> int | None:
+        node = self._try(lambda: self._nvml.nvmlDeviceGetNumaNodeId(handle), None)
+        if node is not None and node >= 0:
+            return int(node)
+        return pci_numa_node(bus) if bus else None
+
+    def _cpu_affinity(self, handle: Any, bus: str) -> frozenset[int]:
+        words = math.ceil((os.cpu_count() or 1) / 64)
+        mask = self._try(lambda: self._nvml.nvmlDeviceGetCpuAffinity(handle, words), None)
+        cpus = cpus_from_mask([int(w) for w in mask]) if mask is not None else frozenset()
+        return cpus or (pci_local_cpus(bus) if bus else frozenset())
+
+    def _clocks(self, handle: Any) -> dict[str, int]:
+        nvml = self._nvml
+        clocks = {}
+        for name, kind in (("sm", nvml.NVML_CLOCK_SM), ("mem", nvml.NVML_CLOCK_MEM),
+                           ("graphics", nvml.NVML_CLOCK_GRAPHICS)):
+            mhz = self._try(lambda: nvml.nvmlDeviceGetClockInfo(handle, kind), None)
+            if mhz is not None:
+                clocks[name] = int(mhz)
+        return clocks
+
+    # ------------------------------------------------------------------------------ live queries
+
+    def processes(self, device: Device) -> list[DeviceProcess]:
+        """Processes holding a compute context on the device, as NVML reports them.
+
+        NVML reports pids in the host's pid namespace; inside a container without it they do not
+        match the daemon's pids. Empty when NVML cannot tell.
+        """
+        handle = self._handles.get(device.key)
+        if handle is None:
+            return []
+        procs: list[Any] = self._try(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle), [])
+        return [DeviceProcess(pid=int(p.pid),
+                              used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory))
+                for p in procs]
+
+    def utilisation(self, device: Device) -> float | None:
+        """Percent of the last sample period in which a kernel ran (NVML's coarse gpu rate)."""
+        handle = self._handles.get(device.key)
+        if handle is None:
+            return None
+        rates = self._try(lambda: self._nvml.nvmlDeviceGetUtilizationRates(handle), None)
+        return None if rates is None else float(rates.gpu)
+
+    def refresh(self, device: Device) -> Device:
+        handle = self._handles.get(device.key)
+        if handle is None:
+            return device
+        mem = self._try(lambda: self._nvml.nvmlDeviceGetMemoryInfo(handle), None)
+        return replace(device, memory_free_bytes=int(mem.free) if mem else device.memory_free_bytes,
+                       clocks_mhz=self._clocks(handle) or device.clocks_mhz)
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass
+            self._nvml = None
+            self._handles.clear()

@@ -1,0 +1,366 @@
+"""`krex doctor [--json] [--gpu]`: what works on this node for krex, what does not, and the fix.
+
+Each check gives a verdict (ok, warn, fail), a one-line detail and, unless ok, the fix. The exit
+status answers one question: can this node run the `region` policy with full isolation, i.e. is there
+a writable cgroup v2 subtree with a working freezer AND a cpuset (v2 controller, or the v1 hierarchy
+on a hybrid host)? 0 yes, 1 no, 2 for a usage error.
+
+Checks that touch the kernel clean up after themselves: the test cgroups are created under the
+subtree the daemon would use, named `krex-doctor-<pid>`, and removed in `finally` (with their test
+process killed); bcc, NVML, AMD SMI and CUDA run in subprocesses with timeouts, so a broken library
+costs one check, never the doctor. The kernel, BPF and GPU checks live in doctor_kernel.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata as md
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import cleanup as cg
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+SERVICE_CGROUP = "/system.slice/krex.service"  # where packaging/krex.service runs the daemon
+
+#: distribution name, import name, required?, what it is for
+PACKAGES = [
+    ("krex", "krex_async", True, "this package"),
+    ("uvloop", "uvloop", True, "the daemon's event loop (asyncio works without it, slower)"),
+    ("msgspec", "msgspec", True, "protocol and config decoding"),
+    ("structlog", "structlog", True, "logs"),
+    ("psutil", "psutil", True, "process trees"),
+    ("nvidia-ml-py", "pynvml", False, "NVIDIA GPUs (pip install 'krex[nvidia]')"),
+    ("amdsmi", "amdsmi", False, "AMD GPUs (pip install 'krex[amd]', needs ROCm)"),
+    ("prometheus-client", "prometheus_client", False, "--metrics (pip install 'krex[metrics]')"),
+]
+
+
+@dataclass
+class Check:
+    name: str
+    verdict: str
+    detail: str
+    fix: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- python
+
+def check_python() -> list[Check]:
+    out = [Check("python", OK if sys.version_info >= (3, 11) else FAIL,
+                 f"{sys.version.split()[0]} at {sys.executable}",
+                 "" if sys.version_info >= (3, 11) else "krex needs Python 3.11 or newer")]
+    for dist, mod, required, why in PACKAGES:
+        try:
+            version = md.version(dist)
+        except md.PackageNotFoundError:
+            version = ""
+        if mod == "amdsmi" and version:  # its import prints to stdout and may raise KeyError:
+            out.append(Check(f"package {dist}", OK, f"{version} ({why}; usable: see `gpu amd`)",
+                             data={"version": version}))  # the GPU check imports it in a child
+            continue
+        try:
+            __import__(mod)
+            importable, err = True, ""
+        except Exception as e:  # anything the import raises means "not usable"
+            importable, err = False, f"{type(e).__name__}: {e}"
+        if importable:
+            out.append(Check(f"package {dist}", OK, f"{version or 'importable'} ({why})",
+                             data={"version": version}))
+        elif version:
+            out.append(Check(f"package {dist}", FAIL if required else WARN,
+                             f"{version} installed but import fails: {err}",
+                             f"reinstall {dist} or install what it needs ({why})",
+                             {"version": version}))
+        else:
+            out.append(Check(f"package {dist}", FAIL if required else WARN,
+                             "not installed" + ("" if required else f" (optional: {why})"),
+                             f"pip install {dist}"))
+    return out
+
+
+def check_uvloop() -> Check:
+    try:
+        import uvloop
+    except ImportError as e:
+        return Check("uvloop", WARN, f"not importable ({e}): the daemon falls back to asyncio",
+                     "pip install uvloop")
+    return Check("uvloop", OK, f"uvloop {uvloop.__version__} will run the event loop")
+
+
+# --------------------------------------------------------------------------------- cgroups
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def v2_subtree(cgroup_root: str = "") -> tuple[str | None, str]:
+    """The v2 directory the daemon would create command cgroups under, and how it was found: the
+    configured root, else the krex.service cgroup when the unit runs, else this process's own."""
+    if cgroup_root:
+        return cgroup_root, "configured cgroup_root"
+    m = cg.v2_mount()
+    if m is None:
+        return None, "no cgroup v2 mount"
+    unit = os.path.join(m, SERVICE_CGROUP.lstrip("/"))
+    if os.path.isdir(unit):  # the running service's delegated cgroup, not this shell's session
+        return unit, "the krex.service cgroup (Delegate=yes)"
+    own = cg.own_cgroup("") or "/"
+    if own == "/" and cg.layout() == "hybrid":
+        return m, f"the v2 mount of a hybrid host ({m})"
+    return os.path.normpath(os.path.join(m, own.lstrip("/"))), f"this process's own cgroup ({own})"
+
+
+@contextlib.contextmanager
+def _test_cgroup(parent: str) -> Iterator[str]:
+    """A fresh child cgroup, removed afterwards (its processes killed first)."""
+    path = os.path.join(parent, f"krex-doctor-{os.getpid()}")
+    os.mkdir(path)
+    try:
+        yield path
+    finally:
+        for pid in (_read(os.path.join(path, "cgroup.procs")) or "").split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+        if os.path.exists(os.path.join(path, "cgroup.freeze")):
+            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.freeze"), "w") as f:
+                f.write("0")
+        deadline = time.monotonic() + 2
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # EBUSY until the killed processes are reaped
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+def _wait_frozen(events: str, want: str, timeout: float) -> bool:
+    """Wait (POLLPRI on cgroup.events, bounded) until it says `frozen <want>`."""
+    fd = os.open(events, os.O_RDONLY)
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLPRI | select.POLLERR)
+        deadline = time.monotonic() + timeout
+        while True:
+            data = os.pread(fd, 4096, 0).decode()
+            if f"frozen {want}" in data.splitlines():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            p.poll(left * 1000)
+    finally:
+        os.close(fd)
+
+
+def check_cgroups(cgroup_root: str = "") -> list[Check]:
+    """Layout, delegated subtree, writable, freezer (a real freeze of a test process), cpuset."""
+    lay = cg.layout()
+    m2 = cg.v2_mount()
+    fixes = {"none": "mount cgroup2: `mount -t cgroup2 none /sys/fs/cgroup` (or boot with "
+                     "systemd.unified_cgroup_hierarchy=1)",
+             "v1": "boot with systemd.unified_cgroup_hierarchy=1 (or mount cgroup2 beside v1)"}
+    out = [Check("cgroup layout", OK if lay in ("v2", "hybrid") else FAIL,
+                 {"v2": f"pure cgroup v2 at {m2}", "hybrid": f"hybrid: v2 at {m2}, v1 controllers "
+                  f"beside it", "v1": "cgroup v1 only", "none": "no cgroup filesystem"}[lay],
+                 fixes.get(lay, ""), {"layout": lay, "v2_mount": m2})]
+    sub, how = v2_subtree(cgroup_root)
+    freezer_ok = cpuset_ok = False
+    if sub is None or not os.path.isdir(sub):
+        out.append(Check("cgroup subtree", FAIL, f"no v2 subtree to use ({how}: {sub})",
+                         "run the daemon under systemd with Delegate=yes (packaging/krex.service) "
+                         "or pass --cgroup-root DIR"))
+        out.append(Check("cgroup freezer", FAIL, "no subtree to test in", ""))
+    else:
+        out.append(Check("cgroup subtree", OK, f"{sub} ({how})", data={"path": sub}))
+        try:
+            with _test_cgroup(sub) as child:
+                out.append(Check("cgroup writable", OK, f"created and removed {child}"))
+                out.append(_check_freeze(child))
+                freezer_ok = out[-1].verdict == OK
+        except OSError as e:
+            out.append(Check("cgroup writable", FAIL, f"cannot create a child of {sub}: {e}",
+                             "run as root, or give the daemon a delegated subtree (systemd "
+                             "Delegate=yes) and pass it with --cgroup-root"))
+            out.append(Check("cgroup freezer", FAIL, "not tested: the subtree is not writable"))
+    cs = _check_cpuset(sub)
+    cpuset_ok = cs.verdict == OK
+    out.append(cs)
+    out[0].data["full_isolation"] = freezer_ok and cpuset_ok
+    return out
+
+
+def _check_freeze(child: str) -> Check:
+    fz = os.path.join(child, "cgroup.freeze")
+    if not os.path.exists(fz):
+        return Check("cgroup freezer", FAIL, f"{fz} does not exist (kernel older than 5.2?)",
+                     "a kernel with the cgroup v2 freezer (5.2+)")
+    proc = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL)
+    try:
+        with open(os.path.join(child, "cgroup.procs"), "w") as f:
+            f.write(str(proc.pid))
+        times = []
+        for _ in range(2):  # the first freeze after a move into the cgroup is slower (~10-20 ms)
+            t0 = time.perf_counter()
+            with open(fz, "w") as f:
+                f.write("1")
+            frozen = _wait_frozen(os.path.join(child, "cgroup.events"), "1", 1.0)
+            times.append(time.perf_counter() - t0)
+            with open(fz, "w") as f:
+                f.write("0")
+            thawed = _wait_frozen(os.path.join(child, "cgroup.events"), "0", 1.0)
+            if not (frozen and thawed):
+                break
+    except OSError as e:
+        return Check("cgroup freezer", FAIL, f"freezing a test process failed: {e}",
+                     "the daemon needs write access to cgroup.procs and cgroup.freeze there")
+    finally:
+        proc.kill()
+        proc.wait()
+    if not (frozen and thawed):
+        return Check("cgroup freezer", FAIL, f"froze={frozen} thawed={thawed} within 1 s",
+                     "check `cat cgroup.events` of a frozen cgroup; report the kernel version")
+    return Check("cgroup freezer", OK, f"froze and thawed a test process: {times[1] * 1e3:.2f} ms "
+                                       f"(first freeze after moving it in: {times[0] * 1e3:.2f} ms)",
+                 data={"freeze_s": times[1], "first_freeze_s": times[0]})
+
+
+def _check_cpuset(sub: str | None) -> Check:
+    if sub is not None:
+        ctrls = (_read(os.path.join(sub, "cgroup.controllers")) or "").split()
+        enabled = (_read(os.path.join(sub, "cgroup.subtree_control")) or "").split()
+        if "cpuset" in ctrls:
+            state = "enabled for children" if "cpuset" in enabled else \
+                "available (the daemon enables it in subtree_control)"
+            return Check("cpuset", OK, f"cgroup v2 cpuset in {sub}: {state}",
+                         data={"mode": "v2", "enabled": "cpuset" in enabled})
+    m1 = cg.v1_mount("cpuset")
+    if m1 is not None:
+        own = cg.own_cgroup("cpuset") or "/"
+        base = os.path.normpath(os.path.join(m1, own.lstrip("/")))
+        try:
+            with _test_cgroup_v1(base):
+                pass
+        except OSError as e:
+            return Check("cpuset", FAIL, f"v1 cpuset at {base} is not writable: {e}",
+                         "run as root")
+        return Check("cpuset", OK, f"v1 cpuset hierarchy at {base} (hybrid; cores via v1, "
+                                   f"freezing via v2)", data={"mode": "v1", "path": base})
+    return Check("cpuset", FAIL, "no cpuset: neither in the v2 subtree's cgroup.controllers nor a "
+                                 "v1 cpuset hierarchy",
+                 "enable it: `echo +cpuset > <parent>/cgroup.subtree_control` up to the daemon's "
+                 "subtree (systemd: Delegate=yes, or Delegate=cpuset cpu memory pids)")
+
+
+@contextlib.contextmanager
+def _test_cgroup_v1(base: str) -> Iterator[str]:
+    path = os.path.join(base, f"krex-doctor-{os.getpid()}")
+    os.mkdir(path)
+    try:
+        yield path
+    finally:
+        os.rmdir(path)
+
+
+def check_backend(cgroup_root: str = "") -> Check:
+    """What `--isolation auto` would pick, by asking the daemon's own chooser."""
+    try:
+        from .config import ServeConfig
+        from .isolation import choose_backend
+
+        with tempfile.TemporaryDirectory(prefix="krex-doctor-") as state:
+            b = choose_backend(ServeConfig(isolation="auto", cgroup_root=cgroup_root,
+                                           state_dir=state))
+            name, reason = b.name, b.reason
+    except (ImportError, SystemExit, Exception) as e:
+        return Check("isolation backend", FAIL, f"choosing the backend failed: {e}",
+                     "report this with `krex doctor --json`")
+    return Check("isolation backend", OK if name == "cgroup" else WARN,
+                 f"--isolation auto picks {name}: {reason}",
+                 "" if name == "cgroup" else "the cgroup backend gives full isolation: see the "
+                                             "cgroup checks above", {"backend": name})
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+def run_checks(gpu: bool = False, cgroup_root: str = "") -> list[Check]:
+    from . import doctor_kernel as k
+
+    checks = [*check_python(), check_uvloop(), *check_cgroups(cgroup_root),
+              check_backend(cgroup_root), *k.check_tracing(), *k.check_bpf(), *k.check_gpus()]
+    if gpu:
+        checks.append(k.check_cuda_context())
+    return checks
+
+
+FULL_ISOLATION = ("cgroup writable", "cgroup freezer", "cpuset", "isolation backend")
+
+
+def full_isolation(checks: list[Check]) -> bool:
+    """The node can freeze (v2 freezer in a writable subtree) and fence cores (cpuset), and this
+    installation's `--isolation auto` would use them (the cgroup backend, not the signal fallback)."""
+    by = {c.name: c for c in checks}
+    return all(n in by and by[n].verdict == OK for n in FULL_ISOLATION)
+
+
+def render(checks: list[Check]) -> str:
+    w = max(len(c.name) for c in checks)
+    lines = [f"{'CHECK':<{w}}  {'':4}  DETAIL"]
+    for c in checks:
+        lines.append(f"{c.name:<{w}}  {c.verdict.upper():<4}  {c.detail}")
+        if c.fix and c.verdict != OK:
+            lines.append(f"{'':<{w}}        fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = subparsers.add_parser("doctor", help="check what krex can do on this node, and how to fix it")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--gpu", action="store_true", help="also time CUDA context creation")
+    p.add_argument("--cgroup-root", default="", help="the cgroup root the daemon is configured with")
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every check and print them; 0 when the region policy gets full isolation here, else 1."""
+    checks = run_checks(gpu=args.gpu, cgroup_root=args.cgroup_root)
+    full = full_isolation(checks)
+    if args.json:
+        print(json.dumps({"full_isolation": full, "exit": 0 if full else 1,
+                          "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        print(render(checks))
+        missing = [c.name for c in checks if c.name in FULL_ISOLATION and c.verdict != OK]
+        print("\nregion policy with full isolation (cgroup backend, freezer, cpuset): "
+              + ("yes" if full else f"NO ({', '.join(missing)}: see above)"))
+    return 0 if full else 1
+
+
+def _main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="krex")
+    sub = ap.add_subparsers(dest="verb", required=True)
+    add_parser(sub)
+    return main(ap.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,168 @@
+"""`krex gateway`: the agate jobs API over HTTP, running every job as a krex command.
+
+    krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
+                 [--allow-remote --token T] [--max-running N] [--max-body BYTES] ...
+
+Clients of the public agate API (the agate CLI, Atrex's tools/sandbox.py) talk to it unchanged; the
+daemon found through --socket or $KREX_SOCKET runs the jobs under its policy, and KREX_AUTO_REGION=1
+in each job's environment makes its triton do_bench loops regions. Wiring into krex_async/cli.py:
+
+    from .gateway import add_parser as _gateway_parser, main as _gateway_main
+    _gateway_parser(sub)  ...  if args.verb == "gateway": return _gateway_main(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import ipaddress
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from .limits import Limits
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `gateway` verb (its options) to the krex command line's subparsers."""
+    d = Limits()
+    p = subparsers.add_parser("gateway", help="serve the agate jobs API (HTTP) over the daemon")
+    p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free port)")
+    p.add_argument("--state-dir", required=True, help="jobs.db and per-job directories")
+    p.add_argument("--socket", help="the daemon's socket (default: $KREX_SOCKET or krex's default)")
+    p.add_argument("--gpu-alias", action="append", default=[], metavar="NAME",
+                   help="another target_hardware name to accept besides 'local' (repeatable)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback bind (requires --token)")
+    p.add_argument("--token", default=os.environ.get("KREX_GATEWAY_TOKEN"),
+                   help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN)")
+    p.add_argument("--atrex-bench-root", help="an Atrex-Bench checkout for eval/profile jobs")
+    p.add_argument("--max-running", type=int, default=d.max_running,
+                   help=f"jobs submitted to the daemon at once (default {d.max_running})")
+    for name, unit in (("max_body", "bytes"), ("max_file", "bytes"), ("max_files", "files"),
+                       ("max_command", "bytes"), ("max_env", "variables"),
+                       ("max_files_total", "bytes"), ("max_output", "bytes per stream"),
+                       ("max_timeout", "seconds"), ("default_timeout", "seconds"),
+                       ("max_wait", "seconds")):
+        default = getattr(d, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                       help=f"{unit} (default {default})")
+    return p  # type: ignore[no-any-return]
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--listen {value!r} must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback
+                       for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
+    from aiohttp import web
+
+    from . import kinds as K
+    from .app import Gateway, make_app
+    from .env import Environment
+    from .jobs import Runner, make_shims
+    from .store import Store
+
+    host, port = parse_listen(args.listen)
+    limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
+    state = Path(args.state_dir).resolve()
+    (state / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = open(state / "gateway.lock", "a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"krex gateway: {state} is in use by another gateway", file=sys.stderr)
+        return 2
+    store = Store(state / "jobs.db")
+    if store.restarted:
+        print(f"krex gateway: {store.restarted} job(s) were running when the last gateway "
+              "stopped: marked failed (gateway_restarted)", file=sys.stderr)
+    aliases = frozenset(["local", *args.gpu_alias])
+    kinds, missing = K.build(limits, aliases, args.atrex_bench_root)
+    gw: Gateway | None = None
+    runner = Runner(store, state / "jobs", limits, args.socket, kinds,
+                    lambda job_id: gw.changed(job_id) if gw else None)
+    runner.shims = make_shims(state / "bin")
+    gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, args.token)
+    app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
+                               shutdown_timeout=3.0)
+    await app_runner.setup()
+    site = web.TCPSite(app_runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        print(f"krex gateway: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        await app_runner.cleanup()
+        store.close()
+        return 2
+    bound = app_runner.addresses[0][1] if app_runner.addresses else port
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
+    (state / "gateway.json").write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    runner.start()
+    print(f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
+          f", daemon {args.socket or 'default socket'})", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        gw.close()
+        await app_runner.cleanup()
+        await runner.stop()
+        store.close()
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        lock.close()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point for `krex gateway`: checks the bind rules, then serves (uvloop when present)."""
+    try:
+        host, _ = parse_listen(args.listen)
+    except ValueError as e:
+        print(f"krex gateway: {e}", file=sys.stderr)
+        return 2
+    if not is_loopback(host):
+        if not args.allow_remote:
+            print(f"krex gateway: refusing to listen on non-loopback {host}: pass --allow-remote "
+                  "with --token", file=sys.stderr)
+            return 2
+        if not args.token:
+            print("krex gateway: --allow-remote requires --token (or $KREX_GATEWAY_TOKEN)",
+                  file=sys.stderr)
+            return 2
+    if args.max_running < 1:
+        print("krex gateway: --max-running must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("krex gateway: needs aiohttp (pip install 'krex[gateway]')", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))

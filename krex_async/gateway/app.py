@@ -1,0 +1,250 @@
+"""The HTTP side: aiohttp routes of the agate jobs API over the store and the runner.
+
+    GET  /healthz                       "ok"
+    GET  /v1/env, /v1/env/<gpu>         the node (env.Environment), `force=true` re-probes
+    POST /v1/jobs/<kind>                dev always; eval, profile where installed; else 501
+    GET  /v1/jobs                       kind, status, user, limit, sort filters
+    GET  /v1/jobs/<id>                  wait=true&timeout=S long-polls until a terminal status
+    POST /v1/jobs/<id>/cancel
+    GET  /v1/evals/<id>, POST /v1/evals legacy eval paths
+
+Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a malformed request,
+401 without the token, 404 for unknown routes and jobs, 405 for a wrong method, 413 over a size
+limit, 501 for kinds not runnable here, 500 (reason internal_error) for a gateway bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from .env import Environment
+from .jobs import Runner
+from .limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
+from .store import Store, error
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _json(status: int, body: Any, trace_id: str = "") -> web.Response:
+    r = web.json_response(body, status=status, dumps=lambda v: json.dumps(v, ensure_ascii=False))
+    if trace_id:
+        r.headers["X-Trace-Id"] = trace_id
+    return r
+
+
+class Gateway:
+    """The app's state: store, runner, environment, waiters for long polls, the token."""
+
+    def __init__(self, store: Store, runner: Runner, env: Environment, limits: Limits,
+                 kinds: dict[str, Any], missing: dict[str, str], token: str | None) -> None:
+        self.store, self.runner, self.env, self.limits = store, runner, env, limits
+        self.kinds, self.missing, self.token = kinds, missing, token
+        self.waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self.closing = False
+
+    def close(self) -> None:
+        """Shutting down: every long poll answers now, with the job as it is."""
+        self.closing = True
+        for job_id in list(self.waiters):
+            self.changed(job_id)
+
+    def changed(self, job_id: str) -> None:
+        for f in self.waiters.pop(job_id, ()):
+            if not f.done():
+                f.set_result(None)
+
+    # ------------------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        got = request.headers.get("X-Trace-Id", "")
+        trace = got if got and len(got) <= 128 and got.isprintable() else \
+            f"req-{secrets.token_hex(6)}"
+        request["trace"] = trace
+        if self.token is not None and request.path != "/healthz":
+            auth = request.headers.get("Authorization", "")
+            if not secrets.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+                return _json(401, error("unauthorized", "a valid 'Authorization: Bearer <token>' "
+                                        "header is required", trace), trace)
+        try:
+            resp = await handler(request)
+        except BadRequest as e:
+            return _json(e.status, error(e.reason, e.message, trace, **e.details), trace)
+        except web.HTTPRequestEntityTooLarge:
+            return _json(413, error("request_too_large", "the request body exceeds "
+                                    f"{self.limits.max_body} bytes", trace), trace)
+        except web.HTTPMethodNotAllowed as e:
+            return _json(405, error("method_not_allowed", f"{request.method} is not allowed on "
+                                    f"{request.path}", trace, allowed=sorted(e.allowed_methods)),
+                         trace)
+        except web.HTTPNotFound:
+            return _json(404, error("route_not_found", f"route {request.path!r} not found", trace),
+                         trace)
+        except web.HTTPException as e:
+            return _json(e.status, error(e.reason.lower().replace(" ", "_"), e.text or e.reason,
+                                         trace), trace)
+        except Exception as e:  # a gateway bug: say so as JSON, keep serving
+            return _json(500, error("internal_error", f"{type(e).__name__}: {e}", trace), trace)
+        resp.headers.setdefault("X-Trace-Id", trace)
+        return resp
+
+    # -------------------------------------------------------------------------------- helpers
+
+    async def body(self, request: web.Request) -> Any:
+        if request.content_length is not None and request.content_length > self.limits.max_body:
+            raise BadRequest("request_too_large", f"the request body ({request.content_length} "
+                             f"bytes) exceeds {self.limits.max_body} bytes", 413)
+        raw = await request.read()
+        if not raw:
+            raise BadRequest("empty_body", "a JSON request body is required")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest("invalid_json", f"the request body is not valid JSON: {e}") from None
+
+    @staticmethod
+    def flag(request: web.Request, name: str) -> bool:
+        v = request.query.get(name, "").lower()
+        if v in TRUE:
+            return True
+        if v in FALSE:
+            return False
+        raise BadRequest(f"invalid_{name}", f"{name} must be true or false, got {v!r}")
+
+    def job_or_404(self, job_id: str, trace: str) -> dict[str, Any]:
+        job = self.store.get(job_id)
+        if job is None:
+            raise BadRequest("job_not_found", f"job {job_id!r} not found", 404)
+        return job
+
+    async def daemon_status(self) -> dict[str, Any] | None:
+        client = await self.runner.connect()
+        if client is None:
+            return None
+        try:
+            return await client.status()
+        except Exception as e:  # the connection broke under us: the next call reconnects
+            self.runner.daemon_error = str(e)
+            return None
+
+    # ------------------------------------------------------------------------------- handlers
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def env_all(self, request: web.Request) -> web.Response:
+        view = await self.env.view(await self.daemon_status(), self.runner.daemon_error,
+                                   self.flag(request, "force"))
+        return _json(200, {"env": [view]})
+
+    async def env_one(self, request: web.Request) -> web.Response:
+        gpu = request.match_info["gpu"]
+        if gpu not in self.env.aliases:
+            raise BadRequest("environment_not_found", f"environment {gpu!r} not found; this "
+                             f"gateway has {', '.join(sorted(self.env.aliases))}", 404)
+        view = await self.env.view(await self.daemon_status(), self.runner.daemon_error,
+                                   self.flag(request, "force"))
+        return _json(200, {**view, "gpu": gpu})
+
+    async def submit(self, request: web.Request, kind: str | None = None) -> web.Response:
+        kind = kind or request.match_info["kind"]
+        if kind not in self.kinds:
+            why = self.missing.get(kind, f"unknown job kind {kind!r}; this gateway runs "
+                                         f"{', '.join(sorted(self.kinds))}")
+            raise BadRequest("kind_not_supported", why, 501, kind=kind,
+                             supported=sorted(self.kinds))
+        req, key, author = self.kinds[kind].validate(await self.body(request))
+        job, created = self.store.create(kind, req, request["trace"], key, author)
+        if created:
+            self.runner.notify()
+        resp = _json(202, job)
+        resp.headers["Idempotent-Replay"] = "false" if created else "true"
+        return resp
+
+    async def submit_eval(self, request: web.Request) -> web.Response:
+        return await self.submit(request, "eval")
+
+    async def list_jobs(self, request: web.Request) -> web.Response:
+        q = request.query
+        kind, status = q.get("kind"), q.get("status")
+        if kind is not None and kind not in KINDS:
+            raise BadRequest("invalid_kind", f"unknown job kind {kind!r}", kinds=list(KINDS))
+        if status is not None and status not in STATUSES:
+            raise BadRequest("invalid_status", f"unknown job status {status!r}",
+                             statuses=list(STATUSES))
+        try:
+            limit = int(q.get("limit", "50"))
+        except ValueError:
+            raise BadRequest("invalid_limit", "limit must be an integer") from None
+        if limit < 1:
+            raise BadRequest("invalid_limit", "limit must be at least 1")
+        sort = q.get("sort", "-created_at")
+        if sort not in ("created_at", "-created_at"):
+            raise BadRequest("invalid_sort", "sort must be created_at or -created_at")
+        jobs = self.store.list(kind, status, q.get("user"), min(limit, 500),
+                               newest_first=sort != "created_at")
+        return _json(200, {"jobs": jobs})
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["job_id"]
+        job = self.job_or_404(job_id, request["trace"])
+        if self.flag(request, "wait") and job["status"] not in TERMINAL:
+            raw = request.query.get("timeout", "30")
+            try:
+                timeout = float(raw)
+            except ValueError:
+                raise BadRequest("invalid_timeout", f"timeout must be seconds, got {raw!r}") \
+                    from None
+            if not math.isfinite(timeout) or timeout < 0:
+                raise BadRequest("invalid_timeout", "timeout must be a finite number >= 0")
+            job = await self.wait(job_id, min(timeout, self.limits.max_wait)) or job
+        return _json(200, job)
+
+    async def wait(self, job_id: str, timeout: float) -> dict[str, Any] | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        job = self.store.get(job_id)
+        while job is not None and job["status"] not in TERMINAL and not self.closing:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            fut: asyncio.Future[None] = loop.create_future()
+            self.waiters.setdefault(job_id, set()).add(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except TimeoutError:
+                pass
+            finally:
+                waiting = self.waiters.get(job_id)
+                if waiting is not None:
+                    waiting.discard(fut)
+                    if not waiting:
+                        del self.waiters[job_id]
+            job = self.store.get(job_id)
+        return job
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["job_id"]
+        if await self.runner.cancel(job_id) is None:
+            raise BadRequest("job_not_found", f"job {job_id!r} not found", 404)
+        return _json(200, self.job_or_404(job_id, request["trace"]))
+
+
+def make_app(gw: Gateway) -> web.Application:
+    app = web.Application(middlewares=[gw.middleware], client_max_size=gw.limits.max_body)
+    app.add_routes([
+        web.get("/healthz", gw.healthz), web.get("/v1/env", gw.env_all),
+        web.get("/v1/env/{gpu}", gw.env_one), web.get("/v1/jobs", gw.list_jobs),
+        web.post("/v1/jobs/{job_id}/cancel", gw.cancel),
+        web.get("/v1/jobs/{job_id}", gw.get_job), web.post("/v1/jobs/{kind}", gw.submit),
+        web.get("/v1/evals/{job_id}", gw.get_job), web.post("/v1/evals", gw.submit_eval),
+    ])
+    return app

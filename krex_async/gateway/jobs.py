@@ -1,0 +1,308 @@
+"""Running jobs: claim them from the store in order, run each as a krex command, record the result.
+
+    HTTP submit -> store (queued) -> notify() -> loop: claim() -> running -> _run(job):
+        fresh job dir <state>/jobs/<id>/, files written without following links
+        Client.submit(/bin/sh -c CMD, cwd=job dir, env + KREX_AUTO_REGION=1) -> krex command
+        bounded output, CommandReport (regions) -> store.finish(succeeded|failed) -> waiters woken
+
+Jobs go to the daemon as they are claimed; the daemon's policy (region, command, shared) decides who
+may use the device when. The gateway only bounds how many run at once (`Limits.max_running`).
+One connection to the daemon is shared by all jobs; when it is lost, the jobs on it fail with reason
+`daemon_lost` (the daemon kills commands whose agent disconnected), and nothing is claimed until a
+new connection is made (the queue waits). Cancelling a running job cancels its krex command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from ..client import Client, CommandHandle, KrexError
+from .limits import RESERVED_ENV, TERMINAL, Limits
+from .store import Store, error
+
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+
+
+class Kind(Protocol):
+    """How one job kind becomes a command and how its result is read back."""
+
+    def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
+        """Write what the job needs into workdir; return (argv, timeout_s). May raise OSError."""
+
+    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+        """(status, result, error) from the command's result dict."""
+
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    """Create each (already validated) relative path under root, never following a symlink.
+
+    Directories are walked with dir fds and O_NOFOLLOW, files are created with O_EXCL: a link or
+    an existing entry in the way is an OSError, not a write outside root.
+    """
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for name, content in files.items():
+            *dirs, leaf = name.split("/")
+            fd = os.dup(rootfd)
+            try:
+                for d in dirs:
+                    try:
+                        os.mkdir(d, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    os.close(fd)
+                    fd = nfd
+                out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                              dir_fd=fd)
+                with os.fdopen(out, "wb") as f:
+                    f.write(content.encode("utf-8", "surrogatepass"))
+            finally:
+                os.close(fd)
+    finally:
+        os.close(rootfd)
+
+
+def make_shims(bindir: Path) -> Path:
+    """<state>/bin/python and python3: run this interpreter (images often lack a `python`).
+
+    Scripts, not symlinks: a venv's interpreter finds its environment only when called by its path.
+    """
+    bindir.mkdir(mode=0o755, exist_ok=True)
+    for name in ("python", "python3"):
+        tmp = bindir / f".{name}.new"
+        tmp.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        tmp.chmod(0o755)
+        tmp.replace(bindir / name)
+    return bindir
+
+
+def job_env(job_id: str, workdir: Path, extra: dict[str, str],
+            shims: Path | None = None) -> dict[str, str]:
+    """The gateway's environment, the job's variables, and what krex and the API add."""
+    env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
+    env.update(extra)
+    env.setdefault("KREX_AUTO_REGION", "1")
+    env["ATREX_LOCAL_JOB_ID"] = env["KREX_GATEWAY_JOB"] = job_id
+    if "PATH" not in extra:  # `python` (and python3) in a job is the gateway's interpreter
+        first = [str(shims)] if shims is not None else []
+        first.append(str(Path(sys.executable).parent))
+        env["PATH"] = os.pathsep.join(first + [p for p in env.get("PATH", os.defpath)
+                                               .split(os.pathsep) if p and p not in first])
+    if "TORCH_EXTENSIONS_DIR" not in extra:  # torch's build locks survive SIGKILL: keep them local
+        env["TORCH_EXTENSIONS_DIR"] = str(workdir / ".torch_extensions")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if PACKAGE_ROOT not in parts:  # `from krex_async import region` works in every job
+        parts.append(PACKAGE_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def command_result(handle: CommandHandle, report: Any, out: bytearray, err: bytearray,
+                   out_cut: bool, err_cut: bool) -> dict[str, Any]:
+    rep = msgspec.to_builtins(report)
+    return {
+        "exit_code": report.exit_code if report.signal is None else -report.signal,
+        "stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
+        "stdout_truncated": out_cut, "stderr_truncated": err_cut,
+        "regions": rep.get("regions", []),
+        "krex": {k: getattr(report, k) for k in ("command", "device", "policy", "state", "signal",
+                                          "wall_s", "queued_s", "start_latency_s", "error",
+                                          "stdout_bytes", "stderr_bytes", "via")},
+    }
+
+
+class Runner:
+    """Owns the daemon connection and the running jobs' tasks; `stop()` ends both."""
+
+    def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,
+                 kinds: dict[str, Kind], on_change: Callable[[str], None]) -> None:
+        self.store = store
+        self.jobs_dir = jobs_dir
+        self.limits = limits
+        self.socket = socket
+        self.kinds = kinds
+        self.on_change = on_change
+        self.shims: Path | None = None  # a directory with `python` for jobs' PATH
+        self.client: Client | None = None
+        self.daemon_error = ""
+        self.policy = ""
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self.commands: dict[str, str] = {}  # job id -> krex command id
+        self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        self.notify()
+
+    async def connect(self) -> Client | None:
+        """The daemon connection, made again if it was lost; None (and `daemon_error`) if not."""
+        if self.client is not None and self.client._task is not None \
+                and not self.client._task.done():
+            return self.client
+        try:
+            self.client = await Client.connect(self.socket, timeout=5)
+        except KrexError as e:
+            self.client, self.daemon_error = None, e.message
+            return None
+        self.daemon_error = ""
+        self.policy = self.client.welcome.policy if self.client.welcome else ""
+        if self.orphans:
+            await self._reap(self.client)
+        return self.client
+
+    async def _reap(self, client: Client) -> None:
+        """Kill the krex commands of jobs a previous gateway left running (found by label), so a
+        job marked gateway_restarted is not still running behind its record."""
+        labels = {f"gateway {j}" for j in self.orphans}
+        try:
+            status = await client.status()
+            for c in status.get("commands", []):
+                if c.get("label") in labels and c.get("state") in ("queued", "starting",
+                                                                    "running"):
+                    try:
+                        await client.cancel(c["command"], 9)
+                    except KrexError:
+                        pass  # it ended meanwhile
+        except KrexError:
+            return  # try again on the next connection
+        self.orphans.clear()
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            await self._wake.wait()
+            self._wake.clear()
+            while not self._stopping and len(self.running) < self.limits.max_running:
+                client = await self.connect()
+                if client is None:  # keep the queue; try again shortly
+                    asyncio.get_running_loop().call_later(1.0, self._wake.set)
+                    break
+                claimed = self.store.claim()
+                if claimed is None:
+                    break
+                job_id, kind, request = claimed
+                self.on_change(job_id)
+                task = asyncio.get_running_loop().create_task(self._run(client, job_id, kind,
+                                                                        request))
+                self.running[job_id] = task
+                task.add_done_callback(functools.partial(self._done, job_id))
+
+    def _done(self, job_id: str, _task: object = None) -> None:
+        self.running.pop(job_id, None)
+        self.commands.pop(job_id, None)
+        self.on_change(job_id)
+        self._wake.set()
+
+    async def _run(self, client: Client, job_id: str, kind: str, request: dict[str, Any]) -> None:
+        """Run one claimed job to a terminal status. Every failure becomes the job's error."""
+        try:
+            runner = self.kinds[kind]
+            workdir = self.jobs_dir / job_id
+            workdir.mkdir(mode=0o700)
+            (workdir / ".torch_extensions").mkdir(mode=0o700)
+            argv, timeout = runner.prepare(request, workdir)
+            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims)
+            if self.store.status(job_id) != "running":
+                return  # cancelled while being prepared
+            h = await client.submit(argv, cwd=str(workdir), env=env, device="auto",
+                                    timeout=timeout, label=f"gateway {job_id}")
+            self.commands[job_id] = h.command
+            self.store.set_command(job_id, h.command)
+            self.on_change(job_id)
+            if self.store.status(job_id) == "cancelled":
+                await client.cancel(h.command, 9)
+            out, err = bytearray(), bytearray()
+            cut = {"stdout": False, "stderr": False}
+            limit = self.limits.max_output
+            async for stream, data in h.output():
+                buf = out if stream == "stdout" else err
+                room = limit - len(buf)
+                if len(data) > room:
+                    cut[stream] = True
+                buf += data[:max(room, 0)]
+                h._out.clear()  # the handle would keep every byte; we keep `limit` of each
+                h._err.clear()
+            res = await h.wait()
+            result = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
+            status, result, err_obj = self._judge(runner, request, workdir, res.report, result,
+                                                  timeout)
+            self.store.finish(job_id, status, result, err_obj)
+        except KrexError as e:
+            reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
+            self.store.finish(job_id, "failed", None,
+                              error(reason, f"krex: {e.message}", krex_code=e.code))
+        except asyncio.CancelledError:
+            self.store.finish(job_id, "failed", None,
+                              error("gateway_stopped", "the gateway stopped while the job ran"))
+            raise
+        except Exception as e:  # a bug or an OSError preparing the job: the job says so
+            self.store.finish(job_id, "failed", None,
+                              error("execution_error", f"{type(e).__name__}: {e}"))
+
+    def _judge(self, runner: Kind, request: dict[str, Any], workdir: Path, report: Any,
+               result: dict[str, Any], timeout: float
+               ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+        if report.state == "timeout":
+            return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} s")
+        if report.state == "cancelled":
+            return "cancelled", result, error("cancelled", "the krex command was cancelled")
+        if report.state in ("failed", "shutdown"):
+            return "failed", result, error("krex_error", report.error or report.state)
+        if result["stdout_truncated"] or result["stderr_truncated"]:
+            return "failed", result, error("output_too_large", "command output exceeded the "
+                                           f"{self.limits.max_output} byte stream limit")
+        return runner.complete(request, workdir, result)
+
+    async def cancel(self, job_id: str) -> str | None:
+        """Cancel a job; returns the status it had. A running one's krex command is killed."""
+        before = self.store.cancel(job_id)
+        if before == "running":
+            command = self.commands.get(job_id)
+            if command is not None and self.client is not None:
+                try:
+                    await self.client.cancel(command, 9)
+                except KrexError:
+                    pass  # it ended meanwhile: its task records the result under `cancelled`
+        if before is not None and before not in TERMINAL:
+            self.on_change(job_id)
+        return before
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop claiming, cancel running commands, close the daemon connection."""
+        self._stopping = True
+        self._wake.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        # Decided first, so the cancellations below do not turn these jobs into `cancelled`.
+        self.store.fail_running("gateway_stopped", "the gateway stopped while the job ran")
+        for job_id, command in list(self.commands.items()):
+            if self.client is not None:
+                try:
+                    await self.client.cancel(command, 9)
+                except KrexError:
+                    pass
+        tasks = list(self.running.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        if self.client is not None:
+            await self.client.close()

@@ -1,0 +1,364 @@
+"""The cgroup backend: v2 freezer, cpuset cores (v2, or v1 on hybrid hosts), crash-safe thaw.
+
+Each command gets ``<root>/krex/cmd-<id>/`` in v2 with two leaves: ``run/`` where the command starts
+and ``keep/`` for the region owner's own processes (created on demand). A freeze of the whole group
+writes ``cmd-<id>/cgroup.freeze``; a freeze that keeps some pids moves them into ``keep/`` and freezes
+``run/`` only, so a group is never frozen through a parent it shares with anyone else. On hybrid hosts
+the v1 cpuset hierarchy carries the same tree for cores.
+
+The wrapper from `launch_argv` writes its own pid into the cgroup.procs files (v1 first, v2 last) and
+then execs the command, so the command's first instruction already runs inside its cgroups; when the
+v2 leaf was frozen beforehand, the wrapper stops on return from that write and never reaches exec
+until thawed.
+
+Freeze: record intent, arm the cgroup.events watch, write 1, read back, await `frozen 1` within the
+bound; on timeout or any error write 0 back and raise FreezeError. All file access: cgroupfs.CgroupFS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import signal as _signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, IsolationError
+from krex_async.isolation.cgroupfs import (CgroupFileError, CgroupFS, CgroupVanished, EventsWatcher,
+                                           Layout, detect)
+from krex_async.isolation.cpuset import Cores, move
+from krex_async.isolation.intent import KREX, Intent, sweep
+
+DEFAULT_STATE_DIR = "/run/krex" if os.geteuid() == 0 else os.path.join(
+    os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
+
+# $1.. are cgroup.procs files up to "--", then the command. A failed join exits 125 before exec.
+_ENTER = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+@dataclass
+class CgroupGroup(Group):
+    top: str = ""  # krex/cmd-<id>, relative to the v2 root (and the v1 cpuset root)
+    frozen_at: str | None = None  # the cgroup whose cgroup.freeze we set
+    affinity: dict[int, set[int]] = field(default_factory=dict)  # "none" cpuset mode: originals
+
+    @property
+    def run(self) -> str:
+        return f"{self.top}/run"
+
+    @property
+    def keep(self) -> str:
+        return f"{self.top}/keep"
+
+
+def probe_cgroup(root: str | None = None) -> tuple[bool, str]:
+    """Can the cgroup backend run here (root of a writable v2 tree with cgroup.freeze)? And why."""
+    try:
+        lay = detect(root)
+    except (IsolationError, OSError) as e:
+        return False, str(e)
+    probe = os.path.join(lay.v2, KREX)
+    try:
+        os.makedirs(probe, exist_ok=True)
+    except OSError as e:
+        return False, f"cannot create {probe}: {e.strerror}"
+    if not os.path.exists(os.path.join(probe, "cgroup.freeze")):
+        return False, f"{probe} has no cgroup.freeze (kernel older than 5.2?)"
+    return True, lay.reason
+
+
+class CgroupBackend(Backend):
+    """Isolation through cgroups. `root`: a v2 directory to use instead of our own cgroup;
+    `cpuset_root`: the v1 cpuset directory on hybrid hosts; `cpuset`: "auto", "v2", "v1" or "none";
+    `ncpus`: cpus krex may hand out (default: our affinity). Raises IsolationError when unusable."""
+
+    name = "cgroup"
+    wrapper_drops_privileges = True
+
+    def __init__(self, root: str | None = None, state_dir: str = DEFAULT_STATE_DIR,
+                 ncpus: int | None = None, *, cpuset_root: str | None = None,
+                 cpuset: str = "auto") -> None:
+        super().__init__()
+        self.layout: Layout = detect(root, cpuset_root, cpuset)
+        self.v2 = CgroupFS(self.layout.v2)
+        self.v1 = CgroupFS(self.layout.v1_cpuset) if self.layout.v1_cpuset else None
+        self.state_dir = state_dir
+        self.intent = Intent(state_dir)
+        self.cores = Cores(self.layout.cpuset, self.v2, self.v1, self.intent)
+        allowed = sorted(os.sched_getaffinity(0))
+        self.cpus = frozenset(allowed[:ncpus] if ncpus else allowed)
+        self.v2.mkdir(KREX)
+        self.reason = self.layout.reason
+        try:
+            self.cores.setup_root()
+        except CgroupFileError as e:
+            if self.layout.cpuset != "v2":
+                raise
+            # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
+            # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
+            self.cores = Cores("none", self.v2, None, self.intent)
+            self.reason += (f"; cpuset unusable ({e}): cores fenced with sched_setaffinity"
+                            " (run the daemon in a leaf cgroup or configure a root to fix)")
+        self.has_kill = self.v2.exists(KREX, "cgroup.kill")
+        self.groups: dict[str, CgroupGroup] = {}
+        self.orphans: list[tuple[str, list[int]]] = []
+        self._watcher: EventsWatcher | None = None
+        self.watchdog: subprocess.Popen[bytes] | None = None
+        #: re-read cgroup.events on every loop turn this long before relying on the notification
+        self.freeze_spin_s = 0.002
+
+    def start_watchdog(self, pid: int | None = None) -> None:
+        """Start the guard process that sweeps when `pid` (default: us) dies. Raises RuntimeError."""
+        from krex_async.isolation.watchdog import start_watchdog
+        lay = self.layout
+        self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode,
+                                       self.state_dir)
+
+    def _watch(self, rel: str):  # type: ignore[no-untyped-def]
+        if self._watcher is None:
+            self._watcher = EventsWatcher()
+        return self._watcher.watch(self.v2.path(rel, "cgroup.events"))
+
+    async def create(self, command_id: str) -> CgroupGroup:
+        """mkdir krex/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
+        g = CgroupGroup(command_id=command_id)
+        g.top = f"{KREX}/{g.name}"
+        self.v2.mkdir(g.top)
+        try:
+            self.cores.setup_group(g.top, [g.run])
+            self.v2.mkdir(g.run)
+        except BaseException:
+            await self._rmdirs(g)
+            raise
+        self.groups[command_id] = g
+        return g
+
+    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
+                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
+        """`/bin/sh -c <join cgroups; exec>`; with `frozen` the v2 leaf is frozen first (intent
+        recorded synchronously), so the command is stopped before its first instruction.
+
+        The wrapper writes cgroup.procs, so it must start with the daemon's privileges: pass
+        `as_user=(uid, gid, groups)` to drop to the submitting user after joining (setpriv), and
+        spawn without Popen(user=). Raises IsolationError when setpriv is missing.
+        """
+        g = self._g(group)
+        if as_user is not None:
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise IsolationError("setpriv (util-linux) not found: cannot drop to the user after "
+                                     "joining the cgroup")
+            uid, gid, groups = as_user
+            grp = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+            argv = [setpriv, f"--reuid={uid}", f"--regid={gid}", grp, "--", *argv]
+        files = self._procs_files(g)
+        if frozen:
+            self.intent.frozen.add(self.v2.path(g.run))
+            self.intent.write_now()
+            self.v2.write(g.run, "cgroup.freeze", "1")
+            g.frozen, g.frozen_at = True, g.run
+        return ["/bin/sh", "-c", _ENTER, "krex-enter", *files, "--", *argv]
+
+    def _procs_files(self, g: CgroupGroup) -> list[str]:
+        """The cgroup.procs (and v1 cpuset tasks) files a process of the group's run/ leaf joins."""
+        files = [f for f in (self.cores.procs_path(g.run),) if f]
+        files.append(self.v2.path(g.run, "cgroup.procs"))
+        return files
+
+    def cgroup_dir(self, group: Group) -> str | None:
+        return self.v2.path(self._g(group).run)
+
+    def join(self, group: Group, pid: int) -> None:
+        """Write `pid` into the group's run/ leaf (v1 cpuset twin first, as the launch wrapper does).
+        Raises IsolationError (CgroupFileError) when the kernel refuses."""
+        for path in self._procs_files(self._g(group)):
+            try:
+                with open(path, "w") as f:
+                    f.write(str(pid))
+            except OSError as e:
+                raise IsolationError(f"cannot move pid {pid} into {path}: {e.strerror}") from None
+
+    async def started(self, group: Group, pid: int) -> None:
+        group.pid = pid
+
+    def pids(self, group: Group) -> list[int]:
+        g = self._g(group)
+        found: list[int] = []
+        for rel in self.v2.walk(g.top):
+            found.extend(p for p in self.v2.procs(rel) if p not in found)
+        if g.pid in found:
+            found.remove(g.pid)  # type: ignore[arg-type]
+            found.insert(0, g.pid)  # type: ignore[arg-type]
+        return found
+
+    async def freeze(self, group: Group, *, keep: frozenset[int] = frozenset(),
+                     timeout: float = 1.0) -> Freeze:
+        """Freeze the group (its run/ leaf only when `keep` is given, after moving those pids to keep/).
+
+        Returns Freeze(vanished=True) for a cgroup that is gone or empty. Raises FreezeError after
+        writing 0 back when `frozen 1` does not show within `timeout`.
+        """
+        g = self._g(group)
+        t0 = time.perf_counter()
+        mine = [p for p in keep if p in self.pids(g)]
+        target = g.run if mine else g.top
+        try:
+            if mine:
+                self.v2.mkdir(g.keep)
+                back = [p for p in self.v2.procs(g.keep) if p not in mine]
+                move(self.v2, g.run, back)
+                move(self.v2, g.keep, mine)
+            await self.intent.ensure(frozen=[self.v2.path(target)])
+            with self._watch(target) as w:
+                self.v2.write(target, "cgroup.freeze", "1")
+                g.frozen, g.frozen_at = True, target
+                if self.v2.read(target, "cgroup.freeze").strip() != "1":
+                    raise FreezeError(g.name, f"{self.v2.path(target, 'cgroup.freeze')} did not read 1")
+                ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout,
+                                   spin=self.freeze_spin_s)
+            if not ok:
+                stuck = self._not_frozen(target)
+                raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
+                                  f"tasks not stopped: {stuck}")
+        except CgroupVanished:
+            self._unfreeze(g)
+            return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
+        except BaseException:
+            self._unfreeze(g)
+            raise
+        n = sum(len(self.v2.procs(rel)) for rel in self.v2.walk(target))
+        return Freeze(g.name, time.perf_counter() - t0, n, vanished=n == 0)
+
+    async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
+                          timeout: float = 1.0) -> list[Freeze]:
+        """Freeze the groups concurrently (one intent write, all cgroup.freeze writes in one loop
+        turn, then one shared wait). On any failure every group of the batch is thawed again and
+        the first error propagates."""
+        results = await asyncio.gather(*(self.freeze(g, keep=keep, timeout=timeout) for g in groups),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for g in groups:
+                self._unfreeze(self._g(g))
+            raise errors[0]
+        return [r for r in results if isinstance(r, Freeze)]
+
+    def _not_frozen(self, target: str) -> str:
+        out = []
+        for rel in self.v2.walk(target):
+            for pid in self.v2.procs(rel):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                out.append(f"{pid}({state})")
+        return ", ".join(out) or "none listed"
+
+    def _unfreeze(self, g: CgroupGroup) -> None:
+        """Write cgroup.freeze=0 wherever we may have written 1; never raises for a vanished cgroup."""
+        for rel in {g.frozen_at or g.top, g.top, g.run}:
+            try:
+                if self.v2.read(rel, "cgroup.freeze").strip() != "0":
+                    self.v2.write(rel, "cgroup.freeze", "0")
+            except CgroupVanished:
+                pass
+        g.frozen, g.frozen_at = False, None
+
+    async def thaw(self, group: Group) -> float:
+        """cgroup.freeze=0 (no wait: thawing is immediate for the tasks). Raises CgroupFileError
+        only for a cgroup that exists and refuses."""
+        t0 = time.perf_counter()
+        self._unfreeze(self._g(group))
+        return time.perf_counter() - t0
+
+    async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
+                        pids: list[int] | None = None, exclusive: bool = False) -> None:
+        """Fence the group, or exactly `pids`, onto `cpus`; None restores (those pids' leaf, or
+        the whole group). `exclusive`: these are region cores for the owner's `pids`: they go to
+        keep/ and, on v2, into a cpuset partition where the kernel allows it (else a plain cpuset;
+        `self.cores.partition_why` says why). A vanished group is left alone; other failures
+        raise IsolationError."""
+        g = self._g(group)
+        try:
+            await self.cores.apply(g.name, g.top, g.run, g.keep, cpus, pids, self.pids(g), g.affinity,
+                                   exclusive)
+        except CgroupVanished:
+            return
+        if pids is None:
+            g.cores = cpus
+
+    async def kill(self, group: Group, sig: int = _signal.SIGKILL) -> None:
+        """cgroup.kill for SIGKILL where the kernel has it; else `sig` to every pid (frozen included)."""
+        g = self._g(group)
+        if sig == _signal.SIGKILL and self.has_kill:
+            try:
+                self.v2.write(g.top, "cgroup.kill", "1")
+                return
+            except CgroupVanished:
+                return
+        for pid in self.pids(g):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def remove(self, group: Group, timeout: float = 2.0) -> None:
+        """Wait (bounded, on cgroup.events) until the group is empty, killing it if it is not,
+        then rmdir its cgroups. Raises IsolationError when tasks outlive the bound."""
+        g = self._g(group)
+        try:
+            with self._watch(g.top) as w:
+                empty = lambda: self.v2.events(g.top).get("populated") == 0  # noqa: E731
+                if not await w.until(empty, timeout / 2):
+                    await self.kill(g)
+                    if not await w.until(empty, timeout / 2):
+                        raise IsolationError(f"{self.v2.path(g.top)} still has tasks after {timeout}s: "
+                                             f"{self.pids(g)}")
+        except CgroupVanished:
+            pass
+        self._unfreeze(g)
+        await self._rmdirs(g)
+        self.intent.forget([self.v2.path(r) for r in (g.top, g.run)] +
+                           [self.cores.fs.path(r, "cpuset.cpus") for r in (g.run, g.keep)])
+        self.groups.pop(g.command_id, None)
+
+    async def _rmdirs(self, g: CgroupGroup) -> None:
+        leaves = [g.run, g.keep]
+        for attempt in range(50):  # v1 twins can lag the v2 emptiness by a scheduler tick
+            try:
+                for rel in leaves + [g.top]:
+                    self.v2.rmdir(rel)
+                self.cores.remove_group(g.top, leaves)
+                return
+            except CgroupFileError as e:
+                if e.errno != errno.EBUSY or attempt == 49:
+                    raise
+                await asyncio.sleep(0.002)
+
+    async def reconcile(self) -> list[str]:
+        """Thaw everything under krex/, restore cpusets and partitions, remove empty command cgroups;
+        report also what the previous intent record said. Populated leftovers stay (self.orphans)."""
+        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir)
+        self.intent.write_now()
+        return lines or ["nothing left by a previous daemon"]
+
+    async def close(self) -> None:
+        """Stop the watchdog (clean shutdown: nothing is frozen any more) and the inotify watcher."""
+        if self.watchdog is not None:
+            self.watchdog.terminate()
+            self.watchdog.wait()
+            if self.watchdog.stdout:
+                self.watchdog.stdout.close()
+            self.watchdog = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+
+    def _g(self, group: Group) -> CgroupGroup:
+        if not isinstance(group, CgroupGroup):
+            raise IsolationError(f"{group.name} is not a cgroup group")
+        return group

@@ -1,0 +1,212 @@
+"""Region cores: fence a command's cgroup (or some of its pids) onto a set of cpus, and restore.
+
+Three mechanisms, one interface (`Cores.apply`):
+- "v2": cpuset.cpus of the command's leaf cgroups (run/, keep/) in the v2 tree, and, for the region
+  owner's pids (keep/), a remote cpuset partition (cpuset.cpus.exclusive up the chain, then
+  cpuset.cpus.partition=root) where the kernel accepts it; a refused partition is remembered and the
+  plain cpuset still applies.
+- "v1": the same leaves in the v1 cpuset hierarchy (hybrid hosts). Children are created with
+  cgroup.clone_children=1 so cpus and mems are set before any task joins; only leaves are written,
+  so a parent never shrinks under a child (EBUSY in v1).
+- "none": sched_setaffinity of every thread, originals kept per thread.
+Originals are recorded in the intent record before anything changes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from krex_async.isolation.base import IsolationError
+from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+from krex_async.isolation.intent import KREX, Intent
+
+
+def fmt(cpus: frozenset[int] | set[int]) -> str:
+    """{0,1,2,5} -> '0-2,5'."""
+    out: list[str] = []
+    for c in sorted(cpus):
+        if out and out[-1].split("-")[-1] == str(c - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
+
+
+def parse(text: str) -> frozenset[int]:
+    """'0-2,5' -> {0,1,2,5}; '' -> {}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus)
+
+
+def move(fs: CgroupFS, rel: str, pids: list[int]) -> None:
+    """Move processes into `rel`; a pid that exited meanwhile is skipped."""
+    for pid in pids:
+        try:
+            fs.write(rel, "cgroup.procs", str(pid))
+        except CgroupVanished:
+            raise
+        except CgroupFileError as e:
+            if e.errno != errno.ESRCH:  # exited meanwhile
+                raise
+
+
+class Cores:
+    """Fencing for one backend. `mode` is "v2", "v1" or "none" (see module docstring)."""
+
+    def __init__(self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent) -> None:
+        self.mode, self.v2, self.v1, self.intent = mode, v2, v1, intent
+        self.fs: CgroupFS = v1 if (mode == "v1" and v1 is not None) else v2
+        self.partition: bool | None = None  # None: not tried yet
+        self.partition_why = ""
+
+    def setup_root(self) -> None:
+        """Make krex/ able to carry cpusets. Raises CgroupFileError."""
+        if self.mode == "v2":
+            self._enable(self.v2, "")
+            self.v2.mkdir(KREX)
+            self._enable(self.v2, KREX)
+        elif self.mode == "v1" and self.v1 is not None:
+            self.v1.mkdir(KREX)
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if not self.v1.read(KREX, name).strip():
+                    self.v1.write(KREX, name, self.v1.read("", name).strip())
+            self.v1.write(KREX, "cgroup.clone_children", "1")
+
+    @staticmethod
+    def _enable(fs: CgroupFS, rel: str) -> None:
+        if "cpuset" not in fs.read(rel, "cgroup.subtree_control").split():
+            fs.write(rel, "cgroup.subtree_control", "+cpuset")
+
+    def setup_group(self, top: str, leaves: list[str]) -> None:
+        """After mkdir of `top` in v2 (before its leaves): enable cpuset below it; make the v1 twin."""
+        if self.mode == "v2":
+            self._enable(self.v2, top)
+        elif self.mode == "v1" and self.v1 is not None:
+            self.v1.mkdir(top)
+            self.v1.write(top, "cgroup.clone_children", "1")
+            for leaf in leaves:
+                self.v1.mkdir(leaf)
+
+    def remove_group(self, top: str, leaves: list[str]) -> None:
+        if self.mode == "v1" and self.v1 is not None:
+            for rel in leaves + [top]:
+                self.v1.rmdir(rel)
+
+    def procs_path(self, leaf: str) -> str | None:
+        """The v1 cgroup.procs a new process must join too (hybrid), else None."""
+        return self.v1.path(leaf, "cgroup.procs") if self.mode == "v1" and self.v1 else None
+
+    async def apply(self, name: str, top: str, run: str, keep: str, cpus: frozenset[int] | None,
+                    pids: list[int] | None, all_pids: list[int], affinity: dict[int, set[int]],
+                    exclusive: bool = False) -> None:
+        """Fence the whole group (`pids` None) or exactly `pids` onto `cpus`; None restores.
+
+        Per-pid fences map onto the two leaves: pids that are all of run/ (a sibling fenced except
+        for nothing, or the owner's other processes) fence run/; any other set of pids, and any
+        `exclusive` fence (the region owner's cores), is moved into keep/ (others there go back to
+        run/) and fences keep/; `exclusive` also asks for a v2 cpuset partition. Pids of other
+        leaves keep their cpus. Raises IsolationError naming the file; a vanished group is left
+        alone (CgroupVanished propagates to the caller).
+        """
+        if self.mode == "none":
+            self._affinity(cpus, pids if pids is not None else all_pids, affinity, pids is None)
+            return
+        fs = self.fs
+        original = fs.read(top, "cpuset.cpus").strip() if self.mode == "v1" else ""
+        in_run, in_keep = set(fs.procs(run)), set(fs.procs(keep))
+        if pids is None:
+            leaves = [leaf for leaf in (run, keep) if fs.exists(leaf)]
+        else:
+            want = set(pids) & (in_run | in_keep)
+            if not want:
+                return
+            if want == in_run and not (exclusive and cpus is not None):
+                leaves = [run]
+            elif want == in_keep or cpus is None:
+                leaves = [keep] if want <= in_keep else [run, keep]
+            else:
+                fs.mkdir(keep)
+                move(fs, run, sorted(in_keep - want))
+                move(fs, keep, sorted(want - in_keep))
+                leaves = [keep]
+        if cpus is None:
+            if self.mode == "v2" and keep in leaves:
+                self._unpartition(keep, top)
+            for leaf in leaves:
+                fs.write(leaf, "cpuset.cpus", original)
+            return
+        if not cpus:
+            raise IsolationError(f"set_cores of {name}: empty cpu set")
+        await self.intent.ensure(fenced={fs.path(leaf, "cpuset.cpus"): original for leaf in leaves})
+        for leaf in leaves:
+            fs.write(leaf, "cpuset.cpus", fmt(cpus))
+        if self.mode == "v2" and exclusive and leaves == [keep]:
+            self._partition(keep, top, cpus)
+
+    def _partition(self, keep: str, top: str, cpus: frozenset[int]) -> None:
+        fs = self.fs
+        if self.partition is False or not fs.exists(keep, "cpuset.cpus.partition"):
+            return
+        try:
+            have = parse(fs.read(KREX, "cpuset.cpus.exclusive"))
+            fs.write(KREX, "cpuset.cpus.exclusive", fmt(have | cpus))
+            fs.write(top, "cpuset.cpus.exclusive", fmt(cpus))
+            fs.write(keep, "cpuset.cpus.exclusive", fmt(cpus))
+            fs.write(keep, "cpuset.cpus.partition", "root")
+            state = fs.read(keep, "cpuset.cpus.partition").strip()
+            if state != "root":
+                raise IsolationError(f"{fs.path(keep, 'cpuset.cpus.partition')} reads {state!r}")
+            self.partition = True
+        except (CgroupFileError, IsolationError) as e:
+            self.partition, self.partition_why = False, f"cpuset partition refused: {e}"
+            self._unpartition(keep, top)
+
+    def _unpartition(self, keep: str, top: str) -> None:
+        fs = self.fs
+        if not fs.exists(keep, "cpuset.cpus.partition"):
+            return
+        for rel, name, value in ((keep, "cpuset.cpus.partition", "member"),
+                                 (keep, "cpuset.cpus.exclusive", ""),
+                                 (top, "cpuset.cpus.exclusive", "")):
+            try:
+                if fs.read(rel, name).split()[:1] != [value] and (value or fs.read(rel, name).strip()):
+                    fs.write(rel, name, value)
+            except CgroupFileError:
+                pass
+        try:
+            mine = parse(fs.read(keep, "cpuset.cpus"))
+            rest = parse(fs.read(KREX, "cpuset.cpus.exclusive")) - mine
+            fs.write(KREX, "cpuset.cpus.exclusive", fmt(rest))
+        except CgroupFileError:
+            pass
+
+    @staticmethod
+    def _affinity(cpus: frozenset[int] | None, pids: list[int], saved: dict[int, set[int]],
+                  everything: bool) -> None:
+        tids: list[int] = []
+        for pid in pids:
+            try:
+                tids.extend(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+            except FileNotFoundError:
+                continue
+        if cpus is None:
+            for tid in list(saved) if everything else [t for t in tids if t in saved]:
+                try:
+                    os.sched_setaffinity(tid, saved[tid])
+                except OSError:
+                    pass
+                del saved[tid]
+            return
+        for tid in tids:
+            try:
+                saved.setdefault(tid, os.sched_getaffinity(tid))
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                continue
+            except OSError as e:
+                raise IsolationError(f"sched_setaffinity({tid}, {fmt(cpus)}): {e.strerror}") from None

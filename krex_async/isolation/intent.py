@@ -1,0 +1,195 @@
+"""The durable intent record, and the sweep that undoes whatever a dead daemon left.
+
+Before the daemon freezes or fences anything it records what it may freeze and the original cpusets
+(`Intent.ensure`), written atomically: a temporary file, fsync, rename, fsync of the directory. Entries
+are added before the act and dropped lazily, so the record always covers at least what is frozen or
+fenced. Concurrent callers in one loop turn coalesce into one write.
+
+`sweep()` is what start-up (CgroupBackend.reconcile) and the watchdog run. It does not depend on the
+record: it thaws every cgroup under krex/ (thawing is always safe), puts every cpuset under krex/ back
+to its structural original (v2: inherit, member partition; v1: the parent's cpus), removes empty
+command cgroups, and then reads the record only to report what the previous daemon had intended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+
+KREX = "krex"
+
+
+class Intent:
+    """The record at `<state_dir>/intent.json`: {'frozen': [paths], 'fenced': {path: original cpus}}."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, "intent.json")
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        self.frozen: set[str] = set()
+        self.fenced: dict[str, str] = {}
+        self._written: tuple[frozenset[str], tuple[tuple[str, str], ...]] | None = None
+        self._flush: asyncio.Future[None] | None = None
+
+    def write_now(self) -> None:
+        """Write the record atomically if it changed since the last write. Raises OSError."""
+        state = (frozenset(self.frozen), tuple(sorted(self.fenced.items())))
+        if state == self._written:
+            return
+        tmp = f"{self.path}.tmp"
+        data = json.dumps({"version": 1, "pid": os.getpid(), "frozen": sorted(self.frozen),
+                           "fenced": self.fenced}).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)
+        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self._written = state
+
+    async def ensure(self, frozen: Iterable[str] = (), fenced: dict[str, str] | None = None) -> None:
+        """Add entries and return once they are durable. Callers in the same loop turn share one write."""
+        new = [p for p in frozen if p not in self.frozen]
+        newf = {k: v for k, v in (fenced or {}).items() if k not in self.fenced}
+        if not new and not newf and self._flush is None:
+            return
+        self.frozen.update(new)
+        self.fenced.update(newf)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_future()
+            fut = self._flush
+            await asyncio.sleep(0)  # let the other freezes of this batch add their entries
+            self._flush = None
+            try:
+                self.write_now()
+                fut.set_result(None)
+            except OSError as e:
+                fut.set_exception(e)
+                raise
+        else:
+            await asyncio.shield(self._flush)
+
+    def forget(self, paths: list[str]) -> None:
+        """Drop entries of removed cgroups (written with the next change)."""
+        for p in paths:
+            self.frozen.discard(p)
+            self.fenced.pop(p, None)
+
+
+def read_record(state_dir: str) -> tuple[dict[str, Any] | None, str]:
+    """(record, problem): the previous record, or None and why it could not be used."""
+    path = os.path.join(state_dir, "intent.json")
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        if not isinstance(rec, dict):
+            return None, f"intent record {path} damaged: not an object"
+        return rec, ""
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, f"intent record {path} damaged: {e}"
+
+
+def _try(lines: list[str], what: str, fn: Any, *args: Any) -> bool:
+    try:
+        fn(*args)
+        return True
+    except CgroupVanished:
+        return False
+    except CgroupFileError as e:
+        lines.append(f"could not {what}: {e}")
+        return False
+
+
+def thaw_all(v2: CgroupFS, lines: list[str]) -> None:
+    """Write cgroup.freeze=0 wherever it reads 1 under krex/ (children first, then parents)."""
+    for rel in reversed(v2.walk(KREX)):
+        try:
+            if v2.read(rel, "cgroup.freeze").strip() == "1" and \
+                    _try(lines, f"thaw {rel}", v2.write, rel, "cgroup.freeze", "0"):
+                lines.append(f"thawed {rel}")
+        except CgroupFileError:
+            continue
+
+
+def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[str]) -> None:
+    """Put cpusets under krex/ back to what create() made: v2 inherit/member, v1 the parent's cpus."""
+    if cpuset == "v2":
+        dirs = v2.walk(KREX)
+        for rel in reversed(dirs):  # partitions off, leaves first
+            if v2.exists(rel, "cpuset.cpus.partition"):
+                try:
+                    part = v2.read(rel, "cpuset.cpus.partition").split()[0]
+                except (CgroupFileError, IndexError):
+                    continue
+                if part != "member" and _try(lines, f"reset partition {rel}",
+                                             v2.write, rel, "cpuset.cpus.partition", "member"):
+                    lines.append(f"partition of {rel} back to member (was {part})")
+        for rel in reversed(dirs):
+            for name in ("cpuset.cpus.exclusive", "cpuset.cpus"):
+                try:
+                    if v2.exists(rel, name) and v2.read(rel, name).strip():
+                        old = v2.read(rel, name).strip()
+                        if _try(lines, f"reset {rel}/{name}", v2.write, rel, name, ""):
+                            lines.append(f"{rel}/{name} back to inherited (was {old})")
+                except CgroupFileError:
+                    continue
+    elif cpuset == "v1" and v1 is not None:
+        for rel in v1.walk(KREX):  # parents first: a child may only widen up to its parent
+            parent = os.path.dirname(rel)
+            try:
+                want, have = v1.read(parent, "cpuset.cpus").strip(), v1.read(rel, "cpuset.cpus").strip()
+            except CgroupFileError:
+                continue
+            if want != have and _try(lines, f"restore {rel}", v1.write, rel, "cpuset.cpus", want):
+                lines.append(f"v1 {rel}/cpuset.cpus back to {want} (was {have})")
+
+
+def remove_empty(v2: CgroupFS, v1: CgroupFS | None, lines: list[str]) -> list[tuple[str, list[int]]]:
+    """rmdir command cgroups without tasks; returns (name, pids) of those still populated."""
+    alive: list[tuple[str, list[int]]] = []
+    for top in v2.children(KREX):
+        dirs = v2.walk(top)
+        pids = sorted({p for d in dirs for p in v2.procs(d)})
+        if pids:
+            alive.append((os.path.basename(top), pids))
+            lines.append(f"adopted {top}: still running pids {pids}")
+            continue
+        for d in reversed(dirs):
+            _try(lines, f"remove {d}", v2.rmdir, d)
+        if v1 is not None:
+            for d in reversed(v1.walk(top)):
+                _try(lines, f"remove v1 {d}", v1.rmdir, d)
+        lines.append(f"ended {top}: empty, removed")
+    return alive
+
+
+def sweep(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str | None,
+          remove: bool = True) -> tuple[list[str], list[tuple[str, list[int]]]]:
+    """Thaw, restore cpusets, remove empty command cgroups, report the old record.
+
+    Never raises for cgroup trouble (each failure becomes a line). Returns (lines, still-running).
+    """
+    lines: list[str] = []
+    thaw_all(v2, lines)
+    restore_cpusets(v2, v1, cpuset, lines)
+    alive = remove_empty(v2, v1, lines) if remove else []
+    if state_dir is not None:
+        rec, problem = read_record(state_dir)
+        if problem:
+            lines.append(problem + " (thawed and restored regardless)")
+        elif rec and (rec.get("frozen") or rec.get("fenced")):
+            lines.append(f"previous daemon pid {rec.get('pid')} intended to freeze "
+                         f"{len(rec.get('frozen', []))} and fence {len(rec.get('fenced', {}))} cgroups")
+    return lines, alive

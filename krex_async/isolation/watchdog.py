@@ -1,0 +1,89 @@
+"""A tiny separate process that thaws krex's cgroups when the daemon dies, SIGKILL included.
+
+    daemon ──start_watchdog()── exec python -m krex_async.isolation.watchdog --pid DAEMON ...
+       │                                    │ pidfd_open(DAEMON); print "ready"
+       ╳ (dies)                              │ poll(pidfd) wakes
+                                             └─ intent.sweep(): thaw all, restore cpusets; exit
+
+It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
+only the cgroupfs and intent modules, and removes nothing but empty command cgroups. SIGTERM (the
+daemon's clean shutdown) ends it without a sweep; SIGINT is ignored so a terminal ^C aimed at the
+daemon leaves the guard in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from krex_async.isolation.cgroupfs import CgroupFS
+from krex_async.isolation.intent import sweep
+
+
+def start_watchdog(pid: int, v2_root: str, v1_root: str | None, cpuset: str, state_dir: str,
+                   timeout: float = 5.0) -> subprocess.Popen[bytes]:
+    """Start the watchdog for `pid` and return once it holds the pidfd. Raises RuntimeError when it
+    does not report ready within `timeout` (the child is killed then)."""
+    argv = [sys.executable, "-m", "krex_async.isolation.watchdog", "--pid", str(pid),
+            "--v2", v2_root, "--cpuset", cpuset, "--state-dir", state_dir]
+    if v1_root:
+        argv += ["--v1", v1_root]
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, start_new_session=True,
+                            close_fds=True)
+    assert proc.stdout is not None
+    ready = select.select([proc.stdout], [], [], timeout)[0]
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"ready":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"watchdog for pid {pid} did not start: {line!r}")
+    return proc
+
+
+def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str) -> list[str]:
+    """Block until `pid` exits, then sweep. Returns the sweep's lines."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        print("ready", flush=True)
+        p = select.poll()
+        p.register(pidfd, select.POLLIN)
+        while not p.poll():
+            pass
+    finally:
+        os.close(pidfd)
+    t0 = time.monotonic()
+    lines, _alive = sweep(v2, v1, cpuset, state_dir)
+    lines.append(f"watchdog: daemon {pid} died; sweep took {time.monotonic() - t0:.4f}s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="krex-watchdog")
+    ap.add_argument("--pid", type=int, required=True)
+    ap.add_argument("--v2", required=True)
+    ap.add_argument("--v1")
+    ap.add_argument("--cpuset", default="v2")
+    ap.add_argument("--state-dir", required=True)
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        lines = guard(a.pid, CgroupFS(a.v2), CgroupFS(a.v1) if a.v1 else None, a.cpuset, a.state_dir)
+    except ProcessLookupError:
+        print(f"watchdog: pid {a.pid} is not running", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

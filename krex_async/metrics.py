@@ -1,0 +1,249 @@
+"""Prometheus metrics for the daemon (`krex serve --metrics 127.0.0.1:9464`).
+
+The daemon owns one `Metrics` and calls its methods from the event loop as things happen; each call is
+a few dict lookups and a lock, cheap enough for every command and region. Without prometheus-client
+installed, or before `start()`, the methods still work and only `start()` fails (MetricsUnavailable,
+with the pip line that fixes it), so the daemon needs no `if metrics:` around its calls.
+
+Exposition: prometheus-client's own HTTP server on a daemon thread (`start_http_server`) with a
+dedicated CollectorRegistry. Why a thread and not an aiohttp handler on the loop: it needs no aiohttp
+(an optional dependency for the gateway only), and a slow or hostile scraper costs a thread, never
+event-loop time during a region. The metric objects are thread-safe, so the loop updates and the
+scrape thread reads without further locking.
+
+Metric names (all prefixed krex_):
+    commands{state=queued|running,policy}          gauge      commands now in that state
+    commands_started_total{policy,device,via}      counter
+    commands_ended_total{policy,state}             counter    state: exited, signaled, timeout, ...
+    command_wall_seconds{policy}                   histogram
+    regions_held{device}                           gauge
+    region_enter_seconds{device}                   histogram  request to grant, all steps
+    region_freeze_seconds / _quiesce_ / _cores_    histograms the steps of entering
+    region_hold_seconds{device}                    histogram  grant to release
+    regions_total{device,outcome}                  counter    released, expired, owner-died, ...
+    region_drain_total{device,drain}               counter    synced, idle-verified, timeout, ...
+    strays_total{device}                           counter    GPU activity of non-owners in regions
+    probe_lost_events_total                        counter
+    pool_workers{device,state=warm|busy}           gauge
+    pool_retired_total{device}                     counter
+    pool_start_seconds{device}                     histogram  command start latency through the pool
+    device_utilization_percent{device}             gauge
+    info{version,policy,isolation}                 gauge = 1
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import Any
+
+__all__ = ["Metrics", "MetricsUnavailable", "parse_addr"]
+
+_prom: ModuleType | None
+try:
+    import prometheus_client as _prom
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+except ImportError as e:  # optional dependency: krex[metrics]
+    _prom = None
+    _IMPORT_ERROR = str(e)
+else:
+    _IMPORT_ERROR = ""
+
+# Region steps are sub-millisecond to seconds; command walls are seconds to hours.
+_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_SLOW = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+
+class MetricsUnavailable(RuntimeError):
+    """The endpoint cannot be served; the message says why and how to fix it."""
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """'127.0.0.1:9464', '[::1]:9464' or ':9464' (all interfaces) -> (host, port). ValueError else."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--metrics {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+class Metrics:
+    """The daemon's counters, gauges and histograms, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.available = _prom is not None
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+        self.address: tuple[str, int] | None = None
+        self._retired: dict[str, int] = {}
+        self._queued: set[str] = set()
+        self._lost_total = 0
+        if _prom is None:
+            return
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self._commands = Gauge("krex_commands", "Commands now queued or running", ["state", "policy"],
+                               registry=r)
+        self._started = Counter("krex_commands_started", "Commands started",
+                                ["policy", "device", "via"], registry=r)
+        self._ended = Counter("krex_commands_ended", "Commands ended, by final state",
+                              ["policy", "state"], registry=r)
+        self._wall = Histogram("krex_command_wall_seconds", "Command wall-clock time", ["policy"],
+                               buckets=_SLOW, registry=r)
+        self._held = Gauge("krex_regions_held", "Regions granted and not yet released", ["device"],
+                           registry=r)
+        self._enter = Histogram("krex_region_enter_seconds", "Region request to grant",
+                                ["device"], buckets=_FAST, registry=r)
+        self._freeze = Histogram("krex_region_freeze_seconds", "Freezing a region's siblings",
+                                 ["device"], buckets=_FAST, registry=r)
+        self._quiesce = Histogram("krex_region_quiesce_seconds", "Cooperative quiesce of siblings",
+                                  ["device"], buckets=_FAST, registry=r)
+        self._cores = Histogram("krex_region_cores_seconds", "Reserving region cores and fencing",
+                                ["device"], buckets=_FAST, registry=r)
+        self._hold = Histogram("krex_region_hold_seconds", "Region grant to release", ["device"],
+                               buckets=_SLOW, registry=r)
+        self._regions = Counter("krex_regions", "Regions ended, by outcome", ["device", "outcome"],
+                                registry=r)
+        self._drain = Counter("krex_region_drain", "How each region's drain ended",
+                              ["device", "drain"], registry=r)
+        self._strays = Counter("krex_strays", "GPU activity of non-owners during regions",
+                               ["device"], registry=r)
+        self._lost = Counter("krex_probe_lost_events", "Probe events the kernel dropped", registry=r)
+        self._pool = Gauge("krex_pool_workers", "Context pool workers", ["device", "state"],
+                           registry=r)
+        self._pool_retired = Counter("krex_pool_retired", "Context pool workers retired",
+                                     ["device"], registry=r)
+        self._pool_start = Histogram("krex_pool_start_seconds", "Command start latency via the pool",
+                                     ["device"], buckets=_FAST, registry=r)
+        self._util = Gauge("krex_device_utilization_percent", "Device utilisation", ["device"],
+                           registry=r)
+        self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"],
+                           registry=r)
+
+    # ------------------------------------------------------------------------------- commands
+
+    def info(self, version: str, policy: str, isolation: str) -> None:
+        if self.available:
+            self._info.labels(version, policy, isolation).set(1)
+
+    def command_submitted(self, policy: str, device: str, queued: bool, command: str = "") -> None:
+        """A command was accepted; `queued` when it waits for its device (policy command). With its
+        id, its later start or end takes it out of the queued gauge again."""
+        if self.available and queued:
+            self._commands.labels("queued", policy).inc()
+            self._queued.add(command)
+
+    def _unqueue(self, policy: str, command: str) -> None:
+        if command and command in self._queued:
+            self._queued.discard(command)
+            self._commands.labels("queued", policy).dec()
+
+    def command_started(self, policy: str, device: str, via: str, command: str = "") -> None:
+        """A command's leader was spawned (`via`: exec, or pool when a warm worker ran it)."""
+        if not self.available:
+            return
+        self._unqueue(policy, command)
+        self._commands.labels("running", policy).inc()
+        self._started.labels(policy, device, via).inc()
+
+    def command_ended(self, policy: str, state: str, wall_s: float, command: str = "", *,
+                      started: bool = True) -> None:
+        """A command ended in `state` (exited, signaled, timeout, cancelled, shutdown, failed).
+        `started=False` for one that never ran (cancelled while queued, failed to spawn)."""
+        if not self.available:
+            return
+        self._unqueue(policy, command)
+        if started:
+            self._commands.labels("running", policy).dec()
+            self._wall.labels(policy).observe(max(0.0, wall_s))
+        self._ended.labels(policy, state).inc()
+
+    # -------------------------------------------------------------------------------- regions
+
+    def region_entered(self, device: str, enter_s: float, freeze_s: float, cores_s: float,
+                       quiesce_s: float) -> None:
+        """A region was granted, with what each step of entering cost."""
+        if not self.available:
+            return
+        self._held.labels(device).inc()
+        self._enter.labels(device).observe(enter_s)
+        self._freeze.labels(device).observe(freeze_s)
+        self._cores.labels(device).observe(cores_s)
+        self._quiesce.labels(device).observe(quiesce_s)
+
+    def region_released(self, device: str, held_s: float, outcome: str, drain: str, *,
+                        granted: bool = True) -> None:
+        """A region ended (every region, granted or not: `granted=False` for refused or withdrawn)."""
+        if not self.available:
+            return
+        if granted:
+            self._held.labels(device).dec()
+            self._hold.labels(device).observe(held_s)
+            self._drain.labels(device, drain).inc()
+        self._regions.labels(device, outcome).inc()
+
+    def strays(self, device: str, n: int) -> None:
+        if self.available and n > 0:
+            self._strays.labels(device).inc(n)
+
+    def probe_lost(self, n: int) -> None:
+        """`n` more probe events were lost."""
+        if self.available and n > 0:
+            self._lost.inc(n)
+
+    def probe_lost_total(self, total: int) -> None:
+        """The probe backend's running count of lost events (its `lost()`); exports the increase."""
+        self.probe_lost(total - self._lost_total)
+        self._lost_total = max(self._lost_total, total)
+
+    # -------------------------------------------------------------------------- pool, devices
+
+    def pool(self, device: str, warm: int, busy: int, retired: int,
+             start_latency_s: float | None = None) -> None:
+        """The pool's state on `device`: workers warm and busy now, `retired` its running total
+        (exported as a counter from the increases), and one start latency if a command just started."""
+        if not self.available:
+            return
+        self._pool.labels(device, "warm").set(warm)
+        self._pool.labels(device, "busy").set(busy)
+        delta = retired - self._retired.get(device, 0)
+        if delta > 0:
+            self._pool_retired.labels(device).inc(delta)
+            self._retired[device] = retired
+        if start_latency_s is not None:
+            self._pool_start.labels(device).observe(start_latency_s)
+
+    def device_util(self, device: str, pct: float) -> None:
+        if self.available:
+            self._util.labels(device).set(pct)
+
+    # ------------------------------------------------------------------------------- exposing
+
+    def start(self, addr: str) -> tuple[str, int]:
+        """Serve /metrics on `addr` (HOST:PORT, port 0 picks one) from a daemon thread; returns the
+        bound (host, port). Raises MetricsUnavailable without prometheus-client, ValueError for a bad
+        address, OSError when the port cannot be bound."""
+        if _prom is None:
+            raise MetricsUnavailable(f"--metrics needs prometheus-client ({_IMPORT_ERROR}); install "
+                                     "it with `pip install 'krex[metrics]'` or "
+                                     "`pip install prometheus-client`")
+        host, port = parse_addr(addr)
+        self.server, self.thread = _prom.start_http_server(port, addr=host, registry=self.registry)
+        bound = self.server.server_address
+        self.address = (str(bound[0]), int(bound[1]))
+        return self.address
+
+    def stop(self) -> None:
+        """Stop the endpoint (idempotent) and close its socket."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def scrape(self) -> bytes:
+        """The text exposition, as a scraper would get it (b"" without prometheus-client)."""
+        return _prom.generate_latest(self.registry) if _prom is not None else b""
+
+
+async def serve_metrics(metrics: Metrics, addr: str) -> tuple[str, int]:
+    """`metrics.start(addr)` for callers on the event loop (binding is quick; it runs inline)."""
+    return metrics.start(addr)

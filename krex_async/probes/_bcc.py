@@ -1,0 +1,232 @@
+"""What the bcc backends share: importing bcc, and a ring-buffer poller on its own thread.
+
+Data flow of a bcc backend:
+
+    BPF program (tracepoint/uprobe) ──ringbuf_reserve──► ring buffer ──► drain thread
+        │  (reserve fails: lost[0] += 1;                   every 10 ms: read the ring's mmap (MmapRing;
+        │   submit with BPF_RB_NO_WAKEUP)                  bcc's ring_buffer_consume where not x86-64),
+        └─ counts map (per tgid, lossless)                 decode, then the batch goes to the loop through
+                                                           loop.call_soon_threadsafe(on_events, batch)
+
+bcc is Debian's python3-bpfcc (not on PyPI). `import_bcc()` imports it from sys.path (a venv with the
+.pth file that .ci/install-bcc.sh writes, or PYTHONPATH as .bcc/activate.sh sets) and otherwise loads
+the `bcc` package alone from /usr/lib/python3/dist-packages, without putting the rest of Debian's
+packages on sys.path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes as ct
+import importlib.util
+import mmap
+import os
+import platform
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .base import ProbeEvent, ProbeUnavailable
+
+DEBIAN_BCC = "/usr/lib/python3/dist-packages/bcc/__init__.py"
+_U64, _U32 = struct.Struct("<Q"), struct.Struct("<I")
+
+
+def import_bcc() -> ModuleType:
+    """Return the `bcc` module. Raises ProbeUnavailable (with the reason) when it cannot be imported."""
+    try:
+        import bcc  # type: ignore[import-not-found]
+        return bcc
+    except ImportError as e:
+        first = e
+    except Exception as e:  # libbcc.so missing or broken: bcc raises OSError at import
+        raise ProbeUnavailable(f"bcc import failed: {e}") from e
+    if not os.path.exists(DEBIAN_BCC):
+        raise ProbeUnavailable(f"bcc not installed ({first}); run .ci/install-bcc.sh")
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bcc", DEBIAN_BCC, submodule_search_locations=[os.path.dirname(DEBIAN_BCC)])
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bcc"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    except Exception as e:
+        sys.modules.pop("bcc", None)
+        raise ProbeUnavailable(f"bcc from {DEBIAN_BCC} failed to load: {e}") from e
+
+
+def check_root() -> None:
+    """bcc needs CAP_BPF/CAP_PERFMON; root is the simple way. Raises ProbeUnavailable otherwise."""
+    if os.geteuid() != 0:
+        raise ProbeUnavailable("eBPF probes need root (euid is %d)" % os.geteuid())
+
+
+def compile_bpf(text: str, what: str) -> Any:
+    """Compile and load BPF text. Raises ProbeUnavailable with bcc's error (first lines) on failure."""
+    bcc = import_bcc()
+    check_root()
+    try:
+        return bcc.BPF(text=text.encode())
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        raise ProbeUnavailable(f"{what}: BPF compile/load failed: {' | '.join(msg[:3])}") from e
+
+
+def sum_percpu(table: Any, key: int = 0) -> int:
+    """Sum one key of a BPF_PERCPU_ARRAY across CPUs."""
+    try:
+        return int(sum(table.getvalue(table.Key(key))))
+    except Exception:
+        return 0
+
+
+class MmapRing:
+    """A BPF ring buffer read straight from its mmap, with no per-record ctypes callback.
+
+    The kernel's layout: page 0 the consumer position (ours to write), page 1 the producer position,
+    then the data area, mapped twice in a row so a record that wraps is still contiguous. Each record
+    is an 8-byte header (u32 length with BUSY and DISCARD bits, u32 page offset), the data, padding to
+    8 bytes. x86-64 only (its ordering makes plain loads safe); elsewhere RingPoller uses bcc's reader.
+    """
+
+    BUSY, DISCARD = 1 << 31, 1 << 30
+
+    def __init__(self, map_fd: int, size: int) -> None:
+        page = mmap.PAGESIZE
+        self.size, self.page = size, page
+        self.cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
+                              offset=page)
+
+    def read(self) -> list[bytes]:
+        """Every committed record since the last read (stops at one still being written)."""
+        cons = _U64.unpack_from(self.cons, 0)[0]
+        prod = _U64.unpack_from(self.prod, 0)[0]
+        out = []
+        mask, base, data = self.size - 1, self.page, self.prod
+        while cons < prod:
+            off = base + (cons & mask)
+            ln = _U32.unpack_from(data, off)[0]
+            if ln & self.BUSY:
+                break
+            n = ln & ~(self.BUSY | self.DISCARD)
+            if not ln & self.DISCARD:
+                out.append(data[off + 8:off + 8 + n])
+            cons += (n + 8 + 7) & ~7
+        _U64.pack_into(self.cons, 0, cons)
+        return out
+
+    def close(self) -> None:
+        self.cons.close()
+        self.prod.close()
+
+
+class RingPoller:
+    """Owns a loaded BPF object's ring buffer and the thread that drains it.
+
+    The BPF side submits with BPF_RB_NO_WAKEUP, so producers never pay for waking us; this thread
+    drains the ring every `interval_s` (ring_buffer_consume), copies each record out as bytes in the
+    callback, then decodes the lot with `decode(raw) -> ProbeEvent | None` and hands the batch to
+    the loop. The ring must hold `interval_s` worth of events (1024 pages: about 35k ioctl events).
+    `tick()` runs on this thread every `tick_s` (map upkeep). `stop()` joins the thread, then
+    detaches everything (bpf.cleanup()).
+    """
+
+    def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],
+                 name: str, tick: Callable[[], None] | None = None, tick_s: float = 1.0,
+                 interval_s: float = 0.01, ring_bytes: int = 0) -> None:
+        self.bpf = bpf
+        self._decode = decode
+        self._tick = tick
+        self._tick_s = tick_s
+        self._interval_s = interval_s
+        self._name = name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._raw: list[bytes] = []
+        self.delivered = 0
+        self.error: BaseException | None = None
+        self.paused = threading.Event()  # set: records wait in the ring buffer (tests, benchmarks)
+        self._mm: MmapRing | None = None
+        table = bpf[ringbuf.encode()]
+        if ring_bytes and platform.machine() in ("x86_64", "AMD64"):
+            try:
+                self._mm = MmapRing(table.map_fd, ring_bytes)
+            except (OSError, ValueError):
+                self._mm = None
+        if self._mm is None:
+            table.open_ring_buffer(self._on_record)
+        self.reader = "mmap" if self._mm is not None else "bcc"
+
+    def _on_record(self, _ctx: Any, data: int, size: int) -> int:
+        self._raw.append(ct.string_at(data, size))
+        return 0
+
+    def _drain(self) -> list[ProbeEvent]:
+        if self._mm is not None:
+            raw = self._mm.read()
+        else:
+            self.bpf.ring_buffer_consume()
+            raw, self._raw = self._raw, []
+        out = []
+        for r in raw:
+            try:
+                ev = self._decode(r)
+            except Exception as e:  # a decode bug must not kill the poll thread
+                self.error = e
+                continue
+            if ev is not None:
+                out.append(ev)
+        return out
+
+    def start(self, loop: asyncio.AbstractEventLoop,
+              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+        def run() -> None:
+            next_tick = time.monotonic() + self._tick_s
+            while not self._stop.wait(self._interval_s):
+                if self.paused.is_set():
+                    continue
+                batch = self._drain()
+                if batch:
+                    self.delivered += len(batch)
+                    try:
+                        loop.call_soon_threadsafe(on_events, batch)
+                    except RuntimeError:  # loop closed under us: stop quietly
+                        return
+                if self._tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_s
+                    try:
+                        self._tick()
+                    except Exception as e:
+                        self.error = e
+            batch = self._drain()  # stopping: hand over what is still in the ring
+            if batch:
+                self.delivered += len(batch)
+                try:
+                    loop.call_soon_threadsafe(on_events, batch)
+                except RuntimeError:
+                    pass
+        self._thread = threading.Thread(target=run, name=f"krex-probe-{self._name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._mm is not None:
+            self._mm.close()
+        try:
+            self.bpf.cleanup()
+        except Exception:
+            pass
+
+
+def cstr(raw: bytes) -> str:
+    """A NUL-terminated byte field as text."""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")

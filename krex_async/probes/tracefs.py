@@ -1,0 +1,242 @@
+"""The tracefs backend: ioctls on GPU device files without a compiler, from syscalls:sys_enter_ioctl.
+
+It works in its own tracefs instance (instances/krex-<pid>), so it never disturbs another reader of
+the top-level trace_pipe, and it removes the instance on stop. Set-up, in the instance:
+    trace_clock = mono (timestamps comparable with time.monotonic_ns(), at microsecond precision),
+    options/record-tgid = 1 (each line carries its tgid), options/event-fork = 1 (threads and
+    children of traced tasks are traced too), set_event_pid = the tasks of processes that hold a
+    device file, events/syscalls/sys_enter_ioctl/filter = "fd == a || fd == b ...", enable = 1.
+The holders come from /proc/*/fd (prefix match on the link target); every `rescan_s` the scan is
+repeated and the pid set and filter updated. Lines whose (tgid, fd) is not a known device fd (another
+holder's fd number) are dropped in user space.
+
+Less precise than the bcc backend: a device opened after a scan is seen from the next scan on; no
+"open" events; counts() counts delivered events (not kernel-side); lost() is the sum of the instance's
+per-CPU "overrun" and "dropped events" counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import select
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from .bpf_ioctl import DEFAULT_PREFIXES, scan_proc
+from .ioctls import ioctl_name
+
+ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+EVENT = "events/syscalls/sys_enter_ioctl"
+# "  python3-7871    (   7830) [000] .....  4553.670455: sys_ioctl(fd: 3, cmd: 0x5401, arg: ...)"
+LINE = re.compile(r"^\s*(?P<comm>.*)-(?P<tid>\d+)\s+\(\s*(?P<tgid>\d+|-+)\)\s+\[\d+\]\s+\S+\s+"
+                  r"(?P<ts>\d+\.\d+): sys_ioctl\(fd: (?P<fd>(?:0x)?[0-9a-f]+), "
+                  r"cmd: (?P<cmd>(?:0x)?[0-9a-f]+)")
+
+
+def tracefs_root() -> str:
+    """The mounted tracefs directory; mounts it (root only) when absent. Raises ProbeUnavailable."""
+    for r in ROOTS:
+        if os.path.isdir(f"{r}/instances"):
+            return r
+    if os.geteuid() == 0 and os.path.isdir(ROOTS[0]):
+        rc = os.system(f"mount -t tracefs nodev {ROOTS[0]} 2>/dev/null")
+        if rc == 0 and os.path.isdir(f"{ROOTS[0]}/instances"):
+            return ROOTS[0]
+    raise ProbeUnavailable("tracefs not mounted (mount -t tracefs nodev /sys/kernel/tracing)")
+
+
+def _num(s: str, hex_default: bool) -> int:
+    return int(s, 16) if s.startswith("0x") or hex_default else int(s)
+
+
+def parse_line(line: str, fd_hex: bool = False) -> tuple[int, int, int, int, int, str] | None:
+    """(ts_ns, tgid, tid, fd, cmd, comm) from one trace_pipe line, or None for other lines.
+
+    Kernels print syscall arguments either as bare hex or with 0x; `fd_hex` says how a bare fd is
+    read (cmd without 0x is always hex).
+    """
+    m = LINE.match(line)
+    if m is None:
+        return None
+    tid = int(m["tid"])
+    tgid = int(m["tgid"]) if m["tgid"][0] != "-" else tid
+    sec, _, frac = m["ts"].partition(".")
+    ts_ns = int(sec) * 1_000_000_000 + int(frac.ljust(9, "0")[:9])
+    return ts_ns, tgid, tid, _num(m["fd"], fd_hex), _num(m["cmd"], True), m["comm"].strip()
+
+
+class TracefsProbe(ProbeBackend):
+    """See the module docstring. start() raises ProbeUnavailable when tracefs or the
+    sys_enter_ioctl event is missing or not writable; stop() disables the event, joins the reader
+    thread and removes the instance."""
+
+    name = "tracefs"
+
+    def __init__(self, prefixes: Iterable[str] | None = None, rescan_s: float = 1.0,
+                 buffer_kb: int = 8192) -> None:
+        self.prefixes = tuple(prefixes if prefixes is not None else DEFAULT_PREFIXES)
+        self.rescan_s = rescan_s
+        self.buffer_kb = buffer_kb
+        self.fd_paths: dict[tuple[int, int], str] = {}
+        self.instance = ""
+        self._counts: dict[int, int] = {}
+        self._lost_final = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fd_hex = False
+        self._pids: set[int] = set()
+        self._fds: set[int] = set()
+        self.error: BaseException | None = None
+        self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
+
+    def _write(self, rel: str, value: str) -> None:
+        path = f"{self.instance}/{rel}"
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except OSError as e:
+            raise ProbeUnavailable(f"tracefs: writing {value[:60]!r} to {path}: {e}") from e
+
+    def start(self, loop: asyncio.AbstractEventLoop,
+              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+        root = tracefs_root()
+        if not os.path.isdir(f"{root}/{EVENT}"):
+            raise ProbeUnavailable(f"tracefs: no {EVENT} (kernel without syscall tracepoints)")
+        self.instance = f"{root}/instances/krex-{os.getpid()}"
+        try:
+            if os.path.isdir(self.instance):  # left by a previous run of this pid: start clean
+                self._remove_instance()
+            os.mkdir(self.instance)
+        except OSError as e:
+            raise ProbeUnavailable(f"tracefs: cannot create {self.instance}: {e}") from e
+        try:
+            fmt = open(f"{root}/{EVENT}/format").read()
+            self._fd_hex = "fd: 0x%" not in fmt and "fd: %lx" in fmt
+            self._write("trace_clock", "mono")
+            self._write("options/record-tgid", "1")
+            self._write("options/event-fork", "1")
+            self._write("buffer_size_kb", str(self.buffer_kb))
+            self._refresh()
+            self._write(f"{EVENT}/enable", "1")
+            pipe = os.open(f"{self.instance}/trace_pipe", os.O_RDONLY | os.O_NONBLOCK)
+        except BaseException:
+            self._remove_instance()
+            raise
+        self._thread = threading.Thread(target=self._run, args=(pipe, loop, on_events),
+                                        name="krex-probe-tracefs", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        """Scan /proc for device holders; update set_event_pid and the fd filter when they changed."""
+        paths = {(tgid, fd): path for tgid, fd, path in scan_proc(self.prefixes)}
+        self.fd_paths.update(paths)
+        pids: set[int] = set()
+        for tgid in {t for t, _ in paths}:
+            try:
+                pids.update(int(t) for t in os.listdir(f"/proc/{tgid}/task"))
+            except OSError:
+                continue
+        fds = {fd for _, fd in paths}
+        if pids != self._pids:
+            # set_event_pid: "" clears (= trace all), so no holder is expressed by the filter.
+            self._write("set_event_pid", " ".join(map(str, sorted(pids))) if pids else "")
+            self._pids = pids
+        if fds != self._fds or not fds:
+            expr = " || ".join(f"fd == {fd}" for fd in sorted(fds)) if fds else "common_pid < 0"
+            self._write(f"{EVENT}/filter", expr)
+            self._fds = fds
+
+    def _run(self, pipe: int, loop: asyncio.AbstractEventLoop,
+             on_events: Callable[[list[ProbeEvent]], None]) -> None:
+        poller = select.poll()
+        poller.register(pipe, select.POLLIN)
+        buf = b""
+        next_scan = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_scan:
+                    next_scan = now + self.rescan_s
+                    try:
+                        self._refresh()
+                    except ProbeUnavailable as e:
+                        self.error = e
+                if self.paused.is_set():
+                    self._stop.wait(0.01)
+                    continue
+                if not poller.poll(100):
+                    continue
+                try:
+                    chunk = os.read(pipe, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    continue
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                batch = self._parse(lines)
+                if batch:
+                    try:
+                        loop.call_soon_threadsafe(on_events, batch)
+                    except RuntimeError:
+                        return
+        finally:
+            os.close(pipe)
+
+    def _parse(self, lines: list[bytes]) -> list[ProbeEvent]:
+        out = []
+        for raw in lines:
+            rec = parse_line(raw.decode("utf-8", "replace"), self._fd_hex)
+            if rec is None:
+                continue
+            ts, tgid, tid, fd, cmd, comm = rec
+            path = self.fd_paths.get((tgid, fd))
+            if path is None:
+                continue  # another holder's fd number, not a device fd of this process
+            self._counts[tgid] = self._counts.get(tgid, 0) + 1
+            out.append(ProbeEvent(ts, tgid, tid, "ioctl", fd, cmd, ioctl_name(cmd, path), comm))
+        return out
+
+    def lost(self) -> int:
+        if not self.instance or not os.path.isdir(self.instance):
+            return self._lost_final
+        total = 0
+        for cpu in os.listdir(f"{self.instance}/per_cpu"):
+            try:
+                text = open(f"{self.instance}/per_cpu/{cpu}/stats").read()
+            except OSError:
+                continue
+            for key in ("overrun", "dropped events"):
+                m = re.search(rf"^{key}: (\d+)", text, re.M)
+                total += int(m.group(1)) if m else 0
+        return total
+
+    def counts(self) -> dict[int, int]:
+        return dict(self._counts)
+
+    def _remove_instance(self) -> None:
+        try:
+            with open(f"{self.instance}/{EVENT}/enable", "w") as f:
+                f.write("0")
+            with open(f"{self.instance}/{EVENT}/filter", "w") as f:
+                f.write("0")  # "0" clears a filter
+        except OSError:
+            pass
+        try:
+            os.rmdir(self.instance)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        if not self.instance:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._lost_final = self.lost()
+        self._remove_instance()

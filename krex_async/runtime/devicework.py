@@ -1,0 +1,206 @@
+"""In-process device helpers for code running inside a command (the quiesce listener, region()).
+
+    synchronize()          wait for this process's queued device work; never creates a context
+    idle_verify(timeout_s) time a tiny kernel until its latency is back at the idle level
+    warm(ms)               keep the device busy for ms so its clocks reach their working level
+
+These only use libraries the process has already imported or loaded (torch, cupy, libcuda,
+libamdhip64): none is imported or loaded here, so a CPU-only command pays nothing and no GPU context
+is created behind its back. Errors from the device libraries are caught and reported in the return
+value, never raised: a failed sync must not kill the user's program. Nothing here changes clocks,
+power limits or compute modes.
+
+This file is imported both as `krex_async.runtime.devicework` and, inside commands whose Python
+cannot import krex_async, by path from sitecustomize; it uses the standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from typing import Any, Callable
+
+_CUDA_NAMES = ("libcuda.so.1", "libcuda.so")
+_HIP_NAMES = ("libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
+
+
+def _loaded(names: tuple[str, ...]) -> ctypes.CDLL | None:
+    """A library this process has already loaded (dlopen RTLD_NOLOAD), else None: never loads one."""
+    mode = getattr(os, "RTLD_NOLOAD", 4) | getattr(os, "RTLD_LAZY", 1)
+    for name in names:
+        try:
+            return ctypes.CDLL(name, mode=mode)
+        except OSError:
+            continue
+    return None
+
+
+def _torch_cuda() -> Any:
+    """torch, when it is imported and has initialised CUDA (or ROCm, which torch also calls cuda)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return torch if cuda is not None and cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a half-imported torch
+        return None
+
+
+def cuda_context_current() -> bool:
+    """Whether the calling thread has a current CUDA driver context (False when libcuda is not
+    loaded or not initialised: cuCtxGetCurrent then returns an error without initialising)."""
+    lib = _loaded(_CUDA_NAMES)
+    if lib is None:
+        return False
+    ctx = ctypes.c_void_p()
+    try:
+        return lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+    except AttributeError:
+        return False
+
+
+def synchronize() -> str:
+    """Wait until the device work this process queued (from the calling thread's context) is done.
+
+    Returns what was used: "torch", "cupy", "cuda" (driver API, cuCtxSynchronize on the current
+    context), "hip" (hipDeviceSynchronize), "none" (nothing to synchronise), or "error: ..." when the
+    library call failed (the caller should then verify the drain another way).
+    """
+    try:
+        torch = _torch_cuda()
+        if torch is not None:
+            torch.cuda.synchronize()
+            return "torch"
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and cuda_context_current():
+            cupy.cuda.runtime.deviceSynchronize()
+            return "cupy"
+        cuda = _loaded(_CUDA_NAMES)
+        if cuda is not None:
+            ctx = ctypes.c_void_p()
+            if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+                rc = cuda.cuCtxSynchronize()
+                return "cuda" if rc == 0 else f"error: cuCtxSynchronize returned {rc}"
+        hip = _loaded(_HIP_NAMES)
+        if hip is not None:
+            ctx = ctypes.c_void_p()
+            if hip.hipCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+                rc = hip.hipDeviceSynchronize()
+                return "hip" if rc == 0 else f"error: hipDeviceSynchronize returned {rc}"
+        return "none"
+    except Exception as e:  # noqa: BLE001 - never raise into the user's program
+        return f"error: {type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- timing a tiny kernel
+
+def _tiny_kernel() -> tuple[str, Callable[[], None]] | None:
+    """(library, launch-and-wait) for a one-element kernel, using torch or cupy if imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_available():
+                x = torch.zeros(1, device="cuda")
+
+                def run_torch() -> None:
+                    x.add_(1.0)
+                    torch.cuda.synchronize()
+                return "torch", run_torch
+        except Exception:  # noqa: BLE001
+            pass
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            y = cupy.zeros(1, dtype=cupy.float32)
+
+            def run_cupy() -> None:
+                y += 1.0
+                cupy.cuda.runtime.deviceSynchronize()
+            return "cupy", run_cupy
+        except Exception:  # noqa: BLE001
+            pass
+    return None
+
+
+def idle_verify(timeout_s: float = 5.0, streak: int = 16, tolerance: float = 1.5,
+                slack_s: float = 200e-6, calibrate: int = 8, span_s: float = 0.02) -> tuple[str, float]:
+    """Time a tiny kernel's round trip (launch, then wait) until the device is idle again.
+
+    While another context's queued work still runs, the GPU time-slices between contexts and the
+    tiny kernel's round trip waits for a slice (milliseconds instead of microseconds). The idle level
+    is the lowest round trip seen (from `calibrate` samples, then updated); the device counts as
+    drained after `streak` consecutive samples within `tolerance` x idle + `slack_s` that also
+    span at least `span_s` of wall-clock (longer than a time slice, so a run of fast samples inside
+    one of our own slices does not pass for idle). The slack is well above OS jitter and well
+    below a time slice behind a neighbour's kernel; residual neighbour kernels shorter than the
+    slack can go unnoticed (their effect on the owner is of that order too).
+
+    Returns ("idle-verified", seconds), ("timeout", seconds) when that did not happen within
+    timeout_s, or ("not-needed", 0.0) when neither torch nor cupy is imported here (nothing to time
+    with) or the kernel fails.
+    """
+    kernel = _tiny_kernel()
+    if kernel is None:
+        return "not-needed", 0.0
+    _, run = kernel
+    t_start = time.perf_counter()
+    deadline = t_start + timeout_s
+    best = float("inf")
+    good = 0
+    n = 0
+    streak_start = t_start
+    try:
+        while True:
+            t0 = time.perf_counter()
+            run()
+            dt = time.perf_counter() - t0
+            n += 1
+            best = min(best, dt)
+            if n > calibrate:
+                if dt <= best * tolerance + slack_s:
+                    if good == 0:
+                        streak_start = t0
+                    good += 1
+                else:
+                    good = 0
+                if good >= streak and t0 + dt - streak_start >= span_s:
+                    return "idle-verified", time.perf_counter() - t_start
+            if t0 + dt >= deadline:
+                return "timeout", time.perf_counter() - t_start
+    except Exception:  # noqa: BLE001 - a failing device must not raise into the owner
+        return "not-needed", time.perf_counter() - t_start
+
+
+def warm(ms: float) -> tuple[str, float]:
+    """Keep the device busy with matmuls for about `ms` milliseconds, then wait for them.
+
+    The GPU raises its clocks under load and drops them when idle; a short timed loop started on an
+    idle (or just-frozen-neighbour) GPU runs at the wrong clocks. Returns (library used, seconds
+    spent): ("none", 0.0) when ms <= 0 or neither torch nor cupy is imported with a usable device.
+    """
+    if ms <= 0:
+        return "none", 0.0
+    t0 = time.perf_counter()
+    end = t0 + ms / 1000.0
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            a = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+            b = torch.empty_like(a)
+            while time.perf_counter() < end:
+                for _ in range(4):  # about 0.1-0.5 ms of work each on current GPUs
+                    torch.matmul(a, a, out=b)
+                torch.cuda.synchronize()
+            return "torch", time.perf_counter() - t0
+        cupy = sys.modules.get("cupy")
+        if cupy is not None:
+            c = cupy.random.random((2048, 2048), dtype=cupy.float32)
+            while time.perf_counter() < end:
+                for _ in range(4):
+                    c @ c
+                cupy.cuda.runtime.deviceSynchronize()
+            return "cupy", time.perf_counter() - t0
+    except Exception:  # noqa: BLE001
+        return "none", time.perf_counter() - t0
+    return "none", 0.0

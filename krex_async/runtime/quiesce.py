@@ -1,0 +1,337 @@
+"""The quiesce listener inside a command: stop the main thread, synchronise, acknowledge, resume.
+
+    daemon                               listener thread                 main thread
+      <-- Hello(role=command) ----------  connect($KREX_SOCKET)
+      <-- QuiesceReady(cmd, token, pid) -
+      --- Quiesce(id, region) --------->  pending = region, gate closed,
+                                         pthread_kill(main, signal) ---> handler at the next
+                                                                         bytecode boundary:
+      <-- QuiesceAck(id, region, synced, seconds) ---------------------- devicework.synchronize()
+          (daemon freezes the cgroup)                                    waits on the gate
+      --- Resume(region) ------------->  pending = None, gate open ----> returns to user code
+
+The connection closing (daemon gone) opens the gate too, and the main thread never waits longer
+than KREX_QUIESCE_MAX_S (default 600) in one quiesce: nothing here can hang a program forever.
+
+Frames are those of krex_async.protocol (4-byte big-endian length, msgpack map with a "type" tag)
+but encoded here with a small msgpack codec of the standard library: the command's interpreter may
+lack msgspec, and the runtime must cost nothing at start-up. tests/runtime check the codec against
+krex_async.protocol both ways. Every error ends the listener silently; none reaches the program.
+"""
+
+from __future__ import annotations
+
+import _socket
+import _struct as struct  # the C module: `struct` and `typing` would cost the listener ~10 ms
+import _thread
+import os
+import sys
+import time
+
+if False:  # for type checkers only (annotations are strings here)
+    from typing import Any
+
+MAX_FRAME = 16 * 1024 * 1024
+_state: "_Listener | None" = None
+
+
+# ------------------------------------------------------------------------------ a tiny msgpack
+
+def pack(obj: Any) -> bytes:
+    """msgpack of None, bool, int, float, str, bytes, list and dict (what our messages hold)."""
+    out = bytearray()
+    _pack(obj, out)
+    return bytes(out)
+
+
+def _pack(o: Any, out: bytearray) -> None:
+    if o is None:
+        out.append(0xC0)
+    elif o is True or o is False:
+        out.append(0xC3 if o else 0xC2)
+    elif isinstance(o, int):
+        if 0 <= o < 128:
+            out.append(o)
+        elif -32 <= o < 0:
+            out.append(o & 0xFF)
+        elif 0 <= o < 2**64:
+            out += b"\xcf" + struct.pack(">Q", o)
+        else:
+            out += b"\xd3" + struct.pack(">q", o)
+    elif isinstance(o, float):
+        out += b"\xcb" + struct.pack(">d", o)
+    elif isinstance(o, str):
+        b = o.encode()
+        out += (bytes([0xA0 | len(b)]) if len(b) < 32 else b"\xdb" + struct.pack(">I", len(b))) + b
+    elif isinstance(o, (bytes, bytearray)):
+        out += b"\xc6" + struct.pack(">I", len(o)) + o
+    elif isinstance(o, (list, tuple)):
+        out += b"\xdd" + struct.pack(">I", len(o))
+        for x in o:
+            _pack(x, out)
+    elif isinstance(o, dict):
+        out += b"\xdf" + struct.pack(">I", len(o))
+        for k, v in o.items():
+            _pack(k, out)
+            _pack(v, out)
+    else:
+        raise TypeError(f"cannot pack {type(o).__name__}")
+
+
+_FIXED = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i",
+          0xD3: ">q", 0xCA: ">f", 0xCB: ">d"}
+_LEN = {0xD9: ">B", 0xDA: ">H", 0xDB: ">I", 0xC4: ">B", 0xC5: ">H", 0xC6: ">I",
+        0xDC: ">H", 0xDD: ">I", 0xDE: ">H", 0xDF: ">I"}
+
+
+def unpack(data: bytes) -> Any:
+    """Decode one msgpack value; ValueError for anything malformed or an extension type."""
+    try:
+        value, end = _unpack(data, 0)
+    except (IndexError, struct.error) as e:  # type: ignore[attr-defined]
+        raise ValueError(f"truncated msgpack: {e}") from None
+    if end != len(data):
+        raise ValueError("trailing bytes after msgpack value")
+    return value
+
+
+def _unpack(d: bytes, i: int) -> tuple[Any, int]:
+    t = d[i]
+    i += 1
+    if t < 0x80:
+        return t, i
+    if t >= 0xE0:
+        return t - 256, i
+    if 0xA0 <= t <= 0xBF:
+        n = t & 0x1F
+        return d[i:i + n].decode(), i + n
+    if 0x90 <= t <= 0x9F:
+        return _array(d, i, t & 0x0F)
+    if 0x80 <= t <= 0x8F:
+        return _map(d, i, t & 0x0F)
+    if t == 0xC0:
+        return None, i
+    if t in (0xC2, 0xC3):
+        return t == 0xC3, i
+    if t in _FIXED:
+        fmt = _FIXED[t]
+        size = struct.calcsize(fmt)
+        return struct.unpack_from(fmt, d, i)[0], i + size
+    if t in _LEN:
+        fmt = _LEN[t]
+        n = struct.unpack_from(fmt, d, i)[0]
+        i += struct.calcsize(fmt)
+        if t in (0xD9, 0xDA, 0xDB):
+            return bytes(d[i:i + n]).decode(), i + n
+        if t in (0xC4, 0xC5, 0xC6):
+            return bytes(d[i:i + n]), i + n
+        if t in (0xDC, 0xDD):
+            return _array(d, i, n)
+        return _map(d, i, n)
+    raise ValueError(f"unsupported msgpack type byte 0x{t:02x}")
+
+
+def _array(d: bytes, i: int, n: int) -> tuple[list[Any], int]:
+    out = []
+    for _ in range(n):
+        v, i = _unpack(d, i)
+        out.append(v)
+    return out, i
+
+
+def _map(d: bytes, i: int, n: int) -> tuple[dict[Any, Any], int]:
+    out = {}
+    for _ in range(n):
+        k, i = _unpack(d, i)
+        v, i = _unpack(d, i)
+        out[k] = v
+    return out, i
+
+
+def frame(msg: dict[str, Any]) -> bytes:
+    body = pack(msg)
+    return struct.pack(">I", len(body)) + body
+
+
+# ------------------------------------------------------------------------------------ listener
+
+class _Quiesce:
+    """One pending quiesce; `released` is held until its Resume (or the end of the connection)."""
+
+    def __init__(self, req_id: int, region: str) -> None:
+        self.id = req_id
+        self.region = region
+        self.released = _thread.allocate_lock()
+        self.released.acquire()
+
+
+class _Listener:
+    def __init__(self, sock: Any, main: int, signum: int) -> None:
+        self.sock = sock
+        self.main = main
+        self.signum = signum
+        self.send_lock = _thread.allocate_lock()
+        self.mu = _thread.allocate_lock()  # guards `pending` transitions
+        self.pending: _Quiesce | None = None
+        self.closed = False
+        self.in_handler = False
+        self.acks = 0  # how many quiesces this process acknowledged
+
+    def send(self, msg: dict[str, Any]) -> None:
+        data = frame(msg)
+        with self.send_lock:
+            self.sock.sendall(data)
+
+    def recv_exact(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    def on_quiesce(self, req_id: int, region: str) -> None:
+        with self.mu:
+            if self.pending is not None:
+                if self.pending.region == region:
+                    return  # a repeat: the handler already has it
+                self.pending.released.release()  # a new region replaces an unresumed one
+            self.pending = _Quiesce(req_id, region)
+        import _signal
+        _signal.pthread_kill(self.main, self.signum)
+
+    def on_resume(self, region: str) -> None:
+        with self.mu:
+            p = self.pending
+            if p is not None and (not region or p.region == region):
+                self.pending = None
+                p.released.release()
+
+    def close(self) -> None:
+        with self.mu:
+            self.closed = True
+            p, self.pending = self.pending, None
+            if p is not None:
+                p.released.release()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def on_signal() -> None:
+    """The main thread's signal handler body: for each pending quiesce, synchronise the device and
+    acknowledge it, then wait until it is resumed (or the connection ends, or the cap passes).
+
+    A KeyboardInterrupt (or any exception from another handler) while waiting propagates to the
+    program as it would have without krex; the listener's state stays consistent.
+    """
+    st = _state
+    if st is None or st.in_handler or st.pending is None:
+        return
+    st.in_handler = True
+    try:
+        cap = float(os.environ.get("KREX_QUIESCE_MAX_S") or 600)
+        deadline = time.monotonic() + cap
+        while True:
+            p = st.pending
+            if p is None or st.closed:
+                return
+            t0 = time.perf_counter()
+            synced = _devicework().synchronize()
+            seconds = time.perf_counter() - t0
+            if st.pending is not p:  # resumed (or replaced) while we synchronised: no stale ack
+                continue
+            try:
+                st.send({"type": "quiesce_ack", "id": p.id, "region": p.region,
+                         "synced": synced, "seconds": seconds})
+                st.acks += 1
+            except OSError:
+                return
+            while not p.released.acquire(True, 0.25):
+                if time.monotonic() > deadline:
+                    return
+    finally:
+        st.in_handler = False
+
+
+def _devicework() -> Any:
+    module = sys.modules.get("_krex_devicework")
+    if module is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        from importlib.machinery import ModuleSpec, SourceFileLoader
+        path = os.path.join(here, "devicework.py")
+        loader = SourceFileLoader("_krex_devicework", path)
+        module = type(sys)("_krex_devicework")
+        module.__spec__ = ModuleSpec("_krex_devicework", loader, origin=path)
+        module.__file__ = path
+        loader.exec_module(module)
+        sys.modules["_krex_devicework"] = module
+    return module
+
+
+def forget_parent_connection() -> None:
+    """In a forked child: drop the parent's connection (close our copy of the fd; the parent's
+    stays open) so that the child's own listener starts clean."""
+    global _state
+    st = _state
+    _state = None
+    if st is not None:
+        try:
+            st.sock.close()
+        except OSError:
+            pass
+
+
+def run(path: str, command: str, token: str, main: int, signum: int,
+        connect_timeout: float = 2.0) -> None:
+    """Connect to the daemon, announce this process, and serve Quiesce / Resume until the
+    connection ends. Returns (never raises) on any error; the caller runs it on its own thread."""
+    global _state
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    except OSError:
+        return
+    try:
+        sock.settimeout(connect_timeout)
+        sock.connect(path)
+        sock.settimeout(None)
+    except OSError:
+        sock.close()
+        return
+    st = _Listener(sock, main, signum)
+    _state = st
+    try:
+        pid = os.getpid()
+        st.send({"type": "hello", "id": 1, "version": 1, "role": "command",
+                 "client": f"krex-runtime/{pid}"})
+        st.send({"type": "quiesce_ready", "id": 2, "command": command, "token": token, "pid": pid})
+        while True:
+            head = st.recv_exact(4)
+            if head is None:
+                return
+            (n,) = struct.unpack(">I", head)
+            if n > MAX_FRAME:
+                return
+            body = st.recv_exact(n)
+            if body is None:
+                return
+            try:
+                msg = unpack(body)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if not isinstance(msg, dict):
+                continue
+            kind = msg.get("type")
+            if kind == "quiesce":
+                st.on_quiesce(int(msg.get("id") or 0), str(msg.get("region") or ""))
+            elif kind == "resume":
+                st.on_resume(str(msg.get("region") or ""))
+            elif kind == "error" and int(msg.get("id") or 0) in (1, 2):
+                return  # the daemon refused this process (bad token, not a command): stay quiet
+    except BaseException:  # noqa: BLE001
+        return
+    finally:
+        if _state is st:
+            st.close()

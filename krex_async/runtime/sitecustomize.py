@@ -1,0 +1,152 @@
+"""krex's in-command runtime, started by the interpreter of every Python command krex runs.
+
+The daemon puts krex_async/runtime/ first on PYTHONPATH, so this module is the `sitecustomize`
+that `site` imports at start-up. It
+  1. chains the next sitecustomize on sys.path (a site or venv customisation keeps working);
+  2. inside a command (KREX_SOCKET, KREX_COMMAND and KREX_TOKEN set), installs a handler for a
+     spare real-time signal (KREX_QUIESCE_SIGNAL, default SIGRTMAX-6) and starts the quiesce
+     listener (quiesce.py) on a background thread; it re-arms in children after os.fork();
+  3. with KREX_AUTO_REGION=1, installs the auto-region import hook (autoregion.py).
+
+The main thread pays only for this file (builtin modules, no socket or ctypes import): the listener
+thread loads quiesce.py and connects. Any failure here is swallowed: an unreachable daemon, a
+signal already taken by the program, or a broken runtime never prints into, or stops, the user's
+program. Errors of the chained sitecustomize propagate exactly as they would without krex.
+"""
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _chain() -> None:
+    """Run the next sitecustomize found on sys.path after this one, as `site` would have."""
+    entries = []
+    seen_self = False
+    for entry in sys.path:
+        try:
+            same = os.path.abspath(entry or os.curdir) == _HERE
+        except (TypeError, ValueError):
+            continue
+        if same:
+            seen_self = True
+        elif seen_self:
+            entries.append(entry)
+    if not entries:
+        return
+    from importlib.machinery import PathFinder
+    spec = PathFinder.find_spec("sitecustomize", entries)
+    if spec is None or spec.loader is None:
+        return
+    module = type(sys)("sitecustomize")
+    module.__spec__ = spec
+    module.__file__ = spec.origin
+    module.__loader__ = spec.loader
+    if spec.submodule_search_locations is not None:
+        module.__path__ = list(spec.submodule_search_locations)
+    spec.loader.exec_module(module)  # type: ignore[attr-defined]
+    # Leave our module as sys.modules["sitecustomize"], but expose the chained one's names there.
+    this = sys.modules.get(__name__)
+    if this is not None:
+        for name, value in vars(module).items():
+            if not name.startswith("__") and not hasattr(this, name):
+                setattr(this, name, value)
+
+
+def _load(name: str, filename: str):  # type: ignore[no-untyped-def]
+    """Load a runtime module by path under a private name (a user's `quiesce.py` cannot shadow it)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    from importlib.machinery import ModuleSpec, SourceFileLoader
+    path = os.path.join(_HERE, filename)
+    loader = SourceFileLoader(name, path)
+    module = type(sys)(name)
+    module.__spec__ = ModuleSpec(name, loader, origin=path)
+    module.__file__ = path
+    module.__loader__ = loader
+    loader.exec_module(module)
+    # Registered only once complete: a child forked while another thread was still loading it
+    # (that thread does not exist in the child) loads its own copy instead of a half-run module.
+    return sys.modules.setdefault(name, module)
+
+
+_armed = False
+
+
+def arm() -> bool:
+    """Start the quiesce listener for the command named in the environment (from the main thread).
+
+    Called at interpreter start; a ctxpool worker that learns its command later sets KREX_SOCKET,
+    KREX_COMMAND and KREX_TOKEN in os.environ and calls `sitecustomize.arm()` itself. Idempotent;
+    returns whether a listener was started (now or before). Never raises.
+    """
+    global _armed
+    if _armed:
+        return True
+    try:
+        _armed = _start()
+    except BaseException:  # noqa: BLE001
+        _armed = False
+    return _armed
+
+
+def _start() -> bool:
+    env = os.environ
+    if not (env.get("KREX_SOCKET") and env.get("KREX_COMMAND") and env.get("KREX_TOKEN")):
+        return False
+    import _signal
+    import _thread
+
+    try:
+        signum = int(env.get("KREX_QUIESCE_SIGNAL") or _signal.SIGRTMAX - 6)
+    except ValueError:
+        return False
+    if _signal.getsignal(signum) not in (_signal.SIG_DFL, None):
+        return False  # taken by someone: stay out of the way (the daemon's timeout path covers us)
+    box: dict = {}
+
+    def on_signal(signum: int, frame: object) -> None:
+        q = box.get("q")
+        if q is not None:
+            q.on_signal()
+
+    _signal.signal(signum, on_signal)
+    main = _thread.get_ident()
+
+    def boot() -> None:
+        try:
+            q = box["q"] = _load("_krex_quiesce", "quiesce.py")
+            q.run(env.get("KREX_SOCKET", ""), env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""),
+                  main, signum)
+        except BaseException:  # noqa: BLE001 - never disturb the user's program
+            pass
+
+    def after_fork_in_child() -> None:
+        try:
+            q = box.get("q")
+            if q is not None:
+                q.forget_parent_connection()
+            nonlocal main
+            main = _thread.get_ident()
+            _thread.start_new_thread(boot, ())
+        except BaseException:  # noqa: BLE001
+            pass
+
+    os.register_at_fork(after_in_child=after_fork_in_child)
+    _thread.start_new_thread(boot, ())
+    return True
+
+
+def _auto_regions() -> None:
+    if os.environ.get("KREX_AUTO_REGION") == "1":
+        _load("_krex_autoregion", "autoregion.py").install()
+
+
+try:
+    _auto_regions()
+except BaseException:  # noqa: BLE001
+    pass
+arm()
+_chain()

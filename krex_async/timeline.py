@@ -1,0 +1,145 @@
+"""Chrome-trace JSON timelines of commands, regions, freezes and probe events (open in Perfetto).
+
+Input: trace records, dicts with these keys (missing ones default to "" / 0 / {}):
+    ts       float  wall-clock time, unix seconds
+    kind     str    command_start | command_end | region_request | region_grant | region_release |
+                    freeze | thaw | probe | stray
+    device   str    device key ("nvidia:0", "cpu"); one Perfetto process per device
+    command  str    command id (the command that starts/ends, requests/holds a region, is frozen,
+                    or that a probe event is attributed to; "" when unattributed)
+    region   str    region name (region_* records; on freeze/thaw the region that caused it)
+    pid      int    process id (command_start: the command's main pid; probe/stray: the tgid)
+    detail   dict   free-form; shown as the event's args. For probe/stray records `detail["name"]`
+                    (e.g. "NV_ESC_RM_CONTROL", "cuLaunchKernel") names the instant; a probe record
+                    with detail["stray"] true counts as a stray.
+
+Output layout, per device process:
+    track "regions"           one slice per granted region: "<command>:<region>" (grant..release)
+    track "probes"            instants for probe events; strays are named "STRAY <name>"
+    track "command <id>"      the command's slice (start..end), and inside it slices for
+                              "wait <region>" (request..grant), "<region>" (grant..release) and
+                              "frozen" (freeze..thaw of this command)
+A slice whose end record is missing ends at the last timestamp of the trace, with args.unfinished.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+_REGIONS_TID, _PROBES_TID, _FIRST_COMMAND_TID = 1, 2, 10
+
+
+def _us(ts: float) -> float:
+    return round(ts * 1e6, 3)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.out: list[dict[str, Any]] = []
+        self.pids: dict[str, int] = {}
+        self.tids: dict[tuple[str, str], int] = {}
+        self.open: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+
+    def pid(self, device: str) -> int:
+        if device not in self.pids:
+            p = self.pids[device] = len(self.pids) + 1
+            self.meta(p, 0, "process_name", f"device {device or '?'}")
+            self.meta(p, _REGIONS_TID, "thread_name", "regions")
+            self.meta(p, _PROBES_TID, "thread_name", "probes")
+        return self.pids[device]
+
+    def tid(self, device: str, command: str) -> int:
+        key = (device, command)
+        if key not in self.tids:
+            n = sum(1 for d, _ in self.tids if d == device)
+            t = self.tids[key] = _FIRST_COMMAND_TID + n
+            self.meta(self.pid(device), t, "thread_name", f"command {command or '?'}")
+        return self.tids[key]
+
+    def meta(self, pid: int, tid: int, what: str, name: str) -> None:
+        self.out.append({"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}})
+
+    def begin(self, key: tuple[str, ...], rec: dict[str, Any], name: str, pid: int, tid: int,
+              cat: str) -> None:
+        ev = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": _us(rec["ts"]),
+              "dur": 0.0, "args": dict(rec["detail"])}
+        self.open.setdefault(key, []).append(ev)
+        self.out.append(ev)
+
+    def end(self, key: tuple[str, ...], rec: dict[str, Any]) -> dict[str, Any] | None:
+        stack = self.open.get(key)
+        if not stack:
+            return None
+        ev = stack.pop()
+        ev["dur"] = max(0.0, round(_us(rec["ts"]) - ev["ts"], 3))
+        if rec["detail"]:
+            ev["args"].update(rec["detail"])
+        return ev
+
+
+def _norm(r: dict[str, Any]) -> dict[str, Any]:
+    return {"ts": float(r.get("ts", 0.0)), "kind": str(r.get("kind", "")),
+            "device": str(r.get("device", "") or ""), "command": str(r.get("command", "") or ""),
+            "region": str(r.get("region", "") or ""), "pid": int(r.get("pid", 0) or 0),
+            "detail": dict(r.get("detail") or {})}
+
+
+def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Build a Chrome-trace JSON object (see the module docstring for the record format).
+
+    Records are processed in time order; unknown kinds are ignored; never raises on unmatched or
+    out-of-order records (an end without a start is dropped, a start without an end is closed at
+    the last timestamp).
+    """
+    recs = sorted((_norm(r) for r in events), key=lambda r: r["ts"])
+    b = _Builder()
+    for r in recs:
+        k, dev, cmd, reg = r["kind"], r["device"], r["command"], r["region"]
+        pid = b.pid(dev)
+        if k == "command_start":
+            if r["pid"]:
+                r["detail"].setdefault("pid", r["pid"])
+            b.begin(("cmd", dev, cmd), r, f"command {cmd}", pid, b.tid(dev, cmd), "command")
+        elif k == "command_end":
+            b.end(("cmd", dev, cmd), r)
+        elif k == "region_request":
+            b.begin(("wait", dev, cmd, reg), r, f"wait {reg}", pid, b.tid(dev, cmd), "region")
+        elif k == "region_grant":
+            b.end(("wait", dev, cmd, reg), r)
+            b.begin(("hold", dev, cmd, reg), r, reg or "region", pid, b.tid(dev, cmd), "region")
+            b.begin(("dev", dev, cmd, reg), r, f"{cmd}:{reg}", pid, _REGIONS_TID, "region")
+        elif k == "region_release":
+            b.end(("hold", dev, cmd, reg), r)
+            b.end(("dev", dev, cmd, reg), r)
+        elif k == "freeze":
+            if reg:
+                r["detail"].setdefault("region", reg)
+            b.begin(("frozen", dev, cmd), r, "frozen", pid, b.tid(dev, cmd), "freeze")
+        elif k == "thaw":
+            b.end(("frozen", dev, cmd), r)
+        elif k in ("probe", "stray"):
+            stray = k == "stray" or bool(r["detail"].get("stray"))
+            name = str(r["detail"].get("name") or "probe")
+            args = dict(r["detail"], pid=r["pid"], command=cmd, stray=stray)
+            if reg:
+                args["region"] = reg
+            b.out.append({"ph": "i", "s": "t", "name": ("STRAY " if stray else "") + name,
+                          "cat": "stray" if stray else "probe", "pid": pid, "tid": _PROBES_TID,
+                          "ts": _us(r["ts"]), "args": args})
+    last = _us(recs[-1]["ts"]) if recs else 0.0
+    for stack in b.open.values():
+        for ev in stack:
+            ev["dur"] = max(0.0, round(last - ev["ts"], 3))
+            ev["args"]["unfinished"] = True
+    return {"traceEvents": b.out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str, events: Iterable[dict[str, Any]]) -> None:
+    """Write chrome_trace(events) to `path` as JSON (written to path.tmp, then renamed)."""
+    import os
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(chrome_trace(events), f)
+    os.replace(tmp, path)

@@ -1,0 +1,32 @@
+"""Shared helpers for the bench tests: paths and a runner for the bench scripts as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+
+def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+               check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a bench script with this interpreter, outside krex (no KREX_SOCKET), on the cpu device."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    e.update({"KREX_BENCH_DEVICE": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    e.update(env or {})
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                       env=e, cwd=str(ROOT))
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture
+def bench_root() -> Path:
+    return BENCH

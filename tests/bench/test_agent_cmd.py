@@ -1,0 +1,67 @@
+"""agent_cmd runs standalone on the cpu device and prints a valid result line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gen_trace
+from tests.bench.conftest import run_script
+from trace_format import METHODS
+
+
+def _lines(n: int = 40, reps: int = 8) -> list[dict]:
+    """Quick-profile lines with few repetitions, so each command takes well under a second."""
+    lines = gen_trace.generate(gen_trace.load_profile("quick"), n, seed=11)
+    for c in lines:
+        c["phases"]["timing"]["reps"] = reps
+    return lines
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(x) for x in stdout.splitlines() if x.startswith("{") and '"krex_bench"' in x]
+
+
+def test_one_command_per_method_standalone() -> None:
+    seen = {}
+    for line in _lines():
+        seen.setdefault(line["phases"]["timing"]["method"], line)
+    assert set(seen) == set(METHODS)
+    for method, line in seen.items():
+        p = run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(line))
+        (res,) = _results(p.stdout)
+        t = res["timing"]
+        assert res["check"]["ok"] and res["device"] == "cpu" and res["method"] == method
+        assert res["key"] == f"{line['kernel']['id']}|{method}"
+        assert 0 < t["min_ms"] <= t["median_ms"] <= t["p95_ms"] <= t["max_ms"]
+        assert len(t["samples_ms"]) == t["n"]
+        if method != "do_bench":
+            assert t["n"] == line["phases"]["timing"]["reps"]
+        assert set(res["phases_s"]) == {"import", "compile", "inputs", "check", "timing"}
+        assert res["region"] is None  # outside krex nothing was granted
+
+
+def test_host_work_scales_with_cpu_s() -> None:
+    line = _lines(1)[0]
+    slow = json.loads(json.dumps(line))
+    slow["phases"]["compile"]["cpu_s"] = 0.6
+    line["phases"]["compile"]["cpu_s"] = 0.0
+    fast_s = _results(run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(line)).stdout)[0]
+    slow_s = _results(run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(slow)).stdout)[0]
+    assert slow_s["phases_s"]["compile"] > fast_s["phases_s"]["compile"] + 0.2
+
+
+def test_isolated_mode_times_each_kernel_per_repeat(tmp_path: Path) -> None:
+    lines = _lines()
+    two = {(c["kernel"]["id"], c["phases"]["timing"]["method"]): c for c in lines}
+    pick = list(two.values())[:2]
+    f = tmp_path / "k.jsonl"
+    f.write_text("".join(json.dumps(c) + "\n" for c in pick))
+    res = _results(run_script("bench/workload/agent_cmd.py", "--isolated", str(f), "--repeats", "2").stdout)
+    assert [(r["key"], r["repeat"]) for r in res] == [
+        (f"{c['kernel']['id']}|{c['phases']['timing']['method']}", rep) for rep in (0, 1) for c in pick]
+
+
+def test_bad_spec_exits_2() -> None:
+    p = run_script("bench/workload/agent_cmd.py", "--spec", '{"v": 1}', check=False)
+    assert p.returncode == 2 and "bad spec" in p.stderr

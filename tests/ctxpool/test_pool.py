@@ -1,0 +1,394 @@
+"""The pool's life: recovery from crashes, reuse hygiene, what it accepts, warming and pausing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from krex_async.ctxpool import Pool, PoolConfig, WorkerStartError
+from krex_async.devices.base import Device
+from krex_async.spawn import LaunchSpec, spawn
+from tests.ctxpool.conftest import CPU, PY, finish, make_spec, run_pooled
+
+
+async def test_os_exit_reported_and_pool_recovers(pool: Pool, tmp_path: Path) -> None:
+    r = await run_pooled(pool, [PY, "-c", "import os; os._exit(9)"], str(tmp_path))
+    assert r.returncode == 9
+    await pool.wait_warm(timeout=30)
+    st = pool.status()
+    assert st["warm"] == 2 and st["retired"] >= 1
+    assert (await run_pooled(pool, [PY, "-c", "print('again')"], str(tmp_path))).stdout == b"again\n"
+
+
+async def test_crash_by_signal_reported_and_pool_recovers(pool: Pool, tmp_path: Path) -> None:
+    r = await run_pooled(pool, [PY, "-c", "import ctypes; ctypes.string_at(0)"], str(tmp_path))
+    assert r.returncode == -signal.SIGSEGV
+    await pool.wait_warm(timeout=30)
+    assert pool.status()["warm"] == 2
+
+
+async def test_idle_worker_killed_is_replaced(pool: Pool) -> None:
+    victim = pool._idle[0].pid
+    os.kill(victim, signal.SIGKILL)
+    async with asyncio.timeout(30):
+        while any(w.pid == victim for w in pool._workers):
+            await asyncio.sleep(0.02)
+    assert all(w.pid != victim for w in pool._workers)
+    await pool.wait_warm(timeout=30)
+    assert pool.status()["retired"] == 1
+
+
+async def test_killed_process_group_resolves_launched(pool: Pool, tmp_path: Path) -> None:
+    """The daemon's timeout kills the command's process group: the worker is its leader."""
+    spec, ours = make_spec([PY, "-c", "import time; print('up', flush=True); time.sleep(60)"], str(tmp_path))
+    launched = await pool.launch(spec)
+    assert launched is not None
+    loop = asyncio.get_running_loop()
+    first = await loop.run_in_executor(None, os.read, ours[0], 100)  # it runs: now time it out
+    os.killpg(launched.pid, signal.SIGKILL)
+    r = await finish(spec, ours, launched)
+    assert (r.returncode, first + r.stdout) == (-signal.SIGKILL, b"up\n")
+
+
+async def test_single_use_worker_exits_and_replacement_warms_ahead(pool: Pool, tmp_path: Path) -> None:
+    spec, ours = make_spec([PY, "-c", "import time; time.sleep(60)"], str(tmp_path))
+    launched = await pool.launch(spec)
+    assert launched is not None
+    await pool.wait_warm(2, timeout=30)  # a replacement is warm while the command still runs
+    assert pool.status()["busy"] == 1
+    os.killpg(launched.pid, signal.SIGTERM)
+    r = await finish(spec, ours, launched)
+    assert r.returncode == -signal.SIGTERM
+    assert pool.status()["busy"] == 0 and pool.status()["warm"] == 2
+    assert launched.pid not in [w.pid for w in pool._workers]  # single use: that worker is gone
+
+
+async def test_launch_returns_none_when_nothing_warm(tmp_path: Path) -> None:
+    p = Pool(CPU, PoolConfig(size=1, preload=["json"]))
+    await p.start()
+    try:
+        await p.wait_warm(timeout=30)
+        spec, _ = make_spec([PY, "-c", "import time; time.sleep(0.3)"], str(tmp_path))
+        first = await p.launch(spec)
+        spec2, _ = make_spec([PY, "-c", "pass"], str(tmp_path))
+        assert first is not None and await p.launch(spec2) is None  # replacement still warming
+        assert p.status()["misses"] == 1
+        await first.wait()
+    finally:
+        await p.close()
+
+
+async def test_reuse_leaks_no_module_env_or_cwd(reuse_pool: Pool, tmp_path: Path) -> None:
+    cwd = str(tmp_path)
+    first = await run_pooled(reuse_pool, [PY, "-c", (
+        "import os, sys, colorsys, xml.dom, logging; os.environ['LEAK'] = '1'; os.chdir('/'); "
+        "sys.path.append('/leak'); os.umask(0o077); logging.basicConfig(); print(os.getpid())")], cwd)
+    probe = ("import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'xml.dom' in sys.modules, "
+             "'LEAK' in os.environ, os.getcwd(), '/leak' in sys.path, oct(os.umask(0o022)), "
+             "sorted(os.environ) == sorted(%r))")
+    env = dict(os.environ)
+    umask = os.umask(0)
+    os.umask(umask)
+    second = await run_pooled(reuse_pool, [PY, "-c", probe % sorted(env)], cwd, env)
+    pid = first.stdout.split()[0]
+    assert first.launched.pid == second.launched.pid == int(pid)
+    assert second.stdout.decode().split() == [pid.decode(), "False", "False", "False", cwd, "False",
+                                              oct(umask), "True"]
+    # xml may be baseline (imported by a preload) or not; its .dom attribute must not survive either way
+    third = await run_pooled(reuse_pool, [PY, "-c", "import xml, sys; print(hasattr(xml, 'dom'))"], cwd)
+    assert third.launched.pid == first.launched.pid and third.stdout == b"False\n"
+    await reuse_pool.wait_warm(timeout=30)  # max_uses=3 reached: that worker exited, another is warm
+    assert first.launched.pid not in [w.pid for w in reuse_pool._workers]
+
+
+async def test_reuse_reports_exit_codes_and_exceptions(reuse_pool: Pool, tmp_path: Path) -> None:
+    r1 = await run_pooled(reuse_pool, [PY, "-c", "import sys; sys.exit(4)"], str(tmp_path))
+    r2 = await run_pooled(reuse_pool, [PY, "-c", "raise KeyError('k')"], str(tmp_path))
+    assert (r1.returncode, r2.returncode) == (4, 1)
+    assert r2.stderr.endswith(b"KeyError: 'k'\n") and r1.launched.pid == r2.launched.pid
+
+
+async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path: Path) -> None:
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
+    r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    assert r.returncode == 0
+    await reuse_pool.wait_warm(timeout=30)
+    assert r.launched.pid not in [w.pid for w in reuse_pool._workers]
+    assert reuse_pool.status()["retired"] == 1
+
+
+async def test_reuse_os_exit_resolves_with_real_status(reuse_pool: Pool, tmp_path: Path) -> None:
+    r = await run_pooled(reuse_pool, [PY, "-c", "import os; os._exit(3)"], str(tmp_path))
+    assert r.returncode == 3
+    await reuse_pool.wait_warm(timeout=30)
+
+
+async def test_warm_failure_is_a_typed_error_with_the_child_traceback() -> None:
+    p = Pool(CPU, PoolConfig(size=1, preload=["no_such_module_krex"]))
+    await p.start()
+    try:
+        with pytest.raises(WorkerStartError, match="ModuleNotFoundError"):
+            await p.wait_warm(timeout=30)
+        assert p.status()["failures"] >= 1
+    finally:
+        await p.close()
+
+
+def test_accepts(tmp_path: Path) -> None:
+    p = Pool(CPU, PoolConfig(size=1))
+    env = dict(os.environ)
+
+    def spec(argv: list[str], **kw: object) -> LaunchSpec:
+        e = kw.pop("env", env)
+        return LaunchSpec(argv=argv, cwd=str(tmp_path), env=e, stdin_fd=0, stdout_fd=1, stderr_fd=2,
+                          **kw)  # type: ignore[arg-type]
+
+    assert p.accepts(spec([PY, "-c", "pass"]))
+    assert p.accepts(spec([PY, "script.py", "-u"]))
+    assert p.accepts(spec([PY, "-m", "json.tool"]))
+    assert p.accepts(spec(["python", "-c", "pass"], env=dict(env, PATH=os.path.dirname(PY))))
+    assert p.accepts(spec([PY, "-c", "pass"], uid=os.getuid()))
+    assert not p.accepts(spec(["python", "-c", "pass"], env=dict(env, PATH="/nonexistent")))
+    assert not p.accepts(spec(["echo", "hi"]))
+    assert not p.accepts(spec(["/bin/sh", "-c", "echo hi"]))
+    assert not p.accepts(spec([PY]))
+    assert not p.accepts(spec([PY, "-u", "-c", "pass"]))
+    assert not p.accepts(spec([PY, "-I", "script.py"]))
+    assert not p.accepts(spec([PY, "-"]))
+    assert not p.accepts(spec([PY, "-c", "pass"], uid=os.getuid() + 1))
+    assert not p.accepts(spec([PY, "-c", "pass"], env=dict(env, PYTHONPATH="/elsewhere")))
+    base = os.path.realpath(PY)  # the interpreter a venv links to, without the venv's site-packages
+    if sys.prefix != sys.base_prefix:
+        assert not p.accepts(spec([base, "-c", "pass"]))
+    other = shutil.which("python3", path="/usr/bin:/bin")
+    if other and os.path.realpath(other) != base:
+        assert not p.accepts(spec([other, "-c", "pass"]))
+    assert not Pool(CPU, PoolConfig(size=0)).accepts(spec([PY, "-c", "pass"]))
+
+
+AMD = Device(index=0, key="amd0", vendor="amd", name="needs init, has no driver path without torch")
+
+
+async def test_pause_holds_context_creation() -> None:
+    """A non-cpu device goes through the node lock; while paused no worker gets to create a context."""
+    p = Pool(AMD, PoolConfig(size=2, preload=["json"]))
+    p.pause()
+    await p.start()
+    try:
+        await asyncio.sleep(1.5)  # long enough to import json and ask for the lock
+        st = p.status()
+        assert (st["warm"], st["starting"], st["paused"]) == (0, 2, True)
+        p.resume()
+        await p.wait_warm(timeout=30)
+        assert p.status()["warm"] == 2
+    finally:
+        await p.close()
+
+
+async def test_context_creation_one_at_a_time_across_pools() -> None:
+    from krex_async.ctxpool.pool import node_lock
+    pools = [Pool(Device(index=i, key=f"amd{i}", vendor="amd", name="x"), PoolConfig(size=2)) for i in (0, 1)]
+    lock, held = node_lock(), []
+
+    async def watch() -> None:
+        while True:
+            held.append(lock.locked())
+            await asyncio.sleep(0)
+
+    w = asyncio.ensure_future(watch())
+    for p in pools:
+        await p.start()
+    try:
+        for p in pools:
+            await p.wait_warm(timeout=30)
+        assert any(held)  # every init went through the one node lock
+    finally:
+        w.cancel()
+        for p in pools:
+            await p.close()
+
+
+async def test_close_stops_idle_workers() -> None:
+    p = Pool(CPU, PoolConfig(size=2))
+    await p.start()
+    await p.wait_warm(timeout=30)
+    pids = [w.pid for w in p._workers]
+    await p.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+V2 = "/sys/fs/cgroup/unified" if os.path.exists("/sys/fs/cgroup/unified/cgroup.procs") else "/sys/fs/cgroup"
+
+
+async def test_worker_joins_command_cgroup(pool: Pool, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not os.access(os.path.join(V2, "cgroup.procs"), os.W_OK):
+        pytest.skip("needs a writable cgroup v2 hierarchy")
+    cg = os.path.join(V2, f"krex-ctxpool-test-{os.getpid()}")
+    os.mkdir(cg)
+    try:
+        spec, ours = make_spec([PY, "-c", "print(open('/proc/self/cgroup').read())"], str(tmp_path))
+        spec.cgroup_procs = os.path.join(cg, "cgroup.procs")
+        launched = await pool.launch(spec)
+        assert launched is not None
+        r = await finish(spec, ours, launched)
+        assert f"0::/{os.path.basename(cg)}" in r.stdout.decode()
+    finally:
+        for _ in range(100):
+            try:
+                os.rmdir(cg)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+
+
+async def test_status_latencies(pool: Pool, tmp_path: Path) -> None:
+    for form in (["-c", "pass"],):
+        await run_pooled(pool, [PY, *form], str(tmp_path))
+    st = pool.status()
+    assert st["launched"] == 1 and st["start_latency_s"]["n"] == 1
+    assert 0 < st["start_latency_s"]["p50"] < 1.0 and st["by_form"]["code"]["n"] == 1
+
+
+async def test_sitecustomize_runs_with_the_command_env(tmp_path: Path) -> None:
+    """A sitecustomize on PYTHONPATH (the daemon's runtime hook) runs per command, in its env."""
+    from tests.ctxpool.conftest import run_plain
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nprint('site sees', os.environ.get('MARK'))\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    p = Pool(CPU, PoolConfig(size=1), env=env)
+    await p.start()
+    try:
+        cmd_env = dict(env, MARK="command-1")
+        argv = [PY, "-c", "import sitecustomize, sys; print(sys.path[:2])"]
+        plain = await run_plain(argv, str(tmp_path), cmd_env)
+        pooled = await run_pooled(p, argv, str(tmp_path), cmd_env)
+        assert plain.stdout.startswith(b"site sees command-1\n")
+        assert (pooled.stdout, pooled.stderr, pooled.returncode) == (plain.stdout, plain.stderr, 0)
+    finally:
+        await p.close()
+
+
+async def test_launch_nowait_for_sync_callers(pool: Pool, tmp_path: Path) -> None:
+    spec, ours = make_spec([PY, "-c", "print('sync')"], str(tmp_path))
+    launched = pool.launch_nowait(spec)
+    assert launched is not None and launched.via == "pool"
+    r = await finish(spec, ours, launched)
+    assert (r.returncode, r.stdout) == (0, b"sync\n")
+
+
+async def test_reused_worker_leaves_the_command_cgroup(reuse_pool: Pool, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not os.access(os.path.join(V2, "cgroup.procs"), os.W_OK):
+        pytest.skip("needs a writable cgroup v2 hierarchy")
+    cg = os.path.join(V2, f"krex-ctxpool-reuse-{os.getpid()}")
+    os.mkdir(cg)
+    try:
+        spec, ours = make_spec([PY, "-c", "print(open('/proc/self/cgroup').read())"], str(tmp_path))
+        spec.cgroup_procs = os.path.join(cg, "cgroup.procs")
+        launched = await reuse_pool.launch(spec)
+        assert launched is not None
+        r = await finish(spec, ours, launched)
+        assert f"0::/{os.path.basename(cg)}" in r.stdout.decode()
+        await reuse_pool.wait_warm(timeout=30)
+        assert [w.pid for w in reuse_pool._workers] == [launched.pid]  # reused, not retired
+        with open(spec.cgroup_procs) as f:
+            assert f.read() == ""  # back home: the command's cgroup is empty and can go
+    finally:
+        os.rmdir(cg)
+
+
+async def test_cgroup_hook_gets_the_worker_pid(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    async def hook(pid: int, spec: LaunchSpec) -> None:
+        seen.append(pid)
+
+    p = Pool(CPU, PoolConfig(size=1), cgroup_hook=hook)
+    await p.start()
+    try:
+        r = await run_pooled(p, [PY, "-c", "import os; print(os.getpid())"], str(tmp_path))
+        assert seen == [r.launched.pid] == [int(r.stdout)]
+    finally:
+        await p.close()
+
+
+async def test_reuse_resets_region_client_state(reuse_pool: Pool, tmp_path: Path) -> None:
+    """region() outside krex warns once per process: a reused worker warns again for each command."""
+    code = "from krex_async import region\nwith region('t'):\n    pass\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    a = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path), env)
+    b = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path), env)
+    assert a.launched.pid == b.launched.pid
+    assert a.stderr and a.stderr == b.stderr, (a.stderr, b.stderr)
+
+
+async def test_pool_of_another_user(tmp_path: Path) -> None:
+    """The daemon runs as root and commands as their agent's user: a pool per user takes theirs."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start workers as another user")
+    nobody = 65534
+    spec, ours = make_spec([PY, "-m", "krex_async.ctxpool.forms"], os.getcwd())
+    spec.uid = spec.gid = nobody
+    spec.groups = []
+    try:
+        readable = (await finish(spec, ours, spawn(spec))).returncode == 0
+    except PermissionError:
+        for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd, *ours):
+            os.close(fd)
+        readable = False
+    if not readable:
+        pytest.skip("this interpreter or checkout is not usable by uid 65534")
+    os.chmod(tmp_path, 0o777)
+    p = Pool(CPU, PoolConfig(size=1), user=(nobody, nobody, []))
+    await p.start()
+    try:
+        spec, ours = make_spec([PY, "-c", "import os; print(os.getuid(), os.getgid(), os.getgroups())"],
+                               str(tmp_path))
+        assert not p.accepts(spec)  # the daemon's own identity: not this pool's
+        spec.uid, spec.gid, spec.groups = nobody, nobody, []
+        assert p.accepts(spec)
+        await p.wait_warm(timeout=30)
+        launched = await p.launch(spec)
+        assert launched is not None
+        r = await finish(spec, ours, launched)
+        assert r.stdout == f"{nobody} {nobody} []\n".encode()
+    finally:
+        await p.close()
+
+
+async def test_large_environment_crosses_the_channel(pool: Pool, tmp_path: Path) -> None:
+    env = dict(os.environ, BIG="x" * 300_000, MANY="1")
+    env.update({f"KREX_T_{i}": str(i) * 50 for i in range(2000)})
+    code = "import os; print(len(os.environ['BIG']), len(os.environ), os.environ['KREX_T_1999'][:4])"
+    r = await run_pooled(pool, [PY, "-c", code], str(tmp_path), env)
+    assert r.stdout == f"300000 {len(env)} 1999\n".encode(), r.stderr
+
+
+async def test_fork_in_reused_worker_child_exits_like_python(reuse_pool: Pool, tmp_path: Path) -> None:
+    from tests.ctxpool.conftest import run_plain
+    code = ("import os, sys\npid = os.fork()\nif pid == 0:\n    print('child', flush=True)\n"
+            "    sys.exit(3)\n_, st = os.waitpid(pid, 0)\nprint('parent saw', os.waitstatus_to_exitcode(st))\n")
+    plain = await run_plain([PY, "-c", code], str(tmp_path))
+    pooled = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    again = await run_pooled(reuse_pool, [PY, "-c", "print('next')"], str(tmp_path))
+    assert again.stdout == b"next\n" and again.launched.pid == pooled.launched.pid
+
+
+async def test_reuse_resets_logging(reuse_pool: Pool, tmp_path: Path) -> None:
+    """logging is baseline in a worker; a command's basicConfig must not silence the next one's."""
+    from tests.ctxpool.conftest import run_plain
+    code = "import logging; logging.basicConfig(format='%(levelname)s:%(message)s'); logging.warning('hi')"
+    plain = await run_plain([PY, "-c", code], str(tmp_path))
+    a = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    b = await run_pooled(reuse_pool, [PY, "-c", code.replace("%(levelname)s", "L")], str(tmp_path))
+    assert a.launched.pid == b.launched.pid
+    assert (a.stderr, b.stderr) == (plain.stderr, b"L:hi\n")

@@ -1,0 +1,122 @@
+"""The gateway dies (SIGKILL) mid-job and restarts on the same state dir: the running job is failed
+and never run again, the queued one runs; a second gateway cannot share the state dir."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT, run_daemon
+
+from .conftest import PY, pid_alive, start_gateway
+
+
+async def test_sigkill_mid_job_then_restart(tmp_path: Path) -> None:
+    state = tmp_path / "gw"
+    async with run_daemon() as daemon:
+        gw = start_gateway(daemon.socket, state, "--max-running", "1")
+        c = gw.client()
+        try:
+            running = await c.dev("echo run >> ../../runs; echo $$ > ../../pid; exec sleep 60")
+            queued = await c.dev("echo queued-ran")
+            for _ in range(200):
+                if (state / "pid").exists() and (state / "pid").read_text().strip():
+                    break
+                await asyncio.sleep(0.05)
+            pid = int((state / "pid").read_text())
+            assert (await c.get(queued["job_id"]))["status"] == "queued"
+        finally:
+            await c.close()
+        gw.stop(signal.SIGKILL)
+        gw = start_gateway(daemon.socket, state, "--max-running", "1")
+        c = gw.client()
+        try:
+            # The command is gone: the daemon ends an agent's commands when it disconnects, and
+            # the new gateway kills what a dead one left running.
+            for _ in range(100):
+                if not pid_alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            assert not pid_alive(pid)
+            view = await c.get(running["job_id"])
+            assert view["status"] == "failed" and view["error"]["reason"] == "gateway_restarted"
+            done = await c.wait(queued["job_id"], 30)
+            assert done["status"] == "succeeded" and done["result"]["stdout"] == "queued-ran\n"
+            await asyncio.sleep(0.3)
+            assert (state / "runs").read_text() == "run\n"  # never run twice
+            assert (await c.get(running["job_id"]))["status"] == "failed"
+
+            second = subprocess.run([PY, "-m", "krex_async.gateway", "--listen", "127.0.0.1:0",
+                                     "--state-dir", str(state), "--socket", daemon.socket],
+                                    capture_output=True, text=True, timeout=30,
+                                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+            assert second.returncode == 2 and "in use" in second.stderr
+        finally:
+            await c.close()
+            gw.stop()
+
+
+async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path) -> None:
+    """With no daemon the gateway serves and queues; jobs run once the daemon is there."""
+    async with run_daemon() as daemon:
+        sock = daemon.socket
+    gw = start_gateway(sock, tmp_path / "gw")
+    c = gw.client()
+    try:
+        job = await c.dev("echo late")
+        await asyncio.sleep(1.0)
+        assert (await c.get(job["job_id"]))["status"] == "queued"
+        env = (await c.env())["env"][0]
+        assert "krex daemon" in (env["probe_error"] or "")
+        proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", sock,
+                                 "--state-dir", str(tmp_path / "dstate")],
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            view = await c.wait(job["job_id"], 30)
+            assert view["status"] == "succeeded" and view["result"]["stdout"] == "late\n"
+        finally:
+            proc.terminate()
+            proc.wait(15)
+    finally:
+        await c.close()
+        gw.stop()
+
+
+async def test_sigterm_fails_the_running_job_and_ends_its_command(tmp_path: Path) -> None:
+    state = tmp_path / "gw"
+    async with run_daemon() as daemon:
+        gw = start_gateway(daemon.socket, state)
+        c = gw.client()
+        try:
+            job = await c.dev("echo $$ > ../../pid; exec sleep 60")
+            for _ in range(200):
+                if (state / "pid").exists() and (state / "pid").read_text().strip():
+                    break
+                await asyncio.sleep(0.05)
+            pid = int((state / "pid").read_text())
+            poller = gw.client()
+            poll = asyncio.ensure_future(poller.get(job["job_id"], wait=True, timeout=60))
+            await asyncio.sleep(0.3)
+            assert not poll.done()
+            t = time.monotonic()
+            assert await asyncio.to_thread(gw.stop, signal.SIGTERM, 10) == 0
+            assert time.monotonic() - t < 5
+            # The long poll answered at shutdown instead of being cut off.
+            assert (await asyncio.wait_for(poll, 5))["status"] in ("running", "failed")
+            assert not pid_alive(pid)
+        finally:
+            await c.close()
+            await poller.close()
+        gw = start_gateway(daemon.socket, state)
+        c = gw.client()
+        try:
+            view = await c.get(job["job_id"])
+            assert view["status"] == "failed" and view["error"]["reason"] == "gateway_stopped"
+        finally:
+            await c.close()
+            gw.stop()

@@ -1,0 +1,132 @@
+"""Config layers (file < env < flags): merged values, and errors that name the source and the key."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from krex_async import configfile
+from krex_async.config import ServeConfig
+from krex_async.configfile import ConfigError, load_config, load_config_with_sources, print_config
+
+from ..conftest import PY, ROOT, py_env
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "krex.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_layers_override_in_order(tmp_path):
+    path = write(tmp_path, 'policy = "shared"\nregion-timeout = 7\nfreeze = "device-holders"\n'
+                           'max_frame = 2048\n')
+    env = {"KREX_POLICY": "command", "KREX_REGION_TIMEOUT": "9.5", "KREX_COMMAND": "x-1",
+           "KREX_SOCKET": "/tmp/k.sock", "KREX_LOG_LEVEL": ""}
+    cfg, src = load_config_with_sources(path, env, {"region_timeout": 3.0, "devices": None})
+    assert cfg.policy == "command"           # env over file
+    assert cfg.region_timeout == 3.0         # flag over env over file
+    assert cfg.freeze == "device-holders"    # file only
+    assert cfg.max_frame == 2048
+    assert cfg.socket == "/tmp/k.sock"       # KREX_SOCKET is the socket
+    assert cfg.log_level == "info"           # an empty variable is unset
+    assert cfg.devices == "auto"             # None flags are "not given"
+    assert src == {"policy": "env KREX_POLICY", "region_timeout": "flag --region-timeout",
+                   "freeze": f"file {path}", "max_frame": f"file {path}",
+                   "socket": "env KREX_SOCKET"}
+
+
+@pytest.mark.parametrize("text, where", [
+    ("region_timeout = -1\n", "krex.toml:region_timeout: Expected `float` > 0.0"),
+    ('policy = "fastest"\n', "krex.toml:policy: Invalid enum value 'fastest'"),
+    ('max-frame = "big"\n', "krex.toml:max_frame: Expected `int`, got `str`"),
+    ("region_timout = 5\n", "krex.toml:region_timout: unknown key"),
+    ("[serve]\npolicy = 'region'\n", "krex.toml:serve: is a table"),
+    ("policy = \n", "krex.toml: not valid TOML"),
+    ('region_timeout = 5\nregion-timeout = 6\n', "krex.toml:region-timeout: given twice"),
+])
+def test_file_errors_name_file_and_key(tmp_path, text, where):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text), {}, {})
+    assert str(e.value).startswith(str(tmp_path) + "/"), e.value
+    assert where in str(e.value)
+
+
+def test_strict_types_in_file(tmp_path):
+    # TOML has types: a string where a number belongs is an error in the file (it is not in env).
+    with pytest.raises(ConfigError, match=r"krex.toml:region_timeout: Expected `float`, got `str`"):
+        load_config(write(tmp_path, 'region_timeout = "5"\n'), {}, {})
+
+
+@pytest.mark.parametrize("env, msg", [
+    ({"KREX_REGION_TIMEOUT": "soon"}, "KREX_REGION_TIMEOUT='soon': Expected `float`, got `str`"),
+    ({"KREX_POLICY": "fast"}, "KREX_POLICY='fast': Invalid enum value 'fast'"),
+    ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
+])
+def test_env_errors_name_the_variable(env, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, env, {})
+    assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("cli, msg", [
+    ({"region_timeout": 0.0}, "--region-timeout: Expected `float` > 0.0"),
+    ({"region_cores": -5}, "--region-cores: Expected `int` >= 0"),
+    ({"bogus_flag": 1}, "--bogus-flag: not a serve option"),
+])
+def test_cli_errors_name_the_flag(cli, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {}, cli)
+    assert str(e.value) == msg
+
+
+def test_missing_files(tmp_path, monkeypatch):
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="nope.toml: config file not found"):
+        load_config(missing, {}, {})
+    monkeypatch.setattr(configfile, "DEFAULT_PATH", missing)
+    assert load_config(None, {}, {}) == ServeConfig()  # the default file is optional
+
+
+def test_print_config_round_trips(tmp_path):
+    path = write(tmp_path, 'policy = "shared"\nsocket = "/tmp/a \\"b\\".sock"\n')
+    cfg, src = load_config_with_sources(path, {"KREX_DRAIN_TIMEOUT": "0.5"}, {"region_cores": 1})
+    text = print_config(cfg, src)
+    assert f"# file {path}" in text and "# env KREX_DRAIN_TIMEOUT" in text
+    assert "# flag --region-cores" in text and "# default" in text
+    again = write(tmp_path, text)
+    assert tomllib.loads(text)["drain_timeout"] == 0.5
+    assert load_config(again, {}, {}) == cfg
+
+
+def _serve_help() -> str:
+    return subprocess.run([PY, "-m", "krex_async", "serve", "--help"], capture_output=True,
+                          text=True, env=py_env(), cwd=ROOT, timeout=30).stdout
+
+
+def test_serve_print_config_uses_all_layers(tmp_path):
+    if "--config" not in _serve_help():
+        pytest.skip("wired by lead: `krex serve --config` is not accepted yet")
+    path = write(tmp_path, 'policy = "shared"\nregion_timeout = 7.0\n')
+    p = subprocess.run([PY, "-m", "krex_async", "serve", "--config", path, "--region-timeout", "3",
+                        "--print-config"], capture_output=True, text=True, cwd=ROOT, timeout=30,
+                       env=py_env(KREX_FREEZE="device-holders"))
+    assert p.returncode == 0, p.stderr
+    out = tomllib.loads(p.stdout)
+    assert (out["policy"], out["region_timeout"], out["freeze"]) == ("shared", 3.0,
+                                                                      "device-holders")
+    bad = subprocess.run([PY, "-m", "krex_async", "serve", "--config", path, "--print-config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=30,
+                         env=py_env(KREX_REGION_TIMEOUT="later"))
+    assert bad.returncode == 2 and "KREX_REGION_TIMEOUT='later'" in bad.stderr
+
+
+def test_example_file_loads_and_documents_every_option():
+    example = ROOT / "packaging" / "krex.toml.example"
+    assert load_config(str(example), {}, {}) == ServeConfig()  # the example states the defaults
+    text = example.read_text()
+    for name in ServeConfig.__struct_fields__:
+        assert f"\n{name} =" in text or f"\n# {name} =" in text, f"{name} not in the example"

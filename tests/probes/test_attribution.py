@@ -1,0 +1,96 @@
+"""Events attributed to commands through the process tree and the cgroup v2 id; strays."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from krex_async.probes.attribution import Attributor, cgroup2_root, cgroup_id, parent_pid
+from krex_async.probes.bpf_ioctl import IoctlProbe
+
+from .conftest import CHILD, Collector, WaitingChild, need_bcc
+
+
+async def test_process_tree_and_strays(devdir: str, tmp_path: Path) -> None:
+    need_bcc()
+    probe = IoctlProbe([devdir + "/"])
+    col = Collector(probe)
+    col.start()
+    # command c1: a shell whose grandchild makes the ioctls; c2: a direct child; and an outsider.
+    (tmp_path / "child.py").write_text(CHILD)  # not under the prefix: open() would ioctl (isatty)
+    inner = f"{sys.executable} {tmp_path}/child.py {devdir}/null0 3 0 2"
+    c1 = subprocess.Popen(["sh", "-c", f"sh -c '{inner}'; true"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    c2 = WaitingChild(f"{devdir}/null0", 2, 0, linger=True)
+    outsider = WaitingChild(f"{devdir}/null0", 1, 0, linger=True)
+    att = Attributor()
+    att.add("c1", c1.pid)
+    att.add("c2", c2.proc.pid)
+    try:
+        assert c1.stdout is not None and c1.stdin is not None
+        c1.stdout.readline()  # ready
+        c1.stdin.write("go\n")
+        c1.stdin.flush()
+        pid1 = json.loads(c1.stdout.readline())["pid"]
+        pid2, pid3 = c2.go()["pid"], outsider.go()["pid"]
+        assert await col.wait_for(lambda: len({e.tgid for e in col.events}) >= 3)
+        seen = {e.tgid: att.command_of(e) for e in col.events}  # all three still alive
+    finally:
+        c1.communicate("bye\n", timeout=30)
+        c2.kill()
+        outsider.kill()
+        probe.stop()
+    assert seen == {pid1: "c1", pid2: "c2", pid3: None}
+    assert pid1 not in (c1.pid, c2.proc.pid)  # a grandchild, found through its parents
+    ev_c1 = next(e for e in col.events if e.tgid == pid1)
+    ev_out = next(e for e in col.events if e.tgid == pid3)
+    assert att.is_stray(ev_out, owner="c2") and att.is_stray(ev_c1, owner="c2")
+    assert not att.is_stray(ev_c1, owner="c1") and not att.is_stray(ev_out, owner=None)
+
+
+async def test_cgroup_id_attributes_after_exit(devdir: str) -> None:
+    need_bcc()
+    root = cgroup2_root()
+    if root is None:
+        pytest.skip("no cgroup v2 hierarchy mounted")
+    cg = f"{root}/krex-probe-test-{os.getpid()}"
+    try:
+        os.mkdir(cg)
+    except OSError as e:
+        pytest.skip(f"cannot create a cgroup v2 directory: {e}")
+    probe = IoctlProbe([devdir + "/"])
+    col = Collector(probe)
+    cg_id = cgroup_id(cg)
+    try:
+        child = WaitingChild(f"{devdir}/null0", 3, 0)
+        with open(f"{cg}/cgroup.procs", "w") as f:
+            f.write(str(child.proc.pid))
+        col.start()
+        res = child.go()
+        child.proc.wait(timeout=30)
+        assert await col.wait_for(lambda: len(col.of(res["pid"])) >= 3)
+        assert probe.cgroup_counts()[cg_id] == 3  # kernel-side, per cgroup
+    finally:
+        probe.stop()
+        os.rmdir(cg)  # empty again: the child has exited
+    evs = col.of(res["pid"])
+    assert {getattr(e, "cgroup", None) for e in evs} == {cg_id}
+    att = Attributor()
+    att.add("c9", 999999999)  # root pid unknown: only the cgroup can tell
+    att._cgroups[cg_id] = "c9"  # the directory is gone; register the id it had
+    assert all(att.command_of(e) == "c9" for e in evs)  # the process is gone by now
+    assert parent_pid(res["pid"]) is None
+
+
+def test_parent_pid_reads_proc() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert parent_pid(p.pid) == os.getpid()
+    finally:
+        p.kill()
+        p.wait()

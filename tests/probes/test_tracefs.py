@@ -1,0 +1,76 @@
+"""The tracefs fallback on real syscalls, in its own tracefs instance (root)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from krex_async.probes.tracefs import TracefsProbe, parse_line
+
+from .conftest import FIONREAD, TCGETS, Collector, WaitingChild, need_root
+
+
+def need_tracefs() -> None:
+    need_root()
+    from krex_async.probes import tracefs_works
+    ok, why = tracefs_works()
+    if not ok:
+        pytest.skip(f"tracefs unavailable: {why}")
+
+
+async def test_tracefs_sees_ioctls_of_device_holders(devdir: str) -> None:
+    need_tracefs()
+    child = WaitingChild(f"{devdir}/null0", 4, 3)
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.2)
+    col = Collector(probe)
+    t0 = time.monotonic_ns()
+    try:
+        col.start()
+        instance = probe.instance
+        assert os.path.isdir(instance) and "krex-" in instance
+        assert "mono" in open(f"{instance}/trace_clock").read().split("[")[1]
+        await col.wait_for(lambda: bool(probe._pids))  # the first scan found the holder
+        res = child.go()  # its worker thread starts after the scan: event-fork must cover it
+        pid = res["pid"]
+        assert await col.wait_for(lambda: len(col.of(pid)) >= 7)
+    finally:
+        probe.stop()
+        child.kill()
+    evs = col.of(pid)
+    assert len(evs) == 7 and all(e.kind == "ioctl" and e.fd == child.fd for e in evs)
+    assert [e.request for e in evs if e.tid == res["tid"]] == [TCGETS] * 4
+    assert [e.name for e in evs if e.tid == res["thread_tid"]] == ["FIONREAD"] * 3
+    assert all(t0 < e.ts_ns < time.monotonic_ns() for e in evs)  # mono clock
+    assert probe.counts()[pid] == 7 and probe.lost() == 0
+    assert not os.path.exists(instance)  # cleaned up
+
+
+def test_parse_line_formats() -> None:
+    new = ("         python3-7871    (   7830) [000] .....  4553.670455: "
+           "sys_ioctl(fd: 12, cmd: 0x5401, arg: 0x7fd9d4465650)")
+    assert parse_line(new) == (4553670455000, 7830, 7871, 12, TCGETS, "python3")
+    old = "  my-app-x-12 (   -----) [001] d..1  10.000001: sys_ioctl(fd: c, cmd: 541b, arg: 0)"
+    assert parse_line(old, fd_hex=True) == (10000001000, 12, 12, 12, FIONREAD, "my-app-x")
+    assert parse_line("# tracer: nop") is None
+
+
+async def test_tracefs_overrun_is_counted_as_lost(devdir: str) -> None:
+    need_tracefs()
+    child = WaitingChild(f"{devdir}/null0", 5000, 0)
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.2, buffer_kb=8)  # a few pages per CPU
+    col = Collector(probe)
+    try:
+        col.start()
+        await col.wait_for(lambda: bool(probe._pids))
+        probe.paused.set()  # nobody reads: the per-CPU buffers wrap and count overruns
+        pid = child.go()["pid"]
+        lost = probe.lost()
+        probe.paused.clear()
+        await col.wait_for(lambda: len(col.of(pid)) + lost >= 5000, timeout=3)
+    finally:
+        probe.stop()
+        child.kill()
+    assert lost > 1000
+    assert len(col.of(pid)) + lost == 5000

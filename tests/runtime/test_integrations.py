@@ -1,0 +1,173 @@
+"""Auto-regions: wrappers around do_bench / torch Timer enter and leave krex_async.region.
+
+`region` itself is the lead's (krex_async/region.py); here a recording context manager stands in
+for it through krex_async.region, the name the wrappers look up. What is under test is the
+wrapping: the hook, idempotence, signatures, return values and no nesting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import krex_async
+from krex_async import integrations
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIME = REPO / "krex_async" / "runtime"
+
+FAKE_TRITON_TESTING = '''
+CALLS = []
+def do_bench(fn, warmup=25, rep=100, grad_to_none=None, quantiles=None, return_mode="mean"):
+    """triton's signature"""
+    CALLS.append("do_bench")
+    fn()
+    return 1.25
+def do_bench_cudagraph(fn, rep=20, grad_to_none=None, quantiles=None, return_mode="mean"):
+    CALLS.append("do_bench_cudagraph")
+    return do_bench(fn)  # nested: must not open a second region
+'''
+
+RECORDER = '''
+import contextlib, krex_async
+EVENTS = []
+@contextlib.contextmanager
+def region(name, **kw):
+    EVENTS.append(("enter", name))
+    try:
+        yield None
+    finally:
+        EVENTS.append(("exit", name))
+krex_async.region = region
+'''
+
+
+@pytest.fixture
+def fake_triton(tmp_path: Path) -> Path:
+    pkg = tmp_path / "triton"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "testing.py").write_text(FAKE_TRITON_TESTING)
+    (tmp_path / "krex_recorder.py").write_text(RECORDER)
+    return tmp_path
+
+
+def test_auto_region_hook_wraps_do_bench_at_import(fake_triton: Path) -> None:
+    code = (
+        "import krex_recorder\n"
+        "from triton.testing import do_bench, do_bench_cudagraph\n"  # bound after the patch
+        "import inspect, triton.testing as tt\n"
+        "r = do_bench(lambda: krex_recorder.EVENTS.append(('body', '')), rep=5)\n"
+        "r2 = do_bench_cudagraph(lambda: None)\n"
+        "print(r, r2, list(inspect.signature(do_bench).parameters)[:3], tt.do_bench is do_bench)\n"
+        "print(krex_recorder.EVENTS)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    # krex_async is found beside the runtime directory: REPO is deliberately not on the path
+    env.update(KREX_AUTO_REGION="1",
+               PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton), str(REPO)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=fake_triton)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first == "1.25 1.25 ['fn', 'warmup', 'rep'] True"
+    assert second == str([("enter", "triton.do_bench"), ("body", ""), ("exit", "triton.do_bench"),
+                          ("enter", "triton.do_bench_cudagraph"), ("exit", "triton.do_bench_cudagraph")])
+
+
+def test_without_the_flag_nothing_is_wrapped(fake_triton: Path) -> None:
+    code = "import triton.testing as tt; print(hasattr(tt.do_bench, '__krex_region__'))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout == "False\n", out.stderr
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, str, dict[str, Any]]]]:
+    log: list[tuple[str, str, dict[str, Any]]] = []
+
+    @contextlib.contextmanager
+    def region(name: str, **kw: Any) -> Iterator[None]:
+        log.append(("enter", name, kw))
+        try:
+            yield None
+        finally:
+            log.append(("exit", name, kw))
+
+    monkeypatch.setattr(krex_async, "region", region, raising=False)
+    yield log
+
+
+def test_wrapping_is_idempotent_and_preserves_values(events: list, fake_triton: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(fake_triton))
+    import importlib
+    tt = importlib.import_module("triton.testing")
+    original = tt.do_bench
+    assert integrations.wrap_triton_testing(tt) == ["do_bench", "do_bench_cudagraph"]
+    wrapped = tt.do_bench
+    assert integrations.wrap_triton_testing(tt) == []  # second time: nothing
+    assert integrations.wrap_module("triton.testing", tt) == []
+    assert tt.do_bench is wrapped and wrapped.__wrapped__ is original
+    assert inspect.signature(wrapped) == inspect.signature(original)
+    assert wrapped.__doc__ == "triton's signature"
+    assert wrapped(lambda: None, rep=3) == 1.25
+    assert [e[:2] for e in events] == [("enter", "triton.do_bench"), ("exit", "triton.do_bench")]
+    sys.modules.pop("triton.testing", None)
+    sys.modules.pop("triton", None)
+
+
+def test_decorator_exceptions_and_nesting(events: list) -> None:
+    @integrations.timed_region("outer", warm_ms=5)
+    def outer(x: int) -> int:
+        return inner(x) + 1
+
+    @integrations.timed_region("inner")
+    def inner(x: int) -> int:
+        if x < 0:
+            raise ValueError("negative")
+        return x * 2
+
+    assert outer(3) == 7
+    assert events == [("enter", "outer", {"warm_ms": 5}), ("exit", "outer", {"warm_ms": 5})]
+    events.clear()
+    with pytest.raises(ValueError, match="negative"):
+        inner(-1)
+    assert [e[0] for e in events] == ["enter", "exit"]  # the region is left before it propagates
+    events.clear()
+    assert inner(2) == 4 and len(events) == 2  # not stuck "inside" after the exception
+
+
+def test_torch_timer_methods_wrapped_on_the_class(events: list) -> None:
+    class FakeTimerModule:
+        class Timer:
+            def __init__(self, stmt: str = "pass") -> None:
+                self.stmt = stmt
+
+            def timeit(self, number: int = 1000000) -> str:
+                return f"timeit {number}"
+
+            def blocked_autorange(self, callback: Any = None, min_run_time: float = 0.2) -> str:
+                return "blocked"
+
+            def adaptive_autorange(self, threshold: float = 0.1) -> str:
+                return self.blocked_autorange()  # nested inside the outer region
+
+    mod = FakeTimerModule
+    assert integrations.wrap_module("torch.utils.benchmark.utils.timer", mod) == [
+        "timeit", "blocked_autorange", "adaptive_autorange"]
+    assert integrations.wrap_torch_timer(mod) == []
+    t = mod.Timer()
+    assert t.timeit(5) == "timeit 5" and t.adaptive_autorange() == "blocked"
+    assert [e[:2] for e in events] == [
+        ("enter", "torch.Timer.timeit"), ("exit", "torch.Timer.timeit"),
+        ("enter", "torch.Timer.adaptive_autorange"), ("exit", "torch.Timer.adaptive_autorange")]
+    assert list(inspect.signature(mod.Timer.blocked_autorange).parameters) == [
+        "self", "callback", "min_run_time"]

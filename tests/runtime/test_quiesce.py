@@ -1,0 +1,256 @@
+"""The in-command quiesce runtime, in real subprocesses, against a real unix-socket server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from krex_async import protocol as P
+
+from .server import Peer, Server
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIME = REPO / "krex_async" / "runtime"
+
+SPIN = r"""
+import os, sys, time
+out = open(sys.argv[1], "a", buffering=1)
+mode = sys.argv[2]
+if mode == "fork":
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        sys.exit(0)
+t_last = 0.0
+while True:
+    if mode == "sleep":
+        time.sleep(0.001)
+    now = time.monotonic()
+    if now - t_last >= 0.001:
+        out.write(f"{now:.6f}\n")
+        t_last = now
+"""
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    with tempfile.TemporaryDirectory(prefix="kx") as d:  # short path: AF_UNIX stops near 108 bytes
+        s = Server(Path(d) / "s")
+        yield s
+        s.close()
+
+
+def command_env(sock: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    env.update(PYTHONPATH=str(RUNTIME), KREX_SOCKET=sock, KREX_COMMAND="c1", KREX_TOKEN="t0k",
+               KREX_DEVICE="cpu")
+    env.update(extra)
+    return env
+
+
+def stamps(path: Path) -> list[float]:
+    return [float(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def wait_for(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def quiesce_cycle(peer: Peer, out: Path, region: str) -> None:
+    """Quiesce, check the ack and silence, resume, check it writes again."""
+    assert wait_for(lambda: len(stamps(out)) > 20), "the command never started writing"
+    t_sent = time.monotonic()
+    peer.send(P.Quiesce(id=7, region=region))
+    ack = peer.recv(5)
+    t_ack = time.monotonic()
+    assert isinstance(ack, P.QuiesceAck), ack
+    assert (ack.id, ack.region, ack.synced) == (7, region, "none")
+    assert 0 <= ack.seconds < 1
+    assert t_ack - t_sent < 1.0, "the ack took too long for a command in pure Python"
+    n_at_ack = len(stamps(out))
+    time.sleep(0.5)
+    quiet = stamps(out)
+    assert len(quiet) == n_at_ack, "the command wrote while quiesced"
+    assert all(t <= t_ack for t in quiet)
+    t_resume = time.monotonic()
+    peer.send(P.Resume(id=8, region=region))
+    assert wait_for(lambda: any(t > t_resume for t in stamps(out)), 2.0), "no progress after Resume"
+
+
+@pytest.mark.parametrize("mode", ["spin", "sleep"])
+def test_python_command_acks_blocks_and_resumes(server: Server, tmp_path: Path, mode: str) -> None:
+    out = tmp_path / "stamps"
+    proc = subprocess.Popen([sys.executable, "-c", SPIN, str(out), mode],
+                            env=command_env(server.path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        peer = server.accept()
+        assert peer is not None, "the runtime never connected"
+        assert peer.hello.role == "command"
+        assert (peer.ready.command, peer.ready.token, peer.ready.pid) == ("c1", "t0k", proc.pid)
+        quiesce_cycle(peer, out, "r1")
+        quiesce_cycle(peer, out, "r2")  # a second region on the same connection
+        # a Resume for a region it was never asked to stop for changes nothing
+        peer.send(P.Resume(id=9, region="other"))
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    assert err == b""
+
+
+def test_connection_loss_while_quiesced_resumes(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "stamps"
+    proc = subprocess.Popen([sys.executable, "-c", SPIN, str(out), "spin"], env=command_env(server.path))
+    try:
+        peer = server.accept()
+        assert peer is not None
+        assert wait_for(lambda: len(stamps(out)) > 20)
+        peer.send(P.Quiesce(id=3, region="r"))
+        assert isinstance(peer.recv(5), P.QuiesceAck)
+        n = len(stamps(out))
+        time.sleep(0.3)
+        assert len(stamps(out)) == n
+        t_close = time.monotonic()
+        peer.close()  # the daemon died: the program must not stay stopped
+        assert wait_for(lambda: any(t > t_close for t in stamps(out)), 3.0)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_forked_child_rearms_with_its_own_connection(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "stamps"
+    proc = subprocess.Popen([sys.executable, "-c", SPIN, str(out), "fork"], env=command_env(server.path))
+    child_pid = 0
+    try:
+        first = server.accept()
+        second = server.accept()
+        assert first is not None and second is not None, "the forked child did not connect"
+        peers = {p.ready.pid: p for p in (first, second)}
+        assert proc.pid in peers
+        child_pid = next(pid for pid in peers if pid != proc.pid)
+        quiesce_cycle(peers[child_pid], out, "rc")  # only the child writes
+    finally:
+        if child_pid:
+            os.kill(child_pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def test_non_python_command_never_acknowledges(server: Server) -> None:
+    proc = subprocess.Popen(["sleep", "5"], env=command_env(server.path))
+    try:
+        # nothing connects: the daemon's quiesce timeout is what handles such commands
+        assert server.accept(timeout=1.0) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_unreachable_daemon_is_silent(tmp_path: Path) -> None:
+    code = "import time, sys; time.sleep(0.3); print('ok'); sys.exit(3)"
+    for sock in (str(tmp_path / "missing.sock"), "/dev/null", ""):
+        out = subprocess.run([sys.executable, "-c", code], env=command_env(sock),
+                             capture_output=True, timeout=30)
+        assert (out.returncode, out.stdout, out.stderr) == (3, b"ok\n", b""), sock
+
+
+def test_closed_by_daemon_right_away_is_silent(server: Server) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); print('ok')"],
+                            env=command_env(server.path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peer = server.accept()
+    assert peer is not None
+    peer.send(P.Error(id=2, code="forbidden", message="bad token"))
+    peer.close()
+    out, err = proc.communicate(timeout=10)
+    assert (proc.returncode, out, err) == (0, b"ok\n", b"")
+
+
+def test_user_signal_handlers_keep_working(server: Server, tmp_path: Path) -> None:
+    code = ("import signal, time, sys\n"
+            "got = []\n"
+            "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
+            "signal.raise_signal(signal.SIGUSR1)\n"
+            "time.sleep(0.2)\n"
+            "print(got == [signal.SIGUSR1], signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=command_env(server.path),
+                          capture_output=True, timeout=30)
+    assert proc.stdout == b"True True\n" and proc.stderr == b""
+
+
+def test_existing_sitecustomize_is_chained(tmp_path: Path) -> None:
+    other = tmp_path / "site"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text(
+        "import os\nCHAINED = 'yes'\nos.environ['CHAINED_RAN'] = '1'\n")
+    code = ("import os, sitecustomize\n"
+            "print(os.environ.get('CHAINED_RAN'), sitecustomize.CHAINED, "
+            "sitecustomize.__file__.endswith('krex_async/runtime/sitecustomize.py'))\n")
+    env = command_env(str(tmp_path / "none.sock"))
+    env["PYTHONPATH"] = os.pathsep.join([str(RUNTIME), str(other)])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30)
+    assert out.stdout == b"1 yes True\n", out.stderr
+    # a broken chained sitecustomize is reported by `site` as it would be without krex
+    (other / "sitecustomize.py").write_text("raise RuntimeError('boom')\n")
+    out = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, timeout=30)
+    assert out.stdout == b"ran\n" and b"boom" in out.stderr
+
+
+def _site_cost_us(env: dict[str, str]) -> int:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    m = re.search(r"import time:\s+\d+ \|\s+(\d+) \|\s*site$", out.stderr, re.M)
+    assert m, out.stderr
+    return int(m.group(1))
+
+
+@pytest.mark.skipif(os.getloadavg()[0] > (os.cpu_count() or 1),
+                    reason="machine too loaded to time interpreter start-up")
+def test_start_up_cost_is_small(server: Server) -> None:
+    """What krex adds to `site` (which imports sitecustomize): best of 10 runs, with minus without.
+
+    The listener's socket and module loading run on its own thread; the main thread pays for
+    sitecustomize and the chained search only.
+    """
+    with_krex = command_env(server.path)
+    without = {k: v for k, v in with_krex.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
+    best_with = min(_site_cost_us(with_krex) for _ in range(10))
+    best_without = min(_site_cost_us(without) for _ in range(10))
+    print(f"site import: {best_with} us with krex, {best_without} us without")
+    assert best_with - best_without < 5000  # goal ~2 ms on a quiet machine; CI gets headroom
+
+
+def test_pool_worker_arms_later(server: Server, tmp_path: Path) -> None:
+    """A warm worker starts without a command and arms the runtime once it is given one."""
+    out = tmp_path / "stamps"
+    code = ("import os, sys, sitecustomize\n"
+            "assert sitecustomize.arm() is False\n"  # nothing to listen for yet
+            f"os.environ.update(KREX_SOCKET={server.path!r}, KREX_COMMAND='c1', KREX_TOKEN='t0k')\n"
+            "assert sitecustomize.arm() and sitecustomize.arm()\n"  # idempotent
+            "sys.argv = ['spin', sys.argv[1], 'sleep']\n"
+            f"exec(compile({SPIN!r}, 'spin', 'exec'))\n")
+    env = {k: v for k, v in command_env(server.path).items() if not k.startswith("KREX_")}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
+    try:
+        peer = server.accept()
+        assert peer is not None and peer.ready.pid == proc.pid
+        quiesce_cycle(peer, out, "rp")
+        assert server.accept(timeout=0.3) is None  # armed once
+    finally:
+        proc.kill()
+        proc.wait()

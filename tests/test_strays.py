@@ -1,0 +1,111 @@
+"""Probe events through a real daemon: strays during a region are attributed and reported.
+
+The "GPU" here is a private character device node (like /dev/null) under a unique prefix that the
+daemon is told to watch (`--probe-prefixes`): its ioctls are real syscalls the eBPF program sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from .conftest import PY, py_env, run_daemon
+
+IOCTLS = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+for _ in range(int(sys.argv[2])):
+    try:
+        fcntl.ioctl(fd, 0x5401, bytes(64))
+    except OSError:
+        pass
+print(os.getpid(), flush=True)
+"""
+
+
+@pytest.fixture
+def device() -> str:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (eBPF, mknod)")
+    from krex_async.probes import bcc_works
+
+    ok, why = bcc_works()
+    if not ok:
+        pytest.skip(f"bcc unavailable: {why} (run .ci/install-bcc.sh)")
+    d = tempfile.mkdtemp(prefix="krexgpu-", dir="/tmp")
+    os.mknod(f"{d}/gpu0", 0o20666, os.makedev(1, 3))
+    yield f"{d}/gpu0"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_strays_during_a_region_are_reported_with_their_pids(device, script, tmp_path):
+    marker = tmp_path / "inside"
+    ioctls = script("io.py", IOCTLS)
+    owner = script("owner.py", f"""
+        import fcntl, os, time
+        from krex_async import region
+        fd = os.open({device!r}, os.O_RDWR)
+        with region("timing") as r:
+            for _ in range(20):  # the owner's own driver calls are never strays
+                try:
+                    fcntl.ioctl(fd, 0x5401, bytes(64))
+                except OSError:
+                    pass
+            open({str(marker)!r}, "w").close()
+            time.sleep(1.5)
+        print(os.getpid())
+    """)
+    prefix = os.path.dirname(device) + "/"
+    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix,
+                          "--freeze", "device-holders") as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, owner], env=py_env())
+            deadline = time.monotonic() + 20
+            while not marker.exists():
+                assert time.monotonic() < deadline, "the owner never entered its region"
+                await asyncio.sleep(0.02)
+            # A process outside krex touches the device during the region.
+            outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "7"],
+                                              capture_output=True, text=True, timeout=30)
+            outside_pid = int(outside.stdout)
+            # A sibling command that opened nothing when the region began (device-holders: it
+            # was not frozen) opens the device now: a stray, and it is frozen at once.
+            sib = await c.submit([PY, ioctls, device, "3"], env=py_env())
+            res = await h.wait()
+            sib_res = await sib.wait()
+    assert res.returncode == 0, res.stderr
+    owner_pid = int(res.stdout)
+    rep = res.report.regions[0]
+    assert outside_pid in rep.stray_pids, rep
+    assert int(sib_res.stdout) in rep.stray_pids, rep
+    assert sib.command in rep.frozen, "the sibling that opened the device was not frozen"
+    assert owner_pid not in rep.stray_pids
+    assert rep.strays >= 7 + 1, rep
+    assert rep.first_strays and f"pid {outside_pid}" in " ".join(rep.first_strays)
+    assert not rep.tainted
+
+
+async def test_no_strays_when_only_the_owner_touches_the_device(device, script):
+    owner = script("owner.py", f"""
+        import fcntl, os
+        from krex_async import region
+        fd = os.open({device!r}, os.O_RDWR)
+        with region("timing"):
+            for _ in range(50):
+                try:
+                    fcntl.ioctl(fd, 0x5401, bytes(64))
+                except OSError:
+                    pass
+    """)
+    prefix = os.path.dirname(device) + "/"
+    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix) as d:
+        async with await d.client() as c:
+            res = await c.run([PY, owner], env=py_env())
+    rep = res.report.regions[0]
+    assert res.returncode == 0 and rep.strays == 0 and rep.stray_pids == [], rep
