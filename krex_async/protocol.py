@@ -29,7 +29,7 @@ Argv = Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=4096)]
 Env = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4096)], Arg], msgspec.Meta(max_length=4096)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
-Pid = Annotated[int, msgspec.Meta(ge=0, le=1 << 22)]  # PID_MAX_LIMIT
+Pid = Annotated[int, msgspec.Meta(ge=-1, le=1 << 22)]  # PID_MAX_LIMIT; 0 (or -1): not given
 # What exec accepts in all (argv and environment together; Linux's ARG_MAX is a quarter of the stack
 # limit, 2 MiB by default) and the largest stdin a command can be given in its Submit frame.
 MAX_EXEC_BYTES = 2 * 1024 * 1024

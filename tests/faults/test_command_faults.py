@@ -133,3 +133,15 @@ async def test_timeout_ends_the_whole_tree(kind):
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert left == [], f"{len(left)} processes of the tree survived its timeout"
+
+
+@pytest.mark.parametrize("isolation", ["signal", "auto"])
+async def test_cancel_right_after_submit_ends_the_command(isolation):
+    """A cancel that arrives while the command is still starting (its cgroup being made) must not
+    be lost: the command is signalled as soon as its leader exists."""
+    async with run_daemon("--isolation", isolation) as d:
+        async with await d.client() as c:
+            handles = [await c.submit(["sleep", "300"]) for _ in range(5)]
+            await asyncio.gather(*(c.cancel(h.command, 9) for h in handles))
+            results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 10)
+    assert [r.report.signal for r in results] == [9] * 5, [r.report for r in results]

@@ -114,7 +114,7 @@ async def test_region_requests_with_out_of_range_pids_are_refused():
     async with run_daemon() as d:
         s = await asyncio.to_thread(raw, d.socket)
         await asyncio.to_thread(hello, s)
-        for pid in (-1, 1 << 40):
+        for pid in (-2, 1 << 40):
             s.sendall(framed(msgspec.msgpack.encode({"type": "region_enter", "id": 3, "command": "x",
                                                      "token": "t", "pid": pid})))
             reply = await asyncio.to_thread(recv, s)
