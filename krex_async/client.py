@@ -14,12 +14,46 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from . import protocol as P
 from .config import default_socket
+
+
+async def _connect_unix(path: str) -> socket.socket:
+    """A connected Unix socket. A full accept backlog (a daemon busy with a storm of connects) makes
+    a non-blocking connect fail with EAGAIN; that is retried with a short backoff (asyncio's own
+    sock_connect would instead hand back a socket that is not connected). Other errors raise."""
+    delay = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        except BaseException:
+            sock.close()
+            raise
+
+
+class _IdOnly(msgspec.Struct):
+    id: P.ReqId = 0
+
+
+def _reply_id(body: bytes) -> int:
+    try:
+        return msgspec.msgpack.decode(body, type=_IdOnly).id
+    except Exception:
+        return 0
 
 
 class KrexError(Exception):
@@ -106,8 +140,8 @@ class Client:
         """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens."""
         path = path or default_socket()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(path, limit=P.MAX_FRAME + 8), timeout)
+            sock = await asyncio.wait_for(_connect_unix(path), timeout)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
         except (OSError, TimeoutError) as e:
             raise KrexError("unreachable", f"no krex daemon at {path}: {e}") from None
         self = cls(reader, writer, path)
@@ -138,7 +172,13 @@ class Client:
                 body = await P.read_frame(self._reader, P.MAX_FRAME * 4, None)
                 if body is None:
                     break
-                msg = P.decode_reply(body)
+                try:
+                    msg = P.decode_reply(body)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+                    # A reply this client cannot read (a newer daemon's message, a daemon bug):
+                    # the request it answers fails with the reason; the connection goes on.
+                    msg = P.Error(id=_reply_id(body), code="bad_reply",
+                                  message=f"undecodable reply from the daemon: {e}")
                 q = self._queues.get(msg.id)
                 if q is not None:
                     q.put_nowait(msg)

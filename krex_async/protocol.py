@@ -29,6 +29,11 @@ Argv = Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=4096)]
 Env = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4096)], Arg], msgspec.Meta(max_length=4096)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Pid = Annotated[int, msgspec.Meta(ge=-1, le=1 << 22)]  # PID_MAX_LIMIT; 0 (or -1): not given
+# What exec accepts in all (argv and environment together; Linux's ARG_MAX is a quarter of the stack
+# limit, 2 MiB by default) and the largest stdin a command can be given in its Submit frame.
+MAX_EXEC_BYTES = 2 * 1024 * 1024
+MAX_STDIN = 8 * 1024 * 1024
 
 
 class Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
@@ -39,7 +44,7 @@ class Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_de
 
 class Hello(Msg, tag="hello"):
     id: ReqId = 0
-    version: int = PROTOCOL_VERSION
+    version: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = PROTOCOL_VERSION
     role: Literal["agent", "command"] = "agent"
     client: Name = ""
 
@@ -53,11 +58,23 @@ class Submit(Msg, tag="submit"):
     env: Env | None = None  # None: the agent's environment is not passed; the daemon's minimal one is
     device: Name = "auto"  # "auto", an index ("0"), a key ("cpu", "nvidia0"), or "none"
     timeout: Seconds | None = None
-    mem: Annotated[int, msgspec.Meta(ge=0)] = 0  # bytes of device memory the command needs
-    stdin: bytes | None = None  # fed to the command's stdin then closed; None: /dev/null
+    mem: Annotated[int, msgspec.Meta(ge=0, le=2**60)] = 0  # bytes of device memory the command needs
+    stdin: Annotated[bytes, msgspec.Meta(max_length=MAX_STDIN)] | None = None  # then closed;
+    # None: /dev/null
     on_disconnect: Literal["kill", "keep"] = "kill"
     stream: bool = True  # send Output events (False: only keep the output for the report)
     label: Name = ""
+
+    def __post_init__(self) -> None:
+        # Each string is bounded by its type; their sum must also fit what exec accepts. Counted in
+        # characters plus a terminator each (a lower bound of the bytes exec needs); raising here
+        # makes the decoder answer a ValidationError.
+        total = sum(len(a) + 1 for a in self.argv)
+        if self.env is not None:
+            total += sum(len(k) + len(v) + 2 for k, v in self.env.items())
+        if total > MAX_EXEC_BYTES:
+            raise ValueError(f"argv and env together are {total} characters, more than exec "
+                             f"accepts ({MAX_EXEC_BYTES})")
 
 
 class Attach(Msg, tag="attach"):
@@ -84,7 +101,7 @@ class RegionEnter(Msg, tag="region_enter"):
     command: Name
     token: Name
     name: Name = "region"
-    pid: int = 0  # the requesting process (checked against SO_PEERCRED)
+    pid: Pid = 0  # the requesting process (checked against SO_PEERCRED)
     freeze_own_children: bool = True
     warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: the daemon's default
 
@@ -104,14 +121,14 @@ class QuiesceReady(Msg, tag="quiesce_ready"):
     id: ReqId
     command: Name
     token: Name
-    pid: int = 0
+    pid: Pid = 0
 
 
 class QuiesceAck(Msg, tag="quiesce_ack"):
     id: ReqId
     region: Name
-    synced: str = ""  # what it synchronised: "torch", "cupy", "cuda", "hip", "none"
-    seconds: float = 0.0
+    synced: Name = ""  # what it synchronised: "torch", "cupy", "cuda", "hip", "none"
+    seconds: Seconds = 0.0
 
 
 class Subscribe(Msg, tag="subscribe"):
@@ -317,22 +334,27 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME,
                      body_timeout: float | None = 30.0) -> bytes | None:
     """The next frame's body, or None at a clean end of stream between frames.
 
-    Raises FrameError for an oversize length or a stream that ends mid-frame, and TimeoutError when
-    a started frame's body does not arrive within `body_timeout` (slow senders).
+    A peer may stay silent between frames for as long as it likes, but once a frame's first byte has
+    arrived the rest of it (header and body) must arrive within `body_timeout` (slow senders).
+    Raises FrameError for an oversize length (checked before anything of the body is read, so it
+    allocates nothing) or a stream that ends mid-frame, and TimeoutError for a slow frame.
     """
     try:
-        head = await reader.readexactly(4)
-    except asyncio.IncompleteReadError as e:
-        if e.partial:
-            raise FrameError("stream ended inside a frame header") from None
-        return None
-    (n,) = HEADER.unpack(head)
-    if n > max_frame:
-        raise FrameError(f"frame of {n} bytes exceeds the limit of {max_frame}")
-    try:
-        return await asyncio.wait_for(reader.readexactly(n), body_timeout)
+        first = await reader.readexactly(1)
     except asyncio.IncompleteReadError:
-        raise FrameError(f"stream ended inside a frame of {n} bytes") from None
+        return None
+    async with asyncio.timeout(body_timeout):
+        try:
+            head = first + await reader.readexactly(3)
+        except asyncio.IncompleteReadError:
+            raise FrameError("stream ended inside a frame header") from None
+        (n,) = HEADER.unpack(head)
+        if n > max_frame:
+            raise FrameError(f"frame of {n} bytes exceeds the limit of {max_frame}")
+        try:
+            return await reader.readexactly(n)
+        except asyncio.IncompleteReadError:
+            raise FrameError(f"stream ended inside a frame of {n} bytes") from None
 
 
 def decode_request(body: bytes) -> Request:

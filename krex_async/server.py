@@ -13,8 +13,11 @@ import asyncio
 import contextlib
 import grp
 import os
+import pwd
+import resource
 import signal
 import socket
+import stat
 import struct
 import time
 from typing import Any
@@ -32,15 +35,18 @@ from .isolation import choose_backend
 log = logs.get("krex.server")
 
 _CREDS = struct.Struct("3i")
+LISTEN_BACKLOG = 4096
 
 
 class _IdOnly(msgspec.Struct):
-    id: int = 0
+    id: P.ReqId = 0
 
 
 def _request_id(body: bytes) -> int:
+    """The id of an undecodable request, for its error reply; 0 when the id itself is unusable
+    (an id out of ReqId's range would make the error reply undecodable for the client)."""
     try:
-        return max(0, msgspec.msgpack.decode(body, type=_IdOnly).id)
+        return msgspec.msgpack.decode(body, type=_IdOnly).id
     except Exception:
         return 0
 
@@ -57,23 +63,33 @@ class Connection:
         sock = writer.get_extra_info("socket")
         self.pid, self.uid, self.gid = _CREDS.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
-        self.closed = False
+        # Root and members of --admin-group act on every command; everyone else on their own.
+        self.admin = server.is_admin(self.uid, self.gid)
+        # The daemon recognises a connection's subscriptions by the identity of its send function
+        # (`s.send is send`), and every `self.send` access makes a new bound method: bind each once.
+        self.send = self.send  # type: ignore[method-assign]
+        self._send_own = self._send_own  # type: ignore[method-assign]
+        self.closed = False  # no more reading or writing
+        self.gone = False  # and the daemon has been told (disconnected)
         self.close_reason = ""
         self.tasks: set[asyncio.Task[Any]] = set()
         self.greeted = False
 
     def send(self, msg: P.Msg) -> bool:
-        if self.closed:
+        """Queue `msg` for the peer. Returns False only once the daemon has been told that this
+        connection is gone (`Daemon.disconnected`): until then a message for a closing peer is
+        dropped but True is returned, so the daemon's subscriptions stay in place until
+        `disconnected()` ends them under each command's on_disconnect rule (a False here makes
+        `Command.publish` forget the subscriber silently, and the command would never be killed)."""
+        if self.gone:
             return False
-        transport = self.writer.transport
-        if transport.is_closing():
+        if self.closed or self.writer.transport.is_closing():
             self.closed = True
-            return False
+            return True
         self.writer.write(P.encode(msg))
-        if transport.get_write_buffer_size() > self.server.config.max_conn_buffer:
+        if self.writer.transport.get_write_buffer_size() > self.server.config.max_conn_buffer:
             self.drop("slow consumer: more than "
                       f"{self.server.config.max_conn_buffer} bytes unread")
-            return False
         return True
 
     def drop(self, reason: str) -> None:
@@ -97,7 +113,8 @@ class Connection:
                     self.error(0, "bad_frame", str(e))
                     break
                 except TimeoutError:
-                    self.error(0, "bad_frame", f"frame body not received within {cfg.read_timeout} s")
+                    self.error(0, "bad_frame", f"frame not received within {cfg.read_timeout} s "
+                                                  "of its first byte")
                     break
                 if body is None:
                     break
@@ -112,6 +129,7 @@ class Connection:
         finally:
             self.closed = True
             daemon.disconnected(self.send)
+            self.gone = True
             for t in list(self.tasks):
                 t.cancel()
             with contextlib.suppress(Exception):
@@ -136,9 +154,9 @@ class Connection:
                 case P.Submit():
                     self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send))
                 case P.Attach():
-                    daemon.attach(req, self.uid, self.send)
+                    daemon.attach(req, self.acting_uid, self.send)
                 case P.Cancel():
-                    self._spawn(req.id, daemon.cancel(req, self.uid), ok=True)
+                    self._spawn(req.id, daemon.cancel(req, self.acting_uid), ok=True)
                 case P.Status():
                     self._spawn(req.id, self._status(req.id))
                 case P.RegionEnter():
@@ -153,13 +171,32 @@ class Connection:
                 case P.Timeline():
                     daemon.send_timeline(req, self.send)
                 case P.Subscribe():
-                    daemon.tracers.append((self.send, req.id))
+                    daemon.tracers.append((self.send if self.admin else self._send_own, req.id))
                     self.send(P.Ok(id=req.id))
         except RequestError as e:
             self.error(req.id, e.code, str(e))
+        except Exception as e:  # a bug must cost one request, not the connection or the daemon
+            log.exception("request_failed", req_id=req.id, type=type(req).__name__)
+            self.error(req.id, "internal", f"{type(e).__name__}: {e}")
+
+    @property
+    def acting_uid(self) -> int:
+        """The uid the daemon checks ownership against: 0 (every command) for admins."""
+        return 0 if self.admin else self.uid
+
+    def _send_own(self, msg: P.Msg) -> bool:
+        """A trace subscriber that is not an admin sees only events of its own commands."""
+        if isinstance(msg, P.TraceEvent):
+            cmd = self.server.daemon.commands.get(msg.command)
+            if cmd is None or cmd.uid != self.uid:
+                return not self.gone
+        return self.send(msg)
 
     async def _status(self, req_id: int) -> None:
-        self.send(P.StatusReply(id=req_id, status=await self.server.daemon.status_live()))
+        status = await self.server.daemon.status_live()
+        if not self.admin:
+            status = visible_status(status, self.uid)
+        self.send(P.StatusReply(id=req_id, status=status))
 
     def _spawn(self, req_id: int, coro: Any, ok: bool = False) -> None:
         async def run() -> None:
@@ -178,35 +215,112 @@ class Connection:
         task.add_done_callback(self.tasks.discard)
 
 
-def bind_socket(path: str, group: str = "") -> socket.socket:
-    """Bind the listening socket with its final mode from the first instant (umask around bind).
+def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:
+    """What `krex status` shows a peer that is not an admin: its own commands in full, other users'
+    commands only counted (`other_commands`), and a device held by another user's region as held,
+    without naming its command or region."""
+    mine = [c for c in status["commands"] if c.get("uid") == uid]
+    own = {c["command"] for c in mine}
 
-    A leftover socket file that nobody answers on is replaced; a live one is never stolen.
+    def own_id(x: object) -> bool:  # a command id, or a region id "<command>.<n>"
+        return isinstance(x, str) and (x in own or x.rsplit(".", 1)[0] in own)
+
+    devices = []
+    for d in status["devices"]:
+        d = dict(d, commands=[c for c in d["commands"] if c in own],
+                 other_commands=sum(c not in own for c in d["commands"]),
+                 queued=[q for q in d["queued"] if own_id(q)],
+                 holder=d["holder"] if d["holder"] is None or own_id(d["holder"]) else "other")
+        r = d.get("region")
+        if r is not None and r.get("command") not in own:
+            d["region"] = {"region": "other", "name": "", "command": "other user", "pid": None,
+                           "state": r.get("state"), "cores": r.get("cores", []),
+                           "frozen": [f for f in r.get("frozen", []) if f in own]}
+        devices.append(d)
+    return dict(status, devices=devices, commands=mine,
+                other_commands=len(status["commands"]) - len(mine))
+
+
+def _group_id(group: str, option: str = "--socket-group") -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise SystemExit(f"krex: {option} {group!r}: no such group") from None
+
+
+def bind_socket(path: str, group: str = "") -> socket.socket:
+    """Bind and listen with the final mode from the first instant; only then give it its name.
+
+    The socket is bound under a temporary name with umask 0177 (mode 0600), given its group and mode
+    0660 when `group` is set, put into listening state, and renamed onto `path`: at no moment is there
+    a file at `path` with a looser mode, or one that refuses connections because it is not listening
+    yet. A leftover socket at `path` that nobody answers on is replaced; a live one is never stolen;
+    anything that is not a socket is left alone (SystemExit), so a wrong path deletes nothing.
     """
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    if os.path.exists(path) or os.path.islink(path):
+    gid = _group_id(group) if group else None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SystemExit(f"krex: {path} exists and is not a socket; not replacing it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(path)
+            pass  # stale: left by a daemon that died; the rename below replaces it
         except OSError as e:
             raise SystemExit(f"krex: {path} exists and is not a usable socket: {e}") from None
         else:
             raise SystemExit(f"krex: another daemon is serving on {path}")
         finally:
             probe.close()
+    # A short temporary name in the same directory (AF_UNIX paths end near 108 bytes; a path too
+    # long for a suffix is bound directly: its mode is still right, only the listen window remains).
+    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}~")
+    if len(os.fsencode(tmp)) >= 108:
+        tmp = path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117 if group else 0o177)
+    old = os.umask(0o177)
     try:
-        sock.bind(path)
+        sock.bind(tmp)
     finally:
         os.umask(old)
-    if group:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
-    sock.listen(1024)
+    try:
+        if gid is not None:
+            os.chown(tmp, -1, gid)
+            os.chmod(tmp, 0o660)
+        sock.listen(LISTEN_BACKLOG)
+        if tmp != path:
+            os.rename(tmp, path)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     sock.setblocking(False)
     return sock
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (thousands of idle agents are normal).
+    Returns the soft limit now in force; never raises."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class Server:
@@ -215,9 +329,30 @@ class Server:
         self.daemon = daemon
         self.connections: set[Connection] = set()
         self.stop = asyncio.Event()
+        self.admin_gid = _group_id(config.admin_group, "--admin-group") if config.admin_group else None
+
+    def is_admin(self, uid: int, gid: int) -> bool:
+        """Root, or a user whose primary or supplementary groups (from the group database, not
+        the peer's /proc entry, whose pid may be reused) include --admin-group."""
+        if uid == 0:
+            return True
+        if self.admin_gid is None:
+            return False
+        if gid == self.admin_gid:
+            return True
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return False
+        return self.admin_gid in os.getgrouplist(name, gid)
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(self, reader, writer)
+        try:
+            conn = Connection(self, reader, writer)
+        except OSError as e:  # the peer vanished before its credentials could be read
+            log.warning("connection_refused", error=repr(e))
+            writer.transport.abort()
+            return
         self.connections.add(conn)
         try:
             await conn.serve()
@@ -227,14 +362,18 @@ class Server:
     async def run(self) -> int:
         cfg = self.config
         loop = asyncio.get_running_loop()
+        nofile = raise_nofile_limit()
         sock = bind_socket(cfg.socket, cfg.socket_group)
-        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20)
+        # backlog: start_unix_server re-listens with its own (default 100), which a storm of
+        # connects overflows; the kernel caps this at net.core.somaxconn.
+        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20,
+                                                 backlog=LISTEN_BACKLOG)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         log.info("serving", socket=cfg.socket, policy=cfg.policy, isolation=self.daemon.backend.name,
                  isolation_reason=self.daemon.backend.reason, pid=os.getpid(),
                  devices=[d.key for d in self.daemon.devices], region_cores=cfg.region_cores,
-                 freeze=cfg.freeze)
+                 freeze=cfg.freeze, nofile=nofile)
         print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation "
               f"{self.daemon.backend.name})", flush=True)
         sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")

@@ -1,0 +1,104 @@
+"""Who may act on what: commands run as their submitter; agents see and act only on their own
+commands (root and --admin-group excepted). Clients run as real other users over the real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from .helpers import config_daemon, user_env
+
+AGENT = r"""
+import asyncio, json, sys
+from krex_async import Client, KrexError
+
+async def main(path, action, *args):
+    async with await Client.connect(path) as c:
+        try:
+            if action == "keep":
+                h = await c.submit(list(args), on_disconnect="keep", env=json.loads(sys.stdin.read()))
+                print(h.command)
+            elif action == "run":
+                res = await c.run(list(args), env=json.loads(sys.stdin.read()))
+                print(json.dumps({"stdout": res.stdout.decode(), "state": res.report.state}))
+            elif action == "cancel":
+                await c.cancel(args[0], 9)
+                print("ok")
+            elif action == "attach":
+                h = await c.attach(args[0])
+                print("ok", h.command)
+            elif action == "whoami":
+                print(c.welcome.uid)
+            elif action == "status":
+                print(json.dumps(await c.status()))
+        except KrexError as e:
+            print(e.code)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+SECRET = "krex-secret-argument-7f3a"
+
+
+def agent(user, path: str, action: str, *args: str, env: dict[str, str] | None = None) -> str:
+    import subprocess
+
+    from .helpers import USER_PY
+    p = subprocess.run([USER_PY, "-c", AGENT, path, action, *args], user=user.uid, group=user.gid,
+                       extra_groups=user.groups, env=user_env(), cwd="/tmp", capture_output=True,
+                       text=True, timeout=60, input=json.dumps(env if env is not None else user_env()))
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+async def call(*a, **kw) -> str:
+    return await asyncio.to_thread(agent, *a, **kw)
+
+
+async def test_agents_see_and_act_only_on_their_own_commands(users):
+    alice, mallory, admin = users["alice"], users["mallory"], users["admin"]
+    async with config_daemon(dir_mode=0o755, socket_group="krexg", admin_group="krexadm") as d:
+        cid = await call(alice, d.socket, "keep", "/bin/sh", "-c", "sleep 30", SECRET)
+        assert cid and " " not in cid, cid
+        # Another user: cannot cancel, attach or see it.
+        assert await call(mallory, d.socket, "cancel", cid) == "forbidden"
+        assert await call(mallory, d.socket, "attach", cid) == "forbidden"
+        st_m = await call(mallory, d.socket, "status")
+        assert SECRET not in st_m and cid not in st_m
+        st = json.loads(st_m)
+        assert st["commands"] == [] and st["other_commands"] == 1
+        assert st["devices"][0]["commands"] == [] and st["devices"][0]["other_commands"] == 1
+        # The owner sees it in full.
+        st_a = json.loads(await call(alice, d.socket, "status"))
+        assert [c["command"] for c in st_a["commands"]] == [cid] and SECRET in st_a["commands"][0]["argv"]
+        # An admin sees everything and may cancel it.
+        st_adm = json.loads(await call(admin, d.socket, "status"))
+        assert cid in [c["command"] for c in st_adm["commands"]]
+        assert await call(admin, d.socket, "attach", cid) == f"ok {cid}"
+        assert await call(admin, d.socket, "cancel", cid) == "ok"
+        async with await d.client() as root:  # root is an admin too
+            res = await (await root.attach(cid)).wait()
+        assert res.report.signal == 9 or res.report.state == "cancelled", res.report
+
+
+async def test_a_user_cannot_reach_the_daemon_without_the_socket_group(users):
+    async with config_daemon(dir_mode=0o755, socket_group="krexg") as d:
+        import subprocess
+
+        from .helpers import USER_PY
+        o = users["outsider"]
+        p = await asyncio.to_thread(
+            subprocess.run, [USER_PY, "-c", AGENT, d.socket, "status"], user=o.uid, group=o.gid,
+            extra_groups=o.groups, env=user_env(), cwd="/tmp", capture_output=True, text=True,
+            timeout=60, input="{}")
+        assert p.returncode != 0 and "unreachable" in p.stderr, (p.stdout, p.stderr)
+        assert os.stat(d.socket).st_mode & 0o007 == 0
+
+
+async def test_each_connection_is_identified_by_its_own_peer_credentials(users):
+    async with config_daemon(dir_mode=0o755, socket_group="krexg") as d:
+        got = await asyncio.gather(*(call(users[u], d.socket, "whoami") for u in ("alice", "mallory")))
+        assert [int(x) for x in got] == [users["alice"].uid, users["mallory"].uid]
+        async with await d.client() as c:
+            assert c.welcome is not None and c.welcome.uid == 0
