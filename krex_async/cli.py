@@ -45,6 +45,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--region-cores", type=int, help="cores reserved for a region's owner "
                                                     "(default 1 on a 2-core machine, else 2)")
     p.add_argument("--max-frame", type=int, help="largest accepted frame in bytes")
+    p.add_argument("--max-conn-buffer", type=int,
+                   help="unsent bytes after which a slow client is dropped")
+    p.add_argument("--output-tail", type=int, help="bytes of each output stream kept per command")
+    p.add_argument("--admin-group", help="group whose members may act on every command")
     p.add_argument("--state-dir")
     p.add_argument("--log-format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -34,7 +34,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     freeze: Literal["all", "device-holders"] = "all"
     region_timeout: Positive = 60.0
     region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
-    quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.05
+    quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.02
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     freeze_timeout: Positive = 1.0
     warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: 200 on GPUs, 0 on cpu

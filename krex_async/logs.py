@@ -8,8 +8,37 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
+
+_dropped = 0
+
+
+def dropped_lines() -> int:
+    """Log lines lost because the log could not be written (full disk, closed pipe)."""
+    return _dropped
+
+
+class _NeverRaises:
+    """The log stream, with write errors counted instead of raised: a full disk under the log must
+    not fail the request or the command whose handler was logging."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, data: str) -> int:
+        try:
+            return self.stream.write(data)
+        except (OSError, ValueError):  # counted at the flush that ends the line
+            return len(data)
+
+    def flush(self) -> None:  # PrintLogger flushes once per line
+        global _dropped
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            _dropped += 1
 
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
@@ -28,7 +57,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_NeverRaises(sys.stderr)),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 

@@ -156,10 +156,12 @@ class Regions:
             raise
         finally:
             t_exit = time.perf_counter()
+            if self.d.attributor is not None:
+                # Close the stray window before anything thaws: driver calls of the siblings after
+                # the release are theirs to make. Late stream events are covered by the counts.
+                self.d.attributor.region_released(r)
             await asyncio.shield(self._release(r))
             rep.exit_s = time.perf_counter() - t_exit
-            if self.d.attributor is not None:
-                self.d.attributor.region_released(r)
             self.active.pop(r.id, None)
             nxt = sched.release_region(r.id)
             if nxt and nxt in self.active:

@@ -183,6 +183,13 @@ class CgroupBackend(Backend):
 
     async def started(self, group: Group, pid: int) -> None:
         group.pid = pid
+        # The launch wrapper joins the cgroups itself, but a kill (cgroup.kill) or a freeze can
+        # come before it has run and would miss the command: put the leader in from here too
+        # (writing a pid that is already there is a no-op; a leader already gone is fine).
+        try:
+            self.join(group, pid)
+        except (OSError, IsolationError):
+            pass
 
     def pids(self, group: Group) -> list[int]:
         g = self._g(group)

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .base import Backend, Freeze, FreezeError, Group
+from .sigguard import Guard, GuardError
 
 _STOPPED = frozenset("tT")
 
@@ -110,6 +111,23 @@ class SignalBackend(Backend):
         super().__init__()
         self.all_cpus = frozenset(cpus or os.sched_getaffinity(0))
         self.reason = "signals and sched_setaffinity: needs no cgroups and no root"
+        self.guard: Guard | None = None  # resumes what we stopped if the daemon dies
+
+    async def reconcile(self) -> list[str]:
+        """At start-up: start the guard (nothing of a previous daemon's can be found by pid)."""
+        try:
+            self.guard = Guard.start()
+        except GuardError as e:
+            return [f"no signal guard, stopped processes stay stopped if the daemon dies: {e}"]
+        return [f"signal guard pid {self.guard.pid} resumes stopped processes if the daemon dies"]
+
+    def _stopping(self, pids: list[int]) -> None:
+        if self.guard is not None:
+            self.guard.stopped(pids)
+
+    def _resumed(self, pids: list[int]) -> None:
+        if self.guard is not None:
+            self.guard.resumed(pids)
 
     async def create(self, command_id: str) -> Group:
         return Group(command_id)
@@ -126,6 +144,8 @@ class SignalBackend(Backend):
 
     async def started(self, group: Group, pid: int) -> None:
         group.pid = pid
+        if group.extra.get("launched_stopped"):
+            self._stopping([pid])
         if group.cores is not None:
             _set_affinity(pid, set(group.cores))
 
@@ -159,6 +179,8 @@ class SignalBackend(Backend):
                     fresh = True
                     if snap.procs[pid].state in _STOPPED:
                         already[g.name].add(pid)
+                    else:
+                        self._stopping([pid])  # before the signal: the guard must know first
                     _signal([pid], signal.SIGSTOP)
                     sent[g.name].append(pid)
             if not fresh:
@@ -187,11 +209,12 @@ class SignalBackend(Backend):
             r.seconds = elapsed
         return [results[g.name] for g in groups]
 
-    @staticmethod
-    def _resume_all(groups: list[Group], sent: dict[str, list[int]],
+    def _resume_all(self, groups: list[Group], sent: dict[str, list[int]],
                     already: dict[str, set[int]]) -> None:
         for g in groups:
-            _signal([p for p in sent[g.name] if p not in already[g.name]], signal.SIGCONT)
+            pids = [p for p in sent[g.name] if p not in already[g.name]]
+            _signal(pids, signal.SIGCONT)
+            self._resumed(pids)
 
     async def thaw(self, group: Group) -> float:
         t0 = time.perf_counter()
@@ -200,8 +223,16 @@ class SignalBackend(Backend):
         sent: list[int] = list(group.extra.pop("sent", []))  # type: ignore[call-overload]
         already: set[int] = group.extra.pop("stopped", set())  # type: ignore[assignment]
         if group.extra.pop("launched_stopped", False) and group.pid is not None:
+            # The launch shell stops itself: a SIGCONT that comes before its `kill -STOP $$` is
+            # lost and the command would stay stopped forever. Wait (bounded) until it stopped.
+            deadline = time.perf_counter() + 1.0
+            while _state(group.pid) not in (None, "Z", "X", *_STOPPED) and \
+                    time.perf_counter() < deadline:
+                await asyncio.sleep(0.0005)
             sent.append(group.pid)
-        _signal([p for p in sent if p not in already], signal.SIGCONT)
+        resumed = [p for p in sent if p not in already]
+        _signal(resumed, signal.SIGCONT)
+        self._resumed(resumed)
         group.frozen = False
         return time.perf_counter() - t0
 
@@ -227,4 +258,13 @@ class SignalBackend(Backend):
         _signal(pids, sig)
 
     async def remove(self, group: Group) -> None:
+        forget: list[int] = list(group.extra.get("sent", []))  # type: ignore[call-overload]
+        if group.pid is not None:
+            forget.append(group.pid)
+        self._resumed(forget)  # dead now (killed while stopped): nothing to resume
         group.extra.clear()
+
+    async def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
