@@ -193,6 +193,11 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
     async with await Client.connect(path) as c:
         left = len((await c.status())["commands"])
     ids = set(tally.submitted)
+    # Our own status connection just closed: give the daemon a moment to see its end of stream.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and any(
+            v.startswith("socket:") and fds_then.get(k) != v for k, v in fd_targets(dpid).items()):
+        await asyncio.sleep(0.05)
     fds_now = fd_targets(dpid)
     new_fds = {k: v for k, v in fds_now.items() if fds_then.get(k) != v}
     # The cgroup backend opens one inotify instance per loop, lazily (on the first freeze that has
