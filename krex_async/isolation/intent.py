@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import errno
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -136,15 +137,34 @@ def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[
                 if part != "member" and _try(lines, f"reset partition {rel}",
                                              v2.write, rel, "cpuset.cpus.partition", "member"):
                     lines.append(f"partition of {rel} back to member (was {part})")
-        for rel in reversed(dirs):
-            for name in ("cpuset.cpus.exclusive", "cpuset.cpus"):
-                try:
-                    if v2.exists(rel, name) and v2.read(rel, name).strip():
-                        old = v2.read(rel, name).strip()
-                        if _try(lines, f"reset {rel}/{name}", v2.write, rel, name, ""):
-                            lines.append(f"{rel}/{name} back to inherited (was {old})")
-                except CgroupFileError:
+        for rel in reversed(dirs):  # exclusive cpus: leaves first
+            name = "cpuset.cpus.exclusive"
+            try:
+                if v2.exists(rel, name) and v2.read(rel, name).strip():
+                    old = v2.read(rel, name).strip()
+                    if _try(lines, f"reset {rel}/{name}", v2.write, rel, name, ""):
+                        lines.append(f"{rel}/{name} back to inherited (was {old})")
+            except CgroupFileError:
+                continue
+        for rel in dirs:  # cpus: parents first, so a child can widen to its restored parent
+            try:
+                old = v2.read(rel, "cpuset.cpus").strip() if v2.exists(rel, "cpuset.cpus") else ""
+                if not old:
                     continue
+                try:
+                    v2.write(rel, "cpuset.cpus", "")
+                    lines.append(f"{rel}/cpuset.cpus back to inherited (was {old})")
+                except CgroupFileError as e:
+                    # A populated cgroup may not be emptied (ENOSPC): give it all its parent has.
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    want = v2.read(os.path.dirname(rel), "cpuset.cpus.effective").strip()
+                    if _try(lines, f"reset {rel}/cpuset.cpus", v2.write, rel, "cpuset.cpus", want):
+                        lines.append(f"{rel}/cpuset.cpus back to its parent's {want} (was {old})")
+            except CgroupVanished:
+                continue
+            except CgroupFileError as e:
+                lines.append(f"could not reset {rel}/cpuset.cpus: {e}")
     elif cpuset == "v1" and v1 is not None:
         for rel in v1.walk(KREX):  # parents first: a child may only widen up to its parent
             parent = os.path.dirname(rel)
