@@ -229,6 +229,11 @@ class Daemon:
         assert cmd.report is not None
         cmd.done.set()
         report = cmd.report
+        pool = self.pools.get(report.device) if report.via == "pool" else None
+        if pool is not None:  # the worker reports its start latency once the command began
+            st = pool.status()
+            self.metrics.pool(report.device, st.get("warm", 0), st.get("busy", 0),
+                              st.get("retired", 0), report.start_latency_s)
         # Before the agent hears of it: a scrape after a report always includes that command.
         self.metrics.command_ended(report.policy, report.state, report.wall_s, cmd.id,
                                    started=cmd.launched is not None)
@@ -347,6 +352,27 @@ class Daemon:
                 return
 
     # ----------------------------------------------------------------------------------- status
+
+    async def sample_metrics(self, every_s: float = 5.0) -> None:
+        """While --metrics serves: every few seconds, the pools' sizes and each GPU's utilisation
+        (vendor queries block: they run on a thread). Errors are logged, never fatal."""
+        loop = asyncio.get_running_loop()
+        node = self.node
+        while True:
+            for key, pool in self.pools.items():
+                st = pool.status()
+                self.metrics.pool(key, st.get("warm", 0), st.get("busy", 0), st.get("retired", 0))
+            if node is not None and any(d.vendor != "cpu" for d in self.devices):
+                try:
+                    utils = await loop.run_in_executor(
+                        None, lambda: [(d.key, node.utilisation(d)) for d in self.devices])
+                except Exception as e:  # a vendor library error costs one sample
+                    log.warning("metrics_sample_failed", error=repr(e))
+                    utils = []
+                for key, pct in utils:
+                    if pct is not None:
+                        self.metrics.device_util(key, pct)
+            await asyncio.sleep(every_s)
 
     async def status_live(self) -> dict[str, Any]:
         """status() with each GPU's current memory, clocks, utilisation and context holders, read

@@ -450,6 +450,8 @@ async def serve(config: ServeConfig) -> int:
         except (MetricsUnavailable, ValueError, OSError) as e:
             raise SystemExit(f"krex: --metrics {cfg.metrics}: {e}") from None
         log.info("metrics_serving", address=f"http://{host}:{port}/metrics")
+        daemon.track(asyncio.get_running_loop().create_task(daemon.sample_metrics(),
+                                                            name="metrics-sampler"))
     from . import __version__
 
     daemon.metrics.info(__version__, cfg.policy, backend.name)

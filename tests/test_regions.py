@@ -209,3 +209,33 @@ async def test_region_outside_krex_is_a_noop_that_warns_once(script):
     assert p.returncode == 0
     assert p.stdout.strip() == b"None"
     assert p.stderr.count(b"not running under krex") == 1
+
+
+async def test_other_devices_keep_running_fenced_off_the_region_cores(script, tmp_path):
+    """A region on one device never freezes commands on another; it only fences them off its
+    cores (the host-side protection a multi-GPU node needs; simulated with two cpu devices)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs at least 2 cpus")
+    spinner = script("spin.py", """
+        import os, sys, time
+        end = time.monotonic() + float(sys.argv[2])
+        with open(sys.argv[1], "a", buffering=1) as f:
+            while time.monotonic() < end:
+                x = sum(i * i for i in range(20000))  # CPU-heavy, like a compile
+                f.write(f"{time.monotonic()} {sorted(os.sched_getaffinity(0))}\\n")
+    """)
+    ticks_file = tmp_path / "spin"
+    async with run_daemon("--devices", "cpu:2", "--region-cores", "1") as d:
+        async with await d.client() as c:
+            other = await c.submit([PY, spinner, str(ticks_file), "2.5"], env=py_env(),
+                                   device="1")
+            res = await c.run([PY, script("owner.py", OWNER), "0.5", "0.8"], env=py_env(),
+                              device="0")
+            await other.wait()
+    info = json.loads(res.stdout)
+    rows = [line.split(" ", 1) for line in ticks_file.read_text().splitlines()]
+    during = [eval(aff) for t, aff in rows if info["t0"] < float(t) < info["t1"]]  # noqa: S307
+    assert len(during) > 10, "the command on the other device did not keep running"
+    assert info["frozen"] == [], "a command on another device was frozen"
+    assert all(info["cores"][0] not in aff for aff in during), "it ran on the region's core"
+    assert info["affinity_in"] == info["cores"]

@@ -77,3 +77,19 @@ async def test_counters_after_commands_with_regions(script):
     assert 3 * 0.025 <= got[("krex_region_hold_seconds_sum", L(device="cpu"))] < 10
     assert got[("krex_regions_held", L(device="cpu"))] == 0
     assert sum(v for k, v in got.items() if k[0] == "krex_region_drain_total") == 3
+
+
+async def test_pool_metrics_after_a_pooled_command():
+    addr = ("127.0.0.1", _free_port())
+    async with run_daemon("--metrics", f"{addr[0]}:{addr[1]}", "--pool-size", "1",
+                          "--pool-preload", "json") as d:
+        async with await d.client() as c:
+            for _ in range(100):
+                if (await c.status())["pools"]["cpu"]["warm"] >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            res = await c.run([PY, "-c", "print('pooled')"], env=py_env())
+        assert res.report.via == "pool"
+        got = await _scrape_when_up(addr)
+    assert got[("krex_pool_start_seconds_count", L(device="cpu"))] == 1
+    assert ("krex_pool_workers", L(device="cpu", state="busy")) in got
