@@ -191,10 +191,17 @@ class CgroupBackend(Backend):
         except (OSError, IsolationError):
             pass
 
+    def _leaves(self, g: CgroupGroup, target: str | None = None) -> list[str]:
+        """The cgroups that hold the group's processes: run/ and, once made, keep/ (krex puts
+        processes nowhere else, and commands cannot make cgroups of their own), within `target`."""
+        if target == g.run:
+            return [g.run]
+        return [g.run, g.keep] if os.path.isdir(self.v2.path(g.keep)) else [g.run]
+
     def pids(self, group: Group) -> list[int]:
         g = self._g(group)
         found: list[int] = []
-        for rel in self.v2.walk(g.top):
+        for rel in self._leaves(g):
             found.extend(p for p in self.v2.procs(rel) if p not in found)
         if g.pid in found:
             found.remove(g.pid)  # type: ignore[arg-type]
@@ -236,8 +243,9 @@ class CgroupBackend(Backend):
         except BaseException:
             self._unfreeze(g)
             raise
-        n = sum(len(self.v2.procs(rel)) for rel in self.v2.walk(target))
-        return Freeze(g.name, time.perf_counter() - t0, n, vanished=n == 0)
+        elapsed = time.perf_counter() - t0
+        n = sum(len(self.v2.procs(rel)) for rel in self._leaves(g, target))
+        return Freeze(g.name, elapsed, n, vanished=n == 0)
 
     async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
                           timeout: float = 1.0) -> list[Freeze]:
