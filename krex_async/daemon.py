@@ -190,11 +190,7 @@ class Daemon:
             await self.runner.start(cmd, frozen=region is not None,
                                     cores=self.regions.fence_for_new())
         except SpecError as e:
-            cmd.state = "ended"
-            cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
-                                         device=cmd.device_key or "none", policy=cmd.policy,
-                                         state="failed", error=str(e), label=cmd.spec.label)
-            self._on_exit(cmd)
+            self._end_unstarted(cmd, "failed", str(e))
             return
         if region is not None and cmd.group is not None:
             region.frozen.append(cmd.group)
@@ -207,6 +203,16 @@ class Daemon:
                                      cmd.launched.via if cmd.launched else "exec", cmd.id)
         self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
                    pid=cmd.pid or 0, frozen=region is not None)
+
+    def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
+        """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
+        out of its device's queue at once, then reported like any other."""
+        self.scheduler.end_command(cmd.id, cmd.device_key)
+        cmd.state = "ended"
+        cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
+                                     device=cmd.device_key or "none", policy=cmd.policy,
+                                     state=state, error=error, label=cmd.spec.label)
+        self._on_exit(cmd)
 
     def _on_exit(self, cmd: Command) -> None:
         self.track(asyncio.get_running_loop().create_task(self._finalize(cmd)))
@@ -253,12 +259,7 @@ class Daemon:
     async def cancel(self, req: P.Cancel, uid: int) -> None:
         cmd = self._own(req.command, uid)
         if cmd.state == "queued":
-            self.scheduler.end_command(cmd.id, cmd.device_key)
-            cmd.state = "ended"
-            cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
-                                         device=cmd.device_key or "none", policy=cmd.policy,
-                                         state="cancelled", error="cancelled before it started")
-            self._on_exit(cmd)
+            self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == "running":
             await self.runner.kill(cmd, "cancelled", req.signal)
 
@@ -444,12 +445,7 @@ class Daemon:
         live = [c for c in self.commands.values() if c.state in ("queued", "running", "starting")]
         for c in live:
             if c.state == "queued":
-                self.scheduler.end_command(c.id, c.device_key)
-                c.state = "ended"
-                c.report = P.CommandReport(command=c.id, argv=list(c.spec.argv),
-                                           device=c.device_key or "none", policy=c.policy,
-                                           state="shutdown", error="the daemon shut down first")
-                self._on_exit(c)
+                self._end_unstarted(c, "shutdown", "the daemon shut down first")
             elif c.group is not None:
                 if c.group.frozen:
                     await self.backend.thaw(c.group)

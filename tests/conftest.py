@@ -69,6 +69,27 @@ def remove_cgroup_tree(path: str) -> None:
                 os.rmdir(dirpath)
 
 
+@contextlib.contextmanager
+def serving(daemon: Daemon, timeout: float = 20) -> Iterator[Daemon]:
+    """Wait until the daemon's socket appears (its process failing first is an error with its
+    log), yield it, then stop it: SIGTERM, SIGKILL if it does not end in time."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(daemon.socket):
+            if daemon.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {daemon.proc.returncode}: {daemon.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon did not start: {daemon.logs()}")
+            time.sleep(0.02)
+        yield daemon
+    finally:
+        try:
+            daemon.stop()
+        except subprocess.TimeoutExpired:
+            daemon.proc.kill()
+            daemon.proc.wait()
+
+
 @contextlib.asynccontextmanager
 async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
     """Start `python -m krex_async serve` on a fresh short socket path; stop it (SIGTERM) after.
@@ -93,22 +114,10 @@ async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIter
         proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", sock,
                                  "--log-format", "json", "--state-dir", os.path.join(d, "state"),
                                  *args], stdout=f, stderr=subprocess.STDOUT, env=e)
-    daemon = Daemon(sock, proc, log)
     try:
-        deadline = time.monotonic() + 20
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {proc.returncode}: {daemon.logs()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not start: {daemon.logs()}")
-            time.sleep(0.02)
-        yield daemon
+        with serving(Daemon(sock, proc, log)) as daemon:
+            yield daemon
     finally:
-        try:
-            daemon.stop()
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         shutil.rmtree(d, ignore_errors=True)
         if cg is not None:
             remove_cgroup_tree(cg)

@@ -25,7 +25,7 @@ import pytest
 
 from krex_async import protocol as P
 
-from ..conftest import PY, ROOT, Daemon
+from ..conftest import PY, ROOT, Daemon, serving
 
 # Other users cannot reach this interpreter (it lives under root's private home): they run the
 # system's python of the same minor version, with this venv's packages on their path.
@@ -54,22 +54,10 @@ async def config_daemon(dir_mode: int = 0o700, **cfg: object) -> AsyncIterator[D
     with open(log, "wb") as f:
         proc = subprocess.Popen([PY, "-c", LAUNCH, json.dumps(full)], stdout=f,
                                 stderr=subprocess.STDOUT, env=env)
-    daemon = Daemon(sock, proc, log)
     try:
-        deadline = time.monotonic() + 20
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {proc.returncode}: {daemon.logs()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not start: {daemon.logs()}")
-            time.sleep(0.01)
-        yield daemon
+        with serving(Daemon(sock, proc, log)) as daemon:
+            yield daemon
     finally:
-        try:
-            daemon.stop()
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         shutil.rmtree(d, ignore_errors=True)
 
 
