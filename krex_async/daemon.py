@@ -192,10 +192,7 @@ class Daemon:
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
-        if region is not None and cmd.group is not None:
-            region.frozen.append(cmd.group)
-            region.frozen_ids.append(cmd.id)
-            region.report.frozen.append(cmd.id)
+        await self.regions.join(cmd, region)
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))

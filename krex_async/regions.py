@@ -56,6 +56,8 @@ class Region:
     task: asyncio.Task[None] | None = None
     exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
     paused_pool: bool = False
+    releasing: bool = False  # _release has begun: nothing may join the frozen set any more
+    joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
 
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():
@@ -248,6 +250,8 @@ class Regions:
         rep.frozen_pids = sum(x.pids for x in results)
         self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen), pids=rep.frozen_pids)
         await self._reserve_cores(r)
+        if r.joins:  # commands that began running while the targets were being frozen
+            await asyncio.gather(*r.joins, return_exceptions=True)
         rep.cores_s = time.perf_counter() - t2
         rep.drain = self._drain_state(r, targets)
 
@@ -331,6 +335,7 @@ class Regions:
     async def _release(self, r: Region) -> None:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.d.backend
+        r.releasing = True
         if r.paused_pool and r.device in self.d.pools:
             self.d.pools[r.device].resume()
             r.paused_pool = False
@@ -371,15 +376,59 @@ class Regions:
             except FreezeError as e:
                 log.warning("late_freeze_failed", region=r.id, command=cmd.id, error=str(e))
                 return
-            if r.id in self.active and r.report.outcome == "held":
-                r.frozen.append(group)
-                r.frozen_ids.append(cmd.id)
-                r.report.frozen.append(cmd.id)
+            if self.current_on(r.device) is r and r.report.outcome == "held":
+                self._add_frozen(r, cmd, group)
             else:  # the region ended meanwhile: undo at once
                 await self.d.backend.thaw(group)
             self.d.trace("freeze", r, command=cmd.id, late=True)
 
         self.d.track(asyncio.get_running_loop().create_task(freeze()))
+
+    def current_on(self, device: str) -> Region | None:
+        """The region isolating or held on `device` that a command may still join."""
+        r = self.holder_on(device)
+        if r is None or r.releasing or r.report.outcome not in ("open", "held"):
+            return None
+        return r
+
+    async def join(self, cmd: Command, admitted: Region | None) -> None:
+        """Reconcile a command that has just begun running with the region now on its device.
+
+        Spawning awaits (the group is created, cores set), and a region may begin or end meanwhile:
+        a command started frozen for a region that has since released is thawed here, and one that
+        started unfrozen after a region took its targets is frozen into it before the grant (or at
+        once, if the region is already held). Either way no command stays frozen without a region
+        to thaw it, and none runs through a region it should be frozen for."""
+        group = cmd.group
+        if group is None or cmd.device_key is None:
+            return
+        current = self.current_on(cmd.device_key)
+        if admitted is not None and admitted is current:
+            self._add_frozen(current, cmd, group)
+            return
+        if admitted is not None:
+            await self.d.backend.thaw(group)
+        if current is None or cmd.id in current.frozen_ids or self.admit_frozen(cmd) is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._freeze_into(current, cmd, group))
+        current.joins.append(task)
+        await task
+
+    def _add_frozen(self, r: Region, cmd: Command, group: Group) -> None:
+        r.frozen.append(group)
+        r.frozen_ids.append(cmd.id)
+        r.report.frozen.append(cmd.id)
+
+    async def _freeze_into(self, r: Region, cmd: Command, group: Group) -> None:
+        try:
+            await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
+        except FreezeError as e:
+            log.warning("join_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+            return
+        if self.current_on(r.device) is r:
+            self._add_frozen(r, cmd, group)
+        else:  # the region began releasing while this one froze: undo at once
+            await self.d.backend.thaw(group)
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.
@@ -388,6 +437,5 @@ class Regions:
         if cmd.device is None or not self.d.scheduler.isolates() or \
                 self.d.config.freeze == "device-holders":
             return None
-        r = self.holder_on(cmd.device.key)
-        return r if r is not None and r.report.outcome in ("open", "held") else None
+        return self.current_on(cmd.device.key)
 
