@@ -40,8 +40,13 @@ def _serve_parser(sub: Any) -> None:
                  "kill_grace", "retention", "read_timeout"):
         p.add_argument("--" + name.replace("_", "-"), type=float,
                        help=f"seconds (default {fields[name].default})")
-    p.add_argument("--warm-ms", type=float, help="ms a region's owner warms its GPU's clocks before "
-                                                  "its timed loop (default 200 on GPUs, 0 on cpu)")
+    p.add_argument("--warm-ms", type=float,
+                   help="ms a region's owner warms its GPU before its timed loop (default: none "
+                        "when the clock has settled, 20 when it idles low, 200 where the clock "
+                        "cannot be read; 0 on cpu)")
+    p.add_argument("--settle-ms", type=float,
+                   help="at most this long before a grant, wait for a GPU clock held down by the "
+                        "power cap (after a heavy neighbour) to recover (default 300; 0: off)")
     p.add_argument("--region-cores", type=int, help="cores reserved for a region's owner "
                                                     "(default 1 on a 2-core machine, else 2)")
     p.add_argument("--max-frame", type=int, help="largest accepted frame in bytes")

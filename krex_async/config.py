@@ -37,7 +37,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.02
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     freeze_timeout: Positive = 1.0
-    warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: 200 on GPUs, 0 on cpu
+    warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: as the clock needs
+    settle_ms: Annotated[float, msgspec.Meta(ge=0, le=10_000)] = 300.0  # wait for clocks to recover
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     retention: Positive = 600.0  # seconds an ended command's result is kept for its agent
     max_frame: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024

@@ -110,7 +110,7 @@ class RegionExit(Msg, tag="region_exit"):
     id: ReqId
     region: Name
     token: Name
-    drain: Literal["", "idle-verified", "timeout", "not-needed"] = ""  # the owner's drain check
+    drain: Literal["", "idle-verified", "timeout", "unverified", "not-needed"] = ""  # the owner's check
     drain_s: Seconds = 0.0
     warm_s: Seconds = 0.0
 
@@ -170,8 +170,12 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     frozen: list[str] = []  # command ids frozen for it
     frozen_pids: int = 0
     cores: list[int] = []
-    drain: str = "not-needed"  # synced, idle-verified, timeout, not-needed (pending while held)
+    # synced, idle-verified, timeout, unverified (nothing to time with), not-needed; pending while held
+    drain: str = "not-needed"
     warm_s: float = 0.0  # the owner warmed the device's clocks for this long (warm_ms)
+    settle_s: float = 0.0  # the daemon waited this long for the GPU clock to recover before the grant
+    clock_mhz: int = 0  # the GPU's shader clock at the grant (0: unknown)
+    clock_target_mhz: int = 0  # the clock a timing alone runs at (applications clock, else max)
     outcome: str = "open"  # released, expired, owner-died, shutdown, refused
     error: str = ""
     strays: int = 0

@@ -41,6 +41,17 @@ print(json.dumps({"t0": t0, "t1": t1, "enter_s": r.report.enter_s, "frozen": r.r
 """
 
 
+async def held(c: Client, timeout: float = 30.0) -> None:
+    """Until a region is held on the (first) device: a loaded machine may take long to get there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        region = (await c.status())["devices"][0]["region"]
+        if region is not None and region["state"] == "held":
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("no region was held in time")
+
+
 def ticks(path: str) -> list[float]:
     with open(path) as f:
         return [float(x) for x in f.read().split()]
@@ -185,7 +196,7 @@ async def test_command_started_during_region_lands_frozen(script, tmp_path):
     async with run_daemon() as d:
         async with await d.client() as c:
             owner = await c.submit([PY, script("owner.py", OWNER), "0", "1.0"], env=py_env())
-            await asyncio.sleep(0.6)  # the owner is inside its region now
+            await held(c)
             late = await c.submit(["sh", "-c", f"date +%s.%N > {marker}"])
             await asyncio.sleep(0.2)
             assert not marker.exists(), "a command started during the region ran its first instruction"

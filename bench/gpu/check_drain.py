@@ -10,6 +10,8 @@ launching. Conditions, each after the sibling has rebuilt its backlog:
   a-freeze     SIGSTOP only: its queued work still runs inside our timed loop
   b-quiesce    Quiesce -> its runtime synchronises -> QuiesceAck -> SIGSTOP
   c-verify     SIGSTOP, then the owner's devicework.idle_verify() until the device is idle
+  d-settle     c-verify, then wait for the SM clock to recover as the daemon does before a grant
+               (Regions._settle), timed without warming
 each with warm_ms 0 and 200. Also: NVML fields, and that a CUDA process frozen with kernels in
 flight (SIGSTOP, cgroup freeze, and quiesce-then-freeze) completes with exact results after thaw.
 Prints PASS/FAIL lines and a table; writes $OUT/check_drain.json when OUT is set.
@@ -236,8 +238,10 @@ def main() -> None:
         if "nvml" not in args.skip:
             nvml_checks(proc.pid)
         region = 0
-        for cond in ("a-freeze", "b-quiesce", "c-verify"):
-            for warm_ms in (0, 200):
+        node = open_node("auto")
+        gpu = next(dv for dv in node.devices if dv.vendor != "cpu")
+        for cond in ("a-freeze", "b-quiesce", "c-verify", "d-settle"):
+            for warm_ms in ((0,) if cond == "d-settle" else (0, 200)):
                 region += 1
                 name = f"r{region}"
                 t0 = time.perf_counter()
@@ -246,9 +250,20 @@ def main() -> None:
                     ack = conn.recv(60)
                     drains[f"{cond}/warm{warm_ms}"] = {"ack": ack, "quiesce_s": time.perf_counter() - t0}
                 os.kill(proc.pid, signal.SIGSTOP)
-                if cond == "c-verify":
+                if cond in ("c-verify", "d-settle"):
                     status, secs = devicework.idle_verify(10.0)
                     drains[f"{cond}/warm{warm_ms}"] = {"idle_verify": status, "seconds": secs}
+                if cond == "d-settle":  # what the daemon's Regions._settle does before a grant
+                    t_s = time.perf_counter()
+                    st = node.clock(gpu)
+                    first = st
+                    while st is not None and not st.settled() and not st.idle and \
+                            time.perf_counter() < t_s + 0.3:
+                        time.sleep(0.002)
+                        st = node.clock(gpu) or st
+                    drains[f"{cond}/warm{warm_ms}"].update(  # type: ignore[union-attr]
+                        settle_s=time.perf_counter() - t_s, clock_first=repr(first),
+                        clock_at_grant=repr(st))
                 enter_s = time.perf_counter() - t0
                 t[f"{cond}/warm{warm_ms}"] = time_all(kernels, warm_ms, reps)
                 t[f"{cond}/warm{warm_ms}"]["enter_s"] = enter_s  # type: ignore[index]
@@ -283,8 +298,8 @@ def main() -> None:
             print(f"{cond_key:<18}{label:>7}{r['median_ms']:>11.4f}{r['p95_ms']:>9.4f}"
                   f"{r['wall_per_rep_ms']:>10.4f}{infl:>11.2f}{GOAL_P95[label]:>8.1f}")
     results["table"] = table
-    for cond in ("b-quiesce", "c-verify"):
-        for warm in ("warm0", "warm200"):
+    for cond in ("b-quiesce", "c-verify", "d-settle"):
+        for warm in (("warm0",) if cond == "d-settle" else ("warm0", "warm200")):
             worst = {row["size"]: row["p95_inflation_pct"] for row in table
                      if row["condition"] == f"{cond}/{warm}"}
             check(f"goal.{cond}/{warm}", all(worst[s] < GOAL_P95[s] for s in SIZES), worst)

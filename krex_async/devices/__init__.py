@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import Device, DeviceProcess, Unavailable, Vendor
+from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
 from .cpu import CpuVendor
 
 __all__ = ["Device", "DeviceProcess", "Node", "NoDevice", "Unavailable", "Vendor", "describe",
@@ -50,6 +50,10 @@ class Node:
     def utilisation(self, device: Device) -> float | None:
         v = self.vendor(device)
         return v.utilisation(device) if v else None
+
+    def clock(self, device: Device) -> ClockState | None:
+        v = self.vendor(device)
+        return v.clock(device) if v else None
 
     def refresh(self) -> list[Device]:
         """Re-read memory and clocks of every device (blocking library calls: run off the loop)."""

@@ -14,7 +14,7 @@ import io
 from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
-from .base import Device, DeviceProcess, Unavailable, Vendor
+from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
 from .cpu import pci_local_cpus, pci_numa_node, usable_cpus
 
 T = TypeVar("T")
@@ -120,6 +120,19 @@ class AmdVendor(Vendor):
         procs: list[Any] = self._try(lambda: self._smi.amdsmi_get_gpu_process_list(handle), [])
         return [DeviceProcess(pid=int(p["pid"]), used_memory_bytes=int(p.get("mem") or 0))
                 for p in procs if isinstance(p, dict) and "pid" in p]
+
+    def clock(self, device: Device) -> ClockState | None:
+        """The GFX clock against its maximum; AMD SMI reports no cap reasons here, and a clock in
+        deep sleep counts as idle. Not measured on AMD hardware (none was available)."""
+        handle = self._handles.get(device.key)
+        if handle is None:
+            return None
+        smi = self._smi
+        info: dict[str, Any] = self._try(lambda: smi.amdsmi_get_clock_info(handle, smi.AmdSmiClkType.GFX), {})
+        cur, top = info.get("clk"), info.get("max_clk")
+        if not isinstance(cur, int) or not isinstance(top, int) or top <= 0:
+            return None
+        return ClockState(sm_mhz=cur, target_mhz=top, idle=bool(info.get("clk_deep_sleep")))
 
     def utilisation(self, device: Device) -> float | None:
         handle = self._handles.get(device.key)

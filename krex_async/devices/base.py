@@ -37,6 +37,21 @@ class DeviceProcess:
     used_memory_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class ClockState:
+    """The shader clock now, and the clock a timing alone would run at (the applications clock, else
+    the maximum). `capped`: the vendor says the clock is held down by power or thermal limits;
+    `idle`: held down because the device is idle (work of its own raises it within milliseconds)."""
+
+    sm_mhz: int
+    target_mhz: int
+    capped: bool = False
+    idle: bool = False
+
+    def settled(self, fraction: float = 0.9) -> bool:
+        return self.sm_mhz >= fraction * self.target_mhz
+
+
 class Vendor(abc.ABC):
     name: str = "?"
 
@@ -50,6 +65,10 @@ class Vendor(abc.ABC):
 
     def utilisation(self, device: Device) -> float | None:
         """Recent utilisation in percent, None where unknown."""
+        return None
+
+    def clock(self, device: Device) -> ClockState | None:
+        """The shader clock's state now (a fast query, callable per region); None where unknown."""
         return None
 
     def refresh(self, device: Device) -> Device:

@@ -20,7 +20,7 @@ def test_cpu_only_process_syncs_nothing_and_loads_nothing() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["none ('not-needed', 0.0) ('none', 0.0) False",
+    assert out.stdout.splitlines() == ["none ('unverified', 0.0) ('none', 0.0) False",
                                        "False False False"]
 
 
