@@ -133,6 +133,8 @@ def inflation(p: dict[str, Any], base: dict[str, dict[str, Any]]) -> dict[str, A
 def regions(p: dict[str, Any]) -> dict[str, Any]:
     """Region enter latency and wait (p50, p99), strays and tainted regions of one pass."""
     enter, wait, strays, tainted, n = [], [], 0, 0, 0
+    steps: dict[str, list[float]] = {k: [] for k in STEPS}
+    drains: dict[str, int] = {}
     for r in p["commands"]:
         for g in (r.get("report") or {}).get("regions", []):
             n += 1
@@ -140,9 +142,19 @@ def regions(p: dict[str, Any]) -> dict[str, Any]:
             wait.append(g.get("wait_s", 0.0))
             strays += int(g.get("strays", 0))
             tainted += bool(g.get("tainted", False))
+            for k in STEPS:
+                steps[k].append(g.get(k, 0.0))
+            d = g.get("drain", "not-needed")
+            drains[d] = drains.get(d, 0) + 1
     return {"regions": n, "enter_p50_s": pct(enter, 0.5), "enter_p99_s": pct(enter, 0.99),
             "wait_p50_s": pct(wait, 0.5), "wait_p99_s": pct(wait, 0.99),
-            "strays": strays, "tainted": tainted}
+            "strays": strays, "tainted": tainted, "drains": drains,
+            # what a region's entry and exit cost, step by step (medians and sums, seconds)
+            "steps_p50_s": {k: pct(v, 0.5) for k, v in steps.items()},
+            "steps_total_s": {k: sum(v) for k, v in steps.items()}}
+
+
+STEPS = ("quiesce_s", "freeze_s", "cores_s", "settle_s", "drain_s", "warm_s", "held_s", "exit_s")
 
 
 def summarise(data: dict[str, Any], lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,6 +208,13 @@ def table(s: dict[str, Any]) -> str:
                    f"R={im['R_s']:.1f}s W/N={im['W_s'] / im['agents']:.1f}s L={im['L_s']:.1f}s)")
     for k, v in s["achieved"].items():
         out.append(f"achieved {k}: {_f(v, '.1%')}")
+    out.append("")
+    for name, p in s["policies"].items():
+        g = p["regions"]
+        if g["regions"] and "steps_p50_s" in g:
+            steps = "  ".join(f"{k[:-2]} {_f(v * 1000.0 if v is not None else None, '.1f')}"
+                              for k, v in g["steps_p50_s"].items())
+            out.append(f"{name} region steps, median ms: {steps}  drains {g['drains']}")
     out.append("")
     out.append(f"{'inflation vs isolated':<28} {'n':>4} {'p50':>8} {'p95':>8}   (median of each command)")
     for name, p in s["policies"].items():
