@@ -50,7 +50,10 @@ async def test_killed_process_group_resolves_launched(pool: Pool, tmp_path: Path
     launched = await pool.launch(spec)
     assert launched is not None
     loop = asyncio.get_running_loop()
-    first = await loop.run_in_executor(None, os.read, ours[0], 100)  # it runs: now time it out
+    first = b""
+    while not first.endswith(b"\n"):  # unbuffered (PYTHONUNBUFFERED) print writes "up", then "\n"
+        first += await loop.run_in_executor(None, os.read, ours[0], 100)
+    # it runs: now time it out
     os.killpg(launched.pid, signal.SIGKILL)
     r = await finish(spec, ours, launched)
     assert (r.returncode, first + r.stdout) == (-signal.SIGKILL, b"up\n")
