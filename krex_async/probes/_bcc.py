@@ -22,7 +22,6 @@ import importlib.util
 import mmap
 import os
 import platform
-import struct
 import sys
 import threading
 import time
@@ -33,7 +32,6 @@ from typing import Any
 from .base import ProbeEvent, ProbeUnavailable
 
 DEBIAN_BCC = "/usr/lib/python3/dist-packages/bcc/__init__.py"
-_U64, _U32 = struct.Struct("<Q"), struct.Struct("<I")
 
 
 def import_bcc() -> ModuleType:
@@ -91,7 +89,13 @@ class MmapRing:
     The kernel's layout: page 0 the consumer position (ours to write), page 1 the producer position,
     then the data area, mapped twice in a row so a record that wraps is still contiguous. Each record
     is an 8-byte header (u32 length with BUSY and DISCARD bits, u32 page offset), the data, padding to
-    8 bytes. x86-64 only (its ordering makes plain loads safe); elsewhere RingPoller uses bcc's reader.
+    8 bytes. x86-64 only (its ordering makes plain loads and stores safe); elsewhere RingPoller uses
+    bcc's reader.
+
+    The positions are read and written through memoryview casts ('Q', 'I'): one aligned 8- or 4-byte
+    load or store each. struct.pack_into must not be used on the consumer page: it zeroes the field
+    first and then writes it byte by byte, and a BPF producer that reads the position in that window
+    sees the ring as full and drops the event (the lost events of bench/RESULTS.md sections 5 and 8).
     """
 
     BUSY, DISCARD = 1 << 31, 1 << 30
@@ -100,28 +104,42 @@ class MmapRing:
         page = mmap.PAGESIZE
         self.size, self.page = size, page
         self.cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
-                              offset=page)
+        try:
+            self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
+                                  offset=page)
+        except BaseException:
+            self.cons.close()
+            raise
+        self._cons_q = memoryview(self.cons).cast("Q")
+        self._prod_q = memoryview(self.prod).cast("Q")
+        self._words = memoryview(self.prod).cast("I")
+
+    def pending(self) -> int:
+        """Bytes committed or reserved in the ring and not yet consumed."""
+        return int(self._prod_q[0] - self._cons_q[0])
 
     def read(self) -> list[bytes]:
         """Every committed record since the last read (stops at one still being written)."""
-        cons = _U64.unpack_from(self.cons, 0)[0]
-        prod = _U64.unpack_from(self.prod, 0)[0]
+        cons = self._cons_q[0]
+        prod = self._prod_q[0]
         out = []
-        mask, base, data = self.size - 1, self.page, self.prod
+        mask, base, data, words = self.size - 1, self.page, self.prod, self._words
+        busy, discard = self.BUSY, self.DISCARD
         while cons < prod:
             off = base + (cons & mask)
-            ln = _U32.unpack_from(data, off)[0]
-            if ln & self.BUSY:
+            ln = words[off >> 2]
+            if ln & busy:
                 break
-            n = ln & ~(self.BUSY | self.DISCARD)
-            if not ln & self.DISCARD:
+            n = ln & ~(busy | discard)
+            if not ln & discard:
                 out.append(data[off + 8:off + 8 + n])
             cons += (n + 8 + 7) & ~7
-        _U64.pack_into(self.cons, 0, cons)
+        self._cons_q[0] = cons
         return out
 
     def close(self) -> None:
+        for view in (self._cons_q, self._prod_q, self._words):
+            view.release()
         self.cons.close()
         self.prod.close()
 
