@@ -32,6 +32,7 @@ from typing import Any
 
 from . import _bcc
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from .failure import FailureReporting
 from .ioctls import ioctl_name
 
 DEFAULT_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
@@ -251,12 +252,14 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
                 yield pid, int(fd), target
 
 
-class IoctlProbe(ProbeBackend):
+class IoctlProbe(FailureReporting, ProbeBackend):
     """bcc backend on syscall tracepoints; see the module docstring.
 
     start() compiles (about 0.3-0.5 s), seeds `tracked`, and starts the poll thread; it raises
     ProbeUnavailable (not root, no bcc, compile failure) having released whatever it loaded. stop()
     joins the thread and detaches the program; counts() and lost() still answer after stop().
+    If the poll thread dies at runtime, `failure` says why and `on_failure` is called on the loop
+    (failure.py); the program stays loaded (counts still answer) until stop().
     """
 
     name = "bcc-ioctl"
@@ -289,7 +292,8 @@ class IoctlProbe(ProbeBackend):
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(bpf, "events", self._decode, self.name,
                                            tick=self._upkeep, tick_s=self.rescan_s or 3600.0,
-                                           ring_bytes=ring_bytes)
+                                           ring_bytes=ring_bytes,
+                                           on_failure=lambda why: self._failed(loop, why))
             self._poller.start(loop, on_events)
         except Exception as e:
             bpf.cleanup()
@@ -355,9 +359,11 @@ class IoctlProbe(ProbeBackend):
         self._bpf = None
 
     def lost(self) -> int:
+        """Reservation failures in the BPF program plus records that could not be decoded."""
         if self._bpf is None:
             return self._final_lost
-        return _bcc.sum_percpu(self._bpf[b"lost"])
+        bad = self._poller.undecodable if self._poller is not None else 0
+        return _bcc.sum_percpu(self._bpf[b"lost"]) + bad
 
     def counts(self) -> dict[int, int]:
         if self._bpf is None:
