@@ -48,6 +48,7 @@ class Watch:
     counts_at_start: dict[int, int]
     pids: dict[int, int] = field(default_factory=dict)  # stray tgid -> events
     first: list[str] = field(default_factory=list)
+    unverified: bool = False  # a batch could not be attributed while it was held
 
 
 class Attributor:
@@ -91,7 +92,7 @@ class Attributor:
         rep.strays = sum(w.pids.values())
         rep.stray_pids = sorted(w.pids)
         rep.first_strays = list(w.first)
-        if self.failed is not None or self.backend.lost() > w.lost_at_start:
+        if self.failed is not None or w.unverified or self.backend.lost() > w.lost_at_start:
             rep.tainted = True
 
     def probe_failed(self, reason: str) -> None:
@@ -121,7 +122,16 @@ class Attributor:
     # ------------------------------------------------------------------------------- events
 
     def on_events(self, batch: list[ProbeEvent]) -> None:
-        """Called on the loop with each batch the backend's polling thread delivered."""
+        """Called on the loop with each batch the backend's polling thread delivered. A bug in
+        attributing it costs that batch: it is logged, and the regions held now are tainted."""
+        try:
+            self._attribute(batch)
+        except Exception:
+            log.exception("probe_batch_failed", events=len(batch))
+            for w in self.watches.values():
+                w.unverified = True
+
+    def _attribute(self, batch: list[ProbeEvent]) -> None:
         self.events += len(batch)
         self.d.metrics.probe_lost_total(self.backend.lost())
         held = [self.d.regions.active[rid] for rid in self.watches if rid in self.d.regions.active]
