@@ -169,6 +169,32 @@ class BccEvent(ProbeEvent):
     cgroup: int = 0
 
 
+def _slot_setters(cls: type, names: Iterable[str]) -> list[Callable[[Any, Any], None]]:
+    """The slot descriptors' __set__ of `names` on cls (a frozen slots dataclass)."""
+    out = []
+    for n in names:
+        owner = next(k for k in cls.__mro__ if n in vars(k))
+        out.append(vars(owner)[n].__set__)
+    return out
+
+
+_SET = _slot_setters(BccEvent, ("ts_ns", "tgid", "tid", "kind", "fd", "request", "name", "comm",
+                                "cgroup"))
+_NEW = object.__new__
+
+
+def bcc_event(ts: int, tgid: int, tid: int, kind: str, fd: int, request: int, name: str,
+              comm: str, cgroup: int) -> BccEvent:
+    """BccEvent(...) at half the cost: the reader builds one per record (100k/s and more), and a
+    frozen dataclass's __init__ goes through object.__setattr__ per field; the slot descriptors
+    set the same fields directly. Equal to the constructor's result (tests/probes/test_bpf_ioctl)."""
+    ev = _NEW(BccEvent)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = _SET
+    s0(ev, ts); s1(ev, tgid); s2(ev, tid); s3(ev, kind); s4(ev, fd)  # noqa: E702
+    s5(ev, request); s6(ev, name); s7(ev, comm); s8(ev, cgroup)  # noqa: E702
+    return ev
+
+
 def match_expr(prefixes: Iterable[str]) -> str:
     """The C expression for MATCH(w), w the path as u64 words: true when it starts with a prefix.
 
@@ -305,13 +331,13 @@ class IoctlProbe(FailureReporting, ProbeBackend):
             ts, tgid, tid, fd, cmd, kind, _, cg, comm, path_b = OPEN_EVENT.unpack_from(raw)
             path = _bcc.cstr(path_b)
             self.fd_paths[(tgid, fd)] = path
-            return BccEvent(ts, tgid, tid, "open", fd, 0, path, self._comm(comm), cg)
+            return bcc_event(ts, tgid, tid, "open", fd, 0, path, self._comm(comm), cg)
         ts, tgid, tid, fd, cmd, kind, _, cg, comm = EVENT.unpack_from(raw)
         path = self.fd_paths.get((tgid, fd), "")
         name = self._names.get((cmd, path))
         if name is None:
             name = self._names[(cmd, path)] = ioctl_name(cmd, path)
-        return BccEvent(ts, tgid, tid, "ioctl", fd, cmd, name, self._comm(comm), cg)
+        return bcc_event(ts, tgid, tid, "ioctl", fd, cmd, name, self._comm(comm), cg)
 
     def _comm(self, raw: bytes) -> str:
         c = self._comms.get(raw)
