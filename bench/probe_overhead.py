@@ -172,7 +172,7 @@ def stream_row(w: str, dev: str, tmp: str, n: int, rate: float) -> dict[str, Any
 
 def consumer_cost(w: str, dev: str, tmp: str) -> tuple[float, str]:
     """Reader CPU per event: fill the ring while paused, then time one drain on this thread."""
-    probe = IoctlProbe([tmp + "/"], ring_pages=2048)
+    probe = IoctlProbe([tmp + "/"])  # the default ring holds the 100000 records
     with Running(probe):
         assert probe.poller is not None
         probe.poller.paused.set()
