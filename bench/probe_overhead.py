@@ -1,9 +1,16 @@
 """What the probes cost: ioctl cost and launch rate with probes off, ioctl probes, launch probes.
 
     sudo python bench/probe_overhead.py            # CPU part (here): ioctl cost, fake-launch cost,
-                                                   # and lost events at 100k ioctl/s
+                                                   # lost events at 100k ioctl/s, and a flood
     sudo python bench/probe_overhead.py --gpu      # GPU part (accelerator): torch a.add_(1.0) rate
-    options: --reps N (interleaved repetitions per mode), --json FILE, --rate R --seconds S (loss)
+    options: --reps N (interleaved repetitions per mode), --json FILE, --rate R --seconds S (loss),
+             --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part)
+
+Loss accounting (each row must balance): `sent` ioctls plus the one open are what the kernel-side
+map `counted`; the stream `delivered` the workload's events (ioctl, open); `lost` counts ring
+reservation failures. delivered + lost == counted, always; at 100k/s lost must be 0. The flood
+(far above what the reader drains) must lose events and count every one, and a region held during
+it, through a real daemon, must come back `tainted`, while one held at 100k/s comes back clean.
 
 The workloads run in child processes (a small C program built with gcc; torch for --gpu), the probes
 in this process, as the daemon would run them. Each row is the median of the repetitions.
@@ -132,18 +139,40 @@ def cpu_part(reps: int, tmp: str) -> list[dict[str, Any]]:
              "fake_launch_ns": statistics.median(v["launch_ns"])} for m, v in res.items()]
 
 
-def loss_part(rate: float, seconds: float, tmp: str) -> dict[str, Any]:
-    w, _, dev = build(tmp) if not os.path.exists(f"{tmp}/w") else (f"{tmp}/w", "", f"{tmp}/null0")
+class Counting(Running):
+    """Running, counting the delivered events of one process by kind."""
+
+    def __init__(self, probe: Any) -> None:
+        super().__init__(probe)
+        self.by_pid: dict[int, dict[str, int]] = {}
+
+    def _on(self, batch: list) -> None:
+        self.events += len(batch)
+        for ev in batch:
+            kinds = self.by_pid.setdefault(ev.tgid, {})
+            kinds[ev.kind] = kinds.get(ev.kind, 0) + 1
+
+
+def stream_row(w: str, dev: str, tmp: str, n: int, rate: float) -> dict[str, Any]:
+    """n ioctls at `rate` (0: full speed) under a fresh probe; the accounting of their events."""
     probe = IoctlProbe([tmp + "/"])
-    n = int(rate * seconds)
-    with Running(probe) as r:
+    with Counting(probe) as r:
         out = run([w, "ioctl", dev, str(n), str(rate)])
         pid = int(out[3])
         time.sleep(0.3)
         r.pump()
-        counts, lost = probe.counts().get(pid, 0), probe.lost()
-    # Consumer CPU per event: fill the ring while paused, then time one drain on this thread.
-    probe = IoctlProbe([tmp + "/"], ring_pages=2048)
+    # After stop: the ring is drained to the end and the counters are final.
+    got = r.by_pid.get(pid, {})
+    counted, lost = probe.counts().get(pid, 0), probe.lost()
+    delivered = got.get("ioctl", 0) + got.get("open", 0)
+    return {"requested_rate": rate or "max", "achieved_rate": float(out[2]), "sent": n,
+            "counted": counted, "delivered": delivered, "delivered_ioctl": got.get("ioctl", 0),
+            "lost": lost, "balanced": delivered + lost == counted == n + 1}
+
+
+def consumer_cost(w: str, dev: str, tmp: str) -> tuple[float, str]:
+    """Reader CPU per event: fill the ring while paused, then time one drain on this thread."""
+    probe = IoctlProbe([tmp + "/"])  # the default ring holds the 100000 records
     with Running(probe):
         assert probe.poller is not None
         probe.poller.paused.set()
@@ -154,9 +183,71 @@ def loss_part(rate: float, seconds: float, tmp: str) -> dict[str, Any]:
         per_event = (time.thread_time() - t0) * 1e9 / max(got, 1)
         reader = probe.poller.reader
         probe.poller.paused.clear()
-    return {"requested_rate": rate, "achieved_rate": float(out[2]), "ioctls": n,
-            "counted": counts, "delivered": r.events, "lost": lost,
-            "consumer_ns_per_event": per_event, "reader": reader}
+    return per_event, reader
+
+
+def loss_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[str, Any]]:
+    w, _, dev = build(tmp) if not os.path.exists(f"{tmp}/w") else (f"{tmp}/w", "", f"{tmp}/null0")
+    rows = [stream_row(w, dev, tmp, int(rate * seconds), rate)]
+    if flood:
+        rows.append(stream_row(w, dev, tmp, flood, 0))
+    per_event, reader = consumer_cost(w, dev, tmp)
+    for r in rows:
+        r["consumer_ns_per_event"] = per_event
+        r["reader"] = reader
+    return rows
+
+
+OWNER = """
+import subprocess, sys
+from krex_async import region
+w, dev, n, rate, flood = sys.argv[1:6]
+with region("paced"):
+    subprocess.run([w, "ioctl", dev, n, rate], check=True, stdout=subprocess.DEVNULL)
+with region("flood"):
+    subprocess.run([w, "ioctl", dev, flood, "0"], check=True, stdout=subprocess.DEVNULL)
+"""
+
+
+def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[str, Any]]:
+    """The owner's own ioctls in two regions through a real daemon (--probes ioctl): one at
+    `rate`, one flood. Neither has strays; the flood's must come back tainted (events lost)."""
+    from krex_async import Client
+
+    w, dev = f"{tmp}/w", f"{tmp}/null0"
+    sock = f"{tmp}/s"
+    Path(tmp, "owner.py").write_text(OWNER)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("KREX_SOCKET", None)
+    log = open(f"{tmp}/daemon.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", sock,
+                             "--isolation", "signal", "--probes", "ioctl", "--probe-prefixes",
+                             tmp + "/", "--state-dir", f"{tmp}/state", "--log-format", "json"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        end = time.monotonic() + 30
+        while not os.path.exists(sock):
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("daemon did not start: " + Path(f"{tmp}/daemon.log").read_text())
+            time.sleep(0.05)
+
+        async def go() -> Any:
+            async with await Client.connect(sock) as c:
+                res = await c.run([sys.executable, f"{tmp}/owner.py", w, dev,
+                                   str(int(rate * seconds)), str(rate), str(flood)], env=env)
+                return res, (await c.status()).get("probes")
+        res, probes = asyncio.run(go())
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+    if res.returncode != 0:
+        raise RuntimeError(f"owner failed: {res.stderr.decode()[-500:]}")
+    sent = {"paced": int(rate * seconds), "flood": flood}
+    return [{"region": r.name, "sent": sent.get(r.name, 0), "held_s": r.held_s,
+             "strays": r.strays, "tainted": r.tainted, "probes": (probes or {}).get("state")}
+            for r in res.report.regions]
 
 
 def gpu_part(reps: int, n: int) -> list[dict[str, Any]]:
@@ -194,6 +285,9 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=200_000)
     ap.add_argument("--rate", type=float, default=100_000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--flood", type=int, default=2_000_000,
+                    help="ioctls at full speed for the loss-accounting check (0: skip)")
+    ap.add_argument("--loss-only", action="store_true", help="skip the per-call cost part")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -205,15 +299,23 @@ def main() -> None:
             out["gpu"] = gpu_part(args.reps, args.launches)
             print("GPU: torch a.add_(1.0) launch rate\n" + table(out["gpu"]) + "\n")
         try:
-            out["cpu"] = cpu_part(args.reps, tmp)
+            if not args.loss_only:
+                out["cpu"] = cpu_part(args.reps, tmp)
+            else:
+                build(tmp)
         except RuntimeError as e:
             print(f"CPU part and loss test skipped: {e}")
         else:
-            print("CPU: cost per call of the workload (ns), median of", args.reps)
-            print(table(out["cpu"]) + "\n")
-            out["loss"] = loss_part(args.rate, args.seconds, tmp)
-            print("Loss test: ioctls on a tracked fd at a fixed rate, default ring buffer")
-            print(table([out["loss"]]))
+            if "cpu" in out:
+                print("CPU: cost per call of the workload (ns), median of", args.reps)
+                print(table(out["cpu"]) + "\n")
+            out["loss"] = loss_part(args.rate, args.seconds, args.flood, tmp)
+            print("Loss test: ioctls on a tracked fd (paced, then full speed), default ring buffer")
+            print(table(out["loss"]) + "\n")
+            if args.flood:
+                out["regions"] = daemon_part(args.rate, min(args.seconds, 1.0), args.flood, tmp)
+                print("Through a daemon: the owner's own ioctls in a region, paced then flood")
+                print(table(out["regions"]))
         for lib in find_libraries(search=True):
             out.setdefault("libraries_found", []).append(lib)
     finally:

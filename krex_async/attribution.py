@@ -10,6 +10,12 @@ with its pid and first events, and sent to `krex trace` at once.
 The event stream can lose events under load; the backend's kernel-side counts per tgid do not. At
 release the region compares those counts to what it saw, and a region during which the backend lost
 events is marked `tainted`, never reported clean.
+
+A backend that fails at runtime (its polling thread died; probes/failure.py) calls probe_failed()
+on the loop: it is logged once as an error, `daemon.probes` (shown by `krex status`) says
+`failed` with the reason, `krex trace` subscribers get a `probes_failed` event, the backend is
+stopped (thread joined, program detached, tracefs instance removed), and every region held then or
+granted later is `tainted`: nothing watched it. The daemon goes on serving.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Watch:
     counts_at_start: dict[int, int]
     pids: dict[int, int] = field(default_factory=dict)  # stray tgid -> events
     first: list[str] = field(default_factory=list)
+    unverified: bool = False  # a batch could not be attributed while it was held
 
 
 class Attributor:
@@ -51,6 +58,7 @@ class Attributor:
         self.watches: dict[str, Watch] = {}  # region id -> watch
         self.mapper = Mapper()
         self.events = 0
+        self.failed: str | None = None  # why the backend stopped at runtime
 
     def command_started(self, cmd: "Command") -> None:
         if cmd.pid is not None and cmd.group is not None:
@@ -84,8 +92,22 @@ class Attributor:
         rep.strays = sum(w.pids.values())
         rep.stray_pids = sorted(w.pids)
         rep.first_strays = list(w.first)
-        if self.backend.lost() > w.lost_at_start:
+        if self.failed is not None or w.unverified or self.backend.lost() > w.lost_at_start:
             rep.tainted = True
+
+    def probe_failed(self, reason: str) -> None:
+        """The backend died at runtime (called on the loop, once): say so everywhere, stop it."""
+        if self.failed is not None:
+            return
+        self.failed = reason
+        log.error("probes_failed", backend=self.backend.name, reason=reason,
+                  regions_tainted=sorted(self.watches))
+        self.d.probes.update(state="failed", reason=reason, failed_at=time.time())
+        self.d.trace("probes_failed", None, backend=self.backend.name, reason=reason)
+        try:
+            self.backend.stop()
+        except Exception as e:  # stopping a broken backend must not take the loop down
+            log.warning("probes_stop_failed", backend=self.backend.name, error=repr(e))
 
     def _is_stray(self, r: "Region", ev: ProbeEvent | int) -> bool:
         if (ev if isinstance(ev, int) else ev.tgid) == os.getpid():
@@ -100,7 +122,16 @@ class Attributor:
     # ------------------------------------------------------------------------------- events
 
     def on_events(self, batch: list[ProbeEvent]) -> None:
-        """Called on the loop with each batch the backend's polling thread delivered."""
+        """Called on the loop with each batch the backend's polling thread delivered. A bug in
+        attributing it costs that batch: it is logged, and the regions held now are tainted."""
+        try:
+            self._attribute(batch)
+        except Exception:
+            log.exception("probe_batch_failed", events=len(batch))
+            for w in self.watches.values():
+                w.unverified = True
+
+    def _attribute(self, batch: list[ProbeEvent]) -> None:
         self.events += len(batch)
         self.d.metrics.probe_lost_total(self.backend.lost())
         held = [self.d.regions.active[rid] for rid in self.watches if rid in self.d.regions.active]

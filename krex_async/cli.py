@@ -155,6 +155,10 @@ async def _status(args: argparse.Namespace) -> int:
     iso = st["isolation"]
     print(f"policy {st['policy']}   isolation {iso['backend']} ({iso['reason']})   "
           f"freeze {st['freeze']}   region cores {st['region_cores']}")
+    if "probes" in st:  # a daemon from before probes were reported has no such key
+        pr = st["probes"]
+        print(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")
+              + (f" ({pr['reason']})" if pr.get("reason") else ""))
     print("\nDEVICE    VENDOR  COMMANDS  REGION")
     for d in st["devices"]:
         r = d["region"]

@@ -70,6 +70,7 @@ class Daemon:
         self.commands: dict[str, Command] = {}
         self.regions = Regions(self)
         self.attributor: Attributor | None = None  # set when probes run
+        self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
         self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled)
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -425,6 +426,7 @@ class Daemon:
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},
+                "probes": dict(self.probes),
                 "pools": {k: p.status() for k, p in self.pools.items()},
                 "freeze": self.config.freeze, "region_cores": self.config.region_cores,
                 "devices": devices, "commands": commands}

@@ -402,28 +402,36 @@ class Server:
 
 def start_probes(daemon: Daemon) -> None:
     """Open the probe backend `--probes` asks for and feed its events to the attributor. A probe
-    that cannot run is a logged state, never a reason not to serve."""
+    that cannot run is a logged state, never a reason not to serve; so is one that fails later
+    (Attributor.probe_failed). `daemon.probes` (in `krex status`) says which state, and why."""
     cfg = daemon.config
     if cfg.probes == "off":
         log.info("probes", backend=None, reason="off (--probes off)")
+        daemon.probes.update(state="off", reason="--probes off")
         return
-    from .probes import open_probes
+    from .probes import FailureReporting, open_probes
 
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] or None  # noqa: E731
     backend, reason = open_probes(cfg.probes, split(cfg.probe_prefixes), split(cfg.launch_libs))
     log.info("probes", backend=backend.name if backend else None, reason=reason)
+    daemon.probes.update(state="unavailable", reason=reason)
     if backend is None:
         return
     attributor = Attributor(daemon, backend)
+    if isinstance(backend, FailureReporting):
+        backend.on_failure = attributor.probe_failed
     try:
         backend.start(asyncio.get_running_loop(), attributor.on_events)
     except Exception as e:  # ProbeUnavailable or a failed attach: run without probes, and say so
         log.warning("probes", backend=None, reason=f"{backend.name} failed to start: {e}")
+        daemon.probes.update(reason=f"{backend.name} failed to start: {e}")
         return
     daemon.attributor = attributor
+    daemon.probes.update(state="running", backend=backend.name, reason=reason)
     failed = getattr(backend, "failed", None)
     if failed:
         log.warning("probes_partial", failed=failed)
+        daemon.probes["partial"] = dict(failed)
 
 
 async def serve(config: ServeConfig) -> int:

@@ -4,6 +4,9 @@
     if backend: backend.start(loop, on_events)  # on_events(list[ProbeEvent]) runs on the loop
     ...; backend.counts(); backend.lost(); backend.stop()
 
+Every backend is a FailureReporting: set `backend.on_failure = fn` before start() and fn(reason)
+runs once on the loop if the backend dies at runtime (`backend.failure` then says why); stop() it.
+
 Modes: `off`; `ioctl` (bcc syscall tracepoints); `launches` (ioctl plus launch uprobes on libcuda /
 libhsa-runtime64); `tracefs` (no compiler needed); `auto` (bcc ioctl when a BPF program compiles and
 loads here, else tracefs, else None; with launch_libs given, launch uprobes too).
@@ -16,6 +19,7 @@ import asyncio
 from collections.abc import Callable
 
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from .failure import FailureReporting
 
 MODES = ("auto", "ioctl", "launches", "tracefs", "off")
 
@@ -26,10 +30,11 @@ def wall_time(ts_ns: int) -> float:
     return time.time() - (time.monotonic_ns() - ts_ns) / 1e9
 
 
-class CombinedProbe(ProbeBackend):
+class CombinedProbe(FailureReporting, ProbeBackend):
     """Runs several backends as one: start() starts each (a later one failing with ProbeUnavailable
     leaves the earlier ones running and is recorded in `failed`); stop() stops all; counts and lost
-    are summed over the running parts."""
+    are summed over the running parts. A part failing at runtime is the whole probe failing
+    (`failure`, `on_failure`, with the part's reason): regions can no longer be verified."""
 
     def __init__(self, *parts: ProbeBackend) -> None:
         self.parts = list(parts)
@@ -40,6 +45,8 @@ class CombinedProbe(ProbeBackend):
               on_events: Callable[[list[ProbeEvent]], None]) -> None:
         running = []
         for i, p in enumerate(self.parts):
+            if isinstance(p, FailureReporting):
+                p.on_failure = self._part_failed
             try:
                 p.start(loop, on_events)
                 running.append(p)
@@ -49,6 +56,13 @@ class CombinedProbe(ProbeBackend):
                 self.failed[p.name] = str(e)
         self.parts = running
         self.name = "+".join(p.name for p in running)
+
+    def _part_failed(self, reason: str) -> None:
+        """A part's on_failure, on the loop: the first one is this probe's failure."""
+        if self.failure is None:
+            self.failure = reason
+            if self.on_failure is not None:
+                self.on_failure(reason)
 
     def stop(self) -> None:
         for p in self.parts:
@@ -132,5 +146,5 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
     return None, f"probes: none (bcc unavailable: {why}; tracefs unavailable: {why2})"
 
 
-__all__ = ["CombinedProbe", "MODES", "ProbeBackend", "ProbeEvent", "ProbeUnavailable",
+__all__ = ["CombinedProbe", "FailureReporting", "MODES", "ProbeBackend", "ProbeEvent", "ProbeUnavailable",
            "open_probes", "wall_time"]

@@ -22,7 +22,6 @@ import importlib.util
 import mmap
 import os
 import platform
-import struct
 import sys
 import threading
 import time
@@ -33,7 +32,6 @@ from typing import Any
 from .base import ProbeEvent, ProbeUnavailable
 
 DEBIAN_BCC = "/usr/lib/python3/dist-packages/bcc/__init__.py"
-_U64, _U32 = struct.Struct("<Q"), struct.Struct("<I")
 
 
 def import_bcc() -> ModuleType:
@@ -91,7 +89,13 @@ class MmapRing:
     The kernel's layout: page 0 the consumer position (ours to write), page 1 the producer position,
     then the data area, mapped twice in a row so a record that wraps is still contiguous. Each record
     is an 8-byte header (u32 length with BUSY and DISCARD bits, u32 page offset), the data, padding to
-    8 bytes. x86-64 only (its ordering makes plain loads safe); elsewhere RingPoller uses bcc's reader.
+    8 bytes. x86-64 only (its ordering makes plain loads and stores safe); elsewhere RingPoller uses
+    bcc's reader.
+
+    The positions are read and written through memoryview casts ('Q', 'I'): one aligned 8- or 4-byte
+    load or store each. struct.pack_into must not be used on the consumer page: it zeroes the field
+    first and then writes it byte by byte, and a BPF producer that reads the position in that window
+    sees the ring as full and drops the event (the lost events of bench/RESULTS.md sections 5 and 8).
     """
 
     BUSY, DISCARD = 1 << 31, 1 << 30
@@ -100,28 +104,42 @@ class MmapRing:
         page = mmap.PAGESIZE
         self.size, self.page = size, page
         self.cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
-                              offset=page)
+        try:
+            self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
+                                  offset=page)
+        except BaseException:
+            self.cons.close()
+            raise
+        self._cons_q = memoryview(self.cons).cast("Q")
+        self._prod_q = memoryview(self.prod).cast("Q")
+        self._words = memoryview(self.prod).cast("I")
+
+    def pending(self) -> int:
+        """Bytes committed or reserved in the ring and not yet consumed."""
+        return int(self._prod_q[0] - self._cons_q[0])
 
     def read(self) -> list[bytes]:
         """Every committed record since the last read (stops at one still being written)."""
-        cons = _U64.unpack_from(self.cons, 0)[0]
-        prod = _U64.unpack_from(self.prod, 0)[0]
+        cons = self._cons_q[0]
+        prod = self._prod_q[0]
         out = []
-        mask, base, data = self.size - 1, self.page, self.prod
+        mask, base, data, words = self.size - 1, self.page, self.prod, self._words
+        busy, discard = self.BUSY, self.DISCARD
         while cons < prod:
             off = base + (cons & mask)
-            ln = _U32.unpack_from(data, off)[0]
-            if ln & self.BUSY:
+            ln = words[off >> 2]
+            if ln & busy:
                 break
-            n = ln & ~(self.BUSY | self.DISCARD)
-            if not ln & self.DISCARD:
+            n = ln & ~(busy | discard)
+            if not ln & discard:
                 out.append(data[off + 8:off + 8 + n])
             cons += (n + 8 + 7) & ~7
-        _U64.pack_into(self.cons, 0, cons)
+        self._cons_q[0] = cons
         return out
 
     def close(self) -> None:
+        for view in (self._cons_q, self._prod_q, self._words):
+            view.release()
         self.cons.close()
         self.prod.close()
 
@@ -132,24 +150,29 @@ class RingPoller:
     The BPF side submits with BPF_RB_NO_WAKEUP, so producers never pay for waking us; this thread
     drains the ring every `interval_s` (ring_buffer_consume), copies each record out as bytes in the
     callback, then decodes the lot with `decode(raw) -> ProbeEvent | None` and hands the batch to
-    the loop. The ring must hold `interval_s` worth of events (1024 pages: about 35k ioctl events).
+    the loop. The ring must hold what arrives while the thread is not scheduled or busy: the ioctl
+    probe's 4096 pages (16 MiB) hold 262144 records of 64 bytes, 2.6 s at 100k events/s; the thread
+    itself must keep up on average (about 2 us of CPU per event here: 20% of a core at 100k/s).
     `tick()` runs on this thread every `tick_s` (map upkeep). `stop()` joins the thread, then
     detaches everything (bpf.cleanup()).
     """
 
     def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],
                  name: str, tick: Callable[[], None] | None = None, tick_s: float = 1.0,
-                 interval_s: float = 0.01, ring_bytes: int = 0) -> None:
+                 interval_s: float = 0.01, ring_bytes: int = 0,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.bpf = bpf
         self._decode = decode
         self._tick = tick
         self._tick_s = tick_s
         self._interval_s = interval_s
         self._name = name
+        self._on_failure = on_failure
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._raw: list[bytes] = []
         self.delivered = 0
+        self.undecodable = 0  # records read but not decoded: lost as detail, counted in lost()
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: records wait in the ring buffer (tests, benchmarks)
         self._mm: MmapRing | None = None
@@ -177,50 +200,76 @@ class RingPoller:
         for r in raw:
             try:
                 ev = self._decode(r)
-            except Exception as e:  # a decode bug must not kill the poll thread
+            except Exception as e:  # a decode bug costs that record, not the poll thread
                 self.error = e
+                self.undecodable += 1
                 continue
             if ev is not None:
                 out.append(ev)
         return out
 
+    def pending(self) -> int | None:
+        """Bytes waiting in the ring (mmap reader only; None with bcc's reader)."""
+        return self._mm.pending() if self._mm is not None else None
+
     def start(self, loop: asyncio.AbstractEventLoop,
               on_events: Callable[[list[ProbeEvent]], None]) -> None:
-        def run() -> None:
-            next_tick = time.monotonic() + self._tick_s
-            while not self._stop.wait(self._interval_s):
-                if self.paused.is_set():
-                    continue
-                batch = self._drain()
-                if batch:
-                    self.delivered += len(batch)
-                    try:
-                        loop.call_soon_threadsafe(on_events, batch)
-                    except RuntimeError:  # loop closed under us: stop quietly
-                        return
-                if self._tick is not None and time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self._tick_s
-                    try:
-                        self._tick()
-                    except Exception as e:
-                        self.error = e
-            batch = self._drain()  # stopping: hand over what is still in the ring
+        """Start the drain thread. Decode and upkeep errors are survived (counted, kept in
+        `error`); anything else (reading the ring failing, a closed mapping) ends the thread: the
+        reason goes to `on_failure`, called once on this thread, and `error` keeps it."""
+
+        def deliver(batch: list[ProbeEvent]) -> bool:
             if batch:
                 self.delivered += len(batch)
                 try:
                     loop.call_soon_threadsafe(on_events, batch)
-                except RuntimeError:
-                    pass
+                except RuntimeError:  # loop closed under us: stop quietly
+                    return False
+            return True
+
+        def run() -> None:
+            from .failure import name_thread
+            name_thread(f"krex-probe-{self._name}"[:15])
+            next_tick = time.monotonic() + self._tick_s
+            try:
+                while not self._stop.wait(self._interval_s):
+                    if self.paused.is_set():
+                        continue
+                    if not deliver(self._drain()):
+                        return
+                    if self._tick is not None and time.monotonic() >= next_tick:
+                        next_tick = time.monotonic() + self._tick_s
+                        try:
+                            self._tick()
+                        except Exception as e:  # upkeep failing leaves the stream running
+                            self.error = e
+                # Stopping: hand over everything still in the ring. One more pass catches a
+                # record that was being written during the first.
+                for _ in range(2):
+                    deliver(self._drain())
+            except BaseException as e:
+                self.error = e
+                if self._on_failure is not None:
+                    self._on_failure(f"{self._name}: poll thread failed: {e!r}")
+
         self._thread = threading.Thread(target=run, name=f"krex-probe-{self._name}", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
+        """Join the thread, unmap the ring and detach the program. Safe after a failure."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except (BufferError, ValueError):
+                pass
+            self._mm = None
         try:
             self.bpf.cleanup()
         except Exception:

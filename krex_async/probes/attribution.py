@@ -81,6 +81,9 @@ class Attributor:
     def command_of(self, ev: ProbeEvent) -> str | None:
         cg = getattr(ev, "cgroup", 0)
         if cg and cg in self._cgroups:
+            # Kept per tgid too: the lossless counts are per tgid, and a region's reconciliation
+            # asks by tgid alone, often after a short-lived child has exited.
+            self._cache[ev.tgid] = self._cgroups[cg]
             return self._cgroups[cg]
         if ev.tgid in self._cache:
             return self._cache[ev.tgid]

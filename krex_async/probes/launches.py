@@ -33,6 +33,7 @@ from typing import Any
 
 from . import _bcc
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from .failure import FailureReporting
 
 CUDA_SYMBOLS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
                 "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
@@ -149,7 +150,7 @@ def find_libraries(configured: Iterable[str] | None = None, names: Iterable[str]
     return out
 
 
-class LaunchProbe(ProbeBackend):
+class LaunchProbe(FailureReporting, ProbeBackend):
     """bcc uprobes on launch APIs; see the module docstring.
 
     start() raises ProbeUnavailable when bcc cannot run, or (with search=False) when no configured
@@ -231,7 +232,8 @@ class LaunchProbe(ProbeBackend):
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(self._bpf, "events", self._decode, self.name,
                                            tick=self._rescan, tick_s=self.rescan_s or 3600.0,
-                                           ring_bytes=ring_bytes)
+                                           ring_bytes=ring_bytes,
+                                           on_failure=lambda why: self._failed(loop, why))
             self._poller.start(loop, on_events)
         except BaseException:
             self._bpf.cleanup()
@@ -255,7 +257,10 @@ class LaunchProbe(ProbeBackend):
         return out
 
     def lost(self) -> int:
-        return self._final_lost if self._bpf is None else _bcc.sum_percpu(self._bpf[b"lost"])
+        if self._bpf is None:
+            return self._final_lost
+        bad = self._poller.undecodable if self._poller is not None else 0
+        return _bcc.sum_percpu(self._bpf[b"lost"]) + bad
 
     def stop(self) -> None:
         if self._bpf is None:

@@ -13,6 +13,12 @@ holder's fd number) are dropped in user space.
 Less precise than the bcc backend: a device opened after a scan is seen from the next scan on; no
 "open" events; counts() counts delivered events (not kernel-side); lost() is the sum of the instance's
 per-CPU "overrun" and "dropped events" counters.
+
+At runtime the reader thread fails (FailureReporting: `failure`, `on_failure`) when reading
+trace_pipe errors, when the instance can no longer be written (the rescan's filter update), or when
+its check every `rescan_s` finds the event or the instance's tracing turned off from outside (for
+instance `echo 0 > .../enable`, `trace-cmd reset`): it closes trace_pipe and exits; stop() removes
+the instance.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .bpf_ioctl import DEFAULT_PREFIXES, scan_proc
+from .failure import FailureReporting, name_thread
 from .ioctls import ioctl_name
 
 ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -69,10 +76,10 @@ def parse_line(line: str, fd_hex: bool = False) -> tuple[int, int, int, int, int
     return ts_ns, tgid, tid, _num(m["fd"], fd_hex), _num(m["cmd"], True), m["comm"].strip()
 
 
-class TracefsProbe(ProbeBackend):
+class TracefsProbe(FailureReporting, ProbeBackend):
     """See the module docstring. start() raises ProbeUnavailable when tracefs or the
     sys_enter_ioctl event is missing or not writable; stop() disables the event, joins the reader
-    thread and removes the instance."""
+    thread and removes the instance (also after a runtime failure; a second stop() is a no-op)."""
 
     name = "tracefs"
 
@@ -92,6 +99,7 @@ class TracefsProbe(ProbeBackend):
         self._fds: set[int] = set()
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
+        self._stopped = False
 
     def _write(self, rel: str, value: str) -> None:
         path = f"{self.instance}/{rel}"
@@ -150,8 +158,23 @@ class TracefsProbe(ProbeBackend):
             self._write(f"{EVENT}/filter", expr)
             self._fds = fds
 
+    def _check(self) -> None:
+        """Raise ProbeUnavailable when the instance no longer traces (changed from outside)."""
+        for rel, what in ((f"{EVENT}/enable", "the sys_enter_ioctl event"),
+                          ("tracing_on", "tracing")):
+            path = f"{self.instance}/{rel}"
+            try:
+                with open(path) as f:
+                    value = f.read().strip()
+            except OSError as e:
+                raise ProbeUnavailable(f"tracefs: cannot read {path}: {e}") from e
+            if not value.startswith("1"):
+                raise ProbeUnavailable(f"tracefs: {what} was turned off from outside "
+                                       f"({path} reads {value!r})")
+
     def _run(self, pipe: int, loop: asyncio.AbstractEventLoop,
              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+        name_thread("krex-probe-tfs")
         poller = select.poll()
         poller.register(pipe, select.POLLIN)
         buf = b""
@@ -161,15 +184,17 @@ class TracefsProbe(ProbeBackend):
                 now = time.monotonic()
                 if now >= next_scan:
                     next_scan = now + self.rescan_s
-                    try:
-                        self._refresh()
-                    except ProbeUnavailable as e:
-                        self.error = e
+                    self._check()
+                    self._refresh()
                 if self.paused.is_set():
                     self._stop.wait(0.01)
                     continue
-                if not poller.poll(100):
+                ready = poller.poll(100)
+                if not ready:
                     continue
+                if ready[0][1] & (select.POLLERR | select.POLLNVAL):
+                    raise ProbeUnavailable(f"tracefs: trace_pipe poll error (revents "
+                                           f"{ready[0][1]:#x})")
                 try:
                     chunk = os.read(pipe, 1 << 16)
                 except BlockingIOError:
@@ -184,6 +209,10 @@ class TracefsProbe(ProbeBackend):
                         loop.call_soon_threadsafe(on_events, batch)
                     except RuntimeError:
                         return
+        except BaseException as e:
+            self.error = e
+            self._failed(loop, str(e) if isinstance(e, ProbeUnavailable)
+                         else f"tracefs: reader thread failed: {e!r}")
         finally:
             os.close(pipe)
 
@@ -232,8 +261,9 @@ class TracefsProbe(ProbeBackend):
             pass
 
     def stop(self) -> None:
-        if not self.instance:
+        if not self.instance or self._stopped:
             return
+        self._stopped = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.probes.attribution import Attributor, cgroup2_root, cgroup_id, parent_pid
+from krex_async.probes.base import ProbeEvent
 from krex_async.probes.bpf_ioctl import IoctlProbe
 
 from .conftest import CHILD, Collector, WaitingChild, need_bcc
@@ -85,6 +86,9 @@ async def test_cgroup_id_attributes_after_exit(devdir: str) -> None:
     att._cgroups[cg_id] = "c9"  # the directory is gone; register the id it had
     assert all(att.command_of(e) == "c9" for e in evs)  # the process is gone by now
     assert parent_pid(res["pid"]) is None
+    # The lossless counts are per tgid: asked by tgid alone after the exit (the region's count
+    # reconciliation at release), the answer its events gave still holds, not "outside krex".
+    assert att.command_of(ProbeEvent(0, res["pid"], res["pid"], "count")) == "c9"
 
 
 def test_parent_pid_reads_proc() -> None:

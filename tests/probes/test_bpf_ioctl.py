@@ -131,3 +131,16 @@ def test_prefix_checks_and_printed_text(capsys: pytest.CaptureFixture[str]) -> N
     if os.path.isdir("/sys/kernel/tracing/events/syscalls"):
         main(["--print", "--prefix", "/dev/nvidia"])
         assert "TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)" in capsys.readouterr().out
+
+
+def test_fast_event_constructor_equals_the_dataclass() -> None:
+    import dataclasses
+
+    from krex_async.probes.bpf_ioctl import BccEvent, bcc_event
+
+    args = (123, 4, 5, "ioctl", 3, 0x5401, "TCGETS", "python3", 77)
+    fast, slow = bcc_event(*args), BccEvent(*args)
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert dataclasses.astuple(fast) == args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.tgid = 9  # type: ignore[misc]
