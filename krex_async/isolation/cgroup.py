@@ -419,6 +419,7 @@ class CgroupBackend(Backend):
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        self.v2.release()
 
     def _g(self, group: Group) -> CgroupGroup:
         if not isinstance(group, CgroupGroup):
