@@ -44,6 +44,7 @@ class CgroupGroup(Group):
     top: str = ""  # krex/cmd-<id>, relative to the v2 root (and the v1 cpuset root)
     frozen_at: str | None = None  # the cgroup whose cgroup.freeze we set
     affinity: dict[int, set[int]] = field(default_factory=dict)  # "none" cpuset mode: originals
+    has_keep: bool = False  # keep/ exists in v2 (krex makes it; only krex does)
 
     @property
     def run(self) -> str:
@@ -83,7 +84,7 @@ class CgroupBackend(Backend):
                  cpuset: str = "auto") -> None:
         super().__init__()
         self.layout: Layout = detect(root, cpuset_root, cpuset)
-        self.v2 = CgroupFS(self.layout.v2)
+        self.v2 = CgroupFS(self.layout.v2, keep_procs=True)
         self.v1 = CgroupFS(self.layout.v1_cpuset) if self.layout.v1_cpuset else None
         self.state_dir = state_dir
         self.intent = Intent(state_dir)
@@ -199,7 +200,7 @@ class CgroupBackend(Backend):
         processes nowhere else, and commands cannot make cgroups of their own), within `target`."""
         if target == g.run:
             return [g.run]
-        return [g.run, g.keep] if os.path.isdir(self.v2.path(g.keep)) else [g.run]
+        return [g.run, g.keep] if g.has_keep else [g.run]
 
     def pids(self, group: Group) -> list[int]:
         g = self._g(group)
@@ -262,6 +263,7 @@ class CgroupBackend(Backend):
             return g.top
         try:
             self.v2.mkdir(g.keep)
+            g.has_keep = True
             back = [p for p in self.v2.procs(g.keep) if p not in mine]
             move(self.v2, g.run, back)
             move(self.v2, g.keep, mine)
@@ -350,6 +352,9 @@ class CgroupBackend(Backend):
                                    exclusive)
         except CgroupVanished:
             return
+        finally:
+            if self.cores.mode == "v2" and not g.has_keep:  # apply() may have made keep/
+                g.has_keep = self.v2.exists(g.keep)
         if pids is None:
             g.cores = cpus
 

@@ -49,13 +49,15 @@ def _error(op: str, path: str, data: str | None, err: OSError) -> CgroupFileErro
 class CgroupFS:
     """Files of one cgroup tree, addressed relative to `root` ("" is the root itself)."""
 
-    #: files read and written on every region: kept open (pread/pwrite cost ~1 us instead of
-    #: ~17 us for open+read+close on the dev VM)
+    #: files read (and cgroup.freeze written) on every region: kept open, pread/pwrite cost ~1 us
+    #: instead of ~17 us for open+read+close on the dev VM (kernfs regenerates at offset 0)
+    #: cgroup.procs only with `keep_procs` (v2): a v1 cgroup.procs fd re-serves a cached pid list.
     KEPT = ("cgroup.freeze", "cgroup.events")
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, keep_procs: bool = False) -> None:
         self.root = root.rstrip("/") or "/"
-        self._kept: dict[str, int] = {}  # path -> fd of a KEPT file
+        self._kept: dict[str, int] = {}  # path -> fd of a kept file
+        self.kept_names = self.KEPT + (("cgroup.procs",) if keep_procs else ())
 
     def __repr__(self) -> str:
         return f"CgroupFS({self.root!r})"
@@ -65,10 +67,13 @@ class CgroupFS:
 
     def read(self, rel: str, name: str) -> str:
         p = self.path(rel, name)
-        if name in self.KEPT:
+        if name in self.kept_names:
             for retry in (False, True):
                 try:
-                    return os.pread(self._fd(p), 4096, 0).decode()
+                    data = os.pread(self._fd(p), 65536, 0)
+                    if len(data) < 65536:  # else: a long pid list, read whole below
+                        return data.decode()
+                    break
                 except OSError as e:
                     self._drop_fd(p)
                     if retry or e.errno != errno.ENODEV:  # ENODEV: the cgroup was removed
@@ -84,7 +89,7 @@ class CgroupFS:
         handler); the kernel's verdict (EINVAL, EBUSY...) comes back as CgroupFileError."""
         p = self.path(rel, name)
         raw = (data or "\n").encode()
-        if name in self.KEPT:
+        if name == "cgroup.freeze":
             for retry in (False, True):
                 try:
                     os.pwrite(self._fd(p), raw, 0)
