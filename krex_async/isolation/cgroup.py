@@ -45,6 +45,7 @@ class CgroupGroup(Group):
     frozen_at: str | None = None  # the cgroup whose cgroup.freeze we set
     affinity: dict[int, set[int]] = field(default_factory=dict)  # "none" cpuset mode: originals
     has_keep: bool = False  # keep/ exists in v2 (krex makes it; only krex does)
+    thawed_at: float = 0.0  # time.monotonic() of the last thaw (its cgroup.events notification)
 
     @property
     def run(self) -> str:
@@ -110,6 +111,9 @@ class CgroupBackend(Backend):
         self.watchdog: subprocess.Popen[bytes] | None = None
         #: re-read cgroup.events on every loop turn this long before relying on the notification
         self.freeze_spin_s = 0.002
+        #: the kernel notifies a cgroup file at most once per 10 ms (later ones are deferred to the
+        #: end of that interval): a freeze soon after a thaw spins until that interval is over
+        self.notify_interval_s = 0.012
 
     def start_watchdog(self, pid: int | None = None) -> None:
         """Start the guard process that sweeps when `pid` (default: us) dies. Raises RuntimeError."""
@@ -297,8 +301,9 @@ class CgroupBackend(Backend):
             return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
         _, target, w = armed
         try:
+            spin = max(self.freeze_spin_s, g.thawed_at + self.notify_interval_s - time.monotonic())
             ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout,
-                               spin=self.freeze_spin_s)
+                               spin=spin)
         except CgroupVanished:
             self._unfreeze(g)
             return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
@@ -328,6 +333,7 @@ class CgroupBackend(Backend):
             try:
                 if self.v2.read(rel, "cgroup.freeze").strip() != "0":
                     self.v2.write(rel, "cgroup.freeze", "0")
+                    g.thawed_at = time.monotonic()
             except CgroupVanished:
                 pass
         g.frozen, g.frozen_at = False, None
