@@ -40,11 +40,12 @@ for _ in range(n):
     enter.append(t1 - t0)
     exit_.append(t2 - t1)
     rep.append((r.report.freeze_s, r.report.cores_s, r.report.wait_s, r.report.enter_s,
-                len(r.report.frozen)))
+                len(r.report.frozen), r.report.quiesce_s))
 print(json.dumps({"enter": enter, "exit": exit_, "rep": rep}))
 '''
 
 SLEEPER = "import time\nwhile True: time.sleep(0.05)\n"
+SPINNER = "while True: pass\n"  # --busy: siblings that keep a core busy
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -78,23 +79,32 @@ class Daemon:
         self.proc.wait(30)
 
 
-async def siblings_case(sock: str, owner: str, sleeper: str, n_sib: int, regions: int) -> dict:
+async def siblings_case(sock: str, owner: str, sleeper: str, n_sib: int, regions: int,
+                        fresh: bool = False) -> dict:
+    """`fresh`: every region is the first (and only) one of a new owner command, as in the replay,
+    where each command times one kernel; otherwise one owner enters `regions` regions."""
     from krex_async import Client
 
     async with await Client.connect(sock) as c:
         sibs = [await c.submit([sys.executable, sleeper], env=env()) for _ in range(n_sib)]
         await asyncio.sleep(0.5 + 0.02 * n_sib)  # let them start
-        res = await c.run([sys.executable, owner, str(regions)], env=env())
+        runs = [await c.run([sys.executable, owner, "1"], env=env()) for _ in range(regions)] \
+            if fresh else [await c.run([sys.executable, owner, str(regions)], env=env())]
         for s in sibs:
             await s.cancel(9)
         for s in sibs:
             await s.wait()
-    if res.returncode != 0:
-        raise SystemExit(res.stderr.decode())
-    data = json.loads(res.stdout)
-    rep = data["rep"][5:]  # the first entries warm caches
-    return {"siblings": n_sib, "enter": data["enter"][5:], "exit": data["exit"][5:],
+    data: dict[str, list] = {"enter": [], "exit": [], "rep": []}
+    for res in runs:
+        if res.returncode != 0:
+            raise SystemExit(res.stderr.decode())
+        for k, v in json.loads(res.stdout).items():
+            data[k] += v
+    skip = 2 if fresh else 5  # the first entries warm caches
+    rep = data["rep"][skip:]
+    return {"siblings": n_sib, "enter": data["enter"][skip:], "exit": data["exit"][skip:],
             "freeze": [r[0] for r in rep], "cores": [r[1] for r in rep],
+            "quiesce": [r[5] for r in rep],
             "frozen": statistics.median(r[4] for r in rep) if rep else 0}
 
 
@@ -121,6 +131,9 @@ def main() -> int:
     ap.add_argument("--siblings", default="1,4,16")
     ap.add_argument("--contending", default="1,4,16")
     ap.add_argument("--regions", type=int, default=200)
+    ap.add_argument("--fresh", action="store_true",
+                    help="table 1 with a new owner command per region (each its first region)")
+    ap.add_argument("--busy", action="store_true", help="siblings spin instead of sleeping")
     ap.add_argument("--json", help="write raw numbers here")
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra `krex serve` argument for the cgroup daemon (e.g. --cgroup-root=...)")
@@ -129,22 +142,24 @@ def main() -> int:
     owner = os.path.join(tmp, "owner.py")
     sleeper = os.path.join(tmp, "sleeper.py")
     open(owner, "w").write(OWNER)
-    open(sleeper, "w").write(SLEEPER)
+    open(sleeper, "w").write(SPINNER if args.busy else SLEEPER)
     out: dict[str, object] = {"cpus": len(os.sched_getaffinity(0)), "date": time.strftime("%F %T"),
                               "rows": []}
     print(f"region overhead on the cpu device ({out['cpus']} cpus), {args.regions} regions a row\n")
     print(f"{'backend':<8} {'siblings':>8} {'frozen':>6} {'enter p50':>10} {'enter p99':>10} "
+          f"{'quiesce p50':>11} {'quiesce p99':>11} "
           f"{'freeze p50':>11} {'freeze p99':>11} {'cpuset p50':>11} {'cpuset p99':>11} "
           f"{'exit p50':>9} {'exit p99':>9}")
     for backend in args.backends.split(","):
         d = Daemon(tmp, backend, args.daemon_arg)
         try:
             for s in [int(x) for x in args.siblings.split(",") if x]:
-                r = asyncio.run(siblings_case(d.sock, owner, sleeper, s, args.regions))
+                r = asyncio.run(siblings_case(d.sock, owner, sleeper, s, args.regions, args.fresh))
                 r["backend"] = backend
                 out["rows"].append(r)  # type: ignore[attr-defined]
                 print(f"{backend:<8} {s:>8} {r['frozen']:>6.0f} {pct(r['enter'], .5):>10.3f} "
-                      f"{pct(r['enter'], .99):>10.3f} {pct(r['freeze'], .5):>11.3f} "
+                      f"{pct(r['enter'], .99):>10.3f} {pct(r['quiesce'], .5):>11.3f} "
+                      f"{pct(r['quiesce'], .99):>11.3f} {pct(r['freeze'], .5):>11.3f} "
                       f"{pct(r['freeze'], .99):>11.3f} {pct(r['cores'], .5):>11.3f} "
                       f"{pct(r['cores'], .99):>11.3f} {pct(r['exit'], .5):>9.3f} "
                       f"{pct(r['exit'], .99):>9.3f}", flush=True)

@@ -86,6 +86,7 @@ class Regions:
         self.d = daemon
         self.active: dict[str, Region] = {}  # every region from request to release
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
+        self._gpu_runtimes: dict[int, Callable[[P.Msg], bool]] = {}  # pid -> its runtime's send
 
     def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
                ) -> Region:
@@ -229,38 +230,69 @@ class Regions:
         return out
 
     async def _isolate(self, r: Region) -> None:
+        """Quiesce, freeze and fence, overlapped where that is safe:
+
+        t0: Quiesce sent to the runtimes that have device work to synchronise (`_to_quiesce`);
+            every other target frozen at once; the owner's cores reserved and the running commands
+            fenced off them (unless the owner's own children must be frozen first: then after).
+        t1: acks in (or --quiesce-timeout): the quiesced targets frozen, then the owner's children.
+        Every task started here has finished before this returns or raises, so `_release` never
+        races a freeze still in flight.
+        """
         rep = r.report
         backend = self.d.backend
+        timeout = self.d.config.freeze_timeout
         pool = self.d.pools.get(r.device)
         if pool is not None:
             pool.pause()  # no context creation on the device while it is held
             r.paused_pool = True
         targets = self._targets(r)
-        t0 = time.perf_counter()
-        await self._quiesce(r, targets)
-        t1 = time.perf_counter()
-        rep.quiesce_s = t1 - t0
-        groups = [c.group for c in targets if c.group is not None and not c.group.frozen]
+        asked = self._to_quiesce(r, targets)
+        quiesced_cmds = {id(c) for c, _, _ in asked}
+        todo = [c for c in targets if c.group is not None and not c.group.frozen]
         # Mark before freezing: a failure part-way still thaws every one of them in _release.
-        r.frozen.extend(groups)
+        r.frozen.extend(c.group for c in todo if c.group is not None)
         r.frozen_ids.extend(c.id for c in targets)
-        results = await backend.freeze_many(groups, timeout=self.d.config.freeze_timeout)
-        if r.request.freeze_own_children and r.command.group is not None:
-            own = r.command.group
-            if any(p != r.pid for p in backend.pids(own)):
-                res = await backend.freeze(own, keep=frozenset({r.pid}),
-                                           timeout=self.d.config.freeze_timeout)
+        now = [c.group for c in todo if id(c) not in quiesced_cmds and c.group is not None]
+        later = [c.group for c in todo if id(c) in quiesced_cmds and c.group is not None]
+        own = r.command.group if r.request.freeze_own_children else None
+        own_first = own is not None and any(p != r.pid for p in backend.pids(own))
+        t0 = time.perf_counter()
+        self._send_quiesce(r, asked)
+        early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
+        cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
+        try:
+            if asked:
+                pending = [f for f in r.acks.values() if not f.done()]
+                if pending:
+                    await asyncio.wait(pending, timeout=self.d.config.quiesce_timeout)
+            t1 = time.perf_counter()
+            rep.quiesce_s = t1 - t0
+            results = await backend.freeze_many(later, timeout=timeout) if later else []
+            if early is not None:
+                results += await early
+            if own_first and own is not None:
+                results.append(await backend.freeze(own, keep=frozenset({r.pid}), timeout=timeout))
                 r.frozen.append(own)
-                results.append(res)
-        t2 = time.perf_counter()
-        rep.freeze_s = t2 - t1
-        rep.frozen = list(r.frozen_ids)
-        rep.frozen_pids = sum(x.pids for x in results)
-        self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen), pids=rep.frozen_pids)
-        await self._reserve_cores(r)
-        if r.joins:  # commands that began running while the targets were being frozen
-            await asyncio.gather(*r.joins, return_exceptions=True)
-        rep.cores_s = time.perf_counter() - t2
+            t2 = time.perf_counter()
+            rep.freeze_s = t2 - t1
+            rep.frozen = list(r.frozen_ids)
+            rep.frozen_pids = sum(x.pids for x in results)
+            self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
+                         pids=rep.frozen_pids)
+            if cores is None:
+                await self._timed_cores(r)
+            else:
+                await cores
+            if r.joins:  # commands that began running while the targets were being frozen
+                await asyncio.gather(*r.joins, return_exceptions=True)
+        except BaseException:
+            for task in (early, cores):
+                if task is not None and not task.done():
+                    task.cancel()
+            await asyncio.gather(*(t for t in (early, cores) if t is not None),
+                                 return_exceptions=True)
+            raise
         rep.drain = self._drain_state(r, targets)
         await self._settle(r)
 
@@ -286,24 +318,52 @@ class Regions:
             r.report.settle_s = time.perf_counter() - t0
             r.report.clock_mhz, r.report.clock_target_mhz = st.sm_mhz, st.target_mhz
 
-    async def _quiesce(self, r: Region, targets: list[Command]) -> None:
-        """Ask the in-command runtimes of the targets to stop and synchronise; wait for their acks
-        up to --quiesce-timeout. Those that do not answer are frozen anyway (and drained)."""
-        loop = asyncio.get_running_loop()
+    async def _timed_cores(self, r: Region) -> None:
+        t = time.perf_counter()
+        try:
+            await self._reserve_cores(r)
+        finally:
+            r.report.cores_s = time.perf_counter() - t
+
+    def _to_quiesce(self, r: Region, targets: list[Command],
+                    ) -> list[tuple[Command, int, Callable[[P.Msg], bool]]]:
+        """The in-command runtimes asked to stop and synchronise: on a GPU device, those whose
+        process holds a GPU device file (the others have no device work: freezing them is enough,
+        and their round trip was most of the entry time); on the cpu device, every runtime.
+        The owner's other processes are included when the region freezes them."""
         owners = [(c, pid, send) for c in targets for pid, send in c.runtimes.items()]
         if r.request.freeze_own_children:
             owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items()
                        if pid != r.pid]
-        for _, pid, send in owners:
+        if self.d.device(r.device).vendor == "cpu":
+            return owners
+        return [(c, pid, send) for c, pid, send in owners if self._has_device_work(pid, send)]
+
+    def _has_device_work(self, pid: int, send: Callable[[P.Msg], bool]) -> bool:
+        """holds_gpu_file(pid), remembered once true for this runtime connection (a process that
+        opened a GPU device keeps its context; quiescing one that closed it costs only time)."""
+        if self._gpu_runtimes.get(pid) is send:
+            return True
+        if holds_gpu_file(pid):
+            if len(self._gpu_runtimes) > 4096:  # drop runtimes that are gone
+                live = {id(s) for c in self.d.commands.values() for s in c.runtimes.values()}
+                self._gpu_runtimes = {p: s for p, s in self._gpu_runtimes.items() if id(s) in live}
+            self._gpu_runtimes[pid] = send
+            return True
+        self._gpu_runtimes.pop(pid, None)
+        return False
+
+    def _send_quiesce(self, r: Region, asked: list[tuple[Command, int, Callable[[P.Msg], bool]]],
+                      ) -> None:
+        """Send every Quiesce first (no awaiting in between); acks resolve r.acks."""
+        loop = asyncio.get_running_loop()
+        for _, pid, send in asked:
             fut: asyncio.Future[P.QuiesceAck] = loop.create_future()
             r.acks[pid] = fut
             if send(P.Quiesce(id=0, region=r.id)):
                 r.quiesced.append(send)
             else:
                 fut.cancel()
-        pending = [f for f in r.acks.values() if not f.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=self.d.config.quiesce_timeout)
 
     def _drain_state(self, r: Region, targets: list[Command]) -> str:
         """not-needed (no siblings, or a device without queues), synced (every sibling process that
@@ -350,9 +410,12 @@ class Regions:
         """Fence every running command that is not frozen off all reserved cores (or lift it)."""
         taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
         allowed = None if not taken else self.d.all_cpus - taken
+        # groups a region is about to freeze (fenced meanwhile they would be written for nothing)
+        freezing = {id(g) for x in self.active.values() for g in x.frozen}
         for cmd in self.d.commands.values():
             g = cmd.group
-            if cmd.state != "running" or g is None or g.frozen or g.cores == allowed:
+            if cmd.state != "running" or g is None or g.frozen or g.cores == allowed \
+                    or id(g) in freezing:
                 continue
             owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
             pids = [p for p in self.d.backend.pids(g) if owner is None or p != owner.pid]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, IsolationError
 from krex_async.isolation.cgroupfs import (CgroupFileError, CgroupFS, CgroupVanished, EventsWatcher,
-                                           Layout, detect)
+                                           Layout, Watch, detect)
 from krex_async.isolation.cpuset import Cores, move
 from krex_async.isolation.intent import KREX, Intent, sweep
 
@@ -44,6 +44,8 @@ class CgroupGroup(Group):
     top: str = ""  # krex/cmd-<id>, relative to the v2 root (and the v1 cpuset root)
     frozen_at: str | None = None  # the cgroup whose cgroup.freeze we set
     affinity: dict[int, set[int]] = field(default_factory=dict)  # "none" cpuset mode: originals
+    has_keep: bool = False  # keep/ exists in v2 (krex makes it; only krex does)
+    thawed_at: float = 0.0  # time.monotonic() of the last thaw (its cgroup.events notification)
 
     @property
     def run(self) -> str:
@@ -83,7 +85,7 @@ class CgroupBackend(Backend):
                  cpuset: str = "auto") -> None:
         super().__init__()
         self.layout: Layout = detect(root, cpuset_root, cpuset)
-        self.v2 = CgroupFS(self.layout.v2)
+        self.v2 = CgroupFS(self.layout.v2, keep_procs=True)
         self.v1 = CgroupFS(self.layout.v1_cpuset) if self.layout.v1_cpuset else None
         self.state_dir = state_dir
         self.intent = Intent(state_dir)
@@ -109,6 +111,9 @@ class CgroupBackend(Backend):
         self.watchdog: subprocess.Popen[bytes] | None = None
         #: re-read cgroup.events on every loop turn this long before relying on the notification
         self.freeze_spin_s = 0.002
+        #: the kernel notifies a cgroup file at most once per 10 ms (later ones are deferred to the
+        #: end of that interval): a freeze soon after a thaw spins until that interval is over
+        self.notify_interval_s = 0.012
 
     def start_watchdog(self, pid: int | None = None) -> None:
         """Start the guard process that sweeps when `pid` (default: us) dies. Raises RuntimeError."""
@@ -117,7 +122,7 @@ class CgroupBackend(Backend):
         self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode,
                                        self.state_dir)
 
-    def _watch(self, rel: str):  # type: ignore[no-untyped-def]
+    def _watch(self, rel: str) -> Watch:
         if self._watcher is None:
             self._watcher = EventsWatcher()
         return self._watcher.watch(self.v2.path(rel, "cgroup.events"))
@@ -134,6 +139,9 @@ class CgroupBackend(Backend):
             await self._rmdirs(g)
             raise
         self.groups[command_id] = g
+        # Record now what a region may later freeze or fence, so that the region pays no write.
+        self.intent.note(frozen=[self.v2.path(r) for r in (g.top, g.run)],
+                         fenced=self.cores.originals(g.top, [g.run, g.keep]))
         return g
 
     def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
@@ -196,7 +204,7 @@ class CgroupBackend(Backend):
         processes nowhere else, and commands cannot make cgroups of their own), within `target`."""
         if target == g.run:
             return [g.run]
-        return [g.run, g.keep] if os.path.isdir(self.v2.path(g.keep)) else [g.run]
+        return [g.run, g.keep] if g.has_keep else [g.run]
 
     def pids(self, group: Group) -> list[int]:
         g = self._g(group)
@@ -215,51 +223,97 @@ class CgroupBackend(Backend):
         Returns Freeze(vanished=True) for a cgroup that is gone or empty. Raises FreezeError after
         writing 0 back when `frozen 1` does not show within `timeout`.
         """
-        g = self._g(group)
-        t0 = time.perf_counter()
-        mine = [p for p in keep if p in self.pids(g)]
-        target = g.run if mine else g.top
-        try:
-            if mine:
-                self.v2.mkdir(g.keep)
-                back = [p for p in self.v2.procs(g.keep) if p not in mine]
-                move(self.v2, g.run, back)
-                move(self.v2, g.keep, mine)
-            await self.intent.ensure(frozen=[self.v2.path(target)])
-            with self._watch(target) as w:
-                self.v2.write(target, "cgroup.freeze", "1")
-                g.frozen, g.frozen_at = True, target
-                if self.v2.read(target, "cgroup.freeze").strip() != "1":
-                    raise FreezeError(g.name, f"{self.v2.path(target, 'cgroup.freeze')} did not read 1")
-                ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout,
-                                   spin=self.freeze_spin_s)
-            if not ok:
-                stuck = self._not_frozen(target)
-                raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
-                                  f"tasks not stopped: {stuck}")
-        except CgroupVanished:
-            self._unfreeze(g)
-            return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
-        except BaseException:
-            self._unfreeze(g)
-            raise
-        elapsed = time.perf_counter() - t0
-        n = sum(len(self.v2.procs(rel)) for rel in self._leaves(g, target))
-        return Freeze(g.name, elapsed, n, vanished=n == 0)
+        return (await self.freeze_many([group], keep=keep, timeout=timeout))[0]
 
     async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
                           timeout: float = 1.0) -> list[Freeze]:
-        """Freeze the groups concurrently (one intent write, all cgroup.freeze writes in one loop
-        turn, then one shared wait). On any failure every group of the batch is thawed again and
-        the first error propagates."""
-        results = await asyncio.gather(*(self.freeze(g, keep=keep, timeout=timeout) for g in groups),
-                                       return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for g in groups:
-                self._unfreeze(self._g(g))
-            raise errors[0]
+        """Freeze the groups together: one intent write (none when create() already recorded them),
+        then every watch armed and every cgroup.freeze written and read back in one go, then one
+        bounded wait for all of them. On any failure every group of the batch is written back to 0
+        and the first error propagates (FreezeError names the group and the tasks not stopped)."""
+        gs = [self._g(g) for g in groups]
+        t0 = time.perf_counter()
+        targets: list[str | None] = []
+        try:
+            for g in gs:
+                targets.append(self._freeze_target(g, keep))
+            await self.intent.ensure(frozen=[self.v2.path(t) for t in targets if t is not None])
+            watches: list[tuple[CgroupGroup, str, Watch] | None] = []
+            try:
+                for g, target in zip(gs, targets):
+                    watches.append(None if target is None else self._freeze_write(g, target))
+                results = await asyncio.gather(*(self._freeze_wait(g, w, timeout, t0)
+                                                 for g, w in zip(gs, watches)),
+                                               return_exceptions=True)
+            finally:
+                for w in watches:
+                    if w is not None:
+                        w[2].close()
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        except BaseException:
+            for g in gs:
+                self._unfreeze(g)
+            raise
         return [r for r in results if isinstance(r, Freeze)]
+
+    def _freeze_target(self, g: CgroupGroup, keep: frozenset[int]) -> str | None:
+        """The cgroup to freeze: top/, or run/ after moving the `keep` pids into keep/. None: gone."""
+        if not keep:
+            return g.top
+        mine = [p for p in keep if p in self.pids(g)]
+        if not mine:
+            return g.top
+        try:
+            self.v2.mkdir(g.keep)
+            g.has_keep = True
+            back = [p for p in self.v2.procs(g.keep) if p not in mine]
+            move(self.v2, g.run, back)
+            move(self.v2, g.keep, mine)
+        except CgroupVanished:
+            return None
+        return g.run
+
+    def _freeze_write(self, g: CgroupGroup, target: str) -> tuple[CgroupGroup, str, Watch] | None:
+        """Arm the watch, write 1, read it back. None when the cgroup vanished."""
+        try:
+            w = self._watch(target)
+        except CgroupVanished:
+            return None
+        try:
+            self.v2.write(target, "cgroup.freeze", "1")
+            g.frozen, g.frozen_at = True, target
+            if self.v2.read(target, "cgroup.freeze").strip() != "1":
+                raise FreezeError(g.name, f"{self.v2.path(target, 'cgroup.freeze')} did not read 1")
+        except CgroupVanished:
+            w.close()
+            return None
+        except BaseException:
+            w.close()
+            raise
+        return g, target, w
+
+    async def _freeze_wait(self, g: CgroupGroup, armed: tuple[CgroupGroup, str, Watch] | None,
+                           timeout: float, t0: float) -> Freeze:
+        if armed is None:
+            self._unfreeze(g)
+            return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
+        _, target, w = armed
+        try:
+            spin = max(self.freeze_spin_s, g.thawed_at + self.notify_interval_s - time.monotonic())
+            ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout,
+                               spin=spin)
+        except CgroupVanished:
+            self._unfreeze(g)
+            return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
+        if not ok:
+            stuck = self._not_frozen(target)
+            raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
+                              f"tasks not stopped: {stuck}")
+        elapsed = time.perf_counter() - t0
+        n = sum(len(self.v2.procs(rel)) for rel in self._leaves(g, target))
+        return Freeze(g.name, elapsed, n, vanished=n == 0)
 
     def _not_frozen(self, target: str) -> str:
         out = []
@@ -279,6 +333,7 @@ class CgroupBackend(Backend):
             try:
                 if self.v2.read(rel, "cgroup.freeze").strip() != "0":
                     self.v2.write(rel, "cgroup.freeze", "0")
+                    g.thawed_at = time.monotonic()
             except CgroupVanished:
                 pass
         g.frozen, g.frozen_at = False, None
@@ -303,6 +358,9 @@ class CgroupBackend(Backend):
                                    exclusive)
         except CgroupVanished:
             return
+        finally:
+            if self.cores.mode == "v2" and not g.has_keep:  # apply() may have made keep/
+                g.has_keep = self.v2.exists(g.keep)
         if pids is None:
             g.cores = cpus
 
@@ -372,6 +430,7 @@ class CgroupBackend(Backend):
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        self.v2.release()
 
     def _g(self, group: Group) -> CgroupGroup:
         if not isinstance(group, CgroupGroup):

@@ -66,9 +66,8 @@ class Cores:
         # the owner its cores alone as well, since every other command is fenced off them.
         self.partition: bool | None = None if os.environ.get("KREX_CPUSET_PARTITION") == "1" \
             else False
-        if self.partition is False:
-            self.partition_why = "cpuset partitions are off (KREX_CPUSET_PARTITION=1 turns them on)"
-        self.partition_why = ""
+        self.partition_why = "" if self.partition is None else \
+            "cpuset partitions are off (KREX_CPUSET_PARTITION=1 turns them on)"
 
     def setup_root(self) -> None:
         """Make krex/ able to carry cpusets. Raises CgroupFileError."""
@@ -103,6 +102,14 @@ class Cores:
             for rel in leaves + [top]:
                 self.v1.rmdir(rel)
 
+    def originals(self, top: str, leaves: list[str]) -> dict[str, str]:
+        """{cpuset.cpus path of each leaf: what restoring writes back} for the intent record (v2:
+        "" = inherit; v1: the group's cpus, which krex never changes); {} without cpusets."""
+        if self.mode == "none":
+            return {}
+        original = self.fs.read(top, "cpuset.cpus").strip() if self.mode == "v1" else ""
+        return {self.fs.path(leaf, "cpuset.cpus"): original for leaf in leaves}
+
     def procs_path(self, leaf: str) -> str | None:
         """The v1 cgroup.procs a new process must join too (hybrid), else None."""
         return self.v1.path(leaf, "cgroup.procs") if self.mode == "v1" and self.v1 else None
@@ -131,10 +138,13 @@ class Cores:
             want = set(pids) & (in_run | in_keep)
             if not want:
                 return
-            if want == in_run and not (exclusive and cpus is not None):
+            if want == in_run and not (exclusive and cpus is not None and self.partition is not False):
+                # The owner alone in run/ (the usual case) is fenced where it is: moving it to
+                # keep/ writes cgroup.procs, whose rwsem waits for an RCU grace period (up to
+                # 12 ms on the dev VM, more on a busy host). A partition needs keep/.
                 leaves = [run]
             elif want == in_keep or cpus is None:
-                leaves = [keep] if want <= in_keep else [run, keep]
+                leaves = [keep] if want <= in_keep else [x for x in (run, keep) if fs.exists(x)]
             else:
                 fs.mkdir(keep)
                 move(fs, run, sorted(in_keep - want))

@@ -17,6 +17,7 @@ import asyncio
 import json
 import errno
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,65 +27,109 @@ KREX = "krex"
 
 
 class Intent:
-    """The record at `<state_dir>/intent.json`: {'frozen': [paths], 'fenced': {path: original cpus}}."""
+    """The record at `<state_dir>/intent.json`: {'frozen': [paths], 'fenced': {path: original cpus}}.
+
+    `note()` adds entries ahead of need (a command's cgroups when they are made) and writes them in
+    the background; `ensure()` adds entries and returns once they are on disk, so a region whose
+    targets were noted earlier pays no write. Writes run on a worker thread (an fsync under heavy
+    I/O took 8-16 ms on the dev VM: it must not stall the event loop), one at a time, each a full
+    snapshot; a snapshot older than the one on disk is never renamed over it.
+    """
 
     def __init__(self, state_dir: str) -> None:
         self.path = os.path.join(state_dir, "intent.json")
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         self.frozen: set[str] = set()
         self.fenced: dict[str, str] = {}
+        self._pending: set[str] = set()  # entries added but not yet durable
         self._written: tuple[frozenset[str], tuple[tuple[str, str], ...]] | None = None
-        self._flush: asyncio.Future[None] | None = None
+        self._lock = threading.Lock()  # one writer at a time (loop thread or worker)
+        self._seq = 0  # snapshots taken
+        self._disk_seq = 0  # the snapshot on disk
+        self._flush: asyncio.Task[None] | None = None
 
-    def write_now(self) -> None:
-        """Write the record atomically if it changed since the last write. Raises OSError."""
+    def _snapshot(self) -> tuple[int, bytes, tuple[frozenset[str], tuple[tuple[str, str], ...]]]:
+        self._seq += 1
         state = (frozenset(self.frozen), tuple(sorted(self.fenced.items())))
-        if state == self._written:
-            return
-        tmp = f"{self.path}.tmp"
         data = json.dumps({"version": 1, "pid": os.getpid(), "frozen": sorted(self.frozen),
                            "fenced": self.fenced}).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, self.path)
-        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        return self._seq, data, state
+
+    def _write(self, seq: int, data: bytes) -> None:
+        """Atomically replace the record (tmp, fsync, rename, fsync dir). Any thread. Raises OSError."""
+        with self._lock:
+            if seq < self._disk_seq:
+                return  # a newer snapshot is already there
+            tmp = f"{self.path}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+            dfd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            self._disk_seq = seq
+
+    def write_now(self) -> None:
+        """Write the record synchronously if it changed since the last write. Raises OSError."""
+        seq, data, state = self._snapshot()
+        if state == self._written and not self._pending:
+            return
+        done = set(self._pending)
+        self._write(seq, data)
         self._written = state
+        self._pending -= done
+
+    def _add(self, frozen: Iterable[str], fenced: dict[str, str] | None) -> list[str]:
+        keys = list(frozen) + list(fenced or {})
+        for p in frozen:
+            if p not in self.frozen:
+                self.frozen.add(p)
+                self._pending.add(p)
+        for k, v in (fenced or {}).items():
+            if k not in self.fenced:
+                self.fenced[k] = v
+                self._pending.add(k)
+        return keys
+
+    def note(self, frozen: Iterable[str] = (), fenced: dict[str, str] | None = None) -> None:
+        """Add entries now and write them soon, in the background (errors surface in `ensure`)."""
+        self._add(frozen, fenced)
+        if self._pending and self._flush is None:
+            self._flush = asyncio.get_running_loop().create_task(self._flush_once())
+            self._flush.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def ensure(self, frozen: Iterable[str] = (), fenced: dict[str, str] | None = None) -> None:
-        """Add entries and return once they are durable. Callers in the same loop turn share one write."""
-        new = [p for p in frozen if p not in self.frozen]
-        newf = {k: v for k, v in (fenced or {}).items() if k not in self.fenced}
-        if not new and not newf and self._flush is None:
-            return
-        self.frozen.update(new)
-        self.fenced.update(newf)
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().create_future()
-            fut = self._flush
-            await asyncio.sleep(0)  # let the other freezes of this batch add their entries
-            self._flush = None
-            try:
-                self.write_now()
-                fut.set_result(None)
-            except OSError as e:
-                fut.set_exception(e)
-                raise
-        else:
+        """Add entries and return once they are durable (at once if they already are). Callers in
+        the same loop turn share one write. Raises OSError when the record cannot be written."""
+        keys = self._add(frozen, fenced)
+        while any(k in self._pending for k in keys):
+            if self._flush is None:
+                self._flush = asyncio.get_running_loop().create_task(self._flush_once())
             await asyncio.shield(self._flush)
+
+    async def _flush_once(self) -> None:
+        try:
+            await asyncio.sleep(0)  # let the other freezes of this batch add their entries
+            done = set(self._pending)
+            seq, data, state = self._snapshot()
+            await asyncio.get_running_loop().run_in_executor(None, self._write, seq, data)
+            self._written = state
+            self._pending -= done
+        finally:
+            self._flush = None
 
     def forget(self, paths: list[str]) -> None:
         """Drop entries of removed cgroups (written with the next change)."""
         for p in paths:
             self.frozen.discard(p)
             self.fenced.pop(p, None)
+            self._pending.discard(p)
 
 
 def read_record(state_dir: str) -> tuple[dict[str, Any] | None, str]:

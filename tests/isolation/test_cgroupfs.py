@@ -61,19 +61,25 @@ def test_cpu_list_format_roundtrip():
 async def test_intent_is_atomic_and_coalesced(tmp_path):
     it = Intent(str(tmp_path))
     writes = 0
-    real = it.write_now
+    real = it._write
 
-    def counted() -> None:
+    def counted(seq: int, data: bytes) -> None:
         nonlocal writes
         writes += 1
-        real()
+        real(seq, data)
 
-    it.write_now = counted  # type: ignore[method-assign]
+    it._write = counted  # type: ignore[method-assign]
     await asyncio.gather(*(it.ensure(frozen=[f"/cg/{i}"]) for i in range(16)))
     assert writes == 1
     rec = json.loads((tmp_path / "intent.json").read_text())
     assert sorted(rec["frozen"]) == sorted(f"/cg/{i}" for i in range(16))
     await it.ensure(frozen=["/cg/3"])  # already recorded: no write
     assert writes == 1 and not (tmp_path / "intent.json.tmp").exists()
+    # noted ahead (as create() does): written in the background, and ensure() then costs nothing
+    it.note(frozen=["/cg/a"], fenced={"/cg/a/cpuset.cpus": ""})
+    await it.ensure(frozen=["/cg/a"])
+    assert writes == 2 and "/cg/a" in json.loads((tmp_path / "intent.json").read_text())["frozen"]
+    await it.ensure(frozen=["/cg/a"], fenced={"/cg/a/cpuset.cpus": ""})
+    assert writes == 2
     (tmp_path / "intent.json").write_text("{bad")
     assert read_record(str(tmp_path))[0] is None and "damaged" in read_record(str(tmp_path))[1]
