@@ -135,8 +135,13 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
     lines = await b2.reconcile()
     tk = ticks(p3.pid)
     await asyncio.sleep(0.2)
+    # Restored means: back to "" (inherit), or, where the kernel refuses "" on a populated v2
+    # cgroup (ENOSPC on the H200), to its parent's effective cpus.
+    restored = b2.v2.read(g3.run, "cpuset.cpus").strip()
+    parent = b2.v2.read(g3.top, "cpuset.cpus.effective").strip()
     report(b2.v2.events(g3.top)["frozen"] == 0 and ticks(p3.pid) > tk and
-           b2.v2.read(g3.run, "cpuset.cpus").strip() == "", "reconcile thaws and restores", "; ".join(lines))
+           restored in ("", parent), "reconcile thaws and restores",
+           f"cpuset.cpus {restored!r} (parent {parent!r}); " + "; ".join(lines))
 
     standin = subprocess.Popen(["sleep", "60"])
     b2.start_watchdog(standin.pid)
