@@ -1,0 +1,160 @@
+"""Output spooling: every byte a command writes to stdout and stderr, also in a file under the state dir.
+
+The in-memory tails (commands.Tail) keep the last `--output-tail` bytes of each stream; the spool keeps
+the whole stream, up to `--spool-limit` bytes per stream (0: no spool), in
+`<state_dir>/spool/<command>.stdout|.stderr`. Each file is created with O_EXCL and mode 0600 and given
+to the submitting user, so the agent reads its whole output straight from the file (the spool
+directory is 0711: others can reach a file they know the name of, never list or open another user's).
+
+Writes happen on the event loop, in the pipe reader's callback: a regular file write is a copy into
+the page cache, bounded by the pipe read (64 KiB). Any OSError (ENOSPC on a full disk, EIO, EFBIG
+past a file size limit, EDQUOT) stops spooling *that stream* for good: the bytes written so far stay,
+the rest is counted as dropped, the error is kept for the command's report (`spool_error`) and logged
+once; the command, its in-memory tail and every other command go on. Bytes past the limit are
+counted as dropped without an error.
+
+Files are removed when the command's retention ends (`remove`), and at start-up those that no
+command record names any more (`sweep`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from . import logs
+
+log = logs.get("krex.spool")
+
+STREAMS = ("stdout", "stderr")
+
+
+def describe(e: OSError) -> str:
+    """'ENOSPC: No space left on device' (the errno's name first, then the kernel's words)."""
+    name = errno.errorcode.get(e.errno or 0, f"errno {e.errno}")
+    return f"{name}: {e.strerror or e}"
+
+
+class SpoolFile:
+    """One stream's spool file. `write` never raises: a failure closes the file and is remembered."""
+
+    def __init__(self, command: str, stream: str, path: str, limit: int, uid: int, gid: int) -> None:
+        self.command = command
+        self.stream = stream
+        self.path = path
+        self.limit = limit
+        self.written = 0
+        self.dropped = 0
+        self.error = ""
+        self.fd: int | None = None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o600)
+        except OSError as e:
+            self._fail(e, "create")
+            return
+        self.fd = fd
+        try:
+            if uid != os.geteuid():
+                os.fchown(fd, uid, gid)
+        except OSError as e:
+            self._fail(e, "chown")
+
+    def write(self, data: bytes) -> None:
+        """Append data (what fits under the limit); count the rest as dropped."""
+        if self.fd is None:
+            self.dropped += len(data)
+            return
+        room = self.limit - self.written
+        if room < len(data):
+            self.dropped += len(data) - max(room, 0)
+            data = data[:max(room, 0)]
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.fd, view)
+            except InterruptedError:
+                continue
+            except OSError as e:
+                self.dropped += len(view)
+                self._fail(e, "write")
+                return
+            self.written += n
+            view = view[n:]
+
+    def _fail(self, e: OSError, op: str) -> None:
+        self.error = f"{describe(e)} ({op} {self.path} after {self.written} bytes)"
+        log.warning("spool_failed", command=self.command, stream=self.stream, path=self.path,
+                    error=self.error)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                os.close(fd)
+            except OSError:  # a deferred write error (NFS): the bytes counted may not all be there
+                pass
+
+
+class Spool:
+    """The spool directory of one daemon. limit 0: spooling is off (`open` returns no files)."""
+
+    def __init__(self, state_dir: str, limit: int) -> None:
+        self.dir = os.path.join(state_dir, "spool")
+        self.limit = limit
+        self.problem = ""
+        if limit <= 0:
+            return
+        try:
+            os.makedirs(self.dir, mode=0o711, exist_ok=True)
+            os.chmod(self.dir, 0o711)
+            # Agents of other users must reach their files: the state dir needs search permission.
+            mode = os.stat(state_dir).st_mode & 0o777
+            if mode & 0o111 != 0o111:
+                os.chmod(state_dir, mode | 0o111)
+        except OSError as e:
+            self.problem = f"spool directory {self.dir} unusable: {describe(e)}"
+            log.warning("spool_unavailable", error=self.problem)
+
+    def paths(self, command: str) -> dict[str, str]:
+        return {s: os.path.join(self.dir, f"{command}.{s}") for s in STREAMS}
+
+    def open(self, command: str, uid: int, gid: int) -> dict[str, SpoolFile]:
+        """The two spool files of a command about to start ({} when spooling is off)."""
+        if self.limit <= 0 or self.problem:
+            return {}
+        return {s: SpoolFile(command, s, p, self.limit, uid, gid)
+                for s, p in self.paths(command).items()}
+
+    @staticmethod
+    def remove(paths: list[str]) -> None:
+        """Unlink spool files (those already gone are fine; other errors are logged)."""
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("spool_remove_failed", path=p, error=describe(e))
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """Remove spool files of commands not in `keep` (a dead daemon's); returns their names."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return []
+        stale = [n for n in names if n.rpartition(".")[0] not in keep]
+        self.remove([os.path.join(self.dir, n) for n in stale])
+        return stale
+
+
+def read_tail(path: str, limit: int) -> tuple[bytes, int]:
+    """(the last `limit` bytes of a spool file, its size); (b"", 0) when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - limit))
+            return f.read(limit), size
+    except OSError:
+        return b"", 0
