@@ -3,9 +3,10 @@ it out, and build its report.
 
 Output is read from pipes with the loop's readers and handed to every subscriber as it comes; the last
 `output_tail` bytes of each stream stay with the command, so an agent that re-attaches after a
-disconnect still gets them with the report; the whole output also goes to the command's spool files
-(spool.py), and a durable record of the running command to records.py. When the leader exits, what is left of its process tree is
-ended (a command's lifetime is its leader's), after its pipes had a moment to drain.
+disconnect still gets them with the report. The whole output also goes to the command's spool files
+(spool.py), and each spawned command gets a durable record (records.py) that a new daemon reports
+it from should this one die. When the leader exits, what is left of its process tree is ended (a
+command's lifetime is its leader's), after its pipes had a moment to drain.
 """
 
 from __future__ import annotations

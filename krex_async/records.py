@@ -31,7 +31,7 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .isolation.base import Backend, IsolationError
+from .isolation.base import Backend, Group, IsolationError
 
 if TYPE_CHECKING:
     from .commands import Command
@@ -50,7 +50,8 @@ class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     policy: str = ""
     backend: str  # "cgroup" or "signal"
     group: str  # the backend's group name (cmd-<id>)
-    cgroup: str = ""  # cgroup backend: the group's directory, relative to the krex v2 root
+    cgroup: str = ""  # cgroup backend: the group's directory, relative to the backend's v2 root
+    cgroup_dir: str = ""  # the absolute directory its processes started in (backend.cgroup_dir)
     pid: int  # the command's leader (its session and process group id too)
     start_ticks: int  # field 22 of /proc/<pid>/stat: when the leader started, in clock ticks
     started_at: float  # wall-clock seconds
@@ -108,7 +109,8 @@ class Records:
         rec = Record(id=cmd.id, uid=cmd.uid, gid=cmd.gid, argv=list(cmd.spec.argv),
                      device=cmd.device_key or "none", label=cmd.spec.label, policy=cmd.policy,
                      backend=backend.name, group=cmd.group.name,
-                     cgroup=str(getattr(cmd.group, "top", "") or ""), pid=pid,
+                     cgroup=str(getattr(cmd.group, "top", "") or ""),
+                     cgroup_dir=backend.cgroup_dir(cmd.group) or "", pid=pid,
                      start_ticks=start_ticks(pid) or 0, started_at=time.time(),
                      stdout_spool=out.path if out and not out.error else "",
                      stderr_spool=err.path if err and not err.error else "",
@@ -167,8 +169,8 @@ class Records:
         for name in names:
             path = os.path.join(self.dir, name)
             if not name.endswith(".json"):
-                if name.endswith(".tmp"):
-                    os.unlink(path)
+                if name.endswith(".tmp"):  # a write the dead daemon did not finish
+                    self._unlink(path)
                 continue
             try:
                 with open(path, "rb") as f:
@@ -182,6 +184,13 @@ class Records:
                 continue
             out.append(rec)
         return sorted(out, key=lambda r: r.started_at)
+
+    def ids(self) -> set[str]:
+        """Every command that has a record here (a live daemon's too)."""
+        try:
+            return {n[:-5] for n in os.listdir(self.dir) if n.endswith(".json")}
+        except OSError:
+            return set()
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -214,19 +223,23 @@ def leftover_pids(rec: Record) -> list[int]:
 async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> str:
     """SIGKILL what is left of a dead daemon's command and wait (bounded) until it is gone; returns
     what was done. The cgroup backend's group is killed and removed through the backend (the start-up
-    sweep left it, populated, in `orphans`); otherwise the leader's session is signalled."""
+    sweep left it, populated, in `orphans`) when this daemon has the same cgroup root; otherwise,
+    and for what the cgroup no longer holds, the leader's session is signalled."""
+    g: Group | None = None
     if backend.name == "cgroup" and rec.backend == "cgroup" and rec.cgroup:
         from .isolation.cgroup import CgroupGroup
 
-        g = CgroupGroup(command_id=rec.id, pid=rec.pid)
-        g.top = rec.cgroup
+        g = CgroupGroup(command_id=rec.id, pid=rec.pid, top=rec.cgroup)
+        if backend.cgroup_dir(g) != rec.cgroup_dir:  # another cgroup root than the dead daemon's
+            g = None
+    if g is not None:
         try:
             n = len(backend.pids(g))
             await backend.kill(g, signal.SIGKILL)
             await backend.remove(g)
             return f"killed {n} process(es) in cgroup {rec.cgroup} and removed it"
-        except IsolationError as e:
-            if "vanished" not in type(e).__name__.lower():
+        except (IsolationError, OSError) as e:
+            if os.path.isdir(rec.cgroup_dir):  # a vanished cgroup is a state, not a failure
                 log.warning("lost_cgroup", command=rec.id, error=str(e))
             # fall through: the session still finds processes the cgroup no longer holds
     pids = leftover_pids(rec)

@@ -80,7 +80,7 @@ def recover(daemon: Daemon) -> list[Command]:
             records.write(msgspec.structs.replace(rec, report=cmd.report))  # lost once, not twice
             daemon.track(loop.create_task(_end(daemon, rec, cmd), name=f"end-lost-{rec.id}"))
     if daemon.runner.spool is not None and daemon.runner.spool.limit > 0:
-        stale = daemon.runner.spool.sweep(set(daemon.commands))
+        stale = daemon.runner.spool.sweep(set(daemon.commands) | records.ids())
         if stale:
             log.info("spool_swept", files=len(stale))
     return found

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 
 from . import logs
 
@@ -106,6 +107,11 @@ class Spool:
         self.problem = ""
         if limit <= 0:
             return
+        try:  # past RLIMIT_FSIZE a write must fail with EFBIG, not kill the daemon (commands get
+            # SIGXFSZ back at exec: spawn restores signals)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        except ValueError:  # not the main thread (a test's daemon): the default stays
+            pass
         try:
             os.makedirs(self.dir, mode=0o711, exist_ok=True)
             os.chmod(self.dir, 0o711)

@@ -177,6 +177,11 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
             assert res.stdout == b"done" and res.report.ended_at == done.report.ended_at
             lost = await (await c.attach(h.command)).wait()
             assert lost.report.state == "lost" and lost.stdout == b"running\n"
+            shown = subprocess.run([PY, "-m", "krex_async", "status", "--socket", sock],
+                                   capture_output=True, text=True, timeout=30,
+                                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            line = next(x for x in shown.stdout.splitlines() if x.startswith(h.command))
+            assert line.split()[1] == "lost", shown.stdout
             # Submitting on the new daemon works, and never reuses a recovered id.
             new = await c.run(["true"])
             assert new.report.command not in (done.report.command, h.command)
