@@ -76,8 +76,8 @@ def start_ticks(pid: int) -> int | None:
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(session id, start ticks) of a live process."""
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(parent pid, session id, start ticks) of a live process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -86,7 +86,7 @@ def _stat(pid: int) -> tuple[int, int] | None:
     fields = data[data.rindex(b")") + 2:].split()
     if fields[0] == b"Z":
         return None
-    return int(fields[3]), int(fields[19])
+    return int(fields[1]), int(fields[3]), int(fields[19])
 
 
 class Records:
@@ -201,23 +201,28 @@ class Records:
 
 
 def leftover_pids(rec: Record) -> list[int]:
-    """Live processes of the lost command: its leader if its start time matches, and every process
-    of the leader's session that started no earlier (the kernel does not reuse a pid while a session
-    of that id has members, so these are the command's). A process that made its own session escapes,
-    as it does the signal backend."""
-    out = []
+    """Live processes of the lost command: its leader if its start time matches, its descendants,
+    and every process of the leader's session (spawn gives each leader its own), all started no
+    earlier than the leader. The kernel does not reuse a pid while a session of that id has members,
+    so these are the command's. A process that made its own session and left the tree escapes, as
+    it does the signal backend."""
+    procs: dict[int, tuple[int, int, int]] = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        st = _stat(int(name))
-        if st is None:
-            continue
-        sid, ticks = st
-        if int(name) == rec.pid and ticks != rec.start_ticks:
-            return []  # the pid was reused: nothing of the command's session is left
-        if sid == rec.pid and ticks >= rec.start_ticks:
-            out.append(int(name))
-    return out
+        if name.isdigit() and (st := _stat(int(name))) is not None:
+            procs[int(name)] = st
+    leader = procs.get(rec.pid)
+    if leader is not None and leader[2] != rec.start_ticks:
+        return []  # the pid was reused: nothing of the command's session is left
+    mine = {p for p, (_, sid, ticks) in procs.items() if sid == rec.pid and ticks >= rec.start_ticks}
+    if leader is not None:
+        mine.add(rec.pid)
+    grew = True
+    while grew:  # descendants of what is already found
+        new = {p for p, (ppid, _, ticks) in procs.items()
+               if ppid in mine and p not in mine and ticks >= rec.start_ticks}
+        mine |= new
+        grew = bool(new)
+    return sorted(mine)
 
 
 async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> str:
@@ -251,7 +256,7 @@ async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> str:
             pass
     deadline = time.monotonic() + timeout
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _stat(p) is not None]
+        pids = [p for p in pids if (st := _stat(p)) is not None and st[2] >= rec.start_ticks]
         await asyncio.sleep(0.02)
     if pids:
         return f"processes {pids} still alive {timeout} s after SIGKILL"

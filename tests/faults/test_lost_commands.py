@@ -168,7 +168,7 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
         procs[0].wait()
         stale = os.path.join(state, "spool", "00000-7.stdout")
         open(stale, "wb").close()
-        procs.append(launch({**cfg, "retention": 1.5}, log))
+        procs.append(launch({**cfg, "retention": 6}, log))  # counted from each end
         await until_serving(procs[1], sock, log)
         assert not os.path.exists(stale)
         async with await Client.connect(sock) as c:
@@ -188,7 +188,7 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
         files = [done.report.stdout_spool, lost.report.stdout_spool,
                  os.path.join(state, "commands", f"{h.command}.json")]
         assert all(os.path.exists(f) for f in files)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 12
         while any(os.path.exists(f) for f in files):
             assert time.monotonic() < deadline, [f for f in files if os.path.exists(f)]
             await asyncio.sleep(0.05)
@@ -201,3 +201,30 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
                 p.terminate()
                 p.wait(15)
         shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_a_reused_pid_is_never_taken_for_the_lost_commands_leader():
+    """end_lost signals the recorded leader only when its start time matches the record."""
+    from krex_async.isolation.signal import SignalBackend
+    from krex_async.records import Record, end_lost, start_ticks
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30; wait"], start_new_session=True)
+    try:
+        await asyncio.sleep(0.2)
+        kids = [p for p in tree(proc.pid) if p != proc.pid]
+        ticks = start_ticks(proc.pid)
+        assert ticks is not None and len(kids) == 2
+        rec = Record(id="00000-1", uid=0, gid=0, argv=["sh"], device="none", backend="signal",
+                     group="cmd-00000-1", pid=proc.pid, start_ticks=ticks - 1, started_at=0,
+                     daemon_pid=1, daemon_ticks=0)
+        backend = SignalBackend()
+        assert await end_lost(backend, rec) == "no processes left"  # another process's pid now
+        assert proc.poll() is None and all(proc_state(p) not in (None, "Z") for p in kids)
+        rec.start_ticks = ticks
+        assert await end_lost(backend, rec) == "killed 3 process(es) of session %d" % proc.pid
+        assert proc.wait(5) == -9
+        assert all(proc_state(p) in (None, "Z") for p in kids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
