@@ -35,6 +35,11 @@ async def main(path, action, arg):
                 async for _ in h.output():  # the first line is out: the command runs
                     break
                 print(json.dumps({"command": h.command}))
+            elif action == "read":
+                try:
+                    print(json.dumps({"read": open(arg, "rb").read().decode()}))
+                except OSError as e:
+                    print(json.dumps({"read": type(e).__name__}))
             elif action == "attach":
                 res = await (await c.attach(arg)).wait()
                 try:
@@ -125,6 +130,10 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
         assert f"(pid {procs[0].pid})" in got["error"] and "ended" in got["error"]
         assert got["stdout"] == "first-line\n" and got["spooled"] == "first-line\n"
         assert await asyncio.to_thread(agent, mallory, sock, "attach", cid) == {"code": "forbidden"}
+        spool = os.path.join(d, "state", "spool", f"{cid}.stdout")
+        assert await asyncio.to_thread(agent, mallory, sock, "read", spool) == \
+            {"read": "PermissionError"}
+        assert await asyncio.to_thread(agent, alice, sock, "read", spool) == {"read": "first-line\n"}
         async with await Client.connect(sock) as root:
             listed = [c for c in (await root.status())["commands"] if c["command"] == cid]
         assert listed and listed[0]["result"] == "lost" and listed[0]["uid"] == alice.uid
