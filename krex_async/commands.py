@@ -26,7 +26,7 @@ from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
 from .records import Records
 from .spawn import ExitStatus, LaunchSpec, Launched, spawn
-from .spool import Spool, SpoolFile
+from .spool import Spool, SpoolFile, unlink
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
 
@@ -291,7 +291,20 @@ class Runner:
         await asyncio.wait(pipes, timeout=0.5)
         for close in cmd.pipe_closers:
             close()
+        await self._flush(cmd)
         self._finish(cmd, status)
+
+    @staticmethod
+    async def _flush(cmd: Command, timeout: float = 10.0) -> None:
+        """Wait (bounded) until the spool files hold everything queued and are closed; a writer
+        that does not get there in time is named in the report and finishes on its own."""
+        if not cmd.spools:
+            return
+        waits = {asyncio.wrap_future(f.finish()): f for f in cmd.spools.values()}
+        _, late = await asyncio.wait(waits, timeout=timeout)
+        for fut in late:
+            f = waits[fut]
+            f.error = f.error or f"still writing {f.path} {timeout:.0f} s after the command ended"
 
     async def kill(self, cmd: Command, reason: str, sig: int = signal.SIGKILL) -> None:
         """End the command's whole tree (frozen processes included) and record why."""
@@ -304,18 +317,21 @@ class Runner:
         """Forget a command for good (its retention ended, or it never started): its spool files
         and its record are removed. Errors are logged, never raised."""
         for f in cmd.spools.values():
-            f.close()
+            f.finish()
         paths = {f.path for f in cmd.spools.values()}
         if cmd.report is not None:  # a dead daemon's command has its paths only in its report
             paths |= {cmd.report.stdout_spool, cmd.report.stderr_spool}
-        Spool.remove(sorted(p for p in paths if p))
+        paths.discard("")
+        if paths:
+            if self.spool is not None:
+                self.spool.remove(sorted(paths))
+            else:
+                unlink(sorted(paths))
         if self.records is not None:
             self.records.remove(cmd.id)
 
     def _finish(self, cmd: Command, status: ExitStatus) -> None:
         now = time.monotonic()
-        for f in cmd.spools.values():
-            f.close()
         out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
         cmd.ended_at = now
         cmd.state = "ended"

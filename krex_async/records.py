@@ -112,8 +112,7 @@ class Records:
                      cgroup=str(getattr(cmd.group, "top", "") or ""),
                      cgroup_dir=backend.cgroup_dir(cmd.group) or "", pid=pid,
                      start_ticks=start_ticks(pid) or 0, started_at=time.time(),
-                     stdout_spool=out.path if out and not out.error else "",
-                     stderr_spool=err.path if err and not err.error else "",
+                     stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
                      daemon_pid=self.me[0], daemon_ticks=self.me[1])
         self.write(rec)
 

@@ -116,6 +116,11 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
             leader = next(c["pid"] for c in (await root.status())["commands"] if c["command"] == cid)
         pids = tree(leader)
         assert len(pids) >= 3, pids  # sh and its two sleeps
+        spool = os.path.join(d, "state", "spool", f"{cid}.stdout")
+        deadline = time.monotonic() + 5  # the writer thread queues behind the stream by a moment
+        while not os.path.exists(spool) or os.path.getsize(spool) < len("first-line\n"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         procs[0].kill()  # SIGKILL: no shutdown path runs
         procs[0].wait()
         assert all(proc_state(p) not in (None, "Z") for p in pids)  # orphaned, still running
@@ -130,7 +135,6 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
         assert f"(pid {procs[0].pid})" in got["error"] and "ended" in got["error"]
         assert got["stdout"] == "first-line\n" and got["spooled"] == "first-line\n"
         assert await asyncio.to_thread(agent, mallory, sock, "attach", cid) == {"code": "forbidden"}
-        spool = os.path.join(d, "state", "spool", f"{cid}.stdout")
         assert await asyncio.to_thread(agent, mallory, sock, "read", spool) == \
             {"read": "PermissionError"}
         assert await asyncio.to_thread(agent, alice, sock, "read", spool) == {"read": "first-line\n"}
@@ -173,6 +177,11 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
             h = await c.submit(["sh", "-c", "echo running; exec sleep 60"], on_disconnect="keep")
             async for _ in h.output():
                 break
+        spooled = os.path.join(state, "spool", f"{h.command}.stdout")
+        deadline = time.monotonic() + 5  # the writer thread queues behind the stream by a moment
+        while not os.path.exists(spooled) or os.path.getsize(spooled) < 8:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         procs[0].kill()
         procs[0].wait()
         stale = os.path.join(state, "spool", "00000-7.stdout")
