@@ -53,6 +53,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-conn-buffer", type=int,
                    help="unsent bytes after which a slow client is dropped")
     p.add_argument("--output-tail", type=int, help="bytes of each output stream kept per command")
+    p.add_argument("--spool-limit", type=int, help="bytes of each output stream written to "
+                                                   "<state-dir>/spool (default 64 MiB; 0: off)")
     p.add_argument("--admin-group", help="group whose members may act on every command")
     p.add_argument("--state-dir")
     p.add_argument("--log-format", choices=["auto", "json", "console"])

@@ -3,8 +3,10 @@ it out, and build its report.
 
 Output is read from pipes with the loop's readers and handed to every subscriber as it comes; the last
 `output_tail` bytes of each stream stay with the command, so an agent that re-attaches after a
-disconnect still gets them with the report. When the leader exits, what is left of its process tree is
-ended (a command's lifetime is its leader's), after its pipes had a moment to drain.
+disconnect still gets them with the report. The whole output also goes to the command's spool files
+(spool.py), and each spawned command gets a durable record (records.py) that a new daemon reports
+it from should this one die. When the leader exits, what is left of its process tree is ended (a
+command's lifetime is its leader's), after its pipes had a moment to drain.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from dataclasses import dataclass, field
 from . import protocol as P
 from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
+from .records import Records
 from .spawn import ExitStatus, LaunchSpec, Launched, spawn
+from .spool import Spool, SpoolFile, unlink
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
 
@@ -112,6 +116,7 @@ class Command:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watch_task: asyncio.Task[None] | None = None
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)
+    spools: dict[str, SpoolFile] = field(default_factory=dict)  # stream -> its spool file
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -147,8 +152,11 @@ class Runner:
     """Spawns commands and watches them; calls `on_exit(cmd)` once each has ended."""
 
     def __init__(self, backend: Backend, socket: str, on_exit: Callable[[Command], None],
-                 launcher: Callable[[Command, LaunchSpec], Launched | None] | None = None) -> None:
+                 launcher: Callable[[Command, LaunchSpec], Launched | None] | None = None,
+                 spool: Spool | None = None, records: Records | None = None) -> None:
         self.backend = backend
+        self.spool = spool  # None or limit 0: output only in the tails
+        self.records = records  # None: commands are not recorded (nothing to report after a crash)
         self.socket = socket
         self.on_exit = on_exit
         self.launcher = launcher  # the ctxpool, when it can take the command
@@ -184,6 +192,8 @@ class Runner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)
+        if self.spool is not None:
+            cmd.spools = self.spool.open(cmd.id, cmd.uid, cmd.gid)
         other_user = cmd.uid != os.geteuid()
         try:
             spec = LaunchSpec(argv=list(cmd.spec.argv), cwd=cwd, env=env, stdin_fd=stdin_fd,
@@ -211,6 +221,7 @@ class Runner:
                 os.close(fd)
             await self.backend.remove(group)
             cmd.group = None
+            self.release(cmd)
             raise SpecError("spawn_failed", f"cannot start {cmd.spec.argv[0]!r}: {e}") from None
         finally:
             for fd in (out_w, err_w, stdin_fd):
@@ -219,6 +230,8 @@ class Runner:
         cmd.started = time.monotonic()
         cmd.state = "running"
         await self.backend.started(group, launched.pid)
+        if self.records is not None:
+            self.records.spawned(cmd, self.backend)
         pipes_done = [self._pump(loop, cmd, out_r, "stdout"), self._pump(loop, cmd, err_r, "stderr")]
         cmd.watch_task = loop.create_task(self._watch(cmd, launched, pipes_done))
 
@@ -236,6 +249,7 @@ class Runner:
         done: asyncio.Future[None] = loop.create_future()
         os.set_blocking(fd, False)
         tail = cmd.out if stream == "stdout" else cmd.err
+        spool = cmd.spools.get(stream)
 
         def readable() -> None:
             try:
@@ -246,6 +260,8 @@ class Runner:
                 data = b""
             if data:
                 tail.add(data)
+                if spool is not None:
+                    spool.write(data)
                 cmd.publish(lambda rid: P.Output(id=rid, command=cmd.id, stream=stream,  # type: ignore[arg-type]
                                                  data=data), output=True)
                 return
@@ -275,7 +291,20 @@ class Runner:
         await asyncio.wait(pipes, timeout=0.5)
         for close in cmd.pipe_closers:
             close()
+        await self._flush(cmd)
         self._finish(cmd, status)
+
+    @staticmethod
+    async def _flush(cmd: Command, timeout: float = 10.0) -> None:
+        """Wait (bounded) until the spool files hold everything queued and are closed; a writer
+        that does not get there in time is named in the report and finishes on its own."""
+        if not cmd.spools:
+            return
+        waits = {asyncio.wrap_future(f.finish()): f for f in cmd.spools.values()}
+        _, late = await asyncio.wait(waits, timeout=timeout)
+        for fut in late:
+            f = waits[fut]
+            f.error = f.error or f"still writing {f.path} {timeout:.0f} s after the command ended"
 
     async def kill(self, cmd: Command, reason: str, sig: int = signal.SIGKILL) -> None:
         """End the command's whole tree (frozen processes included) and record why."""
@@ -284,8 +313,26 @@ class Runner:
         cmd.end_reason = cmd.end_reason or reason
         await self.backend.kill(cmd.group, sig)
 
+    def release(self, cmd: Command) -> None:
+        """Forget a command for good (its retention ended, or it never started): its spool files
+        and its record are removed. Errors are logged, never raised."""
+        for f in cmd.spools.values():
+            f.finish()
+        paths = {f.path for f in cmd.spools.values()}
+        if cmd.report is not None:  # a dead daemon's command has its paths only in its report
+            paths |= {cmd.report.stdout_spool, cmd.report.stderr_spool}
+        paths.discard("")
+        if paths:
+            if self.spool is not None:
+                self.spool.remove(sorted(paths))
+            else:
+                unlink(sorted(paths))
+        if self.records is not None:
+            self.records.remove(cmd.id)
+
     def _finish(self, cmd: Command, status: ExitStatus) -> None:
         now = time.monotonic()
+        out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
         cmd.ended_at = now
         cmd.state = "ended"
         if cmd.end_reason:
@@ -302,7 +349,12 @@ class Runner:
             start_latency_s=cmd.launched.start_latency_s if cmd.launched else None,
             stdout_bytes=cmd.out.total, stderr_bytes=cmd.err.total,
             error=_describe(state, status, cmd),
+            stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
+            stdout_dropped=out.dropped if out else 0, stderr_dropped=err.dropped if err else 0,
+            spool_error="; ".join(f"{f.stream}: {f.error}" for f in cmd.spools.values() if f.error),
         )
+        if self.records is not None:
+            self.records.ended(cmd)
         self.on_exit(cmd)
 
 

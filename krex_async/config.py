@@ -44,6 +44,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_frame: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
     max_conn_buffer: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
     output_tail: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20  # bytes of each stream kept per command
+    spool_limit: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20  # bytes of each stream spooled (0: off)
     read_timeout: Positive = 30.0
     state_dir: str = ""
     log_format: Literal["auto", "json", "console"] = "auto"

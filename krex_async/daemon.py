@@ -28,6 +28,9 @@ from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
 from .metrics import Metrics
+from .records import Records
+from .recovery import recover
+from .spool import Spool
 from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
@@ -72,7 +75,11 @@ class Daemon:
         self.attributor: Attributor | None = None  # set when probes run
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
-        self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled)
+        # Spool files and command records live in the state dir (none without one: a bare config).
+        self.records = Records(config.state_dir) if config.state_dir else None
+        self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled,
+                             spool=Spool(config.state_dir, config.spool_limit)
+                             if config.state_dir else None, records=self.records)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
         self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
@@ -80,6 +87,7 @@ class Daemon:
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         self._ids = itertools.count(1)
         self._boot = f"{int(time.time()) % 100000:05d}"
+        recover(self)  # a dead daemon's commands: ended and reported (recovery.py)
 
     # ---------------------------------------------------------------------------------- helpers
 
@@ -169,6 +177,8 @@ class Daemon:
             raise RequestError("shutdown", "the daemon is shutting down")
         device = self._place(req)
         cid = f"{self._boot}-{next(self._ids)}"
+        while cid in self.commands:  # a dead daemon's command, recovered, started in the same second
+            cid = f"{self._boot}-{next(self._ids)}"
         cmd = Command(id=cid, spec=req, uid=uid, gid=gid, device=device,
                       policy=self.scheduler.policy.value, tail_limit=self.config.output_tail)
         try:
@@ -252,7 +262,13 @@ class Daemon:
             await self.backend.remove(cmd.group)
         if self.attributor is not None:
             loop.call_later(1.0, self.attributor.command_ended, cmd)  # late events still attribute
-        loop.call_later(self.config.retention, lambda: self.commands.pop(cmd.id, None))
+        loop.call_later(self.config.retention, self.forget, cmd)
+
+    def forget(self, cmd: Command) -> None:
+        """The command's retention ended: drop it, its spool files and its record."""
+        if self.commands.get(cmd.id) is cmd:
+            del self.commands[cmd.id]
+        self.runner.release(cmd)
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
         cmd = self._own(req.command, uid)

@@ -189,7 +189,7 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     argv: list[str]
     device: str
     policy: str
-    state: str  # exited, signaled, timeout, cancelled, shutdown, failed
+    state: str  # exited, signaled, timeout, cancelled, shutdown, failed, lost (its daemon died)
     exit_code: int | None = None
     signal: int | None = None
     wall_s: float = 0.0
@@ -205,6 +205,14 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     start_latency_s: float | None = None
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    # The whole output, in files under the daemon's state dir owned by the submitter (--spool-limit
+    # bytes per stream; "" when spooling is off). *_dropped: bytes written but not in the file (past
+    # the limit, or after a spool error); spool_error names the failure, e.g. "ENOSPC: ...".
+    stdout_spool: str = ""
+    stderr_spool: str = ""
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+    spool_error: str = ""
 
 
 # ------------------------------------------------------------------------------------------ replies

@@ -1,5 +1,6 @@
 """SIGKILL of the daemon in the middle of a region (signal backend): nothing stays stopped after 1 s,
-and a new daemon starts on the same socket path (the dead one's file is stale)."""
+a new daemon starts on the same socket path (the dead one's file is stale), and on the same state
+dir it ends the dead daemon's commands (their reports: tests/faults/test_lost_commands.py)."""
 
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon
             # The path still holds the dead daemon's socket file: a new daemon takes it over.
             assert os.path.exists(d.socket)
             log = open(d.log, "ab")
+            state = os.path.join(os.path.dirname(d.socket), "state")  # run_daemon's
             new = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", d.socket,
-                                    "--isolation", "signal", "--log-format", "json"],
+                                    "--isolation", "signal", "--log-format", "json",
+                                    "--state-dir", state, "--probes", "off"],
                                    env=py_env(), stdout=log, stderr=subprocess.STDOUT)
             d.proc = new  # run_daemon stops it at the end
             for _ in range(200):
@@ -88,9 +91,14 @@ async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon
                 await asyncio.sleep(0.05)
             else:
                 raise AssertionError("the new daemon did not serve: " + d.logs())
+            orphans = [p for p in victims + tree(own.pid or 0) if p > 1]
+            t1 = time.monotonic()
+            while any(proc_state(p) not in (None, "Z") for p in orphans):
+                assert time.monotonic() - t1 < 5, {p: proc_state(p) for p in orphans}
+                await asyncio.sleep(0.02)
         finally:
             await c.close()
-            for p in tree(sib_pid) + tree(own.pid or 0):  # orphans of the dead daemon
+            for p in tree(sib_pid) + tree(own.pid or 0):  # should the new daemon have failed
                 with contextlib.suppress(ProcessLookupError):
                     if p > 1:
                         os.kill(p, signal.SIGKILL)

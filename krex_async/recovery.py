@@ -1,0 +1,93 @@
+"""Start-up: the commands of a daemon that died on this state dir, ended and reported.
+
+`recover(daemon)` runs once, in the new daemon's constructor, before it accepts a connection. For each
+record of a dead daemon (records.py) it registers an ended command, so that `attach(id)` by its owner
+and `krex status` see it at once:
+
+- the command had ended (its record holds the final report): that report, as it was;
+- else state `lost`, "the daemon that ran it stopped (pid N); its processes were ended", with the
+  output its spool files hold (their tails become the report's tails).
+
+What is left of a lost command's processes is ended by a task (`records.end_lost`: through the cgroup
+backend, or by signalling the leader's session); a process that survives it is named in the report's
+error. Each command is forgotten (record and spool files removed) when its retention ends, counted
+from when it ended. Spool files that no record names any more are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from . import logs
+from . import protocol as P
+from .commands import Command
+from .records import Record, end_lost
+from .spool import read_tail
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logs.get("krex.recovery")
+
+
+def _command(daemon: Daemon, rec: Record) -> Command:
+    device = next((d for d in daemon.devices if d.key == rec.device), None)
+    spec = P.Submit(id=0, argv=rec.argv, label=rec.label, device=rec.device if device else "none")
+    cmd = Command(id=rec.id, spec=spec, uid=rec.uid, gid=rec.gid, device=device,
+                  policy=rec.policy, tail_limit=daemon.config.output_tail)
+    cmd.state = "ended"
+    cmd.done.set()
+    for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool)):
+        if path:
+            tail.buf[:], tail.total = read_tail(path, tail.limit)
+    if rec.report is not None:
+        cmd.report = rec.report
+        return cmd
+    now = time.time()
+    cmd.report = P.CommandReport(
+        command=rec.id, argv=list(rec.argv), device=rec.device, policy=rec.policy, state="lost",
+        started_at=rec.started_at, ended_at=now, wall_s=max(0.0, now - rec.started_at),
+        label=rec.label, stdout_bytes=cmd.out.total, stderr_bytes=cmd.err.total,
+        stdout_spool=rec.stdout_spool, stderr_spool=rec.stderr_spool,
+        error=f"the daemon that ran it stopped (pid {rec.daemon_pid}); its processes were ended")
+    return cmd
+
+
+def recover(daemon: Daemon) -> list[Command]:
+    """Register the dead daemon's commands (see the module docstring); start ending the lost ones.
+    Never raises for a damaged record or a process that cannot be signalled (both are logged)."""
+    records = daemon.records
+    if records is None:
+        return []
+    loop = asyncio.get_running_loop()
+    found: list[Command] = []
+    for rec in records.load():
+        if rec.id in daemon.commands:
+            continue
+        cmd = _command(daemon, rec)
+        daemon.commands[cmd.id] = cmd
+        found.append(cmd)
+        assert cmd.report is not None
+        age = time.time() - (cmd.report.ended_at or time.time())
+        loop.call_later(max(0.0, daemon.config.retention - age), daemon.forget, cmd)
+        log.info("recovered", command=cmd.id, state=cmd.report.state, uid=cmd.uid,
+                 daemon_pid=rec.daemon_pid, stdout_bytes=cmd.out.total)
+        if rec.report is None:
+            records.write(msgspec.structs.replace(rec, report=cmd.report))  # lost once, not twice
+            daemon.track(loop.create_task(_end(daemon, rec, cmd), name=f"end-lost-{rec.id}"))
+    if daemon.runner.spool is not None and daemon.runner.spool.limit > 0:
+        stale = daemon.runner.spool.sweep(set(daemon.commands) | records.ids())
+        if stale:
+            log.info("spool_swept", files=len(stale))
+    return found
+
+
+async def _end(daemon: Daemon, rec: Record, cmd: Command) -> None:
+    done = await end_lost(daemon.backend, rec)
+    log.info("lost_command_ended", command=rec.id, action=done)
+    if "still alive" in done and cmd.report is not None:
+        cmd.report.error = f"the daemon that ran it stopped (pid {rec.daemon_pid}); {done}"
