@@ -198,7 +198,7 @@ class Regions:
             return 0.0
         if r.clock is None:
             return 200.0
-        return 0.0 if r.clock.settled() else 20.0
+        return 0.0 if r.clock.settled(self.d.config.settle_fraction) else 20.0
 
     def _tell_owner(self, r: Region, granted: bool) -> None:
         rep = r.report
@@ -310,7 +310,9 @@ class Regions:
         t0 = time.perf_counter()
         deadline = t0 + self.d.config.settle_ms / 1000
         st = node.clock(dev)
-        while st is not None and not st.settled() and not st.idle and time.perf_counter() < deadline:
+        fraction = self.d.config.settle_fraction
+        while st is not None and not st.settled(fraction) and not st.idle and \
+                time.perf_counter() < deadline:
             await asyncio.sleep(0.002)
             st = node.clock(dev) or st
         r.clock = st

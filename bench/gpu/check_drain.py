@@ -212,11 +212,14 @@ def thaw_checks(daemon: MiniDaemon) -> None:
         pass
 
 
+SETTLE_FRACTION = [0.9]
+
+
 def settle(node, gpu) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """What the daemon's Regions._settle does before a grant (default --settle-ms 300)."""
     t_s = time.perf_counter()
     st = first = node.clock(gpu)
-    while st is not None and not st.settled() and not st.idle and time.perf_counter() < t_s + 0.3:
+    while st is not None and not st.settled(SETTLE_FRACTION[0]) and not st.idle and time.perf_counter() < t_s + 0.3:
         time.sleep(0.002)
         st = node.clock(gpu) or st
     return {"settle_s": time.perf_counter() - t_s, "clock_first": repr(first),
@@ -237,9 +240,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer reps (a smoke run)")
     ap.add_argument("--regions", type=int, default=5, help="regions per production condition")
+    ap.add_argument("--settle-fraction", type=float, default=0.9,
+                    help="settled once the SM clock is this fraction of its target")
     ap.add_argument("--skip", action="append", default=[], choices=["nvml", "thaw"],
                     help="leave out a part (for smoke runs off the accelerator)")
     args = ap.parse_args()
+    SETTLE_FRACTION[0] = args.settle_fraction
     reps = {k: max(10, v // 5) for k, v in REPS.items()} if args.quick else REPS
     torch.backends.cuda.matmul.allow_tf32 = False
     kernels = {label: make_kernel(n) for label, n in SIZES.items()}
