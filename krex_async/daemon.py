@@ -175,6 +175,9 @@ class Daemon:
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send) -> None:
         if self.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
+        if len(self.commands) >= self.config.max_commands:
+            raise RequestError("busy", f"{len(self.commands)} commands are queued, running or "
+                                       "kept (--max-commands); retry after some have ended")
         device = self._place(req)
         cid = f"{self._boot}-{next(self._ids)}"
         while cid in self.commands:  # a dead daemon's command, recovered, started in the same second

@@ -51,6 +51,9 @@ def _request_id(body: bytes) -> int:
         return 0
 
 
+_SUM_ABOVE = 1 << 20  # a peer's unsent bytes above which the node-wide total is checked
+
+
 class Connection:
     """One peer. `send()` never blocks the loop: past `max_buffer` unsent bytes the peer is dropped
     as a slow consumer (with the reason logged) instead of growing memory without bound."""
@@ -87,9 +90,13 @@ class Connection:
             self.closed = True
             return True
         self.writer.write(P.encode(msg))
-        if self.writer.transport.get_write_buffer_size() > self.server.config.max_conn_buffer:
-            self.drop("slow consumer: more than "
-                      f"{self.server.config.max_conn_buffer} bytes unread")
+        cfg = self.server.config
+        unsent = self.writer.transport.get_write_buffer_size()
+        if unsent > cfg.max_conn_buffer:
+            self.drop(f"slow consumer: more than {cfg.max_conn_buffer} bytes unread")
+        elif unsent > _SUM_ABOVE and self.server.unsent_total() > cfg.max_buffered_total:
+            self.drop(f"slow consumer: {unsent} bytes unread while all connections together "
+                      f"hold more than {cfg.max_buffered_total}")
         return True
 
     def drop(self, reason: str) -> None:
@@ -346,7 +353,19 @@ class Server:
             return False
         return self.admin_gid in os.getgrouplist(name, gid)
 
+    def unsent_total(self) -> int:
+        """Bytes queued for all peers (summed only when one peer already holds over 1 MiB)."""
+        return sum(c.writer.transport.get_write_buffer_size() for c in self.connections
+                   if not c.closed)
+
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.connections) >= self.config.max_connections:
+            log.warning("connection_refused", reason="too many connections",
+                        limit=self.config.max_connections)
+            writer.write(P.encode(P.Error(id=0, code="busy", message="the daemon has "
+                                          f"{self.config.max_connections} connections open")))
+            writer.close()
+            return
         try:
             conn = Connection(self, reader, writer)
         except OSError as e:  # the peer vanished before its credentials could be read

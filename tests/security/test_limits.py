@@ -1,0 +1,87 @@
+"""Node-wide limits: what many peers together may not take, though each stays within its own bound.
+
+Each peer is bounded (frame size, --max-conn-buffer); these tests show the daemon also bounds the
+sum: unsent bytes over all connections (--max-buffered-total), open connections (--max-connections)
+and commands it keeps (--max-commands). Each refusal is a clear error or a logged drop, and the
+daemon keeps serving everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from krex_async import Client
+from krex_async import protocol as P
+from krex_async.client import KrexError
+
+from ..conftest import PY, run_daemon
+from .helpers import config_daemon, hello, raw
+
+FLOOD = "import os\nb = b'x' * (1 << 20)\nfor _ in range({mib}): os.write(1, b)\n"
+
+
+async def test_commands_beyond_max_commands_are_refused_busy():
+    async with run_daemon("--max-commands", "2", "--retention", "30") as d:
+        async with await d.client() as c:
+            first = await c.submit(["sleep", "30"])
+            await c.run(["true"])  # ended, but its result is kept: it still counts
+            with pytest.raises(KrexError) as e:
+                await c.submit(["true"])
+            assert e.value.code == "busy" and "--max-commands" in str(e.value)
+            await first.cancel(9)
+            assert (await first.wait()).report.state == "cancelled"
+            st = await c.status()  # still serving
+            assert len(st["commands"]) == 2
+
+
+async def test_connections_beyond_max_connections_are_refused_busy():
+    async with run_daemon("--max-connections", "3") as d:
+        held = [await d.client() for _ in range(3)]
+        try:
+            with pytest.raises(KrexError) as e:
+                await Client.connect(d.socket, timeout=5)
+            assert e.value.code == "busy"
+            await held[0].close()
+            for _ in range(100):  # the daemon notices the close, then has room again
+                try:
+                    async with await Client.connect(d.socket, timeout=5) as c:
+                        assert (await c.run(["echo", "ok"])).stdout == b"ok\n"
+                        break
+                except KrexError as err:
+                    assert err.code == "busy"
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("no room after a connection closed")
+        finally:
+            for c in held[1:]:
+                await c.close()
+        assert "too many connections" in d.logs()
+
+
+async def test_peers_that_stop_reading_are_dropped_once_their_sum_passes_the_total():
+    """Three agents that never read, each under --max-conn-buffer (64 MiB here), together pass
+    --max-buffered-total (6 MiB): a growing one is dropped for the total, and others are served."""
+    async with config_daemon(max_conn_buffer=64 << 20, max_buffered_total=6 << 20,
+                             output_tail=1 << 20) as d:
+        socks = []
+        for i in range(3):
+            s = await asyncio.to_thread(raw, d.socket)
+            s.setsockopt(1, 8, 4096)  # SO_RCVBUF: small, so the daemon's own buffer fills
+            await asyncio.to_thread(hello, s)
+            s.sendall(P.encode(P.Submit(id=5 + i, argv=[PY, "-c", FLOOD.format(mib=40)],
+                                        on_disconnect="keep")))
+            socks.append(s)
+        try:
+            async with await d.client() as c:
+                for _ in range(400):
+                    if "all connections together" in d.logs():
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("no peer was dropped for the node-wide total: " + d.logs())
+                assert "more than 67108864 bytes unread" not in d.logs()  # not the per-peer bound
+                assert (await c.run(["echo", "served"])).stdout == b"served\n"
+        finally:
+            for s in socks:
+                s.close()
