@@ -22,6 +22,7 @@ import msgspec
 from . import logs
 from . import protocol as P
 from .commands import Command, Runner, SpecError, Subscriber, with_runtime
+from .procfs import stat_fields
 from .config import ServeConfig
 from .ctxpool import Pool, PoolConfig
 from .devices import NoDevice, Node, place
@@ -52,12 +53,10 @@ def _ancestors(pid: int, limit: int = 512) -> list[int]:
     out: list[int] = []
     while pid > 1 and len(out) < limit:
         out.append(pid)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
+        fields = stat_fields(pid)
+        if fields is None:
             break
-        pid = int(data[data.rindex(b")") + 2:].split()[1])
+        pid = int(fields[1])
     return out
 
 

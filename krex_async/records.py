@@ -32,6 +32,7 @@ import msgspec
 from . import logs
 from . import protocol as P
 from .isolation.base import Backend, Group, IsolationError
+from .procfs import stat_fields
 
 if TYPE_CHECKING:
     from .commands import Command
@@ -68,23 +69,14 @@ _decoder = msgspec.json.Decoder(Record)
 
 def start_ticks(pid: int) -> int | None:
     """When `pid` started (clock ticks since boot), or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return int(data[data.rindex(b")") + 2:].split()[19])
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def _stat(pid: int) -> tuple[int, int, int] | None:
     """(parent pid, session id, start ticks) of a live process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    if fields[0] == b"Z":
+    fields = stat_fields(pid)
+    if fields is None or fields[0] == b"Z":
         return None
     return int(fields[1]), int(fields[3]), int(fields[19])
 

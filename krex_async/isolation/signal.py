@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from .base import Backend, Freeze, FreezeError, Group
 from .sigguard import Guard, GuardError
+from ..procfs import stat_fields
 
 _STOPPED = frozenset("tT")
 
@@ -70,13 +71,8 @@ class _Snapshot:
 
 
 def _read_stat(pid: int) -> _Proc | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    return _Proc(pid, int(fields[1]), int(fields[3]), fields[0].decode())
+    fields = stat_fields(pid)
+    return None if fields is None else _Proc(pid, int(fields[1]), int(fields[3]), fields[0].decode())
 
 
 def _state(pid: int) -> str | None:

@@ -18,18 +18,13 @@ from __future__ import annotations
 import os
 
 from .base import ProbeEvent
+from ..procfs import stat_fields
 
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:
     """The parent of `pid` from /proc/<pid>/stat, or None when it is gone or unreadable."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: the fields after it follow the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
-    return int(rest[1]) if len(rest) > 1 else None
+    fields = stat_fields(pid, proc)
+    return None if fields is None else int(fields[1])
 
 
 def cgroup_id(cgroup_dir: str) -> int:
