@@ -177,6 +177,8 @@ class _Listener:
         self.in_handler = False
         self.acks = 0  # how many quiesces this process acknowledged
         self.gpu = False  # a GPU device file was seen open here (sticky)
+        self.finished = _thread.allocate_lock()  # released when the listener thread is done
+        self.finished.acquire()
 
     def send(self, msg: dict[str, Any]) -> None:
         data = frame(msg)
@@ -357,3 +359,19 @@ def run(path: str, command: str, token: str, main: int, signum: int,
     finally:
         if _state is st:
             st.close()
+        st.finished.release()
+
+
+def stop(wait_s: float = 0.5) -> None:
+    """At interpreter exit (atexit, which runs before finalisation): end the listener and wait for
+    its thread, so that it never wakes (a Quiesce arriving, the daemon closing) while the
+    interpreter is being torn down. shutdown() wakes the thread's blocking recv; close() alone
+    would not."""
+    st = _state
+    if st is None:
+        return
+    try:
+        st.sock.shutdown(_socket.SHUT_RDWR)
+    except OSError:
+        pass
+    st.finished.acquire(True, wait_s)

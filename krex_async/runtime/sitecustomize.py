@@ -115,6 +115,11 @@ def _start() -> bool:
     _signal.signal(signum, on_signal)
     main = _thread.get_ident()
 
+    def at_exit() -> None:
+        q = box.get("q")
+        if q is not None:
+            q.stop()
+
     def boot() -> None:
         try:
             q = box["q"] = _load("_krex_quiesce", "quiesce.py")
@@ -135,6 +140,8 @@ def _start() -> bool:
             pass
 
     os.register_at_fork(after_in_child=after_fork_in_child)
+    import atexit  # built in: nothing to load
+    atexit.register(at_exit)
     _thread.start_new_thread(boot, ())
     return True
 
