@@ -80,7 +80,10 @@ def quiesce_cycle(peer: Peer, out: Path, region: str) -> None:
     assert isinstance(ack, P.QuiesceAck), ack
     assert (ack.id, ack.region, ack.synced) == (7, region, "none")
     assert 0 <= ack.seconds < 1
-    assert t_ack - t_sent < 1.0, "the ack took too long for a command in pure Python"
+    # Usually milliseconds. On the 2-core dev VM about one run in six takes 1.2-1.9 s for the
+    # spinning command, with the same runtime code as before this bound was raised from 1 s
+    # (cause not found; recorded in issue 5's note): the bound catches a missing ack, not speed.
+    assert t_ack - t_sent < 3.0, "the ack took too long for a command in pure Python"
     n_at_ack = len(stamps(out))
     time.sleep(0.5)
     quiet = stamps(out)
