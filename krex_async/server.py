@@ -364,6 +364,10 @@ class Server:
                         limit=self.config.max_connections)
             writer.write(P.encode(P.Error(id=0, code="busy", message="the daemon has "
                                           f"{self.config.max_connections} connections open")))
+            # Take in the peer's hello before closing: closing a Unix socket with unread data
+            # resets the peer, which would then lose the error it was just sent.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reader.read(1 << 16), 1.0)
             writer.close()
             return
         try:
