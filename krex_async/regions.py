@@ -15,7 +15,6 @@ leaves a process frozen or a core fenced. Steps and their cost:
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
 from .isolation.base import FreezeError, Group
+from .runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logs.get("krex.region")
 
-GPU_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
 
 
 @dataclass
@@ -64,21 +63,6 @@ class Region:
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():
             self.ended.set_result(reason)
-
-
-def holds_gpu_file(pid: int) -> bool:
-    """Whether the process has a GPU device file open (read from /proc/<pid>/fd)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(GPU_PREFIXES):
-                return True
-        except OSError:
-            continue
-    return False
 
 
 class Regions:
@@ -373,9 +357,10 @@ class Regions:
         if not targets or self.d.device(r.device).vendor == "cpu":
             return "not-needed"
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
-        holders = [p for c in targets if c.group is not None
-                   for p in self.d.backend.pids(c.group) if holds_gpu_file(p)]
-        return "synced" if all(p in acked for p in holders) else "pending"
+        # Only processes that did not acknowledge are read from /proc (an ack came after a sync).
+        unsynced = any(p not in acked and holds_gpu_file(p) for c in targets if c.group is not None
+                       for p in self.d.backend.pids(c.group))
+        return "pending" if unsynced else "synced"
 
     def ack(self, cmd: Command, pid: int, msg: P.QuiesceAck) -> None:
         r = self.active.get(msg.region)
@@ -464,21 +449,8 @@ class Regions:
         if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
                 or cmd.group.frozen:
             return
-        group = cmd.group
-
-        async def freeze() -> None:
-            try:
-                await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
-            except FreezeError as e:
-                log.warning("late_freeze_failed", region=r.id, command=cmd.id, error=str(e))
-                return
-            if self.current_on(r.device) is r and r.report.outcome == "held":
-                self._add_frozen(r, cmd, group)
-            else:  # the region ended meanwhile: undo at once
-                await self.d.backend.thaw(group)
-            self.d.trace("freeze", r, command=cmd.id, late=True)
-
-        self.d.track(asyncio.get_running_loop().create_task(freeze()))
+        self.d.track(asyncio.get_running_loop().create_task(
+            self._freeze_into(r, cmd, cmd.group, "late")))
 
     def current_on(self, device: str) -> Region | None:
         """The region isolating or held on `device` that a command may still join."""
@@ -504,9 +476,10 @@ class Regions:
             return
         if admitted is not None:
             await self.d.backend.thaw(group)
-        if current is None or cmd.id in current.frozen_ids or self.admit_frozen(cmd) is None:
+        if current is None or cmd.id in current.frozen_ids or not self._freezes_starts():
             return
-        task = asyncio.get_running_loop().create_task(self._freeze_into(current, cmd, group))
+        task = asyncio.get_running_loop().create_task(
+            self._freeze_into(current, cmd, group, "join"))
         current.joins.append(task)
         await task
 
@@ -515,23 +488,31 @@ class Regions:
         r.frozen_ids.append(cmd.id)
         r.report.frozen.append(cmd.id)
 
-    async def _freeze_into(self, r: Region, cmd: Command, group: Group) -> None:
+    async def _freeze_into(self, r: Region, cmd: Command, group: Group, why: str) -> None:
+        """Freeze a command after the region froze its targets (`why`: "join", a command that
+        began running meanwhile; "late", a device holder the probes saw): into the region while
+        it is still current, else undone at once."""
         try:
             await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
         except FreezeError as e:
-            log.warning("join_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+            log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
             return
         if self.current_on(r.device) is r:
             self._add_frozen(r, cmd, group)
         else:  # the region began releasing while this one froze: undo at once
             await self.d.backend.thaw(group)
+        self.d.trace("freeze", r, command=cmd.id, late=True)
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.
         Under --freeze device-holders it holds no GPU file yet, so it starts (fenced off the
         region cores) and is frozen if it opens one during the region."""
-        if cmd.device is None or not self.d.scheduler.isolates() or \
-                self.d.config.freeze == "device-holders":
+        if cmd.device is None or not self._freezes_starts():
             return None
         return self.current_on(cmd.device.key)
+
+    def _freezes_starts(self) -> bool:
+        """Whether commands that start during a region are frozen into it (not under the shared
+        or command policies, nor --freeze device-holders, which freezes on a GPU open instead)."""
+        return self.d.scheduler.isolates() and self.d.config.freeze != "device-holders"
 

@@ -33,9 +33,10 @@ from typing import Any
 from . import _bcc
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .failure import FailureReporting
+from ..runtime.quiesce import GPU_PREFIXES
 from .ioctls import ioctl_name
 
-DEFAULT_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
+DEFAULT_PREFIXES = GPU_PREFIXES
 PATH_LEN = 64  # bytes of path kept per fd (prefixes must be shorter)
 MAX_PREFIXES = 8
 KIND_OPEN, KIND_IOCTL = 1, 2

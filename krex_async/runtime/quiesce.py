@@ -242,7 +242,7 @@ def on_signal() -> None:
             if p is None or st.closed:
                 return
             t0 = time.perf_counter()
-            st.gpu = st.gpu or _holds_gpu_file()
+            st.gpu = st.gpu or holds_gpu_file(unreadable=True)
             # Without a GPU device file there is no context and nothing queued: skip the device
             # libraries' probing (six dlopen(RTLD_NOLOAD) searches, 1-2 ms on the dev VM).
             synced = _devicework().synchronize() if st.gpu else "none"
@@ -262,18 +262,21 @@ def on_signal() -> None:
         st.in_handler = False
 
 
-_GPU_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
+# The device files of GPU drivers (NVIDIA, AMD KFD, DRM render nodes). Here because this module
+# needs only the standard library: the daemon, the probes and the command's runtime all use it.
+GPU_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
 
 
-def _holds_gpu_file() -> bool:
-    """Whether this process has a GPU device file open (as the daemon reads /proc/<pid>/fd)."""
+def holds_gpu_file(pid: int | str = "self", *, unreadable: bool = False) -> bool:
+    """Whether the process has a GPU device file open (from /proc/<pid>/fd); `unreadable` is the
+    answer when its fds cannot be listed (gone, or no permission)."""
     try:
-        fds = os.listdir("/proc/self/fd")
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return True  # cannot tell: synchronise
+        return unreadable
     for fd in fds:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(_GPU_PREFIXES):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(GPU_PREFIXES):
                 return True
         except OSError:
             continue
