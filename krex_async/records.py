@@ -216,9 +216,9 @@ def leftover_pids(rec: Record) -> list[int]:
     return sorted(mine)
 
 
-async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> str:
+async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> tuple[str, list[int]]:
     """SIGKILL what is left of a dead daemon's command and wait (bounded) until it is gone; returns
-    what was done. The cgroup backend's group is killed and removed through the backend (the start-up
+    what was done, and the pids still alive after `timeout` (normally none). The cgroup backend's group is killed and removed through the backend (the start-up
     sweep left it, populated, in `orphans`) when this daemon has the same cgroup root; otherwise,
     and for what the cgroup no longer holds, the leader's session is signalled."""
     g: Group | None = None
@@ -233,7 +233,7 @@ async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> str:
             n = len(backend.pids(g))
             await backend.kill(g, signal.SIGKILL)
             await backend.remove(g)
-            return f"killed {n} process(es) in cgroup {rec.cgroup} and removed it"
+            return f"killed {n} process(es) in cgroup {rec.cgroup} and removed it", []
         except (IsolationError, OSError) as e:
             if os.path.isdir(rec.cgroup_dir):  # a vanished cgroup is a state, not a failure
                 log.warning("lost_cgroup", command=rec.id, error=str(e))
@@ -250,5 +250,6 @@ async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> str:
         pids = [p for p in pids if (st := _stat(p)) is not None and st[2] >= rec.start_ticks]
         await asyncio.sleep(0.02)
     if pids:
-        return f"processes {pids} still alive {timeout} s after SIGKILL"
-    return f"killed {killed} process(es) of session {rec.pid}" if killed else "no processes left"
+        return f"processes {pids} still alive {timeout} s after SIGKILL", pids
+    return (f"killed {killed} process(es) of session {rec.pid}" if killed
+            else "no processes left"), []

@@ -87,7 +87,7 @@ def recover(daemon: Daemon) -> list[Command]:
 
 
 async def _end(daemon: Daemon, rec: Record, cmd: Command) -> None:
-    done = await end_lost(daemon.backend, rec)
+    done, alive = await end_lost(daemon.backend, rec)
     log.info("lost_command_ended", command=rec.id, action=done)
-    if "still alive" in done and cmd.report is not None:
+    if alive and cmd.report is not None:
         cmd.report.error = f"the daemon that ran it stopped (pid {rec.daemon_pid}); {done}"

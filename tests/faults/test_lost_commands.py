@@ -236,10 +236,10 @@ async def test_a_reused_pid_is_never_taken_for_the_lost_commands_leader():
                      group="cmd-00000-1", pid=proc.pid, start_ticks=ticks - 1, started_at=0,
                      daemon_pid=1, daemon_ticks=0)
         backend = SignalBackend()
-        assert await end_lost(backend, rec) == "no processes left"  # another process's pid now
+        assert await end_lost(backend, rec) == ("no processes left", [])  # another process's pid now
         assert proc.poll() is None and all(proc_state(p) not in (None, "Z") for p in kids)
         rec.start_ticks = ticks
-        assert await end_lost(backend, rec) == "killed 3 process(es) of session %d" % proc.pid
+        assert await end_lost(backend, rec) == ("killed 3 process(es) of session %d" % proc.pid, [])
         assert proc.wait(5) == -9
         assert all(proc_state(p) in (None, "Z") for p in kids)
     finally:
