@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from krex_async import Client
+from krex_async.procfs import stat_fields
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,12 +163,20 @@ def is_frozen(pid: int) -> bool:
 
 
 def proc_state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rindex(b")") + 2:].split()[0].decode()
+    fields = stat_fields(pid)
+    return None if fields is None else fields[0].decode()
+
+
+def thread_names(pid: int | str = "self") -> list[str]:
+    """The comm of every thread of `pid` (named threads show there, as in `top -H`)."""
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names
 
 
 def is_root() -> bool:

@@ -22,7 +22,7 @@ import pytest
 
 from krex_async.protocol import TraceEvent
 
-from ..conftest import PY, py_env, run_daemon
+from ..conftest import PY, py_env, run_daemon, thread_names
 
 OWNER = """
 import os, sys, time
@@ -63,17 +63,6 @@ def fd_targets(pid: int) -> list[str]:
         except OSError:
             pass
     return out
-
-
-def thread_names(pid: int) -> list[str]:
-    names = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass
-    return names
 
 
 async def wait_until(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]

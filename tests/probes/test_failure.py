@@ -13,18 +13,8 @@ import os
 
 from krex_async.probes.bpf_ioctl import IoctlProbe
 
+from ..conftest import thread_names
 from .conftest import Collector, need_bcc, run_child
-
-
-def thread_names() -> list[str]:
-    out = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                out.append(f.read().strip())
-        except OSError:
-            pass
-    return out
 
 
 async def test_poll_thread_failure_is_reported_once_and_stop_releases_everything(devdir):
