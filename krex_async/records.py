@@ -32,6 +32,7 @@ import msgspec
 from . import logs
 from . import protocol as P
 from .isolation.base import Backend, Group, IsolationError
+from .fsutil import replace_file
 from .procfs import stat_fields
 
 if TYPE_CHECKING:
@@ -125,21 +126,10 @@ class Records:
 
     def write(self, rec: Record) -> None:
         path = self.path(rec.id)
-        tmp = f"{path}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         0o600)
-            try:
-                os.write(fd, _encoder.encode(rec))
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
+            replace_file(path, _encoder.encode(rec))
         except OSError as e:
             log.warning("record_failed", command=rec.id, path=path, error=str(e))
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def remove(self, command: str) -> None:
         try:

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from krex_async.fsutil import replace_file
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 
 KREX = "krex"
@@ -60,19 +61,7 @@ class Intent:
         with self._lock:
             if seq < self._disk_seq:
                 return  # a newer snapshot is already there
-            tmp = f"{self.path}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.path)
-            dfd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            replace_file(self.path, data, durable=True)
             self._disk_seq = seq
 
     def write_now(self) -> None:
