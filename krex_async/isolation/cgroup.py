@@ -230,7 +230,7 @@ class CgroupBackend(Backend):
         """Freeze the groups together: one intent write (none when create() already recorded them),
         then every watch armed and every cgroup.freeze written and read back in one go, then one
         bounded wait for all of them. On any failure every group of the batch is written back to 0
-        and the first error propagates (FreezeError names the group and the tasks not stopped)."""
+        and the first error propagates (FreezeError names the group and lists its tasks with their states)."""
         gs = [self._g(g) for g in groups]
         t0 = time.perf_counter()
         targets: list[str | None] = []
@@ -310,12 +310,15 @@ class CgroupBackend(Backend):
         if not ok:
             stuck = self._not_frozen(target)
             raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
-                              f"tasks not stopped: {stuck}")
+                              f"its tasks (state): {stuck}")
         elapsed = time.perf_counter() - t0
         n = sum(len(self.v2.procs(rel)) for rel in self._leaves(g, target))
         return Freeze(g.name, elapsed, n, vanished=n == 0)
 
     def _not_frozen(self, target: str) -> str:
+        """Every task under `target` with its /proc state, for a freeze that timed out. cgroup v2
+        exposes no per-task frozen flag (a frozen task reads "S"), so which of them held the
+        freeze up cannot be told from here: all are listed."""
         out = []
         for rel in self.v2.walk(target):
             for pid in self.v2.procs(rel):
