@@ -130,3 +130,21 @@ def test_example_file_loads_and_documents_every_option():
     text = example.read_text()
     for name in ServeConfig.__struct_fields__:
         assert f"\n{name} =" in text or f"\n# {name} =" in text, f"{name} not in the example"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--settle-fraction", "2", "--settle-fraction: Expected `float` <= 1.0"),
+    ("--settle-fraction", "0", "--settle-fraction: Expected `float` > 0.0"),
+    ("--settle-ms", "-1", "--settle-ms: Expected `float` >= 0.0"),
+    ("--max-connections", "0", "--max-connections: Expected `int` >= 1"),
+    ("--max-commands", "0", "--max-commands: Expected `int` >= 1"),
+    ("--max-buffered-total", "10", "--max-buffered-total: Expected `int` >= 65536"),
+    ("--spool-limit", "-1", "--spool-limit: Expected `int` >= 0"),
+])
+def test_serve_flags_reject_bad_values_before_serving(tmp_path, flag, value, message):
+    """A bad value stops `krex serve` with the flag and the rule named, before it binds anything."""
+    sock = tmp_path / "s"
+    p = subprocess.run([PY, "-m", "krex_async", "serve", "--socket", str(sock), flag, value],
+                       capture_output=True, text=True, cwd=ROOT, timeout=30, env=py_env())
+    assert p.returncode != 0 and message in p.stderr, p.stderr
+    assert not sock.exists()
