@@ -150,10 +150,6 @@ class Guard:
 
 # ------------------------------------------------------------------------------ the guard process
 
-class _Stop(Exception):
-    pass
-
-
 class _Held:
     """The stopped pids the guard would resume, each with a pidfd where one could be opened."""
 
@@ -221,12 +217,19 @@ def _drain(rfd: int, buf: bytearray) -> None:
 
 
 def guard_main(daemon_pid: int, rfd: int = 0, out: int = 1) -> int:
-    """The guard's loop: returns its exit status (0 after Q, 1 after the daemon's death)."""
-    def stop(signum: int, frame: object) -> None:
-        raise _Stop()
+    """The guard's loop: returns its exit status (0 after Q, 1 after the daemon's death).
 
+    SIGTERM, SIGINT and SIGHUP only note themselves and wake the poll through a wakeup pipe: a
+    handler that raised could land between reading a line and recording its pids, and the pids on
+    that line would never be resumed.
+    """
+    told: list[int] = []
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stop)
+        signal.signal(sig, lambda signum, frame: told.append(signum))
     held = _Held()
     try:
         dfd = os.pidfd_open(daemon_pid)
@@ -238,13 +241,13 @@ def guard_main(daemon_pid: int, rfd: int = 0, out: int = 1) -> int:
     quit_ = False
     died = False
     why = f"daemon {daemon_pid} is gone"
-    try:  # from here on every way out resumes what is held (a signal may land on any line)
+    try:  # from here on every way out resumes what is held
         os.write(out, READY)
         os.close(out)
         poller = select.poll()
-        poller.register(rfd, select.POLLIN)
-        poller.register(dfd, select.POLLIN)
-        while not quit_:
+        for fd in (rfd, dfd, wake_r):
+            poller.register(fd, select.POLLIN)
+        while not quit_ and not told:
             events = dict(poller.poll())
             if rfd in events:
                 data = os.read(rfd, 1 << 16)
@@ -256,11 +259,9 @@ def guard_main(daemon_pid: int, rfd: int = 0, out: int = 1) -> int:
             elif dfd in events:
                 died = True
                 break
-    except _Stop:
-        died, why = True, "the guard was told to stop"
+        if told and not quit_:
+            died, why = True, "the guard was told to stop"
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the resume short
         if not quit_:  # read what the daemon wrote just before it died (or we were told to stop)
             _drain(rfd, buf)
             _apply(held, buf)

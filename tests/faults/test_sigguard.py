@@ -144,3 +144,34 @@ def test_close_resumes_what_is_left_and_the_guard_exits(sleepers):
     finally:
         daemon.kill()
         daemon.wait()
+
+
+def test_sigterm_right_after_a_stopped_message_still_resumes_those_pids():
+    """The guard is told to stop while it may be reading the line that named the pids.
+
+    A handler that raised could land between the read and the bookkeeping and drop that line (this
+    loop failed in over half its rounds before the handler only noted the signal). The pids'
+    states are read once the guard has exited and any SIGSTOP not yet acted on has had time to
+    land: a pid the guard missed is stopped by then, one it resumed runs.
+    """
+    from krex_async.isolation.sigguard import Guard
+
+    missed = 0
+    for _ in range(20):
+        procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+        pids = [p.pid for p in procs]
+        guard = Guard.start()
+        try:
+            guard.stopped(pids)
+            for p in pids:
+                os.kill(p, signal.SIGSTOP)
+            os.kill(guard.pid, signal.SIGTERM)
+            guard._proc.wait(5)
+            time.sleep(0.05)
+            missed += any(s in ("T", "t") for s in states(pids))
+        finally:
+            guard.close()
+            for p in procs:
+                p.kill()
+                p.wait()
+    assert missed == 0, f"{missed} of 20 rounds left pids stopped"
