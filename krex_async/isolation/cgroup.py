@@ -425,10 +425,8 @@ class CgroupBackend(Backend):
     async def close(self) -> None:
         """Stop the watchdog (clean shutdown: nothing is frozen any more) and the inotify watcher."""
         if self.watchdog is not None:
-            self.watchdog.terminate()
-            self.watchdog.wait()
-            if self.watchdog.stdout:
-                self.watchdog.stdout.close()
+            from krex_async.isolation.watchdog import release
+            release(self.watchdog)
             self.watchdog = None
         if self._watcher is not None:
             self._watcher.close()

@@ -6,9 +6,12 @@
                                              └─ intent.sweep(): thaw all, restore cpusets; exit
 
 It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
-only the cgroupfs and intent modules, and removes nothing but empty command cgroups. SIGTERM (the
-daemon's clean shutdown) ends it without a sweep; SIGINT is ignored so a terminal ^C aimed at the
-daemon leaves the guard in place.
+only the cgroupfs and intent modules, and removes nothing but empty command cgroups.
+
+The daemon's clean shutdown releases it by writing "Q" to its stdin pipe (it exits without a
+sweep: nothing is frozen any more). End of that pipe without a "Q" means the daemon died. SIGTERM
+and SIGINT are ignored: `systemctl stop` signals every process of the unit at once, and a
+watchdog that left then could not thaw what a daemon that hangs in its shutdown still holds.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ def start_watchdog(pid: int, v2_root: str, v1_root: str | None, cpuset: str, sta
     env = dict(os.environ)
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, start_new_session=True,
-                            close_fds=True)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            start_new_session=True, close_fds=True)
     assert proc.stdout is not None
     ready = select.select([proc.stdout], [], [], timeout)[0]
     line = proc.stdout.readline() if ready else b""
@@ -48,15 +51,48 @@ def start_watchdog(pid: int, v2_root: str, v1_root: str | None, cpuset: str, sta
     return proc
 
 
-def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str) -> list[str]:
-    """Block until `pid` exits, then sweep. Returns the sweep's lines."""
+def release(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """The daemon's clean shutdown: tell the watchdog to exit without a sweep, and reap it."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.write(b"Q\n")
+            proc.stdin.close()
+    except OSError:
+        pass  # it is gone already
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _released(rfd: int) -> bool | None:
+    """Read the daemon's pipe: True on "Q", False on its end without one, None for nothing yet."""
+    data = os.read(rfd, 64)
+    if not data:
+        return False
+    return True if b"Q" in data else None
+
+
+def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str,
+          rfd: int = 0) -> list[str]:
+    """Block until `pid` exits (sweep; returns the sweep's lines) or releases us (returns [])."""
     pidfd = os.pidfd_open(pid)
     try:
         print("ready", flush=True)
         p = select.poll()
         p.register(pidfd, select.POLLIN)
-        while not p.poll():
-            pass
+        p.register(rfd, select.POLLIN)
+        while True:
+            events = dict(p.poll())
+            if rfd in events and (said := _released(rfd)) is not None:
+                if said:
+                    return []
+                break  # the pipe ended without a "Q": the daemon died
+            if pidfd in events:
+                break
     finally:
         os.close(pidfd)
     t0 = time.monotonic()
@@ -74,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", required=True)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         lines = guard(a.pid, CgroupFS(a.v2), CgroupFS(a.v1) if a.v1 else None, a.cpuset, a.state_dir)
     except ProcessLookupError:

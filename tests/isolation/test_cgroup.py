@@ -378,11 +378,17 @@ async def test_reconcile_thaws_leftover_and_restores_cpusets(cgroot, tmp_path):
         reap(p)
 
 
-async def test_watchdog_thaws_within_a_second_of_sigkill(backend):
+@pytest.mark.parametrize("sigterm_first", [False, True], ids=["sigkill", "sigterm-then-sigkill"])
+async def test_watchdog_thaws_within_a_second_of_sigkill(backend, sigterm_first):
+    """sigterm-then-sigkill: `systemctl stop` signals the whole unit; the watchdog stays on guard."""
     standin = subprocess.Popen(["sleep", "60"])
     g, p = await start(backend, SPIN)
     try:
         backend.start_watchdog(standin.pid)
+        if sigterm_first:
+            backend.watchdog.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            assert backend.watchdog.poll() is None, "the watchdog left on SIGTERM"
         await backend.freeze(g)
         if len(backend.cpus) > 1 and backend.cores.mode != "none":
             await backend.set_cores(g, frozenset({sorted(backend.cpus)[0]}))
@@ -398,4 +404,22 @@ async def test_watchdog_thaws_within_a_second_of_sigkill(backend):
         assert backend.watchdog is not None and backend.watchdog.wait(timeout=2) == 0
     finally:
         reap(standin)
+        reap(p)
+
+
+async def test_a_released_watchdog_exits_without_a_sweep(backend):
+    """The clean shutdown's release is told apart from the daemon's death: no thaw behind its back."""
+    from krex_async.isolation.watchdog import release
+
+    g, p = await start(backend, SPIN)
+    try:
+        backend.start_watchdog()
+        await backend.freeze(g)
+        wd, backend.watchdog = backend.watchdog, None
+        assert wd is not None
+        release(wd)
+        assert wd.returncode == 0
+        assert frozen_reads(backend, g.top) == 1, "the release swept"
+        await backend.thaw(g)
+    finally:
         reap(p)
