@@ -40,7 +40,8 @@ for _ in range(n):
     enter.append(t1 - t0)
     exit_.append(t2 - t1)
     rep.append((r.report.freeze_s, r.report.cores_s, r.report.wait_s, r.report.enter_s,
-                len(r.report.frozen), r.report.quiesce_s))
+                len(r.report.frozen), r.report.quiesce_s, r.report.select_s, r.report.settle_s,
+                r.report.drain))
 print(json.dumps({"enter": enter, "exit": exit_, "rep": rep}))
 '''
 
@@ -61,13 +62,13 @@ def env() -> dict[str, str]:
 
 
 class Daemon:
-    def __init__(self, tmp: str, backend: str, extra: list[str]) -> None:
+    def __init__(self, tmp: str, backend: str, extra: list[str], probes: str = "off") -> None:
         self.sock = os.path.join(tmp, f"{backend}.sock")
         self.log = open(os.path.join(tmp, f"{backend}.log"), "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock, "--isolation",
              backend, "--log-level", "warning", "--state-dir", os.path.join(tmp, "state"),
-             "--probes", "off", *(extra if backend == "cgroup" else [])],
+             "--probes", probes, *(extra if backend == "cgroup" else [])],
             stdout=self.log, stderr=subprocess.STDOUT, env=env())
         while not os.path.exists(self.sock):
             if self.proc.poll() is not None:
@@ -104,7 +105,9 @@ async def siblings_case(sock: str, owner: str, sleeper: str, n_sib: int, regions
     rep = data["rep"][skip:]
     return {"siblings": n_sib, "enter": data["enter"][skip:], "exit": data["exit"][skip:],
             "freeze": [r[0] for r in rep], "cores": [r[1] for r in rep],
-            "quiesce": [r[5] for r in rep],
+            "quiesce": [r[5] for r in rep], "daemon": [r[3] for r in rep],
+            "select": [r[6] for r in rep], "settle": [r[7] for r in rep],
+            "drain": sorted({r[8] for r in rep}),
             "frozen": statistics.median(r[4] for r in rep) if rep else 0}
 
 
@@ -135,6 +138,7 @@ def main() -> int:
                     help="table 1 with a new owner command per region (each its first region)")
     ap.add_argument("--busy", action="store_true", help="siblings spin instead of sleeping")
     ap.add_argument("--json", help="write raw numbers here")
+    ap.add_argument("--probes", default="off", help="the daemon's --probes (default off)")
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra `krex serve` argument for the cgroup daemon (e.g. --cgroup-root=...)")
     args = ap.parse_args()
@@ -145,13 +149,15 @@ def main() -> int:
     open(sleeper, "w").write(SPINNER if args.busy else SLEEPER)
     out: dict[str, object] = {"cpus": len(os.sched_getaffinity(0)), "date": time.strftime("%F %T"),
                               "rows": []}
-    print(f"region overhead on the cpu device ({out['cpus']} cpus), {args.regions} regions a row\n")
+    print(f"region overhead ({out['cpus']} cpus, probes {args.probes}), {args.regions} regions a "
+          f"row\n")
     print(f"{'backend':<8} {'siblings':>8} {'frozen':>6} {'enter p50':>10} {'enter p99':>10} "
           f"{'quiesce p50':>11} {'quiesce p99':>11} "
           f"{'freeze p50':>11} {'freeze p99':>11} {'cpuset p50':>11} {'cpuset p99':>11} "
           f"{'exit p50':>9} {'exit p99':>9}")
     for backend in args.backends.split(","):
-        d = Daemon(tmp, backend, args.daemon_arg)
+        d = Daemon(tmp, backend, args.daemon_arg, args.probes)
+        splits: list[dict] = []
         try:
             for s in [int(x) for x in args.siblings.split(",") if x]:
                 r = asyncio.run(siblings_case(d.sock, owner, sleeper, s, args.regions, args.fresh))
@@ -163,6 +169,16 @@ def main() -> int:
                       f"{pct(r['freeze'], .99):>11.3f} {pct(r['cores'], .5):>11.3f} "
                       f"{pct(r['cores'], .99):>11.3f} {pct(r['exit'], .5):>9.3f} "
                       f"{pct(r['exit'], .99):>9.3f}", flush=True)
+                splits.append(r)
+            if splits:  # the daemon's side of each entry, and what the owner's side adds to it
+                print(f"\n{'backend':<8} {'siblings':>8} {'daemon p50':>10} {'daemon p99':>10} "
+                      f"{'select p50':>10} {'settle p50':>10} {'owner+wire p50':>14}  drain")
+                for r in splits:
+                    rest = [e - dm for e, dm in zip(r["enter"], r["daemon"])]
+                    print(f"{backend:<8} {r['siblings']:>8} {pct(r['daemon'], .5):>10.3f} "
+                          f"{pct(r['daemon'], .99):>10.3f} {pct(r['select'], .5):>10.3f} "
+                          f"{pct(r['settle'], .5):>10.3f} {pct(rest, .5):>14.3f}  "
+                          f"{','.join(r['drain'])}", flush=True)
             print(f"\n{'backend':<8} {'commands':>8} {'enter p50':>10} {'enter p99':>10} "
                   f"{'wait p50':>9} {'wait p99':>9} {'exit p50':>9} {'exit p99':>9}")
             for n in [int(x) for x in args.contending.split(",") if x]:

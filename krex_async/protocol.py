@@ -160,6 +160,7 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     policy: str
     requested_at: float = 0.0  # unix seconds
     wait_s: float = 0.0  # queued behind other regions
+    select_s: float = 0.0  # choosing whom to freeze and whom to quiesce first
     quiesce_s: float = 0.0
     freeze_s: float = 0.0
     drain_s: float = 0.0

@@ -24,7 +24,8 @@ from . import logs
 from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
-from .isolation.base import FreezeError, Group
+from .gpuholders import GpuHolders, read_holders
+from .isolation.base import Freeze, FreezeError, Group
 from .runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class Regions:
         self.d = daemon
         self.active: dict[str, Region] = {}  # every region from request to release
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
-        self._gpu_runtimes: dict[int, Callable[[P.Msg], bool]] = {}  # pid -> its runtime's send
+        self.holders = GpuHolders()  # which runtimes' processes hold a GPU device file
 
     def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
                ) -> Region:
@@ -230,8 +231,10 @@ class Regions:
         if pool is not None:
             pool.pause()  # no context creation on the device while it is held
             r.paused_pool = True
+        t_select = time.perf_counter()
         targets = self._targets(r)
         asked = self._to_quiesce(r, targets)
+        rep.select_s = time.perf_counter() - t_select
         quiesced_cmds = {id(c) for c, _, _ in asked}
         todo = [c for c in targets if c.group is not None and not c.group.frozen]
         # Mark before freezing: a failure part-way still thaws every one of them in _release.
@@ -241,6 +244,7 @@ class Regions:
         later = [c.group for c in todo if id(c) in quiesced_cmds and c.group is not None]
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
+        settle: asyncio.Future[None] | None = None
         t0 = time.perf_counter()
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
@@ -264,21 +268,24 @@ class Regions:
             rep.frozen_pids = sum(x.pids for x in results)
             self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
                          pids=rep.frozen_pids)
+            # Off the loop from here: the drain check reads /proc, the settle reads the clock,
+            # while the loop fences the cores.
+            check = self._check_drain(r, targets, results)
+            settle = asyncio.ensure_future(self._settle(r))
             if cores is None:
-                await self._timed_cores(r)
-            else:
-                await cores
+                cores = asyncio.ensure_future(self._timed_cores(r))
+            await cores
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
+            rep.drain = await check
+            await settle
         except BaseException:
-            for task in (early, cores):
+            for task in (early, cores, settle):
                 if task is not None and not task.done():
                     task.cancel()
-            await asyncio.gather(*(t for t in (early, cores) if t is not None),
+            await asyncio.gather(*(t for t in (early, cores, settle) if t is not None),
                                  return_exceptions=True)
             raise
-        rep.drain = self._drain_state(r, targets)
-        await self._settle(r)
 
     async def _settle(self, r: Region) -> None:
         """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.
@@ -293,12 +300,13 @@ class Regions:
             return
         t0 = time.perf_counter()
         deadline = t0 + self.d.config.settle_ms / 1000
-        st = node.clock(dev)
+        loop = asyncio.get_running_loop()
+        st = await loop.run_in_executor(None, node.clock, dev)  # NVML calls: not on the loop
         fraction = self.d.config.settle_fraction
         while st is not None and not st.settled(fraction) and not st.idle and \
                 time.perf_counter() < deadline:
             await asyncio.sleep(0.002)
-            st = node.clock(dev) or st
+            st = await loop.run_in_executor(None, node.clock, dev) or st
         r.clock = st
         if st is not None:
             r.report.settle_s = time.perf_counter() - t0
@@ -326,18 +334,9 @@ class Regions:
         return [(c, pid, send) for c, pid, send in owners if self._has_device_work(pid, send)]
 
     def _has_device_work(self, pid: int, send: Callable[[P.Msg], bool]) -> bool:
-        """holds_gpu_file(pid), remembered once true for this runtime connection (a process that
-        opened a GPU device keeps its context; quiescing one that closed it costs only time)."""
-        if self._gpu_runtimes.get(pid) is send:
-            return True
-        if holds_gpu_file(pid):
-            if len(self._gpu_runtimes) > 4096:  # drop runtimes that are gone
-                live = {id(s) for c in self.d.commands.values() for s in c.runtimes.values()}
-                self._gpu_runtimes = {p: s for p, s in self._gpu_runtimes.items() if id(s) in live}
-            self._gpu_runtimes[pid] = send
-            return True
-        self._gpu_runtimes.pop(pid, None)
-        return False
+        """Whether the runtime's process holds a GPU file (gpuholders.py: a holder stays one for
+        its connection; a recent "none" is believed here, and checked again after the freeze)."""
+        return self.holders.holds(pid, send)
 
     def _send_quiesce(self, r: Region, asked: list[tuple[Command, int, Callable[[P.Msg], bool]]],
                       ) -> None:
@@ -351,16 +350,33 @@ class Regions:
             else:
                 fut.cancel()
 
-    def _drain_state(self, r: Region, targets: list[Command]) -> str:
-        """not-needed (no siblings, or a device without queues), synced (every sibling process that
-        holds a GPU file acknowledged after synchronising), else pending: the owner verifies."""
+    def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze],
+                     ) -> asyncio.Future[str]:
+        """The drain state, read on a worker thread: not-needed (no siblings, or a device without
+        queues), synced (every frozen sibling process that holds a GPU file acknowledged after
+        synchronising), else pending: the owner verifies. Only processes that did not acknowledge
+        are read (an ack came after a sync), and those the freeze stopped are taken from it."""
+        loop = asyncio.get_running_loop()
         if not targets or self.d.device(r.device).vendor == "cpu":
-            return "not-needed"
+            done: asyncio.Future[str] = loop.create_future()
+            done.set_result("not-needed")
+            return done
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
-        # Only processes that did not acknowledge are read from /proc (an ack came after a sync).
-        unsynced = any(p not in acked and holds_gpu_file(p) for c in targets if c.group is not None
-                       for p in self.d.backend.pids(c.group))
-        return "pending" if unsynced else "synced"
+        stopped = {f.group: f.stopped for f in freezes}
+        pids = [p for c in targets if c.group is not None
+                for p in (stopped[c.group.name] if c.group.name in stopped
+                          else self.d.backend.pids(c.group))
+                if p not in acked]
+        tokens = {pid: send for c in targets for pid, send in c.runtimes.items()}
+
+        async def check() -> str:
+            held = await loop.run_in_executor(None, read_holders, pids) if pids else []
+            for pid in held:
+                if pid in tokens:
+                    self.holders.note(pid, tokens[pid], True)
+            return "pending" if held else "synced"
+
+        return asyncio.ensure_future(check())
 
     def ack(self, cmd: Command, pid: int, msg: P.QuiesceAck) -> None:
         r = self.active.get(msg.region)
@@ -431,6 +447,10 @@ class Regions:
         for send in r.quiesced:
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
+        if self.d.device(r.device).vendor != "cpu":  # read the device's runtimes afresh meanwhile
+            self.holders.refresh((pid, send) for cid in self.d.scheduler.siblings(r.device, "")
+                                 if (c := self.d.commands.get(cid)) is not None
+                                 for pid, send in c.runtimes.items())
         if self.reserved.pop(r.id, None) is not None:
             try:
                 if r.command.group is not None and r.command.state == "running":

@@ -39,12 +39,14 @@ class FreezeError(IsolationError):
 
 @dataclass
 class Freeze:
-    """What one freeze did: seconds it took, pids stopped, whether the group had vanished."""
+    """What one freeze did: seconds it took, pids stopped (and which), whether the group had
+    vanished. `stopped` is read once the freeze took hold, so it stays true while frozen."""
 
     group: str
     seconds: float = 0.0
     pids: int = 0
     vanished: bool = False
+    stopped: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -312,8 +312,8 @@ class CgroupBackend(Backend):
             raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
                               f"its tasks (state): {stuck}")
         elapsed = time.perf_counter() - t0
-        n = sum(len(self.v2.procs(rel)) for rel in self._leaves(g, target))
-        return Freeze(g.name, elapsed, n, vanished=n == 0)
+        stopped = [p for rel in self._leaves(g, target) for p in self.v2.procs(rel)]
+        return Freeze(g.name, elapsed, len(stopped), vanished=not stopped, stopped=stopped)
 
     def _not_frozen(self, target: str) -> str:
         """Every task under `target` with its /proc state, for a freeze that timed out. cgroup v2

@@ -201,6 +201,7 @@ class SignalBackend(Backend):
             g.extra["stopped"] = already[g.name]
             r = results[g.name]
             r.pids = len(sent[g.name])
+            r.stopped = list(sent[g.name])
             r.vanished = not sent[g.name]
             r.seconds = elapsed
         return [results[g.name] for g in groups]
