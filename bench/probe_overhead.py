@@ -3,7 +3,8 @@
     sudo python bench/probe_overhead.py            # CPU part (here): ioctl cost, fake-launch cost,
                                                    # lost events at 100k ioctl/s, and a flood
     sudo python bench/probe_overhead.py --gpu      # GPU part (accelerator): torch a.add_(1.0) rate
-    options: --reps N (interleaved repetitions per mode), --json FILE, --rate R --seconds S (loss),
+    options: --reps N (interleaved repetitions per mode; --gpu: blocks), --bursts B (--gpu: bursts
+             per mode per block), --launches L (--gpu: per burst), --json FILE, --rate R --seconds S (loss),
              --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part)
 
 Loss accounting (each row must balance): `sent` ioctls plus the one open are what the kernel-side
@@ -70,13 +71,18 @@ int main(int argc, char **argv) {
 """
 FAKE_LIB = "int cuLaunchKernel(void *f, unsigned gx) { return (int)gx; }\n"
 
-TORCH_LOOP = r"""
-import sys, time, torch
-n = int(sys.argv[1]); a = torch.zeros(1, device="cuda")
-for _ in range(1000): a.add_(1.0)
-torch.cuda.synchronize(); t0 = time.perf_counter()
-for _ in range(n): a.add_(1.0)
-torch.cuda.synchronize(); print(n / (time.perf_counter() - t0))
+TORCH_WORKER = r"""
+import os, sys, time, torch
+os.sched_setaffinity(0, {int(sys.argv[1])})
+a = torch.zeros(1, device="cuda")
+for _ in range(5000): a.add_(1.0)
+torch.cuda.synchronize()
+print([l.split()[-1] for l in open("/proc/self/maps") if "libcuda.so" in l][0], flush=True)
+for line in sys.stdin:
+    n = int(line)
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(n): a.add_(1.0)
+    torch.cuda.synchronize(); print(n / (time.perf_counter() - t0), flush=True)
 """
 
 
@@ -250,23 +256,55 @@ def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[
             for r in res.report.regions]
 
 
-def gpu_part(reps: int, n: int) -> list[dict[str, Any]]:
-    def rate() -> float:
-        return float(run([sys.executable, "-c", TORCH_LOOP, str(n)])[-1])
-    probe_py = ("import torch; torch.zeros(1, device='cuda'); "
-                "print([l.split()[-1] for l in open('/proc/self/maps') if 'libcuda.so' in l][0])")
-    libcuda = run([sys.executable, "-c", probe_py])[-1]
-    modes = {"off": lambda: None, "ioctl probes": lambda: IoctlProbe(),
-             "launch probes": lambda: LaunchProbe([libcuda], search=False)}
-    res: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(reps):
-        for m, make in modes.items():
-            with Running(make()):
-                res[m].append(rate())
-    base = statistics.median(res["off"])
-    return [{"mode": m, "launches_per_s": statistics.median(v),
-             "vs_off_pct": 100.0 * (statistics.median(v) - base) / base,
-             "spread": f"{min(v):.0f}-{max(v):.0f}"} for m, v in res.items()]
+def gpu_part(reps: int, n: int, bursts: int = 5) -> list[dict[str, Any]]:
+    """torch `a.add_(1.0)` launch rate in one long-lived worker pinned to one core (this process,
+    with the probes' reader, on the others), so that only the probes change between measurements.
+    `reps` blocks; in each, every mode in turn (the order rotated block by block) gets its probe
+    started, `bursts` bursts of `n` launches, and its probe stopped. Each mode is compared with "off"
+    block by block (the median of its bursts against off's in the same block)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise RuntimeError("the GPU part needs two cpus (worker and probes apart)")
+    worker_cpu = cpus[-1]
+    os.sched_setaffinity(0, set(cpus[:-1]))
+    w = subprocess.Popen([sys.executable, "-c", TORCH_WORKER, str(worker_cpu)], text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert w.stdin is not None and w.stdout is not None
+    try:
+        libcuda = w.stdout.readline().strip()
+
+        def burst() -> float:
+            w.stdin.write(f"{n}\n")
+            w.stdin.flush()
+            return float(w.stdout.readline())
+
+        modes = {"off": lambda: None, "ioctl probes": lambda: IoctlProbe(),
+                 "launch probes": lambda: LaunchProbe([libcuda], search=False)}
+        names = list(modes)
+        burst()  # warm
+        per_block: list[dict[str, float]] = []
+        every: dict[str, list[float]] = {m: [] for m in names}
+        for b in range(reps):
+            block: dict[str, float] = {}
+            for m in names[b % len(names):] + names[:b % len(names)]:
+                with Running(modes[m]()):
+                    time.sleep(0.2)
+                    rates = [burst() for _ in range(bursts)]
+                every[m] += rates
+                block[m] = statistics.median(rates)
+            per_block.append(block)
+    finally:
+        w.kill()
+        w.wait()
+        os.sched_setaffinity(0, set(cpus))
+    rows = []
+    for m in names:
+        paired = sorted(100.0 * (blk[m] - blk["off"]) / blk["off"] for blk in per_block)
+        rows.append({"mode": m, "launches_per_s": statistics.median(every[m]),
+                     "vs_off_pct": statistics.median(paired),
+                     "vs_off_min_max": f"{paired[0]:+.2f}..{paired[-1]:+.2f}",
+                     "blocks": len(per_block), "bursts": len(every[m])})
+    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -282,7 +320,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gpu", action="store_true", help="torch launch rate (needs CUDA and torch)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--launches", type=int, default=200_000)
+    ap.add_argument("--launches", type=int, default=200_000, help="launches per burst (--gpu)")
+    ap.add_argument("--bursts", type=int, default=5, help="bursts per mode in each block (--gpu)")
     ap.add_argument("--rate", type=float, default=100_000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--flood", type=int, default=2_000_000,
@@ -296,7 +335,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="krexbench-", dir="/tmp")
     try:
         if args.gpu:
-            out["gpu"] = gpu_part(args.reps, args.launches)
+            out["gpu"] = gpu_part(args.reps, args.launches, args.bursts)
             print("GPU: torch a.add_(1.0) launch rate\n" + table(out["gpu"]) + "\n")
         try:
             if not args.loss_only:

@@ -221,6 +221,8 @@ class Regions:
             every other target frozen at once; the owner's cores reserved and the running commands
             fenced off them (unless the owner's own children must be frozen first: then after).
         t1: acks in (or --quiesce-timeout): the quiesced targets frozen, then the owner's children.
+        t2: all frozen: the drain check (/proc) and the clock settle (NVML) on worker threads while
+            the loop finishes the fencing.
         Every task started here has finished before this returns or raises, so `_release` never
         races a freeze still in flight.
         """
@@ -245,6 +247,7 @@ class Regions:
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
         settle: asyncio.Future[None] | None = None
+        check: asyncio.Future[str] | None = None
         t0 = time.perf_counter()
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
@@ -280,11 +283,11 @@ class Regions:
             rep.drain = await check
             await settle
         except BaseException:
-            for task in (early, cores, settle):
-                if task is not None and not task.done():
+            tasks = [t for t in (early, cores, settle, check) if t is not None]
+            for task in tasks:
+                if not task.done():
                     task.cancel()
-            await asyncio.gather(*(t for t in (early, cores, settle) if t is not None),
-                                 return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
     async def _settle(self, r: Region) -> None:

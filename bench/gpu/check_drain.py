@@ -13,6 +13,9 @@ launching. Conditions, each after the sibling has rebuilt its backlog:
   b-settle     b-quiesce, then wait for the SM clock to recover as the daemon does before a grant
                (Regions._settle): krex's path for a sibling that acknowledges (--regions times)
   d-settle     c-verify, then the same settle: krex's path for one that does not (--regions times)
+  alone-i      interleaved with those: the sibling stopped, its queue waited out, 1.5 s of rest,
+               then the same timings (the GPU alone, in the same stretch of the run); the baseline
+               is the median over these and the three rounds alone at the start
 none with any warming (krex's default once the clock has settled). The goals are checked on the
 production paths, as the p95 over regions of each region's median inflation. Also: NVML fields, and that a CUDA process frozen with kernels in
 flight (SIGSTOP, cgroup freeze, and quiesce-then-freeze) completes with exact results after thaw.
@@ -273,7 +276,8 @@ def main() -> None:
         if "nvml" not in args.skip:
             nvml_checks(proc.pid)
         region = 0
-        plan = [(c, 0) for c in ONCE] + [(c, k) for k in range(args.regions) for c in PRODUCTION]
+        plan = [(c, 0) for c in ONCE] + [(c, k) for k in range(args.regions)
+                                         for c in (*PRODUCTION, "alone-i")]
         for cond, k in plan:
             region += 1
             name, key = f"r{region}", f"{cond}/{k}"
@@ -283,13 +287,17 @@ def main() -> None:
                 conn.send({"type": "quiesce", "id": region, "region": name})
                 d["ack"] = conn.recv(60)
             os.kill(proc.pid, signal.SIGSTOP)
-            if cond in ("c-verify", "d-settle"):
+            if cond in ("c-verify", "d-settle", "alone-i"):
                 d["idle_verify"], d["seconds"] = devicework.idle_verify(10.0)
+            if cond == "alone-i":
+                time.sleep(1.5)
             if cond.endswith("-settle"):
                 d.update(settle(node, gpu))
             d["enter_s"] = time.perf_counter() - t0
             drains[key] = d
             t[key] = time_all(kernels, 0, reps)
+            if cond == "alone-i":
+                alone.append(t.pop(key))
             os.kill(proc.pid, signal.SIGCONT)
             if cond.startswith("b-"):
                 conn.send({"type": "resume", "id": region, "region": name})
@@ -302,7 +310,16 @@ def main() -> None:
         conn.s.close()
         node.close()
     results["drains"] = drains
+    # The baseline: every round alone, the three at the start and those interleaved.
+    results["alone_first3"] = t["alone"]
+    t["alone"] = {k: {"median_ms": statistics.median(a[k]["median_ms"] for a in alone),
+                      "p95_ms": statistics.median(a[k]["p95_ms"] for a in alone)} for k in SIZES}
+    results["alone_rounds"] = {k: [a[k]["median_ms"] for a in alone] for k in SIZES}
+    print("alone medians (ms) per round: " + "; ".join(
+        f"{k}: " + " ".join(f"{a[k]['median_ms']:.4f}" for a in alone) for k in SIZES))
     for key, d in drains.items():
+        if key.startswith("alone-i"):
+            continue
         if key.startswith("b-"):
             check(f"quiesce.ack.{key}", d["ack"].get("synced") == "torch", d)
         elif "idle_verify" in d:
