@@ -36,6 +36,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--cgroup-root", help="a delegated cgroup v2 directory for command cgroups")
     p.add_argument("--devices", help="auto, none, cpu:N (N logical cpu devices), nvidia, amd")
     p.add_argument("--freeze", choices=["all", "device-holders"])
+    p.add_argument("--quiesce", choices=["auto", "all"],
+                   help="whose runtime a region asks to stop and synchronise before freezing: "
+                        "auto (default) those holding a GPU device file, none on the cpu device; "
+                        "all: every runtime")
     for name in ("region_timeout", "quiesce_timeout", "drain_timeout", "freeze_timeout",
                  "kill_grace", "retention", "read_timeout"):
         p.add_argument("--" + name.replace("_", "-"), type=float,

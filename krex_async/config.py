@@ -32,6 +32,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cgroup_root: str = ""  # a delegated v2 cgroup to create command cgroups under ("" = find one)
     devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
     freeze: Literal["all", "device-holders"] = "all"
+    # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
+    # which has no queued work to synchronise: freezing is enough); all: every runtime
+    quiesce: Literal["auto", "all"] = "auto"
     region_timeout: Positive = 60.0
     region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.02
