@@ -192,11 +192,11 @@ class Connection:
         return 0 if self.admin else self.uid
 
     def _send_own(self, msg: P.Msg) -> bool:
-        """A trace subscriber that is not an admin sees only events of its own commands."""
-        if isinstance(msg, P.TraceEvent):
-            cmd = self.server.daemon.commands.get(msg.command)
-            if cmd is None or cmd.uid != self.uid:
-                return not self.gone
+        """A trace subscriber that is not an admin sees only events of its own commands, and the
+        node's own (visible_event)."""
+        if isinstance(msg, P.TraceEvent) and \
+                not visible_event(msg, self.server.daemon.commands, self.uid):
+            return not self.gone
         return self.send(msg)
 
     async def _status(self, req_id: int) -> None:
@@ -220,6 +220,20 @@ class Connection:
         task = asyncio.get_running_loop().create_task(run())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+
+# Events about the node rather than a command: every subscriber may see them (a probes_failed
+# means that each region from then on is reported tainted, theirs too).
+NODE_EVENTS = frozenset({"probes_failed"})
+
+
+def visible_event(ev: P.TraceEvent, commands: dict[str, Any], uid: int) -> bool:
+    """Whether a subscriber that is not an admin may see `ev`: its own commands' events (a stray in
+    its region included, whoever's process it was) and the node's own."""
+    if not ev.command:
+        return ev.kind in NODE_EVENTS
+    cmd = commands.get(ev.command)
+    return cmd is not None and cmd.uid == uid
 
 
 def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:

@@ -32,6 +32,17 @@ async def main(path, action, *args):
                 print(c.welcome.uid)
             elif action == "status":
                 print(json.dumps(await c.status()))
+            elif action == "trace":  # subscribe, create args[1], print what came in args[0] s
+                seen = []
+                async def watch():
+                    async for ev in c.trace():
+                        seen.append([ev.kind, ev.command])
+                task = asyncio.create_task(watch())
+                await c.status()  # the Subscribe went first on this connection: it is in effect
+                open(args[1], "w").close()
+                await asyncio.sleep(float(args[0]))
+                task.cancel()
+                print(json.dumps(seen))
         except KrexError as e:
             print(e.code)
 
@@ -102,3 +113,33 @@ async def test_each_connection_is_identified_by_its_own_peer_credentials(users):
         assert [int(x) for x in got] == [users["alice"].uid, users["mallory"].uid]
         async with await d.client() as c:
             assert c.welcome is not None and c.welcome.uid == 0
+
+
+async def test_a_trace_subscriber_sees_its_own_commands_and_the_node_not_others(users):
+    from krex_async import protocol as P
+    from krex_async.server import visible_event
+
+    alice, mallory = users["alice"], users["mallory"]
+    flags = [f"/tmp/krex-trace-{os.getpid()}-{u.name}" for u in (mallory, alice)]
+    async with config_daemon(dir_mode=0o755, socket_group="krexg", admin_group="krexadm") as d:
+        watchers = [asyncio.create_task(call(u, d.socket, "trace", "3", f))
+                    for u, f in zip((mallory, alice), flags)]
+        for _ in range(600):  # both subscribed
+            if all(os.path.exists(f) for f in flags):
+                break
+            await asyncio.sleep(0.05)
+        assert all(os.path.exists(f) for f in flags), "a watcher never subscribed"
+        for f in flags:
+            os.unlink(f)
+        cid = await call(alice, d.socket, "keep", "/bin/sh", "-c", "sleep 0.3")
+        seen_m, seen_a = [json.loads(x) for x in await asyncio.gather(*watchers)]
+    assert ["command_start", cid] in seen_a and ["command_end", cid] in seen_a, seen_a
+    assert seen_m == [], f"mallory saw alice's events: {seen_m}"
+
+    commands = {cid: type("Cmd", (), {"uid": alice.uid})()}
+    node = P.TraceEvent(id=0, ts=0.0, kind="probes_failed", detail={"reason": "x"})
+    assert visible_event(node, commands, mallory.uid), "a node-wide event was hidden"
+    other = P.TraceEvent(id=0, ts=0.0, kind="freeze")  # no command, not a node event
+    assert not visible_event(other, commands, mallory.uid)
+    own = P.TraceEvent(id=0, ts=0.0, kind="region_grant", command=cid)
+    assert visible_event(own, commands, alice.uid) and not visible_event(own, commands, mallory.uid)
