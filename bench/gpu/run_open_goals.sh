@@ -1,0 +1,34 @@
+#!/bin/bash
+# The accelerator measurements the open issues still need, in two calls of under 10 minutes each:
+#   bash bench/gpu/run_open_goals.sh 1   # region overhead (issue 3), probe overhead (4), drain (5)
+#   bash bench/gpu/run_open_goals.sh 2   # the replay at --settle-fraction 0.97 (issue 5's default)
+# Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
+# Each step is bounded; one log and the JSON results land under $OUT.
+source .bcc/activate.sh >/dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+mkdir -p "$OUT" /sys/fs/cgroup/krexbench /tmp/krex-replay
+LOG="$OUT/log.txt"
+CG=--cgroup-root=/sys/fs/cgroup/krexbench
+step() { local name=$1 limit=$2; shift 2; echo "===== $name: $*" | tee -a "$LOG"; local t0=$SECONDS
+  timeout "$limit" "$@" >> "$LOG" 2>&1; echo "rc=$? after $((SECONDS - t0)) s" | tee -a "$LOG"; }
+git log --oneline -1 >> "$LOG" 2>/dev/null; date -u >> "$LOG"
+case "${1:-1}" in
+1)
+  step overhead 100 python3 bench/region_overhead.py --backends cgroup --siblings 1,16,64 \
+    --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
+  step overhead_probes 50 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
+    --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"
+  step probe_overhead 170 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 5 --launches 100000 \
+    --flood 0 --seconds 1 --json "$OUT/probe_overhead.json"
+  for f in 0.9 0.97; do
+    step "drain_$f" 130 env OUT="$OUT/drain_$f" python3 bench/gpu/check_drain.py --skip nvml \
+      --skip thaw --settle-fraction "$f"
+    mv "$OUT/drain_$f/check_drain.json" "$OUT/check_drain_$f.json" 2>/dev/null; rmdir "$OUT/drain_$f"
+  done ;;
+2)
+  step replay 560 python3 bench/replay.py --profile gpu-10min --seed 2 \
+    --out /tmp/krex-replay/gpu-10min-097.json --daemon-arg=$CG --daemon-arg=--settle-fraction=0.97
+  cp /tmp/krex-replay/gpu-10min-097.json "$OUT/" 2>/dev/null ;;
+esac
+grep -E "^=====|^rc=" "$LOG"
