@@ -1,7 +1,9 @@
 #!/bin/bash
-# The accelerator measurements the open issues still need, in two calls of under 10 minutes each:
+# The accelerator measurements the open issues still need, in calls of under 10 minutes each:
 #   bash bench/gpu/run_open_goals.sh 1   # region overhead (issue 3), probe overhead (4), drain (5)
 #   bash bench/gpu/run_open_goals.sh 2   # the replay at --settle-fraction 0.97 (issue 5's default)
+#   bash bench/gpu/run_open_goals.sh 3   # the replay's region policy with --freeze device-holders
+#                                        # (issue 3: what freezing only GPU holders buys and costs)
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
 source .bcc/activate.sh >/dev/null 2>&1
@@ -30,5 +32,9 @@ case "${1:-1}" in
   step replay 560 python3 bench/replay.py --profile gpu-10min --seed 2 \
     --out /tmp/krex-replay/gpu-10min-097.json --daemon-arg=$CG --daemon-arg=--settle-fraction=0.97
   cp /tmp/krex-replay/gpu-10min-097.json "$OUT/" 2>/dev/null ;;
+3)
+  step replay_holders 400 python3 bench/replay.py --profile gpu-10min --seed 2 --policies region \
+    --out /tmp/krex-replay/gpu-10min-holders.json --daemon-arg=$CG --daemon-arg=--freeze=device-holders
+  cp /tmp/krex-replay/gpu-10min-holders.json "$OUT/" 2>/dev/null ;;
 esac
 grep -E "^=====|^rc=" "$LOG"
