@@ -1,8 +1,8 @@
 #!/bin/bash
 # The accelerator measurements the open issues still need, in calls of under 10 minutes each:
-#   bash bench/gpu/run_open_goals.sh 1   # region overhead (issue 3), probe overhead (4), drain (5)
+#   bash bench/gpu/run_open_goals.sh 1   # region overhead (issue 3), probe overhead (4), drain at 0.9 (5)
 #   bash bench/gpu/run_open_goals.sh 2   # the replay at --settle-fraction 0.97 (issue 5's default)
-#   bash bench/gpu/run_open_goals.sh 3   # the replay's region policy with --freeze device-holders
+#   bash bench/gpu/run_open_goals.sh 3   # drain at 0.97; the replay's region policy with --freeze device-holders
 #                                        # (issue 3: what freezing only GPU holders buys and costs)
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
@@ -15,24 +15,25 @@ CG=--cgroup-root=/sys/fs/cgroup/krexbench
 step() { local name=$1 limit=$2; shift 2; echo "===== $name: $*" | tee -a "$LOG"; local t0=$SECONDS
   timeout "$limit" "$@" >> "$LOG" 2>&1; echo "rc=$? after $((SECONDS - t0)) s" | tee -a "$LOG"; }
 git log --oneline -1 >> "$LOG" 2>/dev/null; date -u >> "$LOG"
+drain() {  # check_drain at one --settle-fraction
+  step "drain_$1" 150 env OUT="$OUT/drain_$1" python3 bench/gpu/check_drain.py --skip nvml \
+    --skip thaw --settle-fraction "$1"
+  mv "$OUT/drain_$1/check_drain.json" "$OUT/check_drain_$1.json" 2>/dev/null; rmdir "$OUT/drain_$1"; }
 case "${1:-1}" in
 1)
-  step overhead 100 python3 bench/region_overhead.py --backends cgroup --siblings 1,16,64 \
+  step overhead 90 python3 bench/region_overhead.py --backends cgroup --siblings 1,16,64 \
     --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
-  step overhead_probes 50 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
+  step overhead_probes 45 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"
-  step probe_overhead 170 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 5 --launches 100000 \
+  step probe_overhead 240 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 5 --launches 100000 \
     --flood 0 --seconds 1 --json "$OUT/probe_overhead.json"
-  for f in 0.9 0.97; do
-    step "drain_$f" 130 env OUT="$OUT/drain_$f" python3 bench/gpu/check_drain.py --skip nvml \
-      --skip thaw --settle-fraction "$f"
-    mv "$OUT/drain_$f/check_drain.json" "$OUT/check_drain_$f.json" 2>/dev/null; rmdir "$OUT/drain_$f"
-  done ;;
+  drain 0.9 ;;
 2)
   step replay 560 python3 bench/replay.py --profile gpu-10min --seed 2 \
     --out /tmp/krex-replay/gpu-10min-097.json --daemon-arg=$CG --daemon-arg=--settle-fraction=0.97
   cp /tmp/krex-replay/gpu-10min-097.json "$OUT/" 2>/dev/null ;;
 3)
+  drain 0.97
   step replay_holders 400 python3 bench/replay.py --profile gpu-10min --seed 2 --policies region \
     --out /tmp/krex-replay/gpu-10min-holders.json --daemon-arg=$CG --daemon-arg=--freeze=device-holders
   cp /tmp/krex-replay/gpu-10min-holders.json "$OUT/" 2>/dev/null ;;
