@@ -168,13 +168,36 @@ class SignalBackend(Backend):
         """Stop the groups' processes from one /proc snapshot, then verify they all stopped.
 
         Children forked while their parent was being stopped are caught by re-reading until a pass
-        finds nothing new. On failure every group of the batch is resumed and FreezeError raised.
+        finds nothing new. On failure or cancellation every group of the batch is resumed (and
+        FreezeError raised for a failure).
         """
         t0 = time.perf_counter()
         todo = [g for g in groups if not g.frozen and g.pid is not None]
         results = {g.name: Freeze(g.name, vanished=g.pid is None) for g in groups}
         sent: dict[str, list[int]] = {g.name: [] for g in todo}
         already: dict[str, set[int]] = {g.name: set() for g in todo}
+        try:
+            await self._stop_and_verify(todo, keep, sent, already, t0 + timeout, timeout)
+        except BaseException:
+            self._resume_all(todo, sent, already)
+            raise
+        elapsed = time.perf_counter() - t0
+        for g in todo:
+            g.frozen = True
+            g.extra["sent"] = sent[g.name]
+            g.extra["stopped"] = already[g.name]
+            r = results[g.name]
+            r.pids = len(sent[g.name])
+            r.stopped = list(sent[g.name])
+            r.vanished = not sent[g.name]
+            r.seconds = elapsed
+        return [results[g.name] for g in groups]
+
+    async def _stop_and_verify(self, todo: list[Group], keep: frozenset[int],
+                               sent: dict[str, list[int]], already: dict[str, set[int]],
+                               deadline: float, timeout: float) -> None:
+        """SIGSTOP every process of `todo` (recording each in `sent` before its signal), then
+        wait until all have stopped. Raises FreezeError; the caller resumes."""
         for _ in range(64):
             snap = _Snapshot()
             fresh = False
@@ -188,34 +211,20 @@ class SignalBackend(Backend):
                         already[g.name].add(pid)
                     else:
                         self._stopping([pid])  # before the signal: the guard must know first
-                    _signal([pid], signal.SIGSTOP)
                     sent[g.name].append(pid)
+                    _signal([pid], signal.SIGSTOP)
             if not fresh:
                 break
         else:
-            self._resume_all(todo, sent, already)
             raise FreezeError(",".join(sent), "process tree kept growing while being stopped")
-        deadline = t0 + timeout
         pending = [pid for pids in sent.values() for pid in pids]
         while True:
             pending = [pid for pid in pending if _state(pid) not in (None, "Z", "X", *_STOPPED)]
             if not pending:
-                break
+                return
             if time.perf_counter() > deadline:
-                self._resume_all(todo, sent, already)
                 raise FreezeError(",".join(sent), f"pids {pending} did not stop within {timeout:.3f} s")
             await asyncio.sleep(0.0002)
-        elapsed = time.perf_counter() - t0
-        for g in todo:
-            g.frozen = True
-            g.extra["sent"] = sent[g.name]
-            g.extra["stopped"] = already[g.name]
-            r = results[g.name]
-            r.pids = len(sent[g.name])
-            r.stopped = list(sent[g.name])
-            r.vanished = not sent[g.name]
-            r.seconds = elapsed
-        return [results[g.name] for g in groups]
 
     def _resume_all(self, groups: list[Group], sent: dict[str, list[int]],
                     already: dict[str, set[int]]) -> None:

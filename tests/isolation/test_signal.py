@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
+
+import pytest
 
 from krex_async.isolation.signal import SignalBackend
 
@@ -52,4 +55,46 @@ async def test_a_launch_stopped_command_thawed_in_time_runs_once(tmp_path):
         assert p.wait(timeout=3) == 0 and marker.read_text() == "x\n"
     finally:
         reap(p)
+        await b.close()
+
+
+async def test_a_freeze_cancelled_while_it_verifies_resumes_what_it_stopped():
+    """regions._isolate cancels a freeze still in flight when another step fails (or at
+    shutdown): the processes it had stopped must run again, and its group must not read frozen."""
+    from .cgroup_util import v1_freezer
+
+    mnt = v1_freezer()
+    if os.geteuid() != 0 or mnt is None:
+        pytest.skip("needs root and a v1 freezer to hold a process unstoppable (state D)")
+    b = SignalBackend()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    held = subprocess.Popen(["sleep", "30"])
+    path = os.path.join(mnt, f"krex-test-sig-{held.pid}")
+    os.mkdir(path)
+    try:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(held.pid))
+        with open(os.path.join(path, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        assert wait_for(lambda: state(held.pid) == "D")
+        g1, g2 = await b.create("one"), await b.create("two")
+        await b.started(g1, sleeper.pid)
+        await b.started(g2, held.pid)
+        task = asyncio.ensure_future(b.freeze_many([g1, g2], timeout=5.0))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for g in (g1, g2):  # what regions._release does with every group it marked
+            await b.thaw(g)
+        assert not g1.frozen and not g2.frozen
+        assert wait_for(lambda: state(sleeper.pid) == "S"), f"left stopped: {state(sleeper.pid)}"
+    finally:
+        with open(os.path.join(path, "freezer.state"), "w") as f:
+            f.write("THAWED")
+        for p in (sleeper, held):
+            reap(p)
+        wait_for(lambda: not open(os.path.join(path, "cgroup.procs")).read().split())
+        os.rmdir(path)
         await b.close()
