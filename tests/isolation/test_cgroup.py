@@ -315,6 +315,8 @@ async def test_freeze_that_cannot_complete_raises_and_writes_zero(backend):
             await backend.freeze(g, timeout=0.2)
         assert time.monotonic() - t0 < 1.0
         assert str(p.pid) in str(ei.value) and g.top in str(ei.value)
+        with open(f"/proc/{p.pid}/wchan") as f:  # where the culprit sleeps: the v1 refrigerator
+            assert f"{p.pid}(D {f.read().strip()})" in str(ei.value), str(ei.value)
         assert backend.v2.read(g.top, "cgroup.freeze").strip() == "0"
         assert backend.v2.read(g.run, "cgroup.freeze").strip() == "0"
         assert not g.frozen
