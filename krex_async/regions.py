@@ -25,7 +25,7 @@ from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
 from .gpuholders import GpuHolders, read_holders
-from .isolation.base import Freeze, FreezeError, Group
+from .isolation.base import Freeze, FreezeError, Group, IsolationError
 from .runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
@@ -137,7 +137,12 @@ class Regions:
                 timer.cancel()
             rep.held_s = time.perf_counter() - t_held
             rep.outcome = reason
-        except FreezeError as e:
+        except (IsolationError, OSError) as e:
+            # FreezeError, and the backend's other documented failures while isolating (a cgroup
+            # or cpuset write refused, the intent record unwritable): the owner must get its
+            # answer, not wait forever on a region whose task died
+            if granted:
+                raise
             rep.outcome = "refused"
             rep.error = str(e)
             log_.warning("region_refused", error=str(e))

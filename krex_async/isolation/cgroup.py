@@ -310,24 +310,32 @@ class CgroupBackend(Backend):
         if not ok:
             stuck = self._not_frozen(target)
             raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
-                              f"its tasks (state): {stuck}")
+                              f"its threads (state wchan): {stuck}")
         elapsed = time.perf_counter() - t0
         stopped = [p for rel in self._leaves(g, target) for p in self.v2.procs(rel)]
         return Freeze(g.name, elapsed, len(stopped), vanished=not stopped, stopped=stopped)
 
     def _not_frozen(self, target: str) -> str:
-        """Every task under `target` with its /proc state, for a freeze that timed out. cgroup v2
-        exposes no per-task frozen flag (a frozen task reads "S"), so which of them held the
-        freeze up cannot be told from here: all are listed."""
+        """Every thread under `target` with its /proc state and where it sleeps (wchan), for a
+        freeze that timed out. The freezer stops threads one by one and cgroup v2 exposes no
+        per-thread frozen flag (a frozen thread reads "S" in do_freezer_trap's wait), so which
+        of them held the freeze up cannot be told from here: all are listed as tid(state wchan);
+        a kernel wait other than the freezer's names the culprit."""
         out = []
         for rel in self.v2.walk(target):
-            for pid in self.v2.procs(rel):
+            try:
+                tids = [int(x) for x in self.v2.read(rel, "cgroup.threads").split()]
+            except CgroupFileError:
+                tids = self.v2.procs(rel)
+            for tid in tids:
                 try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        state = f.read().rsplit(")", 1)[1].split()[0]
+                    with open(f"/proc/{tid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    with open(f"/proc/{tid}/wchan") as f:
+                        wchan = f.read().strip() or "-"
                 except OSError:
                     continue
-                out.append(f"{pid}({state})")
+                out.append(f"{tid}({fields[0]} {wchan})")
         return ", ".join(out) or "none listed"
 
     def _unfreeze(self, g: CgroupGroup) -> None:

@@ -20,6 +20,7 @@ import os
 from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.isolation.intent import KREX, Intent
+from krex_async.procfs import stat_fields
 
 
 def fmt(cpus: frozenset[int] | set[int]) -> str:
@@ -214,21 +215,32 @@ class Cores:
     @staticmethod
     def _affinity(cpus: frozenset[int] | None, pids: list[int], saved: dict[int, set[int]],
                   everything: bool) -> None:
-        tids: list[int] = []
+        """sched_setaffinity of every thread of `pids`, originals kept per thread in `saved`.
+
+        A restore (`cpus` None) also lifts the fence from threads and processes that began while
+        fenced (they inherited it and have no original of their own): each gets the original of
+        its process's saved thread, else of its nearest saved ancestor."""
+        tids: list[tuple[int, int]] = []  # (tid, its process)
         for pid in pids:
             try:
-                tids.extend(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+                tids.extend((int(t), pid) for t in os.listdir(f"/proc/{pid}/task"))
             except FileNotFoundError:
                 continue
         if cpus is None:
-            for tid in list(saved) if everything else [t for t in tids if t in saved]:
+            todo = {tid: saved[tid] for tid, _ in tids if tid in saved}
+            if everything:
+                todo.update(saved)
+            for tid, pid in tids:
+                if tid not in todo and (orig := _inherited(pid, saved)) is not None:
+                    todo[tid] = orig
+            for tid, orig in todo.items():
                 try:
-                    os.sched_setaffinity(tid, saved[tid])
+                    os.sched_setaffinity(tid, orig)
                 except OSError:
                     pass
-                del saved[tid]
+                saved.pop(tid, None)
             return
-        for tid in tids:
+        for tid, _ in tids:
             try:
                 saved.setdefault(tid, os.sched_getaffinity(tid))
                 os.sched_setaffinity(tid, cpus)
@@ -236,3 +248,16 @@ class Cores:
                 continue
             except OSError as e:
                 raise IsolationError(f"sched_setaffinity({tid}, {fmt(cpus)}): {e.strerror}") from None
+
+
+def _inherited(pid: int, saved: dict[int, set[int]]) -> set[int] | None:
+    """The saved original of `pid` or of its nearest ancestor that has one (a fork inherits its
+    parent's affinity, so that is what it had before the fence), None when none has."""
+    for _ in range(64):
+        if pid in saved:
+            return saved[pid]
+        fields = stat_fields(pid)
+        if fields is None or int(fields[1]) <= 1:
+            return None
+        pid = int(fields[1])
+    return None

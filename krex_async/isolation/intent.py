@@ -129,6 +129,13 @@ def read_record(state_dir: str) -> tuple[dict[str, Any] | None, str]:
             rec = json.load(f)
         if not isinstance(rec, dict):
             return None, f"intent record {path} damaged: not an object"
+        # valid JSON of another shape (hand-edited, another version) is damaged too: the sweep
+        # that reports it must not fail on it
+        frozen, fenced = rec.get("frozen", []), rec.get("fenced", {})
+        if not (isinstance(frozen, list) and all(isinstance(p, str) for p in frozen)
+                and isinstance(fenced, dict) and all(isinstance(v, str) for v in fenced.values())
+                and isinstance(rec.get("pid", 0), int)):
+            return None, f"intent record {path} damaged: not {{'pid', 'frozen': [...], 'fenced': {{...}}}}"
         return rec, ""
     except FileNotFoundError:
         return None, ""

@@ -24,6 +24,7 @@ from .sigguard import Guard, GuardError
 from ..procfs import stat_fields
 
 _STOPPED = frozenset("tT")
+_LAUNCH = "krex-launch"  # $0 of the launch shell, told apart in /proc/<pid>/cmdline
 
 
 @dataclass(slots=True)
@@ -80,6 +81,15 @@ def _state(pid: int) -> str | None:
     return p.state if p else None
 
 
+def _is_launch_shell(pid: int) -> bool:
+    """Whether `pid` still runs the launch shell of `launch_argv` (it has not exec'd yet)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f"\0{_LAUNCH}\0".encode() in f.read()
+    except OSError:
+        return False
+
+
 def _set_affinity(pid: int, cpus: set[int]) -> None:
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -108,6 +118,7 @@ class SignalBackend(Backend):
         self.all_cpus = frozenset(cpus or os.sched_getaffinity(0))
         self.reason = "signals and sched_setaffinity: needs no cgroups and no root"
         self.guard: Guard | None = None  # resumes what we stopped if the daemon dies
+        self._late: set[asyncio.Task[None]] = set()  # launch shells resumed once they stopped
 
     async def reconcile(self) -> list[str]:
         """At start-up: start the guard (nothing of a previous daemon's can be found by pid)."""
@@ -136,7 +147,7 @@ class SignalBackend(Backend):
         group.frozen = True
         group.extra["sent"] = []
         group.extra["launched_stopped"] = True
-        return ["/bin/sh", "-c", 'kill -STOP $$; exec "$@"', "krex-launch", *argv]
+        return ["/bin/sh", "-c", 'kill -STOP $$; exec "$@"', _LAUNCH, *argv]
 
     async def started(self, group: Group, pid: int) -> None:
         group.pid = pid
@@ -157,13 +168,36 @@ class SignalBackend(Backend):
         """Stop the groups' processes from one /proc snapshot, then verify they all stopped.
 
         Children forked while their parent was being stopped are caught by re-reading until a pass
-        finds nothing new. On failure every group of the batch is resumed and FreezeError raised.
+        finds nothing new. On failure or cancellation every group of the batch is resumed (and
+        FreezeError raised for a failure).
         """
         t0 = time.perf_counter()
         todo = [g for g in groups if not g.frozen and g.pid is not None]
         results = {g.name: Freeze(g.name, vanished=g.pid is None) for g in groups}
         sent: dict[str, list[int]] = {g.name: [] for g in todo}
         already: dict[str, set[int]] = {g.name: set() for g in todo}
+        try:
+            await self._stop_and_verify(todo, keep, sent, already, t0 + timeout, timeout)
+        except BaseException:
+            self._resume_all(todo, sent, already)
+            raise
+        elapsed = time.perf_counter() - t0
+        for g in todo:
+            g.frozen = True
+            g.extra["sent"] = sent[g.name]
+            g.extra["stopped"] = already[g.name]
+            r = results[g.name]
+            r.pids = len(sent[g.name])
+            r.stopped = list(sent[g.name])
+            r.vanished = not sent[g.name]
+            r.seconds = elapsed
+        return [results[g.name] for g in groups]
+
+    async def _stop_and_verify(self, todo: list[Group], keep: frozenset[int],
+                               sent: dict[str, list[int]], already: dict[str, set[int]],
+                               deadline: float, timeout: float) -> None:
+        """SIGSTOP every process of `todo` (recording each in `sent` before its signal), then
+        wait until all have stopped. Raises FreezeError; the caller resumes."""
         for _ in range(64):
             snap = _Snapshot()
             fresh = False
@@ -177,34 +211,20 @@ class SignalBackend(Backend):
                         already[g.name].add(pid)
                     else:
                         self._stopping([pid])  # before the signal: the guard must know first
-                    _signal([pid], signal.SIGSTOP)
                     sent[g.name].append(pid)
+                    _signal([pid], signal.SIGSTOP)
             if not fresh:
                 break
         else:
-            self._resume_all(todo, sent, already)
             raise FreezeError(",".join(sent), "process tree kept growing while being stopped")
-        deadline = t0 + timeout
         pending = [pid for pids in sent.values() for pid in pids]
         while True:
             pending = [pid for pid in pending if _state(pid) not in (None, "Z", "X", *_STOPPED)]
             if not pending:
-                break
+                return
             if time.perf_counter() > deadline:
-                self._resume_all(todo, sent, already)
                 raise FreezeError(",".join(sent), f"pids {pending} did not stop within {timeout:.3f} s")
             await asyncio.sleep(0.0002)
-        elapsed = time.perf_counter() - t0
-        for g in todo:
-            g.frozen = True
-            g.extra["sent"] = sent[g.name]
-            g.extra["stopped"] = already[g.name]
-            r = results[g.name]
-            r.pids = len(sent[g.name])
-            r.stopped = list(sent[g.name])
-            r.vanished = not sent[g.name]
-            r.seconds = elapsed
-        return [results[g.name] for g in groups]
 
     def _resume_all(self, groups: list[Group], sent: dict[str, list[int]],
                     already: dict[str, set[int]]) -> None:
@@ -221,17 +241,36 @@ class SignalBackend(Backend):
         already: set[int] = group.extra.pop("stopped", set())  # type: ignore[assignment]
         if group.extra.pop("launched_stopped", False) and group.pid is not None:
             # The launch shell stops itself: a SIGCONT that comes before its `kill -STOP $$` is
-            # lost and the command would stay stopped forever. Wait (bounded) until it stopped.
+            # lost and the command would stay stopped forever. Wait (bounded) until it stopped;
+            # a shell slower than that is resumed in the background once it has.
             deadline = time.perf_counter() + 1.0
             while _state(group.pid) not in (None, "Z", "X", *_STOPPED) and \
                     time.perf_counter() < deadline:
                 await asyncio.sleep(0.0005)
-            sent.append(group.pid)
+            if _state(group.pid) in (None, "Z", "X", *_STOPPED):
+                sent.append(group.pid)
+            else:
+                task = asyncio.get_running_loop().create_task(self._resume_launch(group, group.pid))
+                self._late.add(task)
+                task.add_done_callback(self._late.discard)
         resumed = [p for p in sent if p not in already]
         _signal(resumed, signal.SIGCONT)
         self._resumed(resumed)
         group.frozen = False
         return time.perf_counter() - t0
+
+    async def _resume_launch(self, group: Group, pid: int) -> None:
+        """SIGCONT the launch shell `pid` once it has stopped itself (not while a later freeze of
+        the group holds it); done when it is gone or got past its stop (it is no longer the
+        launch shell). The pid cannot be reused meanwhile: the daemon has not reaped it."""
+        try:
+            while (st := _state(pid)) not in (None, "Z", "X") and _is_launch_shell(pid):
+                if st in _STOPPED and not group.frozen:
+                    _signal([pid], signal.SIGCONT)
+                    break
+                await asyncio.sleep(0.002)
+        finally:
+            self._resumed([pid])
 
     async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
                         pids: list[int] | None = None, exclusive: bool = False) -> None:
@@ -262,6 +301,8 @@ class SignalBackend(Backend):
         group.extra.clear()
 
     async def close(self) -> None:
+        for task in list(self._late):
+            task.cancel()
         if self.guard is not None:
             self.guard.close()
             self.guard = None

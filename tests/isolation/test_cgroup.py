@@ -315,6 +315,8 @@ async def test_freeze_that_cannot_complete_raises_and_writes_zero(backend):
             await backend.freeze(g, timeout=0.2)
         assert time.monotonic() - t0 < 1.0
         assert str(p.pid) in str(ei.value) and g.top in str(ei.value)
+        with open(f"/proc/{p.pid}/wchan") as f:  # where the culprit sleeps: the v1 refrigerator
+            assert f"{p.pid}(D {f.read().strip()})" in str(ei.value), str(ei.value)
         assert backend.v2.read(g.top, "cgroup.freeze").strip() == "0"
         assert backend.v2.read(g.run, "cgroup.freeze").strip() == "0"
         assert not g.frozen
@@ -423,3 +425,33 @@ async def test_a_released_watchdog_exits_without_a_sweep(backend):
         await backend.thaw(g)
     finally:
         reap(p)
+
+
+
+@pytest.mark.parametrize("restore", ["pids", "group"])
+async def test_affinity_fence_is_lifted_from_processes_forked_while_fenced(cgroot, tmp_path, restore):
+    """cpuset "none" (the fallback when the daemon cannot use cpusets): a sibling fenced off the
+    region cores that forks while fenced gets its children back on every cpu at the restore, the
+    way regions.refence restores (pids= the group's pids now), and with pids=None too."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("fencing needs at least 2 cpus")
+    b = CgroupBackend(root=cgroot.v2, state_dir=str(tmp_path), cpuset_root=cgroot.v1, cpuset="none")
+    go = tmp_path / "go"
+    g, p = await start(b, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.01; done; "
+                                            "sleep 30 & sleep 30 & wait"])
+    try:
+        before = allowed(p.pid)
+        one = sorted(b.cpus)[0]
+        await b.set_cores(g, frozenset({one}), pids=b.pids(g))
+        assert allowed(p.pid) == {str(one)}
+        go.touch()
+        assert wait_for(lambda: len(b.pids(g)) == 3)
+        children = [x for x in b.pids(g) if x != p.pid]
+        assert all(allowed(c) == {str(one)} for c in children)  # they inherited the fence
+        await b.set_cores(g, None, pids=b.pids(g) if restore == "pids" else None)
+        assert allowed(p.pid) == before
+        assert [allowed(c) for c in children] == [before] * 2, "a child stayed fenced"
+    finally:
+        await b.kill(g)
+        reap(p)
+        await b.close()

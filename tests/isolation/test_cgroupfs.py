@@ -10,7 +10,7 @@ import pytest
 
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished, EventsWatcher
 from krex_async.isolation.cpuset import fmt, parse
-from krex_async.isolation.intent import Intent, read_record
+from krex_async.isolation.intent import Intent, read_record, sweep
 
 
 def test_errors_carry_path_and_data(tmp_path):
@@ -83,3 +83,13 @@ async def test_intent_is_atomic_and_coalesced(tmp_path):
     assert writes == 2
     (tmp_path / "intent.json").write_text("{bad")
     assert read_record(str(tmp_path))[0] is None and "damaged" in read_record(str(tmp_path))[1]
+
+
+@pytest.mark.parametrize("text", ['{"frozen": 3}', '{"frozen": null, "fenced": 2}',
+                                  '{"frozen": ["a"], "fenced": ["b"]}', '{"version": 1, "pid": {}}'])
+def test_a_record_of_the_wrong_shape_is_damaged_not_fatal(tmp_path, text):
+    """Valid JSON of another shape (hand-edited, another version) must not stop the sweep that
+    start-up and the watchdog run: it is reported damaged, like a torn one."""
+    (tmp_path / "intent.json").write_text(text)
+    lines, alive = sweep(CgroupFS(str(tmp_path / "tree")), None, "none", str(tmp_path))
+    assert alive == [] and any("damaged" in line for line in lines), lines

@@ -1,0 +1,100 @@
+"""SignalBackend on real processes (no root needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+
+import pytest
+
+from krex_async.isolation.signal import SignalBackend
+
+from .cgroup_util import reap, state, wait_for
+
+
+async def test_thaw_before_a_slow_launch_stopped_itself_still_lets_it_run(tmp_path):
+    """The launch shell stops itself (`kill -STOP $$`); a thaw that comes before it did must not
+    be lost, however long the shell takes to get there (here 1.5 s: a start-up on a loaded host;
+    the thaw's own wait is bounded at 1 s)."""
+    b = SignalBackend()
+    g = await b.create("slow")
+    marker = tmp_path / "ran"
+    argv = b.launch_argv(g, ["/bin/sh", "-c", f"touch {marker}"], frozen=True)
+    # the same pid reaches the launch shell 1.5 s late (a start-up on a loaded host)
+    p = subprocess.Popen(["/bin/sh", "-c", 'sleep 1.5; exec "$@"', "slow-start", *argv])
+    try:
+        await b.started(g, p.pid)
+        t0 = time.monotonic()
+        await b.thaw(g)
+        assert time.monotonic() - t0 < 1.3, "thaw must stay bounded"
+        assert not g.frozen
+        for _ in range(400):  # on the loop: the backend may finish the thaw in the background
+            if marker.exists():
+                break
+            await asyncio.sleep(0.01)
+        assert marker.exists(), \
+            f"the command never ran (leader state {state(p.pid) if p.poll() is None else 'gone'})"
+        assert p.wait(timeout=2) == 0
+    finally:
+        reap(p)
+        await b.close()
+
+
+async def test_a_launch_stopped_command_thawed_in_time_runs_once(tmp_path):
+    b = SignalBackend()
+    g = await b.create("fast")
+    marker = tmp_path / "ran"
+    p = subprocess.Popen(b.launch_argv(g, ["/bin/sh", "-c", f"echo x >> {marker}"], frozen=True))
+    try:
+        await b.started(g, p.pid)
+        assert wait_for(lambda: state(p.pid) == "T")
+        assert not marker.exists()
+        await b.thaw(g)
+        assert p.wait(timeout=3) == 0 and marker.read_text() == "x\n"
+    finally:
+        reap(p)
+        await b.close()
+
+
+async def test_a_freeze_cancelled_while_it_verifies_resumes_what_it_stopped():
+    """regions._isolate cancels a freeze still in flight when another step fails (or at
+    shutdown): the processes it had stopped must run again, and its group must not read frozen."""
+    from .cgroup_util import v1_freezer
+
+    mnt = v1_freezer()
+    if os.geteuid() != 0 or mnt is None:
+        pytest.skip("needs root and a v1 freezer to hold a process unstoppable (state D)")
+    b = SignalBackend()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    held = subprocess.Popen(["sleep", "30"])
+    path = os.path.join(mnt, f"krex-test-sig-{held.pid}")
+    os.mkdir(path)
+    try:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(held.pid))
+        with open(os.path.join(path, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        assert wait_for(lambda: state(held.pid) == "D")
+        g1, g2 = await b.create("one"), await b.create("two")
+        await b.started(g1, sleeper.pid)
+        await b.started(g2, held.pid)
+        task = asyncio.ensure_future(b.freeze_many([g1, g2], timeout=5.0))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for g in (g1, g2):  # what regions._release does with every group it marked
+            await b.thaw(g)
+        assert not g1.frozen and not g2.frozen
+        assert wait_for(lambda: state(sleeper.pid) == "S"), f"left stopped: {state(sleeper.pid)}"
+    finally:
+        with open(os.path.join(path, "freezer.state"), "w") as f:
+            f.write("THAWED")
+        for p in (sleeper, held):
+            reap(p)
+        wait_for(lambda: not open(os.path.join(path, "cgroup.procs")).read().split())
+        os.rmdir(path)
+        await b.close()
