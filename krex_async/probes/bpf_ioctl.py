@@ -6,6 +6,8 @@ BPF side (BPF_TEXT, specialised by `bpf_text()`):
   parked per thread in `pending`.
 - sys_exit_openat/openat2/open: on success, (tgid, fd) -> path goes into `tracked`; an "open" event.
 - sys_enter_close: the (tgid, fd) leaves `tracked`.
+- sys_enter/exit of dup, dup2, dup3 and fcntl(F_DUPFD, F_DUPFD_CLOEXEC): the new fd is tracked when
+  the old one is (same path), and leaves `tracked` otherwise (dup2 onto a tracked number).
 - sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, cgroup, comm} (56
   bytes; the path travels only with "open" events and seeds, and is kept in user space per fd).
 Every event is counted per tgid in `counts` and per cgroup (v2 id) in `cg_counts` before it is
@@ -15,7 +17,7 @@ Thus sum(counts) == delivered + lost. No kernel struct is read: only tracepoint 
 
 User side: `tracked` is seeded at start from /proc/*/fd, so fds opened before the probe started are
 covered; about every `rescan_s` the poll thread drops entries of processes that are gone and seeds
-again (which also picks up fds that reached a process by fork or dup, which the BPF side does not
+again (which also picks up fds that reached a process by fork, which the BPF side does not
 follow). Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
 """
 
@@ -130,6 +132,52 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     tracked.delete(&k);
     return 0;
 }
+
+/* dup, dup2, dup3, fcntl(F_DUPFD[_CLOEXEC]): the new number names what the old one does. It is
+   tracked when the old one is, and untracked otherwise (dup2 onto a tracked number closes it). */
+struct dup_t { s32 oldfd; s32 pad; };
+BPF_HASH(dups, u32, struct dup_t, 4096);
+
+static __always_inline int enter_dup(u32 oldfd) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct dup_t d = {.oldfd = (s32)oldfd};
+    dups.update(&tid, &d);
+    return 0;
+}
+
+static __always_inline int exit_dup(long ret) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct dup_t *d = dups.lookup(&tid);
+    if (!d)
+        return 0;
+    if (ret >= 0) {
+        struct key_t from = {.tgid = id >> 32, .fd = d->oldfd};
+        struct key_t to = {.tgid = id >> 32, .fd = (s32)ret};
+        struct path_t *p = tracked.lookup(&from);
+        if (p) {
+            struct path_t copy = *p;
+            tracked.update(&to, &copy);
+        } else {
+            tracked.delete(&to);
+        }
+    }
+    dups.delete(&tid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return enter_dup(args->fildes); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup) { return exit_dup(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return enter_dup(args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return exit_dup(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup3) { return enter_dup(args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return exit_dup(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_fcntl) {
+    if (args->cmd == 0 || args->cmd == 1030)  /* F_DUPFD, F_DUPFD_CLOEXEC */
+        return enter_dup(args->fd);
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return exit_dup(args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
     u64 id = bpf_get_current_pid_tgid();
