@@ -16,9 +16,9 @@ Thus sum(counts) == delivered + lost. No kernel struct is read: only tracepoint 
 (bpf_get_current_pid_tgid, bpf_ktime_get_ns = CLOCK_MONOTONIC, bpf_get_current_cgroup_id).
 
 User side: `tracked` is seeded at start from /proc/*/fd, so fds opened before the probe started are
-covered; about every `rescan_s` the poll thread drops entries of processes that are gone and seeds
-again (which also picks up fds that reached a process by fork, which the BPF side does not
-follow). Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
+covered; about every `rescan_s` the poll thread drops entries whose /proc/<tgid>/fd/<fd> no longer
+names a device (execve's O_CLOEXEC, close_range, exit) and seeds again (which also picks up fds
+that reached a process by fork, which the BPF side does not follow). Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
 """
 
 from __future__ import annotations
@@ -411,10 +411,22 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         return n
 
     def _upkeep(self) -> None:
-        """Drop tracked fds and counts of processes that are gone (counts move to Python), reseed."""
+        """Drop tracked fds that no longer name a device file, move counts of processes that are
+        gone to Python, reseed.
+
+        An fd can stop naming a device without a close syscall the BPF side sees: execve closes
+        O_CLOEXEC fds, close_range closes a range, a process exits (and its pid may be reused).
+        Such an entry would count the ioctls of whatever file gets that number next (a tty, a
+        socket) as GPU activity, so each entry is checked against /proc/<tgid>/fd/<fd>. An fd that
+        is closed and reopened on a device between the check and the drop is put back by the
+        seed that follows."""
         table = self._bpf[b"tracked"]
         for k in list(table.keys()):
-            if not os.path.exists(f"/proc/{k.tgid}"):
+            try:
+                target = os.readlink(f"/proc/{k.tgid}/fd/{k.fd}")
+            except OSError:
+                target = ""  # gone: the fd or the whole process
+            if not target.startswith(self.prefixes):
                 table.pop(k, None)
                 self.fd_paths.pop((k.tgid, k.fd), None)
         counts = self._bpf[b"counts"]

@@ -79,3 +79,67 @@ async def test_dup_and_fdupfd_of_a_tracked_fd_are_tracked(devdir: str) -> None:
         [("ioctl", c)] * 3 + [("ioctl", d)] * 4
     assert all(e.name == "TCGETS" for e in evs[1:])
     assert probe.counts()[pid] == 10
+
+
+STALE = {
+    # close_range(2) closes without a close syscall per fd.
+    "close_range": """
+        import ctypes
+        fd = os.open(dev, os.O_RDWR)
+        assert ctypes.CDLL(None, use_errno=True).close_range(fd, fd, 0) == 0
+        assert os.open("/dev/null", os.O_RDWR) == fd
+        io(fd)
+    """,
+    # execve closes O_CLOEXEC fds (how libcuda opens /dev/nvidia*) without close syscalls.
+    "execve": """
+        # A high number, so that the new image's start-up (which opens and closes low numbers,
+        # and a close untracks) does not touch it before the program reuses it.
+        if len(sys.argv) < 3:
+            fd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
+            fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100)
+            os.execv(sys.executable, [sys.executable, "-c", sys.argv[-1], dev, str(fd), sys.argv[-1]])
+        while os.open("/dev/null", os.O_RDWR) < int(sys.argv[2]):
+            pass
+    """,
+}
+
+
+async def _stale_after_rescan(devdir: str, how: str) -> None:
+    need_bcc()
+    code = PRELUDE + textwrap.dedent(STALE[how]) + textwrap.dedent("""
+        fd = int(sys.argv[2]) if len(sys.argv) > 2 else fd
+        print(os.getpid(), fd, flush=True)
+        sys.stdin.readline(); io(fd, 5); print("done", flush=True)
+    """)
+    if how == "execve":
+        code = code.replace("sys.argv[-1]", "CODE")
+        code = f"CODE = {code!r}\n" + code
+    probe = IoctlProbe([devdir + "/"], rescan_s=0.2)
+    col = Collector(probe)
+    col.start()
+    child = subprocess.Popen([sys.executable, "-c", code, f"{devdir}/null0"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        pid, fd = map(int, child.stdout.readline().split())
+        await asyncio.sleep(0.8)  # several rescans: the stale entry must be gone by now
+        before = probe.counts().get(pid, 0)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        await asyncio.sleep(0.2)
+        after = probe.counts().get(pid, 0)
+    finally:
+        child.kill()
+        child.wait()
+        probe.stop()
+    assert after == before, f"{after - before} ioctls on /dev/null (fd {fd}) counted as GPU"
+    assert (pid, fd) not in probe.fd_paths
+
+
+async def test_stale_entry_after_close_range_is_dropped_by_the_rescan(devdir: str) -> None:
+    await _stale_after_rescan(devdir, "close_range")
+
+
+async def test_stale_entry_after_execve_cloexec_is_dropped_by_the_rescan(devdir: str) -> None:
+    await _stale_after_rescan(devdir, "execve")
