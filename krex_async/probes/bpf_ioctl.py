@@ -439,12 +439,16 @@ class IoctlProbe(FailureReporting, ProbeBackend):
     def stop(self) -> None:
         if self._bpf is None:
             return
-        self._final_counts = self.counts()
-        self._final_lost = self.lost()
+
+        def snapshot() -> None:  # detached and drained: these match what was delivered
+            self._final_counts = self.counts()
+            self._final_lost = self.lost()
+
         if self._poller is not None:
-            self._poller.stop()
+            self._poller.stop(snapshot)
             self._poller = None
         else:
+            snapshot()
             self._bpf.cleanup()
         self._bpf = None
 
