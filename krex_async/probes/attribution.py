@@ -117,14 +117,14 @@ class Attributor:
         if cg and cg in self._cgroups:
             # Kept per tgid too: the lossless counts are per tgid, and a region's reconciliation
             # asks by tgid alone, often after a short-lived child has exited.
-            command = self._cgroups[cg]
+            owner = self._cgroups[cg]
             entry = self._cache.get(ev.tgid)
-            if entry is None or entry[0] != command:
-                self._remember(ev.tgid, command)
-            return command
-        hit, command = self._cached(ev.tgid)
+            if entry is None or entry[0] != owner:
+                self._remember(ev.tgid, owner)
+            return owner
+        hit, cached = self._cached(ev.tgid)
         if hit:
-            return command
+            return cached
         found = None
         pid: int | None = ev.tgid
         for _ in range(self.MAX_DEPTH):
