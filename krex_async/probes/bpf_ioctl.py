@@ -8,6 +8,9 @@ BPF side (BPF_TEXT, specialised by `bpf_text()`):
 - sys_enter_close: the (tgid, fd) leaves `tracked`.
 - sys_enter/exit of dup, dup2, dup3 and fcntl(F_DUPFD, F_DUPFD_CLOEXEC): the new fd is tracked when
   the old one is (same path), and leaves `tracked` otherwise (dup2 onto a tracked number).
+- execve: each entry keeps its fd's close-on-exec flag (from the open or dup flags, F_SETFD,
+  FIOCLEX/FIONCLEX, fdinfo for seeds) and when it was made; sched_process_exec notes the tgid's
+  execve time, and an ioctl on an entry with the flag that is older than that drops the entry.
 - sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, cgroup, comm} (56
   bytes; the path travels only with "open" events and seeds, and is kept in user space per fd).
 Every event is counted per tgid in `counts` and per cgroup (v2 id) in `cg_counts` before it is
@@ -28,6 +31,7 @@ import asyncio
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,9 +53,11 @@ BPF_TEXT = r"""
 #define STREAM __STREAM__
 #define MATCH(w) (__MATCH__)
 #define RB_NO_WAKEUP 1  /* BPF_RB_NO_WAKEUP: the drain thread polls on a timer */
+#define O_CLOEXEC_ 02000000  /* x86-64 and arm64 */
 
 struct key_t { u32 tgid; s32 fd; };
-struct path_t { char s[PATH_LEN]; } __attribute__((aligned(8)));
+/* A tracked fd: its path, when this fd number got it (ns), and its close-on-exec flag. */
+struct path_t { char s[PATH_LEN]; u64 ts; u32 cloexec; u32 pad; } __attribute__((aligned(8)));
 struct event_t {
     u64 ts; u32 tgid; u32 tid; s32 fd; u32 cmd; u32 kind; u32 pad; u64 cgroup; char comm[16];
 };
@@ -59,6 +65,7 @@ struct open_event_t { struct event_t h; char path[PATH_LEN]; };
 
 BPF_HASH(tracked, struct key_t, struct path_t, 65536);
 BPF_HASH(pending, u32, struct path_t, 4096);
+BPF_TABLE("lru_hash", u32, u64, execs, 65536);  /* tgid -> time of its last execve */
 BPF_HASH(counts, u32, u64, 65536);
 BPF_HASH(cg_counts, u64, u64, 16384);
 BPF_PERCPU_ARRAY(lost, u64, 1);
@@ -86,12 +93,13 @@ static __always_inline void fill(struct event_t *e, u64 id, u32 kind, s32 fd, u3
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
 }
 
-static __always_inline int enter_open(const char *filename) {
+static __always_inline int enter_open(const char *filename, u64 flags) {
     struct path_t p = {};
     if (bpf_probe_read_user_str(p.s, sizeof(p.s), filename) <= 0)
         return 0;
     if (!(MATCH((u64 *)p.s)))
         return 0;
+    p.cloexec = (flags & O_CLOEXEC_) ? 1 : 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     pending.update(&tid, &p);
     return 0;
@@ -105,6 +113,7 @@ static __always_inline int exit_open(long ret) {
         return 0;
     if (ret >= 0) {
         struct key_t k = {.tgid = id >> 32, .fd = (s32)ret};
+        p->ts = bpf_ktime_get_ns();
         tracked.update(&k, p);
         count(id);
 #if STREAM
@@ -122,7 +131,7 @@ static __always_inline int exit_open(long ret) {
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return enter_open(args->filename); }
+TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return enter_open(args->filename, args->flags); }
 TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return exit_open(args->ret); }
 __OPENAT2__
 __OPEN__
@@ -135,12 +144,12 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 /* dup, dup2, dup3, fcntl(F_DUPFD[_CLOEXEC]): the new number names what the old one does. It is
    tracked when the old one is, and untracked otherwise (dup2 onto a tracked number closes it). */
-struct dup_t { s32 oldfd; s32 pad; };
+struct dup_t { s32 oldfd; u32 cloexec; };
 BPF_HASH(dups, u32, struct dup_t, 4096);
 
-static __always_inline int enter_dup(u32 oldfd) {
+static __always_inline int enter_dup(u32 oldfd, u32 cloexec) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct dup_t d = {.oldfd = (s32)oldfd};
+    struct dup_t d = {.oldfd = (s32)oldfd, .cloexec = cloexec};
     dups.update(&tid, &d);
     return 0;
 }
@@ -157,6 +166,8 @@ static __always_inline int exit_dup(long ret) {
         struct path_t *p = tracked.lookup(&from);
         if (p) {
             struct path_t copy = *p;
+            copy.ts = bpf_ktime_get_ns();  /* a new fd: its own flag, made after any execve */
+            copy.cloexec = d->cloexec;
             tracked.update(&to, &copy);
         } else {
             tracked.delete(&to);
@@ -166,18 +177,39 @@ static __always_inline int exit_dup(long ret) {
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return enter_dup(args->fildes); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return enter_dup(args->fildes, 0); }
 TRACEPOINT_PROBE(syscalls, sys_exit_dup) { return exit_dup(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return enter_dup(args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return enter_dup(args->oldfd, 0); }
 TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return exit_dup(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_dup3) { return enter_dup(args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup3) {
+    return enter_dup(args->oldfd, (args->flags & O_CLOEXEC_) ? 1 : 0);
+}
 TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return exit_dup(args->ret); }
+
+static __always_inline void set_cloexec(s32 fd, u32 on) {
+    struct key_t k = {.tgid = bpf_get_current_pid_tgid() >> 32, .fd = fd};
+    struct path_t *p = tracked.lookup(&k);
+    if (p)
+        p->cloexec = on;
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_fcntl) {
     if (args->cmd == 0 || args->cmd == 1030)  /* F_DUPFD, F_DUPFD_CLOEXEC */
-        return enter_dup(args->fd);
+        return enter_dup(args->fd, args->cmd == 1030);
+    if (args->cmd == 2)  /* F_SETFD */
+        set_cloexec((s32)args->fd, args->arg & 1);  /* FD_CLOEXEC */
     return 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return exit_dup(args->ret); }
+
+/* execve closes the O_CLOEXEC fds without a close syscall: entries older than the tgid's last
+   execve with the flag set are stale (the number may name another file now) and are dropped. */
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 now = bpf_ktime_get_ns();
+    execs.update(&tgid, &now);
+    return 0;
+}
 
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
     u64 id = bpf_get_current_pid_tgid();
@@ -185,6 +217,15 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
     struct path_t *p = tracked.lookup(&k);
     if (!p)
         return 0;
+    if (p->cloexec) {
+        u64 *x = execs.lookup(&k.tgid);
+        if (x && *x > p->ts) {
+            tracked.delete(&k);
+            return 0;
+        }
+    }
+    if (args->cmd == 0x5451 || args->cmd == 0x5450)  /* FIOCLEX, FIONCLEX */
+        p->cloexec = args->cmd == 0x5451;
     count(id);
 #if STREAM
     struct event_t *e = events.ringbuf_reserve(sizeof(struct event_t));
@@ -199,9 +240,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
 }
 """
 
-_OPENAT2 = """TRACEPOINT_PROBE(syscalls, sys_enter_openat2) { return enter_open(args->filename); }
+_OPENAT2 = """TRACEPOINT_PROBE(syscalls, sys_enter_openat2) {
+    u64 flags = 0;  /* struct open_how's first field, in user memory */
+    bpf_probe_read_user(&flags, sizeof(flags), args->how);
+    return enter_open(args->filename, flags);
+}
 TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { return exit_open(args->ret); }"""
-_OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->filename); }
+_OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->filename, args->flags); }
 TRACEPOINT_PROBE(syscalls, sys_exit_open) { return exit_open(args->ret); }"""
 
 
@@ -330,6 +375,18 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
                 yield pid, int(fd), target
 
 
+def fd_cloexec(pid: int, fd: int) -> int:
+    """1 when the fd has close-on-exec set (/proc/<pid>/fdinfo/<fd>), else 0 (also when unknown)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return 1 if int(line.split()[1], 8) & os.O_CLOEXEC else 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class IoctlProbe(FailureReporting, ProbeBackend):
     """bcc backend on syscall tracepoints; see the module docstring.
 
@@ -405,6 +462,8 @@ class IoctlProbe(FailureReporting, ProbeBackend):
             key = table.Key(tgid, fd)
             leaf = table.Leaf()
             leaf.s = path.encode()[:PATH_LEN - 1]
+            leaf.ts = time.monotonic_ns()  # after any execve of the process that could close it
+            leaf.cloexec = fd_cloexec(tgid, fd)
             table[key] = leaf
             self.fd_paths[(tgid, fd)] = path
             n += 1

@@ -143,3 +143,41 @@ async def test_stale_entry_after_close_range_is_dropped_by_the_rescan(devdir: st
 
 async def test_stale_entry_after_execve_cloexec_is_dropped_by_the_rescan(devdir: str) -> None:
     await _stale_after_rescan(devdir, "execve")
+
+
+async def test_execve_untracks_cloexec_fds_at_once_and_keeps_the_others(devdir: str) -> None:
+    need_bcc()
+    # Before execve: a (O_CLOEXEC at open), b (F_DUPFD_CLOEXEC), c (plain, then F_SETFD
+    # FD_CLOEXEC), d (O_CLOEXEC, then F_SETFD 0: survives), e (plain: survives). After it, the
+    # closed numbers are reused for /dev/null; d and e still name the device.
+    code = PRELUDE + textwrap.dedent("""
+        if len(sys.argv) < 3:
+            a = fcntl.fcntl(os.open(dev, os.O_RDWR | os.O_CLOEXEC), fcntl.F_DUPFD_CLOEXEC, 100)
+            b = fcntl.fcntl(a, fcntl.F_DUPFD_CLOEXEC, 110)
+            c = fcntl.fcntl(os.open(dev, os.O_RDWR), fcntl.F_DUPFD, 120)
+            fcntl.fcntl(c, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+            d = fcntl.fcntl(a, fcntl.F_DUPFD_CLOEXEC, 130)
+            fcntl.fcntl(d, fcntl.F_SETFD, 0)
+            e = fcntl.fcntl(a, fcntl.F_DUPFD, 140)
+            fds = " ".join(map(str, (a, b, c, d, e)))
+            os.execv(sys.executable, [sys.executable, "-c", CODE, dev, fds])
+        a, b, c, d, e = map(int, sys.argv[2].split())
+        for fd in (a, b, c):
+            while os.open("/dev/null", os.O_RDWR) < fd:
+                pass
+        io(a, 2); io(b, 2); io(c, 2); io(d, 3); io(e, 4)
+        print(os.getpid(), a, b, c, d, e, flush=True)
+    """)
+    code = f"CODE = {code!r}\n" + code
+    probe = IoctlProbe([devdir + "/"], rescan_s=0)  # no rescan: the BPF side alone
+    col = Collector(probe)
+    col.start()
+    try:
+        out = subprocess.run([sys.executable, "-c", code, f"{devdir}/null0"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+        pid, a, b, c, d, e = map(int, out.split())
+        await settle(col, pid, 9)
+    finally:
+        probe.stop()
+    ioctls = [e_.fd for e_ in col.of(pid) if e_.kind == "ioctl"]
+    assert ioctls == [d] * 3 + [e] * 4, ioctls
