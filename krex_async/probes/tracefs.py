@@ -148,7 +148,8 @@ class TracefsProbe(FailureReporting, ProbeBackend):
     def _refresh(self) -> None:
         """Scan /proc for device holders; update set_event_pid and the fd filter when they changed."""
         paths = {(tgid, fd): path for tgid, fd, path in scan_proc(self.prefixes)}
-        self.fd_paths.update(paths)
+        # Replaced, not merged: an fd a holder closed may name another file by now.
+        self.fd_paths = paths
         pids: set[int] = set()
         for tgid in {t for t, _ in paths}:
             try:
