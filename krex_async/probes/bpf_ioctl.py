@@ -8,6 +8,8 @@ BPF side (BPF_TEXT, specialised by `bpf_text()`):
 - sys_enter_close: the (tgid, fd) leaves `tracked`.
 - sys_enter/exit of dup, dup2, dup3 and fcntl(F_DUPFD, F_DUPFD_CLOEXEC): the new fd is tracked when
   the old one is (same path), and leaves `tracked` otherwise (dup2 onto a tracked number).
+- fork (sched_process_fork): a child's untouched fd is found in its parent's (or grandparent's)
+  entry when that predates the fork, and copied on first use; a child's close leaves a tombstone.
 - execve: each entry keeps its fd's close-on-exec flag (from the open or dup flags, F_SETFD,
   FIOCLEX/FIONCLEX, fdinfo for seeds) and when it was made; sched_process_exec notes the tgid's
   execve time, and an ioctl on an entry with the flag that is older than that drops the entry.
@@ -20,8 +22,9 @@ Thus sum(counts) == delivered + lost. No kernel struct is read: only tracepoint 
 
 User side: `tracked` is seeded at start from /proc/*/fd, so fds opened before the probe started are
 covered; about every `rescan_s` the poll thread drops entries whose /proc/<tgid>/fd/<fd> no longer
-names a device (execve's O_CLOEXEC, close_range, exit) and seeds again (which also picks up fds
-that reached a process by fork, which the BPF side does not follow). Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
+names a device (execve's O_CLOEXEC, close_range, exit) and seeds again, which also catches what
+the BPF side cannot see: fds closed by close_range, passed over a unix socket, opened through
+io_uring. Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,75 @@ struct open_event_t { struct event_t h; char path[PATH_LEN]; };
 BPF_HASH(tracked, struct key_t, struct path_t, 65536);
 BPF_HASH(pending, u32, struct path_t, 4096);
 BPF_TABLE("lru_hash", u32, u64, execs, 65536);  /* tgid -> time of its last execve */
+
+/* fork: the child (pid of the new task) inherits the parent's fds. An fd the child has not touched
+   is looked up in its parent's entries (up to FORK_DEPTH ancestors), valid when the parent's entry
+   predates the fork; on first use it is copied into the child's own entry. A child's close of an
+   inherited fd leaves a tombstone (empty path), so a reused number is not inherited again. A
+   rescan seeds every process's real fds from /proc, stamped with the scan's start: a parent's
+   entry is then newer than the forks before it, so those children are no longer inherited into
+   (they were seeded; a number one of them closed with close_range stays closed). */
+#define FORK_DEPTH 3
+struct fork_t { u32 parent; u32 pad; u64 ts; };
+BPF_TABLE("lru_hash", u32, struct fork_t, forks, 65536);
+
+TRACEPOINT_PROBE(sched, sched_process_fork) {
+    u32 child = args->child_pid;
+    struct fork_t f = {.parent = bpf_get_current_pid_tgid() >> 32, .ts = bpf_ktime_get_ns()};
+    forks.update(&child, &f);
+    return 0;
+}
+
+/* The ancestor's entry that k (not in `tracked`) inherited through fork, or 0; *since is set to
+   the earliest fork on the way. */
+static __always_inline struct path_t *inherited(struct key_t *k, u64 *since) {
+    u32 tgid = k->tgid;
+    *since = (u64)-1;
+    #pragma unroll
+    for (int i = 0; i < FORK_DEPTH; i++) {
+        struct fork_t *f = forks.lookup(&tgid);
+        if (!f)
+            return 0;
+        if (f->ts < *since)
+            *since = f->ts;
+        struct key_t pk = {.tgid = f->parent, .fd = k->fd};
+        struct path_t *pp = tracked.lookup(&pk);
+        if (pp)  /* closed there, or opened after the fork: not inherited */
+            return (pp->s[0] && pp->ts <= *since) ? pp : 0;
+        tgid = f->parent;
+    }
+    return 0;
+}
+
+static __always_inline struct path_t *find(struct key_t *k) {
+    struct path_t *p = tracked.lookup(k);
+    if (p)
+        return p->s[0] ? p : 0;
+    u64 since;
+    struct path_t *pp = inherited(k, &since);
+    if (!pp)
+        return 0;
+    struct path_t copy = *pp;
+    copy.ts = since;  /* the child's fd dates from its fork */
+    tracked.update(k, &copy);
+    return tracked.lookup(k);
+}
+
+/* The fd no longer names what it did. Where it would still be inherited from an ancestor's
+   entry, a tombstone stays (only then: not for every close of every forked process). */
+static __always_inline void untrack(struct key_t *k) {
+    struct path_t *p = tracked.lookup(k);
+    if (p && !p->s[0])
+        return;  /* already a tombstone */
+    u64 since;
+    if (inherited(k, &since)) {
+        struct path_t dead = {};
+        dead.ts = bpf_ktime_get_ns();
+        tracked.update(k, &dead);
+    } else if (p) {
+        tracked.delete(k);
+    }
+}
 BPF_HASH(counts, u32, u64, 65536);
 BPF_HASH(cg_counts, u64, u64, 16384);
 BPF_PERCPU_ARRAY(lost, u64, 1);
@@ -138,7 +210,7 @@ __OPEN__
 
 TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     struct key_t k = {.tgid = bpf_get_current_pid_tgid() >> 32, .fd = (s32)args->fd};
-    tracked.delete(&k);
+    untrack(&k);
     return 0;
 }
 
@@ -163,14 +235,14 @@ static __always_inline int exit_dup(long ret) {
     if (ret >= 0) {
         struct key_t from = {.tgid = id >> 32, .fd = d->oldfd};
         struct key_t to = {.tgid = id >> 32, .fd = (s32)ret};
-        struct path_t *p = tracked.lookup(&from);
+        struct path_t *p = find(&from);
         if (p) {
             struct path_t copy = *p;
             copy.ts = bpf_ktime_get_ns();  /* a new fd: its own flag, made after any execve */
             copy.cloexec = d->cloexec;
             tracked.update(&to, &copy);
         } else {
-            tracked.delete(&to);
+            untrack(&to);
         }
     }
     dups.delete(&tid);
@@ -188,7 +260,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return exit_dup(args->ret); }
 
 static __always_inline void set_cloexec(s32 fd, u32 on) {
     struct key_t k = {.tgid = bpf_get_current_pid_tgid() >> 32, .fd = fd};
-    struct path_t *p = tracked.lookup(&k);
+    struct path_t *p = find(&k);
     if (p)
         p->cloexec = on;
 }
@@ -214,13 +286,13 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
     u64 id = bpf_get_current_pid_tgid();
     struct key_t k = {.tgid = id >> 32, .fd = (s32)args->fd};
-    struct path_t *p = tracked.lookup(&k);
+    struct path_t *p = find(&k);
     if (!p)
         return 0;
     if (p->cloexec) {
         u64 *x = execs.lookup(&k.tgid);
         if (x && *x > p->ts) {
-            tracked.delete(&k);
+            untrack(&k);
             return 0;
         }
     }
@@ -458,11 +530,13 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         """Put every matching fd now open in /proc into `tracked`. Returns how many were found."""
         table = self._bpf[b"tracked"]
         n = 0
+        # Stamped with the scan's start: an execve or fork after it is "later" (module docstring).
+        start = time.monotonic_ns()
         for tgid, fd, path in scan_proc(self.prefixes):
             key = table.Key(tgid, fd)
             leaf = table.Leaf()
             leaf.s = path.encode()[:PATH_LEN - 1]
-            leaf.ts = time.monotonic_ns()  # after any execve of the process that could close it
+            leaf.ts = start
             leaf.cloexec = fd_cloexec(tgid, fd)
             table[key] = leaf
             self.fd_paths[(tgid, fd)] = path
@@ -480,7 +554,9 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         is closed and reopened on a device between the check and the drop is put back by the
         seed that follows."""
         table = self._bpf[b"tracked"]
-        for k in list(table.keys()):
+        for k, v in list(table.items()):
+            if not v.s and os.path.exists(f"/proc/{k.tgid}"):
+                continue  # a live child's tombstone: it keeps the fd from being inherited again
             try:
                 target = os.readlink(f"/proc/{k.tgid}/fd/{k.fd}")
             except OSError:

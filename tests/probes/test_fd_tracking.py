@@ -181,3 +181,79 @@ async def test_execve_untracks_cloexec_fds_at_once_and_keeps_the_others(devdir: 
         probe.stop()
     ioctls = [e_.fd for e_ in col.of(pid) if e_.kind == "ioctl"]
     assert ioctls == [d] * 3 + [e] * 4, ioctls
+
+
+async def test_fds_inherited_through_fork_are_tracked_in_the_child(devdir: str) -> None:
+    need_bcc()
+    probe = IoctlProbe([devdir + "/"], rescan_s=0)  # no rescan: the BPF side alone
+    col = Collector(probe)
+    col.start()
+    try:
+        out = run("""
+            a = os.open(dev, os.O_RDWR); b = os.open(dev, os.O_RDWR)
+            kid = os.fork()
+            if kid == 0:
+                io(a, 3)  # inherited: the child's device activity
+                for _ in range(50):  # closes of fds that were never the device's: no tombstones
+                    os.close(os.open("/dev/null", os.O_RDONLY))
+                os.close(b)  # closed in the child, then the number reused for /dev/null
+                assert os.open("/dev/null", os.O_RDWR) == b
+                io(b, 4)
+                grandkid = os.fork()
+                if grandkid == 0:
+                    io(a, 2)  # inherited twice
+                    os._exit(0)
+                os.waitpid(grandkid, 0)
+                print(os.getpid(), grandkid, flush=True)
+                os._exit(0)
+            os.waitpid(kid, 0)
+            io(b, 1)  # the parent's b is still the device
+            print(os.getpid(), a, b, flush=True)
+        """, f"{devdir}/null0")
+        kid, grandkid, parent, a, b = out
+        await settle(col, parent, 3)
+        await settle(col, grandkid, 2)
+        tombstones = [k.fd for k, v in probe._bpf[b"tracked"].items()
+                      if not v.s and k.tgid == kid]
+    finally:
+        probe.stop()
+    assert [e.fd for e in col.of(kid)] == [a] * 3
+    assert tombstones == [b]  # only the inherited fd it closed
+    assert [e.fd for e in col.of(grandkid)] == [a] * 2
+    assert [(e.kind, e.fd) for e in col.of(parent)] == [("open", a), ("open", b), ("ioctl", b)]
+
+
+async def test_the_rescan_ends_fork_inheritance_and_seeds_the_child(devdir: str) -> None:
+    """After a rescan, a child's fds come from /proc: one it closed with close_range (no close
+    syscall, so no tombstone) must not be inherited again from its parent's entry."""
+    need_bcc()
+    code = PRELUDE + textwrap.dedent("""
+        import ctypes
+        a = os.open(dev, os.O_RDWR)
+        kid = os.fork()
+        if kid == 0:
+            assert ctypes.CDLL(None, use_errno=True).close_range(a, a, 0) == 0
+            assert os.open("/dev/null", os.O_RDWR) == a
+            print(os.getpid(), a, flush=True)
+            sys.stdin.readline(); io(a, 5); print("done", flush=True)
+            sys.stdin.readline(); os._exit(0)
+        os.waitpid(kid, 0)
+    """)
+    probe = IoctlProbe([devdir + "/"], rescan_s=0.2)
+    col = Collector(probe)
+    col.start()
+    p = subprocess.Popen([sys.executable, "-c", code, f"{devdir}/null0"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdin is not None and p.stdout is not None
+        kid, a = map(int, p.stdout.readline().split())
+        await asyncio.sleep(0.6)  # several rescans
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "done"
+        await asyncio.sleep(0.2)
+    finally:
+        p.kill()
+        p.wait()
+        probe.stop()
+    assert probe.counts().get(kid, 0) == 0, "ioctls on /dev/null counted as inherited GPU ones"
