@@ -6,6 +6,15 @@
     options: --reps N (interleaved repetitions per mode; --gpu: blocks), --bursts B (--gpu: bursts
              per mode per block), --launches L (--gpu: per burst), --json FILE, --rate R --seconds S (loss),
              --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part)
+    sudo python bench/probe_overhead.py --uprobe-anatomy   # why a launch uprobe costs what it does
+
+Uprobe anatomy: a uprobe is an int3 at the probed address; the kernel then emulates the instruction
+it replaced (nop, push, jmp, call: about 0.7 us per call on the dev VM) or, for anything else (mov,
+endbr64), executes a copy of it out of line under single-step, which adds a #DB trap (about 12 us
+on the dev VM, where the hypervisor intercepts #DB). A 5-byte nop at the address is patched into a
+call to [uprobes-trampoline] (kernels with arch_uprobe_optimize). This mode times the launch probe
+on fake libraries starting with each kind, the two traps alone (int3 vs single-step, each with a
+SIGTRAP handler), and prints the first instruction of the launch symbols in the real libraries.
 
 Loss accounting (each row must balance): `sent` ioctls plus the one open are what the kernel-side
 map `counted`; the stream `delivered` the workload's events (ioctl, open); `lost` counts ring
@@ -70,6 +79,74 @@ int main(int argc, char **argv) {
 }
 """
 FAKE_LIB = "int cuLaunchKernel(void *f, unsigned gx) { return (int)gx; }\n"
+
+FIRST_INSNS = {"mov (gcc -O2)": "", "endbr64": "endbr64\n", "push %rbp": "push %rbp\npop %rbp\n",
+               "nop": "nop\n", "nop5": ".byte 0x0f,0x1f,0x44,0x00,0x00\n"}
+TRAPS_C = r"""
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <ucontext.h>
+static void h(int s, siginfo_t *si, void *uc) { ((ucontext_t *)uc)->uc_mcontext.gregs[REG_EFL] &= ~0x100L; }
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+                          return t.tv_sec + t.tv_nsec * 1e-9; }
+int main(int argc, char **argv) {
+    long n = atol(argv[1]); struct sigaction sa = {0};
+    sa.sa_sigaction = h; sa.sa_flags = SA_SIGINFO; sigaction(SIGTRAP, &sa, 0);
+    double t0 = now(); for (long i = 0; i < n; i++) __asm__ volatile("int3");
+    double t1 = now();
+    for (long i = 0; i < n; i++) __asm__ volatile("pushf; orq $0x100,(%%rsp); popf; nop" ::: "memory", "cc");
+    printf("%.1f %.1f\n", (t1 - t0) * 1e9 / n, (now() - t1) * 1e9 / n); return 0;
+}
+"""
+
+
+def uprobe_anatomy(tmp: str) -> list[dict[str, Any]]:
+    """Per-call cost of the launch probe by the probed address's first instruction (x86-64)."""
+    w, _, _ = build(tmp)
+    rows = []
+    for i, (kind, insn) in enumerate(FIRST_INSNS.items()):
+        d = Path(tmp, f"v{i}")
+        d.mkdir()
+        src = FAKE_LIB if not insn else (
+            '__asm__(".globl cuLaunchKernel\\n.type cuLaunchKernel,@function\\ncuLaunchKernel:\\n'
+            + insn.replace("\n", "\\n") + 'mov %esi,%eax\\nret\\n");\n')
+        (d / "fake.c").write_text(src)
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", f"{d}/libcuda.so.1", f"{d}/fake.c"],
+                       check=True)
+        lib = f"{d}/libcuda.so.1"
+        off = statistics.median(float(run([w, "launch", lib, "1000000"])[0]) for _ in range(3))
+        with Running(LaunchProbe([lib], search=False)):
+            on = statistics.median(float(run([w, "launch", lib, "50000"])[0]) for _ in range(3))
+        rows.append({"first_insn": kind, "unprobed_ns": off, "probed_ns": on})
+    Path(tmp, "traps.c").write_text(TRAPS_C)
+    subprocess.run(["gcc", "-O2", "-o", f"{tmp}/traps", f"{tmp}/traps.c"], check=True)
+    bp, db = (float(x) for x in run([f"{tmp}/traps", "200000"]))
+    rows.append({"first_insn": "(trap alone: int3 | single-step, with SIGTRAP handler)",
+                 "unprobed_ns": bp, "probed_ns": db})
+    return rows
+
+
+def first_insns(libs: list[str]) -> list[str]:
+    """The first instruction of each launch symbol in these libraries (objdump), as text."""
+    from krex_async.probes.launches import SYMBOLS
+    out = []
+    for lib in libs:
+        dyn = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True).stdout
+        for line in dyn.splitlines():
+            addr, _, name = (line.split() + ["", "", ""])[:3]
+            if name.split("@")[0] in SYMBOLS:
+                a = int(addr, 16)
+                dis = subprocess.run(["objdump", "-d", f"--start-address={a}",
+                                      f"--stop-address={a + 16}", lib],
+                                     capture_output=True, text=True).stdout.splitlines()
+                insn = [ln.split("\t")[-1].strip() for ln in dis
+                        if ln.strip().startswith(f"{a:x}:")]
+                out.append(f"{lib} {name}: {insn[0] if insn else '?'}")
+    return out
+
 
 TORCH_WORKER = r"""
 import os, sys, time, torch
@@ -328,12 +405,24 @@ def main() -> None:
                     help="ioctls at full speed for the loss-accounting check (0: skip)")
     ap.add_argument("--loss-only", action="store_true", help="skip the per-call cost part")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--uprobe-anatomy", action="store_true",
+                    help="launch-probe cost by first instruction, trap costs, real libraries' first "
+                         "instructions (then exit)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (eBPF)")
     out: dict[str, Any] = {}
     tmp = tempfile.mkdtemp(prefix="krexbench-", dir="/tmp")
     try:
+        if args.uprobe_anatomy:
+            out["uprobe_anatomy"] = uprobe_anatomy(tmp)
+            print("Launch probe cost per call (ns) by the probed address's first instruction")
+            print(table(out["uprobe_anatomy"]))
+            out["first_insns"] = first_insns(find_libraries(search=True))
+            print("\n".join(out["first_insns"]) or "(no libcuda / libhsa-runtime64 found)")
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=2))
+            return
         if args.gpu:
             out["gpu"] = gpu_part(args.reps, args.launches, args.bursts)
             print("GPU: torch a.add_(1.0) launch rate\n" + table(out["gpu"]) + "\n")

@@ -10,6 +10,9 @@ with its pid and first events, and sent to `krex trace` at once.
 The event stream can lose events under load; the backend's kernel-side counts per tgid do not. At
 release the region compares those counts to what it saw, and a region during which the backend lost
 events is marked `tainted`, never reported clean.
+The tracefs backend keeps no counts kernel-side (its counts are the lines its reader has parsed), so
+at a grant and at a release the loop first waits for its reader to catch up (settle(), about a
+millisecond; a region whose window could not be settled within SETTLE_S is `tainted`).
 
 A backend that fails at runtime (its polling thread died; probes/failure.py) calls probe_failed()
 on the loop: it is logged once as an error, `daemon.probes` (shown by `krex status`) says
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 log = logs.get("krex.probes")
 
 FIRST_STRAYS = 10
+SETTLE_S = 0.1  # longest the loop waits, at a grant or release, for a lagging tracefs reader
 
 
 @dataclass
@@ -75,14 +79,25 @@ class Attributor:
 
     # ------------------------------------------------------------------------------ regions
 
+    def _settle(self) -> bool:
+        """Bring a backend whose counts are not kept kernel-side (tracefs: what its reader has
+        parsed) up to now. Blocks the loop (about a millisecond; at most SETTLE_S). False: its
+        counts may miss events made before this call."""
+        settle = getattr(self.backend, "settle", None)
+        return True if settle is None or self.failed is not None else bool(settle(SETTLE_S))
+
     def region_granted(self, r: "Region") -> None:
+        settled = self._settle()
         self.watches[r.id] = Watch(since_ns=time.monotonic_ns(), lost_at_start=self.backend.lost(),
-                                   counts_at_start=dict(self.backend.counts()))
+                                   counts_at_start=dict(self.backend.counts()),
+                                   unverified=not settled)
 
     def region_released(self, r: "Region") -> None:
         w = self.watches.pop(r.id, None)
         if w is None:
             return
+        if not self._settle():
+            w.unverified = True
         rep = r.report
         # Lossless kernel-side counts catch strays whose events the stream dropped.
         for tgid, n in self.backend.counts().items():

@@ -75,6 +75,21 @@ def compile_bpf(text: str, what: str) -> Any:
         raise ProbeUnavailable(f"{what}: BPF compile/load failed: {' | '.join(msg[:3])}") from e
 
 
+def detach_all(bpf: Any) -> None:
+    """Detach every program of a loaded BPF object from its attach points (tracepoints, uprobes,
+    kprobes), keeping its maps and ring buffer readable. Best effort: an attach point that
+    cannot be detached is left for bpf.cleanup()."""
+    for fds, detach in ((bpf.tracepoint_fds, bpf.detach_tracepoint),
+                        (bpf.uprobe_fds, bpf.detach_uprobe_event),
+                        (bpf.kprobe_fds, bpf.detach_kprobe_event),
+                        (bpf.raw_tracepoint_fds, bpf.detach_raw_tracepoint)):
+        for k in list(fds):
+            try:
+                detach(k)
+            except Exception:
+                pass
+
+
 def sum_percpu(table: Any, key: int = 0) -> int:
     """Sum one key of a BPF_PERCPU_ARRAY across CPUs."""
     try:
@@ -153,8 +168,10 @@ class RingPoller:
     the loop. The ring must hold what arrives while the thread is not scheduled or busy: the ioctl
     probe's 4096 pages (16 MiB) hold 262144 records of 64 bytes, 2.6 s at 100k events/s; the thread
     itself must keep up on average (about 2 us of CPU per event here: 20% of a core at 100k/s).
-    `tick()` runs on this thread every `tick_s` (map upkeep). `stop()` joins the thread, then
-    detaches everything (bpf.cleanup()).
+    `tick()` runs on this thread every `tick_s` (map upkeep). `stop(snapshot)` detaches the
+    programs, lets the thread drain what they produced and exit, calls `snapshot()` (the owner
+    reads its final counts and lost there: they then describe exactly the records delivered),
+    then releases everything (bpf.cleanup()).
     """
 
     def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],
@@ -169,6 +186,8 @@ class RingPoller:
         self._name = name
         self._on_failure = on_failure
         self._stop = threading.Event()
+        self._tick_lock = threading.Lock()  # held while tick() runs; stop() takes it to end ticks
+        self._no_tick = False
         self._thread: threading.Thread | None = None
         self._raw: list[bytes] = []
         self.delivered = 0
@@ -239,10 +258,12 @@ class RingPoller:
                         return
                     if self._tick is not None and time.monotonic() >= next_tick:
                         next_tick = time.monotonic() + self._tick_s
-                        try:
-                            self._tick()
-                        except Exception as e:  # upkeep failing leaves the stream running
-                            self.error = e
+                        with self._tick_lock:
+                            try:
+                                if not self._no_tick:
+                                    self._tick()
+                            except Exception as e:  # upkeep failing leaves the stream running
+                                self.error = e
                 # Stopping: hand over everything still in the ring. One more pass catches a
                 # record that was being written during the first.
                 for _ in range(2):
@@ -258,12 +279,22 @@ class RingPoller:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Join the thread, unmap the ring and detach the program. Safe after a failure."""
+    def stop(self, snapshot: Callable[[], None] | None = None) -> None:
+        """Detach the programs, join the thread (its last drains hand over every record they
+        produced), call `snapshot()`, unmap the ring and release the BPF object. Safe after a
+        failure. Ticks end first, so none attaches anything after the detach."""
+        with self._tick_lock:
+            self._no_tick = True
+        detach_all(self.bpf)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if snapshot is not None:
+            try:
+                snapshot()
+            except Exception as e:
+                self.error = e
         if self._mm is not None:
             try:
                 self._mm.close()

@@ -8,6 +8,14 @@ Two ways, tried in order:
    root pid. Needs the process alive when the event is attributed (events arrive within ~10 ms); the
    answer is cached per tgid, and forgotten when the commands change.
 
+A cached answer is for one process, and pids are reused: each entry keeps its process's start time
+(/proc/<pid>/stat), and an entry older than `revalidate_s` is checked against the pid's current
+start time before it is used (one /proc read per tgid per revalidate_s). A different start time is
+another process: the entry is dropped and the new one attributed afresh. A gone process keeps its
+entry (late events and the per-tgid count reconciliation still need it) until a new process shows
+up at that pid. (Reusing a pid takes a wrap of the whole pid space, far longer than revalidate_s,
+unless something sets ns_last_pid.)
+
     a = Attributor(); a.add("c1", root_pid, cgroup_dir="/sys/fs/cgroup/krex/c1")
     cmd = a.command_of(ev)               # "c1" or None (not a command's process)
     a.is_stray(ev, owner="c2")           # True: during c2's region, anything not from c2
@@ -16,6 +24,7 @@ Two ways, tried in order:
 from __future__ import annotations
 
 import os
+import time
 
 from .base import ProbeEvent
 from ..procfs import stat_fields
@@ -25,6 +34,12 @@ def parent_pid(pid: int, proc: str = "/proc") -> int | None:
     """The parent of `pid` from /proc/<pid>/stat, or None when it is gone or unreadable."""
     fields = stat_fields(pid, proc)
     return None if fields is None else int(fields[1])
+
+
+def start_time(pid: int, proc: str = "/proc") -> int | None:
+    """The start time of `pid` (clock ticks since boot), or None when it is gone or unreadable."""
+    fields = stat_fields(pid, proc)
+    return None if fields is None else int(fields[19])
 
 
 def cgroup_id(cgroup_dir: str) -> int:
@@ -51,12 +66,36 @@ class Attributor:
     nothing raises for processes that vanished (they attribute to None)."""
 
     MAX_DEPTH = 64
+    REVALIDATE_S = 0.5
 
-    def __init__(self, proc: str = "/proc") -> None:
+    def __init__(self, proc: str = "/proc", revalidate_s: float = REVALIDATE_S) -> None:
         self.proc = proc
+        self.revalidate_ns = int(revalidate_s * 1e9)
         self._roots: dict[int, str] = {}
         self._cgroups: dict[int, str] = {}
-        self._cache: dict[int, str | None] = {}
+        # tgid -> (command or None, its start time or None when unknown, when last checked)
+        self._cache: dict[int, tuple[str | None, int | None, int]] = {}
+
+    def _remember(self, tgid: int, command: str | None, start: int | None = None) -> None:
+        if start is None:
+            start = start_time(tgid, self.proc)
+        self._cache[tgid] = (command, start, time.monotonic_ns())
+
+    def _cached(self, tgid: int) -> tuple[bool, str | None]:
+        """(hit, command) from the cache, dropping an entry whose pid now names another process."""
+        entry = self._cache.get(tgid)
+        if entry is None:
+            return False, None
+        command, start, checked = entry
+        now = time.monotonic_ns()
+        if now - checked < self.revalidate_ns:
+            return True, command
+        cur = start_time(tgid, self.proc)
+        if cur is not None and cur != start:
+            del self._cache[tgid]  # the pid was reused (or the entry was made for a gone one)
+            return False, None
+        self._cache[tgid] = (command, start, now)
+        return True, command
 
     def add(self, command: str, pid: int, cgroup_dir: str | None = None) -> None:
         """Register a command by its root pid and, when it has one, its cgroup directory."""
@@ -78,10 +117,14 @@ class Attributor:
         if cg and cg in self._cgroups:
             # Kept per tgid too: the lossless counts are per tgid, and a region's reconciliation
             # asks by tgid alone, often after a short-lived child has exited.
-            self._cache[ev.tgid] = self._cgroups[cg]
-            return self._cgroups[cg]
-        if ev.tgid in self._cache:
-            return self._cache[ev.tgid]
+            owner = self._cgroups[cg]
+            entry = self._cache.get(ev.tgid)
+            if entry is None or entry[0] != owner:
+                self._remember(ev.tgid, owner)
+            return owner
+        hit, cached = self._cached(ev.tgid)
+        if hit:
+            return cached
         found = None
         pid: int | None = ev.tgid
         for _ in range(self.MAX_DEPTH):
@@ -91,8 +134,9 @@ class Attributor:
                 found = self._roots[pid]
                 break
             pid = parent_pid(pid, self.proc)
-        if found is not None or os.path.exists(f"{self.proc}/{ev.tgid}"):
-            self._cache[ev.tgid] = found  # a gone process is not cached: its pid may be reused
+        start = start_time(ev.tgid, self.proc)
+        if found is not None or start is not None:
+            self._remember(ev.tgid, found, start)  # a gone outsider is not cached
         return found
 
     def is_stray(self, ev: ProbeEvent, owner: str | None) -> bool:

@@ -6,6 +6,13 @@ BPF side (BPF_TEXT, specialised by `bpf_text()`):
   parked per thread in `pending`.
 - sys_exit_openat/openat2/open: on success, (tgid, fd) -> path goes into `tracked`; an "open" event.
 - sys_enter_close: the (tgid, fd) leaves `tracked`.
+- sys_enter/exit of dup, dup2, dup3 and fcntl(F_DUPFD, F_DUPFD_CLOEXEC): the new fd is tracked when
+  the old one is (same path), and leaves `tracked` otherwise (dup2 onto a tracked number).
+- fork (sched_process_fork): a child's untouched fd is found in its parent's (or grandparent's)
+  entry when that predates the fork, and copied on first use; a child's close leaves a tombstone.
+- execve: each entry keeps its fd's close-on-exec flag (from the open or dup flags, F_SETFD,
+  FIOCLEX/FIONCLEX, fdinfo for seeds) and when it was made; sched_process_exec notes the tgid's
+  execve time, and an ioctl on an entry with the flag that is older than that drops the entry.
 - sys_enter_ioctl: a tracked fd gives an "ioctl" event {ts, tgid, tid, fd, cmd, cgroup, comm} (56
   bytes; the path travels only with "open" events and seeds, and is kept in user space per fd).
 Every event is counted per tgid in `counts` and per cgroup (v2 id) in `cg_counts` before it is
@@ -14,9 +21,10 @@ Thus sum(counts) == delivered + lost. No kernel struct is read: only tracepoint 
 (bpf_get_current_pid_tgid, bpf_ktime_get_ns = CLOCK_MONOTONIC, bpf_get_current_cgroup_id).
 
 User side: `tracked` is seeded at start from /proc/*/fd, so fds opened before the probe started are
-covered; about every `rescan_s` the poll thread drops entries of processes that are gone and seeds
-again (which also picks up fds that reached a process by fork or dup, which the BPF side does not
-follow). Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
+covered; about every `rescan_s` the poll thread drops entries whose /proc/<tgid>/fd/<fd> no longer
+names a device (execve's O_CLOEXEC, close_range, exit) and seeds again, which also catches what
+the BPF side cannot see: fds closed by close_range, passed over a unix socket, opened through
+io_uring. Print the generated program with `python -m krex_async.probes.bpf_ioctl --print`.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import asyncio
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +56,11 @@ BPF_TEXT = r"""
 #define STREAM __STREAM__
 #define MATCH(w) (__MATCH__)
 #define RB_NO_WAKEUP 1  /* BPF_RB_NO_WAKEUP: the drain thread polls on a timer */
+#define O_CLOEXEC_ 02000000  /* x86-64 and arm64 */
 
 struct key_t { u32 tgid; s32 fd; };
-struct path_t { char s[PATH_LEN]; } __attribute__((aligned(8)));
+/* A tracked fd: its path, when this fd number got it (ns), and its close-on-exec flag. */
+struct path_t { char s[PATH_LEN]; u64 ts; u32 cloexec; u32 pad; } __attribute__((aligned(8)));
 struct event_t {
     u64 ts; u32 tgid; u32 tid; s32 fd; u32 cmd; u32 kind; u32 pad; u64 cgroup; char comm[16];
 };
@@ -57,6 +68,76 @@ struct open_event_t { struct event_t h; char path[PATH_LEN]; };
 
 BPF_HASH(tracked, struct key_t, struct path_t, 65536);
 BPF_HASH(pending, u32, struct path_t, 4096);
+BPF_TABLE("lru_hash", u32, u64, execs, 65536);  /* tgid -> time of its last execve */
+
+/* fork: the child (pid of the new task) inherits the parent's fds. An fd the child has not touched
+   is looked up in its parent's entries (up to FORK_DEPTH ancestors), valid when the parent's entry
+   predates the fork; on first use it is copied into the child's own entry. A child's close of an
+   inherited fd leaves a tombstone (empty path), so a reused number is not inherited again. A
+   rescan seeds every process's real fds from /proc, stamped with the scan's start: a parent's
+   entry is then newer than the forks before it, so those children are no longer inherited into
+   (they were seeded; a number one of them closed with close_range stays closed). */
+#define FORK_DEPTH 3
+struct fork_t { u32 parent; u32 pad; u64 ts; };
+BPF_TABLE("lru_hash", u32, struct fork_t, forks, 65536);
+
+TRACEPOINT_PROBE(sched, sched_process_fork) {
+    u32 child = args->child_pid;
+    struct fork_t f = {.parent = bpf_get_current_pid_tgid() >> 32, .ts = bpf_ktime_get_ns()};
+    forks.update(&child, &f);
+    return 0;
+}
+
+/* The ancestor's entry that k (not in `tracked`) inherited through fork, or 0; *since is set to
+   the earliest fork on the way. */
+static __always_inline struct path_t *inherited(struct key_t *k, u64 *since) {
+    u32 tgid = k->tgid;
+    *since = (u64)-1;
+    #pragma unroll
+    for (int i = 0; i < FORK_DEPTH; i++) {
+        struct fork_t *f = forks.lookup(&tgid);
+        if (!f)
+            return 0;
+        if (f->ts < *since)
+            *since = f->ts;
+        struct key_t pk = {.tgid = f->parent, .fd = k->fd};
+        struct path_t *pp = tracked.lookup(&pk);
+        if (pp)  /* closed there, or opened after the fork: not inherited */
+            return (pp->s[0] && pp->ts <= *since) ? pp : 0;
+        tgid = f->parent;
+    }
+    return 0;
+}
+
+static __always_inline struct path_t *find(struct key_t *k) {
+    struct path_t *p = tracked.lookup(k);
+    if (p)
+        return p->s[0] ? p : 0;
+    u64 since;
+    struct path_t *pp = inherited(k, &since);
+    if (!pp)
+        return 0;
+    struct path_t copy = *pp;
+    copy.ts = since;  /* the child's fd dates from its fork */
+    tracked.update(k, &copy);
+    return tracked.lookup(k);
+}
+
+/* The fd no longer names what it did. Where it would still be inherited from an ancestor's
+   entry, a tombstone stays (only then: not for every close of every forked process). */
+static __always_inline void untrack(struct key_t *k) {
+    struct path_t *p = tracked.lookup(k);
+    if (p && !p->s[0])
+        return;  /* already a tombstone */
+    u64 since;
+    if (inherited(k, &since)) {
+        struct path_t dead = {};
+        dead.ts = bpf_ktime_get_ns();
+        tracked.update(k, &dead);
+    } else if (p) {
+        tracked.delete(k);
+    }
+}
 BPF_HASH(counts, u32, u64, 65536);
 BPF_HASH(cg_counts, u64, u64, 16384);
 BPF_PERCPU_ARRAY(lost, u64, 1);
@@ -84,12 +165,13 @@ static __always_inline void fill(struct event_t *e, u64 id, u32 kind, s32 fd, u3
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
 }
 
-static __always_inline int enter_open(const char *filename) {
+static __always_inline int enter_open(const char *filename, u64 flags) {
     struct path_t p = {};
     if (bpf_probe_read_user_str(p.s, sizeof(p.s), filename) <= 0)
         return 0;
     if (!(MATCH((u64 *)p.s)))
         return 0;
+    p.cloexec = (flags & O_CLOEXEC_) ? 1 : 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     pending.update(&tid, &p);
     return 0;
@@ -103,6 +185,7 @@ static __always_inline int exit_open(long ret) {
         return 0;
     if (ret >= 0) {
         struct key_t k = {.tgid = id >> 32, .fd = (s32)ret};
+        p->ts = bpf_ktime_get_ns();
         tracked.update(&k, p);
         count(id);
 #if STREAM
@@ -120,23 +203,101 @@ static __always_inline int exit_open(long ret) {
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return enter_open(args->filename); }
+TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return enter_open(args->filename, args->flags); }
 TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return exit_open(args->ret); }
 __OPENAT2__
 __OPEN__
 
 TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     struct key_t k = {.tgid = bpf_get_current_pid_tgid() >> 32, .fd = (s32)args->fd};
-    tracked.delete(&k);
+    untrack(&k);
+    return 0;
+}
+
+/* dup, dup2, dup3, fcntl(F_DUPFD[_CLOEXEC]): the new number names what the old one does. It is
+   tracked when the old one is, and untracked otherwise (dup2 onto a tracked number closes it). */
+struct dup_t { s32 oldfd; u32 cloexec; };
+BPF_HASH(dups, u32, struct dup_t, 4096);
+
+static __always_inline int enter_dup(u32 oldfd, u32 cloexec) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct dup_t d = {.oldfd = (s32)oldfd, .cloexec = cloexec};
+    dups.update(&tid, &d);
+    return 0;
+}
+
+static __always_inline int exit_dup(long ret) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct dup_t *d = dups.lookup(&tid);
+    if (!d)
+        return 0;
+    if (ret >= 0) {
+        struct key_t from = {.tgid = id >> 32, .fd = d->oldfd};
+        struct key_t to = {.tgid = id >> 32, .fd = (s32)ret};
+        struct path_t *p = find(&from);
+        if (p) {
+            struct path_t copy = *p;
+            copy.ts = bpf_ktime_get_ns();  /* a new fd: its own flag, made after any execve */
+            copy.cloexec = d->cloexec;
+            tracked.update(&to, &copy);
+        } else {
+            untrack(&to);
+        }
+    }
+    dups.delete(&tid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return enter_dup(args->fildes, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup) { return exit_dup(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return enter_dup(args->oldfd, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return exit_dup(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup3) {
+    return enter_dup(args->oldfd, (args->flags & O_CLOEXEC_) ? 1 : 0);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return exit_dup(args->ret); }
+
+static __always_inline void set_cloexec(s32 fd, u32 on) {
+    struct key_t k = {.tgid = bpf_get_current_pid_tgid() >> 32, .fd = fd};
+    struct path_t *p = find(&k);
+    if (p)
+        p->cloexec = on;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_fcntl) {
+    if (args->cmd == 0 || args->cmd == 1030)  /* F_DUPFD, F_DUPFD_CLOEXEC */
+        return enter_dup(args->fd, args->cmd == 1030);
+    if (args->cmd == 2)  /* F_SETFD */
+        set_cloexec((s32)args->fd, args->arg & 1);  /* FD_CLOEXEC */
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return exit_dup(args->ret); }
+
+/* execve closes the O_CLOEXEC fds without a close syscall: entries older than the tgid's last
+   execve with the flag set are stale (the number may name another file now) and are dropped. */
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 now = bpf_ktime_get_ns();
+    execs.update(&tgid, &now);
     return 0;
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
     u64 id = bpf_get_current_pid_tgid();
     struct key_t k = {.tgid = id >> 32, .fd = (s32)args->fd};
-    struct path_t *p = tracked.lookup(&k);
+    struct path_t *p = find(&k);
     if (!p)
         return 0;
+    if (p->cloexec) {
+        u64 *x = execs.lookup(&k.tgid);
+        if (x && *x > p->ts) {
+            untrack(&k);
+            return 0;
+        }
+    }
+    if (args->cmd == 0x5451 || args->cmd == 0x5450)  /* FIOCLEX, FIONCLEX */
+        p->cloexec = args->cmd == 0x5451;
     count(id);
 #if STREAM
     struct event_t *e = events.ringbuf_reserve(sizeof(struct event_t));
@@ -151,9 +312,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
 }
 """
 
-_OPENAT2 = """TRACEPOINT_PROBE(syscalls, sys_enter_openat2) { return enter_open(args->filename); }
+_OPENAT2 = """TRACEPOINT_PROBE(syscalls, sys_enter_openat2) {
+    u64 flags = 0;  /* struct open_how's first field, in user memory */
+    bpf_probe_read_user(&flags, sizeof(flags), args->how);
+    return enter_open(args->filename, flags);
+}
 TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { return exit_open(args->ret); }"""
-_OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->filename); }
+_OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->filename, args->flags); }
 TRACEPOINT_PROBE(syscalls, sys_exit_open) { return exit_open(args->ret); }"""
 
 
@@ -282,6 +447,18 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
                 yield pid, int(fd), target
 
 
+def fd_cloexec(pid: int, fd: int) -> int:
+    """1 when the fd has close-on-exec set (/proc/<pid>/fdinfo/<fd>), else 0 (also when unknown)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return 1 if int(line.split()[1], 8) & os.O_CLOEXEC else 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class IoctlProbe(FailureReporting, ProbeBackend):
     """bcc backend on syscall tracepoints; see the module docstring.
 
@@ -353,20 +530,38 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         """Put every matching fd now open in /proc into `tracked`. Returns how many were found."""
         table = self._bpf[b"tracked"]
         n = 0
+        # Stamped with the scan's start: an execve or fork after it is "later" (module docstring).
+        start = time.monotonic_ns()
         for tgid, fd, path in scan_proc(self.prefixes):
             key = table.Key(tgid, fd)
             leaf = table.Leaf()
             leaf.s = path.encode()[:PATH_LEN - 1]
+            leaf.ts = start
+            leaf.cloexec = fd_cloexec(tgid, fd)
             table[key] = leaf
             self.fd_paths[(tgid, fd)] = path
             n += 1
         return n
 
     def _upkeep(self) -> None:
-        """Drop tracked fds and counts of processes that are gone (counts move to Python), reseed."""
+        """Drop tracked fds that no longer name a device file, move counts of processes that are
+        gone to Python, reseed.
+
+        An fd can stop naming a device without a close syscall the BPF side sees: execve closes
+        O_CLOEXEC fds, close_range closes a range, a process exits (and its pid may be reused).
+        Such an entry would count the ioctls of whatever file gets that number next (a tty, a
+        socket) as GPU activity, so each entry is checked against /proc/<tgid>/fd/<fd>. An fd that
+        is closed and reopened on a device between the check and the drop is put back by the
+        seed that follows."""
         table = self._bpf[b"tracked"]
-        for k in list(table.keys()):
-            if not os.path.exists(f"/proc/{k.tgid}"):
+        for k, v in list(table.items()):
+            if not v.s and os.path.exists(f"/proc/{k.tgid}"):
+                continue  # a live child's tombstone: it keeps the fd from being inherited again
+            try:
+                target = os.readlink(f"/proc/{k.tgid}/fd/{k.fd}")
+            except OSError:
+                target = ""  # gone: the fd or the whole process
+            if not target.startswith(self.prefixes):
                 table.pop(k, None)
                 self.fd_paths.pop((k.tgid, k.fd), None)
         counts = self._bpf[b"counts"]
@@ -379,12 +574,16 @@ class IoctlProbe(FailureReporting, ProbeBackend):
     def stop(self) -> None:
         if self._bpf is None:
             return
-        self._final_counts = self.counts()
-        self._final_lost = self.lost()
+
+        def snapshot() -> None:  # detached and drained: these match what was delivered
+            self._final_counts = self.counts()
+            self._final_lost = self.lost()
+
         if self._poller is not None:
-            self._poller.stop()
+            self._poller.stop(snapshot)
             self._poller = None
         else:
+            snapshot()
             self._bpf.cleanup()
         self._bpf = None
 

@@ -265,10 +265,14 @@ class LaunchProbe(FailureReporting, ProbeBackend):
     def stop(self) -> None:
         if self._bpf is None:
             return
-        self._final, self._final_lost = self.by_symbol(), self.lost()
+
+        def snapshot() -> None:  # detached and drained: these match what was delivered
+            self._final, self._final_lost = self.by_symbol(), self.lost()
+
         if self._poller is not None:
-            self._poller.stop()
+            self._poller.stop(snapshot)
             self._poller = None
         else:
+            snapshot()
             self._bpf.cleanup()
         self._bpf = None

@@ -11,8 +11,9 @@ repeated and the pid set and filter updated. Lines whose (tgid, fd) is not a kno
 holder's fd number) are dropped in user space.
 
 Less precise than the bcc backend: a device opened after a scan is seen from the next scan on; no
-"open" events; counts() counts delivered events (not kernel-side); lost() is the sum of the instance's
-per-CPU "overrun" and "dropped events" counters.
+"open" events; counts() counts parsed events (not kernel-side: settle() waits until the reader has
+parsed every line buffered before the call); lost() is the sum of the instance's per-CPU "overrun"
+and "dropped events" counters.
 
 At runtime the reader thread fails (FailureReporting: `failure`, `on_failure`) when reading
 trace_pipe errors, when the instance can no longer be written (the rescan's filter update), or when
@@ -100,6 +101,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
         self._stopped = False
+        self._settle_req = threading.Event()
+        self._settled = threading.Event()
+        self._wake: tuple[int, int] | None = None  # a pipe that wakes the reader out of poll()
 
     def _write(self, rel: str, value: str) -> None:
         path = f"{self.instance}/{rel}"
@@ -134,6 +138,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         except BaseException:
             self._remove_instance()
             raise
+        self._wake = os.pipe()
+        for w in self._wake:
+            os.set_blocking(w, False)
         self._thread = threading.Thread(target=self._run, args=(pipe, loop, on_events),
                                         name="krex-probe-tracefs", daemon=True)
         self._thread.start()
@@ -141,7 +148,8 @@ class TracefsProbe(FailureReporting, ProbeBackend):
     def _refresh(self) -> None:
         """Scan /proc for device holders; update set_event_pid and the fd filter when they changed."""
         paths = {(tgid, fd): path for tgid, fd, path in scan_proc(self.prefixes)}
-        self.fd_paths.update(paths)
+        # Replaced, not merged: an fd a holder closed may name another file by now.
+        self.fd_paths = paths
         pids: set[int] = set()
         for tgid in {t for t, _ in paths}:
             try:
@@ -172,13 +180,41 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                 raise ProbeUnavailable(f"tracefs: {what} was turned off from outside "
                                        f"({path} reads {value!r})")
 
+    def settle(self, timeout: float = 0.1) -> bool:
+        """Block until the reader has parsed every line the kernel buffered before this call,
+        so that counts() covers every ioctl made until now (they are not kept kernel-side).
+        Returns False when it could not within `timeout` (the reader is paused, stopped or
+        failed, or starved of CPU): the caller must then treat counts() as incomplete."""
+        if self._thread is None or not self._thread.is_alive() or self._wake is None:
+            return False
+        self._settled.clear()
+        self._settle_req.set()
+        try:
+            os.write(self._wake[1], b"s")
+        except (BlockingIOError, OSError):
+            pass  # full: a wake-up is pending anyway; closed: the wait below times out
+        return self._settled.wait(timeout)
+
     def _run(self, pipe: int, loop: asyncio.AbstractEventLoop,
              on_events: Callable[[list[ProbeEvent]], None]) -> None:
         name_thread("krex-probe-tfs")
         poller = select.poll()
         poller.register(pipe, select.POLLIN)
+        assert self._wake is not None
+        wake_r = self._wake[0]
+        poller.register(wake_r, select.POLLIN)
         buf = b""
         next_scan = 0.0
+
+        def deliver(lines: list[bytes]) -> bool:
+            batch = self._parse(lines)
+            if batch:
+                try:
+                    loop.call_soon_threadsafe(on_events, batch)
+                except RuntimeError:
+                    return False
+            return True
+
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -189,12 +225,34 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                 if self.paused.is_set():
                     self._stop.wait(0.01)
                     continue
-                ready = poller.poll(100)
-                if not ready:
+                ready = dict(poller.poll(100))
+                if wake_r in ready:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                if self._settle_req.is_set():
+                    # Read until the buffer is empty: every line committed before the request.
+                    self._settle_req.clear()
+                    while True:
+                        try:
+                            chunk = os.read(pipe, 1 << 16)
+                        except BlockingIOError:
+                            break
+                        if not chunk:
+                            break
+                        buf += chunk
+                        *lines, buf = buf.split(b"\n")
+                        if not deliver(lines):
+                            return
+                    self._settled.set()
                     continue
-                if ready[0][1] & (select.POLLERR | select.POLLNVAL):
+                revents = ready.get(pipe, 0)
+                if not revents:
+                    continue
+                if revents & (select.POLLERR | select.POLLNVAL):
                     raise ProbeUnavailable(f"tracefs: trace_pipe poll error (revents "
-                                           f"{ready[0][1]:#x})")
+                                           f"{revents:#x})")
                 try:
                     chunk = os.read(pipe, 1 << 16)
                 except BlockingIOError:
@@ -203,12 +261,8 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                     continue
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
-                batch = self._parse(lines)
-                if batch:
-                    try:
-                        loop.call_soon_threadsafe(on_events, batch)
-                    except RuntimeError:
-                        return
+                if not deliver(lines):
+                    return
         except BaseException as e:
             self.error = e
             self._failed(loop, str(e) if isinstance(e, ProbeUnavailable)
@@ -268,5 +322,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self._wake is not None:
+            for w in self._wake:
+                os.close(w)
+            self._wake = None
         self._lost_final = self.lost()
         self._remove_instance()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,74 @@ def test_parent_pid_reads_proc() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+PARENT = """
+import os, subprocess, sys
+kids = {}
+for line in sys.stdin:
+    cmd, arg = line.split()
+    if cmd == "spawn":  # a child, at pid `arg` when it is free and nothing forks in between
+        if arg != "0":
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(int(arg) - 1))
+        p = subprocess.Popen(["sleep", "60"])
+        kids[p.pid] = p
+        print(p.pid, flush=True)
+    else:  # "kill PID": gone and reaped, so the pid is free
+        p = kids.pop(int(arg))
+        p.kill()
+        p.wait()
+        print("ok", flush=True)
+"""
+
+
+class Parent:
+    """A process that forks children on request, at a chosen pid (ns_last_pid, root)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def spawn_at(self, pid: int) -> int:
+        """A child at `pid`; skips the test when other forks keep taking it first. It starts at
+        least one clock tick (10 ms) after the pid's previous process: start times, the identity
+        the attributor checks, have that resolution (a real reuse takes a wrap of the pid space)."""
+        time.sleep(0.03)
+        for _ in range(20):
+            got = int(self.ask(f"spawn {pid}"))
+            if got == pid:
+                return got
+            self.ask(f"kill {got}")
+        pytest.skip(f"could not get pid {pid} back (a busy machine forks in between)")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_a_reused_pid_is_attributed_to_its_new_process() -> None:
+    if os.geteuid() != 0 or not os.path.exists("/proc/sys/kernel/ns_last_pid"):
+        pytest.skip("needs root and /proc/sys/kernel/ns_last_pid to reuse a pid on purpose")
+    cmd, outside = Parent(), Parent()
+    att = Attributor(revalidate_s=0)  # the default (0.5 s) would need sleeps between the steps
+    att.add("c1", cmd.proc.pid)
+    ev = lambda pid: ProbeEvent(ts_ns=0, tgid=pid, tid=pid, kind="ioctl")  # noqa: E731
+    try:
+        pid = int(cmd.ask("spawn 0"))
+        assert att.command_of(ev(pid)) == "c1"
+        cmd.ask(f"kill {pid}")
+        outside.spawn_at(pid)  # the command's child is gone; an outsider has its pid now
+        assert att.command_of(ev(pid)) is None, "an outsider taken for the command: missed strays"
+        outside.ask(f"kill {pid}")
+        cmd.spawn_at(pid)  # and the other way round
+        assert att.command_of(ev(pid)) == "c1", "the owner's own child taken for a stray"
+    finally:
+        cmd.close()
+        outside.close()

@@ -74,3 +74,58 @@ async def test_tracefs_overrun_is_counted_as_lost(devdir: str) -> None:
         child.kill()
     assert lost > 1000
     assert len(col.of(pid)) + lost == 5000
+
+
+STALE = """
+import fcntl, os, sys
+dev = sys.argv[1]
+a = os.open(dev, os.O_RDWR); b = os.open(dev, os.O_RDWR)
+print(a, flush=True); sys.stdin.readline()
+os.close(a)  # still a holder through b
+print(os.getpid(), flush=True); sys.stdin.readline()
+assert os.open("/dev/null", os.O_RDWR) == a
+for _ in range(5):
+    try: fcntl.ioctl(a, 0x5401, b"")
+    except OSError: pass
+print("done", flush=True); sys.stdin.readline()
+"""
+
+
+async def test_a_closed_device_fd_is_forgotten_by_the_next_scan(devdir: str) -> None:
+    """A holder closes one device fd and reuses its number for /dev/null, while another holder
+    has a device at that number (so the kernel filter passes it): the scan must forget the
+    first one's old fd, or its /dev/null ioctls are GPU events."""
+    need_tracefs()
+    import asyncio
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", STALE, f"{devdir}/null0"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    a = int(p.stdout.readline())
+    other = WaitingChild(f"{devdir}/null0", 0, 0)
+    assert other.fd == a  # the same number, a device in the other process
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.1)
+    col = Collector(probe)
+
+    def say() -> str:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+        return p.stdout.readline().strip()
+
+    try:
+        col.start()
+        await col.wait_for(lambda: (p.pid, a) in probe.fd_paths)
+        pid = int(say())  # closed a
+        await asyncio.sleep(0.5)  # several scans
+        assert say() == "done"
+        assert probe.settle(1.0)
+    finally:
+        probe.stop()
+        p.kill()
+        p.wait()
+        other.kill()
+    await asyncio.sleep(0.05)  # the batches run
+    assert col.of(pid) == [] and probe.counts().get(pid, 0) == 0
