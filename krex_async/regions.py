@@ -420,8 +420,11 @@ class Regions:
         await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
         await self.refence()
 
-    async def refence(self) -> None:
-        """Fence every running command that is not frozen off all reserved cores (or lift it)."""
+    async def refence(self, best_effort: bool = False) -> None:
+        """Fence every running command that is not frozen off all reserved cores (or lift it).
+
+        A failure raises (a region being entered is then refused), or with `best_effort` (a
+        release lifting fences) is logged and the other commands are still done."""
         taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
         allowed = None if not taken else self.d.all_cpus - taken
         # groups a region is about to freeze (fenced meanwhile they would be written for nothing)
@@ -432,8 +435,14 @@ class Regions:
                     or id(g) in freezing:
                 continue
             owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
-            pids = [p for p in self.d.backend.pids(g) if owner is None or p != owner.pid]
-            await self.d.backend.set_cores(g, allowed, pids=pids)
+            try:
+                pids = [p for p in self.d.backend.pids(g) if owner is None or p != owner.pid]
+                await self.d.backend.set_cores(g, allowed, pids=pids)
+            except (IsolationError, OSError) as e:
+                if not best_effort:
+                    raise
+                log.error("refence_failed", command=cmd.id, error=repr(e))
+                continue
             g.cores = allowed
 
     def fence_for_new(self) -> frozenset[int] | None:
@@ -466,9 +475,12 @@ class Regions:
             try:
                 if r.command.group is not None and r.command.state == "running":
                     await backend.set_cores(r.command.group, None, pids=[r.pid])
-                await self.refence()
             except Exception as e:
                 log.error("cores_restore_failed", region=r.id, error=repr(e))
+            try:  # each other command on its own: one failure must not leave the rest fenced
+                await self.refence(best_effort=True)
+            except Exception as e:
+                log.error("refence_failed", region=r.id, error=repr(e))
 
     def freeze_late(self, r: Region, ev: "ProbeEvent") -> None:
         """--freeze device-holders: a sibling that opened a GPU device during the region is frozen
@@ -525,7 +537,7 @@ class Regions:
         it is still current, else undone at once."""
         try:
             await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
-        except FreezeError as e:
+        except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
             log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
             return
         if self.current_on(r.device) is r:
