@@ -113,6 +113,9 @@ class Command:
     started: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
+    # A cancel (or shutdown) that came while the command was starting: (reason, signal), acted
+    # on as soon as the leader runs (Daemon._start).
+    kill_pending: tuple[str, int] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watch_task: asyncio.Task[None] | None = None
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)

@@ -205,6 +205,8 @@ class Daemon:
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
+        if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
+            await self.runner.kill(cmd, *cmd.kill_pending)
         await self.regions.join(cmd, region)
         if self.attributor is not None:
             self.attributor.command_started(cmd)
@@ -278,6 +280,8 @@ class Daemon:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == "running":
             await self.runner.kill(cmd, "cancelled", req.signal)
+        elif cmd.state == "starting":  # no process to signal yet: _start kills it once it runs
+            cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
         cmd = self._own(req.command, uid)
@@ -463,6 +467,8 @@ class Daemon:
         for c in live:
             if c.state == "queued":
                 self._end_unstarted(c, "shutdown", "the daemon shut down first")
+            elif c.state == "starting":
+                c.kill_pending = ("shutdown", signal.SIGTERM)
             elif c.group is not None:
                 if c.group.frozen:
                     await self.backend.thaw(c.group)

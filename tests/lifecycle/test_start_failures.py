@@ -51,3 +51,39 @@ async def test_a_group_that_cannot_be_created_fails_the_command_instead_of_hangi
                 f.write("max")
             res = await asyncio.wait_for(c.run(SLEEP), 10)
             assert res.report.state == "exited", res.report
+
+
+HOLDER = """
+import time
+from krex_async import region
+with region("hold"):
+    print("in", flush=True)
+    time.sleep(30)
+"""
+LONG = [PY, "-c", "import time; time.sleep(30)"]
+
+
+async def _held_region(c, script):  # noqa: ANN001, ANN202
+    """A command holding a region on the device: commands started now wait on the fence (cores)."""
+    h = await c.submit([PY, script("holder.py", HOLDER)], env=__import__("tests.conftest",
+                                                                         fromlist=["py_env"]).py_env())
+    async for _, data in h.output():
+        if b"in" in data:
+            return h
+    raise AssertionError((await h.wait()).report)
+
+
+async def test_a_cancel_while_the_command_is_starting_is_not_lost(cgroup_root, script):
+    """Cancel sent the moment Accepted arrives, while the daemon still sets up the command's cgroup
+    (a region is held, so the start fences cores and records that on a worker thread): the command
+    ends `cancelled` at once instead of running to its end."""
+    async with run_daemon("--cgroup-root", cgroup_root, "--region-timeout", "60") as d:
+        async with await d.client() as c:
+            holder = await _held_region(c, script)
+            for i in range(8):
+                h = await c.submit(LONG)
+                await h.cancel(9)
+                res = await asyncio.wait_for(h.wait(), 10)
+                assert res.report.state == "cancelled", (i, res.report)
+            await holder.cancel(9)
+            await holder.wait()
