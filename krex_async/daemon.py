@@ -195,7 +195,11 @@ class Daemon:
         log.info("command_submitted", command=cid, argv=req.argv[:8], device=cmd.device_key,
                  queued=not start_now, uid=uid)
         if start_now:
-            await self._start(cmd)
+            # Its own task: the connection's tasks are cancelled when the agent leaves, and a start
+            # cancelled between creating the group and watching the leader would strand the command
+            # ('starting' for ever, no report). The agent still hears of a failure here.
+            await asyncio.shield(self.track(asyncio.get_running_loop().create_task(
+                self._start(cmd), name=f"start-{cid}")))
 
     async def _start(self, cmd: Command) -> None:
         region = self.regions.admit_frozen(cmd)

@@ -9,7 +9,7 @@ import pytest
 
 from krex_async import KrexError
 
-from ..conftest import PY, private_cgroup_root, remove_cgroup_tree, run_daemon
+from ..conftest import PY, private_cgroup_root, py_env, remove_cgroup_tree, run_daemon
 
 SLEEP = [PY, "-c", "import time; time.sleep(0.8)"]
 
@@ -61,12 +61,12 @@ with region("hold"):
     time.sleep(30)
 """
 LONG = [PY, "-c", "import time; time.sleep(30)"]
+SHORT = [PY, "-c", "pass"]
 
 
 async def _held_region(c, script):  # noqa: ANN001, ANN202
     """A command holding a region on the device: commands started now wait on the fence (cores)."""
-    h = await c.submit([PY, script("holder.py", HOLDER)], env=__import__("tests.conftest",
-                                                                         fromlist=["py_env"]).py_env())
+    h = await c.submit([PY, script("holder.py", HOLDER)], env=py_env())
     async for _, data in h.output():
         if b"in" in data:
             return h
@@ -87,3 +87,21 @@ async def test_a_cancel_while_the_command_is_starting_is_not_lost(cgroup_root, s
                 assert res.report.state == "cancelled", (i, res.report)
             await holder.cancel(9)
             await holder.wait()
+
+
+async def test_an_agent_that_leaves_while_its_command_starts_does_not_strand_it(cgroup_root, script):
+    """An agent submits with on_disconnect=keep and closes its connection the moment Accepted comes,
+    while the daemon still sets up the command (a region is held): the command still runs and is
+    reported to an agent that attaches, instead of staying 'starting' with its cgroup forever."""
+    async with run_daemon("--cgroup-root", cgroup_root, "--region-timeout", "60") as d:
+        async with await d.client() as c:
+            holder = await _held_region(c, script)
+            ids = []
+            for _ in range(6):
+                async with await d.client() as gone:
+                    ids.append((await gone.submit(SHORT, on_disconnect="keep")).command)
+            await holder.cancel(9)
+            await holder.wait()
+            for cid in ids:
+                res = await asyncio.wait_for((await c.attach(cid)).wait(), 10)
+                assert res.report.state == "exited", res.report
