@@ -267,7 +267,10 @@ class Daemon:
                  queued_s=round(report.queued_s, 6), regions=len(report.regions),
                  device=report.device, via=report.via)
         if cmd.group is not None:
-            await self.backend.remove(cmd.group)
+            try:
+                await self.backend.remove(cmd.group)
+            except Exception as e:  # a leftover group is logged; the retention below must still run
+                log.error("group_remove_failed", command=cmd.id, error=repr(e))
         if self.attributor is not None:
             loop.call_later(1.0, self.attributor.command_ended, cmd)  # late events still attribute
         loop.call_later(self.config.retention, self.forget, cmd)
