@@ -202,6 +202,8 @@ class Daemon:
                 self._start(cmd), name=f"start-{cid}")))
 
     async def _start(self, cmd: Command) -> None:
+        if cmd.state != "queued":  # ended (cancelled, shut down) after its start was scheduled
+            return
         region = self.regions.admit_frozen(cmd)
         try:
             await self.runner.start(cmd, frozen=region is not None,
@@ -223,11 +225,14 @@ class Daemon:
     def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
         """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
         out of its device's queue at once, then reported like any other."""
-        self.scheduler.end_command(cmd.id, cmd.device_key)
+        promoted = self.scheduler.end_command(cmd.id, cmd.device_key)  # it may have held the device
         cmd.state = "ended"
         cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
                                      device=cmd.device_key or "none", policy=cmd.policy,
                                      state=state, error=error, label=cmd.spec.label)
+        loop = asyncio.get_running_loop()
+        for nxt in promoted:
+            self.track(loop.create_task(self._start(self.commands[nxt])))
         self._on_exit(cmd)
 
     def _on_exit(self, cmd: Command) -> None:
