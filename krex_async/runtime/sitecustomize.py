@@ -146,9 +146,13 @@ def _start() -> bool:
             done.release()
 
     def start_boot() -> None:
-        box["done"] = _thread.allocate_lock()
-        box["done"].acquire()
-        _thread.start_new_thread(boot, ())
+        done = box["done"] = _thread.allocate_lock()
+        done.acquire()
+        try:
+            _thread.start_new_thread(boot, ())
+        except BaseException:  # no thread (RLIMIT_NPROC): nothing for at_exit to wait for
+            done.release()
+            raise
 
     def after_fork_in_child() -> None:
         try:
