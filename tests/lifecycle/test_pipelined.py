@@ -50,3 +50,29 @@ async def test_a_cancel_pipelined_behind_its_submit_ends_the_command_once(policy
             assert exited[0].report.state == "cancelled", exited[0].report
         last = [r for r in replies if isinstance(r, P.Exited) and r.id == 50]
         assert [r.report.state for r in last] == ["exited"], replies[-3:]
+
+
+async def test_a_shutdown_reports_every_command_exactly_once():
+    """SIGTERM with one command running, some queued behind it (--policy command) and some just
+    submitted in the same write: each gets one Exited (state shutdown) before the socket closes."""
+    async with run_daemon("--isolation", "signal", "--policy", "command") as d:
+        reader, writer = await asyncio.open_unix_connection(d.socket)
+        frames: list[P.Msg] = [P.Hello(id=1)]
+        frames += [P.Submit(id=10 + i, argv=[PY, "-c", "import time; time.sleep(30)"])
+                   for i in range(6)]
+        writer.write(b"".join(P.encode(f) for f in frames))
+        await writer.drain()
+        accepted = 0
+        replies: list[P.Reply] = []
+        while accepted < 6:
+            head = await asyncio.wait_for(reader.readexactly(4), 10)
+            r = P.decode_reply(await reader.readexactly(P.HEADER.unpack(head)[0]))
+            replies.append(r)
+            accepted += isinstance(r, P.Accepted)
+        d.proc.send_signal(15)
+        replies += await _replies(reader, 15.0)
+        writer.close()
+        assert d.proc.wait(20) == 0
+    for i in range(6):
+        exited = [r for r in replies if isinstance(r, P.Exited) and r.id == 10 + i]
+        assert [r.report.state for r in exited] == ["shutdown"], (i, exited)
