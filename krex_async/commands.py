@@ -113,6 +113,9 @@ class Command:
     started: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
+    # A cancel (or shutdown) that came while the command was starting: (reason, signal), acted
+    # on as soon as the leader runs (Daemon._start).
+    kill_pending: tuple[str, int] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watch_task: asyncio.Task[None] | None = None
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)
@@ -181,14 +184,25 @@ class Runner:
     async def start(self, cmd: Command, *, frozen: bool, cores: frozenset[int] | None) -> None:
         """Create the group, spawn the leader into it, start pumps and the timeout.
 
-        Raises SpecError (after releasing the group) when the spawn fails.
+        Raises SpecError (after releasing the group) when the group cannot be made or set up, or
+        the spawn fails: the caller must then end the command (it has no process to watch).
         """
         cwd, env = self.check(cmd)
         loop = asyncio.get_running_loop()
         cmd.state = "starting"
-        cmd.group = group = await self.backend.create(cmd.id)
-        if cores is not None:
-            await self.backend.set_cores(group, cores)
+        try:
+            cmd.group = group = await self.backend.create(cmd.id)
+            if cores is not None:
+                await self.backend.set_cores(group, cores)
+        except (OSError, IsolationError) as e:  # e.g. EAGAIN past cgroup.max.descendants
+            if cmd.group is not None:
+                try:
+                    await self.backend.remove(cmd.group)
+                except (OSError, IsolationError):
+                    pass
+            cmd.group = None
+            raise SpecError("spawn_failed", f"cannot create the isolation group of "
+                                            f"{cmd.id}: {e}") from None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)

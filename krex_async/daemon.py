@@ -195,9 +195,15 @@ class Daemon:
         log.info("command_submitted", command=cid, argv=req.argv[:8], device=cmd.device_key,
                  queued=not start_now, uid=uid)
         if start_now:
-            await self._start(cmd)
+            # Its own task: the connection's tasks are cancelled when the agent leaves, and a start
+            # cancelled between creating the group and watching the leader would strand the command
+            # ('starting' for ever, no report). The agent still hears of a failure here.
+            await asyncio.shield(self.track(asyncio.get_running_loop().create_task(
+                self._start(cmd), name=f"start-{cid}")))
 
     async def _start(self, cmd: Command) -> None:
+        if cmd.state != "queued":  # ended (cancelled, shut down) after its start was scheduled
+            return
         region = self.regions.admit_frozen(cmd)
         try:
             await self.runner.start(cmd, frozen=region is not None,
@@ -205,6 +211,8 @@ class Daemon:
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
+        if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
+            await self.runner.kill(cmd, *cmd.kill_pending)
         await self.regions.join(cmd, region)
         if self.attributor is not None:
             self.attributor.command_started(cmd)
@@ -217,11 +225,14 @@ class Daemon:
     def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
         """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
         out of its device's queue at once, then reported like any other."""
-        self.scheduler.end_command(cmd.id, cmd.device_key)
+        promoted = self.scheduler.end_command(cmd.id, cmd.device_key)  # it may have held the device
         cmd.state = "ended"
         cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
                                      device=cmd.device_key or "none", policy=cmd.policy,
                                      state=state, error=error, label=cmd.spec.label)
+        loop = asyncio.get_running_loop()
+        for nxt in promoted:
+            self.track(loop.create_task(self._start(self.commands[nxt])))
         self._on_exit(cmd)
 
     def _on_exit(self, cmd: Command) -> None:
@@ -261,7 +272,10 @@ class Daemon:
                  queued_s=round(report.queued_s, 6), regions=len(report.regions),
                  device=report.device, via=report.via)
         if cmd.group is not None:
-            await self.backend.remove(cmd.group)
+            try:
+                await self.backend.remove(cmd.group)
+            except Exception as e:  # a leftover group is logged; the retention below must still run
+                log.error("group_remove_failed", command=cmd.id, error=repr(e))
         if self.attributor is not None:
             loop.call_later(1.0, self.attributor.command_ended, cmd)  # late events still attribute
         loop.call_later(self.config.retention, self.forget, cmd)
@@ -278,6 +292,8 @@ class Daemon:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == "running":
             await self.runner.kill(cmd, "cancelled", req.signal)
+        elif cmd.state == "starting":  # no process to signal yet: _start kills it once it runs
+            cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
         cmd = self._own(req.command, uid)
@@ -463,6 +479,8 @@ class Daemon:
         for c in live:
             if c.state == "queued":
                 self._end_unstarted(c, "shutdown", "the daemon shut down first")
+            elif c.state == "starting":
+                c.kill_pending = ("shutdown", signal.SIGTERM)
             elif c.group is not None:
                 if c.group.frozen:
                     await self.backend.thaw(c.group)

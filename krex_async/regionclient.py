@@ -97,6 +97,14 @@ def _get_channel() -> _Channel:
     return _channel
 
 
+def _drop_channel() -> None:
+    """Close this process's connection (the daemon then ends the regions it held or awaited)."""
+    global _channel
+    if _channel is not None:
+        _channel.close()
+    _channel = None
+
+
 def reset() -> None:
     """Forget this process's connection and warning (a pool worker does this between commands)."""
     global _channel, _warned, _held
@@ -153,16 +161,26 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         with _lock:
             ch = _get_channel()
             self._enter_id = next(ch.ids)
-            reply = ch.call(P.RegionEnter(
-                id=self._enter_id, command=os.environ["KREX_COMMAND"],
-                token=os.environ["KREX_TOKEN"], name=self.name, pid=os.getpid(),
-                freeze_own_children=self.freeze_own_children,
-                warm_ms=-1.0 if self.warm_ms is None else self.warm_ms))
+            try:
+                reply = ch.call(P.RegionEnter(
+                    id=self._enter_id, command=os.environ["KREX_COMMAND"],
+                    token=os.environ["KREX_TOKEN"], name=self.name, pid=os.getpid(),
+                    freeze_own_children=self.freeze_own_children,
+                    warm_ms=-1.0 if self.warm_ms is None else self.warm_ms))
+                if isinstance(reply, P.RegionGranted):
+                    self.report = reply.report
+                    _held = (os.getpid(), self)
+            except BaseException:
+                # Interrupted (a signal handler raised, KeyboardInterrupt) with the request sent:
+                # the daemon would grant it later to a process that does not know it holds the
+                # device. Closing the connection withdraws it (the daemon ends its regions).
+                _drop_channel()
+                self.report = None
+                _held = None
+                raise
         if isinstance(reply, P.Error):
             raise RegionError(reply.code, reply.message)
         assert isinstance(reply, P.RegionGranted)
-        self.report = reply.report
-        _held = (os.getpid(), self)
         try:
             self._prepare(reply)
         except BaseException:
@@ -200,9 +218,13 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             if self._enter_id not in ch.revoked:
                 rep = self.report
                 drain = rep.drain if rep.drain in ("idle-verified", "timeout", "unverified") else ""
-                reply = ch.call(P.RegionExit(id=next(ch.ids), region=rep.region,
-                                             token=os.environ["KREX_TOKEN"], drain=drain,  # type: ignore[arg-type]
-                                             drain_s=rep.drain_s, warm_s=rep.warm_s))
+                try:
+                    reply = ch.call(P.RegionExit(id=next(ch.ids), region=rep.region,
+                                                 token=os.environ["KREX_TOKEN"], drain=drain,  # type: ignore[arg-type]
+                                                 drain_s=rep.drain_s, warm_s=rep.warm_s))
+                except BaseException:  # interrupted: closing the connection releases the region
+                    _drop_channel()
+                    raise
             if self._enter_id in ch.revoked:  # it outlived --region-timeout and was taken back
                 self.report = ch.revoked.pop(self._enter_id)
                 self.expired = True

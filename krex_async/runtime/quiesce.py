@@ -33,6 +33,7 @@ if False:  # for type checkers only (annotations are strings here)
 
 MAX_FRAME = 16 * 1024 * 1024
 _state: "_Listener | None" = None
+_stopping = False  # stop() was called: a listener that connects afterwards ends at once
 
 
 # ------------------------------------------------------------------------------ a tiny msgpack
@@ -330,6 +331,8 @@ def run(path: str, command: str, token: str, main: int, signum: int,
     st = _Listener(sock, main, signum)
     _state = st
     try:
+        if _stopping:  # stop() ran while we connected, and found no listener to wake
+            return
         pid = os.getpid()
         st.send({"type": "hello", "id": 1, "version": 1, "role": "command",
                  "client": f"krex-runtime/{pid}"})
@@ -370,6 +373,8 @@ def stop(wait_s: float = 0.5) -> None:
     its thread, so that it never wakes (a Quiesce arriving, the daemon closing) while the
     interpreter is being torn down. shutdown() wakes the thread's blocking recv; close() alone
     would not."""
+    global _stopping
+    _stopping = True  # set before reading _state: run() sets _state before it reads this
     st = _state
     if st is None:
         return

@@ -116,17 +116,43 @@ def _start() -> bool:
     main = _thread.get_ident()
 
     def at_exit() -> None:
+        # However early the program ends (a short one ends before the listener has even loaded):
+        # no listener may connect from now on, the one running is stopped, and the thread is
+        # waited for (bounded), so it never wakes while the interpreter is torn down.
+        box["exiting"] = True
         q = box.get("q")
         if q is not None:
             q.stop()
+        if box["done"].acquire(True, 0.5):
+            sentinel = box.get("sentinel")  # released once the thread's state is gone
+            if sentinel is not None:
+                sentinel.acquire(True, 0.1)
 
     def boot() -> None:
+        done = box["done"]
+        set_sentinel = getattr(_thread, "_set_sentinel", None)  # CPython up to 3.12
+        box["sentinel"] = set_sentinel() if set_sentinel is not None else None
         try:
+            if box.get("exiting"):
+                return
             q = box["q"] = _load("_krex_quiesce", "quiesce.py")
+            if box.get("exiting"):  # at_exit ran while it loaded: it found no listener to stop
+                return
             q.run(env.get("KREX_SOCKET", ""), env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""),
                   main, signum)
         except BaseException:  # noqa: BLE001 - never disturb the user's program
             pass
+        finally:
+            done.release()
+
+    def start_boot() -> None:
+        done = box["done"] = _thread.allocate_lock()
+        done.acquire()
+        try:
+            _thread.start_new_thread(boot, ())
+        except BaseException:  # no thread (RLIMIT_NPROC): nothing for at_exit to wait for
+            done.release()
+            raise
 
     def after_fork_in_child() -> None:
         try:
@@ -135,14 +161,14 @@ def _start() -> bool:
                 q.forget_parent_connection()
             nonlocal main
             main = _thread.get_ident()
-            _thread.start_new_thread(boot, ())
+            start_boot()
         except BaseException:  # noqa: BLE001
             pass
 
     os.register_at_fork(after_in_child=after_fork_in_child)
     import atexit  # built in: nothing to load
     atexit.register(at_exit)
-    _thread.start_new_thread(boot, ())
+    start_boot()
     return True
 
 
