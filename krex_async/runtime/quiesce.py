@@ -235,12 +235,14 @@ def on_signal() -> None:
     if st is None or st.in_handler or st.pending is None:
         return
     st.in_handler = True
+    drained = False
     try:
         cap = float(os.environ.get("KREX_QUIESCE_MAX_S") or 600)
         deadline = time.monotonic() + cap
         while True:
             p = st.pending
             if p is None or st.closed:
+                drained = True
                 return
             t0 = time.perf_counter()
             st.gpu = st.gpu or holds_gpu_file(unreadable=True)
@@ -261,6 +263,11 @@ def on_signal() -> None:
                     return
     finally:
         st.in_handler = False
+        # A Quiesce that arrived while this handler was on its way out (after it found nothing
+        # pending, before in_handler was cleared) had its signal's handler return at once on
+        # in_handler: serve it now rather than leave the daemon to its quiesce timeout.
+        if drained and st.pending is not None and not st.closed:
+            on_signal()
 
 
 # The device files of GPU drivers (NVIDIA, AMD KFD, DRM render nodes). Here because this module
