@@ -76,8 +76,7 @@ def recover(daemon: Daemon) -> list[Command]:
         loop.call_later(max(0.0, daemon.config.retention - age), daemon.forget, cmd)
         log.info("recovered", command=cmd.id, state=cmd.report.state, uid=cmd.uid,
                  daemon_pid=rec.daemon_pid, stdout_bytes=cmd.out.total)
-        if rec.report is None:
-            records.write(msgspec.structs.replace(rec, report=cmd.report))  # lost once, not twice
+        if rec.report is None:  # the report is written once what is left has been ended
             daemon.track(loop.create_task(_end(daemon, rec, cmd), name=f"end-lost-{rec.id}"))
     if daemon.runner.spool is not None and daemon.runner.spool.limit > 0:
         stale = daemon.runner.spool.sweep(set(daemon.commands) | records.ids())
@@ -91,3 +90,7 @@ async def _end(daemon: Daemon, rec: Record, cmd: Command) -> None:
     log.info("lost_command_ended", command=rec.id, action=done)
     if alive and cmd.report is not None:
         cmd.report.error = f"the daemon that ran it stopped (pid {rec.daemon_pid}); {done}"
+    # Only now: a daemon that dies before this line leaves the record without a report, and the
+    # next one ends the leftovers again (written first, they would have been taken as ended).
+    if daemon.records is not None and daemon.commands.get(cmd.id) is cmd:  # not yet forgotten
+        daemon.records.write(msgspec.structs.replace(rec, report=cmd.report))
