@@ -204,6 +204,9 @@ class Daemon:
     async def _start(self, cmd: Command) -> None:
         if cmd.state != "queued":  # ended (cancelled, shut down) after its start was scheduled
             return
+        if self.closing:  # promoted while the daemon shuts down: it never runs
+            self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
+            return
         region = self.regions.admit_frozen(cmd)
         try:
             await self.runner.start(cmd, frozen=region is not None,
