@@ -30,6 +30,14 @@ from krex_async.ctxpool.forms import Form, executable_for
 _PYTHON_DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
                     signal.SIGXFSZ: signal.SIG_IGN}
 
+# Signals the worker was started with ignored (its daemon's, such as SIGHUP under nohup): exec keeps
+# them ignored for a plain command, so a pooled one gets them ignored too. Read at import, before
+# the worker installs any handler of its own.
+_INHERITED_IGNORED = frozenset(
+    s for s in signal.valid_signals()
+    if s not in (signal.SIGKILL, signal.SIGSTOP, *_PYTHON_DEFAULTS)
+    and signal.getsignal(s) == signal.SIG_IGN)
+
 
 class Baseline:
     """What the worker looked like once warm, taken before its first command."""
@@ -132,7 +140,8 @@ def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(sig, _PYTHON_DEFAULTS.get(sig, signal.SIG_DFL))
+            signal.signal(sig, signal.SIG_IGN if sig in _INHERITED_IGNORED
+                          else _PYTHON_DEFAULTS.get(sig, signal.SIG_DFL))
         except (OSError, ValueError):
             pass  # signals glibc reserves
     signal.pthread_sigmask(signal.SIG_SETMASK, [])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import textwrap
 from pathlib import Path
 
@@ -159,3 +160,24 @@ async def test_bare_python_name_through_path(pool, tmp_path: Path) -> None:
     plain = await run_plain(argv, str(tmp_path), env)
     pooled = await run_pooled(pool, argv, str(tmp_path), env)
     assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+
+
+async def test_signals_the_daemon_ignores_stay_ignored_as_for_a_plain_command(tmp_path: Path) -> None:
+    """A daemon started under nohup has SIGHUP ignored: exec keeps that for a plain command, and a
+    pooled one must see the same (a worker reset it to the default before)."""
+    _files(tmp_path)
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        p = Pool(CPU, PoolConfig(size=1))
+        await p.start()
+        try:
+            await p.wait_warm(timeout=30)
+            argv = [PY, "sub/info.py"]
+            plain = await run_plain(argv, str(tmp_path), dict(os.environ))
+            pooled = await run_pooled(p, argv, str(tmp_path), dict(os.environ))
+        finally:
+            await p.close()
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    assert "Handlers.SIG_IGN: 1>, <Handlers.SIG_DFL: 0>]" in plain.stdout.decode(), plain.stdout
+    assert _norm(pooled.stdout) == _norm(plain.stdout)
