@@ -25,7 +25,8 @@ case "${1:-1}" in
     --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
   step overhead_probes 45 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"
-  step probe_overhead 240 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 5 --launches 100000 \
+  step uprobe_anatomy 60 python3 bench/probe_overhead.py --uprobe-anatomy --json "$OUT/uprobe_anatomy.json"
+  step probe_overhead 220 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 5 --launches 100000 \
     --flood 0 --seconds 1 --json "$OUT/probe_overhead.json"
   drain 0.9 ;;
 2)
