@@ -70,24 +70,6 @@ sys.stdout.buffer.write(b"THE-END")
 """
 
 
-@pytest.fixture
-def small_tmpfs():
-    """A 256 KiB tmpfs (root only), unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    d = tempfile.mkdtemp(prefix="krex-tmpfs-", dir="/tmp")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", d],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        os.rmdir(d)
-        pytest.skip(f"cannot mount a tmpfs: {p.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
-        os.rmdir(d)
-
-
 async def test_full_spool_disk_keeps_the_command_and_the_daemon_going(small_tmpfs):
     state = os.path.join(small_tmpfs, "state")
     async with run_daemon("--isolation", "signal", "--state-dir", state, "--output-tail", "65536") as d:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import tempfile
 
-import pytest
 
 from ..conftest import PY, py_env, run_daemon
 from ..isolation.cgroup_util import need_cgroups
@@ -23,23 +20,6 @@ except Exception as e:
 """
 
 
-@pytest.fixture
-def small_tmpfs():
-    """A 256 KiB tmpfs (root only), unmounted after the test."""
-    need_cgroups()
-    d = tempfile.mkdtemp(prefix="krex-tmpfs-", dir="/tmp")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", d],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        os.rmdir(d)
-        pytest.skip(f"cannot mount a tmpfs: {p.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
-        os.rmdir(d)
-
-
 def fill(d: str) -> None:
     fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
     try:
@@ -52,6 +32,7 @@ def fill(d: str) -> None:
 
 
 async def test_a_region_whose_intent_cannot_be_written_is_refused_not_left_hanging(small_tmpfs):
+    need_cgroups()
     state = os.path.join(small_tmpfs, "state")
     async with run_daemon("--isolation", "cgroup", "--state-dir", state) as d:
         async with await d.client() as c:
