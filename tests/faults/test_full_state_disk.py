@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-
 from ..conftest import PY, py_env, run_daemon
 from ..isolation.cgroup_util import need_cgroups
 
