@@ -79,6 +79,9 @@ def _cgroup_joins_at_start() -> bool:
                "(tests/faults/patches/isolation-cgroup.diff)")),
 ])
 async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds, isolation):
+    # This run's own sleeps only (a unique duration): a process some other test left must not be
+    # taken for one of the storm's, nor hide that one of these survived.
+    dur = f"300.{time.time_ns() % 10**6:06d}"
     async with run_daemon("--isolation", isolation) as d:
         async with await d.client() as c:  # warm up: what the first command opens for good
             await c.run(["true"])
@@ -96,7 +99,7 @@ async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds, isolatio
                     s.sendall(P.encode(P.Hello(id=1)) + P.encode(P.Status(id=2)))
                 elif kind == 3 and i % 40 == 3:  # a command whose only agent vanishes
                     s.sendall(P.encode(P.Hello(id=1)) +
-                              P.encode(P.Submit(id=2, argv=["sleep", "300"])))
+                              P.encode(P.Submit(id=2, argv=["sleep", dur])))
                     s.recv(4096)  # welcome (and maybe accepted)
                 if i % 7 == 0:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -115,9 +118,22 @@ async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds, isolatio
                 await asyncio.sleep(0.1)
             assert live == [], live  # on_disconnect=kill: the storm's sleeps are gone
         assert await wait_for_fds(d.proc.pid, base) <= base
-        sleeps = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == b"sleep\x00300\x00"]
-        assert sleeps == []
+        mine = b"sleep\x00" + dur.encode() + b"\x00"
+        sleeps = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == mine]
+        assert sleeps == [], [_describe(p) for p in sleeps]
         assert d.proc.poll() is None
+
+
+def _describe(pid: str) -> str:
+    """Enough of a leftover process to tell where it came from."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = {k: v.strip() for k, _, v in (ln.partition(":") for ln in f)}
+        with open(f"/proc/{pid}/cgroup") as f:
+            cgroup = f.read().strip().replace("\n", " ")
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} state {status.get('State')} ppid {status.get('PPid')} cgroup {cgroup}"
 
 
 def _cmdline(pid: str) -> bytes:
