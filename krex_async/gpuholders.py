@@ -42,7 +42,7 @@ class GpuHolders:
         self.limit = limit
         self._yes: dict[int, Hashable] = {}  # pid -> token
         self._no: dict[int, tuple[Hashable, float]] = {}  # pid -> (token, monotonic time read)
-        self._refreshing: asyncio.Future[None] | None = None
+        self._refreshing: asyncio.Future[list[int]] | None = None
 
     def holds(self, pid: int, token: Hashable) -> bool:
         """From memory where it is fresh enough, else read now (on the calling thread)."""
@@ -94,4 +94,4 @@ class GpuHolders:
                 self.note(pid, token, pid in yes, at)
 
         reading.add_done_callback(done)
-        self._refreshing = reading  # type: ignore[assignment]
+        self._refreshing = reading

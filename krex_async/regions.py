@@ -25,7 +25,7 @@ from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
 from .gpuholders import GpuHolders, read_holders
-from .isolation.base import Freeze, FreezeError, Group, IsolationError
+from .isolation.base import Freeze, Group, IsolationError
 from .runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
@@ -278,7 +278,7 @@ class Regions:
                          pids=rep.frozen_pids)
             # Off the loop from here: the drain check reads /proc, the settle reads the clock,
             # while the loop fences the cores.
-            check = self._check_drain(r, targets, results)
+            check = asyncio.ensure_future(self._check_drain(r, targets, results))
             settle = asyncio.ensure_future(self._settle(r))
             if cores is None:
                 cores = asyncio.ensure_future(self._timed_cores(r))
@@ -342,12 +342,9 @@ class Regions:
             return owners
         if self.d.device(r.device).vendor == "cpu":
             return []
-        return [(c, pid, send) for c, pid, send in owners if self._has_device_work(pid, send)]
-
-    def _has_device_work(self, pid: int, send: Callable[[P.Msg], bool]) -> bool:
-        """Whether the runtime's process holds a GPU file (gpuholders.py: a holder stays one for
-        its connection; a recent "none" is believed here, and checked again after the freeze)."""
-        return self.holders.holds(pid, send)
+        # gpuholders.py: a holder stays one for its connection; a recent "none" is believed here,
+        # and checked again after the freeze (_check_drain)
+        return [(c, pid, send) for c, pid, send in owners if self.holders.holds(pid, send)]
 
     def _send_quiesce(self, r: Region, asked: list[tuple[Command, int, Callable[[P.Msg], bool]]],
                       ) -> None:
@@ -361,33 +358,28 @@ class Regions:
             else:
                 fut.cancel()
 
-    def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze],
-                     ) -> asyncio.Future[str]:
-        """The drain state, read on a worker thread: not-needed (no siblings, or a device without
-        queues), synced (every frozen sibling process that holds a GPU file acknowledged after
-        synchronising), else pending: the owner verifies. Only processes that did not acknowledge
-        are read (an ack came after a sync), and those the freeze stopped are taken from it."""
-        loop = asyncio.get_running_loop()
+    async def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze]) -> str:
+        """The drain state, with /proc read on a worker thread: not-needed (no siblings, or a
+        device without queues), synced (every frozen sibling process that holds a GPU file
+        acknowledged after synchronising), else pending: the owner verifies. Only processes that
+        did not acknowledge are read (an ack came after a sync), and those the freeze stopped are
+        taken from it."""
         if not targets or self.d.device(r.device).vendor == "cpu":
-            done: asyncio.Future[str] = loop.create_future()
-            done.set_result("not-needed")
-            return done
+            return "not-needed"
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
         stopped = {f.group: f.stopped for f in freezes}
         pids = [p for c in targets if c.group is not None
                 for p in (stopped[c.group.name] if c.group.name in stopped
                           else self.d.backend.pids(c.group))
                 if p not in acked]
+        if not pids:
+            return "synced"
+        held = await asyncio.get_running_loop().run_in_executor(None, read_holders, pids)
         tokens = {pid: send for c in targets for pid, send in c.runtimes.items()}
-
-        async def check() -> str:
-            held = await loop.run_in_executor(None, read_holders, pids) if pids else []
-            for pid in held:
-                if pid in tokens:
-                    self.holders.note(pid, tokens[pid], True)
-            return "pending" if held else "synced"
-
-        return asyncio.ensure_future(check())
+        for pid in held:
+            if pid in tokens:
+                self.holders.note(pid, tokens[pid], True)
+        return "pending" if held else "synced"
 
     def ack(self, cmd: Command, pid: int, msg: P.QuiesceAck) -> None:
         r = self.active.get(msg.region)
