@@ -42,6 +42,7 @@ def test_layers_override_in_order(tmp_path):
 @pytest.mark.parametrize("text, where", [
     ("region_timeout = -1\n", "krex.toml:region_timeout: Expected `float` > 0.0"),
     ('policy = "fastest"\n', "krex.toml:policy: Invalid enum value 'fastest'"),
+    ('quiesce = "some"\n', "krex.toml:quiesce: Invalid enum value 'some'"),
     ('max-frame = "big"\n', "krex.toml:max_frame: Expected `int`, got `str`"),
     ("region_timout = 5\n", "krex.toml:region_timout: unknown key"),
     ("[serve]\npolicy = 'region'\n", "krex.toml:serve: is a table"),
@@ -64,6 +65,7 @@ def test_strict_types_in_file(tmp_path):
 @pytest.mark.parametrize("env, msg", [
     ({"KREX_REGION_TIMEOUT": "soon"}, "KREX_REGION_TIMEOUT='soon': Expected `float`, got `str`"),
     ({"KREX_POLICY": "fast"}, "KREX_POLICY='fast': Invalid enum value 'fast'"),
+    ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none'"),
     ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
 ])
 def test_env_errors_name_the_variable(env, msg):
