@@ -11,9 +11,14 @@ siblings the two readings were most of what a region entry spent beyond freezing
 - a process seen holding none is believed for `fresh_s` when choosing whom to quiesce, and the
   runtimes of a device are read again off the event loop after a region on it is released (at most
   every fresh_s / 2);
-- the reading after the freeze is always taken (off the loop, overlapped with fencing): a process
-  that opened a device since its last reading is caught there, so a stale "none" costs the owner a
-  verified drain, never a wrong `synced`.
+- to tell `synced` from a drain the owner must verify, the frozen targets are read afresh, on a
+  worker thread, beside the freeze (`read_group_holders`, from their cgroup.procs): a process
+  that opens a device between that reading and its freeze (a millisecond or so; at most the
+  quiesce and freeze timeouts) cannot have queued work in that time, since creating a context
+  takes hundreds of milliseconds of driver calls (FACTS.md: 0.31 s alone). A process the freeze
+  stopped that the reading did not list (it joined a target meanwhile: a pool worker taking a
+  command, a fork) is read after the freeze. So a stale "none" costs the owner a verified drain,
+  never a wrong `synced`.
 """
 
 from __future__ import annotations
@@ -24,12 +29,26 @@ from collections.abc import Hashable, Iterable
 
 from .runtime.quiesce import holds_gpu_file
 
-__all__ = ["GpuHolders", "read_holders"]
+__all__ = ["GpuHolders", "read_group_holders", "read_holders"]
 
 
 def read_holders(pids: Iterable[int]) -> list[int]:
     """The pids among `pids` that hold a GPU device file now. Reads /proc only: safe on a thread."""
     return [p for p in pids if holds_gpu_file(p)]
+
+
+def read_group_holders(procs_files: Iterable[str], pids: Iterable[int] = (),
+                       skip: frozenset[int] = frozenset()) -> dict[int, bool]:
+    """Whether each process listed in `procs_files` (cgroup.procs, opened afresh: no kept fds,
+    so safe on a thread), and each of `pids`, holds a GPU device file; those in `skip` unread."""
+    found: list[int] = list(pids)
+    for path in procs_files:
+        try:
+            with open(path) as f:
+                found += [int(x) for x in f.read().split()]
+        except OSError:
+            continue  # the cgroup went away
+    return {p: holds_gpu_file(p) for p in dict.fromkeys(found) if p not in skip}
 
 
 class GpuHolders:
@@ -54,6 +73,10 @@ class GpuHolders:
         held = holds_gpu_file(pid)
         self.note(pid, token, held)
         return held
+
+    def known(self, pid: int, token: Hashable) -> bool:
+        """Seen holding one (for the life of this runtime connection)."""
+        return self._yes.get(pid) == token
 
     def note(self, pid: int, token: Hashable, held: bool, at: float | None = None) -> None:
         if len(self._yes) + len(self._no) > self.limit:  # runtimes come and go: start over

@@ -24,7 +24,7 @@ from . import logs
 from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
-from .gpuholders import GpuHolders, read_holders
+from .gpuholders import GpuHolders, read_group_holders, read_holders
 from .isolation.base import Freeze, Group, IsolationError
 from .runtime.quiesce import holds_gpu_file
 
@@ -223,11 +223,14 @@ class Regions:
         """Quiesce, freeze and fence, overlapped where that is safe:
 
         t0: Quiesce sent to the runtimes that have device work to synchronise (`_to_quiesce`);
-            every other target frozen at once; the owner's cores reserved and the running commands
-            fenced off them (unless the owner's own children must be frozen first: then after).
+            every other target frozen at once; on a GPU device the targets' processes read for
+            GPU files on a worker thread (`_read_targets`), and, when no runtime was asked to
+            quiesce, the clock settle started (NVML, on a worker thread); the owner's cores
+            reserved and the running commands fenced off them (unless the owner's own children
+            must be frozen first: then after).
         t1: acks in (or --quiesce-timeout): the quiesced targets frozen, then the owner's children.
-        t2: all frozen: the drain check (/proc) and the clock settle (NVML) on worker threads while
-            the loop finishes the fencing.
+        t2: all frozen: the drain check (from t0's reading) and, where it did not start at t0,
+            the clock settle, while the loop finishes the fencing.
         Every task started here has finished before this returns or raises, so `_release` never
         races a freeze still in flight.
         """
@@ -256,6 +259,9 @@ class Regions:
         t0 = time.perf_counter()
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
+        reading = self._read_targets(r, targets)
+        if not asked:  # the freeze is immediate: settle beside it (after quiesces, as before)
+            settle = asyncio.ensure_future(self._settle(r))
         cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
         try:
             if asked:
@@ -278,8 +284,9 @@ class Regions:
                          pids=rep.frozen_pids)
             # Off the loop from here: the drain check reads /proc, the settle reads the clock,
             # while the loop fences the cores.
-            check = asyncio.ensure_future(self._check_drain(r, targets, results))
-            settle = asyncio.ensure_future(self._settle(r))
+            check = asyncio.ensure_future(self._check_drain(r, targets, results, reading))
+            if settle is None:
+                settle = asyncio.ensure_future(self._settle(r))
             if cores is None:
                 cores = asyncio.ensure_future(self._timed_cores(r))
             await cores
@@ -288,7 +295,7 @@ class Regions:
             rep.drain = await check
             await settle
         except BaseException:
-            tasks = [t for t in (early, cores, settle, check) if t is not None]
+            tasks = [t for t in (early, cores, settle, check, reading) if t is not None]
             for task in tasks:
                 if not task.done():
                     task.cancel()
@@ -358,14 +365,39 @@ class Regions:
             else:
                 fut.cancel()
 
-    async def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze]) -> str:
-        """The drain state, with /proc read on a worker thread: not-needed (no siblings, or a
-        device without queues), synced (every frozen sibling process that holds a GPU file
-        acknowledged after synchronising), else pending: the owner verifies. Only processes that
-        did not acknowledge are read (an ack came after a sync), and those the freeze stopped are
-        taken from it."""
+    def _read_targets(self, r: Region, targets: list[Command],
+                      ) -> asyncio.Future[dict[int, bool]] | None:
+        """At t0, on a worker thread beside the freeze: which of the targets' processes hold a GPU
+        device file (gpuholders.py says why reading before the freeze is sound). None where no
+        drain can be needed."""
         if not targets or self.d.device(r.device).vendor == "cpu":
+            return None
+        files: list[str] = []
+        pids: list[int] = []
+        for c in targets:
+            if c.group is None:
+                continue
+            listed = self.d.backend.procs_files(c.group)
+            if listed is None:
+                pids += self.d.backend.pids(c.group)
+            else:
+                files += listed
+        known = frozenset(pid for c in targets for pid, send in c.runtimes.items()
+                          if self.holders.known(pid, send))
+        return asyncio.get_running_loop().run_in_executor(None, read_group_holders, files, pids,
+                                                          known)
+
+    async def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze],
+                           reading: asyncio.Future[dict[int, bool]] | None) -> str:
+        """The drain state: not-needed (no siblings, or a device without queues), synced (every
+        frozen sibling process that holds a GPU file acknowledged after synchronising), else
+        pending: the owner verifies. Only processes that did not acknowledge count (an ack came
+        after a sync): a runtime known to hold a GPU file decides at once; the others are taken
+        from the reading made beside the freeze, and any the freeze stopped that it did not list
+        are read now."""
+        if not targets or self.d.device(r.device).vendor == "cpu" or reading is None:
             return "not-needed"
+        read = await reading  # done with before the grant, whatever decides
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
         stopped = {f.group: f.stopped for f in freezes}
         pids = [p for c in targets if c.group is not None
@@ -374,8 +406,14 @@ class Regions:
                 if p not in acked]
         if not pids:
             return "synced"
-        held = await asyncio.get_running_loop().run_in_executor(None, read_holders, pids)
         tokens = {pid: send for c in targets for pid, send in c.runtimes.items()}
+        if any(p in tokens and self.holders.known(p, tokens[p]) for p in pids):
+            return "pending"
+        late = [p for p in pids if p not in read]
+        if late:
+            read.update((p, True) for p in
+                        await asyncio.get_running_loop().run_in_executor(None, read_holders, late))
+        held = [p for p in pids if read.get(p)]
         for pid in held:
             if pid in tokens:
                 self.holders.note(pid, tokens[pid], True)

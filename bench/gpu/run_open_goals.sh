@@ -21,7 +21,7 @@ drain() {  # check_drain at one --settle-fraction
   mv "$OUT/drain_$1/check_drain.json" "$OUT/check_drain_$1.json" 2>/dev/null; rmdir "$OUT/drain_$1"; }
 case "${1:-1}" in
 1)
-  step overhead 90 python3 bench/region_overhead.py --backends cgroup --siblings 1,16,64 \
+  step overhead 90 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
     --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
   step overhead_probes 45 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import shutil
 import signal as _signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, IsolationError
@@ -46,6 +48,10 @@ class CgroupGroup(Group):
     affinity: dict[int, set[int]] = field(default_factory=dict)  # "none" cpuset mode: originals
     has_keep: bool = False  # keep/ exists in v2 (krex makes it; only krex does)
     thawed_at: float = 0.0  # time.monotonic() of the last thaw (its cgroup.events notification)
+    written: set[str] = field(default_factory=set)  # cgroups whose cgroup.freeze we set to 1
+    #: cgroup.events watches of top/ and run/, armed at create() and closed at remove(): armed
+    #: long before any write, and a freeze pays no inotify_add_watch (about 75 us on the dev VM)
+    watches: dict[str, Watch] = field(default_factory=dict)
 
     @property
     def run(self) -> str:
@@ -127,6 +133,18 @@ class CgroupBackend(Backend):
             self._watcher = EventsWatcher()
         return self._watcher.watch(self.v2.path(rel, "cgroup.events"))
 
+    def _group_watch(self, g: CgroupGroup, rel: str) -> Watch:
+        """The group's kept watch of `rel` (armed now if it is not yet). Raises CgroupVanished."""
+        w = g.watches.get(rel)
+        if w is None or w.gone:
+            w = g.watches[rel] = self._watch(rel)
+        return w
+
+    def _close_watches(self, g: CgroupGroup) -> None:
+        for w in g.watches.values():
+            w.close()
+        g.watches.clear()
+
     async def create(self, command_id: str) -> CgroupGroup:
         """mkdir krex/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
         g = CgroupGroup(command_id=command_id)
@@ -135,7 +153,15 @@ class CgroupBackend(Backend):
         try:
             self.cores.setup_group(g.top, [g.run])
             self.v2.mkdir(g.run)
+            for rel in (g.top, g.run):
+                try:
+                    self._group_watch(g, rel)
+                except CgroupVanished:
+                    raise
+                except CgroupFileError:
+                    pass  # out of inotify watches, say: armed again at the freeze, or refused there
         except BaseException:
+            self._close_watches(g)
             await self._rmdirs(g)
             raise
         self.groups[command_id] = g
@@ -168,6 +194,7 @@ class CgroupBackend(Backend):
             self.intent.write_now()
             self.v2.write(g.run, "cgroup.freeze", "1")
             g.frozen, g.frozen_at = True, g.run
+            g.written.add(g.run)
         return ["/bin/sh", "-c", _ENTER, "krex-enter", *files, "--", *argv]
 
     def _procs_files(self, g: CgroupGroup) -> list[str]:
@@ -178,6 +205,10 @@ class CgroupBackend(Backend):
 
     def cgroup_dir(self, group: Group) -> str | None:
         return self.v2.path(self._g(group).run)
+
+    def procs_files(self, group: Group) -> list[str] | None:
+        g = self._g(group)
+        return [self.v2.path(rel, "cgroup.procs") for rel in self._leaves(g)]
 
     def join(self, group: Group, pid: int) -> None:
         """Write `pid` into the group's run/ leaf (v1 cpuset twin first, as the launch wrapper does).
@@ -228,35 +259,53 @@ class CgroupBackend(Backend):
     async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
                           timeout: float = 1.0) -> list[Freeze]:
         """Freeze the groups together: one intent write (none when create() already recorded them),
-        then every watch armed and every cgroup.freeze written and read back in one go, then one
-        bounded wait for all of them. On any failure every group of the batch is written back to 0
-        and the first error propagates (FreezeError names the group and lists its tasks with their states)."""
+        every cgroup.freeze written and read back in one go (each group's watch armed since its
+        create), then one bounded wait for all of them. On any failure every group of the batch is
+        written back to 0 and the first error propagates (FreezeError names the group and lists
+        its tasks with their states)."""
         gs = [self._g(g) for g in groups]
         t0 = time.perf_counter()
-        targets: list[str | None] = []
         try:
-            for g in gs:
-                targets.append(self._freeze_target(g, keep))
+            targets = [self._freeze_target(g, keep) for g in gs]
             await self.intent.ensure(frozen=[self.v2.path(t) for t in targets if t is not None])
-            watches: list[tuple[CgroupGroup, str, Watch] | None] = []
-            try:
-                for g, target in zip(gs, targets):
-                    watches.append(None if target is None else self._freeze_write(g, target))
-                results = await asyncio.gather(*(self._freeze_wait(g, w, timeout, t0)
-                                                 for g, w in zip(gs, watches)),
-                                               return_exceptions=True)
-            finally:
-                for w in watches:
-                    if w is not None:
-                        w[2].close()
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
+            armed: dict[int, tuple[Watch, Callable[[], bool]]] = {}
+            stopped: dict[int, list[int]] = {}  # read as each group freezes, while others still go
+            for i, (g, target) in enumerate(zip(gs, targets)):
+                if target is not None and (w := self._freeze_write(g, target)) is not None:
+                    armed[i] = (w, functools.partial(self._frozen_pids, g, target, stopped, i))
+            now = time.monotonic()
+            spin = max([self.freeze_spin_s] + [g.thawed_at + self.notify_interval_s - now
+                                               for g in gs])
+            done = await Watch.until_all(armed, timeout, spin=spin) if armed else {}
+            elapsed = time.perf_counter() - t0
+            results = []
+            for i, (g, target) in enumerate(zip(gs, targets)):
+                if i in armed and i not in done:
+                    raise FreezeError(g.name, f"{self.v2.path(target or g.top)} not frozen after "
+                                      f"{timeout:.3f}s; its threads (state wchan): "
+                                      f"{self._not_frozen(target or g.top)}")
+                err = done.get(i)
+                if err is not None and not isinstance(err, CgroupVanished):
+                    raise err
+                if i not in armed or err is not None:  # vanished before or after the write
+                    self._unfreeze(g)
+                    results.append(Freeze(g.name, elapsed, 0, vanished=True))
+                    continue
+                pids = stopped[i]
+                results.append(Freeze(g.name, elapsed, len(pids), vanished=not pids, stopped=pids))
         except BaseException:
             for g in gs:
                 self._unfreeze(g)
             raise
-        return [r for r in results if isinstance(r, Freeze)]
+        return results
+
+    def _frozen_pids(self, g: CgroupGroup, target: str, into: dict[int, list[int]], i: int) -> bool:
+        """Whether `target` shows `frozen 1`; once it does, its pids go to into[i]. Raises
+        CgroupVanished."""
+        if self.v2.events(target).get("frozen") != 1:
+            return False
+        into[i] = [p for rel in self._leaves(g, target) for p in self.v2.procs(rel)]
+        return True
 
     def _freeze_target(self, g: CgroupGroup, keep: frozenset[int]) -> str | None:
         """The cgroup to freeze: top/, or run/ after moving the `keep` pids into keep/. None: gone."""
@@ -275,45 +324,18 @@ class CgroupBackend(Backend):
             return None
         return g.run
 
-    def _freeze_write(self, g: CgroupGroup, target: str) -> tuple[CgroupGroup, str, Watch] | None:
-        """Arm the watch, write 1, read it back. None when the cgroup vanished."""
+    def _freeze_write(self, g: CgroupGroup, target: str) -> Watch | None:
+        """Write 1 with the target's watch armed, read it back. None when the cgroup vanished."""
         try:
-            w = self._watch(target)
-        except CgroupVanished:
-            return None
-        try:
+            w = self._group_watch(g, target)
+            g.written.add(target)
             self.v2.write(target, "cgroup.freeze", "1")
             g.frozen, g.frozen_at = True, target
             if self.v2.read(target, "cgroup.freeze").strip() != "1":
                 raise FreezeError(g.name, f"{self.v2.path(target, 'cgroup.freeze')} did not read 1")
         except CgroupVanished:
-            w.close()
             return None
-        except BaseException:
-            w.close()
-            raise
-        return g, target, w
-
-    async def _freeze_wait(self, g: CgroupGroup, armed: tuple[CgroupGroup, str, Watch] | None,
-                           timeout: float, t0: float) -> Freeze:
-        if armed is None:
-            self._unfreeze(g)
-            return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
-        _, target, w = armed
-        try:
-            spin = max(self.freeze_spin_s, g.thawed_at + self.notify_interval_s - time.monotonic())
-            ok = await w.until(lambda: self.v2.events(target).get("frozen") == 1, timeout,
-                               spin=spin)
-        except CgroupVanished:
-            self._unfreeze(g)
-            return Freeze(g.name, time.perf_counter() - t0, 0, vanished=True)
-        if not ok:
-            stuck = self._not_frozen(target)
-            raise FreezeError(g.name, f"{self.v2.path(target)} not frozen after {timeout:.3f}s; "
-                              f"its threads (state wchan): {stuck}")
-        elapsed = time.perf_counter() - t0
-        stopped = [p for rel in self._leaves(g, target) for p in self.v2.procs(rel)]
-        return Freeze(g.name, elapsed, len(stopped), vanished=not stopped, stopped=stopped)
+        return w
 
     def _not_frozen(self, target: str) -> str:
         """Every thread under `target` with its /proc state and where it sleeps (wchan), for a
@@ -339,8 +361,9 @@ class CgroupBackend(Backend):
         return ", ".join(out) or "none listed"
 
     def _unfreeze(self, g: CgroupGroup) -> None:
-        """Write cgroup.freeze=0 wherever we may have written 1; never raises for a vanished cgroup."""
-        for rel in {g.frozen_at or g.top, g.top, g.run}:
+        """Write cgroup.freeze=0 wherever we may have written 1, checking each file (the failure
+        and removal paths); never raises for a vanished cgroup."""
+        for rel in {g.frozen_at or g.top, g.top, g.run} | g.written:
             try:
                 if self.v2.read(rel, "cgroup.freeze").strip() != "0":
                     self.v2.write(rel, "cgroup.freeze", "0")
@@ -348,12 +371,24 @@ class CgroupBackend(Backend):
             except CgroupVanished:
                 pass
         g.frozen, g.frozen_at = False, None
+        g.written.clear()
 
     async def thaw(self, group: Group) -> float:
-        """cgroup.freeze=0 (no wait: thawing is immediate for the tasks). Raises CgroupFileError
-        only for a cgroup that exists and refuses."""
+        """cgroup.freeze=0 where we wrote 1, each read back (no wait: thawing is immediate for the
+        tasks). Raises CgroupFileError only for a cgroup that exists and refuses."""
         t0 = time.perf_counter()
-        self._unfreeze(self._g(group))
+        g = self._g(group)
+        try:
+            for rel in g.written:
+                self.v2.write(rel, "cgroup.freeze", "0")
+                if self.v2.read(rel, "cgroup.freeze").strip() != "0":
+                    raise CgroupFileError("thaw", self.v2.path(rel, "cgroup.freeze"), "0",
+                                          OSError(errno.EIO, "did not read 0"))
+            g.thawed_at = time.monotonic()
+            g.frozen, g.frozen_at = False, None
+            g.written.clear()
+        except CgroupVanished:
+            self._unfreeze(g)  # the rest of them, each checked
         return time.perf_counter() - t0
 
     async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
@@ -395,7 +430,7 @@ class CgroupBackend(Backend):
         then rmdir its cgroups. Raises IsolationError when tasks outlive the bound."""
         g = self._g(group)
         try:
-            with self._watch(g.top) as w:
+            with self._watch(g.top) as w:  # its own: one waiter per Watch object
                 empty = lambda: self.v2.events(g.top).get("populated") == 0  # noqa: E731
                 if not await w.until(empty, timeout / 2):
                     await self.kill(g)
@@ -405,6 +440,7 @@ class CgroupBackend(Backend):
         except CgroupVanished:
             pass
         self._unfreeze(g)
+        self._close_watches(g)
         await self._rmdirs(g)
         self.intent.forget([self.v2.path(r) for r in (g.top, g.run)] +
                            [self.cores.fs.path(r, "cpuset.cpus") for r in (g.run, g.keep)])

@@ -22,8 +22,9 @@ import errno
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from krex_async.isolation.base import IsolationError
 
@@ -57,13 +58,21 @@ class CgroupFS:
     def __init__(self, root: str, *, keep_procs: bool = False) -> None:
         self.root = root.rstrip("/") or "/"
         self._kept: dict[str, int] = {}  # path -> fd of a kept file
+        self._paths: dict[tuple[str, str], str] = {}  # (rel, name) -> full path, dropped by release()
         self.kept_names = self.KEPT + (("cgroup.procs",) if keep_procs else ())
 
     def __repr__(self) -> str:
         return f"CgroupFS({self.root!r})"
 
     def path(self, rel: str, name: str = "") -> str:
-        return os.path.join(self.root, rel, name) if (rel or name) else self.root
+        """The full path (cached: a region asks for the same few files of every sibling)."""
+        p = self._paths.get((rel, name))
+        if p is None:
+            if len(self._paths) > 65536:  # cgroups come and go; release() forgets theirs
+                self._paths.clear()
+            p = self._paths[(rel, name)] = (os.path.join(self.root, rel, name) if (rel or name)
+                                            else self.root)
+        return p
 
     def read(self, rel: str, name: str) -> str:
         p = self.path(rel, name)
@@ -126,6 +135,11 @@ class CgroupFS:
         top = self.path(rel).rstrip("/") + "/"
         for p in [p for p in self._kept if p.startswith(top)]:
             self._drop_fd(p)
+        if not rel:
+            self._paths.clear()
+        else:
+            for key in [k for k in self._paths if k[0] == rel or k[0].startswith(rel + "/")]:
+                del self._paths[key]
 
     def mkdir(self, rel: str) -> bool:
         """Create the cgroup; False when it already existed."""
@@ -190,6 +204,7 @@ class CgroupFS:
 _IN_MODIFY, _IN_DELETE_SELF, _IN_IGNORED = 0x2, 0x400, 0x8000
 _IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 _libc = ctypes.CDLL(None, use_errno=True)
+K = TypeVar("K", bound=Hashable)
 
 
 class Watch:
@@ -199,11 +214,15 @@ class Watch:
         self._owner, self.wd = owner, wd
         self._changed = asyncio.Event()
         self.gone = False
+        #: events of waiters on several watches at once (`until_all`), set on every change
+        self.listeners: set[asyncio.Event] = set()
 
     def _notify(self, mask: int) -> None:
         if mask & (_IN_IGNORED | _IN_DELETE_SELF):
             self.gone = True
         self._changed.set()
+        for ev in self.listeners:
+            ev.set()
 
     async def until(self, pred: Callable[[], bool], timeout: float, spin: float = 0.0) -> bool:
         """Await `pred()` true, re-checked on each change of the file. False when `timeout` passed.
@@ -234,6 +253,47 @@ class Watch:
 
     def close(self) -> None:
         self._owner._drop(self)
+
+    @staticmethod
+    async def until_all(items: dict[K, tuple[Watch, Callable[[], bool]]], timeout: float,
+                        spin: float = 0.0) -> dict[K, BaseException | None]:
+        """`until` for many watches with one waiter: await each item's predicate, re-checking the
+        pending ones on any change of their files (and on every loop turn for `spin` first).
+        Returns, for each key whose predicate came true or raised, None or the exception; keys
+        missing from the answer were still false at `timeout`."""
+        done: dict[K, BaseException | None] = {}
+        changed = asyncio.Event()
+        for w, _ in items.values():
+            w.listeners.add(changed)
+        try:
+            now = time.monotonic()
+            deadline, spin_until = now + timeout, now + min(spin, timeout)
+            while True:
+                changed.clear()
+                for key, (_, pred) in items.items():
+                    if key in done:
+                        continue
+                    try:
+                        if pred():
+                            done[key] = None
+                    except Exception as e:  # noqa: BLE001 - handed to the caller, per key
+                        done[key] = e
+                if len(done) == len(items):
+                    return done
+                now = time.monotonic()
+                if now < spin_until:
+                    os.sched_yield()  # the tasks being frozen may be waiting for this cpu
+                    await asyncio.sleep(0)
+                    continue
+                if now >= deadline:
+                    return done
+                try:
+                    await asyncio.wait_for(changed.wait(), deadline - now)
+                except TimeoutError:
+                    pass  # one more look, then out
+        finally:
+            for w, _ in items.values():
+                w.listeners.discard(changed)
 
     def __enter__(self) -> Watch:
         return self

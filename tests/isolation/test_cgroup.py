@@ -252,6 +252,41 @@ async def test_launch_frozen_never_runs_first_instruction(backend, tmp_path):
         reap(p)
 
 
+async def test_thaw_undoes_a_launch_freeze_and_a_region_freeze_together(backend, tmp_path):
+    """A command launched frozen (run/ at 1) and then frozen again for a sibling's region (top/
+    at 1) must run after one thaw: the fast thaw writes 0 to every cgroup it wrote 1 to."""
+    marker = tmp_path / "ran"
+    g, p = await start(backend, ["/bin/sh", "-c", f"touch {marker}"], frozen=True)
+    try:
+        (f,) = await backend.freeze_many([g])
+        assert f.stopped == [p.pid] and not f.vanished
+        assert frozen_reads(backend, g.top) == 1 and frozen_reads(backend, g.run) == 1
+        await backend.thaw(g)
+        assert backend.v2.read(g.top, "cgroup.freeze").strip() == "0"
+        assert backend.v2.read(g.run, "cgroup.freeze").strip() == "0"
+        assert p.wait(timeout=5) == 0 and marker.exists()
+        assert not g.frozen and not g.written
+    finally:
+        reap(p)
+
+
+async def test_watches_are_armed_at_create_and_closed_at_remove(backend):
+    g, p = await start(backend, ["sleep", "30"])
+    try:
+        watches = dict(g.watches)
+        assert set(watches) == {g.top, g.run}, "a freeze would arm a watch on its own path"
+        for _ in range(3):
+            await backend.freeze_many([g])
+            await backend.thaw(g)
+        assert g.watches == watches, "the kept watches were replaced"
+    finally:
+        await backend.kill(g)
+        reap(p)
+        await backend.remove(g)
+    assert not g.watches
+    assert backend._watcher is not None and not backend._watcher._watches, "a watch leaked"
+
+
 @pytest.mark.parametrize("use_cgroup_kill", [True, False])
 async def test_frozen_group_can_be_killed(backend, use_cgroup_kill):
     backend.has_kill = backend.has_kill and use_cgroup_kill
