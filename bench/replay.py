@@ -156,14 +156,29 @@ async def _submit(c: Any, argv: list[str], opts: argparse.Namespace, env: dict[s
 
 async def replay_pass(policy: str, trace: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
     """Run the trace's sessions under one policy's daemon; returns the pass's raw records."""
-    from krex_async import Client
     by = sessions(trace)
     queue: asyncio.Queue[str] = asyncio.Queue()
     for s in by:
         queue.put_nowait(s)
     env = command_env(trace[0]["target"])
+    # Every pass compiles afresh, as the agents it replays did: the same trace line compiles the
+    # same kernel source in every pass, and with one shared Triton/Inductor cache only the first
+    # pass (region) would pay the compiles.
+    caches = tempfile.mkdtemp(prefix=f"krex-replay-{policy}-caches-")
+    env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, "inductor")
     records: list[dict[str, Any]] = []
     prog = Progress(policy, len(trace))
+    try:
+        return await _replay(policy, by, queue, env, records, prog, opts)
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
+
+
+async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: asyncio.Queue[str],
+                  env: dict[str, str], records: list[dict[str, Any]], prog: Progress,
+                  opts: argparse.Namespace) -> dict[str, Any]:
+    from krex_async import Client
     async with Daemon(policy, opts.python, opts.daemon_arg, opts.logdir / f"daemon-{policy}.log") as d:
         t0 = time.monotonic()
 
