@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from krex_async.config import ServeConfig
 from krex_async.devices import discover, open_node
 from krex_async.runtime import devicework, quiesce
 
@@ -215,7 +216,7 @@ def thaw_checks(daemon: MiniDaemon) -> None:
         pass
 
 
-SETTLE_FRACTION = [0.9]
+SETTLE_FRACTION = [ServeConfig().settle_fraction]
 
 
 def settle(node, gpu) -> dict[str, object]:  # type: ignore[no-untyped-def]
@@ -243,7 +244,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer reps (a smoke run)")
     ap.add_argument("--regions", type=int, default=5, help="regions per production condition")
-    ap.add_argument("--settle-fraction", type=float, default=0.9,
+    ap.add_argument("--settle-fraction", type=float, default=ServeConfig().settle_fraction,
                     help="settled once the SM clock is this fraction of its target")
     ap.add_argument("--skip", action="append", default=[], choices=["nvml", "thaw"],
                     help="leave out a part (for smoke runs off the accelerator)")

@@ -48,7 +48,7 @@ class ClockState:
     capped: bool = False
     idle: bool = False
 
-    def settled(self, fraction: float = 0.9) -> bool:
+    def settled(self, fraction: float = 0.97) -> bool:
         return self.sm_mhz >= fraction * self.target_mhz
 
 
