@@ -1,9 +1,10 @@
 #!/bin/bash
 # The accelerator measurements the open issues still need, in calls of under 10 minutes each:
-#   bash bench/gpu/run_open_goals.sh 1   # region overhead (issue 3), probe overhead (4), drain at 0.9 (5)
-#   bash bench/gpu/run_open_goals.sh 2   # the replay at --settle-fraction 0.97 (issue 5's default)
-#   bash bench/gpu/run_open_goals.sh 3   # drain at 0.97; the replay's region policy with --freeze device-holders
-#                                        # (issue 3: what freezing only GPU holders buys and costs)
+#   bash bench/gpu/run_open_goals.sh 1   # region overhead with 1,4,16,64 siblings and probes (issue 3),
+#                                        # the v2 cgroup self-check (3), probe overhead (4)
+#   bash bench/gpu/run_open_goals.sh 2   # drain at the daemon's default settle fraction, 8 regions (5)
+#   bash bench/gpu/run_open_goals.sh 3   # the replay, all policies (issue 7; 5's fidelity goals)
+#   bash bench/gpu/run_open_goals.sh 4   # the replay's region policy with --freeze device-holders
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
 source .bcc/activate.sh >/dev/null 2>&1
@@ -15,26 +16,26 @@ CG=--cgroup-root=/sys/fs/cgroup/krexbench
 step() { local name=$1 limit=$2; shift 2; echo "===== $name: $*" | tee -a "$LOG"; local t0=$SECONDS
   timeout "$limit" "$@" >> "$LOG" 2>&1; echo "rc=$? after $((SECONDS - t0)) s" | tee -a "$LOG"; }
 git log --oneline -1 >> "$LOG" 2>/dev/null; date -u >> "$LOG"
-drain() {  # check_drain at one --settle-fraction
-  step "drain_$1" 150 env OUT="$OUT/drain_$1" python3 bench/gpu/check_drain.py --skip nvml \
-    --skip thaw --settle-fraction "$1"
-  mv "$OUT/drain_$1/check_drain.json" "$OUT/check_drain_$1.json" 2>/dev/null; rmdir "$OUT/drain_$1"; }
+drain() {  # check_drain at the default --settle-fraction, $1 regions
+  step "drain" 300 env OUT="$OUT/drain" python3 bench/gpu/check_drain.py --skip nvml \
+    --skip thaw --regions "$1"
+  mv "$OUT/drain/check_drain.json" "$OUT/check_drain.json" 2>/dev/null; rmdir "$OUT/drain"; }
 case "${1:-1}" in
 1)
-  step overhead 90 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
+  step overhead 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
     --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
   step overhead_probes 45 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"
-  step uprobe_anatomy 60 python3 bench/probe_overhead.py --uprobe-anatomy --json "$OUT/uprobe_anatomy.json"
-  step probe_overhead 220 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 5 --launches 100000 \
-    --flood 0 --seconds 1 --json "$OUT/probe_overhead.json"
-  drain 0.9 ;;
+  step cgroup_v2 90 python3 bench/gpu/check_cgroup_v2.py
+  step probe_overhead 240 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 200 --launches 500 \
+    --flood 0 --seconds 1 --json "$OUT/probe_overhead.json" ;;
 2)
-  step replay 560 python3 bench/replay.py --profile gpu-10min --seed 2 \
-    --out /tmp/krex-replay/gpu-10min-097.json --daemon-arg=$CG --daemon-arg=--settle-fraction=0.97
-  cp /tmp/krex-replay/gpu-10min-097.json "$OUT/" 2>/dev/null ;;
+  drain 8 ;;
 3)
-  drain 0.97
+  step replay 590 python3 bench/replay.py --profile gpu-10min --seed 2 \
+    --out /tmp/krex-replay/gpu-10min.json --daemon-arg=$CG
+  cp /tmp/krex-replay/gpu-10min*.json /tmp/krex-replay/*.png "$OUT/" 2>/dev/null ;;
+4)
   step replay_holders 400 python3 bench/replay.py --profile gpu-10min --seed 2 --policies region \
     --out /tmp/krex-replay/gpu-10min-holders.json --daemon-arg=$CG --daemon-arg=--freeze=device-holders
   cp /tmp/krex-replay/gpu-10min-holders.json "$OUT/" 2>/dev/null ;;
