@@ -419,11 +419,11 @@ def gpu_part(reps: int, n: int, bursts: int = 200) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # every column any row has
     fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
-    widths = [max(len(k), *(len(fmt(r[k])) for r in rows)) for k in keys]
+    widths = [max(len(k), *(len(fmt(r.get(k, ""))) for r in rows)) for k in keys]
     lines = ["  ".join(k.ljust(wd) for k, wd in zip(keys, widths))]
-    lines += ["  ".join(fmt(r[k]).ljust(wd) for k, wd in zip(keys, widths)) for r in rows]
+    lines += ["  ".join(fmt(r.get(k, "")).ljust(wd) for k, wd in zip(keys, widths)) for r in rows]
     return "\n".join(lines)
 
 
