@@ -8,6 +8,10 @@ is the limit of this backend and the reason the cgroup backend exists.
 One /proc snapshot serves a whole batch of freezes (`freeze_many`), so entering a region with many
 siblings reads /proc once, not once per sibling. A process that was already stopped (state T) before a
 freeze is remembered and left stopped at thaw.
+
+Each process is stopped and later resumed through a pidfd opened just before its SIGSTOP: a stopped
+process that is killed and reaped meanwhile frees its pid, and a SIGCONT by pid at thaw could then
+resume whatever process took the pid next (one that its owner had stopped, say).
 """
 
 from __future__ import annotations
@@ -110,6 +114,32 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid`, or None when it is gone."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _signal_fds(fds: dict[int, int], pids: list[int], sig: int) -> None:
+    """Signal `pids` through their pidfds in `fds` (a process that is gone is skipped)."""
+    for pid in pids:
+        fd = fds.get(pid)
+        if fd is None:
+            continue
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except OSError:
+            pass
+
+
+def _close_fds(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
 class SignalBackend(Backend):
     name = "signal"
 
@@ -176,16 +206,18 @@ class SignalBackend(Backend):
         results = {g.name: Freeze(g.name, vanished=g.pid is None) for g in groups}
         sent: dict[str, list[int]] = {g.name: [] for g in todo}
         already: dict[str, set[int]] = {g.name: set() for g in todo}
+        fds: dict[str, dict[int, int]] = {g.name: {} for g in todo}
         try:
-            await self._stop_and_verify(todo, keep, sent, already, t0 + timeout, timeout)
+            await self._stop_and_verify(todo, keep, sent, already, fds, t0 + timeout, timeout)
         except BaseException:
-            self._resume_all(todo, sent, already)
+            self._resume_all(todo, sent, already, fds)
             raise
         elapsed = time.perf_counter() - t0
         for g in todo:
             g.frozen = True
             g.extra["sent"] = sent[g.name]
             g.extra["stopped"] = already[g.name]
+            g.extra["pidfds"] = fds[g.name]
             r = results[g.name]
             r.pids = len(sent[g.name])
             r.stopped = list(sent[g.name])
@@ -195,9 +227,11 @@ class SignalBackend(Backend):
 
     async def _stop_and_verify(self, todo: list[Group], keep: frozenset[int],
                                sent: dict[str, list[int]], already: dict[str, set[int]],
-                               deadline: float, timeout: float) -> None:
-        """SIGSTOP every process of `todo` (recording each in `sent` before its signal), then
-        wait until all have stopped. Raises FreezeError; the caller resumes."""
+                               fds: dict[str, dict[int, int]], deadline: float,
+                               timeout: float) -> None:
+        """SIGSTOP every process of `todo` through a pidfd (recording each in `sent` and `fds`
+        before its signal), then wait until all have stopped. Raises FreezeError; the caller
+        resumes."""
         for _ in range(64):
             snap = _Snapshot()
             fresh = False
@@ -207,12 +241,16 @@ class SignalBackend(Backend):
                     if pid in keep or pid in done:
                         continue
                     fresh = True
+                    fd = _pidfd(pid)
+                    if fd is None:  # gone since the snapshot
+                        continue
+                    fds[g.name][pid] = fd
                     if snap.procs[pid].state in _STOPPED:
                         already[g.name].add(pid)
                     else:
                         self._stopping([pid])  # before the signal: the guard must know first
                     sent[g.name].append(pid)
-                    _signal([pid], signal.SIGSTOP)
+                    _signal_fds(fds[g.name], [pid], signal.SIGSTOP)
             if not fresh:
                 break
         else:
@@ -227,10 +265,11 @@ class SignalBackend(Backend):
             await asyncio.sleep(0.0002)
 
     def _resume_all(self, groups: list[Group], sent: dict[str, list[int]],
-                    already: dict[str, set[int]]) -> None:
+                    already: dict[str, set[int]], fds: dict[str, dict[int, int]]) -> None:
         for g in groups:
             pids = [p for p in sent[g.name] if p not in already[g.name]]
-            _signal(pids, signal.SIGCONT)
+            _signal_fds(fds[g.name], pids, signal.SIGCONT)
+            _close_fds(fds[g.name])
             self._resumed(pids)
 
     async def thaw(self, group: Group) -> float:
@@ -239,6 +278,7 @@ class SignalBackend(Backend):
             return 0.0
         sent: list[int] = list(group.extra.pop("sent", []))  # type: ignore[call-overload]
         already: set[int] = group.extra.pop("stopped", set())  # type: ignore[assignment]
+        fds: dict[int, int] = group.extra.pop("pidfds", {})  # type: ignore[assignment]
         if group.extra.pop("launched_stopped", False) and group.pid is not None:
             # The launch shell stops itself: a SIGCONT that comes before its `kill -STOP $$` is
             # lost and the command would stay stopped forever. Wait (bounded) until it stopped;
@@ -248,13 +288,16 @@ class SignalBackend(Backend):
                     time.perf_counter() < deadline:
                 await asyncio.sleep(0.0005)
             if _state(group.pid) in (None, "Z", "X", *_STOPPED):
-                sent.append(group.pid)
+                # the leader: the daemon has not reaped it, so its pid is still its own
+                _signal([group.pid], signal.SIGCONT)
+                self._resumed([group.pid])
             else:
                 task = asyncio.get_running_loop().create_task(self._resume_launch(group, group.pid))
                 self._late.add(task)
                 task.add_done_callback(self._late.discard)
         resumed = [p for p in sent if p not in already]
-        _signal(resumed, signal.SIGCONT)
+        _signal_fds(fds, resumed, signal.SIGCONT)
+        _close_fds(fds)
         self._resumed(resumed)
         group.frozen = False
         return time.perf_counter() - t0
@@ -298,6 +341,7 @@ class SignalBackend(Backend):
         if group.pid is not None:
             forget.append(group.pid)
         self._resumed(forget)  # dead now (killed while stopped): nothing to resume
+        _close_fds(group.extra.get("pidfds", {}))  # type: ignore[arg-type]
         group.extra.clear()
 
     async def close(self) -> None:

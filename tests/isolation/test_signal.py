@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -98,3 +99,73 @@ async def test_a_freeze_cancelled_while_it_verifies_resumes_what_it_stopped():
         wait_for(lambda: not open(os.path.join(path, "cgroup.procs")).read().split())
         os.rmdir(path)
         await b.close()
+
+
+PID_REUSE = r"""
+import asyncio, ctypes, os, signal, subprocess, sys, time
+from krex_async.isolation.signal import SignalBackend
+
+def state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+async def main():
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
+    b = SignalBackend()
+    g = await b.create("reuse")
+    # the leader leaves an orphan in its session: after a kill, we reap it and its pid is free
+    lead = subprocess.Popen(["/bin/sh", "-c", "(sleep 300 &); exec sleep 300"], start_new_session=True)
+    await b.started(g, lead.pid)
+    def ppid(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    for _ in range(500):  # the orphaned sleep, once its subshell has exited and it is ours
+        orphans = [p for p in b.pids(g) if p != lead.pid]
+        if len(orphans) == 1 and ppid(orphans[0]) == os.getpid():
+            break
+        time.sleep(0.01)
+    else:
+        sys.exit(f"no orphan came to us: {orphans}")
+    (victim,) = orphans
+    await b.freeze_many([g])
+    assert state(victim) == "T" and state(lead.pid) == "T"
+    os.kill(victim, signal.SIGKILL)
+    os.waitpid(victim, 0)
+    newcomer = None
+    for _ in range(50):  # the next pid the kernel hands out: the victim's (others may fork too)
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(victim - 1))
+        p = subprocess.Popen(["sleep", "300"])
+        if p.pid == victim:
+            newcomer = p
+            break
+        p.kill(); p.wait()
+    if newcomer is None:
+        print("SKIP the victim's pid was never handed out again"); return
+    os.kill(newcomer.pid, signal.SIGSTOP)  # stopped by its owner, not by krex
+    for _ in range(2000):
+        if state(newcomer.pid) == "T":
+            break
+        time.sleep(0.001)
+    await b.thaw(g)
+    time.sleep(0.2)
+    print("newcomer", state(newcomer.pid), "leader", state(lead.pid))
+    for q in (newcomer, lead):
+        q.kill(); q.wait()
+    await b.close()
+
+asyncio.run(main())
+"""
+
+
+def test_thaw_resumes_no_process_that_took_a_stopped_ones_pid():
+    """A stopped process killed and reaped during a freeze frees its pid; the process that gets
+    it next (here stopped by its own owner) must not be resumed by the thaw."""
+    if os.geteuid() != 0 or not os.path.exists("/proc/sys/kernel/ns_last_pid"):
+        pytest.skip("choosing the next pid needs root and /proc/sys/kernel/ns_last_pid")
+    out = subprocess.run([sys.executable, "-c", PID_REUSE], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout.strip())
+    assert out.stdout.split() == ["newcomer", "T", "leader", "S"], out.stdout + out.stderr
