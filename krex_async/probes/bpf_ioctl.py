@@ -484,6 +484,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         self._final_counts: dict[int, int] = {}
         self._final_lost = 0
         self._gone_counts: dict[int, int] = {}
+        self._gone_cg_counts: dict[int, int] = {}  # of cgroups removed since (their ids are unique)
         self._names: dict[tuple[int, str], str] = {}
         self._comms: dict[bytes, str] = {}
 
@@ -569,7 +570,34 @@ class IoctlProbe(FailureReporting, ProbeBackend):
             if not os.path.exists(f"/proc/{k.value}"):
                 self._gone_counts[k.value] = self._gone_counts.get(k.value, 0) + v.value
                 counts.pop(k, None)
+        self._prune_cgroups()
         self.seed()
+
+    def _prune_cgroups(self) -> None:
+        """Move the counts of removed cgroups to Python: the map holds 16384 cgroups, and a node
+        that runs a command per cgroup would fill it in a day, after which new cgroups would go
+        uncounted. A cgroup v2 id is its directory's inode number, never reused."""
+        from ..isolation.cgroupfs import cgroup_mounts
+        v2, _ = cgroup_mounts()
+        if v2 is None:
+            return
+        live: set[int] = set()
+        stack = [v2]
+        while stack:
+            try:
+                with os.scandir(stack.pop()) as it:
+                    for e in it:
+                        if e.is_dir(follow_symlinks=False):
+                            live.add(e.inode())
+                            stack.append(e.path)
+            except OSError:
+                continue  # removed while we walked
+        live.add(os.stat(v2).st_ino)
+        table = self._bpf[b"cg_counts"]
+        for k, v in list(table.items()):
+            if k.value not in live:
+                self._gone_cg_counts[k.value] = self._gone_cg_counts.get(k.value, 0) + v.value
+                table.pop(k, None)
 
     def stop(self) -> None:
         if self._bpf is None:
@@ -603,10 +631,13 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         return out
 
     def cgroup_counts(self) -> dict[int, int]:
-        """Events per cgroup v2 id (the inode number of the cgroup's directory, os.stat().st_ino)."""
-        if self._bpf is None:
-            return {}
-        return {k.value: v.value for k, v in self._bpf[b"cg_counts"].items()}
+        """Events per cgroup v2 id (the inode number of the cgroup's directory, os.stat().st_ino),
+        removed cgroups included."""
+        out = dict(self._gone_cg_counts)
+        if self._bpf is not None:
+            for k, v in self._bpf[b"cg_counts"].items():
+                out[k.value] = out.get(k.value, 0) + v.value
+        return out
 
     @property
     def poller(self) -> _bcc.RingPoller | None:

@@ -77,9 +77,17 @@ async def test_cgroup_id_attributes_after_exit(devdir: str) -> None:
         child.proc.wait(timeout=30)
         assert await col.wait_for(lambda: len(col.of(res["pid"])) >= 3)
         assert probe.cgroup_counts()[cg_id] == 3  # kernel-side, per cgroup
+        probe._prune_cgroups()
+        assert cg_id in {k.value for k in probe._bpf[b"cg_counts"].keys()}, "a live cgroup was pruned"
+        os.rmdir(cg)  # empty again: the child has exited
+        probe._prune_cgroups()  # what the upkeep does every rescan
+        assert cg_id not in {k.value for k in probe._bpf[b"cg_counts"].keys()}, \
+            "a removed cgroup still takes a slot of the kernel-side map"
+        assert probe.cgroup_counts()[cg_id] == 3, "a removed cgroup's count was lost"
     finally:
         probe.stop()
-        os.rmdir(cg)  # empty again: the child has exited
+        if os.path.isdir(cg):
+            os.rmdir(cg)
     evs = col.of(res["pid"])
     assert {getattr(e, "cgroup", None) for e in evs} == {cg_id}
     att = Attributor()
