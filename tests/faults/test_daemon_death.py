@@ -1,6 +1,7 @@
-"""SIGKILL of the daemon in the middle of a region (signal backend): nothing stays stopped after 1 s,
-a new daemon starts on the same socket path (the dead one's file is stale), and on the same state
-dir it ends the dead daemon's commands (their reports: tests/faults/test_lost_commands.py)."""
+"""SIGKILL of the daemon in the middle of a region, on both backends: nothing stays stopped (signal)
+or frozen (cgroup: the watchdog thaws) after 1 s, a new daemon starts on the same socket path (the
+dead one's file is stale), and on the same state dir it ends the dead daemon's commands (their
+reports: tests/faults/test_lost_commands.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import krex_async.isolation.signal as signal_backend
 from krex_async import Client
 
-from ..conftest import PY, proc_state, py_env, run_daemon
+from ..conftest import PY, private_cgroup_root, proc_state, py_env, remove_cgroup_tree, run_daemon, v2_mount
 
 GUARDED = "sigguard" in inspect.getsource(signal_backend)
 
@@ -51,11 +52,43 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.xfail(not GUARDED, strict=True,
-                   reason="isolation/signal.py does not use the sigguard yet (patch in the report)")
-async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon_starts(script):
+def cgroup_frozen(pid: int) -> bool | None:
+    """Whether `pid`'s v2 cgroup reads `frozen 1` (None: the process or its cgroup is gone)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            rel = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        with open(f"{v2_mount()}{rel}/cgroup.events") as f:
+            return "frozen 1" in f.read()
+    except (OSError, StopIteration):
+        return None
+
+
+@pytest.mark.parametrize("isolation", [
+    pytest.param("signal", marks=pytest.mark.xfail(
+        not GUARDED, strict=True,
+        reason="isolation/signal.py does not use the sigguard yet (patch in the report)")),
+    "cgroup"])
+async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon_starts(
+        script, isolation):
+    cg = None
+    backend = ["--isolation", isolation]
+    if isolation == "cgroup":
+        cg = private_cgroup_root()
+        if cg is None:
+            pytest.skip("the cgroup backend needs root and a cgroup v2 mount")
+        backend += ["--cgroup-root", cg]
+    held = ((lambda p: proc_state(p) in ("T", "t")) if isolation == "signal"
+            else (lambda p: bool(cgroup_frozen(p))))
     owner = script("owner.py", OWNER)
-    async with run_daemon("--isolation", "signal", "--region-timeout", "120") as d:
+    try:
+        await _sigkill_mid_region(owner, backend, held)
+    finally:
+        if cg is not None:
+            remove_cgroup_tree(cg)
+
+
+async def _sigkill_mid_region(owner: str, backend: list[str], held) -> None:  # type: ignore[no-untyped-def]
+    async with run_daemon(*backend, "--region-timeout", "120") as d:
         c = await d.client()
         sib = await c.submit(SIBLING, on_disconnect="keep")
         own = await c.submit([PY, owner], env=py_env(), on_disconnect="keep")
@@ -64,12 +97,12 @@ async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon
             break
         sib_pid = (await c.status())["commands"][0]["pid"]
         victims = tree(sib_pid)
-        assert all(proc_state(p) in ("T", "t") for p in victims), victims
+        assert all(held(p) for p in victims), victims
         d.proc.kill()  # SIGKILL: no shutdown path runs
         d.proc.wait()
         t0 = time.monotonic()
         try:
-            while any(proc_state(p) in ("T", "t") for p in victims):
+            while any(held(p) for p in victims):
                 assert time.monotonic() - t0 < 1.0, {p: proc_state(p) for p in victims}
                 await asyncio.sleep(0.01)
             # The path still holds the dead daemon's socket file: a new daemon takes it over.
@@ -77,7 +110,7 @@ async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon
             log = open(d.log, "ab")
             state = os.path.join(os.path.dirname(d.socket), "state")  # run_daemon's
             new = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", d.socket,
-                                    "--isolation", "signal", "--log-format", "json",
+                                    *backend, "--log-format", "json",
                                     "--state-dir", state, "--probes", "off"],
                                    env=py_env(), stdout=log, stderr=subprocess.STDOUT)
             d.proc = new  # run_daemon stops it at the end
