@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import signal
 import subprocess
@@ -15,12 +14,9 @@ import time
 
 import pytest
 
-import krex_async.isolation.signal as signal_backend
 from krex_async import Client
 
 from ..conftest import PY, private_cgroup_root, proc_state, py_env, remove_cgroup_tree, run_daemon, v2_mount
-
-GUARDED = "sigguard" in inspect.getsource(signal_backend)
 
 OWNER = """
 import time
@@ -63,11 +59,7 @@ def cgroup_frozen(pid: int) -> bool | None:
         return None
 
 
-@pytest.mark.parametrize("isolation", [
-    pytest.param("signal", marks=pytest.mark.xfail(
-        not GUARDED, strict=True,
-        reason="isolation/signal.py does not use the sigguard yet (patch in the report)")),
-    "cgroup"])
+@pytest.mark.parametrize("isolation", ["signal", "cgroup"])
 async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon_starts(
         script, isolation):
     cg = None
