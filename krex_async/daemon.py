@@ -8,7 +8,6 @@ requests with the peer's credentials; every handler answers through the connecti
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import itertools
 import os
@@ -28,6 +27,7 @@ from .ctxpool import Pool, PoolConfig
 from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
+from .timeline import TraceRing
 from .metrics import Metrics
 from .records import Records
 from .recovery import recover
@@ -81,7 +81,7 @@ class Daemon:
                              if config.state_dir else None, records=self.records)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
-        self.timeline: collections.deque[P.TraceEvent] = collections.deque(maxlen=100_000)
+        self.timeline: TraceRing[P.TraceEvent] = TraceRing()
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         self._ids = itertools.count(1)

@@ -24,11 +24,44 @@ A slice whose end record is missing ends at the last timestamp of the trace, wit
 
 from __future__ import annotations
 
+import collections
 import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import msgspec
 
 _REGIONS_TID, _PROBES_TID, _FIRST_COMMAND_TID = 1, 2, 10
+
+E = TypeVar("E")
+
+
+class TraceRing(Generic[E]):
+    """The daemon's recent trace events, oldest dropped first once they take more than `max_bytes`
+    (their msgpack size) or number more than `max_events`. A count alone did not bound memory: a
+    region's grant lists every frozen command, and a 64-agent soak's events grew the daemon by
+    ~20 MiB in 5 minutes towards a 100k-event cap of about 100 MiB."""
+
+    def __init__(self, max_bytes: int = 32 << 20, max_events: int = 100_000) -> None:
+        self.max_bytes, self.max_events = max_bytes, max_events
+        self._items: collections.deque[tuple[E, int]] = collections.deque()
+        self.bytes = 0
+        self.dropped = 0
+
+    def append(self, ev: E) -> None:
+        size = len(msgspec.msgpack.encode(ev))
+        self._items.append((ev, size))
+        self.bytes += size
+        while self._items and (self.bytes > self.max_bytes or len(self._items) > self.max_events):
+            _, old = self._items.popleft()
+            self.bytes -= old
+            self.dropped += 1
+
+    def __iter__(self) -> Iterator[E]:
+        return (ev for ev, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _us(ts: float) -> float:
