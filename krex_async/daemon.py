@@ -81,7 +81,7 @@ class Daemon:
                              if config.state_dir else None, records=self.records)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
-        self.timeline: TraceRing[P.TraceEvent] = TraceRing()
+        self.timeline = TraceRing(P.TraceEvent)
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         self._ids = itertools.count(1)

@@ -37,28 +37,30 @@ E = TypeVar("E")
 
 
 class TraceRing(Generic[E]):
-    """The daemon's recent trace events, oldest dropped first once they take more than `max_bytes`
-    (their msgpack size) or number more than `max_events`. A count alone did not bound memory: a
-    region's grant lists every frozen command, and a 64-agent soak's events grew the daemon by
-    ~20 MiB in 5 minutes towards a 100k-event cap of about 100 MiB."""
+    """The daemon's recent trace events, kept encoded (msgpack) so that `max_bytes` is what they
+    cost, oldest dropped first beyond it or beyond `max_events`; iterating decodes them. A count
+    alone did not bound memory: a region's grant lists every frozen command, and a 64-agent
+    soak's events grew the daemon by ~21 MiB in 5 minutes towards a 100k-event cap of about
+    100 MiB as Python objects."""
 
-    def __init__(self, max_bytes: int = 32 << 20, max_events: int = 100_000) -> None:
+    def __init__(self, kind: type[E], max_bytes: int = 16 << 20, max_events: int = 100_000) -> None:
         self.max_bytes, self.max_events = max_bytes, max_events
-        self._items: collections.deque[tuple[E, int]] = collections.deque()
+        self._decoder = msgspec.msgpack.Decoder(kind)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._items: collections.deque[bytes] = collections.deque()
         self.bytes = 0
         self.dropped = 0
 
     def append(self, ev: E) -> None:
-        size = len(msgspec.msgpack.encode(ev))
-        self._items.append((ev, size))
-        self.bytes += size
+        raw = self._encoder.encode(ev)
+        self._items.append(raw)
+        self.bytes += len(raw)
         while self._items and (self.bytes > self.max_bytes or len(self._items) > self.max_events):
-            _, old = self._items.popleft()
-            self.bytes -= old
+            self.bytes -= len(self._items.popleft())
             self.dropped += 1
 
     def __iter__(self) -> Iterator[E]:
-        return (ev for ev, _ in self._items)
+        return (self._decoder.decode(raw) for raw in list(self._items))
 
     def __len__(self) -> int:
         return len(self._items)

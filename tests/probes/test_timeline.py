@@ -75,7 +75,7 @@ def test_unfinished_and_unmatched(tmp_path: Path) -> None:
 def test_trace_ring_bounds_its_bytes_and_keeps_the_newest() -> None:
     from krex_async import protocol as P
     from krex_async.timeline import TraceRing
-    ring: TraceRing[P.TraceEvent] = TraceRing(max_bytes=64 << 10)
+    ring = TraceRing(P.TraceEvent, max_bytes=64 << 10)
     frozen = [f"c{i:05d}" for i in range(63)]  # a grant with 63 siblings frozen: ~0.5 KiB
     for i in range(2000):
         ring.append(P.TraceEvent(id=0, ts=T + i, kind="region_grant", command=f"k{i}",
@@ -84,7 +84,8 @@ def test_trace_ring_bounds_its_bytes_and_keeps_the_newest() -> None:
     kept = list(ring)
     assert kept[-1].command == "k1999" and len(kept) == len(ring) == 2000 - ring.dropped
     assert [e.ts for e in kept] == sorted(e.ts for e in kept)
-    counted = TraceRing[P.TraceEvent](max_events=10)
+    assert kept[-1].detail == {"frozen": frozen}, "an event must come back as it went in"
+    counted = TraceRing(P.TraceEvent, max_events=10)
     for i in range(25):
         counted.append(P.TraceEvent(id=0, ts=T + i, kind="thaw"))
     assert [e.ts - T for e in counted] == list(range(15, 25))
