@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+
+import pytest
 
 from .conftest import PY, py_env, run_daemon
 
@@ -35,3 +38,50 @@ async def test_python_commands_run_in_the_pool_and_match_plain_runs(script):
         assert res.stdout == b"['a', 'b'] cpu\n"
         assert res.stderr.strip().endswith(b"released")
         assert res.report.regions[0].outcome == "released"
+
+
+def _backend_args(backend: str) -> tuple[str, ...]:
+    """Daemon flags for an isolation backend; skips where the cgroup backend cannot run here."""
+    if backend == "signal":
+        return ("--isolation", "signal")
+    from .conftest import v2_mount
+    if os.geteuid() != 0 or v2_mount() is None:
+        pytest.skip("the cgroup backend needs root and a cgroup v2 hierarchy")
+    return ("--isolation", "cgroup")
+
+
+async def _wait_pool(c, want: dict[str, int], timeout: float = 30) -> dict:
+    """Poll status until the cpu pool's counts include `want`; returns that pool's status."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        st = (await c.status())["pools"]["cpu"]
+        if all(st[k] == v for k, v in want.items()):
+            return st
+        assert asyncio.get_running_loop().time() < deadline, st
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("backend", ["signal", "cgroup"])
+async def test_daemon_reuses_a_worker_and_leaks_nothing(backend: str, tmp_path) -> None:
+    """--pool-max-uses 3: three commands in a row run in one worker pid, the pool is warm again
+    between them, and neither a module nor a variable of one command is seen by the next."""
+    env = py_env()
+    first = ("import os, sys, colorsys; os.environ['LEAK'] = '1'; print(os.getpid())")
+    probe = ("import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'LEAK' in os.environ, "
+             "open('/proc/self/cgroup').read().count('krex'))")
+    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", *_backend_args(backend),
+                          env=env) as d:
+        async with await d.client() as c:
+            await _wait_pool(c, {"warm": 1})
+            runs = []
+            for code in (first, probe, probe):
+                runs.append(await c.run([PY, "-c", code], env=env, cwd=str(tmp_path)))
+                assert runs[-1].report.via == "pool", runs[-1].report
+                if len(runs) < 3:  # the worker is back, warm, and was not retired
+                    st = await _wait_pool(c, {"warm": 1})
+                    assert st["retired"] == 0, st
+            await _wait_pool(c, {"warm": 1, "retired": 1})  # its third use ended it; one warmed
+    pids = [int(r.stdout.split()[0]) for r in runs]
+    assert pids[0] == pids[1] == pids[2], [r.stdout for r in runs]
+    for r in runs[1:]:
+        assert r.returncode == 0 and r.stdout.split()[1:3] == [b"False", b"False"], r.stdout

@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable
 from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
 from krex_async.devices.base import Device
+from krex_async.procfs import stat_fields
 from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
@@ -77,7 +78,9 @@ class _Worker:
     rusage0: tuple[float, float] = (0.0, 0.0)
     error: str = ""
     uses: int = 0
+    joined: bool = False  # its command joins a cgroup (spec.cgroup_procs)
     warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
+    home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
 
 
 class Pool:
@@ -180,6 +183,7 @@ class Pool:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
         w.state, w.submit_ts = "busy", time.monotonic()
         w.uses += 1
+        w.joined = bool(spec.cgroup_procs)
         w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
         w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
         msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
@@ -256,9 +260,15 @@ class Pool:
                 return
 
     def _have(self) -> int:
-        """Workers warm, warming, or busy and coming back (a reused one with uses left)."""
-        return sum(w.state in ("starting", "warm")
-                   or (w.state == "busy" and w.uses < self.config.max_uses) for w in self._workers)
+        """Workers warm, warming, or busy and coming back: a reused one with uses left that can
+        leave its command's cgroups. One that will retire is not waited for: its replacement warms
+        while it runs."""
+        return sum(w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w))
+                   for w in self._workers)
+
+    def _returns(self, w: _Worker) -> bool:
+        joins = self.cgroup_hook is not None or w.joined
+        return w.uses < self.config.max_uses and (w.home or not joins)
 
     def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
@@ -314,7 +324,7 @@ class Pool:
                 self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
                 w.sock.close()  # EOF: it exits
                 return
-            w.state, w.warmed = "warm", True
+            w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
             w.ready.set()
             self._idle.append(w)
             self._consecutive_failures = 0
@@ -327,6 +337,9 @@ class Pool:
             w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
             self.latencies[w.form].append(lat)
         elif t == "exited" and w.done is not None and not w.done.done():
+            if not msg.get("retire") and w.launched is not None:
+                w.launched.lives_on = True
+                _kill_leftovers(w.pid)  # before it can take another command and fork for it
             w.done.set_result(ExitStatus(msg["code"], user_s=msg["user_s"] - w.rusage0[0],
                                          system_s=msg["system_s"] - w.rusage0[1]))
             w.launched = None
@@ -406,6 +419,28 @@ def _kill(pid: int) -> None:
         os.kill(pid, 9)
     except ProcessLookupError:
         pass
+
+
+def _kill_leftovers(pid: int) -> None:
+    """SIGKILL what a command left behind in worker `pid`: its descendants and the members of its
+    session (the worker is the command's session leader), never the worker itself. The daemon's
+    kill of a command's tree would take the worker too, so it spares a worker that lives on."""
+    parent: dict[int, int] = {}
+    victims = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != pid and (f := stat_fields(int(name))) is not None:
+            parent[int(name)] = int(f[1])
+            if int(f[3]) == pid:
+                victims.add(int(name))
+    for p in parent:
+        q, seen = p, 0
+        while q in parent and seen < 512:
+            q, seen = parent[q], seen + 1
+            if q == pid:
+                victims.add(p)
+                break
+    for p in victims:
+        _kill(p)
 
 
 def _summary(values: Any) -> dict[str, Any]:

@@ -118,7 +118,8 @@ def main(argv: list[str]) -> int:
     gc.collect()
     base = fresh.Baseline(path_rest)
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
-    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0})
+    home = all(base.cgroup_home.values())  # can leave any cgroup a command puts it in
+    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home})
     while True:
         try:
             msg, fds = channel.recv(sock, rx)
@@ -140,7 +141,7 @@ def main(argv: list[str]) -> int:
                            "retire": reason, "user_s": r0.ru_utime, "system_s": r0.ru_stime})
         if reason:
             return 0
-        _send_quiet(sock, {"t": "ready", "s": 0.0})
+        _send_quiet(sock, {"t": "ready", "s": 0.0, "home": home})
 
 
 def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fresh.Baseline,
