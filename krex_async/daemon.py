@@ -460,6 +460,8 @@ class Daemon:
             "age_s": round(now - c.submitted, 3), "frozen": bool(c.group and c.group.frozen),
             "regions": len(c.regions), "label": c.spec.label,
             "result": c.report.state if c.report else None,
+            "via": c.launched.via if c.launched else None,
+            "start_latency_s": c.launched.start_latency_s if c.launched else None,
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},

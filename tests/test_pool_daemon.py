@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 
 import pytest
@@ -85,3 +86,33 @@ async def test_daemon_reuses_a_worker_and_leaks_nothing(backend: str, tmp_path) 
     assert pids[0] == pids[1] == pids[2], [r.stdout for r in runs]
     for r in runs[1:]:
         assert r.returncode == 0 and r.stdout.split()[1:3] == [b"False", b"False"], r.stdout
+
+
+async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
+    """Plain `krex status`: a pool table (device, size, warm, busy, retired, start p50/p95) and a
+    START column holding the start latency of a command started through the pool."""
+    env = py_env()
+    async with run_daemon("--pool-size", "1", env=env) as d:
+        async with await d.client() as c:
+            await _wait_pool(c, {"warm": 1})
+            pooled = await c.run([PY, "-c", "pass"], env=env, cwd=str(tmp_path))
+            plain = await c.run([PY, "-X", "dev", "-c", "pass"], env=env, cwd=str(tmp_path))
+            await _wait_pool(c, {"warm": 1})
+            pst = (await c.status())["pools"]["cpu"]
+        shown = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "status", "--socket",
+                                                         d.socket], capture_output=True, text=True,
+                                        env=env, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["POOL", "SIZE"])
+    assert lines[head].split() == ["POOL", "SIZE", "WARM", "BUSY", "RETIRED", "START_P50", "START_P95"]
+    row = lines[head + 1].split()
+    lat = pst["start_latency_s"]
+    assert row == ["cpu", "1", "1", "0", str(pst["retired"]), f"{lat['p50'] * 1e3:.1f}ms",
+                   f"{lat['p95'] * 1e3:.1f}ms"], lines
+    chead = next(ln for ln in lines if ln.startswith("COMMAND"))
+    assert chead.split()[:6] == ["COMMAND", "STATE", "DEVICE", "PID", "AGE", "START"]
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in ([pooled.report.command],
+                                                                            [plain.report.command])}
+    assert rows[pooled.report.command][5] == f"{pooled.report.start_latency_s * 1e3:.1f}ms", lines
+    assert rows[plain.report.command][5] == "-", lines
