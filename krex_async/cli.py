@@ -82,6 +82,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
+    p.add_argument("--pool-init", help="comma-separated modules a worker imports once its context "
+                                       "exists, as part of creating it (one at a time per node, "
+                                       "never while a region holds the device), e.g. to warm cuBLAS")
     p.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
     p.add_argument("--print-config", action="store_true",

@@ -116,3 +116,39 @@ async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
                                                                             [plain.report.command])}
     assert rows[pooled.report.command][5] == f"{pooled.report.start_latency_s * 1e3:.1f}ms", lines
     assert rows[plain.report.command][5] == "-", lines
+
+
+async def test_region_waits_for_a_context_creation_in_flight(script, tmp_path) -> None:
+    """A worker's context creation (here a slow --pool-init module, imported while the worker holds
+    the node lock) that began before a region was asked for on its device ends before the grant,
+    and the region's report says how long it waited."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    marks = tmp_path / "marks"
+    (mods / "slowinit.py").write_text(
+        "import time\n"
+        f"open({str(marks)!r}, 'a').write(f'start {{time.time()}}\\n')\n"
+        "time.sleep(1.5)\n"
+        f"open({str(marks)!r}, 'a').write(f'end {{time.time()}}\\n')\n")
+    src = script("r.py", """
+        import time
+        from krex_async import region
+        with region("timing") as r:
+            print(time.time(), flush=True)
+    """)
+    env = py_env()
+    env["PYTHONPATH"] = f"{mods}{os.pathsep}{env['PYTHONPATH']}"
+    async with run_daemon("--pool-size", "1", "--pool-init", "slowinit", env=env) as d:
+        async with await d.client() as c:
+            for _ in range(200):
+                if marks.exists():
+                    break
+                await asyncio.sleep(0.02)
+            assert marks.exists(), d.logs()
+            res = await c.run([PY, "-X", "dev", src], env=env)  # plain: the worker is not warm yet
+            await _wait_pool(c, {"warm": 1})
+    assert res.returncode == 0, res.stderr
+    times = dict(ln.split() for ln in marks.read_text().splitlines())
+    granted = float(res.stdout)
+    assert float(times["start"]) < float(times["end"]) < granted, (times, granted)
+    assert res.report.regions[0].pool_wait_s > 0.5, res.report.regions[0]

@@ -16,7 +16,8 @@ socketpair (channel.py). The pool learns of a worker's death from its pidfd, not
 worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced, one
 that dies running a command resolves that command's Launched with the real exit status (os._exit(n):
 n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so warming runs
-ahead of demand; `launch()` never waits for warming and returns None when no worker is warm.
+ahead of demand; `launch()` never waits for warming and returns None when no worker is warm. A
+region entering on the device calls `quiesce()`: no creation starts, and one in flight ends first.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Pool:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._changed = asyncio.Event()
+        self._creating: asyncio.Future[None] | None = None  # a context creation in flight
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -203,6 +205,18 @@ class Pool:
         """No new device context is created until resume(); one being created finishes."""
         self._resumed.clear()
 
+    async def quiesce(self, timeout: float = CONTEXT_TIMEOUT_S) -> float:
+        """pause(), then wait for a context creation already in flight on this device to end (at
+        most one: the node lock; bounded by `timeout`, and a creation that hangs is killed at
+        CONTEXT_TIMEOUT_S). Returns the seconds waited; never raises for the worker's failure."""
+        self.pause()
+        creating = self._creating
+        if creating is None or creating.done():
+            return 0.0
+        t0 = time.monotonic()
+        await asyncio.wait([creating], timeout=timeout)
+        return time.monotonic() - t0
+
     def resume(self) -> None:
         self._resumed.set()
 
@@ -277,6 +291,7 @@ class Pool:
             ordinal = 0 if "CUDA_VISIBLE_DEVICES" in self.device.env else self.device.index
             argv = [self.python, "-m", "krex_async.ctxpool.worker", "--fd", str(theirs.fileno()),
                     "--preload", ",".join(self.config.preload), "--vendor", self.device.vendor,
+                    "--init-modules", ",".join(self.config.init_modules),
                     "--ordinal", str(ordinal), "--init-context", "1" if self.config.init_context else "0",
                     "--max-uses", str(max(1, self.config.max_uses)),
                     "--lc-ctype-coerced", "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1"]
@@ -317,7 +332,7 @@ class Pool:
     def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
         t = msg.get("t")
         if t == "imported":
-            if self.config.init_context and self.device.vendor != "cpu":
+            if self.config.creates_context(self.device.vendor):
                 self._task(self._create_context(w))
         elif t == "ready":
             if w.warmed and self._have() > self.config.size:
@@ -363,15 +378,19 @@ class Pool:
                     channel.send(w.sock, {"t": "init"})
                 except OSError:
                     return
+                self._creating = creating = asyncio.get_running_loop().create_future()
                 ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
                 try:
                     await asyncio.wait([ready, w.exited],  # type: ignore[list-item]
                                        timeout=CONTEXT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                    if not w.ready.is_set() and not w.exited.done():  # hung in the driver
+                        w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
+                        _kill(w.pid)
+                        await asyncio.wait([w.exited], timeout=5.0)  # gone before the node is free
                 finally:
                     ready.cancel()
-                if not w.ready.is_set() and not w.exited.done():  # hung in the driver: free the node
-                    w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
-                    _kill(w.pid)
+                    creating.set_result(None)
+                    self._creating = None
                 return
 
     def _on_exit(self, w: _Worker) -> None:

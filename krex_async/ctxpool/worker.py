@@ -1,7 +1,7 @@
 """A warm worker: `python -m krex_async.ctxpool.worker --fd N ...`, started by a Pool, never forked.
 
-    start ── import preload ──► "imported" ──(pool holds the node lock)── "init" ──► create context
-          ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started" ──► run __main__
+    start ── import preload ──► "imported" ──(pool holds the node lock)── "init" ──► create context,
+          import --init-modules ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started" ──► run __main__
           ──► max_uses reached: exit with the command's status (atexit, flush: a normal exit)
           ──► else: finish, report "exited", fresh.leave, health check ──► "ready" again, or retire
 
@@ -80,7 +80,7 @@ def _check(call: str, rc: int) -> None:
 
 def _options(argv: list[str]) -> dict[str, str]:
     opts = {"preload": "", "vendor": "cpu", "ordinal": "0", "init-context": "1", "max-uses": "1",
-            "lc-ctype-coerced": "0"}
+            "lc-ctype-coerced": "0", "init-modules": ""}
     it = iter(argv)
     for a in it:
         if not a.startswith("--") or a[2:] not in opts and a != "--fd":
@@ -102,11 +102,15 @@ def main(argv: list[str]) -> int:
         for name in ["krex_async.regionclient", *filter(None, opts["preload"].split(","))]:
             __import__(name)
         channel.send(sock, {"t": "imported", "pid": os.getpid(), "s": time.monotonic() - t0})
-        if opts["init-context"] == "1" and ctx.vendor != "cpu":
+        init_modules = list(filter(None, opts["init-modules"].split(",")))
+        if opts["init-context"] == "1" and ctx.vendor != "cpu" or init_modules:
             msg, _ = channel.recv(sock, rx)
             if msg["t"] != "init":
                 raise RuntimeError(f"expected init, got {msg['t']!r}")
-            ctx.create()
+            if opts["init-context"] == "1":
+                ctx.create()
+            for name in init_modules:
+                __import__(name)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the pool went away while we warmed
     except BaseException:  # noqa: BLE001 - carried back to the pool as text, like process.py does
