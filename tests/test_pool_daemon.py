@@ -152,3 +152,37 @@ async def test_region_waits_for_a_context_creation_in_flight(script, tmp_path) -
     granted = float(res.stdout)
     assert float(times["start"]) < float(times["end"]) < granted, (times, granted)
     assert res.report.regions[0].pool_wait_s > 0.5, res.report.regions[0]
+
+
+@pytest.mark.parametrize("max_uses", ["1", "3"])
+async def test_pooled_command_past_its_timeout_is_reported_and_the_pool_recovers(max_uses, tmp_path) -> None:
+    env = py_env()
+    async with run_daemon("--pool-size", "1", "--pool-max-uses", max_uses, env=env) as d:
+        async with await d.client() as c:
+            await _wait_pool(c, {"warm": 1})
+            slow = await c.run([PY, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                               env=env, cwd=str(tmp_path), timeout=1.0)
+            assert slow.report.via == "pool" and slow.report.state == "timeout", slow.report
+            assert slow.stdout == b"up\n" and 0.9 < slow.report.wall_s < 10, slow.report
+            st = await _wait_pool(c, {"warm": 1, "busy": 0, "retired": 1})
+            assert st["failures"] == 0, st
+            after = await c.run([PY, "-c", "print('ok')"], env=env, cwd=str(tmp_path))
+    assert after.report.via == "pool" and (after.returncode, after.stdout) == (0, b"ok\n")
+
+
+async def test_pooled_command_runs_inside_its_command_cgroup(tmp_path) -> None:
+    """Under the daemon's cgroup backend a worker runs the command in that command's cgroup (v2 and,
+    on hybrid hosts, the v1 cpuset), seen from inside the command."""
+    env = py_env()
+    code = "import os; print(os.environ['KREX_COMMAND']); print(open('/proc/self/cgroup').read())"
+    async with run_daemon("--pool-size", "1", *_backend_args("cgroup"), env=env) as d:
+        async with await d.client() as c:
+            await _wait_pool(c, {"warm": 1})
+            res = await c.run([PY, "-c", code], env=env, cwd=str(tmp_path))
+    assert res.report.via == "pool" and res.returncode == 0, res.stderr
+    cid, *lines = res.stdout.decode().splitlines()
+    v2 = next(ln for ln in lines if ln.startswith("0::"))
+    assert v2.endswith(f"/krex/cmd-{cid}/run"), lines
+    cpuset = [ln for ln in lines if ln.split(":")[1:2] == ["cpuset"]]
+    if cpuset and cpuset[0].split(":", 2)[2] != "/":  # hybrid host with the v1 cpuset in use
+        assert f"cmd-{cid}" in cpuset[0], lines
