@@ -36,6 +36,7 @@ class Context:
         self.torch: Any = None
         self.cuda: Any = None
         self.baseline_bytes = 0
+        self.baseline_reserved = 0  # what torch's allocator holds from the device once cache is emptied
 
     def create(self) -> None:
         if self.vendor == "cpu":
@@ -45,6 +46,8 @@ class Context:
             self.torch.ones(1, device=f"cuda:{self.ordinal}")
             self.torch.cuda.synchronize()
             self.baseline_bytes = self.torch.cuda.memory_allocated()
+            self.torch.cuda.empty_cache()
+            self.baseline_reserved = self.torch.cuda.memory_reserved()
             return
         if self.vendor != "nvidia":
             return  # no driver API path for this vendor without torch: warm imports only
@@ -57,15 +60,26 @@ class Context:
         self.cuda = cuda
 
     def check(self) -> str | None:
-        """Why this context cannot serve another command (sticky error, memory not returned)."""
+        """Why this context cannot serve another command (sticky error, memory not returned).
+
+        With torch: tensors still allocated, or device memory the caching allocator still reserves
+        after empty_cache() (a segment that cannot be freed) beyond what it held once warm. Not
+        mem_get_info(): its free bytes are the device's, moved by every other process on it.
+        """
         if self.torch is not None:
+            cuda = self.torch.cuda
             try:
-                self.torch.cuda.synchronize()
+                cuda.synchronize()
+                now = cuda.memory_allocated()
+                if now > self.baseline_bytes:
+                    return f"device memory not returned: {now - self.baseline_bytes} bytes"
+                cuda.empty_cache()  # the command's freed blocks go back to the device
+                reserved = cuda.memory_reserved()
             except Exception as e:  # noqa: BLE001 - any failure here means the context is broken
                 return f"device error: {e}"
-            now = self.torch.cuda.memory_allocated()
-            if now > self.baseline_bytes:
-                return f"device memory not returned: {now - self.baseline_bytes} bytes"
+            if reserved > self.baseline_reserved:
+                return (f"device memory still reserved after empty_cache: "
+                        f"{reserved - self.baseline_reserved} bytes")
         elif self.cuda is not None:
             rc = self.cuda.cuCtxSynchronize()
             if rc != 0:
