@@ -82,6 +82,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
+    p.add_argument("--pool-init", help="comma-separated modules a worker imports once its context "
+                                       "exists, as part of creating it (one at a time per node, "
+                                       "never while a region holds the device), e.g. to warm cuBLAS")
     p.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
     p.add_argument("--print-config", action="store_true",
@@ -183,12 +186,26 @@ async def _status(args: argparse.Namespace) -> int:
                                       f"frozen {len(r['frozen'])}, cores {r['cores']})")
         queued = f"  queued: {', '.join(d['queued'])}" if d["queued"] else ""
         print(f"{d['key']:<9} {d['vendor']:<7} {len(d['commands']):<9} {held}{queued}")
-    print("\nCOMMAND       STATE     DEVICE  PID      AGE      FROZEN  ARGV")
+    if st.get("pools"):
+        print("\nPOOL      SIZE  WARM  BUSY  RETIRED  START_P50  START_P95")
+        for key, p in st["pools"].items():
+            lat = p.get("start_latency_s") or {}
+            print(f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
+                  f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
+                  + ("  (paused)" if p.get("paused") else "")
+                  + (f"  last error: {p['last_error'].strip().splitlines()[-1]}" if p.get("last_error") else ""))
+    print("\nCOMMAND       STATE     DEVICE  PID      AGE      START     FROZEN  ARGV")
     for c in st["commands"]:
         state = c["result"] if c["state"] == "ended" else c["state"]
         print(f"{c['command']:<13} {state:<9} {c['device']:<7} {c['pid'] or '-'!s:<8} "
-              f"{c['age_s']:<8.1f} {'yes' if c['frozen'] else 'no':<7} {' '.join(c['argv'])[:60]}")
+              f"{c['age_s']:<8.1f} {_ms(c.get('start_latency_s')):<9} "
+              f"{'yes' if c['frozen'] else 'no':<7} {' '.join(c['argv'])[:60]}")
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    """A latency in milliseconds for the status tables; '-' where there is none (a plain start)."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
 
 
 async def _trace(args: argparse.Namespace) -> int:

@@ -301,6 +301,8 @@ class Runner:
         # Give output written just before exit a moment to arrive, then end what is left of the tree.
         await asyncio.wait(pipes, timeout=0.5)
         if cmd.group is not None:
+            if launched.lives_on:  # a pool worker, back in its pool: not part of the tree now
+                self.backend.leader_left(cmd.group)
             await self.backend.kill(cmd.group, signal.SIGKILL)
         await asyncio.wait(pipes, timeout=0.5)
         for close in cmd.pipe_closers:

@@ -68,6 +68,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
     pool_preload: str = ""  # comma-separated modules every worker imports, e.g. "torch"
+    pool_init: str = ""  # modules a worker imports after its context, holding the node lock
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint ("" = off), e.g. 127.0.0.1:9464
 
     def resolved(self) -> "ServeConfig":

@@ -97,12 +97,14 @@ class Daemon:
         if cfg.pool_size <= 0:
             return
         preload = [m.strip() for m in cfg.pool_preload.split(",") if m.strip()]
+        init = [m.strip() for m in cfg.pool_init.split(",") if m.strip()]
         for d in self.devices:
             env = dict(os.environ)
             env.pop("KREX_SOCKET", None)
             env.update(d.env)
             pool = Pool(d, cgroup_hook=self._join_group, config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
-                                      preload=preload, init_context=d.vendor != "cpu"),
+                                      preload=preload, init_context=d.vendor != "cpu",
+                                      init_modules=init),
                         env=with_runtime(env))
             await pool.start()
             self.pools[d.key] = pool
@@ -460,6 +462,8 @@ class Daemon:
             "age_s": round(now - c.submitted, 3), "frozen": bool(c.group and c.group.frozen),
             "regions": len(c.regions), "label": c.spec.label,
             "result": c.report.state if c.report else None,
+            "via": c.launched.via if c.launched else None,
+            "start_latency_s": c.launched.start_latency_s if c.launched else None,
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},

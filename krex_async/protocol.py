@@ -175,6 +175,7 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     drain: str = "not-needed"
     warm_s: float = 0.0  # the owner warmed the device's clocks for this long (warm_ms)
     settle_s: float = 0.0  # the daemon waited this long for the GPU clock to recover before the grant
+    pool_wait_s: float = 0.0  # ... and for a pool worker's context creation in flight to end
     clock_mhz: int = 0  # the GPU's shader clock at the grant (0: unknown)
     clock_target_mhz: int = 0  # the clock a timing alone runs at (applications clock, else max)
     outcome: str = "open"  # released, expired, owner-died, shutdown, refused

@@ -128,7 +128,8 @@ class Regions:
             r.send(P.RegionGranted(id=r.req_id, report=rep,
                                    drain_timeout=self.d.config.drain_timeout,
                                    warm_ms=self._warm_ms(r)))
-            self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen)
+            self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen,
+                         pool_wait_s=rep.pool_wait_s)
             timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
                                                           r.end, "expired")
             try:
@@ -238,8 +239,11 @@ class Regions:
         backend = self.d.backend
         timeout = self.d.config.freeze_timeout
         pool = self.d.pools.get(r.device)
+        quiet: asyncio.Future[float] | None = None
         if pool is not None:
-            pool.pause()  # no context creation on the device while it is held
+            # No context creation on the device while it is held: none starts from now, and one
+            # in flight (at most one per node) ends before the grant, waited for beside the freeze.
+            quiet = asyncio.ensure_future(pool.quiesce())
             r.paused_pool = True
         t_select = time.perf_counter()
         targets = self._targets(r)
@@ -294,8 +298,10 @@ class Regions:
                 await asyncio.gather(*r.joins, return_exceptions=True)
             rep.drain = await check
             await settle
+            if quiet is not None:
+                rep.pool_wait_s = await quiet
         except BaseException:
-            tasks = [t for t in (early, cores, settle, check, reading) if t is not None]
+            tasks = [t for t in (early, cores, settle, check, reading, quiet) if t is not None]
             for task in tasks:
                 if not task.done():
                     task.cancel()

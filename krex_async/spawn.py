@@ -50,6 +50,7 @@ class Launched:
     _done: asyncio.Future[ExitStatus] = field(repr=False)
     via: str = "exec"  # "exec" or "pool"
     start_latency_s: float | None = None  # submit to first instruction, where known (pool)
+    lives_on: bool = False  # a pool worker that went back to its pool: no longer the command's
 
     async def wait(self) -> ExitStatus:
         return await asyncio.shield(self._done)

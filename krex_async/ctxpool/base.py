@@ -20,3 +20,9 @@ class PoolConfig:
     preload: list[str] = field(default_factory=list)  # modules every worker imports, e.g. ["torch"]
     python: str = ""  # the interpreter whose commands the pool accepts (default: sys.executable)
     init_context: bool = True  # create the device context (torch.cuda.init / cuInit) when warming
+    # imported after the context, as part of creating it (holding the node lock), on any device
+    init_modules: list[str] = field(default_factory=list)
+
+    def creates_context(self, vendor: str) -> bool:
+        """Whether warming has a step that holds the node lock on a device of `vendor`."""
+        return bool(self.init_context and vendor != "cpu" or self.init_modules)

@@ -62,9 +62,9 @@ class Baseline:
         self.stdlib_ext = os.path.dirname(getattr(sys.modules.get("_json"), "__file__", "") or "")
         # site.py ran these at the worker's start; a fresh interpreter runs them with the command's env
         self.logging = _logging_state()
-        self.cgroup_mount: str | None
-        self.cgroup_home: str | None
-        self.cgroup_mount, self.cgroup_home = _v2_cgroup()  # where a reused worker goes back to after a command
+        # where a reused worker goes back to after a command: each hierarchy's cgroup.procs
+        self.cgroups = _cgroups()
+        self.cgroup_home: dict[str, str | None] = _cgroup_homes()
         self.customize: list[tuple[str, str]] = [(n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
                           if getattr(sys.modules.get(n), "__file__", None)]
 
@@ -277,34 +277,57 @@ def finish(code: int) -> None:
             pass
 
 
-def _v2_cgroup() -> tuple[str | None, str | None]:
-    """The cgroup v2 mount and this process's cgroup.procs file there (None, None: no v2)."""
+def _cgroups() -> dict[str, str]:
+    """This process's cgroup per hierarchy, as /proc/self/cgroup lists them ("0::" is v2)."""
+    out = {}
     try:
         with open("/proc/self/cgroup") as f:
-            rel = next((ln.strip()[3:] for ln in f if ln.startswith("0::")), None)
-        with open("/proc/self/mountinfo") as f:
-            mount = next((ln.split()[4] for ln in f if " - cgroup2 " in ln), None)
+            for ln in f:
+                ident, _, path = ln.rstrip("\n").partition(":")[2].partition(":")
+                out[ident] = path
     except OSError:
-        return None, None
-    if rel is None or mount is None:
-        return None, None
-    return mount, os.path.join(mount, rel.lstrip("/"), "cgroup.procs")
+        pass
+    return out
 
 
-def _go_home(spec: dict[str, Any], base: Baseline) -> str | None:
-    joined = spec.get("cgroup_procs")
-    if spec.get("cgroup_hook"):
-        return "joined its command's cgroups through the daemon's hook"
-    if not joined:
-        return None
-    home, mount = base.cgroup_home, base.cgroup_mount
-    if home is None or mount is None or not os.path.realpath(joined).startswith(mount + "/"):
-        return f"cannot leave {joined}: not in the cgroup v2 hierarchy"
+def _cgroup_homes() -> dict[str, str | None]:
+    """Per hierarchy of /proc/self/cgroup, the cgroup.procs file of this process's cgroup there
+    (None: that hierarchy is not mounted where we can see it)."""
+    mounts: dict[str, str] = {}
     try:
-        with open(home, "w") as f:
-            f.write(str(os.getpid()))
-    except OSError as e:
-        return f"cannot go back to {home}: {e}"
+        with open("/proc/self/mountinfo") as f:
+            for ln in f:
+                pre, _, post = ln.partition(" - ")
+                fields, (fstype, _src, opts) = pre.split(), post.split()[:3]
+                if fstype == "cgroup2":
+                    mounts.setdefault("", fields[4])
+                elif fstype == "cgroup" and fields[3] == "/":
+                    names = [o for o in opts.split(",") if o not in ("rw", "ro") and "=" not in o
+                             or o.startswith("name=")]
+                    mounts.setdefault(",".join(sorted(names)), fields[4])
+    except (OSError, ValueError):
+        pass
+    homes: dict[str, str | None] = {}
+    for ident, path in _cgroups().items():
+        mount = mounts.get(",".join(sorted(ident.split(","))) if ident else "")
+        homes[ident] = None if mount is None else os.path.join(mount, path.lstrip("/"), "cgroup.procs")
+    return homes
+
+
+def _go_home(base: Baseline) -> str | None:
+    """Back into the worker's own cgroups, in every hierarchy where the command (its cgroup_procs,
+    or the daemon's hook: v2 and the v1 cpuset on hybrid hosts) moved it; None when home again."""
+    for ident, path in _cgroups().items():
+        if path == base.cgroups.get(ident):
+            continue
+        home = base.cgroup_home.get(ident)
+        if not home:
+            return f"cannot leave cgroup {path!r} (hierarchy {ident or 'v2'!r}): no way home"
+        try:
+            with open(home, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:
+            return f"cannot go back to {home}: {e}"
     return None
 
 
@@ -339,7 +362,7 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
     sys.setprofile(None)
     threading.settrace(None)  # type: ignore[arg-type]
     threading.setprofile(None)  # type: ignore[arg-type]
-    reason = _go_home(spec, base) or _drop_modules(base)
+    reason = _go_home(base) or _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:
         reason = reason or f"threads left running: {', '.join(alive)}"

@@ -16,7 +16,8 @@ socketpair (channel.py). The pool learns of a worker's death from its pidfd, not
 worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced, one
 that dies running a command resolves that command's Launched with the real exit status (os._exit(n):
 n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so warming runs
-ahead of demand; `launch()` never waits for warming and returns None when no worker is warm.
+ahead of demand; `launch()` never waits for warming and returns None when no worker is warm. A
+region entering on the device calls `quiesce()`: no creation starts, and one in flight ends first.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any, Awaitable, Callable
 from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
 from krex_async.devices.base import Device
+from krex_async.procfs import stat_fields
 from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
@@ -77,7 +79,9 @@ class _Worker:
     rusage0: tuple[float, float] = (0.0, 0.0)
     error: str = ""
     uses: int = 0
+    joined: bool = False  # its command joins a cgroup (spec.cgroup_procs)
     warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
+    home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
 
 
 class Pool:
@@ -101,6 +105,7 @@ class Pool:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._changed = asyncio.Event()
+        self._creating: asyncio.Future[None] | None = None  # a context creation in flight
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -180,6 +185,7 @@ class Pool:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
         w.state, w.submit_ts = "busy", time.monotonic()
         w.uses += 1
+        w.joined = bool(spec.cgroup_procs)
         w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
         w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
         msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
@@ -198,6 +204,18 @@ class Pool:
     def pause(self) -> None:
         """No new device context is created until resume(); one being created finishes."""
         self._resumed.clear()
+
+    async def quiesce(self, timeout: float = CONTEXT_TIMEOUT_S) -> float:
+        """pause(), then wait for a context creation already in flight on this device to end (at
+        most one: the node lock; bounded by `timeout`, and a creation that hangs is killed at
+        CONTEXT_TIMEOUT_S). Returns the seconds waited; never raises for the worker's failure."""
+        self.pause()
+        creating = self._creating
+        if creating is None or creating.done():
+            return 0.0
+        t0 = time.monotonic()
+        await asyncio.wait([creating], timeout=timeout)
+        return time.monotonic() - t0
 
     def resume(self) -> None:
         self._resumed.set()
@@ -256,9 +274,15 @@ class Pool:
                 return
 
     def _have(self) -> int:
-        """Workers warm, warming, or busy and coming back (a reused one with uses left)."""
-        return sum(w.state in ("starting", "warm")
-                   or (w.state == "busy" and w.uses < self.config.max_uses) for w in self._workers)
+        """Workers warm, warming, or busy and coming back: a reused one with uses left that can
+        leave its command's cgroups. One that will retire is not waited for: its replacement warms
+        while it runs."""
+        return sum(w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w))
+                   for w in self._workers)
+
+    def _returns(self, w: _Worker) -> bool:
+        joins = self.cgroup_hook is not None or w.joined
+        return w.uses < self.config.max_uses and (w.home or not joins)
 
     def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
@@ -267,6 +291,7 @@ class Pool:
             ordinal = 0 if "CUDA_VISIBLE_DEVICES" in self.device.env else self.device.index
             argv = [self.python, "-m", "krex_async.ctxpool.worker", "--fd", str(theirs.fileno()),
                     "--preload", ",".join(self.config.preload), "--vendor", self.device.vendor,
+                    "--init-modules", ",".join(self.config.init_modules),
                     "--ordinal", str(ordinal), "--init-context", "1" if self.config.init_context else "0",
                     "--max-uses", str(max(1, self.config.max_uses)),
                     "--lc-ctype-coerced", "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1"]
@@ -307,14 +332,14 @@ class Pool:
     def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
         t = msg.get("t")
         if t == "imported":
-            if self.config.init_context and self.device.vendor != "cpu":
+            if self.config.creates_context(self.device.vendor):
                 self._task(self._create_context(w))
         elif t == "ready":
             if w.warmed and self._have() > self.config.size:
                 self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
                 w.sock.close()  # EOF: it exits
                 return
-            w.state, w.warmed = "warm", True
+            w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
             w.ready.set()
             self._idle.append(w)
             self._consecutive_failures = 0
@@ -327,6 +352,9 @@ class Pool:
             w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
             self.latencies[w.form].append(lat)
         elif t == "exited" and w.done is not None and not w.done.done():
+            if not msg.get("retire") and w.launched is not None:
+                w.launched.lives_on = True
+                _kill_leftovers(w.pid)  # before it can take another command and fork for it
             w.done.set_result(ExitStatus(msg["code"], user_s=msg["user_s"] - w.rusage0[0],
                                          system_s=msg["system_s"] - w.rusage0[1]))
             w.launched = None
@@ -350,15 +378,19 @@ class Pool:
                     channel.send(w.sock, {"t": "init"})
                 except OSError:
                     return
+                self._creating = creating = asyncio.get_running_loop().create_future()
                 ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
                 try:
                     await asyncio.wait([ready, w.exited],  # type: ignore[list-item]
                                        timeout=CONTEXT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                    if not w.ready.is_set() and not w.exited.done():  # hung in the driver
+                        w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
+                        _kill(w.pid)
+                        await asyncio.wait([w.exited], timeout=5.0)  # gone before the node is free
                 finally:
                     ready.cancel()
-                if not w.ready.is_set() and not w.exited.done():  # hung in the driver: free the node
-                    w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
-                    _kill(w.pid)
+                    creating.set_result(None)
+                    self._creating = None
                 return
 
     def _on_exit(self, w: _Worker) -> None:
@@ -406,6 +438,28 @@ def _kill(pid: int) -> None:
         os.kill(pid, 9)
     except ProcessLookupError:
         pass
+
+
+def _kill_leftovers(pid: int) -> None:
+    """SIGKILL what a command left behind in worker `pid`: its descendants and the members of its
+    session (the worker is the command's session leader), never the worker itself. The daemon's
+    kill of a command's tree would take the worker too, so it spares a worker that lives on."""
+    parent: dict[int, int] = {}
+    victims = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != pid and (f := stat_fields(int(name))) is not None:
+            parent[int(name)] = int(f[1])
+            if int(f[3]) == pid:
+                victims.add(int(name))
+    for p in parent:
+        q, seen = p, 0
+        while q in parent and seen < 512:
+            q, seen = parent[q], seen + 1
+            if q == pid:
+                victims.add(p)
+                break
+    for p in victims:
+        _kill(p)
 
 
 def _summary(values: Any) -> dict[str, Any]:

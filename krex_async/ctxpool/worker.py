@@ -1,7 +1,7 @@
 """A warm worker: `python -m krex_async.ctxpool.worker --fd N ...`, started by a Pool, never forked.
 
-    start ── import preload ──► "imported" ──(pool holds the node lock)── "init" ──► create context
-          ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started" ──► run __main__
+    start ── import preload ──► "imported" ──(pool holds the node lock)── "init" ──► create context,
+          import --init-modules ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started" ──► run __main__
           ──► max_uses reached: exit with the command's status (atexit, flush: a normal exit)
           ──► else: finish, report "exited", fresh.leave, health check ──► "ready" again, or retire
 
@@ -36,6 +36,7 @@ class Context:
         self.torch: Any = None
         self.cuda: Any = None
         self.baseline_bytes = 0
+        self.baseline_reserved = 0  # what torch's allocator holds from the device once cache is emptied
 
     def create(self) -> None:
         if self.vendor == "cpu":
@@ -45,6 +46,8 @@ class Context:
             self.torch.ones(1, device=f"cuda:{self.ordinal}")
             self.torch.cuda.synchronize()
             self.baseline_bytes = self.torch.cuda.memory_allocated()
+            self.torch.cuda.empty_cache()
+            self.baseline_reserved = self.torch.cuda.memory_reserved()
             return
         if self.vendor != "nvidia":
             return  # no driver API path for this vendor without torch: warm imports only
@@ -57,15 +60,26 @@ class Context:
         self.cuda = cuda
 
     def check(self) -> str | None:
-        """Why this context cannot serve another command (sticky error, memory not returned)."""
+        """Why this context cannot serve another command (sticky error, memory not returned).
+
+        With torch: tensors still allocated, or device memory the caching allocator still reserves
+        after empty_cache() (a segment that cannot be freed) beyond what it held once warm. Not
+        mem_get_info(): its free bytes are the device's, moved by every other process on it.
+        """
         if self.torch is not None:
+            cuda = self.torch.cuda
             try:
-                self.torch.cuda.synchronize()
+                cuda.synchronize()
+                now = cuda.memory_allocated()
+                if now > self.baseline_bytes:
+                    return f"device memory not returned: {now - self.baseline_bytes} bytes"
+                cuda.empty_cache()  # the command's freed blocks go back to the device
+                reserved = cuda.memory_reserved()
             except Exception as e:  # noqa: BLE001 - any failure here means the context is broken
                 return f"device error: {e}"
-            now = self.torch.cuda.memory_allocated()
-            if now > self.baseline_bytes:
-                return f"device memory not returned: {now - self.baseline_bytes} bytes"
+            if reserved > self.baseline_reserved:
+                return (f"device memory still reserved after empty_cache: "
+                        f"{reserved - self.baseline_reserved} bytes")
         elif self.cuda is not None:
             rc = self.cuda.cuCtxSynchronize()
             if rc != 0:
@@ -80,7 +94,7 @@ def _check(call: str, rc: int) -> None:
 
 def _options(argv: list[str]) -> dict[str, str]:
     opts = {"preload": "", "vendor": "cpu", "ordinal": "0", "init-context": "1", "max-uses": "1",
-            "lc-ctype-coerced": "0"}
+            "lc-ctype-coerced": "0", "init-modules": ""}
     it = iter(argv)
     for a in it:
         if not a.startswith("--") or a[2:] not in opts and a != "--fd":
@@ -102,11 +116,15 @@ def main(argv: list[str]) -> int:
         for name in ["krex_async.regionclient", *filter(None, opts["preload"].split(","))]:
             __import__(name)
         channel.send(sock, {"t": "imported", "pid": os.getpid(), "s": time.monotonic() - t0})
-        if opts["init-context"] == "1" and ctx.vendor != "cpu":
+        init_modules = list(filter(None, opts["init-modules"].split(",")))
+        if opts["init-context"] == "1" and ctx.vendor != "cpu" or init_modules:
             msg, _ = channel.recv(sock, rx)
             if msg["t"] != "init":
                 raise RuntimeError(f"expected init, got {msg['t']!r}")
-            ctx.create()
+            if opts["init-context"] == "1":
+                ctx.create()
+            for name in init_modules:
+                __import__(name)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the pool went away while we warmed
     except BaseException:  # noqa: BLE001 - carried back to the pool as text, like process.py does
@@ -118,7 +136,8 @@ def main(argv: list[str]) -> int:
     gc.collect()
     base = fresh.Baseline(path_rest)
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
-    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0})
+    home = all(base.cgroup_home.values())  # can leave any cgroup a command puts it in
+    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home})
     while True:
         try:
             msg, fds = channel.recv(sock, rx)
@@ -140,7 +159,7 @@ def main(argv: list[str]) -> int:
                            "retire": reason, "user_s": r0.ru_utime, "system_s": r0.ru_stime})
         if reason:
             return 0
-        _send_quiet(sock, {"t": "ready", "s": 0.0})
+        _send_quiet(sock, {"t": "ready", "s": 0.0, "home": home})
 
 
 def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fresh.Baseline,

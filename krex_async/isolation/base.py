@@ -101,6 +101,11 @@ class Backend(abc.ABC):
         """Move a process that was started elsewhere (a pool worker) into the group, before it runs
         the command's first instruction. Backends without a kernel group do nothing."""
 
+    def leader_left(self, group: Group) -> None:
+        """The leader (a pool worker) went back to its pool, out of the group's cgroups: the
+        group no longer includes it, so killing or freezing the group spares it."""
+        group.pid = None
+
     @abc.abstractmethod
     async def started(self, group: Group, pid: int) -> None:
         """Record the command's leader pid once it has been spawned."""

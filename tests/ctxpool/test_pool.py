@@ -217,6 +217,31 @@ async def test_context_creation_one_at_a_time_across_pools() -> None:
             await p.close()
 
 
+async def test_context_creations_never_overlap(tmp_path: Path) -> None:
+    """Each creation (an --pool-init module that records its start and end, sleeping between)
+    of 2 pools x 2 workers runs alone: the recorded windows, sorted, never overlap."""
+    marks = tmp_path / "marks"
+    (tmp_path / "ctxmark.py").write_text(
+        "import os, time\n"
+        f"t0 = time.monotonic(); time.sleep(0.2)\n"
+        f"open({str(marks)!r}, 'a').write(f'{{t0}} {{time.monotonic()}} {{os.getpid()}}\\n')\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    pools = [Pool(Device(index=i, key=f"amd{i}", vendor="amd", name="x"),
+                  PoolConfig(size=2, init_modules=["ctxmark"]), env=env) for i in (0, 1)]
+    for p in pools:
+        await p.start()
+    try:
+        for p in pools:
+            await p.wait_warm(timeout=30)
+    finally:
+        for p in pools:
+            await p.close()
+    windows = sorted(tuple(map(float, ln.split()[:2])) for ln in marks.read_text().splitlines())
+    assert len(windows) == 4, windows
+    for (_, end), (start, _) in zip(windows, windows[1:]):
+        assert end <= start, windows
+
+
 async def test_close_stops_idle_workers() -> None:
     p = Pool(CPU, PoolConfig(size=2))
     await p.start()
