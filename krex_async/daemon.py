@@ -379,8 +379,10 @@ class Daemon:
         if r is not None:
             self.regions.ack(r.command, peer_pid, req)
 
-    def send_timeline(self, req: P.Timeline, send: Send) -> None:
-        events = list(self.timeline)
+    def send_timeline(self, req: P.Timeline, send: Send,
+                      visible: Callable[[P.TraceEvent], bool] | None = None) -> None:
+        """The timeline ring in chunks; only the events `visible` allows, when given."""
+        events = [e for e in self.timeline if visible is None or visible(e)]
         step = 2000
         for i in range(0, max(1, len(events)), step):
             chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i:i + step]]

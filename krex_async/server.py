@@ -176,7 +176,7 @@ class Connection:
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
                 case P.Timeline():
-                    daemon.send_timeline(req, self.send)
+                    daemon.send_timeline(req, self.send, None if self.admin else self._visible)
                 case P.Subscribe():
                     daemon.tracers.append((self.send if self.admin else self._send_own, req.id))
                     self.send(P.Ok(id=req.id))
@@ -191,11 +191,14 @@ class Connection:
         """The uid the daemon checks ownership against: 0 (every command) for admins."""
         return 0 if self.admin else self.uid
 
+    def _visible(self, ev: P.TraceEvent) -> bool:
+        """Whether this peer, not an admin, may see `ev`: live or in the timeline (visible_event)."""
+        return visible_event(ev, self.server.daemon.commands, self.uid)
+
     def _send_own(self, msg: P.Msg) -> bool:
         """A trace subscriber that is not an admin sees only events of its own commands, and the
         node's own (visible_event)."""
-        if isinstance(msg, P.TraceEvent) and \
-                not visible_event(msg, self.server.daemon.commands, self.uid):
+        if isinstance(msg, P.TraceEvent) and not self._visible(msg):
             return not self.gone
         return self.send(msg)
 
