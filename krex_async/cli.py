@@ -65,6 +65,13 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-commands", type=int,
                    help="commands queued, running or with a kept result beyond which a submit "
                         "is refused with 'busy' (default 4096)")
+    p.add_argument("--max-connections-per-user", type=int,
+                   help="open connections of one user beyond which their new ones are refused; "
+                        "root and --admin-group are exempt (default 1024)")
+    p.add_argument("--max-commands-per-user", type=int,
+                   help="commands of one user queued, running or with a kept result beyond which "
+                        "their submit is refused with 'busy'; root and --admin-group are exempt "
+                        "(default 1024)")
     p.add_argument("--max-conn-buffer", type=int,
                    help="unsent bytes after which a slow client is dropped")
     p.add_argument("--output-tail", type=int, help="bytes of each output stream kept per command")

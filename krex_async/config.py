@@ -55,6 +55,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_buffered_total: Annotated[int, msgspec.Meta(ge=1 << 16)] = 512 * 1024 * 1024
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 4096
     max_commands: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 4096
+    # Each user's share of those, so one user cannot take all of them; root and --admin-group are
+    # held only to the node-wide ones.
+    max_connections_per_user: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1024
+    max_commands_per_user: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1024
     output_tail: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20  # bytes of each stream kept per command
     spool_limit: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20  # bytes of each stream spooled (0: off)
     read_timeout: Positive = 30.0

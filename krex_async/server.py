@@ -159,7 +159,8 @@ class Connection:
                     self.send(P.Welcome(id=req.id, version=P.PROTOCOL_VERSION, server="krex",
                                         policy=daemon.scheduler.policy.value, uid=self.uid))
                 case P.Submit():
-                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send))
+                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send,
+                                                           admin=self.admin))
                 case P.Attach():
                     daemon.attach(req, self.acting_uid, self.send)
                 case P.Cancel():
@@ -263,6 +264,18 @@ def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:
         devices.append(d)
     return dict(status, devices=devices, commands=mine,
                 other_commands=len(status["commands"]) - len(mine))
+
+
+async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str,
+                  **why: object) -> None:
+    """Answer a connection over a limit with a 'busy' error, then close it (logged with `why`)."""
+    log.warning("connection_refused", **why)
+    writer.write(P.encode(P.Error(id=0, code="busy", message=message)))
+    # Take in the peer's hello before closing: closing a Unix socket with unread data resets the
+    # peer, which would then lose the error it was just sent.
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(reader.read(1 << 16), 1.0)
+    writer.close()
 
 
 def _group_id(group: str, option: str = "--socket-group") -> int:
@@ -376,22 +389,24 @@ class Server:
                    if not c.closed)
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self.connections) >= self.config.max_connections:
-            log.warning("connection_refused", reason="too many connections",
-                        limit=self.config.max_connections)
-            writer.write(P.encode(P.Error(id=0, code="busy", message="the daemon has "
-                                          f"{self.config.max_connections} connections open")))
-            # Take in the peer's hello before closing: closing a Unix socket with unread data
-            # resets the peer, which would then lose the error it was just sent.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reader.read(1 << 16), 1.0)
-            writer.close()
+        cfg = self.config
+        if len(self.connections) >= cfg.max_connections:
+            await _refuse(reader, writer, f"the daemon has {cfg.max_connections} connections open "
+                                          "(--max-connections)",
+                          reason="too many connections", limit=cfg.max_connections)
             return
         try:
             conn = Connection(self, reader, writer)
         except OSError as e:  # the peer vanished before its credentials could be read
             log.warning("connection_refused", error=repr(e))
             writer.transport.abort()
+            return
+        if not conn.admin and sum(c.uid == conn.uid for c in self.connections) >= \
+                cfg.max_connections_per_user:
+            await _refuse(reader, writer, f"uid {conn.uid} has {cfg.max_connections_per_user} "
+                                          "connections open (--max-connections-per-user)",
+                          reason="too many connections of one user", uid=conn.uid,
+                          limit=cfg.max_connections_per_user)
             return
         self.connections.add(conn)
         try:

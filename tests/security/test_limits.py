@@ -2,12 +2,14 @@
 
 Each peer is bounded (frame size, --max-conn-buffer); these tests show the daemon also bounds the
 sum: unsent bytes over all connections (--max-buffered-total), open connections (--max-connections)
-and commands it keeps (--max-commands). Each refusal is a clear error or a logged drop, and the
-daemon keeps serving everyone else."""
+and commands it keeps (--max-commands), and each user's share of the last two (--max-*-per-user),
+so that one user cannot lock out the others, root and admins least of all. Each refusal is a clear
+error or a logged drop, and the daemon keeps serving everyone else."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 
@@ -16,7 +18,8 @@ from krex_async import protocol as P
 from krex_async.client import KrexError
 
 from ..conftest import PY, run_daemon
-from .helpers import config_daemon, hello, raw
+from .helpers import USER_PY, config_daemon, hello, raw, user_env
+from .test_authz import call
 
 FLOOD = "import os\nb = b'x' * (1 << 20)\nfor _ in range({mib}): os.write(1, b)\n"
 
@@ -85,3 +88,83 @@ async def test_peers_that_stop_reading_are_dropped_once_their_sum_passes_the_tot
         finally:
             for s in socks:
                 s.close()
+
+
+# As a test user: open N connections, then one more; print that one's outcome, hold all until stdin ends.
+HOLD = r"""
+import asyncio, sys
+from krex_async import Client, KrexError
+
+async def main(path, n):
+    held = [await Client.connect(path) for _ in range(int(n))]
+    try:
+        held.append(await Client.connect(path, timeout=5))
+        print("ok", flush=True)
+    except KrexError as e:
+        print(e.code, e, flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def hold(user, path: str, n: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([USER_PY, "-c", HOLD, path, str(n)], user=user.uid, group=user.gid,
+                            extra_groups=user.groups, env=user_env(), cwd="/tmp", text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+async def test_a_user_at_its_connection_share_is_refused_while_root_and_admins_connect(users):
+    async with config_daemon(dir_mode=0o755, socket_group="krexg", admin_group="krexadm",
+                             max_connections_per_user=2) as d:
+        mallory = hold(users["mallory"], d.socket, 2)
+        admin = hold(users["admin"], d.socket, 2)
+        try:
+            out_m = await asyncio.to_thread(mallory.stdout.readline)
+            out_a = await asyncio.to_thread(admin.stdout.readline)
+            assert out_m.startswith("busy") and "--max-connections-per-user" in out_m, \
+                (out_m, mallory.stderr.read() if mallory.poll() is not None else "")
+            assert out_a == "ok\n", out_a  # an admin is held to the node-wide limit only
+            roots = [await d.client() for _ in range(3)]  # and so is root, over its share
+            try:
+                assert (await roots[-1].run(["echo", "ok"])).stdout == b"ok\n"
+            finally:
+                for c in roots:
+                    await c.close()
+            # Another user has a share of their own.
+            assert int(await call(users["alice"], d.socket, "whoami")) == users["alice"].uid
+        finally:
+            for p in (mallory, admin):
+                p.communicate(timeout=30)
+        assert "too many connections of one user" in d.logs()
+
+
+SUBMIT = r"""
+import asyncio, sys
+from krex_async import Client, KrexError
+
+async def main(path):
+    async with await Client.connect(path) as c:
+        try:
+            print("ok", (await c.submit(["sleep", "30"], on_disconnect="keep")).command)
+        except KrexError as e:
+            print(e.code, e)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_a_user_at_its_command_share_is_refused_while_root_submits(users):
+    mallory = users["mallory"]
+    async with config_daemon(dir_mode=0o755, socket_group="krexg", max_commands_per_user=2) as d:
+        held = [await call(mallory, d.socket, "keep", "sleep", "30") for _ in range(2)]
+        assert all(h and " " not in h for h in held), held
+        third = await asyncio.to_thread(mallory.run_py, SUBMIT, d.socket)
+        assert third.stdout.startswith("busy") and "--max-commands-per-user" in third.stdout, third
+        async with await d.client() as root:
+            mine = [await root.submit(["sleep", "30"]) for _ in range(3)]  # root: over its share
+            assert (await root.run(["echo", "ok"])).stdout == b"ok\n"
+            for h in mine:
+                await h.cancel(9)
+            for cid in held:
+                await root.cancel(cid, 9)
