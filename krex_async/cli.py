@@ -57,6 +57,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--region-cores", type=int, help="cores reserved for a region's owner "
                                                     "(default 1 on a 2-core machine, else 2)")
     p.add_argument("--max-frame", type=int, help="largest accepted frame in bytes")
+    p.add_argument("--max-inbound-bytes", type=int,
+                   help="bytes of frame bodies read at once over all connections; a frame beyond "
+                        "waits for room within --read-timeout (default 256 MiB)")
     p.add_argument("--max-buffered-total", type=int,
                    help="unsent bytes over all connections after which the peer adding to them "
                         "is dropped (default 512 MiB)")

@@ -51,6 +51,7 @@ def _request_id(body: bytes) -> int:
         return 0
 
 
+READ_LIMIT = 1 << 20  # a stream reader buffers up to twice this before it pauses its peer
 _SUM_ABOVE = 1 << 20  # a peer's unsent bytes above which the node-wide total is checked
 
 
@@ -115,7 +116,8 @@ class Connection:
         try:
             while not self.closed:
                 try:
-                    body = await P.read_frame(self.reader, cfg.max_frame, cfg.read_timeout)
+                    body = await P.read_frame(self.reader, cfg.max_frame, cfg.read_timeout,
+                                              self.server.inbound)
                 except P.FrameError as e:
                     self.error(0, "bad_frame", str(e))
                     break
@@ -130,6 +132,8 @@ class Connection:
                 except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
                     self.error(_request_id(body), "bad_request", f"undecodable request: {e}")
                     continue
+                finally:
+                    del body  # its bytes are out of the inbound budget: it must not outlive the frame
                 self.dispatch(req)
         except (ConnectionError, OSError):
             pass
@@ -365,6 +369,7 @@ class Server:
         self.config = config
         self.daemon = daemon
         self.connections: set[Connection] = set()
+        self.inbound = P.InboundBudget(config.max_inbound_bytes, small=READ_LIMIT)
         self.stop = asyncio.Event()
         self.admin_gid = _group_id(config.admin_group, "--admin-group") if config.admin_group else None
 
@@ -421,7 +426,7 @@ class Server:
         sock = bind_socket(cfg.socket, cfg.socket_group)
         # backlog: start_unix_server re-listens with its own (default 100), which a storm of
         # connects overflows; the kernel caps this at net.core.somaxconn.
-        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20,
+        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=READ_LIMIT,
                                                  backlog=LISTEN_BACKLOG)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)

@@ -2,14 +2,17 @@
 
 Each peer is bounded (frame size, --max-conn-buffer); these tests show the daemon also bounds the
 sum: unsent bytes over all connections (--max-buffered-total), open connections (--max-connections)
-and commands it keeps (--max-commands), and each user's share of the last two (--max-*-per-user),
+commands it keeps (--max-commands), bytes of frame bodies being read (--max-inbound-bytes), and each user's share of the last two (--max-*-per-user),
 so that one user cannot lock out the others, root and admins least of all. Each refusal is a clear
 error or a logged drop, and the daemon keeps serving everyone else."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import subprocess
+import time
 
 import pytest
 
@@ -18,7 +21,7 @@ from krex_async import protocol as P
 from krex_async.client import KrexError
 
 from ..conftest import PY, run_daemon
-from .helpers import USER_PY, config_daemon, hello, raw, user_env
+from .helpers import USER_PY, config_daemon, hello, raw, recv, rss_kib, user_env
 from .test_authz import call
 
 FLOOD = "import os\nb = b'x' * (1 << 20)\nfor _ in range({mib}): os.write(1, b)\n"
@@ -168,3 +171,66 @@ async def test_a_user_at_its_command_share_is_refused_while_root_submits(users):
                 await h.cancel(9)
             for cid in held:
                 await root.cancel(cid, 9)
+
+
+def push_partial_frames(socks: list[socket.socket], length: int, send: int) -> int:
+    """Send each socket the header of a `length`-byte frame and `send` bytes of its body, as far as
+    the daemon takes them in (until none moves for a second). Returns the bytes sent in all."""
+    chunk = b"\x00" * (256 << 10)
+    sent = dict.fromkeys(range(len(socks)), 0)
+    for s in socks:
+        s.sendall(struct.pack(">I", length))
+        s.setblocking(False)
+    idle_since = time.monotonic()
+    while time.monotonic() - idle_since < 1.0 and any(n < send for n in sent.values()):
+        moved = False
+        for i, s in enumerate(socks):
+            if sent[i] < send:
+                try:
+                    sent[i] += s.send(chunk[:send - sent[i]])
+                    moved = True
+                except BlockingIOError:
+                    pass
+        if moved:
+            idle_since = time.monotonic()
+        else:
+            time.sleep(0.01)
+    for s in socks:
+        s.setblocking(True)
+    return sum(sent.values())
+
+
+async def test_partial_frames_together_stay_within_the_inbound_budget():
+    """40 peers each part-way through a 16 MiB frame would hold 40 x 12 MiB; with a 32 MiB budget for
+    frame bodies being read, the others wait (their bytes stay in the kernel), RSS stays far below the
+    flood, a normal client is served meanwhile, a waiting frame that outlasts --read-timeout is refused
+    naming the budget, and a frame larger than the whole budget is refused at once."""
+    async with config_daemon(max_inbound_bytes=32 << 20, max_frame=48 << 20, read_timeout=5) as d:
+        async with await d.client() as c:
+            assert (await c.run(["echo", "ok"])).stdout == b"ok\n"
+        before = rss_kib(d.proc.pid)
+        socks = [await asyncio.to_thread(raw, d.socket, 15) for _ in range(40)]
+        for s in socks:
+            await asyncio.to_thread(hello, s)
+        try:
+            sent = await asyncio.to_thread(push_partial_frames, socks, 16 << 20, 12 << 20)
+            grown = rss_kib(d.proc.pid) - before
+            assert grown < 200 * 1024, (grown, sent)  # KiB, versus 480 MiB in flight
+            async with await d.client() as c:
+                assert (await c.run(["echo", "served"])).stdout == b"served\n"
+            big = await asyncio.to_thread(raw, d.socket)
+            await asyncio.to_thread(hello, big)
+            big.sendall(struct.pack(">I", 40 << 20))
+            reply = await asyncio.to_thread(recv, big)
+            assert isinstance(reply, P.Error) and reply.code == "bad_frame", reply
+            assert "--max-inbound-bytes" in reply.message, reply.message
+            big.close()
+            replies = await asyncio.gather(*(asyncio.to_thread(recv, s) for s in socks))
+            assert all(isinstance(r, P.Error) and r.code == "bad_frame" for r in replies), replies
+            waited = [r for r in replies if "--max-inbound-bytes" in r.message]
+            assert waited and len(waited) < len(replies), [r.message for r in replies]
+        finally:
+            for s in socks:
+                s.close()
+        async with await d.client() as c:
+            assert (await c.run(["echo", "still"])).stdout == b"still\n"
