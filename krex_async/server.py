@@ -51,7 +51,9 @@ def _request_id(body: bytes) -> int:
         return 0
 
 
-READ_LIMIT = 1 << 20  # a stream reader buffers up to twice this before it pauses its peer
+# A stream reader buffers up to twice this (and one read) before it pauses its peer: what a peer
+# may have the daemon hold outside the inbound budget.
+READ_LIMIT = 1 << 16
 _SUM_ABOVE = 1 << 20  # a peer's unsent bytes above which the node-wide total is checked
 
 
@@ -133,7 +135,7 @@ class Connection:
                     self.error(_request_id(body), "bad_request", f"undecodable request: {e}")
                     continue
                 finally:
-                    del body  # its bytes are out of the inbound budget: it must not outlive the frame
+                    del body  # out of the inbound budget now: it must not outlive its frame
                 self.dispatch(req)
         except (ConnectionError, OSError):
             pass

@@ -1,10 +1,11 @@
 """Node-wide limits: what many peers together may not take, though each stays within its own bound.
 
 Each peer is bounded (frame size, --max-conn-buffer); these tests show the daemon also bounds the
-sum: unsent bytes over all connections (--max-buffered-total), open connections (--max-connections)
-commands it keeps (--max-commands), bytes of frame bodies being read (--max-inbound-bytes), and each user's share of the last two (--max-*-per-user),
-so that one user cannot lock out the others, root and admins least of all. Each refusal is a clear
-error or a logged drop, and the daemon keeps serving everyone else."""
+sum: unsent bytes over all connections (--max-buffered-total), frame bodies being read at once
+(--max-inbound-bytes), open connections (--max-connections) and commands it keeps (--max-commands),
+and each user's share of the last two (--max-*-per-user), so that one user cannot lock out the
+others, root and admins least of all. Each refusal is a clear error or a logged drop, and the daemon
+keeps serving everyone else."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ async def test_peers_that_stop_reading_are_dropped_once_their_sum_passes_the_tot
                 s.close()
 
 
-# As a test user: open N connections, then one more; print that one's outcome, hold all until stdin ends.
+# As a test user: open N connections, then one more; print that one's outcome; hold them all until
+# stdin ends.
 HOLD = r"""
 import asyncio, sys
 from krex_async import Client, KrexError
@@ -215,7 +217,9 @@ async def test_partial_frames_together_stay_within_the_inbound_budget():
         try:
             sent = await asyncio.to_thread(push_partial_frames, socks, 16 << 20, 12 << 20)
             grown = rss_kib(d.proc.pid) - before
-            assert grown < 200 * 1024, (grown, sent)  # KiB, versus 480 MiB in flight
+            # KiB, versus 480 MiB in flight: 2 x 12 MiB read within the budget, and each waiting
+            # peer's stream reader holds no more than a few hundred KiB
+            assert grown < 64 * 1024, (grown, sent)
             async with await d.client() as c:
                 assert (await c.run(["echo", "served"])).stdout == b"served\n"
             big = await asyncio.to_thread(raw, d.socket)
