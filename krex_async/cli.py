@@ -57,6 +57,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--region-cores", type=int, help="cores reserved for a region's owner "
                                                     "(default 1 on a 2-core machine, else 2)")
     p.add_argument("--max-frame", type=int, help="largest accepted frame in bytes")
+    p.add_argument("--max-inbound-bytes", type=int,
+                   help="bytes of frame bodies read at once over all connections; a frame beyond "
+                        "waits for room within --read-timeout (default 256 MiB)")
     p.add_argument("--max-buffered-total", type=int,
                    help="unsent bytes over all connections after which the peer adding to them "
                         "is dropped (default 512 MiB)")
@@ -65,6 +68,13 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-commands", type=int,
                    help="commands queued, running or with a kept result beyond which a submit "
                         "is refused with 'busy' (default 4096)")
+    p.add_argument("--max-connections-per-user", type=int,
+                   help="open connections of one user beyond which their new ones are refused; "
+                        "root and --admin-group are exempt (default 1024)")
+    p.add_argument("--max-commands-per-user", type=int,
+                   help="commands of one user queued, running or with a kept result beyond which "
+                        "their submit is refused with 'busy'; root and --admin-group are exempt "
+                        "(default 1024)")
     p.add_argument("--max-conn-buffer", type=int,
                    help="unsent bytes after which a slow client is dropped")
     p.add_argument("--output-tail", type=int, help="bytes of each output stream kept per command")

@@ -50,11 +50,17 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     retention: Positive = 600.0  # seconds an ended command's result is kept for its agent
     max_frame: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
     max_conn_buffer: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
+    # bytes of frame bodies being read at once over all connections (a frame beyond waits for room)
+    max_inbound_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 * 1024 * 1024
     # Node-wide bounds, so many peers cannot add up what one may not: unsent bytes over all
     # connections, open connections, and commands known (queued, running, or results kept).
     max_buffered_total: Annotated[int, msgspec.Meta(ge=1 << 16)] = 512 * 1024 * 1024
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 4096
     max_commands: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 4096
+    # Each user's share of those, so one user cannot take all of them; root and --admin-group are
+    # held only to the node-wide ones.
+    max_connections_per_user: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1024
+    max_commands_per_user: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1024
     output_tail: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20  # bytes of each stream kept per command
     spool_limit: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20  # bytes of each stream spooled (0: off)
     read_timeout: Positive = 30.0

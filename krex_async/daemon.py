@@ -173,12 +173,20 @@ class Daemon:
 
     # --------------------------------------------------------------------------------- commands
 
-    async def submit(self, req: P.Submit, uid: int, gid: int, send: Send) -> None:
+    async def submit(self, req: P.Submit, uid: int, gid: int, send: Send,
+                     admin: bool = False) -> None:
+        """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
+        lifts the per-user limit, never the node-wide one."""
         if self.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if len(self.commands) >= self.config.max_commands:
             raise RequestError("busy", f"{len(self.commands)} commands are queued, running or "
                                        "kept (--max-commands); retry after some have ended")
+        if not admin:
+            mine = sum(c.uid == uid for c in self.commands.values())
+            if mine >= self.config.max_commands_per_user:
+                raise RequestError("busy", f"{mine} of your commands are queued, running or kept "
+                                           "(--max-commands-per-user); retry after some have ended")
         device = self._place(req)
         cid = f"{self._boot}-{next(self._ids)}"
         while cid in self.commands:  # a dead daemon's command, recovered, started in the same second
@@ -381,8 +389,10 @@ class Daemon:
         if r is not None:
             self.regions.ack(r.command, peer_pid, req)
 
-    def send_timeline(self, req: P.Timeline, send: Send) -> None:
-        events = list(self.timeline)
+    def send_timeline(self, req: P.Timeline, send: Send,
+                      visible: Callable[[P.TraceEvent], bool] | None = None) -> None:
+        """The timeline ring in chunks; only the events `visible` allows, when given."""
+        events = [e for e in self.timeline if visible is None or visible(e)]
         step = 2000
         for i in range(0, max(1, len(events)), step):
             chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i:i + step]]

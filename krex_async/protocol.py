@@ -344,31 +344,90 @@ def encode(msg: msgspec.Struct) -> bytes:
     return bytes(buf)
 
 
+class InboundBudget:
+    """Bytes of frame bodies being read at once, over all connections that share it.
+
+    A body larger than `small` is read only once its length fits in `limit` beside the others being
+    read; until then the reader waits and the peer's bytes stay in the kernel (the stream reader
+    pauses). Bodies up to `small` are not counted: each connection's stream reader may buffer that
+    much anyway, and exempting them keeps hellos and requests flowing while big frames wait.
+    """
+
+    def __init__(self, limit: int, small: int = 0) -> None:
+        self.limit = limit
+        self.small = small
+        self.used = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def take(self, n: int) -> int:
+        """Reserve `n` bytes, waiting as long as the caller lets it; returns what to release()."""
+        if n <= self.small:
+            return 0
+        while self.used + n > self.limit:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                self._waiters.remove(fut)
+        self.used += n
+        return n
+
+    def release(self, n: int) -> None:
+        if n:
+            self.used -= n
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+
 async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME,
-                     body_timeout: float | None = 30.0) -> bytes | None:
+                     body_timeout: float | None = 30.0,
+                     budget: InboundBudget | None = None) -> bytes | None:
     """The next frame's body, or None at a clean end of stream between frames.
 
     A peer may stay silent between frames for as long as it likes, but once a frame's first byte has
     arrived the rest of it (header and body) must arrive within `body_timeout` (slow senders).
-    Raises FrameError for an oversize length (checked before anything of the body is read, so it
-    allocates nothing) or a stream that ends mid-frame, and TimeoutError for a slow frame.
+    With a `budget`, the body is read only once it fits (waiting counts against `body_timeout`),
+    and its bytes are given back when this returns: the caller must not keep the body across an
+    await. Raises FrameError for an oversize length (checked before anything of the body is read,
+    so it allocates nothing), a body larger than the whole budget, a wait for the budget that
+    outlasts `body_timeout`, or a stream that ends mid-frame; TimeoutError for a slow frame.
     """
     try:
         first = await reader.readexactly(1)
     except asyncio.IncompleteReadError:
         return None
-    async with asyncio.timeout(body_timeout):
-        try:
-            head = first + await reader.readexactly(3)
-        except asyncio.IncompleteReadError:
-            raise FrameError("stream ended inside a frame header") from None
-        (n,) = HEADER.unpack(head)
-        if n > max_frame:
-            raise FrameError(f"frame of {n} bytes exceeds the limit of {max_frame}")
-        try:
-            return await reader.readexactly(n)
-        except asyncio.IncompleteReadError:
-            raise FrameError(f"stream ended inside a frame of {n} bytes") from None
+    taken = 0
+    waiting = False
+    try:
+        async with asyncio.timeout(body_timeout):
+            try:
+                head = first + await reader.readexactly(3)
+            except asyncio.IncompleteReadError:
+                raise FrameError("stream ended inside a frame header") from None
+            (n,) = HEADER.unpack(head)
+            if n > max_frame:
+                raise FrameError(f"frame of {n} bytes exceeds the limit of {max_frame}")
+            if budget is not None:
+                if n > budget.limit:
+                    raise FrameError(f"frame of {n} bytes exceeds the inbound budget of "
+                                     f"{budget.limit} (--max-inbound-bytes)")
+                waiting = True
+                taken = await budget.take(n)
+                waiting = False
+            try:
+                return await reader.readexactly(n)
+            except asyncio.IncompleteReadError:
+                raise FrameError(f"stream ended inside a frame of {n} bytes") from None
+    except TimeoutError:
+        if waiting and budget is not None:
+            raise FrameError(f"frame of {n} bytes waited {body_timeout} s for room in the inbound "
+                             f"budget of {budget.limit} bytes (--max-inbound-bytes)") from None
+        raise
+    finally:
+        if budget is not None:
+            budget.release(taken)
 
 
 def decode_request(body: bytes) -> Request:

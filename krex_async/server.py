@@ -51,6 +51,9 @@ def _request_id(body: bytes) -> int:
         return 0
 
 
+# A stream reader buffers up to twice this (and one read) before it pauses its peer: what a peer
+# may have the daemon hold outside the inbound budget.
+READ_LIMIT = 1 << 16
 _SUM_ABOVE = 1 << 20  # a peer's unsent bytes above which the node-wide total is checked
 
 
@@ -115,7 +118,8 @@ class Connection:
         try:
             while not self.closed:
                 try:
-                    body = await P.read_frame(self.reader, cfg.max_frame, cfg.read_timeout)
+                    body = await P.read_frame(self.reader, cfg.max_frame, cfg.read_timeout,
+                                              self.server.inbound)
                 except P.FrameError as e:
                     self.error(0, "bad_frame", str(e))
                     break
@@ -130,6 +134,8 @@ class Connection:
                 except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
                     self.error(_request_id(body), "bad_request", f"undecodable request: {e}")
                     continue
+                finally:
+                    del body  # out of the inbound budget now: it must not outlive its frame
                 self.dispatch(req)
         except (ConnectionError, OSError):
             pass
@@ -159,7 +165,8 @@ class Connection:
                     self.send(P.Welcome(id=req.id, version=P.PROTOCOL_VERSION, server="krex",
                                         policy=daemon.scheduler.policy.value, uid=self.uid))
                 case P.Submit():
-                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send))
+                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send,
+                                                           admin=self.admin))
                 case P.Attach():
                     daemon.attach(req, self.acting_uid, self.send)
                 case P.Cancel():
@@ -176,7 +183,7 @@ class Connection:
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
                 case P.Timeline():
-                    daemon.send_timeline(req, self.send)
+                    daemon.send_timeline(req, self.send, None if self.admin else self._visible)
                 case P.Subscribe():
                     daemon.tracers.append((self.send if self.admin else self._send_own, req.id))
                     self.send(P.Ok(id=req.id))
@@ -191,11 +198,14 @@ class Connection:
         """The uid the daemon checks ownership against: 0 (every command) for admins."""
         return 0 if self.admin else self.uid
 
+    def _visible(self, ev: P.TraceEvent) -> bool:
+        """Whether this peer, not an admin, may see `ev`: live or in the timeline (visible_event)."""
+        return visible_event(ev, self.server.daemon.commands, self.uid)
+
     def _send_own(self, msg: P.Msg) -> bool:
         """A trace subscriber that is not an admin sees only events of its own commands, and the
         node's own (visible_event)."""
-        if isinstance(msg, P.TraceEvent) and \
-                not visible_event(msg, self.server.daemon.commands, self.uid):
+        if isinstance(msg, P.TraceEvent) and not self._visible(msg):
             return not self.gone
         return self.send(msg)
 
@@ -260,6 +270,18 @@ def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:
         devices.append(d)
     return dict(status, devices=devices, commands=mine,
                 other_commands=len(status["commands"]) - len(mine))
+
+
+async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str,
+                  **why: object) -> None:
+    """Answer a connection over a limit with a 'busy' error, then close it (logged with `why`)."""
+    log.warning("connection_refused", **why)
+    writer.write(P.encode(P.Error(id=0, code="busy", message=message)))
+    # Take in the peer's hello before closing: closing a Unix socket with unread data resets the
+    # peer, which would then lose the error it was just sent.
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(reader.read(1 << 16), 1.0)
+    writer.close()
 
 
 def _group_id(group: str, option: str = "--socket-group") -> int:
@@ -349,6 +371,7 @@ class Server:
         self.config = config
         self.daemon = daemon
         self.connections: set[Connection] = set()
+        self.inbound = P.InboundBudget(config.max_inbound_bytes, small=READ_LIMIT)
         self.stop = asyncio.Event()
         self.admin_gid = _group_id(config.admin_group, "--admin-group") if config.admin_group else None
 
@@ -373,22 +396,24 @@ class Server:
                    if not c.closed)
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self.connections) >= self.config.max_connections:
-            log.warning("connection_refused", reason="too many connections",
-                        limit=self.config.max_connections)
-            writer.write(P.encode(P.Error(id=0, code="busy", message="the daemon has "
-                                          f"{self.config.max_connections} connections open")))
-            # Take in the peer's hello before closing: closing a Unix socket with unread data
-            # resets the peer, which would then lose the error it was just sent.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reader.read(1 << 16), 1.0)
-            writer.close()
+        cfg = self.config
+        if len(self.connections) >= cfg.max_connections:
+            await _refuse(reader, writer, f"the daemon has {cfg.max_connections} connections open "
+                                          "(--max-connections)",
+                          reason="too many connections", limit=cfg.max_connections)
             return
         try:
             conn = Connection(self, reader, writer)
         except OSError as e:  # the peer vanished before its credentials could be read
             log.warning("connection_refused", error=repr(e))
             writer.transport.abort()
+            return
+        if not conn.admin and sum(c.uid == conn.uid for c in self.connections) >= \
+                cfg.max_connections_per_user:
+            await _refuse(reader, writer, f"uid {conn.uid} has {cfg.max_connections_per_user} "
+                                          "connections open (--max-connections-per-user)",
+                          reason="too many connections of one user", uid=conn.uid,
+                          limit=cfg.max_connections_per_user)
             return
         self.connections.add(conn)
         try:
@@ -403,7 +428,7 @@ class Server:
         sock = bind_socket(cfg.socket, cfg.socket_group)
         # backlog: start_unix_server re-listens with its own (default 100), which a storm of
         # connects overflows; the kernel caps this at net.core.somaxconn.
-        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=1 << 20,
+        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=READ_LIMIT,
                                                  backlog=LISTEN_BACKLOG)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)

@@ -32,6 +32,8 @@ async def main(path, action, *args):
                 print(c.welcome.uid)
             elif action == "status":
                 print(json.dumps(await c.status()))
+            elif action == "timeline":
+                print(json.dumps([[ev.kind, ev.command] for ev in await c.timeline()]))
             elif action == "trace":  # subscribe, create args[1], print what came in args[0] s
                 seen = []
                 async def watch():
@@ -143,3 +145,24 @@ async def test_a_trace_subscriber_sees_its_own_commands_and_the_node_not_others(
     assert not visible_event(other, commands, mallory.uid)
     own = P.TraceEvent(id=0, ts=0.0, kind="region_grant", command=cid)
     assert visible_event(own, commands, alice.uid) and not visible_event(own, commands, mallory.uid)
+
+
+async def test_a_timeline_holds_only_the_peers_own_commands_and_the_node(users):
+    """The timeline ring is filtered like live trace events: mallory's holds her own command, and
+    none of root's (whose events, argv aside, would tell her what ran and when); root's holds both."""
+    mallory = users["mallory"]
+    async with config_daemon(dir_mode=0o755, socket_group="krexg", admin_group="krexadm") as d:
+        async with await d.client() as root:
+            theirs = (await root.run(["true"])).report.command
+            mine = await call(mallory, d.socket, "keep", "/bin/sh", "-c", "exit 0")
+            for _ in range(200):  # her command has ended
+                st = await root.status()
+                if all(c["state"] == "ended" for c in st["commands"]):
+                    break
+                await asyncio.sleep(0.05)
+            seen_root = {(e.kind, e.command) for e in await root.timeline()}
+        seen_m = {tuple(e) for e in json.loads(await call(mallory, d.socket, "timeline"))}
+    assert {("command_start", theirs), ("command_end", theirs)} <= seen_root, seen_root
+    assert {("command_start", mine), ("command_end", mine)} <= seen_root, seen_root
+    assert {("command_start", mine), ("command_end", mine)} <= seen_m, seen_m
+    assert not {e for e in seen_m if e[1] not in (mine, "")}, f"mallory saw others' events: {seen_m}"
