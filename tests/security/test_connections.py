@@ -4,7 +4,6 @@ nothing (fds, commands, processes) is left behind."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import resource
 import socket
@@ -63,21 +62,7 @@ async def test_two_thousand_idle_connections_do_not_stop_service(many_fds):
         assert await wait_for_fds(d.proc.pid, base) <= base
 
 
-def _cgroup_joins_at_start() -> bool:
-    try:
-        from krex_async.isolation.cgroup import CgroupBackend
-    except ImportError:
-        return True
-    return "join(" in inspect.getsource(CgroupBackend.started)
-
-
-@pytest.mark.parametrize("isolation", [
-    "signal",
-    pytest.param("auto", marks=pytest.mark.xfail(
-        not _cgroup_joins_at_start(), strict=True,
-        reason="cgroup.kill before the launch wrapper joined the cgroup misses the command "
-               "(tests/faults/patches/isolation-cgroup.diff)")),
-])
+@pytest.mark.parametrize("isolation", ["signal", "auto"])
 async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds, isolation):
     # This run's own sleeps only (a unique duration): a process some other test left must not be
     # taken for one of the storm's, nor hide that one of these survived.
