@@ -232,8 +232,10 @@ def test_start_up_cost_is_small(server: Server) -> None:
     """
     with_krex = command_env(server.path)
     without = {k: v for k, v in with_krex.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
-    best_with = min(_site_cost_us(with_krex) for _ in range(10))
-    best_without = min(_site_cost_us(without) for _ in range(10))
+    # interleaved, so that the machine speeding up or slowing down meanwhile (a fresh-clone CI run
+    # saw 21.6 ms with against 14.7 ms without, measured one block after the other) affects both
+    runs = [(_site_cost_us(with_krex), _site_cost_us(without)) for _ in range(12)]
+    best_with, best_without = min(w for w, _ in runs), min(wo for _, wo in runs)
     print(f"site import: {best_with} us with krex, {best_without} us without")
     assert best_with - best_without < 5000  # goal ~2 ms on a quiet machine; CI gets headroom
 
