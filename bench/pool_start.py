@@ -4,8 +4,11 @@ live context, for 1 and for N commands started together.
     python bench/pool_start.py --device cuda [--together 1,16] [--rounds 5] [--json FILE]
     python bench/pool_start.py --device cpu
 
-Runs standalone, without the daemon: it drives a Pool directly for the pooled path and
-krex_async.spawn.spawn() for the plain one. The command prints time.monotonic() once its context is
+By default it runs standalone: it drives a Pool directly for the pooled path and
+krex_async.spawn.spawn() for the plain one. With --daemon it goes end to end instead: a real daemon
+(`krex serve --pool-size N --pool-preload ...`, its own cgroups as root) gets the commands through
+its socket, so the figures include the submit, the daemon's placement, the cgroup join and the
+worker's hand-over; "plain" is then the same daemon's path with the pool off (a second daemon). The command prints time.monotonic() once its context is
 live (CLOCK_MONOTONIC is one clock for every process of the host); latency = that - the submit time.
   cuda: python -c "import torch; torch.ones(1, device='cuda'); <print time>"   (pool preloads torch)
   cpu:  python -c "import json, decimal[, numpy]; <print time>"                 (pool preloads those)
@@ -75,6 +78,67 @@ async def one_batch(n: int, code: str, pool: Pool | None) -> tuple[list[float], 
     return lat, pool_lat
 
 
+async def daemon_batches(counts: list[int], rounds: int, code: str, preload: list[str],
+                         pooled: bool, extra: list[str]) -> dict[int, list[float]]:
+    """Through a real daemon: for each N, `rounds` batches of N commands submitted at once over
+    one connection each; latency = the command's stamp - the time just before its submit."""
+    import shutil
+    import subprocess
+    import tempfile
+    from krex_async import Client
+    d = tempfile.mkdtemp(prefix="krexps-", dir="/tmp")
+    sock = os.path.join(d, "s")
+    size = max(counts) if pooled else 0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    argv = [sys.executable, "-m", "krex_async", "serve", "--socket", sock, "--state-dir",
+            os.path.join(d, "state"), "--probes", "off", "--pool-size", str(size), *extra]
+    if pooled:
+        argv += ["--pool-preload", ",".join(preload)]
+    log = open(os.path.join(d, "daemon.log"), "wb")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    out: dict[int, list[float]] = {}
+    try:
+        for _ in range(600):
+            if os.path.exists(sock):
+                break
+            if proc.poll() is not None:
+                raise SystemExit(open(log.name).read())
+            await asyncio.sleep(0.05)
+        clients = [await Client.connect(sock) for _ in range(max(counts))]
+
+        async def warm() -> None:
+            for _ in range(1200):
+                pools = (await clients[0].status()).get("pools", {})
+                if not pooled or (pools and all(p["warm"] >= size for p in pools.values())):
+                    return
+                await asyncio.sleep(0.1)
+            raise SystemExit(f"pool never warm: {pools}")
+
+        async def one(c: Client) -> float:
+            t0 = time.monotonic()
+            res = await c.run([sys.executable, "-c", code], cwd=ROOT, env=env)
+            if res.returncode != 0 or not res.stdout:
+                raise SystemExit(f"command failed: {res.returncode} {res.stderr[-500:]!r}")
+            return float(res.stdout) - t0
+
+        for n in counts:
+            out[n] = []
+            for _ in range(rounds):
+                await warm()
+                out[n] += await asyncio.gather(*(one(c) for c in clients[:n]))
+        for c in clients:
+            await c.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def _read_all(fd: int) -> bytes:
     chunks = []
     while data := os.read(fd, 65536):
@@ -91,9 +155,14 @@ async def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--goal", type=float, default=None, help="required plain/pooled p95 ratio at max N")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--daemon", action="store_true", help="end to end, through a real daemon")
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="extra `krex serve` argument (--daemon; repeatable)")
     args = ap.parse_args()
     counts = [int(x) for x in args.together.split(",")]
     preload, code = workload(args.device)
+    if args.daemon:
+        return await via_daemon(args, counts, preload, code)
     if args.device == "cuda":
         dev = Device(index=0, key="nvidia0", vendor="nvidia", name="gpu0")
     else:
@@ -134,6 +203,33 @@ async def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "preload": preload, "results": results}, f, indent=1)
+    return 0 if ok else 1
+
+
+async def via_daemon(args: argparse.Namespace, counts: list[int], preload: list[str], code: str) -> int:
+    lat = {mode: await daemon_batches(counts, args.rounds, code, preload, mode == "pool",
+                                      args.daemon_arg) for mode in ("plain", "pool")}
+    print(f"through the daemon ({args.device}, preload {preload}), {args.rounds} rounds")
+    print(f"\n{'mode':6} {'N':>3} {'samples':>7} {'p50 ms':>10} {'p95 ms':>10}")
+    results: dict[str, object] = {}
+    ok = True
+    for n in counts:
+        for mode in ("plain", "pool"):
+            xs = lat[mode][n]
+            results[f"{mode}/{n}"] = {"latency_s": xs}
+            print(f"{mode:6} {n:>3} {len(xs):>7} {pct(xs, 0.5) * 1e3:>10.2f} {pct(xs, 0.95) * 1e3:>10.2f}")
+    for n in counts:
+        ratio = pct(lat["plain"][n], 0.95) / pct(lat["pool"][n], 0.95)
+        results[f"ratio_p95/{n}"] = ratio
+        print(f"N={n}: plain p95 / pooled p95 = {ratio:.1f}x")
+        if args.goal is not None and n == max(counts) and ratio < args.goal:
+            ok = False
+    if args.goal is not None:
+        print(f"goal {args.goal}x at N={max(counts)}: {'met' if ok else 'MISSED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "preload": preload, "via": "daemon",
+                       "results": results}, f, indent=1)
     return 0 if ok else 1
 
 
