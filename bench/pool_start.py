@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -191,18 +192,25 @@ async def main() -> int:
     print(f"\n{'mode':6} {'N':>3} {'samples':>7} {'p50 ms':>10} {'p95 ms':>10} {'pool start p50 ms':>18}")
     for mode, n, k, p50, p95, s50 in rows:
         print(f"{mode:6} {n:>3} {k:>7} {p50 * 1e3:>10.2f} {p95 * 1e3:>10.2f} {s50 * 1e3:>18.3f}")
+    return verdict(args, counts, results, {"device": args.device, "preload": preload})
+
+
+def verdict(args: argparse.Namespace, counts: list[int], results: dict[str, Any],
+            about: dict[str, Any]) -> int:
+    """Print plain/pooled p95 per N and the goal's verdict at the largest N, write --json;
+    0 unless a --goal was missed. `results` holds "<mode>/<N>": {"latency_s": [...]}."""
     ok = True
     for n in counts:
         ratio = pct(results[f"plain/{n}"]["latency_s"], 0.95) / pct(results[f"pool/{n}"]["latency_s"], 0.95)
         print(f"N={n}: plain p95 / pooled p95 = {ratio:.1f}x")
-        results[f"ratio_p95/{n}"] = ratio  # type: ignore[assignment]
+        results[f"ratio_p95/{n}"] = ratio
         if args.goal is not None and n == max(counts) and ratio < args.goal:
             ok = False
     if args.goal is not None:
         print(f"goal {args.goal}x at N={max(counts)}: {'met' if ok else 'MISSED'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "preload": preload, "results": results}, f, indent=1)
+            json.dump({**about, "results": results}, f, indent=1)
     return 0 if ok else 1
 
 
@@ -211,27 +219,13 @@ async def via_daemon(args: argparse.Namespace, counts: list[int], preload: list[
                                       args.daemon_arg) for mode in ("plain", "pool")}
     print(f"through the daemon ({args.device}, preload {preload}), {args.rounds} rounds")
     print(f"\n{'mode':6} {'N':>3} {'samples':>7} {'p50 ms':>10} {'p95 ms':>10}")
-    results: dict[str, object] = {}
-    ok = True
+    results: dict[str, Any] = {}
     for n in counts:
         for mode in ("plain", "pool"):
             xs = lat[mode][n]
             results[f"{mode}/{n}"] = {"latency_s": xs}
             print(f"{mode:6} {n:>3} {len(xs):>7} {pct(xs, 0.5) * 1e3:>10.2f} {pct(xs, 0.95) * 1e3:>10.2f}")
-    for n in counts:
-        ratio = pct(lat["plain"][n], 0.95) / pct(lat["pool"][n], 0.95)
-        results[f"ratio_p95/{n}"] = ratio
-        print(f"N={n}: plain p95 / pooled p95 = {ratio:.1f}x")
-        if args.goal is not None and n == max(counts) and ratio < args.goal:
-            ok = False
-    if args.goal is not None:
-        print(f"goal {args.goal}x at N={max(counts)}: {'met' if ok else 'MISSED'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": args.device, "preload": preload, "via": "daemon",
-                       "results": results}, f, indent=1)
-    return 0 if ok else 1
-
+    return verdict(args, counts, results, {"device": args.device, "preload": preload, "via": "daemon"})
 
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))
