@@ -44,7 +44,6 @@ _ENTER = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shif
 @dataclass
 class CgroupGroup(Group):
     top: str = ""  # krex/cmd-<id>, relative to the v2 root (and the v1 cpuset root)
-    frozen_at: str | None = None  # the cgroup whose cgroup.freeze we set
     affinity: dict[int, set[int]] = field(default_factory=dict)  # "none" cpuset mode: originals
     has_keep: bool = False  # keep/ exists in v2 (krex makes it; only krex does)
     thawed_at: float = 0.0  # time.monotonic() of the last thaw (its cgroup.events notification)
@@ -193,7 +192,7 @@ class CgroupBackend(Backend):
             self.intent.frozen.add(self.v2.path(g.run))
             self.intent.write_now()
             self.v2.write(g.run, "cgroup.freeze", "1")
-            g.frozen, g.frozen_at = True, g.run
+            g.frozen = True
             g.written.add(g.run)
         return ["/bin/sh", "-c", _ENTER, "krex-enter", *files, "--", *argv]
 
@@ -330,7 +329,7 @@ class CgroupBackend(Backend):
             w = self._group_watch(g, target)
             g.written.add(target)
             self.v2.write(target, "cgroup.freeze", "1")
-            g.frozen, g.frozen_at = True, target
+            g.frozen = True
             if self.v2.read(target, "cgroup.freeze").strip() != "1":
                 raise FreezeError(g.name, f"{self.v2.path(target, 'cgroup.freeze')} did not read 1")
         except CgroupVanished:
@@ -363,14 +362,14 @@ class CgroupBackend(Backend):
     def _unfreeze(self, g: CgroupGroup) -> None:
         """Write cgroup.freeze=0 wherever we may have written 1, checking each file (the failure
         and removal paths); never raises for a vanished cgroup."""
-        for rel in {g.frozen_at or g.top, g.top, g.run} | g.written:
+        for rel in {g.top, g.run} | g.written:
             try:
                 if self.v2.read(rel, "cgroup.freeze").strip() != "0":
                     self.v2.write(rel, "cgroup.freeze", "0")
                     g.thawed_at = time.monotonic()
             except CgroupVanished:
                 pass
-        g.frozen, g.frozen_at = False, None
+        g.frozen = False
         g.written.clear()
 
     async def thaw(self, group: Group) -> float:
@@ -385,7 +384,7 @@ class CgroupBackend(Backend):
                     raise CgroupFileError("thaw", self.v2.path(rel, "cgroup.freeze"), "0",
                                           OSError(errno.EIO, "did not read 0"))
             g.thawed_at = time.monotonic()
-            g.frozen, g.frozen_at = False, None
+            g.frozen = False
             g.written.clear()
         except CgroupVanished:
             self._unfreeze(g)  # the rest of them, each checked
