@@ -65,7 +65,7 @@ class GpuHolders:
 
     def holds(self, pid: int, token: Hashable) -> bool:
         """From memory where it is fresh enough, else read now (on the calling thread)."""
-        if self._yes.get(pid) == token:
+        if self.known(pid, token):
             return True
         no = self._no.get(pid)
         if no is not None and no[0] == token and time.monotonic() - no[1] < self.fresh_s:
@@ -93,7 +93,7 @@ class GpuHolders:
         now = time.monotonic()
         out = []
         for pid, token in items:
-            if self._yes.get(pid) == token:
+            if self.known(pid, token):
                 continue
             no = self._no.get(pid)
             if no is None or no[0] != token or now - no[1] >= self.fresh_s / 2:

@@ -401,7 +401,7 @@ class Regions:
         after a sync): a runtime known to hold a GPU file decides at once; the others are taken
         from the reading made beside the freeze, and any the freeze stopped that it did not list
         are read now."""
-        if not targets or self.d.device(r.device).vendor == "cpu" or reading is None:
+        if reading is None:  # no siblings, or the cpu device (see _read_targets)
             return "not-needed"
         read = await reading  # done with before the grant, whatever decides
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
