@@ -212,15 +212,13 @@ class Watch:
 
     def __init__(self, owner: EventsWatcher, wd: int) -> None:
         self._owner, self.wd = owner, wd
-        self._changed = asyncio.Event()
         self.gone = False
-        #: events of waiters on several watches at once (`until_all`), set on every change
+        #: the events of the waiters on this watch (`until_all`), set on every change
         self.listeners: set[asyncio.Event] = set()
 
     def _notify(self, mask: int) -> None:
         if mask & (_IN_IGNORED | _IN_DELETE_SELF):
             self.gone = True
-        self._changed.set()
         for ev in self.listeners:
             ev.set()
 
@@ -233,23 +231,11 @@ class Watch:
         kernel) while the state itself is reached in ~0.2 ms; the watch stays armed throughout.
         Exceptions of `pred` (CgroupVanished when the cgroup went away) propagate.
         """
-        now = time.monotonic()
-        deadline, spin_until = now + timeout, now + min(spin, timeout)
-        while time.monotonic() < spin_until:
-            if pred():
-                return True
-            await asyncio.sleep(0)
-        while True:
-            self._changed.clear()
-            if pred():
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return pred()
+        done = await Watch.until_all({0: (self, pred)}, timeout, spin)
+        err = done.get(0)
+        if err is not None:
+            raise err
+        return 0 in done
 
     def close(self) -> None:
         self._owner._drop(self)
@@ -257,8 +243,9 @@ class Watch:
     @staticmethod
     async def until_all(items: dict[K, tuple[Watch, Callable[[], bool]]], timeout: float,
                         spin: float = 0.0) -> dict[K, BaseException | None]:
-        """`until` for many watches with one waiter: await each item's predicate, re-checking the
-        pending ones on any change of their files (and on every loop turn for `spin` first).
+        """One waiter for many watches (`until` is the case of one): await each item's predicate,
+        re-checking the pending ones on any change of their files (and on every loop turn for
+        `spin` first, yielding the cpu as well).
         Returns, for each key whose predicate came true or raised, None or the exception; keys
         missing from the answer were still false at `timeout`."""
         done: dict[K, BaseException | None] = {}
