@@ -142,6 +142,9 @@ def test_example_file_loads_and_documents_every_option():
     ("--max-commands", "0", "--max-commands: Expected `int` >= 1"),
     ("--max-buffered-total", "10", "--max-buffered-total: Expected `int` >= 65536"),
     ("--spool-limit", "-1", "--spool-limit: Expected `int` >= 0"),
+    ("--max-connections-per-user", "0", "--max-connections-per-user: Expected `int` >= 1"),
+    ("--max-commands-per-user", "0", "--max-commands-per-user: Expected `int` >= 1"),
+    ("--max-inbound-bytes", "10", "--max-inbound-bytes: Expected `int` >= 1048576"),
 ])
 def test_serve_flags_reject_bad_values_before_serving(tmp_path, flag, value, message):
     """A bad value stops `krex serve` with the flag and the rule named, before it binds anything."""
