@@ -5,6 +5,9 @@
 #   bash bench/gpu/run_open_goals.sh 2   # drain at the daemon's default settle fraction, 8 regions (5)
 #   bash bench/gpu/run_open_goals.sh 3   # the replay, all policies (issue 7; 5's fidelity goals)
 #   bash bench/gpu/run_open_goals.sh 4   # the replay's region policy with --freeze device-holders
+#   bash bench/gpu/run_open_goals.sh 5   # region overhead between two wake-up latency readings of the
+#                                        # machine (issue 3), the ctxpool self-check and pooled start
+#                                        # through the daemon (issue 6)
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
 source .bcc/activate.sh >/dev/null 2>&1
@@ -39,5 +42,13 @@ case "${1:-1}" in
   step replay_holders 400 python3 bench/replay.py --profile gpu-10min --seed 2 --policies region \
     --out /tmp/krex-replay/gpu-10min-holders.json --daemon-arg=$CG --daemon-arg=--freeze=device-holders
   cp /tmp/krex-replay/gpu-10min-holders.json "$OUT/" 2>/dev/null ;;
+5)
+  step wakeup_before 60 python3 bench/wakeup.py --pairs 0:1,0:8,3:12 --json "$OUT/wakeup_before.json"
+  step overhead 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
+    --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
+  step wakeup_after 60 python3 bench/wakeup.py --pairs 0:1,0:8,3:12 --json "$OUT/wakeup_after.json"
+  step ctxpool 150 python3 bench/gpu/check_ctxpool.py
+  step pool_start 220 python3 bench/pool_start.py --device cuda --daemon --together 1,16 --rounds 2 \
+    --goal 20 --daemon-arg=$CG --json "$OUT/pool_start.json" ;;
 esac
 grep -E "^=====|^rc=" "$LOG"

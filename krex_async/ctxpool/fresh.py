@@ -370,10 +370,14 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
 
 
 def _reset_region_client() -> None:
-    """krex_async.regionclient is baseline (the worker imports krex_async): drop the command's connection."""
+    """krex_async.regionclient is baseline (the worker imports krex_async): drop the command's
+    connection, and the kernel devicework keeps for the idle check."""
     mod = sys.modules.get("krex_async.regionclient")
     if mod is not None:
         mod.reset()
+    work = sys.modules.get("krex_async.runtime.devicework")
+    if work is not None:  # the idle check's kept kernel holds device memory
+        work.forget_probe()
 
 
 def _drop_modules(base: Baseline) -> str | None:
