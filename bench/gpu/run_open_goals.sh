@@ -8,6 +8,8 @@
 #   bash bench/gpu/run_open_goals.sh 5   # region overhead between two wake-up latency readings of the
 #                                        # machine (issue 3), the ctxpool self-check and pooled start
 #                                        # through the daemon (issue 6)
+#   bash bench/gpu/run_open_goals.sh 6   # the kernel's freezer floor and region overhead (3), then
+#                                        # the replay, all policies (7)
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
 source .bcc/activate.sh >/dev/null 2>&1
@@ -23,6 +25,11 @@ drain() {  # check_drain at the default --settle-fraction, $1 regions
   step "drain" 300 env OUT="$OUT/drain" python3 bench/gpu/check_drain.py --skip nvml \
     --skip thaw --regions "$1"
   mv "$OUT/drain/check_drain.json" "$OUT/check_drain.json" 2>/dev/null; rmdir "$OUT/drain"; }
+floor() {  # the kernel's freezer without krex, then krex's region entry, 16 siblings (issue 3)
+  step freeze_floor 60 python3 bench/freeze_floor.py --root /sys/fs/cgroup/krexbench --groups 16 \
+    --json "$OUT/freeze_floor.json"
+  step overhead16 60 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
+    --contending '' --regions 200 --daemon-arg=$CG --json "$OUT/region_overhead16.json"; }
 case "${1:-1}" in
 1)
   step overhead 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
@@ -50,5 +57,10 @@ case "${1:-1}" in
   step ctxpool 150 python3 bench/gpu/check_ctxpool.py
   step pool_start 220 python3 bench/pool_start.py --device cuda --daemon --together 1,16 --rounds 2 \
     --goal 20 --daemon-arg=$CG --json "$OUT/pool_start.json" ;;
+6)
+  floor
+  step replay 520 python3 bench/replay.py --profile gpu-10min --seed 2 \
+    --out /tmp/krex-replay/gpu-10min.json --daemon-arg=$CG
+  cp /tmp/krex-replay/gpu-10min*.json /tmp/krex-replay/*.png "$OUT/" 2>/dev/null ;;
 esac
 grep -E "^=====|^rc=" "$LOG"
