@@ -100,6 +100,18 @@ def baselines(isolated: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def floor(isolated: list[dict[str, Any]], base: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The isolated repeats judged like commands: each repeat's median against the baseline, p50
+    and p95 per bucket. What the baseline's own spread puts into a policy's inflation figure (a
+    policy that changes nothing shows about this much)."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for r in isolated:
+        b = base.get(r["key"])
+        if b and b["median_ms"] > 0:
+            by[b["bucket"]].append(r["timing"]["median_ms"] / b["median_ms"] - 1.0)
+    return {bk: {"n": len(v), "p50": pct(v, 0.5), "p95": pct(v, 0.95)} for bk, v in by.items()}
+
+
 def inflation(p: dict[str, Any], base: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Inflation of each command's median (and p95) over the isolated one, summarised as p50 and p95
     across commands per bucket, and per bucket and timing method."""
@@ -160,7 +172,9 @@ STEPS = ("quiesce_s", "freeze_s", "cores_s", "settle_s", "drain_s", "warm_s", "h
 def summarise(data: dict[str, Any], lines: list[dict[str, Any]]) -> dict[str, Any]:
     """The `summary` object of a results file, from its raw passes."""
     cfg, passes = data["config"], data["passes"]
-    base = baselines(data.get("isolated", {}).get("results", []))
+    iso = [*data.get("isolated", {}).get("results", []),
+           *data.get("isolated_after", {}).get("results", [])]
+    base = baselines(iso)
     per: dict[str, Any] = {}
     for name, p in passes.items():
         ok = sum(1 for r in p["commands"] if r.get("ok"))
@@ -180,7 +194,7 @@ def summarise(data: dict[str, Any], lines: list[dict[str, Any]]) -> dict[str, An
     if "region" in cph and cph.get("shared"):
         ach["region_of_shared"] = cph["region"] / cph["shared"]
     return {"policies": per, "ratios": ratios, "ideal_trace": ideal_t, "ideal_measured": ideal_m,
-            "achieved": ach, "baselines": base}
+            "achieved": ach, "baselines": base, "isolated_floor": floor(iso, base)}
 
 
 def _f(v: float | None, fmt: str) -> str:
@@ -220,6 +234,9 @@ def table(s: dict[str, Any]) -> str:
     for name, p in s["policies"].items():
         for key, v in {**p["inflation"]["by_bucket"], **p["inflation"]["by_bucket_method"]}.items():
             out.append(f"{name + ' ' + key:<28} {v['n']:>4} {_f(v['p50'], '8.2%')} {_f(v['p95'], '8.2%')}")
+    for key, v in s.get("isolated_floor", {}).items():
+        out.append(f"{'isolated repeats ' + key:<28} {v['n']:>4} {_f(v['p50'], '8.2%')} "
+                   f"{_f(v['p95'], '8.2%')}   (the baseline's own spread)")
     return "\n".join(out)
 
 

@@ -8,7 +8,10 @@ For each policy it starts `python -m krex_async serve --socket S --policy P` as 
 for the socket, replays the sessions with N agents at once (each agent: one krex_async.Client, its
 session's commands in order, sleeping each think time first), then stops the daemon (SIGTERM, then
 SIGKILL after a grace period) whatever happened. Before the policies, an isolated pass times every
-distinct kernel|method of the trace alone, in one command, as the inflation baseline. Every raw number
+distinct kernel|method of the trace alone, in one command, as the inflation baseline, and (unless
+--no-isolated-after) once more after them: the GPU's state drifts over a run (run F's isolated pass
+timed 1-10 ms kernels 5% slower than both policies that followed), so the baseline brackets the
+passes it judges. Every raw number
 (command reports, result lines, samples) goes into the JSON; the summary and table come from
 analysis.py. A stderr line shows progress. A daemon that does not come up fails the run with its log.
 """
@@ -246,14 +249,15 @@ def isolated_lines(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
+async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace,
+                        name: str = "isolated") -> dict[str, Any]:
     """Every distinct kernel timed alone (one command, nothing else on the daemon), `repeats` times."""
     from krex_async import Client
     lines = isolated_lines(trace)
     spec = opts.logdir / "isolated-kernels.jsonl"
     spec.write_text("".join(dump_lines(lines)))
-    prog = Progress("isolated", 1)
-    async with Daemon("command", opts.python, opts.daemon_arg, opts.logdir / "daemon-isolated.log") as d:
+    prog = Progress(name, 1)
+    async with Daemon("command", opts.python, opts.daemon_arg, opts.logdir / f"daemon-{name}.log") as d:
         async with await Client.connect(d.socket) as c:
             t0 = time.monotonic()
             prog.running = 1
@@ -264,7 +268,7 @@ async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace) -
     prog.show(final=True)
     results = parse_result(res.stdout)
     if res.returncode != 0 or not results:
-        raise RuntimeError(f"isolated pass failed (rc {res.returncode}): "
+        raise RuntimeError(f"{name} pass failed (rc {res.returncode}): "
                            f"{res.stderr[-2000:].decode('utf-8', 'replace')}")
     return {"seconds": time.monotonic() - t0, "kernels": len(lines), "repeats": opts.repeats,
             "results": results, "report": _builtins(res.report)}
@@ -293,7 +297,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "config": {"trace": str(path), "commands": len(trace), "sessions": n_sessions,
                    "concurrency": a.concurrency, "policies": a.policies, "think_scale": a.think_scale,
                    "cores": a.cores, "device": a.device, "daemon_args": a.daemon_arg,
-                   "repeats": a.repeats, "started_at": time.time(), "argv": sys.argv,
+                   "repeats": a.repeats, "isolated_after": a.isolated_after, "started_at": time.time(), "argv": sys.argv,
                    "host": os.uname().nodename},
         "passes": {}}
     data["isolated"] = await isolated_pass(trace, a)
@@ -302,6 +306,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         data["passes"][pol] = await replay_pass(pol, trace, a)
         data["summary"] = analysis.summarise(data, trace)
         _write(a.out, data)  # after every pass: a run cut short still leaves what it measured
+    if a.isolated_after and a.policies:
+        data["isolated_after"] = await isolated_pass(trace, a, "isolated_after")
+        data["summary"] = analysis.summarise(data, trace)
     data["config"]["ended_at"] = time.time()
     _write(a.out, data)
     return data
@@ -325,6 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=None, help="agents at once (default: sessions)")
     ap.add_argument("--think-scale", type=float, default=1.0, help="multiply every think time")
     ap.add_argument("--repeats", type=int, default=3, help="isolated pass repeats per kernel")
+    ap.add_argument("--isolated-after", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the kernels alone again after the policies; the baseline is the "
+                         "median over both isolated passes (default: on)")
     ap.add_argument("--device", default=None, help="device to submit to (default: cpu or auto)")
     ap.add_argument("--cmd-timeout", type=float, default=600.0)
     ap.add_argument("--python", default=sys.executable, help="interpreter of the daemon")
@@ -336,6 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plan", action="store_true", help="print sizes, ideal ratio and lower-bound "
                     "pass durations of the trace, run nothing")
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     a.policies = [p for p in a.policies.split(",") if p]
     bad = set(a.policies) - {"region", "command", "shared"}
     if bad:
@@ -354,12 +366,12 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
     ideal = analysis.trace_ideal(trace, n, a.cores, a.think_scale)
     iso = isolated_lines(trace)
     iso_s = 5.0 + a.repeats * sum(x["phases"]["timing"]["expect_s"] + 0.5 for x in iso)
-    est = {"isolated": iso_s, "command": ideal["lb_command_s"], "region": ideal["lb_region_s"],
-           "shared": ideal["lb_region_s"]}
+    est = {"isolated": iso_s * (2 if a.isolated_after else 1), "command": ideal["lb_command_s"],
+           "region": ideal["lb_region_s"], "shared": ideal["lb_region_s"]}
     return {"trace": str(path), **gen_trace.summary(trace), "sessions": len(sessions(trace)),
             "concurrency": n, "distinct_kernels": len(iso), "ideal_trace": ideal,
             "estimated_s": {k: round(v, 1) for k, v in est.items() if k == "isolated" or k in a.policies},
-            "estimated_total_s": round(iso_s + sum(est[p] for p in a.policies), 1)}
+            "estimated_total_s": round(est["isolated"] + sum(est[p] for p in a.policies), 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

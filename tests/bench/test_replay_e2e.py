@@ -57,7 +57,9 @@ def test_two_sessions_all_policies(tmp_path: Path) -> None:
     assert s["policies"]["region"]["regions"]["enter_p50_s"] is not None
     assert set(s["ratios"]) == {"region/command", "shared/command"}
     assert s["ideal_trace"]["ratio"] >= 1.0 and s["ideal_measured"]["ratio"] > 0
-    assert s["baselines"] and all(b["repeats"] == 1 for b in s["baselines"].values())
+    # --repeats 1 before the policies and 1 after them (--isolated-after, the default)
+    assert s["baselines"] and all(b["repeats"] == 2 for b in s["baselines"].values())
+    assert data["isolated_after"]["repeats"] == 1 and s["isolated_floor"]
     assert any(s["policies"][p]["inflation"]["by_bucket"] for p in s["policies"])
 
 
