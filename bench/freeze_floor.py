@@ -20,10 +20,7 @@ import subprocess
 import sys
 import time
 
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+from analysis import nearest_rank  # bench/ is sys.path[0] when run as a script
 
 
 def write(path: str, data: bytes) -> None:
@@ -110,11 +107,11 @@ def main() -> int:
             os.rmdir(d)
         os.rmdir(base)
     us = 1e6
-    row = {"groups": args.groups, "rounds": args.rounds,
-           "writes_p50_us": statistics.median(t_write) * us, "writes_p99_us": pct(t_write, .99) * us,
-           "frozen_p50_us": statistics.median(t_frozen) * us, "frozen_p99_us": pct(t_frozen, .99) * us,
-           "thawed_p50_us": statistics.median(t_thaw) * us, "thawed_p99_us": pct(t_thaw, .99) * us,
-           "null_syscall_us": null * us, "events_read_us": ev * us}
+    row: dict[str, float] = {"groups": args.groups, "rounds": args.rounds}
+    for name, xs in (("writes", t_write), ("frozen", t_frozen), ("thawed", t_thaw)):
+        row[f"{name}_p50_us"] = statistics.median(xs) * us
+        row[f"{name}_p99_us"] = nearest_rank(xs, 0.99) * us
+    row.update(null_syscall_us=null * us, events_read_us=ev * us)
     print(f"{'groups':>6} {'writes p50':>10} {'p99':>7} {'all frozen p50':>14} {'p99':>7} "
           f"{'thawed p50':>10} {'p99':>7} {'getppid':>8} {'events read':>11}   (us)")
     print(f"{args.groups:>6} {row['writes_p50_us']:>10.1f} {row['writes_p99_us']:>7.1f} "

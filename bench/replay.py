@@ -297,8 +297,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "config": {"trace": str(path), "commands": len(trace), "sessions": n_sessions,
                    "concurrency": a.concurrency, "policies": a.policies, "think_scale": a.think_scale,
                    "cores": a.cores, "device": a.device, "daemon_args": a.daemon_arg,
-                   "repeats": a.repeats, "isolated_after": a.isolated_after, "started_at": time.time(), "argv": sys.argv,
-                   "host": os.uname().nodename},
+                   "repeats": a.repeats, "isolated_after": a.isolated_after,
+                   "started_at": time.time(), "argv": sys.argv, "host": os.uname().nodename},
         "passes": {}}
     data["isolated"] = await isolated_pass(trace, a)
     _write(a.out, data)

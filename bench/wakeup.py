@@ -18,6 +18,8 @@ import os
 import statistics
 import time
 
+from analysis import nearest_rank  # bench/ is sys.path[0] when run as a script
+
 
 def pingpong(a: int, b: int, rounds: int) -> list[float]:
     """Round trips in seconds between a process on CPU a and one on CPU b."""
@@ -59,11 +61,6 @@ def oversleep(cpu: int, rounds: int) -> list[float]:
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="", help="CPU pairs a:b,... (default: first with second, "
@@ -92,8 +89,8 @@ def main() -> int:
         rt = [x / 2 for x in pingpong(a, b, args.rounds)]
         ov = oversleep(a, min(args.rounds, 1000))
         row = {"cpus": [a, b], "wake_p50_us": statistics.median(rt) * 1e6,
-               "wake_p99_us": pct(rt, 0.99) * 1e6, "wake_max_us": max(rt) * 1e6,
-               "oversleep_p50_us": statistics.median(ov) * 1e6, "oversleep_p99_us": pct(ov, 0.99) * 1e6}
+               "wake_p99_us": nearest_rank(rt, 0.99) * 1e6, "wake_max_us": max(rt) * 1e6,
+               "oversleep_p50_us": statistics.median(ov) * 1e6, "oversleep_p99_us": nearest_rank(ov, 0.99) * 1e6}
         rows.append(row)
         print(f"{a:>3}:{b:<3} {row['wake_p50_us']:>12.1f} {row['wake_p99_us']:>8.1f} "
               f"{row['wake_max_us']:>8.1f} {row['oversleep_p50_us']:>17.1f} {row['oversleep_p99_us']:>6.1f}")

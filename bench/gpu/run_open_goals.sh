@@ -25,6 +25,10 @@ drain() {  # check_drain at the default --settle-fraction, $1 regions
   step "drain" 300 env OUT="$OUT/drain" python3 bench/gpu/check_drain.py --skip nvml \
     --skip thaw --regions "$1"
   mv "$OUT/drain/check_drain.json" "$OUT/check_drain.json" 2>/dev/null; rmdir "$OUT/drain"; }
+replay() {  # the replay, all policies, within $1 seconds (issue 7)
+  step replay "$1" python3 bench/replay.py --profile gpu-10min --seed 2 \
+    --out /tmp/krex-replay/gpu-10min.json --daemon-arg=$CG
+  cp /tmp/krex-replay/gpu-10min*.json /tmp/krex-replay/*.png "$OUT/" 2>/dev/null; }
 floor() {  # the kernel's freezer without krex, then krex's region entry, 16 siblings (issue 3)
   step freeze_floor 60 python3 bench/freeze_floor.py --root /sys/fs/cgroup/krexbench --groups 16 \
     --json "$OUT/freeze_floor.json"
@@ -42,9 +46,7 @@ case "${1:-1}" in
 2)
   drain 8 ;;
 3)
-  step replay 590 python3 bench/replay.py --profile gpu-10min --seed 2 \
-    --out /tmp/krex-replay/gpu-10min.json --daemon-arg=$CG
-  cp /tmp/krex-replay/gpu-10min*.json /tmp/krex-replay/*.png "$OUT/" 2>/dev/null ;;
+  replay 590 ;;
 4)
   step replay_holders 400 python3 bench/replay.py --profile gpu-10min --seed 2 --policies region \
     --out /tmp/krex-replay/gpu-10min-holders.json --daemon-arg=$CG --daemon-arg=--freeze=device-holders
@@ -59,8 +61,6 @@ case "${1:-1}" in
     --goal 20 --daemon-arg=$CG --json "$OUT/pool_start.json" ;;
 6)
   floor
-  step replay 520 python3 bench/replay.py --profile gpu-10min --seed 2 \
-    --out /tmp/krex-replay/gpu-10min.json --daemon-arg=$CG
-  cp /tmp/krex-replay/gpu-10min*.json /tmp/krex-replay/*.png "$OUT/" 2>/dev/null ;;
+  replay 520 ;;
 esac
 grep -E "^=====|^rc=" "$LOG"
