@@ -24,7 +24,7 @@ from . import logs
 from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
-from .gpuholders import GpuHolders, read_group_holders, read_holders
+from .gpuholders import GpuHolders, read_holders
 from .isolation.base import Freeze, Group, IsolationError
 from .runtime.quiesce import holds_gpu_file
 
@@ -224,14 +224,16 @@ class Regions:
         """Quiesce, freeze and fence, overlapped where that is safe:
 
         t0: Quiesce sent to the runtimes that have device work to synchronise (`_to_quiesce`);
-            every other target frozen at once; on a GPU device the targets' processes read for
-            GPU files on a worker thread (`_read_targets`), and, when no runtime was asked to
-            quiesce, the clock settle started (NVML, on a worker thread); the owner's cores
-            reserved and the running commands fenced off them (unless the owner's own children
-            must be frozen first: then after).
+            every other target frozen at once; the owner's cores reserved and the running
+            commands fenced off them (unless the owner's own children must be frozen first:
+            then after).
         t1: acks in (or --quiesce-timeout): the quiesced targets frozen, then the owner's children.
-        t2: all frozen: the drain check (from t0's reading) and, where it did not start at t0,
-            the clock settle, while the loop finishes the fencing.
+        t2: all frozen: the fencing finished, the drain check (the frozen processes read for GPU
+            files, on the loop), then the clock settle (NVML, on a worker thread).
+        Nothing runs on a worker thread while the loop freezes: on the H200 a /proc reading on a
+        thread beside the freeze made the entry 0.9 ms slower at p50 than the same reading done on
+        the loop afterwards, and a settle started beside it 0.5 ms slower (GIL hand-offs at each
+        of the loop's syscalls; bench/RESULTS.md section 3, session 7).
         Every task started here has finished before this returns or raises, so `_release` never
         races a freeze still in flight.
         """
@@ -259,13 +261,9 @@ class Regions:
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
         settle: asyncio.Future[None] | None = None
-        check: asyncio.Future[str] | None = None
         t0 = time.perf_counter()
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
-        reading = self._read_targets(r, targets)
-        if not asked:  # the freeze is immediate: settle beside it (after quiesces, as before)
-            settle = asyncio.ensure_future(self._settle(r))
         cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
         try:
             if asked:
@@ -286,22 +284,18 @@ class Regions:
             rep.frozen_pids = sum(x.pids for x in results)
             self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
                          pids=rep.frozen_pids)
-            # Off the loop from here: the drain check reads /proc, the settle reads the clock,
-            # while the loop fences the cores.
-            check = asyncio.ensure_future(self._check_drain(r, targets, results, reading))
-            if settle is None:
-                settle = asyncio.ensure_future(self._settle(r))
             if cores is None:
                 cores = asyncio.ensure_future(self._timed_cores(r))
             await cores
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
-            rep.drain = await check
+            rep.drain = self._check_drain(r, targets, results)
+            settle = asyncio.ensure_future(self._settle(r))  # the loop is idle meanwhile
             await settle
             if quiet is not None:
                 rep.pool_wait_s = await quiet
         except BaseException:
-            tasks = [t for t in (early, cores, settle, check, reading, quiet) if t is not None]
+            tasks = [t for t in (early, cores, settle, quiet) if t is not None]
             for task in tasks:
                 if not task.done():
                     task.cancel()
@@ -371,39 +365,15 @@ class Regions:
             else:
                 fut.cancel()
 
-    def _read_targets(self, r: Region, targets: list[Command],
-                      ) -> asyncio.Future[dict[int, bool]] | None:
-        """At t0, on a worker thread beside the freeze: which of the targets' processes hold a GPU
-        device file (gpuholders.py says why reading before the freeze is sound). None where no
-        drain can be needed."""
+    def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze]) -> str:
+        """The drain state, once the targets are frozen: not-needed (no siblings, or a device
+        without queues), synced (no frozen process that did not acknowledge a quiesce holds a GPU
+        device file), else pending: the owner verifies. A runtime known to hold a file decides at
+        once; the other processes the freeze stopped are read now, on the loop (frozen, they
+        cannot open one meanwhile): about 7 us a small process and 25 us a torch one on the H200,
+        cheaper than a worker thread's hand-offs beside the loop."""
         if not targets or self.d.device(r.device).vendor == "cpu":
-            return None
-        files: list[str] = []
-        pids: list[int] = []
-        for c in targets:
-            if c.group is None:
-                continue
-            listed = self.d.backend.procs_files(c.group)
-            if listed is None:
-                pids += self.d.backend.pids(c.group)
-            else:
-                files += listed
-        known = frozenset(pid for c in targets for pid, send in c.runtimes.items()
-                          if self.holders.known(pid, send))
-        return asyncio.get_running_loop().run_in_executor(None, read_group_holders, files, pids,
-                                                          known)
-
-    async def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze],
-                           reading: asyncio.Future[dict[int, bool]] | None) -> str:
-        """The drain state: not-needed (no siblings, or a device without queues), synced (every
-        frozen sibling process that holds a GPU file acknowledged after synchronising), else
-        pending: the owner verifies. Only processes that did not acknowledge count (an ack came
-        after a sync): a runtime known to hold a GPU file decides at once; the others are taken
-        from the reading made beside the freeze, and any the freeze stopped that it did not list
-        are read now."""
-        if reading is None:  # no siblings, or the cpu device (see _read_targets)
             return "not-needed"
-        read = await reading  # done with before the grant, whatever decides
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
         stopped = {f.group: f.stopped for f in freezes}
         pids = [p for c in targets if c.group is not None
@@ -415,11 +385,7 @@ class Regions:
         tokens = {pid: send for c in targets for pid, send in c.runtimes.items()}
         if any(p in tokens and self.holders.known(p, tokens[p]) for p in pids):
             return "pending"
-        late = [p for p in pids if p not in read]
-        if late:
-            read.update((p, True) for p in
-                        await asyncio.get_running_loop().run_in_executor(None, read_holders, late))
-        held = [p for p in pids if read.get(p)]
+        held = read_holders(pids)
         for pid in held:
             if pid in tokens:
                 self.holders.note(pid, tokens[pid], True)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from krex_async.gpuholders import GpuHolders, read_group_holders, read_holders
+from krex_async.gpuholders import GpuHolders, read_holders
 from krex_async.runtime import quiesce
 
 CHILD = r"""
@@ -89,21 +89,14 @@ def test_read_holders_skips_processes_that_are_gone(device_dir):
     assert read_holders([p.pid]) == []
 
 
-def test_group_reading_lists_every_listed_process_and_skips_what_it_is_told(device_dir, child,
-                                                                            tmp_path):
+def test_reading_names_exactly_the_processes_that_hold_a_device_file(device_dir, child):
     other = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         open_in(child, str(device_dir / "nvidia0"))
-        procs = tmp_path / "cgroup.procs"  # what a cgroup lists, one pid a line
-        procs.write_text(f"{child.pid}\n{other.pid}\n")
-        gone = str(tmp_path / "removed" / "cgroup.procs")
-        assert read_group_holders([str(procs), gone]) == {child.pid: True, other.pid: False}
-        assert read_group_holders([str(procs)], skip=frozenset({child.pid})) == {other.pid: False}
-        assert read_group_holders([], pids=[other.pid, child.pid]) == \
-            {other.pid: False, child.pid: True}
+        assert read_holders([child.pid, other.pid]) == [child.pid]
         open_in(other, str(device_dir / "renderD128"))
-        assert read_group_holders([str(procs)]) == {child.pid: True, other.pid: True}
+        assert read_holders([other.pid, child.pid]) == [other.pid, child.pid]
     finally:
         other.kill()
         other.wait()
