@@ -114,6 +114,7 @@ def _start() -> bool:
 
     _signal.signal(signum, on_signal)
     main = _thread.get_ident()
+    main_tid = _thread.get_native_id()
 
     def at_exit() -> None:
         # However early the program ends (a short one ends before the listener has even loaded):
@@ -139,7 +140,7 @@ def _start() -> bool:
             if box.get("exiting"):  # at_exit ran while it loaded: it found no listener to stop
                 return
             q.run(env.get("KREX_SOCKET", ""), env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""),
-                  main, signum)
+                  main, signum, main_tid=main_tid)
         except BaseException:  # noqa: BLE001 - never disturb the user's program
             pass
         finally:
@@ -159,8 +160,9 @@ def _start() -> bool:
             q = box.get("q")
             if q is not None:
                 q.forget_parent_connection()
-            nonlocal main
+            nonlocal main, main_tid
             main = _thread.get_ident()
+            main_tid = _thread.get_native_id()
             start_boot()
         except BaseException:  # noqa: BLE001
             pass
