@@ -17,8 +17,11 @@ millisecond) releases the GIL and takes it back before a woken waiter can run, s
 wait seconds for it (on the 2-core dev VM: 0.3-10 s to acknowledge, 40 quiesces). The socket is
 therefore O_ASYNC with its signal (F_SETSIG) owned by the main thread (F_SETOWN_EX): the signal
 needs no GIL, and the handler it runs on the main thread gives the GIL up (short sleeps) while a
-frame waits to be read, so the listener reads it at once. The listener peeks for data before it
-reads, so a frame still counts as waiting until the listener, holding the GIL, takes it.
+frame waits to be read, so the listener reads it at once. The listener waits in poll() before it
+reads (a blocked recv would stop the kernel's signals), so a frame counts as waiting until the
+listener, holding the GIL, takes it. Not covered: a program that loops like that from its first
+instruction can keep the listener from connecting at all (it needs the GIL to start); the daemon's
+--quiesce-timeout then freezes it unacknowledged, as for any runtime that does not answer.
 
 The connection closing (daemon gone) opens the gate too, and the main thread never waits longer
 than KREX_QUIESCE_MAX_S (default 600) in one quiesce: nothing here can hang a program forever.
@@ -202,14 +205,18 @@ class _Listener:
             self.sock.sendall(data)
 
     def frames(self) -> Any:
-        """Yield each frame's body as it arrives; ends at EOF or a frame over MAX_FRAME. Waits by
-        peeking (the bytes stay queued, so `waiting()` sees them) and then takes all that is
-        queued in one read, with `reading` set until the frames read are handled."""
+        """Yield each frame's body as it arrives; ends at EOF or a frame over MAX_FRAME. Waits in
+        poll (the bytes stay queued, so `waiting()` sees them) and then takes all that is queued
+        in one read, with `reading` set until the frames read are handled."""
+        import select  # a C module, loaded on the listener's thread
         sock = self.sock
+        # poll, not a blocking recv: a reader blocked in recv marks the socket as waited on
+        # (SOCKWQ_ASYNC_WAITDATA) and the kernel then sends no O_ASYNC signal for new data
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
         while True:
             self.reading = False
-            if not sock.recv(1, _socket.MSG_PEEK):
-                return
+            poller.poll()
             self.reading = True
             chunk = sock.recv(1 << 16)
             if not chunk:

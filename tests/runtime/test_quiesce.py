@@ -29,6 +29,9 @@ if mode == "fork":
     if pid:
         os.waitpid(pid, 0)
         sys.exit(0)
+# A program that loops like this from its first instruction can keep the listener thread from
+# connecting at all (quiesce.py's docstring): give it the moment it needs.
+time.sleep(0.3)
 t_last = 0.0
 while True:
     if mode == "sleep":
