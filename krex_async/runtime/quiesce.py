@@ -3,25 +3,12 @@
     daemon                               listener thread                 main thread
       <-- Hello(role=command) ----------  connect($KREX_SOCKET)
       <-- QuiesceReady(cmd, token, pid) -
-      --- Quiesce(id, region) --------->  (the kernel signals the main thread as the bytes arrive)
-                                         pending = region, gate closed,
+      --- Quiesce(id, region) --------->  pending = region, gate closed,
                                          pthread_kill(main, signal) ---> handler at the next
                                                                          bytecode boundary:
       <-- QuiesceAck(id, region, synced, seconds) ---------------------- devicework.synchronize()
           (daemon freezes the cgroup)                                    waits on the gate
       --- Resume(region) ------------->  pending = None, gate open ----> returns to user code
-
-Why the kernel signals too: the listener is a Python thread and needs the GIL to read a frame. A main
-thread that loops in Python and makes a short system call now and then (a line-buffered write each
-millisecond) releases the GIL and takes it back before a woken waiter can run, so the listener could
-wait seconds for it (on the 2-core dev VM: 0.3-10 s to acknowledge, 40 quiesces). The socket is
-therefore O_ASYNC with its signal (F_SETSIG) owned by the main thread (F_SETOWN_EX): the signal
-needs no GIL, and the handler it runs on the main thread gives the GIL up (short sleeps) while a
-frame waits to be read, so the listener reads it at once. The listener waits in poll() before it
-reads (a blocked recv would stop the kernel's signals), so a frame counts as waiting until the
-listener, holding the GIL, takes it. Not covered: a program that loops like that from its first
-instruction can keep the listener from connecting at all (it needs the GIL to start); the daemon's
---quiesce-timeout then freezes it unacknowledged, as for any runtime that does not answer.
 
 The connection closing (daemon gone) opens the gate too, and the main thread never waits longer
 than KREX_QUIESCE_MAX_S (default 600) in one quiesce: nothing here can hang a program forever.
@@ -45,9 +32,6 @@ if False:  # for type checkers only (annotations are strings here)
     from typing import Any
 
 MAX_FRAME = 16 * 1024 * 1024
-_F_SETOWN_EX, _F_OWNER_TID = 15, 0  # <asm-generic/fcntl.h>; the fcntl module lacks them
-_F_SETSIG = 10
-LISTENER_WAIT_S = 0.1  # longest the handler gives the GIL up for a frame the listener has not read
 _state: "_Listener | None" = None
 _stopping = False  # stop() was called: a listener that connects afterwards ends at once
 
@@ -192,8 +176,6 @@ class _Listener:
         self.pending: _Quiesce | None = None
         self.closed = False
         self.in_handler = False
-        self.reading = False  # the listener holds bytes of a frame it has not handled yet
-        self.buf = bytearray()
         self.acks = 0  # how many quiesces this process acknowledged
         self.gpu = False  # a GPU device file was seen open here (sticky)
         self.finished = _thread.allocate_lock()  # released when the listener thread is done
@@ -204,43 +186,14 @@ class _Listener:
         with self.send_lock:
             self.sock.sendall(data)
 
-    def frames(self) -> Any:
-        """Yield each frame's body as it arrives; ends at EOF or a frame over MAX_FRAME. Waits in
-        poll (the bytes stay queued, so `waiting()` sees them) and then takes all that is queued
-        in one read, with `reading` set until the frames read are handled."""
-        import select  # a C module, loaded on the listener's thread
-        sock = self.sock
-        # poll, not a blocking recv: a reader blocked in recv marks the socket as waited on
-        # (SOCKWQ_ASYNC_WAITDATA) and the kernel then sends no O_ASYNC signal for new data
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
-        while True:
-            self.reading = False
-            poller.poll()
-            self.reading = True
-            chunk = sock.recv(1 << 16)
+    def recv_exact(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
             if not chunk:
-                return
-            self.buf += chunk
-            while len(self.buf) >= 4:
-                (n,) = struct.unpack_from(">I", self.buf)
-                if n > MAX_FRAME:
-                    return
-                if len(self.buf) < 4 + n:
-                    break
-                body = bytes(self.buf[4:4 + n])
-                del self.buf[:4 + n]
-                yield body
-
-    def waiting(self) -> bool:
-        """A frame has arrived that the listener has not handled yet (queued, or read and not
-        yet handled)."""
-        if self.reading:
-            return True
-        try:
-            return bool(self.sock.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT))
-        except OSError:  # nothing queued (EAGAIN), or the socket is closed
-            return False
+                return None
+            buf += chunk
+        return bytes(buf)
 
     def on_quiesce(self, req_id: int, region: str) -> None:
         with self.mu:
@@ -279,16 +232,8 @@ def on_signal() -> None:
     program as it would have without krex; the listener's state stays consistent.
     """
     st = _state
-    if st is None or st.in_handler:
+    if st is None or st.in_handler or st.pending is None:
         return
-    if st.pending is None:
-        # Signalled by the kernel as a frame arrived: let the listener (which needs the GIL) read
-        # it. A Resume, or a signal for a frame already handled, ends here with nothing pending.
-        end = time.monotonic() + LISTENER_WAIT_S
-        while st.pending is None and not st.closed and st.waiting() and time.monotonic() < end:
-            time.sleep(0.0001)
-        if st.pending is None:
-            return
     st.in_handler = True
     drained = False
     try:
@@ -374,27 +319,10 @@ def forget_parent_connection() -> None:
             pass
 
 
-def _signal_on_input(sock: Any, tid: int, signum: int) -> bool:
-    """Have the kernel send `signum` to thread `tid` whenever bytes arrive on `sock`."""
-    if tid <= 0:
-        return False
-    try:
-        import fcntl  # a C module, loaded on the listener's thread
-        fd = sock.fileno()
-        fcntl.fcntl(fd, _F_SETOWN_EX, struct.pack("ii", _F_OWNER_TID, tid))
-        fcntl.fcntl(fd, _F_SETSIG, signum)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
-    except (ImportError, OSError):
-        return False
-    return True
-
-
 def run(path: str, command: str, token: str, main: int, signum: int,
-        connect_timeout: float = 2.0, main_tid: int = 0) -> None:
+        connect_timeout: float = 2.0) -> None:
     """Connect to the daemon, announce this process, and serve Quiesce / Resume until the
-    connection ends. Returns (never raises) on any error; the caller runs it on its own thread.
-    `main` is the main thread's pthread id (pthread_kill), `main_tid` its kernel thread id (the
-    socket's O_ASYNC owner; 0: no signal on input)."""
+    connection ends. Returns (never raises) on any error; the caller runs it on its own thread."""
     global _state
     try:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -408,7 +336,6 @@ def run(path: str, command: str, token: str, main: int, signum: int,
         sock.close()
         return
     st = _Listener(sock, main, signum)
-    _signal_on_input(sock, main_tid, signum)
     _state = st
     try:
         if _stopping:  # stop() ran while we connected, and found no listener to wake
@@ -417,7 +344,16 @@ def run(path: str, command: str, token: str, main: int, signum: int,
         st.send({"type": "hello", "id": 1, "version": 1, "role": "command",
                  "client": f"krex-runtime/{pid}"})
         st.send({"type": "quiesce_ready", "id": 2, "command": command, "token": token, "pid": pid})
-        for body in st.frames():
+        while True:
+            head = st.recv_exact(4)
+            if head is None:
+                return
+            (n,) = struct.unpack(">I", head)
+            if n > MAX_FRAME:
+                return
+            body = st.recv_exact(n)
+            if body is None:
+                return
             try:
                 msg = unpack(body)
             except (ValueError, UnicodeDecodeError):

@@ -114,7 +114,6 @@ def _start() -> bool:
 
     _signal.signal(signum, on_signal)
     main = _thread.get_ident()
-    main_tid = _thread.get_native_id()
 
     def at_exit() -> None:
         # However early the program ends (a short one ends before the listener has even loaded):
@@ -140,7 +139,7 @@ def _start() -> bool:
             if box.get("exiting"):  # at_exit ran while it loaded: it found no listener to stop
                 return
             q.run(env.get("KREX_SOCKET", ""), env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""),
-                  main, signum, main_tid=main_tid)
+                  main, signum)
         except BaseException:  # noqa: BLE001 - never disturb the user's program
             pass
         finally:
@@ -160,9 +159,8 @@ def _start() -> bool:
             q = box.get("q")
             if q is not None:
                 q.forget_parent_connection()
-            nonlocal main, main_tid
+            nonlocal main
             main = _thread.get_ident()
-            main_tid = _thread.get_native_id()
             start_boot()
         except BaseException:  # noqa: BLE001
             pass
