@@ -260,7 +260,6 @@ class Regions:
         later = [c.group for c in todo if id(c) in quiesced_cmds and c.group is not None]
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
-        settle: asyncio.Future[None] | None = None
         t0 = time.perf_counter()
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
@@ -290,12 +289,11 @@ class Regions:
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
             rep.drain = self._check_drain(r, targets, results)
-            settle = asyncio.ensure_future(self._settle(r))  # the loop is idle meanwhile
-            await settle
+            await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
                 rep.pool_wait_s = await quiet
         except BaseException:
-            tasks = [t for t in (early, cores, settle, quiet) if t is not None]
+            tasks = [t for t in (early, cores, quiet) if t is not None]
             for task in tasks:
                 if not task.done():
                     task.cancel()

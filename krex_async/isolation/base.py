@@ -92,11 +92,6 @@ class Backend(abc.ABC):
         """The cgroup v2 directory the group's processes start in, where there is one."""
         return None
 
-    def procs_files(self, group: Group) -> list[str] | None:
-        """Files that list the group's pids (cgroup.procs), for readers on other threads; None
-        where there are none (then ask `pids()` on the loop)."""
-        return None
-
     def join(self, group: Group, pid: int) -> None:
         """Move a process that was started elsewhere (a pool worker) into the group, before it runs
         the command's first instruction. Backends without a kernel group do nothing."""

@@ -205,10 +205,6 @@ class CgroupBackend(Backend):
     def cgroup_dir(self, group: Group) -> str | None:
         return self.v2.path(self._g(group).run)
 
-    def procs_files(self, group: Group) -> list[str] | None:
-        g = self._g(group)
-        return [self.v2.path(rel, "cgroup.procs") for rel in self._leaves(g)]
-
     def join(self, group: Group, pid: int) -> None:
         """Write `pid` into the group's run/ leaf (v1 cpuset twin first, as the launch wrapper does).
         Raises IsolationError (CgroupFileError) when the kernel refuses."""

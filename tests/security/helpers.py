@@ -17,7 +17,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +37,13 @@ LAUNCH = ("import sys, msgspec; from krex_async import server, config; "
 
 
 @contextlib.asynccontextmanager
-async def config_daemon(dir_mode: int = 0o700, **cfg: object) -> AsyncIterator[Daemon]:
+async def config_daemon(dir_mode: int = 0o700, launch: str = LAUNCH, launch_args: Sequence[str] = (),
+                        **cfg: object) -> AsyncIterator[Daemon]:
     """A real daemon subprocess run from `ServeConfig(**cfg)` on a fresh short socket path.
 
     The socket's directory gets `dir_mode` (0755 lets other users reach the socket, whose own mode
     then decides). The daemon is stopped with SIGTERM (SIGKILL after 15 s) and the directory removed.
+    `launch`: the daemon's `python -c` program (given the config's JSON, then `launch_args`).
     """
     d = tempfile.mkdtemp(prefix="krexs-", dir="/tmp")
     os.chmod(d, dir_mode)
@@ -52,7 +54,7 @@ async def config_daemon(dir_mode: int = 0o700, **cfg: object) -> AsyncIterator[D
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KREX_SOCKET", None)
     with open(log, "wb") as f:
-        proc = subprocess.Popen([PY, "-c", LAUNCH, json.dumps(full)], stdout=f,
+        proc = subprocess.Popen([PY, "-c", launch, json.dumps(full), *launch_args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env)
     try:
         with serving(Daemon(sock, proc, log)) as daemon:
