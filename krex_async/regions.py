@@ -15,6 +15,7 @@ leaves a process frozen or a core fenced. Steps and their cost:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from .commands import Command
 from .devices.base import ClockState
 from .gpuholders import GpuHolders, read_holders
 from .isolation.base import Freeze, Group, IsolationError
+from .probes.hold import HOLD
 from .runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
@@ -115,19 +117,24 @@ class Regions:
                 return
             t_turn = time.perf_counter()
             rep.wait_s = t_turn - r.t_request
-            if sched.isolates():
-                await self._isolate(r)
-            rep.enter_s = time.perf_counter() - r.t_request
-            rep.outcome = "held"
-            granted = True
+            # The probes' threads hold off from the turn to the grant (probes/hold.py): each of
+            # their GIL hand-offs would cost the entry more than their work.
+            with HOLD.held() if self.d.attributor is not None else contextlib.nullcontext():
+                if sched.isolates():
+                    await self._isolate(r)
+                rep.enter_s = time.perf_counter() - r.t_request
+                rep.outcome = "held"
+                granted = True
+                if self.d.attributor is not None:
+                    self.d.attributor.region_granted(r)
+                self.d.metrics.region_entered(r.device, rep.enter_s, rep.freeze_s, rep.cores_s,
+                                              rep.quiesce_s)
+                t_held = time.perf_counter()
+                r.send(P.RegionGranted(id=r.req_id, report=rep,
+                                       drain_timeout=self.d.config.drain_timeout,
+                                       warm_ms=self._warm_ms(r)))
             if self.d.attributor is not None:
-                self.d.attributor.region_granted(r)
-            self.d.metrics.region_entered(r.device, rep.enter_s, rep.freeze_s, rep.cores_s,
-                                          rep.quiesce_s)
-            t_held = time.perf_counter()
-            r.send(P.RegionGranted(id=r.req_id, report=rep,
-                                   drain_timeout=self.d.config.drain_timeout,
-                                   warm_ms=self._warm_ms(r)))
+                self.d.attributor.counts_snapshot(r)
             self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen,
                          pool_wait_s=rep.pool_wait_s)
             timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,

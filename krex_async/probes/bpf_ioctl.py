@@ -33,7 +33,9 @@ import argparse
 import asyncio
 import mmap
 import os
+import ctypes as ct
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from typing import Any
 from . import _bcc
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .failure import FailureReporting
+from .hold import HOLD
 from ..runtime.quiesce import GPU_PREFIXES
 from .ioctls import ioctl_name
 
@@ -433,6 +436,7 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
     except OSError:
         return
     for pid in pids:
+        HOLD.wait()  # on the poll thread's upkeep: a region entering goes first
         base = f"/proc/{pid}/fd"
         try:
             fds = os.listdir(base)
@@ -485,6 +489,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         self._final_lost = 0
         self._gone_counts: dict[int, int] = {}
         self._gone_cg_counts: dict[int, int] = {}  # of cgroups removed since (their ids are unique)
+        self._moving = threading.Lock()  # held while a count moves from a map to _gone_*
         self._names: dict[tuple[int, str], str] = {}
         self._comms: dict[bytes, str] = {}
 
@@ -496,6 +501,8 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         bpf = _bcc.compile_bpf(self.text(), self.name)
         try:
             self._bpf = bpf
+            self._counts = _bcc.CountMap(bpf[b"counts"])
+            self._cg_counts = _bcc.CountMap(bpf[b"cg_counts"], ct.c_uint64)
             self.seed()
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(bpf, "events", self._decode, self.name,
@@ -556,6 +563,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         seed that follows."""
         table = self._bpf[b"tracked"]
         for k, v in list(table.items()):
+            HOLD.wait()
             if not v.s and os.path.exists(f"/proc/{k.tgid}"):
                 continue  # a live child's tombstone: it keeps the fd from being inherited again
             try:
@@ -566,10 +574,12 @@ class IoctlProbe(FailureReporting, ProbeBackend):
                 table.pop(k, None)
                 self.fd_paths.pop((k.tgid, k.fd), None)
         counts = self._bpf[b"counts"]
-        for k, v in list(counts.items()):
-            if not os.path.exists(f"/proc/{k.value}"):
-                self._gone_counts[k.value] = self._gone_counts.get(k.value, 0) + v.value
-                counts.pop(k, None)
+        for tgid in self._counts.read():
+            if not os.path.exists(f"/proc/{tgid}"):
+                with self._moving:  # counts() sees the count in the map or in _gone, not both
+                    n = counts.pop(counts.Key(tgid), None)
+                    if n is not None:
+                        self._gone_counts[tgid] = self._gone_counts.get(tgid, 0) + n.value
         self._prune_cgroups()
         self.seed()
 
@@ -584,6 +594,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         live: set[int] = set()
         stack = [v2]
         while stack:
+            HOLD.wait()
             try:
                 with os.scandir(stack.pop()) as it:
                     for e in it:
@@ -594,10 +605,12 @@ class IoctlProbe(FailureReporting, ProbeBackend):
                 continue  # removed while we walked
         live.add(os.stat(v2).st_ino)
         table = self._bpf[b"cg_counts"]
-        for k, v in list(table.items()):
-            if k.value not in live:
-                self._gone_cg_counts[k.value] = self._gone_cg_counts.get(k.value, 0) + v.value
-                table.pop(k, None)
+        for cg in self._cg_counts.read():
+            if cg not in live:
+                with self._moving:
+                    n = table.pop(table.Key(cg), None)
+                    if n is not None:
+                        self._gone_cg_counts[cg] = self._gone_cg_counts.get(cg, 0) + n.value
 
     def stop(self) -> None:
         if self._bpf is None:
@@ -625,18 +638,21 @@ class IoctlProbe(FailureReporting, ProbeBackend):
     def counts(self) -> dict[int, int]:
         if self._bpf is None:
             return dict(self._final_counts)
-        out = dict(self._gone_counts)
-        for k, v in self._bpf[b"counts"].items():
-            out[k.value] = out.get(k.value, 0) + v.value
+        with self._moving:
+            out = dict(self._gone_counts)
+            live = self._counts.read()
+        for tgid, n in live.items():
+            out[tgid] = out.get(tgid, 0) + n
         return out
 
     def cgroup_counts(self) -> dict[int, int]:
         """Events per cgroup v2 id (the inode number of the cgroup's directory, os.stat().st_ino),
         removed cgroups included."""
-        out = dict(self._gone_cg_counts)
-        if self._bpf is not None:
-            for k, v in self._bpf[b"cg_counts"].items():
-                out[k.value] = out.get(k.value, 0) + v.value
+        with self._moving:
+            out = dict(self._gone_cg_counts)
+            live = self._cg_counts.read() if self._bpf is not None else {}
+        for cg, n in live.items():
+            out[cg] = out.get(cg, 0) + n
         return out
 
     @property

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .bpf_ioctl import DEFAULT_PREFIXES, scan_proc
 from .failure import FailureReporting, name_thread
+from .hold import HOLD
 from .ioctls import ioctl_name
 
 ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -219,6 +220,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_scan:
+                    HOLD.wait()
                     next_scan = now + self.rescan_s
                     self._check()
                     self._refresh()
@@ -250,6 +252,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                 revents = ready.get(pipe, 0)
                 if not revents:
                     continue
+                HOLD.wait()  # a region is entering: the lines wait in the kernel's buffer
                 if revents & (select.POLLERR | select.POLLNVAL):
                     raise ProbeUnavailable(f"tracefs: trace_pipe poll error (revents "
                                            f"{revents:#x})")
