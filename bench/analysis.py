@@ -175,6 +175,12 @@ def regions(p: dict[str, Any]) -> dict[str, Any]:
             "steps_total_s": {k: sum(v) for k, v in steps.items()}}
 
 
+def padded(p: dict[str, Any]) -> float:
+    """Seconds of host work the pass's commands added to reach the trace's phase durations
+    (`replay.py --pace trace`): how much faster than the trace the real work ran."""
+    return sum(sum(((r.get("result") or {}).get("padded_s") or {}).values()) for r in p["commands"])
+
+
 STEPS = ("quiesce_s", "freeze_s", "cores_s", "settle_s", "drain_s", "warm_s", "held_s", "exit_s")
 
 
@@ -190,7 +196,8 @@ def summarise(data: dict[str, Any], lines: list[dict[str, Any]]) -> dict[str, An
         per[name] = {"commands": len(p["commands"]), "ok": ok, "failed": len(p["commands"]) - ok,
                      "makespan_s": p["makespan_s"],
                      "commands_per_hour": ok / p["makespan_s"] * 3600.0 if p["makespan_s"] > 0 else 0.0,
-                     "inflation": inflation(p, base), "regions": regions(p)}
+                     "inflation": inflation(p, base), "regions": regions(p),
+                     "padded_s": padded(p)}
     cph = {k: v["commands_per_hour"] for k, v in per.items()}
     ratios = {f"{a}/command": cph[a] / cph["command"] for a in ("region", "shared")
               if a in cph and cph.get("command")}
@@ -213,13 +220,14 @@ def _f(v: float | None, fmt: str) -> str:
 def table(s: dict[str, Any]) -> str:
     """The human-readable report of a summary."""
     out = [f"{'policy':<8} {'cmds':>5} {'fail':>4} {'makespan_s':>10} {'cmds/h':>9} "
-           f"{'enter_p50_ms':>12} {'enter_p99_ms':>12} {'strays':>6}"]
+           f"{'enter_p50_ms':>12} {'enter_p99_ms':>12} {'strays':>6} {'paced_s':>8}"]
     for name, p in s["policies"].items():
         g = p["regions"]
         ms = lambda v: None if v is None else v * 1000.0  # noqa: E731
         out.append(f"{name:<8} {p['commands']:>5} {p['failed']:>4} {p['makespan_s']:>10.1f} "
                    f"{p['commands_per_hour']:>9.1f} {_f(ms(g['enter_p50_s']), '12.2f')} "
-                   f"{_f(ms(g['enter_p99_s']), '12.2f')} {g['strays']:>6}")
+                   f"{_f(ms(g['enter_p99_s']), '12.2f')} {g['strays']:>6} "
+                   f"{p.get('padded_s', 0.0):>8.1f}")
     out.append("")
     for k, v in s["ratios"].items():
         out.append(f"throughput {k}: {v:.2f}x")

@@ -194,7 +194,7 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
                 async with await Client.connect(d.socket) as c:
                     for line in by[name]:
                         await asyncio.sleep(line["think_s"] * opts.think_scale)
-                        argv = [opts.command_python, str(AGENT_CMD), "--spec",
+                        argv = [opts.command_python, str(AGENT_CMD), "--pace", opts.pace, "--spec",
                                 json.dumps(line, separators=(",", ":"))]
                         prog.running += 1
                         s0 = time.monotonic()
@@ -297,7 +297,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "config": {"trace": str(path), "commands": len(trace), "sessions": n_sessions,
                    "concurrency": a.concurrency, "policies": a.policies, "think_scale": a.think_scale,
                    "cores": a.cores, "device": a.device, "daemon_args": a.daemon_arg,
-                   "repeats": a.repeats, "isolated_after": a.isolated_after,
+                   "repeats": a.repeats, "isolated_after": a.isolated_after, "pace": a.pace,
                    "started_at": time.time(), "argv": sys.argv, "host": os.uname().nodename},
         "passes": {}}
     data["isolated"] = await isolated_pass(trace, a)
@@ -335,6 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--isolated-after", action=argparse.BooleanOptionalAction, default=True,
                     help="time the kernels alone again after the policies; the baseline is the "
                          "median over both isolated passes (default: on)")
+    ap.add_argument("--pace", choices=["trace", "none"], default="trace",
+                    help="trace (default): every phase of a command but its timing lasts at least "
+                         "the trace's expect_s (real work, then more host work), so each pass "
+                         "replays the trace's command durations; none: the real work alone")
     ap.add_argument("--device", default=None, help="device to submit to (default: cpu or auto)")
     ap.add_argument("--cmd-timeout", type=float, default=600.0)
     ap.add_argument("--python", default=sys.executable, help="interpreter of the daemon")

@@ -81,11 +81,33 @@ def summarise(samples: list[float]) -> dict[str, Any]:
             "samples_ms": [round(x, 6) for x in kept], "samples_thinned": len(kept) < len(samples)}
 
 
-def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int) -> dict[str, Any]:
+def pad_to(t0: float, phase: dict[str, Any], tag: str, pace: bool, padded: dict[str, float],
+           name: str) -> None:
+    """With `pace`, keep a phase going with real host work until it has lasted the trace's
+    `expect_s` since `t0` (a floor: a phase whose real work took longer is not cut). A replay then
+    reproduces the trace's command durations on any machine: without it the serialised command
+    pass ran 174-297 s for the same 251.7 s trace (bench/RESULTS.md, runs F and G), and the
+    throughput ratio measured the machine's speed that day rather than the policies."""
+    if not pace:
+        return
+    import cpu_kernels
+    end = t0 + float(phase.get("expect_s", 0.0))
+    left = end - time.perf_counter()
+    if left <= 0:
+        return
+    while time.perf_counter() < end:
+        cpu_kernels.host_work(cpu_kernels.UNIT_S * 16, tag + "/pace")
+    padded[name] = round(left, 6)
+
+
+def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
+            pace: bool = False) -> dict[str, Any]:
     """Compile, inputs, check and timing for one trace line (imports already done). Returns the
-    result object; raises what the kernel raises (the caller reports it)."""
+    result object; raises what the kernel raises (the caller reports it). With `pace`, each phase
+    but timing lasts at least its expect_s (pad_to)."""
     ph, kernel = line["phases"], line["kernel"]
     times: dict[str, float] = {"import": imported_s}
+    padded: dict[str, float] = {}
     tag = ph["compile"].get("tag") or f"{line['session']}-{line['order']}"
     t0 = time.perf_counter()
     import cpu_kernels as K_cpu
@@ -97,6 +119,7 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int) -> di
         g = ph["compile"].get("gpu") or {}
         compiled = K.compile_fresh(tag, int(g.get("count", 1)), g.get("compile", "triton"))
     K_cpu.host_work(float(ph["compile"].get("cpu_s", 0.0)), tag)
+    pad_to(t0, ph["compile"], tag, pace, padded, "compile")
     times["compile"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -110,11 +133,13 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int) -> di
     K_cpu.host_work(float(ph["inputs"].get("cpu_s", 0.0)), tag + "/inputs")
     if gpu:
         K.sync()
+    pad_to(t0, ph["inputs"], tag, pace, padded, "inputs")
     times["inputs"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     ok, err = check()
     K_cpu.host_work(float(ph["check"].get("cpu_s", 0.0)), tag + "/check")
+    pad_to(t0, ph["check"], tag, pace, padded, "check")
     times["check"] = time.perf_counter() - t0
 
     t = ph["timing"]
@@ -137,7 +162,8 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int) -> di
             "bucket_expected": kernel.get("bucket"), "reps": reps,
             "device": os.environ.get("KREX_BENCH_TORCH_DEVICE", "cuda") if gpu else "cpu", "backend": "torch" if gpu else K_cpu.BACKEND,
             "check": {"ok": bool(ok), "max_abs_err": float(err)},
-            "phases_s": {k: round(v, 6) for k, v in times.items()}, "region_held_s": round(held, 6),
+            "phases_s": {k: round(v, 6) for k, v in times.items()}, "padded_s": padded,
+            "region_held_s": round(held, 6),
             "region": _report(r), "timing": summarise(samples), "pid": os.getpid()}
 
 
@@ -182,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--isolated", help="JSON lines of trace lines: time each alone")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--pace", choices=["none", "trace"], default="none",
+                    help="trace: each phase but timing lasts at least the trace's expect_s, padded "
+                         "with real host work (what bench/replay.py asks by default)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     from trace_format import validate_line
@@ -199,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     imported = _imports(gpu, modules)
     import cpu_kernels
     cpu_kernels.host_work(float(lines[0]["phases"]["import"].get("cpu_s", 0.0)), "import")
+    pace = a.pace == "trace"
+    import_padded: dict[str, float] = {}
+    pad_to(t0, lines[0]["phases"]["import"], "import", pace, import_padded, "import")
     imported = time.perf_counter() - t0
     rc = 0
     for rep in range(a.repeats):
         for line in lines:
-            res = run_one(line, gpu, imported, a.seed)
+            res = run_one(line, gpu, imported, a.seed, pace)
+            res["padded_s"].update(import_padded)
             res["repeat"] = rep
             res["wall_s"] = round(time.perf_counter() - t0, 6)
             if not res["check"]["ok"]:

@@ -51,6 +51,32 @@ def test_host_work_scales_with_cpu_s() -> None:
     assert slow_s["phases_s"]["compile"] > fast_s["phases_s"]["compile"] + 0.2
 
 
+def test_pace_trace_makes_each_phase_last_its_expected_time() -> None:
+    line = _lines(1)[0]
+    for name, want in (("import", 0.9), ("compile", 0.7), ("inputs", 0.4), ("check", 0.5)):
+        line["phases"][name]["expect_s"] = want
+        line["phases"][name]["cpu_s"] = 0.0
+    plain = _results(run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(line)).stdout)[0]
+    paced = _results(run_script("bench/workload/agent_cmd.py", "--pace", "trace", "--spec",
+                                json.dumps(line)).stdout)[0]
+    assert plain["padded_s"] == {}
+    for name in ("import", "compile", "inputs", "check"):
+        want = line["phases"][name]["expect_s"]
+        assert plain["phases_s"][name] < want - 0.2, (name, plain["phases_s"])  # real work is short
+        assert want <= paced["phases_s"][name] < want + 0.25, (name, paced["phases_s"])
+        assert 0 < paced["padded_s"][name] <= want
+    assert paced["check"]["ok"]
+
+
+def test_pace_never_cuts_a_phase_that_ran_longer() -> None:
+    line = _lines(1)[0]
+    line["phases"]["compile"]["cpu_s"] = 0.6
+    line["phases"]["compile"]["expect_s"] = 0.05
+    paced = _results(run_script("bench/workload/agent_cmd.py", "--pace", "trace", "--spec",
+                                json.dumps(line)).stdout)[0]
+    assert paced["phases_s"]["compile"] > 0.3 and "compile" not in paced["padded_s"]
+
+
 def test_isolated_mode_times_each_kernel_per_repeat(tmp_path: Path) -> None:
     lines = _lines()
     two = {(c["kernel"]["id"], c["phases"]["timing"]["method"]): c for c in lines}
