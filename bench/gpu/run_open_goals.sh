@@ -10,6 +10,9 @@
 #                                        # through the daemon (issue 6)
 #   bash bench/gpu/run_open_goals.sh 6   # the kernel's freezer floor and region overhead (3), then
 #                                        # the replay, all policies (7)
+#   bash bench/gpu/run_open_goals.sh 7   # region entry with and without the bcc probes, 16 siblings,
+#                                        # two rounds, and 1/4/64 with probes (3); host-clock
+#                                        # timings in and out of a region per daemon variant (7)
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
 source .bcc/activate.sh >/dev/null 2>&1
@@ -62,5 +65,15 @@ case "${1:-1}" in
 6)
   floor
   replay 520 ;;
+7)
+  for round in 1 2; do for probes in off auto; do
+    step "overhead16-$probes-$round" 70 python3 bench/region_overhead.py --backends cgroup \
+      --siblings 16 --contending '' --regions 200 --probes $probes --daemon-arg=$CG \
+      --json "$OUT/ro16-$probes-$round.json"
+  done; done
+  step overhead_probes 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,64 \
+    --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/ro-probes.json"
+  step host_sync 150 python3 bench/gpu/region_host_sync.py --rounds 12 --reps 60 --daemon-arg=$CG \
+    --json "$OUT/host_sync.json" ;;
 esac
 grep -E "^=====|^rc=" "$LOG"
