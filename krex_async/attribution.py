@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import logs
-from .probes.attribution import Attributor as Mapper
+from .probes.attribution import Attributor as Mapper, parent_pid
 from .probes.base import ProbeBackend, ProbeEvent
 
 if TYPE_CHECKING:
@@ -52,7 +52,28 @@ class Watch:
     counts_at_start: dict[int, int] | None = None  # None until counts_snapshot() (or if it failed)
     pids: dict[int, int] = field(default_factory=dict)  # stray tgid -> events
     first: list[str] = field(default_factory=list)
+    procs: dict[int, str] = field(default_factory=dict)  # stray tgid -> who it was (describe())
     unverified: bool = False  # a batch could not be attributed while it was held
+
+
+def describe(pid: int, proc: str = "/proc") -> str:
+    """Who a process is, for a stray's report: its parent, cgroup and command line, read once when
+    its first stray event is attributed (a few /proc reads; a process that is gone says so)."""
+    parts = []
+    ppid = parent_pid(pid, proc)
+    if ppid is not None:
+        parts.append(f"ppid {ppid}")
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            cg = [line.rstrip("\n").split(":", 2)[2] for line in f if line.startswith("0::")]
+        if cg:
+            parts.append(f"cgroup {cg[0]}")
+        with open(f"{proc}/{pid}/cmdline", "rb") as fb:
+            argv = fb.read(512).rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+        parts.append(f"cmd {argv[:200]!r}")
+    except (OSError, IndexError):
+        pass
+    return ", ".join(parts) or "gone"
 
 
 class Attributor:
@@ -131,6 +152,7 @@ class Attributor:
         rep.strays = sum(w.pids.values())
         rep.stray_pids = sorted(w.pids)
         rep.first_strays = list(w.first)
+        rep.stray_procs = dict(w.procs)
         if self.failed is not None or w.unverified or self.backend.lost() > w.lost_at_start:
             rep.tainted = True
 
@@ -180,6 +202,8 @@ class Attributor:
                 w = self.watches[r.id]
                 if ev.ts_ns >= w.since_ns and self._is_stray(r, ev):
                     stray_for = r
+                    if ev.tgid not in w.pids and len(w.procs) < FIRST_STRAYS:
+                        w.procs[ev.tgid] = describe(ev.tgid)
                     w.pids[ev.tgid] = w.pids.get(ev.tgid, 0) + 1
                     if len(w.first) < FIRST_STRAYS:
                         w.first.append(f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "

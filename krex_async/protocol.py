@@ -183,6 +183,9 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     strays: int = 0
     stray_pids: list[int] = []
     first_strays: list[str] = []
+    # Who each stray process was, read from /proc when its first stray event was attributed:
+    # "ppid P, cgroup /path, cmd 'argv...'" (or "gone" when it had already exited). Up to 10.
+    stray_procs: dict[int, str] = {}
     tainted: bool = False
 
 

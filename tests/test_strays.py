@@ -26,6 +26,9 @@ for _ in range(int(sys.argv[2])):
     except OSError:
         pass
 print(os.getpid(), flush=True)
+if len(sys.argv) > 3:  # linger, so that the daemon can read who it was
+    import time
+    time.sleep(float(sys.argv[3]))
 """
 
 
@@ -71,7 +74,7 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
                 assert time.monotonic() < deadline, "the owner never entered its region"
                 await asyncio.sleep(0.02)
             # A process outside krex touches the device during the region.
-            outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "7"],
+            outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "7", "0.5"],
                                               capture_output=True, text=True, timeout=30)
             outside_pid = int(outside.stdout)
             # A sibling command that opened nothing when the region began (device-holders: it
@@ -88,6 +91,14 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
     assert owner_pid not in rep.stray_pids
     assert rep.strays >= 7 + 1, rep
     assert rep.first_strays and f"pid {outside_pid}" in " ".join(rep.first_strays)
+    # Who each stray was: the outside process (it lingers) by its parent, cgroup and command
+    # line; the sibling likewise, or "gone" if it exited before its events were read.
+    sib_pid = int(sib_res.stdout)
+    assert set(rep.stray_procs) == {outside_pid, sib_pid}, rep.stray_procs
+    who = rep.stray_procs[outside_pid]
+    assert f"{ioctls} {device} 7" in who and f"ppid {os.getpid()}" in who and "cgroup /" in who, who
+    sib_who = rep.stray_procs[sib_pid]
+    assert sib_who == "gone" or f"cmd-{sib.command}" in sib_who, sib_who
     assert not rep.tainted
 
 
