@@ -326,3 +326,74 @@ def test_open_probes_says_the_scope(tmp_path: Path) -> None:
         launch = backend.parts[1]
         assert isinstance(launch, LaunchProbe) and launch.scope == scope
 
+
+OWNER = """
+import ctypes, os, sys, time
+from krex_async import region
+lib, dev, inside, done = sys.argv[1:5]
+fake = ctypes.CDLL(lib)
+fd = os.open(dev, os.O_RDWR)
+with region("timing"):
+    for i in range(2000):  # the owner's own launches: never strays
+        fake.cuLaunchKernel(None, i)
+    open(inside, "w").close()
+    while not os.path.exists(done):
+        time.sleep(0.01)
+print(os.getpid())
+"""
+
+
+@pytest.mark.parametrize("scope", ["outsiders", "all"])
+async def test_daemon_launch_scope(built: Built, devdir: str, tmp_path: Path, scope: str) -> None:
+    """Through a real daemon (`--probes launches --launch-scope S`): `krex status` shows the scope
+    (and, for outsiders, which processes are probed: the outsider, not the command), and an
+    outsider's launches during a region are strays either way, the owner's never."""
+    need_bcc()
+    from ..conftest import PY, py_env, run_daemon
+
+    dev = f"{devdir}/null0"
+    inside, done = tmp_path / "inside", tmp_path / "done"
+    owner = tmp_path / "owner.py"
+    owner.write_text(OWNER)
+    outsider: Worker | None = None
+    async with run_daemon("--probes", "launches", "--launch-scope", scope, "--launch-libs",
+                          built.lib, "--probe-prefixes", devdir + "/") as d:
+        async with await d.client() as c:
+            probes = (await c.status())["probes"]
+            assert probes["state"] == "running", probes
+            assert probes["launches"]["scope"] == scope, probes
+            try:
+                outsider = Worker(built, dev)
+                if scope == "outsiders":
+                    async def probed() -> list[int]:
+                        return list((await c.status())["probes"]["launches"]["watched_pids"])
+                    end = time.monotonic() + 10
+                    while outsider.pid not in await probed():
+                        assert time.monotonic() < end, "the outsider was never probed"
+                        await asyncio.sleep(0.02)
+                h = await c.submit([PY, str(owner), built.lib, dev, str(inside), str(done)],
+                                   env=py_env())
+                end = time.monotonic() + 20
+                while not inside.exists():
+                    assert time.monotonic() < end, "the owner never entered its region"
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.5)  # an attach after the owner's open would be done by now
+                st = await c.status()
+                owner_pid = next(x["pid"] for x in st["commands"] if x["command"] == h.command)
+                launches = st["probes"]["launches"]
+                if scope == "outsiders":
+                    assert outsider.pid in launches["watched_pids"], launches
+                    assert owner_pid not in launches["watched_pids"], launches
+                else:
+                    assert "watched" not in launches, launches
+                outsider.calls(3000)  # during the region
+                done.touch()
+                res = await h.wait()
+            finally:
+                if outsider is not None:
+                    outsider.end()
+    assert res.returncode == 0, res.stderr
+    rep = res.report.regions[0]
+    assert outsider is not None and outsider.pid in rep.stray_pids, rep
+    assert int(res.stdout) not in rep.stray_pids, rep
+    assert rep.strays >= 3000, rep
