@@ -330,9 +330,21 @@ def test_open_probes_says_the_scope(tmp_path: Path) -> None:
 OWNER = """
 import ctypes, os, sys, time
 from krex_async import region
-lib, dev, inside, done = sys.argv[1:5]
+lib, dev, inside, done, escaped = sys.argv[1:6]
+if os.fork() == 0:  # a grandchild that leaves the command's process tree (a double fork)
+    if os.fork() == 0:
+        ctypes.CDLL(lib)
+        os.open(dev, os.O_RDWR)
+        with open(escaped + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(escaped + ".tmp", escaped)
+        while not os.path.exists(done):
+            time.sleep(0.01)
+    os._exit(0)
 fake = ctypes.CDLL(lib)
 fd = os.open(dev, os.O_RDWR)
+while not os.path.exists(escaped):
+    time.sleep(0.01)
 with region("timing"):
     for i in range(2000):  # the owner's own launches: never strays
         fake.cuLaunchKernel(None, i)
@@ -346,13 +358,14 @@ print(os.getpid())
 @pytest.mark.parametrize("scope", ["outsiders", "all"])
 async def test_daemon_launch_scope(built: Built, devdir: str, tmp_path: Path, scope: str) -> None:
     """Through a real daemon (`--probes launches --launch-scope S`): `krex status` shows the scope
-    (and, for outsiders, which processes are probed: the outsider, not the command), and an
-    outsider's launches during a region are strays either way, the owner's never."""
+    (and, for outsiders, which processes are probed: the outsider, not the command, nor a process
+    of the command that left its process tree, which its cgroup gives away), and an outsider's
+    launches during a region are strays either way, the owner's never."""
     need_bcc()
     from ..conftest import PY, py_env, run_daemon
 
     dev = f"{devdir}/null0"
-    inside, done = tmp_path / "inside", tmp_path / "done"
+    inside, done, escaped = tmp_path / "inside", tmp_path / "done", tmp_path / "escaped"
     owner = tmp_path / "owner.py"
     owner.write_text(OWNER)
     outsider: Worker | None = None
@@ -371,8 +384,8 @@ async def test_daemon_launch_scope(built: Built, devdir: str, tmp_path: Path, sc
                     while outsider.pid not in await probed():
                         assert time.monotonic() < end, "the outsider was never probed"
                         await asyncio.sleep(0.02)
-                h = await c.submit([PY, str(owner), built.lib, dev, str(inside), str(done)],
-                                   env=py_env())
+                h = await c.submit([PY, str(owner), built.lib, dev, str(inside), str(done),
+                                    str(escaped)], env=py_env())
                 end = time.monotonic() + 20
                 while not inside.exists():
                     assert time.monotonic() < end, "the owner never entered its region"
@@ -384,6 +397,9 @@ async def test_daemon_launch_scope(built: Built, devdir: str, tmp_path: Path, sc
                 if scope == "outsiders":
                     assert outsider.pid in launches["watched_pids"], launches
                     assert owner_pid not in launches["watched_pids"], launches
+                    if st["isolation"]["backend"] == "cgroup":
+                        gone = int(escaped.read_text())
+                        assert gone not in launches["watched_pids"], (gone, launches)
                 else:
                     assert "watched" not in launches, launches
                 outsider.calls(3000)  # during the region
