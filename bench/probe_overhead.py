@@ -5,8 +5,21 @@
     sudo python bench/probe_overhead.py --gpu      # GPU part (accelerator): host ns per torch launch
     options: --reps N (interleaved repetitions per mode; --gpu: blocks), --bursts B (--gpu: bursts
              per mode per block), --launches L (--gpu: per burst), --json FILE, --rate R --seconds S (loss),
-             --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part)
+             --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part),
+             --gpu-modes M,M (--gpu: which modes, default off,ioctl,launch-all,launch-outsiders)
     sudo python bench/probe_overhead.py --uprobe-anatomy   # why a launch uprobe costs what it does
+
+Launch probe modes and their scope (`krex serve --launch-scope`, probes/launches.py):
+- `launch probes` (GPU mode `launch-all`): scope all, uprobes on the library file, as before: the timed
+  worker traps on every launch (expected on the H200: about -9% launch rate).
+- `launch probes, outsiders` (`launch-outsiders`): scope outsiders, the daemon's default, with the
+  timed worker marked a krex command (what a command timing its kernels is): it is not probed and
+  takes no trap (expected: about 0%); any other process mapping libcuda is probed per process.
+- `launch probes, outsiders, worker probed` (`launch-outsider-probed`, not in the default run): the
+  worker an outsider, probed per process: what an outsider's launch costs (the same trap as `all`).
+The CPU part runs the scope outsiders modes through the ioctl probe's "open" event, as the daemon
+does: the workload maps the fake library, opens the private device node, and is timed once the probe
+had its chance to attach (a command: never; an outsider: it waits until it is probed).
 
 Uprobe anatomy: a uprobe is an int3 at the probed address; the kernel then emulates the instruction
 it replaced (nop, push, jmp, call: about 0.7 us per call on the dev VM) or, for anything else (mov,
@@ -24,8 +37,9 @@ it, through a real daemon, must come back `tainted`, while one held at 100k/s co
 
 The workloads run in child processes (a small C program built with gcc; torch for --gpu), the probes
 in this process, as the daemon would run them. Each row is the median of the repetitions.
-Goals (issue 4): launch rate < 1% lower with ioctl probes, < 3% with launch probes; no lost events at
-100k events/s.
+Goals (issue 4): launch rate < 1% lower with ioctl probes, < 3% with launch probes (for a command
+timing its kernels: the `launch probes, outsiders` row, the daemon's default scope); no lost events
+at 100k events/s.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from krex_async.probes import CombinedProbe  # noqa: E402
 from krex_async.probes.bpf_ioctl import IoctlProbe  # noqa: E402
 from krex_async.probes.launches import LaunchProbe, find_libraries  # noqa: E402
 
@@ -59,11 +74,17 @@ C_SRC = r"""
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
                           return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
-    /* ioctl PATH N RATE  |  launch LIB N */
+    /* ioctl PATH N RATE  |  launch LIB N [DEV: open it, say "ready", wait for a line on stdin] */
     long n = atol(argv[3]);
     if (argv[1][0] == 'l') {
         void *h = dlopen(argv[2], RTLD_NOW); if (!h) { perror("dlopen"); return 1; }
         int (*f)(void *, unsigned) = (int (*)(void *, unsigned))dlsym(h, "cuLaunchKernel");
+        if (argc > 4) {
+            char line[16];
+            if (open(argv[4], O_RDWR) < 0) { perror("open"); return 1; }
+            printf("ready %d\n", getpid()); fflush(stdout);
+            if (!fgets(line, sizeof line, stdin)) return 1;
+        }
         double t0 = now(); for (long i = 0; i < n; i++) f(0, (unsigned)i);
         printf("%.3f %ld\n", (now() - t0) * 1e9 / n, n); return 0;
     }
@@ -212,19 +233,67 @@ def run(cmd: list[str]) -> list[str]:
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
 
 
+def outsiders_probe(tmp: str, lib: str, is_command: Any) -> CombinedProbe:
+    """The daemon's probes with launch scope outsiders: the ioctl probe on the private node, whose
+    "open" events get a new outsider probed, and the launch probe (no rescan during a run)."""
+    return CombinedProbe(IoctlProbe([tmp + "/"]),
+                         LaunchProbe([lib], search=False, scope="outsiders", rescan_s=3600,
+                                     is_command=is_command))
+
+
+def launch_after_open(r: Running, w: str, lib: str, dev: str, n: int,
+                      probed: bool) -> tuple[float, int, bool]:
+    """The workload maps `lib`, opens `dev` and waits; the loop delivers its open event; once the
+    launch probe has attached (probed) or had ten times what an attach takes (a command), it makes
+    n timed launches. Returns (ns per launch, its pid, whether it was probed)."""
+    p = subprocess.Popen([w, "launch", lib, str(n), dev], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    pid = int(p.stdout.readline().split()[1])
+    launch = r.probe.parts[-1]
+    end = time.monotonic() + (5.0 if probed else 0.3)
+    while time.monotonic() < end and pid not in launch.watched():
+        r.loop.run_until_complete(asyncio.sleep(0.01))
+    seen = pid in launch.watched()
+    out, _ = p.communicate("go\n", timeout=120)
+    return float(out.split()[0]), pid, seen
+
+
 def cpu_part(reps: int, tmp: str) -> list[dict[str, Any]]:
     w, lib, dev = build(tmp)
-    modes = {"off": lambda: None,
-             "ioctl probes": lambda: IoctlProbe([tmp + "/"]),
-             "launch probes": lambda: LaunchProbe([lib], search=False)}
+    modes: dict[str, tuple[Any, str]] = {
+        "off": (lambda: None, "-"),
+        "ioctl probes": (lambda: IoctlProbe([tmp + "/"]), "-"),
+        "launch probes": (lambda: LaunchProbe([lib], search=False), "all: workload trapped"),
+        "launch probes, outsiders": (lambda: outsiders_probe(tmp, lib, lambda tgid: True),
+                                     "outsiders: workload a command, not probed"),
+        "launch probes, outsiders, workload probed": (
+            lambda: outsiders_probe(tmp, lib, lambda tgid: False),
+            "outsiders: workload an outsider, probed at its open"),
+    }
     res: dict[str, dict[str, list[float]]] = {m: {"ioctl_ns": [], "launch_ns": []} for m in modes}
+    counted: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
     for _ in range(reps):
-        for m, make in modes.items():
-            with Running(make()):
+        for m, (make, _) in modes.items():
+            with Running(make()) as r:
                 res[m]["ioctl_ns"].append(float(run([w, "ioctl", dev, "200000"])[0]))
-                res[m]["launch_ns"].append(float(run([w, "launch", lib, "200000"])[0]))
-    return [{"mode": m, "ioctl_ns": statistics.median(v["ioctl_ns"]),
-             "fake_launch_ns": statistics.median(v["launch_ns"])} for m, v in res.items()]
+                if ", outsiders" not in m:
+                    res[m]["launch_ns"].append(float(run([w, "launch", lib, "200000"])[0]))
+                    continue
+                ns, pid, seen = launch_after_open(r, w, lib, dev, 200000, "probed" in m)
+                res[m]["launch_ns"].append(ns)
+                counted[m].append((200000 if "probed" in m else 0,
+                                   r.probe.parts[-1].counts().get(pid, 0)))
+    rows = []
+    for m, v in res.items():
+        row: dict[str, Any] = {"mode": m, "launch_scope": modes[m][1],
+                               "ioctl_ns": statistics.median(v["ioctl_ns"]),
+                               "fake_launch_ns": statistics.median(v["launch_ns"])}
+        if counted[m]:
+            want, seen = map(sum, zip(*counted[m]))
+            row["launches_counted"] = f"{seen} (expected {want})"
+        rows.append(row)
+    return rows
 
 
 class Counting(Running):
@@ -351,7 +420,19 @@ def _smt_siblings(cpu: int) -> set[int]:
     return out
 
 
-def gpu_part(reps: int, n: int, bursts: int = 200) -> list[dict[str, Any]]:
+GPU_MODES = {  # --gpu-modes name: (row label, what the launch probe does to the timed worker)
+    "off": ("off", "-"),
+    "ioctl": ("ioctl probes", "-"),
+    "launch-all": ("launch probes", "all: worker trapped (uprobe on the file)"),
+    "launch-outsiders": ("launch probes, outsiders", "outsiders: worker a command, not probed"),
+    "launch-outsider-probed": ("launch probes, outsiders, worker probed",
+                               "outsiders: worker an outsider, probed per process"),
+}
+DEFAULT_GPU_MODES = "off,ioctl,launch-all,launch-outsiders"
+
+
+def gpu_part(reps: int, n: int, bursts: int = 200,
+             modes_wanted: str = DEFAULT_GPU_MODES) -> list[dict[str, Any]]:
     """Host cost of a torch `a.add_(1.0)` launch (the enqueue, which is what a probe can slow),
     in one long-lived worker pinned to one core whose SMT siblings are left idle (this process,
     with the probes' reader, on the other cores), so that only the probes change between
@@ -360,8 +441,14 @@ def gpu_part(reps: int, n: int, bursts: int = 200) -> list[dict[str, Any]]:
     GPU, and it did: session 4's 100k-launch bursts spread -25%..+43% between blocks). `reps`
     blocks; in each, every mode in turn (the order rotated block by block) gets its probe started,
     `bursts` bursts, and its probe stopped; a mode's figure is the median per-launch time of its
-    bursts, compared with "off" block by block. The launch probe's own count of the worker's
-    launches is checked against the launches made."""
+    bursts, compared with "off" block by block. Each launch probe's count of the worker's
+    launches is checked against what it should be: every launch where the worker is probed, none
+    where it is a command (scope outsiders)."""
+    names = [m.strip() for m in modes_wanted.split(",") if m.strip()]
+    bad = [m for m in names if m not in GPU_MODES]
+    if bad or "off" not in names:
+        raise SystemExit(f"--gpu-modes {modes_wanted!r}: modes are {', '.join(GPU_MODES)}, "
+                         "and off is needed (the others are compared with it)")
     cpus = sorted(os.sched_getaffinity(0))
     worker_cpu = cpus[-1]
     rest = set(cpus) - _smt_siblings(worker_cpu)
@@ -380,21 +467,30 @@ def gpu_part(reps: int, n: int, bursts: int = 200) -> list[dict[str, Any]]:
             med, low = map(float, w.stdout.readline().split())
             return med, low
 
-        modes = {"off": lambda: None, "ioctl probes": lambda: IoctlProbe(),
-                 "launch probes": lambda: LaunchProbe([libcuda], search=False)}
-        names = list(modes)
+        def outsiders(worker_is_command: bool) -> LaunchProbe:
+            return LaunchProbe([libcuda], search=False, scope="outsiders",
+                               is_command=lambda tgid: worker_is_command and tgid == w.pid)
+
+        make = {"off": lambda: None, "ioctl": lambda: IoctlProbe(),
+                "launch-all": lambda: LaunchProbe([libcuda], search=False),
+                "launch-outsiders": lambda: outsiders(True),
+                "launch-outsider-probed": lambda: outsiders(False)}
         measure()  # warm
         per_block: list[dict[str, float]] = []
         lows: dict[str, list[float]] = {m: [] for m in names}
-        counted: list[tuple[int, int]] = []  # (launches made, launches the probe counted)
+        counted: dict[str, list[tuple[int, int]]] = {m: [] for m in names}  # (expected, counted)
+        watched: dict[str, bool] = {}
         for b in range(reps):
             block: dict[str, float] = {}
             for m in names[b % len(names):] + names[:b % len(names)]:
-                with Running(modes[m]()) as run:
+                with Running(make[m]()) as run:
                     time.sleep(0.2)
                     block[m], low = measure()
-                    if m == "launch probes":
-                        counted.append((n * bursts, run.probe.counts().get(w.pid, 0)))
+                    if m.startswith("launch"):
+                        expected = 0 if m == "launch-outsiders" else n * bursts
+                        counted[m].append((expected, run.probe.counts().get(w.pid, 0)))
+                        if m != "launch-all":
+                            watched[m] = w.pid in run.probe.watched()
                 lows[m].append(low)
             per_block.append(block)
     finally:
@@ -407,14 +503,19 @@ def gpu_part(reps: int, n: int, bursts: int = 200) -> list[dict[str, Any]]:
         paired = sorted(100.0 * (blk[m] - blk["off"]) / blk["off"] for blk in per_block)
         # slower enqueue = lower launch rate: rate change = off/m - 1
         rate = sorted(100.0 * (blk["off"] / blk[m] - 1) for blk in per_block)
-        rows.append({"mode": m, "ns_per_launch": statistics.median(mine),
-                     "min_ns": min(lows[m]), "launch_rate_per_s": 1e9 / statistics.median(mine),
-                     "rate_vs_off_pct": statistics.median(rate),
-                     "rate_vs_off_min_max": f"{rate[0]:+.2f}..{rate[-1]:+.2f}",
-                     "ns_vs_off_pct": statistics.median(paired), "blocks": len(per_block)})
-    if counted:
-        made, seen = map(sum, zip(*counted))
-        rows[-1]["counted"] = f"{seen}/{made}"
+        row: dict[str, Any] = {
+            "mode": GPU_MODES[m][0], "launch_scope": GPU_MODES[m][1],
+            "ns_per_launch": statistics.median(mine),
+            "min_ns": min(lows[m]), "launch_rate_per_s": 1e9 / statistics.median(mine),
+            "rate_vs_off_pct": statistics.median(rate),
+            "rate_vs_off_min_max": f"{rate[0]:+.2f}..{rate[-1]:+.2f}",
+            "ns_vs_off_pct": statistics.median(paired), "blocks": len(per_block)}
+        if counted[m]:
+            want, seen = map(sum, zip(*counted[m]))
+            row["counted"] = f"{seen}/{want}" + ("" if seen == want else " MISMATCH")
+        if m in watched:
+            row["worker_probed"] = watched[m]
+        rows.append(row)
     return rows
 
 
@@ -434,6 +535,9 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=500,
                     help="launches per burst (--gpu; keep it under the driver's queue depth)")
     ap.add_argument("--bursts", type=int, default=200, help="bursts per mode in each block (--gpu)")
+    ap.add_argument("--gpu-modes", default=DEFAULT_GPU_MODES,
+                    help=f"--gpu modes, comma-separated, from {', '.join(GPU_MODES)} "
+                         f"(default {DEFAULT_GPU_MODES})")
     ap.add_argument("--rate", type=float, default=100_000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--flood", type=int, default=2_000_000,
@@ -459,7 +563,7 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(out, indent=2))
             return
         if args.gpu:
-            out["gpu"] = gpu_part(args.reps, args.launches, args.bursts)
+            out["gpu"] = gpu_part(args.reps, args.launches, args.bursts, args.gpu_modes)
             print("GPU: torch a.add_(1.0), host time per launch from an empty queue (median of "
                   "bursts), as a launch rate\n" + table(out["gpu"]) + "\n")
         try:

@@ -89,6 +89,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--probe-prefixes", help="comma-separated device path prefixes to watch "
                                             "(default /dev/nvidia,/dev/kfd,/dev/dri/renderD)")
     p.add_argument("--launch-libs", help="comma-separated libraries for --probes launches")
+    p.add_argument("--launch-scope", choices=["outsiders", "all"],
+                   help="processes the launch uprobes trap (each trapped launch costs ~0.7 us): "
+                        "outsiders (default) only processes outside krex's commands, attached "
+                        "per process; all: every process, commands included")
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
@@ -189,6 +193,11 @@ async def _status(args: argparse.Namespace) -> int:
         pr = st["probes"]
         print(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")
               + (f" ({pr['reason']})" if pr.get("reason") else ""))
+        la = pr.get("launches")
+        if la:
+            print(f"launch uprobes: scope {la['scope']}" + (
+                f", {la['watched']} processes probed" if "watched" in la else "")
+                + (f" on {', '.join(la['libraries'])}" if la.get("libraries") else ""))
     print("\nDEVICE    VENDOR  COMMANDS  REGION")
     for d in st["devices"]:
         r = d["region"]

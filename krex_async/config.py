@@ -70,6 +70,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     probes: Literal["auto", "off", "ioctl", "launches", "tracefs"] = "auto"
     probe_prefixes: str = ""  # comma-separated device path prefixes ("" = the GPU defaults)
     launch_libs: str = ""  # comma-separated libcuda / libhsa-runtime64 paths for --probes launches
+    # who the launch uprobes trap: outsiders (per process, only processes outside krex's commands:
+    # a command's launches run untrapped) or all (every process mapping the library)
+    launch_scope: Literal["outsiders", "all"] = "outsiders"
     admin_group: str = ""
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1

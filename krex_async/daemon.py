@@ -477,10 +477,21 @@ class Daemon:
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},
-                "probes": dict(self.probes),
+                "probes": self.probe_status(),
                 "pools": {k: p.status() for k, p in self.pools.items()},
                 "freeze": self.config.freeze, "region_cores": self.config.region_cores,
                 "devices": devices, "commands": commands}
+
+    def probe_status(self) -> dict[str, Any]:
+        """`daemon.probes` (state, backend, reason), plus what the running backend says of itself
+        (the launch probe: its scope and how many processes it probes)."""
+        out = dict(self.probes)
+        if self.attributor is not None and out.get("state") == "running":
+            try:
+                out.update(self.attributor.backend.describe())
+            except Exception as e:  # status must answer even when a backend cannot
+                out["describe_error"] = repr(e)
+        return out
 
     # --------------------------------------------------------------------------------- shutdown
 

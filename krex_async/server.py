@@ -462,6 +462,37 @@ class Server:
         return 0
 
 
+def inside_krex(daemon: Daemon, attributor: Attributor, tgid: int,
+                cgroup_root: str | None = None) -> bool:
+    """Whether `tgid` is inside krex, for the launch probe's scope `outsiders` (such a process is
+    never trapped): it belongs to a command (the attributor: a descendant of a command's root
+    process, cached per tgid; or, with `cgroup_root`, the cgroup v2 mount, a process in a command's
+    cgroup, which catches one that left the command's process tree by a double fork), or it is one
+    of the daemon's pool workers. A pool worker is not a command while it waits, but it takes one
+    without a new exec, and a probed worker would trap its command's launches until the next
+    rescan; a warm worker launches nothing while it waits, and creates no context while a region
+    holds its device. Reads /proc (the attributor's cache is the loop's): call it on the loop only.
+    """
+    if attributor.command_of(tgid) is not None:
+        return True
+    if any(tgid in pool.pids() for pool in daemon.pools.values()):
+        return True
+    if cgroup_root is None:
+        return False
+    from .isolation.cgroupfs import own_cgroups
+    try:
+        path = cgroup_root + own_cgroups(str(tgid)).get("", "/")
+    except (OSError, ValueError):
+        return False
+    path = path.rstrip("/")
+    for cmd in daemon.commands.values():
+        cg = daemon.backend.cgroup_dir(cmd.group) if cmd.group is not None and \
+            cmd.state in ("starting", "running") else None
+        if cg and (path == cg.rstrip("/") or path.startswith(cg.rstrip("/") + "/")):
+            return True
+    return False
+
+
 def start_probes(daemon: Daemon) -> None:
     """Open the probe backend `--probes` asks for and feed its events to the attributor. A probe
     that cannot run is a logged state, never a reason not to serve; so is one that fails later
@@ -474,7 +505,15 @@ def start_probes(daemon: Daemon) -> None:
     from .probes import FailureReporting, open_probes
 
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] or None  # noqa: E731
-    backend, reason = open_probes(cfg.probes, split(cfg.probe_prefixes), split(cfg.launch_libs))
+    attributor: Attributor | None = None
+    from .probes.attribution import cgroup2_root
+    cg_root = cgroup2_root()
+
+    def is_command(tgid: int) -> bool:  # the launch probe calls it on the loop only
+        return attributor is not None and inside_krex(daemon, attributor, tgid, cg_root)
+
+    backend, reason = open_probes(cfg.probes, split(cfg.probe_prefixes), split(cfg.launch_libs),
+                                  launch_scope=cfg.launch_scope, is_command=is_command)
     log.info("probes", backend=backend.name if backend else None, reason=reason)
     daemon.probes.update(state="unavailable", reason=reason)
     if backend is None:

@@ -4,7 +4,7 @@
 mkdir -p "$OUT"
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -4 "$OUT/$name.txt"; }
 step cgroup_v2 45 python3 bench/gpu/check_cgroup_v2.py
-step probes 80 python3 bench/gpu/check_probes.py --launches 100000
+step probes 120 python3 bench/gpu/check_probes.py --launches 100000 --deadline 110
 step drain 200 python3 bench/gpu/check_drain.py
 step pool 120 python3 bench/pool_start.py --device cuda --together 1,16 --rounds 3 --goal 20 --json "$OUT/pool_start.json"
 step workload 110 python3 bench/gpu/check_workload.py

@@ -44,7 +44,7 @@ case "${1:-1}" in
   step overhead_probes 45 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"
   step cgroup_v2 90 python3 bench/gpu/check_cgroup_v2.py
-  step probe_overhead 240 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 200 --launches 500 \
+  step probe_overhead 300 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 200 --launches 500 \
     --flood 0 --seconds 1 --json "$OUT/probe_overhead.json" ;;
 2)
   drain 8 ;;

@@ -220,6 +220,10 @@ class Pool:
     def resume(self) -> None:
         self._resumed.set()
 
+    def pids(self) -> set[int]:
+        """The pids of this pool's workers now (starting, warm or running a command)."""
+        return {w.pid for w in self._workers}
+
     def status(self) -> dict[str, Any]:
         counts = collections.Counter(w.state for w in self._workers)
         lat = {k: _summary(v) for k, v in self.latencies.items()}

@@ -9,7 +9,10 @@ runs once on the loop if the backend dies at runtime (`backend.failure` then say
 
 Modes: `off`; `ioctl` (bcc syscall tracepoints); `launches` (ioctl plus launch uprobes on libcuda /
 libhsa-runtime64); `tracefs` (no compiler needed); `auto` (bcc ioctl when a BPF program compiles and
-loads here, else tracefs, else None; with launch_libs given, launch uprobes too).
+loads here, else tracefs, else None; with launch_libs given, launch uprobes too). The launch uprobes'
+scope (`outsiders`, the default: only processes outside krex's commands, per process; `all`: every
+process) is launches.py's; with `outsiders`, CombinedProbe hands the tgids of the ioctl probe's
+"open" events to the launch probe, which probes a new outsider as soon as it opens a GPU file.
 Events carry tgid and ts_ns on CLOCK_MONOTONIC (compare with time.monotonic_ns()).
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .failure import FailureReporting
@@ -34,21 +38,46 @@ class CombinedProbe(FailureReporting, ProbeBackend):
     """Runs several backends as one: start() starts each (a later one failing with ProbeUnavailable
     leaves the earlier ones running and is recorded in `failed`); stop() stops all; counts and lost
     are summed over the running parts. A part failing at runtime is the whole probe failing
-    (`failure`, `on_failure`, with the part's reason): regions can no longer be verified."""
+    (`failure`, `on_failure`, with the part's reason): regions can no longer be verified.
+
+    A part with `wants_opens` (the launch probe with scope outsiders) gets, on the loop, the tgids
+    of every batch's "open" events through its `opened(tgids)`, before the batch goes on to
+    `on_events` (a failure there is recorded in `open_errors` and never costs the batch)."""
 
     def __init__(self, *parts: ProbeBackend) -> None:
         self.parts = list(parts)
         self.failed: dict[str, str] = {}
         self.name = "+".join(p.name for p in parts)
+        self.open_errors = 0
+
+    def _with_opens(self, on_events: Callable[[list[ProbeEvent]], None]
+                    ) -> Callable[[list[ProbeEvent]], None]:
+        """on_events, first handing "open" tgids to the parts that want them (none: unchanged)."""
+        listeners = [p for p in self.parts if getattr(p, "wants_opens", False)]
+        if not listeners:
+            return on_events
+
+        def deliver(batch: list[ProbeEvent]) -> None:
+            try:
+                tgids = {ev.tgid for ev in batch if ev.kind == "open"}
+                if tgids:
+                    for p in listeners:
+                        p.opened(tgids)  # type: ignore[attr-defined]
+            except Exception:
+                self.open_errors += 1
+            on_events(batch)
+
+        return deliver
 
     def start(self, loop: asyncio.AbstractEventLoop,
               on_events: Callable[[list[ProbeEvent]], None]) -> None:
         running = []
+        deliver = self._with_opens(on_events)
         for i, p in enumerate(self.parts):
             if isinstance(p, FailureReporting):
                 p.on_failure = self._part_failed
             try:
-                p.start(loop, on_events)
+                p.start(loop, deliver)
                 running.append(p)
             except ProbeUnavailable as e:
                 if i == 0:
@@ -76,6 +105,12 @@ class CombinedProbe(FailureReporting, ProbeBackend):
         for p in self.parts:
             for tgid, n in p.counts().items():
                 out[tgid] = out.get(tgid, 0) + n
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for p in self.parts:
+            out.update(p.describe())
         return out
 
 
@@ -108,18 +143,26 @@ def tracefs_works() -> tuple[bool, str]:
 
 
 def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
-                launch_libs: list[str] | None = None) -> tuple[ProbeBackend | None, str]:
+                launch_libs: list[str] | None = None, launch_scope: str = "outsiders",
+                is_command: Callable[[int], bool] | None = None,
+                ) -> tuple[ProbeBackend | None, str]:
     """Choose a probe backend for `mode` and say which and why, in one line.
 
+    `launch_scope` and `is_command` go to the launch probe (launches.py: with "outsiders",
+    is_command(tgid) True keeps a process unprobed; it is called on the loop only).
     Returns (None, reason) when probes are off or nothing can run; never raises for an unavailable
-    mechanism (ValueError for an unknown mode or bad prefixes). The backend is not started.
+    mechanism (ValueError for an unknown mode, launch scope or bad prefixes). The backend is not
+    started.
     """
     from .bpf_ioctl import DEFAULT_PREFIXES, IoctlProbe, check_prefixes
+    from .launch_scope import SCOPES
     from .launches import LaunchProbe, find_libraries
     from .tracefs import TracefsProbe
 
     if mode not in MODES:
         raise ValueError(f"probe mode {mode!r}: one of {', '.join(MODES)}")
+    if launch_scope not in SCOPES:
+        raise ValueError(f"launch scope {launch_scope!r}: one of {', '.join(SCOPES)}")
     if mode == "off":
         return None, "probes: off (requested)"
     pre = list(check_prefixes(prefixes if prefixes is not None else DEFAULT_PREFIXES))
@@ -135,8 +178,12 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
             libs = find_libraries(launch_libs)
             found = ("on " + ", ".join(libs)) if libs else \
                 "none found yet: /proc/*/maps rescanned every 5 s"
-            return (CombinedProbe(ioctl, LaunchProbe(launch_libs)),
-                    f"probes: bcc ioctl on {where} + launch uprobes ({found}) ({why})")
+            who = "per process, outside krex's commands" if launch_scope == "outsiders" else \
+                "every process"
+            launch = LaunchProbe(launch_libs, scope=launch_scope, is_command=is_command)
+            return (CombinedProbe(ioctl, launch),
+                    f"probes: bcc ioctl on {where} + launch uprobes (scope {launch_scope}: {who}; "
+                    f"{found}) ({why})")
         return ioctl, f"probes: bcc ioctl on {where} ({why})"
     if mode != "auto":
         return None, f"probes: none ({mode} requested, bcc unavailable: {why})"

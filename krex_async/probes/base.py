@@ -12,6 +12,7 @@ import abc
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 class ProbeUnavailable(Exception):
@@ -48,4 +49,8 @@ class ProbeBackend(abc.ABC):
 
     def counts(self) -> dict[int, int]:
         """Kernel-side event counts per tgid since start (lossless where the backend keeps them)."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """Details a running backend adds to `krex status`'s probes entry (cheap; on the loop)."""
         return {}

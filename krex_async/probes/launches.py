@@ -8,15 +8,57 @@ allocation, context and sync activity; these uprobes see every call of:
   but so are other host-side signal writes: an upper bound on dispatches) and
   hsa_queue_add_write_index_{relaxed,screlease,scacq_screl} (one per packet reservation).
 
-Libraries come from the configured paths, then `ldconfig -p`, a few known directories
+Scope: who is probed (`scope`, `krex serve --launch-scope`; the daemon's default is `outsiders`).
+A uprobe is an int3 at the probed address: every call traps into the kernel, which then emulates the
+replaced instruction. cuLaunchKernel starts with `push %rbp` (emulated, the cheapest kind), and that
+trap still costs ~0.66 us on the H200 VM against a ~7 us torch launch: -9.3%/-10.3% launch rate
+with global uprobes (bench/RESULTS.md section 5; the goal is under 3%). A trap cannot get cheaper,
+so the probe stays out of the processes whose timings krex protects:
+- `all`: uprobes on the library files (pid -1): every process mapping them, now or later, traps
+  on every launch, krex's own commands included.
+- `outsiders`: uprobes attached per process (a perf event with a target task: the kernel installs
+  the breakpoint only in that process's address space; tests/probes/test_launch_scope.py shows that
+  another process mapping the same library runs at the unprobed cost), and only in processes
+  outside krex's commands. Those are the only ones whose launches can be strays: during a region
+  the sibling commands on the device are frozen (`--freeze all`), or hold no GPU file and are
+  frozen the moment they open one (`--freeze device-holders`), and the owner's own launches are
+  never strays. The daemon says who is inside with `is_command(tgid)` (its commands and its pool
+  workers); it is called on the event loop only (the daemon's attribution reads /proc and caches
+  on the loop), never on the poll thread. Outsiders are found
+  (a) at start and every `rescan_s` on the poll thread: processes whose /proc/<pid>/maps show a
+      launch library (the loop then asks is_command and hands the answers back);
+  (b) at once when the ioctl probe sees a process open a GPU device file: CombinedProbe hands the
+      "open" events' tgids to `opened()` (on the loop), and the poll thread attaches in its next
+      tick (13 ms after the open in the dev VM's dry run of bench/gpu/check_probes.py; CUDA init
+      takes ~300 ms after its first open before any launch can happen).
+  At each rescan the uprobes of exited processes are let go, and so are those of a process that
+  has joined a command since it was attached (rare; until that rescan its launches trap and are
+  counted as before); they are closed one per idle tick (closing one waits for the kernel).
+  Limits of `outsiders`:
+  - launches of krex's commands (and pool workers) are not counted at all; so under `--policy
+    shared`, where nothing is frozen, a sibling command's launches during a region are not seen as
+    strays (use `all` to measure those);
+  - an outsider's launches before its attach are missed;
+  - a process that launches without having opened a GPU file under the ioctl probe's prefixes (or
+    with the ioctl probe not running), or that maps the library only after its opens, is probed
+    only at the next rescan (up to `rescan_s` later), and launches until then are missed;
+  - every outsider costs one perf event (an fd) per symbol and library (8 for libcuda), within
+    bcc's quota of 1000 uprobes per process (BCC_PROBE_LIMIT; attaches beyond it fail and are
+    counted in `krex status`), and closing one takes ~0.1 s, so stop() takes as long per event;
+  - the daemon's own pid is never probed (its NVML opens GPU files; it launches nothing).
+
+Libraries (scope `all`) come from the configured paths, then `ldconfig -p`, a few known directories
 (/usr/local/nvidia/lib64, /usr/lib/x86_64-linux-gnu, /opt/rocm/lib) and /proc/*/maps of running
 processes; the same file under several names is probed once (by device and inode), and symbols that
-alias one address are probed once. A uprobe on a file applies to every process that maps it, now or
-later. About every `rescan_s` the poll thread looks in /proc/*/maps again and probes libraries it had
-not seen (a libcuda outside ldconfig's paths, loaded after start).
+alias one address are probed once. About every `rescan_s` the poll thread looks in /proc/*/maps
+again and probes libraries it had not seen (a libcuda outside ldconfig's paths, loaded after
+start). With scope `outsiders` a process is probed on the libraries it maps itself (named like
+libcuda.so / libhsa-runtime64.so when `search` is on, or a configured file), see launch_scope.py.
 
 BPF side: `counts` keyed by (tgid, symbol index), lossless; with stream=True each call also goes
 through the ring buffer as a "launch" ProbeEvent (name = the symbol), reservation failures in `lost`.
+The scope changes who reaches the BPF program, not what it does: counting and the events (and so
+the daemon's stray attribution) are as before for every process probed.
 """
 
 from __future__ import annotations
@@ -34,6 +76,7 @@ from typing import Any
 from . import _bcc
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .failure import FailureReporting
+from .launch_scope import SCOPES, Outsiders, exported, inode_key
 
 CUDA_SYMBOLS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
                 "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
@@ -157,13 +200,25 @@ class LaunchProbe(FailureReporting, ProbeBackend):
     library exports a known symbol. With search=True it starts even with none found yet and probes
     libraries as /proc/*/maps shows them (`attached` says what is probed). stop() detaches every
     uprobe and joins the poll thread.
+
+    `scope` ("all" here by default, for direct users; the daemon passes its `--launch-scope`,
+    default "outsiders"): see the module docstring. With "outsiders", start() must be called on the
+    loop's thread (it asks `is_command` there), `opened(tgids)` is called on the loop, and
+    `watched()` says which processes are probed (launch_scope.Outsiders does the work).
+    `is_command(tgid)` True: a process inside krex, never probed; None: every process is an
+    outsider. A predicate that raises counts as False (the process is probed: a bug there may cost
+    launch rate, never a missed stray).
     """
 
     name = "bcc-launches"
+    TICK_S = 0.01  # scope outsiders: how often the poll thread takes the attach requests
 
     def __init__(self, libs: Iterable[str] | None = None, search: bool = True, stream: bool = False,
                  ring_pages: int = 256, rescan_s: float = 5.0,
-                 symbols: Iterable[str] = SYMBOLS, mmap_reader: bool = True) -> None:
+                 symbols: Iterable[str] = SYMBOLS, mmap_reader: bool = True, scope: str = "all",
+                 is_command: Callable[[int], bool] | None = None) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"launch scope {scope!r}: one of {', '.join(SCOPES)}")
         self.libs_configured = list(libs or ())
         self.search = search
         self.stream = stream
@@ -171,12 +226,20 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         self.rescan_s = rescan_s
         self.mmap_reader = mmap_reader
         self.symbols = tuple(symbols)
+        self.scope = scope
+        self.is_command = is_command
         self.attached: dict[str, list[str]] = {}  # library path -> symbols probed there
         self._seen_files: set[tuple[int, int]] = set()
         self._bpf: Any = None
         self._poller: _bcc.RingPoller | None = None
         self._final: dict[tuple[int, str], int] = {}
         self._final_lost = 0
+        self._outsiders: Outsiders | None = None  # scope outsiders, once started
+
+    @property
+    def wants_opens(self) -> bool:
+        """Whether CombinedProbe should hand this probe the tgids of "open" events."""
+        return self.scope == "outsiders"
 
     def text(self) -> str:
         return bpf_text(len(self.symbols), self.ring_pages, self.stream)
@@ -189,19 +252,8 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         if (st.st_dev, st.st_ino) in self._seen_files:
             return []
         self._seen_files.add((st.st_dev, st.st_ino))
-        bcc = _bcc.import_bcc()
-        pattern = "^(" + "|".join(re.escape(s) for s in self.symbols) + ")$"
-        try:
-            found = bcc.BPF.get_user_functions_and_addresses(path.encode(), pattern.encode())
-        except Exception:
-            return []
         done: list[str] = []
-        addrs: set[int] = set()
-        for sym, addr in sorted(found, key=lambda t: (len(t[0]), t[0])):
-            name = sym.decode() if isinstance(sym, bytes) else sym
-            if addr in addrs or name not in self.symbols:
-                continue  # an alias of a symbol already probed would count twice
-            addrs.add(addr)
+        for name, _ in exported(path, self.symbols):
             idx = self.symbols.index(name)
             try:
                 self._bpf.attach_uprobe(name=path.encode(), sym=name.encode(),
@@ -217,6 +269,34 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         for lib in find_libraries(None, LIB_NAMES, search=True) if self.search else ():
             self._attach_lib(lib)
 
+    # ------------------------------------------------------------------ scope outsiders
+
+    def opened(self, tgids: Iterable[int]) -> None:
+        """On the loop (CombinedProbe): these processes just opened a GPU device file; each
+        outsider among them gets probed within a poll tick."""
+        if self._outsiders is not None:
+            self._outsiders.opened(tgids)
+
+    def watched(self) -> dict[int, list[str]]:
+        """Scope outsiders: {tgid: libraries} of the processes probed now ({} with scope all).
+        Safe from any thread."""
+        return self._outsiders.procs.watched() if self._outsiders is not None else {}
+
+    def probed_since_ns(self, tgid: int) -> int | None:
+        """Scope outsiders: when `tgid` was probed (CLOCK_MONOTONIC ns, as ProbeEvent.ts_ns), or
+        None when it is not. For checks of how soon after its open a process is probed."""
+        return self._outsiders.procs.since_ns(tgid) if self._outsiders is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        """What `krex status` shows of this probe: its scope, how many processes it probes
+        (outsiders) and which libraries. Cheap (a copy of small dicts), on any thread."""
+        out: dict[str, Any] = {"scope": self.scope, "libraries": sorted(self.attached)}
+        if self._outsiders is not None:
+            out.update(self._outsiders.describe())
+        return {"launches": out}
+
+    # -------------------------------------------------------------------------- lifecycle
+
     def start(self, loop: asyncio.AbstractEventLoop,
               on_events: Callable[[list[ProbeEvent]], None]) -> None:
         libs = find_libraries(self.libs_configured, LIB_NAMES, self.search)
@@ -225,17 +305,28 @@ class LaunchProbe(FailureReporting, ProbeBackend):
                                    f"{self.libs_configured})")
         self._bpf = _bcc.compile_bpf(self.text(), self.name)
         try:
-            for lib in libs:
-                self._attach_lib(lib)
-            if not self.attached and not self.search:
-                raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
+            if self.scope == "all":
+                for lib in libs:
+                    self._attach_lib(lib)
+                if not self.attached and not self.search:
+                    raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
+                tick, tick_s = self._rescan, self.rescan_s or 3600.0
+            else:
+                if not self.search and not any(exported(lib, self.symbols) for lib in libs):
+                    raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
+                inodes = frozenset(k for k in map(inode_key, libs) if k is not None)
+                self._outsiders = Outsiders(self._bpf, self.symbols,
+                                            LIB_NAMES if self.search else (), inodes,
+                                            self.is_command, self.rescan_s, self.attached)
+                self._outsiders.start(loop)
+                tick, tick_s = self._outsiders.tick, self.TICK_S
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(self._bpf, "events", self._decode, self.name,
-                                           tick=self._rescan, tick_s=self.rescan_s or 3600.0,
-                                           ring_bytes=ring_bytes,
+                                           tick=tick, tick_s=tick_s, ring_bytes=ring_bytes,
                                            on_failure=lambda why: self._failed(loop, why))
             self._poller.start(loop, on_events)
         except BaseException:
+            self._outsiders = None
             self._bpf.cleanup()
             self._bpf = None
             raise
@@ -263,6 +354,8 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         return _bcc.sum_percpu(self._bpf[b"lost"]) + bad
 
     def stop(self) -> None:
+        """Detach everything (each uprobe's close waits for the kernel: ~0.1 s per perf event on
+        the dev VM, so a daemon probing many outsiders takes a while to stop), drain, release."""
         if self._bpf is None:
             return
 
@@ -276,3 +369,5 @@ class LaunchProbe(FailureReporting, ProbeBackend):
             snapshot()
             self._bpf.cleanup()
         self._bpf = None
+        if self._outsiders is not None:
+            self._outsiders.close()

@@ -43,6 +43,7 @@ def test_layers_override_in_order(tmp_path):
     ("region_timeout = -1\n", "krex.toml:region_timeout: Expected `float` > 0.0"),
     ('policy = "fastest"\n', "krex.toml:policy: Invalid enum value 'fastest'"),
     ('quiesce = "some"\n', "krex.toml:quiesce: Invalid enum value 'some'"),
+    ('launch-scope = "everyone"\n', "krex.toml:launch_scope: Invalid enum value 'everyone'"),
     ('max-frame = "big"\n', "krex.toml:max_frame: Expected `int`, got `str`"),
     ("region_timout = 5\n", "krex.toml:region_timout: unknown key"),
     ("[serve]\npolicy = 'region'\n", "krex.toml:serve: is a table"),
@@ -66,6 +67,7 @@ def test_strict_types_in_file(tmp_path):
     ({"KREX_REGION_TIMEOUT": "soon"}, "KREX_REGION_TIMEOUT='soon': Expected `float`, got `str`"),
     ({"KREX_POLICY": "fast"}, "KREX_POLICY='fast': Invalid enum value 'fast'"),
     ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none'"),
+    ({"KREX_LAUNCH_SCOPE": "mine"}, "KREX_LAUNCH_SCOPE='mine': Invalid enum value 'mine'"),
     ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
 ])
 def test_env_errors_name_the_variable(env, msg):
@@ -78,6 +80,7 @@ def test_env_errors_name_the_variable(env, msg):
     ({"region_timeout": 0.0}, "--region-timeout: Expected `float` > 0.0"),
     ({"region_cores": -5}, "--region-cores: Expected `int` >= -1"),
     ({"bogus_flag": 1}, "--bogus-flag: not a serve option"),
+    ({"launch_scope": "none"}, "--launch-scope: Invalid enum value 'none'"),
 ])
 def test_cli_errors_name_the_flag(cli, msg):
     with pytest.raises(ConfigError) as e:
@@ -126,6 +129,26 @@ def test_serve_print_config_uses_all_layers(tmp_path):
     assert bad.returncode == 2 and "KREX_REGION_TIMEOUT='later'" in bad.stderr
 
 
+def test_launch_scope_layers_and_print_config(tmp_path):
+    """--launch-scope (default outsiders) from each layer, and shown by --print-config."""
+    assert ServeConfig().launch_scope == "outsiders"
+    path = write(tmp_path, 'launch_scope = "all"\n')
+    assert load_config(path, {}, {}).launch_scope == "all"
+    cfg, src = load_config_with_sources(path, {"KREX_LAUNCH_SCOPE": "outsiders"}, {})
+    assert cfg.launch_scope == "outsiders" and src["launch_scope"] == "env KREX_LAUNCH_SCOPE"
+    cfg, src = load_config_with_sources(path, {"KREX_LAUNCH_SCOPE": "outsiders"},
+                                        {"launch_scope": "all"})
+    assert cfg.launch_scope == "all" and src["launch_scope"] == "flag --launch-scope"
+    p = subprocess.run([PY, "-m", "krex_async", "serve", "--launch-scope", "all", "--print-config"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=30, env=py_env())
+    assert p.returncode == 0, p.stderr
+    assert tomllib.loads(p.stdout)["launch_scope"] == "all"
+    assert "# flag --launch-scope" in p.stdout
+    p = subprocess.run([PY, "-m", "krex_async", "serve", "--print-config"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=30, env=py_env(KREX_LAUNCH_SCOPE="some"))
+    assert p.returncode == 2 and "KREX_LAUNCH_SCOPE='some': Invalid enum value 'some'" in p.stderr
+
+
 def test_example_file_loads_and_documents_every_option():
     example = ROOT / "packaging" / "krex.toml.example"
     assert load_config(str(example), {}, {}) == ServeConfig()  # the example states the defaults
@@ -145,6 +168,7 @@ def test_example_file_loads_and_documents_every_option():
     ("--max-connections-per-user", "0", "--max-connections-per-user: Expected `int` >= 1"),
     ("--max-commands-per-user", "0", "--max-commands-per-user: Expected `int` >= 1"),
     ("--max-inbound-bytes", "10", "--max-inbound-bytes: Expected `int` >= 1048576"),
+    ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
 ])
 def test_serve_flags_reject_bad_values_before_serving(tmp_path, flag, value, message):
     """A bad value stops `krex serve` with the flag and the rule named, before it binds anything."""
