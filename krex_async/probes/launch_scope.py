@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _bcc
+from .hold import HOLD
 from ..procfs import stat_fields
 
 SCOPES = ("outsiders", "all")
@@ -94,6 +95,7 @@ def scan_processes(names: Iterable[str], inodes: Inodes = frozenset(),
     out: dict[int, list[str]] = {}
     for d in os.listdir(proc):
         if d.isdigit():
+            HOLD.wait()  # on the poll thread: a region entering goes first (probes/hold.py)
             libs = maps_libraries(int(d), names, inodes, proc)
             if libs:
                 out[int(d)] = libs
