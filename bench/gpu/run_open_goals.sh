@@ -13,6 +13,8 @@
 #   bash bench/gpu/run_open_goals.sh 7   # region entry with and without the bcc probes, 16 siblings,
 #                                        # two rounds, and 1/4/64 with probes (3); host-clock
 #                                        # timings in and out of a region per daemon variant (7)
+#   bash bench/gpu/run_open_goals.sh 8   # the probes' GPU self-check (launch scope outsiders) and
+#                                        # their overhead per mode (4)
 # Run from the repo root; it activates the carried .bcc and installs the carried .whl itself.
 # Each step is bounded; one log and the JSON results land under $OUT.
 source .bcc/activate.sh >/dev/null 2>&1
@@ -75,5 +77,9 @@ case "${1:-1}" in
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/ro-probes.json"
   step host_sync 150 python3 bench/gpu/region_host_sync.py --rounds 12 --reps 60 --daemon-arg=$CG \
     --json "$OUT/host_sync.json" ;;
+8)
+  step check_probes 130 python3 bench/gpu/check_probes.py --launches 100000 --deadline 110
+  step probe_overhead 300 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 200 --launches 500 \
+    --flood 0 --seconds 1 --json "$OUT/probe_overhead.json" ;;
 esac
 grep -E "^=====|^rc=" "$LOG"
