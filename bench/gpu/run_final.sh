@@ -14,5 +14,5 @@ step overhead 110 python3 bench/region_overhead.py --backends cgroup,signal --si
 step cgroup_v2 40 python3 bench/gpu/check_cgroup_v2.py
 step drain 100 python3 bench/gpu/check_drain.py --quick
 step gateway 100 python3 bench/gateway_jobs.py --device gpu --jobs 8 --json "$OUT/gateway_jobs.json"
-step probe_overhead 40 python3 bench/probe_overhead.py --gpu --reps 3 --json "$OUT/probe_overhead.json"
+step probe_overhead 150 python3 bench/probe_overhead.py --gpu --reps 3 --flood 0 --json "$OUT/probe_overhead.json"
 grep -E "^=====|^rc=" "$LOG"
