@@ -123,11 +123,17 @@ class Attributor:
             return
         if not self._settle():
             w.unverified = True
+        w.counts_at_start = self._counts(r, w)
+
+    def _counts(self, r: "Region", w: Watch) -> dict[int, int] | None:
+        """The backend's counts now, or None (the region then unverified) when its map cannot be
+        read: such a region is tainted, not failed."""
         try:
-            w.counts_at_start = dict(self.backend.counts())
-        except OSError as e:  # the map unreadable: the region cannot be verified, not failed
+            return dict(self.backend.counts())
+        except OSError as e:
             log.warning("probe_counts_failed", region=r.id, error=str(e))
             w.unverified = True
+            return None
 
     def region_released(self, r: "Region") -> None:
         w = self.watches.pop(r.id, None)
@@ -137,18 +143,14 @@ class Attributor:
             w.unverified = True
         rep = r.report
         # Lossless kernel-side counts catch strays whose events the stream dropped.
-        try:
-            counts = self.backend.counts() if w.counts_at_start is not None else {}
-        except OSError as e:
-            log.warning("probe_counts_failed", region=r.id, error=str(e))
-            counts, w.unverified = {}, True
-        if w.counts_at_start is None:
+        start = w.counts_at_start
+        if start is None:
             w.unverified = True  # no snapshot at the start: the stream alone cannot be trusted
-        start = w.counts_at_start or {}
-        for tgid, n in counts.items():
-            extra = n - start.get(tgid, 0)
-            if extra > w.pids.get(tgid, 0) and self._is_stray(r, tgid):
-                w.pids[tgid] = extra
+        else:
+            for tgid, n in (self._counts(r, w) or {}).items():
+                extra = n - start.get(tgid, 0)
+                if extra > w.pids.get(tgid, 0) and self._is_stray(r, tgid):
+                    w.pids[tgid] = extra
         rep.strays = sum(w.pids.values())
         rep.stray_pids = sorted(w.pids)
         rep.first_strays = list(w.first)
