@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes as ct
 import mmap
 import os
-import ctypes as ct
 import struct
 import threading
 import time
@@ -436,7 +436,7 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
     except OSError:
         return
     for pid in pids:
-        HOLD.wait()  # on the poll thread's upkeep: a region entering goes first
+        HOLD.wait()  # on a probe thread's upkeep a region entering goes first (none at start)
         base = f"/proc/{pid}/fd"
         try:
             fds = os.listdir(base)
