@@ -213,13 +213,14 @@ class Client:
                      env: dict[str, str] | None = None, device: str | int = "auto",
                      timeout: float | None = None, mem: int = 0, stdin: bytes | None = None,
                      on_disconnect: str = "kill", label: str = "", stream: bool = True,
-                     ) -> CommandHandle:
-        """Start a command. env=None passes this process's environment (as a shell would)."""
+                     run_as: int | None = None) -> CommandHandle:
+        """Start a command. env=None passes this process's environment (as a shell would);
+        run_as: another uid to run it as (the daemon allows that to a root peer only)."""
         req_id = next(self._ids)
         msg = P.Submit(id=req_id, argv=list(argv), cwd=cwd or os.getcwd(),
                        env=dict(os.environ) if env is None else env, device=str(device),
                        timeout=timeout, mem=mem, stdin=stdin, on_disconnect=on_disconnect,  # type: ignore[arg-type]
-                       label=label, stream=stream)
+                       label=label, stream=stream, run_as=run_as)
         q = self._send(msg)
         first = await q.get()
         if first is None:

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import itertools
 import os
+import pwd
 import signal
 import time
 from collections.abc import Callable
@@ -46,6 +47,17 @@ class RequestError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _run_as(target: int, peer_uid: int) -> tuple[int, int]:
+    """(uid, primary gid) for Submit.run_as: only root (by SO_PEERCRED) may name another uid, and
+    only one with a passwd entry (its groups come from there)."""
+    if peer_uid != 0:
+        raise RequestError("forbidden", "only root may run a command as another user (run_as)")
+    try:
+        return target, pwd.getpwuid(target).pw_gid
+    except KeyError:
+        raise RequestError("bad_request", f"run_as: uid {target} has no passwd entry") from None
 
 
 def _ancestors(pid: int, limit: int = 512) -> list[int]:
@@ -179,6 +191,8 @@ class Daemon:
         lifts the per-user limit, never the node-wide one."""
         if self.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
+        if req.run_as is not None and req.run_as != uid:
+            uid, gid = _run_as(req.run_as, uid)
         if len(self.commands) >= self.config.max_commands:
             raise RequestError("busy", f"{len(self.commands)} commands are queued, running or "
                                        "kept (--max-commands); retry after some have ended")

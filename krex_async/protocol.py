@@ -64,6 +64,9 @@ class Submit(Msg, tag="submit"):
     on_disconnect: Literal["kill", "keep"] = "kill"
     stream: bool = True  # send Output events (False: only keep the output for the report)
     label: Name = ""
+    # Run as this uid (its passwd entry's primary group and groups) instead of the peer's: only a
+    # root peer may ask for another uid (the HTTP gateway runs its jobs as --run-as this way).
+    run_as: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)] | None = None
 
     def __post_init__(self) -> None:
         # Each string is bounded by its type; their sum must also fit what exec accepts. Counted in
