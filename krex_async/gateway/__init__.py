@@ -1,7 +1,11 @@
 """`krex gateway`: the agate jobs API over HTTP, running every job as a krex command.
 
     krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
-                 [--allow-remote --token T] [--max-running N] [--max-body BYTES] ...
+                 [--token-file F | --token T | --no-auth] [--run-as USER] [--job-python PY]
+                 [--allow-remote] [--max-running N] [--max-body BYTES] ...
+
+Trust (auth.py, files.py): every request but /healthz needs a bearer token (generated into
+<state>/token at first start unless given); each token's jobs are its own; jobs never run as root.
 
 Clients of the public agate API (the agate CLI, Atrex's tools/sandbox.py) talk to it unchanged; the
 daemon found through --socket or $KREX_SOCKET runs the jobs under its policy, and KREX_AUTO_REGION=1
@@ -21,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,9 +43,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu-alias", action="append", default=[], metavar="NAME",
                    help="another target_hardware name to accept besides 'local' (repeatable)")
     p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback bind (requires --token)")
+                   help="allow a non-loopback bind (never with --no-auth)")
     p.add_argument("--token", default=os.environ.get("KREX_GATEWAY_TOKEN"),
-                   help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN)")
+                   help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN; "
+                        "otherwise the token file)")
+    p.add_argument("--token-file", help="tokens, one per line: TOKEN, or NAME TOKEN [USER] (a "
+                   "0600 file of the gateway's user; created with one token if missing; default "
+                   "<state-dir>/token)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="INSECURE: no token; any local user submits jobs and sees every job "
+                        "(loopback only)")
+    p.add_argument("--run-as", metavar="USER", help="run jobs as USER (a gateway started as root "
+                   "without it runs them as nobody; never root)")
+    p.add_argument("--job-python", default=sys.executable,
+                   help="the interpreter `python` runs in jobs and evaluators run with (default "
+                        "this one; it must be executable by the jobs' user)")
     p.add_argument("--atrex-bench-root", help="an Atrex-Bench checkout for eval/profile jobs")
     p.add_argument("--max-running", type=int, default=d.max_running,
                    help=f"jobs submitted to the daemon at once (default {d.max_running})")
@@ -77,16 +94,30 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
     from aiohttp import web
 
+    from . import auth
     from . import kinds as K
     from .app import Gateway, make_app
     from .env import Environment
+    from .files import StateError, prepare_state
     from .jobs import Runner, make_shims
     from .store import Store
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
     state = Path(args.state_dir).resolve()
-    (state / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
+    euid = os.geteuid()
+    try:
+        prepare_state(state)
+        run_as, note = auth.job_user(args.run_as, euid)
+        gate, where = auth.load(state, args.token_file, args.token, args.no_auth, run_as, euid)
+    except (auth.AuthError, StateError, OSError) as e:
+        print(f"krex gateway: {e}", file=sys.stderr)
+        return 2
+    from ..config import default_socket
+    for line in (note, where, _job_user_check(args.job_python, args.socket or default_socket(),
+                                              gate)):
+        if line:
+            print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     lock = open(state / "gateway.lock", "a+")
     try:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -98,12 +129,12 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"krex gateway: {store.restarted} job(s) were running when the last gateway "
               "stopped: marked failed (gateway_restarted)", file=sys.stderr)
     aliases = frozenset(["local", *args.gpu_alias])
-    kinds, missing = K.build(limits, aliases, args.atrex_bench_root)
+    kinds, missing = K.build(limits, aliases, args.atrex_bench_root, args.job_python)
     gw: Gateway | None = None
     runner = Runner(store, state / "jobs", limits, args.socket, kinds,
-                    lambda job_id: gw.changed(job_id) if gw else None)
-    runner.shims = make_shims(state / "bin")
-    gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, args.token)
+                    lambda job_id: gw.changed(job_id) if gw else None, args.job_python)
+    runner.shims = make_shims(state / "bin", args.job_python)
+    gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
                                shutdown_timeout=3.0)
     await app_runner.setup()
@@ -117,7 +148,9 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     bound = app_runner.addresses[0][1] if app_runner.addresses else port
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-    (state / "gateway.json").write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    info = state / "gateway.json"
+    info.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    info.chmod(0o600)
     runner.start()
     print(f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
           f", daemon {args.socket or 'default socket'})", file=sys.stderr, flush=True)
@@ -137,6 +170,41 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_user_check(python: str, socket_path: str, gate: Any) -> str:
+    """A warning when a jobs' user cannot run the jobs' python (a venv under a private home) or
+    reach the daemon's socket (a job's regions go through it: add the user to --socket-group)."""
+    users = {i.run_as for i in gate.tokens.values()}
+    if gate.open_as is not None:
+        users.add(gate.open_as.run_as)
+    probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+    for u in users:
+        if u.uid is None:
+            continue
+        for argv, what in (([python, "-c", ""], f"run {python}: pass --job-python PATH"),
+                           ([python, "-c", probe, socket_path],
+                            f"reach the daemon's socket {socket_path}, so regions in its jobs "
+                            "fail: add it to the daemon's --socket-group")):
+            try:
+                r = subprocess.run(argv, user=u.uid, group=u.gid, extra_groups=_groups(u),
+                                   capture_output=True, text=True, timeout=30, cwd="/",
+                                   check=False)
+                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                failed = r.returncode != 0
+            except (OSError, subprocess.SubprocessError) as e:
+                last, failed = str(e), True
+            if failed:
+                return f"WARNING: {u.name}, who runs jobs, cannot {what} ({last})"
+    return ""
+
+
+def _groups(u: Any) -> list[int]:
+    import pwd
+    try:
+        return os.getgrouplist(pwd.getpwuid(u.uid).pw_name, u.gid)
+    except KeyError:
+        return [u.gid]
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point for `krex gateway`: checks the bind rules, then serves (uvloop when present)."""
     try:
@@ -146,11 +214,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not is_loopback(host):
         if not args.allow_remote:
-            print(f"krex gateway: refusing to listen on non-loopback {host}: pass --allow-remote "
-                  "with --token", file=sys.stderr)
+            print(f"krex gateway: refusing to listen on non-loopback {host}: pass --allow-remote",
+                  file=sys.stderr)
             return 2
-        if not args.token:
-            print("krex gateway: --allow-remote requires --token (or $KREX_GATEWAY_TOKEN)",
+        if args.no_auth:
+            print("krex gateway: --no-auth is for loopback only: --allow-remote requires a token",
                   file=sys.stderr)
             return 2
     if args.max_running < 1:

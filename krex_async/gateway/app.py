@@ -8,9 +8,15 @@
     POST /v1/jobs/<id>/cancel
     GET  /v1/evals/<id>, POST /v1/evals legacy eval paths
 
-Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a malformed request,
-401 without the token, 404 for unknown routes and jobs, 405 for a wrong method, 413 over a size
-limit, 501 for kinds not runnable here, 500 (reason internal_error) for a gateway bug.
+Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a body that is not
+JSON (or nests deeper than MAX_DEPTH) and for bad query parameters, 422 for a job request that fails
+validation (as the reference gateway answers), 401 without a valid token, 404 for unknown routes
+and for jobs that do not exist or are not the caller's, 405 for a wrong method, 413 for a body over
+--max-body, 501 for kinds not runnable here, 500 (reason internal_error) for a gateway bug.
+
+Every route but /healthz needs a token (auth.py) unless the gateway runs with --no-auth; a caller
+sees, waits on and cancels only its own jobs. A job's view is rendered once from the stored JSON
+text (views.py) and streamed: concurrent readers of a large result share one encoding.
 """
 
 from __future__ import annotations
@@ -24,13 +30,28 @@ from typing import Any
 
 from aiohttp import web
 
+from .auth import Auth, Identity
 from .env import Environment
 from .jobs import Runner
 from .limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
 from .store import Store, error
+from .views import Views
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+MAX_DEPTH = 128  # JSON nesting a request may use; deeper is malformed (and would recurse anyway)
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` nests lists/objects deeper than `limit` (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 def _json(status: int, body: Any, trace_id: str = "") -> web.Response:
@@ -41,12 +62,13 @@ def _json(status: int, body: Any, trace_id: str = "") -> web.Response:
 
 
 class Gateway:
-    """The app's state: store, runner, environment, waiters for long polls, the token."""
+    """The app's state: store, runner, environment, waiters for long polls, who may call."""
 
     def __init__(self, store: Store, runner: Runner, env: Environment, limits: Limits,
-                 kinds: dict[str, Any], missing: dict[str, str], token: str | None) -> None:
+                 kinds: dict[str, Any], missing: dict[str, str], auth: Auth) -> None:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
-        self.kinds, self.missing, self.token = kinds, missing, token
+        self.kinds, self.missing, self.auth = kinds, missing, auth
+        self.views = Views(store)
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.closing = False
 
@@ -69,11 +91,12 @@ class Gateway:
         trace = got if got and len(got) <= 128 and got.isprintable() else \
             f"req-{secrets.token_hex(6)}"
         request["trace"] = trace
-        if self.token is not None and request.path != "/healthz":
-            auth = request.headers.get("Authorization", "")
-            if not secrets.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+        if request.path != "/healthz":
+            who = self.auth.identify(request.headers.get("Authorization", ""))
+            if who is None:
                 return _json(401, error("unauthorized", "a valid 'Authorization: Bearer <token>' "
                                         "header is required", trace), trace)
+            request["who"] = who
         try:
             resp = await handler(request)
         except BadRequest as e:
@@ -91,9 +114,12 @@ class Gateway:
         except web.HTTPException as e:
             return _json(e.status, error(e.reason.lower().replace(" ", "_"), e.text or e.reason,
                                          trace), trace)
+        except ConnectionError:
+            raise  # the reader left mid-stream: nothing to answer
         except Exception as e:  # a gateway bug: say so as JSON, keep serving
             return _json(500, error("internal_error", f"{type(e).__name__}: {e}", trace), trace)
-        resp.headers.setdefault("X-Trace-Id", trace)
+        if not resp.prepared:
+            resp.headers.setdefault("X-Trace-Id", trace)
         return resp
 
     # -------------------------------------------------------------------------------- helpers
@@ -106,9 +132,15 @@ class Gateway:
         if not raw:
             raise BadRequest("empty_body", "a JSON request body is required")
         try:
-            return json.loads(raw)
+            value = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest("invalid_json", f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            value = None
+        if value is None and raw.strip() != b"null" or too_deep(value):
+            raise BadRequest("invalid_json", f"the request body nests deeper than {MAX_DEPTH} "
+                             "levels")
+        return value
 
     @staticmethod
     def flag(request: web.Request, name: str) -> bool:
@@ -119,11 +151,14 @@ class Gateway:
             return False
         raise BadRequest(f"invalid_{name}", f"{name} must be true or false, got {v!r}")
 
-    def job_or_404(self, job_id: str, trace: str) -> dict[str, Any]:
-        job = self.store.get(job_id)
-        if job is None:
-            raise BadRequest("job_not_found", f"job {job_id!r} not found", 404)
-        return job
+    @staticmethod
+    def who(request: web.Request) -> Identity:
+        return request["who"]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def not_found(job_id: str) -> BadRequest:
+        """One answer for a job that does not exist and one that is another caller's."""
+        return BadRequest("job_not_found", f"job {job_id!r} not found", 404)
 
     async def daemon_status(self) -> dict[str, Any] | None:
         client = await self.runner.connect()
@@ -162,7 +197,9 @@ class Gateway:
             raise BadRequest("kind_not_supported", why, 501, kind=kind,
                              supported=sorted(self.kinds))
         req, key, author = self.kinds[kind].validate(await self.body(request))
-        job, created = self.store.create(kind, req, request["trace"], key, author)
+        who = self.who(request)
+        job, created = self.store.create(kind, req, request["trace"], key, author, who.name,
+                                         who.run_as.uid)
         if created:
             self.runner.notify()
         resp = _json(202, job)
@@ -172,7 +209,7 @@ class Gateway:
     async def submit_eval(self, request: web.Request) -> web.Response:
         return await self.submit(request, "eval")
 
-    async def list_jobs(self, request: web.Request) -> web.Response:
+    async def list_jobs(self, request: web.Request) -> web.StreamResponse:
         q = request.query
         kind, status = q.get("kind"), q.get("status")
         if kind is not None and kind not in KINDS:
@@ -189,14 +226,17 @@ class Gateway:
         sort = q.get("sort", "-created_at")
         if sort not in ("created_at", "-created_at"):
             raise BadRequest("invalid_sort", "sort must be created_at or -created_at")
-        jobs = self.store.list(kind, status, q.get("user"), min(limit, 500),
-                               newest_first=sort != "created_at")
-        return _json(200, {"jobs": jobs})
+        ids = self.store.list_ids(self.who(request).name, kind, status, q.get("user"),
+                                  min(limit, 500), newest_first=sort != "created_at")
+        return await self.views.stream_list(request, ids)
 
-    async def get_job(self, request: web.Request) -> web.Response:
+    async def get_job(self, request: web.Request) -> web.StreamResponse:
         job_id = request.match_info["job_id"]
-        job = self.job_or_404(job_id, request["trace"])
-        if self.flag(request, "wait") and job["status"] not in TERMINAL:
+        owner = self.who(request).name
+        status = self.store.status(job_id, owner)
+        if status is None:
+            raise self.not_found(job_id)
+        if self.flag(request, "wait") and status not in TERMINAL:
             raw = request.query.get("timeout", "30")
             try:
                 timeout = float(raw)
@@ -205,14 +245,17 @@ class Gateway:
                     from None
             if not math.isfinite(timeout) or timeout < 0:
                 raise BadRequest("invalid_timeout", "timeout must be a finite number >= 0")
-            job = await self.wait(job_id, min(timeout, self.limits.max_wait)) or job
-        return _json(200, job)
+            await self.wait(job_id, min(timeout, self.limits.max_wait))
+        resp = await self.views.stream_job(request, job_id, owner)
+        if resp is None:
+            raise self.not_found(job_id)
+        return resp
 
-    async def wait(self, job_id: str, timeout: float) -> dict[str, Any] | None:
+    async def wait(self, job_id: str, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        job = self.store.get(job_id)
-        while job is not None and job["status"] not in TERMINAL and not self.closing:
+        status = self.store.status(job_id)
+        while status is not None and status not in TERMINAL and not self.closing:
             left = deadline - loop.time()
             if left <= 0:
                 break
@@ -228,14 +271,17 @@ class Gateway:
                     waiting.discard(fut)
                     if not waiting:
                         del self.waiters[job_id]
-            job = self.store.get(job_id)
-        return job
+            status = self.store.status(job_id)
 
-    async def cancel(self, request: web.Request) -> web.Response:
+    async def cancel(self, request: web.Request) -> web.StreamResponse:
         job_id = request.match_info["job_id"]
-        if await self.runner.cancel(job_id) is None:
-            raise BadRequest("job_not_found", f"job {job_id!r} not found", 404)
-        return _json(200, self.job_or_404(job_id, request["trace"]))
+        owner = self.who(request).name
+        if await self.runner.cancel(job_id, owner) is None:
+            raise self.not_found(job_id)
+        resp = await self.views.stream_job(request, job_id, owner)
+        if resp is None:
+            raise self.not_found(job_id)
+        return resp
 
 
 def make_app(gw: Gateway) -> web.Application:

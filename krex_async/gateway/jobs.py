@@ -26,10 +26,14 @@ from typing import Any, Protocol
 import msgspec
 
 from ..client import Client, CommandHandle, KrexError
+from . import auth, clocks
+from .auth import RunAs
+from .files import hand_over, write_files  # noqa: F401  (write_files: kinds and tests use it here)
 from .limits import RESERVED_ENV, TERMINAL, Limits
 from .store import Store, error
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
 
 
 class Kind(Protocol):
@@ -38,65 +42,42 @@ class Kind(Protocol):
     def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
         """Write what the job needs into workdir; return (argv, timeout_s). May raise OSError."""
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any]
-                 ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-        """(status, result, error) from the command's result dict."""
+    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
+                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+        """(status, result, error) from the command's result dict; files the job wrote are read
+        as files.read_job_file reads them (owner: the job's uid, None for the gateway's)."""
 
 
-def write_files(root: Path, files: dict[str, str]) -> None:
-    """Create each (already validated) relative path under root, never following a symlink.
-
-    Directories are walked with dir fds and O_NOFOLLOW, files are created with O_EXCL: a link or
-    an existing entry in the way is an OSError, not a write outside root.
-    """
-    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for name, content in files.items():
-            *dirs, leaf = name.split("/")
-            fd = os.dup(rootfd)
-            try:
-                for d in dirs:
-                    try:
-                        os.mkdir(d, 0o700, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    nfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                    os.close(fd)
-                    fd = nfd
-                out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
-                              dir_fd=fd)
-                with os.fdopen(out, "wb") as f:
-                    f.write(content.encode("utf-8", "surrogatepass"))
-            finally:
-                os.close(fd)
-    finally:
-        os.close(rootfd)
-
-
-def make_shims(bindir: Path) -> Path:
-    """<state>/bin/python and python3: run this interpreter (images often lack a `python`).
+def make_shims(bindir: Path, python: str = sys.executable) -> Path:
+    """<state>/bin/python and python3: run `python` (images often lack a `python`).
 
     Scripts, not symlinks: a venv's interpreter finds its environment only when called by its path.
+    The directory and the scripts are the gateway user's (files.prepare_state): no job changes them.
     """
     bindir.mkdir(mode=0o755, exist_ok=True)
     for name in ("python", "python3"):
         tmp = bindir / f".{name}.new"
-        tmp.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        tmp.unlink(missing_ok=True)
+        tmp.write_text(f"#!/bin/sh\nexec {shlex.quote(python)} \"$@\"\n")
         tmp.chmod(0o755)
         tmp.replace(bindir / name)
     return bindir
 
 
 def job_env(job_id: str, workdir: Path, extra: dict[str, str],
-            shims: Path | None = None) -> dict[str, str]:
-    """The gateway's environment, the job's variables, and what krex and the API add."""
+            shims: Path | None = None, python: str = sys.executable,
+            user: RunAs | None = None) -> dict[str, str]:
+    """The gateway's environment, the job's variables, and what krex and the API add. A job run as
+    another user gets that user's name and a HOME it can write (its own, else the job directory)."""
     env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
+    if user is not None and user.uid is not None:
+        env.update(HOME=user.home or str(workdir), USER=user.name, LOGNAME=user.name)
     env.update(extra)
     env.setdefault("KREX_AUTO_REGION", "1")
     env["ATREX_LOCAL_JOB_ID"] = env["KREX_GATEWAY_JOB"] = job_id
     if "PATH" not in extra:  # `python` (and python3) in a job is the gateway's interpreter
         first = [str(shims)] if shims is not None else []
-        first.append(str(Path(sys.executable).parent))
+        first.append(str(Path(python).parent))
         env["PATH"] = os.pathsep.join(first + [p for p in env.get("PATH", os.defpath)
                                                .split(os.pathsep) if p and p not in first])
     if "TORCH_EXTENSIONS_DIR" not in extra:  # torch's build locks survive SIGKILL: keep them local
@@ -126,8 +107,11 @@ class Runner:
     """Owns the daemon connection and the running jobs' tasks; `stop()` ends both."""
 
     def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,
-                 kinds: dict[str, Kind], on_change: Callable[[str], None]) -> None:
+                 kinds: dict[str, Kind], on_change: Callable[[str], None],
+                 python: str = sys.executable) -> None:
         self.store = store
+        self.python = python  # what `python` is in a job (shims, PATH)
+        self.timed_out: set[str] = set()  # jobs the gateway ended for their timeout
         self.jobs_dir = jobs_dir
         self.limits = limits
         self.socket = socket
@@ -211,22 +195,32 @@ class Runner:
 
     async def _run(self, client: Client, job_id: str, kind: str, request: dict[str, Any]) -> None:
         """Run one claimed job to a terminal status. Every failure becomes the job's error."""
+        clock: clocks.Lock | None = None
+        deadline: asyncio.Task[None] | None = None
         try:
             runner = self.kinds[kind]
+            uid = self.store.run_uid(job_id)
+            user = auth.user(str(uid)) if uid is not None else None
             workdir = self.jobs_dir / job_id
             workdir.mkdir(mode=0o700)
             (workdir / ".torch_extensions").mkdir(mode=0o700)
             argv, timeout = runner.prepare(request, workdir)
-            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims)
+            hand_over(workdir, uid, user.gid if user else None)
+            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims,
+                          self.python, user)
+            if kind != "dev" and request.get("lock_clocks"):
+                clock = await clocks.acquire()  # raises ClockError: the job fails saying why
             if self.store.status(job_id) != "running":
                 return  # cancelled while being prepared
             h = await client.submit(argv, cwd=str(workdir), env=env, device="auto",
-                                    timeout=timeout, label=f"gateway {job_id}")
+                                    timeout=timeout + KILL_GRACE + 5, label=f"gateway {job_id}",
+                                    run_as=uid)
             self.commands[job_id] = h.command
             self.store.set_command(job_id, h.command)
             self.on_change(job_id)
             if self.store.status(job_id) == "cancelled":
-                await client.cancel(h.command, 9)
+                await self._terminate(h.command)
+            deadline = asyncio.get_running_loop().create_task(self._deadline(job_id, h, timeout))
             out, err = bytearray(), bytearray()
             cut = {"stdout": False, "stderr": False}
             limit = self.limits.max_output
@@ -239,9 +233,10 @@ class Runner:
                 h._out.clear()  # the handle would keep every byte; we keep `limit` of each
                 h._err.clear()
             res = await h.wait()
+            deadline.cancel()
             result = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
-            status, result, err_obj = self._judge(runner, request, workdir, res.report, result,
-                                                  timeout)
+            status, result, err_obj = self._judge(runner, job_id, request, workdir, res.report,
+                                                  result, timeout, uid)
             self.store.finish(job_id, status, result, err_obj)
         except KrexError as e:
             reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
@@ -254,12 +249,42 @@ class Runner:
         except Exception as e:  # a bug or an OSError preparing the job: the job says so
             self.store.finish(job_id, "failed", None,
                               error("execution_error", f"{type(e).__name__}: {e}"))
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            self.timed_out.discard(job_id)
+            if clock is not None:
+                clock.release()
 
-    def _judge(self, runner: Kind, request: dict[str, Any], workdir: Path, report: Any,
-               result: dict[str, Any], timeout: float
+    async def _deadline(self, job_id: str, h: CommandHandle, timeout: float) -> None:
+        """The job's timeout, counted from its start (not its wait in the daemon's queue); then
+        SIGTERM, and SIGKILL after KILL_GRACE, as the reference gateway ends it (exit -15)."""
+        while h.queued and h.pid is None:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(timeout)
+        self.timed_out.add(job_id)
+        await self._terminate(h.command)
+
+    async def _terminate(self, command: str) -> None:
+        """SIGTERM the command's tree, SIGKILL what is left after KILL_GRACE."""
+        for sig, pause in ((15, KILL_GRACE), (9, 0.0)):
+            if self.client is None:
+                return
+            try:
+                await self.client.cancel(command, sig)
+            except KrexError:
+                return  # it ended meanwhile
+            if pause:
+                await asyncio.sleep(pause)
+            if command not in self.commands.values():
+                return
+
+    def _judge(self, runner: Kind, job_id: str, request: dict[str, Any], workdir: Path,
+               report: Any, result: dict[str, Any], timeout: float, uid: int | None
                ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-        if report.state == "timeout":
-            return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} s")
+        if report.state == "timeout" or job_id in self.timed_out:
+            return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} "
+                                           "seconds")
         if report.state == "cancelled":
             return "cancelled", result, error("cancelled", "the krex command was cancelled")
         if report.state in ("failed", "shutdown"):
@@ -267,18 +292,16 @@ class Runner:
         if result["stdout_truncated"] or result["stderr_truncated"]:
             return "failed", result, error("output_too_large", "command output exceeded the "
                                            f"{self.limits.max_output} byte stream limit")
-        return runner.complete(request, workdir, result)
+        return runner.complete(request, workdir, result, uid)
 
-    async def cancel(self, job_id: str) -> str | None:
-        """Cancel a job; returns the status it had. A running one's krex command is killed."""
-        before = self.store.cancel(job_id)
+    async def cancel(self, job_id: str, owner: str | None = None) -> str | None:
+        """Cancel a job; returns the status it had (None: no such job, or not `owner`'s). A running
+        job's krex command gets SIGTERM, then SIGKILL, as the reference gateway's does."""
+        before = self.store.cancel(job_id, owner)
         if before == "running":
             command = self.commands.get(job_id)
-            if command is not None and self.client is not None:
-                try:
-                    await self.client.cancel(command, 9)
-                except KrexError:
-                    pass  # it ended meanwhile: its task records the result under `cancelled`
+            if command is not None:
+                asyncio.get_running_loop().create_task(self._terminate(command))
         if before is not None and before not in TERMINAL:
             self.on_change(job_id)
         return before

@@ -8,10 +8,9 @@ here, why not: the app answers those with a structured 501 `kind_not_supported`.
 
 from __future__ import annotations
 
-import csv
 import importlib.util
-import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -19,12 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from . import limits as L
-from .jobs import write_files
+from .files import find, read_job_file, write_files
 from .store import error
 
-PROFILE_LEVELS = ("survey", "sol", "deep")
-NCU_METRICS = ("gpu__time_duration.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-               "dram__throughput.avg.pct_of_peak_sustained_elapsed")
+MAX_EVAL_RESULT = 64 * L.MiB
 
 
 def find_evaluator(root: str | None) -> tuple[Path | None, str]:
@@ -46,10 +43,12 @@ def find_evaluator(root: str | None) -> tuple[Path | None, str]:
 
 
 class Dev:
-    """`/bin/sh -c COMMAND` in the job directory with the uploaded files."""
+    """`bash -c COMMAND` (as the reference gateway; /bin/sh where there is no bash) in the job
+    directory with the uploaded files."""
 
     def __init__(self, lim: L.Limits, accepted: frozenset[str]) -> None:
         self.lim, self.accepted = lim, accepted
+        self.shell = shutil.which("bash") or "/bin/sh"
 
     def validate(self, payload: Any) -> tuple[dict[str, Any], str | None, str | None]:
         r = L.dev_request(payload, self.lim, self.accepted)
@@ -59,10 +58,10 @@ class Dev:
 
     def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
         write_files(workdir, request.get("files") or {})
-        return ["/bin/sh", "-c", request["command"]], float(request["timeout_s"])
+        return [self.shell, "-c", request["command"]], float(request["timeout_s"])
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any]
-                 ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
+                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         if result["exit_code"] == 0:
             return "succeeded", result, None
         return "failed", result, error("command_failed",
@@ -70,36 +69,48 @@ class Dev:
 
 
 def _bundle(payload: Any, lim: L.Limits, accepted: frozenset[str]) -> dict[str, Any]:
-    """The typed (eval, profile) request: a candidate and its reference, checked."""
+    """The typed (eval, profile) request: a candidate and its reference, checked as the reference
+    gateway checks them (422 for what it refuses)."""
     p = L.obj(payload)
     hw = L.targets(p, accepted)
     cand = p.get("candidate")
     if not isinstance(cand, str) or not cand.strip():
-        raise L.BadRequest("invalid_candidate", "candidate must be a non-empty Python source")
+        raise L.Invalid("invalid_candidate", "candidate must be a non-empty Python source")
     ref = L.obj(p.get("reference"), "reference")
-    for f in ("operator", "reference_py", "input_py"):
+    op = ref.get("operator")
+    if not isinstance(op, str) or not op.strip() or len(op) > 512:
+        raise L.Invalid("invalid_reference", "reference.operator must be a non-empty string of at "
+                        "most 512 characters")
+    for f in ("reference_py", "input_py"):
         if not isinstance(ref.get(f), str) or not ref[f].strip():
-            raise L.BadRequest("invalid_reference", f"reference.{f} must be a non-empty string")
+            raise L.Invalid("invalid_reference", f"reference.{f} must be a non-empty string")
     if not isinstance(ref.get("shapes"), dict) or not ref["shapes"]:
-        raise L.BadRequest("invalid_reference", "reference.shapes must be a non-empty object")
+        raise L.Invalid("invalid_reference", "reference.shapes must be a non-empty object")
+    for f in ("metadata", "roofline"):
+        if f in ref and not isinstance(ref[f], dict):
+            raise L.Invalid("invalid_reference", f"reference.{f} must be an object")
     opts = L.obj(p.get("options") or {}, "options")
     for name, lo, hi, default in (("num_correctness_cases", 1, 1000, 1),
                                   ("bench_iters", 1, 1_000_000, 100)):
         v = opts.get(name, default)
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise L.BadRequest("invalid_options", f"options.{name} must be an integer in {lo}..{hi}")
+            raise L.Invalid("invalid_options", f"options.{name} must be an integer in {lo}..{hi}")
     for name in ("atol", "rtol"):
         v = opts.get(name, 0.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-            raise L.BadRequest("invalid_options", f"options.{name} must be a finite number >= 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise L.Invalid("invalid_options", f"options.{name} must be a finite number >= 0")
     size = sum(len(s.encode()) for s in (cand, ref["reference_py"], ref["input_py"]))
+    size += sum(len(json.dumps(ref.get(f) or {})) for f in ("shapes", "metadata", "roofline"))
     if size > lim.max_files_total:
-        raise L.BadRequest("files_too_large", f"sources total {size} bytes", 413)
+        raise L.Invalid("files_too_large", f"candidate and reference total {size} bytes; the "
+                        f"limit is {lim.max_files_total}")
+    lock = p.get("lock_clocks", False)
+    if not isinstance(lock, bool):
+        raise L.Invalid("invalid_lock_clocks", "lock_clocks must be a boolean")
     return {"spec": {"target_hardware": hw}, "candidate": cand, "reference": ref,
             "options": opts, "env_vars": L.env_vars(p.get("env_vars"), lim),
             "timeout_s": L.timeout(opts.get("timeout_s"), lim, "options.timeout_s"),
-            "mode": p.get("mode", "full"), "lock_clocks": bool(p.get("lock_clocks", False)),
-            "level": p.get("level", "sol"), "kernel_regex": p.get("kernel_regex")}
+            "mode": p.get("mode", "full"), "lock_clocks": lock}
 
 
 def _materialize(request: dict[str, Any], workdir: Path) -> None:
@@ -115,22 +126,21 @@ def _materialize(request: dict[str, Any], workdir: Path) -> None:
 class Eval:
     """Atrex-Bench's evaluator on the candidate; the result is its eval_result.json."""
 
-    def __init__(self, lim: L.Limits, accepted: frozenset[str], runner: Path) -> None:
-        self.lim, self.accepted, self.runner = lim, accepted, runner
+    def __init__(self, lim: L.Limits, accepted: frozenset[str], runner: Path,
+                 python: str = sys.executable) -> None:
+        self.lim, self.accepted, self.runner, self.python = lim, accepted, runner, python
 
     def validate(self, payload: Any) -> tuple[dict[str, Any], str | None, str | None]:
         req = _bundle(payload, self.lim, self.accepted)
         if req["mode"] not in ("full", "correctness_only"):
-            raise L.BadRequest("invalid_mode", "mode must be 'full' or 'correctness_only'")
+            raise L.Invalid("invalid_mode", "mode must be 'full' or 'correctness_only'")
         p = L.obj(payload)
         return req, L.idempotency_key(p), p.get("author") if isinstance(p.get("author"), str) else None
 
-    def argv(self, request: dict[str, Any], workdir: Path, bench_iters: int | None = None
-             ) -> list[str]:
+    def argv(self, request: dict[str, Any], workdir: Path) -> list[str]:
         o = request["options"]
-        iters = bench_iters or (1 if request["mode"] == "correctness_only" else
-                                o.get("bench_iters", 100))
-        argv = [sys.executable, str(self.runner), "--input", str(workdir / "candidate.py"),
+        iters = 1 if request["mode"] == "correctness_only" else o.get("bench_iters", 100)
+        argv = [self.python, str(self.runner), "--input", str(workdir / "candidate.py"),
                 "--reference-dir", str(workdir / "reference"), "--output",
                 str(workdir / "eval_output"), "--atol", str(o.get("atol", 1e-2)),
                 "--rtol", str(o.get("rtol", 0.05)),
@@ -142,76 +152,41 @@ class Eval:
         _materialize(request, workdir)
         return self.argv(request, workdir), float(request["timeout_s"])
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any]
-                 ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-        found = sorted((workdir / "eval_output").rglob("eval_result.json"))
-        if result["exit_code"] != 0 or not found:
-            return "failed", result, error("evaluator_failed", f"the evaluator exited "
-                                           f"{result['exit_code']} without eval_result.json"
-                                           if not found else "the evaluator failed")
-        payload = json.loads(found[0].read_text())
-        payload["krex"] = {"regions": result["regions"], **result["krex"]}
-        return "succeeded", payload, None
+    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
+                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+        """As the reference gateway: an eval_result.json object is the job's result, whatever the
+        evaluator's exit status (it exits 1 when the candidate fails correctness: that is an
+        outcome of the evaluation, not a failed job)."""
+        found = sorted(find(workdir, "eval_output", "eval_result.json"),
+                       key=lambda rel: rel.split("/"))
+        if found:
+            try:
+                payload = json.loads(read_job_file(workdir, found[-1], owner, MAX_EVAL_RESULT))
+            except (OSError, ValueError) as e:
+                return "failed", result, error("invalid_eval_result",
+                                               f"cannot read eval_result.json: {e}")
+            if isinstance(payload, dict):
+                payload["krex"] = {"regions": result["regions"], **result["krex"]}
+                return "succeeded", payload, None
+        return "failed", result, error("evaluator_failed", "atrex-bench exited with status "
+                                       f"{result['exit_code']} without eval_result.json")
 
 
-class Profile(Eval):
-    """ncu around the evaluator's run of the candidate (one bench iteration); kernels from CSV."""
-
-    def __init__(self, lim: L.Limits, accepted: frozenset[str], runner: Path, ncu: str) -> None:
-        super().__init__(lim, accepted, runner)
-        self.ncu = ncu
-
-    def validate(self, payload: Any) -> tuple[dict[str, Any], str | None, str | None]:
-        req, key, author = Eval.validate(self, {**L.obj(payload), "mode": "full"})
-        if req["level"] not in PROFILE_LEVELS:
-            raise L.BadRequest("invalid_level", f"level must be one of {', '.join(PROFILE_LEVELS)}")
-        req["mode"] = None
-        return req, key, author
-
-    def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
-        _materialize(request, workdir)
-        argv = [self.ncu, "--csv", "--log-file", str(workdir / "ncu.csv"), "--target-processes",
-                "all", "--metrics", ",".join(NCU_METRICS[:1] if request["level"] == "survey"
-                                             else NCU_METRICS)]
-        if request.get("kernel_regex"):
-            argv += ["--kernel-name", f"regex:{request['kernel_regex']}"]
-        request = {**request, "mode": "full"}
-        return argv + self.argv(request, workdir, bench_iters=1), float(request["timeout_s"])
-
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any]
-                 ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-        path = workdir / "ncu.csv"
-        if result["exit_code"] != 0 or not path.is_file():
-            return "failed", result, error("profiler_failed",
-                                           f"ncu exited {result['exit_code']}")
-        text = path.read_text(errors="replace")
-        lines = text.splitlines()
-        start = next((i for i, ln in enumerate(lines) if "Kernel Name" in ln), None)
-        kernels: dict[str, dict[str, Any]] = {}
-        if start is not None:
-            for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
-                name = (row.get("Kernel Name") or "").strip()
-                if name:
-                    k = kernels.setdefault(name, {"name": name, "metrics": {}})
-                    k["metrics"][row.get("Metric Name", "")] = row.get("Metric Value")
-        return "succeeded", {"profiler": "ncu", "level": request["level"],
-                             "kernels": list(kernels.values()),
-                             "krex": {"regions": result["regions"], **result["krex"]}}, None
-
-
-def build(lim: L.Limits, accepted: frozenset[str], atrex_bench_root: str | None
-          ) -> tuple[dict[str, Any], dict[str, str]]:
+def build(lim: L.Limits, accepted: frozenset[str], atrex_bench_root: str | None,
+          python: str = sys.executable) -> tuple[dict[str, Any], dict[str, str]]:
     """(runnable kinds by name, unavailable kinds -> why)."""
+    from .profile import Profile, find_profilers
+
     kinds: dict[str, Any] = {"dev": Dev(lim, accepted)}
     missing = {"disassemble": "the krex gateway does not implement disassemble jobs"}
     runner, why = find_evaluator(atrex_bench_root)
-    ncu = shutil.which("ncu")
+    tools, no_tools = find_profilers()
     if runner is not None:
-        kinds["eval"] = Eval(lim, accepted, runner)
+        kinds["eval"] = Eval(lim, accepted, runner, python)
     else:
         missing["eval"] = why
-    if runner is not None and ncu:
-        kinds["profile"] = Profile(lim, accepted, runner, ncu)
+    if runner is not None and tools:
+        kinds["profile"] = Profile(lim, accepted, runner, python, tools)
     else:
-        missing["profile"] = "; ".join(x for x in ("" if ncu else "ncu is not on PATH", why) if x)
+        missing["profile"] = "; ".join(x for x in (no_tools, why) if x)
     return kinds, missing

@@ -1,7 +1,8 @@
 """The gateway's limits and the checks that turn an HTTP request body into a typed job request.
 
-Every check raises `BadRequest(reason, message)`; the app answers it as a JSON error with that
-reason (400 unless the error says otherwise, 413 for sizes over a limit). Nothing here touches the
+Every check raises `Invalid(reason, message)`; the app answers it as a JSON error with that reason
+and status 422, as the reference gateway answers a request that fails validation (a size over a
+limit included: only a body over --max-body is 413). Nothing here touches the
 filesystem: file paths are checked as strings, and `jobs.write_files` refuses what a string check
 cannot see (an existing symlink or file in the way).
 """
@@ -31,7 +32,7 @@ class Limits:
     max_files: int = 256
     max_files_total: int = 24 * MiB
     max_command: int = 1 * MiB
-    max_output: int = 8 * MiB  # per stream; beyond it the stream is cut and flagged
+    max_output: int = 32 * MiB  # per stream, as the reference; beyond it the job fails
     max_timeout: float = 600.0
     default_timeout: float = 600.0
     max_env: int = 256
@@ -50,6 +51,13 @@ class BadRequest(Exception):
         self.details = details
 
 
+class Invalid(BadRequest):
+    """A job request that fails validation: 422, whatever the check."""
+
+    def __init__(self, reason: str, message: str, **details: Any) -> None:
+        super().__init__(reason, message, 422, **details)
+
+
 @dataclass
 class DevRequest:
     command: str
@@ -63,7 +71,7 @@ class DevRequest:
 
 def obj(payload: Any, where: str = "request body") -> dict[str, Any]:
     if not isinstance(payload, dict):
-        raise BadRequest("invalid_request", f"{where} must be a JSON object")
+        raise Invalid("invalid_request", f"{where} must be a JSON object")
     return payload
 
 
@@ -72,10 +80,10 @@ def targets(payload: dict[str, Any], accepted: frozenset[str]) -> list[str]:
     spec = payload.get("spec")
     hw = spec.get("target_hardware") if isinstance(spec, dict) else None
     if not isinstance(hw, list) or not hw or not all(isinstance(h, str) and h for h in hw):
-        raise BadRequest("invalid_target_hardware",
+        raise Invalid("invalid_target_hardware",
                          "spec.target_hardware must be a non-empty array of strings")
     if not any(h in accepted for h in hw):
-        raise BadRequest("unsupported_hardware",
+        raise Invalid("unsupported_hardware",
                          f"this gateway runs on: {', '.join(sorted(accepted))}; got {hw}",
                          accepted=sorted(accepted))
     return hw
@@ -86,7 +94,7 @@ def timeout(value: Any, lim: Limits, name: str = "timeout_s") -> float:
         return lim.default_timeout
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not 0 < value <= lim.max_timeout:
-        raise BadRequest("invalid_timeout",
+        raise Invalid("invalid_timeout",
                          f"{name} must be a number of seconds in (0, {lim.max_timeout:g}]")
     return float(value)
 
@@ -95,21 +103,21 @@ def env_vars(value: Any, lim: Limits) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or len(value) > lim.max_env:
-        raise BadRequest("invalid_env_vars", f"env_vars must be an object of at most "
+        raise Invalid("invalid_env_vars", f"env_vars must be an object of at most "
                                              f"{lim.max_env} string values")
     for k, v in value.items():
         if not ENV_NAME.match(k) or not isinstance(v, str) or "\x00" in v:
-            raise BadRequest("invalid_env_vars", f"env_vars[{k!r}] must be a valid name with a "
+            raise Invalid("invalid_env_vars", f"env_vars[{k!r}] must be a valid name with a "
                                                  "string value without NUL")
         if k in RESERVED_ENV:
-            raise BadRequest("invalid_env_vars", f"env_vars may not set {k}: krex sets it")
+            raise Invalid("invalid_env_vars", f"env_vars may not set {k}: krex sets it")
     return dict(value)
 
 
 def idempotency_key(payload: dict[str, Any]) -> str | None:
     key = payload.get("idempotency_key")
     if key is not None and (not isinstance(key, str) or not key or len(key) > 256):
-        raise BadRequest("invalid_idempotency_key",
+        raise Invalid("invalid_idempotency_key",
                          "idempotency_key must be a non-empty string of at most 256 characters")
     return key
 
@@ -117,17 +125,17 @@ def idempotency_key(payload: dict[str, Any]) -> str | None:
 def safe_path(name: Any) -> str:
     """A relative path of plain components: no absolute path, '.', '..', empty part, or NUL."""
     if not isinstance(name, str) or not name:
-        raise BadRequest("unsafe_path", "file names must be non-empty strings")
+        raise Invalid("unsafe_path", "file names must be non-empty strings")
     if "\x00" in name or "\\" in name:
-        raise BadRequest("unsafe_path", f"file name {name!r} contains NUL or a backslash")
+        raise Invalid("unsafe_path", f"file name {name!r} contains NUL or a backslash")
     if name.startswith("/"):
-        raise BadRequest("unsafe_path", f"file name {name!r} is absolute")
+        raise Invalid("unsafe_path", f"file name {name!r} is absolute")
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise BadRequest("unsafe_path", f"file name {name!r} must be a plain relative path "
+        raise Invalid("unsafe_path", f"file name {name!r} must be a plain relative path "
                                         "(no '', '.' or '..' components)")
     if len(name) > 4096 or any(len(p.encode()) > 255 for p in parts):
-        raise BadRequest("unsafe_path", f"file name {name[:64]!r}... is too long")
+        raise Invalid("unsafe_path", f"file name {name[:64]!r}... is too long")
     return name
 
 
@@ -135,28 +143,28 @@ def files(value: Any, lim: Limits) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise BadRequest("invalid_files", "files must map relative paths to text contents")
+        raise Invalid("invalid_files", "files must map relative paths to text contents")
     if len(value) > lim.max_files:
-        raise BadRequest("too_many_files", f"at most {lim.max_files} files per job", 413)
+        raise Invalid("too_many_files", f"at most {lim.max_files} files per job")
     total = 0
     for name, content in value.items():
         safe_path(name)
         if not isinstance(content, str):
-            raise BadRequest("invalid_files", f"files[{name!r}] must be a text string")
+            raise Invalid("invalid_files", f"files[{name!r}] must be a text string")
         n = len(content.encode("utf-8", "surrogatepass"))
         if n > lim.max_file:
-            raise BadRequest("file_too_large", f"files[{name!r}] is {n} bytes; the limit is "
-                                               f"{lim.max_file}", 413)
+            raise Invalid("file_too_large", f"files[{name!r}] is {n} bytes; the limit is "
+                                               f"{lim.max_file}")
         total += n
     if total > lim.max_files_total:
-        raise BadRequest("files_too_large", f"files total {total} bytes; the limit is "
-                                            f"{lim.max_files_total}", 413)
+        raise Invalid("files_too_large", f"files total {total} bytes; the limit is "
+                                            f"{lim.max_files_total}")
     names = set(value)
     for name in names:  # "a" and "a/b" cannot both be files
         parts = name.split("/")
         for i in range(1, len(parts)):
             if "/".join(parts[:i]) in names:
-                raise BadRequest("unsafe_path", f"{'/'.join(parts[:i])!r} is both a file and "
+                raise Invalid("unsafe_path", f"{'/'.join(parts[:i])!r} is both a file and "
                                                 f"the directory of {name!r}")
     return dict(value)
 
@@ -166,11 +174,11 @@ def dev_request(payload: Any, lim: Limits, accepted: frozenset[str]) -> DevReque
     hw = targets(p, accepted)
     command = p.get("command")
     if not isinstance(command, str) or not command.strip():
-        raise BadRequest("invalid_command", "command must be a non-empty string")
+        raise Invalid("invalid_command", "command must be a non-empty string")
     if "\x00" in command:
-        raise BadRequest("invalid_command", "command contains a NUL character")
+        raise Invalid("invalid_command", "command contains a NUL character")
     if len(command.encode()) > lim.max_command:
-        raise BadRequest("command_too_large", f"command exceeds {lim.max_command} bytes", 413)
+        raise Invalid("command_too_large", f"command exceeds {lim.max_command} bytes")
     author = p.get("author")
     return DevRequest(command=command, files=files(p.get("files"), lim),
                       env_vars=env_vars(p.get("env_vars"), lim),

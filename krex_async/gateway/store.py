@@ -4,7 +4,8 @@ Every call is one short transaction on the event loop's thread (a few hundred mi
 no query scans more than the jobs table's indexes). Status only moves forward:
 queued -> running -> succeeded|failed|cancelled, or queued -> cancelled; every update says which
 status it expects (`WHERE status=...`), so a cancelled job is never overwritten by its late result
-and a job is claimed for running at most once. Opening the store marks every job left `running` by
+and a job is claimed for running at most once. Each job has an `owner` (the identity that submitted
+it, auth.py): reads, lists, cancels and idempotency keys are scoped to it. Opening the store marks every job left `running` by
 a previous gateway as failed (reason `gateway_restarted`): it may have run partly, so it is never
 run again. Queued jobs stay queued and run after the restart.
 """
@@ -38,10 +39,26 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at REAL,
     finished_at REAL
 );
-CREATE UNIQUE INDEX IF NOT EXISTS jobs_idem ON jobs(kind, idempotency_key)
-    WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
 """
+# Added after the first release: a database made before them gains them on open (owner 'default',
+# the identity of a single token, for its jobs).
+MIGRATIONS = (
+    ("owner", "ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'default'"),
+    ("run_uid", "ALTER TABLE jobs ADD COLUMN run_uid INTEGER"),
+)
+INDEXES = """
+DROP INDEX IF EXISTS jobs_idem;
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_owner_idem ON jobs(owner, kind, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner, seq);
+"""
+# Everything a view needs; mode and lock_clocks read from the stored request by SQLite, so the request
+# (up to the body limit) is never decoded to show a job.
+COLUMNS = ("job_id, kind, status, result, error, trace_id, author, idempotency_key, krex_command, "
+           "created_at, updated_at, started_at, finished_at, owner, "
+           "json_extract(request, '$.mode') AS mode, "
+           "json_extract(request, '$.lock_clocks') AS lock_clocks")
 PREFIX = {"dev": "dv", "eval": "ev", "profile": "pf"}
 
 
@@ -70,6 +87,11 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(SCHEMA)
+        have = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
+        for column, sql in MIGRATIONS:
+            if column not in have:
+                self.db.execute(sql)
+        self.db.executescript(INDEXES)
         now = time.time()
         self.orphans = [r[0] for r in self.db.execute(
             "SELECT job_id FROM jobs WHERE status='running'").fetchall()]
@@ -83,13 +105,14 @@ class Store:
         self.db.close()
 
     def create(self, kind: str, request: dict[str, Any], trace_id: str,
-               idempotency_key: str | None, author: str | None) -> tuple[dict[str, Any], bool]:
-        """Insert a queued job, or return the job with the same kind and idempotency key."""
+               idempotency_key: str | None, author: str | None, owner: str = "default",
+               run_uid: int | None = None) -> tuple[dict[str, Any], bool]:
+        """Insert a queued job, or return the owner's job with the same kind and idempotency key."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             if idempotency_key is not None:
-                row = self.db.execute("SELECT * FROM jobs WHERE kind=? AND idempotency_key=?",
-                                      (kind, idempotency_key)).fetchone()
+                row = self.db.execute(f"SELECT {COLUMNS} FROM jobs WHERE owner=? AND kind=? AND "
+                                      "idempotency_key=?", (owner, kind, idempotency_key)).fetchone()
                 if row is not None:
                     self.db.execute("COMMIT")
                     return self.view(row), False
@@ -97,9 +120,10 @@ class Store:
             job_id = f"{PREFIX.get(kind, 'jb')}_{secrets.token_hex(6)}"
             self.db.execute(
                 "INSERT INTO jobs (job_id, kind, status, request, trace_id, author, "
-                "idempotency_key, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?)",
+                "idempotency_key, created_at, updated_at, owner, run_uid) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (job_id, kind, "queued", _dumps(request), trace_id, author, idempotency_key,
-                 now, now))
+                 now, now, owner, run_uid))
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -108,24 +132,47 @@ class Store:
         assert job is not None
         return job, True
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
-        row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        return None if row is None else self.view(row)
+    def get(self, job_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The job's API object (None: no such job, or not `owner`'s when one is given)."""
+        row = self.db.execute(f"SELECT {COLUMNS} FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None or owner not in (None, row["owner"]) else self.view(row)
 
-    def status(self, job_id: str) -> str | None:
-        row = self.db.execute("SELECT status FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        return None if row is None else str(row[0])
+    def status(self, job_id: str, owner: str | None = None) -> str | None:
+        row = self.db.execute("SELECT status, owner FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None or owner not in (None, row[1]) else str(row[0])
 
-    def list(self, kind: str | None, status: str | None, author: str | None, limit: int,
-             newest_first: bool = True) -> list[dict[str, Any]]:
-        where, args = [], []
+    def run_uid(self, job_id: str) -> int | None:
+        row = self.db.execute("SELECT run_uid FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def list_ids(self, owner: str, kind: str | None, status: str | None, author: str | None,
+                 limit: int, newest_first: bool = True) -> list[str]:
+        """The owner's job ids matching the filters (the views are rendered one at a time)."""
+        where, args = ["owner=?"], [owner]
         for col, val in (("kind", kind), ("status", status), ("author", author)):
             if val is not None:
                 where.append(f"{col}=?")
                 args.append(val)
-        sql = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
+        sql = "SELECT job_id FROM jobs WHERE " + " AND ".join(where)
         sql += f" ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?"
-        return [self.view(r) for r in self.db.execute(sql, (*args, limit)).fetchall()]
+        return [r[0] for r in self.db.execute(sql, (*args, limit)).fetchall()]
+
+    def list(self, kind: str | None, status: str | None, author: str | None, limit: int,
+             newest_first: bool = True, owner: str = "default") -> list[dict[str, Any]]:
+        return [j for j in (self.get(i) for i in self.list_ids(owner, kind, status, author, limit,
+                                                                newest_first)) if j is not None]
+
+    def render(self, job_id: str, owner: str | None = None) -> tuple[str, bytes] | None:
+        """(status, the job's API object as JSON bytes), built around the stored result and error
+        text without decoding them: a 16 MB result is not parsed and re-encoded for each reader."""
+        row = self.db.execute(f"SELECT {COLUMNS} FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if row is None or owner not in (None, row["owner"]):
+            return None
+        head = self.view(row, decode=False)
+        text = json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1]
+        body = (f'{text},"result":{row["result"] or "null"},"error":{row["error"] or "null"}}}'
+                .encode("utf-8", "surrogatepass"))
+        return str(row["status"]), body
 
     def claim(self) -> tuple[str, str, dict[str, Any]] | None:
         """The oldest queued job, now marked running (recorded before anything is started)."""
@@ -144,35 +191,33 @@ class Store:
         return None if row is None else (row[0], row[1], _loads(row[2]))
 
     def set_command(self, job_id: str, command: str) -> None:
-        self.db.execute("UPDATE jobs SET krex_command=?, updated_at=? WHERE job_id=?",
+        self.db.execute("UPDATE jobs SET krex_command=?, updated_at=? WHERE job_id=? AND "
+                        "status='running'",
                         (command, time.time(), job_id))
 
     def finish(self, job_id: str, status: str, result: dict[str, Any] | None,
                err: dict[str, Any] | None) -> bool:
-        """running -> a terminal status. A job cancelled meanwhile keeps `cancelled` but gets the
-        result. Returns whether this call decided the status."""
+        """running -> a terminal status. A job cancelled meanwhile stays as the cancel left it
+        (result and error null, as the reference gateway reports it: its client then resubmits
+        once). Returns whether this call decided the status."""
         assert status in TERMINAL
         now = time.time()
         n = self.db.execute("UPDATE jobs SET status=?, result=?, error=?, updated_at=?, "
                             "finished_at=? WHERE job_id=? AND status='running'",
                             (status, _dumps(result), _dumps(err), now, now, job_id)).rowcount
-        if n == 0 and result is not None:
-            self.db.execute("UPDATE jobs SET result=?, updated_at=? WHERE job_id=? AND "
-                            "status='cancelled' AND result IS NULL",
-                            (_dumps(result), now, job_id))
         return n == 1
 
-    def cancel(self, job_id: str) -> str | None:
-        """Mark a queued or running job cancelled; returns the status it had (None: no such job)."""
+    def cancel(self, job_id: str, owner: str | None = None) -> str | None:
+        """Mark a queued or running job cancelled; returns the status it had (None: no such job,
+        or not `owner`'s)."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            before = self.status(job_id)
+            before = self.status(job_id, owner)
             if before in ("queued", "running"):
                 now = time.time()
                 self.db.execute(
-                    "UPDATE jobs SET status='cancelled', error=?, updated_at=?, finished_at=? "
-                    "WHERE job_id=?",
-                    (_dumps(error("cancelled", f"cancelled while {before}")), now, now, job_id))
+                    "UPDATE jobs SET status='cancelled', updated_at=?, finished_at=? "
+                    "WHERE job_id=?", (now, now, job_id))
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -190,17 +235,21 @@ class Store:
                 self.db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()}
 
     @staticmethod
-    def view(row: sqlite3.Row) -> dict[str, Any]:
-        """The API's job object."""
-        req = _loads(row["request"]) or {}
-        return {
+    def view(row: sqlite3.Row, decode: bool = True) -> dict[str, Any]:
+        """The API's job object (without result and error when not `decode`: render splices
+        their stored text in)."""
+        mode = row["mode"]
+        lock = row["lock_clocks"]
+        job = {
             "job_id": row["job_id"], "kind": row["kind"], "status": row["status"],
-            "mode": req.get("mode"), "lock_clocks": req.get("lock_clocks"),
-            "mode_enforced": (req.get("mode", "full") in ("full", "correctness_only")
+            "mode": mode, "lock_clocks": None if lock is None else bool(lock),
+            "mode_enforced": ((mode or "full") in ("full", "correctness_only")
                               if row["kind"] == "eval" else None),
-            "result": _loads(row["result"]), "error": _loads(row["error"]),
             "trace_id": row["trace_id"], "author": row["author"],
             "idempotency_key": row["idempotency_key"], "krex_command": row["krex_command"],
             "created_at": row["created_at"], "updated_at": row["updated_at"],
             "started_at": row["started_at"], "finished_at": row["finished_at"],
         }
+        if decode:
+            job["result"], job["error"] = _loads(row["result"]), _loads(row["error"])
+        return job

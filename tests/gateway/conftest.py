@@ -1,27 +1,78 @@
-"""A real gateway subprocess on 127.0.0.1 (any free port) in front of a real daemon."""
+"""A real gateway subprocess on 127.0.0.1 (any free port) in front of a real daemon.
+
+The gateway runs with its default trust model: a token generated into <state>/token (the client
+reads it). As root, `stack` runs jobs as the test user krextest (--run-as), a member of the daemon's
+--socket-group krexg so that regions in its jobs reach the daemon, as a node would be set up. Its state lives in a fresh
+/tmp directory that other users may traverse (pytest's tmp_path is private to root), beside a
+world-writable `scratch` directory where jobs leave what a test wants to see.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+
+import pytest
 
 from krex_async.gateway.client import GatewayClient
 from tests.conftest import ROOT, run_daemon
+from tests.security.helpers import USER_PY, USER_PYTHONPATH, make_users
 
 PY = sys.executable
+JOB_USER, SOCKET_GROUP = "krextest", "krexg"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_users() -> Iterator[None]:
+    """The security suite's users (root only; elsewhere the gateway runs jobs as itself)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    for _ in make_users():
+        yield
+
+
+@functools.cache
+def job_python() -> str:
+    """An interpreter `nobody` can run (this venv's may sit under root's private home)."""
+    if os.geteuid() != 0:
+        return PY
+    try:
+        subprocess.run([PY, "-c", ""], user="nobody", check=True, capture_output=True, timeout=30,
+                       cwd="/")
+        return PY
+    except (OSError, subprocess.SubprocessError):
+        return USER_PY
+
+
+@contextlib.contextmanager
+def gateway_home() -> Iterator[Path]:
+    """A fresh directory for a gateway's state (`gw`) and a `scratch` directory for its jobs."""
+    base = Path(tempfile.mkdtemp(prefix="krexgw-", dir="/tmp"))
+    base.chmod(0o711)
+    (base / "scratch").mkdir(mode=0o777)
+    (base / "scratch").chmod(0o1777)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 class Gateway:
     def __init__(self, proc: subprocess.Popen[bytes], state: Path, url: str, log: Path,
                  token: str | None) -> None:
         self.proc, self.state, self.url, self.log, self.token = proc, state, url, log, token
+        self.scratch = state.parent / "scratch"
 
     def client(self) -> GatewayClient:
         return GatewayClient(self.url, token=self.token)
@@ -37,13 +88,16 @@ class Gateway:
 
 def start_gateway(socket: str, state: Path, *args: str, env: dict[str, str] | None = None,
                   token: str | None = None, listen: str = "127.0.0.1:0") -> Gateway:
-    """Start `python -m krex_async.gateway` and wait until its gateway.json names its pid."""
-    state.mkdir(parents=True, exist_ok=True)
+    """Start `python -m krex_async.gateway` and wait until its gateway.json names its pid. The
+    client uses `token`, else the one the gateway wrote to <state>/token."""
+    state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / f"{state.name}.{time.monotonic_ns()}.log"
     e = dict(os.environ, **(env or {}))
     e.pop("KREX_SOCKET", None)
     e.pop("KREX_GATEWAY_TOKEN", None)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = os.pathsep.join([USER_PYTHONPATH, e.get("PYTHONPATH", "")])
+    if "--job-python" not in args:
+        args = (*args, "--job-python", job_python())
     with open(log, "wb") as f:
         proc = subprocess.Popen([PY, "-m", "krex_async.gateway", "--listen", listen,
                                  "--state-dir", str(state), "--socket", socket, *args],
@@ -54,6 +108,8 @@ def start_gateway(socket: str, state: Path, *args: str, env: dict[str, str] | No
         try:
             meta = json.loads(info.read_text())
             if meta["pid"] == proc.pid:
+                if token is None and "--no-auth" not in args and "--token" not in args:
+                    token = (state / "token").read_text().split()[-1]
                 return Gateway(proc, state, meta["url"], log, token)
         except (OSError, ValueError, KeyError):
             pass
@@ -65,12 +121,28 @@ def start_gateway(socket: str, state: Path, *args: str, env: dict[str, str] | No
         time.sleep(0.02)
 
 
+@pytest.fixture
+def gwhome() -> Iterator[Path]:
+    """gateway_home() for a test that starts gateways itself: state in `gw`, jobs' `scratch`."""
+    with gateway_home() as home:
+        yield home
+
+
 @contextlib.asynccontextmanager
 async def stack(tmp_path: Path, *gateway_args: str, daemon_args: tuple[str, ...] = (),
                 **kw: object) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
-    """A daemon, a gateway on it, and a client of the gateway; all stopped after."""
-    async with run_daemon(*daemon_args) as daemon:
-        gw = start_gateway(daemon.socket, tmp_path / "gw", *gateway_args, **kw)  # type: ignore[arg-type]
+    """A daemon, a gateway on it, and a client of the gateway; all stopped after (tmp_path is
+    unused: the gateway's state must be reachable by its jobs' user, see gateway_home)."""
+    root = os.geteuid() == 0
+    if root and "--socket-group" not in daemon_args:
+        daemon_args = (*daemon_args, "--socket-group", SOCKET_GROUP)
+    if root and "--run-as" not in gateway_args:
+        gateway_args = (*gateway_args, "--run-as", JOB_USER)
+    async with run_daemon(*daemon_args) as daemon, contextlib.AsyncExitStack() as stack_:
+        if root:
+            os.chmod(os.path.dirname(daemon.socket), 0o711)  # the job user reaches the socket
+        home = stack_.enter_context(gateway_home())
+        gw = start_gateway(daemon.socket, home / "gw", *gateway_args, **kw)  # type: ignore[arg-type]
         client = gw.client()
         try:
             yield daemon, gw, client

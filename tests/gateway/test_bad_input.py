@@ -1,5 +1,6 @@
-"""Malformed requests get a JSON error with a reason (400, 404, 405, 413, 501), never a crash; unsafe
-file paths never write outside the job directory; remote binds need --allow-remote and a token."""
+"""Malformed requests get a JSON error with a reason (400, 404, 405, 413, 422, 501), never a crash;
+unsafe file paths never write outside the job directory; remote binds need --allow-remote and never
+go without a token."""
 
 from __future__ import annotations
 
@@ -63,30 +64,30 @@ async def test_malformed_requests(tmp_path: Path) -> None:
         await expect(400, "invalid_json", raw=b"{not json")
         await expect(400, "invalid_json", raw=b"\xff\xfe")
         await expect(400, "empty_body", raw=b"")
-        await expect(400, "invalid_request", body=[1, 2])
-        await expect(400, "invalid_command", body={**good, "command": ""})
-        await expect(400, "invalid_command", body={k: v for k, v in good.items() if k != "command"})
-        await expect(400, "invalid_command", body={**good, "command": ["ls"]})
-        await expect(400, "invalid_target_hardware", body={k: v for k, v in good.items()
+        await expect(422, "invalid_request", body=[1, 2])
+        await expect(422, "invalid_command", body={**good, "command": ""})
+        await expect(422, "invalid_command", body={k: v for k, v in good.items() if k != "command"})
+        await expect(422, "invalid_command", body={**good, "command": ["ls"]})
+        await expect(422, "invalid_target_hardware", body={k: v for k, v in good.items()
                                                            if k != "spec"})
-        await expect(400, "invalid_target_hardware", body={**good, "spec": {"target_hardware": []}})
-        await expect(400, "unsupported_hardware", body={**good, "spec": {"target_hardware": ["B200"]}})
+        await expect(422, "invalid_target_hardware", body={**good, "spec": {"target_hardware": []}})
+        await expect(422, "unsupported_hardware", body={**good, "spec": {"target_hardware": ["B200"]}})
         for t in (0, -1, "10", True, 1e9, 101):
-            await expect(400, "invalid_timeout", body={**good, "timeout_s": t})
-        await expect(400, "invalid_timeout", raw=json.dumps({**good}).replace(
+            await expect(422, "invalid_timeout", body={**good, "timeout_s": t})
+        await expect(422, "invalid_timeout", raw=json.dumps({**good}).replace(
             '"timeout_s": 60', '"timeout_s": NaN').encode())
-        await expect(400, "invalid_env_vars", body={**good, "env_vars": {"1BAD": "x"}})
-        await expect(400, "invalid_env_vars", body={**good, "env_vars": {"A": 1}})
-        await expect(400, "invalid_env_vars", body={**good, "env_vars": {"KREX_SOCKET": "/x"}})
-        await expect(400, "invalid_env_vars", body={**good, "env_vars": ["A=1"]})
-        await expect(400, "invalid_idempotency_key", body={**good, "idempotency_key": ""})
-        await expect(400, "invalid_idempotency_key", body={**good, "idempotency_key": 7})
+        await expect(422, "invalid_env_vars", body={**good, "env_vars": {"1BAD": "x"}})
+        await expect(422, "invalid_env_vars", body={**good, "env_vars": {"A": 1}})
+        await expect(422, "invalid_env_vars", body={**good, "env_vars": {"KREX_SOCKET": "/x"}})
+        await expect(422, "invalid_env_vars", body={**good, "env_vars": ["A=1"]})
+        await expect(422, "invalid_idempotency_key", body={**good, "idempotency_key": ""})
+        await expect(422, "invalid_idempotency_key", body={**good, "idempotency_key": 7})
         for name in ("/abs", "../up", "a/../../up", "a\x00b", "./a"):
-            await expect(400, "unsafe_path", body={**good, "files": {name: "x"}})
-        await expect(400, "unsafe_path", body={**good, "files": {"a": "x", "a/b": "y"}})
-        await expect(400, "invalid_files", body={**good, "files": {"a": 1}})
-        await expect(400, "invalid_files", body={**good, "files": ["a"]})
-        await expect(413, "file_too_large", body={**good, "files": {"big": "x" * 5000}})
+            await expect(422, "unsafe_path", body={**good, "files": {name: "x"}})
+        await expect(422, "unsafe_path", body={**good, "files": {"a": "x", "a/b": "y"}})
+        await expect(422, "invalid_files", body={**good, "files": {"a": 1}})
+        await expect(422, "invalid_files", body={**good, "files": ["a"]})
+        await expect(422, "file_too_large", body={**good, "files": {"big": "x" * 5000}})
         await expect(413, "request_too_large", body={**good, "command": "true " + "x" * 30000})
         await expect(413, "request_too_large", raw=b" " * 30000)
 
@@ -137,7 +138,8 @@ async def test_remote_bind_needs_allow_remote_and_a_token(tmp_path: Path) -> Non
     async with run_daemon() as daemon:
         base = [PY, "-m", "krex_async.gateway", "--state-dir", str(tmp_path / "s"),
                 "--socket", daemon.socket, "--listen", "0.0.0.0:0"]
-        for extra, why in (([], "--allow-remote"), (["--allow-remote"], "requires --token")):
+        for extra, why in (([], "--allow-remote"),
+                           (["--allow-remote", "--no-auth"], "--no-auth is for loopback only")):
             r = subprocess.run(base + extra, capture_output=True, text=True, timeout=30, env=env)
             assert r.returncode == 2 and why in r.stderr, r.stderr
         gw = start_gateway(daemon.socket, tmp_path / "gw", "--allow-remote", "--token", "s3cret",

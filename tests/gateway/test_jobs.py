@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import pid_alive, stack
+from .conftest import job_python, pid_alive, stack
 
 FAKE_TRITON_EXPLICIT = textwrap.dedent('''
     import time
@@ -70,7 +70,7 @@ async def test_health_env_and_a_dev_job(tmp_path: Path) -> None:
         lines = r["stdout"].splitlines()
         assert lines[:3] == ["payload", "hi there", "1 cpu"], r
         assert lines[3] == str(gw.state / "jobs" / job["job_id"])
-        assert lines[4] == sys.executable  # `python` is the gateway's interpreter
+        assert lines[4] == job_python()  # `python` is the gateway's --job-python
         assert r["stderr"] == "oops\n" and r["exit_code"] == 0
         assert r["stdout_truncated"] is False and r["regions"] == []
         assert r["krex"]["state"] == "exited" and r["krex"]["command"] == done["krex_command"]
@@ -105,7 +105,7 @@ async def test_long_poll_returns_when_the_job_ends_or_the_timeout_passes(tmp_pat
 
 
 async def test_cancel_queued_and_running(tmp_path: Path) -> None:
-    async with stack(tmp_path, "--max-running", "1") as (_, _gw, c):
+    async with stack(tmp_path, "--max-running", "1") as (_, gw, c):
         running = await c.dev("echo $$ > pid; exec sleep 60")
         queued = await c.dev("touch ran")
         for _ in range(200):
@@ -117,7 +117,7 @@ async def test_cancel_queued_and_running(tmp_path: Path) -> None:
         gone = await c.cancel(queued["job_id"])
         assert gone["status"] == "cancelled" and gone["krex_command"] is None
 
-        jobdir = _jobdir(tmp_path, running["job_id"])
+        jobdir = gw.state / "jobs" / running["job_id"]
         for _ in range(100):
             if (jobdir / "pid").exists() and (jobdir / "pid").read_text().strip():
                 break
@@ -132,20 +132,19 @@ async def test_cancel_queued_and_running(tmp_path: Path) -> None:
             await asyncio.sleep(0.05)
         assert not pid_alive(pid)
         final = await c.wait(running["job_id"], 10)
-        assert final["status"] == "cancelled"  # its late result does not overwrite the cancel
+        # As the reference gateway: no result and no error (the client resubmits such a job
+        # once); its late result does not overwrite the cancel.
+        assert final["status"] == "cancelled" and final["result"] is None, final
+        assert final["error"] is None and gone["result"] is None and gone["error"] is None
         await asyncio.sleep(0.5)
-        assert not (_jobdir(tmp_path, queued["job_id"]) / "ran").exists()
+        assert not (gw.state / "jobs" / queued["job_id"] / "ran").exists()
         again = await c.cancel(running["job_id"])  # cancelling an ended job changes nothing
         assert again["status"] == "cancelled"
 
 
-def _jobdir(tmp_path: Path, job_id: str) -> Path:
-    return tmp_path / "gw" / "jobs" / job_id
-
-
 async def test_idempotency_key_returns_the_existing_job(tmp_path: Path) -> None:
     async with stack(tmp_path) as (_, gw, c):
-        req = c.dev_request("echo once >> ../../count", idempotency_key="key-1")
+        req = c.dev_request(f"echo once >> {gw.scratch}/count", idempotency_key="key-1")
         s1, first = await c.request("POST", "/v1/jobs/dev", json=req)
         await c.wait(first["job_id"], 30)
         s2, second = await c.request("POST", "/v1/jobs/dev", json=req)
@@ -154,7 +153,7 @@ async def test_idempotency_key_returns_the_existing_job(tmp_path: Path) -> None:
         other = await c.dev("true", idempotency_key="key-2")
         assert other["job_id"] != first["job_id"]
         await c.wait(other["job_id"], 30)
-        assert (gw.state / "count").read_text() == "once\n"
+        assert (gw.scratch / "count").read_text() == "once\n"
         assert len(await c.jobs()) == 2
 
 
@@ -164,7 +163,8 @@ async def test_timeout_and_output_limit(tmp_path: Path) -> None:
         loud = await c.dev("head -c 5000 /dev/zero | tr '\\0' x; echo err >&2")
         view = await c.wait(slow["job_id"], 30)
         assert view["status"] == "failed" and view["error"]["reason"] == "command_timeout"
-        assert view["result"]["krex"]["state"] == "timeout"
+        # SIGTERM at the timeout, as the reference gateway ends it: exit -15 (the client's 241).
+        assert view["result"]["exit_code"] == -15, view["result"]
         view = await c.wait(loud["job_id"], 30)
         assert view["status"] == "failed" and view["error"]["reason"] == "output_too_large"
         r = view["result"]

@@ -15,19 +15,20 @@ from tests.conftest import ROOT, run_daemon
 from .conftest import PY, pid_alive, start_gateway
 
 
-async def test_sigkill_mid_job_then_restart(tmp_path: Path) -> None:
-    state = tmp_path / "gw"
+async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
+    state, scratch = gwhome / "gw", gwhome / "scratch"
     async with run_daemon() as daemon:
         gw = start_gateway(daemon.socket, state, "--max-running", "1")
         c = gw.client()
         try:
-            running = await c.dev("echo run >> ../../runs; echo $$ > ../../pid; exec sleep 60")
+            running = await c.dev(f"echo run >> {scratch}/runs; echo $$ > {scratch}/pid; "
+                                  "exec sleep 60")
             queued = await c.dev("echo queued-ran")
             for _ in range(200):
-                if (state / "pid").exists() and (state / "pid").read_text().strip():
+                if (scratch / "pid").exists() and (scratch / "pid").read_text().strip():
                     break
                 await asyncio.sleep(0.05)
-            pid = int((state / "pid").read_text())
+            pid = int((scratch / "pid").read_text())
             assert (await c.get(queued["job_id"]))["status"] == "queued"
         finally:
             await c.close()
@@ -47,7 +48,7 @@ async def test_sigkill_mid_job_then_restart(tmp_path: Path) -> None:
             done = await c.wait(queued["job_id"], 30)
             assert done["status"] == "succeeded" and done["result"]["stdout"] == "queued-ran\n"
             await asyncio.sleep(0.3)
-            assert (state / "runs").read_text() == "run\n"  # never run twice
+            assert (scratch / "runs").read_text() == "run\n"  # never run twice
             assert (await c.get(running["job_id"]))["status"] == "failed"
 
             second = subprocess.run([PY, "-m", "krex_async.gateway", "--listen", "127.0.0.1:0",
@@ -60,11 +61,11 @@ async def test_sigkill_mid_job_then_restart(tmp_path: Path) -> None:
             gw.stop()
 
 
-async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path) -> None:
+async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path, gwhome: Path) -> None:
     """With no daemon the gateway serves and queues; jobs run once the daemon is there."""
     async with run_daemon() as daemon:
         sock = daemon.socket
-    gw = start_gateway(sock, tmp_path / "gw")
+    gw = start_gateway(sock, gwhome / "gw")
     c = gw.client()
     try:
         job = await c.dev("echo late")
@@ -87,19 +88,19 @@ async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path) -> None:
         gw.stop()
 
 
-async def test_sigterm_fails_the_running_job_and_ends_its_command(tmp_path: Path) -> None:
-    state = tmp_path / "gw"
+async def test_sigterm_fails_the_running_job_and_ends_its_command(gwhome: Path) -> None:
+    state, scratch = gwhome / "gw", gwhome / "scratch"
     async with run_daemon() as daemon:
         gw = start_gateway(daemon.socket, state)
         c = gw.client()
+        poller = gw.client()
         try:
-            job = await c.dev("echo $$ > ../../pid; exec sleep 60")
+            job = await c.dev(f"echo $$ > {scratch}/pid; exec sleep 60")
             for _ in range(200):
-                if (state / "pid").exists() and (state / "pid").read_text().strip():
+                if (scratch / "pid").exists() and (scratch / "pid").read_text().strip():
                     break
                 await asyncio.sleep(0.05)
-            pid = int((state / "pid").read_text())
-            poller = gw.client()
+            pid = int((scratch / "pid").read_text())
             poll = asyncio.ensure_future(poller.get(job["job_id"], wait=True, timeout=60))
             await asyncio.sleep(0.3)
             assert not poll.done()

@@ -1,0 +1,136 @@
+"""The gateway's state directory and each job's directory, kept apart.
+
+    <state>/            0711 gateway user: jobs may pass through, not list or write
+        jobs.db, token  0600 gateway user
+        bin/            0755 gateway user: the `python` shims every job runs
+        jobs/           0711 gateway user
+            <id>/       0700 the job's user: written by the gateway, then handed over
+
+A job's directory is filled by the gateway before the job starts (no link can be in the way yet),
+then handed to the job's user. What the gateway reads back after the job (eval_result.json, the
+profiler's CSV) is read without following a link and only from files the job's user owns, so a job
+cannot point the gateway (root) at another job's files or the system's.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class StateError(Exception):
+    """The state directory cannot be made safe; the message says why."""
+
+
+def own_dir(path: Path, mode: int) -> None:
+    """Create `path` (or take the existing one) as a directory of this user with exactly `mode`.
+    Raises StateError for a link, a non-directory, or a directory of another user."""
+    try:
+        path.mkdir(mode=mode, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise StateError(f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise StateError(f"{path} belongs to uid {st.st_uid}, not the gateway's {os.geteuid()}: "
+                         "a job's user could change the gateway's state")
+    os.chmod(path, mode)
+
+
+def prepare_state(state: Path) -> None:
+    """The layout above, with the modes above. Raises StateError."""
+    own_dir(state, 0o711)
+    own_dir(state / "jobs", 0o711)
+    own_dir(state / "bin", 0o755)
+    for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm", "gateway.json", "gateway.lock"):
+        p = state / name
+        if p.exists() and not p.is_symlink():
+            os.chmod(p, 0o600)
+
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    """Create each (already validated) relative path under root, never following a symlink.
+
+    Directories are walked with dir fds and O_NOFOLLOW, files are created with O_EXCL: a link or
+    an existing entry in the way is an OSError, not a write outside root.
+    """
+    rootfd = os.open(root, DIR_FLAGS)
+    try:
+        for name, content in files.items():
+            *dirs, leaf = name.split("/")
+            fd = os.dup(rootfd)
+            try:
+                for d in dirs:
+                    try:
+                        os.mkdir(d, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(d, DIR_FLAGS, dir_fd=fd)
+                    os.close(fd)
+                    fd = nfd
+                out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                              dir_fd=fd)
+                with os.fdopen(out, "wb") as f:
+                    f.write(content.encode("utf-8", "surrogatepass"))
+            finally:
+                os.close(fd)
+    finally:
+        os.close(rootfd)
+
+
+def hand_over(root: Path, uid: int | None, gid: int | None) -> None:
+    """Give the tree the gateway wrote (no job has run in it yet) to the job's user."""
+    if uid is None or gid is None:
+        return
+    for top, dirs, names in os.walk(root):
+        for n in dirs + names:
+            os.lchown(os.path.join(top, n), uid, gid)
+    os.chown(root, uid, gid)
+    os.chmod(root, 0o700)
+
+
+def _open_under(root: Path, rel: str, owner: int) -> int:
+    """An fd for root/rel opened without following any link, of a regular file `owner` owns."""
+    *dirs, leaf = rel.split("/")
+    fd = os.open(root, DIR_FLAGS)
+    try:
+        for d in dirs:
+            nfd = os.open(d, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        out = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                      dir_fd=fd)
+    finally:
+        os.close(fd)
+    st = os.fstat(out)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (owner, os.geteuid()):
+        os.close(out)
+        raise PermissionError(f"{rel} is not a regular file of the job's user")
+    return out
+
+
+def read_job_file(root: Path, rel: str, owner: int | None, limit: int) -> bytes:
+    """At most `limit` bytes of root/rel, read as `_open_under` opens it. Raises OSError
+    (FileNotFoundError when there is no such file)."""
+    fd = _open_under(root, rel, os.geteuid() if owner is None else owner)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{rel} is larger than {limit} bytes")
+    return data
+
+
+def find(root: Path, sub: str, name: str = "", suffix: str = "") -> Iterator[str]:
+    """Relative paths (from root) of files under root/sub called `name` (or ending in `suffix`);
+    links are not followed."""
+    for top, dirs, names in os.walk(root / sub, followlinks=False):
+        rel = os.path.relpath(top, root)
+        dirs.sort()
+        for n in sorted(names):
+            if n == name or (suffix and n.endswith(suffix)):
+                yield f"{rel}/{n}"
