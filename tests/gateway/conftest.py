@@ -108,7 +108,7 @@ def start_gateway(socket: str, state: Path, *args: str, env: dict[str, str] | No
         try:
             meta = json.loads(info.read_text())
             if meta["pid"] == proc.pid:
-                if token is None and "--no-auth" not in args and "--token" not in args:
+                if token is None and not {"--no-auth", "--token", "--token-file"} & set(args):
                     token = (state / "token").read_text().split()[-1]
                 return Gateway(proc, state, meta["url"], log, token)
         except (OSError, ValueError, KeyError):
@@ -130,13 +130,13 @@ def gwhome() -> Iterator[Path]:
 
 @contextlib.asynccontextmanager
 async def stack(tmp_path: Path, *gateway_args: str, daemon_args: tuple[str, ...] = (),
-                **kw: object) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
+                as_test_user: bool = True, **kw: object) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
     """A daemon, a gateway on it, and a client of the gateway; all stopped after (tmp_path is
     unused: the gateway's state must be reachable by its jobs' user, see gateway_home)."""
     root = os.geteuid() == 0
     if root and "--socket-group" not in daemon_args:
         daemon_args = (*daemon_args, "--socket-group", SOCKET_GROUP)
-    if root and "--run-as" not in gateway_args:
+    if root and as_test_user and "--run-as" not in gateway_args:
         gateway_args = (*gateway_args, "--run-as", JOB_USER)
     async with run_daemon(*daemon_args) as daemon, contextlib.AsyncExitStack() as stack_:
         if root:
