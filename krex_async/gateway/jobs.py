@@ -234,9 +234,9 @@ class Runner:
                 h._err.clear()
             res = await h.wait()
             deadline.cancel()
-            result = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
+            got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
             status, result, err_obj = self._judge(runner, job_id, request, workdir, res.report,
-                                                  result, timeout, uid)
+                                                  got, timeout, uid)
             self.store.finish(job_id, status, result, err_obj)
         except KrexError as e:
             reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
@@ -281,12 +281,12 @@ class Runner:
 
     def _judge(self, runner: Kind, job_id: str, request: dict[str, Any], workdir: Path,
                report: Any, result: dict[str, Any], timeout: float, uid: int | None
-               ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+               ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
         if report.state == "timeout" or job_id in self.timed_out:
             return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} "
                                            "seconds")
-        if report.state == "cancelled":
-            return "cancelled", result, error("cancelled", "the krex command was cancelled")
+        if report.state == "cancelled":  # by an operator (`krex cancel`): as a gateway cancel
+            return "cancelled", None, None
         if report.state in ("failed", "shutdown"):
             return "failed", result, error("krex_error", report.error or report.state)
         if result["stdout_truncated"] or result["stderr_truncated"]:
