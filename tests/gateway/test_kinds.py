@@ -89,7 +89,7 @@ def install_tools(home: Path, run_eval: str = RUN_EVAL) -> tuple[Path, dict[str,
     (bindir / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
     for tool in ("nvidia-smi", "nvcc"):
         (bindir / tool).chmod(0o755)
-    for p in (home, bench, bench / "scripts", bindir):
+    for p in (bench, bench / "scripts", bindir):
         p.chmod(0o755)
     return bench, {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
