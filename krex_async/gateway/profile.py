@@ -68,10 +68,27 @@ shape = rt.load_shape_spec(ref, shape_id)
 model = rt.instantiate_model_module(job / "candidate.py", dev, "krex_profile_candidate",
                                     init_inputs=rt.load_shape_init_inputs(shape, dev)).model
 call = rt.load_shape_call_inputs(inputs, shape, dev)
-guard = contextlib.nullcontext()
-if os.environ.get("KREX_COMMAND"):  # under krex: the profiled call has the device to itself
-    from krex_async import region
-    guard = region("profile")
+
+
+@contextlib.contextmanager
+def exclusive():
+    """Under krex, the profiled call has the device to itself (a region); where the region cannot
+    be had (no krex package, the daemon's socket out of reach) it runs anyway, saying so."""
+    if not os.environ.get("KREX_COMMAND"):
+        yield
+        return
+    try:
+        from krex_async import region
+        held = region("profile")
+        held.__enter__()
+    except Exception as e:  # ImportError, OSError, RegionError: profile without the region
+        print(f"krex profile driver: no region ({e}); profiling without one", file=sys.stderr)
+        yield
+        return
+    try:
+        yield
+    finally:
+        held.__exit__(None, None, None)
 
 
 def once():
@@ -83,7 +100,7 @@ with torch.inference_mode():
     for _ in range(int(os.environ.get("ATREX_PROFILE_WARMUP", "3"))):
         once()
     rt.sync_device(dev)
-    with guard:
+    with exclusive():
         torch.cuda.cudart().cudaProfilerStart()
         try:
             once()
