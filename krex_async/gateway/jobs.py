@@ -1,15 +1,18 @@
 """Running jobs: claim them from the store in order, run each as a krex command, record the result.
 
     HTTP submit -> store (queued) -> notify() -> loop: claim() -> running -> _run(job):
-        fresh job dir <state>/jobs/<id>/, files written without following links
-        Client.submit(/bin/sh -c CMD, cwd=job dir, env + KREX_AUTO_REGION=1) -> krex command
+        fresh job dir <state>/jobs/<id>/, files written without following links, handed to the
+        job's user (files.hand_over); clocks locked if asked (clocks.py)
+        Client.submit(bash -c CMD, cwd=job dir, env + KREX_AUTO_REGION=1, run_as=job's uid)
+        timeout (from the command's start): SIGTERM, SIGKILL 2 s later (exit -15, as the reference)
         bounded output, CommandReport (regions) -> store.finish(succeeded|failed) -> waiters woken
 
 Jobs go to the daemon as they are claimed; the daemon's policy (region, command, shared) decides who
 may use the device when. The gateway only bounds how many run at once (`Limits.max_running`).
 One connection to the daemon is shared by all jobs; when it is lost, the jobs on it fail with reason
 `daemon_lost` (the daemon kills commands whose agent disconnected), and nothing is claimed until a
-new connection is made (the queue waits). Cancelling a running job cancels its krex command.
+new connection is made (the queue waits). Cancelling a running job ends its krex command (SIGTERM,
+then SIGKILL) and leaves the job cancelled with result and error null, as the reference does.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class Runner:
         self.store = store
         self.python = python  # what `python` is in a job (shims, PATH)
         self.timed_out: set[str] = set()  # jobs the gateway ended for their timeout
+        self.enders: set[asyncio.Task[None]] = set()  # SIGTERM-then-SIGKILL of cancelled jobs
         self.jobs_dir = jobs_dir
         self.limits = limits
         self.socket = socket
@@ -301,7 +305,9 @@ class Runner:
         if before == "running":
             command = self.commands.get(job_id)
             if command is not None:
-                asyncio.get_running_loop().create_task(self._terminate(command))
+                task = asyncio.get_running_loop().create_task(self._terminate(command))
+                self.enders.add(task)
+                task.add_done_callback(self.enders.discard)
         if before is not None and before not in TERMINAL:
             self.on_change(job_id)
         return before
@@ -320,6 +326,8 @@ class Runner:
                     await self.client.cancel(command, 9)
                 except KrexError:
                     pass
+        for ender in list(self.enders):
+            ender.cancel()  # the SIGKILLs above end what they were waiting to end
         tasks = list(self.running.values())
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace)
