@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from krex_async.gateway.client import GatewayClient  # noqa: E402
+from bench.gwstack import Stack  # noqa: E402
 
 JOB = r'''
 import importlib.util, json, os, sys, time
@@ -130,43 +130,9 @@ def kernels(device: str, n: int) -> list[dict[str, object]]:
             for i in range(n)]
 
 
-class Stack:
-    """A daemon with one policy and a gateway in front of it, in a temporary directory."""
-
-    def __init__(self, tmp: Path, policy: str, devices: str, max_running: int) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("KREX_SOCKET", None)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"gwb-{policy}-", dir=tmp))
-        sock = str(self.dir / "s")
-        self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "krex_async", "serve", "--socket", sock, "--policy", policy,
-             "--devices", devices, "--log-level", "warning", "--state-dir", str(self.dir / "d")],
-            stdout=open(self.dir / "daemon.log", "wb"), stderr=subprocess.STDOUT, env=env)
-        while not os.path.exists(sock):
-            if self.daemon.poll() is not None:
-                raise SystemExit((self.dir / "daemon.log").read_text())
-            time.sleep(0.02)
-        self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "krex_async.gateway", "--listen", "127.0.0.1:0", "--state-dir",
-             str(self.dir / "gw"), "--socket", sock, "--max-running", str(max_running)],
-            stdout=open(self.dir / "gateway.log", "wb"), stderr=subprocess.STDOUT, env=env)
-        info = self.dir / "gw" / "gateway.json"
-        while not info.exists():
-            if self.gateway.poll() is not None:
-                raise SystemExit((self.dir / "gateway.log").read_text())
-            time.sleep(0.02)
-        time.sleep(0.05)
-        self.url = json.loads(info.read_text())["url"]
-
-    def stop(self) -> None:
-        for p in (self.gateway, self.daemon):
-            p.terminate()
-            p.wait(30)
-
-
-async def submit_all(url: str, specs: list[dict[str, object]], tmp: Path) -> tuple[float, list]:
+async def submit_all(st: Stack, specs: list[dict[str, object]], tmp: Path) -> tuple[float, list]:
     """Submit every job at once; (makespan s, [(spec, parsed RESULT, job view)])."""
-    async with GatewayClient(url) as c:
+    async with st.client() as c:
         t = time.monotonic()
         jobs = []
         for i, s in enumerate(specs):
@@ -211,7 +177,7 @@ async def main() -> int:
         for key, s in distinct.items():
             times = []
             for _ in range(args.alone_reps):
-                wall, ((_, res, _),) = await submit_all(st.url, [s], tmp)
+                wall, ((_, res, _),) = await submit_all(st, [s], tmp)
                 times.append(res["ms"])
             alone[key] = statistics.median(times)
             alone_wall += wall
@@ -222,7 +188,7 @@ async def main() -> int:
     for policy in args.policies.split(","):
         st = Stack(tmp, policy, devices, args.max_running)
         try:
-            makespan, results = await submit_all(st.url, specs, tmp)
+            makespan, results = await submit_all(st, specs, tmp)
         finally:
             st.stop()
         infl = [r["ms"] / alone[s["key"]] for s, r, _ in results]
