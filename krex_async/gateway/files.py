@@ -127,7 +127,9 @@ def read_job_file(root: Path, rel: str, owner: int | None, limit: int) -> bytes:
 
 def find(root: Path, sub: str, name: str = "", suffix: str = "") -> Iterator[str]:
     """Relative paths (from root) of files under root/sub called `name` (or ending in `suffix`);
-    links are not followed."""
+    links are not followed (root/sub itself included)."""
+    if (root / sub).is_symlink():
+        return
     for top, dirs, names in os.walk(root / sub, followlinks=False):
         rel = os.path.relpath(top, root)
         dirs.sort()

@@ -1,0 +1,68 @@
+"""The gateway reads back what a job wrote without following the job's links, from files of the
+job's user only; the store keeps a database made before owners existed."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from krex_async.gateway.files import find, read_job_file
+from krex_async.gateway.store import Store
+
+
+def test_read_back_refuses_links_fifos_and_other_owners(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    (job / "out" / "sub").mkdir(parents=True)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret": 1}')
+    (job / "out" / "ok.json").write_text("{}")
+    (job / "out" / "link.json").symlink_to(secret)
+    (job / "out" / "sub" / "eval_result.json").write_text("{}")
+    (job / "linkdir").symlink_to(job / "out")
+    os.mkfifo(job / "out" / "fifo")
+    me = os.geteuid()
+    assert read_job_file(job, "out/ok.json", me, 100) == b"{}"
+    for rel in ("out/link.json", "linkdir/ok.json"):
+        with pytest.raises(OSError):
+            read_job_file(job, rel, me, 100)
+    with pytest.raises(PermissionError):
+        read_job_file(job, "out/fifo", me, 100)  # opened without blocking, then refused
+    with pytest.raises(OSError):  # larger than the limit
+        read_job_file(job, "out/sub/eval_result.json", me, 1)
+    if me == 0:  # a file of another user than the job's (and not the gateway's) is not read
+        os.chown(job / "out" / "ok.json", 12345, 12345)
+        with pytest.raises(PermissionError):
+            read_job_file(job, "out/ok.json", 23456, 100)
+    assert list(find(job, "out", "eval_result.json")) == ["out/sub/eval_result.json"]
+    assert list(find(job, "linkdir", "ok.json")) == []  # a linked top is not walked
+    assert list(find(job, "missing", "x")) == []
+
+
+def test_a_database_from_before_owners_opens_with_its_jobs_kept(tmp_path: Path) -> None:
+    db = tmp_path / "jobs.db"
+    old = sqlite3.connect(db)
+    old.executescript("""
+        CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL UNIQUE,
+            kind TEXT NOT NULL, status TEXT NOT NULL, request TEXT NOT NULL, result TEXT,
+            error TEXT, trace_id TEXT NOT NULL, author TEXT, idempotency_key TEXT,
+            krex_command TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+            started_at REAL, finished_at REAL);
+        CREATE UNIQUE INDEX jobs_idem ON jobs(kind, idempotency_key)
+            WHERE idempotency_key IS NOT NULL;
+        INSERT INTO jobs (job_id, kind, status, request, result, trace_id, idempotency_key,
+            created_at, updated_at) VALUES ('dv_old', 'dev', 'succeeded', '{"command": "true"}',
+            '{"exit_code": 0}', 't', 'k', 1, 1);
+    """)
+    old.commit()
+    old.close()
+    store = Store(db)
+    try:
+        assert store.get("dv_old", "default")["result"] == {"exit_code": 0}  # type: ignore[index]
+        assert store.get("dv_old", "someone") is None
+        job, created = store.create("dev", {"command": "x"}, "t", "k", None, "someone")
+        assert created and job["job_id"] != "dv_old"  # keys are per owner now
+    finally:
+        store.close()
