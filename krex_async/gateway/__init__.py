@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,6 +93,7 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
     from aiohttp import web
 
+    from ..config import default_socket
     from . import auth
     from . import kinds as K
     from .app import Gateway, make_app
@@ -113,12 +113,12 @@ async def serve(args: argparse.Namespace) -> int:
     except (auth.AuthError, StateError, OSError) as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
-    from ..config import default_socket
-    for line in (note, where, _job_user_check(args.job_python, args.socket or default_socket(),
-                                              gate)):
+    for line in (note, where, auth.check_job_users(gate, args.job_python,
+                                                   args.socket or default_socket())):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     lock = open(state / "gateway.lock", "a+")
+    os.chmod(lock.name, 0o600)
     try:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -168,41 +168,6 @@ async def serve(args: argparse.Namespace) -> int:
         fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
         lock.close()
     return 0
-
-
-def _job_user_check(python: str, socket_path: str, gate: Any) -> str:
-    """A warning when a jobs' user cannot run the jobs' python (a venv under a private home) or
-    reach the daemon's socket (a job's regions go through it: add the user to --socket-group)."""
-    users = {i.run_as for i in gate.tokens.values()}
-    if gate.open_as is not None:
-        users.add(gate.open_as.run_as)
-    probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
-    for u in users:
-        if u.uid is None:
-            continue
-        for argv, what in (([python, "-c", ""], f"run {python}: pass --job-python PATH"),
-                           ([python, "-c", probe, socket_path],
-                            f"reach the daemon's socket {socket_path}, so regions in its jobs "
-                            "fail: add it to the daemon's --socket-group")):
-            try:
-                r = subprocess.run(argv, user=u.uid, group=u.gid, extra_groups=_groups(u),
-                                   capture_output=True, text=True, timeout=30, cwd="/",
-                                   check=False)
-                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-                failed = r.returncode != 0
-            except (OSError, subprocess.SubprocessError) as e:
-                last, failed = str(e), True
-            if failed:
-                return f"WARNING: {u.name}, who runs jobs, cannot {what} ({last})"
-    return ""
-
-
-def _groups(u: Any) -> list[int]:
-    import pwd
-    try:
-        return os.getgrouplist(pwd.getpwuid(u.uid).pw_name, u.gid)
-    except KeyError:
-        return [u.gid]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import os
 import pwd
 import secrets
 import stat
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,3 +189,31 @@ def load(state: Path, token_file: str | None, token: str | None, no_auth: bool, 
     return Auth(tokens), (f"{'new token written to' if made else 'tokens from'} {path} "
                           f"({len(tokens)} identit{'y' if len(tokens) == 1 else 'ies'}); "
                           f"clients send 'Authorization: Bearer <token>' (AGATE_TOKEN)")
+
+
+def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
+    """A warning when a jobs' user cannot run the jobs' python (a venv under a private home) or
+    reach the daemon's socket (a job's regions go through it: add the user to --socket-group)."""
+    users = {i.run_as for i in gate.tokens.values()}
+    if gate.open_as is not None:
+        users.add(gate.open_as.run_as)
+    probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+    for u in users:
+        if u.uid is None or u.gid is None:
+            continue
+        for argv, what in (([python, "-c", ""], f"run {python}: pass --job-python PATH"),
+                           ([python, "-c", probe, socket_path],
+                            f"reach the daemon's socket {socket_path}, so regions in its jobs "
+                            "fail: add it to the daemon's --socket-group")):
+            try:
+                r = subprocess.run(argv, user=u.uid, group=u.gid,
+                                   extra_groups=os.getgrouplist(u.name, u.gid),
+                                   capture_output=True, text=True, timeout=30, cwd="/",
+                                   check=False)
+                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                failed = r.returncode != 0
+            except (OSError, subprocess.SubprocessError) as e:
+                last, failed = str(e), True
+            if failed:
+                return f"WARNING: {u.name}, who runs jobs, cannot {what} ({last})"
+    return ""
