@@ -36,6 +36,7 @@ from .limits import RESERVED_ENV, TERMINAL, Limits
 from .store import Store, error
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+SECRET_ENV = frozenset({"KREX_GATEWAY_TOKEN", "AGATE_TOKEN"})  # the gateway's, never a job's
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
 
 
@@ -72,7 +73,7 @@ def job_env(job_id: str, workdir: Path, extra: dict[str, str],
             user: RunAs | None = None) -> dict[str, str]:
     """The gateway's environment, the job's variables, and what krex and the API add. A job run as
     another user gets that user's name and a HOME it can write (its own, else the job directory)."""
-    env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV and k not in SECRET_ENV}
     if user is not None and user.uid is not None:
         env.update(HOME=user.home or str(workdir), USER=user.name, LOGNAME=user.name)
     env.update(extra)
