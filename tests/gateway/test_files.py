@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway.files import find, read_job_file
+from krex_async.gateway.jobs import job_env
 from krex_async.gateway.store import Store
+
+
+def test_a_job_never_inherits_the_gateways_token(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KREX_GATEWAY_TOKEN", "gateway-secret")
+    monkeypatch.setenv("AGATE_TOKEN", "client-secret")
+    monkeypatch.setenv("KEPT", "1")
+    env = job_env("dv_x", tmp_path, {"MINE": "2"})
+    assert "KREX_GATEWAY_TOKEN" not in env and "AGATE_TOKEN" not in env
+    assert env["KEPT"] == "1" and env["MINE"] == "2" and env["KREX_GATEWAY_JOB"] == "dv_x"
 
 
 def test_read_back_refuses_links_fifos_and_other_owners(tmp_path: Path) -> None:
