@@ -131,15 +131,15 @@ class Gateway:
         raw = await request.read()
         if not raw:
             raise BadRequest("empty_body", "a JSON request body is required")
+        deep = BadRequest("invalid_json", f"the request body nests deeper than {MAX_DEPTH} levels")
         try:
             value = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest("invalid_json", f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            value = None
-        if value is None and raw.strip() != b"null" or too_deep(value):
-            raise BadRequest("invalid_json", f"the request body nests deeper than {MAX_DEPTH} "
-                             "levels")
+        except RecursionError:  # deeper than the parser recurses
+            raise deep from None
+        if too_deep(value):  # deep enough to recurse later (encoding it, walking it)
+            raise deep
         return value
 
     @staticmethod
