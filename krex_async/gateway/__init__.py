@@ -132,7 +132,8 @@ async def serve(args: argparse.Namespace) -> int:
     kinds, missing = K.build(limits, aliases, args.atrex_bench_root, args.job_python)
     gw: Gateway | None = None
     runner = Runner(store, state / "jobs", limits, args.socket, kinds,
-                    lambda job_id: gw.changed(job_id) if gw else None, args.job_python)
+                    lambda job_id: gw.changed(job_id) if gw else None, args.job_python,
+                    run_as.uid)
     runner.shims = make_shims(state / "bin", args.job_python)
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,

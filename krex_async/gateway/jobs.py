@@ -112,8 +112,9 @@ class Runner:
 
     def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,
                  kinds: dict[str, Kind], on_change: Callable[[str], None],
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, run_as: int | None = None) -> None:
         self.store = store
+        self.run_as = run_as  # the jobs' uid where a job has none recorded (queued by an older one)
         self.python = python  # what `python` is in a job (shims, PATH)
         self.timed_out: set[str] = set()  # jobs the gateway ended for their timeout
         self.enders: set[asyncio.Task[None]] = set()  # SIGTERM-then-SIGKILL of cancelled jobs
@@ -205,6 +206,10 @@ class Runner:
         try:
             runner = self.kinds[kind]
             uid = self.store.run_uid(job_id)
+            if uid is None:
+                uid = self.run_as
+            if uid == 0 or (uid is None and os.geteuid() == 0):
+                raise PermissionError("refusing to run a job as root")
             user = auth.user(str(uid)) if uid is not None else None
             workdir = self.jobs_dir / job_id
             workdir.mkdir(mode=0o700)

@@ -213,3 +213,33 @@ async def test_deeply_nested_bodies_are_400s(tmp_path: Path) -> None:
         assert await c.health() == "ok"
         job = await c.dev("echo still")
         assert (await c.wait(job["job_id"], 30))["result"]["stdout"] == "still\n"
+
+
+async def test_a_job_queued_before_owners_existed_never_runs_as_root(gwhome: Path) -> None:
+    """A database from before run-as: its queued job runs as the gateway's jobs' user."""
+    import sqlite3
+    state = gwhome / "gw"
+    state.mkdir()
+    db = sqlite3.connect(state / "jobs.db")
+    db.executescript("""
+        CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL UNIQUE,
+            kind TEXT NOT NULL, status TEXT NOT NULL, request TEXT NOT NULL, result TEXT,
+            error TEXT, trace_id TEXT NOT NULL, author TEXT, idempotency_key TEXT,
+            krex_command TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+            started_at REAL, finished_at REAL);
+    """)
+    db.execute("INSERT INTO jobs (job_id, kind, status, request, trace_id, created_at, "
+               "updated_at) VALUES ('dv_legacy', 'dev', 'queued', ?, 't', 1, 1)",
+               (json.dumps({"command": "id -u", "files": {}, "env_vars": {}, "timeout_s": 30,
+                            "spec": {"target_hardware": ["local"]}}),))
+    db.commit()
+    db.close()
+    async with run_daemon() as daemon:
+        gw = start_gateway(daemon.socket, state)  # as root, no --run-as: nobody
+        try:
+            async with gw.client() as c:
+                view = await c.wait("dv_legacy", 30)
+            assert view["status"] == "succeeded", view
+            assert view["result"]["stdout"] == f"{uid_of('nobody')}\n"
+        finally:
+            gw.stop()
