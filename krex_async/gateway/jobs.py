@@ -31,7 +31,7 @@ import msgspec
 from ..client import Client, CommandHandle, KrexError
 from . import auth, clocks
 from .auth import RunAs
-from .files import hand_over, write_files  # noqa: F401  (write_files: kinds and tests use it here)
+from .files import hand_over
 from .limits import RESERVED_ENV, TERMINAL, Limits
 from .store import Store, error
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway.client import GatewayClient
-from tests.conftest import ROOT, run_daemon
+from tests.conftest import run_daemon
 from tests.security.helpers import USER_PY, USER_PYTHONPATH, _ensure_group, _ensure_user
 
 PY = sys.executable

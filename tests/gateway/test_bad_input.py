@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway import limits as L
-from krex_async.gateway.jobs import write_files
+from krex_async.gateway.files import write_files
 from tests.conftest import ROOT, run_daemon
 
 from .conftest import PY, stack, start_gateway
