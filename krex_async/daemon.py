@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import itertools
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -85,7 +86,9 @@ class Daemon:
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         self._ids = itertools.count(1)
-        self._boot = f"{int(time.time()) % 100000:05d}"
+        # Unique across daemons and restarts (two started in one second shared ids once): a
+        # command id names cgroups, records and spool files that another daemon must not meet.
+        self._boot = secrets.token_hex(4)
         recover(self)  # a dead daemon's commands: ended and reported (recovery.py)
 
     # ---------------------------------------------------------------------------------- helpers

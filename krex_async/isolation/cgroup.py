@@ -1,6 +1,13 @@
 """The cgroup backend: v2 freezer, cpuset cores (v2, or v1 on hybrid hosts), crash-safe thaw.
 
-Each command gets ``<root>/krex/cmd-<id>/`` in v2 with two leaves: ``run/`` where the command starts
+Several daemons may share a cgroup root: each owns an instance directory ``<root>/krex/<instance>/``
+named after its state dir (so a restart on the same state dir finds what its predecessor left, and
+daemons on other state dirs never meet it), and its start-up sweep, watchdog and commands stay
+inside it. A daemon holds `<state_dir>/cgroup.owner` locked (flock) for its life: a second one on
+the same instance finds the lock taken and refuses to start instead of thawing the first one's
+regions (InstanceBusy).
+
+Each command gets ``<root>/krex/<instance>/cmd-<id>/`` in v2 with two leaves: ``run/`` where the command starts
 and ``keep/`` for the region owner's own processes (created on demand). A freeze of the whole group
 writes ``cmd-<id>/cgroup.freeze``; a freeze that keeps some pids moves them into ``keep/`` and freezes
 ``run/`` only, so a group is never frozen through a parent it shares with anyone else. On hybrid hosts
@@ -19,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import functools
+import hashlib
 import os
 import shutil
 import signal as _signal
@@ -61,6 +70,39 @@ class CgroupGroup(Group):
         return f"{self.top}/keep"
 
 
+class InstanceBusy(IsolationError):
+    """Another live daemon owns this daemon's instance directory (same state dir and root)."""
+
+
+def instance_name(state_dir: str) -> str:
+    """The instance directory's name: the same for every daemon on `state_dir`, and only them."""
+    return "d-" + hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
+
+
+def claim_instance(state_dir: str, subtree: str) -> int:
+    """Lock `<state_dir>/cgroup.owner` for this process's life (the fd is the lock; the kernel
+    drops it when the daemon dies, SIGKILL included) and write our pid into it. Raises
+    InstanceBusy naming the live owner, or OSError."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(state_dir, "cgroup.owner")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise InstanceBusy(f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
+                           f"(state dir {state_dir}): refusing to start, since its start-up sweep "
+                           "would thaw that daemon's regions; stop it first, or give this daemon "
+                           "its own --state-dir") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def probe_cgroup(root: str | None = None) -> tuple[bool, str]:
     """Can the cgroup backend run here (root of a writable v2 tree with cgroup.freeze)? And why."""
     try:
@@ -93,11 +135,15 @@ class CgroupBackend(Backend):
         self.v2 = CgroupFS(self.layout.v2, keep_procs=True)
         self.v1 = CgroupFS(self.layout.v1_cpuset) if self.layout.v1_cpuset else None
         self.state_dir = state_dir
+        #: this daemon's own directory under krex/: everything it makes, sweeps and watches
+        self.base = f"{KREX}/{instance_name(state_dir)}"
+        self._owner_fd = claim_instance(state_dir, self.v2.path(self.base))
         self.intent = Intent(state_dir)
-        self.cores = Cores(self.layout.cpuset, self.v2, self.v1, self.intent)
+        self.cores = Cores(self.layout.cpuset, self.v2, self.v1, self.intent, self.base)
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = frozenset(allowed[:ncpus] if ncpus else allowed)
         self.v2.mkdir(KREX)
+        self.v2.mkdir(self.base)
         self.reason = self.layout.reason
         try:
             self.cores.setup_root()
@@ -106,7 +152,7 @@ class CgroupBackend(Backend):
                 raise
             # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
             # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
-            self.cores = Cores("none", self.v2, None, self.intent)
+            self.cores = Cores("none", self.v2, None, self.intent, self.base)
             self.reason += (f"; cpuset unusable ({e}): cores fenced with sched_setaffinity"
                             " (run the daemon in a leaf cgroup or configure a root to fix)")
         self.has_kill = self.v2.exists(KREX, "cgroup.kill")
@@ -125,7 +171,7 @@ class CgroupBackend(Backend):
         from krex_async.isolation.watchdog import start_watchdog
         lay = self.layout
         self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode,
-                                       self.state_dir)
+                                       self.state_dir, self.base)
 
     def _watch(self, rel: str) -> Watch:
         if self._watcher is None:
@@ -147,7 +193,7 @@ class CgroupBackend(Backend):
     async def create(self, command_id: str) -> CgroupGroup:
         """mkdir krex/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
         g = CgroupGroup(command_id=command_id)
-        g.top = f"{KREX}/{g.name}"
+        g.top = f"{self.base}/{g.name}"
         self.v2.mkdir(g.top)
         try:
             self.cores.setup_group(g.top, [g.run])
@@ -455,9 +501,11 @@ class CgroupBackend(Backend):
                 await asyncio.sleep(0.002)
 
     async def reconcile(self) -> list[str]:
-        """Thaw everything under krex/, restore cpusets and partitions, remove empty command cgroups;
-        report also what the previous intent record said. Populated leftovers stay (self.orphans)."""
-        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir)
+        """Thaw everything under our instance directory, restore cpusets and partitions, remove
+        empty command cgroups; report also what the previous intent record said. Populated
+        leftovers stay (self.orphans). Other daemons' instances are not touched."""
+        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir,
+                                    base=self.base)
         self.intent.write_now()
         return lines or ["nothing left by a previous daemon"]
 
@@ -471,6 +519,9 @@ class CgroupBackend(Backend):
             self._watcher.close()
             self._watcher = None
         self.v2.release()
+        if self._owner_fd >= 0:  # the next daemon on this state dir may start
+            os.close(self._owner_fd)
+            self._owner_fd = -1
 
     def _g(self, group: Group) -> CgroupGroup:
         if not isinstance(group, CgroupGroup):
