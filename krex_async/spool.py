@@ -2,9 +2,14 @@
 
 The in-memory tails (commands.Tail) keep the last `--output-tail` bytes of each stream; the spool keeps
 the whole stream, up to `--spool-limit` bytes per stream (0: no spool), in
-`<state_dir>/spool/<command>.stdout|.stderr`. Each file is created with O_EXCL and mode 0600 and given
-to the submitting user, so the agent reads its whole output straight from the file (the spool
-directory is 0711: others can reach a file they know the name of, never list or open another user's).
+`<state_dir>/spool/<command>.stdout|.stderr`. Each file is created with O_EXCL and mode 0600, stays
+the daemon's, and a POSIX ACL lets the submitting user read it, so the agent reads its whole output
+straight from the file (the spool directory is 0711: others can reach a file they know the name of,
+never list or open another user's). The user does not own it, so cannot take a lease on it (a write
+lease makes every other open wait up to lease-break-time: a restart reading the spools would stall);
+where the filesystem has no ACLs the file is the daemon's alone and the output reaches its agent
+through the daemon (the report's tails). The daemon's own reads (`read_tail`) open with O_NONBLOCK
+all the same, so a lease on a file from elsewhere costs the reader nothing but the bytes.
 
 The loop never touches the files: the pipe reader queues each chunk, and one writer thread creates,
 writes, closes and unlinks them in order (a disk that stalls, or dirty-page throttling, stalls that
@@ -26,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,6 +41,15 @@ log = logs.get("krex.spool")
 
 STREAMS = ("stdout", "stderr")
 MAX_PENDING = 16 << 20  # bytes of one stream queued for the writer before that spool stops
+_ACL_XATTR = "system.posix_acl_access"
+_UNDEF = 0xFFFFFFFF
+
+
+def reader_acl(uid: int) -> bytes:
+    """The access ACL `u::rw-,u:<uid>:r--,g::---,m::r--,o::---` in the kernel's xattr form."""
+    entries = [(0x01, 6, _UNDEF), (0x02, 4, uid), (0x04, 0, _UNDEF), (0x10, 4, _UNDEF),
+               (0x20, 0, _UNDEF)]  # USER_OBJ, USER, GROUP_OBJ, MASK, OTHER: sorted by tag
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
 def describe(e: OSError) -> str:
@@ -107,11 +122,14 @@ class SpoolFile:
             self._fail(e, "create")
             return
         self.fd = fd
+        if uid == os.geteuid():
+            return
         try:
-            if uid != os.geteuid():
-                os.fchown(fd, uid, gid)
+            os.setxattr(fd, _ACL_XATTR, reader_acl(uid))
         except OSError as e:
-            self._fail(e, "chown")
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                self._fail(e, f"grant read to uid {uid} on")
+            # no ACLs here: the file stays the daemon's alone (its agent reads the tails)
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -215,11 +233,19 @@ def unlink(paths: list[str]) -> None:
 
 
 def read_tail(path: str, limit: int) -> tuple[bytes, int]:
-    """(the last `limit` bytes of a spool file, its size); (b"", 0) when it cannot be read."""
+    """(the last `limit` bytes of a spool file, its size); (b"", 0) when it cannot be read.
+    Never waits: the open is O_NONBLOCK, so a lease held on the file raises BlockingIOError
+    (the kernel starts breaking the lease; a later call gets the file)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - limit))
-            return f.read(limit), size
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except BlockingIOError:
+        raise
     except OSError:
         return b"", 0
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, limit, max(0, size - limit)), size
+    except OSError:
+        return b"", 0
+    finally:
+        os.close(fd)
