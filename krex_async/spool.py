@@ -18,7 +18,9 @@ stops that stream's spool rather than hold the output in memory. Any OSError (EN
 disk, EIO, EFBIG past a file size limit, EDQUOT) stops spooling *that stream* for good: the bytes
 written so far stay, the rest is counted as dropped, the error is kept for the command's report
 (`spool_error`) and logged once; the command, its in-memory tail and every other command go on.
-Bytes past the limit are counted as dropped without an error. Before a command's report is built
+Bytes past the limit are counted as dropped without an error. The spool also stops short of a
+free-space reserve on the state disk (RESERVE_MAX, or an eighth of a small file system): what any
+user's output writes can never take the room the intent record and the command records need. Before a command's report is built
 its files are closed (`finish`), so the report's counts are final and the files complete. The price: when the daemon is SIGKILLed, output it had queued but not yet written (what the
 writer was behind, normally microseconds' worth) is not in the file a new daemon reports from.
 
@@ -41,6 +43,7 @@ log = logs.get("krex.spool")
 
 STREAMS = ("stdout", "stderr")
 MAX_PENDING = 16 << 20  # bytes of one stream queued for the writer before that spool stops
+RESERVE_MAX = 32 << 20  # free bytes the spool leaves on the state disk (an eighth of a small one)
 _ACL_XATTR = "system.posix_acl_access"
 _UNDEF = 0xFFFFFFFF
 
@@ -69,8 +72,9 @@ class SpoolFile:
     """
 
     def __init__(self, command: str, stream: str, path: str, limit: int, uid: int, gid: int,
-                 submit: Callable[..., Future[None]]) -> None:
+                 submit: Callable[..., Future[None]], reserve: int = 0) -> None:
         self.command = command
+        self.reserve = reserve
         self.stream = stream
         self.path = path
         self.limit = limit
@@ -138,6 +142,11 @@ class SpoolFile:
                 self.failed += len(view)
                 return
             try:
+                if self.reserve:
+                    st = os.fstatvfs(self.fd)
+                    if st.f_bavail * st.f_frsize - len(view) < self.reserve:
+                        raise OSError(errno.ENOSPC, f"the state disk's free space would fall "
+                                      f"below the {self.reserve} bytes kept for krex's records")
                 n = os.write(self.fd, view)
             except InterruptedError:
                 continue
@@ -169,6 +178,7 @@ class Spool:
     def __init__(self, state_dir: str, limit: int) -> None:
         self.dir = os.path.join(state_dir, "spool")
         self.limit = limit
+        self.reserve = 0  # set below from the file system's size
         self.problem = ""
         self.writer: ThreadPoolExecutor | None = None
         if limit <= 0:
@@ -189,6 +199,11 @@ class Spool:
             self.problem = f"spool directory {self.dir} unusable: {describe(e)}"
             log.warning("spool_unavailable", error=self.problem)
             return
+        try:
+            st = os.statvfs(self.dir)
+            self.reserve = min(RESERVE_MAX, st.f_blocks * st.f_frsize // 8)
+        except OSError:
+            self.reserve = RESERVE_MAX
         # One thread, so each file's jobs run in the order they were queued.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="krex-spool")
 
@@ -199,7 +214,7 @@ class Spool:
         """The two spool files of a command about to start ({} when spooling is off)."""
         if self.writer is None:
             return {}
-        return {s: SpoolFile(command, s, p, self.limit, uid, gid, self.writer.submit)
+        return {s: SpoolFile(command, s, p, self.limit, uid, gid, self.writer.submit, self.reserve)
                 for s, p in self.paths(command).items()}
 
     def remove(self, paths: list[str]) -> None:

@@ -98,8 +98,11 @@ def claim_instance(state_dir: str, subtree: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the pid is for the message only: a full disk must not stop the start
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return fd
 
 
@@ -506,7 +509,11 @@ class CgroupBackend(Backend):
         leftovers stay (self.orphans). Other daemons' instances are not touched."""
         lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir,
                                     base=self.base)
-        self.intent.write_now()
+        try:
+            self.intent.write_now()
+        except OSError as e:  # a full state disk: serve anyway; a region refuses until it clears
+            lines.append(f"intent record not written ({e.strerror or e}): regions are refused "
+                         "until it can be")
         return lines or ["nothing left by a previous daemon"]
 
     async def close(self) -> None:
