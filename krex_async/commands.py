@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from . import protocol as P
 from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
@@ -143,6 +145,15 @@ class Command:
             if not sub.send(make(sub.req_id)):
                 self.subscribers.remove(sub)
 
+    def slim(self) -> None:
+        """Ended: keep what its report and an attach need. The spec's stdin (up to 8 MiB) and env
+        go, argv becomes the report's own list, and the pipes' closers and runtimes' senders
+        (closures over connections that may be long gone) are dropped."""
+        argv = self.report.argv if self.report is not None else list(self.spec.argv)
+        self.spec = msgspec.structs.replace(self.spec, stdin=None, env=None, argv=argv)
+        self.pipe_closers.clear()
+        self.runtimes.clear()
+
     def environment(self, socket: str) -> dict[str, str]:
         env = dict(self.spec.env) if self.spec.env is not None else {
             "PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")}
@@ -213,6 +224,8 @@ class Runner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)
+        if cmd.spec.stdin is not None:  # in the memfd now: the daemon need not hold it twice
+            cmd.spec = msgspec.structs.replace(cmd.spec, stdin=None)
         if self.spool is not None:
             cmd.spools = self.spool.open(cmd.id, cmd.uid, cmd.gid)
         other_user = cmd.uid != os.geteuid()

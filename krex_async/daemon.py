@@ -270,6 +270,7 @@ class Daemon:
         for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
             self.track(loop.create_task(self._start(self.commands[nxt])))
         assert cmd.report is not None
+        cmd.slim()  # kept for --retention: only what a report and an attach need
         cmd.done.set()
         report = cmd.report
         pool = self.pools.get(report.device) if report.via == "pool" else None
