@@ -92,7 +92,8 @@ class Handoff:
 
     @classmethod
     def make(cls, argv: list[str], cwd: str, env: dict[str, str]) -> Handoff:
-        """Raises OSError (memfd, pipe); nothing is left open then."""
+        """Raises OSError (no interpreter, memfd, pipe); nothing is left open then."""
+        python = user_python()
         data = b"\0".join([os.fsencode(cwd), *(os.fsencode(f"{k}={v}") for k, v in env.items())])
         fd = os.memfd_create("krex-env", os.MFD_CLOEXEC)
         try:
@@ -105,8 +106,7 @@ class Handoff:
             os.close(fd)
             raise
         os.set_blocking(r, False)
-        return cls([user_python(), "-I", "-S", "-c", _APPLY, str(fd), str(w), "--", *argv],
-                   fd, w, r)
+        return cls([python, "-I", "-S", "-c", _APPLY, str(fd), str(w), "--", *argv], fd, w, r)
 
     def spawned(self) -> None:
         """The child holds its copies now: close ours (not the error pipe's read end)."""

@@ -32,7 +32,7 @@ def choose_backend(cfg: "ServeConfig") -> Backend:
     else:
         usable, why = probe_cgroup(cfg.cgroup_root or None)
     if usable:
-        from .cgroup import InstanceBusy
+        from .intent import InstanceBusy
         try:
             return CgroupBackend(root=cfg.cgroup_root or None, state_dir=cfg.state_dir)
         except InstanceBusy as e:  # never fall back: a second daemon here is the mistake

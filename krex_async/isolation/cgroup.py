@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import functools
-import hashlib
 import os
 import shutil
 import signal as _signal
@@ -41,7 +39,8 @@ from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, Isola
 from krex_async.isolation.cgroupfs import (CgroupFileError, CgroupFS, CgroupVanished, EventsWatcher,
                                            Layout, Watch, detect)
 from krex_async.isolation.cpuset import Cores, move
-from krex_async.isolation.intent import KREX, Intent, sweep
+from krex_async.isolation.intent import (KREX, Intent, claim_instance, instance_name,
+                                        mark_instance, sweep)
 
 DEFAULT_STATE_DIR = "/run/krex" if os.geteuid() == 0 else os.path.join(
     os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
@@ -68,42 +67,6 @@ class CgroupGroup(Group):
     @property
     def keep(self) -> str:
         return f"{self.top}/keep"
-
-
-class InstanceBusy(IsolationError):
-    """Another live daemon owns this daemon's instance directory (same state dir and root)."""
-
-
-def instance_name(state_dir: str) -> str:
-    """The instance directory's name: the same for every daemon on `state_dir`, and only them."""
-    return "d-" + hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
-
-
-def claim_instance(state_dir: str, subtree: str) -> int:
-    """Lock `<state_dir>/cgroup.owner` for this process's life (the fd is the lock; the kernel
-    drops it when the daemon dies, SIGKILL included) and write our pid into it. Raises
-    InstanceBusy naming the live owner, or OSError."""
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(state_dir, "cgroup.owner")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise InstanceBusy(f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
-                           f"(state dir {state_dir}): refusing to start, since its start-up sweep "
-                           "would thaw that daemon's regions; stop it first, or give this daemon "
-                           "its own --state-dir") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    try:  # the pid is for the message only: a full disk must not stop the start
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass
-    return fd
 
 
 def probe_cgroup(root: str | None = None) -> tuple[bool, str]:
@@ -147,6 +110,7 @@ class CgroupBackend(Backend):
         self.cpus = frozenset(allowed[:ncpus] if ncpus else allowed)
         self.v2.mkdir(KREX)
         self.v2.mkdir(self.base)
+        mark_instance(self.v2.path(self.base), state_dir)
         self.reason = self.layout.reason
         try:
             self.cores.setup_root()

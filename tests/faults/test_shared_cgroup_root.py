@@ -89,6 +89,13 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
             assert "another krex daemon" in third.stderr and str(a.proc.pid) in third.stderr, \
                 third.stderr
             assert not os.path.exists(sock)
+            # `krex cleanup` (as ExecStopPost of another daemon's unit would run it) leaves A's
+            # live instance alone, though A does not serve on the socket it checks.
+            swept = await asyncio.to_thread(
+                subprocess.run, [PY, "-m", "krex_async", "cleanup", "--root", shared_root,
+                                 "--socket", sock], env=py_env(), capture_output=True, text=True,
+                timeout=30)
+            assert swept.returncode == 0 and f"(pid {a.proc.pid}) is alive" in swept.stdout, swept
             assert all(cgroup_frozen(p) for p in victims), victims
             # A's own region ends: A thaws its sibling.
             await own.cancel(9)
