@@ -342,7 +342,7 @@ class Runner:
             cmd.handoff = None
             if failed and not cmd.end_reason:
                 cmd.end_reason = "failed"
-                cmd.start_error = _start_error(failed, cmd, env_path(cmd))
+                cmd.start_error = _start_error(failed, cmd)
         self._finish(cmd, status)
 
     @staticmethod
@@ -409,14 +409,11 @@ class Runner:
         self.on_exit(cmd)
 
 
-def env_path(cmd: Command) -> str:
-    env = cmd.spec.env
-    return (env.get("PATH", "") if env is not None else os.environ.get("PATH", os.defpath))
-
-
-def _start_error(what: str, cmd: Command, path: str) -> str:
+def _start_error(what: str, cmd: Command) -> str:
     """One answer whether a path is missing or hidden from the user (the kernel's errno is not
     passed on: it would tell which)."""
+    env = cmd.spec.env
+    path = env.get("PATH", "") if env is not None else os.environ.get("PATH", os.defpath)
     if what == "cwd":
         return (f"cwd {cmd.spec.cwd or '/'!r} is not a directory you can enter (it does not "
                 "exist, or you may not reach it)")

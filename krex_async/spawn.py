@@ -30,7 +30,7 @@ PRIVILEGED_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
 
 # Run as the user: argv[1] the memfd (cwd NUL env...), argv[2] the error pipe, argv[3] "--".
 _APPLY = """\
-import os, sys
+import errno, os, sys
 a, e = int(sys.argv[1]), int(sys.argv[2])
 os.set_inheritable(e, False)
 buf = []
@@ -48,11 +48,21 @@ try:
 except OSError:
     os.write(e, b"cwd")
     os._exit(125)
-try:
-    os.execvpe(argv[0], argv, env)
-except (OSError, ValueError):
-    os.write(e, b"exec")
-    os._exit(127)
+# as execvp does: each PATH entry in turn, and a file without #! to /bin/sh
+name = argv[0]
+dirs = [b""] if b"/" in name else env.get(b"PATH", b"/bin:/usr/bin").split(b":")
+for d in dirs:
+    path = os.path.join(d or b".", name) if d or b"/" not in name else name
+    try:
+        os.execve(path, argv, env)
+    except OSError as x:
+        if x.errno == errno.ENOEXEC:
+            try:
+                os.execve(b"/bin/sh", [b"/bin/sh", path] + argv[1:], env)
+            except OSError:
+                pass
+os.write(e, b"exec")
+os._exit(127)
 """
 
 

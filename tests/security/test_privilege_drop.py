@@ -148,6 +148,10 @@ async def test_cwd_and_argv0_are_entered_and_looked_up_as_the_user(users, backen
         with open(prog, "w") as f:
             f.write("#!/bin/sh\necho RAN-$(id -u)\n")
         os.chmod(prog, 0o755)
+    plain = os.path.join(world, "plain")  # no #!: run by /bin/sh, as execvp does
+    with open(plain, "w") as f:
+        f.write("echo PLAIN-$(id -u)\n")
+    os.chmod(plain, 0o755)
     env = user_env()
     async with config_daemon(dir_mode=0o755, socket_group="krexg", **backend) as d:
         def run(argv: list[str], cwd: str) -> dict:
@@ -161,6 +165,7 @@ async def test_cwd_and_argv0_are_entered_and_looked_up_as_the_user(users, backen
             asyncio.to_thread(run, [os.path.join(inner, "nothere")], world))
         ok_rel = await asyncio.to_thread(run, ["./prog"], world)
         bare = await asyncio.to_thread(run, ["no-such-prog-krex"], world)
+        no_shebang = await asyncio.to_thread(run, ["./plain"], world)
     assert "SECRET" not in there.get("stdout", ""), there
     assert there.get("state") == "failed", there
     assert there["error"].replace(inner, "P") == missing["error"].replace(
@@ -171,3 +176,4 @@ async def test_cwd_and_argv0_are_entered_and_looked_up_as_the_user(users, backen
         inner + "/nothere", "P"), (prog, noprog)
     assert ok_rel.get("stdout", "").strip() == f"RAN-{alice.uid}", ok_rel
     assert bare.get("state") == "failed" and bare["exit_code"] == 127, bare
+    assert no_shebang.get("stdout", "").strip() == f"PLAIN-{alice.uid}", no_shebang
