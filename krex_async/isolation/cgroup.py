@@ -108,14 +108,11 @@ class CgroupBackend(Backend):
         self.cores = Cores(self.layout.cpuset, self.v2, self.v1, self.intent, self.base)
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = frozenset(allowed[:ncpus] if ncpus else allowed)
-        self.v2.mkdir(KREX)
-        self.v2.mkdir(self.base)
-        mark_instance(self.v2.path(self.base), state_dir)
         self.reason = self.layout.reason
         try:
-            self.cores.setup_root()
+            self._make_instance()
         except CgroupFileError as e:
-            if self.layout.cpuset != "v2":
+            if self.layout.cpuset != "v2" or not self.v2.exists(self.base):
                 raise
             # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
             # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
@@ -157,14 +154,29 @@ class CgroupBackend(Backend):
             w.close()
         g.watches.clear()
 
+    def _make_instance(self) -> None:
+        """mkdir krex/ and the instance directory, named (xattr) and able to carry cpusets.
+        Raises CgroupFileError."""
+        self.v2.mkdir(KREX)
+        self.v2.mkdir(self.base)
+        mark_instance(self.v2.path(self.base), self.state_dir)
+        self.cores.setup_root()
+
+    def _make_group(self, g: CgroupGroup) -> None:
+        self.v2.mkdir(g.top)
+        self.cores.setup_group(g.top, [g.run])
+        self.v2.mkdir(g.run)
+
     async def create(self, command_id: str) -> CgroupGroup:
-        """mkdir krex/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
+        """mkdir <instance>/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
         g = CgroupGroup(command_id=command_id)
         g.top = f"{self.base}/{g.name}"
-        self.v2.mkdir(g.top)
         try:
-            self.cores.setup_group(g.top, [g.run])
-            self.v2.mkdir(g.run)
+            try:
+                self._make_group(g)
+            except CgroupVanished:  # our instance directory, empty, was removed (an older
+                self._make_instance()  # `krex cleanup`, a hand's rmdir): made again
+                self._make_group(g)
             for rel in (g.top, g.run):
                 try:
                     self._group_watch(g, rel)

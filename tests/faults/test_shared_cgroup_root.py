@@ -108,3 +108,23 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
         finally:
             await ca.close()
             await cb.close()
+
+
+async def test_an_instance_directory_removed_while_empty_is_made_again(shared_root):
+    """An older `krex cleanup` (or a hand) removes every empty cgroup, the idle daemon's instance
+    directory included: its next command makes it again instead of failing."""
+    async with run_daemon("--cgroup-root", shared_root) as d:
+        async with await d.client() as c:
+            assert (await c.run(["true"])).report.state == "exited"
+            krex = os.path.join(shared_root, "krex")
+            t0 = time.monotonic()  # the ended command's cgroup goes just after its report
+            while any(sub.is_dir() for e in os.scandir(krex) if e.is_dir()
+                      for sub in os.scandir(e.path)) and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.02)
+            for tree in (krex, krex.replace("/unified/", "/cpuset/", 1)):
+                for inst in os.listdir(tree) if os.path.isdir(tree) else []:
+                    if inst.startswith("d-"):
+                        os.rmdir(os.path.join(tree, inst))
+            assert not [n for n in os.listdir(krex) if n.startswith("d-")]
+            res = await c.run(["echo", "again"])
+            assert res.report.state == "exited" and res.stdout == b"again\n", res.report
