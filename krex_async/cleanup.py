@@ -18,7 +18,10 @@ What, per tree:
    top-down the parent's `cpuset.cpus` and `cpuset.mems` written into each child.
 3. remove, bottom-up: every directory below `krex` with no processes and no children (not `krex`).
 It refuses to run while a daemon answers on its socket (unless --force): a sweep under a live daemon
-would thaw its regions. A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
+would thaw its regions. For the same reason it leaves alone every instance directory
+(`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
+the directory names its daemon's state dir, whose owner lock that daemon holds (--force sweeps
+those too). A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
 exit status is 1. Nothing is raised to the caller of `cleanup()`.
 """
 
@@ -133,18 +136,39 @@ def _write(res: Result, path: str, data: str, why: str) -> None:
         res.actions.append(f"{why}: {path} <- {data!r}")
 
 
-def _walk(tree: str) -> Iterator[str]:
-    """The tree's cgroup directories, parents before children."""
+def _walk(tree: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
+    """The tree's cgroup directories, parents before children, none at or below `skip`."""
     for dirpath, dirnames, _ in os.walk(tree):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if os.path.join(dirpath, d) not in skip)
         yield dirpath
+
+
+def live_instances(tree: str, res: Result) -> frozenset[str]:
+    """Instance directories of `tree` whose daemon is alive (each noted in res.actions)."""
+    try:
+        from .isolation.intent import live_owner
+    except ImportError:  # the sweep itself needs nothing but the stdlib
+        return frozenset()
+    live = set()
+    try:
+        entries = [e.path for e in os.scandir(tree) if e.is_dir()]
+    except OSError:
+        return frozenset()
+    for d in sorted(entries):
+        pid = live_owner(d)
+        if pid is not None:
+            live.add(d)
+            res.actions.append(f"left {d} alone: its daemon (pid {pid}) is alive")
+    return frozenset(live)
 
 
 # ------------------------------------------------------------------------------------ sweep
 
-def sweep(tree: str, res: Result, remove_empty: bool = True) -> None:
-    """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc)."""
-    dirs = list(_walk(tree))
+def sweep(tree: str, res: Result, remove_empty: bool = True,
+          skip: frozenset[str] = frozenset()) -> None:
+    """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc),
+    except below the directories in `skip`."""
+    dirs = list(_walk(tree, skip))
     for d in dirs:  # 1. thaw, top-down
         if _read(os.path.join(d, "cgroup.freeze")) not in (None, "0"):
             _write(res, os.path.join(d, "cgroup.freeze"), "0", "thaw")
@@ -207,8 +231,9 @@ def default_roots(cgroup_root: str = "") -> list[str]:
     return roots
 
 
-def cleanup(roots: list[str], remove_empty: bool = True) -> Result:
-    """Sweep `<root>/krex` (or `root` itself when it is named krex) for each root that exists."""
+def cleanup(roots: list[str], remove_empty: bool = True, force: bool = False) -> Result:
+    """Sweep `<root>/krex` (or `root` itself when it is named krex) for each root that exists;
+    instance directories of live daemons are left alone unless `force`."""
     res = Result()
     seen = set()
     for root in roots:
@@ -218,7 +243,7 @@ def cleanup(roots: list[str], remove_empty: bool = True) -> Result:
             continue
         seen.add(real)
         res.trees.append(real)
-        sweep(real, res, remove_empty)
+        sweep(real, res, remove_empty, frozenset() if force else live_instances(real, res))
     return res
 
 
@@ -258,7 +283,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-empty", action="store_true", help="do not remove empty command cgroups")
     p.add_argument("--socket", help="the daemon's socket (default: from the config, else the "
                                     "default path): cleanup refuses while a daemon answers there")
-    p.add_argument("--force", action="store_true", help="sweep even while a daemon is serving")
+    p.add_argument("--force", action="store_true", help="sweep even while a daemon is serving, "
+                                                        "its instance directory included")
     p.add_argument("--json", action="store_true")
 
 
@@ -280,7 +306,7 @@ def cleanup_main(args: argparse.Namespace) -> int:
               "remove cgroups it is about to use; stop it first, or pass --force", file=sys.stderr)
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
-    res = cleanup(roots, remove_empty=not args.keep_empty)
+    res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force)
     if args.json:
         print(json.dumps({"ok": res.ok, "trees": res.trees, "actions": res.actions,
                           "errors": res.errors}, indent=2))

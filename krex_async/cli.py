@@ -168,7 +168,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 124
     if rep.state in ("failed", "shutdown"):
         print(f"krex run: {rep.error}", file=sys.stderr)
-        return 125
+        return 127 if rep.state == "failed" and "not found" in rep.error else 125
     if rep.signal:
         return 128 + rep.signal
     return rep.exit_code if rep.exit_code is not None else 125

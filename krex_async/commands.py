@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from . import protocol as P
 from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
 from .records import Records
-from .spawn import ExitStatus, LaunchSpec, Launched, spawn
+from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, LaunchSpec, Launched, spawn
 from .spool import Spool, SpoolFile, unlink
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
@@ -113,6 +115,7 @@ class Command:
     started: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
+    start_error: str = ""  # why the applier could not start it (state "failed")
     # A cancel (or shutdown) that came while the command was starting: (reason, signal), acted
     # on as soon as the leader runs (Daemon._start).
     kill_pending: tuple[str, int] | None = None
@@ -120,6 +123,7 @@ class Command:
     watch_task: asyncio.Task[None] | None = None
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)
     spools: dict[str, SpoolFile] = field(default_factory=dict)  # stream -> its spool file
+    handoff: Handoff | None = None  # another user's command: its cwd and env, applied after the drop
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -140,6 +144,15 @@ class Command:
                 continue
             if not sub.send(make(sub.req_id)):
                 self.subscribers.remove(sub)
+
+    def slim(self) -> None:
+        """Ended: keep what its report and an attach need. The spec's stdin (up to 8 MiB) and env
+        go, argv becomes the report's own list, and the pipes' closers and runtimes' senders
+        (closures over connections that may be long gone) are dropped."""
+        argv = self.report.argv if self.report is not None else list(self.spec.argv)
+        self.spec = msgspec.structs.replace(self.spec, stdin=None, env=None, argv=argv)
+        self.pipe_closers.clear()
+        self.runtimes.clear()
 
     def environment(self, socket: str) -> dict[str, str]:
         env = dict(self.spec.env) if self.spec.env is not None else {
@@ -166,19 +179,24 @@ class Runner:
         self.launching: Group | None = None  # the group a pool worker must join (during launcher())
 
     def check(self, cmd: Command) -> tuple[str, dict[str, str]]:
-        """Validate cwd and argv before anything is created; returns (cwd, env)."""
+        """Validate cwd and argv before anything is created; returns (cwd, env).
+
+        The paths are looked at here only for a command of the daemon's own user: for anyone
+        else the daemon's answer would tell what that user may not see, so their cwd and argv[0]
+        are checked by the kernel when the applier enters and execs them, as that user."""
         cwd = cmd.spec.cwd or "/"
-        if not os.path.isabs(cwd):
+        if not os.path.isabs(cwd) or "\x00" in cwd:
             raise SpecError("bad_spec", f"cwd {cwd!r} must be an absolute path")
-        if not os.path.isdir(cwd):
-            raise SpecError("bad_spec", f"cwd {cwd!r} is not a directory")
         env = cmd.environment(self.socket)
         for k in env:
             if not k or "=" in k or "\x00" in k or "\x00" in env[k]:
                 raise SpecError("bad_spec", f"environment variable name {k!r} is invalid")
-        resolve_argv0(cmd.spec.argv[0], env, cwd)
-        if any("\x00" in a for a in cmd.spec.argv):
-            raise SpecError("bad_spec", "argv contains a NUL byte")
+        if any("\x00" in a for a in cmd.spec.argv) or not cmd.spec.argv[0]:
+            raise SpecError("bad_spec", "argv[0] is empty or argv contains a NUL byte")
+        if cmd.uid == os.geteuid():
+            if not os.path.isdir(cwd):
+                raise SpecError("bad_spec", f"cwd {cwd!r} is not a directory")
+            resolve_argv0(cmd.spec.argv[0], env, cwd)
         return cwd, env
 
     async def start(self, cmd: Command, *, frozen: bool, cores: frozenset[int] | None) -> None:
@@ -206,6 +224,8 @@ class Runner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = self._stdin(cmd.spec.stdin)
+        if cmd.spec.stdin is not None:  # in the memfd now: the daemon need not hold it twice
+            cmd.spec = msgspec.structs.replace(cmd.spec, stdin=None)
         if self.spool is not None:
             cmd.spools = self.spool.open(cmd.id, cmd.uid, cmd.gid)
         other_user = cmd.uid != os.geteuid()
@@ -216,8 +236,12 @@ class Runner:
                               gid=cmd.gid if other_user else None,
                               groups=user_groups(cmd.uid, cmd.gid) if other_user else None,
                               frozen=frozen)
+            if other_user:  # nothing of the user's reaches a process that still holds privilege
+                cmd.handoff = Handoff.make(spec.argv, cwd, env)
+                spec.argv, spec.cwd, spec.env = cmd.handoff.argv, "/", dict(PRIVILEGED_ENV)
+                spec.pass_fds = (cmd.handoff.env_fd, cmd.handoff.err_w)
             launched = None
-            if self.launcher and not frozen:
+            if self.launcher and not frozen and not other_user:
                 self.launching = group
                 try:
                     launched = self.launcher(cmd, spec)
@@ -233,6 +257,9 @@ class Runner:
         except (OSError, ValueError, SpecError, IsolationError) as e:
             for fd in (out_r, err_r):
                 os.close(fd)
+            if cmd.handoff is not None:
+                cmd.handoff.failure()
+                cmd.handoff = None
             await self.backend.remove(group)
             cmd.group = None
             self.release(cmd)
@@ -240,6 +267,8 @@ class Runner:
         finally:
             for fd in (out_w, err_w, stdin_fd):
                 os.close(fd)
+            if cmd.handoff is not None and cmd.handoff.env_fd >= 0:
+                cmd.handoff.spawned()
         cmd.launched = launched
         cmd.started = time.monotonic()
         cmd.state = "running"
@@ -308,6 +337,12 @@ class Runner:
         for close in cmd.pipe_closers:
             close()
         await self._flush(cmd)
+        if cmd.handoff is not None:
+            failed = cmd.handoff.failure()
+            cmd.handoff = None
+            if failed and not cmd.end_reason:
+                cmd.end_reason = "failed"
+                cmd.start_error = _start_error(failed, cmd)
         self._finish(cmd, status)
 
     @staticmethod
@@ -374,6 +409,18 @@ class Runner:
         self.on_exit(cmd)
 
 
+def _start_error(what: str, cmd: Command) -> str:
+    """One answer whether a path is missing or hidden from the user (the kernel's errno is not
+    passed on: it would tell which)."""
+    env = cmd.spec.env
+    path = env.get("PATH", "") if env is not None else os.environ.get("PATH", os.defpath)
+    if what == "cwd":
+        return (f"cwd {cmd.spec.cwd or '/'!r} is not a directory you can enter (it does not "
+                "exist, or you may not reach it)")
+    return (f"argv[0] {cmd.spec.argv[0]!r} not found or not executable by you "
+            f"(looked up on PATH {path!r})")
+
+
 def _describe(state: str, status: ExitStatus, cmd: Command) -> str:
     if state == "timeout":
         return f"killed after its timeout of {cmd.spec.timeout} s"
@@ -381,6 +428,8 @@ def _describe(state: str, status: ExitStatus, cmd: Command) -> str:
         return "ended because the daemon shut down"
     if state == "cancelled":
         return "cancelled by its agent"
+    if state == "failed":
+        return cmd.start_error
     if status.signal:
         try:
             return f"killed by {signal.Signals(status.signal).name}"

@@ -12,6 +12,7 @@ import hmac
 import itertools
 import os
 import pwd
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -97,7 +98,9 @@ class Daemon:
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         self._ids = itertools.count(1)
-        self._boot = f"{int(time.time()) % 100000:05d}"
+        # Unique across daemons and restarts (two started in one second shared ids once): a
+        # command id names cgroups, records and spool files that another daemon must not meet.
+        self._boot = secrets.token_hex(4)
         recover(self)  # a dead daemon's commands: ended and reported (recovery.py)
 
     # ---------------------------------------------------------------------------------- helpers
@@ -281,6 +284,7 @@ class Daemon:
         for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
             self.track(loop.create_task(self._start(self.commands[nxt])))
         assert cmd.report is not None
+        cmd.slim()  # kept for --retention: only what a report and an attach need
         cmd.done.set()
         report = cmd.report
         pool = self.pools.get(report.device) if report.via == "pool" else None

@@ -213,7 +213,7 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     start_latency_s: float | None = None
     stdout_bytes: int = 0
     stderr_bytes: int = 0
-    # The whole output, in files under the daemon's state dir owned by the submitter (--spool-limit
+    # The whole output, in files under the daemon's state dir readable by the submitter (--spool-limit
     # bytes per stream; "" when spooling is off). *_dropped: bytes written but not in the file (past
     # the limit, or after a spool error); spool_error names the failure, e.g. "ENOSPC: ...".
     stdout_spool: str = ""

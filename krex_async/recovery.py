@@ -8,6 +8,10 @@ and `krex status` see it at once:
 - else state `lost`, "the daemon that ran it stopped (pid N); its processes were ended", with the
   output its spool files hold (their tails become the report's tails).
 
+Nothing a user controls may hold up start-up: the spool files are read without waiting (a lease on
+one fails the open at once, `spool.read_tail`), and a tail that could not be read then is read by a
+background task once the kernel has broken the lease (lease-break-time, 45 s by default).
+
 What is left of a lost command's processes is ended by a task (`records.end_lost`: through the cgroup
 backend, or by signalling the leader's session); a process that survives it is named in the report's
 error. Each command is forgotten (record and spool files removed) when its retention ends, counted
@@ -24,7 +28,7 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command
+from .commands import Command, Tail
 from .records import Record, end_lost
 from .spool import read_tail
 
@@ -41,9 +45,12 @@ def _command(daemon: Daemon, rec: Record) -> Command:
                   policy=rec.policy, tail_limit=daemon.config.output_tail)
     cmd.state = "ended"
     cmd.done.set()
-    for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool)):
-        if path:
-            tail.buf[:], tail.total = read_tail(path, tail.limit)
+    late = [(tail, path) for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool))
+            if path and not _load(tail, path)]
+    if late:
+        log.warning("spool_leased", command=rec.id, paths=[p for _, p in late])
+        daemon.track(asyncio.get_running_loop().create_task(_load_later(late),
+                                                            name=f"spool-tail-{rec.id}"))
     if rec.report is not None:
         cmd.report = rec.report
         return cmd
@@ -55,6 +62,26 @@ def _command(daemon: Daemon, rec: Record) -> Command:
         stdout_spool=rec.stdout_spool, stderr_spool=rec.stderr_spool,
         error=f"the daemon that ran it stopped (pid {rec.daemon_pid}); its processes were ended")
     return cmd
+
+
+def _load(tail: Tail, path: str) -> bool:
+    """Fill `tail` from the spool file; False when a lease holds the file (nothing waited)."""
+    try:
+        tail.buf[:], tail.total = read_tail(path, tail.limit)
+    except BlockingIOError:
+        return False
+    return True
+
+
+async def _load_later(late: list[tuple[Tail, str]], every: float = 1.0, bound: float = 300.0) -> None:
+    """Retry leased spool files until the kernel has broken their leases (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound
+    while late and loop.time() < deadline:
+        await asyncio.sleep(every)
+        late = [(tail, path) for tail, path in late if not _load(tail, path)]
+    if late:
+        log.warning("spool_unread", paths=[p for _, p in late])
 
 
 def recover(daemon: Daemon) -> list[Command]:

@@ -2,9 +2,14 @@
 
 The in-memory tails (commands.Tail) keep the last `--output-tail` bytes of each stream; the spool keeps
 the whole stream, up to `--spool-limit` bytes per stream (0: no spool), in
-`<state_dir>/spool/<command>.stdout|.stderr`. Each file is created with O_EXCL and mode 0600 and given
-to the submitting user, so the agent reads its whole output straight from the file (the spool
-directory is 0711: others can reach a file they know the name of, never list or open another user's).
+`<state_dir>/spool/<command>.stdout|.stderr`. Each file is created with O_EXCL and mode 0600, stays
+the daemon's, and a POSIX ACL lets the submitting user read it, so the agent reads its whole output
+straight from the file (the spool directory is 0711: others can reach a file they know the name of,
+never list or open another user's). The user does not own it, so cannot take a lease on it (a write
+lease makes every other open wait up to lease-break-time: a restart reading the spools would stall);
+where the filesystem has no ACLs the file is the daemon's alone and the output reaches its agent
+through the daemon (the report's tails). The daemon's own reads (`read_tail`) open with O_NONBLOCK
+all the same, so a lease on a file from elsewhere costs the reader nothing but the bytes.
 
 The loop never touches the files: the pipe reader queues each chunk, and one writer thread creates,
 writes, closes and unlinks them in order (a disk that stalls, or dirty-page throttling, stalls that
@@ -13,7 +18,9 @@ stops that stream's spool rather than hold the output in memory. Any OSError (EN
 disk, EIO, EFBIG past a file size limit, EDQUOT) stops spooling *that stream* for good: the bytes
 written so far stay, the rest is counted as dropped, the error is kept for the command's report
 (`spool_error`) and logged once; the command, its in-memory tail and every other command go on.
-Bytes past the limit are counted as dropped without an error. Before a command's report is built
+Bytes past the limit are counted as dropped without an error. The spool also stops short of a
+free-space reserve on the state disk (RESERVE_MAX, or an eighth of a small file system): what any
+user's output writes can never take the room the intent record and the command records need. Before a command's report is built
 its files are closed (`finish`), so the report's counts are final and the files complete. The price: when the daemon is SIGKILLed, output it had queued but not yet written (what the
 writer was behind, normally microseconds' worth) is not in the file a new daemon reports from.
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,6 +43,16 @@ log = logs.get("krex.spool")
 
 STREAMS = ("stdout", "stderr")
 MAX_PENDING = 16 << 20  # bytes of one stream queued for the writer before that spool stops
+RESERVE_MAX = 32 << 20  # free bytes the spool leaves on the state disk (an eighth of a small one)
+_ACL_XATTR = "system.posix_acl_access"
+_UNDEF = 0xFFFFFFFF
+
+
+def reader_acl(uid: int) -> bytes:
+    """The access ACL `u::rw-,u:<uid>:r--,g::---,m::r--,o::---` in the kernel's xattr form."""
+    entries = [(0x01, 6, _UNDEF), (0x02, 4, uid), (0x04, 0, _UNDEF), (0x10, 4, _UNDEF),
+               (0x20, 0, _UNDEF)]  # USER_OBJ, USER, GROUP_OBJ, MASK, OTHER: sorted by tag
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
 def describe(e: OSError) -> str:
@@ -54,8 +72,9 @@ class SpoolFile:
     """
 
     def __init__(self, command: str, stream: str, path: str, limit: int, uid: int, gid: int,
-                 submit: Callable[..., Future[None]]) -> None:
+                 submit: Callable[..., Future[None]], reserve: int = 0) -> None:
         self.command = command
+        self.reserve = reserve
         self.stream = stream
         self.path = path
         self.limit = limit
@@ -107,11 +126,14 @@ class SpoolFile:
             self._fail(e, "create")
             return
         self.fd = fd
+        if uid == os.geteuid():
+            return
         try:
-            if uid != os.geteuid():
-                os.fchown(fd, uid, gid)
+            os.setxattr(fd, _ACL_XATTR, reader_acl(uid))
         except OSError as e:
-            self._fail(e, "chown")
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                self._fail(e, f"grant read to uid {uid} on")
+            # no ACLs here: the file stays the daemon's alone (its agent reads the tails)
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -120,6 +142,11 @@ class SpoolFile:
                 self.failed += len(view)
                 return
             try:
+                if self.reserve:
+                    st = os.fstatvfs(self.fd)
+                    if st.f_bavail * st.f_frsize - len(view) < self.reserve:
+                        raise OSError(errno.ENOSPC, f"the state disk's free space would fall "
+                                      f"below the {self.reserve} bytes kept for krex's records")
                 n = os.write(self.fd, view)
             except InterruptedError:
                 continue
@@ -151,6 +178,7 @@ class Spool:
     def __init__(self, state_dir: str, limit: int) -> None:
         self.dir = os.path.join(state_dir, "spool")
         self.limit = limit
+        self.reserve = 0  # set below from the file system's size
         self.problem = ""
         self.writer: ThreadPoolExecutor | None = None
         if limit <= 0:
@@ -171,6 +199,11 @@ class Spool:
             self.problem = f"spool directory {self.dir} unusable: {describe(e)}"
             log.warning("spool_unavailable", error=self.problem)
             return
+        try:
+            st = os.statvfs(self.dir)
+            self.reserve = min(RESERVE_MAX, st.f_blocks * st.f_frsize // 8)
+        except OSError:
+            self.reserve = RESERVE_MAX
         # One thread, so each file's jobs run in the order they were queued.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="krex-spool")
 
@@ -181,7 +214,7 @@ class Spool:
         """The two spool files of a command about to start ({} when spooling is off)."""
         if self.writer is None:
             return {}
-        return {s: SpoolFile(command, s, p, self.limit, uid, gid, self.writer.submit)
+        return {s: SpoolFile(command, s, p, self.limit, uid, gid, self.writer.submit, self.reserve)
                 for s, p in self.paths(command).items()}
 
     def remove(self, paths: list[str]) -> None:
@@ -215,11 +248,19 @@ def unlink(paths: list[str]) -> None:
 
 
 def read_tail(path: str, limit: int) -> tuple[bytes, int]:
-    """(the last `limit` bytes of a spool file, its size); (b"", 0) when it cannot be read."""
+    """(the last `limit` bytes of a spool file, its size); (b"", 0) when it cannot be read.
+    Never waits: the open is O_NONBLOCK, so a lease held on the file raises BlockingIOError
+    (the kernel starts breaking the lease; a later call gets the file)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - limit))
-            return f.read(limit), size
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except BlockingIOError:
+        raise
     except OSError:
         return b"", 0
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, limit, max(0, size - limit)), size
+    except OSError:
+        return b"", 0
+    finally:
+        os.close(fd)

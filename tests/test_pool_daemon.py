@@ -182,7 +182,7 @@ async def test_pooled_command_runs_inside_its_command_cgroup(tmp_path) -> None:
     assert res.report.via == "pool" and res.returncode == 0, res.stderr
     cid, *lines = res.stdout.decode().splitlines()
     v2 = next(ln for ln in lines if ln.startswith("0::"))
-    assert v2.endswith(f"/krex/cmd-{cid}/run"), lines
+    assert "/krex/d-" in v2 and v2.endswith(f"/cmd-{cid}/run"), lines  # krex/<instance>/cmd-<id>
     cpuset = [ln for ln in lines if ln.split(":")[1:2] == ["cpuset"]]
     if cpuset and cpuset[0].split(":", 2)[2] != "/":  # hybrid host with the v1 cpuset in use
         assert f"cmd-{cid}" in cpuset[0], lines

@@ -32,7 +32,11 @@ def choose_backend(cfg: "ServeConfig") -> Backend:
     else:
         usable, why = probe_cgroup(cfg.cgroup_root or None)
     if usable:
-        return CgroupBackend(root=cfg.cgroup_root or None, state_dir=cfg.state_dir)
+        from .intent import InstanceBusy
+        try:
+            return CgroupBackend(root=cfg.cgroup_root or None, state_dir=cfg.state_dir)
+        except InstanceBusy as e:  # never fall back: a second daemon here is the mistake
+            raise SystemExit(f"krex: {e}") from None
     if cfg.isolation == "cgroup":
         raise SystemExit(f"krex: --isolation cgroup is not possible here: {why}")
     b = SignalBackend()

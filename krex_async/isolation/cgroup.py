@@ -1,6 +1,13 @@
 """The cgroup backend: v2 freezer, cpuset cores (v2, or v1 on hybrid hosts), crash-safe thaw.
 
-Each command gets ``<root>/krex/cmd-<id>/`` in v2 with two leaves: ``run/`` where the command starts
+Several daemons may share a cgroup root: each owns an instance directory ``<root>/krex/<instance>/``
+named after its state dir (so a restart on the same state dir finds what its predecessor left, and
+daemons on other state dirs never meet it), and its start-up sweep, watchdog and commands stay
+inside it. A daemon holds `<state_dir>/cgroup.owner` locked (flock) for its life: a second one on
+the same instance finds the lock taken and refuses to start instead of thawing the first one's
+regions (InstanceBusy).
+
+Each command gets ``<root>/krex/<instance>/cmd-<id>/`` in v2 with two leaves: ``run/`` where the command starts
 and ``keep/`` for the region owner's own processes (created on demand). A freeze of the whole group
 writes ``cmd-<id>/cgroup.freeze``; a freeze that keeps some pids moves them into ``keep/`` and freezes
 ``run/`` only, so a group is never frozen through a parent it shares with anyone else. On hybrid hosts
@@ -32,7 +39,8 @@ from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, Isola
 from krex_async.isolation.cgroupfs import (CgroupFileError, CgroupFS, CgroupVanished, EventsWatcher,
                                            Layout, Watch, detect)
 from krex_async.isolation.cpuset import Cores, move
-from krex_async.isolation.intent import KREX, Intent, sweep
+from krex_async.isolation.intent import (KREX, Intent, claim_instance, instance_name,
+                                        mark_instance, sweep)
 
 DEFAULT_STATE_DIR = "/run/krex" if os.geteuid() == 0 else os.path.join(
     os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
@@ -93,20 +101,22 @@ class CgroupBackend(Backend):
         self.v2 = CgroupFS(self.layout.v2, keep_procs=True)
         self.v1 = CgroupFS(self.layout.v1_cpuset) if self.layout.v1_cpuset else None
         self.state_dir = state_dir
+        #: this daemon's own directory under krex/: everything it makes, sweeps and watches
+        self.base = f"{KREX}/{instance_name(state_dir)}"
+        self._owner_fd = claim_instance(state_dir, self.v2.path(self.base))
         self.intent = Intent(state_dir)
-        self.cores = Cores(self.layout.cpuset, self.v2, self.v1, self.intent)
+        self.cores = Cores(self.layout.cpuset, self.v2, self.v1, self.intent, self.base)
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = frozenset(allowed[:ncpus] if ncpus else allowed)
-        self.v2.mkdir(KREX)
         self.reason = self.layout.reason
         try:
-            self.cores.setup_root()
+            self._make_instance()
         except CgroupFileError as e:
-            if self.layout.cpuset != "v2":
+            if self.layout.cpuset != "v2" or not self.v2.exists(self.base):
                 raise
             # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
             # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
-            self.cores = Cores("none", self.v2, None, self.intent)
+            self.cores = Cores("none", self.v2, None, self.intent, self.base)
             self.reason += (f"; cpuset unusable ({e}): cores fenced with sched_setaffinity"
                             " (run the daemon in a leaf cgroup or configure a root to fix)")
         self.has_kill = self.v2.exists(KREX, "cgroup.kill")
@@ -125,7 +135,7 @@ class CgroupBackend(Backend):
         from krex_async.isolation.watchdog import start_watchdog
         lay = self.layout
         self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode,
-                                       self.state_dir)
+                                       self.state_dir, self.base)
 
     def _watch(self, rel: str) -> Watch:
         if self._watcher is None:
@@ -144,14 +154,29 @@ class CgroupBackend(Backend):
             w.close()
         g.watches.clear()
 
-    async def create(self, command_id: str) -> CgroupGroup:
-        """mkdir krex/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
-        g = CgroupGroup(command_id=command_id)
-        g.top = f"{KREX}/{g.name}"
+    def _make_instance(self) -> None:
+        """mkdir krex/ and the instance directory, named (xattr) and able to carry cpusets.
+        Raises CgroupFileError."""
+        self.v2.mkdir(KREX)
+        self.v2.mkdir(self.base)
+        mark_instance(self.v2.path(self.base), self.state_dir)
+        self.cores.setup_root()
+
+    def _make_group(self, g: CgroupGroup) -> None:
         self.v2.mkdir(g.top)
+        self.cores.setup_group(g.top, [g.run])
+        self.v2.mkdir(g.run)
+
+    async def create(self, command_id: str) -> CgroupGroup:
+        """mkdir <instance>/cmd-<id>/run (and the v1 twin). Raises IsolationError (CgroupFileError)."""
+        g = CgroupGroup(command_id=command_id)
+        g.top = f"{self.base}/{g.name}"
         try:
-            self.cores.setup_group(g.top, [g.run])
-            self.v2.mkdir(g.run)
+            try:
+                self._make_group(g)
+            except CgroupVanished:  # our instance directory, empty, was removed (an older
+                self._make_instance()  # `krex cleanup`, a hand's rmdir): made again
+                self._make_group(g)
             for rel in (g.top, g.run):
                 try:
                     self._group_watch(g, rel)
@@ -455,10 +480,16 @@ class CgroupBackend(Backend):
                 await asyncio.sleep(0.002)
 
     async def reconcile(self) -> list[str]:
-        """Thaw everything under krex/, restore cpusets and partitions, remove empty command cgroups;
-        report also what the previous intent record said. Populated leftovers stay (self.orphans)."""
-        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir)
-        self.intent.write_now()
+        """Thaw everything under our instance directory, restore cpusets and partitions, remove
+        empty command cgroups; report also what the previous intent record said. Populated
+        leftovers stay (self.orphans). Other daemons' instances are not touched."""
+        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir,
+                                    base=self.base)
+        try:
+            self.intent.write_now()
+        except OSError as e:  # a full state disk: serve anyway; a region refuses until it clears
+            lines.append(f"intent record not written ({e.strerror or e}): regions are refused "
+                         "until it can be")
         return lines or ["nothing left by a previous daemon"]
 
     async def close(self) -> None:
@@ -471,6 +502,9 @@ class CgroupBackend(Backend):
             self._watcher.close()
             self._watcher = None
         self.v2.release()
+        if self._owner_fd >= 0:  # the next daemon on this state dir may start
+            os.close(self._owner_fd)
+            self._owner_fd = -1
 
     def _g(self, group: Group) -> CgroupGroup:
         if not isinstance(group, CgroupGroup):

@@ -59,8 +59,12 @@ def move(fs: CgroupFS, rel: str, pids: list[int]) -> None:
 class Cores:
     """Fencing for one backend. `mode` is "v2", "v1" or "none" (see module docstring)."""
 
-    def __init__(self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent) -> None:
+    def __init__(self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent,
+                 base: str = KREX) -> None:
         self.mode, self.v2, self.v1, self.intent = mode, v2, v1, intent
+        #: the daemon's instance directory (krex/<instance>), and the directories down to it
+        self.base = base
+        self.chain = [KREX] + ([base] if base != KREX else [])
         self.fs: CgroupFS = v1 if (mode == "v1" and v1 is not None) else v2
         # Partitions are opt-in (KREX_CPUSET_PARTITION=1): on the accelerator's 6.18 kernel, undoing
         # one left its sibling leaf refusing cpuset.cpus="" with ENOSPC. Plain cpuset fences give
@@ -71,17 +75,19 @@ class Cores:
             "cpuset partitions are off (KREX_CPUSET_PARTITION=1 turns them on)"
 
     def setup_root(self) -> None:
-        """Make krex/ able to carry cpusets. Raises CgroupFileError."""
+        """Make krex/ and the instance directory able to carry cpusets. Raises CgroupFileError."""
         if self.mode == "v2":
             self._enable(self.v2, "")
-            self.v2.mkdir(KREX)
-            self._enable(self.v2, KREX)
+            for rel in self.chain:
+                self.v2.mkdir(rel)
+                self._enable(self.v2, rel)
         elif self.mode == "v1" and self.v1 is not None:
-            self.v1.mkdir(KREX)
-            for name in ("cpuset.cpus", "cpuset.mems"):
-                if not self.v1.read(KREX, name).strip():
-                    self.v1.write(KREX, name, self.v1.read("", name).strip())
-            self.v1.write(KREX, "cgroup.clone_children", "1")
+            for rel in self.chain:
+                self.v1.mkdir(rel)
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    if not self.v1.read(rel, name).strip():
+                        self.v1.write(rel, name, self.v1.read(os.path.dirname(rel), name).strip())
+                self.v1.write(rel, "cgroup.clone_children", "1")
 
     @staticmethod
     def _enable(fs: CgroupFS, rel: str) -> None:
@@ -180,8 +186,9 @@ class Cores:
         if self.partition is False or not fs.exists(keep, "cpuset.cpus.partition"):
             return
         try:
-            have = parse(fs.read(KREX, "cpuset.cpus.exclusive"))
-            fs.write(KREX, "cpuset.cpus.exclusive", fmt(have | cpus))
+            for rel in self.chain:  # each ancestor's exclusive cpus must hold the child's
+                have = parse(fs.read(rel, "cpuset.cpus.exclusive"))
+                fs.write(rel, "cpuset.cpus.exclusive", fmt(have | cpus))
             fs.write(top, "cpuset.cpus.exclusive", fmt(cpus))
             fs.write(keep, "cpuset.cpus.exclusive", fmt(cpus))
             fs.write(keep, "cpuset.cpus.partition", "root")
@@ -207,8 +214,9 @@ class Cores:
                 pass
         try:
             mine = parse(fs.read(keep, "cpuset.cpus"))
-            rest = parse(fs.read(KREX, "cpuset.cpus.exclusive")) - mine
-            fs.write(KREX, "cpuset.cpus.exclusive", fmt(rest))
+            for rel in reversed(self.chain):
+                rest = parse(fs.read(rel, "cpuset.cpus.exclusive")) - mine
+                fs.write(rel, "cpuset.cpus.exclusive", fmt(rest))
         except CgroupFileError:
             pass
 

@@ -6,25 +6,96 @@ are added before the act and dropped lazily, so the record always covers at leas
 fenced. Concurrent callers in one loop turn coalesce into one write.
 
 `sweep()` is what start-up (CgroupBackend.reconcile) and the watchdog run. It does not depend on the
-record: it thaws every cgroup under krex/ (thawing is always safe), puts every cpuset under krex/ back
-to its structural original (v2: inherit, member partition; v1: the parent's cpus), removes empty
+record: it thaws every cgroup under the daemon's instance directory `krex/<instance>/` (thawing is
+always safe; other daemons' instances beside it are never touched), puts every cpuset there back to
+its structural original (v2: inherit, member partition; v1: the parent's cpus), removes empty
 command cgroups, and then reads the record only to report what the previous daemon had intended.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import errno
+import fcntl
+import hashlib
+import json
 import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from krex_async.fsutil import replace_file
+from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 
 KREX = "krex"
+OWNER_FILE = "cgroup.owner"  # in the state dir: locked (flock) by the live daemon of the instance
+STATE_XATTR = "user.krex.state_dir"  # on the instance directory: whose state dir it belongs to
+
+
+class InstanceBusy(IsolationError):
+    """Another live daemon owns this daemon's instance directory (same state dir and root)."""
+
+
+def instance_name(state_dir: str) -> str:
+    """The instance directory's name: the same for every daemon on `state_dir`, and only them."""
+    return "d-" + hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
+
+
+def claim_instance(state_dir: str, subtree: str) -> int:
+    """Lock `<state_dir>/cgroup.owner` for this process's life (the fd is the lock; the kernel
+    drops it when the daemon dies, SIGKILL included) and write our pid into it. Raises
+    InstanceBusy naming the live owner, or OSError."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(state_dir, OWNER_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise InstanceBusy(f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
+                           f"(state dir {state_dir}): refusing to start, since its start-up sweep "
+                           "would thaw that daemon's regions; stop it first, or give this daemon "
+                           "its own --state-dir") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:  # the pid is for the message only: a full disk must not stop the start
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return fd
+
+
+def mark_instance(path: str, state_dir: str) -> None:
+    """Name the state dir on the instance directory (an xattr), so that `krex cleanup`, which
+    knows only the cgroup tree, can tell a live daemon's instance (live_owner). Best effort:
+    kernels before 5.7 have no user xattrs on cgroupfs."""
+    try:
+        os.setxattr(path, STATE_XATTR, os.fsencode(os.path.realpath(state_dir)))
+    except OSError:
+        pass
+
+
+def live_owner(instance_dir: str) -> str | None:
+    """The pid (as written) of the live daemon that owns `instance_dir`, or None when none does
+    (or the directory does not say whose it is)."""
+    try:
+        state_dir = os.fsdecode(os.getxattr(instance_dir, STATE_XATTR))
+        fd = os.open(os.path.join(state_dir, OWNER_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # a lock we took goes with the fd
+    return None
 
 
 class Intent:
@@ -154,9 +225,9 @@ def _try(lines: list[str], what: str, fn: Any, *args: Any) -> bool:
         return False
 
 
-def thaw_all(v2: CgroupFS, lines: list[str]) -> None:
-    """Write cgroup.freeze=0 wherever it reads 1 under krex/ (children first, then parents)."""
-    for rel in reversed(v2.walk(KREX)):
+def thaw_all(v2: CgroupFS, lines: list[str], base: str = KREX) -> None:
+    """Write cgroup.freeze=0 wherever it reads 1 under `base` (children first, then parents)."""
+    for rel in reversed(v2.walk(base)):
         try:
             if v2.read(rel, "cgroup.freeze").strip() == "1" and \
                     _try(lines, f"thaw {rel}", v2.write, rel, "cgroup.freeze", "0"):
@@ -165,10 +236,11 @@ def thaw_all(v2: CgroupFS, lines: list[str]) -> None:
             continue
 
 
-def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[str]) -> None:
-    """Put cpusets under krex/ back to what create() made: v2 inherit/member, v1 the parent's cpus."""
+def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[str],
+                    base: str = KREX) -> None:
+    """Put cpusets under `base` back to what create() made: v2 inherit/member, v1 the parent's cpus."""
     if cpuset == "v2":
-        dirs = v2.walk(KREX)
+        dirs = v2.walk(base)
         for rel in reversed(dirs):  # partitions off, leaves first
             if v2.exists(rel, "cpuset.cpus.partition"):
                 try:
@@ -207,7 +279,7 @@ def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[
             except CgroupFileError as e:
                 lines.append(f"could not reset {rel}/cpuset.cpus: {e}")
     elif cpuset == "v1" and v1 is not None:
-        for rel in v1.walk(KREX):  # parents first: a child may only widen up to its parent
+        for rel in v1.walk(base):  # parents first: a child may only widen up to its parent
             parent = os.path.dirname(rel)
             try:
                 want, have = v1.read(parent, "cpuset.cpus").strip(), v1.read(rel, "cpuset.cpus").strip()
@@ -217,10 +289,12 @@ def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[
                 lines.append(f"v1 {rel}/cpuset.cpus back to {want} (was {have})")
 
 
-def remove_empty(v2: CgroupFS, v1: CgroupFS | None, lines: list[str]) -> list[tuple[str, list[int]]]:
-    """rmdir command cgroups without tasks; returns (name, pids) of those still populated."""
+def remove_empty(v2: CgroupFS, v1: CgroupFS | None, lines: list[str],
+                 base: str = KREX) -> list[tuple[str, list[int]]]:
+    """rmdir command cgroups (children of `base`) without tasks; returns (name, pids) of those
+    still populated."""
     alive: list[tuple[str, list[int]]] = []
-    for top in v2.children(KREX):
+    for top in v2.children(base):
         dirs = v2.walk(top)
         pids = sorted({p for d in dirs for p in v2.procs(d)})
         if pids:
@@ -237,15 +311,16 @@ def remove_empty(v2: CgroupFS, v1: CgroupFS | None, lines: list[str]) -> list[tu
 
 
 def sweep(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str | None,
-          remove: bool = True) -> tuple[list[str], list[tuple[str, list[int]]]]:
-    """Thaw, restore cpusets, remove empty command cgroups, report the old record.
+          remove: bool = True, base: str = KREX) -> tuple[list[str], list[tuple[str, list[int]]]]:
+    """Thaw, restore cpusets, remove empty command cgroups under `base` (a daemon's instance
+    directory), report the old record.
 
     Never raises for cgroup trouble (each failure becomes a line). Returns (lines, still-running).
     """
     lines: list[str] = []
-    thaw_all(v2, lines)
-    restore_cpusets(v2, v1, cpuset, lines)
-    alive = remove_empty(v2, v1, lines) if remove else []
+    thaw_all(v2, lines, base)
+    restore_cpusets(v2, v1, cpuset, lines, base)
+    alive = remove_empty(v2, v1, lines, base) if remove else []
     if state_dir is not None:
         rec, problem = read_record(state_dir)
         if problem:

@@ -6,7 +6,8 @@
                                              └─ intent.sweep(): thaw all, restore cpusets; exit
 
 It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
-only the cgroupfs and intent modules, and removes nothing but empty command cgroups.
+only the cgroupfs and intent modules, and removes nothing but empty command cgroups, all under its
+daemon's instance directory (`--base krex/<instance>`): other daemons' cgroups are never thawed.
 
 The daemon's clean shutdown releases it by writing "Q" to its stdin pipe (it exits without a
 sweep: nothing is frozen any more). End of that pipe without a "Q" means the daemon died. SIGTERM
@@ -25,15 +26,15 @@ import sys
 import time
 
 from krex_async.isolation.cgroupfs import CgroupFS
-from krex_async.isolation.intent import sweep
+from krex_async.isolation.intent import KREX, sweep
 
 
 def start_watchdog(pid: int, v2_root: str, v1_root: str | None, cpuset: str, state_dir: str,
-                   timeout: float = 5.0) -> subprocess.Popen[bytes]:
+                   base: str = KREX, timeout: float = 5.0) -> subprocess.Popen[bytes]:
     """Start the watchdog for `pid` and return once it holds the pidfd. Raises RuntimeError when it
     does not report ready within `timeout` (the child is killed then)."""
     argv = [sys.executable, "-m", "krex_async.isolation.watchdog", "--pid", str(pid),
-            "--v2", v2_root, "--cpuset", cpuset, "--state-dir", state_dir]
+            "--v2", v2_root, "--cpuset", cpuset, "--state-dir", state_dir, "--base", base]
     if v1_root:
         argv += ["--v1", v1_root]
     env = dict(os.environ)
@@ -77,7 +78,7 @@ def _released(rfd: int) -> bool | None:
 
 
 def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str,
-          rfd: int = 0) -> list[str]:
+          rfd: int = 0, base: str = KREX) -> list[str]:
     """Block until `pid` exits (sweep; returns the sweep's lines) or releases us (returns [])."""
     pidfd = os.pidfd_open(pid)
     try:
@@ -96,7 +97,7 @@ def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: s
     finally:
         os.close(pidfd)
     t0 = time.monotonic()
-    lines, _alive = sweep(v2, v1, cpuset, state_dir)
+    lines, _alive = sweep(v2, v1, cpuset, state_dir, base=base)
     lines.append(f"watchdog: daemon {pid} died; sweep took {time.monotonic() - t0:.4f}s")
     return lines
 
@@ -108,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--v1")
     ap.add_argument("--cpuset", default="v2")
     ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--base", default=KREX, help="the daemon's instance directory (krex/<instance>)")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        lines = guard(a.pid, CgroupFS(a.v2), CgroupFS(a.v1) if a.v1 else None, a.cpuset, a.state_dir)
+        lines = guard(a.pid, CgroupFS(a.v2), CgroupFS(a.v1) if a.v1 else None, a.cpuset, a.state_dir,
+                      base=a.base)
     except ProcessLookupError:
         print(f"watchdog: pid {a.pid} is not running", file=sys.stderr)
         return 1

@@ -42,3 +42,54 @@ async def test_a_region_whose_intent_cannot_be_written_is_refused_not_left_hangi
             assert out.startswith("refused") and "No space left" in out, (out, res.stderr[-2000:])
             await c.cancel(sib.command)
         assert d.proc.poll() is None
+
+
+BIG = """
+import sys
+chunk = b"x" * 65536
+for _ in range(32):
+    sys.stdout.buffer.write(chunk)
+sys.stdout.buffer.flush()
+"""
+
+
+async def test_a_spool_that_fills_the_state_disk_leaves_the_intent_record_its_room(small_tmpfs):
+    """A command's output would fill the state disk: the spool stops short of the free-space
+    reserve (and says so), and the next region still records its intent and is granted."""
+    need_cgroups()
+    state = os.path.join(small_tmpfs, "state")
+    async with run_daemon("--isolation", "cgroup", "--state-dir", state) as d:
+        async with await d.client() as c:
+            big = await asyncio.wait_for(c.run([PY, "-c", BIG], env=py_env()), 30)
+            assert big.report.exit_code == 0 and len(big.stdout) == 32 * 65536
+            assert big.report.spool_error.startswith("stdout: ENOSPC") and \
+                "below the" in big.report.spool_error, big.report.spool_error
+            sib = await c.submit([PY, "-c", "import time; time.sleep(30)"], env=py_env())
+            res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
+            assert res.stdout.decode().startswith("granted"), (res.stdout, res.stderr[-2000:])
+            await c.cancel(sib.command)
+        assert d.proc.poll() is None
+
+
+async def test_start_up_on_a_full_state_disk_serves_and_refuses_regions_with_an_answer(small_tmpfs):
+    """The state disk is full when the daemon restarts: it serves (the intent record it could
+    not write is named in the log), a region is refused with an answer until space is freed,
+    and granted after."""
+    need_cgroups()
+    state = os.path.join(small_tmpfs, "state")
+    async with run_daemon("--isolation", "cgroup", "--state-dir", state) as d:
+        async with await d.client() as c:
+            assert (await c.run(["echo", "before"])).stdout == b"before\n"
+    fill(small_tmpfs)
+    async with run_daemon("--isolation", "cgroup", "--state-dir", state) as d:
+        async with await d.client() as c:
+            assert (await c.run(["echo", "after"])).stdout == b"after\n"
+            sib = await c.submit([PY, "-c", "import time; time.sleep(30)"], env=py_env())
+            res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
+            assert res.stdout.decode().startswith("refused"), res.stdout
+            os.unlink(os.path.join(small_tmpfs, "filler"))
+            res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
+            assert res.stdout.decode().startswith("granted"), (res.stdout, res.stderr[-2000:])
+            await c.cancel(sib.command)
+        assert d.proc.poll() is None
+        assert "intent record not written" in d.logs()
