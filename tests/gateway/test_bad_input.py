@@ -4,6 +4,7 @@ go without a token."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from krex_async.gateway import limits as L
 from krex_async.gateway.files import write_files
 from tests.conftest import ROOT, run_daemon
 
-from .conftest import PY, stack, start_gateway
+from .conftest import PY, gateway_home, stack, start_gateway
 
 UNSAFE = ["/etc/passwd", "../x", "a/../../x", "a/./b", "./a", "a//b", "a/", "", "a\x00b",
           "a\\..\\b", "x" * 300]
@@ -135,14 +136,15 @@ async def test_malformed_requests(tmp_path: Path) -> None:
 
 async def test_remote_bind_needs_allow_remote_and_a_token(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    async with run_daemon() as daemon:
+    async with run_daemon() as daemon, contextlib.AsyncExitStack() as stack:
         base = [PY, "-m", "krex_async.gateway", "--state-dir", str(tmp_path / "s"),
                 "--socket", daemon.socket, "--listen", "0.0.0.0:0"]
         for extra, why in (([], "--allow-remote"),
                            (["--allow-remote", "--no-auth"], "--no-auth is for loopback only")):
             r = subprocess.run(base + extra, capture_output=True, text=True, timeout=30, env=env)
             assert r.returncode == 2 and why in r.stderr, r.stderr
-        gw = start_gateway(daemon.socket, tmp_path / "gw", "--allow-remote", "--token", "s3cret",
+        home = stack.enter_context(gateway_home())  # jobs run as another user: a reachable state dir
+        gw = start_gateway(daemon.socket, home / "gw", "--allow-remote", "--token", "s3cret",
                            listen="0.0.0.0:0", token="s3cret")
         gw.url = gw.url.replace("0.0.0.0", "127.0.0.1")
         authed, anon, wrong = gw.client(), type(gw.client())(gw.url), \
