@@ -27,6 +27,7 @@ from .isolation.base import Backend, Group, IsolationError
 from .records import Records
 from .spawn import ExitStatus, LaunchSpec, Launched, spawn
 from .spool import Spool, SpoolFile, unlink
+from .stdinpipe import StdinPipe
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
 
@@ -120,6 +121,7 @@ class Command:
     watch_task: asyncio.Task[None] | None = None
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)
     spools: dict[str, SpoolFile] = field(default_factory=dict)  # stream -> its spool file
+    stdin_pipe: StdinPipe | None = None  # Submit.stdin_stream: fed by StdinData until it ends
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -205,7 +207,7 @@ class Runner:
                                             f"{cmd.id}: {e}") from None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        stdin_fd = self._stdin(cmd.spec.stdin)
+        stdin_fd = cmd.stdin_pipe.reader() if cmd.stdin_pipe else self._stdin(cmd.spec.stdin)
         if self.spool is not None:
             cmd.spools = self.spool.open(cmd.id, cmd.uid, cmd.gid)
         other_user = cmd.uid != os.geteuid()
@@ -332,6 +334,8 @@ class Runner:
     def release(self, cmd: Command) -> None:
         """Forget a command for good (its retention ended, or it never started): its spool files
         and its record are removed. Errors are logged, never raised."""
+        if cmd.stdin_pipe is not None:
+            cmd.stdin_pipe.close()
         for f in cmd.spools.values():
             f.finish()
         paths = {f.path for f in cmd.spools.values()}
