@@ -284,7 +284,7 @@ class Daemon:
                               st.get("retired", 0), report.start_latency_s)
         # Before the agent hears of it: a scrape after a report always includes that command.
         self.metrics.command_ended(report.policy, report.state, report.wall_s, cmd.id,
-                                   started=cmd.launched is not None)
+                                   started=cmd.launched is not None, device=report.device)
         cmd.publish(lambda rid: P.Exited(id=rid, report=report))
         self.trace("command_end", None, command=cmd.id, device=cmd.device_key or "",
                    state=report.state, exit_code=report.exit_code)

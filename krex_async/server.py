@@ -578,6 +578,8 @@ async def serve(config: ServeConfig) -> int:
     from . import __version__
 
     daemon.metrics.info(__version__, cfg.policy, backend.name)
+    for d in daemon.devices:
+        daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
     start_probes(daemon)
     await daemon.start_pools()
     try:
