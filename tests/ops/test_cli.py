@@ -183,3 +183,26 @@ async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
     assert all(len(x) <= 100 for x in text.splitlines())
     assert watch.returncode == 0 and b"Traceback" not in err
     assert out.count(b"COMMAND ") >= 3, out
+
+
+def test_tree_memory_sums_a_process_tree() -> None:
+    """psutil's one pass over the process table: a parent with two children counts three
+    processes and at least the parent's own RSS; a pid that is gone has no entry."""
+    from krex_async.procfs import tree_memory
+
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            got = tree_memory({"t": p.pid, "gone": 2 ** 22 - 1}, pss=True)
+            if got["t"]["processes"] == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for c in __import__("psutil").Process(p.pid).children(recursive=True):
+            c.kill()
+        p.kill()
+        p.wait()
+    assert got["t"]["processes"] == 3 and got["t"]["rss_bytes"] > 1 << 20
+    assert 0 < got["t"]["pss_bytes"] <= got["t"]["rss_bytes"]
+    assert "gone" not in got
