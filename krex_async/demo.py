@@ -70,7 +70,9 @@ async def _workload(sock: str, script: str, n: int, env: dict[str, str],
     rows = []
     for res in results:
         if res.returncode != 0:
-            raise SystemExit(f"demo command failed: {res.stderr.decode(errors='replace')}")
+            rep = res.report
+            raise SystemExit(f"demo command {rep.command} failed: {rep.state}, exit {rep.exit_code}, "
+                             f"signal {rep.signal} {rep.error}\n{res.stderr.decode(errors='replace')}")
         info = json.loads(res.stdout)
         reg = res.report.regions[0]
         rows.append({"command": res.report.command, "wall_s": res.report.wall_s,
@@ -132,13 +134,33 @@ def verdict(alone: list[float], medians: dict[str, list[float]],
     return lines
 
 
+def next_steps() -> str:
+    """NEXT, saying where krex is when it is not on PATH (a fresh checkout's .venv/bin/krex), and
+    with the replay only where this is a checkout with bench/."""
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), "krex")
+    on_path = shutil.which("krex")
+    text = NEXT
+    if os.path.exists(here) and (on_path is None or os.path.realpath(on_path) != os.path.realpath(here)):
+        rel = os.path.relpath(here)
+        rel = here if rel.startswith("..") else rel
+        text = text.replace("next:", f"next (krex is {rel} here; `. {os.path.dirname(rel)}/activate` "
+                                     "puts it on PATH):", 1)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "bench", "replay.py")):
+        return text[:text.index("  PYTHON bench/replay.py")].rstrip()
+    py = os.path.relpath(sys.executable)
+    return text.replace("PYTHON", "python" if py.startswith("..") else py)
+
+
 NEXT = """next:
   krex doctor                          what this node supports, each with its fix
   krex serve &                         a daemon of your own (--policy region|command|shared)
   krex run -- python bench.py          run a command under it; wrap its timed loop in
                                        `with region("timing"):` (README, "The region API")
   krex status --watch / krex trace     what runs and what is frozen; live events
-  python bench/replay.py --profile quick --seed 1 --out /tmp/quick.json
+  PYTHON bench/replay.py --profile quick --seed 1 --out /tmp/quick.json
                                        the three policies side by side on a replayed agent trace"""
 
 
@@ -148,8 +170,8 @@ def main(n: int = 6) -> int:
     with open(script, "w") as f:
         f.write(WORK)
     env = _env(tmp)
-    print(f"krex demo: {n} concurrent agent-like commands under the region and the shared policy;"
-          f" the same kernel timed alone before, between and after\n", flush=True)
+    print(f"krex demo: {n} concurrent agent-like commands under the region and the shared policy,\n"
+          f"and the same kernel timed alone before, between and after them\n", flush=True)
     alone = _alone(script, env, ALONE_RUNS)
     medians: dict[str, list[float]] = {}
     for policy in ("region", "shared"):
@@ -185,7 +207,7 @@ def main(n: int = 6) -> int:
     for line in verdict(alone, medians, (os.getloadavg()[0], os.cpu_count() or 1)):
         print(line)
     print(f"\nlogs and scripts in {tmp}\n")
-    print(NEXT)
+    print(next_steps())
     return 0
 
 

@@ -52,8 +52,9 @@ try:
     import prometheus_client as _prom
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    if hasattr(_prom, "disable_created_metrics"):  # prometheus-client >= 0.17
-        _prom.disable_created_metrics()
+    _no_created = getattr(_prom, "disable_created_metrics", None)  # prometheus-client >= 0.17
+    if _no_created is not None:
+        _no_created()
 except ImportError as e:  # optional dependency: krex[metrics]
     _prom = None
     _IMPORT_ERROR = str(e)

@@ -100,7 +100,15 @@ def _ms(seconds: float | None) -> str:
 
 
 def _fit(line: str) -> str:
+    """A table row cut to WIDTH (its last column, the command line, is what gets cut)."""
     return line if len(line) <= WIDTH else line[:WIDTH - 1] + "…"
+
+
+def _wrap(line: str) -> str:
+    """A settings line wrapped to WIDTH (nothing of a reason is lost), continued indented."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False))
 
 
 def _earlier(c: dict[str, Any], boot: str) -> bool:
@@ -110,22 +118,22 @@ def _earlier(c: dict[str, Any], boot: str) -> bool:
 
 def render(st: dict[str, Any], show_all: bool = False) -> str:
     """The status tree as text, no line over WIDTH characters."""
-    out: list[str] = []
+    head: list[str] = []
     iso = st["isolation"]
     ver = f"krex {st['version']}  " if st.get("version") else ""
-    out.append(f"{ver}daemon pid {st.get('pid', '?')}  policy {st['policy']}  freeze {st['freeze']}  "
-               f"region cores {st['region_cores']}")
-    out.append(f"isolation {iso['backend']}: {iso['reason']}")
+    head.append(f"{ver}daemon pid {st.get('pid', '?')}  policy {st['policy']}  freeze {st['freeze']}  "
+                f"region cores {st['region_cores']}")
+    head.append(f"isolation {iso['backend']}: {iso['reason']}")
     if "probes" in st:  # a daemon from before probes were reported has no such key
         pr = st["probes"]
-        out.append(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")
-                   + (f" ({pr['reason']})" if pr.get("reason") else ""))
+        head.append(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")
+                    + (f" ({pr['reason']})" if pr.get("reason") else ""))
         la = pr.get("launches")
         if la:
-            out.append(f"launch uprobes: scope {la['scope']}" + (
+            head.append(f"launch uprobes: scope {la['scope']}" + (
                 f", {la['watched']} processes probed" if "watched" in la else "")
                 + (f" on {', '.join(la['libraries'])}" if la.get("libraries") else ""))
-    out.append("")
+    out = [_wrap(x) for x in head] + [""]
     out.append(f"{'DEVICE':<9} {'NAME':<14} {'MEM USED/TOTAL':<15} {'UTIL':>5} {'CMDS':>4}  REGION")
     for d in st["devices"]:
         total, free = d.get("memory_total_bytes") or 0, d.get("memory_free_bytes")

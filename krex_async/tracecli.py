@@ -84,7 +84,8 @@ def line(ev: Any) -> str:
         detail.pop("request", None)
         if detail.get("tid") == ev.pid:
             detail.pop("tid")
-    parts += [f"{k}={_value(k, v)}" for k, v in detail.items() if k not in _HIDDEN and v != ""]
+    parts += [f"{k}={_value(k, v)}" for k, v in detail.items()
+              if k not in _HIDDEN and v != "" and not (isinstance(v, float) and v == 0.0)]
     return (f"{when:<12} {kind[:14]:<14} {ev.device or '-':<8} {ev.command or '-':<12} "
             f"{ev.pid or '-'!s:>7} {ev.region or '-':<12} {' '.join(parts)}")
 
