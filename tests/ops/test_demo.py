@@ -31,5 +31,5 @@ def test_demo_runs_and_ends_with_what_to_try_next() -> None:
     out = p.stdout
     assert "alone:" in out and "runs before, between and after" in out
     assert "verdict:" in out and out.rstrip().splitlines()[0].startswith("krex demo")
-    tail = out[out.index("next:"):]
+    tail = out[out.index("\nnext"):]
     assert "krex serve" in tail and "krex run" in tail and "region(" in tail
