@@ -111,6 +111,20 @@ def _wrap(line: str) -> str:
     return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False))
 
 
+def _holds(r: dict[str, Any]) -> str:
+    """Whom a region holds and how: 'frozen 2' and, where the daemon reports them, 'locked 1',
+    'fenced 3' (lists of ids, or `held` as [{"command", "mode"}])."""
+    counts = {"frozen": len(r.get("frozen") or [])}
+    for key in ("locked", "fenced"):
+        if isinstance(r.get(key), list):
+            counts[key] = counts.get(key, 0) + len(r[key])
+    for item in r.get("held") or []:
+        mode = str(item.get("mode", "frozen")) if isinstance(item, dict) else "frozen"
+        mode = {"lock": "locked", "freeze": "frozen", "fence": "fenced"}.get(mode, mode)
+        counts[mode] = counts.get(mode, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in counts.items() if v or k == "frozen")
+
+
 def _earlier(c: dict[str, Any], boot: str) -> bool:
     """A command that an earlier daemon ran (recovered from the state dir and reported lost)."""
     return c.get("result") == "lost" or bool(boot) and not str(c["command"]).startswith(boot + "-")
@@ -140,13 +154,14 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         mem = f"{size(total - free)}/{size(total)}" if total and free is not None else "-"
         util = d.get("utilisation_pct")
         r = d["region"]
-        held = "-" if r is None else (f"{r['name']!r} by {r['command']} ({r['state']}, "
-                                      f"frozen {len(r['frozen'])}, cores {r['cores']})")
-        queued = f"  queued: {', '.join(d['queued'])}" if d["queued"] else ""
+        held = "-" if r is None else f"{r['name']!r} by {r['command']} ({r['state']})"
         name = str(d.get("name") or d["vendor"])[:14]
         out.append(f"{d['key']:<9} {name:<14} {mem:<15} "
-                   f"{'-' if util is None else f'{util:.0f}%':>5} {len(d['commands']):>4}  "
-                   f"{held}{queued}")
+                   f"{'-' if util is None else f'{util:.0f}%':>5} {len(d['commands']):>4}  {held}")
+        if r is not None or d["queued"]:  # the region's holds on a line of their own
+            holds = f"holds {_holds(r)}, cores {r['cores']}" if r is not None else ""
+            queued = f"queued: {', '.join(d['queued'])}" if d["queued"] else ""
+            out.append(_wrap(f"{'':<9} " + "; ".join(x for x in (holds, queued) if x)))
     if st.get("pools"):
         out.append("")
         out.append("POOL      SIZE  WARM  BUSY  RETIRED  START_P50  START_P95")

@@ -64,8 +64,10 @@ def _value(key: str, v: Any) -> str:
         if key.endswith("_s") or key == "seconds":
             return f"{v * 1e3:.3f}ms"
         return f"{v:.4g}"
-    if isinstance(v, list):
-        return ",".join(str(x) for x in v[:8]) + (f",+{len(v) - 8}" if len(v) > 8 else "") or "-"
+    if isinstance(v, list):  # ids, or held commands as {"command", "mode"}: shown id:mode
+        items = [f"{x.get('command', '?')}:{x.get('mode', '?')}" if isinstance(x, dict) else str(x)
+                 for x in v[:8]]
+        return ",".join(items) + (f",+{len(v) - 8}" if len(v) > 8 else "") or "-"
     if isinstance(v, dict):
         return ",".join(f"{k}:{x}" for k, x in list(v.items())[:8]) or "-"
     return str(v)

@@ -162,6 +162,11 @@ def test_status_table_fits_and_says_its_units() -> None:
     assert "11111-4" not in text and "1 commands of an earlier daemon" in text
     assert "11111-4" in render(st, show_all=True)
     assert [age(x) for x in (0.25, 12.34, 125, 90000)] == ["250ms", "12.3s", "2m05s", "1d01h"]
+    st["devices"][0]["region"] = {"name": "timing", "command": "12345-1", "state": "held",
+                                  "frozen": ["a"], "cores": [1],
+                                  "held": [{"command": "b", "mode": "lock"}]}
+    text = render(st)
+    assert "'timing' by 12345-1 (held)" in text and "holds frozen 1, locked 1, cores [1]" in text
 
 
 async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
