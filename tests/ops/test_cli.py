@@ -66,10 +66,17 @@ async def test_bad_paths_are_errors_not_tracebacks(tmp_path: Path) -> None:
         rep = await asyncio.to_thread(krex, "run", "--report", "/nonexistent/r.json", "--",
                                       "touch", str(marker), env=env)
         exp = await asyncio.to_thread(krex, "export", "--perfetto", "/nonexistent/x.json", env=env)
+        # the report cannot be written once the command ran (it made a directory there): its
+        # exit status still stands, and an error says why
+        late = tmp_path / "late"
+        after = await asyncio.to_thread(krex, "run", "--report", str(late), "--", "sh", "-c",
+                                        f"mkdir {late}; exit 3", env=env)
         await asyncio.to_thread(krex, "run", "--", "true", env=env)
         out = await asyncio.to_thread(krex, "export", "--perfetto", "-", env=env)
     assert rep.returncode == 125 and b"/nonexistent" in rep.stderr and not marker.exists()
     no_traceback(rep)
+    assert after.returncode == 3 and b"cannot write the report" in after.stderr
+    no_traceback(after)
     assert exp.returncode == 1 and b"/nonexistent" in exp.stderr
     no_traceback(exp)
     assert out.returncode == 0 and not Path(ROOT / "-").exists()
