@@ -33,7 +33,7 @@ from .metrics import Metrics
 from .records import Records
 from .recovery import recover
 from .spool import Spool
-from .stdinpipe import StdinPipe, StdinClosed
+from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
@@ -326,6 +326,8 @@ class Daemon:
             await cmd.stdin_pipe.write(req.data, req.eof)
         except StdinClosed as e:
             raise RequestError("stdin_closed", f"{cmd.id}: {e}") from None
+        except StdinBusy as e:
+            raise RequestError("busy", f"{cmd.id}: {e}") from None
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
         cmd = self._own(req.command, uid)

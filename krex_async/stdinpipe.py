@@ -17,6 +17,11 @@ class StdinClosed(Exception):
     """The command's stdin is closed: it ended, closed its end, or the agent sent eof."""
 
 
+class StdinBusy(Exception):
+    """A write is already waiting: an agent sends its next chunk after the Ok of the last, so a
+    peer cannot park any number of 1 MiB chunks in the daemon."""
+
+
 class StdinPipe:
     """Owns both ends until spawn takes the read end (`reader()`); `close()` is idempotent."""
 
@@ -36,7 +41,10 @@ class StdinPipe:
 
     async def write(self, data: bytes, eof: bool = False) -> None:
         """Write all of `data`, waiting while the pipe is full; then close it if `eof`.
-        Raises StdinClosed once nobody reads it any more (or it was closed)."""
+        Raises StdinClosed once nobody reads it any more (or it was closed), StdinBusy while
+        another write waits."""
+        if self._lock.locked():
+            raise StdinBusy("a previous chunk is still being written; send the next after its Ok")
         async with self._lock:
             view = memoryview(data)
             while view:

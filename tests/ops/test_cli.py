@@ -218,3 +218,28 @@ def test_tree_memory_sums_a_process_tree() -> None:
     assert got["t"]["processes"] == 3 and got["t"]["rss_bytes"] > 1 << 20
     assert 0 < got["t"]["pss_bytes"] <= got["t"]["rss_bytes"]
     assert "gone" not in got
+
+
+async def test_stdin_pipe_waits_while_full_refuses_a_second_writer_and_wakes_on_close() -> None:
+    """The daemon's side: a write into a full pipe waits (memory stays one pipe buffer), a second
+    write meanwhile is refused (busy), and closing wakes the waiting one with StdinClosed."""
+    import pytest
+
+    from krex_async.stdinpipe import StdinBusy, StdinClosed, StdinPipe
+
+    pipe = StdinPipe()
+    reader = pipe.reader()
+    try:
+        first = asyncio.ensure_future(pipe.write(b"x" * (4 << 20)))
+        await asyncio.sleep(0.2)
+        assert not first.done(), "a write beyond the pipe's buffer must wait for the reader"
+        with pytest.raises(StdinBusy):
+            await pipe.write(b"more")
+        assert len(os.read(reader, 1 << 16)) > 0
+        pipe.close()
+        with pytest.raises(StdinClosed):
+            await asyncio.wait_for(first, 5)
+        with pytest.raises(StdinClosed):
+            await pipe.write(b"late")
+    finally:
+        os.close(reader)
