@@ -110,7 +110,7 @@ def verdict(alone: list[float], medians: dict[str, list[float]],
              f"(they span {noise:.1f}%)"]
     if noise > 25:
         busy = f"load average {load[0]:.1f} on {load[1]} cores; " if load else ""
-        lines.append(f"note: this machine is busy beyond the demo ({busy}the alone runs alone span "
+        lines.append(f"note: this machine is busy beyond the demo ({busy}the alone runs span "
                      f"{noise:.0f}%): differences smaller than that are noise, not krex")
     worst = {p: max(pct(m) for m in ms) for p, ms in medians.items()}
     typical = {p: pct(statistics.median(ms)) for p, ms in medians.items()}
