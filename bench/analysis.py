@@ -258,9 +258,20 @@ def table(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    data = json.loads(Path(args[0]).read_text())
-    print(table(data["summary"]))
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench/analysis.py",
+                                 description="the tables of a replay results file (bench/replay.py "
+                                             "--out): throughput, ideal ratio, region steps, timing "
+                                             "inflation")
+    ap.add_argument("results", type=Path, help="a results JSON, e.g. bench/results/quick.json")
+    a = ap.parse_args(argv)
+    try:
+        data = json.loads(a.results.read_text())
+        summary = data["summary"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"{a.results}: not a replay results file ({type(e).__name__}: {e})")
+    print(table(summary))
     return 0
 
 

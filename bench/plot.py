@@ -3,8 +3,12 @@ bucket (one panel per bucket, one line per policy).
 
     python bench/plot.py bench/results/NAME.json [--outdir DIR]
 
-Needs matplotlib (not on the GPU machine: plot here from the fetched JSON). Exits 2 with a message
-when matplotlib is missing; figures are closed after saving.
+The inflation axis is symmetric-log (linear within +-1%, logarithmic beyond): the unprotected
+`shared` policy runs to +200-350% while `region` and `command` stay within a few percent, and on a
+linear axis those two collapse into a line at 0.
+
+Needs matplotlib (`pip install -e '.[bench]'`; not on the GPU machine: plot here from the fetched
+JSON). Exits 2 with a message when matplotlib is missing; figures are closed after saving.
 """
 
 from __future__ import annotations
@@ -19,11 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_format import BUCKETS, OTHER_BUCKET  # noqa: E402
 
 COLORS = {"region": "tab:green", "command": "tab:blue", "shared": "tab:red"}
+LINTHRESH_PCT = 1.0  # the inflation axis is linear within +-1%, logarithmic beyond
+
+
+def _pct_label(x: float, _pos: object = None) -> str:
+    return f"{x:+g}%" if x else "0"
 
 
 def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
     """Write the PNGs; returns their paths. Raises ImportError without matplotlib."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -64,8 +74,11 @@ def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 ax.step(xs, ys, where="post", label=f"{p} (n={len(xs)})", color=COLORS.get(p, "gray"))
             ax.axvline(0, color="black", lw=0.5)
+            ax.set_xscale("symlog", linthresh=LINTHRESH_PCT)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_pct_label))
+            ax.grid(True, which="major", axis="x", lw=0.3, alpha=0.5)
             ax.set_title(f"kernels {b}")
-            ax.set_xlabel("median inflation vs isolated (%)")
+            ax.set_xlabel("median inflation vs isolated (%, symlog)")
             ax.set_ylabel("fraction of commands")
             ax.legend(fontsize=8)
         fig.tight_layout()
@@ -80,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", type=Path)
     ap.add_argument("--outdir", type=Path, default=None)
     a = ap.parse_args(argv)
-    data = json.loads(a.results.read_text())
+    try:
+        data = json.loads(a.results.read_text())
+    except (OSError, ValueError) as e:
+        ap.error(f"{a.results}: {e}")
     try:
         paths = plot(data, a.outdir or a.results.parent, a.results.stem)
     except ImportError:

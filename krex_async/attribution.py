@@ -213,8 +213,17 @@ class Attributor:
                     if ev.kind == "open":
                         self.d.regions.freeze_late(r, ev)
             if self.d.tracers:
-                cmd = self.command_of(ev)
-                self.d.trace("stray" if stray_for else "probe", stray_for,
-                             command=cmd.id if cmd else "", pid=ev.tgid, tid=ev.tid,
-                             probe=ev.kind, fd=ev.fd, request=ev.request, name=ev.name,
-                             comm=ev.comm)
+                self._trace_event(ev, stray_for, held)
+
+    def _trace_event(self, ev: ProbeEvent, stray_for: "Region | None", held: list["Region"]) -> None:
+        """One probe event for `krex trace`: attributed to the process's own command ("" outside
+        krex), never to the region's owner; a stray names the region and its owner, and an event
+        of an owner inside its own region names that region."""
+        cmd = self.command_of(ev)
+        region = stray_for or next((r for r in held if cmd is not None and r.command is cmd), None)
+        extra = {"owner": stray_for.command.id} if stray_for is not None else {}
+        self.d.trace("stray" if stray_for else "probe", None, command=cmd.id if cmd else "",
+                     device=region.device if region is not None else (cmd.device_key or "" if cmd else ""),
+                     region_id=region.id if region is not None else "", pid=ev.tgid, tid=ev.tid,
+                     probe=ev.kind, fd=ev.fd, request=ev.request, name=ev.name, comm=ev.comm,
+                     **extra)

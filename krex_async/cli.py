@@ -2,7 +2,9 @@
 
     krex serve  [--socket PATH] [--policy region|command|shared] [--isolation auto|cgroup|signal] ...
     krex run    [--socket PATH] [--device D] [--timeout S] [--report FILE] -- CMD ...
-    krex status [--socket PATH] [--json]
+    krex status [--socket PATH] [--json] [--all] [--watch [SECONDS]]
+    krex trace  [--socket PATH] [--json] [--no-probes] [--command ID] [--pid N] [--device KEY] ...
+    krex export --perfetto FILE|-
     krex demo   [-n N]
 
 `krex run` behaves like running CMD directly: its stdout and stderr, and its exit code (128+N when a
@@ -14,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import msgspec
@@ -31,11 +33,18 @@ def _serve_parser(sub: Any) -> None:
     fields = {f.name: f for f in msgspec.structs.fields(ServeConfig)}
     p.add_argument("--socket", help=f"socket path (default: {default_socket()})")
     p.add_argument("--socket-group", help="group that may connect besides the owner")
-    p.add_argument("--policy", choices=["region", "command", "shared"])
-    p.add_argument("--isolation", choices=["auto", "cgroup", "signal"])
+    p.add_argument("--policy", choices=["region", "command", "shared"],
+                   help="what a region means: region (exclusive, default), command (a command "
+                        "holds its device start to end), shared (nothing protected)")
+    p.add_argument("--isolation", choices=["auto", "cgroup", "signal"],
+                   help="how commands are frozen and fenced: auto (default: cgroup where a cgroup "
+                        "tree is writable, else signal), cgroup, signal (SIGSTOP, affinity)")
     p.add_argument("--cgroup-root", help="a delegated cgroup v2 directory for command cgroups")
     p.add_argument("--devices", help="auto, none, cpu:N (N logical cpu devices), nvidia, amd")
-    p.add_argument("--freeze", choices=["all", "device-holders"])
+    p.add_argument("--freeze", choices=["all", "device-holders"],
+                   help="whom a region freezes: all (default) the other commands on its device; "
+                        "device-holders only those holding a GPU device file (the rest are fenced "
+                        "off the region cores)")
     p.add_argument("--quiesce", choices=["auto", "all"],
                    help="whose runtime a region asks to stop and synchronise before freezing: "
                         "auto (default) those holding a GPU device file, none on the cpu device; "
@@ -81,9 +90,13 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--spool-limit", type=int, help="bytes of each output stream written to "
                                                    "<state-dir>/spool (default 64 MiB; 0: off)")
     p.add_argument("--admin-group", help="group whose members may act on every command")
-    p.add_argument("--state-dir")
-    p.add_argument("--log-format", choices=["auto", "json", "console"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--state-dir", help="intent records, spooled output and recovery state "
+                                       "(default /run/krex as root, else krex-state beside the "
+                                       "socket)")
+    p.add_argument("--log-format", choices=["auto", "json", "console"],
+                   help="auto (default): console at a terminal, JSON lines otherwise")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="default info: one line per command and per region")
     p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"],
                    help="GPU driver probes (default auto: bcc, else tracefs, else none)")
     p.add_argument("--probe-prefixes", help="comma-separated device path prefixes to watch "
@@ -103,6 +116,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
     p.add_argument("--print-config", action="store_true",
                    help="print the merged options (file < KREX_* env < flags) as TOML and exit")
+    _name_env_vars(p)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -123,14 +137,63 @@ def _serve(args: argparse.Namespace) -> int:
     return server.run(cfg)
 
 
+def _name_env_vars(p: argparse.ArgumentParser) -> None:
+    """Append to each serve option's help the KREX_* variable that also sets it (configfile)."""
+    fields = set(ServeConfig.__struct_fields__)
+    for a in p._actions:
+        if a.dest in fields and a.help is not argparse.SUPPRESS:
+            env = f"KREX_{a.dest.upper()}"
+            a.help = f"{a.help}; env {env}" if a.help else f"env {env}"
+
+
+def _seconds(text: str) -> float:
+    """argparse type for a duration: a number of seconds >= 0 (said plainly, not by the protocol)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}")
+    return value
+
+
+def _check_writable(path: str) -> str | None:
+    """Why `path` cannot be written (before anything runs), or None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(parent):
+        return f"no directory {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK) and not os.access(path, os.W_OK):
+        return f"{parent} is not writable"
+    return None
+
+
+def _exit_code(rep: Any) -> int:
+    """A command's report as `krex run`'s exit status (the module docstring's table)."""
+    if rep.state == "timeout":
+        print(f"krex run: {rep.error}", file=sys.stderr)
+        return 124
+    if rep.state in ("failed", "shutdown"):
+        print(f"krex run: {rep.error}", file=sys.stderr)
+        return 127 if rep.state == "failed" and "not found" in rep.error else 125
+    if rep.signal:
+        return 128 + int(rep.signal)
+    return int(rep.exit_code) if rep.exit_code is not None else 125
+
+
 async def _run(args: argparse.Namespace) -> int:
     from .client import Client, KrexError
+    from .stdinfeed import feed_stdin, stdin_usable
 
     argv = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if not argv:
         print("krex run: no command given (krex run [options] -- CMD ...)", file=sys.stderr)
         return 125
-    stdin = sys.stdin.buffer.read() if args.stdin else None
+    if args.report and (why := _check_writable(args.report)):
+        print(f"krex run: --report {args.report}: {why}; the command was not run", file=sys.stderr)
+        return 125
+    stream_stdin = not args.no_stdin and stdin_usable()
     try:
         client = await Client.connect(args.socket)
     except KrexError as e:
@@ -138,17 +201,19 @@ async def _run(args: argparse.Namespace) -> int:
         return 125
     async with client:
         try:
-            h = await client.submit(argv, device=args.device, timeout=args.timeout, stdin=stdin,
-                                    label=args.label or "")
+            h = await client.submit(argv, device=args.device, timeout=args.timeout,
+                                    label=args.label or "", stdin_stream=stream_stdin)
         except KrexError as e:
             print(f"krex run: {e.message}", file=sys.stderr)
             return 127 if "not found" in e.message else 125
         loop = asyncio.get_running_loop()
+
         def forward(sig: int) -> None:
             asyncio.ensure_future(h.cancel(sig))
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, forward, sig)
+        feeder = loop.create_task(feed_stdin(h)) if stream_stdin else None
         out, err = sys.stdout.buffer, sys.stderr.buffer
         try:
             async for stream, data in h.output():
@@ -158,106 +223,31 @@ async def _run(args: argparse.Namespace) -> int:
         except KrexError as e:
             print(f"krex run: {e.message}", file=sys.stderr)
             return 125
+        finally:
+            if feeder is not None:
+                feeder.cancel()
         res = await h.wait()
     rep = res.report
+    code = _exit_code(rep)
     if args.report:
-        with open(args.report, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(rep), indent=2) + b"\n")
-    if rep.state == "timeout":
-        print(f"krex run: {rep.error}", file=sys.stderr)
-        return 124
-    if rep.state in ("failed", "shutdown"):
-        print(f"krex run: {rep.error}", file=sys.stderr)
-        return 127 if rep.state == "failed" and "not found" in rep.error else 125
-    if rep.signal:
-        return 128 + rep.signal
-    return rep.exit_code if rep.exit_code is not None else 125
-
-
-async def _status(args: argparse.Namespace) -> int:
-    from .client import Client, KrexError
-
-    try:
-        async with await Client.connect(args.socket) as c:
-            st = await c.status()
-    except KrexError as e:
-        print(f"krex status: {e.message}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    iso = st["isolation"]
-    print(f"policy {st['policy']}   isolation {iso['backend']} ({iso['reason']})   "
-          f"freeze {st['freeze']}   region cores {st['region_cores']}")
-    if "probes" in st:  # a daemon from before probes were reported has no such key
-        pr = st["probes"]
-        print(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")
-              + (f" ({pr['reason']})" if pr.get("reason") else ""))
-        la = pr.get("launches")
-        if la:
-            print(f"launch uprobes: scope {la['scope']}" + (
-                f", {la['watched']} processes probed" if "watched" in la else "")
-                + (f" on {', '.join(la['libraries'])}" if la.get("libraries") else ""))
-    print("\nDEVICE    VENDOR  COMMANDS  REGION")
-    for d in st["devices"]:
-        r = d["region"]
-        held = "-" if r is None else (f"{r['region']} {r['name']!r} by {r['command']} ({r['state']}, "
-                                      f"frozen {len(r['frozen'])}, cores {r['cores']})")
-        queued = f"  queued: {', '.join(d['queued'])}" if d["queued"] else ""
-        print(f"{d['key']:<9} {d['vendor']:<7} {len(d['commands']):<9} {held}{queued}")
-    if st.get("pools"):
-        print("\nPOOL      SIZE  WARM  BUSY  RETIRED  START_P50  START_P95")
-        for key, p in st["pools"].items():
-            lat = p.get("start_latency_s") or {}
-            print(f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
-                  f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
-                  + ("  (paused)" if p.get("paused") else "")
-                  + (f"  last error: {p['last_error'].strip().splitlines()[-1]}" if p.get("last_error") else ""))
-    print("\nCOMMAND       STATE     DEVICE  PID      AGE      START     FROZEN  ARGV")
-    for c in st["commands"]:
-        state = c["result"] if c["state"] == "ended" else c["state"]
-        print(f"{c['command']:<13} {state:<9} {c['device']:<7} {c['pid'] or '-'!s:<8} "
-              f"{c['age_s']:<8.1f} {_ms(c.get('start_latency_s')):<9} "
-              f"{'yes' if c['frozen'] else 'no':<7} {' '.join(c['argv'])[:60]}")
-    return 0
-
-
-def _ms(seconds: float | None) -> str:
-    """A latency in milliseconds for the status tables; '-' where there is none (a plain start)."""
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
-
-
-async def _trace(args: argparse.Namespace) -> int:
-    """Stream region boundaries, freezes and probe events; strays are marked."""
-    from .client import Client, KrexError
-
-    try:
-        client = await Client.connect(args.socket)
-    except KrexError as e:
-        print(f"krex trace: {e.message}", file=sys.stderr)
-        return 1
-    async with client:
         try:
-            async for ev in client.trace(probes=not args.no_probes):
-                if args.json:
-                    print(msgspec.json.encode(ev).decode(), flush=True)
-                    continue
-                mark = "STRAY " if ev.kind == "stray" else ""
-                when = time.strftime("%H:%M:%S", time.localtime(ev.ts)) + f".{int(ev.ts * 1e3) % 1000:03d}"
-                extra = " ".join(f"{k}={v}" for k, v in ev.detail.items())
-                print(f"{when} {mark}{ev.kind:<15} dev={ev.device or '-':<7} cmd={ev.command or '-':<10} "
-                      f"region={ev.region or '-':<12} pid={ev.pid or '-'} {extra}", flush=True)
-        except KrexError as e:
-            print(f"krex trace: {e.message}", file=sys.stderr)
-            return 1
-    return 0
+            with open(args.report, "wb") as f:
+                f.write(msgspec.json.format(msgspec.json.encode(rep), indent=2) + b"\n")
+        except OSError as e:  # the command ran: its exit status still stands
+            print(f"krex run: cannot write the report to {args.report}: {e.strerror or e}",
+                  file=sys.stderr)
+    return code
 
 
 async def _export(args: argparse.Namespace) -> int:
-    """Write the daemon's recent timeline as Chrome-trace JSON (opens in Perfetto)."""
+    """Write the daemon's recent timeline as Chrome-trace JSON (opens in Perfetto); `-` is stdout."""
     from .client import Client, KrexError
     from .timeline import chrome_trace
 
+    to_stdout = args.perfetto == "-"
+    if not to_stdout and (why := _check_writable(args.perfetto)):
+        print(f"krex export: {args.perfetto}: {why}", file=sys.stderr)
+        return 1
     try:
         async with await Client.connect(args.socket) as c:
             events = await c.timeline()
@@ -265,34 +255,64 @@ async def _export(args: argparse.Namespace) -> int:
         print(f"krex export: {e.message}", file=sys.stderr)
         return 1
     records = [msgspec.to_builtins(e) for e in events]
-    with open(args.perfetto, "w") as f:
-        json.dump(chrome_trace(records), f)
-    print(f"krex export: {len(records)} events written to {args.perfetto}")
+    text = json.dumps(chrome_trace(records))
+    if to_stdout:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return 0
+    try:
+        with open(args.perfetto, "w") as f:
+            f.write(text)
+    except OSError as e:
+        print(f"krex export: cannot write {args.perfetto}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"krex export: {len(records)} events written to {args.perfetto} "
+          "(open it at https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 
+def _parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, but an unknown option is answered by the subcommand it was given to (its usage,
+    not the top level's), with the nearest option it has."""
+    ns, extra = ap.parse_known_args(argv)
+    if extra:
+        sub = _SUBPARSERS.get(getattr(ns, "verb", "") or "", ap)
+        opts = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        hints = [m for x in extra if x.startswith("-")
+                 for m in difflib.get_close_matches(x.split("=")[0], opts, n=1)]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}"
+                  + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
+    return ns
+
+
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__, statusview, tracecli
+
     ap = argparse.ArgumentParser(prog="krex", description="region-granular GPU exclusivity")
+    ap.add_argument("--version", action="version", version=f"krex {__version__}")
     sub = ap.add_subparsers(dest="verb", required=True)
     _serve_parser(sub)
     r = sub.add_parser("run", help="run a command under the daemon, like running it directly")
-    r.add_argument("--socket")
+    r.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     r.add_argument("--device", default="auto", help="auto, an index, a key (cpu, nvidia0), or none")
-    r.add_argument("--timeout", type=float, help="seconds before the command's tree is killed")
+    r.add_argument("--timeout", type=_seconds, help="seconds before the command's tree is killed")
     r.add_argument("--report", help="write the command's report as JSON to this file")
-    r.add_argument("--label", help="a label shown in status and reports")
-    r.add_argument("--stdin", action="store_true", help="pass this process's stdin to the command")
+    r.add_argument("--label", help="a label shown in `krex status` and the report")
+    r.add_argument("--stdin", action="store_true",
+                   help="pass this process's stdin to the command (the default; kept for scripts)")
+    r.add_argument("--no-stdin", action="store_true",
+                   help="give the command /dev/null as stdin, like ssh -n (in a `while read` loop "
+                        "krex run would otherwise read ahead of the loop)")
     r.add_argument("cmd", nargs=argparse.REMAINDER)
-    s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
-    s.add_argument("--socket")
-    s.add_argument("--json", action="store_true")
-    t = sub.add_parser("trace", help="live stream of regions, freezes and probe events (strays marked)")
-    t.add_argument("--socket")
-    t.add_argument("--json", action="store_true", help="one JSON object a line")
-    t.add_argument("--no-probes", action="store_true", help="only region and command events")
+    statusview.add_parser(sub)
+    tracecli.add_parser(sub)
     x = sub.add_parser("export", help="write the daemon's recent timeline for Perfetto")
-    x.add_argument("--socket")
-    x.add_argument("--perfetto", required=True, metavar="FILE", help="Chrome-trace JSON output")
+    x.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
+    x.add_argument("--perfetto", required=True, metavar="FILE",
+                   help="Chrome-trace JSON output; - for stdout")
     from . import gateway
 
     gateway.add_parser(sub)
@@ -302,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
 
     doctor.add_parser(sub)
     cleanup.add_parser(sub)
-    args = ap.parse_args(argv)
+    _SUBPARSERS.update(sub.choices)
+    args = _parse(ap, argv)
     if args.verb == "doctor":
         return doctor.main(args)
     if args.verb == "cleanup":
@@ -317,11 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_run(args))
     if args.verb == "gateway":
         return gateway.main(args)
-    if args.verb == "trace":
-        return asyncio.run(_trace(args))
     if args.verb == "export":
         return asyncio.run(_export(args))
-    return asyncio.run(_status(args))
+    try:  # Ctrl-C is how a trace or a watch ends: no traceback
+        return asyncio.run(tracecli.trace(args) if args.verb == "trace" else statusview.status(args))
+    except KeyboardInterrupt:
+        return 0
 
 
 if __name__ == "__main__":

@@ -123,6 +123,19 @@ class CommandHandle:
     async def cancel(self, sig: int = 15) -> None:
         await self.client.cancel(self.command, sig)
 
+    async def write_stdin(self, data: bytes, eof: bool = False) -> None:
+        """Send more of the command's stdin (submitted with stdin_stream=True), 1 MiB a request at
+        most; returns once the daemon wrote it into the pipe. `eof` closes it after. Raises
+        KrexError("stdin_closed") once the command no longer reads it."""
+        view = memoryview(data)
+        while True:
+            chunk, view = view[:1 << 20], view[1 << 20:]
+            last = not view
+            await self.client._call(P.StdinData(id=next(self.client._ids), command=self.command,
+                                                data=bytes(chunk), eof=eof and last))
+            if last:
+                return
+
 
 class Client:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -143,7 +156,10 @@ class Client:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
         except (OSError, TimeoutError) as e:
-            raise KrexError("unreachable", f"no krex daemon at {path}: {e}") from None
+            raise KrexError("unreachable", f"no krex daemon at {path}: {e.strerror or e} (start "
+                                           f"one with `krex serve --socket {path}`, or `systemctl "
+                                           "start krex` where the unit is installed; --socket or "
+                                           "KREX_SOCKET names another)") from None
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         reply = await self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}"))
@@ -213,14 +229,15 @@ class Client:
                      env: dict[str, str] | None = None, device: str | int = "auto",
                      timeout: float | None = None, mem: int = 0, stdin: bytes | None = None,
                      on_disconnect: str = "kill", label: str = "", stream: bool = True,
-                     run_as: int | None = None) -> CommandHandle:
+                     run_as: int | None = None, stdin_stream: bool = False) -> CommandHandle:
         """Start a command. env=None passes this process's environment (as a shell would);
-        run_as: another uid to run it as (the daemon allows that to a root peer only)."""
+        run_as: another uid to run it as (the daemon allows that to a root peer only).
+        stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills."""
         req_id = next(self._ids)
         msg = P.Submit(id=req_id, argv=list(argv), cwd=cwd or os.getcwd(),
                        env=dict(os.environ) if env is None else env, device=str(device),
                        timeout=timeout, mem=mem, stdin=stdin, on_disconnect=on_disconnect,  # type: ignore[arg-type]
-                       label=label, stream=stream, run_as=run_as)
+                       label=label, stream=stream, run_as=run_as, stdin_stream=stdin_stream)
         q = self._send(msg)
         first = await q.get()
         if first is None:

@@ -29,6 +29,7 @@ from .isolation.base import Backend, Group, IsolationError
 from .records import Records
 from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, LaunchSpec, Launched, spawn
 from .spool import Spool, SpoolFile, unlink
+from .stdinpipe import StdinPipe
 
 RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
 
@@ -124,6 +125,7 @@ class Command:
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)
     spools: dict[str, SpoolFile] = field(default_factory=dict)  # stream -> its spool file
     handoff: Handoff | None = None  # another user's command: its cwd and env, applied after the drop
+    stdin_pipe: StdinPipe | None = None  # Submit.stdin_stream: fed by StdinData until it ends
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -223,7 +225,7 @@ class Runner:
                                             f"{cmd.id}: {e}") from None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        stdin_fd = self._stdin(cmd.spec.stdin)
+        stdin_fd = cmd.stdin_pipe.reader() if cmd.stdin_pipe else self._stdin(cmd.spec.stdin)
         if cmd.spec.stdin is not None:  # in the memfd now: the daemon need not hold it twice
             cmd.spec = msgspec.structs.replace(cmd.spec, stdin=None)
         if self.spool is not None:
@@ -367,6 +369,8 @@ class Runner:
     def release(self, cmd: Command) -> None:
         """Forget a command for good (its retention ended, or it never started): its spool files
         and its record are removed. Errors are logged, never raised."""
+        if cmd.stdin_pipe is not None:
+            cmd.stdin_pipe.close()
         for f in cmd.spools.values():
             f.finish()
         paths = {f.path for f in cmd.spools.values()}

@@ -23,7 +23,8 @@ import msgspec
 from . import logs
 from . import protocol as P
 from .commands import Command, Runner, SpecError, Subscriber, with_runtime
-from .procfs import stat_fields
+from . import __version__
+from .procfs import stat_fields, tree_memory
 from .config import ServeConfig
 from .ctxpool import Pool, PoolConfig
 from .devices import NoDevice, Node, place
@@ -34,6 +35,7 @@ from .metrics import Metrics
 from .records import Records
 from .recovery import recover
 from .spool import Spool
+from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from .attribution import Attributor
 from .regions import Regions
 from .scheduler import Scheduler
@@ -101,6 +103,7 @@ class Daemon:
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
+        self._cpu_primed = False
         recover(self)  # a dead daemon's commands: ended and reported (recovery.py)
 
     # ---------------------------------------------------------------------------------- helpers
@@ -149,12 +152,13 @@ class Daemon:
         return next(d for d in self.devices if d.key == key)
 
     def trace(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
-              pid: int = 0, **detail: Any) -> None:
-        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers."""
+              pid: int = 0, region_id: str = "", **detail: Any) -> None:
+        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers.
+        Fields not given come from `region` (its device, owner, id and pid)."""
         ev = P.TraceEvent(id=0, ts=time.time(), kind=kind,
                           device=device or (region.device if region is not None else ""),
                           command=command or (region.command.id if region is not None else ""),
-                          region=region.id if region is not None else "",
+                          region=region_id or (region.id if region is not None else ""),
                           pid=pid or (region.pid if region is not None else 0), detail=detail)
         self.timeline.append(ev)
         for send, req_id in list(self.tracers):
@@ -215,6 +219,8 @@ class Daemon:
         except SpecError as e:
             raise RequestError(e.code, str(e)) from None
         cmd.subscribers.append(Subscriber(send, req.id, req.stream))
+        if req.stdin_stream:
+            cmd.stdin_pipe = StdinPipe()
         self.commands[cid] = cmd
         start_now = self.scheduler.add_command(cid, cmd.device_key)
         send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
@@ -271,6 +277,8 @@ class Daemon:
     async def _finalize(self, cmd: Command) -> None:
         """A command ended: release its regions (so its report has their outcome), promote waiters,
         deliver its report, and keep it for the retention time."""
+        if cmd.stdin_pipe is not None:  # what its children still read sees EOF, as after a shell
+            cmd.stdin_pipe.close()
         ending = []
         for rid in self.scheduler.regions_of(cmd.id):
             r = self.regions.active.get(rid)
@@ -294,7 +302,7 @@ class Daemon:
                               st.get("retired", 0), report.start_latency_s)
         # Before the agent hears of it: a scrape after a report always includes that command.
         self.metrics.command_ended(report.policy, report.state, report.wall_s, cmd.id,
-                                   started=cmd.launched is not None)
+                                   started=cmd.launched is not None, device=report.device)
         cmd.publish(lambda rid: P.Exited(id=rid, report=report))
         self.trace("command_end", None, command=cmd.id, device=cmd.device_key or "",
                    state=report.state, exit_code=report.exit_code)
@@ -325,6 +333,19 @@ class Daemon:
             await self.runner.kill(cmd, "cancelled", req.signal)
         elif cmd.state == "starting":  # no process to signal yet: _start kills it once it runs
             cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
+
+    async def stdin(self, req: P.StdinData, uid: int) -> None:
+        """Feed a command's stdin pipe (Submit.stdin_stream); returns once written (flow control:
+        a command that does not read holds its agent's next chunk back). Raises RequestError."""
+        cmd = self._own(req.command, uid)
+        if cmd.stdin_pipe is None:
+            raise RequestError("bad_request", f"command {cmd.id} was not submitted with stdin_stream")
+        try:
+            await cmd.stdin_pipe.write(req.data, req.eof)
+        except StdinClosed as e:
+            raise RequestError("stdin_closed", f"{cmd.id}: {e}") from None
+        except StdinBusy as e:
+            raise RequestError("busy", f"{cmd.id}: {e}") from None
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
         cmd = self._own(req.command, uid)
@@ -444,6 +465,7 @@ class Daemon:
         """status() with each GPU's current memory, clocks, utilisation and context holders, read
         from the vendor libraries on a thread (their calls block)."""
         st = self.status()
+        await self._status_host(st)
         node = self.node
         if node is None or all(d.vendor == "cpu" for d in self.devices):
             return st
@@ -464,6 +486,32 @@ class Daemon:
         for entry, extra in zip(st["devices"], live):
             entry.update(extra)
         return st
+
+    async def _status_host(self, st: dict[str, Any]) -> None:
+        """Each running command's resident memory (its process tree), and on `cpu` devices the
+        host's memory and CPU use, read with psutil on a thread (a walk of the process table)."""
+        roots = {c["command"]: c["pid"] for c in st["commands"]
+                 if c["pid"] and c["state"] == "running"}
+
+        def query() -> tuple[dict[str, dict[str, int]], Any, float]:
+            import psutil
+
+            return tree_memory(roots), psutil.virtual_memory(), psutil.cpu_percent(None)
+
+        try:
+            mem, vm, cpu = await asyncio.get_running_loop().run_in_executor(None, query)
+        except Exception as e:  # status must answer even when /proc cannot be read
+            st["host_error"] = repr(e)
+            return
+        for c in st["commands"]:
+            if c["command"] in mem:
+                c["rss_bytes"] = mem[c["command"]]["rss_bytes"]
+        primed, self._cpu_primed = self._cpu_primed, True  # the first cpu_percent has no interval
+        for d in st["devices"]:
+            if d["vendor"] == "cpu":
+                d["memory_total_bytes"] = int(vm.total)
+                d["memory_free_bytes"] = int(vm.available)
+                d["utilisation_pct"] = cpu if primed else None
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -493,7 +541,8 @@ class Daemon:
             "via": c.launched.via if c.launched else None,
             "start_latency_s": c.launched.start_latency_s if c.launched else None,
         } for c in self.commands.values()]
-        return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
+        return {"policy": self.scheduler.policy.value, "pid": os.getpid(), "boot": self._boot,
+                "version": __version__,
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},
                 "probes": self.probe_status(),
                 "pools": {k: p.status() for k, p in self.pools.items()},

@@ -11,11 +11,16 @@ dedicated CollectorRegistry. Why a thread and not an aiohttp handler on the loop
 event-loop time during a region. The metric objects are thread-safe, so the loop updates and the
 scrape thread reads without further locking.
 
-Metric names (all prefixed krex_):
-    commands{state=queued|running,policy}          gauge      commands now in that state
+Metric names (all prefixed krex_). Every command metric carries {policy, device} and every device
+metric {device}, with the device key ("nvidia0") that dcgm-exporter also puts in its `device`
+label; `device_info` adds the GPU's index, UUID and model to join with it:
+    krex_region_hold_seconds_count * on(device) group_left(UUID, modelName) krex_device_info
+No `_created` series are exported (prometheus-client's per-series creation times).
+
+    commands{state=queued|running,policy,device}   gauge      commands now in that state
     commands_started_total{policy,device,via}      counter
-    commands_ended_total{policy,state}             counter    state: exited, signaled, timeout, ...
-    command_wall_seconds{policy}                   histogram
+    commands_ended_total{policy,device,state}      counter    state: exited, signaled, timeout, ...
+    command_wall_seconds{policy,device}            histogram
     regions_held{device}                           gauge
     region_enter_seconds{device}                   histogram  request to grant, all steps
     region_freeze_seconds / _quiesce_ / _cores_    histograms the steps of entering
@@ -27,7 +32,10 @@ Metric names (all prefixed krex_):
     pool_workers{device,state=warm|busy}           gauge
     pool_retired_total{device}                     counter
     pool_start_seconds{device}                     histogram  command start latency through the pool
-    device_utilization_percent{device}             gauge
+    device_utilization_ratio{device}               gauge      0-1, as Prometheus conventions have it
+    device_utilization_percent{device}             gauge      the same in percent (kept for
+                                                              existing dashboards; deprecated)
+    device_info{device,gpu,UUID,modelName,vendor}  gauge = 1
     info{version,policy,isolation}                 gauge = 1
 """
 
@@ -43,6 +51,10 @@ _prom: ModuleType | None
 try:
     import prometheus_client as _prom
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    _no_created = getattr(_prom, "disable_created_metrics", None)  # prometheus-client >= 0.17
+    if _no_created is not None:
+        _no_created()
 except ImportError as e:  # optional dependency: krex[metrics]
     _prom = None
     _IMPORT_ERROR = str(e)
@@ -76,19 +88,19 @@ class Metrics:
         self.thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
         self._retired: dict[str, int] = {}
-        self._queued: set[str] = set()
+        self._queued: dict[str, tuple[str, str]] = {}  # command -> (policy, device) while queued
         self._lost_total = 0
         if _prom is None:
             return
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self._commands = Gauge("krex_commands", "Commands now queued or running", ["state", "policy"],
-                               registry=r)
+        self._commands = Gauge("krex_commands", "Commands now queued or running",
+                               ["state", "policy", "device"], registry=r)
         self._started = Counter("krex_commands_started", "Commands started",
                                 ["policy", "device", "via"], registry=r)
         self._ended = Counter("krex_commands_ended", "Commands ended, by final state",
-                              ["policy", "state"], registry=r)
-        self._wall = Histogram("krex_command_wall_seconds", "Command wall-clock time", ["policy"],
-                               buckets=_SLOW, registry=r)
+                              ["policy", "device", "state"], registry=r)
+        self._wall = Histogram("krex_command_wall_seconds", "Command wall-clock time",
+                               ["policy", "device"], buckets=_SLOW, registry=r)
         self._held = Gauge("krex_regions_held", "Regions granted and not yet released", ["device"],
                            registry=r)
         self._enter = Histogram("krex_region_enter_seconds", "Region request to grant",
@@ -114,8 +126,15 @@ class Metrics:
                                      ["device"], registry=r)
         self._pool_start = Histogram("krex_pool_start_seconds", "Command start latency via the pool",
                                      ["device"], buckets=_FAST, registry=r)
-        self._util = Gauge("krex_device_utilization_percent", "Device utilisation", ["device"],
-                           registry=r)
+        self._util_ratio = Gauge("krex_device_utilization_ratio",
+                                 "Device utilisation, 0-1 (the vendor's recent busy fraction)",
+                                 ["device"], registry=r)
+        self._util = Gauge("krex_device_utilization_percent",
+                           "Device utilisation in percent (deprecated: use "
+                           "krex_device_utilization_ratio)", ["device"], registry=r)
+        self._device_info = Gauge("krex_device_info", "A device of this node, with the labels "
+                                  "dcgm-exporter uses (gpu, UUID, modelName) to join with it",
+                                  ["device", "gpu", "UUID", "modelName", "vendor"], registry=r)
         self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"],
                            registry=r)
 
@@ -129,33 +148,34 @@ class Metrics:
         """A command was accepted; `queued` when it waits for its device (policy command). With its
         id, its later start or end takes it out of the queued gauge again."""
         if self.available and queued:
-            self._commands.labels("queued", policy).inc()
-            self._queued.add(command)
+            self._commands.labels("queued", policy, device).inc()
+            self._queued[command] = (policy, device)
 
-    def _unqueue(self, policy: str, command: str) -> None:
+    def _unqueue(self, command: str) -> None:
         if command and command in self._queued:
-            self._queued.discard(command)
-            self._commands.labels("queued", policy).dec()
+            policy, device = self._queued.pop(command)
+            self._commands.labels("queued", policy, device).dec()
 
     def command_started(self, policy: str, device: str, via: str, command: str = "") -> None:
         """A command's leader was spawned (`via`: exec, or pool when a warm worker ran it)."""
         if not self.available:
             return
-        self._unqueue(policy, command)
-        self._commands.labels("running", policy).inc()
+        self._unqueue(command)
+        self._commands.labels("running", policy, device).inc()
         self._started.labels(policy, device, via).inc()
 
     def command_ended(self, policy: str, state: str, wall_s: float, command: str = "", *,
-                      started: bool = True) -> None:
-        """A command ended in `state` (exited, signaled, timeout, cancelled, shutdown, failed).
-        `started=False` for one that never ran (cancelled while queued, failed to spawn)."""
+                      started: bool = True, device: str = "none") -> None:
+        """A command ended in `state` (exited, signaled, timeout, cancelled, shutdown, failed) on
+        `device` ("none" for a command without one). `started=False` for one that never ran
+        (cancelled while queued, failed to spawn)."""
         if not self.available:
             return
-        self._unqueue(policy, command)
+        self._unqueue(command)
         if started:
-            self._commands.labels("running", policy).dec()
-            self._wall.labels(policy).observe(max(0.0, wall_s))
-        self._ended.labels(policy, state).inc()
+            self._commands.labels("running", policy, device).dec()
+            self._wall.labels(policy, device).observe(max(0.0, wall_s))
+        self._ended.labels(policy, device, state).inc()
 
     # -------------------------------------------------------------------------------- regions
 
@@ -213,8 +233,15 @@ class Metrics:
             self._pool_start.labels(device).observe(start_latency_s)
 
     def device_util(self, device: str, pct: float) -> None:
+        """The device's utilisation as the vendor reports it, in percent (exported as a ratio)."""
         if self.available:
+            self._util_ratio.labels(device).set(pct / 100.0)
             self._util.labels(device).set(pct)
+
+    def device_info(self, device: str, index: int, uuid: str, model: str, vendor: str) -> None:
+        """A device of the node, once at start (`gpu` is its index, as dcgm-exporter labels it)."""
+        if self.available:
+            self._device_info.labels(device, str(index), uuid, model, vendor).set(1)
 
     # ------------------------------------------------------------------------------- exposing
 

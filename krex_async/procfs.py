@@ -3,6 +3,8 @@ start time (reused pids are told apart by start time)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
     """The fields of /proc/<pid>/stat after the command name, from its state (field 3) on, or None
@@ -16,3 +18,38 @@ def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
         return None
     fields = data[data.rfind(b")") + 2:].split()
     return fields if len(fields) > 19 else None
+
+
+def tree_memory(roots: dict[str, int], pss: bool = False) -> dict[str, dict[str, int]]:
+    """{key: {"rss_bytes": R, "processes": N}} (and "pss_bytes" with `pss`) for each root pid and
+    its descendants, from one pass over the process table (psutil). A process that vanishes or is
+    unreadable mid-walk is left out; a root that is gone has no entry. PSS reads smaps_rollup per
+    process (a few ms each): ask for it only where shared pages matter (warm workers)."""
+    import psutil
+
+    attrs = ["ppid", "memory_full_info" if pss else "memory_info"]
+    children: dict[int, list[int]] = {}
+    mem: dict[int, Any] = {}
+    for p in psutil.process_iter(attrs):
+        children.setdefault(p.info["ppid"] or 0, []).append(p.pid)
+        m = p.info.get("memory_full_info") or p.info.get("memory_info")
+        if m is not None:
+            mem[p.pid] = m
+    out: dict[str, dict[str, int]] = {}
+    for key, root in roots.items():
+        if root not in mem:
+            continue
+        todo, seen, total, shared, n = [root], set(), 0, 0, 0
+        while todo:
+            pid = todo.pop()
+            if pid in seen:  # parents read at different moments may not form a tree
+                continue
+            seen.add(pid)
+            m = mem.get(pid)
+            if m is not None:
+                total += m.rss
+                shared += getattr(m, "pss", 0)
+                n += 1
+            todo.extend(children.get(pid, ()))
+        out[key] = {"rss_bytes": total, "processes": n} | ({"pss_bytes": shared} if pss else {})
+    return out

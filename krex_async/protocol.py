@@ -67,8 +67,12 @@ class Submit(Msg, tag="submit"):
     # Run as this uid (its passwd entry's primary group and groups) instead of the peer's: only a
     # root peer may ask for another uid (the HTTP gateway runs its jobs as --run-as this way).
     run_as: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)] | None = None
+    # stdin a pipe that StdinData requests fill (krex run's default), instead of `stdin`'s bytes
+    stdin_stream: bool = False
 
     def __post_init__(self) -> None:
+        if self.stdin_stream and self.stdin is not None:
+            raise ValueError("give either stdin (bytes) or stdin_stream, not both")
         # Each string is bounded by its type; their sum must also fit what exec accepts. Counted in
         # characters plus a terminator each (a lower bound of the bytes exec needs); raising here
         # makes the decoder answer a ValidationError.
@@ -91,6 +95,16 @@ class Cancel(Msg, tag="cancel"):
     id: ReqId
     command: Name
     signal: Annotated[int, msgspec.Meta(ge=1, le=64)] = 15
+
+
+class StdinData(Msg, tag="stdin"):
+    """More of a command's stdin (Submitted with stdin_stream). Replies Ok once written into its
+    pipe (the next chunk should wait for it), or Error stdin_closed; eof closes the pipe."""
+
+    id: ReqId
+    command: Name
+    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""
+    eof: bool = False
 
 
 class Status(Msg, tag="status"):
@@ -148,7 +162,7 @@ class Timeline(Msg, tag="timeline"):
 
 
 Request = Hello | Submit | Attach | Cancel | Status | RegionEnter | RegionExit | QuiesceReady | \
-    QuiesceAck | Subscribe | Timeline
+    QuiesceAck | Subscribe | Timeline | StdinData
 
 
 # ----------------------------------------------------------------------------------------- reports

@@ -4,7 +4,8 @@
 
     with region("timing") as r:          # returns once the daemon granted exclusivity
         t = time_kernel()
-    print(r.report.enter_s, r.report.frozen)
+    if r.report is not None:             # None outside krex
+        print(r.report.enter_s, r.report.frozen)
 
 The request travels over the daemon's socket (KREX_SOCKET) with the command's id and token, on one
 blocking connection per process (re-made after fork). The daemon checks the token and that the

@@ -169,6 +169,8 @@ class Connection:
                                                            admin=self.admin))
                 case P.Attach():
                     daemon.attach(req, self.acting_uid, self.send)
+                case P.StdinData():
+                    self._spawn(req.id, daemon.stdin(req, self.acting_uid), ok=True)
                 case P.Cancel():
                     self._spawn(req.id, daemon.cancel(req, self.acting_uid), ok=True)
                 case P.Status():
@@ -185,7 +187,9 @@ class Connection:
                 case P.Timeline():
                     daemon.send_timeline(req, self.send, None if self.admin else self._visible)
                 case P.Subscribe():
-                    daemon.tracers.append((self.send if self.admin else self._send_own, req.id))
+                    send = self.send if self.admin else self._send_own
+                    daemon.tracers.append((send if req.probes else
+                                           _no_probes(send, lambda: not self.gone), req.id))
                     self.send(P.Ok(id=req.id))
         except RequestError as e:
             self.error(req.id, e.code, str(e))
@@ -230,6 +234,16 @@ class Connection:
         task = asyncio.get_running_loop().create_task(run())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+
+def _no_probes(send: Any, alive: Any) -> Any:
+    """A trace subscriber that asked for no probe events (Subscribe.probes false): strays, which
+    belong to a region's story, still reach it."""
+    def send_some(msg: P.Msg) -> bool:
+        if isinstance(msg, P.TraceEvent) and msg.kind == "probe":
+            return bool(alive())
+        return bool(send(msg))
+    return send_some
 
 
 # Events about the node rather than a command: every subscriber may see them (a probes_failed
@@ -564,6 +578,8 @@ async def serve(config: ServeConfig) -> int:
     from . import __version__
 
     daemon.metrics.info(__version__, cfg.policy, backend.name)
+    for d in daemon.devices:
+        daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
     start_probes(daemon)
     await daemon.start_pools()
     try:

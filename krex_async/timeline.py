@@ -2,24 +2,32 @@
 
 Input: trace records, dicts with these keys (missing ones default to "" / 0 / {}):
     ts       float  wall-clock time, unix seconds
-    kind     str    command_start | command_end | region_request | region_grant | region_release |
-                    freeze | thaw | probe | stray
+    kind     str    command_start | command_end | region_request (or region_queued) | region_grant |
+                    region_release | freeze | thaw | probe | stray
     device   str    device key ("nvidia:0", "cpu"); one Perfetto process per device
-    command  str    command id (the command that starts/ends, requests/holds a region, is frozen,
-                    or that a probe event is attributed to; "" when unattributed)
-    region   str    region name (region_* records; on freeze/thaw the region that caused it)
+    command  str    command id (the command that starts/ends, requests/holds a region, whose region
+                    froze or thawed its siblings (a late freeze: the command frozen), or that a
+                    probe event's process belongs to; "" when unattributed)
+    region   str    region id (region_* records; on freeze/thaw the region that caused it; on a
+                    probe or stray the region it happened in)
     pid      int    process id (command_start: the command's main pid; probe/stray: the tgid)
     detail   dict   free-form; shown as the event's args. For probe/stray records `detail["name"]`
                     (e.g. "NV_ESC_RM_CONTROL", "cuLaunchKernel") names the instant; a probe record
                     with detail["stray"] true counts as a stray.
 
-Output layout, per device process:
+Output layout, per device process (events of no device under a process named "no device"):
     track "regions"           one slice per granted region: "<command>:<region>" (grant..release)
     track "probes"            instants for probe events; strays are named "STRAY <name>"
     track "command <id>"      the command's slice (start..end), and inside it slices for
-                              "wait <region>" (request..grant), "<region>" (grant..release) and
-                              "frozen" (freeze..thaw of this command)
-A slice whose end record is missing ends at the last timestamp of the trace, with args.unfinished.
+                              "wait <region>" (request..grant), "<region>" (grant..release) and,
+                              on each command a region held, "frozen" / "locked" / "fenced" (from
+                              the freeze that began entering the region to its thaw)
+Who a region held comes from its region_grant record's detail: `frozen` (command ids), and where
+present `locked`, `fenced` (ids) or `held` (a list of {"command": id, "mode": "lock"|"freeze"|...}
+or [id, mode] pairs); a freeze record with detail["late"] holds its own command from then on.
+Slices on one track always nest: one that would overlap the end of its enclosing slice is cut
+there (args.clipped). A slice whose end record is missing ends at the last timestamp of the trace,
+with args.unfinished.
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ class _Builder:
     def pid(self, device: str) -> int:
         if device not in self.pids:
             p = self.pids[device] = len(self.pids) + 1
-            self.meta(p, 0, "process_name", f"device {device or '?'}")
+            self.meta(p, 0, "process_name", f"device {device}" if device else "no device")
             self.meta(p, _REGIONS_TID, "thread_name", "regions")
             self.meta(p, _PROBES_TID, "thread_name", "probes")
         return self.pids[device]
@@ -121,6 +129,52 @@ def _norm(r: dict[str, Any]) -> dict[str, Any]:
             "detail": dict(r.get("detail") or {})}
 
 
+_MODES = {"freeze": "frozen", "frozen": "frozen", "lock": "locked", "locked": "locked",
+          "fence": "fenced", "fenced": "fenced"}
+
+
+def _held(detail: dict[str, Any]) -> list[tuple[str, str]]:
+    """(command, slice name) for everyone a region held, from its grant's detail (any of the forms
+    the module docstring lists; unknown shapes are skipped, never raised on)."""
+    out: list[tuple[str, str]] = []
+    for key in ("frozen", "locked", "fenced"):
+        v = detail.get(key)
+        if isinstance(v, list):
+            out += [(str(c), _MODES[key]) for c in v if isinstance(c, (str, int))]
+    for item in detail.get("held") or []:
+        if isinstance(item, dict):
+            cmd, mode = item.get("command"), str(item.get("mode", "frozen"))
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            cmd, mode = item
+        else:
+            continue
+        if cmd:
+            out.append((str(cmd), _MODES.get(str(mode), str(mode))))
+    seen: set[tuple[str, str]] = set()
+    return [x for x in out if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
+
+
+def _nest(out: list[dict[str, Any]]) -> None:
+    """Cut every slice that would end after the slice enclosing it on its track (Perfetto and
+    Chrome draw partly overlapping slices wrongly)."""
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for ev in out:
+        if ev.get("ph") == "X":
+            tracks.setdefault((ev["pid"], ev["tid"]), []).append(ev)
+    for evs in tracks.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[float] = []  # end times of the open enclosing slices
+        for ev in evs:
+            while stack and ev["ts"] >= stack[-1]:
+                stack.pop()
+            end = ev["ts"] + ev["dur"]
+            if stack and end > stack[-1]:
+                ev["dur"] = round(stack[-1] - ev["ts"], 3)
+                ev["args"]["clipped"] = True
+                end = stack[-1]
+            stack.append(end)
+
+
 def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Build a Chrome-trace JSON object (see the module docstring for the record format).
 
@@ -130,6 +184,30 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """
     recs = sorted((_norm(r) for r in events), key=lambda r: r["ts"])
     b = _Builder()
+    entering: dict[tuple[str, str], float] = {}  # (device, region) -> when its freeze began
+    holding: dict[tuple[str, str], list[tuple[str, ...]]] = {}  # (device, region) -> open keys
+    starts: dict[tuple[str, str], float] = {}  # (device, command) -> its command_start
+    ends: dict[tuple[str, str], float] = {}  # (device, command) -> its command_end
+    for r in recs:
+        if r["kind"] in ("command_start", "command_end"):
+            (starts if r["kind"] == "command_start" else ends).setdefault(
+                (r["device"], r["command"]), r["ts"])
+
+    def hold(dev: str, reg: str, cmd: str, name: str, r: dict[str, Any], since: float) -> None:
+        key = ("held", dev, reg, cmd)
+        if key in b.open and b.open[key]:
+            return
+        since = max(since, starts.get((dev, cmd), since))  # one that joined frozen: from its start
+        start = dict(r, ts=since, detail={"region": reg, "by": r["command"]} if r["command"] != cmd
+                     else {"region": reg})
+        b.begin(key, start, name, b.pid(dev), b.tid(dev, cmd), "hold")
+        holding.setdefault((dev, reg), []).append(key)
+
+    def release(dev: str, reg: str, r: dict[str, Any]) -> None:
+        for key in holding.pop((dev, reg), []):
+            end = ends.get((dev, key[3]))
+            b.end(key, r if end is None or end >= r["ts"] else dict(r, ts=end, detail={}))
+
     for r in recs:
         k, dev, cmd, reg = r["kind"], r["device"], r["command"], r["region"]
         pid = b.pid(dev)
@@ -139,24 +217,30 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             b.begin(("cmd", dev, cmd), r, f"command {cmd}", pid, b.tid(dev, cmd), "command")
         elif k == "command_end":
             b.end(("cmd", dev, cmd), r)
-        elif k == "region_request":
+        elif k in ("region_request", "region_queued"):
             b.begin(("wait", dev, cmd, reg), r, f"wait {reg}", pid, b.tid(dev, cmd), "region")
         elif k == "region_grant":
             b.end(("wait", dev, cmd, reg), r)
             b.begin(("hold", dev, cmd, reg), r, reg or "region", pid, b.tid(dev, cmd), "region")
             b.begin(("dev", dev, cmd, reg), r, f"{cmd}:{reg}", pid, _REGIONS_TID, "region")
+            since = entering.pop((dev, reg), r["ts"])
+            for other, name in _held(r["detail"]):
+                if other != cmd:
+                    hold(dev, reg, other, name, r, since)
         elif k == "region_release":
             b.end(("hold", dev, cmd, reg), r)
             b.end(("dev", dev, cmd, reg), r)
+            release(dev, reg, r)
         elif k == "freeze":
-            if reg:
-                r["detail"].setdefault("region", reg)
-            b.begin(("frozen", dev, cmd), r, "frozen", pid, b.tid(dev, cmd), "freeze")
+            if r["detail"].get("late"):
+                hold(dev, reg, cmd, "frozen", r, r["ts"])
+            else:  # the owner's freeze of its siblings ended now; it began `seconds` earlier
+                entering[(dev, reg)] = r["ts"] - float(r["detail"].get("seconds") or 0.0)
         elif k == "thaw":
-            b.end(("frozen", dev, cmd), r)
+            release(dev, reg, r)
         elif k in ("probe", "stray"):
             stray = k == "stray" or bool(r["detail"].get("stray"))
-            name = str(r["detail"].get("name") or "probe")
+            name = str(r["detail"].get("name") or r["detail"].get("probe") or "probe")
             args = dict(r["detail"], pid=r["pid"], command=cmd, stray=stray)
             if reg:
                 args["region"] = reg
@@ -168,6 +252,7 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for ev in stack:
             ev["dur"] = max(0.0, round(last - ev["ts"], 3))
             ev["args"]["unfinished"] = True
+    _nest(b.out)
     return {"traceEvents": b.out, "displayTimeUnit": "ms"}
 
 

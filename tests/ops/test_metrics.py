@@ -48,21 +48,22 @@ def test_commands_by_state_and_policy(metrics):
     m.command_submitted("command", "cpu", queued=True, command="3")
     m.command_started("command", "cpu", "pool", command="2")
     got = scrape(m.address)
-    assert got[("krex_commands", L(state="running", policy="region"))] == 1
-    assert got[("krex_commands", L(state="queued", policy="command"))] == 1
-    assert got[("krex_commands", L(state="running", policy="command"))] == 1
+    assert got[("krex_commands", L(state="running", policy="region", device="cpu"))] == 1
+    assert got[("krex_commands", L(state="queued", policy="command", device="cpu"))] == 1
+    assert got[("krex_commands", L(state="running", policy="command", device="cpu"))] == 1
     assert got[("krex_commands_started_total", L(policy="command", device="cpu", via="pool"))] == 1
     assert got[("krex_info", L(version="0.1.0", policy="region", isolation="cgroup"))] == 1
-    m.command_ended("region", "exited", 2.0, command="1")
-    m.command_ended("command", "cancelled", 0.0, command="3", started=False)
-    m.command_ended("command", "cancelled", 0.0, command="3", started=False)  # unqueued once
+    m.command_ended("region", "exited", 2.0, command="1", device="cpu")
+    m.command_ended("command", "cancelled", 0.0, command="3", started=False, device="cpu")
+    m.command_ended("command", "cancelled", 0.0, command="3", started=False,
+                    device="cpu")  # unqueued once
     got = scrape(m.address)
-    assert got[("krex_commands", L(state="running", policy="region"))] == 0
-    assert got[("krex_commands", L(state="queued", policy="command"))] == 0
-    assert got[("krex_commands_ended_total", L(policy="region", state="exited"))] == 1
-    assert got[("krex_commands_ended_total", L(policy="command", state="cancelled"))] == 2
-    assert got[("krex_command_wall_seconds_count", L(policy="region"))] == 1
-    assert got[("krex_command_wall_seconds_sum", L(policy="region"))] == 2.0
+    assert got[("krex_commands", L(state="running", policy="region", device="cpu"))] == 0
+    assert got[("krex_commands", L(state="queued", policy="command", device="cpu"))] == 0
+    assert got[("krex_commands_ended_total", L(policy="region", device="cpu", state="exited"))] == 1
+    assert got[("krex_commands_ended_total", L(policy="command", device="cpu", state="cancelled"))] == 2
+    assert got[("krex_command_wall_seconds_count", L(policy="region", device="cpu"))] == 1
+    assert got[("krex_command_wall_seconds_sum", L(policy="region", device="cpu"))] == 2.0
 
 
 def test_regions_histograms_and_counters(metrics):
@@ -107,6 +108,27 @@ def test_pool_and_devices(metrics):
     assert got[("krex_pool_retired_total", L(device="nvidia0"))] == 6
     assert got[("krex_pool_start_seconds_count", L(device="nvidia0"))] == 1
     assert got[("krex_device_utilization_percent", L(device="nvidia0"))] == 37.5
+    assert got[("krex_device_utilization_ratio", L(device="nvidia0"))] == 0.375
+
+
+def test_labels_join_with_dcgm_and_no_created_series(metrics):
+    """Every command metric has the same {policy, device} labels; device_info carries what
+    dcgm-exporter labels a GPU with; no `_created` samples (they double the series count)."""
+    m = metrics
+    m.device_info("nvidia0", 0, "GPU-1234", "NVIDIA H200", "nvidia")
+    m.command_submitted("region", "nvidia0", queued=False, command="1")
+    m.command_started("region", "nvidia0", "exec", command="1")
+    m.command_ended("region", "exited", 1.0, command="1", device="nvidia0")
+    m.region_entered("nvidia0", 0.001, 0.001, 0.0, 0.0)
+    got = scrape(m.address)
+    assert got[("krex_device_info", L(device="nvidia0", gpu="0", UUID="GPU-1234",
+                                      modelName="NVIDIA H200", vendor="nvidia"))] == 1
+    assert not [k for k in got if k[0].endswith("_created")], [k for k in got if "created" in k[0]]
+    for name in ("krex_commands", "krex_commands_started_total", "krex_commands_ended_total",
+                 "krex_command_wall_seconds_count"):
+        labels = {dict(k[1]).get("device") for k in got if k[0] == name}
+        assert labels == {"nvidia0"}, (name, labels)
+        assert all("policy" in dict(k[1]) for k in got if k[0] == name)
 
 
 def test_dedicated_registry():

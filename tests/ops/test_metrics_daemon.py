@@ -64,10 +64,10 @@ async def test_counters_after_commands_with_regions(script):
         assert [r.stdout.strip() for r in results[:3]] == [b"released"] * 3
         # The daemon counts a command and a region before it tells their owner: no waiting here.
         got = scrape(addr)
-    assert got[("krex_commands_ended_total", L(policy="region", state="exited"))] == 4
-    assert got[("krex_commands", L(state="running", policy="region"))] == 0
+    assert got[("krex_commands_ended_total", L(policy="region", device="cpu", state="exited"))] == 4
+    assert got[("krex_commands", L(state="running", policy="region", device="cpu"))] == 0
     assert sum(v for k, v in got.items() if k[0] == "krex_commands_started_total") == 4
-    assert got[("krex_command_wall_seconds_count", L(policy="region"))] == 4
+    assert got[("krex_command_wall_seconds_count", L(policy="region", device="cpu"))] == 4
     assert got[("krex_regions_total", L(device="cpu", outcome="released"))] == 3
     assert got[("krex_region_enter_seconds_count", L(device="cpu"))] == 3
     assert got[("krex_region_freeze_seconds_count", L(device="cpu"))] == 3

@@ -1,0 +1,245 @@
+"""`krex` as a new user meets it: stdin passed like a shell would, errors instead of tracebacks,
+--version, a subcommand's own usage with a suggestion, flags that name their KREX_* variable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pty
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from ..conftest import PY, ROOT, py_env, run_daemon
+
+KREX = [PY, "-m", "krex_async"]
+
+
+def krex(*args: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess:
+    kw.setdefault("capture_output", True)
+    kw.setdefault("timeout", 60)
+    return subprocess.run([*KREX, *args], env=env or py_env(), cwd=ROOT, **kw)  # type: ignore
+
+
+def no_traceback(p: subprocess.CompletedProcess) -> None:
+    assert b"Traceback" not in p.stderr, p.stderr.decode()
+
+
+async def test_stdin_is_passed_from_a_pipe_and_a_terminal_and_not_with_no_stdin() -> None:
+    async with run_daemon() as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        piped = await asyncio.to_thread(krex, "run", "--", "cat", env=env, input=b"hello\n")
+        big = os.urandom(3 << 20)
+        whole = await asyncio.to_thread(krex, "run", "--", "sha256sum", env=env, input=big)
+        # a command that stops reading ends; krex run does not wait for its stdin's EOF
+        yes = await asyncio.to_thread(subprocess.run, f"yes | {' '.join(KREX)} run -- head -2",
+                                      shell=True, capture_output=True, env=env, cwd=ROOT,
+                                      timeout=60)
+        # --no-stdin: /dev/null, even while this process's stdin stays open
+        held = subprocess.Popen([*KREX, "run", "--no-stdin", "--", "cat"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env, cwd=ROOT)
+        assert await asyncio.to_thread(held.wait, 30) == 0
+        assert held.stdin is not None
+        held.stdin.close()
+        # a terminal: what is typed reaches the command
+        master, slave = pty.openpty()
+        tty = subprocess.Popen([*KREX, "run", "--", "head", "-1"], stdin=slave,
+                               stdout=subprocess.PIPE, env=env, cwd=ROOT)
+        os.close(slave)
+        await asyncio.sleep(1.0)
+        os.write(master, b"typed\n")
+        assert await asyncio.to_thread(tty.wait, 30) == 0
+        os.close(master)
+    import hashlib
+    assert (piped.returncode, piped.stdout) == (0, b"hello\n"), piped.stderr
+    assert whole.stdout.split()[0].decode() == hashlib.sha256(big).hexdigest()
+    assert (yes.returncode, yes.stdout) == (0, b"y\ny\n"), yes.stderr
+    assert tty.stdout is not None and tty.stdout.read() == b"typed\n"
+
+
+async def test_bad_paths_are_errors_not_tracebacks(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    async with run_daemon() as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        rep = await asyncio.to_thread(krex, "run", "--report", "/nonexistent/r.json", "--",
+                                      "touch", str(marker), env=env)
+        exp = await asyncio.to_thread(krex, "export", "--perfetto", "/nonexistent/x.json", env=env)
+        # the report cannot be written once the command ran (it made a directory there): its
+        # exit status still stands, and an error says why
+        late = tmp_path / "late"
+        after = await asyncio.to_thread(krex, "run", "--report", str(late), "--", "sh", "-c",
+                                        f"mkdir {late}; exit 3", env=env)
+        await asyncio.to_thread(krex, "run", "--", "true", env=env)
+        out = await asyncio.to_thread(krex, "export", "--perfetto", "-", env=env)
+    assert rep.returncode == 125 and b"/nonexistent" in rep.stderr and not marker.exists()
+    no_traceback(rep)
+    assert after.returncode == 3 and b"cannot write the report" in after.stderr
+    no_traceback(after)
+    assert exp.returncode == 1 and b"/nonexistent" in exp.stderr
+    no_traceback(exp)
+    assert out.returncode == 0 and not Path(ROOT / "-").exists()
+    assert any(e.get("ph") == "X" for e in json.loads(out.stdout)["traceEvents"])
+
+
+def test_version_suggestions_and_human_errors() -> None:
+    from krex_async import __version__
+
+    v = krex("--version")
+    assert v.returncode == 0 and v.stdout.decode().strip() == f"krex {__version__}"
+    typo = krex("run", "--devcie", "0", "--", "true")
+    assert typo.returncode == 2
+    assert b"usage: krex run" in typo.stderr and b"did you mean --device?" in typo.stderr
+    neg = krex("run", "--timeout", "-1", "--", "true")
+    assert neg.returncode == 2 and b"--timeout" in neg.stderr and b">= 0" in neg.stderr
+    assert b"$." not in neg.stderr and b"undecodable" not in neg.stderr
+    gone = krex("status", "--socket", "/tmp/krex-nobody-here.sock")
+    assert gone.returncode == 1 and b"krex serve" in gone.stderr
+    no_traceback(gone)
+
+
+def test_every_serve_flag_has_help_naming_its_variable() -> None:
+    from krex_async.config import ServeConfig
+
+    text = krex("serve", "--help", env={**py_env(), "COLUMNS": "400"}).stdout.decode()
+    flags = re.findall(r"^  (--[a-z-]+)(?: [A-Z_{},a-z-]+)?\s+(.*)$", text, re.M)
+    helped = {f: h for f, h in flags}
+    for name in ServeConfig.__struct_fields__:
+        flag = "--" + name.replace("_", "-")
+        assert flag in helped, (flag, text)
+        assert f"KREX_{name.upper()}" in helped[flag], (flag, helped[flag])
+        assert helped[flag].strip() != f"env KREX_{name.upper()}", f"{flag} has no help of its own"
+
+
+def test_readme_region_example_runs_in_and_out_of_krex(tmp_path: Path) -> None:
+    """The README's region block, as written, with a stand-in time_kernel."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The region API"):]
+    start = section.index("```python") + len("```python")
+    code = section[start:section.index("```", start)]
+    assert "region(" in code
+    src = tmp_path / "example.py"
+    src.write_text("import time\ndef time_kernel():\n    return time.perf_counter()\n" + code)
+    alone = subprocess.run([PY, str(src)], capture_output=True, env=py_env(), timeout=60)
+    assert alone.returncode == 0, alone.stderr.decode()
+
+    async def inside() -> subprocess.CompletedProcess:
+        async with run_daemon() as d:
+            return await asyncio.to_thread(krex, "run", "--", PY, str(src),
+                                           env=py_env(KREX_SOCKET=d.socket))
+
+    p = asyncio.run(inside())
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout.strip(), "inside krex the example prints the region's report"
+
+
+def test_bench_analysis_usage() -> None:
+    for args in ([], ["--help"]):
+        p = subprocess.run([PY, "bench/analysis.py", *args], capture_output=True, cwd=ROOT,
+                           timeout=60)
+        no_traceback(p)
+        assert b"usage:" in p.stdout + p.stderr
+        assert p.returncode == (0 if args else 2)
+    missing = subprocess.run([PY, "bench/analysis.py", "/nonexistent.json"], capture_output=True,
+                             cwd=ROOT, timeout=60)
+    no_traceback(missing)
+    assert missing.returncode == 2 and b"/nonexistent.json" in missing.stderr
+
+
+def test_status_table_fits_and_says_its_units() -> None:
+    from krex_async.statusview import age, render
+
+    st = {"version": "0.1.0", "pid": 1, "boot": "12345", "policy": "region", "freeze": "all",
+          "region_cores": 1, "isolation": {"backend": "cgroup", "reason": "x" * 300},
+          "devices": [{"key": "nvidia0", "vendor": "nvidia", "name": "NVIDIA H200",
+                       "memory_total_bytes": 150 << 30, "memory_free_bytes": 100 << 30,
+                       "utilisation_pct": 37.0, "commands": ["12345-1"], "queued": [],
+                       "region": None}],
+          "commands": [
+              {"command": "12345-1", "argv": ["python", "-c", "y" * 200], "state": "running",
+               "device": "nvidia0", "pid": 4242, "age_s": 3725.0, "frozen": False,
+               "label": "agent-7", "result": None, "rss_bytes": 300 << 20},
+              {"command": "11111-4", "argv": ["sleep", "1"], "state": "ended", "device": "cpu",
+               "pid": None, "age_s": 9.0, "frozen": False, "label": "", "result": "lost"}]}
+    text = render(st)
+    assert all(len(x) <= 100 for x in text.splitlines()), text
+    assert "agent-7: python -c" in text and "1h02m" in text and "300M" in text
+    assert "50.0G/150G" in text and "37%" in text
+    assert "11111-4" not in text and "1 commands of an earlier daemon" in text
+    assert "11111-4" in render(st, show_all=True)
+    assert [age(x) for x in (0.25, 12.34, 125, 90000)] == ["250ms", "12.3s", "2m05s", "1d01h"]
+    st["devices"][0]["region"] = {"name": "timing", "command": "12345-1", "state": "held",
+                                  "frozen": ["a"], "cores": [1],
+                                  "held": [{"command": "b", "mode": "lock"}]}
+    text = render(st)
+    assert "'timing' by 12345-1 (held)" in text and "holds frozen 1, locked 1, cores [1]" in text
+
+
+async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
+    async with run_daemon() as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        async with await d.client() as c:
+            h = await c.submit(["sleep", "30"], label="agent-7")
+            await asyncio.sleep(0.5)
+            once = await asyncio.to_thread(krex, "status", env=env)
+            watch = subprocess.Popen([*KREX, "status", "--watch", "0.3"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env, cwd=ROOT)
+            await asyncio.sleep(2.0)
+            watch.send_signal(2)
+            out, err = await asyncio.to_thread(watch.communicate, timeout=30)
+            await h.cancel(9)
+    text = once.stdout.decode()
+    row = next(x for x in text.splitlines() if x.startswith(h.command))
+    assert "agent-7: sleep 30" in row and re.search(r"\d+(\.\d)?[KM] ", row), row
+    assert all(len(x) <= 100 for x in text.splitlines())
+    assert watch.returncode == 0 and b"Traceback" not in err
+    assert out.count(b"COMMAND ") >= 3, out
+
+
+def test_tree_memory_sums_a_process_tree() -> None:
+    """psutil's one pass over the process table: a parent with two children counts three
+    processes and at least the parent's own RSS; a pid that is gone has no entry."""
+    from krex_async.procfs import tree_memory
+
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            got = tree_memory({"t": p.pid, "gone": 2 ** 22 - 1}, pss=True)
+            if got["t"]["processes"] == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for c in __import__("psutil").Process(p.pid).children(recursive=True):
+            c.kill()
+        p.kill()
+        p.wait()
+    assert got["t"]["processes"] == 3 and got["t"]["rss_bytes"] > 1 << 20
+    assert 0 < got["t"]["pss_bytes"] <= got["t"]["rss_bytes"]
+    assert "gone" not in got
+
+
+async def test_stdin_pipe_waits_while_full_refuses_a_second_writer_and_wakes_on_close() -> None:
+    """The daemon's side: a write into a full pipe waits (memory stays one pipe buffer), a second
+    write meanwhile is refused (busy), and closing wakes the waiting one with StdinClosed."""
+    import pytest
+
+    from krex_async.stdinpipe import StdinBusy, StdinClosed, StdinPipe
+
+    pipe = StdinPipe()
+    reader = pipe.reader()
+    try:
+        first = asyncio.ensure_future(pipe.write(b"x" * (4 << 20)))
+        await asyncio.sleep(0.2)
+        assert not first.done(), "a write beyond the pipe's buffer must wait for the reader"
+        with pytest.raises(StdinBusy):
+            await pipe.write(b"more")
+        assert len(os.read(reader, 1 << 16)) > 0
+        pipe.close()
+        with pytest.raises(StdinClosed):
+            await asyncio.wait_for(first, 5)
+        with pytest.raises(StdinClosed):
+            await pipe.write(b"late")
+    finally:
+        os.close(reader)

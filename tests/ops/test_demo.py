@@ -1,0 +1,35 @@
+"""`krex demo`: a fair alone baseline and a verdict that says what the numbers support."""
+
+from __future__ import annotations
+
+import subprocess
+
+from krex_async.demo import verdict
+
+from ..conftest import PY, ROOT, py_env
+
+
+def test_verdict_judges_against_the_alone_runs_spread() -> None:
+    alone = [2.0, 2.02, 1.98, 2.01, 1.99, 2.0]
+    clean = verdict(alone, {"region": [2.02, 2.05, 1.99], "shared": [2.0, 4.1, 6.3]})
+    assert "regions kept every timing within 5% of alone (worst +2.5%)" in clean[-1], clean
+    assert "worst +215.0%" in clean[-1]
+    # a region timing far outside the alone spread is not called clean, and says why it may be
+    busy = verdict(alone, {"region": [2.0, 6.0], "shared": [2.0, 7.0]}, (7.5, 2))
+    assert "moved +200.0%" in busy[-1] and "load average 7.5 on 2 cores" in busy[-1], busy
+    # noisy alone runs: the floor is their spread, and a note says the machine is busy
+    noisy = verdict([1.0, 2.0, 1.5], {"region": [1.9], "shared": [4.0]}, (8.0, 2))
+    assert any("busy beyond the demo" in x for x in noisy) and "within 67%" in noisy[-1], noisy
+    same = verdict(alone, {"region": [2.0], "shared": [2.03]})
+    assert "no difference above the noise" in same[-1]
+
+
+def test_demo_runs_and_ends_with_what_to_try_next() -> None:
+    p = subprocess.run([PY, "-m", "krex_async", "demo", "-n", "3"], capture_output=True,
+                       text=True, env=py_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "alone:" in out and "runs before, between and after" in out
+    assert "verdict:" in out and out.rstrip().splitlines()[0].startswith("krex demo")
+    tail = out[out.index("\nnext"):]
+    assert "krex serve" in tail and "krex run" in tail and "region(" in tail
