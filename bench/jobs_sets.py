@@ -163,5 +163,5 @@ def alone_batches(jobs: list[Job]) -> list[list[Job]]:
         seen.setdefault(j.key, j)
     groups: dict[str, list[Job]] = {}
     for j in seen.values():
-        groups.setdefault("gpu" if j.spec["device"] == "gpu" else j.spec["kind"], []).append(j)
+        groups.setdefault("gpu" if j.spec.get("device") == "gpu" else j.spec["kind"], []).append(j)
     return list(groups.values())

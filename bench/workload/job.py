@@ -91,7 +91,7 @@ def kb_timing(src: str | None) -> tuple[Any, str]:
     sees it): as its package, or, when the package's __init__ fails (it imports LLM clients the
     timing does not need), as a module of a bare package at the same path. (None, why) otherwise."""
     if not src:
-        return None, "no kernelbench checkout"
+        return None, "own protocol (no kernelbench src/ given)"
     sys.path.insert(0, src)
     try:
         return importlib.import_module("kernelbench.timing"), "kernelbench.timing"
@@ -307,8 +307,8 @@ def triton_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
     import torch
     import triton
     t0 = time.perf_counter()
-    const = 1.5 + (sum((i + 1) * ord(c) for i, c in enumerate(spec["tag"])) % 99991) * 1e-9
-    path = os.path.abspath(f"kernel_{os.getpid()}_{abs(hash(spec['tag']))}.py")
+    const = 1.5 + (sum((i + 1) * ord(c) for i, c in enumerate(spec.get("tag", spec["key"]))) % 99991) * 1e-9
+    path = os.path.abspath(f"kernel_{os.getpid()}_{abs(hash(spec.get('tag', spec['key'])))}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(TRITON_SRC.format(const=repr(const)))
     modspec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
@@ -367,7 +367,7 @@ def cpu_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
     """The cpu stand-in: inputs built from a seed, a sum-of-products kernel checked against math.fsum,
     timed per trial on the host in an explicit region (nothing to auto-wrap without do_bench)."""
     t0 = time.perf_counter()
-    rng = random.Random(f"{spec['tag']}/{spec['n']}")
+    rng = random.Random(f"{spec.get('tag', spec['key'])}/{spec['n']}")
     xs = [rng.uniform(-1.0, 1.0) for _ in range(int(spec["n"]))]
     ys = [rng.uniform(-1.0, 1.0) for _ in range(int(spec["n"]))]
     times["inputs"] = time.perf_counter() - t0
