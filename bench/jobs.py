@@ -201,7 +201,8 @@ async def submit(stack: Stack, groups: list[list[jobs_sets.Job]], timeout_s: flo
                 job = await gw.dev("python job.py spec.json", files=files, env_vars=env,
                                    timeout_s=timeout_s)
                 prog.running += 1
-                view = await gw.wait(job["job_id"], timeout_s + 60)
+                # queued behind the others (all of them, under command) before its own timeout runs
+                view = await gw.wait(job["job_id"], timeout_s * len(groups) + 60)
                 prog.running -= 1
             except Exception as e:  # a job the gateway refused is a result, not the end of the run
                 rec.update(ok=False, end_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")

@@ -241,7 +241,7 @@ def plot_or_say(data: dict[str, Any], outdir: Path, stem: str) -> str:
         return "plots: skipped (matplotlib is not importable here; run jobs_report.py --plots elsewhere)"
     s = data["summary"]["variants"]
     names = [k for k in s if s[k]["jobs_per_min"]]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     axes[0].bar(names, [s[k]["jobs_per_min"] for k in names])
     axes[0].set_title("jobs/min")
     axes[1].bar(names, [s[k]["makespan_s"] for k in names])
@@ -253,6 +253,13 @@ def plot_or_say(data: dict[str, Any], outdir: Path, stem: str) -> str:
         bottom = [b + x for b, x in zip(bottom, vals)]
     axes[2].set_title("median phase seconds")
     axes[2].legend(fontsize=7)
+    width = 0.8 / max(1, len(BUCKETS))
+    for i, bk in enumerate(BUCKETS):
+        vals = [100 * ((s[k]["inflation"].get(bk) or {}).get("p95") or 0.0) for k in names]
+        axes[3].bar([j + i * width for j in range(len(names))], vals, width, label=bk)
+    axes[3].set_xticks([j + width for j in range(len(names))], names)
+    axes[3].set_title("p95 timing inflation vs alone p95 (%)")
+    axes[3].legend(fontsize=7)
     for ax in axes:
         ax.tick_params(axis="x", rotation=30, labelsize=7)
     fig.tight_layout()

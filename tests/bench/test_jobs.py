@@ -221,4 +221,5 @@ def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path) -> None
     assert set(s["variants"]) == {"region", "region-bad", "shared", "command"}
     assert s["ratios"]["region"]["vs_command"] > 0 and s["variants"]["region"]["inflation"]
     assert "goals (issue 21):" in p.stdout and "region-bad did not run" in p.stdout
+    assert "plots: " in p.stdout  # made, or skipped with a message where matplotlib is missing
     assert (out.parent / "jobs.logs" / "gateway-region.log").exists()
