@@ -158,8 +158,9 @@ def kb_gpu(spec: dict[str, Any], timing: Any, route: str, times: dict[str, float
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        a, b = ref(*inputs), cand(*inputs)
-        a, b = (list(a) if isinstance(a, (tuple, list)) else [a]), (list(b) if isinstance(b, (tuple, list)) else [b])
+        def outs(v: Any) -> list[Any]:  # a tensor, or a tuple of tensors and numbers
+            return [torch.as_tensor(x, device=dev) for x in (v if isinstance(v, (tuple, list)) else [v])]
+        a, b = outs(ref(*inputs)), outs(cand(*inputs))
         ok = len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, atol=1e-2, rtol=1e-2)
                                       for x, y in zip(a, b))
         err = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()),

@@ -65,6 +65,8 @@ def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
                       (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'")):
         p = run_script("bench/jobs.py", "--out", str(tmp_path / "o.json"), *args, check=False)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
+    p = run_script("-m", "bench.jobs", "--width", "0", check=False)  # also runs as a module
+    assert p.returncode == 2 and "must be positive" in p.stderr, p.stderr
 
 
 def test_job_set_is_drawn_from_the_checkout_by_level_and_seed(tmp_path: Path) -> None:
