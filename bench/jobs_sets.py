@@ -1,7 +1,7 @@
 """Job sets for bench/jobs.py: which jobs a run submits, built from the suites the user points at.
 
 A job is (spec, files): the spec is what bench/workload/job.py reads (kind, key, device, sizes), the
-files are what the gateway uploads beside it (job.py, spec.json, the KernelBench problem's source,
+files are what the gateway uploads beside it (job.py and its two modules, spec.json, the KernelBench problem's source,
 bench/suites.py for Atrex operators). Jobs with the same key time the same kernel the same way, so the
 alone pass times each key and a policy's jobs are judged against it. Nothing of the suites is copied:
 problems are read from the checkout when a run starts.
@@ -23,6 +23,7 @@ import suites
 
 HERE = Path(__file__).resolve().parent
 JOB_SCRIPT = HERE / "workload" / "job.py"
+JOB_MODULES = ("jobutil.py", "job_kb.py")  # uploaded beside job.py
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ def files_for(specs: list[dict[str, Any]], extra: list[dict[str, str]]) -> dict[
     """job.py, spec.json (one spec, or {"batch": [...]}) and the jobs' own files. In a batch each
     problem gets its own file name, rewritten into its spec."""
     files = {"job.py": JOB_SCRIPT.read_text(encoding="utf-8")}
+    for name in JOB_MODULES:
+        files[name] = (JOB_SCRIPT.parent / name).read_text(encoding="utf-8")
     out = []
     for i, (spec, own) in enumerate(zip(specs, extra)):
         spec = dict(spec)
