@@ -193,6 +193,8 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert "region: jobs/min vs command 10.00x, goal >= 5.00x: met" in s["goals"]
     assert "region: jobs/min vs shared 0.83x, goal >= 0.95x: MISSED by 0.12x" in s["goals"]
     assert "region: p95 inflation >10ms +1.00%, goal <= 0.2%: MISSED by 0.80%" in s["goals"]
+    assert ("region: the pool served 1 of 2 jobs; jobs/min vs shared 0.83x, goal (pool) >= 1.50x: "
+            "MISSED by 0.67x") in s["goals"]
     text = jobs_report.table(s)
     assert "MISSED by 0.12x" in text and "stray x2: 'nvidia-smi -l'" in text
 
