@@ -68,9 +68,9 @@ def test_pace_trace_makes_each_phase_last_its_expected_time() -> None:
     for name in ("import", "compile", "inputs", "check"):
         want = line["phases"][name]["expect_s"]
         assert plain["phases_s"][name] < want - 0.2, (name, plain["phases_s"])  # real work is short
-        # expect_s of CPU time: at least that long; longer only by waiting for a core (a loaded
-        # 2-core VM: up to ~2x)
-        assert want <= paced["phases_s"][name] < 3 * want + 0.5, (name, paced["phases_s"])
+        # expect_s of CPU time: at least that long; longer only by waiting for a core (a 2-core
+        # VM shared with other test runs: several times longer at worst)
+        assert want <= paced["phases_s"][name] < 5 * want + 1.0, (name, paced["phases_s"])
         assert 0 < paced["padded_s"][name] <= want
     assert paced["check"]["ok"]
 
