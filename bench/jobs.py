@@ -47,6 +47,7 @@ import jobs_sets  # noqa: E402
 from replay import Daemon, Progress  # noqa: E402
 
 POLICIES = ("region", "command", "shared")
+GATEWAY_MAX_TIMEOUT_S = 600.0  # krex gateway's default --max-timeout
 
 
 @dataclass
@@ -250,8 +251,9 @@ async def run_alone(jobs: list[jobs_sets.Job], a: argparse.Namespace, name: str)
     recs = []
     async with Stack(Variant(name, "command", []), a, 1, a.logdir) as st:
         for b in batches:
-            _, (rec,) = await submit(st, [jobs_sets.fresh_tags(b, name)], a.job_timeout * len(b),
-                                     prog)
+            # a batch's timeout: its jobs' together, within what the gateway accepts
+            _, (rec,) = await submit(st, [jobs_sets.fresh_tags(b, name)],
+                                     min(GATEWAY_MAX_TIMEOUT_S, a.job_timeout * len(b)), prog)
             recs.append(rec)
     prog.show(final=True)
     return {"round": name, "jobs": recs}
@@ -338,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.width < 1 or a.alone_rounds < 1 or a.job_timeout <= 0:
         ap.error("--width, --alone-rounds and --job-timeout must be positive")
+    if a.job_timeout > GATEWAY_MAX_TIMEOUT_S:
+        ap.error(f"--job-timeout: the gateway accepts at most {GATEWAY_MAX_TIMEOUT_S:.0f} s")
     try:
         a.level_list = [int(x) for x in a.levels.split(",") if x]
     except ValueError:

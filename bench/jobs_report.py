@@ -136,7 +136,12 @@ def phase_medians(lines: list[dict[str, Any]]) -> dict[str, float]:
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
     base = baselines(data)
     out: dict[str, Any] = {"baselines": base, "alone_spread": alone_spread(base), "variants": {},
-                           "skipped": data.get("skipped", {})}
+                           "skipped": data.get("skipped", {}),
+                           "alone_failed": [{"round": rnd["round"], "keys": r["keys"],
+                                             "error": r.get("error") or r.get("status"),
+                                             "stderr_tail": (r.get("stderr_tail") or "")[-300:]}
+                                            for rnd in data["alone"] for r in rnd["jobs"]
+                                            if not r.get("ok")]}
     for name, p in data["passes"].items():
         recs = p["jobs"]
         ok = [r for r in recs if r.get("ok")]
@@ -245,6 +250,9 @@ def table(s: dict[str, Any]) -> str:
     routes = Counter(r for x in v.values() for r in x["routes"])
     out += ["", "timed through: " + "; ".join(sorted(routes)), "", "goals (issue 21):"]
     out += ["  " + g for g in s["goals"]] or ["  (no region variant with command and shared to judge)"]
+    for f in s.get("alone_failed", [])[:5]:
+        out.append(f"failed alone ({f['round']}, no baseline for these keys): {f['keys']} {f['error']} "
+                   f"{f['stderr_tail'][-200:]!r}")
     for k, x in v.items():
         for f in x["failed"][:5]:
             out.append(f"failed in {k}: {f['keys']} {f['status']} {f['error']} {f['stderr_tail'][-200:]!r}")

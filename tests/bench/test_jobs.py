@@ -61,6 +61,7 @@ def test_gateway_token_found_where_a_gateway_leaves_it(tmp_path: Path,
 def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
     for args, msg in ((["--kernelbench", str(tmp_path / "nope")], "not a directory"),
                       (["--width", "0"], "must be positive"), (["--levels", "one"], "--levels"),
+                      (["--job-timeout", "900"], "at most 600"),
                       (["--kernelbench", str(tmp_path), "--device", "cpu"], "no KernelBench/level"),
                       (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'")):
         p = run_script("bench/jobs.py", "--out", str(tmp_path / "o.json"), *args, check=False)
@@ -204,16 +205,19 @@ def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path) -> None
     kb = write_kernelbench(tmp_path / "kb")
     atrex = write_atrex(tmp_path / "atrex")
     out = tmp_path / "r" / "jobs.json"
-    p = run_script("bench/jobs.py", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "2",
+    p = run_script("bench/jobs.py", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
                    "--set", "tiny", "--device", "cpu", "--width", "4", "--alone-rounds", "2",
                    "--variants", "region:--freeze all", "region-bad:--no-such-flag", "shared", "command",
                    "--out", str(out), timeout=400)
     data = json.loads(out.read_text())
     assert [r["round"] for r in data["alone"]] == ["alone-1", "alone-2"]
+    assert all(r["ok"] for rnd in data["alone"] for r in rnd["jobs"]), data["alone"]
+    assert set(data["summary"]["baselines"]) == {j for p in data["passes"].values()
+                                                 for r in p["jobs"] for j in r["keys"]}
     assert "no-such-flag" in data["passes"]["region-bad"]["error"]
     for name in ("region", "shared", "command"):
         recs = data["passes"][name]["jobs"]
-        assert len(recs) == 5 and all(r["ok"] for r in recs), recs
+        assert len(recs) == 6 and all(r["ok"] for r in recs), recs
     kinds = {r["lines"][0]["kind"] for r in data["passes"]["region"]["jobs"]}
     assert kinds == {"kernelbench", "atrex", "cpu"}
     names = {g["name"] for r in data["passes"]["region"]["jobs"] for g in r["regions"]}
