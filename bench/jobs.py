@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,14 +152,17 @@ class Stack:
             raise
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.to_thread(self.proc.wait, 20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait)
-        await self.daemon.__aexit__()
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    await asyncio.to_thread(self.proc.wait, 20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    await asyncio.to_thread(self.proc.wait)
+        finally:
+            await self.daemon.__aexit__()
+            shutil.rmtree(self.dir, ignore_errors=True)  # the jobs' files; logs are in logdir
 
 
 def strip_policy(args: list[str]) -> list[str]:
