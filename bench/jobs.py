@@ -124,7 +124,11 @@ class Stack:
         self.token: str | None = None
 
     async def __aenter__(self) -> Stack:
-        await self.daemon.__aenter__()
+        try:
+            await self.daemon.__aenter__()
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         try:
             state = self.dir / "gw"
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -205,11 +205,13 @@ def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path) -> None
     kb = write_kernelbench(tmp_path / "kb")
     atrex = write_atrex(tmp_path / "atrex")
     out = tmp_path / "r" / "jobs.json"
+    before = set(Path("/tmp").glob("krex-jobs-*"))
     p = run_script("bench/jobs.py", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
                    "--set", "tiny", "--device", "cpu", "--width", "4", "--alone-rounds", "2",
                    "--variants", "region:--freeze all", "region-bad:--no-such-flag", "shared", "command",
                    "--out", str(out), timeout=400)
     data = json.loads(out.read_text())
+    assert set(Path("/tmp").glob("krex-jobs-*")) <= before, "a stack left its state behind"
     assert [r["round"] for r in data["alone"]] == ["alone-1", "alone-2"]
     assert all(r["ok"] for rnd in data["alone"] for r in rnd["jobs"]), data["alone"]
     assert set(data["summary"]["baselines"]) == {j for p in data["passes"].values()
