@@ -36,8 +36,10 @@ import sys
 import time
 from typing import Any, Callable
 
-from job_kb import kb_cpu, kb_gpu, kb_timing
-from jobutil import host_protocol, region, report_of, summary, wrapped
+# Its modules sit beside it (a pool worker running it as __main__ may not put its folder first)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from job_kb import kb_cpu, kb_gpu, kb_timing  # noqa: E402
+from jobutil import host_protocol, region, report_of, summary, wrapped  # noqa: E402
 
 # ------------------------------------------------------------------------------------ imports
 
@@ -230,5 +232,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main(sys.argv))
