@@ -176,8 +176,9 @@ def regions(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def padded(p: dict[str, Any]) -> float:
-    """Seconds of host work the pass's commands added to reach the trace's phase durations
-    (`replay.py --pace trace`): how much faster than the trace the real work ran."""
+    """Seconds of host work the pass's commands added to reach the trace's phase costs (CPU
+    seconds under `replay.py --pace trace`, wall-clock seconds under `--pace wall`): how much less
+    than the trace the real work cost."""
     return sum(sum(((r.get("result") or {}).get("padded_s") or {}).values()) for r in p["commands"])
 
 

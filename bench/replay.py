@@ -335,10 +335,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--isolated-after", action=argparse.BooleanOptionalAction, default=True,
                     help="time the kernels alone again after the policies; the baseline is the "
                          "median over both isolated passes (default: on)")
-    ap.add_argument("--pace", choices=["trace", "none"], default="trace",
-                    help="trace (default): every phase of a command but its timing lasts at least "
-                         "the trace's expect_s (real work, then more host work), so each pass "
-                         "replays the trace's command durations; none: the real work alone")
+    ap.add_argument("--pace", choices=["trace", "wall", "none"], default="trace",
+                    help="trace (default): every phase of a command but its timing costs at least "
+                         "the trace's expect_s of CPU time (real work, then more host work), so each "
+                         "pass replays the trace's work and a frozen phase ends later, as a real one "
+                         "does; wall: at least expect_s of wall-clock time (before issue 21: absorbs "
+                         "freezes); none: the real work alone")
     ap.add_argument("--device", default=None, help="device to submit to (default: cpu or auto)")
     ap.add_argument("--cmd-timeout", type=float, default=600.0)
     ap.add_argument("--python", default=sys.executable, help="interpreter of the daemon")

@@ -81,35 +81,60 @@ def summarise(samples: list[float]) -> dict[str, Any]:
             "samples_ms": [round(x, 6) for x in kept], "samples_thinned": len(kept) < len(samples)}
 
 
-def pad_to(t0: float, phase: dict[str, Any], tag: str, pace: bool, padded: dict[str, float],
-           name: str) -> None:
-    """With `pace`, keep a phase going with real host work until it has lasted the trace's
-    `expect_s` since `t0` (a floor: a phase whose real work took longer is not cut). A replay then
-    reproduces the trace's command durations on any machine: without it the serialised command
-    pass ran 174-297 s for the same 251.7 s trace (bench/RESULTS.md, runs F and G), and the
-    throughput ratio measured the machine's speed that day rather than the policies."""
-    if not pace:
+def cpu_seconds() -> float:
+    """CPU seconds this process and its waited-for children (a Triton compile's ptxas) have used."""
+    import resource
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
+def mark() -> tuple[float, float]:
+    """A phase's start: (wall clock, CPU seconds)."""
+    return time.perf_counter(), cpu_seconds()
+
+
+def pad_to(start: tuple[float, float], phase: dict[str, Any], tag: str, pace: str,
+           padded: dict[str, float], name: str) -> None:
+    """Pacing: make a phase cost the trace's `expect_s` on any machine (real work first, then more
+    host work of the same kind for what is left; a phase whose real work cost more is never cut).
+
+    trace: the phase costs expect_s of CPU time. CPU time does not advance while the process is
+    frozen or waits for a core, so the padding owed is the same however long a freeze lasted and a
+    frozen phase ends that much later, as a real job's does. `padded` gets the CPU seconds added.
+    wall (before issue 21): the phase lasts expect_s of wall-clock time. A freeze inside it is
+    absorbed (less padding afterwards), so a replay cannot see what a region costs its siblings;
+    kept to compare runs. none: no padding."""
+    if pace == "none":
         return
     import cpu_kernels
-    end = t0 + float(phase.get("expect_s", 0.0))
-    left = end - time.perf_counter()
-    if left <= 0:
-        return
-    while time.perf_counter() < end:
-        cpu_kernels.host_work(cpu_kernels.UNIT_S * 16, tag + "/pace")
+    if pace == "wall":
+        end = start[0] + float(phase.get("expect_s", 0.0))
+        left = end - time.perf_counter()
+        if left <= 0:
+            return
+        while time.perf_counter() < end:
+            cpu_kernels.host_work(cpu_kernels.UNIT_S * 16, tag + "/pace")
+    else:
+        target = start[1] + float(phase.get("expect_s", 0.0))
+        left = target - cpu_seconds()
+        if left <= 0:
+            return
+        while cpu_seconds() < target:
+            cpu_kernels.host_work(cpu_kernels.UNIT_S * 16, tag + "/pace")
     padded[name] = round(left, 6)
 
 
 def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
-            pace: bool = False) -> dict[str, Any]:
+            pace: str = "none") -> dict[str, Any]:
     """Compile, inputs, check and timing for one trace line (imports already done). Returns the
-    result object; raises what the kernel raises (the caller reports it). With `pace`, each phase
-    but timing lasts at least its expect_s (pad_to)."""
+    result object; raises what the kernel raises (the caller reports it). With a `pace`, each phase
+    but timing costs at least its expect_s (pad_to)."""
     ph, kernel = line["phases"], line["kernel"]
     times: dict[str, float] = {"import": imported_s}
     padded: dict[str, float] = {}
     tag = ph["compile"].get("tag") or f"{line['session']}-{line['order']}"
-    t0 = time.perf_counter()
+    m0 = mark()
+    t0 = m0[0]
     import cpu_kernels as K_cpu
     K: Any = K_cpu
     compiled: list[Any] = []
@@ -119,10 +144,11 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
         g = ph["compile"].get("gpu") or {}
         compiled = K.compile_fresh(tag, int(g.get("count", 1)), g.get("compile", "triton"))
     K_cpu.host_work(float(ph["compile"].get("cpu_s", 0.0)), tag)
-    pad_to(t0, ph["compile"], tag, pace, padded, "compile")
+    pad_to(m0, ph["compile"], tag, pace, padded, "compile")
     times["compile"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
+    m0 = mark()
+    t0 = m0[0]
     if kernel["kind"] == "suite":
         import suites
         fn, check = suites.make_callable(kernel["source"], gpu, seed)
@@ -133,13 +159,14 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
     K_cpu.host_work(float(ph["inputs"].get("cpu_s", 0.0)), tag + "/inputs")
     if gpu:
         K.sync()
-    pad_to(t0, ph["inputs"], tag, pace, padded, "inputs")
+    pad_to(m0, ph["inputs"], tag, pace, padded, "inputs")
     times["inputs"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
+    m0 = mark()
+    t0 = m0[0]
     ok, err = check()
     K_cpu.host_work(float(ph["check"].get("cpu_s", 0.0)), tag + "/check")
-    pad_to(t0, ph["check"], tag, pace, padded, "check")
+    pad_to(m0, ph["check"], tag, pace, padded, "check")
     times["check"] = time.perf_counter() - t0
 
     t = ph["timing"]
@@ -208,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--isolated", help="JSON lines of trace lines: time each alone")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--pace", choices=["none", "trace"], default="none",
-                    help="trace: each phase but timing lasts at least the trace's expect_s, padded "
-                         "with real host work (what bench/replay.py asks by default)")
+    ap.add_argument("--pace", choices=["none", "trace", "wall"], default="none",
+                    help="trace: each phase but timing costs at least the trace's expect_s of CPU "
+                         "time, padded with real host work (what bench/replay.py asks by default); "
+                         "wall: at least expect_s of wall-clock time (absorbs freezes)")
     a = ap.parse_args(argv)
-    t0 = time.perf_counter()
+    m0 = mark()
+    t0 = m0[0]
     from trace_format import validate_line
     if a.isolated:
         lines = [json.loads(x) for x in Path(a.isolated).read_text().splitlines() if x.strip()]
@@ -228,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     imported = _imports(gpu, modules)
     import cpu_kernels
     cpu_kernels.host_work(float(lines[0]["phases"]["import"].get("cpu_s", 0.0)), "import")
-    pace = a.pace == "trace"
+    pace = a.pace
     import_padded: dict[str, float] = {}
-    pad_to(t0, lines[0]["phases"]["import"], "import", pace, import_padded, "import")
+    pad_to(m0, lines[0]["phases"]["import"], "import", pace, import_padded, "import")
     imported = time.perf_counter() - t0
     rc = 0
     for rep in range(a.repeats):

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-TARGETS = ("triton.testing", "torch.utils.benchmark.utils.timer")
+TARGETS = ("triton.testing", "torch.utils.benchmark.utils.timer", "kernelbench.timing")
 errors: list[str] = []
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -171,3 +171,99 @@ def test_torch_timer_methods_wrapped_on_the_class(events: list) -> None:
         ("enter", "torch.Timer.adaptive_autorange"), ("exit", "torch.Timer.adaptive_autorange")]
     assert list(inspect.signature(mod.Timer.blocked_autorange).parameters) == [
         "self", "callback", "min_run_time"]
+
+
+# A package of kernelbench.timing's shape: the four timing functions, handed out by name from
+# get_timing_function(method) at call time, and the do_bench method calling triton's do_bench.
+FAKE_KERNELBENCH_INIT = "import os  # the real one imports its utils (LLM clients): not needed here\n"
+FAKE_KERNELBENCH_TIMING = '''
+import krex_recorder
+def _loop(tag, kernel_fn, args, num_trials):
+    krex_recorder.EVENTS.append(("body", tag))
+    return [float(kernel_fn(*args)) for _ in range(num_trials)]
+def get_timing_function(method="cuda_event"):
+    match method:
+        case "cuda_event":
+            return time_execution_with_cuda_event
+        case "do_bench":
+            return time_execution_with_do_bench_interface
+        case "do_bench_impl":
+            return time_execution_with_do_bench_impl
+        case "host_time":
+            return time_execution_with_host_time
+        case _:
+            raise ValueError(f"Unsupported timing method: {method}")
+def time_execution_with_cuda_event(kernel_fn, args, num_warmup=3, num_trials=10, discard_first=1,
+                                   verbose=True, device=None):
+    """events"""
+    return _loop("cuda_event", kernel_fn, args, num_trials)
+def time_execution_with_do_bench_interface(kernel_fn, args, num_warmup=3, num_trials=10,
+                                           discard_first=1, verbose=True, device=None):
+    from triton import testing as triton_testing
+    return [triton_testing.do_bench(lambda: kernel_fn(*args), return_mode="all")]
+def time_execution_with_do_bench_impl(kernel_fn, args, num_warmup=3, num_trials=10,
+                                      discard_first=1, verbose=True, device=None):
+    return _loop("do_bench_impl", kernel_fn, args, num_trials)
+def time_execution_with_host_time(kernel_fn, args, num_warmup=3, num_trials=10, discard_first=1,
+                                  verbose=True, device=None):
+    return _loop("host_time", kernel_fn, args, num_trials)
+def measure_ref_program_time(kernel_fn, args, timing_method="cuda_event"):
+    return get_timing_function(timing_method)(kernel_fn, args, num_trials=2)
+'''
+
+
+def write_fake_kernelbench(root: Path) -> Path:
+    """kernelbench/{__init__,timing}.py under root (a look-alike, none of KernelBench's code)."""
+    (root / "kernelbench").mkdir(parents=True, exist_ok=True)
+    (root / "kernelbench" / "__init__.py").write_text(FAKE_KERNELBENCH_INIT)
+    (root / "kernelbench" / "timing.py").write_text(FAKE_KERNELBENCH_TIMING)
+    return root
+
+
+def test_auto_region_wraps_kernelbench_timing_functions(fake_triton: Path) -> None:
+    write_fake_kernelbench(fake_triton)
+    code = (
+        "import krex_recorder, inspect\n"
+        "from kernelbench import timing\n"
+        "from kernelbench.timing import time_execution_with_cuda_event as direct\n"
+        "for m in ('cuda_event', 'do_bench', 'do_bench_impl', 'host_time'):\n"
+        "    print(m, timing.get_timing_function(m)(lambda x: x + 1, [1.5], num_trials=2))\n"
+        "print(timing.measure_ref_program_time(lambda: 2.0, []))\n"
+        "print(direct is timing.time_execution_with_cuda_event, direct.__doc__,\n"
+        "      list(inspect.signature(direct).parameters)[:3])\n"
+        "print(krex_recorder.EVENTS)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    env.update(KREX_AUTO_REGION="1",
+               PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton), str(REPO)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=fake_triton)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:6] == ["cuda_event [2.5, 2.5]", "do_bench [1.25]", "do_bench_impl [2.5, 2.5]",
+                         "host_time [2.5, 2.5]", "[2.0, 2.0]",
+                         "True events ['kernel_fn', 'args', 'num_warmup']"]
+    kb = "kernelbench.time_execution_with_"
+    assert lines[6] == str([
+        ("enter", kb + "cuda_event"), ("body", "cuda_event"), ("exit", kb + "cuda_event"),
+        # do_bench inside the do_bench method runs in the same region, not a nested one
+        ("enter", kb + "do_bench_interface"), ("exit", kb + "do_bench_interface"),
+        ("enter", kb + "do_bench_impl"), ("body", "do_bench_impl"), ("exit", kb + "do_bench_impl"),
+        ("enter", kb + "host_time"), ("body", "host_time"), ("exit", kb + "host_time"),
+        ("enter", kb + "cuda_event"), ("body", "cuda_event"), ("exit", kb + "cuda_event")])
+
+
+def test_kernelbench_timing_wrapped_once_and_nothing_else(fake_triton: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    write_fake_kernelbench(fake_triton)
+    monkeypatch.syspath_prepend(str(fake_triton))
+    import importlib
+    timing = importlib.import_module("kernelbench.timing")
+    try:
+        assert integrations.wrap_module("kernelbench.timing", timing) == list(
+            integrations.KERNELBENCH_TIMERS)
+        assert integrations.wrap_kernelbench_timing(timing) == []
+        assert not integrations.is_wrapped(timing.get_timing_function)
+        assert not integrations.is_wrapped(timing.measure_ref_program_time)
+    finally:
+        for m in ("kernelbench.timing", "kernelbench", "krex_recorder"):
+            sys.modules.pop(m, None)

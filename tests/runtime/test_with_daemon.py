@@ -21,7 +21,7 @@ with open(sys.argv[1], "a", buffering=1) as f:
         f.write(f"{time.monotonic()} {st.acks if st else -1}\\n")
         time.sleep(0.001)
 """
-from .test_integrations import FAKE_TRITON_TESTING
+from .test_integrations import FAKE_TRITON_TESTING, write_fake_kernelbench
 
 OWNER = """
 import json, sys, time
@@ -94,5 +94,39 @@ async def test_auto_region_wraps_do_bench_in_a_real_region(script, tmp_path: Pat
             regions = res.report.regions
     assert info["r"] == 1.25
     assert [r.name for r in regions] == ["triton.do_bench"], regions
+    assert regions[0].frozen, "the sibling was not frozen for the auto-region"
+    assert [t for t in ticks(out) if info["t0"] < t < info["t1"]] == []
+
+
+KB_AUTO = """
+import json, time
+from kernelbench import timing
+def spin():
+    global t0, t1
+    t0 = time.monotonic(); time.sleep(0.3); t1 = time.monotonic()
+    return 1.0
+time.sleep(0.2)
+r = timing.get_timing_function("cuda_event")(spin, [], num_trials=1)
+print(json.dumps({"t0": t0, "t1": t1, "r": r}))
+"""
+
+
+async def test_auto_region_wraps_kernelbench_timing_in_a_real_region(script, tmp_path: Path) -> None:
+    """KernelBench's harness, unchanged, times inside a region: the sibling makes no progress."""
+    fake = write_fake_kernelbench(tmp_path / "fake")
+    (fake / "krex_recorder.py").write_text("EVENTS = []\n")
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            ticker, out = await start_ticker(c, script, tmp_path)
+            env = py_env(KREX_AUTO_REGION="1")
+            env["PYTHONPATH"] = f"{fake}:{env['PYTHONPATH']}"
+            res = await c.run([PY, script("kb_auto.py", KB_AUTO)], env=env)
+            assert res.returncode == 0, res.stderr
+            info = json.loads(res.stdout)
+            await ticker.cancel(9)
+            await ticker.wait()
+            regions = res.report.regions
+    assert info["r"] == [1.0]
+    assert [r.name for r in regions] == ["kernelbench.time_execution_with_cuda_event"], regions
     assert regions[0].frozen, "the sibling was not frozen for the auto-region"
     assert [t for t in ticks(out) if info["t0"] < t < info["t1"]] == []
