@@ -33,6 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 import jobs_report  # noqa: E402
 import jobs_sets  # noqa: E402
+from gwstack import ensure_job_user, job_python  # noqa: E402
 from replay import Daemon, Progress  # noqa: E402
 
 POLICIES = ("region", "command", "shared")
@@ -116,9 +118,16 @@ class Stack:
 
     def __init__(self, v: Variant, a: argparse.Namespace, width: int, logdir: Path) -> None:
         self.v, self.a, self.width, self.logdir = v, a, width, logdir
-        self.daemon = Daemon(v.policy, a.python, strip_policy(v.args) + a.daemon_devices,
+        # As root, jobs run as a node runs them (bench/gwstack.py): an unprivileged user in the
+        # daemon's socket group, so the regions inside them reach the daemon; never as root.
+        self.user = ensure_job_user()
+        group = ["--socket-group", self.user] if self.user else []
+        self.daemon = Daemon(v.policy, a.python, strip_policy(v.args) + a.daemon_devices + group,
                              logdir / f"daemon-{v.name}.log")
         self.dir = Path(tempfile.mkdtemp(prefix=f"krex-jobs-{v.name}-", dir="/tmp"))
+        if self.user:
+            for d in (self.dir, Path(self.daemon.dir)):
+                d.chmod(0o711)  # the jobs' user passes through to its job directory and the socket
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str = ""
         self.token: str | None = None
@@ -131,14 +140,16 @@ class Stack:
             raise
         try:
             state = self.dir / "gw"
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+            # The jobs inherit it: this package and this interpreter's packages (msgspec for regions).
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+                str(ROOT), sysconfig.get_paths()["purelib"], os.environ.get("PYTHONPATH")])))
             env.pop("KREX_SOCKET", None)
+            run_as = ["--run-as", self.user, "--job-python", job_python(self.user)] if self.user else []
             log = open(self.logdir / f"gateway-{self.v.name}.log", "wb")
             self.proc = subprocess.Popen(
                 [self.a.python, "-m", "krex_async", "gateway", "--listen", "127.0.0.1:0",
                  "--state-dir", str(state), "--socket", self.daemon.socket,
-                 "--max-running", str(self.width), *self.a.gateway_arg],
+                 "--max-running", str(self.width), *run_as, *self.a.gateway_arg],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
             log.close()
             deadline = time.monotonic() + 60

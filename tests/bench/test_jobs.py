@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +203,20 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert "MISSED by 0.12x" in text and "stray x2: 'nvidia-smi -l'" in text
 
 
+@pytest.fixture
+def suites() -> Iterator[Path]:
+    """A world-readable folder for the suites: as root the jobs run as an unprivileged user, who
+    must read them (pytest's tmp_path is private to root), as on a node."""
+    d = Path(tempfile.mkdtemp(prefix="krex-suites-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path) -> None:
-    kb = write_kernelbench(tmp_path / "kb")
-    atrex = write_atrex(tmp_path / "atrex")
+def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path, suites: Path) -> None:
+    kb = write_kernelbench(suites / "kb")
+    atrex = write_atrex(suites / "atrex")
     out = tmp_path / "r" / "jobs.json"
     before = set(Path("/tmp").glob("krex-jobs-*"))
     p = run_script("bench/jobs.py", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
