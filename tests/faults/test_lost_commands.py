@@ -195,7 +195,7 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
             assert res.stdout == b"done" and res.report.ended_at == done.report.ended_at
             lost = await (await c.attach(h.command)).wait()
             assert lost.report.state == "lost" and lost.stdout == b"running\n"
-            shown = subprocess.run([PY, "-m", "krex_async", "status", "--socket", sock],
+            shown = subprocess.run([PY, "-m", "krex_async", "status", "--all", "--socket", sock],
                                    capture_output=True, text=True, timeout=30,
                                    env=dict(os.environ, PYTHONPATH=str(ROOT)))
             line = next(x for x in shown.stdout.splitlines() if x.startswith(h.command))
