@@ -35,7 +35,19 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--isolation", choices=["auto", "cgroup", "signal"])
     p.add_argument("--cgroup-root", help="a delegated cgroup v2 directory for command cgroups")
     p.add_argument("--devices", help="auto, none, cpu:N (N logical cpu devices), nvidia, amd")
-    p.add_argument("--freeze", choices=["all", "device-holders"])
+    p.add_argument("--freeze", choices=["all", "device-holders", "auto"],
+                   help="who a region holds: every sibling on the device, those holding a GPU "
+                        "device file (the others run on, fenced, and are held when they open one), "
+                        "or auto (default): device-holders where the hold locks and the probes "
+                        "run, all otherwise")
+    p.add_argument("--hold", choices=["auto", "lock", "freeze"],
+                   help="how a held sibling is held: lock (its CUDA processes through the NVIDIA "
+                        "driver's process lock: its other threads run on; frozen where a lock "
+                        "cannot serve), freeze (the cgroup freezer), auto (default): lock where "
+                        "the driver offers it")
+    p.add_argument("--lock-timeout", type=float,
+                   help="seconds one driver lock may take before that sibling is frozen instead "
+                        "(default 0.02)")
     p.add_argument("--quiesce", choices=["auto", "all"],
                    help="whose runtime a region asks to stop and synchronise before freezing: "
                         "auto (default) those holding a GPU device file, none on the cpu device; "
@@ -189,6 +201,10 @@ async def _status(args: argparse.Namespace) -> int:
     iso = st["isolation"]
     print(f"policy {st['policy']}   isolation {iso['backend']} ({iso['reason']})   "
           f"freeze {st['freeze']}   region cores {st['region_cores']}")
+    if "hold" in st:  # a daemon from before the driver lock has no such key
+        ho = st["hold"]
+        print(f"hold {ho['mode']}: driver lock " + (
+            "available" if ho["lock_available"] else "unavailable") + f" ({ho['reason']})")
     if "probes" in st:  # a daemon from before probes were reported has no such key
         pr = st["probes"]
         print(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")

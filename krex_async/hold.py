@@ -1,0 +1,101 @@
+"""How a region holds its siblings, and whom: the `--hold` and `--freeze` options made concrete.
+
+`--freeze` chooses who is held: `all` (every other command on the device), `device-holders` (those
+with a GPU device file open; the others keep running, fenced off the region cores, and are held the
+moment they open one), or `auto`: device-holders where the hold can lock and the probes can see a
+GPU open, all otherwise. `--hold` chooses how a held sibling is held:
+
+- `freeze`: the cgroup freezer stops every thread of the command.
+- `lock`: its processes that hold a GPU device file are locked through the CUDA driver
+  (isolation/cudalock.py): their CUDA calls block, their other threads and processes run on. A
+  command that cannot be locked is frozen instead and the region says why (no driver lock, a lock
+  that failed or timed out, a GPU holder that is not a CUDA process, an AMD device). A held command
+  with no GPU file has nothing to lock: it is frozen.
+- `auto` (default): `lock` where the driver lock is available, `freeze` elsewhere.
+
+    split(targets) ──► to_lock {command: GPU-holding pids}   ──► LockPool.lock_many ─► locked
+                   └─► to_freeze [commands without GPU files] ──► freeze      failed ─► frozen (why)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .isolation.cudalock import Driver, LockPool, open_driver
+
+
+@dataclass
+class Plan:
+    """One region's hold: `how` ("lock" or "freeze") and, for a freeze where a lock was asked for,
+    why not; the commands to lock (with their GPU-holding pids) and those to freeze."""
+    how: str
+    why: str = ""
+    to_lock: dict[str, list[int]] = field(default_factory=dict)  # command id -> pids
+    to_freeze: list[str] = field(default_factory=list)
+
+
+class Hold:
+    """The daemon's hold: the mode, and the lock pool where the driver lock is available."""
+
+    def __init__(self, mode: str, freeze: str, state_dir: str, timeout: float,
+                 opener: Callable[[], tuple[Driver | None, str]] = open_driver) -> None:
+        self.mode = mode
+        self.freeze = freeze
+        self.timeout = timeout
+        self.pool: LockPool | None = None
+        self.reason = "--hold freeze" if mode == "freeze" else ""
+        self.library = ""
+        self.version = 0
+        if mode != "freeze" and not state_dir:
+            self.reason = "no state dir: a lock that outlived the daemon could not be undone"
+        elif mode != "freeze":
+            drv, why = opener()
+            if drv is None:
+                self.reason = why
+            else:
+                self.pool = LockPool(drv, state_dir)
+                self.library, self.version = drv.path, drv.version
+                self.reason = f"cuCheckpointProcessLock in {drv.path} (driver API {drv.version})"
+
+    def how(self, vendor: str) -> tuple[str, str]:
+        """("lock", "") or ("freeze", why a lock cannot serve here: "" when freeze was chosen)."""
+        if self.mode == "freeze":
+            return "freeze", ""
+        if vendor == "amd":
+            return "freeze", "AMD device: the CUDA driver lock does not apply"
+        if self.pool is None:
+            return "freeze", f"no driver lock: {self.reason}"
+        if self.pool.stuck >= 8:
+            return "freeze", f"{self.pool.stuck} lock calls never returned from the driver"
+        return "lock", ""
+
+    def who(self, vendor: str, probes: bool) -> str:
+        """`all` or `device-holders` for a region on a device of `vendor` (`probes`: they run and
+        can see a sibling open a GPU device during the region)."""
+        if self.freeze != "auto":
+            return self.freeze
+        return "device-holders" if probes and self.how(vendor)[0] == "lock" else "all"
+
+    def plan(self, vendor: str, targets: dict[str, list[int]]) -> Plan:
+        """Split the held commands ({id: their GPU-holding pids}) into those to lock and to freeze."""
+        how, why = self.how(vendor)
+        p = Plan(how, why)
+        for cid, gpu in targets.items():
+            if how == "lock" and gpu:
+                p.to_lock[cid] = gpu
+            else:
+                p.to_freeze.append(cid)
+        return p
+
+    def status(self) -> dict[str, Any]:
+        """For `krex status`: the mode, whether the driver lock can serve, and why (not)."""
+        return {"mode": self.mode, "freeze": self.freeze, "lock_available": self.pool is not None,
+                "reason": self.reason, "library": self.library, "driver_version": self.version,
+                "lock_timeout_s": self.timeout,
+                "stuck_calls": self.pool.stuck if self.pool is not None else 0}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
