@@ -23,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .isolation.cudalock import Driver, LockPool, open_driver
+from . import logs
+from .isolation.cudalock import Driver, LockPool, open_driver, release_left
+
+log = logs.get("krex.hold")
 
 
 @dataclass
@@ -48,6 +51,9 @@ class Hold:
         self.reason = "--hold freeze" if mode == "freeze" else ""
         self.library = ""
         self.version = 0
+        # the start-up sweep: locks a dead daemon left (its watchdog may have died with it)
+        for line in release_left(state_dir):
+            log.info("reconciled", action=line)
         if mode != "freeze" and not state_dir:
             self.reason = "no state dir: a lock that outlived the daemon could not be undone"
         elif mode != "freeze":

@@ -3,7 +3,8 @@
     daemon ──start_watchdog()── exec python -m krex_async.isolation.watchdog --pid DAEMON ...
        │                                    │ pidfd_open(DAEMON); print "ready"
        ╳ (dies)                              │ poll(pidfd) wakes
-                                             └─ intent.sweep(): thaw all, restore cpusets; exit
+                                             └─ intent.sweep(): thaw all, restore cpusets;
+                                                cudalock.release_left(): unlock its locks; exit
 
 It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
 only the cgroupfs and intent modules, and removes nothing but empty command cgroups.
@@ -97,6 +98,8 @@ def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: s
         os.close(pidfd)
     t0 = time.monotonic()
     lines, _alive = sweep(v2, v1, cpuset, state_dir)
+    from krex_async.isolation.cudalock import release_left  # only now: ctypes, and libcuda if needed
+    lines += release_left(state_dir)  # the CUDA driver locks it took: they outlive it
     lines.append(f"watchdog: daemon {pid} died; sweep took {time.monotonic() - t0:.4f}s")
     return lines
 
