@@ -251,3 +251,52 @@ async def test_sigkilled_daemon_leaves_nothing_locked(fake: Fake, script, tmp_pa
                 assert fake.lock_state(cuda) == 0 and not is_frozen(vk)
         for pid in (cuda, vk):
             os.kill(pid, signal.SIGKILL)
+
+
+# A Python sibling with krex's in-command runtime: a context through the fake driver, launches on
+# the main thread (each a C call that blocks while locked, without the GIL). Its main thread blocks
+# the runtime's quiesce signal: like a thread inside a long C call (an import, CUDA initialisation,
+# a synchronise the lock holds), it cannot answer a quiesce in time.
+PY_SIB = """
+import ctypes, os, signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMAX - 6])
+lib = ctypes.CDLL(os.environ["KREX_LIBCUDA"])
+ctx = ctypes.c_void_p()
+assert lib.cuInit(0) == 0 and lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, 0) == 0
+gpu = os.open("/dev/nvidia0", os.O_RDONLY)
+open(sys.argv[1], "w").write(str(os.getpid()))
+while True:
+    lib.cuLaunchKernel(None)
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.parametrize("hold", ["lock", "freeze"])
+async def test_locked_siblings_are_not_asked_to_quiesce(fake: Fake, script, tmp_path: Path,
+                                                        hold: str) -> None:
+    """--quiesce all asks every runtime of a frozen sibling to stop and synchronise. A locked
+    sibling is not asked: the lock stops its GPU work, and its runtime, inside a CUDA call that
+    the lock holds, could only answer after the region (a whole --quiesce-timeout lost)."""
+    owner = script("owner.py", OWNER)
+    ready = tmp_path / "sib.pid"
+    sib = script("sib.py", PY_SIB)
+    async with run_daemon("--hold", hold, "--freeze", "all", "--quiesce", "all",
+                          "--quiesce-timeout", "0.5", env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            argv = fake.argv("x", "cuda")
+            h = await c.submit(argv[:argv.index(fake.sib)] + [PY, sib, str(ready)],
+                               env=daemon_env(fake))
+            deadline = time.monotonic() + 15
+            while not (ready.exists() and ready.read_text()):
+                assert time.monotonic() < deadline, "the Python sibling did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # its runtime registered
+            res = await c.run([PY, owner, str(tmp_path / "g"), "0.1"], env=py_env())
+            await h.cancel(9)
+    rep = json.loads(res.stdout)
+    if hold == "lock":
+        assert rep["locked"] == [h.command] and rep.get("quiesce_s", 0) < 0.05
+        assert rep["enter_s"] < 0.25, rep
+        assert rep["drain"] == "not-needed"  # the cpu device has no queues; on a GPU: pending
+    else:  # asked, and it could not answer: the whole timeout
+        assert rep["frozen"] == [h.command] and rep["quiesce_s"] >= 0.45
