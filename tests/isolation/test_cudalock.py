@@ -148,3 +148,19 @@ def test_release_left_unlocks_only_recorded_live_processes(fake: Fake, tmp_path:
         for p, _ in procs:
             p.kill()
             p.wait()
+
+
+def test_doctor_says_whether_the_driver_lock_serves(fake: Fake, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from krex_async.doctor_kernel import check_driver_lock
+
+    monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
+    monkeypatch.setenv("KREX_LIBCUDA", fake.lib)
+    c = check_driver_lock()
+    assert c.verdict == "ok" and "driver API 13000" in c.detail, c
+    monkeypatch.setenv("KREX_LIBCUDA", fake.old)
+    c = check_driver_lock()
+    assert c.verdict == "warn" and "predates" in c.detail and "update the NVIDIA driver" in c.fix
+    monkeypatch.setenv("KREX_LIBCUDA", str(tmp_path / "nowhere.so"))
+    c = check_driver_lock()
+    assert c.verdict == "warn" and "cannot load" in c.detail and "none needed" in c.fix
