@@ -4,7 +4,8 @@ at test time and loaded by krex through the same ctypes path (KREX_LIBCUDA), plu
 The lock state of each "CUDA process" lives in `$FAKE_CUDA_DIR/<pid>` (4 ints, mmap'd shared): a
 process becomes one when it creates a context (cuCtxCreate_v2), as with the real driver. While
 locked, every CUDA call of that process blocks at entry (cuLaunchKernel, cuMemAlloc_v2); the lock
-waits for a call in flight up to its timeoutMs (then CUDA_ERROR_TIMEOUT, nothing locked); it does
+waits for a call in flight up to its timeoutMs (then CUDA_ERROR_TIMEOUT, nothing locked; the long
+call is fakeSlowCall); it does
 not wait for work already done; the state outlives the locker; a locked process still dies of any
 fatal signal. A pid without a context answers CUDA_ERROR_INVALID_VALUE.
 
@@ -31,6 +32,7 @@ LIB = r"""
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <stddef.h>
 #include <unistd.h>
 typedef struct { int state, in_call, pad0, pad1; } st_t;
 typedef struct { unsigned timeoutMs, reserved0; unsigned long long reserved1[7]; } lockargs_t;
@@ -69,7 +71,20 @@ static void enter(void) {
 }
 static void leave(void) { __atomic_store_n(&self_st->in_call, 0, __ATOMIC_SEQ_CST); }
 int cuLaunchKernel(void *f) { if (!self_st) return 201; enter(); leave(); return 0; }
-int cuMemAlloc_v2(void **p, unsigned long us) { if (!self_st) return 201; enter(); usleep(us); leave(); return 0; }
+static char arena[1 << 20];
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) { return cuCtxCreate_v2(ctx, 0, dev); }
+int cuCtxSetCurrent(void *ctx) { return self_st ? 0 : 201; }
+int cuMemAlloc_v2(unsigned long long *p, size_t n) { if (!self_st) return 201; enter(); *p = (unsigned long long)arena; leave(); return 0; }
+int cuMemsetD32_v2(unsigned long long p, unsigned v, size_t n) {
+    if (!self_st) return 201;
+    enter();
+    unsigned *a = (unsigned *)p;
+    for (size_t i = 0; i < n && i < sizeof arena / 4; i++) a[i] = v;
+    leave();
+    return 0;
+}
+int cuCtxSynchronize(void) { if (!self_st) return 201; enter(); leave(); return 0; }
+int fakeSlowCall(unsigned long us) { if (!self_st) return 201; enter(); usleep(us); leave(); return 0; }
 int cuCheckpointProcessLock(int pid, lockargs_t *a) {
     st_t *s = target(pid);
     if (!s) return 1;
@@ -138,7 +153,7 @@ int main(int argc, char **argv) {
     int (*init)(unsigned) = dlsym(h, "cuInit");
     int (*ctx)(void **, unsigned, int) = dlsym(h, "cuCtxCreate_v2");
     int (*launch)(void *) = dlsym(h, "cuLaunchKernel");
-    int (*alloc)(void **, unsigned long) = dlsym(h, "cuMemAlloc_v2");
+    int (*slow)(unsigned long) = dlsym(h, "fakeSlowCall");
     void *c;
     init(0);
     int cuda = strcmp(argv[3], "nocuda") != 0;
@@ -146,7 +161,7 @@ int main(int argc, char **argv) {
     pthread_t th;
     pthread_create(&th, 0, cpu, 0);
     stats[0] = getpid();
-    if (!strcmp(argv[3], "slow")) alloc(&c, 3000000);
+    if (!strcmp(argv[3], "slow")) slow(3000000);
     for (;;) {
         if (cuda) { launch(0); __atomic_add_fetch(&stats[1], 1, __ATOMIC_SEQ_CST); }
         usleep(500);
