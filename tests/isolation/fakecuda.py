@@ -9,9 +9,9 @@ call is fakeSlowCall); it does
 not wait for work already done; the state outlives the locker; a locked process still dies of any
 fatal signal. A pid without a context answers CUDA_ERROR_INVALID_VALUE.
 
-The sibling (`sib LIB NAME MODE [DEVFILE]`): MODE cuda (a context, then launches in a loop on the
+The sibling (`sib LIB NAME MODE [DEVFILE [ioctl]]`): MODE cuda (a context, then launches in a loop on the
 main thread), slow (a context, then one 3 s CUDA call before the loop), nocuda (no context). A
-second thread counts CPU work. Its counters are in `$FAKE_CUDA_DIR/NAME.stats` (pid, launches,
+second thread counts CPU work (and with `ioctl`, makes an ioctl on DEVFILE every 20 ms). Its counters are in `$FAKE_CUDA_DIR/NAME.stats` (pid, launches,
 cpu ticks as three longs), written from the start.
 """
 
@@ -137,17 +137,27 @@ SIB = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 static volatile long *stats;
-static void *cpu(void *a) { for (;;) { __atomic_add_fetch(&stats[2], 1, __ATOMIC_SEQ_CST); usleep(1000); } return 0; }
+static int gpu_fd = -1, do_ioctl;
+static void *cpu(void *a) {
+    for (long n = 0;; n++) {
+        __atomic_add_fetch(&stats[2], 1, __ATOMIC_SEQ_CST);
+        if (do_ioctl && n % 20 == 0) ioctl(gpu_fd, 0x5401, 0);  /* touches the "GPU" from the CPU thread */
+        usleep(1000);
+    }
+    return 0;
+}
 int main(int argc, char **argv) {
     char path[512];
     snprintf(path, sizeof path, "%s/%s.stats", getenv("FAKE_CUDA_DIR"), argv[2]);
     int fd = open(path, O_RDWR | O_CREAT, 0666);
     if (fd < 0 || ftruncate(fd, 3 * sizeof(long))) { perror(path); return 1; }
     stats = mmap(NULL, 3 * sizeof(long), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (argc > 4 && open(argv[4], O_RDONLY) < 0) { perror(argv[4]); return 1; }
+    if (argc > 4 && (gpu_fd = open(argv[4], O_RDONLY)) < 0) { perror(argv[4]); return 1; }
+    do_ioctl = argc > 5 && !strcmp(argv[5], "ioctl");
     void *h = dlopen(argv[1], RTLD_NOW);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); return 1; }
     int (*init)(unsigned) = dlsym(h, "cuInit");
@@ -185,7 +195,8 @@ class Fake:
         e.update(extra)
         return e
 
-    def argv(self, name: str, mode: str = "cuda", gpu_file: bool = True) -> list[str]:
+    def argv(self, name: str, mode: str = "cuda", gpu_file: bool = True,
+             *extra: str) -> list[str]:
         """The sibling as a command. With `gpu_file` it holds "/dev/nvidia0" open: a file by that
         name in a private mount namespace (readlink of its fd from outside reads the same name), so
         the GPU-holder checks treat it as a GPU process on a machine without one."""
@@ -193,7 +204,7 @@ class Fake:
             return [self.sib, self.lib, name, mode]
         return ["unshare", "-m", "--propagation", "private", "sh", "-c",
                 'mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && exec "$@"', "sh",
-                self.sib, self.lib, name, mode, "/dev/nvidia0"]
+                self.sib, self.lib, name, mode, "/dev/nvidia0", *extra]
 
     def stats(self, name: str) -> tuple[int, int, int]:
         """(pid, launches, cpu ticks) of the sibling `name` (zeros before it started)."""

@@ -53,9 +53,9 @@ def daemon_env(fake: Fake, **extra: str) -> dict[str, str]:
 
 
 async def start(c: Client, fake: Fake, name: str, mode: str = "cuda", gpu_file: bool = True,
-                **kw: Any) -> tuple[Any, int]:
+                *extra: str, **kw: Any) -> tuple[Any, int]:
     (fake.state / f"{name}.stats").unlink(missing_ok=True)
-    h = await c.submit(fake.argv(name, mode, gpu_file), env=daemon_env(fake), **kw)
+    h = await c.submit(fake.argv(name, mode, gpu_file, *extra), env=daemon_env(fake), **kw)
     deadline = time.monotonic() + 15
     while fake.stats(name)[0] == 0 or (mode == "cuda" and fake.stats(name)[1] == 0):
         assert time.monotonic() < deadline, f"sibling {name} did not start"
@@ -300,3 +300,42 @@ async def test_locked_siblings_are_not_asked_to_quiesce(fake: Fake, script, tmp_
         assert rep["drain"] == "not-needed"  # the cpu device has no queues; on a GPU: pending
     else:  # asked, and it could not answer: the whole timeout
         assert rep["frozen"] == [h.command] and rep["quiesce_s"] >= 0.45
+
+
+async def test_probes_see_locked_siblings_and_late_openers(fake: Fake, script, tmp_path: Path) -> None:
+    """Exclusivity under the lock: a locked sibling that still touches the GPU (an ioctl from its
+    CPU thread) is a stray in the region's report, and a process of a locked command that opens
+    a GPU device during the region gets its command frozen at once."""
+    from krex_async.probes import bcc_works
+
+    ok, why = bcc_works()
+    if not ok:
+        pytest.skip(f"bcc unavailable: {why}")
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    late = tmp_path / "late.pid"
+    async with run_daemon("--hold", "lock", "--freeze", "all", "--probes", "ioctl",
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hx, x = await start(c, fake, "x", "cuda", True, "ioctl")
+            # y: a locked sibling whose shell opens the "GPU" once the region is held
+            argv = fake.argv("y", "cuda")
+            body = ('mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && "$@" & '
+                    f'while [ ! -s {marker} ]; do sleep 0.01; done; sleep 0.2; '
+                    f'exec 3</dev/nvidia0; echo $$ > {late}; sleep 30')
+            argv[argv.index("-c") + 1] = body
+            (fake.state / "y.stats").unlink(missing_ok=True)
+            hy = await c.submit(argv, env=daemon_env(fake))
+            deadline = time.monotonic() + 15
+            while fake.stats("y")[1] == 0:
+                assert time.monotonic() < deadline, "sibling y did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the probes have seen both open their device files
+            res = await c.run([PY, owner, str(marker), "1.0"], env=py_env())
+            for h in (hx, hy):
+                await h.cancel(9)
+    rep = json.loads(res.stdout)
+    assert sorted(rep["locked"]) == sorted([hx.command, hy.command]), rep
+    assert x in rep["stray_pids"], f"the locked sibling's ioctls were not reported: {rep}"
+    assert int(late.read_text()) in rep["stray_pids"]
+    assert rep["frozen"] == [hy.command], "the command whose process opened the GPU late"
