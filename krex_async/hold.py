@@ -19,12 +19,18 @@ GPU open, all otherwise. `--hold` chooses how a held sibling is held:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import logs
+from .isolation.base import Backend, Freeze, FreezeError, Group
 from .isolation.cudalock import Driver, LockPool, open_driver, release_left
+
+if TYPE_CHECKING:
+    from .commands import Command
+    from .regions import Region
 
 log = logs.get("krex.hold")
 
@@ -105,3 +111,81 @@ class Hold:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+# ------------------------------------------------------------------------- a region's hold steps
+
+async def lock_commands(hold: Hold, r: "Region", cmds: list["Command"],
+                        pids: dict[str, list[int]]) -> list["Command"]:
+    """Lock the GPU-holding processes of `cmds` through the driver, in parallel, into `r`
+    (locked_pids, locked_ids, the report); returns the commands to freeze instead, each with its
+    reason in the report's hold_fallback (one of its processes was not locked)."""
+    rep = r.report
+    assert hold.pool is not None
+    t0 = time.perf_counter()
+    try:
+        res = await hold.pool.lock_many([p for c in cmds for p in pids[c.id]], hold.timeout)
+    except OSError as e:  # the lock record could not be written: nothing was locked
+        rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
+        return list(cmds)
+    rep.lock_s = time.perf_counter() - t0
+    rep.lock_max_s = max((x.seconds for x in res.values()), default=0.0)
+    r.locked_pids.extend(p for p, x in res.items() if x.ok)
+    rep.locked_pids = list(r.locked_pids)
+    fallback = []
+    for c in cmds:
+        bad = [res[p] for p in pids[c.id] if not res[p].ok]
+        if bad:
+            rep.hold_fallback[c.id] = (f"pid {bad[0].pid} holds a GPU device file but was not "
+                                       f"locked: {bad[0].error}")
+            fallback.append(c)
+        else:
+            r.locked_ids.append(c.id)
+    rep.locked = list(r.locked_ids)
+    return fallback
+
+
+async def freeze_tolerant(backend: Backend, r: "Region", groups: list[Group],
+                          timeout: float) -> list[Freeze]:
+    """Freeze `groups` together. A group the freezer cannot stop within `timeout` (a thread in
+    uninterruptible sleep: a hung FUSE or NFS read) is not a reason to refuse the region, which
+    would refuse every region on the device for as long as it hangs: that sibling is left running
+    (fenced off the region cores by the caller), named in `unheld`, and the region is tainted. The
+    others are frozen again without it (each culprit costs one timeout)."""
+    groups = list(groups)
+    while groups:
+        try:
+            return await backend.freeze_many(groups, timeout=timeout)
+        except FreezeError as e:  # the batch was undone; which group held it up is named
+            bad = next((g for g in groups if g.name == e.group), None)
+            if bad is None and len(groups) > 1:  # named by its pids (the signal backend)
+                return await _freeze_one_by_one(backend, r, groups, timeout)
+            bad = bad or groups[0]
+            groups.remove(bad)
+            unheld(r, bad, e.reason)
+    return []
+
+
+async def _freeze_one_by_one(backend: Backend, r: "Region", groups: list[Group],
+                             timeout: float) -> list[Freeze]:
+    out: list[Freeze] = []
+    for g in groups:
+        try:
+            out += await backend.freeze_many([g], timeout=timeout)
+        except FreezeError as e:
+            unheld(r, g, e.reason)
+    return out
+
+
+def unheld(r: "Region", g: Group, why: str) -> None:
+    """Take `g` out of the region's frozen set and say why in its report, tainting the region."""
+    rep = r.report
+    if g in r.frozen:
+        r.frozen.remove(g)
+    if g.command_id in r.frozen_ids:
+        r.frozen_ids.remove(g.command_id)
+    rep.unheld[g.command_id] = why
+    rep.tainted = True
+    rep.taint.append(f"command {g.command_id} could not be held ({why.split('; its threads')[0]}):"
+                     " it ran on, fenced off the region cores")
+    log.warning("sibling_unheld", region=r.id, command=g.command_id, error=why)

@@ -29,8 +29,8 @@ from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
 from .gpuholders import GpuHolders, read_holders
-from .hold import Hold
-from .isolation.base import Freeze, FreezeError, Group, IsolationError
+from .hold import Hold, freeze_tolerant, lock_commands
+from .isolation.base import Freeze, Group, IsolationError
 from .probes.hold import HOLD
 from .runtime.quiesce import holds_gpu_file
 
@@ -359,65 +359,13 @@ class Regions:
 
     async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
                     ) -> list[Command]:
-        """Lock the GPU-holding processes of `cmds` through the driver, in parallel; returns the
-        commands to freeze instead, each with its reason in the report (a process not locked)."""
-        rep = r.report
-        pool = self.hold.pool
-        assert pool is not None
-        t0 = time.perf_counter()
-        try:
-            res = await pool.lock_many([p for c in cmds for p in pids[c.id]], self.hold.timeout)
-        except OSError as e:  # the lock record could not be written: nothing was locked
-            rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
-            return list(cmds)
-        rep.lock_s = time.perf_counter() - t0
-        rep.lock_max_s = max((x.seconds for x in res.values()), default=0.0)
-        r.locked_pids.extend(p for p, x in res.items() if x.ok)
-        rep.locked_pids = list(r.locked_pids)
-        fallback = []
-        for c in cmds:
-            bad = [res[p] for p in pids[c.id] if not res[p].ok]
-            if bad:
-                rep.hold_fallback[c.id] = (f"pid {bad[0].pid} holds a GPU device file but was not "
-                                           f"locked: {bad[0].error}")
-                fallback.append(c)
-            else:
-                r.locked_ids.append(c.id)
-        rep.locked = list(r.locked_ids)
-        self.d.trace("lock", r, seconds=rep.lock_s, pids=len(r.locked_pids),
+        fallback = await lock_commands(self.hold, r, cmds, pids)
+        self.d.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
                      fallback=len(fallback))
         return fallback
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
-        """Freeze `groups` together. A group the freezer cannot stop within --freeze-timeout (a
-        thread in uninterruptible sleep: a hung FUSE or NFS read) is not a reason to refuse the
-        region, which would refuse every region on the device for as long as it hangs: that
-        sibling is left running, fenced off the region cores, named in `unheld`, and the region is
-        tainted. The others are frozen again without it (each culprit costs one timeout)."""
-        groups = list(groups)
-        while groups:
-            try:
-                return await self.d.backend.freeze_many(groups, timeout=self.d.config.freeze_timeout)
-            except FreezeError as e:  # the batch was undone; which group held it up is named
-                bad = next((g for g in groups if g.name == e.group), None)
-                if bad is None:
-                    raise
-                groups.remove(bad)
-                self._unheld(r, bad, e.reason)
-        return []
-
-    def _unheld(self, r: Region, g: Group, why: str) -> None:
-        rep = r.report
-        if g in r.frozen:
-            r.frozen.remove(g)
-        if g.command_id in r.frozen_ids:
-            r.frozen_ids.remove(g.command_id)
-        short = why.split("; its threads")[0]
-        rep.unheld[g.command_id] = why
-        rep.tainted = True
-        rep.taint.append(f"command {g.command_id} could not be held ({short}): it ran on, "
-                         "fenced off the region cores")
-        log.warning("sibling_unheld", region=r.id, command=g.command_id, error=why)
+        return await freeze_tolerant(self.d.backend, r, groups, self.d.config.freeze_timeout)
 
     async def _settle(self, r: Region) -> None:
         """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.

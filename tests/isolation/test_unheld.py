@@ -99,3 +99,28 @@ async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path:
     assert rep["fenced"] == [hh.command]
     assert took < 5, f"the region took {took:.1f} s"
     assert rep["cores"] and not aff & set(rep["cores"]), f"the hung sibling ran on {aff}"
+
+
+async def test_a_hung_sibling_under_the_signal_backend(script, tmp_path: Path) -> None:
+    """The signal backend names a failed freeze by its pids: the culprit is still found."""
+    pidfile = tmp_path / "hung.pid"
+    hung = script("hung.py", HUNG)
+    async with run_daemon("--isolation", "signal", "--hold", "freeze", "--freeze", "all",
+                          "--freeze-timeout", "0.3") as d:
+        async with await d.client() as c:
+            hh = await c.submit(["unshare", "-m", "--propagation", "private", PY, hung,
+                                 str(pidfile)], env=py_env())
+            deadline = time.monotonic() + 10
+            while not (pidfile.exists() and pidfile.read_text()) or \
+                    proc_state(int(pidfile.read_text())) != "D":
+                assert time.monotonic() < deadline, "the hung sibling did not start"
+                await asyncio.sleep(0.01)
+            ht = await c.submit([PY, script("ticker.py", TICKER)], env=py_env())
+            await asyncio.sleep(0.3)
+            res = await c.run([PY, script("owner.py", OWNER), str(tmp_path / "g")], env=py_env())
+            await hh.cancel(9)
+            await ht.cancel(9)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["frozen"] == [ht.command] and list(rep["unheld"]) == [hh.command], rep
+    assert rep["tainted"]
