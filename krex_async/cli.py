@@ -205,6 +205,8 @@ async def _status(args: argparse.Namespace) -> int:
         ho = st["hold"]
         print(f"hold {ho['mode']}: driver lock " + (
             "available" if ho["lock_available"] else "unavailable") + f" ({ho['reason']})")
+        for key, dv in ho.get("devices", {}).items():
+            print(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({dv['why']})" if dv["why"] else ""))
     if "probes" in st:  # a daemon from before probes were reported has no such key
         pr = st["probes"]
         print(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")

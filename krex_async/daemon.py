@@ -481,7 +481,7 @@ class Daemon:
                 "probes": self.probe_status(),
                 "pools": {k: p.status() for k, p in self.pools.items()},
                 "freeze": self.config.freeze, "region_cores": self.config.region_cores,
-                "hold": self.regions.hold.status(),
+                "hold": self.regions.hold_status(),
                 "devices": devices, "commands": commands}
 
     def probe_status(self) -> dict[str, Any]:

@@ -235,6 +235,16 @@ class Regions:
             out.append(cmd)
         return out
 
+    def hold_status(self) -> dict[str, object]:
+        """For `krex status`: the hold's mode and lock availability, and per device how and whom
+        a region there would hold now (and why not by the lock)."""
+        st: dict[str, object] = dict(self.hold.status())
+        probes = self.d.attributor is not None
+        st["devices"] = {d.key: {"hold": (how := self.hold.how(d.vendor))[0], "why": how[1],
+                                 "freeze": self.hold.who(d.vendor, probes)}
+                         for d in self.d.devices}
+        return st
+
     def _who(self, r: Region) -> str:
         return self.hold.who(self.d.device(r.device).vendor, self.d.attributor is not None)
 

@@ -121,7 +121,14 @@ async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_pat
             run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.5"], env=py_env()))
             await granted(marker)
             await asyncio.sleep(0.05)
-            region = (await c.status())["devices"][0]["region"]
+            st = await c.status()
+            region = st["devices"][0]["region"]
+            assert st["hold"]["devices"]["cpu"] == {"hold": "lock", "why": "",
+                                                    "freeze": "device-holders"}
+            text = subprocess.run([sys.executable, "-m", "krex_async", "status", "--socket",
+                                   d.socket], capture_output=True, text=True, env=py_env()).stdout
+            assert "hold lock: driver lock available (cuCheckpointProcessLock" in text, text
+            assert "  cpu: lock device-holders" in text, text
             c0 = fake.stats("cpu")[2]
             await asyncio.sleep(0.3)
             assert fake.stats("cpu")[2] - c0 >= 30, "the CPU-only sibling did not run on"
