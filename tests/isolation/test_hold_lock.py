@@ -118,9 +118,10 @@ async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_pat
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda")
             hp, cpu = await start(c, fake, "cpu", "nocuda", gpu_file=False)
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.5"], env=py_env()))
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.0"], env=py_env()))
             await granted(marker)
             await asyncio.sleep(0.05)
+            aff = os.sched_getaffinity(cpu)
             st = await c.status()
             region = st["devices"][0]["region"]
             assert st["hold"]["devices"]["cpu"] == {"hold": "lock", "why": "",
@@ -132,7 +133,6 @@ async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_pat
             c0 = fake.stats("cpu")[2]
             await asyncio.sleep(0.3)
             assert fake.stats("cpu")[2] - c0 >= 30, "the CPU-only sibling did not run on"
-            aff = os.sched_getaffinity(cpu)
             res = await run
             for h in (hc, hp):
                 await h.cancel(9)
