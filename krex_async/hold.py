@@ -19,6 +19,7 @@ GPU open, all otherwise. `--hold` chooses how a held sibling is held:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,3 +190,24 @@ def unheld(r: "Region", g: Group, why: str) -> None:
     rep.taint.append(f"command {g.command_id} could not be held ({why.split('; its threads')[0]}):"
                      " it ran on, fenced off the region cores")
     log.warning("sibling_unheld", region=r.id, command=g.command_id, error=why)
+
+
+def d_state(pids: list[int]) -> list[str]:
+    """The threads of `pids` in uninterruptible sleep, as "tid(wchan)" (from /proc)."""
+    out = []
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+                if state != b"D":
+                    continue
+                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                    out.append(f"{tid}({f.read().strip() or '-'})")
+            except (OSError, IndexError):
+                continue
+    return out

@@ -29,7 +29,7 @@ from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
 from .gpuholders import GpuHolders, read_holders
-from .hold import Hold, freeze_tolerant, lock_commands
+from .hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
 from .isolation.base import Freeze, Group, IsolationError
 from .probes.hold import HOLD
 from .runtime.quiesce import holds_gpu_file
@@ -82,6 +82,7 @@ class Regions:
         self.holders = GpuHolders()  # which runtimes' processes hold a GPU device file
         cfg = daemon.config
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
+        self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
 
     def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
                ) -> Region:
@@ -306,6 +307,7 @@ class Regions:
         # Mark before freezing: a failure part-way still thaws every one of them in _release.
         r.frozen.extend(c.group for c in todo if c.group is not None)
         r.frozen_ids.extend(c.id for c in freezing)
+        todo = self._still_hung(r, todo)
         now = [c.group for c in todo if id(c) not in quiesced_cmds and c.group is not None]
         later = [c.group for c in todo if id(c) in quiesced_cmds and c.group is not None]
         own = r.command.group if r.request.freeze_own_children else None
@@ -375,7 +377,27 @@ class Regions:
         return fallback
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
-        return await freeze_tolerant(self.d.backend, r, groups, self.d.config.freeze_timeout)
+        out = await freeze_tolerant(self.d.backend, r, groups, self.d.config.freeze_timeout)
+        for cid in r.report.unheld:
+            self.hung[cid] = time.monotonic()
+        return out
+
+    def _still_hung(self, r: Region, todo: list[Command]) -> list[Command]:
+        """`todo` less the commands a region could not freeze before and that still have a thread
+        in uninterruptible sleep: each would cost this region a whole --freeze-timeout for the
+        same answer. They are left unheld at once, the region tainted."""
+        self.hung = {cid: t for cid, t in self.hung.items()
+                     if (c := self.d.commands.get(cid)) is not None and c.state == "running"}
+        out = []
+        for c in todo:
+            stuck = d_state(self.d.backend.pids(c.group)) if c.id in self.hung and \
+                c.group is not None else []
+            if stuck and c.group is not None:
+                unheld(r, c.group, f"still in uninterruptible sleep, as when a freeze last failed "
+                                   f"(not tried again): {', '.join(stuck)}")
+            else:
+                out.append(c)
+        return out
 
     async def _settle(self, r: Region) -> None:
         """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.

@@ -89,6 +89,10 @@ async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path:
             assert res.returncode == 0, res.stderr
             rep = json.loads(res.stdout)
             assert not is_frozen(child) and proc_state(child) == "D"
+            # the next region does not try it again while it still hangs: no timeout paid
+            again = await c.run([PY, script("owner.py", OWNER), str(tmp_path / "g2")],
+                                env=py_env())
+            rep2 = json.loads(again.stdout)
             await hh.cancel(9)
             assert (await asyncio.wait_for(hh.wait(), 10)).report.state == "cancelled"
             await ht.cancel(9)
@@ -98,6 +102,9 @@ async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path:
     assert rep["tainted"] and hh.command in rep["taint"][0] and "could not be held" in rep["taint"][0]
     assert rep["fenced"] == [hh.command]
     assert took < 5, f"the region took {took:.1f} s"
+    assert rep["enter_s"] >= 0.3, "the first region tried to freeze it"
+    assert "still in uninterruptible sleep" in rep2["unheld"][hh.command], rep2
+    assert rep2["enter_s"] < 0.2 and rep2["tainted"] and rep2["frozen"] == [ht.command], rep2
     assert rep["cores"] and not aff & set(rep["cores"]), f"the hung sibling ran on {aff}"
 
 
