@@ -300,7 +300,7 @@ class Regions:
         asked = self._to_quiesce(r, freezing)
         rep.select_s = time.perf_counter() - t_select
         rep.hold, rep.hold_why = (plan.how, plan.why) if targets else ("", "")
-        if plan.why:
+        if plan.why and self.hold.mode == "lock":  # asked for by name: each sibling says why not
             rep.hold_fallback.update({c.id: plan.why for c in freezing if self._gpu_pids(c)})
         quiesced_cmds = {id(c) for c, _, _ in asked}
         todo = [c for c in freezing if c.group is not None and not c.group.frozen]
@@ -555,9 +555,6 @@ class Regions:
         if r.paused_pool and r.device in self.d.pools:
             self.d.pools[r.device].resume()
             r.paused_pool = False
-        unlocking = None
-        if r.locked_pids and self.hold.pool is not None:  # on the lock's threads, beside the thaw
-            unlocking = asyncio.ensure_future(self.hold.pool.unlock_many(list(r.locked_pids)))
         for g in r.frozen:
             try:
                 await backend.thaw(g)
@@ -566,9 +563,11 @@ class Regions:
         if r.frozen:
             self.d.trace("thaw", r, groups=len(r.frozen))
         r.frozen.clear()
-        if unlocking is not None:
+        # After the thaw: a process both locked and frozen (it opened a GPU during the region)
+        # may need to run for the driver to unlock it.
+        if r.locked_pids and self.hold.pool is not None:
             try:
-                r.report.unlock_s, errors = await unlocking
+                r.report.unlock_s, errors = await self.hold.pool.unlock_many(list(r.locked_pids))
                 self.d.trace("unlock", r, seconds=r.report.unlock_s, pids=len(r.locked_pids))
                 for pid, err in errors.items():  # a locked process that died meanwhile among them
                     log.info("unlock_refused", region=r.id, pid=pid, error=err)
