@@ -47,7 +47,7 @@ def _serve_parser(sub: Any) -> None:
                         "the driver offers it")
     p.add_argument("--lock-timeout", type=float,
                    help="seconds one driver lock may take before that sibling is frozen instead "
-                        "(default 0.02)")
+                        "(default 0.005; H200: 0.4-2.1 ms a lock)")
     p.add_argument("--quiesce", choices=["auto", "all"],
                    help="whose runtime a region asks to stop and synchronise before freezing: "
                         "auto (default) those holding a GPU device file, none on the cpu device; "

@@ -37,8 +37,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # how: the CUDA driver's process lock (freezer fallback per sibling), the freezer, or auto (the
     # lock where the driver offers it)
     hold: Literal["auto", "lock", "freeze"] = "auto"
-    # bound of one cuCheckpointProcessLock (H200: 0.4-2 ms); a sibling not locked by then is frozen
-    lock_timeout: Annotated[float, msgspec.Meta(gt=0, le=10)] = 0.02
+    # bound of one cuCheckpointProcessLock (H200: 0.4-2.1 ms unloaded); a sibling not locked by then
+    # (inside a long CUDA call: context creation, a large allocation) is frozen instead, so a region
+    # entry stays within the 5 ms goal
+    lock_timeout: Annotated[float, msgspec.Meta(gt=0, le=10)] = 0.005
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

@@ -330,7 +330,8 @@ class Regions:
             if lock is not None:
                 fallback = await lock
                 if fallback:  # frozen after all: no quiesce, the owner verifies the drain
-                    groups = [c.group for c in fallback if c.group is not None and not c.group.frozen]
+                    groups = [c.group for c in fallback
+                              if c.group is not None and not c.group.frozen]
                     r.frozen.extend(groups)
                     r.frozen_ids.extend(c.id for c in fallback)
                     results += await self._freeze_some(r, groups)

@@ -25,7 +25,7 @@ completed iteration, live in a small shared file the owner and this script read.
               iterations again.
 5. info       a lock taken while the sibling synchronises on ~0.2 s of queued work: how long it
               took and what it returned (does the lock wait for a synchronise in flight? it decides
-              whether --lock-timeout 0.02 makes such siblings fall back to the freezer).
+              whether --lock-timeout 0.005 makes such siblings fall back to the freezer).
 What could hide a cost: the owner times nothing here (issue 22's jobs/min and timing goals are the
 real-jobs benchmark's); a sibling that never synchronises would show no completions either way.
 """
@@ -411,7 +411,7 @@ async def info_part(a: argparse.Namespace, tmp: str, sib_py: str) -> None:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)  # now queueing and then synchronising
         t0 = time.perf_counter()
-        rc = drv.lock(pid, 20)
+        rc = drv.lock(pid, 5)
         dt = time.perf_counter() - t0
         state = drv.state(pid)
         if rc == 0:
@@ -422,10 +422,10 @@ async def info_part(a: argparse.Namespace, tmp: str, sib_py: str) -> None:
         if rc2 == 0:
             drv.unlock(pid)
         RESULTS["info"]["lock_during_sync"] = {
-            "timeout_20ms": {"rc": drv.error(rc) if rc else 0, "seconds": dt, "state": state},
+            "timeout_5ms": {"rc": drv.error(rc) if rc else 0, "seconds": dt, "state": state},
             "timeout_2s": {"rc": drv.error(rc2) if rc2 else 0, "seconds": dt2},
             "backlog_phase_after": int(sh.m[40])}
-        out(f"INFO lock during a synchronise on a backlog: timeout 20 ms -> rc {rc} in "
+        out(f"INFO lock during a synchronise on a backlog: timeout 5 ms -> rc {rc} in "
             f"{dt * 1e3:.2f} ms; timeout 2 s -> rc {rc2} in {dt2 * 1e3:.2f} ms")
     finally:
         p.kill()

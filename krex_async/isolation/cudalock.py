@@ -160,7 +160,8 @@ class LockPool:
     def __init__(self, driver: Driver, state_dir: str, workers: int = 16) -> None:
         self.driver = driver
         self.record = LockRecord(state_dir, driver.path)
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="krex-cudalock")
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers,
+                                                          thread_name_prefix="krex-cudalock")
         self.stuck = 0  # calls that outlived their bound and still have not returned
 
     def _timed_lock(self, pid: int, timeout_ms: int) -> LockResult:
@@ -179,13 +180,14 @@ class LockPool:
         recorded = self.record.add(pids)
         ms = max(1, int(timeout * 1000))
         futs = {p: loop.run_in_executor(self.pool, self._timed_lock, p, ms) for p in recorded}
-        done, late = await asyncio.wait(futs.values(), timeout=timeout + 0.25) if futs else (set(), set())
+        bound = timeout + 0.25  # the driver's own bound, and a margin for the threads
+        done, late = await asyncio.wait(futs.values(), timeout=bound) if futs else (set(), set())
         out: dict[int, LockResult] = {}
         for pid, fut in futs.items():
             if fut in done:
                 out[pid] = fut.result()
             else:
-                out[pid] = LockResult(pid, False, timeout + 0.25, "no answer from the driver in time")
+                out[pid] = LockResult(pid, False, bound, "no answer from the driver in time")
                 self.stuck += 1
                 fut.add_done_callback(functools.partial(self._late, pid))
         for pid in pids:

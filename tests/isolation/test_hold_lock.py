@@ -43,6 +43,11 @@ sys.stdout.write(msgspec.json.encode(r.report).decode())
 """
 
 
+# The tests that expect a lock give it time: on a loaded 2-core VM the fake's lock thread may wait
+# to be scheduled longer than the default bound (5 ms), and a freeze would be a right answer there.
+SLOW = ("--lock-timeout", "0.5")
+
+
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory: pytest.TempPathFactory) -> Fake:
     return build(tmp_path_factory.mktemp("fakecuda"))
@@ -113,7 +118,7 @@ async def test_lock_holds_cuda_siblings_freezes_the_rest(fake: Fake, script, tmp
 async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_path: Path) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon("--hold", "lock", "--freeze", "device-holders", "--region-cores", "1",
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "device-holders", "--region-cores", "1",
                           env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda")
@@ -184,7 +189,7 @@ async def test_no_driver_lock(fake: Fake, script, tmp_path: Path, hold: str) -> 
 async def test_locked_command_dies_at_its_timeout(fake: Fake, script, tmp_path: Path) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon("--hold", "lock", "--kill-grace", "0.5", env=daemon_env(fake)) as d:
+    async with run_daemon(*SLOW, "--hold", "lock", "--kill-grace", "0.5", env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda", timeout=2.0)
             run = asyncio.ensure_future(c.run([PY, owner, str(marker), "6"], env=py_env()))
@@ -221,7 +226,7 @@ async def test_sigkilled_daemon_leaves_nothing_locked(fake: Fake, script, tmp_pa
     marker = tmp_path / "granted"
     state = str(tmp_path / "state")
     cg = None
-    async with run_daemon("--hold", "lock", "--freeze", "all", "--state-dir", state,
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", state,
                           env=daemon_env(fake)) as d:
         cg = next(a for a in d.proc.args if "krex-test-" in str(a))  # type: ignore[union-attr]
         c = await d.client()
@@ -290,7 +295,7 @@ async def test_locked_siblings_are_not_asked_to_quiesce(fake: Fake, script, tmp_
     owner = script("owner.py", OWNER)
     ready = tmp_path / "sib.pid"
     sib = script("sib.py", PY_SIB)
-    async with run_daemon("--hold", hold, "--freeze", "all", "--quiesce", "all",
+    async with run_daemon(*SLOW, "--hold", hold, "--freeze", "all", "--quiesce", "all",
                           "--quiesce-timeout", "0.5", env=daemon_env(fake)) as d:
         async with await d.client() as c:
             argv = fake.argv("x", "cuda")
@@ -324,7 +329,7 @@ async def test_probes_see_locked_siblings_and_late_openers(fake: Fake, script, t
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     late = tmp_path / "late.pid"
-    async with run_daemon("--hold", "lock", "--freeze", "all", "--probes", "ioctl",
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--probes", "ioctl",
                           env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hx, x = await start(c, fake, "x", "cuda", True, "ioctl")
