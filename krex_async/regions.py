@@ -328,7 +328,7 @@ class Regions:
             if early is not None:
                 results += await early
             if lock is not None:
-                fallback = await lock
+                fallback = await asyncio.shield(lock)  # a lock in flight is never abandoned
                 if fallback:  # frozen after all: no quiesce, the owner verifies the drain
                     groups = [c.group for c in fallback
                               if c.group is not None and not c.group.frozen]

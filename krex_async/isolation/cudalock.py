@@ -135,7 +135,7 @@ class LockRecord:
         self._mutex = threading.Lock()
 
     def write(self) -> None:
-        """Replace the record with the current set. Raises OSError."""
+        """Replace the record with the current set (any thread). Raises OSError."""
         with self._mutex:
             data = json.dumps({"version": 1, "pid": os.getpid(), "library": self.library,
                                "locked": sorted(self.held.items())}).encode()
@@ -144,13 +144,15 @@ class LockRecord:
     def add(self, pids: Iterable[int]) -> list[int]:
         """Record `pids` (those still alive) and write; returns the recorded ones. Raises OSError."""
         new = {p: st for p in pids if (st := _start_time(p)) is not None}
-        self.held.update(new)
+        with self._mutex:
+            self.held.update(new)
         self.write()
         return list(new)
 
     def drop(self, pids: Iterable[int]) -> None:
-        for p in pids:
-            self.held.pop(p, None)
+        with self._mutex:
+            for p in pids:
+                self.held.pop(p, None)
 
 
 class LockPool:
@@ -201,7 +203,10 @@ class LockPool:
         """A lock call that returned after its bound: undo it if it took, forget it either way."""
         self.stuck -= 1
         if not fut.cancelled() and fut.exception() is None and fut.result().ok:
-            self.pool.submit(self.driver.unlock, pid)
+            try:
+                self.pool.submit(self.driver.unlock, pid)
+            except RuntimeError:  # shut down meanwhile: the next start-up sweep unlocks it
+                return
         self.record.drop([pid])
 
     async def unlock_many(self, pids: list[int]) -> tuple[float, dict[int, str]]:
