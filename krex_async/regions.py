@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .probes.base import ProbeEvent
 
 log = logs.get("krex.region")
+SILENT_S = 1.0  # how long a runtime that did not answer a quiesce is not asked again
 
 
 
@@ -83,6 +84,8 @@ class Regions:
         cfg = daemon.config
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
+        # runtimes that did not answer a quiesce in time: (pid, connection) -> when
+        self.silent: dict[tuple[int, Callable[[P.Msg], bool]], float] = {}
 
     def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
                ) -> Region:
@@ -322,6 +325,7 @@ class Regions:
                 pending = [f for f in r.acks.values() if not f.done()]
                 if pending:
                     await asyncio.wait(pending, timeout=self.d.config.quiesce_timeout)
+                self._note_silent(r, asked)
             t1 = time.perf_counter()
             rep.quiesce_s = t1 - t0
             results = await self._freeze_some(r, later) if later else []
@@ -443,6 +447,8 @@ class Regions:
         if r.request.freeze_own_children:
             owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items()
                        if pid != r.pid]
+        now = time.monotonic()
+        owners = [o for o in owners if now - self.silent.get((o[1], o[2]), -SILENT_S) >= SILENT_S]
         if self.d.config.quiesce == "all":
             return owners
         if self.d.device(r.device).vendor == "cpu":
@@ -450,6 +456,22 @@ class Regions:
         # gpuholders.py: a holder stays one for its connection; a recent "none" is believed here,
         # and checked again after the freeze (_check_drain)
         return [(c, pid, send) for c, pid, send in owners if self.holders.holds(pid, send)]
+
+    def _note_silent(self, r: Region,
+                     asked: list[tuple[Command, int, Callable[[P.Msg], bool]]]) -> None:
+        """Remember the runtimes that did not answer within --quiesce-timeout: on real jobs they
+        sat in long C calls (imports, CUDA initialisation, allocation), which last seconds, and
+        asking them again at once would cost the next region the whole timeout for the same
+        silence. They are frozen without asking for SILENT_S; the owner verifies the drain."""
+        now = time.monotonic()
+        if len(self.silent) > 4096:  # runtimes come and go: start over
+            self.silent.clear()
+        for _, pid, send in asked:
+            fut = r.acks.get(pid)
+            if fut is not None and fut.done():
+                self.silent.pop((pid, send), None)
+            else:
+                self.silent[(pid, send)] = now
 
     def _send_quiesce(self, r: Region, asked: list[tuple[Command, int, Callable[[P.Msg], bool]]],
                       ) -> None:

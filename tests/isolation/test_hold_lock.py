@@ -354,3 +354,44 @@ async def test_probes_see_locked_siblings_and_late_openers(fake: Fake, script, t
     assert x in rep["stray_pids"], f"the locked sibling's ioctls were not reported: {rep}"
     assert int(late.read_text()) in rep["stray_pids"]
     assert rep["frozen"] == [hy.command], "the command whose process opened the GPU late"
+
+
+SILENT_SIB = """
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMAX - 6])  # cannot answer a quiesce
+open(sys.argv[1], "w").write("up")
+while True:
+    time.sleep(0.01)
+"""
+
+TWO_REGIONS = """
+import sys, time, msgspec
+from krex_async import region
+out = []
+for _ in range(2):
+    with region("timing") as r:
+        time.sleep(0.05)
+    out.append(msgspec.to_builtins(r.report))
+    time.sleep(0.1)
+print(msgspec.json.encode(out).decode())
+"""
+
+
+async def test_a_runtime_that_did_not_answer_is_not_asked_again_at_once(script, tmp_path: Path,
+                                                                        ) -> None:
+    """Under the freezer: a sibling whose runtime could not answer the last quiesce (inside a long
+    C call) is frozen without asking in the next region, which then does not wait for it."""
+    up = tmp_path / "up"
+    async with run_daemon("--hold", "freeze", "--quiesce", "all", "--quiesce-timeout", "0.3") as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, script("silent.py", SILENT_SIB), str(up)], env=py_env())
+            deadline = time.monotonic() + 15
+            while not up.exists():
+                assert time.monotonic() < deadline, "the sibling did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # its runtime registered
+            res = await c.run([PY, script("two.py", TWO_REGIONS)], env=py_env())
+            await h.cancel(9)
+    first, second = json.loads(res.stdout)
+    assert first["frozen"] == [h.command] and first["quiesce_s"] >= 0.28, first
+    assert second["frozen"] == [h.command] and second.get("quiesce_s", 0) < 0.05, second
