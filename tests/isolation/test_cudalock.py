@@ -164,3 +164,34 @@ def test_doctor_says_whether_the_driver_lock_serves(fake: Fake, tmp_path: Path,
     monkeypatch.setenv("KREX_LIBCUDA", str(tmp_path / "nowhere.so"))
     c = check_driver_lock()
     assert c.verdict == "warn" and "cannot load" in c.detail and "none needed" in c.fix
+
+
+@pytest.mark.parametrize("mode,freeze,lock,vendor,probes,how,who", [
+    ("auto", "auto", True, "nvidia", True, "lock", "device-holders"),
+    ("auto", "auto", True, "nvidia", False, "lock", "all"),  # no probes: nobody sees a late open
+    ("auto", "auto", False, "nvidia", True, "freeze", "all"),  # no driver lock: as before
+    ("auto", "auto", True, "amd", True, "freeze", "all"),
+    ("freeze", "auto", True, "nvidia", True, "freeze", "all"),
+    ("lock", "all", True, "nvidia", True, "lock", "all"),
+    ("freeze", "device-holders", False, "nvidia", False, "freeze", "device-holders"),
+])
+def test_hold_chooses_how_and_whom(fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   mode: str, freeze: str, lock: bool, vendor: str, probes: bool,
+                                   how: str, who: str) -> None:
+    from krex_async.hold import Hold
+
+    monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
+    h = Hold(mode, freeze, str(tmp_path), 0.005,
+             opener=lambda: open_driver(fake.lib if lock else fake.old))
+    try:
+        assert h.how(vendor)[0] == how
+        assert h.who(vendor, probes) == who
+        plan = h.plan(vendor, {"a": [11], "b": []})
+        assert plan.to_lock == ({"a": [11]} if how == "lock" else {})
+        assert plan.to_freeze == (["b"] if how == "lock" else ["a", "b"])
+        if how == "freeze" and mode != "freeze":
+            assert plan.why, "a lock asked for and not used says why"
+        st = h.status()
+        assert st["mode"] == mode and st["lock_available"] == (lock and mode != "freeze")
+    finally:
+        h.close()
