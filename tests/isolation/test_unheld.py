@@ -26,10 +26,11 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) missing"),
 ]
 
-# argv[1]: a file the D-state child's pid is written to once it is about to block.
+# argv[1]: a file the D-state child's pid is written to once it is about to block; argv[2]: an
+# empty directory to mount on (in the command's private mount namespace).
 HUNG = """
-import ctypes, os, sys, tempfile, time
-mnt = tempfile.mkdtemp(prefix="krex-hung-")
+import ctypes, os, sys, time
+mnt = sys.argv[2]
 fd = os.open("/dev/fuse", os.O_RDWR)
 libc = ctypes.CDLL(None, use_errno=True)
 opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
@@ -58,6 +59,12 @@ while True:
 """
 
 
+def mnt(tmp_path: Path) -> str:
+    d = tmp_path / "mnt"
+    d.mkdir(exist_ok=True)
+    return str(d)
+
+
 async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path: Path) -> None:
     pidfile = tmp_path / "hung.pid"
     hung = script("hung.py", HUNG)
@@ -65,7 +72,7 @@ async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path:
                           "--region-cores", "1") as d:
         async with await d.client() as c:
             hh = await c.submit(["unshare", "-m", "--propagation", "private", PY, hung,
-                                 str(pidfile)], env=py_env())
+                                 str(pidfile), mnt(tmp_path)], env=py_env())
             deadline = time.monotonic() + 10
             while not (pidfile.exists() and pidfile.read_text()):
                 assert time.monotonic() < deadline, "the hung sibling did not start"
@@ -116,7 +123,7 @@ async def test_a_hung_sibling_under_the_signal_backend(script, tmp_path: Path) -
                           "--freeze-timeout", "0.3") as d:
         async with await d.client() as c:
             hh = await c.submit(["unshare", "-m", "--propagation", "private", PY, hung,
-                                 str(pidfile)], env=py_env())
+                                 str(pidfile), mnt(tmp_path)], env=py_env())
             deadline = time.monotonic() + 10
             while not (pidfile.exists() and pidfile.read_text()) or \
                     proc_state(int(pidfile.read_text())) != "D":
