@@ -296,7 +296,8 @@ def cleanup_main(args: argparse.Namespace) -> int:
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     res = cleanup(roots, remove_empty=not args.keep_empty)
-    res.actions += _unlock(args.state_dir or str(conf.get("state_dir") or ""))
+    for line in _unlock(args.state_dir or str(conf.get("state_dir") or "")):
+        (res.actions if line.startswith("unlocked") else res.errors).append(line)
     if args.json:
         print(json.dumps({"ok": res.ok, "trees": res.trees, "actions": res.actions,
                           "errors": res.errors}, indent=2))

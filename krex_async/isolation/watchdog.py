@@ -7,7 +7,8 @@
                                                 cudalock.release_left(): unlock its locks; exit
 
 It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
-only the cgroupfs and intent modules, and removes nothing but empty command cgroups.
+only the cgroupfs and intent modules (and cudalock, with libcuda where a lock was recorded, once the
+daemon has died), and removes nothing but empty command cgroups.
 
 The daemon's clean shutdown releases it by writing "Q" to its stdin pipe (it exits without a
 sweep: nothing is frozen any more). End of that pipe without a "Q" means the daemon died. SIGTERM
