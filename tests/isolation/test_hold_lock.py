@@ -23,7 +23,7 @@ import pytest
 
 from krex_async import Client
 
-from ..conftest import PY, is_frozen, py_env, run_daemon
+from ..conftest import PY, is_frozen, proc_state, py_env, run_daemon
 from .fakecuda import Fake, build
 
 pytestmark = [
@@ -186,19 +186,24 @@ async def test_no_driver_lock(fake: Fake, script, tmp_path: Path, hold: str) -> 
         assert "hold_fallback" not in rep
 
 
-async def test_locked_command_dies_at_its_timeout(fake: Fake, script, tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["timeout", "cancelled"])
+async def test_locked_command_still_dies(fake: Fake, script, tmp_path: Path, end: str) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon(*SLOW, "--hold", "lock", "--kill-grace", "0.5", env=daemon_env(fake)) as d:
+    async with run_daemon(*SLOW, "--hold", "lock", "--kill-grace", "0.5",
+                          env=daemon_env(fake)) as d:
         async with await d.client() as c:
-            hc, cuda = await start(c, fake, "cuda", timeout=2.0)
+            hc, cuda = await start(c, fake, "cuda", timeout=2.0 if end == "timeout" else 60)
             run = asyncio.ensure_future(c.run([PY, owner, str(marker), "6"], env=py_env()))
             await granted(marker)
             assert fake.lock_state(cuda) == 1
             t0 = time.monotonic()
+            if end == "cancelled":
+                await hc.cancel(15)
             res = await asyncio.wait_for(hc.wait(), 10)
-            assert res.report.state == "timeout"
+            assert res.report.state == end
             assert time.monotonic() - t0 < 4
+            assert not os.path.exists(f"/proc/{cuda}") or proc_state(cuda) == "Z"
             assert not run.done(), "the region outlived the locked sibling"
             await run
 
