@@ -17,6 +17,8 @@ What, per tree:
    top-down `cpuset.cpus` empty (inherit the parent's). v1: bottom-up `cpuset.cpu_exclusive` 0, then
    top-down the parent's `cpuset.cpus` and `cpuset.mems` written into each child.
 3. remove, bottom-up: every directory below `krex` with no processes and no children (not `krex`).
+4. unlock the processes the daemon's lock record (`--state-dir`) says it locked through the CUDA
+   driver and that still read LOCKED (isolation/cudalock.py).
 It refuses to run while a daemon answers on its socket (unless --force): a sweep under a live daemon
 would thaw its regions. For the same reason it leaves alone every instance directory
 (`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
@@ -255,6 +257,16 @@ def _default_socket() -> str:
     return default_socket()
 
 
+def _unlock(state_dir: str) -> list[str]:
+    """Undo the CUDA driver locks a dead daemon recorded in its state dir (they outlive it)."""
+    try:
+        from .config import ServeConfig
+        from .isolation.cudalock import release_left
+    except ImportError:  # msgspec missing: no daemon of this install can have locked anything
+        return []
+    return release_left(state_dir or ServeConfig().resolved().state_dir)
+
+
 def _serving(path: str) -> bool:
     """Whether a process accepts connections on the Unix socket `path` (a stale file: False)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -285,6 +297,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                                     "default path): cleanup refuses while a daemon answers there")
     p.add_argument("--force", action="store_true", help="sweep even while a daemon is serving, "
                                                         "its instance directory included")
+    p.add_argument("--state-dir", help="the daemon's state dir, whose lock record names the "
+                                       "processes it locked through the CUDA driver (default: "
+                                       "from the config, else the default)")
     p.add_argument("--json", action="store_true")
 
 
@@ -307,6 +322,8 @@ def cleanup_main(args: argparse.Namespace) -> int:
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force)
+    for line in _unlock(args.state_dir or str(conf.get("state_dir") or "")):
+        (res.actions if line.startswith("unlocked") else res.errors).append(line)
     if args.json:
         print(json.dumps({"ok": res.ok, "trees": res.trees, "actions": res.actions,
                           "errors": res.errors}, indent=2))

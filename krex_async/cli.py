@@ -41,10 +41,19 @@ def _serve_parser(sub: Any) -> None:
                         "tree is writable, else signal), cgroup, signal (SIGSTOP, affinity)")
     p.add_argument("--cgroup-root", help="a delegated cgroup v2 directory for command cgroups")
     p.add_argument("--devices", help="auto, none, cpu:N (N logical cpu devices), nvidia, amd")
-    p.add_argument("--freeze", choices=["all", "device-holders"],
-                   help="whom a region freezes: all (default) the other commands on its device; "
-                        "device-holders only those holding a GPU device file (the rest are fenced "
-                        "off the region cores)")
+    p.add_argument("--freeze", choices=["all", "device-holders", "auto"],
+                   help="who a region holds: every sibling on the device, those holding a GPU "
+                        "device file (the others run on, fenced, and are held when they open one), "
+                        "or auto (default): device-holders where the hold locks and the probes "
+                        "run, all otherwise")
+    p.add_argument("--hold", choices=["auto", "lock", "freeze"],
+                   help="how a held sibling is held: lock (its CUDA processes through the NVIDIA "
+                        "driver's process lock: its other threads run on; frozen where a lock "
+                        "cannot serve), freeze (the cgroup freezer), auto (default): lock where "
+                        "the driver offers it")
+    p.add_argument("--lock-timeout", type=float,
+                   help="seconds one driver lock may take before that sibling is frozen instead "
+                        "(default 0.005; H200: 0.4-2.1 ms a lock)")
     p.add_argument("--quiesce", choices=["auto", "all"],
                    help="whose runtime a region asks to stop and synchronise before freezing: "
                         "auto (default) those holding a GPU device file, none on the cpu device; "

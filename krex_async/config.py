@@ -31,7 +31,16 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     isolation: Literal["auto", "cgroup", "signal"] = "auto"
     cgroup_root: str = ""  # a delegated v2 cgroup to create command cgroups under ("" = find one)
     devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
-    freeze: Literal["all", "device-holders"] = "all"
+    # who a region holds: every sibling on the device, those holding a GPU device file, or auto
+    # (device-holders where the hold locks and the probes see GPU opens, all otherwise; hold.py)
+    freeze: Literal["all", "device-holders", "auto"] = "auto"
+    # how: the CUDA driver's process lock (freezer fallback per sibling), the freezer, or auto (the
+    # lock where the driver offers it)
+    hold: Literal["auto", "lock", "freeze"] = "auto"
+    # bound of one cuCheckpointProcessLock (H200: 0.4-2.1 ms unloaded); a sibling not locked by then
+    # (inside a long CUDA call: context creation, a large allocation) is frozen instead, so a region
+    # entry stays within the 5 ms goal
+    lock_timeout: Annotated[float, msgspec.Meta(gt=0, le=10)] = 0.005
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

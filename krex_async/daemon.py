@@ -529,7 +529,8 @@ class Daemon:
                 "region": None if holder is None else {
                     "region": holder.id, "name": holder.report.name, "command": holder.command.id,
                     "pid": holder.pid, "state": holder.report.outcome,
-                    "frozen": list(holder.frozen_ids), "cores": sorted(holder.cores)},
+                    "frozen": list(holder.frozen_ids), "cores": sorted(holder.cores),
+                    "locked": list(holder.locked_ids)},
                 "queued": q.waiting and list(q.waiting) or [],
             })
         commands = [{
@@ -547,6 +548,7 @@ class Daemon:
                 "probes": self.probe_status(),
                 "pools": {k: p.status() for k, p in self.pools.items()},
                 "freeze": self.config.freeze, "region_cores": self.config.region_cores,
+                "hold": self.regions.hold_status(),
                 "devices": devices, "commands": commands}
 
     def probe_status(self) -> dict[str, Any]:
@@ -593,6 +595,7 @@ class Daemon:
         if self.attributor is not None:
             self.attributor.backend.stop()
         await self.backend.close()
+        self.regions.hold.close()
         if self.node is not None:
             self.node.close()
 

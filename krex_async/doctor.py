@@ -306,7 +306,8 @@ def run_checks(gpu: bool = False, cgroup_root: str = "") -> list[Check]:
     from . import doctor_kernel as k
 
     checks = [*check_python(), check_uvloop(), *check_cgroups(cgroup_root),
-              check_backend(cgroup_root), *k.check_tracing(), *k.check_bpf(), *k.check_gpus()]
+              check_backend(cgroup_root), *k.check_tracing(), *k.check_bpf(), *k.check_gpus(),
+              k.check_driver_lock()]
     if gpu:
         checks.append(k.check_cuda_context())
     return checks

@@ -263,5 +263,31 @@ def check_cuda_context(timeout: float = 120.0) -> Check:
                  "", r)
 
 
-__all__ = ["check_bpf", "check_cuda_context", "check_gpus", "check_tracing", "child",
-           "headers_release", "FAIL"]
+_LOCK = """
+from krex_async.isolation.cudalock import library_path, open_driver
+drv, why = open_driver()
+if drv is None:
+    report({"status": "unavailable", "error": why, "library": library_path()})
+report({"status": "ok", "library": drv.path, "driver_version": drv.version})
+"""
+
+
+def check_driver_lock(timeout: float = 60.0) -> Check:
+    """Whether `--hold lock|auto` can lock siblings through the CUDA driver here, and why not."""
+    r = child(_LOCK, timeout)
+    if r["status"] == "ok":
+        return Check("driver lock", OK, f"cuCheckpointProcessLock in {r['library']} (driver API "
+                     f"{r['driver_version']}): --hold auto locks CUDA siblings", data=r)
+    why = r["error"]
+    if "cannot load" in why:
+        fix = "none needed on a node without NVIDIA GPUs (regions freeze siblings)"
+    elif "predates" in why:
+        fix = ("update the NVIDIA driver (the checkpoint API came with CUDA 12.8, driver 570); "
+               "meanwhile regions freeze siblings")
+    else:
+        fix = "check `nvidia-smi`; meanwhile regions freeze siblings"
+    return Check("driver lock", WARN, f"unavailable: {why}", fix, r)
+
+
+__all__ = ["check_bpf", "check_cuda_context", "check_driver_lock", "check_gpus", "check_tracing",
+           "child", "headers_release", "FAIL"]

@@ -204,6 +204,23 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     # "ppid P, cgroup /path, cmd 'argv...'" (or "gone" when it had already exited). Up to 10.
     stray_procs: dict[int, str] = {}
     tainted: bool = False
+    # How siblings were held (hold.py): "lock" or "freeze" ("" when none were), and, when a lock was
+    # asked for but could not serve on this region at all, why. Locked: commands whose GPU-holding
+    # processes the CUDA driver locked (their other threads ran on); fenced: siblings left running
+    # off the region cores; hold_fallback: command -> why it was frozen rather than locked.
+    hold: str = ""
+    hold_why: str = ""
+    locked: list[str] = []
+    locked_pids: list[int] = []
+    fenced: list[str] = []
+    hold_fallback: dict[str, str] = {}
+    lock_s: float = 0.0  # the parallel lock step, first call to last answer
+    lock_max_s: float = 0.0  # the slowest single cuCheckpointProcessLock
+    unlock_s: float = 0.0
+    # Siblings that could be neither locked nor frozen (a thread in uninterruptible sleep): left
+    # running off the region cores, command -> why; the region is tainted and `taint` says why.
+    unheld: dict[str, str] = {}
+    taint: list[str] = []
 
 
 class CommandReport(msgspec.Struct, omit_defaults=True):

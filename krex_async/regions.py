@@ -5,8 +5,11 @@ no path out of a region (release, owner death, expiry, shutdown, a failed freeze
 leaves a process frozen or a core fenced. Steps and their cost:
 
     wait     queued behind other regions on the device (FIFO)
-    quiesce  ask siblings' in-command runtimes to stop at a bytecode boundary and synchronise
-    freeze   freeze every other command on the device (and the owner's other processes)
+    quiesce  ask frozen siblings' in-command runtimes to stop at a bytecode boundary and synchronise
+    hold     lock the siblings' CUDA processes through the driver (--hold lock) and freeze the rest
+             (every other command on the device, or those holding a GPU file: hold.py), and the
+             owner's other processes; a sibling that cannot be frozen is left running, fenced, and
+             the region tainted
     cores    give the owner's process its region cores; fence every other running command off them
     grant    the owner runs its timed loop
     exit     thaw, restore cpusets, resume quiesced runtimes, promote the next region
@@ -26,6 +29,7 @@ from . import protocol as P
 from .commands import Command
 from .devices.base import ClockState
 from .gpuholders import GpuHolders, read_holders
+from .hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
 from .isolation.base import Freeze, Group, IsolationError
 from .probes.hold import HOLD
 from .runtime.quiesce import holds_gpu_file
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from .probes.base import ProbeEvent
 
 log = logs.get("krex.region")
+SILENT_S = 1.0  # how long a runtime that did not answer a quiesce is not asked again
 
 
 
@@ -53,6 +58,8 @@ class Region:
     ended: asyncio.Future[str] | None = None
     frozen: list[Group] = field(default_factory=list)
     frozen_ids: list[str] = field(default_factory=list)
+    locked_pids: list[int] = field(default_factory=list)  # locked through the driver: unlock them
+    locked_ids: list[str] = field(default_factory=list)  # commands held by the lock alone
     quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
     acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
     cores: frozenset[int] = frozenset()
@@ -74,6 +81,11 @@ class Regions:
         self.active: dict[str, Region] = {}  # every region from request to release
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
         self.holders = GpuHolders()  # which runtimes' processes hold a GPU device file
+        cfg = daemon.config
+        self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
+        self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
+        # runtimes that did not answer a quiesce in time: (pid, connection) -> when
+        self.silent: dict[tuple[int, Callable[[P.Msg], bool]], float] = {}
 
     def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
                ) -> Region:
@@ -214,17 +226,41 @@ class Regions:
     # ------------------------------------------------------------------------------ isolation
 
     def _targets(self, r: Region) -> list[Command]:
-        """The commands frozen for this region: every other command on its device (or, with
+        """The commands held for this region: every other command on its device (or, with
         --freeze device-holders, those of them that hold a GPU device file)."""
         out = []
+        holders_only = self._who(r) == "device-holders"
         for cid in self.d.scheduler.siblings(r.device, r.command.id):
             cmd = self.d.commands.get(cid)
             if cmd is None or cmd.state != "running" or cmd.group is None:
                 continue
-            if self.d.config.freeze == "device-holders" and not any(
-                    holds_gpu_file(p) for p in self.d.backend.pids(cmd.group)):
+            if holders_only and not any(holds_gpu_file(p) for p in self.d.backend.pids(cmd.group)):
                 continue
             out.append(cmd)
+        return out
+
+    def hold_status(self) -> dict[str, object]:
+        """For `krex status`: the hold's mode and lock availability, and per device how and whom
+        a region there would hold now (and why not by the lock)."""
+        st: dict[str, object] = dict(self.hold.status())
+        probes = self.d.attributor is not None
+        st["devices"] = {d.key: {"hold": (how := self.hold.how(d.vendor))[0], "why": how[1],
+                                 "freeze": self.hold.who(d.vendor, probes)}
+                         for d in self.d.devices}
+        return st
+
+    def _who(self, r: Region) -> str:
+        return self.hold.who(self.d.device(r.device).vendor, self.d.attributor is not None)
+
+    def _gpu_pids(self, cmd: Command) -> list[int]:
+        """The command's processes holding a GPU device file: its runtimes from memory where known
+        (gpuholders.py), the others read from /proc."""
+        assert cmd.group is not None
+        out = []
+        for p in self.d.backend.pids(cmd.group):
+            token = cmd.runtimes.get(p)
+            if (token is not None and self.holders.known(p, token)) or holds_gpu_file(p):
+                out.append(p)
         return out
 
     async def _isolate(self, r: Region) -> None:
@@ -256,31 +292,53 @@ class Regions:
             r.paused_pool = True
         t_select = time.perf_counter()
         targets = self._targets(r)
-        asked = self._to_quiesce(r, targets)
+        plan = self.hold.plan(self.d.device(r.device).vendor,
+                              {c.id: self._gpu_pids(c) for c in targets}
+                              if self.hold.how(self.d.device(r.device).vendor)[0] == "lock"
+                              else {c.id: [] for c in targets})
+        locking = [c for c in targets if c.id in plan.to_lock]
+        freezing = [c for c in targets if c.id not in plan.to_lock]
+        # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
+        # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
+        asked = self._to_quiesce(r, freezing)
         rep.select_s = time.perf_counter() - t_select
+        rep.hold, rep.hold_why = (plan.how, plan.why) if targets else ("", "")
+        if plan.why and self.hold.mode == "lock":  # asked for by name: each sibling says why not
+            rep.hold_fallback.update({c.id: plan.why for c in freezing if self._gpu_pids(c)})
         quiesced_cmds = {id(c) for c, _, _ in asked}
-        todo = [c for c in targets if c.group is not None and not c.group.frozen]
+        todo = [c for c in freezing if c.group is not None and not c.group.frozen]
         # Mark before freezing: a failure part-way still thaws every one of them in _release.
         r.frozen.extend(c.group for c in todo if c.group is not None)
-        r.frozen_ids.extend(c.id for c in targets)
+        r.frozen_ids.extend(c.id for c in freezing)
+        todo = self._still_hung(r, todo)
         now = [c.group for c in todo if id(c) not in quiesced_cmds and c.group is not None]
         later = [c.group for c in todo if id(c) in quiesced_cmds and c.group is not None]
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
         t0 = time.perf_counter()
+        lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock)) if locking else None
         self._send_quiesce(r, asked)
-        early = asyncio.ensure_future(backend.freeze_many(now, timeout=timeout)) if now else None
+        early = asyncio.ensure_future(self._freeze_some(r, now)) if now else None
         cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
         try:
             if asked:
                 pending = [f for f in r.acks.values() if not f.done()]
                 if pending:
                     await asyncio.wait(pending, timeout=self.d.config.quiesce_timeout)
+                self._note_silent(r, asked)
             t1 = time.perf_counter()
             rep.quiesce_s = t1 - t0
-            results = await backend.freeze_many(later, timeout=timeout) if later else []
+            results = await self._freeze_some(r, later) if later else []
             if early is not None:
                 results += await early
+            if lock is not None:
+                fallback = await asyncio.shield(lock)  # a lock in flight is never abandoned
+                if fallback:  # frozen after all: no quiesce, the owner verifies the drain
+                    groups = [c.group for c in fallback
+                              if c.group is not None and not c.group.frozen]
+                    r.frozen.extend(groups)
+                    r.frozen_ids.extend(c.id for c in fallback)
+                    results += await self._freeze_some(r, groups)
             if own_first and own is not None:
                 results.append(await backend.freeze(own, keep=frozenset({r.pid}), timeout=timeout))
                 r.frozen.append(own)
@@ -289,12 +347,18 @@ class Regions:
             rep.frozen = list(r.frozen_ids)
             rep.frozen_pids = sum(x.pids for x in results)
             self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
-                         pids=rep.frozen_pids)
+                         pids=rep.frozen_pids, locked=len(r.locked_pids))
             if cores is None:
                 cores = asyncio.ensure_future(self._timed_cores(r))
             await cores
+            if rep.unheld:  # fence the siblings that could not be held, now that they are known
+                await self.refence()
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
+            held = set(r.frozen_ids) | set(r.locked_ids)
+            rep.fenced = [cid for cid in self.d.scheduler.siblings(r.device, r.command.id)
+                          if cid not in held and (c := self.d.commands.get(cid)) is not None
+                          and c.state == "running"]
             rep.drain = self._check_drain(r, targets, results)
             await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
@@ -304,8 +368,41 @@ class Regions:
             for task in tasks:
                 if not task.done():
                     task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # never cancelled: a lock in flight must land in r.locked_pids, or be undone, before
+            # _release runs (LockPool.lock_many is bounded)
+            await asyncio.gather(*tasks, *([lock] if lock is not None else []),
+                                 return_exceptions=True)
             raise
+
+    async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
+                    ) -> list[Command]:
+        fallback = await lock_commands(self.hold, r, cmds, pids)
+        self.d.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
+                     fallback=len(fallback))
+        return fallback
+
+    async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
+        out = await freeze_tolerant(self.d.backend, r, groups, self.d.config.freeze_timeout)
+        for cid in r.report.unheld:
+            self.hung[cid] = time.monotonic()
+        return out
+
+    def _still_hung(self, r: Region, todo: list[Command]) -> list[Command]:
+        """`todo` less the commands a region could not freeze before and that still have a thread
+        in uninterruptible sleep: each would cost this region a whole --freeze-timeout for the
+        same answer. They are left unheld at once, the region tainted."""
+        self.hung = {cid: t for cid, t in self.hung.items()
+                     if (c := self.d.commands.get(cid)) is not None and c.state == "running"}
+        out = []
+        for c in todo:
+            stuck = d_state(self.d.backend.pids(c.group)) if c.id in self.hung and \
+                c.group is not None else []
+            if stuck and c.group is not None:
+                unheld(r, c.group, f"still in uninterruptible sleep, as when a freeze last failed "
+                                   f"(not tried again): {', '.join(stuck)}")
+            else:
+                out.append(c)
+        return out
 
     async def _settle(self, r: Region) -> None:
         """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.
@@ -350,6 +447,8 @@ class Regions:
         if r.request.freeze_own_children:
             owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items()
                        if pid != r.pid]
+        now = time.monotonic()
+        owners = [o for o in owners if now - self.silent.get((o[1], o[2]), -SILENT_S) >= SILENT_S]
         if self.d.config.quiesce == "all":
             return owners
         if self.d.device(r.device).vendor == "cpu":
@@ -357,6 +456,22 @@ class Regions:
         # gpuholders.py: a holder stays one for its connection; a recent "none" is believed here,
         # and checked again after the freeze (_check_drain)
         return [(c, pid, send) for c, pid, send in owners if self.holders.holds(pid, send)]
+
+    def _note_silent(self, r: Region,
+                     asked: list[tuple[Command, int, Callable[[P.Msg], bool]]]) -> None:
+        """Remember the runtimes that did not answer within --quiesce-timeout: on real jobs they
+        sat in long C calls (imports, CUDA initialisation, allocation), which last seconds, and
+        asking them again at once would cost the next region the whole timeout for the same
+        silence. They are frozen without asking for SILENT_S; the owner verifies the drain."""
+        now = time.monotonic()
+        if len(self.silent) > 4096:  # runtimes come and go: start over
+            self.silent.clear()
+        for _, pid, send in asked:
+            fut = r.acks.get(pid)
+            if fut is not None and fut.done():
+                self.silent.pop((pid, send), None)
+            else:
+                self.silent[(pid, send)] = now
 
     def _send_quiesce(self, r: Region, asked: list[tuple[Command, int, Callable[[P.Msg], bool]]],
                       ) -> None:
@@ -471,6 +586,17 @@ class Regions:
         if r.frozen:
             self.d.trace("thaw", r, groups=len(r.frozen))
         r.frozen.clear()
+        # After the thaw: a process both locked and frozen (it opened a GPU during the region)
+        # may need to run for the driver to unlock it.
+        if r.locked_pids and self.hold.pool is not None:
+            try:
+                r.report.unlock_s, errors = await self.hold.pool.unlock_many(list(r.locked_pids))
+                self.d.trace("unlock", r, seconds=r.report.unlock_s, pids=len(r.locked_pids))
+                for pid, err in errors.items():  # a locked process that died meanwhile among them
+                    log.info("unlock_refused", region=r.id, pid=pid, error=err)
+            except Exception as e:
+                log.error("unlock_failed", region=r.id, error=repr(e))
+            r.locked_pids.clear()
         for send in r.quiesced:
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
@@ -490,14 +616,17 @@ class Regions:
                 log.error("refence_failed", region=r.id, error=repr(e))
 
     def freeze_late(self, r: Region, ev: "ProbeEvent") -> None:
-        """--freeze device-holders: a sibling that opened a GPU device during the region is frozen
-        as soon as the probes see the open (the open itself is reported as a stray)."""
-        if self.d.config.freeze != "device-holders" or r.report.outcome != "held":
+        """--freeze device-holders, or a sibling held by the lock: a sibling process that opened a
+        GPU device during the region is frozen with its command as soon as the probes see the open
+        (the open itself is reported as a stray)."""
+        if r.report.outcome != "held":
             return
         assert self.d.attributor is not None
         cmd = self.d.attributor.command_of(ev)
         if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
                 or cmd.group.frozen:
+            return
+        if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
         self.d.track(asyncio.get_running_loop().create_task(
             self._freeze_into(r, cmd, cmd.group, "late")))
@@ -526,7 +655,8 @@ class Regions:
             return
         if admitted is not None:
             await self.d.backend.thaw(group)
-        if current is None or cmd.id in current.frozen_ids or not self._freezes_starts():
+        if current is None or cmd.id in current.frozen_ids or \
+                not self._freezes_starts(current.device):
             return
         task = asyncio.get_running_loop().create_task(
             self._freeze_into(current, cmd, group, "join"))
@@ -557,12 +687,15 @@ class Regions:
         """A command starting on a device whose region is held lands frozen: the region it joins.
         Under --freeze device-holders it holds no GPU file yet, so it starts (fenced off the
         region cores) and is frozen if it opens one during the region."""
-        if cmd.device is None or not self._freezes_starts():
+        if cmd.device is None or not self._freezes_starts(cmd.device.key):
             return None
         return self.current_on(cmd.device.key)
 
-    def _freezes_starts(self) -> bool:
+    def _freezes_starts(self, device: str) -> bool:
         """Whether commands that start during a region are frozen into it (not under the shared
         or command policies, nor --freeze device-holders, which freezes on a GPU open instead)."""
-        return self.d.scheduler.isolates() and self.d.config.freeze != "device-holders"
+        if not self.d.scheduler.isolates():
+            return False
+        return self.hold.who(self.d.device(device).vendor, self.d.attributor is not None) != \
+            "device-holders"
 

@@ -138,6 +138,12 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
     head.append(f"{ver}daemon pid {st.get('pid', '?')}  policy {st['policy']}  freeze {st['freeze']}  "
                 f"region cores {st['region_cores']}")
     head.append(f"isolation {iso['backend']}: {iso['reason']}")
+    if "hold" in st:  # a daemon from before the driver lock has no such key
+        ho = st["hold"]
+        head.append(f"hold {ho['mode']}: driver lock " + (
+            "available" if ho["lock_available"] else "unavailable") + f" ({ho['reason']})")
+        for key, dv in ho.get("devices", {}).items():
+            head.append(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({dv['why']})" if dv["why"] else ""))
     if "probes" in st:  # a daemon from before probes were reported has no such key
         pr = st["probes"]
         head.append(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")

@@ -8,3 +8,4 @@ step probes 120 python3 bench/gpu/check_probes.py --launches 100000 --deadline 1
 step drain 200 python3 bench/gpu/check_drain.py
 step pool 120 python3 bench/pool_start.py --device cuda --together 1,16 --rounds 3 --goal 20 --json "$OUT/pool_start.json"
 step workload 110 python3 bench/gpu/check_workload.py
+step lock 180 python3 bench/gpu/check_lock.py --deadline 170

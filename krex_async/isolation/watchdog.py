@@ -3,11 +3,13 @@
     daemon ──start_watchdog()── exec python -m krex_async.isolation.watchdog --pid DAEMON ...
        │                                    │ pidfd_open(DAEMON); print "ready"
        ╳ (dies)                              │ poll(pidfd) wakes
-                                             └─ intent.sweep(): thaw all, restore cpusets; exit
+                                             └─ intent.sweep(): thaw all, restore cpusets;
+                                                cudalock.release_left(): unlock its locks; exit
 
 It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
-only the cgroupfs and intent modules, and removes nothing but empty command cgroups, all under its
-daemon's instance directory (`--base krex/<instance>`): other daemons' cgroups are never thawed.
+only the cgroupfs and intent modules (and cudalock, with libcuda where a lock was recorded, once the
+daemon has died), and removes nothing but empty command cgroups, all under its daemon's instance
+directory (`--base krex/<instance>`): other daemons' cgroups are never thawed.
 
 The daemon's clean shutdown releases it by writing "Q" to its stdin pipe (it exits without a
 sweep: nothing is frozen any more). End of that pipe without a "Q" means the daemon died. SIGTERM
@@ -98,6 +100,8 @@ def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: s
         os.close(pidfd)
     t0 = time.monotonic()
     lines, _alive = sweep(v2, v1, cpuset, state_dir, base=base)
+    from krex_async.isolation.cudalock import release_left  # only now: ctypes, and libcuda if needed
+    lines += release_left(state_dir)  # the CUDA driver locks it took: they outlive it
     lines.append(f"watchdog: daemon {pid} died; sweep took {time.monotonic() - t0:.4f}s")
     return lines
 

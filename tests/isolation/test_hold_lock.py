@@ -1,0 +1,402 @@
+"""Regions that hold siblings through the driver lock (--hold lock), through a real daemon with the
+cgroup backend and the fake libcuda (fakecuda.py) loaded by the daemon through KREX_LIBCUDA.
+
+Siblings: `cuda` holds a GPU device file and a context (locked: its CUDA calls stop, its CPU thread
+runs on), `vk` holds a GPU device file but no context (a Vulkan or raw-ioctl user: frozen, with the
+reason), `cpu` holds neither (left running, fenced). Crash safety: the watchdog, the next daemon's
+start-up and `krex cleanup` unlock what a SIGKILLed daemon locked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from krex_async import Client
+
+from ..conftest import PY, is_frozen, proc_state, py_env, run_daemon
+from .fakecuda import Fake, build
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: cgroups, and a mount namespace for "
+                                                 "the sibling's stand-in GPU device file"),
+    pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) missing"),
+]
+
+# Takes a region, writes the time of the grant to argv[1], holds it argv[2] s, prints the report.
+OWNER = """
+import sys, time, msgspec
+from krex_async import region
+with region("timing") as r:
+    open(sys.argv[1], "w").write(str(time.time()))
+    time.sleep(float(sys.argv[2]))
+sys.stdout.write(msgspec.json.encode(r.report).decode())
+"""
+
+
+# The tests that expect a lock give it time: on a loaded 2-core VM the fake's lock thread may wait
+# to be scheduled longer than the default bound (5 ms), and a freeze would be a right answer there.
+SLOW = ("--lock-timeout", "0.5")
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Fake:
+    return build(tmp_path_factory.mktemp("fakecuda"))
+
+
+def daemon_env(fake: Fake, **extra: str) -> dict[str, str]:
+    return py_env(**fake.env(**extra))
+
+
+async def start(c: Client, fake: Fake, name: str, mode: str = "cuda", gpu_file: bool = True,
+                *extra: str, **kw: Any) -> tuple[Any, int]:
+    (fake.state / f"{name}.stats").unlink(missing_ok=True)
+    h = await c.submit(fake.argv(name, mode, gpu_file, *extra), env=daemon_env(fake), **kw)
+    deadline = time.monotonic() + 15
+    while fake.stats(name)[0] == 0 or (mode == "cuda" and fake.stats(name)[1] == 0):
+        assert time.monotonic() < deadline, f"sibling {name} did not start"
+        await asyncio.sleep(0.01)
+    return h, fake.stats(name)[0]
+
+
+async def granted(marker: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the region was not granted"
+        await asyncio.sleep(0.01)
+
+
+async def test_lock_holds_cuda_siblings_freezes_the_rest(fake: Fake, script, tmp_path: Path) -> None:
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon("--hold", "lock", "--freeze", "all", "--lock-timeout", "0.2",
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            st = await c.status()
+            assert st["hold"]["mode"] == "lock" and st["hold"]["lock_available"], st["hold"]
+            hc, cuda = await start(c, fake, "cuda")
+            hv, vk = await start(c, fake, "vk", "nocuda")
+            hp, cpu = await start(c, fake, "cpu", "nocuda", gpu_file=False)
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "1.0"], env=py_env()))
+            await granted(marker)
+            await asyncio.sleep(0.05)
+            assert fake.lock_state(cuda) == 1
+            assert not is_frozen(cuda) and is_frozen(vk) and is_frozen(cpu)
+            g0, c0 = fake.stats("cuda")[1:]
+            await asyncio.sleep(0.4)
+            g1, c1 = fake.stats("cuda")[1:]
+            assert g1 - g0 <= 1, f"{g1 - g0} CUDA calls completed during the region"
+            assert c1 - c0 >= 40, f"the locked sibling's CPU thread made only {c1 - c0} ticks"
+            res = await run
+            assert res.returncode == 0, res.stderr
+            rep = json.loads(res.stdout)
+            await asyncio.sleep(0.2)
+            assert fake.lock_state(cuda) == 0 and not is_frozen(vk) and not is_frozen(cpu)
+            assert fake.stats("cuda")[1] > g1, "no CUDA calls after the release"
+            for h in (hc, hv, hp):
+                await h.cancel(9)
+    ids = {hc.command: "cuda", hv.command: "vk", hp.command: "cpu"}
+    assert rep["hold"] == "lock"
+    assert [ids[x] for x in rep["locked"]] == ["cuda"] and rep["locked_pids"] == [cuda]
+    assert sorted(ids[x] for x in rep["frozen"]) == ["cpu", "vk"]
+    assert [ids[x] for x in rep["hold_fallback"]] == ["vk"]
+    assert "holds a GPU device file but was not locked" in rep["hold_fallback"][hv.command]
+    assert "CUDA_ERROR_INVALID_VALUE" in rep["hold_fallback"][hv.command]
+    assert 0 < rep["lock_s"] < 0.5 and 0 < rep["lock_max_s"] <= rep["lock_s"] + 0.01
+    assert rep["unlock_s"] > 0
+
+
+async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_path: Path) -> None:
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "device-holders", "--region-cores", "1",
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hc, cuda = await start(c, fake, "cuda")
+            hp, cpu = await start(c, fake, "cpu", "nocuda", gpu_file=False)
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.0"], env=py_env()))
+            await granted(marker)
+            await asyncio.sleep(0.05)
+            aff = os.sched_getaffinity(cpu)
+            st = await c.status()
+            region = st["devices"][0]["region"]
+            assert st["hold"]["devices"]["cpu"] == {"hold": "lock", "why": "",
+                                                    "freeze": "device-holders"}
+            text = subprocess.run([sys.executable, "-m", "krex_async", "status", "--socket",
+                                   d.socket], capture_output=True, text=True, env=py_env()).stdout
+            assert "hold lock: driver lock available (cuCheckpointProcessLock" in text, text
+            assert "  cpu: lock device-holders" in text, text
+            c0 = fake.stats("cpu")[2]
+            await asyncio.sleep(0.3)
+            assert fake.stats("cpu")[2] - c0 >= 30, "the CPU-only sibling did not run on"
+            res = await run
+            for h in (hc, hp):
+                await h.cancel(9)
+    rep = json.loads(res.stdout)
+    assert region["locked"] == [hc.command]
+    assert rep["locked"] == [hc.command] and rep.get("frozen", []) == []
+    assert rep["fenced"] == [hp.command]
+    assert not aff & set(rep["cores"]), f"the fenced sibling ran on the region cores {aff}"
+
+
+async def test_lock_timeout_falls_back_to_freeze(fake: Fake, script, tmp_path: Path) -> None:
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon("--hold", "lock", "--lock-timeout", "0.03", env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hs, slow = await start(c, fake, "slow", "slow")
+            await asyncio.sleep(0.1)  # inside its 3 s CUDA call
+            res = await c.run([PY, owner, str(marker), "0.1"], env=py_env())
+            await hs.cancel(9)
+    rep = json.loads(res.stdout)
+    assert rep["frozen"] == [hs.command] and rep.get("locked", []) == []
+    assert "CUDA_ERROR_TIMEOUT" in rep["hold_fallback"][hs.command]
+    assert rep["enter_s"] < 1.0
+
+
+@pytest.mark.parametrize("hold", ["lock", "auto"])
+async def test_no_driver_lock(fake: Fake, script, tmp_path: Path, hold: str) -> None:
+    """Without the API (an older driver): --hold lock freezes each sibling and says why in every
+    region; auto freezes as --hold freeze does, and `krex status` says why."""
+    owner = script("owner.py", OWNER)
+    env = py_env(**fake.env())
+    env["KREX_LIBCUDA"] = fake.old
+    async with run_daemon("--hold", hold, "--freeze", "all", env=env) as d:
+        async with await d.client() as c:
+            st = (await c.status())["hold"]
+            hc, cuda = await start(c, fake, "cuda")
+            res = await c.run([PY, owner, str(tmp_path / "g"), "0.1"], env=py_env())
+            await hc.cancel(9)
+    assert not st["lock_available"] and "predates the checkpoint API" in st["reason"]
+    rep = json.loads(res.stdout)
+    assert rep["frozen"] == [hc.command] and rep["hold"] == "freeze"
+    assert rep["hold_why"].startswith("no driver lock: ")
+    if hold == "lock":  # asked for by name: each sibling says why it was frozen instead
+        assert rep["hold_why"] == rep["hold_fallback"][hc.command]
+    else:
+        assert "hold_fallback" not in rep
+
+
+@pytest.mark.parametrize("end", ["timeout", "cancelled"])
+async def test_locked_command_still_dies(fake: Fake, script, tmp_path: Path, end: str) -> None:
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon(*SLOW, "--hold", "lock", "--kill-grace", "0.5",
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hc, cuda = await start(c, fake, "cuda", timeout=2.0 if end == "timeout" else 60)
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "6"], env=py_env()))
+            await granted(marker)
+            assert fake.lock_state(cuda) == 1
+            t0 = time.monotonic()
+            if end == "cancelled":
+                await hc.cancel(15)
+            res = await asyncio.wait_for(hc.wait(), 10)
+            assert res.report.state == end
+            assert time.monotonic() - t0 < 4
+            assert not os.path.exists(f"/proc/{cuda}") or proc_state(cuda) == "Z"
+            assert not run.done(), "the region outlived the locked sibling"
+            await run
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _watchdog_of(daemon_pid: int) -> int:
+    for child in _children(daemon_pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"krex_async.isolation.watchdog" in f.read():
+                return child
+    raise AssertionError("no watchdog child")
+
+
+@pytest.mark.parametrize("who", ["watchdog", "startup", "cleanup"])
+async def test_sigkilled_daemon_leaves_nothing_locked(fake: Fake, script, tmp_path: Path,
+                                                      who: str) -> None:
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "state")
+    cg = None
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", state,
+                          env=daemon_env(fake)) as d:
+        cg = next(a for a in d.proc.args if "krex-test-" in str(a))  # type: ignore[union-attr]
+        c = await d.client()
+        hc, cuda = await start(c, fake, "cuda", on_disconnect="keep")
+        hv, vk = await start(c, fake, "vk", "nocuda", on_disconnect="keep")
+        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(),
+                                    on_disconnect="keep"))
+        await granted(marker)
+        assert fake.lock_state(cuda) == 1 and is_frozen(vk)
+        if who != "watchdog":
+            os.kill(_watchdog_of(d.proc.pid), signal.SIGKILL)
+            await asyncio.sleep(0.1)
+        d.proc.kill()
+        d.proc.wait()
+        t0 = time.monotonic()
+        if who == "watchdog":
+            while fake.lock_state(cuda) == 1 and time.monotonic() - t0 < 3:
+                await asyncio.sleep(0.01)
+            dt = time.monotonic() - t0
+            assert fake.lock_state(cuda) == 0, "the watchdog did not unlock"
+            assert dt < 1.0, f"unlocked {dt:.2f} s after the daemon's death"
+            assert not is_frozen(vk)
+        else:
+            await asyncio.sleep(1.0)
+            assert fake.lock_state(cuda) == 1, "nothing else should have unlocked it"
+            if who == "startup":
+                async with run_daemon("--hold", "lock", "--state-dir", state, "--cgroup-root",
+                                      str(cg), env=daemon_env(fake)) as d2:
+                    assert "unlocked pid" in d2.logs()
+                    assert fake.lock_state(cuda) == 0
+            else:
+                out = subprocess.run([sys.executable, "-m", "krex_async", "cleanup", "--state-dir",
+                                      state, "--root", str(cg), "--force"],
+                                     capture_output=True, text=True, env=daemon_env(fake))
+                assert out.returncode == 0, out.stderr
+                assert f"unlocked pid {cuda}" in out.stdout
+                assert fake.lock_state(cuda) == 0 and not is_frozen(vk)
+        for pid in (cuda, vk):
+            os.kill(pid, signal.SIGKILL)
+
+
+# A Python sibling with krex's in-command runtime: a context through the fake driver, launches on
+# the main thread (each a C call that blocks while locked, without the GIL). Its main thread blocks
+# the runtime's quiesce signal: like a thread inside a long C call (an import, CUDA initialisation,
+# a synchronise the lock holds), it cannot answer a quiesce in time.
+PY_SIB = """
+import ctypes, os, signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMAX - 6])
+lib = ctypes.CDLL(os.environ["KREX_LIBCUDA"])
+ctx = ctypes.c_void_p()
+assert lib.cuInit(0) == 0 and lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, 0) == 0
+gpu = os.open("/dev/nvidia0", os.O_RDONLY)
+open(sys.argv[1], "w").write(str(os.getpid()))
+while True:
+    lib.cuLaunchKernel(None)
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.parametrize("hold", ["lock", "freeze"])
+async def test_locked_siblings_are_not_asked_to_quiesce(fake: Fake, script, tmp_path: Path,
+                                                        hold: str) -> None:
+    """--quiesce all asks every runtime of a frozen sibling to stop and synchronise. A locked
+    sibling is not asked: the lock stops its GPU work, and its runtime, inside a CUDA call that
+    the lock holds, could only answer after the region (a whole --quiesce-timeout lost)."""
+    owner = script("owner.py", OWNER)
+    ready = tmp_path / "sib.pid"
+    sib = script("sib.py", PY_SIB)
+    async with run_daemon(*SLOW, "--hold", hold, "--freeze", "all", "--quiesce", "all",
+                          "--quiesce-timeout", "0.5", env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            argv = fake.argv("x", "cuda")
+            h = await c.submit(argv[:argv.index(fake.sib)] + [PY, sib, str(ready)],
+                               env=daemon_env(fake))
+            deadline = time.monotonic() + 15
+            while not (ready.exists() and ready.read_text()):
+                assert time.monotonic() < deadline, "the Python sibling did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # its runtime registered
+            res = await c.run([PY, owner, str(tmp_path / "g"), "0.1"], env=py_env())
+            await h.cancel(9)
+    rep = json.loads(res.stdout)
+    if hold == "lock":
+        assert rep["locked"] == [h.command] and rep.get("quiesce_s", 0) < 0.05
+        assert rep["enter_s"] < 0.25, rep
+        assert rep["drain"] == "not-needed"  # the cpu device has no queues; on a GPU: pending
+    else:  # asked, and it could not answer: the whole timeout
+        assert rep["frozen"] == [h.command] and rep["quiesce_s"] >= 0.45
+
+
+async def test_probes_see_locked_siblings_and_late_openers(fake: Fake, script, tmp_path: Path) -> None:
+    """Exclusivity under the lock: a locked sibling that still touches the GPU (an ioctl from its
+    CPU thread) is a stray in the region's report, and a process of a locked command that opens
+    a GPU device during the region gets its command frozen at once."""
+    from krex_async.probes import bcc_works
+
+    ok, why = bcc_works()
+    if not ok:
+        pytest.skip(f"bcc unavailable: {why}")
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    late = tmp_path / "late.pid"
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--probes", "ioctl",
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hx, x = await start(c, fake, "x", "cuda", True, "ioctl")
+            # y: a locked sibling whose shell opens the "GPU" once the region is held
+            argv = fake.argv("y", "cuda")
+            body = ('mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && "$@" & '
+                    f'while [ ! -s {marker} ]; do sleep 0.01; done; sleep 0.2; '
+                    f'exec 3</dev/nvidia0; echo $$ > {late}; sleep 30')
+            argv[argv.index("-c") + 1] = body
+            (fake.state / "y.stats").unlink(missing_ok=True)
+            hy = await c.submit(argv, env=daemon_env(fake))
+            deadline = time.monotonic() + 15
+            while fake.stats("y")[1] == 0:
+                assert time.monotonic() < deadline, "sibling y did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the probes have seen both open their device files
+            res = await c.run([PY, owner, str(marker), "1.0"], env=py_env())
+            for h in (hx, hy):
+                await h.cancel(9)
+    rep = json.loads(res.stdout)
+    assert sorted(rep["locked"]) == sorted([hx.command, hy.command]), rep
+    assert x in rep["stray_pids"], f"the locked sibling's ioctls were not reported: {rep}"
+    assert int(late.read_text()) in rep["stray_pids"]
+    assert rep["frozen"] == [hy.command], "the command whose process opened the GPU late"
+
+
+SILENT_SIB = """
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMAX - 6])  # cannot answer a quiesce
+open(sys.argv[1], "w").write("up")
+while True:
+    time.sleep(0.01)
+"""
+
+TWO_REGIONS = """
+import sys, time, msgspec
+from krex_async import region
+out = []
+for _ in range(2):
+    with region("timing") as r:
+        time.sleep(0.05)
+    out.append(msgspec.to_builtins(r.report))
+    time.sleep(0.1)
+print(msgspec.json.encode(out).decode())
+"""
+
+
+async def test_a_runtime_that_did_not_answer_is_not_asked_again_at_once(script, tmp_path: Path,
+                                                                        ) -> None:
+    """Under the freezer: a sibling whose runtime could not answer the last quiesce (inside a long
+    C call) is frozen without asking in the next region, which then does not wait for it."""
+    up = tmp_path / "up"
+    async with run_daemon("--hold", "freeze", "--quiesce", "all", "--quiesce-timeout", "0.3") as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, script("silent.py", SILENT_SIB), str(up)], env=py_env())
+            deadline = time.monotonic() + 15
+            while not up.exists():
+                assert time.monotonic() < deadline, "the sibling did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # its runtime registered
+            res = await c.run([PY, script("two.py", TWO_REGIONS)], env=py_env())
+            await h.cancel(9)
+    first, second = json.loads(res.stdout)
+    assert first["frozen"] == [h.command] and first["quiesce_s"] >= 0.28, first
+    assert second["frozen"] == [h.command] and second.get("quiesce_s", 0) < 0.05, second
