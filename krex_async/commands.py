@@ -120,6 +120,7 @@ class Command:
     watch_task: asyncio.Task[None] | None = None
     pipe_closers: list[Callable[[], None]] = field(default_factory=list)
     spools: dict[str, SpoolFile] = field(default_factory=dict)  # stream -> its spool file
+    pool_env: dict[str, str] = field(default_factory=dict)  # KREX_POOL, where its interpreters may be adopted
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -148,6 +149,7 @@ class Command:
                    KREX_DEVICE=self.device_key or "none")
         if self.device is not None:
             env.update(self.device.env)
+        env.update(self.pool_env)
         return with_runtime(env)
 
 

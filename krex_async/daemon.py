@@ -23,7 +23,7 @@ from . import protocol as P
 from .commands import Command, Runner, SpecError, Subscriber, with_runtime
 from .procfs import stat_fields
 from .config import ServeConfig
-from .ctxpool import Pool, PoolConfig
+from .ctxpool import Pool, PoolConfig, adoption
 from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
@@ -74,6 +74,7 @@ class Daemon:
         self.attributor: Attributor | None = None  # set when probes run
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
+        self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         # Spool files and command records live in the state dir (none without one: a bare config).
         self.records = Records(config.state_dir) if config.state_dir else None
         self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled,
@@ -113,6 +114,42 @@ class Daemon:
         """Pool hook: the worker taking a command joins that command's group first."""
         if self.runner.launching is not None:
             self.backend.join(self.runner.launching, pid)
+
+    def _adoptable(self, cmd: Command) -> Pool | None:
+        """The pool that may adopt this command's interpreters: its device's, running as the
+        command's user, with a backend that can put a worker into the command's group."""
+        pool = self.pools.get(cmd.device_key or "")
+        if pool is None or type(self.backend).join is Backend.join:
+            return None
+        uid, gid, _ = pool.identity
+        return pool if (cmd.uid, cmd.gid) == (uid, gid) or cmd.uid == uid == os.geteuid() else None
+
+    def _demand(self, device: str | None) -> None:
+        """Pool sizing: keep warm workers towards the commands running on the device."""
+        pool = self.pools.get(device or "")
+        if pool is not None:
+            q = self.scheduler.devices[pool.device.key]
+            pool.set_demand(sum(self.commands[c].state in ("starting", "running")
+                                for c in q.commands if c in self.commands))
+
+    async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
+        """An interpreter of a command asks to be run by a warm worker (ctxpool/adoption.py)."""
+        cmd = self.commands.get(req.command)
+        if cmd is None:
+            raise RequestError("unknown_command", f"no command {req.command!r}")
+        self._inside(cmd, peer_pid, req.token, req.pid)
+        pool = self._adoptable(cmd)
+        tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
+
+        def hand(spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> Any:
+            assert pool is not None
+            self.runner.launching = cmd.group
+            try:
+                return pool.adopt(spec, pidfd, adopt)
+            finally:
+                self.runner.launching = None
+
+        await adoption.serve(pool, req, peer_pid, send, hand, tally)
 
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")
@@ -193,6 +230,8 @@ class Daemon:
             cid = f"{self._boot}-{next(self._ids)}"
         cmd = Command(id=cid, spec=req, uid=uid, gid=gid, device=device,
                       policy=self.scheduler.policy.value, tail_limit=self.config.output_tail)
+        if (pool := self._adoptable(cmd)) is not None:
+            cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
         try:
             self.runner.check(cmd)
         except SpecError as e:
@@ -227,6 +266,7 @@ class Daemon:
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
             await self.runner.kill(cmd, *cmd.kill_pending)
         await self.regions.join(cmd, region)
+        self._demand(cmd.device_key)
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
@@ -267,6 +307,10 @@ class Daemon:
         for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
             self.track(loop.create_task(self._start(self.commands[nxt])))
         assert cmd.report is not None
+        tally = self.adoptions.get(cmd.id)
+        if tally is not None:
+            cmd.report.pool_adopted, cmd.report.pool_declined = tally.adopted, dict(tally.declined)
+        self._demand(cmd.device_key)
         cmd.done.set()
         report = cmd.report
         pool = self.pools.get(report.device) if report.via == "pool" else None
@@ -297,6 +341,7 @@ class Daemon:
         """The command's retention ended: drop it, its spool files and its record."""
         if self.commands.get(cmd.id) is cmd:
             del self.commands[cmd.id]
+            self.adoptions.pop(cmd.id, None)
         self.runner.release(cmd)
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
@@ -383,6 +428,9 @@ class Daemon:
             raise RequestError("unknown_command", f"no command {req.command!r}")
         pid = self._inside(cmd, peer_pid, req.token, req.pid)
         cmd.runtimes[pid] = send
+        if req.pool_declined:
+            self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
+                req.pool_declined, self._adoptable(cmd))
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)
@@ -474,6 +522,8 @@ class Daemon:
             "result": c.report.state if c.report else None,
             "via": c.launched.via if c.launched else None,
             "start_latency_s": c.launched.start_latency_s if c.launched else None,
+            "pool_adopted": self.adoptions[c.id].adopted if c.id in self.adoptions else 0,
+            "pool_declined": dict(self.adoptions[c.id].declined) if c.id in self.adoptions else {},
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(),
                 "isolation": {"backend": self.backend.name, "reason": self.backend.reason},

@@ -87,3 +87,25 @@ def same_interpreter(path: str, python: str) -> bool:
 
 def init_key(env: dict[str, str]) -> tuple[tuple[str, str | None], ...]:
     return tuple((k, env.get(k)) for k in sorted(INIT_VARS))
+
+
+# Flags an adopting interpreter may have been started with: the worker applies -u and -B (adopted.py,
+# fresh.enter), and -R is the default. Any other flag declines the adoption.
+OWN_FLAGS = frozenset("uBR")
+
+
+def split_flags(argv: list[str]) -> tuple[str, list[str]]:
+    """(the leading flag letters, argv without them) for a command line whose flags are all in
+    OWN_FLAGS. Raises ValueError naming the first other flag."""
+    i, letters = 1, ""
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-", "--"):
+        a = argv[i]
+        if a.startswith(("-c", "-m")):
+            break
+        if not set(a[1:]) <= OWN_FLAGS:
+            raise ValueError(f"flag {a}"[:64])
+        letters += a[1:]
+        i += 1
+    if i < len(argv) and argv[i] == "--":
+        raise ValueError("flag --")
+    return letters, [argv[0], *argv[i:]]
