@@ -1,0 +1,218 @@
+"""Adoption: Python interpreters started anywhere in a command's tree run in warm pool workers.
+
+Each test runs a real daemon (cgroup backend: a worker must join the command's cgroup) with
+`colorsys` preloaded: a program sees it in sys.modules only when a worker ran it, which is the
+marker of adoption. Every path is compared with what a plain interpreter does with the same input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import PY, py_env, run_daemon, v2_mount
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or v2_mount() is None,
+                                reason="adoption needs the cgroup backend: root and cgroup v2")
+
+MARK = "import sys as _s; _M = 'colorsys' in _s.modules\n"  # first line of every job
+
+
+def write(d: Path, name: str, src: str) -> str:
+    p = d / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    mark = src.startswith(MARK)
+    p.write_text((MARK if mark else "") + textwrap.dedent(src[len(MARK):] if mark else src))
+    return str(p)
+
+
+async def warm(c: Any, n: int = 1, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = (await c.status())["pools"]["cpu"]
+        if st["warm"] >= n:
+            return st
+        assert time.monotonic() < deadline, st
+        await asyncio.sleep(0.05)
+
+
+def pooled_daemon(size: int = 2) -> Any:
+    return run_daemon("--pool-size", str(size), "--pool-preload", "colorsys", "--isolation", "cgroup",
+                      env=py_env())
+
+
+async def run_sh(c: Any, line: str, cwd: Path, **kw: Any) -> Any:
+    await warm(c)
+    return await c.run(["/bin/sh", "-c", line], env=py_env(**kw.pop("env", {})), cwd=str(cwd), **kw)
+
+
+def plain(line: str, cwd: Path, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    """The same shell line without krex: what a fresh interpreter does."""
+    return subprocess.run(["/bin/sh", "-c", line], cwd=cwd, input=stdin, capture_output=True,
+                          env=py_env(), timeout=60)
+
+
+async def test_sh_c_job_is_adopted_and_behaves_like_a_fresh_process(tmp_path: Path) -> None:
+    job = write(tmp_path, "job.py", MARK + """
+        import os, sys
+        print("argv", sys.argv, "file", __file__, "name", __name__, flush=True)
+        print("cwd", os.getcwd(), "env", os.environ.get("JOBVAR"), "stdin", sys.stdin.read())
+        print("path0", sys.path[0], "exe", sys.executable, flush=True)
+        for i in range(3):
+            print("out", i, flush=True)
+            print("err", i, file=sys.stderr, flush=True)
+        print("adopted", _M, file=sys.stderr)
+        raise SystemExit(7)
+    """)
+    line = f"echo hello | JOBVAR=v {PY} job.py a 'b c' 2>&1; echo rc=$?"
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, line, tmp_path)
+            st = (await c.status())["pools"]["cpu"]
+    ref = plain(line, tmp_path)
+    assert b"adopted True" in res.stdout, res.stdout
+    assert res.stdout.replace(b"adopted True", b"adopted False") == ref.stdout
+    assert res.stdout.endswith(b"rc=7\n")
+    assert res.report.pool_adopted == 1 and res.report.pool_declined == {}, res.report
+    assert st["adopted"] == 1 and all(w["rss_bytes"] for w in st["workers"]), st
+
+
+async def test_runner_script_module_with_relative_imports_and_uncaught_exception(tmp_path: Path) -> None:
+    write(tmp_path, "pkg/__init__.py", "")
+    write(tmp_path, "pkg/helper.py", "VALUE = 42\n")
+    write(tmp_path, "pkg/main.py", MARK + """
+        from .helper import VALUE
+        import sys
+        print("value", VALUE, __name__, __package__, sys.argv, _M, flush=True)
+        def boom():
+            raise ValueError("bad " + sys.argv[1])
+        boom()
+    """)
+    write(tmp_path, "runner.sh", f"""
+        set -u
+        cd "$(dirname "$0")"
+        {PY} -m pkg.main x
+        echo "rc=$?"
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, "bash runner.sh", tmp_path)
+    ref = plain("bash runner.sh", tmp_path)
+    assert b"True" in res.stdout and res.report.pool_adopted == 1, (res.stdout, res.report)
+    assert res.stdout.replace(b"True", b"False") == ref.stdout
+    assert res.stdout.endswith(b"rc=1\n")
+    assert res.stderr == ref.stderr  # the same traceback, frame for frame
+    assert b"ValueError: bad x" in res.stderr
+
+
+async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Path) -> None:
+    """An absolute-path interpreter started by subprocess from an adopted one: SIGINT sent by the
+    parent raises KeyboardInterrupt in the program; SIGTERM and SIGKILL end it as they would a
+    fresh process (the parent sees -15, -9), and a killed adopter takes its worker with it."""
+    write(tmp_path, "inner.py", MARK + """
+        import os, sys, time
+        print(os.getpid(), _M, flush=True)
+        if sys.argv[1] == "int":
+            try:
+                time.sleep(30)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                raise
+        time.sleep(30)
+    """)
+    write(tmp_path, "outer.py", f"""
+        import os, signal, subprocess, sys, time
+        time.sleep(1.0)  # the pool refills behind this interpreter's own worker
+        for how, sig in (("int", signal.SIGINT), ("term", signal.SIGTERM), ("kill", signal.SIGKILL)):
+            p = subprocess.Popen([{PY!r}, "inner.py", how], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            first = p.stdout.readline().split()
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=20)
+            print(how, p.returncode, first[1].decode(), out.decode().strip(), err.decode().strip().splitlines()[-1:], flush=True)
+            time.sleep(0.3)
+            alive = os.path.exists(f"/proc/{{int(first[0])}}") and open(f"/proc/{{int(first[0])}}/stat").read().split()[2] != "Z"
+            print(how, "program alive", alive, flush=True)
+            time.sleep(1.0)
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} outer.py", tmp_path, timeout=60)
+    lines = res.stdout.decode().splitlines()
+    assert lines[0] == "int -2 True interrupted ['KeyboardInterrupt']", lines
+    assert lines[2] == "term -15 True  []", lines
+    assert lines[4] == "kill -9 True  []", lines
+    assert all(ln.endswith("alive False") for ln in lines[1::2]), lines
+    assert res.report.pool_adopted == 4, res.report
+
+
+async def test_timeout_kills_adopted_worker_and_ignored_signals_stay_ignored(tmp_path: Path) -> None:
+    """A background job of sh inherits SIGINT ignored: so does its worker. At the command's
+    timeout the worker dies with the command's tree."""
+    write(tmp_path, "job.py", MARK + """
+        import os, signal, time
+        print(os.getpid(), _M, signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+        time.sleep(60)
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} job.py & wait", tmp_path, timeout=3)
+    pid, marker, ignored = res.stdout.split()
+    assert (marker, ignored) == (b"True", b"True")
+    assert res.report.state == "timeout"
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{int(pid)}") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not os.path.exists(f"/proc/{int(pid)}")
+
+
+async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Path) -> None:
+    write(tmp_path, "mp.py", MARK + """
+        import multiprocessing as mp, os, sys
+        def square(x):
+            return x * x
+        if __name__ == "__main__":
+            for method in ("spawn", "fork"):
+                with mp.get_context(method).Pool(2) as p:
+                    print(method, p.map(square, range(4)), flush=True)
+            print("adopted", _M)
+    """)
+    async with pooled_daemon(3) as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} mp.py", tmp_path, timeout=60)
+    assert res.stdout == b"spawn [0, 1, 4, 9]\nfork [0, 1, 4, 9]\nadopted True\n", res
+    assert res.returncode == 0 and res.report.pool_adopted == 1, res.report
+    # spawn's children (and its resource tracker) are handed pipes beyond fds 0-2: they start fresh
+    assert res.report.pool_declined.get("fds beyond 0-2", 0) >= 2, res.report
+
+
+async def test_ineligible_interpreters_run_as_before_and_say_why(tmp_path: Path) -> None:
+    write(tmp_path, "job.py", MARK + """
+        import sys, time
+        print(_M, sys.flags.dev_mode, flush=True)
+        time.sleep(0.3)  # long enough for its runtime to report why it was not adopted
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} -X dev job.py; {PY} -u job.py; CUDA_VISIBLE_DEVICES=7 {PY} job.py",
+                               tmp_path)
+    assert res.stdout.splitlines() == [b"False True", b"True False", b"False False"], res.stdout
+    assert res.report.pool_adopted == 1
+    assert res.report.pool_declined == {"flag -X": 1, "env CUDA_VISIBLE_DEVICES": 1}, res.report
+
+
+async def test_no_pool_no_adoption_variable(tmp_path: Path) -> None:
+    """Without a pool the runtime is told nothing (KREX_POOL unset): no request, nothing counted."""
+    async with run_daemon("--isolation", "cgroup", env=py_env()) as d:
+        async with await d.client() as c:
+            res = await c.run(["/bin/sh", "-c", f"{PY} -c 'import os; print(\"KREX_POOL\" in os.environ)'"],
+                              env=py_env(), cwd=str(tmp_path))
+    assert res.stdout == b"False\n"
+    assert res.report.pool_adopted == 0 and res.report.pool_declined == {}
