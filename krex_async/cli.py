@@ -212,6 +212,7 @@ async def _status(args: argparse.Namespace) -> int:
             print(f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
                   f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
                   + ("  (paused)" if p.get("paused") else "")
+                  + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
                   + (f"  last error: {p['last_error'].strip().splitlines()[-1]}" if p.get("last_error") else ""))
     print("\nCOMMAND       STATE     DEVICE  PID      AGE      START     FROZEN  ARGV")
     for c in st["commands"]:

@@ -481,9 +481,11 @@ class Daemon:
         def query() -> list[dict[str, Any]]:
             out = []
             for d in node.refresh():
+                procs = node.processes(d)
                 out.append({"memory_free_bytes": d.memory_free_bytes, "clocks_mhz": d.clocks_mhz,
                             "utilisation_pct": node.utilisation(d),
-                            "processes": [p.pid for p in node.processes(d)]})
+                            "processes": [p.pid for p in procs],
+                            "_gpu_bytes": {p.pid: p.used_memory_bytes for p in procs}})
             return out
 
         try:
@@ -492,7 +494,10 @@ class Daemon:
             st["devices_error"] = repr(e)
             return st
         for entry, extra in zip(st["devices"], live):
+            gpu_bytes = extra.pop("_gpu_bytes")
             entry.update(extra)
+            for w in st["pools"].get(entry["key"], {}).get("workers", []):
+                w["gpu_bytes"] = gpu_bytes.get(w["pid"])  # NVML per process; None: not reported
         return st
 
     def status(self) -> dict[str, Any]:

@@ -216,3 +216,83 @@ async def test_no_pool_no_adoption_variable(tmp_path: Path) -> None:
                               env=py_env(), cwd=str(tmp_path))
     assert res.stdout == b"False\n"
     assert res.report.pool_adopted == 0 and res.report.pool_declined == {}
+
+
+async def test_gateway_jobs_are_adopted(tmp_path: Path) -> None:
+    """The gateway runs each job as `/bin/sh -c CMD` with its own PYTHONPATH and a `python3` shim:
+    a job's interpreter and a runner script's are both adopted, and the job result says so."""
+    from ..gateway.conftest import stack
+
+    src = MARK + "import sys\nprint(_M, sys.argv[1:])\n"
+    daemon_args = ("--pool-size", "2", "--pool-preload", "colorsys", "--isolation", "cgroup")
+    async with stack(tmp_path, daemon_args=daemon_args) as (daemon, _gw, c):
+        async with await daemon.client() as dc:  # type: ignore[attr-defined]
+            await warm(dc)
+        results = []
+        for line in ("python3 job.py direct", "bash runner.sh"):
+            job = await c.dev(line, files={"job.py": src, "runner.sh": "python3 job.py runner\n"})
+            results.append((await c.wait(job["job_id"], 60))["result"])
+            async with await daemon.client() as dc:  # type: ignore[attr-defined]
+                await warm(dc)
+    assert [r["stdout"] for r in results] == ["True ['direct']\n", "True ['runner']\n"], results
+    assert [r["krex"]["pool_adopted"] for r in results] == [1, 1], results
+
+
+async def test_a_cancel_signals_the_program_once(tmp_path: Path) -> None:
+    """A cancel with SIGTERM signals every process of the command, the adopter and its worker
+    alike: the adopter must not forward the daemon's own signal, or the program would get two."""
+    write(tmp_path, "job.py", MARK + """
+        import signal, time
+        got = []
+        signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+        print("ready", _M, flush=True)
+        time.sleep(1.0)
+        time.sleep(0.5)  # a second signal would cut the first sleep short only once
+        print("count", len(got), flush=True)
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            await warm(c)
+            h = await c.submit(["/bin/sh", "-c", f"trap '' TERM; {PY} job.py"], env=py_env(),
+                               cwd=str(tmp_path))
+            out = b""
+            async for stream, data in h.output():
+                out += data
+                if b"ready" in out:
+                    await h.cancel(signal.SIGTERM)
+                    break
+            res = await h.wait()
+    assert (out + res.stdout).count(b"ready True") >= 1
+    assert b"count 1\n" in out + res.stdout, (out, res.stdout)
+    assert res.report.state == "cancelled" and res.report.pool_adopted == 1
+
+
+def test_only_a_process_of_the_pools_own_user_is_handed_over(tmp_path: Path) -> None:
+    """Workers run as the pool's user: an adopter with any other uid (real, effective, saved or
+    fs) or gid is refused before a worker, or its environment and fds, are involved."""
+    import sys
+
+    from krex_async import protocol as P
+    from krex_async.ctxpool import Pool, PoolConfig
+    from krex_async.ctxpool.adoption import refusal
+
+    from .conftest import CPU
+
+    pool = Pool(CPU, PoolConfig(size=1))
+    pool.interpreter = {"hexversion": sys.hexversion, "flags": {}, "xoptions": {},
+                        "warnoptions": [], "init_env": {}}
+    req = P.Adopt(id=2, command="c", token="t", argv=[PY, "job.py"], cwd=str(tmp_path), env={},
+                  hexversion=sys.hexversion)
+    sleeper = [PY, "-c", "import time; time.sleep(30)"]
+    other = ["/bin/sleep", "30"]  # the user check comes first; nobody may not run our interpreter
+    procs = [subprocess.Popen(sleeper), subprocess.Popen(other, user=65534, group=65534),
+             subprocess.Popen(other, group=65534)]
+    try:
+        time.sleep(0.3)
+        assert [refusal(pool, req, p.pid) for p in procs] == [None, "user", "user"]
+        assert refusal(pool, P.Adopt(id=2, command="c", token="t", argv=["/bin/sh", "x"],
+                                     cwd="/", env={}), procs[0].pid) == "interpreter version"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
