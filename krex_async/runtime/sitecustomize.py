@@ -2,15 +2,15 @@
 
 The daemon puts krex_async/runtime/ first on PYTHONPATH, so this module is the `sitecustomize`
 that `site` imports at start-up. It
+  0. first, where the daemon set KREX_POOL (the command's device has a warm pool for this user),
+     asks for a pool worker to run this process's program (adopt.py): once adopted, the process
+     only waits and exits with the worker's status. Without KREX_POOL this costs one environment
+     lookup; the reason a process was not adopted rides on its quiesce_ready;
   1. chains the next sitecustomize on sys.path (a site or venv customisation keeps working);
   2. inside a command (KREX_SOCKET, KREX_COMMAND and KREX_TOKEN set), installs a handler for a
      spare real-time signal (KREX_QUIESCE_SIGNAL, default SIGRTMAX-6) and starts the quiesce
      listener (quiesce.py) on a background thread; it re-arms in children after os.fork();
-  3. with KREX_AUTO_REGION=1, installs the auto-region import hook (autoregion.py);
-  0. before all of that, where the daemon set KREX_POOL (the command's device has a warm pool for
-     this user), asks for a pool worker to run this process's program (adopt.py): once adopted,
-     the process only waits and exits with the worker's status. Without KREX_POOL this costs one
-     environment lookup; the reason a process was not adopted rides on its quiesce_ready.
+  3. with KREX_AUTO_REGION=1, installs the auto-region import hook (autoregion.py).
 
 The main thread pays only for this file (builtin modules, no socket or ctypes import): the listener
 thread loads quiesce.py and connects. Any failure here is swallowed: an unreachable daemon, a

@@ -296,3 +296,17 @@ def test_only_a_process_of_the_pools_own_user_is_handed_over(tmp_path: Path) -> 
         for p in procs:
             p.kill()
             p.wait()
+
+
+async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path: Path) -> None:
+    """Warm workers are replaced only up to the number of commands running (at least one), never
+    beyond --pool-size: three adoptions in a row from a pool of three leave one warm, not three."""
+    async with pooled_daemon(3) as d:
+        async with await d.client() as c:
+            await warm(c, 3)
+            for _ in range(3):
+                res = await c.run(["/bin/sh", "-c", f"{PY} -c pass"], env=py_env(), cwd=str(tmp_path))
+                assert res.report.pool_adopted == 1, res.report
+            await asyncio.sleep(2.0)  # time enough to warm more, were it asked to
+            st = (await c.status())["pools"]["cpu"]
+    assert (st["demand"], st["target"], st["warm"] + st["starting"]) == (0, 1, 1), st
