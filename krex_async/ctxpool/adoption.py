@@ -145,6 +145,9 @@ async def serve(pool: Pool | None, req: P.Adopt, peer_pid: int, send: Callable[[
             try:
                 spec, adopt = handover(req)
                 fut = hand(spec, pidfd, adopt)
+            except Exception as e:  # the cgroup refused the worker: the adopter starts fresh
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(f"hand-over: {type(e).__name__}")
             finally:
                 os.close(pidfd)
             try:
