@@ -119,7 +119,8 @@ class Daemon:
         """The pool that may adopt this command's interpreters: its device's, running as the
         command's user, with a backend that can put a worker into the command's group."""
         pool = self.pools.get(cmd.device_key or "")
-        if pool is None or type(self.backend).join is Backend.join:
+        if pool is None or type(self.backend).join is Backend.join \
+                or not adoption.workers_can_take_fds(pool):
             return None
         uid, gid, _ = pool.identity
         return pool if (cmd.uid, cmd.gid) == (uid, gid) or cmd.uid == uid == os.geteuid() else None
@@ -327,7 +328,8 @@ class Daemon:
         log.info("command", command=cmd.id, state=report.state, exit_code=report.exit_code,
                  signal=report.signal, wall_s=round(report.wall_s, 6),
                  queued_s=round(report.queued_s, 6), regions=len(report.regions),
-                 device=report.device, via=report.via)
+                 device=report.device, via=report.via, pool_adopted=report.pool_adopted,
+                 pool_declined=report.pool_declined or None)
         if cmd.group is not None:
             try:
                 await self.backend.remove(cmd.group)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from krex_async import protocol as P
 from krex_async.ctxpool import forms
 from krex_async.ctxpool.pool import Pool
+from krex_async.ctxpool.procs import kill as _kill
 from krex_async.spawn import Launched, LaunchSpec
 
 # Start-up variables a worker takes over from the adopter instead of requiring them equal: sys.path
@@ -58,6 +58,18 @@ def pool_env(pool: Pool) -> str:
     the runtime compares its own interpreter with before it asks (runtime/adopt.py)."""
     cfg = forms.venv_of(pool.python)
     return os.path.realpath(pool.python) + "\n" + (os.path.dirname(cfg) if cfg else "")
+
+
+def workers_can_take_fds(pool: Pool, scope_file: str = "/proc/sys/kernel/yama/ptrace_scope") -> bool:
+    """Whether the pool's workers may pidfd_getfd an adopter (ptrace access): as root always; as
+    another user only where Yama does not restrict ptrace to descendants (the adopter is none)."""
+    if pool.identity[0] == 0:
+        return True
+    try:
+        with open(scope_file) as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True  # no Yama: the same user may
 
 
 def _ids(pid: int) -> tuple[set[str], set[str], list[int]] | None:
@@ -179,9 +191,3 @@ def _kill_when_started(fut: asyncio.Future[Launched | str]) -> None:
             _kill(got.pid)
     fut.add_done_callback(done)
 
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -43,7 +43,8 @@ from typing import Any, Awaitable, Callable
 from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
 from krex_async.devices.base import Device
-from krex_async.procfs import memory, stat_fields
+from krex_async.ctxpool.procs import identity as _identity, kill as _kill, \
+    kill_leftovers as _kill_leftovers, memory as _memory, summary as _summary
 from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
@@ -507,50 +508,3 @@ class Pool:
         self._consecutive_failures += 1
         self.last_error = error
         self._changed.set()
-
-
-def _identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
-    """Who a process started with these spawn() arguments runs as (None: the daemon's own)."""
-    return (os.getuid() if uid is None else uid, os.getgid() if gid is None else gid,
-            sorted(os.getgroups() if groups is None else groups))
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, 9)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_leftovers(pid: int) -> None:
-    """SIGKILL what a command left behind in worker `pid`: its descendants and the members of its
-    session (the worker is the command's session leader), never the worker itself. The daemon's
-    kill of a command's tree would take the worker too, so it spares a worker that lives on."""
-    parent: dict[int, int] = {}
-    victims = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != pid and (f := stat_fields(int(name))) is not None:
-            parent[int(name)] = int(f[1])
-            if int(f[3]) == pid:
-                victims.add(int(name))
-    for p in parent:
-        q, seen = p, 0
-        while q in parent and seen < 512:
-            q, seen = parent[q], seen + 1
-            if q == pid:
-                victims.add(p)
-                break
-    for p in victims:
-        _kill(p)
-
-
-def _memory(pid: int) -> dict[str, int | None]:
-    got = memory(pid)
-    return {"rss_bytes": got[0] if got else None, "pss_bytes": got[1] if got else None}
-
-
-def _summary(values: Any) -> dict[str, Any]:
-    v = sorted(values)
-    if not v:
-        return {"n": 0, "p50": None, "p95": None}
-    return {"n": len(v), "p50": v[(len(v) - 1) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))]}
