@@ -196,15 +196,17 @@ async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Pa
 async def test_ineligible_interpreters_run_as_before_and_say_why(tmp_path: Path) -> None:
     write(tmp_path, "job.py", MARK + """
         import sys, time
-        print(_M, sys.flags.dev_mode, flush=True)
+        print(_M, sys.flags.dev_mode, sys.stdout.write_through, flush=True)
         time.sleep(0.3)  # long enough for its runtime to report why it was not adopted
     """)
     async with pooled_daemon() as d:
         async with await d.client() as c:
-            res = await run_sh(c, f"{PY} -X dev job.py; {PY} -u job.py; CUDA_VISIBLE_DEVICES=7 {PY} job.py",
-                               tmp_path)
-    assert res.stdout.splitlines() == [b"False True", b"True False", b"False False"], res.stdout
-    assert res.report.pool_adopted == 1
+            # -u (or PYTHONUNBUFFERED) is the adopter's to choose, whatever the worker started with
+            res = await run_sh(c, f"unset PYTHONUNBUFFERED; {PY} -X dev job.py; {PY} -u job.py; "
+                                  f"CUDA_VISIBLE_DEVICES=7 {PY} job.py; sleep 0.5; {PY} job.py", tmp_path)
+    assert res.stdout.splitlines() == [b"False True False", b"True False True",
+                                       b"False False False", b"True False False"], res.stdout
+    assert res.report.pool_adopted == 2
     assert res.report.pool_declined == {"flag -X": 1, "env CUDA_VISIBLE_DEVICES": 1}, res.report
 
 
@@ -310,3 +312,43 @@ async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path:
             await asyncio.sleep(2.0)  # time enough to warm more, were it asked to
             st = (await c.status())["pools"]["cpu"]
     assert (st["demand"], st["target"], st["warm"] + st["starting"]) == (0, 1, 1), st
+
+
+async def test_a_preloaded_module_the_program_would_load_from_elsewhere_declines(tmp_path: Path) -> None:
+    """A `colorsys.py` beside the script, or on the command's PYTHONPATH, is what a fresh
+    interpreter imports: the worker, which preloaded the standard one, declines and leaves."""
+    write(tmp_path, "job.py", MARK + """
+        import colorsys
+        print(_M, colorsys.__file__.endswith("mine/colorsys.py") or "local" in colorsys.__file__)
+    """)
+    write(tmp_path, "mine/colorsys.py", "")
+    write(tmp_path, "local/job.py", MARK + "import colorsys\nprint(_M, colorsys.__file__)\n")
+    write(tmp_path, "local/colorsys.py", "")
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} job.py", tmp_path, env={"PYTHONPATH_EXTRA": ""})
+            shadow_path = await run_sh(c, f"PYTHONPATH={tmp_path / 'mine'}:$PYTHONPATH {PY} job.py",
+                                       tmp_path)
+            beside = await run_sh(c, f"{PY} local/job.py", tmp_path)
+            st = (await c.status())["pools"]["cpu"]
+    assert res.stdout == b"True False\n" and res.report.pool_adopted == 1, res
+    assert shadow_path.stdout == b"False True\n", shadow_path
+    assert shadow_path.report.pool_declined == {"module colorsys": 1}, shadow_path.report
+    assert beside.stdout == f"False {tmp_path / 'local' / 'colorsys.py'}\n".encode(), beside
+    assert beside.report.pool_declined == {"module colorsys": 1}, beside.report
+    assert st["declined"] == {"module colorsys": 2}, st
+
+
+async def test_a_reused_worker_adopts_again_and_leaks_nothing(tmp_path: Path) -> None:
+    code = ("import os, sys; print(os.getpid(), 'json' in sys.modules, 'LEAK' in os.environ, "
+            "'wave' in sys.modules); os.environ['LEAK'] = '1'; import wave")
+    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", "--pool-preload", "json",
+                          "--isolation", "cgroup", env=py_env()) as d:
+        async with await d.client() as c:
+            outs = []
+            for _ in range(3):
+                res = await run_sh(c, f"{PY} -c \"{code}\"", tmp_path)
+                assert res.report.pool_adopted == 1, res.report
+                outs.append(res.stdout.split())
+    assert len({o[0] for o in outs}) == 1, outs  # one worker served all three
+    assert all(o[1:] == [b"True", b"False", b"False"] for o in outs), outs
