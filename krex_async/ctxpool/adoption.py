@@ -72,20 +72,29 @@ def workers_can_take_fds(pool: Pool, scope_file: str = "/proc/sys/kernel/yama/pt
         return True  # no Yama: the same user may
 
 
-def _ids(pid: int) -> tuple[set[str], set[str], list[int]] | None:
-    """(uids, gids, sorted groups) of a process from /proc/<pid>/status."""
-    out: dict[str, list[str]] = {}
+# What a process may do beyond its ids: a worker with more than its adopter would run the program
+# with privileges the command never had (a capability, no no_new_privs, no seccomp filter, another
+# LSM label), so these must be equal.
+PRIVILEGES = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
+
+
+def _status(pid: int) -> dict[str, str] | None:
+    """Ids, groups, capabilities, no_new_privs, seccomp mode and LSM label of a process."""
+    out: dict[str, str] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 key, _, rest = line.partition(":")
-                if key in ("Uid", "Gid", "Groups"):
-                    out[key] = rest.split()
+                if key in ("Uid", "Gid", "Groups", *PRIVILEGES):
+                    out[key] = " ".join(rest.split())
     except OSError:
         return None
-    if len(out) != 3:
-        return None
-    return set(out["Uid"]), set(out["Gid"]), sorted(int(g) for g in out["Groups"])
+    try:
+        with open(f"/proc/{pid}/attr/current", "rb") as f:
+            out["lsm"] = f.read().decode(errors="replace").strip("\0\n")
+    except OSError:
+        out["lsm"] = ""
+    return out if {"Uid", "Gid", "Groups"} <= out.keys() else None
 
 
 def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
@@ -96,9 +105,17 @@ def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
     if interp is None:
         return "no warm worker"
     uid, gid, groups = pool.identity
-    ids = _ids(peer_pid)
-    if ids is None or ids[0] != {str(uid)} or ids[1] != {str(gid)} or ids[2] != sorted(groups):
+    ids = _status(peer_pid)
+    if ids is None or set(ids["Uid"].split()) != {str(uid)} or set(ids["Gid"].split()) != {str(gid)} \
+            or sorted(int(g) for g in ids["Groups"].split()) != sorted(groups):
         return "user"
+    worker = next(iter(sorted(pool.pids())), None)
+    theirs = _status(worker) if worker is not None else None
+    if theirs is None:
+        return "no warm worker"
+    for key in (*PRIVILEGES, "lsm"):
+        if ids.get(key) != theirs.get(key):
+            return f"privileges {key}"
     try:
         exe = os.path.realpath(f"/proc/{peer_pid}/exe")
     except OSError:

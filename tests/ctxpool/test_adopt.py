@@ -269,9 +269,11 @@ async def test_a_cancel_signals_the_program_once(tmp_path: Path) -> None:
     assert res.report.state == "cancelled" and res.report.pool_adopted == 1
 
 
-def test_only_a_process_of_the_pools_own_user_is_handed_over(tmp_path: Path) -> None:
+async def test_only_a_process_with_the_workers_user_and_privileges_is_handed_over(tmp_path: Path) -> None:
     """Workers run as the pool's user: an adopter with any other uid (real, effective, saved or
-    fs) or gid is refused before a worker, or its environment and fds, are involved."""
+    fs), gid, or fewer privileges (no_new_privs here; capabilities, seccomp, LSM label alike) is
+    refused before a worker, or its environment and fds, are involved."""
+    import ctypes
     import sys
 
     from krex_async import protocol as P
@@ -281,24 +283,29 @@ def test_only_a_process_of_the_pools_own_user_is_handed_over(tmp_path: Path) -> 
     from .conftest import CPU
 
     pool = Pool(CPU, PoolConfig(size=1))
-    pool.interpreter = {"hexversion": sys.hexversion, "flags": {}, "xoptions": {},
-                        "warnoptions": [], "init_env": {}}
-    req = P.Adopt(id=2, command="c", token="t", argv=[PY, "job.py"], cwd=str(tmp_path), env={},
-                  hexversion=sys.hexversion)
+    await pool.start()
+    await pool.wait_warm(timeout=30)
+    interp = pool.interpreter
+    assert interp is not None
+    req = P.Adopt(id=2, command="c", token="t", argv=[PY, "job.py"], cwd=str(tmp_path),
+                  env={k: v for k, v in interp["init_env"].items() if v is not None},
+                  hexversion=sys.hexversion, flags=interp["flags"])
     sleeper = [PY, "-c", "import time; time.sleep(30)"]
     other = ["/bin/sleep", "30"]  # the user check comes first; nobody may not run our interpreter
+    no_new_privs = lambda: ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # noqa: E731 PR_SET_NO_NEW_PRIVS
     procs = [subprocess.Popen(sleeper), subprocess.Popen(other, user=65534, group=65534),
-             subprocess.Popen(other, group=65534)]
+             subprocess.Popen(other, group=65534), subprocess.Popen(sleeper, preexec_fn=no_new_privs)]
     try:
         time.sleep(0.3)
-        assert [refusal(pool, req, p.pid) for p in procs] == [None, "user", "user"]
+        assert [refusal(pool, req, p.pid) for p in procs] == [
+            None, "user", "user", "privileges NoNewPrivs"]
         assert refusal(pool, P.Adopt(id=2, command="c", token="t", argv=["/bin/sh", "x"],
                                      cwd="/", env={}), procs[0].pid) == "interpreter version"
     finally:
         for p in procs:
             p.kill()
             p.wait()
-
+        await pool.close()
 
 async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path: Path) -> None:
     """Warm workers are replaced only up to the number of commands running (at least one), never
@@ -326,7 +333,7 @@ async def test_a_preloaded_module_the_program_would_load_from_elsewhere_declines
     write(tmp_path, "local/colorsys.py", "")
     async with pooled_daemon() as d:
         async with await d.client() as c:
-            res = await run_sh(c, f"{PY} job.py", tmp_path, env={"PYTHONPATH_EXTRA": ""})
+            res = await run_sh(c, f"{PY} job.py", tmp_path)
             shadow_path = await run_sh(c, f"PYTHONPATH={tmp_path / 'mine'}:$PYTHONPATH {PY} job.py",
                                        tmp_path)
             beside = await run_sh(c, f"{PY} local/job.py", tmp_path)
