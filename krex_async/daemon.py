@@ -139,6 +139,8 @@ class Daemon:
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
         self._inside(cmd, peer_pid, req.token, req.pid)
+        if self.closing:
+            raise RequestError("shutdown", "the daemon is shutting down")
         pool = self._adoptable(cmd)
         tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
 
@@ -150,7 +152,8 @@ class Daemon:
             finally:
                 self.runner.launching = None
 
-        await adoption.serve(pool, req, peer_pid, send, hand, tally)
+        await adoption.serve(pool, req, peer_pid, send, hand, tally,
+                             prepare=lambda: self.regions.hold_arrival(cmd))
 
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")

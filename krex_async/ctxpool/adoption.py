@@ -23,7 +23,7 @@ import asyncio
 import collections
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from krex_async import protocol as P
 from krex_async.ctxpool import forms
@@ -158,12 +158,17 @@ def handover(req: P.Adopt) -> tuple[LaunchSpec, dict[str, Any]]:
 
 
 async def serve(pool: Pool | None, req: P.Adopt, peer_pid: int, send: Callable[[P.Msg], bool],
-                hand: Hand, tally: Tally) -> None:
+                hand: Hand, tally: Tally,
+                prepare: Callable[[], Awaitable[None]] | None = None) -> None:
     """Answer one Adopt (the peer already checked to be inside its command): Adopted, then
     AdoptExited. Cancelled (the adopter's connection closed) while the worker runs: the worker is
-    killed, as the adopter's own program would have died with it. Holds no fd past its return."""
+    killed, as the adopter's own program would have died with it. Holds no fd past its return.
+    `prepare` runs once the adoption is allowed, before the hand-over (the daemon holds the command
+    in a region it must be frozen for)."""
     reason = refusal(pool, req, peer_pid)
     answer: Launched | str = reason or ""
+    if reason is None and prepare is not None:
+        await prepare()
     if reason is None:
         assert pool is not None
         try:

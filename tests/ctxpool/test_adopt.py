@@ -359,3 +359,29 @@ async def test_a_reused_worker_adopts_again_and_leaks_nothing(tmp_path: Path) ->
                 outs.append(res.stdout.split())
     assert len({o[0] for o in outs}) == 1, outs  # one worker served all three
     assert all(o[1:] == [b"True", b"False", b"False"] for o in outs), outs
+
+
+async def test_device_holders_an_adoption_during_a_region_is_frozen_into_it(tmp_path: Path) -> None:
+    """--freeze device-holders spares siblings without a GPU file, but a worker brings its
+    context with it: a command adopting one during another's region is frozen until it ends."""
+    owner = ("from krex_async import region; import time\n"
+             "with region('t'):\n"
+             "    print('in', flush=True); time.sleep(1.5); print(time.monotonic(), flush=True)\n")
+    write(tmp_path, "job.py", MARK + "import time\nprint(time.monotonic(), _M, flush=True)\n")
+    async with run_daemon("--pool-size", "2", "--pool-preload", "colorsys", "--isolation", "cgroup",
+                          "--freeze", "device-holders", env=py_env()) as d:
+        async with await d.client() as c:
+            await warm(c, 2)
+            h = await c.submit([PY, "-c", owner], env=py_env(), cwd=str(tmp_path))
+            out = b""
+            async for _stream, data in h.output():
+                out += data
+                if b"in\n" in out:
+                    break
+            late = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(tmp_path))
+            first = await h.wait()
+    released = float((out + first.stdout).split()[-1])
+    started, marker = late.stdout.split()
+    assert marker == b"True" and late.report.pool_adopted == 1, late
+    assert float(started) >= released, (started, released)
+    assert first.report.regions[0].frozen == [late.report.command], first.report.regions[0]
