@@ -159,6 +159,9 @@ class Daemon:
         pool = self.pools.get(cmd.device_key or "")
         if pool is None or spec.uid is not None or not pool.accepts(spec):
             return None
+        r = self.regions.current_on(pool.device.key)
+        if self.config.freeze == "device-holders" and r is not None and r.command is not cmd:
+            return None  # a worker's context would arrive unseen mid-region: start it plainly
         return pool.launch_nowait(spec)
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
