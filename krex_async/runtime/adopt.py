@@ -37,7 +37,6 @@ _OWN_FLAGS = frozenset("uBR")
 # Flags whose default is not 0 or depends on the locale: only the daemon, which knows the
 # worker's values, compares them.
 _DAEMON_CHECKS = ("hash_randomization", "utf8_mode", "int_max_str_digits", "gil")  # -u, -B, -R: applied by the worker (or the default anyway)
-REPLY_TIMEOUT_S = 60.0
 
 
 def local_reason(pool: str) -> str:
@@ -126,7 +125,9 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
         sock.settimeout(2.0)
         sock.connect(env.get("KREX_SOCKET", ""))
         daemon_pid = _struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0]
-        sock.settimeout(REPLY_TIMEOUT_S)
+        # No timeout from here: a worker may already run the program (a region can hold the
+        # command frozen meanwhile); giving up would run it twice. The daemon answers or closes.
+        sock.settimeout(None)
         sock.sendall(data)
         reply = _reply(sock, q)
     except (OSError, ValueError, UnicodeError):
