@@ -201,8 +201,10 @@ def _adopt(spec: dict[str, Any], form: forms.Form, pidfd: int, base: fresh.Basel
            tops: dict[str, str]) -> tuple[str | None, list[int]]:
     """The adopter's fds 0/1/2, or why this worker cannot run its program as a fresh start would."""
     cwd = spec["cwd"]
-    path0 = (os.path.dirname(os.path.realpath(os.path.join(cwd, form.target)))
-             if form.kind == "script" else cwd)
+    path0 = cwd
+    if form.kind == "script":  # as fresh.enter and _run_script put it first (a directory: itself)
+        target = os.path.realpath(os.path.join(cwd, form.target))
+        path0 = target if os.path.isdir(target) else os.path.dirname(target)
     try:
         why = adopted.shadowed([path0, *spec["adopt"]["sys_path"]], base.path_rest, tops)
     except (OSError, ValueError, ImportError) as e:
