@@ -108,6 +108,9 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(opts["fd"]))
     rx = channel.Receiver()
     path_rest = sys.path[1:]  # entry 0 is the directory `-m` started the worker in
+    # The start-up variables as the interpreter started with them: preloads set some (torch sets
+    # CUDA_MODULE_LOADING when it creates the context), which an adopter never has.
+    init_env = {k: os.environ.get(k) for k in sorted(forms.INIT_VARS)}
     ctx = Context(opts["vendor"], int(opts["ordinal"]))
     t0 = time.monotonic()
     try:
@@ -139,7 +142,7 @@ def main(argv: list[str]) -> int:
             if k not in ("__main__", "sitecustomize", "usercustomize")}
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
     home = all(base.cgroup_home.values())  # can leave any cgroup a command puts it in
-    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home, **_interpreter()})
+    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home, **_interpreter(init_env)})
     while True:
         try:
             msg, fds = channel.recv(sock, rx)
@@ -164,12 +167,12 @@ def main(argv: list[str]) -> int:
         _send_quiet(sock, {"t": "ready", "s": 0.0, "home": home})
 
 
-def _interpreter() -> dict[str, Any]:
+def _interpreter(init_env: dict[str, str | None]) -> dict[str, Any]:
     """What an adopting interpreter must share with this worker (ctxpool/adoption.py compares)."""
     return {"hexversion": sys.hexversion, "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
             "flags": {n: int(getattr(sys.flags, n)) for n in type(sys.flags).__match_args__},
             "warnoptions": list(sys.warnoptions),
-            "init_env": {k: os.environ.get(k) for k in sorted(forms.INIT_VARS)}}
+            "init_env": init_env}
 
 
 def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fresh.Baseline,

@@ -385,3 +385,19 @@ async def test_device_holders_an_adoption_during_a_region_is_frozen_into_it(tmp_
     assert marker == b"True" and late.report.pool_adopted == 1, late
     assert float(started) >= released, (started, released)
     assert first.report.regions[0].frozen == [late.report.command], first.report.regions[0]
+
+
+async def test_a_preload_that_sets_a_start_up_variable_does_not_decline(tmp_path: Path) -> None:
+    """torch sets CUDA_MODULE_LOADING as it creates its context: a worker compares an adopter
+    with the variables it started with, not with what its preloads set since."""
+    mods = tmp_path / "mods"
+    write(mods, "envsetter.py", "import os\nos.environ['CUDA_MODULE_LOADING'] = 'LAZY'\n")
+    env = py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
+    env.pop("CUDA_MODULE_LOADING", None)
+    write(tmp_path, "job.py", MARK + "import os\nprint(_M, os.environ.get('CUDA_MODULE_LOADING'))\n")
+    async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys,envsetter", "--isolation",
+                          "cgroup", env=env) as d:
+        async with await d.client() as c:
+            await warm(c)
+            res = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=env, cwd=str(tmp_path))
+    assert res.stdout == b"True None\n" and res.report.pool_adopted == 1, res
