@@ -11,10 +11,12 @@ hand it over, and relay the worker's exit status back to it.
       the worker's exit (its pidfd, the pool) ............................. AdoptExited(status)
       the adopter's connection closes first (it was killed) ............... SIGKILL to the worker
 
-Security: workers run as the pool's user; only an adopter whose real, effective, saved and fs ids and
-groups are exactly those is handed over (and KREX_POOL is offered only to such commands), so a
-user's environment and descriptors reach only processes of that user. The daemon never holds the
-adopter's fds: it passes a pidfd, and the worker, as that user, copies them.
+Security: workers run as the pool's user; only an adopter whose real, effective, saved and fs ids,
+groups and privileges (capabilities, no_new_privs, seccomp, LSM label) are exactly a worker's is
+handed over (and KREX_POOL is offered only to such commands), so a user's environment and
+descriptors reach only processes of that user, and a program never gains a privilege its
+interpreter lacked. The daemon never holds the adopter's fds: it passes a pidfd, and the worker,
+as that user, copies them.
 """
 
 from __future__ import annotations
