@@ -126,6 +126,7 @@ class Command:
     spools: dict[str, SpoolFile] = field(default_factory=dict)  # stream -> its spool file
     handoff: Handoff | None = None  # another user's command: its cwd and env, applied after the drop
     stdin_pipe: StdinPipe | None = None  # Submit.stdin_stream: fed by StdinData until it ends
+    pool_env: dict[str, str] = field(default_factory=dict)  # KREX_POOL, where its interpreters may be adopted
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -163,6 +164,7 @@ class Command:
                    KREX_DEVICE=self.device_key or "none")
         if self.device is not None:
             env.update(self.device.env)
+        env.update(self.pool_env)
         return with_runtime(env)
 
 

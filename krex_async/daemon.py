@@ -26,7 +26,7 @@ from .commands import Command, Runner, SpecError, Subscriber, with_runtime
 from . import __version__
 from .procfs import stat_fields, tree_memory
 from .config import ServeConfig
-from .ctxpool import Pool, PoolConfig
+from .ctxpool import Pool, PoolConfig, adoption
 from .devices import NoDevice, Node, place
 from .devices.base import Device
 from .isolation.base import Backend
@@ -89,6 +89,7 @@ class Daemon:
         self.attributor: Attributor | None = None  # set when probes run
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
+        self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         # Spool files and command records live in the state dir (none without one: a bare config).
         self.records = Records(config.state_dir) if config.state_dir else None
         self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled,
@@ -132,10 +133,53 @@ class Daemon:
         if self.runner.launching is not None:
             self.backend.join(self.runner.launching, pid)
 
+    def _adoptable(self, cmd: Command) -> Pool | None:
+        """The pool that may adopt this command's interpreters: its device's, running as the
+        command's user, with a backend that can put a worker into the command's group."""
+        pool = self.pools.get(cmd.device_key or "")
+        if pool is None or type(self.backend).join is Backend.join \
+                or not adoption.workers_can_take_fds(pool):
+            return None
+        uid, gid, _ = pool.identity
+        return pool if (cmd.uid, cmd.gid) == (uid, gid) or cmd.uid == uid == os.geteuid() else None
+
+    def _demand(self, device: str | None) -> None:
+        """Pool sizing: keep warm workers towards the commands running on the device."""
+        pool = self.pools.get(device or "")
+        if pool is not None:
+            q = self.scheduler.devices[pool.device.key]
+            pool.set_demand(sum(self.commands[c].state in ("starting", "running")
+                                for c in q.commands if c in self.commands))
+
+    async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
+        """An interpreter of a command asks to be run by a warm worker (ctxpool/adoption.py)."""
+        cmd = self.commands.get(req.command)
+        if cmd is None:
+            raise RequestError("unknown_command", f"no command {req.command!r}")
+        self._inside(cmd, peer_pid, req.token, req.pid)
+        if self.closing:
+            raise RequestError("shutdown", "the daemon is shutting down")
+        pool = self._adoptable(cmd)
+        tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
+
+        def hand(spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> Any:
+            assert pool is not None
+            self.runner.launching = cmd.group
+            try:
+                return pool.adopt(spec, pidfd, adopt)
+            finally:
+                self.runner.launching = None
+
+        await adoption.serve(pool, req, peer_pid, send, hand, tally,
+                             prepare=lambda: self.regions.hold_arrival(cmd))
+
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")
         if pool is None or spec.uid is not None or not pool.accepts(spec):
             return None
+        r = self.regions.current_on(pool.device.key)
+        if self.config.freeze == "device-holders" and r is not None and r.command is not cmd:
+            return None  # a worker's context would arrive unseen mid-region: start it plainly
         return pool.launch_nowait(spec)
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
@@ -214,6 +258,8 @@ class Daemon:
             cid = f"{self._boot}-{next(self._ids)}"
         cmd = Command(id=cid, spec=req, uid=uid, gid=gid, device=device,
                       policy=self.scheduler.policy.value, tail_limit=self.config.output_tail)
+        if (pool := self._adoptable(cmd)) is not None:
+            cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
         try:
             self.runner.check(cmd)
         except SpecError as e:
@@ -250,6 +296,7 @@ class Daemon:
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
             await self.runner.kill(cmd, *cmd.kill_pending)
         await self.regions.join(cmd, region)
+        self._demand(cmd.device_key)
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
@@ -292,6 +339,10 @@ class Daemon:
         for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
             self.track(loop.create_task(self._start(self.commands[nxt])))
         assert cmd.report is not None
+        tally = self.adoptions.get(cmd.id)
+        if tally is not None:
+            cmd.report.pool_adopted, cmd.report.pool_declined = tally.adopted, dict(tally.declined)
+        self._demand(cmd.device_key)
         cmd.slim()  # kept for --retention: only what a report and an attach need
         cmd.done.set()
         report = cmd.report
@@ -309,7 +360,8 @@ class Daemon:
         log.info("command", command=cmd.id, state=report.state, exit_code=report.exit_code,
                  signal=report.signal, wall_s=round(report.wall_s, 6),
                  queued_s=round(report.queued_s, 6), regions=len(report.regions),
-                 device=report.device, via=report.via)
+                 device=report.device, via=report.via, pool_adopted=report.pool_adopted,
+                 pool_declined=report.pool_declined or None)
         if cmd.group is not None:
             try:
                 await self.backend.remove(cmd.group)
@@ -323,6 +375,7 @@ class Daemon:
         """The command's retention ended: drop it, its spool files and its record."""
         if self.commands.get(cmd.id) is cmd:
             del self.commands[cmd.id]
+            self.adoptions.pop(cmd.id, None)
         self.runner.release(cmd)
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
@@ -422,6 +475,9 @@ class Daemon:
             raise RequestError("unknown_command", f"no command {req.command!r}")
         pid = self._inside(cmd, peer_pid, req.token, req.pid)
         cmd.runtimes[pid] = send
+        if req.pool_declined:
+            self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
+                req.pool_declined, self._adoptable(cmd))
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)
@@ -473,9 +529,11 @@ class Daemon:
         def query() -> list[dict[str, Any]]:
             out = []
             for d in node.refresh():
+                procs = node.processes(d)
                 out.append({"memory_free_bytes": d.memory_free_bytes, "clocks_mhz": d.clocks_mhz,
                             "utilisation_pct": node.utilisation(d),
-                            "processes": [p.pid for p in node.processes(d)]})
+                            "processes": [p.pid for p in procs],
+                            "_gpu_bytes": {p.pid: p.used_memory_bytes for p in procs}})
             return out
 
         try:
@@ -484,7 +542,10 @@ class Daemon:
             st["devices_error"] = repr(e)
             return st
         for entry, extra in zip(st["devices"], live):
+            gpu_bytes = extra.pop("_gpu_bytes")
             entry.update(extra)
+            for w in st["pools"].get(entry["key"], {}).get("workers", []):
+                w["gpu_bytes"] = gpu_bytes.get(w["pid"])  # NVML per process; None: not reported
         return st
 
     async def _status_host(self, st: dict[str, Any]) -> None:
@@ -541,6 +602,8 @@ class Daemon:
             "result": c.report.state if c.report else None,
             "via": c.launched.via if c.launched else None,
             "start_latency_s": c.launched.start_latency_s if c.launched else None,
+            "pool_adopted": self.adoptions[c.id].adopted if c.id in self.adoptions else 0,
+            "pool_declined": dict(self.adoptions[c.id].declined) if c.id in self.adoptions else {},
         } for c in self.commands.values()]
         return {"policy": self.scheduler.policy.value, "pid": os.getpid(), "boot": self._boot,
                 "version": __version__,

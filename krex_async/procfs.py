@@ -53,3 +53,18 @@ def tree_memory(roots: dict[str, int], pss: bool = False) -> dict[str, dict[str,
             todo.extend(children.get(pid, ()))
         out[key] = {"rss_bytes": total, "processes": n} | ({"pss_bytes": shared} if pss else {})
     return out
+
+
+def memory(pid: int, proc: str = "/proc") -> tuple[int, int] | None:
+    """(RSS, PSS) of a process in bytes from smaps_rollup, or None when gone or unreadable. PSS
+    shares each page among the processes that map it: what one more such process costs the host."""
+    got = {}
+    try:
+        with open(f"{proc}/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                key, _, rest = line.partition(b":")
+                if key in (b"Rss", b"Pss"):
+                    got[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return (got[b"Rss"], got[b"Pss"]) if len(got) == 2 else None

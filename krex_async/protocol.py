@@ -139,6 +139,36 @@ class QuiesceReady(Msg, tag="quiesce_ready"):
     command: Name
     token: Name
     pid: Pid = 0
+    # Why this interpreter was not handed to the command's warm pool, where its runtime decided so
+    # itself (flags, inherited fds, another interpreter): counted in the command's report.
+    pool_declined: Name = ""
+
+
+class Adopt(Msg, tag="adopt"):
+    """From a command's interpreter at start-up, before any user code: run this process's program in
+    a warm pool worker (ctxpool/adoption.py). Replies: Adopted (declined: run as a plain process; else
+    the worker runs it), then AdoptExited with the worker's status. Everything a fresh interpreter
+    would have started with comes along; fds 0/1/2 the worker takes itself (pidfd_getfd)."""
+
+    id: ReqId
+    command: Name
+    token: Name
+    argv: Argv  # sys.orig_argv
+    cwd: Annotated[str, msgspec.Meta(max_length=4096)]
+    env: Env
+    executable: Arg = ""  # sys.executable as this interpreter computed it
+    sys_path: Annotated[list[Arg], msgspec.Meta(max_length=4096)] = []  # before entry 0 is added
+    hexversion: int = 0
+    flags: dict[Name, int] = {}  # sys.flags by name
+    xoptions: dict[Name, Arg] = {}
+    warnoptions: Annotated[list[Arg], msgspec.Meta(max_length=256)] = []
+    unbuffered: bool = False  # -u / PYTHONUNBUFFERED
+    dont_write_bytecode: bool = False
+    pycache_prefix: Arg | None = None
+    umask: Annotated[int, msgspec.Meta(ge=0, le=0o777)] = 0o022
+    ignored: Annotated[list[int], msgspec.Meta(max_length=128)] = []  # signals inherited as SIG_IGN
+    mask: Annotated[list[int], msgspec.Meta(max_length=128)] = []  # signals blocked at start
+    pid: Pid = 0
 
 
 class QuiesceAck(Msg, tag="quiesce_ack"):
@@ -162,7 +192,7 @@ class Timeline(Msg, tag="timeline"):
 
 
 Request = Hello | Submit | Attach | Cancel | Status | RegionEnter | RegionExit | QuiesceReady | \
-    QuiesceAck | Subscribe | Timeline | StdinData
+    QuiesceAck | Subscribe | Timeline | StdinData | Adopt
 
 
 # ----------------------------------------------------------------------------------------- reports
@@ -252,6 +282,10 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     stdout_dropped: int = 0
     stderr_dropped: int = 0
     spool_error: str = ""
+    # Python interpreters of the command's tree that a warm pool worker adopted at start-up, and why
+    # the others were not ("flag -X", "fds", "interpreter", "no warm worker" ...: count each).
+    pool_adopted: int = 0
+    pool_declined: dict[str, int] = {}
 
 
 # ------------------------------------------------------------------------------------------ replies
@@ -326,6 +360,21 @@ class Resume(Msg, tag="resume"):
     region: str
 
 
+class Adopted(Msg, tag="adopted"):
+    """To an adopting interpreter: worker `pid` runs its program, or `declined` says why not."""
+
+    id: ReqId
+    pid: int = 0
+    declined: str = ""
+
+
+class AdoptExited(Msg, tag="adopt_exited"):
+    """The adopting worker ended: returncode as subprocess reports it (< 0: killed by -returncode)."""
+
+    id: ReqId
+    returncode: int
+
+
 class StatusReply(Msg, tag="status_reply"):
     id: ReqId
     status: dict[str, object]  # daemon-built JSON-able tree, for people and scripts
@@ -359,7 +408,8 @@ class Error(Msg, tag="error"):
 
 
 Reply = Welcome | Accepted | Started | Output | Exited | RegionGranted | RegionReleased | \
-    RegionRevoked | Quiesce | Resume | StatusReply | TraceEvent | TimelineChunk | Ok | Error
+    RegionRevoked | Quiesce | Resume | StatusReply | TraceEvent | TimelineChunk | Ok | Error | \
+    Adopted | AdoptExited
 
 
 # ------------------------------------------------------------------------------------------ framing

@@ -683,6 +683,17 @@ class Regions:
             await self.d.backend.thaw(group)
         self.d.trace("freeze", r, command=cmd.id, late=True)
 
+    async def hold_arrival(self, cmd: Command) -> None:
+        """--freeze device-holders: a command about to gain a GPU context mid-region (a warm pool
+        worker adopting one of its interpreters brings one, with no open the probes could see) is
+        frozen into the region first, as an open of a GPU device would have it."""
+        if self.d.config.freeze != "device-holders" or cmd.group is None or cmd.device_key is None:
+            return
+        r = self.current_on(cmd.device_key)
+        if r is None or r.command is cmd or cmd.group.frozen or cmd.id in r.frozen_ids:
+            return
+        await self._freeze_into(r, cmd, cmd.group, "adopt")
+
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.
         Under --freeze device-holders it holds no GPU file yet, so it starts (fenced off the

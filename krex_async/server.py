@@ -184,6 +184,8 @@ class Connection:
                     self.send(P.Ok(id=req.id))
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
+                case P.Adopt():
+                    self._spawn(req.id, daemon.adopt(req, self.pid, self.send))
                 case P.Timeline():
                     daemon.send_timeline(req, self.send, None if self.admin else self._visible)
                 case P.Subscribe():

@@ -177,6 +177,7 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
             out.append(f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
                        f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
                        + ("  (paused)" if p.get("paused") else "")
+                       + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
                        + (f"  last error: {err}" if err else ""))
     boot = str(st.get("boot") or "")
     rows = st["commands"]

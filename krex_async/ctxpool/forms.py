@@ -26,6 +26,8 @@ INIT_VARS = frozenset({
     "PYTHONWARNDEFAULTENCODING", "LC_ALL", "LC_CTYPE", "LANG", "LD_PRELOAD", "LD_LIBRARY_PATH",
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF",
     "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+    # read once by the libraries a worker preloads, as they load or create the context
+    "CUDA_LAUNCH_BLOCKING", "TORCH_USE_CUDA_DSA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
 })
 
 
@@ -87,3 +89,25 @@ def same_interpreter(path: str, python: str) -> bool:
 
 def init_key(env: dict[str, str]) -> tuple[tuple[str, str | None], ...]:
     return tuple((k, env.get(k)) for k in sorted(INIT_VARS))
+
+
+# Flags an adopting interpreter may have been started with: the worker applies -u and -B (adopted.py,
+# fresh.enter), and -R is the default. Any other flag declines the adoption.
+OWN_FLAGS = frozenset("uBR")
+
+
+def split_flags(argv: list[str]) -> tuple[str, list[str]]:
+    """(the leading flag letters, argv without them) for a command line whose flags are all in
+    OWN_FLAGS. Raises ValueError naming the first other flag."""
+    i, letters = 1, ""
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-", "--"):
+        a = argv[i]
+        if a.startswith(("-c", "-m")):
+            break
+        if not set(a[1:]) <= OWN_FLAGS:
+            raise ValueError(f"flag {a}"[:64])
+        letters += a[1:]
+        i += 1
+    if i < len(argv) and argv[i] == "--":
+        raise ValueError("flag --")
+    return letters, [argv[0], *argv[i:]]

@@ -25,6 +25,7 @@ import warnings
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
+from krex_async.ctxpool.adopted import apply as apply_adopted
 from krex_async.ctxpool.forms import Form, executable_for
 
 _PYTHON_DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
@@ -53,7 +54,8 @@ class Baseline:
         self.stdio = (sys.stdin, sys.stdout, sys.stderr)
         self.like = (sys.__stdin__, sys.__stdout__, sys.__stderr__)
         self.sys_attrs = {k: getattr(sys, k) for k in (
-            "argv", "executable", "orig_argv", "excepthook", "displayhook", "breakpointhook")}
+            "argv", "executable", "orig_argv", "excepthook", "displayhook", "breakpointhook",
+            "dont_write_bytecode", "pycache_prefix")}
         self.meta_path = list(sys.meta_path)
         self.path_hooks = list(sys.path_hooks)
         self.importer_cache = dict(sys.path_importer_cache)
@@ -98,10 +100,11 @@ def _restore_logging(state: tuple[Any, ...] | None) -> None:
         del logging.Logger.manager.loggerDict[name]
 
 
-def _stdio(fd: int, name: str, like: Any) -> io.TextIOWrapper:
-    """A stdio stream as pylifecycle.c's create_stdio builds it, with the worker's encoding settings."""
+def _stdio(fd: int, name: str, like: Any, unbuffered: bool | None = None) -> io.TextIOWrapper:
+    """A stdio stream as pylifecycle.c's create_stdio builds it, with the worker's encoding settings
+    (and buffering, unless the adopting interpreter said: -u / PYTHONUNBUFFERED)."""
     write = fd != 0
-    buffered = not like.write_through  # PYTHONUNBUFFERED (the same for worker and command)
+    buffered = not (like.write_through if unbuffered is None else unbuffered)
     buffering = 0 if (write and not buffered) else -1
     buf: Any = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
     raw = buf.raw if buffering else buf
@@ -118,15 +121,17 @@ def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
     """Give this process the command's fds, cwd, env, session, signals and sys state.
 
     Closes the received fds after dup2. Raises OSError (chdir, cgroup write) with the state partly
-    entered: the caller reports the error on the command's stderr and exits.
+    entered: the caller reports the error on the command's stderr and exits. An adopted interpreter
+    (spec["adopt"], adopted.py) brings its own sys.path, executable, signals and settings.
     """
+    adopt = spec.get("adopt")
     for target, fd in enumerate(fds):
         if fd != target:
             os.dup2(fd, target)
             os.close(fd)
     os.chdir(spec["cwd"])
     env = dict(spec["env"])
-    if lc_ctype is not None and not {"LC_ALL", "LC_CTYPE", "LANG"} & env.keys():
+    if lc_ctype is not None and adopt is None and not {"LC_ALL", "LC_CTYPE", "LANG"} & env.keys():
         env["LC_CTYPE"] = lc_ctype  # PEP 538 coercion, as a fresh interpreter does it with this env
     os.environ.clear()  # unsetenv/putenv: the C environ follows
     os.environ.update(env)
@@ -136,21 +141,23 @@ def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
         with open(spec["cgroup_procs"], "w") as f:
             f.write(str(os.getpid()))
     signal.set_wakeup_fd(-1)
+    ignored = _INHERITED_IGNORED if adopt is None else frozenset(adopt.get("ignored", ()))
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(sig, signal.SIG_IGN if sig in _INHERITED_IGNORED
+            signal.signal(sig, signal.SIG_IGN if sig in ignored
                           else _PYTHON_DEFAULTS.get(sig, signal.SIG_DFL))
         except (OSError, ValueError):
             pass  # signals glibc reserves
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    sys.stdin, sys.stdout, sys.stderr = (_stdio(i, n, lk) for i, n, lk in
+    signal.pthread_sigmask(signal.SIG_SETMASK, [] if adopt is None else adopt.get("mask", []))
+    unbuffered = None if adopt is None else bool(adopt.get("unbuffered"))
+    sys.stdin, sys.stdout, sys.stderr = (_stdio(i, n, lk, unbuffered) for i, n, lk in
                                          zip((0, 1, 2), ("<stdin>", "<stdout>", "<stderr>"), base.like))
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore
     argv = spec["argv"]
-    sys.orig_argv = list(argv)
-    sys.executable = executable_for(argv[0], env, spec["cwd"])
+    sys.orig_argv = list(spec.get("orig_argv") or argv)
+    sys.executable = adopt["executable"] if adopt else executable_for(argv[0], env, spec["cwd"])
     if form.kind == "script":
         sys.argv = [form.target] + form.args
         path0 = os.path.dirname(os.path.realpath(os.path.join(spec["cwd"], form.target)))
@@ -160,7 +167,9 @@ def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
     else:
         sys.argv = ["-c"] + form.args
         path0 = ""
-    sys.path[:] = base.path_rest
+    sys.path[:] = base.path_rest if adopt is None else adopt["sys_path"]
+    if adopt is not None:
+        apply_adopted(adopt)
     for name, path in base.customize:
         _customize(name, path)
     sys.path.insert(0, path0)

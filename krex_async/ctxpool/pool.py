@@ -18,6 +18,12 @@ that dies running a command resolves that command's Launched with the real exit 
 n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so warming runs
 ahead of demand; `launch()` never waits for warming and returns None when no worker is warm. A
 region entering on the device calls `quiesce()`: no creation starts, and one in flight ends first.
+
+`adopt()` hands a worker an interpreter that is already running somewhere in a command's tree
+(ctxpool/adoption.py): the worker gets the adopter's pidfd instead of fds, takes fds 0/1/2 itself,
+and answers "started" (it runs the program) or "declined" (it cannot, and leaves the pool). The
+daemon's `set_demand()` sets how many workers to keep: one per command running on the device, at
+least one, at most config.size.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from typing import Any, Awaitable, Callable
 from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
 from krex_async.devices.base import Device
-from krex_async.procfs import stat_fields
+from krex_async.ctxpool.procs import identity as _identity, kill as _kill, \
+    kill_leftovers as _kill_leftovers, memory as _memory, summary as _summary
 from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
@@ -82,6 +89,7 @@ class _Worker:
     joined: bool = False  # its command joins a cgroup (spec.cgroup_procs)
     warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
+    accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
 
 
 class Pool:
@@ -110,10 +118,19 @@ class Pool:
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
         self.last_error: str | None = None
+        self.demand: int | None = None  # commands running on the device (None: keep config.size)
+        self.interpreter: dict[str, Any] | None = None  # what a warm worker said of itself
+        self.adopted = 0
+        self.declined: collections.Counter[str] = collections.Counter()
         self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=1000))
 
     # ------------------------------------------------------------------------------------ daemon API
+
+    @property
+    def identity(self) -> tuple[int, int, list[int]]:
+        """(uid, gid, sorted groups) the workers run as."""
+        return self._ident
 
     async def start(self) -> None:
         """Begin warming toward config.size workers; returns at once (warming goes on behind)."""
@@ -174,6 +191,9 @@ class Pool:
     def _take(self, spec: LaunchSpec) -> _Worker | None:
         if not self.accepts(spec) or not os.path.isdir(spec.cwd):
             return None
+        return self._pop_warm()
+
+    def _pop_warm(self) -> _Worker | None:
         while self._idle:
             w = self._idle.popleft()
             if w.state == "warm" and not w.exited.done():
@@ -181,18 +201,53 @@ class Pool:
         self.misses += 1
         return None
 
-    def _hand(self, w: _Worker, spec: LaunchSpec) -> Launched | None:
+    def adopt(self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]
+              ) -> asyncio.Future[Launched | str]:
+        """Hand an adopting interpreter to a warm worker, now (the cgroup hook runs before this
+        returns). `spec.argv` is its command line without the flags the worker applies itself,
+        `adopt` its world (adopted.py, fresh.enter); `pidfd` is the adopter's, duplicated into
+        the worker (the caller closes its own). The future resolves to the worker's Launched once
+        it runs the program, or to why not: "no warm worker", the worker's own reason, its death."""
+        fut: asyncio.Future[Launched | str] = asyncio.get_running_loop().create_future()
+        w = None if self._closed else self._pop_warm()
+        if w is None:
+            self.misses += 1
+            fut.set_result("no warm worker")
+            return fut
+        if self.cgroup_hook is not None:
+            try:
+                r = self.cgroup_hook(w.pid, spec)
+                if inspect.isawaitable(r):
+                    raise TypeError("adopt() needs a synchronous cgroup_hook")
+            except BaseException:
+                self._idle.appendleft(w)
+                raise
+        if self._hand(w, spec, adopt, [pidfd]) is None:
+            fut.set_result("worker channel closed")
+        else:
+            w.accepted = fut
+        return fut
+
+    def set_demand(self, running: int) -> None:
+        """The number of commands running on the device: warm workers are kept towards it."""
+        self.demand = running
+        self._refill()
+
+    def _hand(self, w: _Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None,
+              fds: list[int] | None = None) -> Launched | None:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
         w.state, w.submit_ts = "busy", time.monotonic()
         w.uses += 1
         w.joined = bool(spec.cgroup_procs)
         w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
         w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
-        msg = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
+        msg: dict[str, Any] = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
                                     "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
                                     "cgroup_hook": self.cgroup_hook is not None}}
+        if adopt is not None:
+            msg["spec"].update(adopt=adopt, orig_argv=adopt.get("orig_argv"))
         try:
-            channel.send(w.sock, msg, [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
+            channel.send(w.sock, msg, fds or [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
         except OSError as e:
             self._retire(w, f"channel: {e}")
             return None
@@ -225,6 +280,7 @@ class Pool:
         return {w.pid for w in self._workers}
 
     def status(self) -> dict[str, Any]:
+        """Sizes, counts and latencies; each worker's host memory (RSS, PSS from smaps_rollup)."""
         counts = collections.Counter(w.state for w in self._workers)
         lat = {k: _summary(v) for k, v in self.latencies.items()}
         everything = [x for v in self.latencies.values() for x in v]
@@ -232,7 +288,11 @@ class Pool:
                 "warm": counts["warm"], "busy": counts["busy"], "starting": counts["starting"],
                 "retired": self.retired, "failures": self.failures, "launched": self.launched,
                 "misses": self.misses, "paused": not self._resumed.is_set(),
-                "last_error": self.last_error, "start_latency_s": _summary(everything), "by_form": lat}
+                "last_error": self.last_error, "start_latency_s": _summary(everything), "by_form": lat,
+                "demand": self.demand, "target": self._target(), "adopted": self.adopted,
+                "declined": dict(self.declined),
+                "workers": [{"pid": w.pid, "state": w.state, **_memory(w.pid)}
+                            for w in sorted(self._workers, key=lambda w: w.pid)]}
 
     async def wait_warm(self, n: int | None = None, timeout: float = 60.0) -> int:
         """Wait until `n` (default config.size) workers are warm; returns the count. For benches/tests."""
@@ -270,12 +330,16 @@ class Pool:
     def _refill(self) -> None:
         if not self._started or self._closed or self._consecutive_failures >= MAX_FAILURES:
             return
-        for _ in range(self.config.size - self._have()):
+        for _ in range(self._target() - self._have()):
             try:
                 self._spawn()
             except OSError as e:
                 self._failed(f"spawn: {e}")
                 return
+
+    def _target(self) -> int:
+        size = self.config.size
+        return size if self.demand is None else min(size, max(1, self.demand))
 
     def _have(self) -> int:
         """Workers warm, warming, or busy and coming back: a reused one with uses left that can
@@ -339,18 +403,26 @@ class Pool:
             if self.config.creates_context(self.device.vendor):
                 self._task(self._create_context(w))
         elif t == "ready":
-            if w.warmed and self._have() > self.config.size:
+            if w.warmed and self._have() > self._target():
                 self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
                 w.sock.close()  # EOF: it exits
                 return
             w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
+            if "hexversion" in msg:
+                self.interpreter = {k: msg[k] for k in ("hexversion", "flags", "xoptions",
+                                                        "warnoptions", "init_env") if k in msg}
             w.ready.set()
             self._idle.append(w)
             self._consecutive_failures = 0
             self._changed.set()
         elif t == "failed":
             w.error = msg.get("error", "")
+        elif t == "declined":
+            self._answer(w, str(msg.get("reason") or "declined"))
+            w.launched = None
+            self._retire(w, f"declined an adoption: {msg.get('reason')}", kill=False)
         elif t == "started" and w.launched is not None:
+            self._answer(w, w.launched)
             lat = max(0.0, msg["ts"] - w.submit_ts)
             w.launched.start_latency_s = lat
             w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
@@ -397,9 +469,16 @@ class Pool:
                     self._creating = None
                 return
 
+    @staticmethod
+    def _answer(w: _Worker, answer: Launched | str) -> None:
+        if w.accepted is not None and not w.accepted.done():
+            w.accepted.set_result(answer)
+        w.accepted = None
+
     def _on_exit(self, w: _Worker) -> None:
         status = w.exited.result()
         was = w.state
+        self._answer(w, f"worker died before it started: returncode {status.returncode}")
         if w.done is not None and w.done is not w.exited and not w.done.done():
             w.done.set_result(status)  # died running a command it would have reported
         if w.launched is not None and w.done is w.exited and w.rusage0 != (0.0, 0.0):
@@ -429,45 +508,3 @@ class Pool:
         self._consecutive_failures += 1
         self.last_error = error
         self._changed.set()
-
-
-def _identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
-    """Who a process started with these spawn() arguments runs as (None: the daemon's own)."""
-    return (os.getuid() if uid is None else uid, os.getgid() if gid is None else gid,
-            sorted(os.getgroups() if groups is None else groups))
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, 9)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_leftovers(pid: int) -> None:
-    """SIGKILL what a command left behind in worker `pid`: its descendants and the members of its
-    session (the worker is the command's session leader), never the worker itself. The daemon's
-    kill of a command's tree would take the worker too, so it spares a worker that lives on."""
-    parent: dict[int, int] = {}
-    victims = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != pid and (f := stat_fields(int(name))) is not None:
-            parent[int(name)] = int(f[1])
-            if int(f[3]) == pid:
-                victims.add(int(name))
-    for p in parent:
-        q, seen = p, 0
-        while q in parent and seen < 512:
-            q, seen = parent[q], seen + 1
-            if q == pid:
-                victims.add(p)
-                break
-    for p in victims:
-        _kill(p)
-
-
-def _summary(values: Any) -> dict[str, Any]:
-    v = sorted(values)
-    if not v:
-        return {"n": 0, "p50": None, "p95": None}
-    return {"n": len(v), "p50": v[(len(v) - 1) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))]}

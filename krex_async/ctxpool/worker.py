@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from krex_async.ctxpool import channel, forms, fresh
+from krex_async.ctxpool import adopted, channel, forms, fresh
 
 
 class Context:
@@ -108,6 +108,9 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(opts["fd"]))
     rx = channel.Receiver()
     path_rest = sys.path[1:]  # entry 0 is the directory `-m` started the worker in
+    # The start-up variables as the interpreter started with them: preloads set some (torch sets
+    # CUDA_MODULE_LOADING when it creates the context), which an adopter never has.
+    init_env = {k: os.environ.get(k) for k in sorted(forms.INIT_VARS)}
     ctx = Context(opts["vendor"], int(opts["ordinal"]))
     t0 = time.monotonic()
     try:
@@ -135,9 +138,11 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     gc.collect()
     base = fresh.Baseline(path_rest)
+    tops = {k: v for k, v in adopted.top_modules().items()
+            if k not in ("__main__", "sitecustomize", "usercustomize")}
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
     home = all(base.cgroup_home.values())  # can leave any cgroup a command puts it in
-    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home})
+    channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home, **_interpreter(init_env)})
     while True:
         try:
             msg, fds = channel.recv(sock, rx)
@@ -147,7 +152,7 @@ def main(argv: list[str]) -> int:
             continue
         uses += 1
         last = uses >= max_uses
-        code, interrupted = _serve(msg["spec"], fds, sock, base, lc_ctype, last)
+        code, interrupted = _serve(msg["spec"], fds, sock, base, lc_ctype, last, tops)
         if last or os.getpid() != me:  # single use, or a forked child of the command finishing
             return _exit_like_python(code, interrupted)
         fresh.finish(code)
@@ -162,9 +167,22 @@ def main(argv: list[str]) -> int:
         _send_quiet(sock, {"t": "ready", "s": 0.0, "home": home})
 
 
+def _interpreter(init_env: dict[str, str | None]) -> dict[str, Any]:
+    """What an adopting interpreter must share with this worker (ctxpool/adoption.py compares)."""
+    return {"hexversion": sys.hexversion, "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
+            "flags": {n: int(getattr(sys.flags, n)) for n in type(sys.flags).__match_args__},
+            "warnoptions": list(sys.warnoptions),
+            "init_env": init_env}
+
+
 def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fresh.Baseline,
-           lc_ctype: str | None, last: bool) -> tuple[int, bool]:
+           lc_ctype: str | None, last: bool, tops: dict[str, str]) -> tuple[int, bool]:
     form = forms.parse(spec["argv"])
+    if spec.get("adopt") is not None and form is not None and len(fds) == 1:
+        why, fds = _adopt(spec, form, fds[0], base, tops)
+        if why is not None:  # nothing entered; but it is in the command's cgroup: leave the pool
+            _send_quiet(sock, {"t": "declined", "reason": why})
+            os._exit(0)
     if form is None or len(fds) != 3:
         for fd in fds:
             os.close(fd)
@@ -180,6 +198,27 @@ def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fres
     if last:
         sock.close()  # nothing more to say: the exit status is the process's
     return fresh.run(form, spec, main_mod)
+
+
+def _adopt(spec: dict[str, Any], form: forms.Form, pidfd: int, base: fresh.Baseline,
+           tops: dict[str, str]) -> tuple[str | None, list[int]]:
+    """The adopter's fds 0/1/2, or why this worker cannot run its program as a fresh start would."""
+    cwd = spec["cwd"]
+    path0 = cwd
+    if form.kind == "script":  # as fresh.enter and _run_script put it first (a directory: itself)
+        target = os.path.realpath(os.path.join(cwd, form.target))
+        path0 = target if os.path.isdir(target) else os.path.dirname(target)
+    try:
+        why = adopted.shadowed([path0, *spec["adopt"]["sys_path"]], base.path_rest, tops)
+    except (OSError, ValueError, ImportError) as e:
+        why = f"path check: {e}"
+    if why is not None:
+        os.close(pidfd)
+        return why, []
+    try:
+        return None, adopted.take_stdio(pidfd)
+    except OSError as e:
+        return f"stdio: {e.strerror}", []
 
 
 def _send_quiet(sock: socket.socket, msg: dict[str, Any]) -> None:

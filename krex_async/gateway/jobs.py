@@ -103,7 +103,8 @@ def command_result(handle: CommandHandle, report: Any, out: bytearray, err: byte
         "regions": rep.get("regions", []),
         "krex": {k: getattr(report, k) for k in ("command", "device", "policy", "state", "signal",
                                           "wall_s", "queued_s", "start_latency_s", "error",
-                                          "stdout_bytes", "stderr_bytes", "via")},
+                                          "stdout_bytes", "stderr_bytes", "via", "pool_adopted",
+                                          "pool_declined")},
     }
 
 

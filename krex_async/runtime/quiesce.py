@@ -320,9 +320,10 @@ def forget_parent_connection() -> None:
 
 
 def run(path: str, command: str, token: str, main: int, signum: int,
-        connect_timeout: float = 2.0) -> None:
+        connect_timeout: float = 2.0, declined: str = "") -> None:
     """Connect to the daemon, announce this process, and serve Quiesce / Resume until the
-    connection ends. Returns (never raises) on any error; the caller runs it on its own thread."""
+    connection ends. Returns (never raises) on any error; the caller runs it on its own thread.
+    `declined`: why this interpreter was not adopted by the command's pool (runtime/adopt.py)."""
     global _state
     try:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -343,7 +344,10 @@ def run(path: str, command: str, token: str, main: int, signum: int,
         pid = os.getpid()
         st.send({"type": "hello", "id": 1, "version": 1, "role": "command",
                  "client": f"krex-runtime/{pid}"})
-        st.send({"type": "quiesce_ready", "id": 2, "command": command, "token": token, "pid": pid})
+        ready = {"type": "quiesce_ready", "id": 2, "command": command, "token": token, "pid": pid}
+        if declined:
+            ready["pool_declined"] = declined[:256]
+        st.send(ready)
         while True:
             head = st.recv_exact(4)
             if head is None:

@@ -2,6 +2,10 @@
 
 The daemon puts krex_async/runtime/ first on PYTHONPATH, so this module is the `sitecustomize`
 that `site` imports at start-up. It
+  0. first, where the daemon set KREX_POOL (the command's device has a warm pool for this user),
+     asks for a pool worker to run this process's program (adopt.py): once adopted, the process
+     only waits and exits with the worker's status. Without KREX_POOL this costs one environment
+     lookup; the reason a process was not adopted rides on its quiesce_ready;
   1. chains the next sitecustomize on sys.path (a site or venv customisation keeps working);
   2. inside a command (KREX_SOCKET, KREX_COMMAND and KREX_TOKEN set), installs a handler for a
      spare real-time signal (KREX_QUIESCE_SIGNAL, default SIGRTMAX-6) and starts the quiesce
@@ -73,6 +77,16 @@ def _load(name: str, filename: str):  # type: ignore[no-untyped-def]
 
 
 _armed = False
+_declined = ""  # why this interpreter was not adopted (reported by the quiesce listener)
+
+
+def _adopt() -> None:
+    global _declined
+    pool = os.environ.get("KREX_POOL")
+    # A worker re-runs this file for each command it serves: it is the adopter then, never adopted.
+    if not pool or "krex_async.ctxpool.fresh" in sys.modules:
+        return
+    _declined = _load("_krex_adopt", "adopt.py").run(pool, _load)
 
 
 def arm() -> bool:
@@ -105,7 +119,7 @@ def _start() -> bool:
         return False
     if _signal.getsignal(signum) not in (_signal.SIG_DFL, None):
         return False  # taken by someone: stay out of the way (the daemon's timeout path covers us)
-    box: dict = {}
+    box: dict = {"declined": _declined}
 
     def on_signal(signum: int, frame: object) -> None:
         q = box.get("q")
@@ -139,7 +153,7 @@ def _start() -> bool:
             if box.get("exiting"):  # at_exit ran while it loaded: it found no listener to stop
                 return
             q.run(env.get("KREX_SOCKET", ""), env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""),
-                  main, signum)
+                  main, signum, declined=box.pop("declined", ""))
         except BaseException:  # noqa: BLE001 - never disturb the user's program
             pass
         finally:
@@ -156,6 +170,7 @@ def _start() -> bool:
 
     def after_fork_in_child() -> None:
         try:
+            box.pop("declined", None)  # the parent reported it: a fork is no new interpreter
             q = box.get("q")
             if q is not None:
                 q.forget_parent_connection()
@@ -177,6 +192,10 @@ def _auto_regions() -> None:
         _load("_krex_autoregion", "autoregion.py").install()
 
 
+try:
+    _adopt()
+except BaseException:  # noqa: BLE001 - an adoption that fails runs the program here, as before
+    pass
 try:
     _auto_regions()
 except BaseException:  # noqa: BLE001

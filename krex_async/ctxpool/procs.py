@@ -1,0 +1,56 @@
+"""The pool's view of its worker processes: who they run as, their memory, ending them and what a
+command left behind in them, and latency summaries for status."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from krex_async.procfs import memory as _rss_pss, stat_fields
+
+
+def identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
+    """Who a process started with these spawn() arguments runs as (None: the daemon's own)."""
+    return (os.getuid() if uid is None else uid, os.getgid() if gid is None else gid,
+            sorted(os.getgroups() if groups is None else groups))
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def kill_leftovers(pid: int) -> None:
+    """SIGKILL what a command left behind in worker `pid`: its descendants and the members of its
+    session (the worker is the command's session leader), never the worker itself. The daemon's
+    kill of a command's tree would take the worker too, so it spares a worker that lives on."""
+    parent: dict[int, int] = {}
+    victims = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != pid and (f := stat_fields(int(name))) is not None:
+            parent[int(name)] = int(f[1])
+            if int(f[3]) == pid:
+                victims.add(int(name))
+    for p in parent:
+        q, seen = p, 0
+        while q in parent and seen < 512:
+            q, seen = parent[q], seen + 1
+            if q == pid:
+                victims.add(p)
+                break
+    for p in victims:
+        kill(p)
+
+
+def memory(pid: int) -> dict[str, int | None]:
+    got = _rss_pss(pid)
+    return {"rss_bytes": got[0] if got else None, "pss_bytes": got[1] if got else None}
+
+
+def summary(values: Any) -> dict[str, Any]:
+    v = sorted(values)
+    if not v:
+        return {"n": 0, "p50": None, "p95": None}
+    return {"n": len(v), "p50": v[(len(v) - 1) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))]}

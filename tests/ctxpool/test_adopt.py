@@ -1,0 +1,403 @@
+"""Adoption: Python interpreters started anywhere in a command's tree run in warm pool workers.
+
+Each test runs a real daemon (cgroup backend: a worker must join the command's cgroup) with
+`colorsys` preloaded: a program sees it in sys.modules only when a worker ran it, which is the
+marker of adoption. Every path is compared with what a plain interpreter does with the same input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import PY, py_env, run_daemon, v2_mount
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or v2_mount() is None,
+                                reason="adoption needs the cgroup backend: root and cgroup v2")
+
+MARK = "import sys as _s; _M = 'colorsys' in _s.modules\n"  # first line of every job
+
+
+def write(d: Path, name: str, src: str) -> str:
+    p = d / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    mark = src.startswith(MARK)
+    p.write_text((MARK if mark else "") + textwrap.dedent(src[len(MARK):] if mark else src))
+    return str(p)
+
+
+async def warm(c: Any, n: int = 1, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = (await c.status())["pools"]["cpu"]
+        if st["warm"] >= n:
+            return st
+        assert time.monotonic() < deadline, st
+        await asyncio.sleep(0.05)
+
+
+def pooled_daemon(size: int = 2) -> Any:
+    return run_daemon("--pool-size", str(size), "--pool-preload", "colorsys", "--isolation", "cgroup",
+                      env=py_env())
+
+
+async def run_sh(c: Any, line: str, cwd: Path, **kw: Any) -> Any:
+    await warm(c)
+    return await c.run(["/bin/sh", "-c", line], env=py_env(**kw.pop("env", {})), cwd=str(cwd), **kw)
+
+
+def plain(line: str, cwd: Path, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    """The same shell line without krex: what a fresh interpreter does."""
+    return subprocess.run(["/bin/sh", "-c", line], cwd=cwd, input=stdin, capture_output=True,
+                          env=py_env(), timeout=60)
+
+
+async def test_sh_c_job_is_adopted_and_behaves_like_a_fresh_process(tmp_path: Path) -> None:
+    job = write(tmp_path, "job.py", MARK + """
+        import os, sys
+        print("argv", sys.argv, "file", __file__, "name", __name__, flush=True)
+        print("cwd", os.getcwd(), "env", os.environ.get("JOBVAR"), "stdin", sys.stdin.read())
+        print("path0", sys.path[0], "exe", sys.executable, flush=True)
+        for i in range(3):
+            print("out", i, flush=True)
+            print("err", i, file=sys.stderr, flush=True)
+        print("adopted", _M, file=sys.stderr)
+        raise SystemExit(7)
+    """)
+    line = f"echo hello | JOBVAR=v {PY} job.py a 'b c' 2>&1; echo rc=$?"
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, line, tmp_path)
+            st = (await c.status())["pools"]["cpu"]
+    ref = plain(line, tmp_path)
+    assert b"adopted True" in res.stdout, res.stdout
+    assert res.stdout.replace(b"adopted True", b"adopted False") == ref.stdout
+    assert res.stdout.endswith(b"rc=7\n")
+    assert res.report.pool_adopted == 1 and res.report.pool_declined == {}, res.report
+    assert st["adopted"] == 1 and all(w["rss_bytes"] for w in st["workers"]), st
+
+
+async def test_runner_script_module_with_relative_imports_and_uncaught_exception(tmp_path: Path) -> None:
+    write(tmp_path, "pkg/__init__.py", "")
+    write(tmp_path, "pkg/helper.py", "VALUE = 42\n")
+    write(tmp_path, "pkg/main.py", MARK + """
+        from .helper import VALUE
+        import sys
+        print("value", VALUE, __name__, __package__, sys.argv, _M, flush=True)
+        def boom():
+            raise ValueError("bad " + sys.argv[1])
+        boom()
+    """)
+    write(tmp_path, "runner.sh", f"""
+        set -u
+        cd "$(dirname "$0")"
+        {PY} -m pkg.main x
+        echo "rc=$?"
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, "bash runner.sh", tmp_path)
+    ref = plain("bash runner.sh", tmp_path)
+    assert b"True" in res.stdout and res.report.pool_adopted == 1, (res.stdout, res.report)
+    assert res.stdout.replace(b"True", b"False") == ref.stdout
+    assert res.stdout.endswith(b"rc=1\n")
+    assert res.stderr == ref.stderr  # the same traceback, frame for frame
+    assert b"ValueError: bad x" in res.stderr
+
+
+async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Path) -> None:
+    """An absolute-path interpreter started by subprocess from an adopted one: SIGINT sent by the
+    parent raises KeyboardInterrupt in the program; SIGTERM and SIGKILL end it as they would a
+    fresh process (the parent sees -15, -9), and a killed adopter takes its worker with it."""
+    write(tmp_path, "inner.py", MARK + """
+        import os, sys, time
+        print(os.getpid(), _M, flush=True)
+        if sys.argv[1] == "int":
+            try:
+                time.sleep(30)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                raise
+        time.sleep(30)
+    """)
+    write(tmp_path, "outer.py", f"""
+        import os, signal, subprocess, sys, time
+        time.sleep(1.0)  # the pool refills behind this interpreter's own worker
+        for how, sig in (("int", signal.SIGINT), ("term", signal.SIGTERM), ("kill", signal.SIGKILL)):
+            p = subprocess.Popen([{PY!r}, "inner.py", how], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            first = p.stdout.readline().split()
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=20)
+            print(how, p.returncode, first[1].decode(), out.decode().strip(), err.decode().strip().splitlines()[-1:], flush=True)
+            time.sleep(0.3)
+            alive = os.path.exists(f"/proc/{{int(first[0])}}") and open(f"/proc/{{int(first[0])}}/stat").read().split()[2] != "Z"
+            print(how, "program alive", alive, flush=True)
+            time.sleep(1.0)
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} outer.py", tmp_path, timeout=60)
+    lines = res.stdout.decode().splitlines()
+    assert lines[0] == "int -2 True interrupted ['KeyboardInterrupt']", lines
+    assert lines[2] == "term -15 True  []", lines
+    assert lines[4] == "kill -9 True  []", lines
+    assert all(ln.endswith("alive False") for ln in lines[1::2]), lines
+    assert res.report.pool_adopted == 4, res.report
+
+
+async def test_timeout_kills_adopted_worker_and_ignored_signals_stay_ignored(tmp_path: Path) -> None:
+    """A background job of sh inherits SIGINT ignored: so does its worker. At the command's
+    timeout the worker dies with the command's tree."""
+    write(tmp_path, "job.py", MARK + """
+        import os, signal, time
+        print(os.getpid(), _M, signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+        time.sleep(60)
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} job.py & wait", tmp_path, timeout=3)
+    pid, marker, ignored = res.stdout.split()
+    assert (marker, ignored) == (b"True", b"True")
+    assert res.report.state == "timeout"
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{int(pid)}") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not os.path.exists(f"/proc/{int(pid)}")
+
+
+async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Path) -> None:
+    write(tmp_path, "mp.py", MARK + """
+        import multiprocessing as mp, os, sys
+        def square(x):
+            return x * x
+        if __name__ == "__main__":
+            for method in ("spawn", "fork"):
+                with mp.get_context(method).Pool(2) as p:
+                    print(method, p.map(square, range(4)), flush=True)
+            print("adopted", _M)
+    """)
+    async with pooled_daemon(3) as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} mp.py", tmp_path, timeout=60)
+    assert res.stdout == b"spawn [0, 1, 4, 9]\nfork [0, 1, 4, 9]\nadopted True\n", res
+    assert res.returncode == 0 and res.report.pool_adopted == 1, res.report
+    # spawn's children (and its resource tracker) are handed pipes beyond fds 0-2: they start fresh
+    assert res.report.pool_declined.get("fds beyond 0-2", 0) >= 2, res.report
+
+
+async def test_ineligible_interpreters_run_as_before_and_say_why(tmp_path: Path) -> None:
+    write(tmp_path, "job.py", MARK + """
+        import sys, time
+        print(_M, sys.flags.dev_mode, sys.stdout.write_through, flush=True)
+        time.sleep(0.3)  # long enough for its runtime to report why it was not adopted
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            # -u (or PYTHONUNBUFFERED) is the adopter's to choose, whatever the worker started with
+            res = await run_sh(c, f"unset PYTHONUNBUFFERED; {PY} -X dev job.py; {PY} -u job.py; "
+                                  f"CUDA_VISIBLE_DEVICES=7 {PY} job.py; sleep 0.5; {PY} job.py", tmp_path)
+    assert res.stdout.splitlines() == [b"False True False", b"True False True",
+                                       b"False False False", b"True False False"], res.stdout
+    assert res.report.pool_adopted == 2
+    assert res.report.pool_declined == {"flag -X": 1, "env CUDA_VISIBLE_DEVICES": 1}, res.report
+
+
+async def test_no_pool_no_adoption_variable(tmp_path: Path) -> None:
+    """Without a pool the runtime is told nothing (KREX_POOL unset): no request, nothing counted."""
+    async with run_daemon("--isolation", "cgroup", env=py_env()) as d:
+        async with await d.client() as c:
+            res = await c.run(["/bin/sh", "-c", f"{PY} -c 'import os; print(\"KREX_POOL\" in os.environ)'"],
+                              env=py_env(), cwd=str(tmp_path))
+    assert res.stdout == b"False\n"
+    assert res.report.pool_adopted == 0 and res.report.pool_declined == {}
+
+
+async def test_gateway_jobs_are_adopted(tmp_path: Path) -> None:
+    """The gateway runs each job as `/bin/sh -c CMD` with its own PYTHONPATH and a `python3` shim:
+    a job's interpreter and a runner script's are both adopted, and the job result says so."""
+    from ..gateway.conftest import stack
+
+    src = MARK + "import sys\nprint(_M, sys.argv[1:])\n"
+    daemon_args = ("--pool-size", "2", "--pool-preload", "colorsys", "--isolation", "cgroup")
+    async with stack(tmp_path, daemon_args=daemon_args) as (daemon, _gw, c):
+        async with await daemon.client() as dc:  # type: ignore[attr-defined]
+            await warm(dc)
+        results = []
+        for line in ("python3 job.py direct", "bash runner.sh"):
+            job = await c.dev(line, files={"job.py": src, "runner.sh": "python3 job.py runner\n"})
+            results.append((await c.wait(job["job_id"], 60))["result"])
+            async with await daemon.client() as dc:  # type: ignore[attr-defined]
+                await warm(dc)
+    assert [r["stdout"] for r in results] == ["True ['direct']\n", "True ['runner']\n"], results
+    assert [r["krex"]["pool_adopted"] for r in results] == [1, 1], results
+
+
+async def test_a_cancel_signals_the_program_once(tmp_path: Path) -> None:
+    """A cancel with SIGTERM signals every process of the command, the adopter and its worker
+    alike: the adopter must not forward the daemon's own signal, or the program would get two."""
+    write(tmp_path, "job.py", MARK + """
+        import signal, time
+        got = []
+        signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+        print("ready", _M, flush=True)
+        time.sleep(1.0)
+        time.sleep(0.5)  # a second signal would cut the first sleep short only once
+        print("count", len(got), flush=True)
+    """)
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            await warm(c)
+            h = await c.submit(["/bin/sh", "-c", f"trap '' TERM; {PY} job.py"], env=py_env(),
+                               cwd=str(tmp_path))
+            out = b""
+            async for stream, data in h.output():
+                out += data
+                if b"ready" in out:
+                    await h.cancel(signal.SIGTERM)
+                    break
+            res = await h.wait()
+    assert (out + res.stdout).count(b"ready True") >= 1
+    assert b"count 1\n" in out + res.stdout, (out, res.stdout)
+    assert res.report.state == "cancelled" and res.report.pool_adopted == 1
+
+
+async def test_only_a_process_with_the_workers_user_and_privileges_is_handed_over(tmp_path: Path) -> None:
+    """Workers run as the pool's user: an adopter with any other uid (real, effective, saved or
+    fs), gid, or fewer privileges (no_new_privs here; capabilities, seccomp, LSM label alike) is
+    refused before a worker, or its environment and fds, are involved."""
+    import ctypes
+    import sys
+
+    from krex_async import protocol as P
+    from krex_async.ctxpool import Pool, PoolConfig
+    from krex_async.ctxpool.adoption import refusal
+
+    from .conftest import CPU
+
+    pool = Pool(CPU, PoolConfig(size=1))
+    await pool.start()
+    await pool.wait_warm(timeout=30)
+    interp = pool.interpreter
+    assert interp is not None
+    req = P.Adopt(id=2, command="c", token="t", argv=[PY, "job.py"], cwd=str(tmp_path),
+                  env={k: v for k, v in interp["init_env"].items() if v is not None},
+                  hexversion=sys.hexversion, flags=interp["flags"])
+    sleeper = [PY, "-c", "import time; time.sleep(30)"]
+    other = ["/bin/sleep", "30"]  # the user check comes first; nobody may not run our interpreter
+    no_new_privs = lambda: ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # noqa: E731 PR_SET_NO_NEW_PRIVS
+    procs = [subprocess.Popen(sleeper), subprocess.Popen(other, user=65534, group=65534),
+             subprocess.Popen(other, group=65534), subprocess.Popen(sleeper, preexec_fn=no_new_privs)]
+    try:
+        time.sleep(0.3)
+        assert [refusal(pool, req, p.pid) for p in procs] == [
+            None, "user", "user", "privileges NoNewPrivs"]
+        assert refusal(pool, P.Adopt(id=2, command="c", token="t", argv=["/bin/sh", "x"],
+                                     cwd="/", env={}), procs[0].pid) == "interpreter version"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        await pool.close()
+
+async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path: Path) -> None:
+    """Warm workers are replaced only up to the number of commands running (at least one), never
+    beyond --pool-size: three adoptions in a row from a pool of three leave one warm, not three."""
+    async with pooled_daemon(3) as d:
+        async with await d.client() as c:
+            await warm(c, 3)
+            for _ in range(3):
+                res = await c.run(["/bin/sh", "-c", f"{PY} -c pass"], env=py_env(), cwd=str(tmp_path))
+                assert res.report.pool_adopted == 1, res.report
+            await asyncio.sleep(2.0)  # time enough to warm more, were it asked to
+            st = (await c.status())["pools"]["cpu"]
+    assert (st["demand"], st["target"], st["warm"] + st["starting"]) == (0, 1, 1), st
+
+
+async def test_a_preloaded_module_the_program_would_load_from_elsewhere_declines(tmp_path: Path) -> None:
+    """A `colorsys.py` beside the script, or on the command's PYTHONPATH, is what a fresh
+    interpreter imports: the worker, which preloaded the standard one, declines and leaves."""
+    write(tmp_path, "job.py", MARK + """
+        import colorsys
+        print(_M, colorsys.__file__.endswith("mine/colorsys.py") or "local" in colorsys.__file__)
+    """)
+    write(tmp_path, "mine/colorsys.py", "")
+    write(tmp_path, "local/job.py", MARK + "import colorsys\nprint(_M, colorsys.__file__)\n")
+    write(tmp_path, "local/colorsys.py", "")
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} job.py", tmp_path)
+            shadow_path = await run_sh(c, f"PYTHONPATH={tmp_path / 'mine'}:$PYTHONPATH {PY} job.py",
+                                       tmp_path)
+            beside = await run_sh(c, f"{PY} local/job.py", tmp_path)
+            st = (await c.status())["pools"]["cpu"]
+    assert res.stdout == b"True False\n" and res.report.pool_adopted == 1, res
+    assert shadow_path.stdout == b"False True\n", shadow_path
+    assert shadow_path.report.pool_declined == {"module colorsys": 1}, shadow_path.report
+    assert beside.stdout == f"False {tmp_path / 'local' / 'colorsys.py'}\n".encode(), beside
+    assert beside.report.pool_declined == {"module colorsys": 1}, beside.report
+    assert st["declined"] == {"module colorsys": 2}, st
+
+
+async def test_a_reused_worker_adopts_again_and_leaks_nothing(tmp_path: Path) -> None:
+    code = ("import os, sys; print(os.getpid(), 'json' in sys.modules, 'LEAK' in os.environ, "
+            "'wave' in sys.modules); os.environ['LEAK'] = '1'; import wave")
+    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", "--pool-preload", "json",
+                          "--isolation", "cgroup", env=py_env()) as d:
+        async with await d.client() as c:
+            outs = []
+            for _ in range(3):
+                res = await run_sh(c, f"{PY} -c \"{code}\"", tmp_path)
+                assert res.report.pool_adopted == 1, res.report
+                outs.append(res.stdout.split())
+    assert len({o[0] for o in outs}) == 1, outs  # one worker served all three
+    assert all(o[1:] == [b"True", b"False", b"False"] for o in outs), outs
+
+
+async def test_device_holders_an_adoption_during_a_region_is_frozen_into_it(tmp_path: Path) -> None:
+    """--freeze device-holders spares siblings without a GPU file, but a worker brings its
+    context with it: a command adopting one during another's region is frozen until it ends."""
+    owner = ("from krex_async import region; import time\n"
+             "with region('t'):\n"
+             "    print('in', flush=True); time.sleep(1.5); print(time.monotonic(), flush=True)\n")
+    write(tmp_path, "job.py", MARK + "import time\nprint(time.monotonic(), _M, flush=True)\n")
+    async with run_daemon("--pool-size", "2", "--pool-preload", "colorsys", "--isolation", "cgroup",
+                          "--freeze", "device-holders", env=py_env()) as d:
+        async with await d.client() as c:
+            await warm(c, 2)
+            h = await c.submit([PY, "-c", owner], env=py_env(), cwd=str(tmp_path))
+            out = b""
+            async for _stream, data in h.output():
+                out += data
+                if b"in\n" in out:
+                    break
+            late = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(tmp_path))
+            first = await h.wait()
+    released = float((out + first.stdout).split()[-1])
+    started, marker = late.stdout.split()
+    assert marker == b"True" and late.report.pool_adopted == 1, late
+    assert float(started) >= released, (started, released)
+    assert first.report.regions[0].frozen == [late.report.command], first.report.regions[0]
+
+
+async def test_a_preload_that_sets_a_start_up_variable_does_not_decline(tmp_path: Path) -> None:
+    """torch sets CUDA_MODULE_LOADING as it creates its context: a worker compares an adopter
+    with the variables it started with, not with what its preloads set since."""
+    mods = tmp_path / "mods"
+    write(mods, "envsetter.py", "import os\nos.environ['CUDA_MODULE_LOADING'] = 'LAZY'\n")
+    env = py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
+    env.pop("CUDA_MODULE_LOADING", None)
+    write(tmp_path, "job.py", MARK + "import os\nprint(_M, os.environ.get('CUDA_MODULE_LOADING'))\n")
+    async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys,envsetter", "--isolation",
+                          "cgroup", env=env) as d:
+        async with await d.client() as c:
+            await warm(c)
+            res = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=env, cwd=str(tmp_path))
+    assert res.stdout == b"True None\n" and res.report.pool_adopted == 1, res
