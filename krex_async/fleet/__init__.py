@@ -1,0 +1,25 @@
+"""Beyond one node: the Ray fleet (`pip install 'krex[fleet]'`).
+
+    agents ─► FleetClient ──Ray──► NodeAgent actor per node ──Unix socket──► that node's krex daemon
+    krex gateway --fleet ADDR ─► the same FleetClient behind the agate jobs API
+
+agent.py    the per-node actor's body (owns or reaches the daemon; capacity; streamed runs)
+placement.py which node and device a command goes to (pure)
+client.py   FleetClient / FleetHandle: Client's shape over the fleet (imports Ray)
+local.py    a Ray cluster of N nodes on this machine with a daemon each (demo, tests, bench)
+demo.py     `krex fleet demo`
+
+Ray is imported only by client.py and local.py, so the base install stays light; `require_ray()`
+says how to get it.
+"""
+
+from __future__ import annotations
+
+
+def require_ray() -> str | None:
+    """None when Ray can be imported here, else what to install."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as e:
+        return f"the fleet needs Ray (pip install 'krex[fleet]'): {e}"
+    return None
