@@ -15,6 +15,9 @@ says how to get it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 
 def require_ray() -> str | None:
     """None when Ray can be imported here, else what to install."""
@@ -23,3 +26,19 @@ def require_ray() -> str | None:
     except ImportError as e:
         return f"the fleet needs Ray (pip install 'krex[fleet]'): {e}"
     return None
+
+
+def fleet_connector(address: str) -> Callable[[], Awaitable[Any]]:
+    """For `krex gateway --fleet ADDRESS`: the gateway Runner's connect(), giving one FleetClient
+    for the gateway's life (it keeps its nodes' views fresh itself); until it exists, each call
+    tries again and raises KrexError('unreachable', ...) as the daemon's connect does."""
+    made: list[Any] = []
+
+    async def connect() -> Any:
+        if not made:
+            from .client import FleetClient
+
+            made.append(await FleetClient.connect(address))
+        return made[0]
+
+    return connect

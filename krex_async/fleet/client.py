@@ -19,6 +19,7 @@ command (Ray actor tasks run at most once here), so no command runs twice.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -130,6 +131,7 @@ class FleetClient:
         self.refresh_s = refresh_s
         self._handles: dict[str, FleetHandle] = {}  # in flight, by fleet command name
         self._kill_on_close: set[str] = set()
+        self._pending = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -146,7 +148,7 @@ class FleetClient:
                          configure_logging=False, **(ray_options or {}))
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise KrexError("unreachable", f"no Ray cluster at {address}: {e}") from None
-        agents = {}
+        agents: dict[str, Any] = {}
         for node in sorted(ray.nodes(), key=node_name):
             if not node.get("Alive"):
                 continue
@@ -219,19 +221,24 @@ class FleetClient:
                 name, key = pick(list(self.nodes.values()), mem, str(device), node)
             except NoDevice as e:
                 raise KrexError("bad_device", str(e)) from None
-            gen = self.agents[name].run.remote({**spec, "device": key})
+            # Counted on its device from now, so concurrent submits spread before any is accepted.
+            ours = self.nodes[name].ours.setdefault(key, set())
+            pending = f"pending-{next(self._pending)}"
+            ours.add(pending)
             try:
+                gen = self.agents[name].run.remote({**spec, "device": key})
                 first = await (await gen.__anext__())
             except RayTaskError as e:
                 raise KrexError("fleet_error", f"node {name}: {e}") from None
             except (RayError, StopAsyncIteration) as e:
                 self._node_lost(name, f"its agent is gone ({type(e).__name__})")
                 continue
+            finally:
+                ours.discard(pending)
             if first[0] == "error":
                 raise KrexError(first[1], f"node {name}: {first[2]}")
             h = FleetHandle(self, name, spec, gen, first)
-            view = self.nodes[name]
-            view.ours.setdefault(str(first[2]), set()).add(h.daemon_command)
+            self.nodes[name].ours.setdefault(str(first[2]), set()).add(h.daemon_command)
             self._handles[h.command] = h
             if on_disconnect == "kill":
                 self._kill_on_close.add(h.command)

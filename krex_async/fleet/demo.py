@@ -53,6 +53,7 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
     from .local import LocalFleet
 
     fleet = LocalFleet(nodes, daemon_args=("--devices", devices))
+    fc = None
     t0 = time.monotonic()
     print(f"krex fleet demo: starting a Ray cluster of {nodes} nodes on this machine ...",
           flush=True)
@@ -98,5 +99,7 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
         print(f"krex fleet demo: {e.message}", file=sys.stderr)
         return 1
     finally:
-        await fleet.aclose()
+        if fc is not None:
+            await fc.close()
+        fleet.close()
         print(f"  stopped the agents, daemons and Ray ({time.monotonic() - t0:.1f} s in all)")

@@ -17,16 +17,17 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
+from ray.exceptions import RayError
 
 from .agent import DaemonSpec, remove_cgroup
-from .client import NODE_RESOURCE, FleetClient
+from .client import NAMESPACE, NODE_RESOURCE, FleetClient
 
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
 
 
 class LocalFleet:
-    """start() brings the cluster up and joins it; connect() reaches (and starts) the daemons;
-    close() stops the agents, their daemons and the cluster. Usable as a context manager."""
+    """start() brings the cluster up and joins it; connect() makes a fleet client (the first starts
+    the daemons); close() stops the agents, their daemons and the cluster. A context manager."""
 
     def __init__(self, nodes: int = 2, daemon_args: tuple[str, ...] = ("--devices", "cpu:2"),
                  base_dir: str | None = None) -> None:
@@ -38,7 +39,6 @@ class LocalFleet:
         self._own_dir = base_dir is None
         self.cluster: Cluster | None = None
         self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node
-        self.fleet: FleetClient | None = None
 
     def start(self) -> str:
         """Start the head and N-1 worker nodes and join as the driver; returns the address."""
@@ -57,27 +57,36 @@ class LocalFleet:
         return str(self.cluster.address)
 
     async def connect(self, **kw: Any) -> FleetClient:
-        """The fleet client, with an agent per node that owns its node's daemon."""
+        """A fleet client whose agents own their nodes' daemons (started by the first client)."""
         spec = DaemonSpec(self.base_dir, args=self.daemon_args)
-        self.fleet = await FleetClient.connect(self.cluster.address if self.cluster else "auto",
-                                               daemon=spec, **kw)
-        return self.fleet
+        return await FleetClient.connect(self.cluster.address if self.cluster else "auto",
+                                         daemon=spec, **kw)
 
     def remove_node(self, name: str) -> None:
         """Kill a worker node's Ray processes at once (its agent dies; its daemon gets SIGTERM)."""
         assert self.cluster is not None
         self.cluster.remove_node(self.ray_nodes.pop(name), allow_graceful=False)
 
-    async def aclose(self) -> None:
-        """Stop the agents (each stops its daemon), then the cluster; remove the directories."""
-        if self.fleet is not None:
-            await self.fleet.close()
-            await self.fleet.stop_nodes()
-            self.fleet = None
-        self.close()
+    def stop_agents(self, timeout: float = 30.0) -> None:
+        """Stop each node's agent (it stops its daemon: commands end as `shutdown`), then kill it."""
+        actors = []
+        for name in self.ray_nodes:
+            try:
+                actors.append(ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE))
+            except ValueError:
+                continue  # never made, or gone with its node
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=timeout)
+        except RayError:
+            pass  # an agent that is gone took its daemon with it (death signal)
+        for a in actors:
+            ray.kill(a)
 
     def close(self) -> None:
+        """Stop the agents, leave and stop the cluster, remove what the daemons left."""
         if ray.is_initialized():
+            if self.cluster is not None:
+                self.stop_agents()
             ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()

@@ -82,6 +82,7 @@ async def serve(args: argparse.Namespace) -> int:
     from .env import Environment
     from .jobs import Runner, make_shims
     from .store import Store
+    from ..fleet import fleet_connector
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
@@ -100,8 +101,10 @@ async def serve(args: argparse.Namespace) -> int:
     aliases = frozenset(["local", *args.gpu_alias])
     kinds, missing = K.build(limits, aliases, args.atrex_bench_root)
     gw: Gateway | None = None
+    fleet = getattr(args, "fleet", None)  # --fleet, added by krex_async/cli.py
     runner = Runner(store, state / "jobs", limits, args.socket, kinds,
-                    lambda job_id: gw.changed(job_id) if gw else None)
+                    lambda job_id: gw.changed(job_id) if gw else None,
+                    fleet_connector(fleet) if fleet else None)
     runner.shims = make_shims(state / "bin")
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, args.token)
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
@@ -120,7 +123,8 @@ async def serve(args: argparse.Namespace) -> int:
     (state / "gateway.json").write_text(json.dumps({"url": url, "pid": os.getpid()}))
     runner.start()
     print(f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
-          f", daemon {args.socket or 'default socket'})", file=sys.stderr, flush=True)
+          f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
+          file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,6 +159,11 @@ def main(args: argparse.Namespace) -> int:
             return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
+        return 2
+    from ..fleet import require_ray
+
+    if getattr(args, "fleet", None) and require_ray():
+        print(f"krex gateway: --fleet: {require_ray()}", file=sys.stderr)
         return 2
     try:
         import aiohttp  # noqa: F401

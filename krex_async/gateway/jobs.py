@@ -19,7 +19,7 @@ import functools
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -126,7 +126,8 @@ class Runner:
     """Owns the daemon connection and the running jobs' tasks; `stop()` ends both."""
 
     def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,
-                 kinds: dict[str, Kind], on_change: Callable[[str], None]) -> None:
+                 kinds: dict[str, Kind], on_change: Callable[[str], None],
+                 connect: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.store = store
         self.jobs_dir = jobs_dir
         self.limits = limits
@@ -143,6 +144,8 @@ class Runner:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        # What makes the connection: a client with Client's shape (the fleet's, for --fleet).
+        self._connect = connect or (lambda: Client.connect(self.socket, timeout=5))
 
     def notify(self) -> None:
         self._wake.set()
@@ -157,7 +160,7 @@ class Runner:
                 and not self.client._task.done():
             return self.client
         try:
-            self.client = await Client.connect(self.socket, timeout=5)
+            self.client = await self._connect()
         except KrexError as e:
             self.client, self.daemon_error = None, e.message
             return None
@@ -262,6 +265,8 @@ class Runner:
             return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} s")
         if report.state == "cancelled":
             return "cancelled", result, error("cancelled", "the krex command was cancelled")
+        if report.state == "lost":  # its daemon, or its node in a fleet, died while it ran
+            return "failed", result, error("daemon_lost", report.error or report.state)
         if report.state in ("failed", "shutdown"):
             return "failed", result, error("krex_error", report.error or report.state)
         if result["stdout_truncated"] or result["stderr_truncated"]:
