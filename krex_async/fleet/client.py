@@ -22,6 +22,8 @@ import asyncio
 import itertools
 import os
 import signal
+import socket as socketlib
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +49,38 @@ def node_name(node: dict[str, Any]) -> str:
         if res.startswith(NODE_RESOURCE):
             return str(res[len(NODE_RESOURCE):])
     return str(node["NodeID"][:8])
+
+
+def join(address: str | None, options: dict[str, Any] | None = None) -> None:
+    """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
+    (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers."""
+    if address is not None and "://" not in address:
+        address = reachable(address)
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 configure_logging=False, **(options or {}))
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def reachable(address: str, timeout: float = 3.0) -> str:
+    """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
+    TCP connect to it succeeds: ray.init would wait minutes for a GCS that is not there."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        gcs = canonicalize_bootstrap_address_or_die(address)
+        host, _, port = gcs.rpartition(":")
+        socketlib.create_connection((host.strip("[]"), int(port)), timeout).close()
+    except (ConnectionError, OSError, ValueError) as e:
+        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
+    return gcs
 
 
 class FleetHandle:
@@ -132,7 +166,8 @@ class FleetClient:
         self._handles: dict[str, FleetHandle] = {}  # in flight, by fleet command name
         self._kill_on_close: set[str] = set()
         self._pending = itertools.count(1)
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # the refresher: done once closed
+        self.welcome: P.Welcome | None = None  # as Client's; policy: the nodes' policies
 
     @classmethod
     async def connect(cls, address: str | None = "auto", *, socket: str | None = None,
@@ -143,11 +178,7 @@ class FleetClient:
         krex socket) or, with `daemon`, starts and owns the node's daemon. Raises KrexError
         ('unreachable', ...) when no Ray cluster answers or no node's daemon does."""
         if not ray.is_initialized():
-            try:
-                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-                         configure_logging=False, **(ray_options or {}))
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise KrexError("unreachable", f"no Ray cluster at {address}: {e}") from None
+            join(address, ray_options)
         agents: dict[str, Any] = {}
         for node in sorted(ray.nodes(), key=node_name):
             if not node.get("Alive"):
@@ -166,6 +197,9 @@ class FleetClient:
         if not any(v.up for v in self.nodes.values()):
             why = "; ".join(f"{n}: {h}" for n, h in zip(agents, hellos))
             raise KrexError("unreachable", f"no node's krex daemon answers ({why or 'no nodes'})")
+        policies = sorted({h["policy"] for h in hellos if isinstance(h, dict)})
+        self.welcome = P.Welcome(id=0, version=P.PROTOCOL_VERSION, server="krex fleet",
+                                 policy=",".join(policies))
         self._task = asyncio.get_running_loop().create_task(self._refresher())
         return self
 

@@ -62,6 +62,12 @@ class LocalFleet:
         return await FleetClient.connect(self.cluster.address if self.cluster else "auto",
                                          daemon=spec, **kw)
 
+    def add_node(self, name: str) -> None:
+        """Start one more node (fleet name `name`); a client connected after sees it."""
+        assert self.cluster is not None
+        self.ray_nodes[name] = self.cluster.add_node(**NODE_ARGS,
+                                                     resources={f"{NODE_RESOURCE}{name}": 1})
+
     def remove_node(self, name: str) -> None:
         """Kill a worker node's Ray processes at once (its agent dies; its daemon gets SIGTERM)."""
         assert self.cluster is not None

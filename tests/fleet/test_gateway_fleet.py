@@ -1,0 +1,83 @@
+"""`krex gateway --fleet ADDRESS`: the agate jobs API in front of the local Ray fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from krex_async.fleet.local import LocalFleet
+from krex_async.gateway.client import GatewayClient
+
+from .conftest import env
+
+pytestmark = pytest.mark.slow
+
+
+def start(state: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`python -m krex_async gateway ...` (the flag is krex's, not the bare gateway module's);
+    returns once gateway.json names its pid."""
+    state.mkdir(parents=True)
+    log = state.parent / "gateway.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "krex_async", "gateway", "--listen",
+                                 "127.0.0.1:0", "--state-dir", str(state), *args],
+                                stdout=f, stderr=subprocess.STDOUT, env=env())
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            meta = json.loads((state / "gateway.json").read_text())
+            if meta["pid"] == proc.pid:
+                return proc, meta["url"], log
+        except (OSError, ValueError, KeyError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"gateway did not start: {log.read_text()}")
+        time.sleep(0.05)
+
+
+async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, tmp_path: Path) -> None:
+    assert local_fleet.cluster is not None
+    async with await local_fleet.connect():  # the agents (and their daemons) exist first
+        pass
+    proc, url, log = start(tmp_path / "gw", "--fleet", str(local_fleet.cluster.address))
+    try:
+        async with GatewayClient(url) as c:
+            view = (await c.env(force=True))["env"][0]
+            keys = sorted(d["key"] for d in view["devices"])
+            assert keys == [f"node{i}/cpu{j}" for i in range(3) for j in range(2)], view
+            jobs = [await c.dev("sleep 1; python -c 'import krex_async; print(\"ran\")'")
+                    for _ in range(6)]
+            done = await asyncio.gather(*(c.wait(j["job_id"], 60) for j in jobs))
+        assert [d["status"] for d in done] == ["succeeded"] * 6, done
+        assert all(d["result"]["stdout"] == "ran\n" for d in done)
+        nodes = {d["krex_command"].split("/")[0] for d in done}
+        assert nodes == {"node0", "node1", "node2"}, [d["krex_command"] for d in done]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    assert "fleet" in log.read_text()
+
+
+async def test_gateway_fleet_unreachable_says_so(tmp_path: Path) -> None:
+    """No Ray cluster at the address: the gateway serves, /v1/env names the failure, jobs wait
+    queued (as with a daemon that is down), and SIGTERM ends it cleanly."""
+    proc, url, log = start(tmp_path / "gw", "--fleet", "127.0.0.1:1")
+    try:
+        async with GatewayClient(url) as c:
+            view = (await c.env())["env"][0]
+            assert "no Ray cluster at '127.0.0.1:1'" in view["probe_error"], view
+            job = await c.dev("echo hi")
+            await asyncio.sleep(1.5)
+            assert (await c.get(job["job_id"]))["status"] == "queued"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
