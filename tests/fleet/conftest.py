@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the fleet tests need Ray (pip install 'krex[fleet]')")
+from tests.conftest import ROOT
 
-from krex_async.fleet.local import LocalFleet  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+if TYPE_CHECKING:
+    from krex_async.fleet.local import LocalFleet
+
+NEEDS_RAY = "the fleet tests need Ray (pip install 'krex[fleet]')"
 
 
 @pytest.fixture(scope="session")
 def local_fleet() -> Iterator[LocalFleet]:
+    pytest.importorskip("ray", reason=NEEDS_RAY)
+    from krex_async.fleet.local import LocalFleet
+
     fleet = LocalFleet(3, daemon_args=("--devices", "cpu:2"))
     try:
         fleet.start()

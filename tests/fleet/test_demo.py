@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
-from .conftest import env
+from .conftest import NEEDS_RAY, env
 
 PY = sys.executable
 
 
 @pytest.mark.slow
 def test_demo_runs_commands_on_every_node_and_stops_everything() -> None:
+    pytest.importorskip("ray", reason=NEEDS_RAY)
     before = set(glob.glob("/tmp/krex-fleet-*")) | set(glob.glob("/sys/fs/cgroup/*/krex-fleet-*"))
     r = subprocess.run([PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2"],
                        capture_output=True, text=True, env=env(), timeout=180)

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from krex_async.fleet.local import LocalFleet
 
-from .conftest import by_node, env
+from .conftest import NEEDS_RAY, by_node, env
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason=NEEDS_RAY)
+from krex_async.fleet.local import LocalFleet  # noqa: E402
 PY = sys.executable
 
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from krex_async.fleet.local import LocalFleet
 from krex_async.gateway.client import GatewayClient
 
-from .conftest import env
+from .conftest import NEEDS_RAY, env
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason=NEEDS_RAY)
+from krex_async.fleet.local import LocalFleet  # noqa: E402
 
 
 def start(state: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:

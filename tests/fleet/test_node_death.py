@@ -10,11 +10,12 @@ import time
 import pytest
 
 from krex_async import KrexError
-from krex_async.fleet.local import LocalFleet
 
-from .conftest import env
+from .conftest import NEEDS_RAY, env
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason=NEEDS_RAY)
+from krex_async.fleet.local import LocalFleet  # noqa: E402
 PY = sys.executable
 
 
