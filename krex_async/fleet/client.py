@@ -166,6 +166,8 @@ class FleetClient:
         self._handles: dict[str, FleetHandle] = {}  # in flight, by fleet command name
         self._kill_on_close: set[str] = set()
         self._pending = itertools.count(1)
+        self._socket: str | None = None  # how agents made by this client reach their daemon
+        self._daemon: DaemonSpec | None = None
         self._task: asyncio.Task[None] | None = None  # the refresher: done once closed
         self.welcome: P.Welcome | None = None  # as Client's; policy: the nodes' policies
 
@@ -179,18 +181,9 @@ class FleetClient:
         ('unreachable', ...) when no Ray cluster answers or no node's daemon does."""
         if not ray.is_initialized():
             join(address, ray_options)
-        agents: dict[str, Any] = {}
-        for node in sorted(ray.nodes(), key=node_name):
-            if not node.get("Alive"):
-                continue
-            name = node_name(node)
-            agents[name] = RemoteAgent.options(
-                name=f"krex-node-{name}", namespace=NAMESPACE, get_if_exists=True,
-                lifetime="detached", num_cpus=0, max_restarts=0, max_task_retries=0,
-                max_concurrency=10000, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node["NodeID"], soft=False),
-            ).remote(name, socket, daemon)
-        self = cls(agents, refresh_s)
+        self = cls({}, refresh_s)
+        self._socket, self._daemon = socket, daemon
+        agents = self._add_agents(ray.nodes())
         hellos = await asyncio.gather(*(a.hello.remote() for a in agents.values()),
                                       return_exceptions=True)
         await self.refresh()
@@ -202,6 +195,31 @@ class FleetClient:
                                  policy=",".join(policies))
         self._task = asyncio.get_running_loop().create_task(self._refresher())
         return self
+
+    def _add_agents(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+        """An agent on each alive node that has none here yet (an existing named agent is reused,
+        with the socket or daemon it was made with); returns the new ones by node name."""
+        new: dict[str, Any] = {}
+        for node in sorted(nodes, key=node_name):
+            name = node_name(node)
+            if not node.get("Alive") or name in self.agents:
+                continue
+            new[name] = RemoteAgent.options(
+                name=f"krex-node-{name}", namespace=NAMESPACE, get_if_exists=True,
+                lifetime="detached", num_cpus=0, max_restarts=0, max_task_retries=0,
+                max_concurrency=10000, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node["NodeID"], soft=False),
+            ).remote(name, self._socket, self._daemon)
+        for name, agent in new.items():
+            self.agents[name] = agent
+            self.nodes[name] = NodeView(name)
+        return new
+
+    async def discover(self) -> list[str]:
+        """Reach nodes that joined the Ray cluster since; returns their names. The refresher
+        calls it every `discover_every` refreshes."""
+        nodes = await asyncio.to_thread(ray.nodes)
+        return sorted(self._add_agents(nodes))
 
     async def __aenter__(self) -> "FleetClient":
         return self
@@ -222,10 +240,12 @@ class FleetClient:
                 continue
             view.up, view.reason, view.devices = rep["up"], rep["reason"], rep["devices"]
 
-    async def _refresher(self) -> None:
-        while True:
+    async def _refresher(self, discover_every: int = 10) -> None:
+        for tick in itertools.count(1):
             await asyncio.sleep(self.refresh_s)
             try:
+                if tick % discover_every == 0:
+                    await self.discover()
                 await self.refresh()
             except Exception:  # a refresh that fails leaves the last views; the next one retries
                 pass

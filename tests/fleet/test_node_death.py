@@ -4,6 +4,7 @@ name, the other nodes' commands finish, and the fleet places nothing more there.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -19,13 +20,31 @@ from krex_async.fleet.local import LocalFleet  # noqa: E402
 PY = sys.executable
 
 
+def survivors(marker: str) -> list[int]:
+    """Pids whose command line holds `marker`."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read().split(b"\0"):
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
 async def test_node_removed_mid_run(local_fleet: LocalFleet) -> None:
-    local_fleet.add_node("extra")
-    try:
-        async with await local_fleet.connect() as fc:
+    async with await local_fleet.connect() as fc:
+        assert "extra" not in fc.nodes
+        local_fleet.add_node("extra")
+        try:
+            # A node that joins later is found (the refresher does this every 10 refreshes).
+            assert await fc.discover() == ["extra"]
+            await fc.refresh()
             assert fc.nodes["extra"].up, fc.nodes
             sleep = [PY, "-c", "import time; time.sleep(2.0); print('done')"]
-            doomed = [await fc.submit(sleep, env=env(), node="extra") for _ in range(2)]
+            marked = [PY, "-c", "import time; time.sleep(2.0); print('done')", "doomed-marker"]
+            doomed = [await fc.submit(marked, env=env(), node="extra") for _ in range(2)]
             others = [await fc.submit(sleep, env=env(), node=n) for n in ("node0", "node1")]
             await asyncio.sleep(0.5)
             t0 = time.monotonic()
@@ -39,9 +58,14 @@ async def test_node_removed_mid_run(local_fleet: LocalFleet) -> None:
             assert sorted(fc.lost) == sorted(h.command for h in doomed)
             assert elapsed < 30, elapsed
             assert not fc.nodes["extra"].up
+            # The node's daemon got the agent's death signal and ended its commands.
+            deadline = time.monotonic() + 10
+            while survivors("doomed-marker"):
+                assert time.monotonic() < deadline, survivors("doomed-marker")
+                await asyncio.sleep(0.2)
             with pytest.raises(KrexError, match="extra"):
                 await fc.submit(sleep, env=env(), node="extra")
             assert (await fc.run([PY, "-c", "print(1)"], env=env())).stdout == b"1\n"
-    finally:
-        if "extra" in local_fleet.ray_nodes:
-            local_fleet.remove_node("extra")
+        finally:
+            if "extra" in local_fleet.ray_nodes:
+                local_fleet.remove_node("extra")
