@@ -1,6 +1,7 @@
-"""A local Ray cluster of 3 nodes, each with its own krex daemon (`--devices cpu:2`), for the whole
-session: starting one costs ~7 s and ~1 GB. Kept small for a 2-core CI box: 1 CPU and a 100 MB
-object store per node, no dashboard, workers' logs not sent to the driver."""
+"""A local Ray cluster of 3 nodes, each with its own krex daemon (`--devices cpu:2`), shared by the
+tests of this package and stopped before the rest of the suite runs: starting one costs ~7 s and
+~1 GB. Kept small for a 2-core CI box: 1 CPU and a 100 MB object store per node, no dashboard,
+workers' logs not sent to the driver."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 NEEDS_RAY = "the fleet tests need Ray (pip install 'krex[fleet]')"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def local_fleet() -> Iterator[LocalFleet]:
     pytest.importorskip("ray", reason=NEEDS_RAY)
     from krex_async.fleet.local import LocalFleet
