@@ -4,7 +4,7 @@
     krex run    [--socket PATH] [--device D] [--timeout S] [--report FILE] -- CMD ...
     krex status [--socket PATH] [--json]
     krex demo   [-n N]
-    krex fleet demo [--nodes N]
+    krex fleet demo [--nodes N] | status [--address A]
 
 `krex run` behaves like running CMD directly: its stdout and stderr, and its exit code (128+N when a
 signal N ended it, 124 when krex's timeout did, 125 when krex itself could not run it, 127 when the
@@ -295,13 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--socket")
     x.add_argument("--perfetto", required=True, metavar="FILE", help="Chrome-trace JSON output")
     from . import gateway
-    from .fleet import demo as fleet_demo
+    from .fleet import cli as fleet_cli
 
     gp = gateway.add_parser(sub)
     gp.add_argument("--fleet", metavar="ADDRESS",
                     help="run jobs on a Ray fleet of krex nodes (a Ray address, or auto; needs "
                          "krex[fleet]) instead of the local daemon")
-    fleet_demo.add_parser(sub)
+    fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
     from . import cleanup, doctor
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "gateway":
         return gateway.main(args)
     if args.verb == "fleet":
-        return fleet_demo.main(args)
+        return fleet_cli.main(args)
     if args.verb == "trace":
         return asyncio.run(_trace(args))
     if args.verb == "export":

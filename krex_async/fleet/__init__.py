@@ -7,7 +7,7 @@ agent.py    the per-node actor's body (owns or reaches the daemon; capacity; str
 placement.py which node and device a command goes to (pure)
 client.py   FleetClient / FleetHandle: Client's shape over the fleet (imports Ray)
 local.py    a Ray cluster of N nodes on this machine with a daemon each (demo, tests, bench)
-demo.py     `krex fleet demo`
+cli.py      `krex fleet status | demo`
 
 Ray is imported only by client.py and local.py, so the base install stays light; `require_ray()`
 says how to get it.

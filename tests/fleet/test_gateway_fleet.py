@@ -82,3 +82,24 @@ async def test_gateway_fleet_unreachable_says_so(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
+
+
+async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -> None:
+    assert local_fleet.cluster is not None
+    async with await local_fleet.connect() as fc:
+        h = await fc.submit([sys.executable, "-c", "import time; time.sleep(20)"], env=env(),
+                            node="node2", device="cpu1")
+        try:
+            r = subprocess.run([sys.executable, "-m", "krex_async", "fleet", "status", "--json",
+                                "--address", str(local_fleet.cluster.address)],
+                               capture_output=True, text=True, env=env(), timeout=60)
+            assert r.returncode == 0, r.stderr
+            cap = json.loads(r.stdout)
+            assert sorted(cap) == ["node0", "node1", "node2"]
+            assert cap["node2"]["running"] + cap["node2"]["queued"] == 1
+            assert cap["node2"]["devices"][1]["commands"] == [h.daemon_command]
+            assert all(c["up"] and len(c["devices"]) == 2 for c in cap.values())
+            assert cap["node2"]["devices"][1]["memory_free_bytes"] > 0
+        finally:
+            await h.cancel(signal.SIGKILL)
+            await h.wait()

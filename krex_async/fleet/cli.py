@@ -1,4 +1,4 @@
-"""`krex fleet demo --nodes N`: a Ray cluster of N nodes on this machine, a daemon per node, and
+"""`krex fleet status` (every node's capacity) and `krex fleet demo --nodes N`: a Ray cluster of N nodes on this machine, a daemon per node, and
 agent-like commands with regions spread over them through the fleet client.
 
 Every node's daemon has its own socket, state dir and cgroup root and `--devices cpu:2`; the demo
@@ -28,6 +28,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, default=2, help="Ray nodes on this machine (default 2)")
     d.add_argument("--commands", type=int, help="commands to run (default 4 per node: two per device, so regions freeze a sibling)")
     d.add_argument("--devices", default="cpu:2", help="each daemon's --devices (default cpu:2)")
+    s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, "
+                                      "regions")
+    s.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    s.add_argument("--json", action="store_true")
     return p  # type: ignore[no-any-return]
 
 
@@ -37,6 +41,8 @@ def main(args: argparse.Namespace) -> int:
     if missing:
         print(f"krex fleet: {missing}", file=sys.stderr)
         return 2
+    if args.fleet_verb == "status":
+        return asyncio.run(_status(args.address, args.json))
     if args.nodes < 1 or args.nodes > 16:
         print(f"krex fleet demo: --nodes must be 1..16, not {args.nodes}", file=sys.stderr)
         return 2
@@ -45,6 +51,33 @@ def main(args: argparse.Namespace) -> int:
         print(f"krex fleet demo: --commands must be at least 1, not {n}", file=sys.stderr)
         return 2
     return asyncio.run(_demo(args.nodes, n, args.devices))
+
+
+async def _status(address: str, as_json: bool) -> int:
+    """Print every node's capacity report (agents are made where missing, reaching the node's
+    default socket)."""
+    from ..client import KrexError
+    from .client import FleetClient
+
+    try:
+        fc = await FleetClient.connect(address)
+    except KrexError as e:
+        print(f"krex fleet status: {e.message}", file=sys.stderr)
+        return 1
+    async with fc:
+        cap = await fc.capacity()
+    if as_json:
+        print(json.dumps(cap, indent=2))
+        return 0
+    print("NODE        UP    RUNNING  QUEUED  REGIONS  DEVICES (key: commands, free GiB)")
+    for name, c in sorted(cap.items()):
+        if not c["up"]:
+            print(f"{name:<11} no    -        -       -        {c['reason']}")
+            continue
+        devs = ", ".join(f"{d['key']}: {len(d['commands'])}, "
+                         f"{d['memory_free_bytes'] / 2**30:.1f}" for d in c["devices"])
+        print(f"{name:<11} yes   {c['running']:<8} {c['queued']:<7} {c['regions']:<8} {devs}")
+    return 0
 
 
 async def _demo(nodes: int, n: int, devices: str) -> int:
