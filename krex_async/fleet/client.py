@@ -25,11 +25,12 @@ import signal
 import socket as socketlib
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import (NodeDiedError, ObjectLostError, RayActorError, RayError,
+                            RayTaskError)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import protocol as P
@@ -95,8 +96,9 @@ class FleetHandle:
         self.command = f"{node}/{accepted[1]}"
         self.device = f"{node}/{accepted[2]}"
         self.queued = bool(accepted[3])
-        self.pid: int | None = None
+        self.pid: int | None = None  # on another node: not reported
         self._spec = spec
+        self._error: KrexError | None = None
         self._gen = gen
         self._out = bytearray()
         self._err = bytearray()
@@ -104,6 +106,8 @@ class FleetHandle:
 
     async def output(self) -> AsyncIterator[tuple[str, bytes]]:
         """Yield (stream, data) as the command writes, until it ends or its node is lost."""
+        if self._error is not None:
+            raise self._error
         while self._result is None:
             try:
                 item = await (await self._gen.__anext__())
@@ -111,11 +115,15 @@ class FleetHandle:
                 self._end(self._lost("its agent ended the stream without a result"))
                 break
             except RayTaskError as e:  # a bug in the agent, not a lost node: say so
-                self.client._forget(self)
-                raise KrexError("fleet_error", f"node {self.node}: {e}") from None
-            except RayError as e:  # the actor, its node or the object it held is gone
-                self.client._node_lost(self.node, f"{type(e).__name__}")
+                self._fail(KrexError("fleet_error", f"node {self.node}: {e}"))
+            except (RayActorError, NodeDiedError, ObjectLostError) as e:  # agent or node gone
+                self.client._node_lost(self.node, f"its agent is gone ({type(e).__name__})")
                 self._end(self._lost(f"its agent is gone ({type(e).__name__})"))
+                break
+            except RayError as e:  # the stream broke, the node may be fine: end the command
+                await self._kill_quietly()
+                self._end(self._lost(f"its output stream failed ({type(e).__name__}: {e}); "
+                                     "the command was killed"))
                 break
             match item:
                 case ("output", stream, data):
@@ -131,8 +139,19 @@ class FleetHandle:
                     self.client._node_lost(self.node, why)
                     self._end(self._lost(why))
                 case ("error", code, message):
-                    self.client._forget(self)
-                    raise KrexError(code, message)
+                    self._fail(KrexError(code, message))
+
+    def _fail(self, error: KrexError) -> NoReturn:
+        """No result will come (as Client's Error reply): every later output()/wait() raises."""
+        self._error = error
+        self.client._forget(self)
+        raise error
+
+    async def _kill_quietly(self) -> None:
+        try:
+            await asyncio.wait_for(self.client.cancel(self.command, signal.SIGKILL), 5.0)
+        except (KrexError, RayError, asyncio.TimeoutError):
+            pass  # it ended, or its node went: either way nothing of it runs on
 
     def _lost(self, why: str) -> P.CommandReport:
         return P.CommandReport(command=self.command, argv=list(self._spec["argv"]),
