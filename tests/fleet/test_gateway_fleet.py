@@ -58,10 +58,24 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, tmp_path
             jobs = [await c.dev("sleep 1; python -c 'import krex_async; print(\"ran\")'")
                     for _ in range(6)]
             done = await asyncio.gather(*(c.wait(j["job_id"], 60) for j in jobs))
-        assert [d["status"] for d in done] == ["succeeded"] * 6, done
-        assert all(d["result"]["stdout"] == "ran\n" for d in done)
-        nodes = {d["krex_command"].split("/")[0] for d in done}
-        assert nodes == {"node0", "node1", "node2"}, [d["krex_command"] for d in done]
+            assert [d["status"] for d in done] == ["succeeded"] * 6, done
+            assert all(d["result"]["stdout"] == "ran\n" for d in done)
+            nodes = {d["krex_command"].split("/")[0] for d in done}
+            assert nodes == {"node0", "node1", "node2"}, [d["krex_command"] for d in done]
+
+            # A job whose node's daemon dies fails as daemon_lost, naming the node.
+            job = await c.dev("sleep 10")
+            deadline = time.monotonic() + 20
+            while not (view := await c.get(job["job_id"])).get("krex_command"):
+                assert time.monotonic() < deadline, view
+                await asyncio.sleep(0.1)
+            node = view["krex_command"].split("/")[0]
+            async with await local_fleet.connect() as fc:
+                os.kill((await fc.capacity())[node]["daemon_pid"], signal.SIGKILL)
+            lost = await c.wait(job["job_id"], 30)
+            assert lost["status"] == "failed", lost
+            assert lost["error"]["reason"] == "daemon_lost", lost
+            assert f"node {node}" in lost["error"]["message"], lost
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
