@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import os
 import signal
-import socket as socketlib
 import threading
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
@@ -55,8 +54,6 @@ def node_name(node: dict[str, Any]) -> str:
 def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
     (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers."""
-    if address is not None and "://" not in address:
-        address = reachable(address)
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
@@ -70,17 +67,20 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
                 signal.signal(sig, handler)
 
 
-def reachable(address: str, timeout: float = 3.0) -> str:
+async def reachable(address: str, timeout: float = 3.0) -> str:
     """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
-    TCP connect to it succeeds: ray.init would wait minutes for a GCS that is not there."""
+    TCP connect to it succeeds: ray.init would block minutes for a GCS that is not there."""
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
     try:
         gcs = canonicalize_bootstrap_address_or_die(address)
         host, _, port = gcs.rpartition(":")
-        socketlib.create_connection((host.strip("[]"), int(port)), timeout).close()
-    except (ConnectionError, OSError, ValueError) as e:
-        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
+                                           timeout)
+        writer.close()
+    except (ConnectionError, OSError, ValueError, asyncio.TimeoutError) as e:
+        raise KrexError("unreachable", f"no Ray cluster at {address!r}: "
+                                       f"{e or type(e).__name__}") from None
     return gcs
 
 
@@ -199,6 +199,8 @@ class FleetClient:
         krex socket) or, with `daemon`, starts and owns the node's daemon. Raises KrexError
         ('unreachable', ...) when no Ray cluster answers or no node's daemon does."""
         if not ray.is_initialized():
+            if address is not None and "://" not in address:  # not a Ray client address
+                address = await reachable(address)
             join(address, ray_options)
         self = cls({}, refresh_s)
         self._socket, self._daemon = socket, daemon

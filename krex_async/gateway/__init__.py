@@ -77,12 +77,12 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
     from aiohttp import web
 
+    from ..fleet import fleet_connector
     from . import kinds as K
     from .app import Gateway, make_app
     from .env import Environment
     from .jobs import Runner, make_shims
     from .store import Store
-    from ..fleet import fleet_connector
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
