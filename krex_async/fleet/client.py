@@ -286,8 +286,8 @@ class FleetClient:
                      on_disconnect: str = "kill", label: str = "", stream: bool = True,
                      node: str | None = None) -> FleetHandle:
         """Place and start a command (as Client.submit; `node` pins it to one node). env=None
-        passes this process's environment; cwd must exist on the node that runs it. An agent
-        that dies before accepting is marked down and the next node is tried."""
+        passes this process's environment; cwd must exist on the node that runs it. A node whose
+        agent or daemon is gone before accepting is marked down and the next node is tried."""
         spec = {"argv": list(argv), "cwd": cwd or os.getcwd(),
                 "env": dict(os.environ) if env is None else env, "timeout": timeout, "mem": mem,
                 "stdin": stdin, "on_disconnect": on_disconnect, "label": label, "stream": stream}
@@ -295,7 +295,8 @@ class FleetClient:
             try:
                 name, key = pick(list(self.nodes.values()), mem, str(device), node)
             except NoDevice as e:
-                raise KrexError("bad_device", str(e)) from None
+                down = not any(v.up for v in self.nodes.values())
+                raise KrexError("unreachable" if down else "bad_device", str(e)) from None
             # Counted on its device from now, so concurrent submits spread before any is accepted.
             ours = self.nodes[name].ours.setdefault(key, set())
             pending = f"pending-{next(self._pending)}"
@@ -310,6 +311,9 @@ class FleetClient:
                 continue
             finally:
                 ours.discard(pending)
+            if first[0] == "error" and first[1] in ("unreachable", "disconnected"):
+                self._node_lost(name, first[2])  # not accepted there: the next node may take it
+                continue
             if first[0] == "error":
                 raise KrexError(first[1], f"node {name}: {first[2]}")
             h = FleetHandle(self, name, spec, gen, first)
