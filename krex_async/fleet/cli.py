@@ -91,7 +91,12 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
     print(f"krex fleet demo: starting a Ray cluster of {nodes} nodes on this machine ...",
           flush=True)
     try:
-        fleet.start()
+        try:
+            fleet.start()
+        except Exception as e:  # Ray's own start-up failures come as many types
+            print(f"krex fleet demo: could not start a local Ray cluster: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 1
         fc = await fleet.connect()
         print(f"  up in {time.monotonic() - t0:.1f} s: "
               + ", ".join(f"{name} ({len(v.devices)} devices)" if v.up else f"{name} (down: "
