@@ -6,6 +6,7 @@
     krex trace  [--socket PATH] [--json] [--no-probes] [--command ID] [--pid N] [--device KEY] ...
     krex export --perfetto FILE|-
     krex demo   [-n N]
+    krex fleet demo [--nodes N] | status [--address A]
 
 `krex run` behaves like running CMD directly: its stdout and stderr, and its exit code (128+N when a
 signal N ended it, 124 when krex's timeout did, 125 when krex itself could not run it, 127 when the
@@ -323,8 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--perfetto", required=True, metavar="FILE",
                    help="Chrome-trace JSON output; - for stdout")
     from . import gateway
+    from .fleet import cli as fleet_cli
 
-    gateway.add_parser(sub)
+    gp = gateway.add_parser(sub)
+    gp.add_argument("--fleet", metavar="ADDRESS",
+                    help="run jobs on a Ray fleet of krex nodes (a Ray address, or auto; needs "
+                         "krex[fleet]) instead of the local daemon")
+    fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
     from . import cleanup, doctor
@@ -347,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_run(args))
     if args.verb == "gateway":
         return gateway.main(args)
+    if args.verb == "fleet":
+        return fleet_cli.main(args)
     if args.verb == "export":
         return asyncio.run(_export(args))
     try:  # Ctrl-C is how a trace or a watch ends: no traceback

@@ -95,6 +95,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     from ..config import default_socket
     from . import auth
+    from ..fleet import fleet_connector
     from . import kinds as K
     from .app import Gateway, make_app
     from .env import Environment
@@ -131,9 +132,10 @@ async def serve(args: argparse.Namespace) -> int:
     aliases = frozenset(["local", *args.gpu_alias])
     kinds, missing = K.build(limits, aliases, args.atrex_bench_root, args.job_python)
     gw: Gateway | None = None
+    fleet = getattr(args, "fleet", None)  # --fleet, added by krex_async/cli.py
     runner = Runner(store, state / "jobs", limits, args.socket, kinds,
                     lambda job_id: gw.changed(job_id) if gw else None, args.job_python,
-                    run_as.uid)
+                    run_as.uid, fleet_connector(fleet) if fleet else None)
     runner.shims = make_shims(state / "bin", args.job_python)
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
@@ -154,7 +156,8 @@ async def serve(args: argparse.Namespace) -> int:
     info.chmod(0o600)
     runner.start()
     print(f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
-          f", daemon {args.socket or 'default socket'})", file=sys.stderr, flush=True)
+          f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
+          file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -189,6 +192,11 @@ def main(args: argparse.Namespace) -> int:
             return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
+        return 2
+    from ..fleet import require_ray
+
+    if getattr(args, "fleet", None) and require_ray():
+        print(f"krex gateway: --fleet: {require_ray()}", file=sys.stderr)
         return 2
     try:
         import aiohttp  # noqa: F401

@@ -22,7 +22,7 @@ import functools
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,7 +113,8 @@ class Runner:
 
     def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,
                  kinds: dict[str, Kind], on_change: Callable[[str], None],
-                 python: str = sys.executable, run_as: int | None = None) -> None:
+                 python: str = sys.executable, run_as: int | None = None,
+                 connect: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.store = store
         self.run_as = run_as  # the jobs' uid where a job has none recorded (queued by an older one)
         self.python = python  # what `python` is in a job (shims, PATH)
@@ -134,6 +135,8 @@ class Runner:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        # What makes the connection: a client with Client's shape (the fleet's, for --fleet).
+        self._connect = connect or (lambda: Client.connect(self.socket, timeout=5))
 
     def notify(self) -> None:
         self._wake.set()
@@ -148,7 +151,7 @@ class Runner:
                 and not self.client._task.done():
             return self.client
         try:
-            self.client = await Client.connect(self.socket, timeout=5)
+            self.client = await self._connect()
         except KrexError as e:
             self.client, self.daemon_error = None, e.message
             return None
@@ -298,6 +301,8 @@ class Runner:
                                            "seconds")
         if report.state == "cancelled":  # by an operator (`krex cancel`): as a gateway cancel
             return "cancelled", None, None
+        if report.state == "lost":  # its daemon, or its node in a fleet, died while it ran
+            return "failed", result, error("daemon_lost", report.error or report.state)
         if report.state in ("failed", "shutdown"):
             return "failed", result, error("krex_error", report.error or report.state)
         if result["stdout_truncated"] or result["stderr_truncated"]:

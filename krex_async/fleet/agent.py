@@ -1,0 +1,271 @@
+"""The node agent: one Ray actor per node that owns or reaches that node's daemon.
+
+    FleetClient ──ray actor call──► NodeAgent (pinned to its node) ──Client (Unix socket)──► krex daemon
+                 ◄─streamed items──   run(): accepted, output..., exited | lost | error
+
+The agent is an async actor (`num_cpus=0`, so it takes no slot from Ray's own work): every call runs
+on its event loop, and many commands run at once over its one daemon connection. It owns its daemon
+when given a DaemonSpec (the local fleet of `krex fleet demo` and the tests), else it connects to the
+node's socket (a DaemonSet on Kubernetes, a systemd unit). An owned daemon is started again on the
+same state dir when it dies: that daemon's start-up sweep ends what the dead one left running.
+
+Nothing here imports Ray: fleet/client.py wraps NodeAgent with `ray.remote`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket as socketlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..client import Client, KrexError
+from ..config import default_socket
+
+# Started between fork and exec of the daemon: the daemon gets SIGTERM (and so ends its commands and
+# thaws what it froze) when the agent's process dies, even by SIGKILL. A plain exec wrapper rather
+# than preexec_fn, which is unsafe in a threaded process such as a Ray worker.
+_PDEATHSIG = ("import ctypes, os, signal, sys\n"
+              "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+              "os.getppid() == int(sys.argv[1]) or sys.exit(1)\n"
+              "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
+
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    """How an agent starts its node's daemon: socket, state dir and log under `<base_dir>/<node>/`."""
+
+    base_dir: str
+    args: tuple[str, ...] = ("--devices", "cpu:2")
+    cgroup: bool = True  # as root on cgroup v2: a private cgroup root of its own, removed at stop
+    restart: bool = True  # start it again (same state dir) when it dies
+
+
+class OwnedDaemon:
+    """A `krex serve` child of the agent's process. stop() blocks (call it on a thread)."""
+
+    def __init__(self, spec: DaemonSpec, node: str) -> None:
+        self.spec = spec
+        self.dir = os.path.join(spec.base_dir, node)
+        self.socket = os.path.join(self.dir, "s")  # short: AF_UNIX paths stop near 108 bytes
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cgroup: str | None = None
+        self.starts = 0
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def start(self, timeout: float = 30.0) -> None:
+        """Start the daemon and wait for its socket. Raises RuntimeError with its log's tail.
+
+        Spawned from the event loop's thread, which lives as long as the agent: the death signal
+        is tied to the thread that forked, not the process."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        args = list(self.spec.args)
+        if self.spec.cgroup and "--cgroup-root" not in args and self.cgroup is None:
+            self.cgroup = _private_cgroup()
+            if self.cgroup is not None:  # for whoever cleans up after a dead agent (LocalFleet)
+                with open(os.path.join(self.dir, "cgroup"), "w") as f:
+                    f.write(self.cgroup)
+        if self.cgroup is not None and "--cgroup-root" not in args:
+            args += ["--cgroup-root", self.cgroup]
+        if "--probes" not in args:
+            args += ["--probes", "off"]  # one probe set per host is plenty; a node may ask for them
+        log = os.path.join(self.dir, "daemon.log")
+        env = {k: v for k, v in os.environ.items() if k != "KREX_SOCKET"}
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), "-m", "krex_async", "serve",
+                 "--socket", self.socket, "--state-dir", os.path.join(self.dir, "state"),
+                 "--log-format", "json", *args],
+                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        while not _listening(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                await asyncio.to_thread(self.stop)
+                raise RuntimeError(f"the node's daemon did not start (see {log}): "
+                                   f"{_tail(log)}")
+            await asyncio.sleep(0.02)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (the daemon ends its commands and thaws), SIGKILL after `timeout`; then the
+        private cgroup root is removed."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.cgroup is not None:
+            remove_cgroup(self.cgroup)
+            self.cgroup = None
+
+
+def _listening(path: str) -> bool:
+    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - n))
+            return f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def _private_cgroup() -> str | None:
+    """A fresh v2 cgroup for one daemon, so the daemons of one host never sweep each other's
+    commands; None where the cgroup backend cannot run (not root, no v2)."""
+    from ..cleanup import v2_mount
+
+    mount = v2_mount()
+    if os.geteuid() != 0 or mount is None:
+        return None
+    return tempfile.mkdtemp(prefix="krex-fleet-", dir=mount)
+
+
+def remove_cgroup(path: str) -> None:
+    """rmdir the tree leaf first, and its v1 cpuset twin on a hybrid host (cgroup directories
+    hold only kernel files)."""
+    tops = [path]
+    if "/unified/" in path:
+        tops.append(path.replace("/unified/", "/cpuset/", 1))
+    for top in tops:
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+
+
+def summarize(name: str, status: dict[str, Any]) -> dict[str, Any]:
+    """A capacity report from a daemon's status: devices with their commands, free memory and
+    regions; running and queued commands; regions held or waiting."""
+    live = [c for c in status.get("commands", []) if c.get("state") != "ended"]
+    region_policy = status.get("policy") == "region"
+    devices = []
+    for d in status.get("devices", []):
+        devices.append({
+            "key": d["key"], "index": d.get("index"), "vendor": d.get("vendor"),
+            "name": d.get("name"), "memory_total_bytes": d.get("memory_total_bytes") or 0,
+            "memory_free_bytes": d.get("memory_free_bytes") or 0,
+            "commands": [c["command"] for c in live if c.get("device") == d["key"]],
+            "region": (d.get("region") or {}).get("name"),
+            "regions_queued": len(d.get("queued") or []) if region_policy else 0,
+        })
+    return {"node": name, "up": True, "reason": "", "policy": status.get("policy"),
+            "daemon_pid": status.get("pid"), "devices": devices,
+            "running": sum(c.get("state") in ("starting", "running") for c in live),
+            "queued": sum(c.get("state") == "queued" for c in live),
+            "regions": sum((d["region"] is not None) + d["regions_queued"] for d in devices)}
+
+
+class NodeAgent:
+    """The actor's body. Every method is a coroutine on the actor's loop; none raises for a daemon
+    that is away: capacity() says `up: False` and why, run() ends with ("lost", why)."""
+
+    def __init__(self, name: str, socket: str | None = None, own: DaemonSpec | None = None) -> None:
+        self.name = name
+        self.owned = OwnedDaemon(own, name) if own is not None else None
+        self.socket = self.owned.socket if self.owned else (socket or default_socket())
+        self.client: Client | None = None
+        self._lock = asyncio.Lock()
+        self._stopped = False
+
+    async def _client(self) -> Client:
+        """The daemon connection, made again if it was lost (an owned daemon that died is started
+        again first). Raises KrexError('unreachable', ...)."""
+        async with self._lock:
+            c = self.client
+            if c is not None and c._task is not None and not c._task.done():
+                return c
+            self.client = None
+            if c is not None:
+                await c.close()
+            if self._stopped:
+                raise KrexError("unreachable", f"node {self.name} is stopping")
+            owned = self.owned
+            if owned is not None and not owned.alive():
+                if owned.starts and not owned.spec.restart:
+                    raise KrexError("unreachable", f"the daemon of node {self.name} died")
+                try:
+                    await owned.start()
+                except RuntimeError as e:
+                    raise KrexError("unreachable", str(e)) from None
+            self.client = await Client.connect(self.socket, timeout=5)
+            return self.client
+
+    async def hello(self) -> dict[str, Any]:
+        """Who and where this agent is; starts or reaches the daemon (KrexError if it cannot)."""
+        c = await self._client()
+        return {"node": self.name, "host": socketlib.gethostname(), "pid": os.getpid(),
+                "socket": self.socket, "policy": c.welcome.policy if c.welcome else "",
+                "daemon_pid": self.owned.proc.pid if self.owned and self.owned.proc else None}
+
+    async def capacity(self) -> dict[str, Any]:
+        try:
+            c = await self._client()
+            return summarize(self.name, await c.status())
+        except KrexError as e:
+            return {"node": self.name, "up": False, "reason": e.message, "devices": []}
+
+    async def status(self) -> dict[str, Any]:
+        """The daemon's own status (KrexError if it is away)."""
+        return await (await self._client()).status()
+
+    async def run(self, spec: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
+        """Submit one command and stream what happens to it, as tuples:
+        ("accepted", command, device, queued), ("output", stream, data)..., then exactly one of
+        ("exited", report msgpack, stdout tail, stderr tail), ("lost", why), ("error", code, msg)."""
+        try:
+            h = await (await self._client()).submit(**spec)
+        except KrexError as e:
+            yield ("error", e.code, e.message)
+            return
+        yield ("accepted", h.command, h.device, h.queued)
+        try:
+            async for stream, data in h.output():
+                h._out.clear()  # forwarded as it comes; the handle would keep a second copy
+                h._err.clear()
+                yield ("output", stream, data)
+            res = await h.wait()
+        except KrexError as e:
+            if e.code != "disconnected":
+                yield ("error", e.code, e.message)
+                return
+            yield ("lost", f"node {self.name}: its daemon went away while {h.command} ran")
+            return
+        yield ("exited", msgspec.msgpack.encode(res.report), res.stdout, res.stderr)
+
+    async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None:
+        await (await self._client()).cancel(command, sig)
+
+    async def stop(self) -> None:
+        """Close the connection and stop an owned daemon (its commands end as `shutdown`)."""
+        self._stopped = True
+        async with self._lock:
+            if self.client is not None:
+                await self.client.close()
+                self.client = None
+            if self.owned is not None:
+                await asyncio.to_thread(self.owned.stop)

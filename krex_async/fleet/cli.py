@@ -1,0 +1,143 @@
+"""`krex fleet status` (every node's capacity) and `krex fleet demo --nodes N`: a Ray cluster of N nodes on this machine, a daemon per node, and
+agent-like commands with regions spread over them through the fleet client.
+
+Every node's daemon has its own socket, state dir and cgroup root and `--devices cpu:2`; the demo
+prints which node and device ran each command and what its region cost, then stops everything it
+started (agents, daemons, the Ray processes, the temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from . import require_ray
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The `fleet` verb and its `demo` subcommand."""
+    p = subparsers.add_parser("fleet", help="many nodes through Ray (needs krex[fleet])")
+    sub = p.add_subparsers(dest="fleet_verb", required=True)
+    d = sub.add_parser("demo", help="a local Ray cluster of N nodes, a daemon each, commands with "
+                                    "regions spread over them")
+    d.add_argument("--nodes", type=int, default=2, help="Ray nodes on this machine (default 2)")
+    d.add_argument("--commands", type=int, help="commands to run (default 4 per node: two per device, so regions freeze a sibling)")
+    d.add_argument("--devices", default="cpu:2", help="each daemon's --devices (default cpu:2)")
+    s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, "
+                                      "regions")
+    s.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    s.add_argument("--json", action="store_true")
+    return p  # type: ignore[no-any-return]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point for `krex fleet ...`; 2 on bad input or a missing Ray."""
+    missing = require_ray()
+    if missing:
+        print(f"krex fleet: {missing}", file=sys.stderr)
+        return 2
+    if args.fleet_verb == "status":
+        return asyncio.run(_status(args.address, args.json))
+    if args.nodes < 1 or args.nodes > 16:
+        print(f"krex fleet demo: --nodes must be 1..16, not {args.nodes}", file=sys.stderr)
+        return 2
+    n = args.commands if args.commands is not None else 4 * args.nodes
+    if n < 1:
+        print(f"krex fleet demo: --commands must be at least 1, not {n}", file=sys.stderr)
+        return 2
+    return asyncio.run(_demo(args.nodes, n, args.devices))
+
+
+async def _status(address: str, as_json: bool) -> int:
+    """Print every node's capacity report (agents are made where missing, reaching the node's
+    default socket)."""
+    from ..client import KrexError
+    from .client import FleetClient
+
+    try:
+        fc = await FleetClient.connect(address)
+    except KrexError as e:
+        print(f"krex fleet status: {e.message}", file=sys.stderr)
+        return 1
+    async with fc:
+        cap = await fc.capacity()
+    if as_json:
+        print(json.dumps(cap, indent=2))
+        return 0
+    print("NODE        UP    RUNNING  QUEUED  REGIONS  DEVICES (key: commands, free GiB)")
+    for name, c in sorted(cap.items()):
+        if not c["up"]:
+            print(f"{name:<11} no    -        -       -        {c['reason']}")
+            continue
+        devs = ", ".join(f"{d['key']}: {len(d['commands'])}, "
+                         f"{d['memory_free_bytes'] / 2**30:.1f}" for d in c["devices"])
+        print(f"{name:<11} yes   {c['running']:<8} {c['queued']:<7} {c['regions']:<8} {devs}")
+    return 0
+
+
+async def _demo(nodes: int, n: int, devices: str) -> int:
+    from ..client import KrexError
+    from ..demo import WORK
+    from .local import LocalFleet
+
+    fleet = LocalFleet(nodes, daemon_args=("--devices", devices))
+    fc = None
+    t0 = time.monotonic()
+    print(f"krex fleet demo: starting a Ray cluster of {nodes} nodes on this machine ...",
+          flush=True)
+    try:
+        try:
+            fleet.start()
+        except Exception as e:  # Ray's own start-up failures come as many types
+            print(f"krex fleet demo: could not start a local Ray cluster: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 1
+        fc = await fleet.connect()
+        print(f"  up in {time.monotonic() - t0:.1f} s: "
+              + ", ".join(f"{name} ({len(v.devices)} devices)" if v.up else f"{name} (down: "
+                          f"{v.reason})" for name, v in sorted(fc.nodes.items())), flush=True)
+        script = os.path.join(fleet.base_dir, "work.py")
+        with open(script, "w") as f:
+            f.write(WORK)
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        t1 = time.monotonic()
+        handles = [await fc.submit([sys.executable, script, "0.3", "15"], env=env,
+                                   cwd=fleet.base_dir, label=f"demo {i}") for i in range(n)]
+        results = await asyncio.gather(*(h.wait() for h in handles))
+        makespan = time.monotonic() - t1
+        print(f"\n{n} commands over {nodes} nodes in {makespan:.2f} s\n")
+        print(f"  {'command':<16} {'node':<6} {'device':<12} {'state':<8} {'wall s':>6} "
+              f"{'wait ms':>8} {'enter ms':>9} {'held ms':>8} {'frozen':>6} {'median ms':>10}")
+        failed = 0
+        for h, res in zip(handles, results):
+            rep = res.report
+            reg = rep.regions[0] if rep.regions else None
+            try:
+                median = f"{json.loads(res.stdout)['median_ms']:.2f}"
+            except (ValueError, KeyError):
+                median, failed = "-", failed + 1
+            print(f"  {rep.command:<16} {h.node:<6} {rep.device:<12} {rep.state:<8} "
+                  f"{rep.wall_s:>6.2f} " + (
+                      f"{reg.wait_s * 1e3:>8.1f} {reg.enter_s * 1e3:>9.2f} "
+                      f"{reg.held_s * 1e3:>8.1f} {len(reg.frozen):>6} " if reg else
+                      f"{'-':>8} {'-':>9} {'-':>8} {'-':>6} ") + f"{median:>10}")
+        per_node: dict[str, int] = {}
+        for h in handles:
+            per_node[h.node] = per_node.get(h.node, 0) + 1
+        print("\n  per node: " + ", ".join(f"{k} {v}" for k, v in sorted(per_node.items())))
+        return 1 if failed else 0
+    except KrexError as e:
+        print(f"krex fleet demo: {e.message}", file=sys.stderr)
+        return 1
+    finally:
+        if fc is not None:
+            await fc.close()
+        fleet.close()
+        print(f"  stopped the agents, daemons and Ray ({time.monotonic() - t0:.1f} s in all)")

@@ -1,0 +1,127 @@
+"""A fleet on one machine: N Ray nodes (ray.cluster_utils.Cluster, each its own raylet) with a krex
+daemon per node, owned by that node's agent. For `krex fleet demo`, the tests and bench/fleet.py.
+
+Each node is kept small (1 CPU for Ray's own tasks, which the agents do not use; a 100 MB object
+store; no dashboard; workers' logs not sent to the driver) and carries a custom resource
+`krex_node_node<i>`, which names it in the fleet. Every daemon has its own socket, state dir and, as
+root on cgroup v2, its own cgroup root, under one temporary directory that close() removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+from ray.exceptions import RayError
+
+from .agent import DaemonSpec, remove_cgroup
+from .client import NAMESPACE, NODE_RESOURCE, FleetClient
+
+NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
+
+
+class LocalFleet:
+    """start() brings the cluster up and joins it; connect() makes a fleet client (the first starts
+    the daemons); close() stops the agents, their daemons and the cluster. A context manager."""
+
+    def __init__(self, nodes: int = 2, daemon_args: tuple[str, ...] = ("--devices", "cpu:2"),
+                 base_dir: str | None = None) -> None:
+        if nodes < 1:
+            raise ValueError(f"a fleet needs at least one node, not {nodes}")
+        self.n = nodes
+        self.daemon_args = daemon_args
+        self.base_dir = base_dir or tempfile.mkdtemp(prefix="krex-fleet-", dir="/tmp")
+        self._own_dir = base_dir is None
+        self.cluster: Cluster | None = None
+        self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node
+
+    def start(self) -> str:
+        """Start the head and N-1 worker nodes and join as the driver; returns the address."""
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network calls from a test box
+        if ray.is_initialized():
+            raise RuntimeError("this process already joined a Ray cluster")
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            **NODE_ARGS, "include_dashboard": False, "resources": {f"{NODE_RESOURCE}node0": 1}})
+        self.ray_nodes["node0"] = self.cluster.head_node
+        for i in range(1, self.n):
+            self.ray_nodes[f"node{i}"] = self.cluster.add_node(
+                **NODE_ARGS, resources={f"{NODE_RESOURCE}node{i}": 1})
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace="krex", log_to_driver=False,
+                 configure_logging=False)
+        return str(self.cluster.address)
+
+    async def connect(self, **kw: Any) -> FleetClient:
+        """A fleet client whose agents own their nodes' daemons (started by the first client)."""
+        spec = DaemonSpec(self.base_dir, args=self.daemon_args)
+        return await FleetClient.connect(self.cluster.address if self.cluster else "auto",
+                                         daemon=spec, **kw)
+
+    def add_node(self, name: str) -> None:
+        """Start one more node (fleet name `name`); a client connected after sees it."""
+        assert self.cluster is not None
+        self.ray_nodes[name] = self.cluster.add_node(**NODE_ARGS,
+                                                     resources={f"{NODE_RESOURCE}{name}": 1})
+
+    def remove_node(self, name: str) -> None:
+        """Kill a worker node's Ray processes at once (its agent dies; its daemon gets SIGTERM)."""
+        assert self.cluster is not None
+        self.cluster.remove_node(self.ray_nodes.pop(name), allow_graceful=False)
+
+    def stop_agents(self, timeout: float = 30.0) -> None:
+        """Stop each node's agent (it stops its daemon: commands end as `shutdown`), then kill it."""
+        actors = []
+        for name in self.ray_nodes:
+            try:
+                actors.append(ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE))
+            except ValueError:
+                continue  # never made, or gone with its node
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=timeout)
+        except RayError:
+            pass  # an agent that is gone took its daemon with it (death signal)
+        for a in actors:
+            ray.kill(a)
+
+    def close(self) -> None:
+        """Stop the agents, leave and stop the cluster, remove what the daemons left."""
+        if ray.is_initialized():
+            if self.cluster is not None:
+                self.stop_agents()
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        self._remove_cgroups()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def _remove_cgroups(self, wait_s: float = 10.0) -> None:
+        """Remove the cgroup roots agents made and could not remove (an agent killed with its
+        node): their daemons, ended by the death signal, may take a moment to leave them."""
+        paths = []
+        for node in os.listdir(self.base_dir) if os.path.isdir(self.base_dir) else []:
+            try:
+                with open(os.path.join(self.base_dir, node, "cgroup")) as f:
+                    paths.append(f.read().strip())
+            except OSError:
+                continue
+        deadline = time.monotonic() + wait_s
+        for path in paths:
+            while True:
+                remove_cgroup(path)
+                if not os.path.exists(path) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+
+    def __enter__(self) -> "LocalFleet":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,119 @@
+"""`krex gateway --fleet ADDRESS`: the agate jobs API in front of the local Ray fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from krex_async.gateway.client import GatewayClient
+
+from .conftest import NEEDS_RAY, env
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason=NEEDS_RAY)
+from krex_async.fleet.local import LocalFleet  # noqa: E402
+
+
+def start(state: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`python -m krex_async gateway ...` (the flag is krex's, not the bare gateway module's);
+    returns once gateway.json names its pid."""
+    state.mkdir(parents=True)
+    log = state.parent / "gateway.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "krex_async", "gateway", "--listen",
+                                 "127.0.0.1:0", "--state-dir", str(state), *args],
+                                stdout=f, stderr=subprocess.STDOUT, env=env())
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            meta = json.loads((state / "gateway.json").read_text())
+            if meta["pid"] == proc.pid:
+                return proc, meta["url"], log
+        except (OSError, ValueError, KeyError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"gateway did not start: {log.read_text()}")
+        time.sleep(0.05)
+
+
+async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, tmp_path: Path) -> None:
+    assert local_fleet.cluster is not None
+    async with await local_fleet.connect():  # the agents (and their daemons) exist first
+        pass
+    proc, url, log = start(tmp_path / "gw", "--fleet", str(local_fleet.cluster.address))
+    try:
+        async with GatewayClient(url) as c:
+            view = (await c.env(force=True))["env"][0]
+            keys = sorted(d["key"] for d in view["devices"])
+            assert keys == [f"node{i}/cpu{j}" for i in range(3) for j in range(2)], view
+            jobs = [await c.dev("sleep 1; python -c 'import krex_async; print(\"ran\")'")
+                    for _ in range(6)]
+            done = await asyncio.gather(*(c.wait(j["job_id"], 60) for j in jobs))
+            assert [d["status"] for d in done] == ["succeeded"] * 6, done
+            assert all(d["result"]["stdout"] == "ran\n" for d in done)
+            nodes = {d["krex_command"].split("/")[0] for d in done}
+            assert nodes == {"node0", "node1", "node2"}, [d["krex_command"] for d in done]
+
+            # A job whose node's daemon dies fails as daemon_lost, naming the node.
+            job = await c.dev("sleep 10")
+            deadline = time.monotonic() + 20
+            while not (view := await c.get(job["job_id"])).get("krex_command"):
+                assert time.monotonic() < deadline, view
+                await asyncio.sleep(0.1)
+            node = view["krex_command"].split("/")[0]
+            async with await local_fleet.connect() as fc:
+                os.kill((await fc.capacity())[node]["daemon_pid"], signal.SIGKILL)
+            lost = await c.wait(job["job_id"], 30)
+            assert lost["status"] == "failed", lost
+            assert lost["error"]["reason"] == "daemon_lost", lost
+            assert f"node {node}" in lost["error"]["message"], lost
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    assert "fleet" in log.read_text()
+
+
+async def test_gateway_fleet_unreachable_says_so(tmp_path: Path) -> None:
+    """No Ray cluster at the address: the gateway serves, /v1/env names the failure, jobs wait
+    queued (as with a daemon that is down), and SIGTERM ends it cleanly."""
+    proc, url, log = start(tmp_path / "gw", "--fleet", "127.0.0.1:1")
+    try:
+        async with GatewayClient(url) as c:
+            view = (await c.env())["env"][0]
+            assert "no Ray cluster at '127.0.0.1:1'" in view["probe_error"], view
+            job = await c.dev("echo hi")
+            await asyncio.sleep(1.5)
+            assert (await c.get(job["job_id"]))["status"] == "queued"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+
+
+async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -> None:
+    assert local_fleet.cluster is not None
+    async with await local_fleet.connect() as fc:
+        h = await fc.submit([sys.executable, "-c", "import time; time.sleep(20)"], env=env(),
+                            node="node2", device="cpu1")
+        try:
+            r = subprocess.run([sys.executable, "-m", "krex_async", "fleet", "status", "--json",
+                                "--address", str(local_fleet.cluster.address)],
+                               capture_output=True, text=True, env=env(), timeout=60)
+            assert r.returncode == 0, r.stderr
+            cap = json.loads(r.stdout)
+            assert sorted(cap) == ["node0", "node1", "node2"]
+            assert cap["node2"]["running"] + cap["node2"]["queued"] == 1
+            assert cap["node2"]["devices"][1]["commands"] == [h.daemon_command]
+            assert all(c["up"] and len(c["devices"]) == 2 for c in cap.values())
+            assert cap["node2"]["devices"][1]["memory_free_bytes"] > 0
+        finally:
+            await h.cancel(signal.SIGKILL)
+            await h.wait()

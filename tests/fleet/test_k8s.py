@@ -1,0 +1,76 @@
+"""packaging/k8s/: every manifest valid against the Kubernetes schemas (offline: the schemas ship in
+the kubernetes-validate wheel), and the DaemonSet has what the daemon needs on a node."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from krex_async.config import ServeConfig
+from krex_async.configfile import load_config_with_sources
+from tests.conftest import ROOT
+
+kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (test extra)")
+yaml = pytest.importorskip("yaml")
+
+K8S = ROOT / "packaging" / "k8s"
+VERSIONS = ["1.28.0", "1.30.0", kv.latest_version()]
+
+
+def docs() -> dict[str, dict[str, Any]]:
+    out = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            out[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return out
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_manifest_is_valid_strictly(version: str) -> None:
+    found = docs()
+    assert set(found) == {"Namespace/krex-system", "ConfigMap/krex-config", "DaemonSet/krex"}
+    for name, doc in found.items():
+        kv.validate(doc, version, strict=True)
+
+
+def test_the_validator_rejects_what_is_wrong() -> None:
+    """The check can fail: a wrong type and an unknown field are both errors."""
+    ds = docs()["DaemonSet/krex"]
+    bad = copy.deepcopy(ds)
+    bad["spec"]["template"]["spec"]["hostPID"] = "yes"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, VERSIONS[-1], strict=True)
+    bad = copy.deepcopy(ds)
+    bad["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, VERSIONS[-1], strict=True)
+
+
+def krex_config(text: str, tmp_path: Path) -> ServeConfig:
+    """The ConfigMap's krex.toml as `krex serve --config` reads it (unknown keys are errors)."""
+    path = tmp_path / "krex.toml"
+    path.write_text(text)
+    return load_config_with_sources(str(path), {}, {})[0]
+
+
+def test_the_daemonset_gives_the_daemon_what_it_needs(tmp_path: Path) -> None:
+    found = docs()
+    pod = found["DaemonSet/krex"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["hostPID"] is True and c["securityContext"]["privileged"] is True
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    for path in ("/run/krex", "/sys/fs/cgroup", "/sys/kernel/tracing"):
+        name = next(n for n, p in host.items() if p == path)
+        assert mounts[name] == path
+    assert "nvidia.com/gpu" in c["resources"]["limits"]
+    config = krex_config(found["ConfigMap/krex-config"]["data"]["krex.toml"], tmp_path)
+    assert config.socket.startswith(mounts[next(n for n, p in host.items() if p == "/run/krex")])
+    assert config.state_dir.startswith("/run/krex/")
+    assert config.cgroup_root.startswith("/sys/fs/cgroup/")
+    assert config.cgroup_root in c["args"][0]  # the entrypoint creates it
+    cfg = next(v for v in pod["volumes"] if "configMap" in v)
+    assert cfg["configMap"]["name"] == "krex-config" and mounts[cfg["name"]] == "/etc/krex"
