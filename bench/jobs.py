@@ -122,6 +122,8 @@ class Stack:
         # daemon's socket group, so the regions inside them reach the daemon; never as root.
         self.user = ensure_job_user()
         group = ["--socket-group", self.user] if self.user else []
+        if self.user and any(x.startswith("--pool-size") for x in v.args):
+            group += ["--pool-user", self.user]  # a pool serves its own user's jobs only
         self.daemon = Daemon(v.policy, a.python, strip_policy(v.args) + a.daemon_devices + group,
                              logdir / f"daemon-{v.name}.log")
         self.dir = Path(tempfile.mkdtemp(prefix=f"krex-jobs-{v.name}-", dir="/tmp"))

@@ -119,6 +119,11 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
+    p.add_argument("--pool-wait", type=float,
+                   help="seconds an interpreter waits for a warming worker before it runs without "
+                        "the pool (default 10)")
+    p.add_argument("--pool-user", help="user (name or uid) the warm workers run as, whose commands "
+                                       "they serve (default: the daemon's; e.g. the gateway's --run-as)")
     p.add_argument("--pool-init", help="comma-separated modules a worker imports once its context "
                                        "exists, as part of creating it (one at a time per node, "
                                        "never while a region holds the device), e.g. to warm cuBLAS")

@@ -87,6 +87,12 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
     pool_preload: str = ""  # comma-separated modules every worker imports, e.g. "torch"
     pool_init: str = ""  # modules a worker imports after its context, holding the node lock
+    # the user (name or uid) warm workers run as ("" = the daemon's): a pool serves that user's
+    # commands only, e.g. the gateway's --run-as user
+    pool_user: str = ""
+    # seconds an adopting interpreter waits for a warming worker before it runs plainly (its own
+    # import and context cost more than the rest of a warm-up already under way)
+    pool_wait: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint ("" = off), e.g. 127.0.0.1:9464
 
     def resolved(self) -> "ServeConfig":

@@ -22,7 +22,7 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command, Runner, SpecError, Subscriber, with_runtime
+from .commands import Command, Runner, SpecError, Subscriber, user_groups, with_runtime
 from . import __version__
 from .procfs import stat_fields, tree_memory
 from .config import ServeConfig
@@ -44,6 +44,20 @@ from .spawn import Launched, LaunchSpec
 log = logs.get("krex.daemon")
 
 Send = Callable[[P.Msg], bool]
+
+
+def pool_user(name: str) -> tuple[int, int, list[int]] | None:
+    """--pool-user as (uid, gid, groups); None for the daemon's own. Raises SystemExit naming an
+    unknown user, or a user other than the daemon's when the daemon cannot switch users."""
+    if not name:
+        return None
+    try:
+        pw = pwd.getpwnam(name) if not name.isdigit() else pwd.getpwuid(int(name))
+    except KeyError:
+        raise SystemExit(f"krex: --pool-user {name!r}: no such user") from None
+    if pw.pw_uid != os.geteuid() and os.geteuid() != 0:
+        raise SystemExit(f"krex: --pool-user {name!r}: only root can run workers as another user")
+    return pw.pw_uid, pw.pw_gid, user_groups(pw.pw_uid, pw.pw_gid)
 
 
 class RequestError(Exception):
@@ -117,6 +131,7 @@ class Daemon:
             return
         preload = [m.strip() for m in cfg.pool_preload.split(",") if m.strip()]
         init = [m.strip() for m in cfg.pool_init.split(",") if m.strip()]
+        user = pool_user(cfg.pool_user)
         for d in self.devices:
             env = dict(os.environ)
             env.pop("KREX_SOCKET", None)
@@ -124,7 +139,7 @@ class Daemon:
             pool = Pool(d, cgroup_hook=self._join_group, config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
                                       preload=preload, init_context=d.vendor != "cpu",
                                       init_modules=init),
-                        env=with_runtime(env))
+                        env=with_runtime(env), user=user)
             await pool.start()
             self.pools[d.key] = pool
 
@@ -170,6 +185,8 @@ class Daemon:
             finally:
                 self.runner.launching = None
 
+        if pool is not None:  # a burst outruns the refill: wait a little for a warming worker
+            await pool.warm_soon(self.config.pool_wait)
         await adoption.serve(pool, req, peer_pid, send, hand, tally,
                              prepare=lambda: self.regions.hold_arrival(cmd))
 

@@ -305,6 +305,21 @@ class Pool:
                 await self._changed.wait()
         return n
 
+    async def warm_soon(self, timeout: float) -> bool:
+        """Wait, up to `timeout` s, for an idle warm worker while others are still warming; True
+        once one is idle. A fresh interpreter pays the whole import and context that a warming
+        worker is already part way through, so a short wait beats falling back at once."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not any(w.state == "warm" and not w.exited.done() for w in self._idle):
+                    if self._closed or not any(w.state == "starting" for w in self._workers):
+                        return False
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
     async def close(self, timeout: float = 2.0) -> None:
         """Stop warming; idle and starting workers get EOF, then SIGKILL after `timeout`.
 

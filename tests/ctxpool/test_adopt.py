@@ -401,3 +401,63 @@ async def test_a_preload_that_sets_a_start_up_variable_does_not_decline(tmp_path
             await warm(c)
             res = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=env, cwd=str(tmp_path))
     assert res.stdout == b"True None\n" and res.report.pool_adopted == 1, res
+
+
+def _runs_as(user: str, exe: str) -> bool:
+    try:
+        subprocess.run([exe, "-c", ""], user=user, check=True, capture_output=True, timeout=60, cwd="/")
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+async def test_a_pool_of_another_user_serves_that_users_commands_only() -> None:
+    """--pool-user: the gateway runs jobs as its --run-as user; a pool of that user adopts them,
+    and still declines the daemon's own user's commands (never another user's privileges)."""
+    import pwd
+    import shutil
+    import tempfile
+
+    if not _runs_as("nobody", PY):
+        pytest.skip(f"nobody cannot run {PY} (a venv under a private home)")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    d = Path(tempfile.mkdtemp(prefix="krex-pooluser-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        write(d, "job.py", MARK + "print('adopted', _M)\n")
+        async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys", "--isolation", "cgroup",
+                              "--pool-user", "nobody", env=py_env()) as dm:
+            async with await dm.client() as c:
+                await warm(c)
+                theirs = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(d),
+                                     run_as=nobody)
+                ours = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(d))
+        assert (theirs.stdout, theirs.report.pool_adopted) == (b"adopted True\n", 1), theirs
+        assert (ours.stdout, ours.report.pool_adopted) == (b"adopted False\n", 0), ours
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_unknown_pool_user_is_refused_at_start(tmp_path: Path) -> None:
+    r = subprocess.run([PY, "-m", "krex_async", "serve", "--socket", str(tmp_path / "s"),
+                        "--state-dir", str(tmp_path / "st"), "--pool-size", "1",
+                        "--pool-user", "no-such-user-krex"], capture_output=True, text=True,
+                       timeout=60, env=py_env())
+    assert r.returncode != 0 and "--pool-user 'no-such-user-krex': no such user" in r.stderr, r.stderr
+
+
+async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_path: Path) -> None:
+    """Two interpreters at once on a pool of one: the second waits (--pool-wait) for the worker
+    that replaces the first, rather than paying a cold start; with --pool-wait 0 it runs plainly."""
+    write(tmp_path, "job.py", MARK + "import time; time.sleep(0.3); print('adopted', _M)\n")
+    line = f"{PY} job.py"
+    for wait, adopted in (("10", 2), ("0", 1)):
+        async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys", "--isolation", "cgroup",
+                              "--pool-wait", wait, env=py_env()) as d:
+            async with await d.client() as c:
+                await warm(c)
+                got = await asyncio.gather(*(c.run(["/bin/sh", "-c", line], env=py_env(), cwd=str(tmp_path))
+                                             for _ in range(2)))
+        assert sum(r.report.pool_adopted for r in got) == adopted, (wait, [r.report for r in got])
+        assert sorted(r.stdout for r in got) == sorted(
+            [b"adopted True\n"] * adopted + [b"adopted False\n"] * (2 - adopted)), wait
