@@ -284,13 +284,15 @@ class FleetClient:
                      env: dict[str, str] | None = None, device: str | int = "auto",
                      timeout: float | None = None, mem: int = 0, stdin: bytes | None = None,
                      on_disconnect: str = "kill", label: str = "", stream: bool = True,
-                     node: str | None = None) -> FleetHandle:
-        """Place and start a command (as Client.submit; `node` pins it to one node). env=None
+                     node: str | None = None, run_as: int | None = None) -> FleetHandle:
+        """Place and start a command (as Client.submit; `node` pins it to one node; `run_as`, for
+        a root client such as the gateway, runs it as that uid on the node). env=None
         passes this process's environment; cwd must exist on the node that runs it. A node whose
         agent or daemon is gone before accepting is marked down and the next node is tried."""
         spec = {"argv": list(argv), "cwd": cwd or os.getcwd(),
                 "env": dict(os.environ) if env is None else env, "timeout": timeout, "mem": mem,
-                "stdin": stdin, "on_disconnect": on_disconnect, "label": label, "stream": stream}
+                "stdin": stdin, "on_disconnect": on_disconnect, "label": label, "stream": stream,
+                "run_as": run_as}
         while True:
             try:
                 name, key = pick(list(self.nodes.values()), mem, str(device), node)

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from krex_async.gateway.client import GatewayClient
 
+from tests.security.helpers import USER_PYTHONPATH
+
+from ..gateway.conftest import JOB_USER, gateway_home, job_python
 from .conftest import NEEDS_RAY, env
 
 pytestmark = pytest.mark.slow
@@ -24,13 +29,17 @@ from krex_async.fleet.local import LocalFleet  # noqa: E402
 
 def start(state: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     """`python -m krex_async gateway ...` (the flag is krex's, not the bare gateway module's);
-    returns once gateway.json names its pid."""
+    returns once gateway.json names its pid. As root its jobs run as the gateway tests' job user."""
     state.mkdir(parents=True)
     log = state.parent / "gateway.log"
+    if os.geteuid() == 0:
+        args = (*args, "--run-as", JOB_USER, "--job-python", job_python())
+    e = env()
+    e["PYTHONPATH"] = os.pathsep.join([USER_PYTHONPATH, e.get("PYTHONPATH", "")])
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "krex_async", "gateway", "--listen",
                                  "127.0.0.1:0", "--state-dir", str(state), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env=env())
+                                stdout=f, stderr=subprocess.STDOUT, env=e)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -45,13 +54,25 @@ def start(state: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
         time.sleep(0.05)
 
 
-async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, tmp_path: Path) -> None:
+def token(state: Path) -> str:
+    """The bearer token the gateway generated at its first start."""
+    return (state / "token").read_text().split()[-1]
+
+
+@pytest.fixture
+def stack() -> Iterator[contextlib.ExitStack]:
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, stack: contextlib.ExitStack) -> None:
     assert local_fleet.cluster is not None
     async with await local_fleet.connect():  # the agents (and their daemons) exist first
         pass
-    proc, url, log = start(tmp_path / "gw", "--fleet", str(local_fleet.cluster.address))
+    home = stack.enter_context(gateway_home())  # a state dir the jobs' user can pass through
+    proc, url, log = start(home / "gw", "--fleet", str(local_fleet.cluster.address))
     try:
-        async with GatewayClient(url) as c:
+        async with GatewayClient(url, token(home / "gw")) as c:
             view = (await c.env(force=True))["env"][0]
             keys = sorted(d["key"] for d in view["devices"])
             assert keys == [f"node{i}/cpu{j}" for i in range(3) for j in range(2)], view
@@ -82,12 +103,13 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, tmp_path
     assert "fleet" in log.read_text()
 
 
-async def test_gateway_fleet_unreachable_says_so(tmp_path: Path) -> None:
+async def test_gateway_fleet_unreachable_says_so(stack: contextlib.ExitStack) -> None:
     """No Ray cluster at the address: the gateway serves, /v1/env names the failure, jobs wait
     queued (as with a daemon that is down), and SIGTERM ends it cleanly."""
-    proc, url, log = start(tmp_path / "gw", "--fleet", "127.0.0.1:1")
+    home = stack.enter_context(gateway_home())
+    proc, url, log = start(home / "gw", "--fleet", "127.0.0.1:1")
     try:
-        async with GatewayClient(url) as c:
+        async with GatewayClient(url, token(home / "gw")) as c:
             view = (await c.env())["env"][0]
             assert "no Ray cluster at '127.0.0.1:1'" in view["probe_error"], view
             job = await c.dev("echo hi")
