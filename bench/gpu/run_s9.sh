@@ -27,8 +27,8 @@ for step in "$@"; do
           timeout ${JOBS_TIMEOUT:-560} python3 bench/jobs.py --kernelbench .suites/KernelBench --set default \
             --device gpu ${VARIANTS:+--variants "${variants[@]}"} --budget-s ${JOBS_BUDGET:-540} \
             --out "$res/jobs.json" ${JOBS_ARGS:-} > "$res/jobs.log" 2>&1 ;;
-    atrex) timeout 400 python3 bench/gateway_profile_check.py --atrex-bench-root .suites/atrex-bench \
-             --deep > "$res/atrex.log" 2>&1 ;;
+    atrex) timeout ${ATREX_TIMEOUT:-400} python3 bench/gateway_profile_check.py --atrex-bench-root .suites/atrex-bench ${ATREX_ARGS:-} \
+             > "$res/atrex.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
   rc=$?
