@@ -119,13 +119,14 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
     fresh process (the parent sees -15, -9), and a killed adopter takes its worker with it."""
     write(tmp_path, "inner.py", MARK + """
         import os, sys, time
-        print(os.getpid(), _M, flush=True)
         if sys.argv[1] == "int":
-            try:
+            try:  # the line that tells the parent to signal is printed inside the handler's scope
+                print(os.getpid(), _M, flush=True)
                 time.sleep(30)
             except KeyboardInterrupt:
                 print("interrupted", flush=True)
                 raise
+        print(os.getpid(), _M, flush=True)
         time.sleep(30)
     """)
     write(tmp_path, "outer.py", f"""
