@@ -26,7 +26,7 @@ import msgspec
 from . import protocol as P
 from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
-from .records import Records
+from .records import Record, Records, start_ticks
 from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, LaunchSpec, Launched, spawn
 from .spool import Spool, SpoolFile, unlink
 from .stdinpipe import StdinPipe
@@ -278,7 +278,7 @@ class Runner:
         cmd.state = "running"
         await self.backend.started(group, launched.pid)
         if self.records is not None:
-            self.records.spawned(cmd, self.backend)
+            self.records.write(_record(cmd, self.backend, self.records.me))
         pipes_done = [self._pump(loop, cmd, out_r, "stdout"), self._pump(loop, cmd, err_r, "stderr")]
         cmd.watch_task = loop.create_task(self._watch(cmd, launched, pipes_done))
 
@@ -411,7 +411,7 @@ class Runner:
             spool_error="; ".join(f"{f.stream}: {f.error}" for f in cmd.spools.values() if f.error),
         )
         if self.records is not None:
-            self.records.ended(cmd)
+            self.records.ended(cmd.id, cmd.report)
         self.on_exit(cmd)
 
 
@@ -425,6 +425,22 @@ def _start_error(what: str, cmd: Command) -> str:
                 "exist, or you may not reach it)")
     return (f"argv[0] {cmd.spec.argv[0]!r} not found or not executable by you "
             f"(looked up on PATH {path!r})")
+
+
+def _record(cmd: Command, backend: Backend, daemon: tuple[int, int]) -> Record:
+    """The durable record of a command whose leader was just spawned into its group; `daemon` is
+    the recording daemon's (pid, start ticks), so a successor can tell whether it still runs."""
+    assert cmd.launched is not None and cmd.group is not None
+    pid = cmd.launched.pid
+    out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
+    return Record(id=cmd.id, uid=cmd.uid, gid=cmd.gid, argv=list(cmd.spec.argv),
+                  device=cmd.device_key or "none", label=cmd.spec.label, policy=cmd.policy,
+                  backend=backend.name, group=cmd.group.name,
+                  cgroup=str(getattr(cmd.group, "top", "") or ""),
+                  cgroup_dir=backend.cgroup_dir(cmd.group) or "", pid=pid,
+                  start_ticks=start_ticks(pid) or 0, started_at=time.time(),
+                  stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
+                  daemon_pid=daemon[0], daemon_ticks=daemon[1])
 
 
 def _describe(state: str, status: ExitStatus, cmd: Command) -> str:

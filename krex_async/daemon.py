@@ -37,6 +37,7 @@ from .recovery import recover
 from .spool import Spool
 from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from .attribution import Attributor
+from .core import Core
 from .regions import Regions
 from .scheduler import Scheduler
 from .spawn import Launched, LaunchSpec
@@ -99,8 +100,6 @@ class Daemon:
         self.all_cpus = frozenset(os.sched_getaffinity(0))
         self.scheduler = Scheduler(config.policy, [d.key for d in devices])
         self.commands: dict[str, Command] = {}
-        self.regions = Regions(self)
-        self.attributor: Attributor | None = None  # set when probes run
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
         self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
@@ -114,12 +113,30 @@ class Daemon:
         self.timeline = TraceRing(P.TraceEvent)
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
+        # What regions, attribution and recovery share with the daemon: these same objects.
+        self.core = Core(config=config, backend=backend, devices=devices, node=node,
+                         scheduler=self.scheduler, commands=self.commands, pools=self.pools,
+                         metrics=self.metrics, trace=self.trace, track=self.track,
+                         records=self.records, spool=self.runner.spool, probes=self.probes,
+                         tracers=self.tracers, all_cpus=self.all_cpus)
+        self.regions = Regions(self.core)
+        self._attributor: Attributor | None = None  # set when probes run
         self._ids = itertools.count(1)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
         self._cpu_primed = False
-        recover(self)  # a dead daemon's commands: ended and reported (recovery.py)
+        recover(self.core, self.forget)  # a dead daemon's commands: ended and reported (recovery.py)
+
+    @property
+    def attributor(self) -> Attributor | None:
+        """The probe attributor while probes run (server.start_probes sets it)."""
+        return self._attributor
+
+    @attributor.setter
+    def attributor(self, attributor: Attributor | None) -> None:
+        self._attributor = attributor
+        self.core.attributor = attributor  # regions ask it through the core
 
     # ---------------------------------------------------------------------------------- helpers
 
@@ -442,7 +459,7 @@ class Daemon:
                 log.info("agent_disconnected", command=cmd.id, action="kill")
                 self.track(asyncio.get_running_loop().create_task(
                     self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)))
-        self.tracers = [(s, i) for s, i in self.tracers if s != send]
+        self.tracers[:] = [(s, i) for s, i in self.tracers if s != send]  # shared with the core
 
     # ---------------------------------------------------------------------------------- regions
 

@@ -534,7 +534,7 @@ def start_probes(daemon: Daemon) -> None:
     daemon.probes.update(state="unavailable", reason=reason)
     if backend is None:
         return
-    attributor = Attributor(daemon, backend)
+    attributor = Attributor(daemon.core, daemon.regions, backend)
     if isinstance(backend, FailureReporting):
         backend.on_failure = attributor.probe_failed
     try:
