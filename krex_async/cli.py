@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from .cliargs import seconds as _seconds
 from .config import ServeConfig, default_socket
 
 
@@ -159,17 +160,6 @@ def _name_env_vars(p: argparse.ArgumentParser) -> None:
         if a.dest in fields and a.help is not argparse.SUPPRESS:
             env = f"KREX_{a.dest.upper()}"
             a.help = f"{a.help}; env {env}" if a.help else f"env {env}"
-
-
-def _seconds(text: str) -> float:
-    """argparse type for a duration: a number of seconds >= 0 (said plainly, not by the protocol)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}")
-    return value
 
 
 def _check_writable(path: str) -> str | None:
