@@ -28,6 +28,7 @@ import msgspec
 
 from .cliargs import seconds as _seconds
 from .config import ServeConfig, default_socket
+from .scheduler import Policy
 
 
 def _serve_parser(sub: Any) -> None:
@@ -35,7 +36,7 @@ def _serve_parser(sub: Any) -> None:
     fields = {f.name: f for f in msgspec.structs.fields(ServeConfig)}
     p.add_argument("--socket", help=f"socket path (default: {default_socket()})")
     p.add_argument("--socket-group", help="group that may connect besides the owner")
-    p.add_argument("--policy", choices=["region", "command", "shared"],
+    p.add_argument("--policy", choices=[x.value for x in Policy],
                    help="what a region means: region (exclusive, default), command (a command "
                         "holds its device start to end), shared (nothing protected)")
     p.add_argument("--isolation", choices=["auto", "cgroup", "signal"],

@@ -28,8 +28,9 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command, Tail
+from .commands import Command, CommandState, Tail
 from .records import Record, end_lost
+from .scheduler import Policy
 from .spool import read_tail
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ def _command(core: Core, rec: Record) -> Command:
     device = next((d for d in core.devices if d.key == rec.device), None)
     spec = P.Submit(id=0, argv=rec.argv, label=rec.label, device=rec.device if device else "none")
     cmd = Command(id=rec.id, spec=spec, uid=rec.uid, gid=rec.gid, device=device,
-                  policy=rec.policy, tail_limit=core.config.output_tail)
-    cmd.state = "ended"
+                  policy=_policy(rec.policy), tail_limit=core.config.output_tail)
+    cmd.state = CommandState.ENDED
     cmd.done.set()
     late = [(tail, path) for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool))
             if path and not _load(tail, path)]
@@ -64,6 +65,14 @@ def _command(core: Core, rec: Record) -> Command:
         stdout_spool=rec.stdout_spool, stderr_spool=rec.stderr_spool,
         error=f"the daemon that ran it stopped (pid {rec.daemon_pid}); its processes were ended")
     return cmd
+
+
+def _policy(name: str) -> Policy | None:
+    """The record's policy; None where it names none (an older record) or one this daemon lacks."""
+    try:
+        return Policy(name)
+    except ValueError:
+        return None
 
 
 def _load(tail: Tail, path: str) -> bool:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from . import logs
 from . import protocol as P
-from .commands import Command
+from .commands import Command, CommandState
 from .core import Core, Region
 from .gpuholders import GpuHolders, read_holders
 from .hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
@@ -198,7 +198,7 @@ class Regions:
         holders_only = self._who(r) == "device-holders"
         for cid in self.core.scheduler.siblings(r.device, r.command.id):
             cmd = self.core.commands.get(cid)
-            if cmd is None or cmd.state != "running" or cmd.group is None:
+            if cmd is None or cmd.state != CommandState.RUNNING or cmd.group is None:
                 continue
             if holders_only and not any(holds_gpu_file(p) for p in self.core.backend.pids(cmd.group)):
                 continue
@@ -324,7 +324,7 @@ class Regions:
             held = set(r.frozen_ids) | set(r.locked_ids)
             rep.fenced = [cid for cid in self.core.scheduler.siblings(r.device, r.command.id)
                           if cid not in held and (c := self.core.commands.get(cid)) is not None
-                          and c.state == "running"]
+                          and c.state == CommandState.RUNNING]
             rep.drain = self._check_drain(r, targets, results)
             await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
@@ -358,7 +358,7 @@ class Regions:
         in uninterruptible sleep: each would cost this region a whole --freeze-timeout for the
         same answer. They are left unheld at once, the region tainted."""
         self.hung = {cid: t for cid, t in self.hung.items()
-                     if (c := self.core.commands.get(cid)) is not None and c.state == "running"}
+                     if (c := self.core.commands.get(cid)) is not None and c.state == CommandState.RUNNING}
         out = []
         for c in todo:
             stuck = d_state(self.core.backend.pids(c.group)) if c.id in self.hung and \
@@ -519,7 +519,7 @@ class Regions:
         freezing = {id(g) for x in self.active.values() for g in x.frozen}
         for cmd in self.core.commands.values():
             g = cmd.group
-            if cmd.state != "running" or g is None or g.frozen or g.cores == allowed \
+            if cmd.state != CommandState.RUNNING or g is None or g.frozen or g.cores == allowed \
                     or id(g) in freezing:
                 continue
             owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
@@ -572,7 +572,7 @@ class Regions:
                                  for pid, send in c.runtimes.items())
         if self.reserved.pop(r.id, None) is not None:
             try:
-                if r.command.group is not None and r.command.state == "running":
+                if r.command.group is not None and r.command.state == CommandState.RUNNING:
                     await backend.set_cores(r.command.group, None, pids=[r.pid])
             except Exception as e:
                 log.error("cores_restore_failed", region=r.id, error=repr(e))
