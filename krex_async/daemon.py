@@ -38,14 +38,12 @@ from .recovery import recover
 from .spool import Spool
 from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from .attribution import Attributor
-from .core import Core
+from .core import Core, Send
 from .regions import Regions
 from .scheduler import Scheduler
 from .spawn import Launched, LaunchSpec
 
 log = logs.get("krex.daemon")
-
-Send = Callable[[P.Msg], bool]
 
 
 def pool_user(name: str) -> tuple[int, int, list[int]] | None:
