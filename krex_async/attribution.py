@@ -34,8 +34,8 @@ from .probes.base import ProbeBackend, ProbeEvent
 
 if TYPE_CHECKING:
     from .commands import Command
-    from .daemon import Daemon
-    from .regions import Region
+    from .core import Core, Region
+    from .regions import Regions
 
 log = logs.get("krex.probes")
 
@@ -77,8 +77,9 @@ def describe(pid: int, proc: str = "/proc") -> str:
 
 
 class Attributor:
-    def __init__(self, daemon: "Daemon", backend: ProbeBackend) -> None:
-        self.d = daemon
+    def __init__(self, core: "Core", regions: "Regions", backend: ProbeBackend) -> None:
+        self.core = core
+        self.regions = regions  # the regions held now: their strays, and a late open to freeze
         self.backend = backend
         self.watches: dict[str, Watch] = {}  # region id -> watch
         self.mapper = Mapper()
@@ -87,7 +88,7 @@ class Attributor:
 
     def command_started(self, cmd: "Command") -> None:
         if cmd.pid is not None and cmd.group is not None:
-            self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.d.backend.cgroup_dir(cmd.group))
+            self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.core.backend.cgroup_dir(cmd.group))
 
     def command_ended(self, cmd: "Command") -> None:
         self.mapper.remove(cmd.id)
@@ -96,7 +97,7 @@ class Attributor:
         if isinstance(ev, int):
             ev = ProbeEvent(ts_ns=0, tgid=ev, tid=ev, kind="count")
         cid = self.mapper.command_of(ev)
-        return self.d.commands.get(cid) if cid else None
+        return self.core.commands.get(cid) if cid else None
 
     # ------------------------------------------------------------------------------ regions
 
@@ -165,8 +166,8 @@ class Attributor:
         self.failed = reason
         log.error("probes_failed", backend=self.backend.name, reason=reason,
                   regions_tainted=sorted(self.watches))
-        self.d.probes.update(state="failed", reason=reason, failed_at=time.time())
-        self.d.trace("probes_failed", None, backend=self.backend.name, reason=reason)
+        self.core.probes.update(state="failed", reason=reason, failed_at=time.time())
+        self.core.trace("probes_failed", None, backend=self.backend.name, reason=reason)
         try:
             self.backend.stop()
         except Exception as e:  # stopping a broken backend must not take the loop down
@@ -196,8 +197,8 @@ class Attributor:
 
     def _attribute(self, batch: list[ProbeEvent]) -> None:
         self.events += len(batch)
-        self.d.metrics.probe_lost_total(self.backend.lost())
-        held = [self.d.regions.active[rid] for rid in self.watches if rid in self.d.regions.active]
+        self.core.metrics.probe_lost_total(self.backend.lost())
+        held = [self.regions.active[rid] for rid in self.watches if rid in self.regions.active]
         for ev in batch:
             stray_for = None
             for r in held:
@@ -211,8 +212,8 @@ class Attributor:
                         w.first.append(f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
                                        f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}")
                     if ev.kind == "open":
-                        self.d.regions.freeze_late(r, ev)
-            if self.d.tracers:
+                        self.regions.freeze_late(r, ev)
+            if self.core.tracers:
                 self._trace_event(ev, stray_for, held)
 
     def _trace_event(self, ev: ProbeEvent, stray_for: "Region | None", held: list["Region"]) -> None:
@@ -222,7 +223,7 @@ class Attributor:
         cmd = self.command_of(ev)
         region = stray_for or next((r for r in held if cmd is not None and r.command is cmd), None)
         extra = {"owner": stray_for.command.id} if stray_for is not None else {}
-        self.d.trace("stray" if stray_for else "probe", None, command=cmd.id if cmd else "",
+        self.core.trace("stray" if stray_for else "probe", None, command=cmd.id if cmd else "",
                      device=region.device if region is not None else (cmd.device_key or "" if cmd else ""),
                      region_id=region.id if region is not None else "", pid=ev.tgid, tid=ev.tid,
                      probe=ev.kind, fd=ev.fd, request=ev.request, name=ev.name, comm=ev.comm,

@@ -26,7 +26,9 @@ from typing import Any
 
 import msgspec
 
+from .cliargs import seconds as _seconds
 from .config import ServeConfig, default_socket
+from .scheduler import Policy
 
 
 def _serve_parser(sub: Any) -> None:
@@ -34,7 +36,7 @@ def _serve_parser(sub: Any) -> None:
     fields = {f.name: f for f in msgspec.structs.fields(ServeConfig)}
     p.add_argument("--socket", help=f"socket path (default: {default_socket()})")
     p.add_argument("--socket-group", help="group that may connect besides the owner")
-    p.add_argument("--policy", choices=["region", "command", "shared"],
+    p.add_argument("--policy", choices=[x.value for x in Policy],
                    help="what a region means: region (exclusive, default), command (a command "
                         "holds its device start to end), shared (nothing protected)")
     p.add_argument("--isolation", choices=["auto", "cgroup", "signal"],
@@ -159,17 +161,6 @@ def _name_env_vars(p: argparse.ArgumentParser) -> None:
         if a.dest in fields and a.help is not argparse.SUPPRESS:
             env = f"KREX_{a.dest.upper()}"
             a.help = f"{a.help}; env {env}" if a.help else f"env {env}"
-
-
-def _seconds(text: str) -> float:
-    """argparse type for a duration: a number of seconds >= 0 (said plainly, not by the protocol)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}")
-    return value
 
 
 def _check_writable(path: str) -> str | None:

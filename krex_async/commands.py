@@ -20,13 +20,15 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import msgspec
 
 from . import protocol as P
 from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
-from .records import Records
+from .records import Record, Records, start_ticks
+from .scheduler import Policy
 from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, LaunchSpec, Launched, spawn
 from .spool import Spool, SpoolFile, unlink
 from .stdinpipe import StdinPipe
@@ -95,6 +97,15 @@ class Tail:
             del self.buf[: len(self.buf) - self.limit]
 
 
+class CommandState(StrEnum):
+    """Where a command is in its life (its report's `state` says how it ended)."""
+
+    QUEUED = "queued"  # waiting for its device (policy command) or its start
+    STARTING = "starting"  # its group made, its leader being spawned
+    RUNNING = "running"
+    ENDED = "ended"  # its report is set
+
+
 @dataclass
 class Command:
     id: str
@@ -102,10 +113,10 @@ class Command:
     uid: int
     gid: int
     device: Device | None
-    policy: str
+    policy: Policy | None  # None: recovered from a record that did not name it
     tail_limit: int
     token: str = field(default_factory=lambda: secrets.token_hex(16))
-    state: str = "queued"  # queued, starting, running, ended
+    state: CommandState = CommandState.QUEUED
     group: Group | None = None
     launched: Launched | None = None
     report: P.CommandReport | None = None
@@ -131,6 +142,11 @@ class Command:
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
         self.err = Tail(self.tail_limit)
+
+    @property
+    def policy_name(self) -> str:
+        """The policy as the wire, the records and the metrics spell it ("" where unknown)."""
+        return self.policy.value if self.policy is not None else ""
 
     @property
     def device_key(self) -> str | None:
@@ -211,7 +227,7 @@ class Runner:
         """
         cwd, env = self.check(cmd)
         loop = asyncio.get_running_loop()
-        cmd.state = "starting"
+        cmd.state = CommandState.STARTING
         try:
             cmd.group = group = await self.backend.create(cmd.id)
             if cores is not None:
@@ -275,10 +291,10 @@ class Runner:
                 cmd.handoff.spawned()
         cmd.launched = launched
         cmd.started = time.monotonic()
-        cmd.state = "running"
+        cmd.state = CommandState.RUNNING
         await self.backend.started(group, launched.pid)
         if self.records is not None:
-            self.records.spawned(cmd, self.backend)
+            self.records.write(_record(cmd, self.backend, self.records.me))
         pipes_done = [self._pump(loop, cmd, out_r, "stdout"), self._pump(loop, cmd, err_r, "stderr")]
         cmd.watch_task = loop.create_task(self._watch(cmd, launched, pipes_done))
 
@@ -363,7 +379,7 @@ class Runner:
 
     async def kill(self, cmd: Command, reason: str, sig: int = signal.SIGKILL) -> None:
         """End the command's whole tree (frozen processes included) and record why."""
-        if cmd.state != "running" or cmd.group is None:
+        if cmd.state != CommandState.RUNNING or cmd.group is None:
             return
         cmd.end_reason = cmd.end_reason or reason
         await self.backend.kill(cmd.group, sig)
@@ -391,14 +407,14 @@ class Runner:
         now = time.monotonic()
         out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
         cmd.ended_at = now
-        cmd.state = "ended"
+        cmd.state = CommandState.ENDED
         if cmd.end_reason:
             state = cmd.end_reason
         else:
             state = "signaled" if status.signal else "exited"
         cmd.report = P.CommandReport(
             command=cmd.id, argv=list(cmd.spec.argv), device=cmd.device_key or "none",
-            policy=cmd.policy, state=state, exit_code=None if status.signal else status.returncode,
+            policy=cmd.policy_name, state=state, exit_code=None if status.signal else status.returncode,
             signal=status.signal, wall_s=now - cmd.started, queued_s=cmd.started - cmd.submitted,
             cpu_user_s=status.user_s, cpu_system_s=status.system_s,
             started_at=time.time() - (now - cmd.started), ended_at=time.time(),
@@ -411,7 +427,7 @@ class Runner:
             spool_error="; ".join(f"{f.stream}: {f.error}" for f in cmd.spools.values() if f.error),
         )
         if self.records is not None:
-            self.records.ended(cmd)
+            self.records.ended(cmd.id, cmd.report)
         self.on_exit(cmd)
 
 
@@ -425,6 +441,22 @@ def _start_error(what: str, cmd: Command) -> str:
                 "exist, or you may not reach it)")
     return (f"argv[0] {cmd.spec.argv[0]!r} not found or not executable by you "
             f"(looked up on PATH {path!r})")
+
+
+def _record(cmd: Command, backend: Backend, daemon: tuple[int, int]) -> Record:
+    """The durable record of a command whose leader was just spawned into its group; `daemon` is
+    the recording daemon's (pid, start ticks), so a successor can tell whether it still runs."""
+    assert cmd.launched is not None and cmd.group is not None
+    pid = cmd.launched.pid
+    out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
+    return Record(id=cmd.id, uid=cmd.uid, gid=cmd.gid, argv=list(cmd.spec.argv),
+                  device=cmd.device_key or "none", label=cmd.spec.label, policy=cmd.policy_name,
+                  backend=backend.name, group=cmd.group.name,
+                  cgroup=str(getattr(cmd.group, "top", "") or ""),
+                  cgroup_dir=backend.cgroup_dir(cmd.group) or "", pid=pid,
+                  start_ticks=start_ticks(pid) or 0, started_at=time.time(),
+                  stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
+                  daemon_pid=daemon[0], daemon_ticks=daemon[1])
 
 
 def _describe(state: str, status: ExitStatus, cmd: Command) -> str:

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .scheduler import Policy
+
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 
 
@@ -20,6 +22,11 @@ def default_socket() -> str:
     return os.path.join(runtime, "krex.sock")
 
 
+def comma_list(text: str) -> list[str]:
+    """The items of a comma-separated option, stripped, empty ones dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def default_region_cores() -> int:
     return 1 if len(os.sched_getaffinity(0)) <= 2 else 2
 
@@ -27,7 +34,7 @@ def default_region_cores() -> int:
 class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = ""
     socket_group: str = ""
-    policy: Literal["region", "command", "shared"] = "region"
+    policy: Policy = Policy.REGION
     isolation: Literal["auto", "cgroup", "signal"] = "auto"
     cgroup_root: str = ""  # a delegated v2 cgroup to create command cgroups under ("" = find one)
     devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
@@ -94,6 +101,24 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # import and context cost more than the rest of a warm-up already under way)
     pool_wait: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint ("" = off), e.g. 127.0.0.1:9464
+
+    # The comma-separated options as lists: they stay strings in the Struct (how the command line,
+    # KREX_* variables and the config file spell them), and are split here alone.
+    @property
+    def probe_prefix_list(self) -> list[str]:
+        return comma_list(self.probe_prefixes)
+
+    @property
+    def launch_lib_list(self) -> list[str]:
+        return comma_list(self.launch_libs)
+
+    @property
+    def pool_preload_list(self) -> list[str]:
+        return comma_list(self.pool_preload)
+
+    @property
+    def pool_init_list(self) -> list[str]:
+        return comma_list(self.pool_init)
 
     def resolved(self) -> "ServeConfig":
         """A copy with defaults that depend on the machine filled in."""

@@ -22,7 +22,8 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command, Runner, SpecError, Subscriber, user_groups, with_runtime
+from .commands import (Command, CommandState, Runner, SpecError, Subscriber, user_groups,
+                       with_runtime)
 from . import __version__
 from .procfs import stat_fields, tree_memory
 from .config import ServeConfig
@@ -37,13 +38,12 @@ from .recovery import recover
 from .spool import Spool
 from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from .attribution import Attributor
+from .core import Core, Send
 from .regions import Regions
 from .scheduler import Scheduler
 from .spawn import Launched, LaunchSpec
 
 log = logs.get("krex.daemon")
-
-Send = Callable[[P.Msg], bool]
 
 
 def pool_user(name: str) -> tuple[int, int, list[int]] | None:
@@ -99,8 +99,6 @@ class Daemon:
         self.all_cpus = frozenset(os.sched_getaffinity(0))
         self.scheduler = Scheduler(config.policy, [d.key for d in devices])
         self.commands: dict[str, Command] = {}
-        self.regions = Regions(self)
-        self.attributor: Attributor | None = None  # set when probes run
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
         self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
@@ -114,12 +112,30 @@ class Daemon:
         self.timeline = TraceRing(P.TraceEvent)
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
+        # What regions, attribution and recovery share with the daemon: these same objects.
+        self.core = Core(config=config, backend=backend, devices=devices, node=node,
+                         scheduler=self.scheduler, commands=self.commands, pools=self.pools,
+                         metrics=self.metrics, trace=self.trace, track=self.track,
+                         records=self.records, spool=self.runner.spool, probes=self.probes,
+                         tracers=self.tracers, all_cpus=self.all_cpus)
+        self.regions = Regions(self.core)
+        self._attributor: Attributor | None = None  # set when probes run
         self._ids = itertools.count(1)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
         self._cpu_primed = False
-        recover(self)  # a dead daemon's commands: ended and reported (recovery.py)
+        recover(self.core, self.forget)  # a dead daemon's commands: ended and reported (recovery.py)
+
+    @property
+    def attributor(self) -> Attributor | None:
+        """The probe attributor while probes run (server.start_probes sets it)."""
+        return self._attributor
+
+    @attributor.setter
+    def attributor(self, attributor: Attributor | None) -> None:
+        self._attributor = attributor
+        self.core.attributor = attributor  # regions ask it through the core
 
     # ---------------------------------------------------------------------------------- helpers
 
@@ -129,8 +145,7 @@ class Daemon:
         cfg = self.config
         if cfg.pool_size <= 0:
             return
-        preload = [m.strip() for m in cfg.pool_preload.split(",") if m.strip()]
-        init = [m.strip() for m in cfg.pool_init.split(",") if m.strip()]
+        preload, init = cfg.pool_preload_list, cfg.pool_init_list
         user = pool_user(cfg.pool_user)
         for d in self.devices:
             env = dict(os.environ)
@@ -163,7 +178,8 @@ class Daemon:
         pool = self.pools.get(device or "")
         if pool is not None:
             q = self.scheduler.devices[pool.device.key]
-            pool.set_demand(sum(self.commands[c].state in ("starting", "running")
+            live = (CommandState.STARTING, CommandState.RUNNING)
+            pool.set_demand(sum(self.commands[c].state in live
                                 for c in q.commands if c in self.commands))
 
     async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
@@ -274,7 +290,7 @@ class Daemon:
         while cid in self.commands:  # a dead daemon's command, recovered, started in the same second
             cid = f"{self._boot}-{next(self._ids)}"
         cmd = Command(id=cid, spec=req, uid=uid, gid=gid, device=device,
-                      policy=self.scheduler.policy.value, tail_limit=self.config.output_tail)
+                      policy=self.scheduler.policy, tail_limit=self.config.output_tail)
         if (pool := self._adoptable(cmd)) is not None:
             cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
         try:
@@ -287,7 +303,7 @@ class Daemon:
         self.commands[cid] = cmd
         start_now = self.scheduler.add_command(cid, cmd.device_key)
         send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
-        self.metrics.command_submitted(cmd.policy, cmd.device_key or "none", not start_now, cid)
+        self.metrics.command_submitted(cmd.policy_name, cmd.device_key or "none", not start_now, cid)
         log.info("command_submitted", command=cid, argv=req.argv[:8], device=cmd.device_key,
                  queued=not start_now, uid=uid)
         if start_now:
@@ -298,7 +314,8 @@ class Daemon:
                 self._start(cmd), name=f"start-{cid}")))
 
     async def _start(self, cmd: Command) -> None:
-        if cmd.state != "queued":  # ended (cancelled, shut down) after its start was scheduled
+        # ended (cancelled, shut down) after its start was scheduled
+        if cmd.state != CommandState.QUEUED:
             return
         if self.closing:  # promoted while the daemon shuts down: it never runs
             self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
@@ -317,7 +334,7 @@ class Daemon:
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
-        self.metrics.command_started(cmd.policy, cmd.device_key or "none",
+        self.metrics.command_started(cmd.policy_name, cmd.device_key or "none",
                                      cmd.launched.via if cmd.launched else "exec", cmd.id)
         self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
                    pid=cmd.pid or 0, frozen=region is not None)
@@ -326,9 +343,9 @@ class Daemon:
         """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
         out of its device's queue at once, then reported like any other."""
         promoted = self.scheduler.end_command(cmd.id, cmd.device_key)  # it may have held the device
-        cmd.state = "ended"
+        cmd.state = CommandState.ENDED
         cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
-                                     device=cmd.device_key or "none", policy=cmd.policy,
+                                     device=cmd.device_key or "none", policy=cmd.policy_name,
                                      state=state, error=error, label=cmd.spec.label)
         loop = asyncio.get_running_loop()
         for nxt in promoted:
@@ -397,11 +414,12 @@ class Daemon:
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
         cmd = self._own(req.command, uid)
-        if cmd.state == "queued":
+        if cmd.state == CommandState.QUEUED:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
-        elif cmd.state == "running":
+        elif cmd.state == CommandState.RUNNING:
             await self.runner.kill(cmd, "cancelled", req.signal)
-        elif cmd.state == "starting":  # no process to signal yet: _start kills it once it runs
+        elif cmd.state == CommandState.STARTING:
+            # no process to signal yet: _start kills it once it runs
             cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
 
     async def stdin(self, req: P.StdinData, uid: int) -> None:
@@ -420,8 +438,8 @@ class Daemon:
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
         cmd = self._own(req.command, uid)
         send(P.Accepted(id=req.id, command=cmd.id, device=cmd.device_key or "none",
-                        queued=cmd.state == "queued"))
-        if cmd.state == "ended":
+                        queued=cmd.state == CommandState.QUEUED))
+        if cmd.state == CommandState.ENDED:
             assert cmd.report is not None
             send(P.Exited(id=req.id, report=cmd.report, stdout_tail=bytes(cmd.out.buf),
                           stderr_tail=bytes(cmd.err.buf)))
@@ -437,12 +455,13 @@ class Daemon:
             cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s != send}
             before = len(cmd.subscribers)
             cmd.subscribers = [s for s in cmd.subscribers if s.send != send]
-            if before and not cmd.subscribers and cmd.state in ("queued", "running") \
+            if before and not cmd.subscribers \
+                    and cmd.state in (CommandState.QUEUED, CommandState.RUNNING) \
                     and cmd.spec.on_disconnect == "kill":
                 log.info("agent_disconnected", command=cmd.id, action="kill")
                 self.track(asyncio.get_running_loop().create_task(
                     self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)))
-        self.tracers = [(s, i) for s, i in self.tracers if s != send]
+        self.tracers[:] = [(s, i) for s, i in self.tracers if s != send]  # shared with the core
 
     # ---------------------------------------------------------------------------------- regions
 
@@ -453,7 +472,7 @@ class Daemon:
         if claimed_pid and claimed_pid != peer_pid:
             raise RequestError("forbidden", f"request claims pid {claimed_pid} but comes from "
                                             f"pid {peer_pid}")
-        if cmd.state != "running" or cmd.group is None:
+        if cmd.state != CommandState.RUNNING or cmd.group is None:
             raise RequestError("bad_request", f"command {cmd.id} is {cmd.state}, not running")
         if cmd.pid not in _ancestors(peer_pid) and peer_pid not in self.backend.pids(cmd.group):
             raise RequestError("forbidden", f"pid {peer_pid} is not a process of command {cmd.id}")
@@ -612,7 +631,7 @@ class Daemon:
                 "queued": q.waiting and list(q.waiting) or [],
             })
         commands = [{
-            "command": c.id, "argv": list(c.spec.argv), "state": c.state,
+            "command": c.id, "argv": list(c.spec.argv), "state": c.state.value,
             "device": c.device_key or "none", "pid": c.pid, "uid": c.uid,
             "age_s": round(now - c.submitted, 3), "frozen": bool(c.group and c.group.frozen),
             "regions": len(c.regions), "label": c.spec.label,
@@ -652,22 +671,23 @@ class Daemon:
         region_tasks = [r.task for r in self.regions.active.values() if r.task]
         if region_tasks:
             await asyncio.wait(region_tasks, timeout=5)
-        live = [c for c in self.commands.values() if c.state in ("queued", "running", "starting")]
+        live = [c for c in self.commands.values() if c.state is not CommandState.ENDED]
         for c in live:
-            if c.state == "queued":
+            if c.state == CommandState.QUEUED:
                 self._end_unstarted(c, "shutdown", "the daemon shut down first")
-            elif c.state == "starting":
+            elif c.state == CommandState.STARTING:
                 c.kill_pending = ("shutdown", signal.SIGTERM)
             elif c.group is not None:
                 if c.group.frozen:
                     await self.backend.thaw(c.group)
                 await self.runner.kill(c, "shutdown", signal.SIGTERM)
-        waits = [asyncio.ensure_future(c.done.wait()) for c in live if c.state != "ended"]
+        waits = [asyncio.ensure_future(c.done.wait()) for c in live
+                 if c.state != CommandState.ENDED]
         if waits:
             _, pending = await asyncio.wait(waits, timeout=self.config.kill_grace)
             if pending:
                 for c in live:
-                    if c.state == "running" and c.group is not None:
+                    if c.state == CommandState.RUNNING and c.group is not None:
                         await self.backend.kill(c.group, signal.SIGKILL)
                 await asyncio.wait(pending, timeout=5)
         for pool in self.pools.values():

@@ -25,12 +25,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
 
 from . import cleanup as cg
+from .doctor_check import FAIL, OK, WARN, Check
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 SERVICE_CGROUP = "/system.slice/krex.service"  # where packaging/krex.service runs the daemon
 
 #: distribution name, import name, required?, what it is for
@@ -44,15 +43,6 @@ PACKAGES = [
     ("amdsmi", "amdsmi", False, "AMD GPUs (pip install 'krex[amd]', needs ROCm)"),
     ("prometheus-client", "prometheus_client", False, "--metrics (pip install 'krex[metrics]')"),
 ]
-
-
-@dataclass
-class Check:
-    name: str
-    verdict: str
-    detail: str
-    fix: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- python

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from typing import Any
 
-from .doctor import FAIL, OK, WARN, Check
+from .doctor_check import FAIL, OK, WARN, Check
 
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"  # Debian's python3-bpfcc lives here
 MARK = "KREX-DOCTOR "

@@ -31,7 +31,7 @@ from .isolation.cudalock import Driver, LockPool, open_driver, release_left
 
 if TYPE_CHECKING:
     from .commands import Command
-    from .regions import Region
+    from .core import Region
 
 log = logs.get("krex.hold")
 

@@ -25,7 +25,6 @@ import asyncio
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -35,8 +34,6 @@ from .isolation.base import Backend, Group, IsolationError
 from .fsutil import replace_file
 from .procfs import stat_fields
 
-if TYPE_CHECKING:
-    from .commands import Command
 
 log = logs.get("krex.records")
 
@@ -94,25 +91,10 @@ class Records:
     def path(self, command: str) -> str:
         return os.path.join(self.dir, f"{command}.json")
 
-    def spawned(self, cmd: Command, backend: Backend) -> None:
-        """Record a command whose leader was just spawned into its group."""
-        assert cmd.launched is not None and cmd.group is not None
-        pid = cmd.launched.pid
-        out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
-        rec = Record(id=cmd.id, uid=cmd.uid, gid=cmd.gid, argv=list(cmd.spec.argv),
-                     device=cmd.device_key or "none", label=cmd.spec.label, policy=cmd.policy,
-                     backend=backend.name, group=cmd.group.name,
-                     cgroup=str(getattr(cmd.group, "top", "") or ""),
-                     cgroup_dir=backend.cgroup_dir(cmd.group) or "", pid=pid,
-                     start_ticks=start_ticks(pid) or 0, started_at=time.time(),
-                     stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
-                     daemon_pid=self.me[0], daemon_ticks=self.me[1])
-        self.write(rec)
-
-    def ended(self, cmd: Command) -> None:
+    def ended(self, command: str, report: P.CommandReport | None) -> None:
         """Add the final report to the command's record, so a daemon that restarts within the
         retention time still hands it to the agent (and does not call the command lost)."""
-        path = self.path(cmd.id)
+        path = self.path(command)
         try:
             with open(path, "rb") as f:
                 rec = _decoder.decode(f.read())
@@ -121,7 +103,7 @@ class Records:
         except (OSError, msgspec.DecodeError) as e:
             log.warning("record_damaged", path=path, error=str(e))
             return
-        rec.report = cmd.report
+        rec.report = report
         self.write(rec)
 
     def write(self, rec: Record) -> None:

@@ -1,7 +1,7 @@
 """Start-up: the commands of a daemon that died on this state dir, ended and reported.
 
-`recover(daemon)` runs once, in the new daemon's constructor, before it accepts a connection. For each
-record of a dead daemon (records.py) it registers an ended command, so that `attach(id)` by its owner
+`recover(core, forget)` runs once, in the new daemon's constructor, before it accepts a connection. For
+each record of a dead daemon (records.py) it registers an ended command, so that `attach(id)` by its owner
 and `krex status` see it at once:
 
 - the command had ended (its record holds the final report): that report, as it was;
@@ -28,28 +28,31 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .commands import Command, Tail
+from .commands import Command, CommandState, Tail
 from .records import Record, end_lost
+from .scheduler import Policy
 from .spool import read_tail
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from collections.abc import Callable
+
+    from .core import Core
 
 log = logs.get("krex.recovery")
 
 
-def _command(daemon: Daemon, rec: Record) -> Command:
-    device = next((d for d in daemon.devices if d.key == rec.device), None)
+def _command(core: Core, rec: Record) -> Command:
+    device = next((d for d in core.devices if d.key == rec.device), None)
     spec = P.Submit(id=0, argv=rec.argv, label=rec.label, device=rec.device if device else "none")
     cmd = Command(id=rec.id, spec=spec, uid=rec.uid, gid=rec.gid, device=device,
-                  policy=rec.policy, tail_limit=daemon.config.output_tail)
-    cmd.state = "ended"
+                  policy=_policy(rec.policy), tail_limit=core.config.output_tail)
+    cmd.state = CommandState.ENDED
     cmd.done.set()
     late = [(tail, path) for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool))
             if path and not _load(tail, path)]
     if late:
         log.warning("spool_leased", command=rec.id, paths=[p for _, p in late])
-        daemon.track(asyncio.get_running_loop().create_task(_load_later(late),
+        core.track(asyncio.get_running_loop().create_task(_load_later(late),
                                                             name=f"spool-tail-{rec.id}"))
     if rec.report is not None:
         cmd.report = rec.report
@@ -62,6 +65,14 @@ def _command(daemon: Daemon, rec: Record) -> Command:
         stdout_spool=rec.stdout_spool, stderr_spool=rec.stderr_spool,
         error=f"the daemon that ran it stopped (pid {rec.daemon_pid}); its processes were ended")
     return cmd
+
+
+def _policy(name: str) -> Policy | None:
+    """The record's policy; None where it names none (an older record) or one this daemon lacks."""
+    try:
+        return Policy(name)
+    except ValueError:
+        return None
 
 
 def _load(tail: Tail, path: str) -> bool:
@@ -84,40 +95,41 @@ async def _load_later(late: list[tuple[Tail, str]], every: float = 1.0, bound: f
         log.warning("spool_unread", paths=[p for _, p in late])
 
 
-def recover(daemon: Daemon) -> list[Command]:
+def recover(core: Core, forget: Callable[[Command], None]) -> list[Command]:
     """Register the dead daemon's commands (see the module docstring); start ending the lost ones.
-    Never raises for a damaged record or a process that cannot be signalled (both are logged)."""
-    records = daemon.records
+    Never raises for a damaged record or a process that cannot be signalled (both are logged).
+    `forget` drops a command whose retention ended (the daemon's)."""
+    records = core.records
     if records is None:
         return []
     loop = asyncio.get_running_loop()
     found: list[Command] = []
     for rec in records.load():
-        if rec.id in daemon.commands:
+        if rec.id in core.commands:
             continue
-        cmd = _command(daemon, rec)
-        daemon.commands[cmd.id] = cmd
+        cmd = _command(core, rec)
+        core.commands[cmd.id] = cmd
         found.append(cmd)
         assert cmd.report is not None
         age = time.time() - (cmd.report.ended_at or time.time())
-        loop.call_later(max(0.0, daemon.config.retention - age), daemon.forget, cmd)
+        loop.call_later(max(0.0, core.config.retention - age), forget, cmd)
         log.info("recovered", command=cmd.id, state=cmd.report.state, uid=cmd.uid,
                  daemon_pid=rec.daemon_pid, stdout_bytes=cmd.out.total)
         if rec.report is None:  # the report is written once what is left has been ended
-            daemon.track(loop.create_task(_end(daemon, rec, cmd), name=f"end-lost-{rec.id}"))
-    if daemon.runner.spool is not None and daemon.runner.spool.limit > 0:
-        stale = daemon.runner.spool.sweep(set(daemon.commands) | records.ids())
+            core.track(loop.create_task(_end(core, rec, cmd), name=f"end-lost-{rec.id}"))
+    if core.spool is not None and core.spool.limit > 0:
+        stale = core.spool.sweep(set(core.commands) | records.ids())
         if stale:
             log.info("spool_swept", files=len(stale))
     return found
 
 
-async def _end(daemon: Daemon, rec: Record, cmd: Command) -> None:
-    done, alive = await end_lost(daemon.backend, rec)
+async def _end(core: Core, rec: Record, cmd: Command) -> None:
+    done, alive = await end_lost(core.backend, rec)
     log.info("lost_command_ended", command=rec.id, action=done)
     if alive and cmd.report is not None:
         cmd.report.error = f"the daemon that ran it stopped (pid {rec.daemon_pid}); {done}"
     # Only now: a daemon that dies before this line leaves the record without a report, and the
     # next one ends the leftovers again (written first, they would have been taken as ended).
-    if daemon.records is not None and daemon.commands.get(cmd.id) is cmd:  # not yet forgotten
-        daemon.records.write(msgspec.structs.replace(rec, report=cmd.report))
+    if core.records is not None and core.commands.get(cmd.id) is cmd:  # not yet forgotten
+        core.records.write(msgspec.structs.replace(rec, report=cmd.report))

@@ -21,13 +21,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import logs
 from . import protocol as P
-from .commands import Command
-from .devices.base import ClockState
+from .commands import Command, CommandState
+from .core import Core, Region
 from .gpuholders import GpuHolders, read_holders
 from .hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
 from .isolation.base import Freeze, Group, IsolationError
@@ -35,7 +34,6 @@ from .probes.hold import HOLD
 from .runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
     from .probes.base import ProbeEvent
 
 log = logs.get("krex.region")
@@ -43,45 +41,13 @@ SILENT_S = 1.0  # how long a runtime that did not answer a quiesce is not asked 
 
 
 
-@dataclass
-class Region:
-    id: str
-    command: Command
-    device: str
-    pid: int
-    send: Callable[[P.Msg], bool]  # to the owner's connection
-    req_id: int
-    request: P.RegionEnter
-    report: P.RegionReport
-    t_request: float = field(default_factory=time.perf_counter)
-    turn: asyncio.Future[None] | None = None
-    ended: asyncio.Future[str] | None = None
-    frozen: list[Group] = field(default_factory=list)
-    frozen_ids: list[str] = field(default_factory=list)
-    locked_pids: list[int] = field(default_factory=list)  # locked through the driver: unlock them
-    locked_ids: list[str] = field(default_factory=list)  # commands held by the lock alone
-    quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
-    acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
-    cores: frozenset[int] = frozenset()
-    task: asyncio.Task[None] | None = None
-    exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
-    paused_pool: bool = False
-    releasing: bool = False  # _release has begun: nothing may join the frozen set any more
-    joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
-    clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
-
-    def end(self, reason: str) -> None:
-        if self.ended is not None and not self.ended.done():
-            self.ended.set_result(reason)
-
-
 class Regions:
-    def __init__(self, daemon: "Daemon") -> None:
-        self.d = daemon
+    def __init__(self, core: Core) -> None:
+        self.core = core
         self.active: dict[str, Region] = {}  # every region from request to release
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
         self.holders = GpuHolders()  # which runtimes' processes hold a GPU device file
-        cfg = daemon.config
+        cfg = core.config
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
         # runtimes that did not answer a quiesce in time: (pid, connection) -> when
@@ -91,7 +57,7 @@ class Regions:
                ) -> Region:
         rid = f"{cmd.id}.{len(cmd.regions) + 1}"
         report = P.RegionReport(region=rid, name=req.name, device=cmd.device_key or "none", pid=pid,
-                                policy=self.d.scheduler.policy.value, requested_at=time.time())
+                                policy=self.core.scheduler.policy.value, requested_at=time.time())
         cmd.regions.append(report)
         loop = asyncio.get_running_loop()
         r = Region(id=rid, command=cmd, device=cmd.device_key or "none", pid=pid, send=send,
@@ -99,20 +65,20 @@ class Regions:
                    ended=loop.create_future())
         self.active[rid] = r
         r.task = loop.create_task(self.run(r), name=f"region-{rid}")
-        self.d.track(r.task)
+        self.core.track(r.task)
         return r
 
     def by_owner_pid(self, cmd: Command, pid: int) -> Region | None:
         return next((r for r in self.active.values() if r.command is cmd and r.pid == pid), None)
 
     def holder_on(self, device: str) -> Region | None:
-        rid = self.d.scheduler.holder(device)
+        rid = self.core.scheduler.holder(device)
         return self.active.get(rid) if rid else None
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def run(self, r: Region) -> None:
-        sched = self.d.scheduler
+        sched = self.core.scheduler
         rep = r.report
         assert r.turn is not None and r.ended is not None
         log_ = log.bind(region=r.id, command=r.command.id, device=r.device)
@@ -121,7 +87,7 @@ class Regions:
             if sched.request_region(r.id, r.command.id, r.device):
                 r.turn.set_result(None)
             else:
-                self.d.trace("region_queued", r)
+                self.core.trace("region_queued", r)
             waiters: list[asyncio.Future[object]] = [r.turn, r.ended]  # type: ignore[list-item]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if r.ended.done():  # withdrawn while queued (owner died, shutdown)
@@ -131,25 +97,25 @@ class Regions:
             rep.wait_s = t_turn - r.t_request
             # The probes' threads hold off from the turn to the grant (probes/hold.py): each of
             # their GIL hand-offs would cost the entry more than their work.
-            with HOLD.held() if self.d.attributor is not None else contextlib.nullcontext():
+            with HOLD.held() if self.core.attributor is not None else contextlib.nullcontext():
                 if sched.isolates():
                     await self._isolate(r)
                 rep.enter_s = time.perf_counter() - r.t_request
                 rep.outcome = "held"
                 granted = True
-                if self.d.attributor is not None:
-                    self.d.attributor.region_granted(r)
-                self.d.metrics.region_entered(r.device, rep.enter_s, rep.freeze_s, rep.cores_s,
+                if self.core.attributor is not None:
+                    self.core.attributor.region_granted(r)
+                self.core.metrics.region_entered(r.device, rep.enter_s, rep.freeze_s, rep.cores_s,
                                               rep.quiesce_s)
                 t_held = time.perf_counter()
                 r.send(P.RegionGranted(id=r.req_id, report=rep,
-                                       drain_timeout=self.d.config.drain_timeout,
+                                       drain_timeout=self.core.config.drain_timeout,
                                        warm_ms=self._warm_ms(r)))
-            if self.d.attributor is not None:
-                self.d.attributor.counts_snapshot(r)
-            self.d.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen,
+            if self.core.attributor is not None:
+                self.core.attributor.counts_snapshot(r)
+            self.core.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen,
                          pool_wait_s=rep.pool_wait_s)
-            timer = asyncio.get_running_loop().call_later(self.d.config.region_timeout,
+            timer = asyncio.get_running_loop().call_later(self.core.config.region_timeout,
                                                           r.end, "expired")
             try:
                 reason = await asyncio.shield(r.ended)
@@ -171,10 +137,10 @@ class Regions:
             raise
         finally:
             t_exit = time.perf_counter()
-            if self.d.attributor is not None:
+            if self.core.attributor is not None:
                 # Close the stray window before anything thaws: driver calls of the siblings after
                 # the release are theirs to make. Late stream events are covered by the counts.
-                self.d.attributor.region_released(r)
+                self.core.attributor.region_released(r)
             await asyncio.shield(self._release(r))
             rep.exit_s = time.perf_counter() - t_exit
             self.active.pop(r.id, None)
@@ -183,11 +149,11 @@ class Regions:
                 turn = self.active[nxt].turn
                 if turn is not None and not turn.done():
                     turn.set_result(None)
-            self.d.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain,
+            self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain,
                                            granted=granted)
-            self.d.metrics.strays(r.device, rep.strays)
+            self.core.metrics.strays(r.device, rep.strays)
             self._tell_owner(r, granted)
-            self.d.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
+            self.core.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
             log_.info("region", name=rep.name, outcome=rep.outcome, wait_s=round(rep.wait_s, 6),
                       quiesce_s=round(rep.quiesce_s, 6), freeze_s=round(rep.freeze_s, 6),
                       cores_s=round(rep.cores_s, 6), enter_s=round(rep.enter_s, 6),
@@ -202,13 +168,13 @@ class Regions:
         it: bench/gpu/check_drain.py). The cpu device has no clock state to warm."""
         if r.request.warm_ms >= 0:
             return r.request.warm_ms
-        if self.d.config.warm_ms >= 0:
-            return self.d.config.warm_ms
-        if self.d.device(r.device).vendor == "cpu":
+        if self.core.config.warm_ms >= 0:
+            return self.core.config.warm_ms
+        if self.core.device(r.device).vendor == "cpu":
             return 0.0
         if r.clock is None:
             return 200.0
-        return 0.0 if r.clock.settled(self.d.config.settle_fraction) else 20.0
+        return 0.0 if r.clock.settled(self.core.config.settle_fraction) else 20.0
 
     def _tell_owner(self, r: Region, granted: bool) -> None:
         rep = r.report
@@ -230,11 +196,11 @@ class Regions:
         --freeze device-holders, those of them that hold a GPU device file)."""
         out = []
         holders_only = self._who(r) == "device-holders"
-        for cid in self.d.scheduler.siblings(r.device, r.command.id):
-            cmd = self.d.commands.get(cid)
-            if cmd is None or cmd.state != "running" or cmd.group is None:
+        for cid in self.core.scheduler.siblings(r.device, r.command.id):
+            cmd = self.core.commands.get(cid)
+            if cmd is None or cmd.state != CommandState.RUNNING or cmd.group is None:
                 continue
-            if holders_only and not any(holds_gpu_file(p) for p in self.d.backend.pids(cmd.group)):
+            if holders_only and not any(holds_gpu_file(p) for p in self.core.backend.pids(cmd.group)):
                 continue
             out.append(cmd)
         return out
@@ -243,21 +209,21 @@ class Regions:
         """For `krex status`: the hold's mode and lock availability, and per device how and whom
         a region there would hold now (and why not by the lock)."""
         st: dict[str, object] = dict(self.hold.status())
-        probes = self.d.attributor is not None
+        probes = self.core.attributor is not None
         st["devices"] = {d.key: {"hold": (how := self.hold.how(d.vendor))[0], "why": how[1],
                                  "freeze": self.hold.who(d.vendor, probes)}
-                         for d in self.d.devices}
+                         for d in self.core.devices}
         return st
 
     def _who(self, r: Region) -> str:
-        return self.hold.who(self.d.device(r.device).vendor, self.d.attributor is not None)
+        return self.hold.who(self.core.device(r.device).vendor, self.core.attributor is not None)
 
     def _gpu_pids(self, cmd: Command) -> list[int]:
         """The command's processes holding a GPU device file: its runtimes from memory where known
         (gpuholders.py), the others read from /proc."""
         assert cmd.group is not None
         out = []
-        for p in self.d.backend.pids(cmd.group):
+        for p in self.core.backend.pids(cmd.group):
             token = cmd.runtimes.get(p)
             if (token is not None and self.holders.known(p, token)) or holds_gpu_file(p):
                 out.append(p)
@@ -281,9 +247,9 @@ class Regions:
         races a freeze still in flight.
         """
         rep = r.report
-        backend = self.d.backend
-        timeout = self.d.config.freeze_timeout
-        pool = self.d.pools.get(r.device)
+        backend = self.core.backend
+        timeout = self.core.config.freeze_timeout
+        pool = self.core.pools.get(r.device)
         quiet: asyncio.Future[float] | None = None
         if pool is not None:
             # No context creation on the device while it is held: none starts from now, and one
@@ -292,9 +258,9 @@ class Regions:
             r.paused_pool = True
         t_select = time.perf_counter()
         targets = self._targets(r)
-        plan = self.hold.plan(self.d.device(r.device).vendor,
+        plan = self.hold.plan(self.core.device(r.device).vendor,
                               {c.id: self._gpu_pids(c) for c in targets}
-                              if self.hold.how(self.d.device(r.device).vendor)[0] == "lock"
+                              if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
                               else {c.id: [] for c in targets})
         locking = [c for c in targets if c.id in plan.to_lock]
         freezing = [c for c in targets if c.id not in plan.to_lock]
@@ -324,7 +290,7 @@ class Regions:
             if asked:
                 pending = [f for f in r.acks.values() if not f.done()]
                 if pending:
-                    await asyncio.wait(pending, timeout=self.d.config.quiesce_timeout)
+                    await asyncio.wait(pending, timeout=self.core.config.quiesce_timeout)
                 self._note_silent(r, asked)
             t1 = time.perf_counter()
             rep.quiesce_s = t1 - t0
@@ -346,7 +312,7 @@ class Regions:
             rep.freeze_s = t2 - t1
             rep.frozen = list(r.frozen_ids)
             rep.frozen_pids = sum(x.pids for x in results)
-            self.d.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
+            self.core.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
                          pids=rep.frozen_pids, locked=len(r.locked_pids))
             if cores is None:
                 cores = asyncio.ensure_future(self._timed_cores(r))
@@ -356,9 +322,9 @@ class Regions:
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
             held = set(r.frozen_ids) | set(r.locked_ids)
-            rep.fenced = [cid for cid in self.d.scheduler.siblings(r.device, r.command.id)
-                          if cid not in held and (c := self.d.commands.get(cid)) is not None
-                          and c.state == "running"]
+            rep.fenced = [cid for cid in self.core.scheduler.siblings(r.device, r.command.id)
+                          if cid not in held and (c := self.core.commands.get(cid)) is not None
+                          and c.state == CommandState.RUNNING]
             rep.drain = self._check_drain(r, targets, results)
             await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
@@ -377,12 +343,12 @@ class Regions:
     async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
                     ) -> list[Command]:
         fallback = await lock_commands(self.hold, r, cmds, pids)
-        self.d.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
+        self.core.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
                      fallback=len(fallback))
         return fallback
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
-        out = await freeze_tolerant(self.d.backend, r, groups, self.d.config.freeze_timeout)
+        out = await freeze_tolerant(self.core.backend, r, groups, self.core.config.freeze_timeout)
         for cid in r.report.unheld:
             self.hung[cid] = time.monotonic()
         return out
@@ -392,10 +358,10 @@ class Regions:
         in uninterruptible sleep: each would cost this region a whole --freeze-timeout for the
         same answer. They are left unheld at once, the region tainted."""
         self.hung = {cid: t for cid, t in self.hung.items()
-                     if (c := self.d.commands.get(cid)) is not None and c.state == "running"}
+                     if (c := self.core.commands.get(cid)) is not None and c.state == CommandState.RUNNING}
         out = []
         for c in todo:
-            stuck = d_state(self.d.backend.pids(c.group)) if c.id in self.hung and \
+            stuck = d_state(self.core.backend.pids(c.group)) if c.id in self.hung and \
                 c.group is not None else []
             if stuck and c.group is not None:
                 unheld(r, c.group, f"still in uninterruptible sleep, as when a freeze last failed "
@@ -411,15 +377,15 @@ class Regions:
         100 ms after they stop, and a 0.1 ms kernel timed then runs 20% slow; once the clock is back
         above 90% of its target the same kernel times within 2% of alone (check_settle.py). A clock
         low because the device idles comes back with the owner's own work: no waiting for it."""
-        node = self.d.node
-        dev = self.d.device(r.device)
+        node = self.core.node
+        dev = self.core.device(r.device)
         if node is None or dev.vendor == "cpu":
             return
         t0 = time.perf_counter()
-        deadline = t0 + self.d.config.settle_ms / 1000
+        deadline = t0 + self.core.config.settle_ms / 1000
         loop = asyncio.get_running_loop()
         st = await loop.run_in_executor(None, node.clock, dev)  # NVML calls: not on the loop
-        fraction = self.d.config.settle_fraction
+        fraction = self.core.config.settle_fraction
         while st is not None and not st.settled(fraction) and not st.idle and \
                 time.perf_counter() < deadline:
             await asyncio.sleep(0.002)
@@ -449,9 +415,9 @@ class Regions:
                        if pid != r.pid]
         now = time.monotonic()
         owners = [o for o in owners if now - self.silent.get((o[1], o[2]), -SILENT_S) >= SILENT_S]
-        if self.d.config.quiesce == "all":
+        if self.core.config.quiesce == "all":
             return owners
-        if self.d.device(r.device).vendor == "cpu":
+        if self.core.device(r.device).vendor == "cpu":
             return []
         # gpuholders.py: a holder stays one for its connection; a recent "none" is believed here,
         # and checked again after the freeze (_check_drain)
@@ -492,13 +458,13 @@ class Regions:
         once; the other processes the freeze stopped are read now, on the loop (frozen, they
         cannot open one meanwhile): about 7 us a small process and 25 us a torch one on the H200,
         cheaper than a worker thread's hand-offs beside the loop."""
-        if not targets or self.d.device(r.device).vendor == "cpu":
+        if not targets or self.core.device(r.device).vendor == "cpu":
             return "not-needed"
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
         stopped = {f.group: f.stopped for f in freezes}
         pids = [p for c in targets if c.group is not None
                 for p in (stopped[c.group.name] if c.group.name in stopped
-                          else self.d.backend.pids(c.group))
+                          else self.core.backend.pids(c.group))
                 if p not in acked]
         if not pids:
             return "synced"
@@ -519,10 +485,10 @@ class Regions:
 
     def _spare_cores(self, r: Region) -> frozenset[int]:
         """Up to --region-cores cores near the device, never leaving the rest of the node none."""
-        want = self.d.config.region_cores
-        all_cpus = self.d.all_cpus
+        want = self.core.config.region_cores
+        all_cpus = self.core.all_cpus
         taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
-        near = sorted((self.d.device(r.device).cpus or all_cpus) - taken, reverse=True)
+        near = sorted((self.core.device(r.device).cpus or all_cpus) - taken, reverse=True)
         chosen: list[int] = []
         for c in near:
             if len(chosen) == want:
@@ -539,7 +505,7 @@ class Regions:
         self.reserved[r.id] = cores
         r.report.cores = sorted(cores)
         assert r.command.group is not None
-        await self.d.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
+        await self.core.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
         await self.refence()
 
     async def refence(self, best_effort: bool = False) -> None:
@@ -548,18 +514,18 @@ class Regions:
         A failure raises (a region being entered is then refused), or with `best_effort` (a
         release lifting fences) is logged and the other commands are still done."""
         taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
-        allowed = None if not taken else self.d.all_cpus - taken
+        allowed = None if not taken else self.core.all_cpus - taken
         # groups a region is about to freeze (fenced meanwhile they would be written for nothing)
         freezing = {id(g) for x in self.active.values() for g in x.frozen}
-        for cmd in self.d.commands.values():
+        for cmd in self.core.commands.values():
             g = cmd.group
-            if cmd.state != "running" or g is None or g.frozen or g.cores == allowed \
+            if cmd.state != CommandState.RUNNING or g is None or g.frozen or g.cores == allowed \
                     or id(g) in freezing:
                 continue
             owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
             try:
-                pids = [p for p in self.d.backend.pids(g) if owner is None or p != owner.pid]
-                await self.d.backend.set_cores(g, allowed, pids=pids)
+                pids = [p for p in self.core.backend.pids(g) if owner is None or p != owner.pid]
+                await self.core.backend.set_cores(g, allowed, pids=pids)
             except (IsolationError, OSError) as e:
                 if not best_effort:
                     raise
@@ -569,14 +535,14 @@ class Regions:
 
     def fence_for_new(self) -> frozenset[int] | None:
         taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
-        return self.d.all_cpus - taken if taken else None
+        return self.core.all_cpus - taken if taken else None
 
     async def _release(self, r: Region) -> None:
         """Undo every step, each in its own try so one failure does not skip the others."""
-        backend = self.d.backend
+        backend = self.core.backend
         r.releasing = True
-        if r.paused_pool and r.device in self.d.pools:
-            self.d.pools[r.device].resume()
+        if r.paused_pool and r.device in self.core.pools:
+            self.core.pools[r.device].resume()
             r.paused_pool = False
         for g in r.frozen:
             try:
@@ -584,14 +550,14 @@ class Regions:
             except Exception as e:  # a vanished group thaws as a no-op; anything else is logged
                 log.error("thaw_failed", region=r.id, group=g.name, error=repr(e))
         if r.frozen:
-            self.d.trace("thaw", r, groups=len(r.frozen))
+            self.core.trace("thaw", r, groups=len(r.frozen))
         r.frozen.clear()
         # After the thaw: a process both locked and frozen (it opened a GPU during the region)
         # may need to run for the driver to unlock it.
         if r.locked_pids and self.hold.pool is not None:
             try:
                 r.report.unlock_s, errors = await self.hold.pool.unlock_many(list(r.locked_pids))
-                self.d.trace("unlock", r, seconds=r.report.unlock_s, pids=len(r.locked_pids))
+                self.core.trace("unlock", r, seconds=r.report.unlock_s, pids=len(r.locked_pids))
                 for pid, err in errors.items():  # a locked process that died meanwhile among them
                     log.info("unlock_refused", region=r.id, pid=pid, error=err)
             except Exception as e:
@@ -600,13 +566,13 @@ class Regions:
         for send in r.quiesced:
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
-        if self.d.device(r.device).vendor != "cpu":  # read the device's runtimes afresh meanwhile
-            self.holders.refresh((pid, send) for cid in self.d.scheduler.siblings(r.device, "")
-                                 if (c := self.d.commands.get(cid)) is not None
+        if self.core.device(r.device).vendor != "cpu":  # read the device's runtimes afresh meanwhile
+            self.holders.refresh((pid, send) for cid in self.core.scheduler.siblings(r.device, "")
+                                 if (c := self.core.commands.get(cid)) is not None
                                  for pid, send in c.runtimes.items())
         if self.reserved.pop(r.id, None) is not None:
             try:
-                if r.command.group is not None and r.command.state == "running":
+                if r.command.group is not None and r.command.state == CommandState.RUNNING:
                     await backend.set_cores(r.command.group, None, pids=[r.pid])
             except Exception as e:
                 log.error("cores_restore_failed", region=r.id, error=repr(e))
@@ -621,14 +587,14 @@ class Regions:
         (the open itself is reported as a stray)."""
         if r.report.outcome != "held":
             return
-        assert self.d.attributor is not None
-        cmd = self.d.attributor.command_of(ev)
+        assert self.core.attributor is not None
+        cmd = self.core.attributor.command_of(ev)
         if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
                 or cmd.group.frozen:
             return
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
-        self.d.track(asyncio.get_running_loop().create_task(
+        self.core.track(asyncio.get_running_loop().create_task(
             self._freeze_into(r, cmd, cmd.group, "late")))
 
     def current_on(self, device: str) -> Region | None:
@@ -654,7 +620,7 @@ class Regions:
             self._add_frozen(current, cmd, group)
             return
         if admitted is not None:
-            await self.d.backend.thaw(group)
+            await self.core.backend.thaw(group)
         if current is None or cmd.id in current.frozen_ids or \
                 not self._freezes_starts(current.device):
             return
@@ -673,21 +639,21 @@ class Regions:
         began running meanwhile; "late", a device holder the probes saw): into the region while
         it is still current, else undone at once."""
         try:
-            await self.d.backend.freeze(group, timeout=self.d.config.freeze_timeout)
+            await self.core.backend.freeze(group, timeout=self.core.config.freeze_timeout)
         except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
             log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
             return
         if self.current_on(r.device) is r:
             self._add_frozen(r, cmd, group)
         else:  # the region began releasing while this one froze: undo at once
-            await self.d.backend.thaw(group)
-        self.d.trace("freeze", r, command=cmd.id, late=True)
+            await self.core.backend.thaw(group)
+        self.core.trace("freeze", r, command=cmd.id, late=True)
 
     async def hold_arrival(self, cmd: Command) -> None:
         """--freeze device-holders: a command about to gain a GPU context mid-region (a warm pool
         worker adopting one of its interpreters brings one, with no open the probes could see) is
         frozen into the region first, as an open of a GPU device would have it."""
-        if self.d.config.freeze != "device-holders" or cmd.group is None or cmd.device_key is None:
+        if self.core.config.freeze != "device-holders" or cmd.group is None or cmd.device_key is None:
             return
         r = self.current_on(cmd.device_key)
         if r is None or r.command is cmd or cmd.group.frozen or cmd.id in r.frozen_ids:
@@ -705,8 +671,8 @@ class Regions:
     def _freezes_starts(self, device: str) -> bool:
         """Whether commands that start during a region are frozen into it (not under the shared
         or command policies, nor --freeze device-holders, which freezes on a GPU open instead)."""
-        if not self.d.scheduler.isolates():
+        if not self.core.scheduler.isolates():
             return False
-        return self.hold.who(self.d.device(device).vendor, self.d.attributor is not None) != \
+        return self.hold.who(self.core.device(device).vendor, self.core.attributor is not None) != \
             "device-holders"
 

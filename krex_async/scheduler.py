@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Policy(str, Enum):
+class Policy(StrEnum):
+    """What a device's exclusivity covers (the module docstring); its value is how the command line,
+    the config file, the wire and the records spell it."""
+
     REGION = "region"
     COMMAND = "command"
     SHARED = "shared"

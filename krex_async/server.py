@@ -28,6 +28,7 @@ from . import logs, sdnotify
 from . import protocol as P
 from .config import ServeConfig
 from .attribution import Attributor
+from .commands import CommandState
 from .daemon import Daemon, RequestError
 from .devices import Unavailable, open_node
 from .isolation import choose_backend
@@ -448,7 +449,7 @@ class Server:
                                                  backlog=LISTEN_BACKLOG)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        log.info("serving", socket=cfg.socket, policy=cfg.policy, isolation=self.daemon.backend.name,
+        log.info("serving", socket=cfg.socket, policy=cfg.policy.value, isolation=self.daemon.backend.name,
                  isolation_reason=self.daemon.backend.reason, pid=os.getpid(),
                  devices=[d.key for d in self.daemon.devices], region_cores=cfg.region_cores,
                  freeze=cfg.freeze, nofile=nofile)
@@ -461,7 +462,7 @@ class Server:
         finally:
             sdnotify.notify("STOPPING=1")
             watchdog.cancel()
-            log.info("shutting_down", commands=sum(c.state != "ended"
+            log.info("shutting_down", commands=sum(c.state != CommandState.ENDED
                                                    for c in self.daemon.commands.values()))
             server.close()
             await self.daemon.shutdown()
@@ -503,7 +504,7 @@ def inside_krex(daemon: Daemon, attributor: Attributor, tgid: int,
     path = path.rstrip("/")
     for cmd in daemon.commands.values():
         cg = daemon.backend.cgroup_dir(cmd.group) if cmd.group is not None and \
-            cmd.state in ("starting", "running") else None
+            cmd.state in (CommandState.STARTING, CommandState.RUNNING) else None
         if cg and (path == cg.rstrip("/") or path.startswith(cg.rstrip("/") + "/")):
             return True
     return False
@@ -520,7 +521,6 @@ def start_probes(daemon: Daemon) -> None:
         return
     from .probes import FailureReporting, open_probes
 
-    split = lambda s: [x.strip() for x in s.split(",") if x.strip()] or None  # noqa: E731
     attributor: Attributor | None = None
     from .probes.attribution import cgroup2_root
     cg_root = cgroup2_root()
@@ -528,13 +528,13 @@ def start_probes(daemon: Daemon) -> None:
     def is_command(tgid: int) -> bool:  # the launch probe calls it on the loop only
         return attributor is not None and inside_krex(daemon, attributor, tgid, cg_root)
 
-    backend, reason = open_probes(cfg.probes, split(cfg.probe_prefixes), split(cfg.launch_libs),
+    backend, reason = open_probes(cfg.probes, cfg.probe_prefix_list or None, cfg.launch_lib_list or None,
                                   launch_scope=cfg.launch_scope, is_command=is_command)
     log.info("probes", backend=backend.name if backend else None, reason=reason)
     daemon.probes.update(state="unavailable", reason=reason)
     if backend is None:
         return
-    attributor = Attributor(daemon, backend)
+    attributor = Attributor(daemon.core, daemon.regions, backend)
     if isinstance(backend, FailureReporting):
         backend.on_failure = attributor.probe_failed
     try:
@@ -579,7 +579,7 @@ async def serve(config: ServeConfig) -> int:
                                                             name="metrics-sampler"))
     from . import __version__
 
-    daemon.metrics.info(__version__, cfg.policy, backend.name)
+    daemon.metrics.info(__version__, cfg.policy.value, backend.name)
     for d in daemon.devices:
         daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
     start_probes(daemon)

@@ -17,14 +17,13 @@ import sys
 import time
 from typing import Any
 
+from .cliargs import seconds as _seconds
 from .config import default_socket
 
 WIDTH = 100
 
 
 def add_parser(sub: Any) -> None:
-    from .cli import _seconds
-
     s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
     s.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     s.add_argument("--json", action="store_true", help="the daemon's whole status tree as JSON")

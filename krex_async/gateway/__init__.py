@@ -96,7 +96,7 @@ async def serve(args: argparse.Namespace) -> int:
     from ..config import default_socket
     from . import auth
     from ..fleet import fleet_connector
-    from . import kinds as K
+    from . import catalog as K
     from .app import Gateway, make_app
     from .env import Environment
     from .files import StateError, prepare_state

@@ -170,23 +170,3 @@ class Eval:
                 return "succeeded", payload, None
         return "failed", result, error("evaluator_failed", "atrex-bench exited with status "
                                        f"{result['exit_code']} without eval_result.json")
-
-
-def build(lim: L.Limits, accepted: frozenset[str], atrex_bench_root: str | None,
-          python: str = sys.executable) -> tuple[dict[str, Any], dict[str, str]]:
-    """(runnable kinds by name, unavailable kinds -> why)."""
-    from .profile import Profile, find_profilers
-
-    kinds: dict[str, Any] = {"dev": Dev(lim, accepted)}
-    missing = {"disassemble": "the krex gateway does not implement disassemble jobs"}
-    runner, why = find_evaluator(atrex_bench_root)
-    tools, no_tools = find_profilers()
-    if runner is not None:
-        kinds["eval"] = Eval(lim, accepted, runner, python)
-    else:
-        missing["eval"] = why
-    if runner is not None and tools:
-        kinds["profile"] = Profile(lim, accepted, runner, python, tools)
-    else:
-        missing["profile"] = "; ".join(x for x in (no_tools, why) if x)
-    return kinds, missing

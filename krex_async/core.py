@@ -1,0 +1,111 @@
+"""The daemon's shared core: the narrow state its parts take instead of the `Daemon` itself.
+
+`Regions` (regions.py), the probe `Attributor` (attribution.py) and `recover` (recovery.py) each get a
+`Core`: the pieces of the daemon they use, each named below, and nothing else (uvicorn's `ServerState`,
+CPython's process-pool manager). With it the imports run one way, down:
+
+    daemon -> attribution -> regions -> hold -> core -> commands -> records
+           -> recovery ---------------------------^
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import protocol as P
+from .commands import Command
+from .config import ServeConfig
+from .devices.base import ClockState, Device
+from .isolation.base import Backend, Group
+from .metrics import Metrics
+from .records import Records
+from .scheduler import Scheduler
+from .spool import Spool
+
+if TYPE_CHECKING:
+    from .ctxpool import Pool
+    from .devices import Node
+    from .probes.base import ProbeEvent
+
+Send = Callable[[P.Msg], bool]  # to one connection; False once it is closed
+
+
+class TraceSink(Protocol):
+    """`Daemon.trace`: one event into the timeline ring and to `krex trace` subscribers."""
+
+    def __call__(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
+                 pid: int = 0, region_id: str = "", **detail: Any) -> None: ...
+
+
+class Watcher(Protocol):
+    """What regions ask of the probe attributor (attribution.py) while probes run."""
+
+    def region_granted(self, r: Region) -> None: ...
+    def counts_snapshot(self, r: Region) -> None: ...
+    def region_released(self, r: Region) -> None: ...
+    def command_of(self, ev: ProbeEvent | int) -> Command | None: ...
+
+
+@dataclass(eq=False)
+class Core:
+    """The daemon's pieces its parts share. The containers are the daemon's own objects (shared,
+    never copied), so a command registered through one is seen by all."""
+
+    config: ServeConfig
+    backend: Backend  # the isolation backend: groups, freezing, cpusets
+    devices: list[Device]
+    node: Node | None  # the opened vendor libraries, for live queries
+    scheduler: Scheduler  # region queues per device, and the policy
+    commands: dict[str, Command]  # every command the daemon knows: running, queued, kept
+    pools: dict[str, Pool]  # device key -> warm workers
+    metrics: Metrics  # the metrics sink
+    trace: TraceSink  # the trace sink
+    track: Callable[[asyncio.Task[Any]], asyncio.Task[Any]]  # keep a task until it ends
+    records: Records | None  # durable command records (None without a state dir)
+    spool: Spool | None  # output spool files (None without a state dir)
+    probes: dict[str, Any] = field(default_factory=dict)  # probe state, shown by `krex status`
+    tracers: list[tuple[Send, int]] = field(default_factory=list)  # `krex trace` subscribers
+    all_cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
+    attributor: Watcher | None = None  # set when probes run
+
+    def device(self, key: str) -> Device:
+        return next(d for d in self.devices if d.key == key)
+
+
+@dataclass
+class Region:
+    """One region from its request to its release (regions.py runs it)."""
+
+    id: str
+    command: Command
+    device: str
+    pid: int
+    send: Callable[[P.Msg], bool]  # to the owner's connection
+    req_id: int
+    request: P.RegionEnter
+    report: P.RegionReport
+    t_request: float = field(default_factory=time.perf_counter)
+    turn: asyncio.Future[None] | None = None
+    ended: asyncio.Future[str] | None = None
+    frozen: list[Group] = field(default_factory=list)
+    frozen_ids: list[str] = field(default_factory=list)
+    locked_pids: list[int] = field(default_factory=list)  # locked through the driver: unlock them
+    locked_ids: list[str] = field(default_factory=list)  # commands held by the lock alone
+    quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
+    acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
+    cores: frozenset[int] = frozenset()
+    task: asyncio.Task[None] | None = None
+    exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
+    paused_pool: bool = False
+    releasing: bool = False  # _release has begun: nothing may join the frozen set any more
+    joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
+    clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
+
+    def end(self, reason: str) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result(reason)

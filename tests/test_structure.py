@@ -1,0 +1,72 @@
+"""The package's structure: imports run one way (no circles, local imports counted), and the typed
+values at its edges (policy and command state as enums, comma lists split once)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from krex_async.commands import CommandState
+from krex_async.config import ServeConfig, comma_list
+from krex_async.scheduler import Policy
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "import_cycles.py"
+
+
+def cycles(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_package_has_no_import_cycles() -> None:
+    out = cycles(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().startswith("0 cycle(s)")
+
+
+def test_the_check_sees_a_circle_hidden_by_a_local_import(tmp_path: Path) -> None:
+    """The check itself must be able to fail: a circle closed only inside a function (as doctor.py
+    and doctor_kernel.py had) or only under TYPE_CHECKING is still reported."""
+    pkg = tmp_path / "krex_async"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import thing\n")
+    (pkg / "b.py").write_text("def thing():\n    from . import a\n    return a\n")
+    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from ..d import D\n")
+    (pkg / "d.py").write_text("from .sub.c import x\n")
+    out = cycles(tmp_path)
+    assert out.returncode == 1
+    assert "cycle: krex_async.a, krex_async.b" in out.stdout
+    assert "cycle: krex_async.d, krex_async.sub.c" in out.stdout
+    assert "2 cycle(s)" in out.stdout
+
+
+def test_policy_is_an_enum_inside_and_a_string_outside() -> None:
+    cfg = msgspec.convert({"policy": "shared"}, ServeConfig, strict=False)
+    assert cfg.policy is Policy.SHARED
+    assert msgspec.to_builtins(cfg)["policy"] == "shared"  # `krex serve --print-config`, TOML
+    assert msgspec.json.encode({"policy": cfg.policy}) == b'{"policy":"shared"}'
+    assert f"{cfg.policy}" == "shared"  # log lines and messages spell the value
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'fastest'"):
+        msgspec.convert({"policy": "fastest"}, ServeConfig, strict=False)
+
+
+def test_command_state_values_are_the_strings_status_shows() -> None:
+    assert [s.value for s in CommandState] == ["queued", "starting", "running", "ended"]
+    assert msgspec.json.encode(CommandState.RUNNING) == b'"running"'
+
+
+def test_comma_separated_options_are_split_once_in_config() -> None:
+    assert comma_list(" torch, ,numpy ,") == ["torch", "numpy"]
+    cfg = ServeConfig(pool_preload="torch, numpy", probe_prefixes="", launch_libs="/a.so,/b.so")
+    assert cfg.pool_preload_list == ["torch", "numpy"]
+    assert cfg.pool_init_list == []
+    assert cfg.probe_prefix_list == []
+    assert cfg.launch_lib_list == ["/a.so", "/b.so"]
