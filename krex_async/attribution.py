@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import logs
+from . import logs, procfs
 from .probes.attribution import Attributor as Mapper, parent_pid
 from .probes.base import ProbeBackend, ProbeEvent
 
@@ -63,15 +63,17 @@ def describe(pid: int, proc: str = "/proc") -> str:
     ppid = parent_pid(pid, proc)
     if ppid is not None:
         parts.append(f"ppid {ppid}")
+    lines = procfs.cgroups(pid, proc)
+    if lines is None:
+        return ", ".join(parts) or "gone"
+    cg = [path for hid, ctrls, path in lines if hid == "0" and not ctrls]
+    if cg:
+        parts.append(f"cgroup {cg[0]}")
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            cg = [line.rstrip("\n").split(":", 2)[2] for line in f if line.startswith("0::")]
-        if cg:
-            parts.append(f"cgroup {cg[0]}")
         with open(f"{proc}/{pid}/cmdline", "rb") as fb:
             argv = fb.read(512).rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
         parts.append(f"cmd {argv[:200]!r}")
-    except (OSError, IndexError):
+    except OSError:
         pass
     return ", ".join(parts) or "gone"
 

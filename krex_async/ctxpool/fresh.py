@@ -25,6 +25,7 @@ import warnings
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
+from krex_async import procfs
 from krex_async.ctxpool.adopted import apply as apply_adopted
 from krex_async.ctxpool.forms import Form, executable_for
 
@@ -287,35 +288,21 @@ def finish(code: int) -> None:
 
 
 def _cgroups() -> dict[str, str]:
-    """This process's cgroup per hierarchy, as /proc/self/cgroup lists them ("0::" is v2)."""
-    out = {}
-    try:
-        with open("/proc/self/cgroup") as f:
-            for ln in f:
-                ident, _, path = ln.rstrip("\n").partition(":")[2].partition(":")
-                out[ident] = path
-    except OSError:
-        pass
-    return out
+    """This process's cgroup per hierarchy, keyed as /proc/self/cgroup names them ("" is v2)."""
+    return {ctrls: path for _hid, ctrls, path in procfs.cgroups() or []}
 
 
 def _cgroup_homes() -> dict[str, str | None]:
     """Per hierarchy of /proc/self/cgroup, the cgroup.procs file of this process's cgroup there
     (None: that hierarchy is not mounted where we can see it)."""
     mounts: dict[str, str] = {}
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for ln in f:
-                pre, _, post = ln.partition(" - ")
-                fields, (fstype, _src, opts) = pre.split(), post.split()[:3]
-                if fstype == "cgroup2":
-                    mounts.setdefault("", fields[4])
-                elif fstype == "cgroup" and fields[3] == "/":
-                    names = [o for o in opts.split(",") if o not in ("rw", "ro") and "=" not in o
-                             or o.startswith("name=")]
-                    mounts.setdefault(",".join(sorted(names)), fields[4])
-    except (OSError, ValueError):
-        pass
+    for m in procfs.mounts("cgroup2", "cgroup"):
+        if m.fstype == "cgroup2":
+            mounts.setdefault("", m.point)
+        elif m.root == "/":
+            names = [o for o in m.options if o not in ("rw", "ro") and "=" not in o
+                     or o.startswith("name=")]
+            mounts.setdefault(",".join(sorted(names)), m.point)
     homes: dict[str, str | None] = {}
     for ident, path in _cgroups().items():
         mount = mounts.get(",".join(sorted(ident.split(","))) if ident else "")
@@ -332,10 +319,11 @@ def _go_home(base: Baseline) -> str | None:
         home = base.cgroup_home.get(ident)
         if not home:
             return f"cannot leave cgroup {path!r} (hierarchy {ident or 'v2'!r}): no way home"
+        from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS  # rare: import late
+
         try:
-            with open(home, "w") as f:
-                f.write(str(os.getpid()))
-        except OSError as e:
+            CgroupFS(os.path.dirname(home)).write("", os.path.basename(home), str(os.getpid()))
+        except CgroupFileError as e:
             return f"cannot go back to {home}: {e}"
     return None
 

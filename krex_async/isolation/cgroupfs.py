@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from krex_async import procfs
 from krex_async.isolation.base import IsolationError
 
 
@@ -359,28 +360,22 @@ class Layout:
 
 def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, str | None]:
     """(cgroup2 mount point, v1 cpuset mount point), None where absent."""
-    v2 = v1 = None
-    with open(mountinfo) as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if not rfields:
-                continue
-            if rfields[0] == "cgroup2" and v2 is None:
-                v2 = fields[4]
-            elif rfields[0] == "cgroup" and "cpuset" in rfields[-1].split(",") and v1 is None:
-                v1 = fields[4]
+    ms = procfs.mounts("cgroup2", "cgroup", mountinfo=mountinfo)
+    v2 = next((m.point for m in ms if m.fstype == "cgroup2"), None)
+    v1 = next((m.point for m in ms if m.fstype == "cgroup" and "cpuset" in m.options), None)
     return v2, v1
 
 
 def own_cgroups(pid: str = "self") -> dict[str, str]:
-    """The process's cgroup per hierarchy: {'': '/a/b'} for v2, {'cpuset': '/'} for v1 ones."""
+    """The process's cgroup per hierarchy: {'': '/a/b'} for v2, {'cpuset': '/'} for v1 ones.
+    Raises ProcessLookupError when the process is gone or unreadable."""
+    lines = procfs.cgroups(pid)
+    if lines is None:
+        raise ProcessLookupError(f"/proc/{pid}/cgroup cannot be read")
     out: dict[str, str] = {}
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            _hid, ctrls, path = line.rstrip("\n").split(":", 2)
-            for c in ctrls.split(",") if ctrls else [""]:
-                out[c] = path
+    for _hid, ctrls, path in lines:
+        for c in ctrls.split(",") if ctrls else [""]:
+            out[c] = path
     return out
 
 
