@@ -23,8 +23,8 @@ It refuses to run while a daemon answers on its socket (unless --force): a sweep
 would thaw its regions. For the same reason it leaves alone every instance directory
 (`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
 the directory names its daemon's state dir, whose owner lock that daemon holds (--force sweeps
-those too). A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
-exit status is 1. Nothing is raised to the caller of `cleanup()`.
+those too). A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its
+path and the exit status is 1. Nothing is raised to the caller of `cleanup()`.
 """
 
 from __future__ import annotations

@@ -136,7 +136,6 @@ def _serve_parser(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from . import server
-
     from .configfile import ConfigError, load_config_with_sources, print_config
 
     given = {k: v for k, v in vars(args).items()

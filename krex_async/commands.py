@@ -27,7 +27,7 @@ from . import protocol as P
 from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
 from .records import Records
-from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, LaunchSpec, Launched, spawn
+from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, Launched, LaunchSpec, spawn
 from .spool import Spool, SpoolFile, unlink
 from .stdinpipe import StdinPipe
 

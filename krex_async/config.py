@@ -95,7 +95,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pool_wait: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint ("" = off), e.g. 127.0.0.1:9464
 
-    def resolved(self) -> "ServeConfig":
+    def resolved(self) -> ServeConfig:
         """A copy with defaults that depend on the machine filled in."""
         socket = self.socket or default_socket()
         cores = self.region_cores if self.region_cores >= 0 else default_region_cores()

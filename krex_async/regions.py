@@ -76,7 +76,7 @@ class Region:
 
 
 class Regions:
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self.active: dict[str, Region] = {}  # every region from request to release
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
@@ -615,7 +615,7 @@ class Regions:
             except Exception as e:
                 log.error("refence_failed", region=r.id, error=repr(e))
 
-    def freeze_late(self, r: Region, ev: "ProbeEvent") -> None:
+    def freeze_late(self, r: Region, ev: ProbeEvent) -> None:
         """--freeze device-holders, or a sibling held by the lock: a sibling process that opened a
         GPU device during the region is frozen with its command as soon as the probes see the open
         (the open itself is reported as a stray)."""

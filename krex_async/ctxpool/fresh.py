@@ -68,8 +68,9 @@ class Baseline:
         # where a reused worker goes back to after a command: each hierarchy's cgroup.procs
         self.cgroups = _cgroups()
         self.cgroup_home: dict[str, str | None] = _cgroup_homes()
-        self.customize: list[tuple[str, str]] = [(n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
-                          if getattr(sys.modules.get(n), "__file__", None)]
+        self.customize: list[tuple[str, str]] = [
+            (n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
+            if getattr(sys.modules.get(n), "__file__", None)]
 
 
 def _logging_state() -> tuple[Any, ...] | None:
@@ -107,7 +108,7 @@ def _stdio(fd: int, name: str, like: Any, unbuffered: bool | None = None) -> io.
     write = fd != 0
     buffered = not (like.write_through if unbuffered is None else unbuffered)
     buffering = 0 if (write and not buffered) else -1
-    buf: Any = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
+    buf: Any = open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
     raw = buf.raw if buffering else buf
     raw.name = name
     line = buffered and (raw.isatty() or fd == 2)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
 from .cpu import cpus_from_mask, pci_local_cpus, pci_numa_node, sysfs_bus_id, usable_cpus
@@ -125,7 +126,7 @@ class NvidiaVendor(Vendor):
         clocks = {}
         for name, kind in (("sm", nvml.NVML_CLOCK_SM), ("mem", nvml.NVML_CLOCK_MEM),
                            ("graphics", nvml.NVML_CLOCK_GRAPHICS)):
-            mhz = self._try(lambda: nvml.nvmlDeviceGetClockInfo(handle, kind), None)
+            mhz = self._try(lambda: nvml.nvmlDeviceGetClockInfo(handle, kind), None)  # noqa: B023 - called now
             if mhz is not None:
                 clocks[name] = int(mhz)
         return clocks

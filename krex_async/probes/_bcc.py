@@ -63,7 +63,7 @@ def import_bcc() -> ModuleType:
 def check_root() -> None:
     """bcc needs CAP_BPF/CAP_PERFMON; root is the simple way. Raises ProbeUnavailable otherwise."""
     if os.geteuid() != 0:
-        raise ProbeUnavailable("eBPF probes need root (euid is %d)" % os.geteuid())
+        raise ProbeUnavailable(f"eBPF probes need root (euid is {os.geteuid()})")
 
 
 def compile_bpf(text: str, what: str) -> Any:
@@ -227,10 +227,10 @@ class RingPoller:
     probe's 4096 pages (16 MiB) hold 262144 records of 64 bytes, 2.6 s at 100k events/s; the thread
     itself must keep up on average (about 2 us of CPU per event here: 20% of a core at 100k/s).
     `tick()` runs on this thread every `tick_s` (map upkeep). Neither a drain nor a tick starts
-    while a region is entering (hold.HOLD); a long tick should call HOLD.wait() between its steps. `stop(snapshot)` detaches the
-    programs, lets the thread drain what they produced and exit, calls `snapshot()` (the owner
-    reads its final counts and lost there: they then describe exactly the records delivered),
-    then releases everything (bpf.cleanup()).
+    while a region is entering (hold.HOLD); a long tick should call HOLD.wait() between its steps.
+    `stop(snapshot)` detaches the programs, lets the thread drain what they produced and exit, calls
+    `snapshot()` (the owner reads its final counts and lost there: they then describe exactly the
+    records delivered), then releases everything (bpf.cleanup()).
     """
 
     def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],

@@ -26,9 +26,9 @@ from __future__ import annotations
 import os
 import time
 
-from .base import ProbeEvent
 from .. import procfs
 from ..procfs import stat_fields
+from .base import ProbeEvent
 
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:

@@ -21,7 +21,8 @@ import ctypes
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CUDA_NAMES = ("libcuda.so.1", "libcuda.so")
 _HIP_NAMES = ("libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")

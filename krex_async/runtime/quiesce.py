@@ -32,7 +32,7 @@ if False:  # for type checkers only (annotations are strings here)
     from typing import Any
 
 MAX_FRAME = 16 * 1024 * 1024
-_state: "_Listener | None" = None
+_state: _Listener | None = None
 _stopping = False  # stop() was called: a listener that connects afterwards ends at once
 
 
