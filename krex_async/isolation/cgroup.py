@@ -63,7 +63,7 @@ class CgroupGroup(Group):
     thawed_at: float = 0.0  # time.monotonic() of the last thaw (its cgroup.events notification)
     written: set[str] = field(default_factory=set)  # cgroups whose cgroup.freeze we set to 1
     #: cgroup.events watches of top/ and run/, armed at create() and closed at remove(): armed
-    #: long before any write, and a freeze pays no inotify_add_watch (about 75 us on the dev VM)
+    #: long before any write, and a freeze pays no inotify_add_watch (tens of microseconds)
     watches: dict[str, Watch] = field(default_factory=dict)
 
     @property

@@ -51,8 +51,8 @@ def _error(op: str, path: str, data: str | None, err: OSError) -> CgroupFileErro
 class CgroupFS:
     """Files of one cgroup tree, addressed relative to `root` ("" is the root itself)."""
 
-    #: files read (and cgroup.freeze written) on every region: kept open, pread/pwrite cost ~1 us
-    #: instead of ~17 us for open+read+close on the dev VM (kernfs regenerates at offset 0)
+    #: files read (and cgroup.freeze written) on every region: kept open, a pread/pwrite costs a
+    #: fraction of open+read+close (kernfs regenerates at offset 0)
     #: cgroup.procs only with `keep_procs` (v2): a v1 cgroup.procs fd re-serves a cached pid list.
     KEPT = ("cgroup.freeze", "cgroup.events")
 
@@ -227,9 +227,9 @@ class Watch:
         """Await `pred()` true, re-checked on each change of the file. False when `timeout` passed.
 
         `spin`: for this long first, re-check on every loop turn as well (no sleeping: other
-        coroutines run in between). On the 6.18 test VM the inotify event for `frozen 1` arrives
-        ~6.7 ms after the write (cgroup file notifications are deferred and rate-limited by the
-        kernel) while the state itself is reached in ~0.2 ms; the watch stays armed throughout.
+        coroutines run in between): the kernel defers and rate-limits cgroup file notifications, so
+        the inotify event for `frozen 1` can come milliseconds after the state itself; the watch
+        stays armed throughout.
         Exceptions of `pred` (CgroupVanished when the cgroup went away) propagate.
         """
         done = await Watch.until_all({0: (self, pred)}, timeout, spin)

@@ -98,10 +98,9 @@ ENOTSUPP = 524  # the kernel's own 'not supported' (include/linux/errno.h), seen
 class CountMap:
     """A BPF hash of integer keys to u64 counts, read whole by BPF_MAP_LOOKUP_BATCH.
 
-    bcc's items() costs two syscalls and ~5.5 us of Python per entry (0.66 ms for 120 entries on
-    the dev VM); its items_lookup_batch() allocates max_entries-sized arrays on every call. This
-    keeps one pair of arrays for the map's life and reads it in one syscall (a few when entries
-    move between calls): about 70 us for 20 entries, 250 us for 500. Where the kernel has no batch
+    bcc's items() costs two syscalls and microseconds of Python per entry; its items_lookup_batch()
+    allocates max_entries-sized arrays on every call. This keeps one pair of arrays for the map's
+    life and reads it in one syscall (a few when entries move between calls). Where the kernel has no batch
     lookup (before 5.6: EINVAL), read() falls back to items() for good.
     """
 
