@@ -320,11 +320,10 @@ def _go_home(base: Baseline) -> str | None:
         home = base.cgroup_home.get(ident)
         if not home:
             return f"cannot leave cgroup {path!r} (hierarchy {ident or 'v2'!r}): no way home"
-        from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS  # rare: import late
-
-        try:
-            CgroupFS(os.path.dirname(home)).write("", os.path.basename(home), str(os.getpid()))
-        except CgroupFileError as e:
+        try:  # written here, not through CgroupFS: a worker between commands keeps its modules lean
+            with open(home, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:
             return f"cannot go back to {home}: {e}"
     return None
 

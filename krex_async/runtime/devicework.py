@@ -180,8 +180,8 @@ def idle_verify(timeout_s: float = 5.0, window_s: float = 0.02, bar_s: float = 2
     of our round trips wait out its slice: milliseconds instead of tens of microseconds
     (bench/gpu/check_settle.py measures both). So the device counts as drained once every round
     trip for `window_s` (longer than a time slice, and at least `min_samples` of them) stayed under
-    a bar: `bar_s`, or three times the fastest round
-    trip seen where that is slower (a slow host), but never more than 1 ms. The bar is absolute on
+    a bar: `bar_s`, or three times the fastest round trip seen where that is slower (a slow host),
+    but never more than 1 ms. The bar is absolute on
     purpose: a baseline calibrated from the first samples is the busy level when those samples all
     waited for slices (which made an earlier version pass a busy device in 60 ms).
 
