@@ -207,7 +207,8 @@ def summarise(data: dict[str, Any], lines: list[dict[str, Any]]) -> dict[str, An
     ach = {}
     if "region/command" in ratios:
         ach = {"of_trace_ideal": ratios["region/command"] / ideal_t["ratio"] if ideal_t["ratio"] else None,
-               "of_measured_ideal": ratios["region/command"] / ideal_m["ratio"] if ideal_m and ideal_m["ratio"] else None}
+               "of_measured_ideal": (ratios["region/command"] / ideal_m["ratio"]
+                                     if ideal_m and ideal_m["ratio"] else None)}
     if "region" in cph and cph.get("shared"):
         ach["region_of_shared"] = cph["region"] / cph["shared"]
     return {"policies": per, "ratios": ratios, "ideal_trace": ideal_t, "ideal_measured": ideal_m,

@@ -11,10 +11,11 @@ of generated source, a checked pure-Python kernel) timed by a do_bench-like loop
 On a GPU the timed call is wrapped in an explicit region only when krex_async.integrations (the
 KREX_AUTO_REGION=1 wrapping of do_bench) is not installed; the table says which ("region via").
 
-First every distinct job runs alone (one at a time, --alone-reps times, median) for its reference; then all jobs are
-submitted at once under each policy, each with a fresh daemon and gateway. Columns: makespan, jobs
-per minute, throughput relative to `command` (whole-job exclusivity, the FIFO-per-GPU baseline) and
-the do_bench inflation: the concurrent median time over the job's alone median (p50 and max over jobs).
+First every distinct job runs alone (one at a time, --alone-reps times, median) for its reference;
+then all jobs are submitted at once under each policy, each with a fresh daemon and gateway. Columns:
+makespan, jobs per minute, throughput relative to `command` (whole-job exclusivity, the FIFO-per-GPU
+baseline) and the do_bench inflation: the concurrent median time over the job's alone median (p50 and
+max over jobs).
 """
 
 from __future__ import annotations

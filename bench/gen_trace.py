@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_format import BUCKETS, METHODS, VERSION, dump_lines, validate_line  # noqa: E402
+from trace_format import METHODS, VERSION, dump_lines, validate_line  # noqa: E402
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 
@@ -140,7 +140,8 @@ def _command(rng: random.Random, profile: dict[str, Any], session: str, order: i
                         "cpu_s": _jittered(rng, float(spec.get("cpu_s", 0.0)), jit)}
     phases["import"]["modules"] = IMPORTS[target]
     cspec = profile["phases"]["compile"]
-    phases["compile"]["gpu"] = ({"compile": cspec.get("compile", "triton"), "count": int(cspec.get("count", 1)),
+    phases["compile"]["gpu"] = ({"compile": cspec.get("compile", "triton"),
+                                 "count": int(cspec.get("count", 1)),
                                  "tag": f"{seed}-{session}-{order}"} if target == "gpu" else None)
     phases["compile"]["tag"] = f"{seed}-{session}-{order}"
     kern = {"kind": kernel["kind"], "size": kernel.get("size"), "dtype": kernel.get("dtype")}

@@ -367,7 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="an argument every daemon gets (repeatable, e.g. --daemon-arg=--probes=off)")
     ap.add_argument("--gateway-arg", action="append", default=[],
-                    help="an argument every `krex gateway` gets (repeatable, e.g. --gateway-arg=--run-as=USER)")
+                    help="an argument every `krex gateway` gets (repeatable, e.g. "
+                         "--gateway-arg=--run-as=USER)")
     ap.add_argument("--gateway-token", default=None, help="bearer token (default: the gateway's own)")
     ap.add_argument("--gateway-token-file", type=Path, default=None)
     ap.add_argument("--pool-warm-s", type=float, default=120.0,

@@ -151,14 +151,16 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         via = Counter(str(r.get("krex", {}).get("via", "?")) for r in recs)
         adopted = sum(1 for r in recs for k, v in r.get("krex", {}).items() if "adopt" in k and v)
         out["variants"][name] = {
-            "policy": p["policy"], "args": p.get("args", []), "error": p.get("error"), "jobs": len(recs), "ok": len(ok),
+            "policy": p["policy"], "args": p.get("args", []), "error": p.get("error"), "jobs": len(recs),
+            "ok": len(ok),
             "failed": [{"keys": r["keys"], "status": r.get("status"), "error": r.get("error"),
                         "stderr_tail": (r.get("stderr_tail") or "")[-300:]} for r in recs if not r.get("ok")],
             "makespan_s": p.get("makespan_s"),
             "jobs_per_min": 60.0 * len(ok) / p["makespan_s"] if p.get("makespan_s") else None,
             "phases_p50_s": phase_medians(lines), "phases_p50_s_by_kind": by_kind,
             "routes": dict(Counter(ln.get("route", "") for ln in lines)),
-            "regions": regions(recs, quiesce_timeout(p.get("args", []))), "via": dict(via), "pooled": via.get("pool", 0) + adopted,
+            "regions": regions(recs, quiesce_timeout(p.get("args", []))), "via": dict(via),
+            "pooled": via.get("pool", 0) + adopted,
             "inflation": inflation(lines, base)}
     v = out["variants"]
     jpm = {k: x["jobs_per_min"] for k, x in v.items() if x["jobs_per_min"]}
@@ -228,7 +230,7 @@ def table(s: dict[str, Any]) -> str:
         g = x["regions"]
         if not g["n"]:
             continue
-        ms = lambda key: _f(None if g[key] is None else g[key] * 1e3, "7.1f")  # noqa: E731
+        ms = lambda key: _f(None if g[key] is None else g[key] * 1e3, "7.1f")  # noqa: E731, B023 - used in this iteration
         out.append(f"{k:<12} {g['n']:>4} {ms('enter_p50_s'):>9} {ms('enter_p95_s')} {ms('wait_p50_s')} "
                    f"{ms('quiesce_p50_s')} {ms('freeze_p50_s')} {ms('drain_p50_s')} "
                    f"{_f(g['held_p50_s'], '6.2f')}  {g['quiesce']} {g['drain']} strays {g['strays']}"

@@ -1,10 +1,10 @@
 """Job sets for bench/jobs.py: which jobs a run submits, built from the suites the user points at.
 
 A job is (spec, files): the spec is what bench/workload/job.py reads (kind, key, device, sizes), the
-files are what the gateway uploads beside it (job.py and its two modules, spec.json, the KernelBench problem's source,
-bench/suites.py for Atrex operators). Jobs with the same key time the same kernel the same way, so the
-alone pass times each key and a policy's jobs are judged against it. Nothing of the suites is copied:
-problems are read from the checkout when a run starts.
+files are what the gateway uploads beside it (job.py and its two modules, spec.json, the KernelBench
+problem's source, bench/suites.py for Atrex operators). Jobs with the same key time the same kernel the
+same way, so the alone pass times each key and a policy's jobs are judged against it. Nothing of the
+suites is copied: problems are read from the checkout when a run starts.
 
 Sizes (`--set`): tiny (tests, a quick look), default (fits the whole comparison in one 10-minute H200
 call: 8 KernelBench problems x 2), large (24 x 2, for longer runs).

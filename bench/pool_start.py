@@ -8,8 +8,9 @@ By default it runs standalone: it drives a Pool directly for the pooled path and
 krex_async.spawn.spawn() for the plain one. With --daemon it goes end to end instead: a real daemon
 (`krex serve --pool-size N --pool-preload ...`, its own cgroups as root) gets the commands through
 its socket, so the figures include the submit, the daemon's placement, the cgroup join and the
-worker's hand-over; "plain" is then the same daemon's path with the pool off (a second daemon). The command prints time.monotonic() once its context is
-live (CLOCK_MONOTONIC is one clock for every process of the host); latency = that - the submit time.
+worker's hand-over; "plain" is then the same daemon's path with the pool off (a second daemon).
+The command prints time.monotonic() once its context is live (CLOCK_MONOTONIC is one clock for every
+process of the host); latency = that - the submit time.
   cuda: python -c "import torch; torch.ones(1, device='cuda'); <print time>"   (pool preloads torch)
   cpu:  python -c "import json, decimal[, numpy]; <print time>"                 (pool preloads those)
 The bench process itself never touches the GPU. Each pooled round waits until the pool is warm again
@@ -86,6 +87,7 @@ async def daemon_batches(counts: list[int], rounds: int, code: str, preload: lis
     import shutil
     import subprocess
     import tempfile
+
     from krex_async import Client
     d = tempfile.mkdtemp(prefix="krexps-", dir="/tmp")
     sock = os.path.join(d, "s")

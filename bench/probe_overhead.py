@@ -210,7 +210,7 @@ class Running:
         self.loop = asyncio.new_event_loop()
         self.events = 0
 
-    def __enter__(self) -> "Running":
+    def __enter__(self) -> Running:
         if self.probe is not None:
             self.probe.start(self.loop, self._on)
         return self

@@ -77,7 +77,8 @@ class Daemon:
     async def __aenter__(self) -> Daemon:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._logf = open(self.log, "wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        path = filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         self.proc = subprocess.Popen(self.argv, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(ROOT), start_new_session=True)
         deadline = time.monotonic() + self.ready_s
@@ -154,7 +155,8 @@ def command_env(target: str) -> dict[str, str]:
 
 
 async def _submit(c: Any, argv: list[str], opts: argparse.Namespace, env: dict[str, str], label: str) -> Any:
-    return await c.run(argv, cwd=str(ROOT), env=env, device=opts.device, timeout=opts.cmd_timeout, label=label)
+    return await c.run(argv, cwd=str(ROOT), env=env, device=opts.device, timeout=opts.cmd_timeout,
+                       label=label)
 
 
 async def replay_pass(policy: str, trace: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
@@ -213,7 +215,8 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
                             "returncode": None if res is None else res.returncode, "error": err,
                             "report": None if res is None else _builtins(res.report),
                             "result": results[-1] if results else None,
-                            "stderr_tail": "" if res is None or ok else res.stderr[-1500:].decode("utf-8", "replace")})
+                            "stderr_tail": ("" if res is None or ok
+                                            else res.stderr[-1500:].decode("utf-8", "replace"))})
                         prog.done += 1
                         prog.failed += not ok
                         prog.show()

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ def _names(path: Path) -> set[str]:
     return {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
 
 
-def kernelbench_problems(root: str | Path, levels: list[int] = [1, 2, 3]) -> list[dict[str, Any]]:
+def kernelbench_problems(root: str | Path, levels: Sequence[int] = (1, 2, 3)) -> list[dict[str, Any]]:
     """Problems of a KernelBench checkout (root holds KernelBench/levelN/). Files without Model,
     get_inputs and get_init_inputs are skipped. Raises FileNotFoundError when no level folder exists."""
     base = Path(root) / "KernelBench"
@@ -70,7 +70,7 @@ def atrex_problems(root: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def suite_kernels(suite: str, root: str | Path, levels: list[int] = [1, 2, 3],
+def suite_kernels(suite: str, root: str | Path, levels: Sequence[int] = (1, 2, 3),
                   expected_ms: float = 1.0) -> list[dict[str, Any]]:
     """Catalogue entries (trace `kernel` objects of kind "suite") for every problem of a checkout."""
     probs = kernelbench_problems(root, levels) if suite == "kernelbench" else atrex_problems(root)
@@ -108,7 +108,8 @@ def _flat(x: Any) -> list[float]:
     return [float(x)]
 
 
-def make_callable(source: dict[str, Any], gpu: bool, seed: int) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def make_callable(source: dict[str, Any], gpu: bool,
+                  seed: int) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     """(fn, check) for one suite problem, loaded from the user's checkout. check runs the reference
     twice on the same inputs and compares (a deterministic, finite reference is what an agent's
     candidate is checked against). Raises what the problem's own code raises."""

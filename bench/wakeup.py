@@ -90,7 +90,8 @@ def main() -> int:
         ov = oversleep(a, min(args.rounds, 1000))
         row = {"cpus": [a, b], "wake_p50_us": statistics.median(rt) * 1e6,
                "wake_p99_us": nearest_rank(rt, 0.99) * 1e6, "wake_max_us": max(rt) * 1e6,
-               "oversleep_p50_us": statistics.median(ov) * 1e6, "oversleep_p99_us": nearest_rank(ov, 0.99) * 1e6}
+               "oversleep_p50_us": statistics.median(ov) * 1e6,
+               "oversleep_p99_us": nearest_rank(ov, 0.99) * 1e6}
         rows.append(row)
         print(f"{a:>3}:{b:<3} {row['wake_p50_us']:>12.1f} {row['wake_p99_us']:>8.1f} "
               f"{row['wake_max_us']:>8.1f} {row['oversleep_p50_us']:>17.1f} {row['oversleep_p99_us']:>6.1f}")

@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import logs
-from .probes.attribution import Attributor as Mapper, parent_pid
+from . import logs, procfs
+from .probes.attribution import Attributor as Mapper
+from .probes.attribution import parent_pid
 from .probes.base import ProbeBackend, ProbeEvent
 
 if TYPE_CHECKING:
@@ -63,21 +64,23 @@ def describe(pid: int, proc: str = "/proc") -> str:
     ppid = parent_pid(pid, proc)
     if ppid is not None:
         parts.append(f"ppid {ppid}")
+    lines = procfs.cgroups(pid, proc)
+    if lines is None:
+        return ", ".join(parts) or "gone"
+    cg = [path for hid, ctrls, path in lines if hid == "0" and not ctrls]
+    if cg:
+        parts.append(f"cgroup {cg[0]}")
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            cg = [line.rstrip("\n").split(":", 2)[2] for line in f if line.startswith("0::")]
-        if cg:
-            parts.append(f"cgroup {cg[0]}")
         with open(f"{proc}/{pid}/cmdline", "rb") as fb:
             argv = fb.read(512).rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
         parts.append(f"cmd {argv[:200]!r}")
-    except (OSError, IndexError):
+    except OSError:
         pass
     return ", ".join(parts) or "gone"
 
 
 class Attributor:
-    def __init__(self, core: "Core", regions: "Regions", backend: ProbeBackend) -> None:
+    def __init__(self, core: Core, regions: Regions, backend: ProbeBackend) -> None:
         self.core = core
         self.regions = regions  # the regions held now: their strays, and a late open to freeze
         self.backend = backend
@@ -86,14 +89,14 @@ class Attributor:
         self.events = 0
         self.failed: str | None = None  # why the backend stopped at runtime
 
-    def command_started(self, cmd: "Command") -> None:
+    def command_started(self, cmd: Command) -> None:
         if cmd.pid is not None and cmd.group is not None:
             self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.core.backend.cgroup_dir(cmd.group))
 
-    def command_ended(self, cmd: "Command") -> None:
+    def command_ended(self, cmd: Command) -> None:
         self.mapper.remove(cmd.id)
 
-    def command_of(self, ev: ProbeEvent | int) -> "Command | None":
+    def command_of(self, ev: ProbeEvent | int) -> Command | None:
         if isinstance(ev, int):
             ev = ProbeEvent(ts_ns=0, tgid=ev, tid=ev, kind="count")
         cid = self.mapper.command_of(ev)
@@ -108,13 +111,13 @@ class Attributor:
         settle = getattr(self.backend, "settle", None)
         return True if settle is None or self.failed is not None else bool(settle(SETTLE_S))
 
-    def region_granted(self, r: "Region") -> None:
+    def region_granted(self, r: Region) -> None:
         """Open the region's stray window, just before the grant is sent. Only what must precede
         the grant happens here (the window's start and the loss count): the count snapshot waits
         for counts_snapshot(), after the grant, so the owner does not wait for it."""
         self.watches[r.id] = Watch(since_ns=time.monotonic_ns(), lost_at_start=self.backend.lost())
 
-    def counts_snapshot(self, r: "Region") -> None:
+    def counts_snapshot(self, r: Region) -> None:
         """The kernel-side counts at the region's start, read once the grant is on its way (a map
         read costs 0.1-0.7 ms). Taking it after the window opened is safe: an event between the
         two is in the stream (counted from since_ns) and in both count readings, so it is neither
@@ -126,7 +129,7 @@ class Attributor:
             w.unverified = True
         w.counts_at_start = self._counts(r, w)
 
-    def _counts(self, r: "Region", w: Watch) -> dict[int, int] | None:
+    def _counts(self, r: Region, w: Watch) -> dict[int, int] | None:
         """The backend's counts now, or None (the region then unverified) when its map cannot be
         read: such a region is tainted, not failed."""
         try:
@@ -136,7 +139,7 @@ class Attributor:
             w.unverified = True
             return None
 
-    def region_released(self, r: "Region") -> None:
+    def region_released(self, r: Region) -> None:
         w = self.watches.pop(r.id, None)
         if w is None:
             return
@@ -173,7 +176,7 @@ class Attributor:
         except Exception as e:  # stopping a broken backend must not take the loop down
             log.warning("probes_stop_failed", backend=self.backend.name, error=repr(e))
 
-    def _is_stray(self, r: "Region", ev: ProbeEvent | int) -> bool:
+    def _is_stray(self, r: Region, ev: ProbeEvent | int) -> bool:
         if (ev if isinstance(ev, int) else ev.tgid) == os.getpid():
             return False
         cmd = self.command_of(ev)
@@ -216,7 +219,7 @@ class Attributor:
             if self.core.tracers:
                 self._trace_event(ev, stray_for, held)
 
-    def _trace_event(self, ev: ProbeEvent, stray_for: "Region | None", held: list["Region"]) -> None:
+    def _trace_event(self, ev: ProbeEvent, stray_for: Region | None, held: list[Region]) -> None:
         """One probe event for `krex trace`: attributed to the process's own command ("" outside
         krex), never to the region's owner; a stray names the region and its owner, and an event
         of an owner inside its own region names that region."""

@@ -23,14 +23,13 @@ It refuses to run while a daemon answers on its socket (unless --force): a sweep
 would thaw its regions. For the same reason it leaves alone every instance directory
 (`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
 the directory names its daemon's state dir, whose owner lock that daemon holds (--force sweeps
-those too). A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its path and the
-exit status is 1. Nothing is raised to the caller of `cleanup()`.
+those too). A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its
+path and the exit status is 1. Nothing is raised to the caller of `cleanup()`.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import socket
@@ -38,65 +37,46 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from . import procfs
+from .isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+from .procfs import Mount
+
 SUBTREE = "krex"
 
 
 # ----------------------------------------------------------------------------- cgroup layout
 
-@dataclass
-class Mount:
-    path: str
-    fstype: str  # cgroup2 or cgroup
-    controllers: frozenset[str]  # v1 only
-
-
-def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+def mounts() -> list[Mount]:
     """cgroup and cgroup2 mounts of this mount namespace, in mountinfo order."""
-    out: list[Mount] = []
-    try:
-        with open(mountinfo) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        parts, rparts = left.split(), right.split()
-        if len(parts) < 5 or len(rparts) < 3 or rparts[0] not in ("cgroup", "cgroup2"):
-            continue
-        point = parts[4].replace("\\040", " ")
-        ctrls = frozenset(rparts[2].split(",")) if rparts[0] == "cgroup" else frozenset()
-        out.append(Mount(point, rparts[0], ctrls))
-    return out
+    return procfs.mounts("cgroup", "cgroup2")
+
+
+def _controllers(m: Mount) -> frozenset[str]:
+    return frozenset(m.options) if m.fstype == "cgroup" else frozenset()
 
 
 def v2_mount(ms: list[Mount] | None = None) -> str | None:
     ms = mounts() if ms is None else ms
-    return next((m.path for m in ms if m.fstype == "cgroup2"), None)
+    return next((m.point for m in ms if m.fstype == "cgroup2"), None)
 
 
 def v1_mount(controller: str, ms: list[Mount] | None = None) -> str | None:
     ms = mounts() if ms is None else ms
-    return next((m.path for m in ms if m.fstype == "cgroup" and controller in m.controllers), None)
+    return next((m.point for m in ms if controller in _controllers(m)), None)
 
 
 def layout(ms: list[Mount] | None = None) -> str:
     """'v2' (unified only), 'hybrid' (v2 beside v1 controllers), 'v1', or 'none'."""
     ms = mounts() if ms is None else ms
     has2 = any(m.fstype == "cgroup2" for m in ms)
-    has1 = any(m.fstype == "cgroup" and m.controllers - {"name=systemd"} for m in ms)
+    has1 = any(_controllers(m) - {"name=systemd"} for m in ms)
     return "hybrid" if has2 and has1 else "v2" if has2 else "v1" if has1 else "none"
 
 
 def own_cgroup(controller: str = "", pid: str = "self") -> str | None:
     """This process's cgroup path ('/system.slice/krex.service') in v2 (controller '') or in the v1
     hierarchy of `controller`; systemd's `.control` leaf (ExecStopPost under Delegate=yes) stripped."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hid, ctrls, path = line.split(":", 2)
+    for hid, ctrls, path in procfs.cgroups(pid) or []:
         if (not controller and hid == "0" and ctrls == "") or \
                 (controller and controller in ctrls.split(",")):
             while os.path.basename(path) in (".control", "daemon"):
@@ -118,22 +98,21 @@ class Result:
         return not self.errors
 
 
-def _read(path: str) -> str | None:
+def _read(fs: CgroupFS, d: str, name: str) -> str | None:
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
+        return fs.read(d, name).strip()
+    except CgroupFileError:
         return None
 
 
-def _write(res: Result, path: str, data: str, why: str) -> None:
+def _write(fs: CgroupFS, res: Result, d: str, name: str, data: str, why: str) -> None:
+    path = fs.path(d, name)
     try:
-        with open(path, "w") as f:
-            f.write(data)
-    except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENODEV):  # the cgroup vanished: a state, not a failure
-            return
-        res.errors.append(f"{path}: writing {data!r} ({why}) failed: {e.strerror}")
+        fs.write(d, name, data)
+    except CgroupVanished:  # the cgroup vanished: a state, not a failure
+        return
+    except CgroupFileError as e:
+        res.errors.append(f"{path}: writing {data!r} ({why}) failed: {os.strerror(e.errno or 0)}")
     else:
         res.actions.append(f"{why}: {path} <- {data!r}")
 
@@ -170,47 +149,52 @@ def sweep(tree: str, res: Result, remove_empty: bool = True,
           skip: frozenset[str] = frozenset()) -> None:
     """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc),
     except below the directories in `skip`."""
-    dirs = list(_walk(tree, skip))
+    fs = CgroupFS("/")  # paths below are absolute; the kept files are closed at the end
+    try:
+        _sweep(fs, list(_walk(tree, skip)), res, remove_empty)
+    finally:
+        fs.release()
+
+
+def _sweep(fs: CgroupFS, dirs: list[str], res: Result, remove_empty: bool) -> None:
     for d in dirs:  # 1. thaw, top-down
-        if _read(os.path.join(d, "cgroup.freeze")) not in (None, "0"):
-            _write(res, os.path.join(d, "cgroup.freeze"), "0", "thaw")
-        state = _read(os.path.join(d, "freezer.state"))
+        if _read(fs, d, "cgroup.freeze") not in (None, "0"):
+            _write(fs, res, d, "cgroup.freeze", "0", "thaw")
+        state = _read(fs, d, "freezer.state")
         if state is not None and state != "THAWED":
-            _write(res, os.path.join(d, "freezer.state"), "THAWED", "thaw")
+            _write(fs, res, d, "freezer.state", "THAWED", "thaw")
     for d in reversed(dirs):  # 2a. exclusivity off, bottom-up
-        p = _read(os.path.join(d, "cpuset.cpus.partition"))
+        p = _read(fs, d, "cpuset.cpus.partition")
         if p is not None and not p.startswith("member"):
-            _write(res, os.path.join(d, "cpuset.cpus.partition"), "member", "partition off")
-        if _read(os.path.join(d, "cpuset.cpus.exclusive")):
-            _write(res, os.path.join(d, "cpuset.cpus.exclusive"), "", "exclusive cpus off")
-        if _read(os.path.join(d, "cpuset.cpu_exclusive")) == "1":
-            _write(res, os.path.join(d, "cpuset.cpu_exclusive"), "0", "exclusive cpus off")
+            _write(fs, res, d, "cpuset.cpus.partition", "member", "partition off")
+        if _read(fs, d, "cpuset.cpus.exclusive"):
+            _write(fs, res, d, "cpuset.cpus.exclusive", "", "exclusive cpus off")
+        if _read(fs, d, "cpuset.cpu_exclusive") == "1":
+            _write(fs, res, d, "cpuset.cpu_exclusive", "0", "exclusive cpus off")
     for d in dirs:  # 2b. cpus back to the parent's, top-down
         v2 = os.path.exists(os.path.join(d, "cgroup.controllers"))
-        cpus = _read(os.path.join(d, "cpuset.cpus"))
+        cpus = _read(fs, d, "cpuset.cpus")
         if cpus is None:
             continue
         if v2:
             if cpus:
-                _write(res, os.path.join(d, "cpuset.cpus"), "", "restore cpus (inherit)")
+                _write(fs, res, d, "cpuset.cpus", "", "restore cpus (inherit)")
             continue
         parent = os.path.dirname(d)
         for name in ("cpuset.cpus", "cpuset.mems"):
-            want = _read(os.path.join(parent, name))
-            if want is not None and want != _read(os.path.join(d, name)):
-                _write(res, os.path.join(d, name), want, f"restore {name[7:]} from parent")
+            want = _read(fs, parent, name)
+            if want is not None and want != _read(fs, d, name):
+                _write(fs, res, d, name, want, f"restore {name[7:]} from parent")
     if not remove_empty:
         return
     for d in reversed(dirs[1:]):  # 3. remove empty children, bottom-up
-        if _read(os.path.join(d, "cgroup.procs")) == "" and not any(
+        if _read(fs, d, "cgroup.procs") == "" and not any(
                 e.is_dir() for e in os.scandir(d)):
             try:
-                os.rmdir(d)
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    res.errors.append(f"{d}: rmdir failed: {e.strerror}")
-            else:
-                res.actions.append(f"removed empty {d}")
+                if fs.rmdir(d):
+                    res.actions.append(f"removed empty {d}")
+            except CgroupFileError as e:
+                res.errors.append(f"{d}: rmdir failed: {os.strerror(e.errno or 0)}")
 
 
 def default_roots(cgroup_root: str = "") -> list[str]:

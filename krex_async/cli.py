@@ -56,7 +56,7 @@ def _serve_parser(sub: Any) -> None:
                         "the driver offers it")
     p.add_argument("--lock-timeout", type=float,
                    help="seconds one driver lock may take before that sibling is frozen instead "
-                        "(default 0.005; H200: 0.4-2.1 ms a lock)")
+                        "(default 0.005; a lock takes 0.4-2.1 ms)")
     p.add_argument("--quiesce", choices=["auto", "all"],
                    help="whose runtime a region asks to stop and synchronise before freezing: "
                         "auto (default) those holding a GPU device file, none on the cpu device; "
@@ -138,7 +138,6 @@ def _serve_parser(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from . import server
-
     from .configfile import ConfigError, load_config_with_sources, print_config
 
     given = {k: v for k, v in vars(args).items()

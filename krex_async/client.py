@@ -80,7 +80,7 @@ class Result:
 
 
 class CommandHandle:
-    def __init__(self, client: "Client", req_id: int, accepted: P.Accepted,
+    def __init__(self, client: Client, req_id: int, accepted: P.Accepted,
                  queue: asyncio.Queue[P.Reply | None]) -> None:
         self.client = client
         self.req_id = req_id
@@ -149,7 +149,7 @@ class Client:
         self.welcome: P.Welcome | None = None
 
     @classmethod
-    async def connect(cls, path: str | None = None, timeout: float = 10.0) -> "Client":
+    async def connect(cls, path: str | None = None, timeout: float = 10.0) -> Client:
         """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens."""
         path = path or default_socket()
         try:
@@ -167,7 +167,7 @@ class Client:
         self.welcome = reply
         return self
 
-    async def __aenter__(self) -> "Client":
+    async def __aenter__(self) -> Client:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

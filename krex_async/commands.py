@@ -29,7 +29,7 @@ from .devices.base import Device
 from .isolation.base import Backend, Group, IsolationError
 from .records import Record, Records, start_ticks
 from .scheduler import Policy
-from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, LaunchSpec, Launched, spawn
+from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, Launched, LaunchSpec, spawn
 from .spool import Spool, SpoolFile, unlink
 from .stdinpipe import StdinPipe
 

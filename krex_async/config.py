@@ -1,4 +1,4 @@
-"""The daemon's options, one Struct, shared by the command line and (later) the config file."""
+"""The daemon's options, one Struct, shared by the command line and the config file (configfile.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # how: the CUDA driver's process lock (freezer fallback per sibling), the freezer, or auto (the
     # lock where the driver offers it)
     hold: Literal["auto", "lock", "freeze"] = "auto"
-    # bound of one cuCheckpointProcessLock (H200: 0.4-2.1 ms unloaded); a sibling not locked by then
+    # bound of one cuCheckpointProcessLock (0.4-2.1 ms unloaded); a sibling not locked by then
     # (inside a long CUDA call: context creation, a large allocation) is frozen instead, so a region
     # entry stays within the 5 ms goal
     lock_timeout: Annotated[float, msgspec.Meta(gt=0, le=10)] = 0.005
@@ -58,9 +58,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     freeze_timeout: Positive = 1.0
     warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: as the clock needs
     settle_ms: Annotated[float, msgspec.Meta(ge=0, le=10_000)] = 300.0  # wait for clocks to recover
-    # settled: SM clock >= this fraction of its target. H200 check_drain, 1 ms kernel, p95 over
-    # regions: 0.9 missed the 1% goal in 4 of 4 path runs (1.05-1.09%), 0.97 in 1 of 4 (1.32%, one
-    # region, at the baseline's 0.6% noise floor); both met every goal in the replay (RESULTS.md)
+    # settled: SM clock >= this fraction of its target; 0.9 let a 1 ms kernel run more than 1% slow
+    # (bench/gpu/check_drain.py, bench/RESULTS.md)
     settle_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.97
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     retention: Positive = 600.0  # seconds an ended command's result is kept for its agent
@@ -120,7 +119,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def pool_init_list(self) -> list[str]:
         return comma_list(self.pool_init)
 
-    def resolved(self) -> "ServeConfig":
+    def resolved(self) -> ServeConfig:
         """A copy with defaults that depend on the machine filled in."""
         socket = self.socket or default_socket()
         cores = self.region_cores if self.region_cores >= 0 else default_region_cores()

@@ -20,28 +20,26 @@ from typing import Any
 
 import msgspec
 
-from . import logs
+from . import __version__, logs
 from . import protocol as P
-from .commands import (Command, CommandState, Runner, SpecError, Subscriber, user_groups,
-                       with_runtime)
-from . import __version__
-from .procfs import stat_fields, tree_memory
+from .attribution import Attributor
+from .commands import Command, CommandState, Runner, SpecError, Subscriber, user_groups, with_runtime
 from .config import ServeConfig
+from .core import Core, Send
 from .ctxpool import Pool, PoolConfig, adoption
-from .devices import NoDevice, Node, place
+from .devices import Node, NoDevice, place
 from .devices.base import Device
 from .isolation.base import Backend
-from .timeline import TraceRing
 from .metrics import Metrics
+from .procfs import stat_fields, tree_memory
 from .records import Records
 from .recovery import recover
-from .spool import Spool
-from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
-from .attribution import Attributor
-from .core import Core, Send
 from .regions import Regions
 from .scheduler import Scheduler
 from .spawn import Launched, LaunchSpec
+from .spool import Spool
+from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
+from .timeline import TraceRing
 
 log = logs.get("krex.daemon")
 
@@ -151,7 +149,8 @@ class Daemon:
             env = dict(os.environ)
             env.pop("KREX_SOCKET", None)
             env.update(d.env)
-            pool = Pool(d, cgroup_hook=self._join_group, config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
+            pool = Pool(d, cgroup_hook=self._join_group,
+                        config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
                                       preload=preload, init_context=d.vendor != "cpu",
                                       init_modules=init),
                         env=with_runtime(env), user=user)

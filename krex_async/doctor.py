@@ -29,6 +29,7 @@ from dataclasses import asdict
 
 from . import cleanup as cg
 from .doctor_check import FAIL, OK, WARN, Check
+from .isolation.cgroupfs import CgroupFileError, CgroupFS
 
 SERVICE_CGROUP = "/system.slice/krex.service"  # where packaging/krex.service runs the daemon
 
@@ -91,11 +92,10 @@ def check_uvloop() -> Check:
 
 # --------------------------------------------------------------------------------- cgroups
 
-def _read(path: str) -> str | None:
+def _read(cgroup: str, name: str) -> str | None:
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
+        return CgroupFS(cgroup).read("", name).strip()
+    except CgroupFileError:
         return None
 
 
@@ -119,25 +119,27 @@ def v2_subtree(cgroup_root: str = "") -> tuple[str | None, str]:
 @contextlib.contextmanager
 def _test_cgroup(parent: str) -> Iterator[str]:
     """A fresh child cgroup, removed afterwards (its processes killed first)."""
-    path = os.path.join(parent, f"krex-doctor-{os.getpid()}")
-    os.mkdir(path)
+    fs, rel = CgroupFS(parent), f"krex-doctor-{os.getpid()}"
+    fs.mkdir(rel)
     try:
-        yield path
+        yield fs.path(rel)
     finally:
-        for pid in (_read(os.path.join(path, "cgroup.procs")) or "").split():
+        try:
+            pids = fs.procs(rel)
+        except CgroupFileError:
+            pids = []
+        for pid in pids:
             with contextlib.suppress(OSError):
-                os.kill(int(pid), signal.SIGKILL)
-        if os.path.exists(os.path.join(path, "cgroup.freeze")):
-            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.freeze"), "w") as f:
-                f.write("0")
+                os.kill(pid, signal.SIGKILL)
+        if fs.exists(rel, "cgroup.freeze"):
+            with contextlib.suppress(CgroupFileError):
+                fs.write(rel, "cgroup.freeze", "0")
         deadline = time.monotonic() + 2
         while True:
             try:
-                os.rmdir(path)
+                fs.rmdir(rel)
                 break
-            except FileNotFoundError:
-                break
-            except OSError:  # EBUSY until the killed processes are reaped
+            except CgroupFileError:  # EBUSY until the killed processes are reaped
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
@@ -187,7 +189,7 @@ def check_cgroups(cgroup_root: str = "") -> list[Check]:
                 out.append(Check("cgroup writable", OK, f"created and removed {child}"))
                 out.append(_check_freeze(child))
                 freezer_ok = out[-1].verdict == OK
-        except OSError as e:
+        except (OSError, CgroupFileError) as e:
             out.append(Check("cgroup writable", FAIL, f"cannot create a child of {sub}: {e}",
                              "run as root, or give the daemon a delegated subtree (systemd "
                              "Delegate=yes) and pass it with --cgroup-root"))
@@ -200,32 +202,31 @@ def check_cgroups(cgroup_root: str = "") -> list[Check]:
 
 
 def _check_freeze(child: str) -> Check:
-    fz = os.path.join(child, "cgroup.freeze")
-    if not os.path.exists(fz):
+    fs = CgroupFS(child)
+    fz = fs.path("", "cgroup.freeze")
+    if not fs.exists("", "cgroup.freeze"):
         return Check("cgroup freezer", FAIL, f"{fz} does not exist (kernel older than 5.2?)",
                      "a kernel with the cgroup v2 freezer (5.2+)")
     proc = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL)
     try:
-        with open(os.path.join(child, "cgroup.procs"), "w") as f:
-            f.write(str(proc.pid))
+        fs.write("", "cgroup.procs", str(proc.pid))
         times = []
         for _ in range(2):  # the first freeze after a move into the cgroup is slower (~10-20 ms)
             t0 = time.perf_counter()
-            with open(fz, "w") as f:
-                f.write("1")
+            fs.write("", "cgroup.freeze", "1")
             frozen = _wait_frozen(os.path.join(child, "cgroup.events"), "1", 1.0)
             times.append(time.perf_counter() - t0)
-            with open(fz, "w") as f:
-                f.write("0")
+            fs.write("", "cgroup.freeze", "0")
             thawed = _wait_frozen(os.path.join(child, "cgroup.events"), "0", 1.0)
             if not (frozen and thawed):
                 break
-    except OSError as e:
+    except (OSError, CgroupFileError) as e:
         return Check("cgroup freezer", FAIL, f"freezing a test process failed: {e}",
                      "the daemon needs write access to cgroup.procs and cgroup.freeze there")
     finally:
         proc.kill()
         proc.wait()
+        fs.release()
     if not (frozen and thawed):
         return Check("cgroup freezer", FAIL, f"froze={frozen} thawed={thawed} within 1 s",
                      "check `cat cgroup.events` of a frozen cgroup; report the kernel version")
@@ -236,8 +237,8 @@ def _check_freeze(child: str) -> Check:
 
 def _check_cpuset(sub: str | None) -> Check:
     if sub is not None:
-        ctrls = (_read(os.path.join(sub, "cgroup.controllers")) or "").split()
-        enabled = (_read(os.path.join(sub, "cgroup.subtree_control")) or "").split()
+        ctrls = (_read(sub, "cgroup.controllers") or "").split()
+        enabled = (_read(sub, "cgroup.subtree_control") or "").split()
         if "cpuset" in ctrls:
             state = "enabled for children" if "cpuset" in enabled else \
                 "available (the daemon enables it in subtree_control)"
@@ -250,7 +251,7 @@ def _check_cpuset(sub: str | None) -> Check:
         try:
             with _test_cgroup_v1(base):
                 pass
-        except OSError as e:
+        except CgroupFileError as e:
             return Check("cpuset", FAIL, f"v1 cpuset at {base} is not writable: {e}",
                          "run as root")
         return Check("cpuset", OK, f"v1 cpuset hierarchy at {base} (hybrid; cores via v1, "
@@ -263,12 +264,12 @@ def _check_cpuset(sub: str | None) -> Check:
 
 @contextlib.contextmanager
 def _test_cgroup_v1(base: str) -> Iterator[str]:
-    path = os.path.join(base, f"krex-doctor-{os.getpid()}")
-    os.mkdir(path)
+    fs, rel = CgroupFS(base), f"krex-doctor-{os.getpid()}"
+    fs.mkdir(rel)
     try:
-        yield path
+        yield fs.path(rel)
     finally:
-        os.rmdir(path)
+        fs.rmdir(rel)
 
 
 def check_backend(cgroup_root: str = "") -> Check:

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from typing import Any
 
+from . import procfs
 from .doctor_check import FAIL, OK, WARN, Check
 
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"  # Debian's python3-bpfcc lives here
@@ -42,17 +43,7 @@ def child(code: str, timeout: float, bcc_path: bool = False) -> dict[str, Any]:
 
 
 def _mounted(fstype: str) -> list[str]:
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        if right.split()[:1] == [fstype]:
-            out.append(left.split()[4])
-    return out
+    return [m.point for m in procfs.mounts(fstype)]
 
 
 def check_tracing() -> list[Check]:

@@ -13,8 +13,8 @@ siblings the two readings were most of what a region entry spent beyond freezing
   every fresh_s / 2);
 - to tell `synced` from a drain the owner must verify, the processes the freeze stopped are read
   once they are frozen (they cannot open a device meanwhile), on the event loop: a reading on a
-  worker thread beside the freeze cost the loop more in GIL hand-offs (0.9 ms at p50 with 16
-  siblings on the H200) than the reading itself (about 7 us a small process, 25 us a torch one).
+  worker thread beside the freeze costs the loop more in GIL hand-offs than the reading itself
+  (microseconds a process).
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ class Hold:
 
 # ------------------------------------------------------------------------- a region's hold steps
 
-async def lock_commands(hold: Hold, r: "Region", cmds: list["Command"],
-                        pids: dict[str, list[int]]) -> list["Command"]:
+async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
+                        pids: dict[str, list[int]]) -> list[Command]:
     """Lock the GPU-holding processes of `cmds` through the driver, in parallel, into `r`
     (locked_pids, locked_ids, the report); returns the commands to freeze instead, each with its
     reason in the report's hold_fallback (one of its processes was not locked)."""
@@ -146,7 +146,7 @@ async def lock_commands(hold: Hold, r: "Region", cmds: list["Command"],
     return fallback
 
 
-async def freeze_tolerant(backend: Backend, r: "Region", groups: list[Group],
+async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group],
                           timeout: float) -> list[Freeze]:
     """Freeze `groups` together. A group the freezer cannot stop within `timeout` (a thread in
     uninterruptible sleep: a hung FUSE or NFS read) is not a reason to refuse the region, which
@@ -167,7 +167,7 @@ async def freeze_tolerant(backend: Backend, r: "Region", groups: list[Group],
     return []
 
 
-async def _freeze_one_by_one(backend: Backend, r: "Region", groups: list[Group],
+async def _freeze_one_by_one(backend: Backend, r: Region, groups: list[Group],
                              timeout: float) -> list[Freeze]:
     out: list[Freeze] = []
     for g in groups:
@@ -178,7 +178,7 @@ async def _freeze_one_by_one(backend: Backend, r: "Region", groups: list[Group],
     return out
 
 
-def unheld(r: "Region", g: Group, why: str) -> None:
+def unheld(r: Region, g: Group, why: str) -> None:
     """Take `g` out of the region's frozen set and say why in its report, tainting the region."""
     rep = r.report
     if g in r.frozen:

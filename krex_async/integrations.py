@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any, Callable, ContextManager, TypeVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("krex_region_inside", default=False)
 _MARK = "__krex_region__"
 
 
-def _region_factory() -> Callable[..., ContextManager[Any]]:
+def _region_factory() -> Callable[..., AbstractContextManager[Any]]:
     """krex_async.region, looked up at call time (so a command that never times pays nothing)."""
     import krex_async
 

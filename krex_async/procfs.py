@@ -1,8 +1,10 @@
-"""/proc/<pid>/stat, read once for every module that needs a process's parent, session, state or
-start time (reused pids are told apart by start time)."""
+"""Every read of /proc lives here: /proc/<pid>/stat (parent, session, state, start time: reused pids
+are told apart by start time), /proc/<pid>/cgroup, the mount table, and memory figures."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -68,3 +70,52 @@ def memory(pid: int, proc: str = "/proc") -> tuple[int, int] | None:
     except (OSError, ValueError, IndexError):
         return None
     return (got[b"Rss"], got[b"Pss"]) if len(got) == 2 else None
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of /proc/<pid>/mountinfo."""
+
+    point: str  # where it is mounted (octal escapes such as \040 decoded)
+    root: str  # the directory of the filesystem mounted there ("/" unless a bind mount)
+    fstype: str  # "cgroup2", "cgroup", "tracefs"...
+    options: tuple[str, ...]  # the super options: a v1 cgroup's controllers are among them
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts(*fstypes: str, mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+    """The mounts of this mount namespace in mountinfo order, only those of `fstypes` when given;
+    [] when the table cannot be read."""
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) < 5 or not rfields or (fstypes and rfields[0] not in fstypes):
+            continue
+        opts = tuple(rfields[2].split(",")) if len(rfields) > 2 else ()
+        out.append(Mount(_unescape(fields[4]), _unescape(fields[3]), rfields[0], opts))
+    return out
+
+
+def cgroups(pid: int | str = "self", proc: str = "/proc") -> list[tuple[str, str, str]] | None:
+    """/proc/<pid>/cgroup as (hierarchy id, controllers, path) per line: ("0", "", path) is the v2
+    one; None when the process is gone or unreadable."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            out.append((parts[0], parts[1], parts[2]))
+    return out

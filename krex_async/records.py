@@ -30,10 +30,9 @@ import msgspec
 
 from . import logs
 from . import protocol as P
-from .isolation.base import Backend, Group, IsolationError
 from .fsutil import replace_file
+from .isolation.base import Backend, Group, IsolationError
 from .procfs import stat_fields
-
 
 log = logs.get("krex.records")
 
@@ -190,9 +189,10 @@ def leftover_pids(rec: Record) -> list[int]:
 
 async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> tuple[str, list[int]]:
     """SIGKILL what is left of a dead daemon's command and wait (bounded) until it is gone; returns
-    what was done, and the pids still alive after `timeout` (normally none). The cgroup backend's group is killed and removed through the backend (the start-up
-    sweep left it, populated, in `orphans`) when this daemon has the same cgroup root; otherwise,
-    and for what the cgroup no longer holds, the leader's session is signalled."""
+    what was done, and the pids still alive after `timeout` (normally none). The cgroup backend's
+    group is killed and removed through the backend (the start-up sweep left it, populated, in
+    `orphans`) when this daemon has the same cgroup root; otherwise, and for what the cgroup no longer
+    holds, the leader's session is signalled."""
     g: Group | None = None
     if backend.name == "cgroup" and rec.backend == "cgroup" and rec.cgroup:
         from .isolation.cgroup import CgroupGroup

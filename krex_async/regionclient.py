@@ -86,7 +86,7 @@ class _Channel:
 _lock = threading.Lock()
 _channel: _Channel | None = None
 _warned = False
-_held: "tuple[int, region] | None" = None  # (pid, the outermost region) while this process holds one
+_held: tuple[int, region] | None = None  # (pid, the outermost region) while this process holds one
 
 
 def _get_channel() -> _Channel:
@@ -147,7 +147,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
             return getattr(report, key)
         raise AttributeError(key)
 
-    def __enter__(self) -> "region":
+    def __enter__(self) -> region:
         global _warned, _held
         if _held is not None and _held[0] == os.getpid():
             self._joined = True
@@ -242,7 +242,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         elif isinstance(reply, P.Error):
             warnings.warn(f"krex: region exit: {reply.code}: {reply.message}", stacklevel=2)
 
-    async def __aenter__(self) -> "region":
+    async def __aenter__(self) -> region:
         return await asyncio.to_thread(self.__enter__)
 
     async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,

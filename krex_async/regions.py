@@ -1,4 +1,4 @@
-"""A region's life under the daemon: queue, isolate, grant, hold, release (DESIGN.md, region protocol).
+"""A region's life under the daemon: queue, isolate, grant, hold, release (README.md, The region API).
 
 Each region runs as one task, `Regions.run()`, whose `finally` undoes every isolation step it took, so
 no path out of a region (release, owner death, expiry, shutdown, a failed freeze, a cancelled task)
@@ -162,10 +162,10 @@ class Regions:
 
     def _warm_ms(self, r: Region) -> float:
         """What the region asked for, else --warm-ms, else what the clock needs: nothing when it
-        has settled at its target, 20 ms when it idles low (the owner's work raises it within 2 ms
-        on the H200), and 200 ms where it cannot be read (on the H200 a 0.1 ms kernel timed right
-        after a neighbour was quiesced ran 27% slow without warming and within 2% with 200 ms of
-        it: bench/gpu/check_drain.py). The cpu device has no clock state to warm."""
+        has settled at its target, 20 ms when it idles low (the owner's work raises it within
+        milliseconds), and 200 ms where it cannot be read (a short kernel timed right after a
+        neighbour was quiesced runs slow without warming: bench/gpu/check_drain.py). The cpu
+        device has no clock state to warm."""
         if r.request.warm_ms >= 0:
             return r.request.warm_ms
         if self.core.config.warm_ms >= 0:
@@ -239,10 +239,9 @@ class Regions:
         t1: acks in (or --quiesce-timeout): the quiesced targets frozen, then the owner's children.
         t2: all frozen: the fencing finished, the drain check (the frozen processes read for GPU
             files, on the loop), then the clock settle (NVML, on a worker thread).
-        Nothing runs on a worker thread while the loop freezes: on the H200 a /proc reading on a
-        thread beside the freeze made the entry 0.9 ms slower at p50 than the same reading done on
-        the loop afterwards, and a settle started beside it 0.5 ms slower (GIL hand-offs at each
-        of the loop's syscalls; bench/RESULTS.md section 3, session 7).
+        Nothing runs on a worker thread while the loop freezes: a /proc reading or a settle on a
+        thread beside the freeze makes the entry slower than the same work done on the loop
+        afterwards (GIL hand-offs at each of the loop's syscalls; bench/RESULTS.md).
         Every task started here has finished before this returns or raises, so `_release` never
         races a freeze still in flight.
         """
@@ -373,10 +372,10 @@ class Regions:
     async def _settle(self, r: Region) -> None:
         """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.
 
-        On the H200 a neighbour's large matmuls leave the SM clock near 1400 of 1980 MHz for about
-        100 ms after they stop, and a 0.1 ms kernel timed then runs 20% slow; once the clock is back
-        above 90% of its target the same kernel times within 2% of alone (check_settle.py). A clock
-        low because the device idles comes back with the owner's own work: no waiting for it."""
+        A neighbour's large matmuls leave the SM clock low for about 100 ms after they stop, and a
+        short kernel timed then runs slow; once the clock is back near its target it times as alone
+        (bench/gpu/check_settle.py). A clock low because the device idles comes back with the
+        owner's own work: no waiting for it."""
         node = self.core.node
         dev = self.core.device(r.device)
         if node is None or dev.vendor == "cpu":
@@ -406,8 +405,8 @@ class Regions:
                     ) -> list[tuple[Command, int, Callable[[P.Msg], bool]]]:
         """The in-command runtimes asked to stop and synchronise. --quiesce auto: on a GPU device
         those whose process holds a GPU device file, on the cpu device none: the others have no
-        device work, freezing them is enough, and their round trip was most of the entry time
-        (2.5 of 4.2 ms with 16 siblings on the 2-core dev VM). --quiesce all: every runtime.
+        device work, freezing them is enough, and their round trip would be most of the entry
+        time. --quiesce all: every runtime.
         The owner's other processes are included when the region freezes them."""
         owners = [(c, pid, send) for c in targets for pid, send in c.runtimes.items()]
         if r.request.freeze_own_children:
@@ -456,8 +455,8 @@ class Regions:
         without queues), synced (no frozen process that did not acknowledge a quiesce holds a GPU
         device file), else pending: the owner verifies. A runtime known to hold a file decides at
         once; the other processes the freeze stopped are read now, on the loop (frozen, they
-        cannot open one meanwhile): about 7 us a small process and 25 us a torch one on the H200,
-        cheaper than a worker thread's hand-offs beside the loop."""
+        cannot open one meanwhile): microseconds a process, cheaper than a worker thread's
+        hand-offs beside the loop."""
         if not targets or self.core.device(r.device).vendor == "cpu":
             return "not-needed"
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
@@ -581,7 +580,7 @@ class Regions:
             except Exception as e:
                 log.error("refence_failed", region=r.id, error=repr(e))
 
-    def freeze_late(self, r: Region, ev: "ProbeEvent") -> None:
+    def freeze_late(self, r: Region, ev: ProbeEvent) -> None:
         """--freeze device-holders, or a sibling held by the lock: a sibling process that opened a
         GPU device during the region is frozen with its command as soon as the probes see the open
         (the open itself is reported as a stray)."""

@@ -26,9 +26,9 @@ import msgspec
 
 from . import logs, sdnotify
 from . import protocol as P
-from .config import ServeConfig
 from .attribution import Attributor
 from .commands import CommandState
+from .config import ServeConfig
 from .daemon import Daemon, RequestError
 from .devices import Unavailable, open_node
 from .isolation import choose_backend
@@ -62,7 +62,7 @@ class Connection:
     """One peer. `send()` never blocks the loop: past `max_buffer` unsent bytes the peer is dropped
     as a slow consumer (with the reason logged) instead of growing memory without bound."""
 
-    def __init__(self, server: "Server", reader: asyncio.StreamReader,
+    def __init__(self, server: Server, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
         self.server = server
         self.reader = reader

@@ -20,9 +20,11 @@ written so far stay, the rest is counted as dropped, the error is kept for the c
 (`spool_error`) and logged once; the command, its in-memory tail and every other command go on.
 Bytes past the limit are counted as dropped without an error. The spool also stops short of a
 free-space reserve on the state disk (RESERVE_MAX, or an eighth of a small file system): what any
-user's output writes can never take the room the intent record and the command records need. Before a command's report is built
-its files are closed (`finish`), so the report's counts are final and the files complete. The price: when the daemon is SIGKILLed, output it had queued but not yet written (what the
-writer was behind, normally microseconds' worth) is not in the file a new daemon reports from.
+user's output writes can never take the room the intent record and the command records need.
+Before a command's report is built its files are closed (`finish`), so the report's counts are
+final and the files complete. The price: when the daemon is SIGKILLed, output it had queued but
+not yet written (what the writer was behind, normally microseconds' worth) is not in the file a new
+daemon reports from.
 
 Files are removed when the command's retention ends (`remove`), and at start-up those that no
 command record names any more (`sweep`).

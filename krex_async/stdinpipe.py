@@ -88,6 +88,6 @@ class StdinPipe:
         self.r = self.w = -1
 
 
-def _wake(fut: "asyncio.Future[None]") -> None:
+def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)

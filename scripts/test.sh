@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (setting the machine up first if needed), then type-checks the package.
+# Runs the whole test suite (setting the machine up first if needed), then type-checks and lints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 .venv/bin/python -m mypy
+.venv/bin/ruff check krex_async tests bench

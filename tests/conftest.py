@@ -65,7 +65,7 @@ def remove_cgroup_tree(path: str) -> None:
     for top in ([path] + [path.replace("/unified/", "/cpuset/", 1)] if "/unified/" in path else [path]):
         if not os.path.isdir(top):
             continue
-        for dirpath, dirnames, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
+        for dirpath, _dirnames, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)
 

@@ -131,7 +131,7 @@ async def test_region_requests_from_outside_the_command_are_refused(script):
             h = await c.submit([PY, "-c", "import os,time; print(os.environ['KREX_TOKEN'], "
                                           "flush=True); time.sleep(5)"], env=py_env())
             token = None
-            async for stream, data in h.output():
+            async for _stream, data in h.output():
                 token = data.decode().strip()
                 break
             # The right token from a process that is not the command's: refused.

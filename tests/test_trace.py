@@ -127,7 +127,7 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     assert "owner=1-2" in text and "comm=nvidia-smi" in text and "seconds=1.836ms" in text
 
 
-async def test_trace_names_the_stray_process_and_the_owners_own_region(device, script, tmp_path):
+async def test_trace_names_the_stray_process_and_the_owners_own_region(device, script, tmp_path):  # noqa: F811 - the fixture
     """With the probes on: a process outside krex touching the device during a region is a STRAY
     line naming itself (no command, its comm) and the region's owner; the owner's own ioctls in
     its region carry the region; a --no-probes subscriber gets the stray but no plain probe events."""

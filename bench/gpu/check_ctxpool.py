@@ -70,7 +70,8 @@ async def main() -> int:
     cwd = tempfile.mkdtemp()
     info = ("import os, sys, torch; x = torch.ones(3, device='cuda') * 2; torch.cuda.synchronize(); "
             "print(x.sum().item(), x.device, torch.cuda.device_count(), sys.argv, os.getcwd())")
-    boom = "import torch\ndef f():\n    return torch.ones(2, device='cuda') @ torch.ones(3, device='cuda')\nf()"
+    boom = ("import torch\ndef f():\n"
+            "    return torch.ones(2, device='cuda') @ torch.ones(3, device='cuda')\nf()")
 
     pool = Pool(GPU, PoolConfig(size=2, preload=["torch"]))
     await pool.start()
@@ -89,7 +90,8 @@ async def main() -> int:
     await pool.start()
     await pool.wait_warm(timeout=300)
     rc, out, err, _ = await run(pool, info, cwd)
-    check("2. driver-initialised worker runs torch", rc == 0 and out.startswith(b"6.0 cuda:0"), (rc, out, err))
+    check("2. driver-initialised worker runs torch", rc == 0 and out.startswith(b"6.0 cuda:0"),
+          (rc, out, err))
     await pool.close()
 
     pool = Pool(GPU, PoolConfig(size=1, max_uses=3, preload=["torch"]))

@@ -19,9 +19,10 @@ launching. Conditions, each after the sibling has rebuilt its backlog:
 none with any warming (krex's default once the clock has settled). The goals are checked on the
 production paths: the p95 over regions of each region's median against the p95 over the alone
 rounds of theirs (like for like: the alone rounds spread too, by the printed floor); the p95 of each
-region's inflation against the alone median is printed beside it. Also: NVML fields, and that a CUDA process frozen with kernels in
-flight (SIGSTOP, cgroup freeze, and quiesce-then-freeze) completes with exact results after thaw.
-Prints PASS/FAIL lines and a table; writes $OUT/check_drain.json when OUT is set.
+region's inflation against the alone median is printed beside it. Also: NVML fields, and that a
+CUDA process frozen with kernels in flight (SIGSTOP, cgroup freeze, and quiesce-then-freeze) completes
+with exact results after thaw. Prints PASS/FAIL lines and a table; writes $OUT/check_drain.json
+when OUT is set.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class MiniDaemon:
         self.sock.bind(self.path)
         self.sock.listen(4)
 
-    def accept(self, timeout: float = 60.0) -> "Conn":
+    def accept(self, timeout: float = 60.0) -> Conn:
         self.sock.settimeout(timeout)
         conn, _ = self.sock.accept()
         return Conn(conn)
@@ -228,7 +229,8 @@ def settle(node, gpu) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """What the daemon's Regions._settle does before a grant (default --settle-ms 300)."""
     t_s = time.perf_counter()
     st = first = node.clock(gpu)
-    while st is not None and not st.settled(SETTLE_FRACTION[0]) and not st.idle and time.perf_counter() < t_s + 0.3:
+    while (st is not None and not st.settled(SETTLE_FRACTION[0]) and not st.idle
+           and time.perf_counter() < t_s + 0.3):
         time.sleep(0.002)
         st = node.clock(gpu) or st
     return {"settle_s": time.perf_counter() - t_s, "clock_first": repr(first),

@@ -476,7 +476,7 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         asyncio.run(asyncio.wait_for(main_async(a), a.deadline))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         check("finished within the deadline", False, f"{a.deadline} s")
     finally:
         for p in CHILDREN:

@@ -91,7 +91,7 @@ class Stepped:
         self.pid = self.p.pid
         self.lib = ""
 
-    def ready(self) -> "Stepped":
+    def ready(self) -> Stepped:
         assert self.p.stdout is not None
         line = self.p.stdout.readline().split()
         if len(line) != 2:

@@ -73,7 +73,8 @@ def main() -> int:
         got = bucket_of(r["timing"]["median_ms"])
         flag = "" if got == exp else "  <- bucket"
         print(f"{r['key']:<28} {r['timing']['median_ms']:>10.4f} {r['timing']['p95_ms']:>9.4f} "
-              f"{r['timing']['n']:>5} {exp:>9} {got:>9} {r['check']['ok']} {r['check']['max_abs_err']:.2e}{flag}")
+              f"{r['timing']['n']:>5} {exp:>9} {got:>9} {r['check']['ok']} "
+              f"{r['check']['max_abs_err']:.2e}{flag}")
         if not r["check"]["ok"]:
             rc = 1
         elif got != exp and rc == 0:
@@ -82,7 +83,8 @@ def main() -> int:
         line = json.loads(json.dumps(lines[0]))
         line["phases"]["compile"]["gpu"]["compile"] = how
         line["phases"]["compile"]["tag"] = f"check-full-{how}-{time.time_ns()}"
-        p = subprocess.run([sys.executable, str(BENCH / "workload" / "agent_cmd.py"), "--spec", json.dumps(line)],
+        p = subprocess.run([sys.executable, str(BENCH / "workload" / "agent_cmd.py"),
+                            "--spec", json.dumps(line)],
                            capture_output=True, text=True, env=env)
         r = _results(p.stdout)
         if p.returncode != 0 or not r:

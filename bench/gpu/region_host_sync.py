@@ -73,12 +73,14 @@ def command(rounds: int, reps: int) -> None:
 
 
 async def variant(name: str, args: list[str], a: argparse.Namespace) -> dict[str, Any]:
-    from krex_async import Client
     from replay import Daemon
+
+    from krex_async import Client
     log = Path("/tmp/krex-hostsync") / f"daemon-{name}.log"
     async with Daemon("region", sys.executable, [*a.daemon_arg, *args], log) as d:
         async with await Client.connect(d.socket) as c:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+            path = filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
             res = await c.run([sys.executable, __file__, "--command", "--rounds", str(a.rounds),
                                "--reps", str(a.reps)], cwd=str(ROOT), env=env, device="auto",
                               timeout=300)

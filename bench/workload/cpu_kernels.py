@@ -56,7 +56,8 @@ def make(kernel: dict[str, Any], seed: int) -> tuple[Callable[[], Any], Callable
     return _make_python(kind, size, rng)
 
 
-def _make_numpy(kind: str, size: list[int], g: Any) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def _make_numpy(kind: str, size: list[int],
+                g: Any) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     if kind == "matmul":
         m, n, k = size
         a, b = g.standard_normal((m, k)), g.standard_normal((k, n))
@@ -98,7 +99,8 @@ def _make_numpy(kind: str, size: list[int], g: Any) -> tuple[Callable[[], Any], 
     return fn, check
 
 
-def _make_python(kind: str, size: list[int], rng: random.Random) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def _make_python(kind: str, size: list[int],
+                 rng: random.Random) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     def vec(n: int) -> list[float]:
         return [rng.gauss(0.0, 1.0) for _ in range(n)]
     x: Any

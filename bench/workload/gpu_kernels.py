@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import os
 import shutil
 import statistics
 import tempfile
@@ -17,8 +18,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import os
 
 import torch
 

@@ -34,7 +34,8 @@ import os
 import random
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Its modules sit beside it (a pool worker running it as __main__ may not put its folder first)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

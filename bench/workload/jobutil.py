@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TRIAL_FLUSH_BYTES = 4 << 20  # the cpu protocol's stand-in for KernelBench's 256 MB L2 flush
 

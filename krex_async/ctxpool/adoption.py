@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from krex_async import protocol as P
 from krex_async.ctxpool import forms

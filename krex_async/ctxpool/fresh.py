@@ -25,6 +25,7 @@ import warnings
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
+from krex_async import procfs
 from krex_async.ctxpool.adopted import apply as apply_adopted
 from krex_async.ctxpool.forms import Form, executable_for
 
@@ -67,8 +68,9 @@ class Baseline:
         # where a reused worker goes back to after a command: each hierarchy's cgroup.procs
         self.cgroups = _cgroups()
         self.cgroup_home: dict[str, str | None] = _cgroup_homes()
-        self.customize: list[tuple[str, str]] = [(n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
-                          if getattr(sys.modules.get(n), "__file__", None)]
+        self.customize: list[tuple[str, str]] = [
+            (n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
+            if getattr(sys.modules.get(n), "__file__", None)]
 
 
 def _logging_state() -> tuple[Any, ...] | None:
@@ -106,7 +108,7 @@ def _stdio(fd: int, name: str, like: Any, unbuffered: bool | None = None) -> io.
     write = fd != 0
     buffered = not (like.write_through if unbuffered is None else unbuffered)
     buffering = 0 if (write and not buffered) else -1
-    buf: Any = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
+    buf: Any = open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
     raw = buf.raw if buffering else buf
     raw.name = name
     line = buffered and (raw.isatty() or fd == 2)
@@ -287,35 +289,21 @@ def finish(code: int) -> None:
 
 
 def _cgroups() -> dict[str, str]:
-    """This process's cgroup per hierarchy, as /proc/self/cgroup lists them ("0::" is v2)."""
-    out = {}
-    try:
-        with open("/proc/self/cgroup") as f:
-            for ln in f:
-                ident, _, path = ln.rstrip("\n").partition(":")[2].partition(":")
-                out[ident] = path
-    except OSError:
-        pass
-    return out
+    """This process's cgroup per hierarchy, keyed as /proc/self/cgroup names them ("" is v2)."""
+    return {ctrls: path for _hid, ctrls, path in procfs.cgroups() or []}
 
 
 def _cgroup_homes() -> dict[str, str | None]:
     """Per hierarchy of /proc/self/cgroup, the cgroup.procs file of this process's cgroup there
     (None: that hierarchy is not mounted where we can see it)."""
     mounts: dict[str, str] = {}
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for ln in f:
-                pre, _, post = ln.partition(" - ")
-                fields, (fstype, _src, opts) = pre.split(), post.split()[:3]
-                if fstype == "cgroup2":
-                    mounts.setdefault("", fields[4])
-                elif fstype == "cgroup" and fields[3] == "/":
-                    names = [o for o in opts.split(",") if o not in ("rw", "ro") and "=" not in o
-                             or o.startswith("name=")]
-                    mounts.setdefault(",".join(sorted(names)), fields[4])
-    except (OSError, ValueError):
-        pass
+    for m in procfs.mounts("cgroup2", "cgroup"):
+        if m.fstype == "cgroup2":
+            mounts.setdefault("", m.point)
+        elif m.root == "/":
+            names = [o for o in m.options if o not in ("rw", "ro") and "=" not in o
+                     or o.startswith("name=")]
+            mounts.setdefault(",".join(sorted(names)), m.point)
     homes: dict[str, str | None] = {}
     for ident, path in _cgroups().items():
         mount = mounts.get(",".join(sorted(ident.split(","))) if ident else "")
@@ -332,7 +320,7 @@ def _go_home(base: Baseline) -> str | None:
         home = base.cgroup_home.get(ident)
         if not home:
             return f"cannot leave cgroup {path!r} (hierarchy {ident or 'v2'!r}): no way home"
-        try:
+        try:  # written here, not through CgroupFS: a worker between commands keeps its modules lean
             with open(home, "w") as f:
                 f.write(str(os.getpid()))
         except OSError as e:

@@ -37,14 +37,18 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
+from krex_async.ctxpool.procs import identity as _identity
+from krex_async.ctxpool.procs import kill as _kill
+from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
+from krex_async.ctxpool.procs import memory as _memory
+from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
-from krex_async.ctxpool.procs import identity as _identity, kill as _kill, \
-    kill_leftovers as _kill_leftovers, memory as _memory, summary as _summary
 from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]

@@ -1,7 +1,8 @@
 """A warm worker: `python -m krex_async.ctxpool.worker --fd N ...`, started by a Pool, never forked.
 
     start ── import preload ──► "imported" ──(pool holds the node lock)── "init" ──► create context,
-          import --init-modules ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started" ──► run __main__
+          import --init-modules ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started"
+          ──► run __main__
           ──► max_uses reached: exit with the command's status (atexit, flush: a normal exit)
           ──► else: finish, report "exited", fresh.leave, health check ──► "ready" again, or retire
 

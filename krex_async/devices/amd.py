@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
 from .cpu import pci_local_cpus, pci_numa_node, usable_cpus
@@ -106,7 +107,7 @@ class AmdVendor(Vendor):
         smi = self._smi
         clocks = {}
         for name, kind in (("graphics", smi.AmdSmiClkType.GFX), ("mem", smi.AmdSmiClkType.MEM)):
-            info: dict[str, Any] = self._try(lambda: smi.amdsmi_get_clock_info(handle, kind), {})
+            info: dict[str, Any] = self._try(lambda: smi.amdsmi_get_clock_info(handle, kind), {})  # noqa: B023 - called now
             if isinstance(info.get("clk"), int):
                 clocks[name] = info["clk"]
         if "graphics" in clocks:

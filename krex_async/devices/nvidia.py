@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
 from .cpu import cpus_from_mask, pci_local_cpus, pci_numa_node, sysfs_bus_id, usable_cpus
@@ -125,7 +126,7 @@ class NvidiaVendor(Vendor):
         clocks = {}
         for name, kind in (("sm", nvml.NVML_CLOCK_SM), ("mem", nvml.NVML_CLOCK_MEM),
                            ("graphics", nvml.NVML_CLOCK_GRAPHICS)):
-            mhz = self._try(lambda: nvml.nvmlDeviceGetClockInfo(handle, kind), None)
+            mhz = self._try(lambda: nvml.nvmlDeviceGetClockInfo(handle, kind), None)  # noqa: B023 - called now
             if mhz is not None:
                 clocks[name] = int(mhz)
         return clocks
@@ -149,10 +150,8 @@ class NvidiaVendor(Vendor):
     def clock(self, device: Device) -> ClockState | None:
         """The SM clock against the applications clock (else the maximum), with NVML's reasons.
 
-        Measured on the H200 (bench/gpu/check_settle.py): after a neighbour running large matmuls
-        stops, the SM clock sits near 1400 of 1980 MHz under the software power cap and a 0.1 ms
-        matmul times 20% slow; about 100 ms later the clock is back above 90% of its maximum and the
-        same kernel times within 2% of alone. An idle device holding a context kept its maximum.
+        After a neighbour's large matmuls stop, the SM clock sits well below its maximum under the
+        power cap for about 100 ms, and short kernels time slow meanwhile (bench/gpu/check_settle.py).
         """
         handle = self._handles.get(device.key)
         if handle is None:

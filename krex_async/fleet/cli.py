@@ -1,5 +1,6 @@
-"""`krex fleet status` (every node's capacity) and `krex fleet demo --nodes N`: a Ray cluster of N nodes on this machine, a daemon per node, and
-agent-like commands with regions spread over them through the fleet client.
+"""`krex fleet status` (every node's capacity) and `krex fleet demo --nodes N`: a Ray cluster of N
+nodes on this machine, a daemon per node, and agent-like commands with regions spread over them through
+the fleet client.
 
 Every node's daemon has its own socket, state dir and cgroup root and `--devices cpu:2`; the demo
 prints which node and device ran each command and what its region cost, then stops everything it
@@ -26,7 +27,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="a local Ray cluster of N nodes, a daemon each, commands with "
                                     "regions spread over them")
     d.add_argument("--nodes", type=int, default=2, help="Ray nodes on this machine (default 2)")
-    d.add_argument("--commands", type=int, help="commands to run (default 4 per node: two per device, so regions freeze a sibling)")
+    d.add_argument("--commands", type=int, help="commands to run (default 4 per node: two per device, "
+                                                "so regions freeze a sibling)")
     d.add_argument("--devices", default="cpu:2", help="each daemon's --devices (default cpu:2)")
     s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, "
                                       "regions")

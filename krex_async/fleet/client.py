@@ -28,8 +28,7 @@ from typing import Any, NoReturn
 
 import msgspec
 import ray
-from ray.exceptions import (NodeDiedError, ObjectLostError, RayActorError, RayError,
-                            RayTaskError)
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import protocol as P
@@ -78,7 +77,7 @@ async def reachable(address: str, timeout: float = 3.0) -> str:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
                                            timeout)
         writer.close()
-    except (ConnectionError, OSError, ValueError, asyncio.TimeoutError) as e:
+    except (TimeoutError, ConnectionError, OSError, ValueError) as e:
         raise KrexError("unreachable", f"no Ray cluster at {address!r}: "
                                        f"{e or type(e).__name__}") from None
     return gcs
@@ -88,7 +87,7 @@ class FleetHandle:
     """One fleet command: `command` and `device` name its node; output() and wait() as
     CommandHandle's. A lost node ends it with a `lost` report instead of an exception."""
 
-    def __init__(self, fleet: "FleetClient", node: str, spec: dict[str, Any], gen: Any,
+    def __init__(self, fleet: FleetClient, node: str, spec: dict[str, Any], gen: Any,
                  accepted: tuple[Any, ...]) -> None:
         self.client = fleet
         self.node = node
@@ -150,7 +149,7 @@ class FleetHandle:
     async def _kill_quietly(self) -> None:
         try:
             await asyncio.wait_for(self.client.cancel(self.command, signal.SIGKILL), 5.0)
-        except (KrexError, RayError, asyncio.TimeoutError):
+        except (TimeoutError, KrexError, RayError):
             pass  # it ended, or its node went: either way nothing of it runs on
 
     def _lost(self, why: str) -> P.CommandReport:
@@ -193,7 +192,7 @@ class FleetClient:
     @classmethod
     async def connect(cls, address: str | None = "auto", *, socket: str | None = None,
                       daemon: DaemonSpec | None = None, refresh_s: float = 1.0,
-                      ray_options: dict[str, Any] | None = None) -> "FleetClient":
+                      ray_options: dict[str, Any] | None = None) -> FleetClient:
         """Join the Ray cluster at `address` (already joined: reused) and reach an agent on every
         alive node, creating it where there is none: it connects to `socket` (default: the node's
         krex socket) or, with `daemon`, starts and owns the node's daemon. Raises KrexError
@@ -242,7 +241,7 @@ class FleetClient:
         nodes = await asyncio.to_thread(ray.nodes)
         return sorted(self._add_agents(nodes))
 
-    async def __aenter__(self) -> "FleetClient":
+    async def __aenter__(self) -> FleetClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -384,7 +383,7 @@ class FleetClient:
         for command in list(self._kill_on_close):
             try:
                 await asyncio.wait_for(self.cancel(command, signal.SIGKILL), 5.0)
-            except (KrexError, asyncio.TimeoutError):
+            except (TimeoutError, KrexError):
                 pass  # it ended meanwhile, or its node is gone
 
     async def stop_nodes(self) -> None:

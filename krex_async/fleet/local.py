@@ -119,7 +119,7 @@ class LocalFleet:
                     break
                 time.sleep(0.1)
 
-    def __enter__(self) -> "LocalFleet":
+    def __enter__(self) -> LocalFleet:
         self.start()
         return self
 

@@ -94,8 +94,8 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from ..config import default_socket
-    from . import auth
     from ..fleet import fleet_connector
+    from . import auth
     from . import catalog as K
     from .app import Gateway, make_app
     from .env import Environment

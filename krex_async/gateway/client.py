@@ -34,7 +34,7 @@ class GatewayClient:
         self.session = aiohttp.ClientSession(headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout))
 
-    async def __aenter__(self) -> "GatewayClient":
+    async def __aenter__(self) -> GatewayClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

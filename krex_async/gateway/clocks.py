@@ -102,7 +102,7 @@ def lock_now() -> Callable[[], None]:
 class Lock:
     """One job's share of the locked clocks; `release()` once (the last share resets them)."""
 
-    def __init__(self, owner: "_Shared") -> None:
+    def __init__(self, owner: _Shared) -> None:
         self._owner: _Shared | None = owner
 
     def release(self) -> None:

@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import __version__
@@ -83,7 +83,7 @@ class Environment:
         async with self._lock:
             if self._host is None or force:
                 self._host = await asyncio.to_thread(probe_host)
-                self._probed_at = datetime.now(timezone.utc).isoformat()
+                self._probed_at = datetime.now(UTC).isoformat()
         host, errors = self._host
         errors = list(errors)
         devices: list[dict[str, Any]] = []

@@ -332,7 +332,7 @@ class Runner:
             self._loop_task.cancel()
         # Decided first, so the cancellations below do not turn these jobs into `cancelled`.
         self.store.fail_running("gateway_stopped", "the gateway stopped while the job ran")
-        for job_id, command in list(self.commands.items()):
+        for command in list(self.commands.values()):
             if self.client is not None:
                 try:
                     await self.client.cancel(command, 9)

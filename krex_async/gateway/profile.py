@@ -169,7 +169,7 @@ def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
     kernels = []
     for name, metrics in samples.items():
         def mean(*prefixes: str) -> float | None:
-            for m, vs in metrics.items():
+            for m, vs in metrics.items():  # noqa: B023 - called in this iteration only
                 if m.startswith(prefixes):
                     return sum(vs) / len(vs)
             return None

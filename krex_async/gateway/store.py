@@ -5,9 +5,9 @@ no query scans more than the jobs table's indexes). Status only moves forward:
 queued -> running -> succeeded|failed|cancelled, or queued -> cancelled; every update says which
 status it expects (`WHERE status=...`), so a cancelled job is never overwritten by its late result
 and a job is claimed for running at most once. Each job has an `owner` (the identity that submitted
-it, auth.py): reads, lists, cancels and idempotency keys are scoped to it. Opening the store marks every job left `running` by
-a previous gateway as failed (reason `gateway_restarted`): it may have run partly, so it is never
-run again. Queued jobs stay queued and run after the restart.
+it, auth.py): reads, lists, cancels and idempotency keys are scoped to it. Opening the store marks
+every job left `running` by a previous gateway as failed (reason `gateway_restarted`): it may have run
+partly, so it is never run again. Queued jobs stay queued and run after the restart.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ __all__ = ["Backend", "Freeze", "FreezeError", "Group", "IsolationError", "Signa
            "choose_backend"]
 
 
-def choose_backend(cfg: "ServeConfig") -> Backend:
+def choose_backend(cfg: ServeConfig) -> Backend:
     if cfg.isolation == "signal":
         b: Backend = SignalBackend()
         b.reason = "signal backend, as asked (--isolation signal)"

@@ -7,11 +7,11 @@ inside it. A daemon holds `<state_dir>/cgroup.owner` locked (flock) for its life
 the same instance finds the lock taken and refuses to start instead of thawing the first one's
 regions (InstanceBusy).
 
-Each command gets ``<root>/krex/<instance>/cmd-<id>/`` in v2 with two leaves: ``run/`` where the command starts
-and ``keep/`` for the region owner's own processes (created on demand). A freeze of the whole group
-writes ``cmd-<id>/cgroup.freeze``; a freeze that keeps some pids moves them into ``keep/`` and freezes
-``run/`` only, so a group is never frozen through a parent it shares with anyone else. On hybrid hosts
-the v1 cpuset hierarchy carries the same tree for cores.
+Each command gets ``<root>/krex/<instance>/cmd-<id>/`` in v2 with two leaves: ``run/`` where the
+command starts and ``keep/`` for the region owner's own processes (created on demand). A freeze of the
+whole group writes ``cmd-<id>/cgroup.freeze``; a freeze that keeps some pids moves them into
+``keep/`` and freezes ``run/`` only, so a group is never frozen through a parent it shares with
+anyone else. On hybrid hosts the v1 cpuset hierarchy carries the same tree for cores.
 
 The wrapper from `launch_argv` writes its own pid into the cgroup.procs files (v1 first, v2 last) and
 then execs the command, so the command's first instruction already runs inside its cgroups; when the
@@ -36,11 +36,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, IsolationError
-from krex_async.isolation.cgroupfs import (CgroupFileError, CgroupFS, CgroupVanished, EventsWatcher,
-                                           Layout, Watch, detect)
+from krex_async.isolation.cgroupfs import (
+    CgroupFileError,
+    CgroupFS,
+    CgroupVanished,
+    EventsWatcher,
+    Layout,
+    Watch,
+    detect,
+)
 from krex_async.isolation.cpuset import Cores, move
-from krex_async.isolation.intent import (KREX, Intent, claim_instance, instance_name,
-                                        mark_instance, sweep)
+from krex_async.isolation.intent import KREX, Intent, claim_instance, instance_name, mark_instance, sweep
 
 DEFAULT_STATE_DIR = "/run/krex" if os.geteuid() == 0 else os.path.join(
     os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
@@ -57,7 +63,7 @@ class CgroupGroup(Group):
     thawed_at: float = 0.0  # time.monotonic() of the last thaw (its cgroup.events notification)
     written: set[str] = field(default_factory=set)  # cgroups whose cgroup.freeze we set to 1
     #: cgroup.events watches of top/ and run/, armed at create() and closed at remove(): armed
-    #: long before any write, and a freeze pays no inotify_add_watch (about 75 us on the dev VM)
+    #: long before any write, and a freeze pays no inotify_add_watch (tens of microseconds)
     watches: dict[str, Watch] = field(default_factory=dict)
 
     @property

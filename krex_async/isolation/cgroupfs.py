@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from krex_async import procfs
 from krex_async.isolation.base import IsolationError
 
 
@@ -50,8 +51,8 @@ def _error(op: str, path: str, data: str | None, err: OSError) -> CgroupFileErro
 class CgroupFS:
     """Files of one cgroup tree, addressed relative to `root` ("" is the root itself)."""
 
-    #: files read (and cgroup.freeze written) on every region: kept open, pread/pwrite cost ~1 us
-    #: instead of ~17 us for open+read+close on the dev VM (kernfs regenerates at offset 0)
+    #: files read (and cgroup.freeze written) on every region: kept open, a pread/pwrite costs a
+    #: fraction of open+read+close (kernfs regenerates at offset 0)
     #: cgroup.procs only with `keep_procs` (v2): a v1 cgroup.procs fd re-serves a cached pid list.
     KEPT = ("cgroup.freeze", "cgroup.events")
 
@@ -226,9 +227,9 @@ class Watch:
         """Await `pred()` true, re-checked on each change of the file. False when `timeout` passed.
 
         `spin`: for this long first, re-check on every loop turn as well (no sleeping: other
-        coroutines run in between). On the 6.18 test VM the inotify event for `frozen 1` arrives
-        ~6.7 ms after the write (cgroup file notifications are deferred and rate-limited by the
-        kernel) while the state itself is reached in ~0.2 ms; the watch stays armed throughout.
+        coroutines run in between): the kernel defers and rate-limits cgroup file notifications, so
+        the inotify event for `frozen 1` can come milliseconds after the state itself; the watch
+        stays armed throughout.
         Exceptions of `pred` (CgroupVanished when the cgroup went away) propagate.
         """
         done = await Watch.until_all({0: (self, pred)}, timeout, spin)
@@ -359,28 +360,22 @@ class Layout:
 
 def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, str | None]:
     """(cgroup2 mount point, v1 cpuset mount point), None where absent."""
-    v2 = v1 = None
-    with open(mountinfo) as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if not rfields:
-                continue
-            if rfields[0] == "cgroup2" and v2 is None:
-                v2 = fields[4]
-            elif rfields[0] == "cgroup" and "cpuset" in rfields[-1].split(",") and v1 is None:
-                v1 = fields[4]
+    ms = procfs.mounts("cgroup2", "cgroup", mountinfo=mountinfo)
+    v2 = next((m.point for m in ms if m.fstype == "cgroup2"), None)
+    v1 = next((m.point for m in ms if m.fstype == "cgroup" and "cpuset" in m.options), None)
     return v2, v1
 
 
 def own_cgroups(pid: str = "self") -> dict[str, str]:
-    """The process's cgroup per hierarchy: {'': '/a/b'} for v2, {'cpuset': '/'} for v1 ones."""
+    """The process's cgroup per hierarchy: {'': '/a/b'} for v2, {'cpuset': '/'} for v1 ones.
+    Raises ProcessLookupError when the process is gone or unreadable."""
+    lines = procfs.cgroups(pid)
+    if lines is None:
+        raise ProcessLookupError(f"/proc/{pid}/cgroup cannot be read")
     out: dict[str, str] = {}
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            _hid, ctrls, path = line.rstrip("\n").split(":", 2)
-            for c in ctrls.split(",") if ctrls else [""]:
-                out[c] = path
+    for _hid, ctrls, path in lines:
+        for c in ctrls.split(",") if ctrls else [""]:
+            out[c] = path
     return out
 
 

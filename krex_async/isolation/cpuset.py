@@ -66,8 +66,8 @@ class Cores:
         self.base = base
         self.chain = [KREX] + ([base] if base != KREX else [])
         self.fs: CgroupFS = v1 if (mode == "v1" and v1 is not None) else v2
-        # Partitions are opt-in (KREX_CPUSET_PARTITION=1): on the accelerator's 6.18 kernel, undoing
-        # one left its sibling leaf refusing cpuset.cpus="" with ENOSPC. Plain cpuset fences give
+        # Partitions are opt-in (KREX_CPUSET_PARTITION=1): on a 6.18 kernel, undoing one left its
+        # sibling leaf refusing cpuset.cpus="" with ENOSPC. Plain cpuset fences give
         # the owner its cores alone as well, since every other command is fenced off them.
         self.partition: bool | None = None if os.environ.get("KREX_CPUSET_PARTITION") == "1" \
             else False
@@ -147,8 +147,8 @@ class Cores:
                 return
             if want == in_run and not (exclusive and cpus is not None and self.partition is not False):
                 # The owner alone in run/ (the usual case) is fenced where it is: moving it to
-                # keep/ writes cgroup.procs, whose rwsem waits for an RCU grace period (up to
-                # 12 ms on the dev VM, more on a busy host). A partition needs keep/.
+                # keep/ writes cgroup.procs, whose rwsem waits for an RCU grace period
+                # (milliseconds). A partition needs keep/.
                 leaves = [run]
             elif want == in_keep or cpus is None:
                 leaves = [keep] if want <= in_keep else [x for x in (run, keep) if fs.exists(x)]

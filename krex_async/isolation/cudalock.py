@@ -3,7 +3,7 @@
 `cuCheckpointProcessLock(pid)` (CUDA driver API 12.8+, libcuda.so.1 through ctypes; the caller needs
 cuInit(0), no context) makes every CUDA call of `pid` block until `cuCheckpointProcessUnlock`, while
 its other threads run on: a sibling that is compiling or generating inputs keeps its CPU through a
-region. On the H200 (FACTS.md): lock 0.4-2 ms, unlock ~0.5 ms; the lock does not wait for queued
+region. A lock takes about 0.4-2 ms, an unlock ~0.5 ms; the lock does not wait for queued
 kernels (the drain is still verified); a lock outlives the process that took it; a locked process
 still dies of SIGKILL and SIGTERM; a process with no CUDA context cannot be locked.
 

@@ -104,7 +104,7 @@ class Intent:
     `note()` adds entries ahead of need (a command's cgroups when they are made) and writes them in
     the background; `ensure()` adds entries and returns once they are on disk, so a region whose
     targets were noted earlier pays no write. Writes run on a worker thread (an fsync under heavy
-    I/O took 8-16 ms on the dev VM: it must not stall the event loop), one at a time, each a full
+    I/O takes milliseconds: it must not stall the event loop), one at a time, each a full
     snapshot; a snapshot older than the one on disk is never renamed over it.
     """
 

@@ -60,7 +60,7 @@ class Guard:
         self._closed = False
 
     @classmethod
-    def start(cls, timeout: float = 5.0) -> "Guard":
+    def start(cls, timeout: float = 5.0) -> Guard:
         """Spawn the guard for this process and wait until it holds its pidfd on us."""
         rfd, wfd = os.pipe()
         try:

@@ -63,7 +63,7 @@ def import_bcc() -> ModuleType:
 def check_root() -> None:
     """bcc needs CAP_BPF/CAP_PERFMON; root is the simple way. Raises ProbeUnavailable otherwise."""
     if os.geteuid() != 0:
-        raise ProbeUnavailable("eBPF probes need root (euid is %d)" % os.geteuid())
+        raise ProbeUnavailable(f"eBPF probes need root (euid is {os.geteuid()})")
 
 
 def compile_bpf(text: str, what: str) -> Any:
@@ -98,10 +98,9 @@ ENOTSUPP = 524  # the kernel's own 'not supported' (include/linux/errno.h), seen
 class CountMap:
     """A BPF hash of integer keys to u64 counts, read whole by BPF_MAP_LOOKUP_BATCH.
 
-    bcc's items() costs two syscalls and ~5.5 us of Python per entry (0.66 ms for 120 entries on
-    the dev VM); its items_lookup_batch() allocates max_entries-sized arrays on every call. This
-    keeps one pair of arrays for the map's life and reads it in one syscall (a few when entries
-    move between calls): about 70 us for 20 entries, 250 us for 500. Where the kernel has no batch
+    bcc's items() costs two syscalls and microseconds of Python per entry; its items_lookup_batch()
+    allocates max_entries-sized arrays on every call. This keeps one pair of arrays for the map's
+    life and reads it in one syscall (a few when entries move between calls). Where the kernel has no batch
     lookup (before 5.6: EINVAL), read() falls back to items() for good.
     """
 
@@ -227,10 +226,10 @@ class RingPoller:
     probe's 4096 pages (16 MiB) hold 262144 records of 64 bytes, 2.6 s at 100k events/s; the thread
     itself must keep up on average (about 2 us of CPU per event here: 20% of a core at 100k/s).
     `tick()` runs on this thread every `tick_s` (map upkeep). Neither a drain nor a tick starts
-    while a region is entering (hold.HOLD); a long tick should call HOLD.wait() between its steps. `stop(snapshot)` detaches the
-    programs, lets the thread drain what they produced and exit, calls `snapshot()` (the owner
-    reads its final counts and lost there: they then describe exactly the records delivered),
-    then releases everything (bpf.cleanup()).
+    while a region is entering (hold.HOLD); a long tick should call HOLD.wait() between its steps.
+    `stop(snapshot)` detaches the programs, lets the thread drain what they produced and exit, calls
+    `snapshot()` (the owner reads its final counts and lost there: they then describe exactly the
+    records delivered), then releases everything (bpf.cleanup()).
     """
 
     def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],

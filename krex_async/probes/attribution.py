@@ -26,8 +26,9 @@ from __future__ import annotations
 import os
 import time
 
-from .base import ProbeEvent
+from .. import procfs
 from ..procfs import stat_fields
+from .base import ProbeEvent
 
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:
@@ -50,15 +51,7 @@ def cgroup_id(cgroup_dir: str) -> int:
 def cgroup2_root() -> str | None:
     """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified on
     hybrid hosts), or None."""
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and parts[2] == "cgroup2":
-                    return parts[1]
-    except OSError:
-        pass
-    return None
+    return next((m.point for m in procfs.mounts("cgroup2")), None)
 
 
 class Attributor:

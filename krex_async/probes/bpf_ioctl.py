@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.quiesce import GPU_PREFIXES
 from . import _bcc
 from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from .failure import FailureReporting
 from .hold import HOLD
-from ..runtime.quiesce import GPU_PREFIXES
 from .ioctls import ioctl_name
 
 DEFAULT_PREFIXES = GPU_PREFIXES

@@ -2,8 +2,7 @@
 
 The probe backends read their ring buffers (and do upkeep: /proc scans, map pruning) on Python
 threads. A Python thread that runs while the loop works costs the loop a GIL hand-off at each of its
-system calls: on the H200, threads beside a region's entry made it 2-3x slower (bench/RESULTS.md,
-section 3, session 7), and with the bcc probes running the entry's p99 went from 1.8 to 4.3 ms.
+system calls: threads running beside a region's entry made it 2-3x slower (bench/RESULTS.md).
 
     with HOLD.held():           # on the loop: from the region's turn to its grant
         ...freeze, fence, grant...

@@ -17,8 +17,8 @@ compares each mm mapping the library with the target's), so no other process tak
 
 ProcessUprobes runs on the poll thread (and in Outsiders.start(), before that thread exists),
 except `watched()`, which any thread may call (it copies under a lock). Closing a uprobe's perf event
-waits for an RCU grace period inside the kernel, serialised kernel-wide (about 100-150 ms each on
-the 2-core dev VM; an attach made meanwhile waits for it in the kernel), so the uprobes of processes
+waits for an RCU grace period inside the kernel, serialised kernel-wide (about 0.1 s each; an
+attach made meanwhile waits for it in the kernel), so the uprobes of processes
 let go are closed one per tick, and only in a tick with no attach to make: a new outsider waits for
 at most the one close in progress, never behind a batch of them.
 
@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..procfs import stat_fields
 from . import _bcc
 from .hold import HOLD
-from ..procfs import stat_fields
 
 SCOPES = ("outsiders", "all")
 

@@ -11,8 +11,8 @@ allocation, context and sync activity; these uprobes see every call of:
 Scope: who is probed (`scope`, `krex serve --launch-scope`; the daemon's default is `outsiders`).
 A uprobe is an int3 at the probed address: every call traps into the kernel, which then emulates the
 replaced instruction. cuLaunchKernel starts with `push %rbp` (emulated, the cheapest kind), and that
-trap still costs ~0.66 us on the H200 VM against a ~7 us torch launch: -9.3%/-10.3% launch rate
-with global uprobes (bench/RESULTS.md section 5; the goal is under 3%). A trap cannot get cheaper,
+trap still costs about a tenth of a torch launch: some 10% of the launch rate with global uprobes
+(bench/RESULTS.md; the goal is under 3%). A trap cannot get cheaper,
 so the probe stays out of the processes whose timings krex protects:
 - `all`: uprobes on the library files (pid -1): every process mapping them, now or later, traps
   on every launch, krex's own commands included.
@@ -29,8 +29,8 @@ so the probe stays out of the processes whose timings krex protects:
       launch library (the loop then asks is_command and hands the answers back);
   (b) at once when the ioctl probe sees a process open a GPU device file: CombinedProbe hands the
       "open" events' tgids to `opened()` (on the loop), and the poll thread attaches in its next
-      tick (13 ms after the open in the dev VM's dry run of bench/gpu/check_probes.py; CUDA init
-      takes ~300 ms after its first open before any launch can happen).
+      tick (milliseconds after the open; CUDA init takes far longer after its first open before
+      any launch can happen).
   At each rescan the uprobes of exited processes are let go, and so are those of a process that
   has joined a command since it was attached (rare; until that rescan its launches trap and are
   counted as before); they are closed one per idle tick (closing one waits for the kernel).
@@ -354,8 +354,8 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         return _bcc.sum_percpu(self._bpf[b"lost"]) + bad
 
     def stop(self) -> None:
-        """Detach everything (each uprobe's close waits for the kernel: ~0.1 s per perf event on
-        the dev VM, so a daemon probing many outsiders takes a while to stop), drain, release."""
+        """Detach everything (each uprobe's close waits for the kernel, ~0.1 s per perf event, so a
+        daemon probing many outsiders takes a while to stop), drain, release."""
         if self._bpf is None:
             return
 

@@ -25,7 +25,8 @@ import os
 import sys
 
 if False:  # for type checkers only
-    from typing import Any, Callable
+    from collections.abc import Callable
+    from typing import Any
 
 FORWARD = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT, _signal.SIGUSR1,
            _signal.SIGUSR2)
@@ -36,7 +37,8 @@ _SETTABLE_FLAGS = ("dont_write_bytecode",)
 _OWN_FLAGS = frozenset("uBR")
 # Flags whose default is not 0 or depends on the locale: only the daemon, which knows the
 # worker's values, compares them.
-_DAEMON_CHECKS = ("hash_randomization", "utf8_mode", "int_max_str_digits", "gil")  # -u, -B, -R: applied by the worker (or the default anyway)
+# -u, -B, -R are not here: the worker applies them (or they are the default anyway)
+_DAEMON_CHECKS = ("hash_randomization", "utf8_mode", "int_max_str_digits", "gil")
 
 
 def local_reason(pool: str) -> str:

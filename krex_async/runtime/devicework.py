@@ -21,7 +21,8 @@ import ctypes
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CUDA_NAMES = ("libcuda.so.1", "libcuda.so")
 _HIP_NAMES = ("libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
@@ -100,13 +101,12 @@ _probe: tuple[int, str, Callable[[], None]] | None = None  # (pid, library, run)
 
 
 def _tiny_kernel() -> tuple[str, Callable[[], None]] | None:
-    """(library, launch-and-wait) for a small matmul (about 30 us alone on an H200), using torch or
-    cupy if imported. Measured on the H200: a one-element kernel's round trip stayed at idle level
-    while a neighbour context still had 1.3 s of matmuls queued; a matmul's did not.
+    """(library, launch-and-wait) for a small matmul (tens of microseconds alone), using torch or
+    cupy if imported: a matmul's round trip shows a neighbour's queued work; a one-element kernel's
+    does not.
 
     Built once per process and kept (`_probe`): its first run loads the library's GEMM code, which
-    cost 120-160 ms inside every region of an owner that had not run that matmul yet (run E of the
-    replay, bench/RESULTS.md) and about 1 ms from then on."""
+    costs a hundred milliseconds or more inside a region, and about 1 ms from then on."""
     global _probe
     if _probe is not None and _probe[0] == os.getpid():
         return _probe[1], _probe[2]
@@ -177,11 +177,11 @@ def idle_verify(timeout_s: float = 5.0, window_s: float = 0.02, bar_s: float = 2
     """Time a small kernel's round trip (launch, then wait) until the device shows no other work.
 
     While another context's queued work still runs, the GPU time-slices between contexts and some
-    of our round trips wait out its slice: milliseconds instead of tens of microseconds (H200: idle
-    p99 45 us; beside a busy neighbour p50 23 us but p90 2.5 ms, bench/gpu/check_settle.py). So the
-    device counts as drained once every round trip for `window_s` (longer than a time slice, and
-    at least `min_samples` of them) stayed under a bar: `bar_s`, or three times the fastest round
-    trip seen where that is slower (a slow host), but never more than 1 ms. The bar is absolute on
+    of our round trips wait out its slice: milliseconds instead of tens of microseconds
+    (bench/gpu/check_settle.py measures both). So the device counts as drained once every round
+    trip for `window_s` (longer than a time slice, and at least `min_samples` of them) stayed under
+    a bar: `bar_s`, or three times the fastest round trip seen where that is slower (a slow host),
+    but never more than 1 ms. The bar is absolute on
     purpose: a baseline calibrated from the first samples is the busy level when those samples all
     waited for slices (which made an earlier version pass a busy device in 60 ms).
 

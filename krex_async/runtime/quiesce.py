@@ -32,7 +32,7 @@ if False:  # for type checkers only (annotations are strings here)
     from typing import Any
 
 MAX_FRAME = 16 * 1024 * 1024
-_state: "_Listener | None" = None
+_state: _Listener | None = None
 _stopping = False  # stop() was called: a listener that connects afterwards ends at once
 
 
@@ -247,7 +247,7 @@ def on_signal() -> None:
             t0 = time.perf_counter()
             st.gpu = st.gpu or holds_gpu_file(unreadable=True)
             # Without a GPU device file there is no context and nothing queued: skip the device
-            # libraries' probing (six dlopen(RTLD_NOLOAD) searches, 1-2 ms on the dev VM).
+            # libraries' probing (six dlopen(RTLD_NOLOAD) searches, milliseconds).
             synced = _devicework().synchronize() if st.gpu else "none"
             seconds = time.perf_counter() - t0
             if st.pending is not p:  # resumed (or replaced) while we synchronised: no stale ack

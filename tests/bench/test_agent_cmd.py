@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import gen_trace
-from tests.bench.conftest import ROOT, run_script
 from trace_format import METHODS
+
+from tests.bench.conftest import ROOT, run_script
 
 
 def _lines(n: int = 40, reps: int = 8) -> list[dict]:

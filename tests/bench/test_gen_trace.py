@@ -7,11 +7,11 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 import gen_trace
-from tests.bench.conftest import run_script
+import pytest
 from trace_format import BUCKETS, PHASES, read_trace, validate_line
+
+from tests.bench.conftest import run_script
 
 PROFILES = sorted(p.stem for p in (Path(gen_trace.__file__).parent / "profiles").glob("*.json"))
 

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import jobs
 import jobs_report
 import jobs_sets
+import pytest
+
 from tests.bench.conftest import ROOT, run_script
 from tests.bench.kb_fixture import write_atrex, write_kernelbench
 
@@ -87,7 +87,8 @@ def test_job_set_is_drawn_from_the_checkout_by_level_and_seed(tmp_path: Path) ->
     assert pick == jobs_sets.pick_problems(probs, 8, (5, 2, 1), seed=3)
     assert len(jobs_sets.pick_problems(probs[:3], 8, (5, 2, 1), 0)) == 3  # fewer than asked: all
     # gpu without a suite: Triton jobs; with one: only what was asked
-    assert {j.spec["kind"] for j in jobs_sets.build(size, "gpu", None, None, None, None, [1], 0)} == {"triton"}
+    built = jobs_sets.build(size, "gpu", None, None, None, None, [1], 0)
+    assert {j.spec["kind"] for j in built} == {"triton"}
     with pytest.raises(ValueError, match="empty"):
         jobs_sets.build(size, "cpu", None, None, None, 0, [1], 0)
 
@@ -159,11 +160,11 @@ def test_job_exit_codes_for_a_bad_spec_and_a_failed_check(tmp_path: Path) -> Non
     assert p.returncode == 3 and not jobs.parse_lines(p.stdout)[0]["check"]["ok"]
 
 
-def _rec(key: str, median: float, p95: float, regions: list[dict[str, Any]] = [],
-         krex: dict[str, Any] = {}) -> dict[str, Any]:
+def _rec(key: str, median: float, p95: float, regions: list[dict[str, Any]] | None = None,
+         krex: dict[str, Any] | None = None) -> dict[str, Any]:
     line = {"key": key, "phases_s": {"import": 1.0, "inputs": 0.5, "check": 0.1, "timing": 0.2},
             "timing": {"median_ms": median, "p95_ms": p95}, "check": {"ok": True}, "route": "r"}
-    return {"keys": [key], "ok": True, "lines": [line], "regions": regions, "krex": krex,
+    return {"keys": [key], "ok": True, "lines": [line], "regions": regions or [], "krex": krex or {},
             "end_s": 3.0}
 
 

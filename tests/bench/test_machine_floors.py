@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_script
-
 from krex_async.probes.attribution import cgroup2_root
+
+from .conftest import run_script
 
 V2 = cgroup2_root()
 

@@ -68,7 +68,8 @@ def test_plot_from_a_results_file(tmp_path: Path) -> None:
     import analysis
     import plot
     iso = [{"key": "k|do_bench", "timing": {"median_ms": 2.0, "p95_ms": 2.2}}]
-    cmd = {"ok": True, "session": "s0", "order": 0, "client_s": 5.0, "result": {"key": "k|do_bench", "method": "do_bench",
+    cmd = {"ok": True, "session": "s0", "order": 0, "client_s": 5.0,
+           "result": {"key": "k|do_bench", "method": "do_bench",
                                   "timing": {"median_ms": 2.1, "p95_ms": 2.3}}, "report": {}}
     data = {"config": {"commands": 1, "concurrency": 1, "cores": 2, "think_scale": 1.0},
             "isolated": {"results": iso},

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 import gen_trace
+import pytest
 import suites
-from tests.bench.conftest import run_script
 from trace_format import validate_line
+
+from tests.bench.conftest import run_script
 
 # Plain-Python models, so the problems run on the cpu device without torch.
 KB_PROBLEM = '''
@@ -101,7 +101,8 @@ def test_suite_commands_load_check_and_time(tmp_path: Path, suite: str) -> None:
 def test_suite_check_fails_for_a_nondeterministic_reference(tmp_path: Path) -> None:
     root = write_kernelbench(tmp_path)
     (root / "KernelBench" / "level1" / "1_ScaleAdd.py").write_text(
-        KB_PROBLEM.replace("return [self.scale * x + y", "import random\n        return [random.random() + y"))
+        KB_PROBLEM.replace("return [self.scale * x + y",
+                           "import random\n        return [random.random() + y"))
     (k,) = [k for k in suites.suite_kernels("kernelbench", root) if k["id"].endswith("1_ScaleAdd")]
     fn, check = suites.make_callable(k["source"], gpu=False, seed=0)
     ok, err = check()

@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gen_trace
 import pytest
 
-import gen_trace
 from tests.bench.conftest import run_script
 
 torch = pytest.importorskip("torch", reason="torch is not installed here")
 
-SMALL = {"matmul": [128, 128, 128], "reduction": [64, 512], "softmax": [64, 512], "conv": [2, 8, 16, 16, 8, 3]}
+SMALL = {"matmul": [128, 128, 128], "reduction": [64, 512], "softmax": [64, 512],
+         "conv": [2, 8, 16, 16, 8, 3]}
 
 KB_TORCH = '''
 import torch

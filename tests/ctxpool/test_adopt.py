@@ -61,7 +61,7 @@ def plain(line: str, cwd: Path, stdin: bytes = b"") -> subprocess.CompletedProce
 
 
 async def test_sh_c_job_is_adopted_and_behaves_like_a_fresh_process(tmp_path: Path) -> None:
-    job = write(tmp_path, "job.py", MARK + """
+    write(tmp_path, "job.py", MARK + """
         import os, sys
         print("argv", sys.argv, "file", __file__, "name", __name__, flush=True)
         print("cwd", os.getcwd(), "env", os.environ.get("JOBVAR"), "stdin", sys.stdin.read())
@@ -137,9 +137,11 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
             first = p.stdout.readline().split()
             p.send_signal(sig)
             out, err = p.communicate(timeout=20)
-            print(how, p.returncode, first[1].decode(), out.decode().strip(), err.decode().strip().splitlines()[-1:], flush=True)
+            print(how, p.returncode, first[1].decode(), out.decode().strip(),
+                  err.decode().strip().splitlines()[-1:], flush=True)
             time.sleep(0.3)
-            alive = os.path.exists(f"/proc/{{int(first[0])}}") and open(f"/proc/{{int(first[0])}}/stat").read().split()[2] != "Z"
+            stat = f"/proc/{{int(first[0])}}/stat"
+            alive = os.path.exists(stat) and open(stat).read().split()[2] != "Z"
             print(how, "program alive", alive, flush=True)
             time.sleep(1.0)
     """)
@@ -263,7 +265,7 @@ async def test_a_cancel_signals_the_program_once(tmp_path: Path) -> None:
             h = await c.submit(["/bin/sh", "-c", f"trap '' TERM; {PY} job.py"], env=py_env(),
                                cwd=str(tmp_path))
             out = b""
-            async for stream, data in h.output():
+            async for _stream, data in h.output():
                 out += data
                 if b"ready" in out:
                     await h.cancel(signal.SIGTERM)

@@ -6,9 +6,8 @@ import os
 import re
 import signal
 import textwrap
+from collections.abc import AsyncIterator
 from pathlib import Path
-
-from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio

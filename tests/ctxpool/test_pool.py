@@ -403,7 +403,8 @@ async def test_large_environment_crosses_the_channel(pool: Pool, tmp_path: Path)
 async def test_fork_in_reused_worker_child_exits_like_python(reuse_pool: Pool, tmp_path: Path) -> None:
     from tests.ctxpool.conftest import run_plain
     code = ("import os, sys\npid = os.fork()\nif pid == 0:\n    print('child', flush=True)\n"
-            "    sys.exit(3)\n_, st = os.waitpid(pid, 0)\nprint('parent saw', os.waitstatus_to_exitcode(st))\n")
+            "    sys.exit(3)\n_, st = os.waitpid(pid, 0)\n"
+            "print('parent saw', os.waitstatus_to_exitcode(st))\n")
     plain = await run_plain([PY, "-c", code], str(tmp_path))
     pooled = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
     assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)

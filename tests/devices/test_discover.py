@@ -12,8 +12,7 @@ import pytest
 
 from krex_async.devices import Device, NoDevice, Unavailable, discover, open_node, place
 from krex_async.devices.amd import AmdVendor
-from krex_async.devices.cpu import (cpus_from_mask, parse_cpulist, pci_local_cpus, pci_numa_node,
-                                    sysfs_bus_id)
+from krex_async.devices.cpu import cpus_from_mask, parse_cpulist, pci_local_cpus, pci_numa_node, sysfs_bus_id
 from krex_async.devices.nvidia import NvidiaVendor
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from krex_async import Client, KrexError
+from krex_async import KrexError
 
 from ..conftest import PY, proc_state, py_env, run_daemon
 from .test_daemon_death import SIBLING, tree
@@ -33,7 +33,7 @@ async def test_owner_sigkilled_inside_its_region_releases_it_and_thaws_siblings_
             victims = tree(sib_pid)
             h = await c.submit([PY, owner], env=py_env())
             t_inside = None
-            async for _, data in h.output():
+            async for _, _data in h.output():
                 t_inside = time.monotonic()
             res = await h.wait()
             assert t_inside is not None and res.report.signal == 9

@@ -82,7 +82,7 @@ async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon
 async def _sigkill_mid_region(owner: str, backend: list[str], held) -> None:  # type: ignore[no-untyped-def]
     async with run_daemon(*backend, "--region-timeout", "120") as d:
         c = await d.client()
-        sib = await c.submit(SIBLING, on_disconnect="keep")
+        await c.submit(SIBLING, on_disconnect="keep")
         own = await c.submit([PY, owner], env=py_env(), on_disconnect="keep")
         async for _, data in own.output():
             assert b"inside" in data

@@ -16,8 +16,6 @@ import subprocess
 import tempfile
 import time
 
-import pytest
-
 from krex_async import Client
 
 from ..conftest import PY, py_env, run_daemon

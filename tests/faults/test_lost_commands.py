@@ -18,7 +18,7 @@ import pytest
 
 from krex_async import Client
 
-from ..conftest import PY, ROOT, proc_state, private_cgroup_root, remove_cgroup_tree
+from ..conftest import PY, ROOT, private_cgroup_root, proc_state, remove_cgroup_tree
 from ..security.helpers import LAUNCH, USER_PY, User, make_users, user_env
 from .test_daemon_death import tree
 
@@ -239,7 +239,7 @@ async def test_a_reused_pid_is_never_taken_for_the_lost_commands_leader():
         assert await end_lost(backend, rec) == ("no processes left", [])  # another process's pid now
         assert proc.poll() is None and all(proc_state(p) not in (None, "Z") for p in kids)
         rec.start_ticks = ticks
-        assert await end_lost(backend, rec) == ("killed 3 process(es) of session %d" % proc.pid, [])
+        assert await end_lost(backend, rec) == (f"killed 3 process(es) of session {proc.pid}", [])
         assert proc.wait(5) == -9
         assert all(proc_state(p) in (None, "Z") for p in kids)
     finally:

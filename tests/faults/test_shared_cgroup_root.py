@@ -56,7 +56,8 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
             assert (await cb.status())["commands"][0]["pid"]
             await mine.cancel(9)
             assert (await mine.wait()).report.state == "cancelled"
-            assert os.path.dirname(cgroup_of(sib_pid)).startswith(f"{shared_root[len(v2_mount() or ''):]}/krex/d-")
+            rel_root = shared_root[len(v2_mount() or ''):]
+            assert os.path.dirname(cgroup_of(sib_pid)).startswith(f"{rel_root}/krex/d-")
             # B restarts on its own state dir (its sweep runs again), then dies by SIGKILL (its
             # watchdog sweeps): A's sibling stays frozen throughout.
             b.proc.kill()

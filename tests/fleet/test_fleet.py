@@ -4,7 +4,6 @@ kept per node, a daemon killed mid-run, and one result per command."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -12,12 +11,12 @@ import time
 
 import pytest
 
-
 from .conftest import NEEDS_RAY, by_node, env
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
+
 PY = sys.executable
 
 
@@ -155,7 +154,7 @@ async def test_cancel_reaches_the_command_on_its_node(local_fleet: LocalFleet) -
         h = await fc.submit([PY, "-c", "import time; print('up', flush=True); time.sleep(30)"],
                             env=env(), node="node2")
         seen = b""
-        async for stream, data in h.output():
+        async for _stream, data in h.output():
             seen += data
             if seen == b"up\n":
                 break

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway.client import GatewayClient
-
 from tests.security.helpers import USER_PYTHONPATH
 
 from ..gateway.conftest import JOB_USER, gateway_home, job_python

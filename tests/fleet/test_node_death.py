@@ -17,6 +17,7 @@ from .conftest import NEEDS_RAY, env
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
+
 PY = sys.executable
 
 

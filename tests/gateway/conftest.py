@@ -2,9 +2,9 @@
 
 The gateway runs with its default trust model: a token generated into <state>/token (the client
 reads it). As root, `stack` runs jobs as the test user krextest (--run-as), a member of the daemon's
---socket-group krexg so that regions in its jobs reach the daemon, as a node would be set up. Its state lives in a fresh
-/tmp directory that other users may traverse (pytest's tmp_path is private to root), beside a
-world-writable `scratch` directory where jobs leave what a test wants to see.
+--socket-group krexg so that regions in its jobs reach the daemon, as a node would be set up. Its
+state lives in a fresh /tmp directory that other users may traverse (pytest's tmp_path is private to
+root), beside a world-writable `scratch` directory where jobs leave what a test wants to see.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def gwhome() -> Iterator[Path]:
 
 @contextlib.asynccontextmanager
 async def stack(tmp_path: Path, *gateway_args: str, daemon_args: tuple[str, ...] = (),
-                as_test_user: bool = True, **kw: object) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
+                as_test_user: bool = True,
+                **kw: object) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
     """A daemon, a gateway on it, and a client of the gateway; all stopped after (tmp_path is
     unused: the gateway's state must be reachable by its jobs' user, see gateway_home)."""
     root = os.geteuid() == 0

@@ -11,8 +11,8 @@ fatal signal. A pid without a context answers CUDA_ERROR_INVALID_VALUE.
 
 The sibling (`sib LIB NAME MODE [DEVFILE [ioctl]]`): MODE cuda (a context, then launches in a loop on the
 main thread), slow (a context, then one 3 s CUDA call before the loop), nocuda (no context). A
-second thread counts CPU work (and with `ioctl`, makes an ioctl on DEVFILE every 20 ms). Its counters are in `$FAKE_CUDA_DIR/NAME.stats` (pid, launches,
-cpu ticks as three longs), written from the start.
+second thread counts CPU work (and with `ioctl`, makes an ioctl on DEVFILE every 20 ms). Its
+counters are in `$FAKE_CUDA_DIR/NAME.stats` (pid, launches, cpu ticks as three longs), written from the start.
 """
 
 from __future__ import annotations

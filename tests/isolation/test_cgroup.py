@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import pathlib
+import signal
 import subprocess
 import tempfile
 import time

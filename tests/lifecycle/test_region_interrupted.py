@@ -40,7 +40,7 @@ async def test_a_region_wait_interrupted_by_an_exception_is_withdrawn(script):
     async with run_daemon("--freeze", "device-holders", "--region-timeout", "60") as d:
         async with await d.client() as c:
             a = await c.submit([PY, script("a.py", HOLDER)], env=py_env())
-            async for _, data in a.output():
+            async for _, _data in a.output():
                 break
             b = await c.submit([PY, script("b.py", IMPATIENT)], env=py_env())
             async for _, data in b.output():

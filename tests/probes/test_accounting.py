@@ -40,7 +40,7 @@ async def test_counts_equal_delivered_plus_lost_after_stop_during_a_flood(devdir
         try:
             assert child.stdout is not None
             pid = int(child.stdout.readline())
-            assert await col.wait_for(lambda: len(col.of(pid)) > 2000)
+            assert await col.wait_for(lambda: len(col.of(pid)) > 2000)  # noqa: B023 - awaited here
             probe.stop()
             await asyncio.sleep(0.05)  # the last batches run on the loop
         finally:

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from krex_async.runtime import quiesce
 from krex_async import protocol as P
+from krex_async.runtime import quiesce
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from krex_async import Client
+
 from ..conftest import PY, private_cgroup_root, remove_cgroup_tree
 from ..security.helpers import config_daemon
 

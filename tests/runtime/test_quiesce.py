@@ -8,8 +8,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -223,6 +223,7 @@ def test_the_main_thread_imports_only_builtin_modules_for_krex() -> None:
     socket, ctypes and msgspec load on its own thread). What that costs in time is measured by
     bench/runtime_start.py, not here: timed start-ups failed CI on GIL contention alone."""
     import ast
+
     from krex_async.runtime import sitecustomize as sc
 
     def imports(node: ast.AST) -> set[str]:

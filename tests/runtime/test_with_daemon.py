@@ -11,6 +11,7 @@ import pytest
 
 from ..conftest import PY, py_env, run_daemon
 from ..test_regions import start_ticker, ticks
+from .test_integrations import FAKE_TRITON_TESTING, write_fake_kernelbench
 
 # A ticker that also records how many quiesces its runtime acknowledged so far.
 ACK_TICKER = """
@@ -21,7 +22,6 @@ with open(sys.argv[1], "a", buffering=1) as f:
         f.write(f"{time.monotonic()} {st.acks if st else -1}\\n")
         time.sleep(0.001)
 """
-from .test_integrations import FAKE_TRITON_TESTING, write_fake_kernelbench
 
 OWNER = """
 import json, sys, time

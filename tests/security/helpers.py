@@ -1,5 +1,6 @@
-"""Helpers for the security and fault suites (tests/faults imports them too): a daemon started from a full ServeConfig (for options
-the command line does not expose), other users to connect as, and raw-socket framing."""
+"""Helpers for the security and fault suites (tests/faults imports them too): a daemon started from
+a full ServeConfig (for options the command line does not expose), other users to connect as, and
+raw-socket framing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path

@@ -4,8 +4,6 @@ freeze its siblings, release someone else's region, or register as their runtime
 
 from __future__ import annotations
 
-import asyncio
-
 from ..conftest import PY, py_env, run_daemon
 
 VICTIM = """

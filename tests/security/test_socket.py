@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from ..conftest import PY, ROOT, py_env
+from ..conftest import PY, py_env
 from .helpers import LAUNCH, config_daemon, hello, raw
 
 CONNECT = """

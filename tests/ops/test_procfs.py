@@ -1,0 +1,48 @@
+"""procfs: the one reader of the mount table and /proc/<pid>/cgroup, checked against a crafted
+mountinfo and against the kernel's own files for this process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from krex_async import procfs
+from krex_async.isolation.cgroupfs import cgroup_mounts, own_cgroups
+
+MOUNTINFO = (
+    "25 30 0:22 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+    "26 30 0:23 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n"
+    "27 30 0:24 /sub /mnt/with\\040space rw - cgroup cgroup rw,freezer\n"
+    "28 30 0:25 / /sys/kernel/tracing rw - tracefs tracefs rw\n"
+    "garbage\n"
+)
+
+
+def test_mounts_parse_filter_and_unescape(tmp_path):
+    mi = tmp_path / "mountinfo"
+    mi.write_text(MOUNTINFO)
+    ms = procfs.mounts(mountinfo=str(mi))
+    assert [m.fstype for m in ms] == ["cgroup2", "cgroup", "cgroup", "tracefs"]
+    cg = procfs.mounts("cgroup", mountinfo=str(mi))
+    assert [(m.point, m.root, m.options) for m in cg] == [
+        ("/sys/fs/cgroup/cpuset", "/", ("rw", "cpuset")),
+        ("/mnt/with space", "/sub", ("rw", "freezer"))]
+    assert cgroup_mounts(str(mi)) == ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpuset")
+    assert procfs.mounts(mountinfo=str(tmp_path / "missing")) == []
+
+
+def test_mounts_match_the_kernel_table():
+    with open("/proc/self/mounts") as f:
+        want = [line.split()[1] for line in f if line.split()[2] == "cgroup2"]
+    assert [m.point for m in procfs.mounts("cgroup2")] == want
+
+
+def test_cgroups_of_a_process_and_of_a_gone_one():
+    with open("/proc/self/cgroup") as f:
+        want = [tuple(line.rstrip("\n").split(":", 2)) for line in f]
+    assert procfs.cgroups() == want == procfs.cgroups(os.getpid())
+    p = subprocess.Popen(["true"])
+    p.wait()
+    assert procfs.cgroups(p.pid) is None  # reaped: its /proc entry is gone
+    v2 = [path for hid, ctrls, path in want if hid == "0" and not ctrls]
+    assert own_cgroups().get("") == (v2[0] if v2 else None)
