@@ -137,14 +137,14 @@ class Daemon:
 
     # ---------------------------------------------------------------------------------- helpers
 
-    async def start_pools(self) -> None:
-        """One pool of warm workers per device, started as the daemon's user (commands of other
-        users are spawned plainly), with the environment commands get from the daemon."""
+    async def start_pools(self, user: tuple[int, int, list[int]] | None = None) -> None:
+        """One pool of warm workers per device, run as `user` (pool_user(); None: the daemon's),
+        whose commands alone they serve (others are spawned plainly), with the environment
+        commands get from the daemon."""
         cfg = self.config
         if cfg.pool_size <= 0:
             return
         preload, init = cfg.pool_preload_list, cfg.pool_init_list
-        user = pool_user(cfg.pool_user)
         for d in self.devices:
             env = dict(os.environ)
             env.pop("KREX_SOCKET", None)

@@ -29,7 +29,7 @@ from . import protocol as P
 from .attribution import Attributor
 from .commands import CommandState
 from .config import ServeConfig
-from .daemon import Daemon, RequestError
+from .daemon import Daemon, RequestError, pool_user
 from .devices import Unavailable, open_node
 from .isolation import choose_backend
 
@@ -553,6 +553,7 @@ def start_probes(daemon: Daemon) -> None:
 
 async def serve(config: ServeConfig) -> int:
     cfg = config.resolved()
+    pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     backend = choose_backend(cfg)
     for line in await backend.reconcile():
@@ -583,7 +584,7 @@ async def serve(config: ServeConfig) -> int:
     for d in daemon.devices:
         daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
     start_probes(daemon)
-    await daemon.start_pools()
+    await daemon.start_pools(pool_as)
     try:
         return await Server(cfg, daemon).run()
     finally:

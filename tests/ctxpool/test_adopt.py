@@ -446,11 +446,14 @@ async def test_a_pool_of_another_user_serves_that_users_commands_only() -> None:
 
 
 def test_an_unknown_pool_user_is_refused_at_start(tmp_path: Path) -> None:
-    r = subprocess.run([PY, "-m", "krex_async", "serve", "--socket", str(tmp_path / "s"),
-                        "--state-dir", str(tmp_path / "st"), "--pool-size", "1",
-                        "--pool-user", "no-such-user-krex"], capture_output=True, text=True,
-                       timeout=60, env=py_env())
-    assert r.returncode != 0 and "--pool-user 'no-such-user-krex': no such user" in r.stderr, r.stderr
+    for name in ("no-such-user-krex", "99999999999999999999"):
+        r = subprocess.run([PY, "-m", "krex_async", "serve", "--socket", str(tmp_path / "s"),
+                            "--state-dir", str(tmp_path / "st"), "--pool-size", "1",
+                            "--pool-user", name], capture_output=True, text=True,
+                           timeout=60, env=py_env())
+        assert r.returncode != 0 and f"--pool-user {name!r}: no such user" in r.stderr, r.stderr
+        # refused before the daemon made anything: no state dir, no socket
+        assert not (tmp_path / "st").exists() and not (tmp_path / "s").exists()
 
 
 async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_path: Path) -> None:
