@@ -200,10 +200,14 @@ class Daemon:
             finally:
                 self.runner.launching = None
 
-        if pool is not None:  # a burst outruns the refill: wait a little for a warming worker
+        async def prepare() -> None:
+            """Once the adoption is allowed (a refused one never waits): a burst outruns the
+            refill, so wait a little for a warming worker; then hold the command if a region needs."""
+            assert pool is not None
             await pool.warm_soon(self.config.pool_wait)
-        await adoption.serve(pool, req, peer_pid, send, hand, tally,
-                             prepare=lambda: self.regions.hold_arrival(cmd))
+            await self.regions.hold_arrival(cmd)
+
+        await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
 
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")
