@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from krex_async.client import Client  # noqa: E402
+from krex_async.client.submit import Client  # noqa: E402
 from krex_async.fleet.local import LocalFleet  # noqa: E402
 
 HOLD = """

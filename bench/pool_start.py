@@ -5,7 +5,7 @@ live context, for 1 and for N commands started together.
     python bench/pool_start.py --device cpu
 
 By default it runs standalone: it drives a Pool directly for the pooled path and
-krex_async.spawn.spawn() for the plain one. With --daemon it goes end to end instead: a real daemon
+krex_async.linux.spawn.spawn() for the plain one. With --daemon it goes end to end instead: a real daemon
 (`krex serve --pool-size N --pool-preload ...`, its own cgroups as root) gets the commands through
 its socket, so the figures include the submit, the daemon's placement, the cgroup join and the
 worker's hand-over; "plain" is then the same daemon's path with the pool off (a second daemon).
@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 from krex_async.ctxpool import Pool, PoolConfig  # noqa: E402
 from krex_async.devices.base import Device  # noqa: E402
-from krex_async.spawn import LaunchSpec, spawn  # noqa: E402
+from krex_async.linux.spawn import LaunchSpec, spawn  # noqa: E402
 
 STAMP = "import time, os; os.write(1, repr(time.monotonic()).encode())"
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 __all__ = ["Client", "CommandHandle", "KrexError", "RegionError", "Result", "region", "__version__"]
 
-_WHERE = {"Client": "client", "CommandHandle": "client", "KrexError": "client", "Result": "client",
-          "RegionError": "regionclient", "region": "regionclient"}
+_WHERE = {"Client": "client.submit", "CommandHandle": "client.submit", "KrexError": "client.submit",
+          "Result": "client.submit", "RegionError": "client.region", "region": "client.region"}
 
 if TYPE_CHECKING:
-    from .client import Client, CommandHandle, KrexError, Result
-    from .regionclient import RegionError, region
+    from krex_async.client.region import RegionError, region
+    from krex_async.client.submit import Client, CommandHandle, KrexError, Result
 
 
 def __getattr__(name: str) -> Any:

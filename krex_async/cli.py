@@ -26,9 +26,10 @@ from typing import Any
 
 import msgspec
 
-from .cliargs import seconds as _seconds
-from .config import ServeConfig, default_socket
-from .scheduler import Policy
+from krex_async.cliargs import seconds as _seconds
+from krex_async.daemon.config import ServeConfig
+from krex_async.protocol import default_socket
+from krex_async.scheduler import Policy
 
 
 def _serve_parser(sub: Any) -> None:
@@ -137,8 +138,8 @@ def _serve_parser(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from . import server
-    from .configfile import ConfigError, load_config_with_sources, print_config
+    from krex_async.daemon import server
+    from krex_async.daemon.config import ConfigError, load_config_with_sources, print_config
 
     given = {k: v for k, v in vars(args).items()
              if v is not None and k in ServeConfig.__struct_fields__}
@@ -154,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _name_env_vars(p: argparse.ArgumentParser) -> None:
-    """Append to each serve option's help the KREX_* variable that also sets it (configfile)."""
+    """Append to each serve option's help the KREX_* variable that also sets it (config.py)."""
     fields = set(ServeConfig.__struct_fields__)
     for a in p._actions:
         if a.dest in fields and a.help is not argparse.SUPPRESS:
@@ -188,8 +189,8 @@ def _exit_code(rep: Any) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from .client import Client, KrexError
-    from .stdinfeed import feed_stdin, stdin_usable
+    from krex_async.client.stdinfeed import feed_stdin, stdin_usable
+    from krex_async.client.submit import Client, KrexError
 
     argv = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if not argv:
@@ -246,8 +247,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 async def _export(args: argparse.Namespace) -> int:
     """Write the daemon's recent timeline as Chrome-trace JSON (opens in Perfetto); `-` is stdout."""
-    from .client import Client, KrexError
-    from .timeline import chrome_trace
+    from krex_async.client.submit import Client, KrexError
+    from krex_async.daemon.timeline import chrome_trace
 
     to_stdout = args.perfetto == "-"
     if not to_stdout and (why := _check_writable(args.perfetto)):
@@ -294,7 +295,8 @@ _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import __version__, statusview, tracecli
+    from krex_async import __version__
+    from krex_async.node import statusview, tracecli
 
     ap = argparse.ArgumentParser(prog="krex", description="region-granular GPU exclusivity")
     ap.add_argument("--version", action="version", version=f"krex {__version__}")
@@ -318,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     x.add_argument("--perfetto", required=True, metavar="FILE",
                    help="Chrome-trace JSON output; - for stdout")
-    from . import gateway
-    from .fleet import cli as fleet_cli
+    from krex_async import gateway
+    from krex_async.fleet import cli as fleet_cli
 
     gp = gateway.add_parser(sub)
     gp.add_argument("--fleet", metavar="ADDRESS",
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
-    from . import cleanup, doctor
+    from krex_async.node import cleanup, doctor
 
     doctor.add_parser(sub)
     cleanup.add_parser(sub)
@@ -339,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "cleanup":
         return cleanup.cleanup_main(args)
     if args.verb == "demo":
-        from . import demo
+        from krex_async.node import demo
 
         return demo.main(args.n)
     if args.verb == "serve":

@@ -12,6 +12,7 @@ The first request on every connection is `Hello`, which carries the protocol ver
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 from typing import Annotated, Literal
 
@@ -34,6 +35,16 @@ Pid = Annotated[int, msgspec.Meta(ge=-1, le=1 << 22)]  # PID_MAX_LIMIT; 0 (or -1
 # limit, 2 MiB by default) and the largest stdin a command can be given in its Submit frame.
 MAX_EXEC_BYTES = 2 * 1024 * 1024
 MAX_STDIN = 8 * 1024 * 1024
+
+
+def default_socket() -> str:
+    """$KREX_SOCKET, else /run/krex/krex.sock as root, else $XDG_RUNTIME_DIR/krex.sock."""
+    if os.environ.get("KREX_SOCKET"):
+        return os.environ["KREX_SOCKET"]
+    if os.geteuid() == 0:
+        return "/run/krex/krex.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/krex-{os.getuid()}"
+    return os.path.join(runtime, "krex.sock")
 
 
 class Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):

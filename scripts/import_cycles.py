@@ -1,7 +1,10 @@
-"""Report import cycles among krex_async modules, counting function-local imports too.
+"""Report import cycles among krex_async modules, and imports that run up the package's floors.
 
 Why: a local import hides a circle from the interpreter but not from the design; this parses every
-module with ast so the check sees what a reader sees. Exit status 1 when any cycle exists.
+module with ast (function-local and TYPE_CHECKING imports included) so the check sees what a reader
+sees. FLOORS says which top-level parts may use which: a module imports its own part and the floors
+below it, never a floor above (the package's `__init__` is its public face and is left out). Exit
+status 1 when any cycle or upward import exists, or a top-level part stands on no floor.
 """
 from __future__ import annotations
 
@@ -10,6 +13,19 @@ import sys
 from pathlib import Path
 
 PKG = "krex_async"
+
+# Ground first. Each part may import its own modules and any part on a lower floor.
+FLOORS = [
+    {"linux", "protocol", "scheduler", "logs", "cliargs"},  # plumbing and the wire: no krex imports
+    {"devices", "isolation", "integrations"},
+    {"runtime"},                                            # loaded into commands' interpreters
+    {"client", "probes", "ctxpool"},
+    {"daemon"},                                             # `krex serve`
+    {"node"},                                               # doctor, cleanup, status, trace, demo
+    {"fleet"},
+    {"gateway"},
+    {"cli", "__main__"},
+]
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -90,9 +106,28 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def part(mod: str) -> str:
+    """The top-level part a module belongs to: krex_async.daemon.regions -> daemon."""
+    return mod.split(".")[1] if "." in mod else ""
+
+
+def upward(graph: dict[str, set[str]]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Imports from a lower floor to a higher one, and the parts that stand on no floor."""
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+    unplaced = sorted({part(m) for m in graph if part(m) and part(m) not in floor})
+    up = [(a, b) for a in sorted(graph) for b in sorted(graph[a])
+          if part(a) in floor and part(b) in floor and floor[part(b)] > floor[part(a)]]
+    return up, unplaced
+
+
 def main() -> int:
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent
     graph = edges(root)
+    up, unplaced = upward(graph)
+    for a, b in up:
+        print(f"upward: {a} -> {b}")
+    for name in unplaced:
+        print(f"unplaced: {PKG}.{name} stands on no floor (add it to FLOORS in {Path(__file__).name})")
     found = cycles(graph)
     for comp in found:
         members = set(comp)
@@ -100,8 +135,8 @@ def main() -> int:
         for m in comp:
             for t in sorted(graph[m] & members):
                 print(f"    {m} -> {t}")
-    print(f"{len(found)} cycle(s) among {len(graph)} modules")
-    return 1 if found else 0
+    print(f"{len(found)} cycle(s) among {len(graph)} modules; {len(up)} upward import(s)")
+    return 1 if found or up or unplaced else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from krex_async import Client
-from krex_async.procfs import stat_fields
+from krex_async.linux.procfs import stat_fields
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent

@@ -167,7 +167,7 @@ async def test_nested_region_joins_the_outer_one_and_raw_nesting_is_refused(scri
         import os
         from krex_async import region, RegionError
         from krex_async import protocol as P
-        from krex_async.regionclient import _get_channel
+        from krex_async.client.region import _get_channel
         with region("outer") as outer:
             with region("inner") as inner:
                 print(inner.report.region == outer.report.region)

@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from krex_async.commands import CommandState
-from krex_async.config import ServeConfig, comma_list
+from krex_async.daemon.commands import CommandState
+from krex_async.daemon.config import ServeConfig, comma_list
 from krex_async.scheduler import Policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,25 @@ def cycles(root: Path) -> subprocess.CompletedProcess[str]:
 def test_package_has_no_import_cycles() -> None:
     out = cycles(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip().startswith("0 cycle(s)")
+    assert out.stdout.strip().startswith("0 cycle(s)"), out.stdout
+    assert "0 upward import(s)" in out.stdout
+
+
+def test_the_check_sees_an_import_up_the_floors(tmp_path: Path) -> None:
+    """A module of a low floor that reaches up (even from inside a function) is reported, and so is a
+    new top-level module that stands on no floor."""
+    pkg = tmp_path / "krex_async"
+    for sub in ("linux", "daemon"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "daemon" / "core.py").write_text("from krex_async.linux import procfs\n")
+    (pkg / "linux" / "procfs.py").write_text("def f():\n    from krex_async.daemon import core\n")
+    (pkg / "stray.py").write_text("")
+    out = cycles(tmp_path)
+    assert out.returncode == 1
+    assert "upward: krex_async.linux.procfs -> krex_async.daemon.core" in out.stdout
+    assert "unplaced: krex_async.stray" in out.stdout
 
 
 def test_the_check_sees_a_circle_hidden_by_a_local_import(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     import argparse
 
     from krex_async import protocol as P
-    from krex_async.tracecli import line, wanted
+    from krex_async.node.tracecli import line, wanted
 
     ns = argparse.Namespace(kind=[], command=[], pid=[], device=[], no_probes=False)
     ev = P.TraceEvent(id=0, ts=1.0, kind="stray", device="cpu", command="", region="r-1",

@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 from krex_async.ctxpool import Pool, PoolConfig  # noqa: E402
 from krex_async.devices.base import Device  # noqa: E402
-from krex_async.spawn import LaunchSpec, spawn  # noqa: E402
+from krex_async.linux.spawn import LaunchSpec, spawn  # noqa: E402
 
 GPU = Device(index=0, key="nvidia0", vendor="nvidia", name="gpu0")
 PY = sys.executable

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from krex_async.config import ServeConfig
+from krex_async.daemon.config import ServeConfig
 from krex_async.devices import discover, open_node
 from krex_async.runtime import devicework, quiesce
 

@@ -32,7 +32,7 @@ from krex_async import protocol as P
 from krex_async.ctxpool import forms
 from krex_async.ctxpool.pool import Pool
 from krex_async.ctxpool.procs import kill as _kill
-from krex_async.spawn import Launched, LaunchSpec
+from krex_async.linux.spawn import Launched, LaunchSpec
 
 # Start-up variables a worker takes over from the adopter instead of requiring them equal: sys.path
 # comes whole from the adopter (PYTHONPATH, user site), and -u / -B / the pycache prefix are applied.

@@ -25,9 +25,9 @@ import warnings
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
-from krex_async import procfs
 from krex_async.ctxpool.adopted import apply as apply_adopted
 from krex_async.ctxpool.forms import Form, executable_for
+from krex_async.linux import procfs
 
 _PYTHON_DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
                     signal.SIGXFSZ: signal.SIG_IGN}
@@ -367,9 +367,9 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
 
 
 def _reset_region_client() -> None:
-    """krex_async.regionclient is baseline (the worker imports krex_async): drop the command's
+    """krex_async.client.region is baseline (the worker imports krex_async): drop the command's
     connection, and the kernel devicework keeps for the idle check."""
-    mod = sys.modules.get("krex_async.regionclient")
+    mod = sys.modules.get("krex_async.client.region")
     if mod is not None:
         mod.reset()
     work = sys.modules.get("krex_async.runtime.devicework")

@@ -49,7 +49,7 @@ from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
 from krex_async.ctxpool.procs import memory as _memory
 from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
-from krex_async.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
+from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -178,7 +178,7 @@ class Pool:
         return None
 
     def launch_nowait(self, spec: LaunchSpec) -> Launched | None:
-        """launch() for a synchronous caller (the daemon's Runner.launcher); the hook must be sync."""
+        """launch() for a synchronous caller (the daemon's CommandRunner.launcher); the hook must be sync."""
         while (w := self._take(spec)) is not None:
             if self.cgroup_hook is not None:
                 try:

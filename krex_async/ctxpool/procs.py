@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from krex_async.procfs import memory as _rss_pss
-from krex_async.procfs import stat_fields
+from krex_async.linux.procfs import memory as _rss_pss
+from krex_async.linux.procfs import stat_fields
 
 
 def identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:

@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     try:
         # krex's own in-command client is part of every worker's baseline: commands that use
         # region() then import nothing new, and a reused worker need not retire for it.
-        for name in ["krex_async.regionclient", *filter(None, opts["preload"].split(","))]:
+        for name in ["krex_async.client.region", *filter(None, opts["preload"].split(","))]:
             __import__(name)
         channel.send(sock, {"t": "imported", "pid": os.getpid(), "s": time.monotonic() - t0})
         init_modules = list(filter(None, opts["init-modules"].split(",")))

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
-from .cpu import CpuVendor
+from krex_async.devices.base import ClockState, Device, DeviceProcess, Unavailable, Vendor
+from krex_async.devices.cpu import CpuVendor
 
 __all__ = ["Device", "DeviceProcess", "Node", "NoDevice", "Unavailable", "Vendor", "describe",
            "discover", "open_node", "place"]
@@ -27,8 +27,8 @@ class NoDevice(Exception):
 
 
 def _gpu_vendors() -> dict[str, type[Vendor]]:
-    from .amd import AmdVendor
-    from .nvidia import NvidiaVendor
+    from krex_async.devices.amd import AmdVendor
+    from krex_async.devices.nvidia import NvidiaVendor
     return {"nvidia": NvidiaVendor, "amd": AmdVendor}
 
 

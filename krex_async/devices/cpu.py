@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .base import Device, Vendor
+from krex_async.devices.base import Device, Vendor
 
 SYS_PCI = Path("/sys/bus/pci/devices")
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from .base import ClockState, Device, DeviceProcess, Unavailable, Vendor
-from .cpu import cpus_from_mask, pci_local_cpus, pci_numa_node, sysfs_bus_id, usable_cpus
+from krex_async.devices.base import ClockState, Device, DeviceProcess, Unavailable, Vendor
+from krex_async.devices.cpu import cpus_from_mask, pci_local_cpus, pci_numa_node, sysfs_bus_id, usable_cpus
 
 T = TypeVar("T")
 

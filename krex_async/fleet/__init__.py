@@ -29,14 +29,14 @@ def require_ray() -> str | None:
 
 
 def fleet_connector(address: str) -> Callable[[], Awaitable[Any]]:
-    """For `krex gateway --fleet ADDRESS`: the gateway Runner's connect(), giving one FleetClient
+    """For `krex gateway --fleet ADDRESS`: the gateway JobRunner's connect(), giving one FleetClient
     for the gateway's life (it keeps its nodes' views fresh itself); until it exists, each call
     tries again and raises KrexError('unreachable', ...) as the daemon's connect does."""
     made: list[Any] = []
 
     async def connect() -> Any:
         if not made:
-            from .client import FleetClient
+            from krex_async.fleet.client import FleetClient
 
             made.append(await FleetClient.connect(address))
         return made[0]

@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from ..client import Client, KrexError
-from ..config import default_socket
+from krex_async.client.submit import Client, KrexError
+from krex_async.protocol import default_socket
 
 # Started between fork and exec of the daemon: the daemon gets SIGTERM (and so ends its commands and
 # thaws what it froze) when the agent's process dies, even by SIGKILL. A plain exec wrapper rather
@@ -136,7 +136,7 @@ def _tail(path: str, n: int = 2000) -> str:
 def _private_cgroup() -> str | None:
     """A fresh v2 cgroup for one daemon, so the daemons of one host never sweep each other's
     commands; None where the cgroup backend cannot run (not root, no v2)."""
-    from ..cleanup import v2_mount
+    from krex_async.node.cleanup import v2_mount
 
     mount = v2_mount()
     if os.geteuid() != 0 or mount is None:

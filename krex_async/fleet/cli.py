@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from . import require_ray
+from krex_async.fleet import require_ray
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -58,8 +58,8 @@ def main(args: argparse.Namespace) -> int:
 async def _status(address: str, as_json: bool) -> int:
     """Print every node's capacity report (agents are made where missing, reaching the node's
     default socket)."""
-    from ..client import KrexError
-    from .client import FleetClient
+    from krex_async.client.submit import KrexError
+    from krex_async.fleet.client import FleetClient
 
     try:
         fc = await FleetClient.connect(address)
@@ -83,9 +83,9 @@ async def _status(address: str, as_json: bool) -> int:
 
 
 async def _demo(nodes: int, n: int, devices: str) -> int:
-    from ..client import KrexError
-    from ..demo import WORK
-    from .local import LocalFleet
+    from krex_async.client.submit import KrexError
+    from krex_async.fleet.local import LocalFleet
+    from krex_async.node.demo import WORK
 
     fleet = LocalFleet(nodes, daemon_args=("--devices", devices))
     fc = None

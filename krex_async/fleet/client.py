@@ -31,11 +31,11 @@ import ray
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .. import protocol as P
-from ..client import KrexError, Result
-from ..devices import NoDevice
-from .agent import DaemonSpec, NodeAgent
-from .placement import NodeView, pick
+from krex_async import protocol as P
+from krex_async.client.submit import KrexError, Result
+from krex_async.devices import NoDevice
+from krex_async.fleet.agent import DaemonSpec, NodeAgent
+from krex_async.fleet.placement import NodeView, pick
 
 NAMESPACE = "krex"
 NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node

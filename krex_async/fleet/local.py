@@ -19,8 +19,8 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.exceptions import RayError
 
-from .agent import DaemonSpec, remove_cgroup
-from .client import NAMESPACE, NODE_RESOURCE, FleetClient
+from krex_async.fleet.agent import DaemonSpec, remove_cgroup
+from krex_async.fleet.client import NAMESPACE, NODE_RESOURCE, FleetClient
 
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..devices import NoDevice, place
-from ..devices.base import Device
+from krex_async.devices import NoDevice, place
+from krex_async.devices.base import Device
 
 
 @dataclass

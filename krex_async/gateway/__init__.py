@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .limits import Limits
+from krex_async.gateway.limits import Limits
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -93,15 +93,15 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
     from aiohttp import web
 
-    from ..config import default_socket
-    from ..fleet import fleet_connector
-    from . import auth
-    from . import catalog as K
-    from .app import Gateway, make_app
-    from .env import Environment
-    from .files import StateError, prepare_state
-    from .jobs import Runner, make_shims
-    from .store import Store
+    from krex_async.fleet import fleet_connector
+    from krex_async.gateway import auth
+    from krex_async.gateway import catalog as K
+    from krex_async.gateway.app import Gateway, make_app
+    from krex_async.gateway.env import Environment
+    from krex_async.gateway.files import StateError, prepare_state
+    from krex_async.gateway.jobs import JobRunner, make_shims
+    from krex_async.gateway.store import Store
+    from krex_async.protocol import default_socket
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
@@ -133,7 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
     kinds, missing = K.build(limits, aliases, args.atrex_bench_root, args.job_python)
     gw: Gateway | None = None
     fleet = getattr(args, "fleet", None)  # --fleet, added by krex_async/cli.py
-    runner = Runner(store, state / "jobs", limits, args.socket, kinds,
+    runner = JobRunner(store, state / "jobs", limits, args.socket, kinds,
                     lambda job_id: gw.changed(job_id) if gw else None, args.job_python,
                     run_as.uid, fleet_connector(fleet) if fleet else None)
     runner.shims = make_shims(state / "bin", args.job_python)
@@ -193,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
         return 2
-    from ..fleet import require_ray
+    from krex_async.fleet import require_ray
 
     if getattr(args, "fleet", None) and require_ray():
         print(f"krex gateway: --fleet: {require_ray()}", file=sys.stderr)

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from . import add_parser, main
+from krex_async.gateway import add_parser, main
 
 ap = argparse.ArgumentParser(prog="krex")
 add_parser(ap.add_subparsers(dest="verb", required=True))

@@ -30,12 +30,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .auth import Auth, Identity
-from .env import Environment
-from .jobs import Runner
-from .limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
-from .store import Store, error
-from .views import Views
+from krex_async.gateway.auth import Auth, Identity
+from krex_async.gateway.env import Environment
+from krex_async.gateway.jobs import JobRunner
+from krex_async.gateway.limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
+from krex_async.gateway.store import Store, error
+from krex_async.gateway.views import Views
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -64,7 +64,7 @@ def _json(status: int, body: Any, trace_id: str = "") -> web.Response:
 class Gateway:
     """The app's state: store, runner, environment, waiters for long polls, who may call."""
 
-    def __init__(self, store: Store, runner: Runner, env: Environment, limits: Limits,
+    def __init__(self, store: Store, runner: JobRunner, env: Environment, limits: Limits,
                  kinds: dict[str, Any], missing: dict[str, str], auth: Auth) -> None:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
         self.kinds, self.missing, self.auth = kinds, missing, auth

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import limits as L
-from .kinds import Dev, Eval, find_evaluator
-from .profile import Profile, find_profilers
+from krex_async.gateway import limits as L
+from krex_async.gateway.kinds import Dev, Eval, find_evaluator
+from krex_async.gateway.profile import Profile, find_profilers
 
 
 def build(lim: L.Limits, accepted: frozenset[str], atrex_bench_root: str | None,

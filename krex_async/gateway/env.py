@@ -19,7 +19,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from .. import __version__
+from krex_async import __version__
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> str:

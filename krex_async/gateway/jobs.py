@@ -28,12 +28,12 @@ from typing import Any, Protocol
 
 import msgspec
 
-from ..client import Client, CommandHandle, KrexError
-from . import auth, clocks
-from .auth import RunAs
-from .files import hand_over
-from .limits import RESERVED_ENV, TERMINAL, Limits
-from .store import Store, error
+from krex_async.client.submit import Client, CommandHandle, KrexError
+from krex_async.gateway import auth, clocks
+from krex_async.gateway.auth import RunAs
+from krex_async.gateway.files import hand_over
+from krex_async.gateway.limits import RESERVED_ENV, TERMINAL, Limits
+from krex_async.gateway.store import Store, error
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
 SECRET_ENV = frozenset({"KREX_GATEWAY_TOKEN", "AGATE_TOKEN"})  # the gateway's, never a job's
@@ -108,7 +108,7 @@ def command_result(handle: CommandHandle, report: Any, out: bytearray, err: byte
     }
 
 
-class Runner:
+class JobRunner:
     """Owns the daemon connection and the running jobs' tasks; `stop()` ends both."""
 
     def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import limits as L
-from .files import find, read_job_file, write_files
-from .store import error
+from krex_async.gateway import limits as L
+from krex_async.gateway.files import find, read_job_file, write_files
+from krex_async.gateway.store import error
 
 MAX_EVAL_RESULT = 64 * L.MiB
 

@@ -25,10 +25,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import limits as L
-from .files import find, read_job_file, write_files
-from .kinds import Eval, _bundle, _materialize
-from .store import error
+from krex_async.gateway import limits as L
+from krex_async.gateway.files import find, read_job_file, write_files
+from krex_async.gateway.kinds import Eval, _bundle, _materialize
+from krex_async.gateway.store import error
 
 LEVELS = ("survey", "sol", "deep")
 TOOLS = ("ncu", "rocprofv3")

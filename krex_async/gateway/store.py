@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .limits import TERMINAL
+from krex_async.gateway.limits import TERMINAL
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 from aiohttp import web
 
-from .limits import TERMINAL
-from .store import Store
+from krex_async.gateway.limits import TERMINAL
+from krex_async.gateway.store import Store
 
 SLICE = 256 * 1024
 CACHE_BYTES = 256 * 1024 * 1024

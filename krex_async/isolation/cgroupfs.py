@@ -26,8 +26,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from krex_async import procfs
 from krex_async.isolation.base import IsolationError
+from krex_async.linux import procfs
 
 
 class CgroupFileError(IsolationError):

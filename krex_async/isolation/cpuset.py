@@ -20,7 +20,7 @@ import os
 from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.isolation.intent import KREX, Intent
-from krex_async.procfs import stat_fields
+from krex_async.linux.procfs import stat_fields
 
 
 def fmt(cpus: frozenset[int] | set[int]) -> str:

@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from krex_async.fsutil import replace_file
-from krex_async.procfs import stat_fields
+from krex_async.linux.fsutil import replace_file
+from krex_async.linux.procfs import stat_fields
 
 LIBRARY = "libcuda.so.1"
 RECORD = "locks.json"

@@ -24,9 +24,9 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from krex_async.fsutil import replace_file
 from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+from krex_async.linux.fsutil import replace_file
 
 KREX = "krex"
 OWNER_FILE = "cgroup.owner"  # in the state dir: locked (flock) by the live daemon of the instance

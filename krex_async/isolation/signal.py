@@ -23,9 +23,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..procfs import stat_fields
-from .base import Backend, Freeze, FreezeError, Group
-from .sigguard import Guard, GuardError
+from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
+from krex_async.isolation.sigguard import Guard, GuardError
+from krex_async.linux.procfs import stat_fields
 
 _STOPPED = frozenset("tT")
 _LAUNCH = "krex-launch"  # $0 of the launch shell, told apart in /proc/<pid>/cmdline

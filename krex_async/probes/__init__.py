@@ -22,8 +22,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
-from .failure import FailureReporting
+from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from krex_async.probes.failure import FailureReporting
 
 MODES = ("auto", "ioctl", "launches", "tracefs", "off")
 
@@ -116,7 +116,7 @@ class CombinedProbe(FailureReporting, ProbeBackend):
 
 def bcc_works() -> tuple[bool, str]:
     """Whether a BPF tracepoint program compiles and loads here (about 0.3 s), and why not."""
-    from . import _bcc
+    from krex_async.probes import _bcc
     try:
         bpf = _bcc.compile_bpf("TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) { return 0; }",
                                "bcc check")
@@ -130,7 +130,7 @@ def tracefs_works() -> tuple[bool, str]:
     """Whether the tracefs backend can run here, and why not."""
     import os
 
-    from .tracefs import EVENT, tracefs_root
+    from krex_async.probes.tracefs import EVENT, tracefs_root
     try:
         root = tracefs_root()
     except ProbeUnavailable as e:
@@ -154,10 +154,10 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
     mechanism (ValueError for an unknown mode, launch scope or bad prefixes). The backend is not
     started.
     """
-    from .bpf_ioctl import DEFAULT_PREFIXES, IoctlProbe, check_prefixes
-    from .launch_scope import SCOPES
-    from .launches import LaunchProbe, find_libraries
-    from .tracefs import TracefsProbe
+    from krex_async.probes.bpf_ioctl import DEFAULT_PREFIXES, IoctlProbe, check_prefixes
+    from krex_async.probes.launch_scope import SCOPES
+    from krex_async.probes.launches import LaunchProbe, find_libraries
+    from krex_async.probes.tracefs import TracefsProbe
 
     if mode not in MODES:
         raise ValueError(f"probe mode {mode!r}: one of {', '.join(MODES)}")

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .base import ProbeEvent, ProbeUnavailable
-from .hold import HOLD
+from krex_async.probes.base import ProbeEvent, ProbeUnavailable
+from krex_async.probes.hold import HOLD
 
 DEBIAN_BCC = "/usr/lib/python3/dist-packages/bcc/__init__.py"
 
@@ -305,7 +305,7 @@ class RingPoller:
             return True
 
         def run() -> None:
-            from .failure import name_thread
+            from krex_async.probes.failure import name_thread
             name_thread(f"krex-probe-{self._name}"[:15])
             next_tick = time.monotonic() + self._tick_s
             try:

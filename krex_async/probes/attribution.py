@@ -16,7 +16,7 @@ entry (late events and the per-tgid count reconciliation still need it) until a 
 up at that pid. (Reusing a pid takes a wrap of the whole pid space, far longer than revalidate_s,
 unless something sets ns_last_pid.)
 
-    a = Attributor(); a.add("c1", root_pid, cgroup_dir="/sys/fs/cgroup/krex/c1")
+    a = EventMapper(); a.add("c1", root_pid, cgroup_dir="/sys/fs/cgroup/krex/c1")
     cmd = a.command_of(ev)               # "c1" or None (not a command's process)
     a.is_stray(ev, owner="c2")           # True: during c2's region, anything not from c2
 """
@@ -26,9 +26,9 @@ from __future__ import annotations
 import os
 import time
 
-from .. import procfs
-from ..procfs import stat_fields
-from .base import ProbeEvent
+from krex_async.linux import procfs
+from krex_async.linux.procfs import stat_fields
+from krex_async.probes.base import ProbeEvent
 
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:
@@ -54,7 +54,7 @@ def cgroup2_root() -> str | None:
     return next((m.point for m in procfs.mounts("cgroup2")), None)
 
 
-class Attributor:
+class EventMapper:
     """Maps events to command ids; see the module docstring. Pure bookkeeping over /proc reads:
     nothing raises for processes that vanished (they attribute to None)."""
 

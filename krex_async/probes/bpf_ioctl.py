@@ -41,12 +41,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime.quiesce import GPU_PREFIXES
-from . import _bcc
-from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
-from .failure import FailureReporting
-from .hold import HOLD
-from .ioctls import ioctl_name
+from krex_async.probes import _bcc
+from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from krex_async.probes.failure import FailureReporting
+from krex_async.probes.hold import HOLD
+from krex_async.probes.ioctls import ioctl_name
+from krex_async.runtime.quiesce import GPU_PREFIXES
 
 DEFAULT_PREFIXES = GPU_PREFIXES
 PATH_LEN = 64  # bytes of path kept per fd (prefixes must be shorter)
@@ -587,7 +587,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         """Move the counts of removed cgroups to Python: the map holds 16384 cgroups, and a node
         that runs a command per cgroup would fill it in a day, after which new cgroups would go
         uncounted. A cgroup v2 id is its directory's inode number, never reused."""
-        from ..isolation.cgroupfs import cgroup_mounts
+        from krex_async.isolation.cgroupfs import cgroup_mounts
         v2, _ = cgroup_mounts()
         if v2 is None:
             return

@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..procfs import stat_fields
-from . import _bcc
-from .hold import HOLD
+from krex_async.linux.procfs import stat_fields
+from krex_async.probes import _bcc
+from krex_async.probes.hold import HOLD
 
 SCOPES = ("outsiders", "all")
 

@@ -73,10 +73,10 @@ import subprocess
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _bcc
-from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
-from .failure import FailureReporting
-from .launch_scope import SCOPES, Outsiders, exported, inode_key
+from krex_async.probes import _bcc
+from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from krex_async.probes.failure import FailureReporting
+from krex_async.probes.launch_scope import SCOPES, Outsiders, exported, inode_key
 
 CUDA_SYMBOLS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
                 "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",

@@ -32,11 +32,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from .base import ProbeBackend, ProbeEvent, ProbeUnavailable
-from .bpf_ioctl import DEFAULT_PREFIXES, scan_proc
-from .failure import FailureReporting, name_thread
-from .hold import HOLD
-from .ioctls import ioctl_name
+from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
+from krex_async.probes.bpf_ioctl import DEFAULT_PREFIXES, scan_proc
+from krex_async.probes.failure import FailureReporting, name_thread
+from krex_async.probes.hold import HOLD
+from krex_async.probes.ioctls import ioctl_name
 
 ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 EVENT = "events/syscalls/sys_enter_ioctl"

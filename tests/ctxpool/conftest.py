@@ -12,7 +12,7 @@ import pytest
 
 from krex_async.ctxpool import Pool, PoolConfig
 from krex_async.devices.base import Device
-from krex_async.spawn import Launched, LaunchSpec, spawn
+from krex_async.linux.spawn import Launched, LaunchSpec, spawn
 
 CPU = Device(index=0, key="cpu", vendor="cpu", name="cpu", cpus=frozenset(range(os.cpu_count() or 1)))
 

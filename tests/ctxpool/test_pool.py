@@ -13,7 +13,7 @@ import pytest
 
 from krex_async.ctxpool import Pool, PoolConfig, WorkerStartError
 from krex_async.devices.base import Device
-from krex_async.spawn import LaunchSpec, spawn
+from krex_async.linux.spawn import LaunchSpec, spawn
 from tests.ctxpool.conftest import CPU, PY, finish, make_spec, run_pooled
 
 

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from krex_async.config import ServeConfig
-from krex_async.configfile import load_config_with_sources
+from krex_async.daemon.config import ServeConfig, load_config_with_sources
 from tests.conftest import ROOT
 
 kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (test extra)")

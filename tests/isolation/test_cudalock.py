@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.isolation.cudalock import LockPool, open_driver, release_left
-from krex_async.procfs import stat_fields
+from krex_async.linux.procfs import stat_fields
 
 from .fakecuda import Fake, build
 
@@ -152,7 +152,7 @@ def test_release_left_unlocks_only_recorded_live_processes(fake: Fake, tmp_path:
 
 def test_doctor_says_whether_the_driver_lock_serves(fake: Fake, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from krex_async.doctor_kernel import check_driver_lock
+    from krex_async.node.doctor_kernel import check_driver_lock
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     monkeypatch.setenv("KREX_LIBCUDA", fake.lib)
@@ -178,7 +178,7 @@ def test_doctor_says_whether_the_driver_lock_serves(fake: Fake, tmp_path: Path,
 def test_hold_chooses_how_and_whom(fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                    mode: str, freeze: str, lock: bool, vendor: str, probes: bool,
                                    how: str, who: str) -> None:
-    from krex_async.hold import Hold
+    from krex_async.daemon.hold import Hold
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     h = Hold(mode, freeze, str(tmp_path), 0.005,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from krex_async import cleanup as cg
+from krex_async.node import cleanup as cg
 
 from ..conftest import PY, ROOT, is_root, py_env
 
@@ -85,7 +85,7 @@ def progresses(path: str, wait: float = 0.3) -> bool:
 def run_cleanup(*roots: str) -> dict:
     # --socket: a path nobody serves on, so a daemon elsewhere on this machine cannot refuse us.
     args = [a for r in roots for a in ("--root", r)] + ["--socket", "/nonexistent/krex.sock"]
-    p = subprocess.run([PY, "-m", "krex_async.cleanup", "--json", *args], capture_output=True,
+    p = subprocess.run([PY, "-m", "krex_async.node.cleanup", "--json", *args], capture_output=True,
                        text=True, env=py_env(), cwd=ROOT, timeout=30)
     out = json.loads(p.stdout)
     assert p.returncode == (0 if out["ok"] else 1), p.stderr
@@ -218,12 +218,12 @@ async def test_refuses_while_a_daemon_serves(tmp_path):
             pytest.skip("no cgroup v2 freezer")
         write(os.path.join(cmd, "cgroup.freeze"), "1")
         async with run_daemon() as d:
-            p = subprocess.run([PY, "-m", "krex_async.cleanup", "--root", base, "--socket",
+            p = subprocess.run([PY, "-m", "krex_async.node.cleanup", "--root", base, "--socket",
                                 d.socket], capture_output=True, text=True, env=py_env(), cwd=ROOT,
                                timeout=30)
             assert p.returncode == 1 and "a daemon is serving" in p.stderr, p.stderr
             assert read(os.path.join(cmd, "cgroup.freeze")) == "1"  # untouched
-            p = subprocess.run([PY, "-m", "krex_async.cleanup", "--root", base, "--socket",
+            p = subprocess.run([PY, "-m", "krex_async.node.cleanup", "--root", base, "--socket",
                                 d.socket, "--force", "--keep-empty"], capture_output=True,
                                text=True, env=py_env(), cwd=ROOT, timeout=30)
             assert p.returncode == 0 and read(os.path.join(cmd, "cgroup.freeze")) == "0"

@@ -100,7 +100,7 @@ def test_version_suggestions_and_human_errors() -> None:
 
 
 def test_every_serve_flag_has_help_naming_its_variable() -> None:
-    from krex_async.config import ServeConfig
+    from krex_async.daemon.config import ServeConfig
 
     text = krex("serve", "--help", env={**py_env(), "COLUMNS": "400"}).stdout.decode()
     flags = re.findall(r"^  (--[a-z-]+)(?: [A-Z_{},a-z-]+)?\s+(.*)$", text, re.M)
@@ -148,7 +148,7 @@ def test_bench_analysis_usage() -> None:
 
 
 def test_status_table_fits_and_says_its_units() -> None:
-    from krex_async.statusview import age, render
+    from krex_async.node.statusview import age, render
 
     st = {"version": "0.1.0", "pid": 1, "boot": "12345", "policy": "region", "freeze": "all",
           "region_cores": 1, "isolation": {"backend": "cgroup", "reason": "x" * 300},
@@ -200,7 +200,7 @@ async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
 def test_tree_memory_sums_a_process_tree() -> None:
     """psutil's one pass over the process table: a parent with two children counts three
     processes and at least the parent's own RSS; a pid that is gone has no entry."""
-    from krex_async.procfs import tree_memory
+    from krex_async.linux.procfs import tree_memory
 
     p = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
     try:
@@ -225,7 +225,7 @@ async def test_stdin_pipe_waits_while_full_refuses_a_second_writer_and_wakes_on_
     write meanwhile is refused (busy), and closing wakes the waiting one with StdinClosed."""
     import pytest
 
-    from krex_async.stdinpipe import StdinBusy, StdinClosed, StdinPipe
+    from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 
     pipe = StdinPipe()
     reader = pipe.reader()

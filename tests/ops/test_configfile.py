@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from krex_async import configfile
-from krex_async.config import ServeConfig
-from krex_async.configfile import ConfigError, load_config, load_config_with_sources, print_config
+from krex_async.daemon import config as configfile
+from krex_async.daemon.config import (
+    ConfigError,
+    ServeConfig,
+    load_config,
+    load_config_with_sources,
+    print_config,
+)
 
 from ..conftest import PY, ROOT, py_env
 

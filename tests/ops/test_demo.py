@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from krex_async.demo import verdict
+from krex_async.node.demo import verdict
 
 from ..conftest import PY, ROOT, py_env
 

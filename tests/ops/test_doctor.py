@@ -16,7 +16,7 @@ DIST = "/usr/lib/python3/dist-packages"
 
 
 def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "krex_async.doctor", *args], capture_output=True, text=True,
+    return subprocess.run([PY, "-m", "krex_async.node.doctor", *args], capture_output=True, text=True,
                           env=py_env(), cwd=ROOT, timeout=timeout)
 
 

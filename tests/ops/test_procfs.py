@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 
-from krex_async import procfs
 from krex_async.isolation.cgroupfs import cgroup_mounts, own_cgroups
+from krex_async.linux import procfs
 
 MOUNTINFO = (
     "25 30 0:22 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"

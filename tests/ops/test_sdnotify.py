@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from krex_async import sdnotify
+from krex_async.linux import sdnotify
 
 from ..conftest import run_daemon
 
@@ -71,7 +71,7 @@ async def test_watchdog_pings_at_half_the_period(tmp_path):
 
 
 async def test_daemon_sends_ready_and_watchdog(tmp_path):
-    from krex_async import server
+    from krex_async.daemon import server
 
     if "sdnotify" not in inspect.getsource(server):
         pytest.skip("wired by lead: server.py does not call sdnotify yet")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from krex_async.probes.attribution import Attributor, cgroup2_root, cgroup_id, parent_pid
+from krex_async.probes.attribution import EventMapper, cgroup2_root, cgroup_id, parent_pid
 from krex_async.probes.base import ProbeEvent
 from krex_async.probes.bpf_ioctl import IoctlProbe
 
@@ -30,7 +30,7 @@ async def test_process_tree_and_strays(devdir: str, tmp_path: Path) -> None:
                           stdout=subprocess.PIPE, text=True)
     c2 = WaitingChild(f"{devdir}/null0", 2, 0, linger=True)
     outsider = WaitingChild(f"{devdir}/null0", 1, 0, linger=True)
-    att = Attributor()
+    att = EventMapper()
     att.add("c1", c1.pid)
     att.add("c2", c2.proc.pid)
     try:
@@ -90,7 +90,7 @@ async def test_cgroup_id_attributes_after_exit(devdir: str) -> None:
             os.rmdir(cg)
     evs = col.of(res["pid"])
     assert {getattr(e, "cgroup", None) for e in evs} == {cg_id}
-    att = Attributor()
+    att = EventMapper()
     att.add("c9", 999999999)  # root pid unknown: only the cgroup can tell
     att._cgroups[cg_id] = "c9"  # the directory is gone; register the id it had
     assert all(att.command_of(e) == "c9" for e in evs)  # the process is gone by now
@@ -163,7 +163,7 @@ def test_a_reused_pid_is_attributed_to_its_new_process() -> None:
     if os.geteuid() != 0 or not os.path.exists("/proc/sys/kernel/ns_last_pid"):
         pytest.skip("needs root and /proc/sys/kernel/ns_last_pid to reuse a pid on purpose")
     cmd, outside = Parent(), Parent()
-    att = Attributor(revalidate_s=0)  # the default (0.5 s) would need sleeps between the steps
+    att = EventMapper(revalidate_s=0)  # the default (0.5 s) would need sleeps between the steps
     att.add("c1", cmd.proc.pid)
     ev = lambda pid: ProbeEvent(ts_ns=0, tgid=pid, tid=pid, kind="ioctl")  # noqa: E731
     try:

@@ -19,7 +19,8 @@ from ..security.helpers import config_daemon
 LAUNCH = r"""
 import os, sys
 import msgspec
-from krex_async import server, config
+from krex_async.daemon import server
+from krex_async.daemon import config
 from krex_async.devices import Node
 from krex_async.devices.base import Device
 from krex_async.runtime import quiesce

@@ -119,7 +119,7 @@ async def test_each_connection_is_identified_by_its_own_peer_credentials(users):
 
 async def test_a_trace_subscriber_sees_its_own_commands_and_the_node_not_others(users):
     from krex_async import protocol as P
-    from krex_async.server import visible_event
+    from krex_async.daemon.server import visible_event
 
     alice, mallory = users["alice"], users["mallory"]
     flags = [f"/tmp/krex-trace-{os.getpid()}-{u.name}" for u in (mallory, alice)]

@@ -19,7 +19,7 @@ import pytest
 
 from krex_async import Client
 from krex_async import protocol as P
-from krex_async.client import KrexError
+from krex_async.client.submit import KrexError
 
 from ..conftest import PY, run_daemon
 from .helpers import USER_PY, config_daemon, hello, raw, recv, rss_kib, user_env

@@ -20,7 +20,7 @@ import os, sys
 os.environ["KREX_COMMAND"], os.environ["KREX_TOKEN"] = sys.argv[1], sys.argv[2]
 from krex_async import region, RegionError
 from krex_async import protocol as P
-from krex_async.regionclient import _get_channel
+from krex_async.client.region import _get_channel
 try:
     with region("stolen"):
         print("granted")

@@ -53,14 +53,14 @@ print(json.dumps({"median_ms": samples[len(samples) // 2] * 1e3}))
 def _env(tmp: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("KREX_SOCKET", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
 async def _workload(sock: str, script: str, n: int, env: dict[str, str],
                     ) -> tuple[float, list[dict[str, float]]]:
-    from .client import Client
+    from krex_async.client.submit import Client
 
     async with await Client.connect(sock) as c:
         t0 = time.monotonic()
@@ -147,7 +147,7 @@ def next_steps() -> str:
         rel = here if rel.startswith("..") else rel
         text = text.replace("next:", f"next (krex is {rel} here; `. {os.path.dirname(rel)}/activate` "
                                      "puts it on PATH):", 1)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.exists(os.path.join(root, "bench", "replay.py")):
         return text[:text.index("  PYTHON bench/replay.py")].rstrip()
     py = os.path.relpath(sys.executable)

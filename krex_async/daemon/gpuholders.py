@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Hashable, Iterable
 
-from .runtime.quiesce import holds_gpu_file
+from krex_async.runtime.quiesce import holds_gpu_file
 
 __all__ = ["GpuHolders", "read_holders"]
 

@@ -39,7 +39,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from . import logs
+from krex_async import logs
 
 log = logs.get("krex.spool")
 

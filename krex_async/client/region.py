@@ -27,7 +27,7 @@ import warnings
 from types import TracebackType
 from typing import Any
 
-from . import protocol as P
+from krex_async import protocol as P
 
 
 class RegionError(Exception):
@@ -162,7 +162,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         if "torch" in sys.modules or "cupy" in sys.modules:
             # The idle check's kernel is built and run once now, while the siblings still run: its
             # first use loads GEMM code, 120-160 ms that were spent inside regions before.
-            from .runtime import devicework
+            from krex_async.runtime import devicework
             devicework.ready_probe()
         with _lock:
             ch = _get_channel()
@@ -200,7 +200,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         rep = grant.report
         if rep.drain != "pending" and not grant.warm_ms:
             return
-        from .runtime import devicework
+        from krex_async.runtime import devicework
 
         # Drain first (a neighbour's queued work must be done before anything is timed), then
         # warm, so the timed loop starts right after the clocks were raised.

@@ -33,7 +33,7 @@ def stdin_usable() -> bool:
 async def feed_stdin(handle: Any, fd: int = 0) -> None:
     """Send `fd` to the command of `handle` (a CommandHandle) until EOF, then close its stdin.
     Returns early, quietly, once the command no longer reads it (stdin_closed) or has ended."""
-    from .client import KrexError
+    from krex_async.client.submit import KrexError
 
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1)

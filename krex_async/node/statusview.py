@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any
 
-from .cliargs import seconds as _seconds
-from .config import default_socket
+from krex_async.cliargs import seconds as _seconds
+from krex_async.protocol import default_socket
 
 WIDTH = 100
 
@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
 async def status(args: argparse.Namespace) -> int:
     """One status (or, with --watch, one every interval over one connection). Exit 1 when the
     daemon cannot be reached or goes away, 0 after Ctrl-C."""
-    from .client import Client, KrexError
+    from krex_async.client.submit import Client, KrexError
 
     try:
         client = await Client.connect(args.socket)

@@ -14,8 +14,8 @@ import sys
 import textwrap
 from typing import Any
 
-from . import procfs
-from .doctor_check import FAIL, OK, WARN, Check
+from krex_async.linux import procfs
+from krex_async.node.doctor_check import FAIL, OK, WARN, Check
 
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"  # Debian's python3-bpfcc lives here
 MARK = "KREX-DOCTOR "

@@ -24,16 +24,16 @@ from enum import StrEnum
 
 import msgspec
 
-from . import protocol as P
-from .devices.base import Device
-from .isolation.base import Backend, Group, IsolationError
-from .records import Record, Records, start_ticks
-from .scheduler import Policy
-from .spawn import PRIVILEGED_ENV, ExitStatus, Handoff, Launched, LaunchSpec, spawn
-from .spool import Spool, SpoolFile, unlink
-from .stdinpipe import StdinPipe
+from krex_async import protocol as P
+from krex_async.daemon.records import Record, Records, start_ticks
+from krex_async.daemon.spool import Spool, SpoolFile, unlink
+from krex_async.daemon.stdinpipe import StdinPipe
+from krex_async.devices.base import Device
+from krex_async.isolation.base import Backend, Group, IsolationError
+from krex_async.linux.spawn import PRIVILEGED_ENV, ExitStatus, Handoff, Launched, LaunchSpec, spawn
+from krex_async.scheduler import Policy
 
-RUNTIME_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
+RUNTIME_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime")
 
 
 class SpecError(Exception):
@@ -184,7 +184,7 @@ class Command:
         return with_runtime(env)
 
 
-class Runner:
+class CommandRunner:
     """Spawns commands and watches them; calls `on_exit(cmd)` once each has ended."""
 
     def __init__(self, backend: Backend, socket: str, on_exit: Callable[[Command], None],

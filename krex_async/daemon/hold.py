@@ -25,13 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import logs
-from .isolation.base import Backend, Freeze, FreezeError, Group
-from .isolation.cudalock import Driver, LockPool, open_driver, release_left
+from krex_async import logs
+from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
+from krex_async.isolation.cudalock import Driver, LockPool, open_driver, release_left
 
 if TYPE_CHECKING:
-    from .commands import Command
-    from .core import Region
+    from krex_async.daemon.commands import Command
+    from krex_async.daemon.core import Region
 
 log = logs.get("krex.hold")
 

@@ -20,26 +20,34 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, logs
-from . import protocol as P
-from .attribution import Attributor
-from .commands import Command, CommandState, Runner, SpecError, Subscriber, user_groups, with_runtime
-from .config import ServeConfig
-from .core import Core, Send
-from .ctxpool import Pool, PoolConfig, adoption
-from .devices import Node, NoDevice, place
-from .devices.base import Device
-from .isolation.base import Backend
-from .metrics import Metrics
-from .procfs import stat_fields, tree_memory
-from .records import Records
-from .recovery import recover
-from .regions import Regions
-from .scheduler import Scheduler
-from .spawn import Launched, LaunchSpec
-from .spool import Spool
-from .stdinpipe import StdinBusy, StdinClosed, StdinPipe
-from .timeline import TraceRing
+from krex_async import __version__, logs
+from krex_async import protocol as P
+from krex_async.ctxpool import Pool, PoolConfig, adoption
+from krex_async.daemon.attribution import Attributor
+from krex_async.daemon.commands import (
+    Command,
+    CommandRunner,
+    CommandState,
+    SpecError,
+    Subscriber,
+    user_groups,
+    with_runtime,
+)
+from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.core import Core, Send
+from krex_async.daemon.metrics import Metrics
+from krex_async.daemon.records import Records
+from krex_async.daemon.recovery import recover
+from krex_async.daemon.regions import Regions
+from krex_async.daemon.spool import Spool
+from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
+from krex_async.daemon.timeline import TraceRing
+from krex_async.devices import Node, NoDevice, place
+from krex_async.devices.base import Device
+from krex_async.isolation.base import Backend
+from krex_async.linux.procfs import stat_fields, tree_memory
+from krex_async.linux.spawn import Launched, LaunchSpec
+from krex_async.scheduler import Scheduler
 
 log = logs.get("krex.daemon")
 
@@ -102,7 +110,7 @@ class Daemon:
         self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         # Spool files and command records live in the state dir (none without one: a bare config).
         self.records = Records(config.state_dir) if config.state_dir else None
-        self.runner = Runner(backend, config.socket, self._on_exit, launcher=self._launch_pooled,
+        self.runner = CommandRunner(backend, config.socket, self._on_exit, launcher=self._launch_pooled,
                              spool=Spool(config.state_dir, config.spool_limit)
                              if config.state_dir else None, records=self.records)
         self.tasks: set[asyncio.Task[Any]] = set()

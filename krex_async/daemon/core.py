@@ -17,20 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import protocol as P
-from .commands import Command
-from .config import ServeConfig
-from .devices.base import ClockState, Device
-from .isolation.base import Backend, Group
-from .metrics import Metrics
-from .records import Records
-from .scheduler import Scheduler
-from .spool import Spool
+from krex_async import protocol as P
+from krex_async.daemon.commands import Command
+from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.metrics import Metrics
+from krex_async.daemon.records import Records
+from krex_async.daemon.spool import Spool
+from krex_async.devices.base import ClockState, Device
+from krex_async.isolation.base import Backend, Group
+from krex_async.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from .ctxpool import Pool
-    from .devices import Node
-    from .probes.base import ProbeEvent
+    from krex_async.ctxpool import Pool
+    from krex_async.devices import Node
+    from krex_async.probes.base import ProbeEvent
 
 Send = Callable[[P.Msg], bool]  # to one connection; False once it is closed
 

@@ -24,14 +24,15 @@ from typing import Any
 
 import msgspec
 
-from . import logs, sdnotify
-from . import protocol as P
-from .attribution import Attributor
-from .commands import CommandState
-from .config import ServeConfig
-from .daemon import Daemon, RequestError, pool_user
-from .devices import Unavailable, open_node
-from .isolation import choose_backend
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.daemon.attribution import Attributor
+from krex_async.daemon.commands import CommandState
+from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.daemon import Daemon, RequestError, pool_user
+from krex_async.devices import Unavailable, open_node
+from krex_async.isolation import choose_backend
+from krex_async.linux import sdnotify
 
 log = logs.get("krex.server")
 
@@ -479,7 +480,7 @@ class Server:
         return 0
 
 
-def inside_krex(daemon: Daemon, attributor: Attributor, tgid: int,
+def is_krex_process(daemon: Daemon, attributor: Attributor, tgid: int,
                 cgroup_root: str | None = None) -> bool:
     """Whether `tgid` is inside krex, for the launch probe's scope `outsiders` (such a process is
     never trapped): it belongs to a command (the attributor: a descendant of a command's root
@@ -496,7 +497,7 @@ def inside_krex(daemon: Daemon, attributor: Attributor, tgid: int,
         return True
     if cgroup_root is None:
         return False
-    from .isolation.cgroupfs import own_cgroups
+    from krex_async.isolation.cgroupfs import own_cgroups
     try:
         path = cgroup_root + own_cgroups(str(tgid)).get("", "/")
     except (OSError, ValueError):
@@ -519,14 +520,14 @@ def start_probes(daemon: Daemon) -> None:
         log.info("probes", backend=None, reason="off (--probes off)")
         daemon.probes.update(state="off", reason="--probes off")
         return
-    from .probes import FailureReporting, open_probes
+    from krex_async.probes import FailureReporting, open_probes
 
     attributor: Attributor | None = None
-    from .probes.attribution import cgroup2_root
+    from krex_async.probes.attribution import cgroup2_root
     cg_root = cgroup2_root()
 
     def is_command(tgid: int) -> bool:  # the launch probe calls it on the loop only
-        return attributor is not None and inside_krex(daemon, attributor, tgid, cg_root)
+        return attributor is not None and is_krex_process(daemon, attributor, tgid, cg_root)
 
     backend, reason = open_probes(cfg.probes, cfg.probe_prefix_list or None, cfg.launch_lib_list or None,
                                   launch_scope=cfg.launch_scope, is_command=is_command)
@@ -555,7 +556,7 @@ async def serve(config: ServeConfig) -> int:
     cfg = config.resolved()
     pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
-    backend = choose_backend(cfg)
+    backend = choose_backend(cfg.isolation, cgroup_root=cfg.cgroup_root, state_dir=cfg.state_dir)
     for line in await backend.reconcile():
         log.info("reconciled", action=line)
     start_watchdog = getattr(backend, "start_watchdog", None)
@@ -569,7 +570,7 @@ async def serve(config: ServeConfig) -> int:
         log.info("devices", note=note)
     daemon = Daemon(cfg, backend, node.devices, node=node)
     if cfg.metrics:
-        from .metrics import MetricsUnavailable
+        from krex_async.daemon.metrics import MetricsUnavailable
 
         try:
             host, port = daemon.metrics.start(cfg.metrics)
@@ -578,7 +579,7 @@ async def serve(config: ServeConfig) -> int:
         log.info("metrics_serving", address=f"http://{host}:{port}/metrics")
         daemon.track(asyncio.get_running_loop().create_task(daemon.sample_metrics(),
                                                             name="metrics-sampler"))
-    from . import __version__
+    from krex_async import __version__
 
     daemon.metrics.info(__version__, cfg.policy.value, backend.name)
     for d in daemon.devices:

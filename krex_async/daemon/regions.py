@@ -23,18 +23,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import logs
-from . import protocol as P
-from .commands import Command, CommandState
-from .core import Core, Region
-from .gpuholders import GpuHolders, read_holders
-from .hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
-from .isolation.base import Freeze, Group, IsolationError
-from .probes.hold import HOLD
-from .runtime.quiesce import holds_gpu_file
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.daemon.commands import Command, CommandState
+from krex_async.daemon.core import Core, Region
+from krex_async.daemon.gpuholders import GpuHolders, read_holders
+from krex_async.daemon.hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
+from krex_async.isolation.base import Freeze, Group, IsolationError
+from krex_async.probes.hold import HOLD
+from krex_async.runtime.quiesce import holds_gpu_file
 
 if TYPE_CHECKING:
-    from .probes.base import ProbeEvent
+    from krex_async.probes.base import ProbeEvent
 
 log = logs.get("krex.region")
 SILENT_S = 1.0  # how long a runtime that did not answer a quiesce is not asked again

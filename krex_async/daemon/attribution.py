@@ -28,15 +28,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import logs, procfs
-from .probes.attribution import Attributor as Mapper
-from .probes.attribution import parent_pid
-from .probes.base import ProbeBackend, ProbeEvent
+from krex_async import logs
+from krex_async.linux import procfs
+from krex_async.probes.attribution import EventMapper, parent_pid
+from krex_async.probes.base import ProbeBackend, ProbeEvent
 
 if TYPE_CHECKING:
-    from .commands import Command
-    from .core import Core, Region
-    from .regions import Regions
+    from krex_async.daemon.commands import Command
+    from krex_async.daemon.core import Core, Region
+    from krex_async.daemon.regions import Regions
 
 log = logs.get("krex.probes")
 
@@ -85,7 +85,7 @@ class Attributor:
         self.regions = regions  # the regions held now: their strays, and a late open to freeze
         self.backend = backend
         self.watches: dict[str, Watch] = {}  # region id -> watch
-        self.mapper = Mapper()
+        self.mapper = EventMapper()
         self.events = 0
         self.failed: str | None = None  # why the backend stopped at runtime
 

@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from . import logs
-from . import protocol as P
-from .commands import Command, CommandState, Tail
-from .records import Record, end_lost
-from .scheduler import Policy
-from .spool import read_tail
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.daemon.commands import Command, CommandState, Tail
+from krex_async.daemon.records import Record, end_lost
+from krex_async.daemon.spool import read_tail
+from krex_async.scheduler import Policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .core import Core
+    from krex_async.daemon.core import Core
 
 log = logs.get("krex.recovery")
 

@@ -28,11 +28,11 @@ import time
 
 import msgspec
 
-from . import logs
-from . import protocol as P
-from .fsutil import replace_file
-from .isolation.base import Backend, Group, IsolationError
-from .procfs import stat_fields
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.isolation.base import Backend, Group, IsolationError
+from krex_async.linux.fsutil import replace_file
+from krex_async.linux.procfs import stat_fields
 
 log = logs.get("krex.records")
 
@@ -195,7 +195,7 @@ async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> tuple
     holds, the leader's session is signalled."""
     g: Group | None = None
     if backend.name == "cgroup" and rec.backend == "cgroup" and rec.cgroup:
-        from .isolation.cgroup import CgroupGroup
+        from krex_async.isolation.cgroup import CgroupGroup
 
         g = CgroupGroup(command_id=rec.id, pid=rec.pid, top=rec.cgroup)
         if backend.cgroup_dir(g) != rec.cgroup_dir:  # another cgroup root than the dead daemon's

@@ -2,7 +2,7 @@
 
 Runs as the unit's ExecStopPost (after a clean stop, a crash or SIGKILL alike) and by hand. It needs
 nothing but the cgroup filesystems: not the daemon, not its state file, not the cgroup backend module
-(`python -m krex_async.cleanup` works on its own). Thawing is always safe, so it runs even when no
+(`python -m krex_async.node.cleanup` works on its own). Thawing is always safe, so it runs even when no
 record of what was frozen survives.
 
 Which trees: the `krex` directory under each root. Roots are the `--root` directories given, else the
@@ -37,9 +37,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import procfs
-from .isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
-from .procfs import Mount
+from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+from krex_async.linux import procfs
+from krex_async.linux.procfs import Mount
 
 SUBTREE = "krex"
 
@@ -127,7 +127,7 @@ def _walk(tree: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
 def live_instances(tree: str, res: Result) -> frozenset[str]:
     """Instance directories of `tree` whose daemon is alive (each noted in res.actions)."""
     try:
-        from .isolation.intent import live_owner
+        from krex_async.isolation.intent import live_owner
     except ImportError:  # the sweep itself needs nothing but the stdlib
         return frozenset()
     live = set()
@@ -235,7 +235,7 @@ def cleanup(roots: list[str], remove_empty: bool = True, force: bool = False) ->
 
 def _default_socket() -> str:
     try:
-        from .config import default_socket
+        from krex_async.protocol import default_socket
     except ImportError:
         return "/run/krex/krex.sock"
     return default_socket()
@@ -244,8 +244,8 @@ def _default_socket() -> str:
 def _unlock(state_dir: str) -> list[str]:
     """Undo the CUDA driver locks a dead daemon recorded in its state dir (they outlive it)."""
     try:
-        from .config import ServeConfig
-        from .isolation.cudalock import release_left
+        from krex_async.daemon.config import ServeConfig
+        from krex_async.isolation.cudalock import release_left
     except ImportError:  # msgspec missing: no daemon of this install can have locked anything
         return []
     return release_left(state_dir or ServeConfig().resolved().state_dir)
@@ -292,7 +292,7 @@ def cleanup_main(args: argparse.Namespace) -> int:
     write failed (each failure printed with its path)."""
     conf: dict[str, object] = {}
     try:
-        from .configfile import ConfigError, read_file
+        from krex_async.daemon.config import ConfigError, read_file
 
         conf = read_file(args.config)[1]
     except ConfigError as e:  # a broken config must not stop the thaw: sweep the defaults

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from . import protocol as P
-from .config import default_socket
+from krex_async import protocol as P
+from krex_async.protocol import default_socket
 
 
 async def _connect_unix(path: str) -> socket.socket:

@@ -27,9 +27,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from . import cleanup as cg
-from .doctor_check import FAIL, OK, WARN, Check
-from .isolation.cgroupfs import CgroupFileError, CgroupFS
+from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS
+from krex_async.node import cleanup as cg
+from krex_async.node.doctor_check import FAIL, OK, WARN, Check
 
 SERVICE_CGROUP = "/system.slice/krex.service"  # where packaging/krex.service runs the daemon
 
@@ -275,12 +275,10 @@ def _test_cgroup_v1(base: str) -> Iterator[str]:
 def check_backend(cgroup_root: str = "") -> Check:
     """What `--isolation auto` would pick, by asking the daemon's own chooser."""
     try:
-        from .config import ServeConfig
-        from .isolation import choose_backend
+        from krex_async.isolation import choose_backend
 
         with tempfile.TemporaryDirectory(prefix="krex-doctor-") as state:
-            b = choose_backend(ServeConfig(isolation="auto", cgroup_root=cgroup_root,
-                                           state_dir=state))
+            b = choose_backend("auto", cgroup_root=cgroup_root, state_dir=state)
             name, reason = b.name, b.reason
     except (ImportError, SystemExit, Exception) as e:
         return Check("isolation backend", FAIL, f"choosing the backend failed: {e}",
@@ -294,7 +292,7 @@ def check_backend(cgroup_root: str = "") -> Check:
 # ------------------------------------------------------------------------------------- CLI
 
 def run_checks(gpu: bool = False, cgroup_root: str = "") -> list[Check]:
-    from . import doctor_kernel as k
+    from krex_async.node import doctor_kernel as k
 
     checks = [*check_python(), check_uvloop(), *check_cgroups(cgroup_root),
               check_backend(cgroup_root), *k.check_tracing(), *k.check_bpf(), *k.check_gpus(),

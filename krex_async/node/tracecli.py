@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from .config import default_socket
+from krex_async.protocol import default_socket
 
 HEADER = f"{'TIME':<12} {'KIND':<14} {'DEVICE':<8} {'COMMAND':<12} {'PID':>7} {'REGION':<12} DETAIL"
 PROBE_KINDS = frozenset({"probe"})
@@ -102,7 +102,7 @@ def as_json(ev: Any) -> str:
 
 async def trace(args: argparse.Namespace) -> int:
     """Stream until Ctrl-C (exit 0) or until the daemon goes away (a line saying so, exit 1)."""
-    from .client import Client, KrexError
+    from krex_async.client.submit import Client, KrexError
 
     try:
         client = await Client.connect(args.socket)
