@@ -32,7 +32,7 @@ from ..conftest import PY, ROOT, Daemon, serving
 USER_PY = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
 USER_PYTHONPATH = os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])
 
-LAUNCH = ("import sys, msgspec; from krex_async import server, config; "
+LAUNCH = ("import sys, msgspec; from krex_async.daemon import server, config; "
           "sys.exit(server.run(msgspec.json.decode(sys.argv[1], type=config.ServeConfig)))")
 
 
