@@ -159,6 +159,8 @@ class Attributor:
         rep.stray_pids = sorted(w.pids)
         rep.first_strays = list(w.first)
         rep.stray_procs = dict(w.procs)
+        for late in rep.lock_late:
+            late.strays = w.pids.get(late.pid, 0)
         if self.failed is not None or w.unverified or self.backend.lost() > w.lost_at_start:
             rep.tainted = True
 

@@ -28,7 +28,7 @@ from . import protocol as P
 from .commands import Command, CommandState
 from .core import Core, Region
 from .gpuholders import GpuHolders, read_holders
-from .hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
+from .hold import Hold, d_state, freeze_tolerant, lock_commands, retry_late, stop_late, unheld
 from .isolation.base import Freeze, Group, IsolationError
 from .probes.hold import HOLD
 from .runtime.quiesce import holds_gpu_file
@@ -343,8 +343,25 @@ class Regions:
                     ) -> list[Command]:
         fallback = await lock_commands(self.hold, r, cmds, pids)
         self.core.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
-                     fallback=len(fallback))
+                     fallback=len(fallback), late=len(r.late))
+        self._start_late(r)
         return fallback
+
+    def _start_late(self, r: Region) -> None:
+        """Retry the lock on the processes that answered NOT_READY, behind the grant. Not one of
+        the core's tracked tasks: only _release ends it (stop_late), after its lock call landed."""
+        if r.late_task is not None or not any(e.outcome == "pending" for e in r.late.values()):
+            return
+        r.late_stop = asyncio.Event()
+        r.late_task = asyncio.get_running_loop().create_task(
+            retry_late(self.hold, r, lambda cid: self._freeze_late_lock(r, cid)),
+            name=f"late-lock-{r.id}")
+
+    async def _freeze_late_lock(self, r: Region, cid: str) -> None:
+        cmd = self.core.commands.get(cid)
+        if cmd is not None and cmd.group is not None and cmd.state == CommandState.RUNNING \
+                and not cmd.group.frozen and cid not in r.frozen_ids:
+            await self._freeze_into(r, cmd, cmd.group, "late_lock")
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
         out = await freeze_tolerant(self.core.backend, r, groups, self.core.config.freeze_timeout)
@@ -540,6 +557,7 @@ class Regions:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.core.backend
         r.releasing = True
+        await stop_late(r)  # first: a retry's lock in flight lands in r.locked_pids, unlocked below
         if r.paused_pool and r.device in self.core.pools:
             self.core.pools[r.device].resume()
             r.paused_pool = False
@@ -593,6 +611,9 @@ class Regions:
             return
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
+        late = r.late.get(ev.tgid)
+        if late is not None and late.outcome in ("pending", "locked"):
+            return  # creating its context opens the GPU's files: the lock retry holds it
         self.core.track(asyncio.get_running_loop().create_task(
             self._freeze_into(r, cmd, cmd.group, "late")))
 
