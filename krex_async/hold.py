@@ -13,8 +13,12 @@ GPU open, all otherwise. `--hold` chooses how a held sibling is held:
   with no GPU file has nothing to lock: it is frozen.
 - `auto` (default): `lock` where the driver lock is available, `freeze` elsewhere.
 
+A process that answers the lock CUDA_ERROR_NOT_READY is creating its context: it is not frozen and
+not waited for; `retry_late` locks it behind the grant once the context exists (report: lock_late).
+
     split(targets) ──► to_lock {command: GPU-holding pids}   ──► LockPool.lock_many ─► locked
                    └─► to_freeze [commands without GPU files] ──► freeze      failed ─► frozen (why)
+                                                                        NOT_READY ─► retry_late ─► locked
 """
 
 from __future__ import annotations
