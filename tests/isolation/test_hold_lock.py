@@ -519,3 +519,29 @@ async def test_lock_retry_stops_with_the_region_or_the_process(fake: Fake, scrip
     # of them is locked
     for pid, _ in json.loads((state / "locks.json").read_text())["locked"]:
         assert fake.lock_state(pid) != 1, pid
+
+
+async def test_late_lock_is_undone_by_the_watchdog(fake: Fake, script, tmp_path: Path) -> None:
+    """A lock taken by the retry is recorded like one taken at entry: the daemon's death while it
+    holds it leaves nothing locked a second later."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir",
+                          str(tmp_path / "state"), env=daemon_env(fake)) as d:
+        c = await d.client()
+        hl, late = await _start_creating(c, fake, "late", 300)
+        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(),
+                                    on_disconnect="keep"))
+        await granted(marker)
+        assert not is_frozen(late)
+        deadline = time.monotonic() + 3
+        while fake.lock_state(late) != 1:
+            assert time.monotonic() < deadline, "not locked once its context existed"
+            await asyncio.sleep(0.005)
+        d.proc.kill()
+        d.proc.wait()
+        t0 = time.monotonic()
+        while fake.lock_state(late) == 1 and time.monotonic() - t0 < 3:
+            await asyncio.sleep(0.01)
+        assert fake.lock_state(late) == 0 and time.monotonic() - t0 < 1.0, "the watchdog did not unlock"
+        os.kill(late, signal.SIGKILL)
