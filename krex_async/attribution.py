@@ -93,6 +93,10 @@ class Attributor:
         if cmd.pid is not None and cmd.group is not None:
             self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.core.backend.cgroup_dir(cmd.group))
 
+    def worker_joined(self, cmd: Command, pid: int) -> None:
+        """A pool worker took over a process of `cmd`: its events are the command's."""
+        self.mapper.add(cmd.id, pid)
+
     def command_ended(self, cmd: Command) -> None:
         self.mapper.remove(cmd.id)
 

@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -125,20 +125,33 @@ class Hold:
 # ------------------------------------------------------------------------- a region's hold steps
 
 async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
-                        pids: dict[str, list[int]]) -> list[Command]:
-    """Lock the GPU-holding processes of `cmds` through the driver, in parallel, into `r`
-    (locked_pids, locked_ids, the report); returns the commands to freeze instead, each with its
-    reason in the report's hold_fallback (one of its processes was not locked)."""
+                        pids: dict[str, list[int]], workers: Sequence[int] = ()) -> list[Command]:
+    """Lock the GPU-holding processes of `cmds`, and the pool `workers` outside any command, through
+    the driver, in parallel, into `r` (locked_pids, locked_ids, pool_locked, the report); returns
+    the commands to freeze instead, each with its reason in the report's hold_fallback (one of its
+    processes was not locked). A worker that cannot be locked is named in pool_unheld: it has no
+    cgroup to freeze, and an adoption while it is unlocked freezes the adopting command instead."""
     rep = r.report
     assert hold.pool is not None
-    t0 = r.t_lock = time.perf_counter()
+    t0 = time.perf_counter()
+    r.t_lock = r.t_lock or t0
     try:
-        res = await hold.pool.lock_many([p for c in cmds for p in pids[c.id]], hold.timeout)
+        res = await hold.pool.lock_many([p for c in cmds for p in pids[c.id]] + list(workers),
+                                        hold.timeout)
     except OSError as e:  # the lock record could not be written: nothing was locked
         rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
+        rep.pool_unheld.update({p: f"lock record unwritable: {e}" for p in workers})
         return list(cmds)
-    rep.lock_s = time.perf_counter() - t0
-    rep.lock_max_s = max((x.seconds for x in res.values()), default=0.0)
+    for p in workers:
+        x = res[p]
+        if x.ok:
+            rep.pool_locked.append(p)
+        elif x.not_ready:
+            r.late[p] = LateLock(pid=p, command="", attempts=1)
+        else:
+            rep.pool_unheld[p] = x.error
+    rep.lock_s += time.perf_counter() - t0  # a second call: the pool worker that warmed meanwhile
+    rep.lock_max_s = max((x.seconds for x in res.values()), default=rep.lock_max_s)
     r.locked_pids.extend(p for p, x in res.items() if x.ok)
     rep.locked_pids = list(r.locked_pids)
     fallback = []
@@ -177,11 +190,14 @@ async def retry_late(hold: Hold, r: Region,
     process; each lock call is bounded (LockPool.lock_many), so stopping takes at most one bound."""
     assert hold.pool is not None and r.late_stop is not None
     stop = r.late_stop
-    starts = {pid: start_time(pid) for pid in r.late}
+    starts: dict[int, int | None] = {}
     for i in itertools.count():
         pending = [e for e in r.late.values() if e.outcome == "pending"]
         if not pending:
             return
+        for e in pending:  # entries may be added while this runs (a pool worker warmed meanwhile)
+            if e.pid not in starts:
+                starts[e.pid] = start_time(e.pid)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), RETRY_S[i] if i < len(RETRY_S) else RETRY_MAX_S)
         if stop.is_set():
@@ -212,11 +228,16 @@ async def retry_late(hold: Hold, r: Region,
                 continue
             elif start_time(e.pid) != starts[e.pid]:
                 e.outcome = "exited"
+            elif not e.command:  # a pool worker: no cgroup of its own to freeze
+                e.outcome = "unheld"
+                r.report.pool_unheld[e.pid] = f"answered CUDA_ERROR_NOT_READY, then: {x.error}"
             else:
                 e.outcome = "frozen"
                 r.report.hold_fallback[e.command] = (
                     f"pid {e.pid} answered CUDA_ERROR_NOT_READY, then was not locked: {x.error}")
                 await freeze(e.command)
+            if x.ok and not e.command:
+                r.report.pool_locked.append(e.pid)
 
 
 async def stop_late(r: Region) -> None:

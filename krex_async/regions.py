@@ -263,6 +263,7 @@ class Regions:
                               else {c.id: [] for c in targets})
         locking = [c for c in targets if c.id in plan.to_lock]
         freezing = [c for c in targets if c.id not in plan.to_lock]
+        workers = self._pool_workers(r, plan.how, plan.to_lock)
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
         asked = self._to_quiesce(r, freezing)
@@ -281,10 +282,12 @@ class Regions:
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
         t0 = time.perf_counter()
-        lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock)) if locking else None
+        lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers)) \
+            if locking or workers else None
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(self._freeze_some(r, now)) if now else None
         cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
+        lock2: asyncio.Future[list[Command]] | None = None
         try:
             if asked:
                 pending = [f for f in r.acks.values() if not f.done()]
@@ -328,6 +331,13 @@ class Regions:
             await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
                 rep.pool_wait_s = await quiet
+                # a context creation that was in flight has ended: that worker is held too
+                more = [p for p in self._pool_workers(r, plan.how, plan.to_lock)
+                        if p not in workers]
+                if more:
+                    workers += more
+                    lock2 = asyncio.ensure_future(self._lock(r, [], {}, more))
+                    await asyncio.shield(lock2)
         except BaseException:
             tasks = [t for t in (early, cores, quiet) if t is not None]
             for task in tasks:
@@ -335,13 +345,22 @@ class Regions:
                     task.cancel()
             # never cancelled: a lock in flight must land in r.locked_pids, or be undone, before
             # _release runs (LockPool.lock_many is bounded)
-            await asyncio.gather(*tasks, *([lock] if lock is not None else []),
+            await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None),
                                  return_exceptions=True)
             raise
 
+    def _pool_workers(self, r: Region, how: str, to_lock: dict[str, list[int]]) -> list[int]:
+        """Under the lock: the device's pool workers in no command that hold a GPU device file
+        (a context: idle, or retired and tearing it down), less any already locked."""
+        pool = self.core.pools.get(r.device)
+        if pool is None or how != "lock":
+            return []
+        taken = {p for pids in to_lock.values() for p in pids} | set(r.locked_pids) | set(r.late)
+        return [p for p in pool.outside_pids() if p not in taken and holds_gpu_file(p)]
+
     async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
-                    ) -> list[Command]:
-        fallback = await lock_commands(self.hold, r, cmds, pids)
+                    workers: list[int] | None = None) -> list[Command]:
+        fallback = await lock_commands(self.hold, r, cmds, pids, workers or ())
         self.core.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
                      fallback=len(fallback), late=len(r.late))
         self._start_late(r)
@@ -350,9 +369,10 @@ class Regions:
     def _start_late(self, r: Region) -> None:
         """Retry the lock on the processes that answered NOT_READY, behind the grant. Not one of
         the core's tracked tasks: only _release ends it (stop_late), after its lock call landed."""
-        if r.late_task is not None or not any(e.outcome == "pending" for e in r.late.values()):
+        if r.late_task is not None and not r.late_task.done() or \
+                not any(e.outcome == "pending" for e in r.late.values()):
             return
-        r.late_stop = asyncio.Event()
+        r.late_stop = r.late_stop or asyncio.Event()
         r.late_task = asyncio.get_running_loop().create_task(
             retry_late(self.hold, r, lambda cid: self._freeze_late_lock(r, cid)),
             name=f"late-lock-{r.id}")
@@ -670,15 +690,36 @@ class Regions:
         self.core.trace("freeze", r, command=cmd.id, late=True)
 
     async def hold_arrival(self, cmd: Command) -> None:
-        """--freeze device-holders: a command about to gain a GPU context mid-region (a warm pool
-        worker adopting one of its interpreters brings one, with no open the probes could see) is
-        frozen into the region first, as an open of a GPU device would have it."""
-        if self.core.config.freeze != "device-holders" or cmd.group is None or cmd.device_key is None:
+        """A command about to gain a warm pool worker mid-region (an adoption: the worker brings a
+        context, with no open the probes could see) while the region does not hold it already
+        (device-holders left it running, or the lock held only its other processes): nothing to
+        do when every idle worker is locked into the region (the one it gets runs on until its
+        first CUDA call), else the command is frozen into the region first, as an open of a GPU
+        device would have it; the adoption then waits for the region's end."""
+        if cmd.group is None or cmd.device_key is None:
             return
         r = self.current_on(cmd.device_key)
         if r is None or r.command is cmd or cmd.group.frozen or cmd.id in r.frozen_ids:
             return
+        if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
+            return  # --freeze all: a running command is frozen, or locked, as a target already
+        if self.pool_locked(r):
+            return
         await self._freeze_into(r, cmd, cmd.group, "adopt")
+
+    def pool_locked(self, r: Region) -> bool:
+        """Whether every idle warm worker of the region's device is locked into it (so one taken
+        mid-region by a command the region does not hold starts no GPU work)."""
+        pool = self.core.pools.get(r.device)
+        idle = pool.idle_pids() if pool is not None else []
+        return bool(idle) and set(idle) <= set(r.locked_pids)
+
+    def holds_starts(self, device: str, cmd: Command) -> bool:
+        """Whether a warm worker may not be handed a command starting now on `device`: a region
+        there holds GPU holders only (device-holders) and would not hold the worker's context."""
+        r = self.current_on(device)
+        return r is not None and r.command is not cmd and self._who(r) == "device-holders" \
+            and not self.pool_locked(r)
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.

@@ -283,6 +283,15 @@ class Pool:
         """The pids of this pool's workers now (starting, warm or running a command)."""
         return {w.pid for w in self._workers}
 
+    def outside_pids(self) -> list[int]:
+        """The workers that are in no command: warming, idle, or retired and not yet gone. A region
+        must hold those with a context itself (no command's hold reaches them)."""
+        return sorted(w.pid for w in self._workers if w.state != "busy" and not w.exited.done())
+
+    def idle_pids(self) -> list[int]:
+        """The warm workers an adoption or a launch may take next."""
+        return [w.pid for w in self._idle if w.state == "warm" and not w.exited.done()]
+
     def status(self) -> dict[str, Any]:
         """Sizes, counts and latencies; each worker's host memory (RSS, PSS from smaps_rollup)."""
         counts = collections.Counter(w.state for w in self._workers)
