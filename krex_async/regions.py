@@ -356,7 +356,8 @@ class Regions:
         if pool is None or how != "lock":
             return []
         taken = {p for pids in to_lock.values() for p in pids} | set(r.locked_pids) | set(r.late)
-        return [p for p in pool.outside_pids() if p not in taken and holds_gpu_file(p)]
+        # a warm worker's context is known: no /proc reading of its many fds on the entry path
+        return [p for p, ctx in pool.outside() if p not in taken and (ctx or holds_gpu_file(p))]
 
     async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
                     workers: list[int] | None = None) -> list[Command]:

@@ -293,10 +293,13 @@ class Pool:
         """The pids of this pool's workers now (starting, warm or running a command)."""
         return {w.pid for w in self._workers}
 
-    def outside_pids(self) -> list[int]:
-        """The workers that are in no command: warming, idle, or retired and not yet gone. A region
-        must hold those with a context itself (no command's hold reaches them)."""
-        return sorted(w.pid for w in self._workers if w.state != "busy" and not w.exited.done())
+    def outside(self) -> list[tuple[int, bool]]:
+        """(pid, has a device context for sure) of the workers in no command: warming, idle, or
+        retired and not yet gone. A region must hold those with a context itself (no command's hold
+        reaches them); a worker not known to have one may still hold a GPU file (ask /proc)."""
+        ctx = self.config.init_context and self.device.vendor != "cpu"
+        return sorted((w.pid, ctx and w.warmed) for w in self._workers
+                      if w.state != "busy" and not w.exited.done())
 
     def idle_pids(self) -> list[int]:
         """The warm workers an adoption or a launch may take next."""
