@@ -693,10 +693,11 @@ class Regions:
     async def hold_arrival(self, cmd: Command) -> None:
         """A command about to gain a warm pool worker mid-region (an adoption: the worker brings a
         context, with no open the probes could see) while the region does not hold it already
-        (device-holders left it running, or the lock held only its other processes): nothing to
+        (device-holders left it running, or the lock held only its other processes). Nothing to
         do when every idle worker is locked into the region (the one it gets runs on until its
-        first CUDA call), else the command is frozen into the region first, as an open of a GPU
-        device would have it; the adoption then waits for the region's end."""
+        first CUDA call) or none is idle (nothing will be handed over); else the command is
+        frozen into the region first, as an open of a GPU device would have it, and the adoption
+        waits for the region's end."""
         if cmd.group is None or cmd.device_key is None:
             return
         r = self.current_on(cmd.device_key)
@@ -704,23 +705,23 @@ class Regions:
             return
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return  # --freeze all: a running command is frozen, or locked, as a target already
-        if self.pool_locked(r):
+        if self.workers_held(r):
             return
         await self._freeze_into(r, cmd, cmd.group, "adopt")
 
-    def pool_locked(self, r: Region) -> bool:
+    def workers_held(self, r: Region) -> bool:
         """Whether every idle warm worker of the region's device is locked into it (so one taken
-        mid-region by a command the region does not hold starts no GPU work)."""
+        mid-region by a command the region does not hold starts no GPU work); with none idle,
+        nothing can be handed over (adopt() and launch() take only an idle one, at once)."""
         pool = self.core.pools.get(r.device)
-        idle = pool.idle_pids() if pool is not None else []
-        return bool(idle) and set(idle) <= set(r.locked_pids)
+        return pool is None or set(pool.idle_pids()) <= set(r.locked_pids)
 
     def holds_starts(self, device: str, cmd: Command) -> bool:
         """Whether a warm worker may not be handed a command starting now on `device`: a region
         there holds GPU holders only (device-holders) and would not hold the worker's context."""
         r = self.current_on(device)
         return r is not None and r.command is not cmd and self._who(r) == "device-holders" \
-            and not self.pool_locked(r)
+            and not self.workers_held(r)
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.
