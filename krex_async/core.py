@@ -110,6 +110,7 @@ class Region:
     late_task: asyncio.Task[None] | None = None
     late_stop: asyncio.Event | None = None
     t_lock: float = 0.0  # when the entry's lock step began
+    freezing: set[str] = field(default_factory=set)  # commands a late freeze is under way for
 
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():

@@ -679,11 +679,17 @@ class Regions:
         """Freeze a command after the region froze its targets (`why`: "join", a command that
         began running meanwhile; "late", a device holder the probes saw): into the region while
         it is still current, else undone at once."""
+        # a burst of GPU opens (a CUDA initialisation opens several files) freezes it once
+        if cmd.id in r.freezing or cmd.id in r.frozen_ids:
+            return
+        r.freezing.add(cmd.id)
         try:
             await self.core.backend.freeze(group, timeout=self.core.config.freeze_timeout)
         except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
             log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
             return
+        finally:
+            r.freezing.discard(cmd.id)
         if self.current_on(r.device) is r:
             self._add_frozen(r, cmd, group)
         else:  # the region began releasing while this one froze: undo at once
