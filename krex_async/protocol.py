@@ -208,6 +208,20 @@ Request = Hello | Submit | Attach | Cancel | Status | RegionEnter | RegionExit |
 
 # ----------------------------------------------------------------------------------------- reports
 
+class LateLock(msgspec.Struct, omit_defaults=True):
+    """A held sibling's process that answered the lock CUDA_ERROR_NOT_READY (creating its context:
+    nothing of it on the device yet): the region was granted without it, the lock retried behind."""
+
+    pid: int
+    command: str
+    # locked (after_s from the grant's first lock call), exited, region-ended (never locked), or
+    # frozen (a retry failed otherwise: its command was frozen into the region, hold_fallback says why)
+    outcome: str = "pending"
+    after_s: float = 0.0
+    attempts: int = 0
+    strays: int = 0  # its GPU driver calls the probes saw while the region was held
+
+
 class RegionReport(msgspec.Struct, omit_defaults=True):
     """One region of a command: when it was asked for, what entering cost, how it ended."""
 
@@ -262,6 +276,11 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     # running off the region cores, command -> why; the region is tainted and `taint` says why.
     unheld: dict[str, str] = {}
     taint: list[str] = []
+    # Processes that answered the lock CUDA_ERROR_NOT_READY: not waited for, locked once ready.
+    lock_late: list[LateLock] = []
+    pool_locked: list[int] = []  # the device's pool workers outside any command, locked
+    # pool workers outside any command that hold a GPU file but could not be locked: pid -> why
+    pool_unheld: dict[int, str] = {}
 
 
 class CommandReport(msgspec.Struct, omit_defaults=True):

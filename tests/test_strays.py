@@ -120,3 +120,31 @@ async def test_no_strays_when_only_the_owner_touches_the_device(device, script):
             res = await c.run([PY, owner], env=py_env())
     rep = res.report.regions[0]
     assert res.returncode == 0 and rep.strays == 0 and rep.stray_pids == [], rep
+
+
+async def test_a_sibling_opening_the_device_repeatedly_is_frozen_once(device, script, tmp_path):
+    """Several opens of one sibling in a burst (a CUDA initialisation opens a handful of device
+    files) freeze its command once: it is named once in the region's frozen list."""
+    marker = tmp_path / "inside"
+    owner = script("owner.py", f"""
+        import time
+        from krex_async import region
+        with region("timing"):
+            open({str(marker)!r}, "w").close()
+            time.sleep(1.0)
+    """)
+    burst = f"for i in 1 2 3 4 5 6 7 8; do exec 3<{device}; exec 3<&-; done; sleep 2"
+    prefix = os.path.dirname(device) + "/"
+    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix,
+                          "--freeze", "device-holders") as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, owner], env=py_env())
+            deadline = time.monotonic() + 20
+            while not marker.exists():
+                assert time.monotonic() < deadline, "the owner never entered its region"
+                await asyncio.sleep(0.02)
+            sib = await c.submit(["/bin/sh", "-c", burst], env=py_env())
+            res = await h.wait()
+            await sib.cancel(9)
+    rep = res.report.regions[0]
+    assert rep.frozen == [sib.command], rep.frozen

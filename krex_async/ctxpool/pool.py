@@ -94,6 +94,7 @@ class _Worker:
     warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
     accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
+    surplus: bool = False  # came back surplus while the device was paused: retired at resume()
 
 
 class Pool:
@@ -278,10 +279,31 @@ class Pool:
 
     def resume(self) -> None:
         self._resumed.set()
+        for w in [w for w in self._idle if w.surplus]:
+            w.surplus = False
+            if w.state == "warm" and self._have() > self._target():
+                self._idle.remove(w)
+                self._retire_surplus(w)
+
+    def _retire_surplus(self, w: _Worker) -> None:
+        self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
+        w.sock.close()  # EOF: it exits
 
     def pids(self) -> set[int]:
         """The pids of this pool's workers now (starting, warm or running a command)."""
         return {w.pid for w in self._workers}
+
+    def outside(self) -> list[tuple[int, bool]]:
+        """(pid, has a device context for sure) of the workers in no command: warming, idle, or
+        retired and not yet gone. A region must hold those with a context itself (no command's hold
+        reaches them); a worker not known to have one may still hold a GPU file (ask /proc)."""
+        ctx = self.config.init_context and self.device.vendor != "cpu"
+        return sorted((w.pid, ctx and w.warmed) for w in self._workers
+                      if w.state != "busy" and not w.exited.done())
+
+    def idle_pids(self) -> list[int]:
+        """The warm workers an adoption or a launch may take next."""
+        return [w.pid for w in self._idle if w.state == "warm" and not w.exited.done()]
 
     def status(self) -> dict[str, Any]:
         """Sizes, counts and latencies; each worker's host memory (RSS, PSS from smaps_rollup)."""
@@ -423,9 +445,12 @@ class Pool:
                 self._task(self._create_context(w))
         elif t == "ready":
             if w.warmed and self._have() > self._target():
-                self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
-                w.sock.close()  # EOF: it exits
-                return
+                if self._resumed.is_set():
+                    self._retire_surplus(w)
+                    return
+                # A region holds the device: exiting now would tear its context down inside the
+                # region, unheld (it is in no command). It waits idle, and leaves at resume().
+                w.surplus = True
             w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
             if "hexversion" in msg:
                 self.interpreter = {k: msg[k] for k in ("hexversion", "flags", "xoptions",

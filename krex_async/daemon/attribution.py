@@ -93,6 +93,10 @@ class Attributor:
         if cmd.pid is not None and cmd.group is not None:
             self.mapper.add(cmd.id, cmd.pid, cgroup_dir=self.core.backend.cgroup_dir(cmd.group))
 
+    def worker_joined(self, cmd: Command, pid: int) -> None:
+        """A pool worker took over a process of `cmd`: its events are the command's."""
+        self.mapper.add(cmd.id, pid)
+
     def command_ended(self, cmd: Command) -> None:
         self.mapper.remove(cmd.id)
 
@@ -159,6 +163,8 @@ class Attributor:
         rep.stray_pids = sorted(w.pids)
         rep.first_strays = list(w.first)
         rep.stray_procs = dict(w.procs)
+        for late in rep.lock_late:
+            late.strays = w.pids.get(late.pid, 0)
         if self.failed is not None or w.unverified or self.backend.lost() > w.lost_at_start:
             rep.tainted = True
 

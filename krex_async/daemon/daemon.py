@@ -166,9 +166,14 @@ class Daemon:
             self.pools[d.key] = pool
 
     def _join_group(self, pid: int, spec: LaunchSpec) -> None:
-        """Pool hook: the worker taking a command joins that command's group first."""
+        """Pool hook: the worker taking a command joins that command's group first. The probes
+        learn it is the command's: its parent is the daemon, not the command's leader, and once
+        it owns a region it sits in the group's keep/ leaf, whose cgroup they do not know."""
         if self.runner.launching is not None:
             self.backend.join(self.runner.launching, pid)
+            cmd = next((c for c in self.commands.values() if c.group is self.runner.launching), None)
+            if cmd is not None and self.attributor is not None:
+                self.attributor.worker_joined(cmd, pid)
 
     def _adoptable(self, cmd: Command) -> Pool | None:
         """The pool that may adopt this command's interpreters: its device's, running as the
@@ -221,8 +226,7 @@ class Daemon:
         pool = self.pools.get(cmd.device_key or "")
         if pool is None or spec.uid is not None or not pool.accepts(spec):
             return None
-        r = self.regions.current_on(pool.device.key)
-        if self.config.freeze == "device-holders" and r is not None and r.command is not cmd:
+        if self.regions.holds_starts(pool.device.key, cmd):
             return None  # a worker's context would arrive unseen mid-region: start it plainly
         return pool.launch_nowait(spec)
 

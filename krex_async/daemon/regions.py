@@ -28,7 +28,15 @@ from krex_async import protocol as P
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core, Region
 from krex_async.daemon.gpuholders import GpuHolders, read_holders
-from krex_async.daemon.hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
+from krex_async.daemon.hold import (
+    Hold,
+    d_state,
+    freeze_tolerant,
+    lock_commands,
+    retry_late,
+    stop_late,
+    unheld,
+)
 from krex_async.isolation.base import Freeze, Group, IsolationError
 from krex_async.probes.hold import HOLD
 from krex_async.runtime.quiesce import holds_gpu_file
@@ -263,6 +271,7 @@ class Regions:
                               else {c.id: [] for c in targets})
         locking = [c for c in targets if c.id in plan.to_lock]
         freezing = [c for c in targets if c.id not in plan.to_lock]
+        workers = self._pool_workers(r, plan.how, plan.to_lock)
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
         asked = self._to_quiesce(r, freezing)
@@ -281,10 +290,12 @@ class Regions:
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
         t0 = time.perf_counter()
-        lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock)) if locking else None
+        lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers)) \
+            if locking or workers else None
         self._send_quiesce(r, asked)
         early = asyncio.ensure_future(self._freeze_some(r, now)) if now else None
         cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
+        lock2: asyncio.Future[list[Command]] | None = None
         try:
             if asked:
                 pending = [f for f in r.acks.values() if not f.done()]
@@ -328,6 +339,13 @@ class Regions:
             await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
                 rep.pool_wait_s = await quiet
+                # a context creation that was in flight has ended: that worker is held too
+                more = [p for p in self._pool_workers(r, plan.how, plan.to_lock)
+                        if p not in workers]
+                if more:
+                    workers += more
+                    lock2 = asyncio.ensure_future(self._lock(r, [], {}, more))
+                    await asyncio.shield(lock2)
         except BaseException:
             tasks = [t for t in (early, cores, quiet) if t is not None]
             for task in tasks:
@@ -335,16 +353,44 @@ class Regions:
                     task.cancel()
             # never cancelled: a lock in flight must land in r.locked_pids, or be undone, before
             # _release runs (LockPool.lock_many is bounded)
-            await asyncio.gather(*tasks, *([lock] if lock is not None else []),
+            await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None),
                                  return_exceptions=True)
             raise
 
+    def _pool_workers(self, r: Region, how: str, to_lock: dict[str, list[int]]) -> list[int]:
+        """Under the lock: the device's pool workers in no command that hold a GPU device file
+        (a context: idle, or retired and tearing it down), less any already locked."""
+        pool = self.core.pools.get(r.device)
+        if pool is None or how != "lock":
+            return []
+        taken = {p for pids in to_lock.values() for p in pids} | set(r.locked_pids) | set(r.late)
+        # a warm worker's context is known: no /proc reading of its many fds on the entry path
+        return [p for p, ctx in pool.outside() if p not in taken and (ctx or holds_gpu_file(p))]
+
     async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
-                    ) -> list[Command]:
-        fallback = await lock_commands(self.hold, r, cmds, pids)
+                    workers: list[int] | None = None) -> list[Command]:
+        fallback = await lock_commands(self.hold, r, cmds, pids, workers or ())
         self.core.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
-                     fallback=len(fallback))
+                     fallback=len(fallback), late=len(r.late))
+        self._start_late(r)
         return fallback
+
+    def _start_late(self, r: Region) -> None:
+        """Retry the lock on the processes that answered NOT_READY, behind the grant. Not one of
+        the core's tracked tasks: only _release ends it (stop_late), after its lock call landed."""
+        if r.late_task is not None and not r.late_task.done() or \
+                not any(e.outcome == "pending" for e in r.late.values()):
+            return
+        r.late_stop = r.late_stop or asyncio.Event()
+        r.late_task = asyncio.get_running_loop().create_task(
+            retry_late(self.hold, r, lambda cid: self._freeze_late_lock(r, cid)),
+            name=f"late-lock-{r.id}")
+
+    async def _freeze_late_lock(self, r: Region, cid: str) -> None:
+        cmd = self.core.commands.get(cid)
+        if cmd is not None and cmd.group is not None and cmd.state == CommandState.RUNNING \
+                and not cmd.group.frozen and cid not in r.frozen_ids:
+            await self._freeze_into(r, cmd, cmd.group, "late_lock")
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
         out = await freeze_tolerant(self.core.backend, r, groups, self.core.config.freeze_timeout)
@@ -540,6 +586,7 @@ class Regions:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.core.backend
         r.releasing = True
+        await stop_late(r)  # first: a retry's lock in flight lands in r.locked_pids, unlocked below
         if r.paused_pool and r.device in self.core.pools:
             self.core.pools[r.device].resume()
             r.paused_pool = False
@@ -593,6 +640,9 @@ class Regions:
             return
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
+        late = r.late.get(ev.tgid)
+        if late is not None and late.outcome in ("pending", "locked"):
+            return  # creating its context opens the GPU's files: the lock retry holds it
         self.core.track(asyncio.get_running_loop().create_task(
             self._freeze_into(r, cmd, cmd.group, "late")))
 
@@ -637,11 +687,17 @@ class Regions:
         """Freeze a command after the region froze its targets (`why`: "join", a command that
         began running meanwhile; "late", a device holder the probes saw): into the region while
         it is still current, else undone at once."""
+        # a burst of GPU opens (a CUDA initialisation opens several files) freezes it once
+        if cmd.id in r.freezing or cmd.id in r.frozen_ids:
+            return
+        r.freezing.add(cmd.id)
         try:
             await self.core.backend.freeze(group, timeout=self.core.config.freeze_timeout)
         except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
             log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
             return
+        finally:
+            r.freezing.discard(cmd.id)
         if self.current_on(r.device) is r:
             self._add_frozen(r, cmd, group)
         else:  # the region began releasing while this one froze: undo at once
@@ -649,15 +705,37 @@ class Regions:
         self.core.trace("freeze", r, command=cmd.id, late=True)
 
     async def hold_arrival(self, cmd: Command) -> None:
-        """--freeze device-holders: a command about to gain a GPU context mid-region (a warm pool
-        worker adopting one of its interpreters brings one, with no open the probes could see) is
-        frozen into the region first, as an open of a GPU device would have it."""
-        if self.core.config.freeze != "device-holders" or cmd.group is None or cmd.device_key is None:
+        """A command about to gain a warm pool worker mid-region (an adoption: the worker brings a
+        context, with no open the probes could see) while the region does not hold it already
+        (device-holders left it running, or the lock held only its other processes). Nothing to
+        do when every idle worker is locked into the region (the one it gets runs on until its
+        first CUDA call) or none is idle (nothing will be handed over); else the command is
+        frozen into the region first, as an open of a GPU device would have it, and the adoption
+        waits for the region's end."""
+        if cmd.group is None or cmd.device_key is None:
             return
         r = self.current_on(cmd.device_key)
         if r is None or r.command is cmd or cmd.group.frozen or cmd.id in r.frozen_ids:
             return
+        if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
+            return  # --freeze all: a running command is frozen, or locked, as a target already
+        if self.workers_held(r):
+            return
         await self._freeze_into(r, cmd, cmd.group, "adopt")
+
+    def workers_held(self, r: Region) -> bool:
+        """Whether every idle warm worker of the region's device is locked into it (so one taken
+        mid-region by a command the region does not hold starts no GPU work); with none idle,
+        nothing can be handed over (adopt() and launch() take only an idle one, at once)."""
+        pool = self.core.pools.get(r.device)
+        return pool is None or set(pool.idle_pids()) <= set(r.locked_pids)
+
+    def holds_starts(self, device: str, cmd: Command) -> bool:
+        """Whether a warm worker may not be handed a command starting now on `device`: a region
+        there holds GPU holders only (device-holders) and would not hold the worker's context."""
+        r = self.current_on(device)
+        return r is not None and r.command is not cmd and self._who(r) == "device-holders" \
+            and not self.workers_held(r)
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.

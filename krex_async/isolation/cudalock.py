@@ -36,6 +36,7 @@ from krex_async.linux.procfs import stat_fields
 LIBRARY = "libcuda.so.1"
 RECORD = "locks.json"
 LOCKED = 1  # CU_PROCESS_STATE_LOCKED (RUNNING 0, CHECKPOINTED 2, FAILED 3)
+NOT_READY = 600  # CUDA_ERROR_NOT_READY: the process is creating its context, nothing to lock yet
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
 
@@ -115,9 +116,10 @@ class LockResult:
     ok: bool
     seconds: float
     error: str = ""
+    not_ready: bool = False  # CUDA_ERROR_NOT_READY: no context yet, try again shortly
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     fields = stat_fields(pid)
     return int(fields[19]) if fields is not None else None
 
@@ -143,7 +145,7 @@ class LockRecord:
 
     def add(self, pids: Iterable[int]) -> list[int]:
         """Record `pids` (those still alive) and write; returns the recorded ones. Raises OSError."""
-        new = {p: st for p in pids if (st := _start_time(p)) is not None}
+        new = {p: st for p in pids if (st := start_time(p)) is not None}
         with self._mutex:
             self.held.update(new)
         self.write()
@@ -170,7 +172,8 @@ class LockPool:
         t0 = time.perf_counter()
         rc = self.driver.lock(pid, timeout_ms)
         dt = time.perf_counter() - t0
-        return LockResult(pid, rc == 0, dt, "" if rc == 0 else self.driver.error(rc))
+        return LockResult(pid, rc == 0, dt, "" if rc == 0 else self.driver.error(rc),
+                          not_ready=rc == NOT_READY)
 
     async def lock_many(self, pids: list[int], timeout: float) -> dict[int, LockResult]:
         """Lock `pids` in parallel, each call bounded by `timeout` in the driver and again here (a
@@ -249,7 +252,7 @@ def release_left(state_dir: str | None, library: str | None = None) -> list[str]
     except (OSError, ValueError, TypeError, AttributeError) as e:
         return [f"lock record {path} unreadable: {e}"]
     lines: list[str] = []
-    alive = [p for p, st in entries if _start_time(p) == st]
+    alive = [p for p, st in entries if start_time(p) == st]
     if alive:
         drv, why = open_driver(library or lib or None)
         if drv is None:

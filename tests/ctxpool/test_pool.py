@@ -421,3 +421,33 @@ async def test_reuse_resets_logging(reuse_pool: Pool, tmp_path: Path) -> None:
     b = await run_pooled(reuse_pool, [PY, "-c", code.replace("%(levelname)s", "L")], str(tmp_path))
     assert a.launched.pid == b.launched.pid
     assert (a.stderr, b.stderr) == (plain.stderr, b"L:hi\n")
+
+
+async def test_surplus_worker_does_not_leave_while_paused(tmp_path: Path) -> None:
+    """A reused worker that comes back surplus (a replacement warmed while it was busy) exits at
+    once, tearing its device context down; while a region holds the device (paused) it waits idle
+    instead, and leaves at resume()."""
+    p = Pool(CPU, PoolConfig(size=2, max_uses=3, preload=["json"]))
+    p.set_demand(1)
+    await p.start()
+    try:
+        await p.wait_warm(1, timeout=30)
+        spec, ours = make_spec([PY, "-c", "import time; time.sleep(1.0)"], str(tmp_path))
+        launched = await p.launch(spec)
+        assert launched is not None
+        p.set_demand(2)  # a second worker warms while the first runs
+        await p.wait_warm(1, timeout=30)
+        p.set_demand(1)
+        p.pause()
+        assert (await finish(spec, ours, launched)).returncode == 0
+        await p.wait_warm(2, timeout=30)  # back, surplus, and still here
+        await asyncio.sleep(0.3)
+        assert launched.pid in p.pids() and p.status()["retired"] == 0
+        p.resume()
+        for _ in range(100):
+            if launched.pid not in p.pids():
+                break
+            await asyncio.sleep(0.05)
+        assert launched.pid not in p.pids() and p.status()["retired"] == 1
+    finally:
+        await p.close()

@@ -7,11 +7,13 @@ locked, every CUDA call of that process blocks at entry (cuLaunchKernel, cuMemAl
 waits for a call in flight up to its timeoutMs (then CUDA_ERROR_TIMEOUT, nothing locked; the long
 call is fakeSlowCall); it does
 not wait for work already done; the state outlives the locker; a locked process still dies of any
-fatal signal. A pid without a context answers CUDA_ERROR_INVALID_VALUE.
+fatal signal. A pid without a context answers CUDA_ERROR_INVALID_VALUE. With FAKE_CUDA_CTX_MS=N,
+cuCtxCreate_v2 takes N ms, during which a lock of that pid answers CUDA_ERROR_NOT_READY (as the
+driver does for a process creating its context).
 
 The sibling (`sib LIB NAME MODE [DEVFILE [ioctl]]`): MODE cuda (a context, then launches in a loop on the
 main thread), slow (a context, then one 3 s CUDA call before the loop), nocuda (no context). A
-second thread counts CPU work (and with `ioctl`, makes an ioctl on DEVFILE every 20 ms). Its
+second thread, started before the context, counts CPU work (and with `ioctl`, makes an ioctl on DEVFILE every 20 ms). Its
 counters are in `$FAKE_CUDA_DIR/NAME.stats` (pid, launches, cpu ticks as three longs), written from the start.
 """
 
@@ -34,7 +36,7 @@ LIB = r"""
 #include <time.h>
 #include <stddef.h>
 #include <unistd.h>
-typedef struct { int state, in_call, pad0, pad1; } st_t;
+typedef struct { int state, in_call, creating, pad1; } st_t;
 typedef struct { unsigned timeoutMs, reserved0; unsigned long long reserved1[7]; } lockargs_t;
 static st_t *self_st;
 static st_t *map_pid(int pid, int create) {
@@ -58,6 +60,12 @@ int cuDriverGetVersion(int *v) { *v = 13000; return 0; }
 int cuCtxCreate_v2(void **ctx, unsigned flags, int dev) {
     self_st = map_pid(getpid(), 1);
     if (!self_st) return 2;
+    const char *ms = getenv("FAKE_CUDA_CTX_MS");  /* creation in flight: a lock answers NOT_READY */
+    if (ms && atoi(ms) > 0) {
+        __atomic_store_n(&self_st->creating, 1, __ATOMIC_SEQ_CST);
+        usleep(atoi(ms) * 1000);
+        __atomic_store_n(&self_st->creating, 0, __ATOMIC_SEQ_CST);
+    }
     *ctx = self_st;
     return 0;
 }
@@ -88,6 +96,7 @@ int fakeSlowCall(unsigned long us) { if (!self_st) return 201; enter(); usleep(u
 int cuCheckpointProcessLock(int pid, lockargs_t *a) {
     st_t *s = target(pid);
     if (!s) return 1;
+    if (__atomic_load_n(&s->creating, __ATOMIC_SEQ_CST)) { munmap(s, sizeof *s); return 600; }
     int expect = 0;
     if (!__atomic_compare_exchange_n(&s->state, &expect, 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         munmap(s, sizeof *s); return 401;
@@ -121,6 +130,7 @@ int cuGetErrorName(int rc, const char **name) {
     case 3: *name = "CUDA_ERROR_NOT_INITIALIZED"; return 0;
     case 100: *name = "CUDA_ERROR_NO_DEVICE"; return 0;
     case 401: *name = "CUDA_ERROR_ILLEGAL_STATE"; return 0;
+    case 600: *name = "CUDA_ERROR_NOT_READY"; return 0;
     case 909: *name = "CUDA_ERROR_TIMEOUT"; return 0;
     }
     return 1;
@@ -167,10 +177,10 @@ int main(int argc, char **argv) {
     void *c;
     init(0);
     int cuda = strcmp(argv[3], "nocuda") != 0;
-    if (cuda && ctx(&c, 0, 0)) { fprintf(stderr, "no context\n"); return 1; }
     pthread_t th;
     pthread_create(&th, 0, cpu, 0);
     stats[0] = getpid();
+    if (cuda && ctx(&c, 0, 0)) { fprintf(stderr, "no context\n"); return 1; }
     if (!strcmp(argv[3], "slow")) slow(3000000);
     for (;;) {
         if (cuda) { launch(0); __atomic_add_fetch(&stats[1], 1, __ATOMIC_SEQ_CST); }

@@ -400,3 +400,148 @@ async def test_a_runtime_that_did_not_answer_is_not_asked_again_at_once(script, 
     first, second = json.loads(res.stdout)
     assert first["frozen"] == [h.command] and first["quiesce_s"] >= 0.28, first
     assert second["frozen"] == [h.command] and second.get("quiesce_s", 0) < 0.05, second
+
+
+async def _start_creating(c: Client, fake: Fake, name: str, ctx_ms: int) -> tuple[Any, int]:
+    """A sibling that holds a GPU file and spends `ctx_ms` creating its context (a lock answers
+    CUDA_ERROR_NOT_READY meanwhile) while its CPU thread counts; returns once it is creating."""
+    (fake.state / f"{name}.stats").unlink(missing_ok=True)
+    h = await c.submit(fake.argv(name, "cuda"), env=daemon_env(fake, FAKE_CUDA_CTX_MS=str(ctx_ms)))
+    deadline = time.monotonic() + 15
+    while fake.stats(name)[0] == 0 or fake.lock_state(fake.stats(name)[0]) is None:
+        assert time.monotonic() < deadline, f"sibling {name} did not start"
+        await asyncio.sleep(0.005)
+    return h, fake.stats(name)[0]
+
+
+async def test_not_ready_sibling_is_not_waited_for_nor_frozen_and_locked_once_ready(
+        fake: Fake, script, tmp_path: Path) -> None:
+    """A sibling creating its context answers the lock NOT_READY: the region is granted without
+    waiting for it or freezing it (its CPU thread runs on), the lock is retried behind the grant
+    and taken once the context exists (no CUDA call completes after that), and released at the
+    region's end with the others."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all",
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hc, cuda = await start(c, fake, "cuda")
+            hl, late = await _start_creating(c, fake, "late", 1000)
+            t_create = time.monotonic()
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.5"], env=py_env()))
+            await granted(marker)
+            assert fake.lock_state(cuda) == 1
+            assert not is_frozen(late), "the NOT_READY sibling was frozen"
+            c0 = fake.stats("late")[2]
+            await asyncio.sleep(0.3)
+            assert fake.stats("late")[2] - c0 >= 30, "the NOT_READY sibling's CPU did not run on"
+            assert fake.lock_state(late) == 0, "locked while still creating its context?"
+            while time.monotonic() - t_create < 1.0:
+                await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 0.5
+            while fake.lock_state(late) != 1:
+                assert time.monotonic() < deadline, "not locked once its context existed"
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            g0 = fake.stats("late")[1]
+            await asyncio.sleep(0.3)
+            assert fake.stats("late")[1] - g0 <= 1, "the late-locked sibling kept launching"
+            assert not is_frozen(late)
+            res = await run
+            assert res.returncode == 0, res.stderr
+            await asyncio.sleep(0.2)
+            assert fake.lock_state(late) == 0 and fake.lock_state(cuda) == 0, "not unlocked"
+            assert fake.stats("late")[1] > g0 + 1, "no CUDA calls after the release"
+            for h in (hc, hl):
+                await h.cancel(9)
+    rep = json.loads(res.stdout)
+    assert sorted(rep["locked"]) == sorted([hc.command, hl.command]), rep
+    assert rep.get("frozen", []) == [] and rep.get("hold_fallback", {}) == {}, rep
+    assert rep["enter_s"] < 0.5, rep
+    [entry] = rep["lock_late"]
+    assert entry["pid"] == late and entry["command"] == hl.command, entry
+    assert entry["outcome"] == "locked" and 0.5 < entry["after_s"] < 1.5, entry
+    assert entry["attempts"] > 2, entry
+    assert late in rep["locked_pids"] and cuda in rep["locked_pids"]
+
+
+@pytest.mark.parametrize("end", ["region-ended", "exited", "shutdown"])
+async def test_lock_retry_stops_with_the_region_or_the_process(fake: Fake, script, tmp_path: Path,
+                                                               end: str) -> None:
+    """The retry of a NOT_READY sibling ends with the region (released early, or the daemon shut
+    down mid-retry) or with the process: once its context exists it is not locked by anything,
+    the report says how the retry ended, and a shutdown mid-retry exits cleanly."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = tmp_path / "state"
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", str(state),
+                          env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            hl, late = await _start_creating(c, fake, "late", 1200)
+            t_create = time.monotonic()
+            hold = "3" if end == "shutdown" else "0.4"
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), hold], env=py_env(),
+                                              on_disconnect="keep"))
+            await granted(marker)
+            assert not is_frozen(late)
+            if end == "exited":
+                os.kill(late, signal.SIGKILL)
+            if end == "shutdown":  # the daemon ends its commands too: it must exit cleanly, at once
+                await asyncio.sleep(0.2)
+                d.proc.terminate()  # type: ignore[union-attr]
+                rc = await asyncio.get_running_loop().run_in_executor(None, d.proc.wait, 10)
+                assert rc == 0, d.logs()[-2000:]
+                for bad in ("late_lock_failed", "task_failed", "Task was destroyed"):
+                    assert bad not in d.logs(), d.logs()[-2000:]
+                rep = None
+            else:
+                res = await run
+                assert res.returncode == 0, res.stderr
+                rep = json.loads(res.stdout)
+            if end == "region-ended":
+                while time.monotonic() - t_create < 1.5:  # its context exists now
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1)
+                assert fake.lock_state(late) == 0, "locked after the region ended"
+                l0 = fake.stats("late")[1]
+                await asyncio.sleep(0.1)
+                assert fake.stats("late")[1] > l0, "the sibling does not run after the region"
+            if end != "shutdown":
+                await hl.cancel(9)
+    if end == "shutdown":
+        assert proc_state(late) in (None, "Z"), "the daemon's shutdown left its command running"
+    else:
+        assert rep is not None
+        [entry] = rep["lock_late"]
+        assert entry["outcome"] == end and entry["pid"] == late, entry
+        assert late not in rep.get("locked_pids", [])
+    # the record may still name a pid a lock was tried on (a later sweep checks its state): none
+    # of them is locked
+    for pid, _ in json.loads((state / "locks.json").read_text())["locked"]:
+        assert fake.lock_state(pid) != 1, pid
+
+
+async def test_late_lock_is_undone_by_the_watchdog(fake: Fake, script, tmp_path: Path) -> None:
+    """A lock taken by the retry is recorded like one taken at entry: the daemon's death while it
+    holds it leaves nothing locked a second later."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir",
+                          str(tmp_path / "state"), env=daemon_env(fake)) as d:
+        c = await d.client()
+        hl, late = await _start_creating(c, fake, "late", 300)
+        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(),
+                                    on_disconnect="keep"))
+        await granted(marker)
+        assert not is_frozen(late)
+        deadline = time.monotonic() + 3
+        while fake.lock_state(late) != 1:
+            assert time.monotonic() < deadline, "not locked once its context existed"
+            await asyncio.sleep(0.005)
+        d.proc.kill()
+        d.proc.wait()
+        t0 = time.monotonic()
+        while fake.lock_state(late) == 1 and time.monotonic() - t0 < 3:
+            await asyncio.sleep(0.01)
+        assert fake.lock_state(late) == 0 and time.monotonic() - t0 < 1.0, "the watchdog did not unlock"
+        os.kill(late, signal.SIGKILL)
