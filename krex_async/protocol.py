@@ -220,6 +220,9 @@ class LateLock(msgspec.Struct, omit_defaults=True):
     after_s: float = 0.0
     attempts: int = 0
     strays: int = 0  # its GPU driver calls the probes saw while the region was held
+    # cuCheckpointProcessGetState at the first NOT_READY: "running" means it already had a context
+    # and was inside a driver call (not creating one); a CUDA_ERROR_* name: the driver knew no context
+    state: str = ""
 
 
 class RegionReport(msgspec.Struct, omit_defaults=True):

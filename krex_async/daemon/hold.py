@@ -147,7 +147,7 @@ async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
         if x.ok:
             rep.pool_locked.append(p)
         elif x.not_ready:
-            r.late[p] = LateLock(pid=p, command="", attempts=1)
+            r.late[p] = LateLock(pid=p, command="", attempts=1, state=x.state)
         else:
             rep.pool_unheld[p] = x.error
     rep.lock_s += time.perf_counter() - t0  # a second call: the pool worker that warmed meanwhile
@@ -168,7 +168,7 @@ async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
         # Not a taint: no kernel of it can run; its creation's driver calls in the region are
         # strays the probes report (lock_late[].strays), which is the evidence either way.
         for x in bad:
-            r.late[x.pid] = LateLock(pid=x.pid, command=c.id, attempts=1)
+            r.late[x.pid] = LateLock(pid=x.pid, command=c.id, attempts=1, state=x.state)
         r.locked_ids.append(c.id)
     rep.locked = list(r.locked_ids)
     rep.lock_late = list(r.late.values())

@@ -36,7 +36,9 @@ from krex_async.linux.procfs import stat_fields
 LIBRARY = "libcuda.so.1"
 RECORD = "locks.json"
 LOCKED = 1  # CU_PROCESS_STATE_LOCKED (RUNNING 0, CHECKPOINTED 2, FAILED 3)
-NOT_READY = 600  # CUDA_ERROR_NOT_READY: the process is creating its context, nothing to lock yet
+# CUprocessState
+PROCESS_STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+NOT_READY = 600  # CUDA_ERROR_NOT_READY: creating its context (or, seen on the H200, inside a driver call)
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
 
@@ -117,6 +119,7 @@ class LockResult:
     seconds: float
     error: str = ""
     not_ready: bool = False  # CUDA_ERROR_NOT_READY: no context yet, try again shortly
+    state: str = ""  # on NOT_READY, what cuCheckpointProcessGetState says of the process (evidence)
 
 
 def start_time(pid: int) -> int | None:
@@ -172,8 +175,17 @@ class LockPool:
         t0 = time.perf_counter()
         rc = self.driver.lock(pid, timeout_ms)
         dt = time.perf_counter() - t0
+        state = self.state_name(pid) if rc == NOT_READY else ""
         return LockResult(pid, rc == 0, dt, "" if rc == 0 else self.driver.error(rc),
-                          not_ready=rc == NOT_READY)
+                          not_ready=rc == NOT_READY, state=state)
+
+    def state_name(self, pid: int) -> str:
+        """The driver's word for `pid` (running, locked, checkpointed, failed) or its error: whether a
+        process that answered NOT_READY already had a context (then it was inside a driver call)."""
+        rc, st = self.driver.state(pid)
+        if rc != 0:
+            return self.driver.error(rc)
+        return PROCESS_STATES.get(st, f"state {st}")
 
     async def lock_many(self, pids: list[int], timeout: float) -> dict[int, LockResult]:
         """Lock `pids` in parallel, each call bounded by `timeout` in the driver and again here (a

@@ -462,6 +462,7 @@ async def test_not_ready_sibling_is_not_waited_for_nor_frozen_and_locked_once_re
     assert entry["pid"] == late and entry["command"] == hl.command, entry
     assert entry["outcome"] == "locked" and 0.5 < entry["after_s"] < 1.5, entry
     assert entry["attempts"] > 2, entry
+    assert entry["state"] == "running", entry  # the fake's GetState while the context is created
     assert late in rep["locked_pids"] and cuda in rep["locked_pids"]
 
 
