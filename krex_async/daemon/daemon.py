@@ -338,7 +338,7 @@ class Daemon:
         region = self.regions.admit_frozen(cmd)
         try:
             await self.runner.start(cmd, frozen=region is not None,
-                                    cores=self.regions.fence_for_new())
+                                    cores=self.regions.cores.for_new())
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
@@ -533,7 +533,7 @@ class Daemon:
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)
         if r is not None:
-            self.regions.ack(r.command, peer_pid, req)
+            self.regions.drain.ack(r.command, peer_pid, req)
 
     def send_timeline(self, req: P.Timeline, send: Send,
                       visible: Callable[[P.TraceEvent], bool] | None = None) -> None:

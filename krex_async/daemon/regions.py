@@ -6,11 +6,14 @@ leaves a process frozen or a core fenced. Steps and their cost:
 
     wait     queued behind other regions on the device (FIFO)
     quiesce  ask frozen siblings' in-command runtimes to stop at a bytecode boundary and synchronise
+             (drain.py)
     hold     lock the siblings' CUDA processes through the driver (--hold lock) and freeze the rest
              (every other command on the device, or those holding a GPU file: hold.py), and the
              owner's other processes; a sibling that cannot be frozen is left running, fenced, and
              the region tainted
     cores    give the owner's process its region cores; fence every other running command off them
+             (cores.py)
+    settle   the drain check, and wait for a clock held down by the power cap (clock.py)
     grant    the owner runs its timed loop
     exit     thaw, restore cpusets, resume quiesced runtimes, promote the next region
 """
@@ -25,9 +28,11 @@ from typing import TYPE_CHECKING
 
 from krex_async import logs
 from krex_async import protocol as P
+from krex_async.daemon.clock import Clock
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core, Region
-from krex_async.daemon.gpuholders import GpuHolders, read_holders
+from krex_async.daemon.cores import Cores
+from krex_async.daemon.drain import Drain
 from krex_async.daemon.hold import (
     Hold,
     d_state,
@@ -45,21 +50,18 @@ if TYPE_CHECKING:
     from krex_async.probes.base import ProbeEvent
 
 log = logs.get("krex.region")
-SILENT_S = 1.0  # how long a runtime that did not answer a quiesce is not asked again
-
 
 
 class Regions:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.active: dict[str, Region] = {}  # every region from request to release
-        self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
-        self.holders = GpuHolders()  # which runtimes' processes hold a GPU device file
+        self.cores = Cores(core, self.active)  # the owners' region cores, the others fenced off
+        self.drain = Drain(core, self.active)  # quiesce, and the drain check once frozen
+        self.clock = Clock(core)  # clock settle and warm-up before the grant
         cfg = core.config
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
-        # runtimes that did not answer a quiesce in time: (pid, connection) -> when
-        self.silent: dict[tuple[int, Callable[[P.Msg], bool]], float] = {}
 
     def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
                ) -> Region:
@@ -118,7 +120,7 @@ class Regions:
                 t_held = time.perf_counter()
                 r.send(P.RegionGranted(id=r.req_id, report=rep,
                                        drain_timeout=self.core.config.drain_timeout,
-                                       warm_ms=self._warm_ms(r)))
+                                       warm_ms=self.clock.warm_ms(r)))
             if self.core.attributor is not None:
                 self.core.attributor.counts_snapshot(r)
             self.core.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen,
@@ -168,22 +170,6 @@ class Regions:
                       held_s=round(rep.held_s, 6), exit_s=round(rep.exit_s, 6),
                       frozen=len(rep.frozen), cores=rep.cores, drain=rep.drain)
 
-    def _warm_ms(self, r: Region) -> float:
-        """What the region asked for, else --warm-ms, else what the clock needs: nothing when it
-        has settled at its target, 20 ms when it idles low (the owner's work raises it within
-        milliseconds), and 200 ms where it cannot be read (a short kernel timed right after a
-        neighbour was quiesced runs slow without warming: bench/gpu/check_drain.py). The cpu
-        device has no clock state to warm."""
-        if r.request.warm_ms >= 0:
-            return r.request.warm_ms
-        if self.core.config.warm_ms >= 0:
-            return self.core.config.warm_ms
-        if self.core.device(r.device).vendor == "cpu":
-            return 0.0
-        if r.clock is None:
-            return 200.0
-        return 0.0 if r.clock.settled(self.core.config.settle_fraction) else 20.0
-
     def _tell_owner(self, r: Region, granted: bool) -> None:
         rep = r.report
         if rep.outcome == "refused":
@@ -226,17 +212,6 @@ class Regions:
     def _who(self, r: Region) -> str:
         return self.hold.who(self.core.device(r.device).vendor, self.core.attributor is not None)
 
-    def _gpu_pids(self, cmd: Command) -> list[int]:
-        """The command's processes holding a GPU device file: its runtimes from memory where known
-        (gpuholders.py), the others read from /proc."""
-        assert cmd.group is not None
-        out = []
-        for p in self.core.backend.pids(cmd.group):
-            token = cmd.runtimes.get(p)
-            if (token is not None and self.holders.known(p, token)) or holds_gpu_file(p):
-                out.append(p)
-        return out
-
     async def _isolate(self, r: Region) -> None:
         """Quiesce, freeze and fence, overlapped where that is safe:
 
@@ -266,7 +241,7 @@ class Regions:
         t_select = time.perf_counter()
         targets = self._targets(r)
         plan = self.hold.plan(self.core.device(r.device).vendor,
-                              {c.id: self._gpu_pids(c) for c in targets}
+                              {c.id: self.drain.gpu_pids(c) for c in targets}
                               if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
                               else {c.id: [] for c in targets})
         locking = [c for c in targets if c.id in plan.to_lock]
@@ -274,11 +249,11 @@ class Regions:
         workers = self._pool_workers(r, plan.how, plan.to_lock)
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
-        asked = self._to_quiesce(r, freezing)
+        asked = self.drain.to_ask(r, freezing)
         rep.select_s = time.perf_counter() - t_select
         rep.hold, rep.hold_why = (plan.how, plan.why) if targets else ("", "")
         if plan.why and self.hold.mode == "lock":  # asked for by name: each sibling says why not
-            rep.hold_fallback.update({c.id: plan.why for c in freezing if self._gpu_pids(c)})
+            rep.hold_fallback.update({c.id: plan.why for c in freezing if self.drain.gpu_pids(c)})
         quiesced_cmds = {id(c) for c, _, _ in asked}
         todo = [c for c in freezing if c.group is not None and not c.group.frozen]
         # Mark before freezing: a failure part-way still thaws every one of them in _release.
@@ -292,16 +267,16 @@ class Regions:
         t0 = time.perf_counter()
         lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers)) \
             if locking or workers else None
-        self._send_quiesce(r, asked)
+        self.drain.send(r, asked)
         early = asyncio.ensure_future(self._freeze_some(r, now)) if now else None
-        cores = None if own_first else asyncio.ensure_future(self._timed_cores(r))
+        cores = None if own_first else asyncio.ensure_future(self.cores.reserve(r))
         lock2: asyncio.Future[list[Command]] | None = None
         try:
             if asked:
                 pending = [f for f in r.acks.values() if not f.done()]
                 if pending:
                     await asyncio.wait(pending, timeout=self.core.config.quiesce_timeout)
-                self._note_silent(r, asked)
+                self.drain.note_silent(r, asked)
             t1 = time.perf_counter()
             rep.quiesce_s = t1 - t0
             results = await self._freeze_some(r, later) if later else []
@@ -325,18 +300,18 @@ class Regions:
             self.core.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
                          pids=rep.frozen_pids, locked=len(r.locked_pids))
             if cores is None:
-                cores = asyncio.ensure_future(self._timed_cores(r))
+                cores = asyncio.ensure_future(self.cores.reserve(r))
             await cores
             if rep.unheld:  # fence the siblings that could not be held, now that they are known
-                await self.refence()
+                await self.cores.refence()
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
             held = set(r.frozen_ids) | set(r.locked_ids)
             rep.fenced = [cid for cid in self.core.scheduler.siblings(r.device, r.command.id)
                           if cid not in held and (c := self.core.commands.get(cid)) is not None
                           and c.state == CommandState.RUNNING]
-            rep.drain = self._check_drain(r, targets, results)
-            await self._settle(r)  # its NVML reads on a worker thread, while the loop idles
+            rep.drain = self.drain.check(r, targets, results)
+            await self.clock.settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
                 rep.pool_wait_s = await quiet
                 # a context creation that was in flight has ended: that worker is held too
@@ -415,173 +390,6 @@ class Regions:
                 out.append(c)
         return out
 
-    async def _settle(self, r: Region) -> None:
-        """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.
-
-        A neighbour's large matmuls leave the SM clock low for about 100 ms after they stop, and a
-        short kernel timed then runs slow; once the clock is back near its target it times as alone
-        (bench/gpu/check_settle.py). A clock low because the device idles comes back with the
-        owner's own work: no waiting for it."""
-        node = self.core.node
-        dev = self.core.device(r.device)
-        if node is None or dev.vendor == "cpu":
-            return
-        t0 = time.perf_counter()
-        deadline = t0 + self.core.config.settle_ms / 1000
-        loop = asyncio.get_running_loop()
-        st = await loop.run_in_executor(None, node.clock, dev)  # NVML calls: not on the loop
-        fraction = self.core.config.settle_fraction
-        while st is not None and not st.settled(fraction) and not st.idle and \
-                time.perf_counter() < deadline:
-            await asyncio.sleep(0.002)
-            st = await loop.run_in_executor(None, node.clock, dev) or st
-        r.clock = st
-        if st is not None:
-            r.report.settle_s = time.perf_counter() - t0
-            r.report.clock_mhz, r.report.clock_target_mhz = st.sm_mhz, st.target_mhz
-
-    async def _timed_cores(self, r: Region) -> None:
-        t = time.perf_counter()
-        try:
-            await self._reserve_cores(r)
-        finally:
-            r.report.cores_s = time.perf_counter() - t
-
-    def _to_quiesce(self, r: Region, targets: list[Command],
-                    ) -> list[tuple[Command, int, Callable[[P.Msg], bool]]]:
-        """The in-command runtimes asked to stop and synchronise. --quiesce auto: on a GPU device
-        those whose process holds a GPU device file, on the cpu device none: the others have no
-        device work, freezing them is enough, and their round trip would be most of the entry
-        time. --quiesce all: every runtime.
-        The owner's other processes are included when the region freezes them."""
-        owners = [(c, pid, send) for c in targets for pid, send in c.runtimes.items()]
-        if r.request.freeze_own_children:
-            owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items()
-                       if pid != r.pid]
-        now = time.monotonic()
-        owners = [o for o in owners if now - self.silent.get((o[1], o[2]), -SILENT_S) >= SILENT_S]
-        if self.core.config.quiesce == "all":
-            return owners
-        if self.core.device(r.device).vendor == "cpu":
-            return []
-        # gpuholders.py: a holder stays one for its connection; a recent "none" is believed here,
-        # and checked again after the freeze (_check_drain)
-        return [(c, pid, send) for c, pid, send in owners if self.holders.holds(pid, send)]
-
-    def _note_silent(self, r: Region,
-                     asked: list[tuple[Command, int, Callable[[P.Msg], bool]]]) -> None:
-        """Remember the runtimes that did not answer within --quiesce-timeout: on real jobs they
-        sat in long C calls (imports, CUDA initialisation, allocation), which last seconds, and
-        asking them again at once would cost the next region the whole timeout for the same
-        silence. They are frozen without asking for SILENT_S; the owner verifies the drain."""
-        now = time.monotonic()
-        if len(self.silent) > 4096:  # runtimes come and go: start over
-            self.silent.clear()
-        for _, pid, send in asked:
-            fut = r.acks.get(pid)
-            if fut is not None and fut.done():
-                self.silent.pop((pid, send), None)
-            else:
-                self.silent[(pid, send)] = now
-
-    def _send_quiesce(self, r: Region, asked: list[tuple[Command, int, Callable[[P.Msg], bool]]],
-                      ) -> None:
-        """Send every Quiesce first (no awaiting in between); acks resolve r.acks."""
-        loop = asyncio.get_running_loop()
-        for _, pid, send in asked:
-            fut: asyncio.Future[P.QuiesceAck] = loop.create_future()
-            r.acks[pid] = fut
-            if send(P.Quiesce(id=0, region=r.id)):
-                r.quiesced.append(send)
-            else:
-                fut.cancel()
-
-    def _check_drain(self, r: Region, targets: list[Command], freezes: list[Freeze]) -> str:
-        """The drain state, once the targets are frozen: not-needed (no siblings, or a device
-        without queues), synced (no frozen process that did not acknowledge a quiesce holds a GPU
-        device file), else pending: the owner verifies. A runtime known to hold a file decides at
-        once; the other processes the freeze stopped are read now, on the loop (frozen, they
-        cannot open one meanwhile): microseconds a process, cheaper than a worker thread's
-        hand-offs beside the loop."""
-        if not targets or self.core.device(r.device).vendor == "cpu":
-            return "not-needed"
-        acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
-        stopped = {f.group: f.stopped for f in freezes}
-        pids = [p for c in targets if c.group is not None
-                for p in (stopped[c.group.name] if c.group.name in stopped
-                          else self.core.backend.pids(c.group))
-                if p not in acked]
-        if not pids:
-            return "synced"
-        tokens = {pid: send for c in targets for pid, send in c.runtimes.items()}
-        if any(p in tokens and self.holders.known(p, tokens[p]) for p in pids):
-            return "pending"
-        held = read_holders(pids)
-        for pid in held:
-            if pid in tokens:
-                self.holders.note(pid, tokens[pid], True)
-        return "pending" if held else "synced"
-
-    def ack(self, cmd: Command, pid: int, msg: P.QuiesceAck) -> None:
-        r = self.active.get(msg.region)
-        fut = r.acks.get(pid) if r else None
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
-
-    def _spare_cores(self, r: Region) -> frozenset[int]:
-        """Up to --region-cores cores near the device, never leaving the rest of the node none."""
-        want = self.core.config.region_cores
-        all_cpus = self.core.all_cpus
-        taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
-        near = sorted((self.core.device(r.device).cpus or all_cpus) - taken, reverse=True)
-        chosen: list[int] = []
-        for c in near:
-            if len(chosen) == want:
-                break
-            if len(all_cpus - taken - frozenset(chosen) - {c}) >= 1:
-                chosen.append(c)
-        return frozenset(chosen)
-
-    async def _reserve_cores(self, r: Region) -> None:
-        cores = self._spare_cores(r)
-        if not cores:
-            return
-        r.cores = cores
-        self.reserved[r.id] = cores
-        r.report.cores = sorted(cores)
-        assert r.command.group is not None
-        await self.core.backend.set_cores(r.command.group, cores, pids=[r.pid], exclusive=True)
-        await self.refence()
-
-    async def refence(self, best_effort: bool = False) -> None:
-        """Fence every running command that is not frozen off all reserved cores (or lift it).
-
-        A failure raises (a region being entered is then refused), or with `best_effort` (a
-        release lifting fences) is logged and the other commands are still done."""
-        taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
-        allowed = None if not taken else self.core.all_cpus - taken
-        # groups a region is about to freeze (fenced meanwhile they would be written for nothing)
-        freezing = {id(g) for x in self.active.values() for g in x.frozen}
-        for cmd in self.core.commands.values():
-            g = cmd.group
-            if cmd.state != CommandState.RUNNING or g is None or g.frozen or g.cores == allowed \
-                    or id(g) in freezing:
-                continue
-            owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
-            try:
-                pids = [p for p in self.core.backend.pids(g) if owner is None or p != owner.pid]
-                await self.core.backend.set_cores(g, allowed, pids=pids)
-            except (IsolationError, OSError) as e:
-                if not best_effort:
-                    raise
-                log.error("refence_failed", command=cmd.id, error=repr(e))
-                continue
-            g.cores = allowed
-
-    def fence_for_new(self) -> frozenset[int] | None:
-        taken = frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
-        return self.core.all_cpus - taken if taken else None
-
     async def _release(self, r: Region) -> None:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.core.backend
@@ -612,20 +420,8 @@ class Regions:
         for send in r.quiesced:
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
-        if self.core.device(r.device).vendor != "cpu":  # read the device's runtimes afresh meanwhile
-            self.holders.refresh((pid, send) for cid in self.core.scheduler.siblings(r.device, "")
-                                 if (c := self.core.commands.get(cid)) is not None
-                                 for pid, send in c.runtimes.items())
-        if self.reserved.pop(r.id, None) is not None:
-            try:
-                if r.command.group is not None and r.command.state == CommandState.RUNNING:
-                    await backend.set_cores(r.command.group, None, pids=[r.pid])
-            except Exception as e:
-                log.error("cores_restore_failed", region=r.id, error=repr(e))
-            try:  # each other command on its own: one failure must not leave the rest fenced
-                await self.refence(best_effort=True)
-            except Exception as e:
-                log.error("refence_failed", region=r.id, error=repr(e))
+        self.drain.refresh(r)
+        await self.cores.restore(r)
 
     def freeze_late(self, r: Region, ev: ProbeEvent) -> None:
         """--freeze device-holders, or a sibling held by the lock: a sibling process that opened a
