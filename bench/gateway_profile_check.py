@@ -1,7 +1,7 @@
 """On the GPU host: eval and profile jobs through the krex gateway with a real Atrex-Bench checkout
 and, where it is installed, a real ncu, sent as the Atrex client (tools/sandbox.py) sends them.
 
-    python bench/gateway_profile_check.py --atrex-bench-root PATH [--operator fused_add_rms_norm]
+    python -m bench.gateway_profile_check --atrex-bench-root PATH [--operator fused_add_rms_norm]
                                           [--shapes 2] [--deep] [--out DIR]
 
 Jobs: eval of the operator's reference as the candidate (every shape must pass); eval of a broken
@@ -10,7 +10,7 @@ job must still succeed with the failures, as the reference gateway reports it); 
 lock_clocks; then, with ncu, profiles at level sol (top_kernels 5) and survey, and with --deep a
 deep profile of the top kernel. Without ncu it says so and checks that profile answers 501 saying
 why. Writes OUT/gateway_profile_check.json (default $OUT, else ./out) and prints one line per job.
-As root the jobs run as `krexbench` (bench/gwstack.py): ncu then needs profiling rights for
+As root the jobs run as `krexbench` (bench/harness/stack.py): ncu then needs profiling rights for
 non-admin users (NVreg_RestrictProfilingToAdminUsers=0), which the output names if it is missing.
 """
 
@@ -28,11 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness.stack import Stack
+from krex_async.gateway.profile import find_tool
 
-from bench.gwstack import Stack  # noqa: E402
-from krex_async.gateway.profile import find_tool  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BREAK = '''
 
@@ -111,7 +110,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         p for p in (str(copy / "src"), os.environ.get("PYTHONPATH", "")) if p)
     ncu = find_tool("ncu")
     report: dict[str, Any] = {"ncu": ncu, "operator": args.operator, "jobs": {}}
-    st = Stack(tmp, "region", "auto", 4, gateway_args=("--atrex-bench-root", str(copy)))
+    st = Stack(["--devices", "auto", "--log-level", "warning"], 4, policy="region",
+               gateway_args=("--atrex-bench-root", str(copy)), parent=tmp).start()
     try:
         async with st.client() as c:
             report["env"] = await c.env()

@@ -1,7 +1,7 @@
 """PNG plots of a replay's results file: throughput by policy, and the CDF of timing inflation per
 bucket (one panel per bucket, one line per policy).
 
-    python bench/plot.py bench/results/NAME.json [--outdir DIR]
+    python -m bench.plot bench/results/NAME.json [--outdir DIR]
 
 The inflation axis is symmetric-log (linear within +-1%, logarithmic beyond): the unprotected
 `shared` policy runs to +200-350% while `region` and `command` stay within a few percent, and on a
@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_format import BUCKETS, OTHER_BUCKET  # noqa: E402
+from bench.trace_format import BUCKETS, OTHER_BUCKET
 
 COLORS = {"region": "tab:green", "command": "tab:blue", "shared": "tab:red"}
 LINTHRESH_PCT = 1.0  # the inflation axis is linear within +-1%, logarithmic beyond

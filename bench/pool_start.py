@@ -1,8 +1,8 @@
 """Start latency through the ctxpool vs a plain process: submit to the script's first instruction with a
 live context, for 1 and for N commands started together.
 
-    python bench/pool_start.py --device cuda [--together 1,16] [--rounds 5] [--json FILE]
-    python bench/pool_start.py --device cpu
+    python -m bench.pool_start --device cuda [--together 1,16] [--rounds 5] [--json FILE]
+    python -m bench.pool_start --device cpu
 
 By default it runs standalone: it drives a Pool directly for the pooled path and
 krex_async.spawn.spawn() for the plain one. With --daemon it goes end to end instead: a real daemon
@@ -29,12 +29,12 @@ import sys
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness.stats import pct_or_nan
+from krex_async.ctxpool import Pool, PoolConfig
+from krex_async.devices.base import Device
+from krex_async.spawn import LaunchSpec, spawn
 
-from krex_async.ctxpool import Pool, PoolConfig  # noqa: E402
-from krex_async.devices.base import Device  # noqa: E402
-from krex_async.spawn import LaunchSpec, spawn  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STAMP = "import time, os; os.write(1, repr(time.monotonic()).encode())"
 
@@ -47,8 +47,7 @@ def workload(device: str) -> tuple[list[str], str]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    return pct_or_nan(xs, q, "rank")
 
 
 async def one_batch(n: int, code: str, pool: Pool | None) -> tuple[list[float], list[float]]:

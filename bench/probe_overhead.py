@@ -1,13 +1,13 @@
 """What the probes cost: ioctl cost and launch rate with probes off, ioctl probes, launch probes.
 
-    sudo python bench/probe_overhead.py            # CPU part (here): ioctl cost, fake-launch cost,
+    sudo python -m bench.probe_overhead            # CPU part (here): ioctl cost, fake-launch cost,
                                                    # lost events at 100k ioctl/s, and a flood
-    sudo python bench/probe_overhead.py --gpu      # GPU part (accelerator): host ns per torch launch
+    sudo python -m bench.probe_overhead --gpu      # GPU part (accelerator): host ns per torch launch
     options: --reps N (interleaved repetitions per mode; --gpu: blocks), --bursts B (--gpu: bursts
              per mode per block), --launches L (--gpu: per burst), --json FILE, --rate R --seconds S (loss),
              --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part),
              --gpu-modes M,M (--gpu: which modes, default off,ioctl,launch-all,launch-outsiders)
-    sudo python bench/probe_overhead.py --uprobe-anatomy   # why a launch uprobe costs what it does
+    sudo python -m bench.probe_overhead --uprobe-anatomy   # why a launch uprobe costs what it does
 
 Launch probe modes and their scope (`krex serve --launch-scope`, probes/launches.py):
 - `launch probes` (GPU mode `launch-all`): scope all, uprobes on the library file, as before: the timed
@@ -57,11 +57,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from krex_async.probes import CombinedProbe  # noqa: E402
-from krex_async.probes.bpf_ioctl import IoctlProbe  # noqa: E402
-from krex_async.probes.launches import LaunchProbe, find_libraries  # noqa: E402
+from krex_async.probes import CombinedProbe
+from krex_async.probes.bpf_ioctl import IoctlProbe
+from krex_async.probes.launches import LaunchProbe, find_libraries
 
 C_SRC = r"""
 #include <fcntl.h>

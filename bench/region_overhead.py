@@ -1,6 +1,6 @@
 """What a region costs: enter and exit latency with idle siblings, and with commands contending.
 
-    python bench/region_overhead.py [--backends signal,cgroup] [--siblings 1,4,16] [--regions 200]
+    python -m bench.region_overhead [--backends signal,cgroup] [--siblings 1,4,16] [--regions 200]
 
 Table 1 (siblings): one owner enters and leaves `--regions` empty regions while S idle sibling
 commands share its device, so every entry freezes S commands and fences cores. Columns: the owner's
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bench.harness.stats import pct_or_nan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,8 +52,7 @@ SPINNER = "while True: pass\n"  # --busy: siblings that keep a core busy
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+    return pct_or_nan(xs, q, "rank") * 1e3  # in ms
 
 
 def env() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What krex's in-command runtime adds to a Python command's start-up (issue 5's runtime).
 
-    python bench/runtime_start.py [--runs 30]
+    python -m bench.runtime_start [--runs 30]
 
 Runs `python -c pass` with and without the runtime (krex_async/runtime first on PYTHONPATH and a
 command's KREX_SOCKET/KREX_COMMAND/KREX_TOKEN, the socket a listening stand-in that accepts and

@@ -1,9 +1,9 @@
 """Bounded soak: N concurrent agents (one Client connection each) run commands with regions for a
 fixed time against one daemon on a loopback Unix socket, then check that nothing was lost or leaked.
 
-    python bench/soak.py                        # 64 agents, 30 s, its own daemon
-    python bench/soak.py --agents 64 --seconds 300 --json soak.json
-    python bench/soak.py --socket /run/krex/krex.sock   # against a running daemon (no leak checks
+    python -m bench.soak                        # 64 agents, 30 s, its own daemon
+    python -m bench.soak --agents 64 --seconds 300 --json soak.json
+    python -m bench.soak --socket /run/krex/krex.sock   # against a running daemon (no leak checks
                                                         # of its own start-up state)
 
 Each command runs `--regions` regions (`with region("soak")`, holding it `--hold-ms`). Checks:
@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness.stats import pct_or_nan
+from krex_async import Client
+from krex_async import protocol as P
 
-from krex_async import Client  # noqa: E402
-from krex_async import protocol as P  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 COMMAND = """
 import time
@@ -80,10 +80,7 @@ def krex_cgroups(ids: set[str] | None = None) -> int:
 
 
 def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return pct_or_nan(xs, q, "rank")
 
 
 class Tally:

@@ -1,6 +1,6 @@
 """Does drain work, and is it needed? Run on the accelerator (one NVIDIA GPU, torch, pynvml):
 
-    PYTHONPATH=. python3 bench/gpu/check_drain.py [--quick]
+    PYTHONPATH=. python3 -m bench.gpu.check_drain [--quick]
 
 This script plays the daemon (a unix socket speaking krex's frames to the sibling's runtime) and
 the region owner (timing a fixed fp16 matmul with CUDA events at ~0.1, ~1.6 and ~13 ms). The
@@ -42,12 +42,10 @@ from typing import Any
 
 import torch
 
+from bench.harness.stats import quantile
 from krex_async.config import ServeConfig
 from krex_async.devices import discover, open_node
 from krex_async.runtime import devicework, quiesce
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for its shared helpers
-from analysis import nearest_rank  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -357,7 +355,7 @@ def main() -> None:
         return [row[field] for row in table if row["condition"] == cond and row["size"] == label]
 
     def p95_over_regions(cond: str) -> dict[str, float]:
-        return {k: round(nearest_rank(column(cond, k, "median_inflation_pct"), 0.95), 3) for k in SIZES}
+        return {k: round(quantile(column(cond, k, "median_inflation_pct"), 0.95, "rank"), 3) for k in SIZES}
 
     # The alone rounds are themselves spread: on the H200 the 10 ms fp16 matmul's round medians
     # are two-valued (13.07 and 13.21 ms in run 9), so the p95 above is at least the alone rounds'
@@ -365,13 +363,14 @@ def main() -> None:
     # checked like for like: the p95 over regions of the region medians against the p95 over the
     # alone rounds of theirs (a shift of the distribution, which is what sharing would cause).
     rounds = results["alone_rounds"]
-    alone_p95 = {k: nearest_rank(rounds[k], 0.95) for k in SIZES}
+    alone_p95 = {k: quantile(rounds[k], 0.95, "rank") for k in SIZES}
     floor = {k: round(100 * (alone_p95[k] / statistics.median(rounds[k]) - 1), 3) for k in SIZES}
     results["alone_floor_pct"] = floor
     print(f"\nalone rounds' own p95 against their median (the floor), %: {floor}")
     for cond in PRODUCTION:
         worst = p95_over_regions(cond)
-        matched = {k: round(100 * (nearest_rank(column(cond, k, "median_ms"), 0.95) / alone_p95[k] - 1), 3)
+        matched = {k: round(100 * (quantile(column(cond, k, "median_ms"), 0.95, "rank") / alone_p95[k]
+                                   - 1), 3)
                    for k in SIZES}
         results.setdefault("p95_matched_pct", {})[cond] = matched
         results.setdefault("p95_of_inflation_pct", {})[cond] = worst

@@ -1,6 +1,6 @@
 """The CUDA driver lock as regions use it (`--hold lock`), through a real daemon on the accelerator.
 
-    python3 bench/gpu/check_lock.py [--regions 20] [--sibling torch|driver] [--deadline 170]
+    python3 -m bench.gpu.check_lock [--regions 20] [--sibling torch|driver] [--deadline 170]
 
 Writes $OUT/check_lock.json and $OUT/check_lock.txt (OUT defaults to /tmp/krex-check-lock); exit
 status 0 when every check passes. Needs root (cgroups), one NVIDIA GPU and a driver with the
@@ -47,11 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from bench.harness import stats
+from krex_async import Client
+from krex_async.isolation.cudalock import LOCKED, open_driver
 
-from krex_async import Client  # noqa: E402
-from krex_async.isolation.cudalock import LOCKED, open_driver  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 # The sibling: argv[1] the shared file (pid, iterations, last completion ns, cpu units), argv[2]
 # torch|driver, argv[3] seconds of queued work to synchronise on at once when the file's flag
@@ -228,8 +228,7 @@ class Daemon:
 
 
 def q(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * len(xs) + 0.5)) - 1))] if xs else 0.0
+    return stats.pct(xs, p / 100, "nearest") or 0.0
 
 
 def ms(xs: list[float]) -> str:

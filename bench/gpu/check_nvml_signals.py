@@ -1,6 +1,6 @@
 """What NVML can tell the daemon about a device's drain and clock state, measured (one NVIDIA GPU):
 
-    PYTHONPATH=. python3 bench/gpu/check_nvml_signals.py [--out FILE]
+    PYTHONPATH=. python3 -m bench.gpu.check_nvml_signals [--out FILE]
 
 1. Drain: a neighbour process queues about a second of matmuls, then synchronises and prints when
    its queue really finished (host clock). Meanwhile we poll NVML every 2 ms: the GPU utilisation

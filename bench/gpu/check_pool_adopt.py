@@ -1,6 +1,6 @@
 """Adoption on the GPU: how many shell-started jobs a warm pool serves, and what it saves and costs.
 
-    python3 bench/gpu/check_pool_adopt.py [--jobs 8] [--deadline 170]      # JSON to $OUT (or --out)
+    python3 -m bench.gpu.check_pool_adopt [--jobs 8] [--deadline 170]      # JSON to $OUT (or --out)
 
 1. A daemon with `--pool-size JOBS --pool-preload torch`: once warm, JOBS jobs at once as
    `sh -c 'python3 job.py'`, then (warm again) JOBS as `bash runner.sh` (runner.sh runs python3).
@@ -29,10 +29,10 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from bench.harness import stats
+from krex_async import Client
 
-from krex_async import Client  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 JOB = """import sys, time, json
 warm = "{mod}" in sys.modules
@@ -46,8 +46,7 @@ print(json.dumps({{"import": t_import, "context": time.monotonic(), "preloaded":
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    v = sorted(xs)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else None
+    return stats.pct(xs, q, "rank")
 
 
 class Daemon:

@@ -1,7 +1,7 @@
 """Why a short kernel timed right after a heavy neighbour stops runs slow, and what tells us it will
 (one NVIDIA GPU, torch, pynvml):
 
-    PYTHONPATH=. python3 bench/gpu/check_settle.py [--out FILE]
+    PYTHONPATH=. python3 -m bench.gpu.check_settle [--out FILE]
 
 check_drain.py found a 0.1 ms matmul 20-27% slow when timed right after a neighbour running 16384^2
 matmuls had synchronised and stopped, and within 2% after 200 ms of "warming"; check_nvml_signals.py
@@ -26,6 +26,8 @@ import time
 import pynvml as N
 import torch
 
+from bench.harness import stats
+
 NEIGHBOUR = r"""
 import sys, time, torch
 a = torch.randn(16384, 16384, device="cuda", dtype=torch.float16)
@@ -44,8 +46,7 @@ for line in sys.stdin:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return stats.quantile(xs, q, "rank")
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Self-check of the GPU side of the replay workload, for the accelerator machine (no krex needed).
 
-    python3 bench/gpu/check_workload.py [--reps 20]
+    python3 -m bench.gpu.check_workload [--reps 20]
 
 Runs agent_cmd's isolated mode on every GPU catalogue kernel with every timing method, then one full
 command with a fresh Triton compile and one with torch.compile, and prints a table: measured median,
@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import gen_trace
+from bench.trace_format import METHODS, bucket_of
+
 BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH))
-import gen_trace  # noqa: E402
-from trace_format import METHODS, bucket_of  # noqa: E402
 
 
 def _results(out: str) -> list[dict]:

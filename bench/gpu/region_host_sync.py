@@ -7,7 +7,7 @@ on the region cores only, siblings are frozen (none here), the GPU clock is sett
 (0 ms when settled). This times the same kernels in one command, alternating out of a region and in
 one, per daemon variant (default; --region-cores=0; --warm-ms=200), so the machine's drift cancels.
 
-    python3 bench/gpu/region_host_sync.py [--rounds 12] [--reps 60] [--json FILE] [--daemon-arg=...]
+    python3 -m bench.gpu.region_host_sync [--rounds 12] [--reps 60] [--json FILE] [--daemon-arg=...]
 
 Prints, per variant and kernel, the median host-clock time out and in, and in/out - 1 (median over
 rounds, with the min..max). Needs CUDA; run from the repo root.
@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
 
 KERNELS = {"mm4k-f16": 4096, "mm8k-f16": 8192}  # about 0.2 ms and 1.7 ms on the H200
 
@@ -73,8 +71,7 @@ def command(rounds: int, reps: int) -> None:
 
 
 async def variant(name: str, args: list[str], a: argparse.Namespace) -> dict[str, Any]:
-    from replay import Daemon
-
+    from bench.replay import Daemon
     from krex_async import Client
     log = Path("/tmp/krex-hostsync") / f"daemon-{name}.log"
     async with Daemon("region", sys.executable, [*a.daemon_arg, *args], log) as d:

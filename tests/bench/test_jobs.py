@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jobs
-import jobs_report
-import jobs_sets
 import pytest
 
+from bench import jobs, jobs_report, jobs_sets
+from bench.harness import stack
 from tests.bench.conftest import ROOT, run_script
 from tests.bench.kb_fixture import write_atrex, write_kernelbench
 
@@ -51,14 +50,14 @@ def test_default_variants_follow_what_the_daemon_offers() -> None:
 def test_gateway_token_found_where_a_gateway_leaves_it(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KREX_GATEWAY_TOKEN", raising=False)
-    assert jobs.gateway_token(tmp_path, None) is None
+    assert stack.gateway_token(tmp_path, None) is None
     (tmp_path / "api-token").write_text("from-file\n")
-    assert jobs.gateway_token(tmp_path, None) == "from-file"
+    assert stack.gateway_token(tmp_path, None) == "from-file"
     (tmp_path / "gateway.json").write_text(json.dumps({"url": "u", "token": "from-json"}))
-    assert jobs.gateway_token(tmp_path, None) == "from-json"
+    assert stack.gateway_token(tmp_path, None) == "from-json"
     monkeypatch.setenv("KREX_GATEWAY_TOKEN", "from-env")
-    assert jobs.gateway_token(tmp_path, None) == "from-env"
-    assert jobs.gateway_token(tmp_path, "explicit") == "explicit"
+    assert stack.gateway_token(tmp_path, None) == "from-env"
+    assert stack.gateway_token(tmp_path, "explicit") == "explicit"
 
 
 def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
@@ -67,7 +66,7 @@ def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
                       (["--job-timeout", "900"], "at most 600"),
                       (["--kernelbench", str(tmp_path), "--device", "cpu"], "no KernelBench/level"),
                       (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'")):
-        p = run_script("bench/jobs.py", "--out", str(tmp_path / "o.json"), *args, check=False)
+        p = run_script("-m", "bench.jobs", "--out", str(tmp_path / "o.json"), *args, check=False)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     p = run_script("-m", "bench.jobs", "--width", "0", check=False)  # also runs as a module
     assert p.returncode == 2 and "must be positive" in p.stderr, p.stderr
@@ -220,7 +219,7 @@ def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path, suites:
     atrex = write_atrex(suites / "atrex")
     out = tmp_path / "r" / "jobs.json"
     before = set(Path("/tmp").glob("krex-jobs-*"))
-    p = run_script("bench/jobs.py", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
+    p = run_script("-m", "bench.jobs", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
                    "--set", "tiny", "--device", "cpu", "--width", "4", "--alone-rounds", "2",
                    "--variants", "region:--freeze all", "region-bad:--no-such-flag", "shared", "command",
                    "--out", str(out), timeout=400)
