@@ -92,7 +92,7 @@ def stack(v: Variant, a: argparse.Namespace, width: int) -> Stack:
     group, so the regions inside them reach the daemon), never as root."""
     return Stack(["--log-format", "json", *strip_policy(v.args), *a.daemon_devices], width,
                  policy=v.policy, gateway_args=a.gateway_arg, python=a.python, logdir=a.logdir,
-                 name=v.name, token=a.gateway_token)
+                 name=v.name, token=a.gateway_token, prefix="krex-jobs-")
 
 
 def strip_policy(args: list[str]) -> list[str]:

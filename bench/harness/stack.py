@@ -294,13 +294,15 @@ class Gateway(_Proc):
 
 class Stack:
     """A daemon and a gateway over it, as a node runs them: as root the daemon's --socket-group
-    (and, with a pool, --pool-user) is the jobs' user. `with`/`async with` start both and stop the
-    gateway, then the daemon, on every path."""
+    (and, with a pool, --pool-user) is the jobs' user. Their directories are PREFIX-NAME-* under
+    `parent`; logs go to `logdir` as daemon-NAME.log and gateway-NAME.log (else inside those
+    directories). `with`/`async with` start both and stop the gateway, then the daemon, on every
+    path."""
 
     def __init__(self, daemon_args: Sequence[str], max_running: int, *, policy: str | None = None,
                  gateway_args: Sequence[str] = (), python: str = sys.executable,
                  logdir: Path | None = None, name: str = "stack", gateway_env: dict[str, str] | None = None,
-                 token: str | None = None, parent: str | Path = "/tmp") -> None:
+                 token: str | None = None, parent: str | Path = "/tmp", prefix: str = "krex-") -> None:
         self.user = ensure_job_user()
         group = ["--socket-group", self.user] if self.user else []
         if self.user and any(x.startswith("--pool-size") for x in daemon_args):
@@ -308,10 +310,10 @@ class Stack:
         dlog = logdir / f"daemon-{name}.log" if logdir else None
         glog = logdir / f"gateway-{name}.log" if logdir else None
         self.daemon = Daemon([*daemon_args, *group], policy=policy, python=python, log=dlog,
-                             parent=parent, prefix=f"krex-{name}-")
+                             parent=parent, prefix=f"{prefix}{name}-")
         self.gateway = Gateway(self.daemon, max_running, args=gateway_args, python=python, log=glog,
                                user=self.user, token=token, env=gateway_env, parent=parent,
-                               prefix=f"krex-{name}-gw-")
+                               prefix=f"{prefix}{name}-gw-")
 
     @property
     def url(self) -> str:
@@ -325,11 +327,11 @@ class Stack:
         return self.gateway.client(**kw)
 
     def start(self) -> Stack:
-        self.daemon.start()
         try:
+            self.daemon.start()
             self.gateway.start()
         except BaseException:
-            self.daemon.stop()
+            self.stop()  # the gateway's directory exists from its construction on
             raise
         return self
 
@@ -346,11 +348,11 @@ class Stack:
         self.stop()
 
     async def __aenter__(self) -> Stack:
-        await self.daemon.__aenter__()
         try:
+            await self.daemon.__aenter__()
             await self.gateway.__aenter__()
         except BaseException:
-            await self.daemon.__aexit__()
+            await self.__aexit__()
             raise
         return self
 
