@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from typing import Any
 
 from bench.harness.stats import quantile
 from krex_async.isolation.cgroup import CgroupBackend
@@ -52,7 +53,8 @@ async def measure(n_siblings: int, reps: int) -> dict[str, float]:
     """p50/p99 in ms of freeze, thaw, set_cores (fence + restore) and enter for `n_siblings`."""
     v2, v1 = _private_root()
     b = CgroupBackend(root=v2, state_dir=tempfile.mkdtemp(prefix="krex-bench-"), cpuset_root=v1)
-    procs, groups = [], []
+    procs: list[subprocess.Popen[bytes]] = []
+    groups: list[Any] = []  # CgroupBackend's own groups
     try:
         for i in range(n_siblings):
             g = await b.create(f"s{i}")

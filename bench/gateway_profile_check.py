@@ -143,7 +143,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           request(op_dir, reference, args.shapes, level="deep",
                                   kernel_regex=re.escape(sol[0]["name"][:200])))
     finally:
-        report["gateway_log"] = st.log()[-4000:]
+        report["gateway_log"] = st.gateway.tail(4000)
         st.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return report

@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from krex_async.probes import CombinedProbe
 from krex_async.probes.bpf_ioctl import IoctlProbe
@@ -208,7 +208,7 @@ class Running:
         self.loop = asyncio.new_event_loop()
         self.events = 0
 
-    def __enter__(self) -> Running:
+    def __enter__(self) -> Self:
         if self.probe is not None:
             self.probe.start(self.loop, self._on)
         return self
@@ -288,8 +288,8 @@ def cpu_part(reps: int, tmp: str) -> list[dict[str, Any]]:
                                "ioctl_ns": statistics.median(v["ioctl_ns"]),
                                "fake_launch_ns": statistics.median(v["launch_ns"])}
         if counted[m]:
-            want, seen = map(sum, zip(*counted[m]))
-            row["launches_counted"] = f"{seen} (expected {want})"
+            want, n_seen = map(sum, zip(*counted[m]))
+            row["launches_counted"] = f"{n_seen} (expected {want})"
         rows.append(row)
     return rows
 
@@ -459,10 +459,12 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
     try:
         libcuda = w.stdout.readline().strip()
 
+        stdin, stdout = w.stdin, w.stdout  # narrowed for the closure
+
         def measure() -> tuple[float, float]:
-            w.stdin.write(f"{n} {bursts}\n")
-            w.stdin.flush()
-            med, low = map(float, w.stdout.readline().split())
+            stdin.write(f"{n} {bursts}\n")
+            stdin.flush()
+            med, low = map(float, stdout.readline().split())
             return med, low
 
         def outsiders(worker_is_command: bool) -> LaunchProbe:

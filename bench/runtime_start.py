@@ -47,8 +47,11 @@ def main() -> None:
     srv.bind(path)
     srv.listen(64)
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: [held.append(srv.accept()[0]) for _ in iter(int, 1)],
-                     daemon=True).start()
+
+    def accept_forever() -> None:
+        while True:
+            held.append(srv.accept()[0])
+    threading.Thread(target=accept_forever, daemon=True).start()
     base = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
     with_rt = dict(base, PYTHONPATH=RUNTIME, KREX_SOCKET=path, KREX_COMMAND="c1",
                    KREX_TOKEN="t0k", KREX_DEVICE="cpu")

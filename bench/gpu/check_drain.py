@@ -38,10 +38,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from bench.harness.stack import module_argv
 from bench.harness.stats import quantile
 from krex_async.config import ServeConfig
 from krex_async.devices import discover, open_node
@@ -52,7 +53,7 @@ REPO = HERE.parents[1]
 SIZES = {"0.1ms": 3072, "1ms": 8192, "10ms": 16384}
 GOAL_P95 = {"0.1ms": 2.5, "1ms": 1.0, "10ms": 0.2}  # percent inflation allowed (issue 5)
 REPS = {"0.1ms": 500, "1ms": 200, "10ms": 60}
-results: dict[str, object] = {"checks": {}, "timings": {}}
+results: dict[str, Any] = {"checks": {}, "timings": {}}
 failures: list[str] = []
 
 
@@ -109,10 +110,15 @@ def start_sibling(daemon: MiniDaemon, mode: str) -> tuple[subprocess.Popen, Conn
     path = [str(REPO / "krex_async" / "runtime"), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
                KREX_SOCKET=daemon.path, KREX_COMMAND=f"sib-{mode}", KREX_TOKEN="t")
-    proc = subprocess.Popen([sys.executable, str(HERE / "sibling.py"), mode], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(module_argv("bench.gpu.sibling", mode), env=env, stdout=subprocess.PIPE,
+                            text=True, cwd=str(REPO))
     conn = daemon.accept()
     return proc, conn
+
+
+def stdout_of(proc: subprocess.Popen[str]) -> IO[str]:
+    assert proc.stdout is not None  # every sibling is started with stdout=PIPE
+    return proc.stdout
 
 
 # ---------------------------------------------------------------------------------- the owner
@@ -175,7 +181,7 @@ def thaw_checks(daemon: MiniDaemon) -> None:
     for how in ("sigstop", "cgroup", "quiesce+sigstop"):
         proc, conn = start_sibling(daemon, "verify")
         try:
-            line = proc.stdout.readline().strip()
+            line = stdout_of(proc).readline().strip()
             assert line == "launched", line
             if how == "cgroup":
                 try:
@@ -204,7 +210,7 @@ def thaw_checks(daemon: MiniDaemon) -> None:
                 os.kill(proc.pid, signal.SIGSTOP)
                 time.sleep(1)
                 os.kill(proc.pid, signal.SIGCONT)
-            result = proc.stdout.readline().strip()
+            result = stdout_of(proc).readline().strip()
             rc = proc.wait(120)
             detail = {"result": result, "rc": rc}
             if how == "quiesce+sigstop":
@@ -277,7 +283,7 @@ def main() -> None:
     node = open_node("auto")
     gpu = next(dv for dv in node.devices if dv.vendor != "cpu")
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert stdout_of(proc).readline().strip() == "ready"
         time.sleep(2)  # backlog: 2 batches of 50 x 16384^3 (~1.3 s) in flight
         if "nvml" not in args.skip:
             nvml_checks(proc.pid)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pynvml as N
 import torch
@@ -71,7 +72,7 @@ def poll(h: object, stop: threading.Event, out: dict[str, list]) -> None:
 
 
 def drain(h: object) -> dict[str, object]:
-    out: dict[str, list] = {"samples": [], "rate": [], "clock": [], "proc": []}
+    out: dict[str, Any] = {"samples": [], "rate": [], "clock": [], "proc": []}
     p = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout and p.stdin and p.stdout.readline().strip() == "ready"
@@ -194,12 +195,12 @@ def main() -> int:
     N.nvmlInit()
     h = N.nvmlDeviceGetHandleByIndex(0)
     torch.ones(1, device="cuda")
-    res = {"drain": drain(h), "clocks": clocks(h), "timing": timing(h)}
+    res: dict[str, Any] = {"drain": drain(h), "clocks": clocks(h), "timing": timing(h)}
     d = res["drain"]
-    print({k: v for k, v in d.items() if k != "series"})  # type: ignore[union-attr]
+    print({k: v for k, v in d.items() if k != "series"})
     c = res["clocks"]
-    print({k: v for k, v in c.items() if k != "series"})  # type: ignore[union-attr]
-    for r in res["timing"]["rows"]:  # type: ignore[index]
+    print({k: v for k, v in c.items() if k != "series"})
+    for r in res["timing"]["rows"]:
         print(r)
     if args.out:
         with open(args.out, "w") as f:

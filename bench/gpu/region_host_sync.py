@@ -71,10 +71,10 @@ def command(rounds: int, reps: int) -> None:
 
 
 async def variant(name: str, args: list[str], a: argparse.Namespace) -> dict[str, Any]:
-    from bench.replay import Daemon
+    from bench.harness.stack import Daemon
     from krex_async import Client
     log = Path("/tmp/krex-hostsync") / f"daemon-{name}.log"
-    async with Daemon("region", sys.executable, [*a.daemon_arg, *args], log) as d:
+    async with Daemon(["--log-format", "json", *a.daemon_arg, *args], policy="region", log=log) as d:
         async with await Client.connect(d.socket) as c:
             path = filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
