@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
 from krex_async.ctxpool import Pool, PoolConfig
 from krex_async.devices.base import Device
@@ -83,29 +84,15 @@ async def daemon_batches(counts: list[int], rounds: int, code: str, preload: lis
                          pooled: bool, extra: list[str]) -> dict[int, list[float]]:
     """Through a real daemon: for each N, `rounds` batches of N commands submitted at once over
     one connection each; latency = the command's stamp - the time just before its submit."""
-    import shutil
-    import subprocess
-    import tempfile
-
     from krex_async import Client
-    d = tempfile.mkdtemp(prefix="krexps-", dir="/tmp")
-    sock = os.path.join(d, "s")
     size = max(counts) if pooled else 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    argv = [sys.executable, "-m", "krex_async", "serve", "--socket", sock, "--state-dir",
-            os.path.join(d, "state"), "--probes", "off", "--pool-size", str(size), *extra]
+    env = bench_env()
+    args = ["--probes", "off", "--pool-size", str(size), *extra]
     if pooled:
-        argv += ["--pool-preload", ",".join(preload)]
-    log = open(os.path.join(d, "daemon.log"), "wb")
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        args += ["--pool-preload", ",".join(preload)]
     out: dict[int, list[float]] = {}
-    try:
-        for _ in range(600):
-            if os.path.exists(sock):
-                break
-            if proc.poll() is not None:
-                raise SystemExit(open(log.name).read())
-            await asyncio.sleep(0.05)
+    async with Daemon(args, prefix="krexps-") as d:
+        sock = d.socket
         clients = [await Client.connect(sock) for _ in range(max(counts))]
 
         async def warm() -> None:
@@ -130,14 +117,6 @@ async def daemon_batches(counts: list[int], rounds: int, code: str, preload: lis
                 out[n] += await asyncio.gather(*(one(c) for c in clients[:n]))
         for c in clients:
             await c.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        shutil.rmtree(d, ignore_errors=True)
     return out
 
 

@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from bench.harness.stack import Daemon, bench_env
 from krex_async.probes import CombinedProbe
 from krex_async.probes.bpf_ioctl import IoctlProbe
 from krex_async.probes.launches import LaunchProbe, find_libraries
@@ -370,22 +371,11 @@ def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[
     from krex_async import Client
 
     w, dev = f"{tmp}/w", f"{tmp}/null0"
-    sock = f"{tmp}/s"
     Path(tmp, "owner.py").write_text(OWNER)
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("KREX_SOCKET", None)
-    log = open(f"{tmp}/daemon.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", sock,
-                             "--isolation", "signal", "--probes", "ioctl", "--probe-prefixes",
-                             tmp + "/", "--state-dir", f"{tmp}/state", "--log-format", "json"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        end = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("daemon did not start: " + Path(f"{tmp}/daemon.log").read_text())
-            time.sleep(0.05)
+    env = bench_env()
+    with Daemon(["--isolation", "signal", "--probes", "ioctl", "--probe-prefixes", tmp + "/",
+                 "--log-format", "json"], log=Path(tmp) / "daemon.log", parent=tmp, grace=15.0) as d:
+        sock = d.socket
 
         async def go() -> Any:
             async with await Client.connect(sock) as c:
@@ -393,10 +383,6 @@ def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[
                                    str(int(rate * seconds)), str(rate), str(flood)], env=env)
                 return res, (await c.status()).get("probes")
         res, probes = asyncio.run(go())
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
     if res.returncode != 0:
         raise RuntimeError(f"owner failed: {res.stderr.decode()[-500:]}")
     sent = {"paced": int(rate * seconds), "flood": flood}

@@ -24,19 +24,15 @@ import asyncio
 import collections
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
 from krex_async import Client
 from krex_async import protocol as P
-
-ROOT = Path(__file__).resolve().parent.parent
 
 COMMAND = """
 import time
@@ -152,8 +148,7 @@ async def wait_until(pred: Any, timeout: float) -> bool:
 
 
 async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("KREX_SOCKET", None)
+    env = bench_env()
     argv = [sys.executable, "-c", COMMAND.format(regions=args.regions, hold=args.hold_ms / 1000)]
     tally = Tally()
     async with await Client.connect(path) as c:
@@ -263,24 +258,11 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
     }
 
 
-def start_daemon(args: argparse.Namespace) -> tuple[str, subprocess.Popen[bytes], str]:
-    d = tempfile.mkdtemp(prefix="krex-soak-", dir="/tmp")
-    path = os.path.join(d, "s")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("KREX_SOCKET", None)
-    log = open(os.path.join(d, "daemon.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", path,
-                             "--isolation", args.isolation, "--devices", args.devices,
-                             "--retention", str(args.retention), "--region-timeout", "60",
-                             "--log-format", "json", "--log-level", args.log_level,
-                             "--state-dir", os.path.join(d, "state")],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"soak: the daemon did not start (see {d}/daemon.log)")
-        time.sleep(0.05)
-    return path, proc, d
+def start_daemon(args: argparse.Namespace) -> Daemon:
+    """The soak's own daemon; its directory (and log) kept with --keep-log."""
+    return Daemon(["--isolation", args.isolation, "--devices", args.devices, "--retention",
+                   str(args.retention), "--region-timeout", "60", "--log-format", "json",
+                   "--log-level", args.log_level], prefix="krex-soak-", keep=args.keep_log).start()
 
 
 def table(r: dict[str, Any]) -> str:
@@ -326,23 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="warning", help="the started daemon's log level")
     ap.add_argument("--keep-log", action="store_true", help="keep the started daemon's log")
     args = ap.parse_args(argv)
-    proc = tmp = None
-    path = args.socket
-    if path is None:
-        path, proc, tmp = start_daemon(args)
+    daemon = start_daemon(args) if args.socket is None else None
     try:
-        result = asyncio.run(soak(args, path))
+        result = asyncio.run(soak(args, daemon.socket if daemon else args.socket))
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if tmp is not None and not args.keep_log:
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp is not None:
-            print(f"daemon log: {tmp}/daemon.log")
+        if daemon is not None:
+            daemon.stop()
+            if args.keep_log:
+                print(f"daemon log: {daemon.log}")
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from bench.harness import stats
+from bench.harness.stack import Daemon
 from krex_async import Client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,35 +50,11 @@ def pct(xs: list[float], q: float) -> float | None:
     return stats.pct(xs, q, "rank")
 
 
-class Daemon:
-    """`krex serve` in a temporary directory, with or without a pool; stopped by close()."""
-
-    def __init__(self, pool: int, preload: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="krexadopt-", dir="/tmp")
-        self.sock = os.path.join(self.dir, "s")
-        argv = [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock, "--state-dir",
-                os.path.join(self.dir, "state"), "--probes", "off", "--pool-size", str(pool)]
-        if pool:
-            argv += ["--pool-preload", preload]
-        self.log = open(os.path.join(self.dir, "daemon.log"), "wb")
-        self.proc = subprocess.Popen(argv, env=env(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT)
-
-    async def client(self, deadline: float) -> Client:
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(open(self.log.name).read()[-3000:])
-            await asyncio.sleep(0.05)
-        return await Client.connect(self.sock)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def daemon(pool: int, preload: str, t_end: float) -> Daemon:
+    """`krex serve` with or without a pool, up by t_end at the latest."""
+    return Daemon(["--probes", "off", "--pool-size", str(pool),
+                   *(["--pool-preload", preload] if pool else [])], prefix="krexadopt-", env=env(),
+                  ready_s=max(1.0, t_end - time.monotonic()))
 
 
 def env() -> dict[str, str]:
@@ -187,9 +164,8 @@ async def phases(args: argparse.Namespace, result: dict[str, Any], work: str, t_
     """The check's steps 4, 1-2 and 3, filling `result` as each ends."""
     result["check_cost"] = check_cost()
     print("check cost", result["check_cost"], flush=True)
-    pooled = Daemon(args.jobs, args.preload)
-    try:
-        clients = [await pooled.client(t_end) for _ in range(args.jobs)]
+    async with daemon(args.jobs, args.preload, t_end) as pooled:
+        clients = [await Client.connect(pooled.socket) for _ in range(args.jobs)]
         t0 = time.monotonic()
         await wait_warm(clients[0], args.jobs, min(t_end, time.monotonic() + 110))
         result["warm_s"] = time.monotonic() - t0
@@ -206,17 +182,12 @@ async def phases(args: argparse.Namespace, result: dict[str, Any], work: str, t_
                                  for k, p in (await clients[0].status())["pools"].items()}
         for c in clients:
             await c.close()
-    finally:
-        pooled.close()
-    fresh = Daemon(0, "")
-    try:
-        clients = [await fresh.client(t_end) for _ in range(args.jobs)]
+    async with daemon(0, "", t_end) as fresh:
+        clients = [await Client.connect(fresh.socket) for _ in range(args.jobs)]
         result["fresh_sh_c"] = summary(await round_of(clients, "python3 job.py", work))
         print("fresh_sh_c", {k: v for k, v in result["fresh_sh_c"].items() if k != "runs"}, flush=True)
         for c in clients:
             await c.close()
-    finally:
-        fresh.close()
 
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))
