@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.harness.output import pyplot, read_json
+from bench.harness.output import pyplot, read_json, results_stem
 from bench.harness.stats import pct
 from bench.trace_format import BUCKETS, OTHER_BUCKET, bucket_of
 
@@ -321,7 +321,7 @@ def main(argv: list[str]) -> int:
     data["summary"] = summarise(data)
     print(table(data["summary"]))
     if "--plots" in argv:
-        print(plot_or_say(data, Path(argv[1]).parent, Path(argv[1]).name.split(".")[0]))
+        print(plot_or_say(data, Path(argv[1]).parent, results_stem(argv[1])))
     return 0
 
 

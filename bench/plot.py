@@ -14,11 +14,11 @@ JSON). Exits 2 with a message when matplotlib is missing; figures are closed aft
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import read_json, results_stem
 from bench.trace_format import BUCKETS, OTHER_BUCKET
 
 COLORS = {"region": "tab:green", "command": "tab:blue", "shared": "tab:red"}
@@ -93,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outdir", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
-        data = json.loads(a.results.read_text())
+        data = read_json(a.results)
     except (OSError, ValueError) as e:
         ap.error(f"{a.results}: {e}")
     try:
-        paths = plot(data, a.outdir or a.results.parent, a.results.stem)
+        paths = plot(data, a.outdir or a.results.parent, results_stem(a.results))
     except ImportError:
         print("plot.py needs matplotlib (pip install matplotlib); the JSON has every number", file=sys.stderr)
         return 2

@@ -58,6 +58,14 @@ def read_json(path: Path | str) -> Any:
     return json.loads(read_text(path))
 
 
+def results_stem(path: Path | str) -> str:
+    """A results file's name without .gz and .json: what its plots and logs are named after."""
+    name = Path(path).name
+    for ext in (".gz", ".json"):
+        name = name.removesuffix(ext)
+    return name
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, floatfmt: str = ".3f",
           first_width: int | None = None) -> str:
     """Rows under a header, the first column left-aligned, the others right-aligned, each as wide

@@ -177,11 +177,13 @@ class Daemon(_Proc):
     def _check(self, deadline: float) -> None:
         if self.exited():
             rc = self.proc.returncode if self.proc else None
-            self.stop()
-            raise RuntimeError(f"daemon exited with {rc}: {self.tail()}")
-        if time.monotonic() > deadline:
-            self.stop()
-            raise RuntimeError(f"daemon socket {self.socket} not up in {self.ready_s}s: {self.tail()}")
+            why = f"daemon exited with {rc}: {self.tail()}"  # read before stop() removes the log
+        elif time.monotonic() > deadline:
+            why = f"daemon socket {self.socket} not up in {self.ready_s}s: {self.tail()}"
+        else:
+            return
+        self.stop()
+        raise RuntimeError(why)
 
     def start(self) -> Daemon:
         """Start it and wait until its socket accepts. Raises RuntimeError (stopped) otherwise."""
@@ -247,8 +249,9 @@ class Gateway(_Proc):
         if (self.state / "gateway.json").exists():
             return True
         if self.exited() or time.monotonic() > self._deadline:
+            why = "gateway did not start: " + self.tail()  # read before stop() removes the log
             self.stop()
-            raise RuntimeError("gateway did not start: " + self.tail())
+            raise RuntimeError(why)
         return False
 
     def _read_info(self) -> None:
