@@ -71,16 +71,14 @@ def command(rounds: int, reps: int) -> None:
 
 
 async def variant(name: str, args: list[str], a: argparse.Namespace) -> dict[str, Any]:
-    from bench.harness.stack import Daemon
+    from bench.harness.stack import Daemon, bench_env, module_argv
     from krex_async import Client
     log = Path("/tmp/krex-hostsync") / f"daemon-{name}.log"
     async with Daemon(["--log-format", "json", *a.daemon_arg, *args], policy="region", log=log) as d:
         async with await Client.connect(d.socket) as c:
-            path = filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-            res = await c.run([sys.executable, __file__, "--command", "--rounds", str(a.rounds),
-                               "--reps", str(a.reps)], cwd=str(ROOT), env=env, device="auto",
-                              timeout=300)
+            res = await c.run(module_argv("bench.gpu.region_host_sync", "--command", "--rounds",
+                                          str(a.rounds), "--reps", str(a.reps)), cwd=str(ROOT),
+                              env=bench_env(), device="auto", timeout=300)
     if res.returncode != 0:
         raise RuntimeError(f"{name}: rc {res.returncode}: {res.stderr[-1500:].decode(errors='replace')}")
     data = json.loads(res.stdout.decode().strip().splitlines()[-1])
