@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.harness import stats
+from bench.harness.output import write_json
 from krex_async.client import Client
 from krex_async.fleet.local import LocalFleet
 
@@ -155,7 +155,7 @@ async def main() -> int:
         print(f"| {name} | {v['p50_ms']:.2f} | {v['p95_ms']:.2f} | {v['burst_per_s']:.1f} |")
     print(f"\nthe fleet adds {ov['overhead_p50_ms']:.2f} ms per command (p50)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"throughput": rows, "overhead": ov}, indent=2))
+        write_json(args.json, {"throughput": rows, "overhead": ov}, indent=2)
     return 0
 
 

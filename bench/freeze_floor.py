@@ -12,7 +12,6 @@ shows as slow syscalls. Prints p50/p99 in microseconds; removes everything it ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -20,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from bench.harness.output import write_json
 from bench.harness.stats import quantile
 
 
@@ -118,9 +118,8 @@ def main() -> int:
           f"{row['frozen_p50_us']:>14.1f} {row['frozen_p99_us']:>7.1f} {row['thawed_p50_us']:>10.1f} "
           f"{row['thawed_p99_us']:>7.1f} {row['null_syscall_us']:>8.2f} {row['events_read_us']:>11.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"host": os.uname().nodename, "release": os.uname().release,
-                       "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row}, f, indent=1)
+        write_json(args.json, {"host": os.uname().nodename, "release": os.uname().release,
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row})
     return 0
 
 

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.harness.output import write_json
 from bench.harness.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,9 +214,8 @@ async def main() -> int:
     print("\nalone (ms): " + ", ".join(f"{distinct[k].get('kernel', 'cpu')}"
                                        f"[{distinct[k]['n']}]={v:.4f}" for k, v in alone.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "alone_ms": {str(k): v for k, v
-                                                                              in alone.items()},
-                                               "rows": rows}, indent=1))
+        write_json(args.json, {"device": device, "alone_ms": {str(k): v for k, v in alone.items()},
+                               "rows": rows})
     return 0
 
 

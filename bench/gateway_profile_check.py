@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import write_json
 from bench.harness.stack import Stack
 from krex_async.gateway.profile import find_tool
 
@@ -180,14 +181,14 @@ def main() -> int:
     if not args.atrex_bench_root or not (root / "scripts" / "run_eval.py").is_file():
         print("no Atrex-Bench checkout: pass --atrex-bench-root (or set ATREX_BENCH_ROOT) to a "
               "checkout with scripts/run_eval.py; nothing was run", file=sys.stderr)
-        (out / "gateway_profile_check.json").write_text(json.dumps(
-            {"error": "no Atrex-Bench checkout", "ncu": find_tool("ncu")}))
+        write_json(out / "gateway_profile_check.json",
+                   {"error": "no Atrex-Bench checkout", "ncu": find_tool("ncu")}, indent=None)
         return 2
     if not (root / "data" / args.operator / "shapes.json").is_file():
         print(f"no operator {args.operator!r} under {root}/data", file=sys.stderr)
         return 2
     report = asyncio.run(run(args))
-    (out / "gateway_profile_check.json").write_text(json.dumps(report, indent=1, default=str))
+    write_json(out / "gateway_profile_check.json", report, default=str)
     bad = [n for n, j in report["jobs"].items() if j.get("summary", {}).get("status") != "succeeded"]
     print(f"wrote {out / 'gateway_profile_check.json'}; "
           f"{'all jobs succeeded' if not bad else 'not succeeded: ' + ', '.join(bad)}")

@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import sys
 import time
 from typing import Any
 
+from bench.harness.output import write_json
 from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
 from krex_async.ctxpool import Pool, PoolConfig
@@ -189,8 +189,7 @@ def verdict(args: argparse.Namespace, counts: list[int], results: dict[str, Any]
     if args.goal is not None:
         print(f"goal {args.goal}x at N={max(counts)}: {'met' if ok else 'MISSED'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**about, "results": results}, f, indent=1)
+        write_json(args.json, {**about, "results": results})
     return 0 if ok else 1
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -57,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from bench.harness.output import write_json
 from bench.harness.stack import Daemon, bench_env
 from krex_async.probes import CombinedProbe
 from krex_async.probes.bpf_ioctl import IoctlProbe
@@ -555,7 +555,7 @@ def main() -> None:
             out["first_insns"] = first_insns(find_libraries(search=True))
             print("\n".join(out["first_insns"]) or "(no libcuda / libhsa-runtime64 found)")
             if args.json:
-                Path(args.json).write_text(json.dumps(out, indent=2))
+                write_json(args.json, out, indent=2)
             return
         if args.gpu:
             out["gpu"] = gpu_part(args.reps, args.launches, args.bursts, args.gpu_modes)
@@ -584,7 +584,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out, indent=2)
 
 
 if __name__ == "__main__":

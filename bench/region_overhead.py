@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.harness.output import write_json
 from bench.harness.stack import Daemon, bench_env, module_argv
 from bench.harness.stats import pct_or_nan
 
@@ -155,8 +156,7 @@ def main() -> int:
             d.stop()
     print("latencies in ms")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f)
+        write_json(args.json, out, indent=None)
     return 0
 
 

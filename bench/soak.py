@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from bench.harness.output import write_json
 from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
 from krex_async import Client
@@ -318,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"daemon log: {daemon.log}")
     print(table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result, indent=2)
     if not (result["checks"]["no deadlock"] and result["checks"]["finished within grace"]):
         return 2
     return 0 if result["ok"] else 1

@@ -13,11 +13,11 @@ CPU (the timer wake-up of an idle core).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
+from bench.harness.output import write_json
 from bench.harness.stats import quantile
 
 
@@ -96,10 +96,8 @@ def main() -> int:
         print(f"{a:>3}:{b:<3} {row['wake_p50_us']:>12.1f} {row['wake_p99_us']:>8.1f} "
               f"{row['wake_max_us']:>8.1f} {row['oversleep_p50_us']:>17.1f} {row['oversleep_p99_us']:>6.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "host": os.uname().nodename,
-                       "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}, f,
-                      indent=1)
+        write_json(args.json, {"rounds": args.rounds, "host": os.uname().nodename,
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows})
     return 0
 
 

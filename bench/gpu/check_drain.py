@@ -28,7 +28,6 @@ when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -42,6 +41,7 @@ from typing import IO, Any
 
 import torch
 
+from bench.harness.output import write_json
 from bench.harness.stack import module_argv
 from bench.harness.stats import quantile
 from krex_async.config import ServeConfig
@@ -393,7 +393,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "check_drain.json").write_text(json.dumps(results, indent=1, default=str))
+        write_json(Path(out, "check_drain.json"), results, default=str)
     print(f"\n{'ALL PASS' if not failures else 'FAILED: ' + ', '.join(failures)}")
     sys.exit(0 if not failures else 1)
 

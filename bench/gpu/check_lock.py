@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import stats
+from bench.harness.output import write_json
 from bench.harness.stack import Daemon
 from krex_async import Client
 from krex_async.isolation.cudalock import LOCKED, open_driver
@@ -469,8 +470,7 @@ def main() -> int:
     RESULTS["ok"] = not failed
     summary = {"ok": not failed, "failed": failed, "seconds": round(RESULTS["seconds"], 1)}
     out(json.dumps(summary))
-    with open(os.path.join(outdir, "check_lock.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    write_json(os.path.join(outdir, "check_lock.json"), RESULTS)
     with open(os.path.join(outdir, "check_lock.txt"), "w") as f:
         f.write("\n".join(LINES) + "\n")
     return 0 if not failed else 1

@@ -16,7 +16,6 @@ Prints a summary; the raw series go to --out (JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from typing import Any
 
 import pynvml as N
 import torch
+
+from bench.harness.output import write_json
 
 NEIGHBOUR = r"""
 import sys, time, torch
@@ -203,8 +204,7 @@ def main() -> int:
     for r in res["timing"]["rows"]:
         print(r)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
+        write_json(args.out, res, indent=None)
     return 0
 
 

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from bench.harness import stats
+from bench.harness.output import write_json
 from bench.harness.stack import Daemon
 from krex_async import Client
 
@@ -150,9 +151,7 @@ async def main() -> int:
     result["worker_cost"] = {f"{k}_p50": pct([w[k] for w in workers if w.get(k)], 0.5)
                              for k in ("rss_bytes", "pss_bytes", "gpu_bytes")}
     result["worker_cost"]["workers"] = len(workers)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(json.dumps({"adoption_rate": result["adoption_rate"], "worker_cost": result["worker_cost"],
                       "import_s_p50": {k: result[k]["import_s_p50"] for k in
                                        ("sh_c", "bash_runner", "fresh_sh_c") if k in result},

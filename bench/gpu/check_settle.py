@@ -17,7 +17,6 @@ is not what lowers it. The suspect is the power cap the heavy neighbour ran into
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import pynvml as N
 import torch
 
 from bench.harness import stats
+from bench.harness.output import write_json
 
 NEIGHBOUR = r"""
 import sys, time, torch
@@ -139,8 +139,7 @@ def main() -> int:
     p.stdin.close()
     p.wait()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
+        write_json(args.out, res, indent=None)
     return 0
 
 

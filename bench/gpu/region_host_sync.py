@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import write_json
+
 ROOT = Path(__file__).resolve().parents[2]
 
 KERNELS = {"mm4k-f16": 4096, "mm8k-f16": 8192}  # about 0.2 ms and 1.7 ms on the H200
@@ -118,7 +120,7 @@ def main() -> int:
         results.append(data)
         print("\n".join(summary(data)), flush=True)
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        write_json(a.json, results)
     return 0
 
 

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
-def write_json(path: Path | str, data: Any, *, indent: int | None = 1, meta: bool = True) -> Path:
+def write_json(path: Path | str, data: Any, *, indent: int | None = 1, meta: bool = True,
+               default: Callable[[Any], Any] | None = None) -> Path:
     """Replace `path` atomically (a temporary file, then a rename) with `data` as JSON; a dict gets
     a "provenance" key (provenance()) unless it has one or `meta` is False; gzipped when the name
     ends in .gz. Returns the path."""
@@ -34,7 +35,7 @@ def write_json(path: Path | str, data: Any, *, indent: int | None = 1, meta: boo
     path.parent.mkdir(parents=True, exist_ok=True)
     if meta and isinstance(data, dict) and "provenance" not in data:
         data = {**data, "provenance": provenance()}
-    text = json.dumps(data, indent=indent)
+    text = json.dumps(data, indent=indent, default=default)
     tmp = path.with_name(path.name + ".tmp")
     if path.suffix == ".gz":
         with gzip.open(tmp, "wt", encoding="utf-8") as f:
