@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.harness.output import read_json, results_stem
+from bench.harness.output import pyplot, read_json, results_stem
 from bench.trace_format import BUCKETS, OTHER_BUCKET
 
 COLORS = {"region": "tab:green", "command": "tab:blue", "shared": "tab:red"}
@@ -31,10 +31,10 @@ def _pct_label(x: float, _pos: object = None) -> str:
 
 def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
     """Write the PNGs; returns their paths. Raises ImportError without matplotlib."""
-    import matplotlib
+    plt = pyplot()
+    if plt is None:
+        raise ImportError("matplotlib is not importable")
     import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     s = data["summary"]
     outdir.mkdir(parents=True, exist_ok=True)

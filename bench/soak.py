@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from bench.harness import output
 from bench.harness.output import write_json
 from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
@@ -280,8 +281,7 @@ def table(r: dict[str, Any]) -> str:
         ("command states", r["states"]), ("region outcomes", r["region_outcomes"]),
     ]
     rows += [(f"check: {k}", "ok" if v else "FAILED") for k, v in r["checks"].items()]
-    w = max(len(k) for k, _ in rows)
-    out = [f"{k:<{w}}  {v}" for k, v in rows]
+    out = [output.table(None, [(k, str(v)) for k, v in rows], sep="  ", left=True)]
     out += [f"error: {e}" for e in r["errors"]]
     return "\n".join(out)
 

@@ -67,20 +67,21 @@ def results_stem(path: Path | str) -> str:
     return name
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, floatfmt: str = ".3f",
-          first_width: int | None = None) -> str:
-    """Rows under a header, the first column left-aligned, the others right-aligned, each as wide
-    as its widest cell; floats formatted by `floatfmt`, None as '-'."""
+def table(header: Sequence[str] | None, rows: Sequence[Sequence[Any]], *, floatfmt: str = ".3f",
+          first_width: int | None = None, sep: str = " ", left: bool = False) -> str:
+    """Rows under a header (none when None), the first column left-aligned, the others
+    right-aligned (left too with `left`), each as wide as its widest cell, joined by `sep`; floats
+    formatted by `floatfmt`, None as '-'."""
     def cell(x: Any) -> str:
         if x is None:
             return "-"
         return format(x, floatfmt) if isinstance(x, float) else str(x)
-    cells = [[cell(x) for x in r] for r in [header, *rows]]
-    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(header))]
+    cells = [[cell(x) for x in r] for r in ([header] if header is not None else []) + list(rows)]
+    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(max(map(len, cells)))]
     if first_width is not None:
         widths[0] = max(widths[0], first_width)
-    return "\n".join(" ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])
-                              for i, c in enumerate(r)) for r in cells)
+    return "\n".join(sep.join(c.ljust(widths[i]) if i == 0 or left else c.rjust(widths[i])
+                              for i, c in enumerate(r)).rstrip() for r in cells)
 
 
 def pyplot() -> Any:

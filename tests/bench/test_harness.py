@@ -53,6 +53,9 @@ def test_table_aligns_columns_and_prints_none_as_a_dash() -> None:
     assert lines[0] == "name    n   p50"
     assert lines[1] == "a       3 0.500"
     assert lines[2] == "longer 12     -"
+    # label and value, no header, left-aligned: the soak's table
+    soak = output.table(None, [("agents", 64), ("s", "a b")], sep="  ", left=True)
+    assert soak == "agents  64\ns       a b"
 
 
 def _accepts(path: str) -> bool:
