@@ -2,8 +2,8 @@
 
     python -m bench.jobs --kernelbench ~/KernelBench [--atrex ~/atrex-bench] [--triton N]
                          [--set tiny|default|large] [--width 8] [--variants NAME:ARGS ...]
-                         [--device auto|gpu|cpu] [--out results/jobs.json]
-    python -m bench.jobs ...                                    # the same
+                         [--device auto|gpu|cpu] [--out results/jobs.json] [--alone-rounds 2]
+                         [--command-jobs distinct|all] [--budget-s 540]
 
 What it measures: what an agent gets. Each job (bench/workload/job.py) is a dev job as an agent's
 tool submits it: upload, `python job.py spec.json`, imports, inputs, a check against the reference,
@@ -12,12 +12,16 @@ as an auto-region; Triton and Atrex: do_bench, an auto-region). All jobs of a se
 gateway runs `--width` of them at a time, no pacing: each phase does its real work and nothing else,
 so a frozen import simply ends later. Per variant (a `krex serve` configuration: `NAME:ARGS`, the
 policy from --policy in ARGS or the name's first word) a fresh daemon and gateway; alone rounds
-(each distinct job alone, in one process per device kind) before, between and after the variants
-give the timing baseline and its own spread.
+(each distinct job alone, in one process per device kind) before the first variant and after the
+last (more are spread between) give the timing baseline and its own spread. `command`, the serial
+baseline, runs one copy of each distinct job by default. A default run budgets itself to one
+10-minute accelerator call: each pass is planned from the passes measured so far and skipped when
+it would not end, with the last alone round, within --budget-s.
 
 What could hide a cost: jobs/min counts only jobs that succeeded (failures are listed); the alone
-rounds share one process's imports (their phase times are not an agent's); the ideal of each
-variant is not computed here (bench/replay.py does that for traces).
+rounds share one process's imports (their phase times are not an agent's); command's jobs/min comes
+from the distinct jobs only (the table says so; --command-jobs all for the whole set); the ideal of
+each variant is not computed here (bench.replay does that for traces).
 
 The JSON (written after every pass) holds every job's result line, regions and krex fields; the
 table and plots come from bench/jobs_report.py (`python -m bench.jobs_report FILE` again later).
