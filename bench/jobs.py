@@ -123,13 +123,13 @@ def parse_lines(stdout: str) -> list[dict[str, Any]]:
     return out
 
 
-async def submit(stack: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
+async def submit(st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
                  prog: Progress) -> tuple[float, list[dict[str, Any]]]:
     """Submit every group (one job each: a single spec, or a batch) at once and wait for all.
     Returns (makespan s, records); a failed job is a record with ok False, never an exception."""
     from krex_async.gateway.client import GatewayClient
     env = {"TRITON_CACHE_DIR": ".triton-cache", "TORCHINDUCTOR_CACHE_DIR": ".inductor-cache"}
-    async with GatewayClient(stack.url, stack.token, timeout=timeout_s + 120) as gw:
+    async with GatewayClient(st.url, st.token, timeout=timeout_s + 120) as gw:
         t0 = time.monotonic()
 
         async def one(group: list[jobs_sets.Job]) -> dict[str, Any]:

@@ -126,6 +126,9 @@ class _Proc:
             return self.log.read_bytes()[-n:].decode("utf-8", "replace")
         return ""
 
+    def stop(self) -> None:
+        self._terminate()
+
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
@@ -369,7 +372,7 @@ class Stack:
 @atexit.register
 def _stop_leftovers() -> None:
     """Whatever a benchmark left running when the interpreter exits (an exception past its `with`,
-    a sys.exit in a check) is stopped, gateways first."""
+    a sys.exit in a check) is stopped and its directory removed, gateways first."""
     for p in sorted(_LIVE, key=lambda p: p.name != "gateway"):
         with contextlib.suppress(Exception):
-            p._terminate()
+            p.stop()

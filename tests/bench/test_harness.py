@@ -95,3 +95,18 @@ async def test_stack_serves_jobs_and_a_failed_start_leaves_no_directory(tmp_path
         async with stack.Stack(["--no-such-flag"], 1, logdir=logs, name="bad", prefix="krex-htest-"):
             pass
     assert set(Path("/tmp").glob("krex-htest-*")) == before
+
+
+def test_a_daemon_left_running_is_stopped_when_the_benchmark_exits(tmp_path: Path) -> None:
+    code = ("import sys\nfrom bench.harness.stack import Daemon\n"
+            "d = Daemon(['--devices', 'cpu:1', '--probes', 'off'], parent=sys.argv[1]).start()\n"
+            "print(d.proc.pid, flush=True)\nsys.exit(3)\n")
+    p = run_script("-c", code, str(tmp_path), check=False)
+    assert p.returncode == 3, p.stderr
+    pid = int(p.stdout.split()[0])
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"daemon {pid} still running ({state})"
+    assert list(tmp_path.iterdir()) == []
