@@ -1,6 +1,6 @@
 """What a replay's raw records mean: throughput, the trace's ideal ratio, timing inflation, region
 enter latency and strays. Pure functions over the JSON-able records that replay.py collects, so the
-numbers can be recomputed from a results file (`python bench/analysis.py results.json`).
+numbers can be recomputed from a results file (`python -m bench.analysis results.json`).
 
 Ideal ratio (bench/README.md derives it). With N agents at once, P cores and one device, a pass cannot
 end before the device has done its serialised work, nor before the agents have done theirs:
@@ -13,34 +13,14 @@ ratio divided by it.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_format import BUCKETS, METHODS, OTHER_BUCKET, bucket_of  # noqa: E402
-
-
-def nearest_rank(xs: list[float], q: float) -> float:
-    """The q-quantile (0..1) as the order statistic at rank int(q * n): always a measured value
-    (the p95 of 8 regions is their slowest). Raises ValueError for no data."""
-    if not xs:
-        raise ValueError("no data")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation between order statistics; None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+from bench.harness.output import read_json
+from bench.harness.stats import pct
+from bench.trace_format import BUCKETS, METHODS, OTHER_BUCKET, bucket_of
 
 
 def bound(C: float, R: float, W: float, L: float, n: int, cores: int) -> dict[str, float]:
@@ -262,14 +242,14 @@ def table(s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="bench/analysis.py",
+    ap = argparse.ArgumentParser(prog="python -m bench.analysis",
                                  description="the tables of a replay results file (bench/replay.py "
                                              "--out): throughput, ideal ratio, region steps, timing "
                                              "inflation")
     ap.add_argument("results", type=Path, help="a results JSON, e.g. bench/results/quick.json")
     a = ap.parse_args(argv)
     try:
-        data = json.loads(a.results.read_text())
+        data = read_json(a.results)
         summary = data["summary"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"{a.results}: not a replay results file ({type(e).__name__}: {e})")

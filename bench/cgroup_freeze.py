@@ -1,6 +1,6 @@
 """Freeze, thaw and set_cores latency of the cgroup backend with N sibling commands.
 
-    sudo python bench/cgroup_freeze.py [--reps 50] [--siblings 1,4,16,64]
+    sudo python -m bench.cgroup_freeze [--reps 50] [--siblings 1,4,16,64]
 
 Each sibling is a `sleep` in its own command cgroup under a private root (krex-bench-<id>/ below
 the mount root, with the v1 cpuset twin on hybrid hosts), removed afterwards. One "enter" is what a
@@ -15,16 +15,15 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from krex_async.isolation.cgroup import CgroupBackend  # noqa: E402
-from krex_async.isolation.cgroupfs import CgroupFS, cgroup_mounts  # noqa: E402
-from krex_async.isolation.intent import sweep  # noqa: E402
+from bench.harness.stats import quantile
+from krex_async.isolation.cgroup import CgroupBackend
+from krex_async.isolation.cgroupfs import CgroupFS, cgroup_mounts
+from krex_async.isolation.intent import sweep
 
 
 def _private_root() -> tuple[str, str | None]:
@@ -47,15 +46,15 @@ def _private_root() -> tuple[str, str | None]:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] * 1e3
+    return quantile(xs, q, "round") * 1e3
 
 
 async def measure(n_siblings: int, reps: int) -> dict[str, float]:
     """p50/p99 in ms of freeze, thaw, set_cores (fence + restore) and enter for `n_siblings`."""
     v2, v1 = _private_root()
     b = CgroupBackend(root=v2, state_dir=tempfile.mkdtemp(prefix="krex-bench-"), cpuset_root=v1)
-    procs, groups = [], []
+    procs: list[subprocess.Popen[bytes]] = []
+    groups: list[Any] = []  # CgroupBackend's own groups
     try:
         for i in range(n_siblings):
             g = await b.create(f"s{i}")

@@ -1,7 +1,7 @@
 """The fleet: throughput from 1 to N nodes on the cpu device, and the fleet client's own cost per
 command against a direct Client.
 
-    python bench/fleet.py [--max-nodes 3] [--commands 36] [--region-ms 200] [--overhead 200]
+    python -m bench.fleet [--max-nodes 3] [--commands 36] [--region-ms 200] [--overhead 200]
                           [--json FILE]
 
 Throughput: for k = 1..max-nodes, a fresh local Ray cluster of k nodes (krex_async.fleet.local), each
@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import stats
+from bench.harness.output import write_json
+from krex_async.client.submit import Client
+from krex_async.fleet.local import LocalFleet
 
-from krex_async.client.submit import Client  # noqa: E402
-from krex_async.fleet.local import LocalFleet  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 HOLD = """
 import sys, time
@@ -50,8 +50,7 @@ def env() -> dict[str, str]:
 
 
 def quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return stats.quantile(xs, q, "rank")
 
 
 async def throughput(k: int, n: int, region_ms: float) -> dict[str, object]:
@@ -156,7 +155,7 @@ async def main() -> int:
         print(f"| {name} | {v['p50_ms']:.2f} | {v['p95_ms']:.2f} | {v['burst_per_s']:.1f} |")
     print(f"\nthe fleet adds {ov['overhead_p50_ms']:.2f} ms per command (p50)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"throughput": rows, "overhead": ov}, indent=2))
+        write_json(args.json, {"throughput": rows, "overhead": ov}, indent=2)
     return 0
 
 

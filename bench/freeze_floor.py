@@ -1,6 +1,6 @@
 """What the kernel's cgroup v2 freezer costs without krex: the floor under a region's freeze step.
 
-    python3 bench/freeze_floor.py --root /sys/fs/cgroup/krexbench [--groups 16] [--rounds 200]
+    python3 -m bench.freeze_floor --root /sys/fs/cgroup/krexbench [--groups 16] [--rounds 200]
 
 Creates N cgroups under --root, each with one sleeping process, then per round: writes 1 to every
 cgroup.freeze (timing the writes), spins reading every cgroup.events until all show `frozen 1`
@@ -12,7 +12,6 @@ shows as slow syscalls. Prints p50/p99 in microseconds; removes everything it ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -20,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from analysis import nearest_rank  # bench/ is sys.path[0] when run as a script
+from bench.harness.output import write_json
+from bench.harness.stats import quantile
 
 
 def write(path: str, data: bytes) -> None:
@@ -110,7 +110,7 @@ def main() -> int:
     row: dict[str, float] = {"groups": args.groups, "rounds": args.rounds}
     for name, xs in (("writes", t_write), ("frozen", t_frozen), ("thawed", t_thaw)):
         row[f"{name}_p50_us"] = statistics.median(xs) * us
-        row[f"{name}_p99_us"] = nearest_rank(xs, 0.99) * us
+        row[f"{name}_p99_us"] = quantile(xs, 0.99, "rank") * us
     row.update(null_syscall_us=null * us, events_read_us=ev * us)
     print(f"{'groups':>6} {'writes p50':>10} {'p99':>7} {'all frozen p50':>14} {'p99':>7} "
           f"{'thawed p50':>10} {'p99':>7} {'getppid':>8} {'events read':>11}   (us)")
@@ -118,9 +118,8 @@ def main() -> int:
           f"{row['frozen_p50_us']:>14.1f} {row['frozen_p99_us']:>7.1f} {row['thawed_p50_us']:>10.1f} "
           f"{row['thawed_p99_us']:>7.1f} {row['null_syscall_us']:>8.2f} {row['events_read_us']:>11.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"host": os.uname().nodename, "release": os.uname().release,
-                       "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row}, f, indent=1)
+        write_json(args.json, {"host": os.uname().nodename, "release": os.uname().release,
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row})
     return 0
 
 

@@ -1,6 +1,6 @@
 """The same dev jobs through krex's gateway under --policy region, command and shared.
 
-    python bench/gateway_jobs.py [--device auto|cpu|gpu] [--jobs 8] [--policies region,command,shared]
+    python -m bench.gateway_jobs [--device auto|cpu|gpu] [--jobs 8] [--policies region,command,shared]
                                  [--max-running 16] [--json FILE]
 
 Each job is what an agent's timing tool sends as an agate dev job: imports, a compile, a correctness
@@ -29,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness.output import write_json
+from bench.harness.stack import Stack
 
-from bench.gwstack import Stack  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 JOB = r'''
 import importlib.util, json, os, sys, time
@@ -171,7 +171,7 @@ async def main() -> int:
     distinct = {s["key"]: s for s in specs}
     alone: dict[object, float] = {}
     alone_wall = 0.0
-    st = Stack(tmp, "region", devices, 1)
+    st = Stack(["--devices", devices, "--log-level", "warning"], 1, policy="region", parent=tmp).start()
     try:
         for key, s in distinct.items():
             times = []
@@ -185,7 +185,8 @@ async def main() -> int:
     serial_s = sum(alone_wall / len(distinct) for _ in specs)  # one at a time, estimated
     rows = []
     for policy in args.policies.split(","):
-        st = Stack(tmp, policy, devices, args.max_running)
+        st = Stack(["--devices", devices, "--log-level", "warning"], args.max_running, policy=policy,
+                   parent=tmp).start()
         try:
             makespan, results = await submit_all(st, specs, tmp)
         finally:
@@ -213,9 +214,8 @@ async def main() -> int:
     print("\nalone (ms): " + ", ".join(f"{distinct[k].get('kernel', 'cpu')}"
                                        f"[{distinct[k]['n']}]={v:.4f}" for k, v in alone.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "alone_ms": {str(k): v for k, v
-                                                                              in alone.items()},
-                                               "rows": rows}, indent=1))
+        write_json(args.json, {"device": device, "alone_ms": {str(k): v for k, v in alone.items()},
+                               "rows": rows})
     return 0
 
 

@@ -1,7 +1,7 @@
 """On the GPU host: eval and profile jobs through the krex gateway with a real Atrex-Bench checkout
 and, where it is installed, a real ncu, sent as the Atrex client (tools/sandbox.py) sends them.
 
-    python bench/gateway_profile_check.py --atrex-bench-root PATH [--operator fused_add_rms_norm]
+    python -m bench.gateway_profile_check --atrex-bench-root PATH [--operator fused_add_rms_norm]
                                           [--shapes 2] [--deep] [--out DIR]
 
 Jobs: eval of the operator's reference as the candidate (every shape must pass); eval of a broken
@@ -10,7 +10,7 @@ job must still succeed with the failures, as the reference gateway reports it); 
 lock_clocks; then, with ncu, profiles at level sol (top_kernels 5) and survey, and with --deep a
 deep profile of the top kernel. Without ncu it says so and checks that profile answers 501 saying
 why. Writes OUT/gateway_profile_check.json (default $OUT, else ./out) and prints one line per job.
-As root the jobs run as `krexbench` (bench/gwstack.py): ncu then needs profiling rights for
+As root the jobs run as `krexbench` (bench/harness/stack.py): ncu then needs profiling rights for
 non-admin users (NVreg_RestrictProfilingToAdminUsers=0), which the output names if it is missing.
 """
 
@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness.output import write_json
+from bench.harness.stack import Stack
+from krex_async.gateway.profile import find_tool
 
-from bench.gwstack import Stack  # noqa: E402
-from krex_async.gateway.profile import find_tool  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BREAK = '''
 
@@ -111,7 +111,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         p for p in (str(copy / "src"), os.environ.get("PYTHONPATH", "")) if p)
     ncu = find_tool("ncu")
     report: dict[str, Any] = {"ncu": ncu, "operator": args.operator, "jobs": {}}
-    st = Stack(tmp, "region", "auto", 4, gateway_args=("--atrex-bench-root", str(copy)))
+    st = Stack(["--devices", "auto", "--log-level", "warning"], 4, policy="region",
+               gateway_args=("--atrex-bench-root", str(copy)), parent=tmp).start()
     try:
         async with st.client() as c:
             report["env"] = await c.env()
@@ -143,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           request(op_dir, reference, args.shapes, level="deep",
                                   kernel_regex=re.escape(sol[0]["name"][:200])))
     finally:
-        report["gateway_log"] = st.log()[-4000:]
+        report["gateway_log"] = st.gateway.tail(4000)
         st.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return report
@@ -180,14 +181,14 @@ def main() -> int:
     if not args.atrex_bench_root or not (root / "scripts" / "run_eval.py").is_file():
         print("no Atrex-Bench checkout: pass --atrex-bench-root (or set ATREX_BENCH_ROOT) to a "
               "checkout with scripts/run_eval.py; nothing was run", file=sys.stderr)
-        (out / "gateway_profile_check.json").write_text(json.dumps(
-            {"error": "no Atrex-Bench checkout", "ncu": find_tool("ncu")}))
+        write_json(out / "gateway_profile_check.json",
+                   {"error": "no Atrex-Bench checkout", "ncu": find_tool("ncu")}, indent=None)
         return 2
     if not (root / "data" / args.operator / "shapes.json").is_file():
         print(f"no operator {args.operator!r} under {root}/data", file=sys.stderr)
         return 2
     report = asyncio.run(run(args))
-    (out / "gateway_profile_check.json").write_text(json.dumps(report, indent=1, default=str))
+    write_json(out / "gateway_profile_check.json", report, default=str)
     bad = [n for n, j in report["jobs"].items() if j.get("summary", {}).get("status") != "succeeded"]
     print(f"wrote {out / 'gateway_profile_check.json'}; "
           f"{'all jobs succeeded' if not bad else 'not succeeded: ' + ', '.join(bad)}")

@@ -1,7 +1,7 @@
 """Generate an agent-like replay trace from a profile (bench/profiles/NAME.json), reproducibly.
 
-    python bench/gen_trace.py --profile default --sessions N --seed S -o trace.jsonl
-    python bench/gen_trace.py --profile default --suite kernelbench --suite-path ~/KernelBench -o kb.jsonl
+    python -m bench.gen_trace --profile default --sessions N --seed S -o trace.jsonl
+    python -m bench.gen_trace --profile default --suite kernelbench --suite-path ~/KernelBench -o kb.jsonl
 
 A profile's knobs are the published figures (see bench/README.md): `command_share`, the commands' share
 of a session's wall-clock, sets each think time from the expected length of the command after it;
@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_format import METHODS, VERSION, dump_lines, validate_line  # noqa: E402
+from bench.trace_format import METHODS, VERSION, dump_lines, validate_line
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.suite:
         if not a.suite_path:
             ap.error("--suite needs --suite-path")
-        import suites
+        from bench import suites
         levels = [int(x) for x in a.suite_levels.split(",") if x]
         suite_kernels = suites.suite_kernels(a.suite, a.suite_path, levels=levels,
                                              expected_ms=float(profile.get("suite_expected_ms", 1.0)))

@@ -1,9 +1,9 @@
 """Real agent jobs through a real `krex gateway` over a real `krex serve`, every policy in one run.
 
-    python bench/jobs.py --kernelbench ~/KernelBench [--atrex ~/atrex-bench] [--triton N]
+    python -m bench.jobs --kernelbench ~/KernelBench [--atrex ~/atrex-bench] [--triton N]
                          [--set tiny|default|large] [--width 8] [--variants NAME:ARGS ...]
-                         [--device auto|gpu|cpu] [--out results/jobs.json]
-    python -m bench.jobs ...                                    # the same
+                         [--device auto|gpu|cpu] [--out results/jobs.json] [--alone-rounds 2]
+                         [--command-jobs distinct|all] [--budget-s 540]
 
 What it measures: what an agent gets. Each job (bench/workload/job.py) is a dev job as an agent's
 tool submits it: upload, `python job.py spec.json`, imports, inputs, a check against the reference,
@@ -12,15 +12,19 @@ as an auto-region; Triton and Atrex: do_bench, an auto-region). All jobs of a se
 gateway runs `--width` of them at a time, no pacing: each phase does its real work and nothing else,
 so a frozen import simply ends later. Per variant (a `krex serve` configuration: `NAME:ARGS`, the
 policy from --policy in ARGS or the name's first word) a fresh daemon and gateway; alone rounds
-(each distinct job alone, in one process per device kind) before, between and after the variants
-give the timing baseline and its own spread.
+(each distinct job alone, in one process per device kind) before the first variant and after the
+last (more are spread between) give the timing baseline and its own spread. `command`, the serial
+baseline, runs one copy of each distinct job by default. A default run budgets itself to one
+10-minute accelerator call: each pass is planned from the passes measured so far and skipped when
+it would not end, with the last alone round, within --budget-s.
 
 What could hide a cost: jobs/min counts only jobs that succeeded (failures are listed); the alone
-rounds share one process's imports (their phase times are not an agent's); the ideal of each
-variant is not computed here (bench/replay.py does that for traces).
+rounds share one process's imports (their phase times are not an agent's); command's jobs/min comes
+from the distinct jobs only (the table says so; --command-jobs all for the whole set); the ideal of
+each variant is not computed here (bench.replay does that for traces).
 
 The JSON (written after every pass) holds every job's result line, regions and krex fields; the
-table and plots come from bench/jobs_report.py (`python bench/jobs_report.py FILE` again later).
+table and plots come from bench/jobs_report.py (`python -m bench.jobs_report FILE` again later).
 """
 
 from __future__ import annotations
@@ -30,27 +34,20 @@ import asyncio
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
-import jobs_report  # noqa: E402
-import jobs_sets  # noqa: E402
-from gwstack import ensure_job_user, job_python  # noqa: E402
-from replay import Daemon, Progress  # noqa: E402
+from bench import jobs_report, jobs_sets
+from bench.harness.output import Progress, write_json
+from bench.harness.stack import ROOT, Stack, bench_env
 
 POLICIES = ("region", "command", "shared")
 GATEWAY_MAX_TIMEOUT_S = 600.0  # krex gateway's default --max-timeout
+DEFAULT_BUDGET_S = 540.0  # a 10-minute accelerator call less start-up (serve --help, torch) and report
 
 
 @dataclass
@@ -93,93 +90,13 @@ def default_variants(serve_help: str, device: str) -> list[str]:
     return out + ["shared", "command"]
 
 
-def gateway_token(state: Path, explicit: str | None) -> str | None:
-    """The bearer token to send: --gateway-token(-file), $KREX_GATEWAY_TOKEN, a "token" in the
-    gateway's gateway.json, or the first file named *token* in its state dir."""
-    if explicit:
-        return explicit
-    if os.environ.get("KREX_GATEWAY_TOKEN"):
-        return os.environ["KREX_GATEWAY_TOKEN"]
-    try:
-        info = json.loads((state / "gateway.json").read_text())
-        if info.get("token"):
-            return str(info["token"])
-    except (OSError, ValueError):
-        pass
-    for p in sorted(state.glob("*token*")):
-        if p.is_file():
-            return p.read_text().strip() or None
-    return None
-
-
-class Stack:
-    """A daemon (replay.Daemon) and `krex gateway` over it, in a temporary directory; `async with`
-    starts both and waits for the gateway's URL, leaving stops the gateway, then the daemon."""
-
-    def __init__(self, v: Variant, a: argparse.Namespace, width: int, logdir: Path) -> None:
-        self.v, self.a, self.width, self.logdir = v, a, width, logdir
-        # As root, jobs run as a node runs them (bench/gwstack.py): an unprivileged user in the
-        # daemon's socket group, so the regions inside them reach the daemon; never as root.
-        self.user = ensure_job_user()
-        group = ["--socket-group", self.user] if self.user else []
-        if self.user and any(x.startswith("--pool-size") for x in v.args):
-            group += ["--pool-user", self.user]  # a pool serves its own user's jobs only
-        self.daemon = Daemon(v.policy, a.python, strip_policy(v.args) + a.daemon_devices + group,
-                             logdir / f"daemon-{v.name}.log")
-        self.dir = Path(tempfile.mkdtemp(prefix=f"krex-jobs-{v.name}-", dir="/tmp"))
-        if self.user:
-            for d in (self.dir, Path(self.daemon.dir)):
-                d.chmod(0o711)  # the jobs' user passes through to its job directory and the socket
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url: str = ""
-        self.token: str | None = None
-
-    async def __aenter__(self) -> Stack:
-        try:
-            await self.daemon.__aenter__()
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
-        try:
-            state = self.dir / "gw"
-            # The jobs inherit it: this package and this interpreter's packages (msgspec for regions).
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-                str(ROOT), sysconfig.get_paths()["purelib"], os.environ.get("PYTHONPATH")])))
-            env.pop("KREX_SOCKET", None)
-            run_as = ["--run-as", self.user, "--job-python", job_python(self.user)] if self.user else []
-            log = open(self.logdir / f"gateway-{self.v.name}.log", "wb")
-            self.proc = subprocess.Popen(
-                [self.a.python, "-m", "krex_async", "gateway", "--listen", "127.0.0.1:0",
-                 "--state-dir", str(state), "--socket", self.daemon.socket,
-                 "--max-running", str(self.width), *run_as, *self.a.gateway_arg],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
-            log.close()
-            deadline = time.monotonic() + 60
-            while not (state / "gateway.json").exists():
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("gateway did not start: " + (
-                        self.logdir / f"gateway-{self.v.name}.log").read_text()[-2000:])
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.05)
-            self.url = json.loads((state / "gateway.json").read_text())["url"]
-            self.token = gateway_token(state, self.a.gateway_token)
-            return self
-        except BaseException:
-            await self.__aexit__()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        try:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    await asyncio.to_thread(self.proc.wait, 20)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    await asyncio.to_thread(self.proc.wait)
-        finally:
-            await self.daemon.__aexit__()
-            shutil.rmtree(self.dir, ignore_errors=True)  # the jobs' files; logs are in logdir
+def stack(v: Variant, a: argparse.Namespace, width: int) -> Stack:
+    """The variant's daemon (JSON logs) and a gateway `width` wide over it, logs in a.logdir; as
+    root, jobs run as a node runs them (harness.stack: an unprivileged user in the daemon's socket
+    group, so the regions inside them reach the daemon), never as root."""
+    return Stack(["--log-format", "json", *strip_policy(v.args), *a.daemon_devices], width,
+                 policy=v.policy, gateway_args=a.gateway_arg, python=a.python, logdir=a.logdir,
+                 name=v.name, token=a.gateway_token, prefix="krex-jobs-")
 
 
 def strip_policy(args: list[str]) -> list[str]:
@@ -206,13 +123,13 @@ def parse_lines(stdout: str) -> list[dict[str, Any]]:
     return out
 
 
-async def submit(stack: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
+async def submit(st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
                  prog: Progress) -> tuple[float, list[dict[str, Any]]]:
     """Submit every group (one job each: a single spec, or a batch) at once and wait for all.
     Returns (makespan s, records); a failed job is a record with ok False, never an exception."""
     from krex_async.gateway.client import GatewayClient
     env = {"TRITON_CACHE_DIR": ".triton-cache", "TORCHINDUCTOR_CACHE_DIR": ".inductor-cache"}
-    async with GatewayClient(stack.url, stack.token, timeout=timeout_s + 120) as gw:
+    async with GatewayClient(st.url, st.token, timeout=timeout_s + 120) as gw:
         t0 = time.monotonic()
 
         async def one(group: list[jobs_sets.Job]) -> dict[str, Any]:
@@ -250,20 +167,33 @@ async def submit(stack: Stack, groups: list[list[jobs_sets.Job]], timeout_s: flo
     return time.monotonic() - t0, list(recs)
 
 
+def pass_jobs(v: Variant, jobs: list[jobs_sets.Job], command_jobs: str) -> list[jobs_sets.Job]:
+    """The jobs a variant's pass submits: the whole set, except `command` under --command-jobs
+    distinct: one copy of each distinct job. It is the serial baseline (its makespan is the sum of
+    its jobs), so a second copy doubles its time and changes its jobs/min only by the noise."""
+    if v.policy == "command" and command_jobs == "distinct":
+        return jobs_sets.distinct(jobs)
+    return jobs
+
+
 async def run_pass(v: Variant, jobs: list[jobs_sets.Job], a: argparse.Namespace) -> dict[str, Any]:
-    prog = Progress(v.name, len(jobs))
+    todo = pass_jobs(v, jobs, a.command_jobs)
+    prog = Progress(v.name, len(todo))
     t = time.monotonic()
     try:
-        async with Stack(v, a, a.width, a.logdir) as st:
+        async with stack(v, a, a.width) as st:
             warm_s = await pool_warm(st.daemon.socket, a.pool_warm_s)
-            makespan, recs = await submit(st, [[j] for j in jobs_sets.fresh_tags(jobs, v.name)],
+            makespan, recs = await submit(st, [[j] for j in jobs_sets.fresh_tags(todo, v.name)],
                                           a.job_timeout, prog)
     except RuntimeError as e:  # the daemon or gateway refused this configuration
         return {"variant": v.name, "policy": v.policy, "args": v.args, "error": str(e)[-3000:],
-                "jobs": []}
+                "jobs": [], "wall_s": time.monotonic() - t}
     prog.show(final=True)
-    return {"variant": v.name, "policy": v.policy, "args": v.args, "makespan_s": makespan,
-            "wall_s": time.monotonic() - t, "pool_warm_s": warm_s, "jobs": recs}
+    out = {"variant": v.name, "policy": v.policy, "args": v.args, "makespan_s": makespan,
+           "wall_s": time.monotonic() - t, "pool_warm_s": warm_s, "jobs": recs}
+    if len(todo) < len(jobs):
+        out["subset"] = {"rule": "distinct", "jobs": len(todo), "of": len(jobs)}
+    return out
 
 
 async def pool_warm(socket: str, limit: float) -> float | None:
@@ -288,29 +218,79 @@ async def run_alone(jobs: list[jobs_sets.Job], a: argparse.Namespace, name: str)
     batches = jobs_sets.alone_batches(jobs)
     prog = Progress(name, len(batches))
     recs = []
-    async with Stack(Variant(name, "command", []), a, 1, a.logdir) as st:
+    t = time.monotonic()
+    async with stack(Variant(name, "command", []), a, 1) as st:
         for b in batches:
             # a batch's timeout: its jobs' together, within what the gateway accepts
             _, (rec,) = await submit(st, [jobs_sets.fresh_tags(b, name)],
                                      min(GATEWAY_MAX_TIMEOUT_S, a.job_timeout * len(b)), prog)
             recs.append(rec)
     prog.show(final=True)
-    return {"round": name, "jobs": recs}
+    return {"round": name, "jobs": recs, "wall_s": time.monotonic() - t}
 
 
-def estimate_s(v: Variant, data: dict[str, Any], n_jobs: int, width: int) -> float:
-    """A rough duration of a pass from the alone rounds so far: serial under command, else the
-    jobs spread over the width (imports dominate: one alone job's import plus its work)."""
-    per = jobs_report.alone_job_seconds(data)
-    total = per * n_jobs
-    return total if v.policy == "command" else total / width * 1.5 + 10
+# What a pass costs besides its jobs: a daemon and a gateway started and stopped (measured from
+# the passes so far once there are any) and, per job under command, its process and upload.
+STACK_S = 10.0
+JOB_OVERHEAD_S = 1.0
+CONCURRENT_SLACK = 1.5  # a concurrent pass against its jobs' alone seconds spread over the width
 
 
-def write(out: Path, data: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out)
+def alone_slots(n_variants: int, rounds: int) -> set[int]:
+    """Before which variants (index; n_variants: after the last) the alone rounds run: the first
+    before the first variant, the last after the last, the others spread between."""
+    if rounds <= 1:
+        return {0}
+    return {0, n_variants} | {round(n_variants * k / (rounds - 1)) for k in range(1, rounds - 1)}
+
+
+def stack_seconds(data: dict[str, Any]) -> float:
+    """A stack's start and stop as measured so far (a pass's wall time beyond its makespan and pool
+    warm-up), STACK_S before any pass."""
+    xs = [p["wall_s"] - p["makespan_s"] - (p.get("pool_warm_s") or 0.0)
+          for p in data["passes"].values() if p.get("makespan_s") is not None and "wall_s" in p]
+    return max(xs, default=STACK_S)
+
+
+def estimate_s(v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], width: int,
+               command_jobs: str = "distinct") -> float:
+    """How long the variant's pass will take, from what this run has measured: a concurrent pass
+    as long as the slowest concurrent pass so far (the same set at the same width), else its jobs'
+    alone seconds spread over the width; a command pass the sum of its jobs' alone seconds (each
+    job its own import: serial) plus a process each. Both plus a stack's start and stop."""
+    todo = pass_jobs(v, jobs, command_jobs)
+    per = jobs_report.alone_seconds_by_key(data)
+    fallback = jobs_report.alone_job_seconds(data)
+    work = sum(per.get(j.key, fallback) for j in todo)
+    if v.policy == "command":
+        return work + JOB_OVERHEAD_S * len(todo) + stack_seconds(data)
+    seen = [p["wall_s"] for p in data["passes"].values()
+            if p.get("makespan_s") is not None and p["policy"] != "command" and "subset" not in p]
+    if seen:
+        return max(seen)
+    return work / width * CONCURRENT_SLACK + stack_seconds(data)
+
+
+def alone_reserve_s(data: dict[str, Any]) -> float:
+    """Room kept for the last alone round: the longest measured so far, plus 10%."""
+    xs = [rnd["wall_s"] for rnd in data["alone"] if "wall_s" in rnd]
+    return 1.1 * max(xs) if xs else jobs_report.alone_round_seconds(data)
+
+
+def plan_variant(v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], a: argparse.Namespace,
+                 elapsed: float, last_round_pending: bool) -> str | None:
+    """Why the variant is skipped under --budget-s (None: it runs): its estimate, and the last alone
+    round still to come, would not end within the budget."""
+    if not a.budget_s:
+        return None
+    need = estimate_s(v, data, jobs, a.width, a.command_jobs)
+    reserve = alone_reserve_s(data) if last_round_pending else 0.0
+    left = a.budget_s - elapsed
+    if need + reserve <= left:
+        return None
+    return (f"budget: about {need:.0f} s needed, {left - reserve:.0f} s left "
+            f"({reserve:.0f} s kept for the last alone round)" if reserve else
+            f"budget: about {need:.0f} s needed, {left:.0f} s left")
 
 
 async def run(a: argparse.Namespace, variants: list[Variant], jobs: list[jobs_sets.Job]) -> dict[str, Any]:
@@ -320,30 +300,27 @@ async def run(a: argparse.Namespace, variants: list[Variant], jobs: list[jobs_se
                    "variants": [vars(v) for v in variants], "jobs": len(jobs),
                    "keys": sorted({j.key for j in jobs}), "gateway_args": a.gateway_arg,
                    "alone_rounds": a.alone_rounds, "budget_s": a.budget_s,
+                   "command_jobs": a.command_jobs,
                    "started_at": time.time(), "host": os.uname().nodename},
         "alone": [], "passes": {}, "skipped": {}}
-    # alone rounds before, between and after the variants
-    slots = {0, len(variants)} | {round(len(variants) * k / (a.alone_rounds - 1))
-                                  for k in range(1, a.alone_rounds - 1)} if a.alone_rounds > 1 else {0}
+    slots = alone_slots(len(variants), a.alone_rounds)
     for i in range(len(variants) + 1):
         if i in slots:
             data["alone"].append(await run_alone(jobs, a, f"alone-{len(data['alone']) + 1}"))
-            write(a.out, data)
+            write_json(a.out, data)
         if i == len(variants):
             break
         v = variants[i]
-        left = a.budget_s - (time.monotonic() - t0) if a.budget_s else None
-        reserve = jobs_report.alone_round_seconds(data) if len(variants) in slots else 0.0
-        if left is not None and estimate_s(v, data, len(jobs), a.width) + reserve > left:
-            data["skipped"][v.name] = (f"budget: about {estimate_s(v, data, len(jobs), a.width):.0f} s "
-                                       f"needed, {left - reserve:.0f} s left")
-            print(f"[{v.name}] skipped: {data['skipped'][v.name]}", file=sys.stderr)
+        why = plan_variant(v, data, jobs, a, time.monotonic() - t0, len(variants) in slots)
+        if why:
+            data["skipped"][v.name] = why
+            print(f"[{v.name}] skipped: {why}", file=sys.stderr)
             continue
         data["passes"][v.name] = await run_pass(v, jobs, a)
-        write(a.out, data)
+        write_json(a.out, data)
     data["config"]["ended_at"] = time.time()
     data["summary"] = jobs_report.summarise(data)
-    write(a.out, data)
+    write_json(a.out, data)
     return data
 
 
@@ -362,7 +339,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", nargs="+", default=None, metavar="NAME:ARGS",
                     help="daemon variants, each NAME[:krex serve args] (default: region in each "
                          "freeze/hold mode this daemon offers, the pool on a GPU, shared, command)")
-    ap.add_argument("--alone-rounds", type=int, default=3, help="alone rounds (before, between, after)")
+    ap.add_argument("--alone-rounds", type=int, default=2,
+                    help="alone rounds: the first before the variants, the last after, any others "
+                         "between (default 2)")
+    ap.add_argument("--command-jobs", choices=["distinct", "all"], default="distinct",
+                    help="the command variant's jobs: one copy of each distinct job (default: it is "
+                         "the serial baseline, and its jobs/min is measured on them) or the whole set")
     ap.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="an argument every daemon gets (repeatable, e.g. --daemon-arg=--probes=off)")
@@ -375,14 +357,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds a pooled variant may take to warm its pool before the jobs (not "
                          "counted in the makespan: a node's pool is warm before an agent's burst)")
     ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds per job")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="skip a variant that would not end (with the last alone round) in time")
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                    help="skip a variant whose estimated pass (from the phases measured so far), with "
+                         "the last alone round, would not end within S seconds of the start "
+                         f"(default {DEFAULT_BUDGET_S:.0f}: one 10-minute accelerator call with room "
+                         "for start-up and the report; 0: no budget)")
     ap.add_argument("--python", default=sys.executable, help="interpreter of daemon, gateway, jobs")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "jobs.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "jobs.json")
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
-    if a.width < 1 or a.alone_rounds < 1 or a.job_timeout <= 0:
-        ap.error("--width, --alone-rounds and --job-timeout must be positive")
+    if a.width < 1 or a.alone_rounds < 1 or a.job_timeout <= 0 or (a.budget_s or 0) < 0:
+        ap.error("--width, --alone-rounds and --job-timeout must be positive, --budget-s not negative")
     if a.job_timeout > GATEWAY_MAX_TIMEOUT_S:
         ap.error(f"--job-timeout: the gateway accepts at most {GATEWAY_MAX_TIMEOUT_S:.0f} s")
     try:
@@ -416,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     helptext = subprocess.run([a.python, "-m", "krex_async", "serve", "--help"], capture_output=True,
                               text=True, cwd=str(ROOT), timeout=60,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))).stdout
+                              env=bench_env()).stdout
     try:
         variants = [parse_variant(t) for t in (a.variants or default_variants(helptext, a.device))]
         if len({v.name for v in variants}) != len(variants):

@@ -1,6 +1,6 @@
 """What a bench/jobs.py run means: throughput, phases, regions, pool, strays and timing inflation.
 
-    python bench/jobs_report.py results/jobs.json [--plots]
+    python -m bench.jobs_report results/jobs.json [--plots]
 
 Pure functions over the JSON jobs.py writes, so the table can be made again from a results file.
 Inflation: each key's alone baseline is the median over the alone rounds of that round's median (and
@@ -12,16 +12,15 @@ changes nothing would show.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analysis import pct  # noqa: E402
-from trace_format import BUCKETS, OTHER_BUCKET, bucket_of  # noqa: E402
+from bench.harness.output import pyplot, read_json, results_stem
+from bench.harness.stats import pct
+from bench.trace_format import BUCKETS, OTHER_BUCKET, bucket_of
 
 # The issue's goals (issue 21), KernelBench set, 8 at once.
 GOAL_VS_SHARED = 0.95
@@ -41,6 +40,16 @@ def alone_job_seconds(data: dict[str, Any]) -> float:
     before any round has run."""
     xs = [sum(ln["phases_s"].values()) for rnd in data["alone"] for ln in lines_of(rnd["jobs"])]
     return statistics.median(xs) if xs else 10.0
+
+
+def alone_seconds_by_key(data: dict[str, Any]) -> dict[str, float]:
+    """Each key's seconds alone as its own job would spend them (the round's import plus its own
+    phases), median over the alone rounds."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for rnd in data["alone"]:
+        for ln in lines_of(rnd["jobs"]):
+            by[ln["key"]].append(sum(ln["phases_s"].values()))
+    return {k: statistics.median(v) for k, v in by.items()}
 
 
 def alone_round_seconds(data: dict[str, Any]) -> float:
@@ -155,7 +164,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
             "ok": len(ok),
             "failed": [{"keys": r["keys"], "status": r.get("status"), "error": r.get("error"),
                         "stderr_tail": (r.get("stderr_tail") or "")[-300:]} for r in recs if not r.get("ok")],
-            "makespan_s": p.get("makespan_s"),
+            "makespan_s": p.get("makespan_s"), "subset": p.get("subset"),
             "jobs_per_min": 60.0 * len(ok) / p["makespan_s"] if p.get("makespan_s") else None,
             "phases_p50_s": phase_medians(lines), "phases_p50_s_by_kind": by_kind,
             "routes": dict(Counter(ln.get("route", "") for ln in lines)),
@@ -214,6 +223,10 @@ def table(s: dict[str, Any]) -> str:
         out.append(f"{k:<12} {x['policy']:<8} {str(x['ok']) + '/' + str(x['jobs']):>8} "
                    f"{_f(x['makespan_s'], '10.1f')} {_f(x['jobs_per_min'], '9.1f')} "
                    f"{_f(r.get('vs_command'), '10.2f')} {_f(r.get('vs_shared'), '9.2f')} {x['pooled']:>6}")
+        if x.get("subset"):
+            sub = x["subset"]
+            out.append(f"  {k} ran {sub['jobs']} of the {sub['of']} jobs, one of each distinct job "
+                       "(--command-jobs distinct): its jobs/min is measured on them")
         if x["error"]:
             out.append(f"  {k} did not run: {x['error'].splitlines()[-1][:150]}")
     for k, why in s["skipped"].items():
@@ -263,12 +276,9 @@ def table(s: dict[str, Any]) -> str:
 
 def plot_or_say(data: dict[str, Any], outdir: Path, stem: str) -> str:
     """PNGs of jobs/min and makespan per variant and phase medians; a message without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plots: skipped (matplotlib is not importable here; run jobs_report.py --plots elsewhere)"
+    plt = pyplot()
+    if plt is None:
+        return "plots: skipped (matplotlib is not importable here; run bench.jobs_report --plots elsewhere)"
     s = data["summary"]["variants"]
     names = [k for k in s if s[k]["jobs_per_min"]]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
@@ -301,17 +311,17 @@ def plot_or_say(data: dict[str, Any], outdir: Path, stem: str) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: jobs_report.py RESULTS.json [--plots]", file=sys.stderr)
+        print("usage: python -m bench.jobs_report RESULTS.json[.gz] [--plots]", file=sys.stderr)
         return 2
     try:
-        data = json.loads(Path(argv[1]).read_text())
+        data = read_json(argv[1])
     except (OSError, ValueError) as e:
         print(f"jobs_report: {argv[1]}: {e}", file=sys.stderr)
         return 2
     data["summary"] = summarise(data)
     print(table(data["summary"]))
     if "--plots" in argv:
-        print(plot_or_say(data, Path(argv[1]).parent, Path(argv[1]).stem))
+        print(plot_or_say(data, Path(argv[1]).parent, results_stem(argv[1])))
     return 0
 
 

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import suites
+from bench import suites
 
 HERE = Path(__file__).resolve().parent
 JOB_SCRIPT = HERE / "workload" / "job.py"
 JOB_MODULES = ("jobutil.py", "job_kb.py")  # uploaded beside job.py
+# The harness's quantiles, uploaded beside them under a name no agent's module has: the job's
+# medians and p95s come from the same implementation as every other figure.
+STATS_MODULE = ("bench_stats.py", HERE / "harness" / "stats.py")
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ def files_for(specs: list[dict[str, Any]], extra: list[dict[str, str]]) -> dict[
     files = {"job.py": JOB_SCRIPT.read_text(encoding="utf-8")}
     for name in JOB_MODULES:
         files[name] = (JOB_SCRIPT.parent / name).read_text(encoding="utf-8")
+    files[STATS_MODULE[0]] = STATS_MODULE[1].read_text(encoding="utf-8")
     out = []
     for i, (spec, own) in enumerate(zip(specs, extra)):
         spec = dict(spec)
@@ -158,13 +162,18 @@ def files_for(specs: list[dict[str, Any]], extra: list[dict[str, str]]) -> dict[
     return files
 
 
-def alone_batches(jobs: list[Job]) -> list[list[Job]]:
-    """One job per distinct key, grouped by device kind so each group runs in one process (the
-    imports once, then each problem alone in turn)."""
+def distinct(jobs: list[Job]) -> list[Job]:
+    """The first job of each distinct key, in the set's order."""
     seen: dict[str, Job] = {}
     for j in jobs:
         seen.setdefault(j.key, j)
+    return list(seen.values())
+
+
+def alone_batches(jobs: list[Job]) -> list[list[Job]]:
+    """One job per distinct key, grouped by device kind so each group runs in one process (the
+    imports once, then each problem alone in turn)."""
     groups: dict[str, list[Job]] = {}
-    for j in seen.values():
+    for j in distinct(jobs):
         groups.setdefault("gpu" if j.spec.get("device") == "gpu" else j.spec["kind"], []).append(j)
     return list(groups.values())

@@ -1,7 +1,7 @@
 """PNG plots of a replay's results file: throughput by policy, and the CDF of timing inflation per
 bucket (one panel per bucket, one line per policy).
 
-    python bench/plot.py bench/results/NAME.json [--outdir DIR]
+    python -m bench.plot bench/results/NAME.json [--outdir DIR]
 
 The inflation axis is symmetric-log (linear within +-1%, logarithmic beyond): the unprotected
 `shared` policy runs to +200-350% while `region` and `command` stay within a few percent, and on a
@@ -14,13 +14,12 @@ JSON). Exits 2 with a message when matplotlib is missing; figures are closed aft
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_format import BUCKETS, OTHER_BUCKET  # noqa: E402
+from bench.harness.output import pyplot, read_json, results_stem
+from bench.trace_format import BUCKETS, OTHER_BUCKET
 
 COLORS = {"region": "tab:green", "command": "tab:blue", "shared": "tab:red"}
 LINTHRESH_PCT = 1.0  # the inflation axis is linear within +-1%, logarithmic beyond
@@ -32,10 +31,10 @@ def _pct_label(x: float, _pos: object = None) -> str:
 
 def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
     """Write the PNGs; returns their paths. Raises ImportError without matplotlib."""
-    import matplotlib
+    plt = pyplot()
+    if plt is None:
+        raise ImportError("matplotlib is not importable")
     import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     s = data["summary"]
     outdir.mkdir(parents=True, exist_ok=True)
@@ -94,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outdir", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
-        data = json.loads(a.results.read_text())
+        data = read_json(a.results)
     except (OSError, ValueError) as e:
         ap.error(f"{a.results}: {e}")
     try:
-        paths = plot(data, a.outdir or a.results.parent, a.results.stem)
+        paths = plot(data, a.outdir or a.results.parent, results_stem(a.results))
     except ImportError:
         print("plot.py needs matplotlib (pip install matplotlib); the JSON has every number", file=sys.stderr)
         return 2

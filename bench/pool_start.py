@@ -1,8 +1,8 @@
 """Start latency through the ctxpool vs a plain process: submit to the script's first instruction with a
 live context, for 1 and for N commands started together.
 
-    python bench/pool_start.py --device cuda [--together 1,16] [--rounds 5] [--json FILE]
-    python bench/pool_start.py --device cpu
+    python -m bench.pool_start --device cuda [--together 1,16] [--rounds 5] [--json FILE]
+    python -m bench.pool_start --device cpu
 
 By default it runs standalone: it drives a Pool directly for the pooled path and
 krex_async.linux.spawn.spawn() for the plain one. With --daemon it goes end to end instead: a real daemon
@@ -23,18 +23,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import sys
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness.output import write_json
+from bench.harness.stack import Daemon, bench_env
+from bench.harness.stats import pct_or_nan
+from krex_async.ctxpool import Pool, PoolConfig
+from krex_async.devices.base import Device
+from krex_async.linux.spawn import LaunchSpec, spawn
 
-from krex_async.ctxpool import Pool, PoolConfig  # noqa: E402
-from krex_async.devices.base import Device  # noqa: E402
-from krex_async.linux.spawn import LaunchSpec, spawn  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STAMP = "import time, os; os.write(1, repr(time.monotonic()).encode())"
 
@@ -47,8 +48,7 @@ def workload(device: str) -> tuple[list[str], str]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    return pct_or_nan(xs, q, "rank")
 
 
 async def one_batch(n: int, code: str, pool: Pool | None) -> tuple[list[float], list[float]]:
@@ -84,29 +84,15 @@ async def daemon_batches(counts: list[int], rounds: int, code: str, preload: lis
                          pooled: bool, extra: list[str]) -> dict[int, list[float]]:
     """Through a real daemon: for each N, `rounds` batches of N commands submitted at once over
     one connection each; latency = the command's stamp - the time just before its submit."""
-    import shutil
-    import subprocess
-    import tempfile
-
     from krex_async import Client
-    d = tempfile.mkdtemp(prefix="krexps-", dir="/tmp")
-    sock = os.path.join(d, "s")
     size = max(counts) if pooled else 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    argv = [sys.executable, "-m", "krex_async", "serve", "--socket", sock, "--state-dir",
-            os.path.join(d, "state"), "--probes", "off", "--pool-size", str(size), *extra]
+    env = bench_env()
+    args = ["--probes", "off", "--pool-size", str(size), *extra]
     if pooled:
-        argv += ["--pool-preload", ",".join(preload)]
-    log = open(os.path.join(d, "daemon.log"), "wb")
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        args += ["--pool-preload", ",".join(preload)]
     out: dict[int, list[float]] = {}
-    try:
-        for _ in range(600):
-            if os.path.exists(sock):
-                break
-            if proc.poll() is not None:
-                raise SystemExit(open(log.name).read())
-            await asyncio.sleep(0.05)
+    async with Daemon(args, prefix="krexps-") as d:
+        sock = d.socket
         clients = [await Client.connect(sock) for _ in range(max(counts))]
 
         async def warm() -> None:
@@ -131,14 +117,6 @@ async def daemon_batches(counts: list[int], rounds: int, code: str, preload: lis
                 out[n] += await asyncio.gather(*(one(c) for c in clients[:n]))
         for c in clients:
             await c.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        shutil.rmtree(d, ignore_errors=True)
     return out
 
 
@@ -211,8 +189,7 @@ def verdict(args: argparse.Namespace, counts: list[int], results: dict[str, Any]
     if args.goal is not None:
         print(f"goal {args.goal}x at N={max(counts)}: {'met' if ok else 'MISSED'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**about, "results": results}, f, indent=1)
+        write_json(args.json, {**about, "results": results})
     return 0 if ok else 1
 
 

@@ -1,13 +1,13 @@
 """What the probes cost: ioctl cost and launch rate with probes off, ioctl probes, launch probes.
 
-    sudo python bench/probe_overhead.py            # CPU part (here): ioctl cost, fake-launch cost,
+    sudo python -m bench.probe_overhead            # CPU part (here): ioctl cost, fake-launch cost,
                                                    # lost events at 100k ioctl/s, and a flood
-    sudo python bench/probe_overhead.py --gpu      # GPU part (accelerator): host ns per torch launch
+    sudo python -m bench.probe_overhead --gpu      # GPU part (accelerator): host ns per torch launch
     options: --reps N (interleaved repetitions per mode; --gpu: blocks), --bursts B (--gpu: bursts
              per mode per block), --launches L (--gpu: per burst), --json FILE, --rate R --seconds S (loss),
              --flood N (ioctls at full speed, 0: skip), --loss-only (skip the cost part),
              --gpu-modes M,M (--gpu: which modes, default off,ioctl,launch-all,launch-outsiders)
-    sudo python bench/probe_overhead.py --uprobe-anatomy   # why a launch uprobe costs what it does
+    sudo python -m bench.probe_overhead --uprobe-anatomy   # why a launch uprobe costs what it does
 
 Launch probe modes and their scope (`krex serve --launch-scope`, probes/launches.py):
 - `launch probes` (GPU mode `launch-all`): scope all, uprobes on the library file, as before: the timed
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -55,13 +54,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from krex_async.probes import CombinedProbe  # noqa: E402
-from krex_async.probes.bpf_ioctl import IoctlProbe  # noqa: E402
-from krex_async.probes.launches import LaunchProbe, find_libraries  # noqa: E402
+from bench.harness.output import write_json
+from bench.harness.stack import Daemon, bench_env
+from krex_async.probes import CombinedProbe
+from krex_async.probes.bpf_ioctl import IoctlProbe
+from krex_async.probes.launches import LaunchProbe, find_libraries
 
 C_SRC = r"""
 #include <fcntl.h>
@@ -210,7 +209,7 @@ class Running:
         self.loop = asyncio.new_event_loop()
         self.events = 0
 
-    def __enter__(self) -> Running:
+    def __enter__(self) -> Self:
         if self.probe is not None:
             self.probe.start(self.loop, self._on)
         return self
@@ -290,8 +289,8 @@ def cpu_part(reps: int, tmp: str) -> list[dict[str, Any]]:
                                "ioctl_ns": statistics.median(v["ioctl_ns"]),
                                "fake_launch_ns": statistics.median(v["launch_ns"])}
         if counted[m]:
-            want, seen = map(sum, zip(*counted[m]))
-            row["launches_counted"] = f"{seen} (expected {want})"
+            want, n_seen = map(sum, zip(*counted[m]))
+            row["launches_counted"] = f"{n_seen} (expected {want})"
         rows.append(row)
     return rows
 
@@ -372,22 +371,11 @@ def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[
     from krex_async import Client
 
     w, dev = f"{tmp}/w", f"{tmp}/null0"
-    sock = f"{tmp}/s"
     Path(tmp, "owner.py").write_text(OWNER)
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("KREX_SOCKET", None)
-    log = open(f"{tmp}/daemon.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", sock,
-                             "--isolation", "signal", "--probes", "ioctl", "--probe-prefixes",
-                             tmp + "/", "--state-dir", f"{tmp}/state", "--log-format", "json"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        end = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("daemon did not start: " + Path(f"{tmp}/daemon.log").read_text())
-            time.sleep(0.05)
+    env = bench_env()
+    with Daemon(["--isolation", "signal", "--probes", "ioctl", "--probe-prefixes", tmp + "/",
+                 "--log-format", "json"], log=Path(tmp) / "daemon.log", parent=tmp, grace=15.0) as d:
+        sock = d.socket
 
         async def go() -> Any:
             async with await Client.connect(sock) as c:
@@ -395,10 +383,6 @@ def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[
                                    str(int(rate * seconds)), str(rate), str(flood)], env=env)
                 return res, (await c.status()).get("probes")
         res, probes = asyncio.run(go())
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
     if res.returncode != 0:
         raise RuntimeError(f"owner failed: {res.stderr.decode()[-500:]}")
     sent = {"paced": int(rate * seconds), "flood": flood}
@@ -461,10 +445,12 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
     try:
         libcuda = w.stdout.readline().strip()
 
+        stdin, stdout = w.stdin, w.stdout  # narrowed for the closure
+
         def measure() -> tuple[float, float]:
-            w.stdin.write(f"{n} {bursts}\n")
-            w.stdin.flush()
-            med, low = map(float, w.stdout.readline().split())
+            stdin.write(f"{n} {bursts}\n")
+            stdin.flush()
+            med, low = map(float, stdout.readline().split())
             return med, low
 
         def outsiders(worker_is_command: bool) -> LaunchProbe:
@@ -569,7 +555,7 @@ def main() -> None:
             out["first_insns"] = first_insns(find_libraries(search=True))
             print("\n".join(out["first_insns"]) or "(no libcuda / libhsa-runtime64 found)")
             if args.json:
-                Path(args.json).write_text(json.dumps(out, indent=2))
+                write_json(args.json, out, indent=2)
             return
         if args.gpu:
             out["gpu"] = gpu_part(args.reps, args.launches, args.bursts, args.gpu_modes)
@@ -598,7 +584,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out, indent=2)
 
 
 if __name__ == "__main__":

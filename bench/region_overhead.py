@@ -1,6 +1,6 @@
 """What a region costs: enter and exit latency with idle siblings, and with commands contending.
 
-    python bench/region_overhead.py [--backends signal,cgroup] [--siblings 1,4,16] [--regions 200]
+    python -m bench.region_overhead [--backends signal,cgroup] [--siblings 1,4,16] [--regions 200]
 
 Table 1 (siblings): one owner enters and leaves `--regions` empty regions while S idle sibling
 commands share its device, so every entry freezes S commands and fences cores. Columns: the owner's
@@ -18,79 +18,44 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.harness.output import write_json
+from bench.harness.stack import Daemon, bench_env, module_argv
+from bench.harness.stats import pct_or_nan
 
-OWNER = r'''
-import json, sys, time
-from krex_async import region
-n = int(sys.argv[1])
-enter, exit_, rep = [], [], []
-for _ in range(n):
-    t0 = time.perf_counter()
-    r = region("bench")
-    r.__enter__()
-    t1 = time.perf_counter()
-    r.__exit__(None, None, None)
-    t2 = time.perf_counter()
-    enter.append(t1 - t0)
-    exit_.append(t2 - t1)
-    rep.append((r.report.freeze_s, r.report.cores_s, r.report.wait_s, r.report.enter_s,
-                len(r.report.frozen), r.report.quiesce_s, r.report.select_s, r.report.settle_s,
-                r.report.drain))
-print(json.dumps({"enter": enter, "exit": exit_, "rep": rep}))
-'''
-
-SLEEPER = "import time\nwhile True: time.sleep(0.05)\n"
-SPINNER = "while True: pass\n"  # --busy: siblings that keep a core busy
+LOOP = "bench.workload.region_loop"  # the owner's loop and the siblings (python -m)
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+    return pct_or_nan(xs, q, "rank") * 1e3  # in ms
 
 
 def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.pop("KREX_SOCKET", None)
-    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    return e
+    return bench_env()
 
 
-class Daemon:
-    def __init__(self, tmp: str, backend: str, extra: list[str], probes: str = "off") -> None:
-        self.sock = os.path.join(tmp, f"{backend}.sock")
-        self.log = open(os.path.join(tmp, f"{backend}.log"), "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock, "--isolation",
-             backend, "--log-level", "warning", "--state-dir", os.path.join(tmp, "state"),
-             "--probes", probes, *(extra if backend == "cgroup" else [])],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env())
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None:
-                raise SystemExit(f"daemon ({backend}) failed: {open(self.log.name).read()}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+def start_daemon(tmp: str, backend: str, extra: list[str], probes: str = "off") -> Daemon:
+    """The backend's daemon, its log beside the results in `tmp`; extra arguments for cgroup only."""
+    return Daemon(["--isolation", backend, "--log-level", "warning", "--probes", probes,
+                   *(extra if backend == "cgroup" else [])], log=Path(tmp) / f"{backend}.log",
+                  parent=tmp).start()
 
 
-async def siblings_case(sock: str, owner: str, sleeper: str, n_sib: int, regions: int,
+async def siblings_case(sock: str, sibling: str, n_sib: int, regions: int,
                         fresh: bool = False) -> dict:
     """`fresh`: every region is the first (and only) one of a new owner command, as in the replay,
     where each command times one kernel; otherwise one owner enters `regions` regions."""
     from krex_async import Client
 
     async with await Client.connect(sock) as c:
-        sibs = [await c.submit([sys.executable, sleeper], env=env()) for _ in range(n_sib)]
+        sibs = [await c.submit(module_argv(LOOP, sibling), env=env()) for _ in range(n_sib)]
         await asyncio.sleep(0.5 + 0.02 * n_sib)  # let them start
-        runs = [await c.run([sys.executable, owner, "1"], env=env()) for _ in range(regions)] \
-            if fresh else [await c.run([sys.executable, owner, str(regions)], env=env())]
+        runs = [await c.run(module_argv(LOOP, "owner", "1"), env=env()) for _ in range(regions)] \
+            if fresh else [await c.run(module_argv(LOOP, "owner", str(regions)), env=env())]
         for s in sibs:
             await s.cancel(9)
         for s in sibs:
@@ -111,11 +76,11 @@ async def siblings_case(sock: str, owner: str, sleeper: str, n_sib: int, regions
             "frozen": statistics.median(r[4] for r in rep) if rep else 0}
 
 
-async def contending_case(sock: str, owner: str, n: int, regions: int) -> dict:
+async def contending_case(sock: str, n: int, regions: int) -> dict:
     from krex_async import Client
 
     async with await Client.connect(sock) as c:
-        results = await asyncio.gather(*(c.run([sys.executable, owner, str(regions)], env=env())
+        results = await asyncio.gather(*(c.run(module_argv(LOOP, "owner", str(regions)), env=env())
                                          for _ in range(n)))
     enter, exit_, wait = [], [], []
     for res in results:
@@ -143,10 +108,7 @@ def main() -> int:
                     help="extra `krex serve` argument for the cgroup daemon (e.g. --cgroup-root=...)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="krex-bench-", dir="/tmp")
-    owner = os.path.join(tmp, "owner.py")
-    sleeper = os.path.join(tmp, "sleeper.py")
-    open(owner, "w").write(OWNER)
-    open(sleeper, "w").write(SPINNER if args.busy else SLEEPER)
+    sibling = "spin" if args.busy else "sleep"
     out: dict[str, object] = {"cpus": len(os.sched_getaffinity(0)), "date": time.strftime("%F %T"),
                               "rows": []}
     print(f"region overhead ({out['cpus']} cpus, probes {args.probes}), {args.regions} regions a "
@@ -156,11 +118,11 @@ def main() -> int:
           f"{'freeze p50':>11} {'freeze p99':>11} {'cpuset p50':>11} {'cpuset p99':>11} "
           f"{'exit p50':>9} {'exit p99':>9}")
     for backend in args.backends.split(","):
-        d = Daemon(tmp, backend, args.daemon_arg, args.probes)
+        d = start_daemon(tmp, backend, args.daemon_arg, args.probes)
         splits: list[dict] = []
         try:
             for s in [int(x) for x in args.siblings.split(",") if x]:
-                r = asyncio.run(siblings_case(d.sock, owner, sleeper, s, args.regions, args.fresh))
+                r = asyncio.run(siblings_case(d.socket, sibling, s, args.regions, args.fresh))
                 r["backend"] = backend
                 out["rows"].append(r)  # type: ignore[attr-defined]
                 print(f"{backend:<8} {s:>8} {r['frozen']:>6.0f} {pct(r['enter'], .5):>10.3f} "
@@ -182,7 +144,7 @@ def main() -> int:
             print(f"\n{'backend':<8} {'commands':>8} {'enter p50':>10} {'enter p99':>10} "
                   f"{'wait p50':>9} {'wait p99':>9} {'exit p50':>9} {'exit p99':>9}")
             for n in [int(x) for x in args.contending.split(",") if x]:
-                r = asyncio.run(contending_case(d.sock, owner, n, max(10, args.regions // n)))
+                r = asyncio.run(contending_case(d.socket, n, max(10, args.regions // n)))
                 r["backend"] = backend
                 out["rows"].append(r)  # type: ignore[attr-defined]
                 print(f"{backend:<8} {n:>8} {pct(r['enter'], .5):>10.3f} "
@@ -194,8 +156,7 @@ def main() -> int:
             d.stop()
     print("latencies in ms")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f)
+        write_json(args.json, out, indent=None)
     return 0
 
 

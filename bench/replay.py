@@ -1,8 +1,8 @@
 """Replay an agent trace through real krex daemons, one per policy, and compare them.
 
-    python bench/replay.py trace.jsonl --policies region,command,shared --concurrency N \
+    python -m bench.replay trace.jsonl --policies region,command,shared --concurrency N \
         --out bench/results/NAME.json
-    python bench/replay.py --profile quick --out bench/results/quick.json   # generate, then replay
+    python -m bench.replay --profile quick --out bench/results/quick.json   # generate, then replay
 
 For each policy it starts `python -m krex_async serve --socket S --policy P` as a subprocess, waits
 for the socket, replays the sessions with N agents at once (each agent: one krex_async.Client, its
@@ -24,22 +24,18 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
-import analysis  # noqa: E402
-from trace_format import dump_lines, kernel_key, read_trace, sessions  # noqa: E402
+from bench import analysis
+from bench.harness.output import Progress, write_json
+from bench.harness.stack import ROOT, Daemon, bench_env, module_argv
+from bench.trace_format import dump_lines, kernel_key, read_trace, sessions
 
-AGENT_CMD = HERE / "workload" / "agent_cmd.py"
+AGENT_CMD = "bench.workload.agent_cmd"  # run as `python -m` with the repository as cwd
 
 
 def _builtins(x: Any) -> Any:
@@ -60,93 +56,15 @@ def parse_result(stdout: bytes) -> list[dict[str, Any]]:
     return out
 
 
-class Daemon:
-    """A krex daemon subprocess on a private socket. `async with` starts it and waits until its socket
-    accepts; leaving stops it (SIGTERM, then SIGKILL after `grace` s) and closes its log."""
-
-    def __init__(self, policy: str, python: str, args: list[str], log: Path, ready_s: float = 30.0,
-                 grace: float = 15.0) -> None:
-        self.dir = tempfile.mkdtemp(prefix="krex-rp-", dir="/tmp")
-        self.socket = os.path.join(self.dir, "k.sock")
-        # A private state dir: a daemon's start-up sweep must not touch another daemon's state.
-        self.argv = [python, "-m", "krex_async", "serve", "--socket", self.socket, "--policy", policy,
-                     "--log-format", "json", "--state-dir", os.path.join(self.dir, "state"), *args]
-        self.log, self.ready_s, self.grace = log, ready_s, grace
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    async def __aenter__(self) -> Daemon:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._logf = open(self.log, "wb")
-        path = filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-        self.proc = subprocess.Popen(self.argv, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(ROOT), start_new_session=True)
-        deadline = time.monotonic() + self.ready_s
-        while True:
-            if self.proc.poll() is not None:
-                await self._stop()
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self._tail()}")
-            with contextlib.suppress(OSError):
-                _, w = await asyncio.open_unix_connection(self.socket)
-                w.close()
-                with contextlib.suppress(OSError):
-                    await w.wait_closed()
-                return self
-            if time.monotonic() > deadline:
-                await self._stop()
-                raise RuntimeError(f"daemon socket {self.socket} not up in {self.ready_s}s: {self._tail()}")
-            await asyncio.sleep(0.05)
-
-    def _tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_bytes()[-2000:].decode("utf-8", "replace")
-        return ""
-
-    async def _stop(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(p.wait, self.grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                await asyncio.to_thread(p.wait)
-        self._logf.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stop()
-
-
-class Progress:
-    """One stderr line, rewritten in place while a pass runs (plain lines when not a terminal)."""
-
-    def __init__(self, label: str, total: int) -> None:
-        self.label, self.total, self.done, self.failed, self.running = label, total, 0, 0, 0
-        self.t0 = time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self._last = 0.0
-
-    def show(self, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and not self.tty and now - self._last < 10.0:
-            return
-        self._last = now
-        width = 24
-        fill = int(width * self.done / max(1, self.total))
-        msg = (f"[{self.label:<8}] |{'#' * fill}{'.' * (width - fill)}| {self.done}/{self.total} cmds "
-               f"{self.running} running {self.failed} failed {now - self.t0:6.1f}s")
-        end = "\n" if final or not self.tty else ""
-        sys.stderr.write(("\r" if self.tty else "") + msg + end)
-        sys.stderr.flush()
+def daemon(policy: str, opts: argparse.Namespace, name: str) -> Daemon:
+    """The pass's daemon (JSON logs to <out>.logs/daemon-NAME.log), with --daemon-arg."""
+    return Daemon(["--log-format", "json", *opts.daemon_arg], policy=policy, python=opts.python,
+                  log=opts.logdir / f"daemon-{name}.log", prefix="krex-rp-")
 
 
 def command_env(target: str) -> dict[str, str]:
     """The environment replayed commands get: ours, the repository on PYTHONPATH, one BLAS thread."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = bench_env()
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(k, "1")
     if target == "cpu":
@@ -184,7 +102,7 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
                   env: dict[str, str], records: list[dict[str, Any]], prog: Progress,
                   opts: argparse.Namespace) -> dict[str, Any]:
     from krex_async import Client
-    async with Daemon(policy, opts.python, opts.daemon_arg, opts.logdir / f"daemon-{policy}.log") as d:
+    async with daemon(policy, opts, policy) as d:
         t0 = time.monotonic()
 
         async def agent() -> None:
@@ -196,8 +114,9 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
                 async with await Client.connect(d.socket) as c:
                     for line in by[name]:
                         await asyncio.sleep(line["think_s"] * opts.think_scale)
-                        argv = [opts.command_python, str(AGENT_CMD), "--pace", opts.pace, "--spec",
-                                json.dumps(line, separators=(",", ":"))]
+                        argv = module_argv(AGENT_CMD, "--pace", opts.pace, "--spec",
+                                           json.dumps(line, separators=(",", ":")),
+                                           python=opts.command_python)
                         prog.running += 1
                         s0 = time.monotonic()
                         try:
@@ -260,13 +179,13 @@ async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace,
     spec = opts.logdir / "isolated-kernels.jsonl"
     spec.write_text("".join(dump_lines(lines)))
     prog = Progress(name, 1)
-    async with Daemon("command", opts.python, opts.daemon_arg, opts.logdir / f"daemon-{name}.log") as d:
+    async with daemon("command", opts, name) as d:
         async with await Client.connect(d.socket) as c:
             t0 = time.monotonic()
             prog.running = 1
-            res = await _submit(c, [opts.command_python, str(AGENT_CMD), "--isolated", str(spec),
-                                    "--repeats", str(opts.repeats)], opts, command_env(trace[0]["target"]),
-                                "isolated")
+            res = await _submit(c, module_argv(AGENT_CMD, "--isolated", str(spec), "--repeats",
+                                               str(opts.repeats), python=opts.command_python),
+                                opts, command_env(trace[0]["target"]), "isolated")
             prog.running, prog.done = 0, 1
     prog.show(final=True)
     results = parse_result(res.stdout)
@@ -280,7 +199,7 @@ async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace,
 def _trace_from_args(a: argparse.Namespace) -> tuple[Path, list[dict[str, Any]]]:
     if a.trace:
         return Path(a.trace), read_trace(a.trace)
-    import gen_trace
+    from bench import gen_trace
     prof = gen_trace.load_profile(a.profile)
     lines = gen_trace.generate(prof, a.sessions or int(prof["sessions"]), a.seed)
     path = a.logdir / f"trace-{prof['name']}-{a.seed}.jsonl"
@@ -304,25 +223,17 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                    "started_at": time.time(), "argv": sys.argv, "host": os.uname().nodename},
         "passes": {}}
     data["isolated"] = await isolated_pass(trace, a)
-    _write(a.out, data)
+    write_json(a.out, data)
     for pol in a.policies:
         data["passes"][pol] = await replay_pass(pol, trace, a)
         data["summary"] = analysis.summarise(data, trace)
-        _write(a.out, data)  # after every pass: a run cut short still leaves what it measured
+        write_json(a.out, data)  # after every pass: a run cut short still leaves what it measured
     if a.isolated_after and a.policies:
         data["isolated_after"] = await isolated_pass(trace, a, "isolated_after")
         data["summary"] = analysis.summarise(data, trace)
     data["config"]["ended_at"] = time.time()
-    _write(a.out, data)
+    write_json(a.out, data)
     return data
-
-
-def _write(out: Path, data: dict[str, Any]) -> None:
-    """Replace `out` atomically (write a temporary file, then rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -369,7 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan(a: argparse.Namespace) -> dict[str, Any]:
     """What a run would do, from the trace alone: sizes, the ideal ratio, rough pass durations (s)."""
-    import gen_trace
+    from bench import gen_trace
     path, trace = _trace_from_args(a)
     n = a.concurrency or len(sessions(trace))
     ideal = analysis.trace_ideal(trace, n, a.cores, a.think_scale)

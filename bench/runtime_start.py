@@ -1,6 +1,6 @@
 """What krex's in-command runtime adds to a Python command's start-up (issue 5's runtime).
 
-    python bench/runtime_start.py [--runs 30]
+    python -m bench.runtime_start [--runs 30]
 
 Runs `python -c pass` with and without the runtime (krex_async/runtime first on PYTHONPATH and a
 command's KREX_SOCKET/KREX_COMMAND/KREX_TOKEN, the socket a listening stand-in that accepts and
@@ -47,8 +47,11 @@ def main() -> None:
     srv.bind(path)
     srv.listen(64)
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: [held.append(srv.accept()[0]) for _ in iter(int, 1)],
-                     daemon=True).start()
+
+    def accept_forever() -> None:
+        while True:
+            held.append(srv.accept()[0])
+    threading.Thread(target=accept_forever, daemon=True).start()
     base = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
     with_rt = dict(base, PYTHONPATH=RUNTIME, KREX_SOCKET=path, KREX_COMMAND="c1",
                    KREX_TOKEN="t0k", KREX_DEVICE="cpu")

@@ -1,9 +1,9 @@
 """Bounded soak: N concurrent agents (one Client connection each) run commands with regions for a
 fixed time against one daemon on a loopback Unix socket, then check that nothing was lost or leaked.
 
-    python bench/soak.py                        # 64 agents, 30 s, its own daemon
-    python bench/soak.py --agents 64 --seconds 300 --json soak.json
-    python bench/soak.py --socket /run/krex/krex.sock   # against a running daemon (no leak checks
+    python -m bench.soak                        # 64 agents, 30 s, its own daemon
+    python -m bench.soak --agents 64 --seconds 300 --json soak.json
+    python -m bench.soak --socket /run/krex/krex.sock   # against a running daemon (no leak checks
                                                         # of its own start-up state)
 
 Each command runs `--regions` regions (`with region("soak")`, holding it `--hold-ms`). Checks:
@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from krex_async import Client  # noqa: E402
-from krex_async import protocol as P  # noqa: E402
+from bench.harness import output
+from bench.harness.output import write_json
+from bench.harness.stack import Daemon, bench_env
+from bench.harness.stats import pct_or_nan
+from krex_async import Client
+from krex_async import protocol as P
 
 COMMAND = """
 import time
@@ -80,10 +76,7 @@ def krex_cgroups(ids: set[str] | None = None) -> int:
 
 
 def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return pct_or_nan(xs, q, "rank")
 
 
 class Tally:
@@ -155,8 +148,7 @@ async def wait_until(pred: Any, timeout: float) -> bool:
 
 
 async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("KREX_SOCKET", None)
+    env = bench_env()
     argv = [sys.executable, "-c", COMMAND.format(regions=args.regions, hold=args.hold_ms / 1000)]
     tally = Tally()
     async with await Client.connect(path) as c:
@@ -266,24 +258,11 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
     }
 
 
-def start_daemon(args: argparse.Namespace) -> tuple[str, subprocess.Popen[bytes], str]:
-    d = tempfile.mkdtemp(prefix="krex-soak-", dir="/tmp")
-    path = os.path.join(d, "s")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("KREX_SOCKET", None)
-    log = open(os.path.join(d, "daemon.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", path,
-                             "--isolation", args.isolation, "--devices", args.devices,
-                             "--retention", str(args.retention), "--region-timeout", "60",
-                             "--log-format", "json", "--log-level", args.log_level,
-                             "--state-dir", os.path.join(d, "state")],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"soak: the daemon did not start (see {d}/daemon.log)")
-        time.sleep(0.05)
-    return path, proc, d
+def start_daemon(args: argparse.Namespace) -> Daemon:
+    """The soak's own daemon; its directory (and log) kept with --keep-log."""
+    return Daemon(["--isolation", args.isolation, "--devices", args.devices, "--retention",
+                   str(args.retention), "--region-timeout", "60", "--log-format", "json",
+                   "--log-level", args.log_level], prefix="krex-soak-", keep=args.keep_log).start()
 
 
 def table(r: dict[str, Any]) -> str:
@@ -302,8 +281,7 @@ def table(r: dict[str, Any]) -> str:
         ("command states", r["states"]), ("region outcomes", r["region_outcomes"]),
     ]
     rows += [(f"check: {k}", "ok" if v else "FAILED") for k, v in r["checks"].items()]
-    w = max(len(k) for k, _ in rows)
-    out = [f"{k:<{w}}  {v}" for k, v in rows]
+    out = [output.table(None, [(k, str(v)) for k, v in rows], sep="  ", left=True)]
     out += [f"error: {e}" for e in r["errors"]]
     return "\n".join(out)
 
@@ -329,26 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="warning", help="the started daemon's log level")
     ap.add_argument("--keep-log", action="store_true", help="keep the started daemon's log")
     args = ap.parse_args(argv)
-    proc = tmp = None
-    path = args.socket
-    if path is None:
-        path, proc, tmp = start_daemon(args)
+    daemon = start_daemon(args) if args.socket is None else None
     try:
-        result = asyncio.run(soak(args, path))
+        result = asyncio.run(soak(args, daemon.socket if daemon else args.socket))
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if tmp is not None and not args.keep_log:
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp is not None:
-            print(f"daemon log: {tmp}/daemon.log")
+        if daemon is not None:
+            daemon.stop()
+            if args.keep_log:
+                print(f"daemon log: {daemon.log}")
     print(table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result, indent=2)
     if not (result["checks"]["no deadlock"] and result["checks"]["finished within grace"]):
         return 2
     return 0 if result["ok"] else 1

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import read_text
+
 VERSION = 1
 PHASES = ("import", "compile", "inputs", "check", "timing")
 BUCKETS = (">10ms", "1-10ms", "0.1-1ms")
@@ -102,18 +104,18 @@ def validate_line(line: Any) -> list[str]:
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
     """All lines of a trace file, validated. Raises ValueError naming the line and every problem."""
     out: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                line = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-            errs = validate_line(line)
-            if errs:
-                raise ValueError(f"{path}:{n}: " + "; ".join(errs))
-            out.append(line)
+    # a trace file gzipped or not
+    for n, raw in enumerate(read_text(path).splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+        errs = validate_line(line)
+        if errs:
+            raise ValueError(f"{path}:{n}: " + "; ".join(errs))
+        out.append(line)
     return out
 
 

@@ -2,7 +2,7 @@
 freeze (each frozen task must be woken to trap into the freezer) and every reply the daemon waits
 for. A region's enter latency on a machine where this is slow is slow for any runtime.
 
-    python3 bench/wakeup.py [--pairs 0:1,0:8] [--rounds 2000] [--json FILE]
+    python3 -m bench.wakeup [--pairs 0:1,0:8] [--rounds 2000] [--json FILE]
 
 Per pair of CPUs: two processes pinned one to each pass a byte back and forth through pipes, each
 blocking in read() between turns (so every turn wakes a sleeping task); the table gives the one-way
@@ -13,12 +13,12 @@ CPU (the timer wake-up of an idle core).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-from analysis import nearest_rank  # bench/ is sys.path[0] when run as a script
+from bench.harness.output import write_json
+from bench.harness.stats import quantile
 
 
 def pingpong(a: int, b: int, rounds: int) -> list[float]:
@@ -89,17 +89,15 @@ def main() -> int:
         rt = [x / 2 for x in pingpong(a, b, args.rounds)]
         ov = oversleep(a, min(args.rounds, 1000))
         row = {"cpus": [a, b], "wake_p50_us": statistics.median(rt) * 1e6,
-               "wake_p99_us": nearest_rank(rt, 0.99) * 1e6, "wake_max_us": max(rt) * 1e6,
+               "wake_p99_us": quantile(rt, 0.99, "rank") * 1e6, "wake_max_us": max(rt) * 1e6,
                "oversleep_p50_us": statistics.median(ov) * 1e6,
-               "oversleep_p99_us": nearest_rank(ov, 0.99) * 1e6}
+               "oversleep_p99_us": quantile(ov, 0.99, "rank") * 1e6}
         rows.append(row)
         print(f"{a:>3}:{b:<3} {row['wake_p50_us']:>12.1f} {row['wake_p99_us']:>8.1f} "
               f"{row['wake_max_us']:>8.1f} {row['oversleep_p50_us']:>17.1f} {row['oversleep_p99_us']:>6.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "host": os.uname().nodename,
-                       "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}, f,
-                      indent=1)
+        write_json(args.json, {"rounds": args.rounds, "host": os.uname().nodename,
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows})
     return 0
 
 

@@ -1,6 +1,6 @@
 """Self-check of the cgroup backend on a pure cgroup v2 host with cpuset (the GPU machine).
 
-    sudo python3 bench/gpu/check_cgroup_v2.py
+    sudo python3 -m bench.gpu.check_cgroup_v2
 
 Prints one PASS / FAIL / SKIP / INFO line per check and exits 1 when any check failed. Works in a
 private root (krex-bench-<id>/ below the cgroup2 mount), removed at the end. Needs only the standard
@@ -17,16 +17,13 @@ import sys
 import tempfile
 import time
 
+from bench.cgroup_freeze import _private_root, measure
+from krex_async.isolation.base import FreezeError  # noqa: F401
+from krex_async.isolation.cgroup import CgroupBackend, probe_cgroup
+from krex_async.isolation.cgroupfs import CgroupFS
+from krex_async.isolation.intent import sweep
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from cgroup_freeze import _private_root, measure  # noqa: E402
-
-from krex_async.isolation.base import FreezeError  # noqa: E402,F401
-from krex_async.isolation.cgroup import CgroupBackend, probe_cgroup  # noqa: E402
-from krex_async.isolation.cgroupfs import CgroupFS  # noqa: E402
-from krex_async.isolation.intent import sweep  # noqa: E402
 
 FAILED: list[str] = []
 SPIN = ["/bin/sh", "-c", "while :; do :; done"]

@@ -1,6 +1,6 @@
 """Self-check of the ctxpool's GPU paths, on a machine with an NVIDIA GPU and torch (exit 0: all held).
 
-    python bench/gpu/check_ctxpool.py
+    python -m bench.gpu.check_ctxpool
 
 1. torch-preloaded workers: a CUDA command prints the same as a plain process, and its traceback too.
 2. driver-initialised workers (no torch preload: cuInit + primary context via ctypes) run torch code.
@@ -20,12 +20,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from krex_async.ctxpool import Pool, PoolConfig
+from krex_async.devices.base import Device
+from krex_async.linux.spawn import LaunchSpec, spawn
 
-from krex_async.ctxpool import Pool, PoolConfig  # noqa: E402
-from krex_async.devices.base import Device  # noqa: E402
-from krex_async.linux.spawn import LaunchSpec, spawn  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GPU = Device(index=0, key="nvidia0", vendor="nvidia", name="gpu0")
 PY = sys.executable

@@ -1,6 +1,6 @@
 """Does drain work, and is it needed? Run on the accelerator (one NVIDIA GPU, torch, pynvml):
 
-    PYTHONPATH=. python3 bench/gpu/check_drain.py [--quick]
+    PYTHONPATH=. python3 -m bench.gpu.check_drain [--quick]
 
 This script plays the daemon (a unix socket speaking krex's frames to the sibling's runtime) and
 the region owner (timing a fixed fp16 matmul with CUDA events at ~0.1, ~1.6 and ~13 ms). The
@@ -28,7 +28,6 @@ when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -38,23 +37,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from bench.harness.output import write_json
+from bench.harness.stack import module_argv
+from bench.harness.stats import quantile
 from krex_async.daemon.config import ServeConfig
 from krex_async.devices import discover, open_node
 from krex_async.runtime import devicework, quiesce
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for its shared helpers
-from analysis import nearest_rank  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SIZES = {"0.1ms": 3072, "1ms": 8192, "10ms": 16384}
 GOAL_P95 = {"0.1ms": 2.5, "1ms": 1.0, "10ms": 0.2}  # percent inflation allowed (issue 5)
 REPS = {"0.1ms": 500, "1ms": 200, "10ms": 60}
-results: dict[str, object] = {"checks": {}, "timings": {}}
+results: dict[str, Any] = {"checks": {}, "timings": {}}
 failures: list[str] = []
 
 
@@ -111,10 +110,15 @@ def start_sibling(daemon: MiniDaemon, mode: str) -> tuple[subprocess.Popen, Conn
     path = [str(REPO / "krex_async" / "runtime"), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
                KREX_SOCKET=daemon.path, KREX_COMMAND=f"sib-{mode}", KREX_TOKEN="t")
-    proc = subprocess.Popen([sys.executable, str(HERE / "sibling.py"), mode], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(module_argv("bench.gpu.sibling", mode), env=env, stdout=subprocess.PIPE,
+                            text=True, cwd=str(REPO))
     conn = daemon.accept()
     return proc, conn
+
+
+def stdout_of(proc: subprocess.Popen[str]) -> IO[str]:
+    assert proc.stdout is not None  # every sibling is started with stdout=PIPE
+    return proc.stdout
 
 
 # ---------------------------------------------------------------------------------- the owner
@@ -177,7 +181,7 @@ def thaw_checks(daemon: MiniDaemon) -> None:
     for how in ("sigstop", "cgroup", "quiesce+sigstop"):
         proc, conn = start_sibling(daemon, "verify")
         try:
-            line = proc.stdout.readline().strip()
+            line = stdout_of(proc).readline().strip()
             assert line == "launched", line
             if how == "cgroup":
                 try:
@@ -206,7 +210,7 @@ def thaw_checks(daemon: MiniDaemon) -> None:
                 os.kill(proc.pid, signal.SIGSTOP)
                 time.sleep(1)
                 os.kill(proc.pid, signal.SIGCONT)
-            result = proc.stdout.readline().strip()
+            result = stdout_of(proc).readline().strip()
             rc = proc.wait(120)
             detail = {"result": result, "rc": rc}
             if how == "quiesce+sigstop":
@@ -279,7 +283,7 @@ def main() -> None:
     node = open_node("auto")
     gpu = next(dv for dv in node.devices if dv.vendor != "cpu")
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert stdout_of(proc).readline().strip() == "ready"
         time.sleep(2)  # backlog: 2 batches of 50 x 16384^3 (~1.3 s) in flight
         if "nvml" not in args.skip:
             nvml_checks(proc.pid)
@@ -357,7 +361,7 @@ def main() -> None:
         return [row[field] for row in table if row["condition"] == cond and row["size"] == label]
 
     def p95_over_regions(cond: str) -> dict[str, float]:
-        return {k: round(nearest_rank(column(cond, k, "median_inflation_pct"), 0.95), 3) for k in SIZES}
+        return {k: round(quantile(column(cond, k, "median_inflation_pct"), 0.95, "rank"), 3) for k in SIZES}
 
     # The alone rounds are themselves spread: on the H200 the 10 ms fp16 matmul's round medians
     # are two-valued (13.07 and 13.21 ms in run 9), so the p95 above is at least the alone rounds'
@@ -365,13 +369,14 @@ def main() -> None:
     # checked like for like: the p95 over regions of the region medians against the p95 over the
     # alone rounds of theirs (a shift of the distribution, which is what sharing would cause).
     rounds = results["alone_rounds"]
-    alone_p95 = {k: nearest_rank(rounds[k], 0.95) for k in SIZES}
+    alone_p95 = {k: quantile(rounds[k], 0.95, "rank") for k in SIZES}
     floor = {k: round(100 * (alone_p95[k] / statistics.median(rounds[k]) - 1), 3) for k in SIZES}
     results["alone_floor_pct"] = floor
     print(f"\nalone rounds' own p95 against their median (the floor), %: {floor}")
     for cond in PRODUCTION:
         worst = p95_over_regions(cond)
-        matched = {k: round(100 * (nearest_rank(column(cond, k, "median_ms"), 0.95) / alone_p95[k] - 1), 3)
+        matched = {k: round(100 * (quantile(column(cond, k, "median_ms"), 0.95, "rank") / alone_p95[k]
+                                   - 1), 3)
                    for k in SIZES}
         results.setdefault("p95_matched_pct", {})[cond] = matched
         results.setdefault("p95_of_inflation_pct", {})[cond] = worst
@@ -388,7 +393,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "check_drain.json").write_text(json.dumps(results, indent=1, default=str))
+        write_json(Path(out, "check_drain.json"), results, default=str)
     print(f"\n{'ALL PASS' if not failures else 'FAILED: ' + ', '.join(failures)}")
     sys.exit(0 if not failures else 1)
 

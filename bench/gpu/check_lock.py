@@ -1,6 +1,6 @@
 """The CUDA driver lock as regions use it (`--hold lock`), through a real daemon on the accelerator.
 
-    python3 bench/gpu/check_lock.py [--regions 20] [--sibling torch|driver] [--deadline 170]
+    python3 -m bench.gpu.check_lock [--regions 20] [--sibling torch|driver] [--deadline 170]
 
 Writes $OUT/check_lock.json and $OUT/check_lock.txt (OUT defaults to /tmp/krex-check-lock); exit
 status 0 when every check passes. Needs root (cgroups), one NVIDIA GPU and a driver with the
@@ -47,11 +47,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from bench.harness import stats
+from bench.harness.output import write_json
+from bench.harness.stack import Daemon
+from krex_async import Client
+from krex_async.isolation.cudalock import LOCKED, open_driver
 
-from krex_async import Client  # noqa: E402
-from krex_async.isolation.cudalock import LOCKED, open_driver  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 # The sibling: argv[1] the shared file (pid, iterations, last completion ns, cpu units), argv[2]
 # torch|driver, argv[3] seconds of queued work to synchronise on at once when the file's flag
@@ -199,37 +201,17 @@ class Shared:
         return self.read()[0]
 
 
-class Daemon:
-    def __init__(self, tmp: str, cgroup_root: str, extra: list[str]) -> None:
-        self.sock = os.path.join(tmp, "s")
-        self.state = os.path.join(tmp, "state")
-        self.log = os.path.join(tmp, "daemon.log")
-        with open(self.log, "ab") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock,
-                 "--state-dir", self.state, "--cgroup-root", cgroup_root, "--probes", "off",
-                 "--hold", "lock", "--freeze", "all", "--log-format", "json", *extra],
-                stdout=f, stderr=subprocess.STDOUT, env=env())
-        CHILDREN.append(self.proc)
-        end = time.monotonic() + 30
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"daemon did not start: {Path(self.log).read_text()[-2000:]}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_daemon(tmp: str, cgroup_root: str, extra: list[str]) -> Daemon:
+    """A lock-holding daemon; every part's daemon shares one state dir and appends to one log in
+    `tmp` (a later daemon's start-up sees what an earlier one recorded, as on a node)."""
+    return Daemon(["--state-dir", os.path.join(tmp, "state"), "--cgroup-root", cgroup_root,
+                   "--probes", "off", "--hold", "lock", "--freeze", "all", "--log-format", "json",
+                   *extra], log=Path(tmp) / "daemon.log", log_mode="ab", parent=tmp, env=env(),
+                  grace=20.0).start()
 
 
 def q(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * len(xs) + 0.5)) - 1))] if xs else 0.0
+    return stats.pct(xs, p / 100, "nearest") or 0.0
 
 
 def ms(xs: list[float]) -> str:
@@ -261,9 +243,9 @@ def frozen(pid: int) -> bool | None:
 
 
 async def regions_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: str) -> None:
-    d = Daemon(tmp, a.cgroup_root, [])
+    d = start_daemon(tmp, a.cgroup_root, [])
     try:
-        async with await Client.connect(d.sock) as c:
+        async with await Client.connect(d.socket) as c:
             st = (await c.status())["hold"]
             out(f"INFO hold {json.dumps(st)}")
             if not check("daemon lock available", st["lock_available"], st["reason"]):
@@ -319,9 +301,9 @@ async def regions_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
 async def timeout_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: str) -> None:
     """The owner (started beside the sibling, so both import at once) enters one region as soon as
     the sibling runs and holds it for longer than the sibling's whole timeout."""
-    d = Daemon(tmp, a.cgroup_root, ["--kill-grace", "1"])
+    d = start_daemon(tmp, a.cgroup_root, ["--kill-grace", "1"])
     try:
-        async with await Client.connect(d.sock) as c:
+        async with await Client.connect(d.socket) as c:
             sh = Shared(tmp, "tsib")
             hold = a.startup + 8.0
             ho = await c.submit([sys.executable, owner_py, sh.path, "1", str(hold), "0.5"],
@@ -352,10 +334,10 @@ async def timeout_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
 
 async def sigkill_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: str) -> None:
     drv, why = open_driver()
-    d = Daemon(tmp, a.cgroup_root, [])
+    d = start_daemon(tmp, a.cgroup_root, [])
     sib_pid = 0
     try:
-        c = await Client.connect(d.sock)
+        c = await Client.connect(d.socket)
         sh = Shared(tmp, "ksib")
         h = await c.submit(sibling_argv(sib_py, sh.path, a.sibling), env=env(),
                            on_disconnect="keep")
@@ -368,7 +350,8 @@ async def sigkill_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
             await asyncio.sleep(0.05)
             locked = drv is not None and drv.state(sib_pid) == (0, LOCKED)
         check("sigkill: the sibling was locked before the kill", locked, why)
-        d.proc.kill()
+        assert d.proc is not None
+        d.proc.kill()  # SIGKILL: what the watchdog must clean up after
         d.proc.wait()
         t_kill = time.monotonic()
         await asyncio.gather(own_run, return_exceptions=True)  # its connection died with it
@@ -487,8 +470,7 @@ def main() -> int:
     RESULTS["ok"] = not failed
     summary = {"ok": not failed, "failed": failed, "seconds": round(RESULTS["seconds"], 1)}
     out(json.dumps(summary))
-    with open(os.path.join(outdir, "check_lock.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    write_json(os.path.join(outdir, "check_lock.json"), RESULTS)
     with open(os.path.join(outdir, "check_lock.txt"), "w") as f:
         f.write("\n".join(LINES) + "\n")
     return 0 if not failed else 1

@@ -1,6 +1,6 @@
 """What NVML can tell the daemon about a device's drain and clock state, measured (one NVIDIA GPU):
 
-    PYTHONPATH=. python3 bench/gpu/check_nvml_signals.py [--out FILE]
+    PYTHONPATH=. python3 -m bench.gpu.check_nvml_signals [--out FILE]
 
 1. Drain: a neighbour process queues about a second of matmuls, then synchronises and prints when
    its queue really finished (host clock). Meanwhile we poll NVML every 2 ms: the GPU utilisation
@@ -16,15 +16,17 @@ Prints a summary; the raw series go to --out (JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pynvml as N
 import torch
+
+from bench.harness.output import write_json
 
 NEIGHBOUR = r"""
 import sys, time, torch
@@ -71,7 +73,7 @@ def poll(h: object, stop: threading.Event, out: dict[str, list]) -> None:
 
 
 def drain(h: object) -> dict[str, object]:
-    out: dict[str, list] = {"samples": [], "rate": [], "clock": [], "proc": []}
+    out: dict[str, Any] = {"samples": [], "rate": [], "clock": [], "proc": []}
     p = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout and p.stdin and p.stdout.readline().strip() == "ready"
@@ -194,16 +196,15 @@ def main() -> int:
     N.nvmlInit()
     h = N.nvmlDeviceGetHandleByIndex(0)
     torch.ones(1, device="cuda")
-    res = {"drain": drain(h), "clocks": clocks(h), "timing": timing(h)}
+    res: dict[str, Any] = {"drain": drain(h), "clocks": clocks(h), "timing": timing(h)}
     d = res["drain"]
-    print({k: v for k, v in d.items() if k != "series"})  # type: ignore[union-attr]
+    print({k: v for k, v in d.items() if k != "series"})
     c = res["clocks"]
-    print({k: v for k, v in c.items() if k != "series"})  # type: ignore[union-attr]
-    for r in res["timing"]["rows"]:  # type: ignore[index]
+    print({k: v for k, v in c.items() if k != "series"})
+    for r in res["timing"]["rows"]:
         print(r)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
+        write_json(args.out, res, indent=None)
     return 0
 
 

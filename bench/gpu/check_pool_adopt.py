@@ -1,6 +1,6 @@
 """Adoption on the GPU: how many shell-started jobs a warm pool serves, and what it saves and costs.
 
-    python3 bench/gpu/check_pool_adopt.py [--jobs 8] [--deadline 170]      # JSON to $OUT (or --out)
+    python3 -m bench.gpu.check_pool_adopt [--jobs 8] [--deadline 170]      # JSON to $OUT (or --out)
 
 1. A daemon with `--pool-size JOBS --pool-preload torch`: once warm, JOBS jobs at once as
    `sh -c 'python3 job.py'`, then (warm again) JOBS as `bash runner.sh` (runner.sh runs python3).
@@ -29,10 +29,12 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from bench.harness import stats
+from bench.harness.output import write_json
+from bench.harness.stack import Daemon
+from krex_async import Client
 
-from krex_async import Client  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 JOB = """import sys, time, json
 warm = "{mod}" in sys.modules
@@ -46,39 +48,14 @@ print(json.dumps({{"import": t_import, "context": time.monotonic(), "preloaded":
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    v = sorted(xs)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else None
+    return stats.pct(xs, q, "rank")
 
 
-class Daemon:
-    """`krex serve` in a temporary directory, with or without a pool; stopped by close()."""
-
-    def __init__(self, pool: int, preload: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="krexadopt-", dir="/tmp")
-        self.sock = os.path.join(self.dir, "s")
-        argv = [sys.executable, "-m", "krex_async", "serve", "--socket", self.sock, "--state-dir",
-                os.path.join(self.dir, "state"), "--probes", "off", "--pool-size", str(pool)]
-        if pool:
-            argv += ["--pool-preload", preload]
-        self.log = open(os.path.join(self.dir, "daemon.log"), "wb")
-        self.proc = subprocess.Popen(argv, env=env(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT)
-
-    async def client(self, deadline: float) -> Client:
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(open(self.log.name).read()[-3000:])
-            await asyncio.sleep(0.05)
-        return await Client.connect(self.sock)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def daemon(pool: int, preload: str, t_end: float) -> Daemon:
+    """`krex serve` with or without a pool, up by t_end at the latest."""
+    return Daemon(["--probes", "off", "--pool-size", str(pool),
+                   *(["--pool-preload", preload] if pool else [])], prefix="krexadopt-", env=env(),
+                  ready_s=max(1.0, t_end - time.monotonic()))
 
 
 def env() -> dict[str, str]:
@@ -174,9 +151,7 @@ async def main() -> int:
     result["worker_cost"] = {f"{k}_p50": pct([w[k] for w in workers if w.get(k)], 0.5)
                              for k in ("rss_bytes", "pss_bytes", "gpu_bytes")}
     result["worker_cost"]["workers"] = len(workers)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(json.dumps({"adoption_rate": result["adoption_rate"], "worker_cost": result["worker_cost"],
                       "import_s_p50": {k: result[k]["import_s_p50"] for k in
                                        ("sh_c", "bash_runner", "fresh_sh_c") if k in result},
@@ -188,9 +163,8 @@ async def phases(args: argparse.Namespace, result: dict[str, Any], work: str, t_
     """The check's steps 4, 1-2 and 3, filling `result` as each ends."""
     result["check_cost"] = check_cost()
     print("check cost", result["check_cost"], flush=True)
-    pooled = Daemon(args.jobs, args.preload)
-    try:
-        clients = [await pooled.client(t_end) for _ in range(args.jobs)]
+    async with daemon(args.jobs, args.preload, t_end) as pooled:
+        clients = [await Client.connect(pooled.socket) for _ in range(args.jobs)]
         t0 = time.monotonic()
         await wait_warm(clients[0], args.jobs, min(t_end, time.monotonic() + 110))
         result["warm_s"] = time.monotonic() - t0
@@ -207,17 +181,12 @@ async def phases(args: argparse.Namespace, result: dict[str, Any], work: str, t_
                                  for k, p in (await clients[0].status())["pools"].items()}
         for c in clients:
             await c.close()
-    finally:
-        pooled.close()
-    fresh = Daemon(0, "")
-    try:
-        clients = [await fresh.client(t_end) for _ in range(args.jobs)]
+    async with daemon(0, "", t_end) as fresh:
+        clients = [await Client.connect(fresh.socket) for _ in range(args.jobs)]
         result["fresh_sh_c"] = summary(await round_of(clients, "python3 job.py", work))
         print("fresh_sh_c", {k: v for k, v in result["fresh_sh_c"].items() if k != "runs"}, flush=True)
         for c in clients:
             await c.close()
-    finally:
-        fresh.close()
 
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))

@@ -1,6 +1,6 @@
 """Self-check of the probes on the accelerator machine (NVIDIA, torch, root). Exit status 0 = all pass.
 
-    source .bcc/activate.sh && python bench/gpu/check_probes.py [--launches N] [--deadline S]
+    source .bcc/activate.sh && python -m bench.gpu.check_probes [--launches N] [--deadline S]
 
 (`--prefixes P,P` replaces the GPU device prefixes the ioctl probe watches: for a dry run of the
 script itself on a machine without a GPU, with a stand-in `torch` on PYTHONPATH.)
@@ -39,15 +39,12 @@ import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from krex_async.probes import CombinedProbe  # noqa: E402
-from krex_async.probes.base import ProbeEvent  # noqa: E402
-from krex_async.probes.bpf_ioctl import IoctlProbe  # noqa: E402
-from krex_async.probes.launches import LaunchProbe  # noqa: E402
+from krex_async.probes import CombinedProbe
+from krex_async.probes.base import ProbeEvent
+from krex_async.probes.bpf_ioctl import IoctlProbe
+from krex_async.probes.launches import LaunchProbe
 
 ALLOC = """
 import os, torch

@@ -1,7 +1,7 @@
 """Why a short kernel timed right after a heavy neighbour stops runs slow, and what tells us it will
 (one NVIDIA GPU, torch, pynvml):
 
-    PYTHONPATH=. python3 bench/gpu/check_settle.py [--out FILE]
+    PYTHONPATH=. python3 -m bench.gpu.check_settle [--out FILE]
 
 check_drain.py found a 0.1 ms matmul 20-27% slow when timed right after a neighbour running 16384^2
 matmuls had synchronised and stopped, and within 2% after 200 ms of "warming"; check_nvml_signals.py
@@ -17,7 +17,6 @@ is not what lowers it. The suspect is the power cap the heavy neighbour ran into
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,9 @@ import time
 
 import pynvml as N
 import torch
+
+from bench.harness import stats
+from bench.harness.output import write_json
 
 NEIGHBOUR = r"""
 import sys, time, torch
@@ -44,8 +46,7 @@ for line in sys.stdin:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return stats.quantile(xs, q, "rank")
 
 
 def main() -> int:
@@ -138,8 +139,7 @@ def main() -> int:
     p.stdin.close()
     p.wait()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
+        write_json(args.out, res, indent=None)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Self-check of the GPU side of the replay workload, for the accelerator machine (no krex needed).
 
-    python3 bench/gpu/check_workload.py [--reps 20]
+    python3 -m bench.gpu.check_workload [--reps 20]
 
 Runs agent_cmd's isolated mode on every GPU catalogue kernel with every timing method, then one full
 command with a fresh Triton compile and one with torch.compile, and prints a table: measured median,
@@ -18,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH))
-import gen_trace  # noqa: E402
-from trace_format import METHODS, bucket_of  # noqa: E402
+from bench import gen_trace
+from bench.harness.stack import ROOT, bench_env, module_argv
+from bench.trace_format import METHODS, bucket_of
+
+AGENT_CMD = "bench.workload.agent_cmd"
 
 
 def _results(out: str) -> list[dict]:
@@ -53,13 +53,12 @@ def main() -> int:
             line["phases"]["compile"]["gpu"]["count"] = 1
             line["phases"]["compile"]["tag"] = f"check-{time.time_ns()}-{k['id']}-{m}"
             lines.append(line)
-    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
-    env.pop("KREX_SOCKET", None)
+    env = bench_env()
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps(x) + "\n" for x in lines))
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, str(BENCH / "workload" / "agent_cmd.py"), "--isolated", f.name],
-                       capture_output=True, text=True, env=env)
+    p = subprocess.run(module_argv(AGENT_CMD, "--isolated", f.name), capture_output=True, text=True,
+                       env=env, cwd=str(ROOT))
     os.unlink(f.name)
     res = _results(p.stdout)
     print(f"isolated mode: rc {p.returncode}, {len(res)} results in {time.monotonic() - t0:.1f}s")
@@ -83,11 +82,10 @@ def main() -> int:
         line = json.loads(json.dumps(lines[0]))
         line["phases"]["compile"]["gpu"]["compile"] = how
         line["phases"]["compile"]["tag"] = f"check-full-{how}-{time.time_ns()}"
-        p = subprocess.run([sys.executable, str(BENCH / "workload" / "agent_cmd.py"),
-                            "--spec", json.dumps(line)],
-                           capture_output=True, text=True, env=env)
-        r = _results(p.stdout)
-        if p.returncode != 0 or not r:
+        p = subprocess.run(module_argv(AGENT_CMD, "--spec", json.dumps(line)), capture_output=True,
+                           text=True, env=env, cwd=str(ROOT))
+        full = _results(p.stdout)
+        if p.returncode != 0 or not full:
             print(f"full command ({how}): rc {p.returncode}\n{p.stderr[-3000:]}")
             rc = 1
         else:

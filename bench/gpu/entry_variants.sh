@@ -16,16 +16,16 @@ N=${1:-200}
 CG=--cgroup-root=/sys/fs/cgroup/krexbench
 declare -A V=([A]="" [B]="--region-cores=0" [C]="--settle-ms=0" [D]="--devices=cpu:1"
               [E]="--devices=cpu:1 --region-cores=0")
-python3 bench/freeze_floor.py --root /sys/fs/cgroup/krexbench --groups 16 --json "$RAW/floor-1.json"
+python3 -m bench.freeze_floor --root /sys/fs/cgroup/krexbench --groups 16 --json "$RAW/floor-1.json"
 for round in 1 2; do
   for v in A B C D E; do
     args=(--daemon-arg=$CG); for a in ${V[$v]}; do args+=(--daemon-arg=$a); done
     echo "===== $v round $round: ${V[$v]}"
-    timeout 60 python3 bench/region_overhead.py --backends cgroup --siblings 16 --contending '' \
+    timeout 60 python3 -m bench.region_overhead --backends cgroup --siblings 16 --contending '' \
       --regions "$N" "${args[@]}" --json "$RAW/entry-$v-$round.json" 2>&1 | grep -v '^$'
   done
 done
-python3 bench/freeze_floor.py --root /sys/fs/cgroup/krexbench --groups 16 --json "$RAW/floor-2.json"
+python3 -m bench.freeze_floor --root /sys/fs/cgroup/krexbench --groups 16 --json "$RAW/floor-2.json"
 python3 - "$RAW" "$OUT/entry_variants.json" <<'PY'
 import json, os, sys
 raw, out = sys.argv[1], sys.argv[2]

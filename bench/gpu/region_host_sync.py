@@ -7,7 +7,7 @@ on the region cores only, siblings are frozen (none here), the GPU clock is sett
 (0 ms when settled). This times the same kernels in one command, alternating out of a region and in
 one, per daemon variant (default; --region-cores=0; --warm-ms=200), so the machine's drift cancels.
 
-    python3 bench/gpu/region_host_sync.py [--rounds 12] [--reps 60] [--json FILE] [--daemon-arg=...]
+    python3 -m bench.gpu.region_host_sync [--rounds 12] [--reps 60] [--json FILE] [--daemon-arg=...]
 
 Prints, per variant and kernel, the median host-clock time out and in, and in/out - 1 (median over
 rounds, with the min..max). Needs CUDA; run from the repo root.
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import write_json
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
 
 KERNELS = {"mm4k-f16": 4096, "mm8k-f16": 8192}  # about 0.2 ms and 1.7 ms on the H200
 
@@ -73,17 +73,14 @@ def command(rounds: int, reps: int) -> None:
 
 
 async def variant(name: str, args: list[str], a: argparse.Namespace) -> dict[str, Any]:
-    from replay import Daemon
-
+    from bench.harness.stack import Daemon, bench_env, module_argv
     from krex_async import Client
     log = Path("/tmp/krex-hostsync") / f"daemon-{name}.log"
-    async with Daemon("region", sys.executable, [*a.daemon_arg, *args], log) as d:
+    async with Daemon(["--log-format", "json", *a.daemon_arg, *args], policy="region", log=log) as d:
         async with await Client.connect(d.socket) as c:
-            path = filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-            res = await c.run([sys.executable, __file__, "--command", "--rounds", str(a.rounds),
-                               "--reps", str(a.reps)], cwd=str(ROOT), env=env, device="auto",
-                              timeout=300)
+            res = await c.run(module_argv("bench.gpu.region_host_sync", "--command", "--rounds",
+                                          str(a.rounds), "--reps", str(a.reps)), cwd=str(ROOT),
+                              env=bench_env(), device="auto", timeout=300)
     if res.returncode != 0:
         raise RuntimeError(f"{name}: rc {res.returncode}: {res.stderr[-1500:].decode(errors='replace')}")
     data = json.loads(res.stdout.decode().strip().splitlines()[-1])
@@ -123,7 +120,7 @@ def main() -> int:
         results.append(data)
         print("\n".join(summary(data)), flush=True)
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        write_json(a.json, results)
     return 0
 
 

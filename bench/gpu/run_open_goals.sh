@@ -27,59 +27,59 @@ step() { local name=$1 limit=$2; shift 2; echo "===== $name: $*" | tee -a "$LOG"
   timeout "$limit" "$@" >> "$LOG" 2>&1; echo "rc=$? after $((SECONDS - t0)) s" | tee -a "$LOG"; }
 git log --oneline -1 >> "$LOG" 2>/dev/null; date -u >> "$LOG"
 drain() {  # check_drain at the default --settle-fraction, $1 regions
-  step "drain" 300 env OUT="$OUT/drain" python3 bench/gpu/check_drain.py --skip nvml \
+  step "drain" 300 env OUT="$OUT/drain" python3 -m bench.gpu.check_drain --skip nvml \
     --skip thaw --regions "$1"
   mv "$OUT/drain/check_drain.json" "$OUT/check_drain.json" 2>/dev/null; rmdir "$OUT/drain"; }
 replay() {  # the replay, all policies, within $1 seconds (issue 7)
-  step replay "$1" python3 bench/replay.py --profile gpu-10min --seed 2 \
+  step replay "$1" python3 -m bench.replay --profile gpu-10min --seed 2 \
     --out /tmp/krex-replay/gpu-10min.json --daemon-arg=$CG
   cp /tmp/krex-replay/gpu-10min*.json /tmp/krex-replay/*.png "$OUT/" 2>/dev/null; }
 floor() {  # the kernel's freezer without krex, then krex's region entry, 16 siblings (issue 3)
-  step freeze_floor 60 python3 bench/freeze_floor.py --root /sys/fs/cgroup/krexbench --groups 16 \
+  step freeze_floor 60 python3 -m bench.freeze_floor --root /sys/fs/cgroup/krexbench --groups 16 \
     --json "$OUT/freeze_floor.json"
-  step overhead16 60 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
+  step overhead16 60 python3 -m bench.region_overhead --backends cgroup --siblings 16 \
     --contending '' --regions 200 --daemon-arg=$CG --json "$OUT/region_overhead16.json"; }
 case "${1:-1}" in
 1)
-  step overhead 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
+  step overhead 150 python3 -m bench.region_overhead --backends cgroup --siblings 1,4,16,64 \
     --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
-  step overhead_probes 45 python3 bench/region_overhead.py --backends cgroup --siblings 16 \
+  step overhead_probes 45 python3 -m bench.region_overhead --backends cgroup --siblings 16 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/region_overhead_probes.json"
-  step cgroup_v2 90 python3 bench/gpu/check_cgroup_v2.py
-  step probe_overhead 300 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 200 --launches 500 \
+  step cgroup_v2 90 python3 -m bench.gpu.check_cgroup_v2
+  step probe_overhead 300 python3 -m bench.probe_overhead --gpu --reps 8 --bursts 200 --launches 500 \
     --flood 0 --seconds 1 --json "$OUT/probe_overhead.json" ;;
 2)
   drain 8 ;;
 3)
   replay 590 ;;
 4)
-  step replay_holders 400 python3 bench/replay.py --profile gpu-10min --seed 2 --policies region \
+  step replay_holders 400 python3 -m bench.replay --profile gpu-10min --seed 2 --policies region \
     --out /tmp/krex-replay/gpu-10min-holders.json --daemon-arg=$CG --daemon-arg=--freeze=device-holders
   cp /tmp/krex-replay/gpu-10min-holders.json "$OUT/" 2>/dev/null ;;
 5)
-  step wakeup_before 60 python3 bench/wakeup.py --pairs 0:1,0:8,3:12 --json "$OUT/wakeup_before.json"
-  step overhead 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,16,64 \
+  step wakeup_before 60 python3 -m bench.wakeup --pairs 0:1,0:8,3:12 --json "$OUT/wakeup_before.json"
+  step overhead 150 python3 -m bench.region_overhead --backends cgroup --siblings 1,4,16,64 \
     --contending '' --regions 100 --daemon-arg=$CG --json "$OUT/region_overhead.json"
-  step wakeup_after 60 python3 bench/wakeup.py --pairs 0:1,0:8,3:12 --json "$OUT/wakeup_after.json"
-  step ctxpool 150 python3 bench/gpu/check_ctxpool.py
-  step pool_start 220 python3 bench/pool_start.py --device cuda --daemon --together 1,16 --rounds 2 \
+  step wakeup_after 60 python3 -m bench.wakeup --pairs 0:1,0:8,3:12 --json "$OUT/wakeup_after.json"
+  step ctxpool 150 python3 -m bench.gpu.check_ctxpool
+  step pool_start 220 python3 -m bench.pool_start --device cuda --daemon --together 1,16 --rounds 2 \
     --goal 20 --daemon-arg=$CG --json "$OUT/pool_start.json" ;;
 6)
   floor
   replay 520 ;;
 7)
   for round in 1 2; do for probes in off auto; do
-    step "overhead16-$probes-$round" 70 python3 bench/region_overhead.py --backends cgroup \
+    step "overhead16-$probes-$round" 70 python3 -m bench.region_overhead --backends cgroup \
       --siblings 16 --contending '' --regions 200 --probes $probes --daemon-arg=$CG \
       --json "$OUT/ro16-$probes-$round.json"
   done; done
-  step overhead_probes 150 python3 bench/region_overhead.py --backends cgroup --siblings 1,4,64 \
+  step overhead_probes 150 python3 -m bench.region_overhead --backends cgroup --siblings 1,4,64 \
     --contending '' --regions 100 --probes auto --daemon-arg=$CG --json "$OUT/ro-probes.json"
-  step host_sync 150 python3 bench/gpu/region_host_sync.py --rounds 12 --reps 60 --daemon-arg=$CG \
+  step host_sync 150 python3 -m bench.gpu.region_host_sync --rounds 12 --reps 60 --daemon-arg=$CG \
     --json "$OUT/host_sync.json" ;;
 8)
-  step check_probes 130 python3 bench/gpu/check_probes.py --launches 100000 --deadline 110
-  step probe_overhead 300 python3 bench/probe_overhead.py --gpu --reps 8 --bursts 200 --launches 500 \
+  step check_probes 130 python3 -m bench.gpu.check_probes --launches 100000 --deadline 110
+  step probe_overhead 300 python3 -m bench.probe_overhead --gpu --reps 8 --bursts 200 --launches 500 \
     --flood 0 --seconds 1 --json "$OUT/probe_overhead.json" ;;
 esac
 grep -E "^=====|^rc=" "$LOG"

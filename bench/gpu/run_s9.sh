@@ -17,17 +17,17 @@ export OUT=$res
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
-    lock) timeout 180 python3 bench/gpu/check_lock.py > "$res/lock.log" 2>&1 ;;
-    pool) timeout 140 python3 bench/gpu/check_pool_adopt.py --jobs 8 --deadline 120 \
+    lock) timeout 180 python3 -m bench.gpu.check_lock > "$res/lock.log" 2>&1 ;;
+    pool) timeout 140 python3 -m bench.gpu.check_pool_adopt --jobs 8 --deadline 120 \
             --out "$res/check_pool_adopt.json" > "$res/pool.log" 2>&1 ;;
-    smoke) timeout 200 python3 bench/jobs.py --kernelbench .suites/KernelBench --set tiny --device gpu \
+    smoke) timeout 200 python3 -m bench.jobs --kernelbench .suites/KernelBench --set tiny --device gpu \
              --triton 4 --variants region shared --alone-rounds 1 --out "$res/jobs-smoke.json" \
              > "$res/smoke.log" 2>&1 ;;
     jobs) eval "variants=(${VARIANTS:-})"  # quoted NAME:ARGS items, e.g. "'r2:--hold freeze' shared"
-          timeout ${JOBS_TIMEOUT:-560} python3 bench/jobs.py --kernelbench .suites/KernelBench --set default \
+          timeout ${JOBS_TIMEOUT:-560} python3 -m bench.jobs --kernelbench .suites/KernelBench --set default \
             --device gpu ${VARIANTS:+--variants "${variants[@]}"} --budget-s ${JOBS_BUDGET:-540} \
             --out "$res/jobs.json" ${JOBS_ARGS:-} > "$res/jobs.log" 2>&1 ;;
-    atrex) timeout ${ATREX_TIMEOUT:-400} python3 bench/gateway_profile_check.py --atrex-bench-root .suites/atrex-bench ${ATREX_ARGS:-} \
+    atrex) timeout ${ATREX_TIMEOUT:-400} python3 -m bench.gateway_profile_check --atrex-bench-root .suites/atrex-bench ${ATREX_ARGS:-} \
              > "$res/atrex.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac

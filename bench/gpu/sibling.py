@@ -9,6 +9,7 @@ The load loop polls its events with sleeps so that the krex runtime's signal lan
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,4 +59,5 @@ def verify(steps: int = 2000, n: int = 4096) -> None:
 
 
 if __name__ == "__main__":
-    {"load": load, "verify": verify}[sys.argv[1]]()
+    modes: dict[str, Callable[[], None]] = {"load": load, "verify": verify}
+    modes[sys.argv[1]]()

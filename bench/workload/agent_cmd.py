@@ -1,8 +1,8 @@
 """One agent command, as a replay trace line describes it: import, compile, inputs, check, timing.
 
-    python bench/workload/agent_cmd.py --spec '<trace line JSON>'
-    python bench/workload/agent_cmd.py --spec-file line.json
-    python bench/workload/agent_cmd.py --isolated kernels.jsonl --repeats 3
+    python -m bench.workload.agent_cmd --spec '<trace line JSON>'
+    python -m bench.workload.agent_cmd --spec-file line.json
+    python -m bench.workload.agent_cmd --isolated kernels.jsonl --repeats 3
 
 It does real work: on a CUDA machine it imports torch and triton, compiles fresh Triton kernels (a
 constant unique to the command, so every compile misses the cache), builds inputs on the GPU, checks
@@ -27,9 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from bench.harness.stats import quantile
 
 MAX_SAMPLES = 2000
 
@@ -66,17 +64,11 @@ def _report(r: Any) -> dict[str, Any] | None:
         return {"repr": repr(rep)}
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    i = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
-    return s[i]
-
-
 def summarise(samples: list[float]) -> dict[str, Any]:
     """Median, p95, mean, min, max and the samples (evenly thinned past MAX_SAMPLES), in ms."""
     s = sorted(samples)
     kept = samples if len(samples) <= MAX_SAMPLES else samples[:: -(-len(samples) // MAX_SAMPLES)]
-    return {"n": len(samples), "median_ms": _pct(s, 0.5), "p95_ms": _pct(s, 0.95),
+    return {"n": len(samples), "median_ms": quantile(s, 0.5, "round"), "p95_ms": quantile(s, 0.95, "round"),
             "mean_ms": sum(s) / len(s), "min_ms": s[0], "max_ms": s[-1],
             "samples_ms": [round(x, 6) for x in kept], "samples_thinned": len(kept) < len(samples)}
 
@@ -106,7 +98,7 @@ def pad_to(start: tuple[float, float], phase: dict[str, Any], tag: str, pace: st
     kept to compare runs. none: no padding."""
     if pace == "none":
         return
-    import cpu_kernels
+    from bench.workload import cpu_kernels
     if pace == "wall":
         end = start[0] + float(phase.get("expect_s", 0.0))
         left = end - time.perf_counter()
@@ -135,11 +127,11 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
     tag = ph["compile"].get("tag") or f"{line['session']}-{line['order']}"
     m0 = mark()
     t0 = m0[0]
-    import cpu_kernels as K_cpu
+    from bench.workload import cpu_kernels as K_cpu
     K: Any = K_cpu
     compiled: list[Any] = []
     if gpu:
-        import gpu_kernels
+        from bench.workload import gpu_kernels
         K = gpu_kernels
         g = ph["compile"].get("gpu") or {}
         compiled = K.compile_fresh(tag, int(g.get("count", 1)), g.get("compile", "triton"))
@@ -150,7 +142,7 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
     m0 = mark()
     t0 = m0[0]
     if kernel["kind"] == "suite":
-        import suites
+        from bench import suites
         fn, check = suites.make_callable(kernel["source"], gpu, seed)
     elif gpu:
         fn, check = K.make(kernel, seed, compiled)
@@ -243,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     m0 = mark()
     t0 = m0[0]
-    from trace_format import validate_line
+    from bench.trace_format import validate_line
     if a.isolated:
         lines = [json.loads(x) for x in Path(a.isolated).read_text().splitlines() if x.strip()]
     else:
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = _use_gpu()
     modules = lines[0]["phases"]["import"].get("modules", [])
     imported = _imports(gpu, modules)
-    import cpu_kernels
+    from bench.workload import cpu_kernels
     cpu_kernels.host_work(float(lines[0]["phases"]["import"].get("cpu_s", 0.0)), "import")
     pace = a.pace
     import_padded: dict[str, float] = {}

@@ -72,14 +72,14 @@ def compile_fresh(tag: str, count: int, how: str = "triton") -> list[tuple[Calla
             path = _SRC_DIR / f"k_{abs(hash((tag, i)))}_{i}.py"
             path.write_text(_TRITON_SRC.format(const=repr(c)))
             spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
-            assert spec.loader is not None
             spec.loader.exec_module(mod)
             kern = mod.scale_add
 
-            def launch(x: Any, y: Any, kern: Any = kern) -> None:
+            def launch(x: Any, y: Any, f: Any = kern) -> None:
                 n = x.numel()
-                kern[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+                f[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
             launch(small, torch.empty_like(small))
         out.append((launch, c))
     sync()

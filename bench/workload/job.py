@@ -34,11 +34,26 @@ import os
 import random
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
-# Its modules sit beside it (a pool worker running it as __main__ may not put its folder first)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+def _beside(name: str) -> types.ModuleType:
+    """A module uploaded beside this script, loaded from this folder by path (a pool worker running
+    the script as __main__ may not put its folder on sys.path); registered so that the others'
+    `from jobutil import ...` finds it."""
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+for _name in ("bench_stats", "jobutil", "job_kb"):  # each after the ones it imports
+    _beside(_name)
 from job_kb import kb_cpu, kb_gpu, kb_timing  # noqa: E402
 from jobutil import host_protocol, region, report_of, summary, wrapped  # noqa: E402
 
@@ -133,7 +148,7 @@ def triton_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
 
 
 def atrex_job(spec: dict[str, Any], gpu: bool, times: dict[str, float]) -> dict[str, Any]:
-    import suites  # uploaded beside this file: bench/suites.py
+    suites: Any = _beside("suites")  # bench/suites.py, uploaded beside this file
     t0 = time.perf_counter()
     fn, check = suites.make_callable(spec["source"], gpu, spec.get("seed", 1))
     if gpu:

@@ -1,5 +1,6 @@
 """Helpers the job script's modules share (bench/workload/job.py): regions, summaries, the host
-timing protocol and output comparison. Standard library only."""
+timing protocol and output comparison. Standard library only (and bench_stats.py, uploaded
+beside it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import math
 import time
 from collections.abc import Callable
 from typing import Any
+
+# bench/harness/stats.py, uploaded beside the job as bench_stats.py (bench/jobs_sets.py)
+from bench_stats import quantile
 
 TRIAL_FLUSH_BYTES = 4 << 20  # the cpu protocol's stand-in for KernelBench's 256 MB L2 flush
 
@@ -34,13 +38,9 @@ def report_of(r: Any) -> dict[str, Any] | None:
             if hasattr(rep, k)}
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
-
-
 def summary(samples: list[float]) -> dict[str, Any]:
-    return {"n": len(samples), "median_ms": pct(samples, 0.5), "p95_ms": pct(samples, 0.95),
+    return {"n": len(samples), "median_ms": quantile(samples, 0.5, "round"),
+            "p95_ms": quantile(samples, 0.95, "round"),
             "min_ms": min(samples), "max_ms": max(samples),
             "samples_ms": [round(x, 6) for x in samples[:2000]]}
 

@@ -149,7 +149,7 @@ def next_steps() -> str:
                                      "puts it on PATH):", 1)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.exists(os.path.join(root, "bench", "replay.py")):
-        return text[:text.index("  PYTHON bench/replay.py")].rstrip()
+        return text[:text.index("  PYTHON -m bench.replay")].rstrip()
     py = os.path.relpath(sys.executable)
     return text.replace("PYTHON", "python" if py.startswith("..") else py)
 
@@ -160,7 +160,7 @@ NEXT = """next:
   krex run -- python bench.py          run a command under it; wrap its timed loop in
                                        `with region("timing"):` (README, "The region API")
   krex status --watch / krex trace     what runs and what is frozen; live events
-  PYTHON bench/replay.py --profile quick --seed 1 --out /tmp/quick.json
+  PYTHON -m bench.replay --profile quick --seed 1 --out /tmp/quick.json
                                        the three policies side by side on a replayed agent trace"""
 
 

@@ -11,7 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-sys.path.insert(0, str(BENCH))
 
 
 def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import gen_trace
-from trace_format import METHODS
-
+from bench import gen_trace
+from bench.trace_format import METHODS
 from tests.bench.conftest import ROOT, run_script
 
 
@@ -34,7 +33,7 @@ def test_one_command_per_method_standalone() -> None:
         seen.setdefault(line["phases"]["timing"]["method"], line)
     assert set(seen) == set(METHODS)
     for method, line in seen.items():
-        p = run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(line))
+        p = run_script("-m", "bench.workload.agent_cmd", "--spec", json.dumps(line))
         (res,) = _results(p.stdout)
         t = res["timing"]
         assert res["check"]["ok"] and res["device"] == "cpu" and res["method"] == method
@@ -52,8 +51,8 @@ def test_host_work_scales_with_cpu_s() -> None:
     slow = json.loads(json.dumps(line))
     slow["phases"]["compile"]["cpu_s"] = 0.6
     line["phases"]["compile"]["cpu_s"] = 0.0
-    fast_s = _results(run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(line)).stdout)[0]
-    slow_s = _results(run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(slow)).stdout)[0]
+    fast_s = _results(run_script("-m", "bench.workload.agent_cmd", "--spec", json.dumps(line)).stdout)[0]
+    slow_s = _results(run_script("-m", "bench.workload.agent_cmd", "--spec", json.dumps(slow)).stdout)[0]
     assert slow_s["phases_s"]["compile"] > fast_s["phases_s"]["compile"] + 0.2
 
 
@@ -62,8 +61,8 @@ def test_pace_trace_makes_each_phase_last_its_expected_time() -> None:
     for name, want in (("import", 0.9), ("compile", 0.7), ("inputs", 0.4), ("check", 0.5)):
         line["phases"][name]["expect_s"] = want
         line["phases"][name]["cpu_s"] = 0.0
-    plain = _results(run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(line)).stdout)[0]
-    paced = _results(run_script("bench/workload/agent_cmd.py", "--pace", "trace", "--spec",
+    plain = _results(run_script("-m", "bench.workload.agent_cmd", "--spec", json.dumps(line)).stdout)[0]
+    paced = _results(run_script("-m", "bench.workload.agent_cmd", "--pace", "trace", "--spec",
                                 json.dumps(line)).stdout)[0]
     assert plain["padded_s"] == {}
     for name in ("import", "compile", "inputs", "check"):
@@ -83,7 +82,7 @@ def _paced_import(pace: str, stop_after: float, stop_for: float) -> dict:
     line["phases"]["import"]["cpu_s"] = 0.0
     e = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     e.update({"KREX_BENCH_DEVICE": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    p = subprocess.Popen([sys.executable, "bench/workload/agent_cmd.py", "--pace", pace, "--spec",
+    p = subprocess.Popen([sys.executable, "-m", "bench.workload.agent_cmd", "--pace", pace, "--spec",
                           json.dumps(line)], cwd=ROOT, env=e, stdout=subprocess.PIPE, text=True)
     if stop_for:
         time.sleep(stop_after)
@@ -110,7 +109,7 @@ def test_pace_never_cuts_a_phase_that_ran_longer() -> None:
     line = _lines(1)[0]
     line["phases"]["compile"]["cpu_s"] = 0.6
     line["phases"]["compile"]["expect_s"] = 0.05
-    paced = _results(run_script("bench/workload/agent_cmd.py", "--pace", "trace", "--spec",
+    paced = _results(run_script("-m", "bench.workload.agent_cmd", "--pace", "trace", "--spec",
                                 json.dumps(line)).stdout)[0]
     # 0.6 nominal s of host work: well past the 0.05 s expected on any machine (0.28 s here)
     assert paced["phases_s"]["compile"] > 0.1 and "compile" not in paced["padded_s"]
@@ -122,11 +121,12 @@ def test_isolated_mode_times_each_kernel_per_repeat(tmp_path: Path) -> None:
     pick = list(two.values())[:2]
     f = tmp_path / "k.jsonl"
     f.write_text("".join(json.dumps(c) + "\n" for c in pick))
-    res = _results(run_script("bench/workload/agent_cmd.py", "--isolated", str(f), "--repeats", "2").stdout)
+    res = _results(run_script("-m", "bench.workload.agent_cmd", "--isolated", str(f), "--repeats",
+                              "2").stdout)
     assert [(r["key"], r["repeat"]) for r in res] == [
         (f"{c['kernel']['id']}|{c['phases']['timing']['method']}", rep) for rep in (0, 1) for c in pick]
 
 
 def test_bad_spec_exits_2() -> None:
-    p = run_script("bench/workload/agent_cmd.py", "--spec", '{"v": 1}', check=False)
+    p = run_script("-m", "bench.workload.agent_cmd", "--spec", '{"v": 1}', check=False)
     assert p.returncode == 2 and "bad spec" in p.stderr

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-import analysis
-from trace_format import bucket_of
+from bench import analysis
+from bench.trace_format import bucket_of
 
 
 def test_pct_interpolates() -> None:

@@ -7,10 +7,10 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-import gen_trace
 import pytest
-from trace_format import BUCKETS, PHASES, read_trace, validate_line
 
+from bench import gen_trace
+from bench.trace_format import BUCKETS, PHASES, read_trace, validate_line
 from tests.bench.conftest import run_script
 
 PROFILES = sorted(p.stem for p in (Path(gen_trace.__file__).parent / "profiles").glob("*.json"))
@@ -20,7 +20,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
     outs = []
     for i, seed in enumerate((7, 7, 8)):
         out = tmp_path / f"t{i}.jsonl"
-        run_script("bench/gen_trace.py", "--profile", "default", "--sessions", "12", "--seed", str(seed),
+        run_script("-m", "bench.gen_trace", "--profile", "default", "--sessions", "12", "--seed", str(seed),
                    "-o", str(out))
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
@@ -38,7 +38,7 @@ def test_every_profile_generates_valid_lines(name: str) -> None:
         assert validate_line(line) == []
         assert set(line["phases"]) == set(PHASES)
         assert line["target"] == prof["target"]
-    for cmds in (lambda by: by.values())(__import__("trace_format").sessions(lines)):
+    for cmds in (lambda by: by.values())(__import__("bench.trace_format").trace_format.sessions(lines)):
         assert [c["order"] for c in cmds] == list(range(len(cmds)))
 
 
@@ -86,7 +86,7 @@ def test_read_trace_rejects_a_bad_line(tmp_path: Path) -> None:
 
 
 def test_replay_plan_runs_nothing_and_sizes_the_trace(tmp_path: Path) -> None:
-    p = run_script("bench/replay.py", "--profile", "gpu-10min", "--seed", "2", "--cores", "16", "--plan",
+    p = run_script("-m", "bench.replay", "--profile", "gpu-10min", "--seed", "2", "--cores", "16", "--plan",
                    "--out", str(tmp_path / "x.json"))
     plan = json.loads(p.stdout)
     assert plan["commands"] == 40 and plan["concurrency"] == 40

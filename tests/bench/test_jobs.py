@@ -4,6 +4,7 @@ written here (tests/bench/kb_fixture.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -14,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jobs
-import jobs_report
-import jobs_sets
 import pytest
 
+from bench import jobs, jobs_report, jobs_sets
+from bench.harness import stack
+from bench.harness.output import read_json
 from tests.bench.conftest import ROOT, run_script
 from tests.bench.kb_fixture import write_atrex, write_kernelbench
 
@@ -51,14 +52,14 @@ def test_default_variants_follow_what_the_daemon_offers() -> None:
 def test_gateway_token_found_where_a_gateway_leaves_it(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KREX_GATEWAY_TOKEN", raising=False)
-    assert jobs.gateway_token(tmp_path, None) is None
+    assert stack.gateway_token(tmp_path, None) is None
     (tmp_path / "api-token").write_text("from-file\n")
-    assert jobs.gateway_token(tmp_path, None) == "from-file"
+    assert stack.gateway_token(tmp_path, None) == "from-file"
     (tmp_path / "gateway.json").write_text(json.dumps({"url": "u", "token": "from-json"}))
-    assert jobs.gateway_token(tmp_path, None) == "from-json"
+    assert stack.gateway_token(tmp_path, None) == "from-json"
     monkeypatch.setenv("KREX_GATEWAY_TOKEN", "from-env")
-    assert jobs.gateway_token(tmp_path, None) == "from-env"
-    assert jobs.gateway_token(tmp_path, "explicit") == "explicit"
+    assert stack.gateway_token(tmp_path, None) == "from-env"
+    assert stack.gateway_token(tmp_path, "explicit") == "explicit"
 
 
 def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
@@ -67,7 +68,7 @@ def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
                       (["--job-timeout", "900"], "at most 600"),
                       (["--kernelbench", str(tmp_path), "--device", "cpu"], "no KernelBench/level"),
                       (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'")):
-        p = run_script("bench/jobs.py", "--out", str(tmp_path / "o.json"), *args, check=False)
+        p = run_script("-m", "bench.jobs", "--out", str(tmp_path / "o.json"), *args, check=False)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     p = run_script("-m", "bench.jobs", "--width", "0", check=False)  # also runs as a module
     assert p.returncode == 2 and "must be positive" in p.stderr, p.stderr
@@ -214,13 +215,97 @@ def suites() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _cpu_job(key: str) -> jobs_sets.Job:
+    return jobs_sets.Job({"kind": "cpu", "key": key, "device": "cpu"})
+
+
+def _alone(seconds: dict[str, float], wall: float | None = None) -> dict[str, Any]:
+    lines = [{"key": k, "phases_s": {"import": 1.0, "timing": s - 1.0},
+              "timing": {"median_ms": 1.0, "p95_ms": 1.0}} for k, s in seconds.items()]
+    rnd: dict[str, Any] = {"round": "alone-1", "jobs": [{"ok": True, "end_s": 20.0, "lines": lines}]}
+    if wall is not None:
+        rnd["wall_s"] = wall
+    return rnd
+
+
+def test_defaults_budget_one_accelerator_call(tmp_path: Path) -> None:
+    a = jobs.parse_args(["--device", "cpu", "--out", str(tmp_path / "o.json")])
+    assert (a.alone_rounds, a.command_jobs, a.budget_s) == (2, "distinct", jobs.DEFAULT_BUDGET_S)
+    assert jobs.DEFAULT_BUDGET_S <= 560  # a 10-minute call, with start-up and the report around it
+    assert jobs.parse_args(["--device", "cpu", "--out", str(tmp_path / "o.json"),
+                            "--budget-s", "0"]).budget_s == 0
+    # the alone rounds bracket the variants: two are one before, one after the last
+    assert jobs.alone_slots(6, 2) == {0, 6}
+    assert jobs.alone_slots(6, 3) == {0, 3, 6}
+    assert jobs.alone_slots(6, 1) == {0}
+
+
+def test_command_runs_one_copy_of_each_distinct_job_and_says_so() -> None:
+    js = [_cpu_job(k) for k in ("a", "b", "a", "c", "b")]
+    cmd, region = jobs.parse_variant("command"), jobs.parse_variant("region")
+    assert [j.key for j in jobs.pass_jobs(cmd, js, "distinct")] == ["a", "b", "c"]
+    assert len(jobs.pass_jobs(cmd, js, "all")) == 5 and len(jobs.pass_jobs(region, js, "distinct")) == 5
+    rec = {"keys": ["a"], "ok": True, "lines": [], "regions": [], "krex": {}}
+    data = {"alone": [], "skipped": {}, "passes": {
+        "command": {"policy": "command", "args": [], "makespan_s": 30.0, "jobs": [rec] * 3,
+                    "subset": {"rule": "distinct", "jobs": 3, "of": 5}},
+        "region": {"policy": "region", "args": [], "makespan_s": 10.0, "jobs": [rec] * 5}}}
+    s = jobs_report.summarise(data)
+    assert s["variants"]["command"]["jobs_per_min"] == 6.0  # 3 jobs in 30 s: measured on the subset
+    assert s["ratios"]["region"]["vs_command"] == 5.0
+    assert "command ran 3 of the 5 jobs, one of each distinct job" in jobs_report.table(s)
+
+
+def test_budget_plans_each_pass_from_what_was_measured() -> None:
+    js = [_cpu_job(k) for k in ("a", "b", "c", "d")] * 2
+    data: dict[str, Any] = {"alone": [_alone({"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}, wall=110.0)],
+                            "passes": {}, "skipped": {}}
+    cmd, shared = jobs.parse_variant("command"), jobs.parse_variant("shared")
+    # before any pass: alone seconds (each job its own import), serial under command
+    assert jobs.estimate_s(cmd, data, js, 4, "distinct") == 100.0 + 4 * jobs.JOB_OVERHEAD_S + jobs.STACK_S
+    assert jobs.estimate_s(cmd, data, js, 4, "all") == 200.0 + 8 * jobs.JOB_OVERHEAD_S + jobs.STACK_S
+    assert jobs.estimate_s(shared, data, js, 4) == 200.0 / 4 * jobs.CONCURRENT_SLACK + jobs.STACK_S
+    # after a concurrent pass: the slowest one measured, and the stacks' measured start and stop
+    data["passes"]["region"] = {"policy": "region", "makespan_s": 70.0, "wall_s": 73.0, "jobs": []}
+    assert jobs.estimate_s(shared, data, js, 4) == 73.0
+    assert jobs.stack_seconds(data) == 3.0
+    assert jobs.estimate_s(cmd, data, js, 4, "distinct") == 100.0 + 4 * jobs.JOB_OVERHEAD_S + 3.0
+    a = argparse.Namespace(budget_s=400.0, width=4, command_jobs="distinct")
+    # 107 s of command and 121 s kept for the last alone round (the longest measured, +10%)
+    assert jobs.plan_variant(cmd, data, js, a, 400.0 - 228.5, True) is None
+    why = jobs.plan_variant(cmd, data, js, a, 400.0 - 227.5, True)
+    assert why is not None and "107 s needed" in why and "121 s kept for the last alone round" in why
+    assert jobs.plan_variant(cmd, data, js, a, 400.0 - 227.5, False) is None  # no round after it
+    assert jobs.plan_variant(cmd, data, js, argparse.Namespace(budget_s=None, width=4,
+                                                               command_jobs="distinct"), 1e9, True) is None
+
+
+def test_budget_would_have_kept_the_recorded_h200_run_in_one_call() -> None:
+    """The recorded run (RESULTS.md section 0) ran its full command pass (199 s) at 242 s into a
+    540 s budget and overran it: planned from its own measurements, the full pass is skipped and
+    one copy of each job fits with the last alone round."""
+    d = read_json(ROOT / "bench" / "results" / "h200-jobs-s9.json.gz")
+    keys = d["config"]["keys"]
+    js = [jobs_sets.Job({"kind": "kernelbench", "key": k}) for k in keys for _ in range(2)]
+    data = {"alone": d["alone"][:1], "skipped": {},
+            "passes": {k: v for k, v in d["passes"].items() if k != "command"}}
+    elapsed = d["alone"][0]["jobs"][0]["end_s"] + sum(p["wall_s"] for p in data["passes"].values())
+    cmd = jobs.parse_variant("command")
+    full = argparse.Namespace(budget_s=540.0, width=8, command_jobs="all")
+    assert jobs.estimate_s(cmd, data, js, 8, "all") >= d["passes"]["command"]["wall_s"]
+    assert jobs.plan_variant(cmd, data, js, full, elapsed, True) is not None
+    assert jobs.plan_variant(cmd, data, js, argparse.Namespace(budget_s=540.0, width=8,
+                                                               command_jobs="distinct"),
+                             elapsed, True) is None
+
+
 @pytest.mark.slow
 def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path, suites: Path) -> None:
     kb = write_kernelbench(suites / "kb")
     atrex = write_atrex(suites / "atrex")
     out = tmp_path / "r" / "jobs.json"
-    before = set(Path("/tmp").glob("krex-jobs-*"))
-    p = run_script("bench/jobs.py", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
+    before = set(Path("/tmp").glob("krex-jobs-*"))  # the stacks' directories (jobs.stack)
+    p = run_script("-m", "bench.jobs", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
                    "--set", "tiny", "--device", "cpu", "--width", "4", "--alone-rounds", "2",
                    "--variants", "region:--freeze all", "region-bad:--no-such-flag", "shared", "command",
                    "--out", str(out), timeout=400)

@@ -17,11 +17,11 @@ V2 = cgroup2_root()
 
 
 @pytest.mark.parametrize("args, says", [
-    (["bench/freeze_floor.py", "--root", "/tmp"], "not a cgroup v2 directory"),
-    (["bench/wakeup.py", "--pairs", "0:x"], "expected a:b"),
-    (["bench/wakeup.py", "--pairs", "0:4096"], "CPUs must be pairs"),
-    (["bench/wakeup.py", "--rounds", "3"], "at least 10"),
-    (["bench/replay.py", "--repeats", "0", "--plan"], "--repeats must be at least 1"),
+    (["-m", "bench.freeze_floor", "--root", "/tmp"], "not a cgroup v2 directory"),
+    (["-m", "bench.wakeup", "--pairs", "0:x"], "expected a:b"),
+    (["-m", "bench.wakeup", "--pairs", "0:4096"], "CPUs must be pairs"),
+    (["-m", "bench.wakeup", "--rounds", "3"], "at least 10"),
+    (["-m", "bench.replay", "--repeats", "0", "--plan"], "--repeats must be at least 1"),
 ])
 def test_bad_arguments_are_refused_by_name(args: list[str], says: str) -> None:
     p = run_script(*args, check=False)
@@ -32,7 +32,7 @@ def test_wakeup_measures_every_pair(tmp_path: Path) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs")
     out = tmp_path / "w.json"
-    run_script("bench/wakeup.py", "--rounds", "50", "--json", str(out))
+    run_script("-m", "bench.wakeup", "--rounds", "50", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(0 < r["wake_p50_us"] <= r["wake_p99_us"] <= r["wake_max_us"] for r in rows)
 
@@ -42,7 +42,7 @@ def test_freeze_floor_freezes_and_cleans_up(tmp_path: Path) -> None:
         pytest.skip("needs root and a writable cgroup v2 hierarchy")
     before = set(os.listdir(V2))
     out = tmp_path / "f.json"
-    run_script("bench/freeze_floor.py", "--root", V2, "--groups", "2", "--rounds", "5",
+    run_script("-m", "bench.freeze_floor", "--root", V2, "--groups", "2", "--rounds", "5",
                "--json", str(out), timeout=60)
     row = json.loads(out.read_text())
     assert row["groups"] == 2 and 0 < row["writes_p50_us"] <= row["frozen_p50_us"]

@@ -21,8 +21,7 @@ def test_inflation_axis_is_symlog(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     pytest.importorskip("matplotlib", reason="pip install -e '.[bench]'")
     import matplotlib.axes
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import plot
+    from bench import plot
 
     scales: list[str] = []
     real = matplotlib.axes.Axes.set_xscale

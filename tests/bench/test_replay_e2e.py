@@ -37,7 +37,7 @@ def test_two_sessions_all_policies(tmp_path: Path) -> None:
         "timing": {"min_reps": 5, "max_reps": 40, "warmup_ms": 2},
         "phases": {n: {"expect_s": 0.05, "cpu_s": 0.02} for n in ("import", "compile", "inputs", "check")}}))
     out = tmp_path / "res" / "tiny.json"
-    p = run_script("bench/replay.py", "--profile", str(prof), "--seed", "5", "--think-scale", "0.05",
+    p = run_script("-m", "bench.replay", "--profile", str(prof), "--seed", "5", "--think-scale", "0.05",
                    "--repeats", "1", "--out", str(out), timeout=120,
                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert "throughput region/command" in p.stdout

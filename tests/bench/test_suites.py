@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gen_trace
 import pytest
-import suites
-from trace_format import validate_line
 
+from bench import gen_trace, suites
+from bench.trace_format import validate_line
 from tests.bench.conftest import run_script
 
 # Plain-Python models, so the problems run on the cpu device without torch.
@@ -87,12 +86,12 @@ def test_atrex_listing(tmp_path: Path) -> None:
 def test_suite_commands_load_check_and_time(tmp_path: Path, suite: str) -> None:
     root = (write_kernelbench if suite == "kernelbench" else write_atrex)(tmp_path / "ck")
     out = tmp_path / "t.jsonl"
-    run_script("bench/gen_trace.py", "--profile", "quick", "--sessions", "4", "--seed", "2",
+    run_script("-m", "bench.gen_trace", "--profile", "quick", "--sessions", "4", "--seed", "2",
                "--suite", suite, "--suite-path", str(root), "-o", str(out))
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert all(validate_line(c) == [] and c["kernel"]["kind"] == "suite" for c in lines)
     assert all(c["kernel"]["source"]["suite"] == suite for c in lines)
-    p = run_script("bench/workload/agent_cmd.py", "--spec", json.dumps(lines[0]))
+    p = run_script("-m", "bench.workload.agent_cmd", "--spec", json.dumps(lines[0]))
     res = json.loads(p.stdout.splitlines()[-1])
     assert res["check"]["ok"] and res["timing"]["median_ms"] > 0
     assert res["kernel"] == lines[0]["kernel"]["id"]
@@ -110,7 +109,7 @@ def test_suite_check_fails_for_a_nondeterministic_reference(tmp_path: Path) -> N
 
 
 def test_generator_needs_suite_path() -> None:
-    p = run_script("bench/gen_trace.py", "--suite", "atrex", check=False)
+    p = run_script("-m", "bench.gen_trace", "--suite", "atrex", check=False)
     assert p.returncode == 2 and "--suite-path" in p.stderr
     with pytest.raises(ValueError):
         gen_trace.generate(gen_trace.load_profile("quick"), 2, 0, suite_kernels=[])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gen_trace
 import pytest
 
+from bench import gen_trace
 from tests.bench.conftest import run_script
 
 torch = pytest.importorskip("torch", reason="torch is not installed here")
@@ -43,7 +43,7 @@ def get_init_inputs():
 def _run(lines: list[dict], tmp_path: Path) -> list[dict]:
     f = tmp_path / "k.jsonl"
     f.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    p = run_script("bench/workload/agent_cmd.py", "--isolated", str(f), timeout=120,
+    p = run_script("-m", "bench.workload.agent_cmd", "--isolated", str(f), timeout=120,
                    env={"KREX_BENCH_DEVICE": "", "KREX_BENCH_TORCH_DEVICE": "cpu"})
     return [json.loads(x) for x in p.stdout.splitlines() if '"krex_bench"' in x]
 
@@ -71,7 +71,7 @@ def test_kernelbench_torch_problem(tmp_path: Path) -> None:
     lvl.mkdir(parents=True)
     (lvl / "3_LinearRelu.py").write_text(KB_TORCH)
     out = tmp_path / "t.jsonl"
-    run_script("bench/gen_trace.py", "--profile", "default", "--sessions", "1", "--suite", "kernelbench",
+    run_script("-m", "bench.gen_trace", "--profile", "default", "--sessions", "1", "--suite", "kernelbench",
                "--suite-path", str(tmp_path / "kb"), "-o", str(out))
     line = json.loads(out.read_text().splitlines()[0])
     line["phases"]["compile"]["gpu"]["count"] = 0

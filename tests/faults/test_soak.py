@@ -18,8 +18,8 @@ from ..conftest import PY, ROOT, py_env
 
 @pytest.mark.slow
 def test_soak_short_form():
-    p = subprocess.run([PY, str(ROOT / "bench" / "soak.py"), "--agents", "64", "--seconds", "8",
-                        "--grace", "60", "--stall", "20"], env=py_env(), capture_output=True,
+    p = subprocess.run([PY, "-m", "bench.soak", "--agents", "64", "--seconds", "8",
+                        "--grace", "60", "--stall", "20"], env=py_env(), capture_output=True, cwd=ROOT,
                        text=True, timeout=240)
     print(p.stdout)
     assert p.returncode == 0, p.stdout + p.stderr

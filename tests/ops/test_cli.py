@@ -136,12 +136,12 @@ def test_readme_region_example_runs_in_and_out_of_krex(tmp_path: Path) -> None:
 
 def test_bench_analysis_usage() -> None:
     for args in ([], ["--help"]):
-        p = subprocess.run([PY, "bench/analysis.py", *args], capture_output=True, cwd=ROOT,
+        p = subprocess.run([PY, "-m", "bench.analysis", *args], capture_output=True, cwd=ROOT,
                            timeout=60)
         no_traceback(p)
         assert b"usage:" in p.stdout + p.stderr
         assert p.returncode == (0 if args else 2)
-    missing = subprocess.run([PY, "bench/analysis.py", "/nonexistent.json"], capture_output=True,
+    missing = subprocess.run([PY, "-m", "bench.analysis", "/nonexistent.json"], capture_output=True,
                              cwd=ROOT, timeout=60)
     no_traceback(missing)
     assert missing.returncode == 2 and b"/nonexistent.json" in missing.stderr

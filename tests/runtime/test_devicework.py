@@ -45,7 +45,7 @@ def test_idle_check_kernel_is_built_once_ahead_and_never_creates_a_context() -> 
     """ready_probe() builds the idle check's kernel once per process (its first run loads GEMM code:
     120-160 ms that regions paid on the H200), only where the process already uses the device, and
     idle_verify() then reuses it. torch here is a recording stand-in: the GPU cost itself is
-    measured by bench/replay.py on the accelerator."""
+    measured by bench.replay on the accelerator."""
     code = '''
 import sys, types
 from krex_async.runtime import devicework as d

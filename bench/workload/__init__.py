@@ -1,0 +1,1 @@
+"""Child programs the benchmarks run: agent commands, region loops, the gateway job."""
