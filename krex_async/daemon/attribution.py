@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from krex_async import logs
 from krex_async.linux import procfs
@@ -99,6 +99,10 @@ class Attributor:
 
     def command_ended(self, cmd: Command) -> None:
         self.mapper.remove(cmd.id)
+
+    def describe(self) -> dict[str, Any]:
+        """What the probe backend says of itself (the launch probe: its scope, processes probed)."""
+        return self.backend.describe()
 
     def command_of(self, ev: ProbeEvent | int) -> Command | None:
         if isinstance(ev, int):

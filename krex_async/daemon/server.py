@@ -218,7 +218,7 @@ class Connection:
         return self.send(msg)
 
     async def _status(self, req_id: int) -> None:
-        status = await self.server.daemon.status_live()
+        status = await self.server.daemon.status.live()
         if not self.admin:
             status = visible_status(status, self.uid)
         self.send(P.StatusReply(id=req_id, status=status))
@@ -577,7 +577,7 @@ async def serve(config: ServeConfig) -> int:
         except (MetricsUnavailable, ValueError, OSError) as e:
             raise SystemExit(f"krex: --metrics {cfg.metrics}: {e}") from None
         log.info("metrics_serving", address=f"http://{host}:{port}/metrics")
-        daemon.track(asyncio.get_running_loop().create_task(daemon.sample_metrics(),
+        daemon.track(asyncio.get_running_loop().create_task(daemon.status.sample_metrics(),
                                                             name="metrics-sampler"))
     from krex_async import __version__
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import tomllib
 from pathlib import Path
@@ -31,14 +30,16 @@ def test_inflation_axis_is_symlog(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         real(self, value, **kw)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_xscale", record)
-    newest = sorted((ROOT / "bench/results").glob("h200-replay-*.json"))[-1]
-    paths = plot.plot(json.loads(newest.read_text()), tmp_path, "x")
+    from bench.harness.output import read_json
+
+    newest = sorted((ROOT / "bench/results").glob("h200-replay-*.json.gz"))[-1]
+    paths = plot.plot(read_json(newest), tmp_path, "x")
     assert [p.name for p in paths] == ["x-throughput.png", "x-inflation-cdf.png"]
     assert scales and set(scales) == {"symlog"}
 
 
 def test_plot_usage_errors(tmp_path: Path) -> None:
     import subprocess
-    p = subprocess.run([sys.executable, str(ROOT / "bench/plot.py"), str(tmp_path / "no.json")],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "bench.plot", str(tmp_path / "no.json")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "no.json" in p.stderr
