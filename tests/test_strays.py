@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,15 @@ if len(sys.argv) > 3:  # linger, so that the daemon can read who it was
     import time
     time.sleep(float(sys.argv[3]))
 """
+
+
+async def entered(marker: Path) -> None:
+    """Until the owner has written `marker` inside its region."""
+    deadline = time.monotonic() + 20
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the owner never entered its region"
+        await asyncio.sleep(0.02)
+
 
 
 @pytest.fixture
@@ -69,10 +79,7 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
                           "--freeze", "device-holders") as d:
         async with await d.client() as c:
             h = await c.submit([PY, owner], env=py_env())
-            deadline = time.monotonic() + 20
-            while not marker.exists():
-                assert time.monotonic() < deadline, "the owner never entered its region"
-                await asyncio.sleep(0.02)
+            await entered(marker)
             # A process outside krex touches the device during the region.
             outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "7", "0.5"],
                                               capture_output=True, text=True, timeout=30)
@@ -139,10 +146,7 @@ async def test_a_sibling_opening_the_device_repeatedly_is_frozen_once(device, sc
                           "--freeze", "device-holders") as d:
         async with await d.client() as c:
             h = await c.submit([PY, owner], env=py_env())
-            deadline = time.monotonic() + 20
-            while not marker.exists():
-                assert time.monotonic() < deadline, "the owner never entered its region"
-                await asyncio.sleep(0.02)
+            await entered(marker)
             sib = await c.submit(["/bin/sh", "-c", burst], env=py_env())
             res = await h.wait()
             await sib.cancel(9)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from .conftest import PY, py_env, run_daemon
-from .test_strays import device  # noqa: F401  (the fixture: a watched private device node)
+from .test_strays import device, entered  # noqa: F401  (the fixture: a watched private device node)
 
 
 async def test_trace_stream_and_timeline(script):
@@ -133,7 +133,6 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
     its region carry the region; a --no-probes subscriber gets the stray but no plain probe events."""
     import os
     import subprocess
-    import time
 
     from .test_strays import IOCTLS
 
@@ -165,10 +164,7 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
                      asyncio.create_task(watch(quiet, "quiet", False))]
             await asyncio.sleep(0.3)
             h = await c.submit([PY, owner], env=py_env())
-            deadline = time.monotonic() + 20
-            while not marker.exists():
-                assert time.monotonic() < deadline, "the owner never entered its region"
-                await asyncio.sleep(0.02)
+            await entered(marker)
             outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "3"],
                                               capture_output=True, text=True, timeout=30)
             res = await h.wait()
