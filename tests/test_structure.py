@@ -3,6 +3,7 @@ values at its edges (policy and command state as enums, comma lists split once).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,23 @@ def test_comma_separated_options_are_split_once_in_config() -> None:
     assert cfg.pool_init_list == []
     assert cfg.probe_prefix_list == []
     assert cfg.launch_lib_list == ["/a.so", "/b.so"]
+
+
+def test_readme_layout_names_every_part_and_nothing_else() -> None:
+    """README's layout section matches the tree: every top-level module and package of krex_async is
+    named, and every file or folder the section names exists (in the package, or at the root)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```\nkrex_async/\n")
+    block = text[start + 4:text.index("```", start + 4)]
+    pkg = ROOT / "krex_async"
+    top = {p.name + ("/" if p.is_dir() else "") for p in pkg.iterdir()
+           if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py")}
+    named = set(re.findall(r"(?<![\w/.])([a-z_]+(?:\.py|/))(?![\w/])", block))
+    missing = sorted(n for n in top if n not in named)
+    assert not missing, f"README's layout does not name {missing}"
+    exists = {p.name for p in pkg.rglob("*.py")} | {p.name + "/" for p in pkg.rglob("*") if p.is_dir()}
+    exists |= {p.name + ("/" if p.is_dir() else "") for p in ROOT.iterdir()}
+    exists |= {p.name for p in (ROOT / "scripts").iterdir()}
+    exists |= {p.name + "/" for p in (ROOT / "bench").iterdir() if p.is_dir()}
+    unknown = sorted(n for n in named if n not in exists)
+    assert not unknown, f"README's layout names what is not in the tree: {unknown}"
