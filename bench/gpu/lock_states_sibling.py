@@ -231,7 +231,7 @@ class Cuda:
             return rc
         scale = target_ms / 1000 / max(probe_s, 1e-4)
         if scale >= 1:
-            funcs = max(1, min(4000, round(funcs * scale)))
+            funcs = max(1, min(400, round(funcs * scale)))  # 400: ~7 MB of PTX, seconds of JIT
         else:
             funcs, body = 1, max(20, round(body * funcs * scale))
         rc, dt, buf = timed(funcs, body)

@@ -5,6 +5,11 @@ created, TIMEOUT on a call in flight with a short timeout, a lock on an idle pro
 from __future__ import annotations
 
 import json
+import mmap
+import shutil
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +94,79 @@ def test_dry_run_against_the_fake_driver(tmp_path: Path) -> None:
             "teardown-exit", "teardown-release"} <= {a["target"] for a in data["attempts"]}
     assert data["scenarios"]["torch"]["skipped"]
     assert (out / "check_lock_states.txt").read_text().count("VERDICT") == 1
+
+
+# A libcuda stand-in for the sibling's real (not dry-run) op paths: every handle and device pointer
+# is above 4 GiB (a pointer passed without argtypes would be truncated), and each call checks and
+# logs what it was given, so the ctypes plumbing the H200 will run is exercised here.
+ARGS_LIB = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+typedef unsigned long long u64;
+static FILE *logf_;
+static void lg(const char *fmt, u64 a, u64 b) {
+    if (!logf_) logf_ = fopen(getenv("FAKE_LOG"), "a");
+    fprintf(logf_, fmt, a, b); fputc('\n', logf_); fflush(logf_);
+}
+#define BASE 0x7f1200000000ULL
+int cuInit(unsigned f) { lg("init %llu %llu", f, 0); return 0; }
+int cuDeviceGet(int *d, int ord) { *d = ord; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)(BASE + 1); return 0; }
+int cuCtxSetCurrent(void *ctx) { return ctx == (void *)(BASE + 1) ? 0 : 1; }
+int cuMemGetInfo_v2(size_t *free, size_t *total) { *free = 2ULL << 30; *total = 4ULL << 30; return 0; }
+static u64 next = BASE + 0x1000;
+int cuMemAlloc_v2(u64 *p, size_t n) { *p = next; next += n; lg("alloc %llu %llu", *p, n); return 0; }
+int cuMemFree_v2(u64 p) { lg("free %llu %llu", p, 0); return p >= BASE ? 0 : 1; }
+int cuMemcpyHtoD_v2(u64 dst, const unsigned char *src, size_t n) {
+    lg("h2d %llu %llu", dst, n);
+    return (dst >= BASE && src[0] == 1 && src[n - 1] == 1) ? 0 : 1;
+}
+int cuModuleLoadData(void **mod, const char *image) {
+    if (strncmp(image, ".version", 8)) return 218;
+    *mod = (void *)(BASE + 2); lg("load %llu %llu", strlen(image), 0); return 0;
+}
+int cuModuleGetFunction(void **f, void *mod, const char *name) {
+    if (mod != (void *)(BASE + 2) || strcmp(name, "spin")) return 500;
+    *f = (void *)(BASE + 3); return 0;
+}
+int cuModuleUnload(void *mod) { return mod == (void *)(BASE + 2) ? 0 : 1; }
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shm, void *stream, void **params, void **extra) {
+    if (f != (void *)(BASE + 3) || gx != 1 || bx != 1 || stream || extra) return 1;
+    lg("launch %llu %llu", *(u64 *)params[0], 0); return 0;
+}
+int cuCtxSynchronize(void) { return 0; }
+int cuDevicePrimaryCtxRelease_v2(int dev) { lg("release %llu %llu", dev, 0); return 0; }
+"""
+
+
+def test_sibling_ops_pass_the_driver_what_it_expects(tmp_path: Path) -> None:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc missing")
+    (tmp_path / "args.c").write_text(ARGS_LIB)
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "args.c")], check=True)
+    shm = tmp_path / "shm"
+    shm.write_bytes(b"\0" * cls.sib.SIZE)
+    ops = ["init", "ctx", "alloc:1", "free", "hostbuf:0.01", "h2d", "spinmod", "bigptx:5", "module",
+           "unload", "spin:3", "sync", "alloc:64", "release", "exit"]
+    log = tmp_path / "calls.log"
+    p = subprocess.run([sys.executable, str(cls.SIBLING), str(shm), "ops",
+                        json.dumps([{"op": o, "gate": False} for o in ops]), "30"],
+                       env={"KREX_LIBCUDA": str(lib), "FAKE_LOG": str(log), "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with open(shm, "r+b") as f:
+        m = mmap.mmap(f.fileno(), cls.sib.SIZE)
+        recs = [struct.unpack_from("qqqq", m, cls.sib.HEADER + cls.sib.REC * i) for i in range(len(ops))]
+    assert [r[2] for r in recs[:-1]] == [0] * (len(ops) - 1), list(zip(ops, recs))
+    assert all(r[0] and r[1] >= r[0] for r in recs[:-1]) and recs[-1][0]  # exit: entered, never left
+    calls = log.read_text().splitlines()
+    assert "launch 3000000 0" in calls  # the spin kernel got its length in ns through kernelParams
+    allocs = [c for c in calls if c.startswith("alloc")]
+    assert allocs[0].endswith(str(1 << 30)) and allocs[-1].endswith(str(int((2 << 30) * 0.85)))
+    assert any(c.startswith("h2d") and c.endswith(str(int(0.01 * (1 << 30)))) for c in calls)
+    assert sum(c.startswith("load") for c in calls) >= 4  # spin, two calibration loads, the module
+    info = json.loads(p.stdout.strip().splitlines()[-1])["info"]
+    assert info["bigptx"]["funcs"] >= 1 and info["ptx_header"]
