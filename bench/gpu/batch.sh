@@ -29,7 +29,6 @@ batch_setup() {
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   rm -rf /tmp/krex && cp -a . /tmp/krex && chmod -R a+rX /tmp/krex /tmp/site && cd /tmp/krex || {
     echo "FAIL: copying the repo to /tmp/krex"; exit 1; }
-  mkdir -p /sys/fs/cgroup/krexbench 2>/dev/null  # an empty delegated cgroup for the replay's daemons
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,memory.used --format=csv,noheader \
     || echo "WARNING: nvidia-smi failed"
   export OUT=$res

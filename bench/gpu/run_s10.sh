@@ -46,6 +46,8 @@ case $call in
 3)
   batch_step atrex "${ATREX_TIMEOUT:-300}" python3 -m bench.gateway_profile_check \
     --atrex-bench-root .suites/atrex-bench --out "$res" ${ATREX_ARGS:-}
+  # an empty cgroup to delegate to the replay's daemons, as in earlier sessions
+  [ "${BATCH_DRY:-0}" = 1 ] || mkdir -p /sys/fs/cgroup/krexbench
   batch_step replay "${REPLAY_TIMEOUT:-200}" python3 -m bench.replay --profile "${REPLAY_PROFILE:-quick}" \
     --seed 1 --pace trace --out "$res/replay-${REPLAY_PROFILE:-quick}.json" \
     --daemon-arg=--cgroup-root=/sys/fs/cgroup/krexbench ${REPLAY_ARGS:-}
