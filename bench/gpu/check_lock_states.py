@@ -265,7 +265,8 @@ class Sibling:
         self.m = mmap.mmap(os.open(self.path, os.O_RDWR), sib.SIZE)
         self.log = os.path.join(tmp, f"{name}.log")
         self.logf = open(self.log, "wb")
-        self.p = subprocess.Popen([sys.executable, str(SIBLING), self.path, *argv], env=env,
+        # -P: bench/gpu is not put on the sibling's sys.path (none of its files may shadow a module)
+        self.p = subprocess.Popen([sys.executable, "-P", str(SIBLING), self.path, *argv], env=env,
                                   stdout=self.logf, stderr=subprocess.STDOUT, start_new_session=True)
         CHILDREN.append(self.p)
         self.reaped = 0
