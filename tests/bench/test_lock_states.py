@@ -78,6 +78,7 @@ def test_dry_run_against_the_fake_driver(tmp_path: Path) -> None:
     out = tmp_path / "out"
     p = run_script("-m", "bench.gpu.check_lock_states", "--dry-run", "--reps", "2",
                    "--lifecycle-reps", "2", "--kernel-ms", "60", "--deadline", "60",
+                   "--only", "warm,lifecycle",
                    env={**fake.env(FAKE_CUDA_CTX_MS="120"), "OUT": str(out)}, timeout=120)
     assert "VERDICT" in p.stdout
     data = json.loads((out / "check_lock_states.json").read_text())
@@ -92,7 +93,7 @@ def test_dry_run_against_the_fake_driver(tmp_path: Path) -> None:
     assert by[("idle", 5)]["rc"] == 0 and by[("idle", 5)]["lock_ms"] < 50
     assert {"alloc", "free", "h2d", "module-load", "kernel+sync", "kernel+host-idle", "idle",
             "teardown-exit", "teardown-release"} <= {a["target"] for a in data["attempts"]}
-    assert data["scenarios"]["torch"]["skipped"]
+    assert "torch" not in data["scenarios"]
     assert (out / "check_lock_states.txt").read_text().count("VERDICT") == 1
 
 
@@ -170,3 +171,38 @@ def test_sibling_ops_pass_the_driver_what_it_expects(tmp_path: Path) -> None:
     assert sum(c.startswith("load") for c in calls) >= 4  # spin, two calibration loads, the module
     info = json.loads(p.stdout.strip().splitlines()[-1])["info"]
     assert info["bigptx"]["funcs"] >= 1 and info["ptx_header"]
+
+
+# torch as the torch scenario's sibling uses it, every call a no-op: the controller's torch path
+# (the phase ring, each lock's phase, the JSON) runs without a GPU; the fake driver knows no such
+# process, so every lock answers CUDA_ERROR_INVALID_VALUE
+STUB_TORCH = """
+__version__ = "stub"
+class _Any:
+    def __getattr__(self, name): return self
+    def __call__(self, *a, **k): return self
+    def __matmul__(self, o): return self
+    def __getitem__(self, k): return self
+def __getattr__(name): return _Any()
+"""
+
+
+@pytest.mark.slow  # about 5 s
+def test_torch_scenario_with_a_stub_torch(tmp_path: Path) -> None:
+    (tmp_path / "fake").mkdir()
+    fake = build(tmp_path / "fake")
+    (tmp_path / "stub").mkdir()
+    (tmp_path / "stub" / "torch.py").write_text(STUB_TORCH)
+    out = tmp_path / "out"
+    run_script("-m", "bench.gpu.check_lock_states", "--dry-run", "--only", "torch",
+               "--torch-seconds", "2", "--torch-period-ms", "40", "--deadline", "30",
+               env={**fake.env(), "OUT": str(out),
+                    "PYTHONPATH": f"{tmp_path / 'stub'}:{Path(cls.__file__).resolve().parents[2]}"},
+               timeout=90)
+    data = json.loads((out / "check_lock_states.json").read_text())
+    assert not data["errors"], data["errors"]
+    xs = [a for a in data["attempts"] if a["scenario"] == "torch"]
+    assert len(xs) >= 10
+    assert {a["where"] for a in xs} & {"h2d", "op", "alloc", "free", "gpu-sync", "d2h", "cpu", "idle"}
+    assert all(a["rc"] == 1 for a in xs)  # the fake driver: no such CUDA process
+    assert data["siblings"][-1]["labels"]
