@@ -549,7 +549,7 @@ def run(a: argparse.Namespace, outdir: str) -> None:
     out(f"INFO driver {drv.path} API {drv.version}; timeouts {a.timeouts} ms, {a.reps} reps")
     tmp = tempfile.mkdtemp(prefix="krex-lockstates-")
     r = Runner(a, drv, tmp, t0 + a.deadline - 3)
-    # per scenario: (name, planned seconds, what runs it); skipped when the deadline is nearer
+    # rough seconds per scenario: one is skipped when less than min(that, 8 s) of the deadline is left
     env_mod = sib_env(a, CUDA_CACHE_DISABLE="1")  # every module load a real JIT, not a cache hit
     lifecycle_n = a.lifecycle_reps
     plan_s = {"warm": 6 + (a.reps + 1) * (1.0 + 3 * a.kernel_ms / 1000 + a.module_ms / 1000),
