@@ -14,7 +14,7 @@ from typing import Any
 try:
     import numpy as np
 except ImportError:  # the quick replay works without numpy, with smaller sizes
-    np = None
+    np = None  # type: ignore[assignment]  # with numpy installed, mypy types np as the module
 
 BACKEND = "numpy" if np is not None else "python"
 
