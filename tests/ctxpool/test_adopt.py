@@ -242,7 +242,7 @@ async def test_ineligible_interpreters_run_as_before_and_say_why(tmp_path: Path)
             res = await run_sh(c, f"unset PYTHONUNBUFFERED; {PY} -X dev job.py 1; {PY} -u job.py; "
                                   f"CUDA_VISIBLE_DEVICES=7 {PY} job.py 2; {PY} job.py", tmp_path)
     assert res.stdout.splitlines() == [b"False True False", b"True False True",
-                                       b"False False False", b"True False False"], res.stdout
+                                       b"False False False", b"True False False"], (res.stdout, res.stderr)
     assert res.report.pool_adopted == 2
     assert res.report.pool_declined == {"flag -X": 1, "env CUDA_VISIBLE_DEVICES": 1}, res.report
 
