@@ -14,7 +14,7 @@ from typing import Any
 try:
     import numpy as np
 except ImportError:  # the quick replay works without numpy, with smaller sizes
-    np = None
+    np = None  # type: ignore[assignment]  # mypy sees numpy where it is installed
 
 BACKEND = "numpy" if np is not None else "python"
 
