@@ -190,7 +190,7 @@ async def serve(pool: Pool | None, req: P.Adopt, peer_pid: int, send: Callable[[
             try:
                 answer = await asyncio.shield(fut)
             except asyncio.CancelledError:
-                _kill_when_started(fut)
+                _kill_when_started(fut, tally, pool)
                 raise
     if isinstance(answer, str):
         tally.decline(answer, pool)
@@ -209,10 +209,16 @@ async def serve(pool: Pool | None, req: P.Adopt, peer_pid: int, send: Callable[[
     send(P.AdoptExited(id=req.id, returncode=status.returncode))
 
 
-def _kill_when_started(fut: asyncio.Future[Launched | str]) -> None:
+def _kill_when_started(fut: asyncio.Future[Launched | str], tally: Tally, pool: Pool) -> None:
+    """The adopter died while its worker was taking the program over: a worker that started is
+    killed, and still counts as adopted: it sends "started" as the program begins, so the program
+    may have run (and been seen, and the adopter killed for it) before the daemon read that."""
     def done(f: asyncio.Future[Launched | str]) -> None:
         got = f.result() if not f.cancelled() else None
-        if isinstance(got, Launched) and got.returncode is None:
-            _kill(got.pid)
+        if isinstance(got, Launched):
+            tally.adopted += 1
+            pool.adopted += 1
+            if got.returncode is None:
+                _kill(got.pid)
     fut.add_done_callback(done)
 

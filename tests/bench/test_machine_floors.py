@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from krex_async.probes.attribution import cgroup2_root
 
+from ..conftest import remove_cgroup_tree
 from .conftest import run_script
 
 V2 = cgroup2_root()
@@ -40,10 +42,15 @@ def test_wakeup_measures_every_pair(tmp_path: Path) -> None:
 def test_freeze_floor_freezes_and_cleans_up(tmp_path: Path) -> None:
     if os.geteuid() != 0 or V2 is None:
         pytest.skip("needs root and a writable cgroup v2 hierarchy")
-    before = set(os.listdir(V2))
-    out = tmp_path / "f.json"
-    run_script("-m", "bench.freeze_floor", "--root", V2, "--groups", "2", "--rounds", "5",
-               "--json", str(out), timeout=60)
-    row = json.loads(out.read_text())
-    assert row["groups"] == 2 and 0 < row["writes_p50_us"] <= row["frozen_p50_us"]
-    assert set(os.listdir(V2)) == before  # its cgroups are gone
+    # Its own parent cgroup: daemons of concurrent test runs add and remove theirs under V2.
+    root = tempfile.mkdtemp(prefix="krex-floor-test-", dir=V2)
+    try:
+        before = set(os.listdir(root))
+        out = tmp_path / "f.json"
+        run_script("-m", "bench.freeze_floor", "--root", root, "--groups", "2", "--rounds", "5",
+                   "--json", str(out), timeout=60)
+        row = json.loads(out.read_text())
+        assert row["groups"] == 2 and 0 < row["writes_p50_us"] <= row["frozen_p50_us"]
+        assert set(os.listdir(root)) == before  # its cgroups are gone
+    finally:
+        remove_cgroup_tree(root)

@@ -8,6 +8,7 @@ marker of adoption. Every path is compared with what a plain interpreter does wi
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import subprocess
@@ -42,6 +43,25 @@ async def warm(c: Any, n: int = 1, timeout: float = 30) -> dict[str, Any]:
             return st
         assert time.monotonic() < deadline, st
         await asyncio.sleep(0.05)
+
+
+# A not-adopted interpreter's runtime reports why from a thread, after the program started; one
+# that ends first is not counted. A job calls declined(n) to end only once its command counts n.
+DECLINED = """
+import asyncio, os
+from krex_async import Client
+
+async def _counted(n):
+    async with await Client.connect(os.environ["KREX_SOCKET"]) as c:
+        while True:
+            mine = [x for x in (await c.status())["commands"] if x["command"] == os.environ["KREX_COMMAND"]]
+            if sum(mine[0]["pool_declined"].values()) >= n:
+                return
+            await asyncio.sleep(0.02)
+
+def declined(n):
+    asyncio.run(asyncio.wait_for(_counted(n), 30))
+"""
 
 
 def pooled_daemon(size: int = 2) -> Any:
@@ -129,9 +149,16 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
         print(os.getpid(), _M, flush=True)
         time.sleep(30)
     """)
+    # No pause between interpreters: each starts while the pool warms the replacement of the
+    # worker taken last, and must wait for it (--pool-wait) rather than start fresh.
     write(tmp_path, "outer.py", f"""
         import os, signal, subprocess, sys, time
-        time.sleep(1.0)  # the pool refills behind this interpreter's own worker
+        def running(pid):
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    return f.read().split()[2] != "Z"
+            except OSError:
+                return False
         for how, sig in (("int", signal.SIGINT), ("term", signal.SIGTERM), ("kill", signal.SIGKILL)):
             p = subprocess.Popen([{PY!r}, "inner.py", how], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             first = p.stdout.readline().split()
@@ -139,11 +166,11 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
             out, err = p.communicate(timeout=20)
             print(how, p.returncode, first[1].decode(), out.decode().strip(),
                   err.decode().strip().splitlines()[-1:], flush=True)
-            time.sleep(0.3)
-            stat = f"/proc/{{int(first[0])}}/stat"
-            alive = os.path.exists(stat) and open(stat).read().split()[2] != "Z"
+            # a killed adopter's worker is killed by the daemon in turn: give it 10 s to be gone
+            deadline = time.monotonic() + 10
+            while (alive := running(int(first[0]))) and time.monotonic() < deadline:
+                time.sleep(0.02)
             print(how, "program alive", alive, flush=True)
-            time.sleep(1.0)
     """)
     async with pooled_daemon() as d:
         async with await d.client() as c:
@@ -153,7 +180,7 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
     assert lines[2] == "term -15 True  []", lines
     assert lines[4] == "kill -9 True  []", lines
     assert all(ln.endswith("alive False") for ln in lines[1::2]), lines
-    assert res.report.pool_adopted == 4, res.report
+    assert res.report.pool_adopted == 4 and res.report.pool_declined == {}, res.report
 
 
 async def test_timeout_kills_adopted_worker_and_ignored_signals_stay_ignored(tmp_path: Path) -> None:
@@ -177,6 +204,7 @@ async def test_timeout_kills_adopted_worker_and_ignored_signals_stay_ignored(tmp
 
 
 async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Path) -> None:
+    write(tmp_path, "declined.py", DECLINED)
     write(tmp_path, "mp.py", MARK + """
         import multiprocessing as mp, os, sys
         def square(x):
@@ -185,6 +213,9 @@ async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Pa
             for method in ("spawn", "fork"):
                 with mp.get_context(method).Pool(2) as p:
                     print(method, p.map(square, range(4)), flush=True)
+                    if method == "spawn":  # its children are ended with the pool
+                        from declined import declined
+                        declined(2)
             print("adopted", _M)
     """)
     async with pooled_daemon(3) as d:
@@ -197,18 +228,21 @@ async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Pa
 
 
 async def test_ineligible_interpreters_run_as_before_and_say_why(tmp_path: Path) -> None:
+    write(tmp_path, "declined.py", DECLINED)
     write(tmp_path, "job.py", MARK + """
-        import sys, time
+        import sys
         print(_M, sys.flags.dev_mode, sys.stdout.write_through, flush=True)
-        time.sleep(0.3)  # long enough for its runtime to report why it was not adopted
+        if len(sys.argv) > 1:
+            from declined import declined
+            declined(int(sys.argv[1]))
     """)
     async with pooled_daemon() as d:
         async with await d.client() as c:
             # -u (or PYTHONUNBUFFERED) is the adopter's to choose, whatever the worker started with
-            res = await run_sh(c, f"unset PYTHONUNBUFFERED; {PY} -X dev job.py; {PY} -u job.py; "
-                                  f"CUDA_VISIBLE_DEVICES=7 {PY} job.py; sleep 0.5; {PY} job.py", tmp_path)
+            res = await run_sh(c, f"unset PYTHONUNBUFFERED; {PY} -X dev job.py 1; {PY} -u job.py; "
+                                  f"CUDA_VISIBLE_DEVICES=7 {PY} job.py 2; {PY} job.py", tmp_path)
     assert res.stdout.splitlines() == [b"False True False", b"True False True",
-                                       b"False False False", b"True False False"], res.stdout
+                                       b"False False False", b"True False False"], (res.stdout, res.stderr)
     assert res.report.pool_adopted == 2
     assert res.report.pool_declined == {"flag -X": 1, "env CUDA_VISIBLE_DEVICES": 1}, res.report
 
@@ -302,8 +336,7 @@ async def test_only_a_process_with_the_workers_user_and_privileges_is_handed_ove
     no_new_privs = lambda: ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # noqa: E731 PR_SET_NO_NEW_PRIVS
     procs = [subprocess.Popen(sleeper), subprocess.Popen(other, user=65534, group=65534),
              subprocess.Popen(other, group=65534), subprocess.Popen(sleeper, preexec_fn=no_new_privs)]
-    try:
-        time.sleep(0.3)
+    try:  # Popen returns once its child has exec'd: ids, privileges and exe are final
         assert [refusal(pool, req, p.pid) for p in procs] == [
             None, "user", "user", "privileges NoNewPrivs"]
         assert refusal(pool, P.Adopt(id=2, command="c", token="t", argv=["/bin/sh", "x"],
@@ -323,8 +356,14 @@ async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path:
             for _ in range(3):
                 res = await c.run(["/bin/sh", "-c", f"{PY} -c pass"], env=py_env(), cwd=str(tmp_path))
                 assert res.report.pool_adopted == 1, res.report
-            await asyncio.sleep(2.0)  # time enough to warm more, were it asked to
-            st = (await c.status())["pools"]["cpu"]
+            # a worker's exit is the last event that refills: wait until the used ones are gone
+            deadline = time.monotonic() + 30
+            while True:
+                st = (await c.status())["pools"]["cpu"]
+                if all(w["state"] in ("warm", "starting") for w in st["workers"]):
+                    break
+                assert time.monotonic() < deadline, st
+                await asyncio.sleep(0.05)
     assert (st["demand"], st["target"], st["warm"] + st["starting"]) == (0, 1, 1), st
 
 
@@ -459,15 +498,31 @@ def test_an_unknown_pool_user_is_refused_at_start(tmp_path: Path) -> None:
 async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_path: Path) -> None:
     """Two interpreters at once on a pool of one: the second waits (--pool-wait) for the worker
     that replaces the first, rather than paying a cold start; with --pool-wait 0 it runs plainly."""
-    write(tmp_path, "job.py", MARK + "import time; time.sleep(0.3); print('adopted', _M)\n")
+    write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
+    # Preloaded: the first worker warms at once, the others only once the test opens the gate; so
+    # with --pool-wait 0 no replacement can be warm when the second interpreter asks, however slow.
+    mods = tmp_path / "mods"
+    write(mods, "gate.py", "import os, time\n"
+                           "d = os.path.dirname(os.path.abspath(__file__))\n"
+                           "try:\n    os.close(os.open(d + '/first', os.O_CREAT | os.O_EXCL))\n"
+                           "except FileExistsError:\n"
+                           "    while not os.path.exists(d + '/open'):\n        time.sleep(0.01)\n")
+    env = py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
     line = f"{PY} job.py"
     for wait, adopted in (("10", 2), ("0", 1)):
-        async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys", "--isolation", "cgroup",
-                              "--pool-wait", wait, env=py_env()) as d:
+        for f in ("first", "open"):
+            (mods / f).unlink(missing_ok=True)
+        if wait != "0":
+            (mods / "open").touch()
+        async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys,gate", "--isolation",
+                              "cgroup", "--pool-wait", wait, env=env) as d:
             async with await d.client() as c:
                 await warm(c)
-                got = await asyncio.gather(*(c.run(["/bin/sh", "-c", line], env=py_env(), cwd=str(tmp_path))
+                got = await asyncio.gather(*(c.run(["/bin/sh", "-c", line], env=env, cwd=str(tmp_path))
                                              for _ in range(2)))
+                (mods / "open").touch()
         assert sum(r.report.pool_adopted for r in got) == adopted, (wait, [r.report for r in got])
+        declined = sum((collections.Counter(r.report.pool_declined) for r in got), collections.Counter())
+        assert dict(declined) == ({} if adopted == 2 else {"no warm worker": 1}), (wait, declined)
         assert sorted(r.stdout for r in got) == sorted(
             [b"adopted True\n"] * adopted + [b"adopted False\n"] * (2 - adopted)), wait

@@ -1,0 +1,62 @@
+"""Adoption's daemon side (ctxpool/adoption.py) without a daemon: what serve() counts and kills
+when the adopter goes away while its worker is taking the program over."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from typing import Any, cast
+
+import pytest
+
+from krex_async import protocol as P
+from krex_async.ctxpool import Pool, adoption
+from krex_async.linux.spawn import Launched
+
+
+async def adopter_killed_mid_hand_over(monkeypatch: pytest.MonkeyPatch, answer: Launched | str
+                                       ) -> tuple[adoption.Tally, Pool, list[int], list[P.Msg]]:
+    """serve() an allowed adoption, cancel it (the adopter's connection closed) while the worker's
+    answer is pending, then let the worker answer `answer`; returns what was counted, killed, sent."""
+    monkeypatch.setattr(adoption, "refusal", lambda *a: None)
+    killed: list[int] = []
+    monkeypatch.setattr(adoption, "_kill", killed.append)
+    fut: asyncio.Future[Launched | str] = asyncio.get_running_loop().create_future()
+    handed = asyncio.Event()
+
+    def hand(*a: Any) -> asyncio.Future[Launched | str]:
+        handed.set()
+        return fut
+
+    pool = cast(Pool, type("FakePool", (), {"adopted": 0, "declined": collections.Counter()})())
+    tally, sent = adoption.Tally(), cast(list[P.Msg], [])
+    req = P.Adopt(id=2, command="c", token="t", argv=["python", "x.py"], cwd="/", env={})
+    task = asyncio.create_task(adoption.serve(pool, req, os.getpid(), lambda m: sent.append(m) or True,
+                                              hand, tally))
+    await handed.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    answered = asyncio.Event()
+    fut.add_done_callback(lambda _f: answered.set())  # called after serve's own callback
+    fut.set_result(answer)
+    await answered.wait()
+    return tally, pool, killed, sent
+
+
+async def test_an_adopter_killed_before_its_worker_said_started_still_counts_as_adopted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker runs the program before the daemon reads its "started": the program can print,
+    and its parent kill the adopter for it (test_adopt's SIGKILL case), before that answer. The
+    program ran in a worker: it counts as adopted, and the worker dies with its adopter."""
+    launched = Launched(pid=424242, _done=asyncio.get_running_loop().create_future(), via="pool")
+    tally, pool, killed, sent = await adopter_killed_mid_hand_over(monkeypatch, launched)
+    assert (tally.adopted, pool.adopted, dict(tally.declined)) == (1, 1, {})
+    assert killed == [424242] and sent == []
+
+
+async def test_an_adopter_killed_before_its_worker_declined_counts_no_adoption(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tally, pool, killed, sent = await adopter_killed_mid_hand_over(monkeypatch, "module colorsys")
+    assert (tally.adopted, pool.adopted, killed, sent) == (0, 0, [], [])
