@@ -114,8 +114,10 @@ def main() -> None:
     print(f"{'siblings':>8} " + " ".join(f"{c + ' p50/p99 ms':>24}" for c in cols))
     for n in (int(x) for x in a.siblings.split(",")):
         r = asyncio.run(measure(n, a.reps))
-        print(f"{n:>8} " + " ".join(f"{r[c + '_p50_ms']:>11.3f} /{r[c + '_p99_ms']:>10.3f}" for c in cols),
-              flush=True)
+        print(
+            f"{n:>8} " + " ".join(f"{r[c + '_p50_ms']:>11.3f} /{r[c + '_p99_ms']:>10.3f}" for c in cols),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

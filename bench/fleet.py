@@ -61,8 +61,12 @@ async def throughput(k: int, n: int, region_ms: float) -> dict[str, object]:
         fc = await fleet.connect()
         try:
             t0 = time.monotonic()
-            hs = await asyncio.gather(*(fc.submit([sys.executable, "-c", HOLD, str(region_ms)],
-                                                  env=env(), cwd=str(ROOT)) for _ in range(n)))
+            hs = await asyncio.gather(
+                *(
+                    fc.submit([sys.executable, "-c", HOLD, str(region_ms)], env=env(), cwd=str(ROOT))
+                    for _ in range(n)
+                )
+            )
             results = await asyncio.gather(*(h.wait() for h in hs))
             makespan = time.monotonic() - t0
         finally:
@@ -73,9 +77,15 @@ async def throughput(k: int, n: int, region_ms: float) -> dict[str, object]:
         per_node: dict[str, int] = {}
         for h in hs:
             per_node[h.node] = per_node.get(h.node, 0) + 1
-        return {"nodes": k, "commands": n, "makespan_s": makespan, "per_s": n / makespan,
-                "ideal_per_s": k * 1e3 / region_ms, "per_node": per_node,
-                "lost": len(fc.lost)}
+        return {
+            "nodes": k,
+            "commands": n,
+            "makespan_s": makespan,
+            "per_s": n / makespan,
+            "ideal_per_s": k * 1e3 / region_ms,
+            "per_node": per_node,
+            "lost": len(fc.lost),
+        }
     finally:
         fleet.close()
 
@@ -103,13 +113,14 @@ async def overhead(m: int) -> dict[str, object]:
                     assert res.returncode == 0, res
             for name, run in paths.items():
                 t = time.perf_counter()
-                done = await asyncio.gather(*(run(["true"], env=env(), cwd="/")
-                                              for _ in range(m)))
+                done = await asyncio.gather(*(run(["true"], env=env(), cwd="/") for _ in range(m)))
                 burst = time.perf_counter() - t
                 assert all(r.returncode == 0 for r in done)
-                out[name] = {"p50_ms": statistics.median(lat[name]) * 1e3,
-                             "p95_ms": quantile(lat[name], 0.95) * 1e3,
-                             "burst_per_s": m / burst}
+                out[name] = {
+                    "p50_ms": statistics.median(lat[name]) * 1e3,
+                    "p95_ms": quantile(lat[name], 0.95) * 1e3,
+                    "burst_per_s": m / burst,
+                }
         finally:
             await direct.close()
             await fc.close()
@@ -130,25 +141,29 @@ async def main() -> int:
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     if args.max_nodes < 1 or args.commands < 1 or args.region_ms <= 0 or args.overhead < 1:
-        print("bench/fleet.py: --max-nodes, --commands, --overhead >= 1 and --region-ms > 0",
-              file=sys.stderr)
+        print("bench/fleet.py: --max-nodes, --commands, --overhead >= 1 and --region-ms > 0", file=sys.stderr)
         return 2
-    rows = [await throughput(k, args.commands, args.region_ms)
-            for k in range(1, args.max_nodes + 1)]
+    rows = [await throughput(k, args.commands, args.region_ms) for k in range(1, args.max_nodes + 1)]
     base = float(rows[0]["per_s"])  # type: ignore[arg-type]
-    print(f"throughput: {args.commands} commands, each holding its node's one cpu device for "
-          f"{args.region_ms:g} ms in a region\n")
+    print(
+        f"throughput: {args.commands} commands, each holding its node's one cpu device for "
+        f"{args.region_ms:g} ms in a region\n"
+    )
     print("| nodes | makespan s | commands/s | vs 1 node | ideal commands/s | per node | lost |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         per = ", ".join(f"{k} {v}" for k, v in sorted(r["per_node"].items()))  # type: ignore[attr-defined]
-        print(f"| {r['nodes']} | {r['makespan_s']:.2f} | {r['per_s']:.2f} | "
-              f"{float(r['per_s']) / base:.2f}x | {r['ideal_per_s']:.1f} | {per} | {r['lost']} |")  # type: ignore[arg-type]
+        ratio = float(r["per_s"]) / base  # type: ignore[arg-type]
+        print(
+            f"| {r['nodes']} | {r['makespan_s']:.2f} | {r['per_s']:.2f} | "
+            f"{ratio:.2f}x | {r['ideal_per_s']:.1f} | {per} | {r['lost']} |"
+        )
     ov = await overhead(args.overhead)
     d, f = ov["direct"], ov["fleet"]
     assert isinstance(d, dict) and isinstance(f, dict)
-    print(f"\noverhead: `true`, {args.overhead} one after another, then {args.overhead} at once, "
-          "on one node\n")
+    print(
+        f"\noverhead: `true`, {args.overhead} one after another, then {args.overhead} at once, on one node\n"
+    )
     print("| path | p50 ms | p95 ms | at once, commands/s |")
     print("|---|---|---|---|")
     for name, v in (("Client (direct)", d), ("FleetClient", f)):

@@ -112,14 +112,25 @@ def main() -> int:
         row[f"{name}_p50_us"] = statistics.median(xs) * us
         row[f"{name}_p99_us"] = quantile(xs, 0.99, "rank") * us
     row.update(null_syscall_us=null * us, events_read_us=ev * us)
-    print(f"{'groups':>6} {'writes p50':>10} {'p99':>7} {'all frozen p50':>14} {'p99':>7} "
-          f"{'thawed p50':>10} {'p99':>7} {'getppid':>8} {'events read':>11}   (us)")
-    print(f"{args.groups:>6} {row['writes_p50_us']:>10.1f} {row['writes_p99_us']:>7.1f} "
-          f"{row['frozen_p50_us']:>14.1f} {row['frozen_p99_us']:>7.1f} {row['thawed_p50_us']:>10.1f} "
-          f"{row['thawed_p99_us']:>7.1f} {row['null_syscall_us']:>8.2f} {row['events_read_us']:>11.2f}")
+    print(
+        f"{'groups':>6} {'writes p50':>10} {'p99':>7} {'all frozen p50':>14} {'p99':>7} "
+        f"{'thawed p50':>10} {'p99':>7} {'getppid':>8} {'events read':>11}   (us)"
+    )
+    print(
+        f"{args.groups:>6} {row['writes_p50_us']:>10.1f} {row['writes_p99_us']:>7.1f} "
+        f"{row['frozen_p50_us']:>14.1f} {row['frozen_p99_us']:>7.1f} {row['thawed_p50_us']:>10.1f} "
+        f"{row['thawed_p99_us']:>7.1f} {row['null_syscall_us']:>8.2f} {row['events_read_us']:>11.2f}"
+    )
     if args.json:
-        write_json(args.json, {"host": os.uname().nodename, "release": os.uname().release,
-                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row})
+        write_json(
+            args.json,
+            {
+                "host": os.uname().nodename,
+                "release": os.uname().release,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **row,
+            },
+        )
     return 0
 
 

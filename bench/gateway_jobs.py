@@ -34,7 +34,7 @@ from bench.harness.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
-JOB = r'''
+JOB = r"""
 import importlib.util, json, os, sys, time
 t0 = time.perf_counter()
 spec = json.loads(sys.argv[1])
@@ -112,21 +112,29 @@ else:
 phases["bench_s"] = time.perf_counter() - t
 print("RESULT " + json.dumps({"ms": ms, "phases": phases, "via": "auto" if auto else "explicit",
                               "wait_s": report.wait_s if report else None}))
-'''
+"""
 
 
 def kernels(device: str, n: int) -> list[dict[str, object]]:
     if device == "gpu":
-        base = [{"kernel": "add", "n": 1 << 24, "block": 1024}, {"kernel": "matmul", "n": 3072},
-                {"kernel": "add", "n": 1 << 22, "block": 512}, {"kernel": "matmul", "n": 4096},
-                {"kernel": "add", "n": 1 << 26, "block": 2048}, {"kernel": "matmul", "n": 2048}]
+        base = [
+            {"kernel": "add", "n": 1 << 24, "block": 1024},
+            {"kernel": "matmul", "n": 3072},
+            {"kernel": "add", "n": 1 << 22, "block": 512},
+            {"kernel": "matmul", "n": 4096},
+            {"kernel": "add", "n": 1 << 26, "block": 2048},
+            {"kernel": "matmul", "n": 2048},
+        ]
         rep = 200
     else:
-        base = [{"n": 20000, "defs": 3000}, {"n": 40000, "defs": 2000},
-                {"n": 10000, "defs": 4000}, {"n": 30000, "defs": 2500}]
+        base = [
+            {"n": 20000, "defs": 3000},
+            {"n": 40000, "defs": 2000},
+            {"n": 10000, "defs": 4000},
+            {"n": 30000, "defs": 2500},
+        ]
         rep = 150
-    return [{**base[i % len(base)], "device": device, "rep_ms": rep, "key": i % len(base)}
-            for i in range(n)]
+    return [{**base[i % len(base)], "device": device, "rep_ms": rep, "key": i % len(base)} for i in range(n)]
 
 
 async def submit_all(st: Stack, specs: list[dict[str, object]], tmp: Path) -> tuple[float, list]:
@@ -136,8 +144,14 @@ async def submit_all(st: Stack, specs: list[dict[str, object]], tmp: Path) -> tu
         jobs = []
         for i, s in enumerate(specs):
             cache = f".triton-cache-{i}"
-            jobs.append(await c.dev(f"python job.py '{json.dumps(s)}'", files={"job.py": JOB},
-                                    env_vars={"TRITON_CACHE_DIR": cache}, timeout_s=600))
+            jobs.append(
+                await c.dev(
+                    f"python job.py '{json.dumps(s)}'",
+                    files={"job.py": JOB},
+                    env_vars={"TRITON_CACHE_DIR": cache},
+                    timeout_s=600,
+                )
+            )
         views = await asyncio.gather(*(c.wait(j["job_id"], 1200) for j in jobs))
         makespan = time.monotonic() - t
     out = []
@@ -162,6 +176,7 @@ async def main() -> int:
     if device == "auto":
         try:
             import torch
+
             device = "gpu" if torch.cuda.is_available() else "cpu"
         except ImportError:
             device = "cpu"
@@ -185,8 +200,9 @@ async def main() -> int:
     serial_s = sum(alone_wall / len(distinct) for _ in specs)  # one at a time, estimated
     rows = []
     for policy in args.policies.split(","):
-        st = Stack(["--devices", devices, "--log-level", "warning"], args.max_running, policy=policy,
-                   parent=tmp).start()
+        st = Stack(
+            ["--devices", devices, "--log-level", "warning"], args.max_running, policy=policy, parent=tmp
+        ).start()
         try:
             makespan, results = await submit_all(st, specs, tmp)
         finally:
@@ -194,28 +210,48 @@ async def main() -> int:
         infl = [r["ms"] / alone[s["key"]] for s, r, _ in results]
         regions = sum(len(v["result"]["regions"]) for _, _, v in results)
         waits = [g.get("wait_s", 0.0) for _, _, v in results for g in v["result"]["regions"]]
-        rows.append({"policy": policy, "makespan_s": makespan,
-                     "jobs_per_min": 60 * len(specs) / makespan,
-                     "inflation_p50": statistics.median(infl), "inflation_max": max(infl),
-                     "regions": regions, "wait_p50_s": statistics.median(waits) if waits else None,
-                     "via": sorted({r["via"] for _, r, _ in results}),
-                     "per_job": [{"spec": s, "ms": r["ms"], "alone_ms": alone[s["key"]],
-                                  "phases": r["phases"]} for s, r, _ in results]})
+        rows.append(
+            {
+                "policy": policy,
+                "makespan_s": makespan,
+                "jobs_per_min": 60 * len(specs) / makespan,
+                "inflation_p50": statistics.median(infl),
+                "inflation_max": max(infl),
+                "regions": regions,
+                "wait_p50_s": statistics.median(waits) if waits else None,
+                "via": sorted({r["via"] for _, r, _ in results}),
+                "per_job": [
+                    {"spec": s, "ms": r["ms"], "alone_ms": alone[s["key"]], "phases": r["phases"]}
+                    for s, r, _ in results
+                ],
+            }
+        )
     base = next((r for r in rows if r["policy"] == "command"), rows[0])
-    print(f"\n{len(specs)} dev jobs on {device} through the krex gateway (max-running "
-          f"{args.max_running}); one at a time they take about {serial_s:.1f} s\n")
-    print(f"{'policy':<8} {'makespan s':>10} {'jobs/min':>9} {'vs command':>10} "
-          f"{'do_bench x p50':>14} {'x max':>7} {'regions':>8} {'wait p50 s':>10}  region via")
+    print(
+        f"\n{len(specs)} dev jobs on {device} through the krex gateway (max-running "
+        f"{args.max_running}); one at a time they take about {serial_s:.1f} s\n"
+    )
+    print(
+        f"{'policy':<8} {'makespan s':>10} {'jobs/min':>9} {'vs command':>10} "
+        f"{'do_bench x p50':>14} {'x max':>7} {'regions':>8} {'wait p50 s':>10}  region via"
+    )
     for r in rows:
         wait = "-" if r["wait_p50_s"] is None else f"{r['wait_p50_s']:.3f}"
-        print(f"{r['policy']:<8} {r['makespan_s']:>10.2f} {r['jobs_per_min']:>9.1f} "
-              f"{base['makespan_s'] / r['makespan_s']:>10.2f} {r['inflation_p50']:>14.3f} "
-              f"{r['inflation_max']:>7.3f} {r['regions']:>8} {wait:>10}  {','.join(r['via'])}")
-    print("\nalone (ms): " + ", ".join(f"{distinct[k].get('kernel', 'cpu')}"
-                                       f"[{distinct[k]['n']}]={v:.4f}" for k, v in alone.items()))
+        print(
+            f"{r['policy']:<8} {r['makespan_s']:>10.2f} {r['jobs_per_min']:>9.1f} "
+            f"{base['makespan_s'] / r['makespan_s']:>10.2f} {r['inflation_p50']:>14.3f} "
+            f"{r['inflation_max']:>7.3f} {r['regions']:>8} {wait:>10}  {','.join(r['via'])}"
+        )
+    print(
+        "\nalone (ms): "
+        + ", ".join(
+            f"{distinct[k].get('kernel', 'cpu')}[{distinct[k]['n']}]={v:.4f}" for k, v in alone.items()
+        )
+    )
     if args.json:
-        write_json(args.json, {"device": device, "alone_ms": {str(k): v for k, v in alone.items()},
-                               "rows": rows})
+        write_json(
+            args.json, {"device": device, "alone_ms": {str(k): v for k, v in alone.items()}, "rows": rows}
+        )
     return 0
 
 

@@ -34,7 +34,7 @@ from krex_async.gateway.profile import find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
-BREAK = '''
+BREAK = """
 
 import torch as _krex_torch
 _KrexReference = Model
@@ -51,16 +51,19 @@ def _krex_zero(value):
 class Model(_KrexReference):  # the reference, with every output replaced: fails correctness
     def forward(self, *args, **kwargs):
         return _krex_zero(super().forward(*args, **kwargs))
-'''
+"""
 
 
 def request(op_dir: Path, candidate: str, shapes: int, **extra: Any) -> dict[str, Any]:
     """The typed request, as tools/sandbox.py's _typed_request builds it from a workspace."""
     all_shapes = json.loads((op_dir / "shapes.json").read_text())
     keep = {k: all_shapes[k] for k in list(all_shapes)[:shapes]}
-    ref: dict[str, Any] = {"operator": op_dir.name,
-                           "reference_py": (op_dir / "reference.py").read_text(),
-                           "input_py": (op_dir / "input.py").read_text(), "shapes": keep}
+    ref: dict[str, Any] = {
+        "operator": op_dir.name,
+        "reference_py": (op_dir / "reference.py").read_text(),
+        "input_py": (op_dir / "input.py").read_text(),
+        "shapes": keep,
+    }
     for name, field in (("metadata.json", "metadata"), ("roofline.json", "roofline")):
         if (op_dir / name).is_file():
             value = json.loads((op_dir / name).read_text())
@@ -69,24 +72,34 @@ def request(op_dir: Path, candidate: str, shapes: int, **extra: Any) -> dict[str
             if "num_shapes" in value:
                 value["num_shapes"] = len(keep)
             ref[field] = value
-    return {"name": f"{op_dir.name}_check", "spec": {"languages": [], "target_hardware": ["local"]},
-            "candidate": candidate, "reference": ref,
-            "options": {"num_correctness_cases": 1, "bench_iters": 20, "atol": 0.01, "rtol": 0.05,
-                        "timeout_s": 300},
-            "env_vars": {}, **extra}
+    return {
+        "name": f"{op_dir.name}_check",
+        "spec": {"languages": [], "target_hardware": ["local"]},
+        "candidate": candidate,
+        "reference": ref,
+        "options": {
+            "num_correctness_cases": 1,
+            "bench_iters": 20,
+            "atol": 0.01,
+            "rtol": 0.05,
+            "timeout_s": 300,
+        },
+        "env_vars": {},
+        **extra,
+    }
 
 
 def summary(kind: str, job: dict[str, Any]) -> dict[str, Any]:
     r = job.get("result") or {}
     out: dict[str, Any] = {"status": job["status"], "error": job.get("error")}
     if kind == "eval" and isinstance(r.get("passed"), dict):
-        out["correctness"] = {k: v.get("status") for k, v in
-                              (r["passed"].get("correctness") or {}).items()}
-        out["clock_locked"] = r.get("clock_locked", (r.get("runner_config") or {})
-                                    .get("clock_locked"))
+        out["correctness"] = {k: v.get("status") for k, v in (r["passed"].get("correctness") or {}).items()}
+        out["clock_locked"] = r.get("clock_locked", (r.get("runner_config") or {}).get("clock_locked"))
     if kind == "profile":
-        out["kernels"] = [{k: v for k, v in kern.items() if k not in ("metrics", "diagnostics")}
-                          for kern in r.get("kernels", [])[:5]]
+        out["kernels"] = [
+            {k: v for k, v in kern.items() if k not in ("metrics", "diagnostics")}
+            for kern in r.get("kernels", [])[:5]
+        ]
         out["note"] = r.get("note")
     if job["status"] != "succeeded":
         out["stderr_tail"] = (r.get("stderr") or "")[-3000:]
@@ -108,41 +121,64 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             os.chmod(os.path.join(d, f), 0o644)
     copy.parent.chmod(0o711)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(copy / "src"), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(copy / "src"), os.environ.get("PYTHONPATH", "")) if p
+    )
     ncu = find_tool("ncu")
     report: dict[str, Any] = {"ncu": ncu, "operator": args.operator, "jobs": {}}
-    st = Stack(["--devices", "auto", "--log-level", "warning"], 4, policy="region",
-               gateway_args=("--atrex-bench-root", str(copy)), parent=tmp).start()
+    st = Stack(
+        ["--devices", "auto", "--log-level", "warning"],
+        4,
+        policy="region",
+        gateway_args=("--atrex-bench-root", str(copy)),
+        parent=tmp,
+    ).start()
     try:
         async with st.client() as c:
             report["env"] = await c.env()
             reference = (op_dir / "reference.py").read_text()
             plan: list[tuple[str, str, dict[str, Any]]] = [
                 ("eval-pass", "eval", request(op_dir, reference, args.shapes, mode="full")),
-                ("eval-broken", "eval", request(op_dir, reference + BREAK, args.shapes,
-                                                mode="full")),
-                ("eval-lock-clocks", "eval", request(op_dir, reference, args.shapes, mode="full",
-                                                     lock_clocks=True)),
+                ("eval-broken", "eval", request(op_dir, reference + BREAK, args.shapes, mode="full")),
+                (
+                    "eval-lock-clocks",
+                    "eval",
+                    request(op_dir, reference, args.shapes, mode="full", lock_clocks=True),
+                ),
             ]
             if ncu:
-                plan += [("profile-sol", "profile", request(op_dir, reference, args.shapes,
-                                                            level="sol", top_kernels=5)),
-                         ("profile-survey", "profile", request(op_dir, reference, args.shapes,
-                                                               level="survey"))]
+                plan += [
+                    (
+                        "profile-sol",
+                        "profile",
+                        request(op_dir, reference, args.shapes, level="sol", top_kernels=5),
+                    ),
+                    ("profile-survey", "profile", request(op_dir, reference, args.shapes, level="survey")),
+                ]
             else:
-                status, body = await c.request("POST", "/v1/jobs/profile",
-                                               json=request(op_dir, reference, 1))
+                status, body = await c.request("POST", "/v1/jobs/profile", json=request(op_dir, reference, 1))
                 report["profile_without_ncu"] = {"http": status, "body": body}
-                print(f"ncu is not installed here: profile answers {status} "
-                      f"{body.get('reason') if isinstance(body, dict) else body}: "
-                      f"{body.get('message') if isinstance(body, dict) else ''}")
+                print(
+                    f"ncu is not installed here: profile answers {status} "
+                    f"{body.get('reason') if isinstance(body, dict) else body}: "
+                    f"{body.get('message') if isinstance(body, dict) else ''}"
+                )
             for name, kind, payload in plan:
                 await one(c, report, name, kind, payload)
             sol = report["jobs"].get("profile-sol", {}).get("summary", {}).get("kernels") or []
             if args.deep and sol:
-                await one(c, report, "profile-deep", "profile",
-                          request(op_dir, reference, args.shapes, level="deep",
-                                  kernel_regex=re.escape(sol[0]["name"][:200])))
+                await one(
+                    c,
+                    report,
+                    "profile-deep",
+                    "profile",
+                    request(
+                        op_dir,
+                        reference,
+                        args.shapes,
+                        level="deep",
+                        kernel_regex=re.escape(sol[0]["name"][:200]),
+                    ),
+                )
     finally:
         report["gateway_log"] = st.gateway.tail(4000)
         st.stop()
@@ -150,8 +186,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-async def one(c: Any, report: dict[str, Any], name: str, kind: str,
-              payload: dict[str, Any]) -> None:
+async def one(c: Any, report: dict[str, Any], name: str, kind: str, payload: dict[str, Any]) -> None:
     t = time.monotonic()
     status, job = await c.request("POST", f"/v1/jobs/{kind}", json=payload)
     if status != 202:
@@ -160,11 +195,13 @@ async def one(c: Any, report: dict[str, Any], name: str, kind: str,
         return
     job = await c.wait(job["job_id"], 900)
     s = summary(kind, job)
-    report["jobs"][name] = {"job_id": job["job_id"], "wall_s": round(time.monotonic() - t, 1),
-                            "summary": s}
+    report["jobs"][name] = {"job_id": job["job_id"], "wall_s": round(time.monotonic() - t, 1), "summary": s}
     detail = s.get("correctness") or [k.get("name", "")[:40] for k in s.get("kernels", [])]
-    print(f"{name:18s} {s['status']:9s} {report['jobs'][name]['wall_s']:6.1f} s  "
-          f"{(s['error'] or {}).get('reason', '')} {detail}", flush=True)
+    print(
+        f"{name:18s} {s['status']:9s} {report['jobs'][name]['wall_s']:6.1f} s  "
+        f"{(s['error'] or {}).get('reason', '')} {detail}",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -179,10 +216,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     root = Path(args.atrex_bench_root or "")
     if not args.atrex_bench_root or not (root / "scripts" / "run_eval.py").is_file():
-        print("no Atrex-Bench checkout: pass --atrex-bench-root (or set ATREX_BENCH_ROOT) to a "
-              "checkout with scripts/run_eval.py; nothing was run", file=sys.stderr)
-        write_json(out / "gateway_profile_check.json",
-                   {"error": "no Atrex-Bench checkout", "ncu": find_tool("ncu")}, indent=None)
+        print(
+            "no Atrex-Bench checkout: pass --atrex-bench-root (or set ATREX_BENCH_ROOT) to a "
+            "checkout with scripts/run_eval.py; nothing was run",
+            file=sys.stderr,
+        )
+        write_json(
+            out / "gateway_profile_check.json",
+            {"error": "no Atrex-Bench checkout", "ncu": find_tool("ncu")},
+            indent=None,
+        )
         return 2
     if not (root / "data" / args.operator / "shapes.json").is_file():
         print(f"no operator {args.operator!r} under {root}/data", file=sys.stderr)
@@ -190,8 +233,10 @@ def main() -> int:
     report = asyncio.run(run(args))
     write_json(out / "gateway_profile_check.json", report, default=str)
     bad = [n for n, j in report["jobs"].items() if j.get("summary", {}).get("status") != "succeeded"]
-    print(f"wrote {out / 'gateway_profile_check.json'}; "
-          f"{'all jobs succeeded' if not bad else 'not succeeded: ' + ', '.join(bad)}")
+    print(
+        f"wrote {out / 'gateway_profile_check.json'}; "
+        f"{'all jobs succeeded' if not bad else 'not succeeded: ' + ', '.join(bad)}"
+    )
     return 0 if not bad else 1
 
 

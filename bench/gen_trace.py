@@ -31,38 +31,128 @@ PROFILES = Path(__file__).resolve().parent / "profiles"
 # estimate that is off moves a kernel between buckets in the report, it does not corrupt it.
 CATALOGUE: dict[str, list[dict[str, Any]]] = {
     "gpu": [
-        {"id": "mm16k-f16", "kind": "matmul", "size": [16384, 16384, 16384], "dtype": "float16",
-         "bucket": ">10ms", "expected_ms": 13.5},
-        {"id": "mm8k-f32", "kind": "matmul", "size": [8192, 8192, 8192], "dtype": "float32",
-         "bucket": ">10ms", "expected_ms": 20.0},
-        {"id": "mm8k-f16", "kind": "matmul", "size": [8192, 8192, 8192], "dtype": "float16",
-         "bucket": "1-10ms", "expected_ms": 1.65},
-        {"id": "conv64x256x112", "kind": "conv", "size": [64, 256, 112, 112, 256, 3], "dtype": "float16",
-         "bucket": "1-10ms", "expected_ms": 1.95},
-        {"id": "softmax32kx32k", "kind": "softmax", "size": [32768, 32768], "dtype": "float32",
-         "bucket": "1-10ms", "expected_ms": 1.8},
-        {"id": "mm4k-f16", "kind": "matmul", "size": [4096, 4096, 4096], "dtype": "float16",
-         "bucket": "0.1-1ms", "expected_ms": 0.21},
-        {"id": "ew128m", "kind": "elementwise", "size": [134217728], "dtype": "float32",
-         "bucket": "0.1-1ms", "expected_ms": 0.22},
-        {"id": "sum16kx16k", "kind": "reduction", "size": [16384, 16384], "dtype": "float32",
-         "bucket": "0.1-1ms", "expected_ms": 0.22},
-        {"id": "softmax8kx16k", "kind": "softmax", "size": [8192, 16384], "dtype": "float32",
-         "bucket": "0.1-1ms", "expected_ms": 0.22},
+        {
+            "id": "mm16k-f16",
+            "kind": "matmul",
+            "size": [16384, 16384, 16384],
+            "dtype": "float16",
+            "bucket": ">10ms",
+            "expected_ms": 13.5,
+        },
+        {
+            "id": "mm8k-f32",
+            "kind": "matmul",
+            "size": [8192, 8192, 8192],
+            "dtype": "float32",
+            "bucket": ">10ms",
+            "expected_ms": 20.0,
+        },
+        {
+            "id": "mm8k-f16",
+            "kind": "matmul",
+            "size": [8192, 8192, 8192],
+            "dtype": "float16",
+            "bucket": "1-10ms",
+            "expected_ms": 1.65,
+        },
+        {
+            "id": "conv64x256x112",
+            "kind": "conv",
+            "size": [64, 256, 112, 112, 256, 3],
+            "dtype": "float16",
+            "bucket": "1-10ms",
+            "expected_ms": 1.95,
+        },
+        {
+            "id": "softmax32kx32k",
+            "kind": "softmax",
+            "size": [32768, 32768],
+            "dtype": "float32",
+            "bucket": "1-10ms",
+            "expected_ms": 1.8,
+        },
+        {
+            "id": "mm4k-f16",
+            "kind": "matmul",
+            "size": [4096, 4096, 4096],
+            "dtype": "float16",
+            "bucket": "0.1-1ms",
+            "expected_ms": 0.21,
+        },
+        {
+            "id": "ew128m",
+            "kind": "elementwise",
+            "size": [134217728],
+            "dtype": "float32",
+            "bucket": "0.1-1ms",
+            "expected_ms": 0.22,
+        },
+        {
+            "id": "sum16kx16k",
+            "kind": "reduction",
+            "size": [16384, 16384],
+            "dtype": "float32",
+            "bucket": "0.1-1ms",
+            "expected_ms": 0.22,
+        },
+        {
+            "id": "softmax8kx16k",
+            "kind": "softmax",
+            "size": [8192, 16384],
+            "dtype": "float32",
+            "bucket": "0.1-1ms",
+            "expected_ms": 0.22,
+        },
     ],
     "cpu": [
-        {"id": "mm-large", "kind": "matmul", "size": {"numpy": [768, 768, 768], "python": [64, 64, 64]},
-         "dtype": "float64", "bucket": ">10ms", "expected_ms": 20.0},
-        {"id": "conv-large", "kind": "conv", "size": {"numpy": [800000, 129], "python": [6000, 33]},
-         "dtype": "float64", "bucket": ">10ms", "expected_ms": 15.0},
-        {"id": "mm-mid", "kind": "matmul", "size": {"numpy": [384, 384, 384], "python": [28, 28, 28]},
-         "dtype": "float64", "bucket": "1-10ms", "expected_ms": 3.0},
-        {"id": "softmax-mid", "kind": "softmax", "size": {"numpy": [512, 1024], "python": [64, 256]},
-         "dtype": "float64", "bucket": "1-10ms", "expected_ms": 3.0},
-        {"id": "ew-small", "kind": "elementwise", "size": {"numpy": [1000000], "python": [8000]},
-         "dtype": "float64", "bucket": "0.1-1ms", "expected_ms": 0.3},
-        {"id": "sum-small", "kind": "reduction", "size": {"numpy": [1024, 1024], "python": [96, 600]},
-         "dtype": "float64", "bucket": "0.1-1ms", "expected_ms": 0.3},
+        {
+            "id": "mm-large",
+            "kind": "matmul",
+            "size": {"numpy": [768, 768, 768], "python": [64, 64, 64]},
+            "dtype": "float64",
+            "bucket": ">10ms",
+            "expected_ms": 20.0,
+        },
+        {
+            "id": "conv-large",
+            "kind": "conv",
+            "size": {"numpy": [800000, 129], "python": [6000, 33]},
+            "dtype": "float64",
+            "bucket": ">10ms",
+            "expected_ms": 15.0,
+        },
+        {
+            "id": "mm-mid",
+            "kind": "matmul",
+            "size": {"numpy": [384, 384, 384], "python": [28, 28, 28]},
+            "dtype": "float64",
+            "bucket": "1-10ms",
+            "expected_ms": 3.0,
+        },
+        {
+            "id": "softmax-mid",
+            "kind": "softmax",
+            "size": {"numpy": [512, 1024], "python": [64, 256]},
+            "dtype": "float64",
+            "bucket": "1-10ms",
+            "expected_ms": 3.0,
+        },
+        {
+            "id": "ew-small",
+            "kind": "elementwise",
+            "size": {"numpy": [1000000], "python": [8000]},
+            "dtype": "float64",
+            "bucket": "0.1-1ms",
+            "expected_ms": 0.3,
+        },
+        {
+            "id": "sum-small",
+            "kind": "reduction",
+            "size": {"numpy": [1024, 1024], "python": [96, 600]},
+            "dtype": "float64",
+            "bucket": "0.1-1ms",
+            "expected_ms": 0.3,
+        },
     ],
 }
 
@@ -119,8 +209,9 @@ def _kernels(profile: dict[str, Any], suite_kernels: list[dict[str, Any]] | None
     return profile.get("catalogue") or CATALOGUE[profile["target"]]
 
 
-def _session_kernel(rng: random.Random, profile: dict[str, Any],
-                    kernels: list[dict[str, Any]]) -> dict[str, Any]:
+def _session_kernel(
+    rng: random.Random, profile: dict[str, Any], kernels: list[dict[str, Any]]
+) -> dict[str, Any]:
     if kernels and kernels[0]["kind"] == "suite":
         return rng.choice(kernels)
     bucket = _pick(rng, {b: w for b, w in profile["bucket_mix"].items() if w > 0})
@@ -128,20 +219,35 @@ def _session_kernel(rng: random.Random, profile: dict[str, Any],
     return rng.choice(fits)
 
 
-def _command(rng: random.Random, profile: dict[str, Any], session: str, order: int, seed: int,
-             kernel: dict[str, Any], method: str) -> dict[str, Any]:
+def _command(
+    rng: random.Random,
+    profile: dict[str, Any],
+    session: str,
+    order: int,
+    seed: int,
+    kernel: dict[str, Any],
+    method: str,
+) -> dict[str, Any]:
     target = profile["target"]
     phases: dict[str, Any] = {}
     for name in ("import", "compile", "inputs", "check"):
         spec = profile["phases"][name]
         jit = float(spec.get("jitter", 0.0))
-        phases[name] = {"expect_s": _jittered(rng, float(spec["expect_s"]), jit),
-                        "cpu_s": _jittered(rng, float(spec.get("cpu_s", 0.0)), jit)}
+        phases[name] = {
+            "expect_s": _jittered(rng, float(spec["expect_s"]), jit),
+            "cpu_s": _jittered(rng, float(spec.get("cpu_s", 0.0)), jit),
+        }
     phases["import"]["modules"] = IMPORTS[target]
     cspec = profile["phases"]["compile"]
-    phases["compile"]["gpu"] = ({"compile": cspec.get("compile", "triton"),
-                                 "count": int(cspec.get("count", 1)),
-                                 "tag": f"{seed}-{session}-{order}"} if target == "gpu" else None)
+    phases["compile"]["gpu"] = (
+        {
+            "compile": cspec.get("compile", "triton"),
+            "count": int(cspec.get("count", 1)),
+            "tag": f"{seed}-{session}-{order}",
+        }
+        if target == "gpu"
+        else None
+    )
     phases["compile"]["tag"] = f"{seed}-{session}-{order}"
     kern = {"kind": kernel["kind"], "size": kernel.get("size"), "dtype": kernel.get("dtype")}
     phases["inputs"]["gpu"] = dict(kern)
@@ -153,9 +259,14 @@ def _command(rng: random.Random, profile: dict[str, Any], session: str, order: i
     ms = float(kernel.get("expected_ms") or 1.0)
     reps = int(min(t["max_reps"], max(t["min_reps"], round(timing_s * 1000.0 / ms))))
     warm = float(t.get("warmup_ms", 25))
-    phases["timing"] = {"method": method, "reps": reps, "warmup_ms": warm, "cpu_s": 0.0,
-                        "expect_s": round((reps * ms + warm) / 1000.0, 4),
-                        "gpu": dict(kern, reps=reps, bucket=kernel.get("bucket"))}
+    phases["timing"] = {
+        "method": method,
+        "reps": reps,
+        "warmup_ms": warm,
+        "cpu_s": 0.0,
+        "expect_s": round((reps * ms + warm) / 1000.0, 4),
+        "gpu": dict(kern, reps=reps, bucket=kernel.get("bucket")),
+    }
     cmd_s = others + phases["timing"]["expect_s"]
     cs = float(profile["command_share"])
     think_mean = cmd_s * (1.0 - cs) / cs
@@ -165,12 +276,20 @@ def _command(rng: random.Random, profile: dict[str, Any], session: str, order: i
     think = min(think, float(tk.get("max_factor", math.inf)) * think_mean)
     if order == 0 and tk.get("first") == "residual":
         think *= rng.random()  # the replay window opens while the agent is already thinking
-    return {"v": VERSION, "session": session, "order": order, "think_s": round(think, 4),
-            "target": target, "kernel": kernel, "phases": phases}
+    return {
+        "v": VERSION,
+        "session": session,
+        "order": order,
+        "think_s": round(think, 4),
+        "target": target,
+        "kernel": kernel,
+        "phases": phases,
+    }
 
 
-def generate(profile: dict[str, Any], sessions: int, seed: int,
-             suite_kernels: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def generate(
+    profile: dict[str, Any], sessions: int, seed: int, suite_kernels: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The trace's lines, sessions in order. Pure: the result depends only on the arguments."""
     rng = random.Random(seed)
     kernels = _kernels(profile, suite_kernels)
@@ -194,9 +313,13 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, float]:
     cmd = sum(sum(p["expect_s"] for p in c["phases"].values()) for c in lines)
     think = sum(c["think_s"] for c in lines)
     timing = sum(c["phases"]["timing"]["expect_s"] for c in lines)
-    return {"commands": len(lines), "command_s": round(cmd, 3), "think_s": round(think, 3),
-            "command_share": round(cmd / (cmd + think), 4) if cmd + think else 0.0,
-            "timing_share": round(timing / cmd, 4) if cmd else 0.0}
+    return {
+        "commands": len(lines),
+        "command_s": round(cmd, 3),
+        "think_s": round(think, 3),
+        "command_share": round(cmd / (cmd + think), 4) if cmd + think else 0.0,
+        "timing_share": round(timing / cmd, 4) if cmd else 0.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         if not a.suite_path:
             ap.error("--suite needs --suite-path")
         from bench import suites
+
         levels = [int(x) for x in a.suite_levels.split(",") if x]
-        suite_kernels = suites.suite_kernels(a.suite, a.suite_path, levels=levels,
-                                             expected_ms=float(profile.get("suite_expected_ms", 1.0)))
+        suite_kernels = suites.suite_kernels(
+            a.suite, a.suite_path, levels=levels, expected_ms=float(profile.get("suite_expected_ms", 1.0))
+        )
     lines = generate(profile, a.sessions or int(profile["sessions"]), a.seed, suite_kernels)
     for line in lines:
         errs = validate_line(line)

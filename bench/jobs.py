@@ -72,8 +72,10 @@ def parse_variant(text: str) -> Variant:
         elif a.startswith("--policy="):
             policy = a.split("=", 1)[1]
     if policy not in POLICIES:
-        raise ValueError(f"variant {text!r}: policy {policy!r} is not one of {', '.join(POLICIES)} "
-                         "(name it region-..., command-..., shared-... or pass --policy)")
+        raise ValueError(
+            f"variant {text!r}: policy {policy!r} is not one of {', '.join(POLICIES)} "
+            "(name it region-..., command-..., shared-... or pass --policy)"
+        )
     return Variant(name, policy, args)
 
 
@@ -94,9 +96,17 @@ def stack(v: Variant, a: argparse.Namespace, width: int) -> Stack:
     """The variant's daemon (JSON logs) and a gateway `width` wide over it, logs in a.logdir; as
     root, jobs run as a node runs them (harness.stack: an unprivileged user in the daemon's socket
     group, so the regions inside them reach the daemon), never as root."""
-    return Stack(["--log-format", "json", *strip_policy(v.args), *a.daemon_devices], width,
-                 policy=v.policy, gateway_args=a.gateway_arg, python=a.python, logdir=a.logdir,
-                 name=v.name, token=a.gateway_token, prefix="krex-jobs-")
+    return Stack(
+        ["--log-format", "json", *strip_policy(v.args), *a.daemon_devices],
+        width,
+        policy=v.policy,
+        gateway_args=a.gateway_arg,
+        python=a.python,
+        logdir=a.logdir,
+        name=v.name,
+        token=a.gateway_token,
+        prefix="krex-jobs-",
+    )
 
 
 def strip_policy(args: list[str]) -> list[str]:
@@ -123,11 +133,13 @@ def parse_lines(stdout: str) -> list[dict[str, Any]]:
     return out
 
 
-async def submit(st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
-                 prog: Progress) -> tuple[float, list[dict[str, Any]]]:
+async def submit(
+    st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float, prog: Progress
+) -> tuple[float, list[dict[str, Any]]]:
     """Submit every group (one job each: a single spec, or a batch) at once and wait for all.
     Returns (makespan s, records); a failed job is a record with ok False, never an exception."""
     from krex_async.gateway.client import GatewayClient
+
     env = {"TRITON_CACHE_DIR": ".triton-cache", "TORCHINDUCTOR_CACHE_DIR": ".inductor-cache"}
     async with GatewayClient(st.url, st.token, timeout=timeout_s + 120) as gw:
         t0 = time.monotonic()
@@ -137,8 +149,7 @@ async def submit(st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
             s0 = time.monotonic() - t0
             rec: dict[str, Any] = {"keys": [j.key for j in group], "submit_s": s0}
             try:
-                job = await gw.dev("python job.py spec.json", files=files, env_vars=env,
-                                   timeout_s=timeout_s)
+                job = await gw.dev("python job.py spec.json", files=files, env_vars=env, timeout_s=timeout_s)
                 prog.running += 1
                 # queued behind the others (all of them, under command) before its own timeout runs
                 view = await gw.wait(job["job_id"], timeout_s * len(groups) + 60)
@@ -151,11 +162,20 @@ async def submit(st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
             rec["end_s"] = time.monotonic() - t0
             res = view.get("result") or {}
             lines = parse_lines(res.get("stdout", ""))
-            ok = view["status"] == "succeeded" and len(lines) == len(group) and all(
-                ln["check"]["ok"] for ln in lines)
-            rec.update(ok=ok, status=view["status"], lines=lines, regions=res.get("regions", []),
-                       krex=res.get("krex", {}), error=view.get("error"),
-                       exit_code=res.get("exit_code"))
+            ok = (
+                view["status"] == "succeeded"
+                and len(lines) == len(group)
+                and all(ln["check"]["ok"] for ln in lines)
+            )
+            rec.update(
+                ok=ok,
+                status=view["status"],
+                lines=lines,
+                regions=res.get("regions", []),
+                krex=res.get("krex", {}),
+                error=view.get("error"),
+                exit_code=res.get("exit_code"),
+            )
             if not ok:
                 rec["stderr_tail"] = res.get("stderr", "")[-2000:]
                 rec["stdout_tail"] = res.get("stdout", "")[-1000:]
@@ -163,6 +183,7 @@ async def submit(st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float,
             prog.failed += not ok
             prog.show()
             return rec
+
         recs = await asyncio.gather(*(one(g) for g in groups))
     return time.monotonic() - t0, list(recs)
 
@@ -183,14 +204,28 @@ async def run_pass(v: Variant, jobs: list[jobs_sets.Job], a: argparse.Namespace)
     try:
         async with stack(v, a, a.width) as st:
             warm_s = await pool_warm(st.daemon.socket, a.pool_warm_s)
-            makespan, recs = await submit(st, [[j] for j in jobs_sets.fresh_tags(todo, v.name)],
-                                          a.job_timeout, prog)
+            makespan, recs = await submit(
+                st, [[j] for j in jobs_sets.fresh_tags(todo, v.name)], a.job_timeout, prog
+            )
     except RuntimeError as e:  # the daemon or gateway refused this configuration
-        return {"variant": v.name, "policy": v.policy, "args": v.args, "error": str(e)[-3000:],
-                "jobs": [], "wall_s": time.monotonic() - t}
+        return {
+            "variant": v.name,
+            "policy": v.policy,
+            "args": v.args,
+            "error": str(e)[-3000:],
+            "jobs": [],
+            "wall_s": time.monotonic() - t,
+        }
     prog.show(final=True)
-    out = {"variant": v.name, "policy": v.policy, "args": v.args, "makespan_s": makespan,
-           "wall_s": time.monotonic() - t, "pool_warm_s": warm_s, "jobs": recs}
+    out = {
+        "variant": v.name,
+        "policy": v.policy,
+        "args": v.args,
+        "makespan_s": makespan,
+        "wall_s": time.monotonic() - t,
+        "pool_warm_s": warm_s,
+        "jobs": recs,
+    }
     if len(todo) < len(jobs):
         out["subset"] = {"rule": "distinct", "jobs": len(todo), "of": len(jobs)}
     return out
@@ -222,8 +257,9 @@ async def run_alone(jobs: list[jobs_sets.Job], a: argparse.Namespace, name: str)
     async with stack(Variant(name, "command", []), a, 1) as st:
         for b in batches:
             # a batch's timeout: its jobs' together, within what the gateway accepts
-            _, (rec,) = await submit(st, [jobs_sets.fresh_tags(b, name)],
-                                     min(GATEWAY_MAX_TIMEOUT_S, a.job_timeout * len(b)), prog)
+            _, (rec,) = await submit(
+                st, [jobs_sets.fresh_tags(b, name)], min(GATEWAY_MAX_TIMEOUT_S, a.job_timeout * len(b)), prog
+            )
             recs.append(rec)
     prog.show(final=True)
     return {"round": name, "jobs": recs, "wall_s": time.monotonic() - t}
@@ -247,13 +283,17 @@ def alone_slots(n_variants: int, rounds: int) -> set[int]:
 def stack_seconds(data: dict[str, Any]) -> float:
     """A stack's start and stop as measured so far (a pass's wall time beyond its makespan and pool
     warm-up), STACK_S before any pass."""
-    xs = [p["wall_s"] - p["makespan_s"] - (p.get("pool_warm_s") or 0.0)
-          for p in data["passes"].values() if p.get("makespan_s") is not None and "wall_s" in p]
+    xs = [
+        p["wall_s"] - p["makespan_s"] - (p.get("pool_warm_s") or 0.0)
+        for p in data["passes"].values()
+        if p.get("makespan_s") is not None and "wall_s" in p
+    ]
     return max(xs, default=STACK_S)
 
 
-def estimate_s(v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], width: int,
-               command_jobs: str = "distinct") -> float:
+def estimate_s(
+    v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], width: int, command_jobs: str = "distinct"
+) -> float:
     """How long the variant's pass will take, from what this run has measured: a concurrent pass
     as long as the slowest concurrent pass so far (the same set at the same width), else its jobs'
     alone seconds spread over the width; a command pass the sum of its jobs' alone seconds (each
@@ -264,8 +304,11 @@ def estimate_s(v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], widt
     work = sum(per.get(j.key, fallback) for j in todo)
     if v.policy == "command":
         return work + JOB_OVERHEAD_S * len(todo) + stack_seconds(data)
-    seen = [p["wall_s"] for p in data["passes"].values()
-            if p.get("makespan_s") is not None and p["policy"] != "command" and "subset" not in p]
+    seen = [
+        p["wall_s"]
+        for p in data["passes"].values()
+        if p.get("makespan_s") is not None and p["policy"] != "command" and "subset" not in p
+    ]
     if seen:
         return max(seen)
     return work / width * CONCURRENT_SLACK + stack_seconds(data)
@@ -277,8 +320,14 @@ def alone_reserve_s(data: dict[str, Any]) -> float:
     return 1.1 * max(xs) if xs else jobs_report.alone_round_seconds(data)
 
 
-def plan_variant(v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], a: argparse.Namespace,
-                 elapsed: float, last_round_pending: bool) -> str | None:
+def plan_variant(
+    v: Variant,
+    data: dict[str, Any],
+    jobs: list[jobs_sets.Job],
+    a: argparse.Namespace,
+    elapsed: float,
+    last_round_pending: bool,
+) -> str | None:
     """Why the variant is skipped under --budget-s (None: it runs): its estimate, and the last alone
     round still to come, would not end within the budget."""
     if not a.budget_s:
@@ -288,21 +337,36 @@ def plan_variant(v: Variant, data: dict[str, Any], jobs: list[jobs_sets.Job], a:
     left = a.budget_s - elapsed
     if need + reserve <= left:
         return None
-    return (f"budget: about {need:.0f} s needed, {left - reserve:.0f} s left "
-            f"({reserve:.0f} s kept for the last alone round)" if reserve else
-            f"budget: about {need:.0f} s needed, {left:.0f} s left")
+    return (
+        f"budget: about {need:.0f} s needed, {left - reserve:.0f} s left "
+        f"({reserve:.0f} s kept for the last alone round)"
+        if reserve
+        else f"budget: about {need:.0f} s needed, {left:.0f} s left"
+    )
 
 
 async def run(a: argparse.Namespace, variants: list[Variant], jobs: list[jobs_sets.Job]) -> dict[str, Any]:
     t0 = time.monotonic()
     data: dict[str, Any] = {
-        "config": {"argv": sys.argv, "device": a.device, "set": a.set, "width": a.width,
-                   "variants": [vars(v) for v in variants], "jobs": len(jobs),
-                   "keys": sorted({j.key for j in jobs}), "gateway_args": a.gateway_arg,
-                   "alone_rounds": a.alone_rounds, "budget_s": a.budget_s,
-                   "command_jobs": a.command_jobs,
-                   "started_at": time.time(), "host": os.uname().nodename},
-        "alone": [], "passes": {}, "skipped": {}}
+        "config": {
+            "argv": sys.argv,
+            "device": a.device,
+            "set": a.set,
+            "width": a.width,
+            "variants": [vars(v) for v in variants],
+            "jobs": len(jobs),
+            "keys": sorted({j.key for j in jobs}),
+            "gateway_args": a.gateway_arg,
+            "alone_rounds": a.alone_rounds,
+            "budget_s": a.budget_s,
+            "command_jobs": a.command_jobs,
+            "started_at": time.time(),
+            "host": os.uname().nodename,
+        },
+        "alone": [],
+        "passes": {},
+        "skipped": {},
+    }
     slots = alone_slots(len(variants), a.alone_rounds)
     for i in range(len(variants) + 1):
         if i in slots:
@@ -328,40 +392,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--kernelbench", type=Path, help="a KernelBench checkout (KernelBench/levelN/)")
     ap.add_argument("--atrex", type=Path, help="an Atrex-Bench checkout (data/<op>/)")
-    ap.add_argument("--triton", type=int, default=None,
-                    help="Triton do_bench jobs (default: the set's number when no suite is given)")
+    ap.add_argument(
+        "--triton",
+        type=int,
+        default=None,
+        help="Triton do_bench jobs (default: the set's number when no suite is given)",
+    )
     ap.add_argument("--cpu-jobs", type=int, default=None, help="cpu stand-in jobs (cpu device)")
     ap.add_argument("--set", "--size", dest="set", choices=sorted(jobs_sets.SIZES), default="default")
     ap.add_argument("--problems", type=int, default=None, help="distinct suite problems (default: the set's)")
     ap.add_argument("--levels", default="1,2,3", help="KernelBench levels to draw from")
     ap.add_argument("--seed", type=int, default=0, help="which problems are drawn")
     ap.add_argument("--width", type=int, default=8, help="jobs running at once (gateway --max-running)")
-    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME:ARGS",
-                    help="daemon variants, each NAME[:krex serve args] (default: region in each "
-                         "freeze/hold mode this daemon offers, the pool on a GPU, shared, command)")
-    ap.add_argument("--alone-rounds", type=int, default=2,
-                    help="alone rounds: the first before the variants, the last after, any others "
-                         "between (default 2)")
-    ap.add_argument("--command-jobs", choices=["distinct", "all"], default="distinct",
-                    help="the command variant's jobs: one copy of each distinct job (default: it is "
-                         "the serial baseline, and its jobs/min is measured on them) or the whole set")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="NAME:ARGS",
+        help="daemon variants, each NAME[:krex serve args] (default: region in each "
+        "freeze/hold mode this daemon offers, the pool on a GPU, shared, command)",
+    )
+    ap.add_argument(
+        "--alone-rounds",
+        type=int,
+        default=2,
+        help="alone rounds: the first before the variants, the last after, any others between (default 2)",
+    )
+    ap.add_argument(
+        "--command-jobs",
+        choices=["distinct", "all"],
+        default="distinct",
+        help="the command variant's jobs: one copy of each distinct job (default: it is "
+        "the serial baseline, and its jobs/min is measured on them) or the whole set",
+    )
     ap.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
-    ap.add_argument("--daemon-arg", action="append", default=[],
-                    help="an argument every daemon gets (repeatable, e.g. --daemon-arg=--probes=off)")
-    ap.add_argument("--gateway-arg", action="append", default=[],
-                    help="an argument every `krex gateway` gets (repeatable, e.g. "
-                         "--gateway-arg=--run-as=USER)")
+    ap.add_argument(
+        "--daemon-arg",
+        action="append",
+        default=[],
+        help="an argument every daemon gets (repeatable, e.g. --daemon-arg=--probes=off)",
+    )
+    ap.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="an argument every `krex gateway` gets (repeatable, e.g. --gateway-arg=--run-as=USER)",
+    )
     ap.add_argument("--gateway-token", default=None, help="bearer token (default: the gateway's own)")
     ap.add_argument("--gateway-token-file", type=Path, default=None)
-    ap.add_argument("--pool-warm-s", type=float, default=120.0,
-                    help="seconds a pooled variant may take to warm its pool before the jobs (not "
-                         "counted in the makespan: a node's pool is warm before an agent's burst)")
+    ap.add_argument(
+        "--pool-warm-s",
+        type=float,
+        default=120.0,
+        help="seconds a pooled variant may take to warm its pool before the jobs (not "
+        "counted in the makespan: a node's pool is warm before an agent's burst)",
+    )
     ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds per job")
-    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help="skip a variant whose estimated pass (from the phases measured so far), with "
-                         "the last alone round, would not end within S seconds of the start "
-                         f"(default {DEFAULT_BUDGET_S:.0f}: one 10-minute accelerator call with room "
-                         "for start-up and the report; 0: no budget)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="skip a variant whose estimated pass (from the phases measured so far), with "
+        "the last alone round, would not end within S seconds of the start "
+        f"(default {DEFAULT_BUDGET_S:.0f}: one 10-minute accelerator call with room "
+        "for start-up and the report; 0: no budget)",
+    )
     ap.add_argument("--python", default=sys.executable, help="interpreter of daemon, gateway, jobs")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "jobs.json")
     ap.add_argument("--no-plots", action="store_true")
@@ -392,27 +487,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _has_cuda(python: str) -> bool:
-    p = subprocess.run([python, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
-                       capture_output=True, timeout=120)
+    p = subprocess.run(
+        [python, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+        capture_output=True,
+        timeout=120,
+    )
     return p.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    helptext = subprocess.run([a.python, "-m", "krex_async", "serve", "--help"], capture_output=True,
-                              text=True, cwd=str(ROOT), timeout=60,
-                              env=bench_env()).stdout
+    helptext = subprocess.run(
+        [a.python, "-m", "krex_async", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=60,
+        env=bench_env(),
+    ).stdout
     try:
         variants = [parse_variant(t) for t in (a.variants or default_variants(helptext, a.device))]
         if len({v.name for v in variants}) != len(variants):
             raise ValueError("variant names must differ")
-        jobs = jobs_sets.build(jobs_sets.SIZES[a.set], a.device, a.kernelbench, a.atrex, a.triton,
-                               a.cpu_jobs, a.level_list, a.seed, a.problems)
+        jobs = jobs_sets.build(
+            jobs_sets.SIZES[a.set],
+            a.device,
+            a.kernelbench,
+            a.atrex,
+            a.triton,
+            a.cpu_jobs,
+            a.level_list,
+            a.seed,
+            a.problems,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"jobs: {e}", file=sys.stderr)
         return 2
-    print(f"jobs: {len(jobs)} jobs ({len({j.key for j in jobs})} distinct) on {a.device}, "
-          f"{a.width} at once, variants {' '.join(v.name for v in variants)}", file=sys.stderr)
+    print(
+        f"jobs: {len(jobs)} jobs ({len({j.key for j in jobs})} distinct) on {a.device}, "
+        f"{a.width} at once, variants {' '.join(v.name for v in variants)}",
+        file=sys.stderr,
+    )
     data = asyncio.run(run(a, variants, jobs))
     print(jobs_report.table(data["summary"]))
     if not a.no_plots:

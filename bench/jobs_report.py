@@ -65,9 +65,14 @@ def baselines(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {}
     for key, ts in by.items():
         med = statistics.median(t["median_ms"] for t in ts)
-        out[key] = {"median_ms": med, "p95_ms": statistics.median(t["p95_ms"] for t in ts),
-                    "rounds": len(ts), "bucket": bucket_of(med),
-                    "p95s_ms": [t["p95_ms"] for t in ts], "medians_ms": [t["median_ms"] for t in ts]}
+        out[key] = {
+            "median_ms": med,
+            "p95_ms": statistics.median(t["p95_ms"] for t in ts),
+            "rounds": len(ts),
+            "bucket": bucket_of(med),
+            "p95s_ms": [t["p95_ms"] for t in ts],
+            "medians_ms": [t["median_ms"] for t in ts],
+        }
     return out
 
 
@@ -79,16 +84,22 @@ def inflation(lines: list[dict[str, Any]], base: dict[str, dict[str, Any]]) -> d
             continue
         by[b["bucket"]]["median"].append(ln["timing"]["median_ms"] / b["median_ms"] - 1.0)
         by[b["bucket"]]["p95"].append(ln["timing"]["p95_ms"] / b["p95_ms"] - 1.0)
-    return {bk: {"n": len(v["median"]), "p50": pct(v["median"], 0.5), "p95": pct(v["p95"], 0.95),
-                 "median_p95": pct(v["median"], 0.95)} for bk, v in by.items()}
+    return {
+        bk: {
+            "n": len(v["median"]),
+            "p50": pct(v["median"], 0.5),
+            "p95": pct(v["p95"], 0.95),
+            "median_p95": pct(v["median"], 0.95),
+        }
+        for bk, v in by.items()
+    }
 
 
 def alone_spread(base: dict[str, dict[str, Any]]) -> dict[str, Any]:
     by: dict[str, list[float]] = defaultdict(list)
     for b in base.values():
         by[b["bucket"]] += [p / b["p95_ms"] - 1.0 for p in b["p95s_ms"] if b["p95_ms"] > 0]
-    return {bk: {"n": len(v), "p95": pct(v, 0.95), "max": max(v) if v else None}
-            for bk, v in by.items()}
+    return {bk: {"n": len(v), "p95": pct(v, 0.95), "max": max(v) if v else None} for bk, v in by.items()}
 
 
 def quiesce_timeout(args: list[str]) -> float:
@@ -123,18 +134,30 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
     for k in sorted({k for g in rs for k in g if "lock" in k or "hold" in k}):
         vals = [g[k] for g in rs if k in g]
         nums = [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        extra[k] = ({"p50": pct(nums, 0.5), "max": max(nums)} if len(nums) == len(vals)
-                    else dict(Counter(str(v) for v in vals)))
+        extra[k] = (
+            {"p50": pct(nums, 0.5), "max": max(nums)}
+            if len(nums) == len(vals)
+            else dict(Counter(str(v) for v in vals))
+        )
     who = Counter(w.split(", cmd ", 1)[-1][:80] for g in rs for w in g.get("stray_procs", {}).values())
-    return {"n": len(rs), "names": dict(Counter(g.get("name", "") for g in rs)),
-            "enter_p50_s": med("enter_s"), "enter_p95_s": pct([g.get("enter_s", 0.0) for g in rs], 0.95),
-            "wait_p50_s": med("wait_s"), "quiesce_p50_s": med("quiesce_s"),
-            "quiesce": dict(Counter(quiesce_outcome(g, qtimeout) for g in rs)),
-            "freeze_p50_s": med("freeze_s"), "drain_p50_s": med("drain_s"),
-            "drain": dict(Counter(g.get("drain", "") for g in rs)), "held_p50_s": med("held_s"),
-            "outcome": dict(Counter(g.get("outcome", "") for g in rs)),
-            "strays": sum(int(g.get("strays", 0)) for g in rs),
-            "tainted": sum(bool(g.get("tainted")) for g in rs), "stray_who": dict(who), **extra}
+    return {
+        "n": len(rs),
+        "names": dict(Counter(g.get("name", "") for g in rs)),
+        "enter_p50_s": med("enter_s"),
+        "enter_p95_s": pct([g.get("enter_s", 0.0) for g in rs], 0.95),
+        "wait_p50_s": med("wait_s"),
+        "quiesce_p50_s": med("quiesce_s"),
+        "quiesce": dict(Counter(quiesce_outcome(g, qtimeout) for g in rs)),
+        "freeze_p50_s": med("freeze_s"),
+        "drain_p50_s": med("drain_s"),
+        "drain": dict(Counter(g.get("drain", "") for g in rs)),
+        "held_p50_s": med("held_s"),
+        "outcome": dict(Counter(g.get("outcome", "") for g in rs)),
+        "strays": sum(int(g.get("strays", 0)) for g in rs),
+        "tainted": sum(bool(g.get("tainted")) for g in rs),
+        "stray_who": dict(who),
+        **extra,
+    }
 
 
 def phase_medians(lines: list[dict[str, Any]]) -> dict[str, float]:
@@ -144,13 +167,23 @@ def phase_medians(lines: list[dict[str, Any]]) -> dict[str, float]:
 
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
     base = baselines(data)
-    out: dict[str, Any] = {"baselines": base, "alone_spread": alone_spread(base), "variants": {},
-                           "skipped": data.get("skipped", {}),
-                           "alone_failed": [{"round": rnd["round"], "keys": r["keys"],
-                                             "error": r.get("error") or r.get("status"),
-                                             "stderr_tail": (r.get("stderr_tail") or "")[-300:]}
-                                            for rnd in data["alone"] for r in rnd["jobs"]
-                                            if not r.get("ok")]}
+    out: dict[str, Any] = {
+        "baselines": base,
+        "alone_spread": alone_spread(base),
+        "variants": {},
+        "skipped": data.get("skipped", {}),
+        "alone_failed": [
+            {
+                "round": rnd["round"],
+                "keys": r["keys"],
+                "error": r.get("error") or r.get("status"),
+                "stderr_tail": (r.get("stderr_tail") or "")[-300:],
+            }
+            for rnd in data["alone"]
+            for r in rnd["jobs"]
+            if not r.get("ok")
+        ],
+    }
     for name, p in data["passes"].items():
         recs = p["jobs"]
         ok = [r for r in recs if r.get("ok")]
@@ -160,24 +193,41 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         via = Counter(str(r.get("krex", {}).get("via", "?")) for r in recs)
         adopted = sum(1 for r in recs for k, v in r.get("krex", {}).items() if "adopt" in k and v)
         out["variants"][name] = {
-            "policy": p["policy"], "args": p.get("args", []), "error": p.get("error"), "jobs": len(recs),
+            "policy": p["policy"],
+            "args": p.get("args", []),
+            "error": p.get("error"),
+            "jobs": len(recs),
             "ok": len(ok),
-            "failed": [{"keys": r["keys"], "status": r.get("status"), "error": r.get("error"),
-                        "stderr_tail": (r.get("stderr_tail") or "")[-300:]} for r in recs if not r.get("ok")],
-            "makespan_s": p.get("makespan_s"), "subset": p.get("subset"),
+            "failed": [
+                {
+                    "keys": r["keys"],
+                    "status": r.get("status"),
+                    "error": r.get("error"),
+                    "stderr_tail": (r.get("stderr_tail") or "")[-300:],
+                }
+                for r in recs
+                if not r.get("ok")
+            ],
+            "makespan_s": p.get("makespan_s"),
+            "subset": p.get("subset"),
             "jobs_per_min": 60.0 * len(ok) / p["makespan_s"] if p.get("makespan_s") else None,
-            "phases_p50_s": phase_medians(lines), "phases_p50_s_by_kind": by_kind,
+            "phases_p50_s": phase_medians(lines),
+            "phases_p50_s_by_kind": by_kind,
             "routes": dict(Counter(ln.get("route", "") for ln in lines)),
-            "regions": regions(recs, quiesce_timeout(p.get("args", []))), "via": dict(via),
+            "regions": regions(recs, quiesce_timeout(p.get("args", []))),
+            "via": dict(via),
             "pooled": via.get("pool", 0) + adopted,
-            "inflation": inflation(lines, base)}
+            "inflation": inflation(lines, base),
+        }
     v = out["variants"]
     jpm = {k: x["jobs_per_min"] for k, x in v.items() if x["jobs_per_min"]}
     cmd = next((jpm[k] for k in jpm if v[k]["policy"] == "command"), None)
     shared = next((jpm[k] for k in jpm if v[k]["policy"] == "shared"), None)
-    out["ratios"] = {k: {"vs_command": jpm[k] / cmd if cmd else None,
-                         "vs_shared": jpm[k] / shared if shared else None}
-                     for k in jpm if v[k]["policy"] == "region"}
+    out["ratios"] = {
+        k: {"vs_command": jpm[k] / cmd if cmd else None, "vs_shared": jpm[k] / shared if shared else None}
+        for k in jpm
+        if v[k]["policy"] == "region"
+    }
     out["goals"] = goals(out)
     return out
 
@@ -190,23 +240,29 @@ def goals(s: dict[str, Any]) -> list[str]:
             r = s["ratios"].get(name, {}).get("vs_shared")
             line = f"{name}: the pool served {x['pooled']} of {x['jobs']} jobs"
             if x["pooled"] and r is not None:
-                line += (f"; jobs/min vs shared {r:.2f}x, goal (pool) >= {GOAL_POOL_VS_SHARED:.2f}x: "
-                         + ("met" if r >= GOAL_POOL_VS_SHARED else
-                            f"MISSED by {GOAL_POOL_VS_SHARED - r:.2f}x"))
+                line += f"; jobs/min vs shared {r:.2f}x, goal (pool) >= {GOAL_POOL_VS_SHARED:.2f}x: " + (
+                    "met" if r >= GOAL_POOL_VS_SHARED else f"MISSED by {GOAL_POOL_VS_SHARED - r:.2f}x"
+                )
             else:
                 line += f" (goal >= {GOAL_POOL_VS_SHARED:.2f}x of shared needs the pool to serve them)"
             out.append(line)
     for name, r in s["ratios"].items():
-        for what, val, goal in (("jobs/min vs shared", r["vs_shared"], GOAL_VS_SHARED),
-                                ("jobs/min vs command", r["vs_command"], GOAL_VS_COMMAND)):
+        for what, val, goal in (
+            ("jobs/min vs shared", r["vs_shared"], GOAL_VS_SHARED),
+            ("jobs/min vs command", r["vs_command"], GOAL_VS_COMMAND),
+        ):
             if val is not None:
-                out.append(f"{name}: {what} {val:.2f}x, goal >= {goal:.2f}x: "
-                           + ("met" if val >= goal else f"MISSED by {goal - val:.2f}x"))
+                out.append(
+                    f"{name}: {what} {val:.2f}x, goal >= {goal:.2f}x: "
+                    + ("met" if val >= goal else f"MISSED by {goal - val:.2f}x")
+                )
         for bk, goal in GOAL_P95.items():
             x = s["variants"][name]["inflation"].get(bk)
             if x and x["p95"] is not None:
-                out.append(f"{name}: p95 inflation {bk} {x['p95']:+.2%}, goal <= {goal:.1%}: "
-                           + ("met" if x["p95"] <= goal else f"MISSED by {x['p95'] - goal:.2%}"))
+                out.append(
+                    f"{name}: p95 inflation {bk} {x['p95']:+.2%}, goal <= {goal:.1%}: "
+                    + ("met" if x["p95"] <= goal else f"MISSED by {x['p95'] - goal:.2%}")
+                )
     return out
 
 
@@ -216,17 +272,23 @@ def _f(x: Any, spec: str) -> str:
 
 def table(s: dict[str, Any]) -> str:
     v = s["variants"]
-    out = [f"{'variant':<12} {'policy':<8} {'ok/jobs':>8} {'makespan s':>10} {'jobs/min':>9} "
-           f"{'vs command':>10} {'vs shared':>9} {'pooled':>6}"]
+    out = [
+        f"{'variant':<12} {'policy':<8} {'ok/jobs':>8} {'makespan s':>10} {'jobs/min':>9} "
+        f"{'vs command':>10} {'vs shared':>9} {'pooled':>6}"
+    ]
     for k, x in v.items():
         r = s["ratios"].get(k, {})
-        out.append(f"{k:<12} {x['policy']:<8} {str(x['ok']) + '/' + str(x['jobs']):>8} "
-                   f"{_f(x['makespan_s'], '10.1f')} {_f(x['jobs_per_min'], '9.1f')} "
-                   f"{_f(r.get('vs_command'), '10.2f')} {_f(r.get('vs_shared'), '9.2f')} {x['pooled']:>6}")
+        out.append(
+            f"{k:<12} {x['policy']:<8} {str(x['ok']) + '/' + str(x['jobs']):>8} "
+            f"{_f(x['makespan_s'], '10.1f')} {_f(x['jobs_per_min'], '9.1f')} "
+            f"{_f(r.get('vs_command'), '10.2f')} {_f(r.get('vs_shared'), '9.2f')} {x['pooled']:>6}"
+        )
         if x.get("subset"):
             sub = x["subset"]
-            out.append(f"  {k} ran {sub['jobs']} of the {sub['of']} jobs, one of each distinct job "
-                       "(--command-jobs distinct): its jobs/min is measured on them")
+            out.append(
+                f"  {k} ran {sub['jobs']} of the {sub['of']} jobs, one of each distinct job "
+                "(--command-jobs distinct): its jobs/min is measured on them"
+            )
         if x["error"]:
             out.append(f"  {k} did not run: {x['error'].splitlines()[-1][:150]}")
     for k, why in s["skipped"].items():
@@ -237,37 +299,50 @@ def table(s: dict[str, Any]) -> str:
         if len(x["phases_p50_s_by_kind"]) > 1:
             for kd, ph in x["phases_p50_s_by_kind"].items():
                 out.append(f"  {kd:<23} " + " ".join(_f(ph.get(p), "8.2f") for p in PHASES))
-    out += ["", f"{'regions':<12} {'n':>4} {'enter p50':>9} {'p95':>7} {'wait':>7} {'quiesce':>7} "
-            f"{'freeze':>7} {'drain':>7} {'held':>6}  quiesce / drain outcomes, strays"]
+    out += [
+        "",
+        f"{'regions':<12} {'n':>4} {'enter p50':>9} {'p95':>7} {'wait':>7} {'quiesce':>7} "
+        f"{'freeze':>7} {'drain':>7} {'held':>6}  quiesce / drain outcomes, strays",
+    ]
     for k, x in v.items():
         g = x["regions"]
         if not g["n"]:
             continue
         ms = lambda key: _f(None if g[key] is None else g[key] * 1e3, "7.1f")  # noqa: E731, B023 - used in this iteration
-        out.append(f"{k:<12} {g['n']:>4} {ms('enter_p50_s'):>9} {ms('enter_p95_s')} {ms('wait_p50_s')} "
-                   f"{ms('quiesce_p50_s')} {ms('freeze_p50_s')} {ms('drain_p50_s')} "
-                   f"{_f(g['held_p50_s'], '6.2f')}  {g['quiesce']} {g['drain']} strays {g['strays']}"
-                   f" tainted {g['tainted']}")
+        out.append(
+            f"{k:<12} {g['n']:>4} {ms('enter_p50_s'):>9} {ms('enter_p95_s')} {ms('wait_p50_s')} "
+            f"{ms('quiesce_p50_s')} {ms('freeze_p50_s')} {ms('drain_p50_s')} "
+            f"{_f(g['held_p50_s'], '6.2f')}  {g['quiesce']} {g['drain']} strays {g['strays']}"
+            f" tainted {g['tainted']}"
+        )
         for who, n in g["stray_who"].items():
             out.append(f"{'':<12} stray x{n}: {who}")
         for key in [key for key in g if "lock" in key or "hold" in key]:
             out.append(f"{'':<12} {key}: {g[key]}")
-    out += ["", "(region times in ms, held in s)", "",
-            f"{'inflation vs alone':<22} {'n':>3} {'p50':>8} {'p95':>8}   alone spread (p95, max)"]
+    out += [
+        "",
+        "(region times in ms, held in s)",
+        "",
+        f"{'inflation vs alone':<22} {'n':>3} {'p50':>8} {'p95':>8}   alone spread (p95, max)",
+    ]
     for k, x in v.items():
         for bk in (*BUCKETS, OTHER_BUCKET):
             i = x["inflation"].get(bk)
             if not i:
                 continue
             sp = s["alone_spread"].get(bk, {})
-            out.append(f"{k + ' ' + bk:<22} {i['n']:>3} {_f(i['p50'], '8.2%')} {_f(i['p95'], '8.2%')}"
-                       f"   {_f(sp.get('p95'), '.2%')}, {_f(sp.get('max'), '.2%')}")
+            out.append(
+                f"{k + ' ' + bk:<22} {i['n']:>3} {_f(i['p50'], '8.2%')} {_f(i['p95'], '8.2%')}"
+                f"   {_f(sp.get('p95'), '.2%')}, {_f(sp.get('max'), '.2%')}"
+            )
     routes = Counter(r for x in v.values() for r in x["routes"])
     out += ["", "timed through: " + "; ".join(sorted(routes)), "", "goals (issue 21):"]
     out += ["  " + g for g in s["goals"]] or ["  (no region variant with command and shared to judge)"]
     for f in s.get("alone_failed", [])[:5]:
-        out.append(f"failed alone ({f['round']}, no baseline for these keys): {f['keys']} {f['error']} "
-                   f"{f['stderr_tail'][-200:]!r}")
+        out.append(
+            f"failed alone ({f['round']}, no baseline for these keys): {f['keys']} {f['error']} "
+            f"{f['stderr_tail'][-200:]!r}"
+        )
     for k, x in v.items():
         for f in x["failed"][:5]:
             out.append(f"failed in {k}: {f['keys']} {f['status']} {f['error']} {f['stderr_tail'][-200:]!r}")

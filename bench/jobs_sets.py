@@ -39,8 +39,7 @@ class Size:
     level_weights: tuple[int, int, int] = (5, 2, 1)  # share of levels 1, 2, 3 among the problems
 
 
-SIZES = {"tiny": Size(2, 1, 4, 4, 20), "default": Size(8, 2, 16, 8, 100),
-         "large": Size(24, 2, 32, 24, 100)}
+SIZES = {"tiny": Size(2, 1, 4, 4, 20), "default": Size(8, 2, 16, 8, 100), "large": Size(24, 2, 32, 24, 100)}
 
 # Elements of the Triton job's scale_add (fp32: 8 bytes of traffic each): ~0.1-2 ms on an H200.
 TRITON_SIZES = (1 << 26, 1 << 27, 1 << 28, 1 << 29)
@@ -58,8 +57,9 @@ class Job:
         return str(self.spec["key"])
 
 
-def pick_problems(probs: list[dict[str, Any]], n: int, weights: tuple[int, int, int],
-                  seed: int) -> list[dict[str, Any]]:
+def pick_problems(
+    probs: list[dict[str, Any]], n: int, weights: tuple[int, int, int], seed: int
+) -> list[dict[str, Any]]:
     """n problems spread over the levels by `weights` (a level with too few gives its share to the
     others), each level's chosen by a seeded shuffle: the same checkout, size and seed pick the same."""
     by = {lv: [p for p in probs if p["problem"].startswith(f"level{lv}/")] for lv in (1, 2, 3)}
@@ -69,25 +69,33 @@ def pick_problems(probs: list[dict[str, Any]], n: int, weights: tuple[int, int, 
     quota = {lv: round(n * w / sum(weights)) for lv, w in zip((1, 2, 3), weights)}
     chosen: list[dict[str, Any]] = []
     for lv in (1, 2, 3):
-        chosen += by[lv][:quota[lv]]
+        chosen += by[lv][: quota[lv]]
     rest = [p for lv in (1, 2, 3) for p in by[lv] if p not in chosen]
     return (chosen + rest)[:n]
 
 
-def kernelbench_jobs(root: Path, size: Size, device: str, levels: list[int], seed: int,
-                     problems: int | None = None) -> list[Job]:
+def kernelbench_jobs(
+    root: Path, size: Size, device: str, levels: list[int], seed: int, problems: int | None = None
+) -> list[Job]:
     """KernelBench jobs: each problem's source uploaded as problem.py; the checkout's src/ (for
     kernelbench.timing) by path. Raises FileNotFoundError for a folder without KernelBench levels."""
-    probs = pick_problems(suites.kernelbench_problems(root, levels), problems or size.problems,
-                          size.level_weights, seed)
+    probs = pick_problems(
+        suites.kernelbench_problems(root, levels), problems or size.problems, size.level_weights, seed
+    )
     src = root / "src"
     jobs = []
     for p in probs:
         text = (Path(p["root"]) / p["path"]).read_text(encoding="utf-8")
-        spec = {"kind": "kernelbench", "key": f"kb:{p['problem']}", "device": device,
-                "problem": "problem.py", "kb_src": str(src.resolve()) if src.is_dir() else None,
-                "method": "cuda_event" if device == "gpu" else "host_time",
-                "warmup": 3, "trials": size.trials}
+        spec = {
+            "kind": "kernelbench",
+            "key": f"kb:{p['problem']}",
+            "device": device,
+            "problem": "problem.py",
+            "kb_src": str(src.resolve()) if src.is_dir() else None,
+            "method": "cuda_event" if device == "gpu" else "host_time",
+            "warmup": 3,
+            "trials": size.trials,
+        }
         jobs += [Job(dict(spec), {"problem.py": text}) for _ in range(size.copies)]
     return jobs
 
@@ -99,27 +107,60 @@ def atrex_jobs(root: Path, size: Size, device: str, seed: int) -> list[Job]:
     rng.shuffle(probs)
     helper = (HERE / "suites.py").read_text(encoding="utf-8")
     jobs = []
-    for p in probs[:size.problems]:
-        spec = {"kind": "atrex", "key": f"atrex:{p['problem']}", "device": device, "source": p,
-                "trials": size.trials, "seed": seed}
+    for p in probs[: size.problems]:
+        spec = {
+            "kind": "atrex",
+            "key": f"atrex:{p['problem']}",
+            "device": device,
+            "source": p,
+            "trials": size.trials,
+            "seed": seed,
+        }
         jobs += [Job(dict(spec), {"suites.py": helper}) for _ in range(size.copies)]
     return jobs
 
 
 def triton_jobs(n: int) -> list[Job]:
     """n Triton do_bench jobs over TRITON_SIZES; each compiles its own kernel (fresh_tags)."""
-    return [Job({"kind": "triton", "key": f"triton:scale_add:n={TRITON_SIZES[i % len(TRITON_SIZES)]}",
-                 "device": "gpu", "n": TRITON_SIZES[i % len(TRITON_SIZES)]}) for i in range(n)]
+    return [
+        Job(
+            {
+                "kind": "triton",
+                "key": f"triton:scale_add:n={TRITON_SIZES[i % len(TRITON_SIZES)]}",
+                "device": "gpu",
+                "n": TRITON_SIZES[i % len(TRITON_SIZES)],
+            }
+        )
+        for i in range(n)
+    ]
 
 
 def cpu_jobs(n: int, trials: int) -> list[Job]:
-    return [Job({"kind": "cpu", "key": f"cpu:dot:n={CPU_SIZES[i % len(CPU_SIZES)]}", "device": "cpu",
-                 "n": CPU_SIZES[i % len(CPU_SIZES)], "trials": trials}) for i in range(n)]
+    return [
+        Job(
+            {
+                "kind": "cpu",
+                "key": f"cpu:dot:n={CPU_SIZES[i % len(CPU_SIZES)]}",
+                "device": "cpu",
+                "n": CPU_SIZES[i % len(CPU_SIZES)],
+                "trials": trials,
+            }
+        )
+        for i in range(n)
+    ]
 
 
-def build(size: Size, device: str, kernelbench: Path | None, atrex: Path | None,
-          triton: int | None, cpu: int | None, levels: list[int], seed: int,
-          problems: int | None = None) -> list[Job]:
+def build(
+    size: Size,
+    device: str,
+    kernelbench: Path | None,
+    atrex: Path | None,
+    triton: int | None,
+    cpu: int | None,
+    levels: list[int],
+    seed: int,
+    problems: int | None = None,
+) -> list[Job]:
     """The whole set. Without any suite: Triton jobs on a GPU, cpu stand-ins on the cpu device."""
     jobs: list[Job] = []
     if kernelbench is not None:

@@ -60,8 +60,11 @@ def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    buckets = [b for b in (*BUCKETS, OTHER_BUCKET)
-               if any(b in s["policies"][p]["inflation"]["by_bucket"] for p in pols)]
+    buckets = [
+        b
+        for b in (*BUCKETS, OTHER_BUCKET)
+        if any(b in s["policies"][p]["inflation"]["by_bucket"] for p in pols)
+    ]
     if buckets:
         fig, axes = plt.subplots(1, len(buckets), figsize=(4 * len(buckets), 3.5), squeeze=False)
         for ax, b in zip(axes[0], buckets):

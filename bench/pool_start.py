@@ -59,8 +59,9 @@ async def one_batch(n: int, code: str, pool: Pool | None) -> tuple[list[float], 
     for _ in range(n):
         r, w = os.pipe()
         null = os.open(os.devnull, os.O_RDWR)
-        spec = LaunchSpec(argv=[sys.executable, "-c", code], cwd=ROOT, env=env, stdin_fd=null,
-                          stdout_fd=w, stderr_fd=null)
+        spec = LaunchSpec(
+            argv=[sys.executable, "-c", code], cwd=ROOT, env=env, stdin_fd=null, stdout_fd=w, stderr_fd=null
+        )
         t0 = time.monotonic()
         launched = await pool.launch(spec) if pool is not None else spawn(spec)
         if launched is None:
@@ -80,11 +81,13 @@ async def one_batch(n: int, code: str, pool: Pool | None) -> tuple[list[float], 
     return lat, pool_lat
 
 
-async def daemon_batches(counts: list[int], rounds: int, code: str, preload: list[str],
-                         pooled: bool, extra: list[str]) -> dict[int, list[float]]:
+async def daemon_batches(
+    counts: list[int], rounds: int, code: str, preload: list[str], pooled: bool, extra: list[str]
+) -> dict[int, list[float]]:
     """Through a real daemon: for each N, `rounds` batches of N commands submitted at once over
     one connection each; latency = the command's stamp - the time just before its submit."""
     from krex_async import Client
+
     size = max(counts) if pooled else 0
     env = bench_env()
     args = ["--probes", "off", "--pool-size", str(size), *extra]
@@ -130,15 +133,17 @@ def _read_all(fd: int) -> bytes:
 
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if os.path.exists("/dev/nvidia0")
-                    else "cpu")
+    ap.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if os.path.exists("/dev/nvidia0") else "cpu"
+    )
     ap.add_argument("--together", default="1,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--goal", type=float, default=None, help="required plain/pooled p95 ratio at max N")
     ap.add_argument("--json", default=None)
     ap.add_argument("--daemon", action="store_true", help="end to end, through a real daemon")
-    ap.add_argument("--daemon-arg", action="append", default=[],
-                    help="extra `krex serve` argument (--daemon; repeatable)")
+    ap.add_argument(
+        "--daemon-arg", action="append", default=[], help="extra `krex serve` argument (--daemon; repeatable)"
+    )
     args = ap.parse_args()
     counts = [int(x) for x in args.together.split(",")]
     preload, code = workload(args.device)
@@ -165,8 +170,16 @@ async def main() -> int:
                     lat += a
                     plat += b
                 results[f"{mode}/{n}"] = {"latency_s": lat, "pool_start_latency_s": plat}
-                rows.append((mode, n, len(lat), pct(lat, 0.5), pct(lat, 0.95),
-                             pct(plat, 0.5) if plat else float("nan")))
+                rows.append(
+                    (
+                        mode,
+                        n,
+                        len(lat),
+                        pct(lat, 0.5),
+                        pct(lat, 0.95),
+                        pct(plat, 0.5) if plat else float("nan"),
+                    )
+                )
     finally:
         await pool.close()
     print(f"\n{'mode':6} {'N':>3} {'samples':>7} {'p50 ms':>10} {'p95 ms':>10} {'pool start p50 ms':>18}")
@@ -175,8 +188,9 @@ async def main() -> int:
     return verdict(args, counts, results, {"device": args.device, "preload": preload})
 
 
-def verdict(args: argparse.Namespace, counts: list[int], results: dict[str, Any],
-            about: dict[str, Any]) -> int:
+def verdict(
+    args: argparse.Namespace, counts: list[int], results: dict[str, Any], about: dict[str, Any]
+) -> int:
     """Print plain/pooled p95 per N and the goal's verdict at the largest N, write --json;
     0 unless a --goal was missed. `results` holds "<mode>/<N>": {"latency_s": [...]}."""
     ok = True
@@ -194,8 +208,10 @@ def verdict(args: argparse.Namespace, counts: list[int], results: dict[str, Any]
 
 
 async def via_daemon(args: argparse.Namespace, counts: list[int], preload: list[str], code: str) -> int:
-    lat = {mode: await daemon_batches(counts, args.rounds, code, preload, mode == "pool",
-                                      args.daemon_arg) for mode in ("plain", "pool")}
+    lat = {
+        mode: await daemon_batches(counts, args.rounds, code, preload, mode == "pool", args.daemon_arg)
+        for mode in ("plain", "pool")
+    }
     print(f"through the daemon ({args.device}, preload {preload}), {args.rounds} rounds")
     print(f"\n{'mode':6} {'N':>3} {'samples':>7} {'p50 ms':>10} {'p95 ms':>10}")
     results: dict[str, Any] = {}
@@ -205,6 +221,7 @@ async def via_daemon(args: argparse.Namespace, counts: list[int], preload: list[
             results[f"{mode}/{n}"] = {"latency_s": xs}
             print(f"{mode:6} {n:>3} {len(xs):>7} {pct(xs, 0.5) * 1e3:>10.2f} {pct(xs, 0.95) * 1e3:>10.2f}")
     return verdict(args, counts, results, {"device": args.device, "preload": preload, "via": "daemon"})
+
 
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))

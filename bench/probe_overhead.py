@@ -100,8 +100,13 @@ int main(int argc, char **argv) {
 """
 FAKE_LIB = "int cuLaunchKernel(void *f, unsigned gx) { return (int)gx; }\n"
 
-FIRST_INSNS = {"mov (gcc -O2)": "", "endbr64": "endbr64\n", "push %rbp": "push %rbp\npop %rbp\n",
-               "nop": "nop\n", "nop5": ".byte 0x0f,0x1f,0x44,0x00,0x00\n"}
+FIRST_INSNS = {
+    "mov (gcc -O2)": "",
+    "endbr64": "endbr64\n",
+    "push %rbp": "push %rbp\npop %rbp\n",
+    "nop": "nop\n",
+    "nop5": ".byte 0x0f,0x1f,0x44,0x00,0x00\n",
+}
 TRAPS_C = r"""
 #define _GNU_SOURCE
 #include <signal.h>
@@ -130,12 +135,19 @@ def uprobe_anatomy(tmp: str) -> list[dict[str, Any]]:
     for i, (kind, insn) in enumerate(FIRST_INSNS.items()):
         d = Path(tmp, f"v{i}")
         d.mkdir()
-        src = FAKE_LIB if not insn else (
-            '__asm__(".globl cuLaunchKernel\\n.type cuLaunchKernel,@function\\ncuLaunchKernel:\\n'
-            + insn.replace("\n", "\\n") + 'mov %esi,%eax\\nret\\n");\n')
+        src = (
+            FAKE_LIB
+            if not insn
+            else (
+                '__asm__(".globl cuLaunchKernel\\n.type cuLaunchKernel,@function\\ncuLaunchKernel:\\n'
+                + insn.replace("\n", "\\n")
+                + 'mov %esi,%eax\\nret\\n");\n'
+            )
+        )
         (d / "fake.c").write_text(src)
-        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", f"{d}/libcuda.so.1", f"{d}/fake.c"],
-                       check=True)
+        subprocess.run(
+            ["gcc", "-O2", "-shared", "-fPIC", "-o", f"{d}/libcuda.so.1", f"{d}/fake.c"], check=True
+        )
         lib = f"{d}/libcuda.so.1"
         off = statistics.median(float(run([w, "launch", lib, "1000000"])[0]) for _ in range(3))
         with Running(LaunchProbe([lib], search=False)):
@@ -144,14 +156,20 @@ def uprobe_anatomy(tmp: str) -> list[dict[str, Any]]:
     Path(tmp, "traps.c").write_text(TRAPS_C)
     subprocess.run(["gcc", "-O2", "-o", f"{tmp}/traps", f"{tmp}/traps.c"], check=True)
     bp, db = (float(x) for x in run([f"{tmp}/traps", "200000"]))
-    rows.append({"first_insn": "(trap alone: int3 | single-step, with SIGTRAP handler)",
-                 "unprobed_ns": bp, "probed_ns": db})
+    rows.append(
+        {
+            "first_insn": "(trap alone: int3 | single-step, with SIGTRAP handler)",
+            "unprobed_ns": bp,
+            "probed_ns": db,
+        }
+    )
     return rows
 
 
 def first_insns(libs: list[str]) -> list[str]:
     """The first instruction of each launch symbol in these libraries (objdump), as text."""
     from krex_async.probes.launches import SYMBOLS
+
     out = []
     for lib in libs:
         dyn = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True).stdout
@@ -159,11 +177,12 @@ def first_insns(libs: list[str]) -> list[str]:
             addr, _, name = (line.split() + ["", "", ""])[:3]
             if name.split("@")[0] in SYMBOLS:
                 a = int(addr, 16)
-                dis = subprocess.run(["objdump", "-d", f"--start-address={a}",
-                                      f"--stop-address={a + 16}", lib],
-                                     capture_output=True, text=True).stdout.splitlines()
-                insn = [ln.split("\t")[-1].strip() for ln in dis
-                        if ln.strip().startswith(f"{a:x}:")]
+                dis = subprocess.run(
+                    ["objdump", "-d", f"--start-address={a}", f"--stop-address={a + 16}", lib],
+                    capture_output=True,
+                    text=True,
+                ).stdout.splitlines()
+                insn = [ln.split("\t")[-1].strip() for ln in dis if ln.strip().startswith(f"{a:x}:")]
                 out.append(f"{lib} {name}: {insn[0] if insn else '?'}")
     return out
 
@@ -195,8 +214,9 @@ def build(tmp: str) -> tuple[str, str, str]:
     Path(tmp, "w.c").write_text(C_SRC)
     Path(tmp, "fake.c").write_text(FAKE_LIB)
     subprocess.run(["gcc", "-O2", "-o", f"{tmp}/w", f"{tmp}/w.c", "-ldl"], check=True)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", f"{tmp}/libcuda.so.1", f"{tmp}/fake.c"],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-O2", "-shared", "-fPIC", "-o", f"{tmp}/libcuda.so.1", f"{tmp}/fake.c"], check=True
+    )
     os.mknod(f"{tmp}/null0", 0o20666, os.makedev(1, 3))
     return f"{tmp}/w", f"{tmp}/libcuda.so.1", f"{tmp}/null0"
 
@@ -235,18 +255,21 @@ def run(cmd: list[str]) -> list[str]:
 def outsiders_probe(tmp: str, lib: str, is_command: Any) -> CombinedProbe:
     """The daemon's probes with launch scope outsiders: the ioctl probe on the private node, whose
     "open" events get a new outsider probed, and the launch probe (no rescan during a run)."""
-    return CombinedProbe(IoctlProbe([tmp + "/"]),
-                         LaunchProbe([lib], search=False, scope="outsiders", rescan_s=3600,
-                                     is_command=is_command))
+    return CombinedProbe(
+        IoctlProbe([tmp + "/"]),
+        LaunchProbe([lib], search=False, scope="outsiders", rescan_s=3600, is_command=is_command),
+    )
 
 
-def launch_after_open(r: Running, w: str, lib: str, dev: str, n: int,
-                      probed: bool) -> tuple[float, int, bool]:
+def launch_after_open(
+    r: Running, w: str, lib: str, dev: str, n: int, probed: bool
+) -> tuple[float, int, bool]:
     """The workload maps `lib`, opens `dev` and waits; the loop delivers its open event; once the
     launch probe has attached (probed) or had ten times what an attach takes (a command), it makes
     n timed launches. Returns (ns per launch, its pid, whether it was probed)."""
-    p = subprocess.Popen([w, "launch", lib, str(n), dev], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [w, "launch", lib, str(n), dev], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdin is not None and p.stdout is not None
     pid = int(p.stdout.readline().split()[1])
     launch = r.probe.parts[-1]
@@ -264,11 +287,14 @@ def cpu_part(reps: int, tmp: str) -> list[dict[str, Any]]:
         "off": (lambda: None, "-"),
         "ioctl probes": (lambda: IoctlProbe([tmp + "/"]), "-"),
         "launch probes": (lambda: LaunchProbe([lib], search=False), "all: workload trapped"),
-        "launch probes, outsiders": (lambda: outsiders_probe(tmp, lib, lambda tgid: True),
-                                     "outsiders: workload a command, not probed"),
+        "launch probes, outsiders": (
+            lambda: outsiders_probe(tmp, lib, lambda tgid: True),
+            "outsiders: workload a command, not probed",
+        ),
         "launch probes, outsiders, workload probed": (
             lambda: outsiders_probe(tmp, lib, lambda tgid: False),
-            "outsiders: workload an outsider, probed at its open"),
+            "outsiders: workload an outsider, probed at its open",
+        ),
     }
     res: dict[str, dict[str, list[float]]] = {m: {"ioctl_ns": [], "launch_ns": []} for m in modes}
     counted: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
@@ -281,13 +307,15 @@ def cpu_part(reps: int, tmp: str) -> list[dict[str, Any]]:
                     continue
                 ns, pid, seen = launch_after_open(r, w, lib, dev, 200000, "probed" in m)
                 res[m]["launch_ns"].append(ns)
-                counted[m].append((200000 if "probed" in m else 0,
-                                   r.probe.parts[-1].counts().get(pid, 0)))
+                counted[m].append((200000 if "probed" in m else 0, r.probe.parts[-1].counts().get(pid, 0)))
     rows = []
     for m, v in res.items():
-        row: dict[str, Any] = {"mode": m, "launch_scope": modes[m][1],
-                               "ioctl_ns": statistics.median(v["ioctl_ns"]),
-                               "fake_launch_ns": statistics.median(v["launch_ns"])}
+        row: dict[str, Any] = {
+            "mode": m,
+            "launch_scope": modes[m][1],
+            "ioctl_ns": statistics.median(v["ioctl_ns"]),
+            "fake_launch_ns": statistics.median(v["launch_ns"]),
+        }
         if counted[m]:
             want, n_seen = map(sum, zip(*counted[m]))
             row["launches_counted"] = f"{n_seen} (expected {want})"
@@ -321,9 +349,16 @@ def stream_row(w: str, dev: str, tmp: str, n: int, rate: float) -> dict[str, Any
     got = r.by_pid.get(pid, {})
     counted, lost = probe.counts().get(pid, 0), probe.lost()
     delivered = got.get("ioctl", 0) + got.get("open", 0)
-    return {"requested_rate": rate or "max", "achieved_rate": float(out[2]), "sent": n,
-            "counted": counted, "delivered": delivered, "delivered_ioctl": got.get("ioctl", 0),
-            "lost": lost, "balanced": delivered + lost == counted == n + 1}
+    return {
+        "requested_rate": rate or "max",
+        "achieved_rate": float(out[2]),
+        "sent": n,
+        "counted": counted,
+        "delivered": delivered,
+        "delivered_ioctl": got.get("ioctl", 0),
+        "lost": lost,
+        "balanced": delivered + lost == counted == n + 1,
+    }
 
 
 def consumer_cost(w: str, dev: str, tmp: str) -> tuple[float, str]:
@@ -373,22 +408,45 @@ def daemon_part(rate: float, seconds: float, flood: int, tmp: str) -> list[dict[
     w, dev = f"{tmp}/w", f"{tmp}/null0"
     Path(tmp, "owner.py").write_text(OWNER)
     env = bench_env()
-    with Daemon(["--isolation", "signal", "--probes", "ioctl", "--probe-prefixes", tmp + "/",
-                 "--log-format", "json"], log=Path(tmp) / "daemon.log", parent=tmp, grace=15.0) as d:
+    with Daemon(
+        ["--isolation", "signal", "--probes", "ioctl", "--probe-prefixes", tmp + "/", "--log-format", "json"],
+        log=Path(tmp) / "daemon.log",
+        parent=tmp,
+        grace=15.0,
+    ) as d:
         sock = d.socket
 
         async def go() -> Any:
             async with await Client.connect(sock) as c:
-                res = await c.run([sys.executable, f"{tmp}/owner.py", w, dev,
-                                   str(int(rate * seconds)), str(rate), str(flood)], env=env)
+                res = await c.run(
+                    [
+                        sys.executable,
+                        f"{tmp}/owner.py",
+                        w,
+                        dev,
+                        str(int(rate * seconds)),
+                        str(rate),
+                        str(flood),
+                    ],
+                    env=env,
+                )
                 return res, (await c.status()).get("probes")
+
         res, probes = asyncio.run(go())
     if res.returncode != 0:
         raise RuntimeError(f"owner failed: {res.stderr.decode()[-500:]}")
     sent = {"paced": int(rate * seconds), "flood": flood}
-    return [{"region": r.name, "sent": sent.get(r.name, 0), "held_s": r.held_s,
-             "strays": r.strays, "tainted": r.tainted, "probes": (probes or {}).get("state")}
-            for r in res.report.regions]
+    return [
+        {
+            "region": r.name,
+            "sent": sent.get(r.name, 0),
+            "held_s": r.held_s,
+            "strays": r.strays,
+            "tainted": r.tainted,
+            "probes": (probes or {}).get("state"),
+        }
+        for r in res.report.regions
+    ]
 
 
 def _smt_siblings(cpu: int) -> set[int]:
@@ -409,14 +467,17 @@ GPU_MODES = {  # --gpu-modes name: (row label, what the launch probe does to the
     "ioctl": ("ioctl probes", "-"),
     "launch-all": ("launch probes", "all: worker trapped (uprobe on the file)"),
     "launch-outsiders": ("launch probes, outsiders", "outsiders: worker a command, not probed"),
-    "launch-outsider-probed": ("launch probes, outsiders, worker probed",
-                               "outsiders: worker an outsider, probed per process"),
+    "launch-outsider-probed": (
+        "launch probes, outsiders, worker probed",
+        "outsiders: worker an outsider, probed per process",
+    ),
 }
 DEFAULT_GPU_MODES = "off,ioctl,launch-all,launch-outsiders"
 
 
-def gpu_part(reps: int, n: int, bursts: int = 200,
-             modes_wanted: str = DEFAULT_GPU_MODES) -> list[dict[str, Any]]:
+def gpu_part(
+    reps: int, n: int, bursts: int = 200, modes_wanted: str = DEFAULT_GPU_MODES
+) -> list[dict[str, Any]]:
     """Host cost of a torch `a.add_(1.0)` launch (the enqueue, which is what a probe can slow),
     in one long-lived worker pinned to one core whose SMT siblings are left idle (this process,
     with the probes' reader, on the other cores), so that only the probes change between
@@ -431,16 +492,22 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
     names = [m.strip() for m in modes_wanted.split(",") if m.strip()]
     bad = [m for m in names if m not in GPU_MODES]
     if bad or "off" not in names:
-        raise SystemExit(f"--gpu-modes {modes_wanted!r}: modes are {', '.join(GPU_MODES)}, "
-                         "and off is needed (the others are compared with it)")
+        raise SystemExit(
+            f"--gpu-modes {modes_wanted!r}: modes are {', '.join(GPU_MODES)}, "
+            "and off is needed (the others are compared with it)"
+        )
     cpus = sorted(os.sched_getaffinity(0))
     worker_cpu = cpus[-1]
     rest = set(cpus) - _smt_siblings(worker_cpu)
     if not rest:
         raise RuntimeError("the GPU part needs a core for the probes apart from the worker's")
     os.sched_setaffinity(0, rest)
-    w = subprocess.Popen([sys.executable, "-c", TORCH_WORKER, str(worker_cpu)], text=True,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    w = subprocess.Popen(
+        [sys.executable, "-c", TORCH_WORKER, str(worker_cpu)],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert w.stdin is not None and w.stdout is not None
     try:
         libcuda = w.stdout.readline().strip()
@@ -454,13 +521,20 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
             return med, low
 
         def outsiders(worker_is_command: bool) -> LaunchProbe:
-            return LaunchProbe([libcuda], search=False, scope="outsiders",
-                               is_command=lambda tgid: worker_is_command and tgid == w.pid)
+            return LaunchProbe(
+                [libcuda],
+                search=False,
+                scope="outsiders",
+                is_command=lambda tgid: worker_is_command and tgid == w.pid,
+            )
 
-        make = {"off": lambda: None, "ioctl": lambda: IoctlProbe(),
-                "launch-all": lambda: LaunchProbe([libcuda], search=False),
-                "launch-outsiders": lambda: outsiders(True),
-                "launch-outsider-probed": lambda: outsiders(False)}
+        make = {
+            "off": lambda: None,
+            "ioctl": lambda: IoctlProbe(),
+            "launch-all": lambda: LaunchProbe([libcuda], search=False),
+            "launch-outsiders": lambda: outsiders(True),
+            "launch-outsider-probed": lambda: outsiders(False),
+        }
         measure()  # warm
         per_block: list[dict[str, float]] = []
         lows: dict[str, list[float]] = {m: [] for m in names}
@@ -469,7 +543,7 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
         ioctls: dict[str, list[int]] = {m: [] for m in names}
         for b in range(reps):
             block: dict[str, float] = {}
-            for m in names[b % len(names):] + names[:b % len(names)]:
+            for m in names[b % len(names) :] + names[: b % len(names)]:
                 with Running(make[m]()) as run:
                     time.sleep(0.2)
                     before = run.probe.counts().get(w.pid, 0) if m == "ioctl" else 0
@@ -494,12 +568,16 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
         # slower enqueue = lower launch rate: rate change = off/m - 1
         rate = sorted(100.0 * (blk["off"] / blk[m] - 1) for blk in per_block)
         row: dict[str, Any] = {
-            "mode": GPU_MODES[m][0], "launch_scope": GPU_MODES[m][1],
+            "mode": GPU_MODES[m][0],
+            "launch_scope": GPU_MODES[m][1],
             "ns_per_launch": statistics.median(mine),
-            "min_ns": min(lows[m]), "launch_rate_per_s": 1e9 / statistics.median(mine),
+            "min_ns": min(lows[m]),
+            "launch_rate_per_s": 1e9 / statistics.median(mine),
             "rate_vs_off_pct": statistics.median(rate),
             "rate_vs_off_min_max": f"{rate[0]:+.2f}..{rate[-1]:+.2f}",
-            "ns_vs_off_pct": statistics.median(paired), "blocks": len(per_block)}
+            "ns_vs_off_pct": statistics.median(paired),
+            "blocks": len(per_block),
+        }
         if counted[m]:
             want, seen = map(sum, zip(*counted[m]))
             row["counted"] = f"{seen}/{want}" + ("" if seen == want else " MISMATCH")
@@ -515,8 +593,7 @@ def gpu_part(reps: int, n: int, bursts: int = 200,
 
 def table(rows: list[dict[str, Any]]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))  # every column any row has
-    fmt = lambda v: (f"{v:.2e}" if 0 < abs(v) < 0.05 else f"{v:.1f}") if isinstance(v, float) \
-        else str(v)  # noqa: E731
+    fmt = lambda v: (f"{v:.2e}" if 0 < abs(v) < 0.05 else f"{v:.1f}") if isinstance(v, float) else str(v)  # noqa: E731
     widths = [max(len(k), *(len(fmt(r.get(k, ""))) for r in rows)) for k in keys]
     lines = ["  ".join(k.ljust(wd) for k, wd in zip(keys, widths))]
     lines += ["  ".join(fmt(r.get(k, "")).ljust(wd) for k, wd in zip(keys, widths)) for r in rows]
@@ -527,21 +604,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gpu", action="store_true", help="torch launch rate (needs CUDA and torch)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--launches", type=int, default=500,
-                    help="launches per burst (--gpu; keep it under the driver's queue depth)")
+    ap.add_argument(
+        "--launches",
+        type=int,
+        default=500,
+        help="launches per burst (--gpu; keep it under the driver's queue depth)",
+    )
     ap.add_argument("--bursts", type=int, default=200, help="bursts per mode in each block (--gpu)")
-    ap.add_argument("--gpu-modes", default=DEFAULT_GPU_MODES,
-                    help=f"--gpu modes, comma-separated, from {', '.join(GPU_MODES)} "
-                         f"(default {DEFAULT_GPU_MODES})")
+    ap.add_argument(
+        "--gpu-modes",
+        default=DEFAULT_GPU_MODES,
+        help=f"--gpu modes, comma-separated, from {', '.join(GPU_MODES)} (default {DEFAULT_GPU_MODES})",
+    )
     ap.add_argument("--rate", type=float, default=100_000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--flood", type=int, default=2_000_000,
-                    help="ioctls at full speed for the loss-accounting check (0: skip)")
+    ap.add_argument(
+        "--flood",
+        type=int,
+        default=2_000_000,
+        help="ioctls at full speed for the loss-accounting check (0: skip)",
+    )
     ap.add_argument("--loss-only", action="store_true", help="skip the per-call cost part")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--uprobe-anatomy", action="store_true",
-                    help="launch-probe cost by first instruction, trap costs, real libraries' first "
-                         "instructions (then exit)")
+    ap.add_argument(
+        "--uprobe-anatomy",
+        action="store_true",
+        help="launch-probe cost by first instruction, trap costs, real libraries' first "
+        "instructions (then exit)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (eBPF)")
@@ -559,8 +649,10 @@ def main() -> None:
             return
         if args.gpu:
             out["gpu"] = gpu_part(args.reps, args.launches, args.bursts, args.gpu_modes)
-            print("GPU: torch a.add_(1.0), host time per launch from an empty queue (median of "
-                  "bursts), as a launch rate\n" + table(out["gpu"]) + "\n")
+            print(
+                "GPU: torch a.add_(1.0), host time per launch from an empty queue (median of "
+                "bursts), as a launch rate\n" + table(out["gpu"]) + "\n"
+            )
         try:
             if not args.loss_only:
                 out["cpu"] = cpu_part(args.reps, tmp)

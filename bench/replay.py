@@ -41,6 +41,7 @@ AGENT_CMD = "bench.workload.agent_cmd"  # run as `python -m` with the repository
 def _builtins(x: Any) -> Any:
     try:
         import msgspec
+
         return msgspec.to_builtins(x)
     except (ImportError, TypeError):
         return x
@@ -58,8 +59,13 @@ def parse_result(stdout: bytes) -> list[dict[str, Any]]:
 
 def daemon(policy: str, opts: argparse.Namespace, name: str) -> Daemon:
     """The pass's daemon (JSON logs to <out>.logs/daemon-NAME.log), with --daemon-arg."""
-    return Daemon(["--log-format", "json", *opts.daemon_arg], policy=policy, python=opts.python,
-                  log=opts.logdir / f"daemon-{name}.log", prefix="krex-rp-")
+    return Daemon(
+        ["--log-format", "json", *opts.daemon_arg],
+        policy=policy,
+        python=opts.python,
+        log=opts.logdir / f"daemon-{name}.log",
+        prefix="krex-rp-",
+    )
 
 
 def command_env(target: str) -> dict[str, str]:
@@ -73,8 +79,9 @@ def command_env(target: str) -> dict[str, str]:
 
 
 async def _submit(c: Any, argv: list[str], opts: argparse.Namespace, env: dict[str, str], label: str) -> Any:
-    return await c.run(argv, cwd=str(ROOT), env=env, device=opts.device, timeout=opts.cmd_timeout,
-                       label=label)
+    return await c.run(
+        argv, cwd=str(ROOT), env=env, device=opts.device, timeout=opts.cmd_timeout, label=label
+    )
 
 
 async def replay_pass(policy: str, trace: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
@@ -98,10 +105,17 @@ async def replay_pass(policy: str, trace: list[dict[str, Any]], opts: argparse.N
         shutil.rmtree(caches, ignore_errors=True)
 
 
-async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: asyncio.Queue[str],
-                  env: dict[str, str], records: list[dict[str, Any]], prog: Progress,
-                  opts: argparse.Namespace) -> dict[str, Any]:
+async def _replay(
+    policy: str,
+    by: dict[str, list[dict[str, Any]]],
+    queue: asyncio.Queue[str],
+    env: dict[str, str],
+    records: list[dict[str, Any]],
+    prog: Progress,
+    opts: argparse.Namespace,
+) -> dict[str, Any]:
     from krex_async import Client
+
     async with daemon(policy, opts, policy) as d:
         t0 = time.monotonic()
 
@@ -114,9 +128,14 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
                 async with await Client.connect(d.socket) as c:
                     for line in by[name]:
                         await asyncio.sleep(line["think_s"] * opts.think_scale)
-                        argv = module_argv(AGENT_CMD, "--pace", opts.pace, "--spec",
-                                           json.dumps(line, separators=(",", ":")),
-                                           python=opts.command_python)
+                        argv = module_argv(
+                            AGENT_CMD,
+                            "--pace",
+                            opts.pace,
+                            "--spec",
+                            json.dumps(line, separators=(",", ":")),
+                            python=opts.command_python,
+                        )
                         prog.running += 1
                         s0 = time.monotonic()
                         try:
@@ -128,14 +147,24 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
                         prog.running -= 1
                         results = parse_result(res.stdout) if res is not None else []
                         ok = bool(res is not None and res.returncode == 0 and results)
-                        records.append({
-                            "session": name, "order": line["order"], "key": kernel_key(line),
-                            "start_s": s0 - t0, "end_s": s1 - t0, "client_s": s1 - s0, "ok": ok,
-                            "returncode": None if res is None else res.returncode, "error": err,
-                            "report": None if res is None else _builtins(res.report),
-                            "result": results[-1] if results else None,
-                            "stderr_tail": ("" if res is None or ok
-                                            else res.stderr[-1500:].decode("utf-8", "replace"))})
+                        records.append(
+                            {
+                                "session": name,
+                                "order": line["order"],
+                                "key": kernel_key(line),
+                                "start_s": s0 - t0,
+                                "end_s": s1 - t0,
+                                "client_s": s1 - s0,
+                                "ok": ok,
+                                "returncode": None if res is None else res.returncode,
+                                "error": err,
+                                "report": None if res is None else _builtins(res.report),
+                                "result": results[-1] if results else None,
+                                "stderr_tail": (
+                                    "" if res is None or ok else res.stderr[-1500:].decode("utf-8", "replace")
+                                ),
+                            }
+                        )
                         prog.done += 1
                         prog.failed += not ok
                         prog.show()
@@ -144,6 +173,7 @@ async def _replay(policy: str, by: dict[str, list[dict[str, Any]]], queue: async
             while True:
                 prog.show()
                 await asyncio.sleep(0.5)
+
         tick = asyncio.create_task(ticker())
         try:
             await asyncio.gather(*(agent() for _ in range(min(opts.concurrency, len(by)))))
@@ -171,10 +201,12 @@ def isolated_lines(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace,
-                        name: str = "isolated") -> dict[str, Any]:
+async def isolated_pass(
+    trace: list[dict[str, Any]], opts: argparse.Namespace, name: str = "isolated"
+) -> dict[str, Any]:
     """Every distinct kernel timed alone (one command, nothing else on the daemon), `repeats` times."""
     from krex_async import Client
+
     lines = isolated_lines(trace)
     spec = opts.logdir / "isolated-kernels.jsonl"
     spec.write_text("".join(dump_lines(lines)))
@@ -183,23 +215,41 @@ async def isolated_pass(trace: list[dict[str, Any]], opts: argparse.Namespace,
         async with await Client.connect(d.socket) as c:
             t0 = time.monotonic()
             prog.running = 1
-            res = await _submit(c, module_argv(AGENT_CMD, "--isolated", str(spec), "--repeats",
-                                               str(opts.repeats), python=opts.command_python),
-                                opts, command_env(trace[0]["target"]), "isolated")
+            res = await _submit(
+                c,
+                module_argv(
+                    AGENT_CMD,
+                    "--isolated",
+                    str(spec),
+                    "--repeats",
+                    str(opts.repeats),
+                    python=opts.command_python,
+                ),
+                opts,
+                command_env(trace[0]["target"]),
+                "isolated",
+            )
             prog.running, prog.done = 0, 1
     prog.show(final=True)
     results = parse_result(res.stdout)
     if res.returncode != 0 or not results:
-        raise RuntimeError(f"{name} pass failed (rc {res.returncode}): "
-                           f"{res.stderr[-2000:].decode('utf-8', 'replace')}")
-    return {"seconds": time.monotonic() - t0, "kernels": len(lines), "repeats": opts.repeats,
-            "results": results, "report": _builtins(res.report)}
+        raise RuntimeError(
+            f"{name} pass failed (rc {res.returncode}): {res.stderr[-2000:].decode('utf-8', 'replace')}"
+        )
+    return {
+        "seconds": time.monotonic() - t0,
+        "kernels": len(lines),
+        "repeats": opts.repeats,
+        "results": results,
+        "report": _builtins(res.report),
+    }
 
 
 def _trace_from_args(a: argparse.Namespace) -> tuple[Path, list[dict[str, Any]]]:
     if a.trace:
         return Path(a.trace), read_trace(a.trace)
     from bench import gen_trace
+
     prof = gen_trace.load_profile(a.profile)
     lines = gen_trace.generate(prof, a.sessions or int(prof["sessions"]), a.seed)
     path = a.logdir / f"trace-{prof['name']}-{a.seed}.jsonl"
@@ -216,12 +266,25 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     a.concurrency = a.concurrency or n_sessions
     a.device = a.device or ("cpu" if trace[0]["target"] == "cpu" else "auto")
     data: dict[str, Any] = {
-        "config": {"trace": str(path), "commands": len(trace), "sessions": n_sessions,
-                   "concurrency": a.concurrency, "policies": a.policies, "think_scale": a.think_scale,
-                   "cores": a.cores, "device": a.device, "daemon_args": a.daemon_arg,
-                   "repeats": a.repeats, "isolated_after": a.isolated_after, "pace": a.pace,
-                   "started_at": time.time(), "argv": sys.argv, "host": os.uname().nodename},
-        "passes": {}}
+        "config": {
+            "trace": str(path),
+            "commands": len(trace),
+            "sessions": n_sessions,
+            "concurrency": a.concurrency,
+            "policies": a.policies,
+            "think_scale": a.think_scale,
+            "cores": a.cores,
+            "device": a.device,
+            "daemon_args": a.daemon_arg,
+            "repeats": a.repeats,
+            "isolated_after": a.isolated_after,
+            "pace": a.pace,
+            "started_at": time.time(),
+            "argv": sys.argv,
+            "host": os.uname().nodename,
+        },
+        "passes": {},
+    }
     data["isolated"] = await isolated_pass(trace, a)
     write_json(a.out, data)
     for pol in a.policies:
@@ -246,25 +309,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=None, help="agents at once (default: sessions)")
     ap.add_argument("--think-scale", type=float, default=1.0, help="multiply every think time")
     ap.add_argument("--repeats", type=int, default=3, help="isolated pass repeats per kernel")
-    ap.add_argument("--isolated-after", action=argparse.BooleanOptionalAction, default=True,
-                    help="time the kernels alone again after the policies; the baseline is the "
-                         "median over both isolated passes (default: on)")
-    ap.add_argument("--pace", choices=["trace", "wall", "none"], default="trace",
-                    help="trace (default): every phase of a command but its timing costs at least "
-                         "the trace's expect_s of CPU time (real work, then more host work), so each "
-                         "pass replays the trace's work and a frozen phase ends later, as a real one "
-                         "does; wall: at least expect_s of wall-clock time (before issue 21: absorbs "
-                         "freezes); none: the real work alone")
+    ap.add_argument(
+        "--isolated-after",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the kernels alone again after the policies; the baseline is the "
+        "median over both isolated passes (default: on)",
+    )
+    ap.add_argument(
+        "--pace",
+        choices=["trace", "wall", "none"],
+        default="trace",
+        help="trace (default): every phase of a command but its timing costs at least "
+        "the trace's expect_s of CPU time (real work, then more host work), so each "
+        "pass replays the trace's work and a frozen phase ends later, as a real one "
+        "does; wall: at least expect_s of wall-clock time (before issue 21: absorbs "
+        "freezes); none: the real work alone",
+    )
     ap.add_argument("--device", default=None, help="device to submit to (default: cpu or auto)")
     ap.add_argument("--cmd-timeout", type=float, default=600.0)
     ap.add_argument("--python", default=sys.executable, help="interpreter of the daemon")
     ap.add_argument("--command-python", default=None, help="interpreter of the commands (default: --python)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra `krex serve` argument")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replay.json")
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
-                    help="cores for the ideal ratio's C/P bound (default: this machine's)")
-    ap.add_argument("--plan", action="store_true", help="print sizes, ideal ratio and lower-bound "
-                    "pass durations of the trace, run nothing")
+    ap.add_argument(
+        "--cores",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores for the ideal ratio's C/P bound (default: this machine's)",
+    )
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="print sizes, ideal ratio and lower-bound pass durations of the trace, run nothing",
+    )
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -281,17 +359,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def plan(a: argparse.Namespace) -> dict[str, Any]:
     """What a run would do, from the trace alone: sizes, the ideal ratio, rough pass durations (s)."""
     from bench import gen_trace
+
     path, trace = _trace_from_args(a)
     n = a.concurrency or len(sessions(trace))
     ideal = analysis.trace_ideal(trace, n, a.cores, a.think_scale)
     iso = isolated_lines(trace)
     iso_s = 5.0 + a.repeats * sum(x["phases"]["timing"]["expect_s"] + 0.5 for x in iso)
-    est = {"isolated": iso_s * (2 if a.isolated_after else 1), "command": ideal["lb_command_s"],
-           "region": ideal["lb_region_s"], "shared": ideal["lb_region_s"]}
-    return {"trace": str(path), **gen_trace.summary(trace), "sessions": len(sessions(trace)),
-            "concurrency": n, "distinct_kernels": len(iso), "ideal_trace": ideal,
-            "estimated_s": {k: round(v, 1) for k, v in est.items() if k == "isolated" or k in a.policies},
-            "estimated_total_s": round(est["isolated"] + sum(est[p] for p in a.policies), 1)}
+    est = {
+        "isolated": iso_s * (2 if a.isolated_after else 1),
+        "command": ideal["lb_command_s"],
+        "region": ideal["lb_region_s"],
+        "shared": ideal["lb_region_s"],
+    }
+    return {
+        "trace": str(path),
+        **gen_trace.summary(trace),
+        "sessions": len(sessions(trace)),
+        "concurrency": n,
+        "distinct_kernels": len(iso),
+        "ideal_trace": ideal,
+        "estimated_s": {k: round(v, 1) for k, v in est.items() if k == "isolated" or k in a.policies},
+        "estimated_total_s": round(est["isolated"] + sum(est[p] for p in a.policies), 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,15 +22,20 @@ import tempfile
 import threading
 import time
 
-RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "krex_async",
-                       "runtime")
+RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "krex_async", "runtime")
 PROG = "import time; print(time.thread_time_ns())"
 
 
 def one(env: dict[str, str]) -> tuple[float, float, float]:
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", PROG], env=env,
-                         capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", PROG],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     wall = (time.perf_counter() - t0) * 1e3
     site = re.search(r"import time:\s+\d+ \|\s+(\d+) \|\s*site$", out.stderr, re.M)
     assert site, out.stderr
@@ -51,22 +56,28 @@ def main() -> None:
     def accept_forever() -> None:
         while True:
             held.append(srv.accept()[0])
+
     threading.Thread(target=accept_forever, daemon=True).start()
     base = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
-    with_rt = dict(base, PYTHONPATH=RUNTIME, KREX_SOCKET=path, KREX_COMMAND="c1",
-                   KREX_TOKEN="t0k", KREX_DEVICE="cpu")
+    with_rt = dict(
+        base, PYTHONPATH=RUNTIME, KREX_SOCKET=path, KREX_COMMAND="c1", KREX_TOKEN="t0k", KREX_DEVICE="cpu"
+    )
     res: dict[str, list[tuple[float, float, float]]] = {"without": [], "with runtime": []}
     for _ in range(args.runs):
         res["without"].append(one(base))
         res["with runtime"].append(one(with_rt))
     print(f"python -c pass, {args.runs} runs each, interleaved (ms)")
-    print(f"{'':<14}{'site p50':>10}{'site min':>10}{'main cpu p50':>14}{'main cpu min':>14}"
-          f"{'wall p50':>10}{'wall min':>10}")
+    print(
+        f"{'':<14}{'site p50':>10}{'site min':>10}{'main cpu p50':>14}{'main cpu min':>14}"
+        f"{'wall p50':>10}{'wall min':>10}"
+    )
     for name, rows in res.items():
         site, cpu, wall = zip(*rows)
-        print(f"{name:<14}{statistics.median(site):>10.2f}{min(site):>10.2f}"
-              f"{statistics.median(cpu):>14.2f}{min(cpu):>14.2f}"
-              f"{statistics.median(wall):>10.2f}{min(wall):>10.2f}")
+        print(
+            f"{name:<14}{statistics.median(site):>10.2f}{min(site):>10.2f}"
+            f"{statistics.median(cpu):>14.2f}{min(cpu):>14.2f}"
+            f"{statistics.median(wall):>10.2f}{min(wall):>10.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -94,8 +94,9 @@ class Tally:
         self.last_progress = time.monotonic()  # last command start/end or region grant/release
 
 
-async def agent(path: str, argv: list[str], env: dict[str, str], until: float, tally: Tally,
-                regions: int) -> None:
+async def agent(
+    path: str, argv: list[str], env: dict[str, str], until: float, tally: Tally, regions: int
+) -> None:
     async with await Client.connect(path) as c:
         late: asyncio.Queue[Any] = asyncio.Queue()
         while time.monotonic() < until:
@@ -112,8 +113,10 @@ async def agent(path: str, argv: list[str], env: dict[str, str], until: float, t
             c._queues[h.req_id] = late  # noqa: SLF001 - the instrument looks at the connection
             tally.states[res.report.state] += 1
             if len(res.report.regions) != regions:
-                tally.errors.append(f"{h.command}: {len(res.report.regions)} region reports "
-                                    f"of {regions} (stderr {res.stderr[-300:]!r})")
+                tally.errors.append(
+                    f"{h.command}: {len(res.report.regions)} region reports "
+                    f"of {regions} (stderr {res.stderr[-300:]!r})"
+                )
             for r in res.report.regions:
                 tally.regions += 1
                 tally.outcomes[r.outcome] += 1
@@ -155,19 +158,22 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
         dpid = int((await c.status())["pid"])
     # Warm-up: one round of every agent, so first-use allocations are not counted as growth.
     warm = Tally()
-    await asyncio.gather(*(asyncio.wait_for(
-        agent(path, argv, env, time.monotonic() + 0.01, warm, args.regions), 120)
-        for _ in range(args.agents)))
+    await asyncio.gather(
+        *(
+            asyncio.wait_for(agent(path, argv, env, time.monotonic() + 0.01, warm, args.regions), 120)
+            for _ in range(args.agents)
+        )
+    )
     await asyncio.sleep(args.retention + 1)
     fds_then = fd_targets(dpid)
-    before = {"rss_kib": rss_kib(dpid), "fds": fds(dpid),
-              "cgroups": krex_cgroups(set(warm.submitted))}
+    before = {"rss_kib": rss_kib(dpid), "fds": fds(dpid), "cgroups": krex_cgroups(set(warm.submitted))}
     trace_task = asyncio.create_task(tracer(path, tally))
     await asyncio.sleep(0.2)
     t0 = time.monotonic()
     until = t0 + args.seconds
-    agents = [asyncio.create_task(agent(path, argv, env, until, tally, args.regions))
-              for _ in range(args.agents)]
+    agents = [
+        asyncio.create_task(agent(path, argv, env, until, tally, args.regions)) for _ in range(args.agents)
+    ]
     # A deadlock is a daemon that stops making progress while work is pending, not a slow one: at
     # 64 agents on one device every region freezes 63 commands, so the commands in flight when the
     # time is up can take many seconds to finish. --grace bounds the whole run all the same.
@@ -178,8 +184,7 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
         now = time.monotonic()
         if pending and now - tally.last_progress > args.stall:
             deadlock = True
-            tally.errors.append(f"no progress for {args.stall} s with {len(pending)} agents "
-                                "waiting")
+            tally.errors.append(f"no progress for {args.stall} s with {len(pending)} agents waiting")
             break
         if pending and now > until + args.grace:
             tally.errors.append(f"{len(pending)} agents still waiting {args.grace} s after the end")
@@ -191,8 +196,10 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
     if stuck:
         async with await Client.connect(path) as c:
             live = {x["command"]: x for x in (await c.status())["commands"]}
-        states = {i: (live[i]["state"], live[i]["frozen"], live[i]["regions"]) if i in live
-                  else "gone" for i in stuck[:10]}
+        states = {
+            i: (live[i]["state"], live[i]["frozen"], live[i]["regions"]) if i in live else "gone"
+            for i in stuck[:10]
+        }
         tally.errors.append(f"{len(stuck)} commands without a result (daemon says {states})")
     for t in pending:
         t.cancel()
@@ -215,14 +222,17 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
     # Our own status connection just closed: give the daemon a moment to see its end of stream.
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline and any(
-            v.startswith("socket:") and fds_then.get(k) != v for k, v in fd_targets(dpid).items()):
+        v.startswith("socket:") and fds_then.get(k) != v for k, v in fd_targets(dpid).items()
+    ):
         await asyncio.sleep(0.05)
     fds_now = fd_targets(dpid)
     new_fds = {k: v for k, v in fds_now.items() if fds_then.get(k) != v}
     # The cgroup backend opens one inotify instance per loop, lazily (on the first freeze that has
     # to wait): not a leak when the warm-up did not happen to create it.
-    lazy = int("anon_inode:inotify" not in fds_then.values()
-               and list(new_fds.values()).count("anon_inode:inotify") == 1)
+    lazy = int(
+        "anon_inode:inotify" not in fds_then.values()
+        and list(new_fds.values()).count("anon_inode:inotify") == 1
+    )
     if len(fds_now) - lazy > len(fds_then):
         tally.errors.append(f"fds opened during the load and still open: {new_fds}")
     after = {"rss_kib": rss_kib(dpid), "fds": fds(dpid), "cgroups": krex_cgroups(ids)}
@@ -241,34 +251,60 @@ async def soak(args: argparse.Namespace, path: str) -> dict[str, Any]:
         "memory flat": after["rss_kib"] - before["rss_kib"] <= args.rss_slack_mib * 1024,
     }
     return {
-        "agents": args.agents, "seconds": round(wall, 2), "commands": len(ids),
-        "regions": tally.regions, "commands_per_s": round(len(ids) / wall, 2),
+        "agents": args.agents,
+        "seconds": round(wall, 2),
+        "commands": len(ids),
+        "regions": tally.regions,
+        "commands_per_s": round(len(ids) / wall, 2),
         "drain_after_end_s": round(drain, 2),
         "region_enter_p50_ms": round(pct(tally.enter_s, 0.50) * 1000, 3),
         "region_enter_p99_ms": round(pct(tally.enter_s, 0.99) * 1000, 3),
         "region_enter_max_ms": round(max(tally.enter_s, default=float("nan")) * 1000, 3),
         "region_isolate_p50_ms": round(pct(tally.isolate_s, 0.50) * 1000, 3),
         "region_isolate_p99_ms": round(pct(tally.isolate_s, 0.99) * 1000, 3),
-        "states": dict(tally.states), "region_outcomes": dict(tally.outcomes),
+        "states": dict(tally.states),
+        "region_outcomes": dict(tally.outcomes),
         "rss_before_mib": round(before["rss_kib"] / 1024, 1),
         "rss_after_mib": round(after["rss_kib"] / 1024, 1),
-        "fds_before": before["fds"], "fds_after": after["fds"],
-        "cgroups_before": before["cgroups"], "cgroups_after": after["cgroups"],
-        "errors": tally.errors[:10], "checks": checks, "ok": all(checks.values()),
+        "fds_before": before["fds"],
+        "fds_after": after["fds"],
+        "cgroups_before": before["cgroups"],
+        "cgroups_after": after["cgroups"],
+        "errors": tally.errors[:10],
+        "checks": checks,
+        "ok": all(checks.values()),
     }
 
 
 def start_daemon(args: argparse.Namespace) -> Daemon:
     """The soak's own daemon; its directory (and log) kept with --keep-log."""
-    return Daemon(["--isolation", args.isolation, "--devices", args.devices, "--retention",
-                   str(args.retention), "--region-timeout", "60", "--log-format", "json",
-                   "--log-level", args.log_level], prefix="krex-soak-", keep=args.keep_log).start()
+    return Daemon(
+        [
+            "--isolation",
+            args.isolation,
+            "--devices",
+            args.devices,
+            "--retention",
+            str(args.retention),
+            "--region-timeout",
+            "60",
+            "--log-format",
+            "json",
+            "--log-level",
+            args.log_level,
+        ],
+        prefix="krex-soak-",
+        keep=args.keep_log,
+    ).start()
 
 
 def table(r: dict[str, Any]) -> str:
     rows = [
-        ("agents", r["agents"]), ("seconds", r["seconds"]), ("commands", r["commands"]),
-        ("regions", r["regions"]), ("commands/s", r["commands_per_s"]),
+        ("agents", r["agents"]),
+        ("seconds", r["seconds"]),
+        ("commands", r["commands"]),
+        ("regions", r["regions"]),
+        ("commands/s", r["commands_per_s"]),
         ("s to finish after the end", r["drain_after_end_s"]),
         ("region enter p50 ms", r["region_enter_p50_ms"]),
         ("region enter p99 ms", r["region_enter_p99_ms"]),
@@ -278,7 +314,8 @@ def table(r: dict[str, Any]) -> str:
         ("daemon RSS before/after MiB", f"{r['rss_before_mib']} / {r['rss_after_mib']}"),
         ("daemon fds before/after", f"{r['fds_before']} / {r['fds_after']}"),
         ("krex cgroups before/after", f"{r['cgroups_before']} / {r['cgroups_after']}"),
-        ("command states", r["states"]), ("region outcomes", r["region_outcomes"]),
+        ("command states", r["states"]),
+        ("region outcomes", r["region_outcomes"]),
     ]
     rows += [(f"check: {k}", "ok" if v else "FAILED") for k, v in r["checks"].items()]
     out = [output.table(None, [(k, str(v)) for k, v in rows], sep="  ", left=True)]
@@ -295,13 +332,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", help="use this running daemon instead of starting one")
     ap.add_argument("--isolation", default="auto", choices=["auto", "cgroup", "signal"])
     ap.add_argument("--devices", default="auto")
-    ap.add_argument("--retention", type=float, default=2.0,
-                    help="the started daemon's --retention (results kept after the end)")
-    ap.add_argument("--grace", type=float, default=120.0,
-                    help="seconds past --seconds for the commands in flight to finish")
-    ap.add_argument("--stall", type=float, default=20.0,
-                    help="seconds without any command or region progress while agents wait: "
-                         "a deadlock")
+    ap.add_argument(
+        "--retention",
+        type=float,
+        default=2.0,
+        help="the started daemon's --retention (results kept after the end)",
+    )
+    ap.add_argument(
+        "--grace",
+        type=float,
+        default=120.0,
+        help="seconds past --seconds for the commands in flight to finish",
+    )
+    ap.add_argument(
+        "--stall",
+        type=float,
+        default=20.0,
+        help="seconds without any command or region progress while agents wait: a deadlock",
+    )
     ap.add_argument("--rss-slack-mib", type=float, default=24.0)
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--log-level", default="warning", help="the started daemon's log level")

@@ -44,9 +44,15 @@ def kernelbench_problems(root: str | Path, levels: Sequence[int] = (1, 2, 3)) ->
     for d in dirs:
         for f in sorted(d.glob("*.py")):
             if {"Model", "get_inputs", "get_init_inputs"} <= _names(f):
-                out.append({"suite": "kernelbench", "root": str(Path(root).resolve()),
-                            "path": str(f.resolve().relative_to(Path(root).resolve())),
-                            "problem": f"{d.name}/{f.stem}", "shape": None})
+                out.append(
+                    {
+                        "suite": "kernelbench",
+                        "root": str(Path(root).resolve()),
+                        "path": str(f.resolve().relative_to(Path(root).resolve())),
+                        "problem": f"{d.name}/{f.stem}",
+                        "shape": None,
+                    }
+                )
     return out
 
 
@@ -64,18 +70,33 @@ def atrex_problems(root: str | Path) -> list[dict[str, Any]]:
         if not {"_make_inputs", "get_inputs"} & _names(inp):
             continue
         for shape in json.loads(shp.read_text(encoding="utf-8")):
-            out.append({"suite": "atrex", "root": str(Path(root).resolve()),
-                        "path": str(op.resolve().relative_to(Path(root).resolve())),
-                        "problem": f"{op.name}#{shape}", "shape": str(shape)})
+            out.append(
+                {
+                    "suite": "atrex",
+                    "root": str(Path(root).resolve()),
+                    "path": str(op.resolve().relative_to(Path(root).resolve())),
+                    "problem": f"{op.name}#{shape}",
+                    "shape": str(shape),
+                }
+            )
     return out
 
 
-def suite_kernels(suite: str, root: str | Path, levels: Sequence[int] = (1, 2, 3),
-                  expected_ms: float = 1.0) -> list[dict[str, Any]]:
+def suite_kernels(
+    suite: str, root: str | Path, levels: Sequence[int] = (1, 2, 3), expected_ms: float = 1.0
+) -> list[dict[str, Any]]:
     """Catalogue entries (trace `kernel` objects of kind "suite") for every problem of a checkout."""
     probs = kernelbench_problems(root, levels) if suite == "kernelbench" else atrex_problems(root)
-    return [{"id": f"{'kb' if suite == 'kernelbench' else 'atrex'}:{p['problem']}", "kind": "suite",
-             "source": p, "bucket": None, "expected_ms": expected_ms} for p in probs]
+    return [
+        {
+            "id": f"{'kb' if suite == 'kernelbench' else 'atrex'}:{p['problem']}",
+            "kind": "suite",
+            "source": p,
+            "bucket": None,
+            "expected_ms": expected_ms,
+        }
+        for p in probs
+    ]
 
 
 def _load(path: Path, name: str) -> Any:
@@ -108,14 +129,16 @@ def _flat(x: Any) -> list[float]:
     return [float(x)]
 
 
-def make_callable(source: dict[str, Any], gpu: bool,
-                  seed: int) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def make_callable(
+    source: dict[str, Any], gpu: bool, seed: int
+) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     """(fn, check) for one suite problem, loaded from the user's checkout. check runs the reference
     twice on the same inputs and compares (a deterministic, finite reference is what an agent's
     candidate is checked against). Raises what the problem's own code raises."""
     root = Path(source["root"])
     if gpu:
         import torch
+
         torch.manual_seed(seed)
     if source["suite"] == "kernelbench":
         mod = _load(root / source["path"], f"kb_{abs(hash(source['path']))}")
@@ -128,8 +151,11 @@ def make_callable(source: dict[str, Any], gpu: bool,
         ref = _load(op / "reference.py", f"atrex_ref_{op.name}")
         inp = _load(op / "input.py", f"atrex_in_{op.name}")
         model = ref.Model(**shape.get("init_kwargs", {}))
-        made = (inp._make_inputs(**shape.get("input_kwargs", {})) if hasattr(inp, "_make_inputs")
-                else dict(enumerate(inp.get_inputs())))
+        made = (
+            inp._make_inputs(**shape.get("input_kwargs", {}))
+            if hasattr(inp, "_make_inputs")
+            else dict(enumerate(inp.get_inputs()))
+        )
         args, kwargs = [], {k: _to_device(v, gpu) for k, v in made.items()}
         if all(isinstance(k, int) for k in kwargs):
             args, kwargs = [kwargs[k] for k in sorted(kwargs)], {}
@@ -144,6 +170,7 @@ def make_callable(source: dict[str, Any], gpu: bool,
             with torch.no_grad():
                 return model(*args, **kwargs)
     else:
+
         def fn() -> Any:
             return model(*args, **kwargs)
 
@@ -152,4 +179,5 @@ def make_callable(source: dict[str, Any], gpu: bool,
         err = max((abs(p - q) for p, q in zip(a, b)), default=0.0)
         finite = all(math.isfinite(v) for v in a)
         return finite and len(a) == len(b) and err <= 1e-5 * max(1.0, max(map(abs, a), default=1.0)), err
+
     return fn, check

@@ -63,8 +63,9 @@ def oversleep(cpu: int, rounds: int) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", default="", help="CPU pairs a:b,... (default: first with second, "
-                                                "first with middle)")
+    ap.add_argument(
+        "--pairs", default="", help="CPU pairs a:b,... (default: first with second, first with middle)"
+    )
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -88,16 +89,29 @@ def main() -> int:
     for a, b in pairs:
         rt = [x / 2 for x in pingpong(a, b, args.rounds)]
         ov = oversleep(a, min(args.rounds, 1000))
-        row = {"cpus": [a, b], "wake_p50_us": statistics.median(rt) * 1e6,
-               "wake_p99_us": quantile(rt, 0.99, "rank") * 1e6, "wake_max_us": max(rt) * 1e6,
-               "oversleep_p50_us": statistics.median(ov) * 1e6,
-               "oversleep_p99_us": quantile(ov, 0.99, "rank") * 1e6}
+        row = {
+            "cpus": [a, b],
+            "wake_p50_us": statistics.median(rt) * 1e6,
+            "wake_p99_us": quantile(rt, 0.99, "rank") * 1e6,
+            "wake_max_us": max(rt) * 1e6,
+            "oversleep_p50_us": statistics.median(ov) * 1e6,
+            "oversleep_p99_us": quantile(ov, 0.99, "rank") * 1e6,
+        }
         rows.append(row)
-        print(f"{a:>3}:{b:<3} {row['wake_p50_us']:>12.1f} {row['wake_p99_us']:>8.1f} "
-              f"{row['wake_max_us']:>8.1f} {row['oversleep_p50_us']:>17.1f} {row['oversleep_p99_us']:>6.1f}")
+        print(
+            f"{a:>3}:{b:<3} {row['wake_p50_us']:>12.1f} {row['wake_p99_us']:>8.1f} "
+            f"{row['wake_max_us']:>8.1f} {row['oversleep_p50_us']:>17.1f} {row['oversleep_p99_us']:>6.1f}"
+        )
     if args.json:
-        write_json(args.json, {"rounds": args.rounds, "host": os.uname().nodename,
-                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows})
+        write_json(
+            args.json,
+            {
+                "rounds": args.rounds,
+                "host": os.uname().nodename,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "rows": rows,
+            },
+        )
     return 0
 
 

@@ -15,8 +15,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 __all__ = ["Client", "CommandHandle", "KrexError", "RegionError", "Result", "region", "__version__"]
 
-_WHERE = {"Client": "client.submit", "CommandHandle": "client.submit", "KrexError": "client.submit",
-          "Result": "client.submit", "RegionError": "client.region", "region": "client.region"}
+_WHERE = {
+    "Client": "client.submit",
+    "CommandHandle": "client.submit",
+    "KrexError": "client.submit",
+    "Result": "client.submit",
+    "RegionError": "client.region",
+    "region": "client.region",
+}
 
 if TYPE_CHECKING:
     from krex_async.client.region import RegionError, region

@@ -37,103 +37,189 @@ def _serve_parser(sub: Any) -> None:
     fields = {f.name: f for f in msgspec.structs.fields(ServeConfig)}
     p.add_argument("--socket", help=f"socket path (default: {default_socket()})")
     p.add_argument("--socket-group", help="group that may connect besides the owner")
-    p.add_argument("--policy", choices=[x.value for x in Policy],
-                   help="what a region means: region (exclusive, default), command (a command "
-                        "holds its device start to end), shared (nothing protected)")
-    p.add_argument("--isolation", choices=["auto", "cgroup", "signal"],
-                   help="how commands are frozen and fenced: auto (default: cgroup where a cgroup "
-                        "tree is writable, else signal), cgroup, signal (SIGSTOP, affinity)")
+    p.add_argument(
+        "--policy",
+        choices=[x.value for x in Policy],
+        help="what a region means: region (exclusive, default), command (a command "
+        "holds its device start to end), shared (nothing protected)",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=["auto", "cgroup", "signal"],
+        help="how commands are frozen and fenced: auto (default: cgroup where a cgroup "
+        "tree is writable, else signal), cgroup, signal (SIGSTOP, affinity)",
+    )
     p.add_argument("--cgroup-root", help="a delegated cgroup v2 directory for command cgroups")
     p.add_argument("--devices", help="auto, none, cpu:N (N logical cpu devices), nvidia, amd")
-    p.add_argument("--freeze", choices=["all", "device-holders", "auto"],
-                   help="who a region holds: every sibling on the device, those holding a GPU "
-                        "device file (the others run on, fenced, and are held when they open one), "
-                        "or auto (default): device-holders where the hold locks and the probes "
-                        "run, all otherwise")
-    p.add_argument("--hold", choices=["auto", "lock", "freeze"],
-                   help="how a held sibling is held: lock (its CUDA processes through the NVIDIA "
-                        "driver's process lock: its other threads run on; frozen where a lock "
-                        "cannot serve), freeze (the cgroup freezer), auto (default): lock where "
-                        "the driver offers it")
-    p.add_argument("--lock-timeout", type=float,
-                   help="seconds one driver lock may take before that sibling is frozen instead "
-                        "(default 0.005; a lock takes 0.4-2.1 ms)")
-    p.add_argument("--quiesce", choices=["auto", "all"],
-                   help="whose runtime a region asks to stop and synchronise before freezing: "
-                        "auto (default) those holding a GPU device file, none on the cpu device; "
-                        "all: every runtime")
-    for name in ("region_timeout", "quiesce_timeout", "drain_timeout", "freeze_timeout",
-                 "kill_grace", "retention", "read_timeout"):
-        p.add_argument("--" + name.replace("_", "-"), type=float,
-                       help=f"seconds (default {fields[name].default})")
-    p.add_argument("--warm-ms", type=float,
-                   help="ms a region's owner warms its GPU before its timed loop (default: none "
-                        "when the clock has settled, 20 when it idles low, 200 where the clock "
-                        "cannot be read; 0 on cpu)")
-    p.add_argument("--settle-fraction", type=float,
-                   help="a GPU clock counts as settled at this fraction of its applications clock "
-                        "(default 0.97: cleaner 1 ms timings than 0.9 for ~40 ms more per settle)")
-    p.add_argument("--settle-ms", type=float,
-                   help="at most this long before a grant, wait for a GPU clock held down by the "
-                        "power cap (after a heavy neighbour) to recover (default 300; 0: off)")
-    p.add_argument("--region-cores", type=int, help="cores reserved for a region's owner "
-                                                    "(default 1 on a 2-core machine, else 2)")
+    p.add_argument(
+        "--freeze",
+        choices=["all", "device-holders", "auto"],
+        help="who a region holds: every sibling on the device, those holding a GPU "
+        "device file (the others run on, fenced, and are held when they open one), "
+        "or auto (default): device-holders where the hold locks and the probes "
+        "run, all otherwise",
+    )
+    p.add_argument(
+        "--hold",
+        choices=["auto", "lock", "freeze"],
+        help="how a held sibling is held: lock (its CUDA processes through the NVIDIA "
+        "driver's process lock: its other threads run on; frozen where a lock "
+        "cannot serve), freeze (the cgroup freezer), auto (default): lock where "
+        "the driver offers it",
+    )
+    p.add_argument(
+        "--lock-timeout",
+        type=float,
+        help="seconds one driver lock may take before that sibling is frozen instead "
+        "(default 0.005; a lock takes 0.4-2.1 ms)",
+    )
+    p.add_argument(
+        "--quiesce",
+        choices=["auto", "all"],
+        help="whose runtime a region asks to stop and synchronise before freezing: "
+        "auto (default) those holding a GPU device file, none on the cpu device; "
+        "all: every runtime",
+    )
+    for name in (
+        "region_timeout",
+        "quiesce_timeout",
+        "drain_timeout",
+        "freeze_timeout",
+        "kill_grace",
+        "retention",
+        "read_timeout",
+    ):
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=float, help=f"seconds (default {fields[name].default})"
+        )
+    p.add_argument(
+        "--warm-ms",
+        type=float,
+        help="ms a region's owner warms its GPU before its timed loop (default: none "
+        "when the clock has settled, 20 when it idles low, 200 where the clock "
+        "cannot be read; 0 on cpu)",
+    )
+    p.add_argument(
+        "--settle-fraction",
+        type=float,
+        help="a GPU clock counts as settled at this fraction of its applications clock "
+        "(default 0.97: cleaner 1 ms timings than 0.9 for ~40 ms more per settle)",
+    )
+    p.add_argument(
+        "--settle-ms",
+        type=float,
+        help="at most this long before a grant, wait for a GPU clock held down by the "
+        "power cap (after a heavy neighbour) to recover (default 300; 0: off)",
+    )
+    p.add_argument(
+        "--region-cores",
+        type=int,
+        help="cores reserved for a region's owner (default 1 on a 2-core machine, else 2)",
+    )
     p.add_argument("--max-frame", type=int, help="largest accepted frame in bytes")
-    p.add_argument("--max-inbound-bytes", type=int,
-                   help="bytes of frame bodies read at once over all connections; a frame beyond "
-                        "waits for room within --read-timeout (default 256 MiB)")
-    p.add_argument("--max-buffered-total", type=int,
-                   help="unsent bytes over all connections after which the peer adding to them "
-                        "is dropped (default 512 MiB)")
-    p.add_argument("--max-connections", type=int,
-                   help="open connections beyond which new ones are refused (default 4096)")
-    p.add_argument("--max-commands", type=int,
-                   help="commands queued, running or with a kept result beyond which a submit "
-                        "is refused with 'busy' (default 4096)")
-    p.add_argument("--max-connections-per-user", type=int,
-                   help="open connections of one user beyond which their new ones are refused; "
-                        "root and --admin-group are exempt (default 1024)")
-    p.add_argument("--max-commands-per-user", type=int,
-                   help="commands of one user queued, running or with a kept result beyond which "
-                        "their submit is refused with 'busy'; root and --admin-group are exempt "
-                        "(default 1024)")
-    p.add_argument("--max-conn-buffer", type=int,
-                   help="unsent bytes after which a slow client is dropped")
+    p.add_argument(
+        "--max-inbound-bytes",
+        type=int,
+        help="bytes of frame bodies read at once over all connections; a frame beyond "
+        "waits for room within --read-timeout (default 256 MiB)",
+    )
+    p.add_argument(
+        "--max-buffered-total",
+        type=int,
+        help="unsent bytes over all connections after which the peer adding to them "
+        "is dropped (default 512 MiB)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open connections beyond which new ones are refused (default 4096)",
+    )
+    p.add_argument(
+        "--max-commands",
+        type=int,
+        help="commands queued, running or with a kept result beyond which a submit "
+        "is refused with 'busy' (default 4096)",
+    )
+    p.add_argument(
+        "--max-connections-per-user",
+        type=int,
+        help="open connections of one user beyond which their new ones are refused; "
+        "root and --admin-group are exempt (default 1024)",
+    )
+    p.add_argument(
+        "--max-commands-per-user",
+        type=int,
+        help="commands of one user queued, running or with a kept result beyond which "
+        "their submit is refused with 'busy'; root and --admin-group are exempt "
+        "(default 1024)",
+    )
+    p.add_argument("--max-conn-buffer", type=int, help="unsent bytes after which a slow client is dropped")
     p.add_argument("--output-tail", type=int, help="bytes of each output stream kept per command")
-    p.add_argument("--spool-limit", type=int, help="bytes of each output stream written to "
-                                                   "<state-dir>/spool (default 64 MiB; 0: off)")
+    p.add_argument(
+        "--spool-limit",
+        type=int,
+        help="bytes of each output stream written to <state-dir>/spool (default 64 MiB; 0: off)",
+    )
     p.add_argument("--admin-group", help="group whose members may act on every command")
-    p.add_argument("--state-dir", help="intent records, spooled output and recovery state "
-                                       "(default /run/krex as root, else krex-state beside the "
-                                       "socket)")
-    p.add_argument("--log-format", choices=["auto", "json", "console"],
-                   help="auto (default): console at a terminal, JSON lines otherwise")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                   help="default info: one line per command and per region")
-    p.add_argument("--probes", choices=["auto", "off", "ioctl", "launches", "tracefs"],
-                   help="GPU driver probes (default auto: bcc, else tracefs, else none)")
-    p.add_argument("--probe-prefixes", help="comma-separated device path prefixes to watch "
-                                            "(default /dev/nvidia,/dev/kfd,/dev/dri/renderD)")
+    p.add_argument(
+        "--state-dir",
+        help="intent records, spooled output and recovery state "
+        "(default /run/krex as root, else krex-state beside the "
+        "socket)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["auto", "json", "console"],
+        help="auto (default): console at a terminal, JSON lines otherwise",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="default info: one line per command and per region",
+    )
+    p.add_argument(
+        "--probes",
+        choices=["auto", "off", "ioctl", "launches", "tracefs"],
+        help="GPU driver probes (default auto: bcc, else tracefs, else none)",
+    )
+    p.add_argument(
+        "--probe-prefixes",
+        help="comma-separated device path prefixes to watch (default /dev/nvidia,/dev/kfd,/dev/dri/renderD)",
+    )
     p.add_argument("--launch-libs", help="comma-separated libraries for --probes launches")
-    p.add_argument("--launch-scope", choices=["outsiders", "all"],
-                   help="processes the launch uprobes trap (each trapped launch costs ~0.7 us): "
-                        "outsiders (default) only processes outside krex's commands, attached "
-                        "per process; all: every process, commands included")
+    p.add_argument(
+        "--launch-scope",
+        choices=["outsiders", "all"],
+        help="processes the launch uprobes trap (each trapped launch costs ~0.7 us): "
+        "outsiders (default) only processes outside krex's commands, attached "
+        "per process; all: every process, commands included",
+    )
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
-    p.add_argument("--pool-wait", type=float,
-                   help="seconds an interpreter waits for a warming worker before it runs without "
-                        "the pool (default 10)")
-    p.add_argument("--pool-user", help="user (name or uid) the warm workers run as, whose commands "
-                                       "they serve (default: the daemon's; e.g. the gateway's --run-as)")
-    p.add_argument("--pool-init", help="comma-separated modules a worker imports once its context "
-                                       "exists, as part of creating it (one at a time per node, "
-                                       "never while a region holds the device), e.g. to warm cuBLAS")
+    p.add_argument(
+        "--pool-wait",
+        type=float,
+        help="seconds an interpreter waits for a warming worker before it runs without the pool (default 10)",
+    )
+    p.add_argument(
+        "--pool-user",
+        help="user (name or uid) the warm workers run as, whose commands "
+        "they serve (default: the daemon's; e.g. the gateway's --run-as)",
+    )
+    p.add_argument(
+        "--pool-init",
+        help="comma-separated modules a worker imports once its context "
+        "exists, as part of creating it (one at a time per node, "
+        "never while a region holds the device), e.g. to warm cuBLAS",
+    )
     p.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the merged options (file < KREX_* env < flags) as TOML and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the merged options (file < KREX_* env < flags) as TOML and exit",
+    )
     _name_env_vars(p)
 
 
@@ -141,8 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
     from krex_async.daemon import server
     from krex_async.daemon.config import ConfigError, load_config_with_sources, print_config
 
-    given = {k: v for k, v in vars(args).items()
-             if v is not None and k in ServeConfig.__struct_fields__}
+    given = {k: v for k, v in vars(args).items() if v is not None and k in ServeConfig.__struct_fields__}
     try:
         cfg, sources = load_config_with_sources(args.config, os.environ, given)
     except ConfigError as e:
@@ -207,8 +292,13 @@ async def _run(args: argparse.Namespace) -> int:
         return 125
     async with client:
         try:
-            h = await client.submit(argv, device=args.device, timeout=args.timeout,
-                                    label=args.label or "", stdin_stream=stream_stdin)
+            h = await client.submit(
+                argv,
+                device=args.device,
+                timeout=args.timeout,
+                label=args.label or "",
+                stdin_stream=stream_stdin,
+            )
         except KrexError as e:
             print(f"krex run: {e.message}", file=sys.stderr)
             return 127 if "not found" in e.message else 125
@@ -240,8 +330,7 @@ async def _run(args: argparse.Namespace) -> int:
             with open(args.report, "wb") as f:
                 f.write(msgspec.json.format(msgspec.json.encode(rep), indent=2) + b"\n")
         except OSError as e:  # the command ran: its exit status still stands
-            print(f"krex run: cannot write the report to {args.report}: {e.strerror or e}",
-                  file=sys.stderr)
+            print(f"krex run: cannot write the report to {args.report}: {e.strerror or e}", file=sys.stderr)
     return code
 
 
@@ -272,8 +361,10 @@ async def _export(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"krex export: cannot write {args.perfetto}: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(f"krex export: {len(records)} events written to {args.perfetto} "
-          "(open it at https://ui.perfetto.dev)", file=sys.stderr)
+    print(
+        f"krex export: {len(records)} events written to {args.perfetto} (open it at https://ui.perfetto.dev)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -284,10 +375,16 @@ def _parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Name
     if extra:
         sub = _SUBPARSERS.get(getattr(ns, "verb", "") or "", ap)
         opts = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
-        hints = [m for x in extra if x.startswith("-")
-                 for m in difflib.get_close_matches(x.split("=")[0], opts, n=1)]
-        sub.error(f"unrecognized arguments: {' '.join(extra)}"
-                  + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
+        hints = [
+            m
+            for x in extra
+            if x.startswith("-")
+            for m in difflib.get_close_matches(x.split("=")[0], opts, n=1)
+        ]
+        sub.error(
+            f"unrecognized arguments: {' '.join(extra)}"
+            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+        )
     return ns
 
 
@@ -308,25 +405,33 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=_seconds, help="seconds before the command's tree is killed")
     r.add_argument("--report", help="write the command's report as JSON to this file")
     r.add_argument("--label", help="a label shown in `krex status` and the report")
-    r.add_argument("--stdin", action="store_true",
-                   help="pass this process's stdin to the command (the default; kept for scripts)")
-    r.add_argument("--no-stdin", action="store_true",
-                   help="give the command /dev/null as stdin, like ssh -n (in a `while read` loop "
-                        "krex run would otherwise read ahead of the loop)")
+    r.add_argument(
+        "--stdin",
+        action="store_true",
+        help="pass this process's stdin to the command (the default; kept for scripts)",
+    )
+    r.add_argument(
+        "--no-stdin",
+        action="store_true",
+        help="give the command /dev/null as stdin, like ssh -n (in a `while read` loop "
+        "krex run would otherwise read ahead of the loop)",
+    )
     r.add_argument("cmd", nargs=argparse.REMAINDER)
     statusview.add_parser(sub)
     tracecli.add_parser(sub)
     x = sub.add_parser("export", help="write the daemon's recent timeline for Perfetto")
     x.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
-    x.add_argument("--perfetto", required=True, metavar="FILE",
-                   help="Chrome-trace JSON output; - for stdout")
+    x.add_argument("--perfetto", required=True, metavar="FILE", help="Chrome-trace JSON output; - for stdout")
     from krex_async import gateway
     from krex_async.fleet import cli as fleet_cli
 
     gp = gateway.add_parser(sub)
-    gp.add_argument("--fleet", metavar="ADDRESS",
-                    help="run jobs on a Ray fleet of krex nodes (a Ray address, or auto; needs "
-                         "krex[fleet]) instead of the local daemon")
+    gp.add_argument(
+        "--fleet",
+        metavar="ADDRESS",
+        help="run jobs on a Ray fleet of krex nodes (a Ray address, or auto; needs "
+        "krex[fleet]) instead of the local daemon",
+    )
     fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")

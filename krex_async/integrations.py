@@ -93,8 +93,12 @@ def wrap_torch_timer(module: Any) -> list[str]:
 
 # KernelBench's timing functions, by the method name get_timing_function(method) maps them from.
 # nsight_python_time is left out: it profiles under ncu, which is not a timing loop to protect.
-KERNELBENCH_TIMERS = ("time_execution_with_cuda_event", "time_execution_with_do_bench_interface",
-                      "time_execution_with_do_bench_impl", "time_execution_with_host_time")
+KERNELBENCH_TIMERS = (
+    "time_execution_with_cuda_event",
+    "time_execution_with_do_bench_interface",
+    "time_execution_with_do_bench_impl",
+    "time_execution_with_host_time",
+)
 
 
 def wrap_kernelbench_timing(module: Any) -> list[str]:
@@ -131,10 +135,12 @@ def install() -> None:
     KREX_AUTO_REGION=1 installs at interpreter start.
     """
     import sys
+
     module = sys.modules.get("_krex_autoregion")
     if module is None:
         import importlib.util
         import os
+
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime", "autoregion.py")
         spec = importlib.util.spec_from_file_location("_krex_autoregion", path)
         assert spec is not None and spec.loader is not None

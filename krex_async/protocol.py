@@ -53,6 +53,7 @@ class Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_de
 
 # ---------------------------------------------------------------------------------------- requests
 
+
 class Hello(Msg, tag="hello"):
     id: ReqId = 0
     version: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = PROTOCOL_VERSION
@@ -91,8 +92,9 @@ class Submit(Msg, tag="submit"):
         if self.env is not None:
             total += sum(len(k) + len(v) + 2 for k, v in self.env.items())
         if total > MAX_EXEC_BYTES:
-            raise ValueError(f"argv and env together are {total} characters, more than exec "
-                             f"accepts ({MAX_EXEC_BYTES})")
+            raise ValueError(
+                f"argv and env together are {total} characters, more than exec accepts ({MAX_EXEC_BYTES})"
+            )
 
 
 class Attach(Msg, tag="attach"):
@@ -202,11 +204,25 @@ class Timeline(Msg, tag="timeline"):
     id: ReqId
 
 
-Request = Hello | Submit | Attach | Cancel | Status | RegionEnter | RegionExit | QuiesceReady | \
-    QuiesceAck | Subscribe | Timeline | StdinData | Adopt
+Request = (
+    Hello
+    | Submit
+    | Attach
+    | Cancel
+    | Status
+    | RegionEnter
+    | RegionExit
+    | QuiesceReady
+    | QuiesceAck
+    | Subscribe
+    | Timeline
+    | StdinData
+    | Adopt
+)
 
 
 # ----------------------------------------------------------------------------------------- reports
+
 
 class LateLock(msgspec.Struct, omit_defaults=True):
     """A held sibling's process that answered the lock CUDA_ERROR_NOT_READY (creating its context:
@@ -322,6 +338,7 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
 
 
 # ------------------------------------------------------------------------------------------ replies
+
 
 class Welcome(Msg, tag="welcome"):
     id: ReqId
@@ -440,9 +457,25 @@ class Error(Msg, tag="error"):
     message: str
 
 
-Reply = Welcome | Accepted | Started | Output | Exited | RegionGranted | RegionReleased | \
-    RegionRevoked | Quiesce | Resume | StatusReply | TraceEvent | TimelineChunk | Ok | Error | \
-    Adopted | AdoptExited
+Reply = (
+    Welcome
+    | Accepted
+    | Started
+    | Output
+    | Exited
+    | RegionGranted
+    | RegionReleased
+    | RegionRevoked
+    | Quiesce
+    | Resume
+    | StatusReply
+    | TraceEvent
+    | TimelineChunk
+    | Ok
+    | Error
+    | Adopted
+    | AdoptExited
+)
 
 
 # ------------------------------------------------------------------------------------------ framing
@@ -501,9 +534,12 @@ class InboundBudget:
                     fut.set_result(None)
 
 
-async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME,
-                     body_timeout: float | None = 30.0,
-                     budget: InboundBudget | None = None) -> bytes | None:
+async def read_frame(
+    reader: asyncio.StreamReader,
+    max_frame: int = MAX_FRAME,
+    body_timeout: float | None = 30.0,
+    budget: InboundBudget | None = None,
+) -> bytes | None:
     """The next frame's body, or None at a clean end of stream between frames.
 
     A peer may stay silent between frames for as long as it likes, but once a frame's first byte has
@@ -531,8 +567,10 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME,
                 raise FrameError(f"frame of {n} bytes exceeds the limit of {max_frame}")
             if budget is not None:
                 if n > budget.limit:
-                    raise FrameError(f"frame of {n} bytes exceeds the inbound budget of "
-                                     f"{budget.limit} (--max-inbound-bytes)")
+                    raise FrameError(
+                        f"frame of {n} bytes exceeds the inbound budget of "
+                        f"{budget.limit} (--max-inbound-bytes)"
+                    )
                 waiting = True
                 taken = await budget.take(n)
                 waiting = False
@@ -542,8 +580,10 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME,
                 raise FrameError(f"stream ended inside a frame of {n} bytes") from None
     except TimeoutError:
         if waiting and budget is not None:
-            raise FrameError(f"frame of {n} bytes waited {body_timeout} s for room in the inbound "
-                             f"budget of {budget.limit} bytes (--max-inbound-bytes)") from None
+            raise FrameError(
+                f"frame of {n} bytes waited {body_timeout} s for room in the inbound "
+                f"budget of {budget.limit} bytes (--max-inbound-bytes)"
+            ) from None
         raise
     finally:
         if budget is not None:

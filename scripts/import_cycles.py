@@ -6,6 +6,7 @@ sees. FLOORS says which top-level parts may use which: a module imports its own 
 below it, never a floor above (the package's `__init__` is its public face and is left out). Exit
 status 1 when any cycle or upward import exists, or a top-level part stands on no floor.
 """
+
 from __future__ import annotations
 
 import ast
@@ -18,10 +19,10 @@ PKG = "krex_async"
 FLOORS = [
     {"linux", "protocol", "scheduler", "logs", "cliargs"},  # plumbing and the wire: no krex imports
     {"devices", "isolation", "integrations"},
-    {"runtime"},                                            # loaded into commands' interpreters
+    {"runtime"},  # loaded into commands' interpreters
     {"client", "probes", "ctxpool"},
-    {"daemon"},                                             # `krex serve`
-    {"node"},                                               # doctor, cleanup, status, trace, demo
+    {"daemon"},  # `krex serve`
+    {"node"},  # doctor, cleanup, status, trace, demo
     {"fleet"},
     {"gateway"},
     {"cli", "__main__"},
@@ -115,8 +116,12 @@ def upward(graph: dict[str, set[str]]) -> tuple[list[tuple[str, str]], list[str]
     """Imports from a lower floor to a higher one, and the parts that stand on no floor."""
     floor = {name: i for i, names in enumerate(FLOORS) for name in names}
     unplaced = sorted({part(m) for m in graph if part(m) and part(m) not in floor})
-    up = [(a, b) for a in sorted(graph) for b in sorted(graph[a])
-          if part(a) in floor and part(b) in floor and floor[part(b)] > floor[part(a)]]
+    up = [
+        (a, b)
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if part(a) in floor and part(b) in floor and floor[part(b)] > floor[part(a)]
+    ]
     return up, unplaced
 
 

@@ -44,8 +44,9 @@ class Daemon:
 def v2_mount() -> str | None:
     """Where cgroup v2 is mounted (pure v2 at /sys/fs/cgroup, hybrid at /sys/fs/cgroup/unified)."""
     for path in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
-        if os.path.exists(os.path.join(path, "cgroup.procs")) and \
-                os.path.exists(os.path.join(path, "cgroup.subtree_control")):
+        if os.path.exists(os.path.join(path, "cgroup.procs")) and os.path.exists(
+            os.path.join(path, "cgroup.subtree_control")
+        ):
             return path
     return None
 
@@ -62,7 +63,7 @@ def private_cgroup_root() -> str | None:
 
 def remove_cgroup_tree(path: str) -> None:
     """rmdir a cgroup tree leaf first (cgroup directories hold only kernel files)."""
-    for top in ([path] + [path.replace("/unified/", "/cpuset/", 1)] if "/unified/" in path else [path]):
+    for top in [path] + [path.replace("/unified/", "/cpuset/", 1)] if "/unified/" in path else [path]:
         if not os.path.isdir(top):
             continue
         for dirpath, _dirnames, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
@@ -112,9 +113,24 @@ async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIter
     e = dict(env) if env is not None else py_env()
     e.pop("KREX_SOCKET", None)
     with open(log, "wb") as f:
-        proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", sock,
-                                 "--log-format", "json", "--state-dir", os.path.join(d, "state"),
-                                 *args], stdout=f, stderr=subprocess.STDOUT, env=e)
+        proc = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "krex_async",
+                "serve",
+                "--socket",
+                sock,
+                "--log-format",
+                "json",
+                "--state-dir",
+                os.path.join(d, "state"),
+                *args,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=e,
+        )
     try:
         with serving(Daemon(sock, proc, log)) as daemon:
             yield daemon

@@ -54,16 +54,27 @@ async def still_serving(d) -> None:
         assert res.stdout == b"alive\n"
 
 
-@pytest.mark.parametrize("payload, code", [
-    (frame({"type": "no_such_message", "id": 3}), "bad_request"),
-    (frame({"type": "submit", "id": 4, "argv": "not-a-list"}), "bad_request"),
-    (frame({"type": "submit", "id": 5, "argv": []}), "bad_request"),
-    (frame({"type": "submit", "id": 6, "argv": ["x" * 200_000]}), "bad_request"),
-    (frame([1, 2, 3]), "bad_request"),
-    (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_request"),  # 0xc1 is never valid msgpack
-    (struct.pack(">I", 7) + b"\x81\xa4typ\xff\xc0", "bad_request"),  # invalid UTF-8 in a key
-], ids=["unknown-type", "wrong-field-type", "empty-argv", "oversize-arg", "not-a-map",
-        "invalid-msgpack", "invalid-utf8"])
+@pytest.mark.parametrize(
+    "payload, code",
+    [
+        (frame({"type": "no_such_message", "id": 3}), "bad_request"),
+        (frame({"type": "submit", "id": 4, "argv": "not-a-list"}), "bad_request"),
+        (frame({"type": "submit", "id": 5, "argv": []}), "bad_request"),
+        (frame({"type": "submit", "id": 6, "argv": ["x" * 200_000]}), "bad_request"),
+        (frame([1, 2, 3]), "bad_request"),
+        (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_request"),  # 0xc1 is never valid msgpack
+        (struct.pack(">I", 7) + b"\x81\xa4typ\xff\xc0", "bad_request"),  # invalid UTF-8 in a key
+    ],
+    ids=[
+        "unknown-type",
+        "wrong-field-type",
+        "empty-argv",
+        "oversize-arg",
+        "not-a-map",
+        "invalid-msgpack",
+        "invalid-utf8",
+    ],
+)
 async def test_undecodable_frames_get_an_error_and_the_connection_goes_on(payload, code):
     async with run_daemon() as d:
         s = await asyncio.to_thread(raw, d.socket)
@@ -128,14 +139,18 @@ async def test_bad_specs_are_refused_with_reasons(tmp_path):
 async def test_region_requests_from_outside_the_command_are_refused(script):
     async with run_daemon() as d:
         async with await d.client() as c:
-            h = await c.submit([PY, "-c", "import os,time; print(os.environ['KREX_TOKEN'], "
-                                          "flush=True); time.sleep(5)"], env=py_env())
+            h = await c.submit(
+                [PY, "-c", "import os,time; print(os.environ['KREX_TOKEN'], flush=True); time.sleep(5)"],
+                env=py_env(),
+            )
             token = None
             async for _stream, data in h.output():
                 token = data.decode().strip()
                 break
             # The right token from a process that is not the command's: refused.
-            src = script("steal.py", f"""
+            src = script(
+                "steal.py",
+                f"""
                 import os
                 os.environ.update(KREX_SOCKET={d.socket!r}, KREX_COMMAND={h.command!r},
                                   KREX_TOKEN={token!r})
@@ -151,9 +166,11 @@ async def test_region_requests_from_outside_the_command_are_refused(script):
                         print("granted")
                 except RegionError as e:
                     print(e.code)
-            """)
-            p = await asyncio.to_thread(subprocess.run, [PY, src], env=py_env(),
-                                        capture_output=True, timeout=30)
+            """,
+            )
+            p = await asyncio.to_thread(
+                subprocess.run, [PY, src], env=py_env(), capture_output=True, timeout=30
+            )
             assert p.stdout.split() == [b"forbidden", b"forbidden"], p.stderr
             st = await c.status()
             assert st["devices"][0]["region"] is None
@@ -163,7 +180,9 @@ async def test_region_requests_from_outside_the_command_are_refused(script):
 
 
 async def test_nested_region_joins_the_outer_one_and_raw_nesting_is_refused(script):
-    src = script("nest.py", """
+    src = script(
+        "nest.py",
+        """
         import os
         from krex_async import region, RegionError
         from krex_async import protocol as P
@@ -177,7 +196,8 @@ async def test_nested_region_joins_the_outer_one_and_raw_nesting_is_refused(scri
                                           token=os.environ["KREX_TOKEN"], pid=os.getpid()))
             print(reply.code)
         print(outer.report.outcome)
-    """)
+    """,
+    )
     async with run_daemon() as d:
         async with await d.client() as c:
             res = await c.run([PY, src], env=py_env())
@@ -188,9 +208,13 @@ async def test_nested_region_joins_the_outer_one_and_raw_nesting_is_refused(scri
 async def test_a_live_socket_is_not_stolen():
     async with run_daemon() as d:
         e = py_env()
-        p = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "serve", "--socket",
-                                                     d.socket], capture_output=True, env=e,
-                                    timeout=30)
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "serve", "--socket", d.socket],
+            capture_output=True,
+            env=e,
+            timeout=30,
+        )
         assert p.returncode != 0 and b"another daemon" in p.stderr
         await still_serving(d)
         mode = os.stat(d.socket).st_mode & 0o777

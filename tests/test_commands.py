@@ -15,7 +15,9 @@ from .conftest import PY, ROOT, is_frozen, proc_state, py_env, run_daemon
 
 
 async def test_output_env_and_exit(script, tmp_path):
-    src = script("env.py", """
+    src = script(
+        "env.py",
+        """
         import os, sys
         print("out", flush=True)
         print("err", file=sys.stderr, flush=True)
@@ -24,7 +26,8 @@ async def test_output_env_and_exit(script, tmp_path):
             print(k, os.environ.get(k))
         print("token", bool(os.environ.get("KREX_TOKEN")), "socket", bool(os.environ.get("KREX_SOCKET")))
         sys.exit(5)
-    """)
+    """,
+    )
     async with run_daemon() as d:
         async with await d.client() as c:
             h = await c.submit([PY, src], cwd=str(tmp_path), env=py_env(FOO="bar"))
@@ -66,16 +69,18 @@ async def test_leftover_processes_end_with_the_leader(tmp_path):
 async def test_command_policy_serialises_commands(script):
     async with run_daemon("--policy", "command") as d:
         async with await d.client() as c:
-            src = script("r.py", """
+            src = script(
+                "r.py",
+                """
                 import time
                 from krex_async import region
                 t0 = time.monotonic()
                 with region("timing") as r:
                     time.sleep(0.3)
                 print(t0, time.monotonic(), r.report.frozen, r.report.policy)
-            """)
-            a, b = await asyncio.gather(c.run([PY, src], env=py_env()),
-                                        c.run([PY, src], env=py_env()))
+            """,
+            )
+            a, b = await asyncio.gather(c.run([PY, src], env=py_env()), c.run([PY, src], env=py_env()))
     (a0, a1, *_), (b0, b1, *_) = (x.stdout.split() for x in (a, b))
     first, second = sorted([(float(a0), float(a1)), (float(b0), float(b1))])
     assert second[0] >= first[1], "under policy command two commands on a device overlapped"
@@ -103,17 +108,35 @@ async def test_cli_run_behaves_like_the_command(tmp_path):
     direct = subprocess.run(cmd, capture_output=True)
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
-        p = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "run", "--report",
-                                                     str(report), "--", *cmd],
-                                    capture_output=True, env=env, cwd=ROOT, timeout=30)
-        missing = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "run", "--",
-                                                           "no-such-program-krex"],
-                                          capture_output=True, env=env, timeout=30)
-        killed = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "run", "--",
-                                                          "sh", "-c", "kill -9 $$"],
-                                         capture_output=True, env=env, timeout=30)
-        st = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "status", "--json"],
-                                     capture_output=True, env=env, timeout=30)
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "run", "--report", str(report), "--", *cmd],
+            capture_output=True,
+            env=env,
+            cwd=ROOT,
+            timeout=30,
+        )
+        missing = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "run", "--", "no-such-program-krex"],
+            capture_output=True,
+            env=env,
+            timeout=30,
+        )
+        killed = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "run", "--", "sh", "-c", "kill -9 $$"],
+            capture_output=True,
+            env=env,
+            timeout=30,
+        )
+        st = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "status", "--json"],
+            capture_output=True,
+            env=env,
+            timeout=30,
+        )
     assert (p.returncode, p.stdout, p.stderr) == (direct.returncode, direct.stdout, direct.stderr)
     rep = json.loads(report.read_text())
     assert rep["exit_code"] == 4 and rep["state"] == "exited"
@@ -125,19 +148,25 @@ async def test_cli_run_behaves_like_the_command(tmp_path):
 
 async def test_shutdown_mid_region_leaves_nothing_stopped(script, tmp_path):
     pids = tmp_path / "pids"
-    sibling = script("sib.py", f"""
+    sibling = script(
+        "sib.py",
+        f"""
         import os, time
         open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
         while True:
             time.sleep(0.01)
-    """)
-    holder = script("hold.py", f"""
+    """,
+    )
+    holder = script(
+        "hold.py",
+        f"""
         import os, time
         from krex_async import region
         with region("timing"):
             open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
             time.sleep(60)
-    """)
+    """,
+    )
     async with run_daemon() as d:
         async with await d.client() as c:
             hs = [await c.submit([PY, sibling], env=py_env()) for _ in range(2)]
@@ -165,8 +194,7 @@ async def test_shutdown_mid_region_leaves_nothing_stopped(script, tmp_path):
 async def test_cancel_and_attach_after_disconnect(script):
     async with run_daemon() as d:
         async with await d.client() as c:
-            h = await c.submit(["sh", "-c", "echo early; sleep 0.5; echo late"],
-                               on_disconnect="keep")
+            h = await c.submit(["sh", "-c", "echo early; sleep 0.5; echo late"], on_disconnect="keep")
             cid = h.command
         await asyncio.sleep(1.0)
         async with await d.client() as c:

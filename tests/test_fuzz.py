@@ -27,12 +27,22 @@ from .conftest import PY, py_env
 
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
-scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-           | st.floats(allow_nan=True) | st.text(max_size=40) | st.binary(max_size=40))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5)
-                      | st.dictionaries(st.text(max_size=10) | st.integers(-(2**63), 2**63 - 1),
-                                        inner, max_size=5),
-                      max_leaves=30)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=40)
+    | st.binary(max_size=40)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(st.text(max_size=10) | st.integers(-(2**63), 2**63 - 1), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
 TAGS = [t.__struct_config__.tag for t in P.Request.__args__]  # type: ignore[attr-defined]
 FIELDS = sorted({f for t in P.Request.__args__ for f in t.__struct_fields__})  # type: ignore[attr-defined]
 SAFE_ARGV0 = ["true", "false", "/no/such/krex-fuzz", "", "\x00", "relative/no-such"]
@@ -48,8 +58,7 @@ def wrong_requests(draw: st.DrawFn, live: bool = False) -> dict[object, object]:
     if "id" not in msg or draw(st.booleans()):
         msg["id"] = draw(st.integers(min_value=-5, max_value=2**53 + 5))
     if live and "argv" in msg:
-        msg["argv"] = [draw(st.sampled_from(SAFE_ARGV0)), *draw(st.lists(st.text(max_size=20),
-                                                                         max_size=3))]
+        msg["argv"] = [draw(st.sampled_from(SAFE_ARGV0)), *draw(st.lists(st.text(max_size=20), max_size=3))]
     return msg
 
 
@@ -102,16 +111,37 @@ def test_frame_reader_on_arbitrary_streams(stream: bytes, limit: int) -> None:
 
 # ------------------------------------------------------------------------------------- live daemon
 
+
 @pytest.fixture(scope="module")
 def daemon_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     import tempfile
+
     d = tempfile.mkdtemp(prefix="krexf-", dir="/tmp")
     sock = os.path.join(d, "s")
     log = open(os.path.join(d, "log"), "wb")
-    proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", sock, "--isolation",
-                             "signal", "--state-dir", os.path.join(d, "st"), "--read-timeout", "0.3",
-                             "--max-frame", "65536", "--log-format", "json"],
-                            stdout=log, stderr=subprocess.STDOUT, env=py_env())
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "krex_async",
+            "serve",
+            "--socket",
+            sock,
+            "--isolation",
+            "signal",
+            "--state-dir",
+            os.path.join(d, "st"),
+            "--read-timeout",
+            "0.3",
+            "--max-frame",
+            "65536",
+            "--log-format",
+            "json",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=py_env(),
+    )
     deadline = time.monotonic() + 20
     while not os.path.exists(sock):
         assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
@@ -194,8 +224,7 @@ def test_live_daemon_on_arbitrary_msgpack(daemon_socket, obj: object) -> None:
     _alive(path, proc)
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(msg=wrong_requests(live=True))
 def test_live_daemon_on_structured_but_wrong_requests(daemon_socket, msg: dict[object, object]) -> None:
     path, proc = daemon_socket

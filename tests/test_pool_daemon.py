@@ -12,7 +12,9 @@ from .conftest import PY, py_env, run_daemon
 
 
 async def test_python_commands_run_in_the_pool_and_match_plain_runs(script):
-    src = script("p.py", """
+    src = script(
+        "p.py",
+        """
         import os, sys
         from krex_async import region
         print(sys.argv[1:], os.environ.get("KREX_DEVICE"), flush=True)
@@ -20,7 +22,8 @@ async def test_python_commands_run_in_the_pool_and_match_plain_runs(script):
             pass
         print(r.report.outcome, file=sys.stderr)
         raise SystemExit(3)
-    """)
+    """,
+    )
     env = py_env()
     async with run_daemon("--pool-size", "2", "--pool-preload", "json", env=env) as d:
         async with await d.client() as c:
@@ -45,6 +48,7 @@ def _backend_args(backend: str) -> tuple[str, ...]:
     if backend == "signal":
         return ("--isolation", "signal")
     from .conftest import v2_mount
+
     if os.geteuid() != 0 or v2_mount() is None:
         pytest.skip("the cgroup backend needs root and a cgroup v2 hierarchy")
     return ("--isolation", "cgroup")
@@ -66,11 +70,12 @@ async def test_daemon_reuses_a_worker_and_leaks_nothing(backend: str, tmp_path) 
     """--pool-max-uses 3: three commands in a row run in one worker pid, the pool is warm again
     between them, and neither a module nor a variable of one command is seen by the next."""
     env = py_env()
-    first = ("import os, sys, colorsys; os.environ['LEAK'] = '1'; print(os.getpid())")
-    probe = ("import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'LEAK' in os.environ, "
-             "open('/proc/self/cgroup').read().count('krex'))")
-    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", *_backend_args(backend),
-                          env=env) as d:
+    first = "import os, sys, colorsys; os.environ['LEAK'] = '1'; print(os.getpid())"
+    probe = (
+        "import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'LEAK' in os.environ, "
+        "open('/proc/self/cgroup').read().count('krex'))"
+    )
+    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", *_backend_args(backend), env=env) as d:
         async with await d.client() as c:
             await _wait_pool(c, {"warm": 1})
             runs = []
@@ -98,21 +103,36 @@ async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
             plain = await c.run([PY, "-X", "dev", "-c", "pass"], env=env, cwd=str(tmp_path))
             await _wait_pool(c, {"warm": 1})
             pst = (await c.status())["pools"]["cpu"]
-        shown = await asyncio.to_thread(subprocess.run, [PY, "-m", "krex_async", "status", "--socket",
-                                                         d.socket], capture_output=True, text=True,
-                                        env=env, timeout=30)
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "status", "--socket", d.socket],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=30,
+        )
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["POOL", "SIZE"])
     assert lines[head].split() == ["POOL", "SIZE", "WARM", "BUSY", "RETIRED", "START_P50", "START_P95"]
     row = lines[head + 1].split()
     lat = pst["start_latency_s"]
-    assert row == ["cpu", "1", "1", "0", str(pst["retired"]), f"{lat['p50'] * 1e3:.1f}ms",
-                   f"{lat['p95'] * 1e3:.1f}ms"], lines
+    assert row == [
+        "cpu",
+        "1",
+        "1",
+        "0",
+        str(pst["retired"]),
+        f"{lat['p50'] * 1e3:.1f}ms",
+        f"{lat['p95'] * 1e3:.1f}ms",
+    ], lines
     chead = next(ln for ln in lines if ln.startswith("COMMAND"))
     assert chead.split()[:6] == ["COMMAND", "STATE", "DEVICE", "PID", "AGE", "START"]
-    rows = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in ([pooled.report.command],
-                                                                            [plain.report.command])}
+    rows = {
+        ln.split()[0]: ln.split()
+        for ln in lines
+        if ln.split()[:1] in ([pooled.report.command], [plain.report.command])
+    }
     assert rows[pooled.report.command][5] == f"{pooled.report.start_latency_s * 1e3:.1f}ms", lines
     assert rows[plain.report.command][5] == "-", lines
 
@@ -128,13 +148,17 @@ async def test_region_waits_for_a_context_creation_in_flight(script, tmp_path) -
         "import time\n"
         f"open({str(marks)!r}, 'a').write(f'start {{time.time()}}\\n')\n"
         "time.sleep(1.5)\n"
-        f"open({str(marks)!r}, 'a').write(f'end {{time.time()}}\\n')\n")
-    src = script("r.py", """
+        f"open({str(marks)!r}, 'a').write(f'end {{time.time()}}\\n')\n"
+    )
+    src = script(
+        "r.py",
+        """
         import time
         from krex_async import region
         with region("timing") as r:
             print(time.time(), flush=True)
-    """)
+    """,
+    )
     env = py_env()
     env["PYTHONPATH"] = f"{mods}{os.pathsep}{env['PYTHONPATH']}"
     async with run_daemon("--pool-size", "1", "--pool-init", "slowinit", env=env) as d:
@@ -159,8 +183,12 @@ async def test_pooled_command_past_its_timeout_is_reported_and_the_pool_recovers
     async with run_daemon("--pool-size", "1", "--pool-max-uses", max_uses, env=env) as d:
         async with await d.client() as c:
             await _wait_pool(c, {"warm": 1})
-            slow = await c.run([PY, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-                               env=env, cwd=str(tmp_path), timeout=1.0)
+            slow = await c.run(
+                [PY, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                env=env,
+                cwd=str(tmp_path),
+                timeout=1.0,
+            )
             assert slow.report.via == "pool" and slow.report.state == "timeout", slow.report
             assert slow.stdout == b"up\n" and 0.9 < slow.report.wall_s < 10, slow.report
             st = await _wait_pool(c, {"warm": 1, "busy": 0, "retired": 1})

@@ -104,8 +104,7 @@ async def test_fifo_order_of_regions(script):
             owner = script("owner.py", OWNER)
             hs = []
             for i, delay in enumerate(["0.0", "0.5", "0.8", "1.1"]):
-                hs.append(await c.submit([PY, owner, delay, "0.6" if i == 0 else "0.05"],
-                                         env=py_env()))
+                hs.append(await c.submit([PY, owner, delay, "0.6" if i == 0 else "0.05"], env=py_env()))
             results = [await h.wait() for h in hs]
     infos = [json.loads(r.stdout) for r in results]
     starts = [i["t0"] for i in infos]
@@ -118,8 +117,10 @@ async def test_regions_on_different_devices_run_in_parallel(script):
     async with run_daemon("--devices", "cpu:2") as d:
         async with await d.client() as c:
             owner = script("owner.py", OWNER)
-            a, b = await asyncio.gather(c.run([PY, owner, "0.1", "0.5"], env=py_env(), device="0"),
-                                        c.run([PY, owner, "0.1", "0.5"], env=py_env(), device="1"))
+            a, b = await asyncio.gather(
+                c.run([PY, owner, "0.1", "0.5"], env=py_env(), device="0"),
+                c.run([PY, owner, "0.1", "0.5"], env=py_env(), device="1"),
+            )
     ia, ib = json.loads(a.stdout), json.loads(b.stdout)
     assert a.report.device == "cpu0" and b.report.device == "cpu1"
     overlap = min(ia["t1"], ib["t1"]) - max(ia["t0"], ib["t0"])
@@ -129,7 +130,9 @@ async def test_regions_on_different_devices_run_in_parallel(script):
 async def test_region_cores_fence_other_commands(script, tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs at least 2 cpus")
-    probe = script("aff.py", """
+    probe = script(
+        "aff.py",
+        """
         import os, sys, time
         end = time.monotonic() + 1.5
         seen = set()
@@ -137,7 +140,8 @@ async def test_region_cores_fence_other_commands(script, tmp_path):
             seen.add(frozenset(os.sched_getaffinity(0)))
             time.sleep(0.005)
         print(sorted(sorted(s) for s in seen))
-    """)
+    """,
+    )
     # device-holders: the probe keeps running (it holds no GPU file) and is only fenced.
     async with run_daemon("--freeze", "device-holders", "--region-cores", "1") as d:
         async with await d.client() as c:
@@ -157,13 +161,16 @@ async def test_region_cores_fence_other_commands(script, tmp_path):
 async def test_region_expires_after_timeout(script):
     async with run_daemon("--region-timeout", "0.3") as d:
         async with await d.client() as c:
-            src = script("long.py", """
+            src = script(
+                "long.py",
+                """
                 import time
                 from krex_async import region
                 with region("long") as r:
                     time.sleep(1.0)
                 print(r.report.outcome, r.expired)
-            """)
+            """,
+            )
             res = await c.run([PY, src], env=py_env())
     assert res.stdout.split() == [b"expired", b"True"], res.stderr
     assert res.report.regions[0].outcome == "expired"
@@ -174,13 +181,16 @@ async def test_crash_inside_region_releases_it(script, tmp_path):
     async with run_daemon() as d:
         async with await d.client() as c:
             ticker, out = await start_ticker(c, script, tmp_path)
-            crash = script("crash.py", """
+            crash = script(
+                "crash.py",
+                """
                 import os, time
                 from krex_async import region
                 with region("timing"):
                     time.sleep(0.2)
                     os._exit(7)
-            """)
+            """,
+            )
             res = await c.run([PY, crash], env=py_env())
             t_end = time.monotonic()
             assert res.returncode == 7
@@ -209,13 +219,16 @@ async def test_command_started_during_region_lands_frozen(script, tmp_path):
 async def test_region_outside_krex_is_a_noop_that_warns_once(script):
     import subprocess
 
-    src = script("alone.py", """
+    src = script(
+        "alone.py",
+        """
         from krex_async import region
         for _ in range(3):
             with region("timing") as r:
                 pass
         print(r.report)
-    """)
+    """,
+    )
     p = subprocess.run([PY, src], env=py_env(), capture_output=True, timeout=30)
     assert p.returncode == 0
     assert p.stdout.strip() == b"None"
@@ -227,21 +240,22 @@ async def test_other_devices_keep_running_fenced_off_the_region_cores(script, tm
     cores (the host-side protection a multi-GPU node needs; simulated with two cpu devices)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs at least 2 cpus")
-    spinner = script("spin.py", """
+    spinner = script(
+        "spin.py",
+        """
         import os, sys, time
         end = time.monotonic() + float(sys.argv[2])
         with open(sys.argv[1], "a", buffering=1) as f:
             while time.monotonic() < end:
                 x = sum(i * i for i in range(20000))  # CPU-heavy, like a compile
                 f.write(f"{time.monotonic()} {sorted(os.sched_getaffinity(0))}\\n")
-    """)
+    """,
+    )
     ticks_file = tmp_path / "spin"
     async with run_daemon("--devices", "cpu:2", "--region-cores", "1") as d:
         async with await d.client() as c:
-            other = await c.submit([PY, spinner, str(ticks_file), "2.5"], env=py_env(),
-                                   device="1")
-            res = await c.run([PY, script("owner.py", OWNER), "0.5", "0.8"], env=py_env(),
-                              device="0")
+            other = await c.submit([PY, spinner, str(ticks_file), "2.5"], env=py_env(), device="1")
+            res = await c.run([PY, script("owner.py", OWNER), "0.5", "0.8"], env=py_env(), device="0")
             await other.wait()
     info = json.loads(res.stdout)
     rows = [line.split(" ", 1) for line in ticks_file.read_text().splitlines()]

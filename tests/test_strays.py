@@ -41,7 +41,6 @@ async def entered(marker: Path) -> None:
         await asyncio.sleep(0.02)
 
 
-
 @pytest.fixture
 def device() -> str:
     if os.geteuid() != 0:
@@ -60,7 +59,9 @@ def device() -> str:
 async def test_strays_during_a_region_are_reported_with_their_pids(device, script, tmp_path):
     marker = tmp_path / "inside"
     ioctls = script("io.py", IOCTLS)
-    owner = script("owner.py", f"""
+    owner = script(
+        "owner.py",
+        f"""
         import fcntl, os, time
         from krex_async import region
         fd = os.open({device!r}, os.O_RDWR)
@@ -73,16 +74,17 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
             open({str(marker)!r}, "w").close()
             time.sleep(1.5)
         print(os.getpid())
-    """)
+    """,
+    )
     prefix = os.path.dirname(device) + "/"
-    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix,
-                          "--freeze", "device-holders") as d:
+    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix, "--freeze", "device-holders") as d:
         async with await d.client() as c:
             h = await c.submit([PY, owner], env=py_env())
             await entered(marker)
             # A process outside krex touches the device during the region.
-            outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "7", "0.5"],
-                                              capture_output=True, text=True, timeout=30)
+            outside = await asyncio.to_thread(
+                subprocess.run, [PY, ioctls, device, "7", "0.5"], capture_output=True, text=True, timeout=30
+            )
             outside_pid = int(outside.stdout)
             # A sibling command that opened nothing when the region began (device-holders: it
             # was not frozen) opens the device now: a stray, and it is frozen at once.
@@ -110,7 +112,9 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
 
 
 async def test_no_strays_when_only_the_owner_touches_the_device(device, script):
-    owner = script("owner.py", f"""
+    owner = script(
+        "owner.py",
+        f"""
         import fcntl, os
         from krex_async import region
         fd = os.open({device!r}, os.O_RDWR)
@@ -120,7 +124,8 @@ async def test_no_strays_when_only_the_owner_touches_the_device(device, script):
                     fcntl.ioctl(fd, 0x5401, bytes(64))
                 except OSError:
                     pass
-    """)
+    """,
+    )
     prefix = os.path.dirname(device) + "/"
     async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix) as d:
         async with await d.client() as c:
@@ -133,17 +138,19 @@ async def test_a_sibling_opening_the_device_repeatedly_is_frozen_once(device, sc
     """Several opens of one sibling in a burst (a CUDA initialisation opens a handful of device
     files) freeze its command once: it is named once in the region's frozen list."""
     marker = tmp_path / "inside"
-    owner = script("owner.py", f"""
+    owner = script(
+        "owner.py",
+        f"""
         import time
         from krex_async import region
         with region("timing"):
             open({str(marker)!r}, "w").close()
             time.sleep(1.0)
-    """)
+    """,
+    )
     burst = f"for i in 1 2 3 4 5 6 7 8; do exec 3<{device}; exec 3<&-; done; sleep 2"
     prefix = os.path.dirname(device) + "/"
-    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix,
-                          "--freeze", "device-holders") as d:
+    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix, "--freeze", "device-holders") as d:
         async with await d.client() as c:
             h = await c.submit([PY, owner], env=py_env())
             await entered(marker)

@@ -20,8 +20,9 @@ SCRIPT = ROOT / "scripts" / "import_cycles.py"
 
 
 def cycles(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_package_has_no_import_cycles() -> None:
@@ -57,8 +58,9 @@ def test_the_check_sees_a_circle_hidden_by_a_local_import(tmp_path: Path) -> Non
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .b import thing\n")
     (pkg / "b.py").write_text("def thing():\n    from . import a\n    return a\n")
-    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                      "    from ..d import D\n")
+    (pkg / "sub" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..d import D\n"
+    )
     (pkg / "d.py").write_text("from .sub.c import x\n")
     out = cycles(tmp_path)
     assert out.returncode == 1
@@ -96,10 +98,13 @@ def test_readme_layout_names_every_part_and_nothing_else() -> None:
     named, and every file or folder the section names exists (in the package, or at the root)."""
     text = (ROOT / "README.md").read_text()
     start = text.index("```\nkrex_async/\n")
-    block = text[start + 4:text.index("```", start + 4)]
+    block = text[start + 4 : text.index("```", start + 4)]
     pkg = ROOT / "krex_async"
-    top = {p.name + ("/" if p.is_dir() else "") for p in pkg.iterdir()
-           if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py")}
+    top = {
+        p.name + ("/" if p.is_dir() else "")
+        for p in pkg.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py")
+    }
     named = set(re.findall(r"(?<![\w/.])([a-z_]+(?:\.py|/))(?![\w/])", block))
     missing = sorted(n for n in top if n not in named)
     assert not missing, f"README's layout does not name {missing}"

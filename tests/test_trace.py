@@ -9,12 +9,15 @@ from .test_strays import device, entered  # noqa: F401  (the fixture: a watched 
 
 
 async def test_trace_stream_and_timeline(script):
-    owner = script("o.py", """
+    owner = script(
+        "o.py",
+        """
         import time
         from krex_async import region
         with region("timing"):
             time.sleep(0.1)
-    """)
+    """,
+    )
     async with run_daemon() as d:
         async with await d.client() as watcher, await d.client() as c:
             seen: list = []
@@ -56,25 +59,33 @@ async def test_trace_cli_reads_like_a_bcc_tool_and_says_when_the_daemon_stops(sc
 
     from .conftest import ROOT
 
-    owner = script("o.py", """
+    owner = script(
+        "o.py",
+        """
         import time
         from krex_async import region
         time.sleep(0.5)
         with region("timing"):
             time.sleep(0.1)
-    """)
+    """,
+    )
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
         out = open(tmp_path / "out", "wb")
         err = open(tmp_path / "err", "wb")
-        both = subprocess.Popen([sys.executable, "-m", "krex_async", "trace"], stdout=out,
-                                stderr=err, env=env, cwd=ROOT)
-        kinds = subprocess.Popen([sys.executable, "-m", "krex_async", "trace", "--kind",
-                                  "region_grant", "--json"], stdout=subprocess.PIPE, env=env)
+        both = subprocess.Popen(
+            [sys.executable, "-m", "krex_async", "trace"], stdout=out, stderr=err, env=env, cwd=ROOT
+        )
+        kinds = subprocess.Popen(
+            [sys.executable, "-m", "krex_async", "trace", "--kind", "region_grant", "--json"],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         await asyncio.sleep(1.5)
         head = (tmp_path / "out").read_text().splitlines()
-        assert head and head[0].split() == ["TIME", "KIND", "DEVICE", "COMMAND", "PID", "REGION",
-                                            "DETAIL"], head
+        assert head and head[0].split() == ["TIME", "KIND", "DEVICE", "COMMAND", "PID", "REGION", "DETAIL"], (
+            head
+        )
         assert "Ctrl-C to stop" in (tmp_path / "err").read_text()
         async with await d.client() as c:
             sib = await c.submit(["sleep", "30"])
@@ -90,14 +101,16 @@ async def test_trace_cli_reads_like_a_bcc_tool_and_says_when_the_daemon_stops(sc
     assert "closed the connection" in (tmp_path / "err").read_text()
     col = lines[0].index("REGION")
     grant = next(x for x in lines if " region_grant " in x)
-    assert grant.split()[3] == res.report.command and grant[col:].split()[0] == \
-        res.report.regions[0].region, grant
+    assert (
+        grant.split()[3] == res.report.command and grant[col:].split()[0] == res.report.regions[0].region
+    ), grant
     assert "enter_s=" in grant and "ms" in grant.split("enter_s=")[1].split()[0]
     assert "0000" not in grant.split("enter_s=")[1].split()[0], "durations must be rounded"
     freeze = next(x for x in lines if " freeze " in x)
     assert "seconds=" in freeze and freeze.split("seconds=")[1].split()[0].endswith("ms")
     assert all(len(x.split()) >= 6 for x in lines[1:]), lines
     import json
+
     objs = [json.loads(x) for x in kinds.stdout.read().splitlines()]
     assert [o["kind"] for o in objs] == ["region_grant"], objs
     assert "type" not in objs[0] and "id" not in objs[0] and objs[0]["region"]
@@ -110,9 +123,16 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     from krex_async.node.tracecli import line, wanted
 
     ns = argparse.Namespace(kind=[], command=[], pid=[], device=[], no_probes=False)
-    ev = P.TraceEvent(id=0, ts=1.0, kind="stray", device="cpu", command="", region="r-1",
-                      pid=42, detail={"owner": "1-2", "name": "X", "comm": "nvidia-smi",
-                                      "seconds": 0.0018357850000256803})
+    ev = P.TraceEvent(
+        id=0,
+        ts=1.0,
+        kind="stray",
+        device="cpu",
+        command="",
+        region="r-1",
+        pid=42,
+        detail={"owner": "1-2", "name": "X", "comm": "nvidia-smi", "seconds": 0.0018357850000256803},
+    )
     assert wanted(ev, ns)
     assert wanted(ev, argparse.Namespace(**{**vars(ns), "command": ["1-2"]}))  # its region's owner
     assert not wanted(ev, argparse.Namespace(**{**vars(ns), "command": ["9-9"]}))
@@ -138,7 +158,9 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
 
     marker = tmp_path / "inside"
     ioctls = script("io.py", IOCTLS)
-    owner = script("owner.py", f"""
+    owner = script(
+        "owner.py",
+        f"""
         import fcntl, os, time
         from krex_async import region
         fd = os.open({device!r}, os.O_RDWR)
@@ -150,7 +172,8 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
                     pass
             open({str(marker)!r}, "w").close()
             time.sleep(1.0)
-    """)
+    """,
+    )
     prefix = os.path.dirname(device) + "/"
     async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix) as d:
         async with await d.client() as all_, await d.client() as quiet, await d.client() as c:
@@ -160,13 +183,16 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
                 async for ev in cl.trace(probes=probes):
                     seen[key].append(ev)
 
-            tasks = [asyncio.create_task(watch(all_, "all", True)),
-                     asyncio.create_task(watch(quiet, "quiet", False))]
+            tasks = [
+                asyncio.create_task(watch(all_, "all", True)),
+                asyncio.create_task(watch(quiet, "quiet", False)),
+            ]
             await asyncio.sleep(0.3)
             h = await c.submit([PY, owner], env=py_env())
             await entered(marker)
-            outside = await asyncio.to_thread(subprocess.run, [PY, ioctls, device, "3"],
-                                              capture_output=True, text=True, timeout=30)
+            outside = await asyncio.to_thread(
+                subprocess.run, [PY, ioctls, device, "3"], capture_output=True, text=True, timeout=30
+            )
             res = await h.wait()
             await asyncio.sleep(1.0)
             for t in tasks:
@@ -177,8 +203,11 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
     assert stray, [(e.kind, e.pid) for e in seen["all"]]
     assert stray[0].command == "" and stray[0].region == rid
     assert stray[0].detail["owner"] == h.command and stray[0].detail["comm"].startswith("python")
-    own = [e for e in seen["all"] if e.kind == "probe" and e.command == h.command
-           and e.detail.get("probe") == "ioctl"]
+    own = [
+        e
+        for e in seen["all"]
+        if e.kind == "probe" and e.command == h.command and e.detail.get("probe") == "ioctl"
+    ]
     assert own and all(e.region == rid for e in own), own
     assert not [e for e in seen["quiet"] if e.kind == "probe"]
     assert [e for e in seen["quiet"] if e.kind == "stray"]

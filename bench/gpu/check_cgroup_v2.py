@@ -72,8 +72,11 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
     f = await b.freeze(g)
     t0 = ticks(p.pid)
     await asyncio.sleep(0.3)
-    report(b.v2.events(g.top)["frozen"] == 1 and ticks(p.pid) == t0, "freeze stops a spinner",
-           f"{f.seconds * 1e3:.3f} ms")
+    report(
+        b.v2.events(g.top)["frozen"] == 1 and ticks(p.pid) == t0,
+        "freeze stops a spinner",
+        f"{f.seconds * 1e3:.3f} ms",
+    )
     await b.thaw(g)
     await asyncio.sleep(0.2)
     report(ticks(p.pid) > t0 and b.v2.events(g.top)["frozen"] == 0, "thaw resumes it")
@@ -83,27 +86,46 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
         fence = frozenset(cpus[-2:])
         await b.set_cores(g, fence)
         eff = b.v2.read(g.run, "cpuset.cpus.effective").strip()
-        report(allowed(p.pid) == {f"{cpus[-2]}-{cpus[-1]}"} and eff == f"{cpus[-2]}-{cpus[-1]}",
-               "set_cores v2 cpuset fences every thread", f"effective {eff}")
+        report(
+            allowed(p.pid) == {f"{cpus[-2]}-{cpus[-1]}"} and eff == f"{cpus[-2]}-{cpus[-1]}",
+            "set_cores v2 cpuset fences every thread",
+            f"effective {eff}",
+        )
         await b.set_cores(g, None)
         restored = b.v2.read(g.run, "cpuset.cpus").strip()
         parent = b.v2.read(g.top, "cpuset.cpus.effective").strip()
-        report(allowed(p.pid) == before and restored in ("", parent),  # populated: no "" (ENOSPC)
-               "set_cores None restores", f"{allowed(p.pid)} cpuset.cpus={restored!r}")
+        report(
+            allowed(p.pid) == before and restored in ("", parent),  # populated: no "" (ENOSPC)
+            "set_cores None restores",
+            f"{allowed(p.pid)} cpuset.cpus={restored!r}",
+        )
         owner, q = await start(b, ["sleep", "30"])
         await b.set_cores(owner, frozenset({cpus[0]}), pids=[q.pid], exclusive=True)
-        part = b.v2.read(owner.keep, "cpuset.cpus.partition").strip() \
-            if b.v2.exists(owner.keep, "cpuset.cpus.partition") else "absent"
-        report(allowed(q.pid) == {str(cpus[0])}, "owner pid fenced onto a region core",
-               f"partition {part!r} {b.cores.partition_why}")
-        report(True if b.cores.partition else None, "cpuset partition for region cores",
-               b.cores.partition_why or part)
+        part = (
+            b.v2.read(owner.keep, "cpuset.cpus.partition").strip()
+            if b.v2.exists(owner.keep, "cpuset.cpus.partition")
+            else "absent"
+        )
+        report(
+            allowed(q.pid) == {str(cpus[0])},
+            "owner pid fenced onto a region core",
+            f"partition {part!r} {b.cores.partition_why}",
+        )
+        report(
+            True if b.cores.partition else None,
+            "cpuset partition for region cores",
+            b.cores.partition_why or part,
+        )
         others_eff = b.v2.read(g.run, "cpuset.cpus.effective").strip()
         print(f"INFO sibling effective cpus while owner partitioned: {others_eff}")
         await b.set_cores(owner, None, pids=[q.pid])
-        report(allowed(q.pid) == before, "owner restored (partition back to member)",
-               b.v2.read(owner.keep, "cpuset.cpus.partition").strip()
-               if b.v2.exists(owner.keep, "cpuset.cpus.partition") else "")
+        report(
+            allowed(q.pid) == before,
+            "owner restored (partition back to member)",
+            b.v2.read(owner.keep, "cpuset.cpus.partition").strip()
+            if b.v2.exists(owner.keep, "cpuset.cpus.partition")
+            else "",
+        )
         await b.kill(owner)
         q.wait()
         await b.remove(owner)
@@ -136,9 +158,11 @@ async def checks(v2: str, v1: str | None, state: str) -> None:
     # cgroup (ENOSPC on the H200), to its parent's effective cpus.
     restored = b2.v2.read(g3.run, "cpuset.cpus").strip()
     parent = b2.v2.read(g3.top, "cpuset.cpus.effective").strip()
-    report(b2.v2.events(g3.top)["frozen"] == 0 and ticks(p3.pid) > tk and
-           restored in ("", parent), "reconcile thaws and restores",
-           f"cpuset.cpus {restored!r} (parent {parent!r}); " + "; ".join(lines))
+    report(
+        b2.v2.events(g3.top)["frozen"] == 0 and ticks(p3.pid) > tk and restored in ("", parent),
+        "reconcile thaws and restores",
+        f"cpuset.cpus {restored!r} (parent {parent!r}); " + "; ".join(lines),
+    )
 
     standin = subprocess.Popen(["sleep", "60"])
     b2.start_watchdog(standin.pid)
@@ -161,8 +185,11 @@ async def bench() -> None:
     for n in (1, 16):
         r = await measure(n, 50)
         ok = r["enter_p99_ms"] < 2.0 if n == 16 else True
-        report(ok, f"enter latency with {n} siblings",
-               " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")))
+        report(
+            ok,
+            f"enter latency with {n} siblings",
+            " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")),
+        )
 
 
 def main() -> int:

@@ -40,8 +40,14 @@ def check(name: str, ok: bool, detail: object = "") -> None:
 async def run(pool: Pool | None, code: str, cwd: str) -> tuple[int, bytes, bytes, int]:
     fds = [os.pipe(), os.pipe()]
     null = os.open(os.devnull, os.O_RDONLY)
-    spec = LaunchSpec(argv=[PY, "-c", code], cwd=cwd, env=dict(os.environ), stdin_fd=null,
-                      stdout_fd=fds[0][1], stderr_fd=fds[1][1])
+    spec = LaunchSpec(
+        argv=[PY, "-c", code],
+        cwd=cwd,
+        env=dict(os.environ),
+        stdin_fd=null,
+        stdout_fd=fds[0][1],
+        stderr_fd=fds[1][1],
+    )
     launched = await pool.launch(spec) if pool else spawn(spec)
     if launched is None:
         raise RuntimeError(f"no warm worker: {pool.status() if pool else ''}")
@@ -67,10 +73,13 @@ def norm(b: bytes) -> str:
 
 async def main() -> int:
     cwd = tempfile.mkdtemp()
-    info = ("import os, sys, torch; x = torch.ones(3, device='cuda') * 2; torch.cuda.synchronize(); "
-            "print(x.sum().item(), x.device, torch.cuda.device_count(), sys.argv, os.getcwd())")
-    boom = ("import torch\ndef f():\n"
-            "    return torch.ones(2, device='cuda') @ torch.ones(3, device='cuda')\nf()")
+    info = (
+        "import os, sys, torch; x = torch.ones(3, device='cuda') * 2; torch.cuda.synchronize(); "
+        "print(x.sum().item(), x.device, torch.cuda.device_count(), sys.argv, os.getcwd())"
+    )
+    boom = (
+        "import torch\ndef f():\n    return torch.ones(2, device='cuda') @ torch.ones(3, device='cuda')\nf()"
+    )
 
     pool = Pool(GPU, PoolConfig(size=2, preload=["torch"]))
     await pool.start()
@@ -79,8 +88,11 @@ async def main() -> int:
     print(f"2 torch workers warm in {time.monotonic() - t:.1f} s")
     for name, code in (("cuda command", info), ("cuda traceback", boom)):
         plain, pooled = await run(None, code, cwd), await run(pool, code, cwd)
-        check(f"1. {name} same as plain", (plain[0], norm(plain[1]), norm(plain[2])) ==
-              (pooled[0], norm(pooled[1]), norm(pooled[2])), (plain[:3], pooled[:3]))
+        check(
+            f"1. {name} same as plain",
+            (plain[0], norm(plain[1]), norm(plain[2])) == (pooled[0], norm(pooled[1]), norm(pooled[2])),
+            (plain[:3], pooled[:3]),
+        )
     st = pool.status()
     check("1. start latency recorded", st["start_latency_s"]["n"] == 2, st)
     await pool.close()
@@ -89,8 +101,9 @@ async def main() -> int:
     await pool.start()
     await pool.wait_warm(timeout=300)
     rc, out, err, _ = await run(pool, info, cwd)
-    check("2. driver-initialised worker runs torch", rc == 0 and out.startswith(b"6.0 cuda:0"),
-          (rc, out, err))
+    check(
+        "2. driver-initialised worker runs torch", rc == 0 and out.startswith(b"6.0 cuda:0"), (rc, out, err)
+    )
     await pool.close()
 
     pool = Pool(GPU, PoolConfig(size=1, max_uses=3, preload=["torch"]))
@@ -102,10 +115,13 @@ async def main() -> int:
     await pool.wait_warm(timeout=300)
     c = await run(pool, "import os; print(os.getpid())", cwd)
     check("3. memory returned: worker reused", a[0] == b[0] == 0 and a[3] == b[3], (a, b))
-    check("3. memory parked: worker retired", c[3] != b[3] and pool.status()["retired"] >= 1,
-          (c, pool.status()))
-    sticky = ("import torch; a = torch.zeros(1, device='cuda'); a[torch.tensor([10], device='cuda')] = 1; "
-              "torch.cuda.synchronize()")
+    check(
+        "3. memory parked: worker retired", c[3] != b[3] and pool.status()["retired"] >= 1, (c, pool.status())
+    )
+    sticky = (
+        "import torch; a = torch.zeros(1, device='cuda'); a[torch.tensor([10], device='cuda')] = 1; "
+        "torch.cuda.synchronize()"
+    )
     d = await run(pool, sticky, cwd)
     await pool.wait_warm(timeout=300)
     e = await run(pool, info, cwd)

@@ -66,6 +66,7 @@ def check(name: str, ok: bool, detail: object = "") -> None:
 
 # ------------------------------------------------------------------------------ the mini daemon
 
+
 class MiniDaemon:
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="kxd")
@@ -84,8 +85,17 @@ class Conn:
     def __init__(self, s: socket.socket) -> None:
         self.s = s
         self.hello = self.recv(30)
-        self.s.sendall(quiesce.frame({"type": "welcome", "id": self.hello["id"], "version": 1,
-                                      "server": "check_drain", "policy": "region"}))
+        self.s.sendall(
+            quiesce.frame(
+                {
+                    "type": "welcome",
+                    "id": self.hello["id"],
+                    "version": 1,
+                    "server": "check_drain",
+                    "policy": "region",
+                }
+            )
+        )
         self.ready = self.recv(30)
 
     def recv(self, timeout: float) -> dict:
@@ -108,10 +118,16 @@ class Conn:
 
 def start_sibling(daemon: MiniDaemon, mode: str) -> tuple[subprocess.Popen, Conn]:
     path = [str(REPO / "krex_async" / "runtime"), str(REPO), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
-               KREX_SOCKET=daemon.path, KREX_COMMAND=f"sib-{mode}", KREX_TOKEN="t")
-    proc = subprocess.Popen(module_argv("bench.gpu.sibling", mode), env=env, stdout=subprocess.PIPE,
-                            text=True, cwd=str(REPO))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in path if p),
+        KREX_SOCKET=daemon.path,
+        KREX_COMMAND=f"sib-{mode}",
+        KREX_TOKEN="t",
+    )
+    proc = subprocess.Popen(
+        module_argv("bench.gpu.sibling", mode), env=env, stdout=subprocess.PIPE, text=True, cwd=str(REPO)
+    )
     conn = daemon.accept()
     return proc, conn
 
@@ -122,6 +138,7 @@ def stdout_of(proc: subprocess.Popen[str]) -> IO[str]:
 
 
 # ---------------------------------------------------------------------------------- the owner
+
 
 def make_kernel(n: int):  # type: ignore[no-untyped-def]
     a = torch.randn(n, n, device="cuda", dtype=torch.float16)
@@ -142,8 +159,11 @@ def time_kernel(fn, reps: int, warmup: int = 3) -> dict[str, float]:  # type: ig
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return {"median_ms": statistics.median(ms), "p95_ms": ms[int(0.95 * (len(ms) - 1))],
-            "wall_per_rep_ms": wall * 1000 / reps}
+    return {
+        "median_ms": statistics.median(ms),
+        "p95_ms": ms[int(0.95 * (len(ms) - 1))],
+        "wall_per_rep_ms": wall * 1000 / reps,
+    }
 
 
 def time_all(kernels: dict, warm_ms: float, reps: dict) -> dict:  # type: ignore[type-arg]
@@ -157,19 +177,40 @@ def time_all(kernels: dict, warm_ms: float, reps: dict) -> dict:  # type: ignore
 def nvml_checks(sibling_pid: int | None) -> None:
     devices, notes = discover("nvidia")
     d = devices[0]
-    check("nvml.discover", bool(d.uuid.startswith("GPU-") and d.memory_total_bytes > 0 and d.cpus),
-          {"key": d.key, "name": d.name, "uuid": d.uuid, "mem_total": d.memory_total_bytes,
-           "mem_free": d.memory_free_bytes, "numa": d.numa_node, "ncpus": len(d.cpus), "env": d.env})
-    check("nvml.clocks", set(d.clocks_mhz) == {"sm", "mem", "graphics"} and all(d.clocks_mhz.values()),
-          d.clocks_mhz)
+    check(
+        "nvml.discover",
+        bool(d.uuid.startswith("GPU-") and d.memory_total_bytes > 0 and d.cpus),
+        {
+            "key": d.key,
+            "name": d.name,
+            "uuid": d.uuid,
+            "mem_total": d.memory_total_bytes,
+            "mem_free": d.memory_free_bytes,
+            "numa": d.numa_node,
+            "ncpus": len(d.cpus),
+            "env": d.env,
+        },
+    )
+    check(
+        "nvml.clocks",
+        set(d.clocks_mhz) == {"sm", "mem", "graphics"} and all(d.clocks_mhz.values()),
+        d.clocks_mhz,
+    )
     node = open_node("nvidia")
     try:
         procs = node.processes(node.devices[0])
         util = node.utilisation(node.devices[0])
         pids = [p.pid for p in procs]
-        check("nvml.processes", len(procs) >= 1,
-              {"pids": pids, "self": os.getpid(), "sibling": sibling_pid,
-               "same_pid_namespace": os.getpid() in pids})
+        check(
+            "nvml.processes",
+            len(procs) >= 1,
+            {
+                "pids": pids,
+                "self": os.getpid(),
+                "sibling": sibling_pid,
+                "same_pid_namespace": os.getpid() in pids,
+            },
+        )
         check("nvml.utilisation", util is not None, util)
     finally:
         node.close()
@@ -233,12 +274,15 @@ def settle(node, gpu) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """What the daemon's Regions._settle does before a grant (default --settle-ms 300)."""
     t_s = time.perf_counter()
     st = first = node.clock(gpu)
-    while (st is not None and not st.settled(SETTLE_FRACTION[0]) and not st.idle
-           and time.perf_counter() < t_s + 0.3):
+    while (
+        st is not None
+        and not st.settled(SETTLE_FRACTION[0])
+        and not st.idle
+        and time.perf_counter() < t_s + 0.3
+    ):
         time.sleep(0.002)
         st = node.clock(gpu) or st
-    return {"settle_s": time.perf_counter() - t_s, "clock_first": repr(first),
-            "clock_at_grant": repr(st)}
+    return {"settle_s": time.perf_counter() - t_s, "clock_first": repr(first), "clock_at_grant": repr(st)}
 
 
 # Conditions: how the owner's region begins after the sibling had its backlog rebuilt.
@@ -255,10 +299,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer reps (a smoke run)")
     ap.add_argument("--regions", type=int, default=5, help="regions per production condition")
-    ap.add_argument("--settle-fraction", type=float, default=ServeConfig().settle_fraction,
-                    help="settled once the SM clock is this fraction of its target")
-    ap.add_argument("--skip", action="append", default=[], choices=["nvml", "thaw"],
-                    help="leave out a part (for smoke runs off the accelerator)")
+    ap.add_argument(
+        "--settle-fraction",
+        type=float,
+        default=ServeConfig().settle_fraction,
+        help="settled once the SM clock is this fraction of its target",
+    )
+    ap.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["nvml", "thaw"],
+        help="leave out a part (for smoke runs off the accelerator)",
+    )
     args = ap.parse_args()
     SETTLE_FRACTION[0] = args.settle_fraction
     reps = {k: max(10, v // 5) for k, v in REPS.items()} if args.quick else REPS
@@ -272,8 +325,13 @@ def main() -> None:
     for _ in range(3):  # each after a rest: the previous round's 10 ms matmuls hit the power cap
         time.sleep(1.5)
         alone.append(time_all(kernels, 0, reps))
-    t["alone"] = {k: {"median_ms": statistics.median(a[k]["median_ms"] for a in alone),
-                      "p95_ms": statistics.median(a[k]["p95_ms"] for a in alone)} for k in SIZES}
+    t["alone"] = {
+        k: {
+            "median_ms": statistics.median(a[k]["median_ms"] for a in alone),
+            "p95_ms": statistics.median(a[k]["p95_ms"] for a in alone),
+        }
+        for k in SIZES
+    }
     iv_alone = devicework.idle_verify(2.0)
     check("idle_verify.alone", iv_alone[0] == "idle-verified", iv_alone)
 
@@ -288,8 +346,9 @@ def main() -> None:
         if "nvml" not in args.skip:
             nvml_checks(proc.pid)
         region = 0
-        plan = [(c, 0) for c in ONCE] + [(c, k) for k in range(args.regions)
-                                         for c in (*PRODUCTION, "alone-i")]
+        plan = [(c, 0) for c in ONCE] + [
+            (c, k) for k in range(args.regions) for c in (*PRODUCTION, "alone-i")
+        ]
         for cond, k in plan:
             region += 1
             name, key = f"r{region}", f"{cond}/{k}"
@@ -324,11 +383,18 @@ def main() -> None:
     results["drains"] = drains
     # The baseline: every round alone, the three at the start and those interleaved.
     results["alone_first3"] = t["alone"]
-    t["alone"] = {k: {"median_ms": statistics.median(a[k]["median_ms"] for a in alone),
-                      "p95_ms": statistics.median(a[k]["p95_ms"] for a in alone)} for k in SIZES}
+    t["alone"] = {
+        k: {
+            "median_ms": statistics.median(a[k]["median_ms"] for a in alone),
+            "p95_ms": statistics.median(a[k]["p95_ms"] for a in alone),
+        }
+        for k in SIZES
+    }
     results["alone_rounds"] = {k: [a[k]["median_ms"] for a in alone] for k in SIZES}
-    print("alone medians (ms) per round: " + "; ".join(
-        f"{k}: " + " ".join(f"{a[k]['median_ms']:.4f}" for a in alone) for k in SIZES))
+    print(
+        "alone medians (ms) per round: "
+        + "; ".join(f"{k}: " + " ".join(f"{a[k]['median_ms']:.4f}" for a in alone) for k in SIZES)
+    )
     for key, d in drains.items():
         if key.startswith("alone-i"):
             continue
@@ -339,8 +405,10 @@ def main() -> None:
 
     # Inflation of each region's median against the kernel's median alone (as bench/replay.py
     # compares each command's median), and of the reps' p95 for information.
-    print(f"\n{'region':<14}{'size':>7}{'median ms':>11}{'p95 ms':>9}{'median infl %':>15}"
-          f"{'p95 infl %':>12}{'goal %':>8}")
+    print(
+        f"\n{'region':<14}{'size':>7}{'median ms':>11}{'p95 ms':>9}{'median infl %':>15}"
+        f"{'p95 infl %':>12}{'goal %':>8}"
+    )
     table = []
     base = t["alone"]
     for key, sizes in t.items():
@@ -348,13 +416,20 @@ def main() -> None:
             continue
         for label in SIZES:
             r, b = sizes[label], base[label]
-            row = {"condition": key.split("/")[0], "region": key, "size": label, **r,
-                   "median_inflation_pct": 100 * (r["median_ms"] / b["median_ms"] - 1),
-                   "p95_inflation_pct": 100 * (r["p95_ms"] / b["p95_ms"] - 1)}
+            row = {
+                "condition": key.split("/")[0],
+                "region": key,
+                "size": label,
+                **r,
+                "median_inflation_pct": 100 * (r["median_ms"] / b["median_ms"] - 1),
+                "p95_inflation_pct": 100 * (r["p95_ms"] / b["p95_ms"] - 1),
+            }
             table.append(row)
-            print(f"{key:<14}{label:>7}{r['median_ms']:>11.4f}{r['p95_ms']:>9.4f}"
-                  f"{row['median_inflation_pct']:>15.2f}{row['p95_inflation_pct']:>12.2f}"
-                  f"{GOAL_P95[label]:>8.1f}")
+            print(
+                f"{key:<14}{label:>7}{r['median_ms']:>11.4f}{r['p95_ms']:>9.4f}"
+                f"{row['median_inflation_pct']:>15.2f}{row['p95_inflation_pct']:>12.2f}"
+                f"{GOAL_P95[label]:>8.1f}"
+            )
     results["table"] = table
 
     def column(cond: str, label: str, field: str) -> list[float]:
@@ -375,16 +450,22 @@ def main() -> None:
     print(f"\nalone rounds' own p95 against their median (the floor), %: {floor}")
     for cond in PRODUCTION:
         worst = p95_over_regions(cond)
-        matched = {k: round(100 * (quantile(column(cond, k, "median_ms"), 0.95, "rank") / alone_p95[k]
-                                   - 1), 3)
-                   for k in SIZES}
+        matched = {
+            k: round(100 * (quantile(column(cond, k, "median_ms"), 0.95, "rank") / alone_p95[k] - 1), 3)
+            for k in SIZES
+        }
         results.setdefault("p95_matched_pct", {})[cond] = matched
         results.setdefault("p95_of_inflation_pct", {})[cond] = worst
-        print(f"{cond}: p95 of inflation against the alone median {worst}; "
-              f"p95 against the alone rounds' p95 {matched}")
-        check(f"goal.{cond} (p95 over {args.regions} regions of the median, against the p95 of "
-              f"{len(alone)} alone rounds)", all(matched[k] < GOAL_P95[k] for k in SIZES),
-              {"matched": matched, "against_median": worst, "floor": floor})
+        print(
+            f"{cond}: p95 of inflation against the alone median {worst}; "
+            f"p95 against the alone rounds' p95 {matched}"
+        )
+        check(
+            f"goal.{cond} (p95 over {args.regions} regions of the median, against the p95 of "
+            f"{len(alone)} alone rounds)",
+            all(matched[k] < GOAL_P95[k] for k in SIZES),
+            {"matched": matched, "against_median": worst, "floor": floor},
+        )
     a = p95_over_regions("a-freeze")
     check("drain_needed.a-freeze_misses_goal", any(a[s] >= GOAL_P95[s] for s in SIZES), a)
 

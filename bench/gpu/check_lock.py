@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The sibling: argv[1] the shared file (pid, iterations, last completion ns, cpu units), argv[2]
 # torch|driver, argv[3] seconds of queued work to synchronise on at once when the file's flag
 # byte 32 is set (the info check), else 0.
-SIBLING = r'''
+SIBLING = r"""
 import ctypes, mmap, os, struct, sys, threading, time
 path, mode = sys.argv[1], sys.argv[2]
 f = open(path, "r+b")
@@ -113,11 +113,11 @@ while True:
     t = time.monotonic_ns()
     it += 1
     struct.pack_into("qq", m, 8, it, t)
-'''
+"""
 
 # The owner: argv[1] the sibling's shared file, argv[2] regions, argv[3] seconds held, argv[4]
 # seconds between. Waits for the sibling to have started. Prints one JSON object per region.
-OWNER = r'''
+OWNER = r"""
 import json, mmap, struct, sys, time, msgspec
 try:
     import torch
@@ -143,7 +143,7 @@ for i in range(int(sys.argv[2])):
     print(json.dumps({"report": msgspec.to_builtins(r.report), "grant": g, "exit": e,
                       "t_grant": t_g, "t_exit": t_e, "before": b, "t_before": t_b,
                       "outside": o, "t_outside": t_o}), flush=True)
-'''
+"""
 
 RESULTS: dict[str, Any] = {"checks": {}, "regions": [], "info": {}}
 LINES: list[str] = []
@@ -168,8 +168,17 @@ def sibling_argv(sib_py: str, path: str, mode: str) -> list[str]:
     argv = [sys.executable, sib_py, path, mode]
     if not DRY:
         return argv
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs krex-dry /dev && : > /dev/nvidia0 && exec "$@"', "sh", *argv]
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount -t tmpfs krex-dry /dev && : > /dev/nvidia0 && exec "$@"',
+        "sh",
+        *argv,
+    ]
 
 
 def env() -> dict[str, str]:
@@ -204,10 +213,28 @@ class Shared:
 def start_daemon(tmp: str, cgroup_root: str, extra: list[str]) -> Daemon:
     """A lock-holding daemon; every part's daemon shares one state dir and appends to one log in
     `tmp` (a later daemon's start-up sees what an earlier one recorded, as on a node)."""
-    return Daemon(["--state-dir", os.path.join(tmp, "state"), "--cgroup-root", cgroup_root,
-                   "--probes", "off", "--hold", "lock", "--freeze", "all", "--log-format", "json",
-                   *extra], log=Path(tmp) / "daemon.log", log_mode="ab", parent=tmp, env=env(),
-                  grace=20.0).start()
+    return Daemon(
+        [
+            "--state-dir",
+            os.path.join(tmp, "state"),
+            "--cgroup-root",
+            cgroup_root,
+            "--probes",
+            "off",
+            "--hold",
+            "lock",
+            "--freeze",
+            "all",
+            "--log-format",
+            "json",
+            *extra,
+        ],
+        log=Path(tmp) / "daemon.log",
+        log_mode="ab",
+        parent=tmp,
+        env=env(),
+        grace=20.0,
+    ).start()
 
 
 def q(xs: list[float], p: float) -> float:
@@ -215,8 +242,10 @@ def q(xs: list[float], p: float) -> float:
 
 
 def ms(xs: list[float]) -> str:
-    return (f"p50 {q(xs, 50) * 1e3:.3f} p99 {q(xs, 99) * 1e3:.3f} max {max(xs, default=0) * 1e3:.3f}"
-            f" ms (n={len(xs)})")
+    return (
+        f"p50 {q(xs, 50) * 1e3:.3f} p99 {q(xs, 99) * 1e3:.3f} max {max(xs, default=0) * 1e3:.3f}"
+        f" ms (n={len(xs)})"
+    )
 
 
 def kill_commands(root: str) -> None:
@@ -233,10 +262,14 @@ def kill_commands(root: str) -> None:
 def frozen(pid: int) -> bool | None:
     """Whether the cgroup v2 of `pid` reads `frozen 1` (None: unreadable)."""
     try:
-        rel = next(line.split(":", 2)[2].strip() for line in open(f"/proc/{pid}/cgroup")
-                   if line.startswith("0::"))
-        mount = "/sys/fs/cgroup/unified" if os.path.exists("/sys/fs/cgroup/unified/cgroup.procs") \
+        rel = next(
+            line.split(":", 2)[2].strip() for line in open(f"/proc/{pid}/cgroup") if line.startswith("0::")
+        )
+        mount = (
+            "/sys/fs/cgroup/unified"
+            if os.path.exists("/sys/fs/cgroup/unified/cgroup.procs")
             else "/sys/fs/cgroup"
+        )
         return "frozen 1" in open(f"{mount}{rel}/cgroup.events").read()
     except (OSError, StopIteration):
         return None
@@ -254,8 +287,7 @@ async def regions_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
             h = await c.submit(sibling_argv(sib_py, sh.path, a.sibling), env=env())
             pid = await sh.started()
             await asyncio.sleep(1.0)
-            res = await c.run([sys.executable, owner_py, sh.path, str(a.regions), "0.3", "0.2"],
-                              env=env())
+            res = await c.run([sys.executable, owner_py, sh.path, str(a.regions), "0.3", "0.2"], env=env())
             await h.cancel(9)
         if not check("owner ran", res.returncode == 0, res.stderr.decode()[-1500:]):
             return
@@ -275,24 +307,37 @@ async def regions_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
             cpu_in.append((x["exit"][3] - x["grant"][3]) / dt_in)
             cpu_out.append((x["outside"][3] - x["before"][3]) / dt_out)
         check("every region locked the sibling, no fallback", not bad_lock, bad_lock[:3])
-        check("0 GPU iterations completed during locks", sum(completed) == 0,
-              f"{sum(completed)} in {len(completed)} regions; per region {completed}")
+        check(
+            "0 GPU iterations completed during locks",
+            sum(completed) == 0,
+            f"{sum(completed)} in {len(completed)} regions; per region {completed}",
+        )
         ratio = statistics.median(cpu_in) / max(1e-9, statistics.median(cpu_out))
-        check("CPU thread kept its rate while locked", ratio >= 0.8,
-              f"median {statistics.median(cpu_in):.0f} units/s locked vs "
-              f"{statistics.median(cpu_out):.0f} outside (x{ratio:.2f})")
+        check(
+            "CPU thread kept its rate while locked",
+            ratio >= 0.8,
+            f"median {statistics.median(cpu_in):.0f} units/s locked vs "
+            f"{statistics.median(cpu_out):.0f} outside (x{ratio:.2f})",
+        )
         reps = [x["report"] for x in regs]
-        RESULTS["latency"] = {k: [r.get(k, 0.0) for r in reps]
-                              for k in ("lock_s", "lock_max_s", "unlock_s", "enter_s", "exit_s",
-                                        "drain_s")}
+        RESULTS["latency"] = {
+            k: [r.get(k, 0.0) for r in reps]
+            for k in ("lock_s", "lock_max_s", "unlock_s", "enter_s", "exit_s", "drain_s")
+        }
         for k, v in RESULTS["latency"].items():
             out(f"INFO {k:10} {ms(v)}")
-        out(f"INFO drains {sorted({r.get('drain') for r in reps})}; lock step per region "
-            f"{[round(r.get('lock_s', 0) * 1e3, 2) for r in reps]} ms")
-        check("lock_max_s p99 under 5 ms", q(RESULTS["latency"]["lock_max_s"], 99) < 0.005,
-              ms(RESULTS["latency"]["lock_max_s"]))
-        check("the sibling runs again after the regions",
-              sh.read()[1] > regs[-1]["exit"][1] if regs else False)
+        out(
+            f"INFO drains {sorted({r.get('drain') for r in reps})}; lock step per region "
+            f"{[round(r.get('lock_s', 0) * 1e3, 2) for r in reps]} ms"
+        )
+        check(
+            "lock_max_s p99 under 5 ms",
+            q(RESULTS["latency"]["lock_max_s"], 99) < 0.005,
+            ms(RESULTS["latency"]["lock_max_s"]),
+        )
+        check(
+            "the sibling runs again after the regions", sh.read()[1] > regs[-1]["exit"][1] if regs else False
+        )
         del pid
     finally:
         d.stop()
@@ -306,11 +351,9 @@ async def timeout_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
         async with await Client.connect(d.socket) as c:
             sh = Shared(tmp, "tsib")
             hold = a.startup + 8.0
-            ho = await c.submit([sys.executable, owner_py, sh.path, "1", str(hold), "0.5"],
-                                env=env())
+            ho = await c.submit([sys.executable, owner_py, sh.path, "1", str(hold), "0.5"], env=env())
             t_sub = time.monotonic()
-            h = await c.submit(sibling_argv(sib_py, sh.path, a.sibling), env=env(),
-                               timeout=a.startup + 5.0)
+            h = await c.submit(sibling_argv(sib_py, sh.path, a.sibling), env=env(), timeout=a.startup + 5.0)
             sib_done, owner_done = asyncio.ensure_future(h.wait()), asyncio.ensure_future(ho.wait())
             pid = await sh.started()
             locked = False
@@ -323,11 +366,13 @@ async def timeout_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
             owner_running = not owner_done.done()
             await ho.cancel(9)
             await owner_done
-        check("a locked command dies at its timeout",
-              res.report.state == "timeout" and owner_running and locked,
-              f"state {res.report.state} {ended:.1f} s after submit (timeout "
-              f"{a.startup + 5.0:.0f} s), locked before {locked}, the region's owner still "
-              f"running {owner_running}, pid {pid} alive {os.path.exists(f'/proc/{pid}')}")
+        check(
+            "a locked command dies at its timeout",
+            res.report.state == "timeout" and owner_running and locked,
+            f"state {res.report.state} {ended:.1f} s after submit (timeout "
+            f"{a.startup + 5.0:.0f} s), locked before {locked}, the region's owner still "
+            f"running {owner_running}, pid {pid} alive {os.path.exists(f'/proc/{pid}')}",
+        )
     finally:
         d.stop()
 
@@ -339,11 +384,11 @@ async def sigkill_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
     try:
         c = await Client.connect(d.socket)
         sh = Shared(tmp, "ksib")
-        h = await c.submit(sibling_argv(sib_py, sh.path, a.sibling), env=env(),
-                           on_disconnect="keep")
+        h = await c.submit(sibling_argv(sib_py, sh.path, a.sibling), env=env(), on_disconnect="keep")
         sib_pid = await sh.started()
-        own_run = asyncio.ensure_future(c.run([sys.executable, owner_py, sh.path, "1", "30", "0"],
-                                              env=env(), on_disconnect="keep"))
+        own_run = asyncio.ensure_future(
+            c.run([sys.executable, owner_py, sh.path, "1", "30", "0"], env=env(), on_disconnect="keep")
+        )
         t_end = time.monotonic() + a.startup + 20
         locked = False
         while time.monotonic() < t_end and not locked:
@@ -362,10 +407,12 @@ async def sigkill_part(a: argparse.Namespace, tmp: str, sib_py: str, owner_py: s
         it0 = sh.read()[1]
         await asyncio.sleep(0.3)
         it1 = sh.read()[1]
-        check("sigkill: 1 s later nothing locked or frozen, and the sibling runs",
-              state == (0, 0) and fz is False and it1 > it0,
-              f"GetState {state} (0 = running), cgroup frozen {fz}, {it1 - it0} iterations in "
-              f"0.3 s; {time.monotonic() - t_kill:.2f} s after the kill")
+        check(
+            "sigkill: 1 s later nothing locked or frozen, and the sibling runs",
+            state == (0, 0) and fz is False and it1 > it0,
+            f"GetState {state} (0 = running), cgroup frozen {fz}, {it1 - it0} iterations in "
+            f"0.3 s; {time.monotonic() - t_kill:.2f} s after the kill",
+        )
         with open(d.log, errors="replace") as f:
             out(f"INFO daemon log tail: {f.read()[-600:]!r}")
         del h
@@ -407,9 +454,12 @@ async def info_part(a: argparse.Namespace, tmp: str, sib_py: str) -> None:
         RESULTS["info"]["lock_during_sync"] = {
             "timeout_5ms": {"rc": drv.error(rc) if rc else 0, "seconds": dt, "state": state},
             "timeout_2s": {"rc": drv.error(rc2) if rc2 else 0, "seconds": dt2},
-            "backlog_phase_after": int(sh.m[40])}
-        out(f"INFO lock during a synchronise on a backlog: timeout 5 ms -> rc {rc} in "
-            f"{dt * 1e3:.2f} ms; timeout 2 s -> rc {rc2} in {dt2 * 1e3:.2f} ms")
+            "backlog_phase_after": int(sh.m[40]),
+        }
+        out(
+            f"INFO lock during a synchronise on a backlog: timeout 5 ms -> rc {rc} in "
+            f"{dt * 1e3:.2f} ms; timeout 2 s -> rc {rc2} in {dt2 * 1e3:.2f} ms"
+        )
     finally:
         p.kill()
         p.wait()
@@ -423,14 +473,15 @@ async def main_async(a: argparse.Namespace) -> None:
     Path(sib_py).write_text(SIBLING)
     Path(owner_py).write_text(OWNER)
     drv, why = open_driver()
-    check("driver lock opens", drv is not None, why or f"{drv.path} API {drv.version}"
-          if drv else why)
+    check("driver lock opens", drv is not None, why or f"{drv.path} API {drv.version}" if drv else why)
     if drv is None:
         return
-    for name, part in (("regions", regions_part(a, tmp, sib_py, owner_py)),
-                       ("timeout", timeout_part(a, tmp, sib_py, owner_py)),
-                       ("sigkill", sigkill_part(a, tmp, sib_py, owner_py)),
-                       ("info", info_part(a, tmp, sib_py))):
+    for name, part in (
+        ("regions", regions_part(a, tmp, sib_py, owner_py)),
+        ("timeout", timeout_part(a, tmp, sib_py, owner_py)),
+        ("sigkill", sigkill_part(a, tmp, sib_py, owner_py)),
+        ("info", info_part(a, tmp, sib_py)),
+    ):
         t0 = time.monotonic()
         try:
             await part
@@ -443,13 +494,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--regions", type=int, default=20)
     ap.add_argument("--sibling", choices=["torch", "driver"], default="torch")
-    ap.add_argument("--startup", type=float, default=8.0,
-                    help="seconds a sibling may take to import and create its context")
+    ap.add_argument(
+        "--startup",
+        type=float,
+        default=8.0,
+        help="seconds a sibling may take to import and create its context",
+    )
     ap.add_argument("--cgroup-root", default="/sys/fs/cgroup/krexlock")
     ap.add_argument("--deadline", type=float, default=170.0)
-    ap.add_argument("--dry-run", action="store_true",
-                    help="on a machine without a GPU, with KREX_LIBCUDA naming a stand-in library "
-                         "(tests/isolation/fakecuda.py) and --sibling driver")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="on a machine without a GPU, with KREX_LIBCUDA naming a stand-in library "
+        "(tests/isolation/fakecuda.py) and --sibling driver",
+    )
     a = ap.parse_args()
     global DRY
     DRY = a.dry_run

@@ -82,6 +82,7 @@ def now() -> int:
 
 # ---------------------------------------------------------------- pure logic (tests/bench)
 
+
 def plan(j: int, n: int, timeouts: list[int]) -> tuple[int, float]:
     """The j-th locked occurrence of a target out of n: (timeout ms, fraction of the call's length at
     which to lock). Timeouts alternate; each timeout's fractions are spread evenly over (0, 1)."""
@@ -130,42 +131,62 @@ def summarize(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (scenario, target, op in flight at the lock, timeout)."""
     groups: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     for a in attempts:
-        groups.setdefault((a["scenario"], a["target"], a.get("where", "?"), a["timeout_ms"]),
-                          []).append(a)
+        groups.setdefault((a["scenario"], a["target"], a.get("where", "?"), a["timeout_ms"]), []).append(a)
     rows = []
     for (scen, target, wh, tmo), xs in groups.items():
         retried = [x for x in xs if x.get("retry")]
-        rows.append({
-            "scenario": scen, "target": target, "where": wh, "timeout_ms": tmo, "n": len(xs),
-            "answers": counts([short(x["name"]) for x in xs]),
-            "lock_ms": fmt_ms([x["lock_ms"] for x in xs]),
-            "states": counts([f"{short(x['state_before'])}>{short(x['state_after'])}" for x in xs]),
-            "retried": len(retried),
-            "retry_locked_ms": fmt_ms([x["retry"]["until_locked_ms"] for x in retried
-                                       if x["retry"].get("until_locked_ms") is not None]),
-            "retry_final": counts([short(x["retry"]["final_name"]) for x in retried]),
-            "call_left_ms": fmt_ms([x["call_left_ms"] for x in xs if x.get("call_left_ms") is not None]),
-            "ended_locked": sum(1 for x in xs if x.get("call_ended_while_locked")),
-            "kernel_left_ms": fmt_ms([x["kernel_left_ms"] for x in xs if "kernel_left_ms" in x]),
-        })
+        rows.append(
+            {
+                "scenario": scen,
+                "target": target,
+                "where": wh,
+                "timeout_ms": tmo,
+                "n": len(xs),
+                "answers": counts([short(x["name"]) for x in xs]),
+                "lock_ms": fmt_ms([x["lock_ms"] for x in xs]),
+                "states": counts([f"{short(x['state_before'])}>{short(x['state_after'])}" for x in xs]),
+                "retried": len(retried),
+                "retry_locked_ms": fmt_ms(
+                    [
+                        x["retry"]["until_locked_ms"]
+                        for x in retried
+                        if x["retry"].get("until_locked_ms") is not None
+                    ]
+                ),
+                "retry_final": counts([short(x["retry"]["final_name"]) for x in retried]),
+                "call_left_ms": fmt_ms([x["call_left_ms"] for x in xs if x.get("call_left_ms") is not None]),
+                "ended_locked": sum(1 for x in xs if x.get("call_ended_while_locked")),
+                "kernel_left_ms": fmt_ms([x["kernel_left_ms"] for x in xs if "kernel_left_ms" in x]),
+            }
+        )
     rows.sort(key=lambda r: (r["scenario"], r["target"], r["where"], r["timeout_ms"]))
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as text; ms columns are p50/max, states are GetState before>after the first lock."""
-    cols = [("scenario", "scenario", 17), ("target", "target", 16), ("where", "in flight", 9),
-            ("timeout_ms", "tmo", 4), ("n", "n", 3), ("answers", "first answer", 26),
-            ("lock_ms", "lock ms", 13), ("states", "GetState before>after", 30),
-            ("retried", "retr", 4), ("retry_locked_ms", "retry->locked ms", 16),
-            ("call_left_ms", "call left ms", 15), ("ended_locked", "endL", 4),
-            ("kernel_left_ms", "kernel left ms", 14)]
+    cols = [
+        ("scenario", "scenario", 17),
+        ("target", "target", 16),
+        ("where", "in flight", 9),
+        ("timeout_ms", "tmo", 4),
+        ("n", "n", 3),
+        ("answers", "first answer", 26),
+        ("lock_ms", "lock ms", 13),
+        ("states", "GetState before>after", 30),
+        ("retried", "retr", 4),
+        ("retry_locked_ms", "retry->locked ms", 16),
+        ("call_left_ms", "call left ms", 15),
+        ("ended_locked", "endL", 4),
+        ("kernel_left_ms", "kernel left ms", 14),
+    ]
     head = " ".join(f"{h:<{w}}" for _, h, w in cols)
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(" ".join(f"{str(r[c]):<{w}}" for c, _, w in cols))
-    return "\n".join(lines) + ("\n(retr: first answers retried; endL: the call ended while the sibling "
-                               "was locked)")
+    return "\n".join(lines) + (
+        "\n(retr: first answers retried; endL: the call ended while the sibling was locked)"
+    )
 
 
 def verdict(attempts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,22 +195,31 @@ def verdict(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     nr = [a for a in attempts if a["rc"] == NOT_READY]
     ctx = [a for a in nr if a["state_before_rc"] == 0]
     noctx = [a for a in nr if a["state_before_rc"] != 0]
-    waits = [a["retry"]["until_locked_ms"] for a in nr
-             if a.get("retry") and a["retry"].get("until_locked_ms") is not None]
-    v = {"not_ready": len(nr), "attempts": len(attempts),
-         "not_ready_with_context": counts([f"{a['scenario']}/{a['target']}/{a.get('where')}" for a in ctx]),
-         "not_ready_without_context": counts([f"{a['scenario']}/{a['target']}/{a.get('where')}"
-                                              for a in noctx]),
-         "timeouts": counts([f"{a['scenario']}/{a['target']}/{a.get('where')}"
-                             for a in attempts if a["rc"] == TIMEOUT]),
-         "not_ready_until_locked_ms": {"p50": q(waits, 50), "max": max(waits, default=None),
-                                       "n": len(waits)},
-         "never_locked_after_not_ready": sum(1 for a in nr if a.get("retry")
-                                             and a["retry"].get("until_locked_ms") is None)}
+    waits = [
+        a["retry"]["until_locked_ms"]
+        for a in nr
+        if a.get("retry") and a["retry"].get("until_locked_ms") is not None
+    ]
+    v = {
+        "not_ready": len(nr),
+        "attempts": len(attempts),
+        "not_ready_with_context": counts([f"{a['scenario']}/{a['target']}/{a.get('where')}" for a in ctx]),
+        "not_ready_without_context": counts(
+            [f"{a['scenario']}/{a['target']}/{a.get('where')}" for a in noctx]
+        ),
+        "timeouts": counts(
+            [f"{a['scenario']}/{a['target']}/{a.get('where')}" for a in attempts if a["rc"] == TIMEOUT]
+        ),
+        "not_ready_until_locked_ms": {"p50": q(waits, 50), "max": max(waits, default=None), "n": len(waits)},
+        "never_locked_after_not_ready": sum(
+            1 for a in nr if a.get("retry") and a["retry"].get("until_locked_ms") is None
+        ),
+    }
     return v
 
 
 # ---------------------------------------------------------------- the driver side
+
 
 class Locker:
     """The controller's lock attempts on one driver."""
@@ -202,8 +232,9 @@ class Locker:
         rc, st = self.drv.state(pid)
         return rc, (PROCESS_STATES.get(st, f"state {st}") if rc == 0 else self.drv.error(rc))
 
-    def attempt(self, pid: int, t_at: int, timeout_ms: int, hold_ms: float,
-                alive: Any = lambda: True) -> dict[str, Any]:
+    def attempt(
+        self, pid: int, t_at: int, timeout_ms: int, hold_ms: float, alive: Any = lambda: True
+    ) -> dict[str, Any]:
         """GetState, lock at monotonic ns `t_at` (now if past), GetState; on NOT_READY/TIMEOUT
         retry every --retry-ms up to --retry-s; a lock taken is held `hold_ms`, then undone."""
         r: dict[str, Any] = {"pid": pid, "timeout_ms": timeout_ms}
@@ -218,8 +249,13 @@ class Locker:
         t1 = now()
         if rc == 0:
             LOCKED.add(pid)
-        r.update(rc=rc, name=self.drv.error(rc) if rc else "locked", t_lock_start=t0, t_lock_end=t1,
-                 lock_ms=(t1 - t0) / 1e6)
+        r.update(
+            rc=rc,
+            name=self.drv.error(rc) if rc else "locked",
+            t_lock_start=t0,
+            t_lock_end=t1,
+            lock_ms=(t1 - t0) / 1e6,
+        )
         r["state_after_rc"], r["state_after"] = self.state(pid)
         t_ok = t1 if rc == 0 else 0
         if rc in RETRY_RCS and self.a.retry_s > 0:
@@ -233,17 +269,19 @@ class Locker:
                     t_ok = now()
                 elif last not in RETRY_RCS:
                     break
-            r["retry"] = {"attempts": tries, "final_rc": last,
-                          "final_name": self.drv.error(last) if last else "locked",
-                          "until_locked_ms": (t_ok - t0) / 1e6 if last == 0 else None}
+            r["retry"] = {
+                "attempts": tries,
+                "final_rc": last,
+                "final_name": self.drv.error(last) if last else "locked",
+                "until_locked_ms": (t_ok - t0) / 1e6 if last == 0 else None,
+            }
         if t_ok:
             r["t_locked"] = t_ok
             time.sleep(hold_ms / 1000)
             u0 = now()
             urc = self.drv.unlock(pid)
             LOCKED.discard(pid)
-            r.update(t_unlock=u0, unlock_ms=(now() - u0) / 1e6,
-                     unlock=self.drv.error(urc) if urc else "ok")
+            r.update(t_unlock=u0, unlock_ms=(now() - u0) / 1e6, unlock=self.drv.error(urc) if urc else "ok")
             r["state_unlocked_rc"], r["state_unlocked"] = self.state(pid)
         return r
 
@@ -267,8 +305,13 @@ class Sibling:
         self.log = os.path.join(tmp, f"{name}.log")
         self.logf = open(self.log, "wb")
         # -P: bench/gpu is not put on the sibling's sys.path (none of its files may shadow a module)
-        self.p = subprocess.Popen([sys.executable, "-P", str(SIBLING), self.path, *argv], env=env,
-                                  stdout=self.logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.p = subprocess.Popen(
+            [sys.executable, "-P", str(SIBLING), self.path, *argv],
+            env=env,
+            stdout=self.logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         CHILDREN.append(self.p)
         self.reaped = 0
         threading.Thread(target=self._reap, daemon=True).start()
@@ -291,8 +334,7 @@ class Sibling:
             if not self.alive():
                 dead = dead or time.monotonic() + 0.5  # the reaper thread stamps the exit just after
             if dead and time.monotonic() > dead:
-                raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}: "
-                                   f"{self.tail()}")
+                raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}: {self.tail()}")
             if time.monotonic() > end:
                 raise RuntimeError(f"{self.name}: no {what} in {timeout:.0f} s: {self.tail()}")
             time.sleep(0.0001)
@@ -321,6 +363,7 @@ class Sibling:
 
 # ---------------------------------------------------------------- scenarios
 
+
 def sib_env(a: argparse.Namespace, **extra: str) -> dict[str, str]:
     e = dict(os.environ)
     e.pop("KREX_SOCKET", None)  # a bare process, not a krex command
@@ -335,10 +378,16 @@ def sib_env(a: argparse.Namespace, **extra: str) -> dict[str, str]:
 def lifecycle_ops(a: argparse.Namespace, variant: str, cal: bool) -> list[dict[str, Any]]:
     ops: list[dict[str, Any]] = [
         {"op": "sleep:30", "gate": True, "target": "startup", "span": 3, "cal": cal},
-        {"op": "init"}, {"op": "ctx"}, {"op": f"alloc:{a.teardown_gib}"}]
+        {"op": "init"},
+        {"op": "ctx"},
+        {"op": f"alloc:{a.teardown_gib}"},
+    ]
     if variant == "release":
-        ops += [{"op": "release", "gate": True, "target": "teardown-release", "cal": cal},
-                {"op": "sleep:20"}, {"op": "exit"}]
+        ops += [
+            {"op": "release", "gate": True, "target": "teardown-release", "cal": cal},
+            {"op": "sleep:20"},
+            {"op": "exit"},
+        ]
     else:
         ops += [{"op": "exit", "gate": True, "target": "teardown-exit", "cal": cal}]
     return ops
@@ -346,22 +395,34 @@ def lifecycle_ops(a: argparse.Namespace, variant: str, cal: bool) -> list[dict[s
 
 def warm_ops(a: argparse.Namespace) -> list[dict[str, Any]]:
     k = a.kernel_ms
-    ops: list[dict[str, Any]] = [{"op": "init"}, {"op": "ctx"}, {"op": "alloc:0.001"},
-                                 {"op": f"hostbuf:{a.h2d_gib}"}, {"op": "spinmod"},
-                                 {"op": f"bigptx:{a.module_ms}"}]
+    ops: list[dict[str, Any]] = [
+        {"op": "init"},
+        {"op": "ctx"},
+        {"op": "alloc:0.001"},
+        {"op": f"hostbuf:{a.h2d_gib}"},
+        {"op": "spinmod"},
+        {"op": f"bigptx:{a.module_ms}"},
+    ]
     for rep in range(a.reps + 1):
         cal = rep == 0
-        ops += [{"op": f"alloc:{a.alloc_gib}", "gate": True, "target": "alloc", "cal": cal},
-                {"op": "free", "gate": True, "target": "free", "cal": cal},
-                {"op": "h2d", "gate": True, "target": "h2d", "cal": cal},
-                {"op": "module", "gate": True, "target": "module-load", "cal": cal},
-                {"op": "unload"},
-                {"op": f"spin:{k}"},
-                {"op": "sync", "gate": True, "target": "kernel+sync", "cal": cal, "hold_ms": k + 50},
-                {"op": f"spin:{k}"},
-                {"op": f"sleep:{k + 100}", "gate": True, "target": "kernel+host-idle", "cal": cal,
-                 "window_ms": k},
-                {"op": "sleep:100", "gate": True, "target": "idle", "cal": cal}]
+        ops += [
+            {"op": f"alloc:{a.alloc_gib}", "gate": True, "target": "alloc", "cal": cal},
+            {"op": "free", "gate": True, "target": "free", "cal": cal},
+            {"op": "h2d", "gate": True, "target": "h2d", "cal": cal},
+            {"op": "module", "gate": True, "target": "module-load", "cal": cal},
+            {"op": "unload"},
+            {"op": f"spin:{k}"},
+            {"op": "sync", "gate": True, "target": "kernel+sync", "cal": cal, "hold_ms": k + 50},
+            {"op": f"spin:{k}"},
+            {
+                "op": f"sleep:{k + 100}",
+                "gate": True,
+                "target": "kernel+host-idle",
+                "cal": cal,
+                "window_ms": k,
+            },
+            {"op": "sleep:100", "gate": True, "target": "idle", "cal": cal},
+        ]
     return ops
 
 
@@ -379,14 +440,20 @@ class Runner:
     def left(self) -> float:
         return self.t_end - time.monotonic()
 
-    def run_ops(self, scenario: str, ops: list[dict[str, Any]], n_planned: int,
-                env: dict[str, str]) -> None:
+    def run_ops(self, scenario: str, ops: list[dict[str, Any]], n_planned: int, env: dict[str, str]) -> None:
         """One ops-mode sibling: at each gated target, lock inside the call (calibration ops: just
         measure), then record every op and classify each attempt."""
         self.n += 1
-        s = Sibling(self.tmp, f"{scenario}-{self.n}", ["ops", json.dumps(
-            [{"op": o["op"], "gate": bool(o.get("gate"))} for o in ops]), str(max(5.0, self.left()))],
-            env)
+        s = Sibling(
+            self.tmp,
+            f"{scenario}-{self.n}",
+            [
+                "ops",
+                json.dumps([{"op": o["op"], "gate": bool(o.get("gate"))} for o in ops]),
+                str(max(5.0, self.left())),
+            ],
+            env,
+        )
         mine: list[dict[str, Any]] = []
         cut = False
         try:
@@ -413,8 +480,14 @@ class Runner:
                 tmo, frac = plan(j, n_planned, self.a.timeouts)
                 t_at = s.record(i)[0] + int(frac * win)
                 r = self.locker.attempt(pid, t_at, tmo, o.get("hold_ms", self.a.hold_ms), s.alive)
-                r.update(scenario=scenario, target=target, op_index=i, occurrence=j, fraction=frac,
-                         window_ms=win / 1e6)
+                r.update(
+                    scenario=scenario,
+                    target=target,
+                    op_index=i,
+                    occurrence=j,
+                    fraction=frac,
+                    window_ms=win / 1e6,
+                )
                 mine.append(r)
             last = len(ops) - 1
             if cut:
@@ -438,8 +511,15 @@ class Runner:
             RESULTS["errors"].append(f"{s.name}: ops failed: {', '.join(failed[:6])}")
             out(f"ERROR {s.name}: ops failed: {', '.join(failed[:6])}: {s.tail(400)!r}")
         RESULTS["attempts"].extend(mine)
-        RESULTS["siblings"].append({"scenario": scenario, "name": s.name, "returncode": s.p.returncode,
-                                    "ops": recs, "log_tail": s.tail(2000)})
+        RESULTS["siblings"].append(
+            {
+                "scenario": scenario,
+                "name": s.name,
+                "returncode": s.p.returncode,
+                "ops": recs,
+                "log_tail": s.tail(2000),
+            }
+        )
 
     def records(self, ops: list[dict[str, Any]], s: Sibling) -> list[dict[str, Any]]:
         recs = []
@@ -447,8 +527,15 @@ class Runner:
             t_in, t_out, rc, done = s.record(i)
             if o["op"] == "exit" and t_in and s.reaped:
                 t_out = s.reaped  # an exit ends when the process is reaped
-            recs.append({"op": o["op"], "t_enter": t_in, "t_exit": t_out if (done or o["op"] == "exit")
-                         else 0, "rc": rc, "ms": (t_out - t_in) / 1e6 if t_in and t_out else None})
+            recs.append(
+                {
+                    "op": o["op"],
+                    "t_enter": t_in,
+                    "t_exit": t_out if (done or o["op"] == "exit") else 0,
+                    "rc": rc,
+                    "ms": (t_out - t_in) / 1e6 if t_in and t_out else None,
+                }
+            )
         return recs
 
     def calibrate(self, ops: list[dict[str, Any]], s: Sibling) -> None:
@@ -482,8 +569,9 @@ class Runner:
 
     def run_torch(self) -> None:
         a = self.a
-        s = Sibling(self.tmp, "torch", ["torch", str(a.torch_seconds), str(max(5.0, self.left()))],
-                    sib_env(a))
+        s = Sibling(
+            self.tmp, "torch", ["torch", str(a.torch_seconds), str(max(5.0, self.left()))], sib_env(a)
+        )
         rng = random.Random(1)
         mine: list[dict[str, Any]] = []
         try:
@@ -512,9 +600,15 @@ class Runner:
             after = [c for t, c in ring if t <= r["t_lock_end"]]
             r["where_end"] = sib.LABELS[after[-1]] if after else "start"
         RESULTS["attempts"].extend(mine)
-        RESULTS["siblings"].append({"scenario": "torch", "name": s.name, "returncode": s.p.returncode,
-                                    "labels": [(t, sib.LABELS[c]) for t, c in ring][-200:],
-                                    "log_tail": s.tail(3000)})
+        RESULTS["siblings"].append(
+            {
+                "scenario": "torch",
+                "name": s.name,
+                "returncode": s.p.returncode,
+                "labels": [(t, sib.LABELS[c]) for t, c in ring][-200:],
+                "log_tail": s.tail(3000),
+            }
+        )
 
 
 def op_ms(siblings: list[dict[str, Any]]) -> dict[str, str]:
@@ -539,8 +633,12 @@ def save(outdir: str) -> None:
 def run(a: argparse.Namespace, outdir: str) -> None:
     t0 = time.monotonic()
     drv, why = open_driver()
-    RESULTS["driver"] = {"ok": drv is not None, "why": why,
-                         "path": drv.path if drv else "", "version": drv.version if drv else 0}
+    RESULTS["driver"] = {
+        "ok": drv is not None,
+        "why": why,
+        "path": drv.path if drv else "",
+        "version": drv.version if drv else 0,
+    }
     if drv is None:
         out(f"FAIL the driver lock does not open: {why}")
         RESULTS["errors"].append(f"driver: {why}")
@@ -552,8 +650,11 @@ def run(a: argparse.Namespace, outdir: str) -> None:
     # rough seconds per scenario: one is skipped when less than min(that, 8 s) of the deadline is left
     env_mod = sib_env(a, CUDA_CACHE_DISABLE="1")  # every module load a real JIT, not a cache hit
     lifecycle_n = a.lifecycle_reps
-    plan_s = {"warm": 6 + (a.reps + 1) * (1.0 + 3 * a.kernel_ms / 1000 + a.module_ms / 1000),
-              "lifecycle": 2 * (lifecycle_n + 1) * 1.5, "torch": a.torch_seconds + 12}
+    plan_s = {
+        "warm": 6 + (a.reps + 1) * (1.0 + 3 * a.kernel_ms / 1000 + a.module_ms / 1000),
+        "lifecycle": 2 * (lifecycle_n + 1) * 1.5,
+        "torch": a.torch_seconds + 12,
+    }
     for name in a.only:
         t_s = time.monotonic()
         if r.left() < min(plan_s[name], 8):
@@ -573,8 +674,9 @@ def run(a: argparse.Namespace, outdir: str) -> None:
                         RESULTS.setdefault("cut", []).append(f"lifecycle-{variant} after {k} processes")
                         out(f"INFO lifecycle-{variant}: time share spent after {k} processes")
                         break
-                    r.run_ops(f"lifecycle-{variant}", lifecycle_ops(a, variant, cal=k == 0),
-                              lifecycle_n, sib_env(a))
+                    r.run_ops(
+                        f"lifecycle-{variant}", lifecycle_ops(a, variant, cal=k == 0), lifecycle_n, sib_env(a)
+                    )
         elif name == "torch":
             r.stop_at = r.t_end
             r.run_torch()  # in a dry run too: without torch its sibling fails, and says so
@@ -587,10 +689,15 @@ def run(a: argparse.Namespace, outdir: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10, help="locked repetitions per warm target")
-    ap.add_argument("--lifecycle-reps", type=int, default=8,
-                    help="processes per lifecycle variant (each one startup and one teardown lock)")
-    ap.add_argument("--timeouts-ms", default="5,1000",
-                    help="lock timeouts taken in turn (5: the daemon's --lock-timeout)")
+    ap.add_argument(
+        "--lifecycle-reps",
+        type=int,
+        default=8,
+        help="processes per lifecycle variant (each one startup and one teardown lock)",
+    )
+    ap.add_argument(
+        "--timeouts-ms", default="5,1000", help="lock timeouts taken in turn (5: the daemon's --lock-timeout)"
+    )
     ap.add_argument("--hold-ms", type=float, default=20.0, help="how long a taken lock is held")
     ap.add_argument("--retry-ms", type=float, default=1.0)
     ap.add_argument("--retry-s", type=float, default=2.0, help="retry NOT_READY/TIMEOUT this long")
@@ -603,8 +710,11 @@ def main() -> int:
     ap.add_argument("--torch-period-ms", type=float, default=80.0, help="mean gap between its locks")
     ap.add_argument("--only", default="warm,lifecycle,torch", help="scenarios, in this order")
     ap.add_argument("--deadline", type=float, default=90.0, help="seconds for the whole check")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="no GPU: KREX_LIBCUDA names tests/isolation/fakecuda.py's library")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU: KREX_LIBCUDA names tests/isolation/fakecuda.py's library",
+    )
     a = ap.parse_args()
     try:
         a.timeouts = [int(x) for x in a.timeouts_ms.split(",") if x]
@@ -634,6 +744,7 @@ def main() -> int:
             save(outdir)
         finally:
             os._exit(3)
+
     threading.Thread(target=watchdog, daemon=True).start()
     try:
         run(a, outdir)
@@ -650,14 +761,24 @@ def main() -> int:
     out(table(RESULTS["rows"]))
     out("INFO call lengths ms p50/max: " + "; ".join(f"{k} {v}" for k, v in RESULTS["op_ms"].items()))
     v = RESULTS["verdict"]
-    out(f"VERDICT NOT_READY {v['not_ready']} of {v['attempts']} first answers; with a context (GetState "
+    out(
+        f"VERDICT NOT_READY {v['not_ready']} of {v['attempts']} first answers; with a context (GetState "
         f"answered): {v['not_ready_with_context'] or 'none'}; without: "
         f"{v['not_ready_without_context'] or 'none'}; TIMEOUT: {v['timeouts'] or 'none'}; "
         f"NOT_READY to locked ms {v['not_ready_until_locked_ms']}; never locked in --retry-s: "
-        f"{v['never_locked_after_not_ready']}")
+        f"{v['never_locked_after_not_ready']}"
+    )
     ok = not RESULTS["errors"] and not RESULTS.get("cut")
-    out(json.dumps({"ok": ok, "errors": RESULTS["errors"][:5], "cut": RESULTS.get("cut", []),
-                    "seconds": RESULTS["seconds"]}))
+    out(
+        json.dumps(
+            {
+                "ok": ok,
+                "errors": RESULTS["errors"][:5],
+                "cut": RESULTS.get("cut", []),
+                "seconds": RESULTS["seconds"],
+            }
+        )
+    )
     save(outdir)
     return 0 if ok else 1
 

@@ -61,12 +61,22 @@ def poll(h: object, stop: threading.Event, out: dict[str, list]) -> None:
         except N.NVMLError:
             pass
         try:
-            out["clock"].append((now, N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM),
-                                 N.nvmlDeviceGetCurrentClocksEventReasons(h)))
+            out["clock"].append(
+                (
+                    now,
+                    N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM),
+                    N.nvmlDeviceGetCurrentClocksEventReasons(h),
+                )
+            )
         except (N.NVMLError, AttributeError):
             try:
-                out["clock"].append((now, N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM),
-                                     N.nvmlDeviceGetCurrentClocksThrottleReasons(h)))
+                out["clock"].append(
+                    (
+                        now,
+                        N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM),
+                        N.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                    )
+                )
             except N.NVMLError:
                 pass
         time.sleep(0.002)
@@ -74,8 +84,9 @@ def poll(h: object, stop: threading.Event, out: dict[str, list]) -> None:
 
 def drain(h: object) -> dict[str, object]:
     out: dict[str, Any] = {"samples": [], "rate": [], "clock": [], "proc": []}
-    p = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout and p.stdin and p.stdout.readline().strip() == "ready"
     time.sleep(1.0)
     stop = threading.Event()
@@ -101,7 +112,9 @@ def drain(h: object) -> dict[str, object]:
     last_busy = max(busy) if busy else None
     first_busy = min((t for t in busy if t >= t_start - 0.05), default=None)
     res = {
-        "t_start": t_start, "t_queued": t_queued, "t_done": t_done,
+        "t_start": t_start,
+        "t_queued": t_queued,
+        "t_done": t_done,
         "work_s": t_done - t_start,
         "sample_period_ms_median": 1000 * statistics.median(periods) if periods else None,
         "sample_period_ms_max": 1000 * max(periods) if periods else None,
@@ -141,13 +154,16 @@ def clocks(h: object) -> dict[str, object]:
     up = next((dt for dt, c in during if c >= 0.95 * peak), None)
     after = [(t - t_stop, c, r) for t, c, r in out["clock"] if t >= t_stop]
     down = next((dt for dt, c, _ in after if c < 0.8 * peak), None)
-    return {"idle_mhz": statistics.median(idle) if idle else None, "peak_mhz": peak,
-            "ms_to_95pct_peak": None if up is None else 1000 * up,
-            "ms_until_below_80pct_after_stop": None if down is None else 1000 * down,
-            "max_sm_mhz": N.nvmlDeviceGetMaxClockInfo(h, N.NVML_CLOCK_SM),
-            "reasons_idle": sorted({r for t, c, r in out["clock"] if t < t_warm}),
-            "reasons_busy": sorted({r for t, c, r in out["clock"] if t_warm + 0.1 <= t < t_stop}),
-            "series": out["clock"]}
+    return {
+        "idle_mhz": statistics.median(idle) if idle else None,
+        "peak_mhz": peak,
+        "ms_to_95pct_peak": None if up is None else 1000 * up,
+        "ms_until_below_80pct_after_stop": None if down is None else 1000 * down,
+        "max_sm_mhz": N.nvmlDeviceGetMaxClockInfo(h, N.NVML_CLOCK_SM),
+        "reasons_idle": sorted({r for t, c, r in out["clock"] if t < t_warm}),
+        "reasons_busy": sorted({r for t, c, r in out["clock"] if t_warm + 0.1 <= t < t_stop}),
+        "series": out["clock"],
+    }
 
 
 def timing(h: object) -> dict[str, object]:
@@ -157,8 +173,9 @@ def timing(h: object) -> dict[str, object]:
     wo = torch.empty_like(w)
 
     def time_it(reps: int = 200) -> list[float]:
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(reps)]
+        evs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
         for s, e in evs:
             s.record()
             torch.matmul(a, a, out=o)
@@ -183,9 +200,15 @@ def timing(h: object) -> dict[str, object]:
             mhz = N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM)
             xs = time_it()
             first = xs[:20]
-            rows.append({"idle_ms": idle_ms, "rep": rep, "sm_mhz_before": mhz,
-                         "median_vs_warm_pct": 100 * (statistics.median(xs) / ref - 1),
-                         "first20_median_vs_warm_pct": 100 * (statistics.median(first) / ref - 1)})
+            rows.append(
+                {
+                    "idle_ms": idle_ms,
+                    "rep": rep,
+                    "sm_mhz_before": mhz,
+                    "median_vs_warm_pct": 100 * (statistics.median(xs) / ref - 1),
+                    "first20_median_vs_warm_pct": 100 * (statistics.median(first) / ref - 1),
+                }
+            )
     return {"warm_median_ms": ref, "rows": rows}
 
 

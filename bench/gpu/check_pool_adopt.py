@@ -53,9 +53,12 @@ def pct(xs: list[float], q: float) -> float | None:
 
 def daemon(pool: int, preload: str, t_end: float) -> Daemon:
     """`krex serve` with or without a pool, up by t_end at the latest."""
-    return Daemon(["--probes", "off", "--pool-size", str(pool),
-                   *(["--pool-preload", preload] if pool else [])], prefix="krexadopt-", env=env(),
-                  ready_s=max(1.0, t_end - time.monotonic()))
+    return Daemon(
+        ["--probes", "off", "--pool-size", str(pool), *(["--pool-preload", preload] if pool else [])],
+        prefix="krexadopt-",
+        env=env(),
+        ready_s=max(1.0, t_end - time.monotonic()),
+    )
 
 
 def env() -> dict[str, str]:
@@ -84,20 +87,31 @@ async def round_of(clients: list[Client], line: str, cwd: str) -> list[dict[str,
             stamp = json.loads(res.stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError):
             return {"ok": False, "rc": res.returncode, "stderr": res.stderr[-800:].decode(errors="replace")}
-        return {"ok": res.returncode == 0, "import_s": stamp["import"] - t0,
-                "context_s": stamp["context"] - t0, "preloaded": stamp["preloaded"],
-                "adopted": res.report.pool_adopted, "declined": res.report.pool_declined,
-                "wall_s": res.report.wall_s}
+        return {
+            "ok": res.returncode == 0,
+            "import_s": stamp["import"] - t0,
+            "context_s": stamp["context"] - t0,
+            "preloaded": stamp["preloaded"],
+            "adopted": res.report.pool_adopted,
+            "declined": res.report.pool_declined,
+            "wall_s": res.report.wall_s,
+        }
+
     return list(await asyncio.gather(*(one(c) for c in clients)))
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in runs if r.get("ok")]
-    return {"jobs": len(runs), "ok": len(ok), "adopted": sum(r.get("adopted", 0) >= 1 for r in runs),
-            "import_s_p50": pct([r["import_s"] for r in ok], 0.5),
-            "import_s_p95": pct([r["import_s"] for r in ok], 0.95),
-            "context_s_p50": pct([r["context_s"] for r in ok], 0.5),
-            "declined": [r.get("declined") for r in runs if r.get("declined")], "runs": runs}
+    return {
+        "jobs": len(runs),
+        "ok": len(ok),
+        "adopted": sum(r.get("adopted", 0) >= 1 for r in runs),
+        "import_s_p50": pct([r["import_s"] for r in ok], 0.5),
+        "import_s_p95": pct([r["import_s"] for r in ok], 0.95),
+        "context_s_p50": pct([r["context_s"] for r in ok], 0.5),
+        "declined": [r.get("declined") for r in runs if r.get("declined")],
+        "runs": runs,
+    }
 
 
 def check_cost(reps: int = 20) -> dict[str, float]:
@@ -107,9 +121,12 @@ def check_cost(reps: int = 20) -> dict[str, float]:
     base.pop("KREX_POOL", None)
     exe = os.path.realpath(sys.executable)
     venv = os.path.realpath(sys.prefix) if sys.prefix != sys.base_prefix else ""
-    cases = {"no_pool": (base, []), "other_interpreter": (dict(base, KREX_POOL="/x/python\n"), []),
-             "declined_flag": (dict(base, KREX_POOL=f"{exe}\n{venv}"), ["-X", "dev"]),
-             "flag_alone": (base, ["-X", "dev"])}
+    cases = {
+        "no_pool": (base, []),
+        "other_interpreter": (dict(base, KREX_POOL="/x/python\n"), []),
+        "declined_flag": (dict(base, KREX_POOL=f"{exe}\n{venv}"), ["-X", "dev"]),
+        "flag_alone": (base, ["-X", "dev"]),
+    }
     out = {}
     for name, (e, flags) in cases.items():
         xs = []
@@ -125,8 +142,12 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--preload", default="torch")
-    ap.add_argument("--cpu", action="store_true", help="a dry run without a GPU: --preload is "
-                    "imported and no context is made (e.g. --cpu --preload decimal)")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="a dry run without a GPU: --preload is "
+        "imported and no context is made (e.g. --cpu --preload decimal)",
+    )
     ap.add_argument("--deadline", type=float, default=170.0, help="seconds for the whole check")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_pool_adopt.json"))
     args = ap.parse_args()
@@ -136,8 +157,12 @@ async def main() -> int:
         f.write(JOB.format(mod=args.preload.split(",")[0], cuda=not args.cpu))
     with open(os.path.join(work, "runner.sh"), "w") as f:
         f.write('set -e\ncd "$(dirname "$0")"\npython3 job.py "$@"\n')
-    result: dict[str, Any] = {"jobs": args.jobs, "preload": args.preload, "python": sys.executable,
-                              "errors": []}
+    result: dict[str, Any] = {
+        "jobs": args.jobs,
+        "preload": args.preload,
+        "python": sys.executable,
+        "errors": [],
+    }
     try:
         await phases(args, result, work, t_end)
     except Exception as e:  # a phase that fails still leaves what the others measured
@@ -148,14 +173,26 @@ async def main() -> int:
     jobs = sum(r["jobs"] for r in rounds)
     result["adoption_rate"] = sum(r["adopted"] for r in rounds) / jobs if jobs else 0.0
     workers = result.get("workers", [])
-    result["worker_cost"] = {f"{k}_p50": pct([w[k] for w in workers if w.get(k)], 0.5)
-                             for k in ("rss_bytes", "pss_bytes", "gpu_bytes")}
+    result["worker_cost"] = {
+        f"{k}_p50": pct([w[k] for w in workers if w.get(k)], 0.5)
+        for k in ("rss_bytes", "pss_bytes", "gpu_bytes")
+    }
     result["worker_cost"]["workers"] = len(workers)
     write_json(args.out, result)
-    print(json.dumps({"adoption_rate": result["adoption_rate"], "worker_cost": result["worker_cost"],
-                      "import_s_p50": {k: result[k]["import_s_p50"] for k in
-                                       ("sh_c", "bash_runner", "fresh_sh_c") if k in result},
-                      "errors": result["errors"], "out": args.out}), flush=True)
+    print(
+        json.dumps(
+            {
+                "adoption_rate": result["adoption_rate"],
+                "worker_cost": result["worker_cost"],
+                "import_s_p50": {
+                    k: result[k]["import_s_p50"] for k in ("sh_c", "bash_runner", "fresh_sh_c") if k in result
+                },
+                "errors": result["errors"],
+                "out": args.out,
+            }
+        ),
+        flush=True,
+    )
     return 0 if result["adoption_rate"] >= 0.9 and not result["errors"] else 1
 
 
@@ -177,8 +214,10 @@ async def phases(args: argparse.Namespace, result: dict[str, Any], work: str, t_
                 result["errors"].append(f"{name}: {e}")
             result[name] = summary(await round_of(clients, line, work))
             print(name, {k: v for k, v in result[name].items() if k != "runs"}, flush=True)
-        result["pool_status"] = {k: {kk: vv for kk, vv in p.items() if kk != "workers"}
-                                 for k, p in (await clients[0].status())["pools"].items()}
+        result["pool_status"] = {
+            k: {kk: vv for kk, vv in p.items() if kk != "workers"}
+            for k, p in (await clients[0].status())["pools"].items()
+        }
         for c in clients:
             await c.close()
     async with daemon(0, "", t_end) as fresh:
@@ -187,6 +226,7 @@ async def phases(args: argparse.Namespace, result: dict[str, Any], work: str, t_
         print("fresh_sh_c", {k: v for k, v in result["fresh_sh_c"].items() if k != "runs"}, flush=True)
         for c in clients:
             await c.close()
+
 
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))

@@ -82,8 +82,12 @@ class Stepped:
     until it has initialised CUDA (run it on a thread: the loop must keep delivering events)."""
 
     def __init__(self, mode: str, n: int = 0) -> None:
-        self.p = subprocess.Popen([sys.executable, "-c", STEPPED, mode, str(n)], text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", STEPPED, mode, str(n)],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         CHILDREN.append(self.p)
         self.pid = self.p.pid
         self.lib = ""
@@ -92,8 +96,9 @@ class Stepped:
         assert self.p.stdout is not None
         line = self.p.stdout.readline().split()
         if len(line) != 2:
-            raise RuntimeError(f"child {self.pid} did not initialise CUDA (exit {self.p.poll()}; "
-                               "its stderr is above)")
+            raise RuntimeError(
+                f"child {self.pid} did not initialise CUDA (exit {self.p.poll()}; its stderr is above)"
+            )
         assert int(line[0]) == self.pid
         self.lib = line[1]
         return self
@@ -137,19 +142,32 @@ async def ioctl_checks(loop: asyncio.AbstractEventLoop) -> None:
         probe.start(loop, events.extend)
         info(f"ioctl probe started in {time.monotonic() - t:.2f} s")
         try:
-            out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", ALLOC],
-                                          capture_output=True, text=True, check=True, timeout=60)
+            out = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-c", ALLOC],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            )
             pid = int(out.stdout.split()[-1])
             await asyncio.sleep(0.5)
             mine = [e for e in events if e.tgid == pid]
             opens = sorted({e.name for e in mine if e.kind == "open"})
             names = {e.name for e in mine if e.kind == "ioctl"}
             want = {"NV_ESC_RM_ALLOC", "NV_ESC_RM_CONTROL", "UVM_INITIALIZE"}
-            check("fresh process seen", bool(opens) and want <= names and
-                  probe.counts().get(pid) == len(mine) and probe.lost() == 0,
-                  {"pid": pid, "opens": opens, "ioctls": len(mine),
-                   "counted": probe.counts().get(pid), "lost": probe.lost(),
-                   "names": sorted(names)[:20]})
+            check(
+                "fresh process seen",
+                bool(opens) and want <= names and probe.counts().get(pid) == len(mine) and probe.lost() == 0,
+                {
+                    "pid": pid,
+                    "opens": opens,
+                    "ioctls": len(mine),
+                    "counted": probe.counts().get(pid),
+                    "lost": probe.lost(),
+                    "names": sorted(names)[:20],
+                },
+            )
         finally:
             probe.stop()
     except Exception as e:
@@ -166,9 +184,11 @@ async def ioctl_checks(loop: asyncio.AbstractEventLoop) -> None:
             await asyncio.to_thread(child.step)
             await asyncio.sleep(0.5)
             mine = [e for e in events if e.tgid == child.pid]
-            check("seeded process seen", len(mine) > 0 and all(e.kind == "ioctl" for e in mine),
-                  {"pid": child.pid, "ioctls": len(mine),
-                   "names": sorted({e.name for e in mine})[:20]})
+            check(
+                "seeded process seen",
+                len(mine) > 0 and all(e.kind == "ioctl" for e in mine),
+                {"pid": child.pid, "ioctls": len(mine), "names": sorted({e.name for e in mine})[:20]},
+            )
         finally:
             probe.stop()
     except Exception as e:
@@ -196,9 +216,18 @@ async def launch_all_check(loop: asyncio.AbstractEventLoop, n: int) -> None:
             ns = await asyncio.to_thread(child.step)
             c1, by = launches_of(launches, child.pid)
             info(f"scope all: {ns:.0f} ns per launch on the host (probed)")
-            check(name, c1 - c0 == n,
-                  {"lib": child.lib, "attached": launches.attached, "expected": n,
-                   "counted": c1 - c0, "by_symbol": by, "ns_per_launch": round(ns)})
+            check(
+                name,
+                c1 - c0 == n,
+                {
+                    "lib": child.lib,
+                    "attached": launches.attached,
+                    "expected": n,
+                    "counted": c1 - c0,
+                    "by_symbol": by,
+                    "ns_per_launch": round(ns),
+                },
+            )
         finally:
             launches.stop()
     except Exception as e:
@@ -226,16 +255,20 @@ async def outsiders_checks(loop: asyncio.AbstractEventLoop, n: int) -> None:
     try:
         t = time.monotonic()
         probe.start(loop, events.extend)
-        info(f"ioctl + launch probes (scope outsiders) started in {time.monotonic() - t:.2f} s; "
-             f"parts {probe.name}, failed parts {probe.failed}; probed at start: {launch.watched()}")
+        info(
+            f"ioctl + launch probes (scope outsiders) started in {time.monotonic() - t:.2f} s; "
+            f"parts {probe.name}, failed parts {probe.failed}; probed at start: {launch.watched()}"
+        )
         outsider = Stepped("launch", n)
         command = Stepped("launch", n)
         commands.add(command.pid)  # before it can open anything: it is still importing torch
         info(f"outsider pid {outsider.pid}, command pid {command.pid}")
         await asyncio.gather(asyncio.to_thread(outsider.ready), asyncio.to_thread(command.ready))
         await asyncio.sleep(0.3)  # the last open events reach the loop
-        info(f"libcuda: outsider {outsider.lib}, command {command.lib}; probed now "
-             f"{launch.watched()}; attach failures {launch.describe()['launches']}")
+        info(
+            f"libcuda: outsider {outsider.lib}, command {command.lib}; probed now "
+            f"{launch.watched()}; attach failures {launch.describe()['launches']}"
+        )
     except Exception as e:
         failed_with(name_a, e)
         failed_with(name_b, e)
@@ -249,21 +282,34 @@ async def outsiders_checks(loop: asyncio.AbstractEventLoop, n: int) -> None:
             opens = [ev for ev in events if ev.tgid == outsider.pid and ev.kind == "open"]
             since = launch.probed_since_ns(outsider.pid)
             if opens and since is not None:
-                info(f"outsider probed {(since - opens[0].ts_ns) / 1e6:.1f} ms after its first "
-                     f"open ({opens[0].name}; {len(opens)} opens)")
+                info(
+                    f"outsider probed {(since - opens[0].ts_ns) / 1e6:.1f} ms after its first "
+                    f"open ({opens[0].name}; {len(opens)} opens)"
+                )
             c0, _ = launches_of(launch, outsider.pid)
             if c0 == 0:
-                info("WARN: none of the outsider's init launches (torch.zeros, 100 add_) was "
-                     "counted: it was probed after its first launch")
+                info(
+                    "WARN: none of the outsider's init launches (torch.zeros, 100 add_) was "
+                    "counted: it was probed after its first launch"
+                )
             else:
                 info(f"outsider's init launches counted: {c0} (probed before its first launch)")
             ns_out = await asyncio.to_thread(outsider.step)
             c1, by = launches_of(launch, outsider.pid)
-            check(name_a, outsider.pid in launch.watched() and c1 - c0 == n and
-                  launch.lost() == 0,
-                  {"pid": outsider.pid, "opens": len(opens), "probed": launch.watched(),
-                   "expected": n, "counted": c1 - c0, "by_symbol": by, "lost": launch.lost(),
-                   "ns_per_launch": round(ns_out)})
+            check(
+                name_a,
+                outsider.pid in launch.watched() and c1 - c0 == n and launch.lost() == 0,
+                {
+                    "pid": outsider.pid,
+                    "opens": len(opens),
+                    "probed": launch.watched(),
+                    "expected": n,
+                    "counted": c1 - c0,
+                    "by_symbol": by,
+                    "lost": launch.lost(),
+                    "ns_per_launch": round(ns_out),
+                },
+            )
         except Exception as e:
             failed_with(name_a, e)
             ns_out = None
@@ -271,15 +317,25 @@ async def outsiders_checks(loop: asyncio.AbstractEventLoop, n: int) -> None:
             opens = [ev for ev in events if ev.tgid == command.pid and ev.kind == "open"]
             ns_cmd = await asyncio.to_thread(command.step)
             counted, by = launches_of(launch, command.pid)
-            check(name_b, bool(opens) and command.pid in asked and
-                  command.pid not in launch.watched() and counted == 0,
-                  {"pid": command.pid, "opens_seen": len(opens),
-                   "predicate_asked": command.pid in asked, "probed": launch.watched(),
-                   "launches_made": n, "counted": counted, "by_symbol": by,
-                   "ns_per_launch": round(ns_cmd)})
+            check(
+                name_b,
+                bool(opens) and command.pid in asked and command.pid not in launch.watched() and counted == 0,
+                {
+                    "pid": command.pid,
+                    "opens_seen": len(opens),
+                    "predicate_asked": command.pid in asked,
+                    "probed": launch.watched(),
+                    "launches_made": n,
+                    "counted": counted,
+                    "by_symbol": by,
+                    "ns_per_launch": round(ns_cmd),
+                },
+            )
             if ns_out is not None:
-                info(f"host ns per launch: outsider (probed) {ns_out:.0f}, command (not probed) "
-                     f"{ns_cmd:.0f}: {ns_out - ns_cmd:+.0f} ns (the trap; noisy, one run)")
+                info(
+                    f"host ns per launch: outsider (probed) {ns_out:.0f}, command (not probed) "
+                    f"{ns_cmd:.0f}: {ns_out - ns_cmd:+.0f} ns (the trap; noisy, one run)"
+                )
         except Exception as e:
             failed_with(name_b, e)
     finally:
@@ -291,8 +347,7 @@ async def outsiders_checks(loop: asyncio.AbstractEventLoop, n: int) -> None:
 
 
 def on_deadline(signum: int, frame: Any) -> None:
-    print(f"FAIL deadline: the checks did not finish in time (done: {sorted(RESULTS)})",
-          flush=True)
+    print(f"FAIL deadline: the checks did not finish in time (done: {sorted(RESULTS)})", flush=True)
     for p in CHILDREN:
         if p.poll() is None:
             p.kill()

@@ -61,8 +61,10 @@ def main() -> int:
     torch.cuda.synchronize()
 
     def clock() -> tuple[int, int]:
-        return (N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM),
-                int(N.nvmlDeviceGetCurrentClocksEventReasons(h)))
+        return (
+            N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM),
+            int(N.nvmlDeviceGetCurrentClocksEventReasons(h)),
+        )
 
     def rtt(n: int) -> list[float]:
         out = []
@@ -74,8 +76,9 @@ def main() -> int:
         return out
 
     def timed(reps: int = 100) -> float:
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(reps)]
+        evs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
         for s, e in evs:
             s.record()
             torch.matmul(a, a, out=o)
@@ -90,8 +93,9 @@ def main() -> int:
     res["alone_0.1ms_median_ms"] = base
     res["clock_alone"] = clock()
 
-    p = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdin and p.stdout and p.stdout.readline().strip() == "ready"
 
     def busy(secs: float) -> None:
@@ -103,9 +107,17 @@ def main() -> int:
     loaded = rtt(2000)
     res["clock_loaded"] = clock()
     float(p.stdout.readline())
-    res["rtt_us"] = {name: {"p01": pct(v, 0.01), "p10": pct(v, 0.1), "p50": pct(v, 0.5),
-                            "p90": pct(v, 0.9), "p99": pct(v, 0.99), "min": min(v)}
-                     for name, v in (("idle", idle), ("neighbour_busy", loaded))}
+    res["rtt_us"] = {
+        name: {
+            "p01": pct(v, 0.01),
+            "p10": pct(v, 0.1),
+            "p50": pct(v, 0.5),
+            "p90": pct(v, 0.9),
+            "p99": pct(v, 0.99),
+            "min": min(v),
+        }
+        for name, v in (("idle", idle), ("neighbour_busy", loaded))
+    }
     print("rtt", res["rtt_us"], flush=True)
 
     series = []
@@ -120,8 +132,15 @@ def main() -> int:
     back = next((t for t, c, r in series if c >= top and not r & 0x4), None)
     res["after_stop_ms_to_max_and_no_powercap"] = None if back is None else 1000 * back
     res["after_stop_first_clock"] = series[0]
-    print("after stop: first", series[0], "back at", res["after_stop_ms_to_max_and_no_powercap"],
-          "ms, top", top, flush=True)
+    print(
+        "after stop: first",
+        series[0],
+        "back at",
+        res["after_stop_ms_to_max_and_no_powercap"],
+        "ms, top",
+        top,
+        flush=True,
+    )
 
     rows = []
     for delay_ms in (0, 10, 25, 50, 100, 200, 400):
@@ -132,8 +151,15 @@ def main() -> int:
                 time.sleep(0.0005)
             c, r = clock()
             m = timed()
-            rows.append({"delay_ms": delay_ms, "rep": rep, "sm_mhz": c, "reasons": r,
-                         "vs_alone_pct": 100 * (m / base - 1)})
+            rows.append(
+                {
+                    "delay_ms": delay_ms,
+                    "rep": rep,
+                    "sm_mhz": c,
+                    "reasons": r,
+                    "vs_alone_pct": 100 * (m / base - 1),
+                }
+            )
             print(rows[-1], flush=True)
     res["rows"] = rows
     p.stdin.close()

@@ -36,6 +36,7 @@ def main() -> int:
     a = ap.parse_args()
     try:
         import torch
+
         if not torch.cuda.is_available():
             raise ImportError("no CUDA device")
     except ImportError as e:
@@ -57,8 +58,9 @@ def main() -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps(x) + "\n" for x in lines))
     t0 = time.monotonic()
-    p = subprocess.run(module_argv(AGENT_CMD, "--isolated", f.name), capture_output=True, text=True,
-                       env=env, cwd=str(ROOT))
+    p = subprocess.run(
+        module_argv(AGENT_CMD, "--isolated", f.name), capture_output=True, text=True, env=env, cwd=str(ROOT)
+    )
     os.unlink(f.name)
     res = _results(p.stdout)
     print(f"isolated mode: rc {p.returncode}, {len(res)} results in {time.monotonic() - t0:.1f}s")
@@ -71,9 +73,11 @@ def main() -> int:
         exp = next(k["bucket"] for k in gen_trace.CATALOGUE["gpu"] if k["id"] == r["kernel"])
         got = bucket_of(r["timing"]["median_ms"])
         flag = "" if got == exp else "  <- bucket"
-        print(f"{r['key']:<28} {r['timing']['median_ms']:>10.4f} {r['timing']['p95_ms']:>9.4f} "
-              f"{r['timing']['n']:>5} {exp:>9} {got:>9} {r['check']['ok']} "
-              f"{r['check']['max_abs_err']:.2e}{flag}")
+        print(
+            f"{r['key']:<28} {r['timing']['median_ms']:>10.4f} {r['timing']['p95_ms']:>9.4f} "
+            f"{r['timing']['n']:>5} {exp:>9} {got:>9} {r['check']['ok']} "
+            f"{r['check']['max_abs_err']:.2e}{flag}"
+        )
         if not r["check"]["ok"]:
             rc = 1
         elif got != exp and rc == 0:
@@ -82,8 +86,13 @@ def main() -> int:
         line = json.loads(json.dumps(lines[0]))
         line["phases"]["compile"]["gpu"]["compile"] = how
         line["phases"]["compile"]["tag"] = f"check-full-{how}-{time.time_ns()}"
-        p = subprocess.run(module_argv(AGENT_CMD, "--spec", json.dumps(line)), capture_output=True,
-                           text=True, env=env, cwd=str(ROOT))
+        p = subprocess.run(
+            module_argv(AGENT_CMD, "--spec", json.dumps(line)),
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
         full = _results(p.stdout)
         if p.returncode != 0 or not full:
             print(f"full command ({how}): rc {p.returncode}\n{p.stderr[-3000:]}")

@@ -39,16 +39,40 @@ MAX_OPS = 256
 RING = 4096  # torch mode: (t ns, label code) entries after the header
 SIZE = HEADER + max(REC * MAX_OPS, 16 * RING)
 PID, GO, FAILED, RING_N = 0, 8, 16, 24  # header offsets
-LABELS = ("import", "ctx", "setup", "h2d", "first-op", "op", "alloc", "free", "gpu-sync", "d2h",
-          "cpu", "idle", "exit")
+LABELS = (
+    "import",
+    "ctx",
+    "setup",
+    "h2d",
+    "first-op",
+    "op",
+    "alloc",
+    "free",
+    "gpu-sync",
+    "d2h",
+    "cpu",
+    "idle",
+    "exit",
+)
 NOT_RUN = -2  # an op skipped because what it needs failed earlier
-DRY_MS = {"alloc": 80, "free": 30, "h2d": 100, "module": 150, "unload": 5, "release": 60,
-          "hostbuf": 5, "spinmod": 5, "bigptx": 5}
+DRY_MS = {
+    "alloc": 80,
+    "free": 30,
+    "h2d": 100,
+    "module": 150,
+    "unload": 5,
+    "release": 60,
+    "hostbuf": 5,
+    "spinmod": 5,
+    "bigptx": 5,
+}
 
 
 def spin_ptx(header: str) -> str:
     """A kernel that spins until %globaltimer has advanced by its argument (ns)."""
-    return header + """
+    return (
+        header
+        + """
 .visible .entry spin(.param .u64 ns)
 {
   .reg .u64 %rd<5>;
@@ -63,6 +87,7 @@ LOOP:
   ret;
 }
 """
+    )
 
 
 def big_ptx(header: str, funcs: int, body: int) -> str:
@@ -70,17 +95,22 @@ def big_ptx(header: str, funcs: int, body: int) -> str:
     read from and stored to memory, so the compiler cannot drop it)."""
     parts = [header]
     for k in range(funcs):
-        parts.append(f".visible .entry big{k}(.param .u64 p)\n{{\n  .reg .f32 %f<{body + 2}>;\n"
-                     "  .reg .u64 %rd<2>;\n  ld.param.u64 %rd1, [p];\n  ld.global.f32 %f0, [%rd1];\n"
-                     "  add.f32 %f1, %f0, 0f3F800000;\n")
-        parts.append("".join(f"  fma.rn.f32 %f{j}, %f{j - 1}, %f{j - 2}, 0f3F800000;\n"
-                             for j in range(2, body + 2)))
+        parts.append(
+            f".visible .entry big{k}(.param .u64 p)\n{{\n  .reg .f32 %f<{body + 2}>;\n"
+            "  .reg .u64 %rd<2>;\n  ld.param.u64 %rd1, [p];\n  ld.global.f32 %f0, [%rd1];\n"
+            "  add.f32 %f1, %f0, 0f3F800000;\n"
+        )
+        parts.append(
+            "".join(f"  fma.rn.f32 %f{j}, %f{j - 1}, %f{j - 2}, 0f3F800000;\n" for j in range(2, body + 2))
+        )
         parts.append(f"  st.global.f32 [%rd1], %f{body + 1};\n  ret;\n}}\n")
     return "".join(parts)
 
 
-HEADERS = (".version 7.0\n.target sm_75\n.address_size 64\n",
-           ".version 8.0\n.target sm_90\n.address_size 64\n")
+HEADERS = (
+    ".version 7.0\n.target sm_75\n.address_size 64\n",
+    ".version 8.0\n.target sm_90\n.address_size 64\n",
+)
 
 
 class Cuda:
@@ -92,14 +122,22 @@ class Cuda:
         self.dry = os.environ.get("KREX_LOCK_STATES_DRY") == "1"
         vp, u, i, sz, u64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64
         sigs: dict[str, list[Any]] = {
-            "cuInit": [u], "cuDeviceGet": [ctypes.POINTER(i), i],
-            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i], "cuCtxSetCurrent": [vp],
-            "cuMemAlloc_v2": [ctypes.POINTER(u64), sz], "cuMemFree_v2": [u64],
+            "cuInit": [u],
+            "cuDeviceGet": [ctypes.POINTER(i), i],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i],
+            "cuCtxSetCurrent": [vp],
+            "cuMemAlloc_v2": [ctypes.POINTER(u64), sz],
+            "cuMemFree_v2": [u64],
             "cuMemGetInfo_v2": [ctypes.POINTER(sz), ctypes.POINTER(sz)],
-            "cuMemcpyHtoD_v2": [u64, vp, sz], "cuModuleLoadData": [ctypes.POINTER(vp), vp],
-            "cuModuleUnload": [vp], "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
+            "cuMemcpyHtoD_v2": [u64, vp, sz],
+            "cuModuleLoadData": [ctypes.POINTER(vp), vp],
+            "cuModuleUnload": [vp],
+            "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
             "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)],
-            "cuCtxSynchronize": [], "cuDevicePrimaryCtxRelease_v2": [i], "fakeSlowCall": [ctypes.c_ulong]}
+            "cuCtxSynchronize": [],
+            "cuDevicePrimaryCtxRelease_v2": [i],
+            "fakeSlowCall": [ctypes.c_ulong],
+        }
         self.fn: dict[str, Any] = {}
         for name, args in sigs.items():
             f = getattr(self.lib, name, None)
@@ -216,6 +254,7 @@ class Cuda:
     def calibrate(self, target_ms: float) -> int:
         """Size the big module so that one JIT load takes about `target_ms` (one small load timed,
         scaled, then the final one timed for the record)."""
+
         def timed(funcs: int, body: int) -> tuple[int, float, Any]:
             buf = ctypes.create_string_buffer(big_ptx(self.header, funcs, body).encode())
             mod = ctypes.c_void_p()
@@ -225,6 +264,7 @@ class Cuda:
             if rc == 0:
                 self.call("cuModuleUnload", mod)
             return rc, dt, buf
+
         funcs, body = 4, 400
         rc, probe_s, _ = timed(funcs, body)
         if rc != 0:
@@ -235,8 +275,14 @@ class Cuda:
         else:
             funcs, body = 1, max(20, round(body * funcs * scale))
         rc, dt, buf = timed(funcs, body)
-        self.info["bigptx"] = {"funcs": funcs, "body": body, "bytes": len(buf.raw), "load_s": dt,
-                               "probe_s": probe_s, "target_s": target_ms / 1000}
+        self.info["bigptx"] = {
+            "funcs": funcs,
+            "body": body,
+            "bytes": len(buf.raw),
+            "load_s": dt,
+            "probe_s": probe_s,
+            "target_s": target_ms / 1000,
+        }
         if rc == 0:
             self.big = buf
         return rc
@@ -280,6 +326,7 @@ def torch_main(m: mmap.mmap, seconds: float) -> None:
     struct.pack_into("q", m, PID, os.getpid())
     mark("import")
     import torch  # the import is a phase too: no CUDA yet
+
     t_end = time.monotonic() + seconds
     mark("ctx")
     torch.zeros(1, device="cuda")
@@ -291,8 +338,9 @@ def torch_main(m: mmap.mmap, seconds: float) -> None:
         lambda: a16 @ a16,
         lambda: a16.float() @ a16.float(),
         lambda: a16.bfloat16() @ a16.bfloat16(),
-        lambda: torch.nn.functional.conv2d(torch.randn(8, 64, 56, 56, device="cuda"),
-                                           torch.randn(64, 64, 3, 3, device="cuda")),
+        lambda: torch.nn.functional.conv2d(
+            torch.randn(8, 64, 56, 56, device="cuda"), torch.randn(64, 64, 3, 3, device="cuda")
+        ),
         lambda: torch.fft.fft(torch.randn(1 << 20, device="cuda")),
         lambda: torch.softmax(a16, -1),
         lambda: torch.nn.functional.layer_norm(a16.float(), (4096,)),
@@ -301,7 +349,8 @@ def torch_main(m: mmap.mmap, seconds: float) -> None:
         lambda: torch.cumsum(torch.randn(1 << 20, device="cuda"), 0),
         lambda: torch.linalg.qr(torch.randn(512, 512, device="cuda")),
         lambda: torch.nn.functional.scaled_dot_product_attention(
-            *(torch.randn(4, 8, 1024, 64, device="cuda", dtype=torch.float16) for _ in range(3))),
+            *(torch.randn(4, 8, 1024, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        ),
     ]
     it = 0
     while time.monotonic() < t_end:

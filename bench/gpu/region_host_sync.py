@@ -37,11 +37,12 @@ def command(rounds: int, reps: int) -> None:
     import torch
 
     from krex_async import region
+
     ks = {}
     for name, n in KERNELS.items():
         a = torch.randn(n, n, device="cuda", dtype=torch.float16)
         b = torch.randn(n, n, device="cuda", dtype=torch.float16)
-        ks[name] = (lambda a=a, b=b: torch.mm(a, b))
+        ks[name] = lambda a=a, b=b: torch.mm(a, b)
 
     def timed(fn: Any) -> float:
         torch.cuda.synchronize()
@@ -75,12 +76,24 @@ def command(rounds: int, reps: int) -> None:
 async def variant(name: str, args: list[str], a: argparse.Namespace) -> dict[str, Any]:
     from bench.harness.stack import Daemon, bench_env, module_argv
     from krex_async import Client
+
     log = Path("/tmp/krex-hostsync") / f"daemon-{name}.log"
     async with Daemon(["--log-format", "json", *a.daemon_arg, *args], policy="region", log=log) as d:
         async with await Client.connect(d.socket) as c:
-            res = await c.run(module_argv("bench.gpu.region_host_sync", "--command", "--rounds",
-                                          str(a.rounds), "--reps", str(a.reps)), cwd=str(ROOT),
-                              env=bench_env(), device="auto", timeout=300)
+            res = await c.run(
+                module_argv(
+                    "bench.gpu.region_host_sync",
+                    "--command",
+                    "--rounds",
+                    str(a.rounds),
+                    "--reps",
+                    str(a.reps),
+                ),
+                cwd=str(ROOT),
+                env=bench_env(),
+                device="auto",
+                timeout=300,
+            )
     if res.returncode != 0:
         raise RuntimeError(f"{name}: rc {res.returncode}: {res.stderr[-1500:].decode(errors='replace')}")
     data = json.loads(res.stdout.decode().strip().splitlines()[-1])
@@ -94,8 +107,10 @@ def summary(data: dict[str, Any]) -> list[str]:
         rel = [r[f"{k}|in"] / r[f"{k}|out"] - 1 for r in data["rows"]]
         out = statistics.median(r[f"{k}|out"] for r in data["rows"])
         inn = statistics.median(r[f"{k}|in"] for r in data["rows"])
-        lines.append(f"{data['variant']:<14} {k:<9} {out:9.4f} {inn:9.4f} {statistics.median(rel):+8.2%}"
-                     f"   {min(rel):+.2%}..{max(rel):+.2%}  cores in region {data['affinity_in']}")
+        lines.append(
+            f"{data['variant']:<14} {k:<9} {out:9.4f} {inn:9.4f} {statistics.median(rel):+8.2%}"
+            f"   {min(rel):+.2%}..{max(rel):+.2%}  cores in region {data['affinity_in']}"
+        )
     return lines
 
 

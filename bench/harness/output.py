@@ -21,13 +21,25 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = list(sys.argv if argv is None else argv)
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     command = " ".join(["python -m", spec.name, *args[1:]] if spec is not None else args)
-    return {"host": os.uname().nodename, "machine": platform.machine(), "cpus": os.cpu_count(),
-            "python": sys.version.split()[0], "argv": args, "command": command,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    return {
+        "host": os.uname().nodename,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "argv": args,
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
-def write_json(path: Path | str, data: Any, *, indent: int | None = 1, meta: bool = True,
-               default: Callable[[Any], Any] | None = None) -> Path:
+def write_json(
+    path: Path | str,
+    data: Any,
+    *,
+    indent: int | None = 1,
+    meta: bool = True,
+    default: Callable[[Any], Any] | None = None,
+) -> Path:
     """Replace `path` atomically (a temporary file, then a rename) with `data` as JSON; a dict gets
     a "provenance" key (provenance()) unless it has one or `meta` is False; gzipped when the name
     ends in .gz. Returns the path."""
@@ -67,21 +79,34 @@ def results_stem(path: Path | str) -> str:
     return name
 
 
-def table(header: Sequence[str] | None, rows: Sequence[Sequence[Any]], *, floatfmt: str = ".3f",
-          first_width: int | None = None, sep: str = " ", left: bool = False) -> str:
+def table(
+    header: Sequence[str] | None,
+    rows: Sequence[Sequence[Any]],
+    *,
+    floatfmt: str = ".3f",
+    first_width: int | None = None,
+    sep: str = " ",
+    left: bool = False,
+) -> str:
     """Rows under a header (none when None), the first column left-aligned, the others
     right-aligned (left too with `left`), each as wide as its widest cell, joined by `sep`; floats
     formatted by `floatfmt`, None as '-'."""
+
     def cell(x: Any) -> str:
         if x is None:
             return "-"
         return format(x, floatfmt) if isinstance(x, float) else str(x)
+
     cells = [[cell(x) for x in r] for r in ([header] if header is not None else []) + list(rows)]
     widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(max(map(len, cells)))]
     if first_width is not None:
         widths[0] = max(widths[0], first_width)
-    return "\n".join(sep.join(c.ljust(widths[i]) if i == 0 or left else c.rjust(widths[i])
-                              for i, c in enumerate(r)).rstrip() for r in cells)
+    return "\n".join(
+        sep.join(
+            c.ljust(widths[i]) if i == 0 or left else c.rjust(widths[i]) for i, c in enumerate(r)
+        ).rstrip()
+        for r in cells
+    )
 
 
 def pyplot() -> Any:
@@ -89,6 +114,7 @@ def pyplot() -> Any:
     optional: `pip install -e '.[bench]'`)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -112,8 +138,10 @@ class Progress:
         self._last = now
         width = 24
         fill = int(width * self.done / max(1, self.total))
-        msg = (f"[{self.label:<8}] |{'#' * fill}{'.' * (width - fill)}| {self.done}/{self.total} cmds "
-               f"{self.running} running {self.failed} failed {now - self.t0:6.1f}s")
+        msg = (
+            f"[{self.label:<8}] |{'#' * fill}{'.' * (width - fill)}| {self.done}/{self.total} cmds "
+            f"{self.running} running {self.failed} failed {now - self.t0:6.1f}s"
+        )
         end = "\n" if final or not self.tty else ""
         sys.stderr.write(("\r" if self.tty else "") + msg + end)
         sys.stderr.flush()

@@ -64,8 +64,10 @@ def ensure_job_user(name: str = JOB_USER) -> str | None:
     try:
         pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", name], check=True)
+        subprocess.run(
+            ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+        )
     grp.getgrnam(name)
     return name
 
@@ -76,8 +78,7 @@ def job_python(user: str | None, python: str = sys.executable) -> str:
     if user is None:
         return python
     try:
-        subprocess.run([python, "-c", ""], user=user, check=True, capture_output=True, timeout=60,
-                       cwd="/")
+        subprocess.run([python, "-c", ""], user=user, check=True, capture_output=True, timeout=60, cwd="/")
         return python
     except (OSError, subprocess.SubprocessError):
         other = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "/usr/bin/python3"
@@ -117,8 +118,9 @@ class _Proc:
     def _spawn(self, argv: list[str], env: dict[str, str], cwd: Path, log_mode: str = "wb") -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._logf = open(self.log, log_mode)
-        self.proc = subprocess.Popen(argv, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(cwd), start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._logf, stderr=subprocess.STDOUT, env=env, cwd=str(cwd), start_new_session=True
+        )
         _LIVE.add(self)
 
     def tail(self, n: int = 2000) -> str:
@@ -157,17 +159,37 @@ class Daemon(_Proc):
 
     name = "daemon"
 
-    def __init__(self, args: Sequence[str] = (), *, policy: str | None = None,
-                 python: str = sys.executable, log: Path | None = None, parent: str | Path = "/tmp",
-                 prefix: str = "krex-bench-", env: dict[str, str] | None = None, ready_s: float = 30.0,
-                 grace: float = 15.0, keep: bool = False, log_mode: str = "wb") -> None:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        policy: str | None = None,
+        python: str = sys.executable,
+        log: Path | None = None,
+        parent: str | Path = "/tmp",
+        prefix: str = "krex-bench-",
+        env: dict[str, str] | None = None,
+        ready_s: float = 30.0,
+        grace: float = 15.0,
+        keep: bool = False,
+        log_mode: str = "wb",
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix=prefix, dir=str(parent)))
         self.socket = str(self.dir / "s")
         self.state_dir = self.dir / "state"
         super().__init__(log or self.dir / "daemon.log", grace)
-        self.argv = [python, "-m", "krex_async", "serve", "--socket", self.socket,
-                     *(["--policy", policy] if policy else []), "--state-dir", str(self.state_dir),
-                     *args]
+        self.argv = [
+            python,
+            "-m",
+            "krex_async",
+            "serve",
+            "--socket",
+            self.socket,
+            *(["--policy", policy] if policy else []),
+            "--state-dir",
+            str(self.state_dir),
+            *args,
+        ]
         self.env = env if env is not None else bench_env()
         self.ready_s, self.keep, self.log_mode = ready_s, keep, log_mode
 
@@ -228,10 +250,22 @@ class Gateway(_Proc):
 
     name = "gateway"
 
-    def __init__(self, daemon: Daemon, max_running: int, *, args: Sequence[str] = (),
-                 python: str = sys.executable, log: Path | None = None, user: str | None = None,
-                 token: str | None = None, env: dict[str, str] | None = None, parent: str | Path = "/tmp",
-                 prefix: str = "krex-gw-", ready_s: float = 60.0, grace: float = 20.0) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        max_running: int,
+        *,
+        args: Sequence[str] = (),
+        python: str = sys.executable,
+        log: Path | None = None,
+        user: str | None = None,
+        token: str | None = None,
+        env: dict[str, str] | None = None,
+        parent: str | Path = "/tmp",
+        prefix: str = "krex-gw-",
+        ready_s: float = 60.0,
+        grace: float = 20.0,
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix=prefix, dir=str(parent)))
         if user:
             for d in {Path(parent), self.dir, daemon.dir} - {Path("/tmp")}:
@@ -239,9 +273,22 @@ class Gateway(_Proc):
         self.state = self.dir / "gw"
         super().__init__(log or self.dir / "gateway.log", grace)
         run_as = ["--run-as", user, "--job-python", job_python(user, python)] if user else []
-        self.argv = [python, "-m", "krex_async", "gateway", "--listen", "127.0.0.1:0", "--state-dir",
-                     str(self.state), "--socket", daemon.socket, "--max-running", str(max_running),
-                     *run_as, *args]
+        self.argv = [
+            python,
+            "-m",
+            "krex_async",
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(self.state),
+            "--socket",
+            daemon.socket,
+            "--max-running",
+            str(max_running),
+            *run_as,
+            *args,
+        ]
         # The jobs inherit it: this package and this interpreter's packages (msgspec for regions).
         self.env = {**bench_env([sysconfig.get_paths()["purelib"]]), **(env or {})}
         self.ready_s, self.explicit_token = ready_s, token
@@ -295,6 +342,7 @@ class Gateway(_Proc):
     def client(self, **kw: Any) -> Any:
         """A krex_async.gateway.client.GatewayClient for this gateway."""
         from krex_async.gateway.client import GatewayClient
+
         return GatewayClient(self.url, self.token, **kw)
 
 
@@ -305,21 +353,47 @@ class Stack:
     directories). `with`/`async with` start both and stop the gateway, then the daemon, on every
     path."""
 
-    def __init__(self, daemon_args: Sequence[str], max_running: int, *, policy: str | None = None,
-                 gateway_args: Sequence[str] = (), python: str = sys.executable,
-                 logdir: Path | None = None, name: str = "stack", gateway_env: dict[str, str] | None = None,
-                 token: str | None = None, parent: str | Path = "/tmp", prefix: str = "krex-") -> None:
+    def __init__(
+        self,
+        daemon_args: Sequence[str],
+        max_running: int,
+        *,
+        policy: str | None = None,
+        gateway_args: Sequence[str] = (),
+        python: str = sys.executable,
+        logdir: Path | None = None,
+        name: str = "stack",
+        gateway_env: dict[str, str] | None = None,
+        token: str | None = None,
+        parent: str | Path = "/tmp",
+        prefix: str = "krex-",
+    ) -> None:
         self.user = ensure_job_user()
         group = ["--socket-group", self.user] if self.user else []
         if self.user and any(x.startswith("--pool-size") for x in daemon_args):
             group += ["--pool-user", self.user]  # a pool serves its own user's jobs only
         dlog = logdir / f"daemon-{name}.log" if logdir else None
         glog = logdir / f"gateway-{name}.log" if logdir else None
-        self.daemon = Daemon([*daemon_args, *group], policy=policy, python=python, log=dlog,
-                             parent=parent, prefix=f"{prefix}{name}-")
-        self.gateway = Gateway(self.daemon, max_running, args=gateway_args, python=python, log=glog,
-                               user=self.user, token=token, env=gateway_env, parent=parent,
-                               prefix=f"{prefix}{name}-gw-")
+        self.daemon = Daemon(
+            [*daemon_args, *group],
+            policy=policy,
+            python=python,
+            log=dlog,
+            parent=parent,
+            prefix=f"{prefix}{name}-",
+        )
+        self.gateway = Gateway(
+            self.daemon,
+            max_running,
+            args=gateway_args,
+            python=python,
+            log=glog,
+            user=self.user,
+            token=token,
+            env=gateway_env,
+            parent=parent,
+            prefix=f"{prefix}{name}-gw-",
+        )
 
     @property
     def url(self) -> str:

@@ -59,6 +59,7 @@ def _report(r: Any) -> dict[str, Any] | None:
         return None
     try:
         import msgspec
+
         return msgspec.to_builtins(rep)  # type: ignore[no-any-return]
     except Exception:
         return {"repr": repr(rep)}
@@ -68,14 +69,22 @@ def summarise(samples: list[float]) -> dict[str, Any]:
     """Median, p95, mean, min, max and the samples (evenly thinned past MAX_SAMPLES), in ms."""
     s = sorted(samples)
     kept = samples if len(samples) <= MAX_SAMPLES else samples[:: -(-len(samples) // MAX_SAMPLES)]
-    return {"n": len(samples), "median_ms": quantile(s, 0.5, "round"), "p95_ms": quantile(s, 0.95, "round"),
-            "mean_ms": sum(s) / len(s), "min_ms": s[0], "max_ms": s[-1],
-            "samples_ms": [round(x, 6) for x in kept], "samples_thinned": len(kept) < len(samples)}
+    return {
+        "n": len(samples),
+        "median_ms": quantile(s, 0.5, "round"),
+        "p95_ms": quantile(s, 0.95, "round"),
+        "mean_ms": sum(s) / len(s),
+        "min_ms": s[0],
+        "max_ms": s[-1],
+        "samples_ms": [round(x, 6) for x in kept],
+        "samples_thinned": len(kept) < len(samples),
+    }
 
 
 def cpu_seconds() -> float:
     """CPU seconds this process and its waited-for children (a Triton compile's ptxas) have used."""
     import resource
+
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + ch.ru_utime + ch.ru_stime
 
@@ -85,8 +94,14 @@ def mark() -> tuple[float, float]:
     return time.perf_counter(), cpu_seconds()
 
 
-def pad_to(start: tuple[float, float], phase: dict[str, Any], tag: str, pace: str,
-           padded: dict[str, float], name: str) -> None:
+def pad_to(
+    start: tuple[float, float],
+    phase: dict[str, Any],
+    tag: str,
+    pace: str,
+    padded: dict[str, float],
+    name: str,
+) -> None:
     """Pacing: make a phase cost the trace's `expect_s` on any machine (real work first, then more
     host work of the same kind for what is left; a phase whose real work cost more is never cut).
 
@@ -99,6 +114,7 @@ def pad_to(start: tuple[float, float], phase: dict[str, Any], tag: str, pace: st
     if pace == "none":
         return
     from bench.workload import cpu_kernels
+
     if pace == "wall":
         end = start[0] + float(phase.get("expect_s", 0.0))
         left = end - time.perf_counter()
@@ -116,8 +132,9 @@ def pad_to(start: tuple[float, float], phase: dict[str, Any], tag: str, pace: st
     padded[name] = round(left, 6)
 
 
-def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
-            pace: str = "none") -> dict[str, Any]:
+def run_one(
+    line: dict[str, Any], gpu: bool, imported_s: float, seed: int, pace: str = "none"
+) -> dict[str, Any]:
     """Compile, inputs, check and timing for one trace line (imports already done). Returns the
     result object; raises what the kernel raises (the caller reports it). With a `pace`, each phase
     but timing costs at least its expect_s (pad_to)."""
@@ -128,10 +145,12 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
     m0 = mark()
     t0 = m0[0]
     from bench.workload import cpu_kernels as K_cpu
+
     K: Any = K_cpu
     compiled: list[Any] = []
     if gpu:
         from bench.workload import gpu_kernels
+
         K = gpu_kernels
         g = ph["compile"].get("gpu") or {}
         compiled = K.compile_fresh(tag, int(g.get("count", 1)), g.get("compile", "triton"))
@@ -143,6 +162,7 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
     t0 = m0[0]
     if kernel["kind"] == "suite":
         from bench import suites
+
         fn, check = suites.make_callable(kernel["source"], gpu, seed)
     elif gpu:
         fn, check = K.make(kernel, seed, compiled)
@@ -176,15 +196,25 @@ def run_one(line: dict[str, Any], gpu: bool, imported_s: float, seed: int,
         samples = K.time_calls(fn, t["method"], reps, float(t.get("warmup_ms", 25)), rep_ms)
         held = time.perf_counter() - entered
     times["timing"] = time.perf_counter() - t0
-    return {"krex_bench": 1, "session": line["session"], "order": line["order"],
-            "kernel": kernel["id"], "key": f"{kernel['id']}|{t['method']}", "method": t["method"],
-            "bucket_expected": kernel.get("bucket"), "reps": reps,
-            "device": os.environ.get("KREX_BENCH_TORCH_DEVICE", "cuda") if gpu else "cpu",
-            "backend": "torch" if gpu else K_cpu.BACKEND,
-            "check": {"ok": bool(ok), "max_abs_err": float(err)},
-            "phases_s": {k: round(v, 6) for k, v in times.items()}, "padded_s": padded,
-            "region_held_s": round(held, 6),
-            "region": _report(r), "timing": summarise(samples), "pid": os.getpid()}
+    return {
+        "krex_bench": 1,
+        "session": line["session"],
+        "order": line["order"],
+        "kernel": kernel["id"],
+        "key": f"{kernel['id']}|{t['method']}",
+        "method": t["method"],
+        "bucket_expected": kernel.get("bucket"),
+        "reps": reps,
+        "device": os.environ.get("KREX_BENCH_TORCH_DEVICE", "cuda") if gpu else "cpu",
+        "backend": "torch" if gpu else K_cpu.BACKEND,
+        "check": {"ok": bool(ok), "max_abs_err": float(err)},
+        "phases_s": {k: round(v, 6) for k, v in times.items()},
+        "padded_s": padded,
+        "region_held_s": round(held, 6),
+        "region": _report(r),
+        "timing": summarise(samples),
+        "pid": os.getpid(),
+    }
 
 
 def _one_call_ms(fn: Any, gpu_mod: Any) -> float:
@@ -202,6 +232,7 @@ def _imports(gpu: bool, modules: list[str]) -> float:
     t0 = time.perf_counter()
     if gpu:
         import torch
+
         on_host = os.environ.get("KREX_BENCH_TORCH_DEVICE") == "cpu"
         try:
             import triton  # noqa: F401
@@ -228,14 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--isolated", help="JSON lines of trace lines: time each alone")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--pace", choices=["none", "trace", "wall"], default="none",
-                    help="trace: each phase but timing costs at least the trace's expect_s of CPU "
-                         "time, padded with real host work (what bench/replay.py asks by default); "
-                         "wall: at least expect_s of wall-clock time (absorbs freezes)")
+    ap.add_argument(
+        "--pace",
+        choices=["none", "trace", "wall"],
+        default="none",
+        help="trace: each phase but timing costs at least the trace's expect_s of CPU "
+        "time, padded with real host work (what bench/replay.py asks by default); "
+        "wall: at least expect_s of wall-clock time (absorbs freezes)",
+    )
     a = ap.parse_args(argv)
     m0 = mark()
     t0 = m0[0]
     from bench.trace_format import validate_line
+
     if a.isolated:
         lines = [json.loads(x) for x in Path(a.isolated).read_text().splitlines() if x.strip()]
     else:
@@ -249,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     modules = lines[0]["phases"]["import"].get("modules", [])
     imported = _imports(gpu, modules)
     from bench.workload import cpu_kernels
+
     cpu_kernels.host_work(float(lines[0]["phases"]["import"].get("cpu_s", 0.0)), "import")
     pace = a.pace
     import_padded: dict[str, float] = {}

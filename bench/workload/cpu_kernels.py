@@ -33,7 +33,8 @@ def host_work(seconds: float, tag: str) -> int:
         src = "\n".join(
             [f"def f_{u}(x):", f"    tag = {tag!r}", "    s = 0.0"]
             + [f"    s += (x * {i} + len(tag)) % {i + 7} / {i + 1}.0" for i in range(24)]
-            + ["    return s"])
+            + ["    return s"]
+        )
         ns: dict[str, Any] = {}
         exec(compile(src, f"<agent-{tag}-{u}>", "exec"), ns)
         acc += ns[f"f_{u}"](u)
@@ -56,8 +57,9 @@ def make(kernel: dict[str, Any], seed: int) -> tuple[Callable[[], Any], Callable
     return _make_python(kind, size, rng)
 
 
-def _make_numpy(kind: str, size: list[int],
-                g: Any) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def _make_numpy(
+    kind: str, size: list[int], g: Any
+) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     if kind == "matmul":
         m, n, k = size
         a, b = g.standard_normal((m, k)), g.standard_normal((k, n))
@@ -82,6 +84,7 @@ def _make_numpy(kind: str, size: list[int],
         def fn() -> Any:
             e = np.exp(x - x.max(axis=-1, keepdims=True))
             return e / e.sum(axis=-1, keepdims=True)
+
         ref = lambda: np.exp(x[:8] - np.log(np.exp(x[:8]).sum(axis=-1, keepdims=True)))  # noqa: E731
         got = lambda: fn()[:8]  # noqa: E731
     elif kind == "conv":
@@ -96,13 +99,16 @@ def _make_numpy(kind: str, size: list[int],
     def check() -> tuple[bool, float]:
         err = float(np.max(np.abs(np.asarray(got()) - np.asarray(ref()))))
         return bool(np.isfinite(err) and err < 1e-6), err
+
     return fn, check
 
 
-def _make_python(kind: str, size: list[int],
-                 rng: random.Random) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def _make_python(
+    kind: str, size: list[int], rng: random.Random
+) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     def vec(n: int) -> list[float]:
         return [rng.gauss(0.0, 1.0) for _ in range(n)]
+
     x: Any
     got: Callable[[], Any]
     ref: Callable[[], Any]
@@ -141,6 +147,7 @@ def _make_python(kind: str, size: list[int],
                 lse = math.log(math.fsum(math.exp(u) for u in r))
                 out.append([math.exp(v - lse) for v in r])
             return out
+
         got = lambda: fn()[:4]  # noqa: E731
     elif kind == "conv":
         n, k = size
@@ -154,6 +161,7 @@ def _make_python(kind: str, size: list[int],
     def check() -> tuple[bool, float]:
         err = max((abs(p - q) for gr, rr in zip(got(), ref()) for p, q in zip(gr, rr)), default=0.0)
         return math.isfinite(err) and err < 1e-6, err
+
     return fn, check
 
 

@@ -32,7 +32,7 @@ _SRC_DIR = Path(tempfile.mkdtemp(prefix="krex-agent-"))
 atexit.register(shutil.rmtree, _SRC_DIR, True)
 
 # One elementwise kernel; `{const}` makes each command's source, and so its cache key, unique.
-_TRITON_SRC = '''
+_TRITON_SRC = """
 import triton
 import triton.language as tl
 
@@ -44,7 +44,7 @@ def scale_add(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask)
     tl.store(y_ptr + offs, x * {const} + 1.0, mask=mask)
-'''
+"""
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -80,14 +80,16 @@ def compile_fresh(tag: str, count: int, how: str = "triton") -> list[tuple[Calla
             def launch(x: Any, y: Any, f: Any = kern) -> None:
                 n = x.numel()
                 f[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+
             launch(small, torch.empty_like(small))
         out.append((launch, c))
     sync()
     return out
 
 
-def make(kernel: dict[str, Any], seed: int, compiled: list[tuple[Callable[..., Any], float]]
-         ) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
+def make(
+    kernel: dict[str, Any], seed: int, compiled: list[tuple[Callable[..., Any], float]]
+) -> tuple[Callable[[], Any], Callable[[], tuple[bool, float]]]:
     """(fn, check): fn launches the kernel once (asynchronously); check compares one run against a
     reference computed another way (in float32/float64) and returns (ok, max_abs_error)."""
     kind, size = kernel["kind"], list(kernel["size"])
@@ -101,7 +103,7 @@ def make(kernel: dict[str, Any], seed: int, compiled: list[tuple[Callable[..., A
         fn = lambda: torch.mm(a, b, out=c)  # noqa: E731
         got = lambda: fn()[:64].double()  # noqa: E731
         ref = lambda: a[:64].double() @ b.double()  # noqa: E731
-        tol = 2e-2 * (k ** 0.5) if dt != torch.float32 else 1e-2 * (k ** 0.5)
+        tol = 2e-2 * (k**0.5) if dt != torch.float32 else 1e-2 * (k**0.5)
     elif kind == "elementwise":
         x = rnd(size[0]).float()
         y = torch.empty_like(x)
@@ -110,8 +112,9 @@ def make(kernel: dict[str, Any], seed: int, compiled: list[tuple[Callable[..., A
 
         def got() -> Any:
             fn()
-            return y[:1 << 20].double()
-        ref = lambda: x[:1 << 20].double() * const + 1.0  # noqa: E731
+            return y[: 1 << 20].double()
+
+        ref = lambda: x[: 1 << 20].double() * const + 1.0  # noqa: E731
         tol = 1e-5
     elif kind == "reduction":
         x = rnd(*size)
@@ -138,6 +141,7 @@ def make(kernel: dict[str, Any], seed: int, compiled: list[tuple[Callable[..., A
     def check() -> tuple[bool, float]:
         err = float((got() - ref()).abs().max().item())
         return bool(err == err and err < tol), err
+
     return fn, check
 
 
@@ -148,11 +152,20 @@ def time_calls(fn: Callable[[], Any], method: str, reps: int, warmup_ms: float, 
     host_sync: perf_counter around each call followed by torch.cuda.synchronize()."""
     if method == "do_bench":
         try:
-            return [float(v) for v in triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)),
-                                                              rep=max(1, int(rep_ms)), return_mode="all")]
+            return [
+                float(v)
+                for v in triton.testing.do_bench(
+                    fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms)), return_mode="all"
+                )
+            ]
         except (TypeError, AssertionError, ValueError):  # a triton without return_mode="all": one median
-            return [float(triton.testing.do_bench(fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms)),
-                                                  return_mode="median"))]
+            return [
+                float(
+                    triton.testing.do_bench(
+                        fn, warmup=max(1, int(warmup_ms)), rep=max(1, int(rep_ms)), return_mode="median"
+                    )
+                )
+            ]
     sync()
     end = time.perf_counter() + warmup_ms / 1000.0
     n = 0

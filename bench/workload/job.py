@@ -59,9 +59,11 @@ from jobutil import host_protocol, region, report_of, summary, wrapped  # noqa: 
 
 # ------------------------------------------------------------------------------------ imports
 
+
 def import_gpu(kinds: set[str], kb_src: str | None) -> tuple[Any, str]:
     """torch (and triton where a kind needs it), the CUDA context, KernelBench's timing module."""
     import torch
+
     if kinds & {"triton", "atrex"}:
         import triton  # noqa: F401
         import triton.testing  # noqa: F401
@@ -79,13 +81,14 @@ def import_cpu() -> None:
     import http.client  # noqa: F401
     import statistics  # noqa: F401
     import xml.dom.minidom  # noqa: F401
+
     with contextlib.suppress(ImportError):
         import numpy  # noqa: F401
 
 
 # ------------------------------------------------------------------------- triton and atrex
 
-TRITON_SRC = '''
+TRITON_SRC = """
 import triton
 import triton.language as tl
 
@@ -95,13 +98,14 @@ def scale_add(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * {const} + 1.0, mask=mask)
-'''
+"""
 
 
 def do_bench_timed(fn: Callable[[], Any], route: str) -> tuple[list[float], str, Any]:
     """triton.testing.do_bench(return_mode="all"): an auto-region under KREX_AUTO_REGION=1, else an
     explicit one."""
     import triton.testing
+
     bench = lambda: list(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="all"))  # noqa: E731
     if wrapped(triton.testing.do_bench):
         return bench(), route + " / auto-region", None
@@ -113,6 +117,7 @@ def do_bench_timed(fn: Callable[[], Any], route: str) -> tuple[list[float], str,
 def triton_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
     import torch
     import triton
+
     t0 = time.perf_counter()
     const = 1.5 + (sum((i + 1) * ord(c) for i, c in enumerate(spec.get("tag", spec["key"]))) % 99991) * 1e-9
     path = os.path.abspath(f"kernel_{os.getpid()}_{abs(hash(spec.get('tag', spec['key'])))}.py")
@@ -126,6 +131,7 @@ def triton_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
 
     def launch(x: Any, y: Any) -> None:
         kern[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+
     small = torch.randn(4096, device="cuda")
     launch(small, torch.empty_like(small))
     torch.cuda.synchronize()
@@ -138,13 +144,17 @@ def triton_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
     times["inputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     launch(x, y)
-    err = float((y[:1 << 20].double() - (x[:1 << 20].double() * const + 1.0)).abs().max())
+    err = float((y[: 1 << 20].double() - (x[: 1 << 20].double() * const + 1.0)).abs().max())
     times["check"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     samples, route, rep = do_bench_timed(lambda: launch(x, y), "triton do_bench")
     times["timing"] = time.perf_counter() - t0
-    return {"check": {"ok": err < 1e-5, "max_abs_err": err}, "samples": samples, "route": route,
-            "region": rep}
+    return {
+        "check": {"ok": err < 1e-5, "max_abs_err": err},
+        "samples": samples,
+        "route": route,
+        "region": rep,
+    }
 
 
 def atrex_job(spec: dict[str, Any], gpu: bool, times: dict[str, float]) -> dict[str, Any]:
@@ -153,6 +163,7 @@ def atrex_job(spec: dict[str, Any], gpu: bool, times: dict[str, float]) -> dict[
     fn, check = suites.make_callable(spec["source"], gpu, spec.get("seed", 1))
     if gpu:
         import torch
+
         torch.cuda.synchronize()
     times["inputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -166,8 +177,12 @@ def atrex_job(spec: dict[str, Any], gpu: bool, times: dict[str, float]) -> dict[
             samples = host_protocol(lambda: fn(), [], 3, int(spec.get("trials", 100)))
         route, rep = "atrex host protocol / explicit region", report_of(r)
     times["timing"] = time.perf_counter() - t0
-    return {"check": {"ok": bool(ok), "max_abs_err": float(err)}, "samples": samples, "route": route,
-            "region": rep}
+    return {
+        "check": {"ok": bool(ok), "max_abs_err": float(err)},
+        "samples": samples,
+        "route": route,
+        "region": rep,
+    }
 
 
 def cpu_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
@@ -184,6 +199,7 @@ def cpu_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
         for p, q in zip(a, b):
             s += p * q
         return s
+
     t0 = time.perf_counter()
     got, want = kernel(xs, ys), math.fsum(p * q for p, q in zip(xs, ys))
     times["check"] = time.perf_counter() - t0
@@ -192,11 +208,16 @@ def cpu_job(spec: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
         samples = host_protocol(kernel, [xs, ys], 3, int(spec.get("trials", 100)))
     times["timing"] = time.perf_counter() - t0
     err = abs(got - want)
-    return {"check": {"ok": err <= 1e-9 * len(xs), "max_abs_err": err}, "samples": samples,
-            "route": "cpu host protocol / explicit region", "region": report_of(r)}
+    return {
+        "check": {"ok": err <= 1e-9 * len(xs), "max_abs_err": err},
+        "samples": samples,
+        "route": "cpu host protocol / explicit region",
+        "region": report_of(r),
+    }
 
 
 # ----------------------------------------------------------------------------------- main
+
 
 def run(specs: list[dict[str, Any]], t_start: float) -> int:
     gpu = specs[0].get("device") == "gpu"
@@ -224,11 +245,22 @@ def run(specs: list[dict[str, Any]], t_start: float) -> int:
         if not res["check"]["ok"]:
             rc = 3
         samples = res.pop("samples")
-        print(json.dumps({"krex_job": 1, "key": spec["key"], "kind": spec["kind"], **res,
-                          "phases_s": {k: round(v, 6) for k, v in times.items()},
-                          "job_s": round(time.perf_counter() - t0 + imported, 6),
-                          "timing": summary([float(x) for x in samples]), "pid": os.getpid()},
-                         separators=(",", ":")), flush=True)
+        print(
+            json.dumps(
+                {
+                    "krex_job": 1,
+                    "key": spec["key"],
+                    "kind": spec["kind"],
+                    **res,
+                    "phases_s": {k: round(v, 6) for k, v in times.items()},
+                    "job_s": round(time.perf_counter() - t0 + imported, 6),
+                    "timing": summary([float(x) for x in samples]),
+                    "pid": os.getpid(),
+                },
+                separators=(",", ":"),
+            ),
+            flush=True,
+        )
     return rc
 
 
@@ -238,8 +270,9 @@ def main(argv: list[str]) -> int:
         with open(argv[1] if len(argv) > 1 else "spec.json", encoding="utf-8") as f:
             spec = json.load(f)
         specs = spec["batch"] if "batch" in spec else [spec]
-        if not specs or any(s.get("kind") not in ("kernelbench", "triton", "atrex", "cpu")
-                            or "key" not in s for s in specs):
+        if not specs or any(
+            s.get("kind") not in ("kernelbench", "triton", "atrex", "cpu") or "key" not in s for s in specs
+        ):
             raise ValueError("every job needs a kind (kernelbench|triton|atrex|cpu) and a key")
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"job: bad spec: {e}", file=sys.stderr)

@@ -39,7 +39,6 @@ def kb_timing(src: str | None) -> tuple[Any, str]:
         return None, f"own protocol ({first}; {type(e).__name__}: {e})"
 
 
-
 def kb_load(path: str) -> tuple[Any, Any, Any]:
     """Model, get_init_inputs, get_inputs of a problem file (run as KernelBench runs its source)."""
     ns: dict[str, Any] = {"__name__": "kb_problem"}
@@ -50,6 +49,7 @@ def kb_load(path: str) -> tuple[Any, Any, Any]:
 
 def kb_gpu(spec: dict[str, Any], timing: Any, route: str, times: dict[str, float]) -> dict[str, Any]:
     import torch
+
     dev = torch.device("cuda", torch.cuda.current_device())
 
     def seed(n: int) -> None:
@@ -74,19 +74,28 @@ def kb_gpu(spec: dict[str, Any], timing: Any, route: str, times: dict[str, float
 
     t0 = time.perf_counter()
     with torch.no_grad():
+
         def outs(v: Any) -> list[Any]:  # a tensor, or a tuple of tensors and numbers
             return [torch.as_tensor(x, device=dev) for x in (v if isinstance(v, (tuple, list)) else [v])]
+
         a, b = outs(ref(*inputs)), outs(cand(*inputs))
-        ok = len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, atol=1e-2, rtol=1e-2)
-                                      for x, y in zip(a, b))
-        err = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()),
-                  default=0.0)
+        ok = len(a) == len(b) and all(
+            x.shape == y.shape and torch.allclose(x, y, atol=1e-2, rtol=1e-2) for x, y in zip(a, b)
+        )
+        err = max(
+            (float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0
+        )
     torch.cuda.synchronize()
     times["check"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    kw = dict(num_warmup=spec.get("warmup", 3), num_trials=spec.get("trials", 100),
-              discard_first=1, verbose=False, device=dev)
+    kw = dict(
+        num_warmup=spec.get("warmup", 3),
+        num_trials=spec.get("trials", 100),
+        discard_first=1,
+        verbose=False,
+        device=dev,
+    )
     rep = None
     with torch.no_grad():
         if timing is not None:
@@ -103,8 +112,7 @@ def kb_gpu(spec: dict[str, Any], timing: Any, route: str, times: dict[str, float
                 samples = cuda_event_protocol(cand, inputs, dev, kw["num_warmup"], kw["num_trials"])
             rep = report_of(r)
     times["timing"] = time.perf_counter() - t0
-    return {"check": {"ok": bool(ok), "max_abs_err": err}, "samples": samples, "route": route,
-            "region": rep}
+    return {"check": {"ok": bool(ok), "max_abs_err": err}, "samples": samples, "route": route, "region": rep}
 
 
 def cuda_event_protocol(fn: Any, args: list[Any], dev: Any, warmup: int, trials: int) -> list[float]:
@@ -112,6 +120,7 @@ def cuda_event_protocol(fn: Any, args: list[Any], dev: Any, warmup: int, trials:
     warm-ups, then per trial a sync, a 256 MB fill to flush L2, and CUDA events around one call;
     the first trial is dropped."""
     import torch
+
     for _ in range(warmup):
         fn(*args)
         torch.cuda.synchronize(dev)
@@ -148,10 +157,22 @@ def kb_cpu(spec: dict[str, Any], timing: Any, route: str, times: dict[str, float
     warmup, trials, rep = spec.get("warmup", 3), spec.get("trials", 100), None
     if timing is not None:
         fn = timing.get_timing_function(spec.get("method", "host_time"))
-        call = lambda: fn(cand, inputs, num_warmup=warmup, num_trials=trials,  # noqa: E731
-                          discard_first=1, verbose=False, device=None)
+
+        def call() -> Any:
+            return fn(
+                cand,
+                inputs,
+                num_warmup=warmup,
+                num_trials=trials,
+                discard_first=1,
+                verbose=False,
+                device=None,
+            )
     else:
-        call = lambda: host_protocol(cand, inputs, warmup, trials)  # noqa: E731
+
+        def call() -> Any:
+            return host_protocol(cand, inputs, warmup, trials)
+
     if timing is not None and wrapped(fn):
         samples, route = call(), route + " / auto-region"
     else:

@@ -34,15 +34,20 @@ def report_of(r: Any) -> dict[str, Any] | None:
     rep = getattr(r, "report", None)
     if rep is None:
         return None
-    return {k: getattr(rep, k) for k in ("wait_s", "enter_s", "freeze_s", "drain", "frozen")
-            if hasattr(rep, k)}
+    return {
+        k: getattr(rep, k) for k in ("wait_s", "enter_s", "freeze_s", "drain", "frozen") if hasattr(rep, k)
+    }
 
 
 def summary(samples: list[float]) -> dict[str, Any]:
-    return {"n": len(samples), "median_ms": quantile(samples, 0.5, "round"),
-            "p95_ms": quantile(samples, 0.95, "round"),
-            "min_ms": min(samples), "max_ms": max(samples),
-            "samples_ms": [round(x, 6) for x in samples[:2000]]}
+    return {
+        "n": len(samples),
+        "median_ms": quantile(samples, 0.5, "round"),
+        "p95_ms": quantile(samples, 0.95, "round"),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "samples_ms": [round(x, 6) for x in samples[:2000]],
+    }
 
 
 def host_protocol(fn: Callable[..., Any], args: list[Any], warmup: int, trials: int) -> list[float]:
@@ -60,6 +65,7 @@ def host_protocol(fn: Callable[..., Any], args: list[Any], warmup: int, trials: 
             out.append((time.perf_counter() - t0) * 1e3)
     return out
 
+
 def flat(x: Any) -> list[float]:
     if isinstance(x, (list, tuple)):
         return [v for e in x for v in flat(e)]
@@ -70,8 +76,7 @@ def flat(x: Any) -> list[float]:
 
 def close(a: list[float], b: list[float]) -> tuple[bool, float]:
     err = max((abs(p - q) for p, q in zip(a, b)), default=0.0)
-    ok = len(a) == len(b) and all(math.isfinite(p) and abs(p - q) <= 1e-2 + 1e-2 * abs(q)
-                                  for p, q in zip(a, b))
+    ok = len(a) == len(b) and all(
+        math.isfinite(p) and abs(p - q) <= 1e-2 + 1e-2 * abs(q) for p, q in zip(a, b)
+    )
     return ok, err
-
-

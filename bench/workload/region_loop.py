@@ -30,8 +30,19 @@ def owner(n: int) -> None:
         exit_.append(t2 - t1)
         g = r.report
         assert g is not None  # inside krex every region has a report
-        rep.append((g.freeze_s, g.cores_s, g.wait_s, g.enter_s, len(g.frozen), g.quiesce_s, g.select_s,
-                    g.settle_s, g.drain))
+        rep.append(
+            (
+                g.freeze_s,
+                g.cores_s,
+                g.wait_s,
+                g.enter_s,
+                len(g.frozen),
+                g.quiesce_s,
+                g.select_s,
+                g.settle_s,
+                g.drain,
+            )
+        )
     print(json.dumps({"enter": enter, "exit": exit_, "rep": rep}))
 
 

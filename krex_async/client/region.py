@@ -131,8 +131,9 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
     record after exit; it is None outside krex. Raises RegionError when the daemon refuses.
     """
 
-    def __init__(self, name: str = "region", *, warm_ms: float | None = None,
-                 freeze_own_children: bool = True) -> None:
+    def __init__(
+        self, name: str = "region", *, warm_ms: float | None = None, freeze_own_children: bool = True
+    ) -> None:
         self.name = name
         self.warm_ms = warm_ms
         self.freeze_own_children = freeze_own_children
@@ -156,23 +157,32 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         if not inside_krex():
             if not _warned:
                 _warned = True
-                print("krex: not running under krex (KREX_SOCKET unset): region() does not "
-                      "protect anything", file=sys.stderr)
+                print(
+                    "krex: not running under krex (KREX_SOCKET unset): region() does not protect anything",
+                    file=sys.stderr,
+                )
             return self
         if "torch" in sys.modules or "cupy" in sys.modules:
             # The idle check's kernel is built and run once now, while the siblings still run: its
             # first use loads GEMM code, 120-160 ms that were spent inside regions before.
             from krex_async.runtime import devicework
+
             devicework.ready_probe()
         with _lock:
             ch = _get_channel()
             self._enter_id = next(ch.ids)
             try:
-                reply = ch.call(P.RegionEnter(
-                    id=self._enter_id, command=os.environ["KREX_COMMAND"],
-                    token=os.environ["KREX_TOKEN"], name=self.name, pid=os.getpid(),
-                    freeze_own_children=self.freeze_own_children,
-                    warm_ms=-1.0 if self.warm_ms is None else self.warm_ms))
+                reply = ch.call(
+                    P.RegionEnter(
+                        id=self._enter_id,
+                        command=os.environ["KREX_COMMAND"],
+                        token=os.environ["KREX_TOKEN"],
+                        name=self.name,
+                        pid=os.getpid(),
+                        freeze_own_children=self.freeze_own_children,
+                        warm_ms=-1.0 if self.warm_ms is None else self.warm_ms,
+                    )
+                )
                 if isinstance(reply, P.RegionGranted):
                     self.report = reply.report
                     _held = (os.getpid(), self)
@@ -209,8 +219,9 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         if grant.warm_ms:
             _, rep.warm_s = devicework.warm(grant.warm_ms)
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         global _held
         if self._joined:
             self._joined = False
@@ -225,17 +236,27 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
                 rep = self.report
                 drain = rep.drain if rep.drain in ("idle-verified", "timeout", "unverified") else ""
                 try:
-                    reply = ch.call(P.RegionExit(id=next(ch.ids), region=rep.region,
-                                                 token=os.environ["KREX_TOKEN"], drain=drain,  # type: ignore[arg-type]
-                                                 drain_s=rep.drain_s, warm_s=rep.warm_s))
+                    reply = ch.call(
+                        P.RegionExit(
+                            id=next(ch.ids),
+                            region=rep.region,
+                            token=os.environ["KREX_TOKEN"],
+                            drain=drain,  # type: ignore[arg-type]
+                            drain_s=rep.drain_s,
+                            warm_s=rep.warm_s,
+                        )
+                    )
                 except BaseException:  # interrupted: closing the connection releases the region
                     _drop_channel()
                     raise
             if self._enter_id in ch.revoked:  # it outlived --region-timeout and was taken back
                 self.report = ch.revoked.pop(self._enter_id)
                 self.expired = True
-                print(f"krex: region {self.name!r} expired after {self.report.held_s:.1f} s and was "
-                      "revoked before its end: its timings are not protected", file=sys.stderr)
+                print(
+                    f"krex: region {self.name!r} expired after {self.report.held_s:.1f} s and was "
+                    "revoked before its end: its timings are not protected",
+                    file=sys.stderr,
+                )
                 return
         if isinstance(reply, P.RegionReleased):
             self.report = reply.report
@@ -245,6 +266,7 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
     async def __aenter__(self) -> region:
         return await asyncio.to_thread(self.__enter__)
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await asyncio.to_thread(self.__exit__, et, ev, tb)

@@ -80,8 +80,9 @@ class Result:
 
 
 class CommandHandle:
-    def __init__(self, client: Client, req_id: int, accepted: P.Accepted,
-                 queue: asyncio.Queue[P.Reply | None]) -> None:
+    def __init__(
+        self, client: Client, req_id: int, accepted: P.Accepted, queue: asyncio.Queue[P.Reply | None]
+    ) -> None:
         self.client = client
         self.req_id = req_id
         self.command = accepted.command
@@ -129,17 +130,19 @@ class CommandHandle:
         KrexError("stdin_closed") once the command no longer reads it."""
         view = memoryview(data)
         while True:
-            chunk, view = view[:1 << 20], view[1 << 20:]
+            chunk, view = view[: 1 << 20], view[1 << 20 :]
             last = not view
-            await self.client._call(P.StdinData(id=next(self.client._ids), command=self.command,
-                                                data=bytes(chunk), eof=eof and last))
+            await self.client._call(
+                P.StdinData(
+                    id=next(self.client._ids), command=self.command, data=bytes(chunk), eof=eof and last
+                )
+            )
             if last:
                 return
 
 
 class Client:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 path: str) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> None:
         self.path = path
         self._reader = reader
         self._writer = writer
@@ -156,10 +159,13 @@ class Client:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
         except (OSError, TimeoutError) as e:
-            raise KrexError("unreachable", f"no krex daemon at {path}: {e.strerror or e} (start "
-                                           f"one with `krex serve --socket {path}`, or `systemctl "
-                                           "start krex` where the unit is installed; --socket or "
-                                           "KREX_SOCKET names another)") from None
+            raise KrexError(
+                "unreachable",
+                f"no krex daemon at {path}: {e.strerror or e} (start "
+                f"one with `krex serve --socket {path}`, or `systemctl "
+                "start krex` where the unit is installed; --socket or "
+                "KREX_SOCKET names another)",
+            ) from None
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         reply = await self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}"))
@@ -193,8 +199,11 @@ class Client:
                 except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
                     # A reply this client cannot read (a newer daemon's message, a daemon bug):
                     # the request it answers fails with the reason; the connection goes on.
-                    msg = P.Error(id=_reply_id(body), code="bad_reply",
-                                  message=f"undecodable reply from the daemon: {e}")
+                    msg = P.Error(
+                        id=_reply_id(body),
+                        code="bad_reply",
+                        message=f"undecodable reply from the daemon: {e}",
+                    )
                 q = self._queues.get(msg.id)
                 if q is not None:
                     q.put_nowait(msg)
@@ -225,19 +234,41 @@ class Client:
             raise KrexError(reply.code, reply.message)
         return reply
 
-    async def submit(self, argv: list[str], *, cwd: str | None = None,
-                     env: dict[str, str] | None = None, device: str | int = "auto",
-                     timeout: float | None = None, mem: int = 0, stdin: bytes | None = None,
-                     on_disconnect: str = "kill", label: str = "", stream: bool = True,
-                     run_as: int | None = None, stdin_stream: bool = False) -> CommandHandle:
+    async def submit(
+        self,
+        argv: list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        device: str | int = "auto",
+        timeout: float | None = None,
+        mem: int = 0,
+        stdin: bytes | None = None,
+        on_disconnect: str = "kill",
+        label: str = "",
+        stream: bool = True,
+        run_as: int | None = None,
+        stdin_stream: bool = False,
+    ) -> CommandHandle:
         """Start a command. env=None passes this process's environment (as a shell would);
         run_as: another uid to run it as (the daemon allows that to a root peer only).
         stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills."""
         req_id = next(self._ids)
-        msg = P.Submit(id=req_id, argv=list(argv), cwd=cwd or os.getcwd(),
-                       env=dict(os.environ) if env is None else env, device=str(device),
-                       timeout=timeout, mem=mem, stdin=stdin, on_disconnect=on_disconnect,  # type: ignore[arg-type]
-                       label=label, stream=stream, run_as=run_as, stdin_stream=stdin_stream)
+        msg = P.Submit(
+            id=req_id,
+            argv=list(argv),
+            cwd=cwd or os.getcwd(),
+            env=dict(os.environ) if env is None else env,
+            device=str(device),
+            timeout=timeout,
+            mem=mem,
+            stdin=stdin,
+            on_disconnect=on_disconnect,  # type: ignore[arg-type]
+            label=label,
+            stream=stream,
+            run_as=run_as,
+            stdin_stream=stdin_stream,
+        )
         q = self._send(msg)
         first = await q.get()
         if first is None:

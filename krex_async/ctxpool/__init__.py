@@ -18,5 +18,6 @@ __all__ = ["BrokenWorker", "Pool", "PoolConfig", "WorkerStartError"]
 def __getattr__(name: str) -> Any:
     if name in ("Pool", "BrokenWorker", "WorkerStartError"):
         from krex_async.ctxpool import pool
+
         return getattr(pool, name)
     raise AttributeError(name)

@@ -36,8 +36,16 @@ from krex_async.linux.spawn import Launched, LaunchSpec
 
 # Start-up variables a worker takes over from the adopter instead of requiring them equal: sys.path
 # comes whole from the adopter (PYTHONPATH, user site), and -u / -B / the pycache prefix are applied.
-TAKEN_OVER = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
-                        "PYTHONPYCACHEPREFIX", "PYTHONNOUSERSITE", "PYTHONUSERBASE"})
+TAKEN_OVER = frozenset(
+    {
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONNOUSERSITE",
+        "PYTHONUSERBASE",
+    }
+)
 Hand = Callable[[LaunchSpec, int, dict[str, Any]], "asyncio.Future[Launched | str]"]
 
 
@@ -109,8 +117,12 @@ def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
         return "no warm worker"
     uid, gid, groups = pool.identity
     ids = _status(peer_pid)
-    if ids is None or set(ids["Uid"].split()) != {str(uid)} or set(ids["Gid"].split()) != {str(gid)} \
-            or sorted(int(g) for g in ids["Groups"].split()) != sorted(groups):
+    if (
+        ids is None
+        or set(ids["Uid"].split()) != {str(uid)}
+        or set(ids["Gid"].split()) != {str(gid)}
+        or sorted(int(g) for g in ids["Groups"].split()) != sorted(groups)
+    ):
         return "user"
     worker = next(iter(sorted(pool.pids())), None)
     theirs = _status(worker) if worker is not None else None
@@ -151,18 +163,30 @@ def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
 def handover(req: P.Adopt) -> tuple[LaunchSpec, dict[str, Any]]:
     """The LaunchSpec (argv without the flags the worker applies) and the worker's "adopt" part."""
     _, argv = forms.split_flags(req.argv)
-    spec = LaunchSpec(argv=argv, cwd=req.cwd, env=dict(req.env), stdin_fd=-1, stdout_fd=-1,
-                      stderr_fd=-1)
-    adopt = {"orig_argv": list(req.argv), "executable": req.executable, "sys_path": list(req.sys_path),
-             "unbuffered": req.unbuffered, "dont_write_bytecode": req.dont_write_bytecode,
-             "pycache_prefix": req.pycache_prefix, "umask": req.umask, "ignored": list(req.ignored),
-             "mask": list(req.mask)}
+    spec = LaunchSpec(argv=argv, cwd=req.cwd, env=dict(req.env), stdin_fd=-1, stdout_fd=-1, stderr_fd=-1)
+    adopt = {
+        "orig_argv": list(req.argv),
+        "executable": req.executable,
+        "sys_path": list(req.sys_path),
+        "unbuffered": req.unbuffered,
+        "dont_write_bytecode": req.dont_write_bytecode,
+        "pycache_prefix": req.pycache_prefix,
+        "umask": req.umask,
+        "ignored": list(req.ignored),
+        "mask": list(req.mask),
+    }
     return spec, adopt
 
 
-async def serve(pool: Pool | None, req: P.Adopt, peer_pid: int, send: Callable[[P.Msg], bool],
-                hand: Hand, tally: Tally,
-                prepare: Callable[[], Awaitable[None]] | None = None) -> None:
+async def serve(
+    pool: Pool | None,
+    req: P.Adopt,
+    peer_pid: int,
+    send: Callable[[P.Msg], bool],
+    hand: Hand,
+    tally: Tally,
+    prepare: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """Answer one Adopt (the peer already checked to be inside its command): Adopted, then
     AdoptExited. Cancelled (the adopter's connection closed) while the worker runs: the worker is
     killed, as the adopter's own program would have died with it. Holds no fd past its return.
@@ -213,6 +237,7 @@ def _kill_when_started(fut: asyncio.Future[Launched | str], tally: Tally, pool: 
     """The adopter died while its worker was taking the program over: a worker that started is
     killed, and still counts as adopted: it sends "started" as the program begins, so the program
     may have run (and been seen, and the adopter killed for it) before the daemon read that."""
+
     def done(f: asyncio.Future[Launched | str]) -> None:
         got = f.result() if not f.cancelled() else None
         if isinstance(got, Launched):
@@ -220,5 +245,5 @@ def _kill_when_started(fut: asyncio.Future[Launched | str], tally: Tally, pool: 
             pool.adopted += 1
             if got.returncode is None:
                 _kill(got.pid)
-    fut.add_done_callback(done)
 
+    fut.add_done_callback(done)

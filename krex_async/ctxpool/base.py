@@ -1,11 +1,11 @@
 """The pool interface the daemon uses: run a Python command in a warm worker, or decline it.
 
-    pool = Pool(device, config)        # one per device
-    await pool.start()                 # begins warming toward config.size, one context at a time
-    launched = await pool.launch(spec) # a Launched (krex_async.linux.spawn) or None when it cannot take it
-    pool.pause() / pool.resume()       # no context creation while a region is held on the device
-    pool.status()                      # sizes and counts for `krex status`
-    await pool.close()
+pool = Pool(device, config)        # one per device
+await pool.start()                 # begins warming toward config.size, one context at a time
+launched = await pool.launch(spec) # a Launched (krex_async.linux.spawn) or None when it cannot take it
+pool.pause() / pool.resume()       # no context creation while a region is held on the device
+pool.status()                      # sizes and counts for `krex status`
+await pool.close()
 """
 
 from __future__ import annotations

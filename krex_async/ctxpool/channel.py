@@ -35,7 +35,7 @@ def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None)
     Raises OSError (EPIPE, ECONNRESET) when the peer is gone.
     """
     data = json.dumps(msg, separators=(",", ":")).encode()
-    chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
     for i, chunk in enumerate(chunks):
         flag = b"." if i == len(chunks) - 1 else b"+"
         anc = []

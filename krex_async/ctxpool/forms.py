@@ -17,18 +17,51 @@ from dataclasses import dataclass
 
 # Variables read while the interpreter starts (or while a worker warms): a worker started with other
 # values would not behave like a fresh process started with the command's.
-INIT_VARS = frozenset({
-    "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONUTF8",
-    "PYTHONIOENCODING", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
-    "PYTHONOPTIMIZE", "PYTHONDEBUG", "PYTHONVERBOSE", "PYTHONWARNINGS", "PYTHONHASHSEED",
-    "PYTHONDEVMODE", "PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC", "PYTHONMALLOC", "PYTHONCOERCECLOCALE",
-    "PYTHONINTMAXSTRDIGITS", "PYTHONPLATLIBDIR", "PYTHONEXECUTABLE", "PYTHONNODEBUGRANGES",
-    "PYTHONWARNDEFAULTENCODING", "LC_ALL", "LC_CTYPE", "LANG", "LD_PRELOAD", "LD_LIBRARY_PATH",
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF",
-    "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
-    # read once by the libraries a worker preloads, as they load or create the context
-    "CUDA_LAUNCH_BLOCKING", "TORCH_USE_CUDA_DSA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-})
+INIT_VARS = frozenset(
+    {
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSAFEPATH",
+        "PYTHONNOUSERSITE",
+        "PYTHONUSERBASE",
+        "PYTHONUTF8",
+        "PYTHONIOENCODING",
+        "PYTHONUNBUFFERED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONOPTIMIZE",
+        "PYTHONDEBUG",
+        "PYTHONVERBOSE",
+        "PYTHONWARNINGS",
+        "PYTHONHASHSEED",
+        "PYTHONDEVMODE",
+        "PYTHONFAULTHANDLER",
+        "PYTHONTRACEMALLOC",
+        "PYTHONMALLOC",
+        "PYTHONCOERCECLOCALE",
+        "PYTHONINTMAXSTRDIGITS",
+        "PYTHONPLATLIBDIR",
+        "PYTHONEXECUTABLE",
+        "PYTHONNODEBUGRANGES",
+        "PYTHONWARNDEFAULTENCODING",
+        "LC_ALL",
+        "LC_CTYPE",
+        "LANG",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "CUDA_MODULE_LOADING",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        # read once by the libraries a worker preloads, as they load or create the context
+        "CUDA_LAUNCH_BLOCKING",
+        "TORCH_USE_CUDA_DSA",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    }
+)
 
 
 @dataclass(frozen=True)

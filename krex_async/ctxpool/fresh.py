@@ -29,16 +29,20 @@ from krex_async.ctxpool.adopted import apply as apply_adopted
 from krex_async.ctxpool.forms import Form, executable_for
 from krex_async.linux import procfs
 
-_PYTHON_DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
-                    signal.SIGXFSZ: signal.SIG_IGN}
+_PYTHON_DEFAULTS: dict[int, Any] = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGPIPE: signal.SIG_IGN,
+    signal.SIGXFSZ: signal.SIG_IGN,
+}
 
 # Signals the worker was started with ignored (its daemon's, such as SIGHUP under nohup): exec keeps
 # them ignored for a plain command, so a pooled one gets them ignored too. Read at import, before
 # the worker installs any handler of its own.
 _INHERITED_IGNORED = frozenset(
-    s for s in signal.valid_signals()
-    if s not in (signal.SIGKILL, signal.SIGSTOP, *_PYTHON_DEFAULTS)
-    and signal.getsignal(s) == signal.SIG_IGN)
+    s
+    for s in signal.valid_signals()
+    if s not in (signal.SIGKILL, signal.SIGSTOP, *_PYTHON_DEFAULTS) and signal.getsignal(s) == signal.SIG_IGN
+)
 
 
 class Baseline:
@@ -54,9 +58,19 @@ class Baseline:
         os.umask(self.umask)
         self.stdio = (sys.stdin, sys.stdout, sys.stderr)
         self.like = (sys.__stdin__, sys.__stdout__, sys.__stderr__)
-        self.sys_attrs = {k: getattr(sys, k) for k in (
-            "argv", "executable", "orig_argv", "excepthook", "displayhook", "breakpointhook",
-            "dont_write_bytecode", "pycache_prefix")}
+        self.sys_attrs = {
+            k: getattr(sys, k)
+            for k in (
+                "argv",
+                "executable",
+                "orig_argv",
+                "excepthook",
+                "displayhook",
+                "breakpointhook",
+                "dont_write_bytecode",
+                "pycache_prefix",
+            )
+        }
         self.meta_path = list(sys.meta_path)
         self.path_hooks = list(sys.path_hooks)
         self.importer_cache = dict(sys.path_importer_cache)
@@ -69,8 +83,10 @@ class Baseline:
         self.cgroups = _cgroups()
         self.cgroup_home: dict[str, str | None] = _cgroup_homes()
         self.customize: list[tuple[str, str]] = [
-            (n, sys.modules[n].__file__ or "") for n in ("sitecustomize", "usercustomize")
-            if getattr(sys.modules.get(n), "__file__", None)]
+            (n, sys.modules[n].__file__ or "")
+            for n in ("sitecustomize", "usercustomize")
+            if getattr(sys.modules.get(n), "__file__", None)
+        ]
 
 
 def _logging_state() -> tuple[Any, ...] | None:
@@ -79,8 +95,12 @@ def _logging_state() -> tuple[Any, ...] | None:
     if logging is None:
         return None
     root = logging.getLogger()
-    return (list(root.handlers), root.level, set(logging.Logger.manager.loggerDict),
-            logging.root.manager.disable)
+    return (
+        list(root.handlers),
+        root.level,
+        set(logging.Logger.manager.loggerDict),
+        logging.root.manager.disable,
+    )
 
 
 def _restore_logging(state: tuple[Any, ...] | None) -> None:
@@ -112,14 +132,21 @@ def _stdio(fd: int, name: str, like: Any, unbuffered: bool | None = None) -> io.
     raw = buf.raw if buffering else buf
     raw.name = name
     line = buffered and (raw.isatty() or fd == 2)
-    stream = io.TextIOWrapper(buf, encoding=like.encoding, errors=like.errors, newline="\n",
-                              line_buffering=line, write_through=not buffered)
+    stream = io.TextIOWrapper(
+        buf,
+        encoding=like.encoding,
+        errors=like.errors,
+        newline="\n",
+        line_buffering=line,
+        write_through=not buffered,
+    )
     stream.mode = "w" if write else "r"  # type: ignore[misc]
     return stream
 
 
-def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
-          lc_ctype: str | None) -> types.ModuleType:
+def enter(
+    spec: dict[str, Any], form: Form, fds: list[int], base: Baseline, lc_ctype: str | None
+) -> types.ModuleType:
     """Give this process the command's fds, cwd, env, session, signals and sys state.
 
     Closes the received fds after dup2. Raises OSError (chdir, cgroup write) with the state partly
@@ -148,14 +175,17 @@ def enter(spec: dict[str, Any], form: Form, fds: list[int], base: Baseline,
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(sig, signal.SIG_IGN if sig in ignored
-                          else _PYTHON_DEFAULTS.get(sig, signal.SIG_DFL))
+            signal.signal(
+                sig, signal.SIG_IGN if sig in ignored else _PYTHON_DEFAULTS.get(sig, signal.SIG_DFL)
+            )
         except (OSError, ValueError):
             pass  # signals glibc reserves
     signal.pthread_sigmask(signal.SIG_SETMASK, [] if adopt is None else adopt.get("mask", []))
     unbuffered = None if adopt is None else bool(adopt.get("unbuffered"))
-    sys.stdin, sys.stdout, sys.stderr = (_stdio(i, n, lk, unbuffered) for i, n, lk in
-                                         zip((0, 1, 2), ("<stdin>", "<stdout>", "<stderr>"), base.like))
+    sys.stdin, sys.stdout, sys.stderr = (
+        _stdio(i, n, lk, unbuffered)
+        for i, n, lk in zip((0, 1, 2), ("<stdin>", "<stdout>", "<stderr>"), base.like)
+    )
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore
     argv = spec["argv"]
     sys.orig_argv = list(spec.get("orig_argv") or argv)
@@ -191,8 +221,9 @@ def _customize(name: str, path: str) -> None:
         with open(path, "rb") as f:
             exec(compile(f.read(), path, "exec"), mod.__dict__)
     except Exception as err:  # noqa: BLE001 - site.py reports and goes on
-        sys.stderr.write(f"Error in {name}; set PYTHONVERBOSE for traceback:\n"
-                         f"{err.__class__.__name__}: {err}\n")
+        sys.stderr.write(
+            f"Error in {name}; set PYTHONVERBOSE for traceback:\n{err.__class__.__name__}: {err}\n"
+        )
 
 
 def run(form: Form, spec: dict[str, Any], main: types.ModuleType) -> tuple[int, bool]:
@@ -301,8 +332,7 @@ def _cgroup_homes() -> dict[str, str | None]:
         if m.fstype == "cgroup2":
             mounts.setdefault("", m.point)
         elif m.root == "/":
-            names = [o for o in m.options if o not in ("rw", "ro") and "=" not in o
-                     or o.startswith("name=")]
+            names = [o for o in m.options if o not in ("rw", "ro") and "=" not in o or o.startswith("name=")]
             mounts.setdefault(",".join(sorted(names)), m.point)
     homes: dict[str, str | None] = {}
     for ident, path in _cgroups().items():

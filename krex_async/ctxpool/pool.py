@@ -53,8 +53,7 @@ from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = \
-    weakref.WeakKeyDictionary()
+_NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
 
@@ -100,9 +99,15 @@ class _Worker:
 class Pool:
     """Warm workers for one device. Every method runs on the daemon's event loop."""
 
-    def __init__(self, device: Device, config: PoolConfig, *, cgroup_hook: CgroupHook | None = None,
-                 env: dict[str, str] | None = None,
-                 user: tuple[int, int, list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        device: Device,
+        config: PoolConfig,
+        *,
+        cgroup_hook: CgroupHook | None = None,
+        env: dict[str, str] | None = None,
+        user: tuple[int, int, list[int]] | None = None,
+    ) -> None:
         """`env`: the environment workers start with (default: the daemon's), plus device.env; a
         command is taken only when the variables that shape interpreter start-up (forms.INIT_VARS)
         agree with it. `user`: (uid, gid, groups) the workers run as (default: the daemon's)."""
@@ -128,7 +133,8 @@ class Pool:
         self.adopted = 0
         self.declined: collections.Counter[str] = collections.Counter()
         self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=1000))
+            lambda: collections.deque(maxlen=1000)
+        )
 
     # ------------------------------------------------------------------------------------ daemon API
 
@@ -206,8 +212,7 @@ class Pool:
         self.misses += 1
         return None
 
-    def adopt(self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]
-              ) -> asyncio.Future[Launched | str]:
+    def adopt(self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> asyncio.Future[Launched | str]:
         """Hand an adopting interpreter to a warm worker, now (the cgroup hook runs before this
         returns). `spec.argv` is its command line without the flags the worker applies itself,
         `adopt` its world (adopted.py, fresh.enter); `pidfd` is the adopter's, duplicated into
@@ -238,17 +243,25 @@ class Pool:
         self.demand = running
         self._refill()
 
-    def _hand(self, w: _Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None,
-              fds: list[int] | None = None) -> Launched | None:
+    def _hand(
+        self, w: _Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
+    ) -> Launched | None:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
         w.state, w.submit_ts = "busy", time.monotonic()
         w.uses += 1
         w.joined = bool(spec.cgroup_procs)
         w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
         w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
-        msg: dict[str, Any] = {"t": "run", "spec": {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env,
-                                    "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
-                                    "cgroup_hook": self.cgroup_hook is not None}}
+        msg: dict[str, Any] = {
+            "t": "run",
+            "spec": {
+                "argv": spec.argv,
+                "cwd": spec.cwd,
+                "env": spec.env,
+                "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
+                "cgroup_hook": self.cgroup_hook is not None,
+            },
+        }
         if adopt is not None:
             msg["spec"].update(adopt=adopt, orig_argv=adopt.get("orig_argv"))
         try:
@@ -298,8 +311,9 @@ class Pool:
         retired and not yet gone. A region must hold those with a context itself (no command's hold
         reaches them); a worker not known to have one may still hold a GPU file (ask /proc)."""
         ctx = self.config.init_context and self.device.vendor != "cpu"
-        return sorted((w.pid, ctx and w.warmed) for w in self._workers
-                      if w.state != "busy" and not w.exited.done())
+        return sorted(
+            (w.pid, ctx and w.warmed) for w in self._workers if w.state != "busy" and not w.exited.done()
+        )
 
     def idle_pids(self) -> list[int]:
         """The warm workers an adoption or a launch may take next."""
@@ -310,15 +324,30 @@ class Pool:
         counts = collections.Counter(w.state for w in self._workers)
         lat = {k: _summary(v) for k, v in self.latencies.items()}
         everything = [x for v in self.latencies.values() for x in v]
-        return {"device": self.device.key, "size": self.config.size, "max_uses": self.config.max_uses,
-                "warm": counts["warm"], "busy": counts["busy"], "starting": counts["starting"],
-                "retired": self.retired, "failures": self.failures, "launched": self.launched,
-                "misses": self.misses, "paused": not self._resumed.is_set(),
-                "last_error": self.last_error, "start_latency_s": _summary(everything), "by_form": lat,
-                "demand": self.demand, "target": self._target(), "adopted": self.adopted,
-                "declined": dict(self.declined),
-                "workers": [{"pid": w.pid, "state": w.state, **_memory(w.pid)}
-                            for w in sorted(self._workers, key=lambda w: w.pid)]}
+        return {
+            "device": self.device.key,
+            "size": self.config.size,
+            "max_uses": self.config.max_uses,
+            "warm": counts["warm"],
+            "busy": counts["busy"],
+            "starting": counts["starting"],
+            "retired": self.retired,
+            "failures": self.failures,
+            "launched": self.launched,
+            "misses": self.misses,
+            "paused": not self._resumed.is_set(),
+            "last_error": self.last_error,
+            "start_latency_s": _summary(everything),
+            "by_form": lat,
+            "demand": self.demand,
+            "target": self._target(),
+            "adopted": self.adopted,
+            "declined": dict(self.declined),
+            "workers": [
+                {"pid": w.pid, "state": w.state, **_memory(w.pid)}
+                for w in sorted(self._workers, key=lambda w: w.pid)
+            ],
+        }
 
     async def wait_warm(self, n: int | None = None, timeout: float = 60.0) -> int:
         """Wait until `n` (default config.size) workers are warm; returns the count. For benches/tests."""
@@ -386,8 +415,9 @@ class Pool:
         """Workers warm, warming, or busy and coming back: a reused one with uses left that can
         leave its command's cgroups. One that will retire is not waited for: its replacement warms
         while it runs."""
-        return sum(w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w))
-                   for w in self._workers)
+        return sum(
+            w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w)) for w in self._workers
+        )
 
     def _returns(self, w: _Worker) -> bool:
         joins = self.cgroup_hook is not None or w.joined
@@ -398,18 +428,40 @@ class Pool:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             ordinal = 0 if "CUDA_VISIBLE_DEVICES" in self.device.env else self.device.index
-            argv = [self.python, "-m", "krex_async.ctxpool.worker", "--fd", str(theirs.fileno()),
-                    "--preload", ",".join(self.config.preload), "--vendor", self.device.vendor,
-                    "--init-modules", ",".join(self.config.init_modules),
-                    "--ordinal", str(ordinal), "--init-context", "1" if self.config.init_context else "0",
-                    "--max-uses", str(max(1, self.config.max_uses)),
-                    "--lc-ctype-coerced", "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1"]
-            proc = subprocess.Popen(argv, cwd=_ROOT, env=self.env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
-                                    start_new_session=True, restore_signals=True,
-                                    user=self.user[0] if self.user else None,
-                                    group=self.user[1] if self.user else None,
-                                    extra_groups=self.user[2] if self.user else None)
+            argv = [
+                self.python,
+                "-m",
+                "krex_async.ctxpool.worker",
+                "--fd",
+                str(theirs.fileno()),
+                "--preload",
+                ",".join(self.config.preload),
+                "--vendor",
+                self.device.vendor,
+                "--init-modules",
+                ",".join(self.config.init_modules),
+                "--ordinal",
+                str(ordinal),
+                "--init-context",
+                "1" if self.config.init_context else "0",
+                "--max-uses",
+                str(max(1, self.config.max_uses)),
+                "--lc-ctype-coerced",
+                "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1",
+            ]
+            proc = subprocess.Popen(
+                argv,
+                cwd=_ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                restore_signals=True,
+                user=self.user[0] if self.user else None,
+                group=self.user[1] if self.user else None,
+                extra_groups=self.user[2] if self.user else None,
+            )
         except BaseException:
             mine.close()
             raise
@@ -453,8 +505,11 @@ class Pool:
                 w.surplus = True
             w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
             if "hexversion" in msg:
-                self.interpreter = {k: msg[k] for k in ("hexversion", "flags", "xoptions",
-                                                        "warnoptions", "init_env") if k in msg}
+                self.interpreter = {
+                    k: msg[k]
+                    for k in ("hexversion", "flags", "xoptions", "warnoptions", "init_env")
+                    if k in msg
+                }
             w.ready.set()
             self._idle.append(w)
             self._consecutive_failures = 0
@@ -475,8 +530,11 @@ class Pool:
             if not msg.get("retire") and w.launched is not None:
                 w.launched.lives_on = True
                 _kill_leftovers(w.pid)  # before it can take another command and fork for it
-            w.done.set_result(ExitStatus(msg["code"], user_s=msg["user_s"] - w.rusage0[0],
-                                         system_s=msg["system_s"] - w.rusage0[1]))
+            w.done.set_result(
+                ExitStatus(
+                    msg["code"], user_s=msg["user_s"] - w.rusage0[0], system_s=msg["system_s"] - w.rusage0[1]
+                )
+            )
             w.launched = None
             if msg.get("retire"):
                 self._retire(w, msg["retire"], kill=False)
@@ -501,8 +559,11 @@ class Pool:
                 self._creating = creating = asyncio.get_running_loop().create_future()
                 ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
                 try:
-                    await asyncio.wait([ready, w.exited],  # type: ignore[list-item]
-                                       timeout=CONTEXT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        [ready, w.exited],  # type: ignore[list-item]
+                        timeout=CONTEXT_TIMEOUT_S,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                     if not w.ready.is_set() and not w.exited.done():  # hung in the driver
                         w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
                         _kill(w.pid)

@@ -12,8 +12,11 @@ from krex_async.linux.procfs import stat_fields
 
 def identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
     """Who a process started with these spawn() arguments runs as (None: the daemon's own)."""
-    return (os.getuid() if uid is None else uid, os.getgid() if gid is None else gid,
-            sorted(os.getgroups() if groups is None else groups))
+    return (
+        os.getuid() if uid is None else uid,
+        os.getgid() if gid is None else gid,
+        sorted(os.getgroups() if groups is None else groups),
+    )
 
 
 def kill(pid: int) -> None:

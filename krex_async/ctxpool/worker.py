@@ -79,8 +79,10 @@ class Context:
             except Exception as e:  # noqa: BLE001 - any failure here means the context is broken
                 return f"device error: {e}"
             if reserved > self.baseline_reserved:
-                return (f"device memory still reserved after empty_cache: "
-                        f"{reserved - self.baseline_reserved} bytes")
+                return (
+                    f"device memory still reserved after empty_cache: "
+                    f"{reserved - self.baseline_reserved} bytes"
+                )
         elif self.cuda is not None:
             rc = self.cuda.cuCtxSynchronize()
             if rc != 0:
@@ -94,8 +96,15 @@ def _check(call: str, rc: int) -> None:
 
 
 def _options(argv: list[str]) -> dict[str, str]:
-    opts = {"preload": "", "vendor": "cpu", "ordinal": "0", "init-context": "1", "max-uses": "1",
-            "lc-ctype-coerced": "0", "init-modules": ""}
+    opts = {
+        "preload": "",
+        "vendor": "cpu",
+        "ordinal": "0",
+        "init-context": "1",
+        "max-uses": "1",
+        "lc-ctype-coerced": "0",
+        "init-modules": "",
+    }
     it = iter(argv)
     for a in it:
         if not a.startswith("--") or a[2:] not in opts and a != "--fd":
@@ -139,8 +148,11 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     gc.collect()
     base = fresh.Baseline(path_rest)
-    tops = {k: v for k, v in adopted.top_modules().items()
-            if k not in ("__main__", "sitecustomize", "usercustomize")}
+    tops = {
+        k: v
+        for k, v in adopted.top_modules().items()
+        if k not in ("__main__", "sitecustomize", "usercustomize")
+    }
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
     home = all(base.cgroup_home.values())  # can leave any cgroup a command puts it in
     channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home, **_interpreter(init_env)})
@@ -161,8 +173,16 @@ def main(argv: list[str]) -> int:
         reason = fresh.leave(base, devnull, msg["spec"])
         gc.collect()  # the command's __main__ and what it held go now
         reason = reason or ctx.check()
-        _send_quiet(sock, {"t": "exited", "code": -signal.SIGINT if interrupted else code,
-                           "retire": reason, "user_s": r0.ru_utime, "system_s": r0.ru_stime})
+        _send_quiet(
+            sock,
+            {
+                "t": "exited",
+                "code": -signal.SIGINT if interrupted else code,
+                "retire": reason,
+                "user_s": r0.ru_utime,
+                "system_s": r0.ru_stime,
+            },
+        )
         if reason:
             return 0
         _send_quiet(sock, {"t": "ready", "s": 0.0, "home": home})
@@ -170,14 +190,24 @@ def main(argv: list[str]) -> int:
 
 def _interpreter(init_env: dict[str, str | None]) -> dict[str, Any]:
     """What an adopting interpreter must share with this worker (ctxpool/adoption.py compares)."""
-    return {"hexversion": sys.hexversion, "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
-            "flags": {n: int(getattr(sys.flags, n)) for n in type(sys.flags).__match_args__},
-            "warnoptions": list(sys.warnoptions),
-            "init_env": init_env}
+    return {
+        "hexversion": sys.hexversion,
+        "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
+        "flags": {n: int(getattr(sys.flags, n)) for n in type(sys.flags).__match_args__},
+        "warnoptions": list(sys.warnoptions),
+        "init_env": init_env,
+    }
 
 
-def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fresh.Baseline,
-           lc_ctype: str | None, last: bool, tops: dict[str, str]) -> tuple[int, bool]:
+def _serve(
+    spec: dict[str, Any],
+    fds: list[int],
+    sock: socket.socket,
+    base: fresh.Baseline,
+    lc_ctype: str | None,
+    last: bool,
+    tops: dict[str, str],
+) -> tuple[int, bool]:
     form = forms.parse(spec["argv"])
     if spec.get("adopt") is not None and form is not None and len(fds) == 1:
         why, fds = _adopt(spec, form, fds[0], base, tops)
@@ -194,15 +224,17 @@ def _serve(spec: dict[str, Any], fds: list[int], sock: socket.socket, base: fres
         os.write(2, f"krex: cannot start {spec['argv'][0]!r}: {e}\n".encode(errors="replace"))
         os._exit(1)
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    _send_quiet(sock, {"t": "started", "ts": time.monotonic(), "user_s": ru.ru_utime,
-                       "system_s": ru.ru_stime})
+    _send_quiet(
+        sock, {"t": "started", "ts": time.monotonic(), "user_s": ru.ru_utime, "system_s": ru.ru_stime}
+    )
     if last:
         sock.close()  # nothing more to say: the exit status is the process's
     return fresh.run(form, spec, main_mod)
 
 
-def _adopt(spec: dict[str, Any], form: forms.Form, pidfd: int, base: fresh.Baseline,
-           tops: dict[str, str]) -> tuple[str | None, list[int]]:
+def _adopt(
+    spec: dict[str, Any], form: forms.Form, pidfd: int, base: fresh.Baseline, tops: dict[str, str]
+) -> tuple[str | None, list[int]]:
     """The adopter's fds 0/1/2, or why this worker cannot run its program as a fresh start would."""
     cwd = spec["cwd"]
     path0 = cwd

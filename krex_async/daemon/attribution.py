@@ -177,8 +177,9 @@ class Attributor:
         if self.failed is not None:
             return
         self.failed = reason
-        log.error("probes_failed", backend=self.backend.name, reason=reason,
-                  regions_tainted=sorted(self.watches))
+        log.error(
+            "probes_failed", backend=self.backend.name, reason=reason, regions_tainted=sorted(self.watches)
+        )
         self.core.probes.update(state="failed", reason=reason, failed_at=time.time())
         self.core.trace("probes_failed", None, backend=self.backend.name, reason=reason)
         try:
@@ -222,8 +223,10 @@ class Attributor:
                         w.procs[ev.tgid] = describe(ev.tgid)
                     w.pids[ev.tgid] = w.pids.get(ev.tgid, 0) + 1
                     if len(w.first) < FIRST_STRAYS:
-                        w.first.append(f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
-                                       f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}")
+                        w.first.append(
+                            f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
+                            f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}"
+                        )
                     if ev.kind == "open":
                         self.regions.freeze_late(r, ev)
             if self.core.tracers:
@@ -236,8 +239,18 @@ class Attributor:
         cmd = self.command_of(ev)
         region = stray_for or next((r for r in held if cmd is not None and r.command is cmd), None)
         extra = {"owner": stray_for.command.id} if stray_for is not None else {}
-        self.core.trace("stray" if stray_for else "probe", None, command=cmd.id if cmd else "",
-                     device=region.device if region is not None else (cmd.device_key or "" if cmd else ""),
-                     region_id=region.id if region is not None else "", pid=ev.tgid, tid=ev.tid,
-                     probe=ev.kind, fd=ev.fd, request=ev.request, name=ev.name, comm=ev.comm,
-                     **extra)
+        self.core.trace(
+            "stray" if stray_for else "probe",
+            None,
+            command=cmd.id if cmd else "",
+            device=region.device if region is not None else (cmd.device_key or "" if cmd else ""),
+            region_id=region.id if region is not None else "",
+            pid=ev.tgid,
+            tid=ev.tid,
+            probe=ev.kind,
+            fd=ev.fd,
+            request=ev.request,
+            name=ev.name,
+            comm=ev.comm,
+            **extra,
+        )

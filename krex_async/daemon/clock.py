@@ -29,8 +29,7 @@ class Clock:
         loop = asyncio.get_running_loop()
         st = await loop.run_in_executor(None, node.clock, dev)  # NVML calls: not on the loop
         fraction = self.core.config.settle_fraction
-        while st is not None and not st.settled(fraction) and not st.idle and \
-                time.perf_counter() < deadline:
+        while st is not None and not st.settled(fraction) and not st.idle and time.perf_counter() < deadline:
             await asyncio.sleep(0.002)
             st = await loop.run_in_executor(None, node.clock, dev) or st
         r.clock = st

@@ -62,8 +62,7 @@ def resolve_argv0(argv0: str, env: dict[str, str], cwd: str) -> str:
 def with_runtime(env: dict[str, str]) -> dict[str, str]:
     """env with krex's in-command runtime (runtime/sitecustomize.py) first on PYTHONPATH."""
     if os.path.exists(os.path.join(RUNTIME_DIR, "sitecustomize.py")):
-        env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"]
-                                           if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = RUNTIME_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -174,10 +173,17 @@ class Command:
         self.runtimes.clear()
 
     def environment(self, socket: str) -> dict[str, str]:
-        env = dict(self.spec.env) if self.spec.env is not None else {
-            "PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")}
-        env.update(KREX_SOCKET=socket, KREX_COMMAND=self.id, KREX_TOKEN=self.token,
-                   KREX_DEVICE=self.device_key or "none")
+        env = (
+            dict(self.spec.env)
+            if self.spec.env is not None
+            else {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")}
+        )
+        env.update(
+            KREX_SOCKET=socket,
+            KREX_COMMAND=self.id,
+            KREX_TOKEN=self.token,
+            KREX_DEVICE=self.device_key or "none",
+        )
         if self.device is not None:
             env.update(self.device.env)
         env.update(self.pool_env)
@@ -187,9 +193,15 @@ class Command:
 class CommandRunner:
     """Spawns commands and watches them; calls `on_exit(cmd)` once each has ended."""
 
-    def __init__(self, backend: Backend, socket: str, on_exit: Callable[[Command], None],
-                 launcher: Callable[[Command, LaunchSpec], Launched | None] | None = None,
-                 spool: Spool | None = None, records: Records | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        socket: str,
+        on_exit: Callable[[Command], None],
+        launcher: Callable[[Command, LaunchSpec], Launched | None] | None = None,
+        spool: Spool | None = None,
+        records: Records | None = None,
+    ) -> None:
         self.backend = backend
         self.spool = spool  # None or limit 0: output only in the tails
         self.records = records  # None: commands are not recorded (nothing to report after a crash)
@@ -239,8 +251,7 @@ class CommandRunner:
                 except (OSError, IsolationError):
                     pass
             cmd.group = None
-            raise SpecError("spawn_failed", f"cannot create the isolation group of "
-                                            f"{cmd.id}: {e}") from None
+            raise SpecError("spawn_failed", f"cannot create the isolation group of {cmd.id}: {e}") from None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         stdin_fd = cmd.stdin_pipe.reader() if cmd.stdin_pipe else self._stdin(cmd.spec.stdin)
@@ -250,12 +261,18 @@ class CommandRunner:
             cmd.spools = self.spool.open(cmd.id, cmd.uid, cmd.gid)
         other_user = cmd.uid != os.geteuid()
         try:
-            spec = LaunchSpec(argv=list(cmd.spec.argv), cwd=cwd, env=env, stdin_fd=stdin_fd,
-                              stdout_fd=out_w, stderr_fd=err_w,
-                              uid=cmd.uid if other_user else None,
-                              gid=cmd.gid if other_user else None,
-                              groups=user_groups(cmd.uid, cmd.gid) if other_user else None,
-                              frozen=frozen)
+            spec = LaunchSpec(
+                argv=list(cmd.spec.argv),
+                cwd=cwd,
+                env=env,
+                stdin_fd=stdin_fd,
+                stdout_fd=out_w,
+                stderr_fd=err_w,
+                uid=cmd.uid if other_user else None,
+                gid=cmd.gid if other_user else None,
+                groups=user_groups(cmd.uid, cmd.gid) if other_user else None,
+                frozen=frozen,
+            )
             if other_user:  # nothing of the user's reaches a process that still holds privilege
                 cmd.handoff = Handoff.make(spec.argv, cwd, env)
                 spec.argv, spec.cwd, spec.env = cmd.handoff.argv, "/", dict(PRIVILEGED_ENV)
@@ -307,8 +324,9 @@ class CommandRunner:
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
 
-    def _pump(self, loop: asyncio.AbstractEventLoop, cmd: Command, fd: int,
-              stream: str) -> asyncio.Future[None]:
+    def _pump(
+        self, loop: asyncio.AbstractEventLoop, cmd: Command, fd: int, stream: str
+    ) -> asyncio.Future[None]:
         done: asyncio.Future[None] = loop.create_future()
         os.set_blocking(fd, False)
         tail = cmd.out if stream == "stdout" else cmd.err
@@ -325,8 +343,15 @@ class CommandRunner:
                 tail.add(data)
                 if spool is not None:
                     spool.write(data)
-                cmd.publish(lambda rid: P.Output(id=rid, command=cmd.id, stream=stream,  # type: ignore[arg-type]
-                                                 data=data), output=True)
+                cmd.publish(
+                    lambda rid: P.Output(
+                        id=rid,
+                        command=cmd.id,
+                        stream=stream,  # type: ignore[arg-type]
+                        data=data,
+                    ),
+                    output=True,
+                )
                 return
             close()
 
@@ -340,8 +365,7 @@ class CommandRunner:
         cmd.pipe_closers.append(close)
         return done
 
-    async def _watch(self, cmd: Command, launched: Launched,
-                     pipes: list[asyncio.Future[None]]) -> None:
+    async def _watch(self, cmd: Command, launched: Launched, pipes: list[asyncio.Future[None]]) -> None:
         try:
             status = await asyncio.wait_for(launched.wait(), cmd.spec.timeout)
         except TimeoutError:
@@ -413,17 +437,30 @@ class CommandRunner:
         else:
             state = "signaled" if status.signal else "exited"
         cmd.report = P.CommandReport(
-            command=cmd.id, argv=list(cmd.spec.argv), device=cmd.device_key or "none",
-            policy=cmd.policy_name, state=state, exit_code=None if status.signal else status.returncode,
-            signal=status.signal, wall_s=now - cmd.started, queued_s=cmd.started - cmd.submitted,
-            cpu_user_s=status.user_s, cpu_system_s=status.system_s,
-            started_at=time.time() - (now - cmd.started), ended_at=time.time(),
-            regions=cmd.regions, label=cmd.spec.label, via=cmd.launched.via if cmd.launched else "exec",
+            command=cmd.id,
+            argv=list(cmd.spec.argv),
+            device=cmd.device_key or "none",
+            policy=cmd.policy_name,
+            state=state,
+            exit_code=None if status.signal else status.returncode,
+            signal=status.signal,
+            wall_s=now - cmd.started,
+            queued_s=cmd.started - cmd.submitted,
+            cpu_user_s=status.user_s,
+            cpu_system_s=status.system_s,
+            started_at=time.time() - (now - cmd.started),
+            ended_at=time.time(),
+            regions=cmd.regions,
+            label=cmd.spec.label,
+            via=cmd.launched.via if cmd.launched else "exec",
             start_latency_s=cmd.launched.start_latency_s if cmd.launched else None,
-            stdout_bytes=cmd.out.total, stderr_bytes=cmd.err.total,
+            stdout_bytes=cmd.out.total,
+            stderr_bytes=cmd.err.total,
             error=_describe(state, status, cmd),
-            stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
-            stdout_dropped=out.dropped if out else 0, stderr_dropped=err.dropped if err else 0,
+            stdout_spool=out.path if out else "",
+            stderr_spool=err.path if err else "",
+            stdout_dropped=out.dropped if out else 0,
+            stderr_dropped=err.dropped if err else 0,
             spool_error="; ".join(f"{f.stream}: {f.error}" for f in cmd.spools.values() if f.error),
         )
         if self.records is not None:
@@ -437,10 +474,11 @@ def _start_error(what: str, cmd: Command) -> str:
     env = cmd.spec.env
     path = env.get("PATH", "") if env is not None else os.environ.get("PATH", os.defpath)
     if what == "cwd":
-        return (f"cwd {cmd.spec.cwd or '/'!r} is not a directory you can enter (it does not "
-                "exist, or you may not reach it)")
-    return (f"argv[0] {cmd.spec.argv[0]!r} not found or not executable by you "
-            f"(looked up on PATH {path!r})")
+        return (
+            f"cwd {cmd.spec.cwd or '/'!r} is not a directory you can enter (it does not "
+            "exist, or you may not reach it)"
+        )
+    return f"argv[0] {cmd.spec.argv[0]!r} not found or not executable by you (looked up on PATH {path!r})"
 
 
 def _record(cmd: Command, backend: Backend, daemon: tuple[int, int]) -> Record:
@@ -449,14 +487,26 @@ def _record(cmd: Command, backend: Backend, daemon: tuple[int, int]) -> Record:
     assert cmd.launched is not None and cmd.group is not None
     pid = cmd.launched.pid
     out, err = cmd.spools.get("stdout"), cmd.spools.get("stderr")
-    return Record(id=cmd.id, uid=cmd.uid, gid=cmd.gid, argv=list(cmd.spec.argv),
-                  device=cmd.device_key or "none", label=cmd.spec.label, policy=cmd.policy_name,
-                  backend=backend.name, group=cmd.group.name,
-                  cgroup=str(getattr(cmd.group, "top", "") or ""),
-                  cgroup_dir=backend.cgroup_dir(cmd.group) or "", pid=pid,
-                  start_ticks=start_ticks(pid) or 0, started_at=time.time(),
-                  stdout_spool=out.path if out else "", stderr_spool=err.path if err else "",
-                  daemon_pid=daemon[0], daemon_ticks=daemon[1])
+    return Record(
+        id=cmd.id,
+        uid=cmd.uid,
+        gid=cmd.gid,
+        argv=list(cmd.spec.argv),
+        device=cmd.device_key or "none",
+        label=cmd.spec.label,
+        policy=cmd.policy_name,
+        backend=backend.name,
+        group=cmd.group.name,
+        cgroup=str(getattr(cmd.group, "top", "") or ""),
+        cgroup_dir=backend.cgroup_dir(cmd.group) or "",
+        pid=pid,
+        start_ticks=start_ticks(pid) or 0,
+        started_at=time.time(),
+        stdout_spool=out.path if out else "",
+        stderr_spool=err.path if err else "",
+        daemon_pid=daemon[0],
+        daemon_ticks=daemon[1],
+    )
 
 
 def _describe(state: str, status: ExitStatus, cmd: Command) -> str:

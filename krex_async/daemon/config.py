@@ -136,13 +136,15 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """A copy with defaults that depend on the machine filled in."""
         socket = self.socket or default_socket()
         cores = self.region_cores if self.region_cores >= 0 else default_region_cores()
-        state = self.state_dir or ("/run/krex" if os.geteuid() == 0 else
-                                   os.path.join(os.path.dirname(socket), "krex-state"))
+        state = self.state_dir or (
+            "/run/krex" if os.geteuid() == 0 else os.path.join(os.path.dirname(socket), "krex-state")
+        )
         return msgspec.structs.replace(self, socket=socket, region_cores=cores, state_dir=state)
 
 
 DEFAULT_PATH = "/etc/krex/krex.toml"
 ENV_PREFIX = "KREX_"
+
 
 class ConfigError(Exception):
     """An option could not be read or is invalid; the message starts with its source and key."""
@@ -234,8 +236,11 @@ def read_cli(cli: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config_with_sources(path: str | None, env: Mapping[str, str], cli: Mapping[str, Any],
-                             ) -> tuple[ServeConfig, dict[str, str]]:
+def load_config_with_sources(
+    path: str | None,
+    env: Mapping[str, str],
+    cli: Mapping[str, Any],
+) -> tuple[ServeConfig, dict[str, str]]:
     """Merge file, environment and command line into a ServeConfig (not yet `.resolved()`), and say
     where each non-default option came from ({field: "file /etc/krex/krex.toml" | "env KREX_X" |
     "flag --x"}). Raises ConfigError naming the source and key of the first bad option."""
@@ -244,9 +249,11 @@ def load_config_with_sources(path: str | None, env: Mapping[str, str], cli: Mapp
     cli_layer = read_cli(cli)
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for layer, src in ((file_layer, lambda k: f"file {fpath}"),
-                       (env_layer, lambda k: f"env {_env_name(k)}"),
-                       (cli_layer, lambda k: f"flag {_flag(k)}")):
+    for layer, src in (
+        (file_layer, lambda k: f"file {fpath}"),
+        (env_layer, lambda k: f"env {_env_name(k)}"),
+        (cli_layer, lambda k: f"flag {_flag(k)}"),
+    ):
         for k, v in layer.items():
             merged[k] = v
             sources[k] = src(k)

@@ -38,8 +38,17 @@ Send = Callable[[P.Msg], bool]  # to one connection; False once it is closed
 class TraceSink(Protocol):
     """`Daemon.trace`: one event into the timeline ring and to `krex trace` subscribers."""
 
-    def __call__(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
-                 pid: int = 0, region_id: str = "", **detail: Any) -> None: ...
+    def __call__(
+        self,
+        kind: str,
+        region: Any = None,
+        *,
+        command: str = "",
+        device: str = "",
+        pid: int = 0,
+        region_id: str = "",
+        **detail: Any,
+    ) -> None: ...
 
 
 class Watcher(Protocol):

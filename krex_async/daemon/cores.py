@@ -69,8 +69,13 @@ class Cores:
         freezing = {id(g) for x in self.active.values() for g in x.frozen}
         for cmd in self.core.commands.values():
             g = cmd.group
-            if cmd.state != CommandState.RUNNING or g is None or g.frozen or g.cores == allowed \
-                    or id(g) in freezing:
+            if (
+                cmd.state != CommandState.RUNNING
+                or g is None
+                or g.frozen
+                or g.cores == allowed
+                or id(g) in freezing
+            ):
                 continue
             owner = next((x for x in self.active.values() if x.command is cmd and x.cores), None)
             try:

@@ -98,8 +98,9 @@ def _ancestors(pid: int, limit: int = 512) -> list[int]:
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig, backend: Backend, devices: list[Device],
-                 node: Node | None = None) -> None:
+    def __init__(
+        self, config: ServeConfig, backend: Backend, devices: list[Device], node: Node | None = None
+    ) -> None:
         self.config = config
         self.backend = backend
         self.devices = devices
@@ -112,20 +113,37 @@ class Daemon:
         self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         # Spool files and command records live in the state dir (none without one: a bare config).
         self.records = Records(config.state_dir) if config.state_dir else None
-        self.runner = CommandRunner(backend, config.socket, self._on_exit, launcher=self._launch_pooled,
-                             spool=Spool(config.state_dir, config.spool_limit)
-                             if config.state_dir else None, records=self.records)
+        self.runner = CommandRunner(
+            backend,
+            config.socket,
+            self._on_exit,
+            launcher=self._launch_pooled,
+            spool=Spool(config.state_dir, config.spool_limit) if config.state_dir else None,
+            records=self.records,
+        )
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracers: list[tuple[Send, int]] = []
         self.timeline = TraceRing(P.TraceEvent)
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         # What regions, attribution and recovery share with the daemon: these same objects.
-        self.core = Core(config=config, backend=backend, devices=devices, node=node,
-                         scheduler=self.scheduler, commands=self.commands, pools=self.pools,
-                         metrics=self.metrics, trace=self.trace, track=self.track,
-                         records=self.records, spool=self.runner.spool, probes=self.probes,
-                         tracers=self.tracers, all_cpus=self.all_cpus)
+        self.core = Core(
+            config=config,
+            backend=backend,
+            devices=devices,
+            node=node,
+            scheduler=self.scheduler,
+            commands=self.commands,
+            pools=self.pools,
+            metrics=self.metrics,
+            trace=self.trace,
+            track=self.track,
+            records=self.records,
+            spool=self.runner.spool,
+            probes=self.probes,
+            tracers=self.tracers,
+            all_cpus=self.all_cpus,
+        )
         self.regions = Regions(self.core)
         self._attributor: Attributor | None = None  # set when probes run
         self._ids = itertools.count(1)
@@ -159,11 +177,19 @@ class Daemon:
             env = dict(os.environ)
             env.pop("KREX_SOCKET", None)
             env.update(d.env)
-            pool = Pool(d, cgroup_hook=self._join_group,
-                        config=PoolConfig(size=cfg.pool_size, max_uses=cfg.pool_max_uses,
-                                      preload=preload, init_context=d.vendor != "cpu",
-                                      init_modules=init),
-                        env=with_runtime(env), user=user)
+            pool = Pool(
+                d,
+                cgroup_hook=self._join_group,
+                config=PoolConfig(
+                    size=cfg.pool_size,
+                    max_uses=cfg.pool_max_uses,
+                    preload=preload,
+                    init_context=d.vendor != "cpu",
+                    init_modules=init,
+                ),
+                env=with_runtime(env),
+                user=user,
+            )
             await pool.start()
             self.pools[d.key] = pool
 
@@ -181,8 +207,7 @@ class Daemon:
         """The pool that may adopt this command's interpreters: its device's, running as the
         command's user, with a backend that can put a worker into the command's group."""
         pool = self.pools.get(cmd.device_key or "")
-        if pool is None or type(self.backend).join is Backend.join \
-                or not adoption.workers_can_take_fds(pool):
+        if pool is None or type(self.backend).join is Backend.join or not adoption.workers_can_take_fds(pool):
             return None
         uid, gid, _ = pool.identity
         return pool if (cmd.uid, cmd.gid) == (uid, gid) or cmd.uid == uid == os.geteuid() else None
@@ -193,8 +218,7 @@ class Daemon:
         if pool is not None:
             q = self.scheduler.devices[pool.device.key]
             live = (CommandState.STARTING, CommandState.RUNNING)
-            pool.set_demand(sum(self.commands[c].state in live
-                                for c in q.commands if c in self.commands))
+            pool.set_demand(sum(self.commands[c].state in live for c in q.commands if c in self.commands))
 
     async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
         """An interpreter of a command asks to be run by a warm worker (ctxpool/adoption.py)."""
@@ -245,15 +269,29 @@ class Daemon:
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)
 
-    def trace(self, kind: str, region: Any = None, *, command: str = "", device: str = "",
-              pid: int = 0, region_id: str = "", **detail: Any) -> None:
+    def trace(
+        self,
+        kind: str,
+        region: Any = None,
+        *,
+        command: str = "",
+        device: str = "",
+        pid: int = 0,
+        region_id: str = "",
+        **detail: Any,
+    ) -> None:
         """Record a trace event in the timeline ring and stream it to `krex trace` subscribers.
         Fields not given come from `region` (its device, owner, id and pid)."""
-        ev = P.TraceEvent(id=0, ts=time.time(), kind=kind,
-                          device=device or (region.device if region is not None else ""),
-                          command=command or (region.command.id if region is not None else ""),
-                          region=region_id or (region.id if region is not None else ""),
-                          pid=pid or (region.pid if region is not None else 0), detail=detail)
+        ev = P.TraceEvent(
+            id=0,
+            ts=time.time(),
+            kind=kind,
+            device=device or (region.device if region is not None else ""),
+            command=command or (region.command.id if region is not None else ""),
+            region=region_id or (region.id if region is not None else ""),
+            pid=pid or (region.pid if region is not None else 0),
+            detail=detail,
+        )
         self.timeline.append(ev)
         for send, req_id in list(self.tracers):
             if not send(msgspec.structs.replace(ev, id=req_id)):
@@ -278,16 +316,17 @@ class Daemon:
     def _own(self, command: str, uid: int) -> Command:
         cmd = self.commands.get(command)
         if cmd is None:
-            raise RequestError("unknown_command", f"no command {command!r} (ended results are kept "
-                                                  f"for {self.config.retention:.0f} s)")
+            raise RequestError(
+                "unknown_command",
+                f"no command {command!r} (ended results are kept for {self.config.retention:.0f} s)",
+            )
         if uid not in (0, cmd.uid):
             raise RequestError("forbidden", f"command {command} belongs to another user")
         return cmd
 
     # --------------------------------------------------------------------------------- commands
 
-    async def submit(self, req: P.Submit, uid: int, gid: int, send: Send,
-                     admin: bool = False) -> None:
+    async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
         """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
         lifts the per-user limit, never the node-wide one."""
         if self.closing:
@@ -295,19 +334,32 @@ class Daemon:
         if req.run_as is not None and req.run_as != uid:
             uid, gid = _run_as(req.run_as, uid)
         if len(self.commands) >= self.config.max_commands:
-            raise RequestError("busy", f"{len(self.commands)} commands are queued, running or "
-                                       "kept (--max-commands); retry after some have ended")
+            raise RequestError(
+                "busy",
+                f"{len(self.commands)} commands are queued, running or "
+                "kept (--max-commands); retry after some have ended",
+            )
         if not admin:
             mine = sum(c.uid == uid for c in self.commands.values())
             if mine >= self.config.max_commands_per_user:
-                raise RequestError("busy", f"{mine} of your commands are queued, running or kept "
-                                           "(--max-commands-per-user); retry after some have ended")
+                raise RequestError(
+                    "busy",
+                    f"{mine} of your commands are queued, running or kept "
+                    "(--max-commands-per-user); retry after some have ended",
+                )
         device = self._place(req)
         cid = f"{self._boot}-{next(self._ids)}"
         while cid in self.commands:  # a dead daemon's command, recovered, started in the same second
             cid = f"{self._boot}-{next(self._ids)}"
-        cmd = Command(id=cid, spec=req, uid=uid, gid=gid, device=device,
-                      policy=self.scheduler.policy, tail_limit=self.config.output_tail)
+        cmd = Command(
+            id=cid,
+            spec=req,
+            uid=uid,
+            gid=gid,
+            device=device,
+            policy=self.scheduler.policy,
+            tail_limit=self.config.output_tail,
+        )
         if (pool := self._adoptable(cmd)) is not None:
             cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
         try:
@@ -321,14 +373,21 @@ class Daemon:
         start_now = self.scheduler.add_command(cid, cmd.device_key)
         send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
         self.metrics.command_submitted(cmd.policy_name, cmd.device_key or "none", not start_now, cid)
-        log.info("command_submitted", command=cid, argv=req.argv[:8], device=cmd.device_key,
-                 queued=not start_now, uid=uid)
+        log.info(
+            "command_submitted",
+            command=cid,
+            argv=req.argv[:8],
+            device=cmd.device_key,
+            queued=not start_now,
+            uid=uid,
+        )
         if start_now:
             # Its own task: the connection's tasks are cancelled when the agent leaves, and a start
             # cancelled between creating the group and watching the leader would strand the command
             # ('starting' for ever, no report). The agent still hears of a failure here.
-            await asyncio.shield(self.track(asyncio.get_running_loop().create_task(
-                self._start(cmd), name=f"start-{cid}")))
+            await asyncio.shield(
+                self.track(asyncio.get_running_loop().create_task(self._start(cmd), name=f"start-{cid}"))
+            )
 
     async def _start(self, cmd: Command) -> None:
         # ended (cancelled, shut down) after its start was scheduled
@@ -339,8 +398,7 @@ class Daemon:
             return
         region = self.regions.admit_frozen(cmd)
         try:
-            await self.runner.start(cmd, frozen=region is not None,
-                                    cores=self.regions.cores.for_new())
+            await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores.for_new())
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
@@ -351,19 +409,32 @@ class Daemon:
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
-        self.metrics.command_started(cmd.policy_name, cmd.device_key or "none",
-                                     cmd.launched.via if cmd.launched else "exec", cmd.id)
-        self.trace("command_start", None, command=cmd.id, device=cmd.device_key or "",
-                   pid=cmd.pid or 0, frozen=region is not None)
+        self.metrics.command_started(
+            cmd.policy_name, cmd.device_key or "none", cmd.launched.via if cmd.launched else "exec", cmd.id
+        )
+        self.trace(
+            "command_start",
+            None,
+            command=cmd.id,
+            device=cmd.device_key or "",
+            pid=cmd.pid or 0,
+            frozen=region is not None,
+        )
 
     def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
         """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
         out of its device's queue at once, then reported like any other."""
         promoted = self.scheduler.end_command(cmd.id, cmd.device_key)  # it may have held the device
         cmd.state = CommandState.ENDED
-        cmd.report = P.CommandReport(command=cmd.id, argv=list(cmd.spec.argv),
-                                     device=cmd.device_key or "none", policy=cmd.policy_name,
-                                     state=state, error=error, label=cmd.spec.label)
+        cmd.report = P.CommandReport(
+            command=cmd.id,
+            argv=list(cmd.spec.argv),
+            device=cmd.device_key or "none",
+            policy=cmd.policy_name,
+            state=state,
+            error=error,
+            label=cmd.spec.label,
+        )
         loop = asyncio.get_running_loop()
         for nxt in promoted:
             self.track(loop.create_task(self._start(self.commands[nxt])))
@@ -400,19 +471,45 @@ class Daemon:
         pool = self.pools.get(report.device) if report.via == "pool" else None
         if pool is not None:  # the worker reports its start latency once the command began
             st = pool.status()
-            self.metrics.pool(report.device, st.get("warm", 0), st.get("busy", 0),
-                              st.get("retired", 0), report.start_latency_s)
+            self.metrics.pool(
+                report.device,
+                st.get("warm", 0),
+                st.get("busy", 0),
+                st.get("retired", 0),
+                report.start_latency_s,
+            )
         # Before the agent hears of it: a scrape after a report always includes that command.
-        self.metrics.command_ended(report.policy, report.state, report.wall_s, cmd.id,
-                                   started=cmd.launched is not None, device=report.device)
+        self.metrics.command_ended(
+            report.policy,
+            report.state,
+            report.wall_s,
+            cmd.id,
+            started=cmd.launched is not None,
+            device=report.device,
+        )
         cmd.publish(lambda rid: P.Exited(id=rid, report=report))
-        self.trace("command_end", None, command=cmd.id, device=cmd.device_key or "",
-                   state=report.state, exit_code=report.exit_code)
-        log.info("command", command=cmd.id, state=report.state, exit_code=report.exit_code,
-                 signal=report.signal, wall_s=round(report.wall_s, 6),
-                 queued_s=round(report.queued_s, 6), regions=len(report.regions),
-                 device=report.device, via=report.via, pool_adopted=report.pool_adopted,
-                 pool_declined=report.pool_declined or None)
+        self.trace(
+            "command_end",
+            None,
+            command=cmd.id,
+            device=cmd.device_key or "",
+            state=report.state,
+            exit_code=report.exit_code,
+        )
+        log.info(
+            "command",
+            command=cmd.id,
+            state=report.state,
+            exit_code=report.exit_code,
+            signal=report.signal,
+            wall_s=round(report.wall_s, 6),
+            queued_s=round(report.queued_s, 6),
+            regions=len(report.regions),
+            device=report.device,
+            via=report.via,
+            pool_adopted=report.pool_adopted,
+            pool_declined=report.pool_declined or None,
+        )
         if cmd.group is not None:
             try:
                 await self.backend.remove(cmd.group)
@@ -454,12 +551,24 @@ class Daemon:
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
         cmd = self._own(req.command, uid)
-        send(P.Accepted(id=req.id, command=cmd.id, device=cmd.device_key or "none",
-                        queued=cmd.state == CommandState.QUEUED))
+        send(
+            P.Accepted(
+                id=req.id,
+                command=cmd.id,
+                device=cmd.device_key or "none",
+                queued=cmd.state == CommandState.QUEUED,
+            )
+        )
         if cmd.state == CommandState.ENDED:
             assert cmd.report is not None
-            send(P.Exited(id=req.id, report=cmd.report, stdout_tail=bytes(cmd.out.buf),
-                          stderr_tail=bytes(cmd.err.buf)))
+            send(
+                P.Exited(
+                    id=req.id,
+                    report=cmd.report,
+                    stdout_tail=bytes(cmd.out.buf),
+                    stderr_tail=bytes(cmd.err.buf),
+                )
+            )
         else:
             cmd.subscribers.append(Subscriber(send, req.id, True))
 
@@ -472,12 +581,18 @@ class Daemon:
             cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s != send}
             before = len(cmd.subscribers)
             cmd.subscribers = [s for s in cmd.subscribers if s.send != send]
-            if before and not cmd.subscribers \
-                    and cmd.state in (CommandState.QUEUED, CommandState.RUNNING) \
-                    and cmd.spec.on_disconnect == "kill":
+            if (
+                before
+                and not cmd.subscribers
+                and cmd.state in (CommandState.QUEUED, CommandState.RUNNING)
+                and cmd.spec.on_disconnect == "kill"
+            ):
                 log.info("agent_disconnected", command=cmd.id, action="kill")
-                self.track(asyncio.get_running_loop().create_task(
-                    self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)))
+                self.track(
+                    asyncio.get_running_loop().create_task(
+                        self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)
+                    )
+                )
         self.tracers[:] = [(s, i) for s, i in self.tracers if s != send]  # shared with the core
 
     # ---------------------------------------------------------------------------------- regions
@@ -487,8 +602,7 @@ class Daemon:
         if not hmac.compare_digest(token.encode(), cmd.token.encode()):
             raise RequestError("forbidden", f"wrong token for command {cmd.id}")
         if claimed_pid and claimed_pid != peer_pid:
-            raise RequestError("forbidden", f"request claims pid {claimed_pid} but comes from "
-                                            f"pid {peer_pid}")
+            raise RequestError("forbidden", f"request claims pid {claimed_pid} but comes from pid {peer_pid}")
         if cmd.state != CommandState.RUNNING or cmd.group is None:
             raise RequestError("bad_request", f"command {cmd.id} is {cmd.state}, not running")
         if cmd.pid not in _ancestors(peer_pid) and peer_pid not in self.backend.pids(cmd.group):
@@ -505,8 +619,9 @@ class Daemon:
         if self.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if self.regions.by_owner_pid(cmd, pid) is not None:
-            raise RequestError("bad_request", f"pid {pid} already holds or awaits a region: "
-                                              "regions do not nest")
+            raise RequestError(
+                "bad_request", f"pid {pid} already holds or awaits a region: regions do not nest"
+            )
         self.regions.create(cmd, req, pid, send)
 
     def region_exit(self, req: P.RegionExit, peer_pid: int) -> None:
@@ -530,20 +645,22 @@ class Daemon:
         cmd.runtimes[pid] = send
         if req.pool_declined:
             self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
-                req.pool_declined, self._adoptable(cmd))
+                req.pool_declined, self._adoptable(cmd)
+            )
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)
         if r is not None:
             self.regions.drain.ack(r.command, peer_pid, req)
 
-    def send_timeline(self, req: P.Timeline, send: Send,
-                      visible: Callable[[P.TraceEvent], bool] | None = None) -> None:
+    def send_timeline(
+        self, req: P.Timeline, send: Send, visible: Callable[[P.TraceEvent], bool] | None = None
+    ) -> None:
         """The timeline ring in chunks; only the events `visible` allows, when given."""
         events = [e for e in self.timeline if visible is None or visible(e)]
         step = 2000
         for i in range(0, max(1, len(events)), step):
-            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i:i + step]]
+            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i : i + step]]
             if not send(P.TimelineChunk(id=req.id, events=chunk, last=i + step >= len(events))):
                 return
 
@@ -567,8 +684,7 @@ class Daemon:
                 if c.group.frozen:
                     await self.backend.thaw(c.group)
                 await self.runner.kill(c, "shutdown", signal.SIGTERM)
-        waits = [asyncio.ensure_future(c.done.wait()) for c in live
-                 if c.state != CommandState.ENDED]
+        waits = [asyncio.ensure_future(c.done.wait()) for c in live if c.state != CommandState.ENDED]
         if waits:
             _, pending = await asyncio.wait(waits, timeout=self.config.kill_grace)
             if pending:
@@ -584,4 +700,3 @@ class Daemon:
         self.regions.hold.close()
         if self.node is not None:
             self.node.close()
-

@@ -40,8 +40,11 @@ class Drain:
                 out.append(p)
         return out
 
-    def to_ask(self, r: Region, targets: list[Command],
-                    ) -> Asked:
+    def to_ask(
+        self,
+        r: Region,
+        targets: list[Command],
+    ) -> Asked:
         """The in-command runtimes asked to stop and synchronise. --quiesce auto: on a GPU device
         those whose process holds a GPU device file, on the cpu device none: the others have no
         device work, freezing them is enough, and their round trip would be most of the entry
@@ -49,8 +52,7 @@ class Drain:
         The owner's other processes are included when the region freezes them."""
         owners = [(c, pid, send) for c in targets for pid, send in c.runtimes.items()]
         if r.request.freeze_own_children:
-            owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items()
-                       if pid != r.pid]
+            owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items() if pid != r.pid]
         now = time.monotonic()
         owners = [o for o in owners if now - self.silent.get((o[1], o[2]), -SILENT_S) >= SILENT_S]
         if self.core.config.quiesce == "all":
@@ -61,8 +63,11 @@ class Drain:
         # and checked again after the freeze (_check_drain)
         return [(c, pid, send) for c, pid, send in owners if self.holders.holds(pid, send)]
 
-    def send(self, r: Region, asked: Asked,
-                      ) -> None:
+    def send(
+        self,
+        r: Region,
+        asked: Asked,
+    ) -> None:
         """Send every Quiesce first (no awaiting in between); acks resolve r.acks."""
         loop = asyncio.get_running_loop()
         for _, pid, send in asked:
@@ -73,8 +78,7 @@ class Drain:
             else:
                 fut.cancel()
 
-    def note_silent(self, r: Region,
-                     asked: Asked) -> None:
+    def note_silent(self, r: Region, asked: Asked) -> None:
         """Remember the runtimes that did not answer within --quiesce-timeout: on real jobs they
         sat in long C calls (imports, CUDA initialisation, allocation), which last seconds, and
         asking them again at once would cost the next region the whole timeout for the same
@@ -100,10 +104,13 @@ class Drain:
             return "not-needed"
         acked = {pid for pid, f in r.acks.items() if f.done() and not f.cancelled()}
         stopped = {f.group: f.stopped for f in freezes}
-        pids = [p for c in targets if c.group is not None
-                for p in (stopped[c.group.name] if c.group.name in stopped
-                          else self.core.backend.pids(c.group))
-                if p not in acked]
+        pids = [
+            p
+            for c in targets
+            if c.group is not None
+            for p in (stopped[c.group.name] if c.group.name in stopped else self.core.backend.pids(c.group))
+            if p not in acked
+        ]
         if not pids:
             return "synced"
         tokens = {pid: send for c in targets for pid, send in c.runtimes.items()}
@@ -126,6 +133,9 @@ class Drain:
         device is between regions."""
         if self.core.device(r.device).vendor == "cpu":
             return
-        self.holders.refresh((pid, send) for cid in self.core.scheduler.siblings(r.device, "")
-                             if (c := self.core.commands.get(cid)) is not None
-                             for pid, send in c.runtimes.items())
+        self.holders.refresh(
+            (pid, send)
+            for cid in self.core.scheduler.siblings(r.device, "")
+            if (c := self.core.commands.get(cid)) is not None
+            for pid, send in c.runtimes.items()
+        )

@@ -48,6 +48,7 @@ log = logs.get("krex.hold")
 class Plan:
     """One region's hold: `how` ("lock" or "freeze") and, for a freeze where a lock was asked for,
     why not; the commands to lock (with their GPU-holding pids) and those to freeze."""
+
     how: str
     why: str = ""
     to_lock: dict[str, list[int]] = field(default_factory=dict)  # command id -> pids
@@ -57,8 +58,14 @@ class Plan:
 class Hold:
     """The daemon's hold: the mode, and the lock pool where the driver lock is available."""
 
-    def __init__(self, mode: str, freeze: str, state_dir: str, timeout: float,
-                 opener: Callable[[], tuple[Driver | None, str]] = open_driver) -> None:
+    def __init__(
+        self,
+        mode: str,
+        freeze: str,
+        state_dir: str,
+        timeout: float,
+        opener: Callable[[], tuple[Driver | None, str]] = open_driver,
+    ) -> None:
         self.mode = mode
         self.freeze = freeze
         self.timeout = timeout
@@ -112,10 +119,16 @@ class Hold:
 
     def status(self) -> dict[str, Any]:
         """For `krex status`: the mode, whether the driver lock can serve, and why (not)."""
-        return {"mode": self.mode, "freeze": self.freeze, "lock_available": self.pool is not None,
-                "reason": self.reason, "library": self.library, "driver_version": self.version,
-                "lock_timeout_s": self.timeout,
-                "stuck_calls": self.pool.stuck if self.pool is not None else 0}
+        return {
+            "mode": self.mode,
+            "freeze": self.freeze,
+            "lock_available": self.pool is not None,
+            "reason": self.reason,
+            "library": self.library,
+            "driver_version": self.version,
+            "lock_timeout_s": self.timeout,
+            "stuck_calls": self.pool.stuck if self.pool is not None else 0,
+        }
 
     def close(self) -> None:
         if self.pool is not None:
@@ -124,8 +137,10 @@ class Hold:
 
 # ------------------------------------------------------------------------- a region's hold steps
 
-async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
-                        pids: dict[str, list[int]], workers: Sequence[int] = ()) -> list[Command]:
+
+async def lock_commands(
+    hold: Hold, r: Region, cmds: list[Command], pids: dict[str, list[int]], workers: Sequence[int] = ()
+) -> list[Command]:
     """Lock the GPU-holding processes of `cmds`, and the pool `workers` outside any command, through
     the driver, in parallel, into `r` (locked_pids, locked_ids, pool_locked, the report); returns
     the commands to freeze instead, each with its reason in the report's hold_fallback (one of its
@@ -136,8 +151,7 @@ async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
     t0 = time.perf_counter()
     r.t_lock = r.t_lock or t0
     try:
-        res = await hold.pool.lock_many([p for c in cmds for p in pids[c.id]] + list(workers),
-                                        hold.timeout)
+        res = await hold.pool.lock_many([p for c in cmds for p in pids[c.id]] + list(workers), hold.timeout)
     except OSError as e:  # the lock record could not be written: nothing was locked
         rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
         rep.pool_unheld.update({p: f"lock record unwritable: {e}" for p in workers})
@@ -159,8 +173,7 @@ async def lock_commands(hold: Hold, r: Region, cmds: list[Command],
         bad = [res[p] for p in pids[c.id] if not res[p].ok]
         if any(not x.not_ready for x in bad):
             x = next(x for x in bad if not x.not_ready)
-            rep.hold_fallback[c.id] = (f"pid {x.pid} holds a GPU device file but was not "
-                                       f"locked: {x.error}")
+            rep.hold_fallback[c.id] = f"pid {x.pid} holds a GPU device file but was not locked: {x.error}"
             fallback.append(c)
             continue
         # Only NOT_READY: a context being created has nothing on the device, and a freeze would
@@ -181,8 +194,7 @@ RETRY_S = (0.001, 0.002, 0.004, 0.008, 0.016)
 RETRY_MAX_S = 0.02
 
 
-async def retry_late(hold: Hold, r: Region,
-                     freeze: Callable[[str], Awaitable[None]]) -> None:
+async def retry_late(hold: Hold, r: Region, freeze: Callable[[str], Awaitable[None]]) -> None:
     """Retry the lock on `r.late`'s pending processes until each is locked (into r.locked_pids,
     unlocked with the rest at release), has exited, or `r.late_stop` is set (the region ends).
     A retry that fails other than NOT_READY freezes that process's command into the region
@@ -213,8 +225,7 @@ async def retry_late(hold: Hold, r: Region,
         try:
             res = await hold.pool.lock_many([e.pid for e in live], hold.timeout)
         except OSError as err:  # the lock record could not be written: nothing was locked
-            res = {x.pid: LockResult(x.pid, False, 0.0, f"lock record unwritable: {err}")
-                   for x in live}
+            res = {x.pid: LockResult(x.pid, False, 0.0, f"lock record unwritable: {err}") for x in live}
         for e in live:
             x = res[e.pid]
             e.attempts += 1
@@ -222,8 +233,9 @@ async def retry_late(hold: Hold, r: Region,
                 e.outcome, e.after_s = "locked", time.perf_counter() - r.t_lock
                 r.locked_pids.append(e.pid)
                 r.report.locked_pids.append(e.pid)
-                log.info("late_locked", region=r.id, pid=e.pid, after_s=round(e.after_s, 4),
-                         attempts=e.attempts)
+                log.info(
+                    "late_locked", region=r.id, pid=e.pid, after_s=round(e.after_s, 4), attempts=e.attempts
+                )
             elif x.not_ready:
                 continue
             elif start_time(e.pid) != starts[e.pid]:
@@ -234,7 +246,8 @@ async def retry_late(hold: Hold, r: Region,
             else:
                 e.outcome = "frozen"
                 r.report.hold_fallback[e.command] = (
-                    f"pid {e.pid} answered CUDA_ERROR_NOT_READY, then was not locked: {x.error}")
+                    f"pid {e.pid} answered CUDA_ERROR_NOT_READY, then was not locked: {x.error}"
+                )
                 await freeze(e.command)
             if x.ok and not e.command:
                 r.report.pool_locked.append(e.pid)
@@ -255,8 +268,7 @@ async def stop_late(r: Region) -> None:
             e.outcome = "region-ended"
 
 
-async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group],
-                          timeout: float) -> list[Freeze]:
+async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group], timeout: float) -> list[Freeze]:
     """Freeze `groups` together. A group the freezer cannot stop within `timeout` (a thread in
     uninterruptible sleep: a hung FUSE or NFS read) is not a reason to refuse the region, which
     would refuse every region on the device for as long as it hangs: that sibling is left running
@@ -276,8 +288,9 @@ async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group],
     return []
 
 
-async def _freeze_one_by_one(backend: Backend, r: Region, groups: list[Group],
-                             timeout: float) -> list[Freeze]:
+async def _freeze_one_by_one(
+    backend: Backend, r: Region, groups: list[Group], timeout: float
+) -> list[Freeze]:
     out: list[Freeze] = []
     for g in groups:
         try:
@@ -296,8 +309,10 @@ def unheld(r: Region, g: Group, why: str) -> None:
         r.frozen_ids.remove(g.command_id)
     rep.unheld[g.command_id] = why
     rep.tainted = True
-    rep.taint.append(f"command {g.command_id} could not be held ({why.split('; its threads')[0]}):"
-                     " it ran on, fenced off the region cores")
+    rep.taint.append(
+        f"command {g.command_id} could not be held ({why.split('; its threads')[0]}):"
+        " it ran on, fenced off the region cores"
+    )
     log.warning("sibling_unheld", region=r.id, command=g.command_id, error=why)
 
 

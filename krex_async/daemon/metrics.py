@@ -93,50 +93,93 @@ class Metrics:
         if _prom is None:
             return
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self._commands = Gauge("krex_commands", "Commands now queued or running",
-                               ["state", "policy", "device"], registry=r)
-        self._started = Counter("krex_commands_started", "Commands started",
-                                ["policy", "device", "via"], registry=r)
-        self._ended = Counter("krex_commands_ended", "Commands ended, by final state",
-                              ["policy", "device", "state"], registry=r)
-        self._wall = Histogram("krex_command_wall_seconds", "Command wall-clock time",
-                               ["policy", "device"], buckets=_SLOW, registry=r)
-        self._held = Gauge("krex_regions_held", "Regions granted and not yet released", ["device"],
-                           registry=r)
-        self._enter = Histogram("krex_region_enter_seconds", "Region request to grant",
-                                ["device"], buckets=_FAST, registry=r)
-        self._freeze = Histogram("krex_region_freeze_seconds", "Freezing a region's siblings",
-                                 ["device"], buckets=_FAST, registry=r)
-        self._quiesce = Histogram("krex_region_quiesce_seconds", "Cooperative quiesce of siblings",
-                                  ["device"], buckets=_FAST, registry=r)
-        self._cores = Histogram("krex_region_cores_seconds", "Reserving region cores and fencing",
-                                ["device"], buckets=_FAST, registry=r)
-        self._hold = Histogram("krex_region_hold_seconds", "Region grant to release", ["device"],
-                               buckets=_SLOW, registry=r)
-        self._regions = Counter("krex_regions", "Regions ended, by outcome", ["device", "outcome"],
-                                registry=r)
-        self._drain = Counter("krex_region_drain", "How each region's drain ended",
-                              ["device", "drain"], registry=r)
-        self._strays = Counter("krex_strays", "GPU activity of non-owners during regions",
-                               ["device"], registry=r)
+        self._commands = Gauge(
+            "krex_commands", "Commands now queued or running", ["state", "policy", "device"], registry=r
+        )
+        self._started = Counter(
+            "krex_commands_started", "Commands started", ["policy", "device", "via"], registry=r
+        )
+        self._ended = Counter(
+            "krex_commands_ended", "Commands ended, by final state", ["policy", "device", "state"], registry=r
+        )
+        self._wall = Histogram(
+            "krex_command_wall_seconds",
+            "Command wall-clock time",
+            ["policy", "device"],
+            buckets=_SLOW,
+            registry=r,
+        )
+        self._held = Gauge(
+            "krex_regions_held", "Regions granted and not yet released", ["device"], registry=r
+        )
+        self._enter = Histogram(
+            "krex_region_enter_seconds", "Region request to grant", ["device"], buckets=_FAST, registry=r
+        )
+        self._freeze = Histogram(
+            "krex_region_freeze_seconds",
+            "Freezing a region's siblings",
+            ["device"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self._quiesce = Histogram(
+            "krex_region_quiesce_seconds",
+            "Cooperative quiesce of siblings",
+            ["device"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self._cores = Histogram(
+            "krex_region_cores_seconds",
+            "Reserving region cores and fencing",
+            ["device"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self._hold = Histogram(
+            "krex_region_hold_seconds", "Region grant to release", ["device"], buckets=_SLOW, registry=r
+        )
+        self._regions = Counter(
+            "krex_regions", "Regions ended, by outcome", ["device", "outcome"], registry=r
+        )
+        self._drain = Counter(
+            "krex_region_drain", "How each region's drain ended", ["device", "drain"], registry=r
+        )
+        self._strays = Counter(
+            "krex_strays", "GPU activity of non-owners during regions", ["device"], registry=r
+        )
         self._lost = Counter("krex_probe_lost_events", "Probe events the kernel dropped", registry=r)
-        self._pool = Gauge("krex_pool_workers", "Context pool workers", ["device", "state"],
-                           registry=r)
-        self._pool_retired = Counter("krex_pool_retired", "Context pool workers retired",
-                                     ["device"], registry=r)
-        self._pool_start = Histogram("krex_pool_start_seconds", "Command start latency via the pool",
-                                     ["device"], buckets=_FAST, registry=r)
-        self._util_ratio = Gauge("krex_device_utilization_ratio",
-                                 "Device utilisation, 0-1 (the vendor's recent busy fraction)",
-                                 ["device"], registry=r)
-        self._util = Gauge("krex_device_utilization_percent",
-                           "Device utilisation in percent (deprecated: use "
-                           "krex_device_utilization_ratio)", ["device"], registry=r)
-        self._device_info = Gauge("krex_device_info", "A device of this node, with the labels "
-                                  "dcgm-exporter uses (gpu, UUID, modelName) to join with it",
-                                  ["device", "gpu", "UUID", "modelName", "vendor"], registry=r)
-        self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"],
-                           registry=r)
+        self._pool = Gauge("krex_pool_workers", "Context pool workers", ["device", "state"], registry=r)
+        self._pool_retired = Counter(
+            "krex_pool_retired", "Context pool workers retired", ["device"], registry=r
+        )
+        self._pool_start = Histogram(
+            "krex_pool_start_seconds",
+            "Command start latency via the pool",
+            ["device"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self._util_ratio = Gauge(
+            "krex_device_utilization_ratio",
+            "Device utilisation, 0-1 (the vendor's recent busy fraction)",
+            ["device"],
+            registry=r,
+        )
+        self._util = Gauge(
+            "krex_device_utilization_percent",
+            "Device utilisation in percent (deprecated: use krex_device_utilization_ratio)",
+            ["device"],
+            registry=r,
+        )
+        self._device_info = Gauge(
+            "krex_device_info",
+            "A device of this node, with the labels "
+            "dcgm-exporter uses (gpu, UUID, modelName) to join with it",
+            ["device", "gpu", "UUID", "modelName", "vendor"],
+            registry=r,
+        )
+        self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"], registry=r)
 
     # ------------------------------------------------------------------------------- commands
 
@@ -164,8 +207,16 @@ class Metrics:
         self._commands.labels("running", policy, device).inc()
         self._started.labels(policy, device, via).inc()
 
-    def command_ended(self, policy: str, state: str, wall_s: float, command: str = "", *,
-                      started: bool = True, device: str = "none") -> None:
+    def command_ended(
+        self,
+        policy: str,
+        state: str,
+        wall_s: float,
+        command: str = "",
+        *,
+        started: bool = True,
+        device: str = "none",
+    ) -> None:
         """A command ended in `state` (exited, signaled, timeout, cancelled, shutdown, failed) on
         `device` ("none" for a command without one). `started=False` for one that never ran
         (cancelled while queued, failed to spawn)."""
@@ -179,8 +230,9 @@ class Metrics:
 
     # -------------------------------------------------------------------------------- regions
 
-    def region_entered(self, device: str, enter_s: float, freeze_s: float, cores_s: float,
-                       quiesce_s: float) -> None:
+    def region_entered(
+        self, device: str, enter_s: float, freeze_s: float, cores_s: float, quiesce_s: float
+    ) -> None:
         """A region was granted, with what each step of entering cost."""
         if not self.available:
             return
@@ -190,8 +242,9 @@ class Metrics:
         self._cores.labels(device).observe(cores_s)
         self._quiesce.labels(device).observe(quiesce_s)
 
-    def region_released(self, device: str, held_s: float, outcome: str, drain: str, *,
-                        granted: bool = True) -> None:
+    def region_released(
+        self, device: str, held_s: float, outcome: str, drain: str, *, granted: bool = True
+    ) -> None:
         """A region ended (every region, granted or not: `granted=False` for refused or withdrawn)."""
         if not self.available:
             return
@@ -217,8 +270,9 @@ class Metrics:
 
     # -------------------------------------------------------------------------- pool, devices
 
-    def pool(self, device: str, warm: int, busy: int, retired: int,
-             start_latency_s: float | None = None) -> None:
+    def pool(
+        self, device: str, warm: int, busy: int, retired: int, start_latency_s: float | None = None
+    ) -> None:
         """The pool's state on `device`: workers warm and busy now, `retired` its running total
         (exported as a counter from the increases), and one start latency if a command just started."""
         if not self.available:
@@ -250,9 +304,11 @@ class Metrics:
         bound (host, port). Raises MetricsUnavailable without prometheus-client, ValueError for a bad
         address, OSError when the port cannot be bound."""
         if _prom is None:
-            raise MetricsUnavailable(f"--metrics needs prometheus-client ({_IMPORT_ERROR}); install "
-                                     "it with `pip install 'krex[metrics]'` or "
-                                     "`pip install prometheus-client`")
+            raise MetricsUnavailable(
+                f"--metrics needs prometheus-client ({_IMPORT_ERROR}); install "
+                "it with `pip install 'krex[metrics]'` or "
+                "`pip install prometheus-client`"
+            )
         host, port = parse_addr(addr)
         self.server, self.thread = _prom.start_http_server(port, addr=host, registry=self.registry)
         bound = self.server.server_address

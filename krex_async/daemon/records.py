@@ -141,8 +141,9 @@ class Records:
                 log.warning("record_damaged", path=path, error=str(e))
                 self._unlink(path)
                 continue
-            if (rec.daemon_pid, rec.daemon_ticks) == self.me or \
-                    start_ticks(rec.daemon_pid) == rec.daemon_ticks:
+            if (rec.daemon_pid, rec.daemon_ticks) == self.me or start_ticks(
+                rec.daemon_pid
+            ) == rec.daemon_ticks:
                 continue
             out.append(rec)
         return sorted(out, key=lambda r: r.started_at)
@@ -180,8 +181,11 @@ def leftover_pids(rec: Record) -> list[int]:
         mine.add(rec.pid)
     grew = True
     while grew:  # descendants of what is already found
-        new = {p for p, (ppid, _, ticks) in procs.items()
-               if ppid in mine and p not in mine and ticks >= rec.start_ticks}
+        new = {
+            p
+            for p, (ppid, _, ticks) in procs.items()
+            if ppid in mine and p not in mine and ticks >= rec.start_ticks
+        }
         mine |= new
         grew = bool(new)
     return sorted(mine)
@@ -223,5 +227,4 @@ async def end_lost(backend: Backend, rec: Record, timeout: float = 3.0) -> tuple
         await asyncio.sleep(0.02)
     if pids:
         return f"processes {pids} still alive {timeout} s after SIGKILL", pids
-    return (f"killed {killed} process(es) of session {rec.pid}" if killed
-            else "no processes left"), []
+    return (f"killed {killed} process(es) of session {rec.pid}" if killed else "no processes left"), []

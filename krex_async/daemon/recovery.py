@@ -44,26 +44,45 @@ log = logs.get("krex.recovery")
 def _command(core: Core, rec: Record) -> Command:
     device = next((d for d in core.devices if d.key == rec.device), None)
     spec = P.Submit(id=0, argv=rec.argv, label=rec.label, device=rec.device if device else "none")
-    cmd = Command(id=rec.id, spec=spec, uid=rec.uid, gid=rec.gid, device=device,
-                  policy=_policy(rec.policy), tail_limit=core.config.output_tail)
+    cmd = Command(
+        id=rec.id,
+        spec=spec,
+        uid=rec.uid,
+        gid=rec.gid,
+        device=device,
+        policy=_policy(rec.policy),
+        tail_limit=core.config.output_tail,
+    )
     cmd.state = CommandState.ENDED
     cmd.done.set()
-    late = [(tail, path) for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool))
-            if path and not _load(tail, path)]
+    late = [
+        (tail, path)
+        for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool))
+        if path and not _load(tail, path)
+    ]
     if late:
         log.warning("spool_leased", command=rec.id, paths=[p for _, p in late])
-        core.track(asyncio.get_running_loop().create_task(_load_later(late),
-                                                            name=f"spool-tail-{rec.id}"))
+        core.track(asyncio.get_running_loop().create_task(_load_later(late), name=f"spool-tail-{rec.id}"))
     if rec.report is not None:
         cmd.report = rec.report
         return cmd
     now = time.time()
     cmd.report = P.CommandReport(
-        command=rec.id, argv=list(rec.argv), device=rec.device, policy=rec.policy, state="lost",
-        started_at=rec.started_at, ended_at=now, wall_s=max(0.0, now - rec.started_at),
-        label=rec.label, stdout_bytes=cmd.out.total, stderr_bytes=cmd.err.total,
-        stdout_spool=rec.stdout_spool, stderr_spool=rec.stderr_spool,
-        error=f"the daemon that ran it stopped (pid {rec.daemon_pid}); its processes were ended")
+        command=rec.id,
+        argv=list(rec.argv),
+        device=rec.device,
+        policy=rec.policy,
+        state="lost",
+        started_at=rec.started_at,
+        ended_at=now,
+        wall_s=max(0.0, now - rec.started_at),
+        label=rec.label,
+        stdout_bytes=cmd.out.total,
+        stderr_bytes=cmd.err.total,
+        stdout_spool=rec.stdout_spool,
+        stderr_spool=rec.stderr_spool,
+        error=f"the daemon that ran it stopped (pid {rec.daemon_pid}); its processes were ended",
+    )
     return cmd
 
 
@@ -113,8 +132,14 @@ def recover(core: Core, forget: Callable[[Command], None]) -> list[Command]:
         assert cmd.report is not None
         age = time.time() - (cmd.report.ended_at or time.time())
         loop.call_later(max(0.0, core.config.retention - age), forget, cmd)
-        log.info("recovered", command=cmd.id, state=cmd.report.state, uid=cmd.uid,
-                 daemon_pid=rec.daemon_pid, stdout_bytes=cmd.out.total)
+        log.info(
+            "recovered",
+            command=cmd.id,
+            state=cmd.report.state,
+            uid=cmd.uid,
+            daemon_pid=rec.daemon_pid,
+            stdout_bytes=cmd.out.total,
+        )
         if rec.report is None:  # the report is written once what is left has been ended
             core.track(loop.create_task(_end(core, rec, cmd), name=f"end-lost-{rec.id}"))
     if core.spool is not None and core.spool.limit > 0:

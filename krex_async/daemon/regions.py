@@ -63,16 +63,36 @@ class Regions:
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
 
-    def create(self, cmd: Command, req: P.RegionEnter, pid: int, send: Callable[[P.Msg], bool],
-               ) -> Region:
+    def create(
+        self,
+        cmd: Command,
+        req: P.RegionEnter,
+        pid: int,
+        send: Callable[[P.Msg], bool],
+    ) -> Region:
         rid = f"{cmd.id}.{len(cmd.regions) + 1}"
-        report = P.RegionReport(region=rid, name=req.name, device=cmd.device_key or "none", pid=pid,
-                                policy=self.core.scheduler.policy.value, requested_at=time.time())
+        report = P.RegionReport(
+            region=rid,
+            name=req.name,
+            device=cmd.device_key or "none",
+            pid=pid,
+            policy=self.core.scheduler.policy.value,
+            requested_at=time.time(),
+        )
         cmd.regions.append(report)
         loop = asyncio.get_running_loop()
-        r = Region(id=rid, command=cmd, device=cmd.device_key or "none", pid=pid, send=send,
-                   req_id=req.id, request=req, report=report, turn=loop.create_future(),
-                   ended=loop.create_future())
+        r = Region(
+            id=rid,
+            command=cmd,
+            device=cmd.device_key or "none",
+            pid=pid,
+            send=send,
+            req_id=req.id,
+            request=req,
+            report=report,
+            turn=loop.create_future(),
+            ended=loop.create_future(),
+        )
         self.active[rid] = r
         r.task = loop.create_task(self.run(r), name=f"region-{rid}")
         self.core.track(r.task)
@@ -115,18 +135,24 @@ class Regions:
                 granted = True
                 if self.core.attributor is not None:
                     self.core.attributor.region_granted(r)
-                self.core.metrics.region_entered(r.device, rep.enter_s, rep.freeze_s, rep.cores_s,
-                                              rep.quiesce_s)
+                self.core.metrics.region_entered(
+                    r.device, rep.enter_s, rep.freeze_s, rep.cores_s, rep.quiesce_s
+                )
                 t_held = time.perf_counter()
-                r.send(P.RegionGranted(id=r.req_id, report=rep,
-                                       drain_timeout=self.core.config.drain_timeout,
-                                       warm_ms=self.clock.warm_ms(r)))
+                r.send(
+                    P.RegionGranted(
+                        id=r.req_id,
+                        report=rep,
+                        drain_timeout=self.core.config.drain_timeout,
+                        warm_ms=self.clock.warm_ms(r),
+                    )
+                )
             if self.core.attributor is not None:
                 self.core.attributor.counts_snapshot(r)
-            self.core.trace("region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen,
-                         pool_wait_s=rep.pool_wait_s)
-            timer = asyncio.get_running_loop().call_later(self.core.config.region_timeout,
-                                                          r.end, "expired")
+            self.core.trace(
+                "region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen, pool_wait_s=rep.pool_wait_s
+            )
+            timer = asyncio.get_running_loop().call_later(self.core.config.region_timeout, r.end, "expired")
             try:
                 reason = await asyncio.shield(r.ended)
             finally:
@@ -159,16 +185,25 @@ class Regions:
                 turn = self.active[nxt].turn
                 if turn is not None and not turn.done():
                     turn.set_result(None)
-            self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain,
-                                           granted=granted)
+            self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain, granted=granted)
             self.core.metrics.strays(r.device, rep.strays)
             self._tell_owner(r, granted)
             self.core.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
-            log_.info("region", name=rep.name, outcome=rep.outcome, wait_s=round(rep.wait_s, 6),
-                      quiesce_s=round(rep.quiesce_s, 6), freeze_s=round(rep.freeze_s, 6),
-                      cores_s=round(rep.cores_s, 6), enter_s=round(rep.enter_s, 6),
-                      held_s=round(rep.held_s, 6), exit_s=round(rep.exit_s, 6),
-                      frozen=len(rep.frozen), cores=rep.cores, drain=rep.drain)
+            log_.info(
+                "region",
+                name=rep.name,
+                outcome=rep.outcome,
+                wait_s=round(rep.wait_s, 6),
+                quiesce_s=round(rep.quiesce_s, 6),
+                freeze_s=round(rep.freeze_s, 6),
+                cores_s=round(rep.cores_s, 6),
+                enter_s=round(rep.enter_s, 6),
+                held_s=round(rep.held_s, 6),
+                exit_s=round(rep.exit_s, 6),
+                frozen=len(rep.frozen),
+                cores=rep.cores,
+                drain=rep.drain,
+            )
 
     def _tell_owner(self, r: Region, granted: bool) -> None:
         rep = r.report
@@ -204,9 +239,14 @@ class Regions:
         a region there would hold now (and why not by the lock)."""
         st: dict[str, object] = dict(self.hold.status())
         probes = self.core.attributor is not None
-        st["devices"] = {d.key: {"hold": (how := self.hold.how(d.vendor))[0], "why": how[1],
-                                 "freeze": self.hold.who(d.vendor, probes)}
-                         for d in self.core.devices}
+        st["devices"] = {
+            d.key: {
+                "hold": (how := self.hold.how(d.vendor))[0],
+                "why": how[1],
+                "freeze": self.hold.who(d.vendor, probes),
+            }
+            for d in self.core.devices
+        }
         return st
 
     def _who(self, r: Region) -> str:
@@ -240,10 +280,12 @@ class Regions:
             r.paused_pool = True
         t_select = time.perf_counter()
         targets = self._targets(r)
-        plan = self.hold.plan(self.core.device(r.device).vendor,
-                              {c.id: self.drain.gpu_pids(c) for c in targets}
-                              if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
-                              else {c.id: [] for c in targets})
+        plan = self.hold.plan(
+            self.core.device(r.device).vendor,
+            {c.id: self.drain.gpu_pids(c) for c in targets}
+            if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
+            else {c.id: [] for c in targets},
+        )
         locking = [c for c in targets if c.id in plan.to_lock]
         freezing = [c for c in targets if c.id not in plan.to_lock]
         workers = self._pool_workers(r, plan.how, plan.to_lock)
@@ -265,8 +307,11 @@ class Regions:
         own = r.command.group if r.request.freeze_own_children else None
         own_first = own is not None and any(p != r.pid for p in backend.pids(own))
         t0 = time.perf_counter()
-        lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers)) \
-            if locking or workers else None
+        lock = (
+            asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
+            if locking or workers
+            else None
+        )
         self.drain.send(r, asked)
         early = asyncio.ensure_future(self._freeze_some(r, now)) if now else None
         cores = None if own_first else asyncio.ensure_future(self.cores.reserve(r))
@@ -285,8 +330,7 @@ class Regions:
             if lock is not None:
                 fallback = await asyncio.shield(lock)  # a lock in flight is never abandoned
                 if fallback:  # frozen after all: no quiesce, the owner verifies the drain
-                    groups = [c.group for c in fallback
-                              if c.group is not None and not c.group.frozen]
+                    groups = [c.group for c in fallback if c.group is not None and not c.group.frozen]
                     r.frozen.extend(groups)
                     r.frozen_ids.extend(c.id for c in fallback)
                     results += await self._freeze_some(r, groups)
@@ -297,8 +341,14 @@ class Regions:
             rep.freeze_s = t2 - t1
             rep.frozen = list(r.frozen_ids)
             rep.frozen_pids = sum(x.pids for x in results)
-            self.core.trace("freeze", r, seconds=rep.freeze_s, groups=len(r.frozen),
-                         pids=rep.frozen_pids, locked=len(r.locked_pids))
+            self.core.trace(
+                "freeze",
+                r,
+                seconds=rep.freeze_s,
+                groups=len(r.frozen),
+                pids=rep.frozen_pids,
+                locked=len(r.locked_pids),
+            )
             if cores is None:
                 cores = asyncio.ensure_future(self.cores.reserve(r))
             await cores
@@ -307,16 +357,19 @@ class Regions:
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
             held = set(r.frozen_ids) | set(r.locked_ids)
-            rep.fenced = [cid for cid in self.core.scheduler.siblings(r.device, r.command.id)
-                          if cid not in held and (c := self.core.commands.get(cid)) is not None
-                          and c.state == CommandState.RUNNING]
+            rep.fenced = [
+                cid
+                for cid in self.core.scheduler.siblings(r.device, r.command.id)
+                if cid not in held
+                and (c := self.core.commands.get(cid)) is not None
+                and c.state == CommandState.RUNNING
+            ]
             rep.drain = self.drain.check(r, targets, results)
             await self.clock.settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None:
                 rep.pool_wait_s = await quiet
                 # a context creation that was in flight has ended: that worker is held too
-                more = [p for p in self._pool_workers(r, plan.how, plan.to_lock)
-                        if p not in workers]
+                more = [p for p in self._pool_workers(r, plan.how, plan.to_lock) if p not in workers]
                 if more:
                     workers += more
                     lock2 = asyncio.ensure_future(self._lock(r, [], {}, more))
@@ -328,8 +381,7 @@ class Regions:
                     task.cancel()
             # never cancelled: a lock in flight must land in r.locked_pids, or be undone, before
             # _release runs (LockPool.lock_many is bounded)
-            await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None),
-                                 return_exceptions=True)
+            await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
             raise
 
     def _pool_workers(self, r: Region, how: str, to_lock: dict[str, list[int]]) -> list[int]:
@@ -342,29 +394,44 @@ class Regions:
         # a warm worker's context is known: no /proc reading of its many fds on the entry path
         return [p for p, ctx in pool.outside() if p not in taken and (ctx or holds_gpu_file(p))]
 
-    async def _lock(self, r: Region, cmds: list[Command], pids: dict[str, list[int]],
-                    workers: list[int] | None = None) -> list[Command]:
+    async def _lock(
+        self, r: Region, cmds: list[Command], pids: dict[str, list[int]], workers: list[int] | None = None
+    ) -> list[Command]:
         fallback = await lock_commands(self.hold, r, cmds, pids, workers or ())
-        self.core.trace("lock", r, seconds=r.report.lock_s, pids=len(r.locked_pids),
-                     fallback=len(fallback), late=len(r.late))
+        self.core.trace(
+            "lock",
+            r,
+            seconds=r.report.lock_s,
+            pids=len(r.locked_pids),
+            fallback=len(fallback),
+            late=len(r.late),
+        )
         self._start_late(r)
         return fallback
 
     def _start_late(self, r: Region) -> None:
         """Retry the lock on the processes that answered NOT_READY, behind the grant. Not one of
         the core's tracked tasks: only _release ends it (stop_late), after its lock call landed."""
-        if r.late_task is not None and not r.late_task.done() or \
-                not any(e.outcome == "pending" for e in r.late.values()):
+        if (
+            r.late_task is not None
+            and not r.late_task.done()
+            or not any(e.outcome == "pending" for e in r.late.values())
+        ):
             return
         r.late_stop = r.late_stop or asyncio.Event()
         r.late_task = asyncio.get_running_loop().create_task(
-            retry_late(self.hold, r, lambda cid: self._freeze_late_lock(r, cid)),
-            name=f"late-lock-{r.id}")
+            retry_late(self.hold, r, lambda cid: self._freeze_late_lock(r, cid)), name=f"late-lock-{r.id}"
+        )
 
     async def _freeze_late_lock(self, r: Region, cid: str) -> None:
         cmd = self.core.commands.get(cid)
-        if cmd is not None and cmd.group is not None and cmd.state == CommandState.RUNNING \
-                and not cmd.group.frozen and cid not in r.frozen_ids:
+        if (
+            cmd is not None
+            and cmd.group is not None
+            and cmd.state == CommandState.RUNNING
+            and not cmd.group.frozen
+            and cid not in r.frozen_ids
+        ):
             await self._freeze_into(r, cmd, cmd.group, "late_lock")
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
@@ -377,15 +444,23 @@ class Regions:
         """`todo` less the commands a region could not freeze before and that still have a thread
         in uninterruptible sleep: each would cost this region a whole --freeze-timeout for the
         same answer. They are left unheld at once, the region tainted."""
-        self.hung = {cid: t for cid, t in self.hung.items()
-                     if (c := self.core.commands.get(cid)) is not None and c.state == CommandState.RUNNING}
+        self.hung = {
+            cid: t
+            for cid, t in self.hung.items()
+            if (c := self.core.commands.get(cid)) is not None and c.state == CommandState.RUNNING
+        }
         out = []
         for c in todo:
-            stuck = d_state(self.core.backend.pids(c.group)) if c.id in self.hung and \
-                c.group is not None else []
+            stuck = (
+                d_state(self.core.backend.pids(c.group)) if c.id in self.hung and c.group is not None else []
+            )
             if stuck and c.group is not None:
-                unheld(r, c.group, f"still in uninterruptible sleep, as when a freeze last failed "
-                                   f"(not tried again): {', '.join(stuck)}")
+                unheld(
+                    r,
+                    c.group,
+                    f"still in uninterruptible sleep, as when a freeze last failed "
+                    f"(not tried again): {', '.join(stuck)}",
+                )
             else:
                 out.append(c)
         return out
@@ -431,16 +506,20 @@ class Regions:
             return
         assert self.core.attributor is not None
         cmd = self.core.attributor.command_of(ev)
-        if cmd is None or cmd is r.command or cmd.device_key != r.device or cmd.group is None \
-                or cmd.group.frozen:
+        if (
+            cmd is None
+            or cmd is r.command
+            or cmd.device_key != r.device
+            or cmd.group is None
+            or cmd.group.frozen
+        ):
             return
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
         late = r.late.get(ev.tgid)
         if late is not None and late.outcome in ("pending", "locked"):
             return  # creating its context opens the GPU's files: the lock retry holds it
-        self.core.track(asyncio.get_running_loop().create_task(
-            self._freeze_into(r, cmd, cmd.group, "late")))
+        self.core.track(asyncio.get_running_loop().create_task(self._freeze_into(r, cmd, cmd.group, "late")))
 
     def current_on(self, device: str) -> Region | None:
         """The region isolating or held on `device` that a command may still join."""
@@ -466,11 +545,9 @@ class Regions:
             return
         if admitted is not None:
             await self.core.backend.thaw(group)
-        if current is None or cmd.id in current.frozen_ids or \
-                not self._freezes_starts(current.device):
+        if current is None or cmd.id in current.frozen_ids or not self._freezes_starts(current.device):
             return
-        task = asyncio.get_running_loop().create_task(
-            self._freeze_into(current, cmd, group, "join"))
+        task = asyncio.get_running_loop().create_task(self._freeze_into(current, cmd, group, "join"))
         current.joins.append(task)
         await task
 
@@ -530,8 +607,12 @@ class Regions:
         """Whether a warm worker may not be handed a command starting now on `device`: a region
         there holds GPU holders only (device-holders) and would not hold the worker's context."""
         r = self.current_on(device)
-        return r is not None and r.command is not cmd and self._who(r) == "device-holders" \
+        return (
+            r is not None
+            and r.command is not cmd
+            and self._who(r) == "device-holders"
             and not self.workers_held(r)
+        )
 
     def admit_frozen(self, cmd: Command) -> Region | None:
         """A command starting on a device whose region is held lands frozen: the region it joins.
@@ -546,6 +627,7 @@ class Regions:
         or command policies, nor --freeze device-holders, which freezes on a GPU open instead)."""
         if not self.core.scheduler.isolates():
             return False
-        return self.hold.who(self.core.device(device).vendor, self.core.attributor is not None) != \
-            "device-holders"
-
+        return (
+            self.hold.who(self.core.device(device).vendor, self.core.attributor is not None)
+            != "device-holders"
+        )

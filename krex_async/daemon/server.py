@@ -63,14 +63,14 @@ class Connection:
     """One peer. `send()` never blocks the loop: past `max_buffer` unsent bytes the peer is dropped
     as a slow consumer (with the reason logged) instead of growing memory without bound."""
 
-    def __init__(self, server: Server, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.server = server
         self.reader = reader
         self.writer = writer
         sock = writer.get_extra_info("socket")
         self.pid, self.uid, self.gid = _CREDS.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+        )
         # Root and members of --admin-group act on every command; everyone else on their own.
         self.admin = server.is_admin(self.uid, self.gid)
         # The daemon recognises a connection's subscriptions by the identity of its send function
@@ -100,8 +100,10 @@ class Connection:
         if unsent > cfg.max_conn_buffer:
             self.drop(f"slow consumer: more than {cfg.max_conn_buffer} bytes unread")
         elif unsent > _SUM_ABOVE and self.server.unsent_total() > cfg.max_buffered_total:
-            self.drop(f"slow consumer: {unsent} bytes unread while all connections together "
-                      f"hold more than {cfg.max_buffered_total}")
+            self.drop(
+                f"slow consumer: {unsent} bytes unread while all connections together "
+                f"hold more than {cfg.max_buffered_total}"
+            )
         return True
 
     def drop(self, reason: str) -> None:
@@ -120,14 +122,16 @@ class Connection:
         try:
             while not self.closed:
                 try:
-                    body = await P.read_frame(self.reader, cfg.max_frame, cfg.read_timeout,
-                                              self.server.inbound)
+                    body = await P.read_frame(
+                        self.reader, cfg.max_frame, cfg.read_timeout, self.server.inbound
+                    )
                 except P.FrameError as e:
                     self.error(0, "bad_frame", str(e))
                     break
                 except TimeoutError:
-                    self.error(0, "bad_frame", f"frame not received within {cfg.read_timeout} s "
-                                                  "of its first byte")
+                    self.error(
+                        0, "bad_frame", f"frame not received within {cfg.read_timeout} s of its first byte"
+                    )
                     break
                 if body is None:
                     break
@@ -159,16 +163,26 @@ class Connection:
             match req:
                 case P.Hello():
                     if req.version != P.PROTOCOL_VERSION:
-                        self.error(req.id, "version", f"protocol version {req.version} is not "
-                                                      f"supported (this daemon speaks "
-                                                      f"{P.PROTOCOL_VERSION})")
+                        self.error(
+                            req.id,
+                            "version",
+                            f"protocol version {req.version} is not "
+                            f"supported (this daemon speaks "
+                            f"{P.PROTOCOL_VERSION})",
+                        )
                         return
                     self.greeted = True
-                    self.send(P.Welcome(id=req.id, version=P.PROTOCOL_VERSION, server="krex",
-                                        policy=daemon.scheduler.policy.value, uid=self.uid))
+                    self.send(
+                        P.Welcome(
+                            id=req.id,
+                            version=P.PROTOCOL_VERSION,
+                            server="krex",
+                            policy=daemon.scheduler.policy.value,
+                            uid=self.uid,
+                        )
+                    )
                 case P.Submit():
-                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send,
-                                                           admin=self.admin))
+                    self._spawn(req.id, daemon.submit(req, self.uid, self.gid, self.send, admin=self.admin))
                 case P.Attach():
                     daemon.attach(req, self.acting_uid, self.send)
                 case P.StdinData():
@@ -192,8 +206,9 @@ class Connection:
                     daemon.send_timeline(req, self.send, None if self.admin else self._visible)
                 case P.Subscribe():
                     send = self.send if self.admin else self._send_own
-                    daemon.tracers.append((send if req.probes else
-                                           _no_probes(send, lambda: not self.gone), req.id))
+                    daemon.tracers.append(
+                        (send if req.probes else _no_probes(send, lambda: not self.gone), req.id)
+                    )
                     self.send(P.Ok(id=req.id))
         except RequestError as e:
             self.error(req.id, e.code, str(e))
@@ -243,10 +258,12 @@ class Connection:
 def _no_probes(send: Any, alive: Any) -> Any:
     """A trace subscriber that asked for no probe events (Subscribe.probes false): strays, which
     belong to a region's story, still reach it."""
+
     def send_some(msg: P.Msg) -> bool:
         if isinstance(msg, P.TraceEvent) and msg.kind == "probe":
             return bool(alive())
         return bool(send(msg))
+
     return send_some
 
 
@@ -276,22 +293,31 @@ def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:
 
     devices = []
     for d in status["devices"]:
-        d = dict(d, commands=[c for c in d["commands"] if c in own],
-                 other_commands=sum(c not in own for c in d["commands"]),
-                 queued=[q for q in d["queued"] if own_id(q)],
-                 holder=d["holder"] if d["holder"] is None or own_id(d["holder"]) else "other")
+        d = dict(
+            d,
+            commands=[c for c in d["commands"] if c in own],
+            other_commands=sum(c not in own for c in d["commands"]),
+            queued=[q for q in d["queued"] if own_id(q)],
+            holder=d["holder"] if d["holder"] is None or own_id(d["holder"]) else "other",
+        )
         r = d.get("region")
         if r is not None and r.get("command") not in own:
-            d["region"] = {"region": "other", "name": "", "command": "other user", "pid": None,
-                           "state": r.get("state"), "cores": r.get("cores", []),
-                           "frozen": [f for f in r.get("frozen", []) if f in own]}
+            d["region"] = {
+                "region": "other",
+                "name": "",
+                "command": "other user",
+                "pid": None,
+                "state": r.get("state"),
+                "cores": r.get("cores", []),
+                "frozen": [f for f in r.get("frozen", []) if f in own],
+            }
         devices.append(d)
-    return dict(status, devices=devices, commands=mine,
-                other_commands=len(status["commands"]) - len(mine))
+    return dict(status, devices=devices, commands=mine, other_commands=len(status["commands"]) - len(mine))
 
 
-async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str,
-                  **why: object) -> None:
+async def _refuse(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str, **why: object
+) -> None:
     """Answer a connection over a limit with a 'busy' error, then close it (logged with `why`)."""
     log.warning("connection_refused", **why)
     writer.write(P.encode(P.Error(id=0, code="busy", message=message)))
@@ -410,15 +436,18 @@ class Server:
 
     def unsent_total(self) -> int:
         """Bytes queued for all peers (summed only when one peer already holds over 1 MiB)."""
-        return sum(c.writer.transport.get_write_buffer_size() for c in self.connections
-                   if not c.closed)
+        return sum(c.writer.transport.get_write_buffer_size() for c in self.connections if not c.closed)
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         cfg = self.config
         if len(self.connections) >= cfg.max_connections:
-            await _refuse(reader, writer, f"the daemon has {cfg.max_connections} connections open "
-                                          "(--max-connections)",
-                          reason="too many connections", limit=cfg.max_connections)
+            await _refuse(
+                reader,
+                writer,
+                f"the daemon has {cfg.max_connections} connections open (--max-connections)",
+                reason="too many connections",
+                limit=cfg.max_connections,
+            )
             return
         try:
             conn = Connection(self, reader, writer)
@@ -426,12 +455,19 @@ class Server:
             log.warning("connection_refused", error=repr(e))
             writer.transport.abort()
             return
-        if not conn.admin and sum(c.uid == conn.uid for c in self.connections) >= \
-                cfg.max_connections_per_user:
-            await _refuse(reader, writer, f"uid {conn.uid} has {cfg.max_connections_per_user} "
-                                          "connections open (--max-connections-per-user)",
-                          reason="too many connections of one user", uid=conn.uid,
-                          limit=cfg.max_connections_per_user)
+        if (
+            not conn.admin
+            and sum(c.uid == conn.uid for c in self.connections) >= cfg.max_connections_per_user
+        ):
+            await _refuse(
+                reader,
+                writer,
+                f"uid {conn.uid} has {cfg.max_connections_per_user} "
+                "connections open (--max-connections-per-user)",
+                reason="too many connections of one user",
+                uid=conn.uid,
+                limit=cfg.max_connections_per_user,
+            )
             return
         self.connections.add(conn)
         try:
@@ -446,16 +482,27 @@ class Server:
         sock = bind_socket(cfg.socket, cfg.socket_group)
         # backlog: start_unix_server re-listens with its own (default 100), which a storm of
         # connects overflows; the kernel caps this at net.core.somaxconn.
-        server = await asyncio.start_unix_server(self.on_connect, sock=sock, limit=READ_LIMIT,
-                                                 backlog=LISTEN_BACKLOG)
+        server = await asyncio.start_unix_server(
+            self.on_connect, sock=sock, limit=READ_LIMIT, backlog=LISTEN_BACKLOG
+        )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        log.info("serving", socket=cfg.socket, policy=cfg.policy.value, isolation=self.daemon.backend.name,
-                 isolation_reason=self.daemon.backend.reason, pid=os.getpid(),
-                 devices=[d.key for d in self.daemon.devices], region_cores=cfg.region_cores,
-                 freeze=cfg.freeze, nofile=nofile)
-        print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation "
-              f"{self.daemon.backend.name})", flush=True)
+        log.info(
+            "serving",
+            socket=cfg.socket,
+            policy=cfg.policy.value,
+            isolation=self.daemon.backend.name,
+            isolation_reason=self.daemon.backend.reason,
+            pid=os.getpid(),
+            devices=[d.key for d in self.daemon.devices],
+            region_cores=cfg.region_cores,
+            freeze=cfg.freeze,
+            nofile=nofile,
+        )
+        print(
+            f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation {self.daemon.backend.name})",
+            flush=True,
+        )
         sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")
         watchdog = loop.create_task(sdnotify.watchdog_loop(), name="sd-watchdog")
         try:
@@ -463,16 +510,17 @@ class Server:
         finally:
             sdnotify.notify("STOPPING=1")
             watchdog.cancel()
-            log.info("shutting_down", commands=sum(c.state != CommandState.ENDED
-                                                   for c in self.daemon.commands.values()))
+            log.info(
+                "shutting_down",
+                commands=sum(c.state != CommandState.ENDED for c in self.daemon.commands.values()),
+            )
             server.close()
             await self.daemon.shutdown()
             # Let the last reports reach their agents, then close everyone.
             deadline = time.monotonic() + 2
             for conn in list(self.connections):
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.writer.drain(),
-                                           max(0.01, deadline - time.monotonic()))
+                    await asyncio.wait_for(conn.writer.drain(), max(0.01, deadline - time.monotonic()))
                 conn.writer.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cfg.socket)
@@ -480,8 +528,9 @@ class Server:
         return 0
 
 
-def is_krex_process(daemon: Daemon, attributor: Attributor, tgid: int,
-                cgroup_root: str | None = None) -> bool:
+def is_krex_process(
+    daemon: Daemon, attributor: Attributor, tgid: int, cgroup_root: str | None = None
+) -> bool:
     """Whether `tgid` is inside krex, for the launch probe's scope `outsiders` (such a process is
     never trapped): it belongs to a command (the attributor: a descendant of a command's root
     process, cached per tgid; or, with `cgroup_root`, the cgroup v2 mount, a process in a command's
@@ -498,14 +547,18 @@ def is_krex_process(daemon: Daemon, attributor: Attributor, tgid: int,
     if cgroup_root is None:
         return False
     from krex_async.isolation.cgroupfs import own_cgroups
+
     try:
         path = cgroup_root + own_cgroups(str(tgid)).get("", "/")
     except (OSError, ValueError):
         return False
     path = path.rstrip("/")
     for cmd in daemon.commands.values():
-        cg = daemon.backend.cgroup_dir(cmd.group) if cmd.group is not None and \
-            cmd.state in (CommandState.STARTING, CommandState.RUNNING) else None
+        cg = (
+            daemon.backend.cgroup_dir(cmd.group)
+            if cmd.group is not None and cmd.state in (CommandState.STARTING, CommandState.RUNNING)
+            else None
+        )
         if cg and (path == cg.rstrip("/") or path.startswith(cg.rstrip("/") + "/")):
             return True
     return False
@@ -524,13 +577,19 @@ def start_probes(daemon: Daemon) -> None:
 
     attributor: Attributor | None = None
     from krex_async.probes.attribution import cgroup2_root
+
     cg_root = cgroup2_root()
 
     def is_command(tgid: int) -> bool:  # the launch probe calls it on the loop only
         return attributor is not None and is_krex_process(daemon, attributor, tgid, cg_root)
 
-    backend, reason = open_probes(cfg.probes, cfg.probe_prefix_list or None, cfg.launch_lib_list or None,
-                                  launch_scope=cfg.launch_scope, is_command=is_command)
+    backend, reason = open_probes(
+        cfg.probes,
+        cfg.probe_prefix_list or None,
+        cfg.launch_lib_list or None,
+        launch_scope=cfg.launch_scope,
+        is_command=is_command,
+    )
     log.info("probes", backend=backend.name if backend else None, reason=reason)
     daemon.probes.update(state="unavailable", reason=reason)
     if backend is None:
@@ -577,8 +636,9 @@ async def serve(config: ServeConfig) -> int:
         except (MetricsUnavailable, ValueError, OSError) as e:
             raise SystemExit(f"krex: --metrics {cfg.metrics}: {e}") from None
         log.info("metrics_serving", address=f"http://{host}:{port}/metrics")
-        daemon.track(asyncio.get_running_loop().create_task(daemon.status.sample_metrics(),
-                                                            name="metrics-sampler"))
+        daemon.track(
+            asyncio.get_running_loop().create_task(daemon.status.sample_metrics(), name="metrics-sampler")
+        )
     from krex_async import __version__
 
     daemon.metrics.info(__version__, cfg.policy.value, backend.name)

@@ -52,8 +52,13 @@ _UNDEF = 0xFFFFFFFF
 
 def reader_acl(uid: int) -> bytes:
     """The access ACL `u::rw-,u:<uid>:r--,g::---,m::r--,o::---` in the kernel's xattr form."""
-    entries = [(0x01, 6, _UNDEF), (0x02, 4, uid), (0x04, 0, _UNDEF), (0x10, 4, _UNDEF),
-               (0x20, 0, _UNDEF)]  # USER_OBJ, USER, GROUP_OBJ, MASK, OTHER: sorted by tag
+    entries = [
+        (0x01, 6, _UNDEF),
+        (0x02, 4, uid),
+        (0x04, 0, _UNDEF),
+        (0x10, 4, _UNDEF),
+        (0x20, 0, _UNDEF),
+    ]  # USER_OBJ, USER, GROUP_OBJ, MASK, OTHER: sorted by tag
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
@@ -73,8 +78,17 @@ class SpoolFile:
     (queued, then lost to an error) are the writer's. Read them after `finish()` completed.
     """
 
-    def __init__(self, command: str, stream: str, path: str, limit: int, uid: int, gid: int,
-                 submit: Callable[..., Future[None]], reserve: int = 0) -> None:
+    def __init__(
+        self,
+        command: str,
+        stream: str,
+        path: str,
+        limit: int,
+        uid: int,
+        gid: int,
+        submit: Callable[..., Future[None]],
+        reserve: int = 0,
+    ) -> None:
         self.command = command
         self.reserve = reserve
         self.stream = stream
@@ -105,8 +119,9 @@ class SpoolFile:
             return
         if self.accepted - self.written - self.failed + len(data) > MAX_PENDING:
             self.behind += len(data)  # a slow disk: stop here rather than hold unbounded memory
-            self.error = self.error or (f"writes to {self.path} fell more than {MAX_PENDING} "
-                                        f"bytes behind; spooling stopped")
+            self.error = self.error or (
+                f"writes to {self.path} fell more than {MAX_PENDING} bytes behind; spooling stopped"
+            )
             log.warning("spool_behind", command=self.command, stream=self.stream, path=self.path)
             return
         self.accepted += len(data)
@@ -122,8 +137,9 @@ class SpoolFile:
 
     def _open(self, uid: int, gid: int) -> None:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC |
-                         os.O_NOFOLLOW, 0o600)
+            fd = os.open(
+                self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            )
         except OSError as e:
             self._fail(e, "create")
             return
@@ -147,8 +163,11 @@ class SpoolFile:
                 if self.reserve:
                     st = os.fstatvfs(self.fd)
                     if st.f_bavail * st.f_frsize - len(view) < self.reserve:
-                        raise OSError(errno.ENOSPC, f"the state disk's free space would fall "
-                                      f"below the {self.reserve} bytes kept for krex's records")
+                        raise OSError(
+                            errno.ENOSPC,
+                            f"the state disk's free space would fall "
+                            f"below the {self.reserve} bytes kept for krex's records",
+                        )
                 n = os.write(self.fd, view)
             except InterruptedError:
                 continue
@@ -161,8 +180,9 @@ class SpoolFile:
 
     def _fail(self, e: OSError, op: str) -> None:
         self.error = f"{describe(e)} ({op} {self.path} after {self.written} bytes)"
-        log.warning("spool_failed", command=self.command, stream=self.stream, path=self.path,
-                    error=self.error)
+        log.warning(
+            "spool_failed", command=self.command, stream=self.stream, path=self.path, error=self.error
+        )
         self._close()
 
     def _close(self) -> None:
@@ -216,8 +236,10 @@ class Spool:
         """The two spool files of a command about to start ({} when spooling is off)."""
         if self.writer is None:
             return {}
-        return {s: SpoolFile(command, s, p, self.limit, uid, gid, self.writer.submit, self.reserve)
-                for s, p in self.paths(command).items()}
+        return {
+            s: SpoolFile(command, s, p, self.limit, uid, gid, self.writer.submit, self.reserve)
+            for s, p in self.paths(command).items()
+        }
 
     def remove(self, paths: list[str]) -> None:
         """Unlink spool files, after their queued writes (on the writer thread when there is one).

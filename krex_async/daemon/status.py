@@ -18,14 +18,12 @@ log = logs.get("krex.daemon")
 
 
 class Status:
-    def __init__(self, core: Core, regions: Regions, adoptions: dict[str, adoption.Tally],
-                 boot: str) -> None:
+    def __init__(self, core: Core, regions: Regions, adoptions: dict[str, adoption.Tally], boot: str) -> None:
         self.core = core
         self.regions = regions  # who holds each device, and how a region there would hold
         self.adoptions = adoptions  # command id -> interpreters adopted or declined
         self.boot = boot
         self._cpu_primed = False  # psutil's first cpu_percent has no interval to measure
-
 
     async def sample_metrics(self, every_s: float = 5.0) -> None:
         """While --metrics serves: every few seconds, the pools' sizes and each GPU's utilisation
@@ -39,7 +37,8 @@ class Status:
             if node is not None and any(d.vendor != "cpu" for d in self.core.devices):
                 try:
                     utils = await loop.run_in_executor(
-                        None, lambda: [(d.key, node.utilisation(d)) for d in self.core.devices])
+                        None, lambda: [(d.key, node.utilisation(d)) for d in self.core.devices]
+                    )
                 except Exception as e:  # a vendor library error costs one sample
                     log.warning("metrics_sample_failed", error=repr(e))
                     utils = []
@@ -61,10 +60,15 @@ class Status:
             out = []
             for d in node.refresh():
                 procs = node.processes(d)
-                out.append({"memory_free_bytes": d.memory_free_bytes, "clocks_mhz": d.clocks_mhz,
-                            "utilisation_pct": node.utilisation(d),
-                            "processes": [p.pid for p in procs],
-                            "_gpu_bytes": {p.pid: p.used_memory_bytes for p in procs}})
+                out.append(
+                    {
+                        "memory_free_bytes": d.memory_free_bytes,
+                        "clocks_mhz": d.clocks_mhz,
+                        "utilisation_pct": node.utilisation(d),
+                        "processes": [p.pid for p in procs],
+                        "_gpu_bytes": {p.pid: p.used_memory_bytes for p in procs},
+                    }
+                )
             return out
 
         try:
@@ -82,8 +86,7 @@ class Status:
     async def _host(self, st: dict[str, Any]) -> None:
         """Each running command's resident memory (its process tree), and on `cpu` devices the
         host's memory and CPU use, read with psutil on a thread (a walk of the process table)."""
-        roots = {c["command"]: c["pid"] for c in st["commands"]
-                 if c["pid"] and c["state"] == "running"}
+        roots = {c["command"]: c["pid"] for c in st["commands"] if c["pid"] and c["state"] == "running"}
 
         def query() -> tuple[dict[str, dict[str, int]], Any, float]:
             import psutil
@@ -111,39 +114,69 @@ class Status:
         for d in self.core.devices:
             q = self.core.scheduler.devices[d.key]
             holder = self.regions.holder_on(d.key)
-            devices.append({
-                "index": d.index, "key": d.key, "vendor": d.vendor, "name": d.name,
-                "uuid": d.uuid, "memory_total_bytes": d.memory_total_bytes,
-                "memory_free_bytes": d.memory_free_bytes, "numa_node": d.numa_node,
-                "clocks_mhz": d.clocks_mhz,
-                "cpus": sorted(d.cpus), "commands": sorted(q.commands),
-                "holder": q.holder,
-                "region": None if holder is None else {
-                    "region": holder.id, "name": holder.report.name, "command": holder.command.id,
-                    "pid": holder.pid, "state": holder.report.outcome,
-                    "frozen": list(holder.frozen_ids), "cores": sorted(holder.cores),
-                    "locked": list(holder.locked_ids)},
-                "queued": q.waiting and list(q.waiting) or [],
-            })
-        commands = [{
-            "command": c.id, "argv": list(c.spec.argv), "state": c.state.value,
-            "device": c.device_key or "none", "pid": c.pid, "uid": c.uid,
-            "age_s": round(now - c.submitted, 3), "frozen": bool(c.group and c.group.frozen),
-            "regions": len(c.regions), "label": c.spec.label,
-            "result": c.report.state if c.report else None,
-            "via": c.launched.via if c.launched else None,
-            "start_latency_s": c.launched.start_latency_s if c.launched else None,
-            "pool_adopted": self.adoptions[c.id].adopted if c.id in self.adoptions else 0,
-            "pool_declined": dict(self.adoptions[c.id].declined) if c.id in self.adoptions else {},
-        } for c in self.core.commands.values()]
-        return {"policy": self.core.scheduler.policy.value, "pid": os.getpid(), "boot": self.boot,
-                "version": __version__,
-                "isolation": {"backend": self.core.backend.name, "reason": self.core.backend.reason},
-                "probes": self.probes(),
-                "pools": {k: p.status() for k, p in self.core.pools.items()},
-                "freeze": self.core.config.freeze, "region_cores": self.core.config.region_cores,
-                "hold": self.regions.hold_status(),
-                "devices": devices, "commands": commands}
+            devices.append(
+                {
+                    "index": d.index,
+                    "key": d.key,
+                    "vendor": d.vendor,
+                    "name": d.name,
+                    "uuid": d.uuid,
+                    "memory_total_bytes": d.memory_total_bytes,
+                    "memory_free_bytes": d.memory_free_bytes,
+                    "numa_node": d.numa_node,
+                    "clocks_mhz": d.clocks_mhz,
+                    "cpus": sorted(d.cpus),
+                    "commands": sorted(q.commands),
+                    "holder": q.holder,
+                    "region": None
+                    if holder is None
+                    else {
+                        "region": holder.id,
+                        "name": holder.report.name,
+                        "command": holder.command.id,
+                        "pid": holder.pid,
+                        "state": holder.report.outcome,
+                        "frozen": list(holder.frozen_ids),
+                        "cores": sorted(holder.cores),
+                        "locked": list(holder.locked_ids),
+                    },
+                    "queued": q.waiting and list(q.waiting) or [],
+                }
+            )
+        commands = [
+            {
+                "command": c.id,
+                "argv": list(c.spec.argv),
+                "state": c.state.value,
+                "device": c.device_key or "none",
+                "pid": c.pid,
+                "uid": c.uid,
+                "age_s": round(now - c.submitted, 3),
+                "frozen": bool(c.group and c.group.frozen),
+                "regions": len(c.regions),
+                "label": c.spec.label,
+                "result": c.report.state if c.report else None,
+                "via": c.launched.via if c.launched else None,
+                "start_latency_s": c.launched.start_latency_s if c.launched else None,
+                "pool_adopted": self.adoptions[c.id].adopted if c.id in self.adoptions else 0,
+                "pool_declined": dict(self.adoptions[c.id].declined) if c.id in self.adoptions else {},
+            }
+            for c in self.core.commands.values()
+        ]
+        return {
+            "policy": self.core.scheduler.policy.value,
+            "pid": os.getpid(),
+            "boot": self.boot,
+            "version": __version__,
+            "isolation": {"backend": self.core.backend.name, "reason": self.core.backend.reason},
+            "probes": self.probes(),
+            "pools": {k: p.status() for k, p in self.core.pools.items()},
+            "freeze": self.core.config.freeze,
+            "region_cores": self.core.config.region_cores,
+            "hold": self.regions.hold_status(),
+            "devices": devices,
+            "commands": commands,
+        }
 
     def probes(self) -> dict[str, Any]:
         """`daemon.probes` (state, backend, reason), plus what the running backend says of itself

@@ -51,7 +51,7 @@ class StdinPipe:
                 if self.w < 0:
                     raise StdinClosed("the command's stdin is closed")
                 try:
-                    view = view[os.write(self.w, view):]
+                    view = view[os.write(self.w, view) :]
                 except BlockingIOError:
                     await self._writable()
                 except BrokenPipeError:

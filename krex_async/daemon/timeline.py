@@ -104,10 +104,19 @@ class _Builder:
     def meta(self, pid: int, tid: int, what: str, name: str) -> None:
         self.out.append({"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}})
 
-    def begin(self, key: tuple[str, ...], rec: dict[str, Any], name: str, pid: int, tid: int,
-              cat: str) -> None:
-        ev = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": _us(rec["ts"]),
-              "dur": 0.0, "args": dict(rec["detail"])}
+    def begin(
+        self, key: tuple[str, ...], rec: dict[str, Any], name: str, pid: int, tid: int, cat: str
+    ) -> None:
+        ev = {
+            "ph": "X",
+            "name": name,
+            "cat": cat,
+            "pid": pid,
+            "tid": tid,
+            "ts": _us(rec["ts"]),
+            "dur": 0.0,
+            "args": dict(rec["detail"]),
+        }
         self.open.setdefault(key, []).append(ev)
         self.out.append(ev)
 
@@ -123,14 +132,25 @@ class _Builder:
 
 
 def _norm(r: dict[str, Any]) -> dict[str, Any]:
-    return {"ts": float(r.get("ts", 0.0)), "kind": str(r.get("kind", "")),
-            "device": str(r.get("device", "") or ""), "command": str(r.get("command", "") or ""),
-            "region": str(r.get("region", "") or ""), "pid": int(r.get("pid", 0) or 0),
-            "detail": dict(r.get("detail") or {})}
+    return {
+        "ts": float(r.get("ts", 0.0)),
+        "kind": str(r.get("kind", "")),
+        "device": str(r.get("device", "") or ""),
+        "command": str(r.get("command", "") or ""),
+        "region": str(r.get("region", "") or ""),
+        "pid": int(r.get("pid", 0) or 0),
+        "detail": dict(r.get("detail") or {}),
+    }
 
 
-_MODES = {"freeze": "frozen", "frozen": "frozen", "lock": "locked", "locked": "locked",
-          "fence": "fenced", "fenced": "fenced"}
+_MODES = {
+    "freeze": "frozen",
+    "frozen": "frozen",
+    "lock": "locked",
+    "locked": "locked",
+    "fence": "fenced",
+    "fenced": "fenced",
+}
 
 
 def _held(detail: dict[str, Any]) -> list[tuple[str, str]]:
@@ -191,15 +211,19 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     for r in recs:
         if r["kind"] in ("command_start", "command_end"):
             (starts if r["kind"] == "command_start" else ends).setdefault(
-                (r["device"], r["command"]), r["ts"])
+                (r["device"], r["command"]), r["ts"]
+            )
 
     def hold(dev: str, reg: str, cmd: str, name: str, r: dict[str, Any], since: float) -> None:
         key = ("held", dev, reg, cmd)
         if key in b.open and b.open[key]:
             return
         since = max(since, starts.get((dev, cmd), since))  # one that joined frozen: from its start
-        start = dict(r, ts=since, detail={"region": reg, "by": r["command"]} if r["command"] != cmd
-                     else {"region": reg})
+        start = dict(
+            r,
+            ts=since,
+            detail={"region": reg, "by": r["command"]} if r["command"] != cmd else {"region": reg},
+        )
         b.begin(key, start, name, b.pid(dev), b.tid(dev, cmd), "hold")
         holding.setdefault((dev, reg), []).append(key)
 
@@ -244,9 +268,18 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             args = dict(r["detail"], pid=r["pid"], command=cmd, stray=stray)
             if reg:
                 args["region"] = reg
-            b.out.append({"ph": "i", "s": "t", "name": ("STRAY " if stray else "") + name,
-                          "cat": "stray" if stray else "probe", "pid": pid, "tid": _PROBES_TID,
-                          "ts": _us(r["ts"]), "args": args})
+            b.out.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": ("STRAY " if stray else "") + name,
+                    "cat": "stray" if stray else "probe",
+                    "pid": pid,
+                    "tid": _PROBES_TID,
+                    "ts": _us(r["ts"]),
+                    "args": args,
+                }
+            )
     last = _us(recs[-1]["ts"]) if recs else 0.0
     for stack in b.open.values():
         for ev in stack:
@@ -259,6 +292,7 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def write_chrome_trace(path: str, events: Iterable[dict[str, Any]]) -> None:
     """Write chrome_trace(events) to `path` as JSON (written to path.tmp, then renamed)."""
     import os
+
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(chrome_trace(events), f)

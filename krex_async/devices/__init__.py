@@ -18,8 +18,18 @@ from dataclasses import dataclass, field
 from krex_async.devices.base import ClockState, Device, DeviceProcess, Unavailable, Vendor
 from krex_async.devices.cpu import CpuVendor
 
-__all__ = ["Device", "DeviceProcess", "Node", "NoDevice", "Unavailable", "Vendor", "describe",
-           "discover", "open_node", "place"]
+__all__ = [
+    "Device",
+    "DeviceProcess",
+    "Node",
+    "NoDevice",
+    "Unavailable",
+    "Vendor",
+    "describe",
+    "discover",
+    "open_node",
+    "place",
+]
 
 
 class NoDevice(Exception):
@@ -29,6 +39,7 @@ class NoDevice(Exception):
 def _gpu_vendors() -> dict[str, type[Vendor]]:
     from krex_async.devices.amd import AmdVendor
     from krex_async.devices.nvidia import NvidiaVendor
+
     return {"nvidia": NvidiaVendor, "amd": AmdVendor}
 
 
@@ -146,8 +157,9 @@ def place(devices: list[Device], counts: dict[str, int], mem_bytes: int = 0) -> 
     fits = [d for d in devices if mem_bytes <= 0 or d.memory_free_bytes >= mem_bytes]
     if not fits:
         have = ", ".join(f"{d.key} has {_gib(d.memory_free_bytes)} free" for d in devices)
-        raise NoDevice(f"no device has the memory asked for (mem={mem_bytes} bytes, "
-                       f"{_gib(mem_bytes)}): {have}")
+        raise NoDevice(
+            f"no device has the memory asked for (mem={mem_bytes} bytes, {_gib(mem_bytes)}): {have}"
+        )
     return min(fits, key=lambda d: (counts.get(d.key, 0), -d.memory_free_bytes, d.index))
 
 
@@ -155,13 +167,21 @@ def describe(device: Device, node: Node | None = None) -> dict[str, object]:
     """A JSON-able view of one device for `krex status`, with live processes and utilisation when
     a Node is given (blocking library calls)."""
     out: dict[str, object] = {
-        "key": device.key, "vendor": device.vendor, "index": device.index, "name": device.name,
-        "uuid": device.uuid, "memory_total_bytes": device.memory_total_bytes,
-        "memory_free_bytes": device.memory_free_bytes, "numa_node": device.numa_node,
-        "cpus": sorted(device.cpus), "clocks_mhz": dict(device.clocks_mhz), "env": dict(device.env),
+        "key": device.key,
+        "vendor": device.vendor,
+        "index": device.index,
+        "name": device.name,
+        "uuid": device.uuid,
+        "memory_total_bytes": device.memory_total_bytes,
+        "memory_free_bytes": device.memory_free_bytes,
+        "numa_node": device.numa_node,
+        "cpus": sorted(device.cpus),
+        "clocks_mhz": dict(device.clocks_mhz),
+        "env": dict(device.env),
     }
     if node is not None:
         out["utilisation_pct"] = node.utilisation(device)
-        out["processes"] = [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes}
-                            for p in node.processes(device)]
+        out["processes"] = [
+            {"pid": p.pid, "used_memory_bytes": p.used_memory_bytes} for p in node.processes(device)
+        ]
     return out

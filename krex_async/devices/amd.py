@@ -35,8 +35,10 @@ def _import_amdsmi() -> Any:
             _import_outcome = (None, f"amdsmi is not installed: {e}")
         except KeyError as e:  # its loader's way of saying the shared library is missing
             said = " ".join(noise.getvalue().split())
-            _import_outcome = (None, f"AMD SMI library {e.args[0] if e.args else ''} not found"
-                                     + (f" ({said})" if said else ""))
+            _import_outcome = (
+                None,
+                f"AMD SMI library {e.args[0] if e.args else ''} not found" + (f" ({said})" if said else ""),
+            )
         except Exception as e:  # noqa: BLE001 - any import failure means "not here", with its text
             _import_outcome = (None, f"amdsmi failed to import: {type(e).__name__}: {e}")
     module, reason = _import_outcome
@@ -92,12 +94,16 @@ class AmdVendor(Vendor):
         else:
             env = {"HIP_VISIBLE_DEVICES": str(enum.get("hip_id", index))}
         return Device(
-            index=index, key=key, vendor="amd",
+            index=index,
+            key=key,
+            vendor="amd",
             name=str(asic.get("market_name") or "AMD GPU"),
             uuid=str(uuid),
-            memory_total_bytes=int(total), memory_free_bytes=max(0, int(total) - int(used)),
-            numa_node=int(node) if isinstance(node, int) and node >= 0 else
-            (pci_numa_node(bdf) if bdf else None),
+            memory_total_bytes=int(total),
+            memory_free_bytes=max(0, int(total) - int(used)),
+            numa_node=int(node)
+            if isinstance(node, int) and node >= 0
+            else (pci_numa_node(bdf) if bdf else None),
             cpus=usable_cpus(pci_local_cpus(bdf) if bdf else frozenset()),
             env=env,
             clocks_mhz=self._clocks(handle),
@@ -119,8 +125,11 @@ class AmdVendor(Vendor):
         if handle is None:
             return []
         procs: list[Any] = self._try(lambda: self._smi.amdsmi_get_gpu_process_list(handle), [])
-        return [DeviceProcess(pid=int(p["pid"]), used_memory_bytes=int(p.get("mem") or 0))
-                for p in procs if isinstance(p, dict) and "pid" in p]
+        return [
+            DeviceProcess(pid=int(p["pid"]), used_memory_bytes=int(p.get("mem") or 0))
+            for p in procs
+            if isinstance(p, dict) and "pid" in p
+        ]
 
     def clock(self, device: Device) -> ClockState | None:
         """The GFX clock against its maximum; AMD SMI reports no cap reasons here, and a clock in

@@ -43,8 +43,9 @@ def parse_cpulist(text: str) -> frozenset[int]:
 
 def cpus_from_mask(words: list[int], bits_per_word: int = 64) -> frozenset[int]:
     """cpus set in a bitmask given as words, lowest word first (NVML's cpu affinity layout)."""
-    return frozenset(w * bits_per_word + b for w, word in enumerate(words)
-                     for b in range(bits_per_word) if word >> b & 1)
+    return frozenset(
+        w * bits_per_word + b for w, word in enumerate(words) for b in range(bits_per_word) if word >> b & 1
+    )
 
 
 def sysfs_bus_id(bus_id: str) -> str:
@@ -111,25 +112,43 @@ class CpuVendor(Vendor):
         cpus = sorted(allowed_cpus())
         total, free = host_memory_bytes()
         if self.parts is None:
-            return [Device(index=0, key="cpu", vendor="cpu", name=f"cpu ({len(cpus)} cpus)",
-                           memory_total_bytes=total, memory_free_bytes=free, cpus=frozenset(cpus))]
+            return [
+                Device(
+                    index=0,
+                    key="cpu",
+                    vendor="cpu",
+                    name=f"cpu ({len(cpus)} cpus)",
+                    memory_total_bytes=total,
+                    memory_free_bytes=free,
+                    cpus=frozenset(cpus),
+                )
+            ]
         n = self.parts
         if n <= len(cpus):
             base, extra = divmod(len(cpus), n)
             blocks, start = [], 0
             for i in range(n):
                 size = base + (1 if i < extra else 0)
-                blocks.append(cpus[start:start + size])
+                blocks.append(cpus[start : start + size])
                 start += size
         else:
             blocks = [[cpus[i % len(cpus)]] for i in range(n)]
-        return [Device(index=i, key=f"cpu{i}", vendor="cpu", name=f"cpu part {i} of {n}",
-                       memory_total_bytes=total // n, memory_free_bytes=free // n,
-                       cpus=frozenset(block))
-                for i, block in enumerate(blocks)]
+        return [
+            Device(
+                index=i,
+                key=f"cpu{i}",
+                vendor="cpu",
+                name=f"cpu part {i} of {n}",
+                memory_total_bytes=total // n,
+                memory_free_bytes=free // n,
+                cpus=frozenset(block),
+            )
+            for i, block in enumerate(blocks)
+        ]
 
     def refresh(self, device: Device) -> Device:
         from dataclasses import replace
+
         _, free = host_memory_bytes()
         share = 1 if self.parts is None else self.parts
         return replace(device, memory_free_bytes=free // share)

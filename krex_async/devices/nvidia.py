@@ -98,7 +98,9 @@ class NvidiaVendor(Vendor):
         self._bus[key] = bus
         mem = self._try(lambda: nvml.nvmlDeviceGetMemoryInfo(handle), None)
         return Device(
-            index=index, key=key, vendor="nvidia",
+            index=index,
+            key=key,
+            vendor="nvidia",
             name=_text(self._try(lambda: nvml.nvmlDeviceGetName(handle), "NVIDIA GPU")),
             uuid=uuid,
             memory_total_bytes=int(mem.total) if mem else 0,
@@ -124,8 +126,11 @@ class NvidiaVendor(Vendor):
     def _clocks(self, handle: Any) -> dict[str, int]:
         nvml = self._nvml
         clocks = {}
-        for name, kind in (("sm", nvml.NVML_CLOCK_SM), ("mem", nvml.NVML_CLOCK_MEM),
-                           ("graphics", nvml.NVML_CLOCK_GRAPHICS)):
+        for name, kind in (
+            ("sm", nvml.NVML_CLOCK_SM),
+            ("mem", nvml.NVML_CLOCK_MEM),
+            ("graphics", nvml.NVML_CLOCK_GRAPHICS),
+        ):
             mhz = self._try(lambda: nvml.nvmlDeviceGetClockInfo(handle, kind), None)  # noqa: B023 - called now
             if mhz is not None:
                 clocks[name] = int(mhz)
@@ -143,9 +148,12 @@ class NvidiaVendor(Vendor):
         if handle is None:
             return []
         procs: list[Any] = self._try(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle), [])
-        return [DeviceProcess(pid=int(p.pid),
-                              used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory))
-                for p in procs]
+        return [
+            DeviceProcess(
+                pid=int(p.pid), used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+            )
+            for p in procs
+        ]
 
     def clock(self, device: Device) -> ClockState | None:
         """The SM clock against the applications clock (else the maximum), with NVML's reasons.
@@ -168,8 +176,9 @@ class NvidiaVendor(Vendor):
         reasons = self._try(lambda: int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle)), None)
         if reasons is None:  # drivers before 535 name it "throttle reasons"
             reasons = self._try(lambda: int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)), 0)
-        return ClockState(sm_mhz=int(sm), target_mhz=target, capped=bool(reasons & _CAPPED),
-                          idle=bool(reasons & _IDLE))
+        return ClockState(
+            sm_mhz=int(sm), target_mhz=target, capped=bool(reasons & _CAPPED), idle=bool(reasons & _IDLE)
+        )
 
     def utilisation(self, device: Device) -> float | None:
         """Percent of the last sample period in which a kernel ran (NVML's coarse gpu rate)."""
@@ -184,8 +193,11 @@ class NvidiaVendor(Vendor):
         if handle is None:
             return device
         mem = self._try(lambda: self._nvml.nvmlDeviceGetMemoryInfo(handle), None)
-        return replace(device, memory_free_bytes=int(mem.free) if mem else device.memory_free_bytes,
-                       clocks_mhz=self._clocks(handle) or device.clocks_mhz)
+        return replace(
+            device,
+            memory_free_bytes=int(mem.free) if mem else device.memory_free_bytes,
+            clocks_mhz=self._clocks(handle) or device.clocks_mhz,
+        )
 
     def close(self) -> None:
         if self._nvml is not None:

@@ -34,10 +34,12 @@ from krex_async.protocol import default_socket
 # Started between fork and exec of the daemon: the daemon gets SIGTERM (and so ends its commands and
 # thaws what it froze) when the agent's process dies, even by SIGKILL. A plain exec wrapper rather
 # than preexec_fn, which is unsafe in a threaded process such as a Ray worker.
-_PDEATHSIG = ("import ctypes, os, signal, sys\n"
-              "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-              "os.getppid() == int(sys.argv[1]) or sys.exit(1)\n"
-              "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
+_PDEATHSIG = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
 
 
 @dataclass(frozen=True)
@@ -84,18 +86,34 @@ class OwnedDaemon:
         env = {k: v for k, v in os.environ.items() if k != "KREX_SOCKET"}
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), "-m", "krex_async", "serve",
-                 "--socket", self.socket, "--state-dir", os.path.join(self.dir, "state"),
-                 "--log-format", "json", *args],
-                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-c",
+                    _PDEATHSIG,
+                    str(os.getpid()),
+                    "-m",
+                    "krex_async",
+                    "serve",
+                    "--socket",
+                    self.socket,
+                    "--state-dir",
+                    os.path.join(self.dir, "state"),
+                    "--log-format",
+                    "json",
+                    *args,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         self.starts += 1
         deadline = time.monotonic() + timeout
         while not _listening(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 await asyncio.to_thread(self.stop)
-                raise RuntimeError(f"the node's daemon did not start (see {log}): "
-                                   f"{_tail(log)}")
+                raise RuntimeError(f"the node's daemon did not start (see {log}): {_tail(log)}")
             await asyncio.sleep(0.02)
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -165,19 +183,30 @@ def summarize(name: str, status: dict[str, Any]) -> dict[str, Any]:
     region_policy = status.get("policy") == "region"
     devices = []
     for d in status.get("devices", []):
-        devices.append({
-            "key": d["key"], "index": d.get("index"), "vendor": d.get("vendor"),
-            "name": d.get("name"), "memory_total_bytes": d.get("memory_total_bytes") or 0,
-            "memory_free_bytes": d.get("memory_free_bytes") or 0,
-            "commands": [c["command"] for c in live if c.get("device") == d["key"]],
-            "region": (d.get("region") or {}).get("name"),
-            "regions_queued": len(d.get("queued") or []) if region_policy else 0,
-        })
-    return {"node": name, "up": True, "reason": "", "policy": status.get("policy"),
-            "daemon_pid": status.get("pid"), "devices": devices,
-            "running": sum(c.get("state") in ("starting", "running") for c in live),
-            "queued": sum(c.get("state") == "queued" for c in live),
-            "regions": sum((d["region"] is not None) + d["regions_queued"] for d in devices)}
+        devices.append(
+            {
+                "key": d["key"],
+                "index": d.get("index"),
+                "vendor": d.get("vendor"),
+                "name": d.get("name"),
+                "memory_total_bytes": d.get("memory_total_bytes") or 0,
+                "memory_free_bytes": d.get("memory_free_bytes") or 0,
+                "commands": [c["command"] for c in live if c.get("device") == d["key"]],
+                "region": (d.get("region") or {}).get("name"),
+                "regions_queued": len(d.get("queued") or []) if region_policy else 0,
+            }
+        )
+    return {
+        "node": name,
+        "up": True,
+        "reason": "",
+        "policy": status.get("policy"),
+        "daemon_pid": status.get("pid"),
+        "devices": devices,
+        "running": sum(c.get("state") in ("starting", "running") for c in live),
+        "queued": sum(c.get("state") == "queued" for c in live),
+        "regions": sum((d["region"] is not None) + d["regions_queued"] for d in devices),
+    }
 
 
 class NodeAgent:
@@ -218,9 +247,14 @@ class NodeAgent:
     async def hello(self) -> dict[str, Any]:
         """Who and where this agent is; starts or reaches the daemon (KrexError if it cannot)."""
         c = await self._client()
-        return {"node": self.name, "host": socketlib.gethostname(), "pid": os.getpid(),
-                "socket": self.socket, "policy": c.welcome.policy if c.welcome else "",
-                "daemon_pid": self.owned.proc.pid if self.owned and self.owned.proc else None}
+        return {
+            "node": self.name,
+            "host": socketlib.gethostname(),
+            "pid": os.getpid(),
+            "socket": self.socket,
+            "policy": c.welcome.policy if c.welcome else "",
+            "daemon_pid": self.owned.proc.pid if self.owned and self.owned.proc else None,
+        }
 
     async def capacity(self) -> dict[str, Any]:
         try:

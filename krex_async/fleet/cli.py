@@ -24,14 +24,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The `fleet` verb and its `demo` subcommand."""
     p = subparsers.add_parser("fleet", help="many nodes through Ray (needs krex[fleet])")
     sub = p.add_subparsers(dest="fleet_verb", required=True)
-    d = sub.add_parser("demo", help="a local Ray cluster of N nodes, a daemon each, commands with "
-                                    "regions spread over them")
+    d = sub.add_parser(
+        "demo", help="a local Ray cluster of N nodes, a daemon each, commands with regions spread over them"
+    )
     d.add_argument("--nodes", type=int, default=2, help="Ray nodes on this machine (default 2)")
-    d.add_argument("--commands", type=int, help="commands to run (default 4 per node: two per device, "
-                                                "so regions freeze a sibling)")
+    d.add_argument(
+        "--commands",
+        type=int,
+        help="commands to run (default 4 per node: two per device, so regions freeze a sibling)",
+    )
     d.add_argument("--devices", default="cpu:2", help="each daemon's --devices (default cpu:2)")
-    s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, "
-                                      "regions")
+    s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, regions")
     s.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
     s.add_argument("--json", action="store_true")
     return p  # type: ignore[no-any-return]
@@ -76,8 +79,9 @@ async def _status(address: str, as_json: bool) -> int:
         if not c["up"]:
             print(f"{name:<11} no    -        -       -        {c['reason']}")
             continue
-        devs = ", ".join(f"{d['key']}: {len(d['commands'])}, "
-                         f"{d['memory_free_bytes'] / 2**30:.1f}" for d in c["devices"])
+        devs = ", ".join(
+            f"{d['key']}: {len(d['commands'])}, {d['memory_free_bytes'] / 2**30:.1f}" for d in c["devices"]
+        )
         print(f"{name:<11} yes   {c['running']:<8} {c['queued']:<7} {c['regions']:<8} {devs}")
     return 0
 
@@ -90,19 +94,25 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
     fleet = LocalFleet(nodes, daemon_args=("--devices", devices))
     fc = None
     t0 = time.monotonic()
-    print(f"krex fleet demo: starting a Ray cluster of {nodes} nodes on this machine ...",
-          flush=True)
+    print(f"krex fleet demo: starting a Ray cluster of {nodes} nodes on this machine ...", flush=True)
     try:
         try:
             fleet.start()
         except Exception as e:  # Ray's own start-up failures come as many types
-            print(f"krex fleet demo: could not start a local Ray cluster: {type(e).__name__}: {e}",
-                  file=sys.stderr)
+            print(
+                f"krex fleet demo: could not start a local Ray cluster: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
             return 1
         fc = await fleet.connect()
-        print(f"  up in {time.monotonic() - t0:.1f} s: "
-              + ", ".join(f"{name} ({len(v.devices)} devices)" if v.up else f"{name} (down: "
-                          f"{v.reason})" for name, v in sorted(fc.nodes.items())), flush=True)
+        print(
+            f"  up in {time.monotonic() - t0:.1f} s: "
+            + ", ".join(
+                f"{name} ({len(v.devices)} devices)" if v.up else f"{name} (down: {v.reason})"
+                for name, v in sorted(fc.nodes.items())
+            ),
+            flush=True,
+        )
         script = os.path.join(fleet.base_dir, "work.py")
         with open(script, "w") as f:
             f.write(WORK)
@@ -110,13 +120,19 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         t1 = time.monotonic()
-        handles = [await fc.submit([sys.executable, script, "0.3", "15"], env=env,
-                                   cwd=fleet.base_dir, label=f"demo {i}") for i in range(n)]
+        handles = [
+            await fc.submit(
+                [sys.executable, script, "0.3", "15"], env=env, cwd=fleet.base_dir, label=f"demo {i}"
+            )
+            for i in range(n)
+        ]
         results = await asyncio.gather(*(h.wait() for h in handles))
         makespan = time.monotonic() - t1
         print(f"\n{n} commands over {nodes} nodes in {makespan:.2f} s\n")
-        print(f"  {'command':<16} {'node':<6} {'device':<12} {'state':<8} {'wall s':>6} "
-              f"{'wait ms':>8} {'enter ms':>9} {'held ms':>8} {'frozen':>6} {'median ms':>10}")
+        print(
+            f"  {'command':<16} {'node':<6} {'device':<12} {'state':<8} {'wall s':>6} "
+            f"{'wait ms':>8} {'enter ms':>9} {'held ms':>8} {'frozen':>6} {'median ms':>10}"
+        )
         failed = 0
         for h, res in zip(handles, results):
             rep = res.report
@@ -125,11 +141,17 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
                 median = f"{json.loads(res.stdout)['median_ms']:.2f}"
             except (ValueError, KeyError):
                 median, failed = "-", failed + 1
-            print(f"  {rep.command:<16} {h.node:<6} {rep.device:<12} {rep.state:<8} "
-                  f"{rep.wall_s:>6.2f} " + (
-                      f"{reg.wait_s * 1e3:>8.1f} {reg.enter_s * 1e3:>9.2f} "
-                      f"{reg.held_s * 1e3:>8.1f} {len(reg.frozen):>6} " if reg else
-                      f"{'-':>8} {'-':>9} {'-':>8} {'-':>6} ") + f"{median:>10}")
+            print(
+                f"  {rep.command:<16} {h.node:<6} {rep.device:<12} {rep.state:<8} "
+                f"{rep.wall_s:>6.2f} "
+                + (
+                    f"{reg.wait_s * 1e3:>8.1f} {reg.enter_s * 1e3:>9.2f} "
+                    f"{reg.held_s * 1e3:>8.1f} {len(reg.frozen):>6} "
+                    if reg
+                    else f"{'-':>8} {'-':>9} {'-':>8} {'-':>6} "
+                )
+                + f"{median:>10}"
+            )
         per_node: dict[str, int] = {}
         for h in handles:
             per_node[h.node] = per_node.get(h.node, 0) + 1

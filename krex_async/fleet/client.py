@@ -46,7 +46,7 @@ def node_name(node: dict[str, Any]) -> str:
     """A node's fleet name: from a `krex_node_<name>` resource, else its Ray node id's first 8."""
     for res in node.get("Resources", {}):
         if res.startswith(NODE_RESOURCE):
-            return str(res[len(NODE_RESOURCE):])
+            return str(res[len(NODE_RESOURCE) :])
     return str(node["NodeID"][:8])
 
 
@@ -56,8 +56,13 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-                 configure_logging=False, **(options or {}))
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            configure_logging=False,
+            **(options or {}),
+        )
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
     finally:
@@ -74,12 +79,10 @@ async def reachable(address: str, timeout: float = 3.0) -> str:
     try:
         gcs = canonicalize_bootstrap_address_or_die(address)
         host, _, port = gcs.rpartition(":")
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
-                                           timeout)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
         writer.close()
     except (TimeoutError, ConnectionError, OSError, ValueError) as e:
-        raise KrexError("unreachable", f"no Ray cluster at {address!r}: "
-                                       f"{e or type(e).__name__}") from None
+        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
     return gcs
 
 
@@ -87,8 +90,9 @@ class FleetHandle:
     """One fleet command: `command` and `device` name its node; output() and wait() as
     CommandHandle's. A lost node ends it with a `lost` report instead of an exception."""
 
-    def __init__(self, fleet: FleetClient, node: str, spec: dict[str, Any], gen: Any,
-                 accepted: tuple[Any, ...]) -> None:
+    def __init__(
+        self, fleet: FleetClient, node: str, spec: dict[str, Any], gen: Any, accepted: tuple[Any, ...]
+    ) -> None:
         self.client = fleet
         self.node = node
         self.daemon_command = str(accepted[1])
@@ -121,8 +125,9 @@ class FleetHandle:
                 break
             except RayError as e:  # the stream broke, the node may be fine: end the command
                 await self._kill_quietly()
-                self._end(self._lost(f"its output stream failed ({type(e).__name__}: {e}); "
-                                     "the command was killed"))
+                self._end(
+                    self._lost(f"its output stream failed ({type(e).__name__}: {e}); the command was killed")
+                )
                 break
             match item:
                 case ("output", stream, data):
@@ -132,8 +137,7 @@ class FleetHandle:
                     report = msgspec.msgpack.decode(raw, type=P.CommandReport)
                     self._out += out
                     self._err += err
-                    self._end(msgspec.structs.replace(report, command=self.command,
-                                                      device=self.device))
+                    self._end(msgspec.structs.replace(report, command=self.command, device=self.device))
                 case ("lost", why):
                     self.client._node_lost(self.node, why)
                     self._end(self._lost(why))
@@ -153,10 +157,15 @@ class FleetHandle:
             pass  # it ended, or its node went: either way nothing of it runs on
 
     def _lost(self, why: str) -> P.CommandReport:
-        return P.CommandReport(command=self.command, argv=list(self._spec["argv"]),
-                               device=self.device, policy="", state="lost",
-                               error=why if why.startswith("node ") else f"node {self.node}: {why}",
-                               label=self._spec.get("label", ""))
+        return P.CommandReport(
+            command=self.command,
+            argv=list(self._spec["argv"]),
+            device=self.device,
+            policy="",
+            state="lost",
+            error=why if why.startswith("node ") else f"node {self.node}: {why}",
+            label=self._spec.get("label", ""),
+        )
 
     def _end(self, report: P.CommandReport) -> None:
         self._result = Result(report, bytes(self._out), bytes(self._err))
@@ -190,9 +199,15 @@ class FleetClient:
         self.welcome: P.Welcome | None = None  # as Client's; policy: the nodes' policies
 
     @classmethod
-    async def connect(cls, address: str | None = "auto", *, socket: str | None = None,
-                      daemon: DaemonSpec | None = None, refresh_s: float = 1.0,
-                      ray_options: dict[str, Any] | None = None) -> FleetClient:
+    async def connect(
+        cls,
+        address: str | None = "auto",
+        *,
+        socket: str | None = None,
+        daemon: DaemonSpec | None = None,
+        refresh_s: float = 1.0,
+        ray_options: dict[str, Any] | None = None,
+    ) -> FleetClient:
         """Join the Ray cluster at `address` (already joined: reused) and reach an agent on every
         alive node, creating it where there is none: it connects to `socket` (default: the node's
         krex socket) or, with `daemon`, starts and owns the node's daemon. Raises KrexError
@@ -204,15 +219,15 @@ class FleetClient:
         self = cls({}, refresh_s)
         self._socket, self._daemon = socket, daemon
         agents = self._add_agents(ray.nodes())
-        hellos = await asyncio.gather(*(a.hello.remote() for a in agents.values()),
-                                      return_exceptions=True)
+        hellos = await asyncio.gather(*(a.hello.remote() for a in agents.values()), return_exceptions=True)
         await self.refresh()
         if not any(v.up for v in self.nodes.values()):
             why = "; ".join(f"{n}: {h}" for n, h in zip(agents, hellos))
             raise KrexError("unreachable", f"no node's krex daemon answers ({why or 'no nodes'})")
         policies = sorted({h["policy"] for h in hellos if isinstance(h, dict)})
-        self.welcome = P.Welcome(id=0, version=P.PROTOCOL_VERSION, server="krex fleet",
-                                 policy=",".join(policies))
+        self.welcome = P.Welcome(
+            id=0, version=P.PROTOCOL_VERSION, server="krex fleet", policy=",".join(policies)
+        )
         self._task = asyncio.get_running_loop().create_task(self._refresher())
         return self
 
@@ -225,10 +240,15 @@ class FleetClient:
             if not node.get("Alive") or name in self.agents:
                 continue
             new[name] = RemoteAgent.options(
-                name=f"krex-node-{name}", namespace=NAMESPACE, get_if_exists=True,
-                lifetime="detached", num_cpus=0, max_restarts=0, max_task_retries=0,
-                max_concurrency=10000, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node["NodeID"], soft=False),
+                name=f"krex-node-{name}",
+                namespace=NAMESPACE,
+                get_if_exists=True,
+                lifetime="detached",
+                num_cpus=0,
+                max_restarts=0,
+                max_task_retries=0,
+                max_concurrency=10000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote(name, self._socket, self._daemon)
         for name, agent in new.items():
             self.agents[name] = agent
@@ -251,8 +271,8 @@ class FleetClient:
         """Ask every agent for its capacity (2 s each at most); an agent that fails is down."""
         names = list(self.agents)
         reports = await asyncio.gather(
-            *(asyncio.wait_for(self.agents[n].capacity.remote(), 2.0) for n in names),
-            return_exceptions=True)
+            *(asyncio.wait_for(self.agents[n].capacity.remote(), 2.0) for n in names), return_exceptions=True
+        )
         for name, rep in zip(names, reports):
             view = self.nodes[name]
             if isinstance(rep, BaseException):
@@ -273,25 +293,50 @@ class FleetClient:
     async def capacity(self) -> dict[str, dict[str, Any]]:
         """Each node's capacity report as its agent gives it now (KrexError-free: down says why)."""
         names = list(self.agents)
-        reps = await asyncio.gather(*(self.agents[n].capacity.remote() for n in names),
-                                    return_exceptions=True)
-        return {n: (r if not isinstance(r, BaseException)
-                    else {"node": n, "up": False, "reason": repr(r), "devices": []})
-                for n, r in zip(names, reps)}
+        reps = await asyncio.gather(
+            *(self.agents[n].capacity.remote() for n in names), return_exceptions=True
+        )
+        return {
+            n: (
+                r
+                if not isinstance(r, BaseException)
+                else {"node": n, "up": False, "reason": repr(r), "devices": []}
+            )
+            for n, r in zip(names, reps)
+        }
 
-    async def submit(self, argv: list[str], *, cwd: str | None = None,
-                     env: dict[str, str] | None = None, device: str | int = "auto",
-                     timeout: float | None = None, mem: int = 0, stdin: bytes | None = None,
-                     on_disconnect: str = "kill", label: str = "", stream: bool = True,
-                     node: str | None = None, run_as: int | None = None) -> FleetHandle:
+    async def submit(
+        self,
+        argv: list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        device: str | int = "auto",
+        timeout: float | None = None,
+        mem: int = 0,
+        stdin: bytes | None = None,
+        on_disconnect: str = "kill",
+        label: str = "",
+        stream: bool = True,
+        node: str | None = None,
+        run_as: int | None = None,
+    ) -> FleetHandle:
         """Place and start a command (as Client.submit; `node` pins it to one node; `run_as`, for
         a root client such as the gateway, runs it as that uid on the node). env=None
         passes this process's environment; cwd must exist on the node that runs it. A node whose
         agent or daemon is gone before accepting is marked down and the next node is tried."""
-        spec = {"argv": list(argv), "cwd": cwd or os.getcwd(),
-                "env": dict(os.environ) if env is None else env, "timeout": timeout, "mem": mem,
-                "stdin": stdin, "on_disconnect": on_disconnect, "label": label, "stream": stream,
-                "run_as": run_as}
+        spec = {
+            "argv": list(argv),
+            "cwd": cwd or os.getcwd(),
+            "env": dict(os.environ) if env is None else env,
+            "timeout": timeout,
+            "mem": mem,
+            "stdin": stdin,
+            "on_disconnect": on_disconnect,
+            "label": label,
+            "stream": stream,
+            "run_as": run_as,
+        }
         while True:
             try:
                 name, key = pick(list(self.nodes.values()), mem, str(device), node)
@@ -331,8 +376,9 @@ class FleetClient:
         """Signal a fleet command (`<node>/<id>`). KrexError when it or its node is unknown."""
         name, sep, cid = command.partition("/")
         if not sep or name not in self.agents:
-            raise KrexError("unknown_command", f"no command {command!r} in the fleet "
-                                               "(fleet commands are named NODE/ID)")
+            raise KrexError(
+                "unknown_command", f"no command {command!r} in the fleet (fleet commands are named NODE/ID)"
+            )
         try:
             await self.agents[name].cancel.remote(cid, sig)
         except RayTaskError as e:
@@ -345,21 +391,27 @@ class FleetClient:
         """Every node's daemon status merged: devices and commands named by node, and `nodes` with
         each node's state. Nodes that do not answer are listed down, with why."""
         names = list(self.agents)
-        sts = await asyncio.gather(*(self.agents[n].status.remote() for n in names),
-                                   return_exceptions=True)
+        sts = await asyncio.gather(*(self.agents[n].status.remote() for n in names), return_exceptions=True)
         out: dict[str, Any] = {"policy": None, "devices": [], "commands": [], "nodes": []}
         for name, st in zip(names, sts):
             if isinstance(st, BaseException):
                 out["nodes"].append({"node": name, "up": False, "reason": str(st)})
                 continue
             out["policy"] = out["policy"] or st.get("policy")
-            out["nodes"].append({"node": name, "up": True, "pid": st.get("pid"),
-                                 "isolation": st.get("isolation")})
+            out["nodes"].append(
+                {"node": name, "up": True, "pid": st.get("pid"), "isolation": st.get("isolation")}
+            )
             for d in st.get("devices", []):
                 out["devices"].append({**d, "node": name, "key": f"{name}/{d['key']}"})
             for c in st.get("commands", []):
-                out["commands"].append({**c, "node": name, "command": f"{name}/{c['command']}",
-                                        "device": f"{name}/{c['device']}"})
+                out["commands"].append(
+                    {
+                        **c,
+                        "node": name,
+                        "command": f"{name}/{c['command']}",
+                        "device": f"{name}/{c['device']}",
+                    }
+                )
         return out
 
     def _node_lost(self, name: str, why: str) -> None:
@@ -388,8 +440,7 @@ class FleetClient:
 
     async def stop_nodes(self) -> None:
         """Stop every agent (an owned daemon ends its commands) and remove the actors."""
-        await asyncio.gather(*(a.stop.remote() for a in self.agents.values()),
-                             return_exceptions=True)
+        await asyncio.gather(*(a.stop.remote() for a in self.agents.values()), return_exceptions=True)
         for a in self.agents.values():
             try:
                 ray.kill(a)

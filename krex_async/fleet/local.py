@@ -29,8 +29,12 @@ class LocalFleet:
     """start() brings the cluster up and joins it; connect() makes a fleet client (the first starts
     the daemons); close() stops the agents, their daemons and the cluster. A context manager."""
 
-    def __init__(self, nodes: int = 2, daemon_args: tuple[str, ...] = ("--devices", "cpu:2"),
-                 base_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        nodes: int = 2,
+        daemon_args: tuple[str, ...] = ("--devices", "cpu:2"),
+        base_dir: str | None = None,
+    ) -> None:
         if nodes < 1:
             raise ValueError(f"a fleet needs at least one node, not {nodes}")
         self.n = nodes
@@ -45,28 +49,32 @@ class LocalFleet:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network calls from a test box
         if ray.is_initialized():
             raise RuntimeError("this process already joined a Ray cluster")
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            **NODE_ARGS, "include_dashboard": False, "resources": {f"{NODE_RESOURCE}node0": 1}})
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **NODE_ARGS,
+                "include_dashboard": False,
+                "resources": {f"{NODE_RESOURCE}node0": 1},
+            },
+        )
         self.ray_nodes["node0"] = self.cluster.head_node
         for i in range(1, self.n):
             self.ray_nodes[f"node{i}"] = self.cluster.add_node(
-                **NODE_ARGS, resources={f"{NODE_RESOURCE}node{i}": 1})
+                **NODE_ARGS, resources={f"{NODE_RESOURCE}node{i}": 1}
+            )
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace="krex", log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address=self.cluster.address, namespace="krex", log_to_driver=False, configure_logging=False)
         return str(self.cluster.address)
 
     async def connect(self, **kw: Any) -> FleetClient:
         """A fleet client whose agents own their nodes' daemons (started by the first client)."""
         spec = DaemonSpec(self.base_dir, args=self.daemon_args)
-        return await FleetClient.connect(self.cluster.address if self.cluster else "auto",
-                                         daemon=spec, **kw)
+        return await FleetClient.connect(self.cluster.address if self.cluster else "auto", daemon=spec, **kw)
 
     def add_node(self, name: str) -> None:
         """Start one more node (fleet name `name`); a client connected after sees it."""
         assert self.cluster is not None
-        self.ray_nodes[name] = self.cluster.add_node(**NODE_ARGS,
-                                                     resources={f"{NODE_RESOURCE}{name}": 1})
+        self.ray_nodes[name] = self.cluster.add_node(**NODE_ARGS, resources={f"{NODE_RESOURCE}{name}": 1})
 
     def remove_node(self, name: str) -> None:
         """Kill a worker node's Ray processes at once (its agent dies; its daemon gets SIGTERM)."""

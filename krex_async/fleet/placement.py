@@ -36,8 +36,9 @@ class NodeView:
         return len(reported - mine) + len(mine)
 
 
-def pick(nodes: list[NodeView], mem: int = 0, device: str = "auto",
-         node: str | None = None) -> tuple[str, str]:
+def pick(
+    nodes: list[NodeView], mem: int = 0, device: str = "auto", node: str | None = None
+) -> tuple[str, str]:
     """(node name, device key) for one command: among the nodes that are up (only `node` if given)
     and their devices (only those keyed `device` unless it is "auto"), the one with the fewest
     commands that has `mem` bytes free; ties to the most free memory, then the first node.
@@ -48,13 +49,13 @@ def pick(nodes: list[NodeView], mem: int = 0, device: str = "auto",
     up = [n for n in nodes if n.up and (node is None or n.name == node)]
     if not up:
         if node is not None and not any(n.name == node for n in nodes):
-            raise NoDevice(f"no node {node!r} in the fleet (nodes: "
-                           f"{', '.join(n.name for n in nodes) or 'none'})")
+            raise NoDevice(
+                f"no node {node!r} in the fleet (nodes: {', '.join(n.name for n in nodes) or 'none'})"
+            )
         down = "; ".join(f"{n.name}: {n.reason or 'down'}" for n in nodes if not n.up)
         raise NoDevice(f"no node of the fleet is up ({down or 'no nodes'})")
     if device == "none":
-        best = min(up, key=lambda n: (sum(n.load(d["key"]) for d in n.devices),
-                                      nodes.index(n)))
+        best = min(up, key=lambda n: (sum(n.load(d["key"]) for d in n.devices), nodes.index(n)))
         return best.name, "none"
     candidates: list[Device] = []
     where: list[tuple[str, str]] = []
@@ -63,14 +64,19 @@ def pick(nodes: list[NodeView], mem: int = 0, device: str = "auto",
         for d in n.devices:
             if device != "auto" and device not in (d["key"], str(d.get("index"))):
                 continue
-            candidates.append(Device(
-                index=len(candidates), key=f"{n.name}/{d['key']}", vendor=d.get("vendor", ""),
-                name=d.get("name", ""), memory_total_bytes=d.get("memory_total_bytes") or 0,
-                memory_free_bytes=d.get("memory_free_bytes") or 0))
+            candidates.append(
+                Device(
+                    index=len(candidates),
+                    key=f"{n.name}/{d['key']}",
+                    vendor=d.get("vendor", ""),
+                    name=d.get("name", ""),
+                    memory_total_bytes=d.get("memory_total_bytes") or 0,
+                    memory_free_bytes=d.get("memory_free_bytes") or 0,
+                )
+            )
             where.append((n.name, d["key"]))
             counts[candidates[-1].key] = n.load(d["key"])
     if not candidates:
         raise NoDevice(f"no node that is up has device {device!r}")
     chosen = place(candidates, counts, mem)
     return where[chosen.index]
-

@@ -39,35 +39,69 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free port)")
     p.add_argument("--state-dir", required=True, help="jobs.db and per-job directories")
     p.add_argument("--socket", help="the daemon's socket (default: $KREX_SOCKET or krex's default)")
-    p.add_argument("--gpu-alias", action="append", default=[], metavar="NAME",
-                   help="another target_hardware name to accept besides 'local' (repeatable)")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback bind (never with --no-auth)")
-    p.add_argument("--token", default=os.environ.get("KREX_GATEWAY_TOKEN"),
-                   help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN; "
-                        "otherwise the token file)")
-    p.add_argument("--token-file", help="tokens, one per line: TOKEN, or NAME TOKEN [USER] (a "
-                   "0600 file of the gateway's user; created with one token if missing; default "
-                   "<state-dir>/token)")
-    p.add_argument("--no-auth", action="store_true",
-                   help="INSECURE: no token; any local user submits jobs and sees every job "
-                        "(loopback only)")
-    p.add_argument("--run-as", metavar="USER", help="run jobs as USER (a gateway started as root "
-                   "without it runs them as nobody; never root)")
-    p.add_argument("--job-python", default=sys.executable,
-                   help="the interpreter `python` runs in jobs and evaluators run with (default "
-                        "this one; it must be executable by the jobs' user)")
+    p.add_argument(
+        "--gpu-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another target_hardware name to accept besides 'local' (repeatable)",
+    )
+    p.add_argument(
+        "--allow-remote", action="store_true", help="allow a non-loopback bind (never with --no-auth)"
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KREX_GATEWAY_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN; otherwise the token file)",
+    )
+    p.add_argument(
+        "--token-file",
+        help="tokens, one per line: TOKEN, or NAME TOKEN [USER] (a "
+        "0600 file of the gateway's user; created with one token if missing; default "
+        "<state-dir>/token)",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="INSECURE: no token; any local user submits jobs and sees every job (loopback only)",
+    )
+    p.add_argument(
+        "--run-as",
+        metavar="USER",
+        help="run jobs as USER (a gateway started as root without it runs them as nobody; never root)",
+    )
+    p.add_argument(
+        "--job-python",
+        default=sys.executable,
+        help="the interpreter `python` runs in jobs and evaluators run with (default "
+        "this one; it must be executable by the jobs' user)",
+    )
     p.add_argument("--atrex-bench-root", help="an Atrex-Bench checkout for eval/profile jobs")
-    p.add_argument("--max-running", type=int, default=d.max_running,
-                   help=f"jobs submitted to the daemon at once (default {d.max_running})")
-    for name, unit in (("max_body", "bytes"), ("max_file", "bytes"), ("max_files", "files"),
-                       ("max_command", "bytes"), ("max_env", "variables"),
-                       ("max_files_total", "bytes"), ("max_output", "bytes per stream"),
-                       ("max_timeout", "seconds"), ("default_timeout", "seconds"),
-                       ("max_wait", "seconds")):
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=d.max_running,
+        help=f"jobs submitted to the daemon at once (default {d.max_running})",
+    )
+    for name, unit in (
+        ("max_body", "bytes"),
+        ("max_file", "bytes"),
+        ("max_files", "files"),
+        ("max_command", "bytes"),
+        ("max_env", "variables"),
+        ("max_files_total", "bytes"),
+        ("max_output", "bytes per stream"),
+        ("max_timeout", "seconds"),
+        ("default_timeout", "seconds"),
+        ("max_wait", "seconds"),
+    ):
         default = getattr(d, name)
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                       help=f"{unit} (default {default})")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"{unit} (default {default})",
+        )
     return p  # type: ignore[no-any-return]
 
 
@@ -83,8 +117,7 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         try:
-            return all(ipaddress.ip_address(a[4][0]).is_loopback
-                       for a in socket.getaddrinfo(host, None))
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
         except OSError:
             return False
 
@@ -114,8 +147,7 @@ async def serve(args: argparse.Namespace) -> int:
     except (auth.AuthError, StateError, OSError) as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
-    for line in (note, where, auth.check_job_users(gate, args.job_python,
-                                                   args.socket or default_socket())):
+    for line in (note, where, auth.check_job_users(gate, args.job_python, args.socket or default_socket())):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     lock = open(state / "gateway.lock", "a+")
@@ -127,19 +159,29 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     store = Store(state / "jobs.db")
     if store.restarted:
-        print(f"krex gateway: {store.restarted} job(s) were running when the last gateway "
-              "stopped: marked failed (gateway_restarted)", file=sys.stderr)
+        print(
+            f"krex gateway: {store.restarted} job(s) were running when the last gateway "
+            "stopped: marked failed (gateway_restarted)",
+            file=sys.stderr,
+        )
     aliases = frozenset(["local", *args.gpu_alias])
     kinds, missing = K.build(limits, aliases, args.atrex_bench_root, args.job_python)
     gw: Gateway | None = None
     fleet = getattr(args, "fleet", None)  # --fleet, added by krex_async/cli.py
-    runner = JobRunner(store, state / "jobs", limits, args.socket, kinds,
-                    lambda job_id: gw.changed(job_id) if gw else None, args.job_python,
-                    run_as.uid, fleet_connector(fleet) if fleet else None)
+    runner = JobRunner(
+        store,
+        state / "jobs",
+        limits,
+        args.socket,
+        kinds,
+        lambda job_id: gw.changed(job_id) if gw else None,
+        args.job_python,
+        run_as.uid,
+        fleet_connector(fleet) if fleet else None,
+    )
     runner.shims = make_shims(state / "bin", args.job_python)
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
-    app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False,
-                               shutdown_timeout=3.0)
+    app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False, shutdown_timeout=3.0)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port, reuse_address=True)
     try:
@@ -155,9 +197,12 @@ async def serve(args: argparse.Namespace) -> int:
     info.write_text(json.dumps({"url": url, "pid": os.getpid()}))
     info.chmod(0o600)
     runner.start()
-    print(f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
-          f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
-          file=sys.stderr, flush=True)
+    print(
+        f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
+        f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
+        file=sys.stderr,
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -183,12 +228,16 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not is_loopback(host):
         if not args.allow_remote:
-            print(f"krex gateway: refusing to listen on non-loopback {host}: pass --allow-remote",
-                  file=sys.stderr)
+            print(
+                f"krex gateway: refusing to listen on non-loopback {host}: pass --allow-remote",
+                file=sys.stderr,
+            )
             return 2
         if args.no_auth:
-            print("krex gateway: --no-auth is for loopback only: --allow-remote requires a token",
-                  file=sys.stderr)
+            print(
+                "krex gateway: --no-auth is for loopback only: --allow-remote requires a token",
+                file=sys.stderr,
+            )
             return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)

@@ -64,8 +64,16 @@ def _json(status: int, body: Any, trace_id: str = "") -> web.Response:
 class Gateway:
     """The app's state: store, runner, environment, waiters for long polls, who may call."""
 
-    def __init__(self, store: Store, runner: JobRunner, env: Environment, limits: Limits,
-                 kinds: dict[str, Any], missing: dict[str, str], auth: Auth) -> None:
+    def __init__(
+        self,
+        store: Store,
+        runner: JobRunner,
+        env: Environment,
+        limits: Limits,
+        kinds: dict[str, Any],
+        missing: dict[str, str],
+        auth: Auth,
+    ) -> None:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
         self.kinds, self.missing, self.auth = kinds, missing, auth
         self.views = Views(store)
@@ -88,32 +96,46 @@ class Gateway:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         got = request.headers.get("X-Trace-Id", "")
-        trace = got if got and len(got) <= 128 and got.isprintable() else \
-            f"req-{secrets.token_hex(6)}"
+        trace = got if got and len(got) <= 128 and got.isprintable() else f"req-{secrets.token_hex(6)}"
         request["trace"] = trace
         if request.path != "/healthz":
             who = self.auth.identify(request.headers.get("Authorization", ""))
             if who is None:
-                return _json(401, error("unauthorized", "a valid 'Authorization: Bearer <token>' "
-                                        "header is required", trace), trace)
+                return _json(
+                    401,
+                    error(
+                        "unauthorized", "a valid 'Authorization: Bearer <token>' header is required", trace
+                    ),
+                    trace,
+                )
             request["who"] = who
         try:
             resp = await handler(request)
         except BadRequest as e:
             return _json(e.status, error(e.reason, e.message, trace, **e.details), trace)
         except web.HTTPRequestEntityTooLarge:
-            return _json(413, error("request_too_large", "the request body exceeds "
-                                    f"{self.limits.max_body} bytes", trace), trace)
+            return _json(
+                413,
+                error("request_too_large", f"the request body exceeds {self.limits.max_body} bytes", trace),
+                trace,
+            )
         except web.HTTPMethodNotAllowed as e:
-            return _json(405, error("method_not_allowed", f"{request.method} is not allowed on "
-                                    f"{request.path}", trace, allowed=sorted(e.allowed_methods)),
-                         trace)
+            return _json(
+                405,
+                error(
+                    "method_not_allowed",
+                    f"{request.method} is not allowed on {request.path}",
+                    trace,
+                    allowed=sorted(e.allowed_methods),
+                ),
+                trace,
+            )
         except web.HTTPNotFound:
-            return _json(404, error("route_not_found", f"route {request.path!r} not found", trace),
-                         trace)
+            return _json(404, error("route_not_found", f"route {request.path!r} not found", trace), trace)
         except web.HTTPException as e:
-            return _json(e.status, error(e.reason.lower().replace(" ", "_"), e.text or e.reason,
-                                         trace), trace)
+            return _json(
+                e.status, error(e.reason.lower().replace(" ", "_"), e.text or e.reason, trace), trace
+            )
         except ConnectionError:
             raise  # the reader left mid-stream: nothing to answer
         except Exception as e:  # a gateway bug: say so as JSON, keep serving
@@ -126,8 +148,11 @@ class Gateway:
 
     async def body(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > self.limits.max_body:
-            raise BadRequest("request_too_large", f"the request body ({request.content_length} "
-                             f"bytes) exceeds {self.limits.max_body} bytes", 413)
+            raise BadRequest(
+                "request_too_large",
+                f"the request body ({request.content_length} bytes) exceeds {self.limits.max_body} bytes",
+                413,
+            )
         raw = await request.read()
         if not raw:
             raise BadRequest("empty_body", "a JSON request body is required")
@@ -176,30 +201,34 @@ class Gateway:
         return web.Response(text="ok")
 
     async def env_all(self, request: web.Request) -> web.Response:
-        view = await self.env.view(await self.daemon_status(), self.runner.daemon_error,
-                                   self.flag(request, "force"))
+        view = await self.env.view(
+            await self.daemon_status(), self.runner.daemon_error, self.flag(request, "force")
+        )
         return _json(200, {"env": [view]})
 
     async def env_one(self, request: web.Request) -> web.Response:
         gpu = request.match_info["gpu"]
         if gpu not in self.env.aliases:
-            raise BadRequest("environment_not_found", f"environment {gpu!r} not found; this "
-                             f"gateway has {', '.join(sorted(self.env.aliases))}", 404)
-        view = await self.env.view(await self.daemon_status(), self.runner.daemon_error,
-                                   self.flag(request, "force"))
+            raise BadRequest(
+                "environment_not_found",
+                f"environment {gpu!r} not found; this gateway has {', '.join(sorted(self.env.aliases))}",
+                404,
+            )
+        view = await self.env.view(
+            await self.daemon_status(), self.runner.daemon_error, self.flag(request, "force")
+        )
         return _json(200, {**view, "gpu": gpu})
 
     async def submit(self, request: web.Request, kind: str | None = None) -> web.Response:
         kind = kind or request.match_info["kind"]
         if kind not in self.kinds:
-            why = self.missing.get(kind, f"unknown job kind {kind!r}; this gateway runs "
-                                         f"{', '.join(sorted(self.kinds))}")
-            raise BadRequest("kind_not_supported", why, 501, kind=kind,
-                             supported=sorted(self.kinds))
+            why = self.missing.get(
+                kind, f"unknown job kind {kind!r}; this gateway runs {', '.join(sorted(self.kinds))}"
+            )
+            raise BadRequest("kind_not_supported", why, 501, kind=kind, supported=sorted(self.kinds))
         req, key, author = self.kinds[kind].validate(await self.body(request))
         who = self.who(request)
-        job, created = self.store.create(kind, req, request["trace"], key, author, who.name,
-                                         who.run_as.uid)
+        job, created = self.store.create(kind, req, request["trace"], key, author, who.name, who.run_as.uid)
         if created:
             self.runner.notify()
         resp = _json(202, job)
@@ -215,8 +244,7 @@ class Gateway:
         if kind is not None and kind not in KINDS:
             raise BadRequest("invalid_kind", f"unknown job kind {kind!r}", kinds=list(KINDS))
         if status is not None and status not in STATUSES:
-            raise BadRequest("invalid_status", f"unknown job status {status!r}",
-                             statuses=list(STATUSES))
+            raise BadRequest("invalid_status", f"unknown job status {status!r}", statuses=list(STATUSES))
         try:
             limit = int(q.get("limit", "50"))
         except ValueError:
@@ -226,8 +254,14 @@ class Gateway:
         sort = q.get("sort", "-created_at")
         if sort not in ("created_at", "-created_at"):
             raise BadRequest("invalid_sort", "sort must be created_at or -created_at")
-        ids = self.store.list_ids(self.who(request).name, kind, status, q.get("user"),
-                                  min(limit, 500), newest_first=sort != "created_at")
+        ids = self.store.list_ids(
+            self.who(request).name,
+            kind,
+            status,
+            q.get("user"),
+            min(limit, 500),
+            newest_first=sort != "created_at",
+        )
         return await self.views.stream_list(request, ids)
 
     async def get_job(self, request: web.Request) -> web.StreamResponse:
@@ -241,8 +275,7 @@ class Gateway:
             try:
                 timeout = float(raw)
             except ValueError:
-                raise BadRequest("invalid_timeout", f"timeout must be seconds, got {raw!r}") \
-                    from None
+                raise BadRequest("invalid_timeout", f"timeout must be seconds, got {raw!r}") from None
             if not math.isfinite(timeout) or timeout < 0:
                 raise BadRequest("invalid_timeout", "timeout must be a finite number >= 0")
             await self.wait(job_id, min(timeout, self.limits.max_wait))
@@ -286,11 +319,17 @@ class Gateway:
 
 def make_app(gw: Gateway) -> web.Application:
     app = web.Application(middlewares=[gw.middleware], client_max_size=gw.limits.max_body)
-    app.add_routes([
-        web.get("/healthz", gw.healthz), web.get("/v1/env", gw.env_all),
-        web.get("/v1/env/{gpu}", gw.env_one), web.get("/v1/jobs", gw.list_jobs),
-        web.post("/v1/jobs/{job_id}/cancel", gw.cancel),
-        web.get("/v1/jobs/{job_id}", gw.get_job), web.post("/v1/jobs/{kind}", gw.submit),
-        web.get("/v1/evals/{job_id}", gw.get_job), web.post("/v1/evals", gw.submit_eval),
-    ])
+    app.add_routes(
+        [
+            web.get("/healthz", gw.healthz),
+            web.get("/v1/env", gw.env_all),
+            web.get("/v1/env/{gpu}", gw.env_one),
+            web.get("/v1/jobs", gw.list_jobs),
+            web.post("/v1/jobs/{job_id}/cancel", gw.cancel),
+            web.get("/v1/jobs/{job_id}", gw.get_job),
+            web.post("/v1/jobs/{kind}", gw.submit),
+            web.get("/v1/evals/{job_id}", gw.get_job),
+            web.post("/v1/evals", gw.submit_eval),
+        ]
+    )
     return app

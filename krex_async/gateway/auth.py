@@ -68,19 +68,21 @@ def job_user(run_as: str | None, euid: int) -> tuple[RunAs, str]:
     """(whom jobs run as, a line to print when that needs saying). Raises AuthError."""
     if euid == 0:
         if run_as is None:
-            return user("nobody"), ("jobs run as 'nobody': the gateway runs as root and no "
-                                    "--run-as USER was given")
+            return user("nobody"), (
+                "jobs run as 'nobody': the gateway runs as root and no --run-as USER was given"
+            )
         target = user(run_as)
         if target.uid == 0:
             raise AuthError(f"--run-as {run_as}: jobs never run as root")
         return target, ""
     me = pwd.getpwuid(euid).pw_name if _has_passwd(euid) else str(euid)
     if run_as is not None and user(run_as).uid != euid:
-        raise AuthError(f"--run-as {run_as}: only a gateway started as root can run jobs as "
-                        "another user")
-    return RunAs(None, None, me, None), (f"jobs run as the gateway's own user {me}: they can reach "
-                                         "its state directory; start it as root with --run-as "
-                                         "USER to keep them out")
+        raise AuthError(f"--run-as {run_as}: only a gateway started as root can run jobs as another user")
+    return RunAs(None, None, me, None), (
+        f"jobs run as the gateway's own user {me}: they can reach "
+        "its state directory; start it as root with --run-as "
+        "USER to keep them out"
+    )
 
 
 def _has_passwd(uid: int) -> bool:
@@ -106,8 +108,7 @@ class Auth:
         scheme, _, got = header.partition(" ")
         found = None
         for token, ident in self.tokens.items():
-            if secrets.compare_digest(got.strip().encode(), token.encode()) and \
-                    scheme.lower() == "bearer":
+            if secrets.compare_digest(got.strip().encode(), token.encode()) and scheme.lower() == "bearer":
                 found = ident
         return found
 
@@ -120,8 +121,9 @@ def check_private(path: Path, euid: int) -> None:
     if st.st_uid != euid:
         raise AuthError(f"token file {path} belongs to uid {st.st_uid}, not the gateway's {euid}")
     if st.st_mode & 0o077:
-        raise AuthError(f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
-                        f"read it; chmod 600 {path}")
+        raise AuthError(
+            f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may read it; chmod 600 {path}"
+        )
 
 
 def generate(path: Path) -> str:
@@ -162,8 +164,9 @@ def read_tokens(path: Path, default: RunAs, euid: int) -> dict[str, Identity]:
     return tokens
 
 
-def load(state: Path, token_file: str | None, token: str | None, no_auth: bool, run_as: RunAs,
-         euid: int) -> tuple[Auth, str]:
+def load(
+    state: Path, token_file: str | None, token: str | None, no_auth: bool, run_as: RunAs, euid: int
+) -> tuple[Auth, str]:
     """The gateway's Auth and a line saying where its tokens are. Raises AuthError."""
     if no_auth:
         if token or token_file:
@@ -171,7 +174,8 @@ def load(state: Path, token_file: str | None, token: str | None, no_auth: bool, 
         return Auth({}, Identity("anonymous", run_as)), (
             "WARNING: --no-auth: NO AUTHENTICATION. Any local user or process that can reach "
             f"this port submits jobs (run as {run_as.name}) and reads, waits on and cancels "
-            "every job and its output")
+            "every job and its output"
+        )
     if token_file and token:
         raise AuthError("give --token-file or --token, not both")
     if token:
@@ -186,9 +190,11 @@ def load(state: Path, token_file: str | None, token: str | None, no_auth: bool, 
     except OSError as e:
         raise AuthError(f"cannot create token file {path}: {e}") from None
     tokens = read_tokens(path, run_as, euid)
-    return Auth(tokens), (f"{'new token written to' if made else 'tokens from'} {path} "
-                          f"({len(tokens)} identit{'y' if len(tokens) == 1 else 'ies'}); "
-                          f"clients send 'Authorization: Bearer <token>' (AGATE_TOKEN)")
+    return Auth(tokens), (
+        f"{'new token written to' if made else 'tokens from'} {path} "
+        f"({len(tokens)} identit{'y' if len(tokens) == 1 else 'ies'}); "
+        f"clients send 'Authorization: Bearer <token>' (AGATE_TOKEN)"
+    )
 
 
 def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
@@ -201,15 +207,26 @@ def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
     for u in users:
         if u.uid is None or u.gid is None:
             continue
-        for argv, what in (([python, "-c", ""], f"run {python}: pass --job-python PATH"),
-                           ([python, "-c", probe, socket_path],
-                            f"reach the daemon's socket {socket_path}, so regions in its jobs "
-                            "fail: add it to the daemon's --socket-group")):
+        for argv, what in (
+            ([python, "-c", ""], f"run {python}: pass --job-python PATH"),
+            (
+                [python, "-c", probe, socket_path],
+                f"reach the daemon's socket {socket_path}, so regions in its jobs "
+                "fail: add it to the daemon's --socket-group",
+            ),
+        ):
             try:
-                r = subprocess.run(argv, user=u.uid, group=u.gid,
-                                   extra_groups=os.getgrouplist(u.name, u.gid),
-                                   capture_output=True, text=True, timeout=30, cwd="/",
-                                   check=False)
+                r = subprocess.run(
+                    argv,
+                    user=u.uid,
+                    group=u.gid,
+                    extra_groups=os.getgrouplist(u.name, u.gid),
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    cwd="/",
+                    check=False,
+                )
                 last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
                 failed = r.returncode != 0
             except (OSError, subprocess.SubprocessError) as e:

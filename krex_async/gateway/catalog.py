@@ -11,8 +11,9 @@ from krex_async.gateway.kinds import Dev, Eval, find_evaluator
 from krex_async.gateway.profile import Profile, find_profilers
 
 
-def build(lim: L.Limits, accepted: frozenset[str], atrex_bench_root: str | None,
-          python: str = sys.executable) -> tuple[dict[str, Any], dict[str, str]]:
+def build(
+    lim: L.Limits, accepted: frozenset[str], atrex_bench_root: str | None, python: str = sys.executable
+) -> tuple[dict[str, Any], dict[str, str]]:
     """(runnable kinds by name, unavailable kinds -> why)."""
     kinds: dict[str, Any] = {"dev": Dev(lim, accepted)}
     missing = {"disassemble": "the krex gateway does not implement disassemble jobs"}

@@ -23,16 +23,16 @@ class GatewayError(Exception):
         self.status = status
         self.body = body
         self.reason = body.get("reason", "") if isinstance(body, dict) else ""
-        super().__init__(f"HTTP {status} {self.reason}: "
-                         f"{body.get('message') if isinstance(body, dict) else body}")
+        super().__init__(
+            f"HTTP {status} {self.reason}: {body.get('message') if isinstance(body, dict) else body}"
+        )
 
 
 class GatewayClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 330.0) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.session = aiohttp.ClientSession(headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=timeout))
+        self.session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout))
 
     async def __aenter__(self) -> GatewayClient:
         return self
@@ -43,12 +43,19 @@ class GatewayClient:
     async def close(self) -> None:
         await self.session.close()
 
-    async def request(self, method: str, path: str, json: Any = None, data: bytes | None = None,
-                      params: dict[str, str] | None = None,
-                      headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        data: bytes | None = None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
         """(HTTP status, parsed JSON body or text)."""
-        async with self.session.request(method, self.url + path, json=json, data=data,
-                                        params=params, headers=headers) as r:
+        async with self.session.request(
+            method, self.url + path, json=json, data=data, params=params, headers=headers
+        ) as r:
             if r.content_type == "application/json":
                 return r.status, await r.json()
             return r.status, await r.text()
@@ -68,26 +75,40 @@ class GatewayClient:
         return body  # type: ignore[no-any-return]
 
     @staticmethod
-    def dev_request(command: str, files: dict[str, str] | None = None,
-                    env_vars: dict[str, str] | None = None, timeout_s: float = 60,
-                    hardware: str = "local", idempotency_key: str | None = None
-                    ) -> dict[str, Any]:
-        req: dict[str, Any] = {"spec": {"target_hardware": [hardware]}, "command": command,
-                               "files": files or {}, "env_vars": env_vars or {},
-                               "timeout_s": timeout_s}
+    def dev_request(
+        command: str,
+        files: dict[str, str] | None = None,
+        env_vars: dict[str, str] | None = None,
+        timeout_s: float = 60,
+        hardware: str = "local",
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        req: dict[str, Any] = {
+            "spec": {"target_hardware": [hardware]},
+            "command": command,
+            "files": files or {},
+            "env_vars": env_vars or {},
+            "timeout_s": timeout_s,
+        }
         if idempotency_key is not None:
             req["idempotency_key"] = idempotency_key
         return req
 
     async def dev(self, command: str, **kw: Any) -> dict[str, Any]:
         """Submit a dev job; returns the job (status queued, or the existing job for a known key)."""
-        return await self._ok("POST", "/v1/jobs/dev",  # type: ignore[no-any-return]
-                              json=self.dev_request(command, **kw))
+        return await self._ok(
+            "POST",
+            "/v1/jobs/dev",  # type: ignore[no-any-return]
+            json=self.dev_request(command, **kw),
+        )
 
     async def get(self, job_id: str, wait: bool = False, timeout: float = 30) -> dict[str, Any]:
         params = {"wait": "true", "timeout": str(timeout)} if wait else None
-        return await self._ok("GET", f"/v1/jobs/{job_id}",  # type: ignore[no-any-return]
-                              params=params)
+        return await self._ok(
+            "GET",
+            f"/v1/jobs/{job_id}",  # type: ignore[no-any-return]
+            params=params,
+        )
 
     async def wait(self, job_id: str, timeout: float = 300) -> dict[str, Any]:
         """Long-poll until the job ends or `timeout` passes; returns the last view."""

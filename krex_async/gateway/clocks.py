@@ -41,8 +41,10 @@ def _lock_nvml(nv: Any) -> Callable[[], None]:
     locked = []
     try:
         for h in handles:
-            top = max(max(nv.nvmlDeviceGetSupportedGraphicsClocks(h, m), default=0)
-                      for m in nv.nvmlDeviceGetSupportedMemoryClocks(h))
+            top = max(
+                max(nv.nvmlDeviceGetSupportedGraphicsClocks(h, m), default=0)
+                for m in nv.nvmlDeviceGetSupportedMemoryClocks(h)
+            )
             if top <= 0:
                 raise ClockError("lock_clocks: NVML lists no supported graphics clock")
             nv.nvmlDeviceSetGpuLockedClocks(h, top, top)
@@ -58,13 +60,13 @@ def _lock_nvml(nv: Any) -> Callable[[], None]:
                 nv.nvmlDeviceResetGpuLockedClocks(h)
             except nv.NVMLError:
                 pass
+
     return reset
 
 
 def _run(argv: list[str]) -> str:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=20,
-                              check=True).stdout
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise ClockError(f"lock_clocks: {argv[0]} failed: {e}") from None
 
@@ -82,8 +84,10 @@ def _lock_tools(why_not_nvml: str) -> Callable[[], None]:
     if rocm:
         _run([rocm, "--setperflevel", "high"])
         return lambda: _quiet([rocm, "--setperflevel", "auto"])
-    raise ClockError(f"lock_clocks: cannot lock GPU clocks here: {why_not_nvml}, and neither "
-                     "nvidia-smi nor rocm-smi is on PATH")
+    raise ClockError(
+        f"lock_clocks: cannot lock GPU clocks here: {why_not_nvml}, and neither "
+        "nvidia-smi nor rocm-smi is on PATH"
+    )
 
 
 def _quiet(argv: list[str]) -> None:

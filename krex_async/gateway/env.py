@@ -23,28 +23,37 @@ from krex_async import __version__
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          check=True).stdout
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=True).stdout
 
 
 def probe_host() -> tuple[dict[str, Any], list[str]]:
     """Blocking: driver, toolkit and framework versions. Returns (fields, errors)."""
     errors: list[str] = []
-    out: dict[str, Any] = {"driver_version": None, "gpu_model": None, "total_memory_mb": None,
-                           "vendor": "unknown", "arch": None}
+    out: dict[str, Any] = {
+        "driver_version": None,
+        "gpu_model": None,
+        "total_memory_mb": None,
+        "vendor": "unknown",
+        "arch": None,
+    }
     tool: dict[str, Any] = {"python": platform.python_version(), "krex": __version__}
     if shutil.which("nvidia-smi"):
         try:
-            first = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                          "--format=csv,noheader,nounits"]).splitlines()[0]
+            first = _run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,memory.total,driver_version",
+                    "--format=csv,noheader,nounits",
+                ]
+            ).splitlines()[0]
             name, mem, driver = (p.strip() for p in first.split(",", 2))
-            out.update(vendor="nvidia", gpu_model=name, total_memory_mb=int(float(mem)),
-                       driver_version=driver)
+            out.update(
+                vendor="nvidia", gpu_model=name, total_memory_mb=int(float(mem)), driver_version=driver
+            )
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
             errors.append(f"nvidia-smi: {e}")
         try:  # a separate query: older drivers do not know compute_cap
-            cap = _run(["nvidia-smi", "--query-gpu=compute_cap",
-                        "--format=csv,noheader"]).split()[0]
+            cap = _run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]).split()[0]
             major, minor = cap.split(".")
             out["arch"] = f"sm_{int(major)}{int(minor)}"
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
@@ -78,8 +87,9 @@ class Environment:
         self._probed_at = ""
         self._lock = asyncio.Lock()
 
-    async def view(self, status: dict[str, Any] | None, daemon_error: str,
-                   force: bool = False) -> dict[str, Any]:
+    async def view(
+        self, status: dict[str, Any] | None, daemon_error: str, force: bool = False
+    ) -> dict[str, Any]:
         async with self._lock:
             if self._host is None or force:
                 self._host = await asyncio.to_thread(probe_host)
@@ -92,19 +102,31 @@ class Environment:
             errors.append(f"krex daemon: {daemon_error or 'unreachable'}")
         else:
             policy = status.get("policy")
-            devices = [{k: d.get(k) for k in ("index", "key", "vendor", "name",
-                                              "memory_total_bytes", "numa_node")}
-                       for d in status.get("devices", [])]
+            devices = [
+                {k: d.get(k) for k in ("index", "key", "vendor", "name", "memory_total_bytes", "numa_node")}
+                for d in status.get("devices", [])
+            ]
         gpus = [d for d in devices if d.get("vendor") not in ("cpu", None)]
-        vendor = host["vendor"] if host["vendor"] != "unknown" else (
-            gpus[0]["vendor"] if gpus else ("cpu" if devices else "unknown"))
+        vendor = (
+            host["vendor"]
+            if host["vendor"] != "unknown"
+            else (gpus[0]["vendor"] if gpus else ("cpu" if devices else "unknown"))
+        )
         return {
-            "gpu": "local", "aliases": sorted(self.aliases), "vendor": vendor,
+            "gpu": "local",
+            "aliases": sorted(self.aliases),
+            "vendor": vendor,
             "gpu_model": host["gpu_model"] or (gpus[0]["name"] if gpus else None),
-            "gpu_count": len(gpus), "devices": devices,
-            "total_memory_mb": host["total_memory_mb"], "driver_version": host["driver_version"],
-            "arch": host["arch"], "sm_count": None, "toolchain": host["toolchain"],
+            "gpu_count": len(gpus),
+            "devices": devices,
+            "total_memory_mb": host["total_memory_mb"],
+            "driver_version": host["driver_version"],
+            "arch": host["arch"],
+            "sm_count": None,
+            "toolchain": host["toolchain"],
             "krex": {"policy": policy, "version": __version__, "auto_region": True},
-            "source": "probe", "probed_at": self._probed_at,
-            "probe_error": "; ".join(errors) or None, "checked_at": time.time(),
+            "source": "probe",
+            "probed_at": self._probed_at,
+            "probe_error": "; ".join(errors) or None,
+            "checked_at": time.time(),
         }

@@ -37,8 +37,10 @@ def own_dir(path: Path, mode: int) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise StateError(f"{path} is not a directory")
     if st.st_uid != os.geteuid():
-        raise StateError(f"{path} belongs to uid {st.st_uid}, not the gateway's {os.geteuid()}: "
-                         "a job's user could change the gateway's state")
+        raise StateError(
+            f"{path} belongs to uid {st.st_uid}, not the gateway's {os.geteuid()}: "
+            "a job's user could change the gateway's state"
+        )
     os.chmod(path, mode)
 
 
@@ -73,8 +75,7 @@ def write_files(root: Path, files: dict[str, str]) -> None:
                     nfd = os.open(d, DIR_FLAGS, dir_fd=fd)
                     os.close(fd)
                     fd = nfd
-                out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
-                              dir_fd=fd)
+                out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
                 with os.fdopen(out, "wb") as f:
                     f.write(content.encode("utf-8", "surrogatepass"))
             finally:
@@ -103,8 +104,7 @@ def _open_under(root: Path, rel: str, owner: int) -> int:
             nfd = os.open(d, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
-        out = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                      dir_fd=fd)
+        out = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
     finally:
         os.close(fd)
     st = os.fstat(out)

@@ -46,8 +46,9 @@ class Kind(Protocol):
     def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
         """Write what the job needs into workdir; return (argv, timeout_s). May raise OSError."""
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
-                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    def complete(
+        self, request: dict[str, Any], workdir: Path, result: dict[str, Any], owner: int | None
+    ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         """(status, result, error) from the command's result dict; files the job wrote are read
         as files.read_job_file reads them (owner: the job's uid, None for the gateway's)."""
 
@@ -62,15 +63,20 @@ def make_shims(bindir: Path, python: str = sys.executable) -> Path:
     for name in ("python", "python3"):
         tmp = bindir / f".{name}.new"
         tmp.unlink(missing_ok=True)
-        tmp.write_text(f"#!/bin/sh\nexec {shlex.quote(python)} \"$@\"\n")
+        tmp.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
         tmp.chmod(0o755)
         tmp.replace(bindir / name)
     return bindir
 
 
-def job_env(job_id: str, workdir: Path, extra: dict[str, str],
-            shims: Path | None = None, python: str = sys.executable,
-            user: RunAs | None = None) -> dict[str, str]:
+def job_env(
+    job_id: str,
+    workdir: Path,
+    extra: dict[str, str],
+    shims: Path | None = None,
+    python: str = sys.executable,
+    user: RunAs | None = None,
+) -> dict[str, str]:
     """The gateway's environment, the job's variables, and what krex and the API add. A job run as
     another user gets that user's name and a HOME it can write (its own, else the job directory)."""
     env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV and k not in SECRET_ENV}
@@ -82,8 +88,9 @@ def job_env(job_id: str, workdir: Path, extra: dict[str, str],
     if "PATH" not in extra:  # `python` (and python3) in a job is the gateway's interpreter
         first = [str(shims)] if shims is not None else []
         first.append(str(Path(python).parent))
-        env["PATH"] = os.pathsep.join(first + [p for p in env.get("PATH", os.defpath)
-                                               .split(os.pathsep) if p and p not in first])
+        env["PATH"] = os.pathsep.join(
+            first + [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p not in first]
+        )
     if "TORCH_EXTENSIONS_DIR" not in extra:  # torch's build locks survive SIGKILL: keep them local
         env["TORCH_EXTENSIONS_DIR"] = str(workdir / ".torch_extensions")
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -93,28 +100,54 @@ def job_env(job_id: str, workdir: Path, extra: dict[str, str],
     return env
 
 
-def command_result(handle: CommandHandle, report: Any, out: bytearray, err: bytearray,
-                   out_cut: bool, err_cut: bool) -> dict[str, Any]:
+def command_result(
+    handle: CommandHandle, report: Any, out: bytearray, err: bytearray, out_cut: bool, err_cut: bool
+) -> dict[str, Any]:
     rep = msgspec.to_builtins(report)
     return {
         "exit_code": report.exit_code if report.signal is None else -report.signal,
-        "stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
-        "stdout_truncated": out_cut, "stderr_truncated": err_cut,
+        "stdout": out.decode("utf-8", "replace"),
+        "stderr": err.decode("utf-8", "replace"),
+        "stdout_truncated": out_cut,
+        "stderr_truncated": err_cut,
         "regions": rep.get("regions", []),
-        "krex": {k: getattr(report, k) for k in ("command", "device", "policy", "state", "signal",
-                                          "wall_s", "queued_s", "start_latency_s", "error",
-                                          "stdout_bytes", "stderr_bytes", "via", "pool_adopted",
-                                          "pool_declined")},
+        "krex": {
+            k: getattr(report, k)
+            for k in (
+                "command",
+                "device",
+                "policy",
+                "state",
+                "signal",
+                "wall_s",
+                "queued_s",
+                "start_latency_s",
+                "error",
+                "stdout_bytes",
+                "stderr_bytes",
+                "via",
+                "pool_adopted",
+                "pool_declined",
+            )
+        },
     }
 
 
 class JobRunner:
     """Owns the daemon connection and the running jobs' tasks; `stop()` ends both."""
 
-    def __init__(self, store: Store, jobs_dir: Path, limits: Limits, socket: str | None,
-                 kinds: dict[str, Kind], on_change: Callable[[str], None],
-                 python: str = sys.executable, run_as: int | None = None,
-                 connect: Callable[[], Awaitable[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        jobs_dir: Path,
+        limits: Limits,
+        socket: str | None,
+        kinds: dict[str, Kind],
+        on_change: Callable[[str], None],
+        python: str = sys.executable,
+        run_as: int | None = None,
+        connect: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self.store = store
         self.run_as = run_as  # the jobs' uid where a job has none recorded (queued by an older one)
         self.python = python  # what `python` is in a job (shims, PATH)
@@ -147,8 +180,7 @@ class JobRunner:
 
     async def connect(self) -> Client | None:
         """The daemon connection, made again if it was lost; None (and `daemon_error`) if not."""
-        if self.client is not None and self.client._task is not None \
-                and not self.client._task.done():
+        if self.client is not None and self.client._task is not None and not self.client._task.done():
             return self.client
         try:
             self.client = await self._connect()
@@ -168,8 +200,7 @@ class JobRunner:
         try:
             status = await client.status()
             for c in status.get("commands", []):
-                if c.get("label") in labels and c.get("state") in ("queued", "starting",
-                                                                    "running"):
+                if c.get("label") in labels and c.get("state") in ("queued", "starting", "running"):
                     try:
                         await client.cancel(c["command"], 9)
                     except KrexError:
@@ -192,8 +223,7 @@ class JobRunner:
                     break
                 job_id, kind, request = claimed
                 self.on_change(job_id)
-                task = asyncio.get_running_loop().create_task(self._run(client, job_id, kind,
-                                                                        request))
+                task = asyncio.get_running_loop().create_task(self._run(client, job_id, kind, request))
                 self.running[job_id] = task
                 task.add_done_callback(functools.partial(self._done, job_id))
 
@@ -220,15 +250,20 @@ class JobRunner:
             (workdir / ".torch_extensions").mkdir(mode=0o700)
             argv, timeout = runner.prepare(request, workdir)
             hand_over(workdir, uid, user.gid if user else None)
-            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims,
-                          self.python, user)
+            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims, self.python, user)
             if kind != "dev" and request.get("lock_clocks"):
                 clock = await clocks.acquire()  # raises ClockError: the job fails saying why
             if self.store.status(job_id) != "running":
                 return  # cancelled while being prepared
-            h = await client.submit(argv, cwd=str(workdir), env=env, device="auto",
-                                    timeout=timeout + KILL_GRACE + 5, label=f"gateway {job_id}",
-                                    run_as=uid)
+            h = await client.submit(
+                argv,
+                cwd=str(workdir),
+                env=env,
+                device="auto",
+                timeout=timeout + KILL_GRACE + 5,
+                label=f"gateway {job_id}",
+                run_as=uid,
+            )
             self.commands[job_id] = h.command
             self.store.set_command(job_id, h.command)
             self.on_change(job_id)
@@ -243,26 +278,26 @@ class JobRunner:
                 room = limit - len(buf)
                 if len(data) > room:
                     cut[stream] = True
-                buf += data[:max(room, 0)]
+                buf += data[: max(room, 0)]
                 h._out.clear()  # the handle would keep every byte; we keep `limit` of each
                 h._err.clear()
             res = await h.wait()
             deadline.cancel()
             got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
-            status, result, err_obj = self._judge(runner, job_id, request, workdir, res.report,
-                                                  got, timeout, uid)
+            status, result, err_obj = self._judge(
+                runner, job_id, request, workdir, res.report, got, timeout, uid
+            )
             self.store.finish(job_id, status, result, err_obj)
         except KrexError as e:
             reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
-            self.store.finish(job_id, "failed", None,
-                              error(reason, f"krex: {e.message}", krex_code=e.code))
+            self.store.finish(job_id, "failed", None, error(reason, f"krex: {e.message}", krex_code=e.code))
         except asyncio.CancelledError:
-            self.store.finish(job_id, "failed", None,
-                              error("gateway_stopped", "the gateway stopped while the job ran"))
+            self.store.finish(
+                job_id, "failed", None, error("gateway_stopped", "the gateway stopped while the job ran")
+            )
             raise
         except Exception as e:  # a bug or an OSError preparing the job: the job says so
-            self.store.finish(job_id, "failed", None,
-                              error("execution_error", f"{type(e).__name__}: {e}"))
+            self.store.finish(job_id, "failed", None, error("execution_error", f"{type(e).__name__}: {e}"))
         finally:
             if deadline is not None:
                 deadline.cancel()
@@ -293,12 +328,19 @@ class JobRunner:
             if command not in self.commands.values():
                 return
 
-    def _judge(self, runner: Kind, job_id: str, request: dict[str, Any], workdir: Path,
-               report: Any, result: dict[str, Any], timeout: float, uid: int | None
-               ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    def _judge(
+        self,
+        runner: Kind,
+        job_id: str,
+        request: dict[str, Any],
+        workdir: Path,
+        report: Any,
+        result: dict[str, Any],
+        timeout: float,
+        uid: int | None,
+    ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
         if report.state == "timeout" or job_id in self.timed_out:
-            return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} "
-                                           "seconds")
+            return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} seconds")
         if report.state == "cancelled":  # by an operator (`krex cancel`): as a gateway cancel
             return "cancelled", None, None
         if report.state == "lost":  # its daemon, or its node in a fleet, died while it ran
@@ -306,8 +348,14 @@ class JobRunner:
         if report.state in ("failed", "shutdown"):
             return "failed", result, error("krex_error", report.error or report.state)
         if result["stdout_truncated"] or result["stderr_truncated"]:
-            return "failed", result, error("output_too_large", "command output exceeded the "
-                                           f"{self.limits.max_output} byte stream limit")
+            return (
+                "failed",
+                result,
+                error(
+                    "output_too_large",
+                    f"command output exceeded the {self.limits.max_output} byte stream limit",
+                ),
+            )
         return runner.complete(request, workdir, result, uid)
 
     async def cancel(self, job_id: str, owner: str | None = None) -> str | None:

@@ -52,20 +52,25 @@ class Dev:
 
     def validate(self, payload: Any) -> tuple[dict[str, Any], str | None, str | None]:
         r = L.dev_request(payload, self.lim, self.accepted)
-        req = {"spec": {"target_hardware": r.targets}, "command": r.command, "files": r.files,
-               "env_vars": r.env_vars, "timeout_s": r.timeout_s}
+        req = {
+            "spec": {"target_hardware": r.targets},
+            "command": r.command,
+            "files": r.files,
+            "env_vars": r.env_vars,
+            "timeout_s": r.timeout_s,
+        }
         return req, r.idempotency_key, r.author
 
     def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
         write_files(workdir, request.get("files") or {})
         return [self.shell, "-c", request["command"]], float(request["timeout_s"])
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
-                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    def complete(
+        self, request: dict[str, Any], workdir: Path, result: dict[str, Any], owner: int | None
+    ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         if result["exit_code"] == 0:
             return "succeeded", result, None
-        return "failed", result, error("command_failed",
-                                       f"command exited with status {result['exit_code']}")
+        return "failed", result, error("command_failed", f"command exited with status {result['exit_code']}")
 
 
 def _bundle(payload: Any, lim: L.Limits, accepted: frozenset[str]) -> dict[str, Any]:
@@ -79,8 +84,9 @@ def _bundle(payload: Any, lim: L.Limits, accepted: frozenset[str]) -> dict[str, 
     ref = L.obj(p.get("reference"), "reference")
     op = ref.get("operator")
     if not isinstance(op, str) or not op.strip() or len(op) > 512:
-        raise L.Invalid("invalid_reference", "reference.operator must be a non-empty string of at "
-                        "most 512 characters")
+        raise L.Invalid(
+            "invalid_reference", "reference.operator must be a non-empty string of at most 512 characters"
+        )
     for f in ("reference_py", "input_py"):
         if not isinstance(ref.get(f), str) or not ref[f].strip():
             raise L.Invalid("invalid_reference", f"reference.{f} must be a non-empty string")
@@ -90,8 +96,7 @@ def _bundle(payload: Any, lim: L.Limits, accepted: frozenset[str]) -> dict[str, 
         if f in ref and not isinstance(ref[f], dict):
             raise L.Invalid("invalid_reference", f"reference.{f} must be an object")
     opts = L.obj(p.get("options") or {}, "options")
-    for name, lo, hi, default in (("num_correctness_cases", 1, 1000, 1),
-                                  ("bench_iters", 1, 1_000_000, 100)):
+    for name, lo, hi, default in (("num_correctness_cases", 1, 1000, 1), ("bench_iters", 1, 1_000_000, 100)):
         v = opts.get(name, default)
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise L.Invalid("invalid_options", f"options.{name} must be an integer in {lo}..{hi}")
@@ -102,22 +107,34 @@ def _bundle(payload: Any, lim: L.Limits, accepted: frozenset[str]) -> dict[str, 
     size = sum(len(s.encode()) for s in (cand, ref["reference_py"], ref["input_py"]))
     size += sum(len(json.dumps(ref.get(f) or {})) for f in ("shapes", "metadata", "roofline"))
     if size > lim.max_files_total:
-        raise L.Invalid("files_too_large", f"candidate and reference total {size} bytes; the "
-                        f"limit is {lim.max_files_total}")
+        raise L.Invalid(
+            "files_too_large",
+            f"candidate and reference total {size} bytes; the limit is {lim.max_files_total}",
+        )
     lock = p.get("lock_clocks", False)
     if not isinstance(lock, bool):
         raise L.Invalid("invalid_lock_clocks", "lock_clocks must be a boolean")
-    return {"spec": {"target_hardware": hw}, "candidate": cand, "reference": ref,
-            "options": opts, "env_vars": L.env_vars(p.get("env_vars"), lim),
-            "timeout_s": L.timeout(opts.get("timeout_s"), lim, "options.timeout_s"),
-            "mode": p.get("mode", "full"), "lock_clocks": lock}
+    return {
+        "spec": {"target_hardware": hw},
+        "candidate": cand,
+        "reference": ref,
+        "options": opts,
+        "env_vars": L.env_vars(p.get("env_vars"), lim),
+        "timeout_s": L.timeout(opts.get("timeout_s"), lim, "options.timeout_s"),
+        "mode": p.get("mode", "full"),
+        "lock_clocks": lock,
+    }
 
 
 def _materialize(request: dict[str, Any], workdir: Path) -> None:
     ref = request["reference"]
-    files = {"candidate.py": request["candidate"], "reference/reference.py": ref["reference_py"],
-             "reference/input.py": ref["input_py"], "reference/shapes.json": json.dumps(ref["shapes"]),
-             "reference/metadata.json": json.dumps(ref.get("metadata") or {})}
+    files = {
+        "candidate.py": request["candidate"],
+        "reference/reference.py": ref["reference_py"],
+        "reference/input.py": ref["input_py"],
+        "reference/shapes.json": json.dumps(ref["shapes"]),
+        "reference/metadata.json": json.dumps(ref.get("metadata") or {}),
+    }
     if "roofline" in ref:
         files["reference/roofline.json"] = json.dumps(ref["roofline"])
     write_files(workdir, files)
@@ -126,8 +143,9 @@ def _materialize(request: dict[str, Any], workdir: Path) -> None:
 class Eval:
     """Atrex-Bench's evaluator on the candidate; the result is its eval_result.json."""
 
-    def __init__(self, lim: L.Limits, accepted: frozenset[str], runner: Path,
-                 python: str = sys.executable) -> None:
+    def __init__(
+        self, lim: L.Limits, accepted: frozenset[str], runner: Path, python: str = sys.executable
+    ) -> None:
         self.lim, self.accepted, self.runner, self.python = lim, accepted, runner, python
 
     def validate(self, payload: Any) -> tuple[dict[str, Any], str | None, str | None]:
@@ -140,33 +158,50 @@ class Eval:
     def argv(self, request: dict[str, Any], workdir: Path) -> list[str]:
         o = request["options"]
         iters = 1 if request["mode"] == "correctness_only" else o.get("bench_iters", 100)
-        argv = [self.python, str(self.runner), "--input", str(workdir / "candidate.py"),
-                "--reference-dir", str(workdir / "reference"), "--output",
-                str(workdir / "eval_output"), "--atol", str(o.get("atol", 1e-2)),
-                "--rtol", str(o.get("rtol", 0.05)),
-                "--num-correctness-cases", str(o.get("num_correctness_cases", 1)),
-                "--bench-iters", str(iters)]
+        argv = [
+            self.python,
+            str(self.runner),
+            "--input",
+            str(workdir / "candidate.py"),
+            "--reference-dir",
+            str(workdir / "reference"),
+            "--output",
+            str(workdir / "eval_output"),
+            "--atol",
+            str(o.get("atol", 1e-2)),
+            "--rtol",
+            str(o.get("rtol", 0.05)),
+            "--num-correctness-cases",
+            str(o.get("num_correctness_cases", 1)),
+            "--bench-iters",
+            str(iters),
+        ]
         return argv + (["--clock-locked"] if request["lock_clocks"] else [])
 
     def prepare(self, request: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
         _materialize(request, workdir)
         return self.argv(request, workdir), float(request["timeout_s"])
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
-                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    def complete(
+        self, request: dict[str, Any], workdir: Path, result: dict[str, Any], owner: int | None
+    ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         """As the reference gateway: an eval_result.json object is the job's result, whatever the
         evaluator's exit status (it exits 1 when the candidate fails correctness: that is an
         outcome of the evaluation, not a failed job)."""
-        found = sorted(find(workdir, "eval_output", "eval_result.json"),
-                       key=lambda rel: rel.split("/"))
+        found = sorted(find(workdir, "eval_output", "eval_result.json"), key=lambda rel: rel.split("/"))
         if found:
             try:
                 payload = json.loads(read_job_file(workdir, found[-1], owner, MAX_EVAL_RESULT))
             except (OSError, ValueError) as e:
-                return "failed", result, error("invalid_eval_result",
-                                               f"cannot read eval_result.json: {e}")
+                return "failed", result, error("invalid_eval_result", f"cannot read eval_result.json: {e}")
             if isinstance(payload, dict):
                 payload["krex"] = {"regions": result["regions"], **result["krex"]}
                 return "succeeded", payload, None
-        return "failed", result, error("evaluator_failed", "atrex-bench exited with status "
-                                       f"{result['exit_code']} without eval_result.json")
+        return (
+            "failed",
+            result,
+            error(
+                "evaluator_failed",
+                f"atrex-bench exited with status {result['exit_code']} without eval_result.json",
+            ),
+        )

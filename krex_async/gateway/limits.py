@@ -80,22 +80,26 @@ def targets(payload: dict[str, Any], accepted: frozenset[str]) -> list[str]:
     spec = payload.get("spec")
     hw = spec.get("target_hardware") if isinstance(spec, dict) else None
     if not isinstance(hw, list) or not hw or not all(isinstance(h, str) and h for h in hw):
-        raise Invalid("invalid_target_hardware",
-                         "spec.target_hardware must be a non-empty array of strings")
+        raise Invalid("invalid_target_hardware", "spec.target_hardware must be a non-empty array of strings")
     if not any(h in accepted for h in hw):
-        raise Invalid("unsupported_hardware",
-                         f"this gateway runs on: {', '.join(sorted(accepted))}; got {hw}",
-                         accepted=sorted(accepted))
+        raise Invalid(
+            "unsupported_hardware",
+            f"this gateway runs on: {', '.join(sorted(accepted))}; got {hw}",
+            accepted=sorted(accepted),
+        )
     return hw
 
 
 def timeout(value: Any, lim: Limits, name: str = "timeout_s") -> float:
     if value is None:
         return lim.default_timeout
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= lim.max_timeout:
-        raise Invalid("invalid_timeout",
-                         f"{name} must be a number of seconds in (0, {lim.max_timeout:g}]")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= lim.max_timeout
+    ):
+        raise Invalid("invalid_timeout", f"{name} must be a number of seconds in (0, {lim.max_timeout:g}]")
     return float(value)
 
 
@@ -103,12 +107,14 @@ def env_vars(value: Any, lim: Limits) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or len(value) > lim.max_env:
-        raise Invalid("invalid_env_vars", f"env_vars must be an object of at most "
-                                             f"{lim.max_env} string values")
+        raise Invalid(
+            "invalid_env_vars", f"env_vars must be an object of at most {lim.max_env} string values"
+        )
     for k, v in value.items():
         if not ENV_NAME.match(k) or not isinstance(v, str) or "\x00" in v:
-            raise Invalid("invalid_env_vars", f"env_vars[{k!r}] must be a valid name with a "
-                                                 "string value without NUL")
+            raise Invalid(
+                "invalid_env_vars", f"env_vars[{k!r}] must be a valid name with a string value without NUL"
+            )
         if k in RESERVED_ENV:
             raise Invalid("invalid_env_vars", f"env_vars may not set {k}: krex sets it")
     return dict(value)
@@ -117,8 +123,9 @@ def env_vars(value: Any, lim: Limits) -> dict[str, str]:
 def idempotency_key(payload: dict[str, Any]) -> str | None:
     key = payload.get("idempotency_key")
     if key is not None and (not isinstance(key, str) or not key or len(key) > 256):
-        raise Invalid("invalid_idempotency_key",
-                         "idempotency_key must be a non-empty string of at most 256 characters")
+        raise Invalid(
+            "invalid_idempotency_key", "idempotency_key must be a non-empty string of at most 256 characters"
+        )
     return key
 
 
@@ -132,8 +139,9 @@ def safe_path(name: Any) -> str:
         raise Invalid("unsafe_path", f"file name {name!r} is absolute")
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise Invalid("unsafe_path", f"file name {name!r} must be a plain relative path "
-                                        "(no '', '.' or '..' components)")
+        raise Invalid(
+            "unsafe_path", f"file name {name!r} must be a plain relative path (no '', '.' or '..' components)"
+        )
     if len(name) > 4096 or any(len(p.encode()) > 255 for p in parts):
         raise Invalid("unsafe_path", f"file name {name[:64]!r}... is too long")
     return name
@@ -153,19 +161,18 @@ def files(value: Any, lim: Limits) -> dict[str, str]:
             raise Invalid("invalid_files", f"files[{name!r}] must be a text string")
         n = len(content.encode("utf-8", "surrogatepass"))
         if n > lim.max_file:
-            raise Invalid("file_too_large", f"files[{name!r}] is {n} bytes; the limit is "
-                                               f"{lim.max_file}")
+            raise Invalid("file_too_large", f"files[{name!r}] is {n} bytes; the limit is {lim.max_file}")
         total += n
     if total > lim.max_files_total:
-        raise Invalid("files_too_large", f"files total {total} bytes; the limit is "
-                                            f"{lim.max_files_total}")
+        raise Invalid("files_too_large", f"files total {total} bytes; the limit is {lim.max_files_total}")
     names = set(value)
     for name in names:  # "a" and "a/b" cannot both be files
         parts = name.split("/")
         for i in range(1, len(parts)):
             if "/".join(parts[:i]) in names:
-                raise Invalid("unsafe_path", f"{'/'.join(parts[:i])!r} is both a file and "
-                                                f"the directory of {name!r}")
+                raise Invalid(
+                    "unsafe_path", f"{'/'.join(parts[:i])!r} is both a file and the directory of {name!r}"
+                )
     return dict(value)
 
 
@@ -180,8 +187,12 @@ def dev_request(payload: Any, lim: Limits, accepted: frozenset[str]) -> DevReque
     if len(command.encode()) > lim.max_command:
         raise Invalid("command_too_large", f"command exceeds {lim.max_command} bytes")
     author = p.get("author")
-    return DevRequest(command=command, files=files(p.get("files"), lim),
-                      env_vars=env_vars(p.get("env_vars"), lim),
-                      timeout_s=timeout(p.get("timeout_s"), lim), targets=hw,
-                      idempotency_key=idempotency_key(p),
-                      author=author if isinstance(author, str) else None)
+    return DevRequest(
+        command=command,
+        files=files(p.get("files"), lim),
+        env_vars=env_vars(p.get("env_vars"), lim),
+        timeout_s=timeout(p.get("timeout_s"), lim),
+        targets=hw,
+        idempotency_key=idempotency_key(p),
+        author=author if isinstance(author, str) else None,
+    )

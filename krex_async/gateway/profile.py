@@ -34,14 +34,22 @@ LEVELS = ("survey", "sol", "deep")
 TOOLS = ("ncu", "rocprofv3")
 MAX_COUNTERS = 256
 MAX_CSV = 256 * L.MiB
-SOL_METRICS = ("gpu__time_duration.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-               "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-               "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-               "sm__warps_active.avg.pct_of_peak_sustained_active")
-NS_PER = {u: f for f, units in ((1e9, ("s", "second", "seconds")),
-                                 (1e6, ("ms", "msecond", "millisecond", "milliseconds")),
-                                 (1e3, ("us", "usecond", "microsecond", "microseconds")))
-          for u in units}  # anything else (ns, nsecond) is already ns
+SOL_METRICS = (
+    "gpu__time_duration.sum",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+)
+NS_PER = {
+    u: f
+    for f, units in (
+        (1e9, ("s", "second", "seconds")),
+        (1e6, ("ms", "msecond", "millisecond", "milliseconds")),
+        (1e3, ("us", "usecond", "microsecond", "microseconds")),
+    )
+    for u in units
+}  # anything else (ns, nsecond) is already ns
 
 DRIVER = '''\
 """krex gateway profile driver: one candidate call, between cudaProfilerStart and Stop."""
@@ -118,8 +126,10 @@ def find_tool(name: str) -> str | None:
     env = os.environ.get("NCU_BIN" if name == "ncu" else "ROCPROFV3_BIN")
     homes = [Path(env)] if env else []
     if name == "ncu":
-        homes += [Path("/usr/local/cuda/bin/ncu"),
-                  *sorted(Path("/usr/local").glob("cuda-*/bin/ncu"), reverse=True)]
+        homes += [
+            Path("/usr/local/cuda/bin/ncu"),
+            *sorted(Path("/usr/local").glob("cuda-*/bin/ncu"), reverse=True),
+        ]
     else:
         homes += [Path("/opt/rocm/bin/rocprofv3"), Path("/usr/bin/rocprofv3")]
     return next((str(p) for p in homes if p.is_file() and os.access(p, os.X_OK)), None)
@@ -128,8 +138,9 @@ def find_tool(name: str) -> str | None:
 def find_profilers() -> tuple[dict[str, str], str]:
     """({tool: path} for the installed profilers, why there is none)."""
     tools = {t: p for t in TOOLS if (p := find_tool(t))}
-    return tools, "" if tools else ("no profiler: ncu is not on PATH, $NCU_BIN or "
-                                    "/usr/local/cuda*/bin, and rocprofv3 is not installed")
+    return tools, "" if tools else (
+        "no profiler: ncu is not on PATH, $NCU_BIN or /usr/local/cuda*/bin, and rocprofv3 is not installed"
+    )
 
 
 def _number(value: Any) -> float | None:
@@ -153,7 +164,7 @@ def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
     header = [c.strip() for c in rows[start]]
     samples: dict[str, dict[str, list[float]]] = {}
     durations: dict[str, float] = {}
-    for raw in rows[start + 1:]:
+    for raw in rows[start + 1 :]:
         if len(raw) < len(header):
             continue
         rec = dict(zip(header, raw))
@@ -168,22 +179,28 @@ def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
             durations[name] += value * NS_PER.get(unit, 1.0)
     kernels = []
     for name, metrics in samples.items():
+
         def mean(*prefixes: str) -> float | None:
             for m, vs in metrics.items():  # noqa: B023 - called in this iteration only
                 if m.startswith(prefixes):
                     return sum(vs) / len(vs)
             return None
+
         k: dict[str, Any] = {"name": name, "duration": durations[name], "duration_unit": "ns"}
         if level != "survey":
             compute = mean("sm__throughput", "Compute (SM) Throughput")
             memory = mean("gpu__compute_memory_throughput", "Memory Throughput")
-            k.update(compute_sol_pct=compute, mem_sol_pct=memory,
-                     dram_pct=mean("dram__throughput", "DRAM Throughput"),
-                     occupancy_pct=mean("sm__warps_active", "Achieved Occupancy"),
-                     bound="compute" if (compute or 0.0) >= (memory or 0.0) else "memory")
+            k.update(
+                compute_sol_pct=compute,
+                mem_sol_pct=memory,
+                dram_pct=mean("dram__throughput", "DRAM Throughput"),
+                occupancy_pct=mean("sm__warps_active", "Achieved Occupancy"),
+                bound="compute" if (compute or 0.0) >= (memory or 0.0) else "memory",
+            )
         if level == "deep":
-            k["diagnostics"] = {m: str(vs[-1]) for m, vs in metrics.items()
-                                if not m.startswith("gpu__time_duration")}
+            k["diagnostics"] = {
+                m: str(vs[-1]) for m, vs in metrics.items() if not m.startswith("gpu__time_duration")
+            }
         k["metrics"] = {m: vs[-1] for m, vs in metrics.items()}
         kernels.append(k)
     kernels.sort(key=lambda k: k["duration"], reverse=True)
@@ -196,28 +213,37 @@ def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
 def parse_rocprof(tables: list[str], level: str, top: int | None) -> dict[str, Any]:
     """rocprofv3's kernel-trace CSVs: durations (or end - start) summed per kernel name."""
     kernels: dict[str, dict[str, Any]] = {}
-    skip = {"Duration", "Start_Timestamp", "Start_Timestamp_ns", "End_Timestamp",
-            "End_Timestamp_ns"}
+    skip = {"Duration", "Start_Timestamp", "Start_Timestamp_ns", "End_Timestamp", "End_Timestamp_ns"}
     for text in tables:
         for row in csv.DictReader(io.StringIO(text)):
-            name = next((str(row.get(f) or "").strip() for f in ("Kernel_Name", "Kernel Name",
-                                                                   "Name")
-                         if str(row.get(f) or "").strip()), "")
+            name = next(
+                (
+                    str(row.get(f) or "").strip()
+                    for f in ("Kernel_Name", "Kernel Name", "Name")
+                    if str(row.get(f) or "").strip()
+                ),
+                "",
+            )
             if not name:
                 continue
-            k = kernels.setdefault(name, {"name": name, "duration": 0.0, "duration_unit": "ns",
-                                          "metrics": {}})
+            k = kernels.setdefault(
+                name, {"name": name, "duration": 0.0, "duration_unit": "ns", "metrics": {}}
+            )
             d = _number(row.get("Duration"))
             if d is None:
                 s = _number(row.get("Start_Timestamp") or row.get("Start_Timestamp_ns"))
                 e = _number(row.get("End_Timestamp") or row.get("End_Timestamp_ns"))
                 d = e - s if s is not None and e is not None else 0.0
             k["duration"] += max(0.0, d)
-            k["metrics"].update({f: n for f, v in row.items()
-                                 if f not in skip and (n := _number(v)) is not None})
+            k["metrics"].update(
+                {f: n for f, v in row.items() if f not in skip and (n := _number(v)) is not None}
+            )
     ranked = sorted(kernels.values(), key=lambda k: k["duration"], reverse=True)
-    out: dict[str, Any] = {"profiler": "rocprofv3", "level": level,
-                           "kernels": ranked[:top] if top is not None else ranked}
+    out: dict[str, Any] = {
+        "profiler": "rocprofv3",
+        "level": level,
+        "kernels": ranked[:top] if top is not None else ranked,
+    }
     if not out["kernels"]:
         out["note"] = "no kernels captured by rocprofv3"
     return out
@@ -226,8 +252,9 @@ def parse_rocprof(tables: list[str], level: str, top: int | None) -> dict[str, A
 class Profile(Eval):
     """One candidate call under the profiler; the result parsed from its CSV."""
 
-    def __init__(self, lim: L.Limits, accepted: frozenset[str], runner: Path, python: str,
-                 tools: dict[str, str]) -> None:
+    def __init__(
+        self, lim: L.Limits, accepted: frozenset[str], runner: Path, python: str, tools: dict[str, str]
+    ) -> None:
         super().__init__(lim, accepted, runner, python)
         self.tools = tools
         self.bench_src = str(runner.parent.parent / "src")
@@ -242,15 +269,21 @@ class Profile(Eval):
         if tool is not None and tool not in TOOLS:
             raise L.Invalid("invalid_profiler", "profiler must be 'ncu' or 'rocprofv3'")
         counters = p.get("counters") or []
-        if not isinstance(counters, list) or len(counters) > MAX_COUNTERS or not all(
-                isinstance(c, str) and c.strip() and len(c) <= 512 for c in counters):
-            raise L.Invalid("invalid_counters", f"counters must be an array of at most "
-                            f"{MAX_COUNTERS} non-empty strings")
+        if (
+            not isinstance(counters, list)
+            or len(counters) > MAX_COUNTERS
+            or not all(isinstance(c, str) and c.strip() and len(c) <= 512 for c in counters)
+        ):
+            raise L.Invalid(
+                "invalid_counters", f"counters must be an array of at most {MAX_COUNTERS} non-empty strings"
+            )
         regex = p.get("kernel_regex")
         if regex is not None:
             if not isinstance(regex, str) or not regex or len(regex) > 1024:
-                raise L.Invalid("invalid_kernel_regex", "kernel_regex must be a non-empty string "
-                                "of at most 1024 characters")
+                raise L.Invalid(
+                    "invalid_kernel_regex",
+                    "kernel_regex must be a non-empty string of at most 1024 characters",
+                )
             try:
                 re.compile(regex)
             except re.error as e:
@@ -258,11 +291,11 @@ class Profile(Eval):
         if level == "deep" and not regex:
             raise L.Invalid("invalid_level", "level='deep' requires kernel_regex")
         top = p.get("top_kernels")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
-                                or not 1 <= top <= 1000):
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 1000):
             raise L.Invalid("invalid_top_kernels", "top_kernels must be an integer in 1..1000")
-        req.update(mode=None, level=level, profiler=tool, counters=counters,
-                   kernel_regex=regex, top_kernels=top)
+        req.update(
+            mode=None, level=level, profiler=tool, counters=counters, kernel_regex=regex, top_kernels=top
+        )
         author = p.get("author")
         return req, L.idempotency_key(p), author if isinstance(author, str) else None
 
@@ -278,15 +311,27 @@ class Profile(Eval):
         counters, regex = request.get("counters") or [], request.get("kernel_regex")
         out = workdir / "profile_output"
         if tool == "ncu":
-            argv = [exe, "--csv", "--log-file", str(out / "ncu.csv"), "--profile-from-start",
-                    "off", "--target-processes", "all", "--kernel-name-base", "demangled"]
+            argv = [
+                exe,
+                "--csv",
+                "--log-file",
+                str(out / "ncu.csv"),
+                "--profile-from-start",
+                "off",
+                "--target-processes",
+                "all",
+                "--kernel-name-base",
+                "demangled",
+            ]
             if counters:
                 argv += ["--metrics", ",".join(counters)]
             elif request["level"] == "deep":
                 argv += ["--set", "full"]
             else:
-                argv += ["--metrics", ",".join(SOL_METRICS[:1] if request["level"] == "survey"
-                                               else SOL_METRICS)]
+                argv += [
+                    "--metrics",
+                    ",".join(SOL_METRICS[:1] if request["level"] == "survey" else SOL_METRICS),
+                ]
             if regex:
                 argv += ["--kernel-name", f"regex:{regex}"]
             return argv + driver, float(request["timeout_s"])
@@ -297,11 +342,15 @@ class Profile(Eval):
             argv += ["--kernel-include-regex", regex]
         return argv + ["--"] + driver, float(request["timeout_s"])
 
-    def complete(self, request: dict[str, Any], workdir: Path, result: dict[str, Any],
-                 owner: int | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    def complete(
+        self, request: dict[str, Any], workdir: Path, result: dict[str, Any], owner: int | None
+    ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         if result["exit_code"] != 0:
-            return "failed", result, error("profiler_failed", "profiler exited with status "
-                                           f"{result['exit_code']}")
+            return (
+                "failed",
+                result,
+                error("profiler_failed", f"profiler exited with status {result['exit_code']}"),
+            )
         level, top = request["level"], request.get("top_kernels")
         tool = request.get("profiler") or next(iter(self.tools))
         try:
@@ -309,10 +358,14 @@ class Profile(Eval):
                 text = read_job_file(workdir, "profile_output/ncu.csv", owner, MAX_CSV)
                 parsed = parse_ncu(text.decode("utf-8", "replace"), level, top)
             else:
-                parsed = parse_rocprof([read_job_file(workdir, rel, owner, MAX_CSV)
-                                        .decode("utf-8", "replace")
-                                        for rel in find(workdir, "profile_output", suffix=".csv")],
-                                       level, top)
+                parsed = parse_rocprof(
+                    [
+                        read_job_file(workdir, rel, owner, MAX_CSV).decode("utf-8", "replace")
+                        for rel in find(workdir, "profile_output", suffix=".csv")
+                    ],
+                    level,
+                    top,
+                )
         except OSError as e:  # no CSV at all: the reference fails the job the same way
             return "failed", result, error("execution_error", f"{type(e).__name__}: {e}")
         parsed["krex"] = {"regions": result["regions"], **result["krex"]}

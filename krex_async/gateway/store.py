@@ -55,17 +55,24 @@ CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner, seq);
 """
 # Everything a view needs; mode and lock_clocks read from the stored request by SQLite, so the request
 # (up to the body limit) is never decoded to show a job.
-COLUMNS = ("job_id, kind, status, result, error, trace_id, author, idempotency_key, krex_command, "
-           "created_at, updated_at, started_at, finished_at, owner, "
-           "json_extract(request, '$.mode') AS mode, "
-           "json_extract(request, '$.lock_clocks') AS lock_clocks")
+COLUMNS = (
+    "job_id, kind, status, result, error, trace_id, author, idempotency_key, krex_command, "
+    "created_at, updated_at, started_at, finished_at, owner, "
+    "json_extract(request, '$.mode') AS mode, "
+    "json_extract(request, '$.lock_clocks') AS lock_clocks"
+)
 PREFIX = {"dev": "dv", "eval": "ev", "profile": "pf"}
 
 
 def error(reason: str, message: str, trace_id: str | None = None, **details: Any) -> dict[str, Any]:
     """The API's error object, used both for HTTP error bodies and for a job's `error`."""
-    return {"error_class": "krex_gateway", "reason": reason, "message": message,
-            "details": details, "trace_id": trace_id}
+    return {
+        "error_class": "krex_gateway",
+        "reason": reason,
+        "message": message,
+        "details": details,
+        "trace_id": trace_id,
+    }
 
 
 def _dumps(v: Any) -> str | None:
@@ -93,26 +100,44 @@ class Store:
                 self.db.execute(sql)
         self.db.executescript(INDEXES)
         now = time.time()
-        self.orphans = [r[0] for r in self.db.execute(
-            "SELECT job_id FROM jobs WHERE status='running'").fetchall()]
+        self.orphans = [
+            r[0] for r in self.db.execute("SELECT job_id FROM jobs WHERE status='running'").fetchall()
+        ]
         self.restarted = self.db.execute(
-            "UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? "
-            "WHERE status='running'",
-            (_dumps(error("gateway_restarted", "the gateway stopped while the job was running; "
-                          "it is not run again")), now, now)).rowcount
+            "UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? WHERE status='running'",
+            (
+                _dumps(
+                    error(
+                        "gateway_restarted",
+                        "the gateway stopped while the job was running; it is not run again",
+                    )
+                ),
+                now,
+                now,
+            ),
+        ).rowcount
 
     def close(self) -> None:
         self.db.close()
 
-    def create(self, kind: str, request: dict[str, Any], trace_id: str,
-               idempotency_key: str | None, author: str | None, owner: str = "default",
-               run_uid: int | None = None) -> tuple[dict[str, Any], bool]:
+    def create(
+        self,
+        kind: str,
+        request: dict[str, Any],
+        trace_id: str,
+        idempotency_key: str | None,
+        author: str | None,
+        owner: str = "default",
+        run_uid: int | None = None,
+    ) -> tuple[dict[str, Any], bool]:
         """Insert a queued job, or return the owner's job with the same kind and idempotency key."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             if idempotency_key is not None:
-                row = self.db.execute(f"SELECT {COLUMNS} FROM jobs WHERE owner=? AND kind=? AND "
-                                      "idempotency_key=?", (owner, kind, idempotency_key)).fetchone()
+                row = self.db.execute(
+                    f"SELECT {COLUMNS} FROM jobs WHERE owner=? AND kind=? AND idempotency_key=?",
+                    (owner, kind, idempotency_key),
+                ).fetchone()
                 if row is not None:
                     self.db.execute("COMMIT")
                     return self.view(row), False
@@ -122,8 +147,20 @@ class Store:
                 "INSERT INTO jobs (job_id, kind, status, request, trace_id, author, "
                 "idempotency_key, created_at, updated_at, owner, run_uid) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (job_id, kind, "queued", _dumps(request), trace_id, author, idempotency_key,
-                 now, now, owner, run_uid))
+                (
+                    job_id,
+                    kind,
+                    "queued",
+                    _dumps(request),
+                    trace_id,
+                    author,
+                    idempotency_key,
+                    now,
+                    now,
+                    owner,
+                    run_uid,
+                ),
+            )
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -145,8 +182,15 @@ class Store:
         row = self.db.execute("SELECT run_uid FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return None if row is None else row[0]
 
-    def list_ids(self, owner: str, kind: str | None, status: str | None, author: str | None,
-                 limit: int, newest_first: bool = True) -> list[str]:
+    def list_ids(
+        self,
+        owner: str,
+        kind: str | None,
+        status: str | None,
+        author: str | None,
+        limit: int,
+        newest_first: bool = True,
+    ) -> list[str]:
         """The owner's job ids matching the filters (the views are rendered one at a time)."""
         where, args = ["owner=?"], [owner]
         for col, val in (("kind", kind), ("status", status), ("author", author)):
@@ -157,10 +201,20 @@ class Store:
         sql += f" ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?"
         return [r[0] for r in self.db.execute(sql, (*args, limit)).fetchall()]
 
-    def list(self, kind: str | None, status: str | None, author: str | None, limit: int,
-             newest_first: bool = True, owner: str = "default") -> list[dict[str, Any]]:
-        return [j for j in (self.get(i) for i in self.list_ids(owner, kind, status, author, limit,
-                                                                newest_first)) if j is not None]
+    def list(
+        self,
+        kind: str | None,
+        status: str | None,
+        author: str | None,
+        limit: int,
+        newest_first: bool = True,
+        owner: str = "default",
+    ) -> list[dict[str, Any]]:
+        return [
+            j
+            for j in (self.get(i) for i in self.list_ids(owner, kind, status, author, limit, newest_first))
+            if j is not None
+        ]
 
     def render(self, job_id: str, owner: str | None = None) -> tuple[str, bytes] | None:
         """(status, the job's API object as JSON bytes), built around the stored result and error
@@ -170,20 +224,25 @@ class Store:
             return None
         head = self.view(row, decode=False)
         text = json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1]
-        body = (f'{text},"result":{row["result"] or "null"},"error":{row["error"] or "null"}}}'
-                .encode("utf-8", "surrogatepass"))
+        body = f'{text},"result":{row["result"] or "null"},"error":{row["error"] or "null"}}}'.encode(
+            "utf-8", "surrogatepass"
+        )
         return str(row["status"]), body
 
     def claim(self) -> tuple[str, str, dict[str, Any]] | None:
         """The oldest queued job, now marked running (recorded before anything is started)."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            row = self.db.execute("SELECT job_id, kind, request FROM jobs WHERE status='queued' "
-                                  "ORDER BY seq LIMIT 1").fetchone()
+            row = self.db.execute(
+                "SELECT job_id, kind, request FROM jobs WHERE status='queued' ORDER BY seq LIMIT 1"
+            ).fetchone()
             if row is not None:
                 now = time.time()
-                self.db.execute("UPDATE jobs SET status='running', started_at=?, updated_at=? "
-                                "WHERE job_id=? AND status='queued'", (now, now, row[0]))
+                self.db.execute(
+                    "UPDATE jobs SET status='running', started_at=?, updated_at=? "
+                    "WHERE job_id=? AND status='queued'",
+                    (now, now, row[0]),
+                )
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -191,20 +250,24 @@ class Store:
         return None if row is None else (row[0], row[1], _loads(row[2]))
 
     def set_command(self, job_id: str, command: str) -> None:
-        self.db.execute("UPDATE jobs SET krex_command=?, updated_at=? WHERE job_id=? AND "
-                        "status='running'",
-                        (command, time.time(), job_id))
+        self.db.execute(
+            "UPDATE jobs SET krex_command=?, updated_at=? WHERE job_id=? AND status='running'",
+            (command, time.time(), job_id),
+        )
 
-    def finish(self, job_id: str, status: str, result: dict[str, Any] | None,
-               err: dict[str, Any] | None) -> bool:
+    def finish(
+        self, job_id: str, status: str, result: dict[str, Any] | None, err: dict[str, Any] | None
+    ) -> bool:
         """running -> a terminal status. A job cancelled meanwhile stays as the cancel left it
         (result and error null, as the reference gateway reports it: its client then resubmits
         once). Returns whether this call decided the status."""
         assert status in TERMINAL
         now = time.time()
-        n = self.db.execute("UPDATE jobs SET status=?, result=?, error=?, updated_at=?, "
-                            "finished_at=? WHERE job_id=? AND status='running'",
-                            (status, _dumps(result), _dumps(err), now, now, job_id)).rowcount
+        n = self.db.execute(
+            "UPDATE jobs SET status=?, result=?, error=?, updated_at=?, "
+            "finished_at=? WHERE job_id=? AND status='running'",
+            (status, _dumps(result), _dumps(err), now, now, job_id),
+        ).rowcount
         return n == 1
 
     def cancel(self, job_id: str, owner: str | None = None) -> str | None:
@@ -216,8 +279,9 @@ class Store:
             if before in ("queued", "running"):
                 now = time.time()
                 self.db.execute(
-                    "UPDATE jobs SET status='cancelled', updated_at=?, finished_at=? "
-                    "WHERE job_id=?", (now, now, job_id))
+                    "UPDATE jobs SET status='cancelled', updated_at=?, finished_at=? WHERE job_id=?",
+                    (now, now, job_id),
+                )
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -226,13 +290,16 @@ class Store:
 
     def fail_running(self, reason: str, message: str) -> int:
         now = time.time()
-        return self.db.execute("UPDATE jobs SET status='failed', error=?, updated_at=?, "
-                               "finished_at=? WHERE status='running'",
-                               (_dumps(error(reason, message)), now, now)).rowcount
+        return self.db.execute(
+            "UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? WHERE status='running'",
+            (_dumps(error(reason, message)), now, now),
+        ).rowcount
 
     def counts(self) -> dict[str, int]:
-        return {r[0]: r[1] for r in
-                self.db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()}
+        return {
+            r[0]: r[1]
+            for r in self.db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        }
 
     @staticmethod
     def view(row: sqlite3.Row, decode: bool = True) -> dict[str, Any]:
@@ -241,14 +308,22 @@ class Store:
         mode = row["mode"]
         lock = row["lock_clocks"]
         job = {
-            "job_id": row["job_id"], "kind": row["kind"], "status": row["status"],
-            "mode": mode, "lock_clocks": None if lock is None else bool(lock),
-            "mode_enforced": ((mode or "full") in ("full", "correctness_only")
-                              if row["kind"] == "eval" else None),
-            "trace_id": row["trace_id"], "author": row["author"],
-            "idempotency_key": row["idempotency_key"], "krex_command": row["krex_command"],
-            "created_at": row["created_at"], "updated_at": row["updated_at"],
-            "started_at": row["started_at"], "finished_at": row["finished_at"],
+            "job_id": row["job_id"],
+            "kind": row["kind"],
+            "status": row["status"],
+            "mode": mode,
+            "lock_clocks": None if lock is None else bool(lock),
+            "mode_enforced": (
+                (mode or "full") in ("full", "correctness_only") if row["kind"] == "eval" else None
+            ),
+            "trace_id": row["trace_id"],
+            "author": row["author"],
+            "idempotency_key": row["idempotency_key"],
+            "krex_command": row["krex_command"],
+            "created_at": row["created_at"],
+            "updated_at": row["updated_at"],
+            "started_at": row["started_at"],
+            "finished_at": row["finished_at"],
         }
         if decode:
             job["result"], job["error"] = _loads(row["result"]), _loads(row["error"])

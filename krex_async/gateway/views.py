@@ -54,10 +54,11 @@ class Views:
     async def _write(resp: web.StreamResponse, data: bytes) -> None:
         view = memoryview(data)
         for i in range(0, len(view), SLICE):
-            await resp.write(view[i:i + SLICE])  # drains: at most a slice waits per reader
+            await resp.write(view[i : i + SLICE])  # drains: at most a slice waits per reader
 
-    async def stream_job(self, request: web.Request, job_id: str, owner: str | None
-                         ) -> web.StreamResponse | None:
+    async def stream_job(
+        self, request: web.Request, job_id: str, owner: str | None
+    ) -> web.StreamResponse | None:
         data = self.body(job_id, owner)
         if data is None:
             return None

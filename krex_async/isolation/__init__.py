@@ -10,8 +10,7 @@ from __future__ import annotations
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, IsolationError
 from krex_async.isolation.signal import SignalBackend
 
-__all__ = ["Backend", "Freeze", "FreezeError", "Group", "IsolationError", "SignalBackend",
-           "choose_backend"]
+__all__ = ["Backend", "Freeze", "FreezeError", "Group", "IsolationError", "SignalBackend", "choose_backend"]
 
 
 def choose_backend(isolation: str, *, cgroup_root: str | None, state_dir: str) -> Backend:
@@ -29,6 +28,7 @@ def choose_backend(isolation: str, *, cgroup_root: str | None, state_dir: str) -
         usable, why = probe_cgroup(cgroup_root or None)
     if usable:
         from krex_async.isolation.intent import InstanceBusy
+
         try:
             return CgroupBackend(root=cgroup_root or None, state_dir=state_dir)
         except InstanceBusy as e:  # never fall back: a second daemon here is the mistake

@@ -80,8 +80,14 @@ class Backend(abc.ABC):
     async def create(self, command_id: str) -> Group:
         """Make the group for a command that is about to start."""
 
-    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
-                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
+    def launch_argv(
+        self,
+        group: Group,
+        argv: list[str],
+        *,
+        frozen: bool,
+        as_user: tuple[int, int, list[int]] | None = None,
+    ) -> list[str]:
         """The argv to exec so that the command starts inside its group (and stopped when `frozen`).
 
         The default runs argv unchanged; backends that must act before the first instruction wrap it.
@@ -110,15 +116,17 @@ class Backend(abc.ABC):
         """Every live pid of the group (leader first when alive). Never raises for a vanished group."""
 
     @abc.abstractmethod
-    async def freeze(self, group: Group, *, keep: frozenset[int] = frozenset(),
-                     timeout: float = 1.0) -> Freeze:
+    async def freeze(
+        self, group: Group, *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
+    ) -> Freeze:
         """Stop every process of the group except the pids in `keep`.
 
         Raises FreezeError after thawing again when the freeze cannot be verified within `timeout`.
         """
 
-    async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
-                          timeout: float = 1.0) -> list[Freeze]:
+    async def freeze_many(
+        self, groups: list[Group], *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
+    ) -> list[Freeze]:
         """Freeze several groups (concurrently where the backend can). On a FreezeError the groups
         this call froze are thawed again before it propagates."""
         done: list[Group] = []
@@ -138,8 +146,14 @@ class Backend(abc.ABC):
         """Resume what `freeze` stopped; returns seconds taken. Safe to call on a thawed group."""
 
     @abc.abstractmethod
-    async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
-                        pids: list[int] | None = None, exclusive: bool = False) -> None:
+    async def set_cores(
+        self,
+        group: Group,
+        cpus: frozenset[int] | None,
+        *,
+        pids: list[int] | None = None,
+        exclusive: bool = False,
+    ) -> None:
         """Fence the group (or only `pids` of it) onto `cpus`; None restores the original cpus.
         `exclusive`: these are a region owner's cores (a cpuset partition where the kernel allows)."""
 

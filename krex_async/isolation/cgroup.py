@@ -48,8 +48,9 @@ from krex_async.isolation.cgroupfs import (
 from krex_async.isolation.cpuset import Cores, move
 from krex_async.isolation.intent import KREX, Intent, claim_instance, instance_name, mark_instance, sweep
 
-DEFAULT_STATE_DIR = "/run/krex" if os.geteuid() == 0 else os.path.join(
-    os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
+DEFAULT_STATE_DIR = (
+    "/run/krex" if os.geteuid() == 0 else os.path.join(os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
+)
 
 # $1.. are cgroup.procs files up to "--", then the command. A failed join exits 125 before exec.
 _ENTER = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
@@ -99,9 +100,15 @@ class CgroupBackend(Backend):
     name = "cgroup"
     wrapper_drops_privileges = True
 
-    def __init__(self, root: str | None = None, state_dir: str = DEFAULT_STATE_DIR,
-                 ncpus: int | None = None, *, cpuset_root: str | None = None,
-                 cpuset: str = "auto") -> None:
+    def __init__(
+        self,
+        root: str | None = None,
+        state_dir: str = DEFAULT_STATE_DIR,
+        ncpus: int | None = None,
+        *,
+        cpuset_root: str | None = None,
+        cpuset: str = "auto",
+    ) -> None:
         super().__init__()
         self.layout: Layout = detect(root, cpuset_root, cpuset)
         self.v2 = CgroupFS(self.layout.v2, keep_procs=True)
@@ -123,8 +130,10 @@ class CgroupBackend(Backend):
             # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
             # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
             self.cores = Cores("none", self.v2, None, self.intent, self.base)
-            self.reason += (f"; cpuset unusable ({e}): cores fenced with sched_setaffinity"
-                            " (run the daemon in a leaf cgroup or configure a root to fix)")
+            self.reason += (
+                f"; cpuset unusable ({e}): cores fenced with sched_setaffinity"
+                " (run the daemon in a leaf cgroup or configure a root to fix)"
+            )
         self.has_kill = self.v2.exists(KREX, "cgroup.kill")
         self.groups: dict[str, CgroupGroup] = {}
         self.orphans: list[tuple[str, list[int]]] = []
@@ -139,9 +148,11 @@ class CgroupBackend(Backend):
     def start_watchdog(self, pid: int | None = None) -> None:
         """Start the guard process that sweeps when `pid` (default: us) dies. Raises RuntimeError."""
         from krex_async.isolation.watchdog import start_watchdog
+
         lay = self.layout
-        self.watchdog = start_watchdog(pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode,
-                                       self.state_dir, self.base)
+        self.watchdog = start_watchdog(
+            pid or os.getpid(), lay.v2, lay.v1_cpuset, self.cores.mode, self.state_dir, self.base
+        )
 
     def _watch(self, rel: str) -> Watch:
         if self._watcher is None:
@@ -196,12 +207,20 @@ class CgroupBackend(Backend):
             raise
         self.groups[command_id] = g
         # Record now what a region may later freeze or fence, so that the region pays no write.
-        self.intent.note(frozen=[self.v2.path(r) for r in (g.top, g.run)],
-                         fenced=self.cores.originals(g.top, [g.run, g.keep]))
+        self.intent.note(
+            frozen=[self.v2.path(r) for r in (g.top, g.run)],
+            fenced=self.cores.originals(g.top, [g.run, g.keep]),
+        )
         return g
 
-    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
-                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
+    def launch_argv(
+        self,
+        group: Group,
+        argv: list[str],
+        *,
+        frozen: bool,
+        as_user: tuple[int, int, list[int]] | None = None,
+    ) -> list[str]:
         """`/bin/sh -c <join cgroups; exec>`; with `frozen` the v2 leaf is frozen first (intent
         recorded synchronously), so the command is stopped before its first instruction.
 
@@ -213,8 +232,9 @@ class CgroupBackend(Backend):
         if as_user is not None:
             setpriv = shutil.which("setpriv")
             if setpriv is None:
-                raise IsolationError("setpriv (util-linux) not found: cannot drop to the user after "
-                                     "joining the cgroup")
+                raise IsolationError(
+                    "setpriv (util-linux) not found: cannot drop to the user after joining the cgroup"
+                )
             uid, gid, groups = as_user
             grp = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
             argv = [setpriv, f"--reuid={uid}", f"--regid={gid}", grp, "--", *argv]
@@ -273,8 +293,9 @@ class CgroupBackend(Backend):
             found.insert(0, g.pid)  # type: ignore[arg-type]
         return found
 
-    async def freeze(self, group: Group, *, keep: frozenset[int] = frozenset(),
-                     timeout: float = 1.0) -> Freeze:
+    async def freeze(
+        self, group: Group, *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
+    ) -> Freeze:
         """Freeze the group (its run/ leaf only when `keep` is given, after moving those pids to keep/).
 
         Returns Freeze(vanished=True) for a cgroup that is gone or empty. Raises FreezeError after
@@ -282,8 +303,9 @@ class CgroupBackend(Backend):
         """
         return (await self.freeze_many([group], keep=keep, timeout=timeout))[0]
 
-    async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
-                          timeout: float = 1.0) -> list[Freeze]:
+    async def freeze_many(
+        self, groups: list[Group], *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
+    ) -> list[Freeze]:
         """Freeze the groups together: one intent write (none when create() already recorded them),
         every cgroup.freeze written and read back in one go (each group's watch armed since its
         create), then one bounded wait for all of them. On any failure every group of the batch is
@@ -300,16 +322,18 @@ class CgroupBackend(Backend):
                 if target is not None and (w := self._freeze_write(g, target)) is not None:
                     armed[i] = (w, functools.partial(self._frozen_pids, g, target, stopped, i))
             now = time.monotonic()
-            spin = max([self.freeze_spin_s] + [g.thawed_at + self.notify_interval_s - now
-                                               for g in gs])
+            spin = max([self.freeze_spin_s] + [g.thawed_at + self.notify_interval_s - now for g in gs])
             done = await Watch.until_all(armed, timeout, spin=spin) if armed else {}
             elapsed = time.perf_counter() - t0
             results = []
             for i, (g, target) in enumerate(zip(gs, targets)):
                 if i in armed and i not in done:
-                    raise FreezeError(g.name, f"{self.v2.path(target or g.top)} not frozen after "
-                                      f"{timeout:.3f}s; its threads (state wchan): "
-                                      f"{self._not_frozen(target or g.top)}")
+                    raise FreezeError(
+                        g.name,
+                        f"{self.v2.path(target or g.top)} not frozen after "
+                        f"{timeout:.3f}s; its threads (state wchan): "
+                        f"{self._not_frozen(target or g.top)}",
+                    )
                 err = done.get(i)
                 if err is not None and not isinstance(err, CgroupVanished):
                     raise err
@@ -408,8 +432,9 @@ class CgroupBackend(Backend):
             for rel in g.written:
                 self.v2.write(rel, "cgroup.freeze", "0")
                 if self.v2.read(rel, "cgroup.freeze").strip() != "0":
-                    raise CgroupFileError("thaw", self.v2.path(rel, "cgroup.freeze"), "0",
-                                          OSError(errno.EIO, "did not read 0"))
+                    raise CgroupFileError(
+                        "thaw", self.v2.path(rel, "cgroup.freeze"), "0", OSError(errno.EIO, "did not read 0")
+                    )
             g.thawed_at = time.monotonic()
             g.frozen = False
             g.written.clear()
@@ -417,8 +442,14 @@ class CgroupBackend(Backend):
             self._unfreeze(g)  # the rest of them, each checked
         return time.perf_counter() - t0
 
-    async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
-                        pids: list[int] | None = None, exclusive: bool = False) -> None:
+    async def set_cores(
+        self,
+        group: Group,
+        cpus: frozenset[int] | None,
+        *,
+        pids: list[int] | None = None,
+        exclusive: bool = False,
+    ) -> None:
         """Fence the group, or exactly `pids`, onto `cpus`; None restores (those pids' leaf, or
         the whole group). `exclusive`: these are region cores for the owner's `pids`: they go to
         keep/ and, on v2, into a cpuset partition where the kernel allows it (else a plain cpuset;
@@ -426,8 +457,9 @@ class CgroupBackend(Backend):
         raise IsolationError."""
         g = self._g(group)
         try:
-            await self.cores.apply(g.name, g.top, g.run, g.keep, cpus, pids, self.pids(g), g.affinity,
-                                   exclusive)
+            await self.cores.apply(
+                g.name, g.top, g.run, g.keep, cpus, pids, self.pids(g), g.affinity, exclusive
+            )
         except CgroupVanished:
             return
         finally:
@@ -461,15 +493,18 @@ class CgroupBackend(Backend):
                 if not await w.until(empty, timeout / 2):
                     await self.kill(g)
                     if not await w.until(empty, timeout / 2):
-                        raise IsolationError(f"{self.v2.path(g.top)} still has tasks after {timeout}s: "
-                                             f"{self.pids(g)}")
+                        raise IsolationError(
+                            f"{self.v2.path(g.top)} still has tasks after {timeout}s: {self.pids(g)}"
+                        )
         except CgroupVanished:
             pass
         self._unfreeze(g)
         self._close_watches(g)
         await self._rmdirs(g)
-        self.intent.forget([self.v2.path(r) for r in (g.top, g.run)] +
-                           [self.cores.fs.path(r, "cpuset.cpus") for r in (g.run, g.keep)])
+        self.intent.forget(
+            [self.v2.path(r) for r in (g.top, g.run)]
+            + [self.cores.fs.path(r, "cpuset.cpus") for r in (g.run, g.keep)]
+        )
         self.groups.pop(g.command_id, None)
 
     async def _rmdirs(self, g: CgroupGroup) -> None:
@@ -489,19 +524,20 @@ class CgroupBackend(Backend):
         """Thaw everything under our instance directory, restore cpusets and partitions, remove
         empty command cgroups; report also what the previous intent record said. Populated
         leftovers stay (self.orphans). Other daemons' instances are not touched."""
-        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir,
-                                    base=self.base)
+        lines, self.orphans = sweep(self.v2, self.v1, self.cores.mode, self.state_dir, base=self.base)
         try:
             self.intent.write_now()
         except OSError as e:  # a full state disk: serve anyway; a region refuses until it clears
-            lines.append(f"intent record not written ({e.strerror or e}): regions are refused "
-                         "until it can be")
+            lines.append(
+                f"intent record not written ({e.strerror or e}): regions are refused until it can be"
+            )
         return lines or ["nothing left by a previous daemon"]
 
     async def close(self) -> None:
         """Stop the watchdog (clean shutdown: nothing is frozen any more) and the inotify watcher."""
         if self.watchdog is not None:
             from krex_async.isolation.watchdog import release
+
             release(self.watchdog)
             self.watchdog = None
         if self._watcher is not None:

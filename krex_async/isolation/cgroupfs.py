@@ -71,8 +71,7 @@ class CgroupFS:
         if p is None:
             if len(self._paths) > 65536:  # cgroups come and go; release() forgets theirs
                 self._paths.clear()
-            p = self._paths[(rel, name)] = (os.path.join(self.root, rel, name) if (rel or name)
-                                            else self.root)
+            p = self._paths[(rel, name)] = os.path.join(self.root, rel, name) if (rel or name) else self.root
         return p
 
     def read(self, rel: str, name: str) -> str:
@@ -242,8 +241,9 @@ class Watch:
         self._owner._drop(self)
 
     @staticmethod
-    async def until_all(items: dict[K, tuple[Watch, Callable[[], bool]]], timeout: float,
-                        spin: float = 0.0) -> dict[K, BaseException | None]:
+    async def until_all(
+        items: dict[K, tuple[Watch, Callable[[], bool]]], timeout: float, spin: float = 0.0
+    ) -> dict[K, BaseException | None]:
         """One waiter for many watches (`until` is the case of one): await each item's predicate,
         re-checking the pending ones on any change of their files (and on every loop turn for
         `spin` first, yielding the cpu as well).
@@ -345,6 +345,7 @@ class EventsWatcher:
 
 
 # --- layout --------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Layout:

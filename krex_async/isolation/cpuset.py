@@ -59,8 +59,9 @@ def move(fs: CgroupFS, rel: str, pids: list[int]) -> None:
 class Cores:
     """Fencing for one backend. `mode` is "v2", "v1" or "none" (see module docstring)."""
 
-    def __init__(self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent,
-                 base: str = KREX) -> None:
+    def __init__(
+        self, mode: str, v2: CgroupFS, v1: CgroupFS | None, intent: Intent, base: str = KREX
+    ) -> None:
         self.mode, self.v2, self.v1, self.intent = mode, v2, v1, intent
         #: the daemon's instance directory (krex/<instance>), and the directories down to it
         self.base = base
@@ -69,10 +70,12 @@ class Cores:
         # Partitions are opt-in (KREX_CPUSET_PARTITION=1): on a 6.18 kernel, undoing one left its
         # sibling leaf refusing cpuset.cpus="" with ENOSPC. Plain cpuset fences give
         # the owner its cores alone as well, since every other command is fenced off them.
-        self.partition: bool | None = None if os.environ.get("KREX_CPUSET_PARTITION") == "1" \
-            else False
-        self.partition_why = "" if self.partition is None else \
-            "cpuset partitions are off (KREX_CPUSET_PARTITION=1 turns them on)"
+        self.partition: bool | None = None if os.environ.get("KREX_CPUSET_PARTITION") == "1" else False
+        self.partition_why = (
+            ""
+            if self.partition is None
+            else "cpuset partitions are off (KREX_CPUSET_PARTITION=1 turns them on)"
+        )
 
     def setup_root(self) -> None:
         """Make krex/ and the instance directory able to carry cpusets. Raises CgroupFileError."""
@@ -121,9 +124,18 @@ class Cores:
         """The v1 cgroup.procs a new process must join too (hybrid), else None."""
         return self.v1.path(leaf, "cgroup.procs") if self.mode == "v1" and self.v1 else None
 
-    async def apply(self, name: str, top: str, run: str, keep: str, cpus: frozenset[int] | None,
-                    pids: list[int] | None, all_pids: list[int], affinity: dict[int, set[int]],
-                    exclusive: bool = False) -> None:
+    async def apply(
+        self,
+        name: str,
+        top: str,
+        run: str,
+        keep: str,
+        cpus: frozenset[int] | None,
+        pids: list[int] | None,
+        all_pids: list[int],
+        affinity: dict[int, set[int]],
+        exclusive: bool = False,
+    ) -> None:
         """Fence the whole group (`pids` None) or exactly `pids` onto `cpus`; None restores.
 
         Per-pid fences map onto the two leaves: pids that are all of run/ (a sibling fenced except
@@ -204,9 +216,11 @@ class Cores:
         fs = self.fs
         if not fs.exists(keep, "cpuset.cpus.partition"):
             return
-        for rel, name, value in ((keep, "cpuset.cpus.partition", "member"),
-                                 (keep, "cpuset.cpus.exclusive", ""),
-                                 (top, "cpuset.cpus.exclusive", "")):
+        for rel, name, value in (
+            (keep, "cpuset.cpus.partition", "member"),
+            (keep, "cpuset.cpus.exclusive", ""),
+            (top, "cpuset.cpus.exclusive", ""),
+        ):
             try:
                 if fs.read(rel, name).split()[:1] != [value] and (value or fs.read(rel, name).strip()):
                     fs.write(rel, name, value)
@@ -221,8 +235,9 @@ class Cores:
             pass
 
     @staticmethod
-    def _affinity(cpus: frozenset[int] | None, pids: list[int], saved: dict[int, set[int]],
-                  everything: bool) -> None:
+    def _affinity(
+        cpus: frozenset[int] | None, pids: list[int], saved: dict[int, set[int]], everything: bool
+    ) -> None:
         """sched_setaffinity of every thread of `pids`, originals kept per thread in `saved`.
 
         A restore (`cpus` None) also lifts the fence from threads and processes that began while

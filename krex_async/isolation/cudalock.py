@@ -45,8 +45,12 @@ SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpoint
 
 class _LockArgs(ctypes.Structure):
     """CUcheckpointLockArgs: timeoutMs, then reserved fields that must be zero (64 bytes)."""
-    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
-                ("reserved1", ctypes.c_uint64 * 7)]
+
+    _fields_ = [
+        ("timeoutMs", ctypes.c_uint),
+        ("reserved0", ctypes.c_uint),
+        ("reserved1", ctypes.c_uint64 * 7),
+    ]
 
 
 def library_path() -> str:
@@ -114,6 +118,7 @@ def open_driver(path: str | None = None) -> tuple[Driver | None, str]:
 @dataclass
 class LockResult:
     """One lock attempt: taken or not, how long the call took, and the driver's error if any."""
+
     pid: int
     ok: bool
     seconds: float
@@ -142,8 +147,14 @@ class LockRecord:
     def write(self) -> None:
         """Replace the record with the current set (any thread). Raises OSError."""
         with self._mutex:
-            data = json.dumps({"version": 1, "pid": os.getpid(), "library": self.library,
-                               "locked": sorted(self.held.items())}).encode()
+            data = json.dumps(
+                {
+                    "version": 1,
+                    "pid": os.getpid(),
+                    "library": self.library,
+                    "locked": sorted(self.held.items()),
+                }
+            ).encode()
             replace_file(self.path, data)
 
     def add(self, pids: Iterable[int]) -> list[int]:
@@ -167,8 +178,7 @@ class LockPool:
     def __init__(self, driver: Driver, state_dir: str, workers: int = 16) -> None:
         self.driver = driver
         self.record = LockRecord(state_dir, driver.path)
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers,
-                                                          thread_name_prefix="krex-cudalock")
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="krex-cudalock")
         self.stuck = 0  # calls that outlived their bound and still have not returned
 
     def _timed_lock(self, pid: int, timeout_ms: int) -> LockResult:
@@ -176,8 +186,9 @@ class LockPool:
         rc = self.driver.lock(pid, timeout_ms)
         dt = time.perf_counter() - t0
         state = self.state_name(pid) if rc == NOT_READY else ""
-        return LockResult(pid, rc == 0, dt, "" if rc == 0 else self.driver.error(rc),
-                          not_ready=rc == NOT_READY, state=state)
+        return LockResult(
+            pid, rc == 0, dt, "" if rc == 0 else self.driver.error(rc), not_ready=rc == NOT_READY, state=state
+        )
 
     def state_name(self, pid: int) -> str:
         """The driver's word for `pid` (running, locked, checkpointed, failed) or its error: whether a
@@ -231,11 +242,15 @@ class LockPool:
             return 0.0, {}
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        rcs = await asyncio.gather(*(loop.run_in_executor(self.pool, self.driver.unlock, p)
-                                     for p in pids), return_exceptions=True)
+        rcs = await asyncio.gather(
+            *(loop.run_in_executor(self.pool, self.driver.unlock, p) for p in pids), return_exceptions=True
+        )
         dt = time.perf_counter() - t0
-        errors = {p: (self.driver.error(rc) if isinstance(rc, int) else repr(rc))
-                  for p, rc in zip(pids, rcs) if rc != 0}
+        errors = {
+            p: (self.driver.error(rc) if isinstance(rc, int) else repr(rc))
+            for p, rc in zip(pids, rcs)
+            if rc != 0
+        }
         self.record.drop(pids)
         try:
             await loop.run_in_executor(self.pool, self.record.write)
@@ -275,13 +290,13 @@ def release_left(state_dir: str | None, library: str | None = None) -> list[str]
                 rc, state = drv.state(pid)
                 if rc == 0 and state == LOCKED:
                     urc = drv.unlock(pid)
-                    lines.append(f"unlocked pid {pid}" if urc == 0 else
-                                 f"could not unlock pid {pid}: {drv.error(urc)}")
+                    lines.append(
+                        f"unlocked pid {pid}" if urc == 0 else f"could not unlock pid {pid}: {drv.error(urc)}"
+                    )
             except Exception as e:  # a driver fault costs this pid, not the sweep
                 lines.append(f"could not unlock pid {pid}: {e!r}")
     try:
-        replace_file(path, json.dumps({"version": 1, "pid": 0, "library": lib,
-                                       "locked": []}).encode())
+        replace_file(path, json.dumps({"version": 1, "pid": 0, "library": lib, "locked": []}).encode())
     except OSError as e:
         lines.append(f"could not clear {path}: {e.strerror}")
     return lines

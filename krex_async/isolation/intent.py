@@ -54,10 +54,12 @@ def claim_instance(state_dir: str, subtree: str) -> int:
     except BlockingIOError:
         owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise InstanceBusy(f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
-                           f"(state dir {state_dir}): refusing to start, since its start-up sweep "
-                           "would thaw that daemon's regions; stop it first, or give this daemon "
-                           "its own --state-dir") from None
+        raise InstanceBusy(
+            f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
+            f"(state dir {state_dir}): refusing to start, since its start-up sweep "
+            "would thaw that daemon's regions; stop it first, or give this daemon "
+            "its own --state-dir"
+        ) from None
     except BaseException:
         os.close(fd)
         raise
@@ -123,8 +125,9 @@ class Intent:
     def _snapshot(self) -> tuple[int, bytes, tuple[frozenset[str], tuple[tuple[str, str], ...]]]:
         self._seq += 1
         state = (frozenset(self.frozen), tuple(sorted(self.fenced.items())))
-        data = json.dumps({"version": 1, "pid": os.getpid(), "frozen": sorted(self.frozen),
-                           "fenced": self.fenced}).encode()
+        data = json.dumps(
+            {"version": 1, "pid": os.getpid(), "frozen": sorted(self.frozen), "fenced": self.fenced}
+        ).encode()
         return self._seq, data, state
 
     def _write(self, seq: int, data: bytes) -> None:
@@ -203,9 +206,13 @@ def read_record(state_dir: str) -> tuple[dict[str, Any] | None, str]:
         # valid JSON of another shape (hand-edited, another version) is damaged too: the sweep
         # that reports it must not fail on it
         frozen, fenced = rec.get("frozen", []), rec.get("fenced", {})
-        if not (isinstance(frozen, list) and all(isinstance(p, str) for p in frozen)
-                and isinstance(fenced, dict) and all(isinstance(v, str) for v in fenced.values())
-                and isinstance(rec.get("pid", 0), int)):
+        if not (
+            isinstance(frozen, list)
+            and all(isinstance(p, str) for p in frozen)
+            and isinstance(fenced, dict)
+            and all(isinstance(v, str) for v in fenced.values())
+            and isinstance(rec.get("pid", 0), int)
+        ):
             return None, f"intent record {path} damaged: not {{'pid', 'frozen': [...], 'fenced': {{...}}}}"
         return rec, ""
     except FileNotFoundError:
@@ -229,15 +236,17 @@ def thaw_all(v2: CgroupFS, lines: list[str], base: str = KREX) -> None:
     """Write cgroup.freeze=0 wherever it reads 1 under `base` (children first, then parents)."""
     for rel in reversed(v2.walk(base)):
         try:
-            if v2.read(rel, "cgroup.freeze").strip() == "1" and \
-                    _try(lines, f"thaw {rel}", v2.write, rel, "cgroup.freeze", "0"):
+            if v2.read(rel, "cgroup.freeze").strip() == "1" and _try(
+                lines, f"thaw {rel}", v2.write, rel, "cgroup.freeze", "0"
+            ):
                 lines.append(f"thawed {rel}")
         except CgroupFileError:
             continue
 
 
-def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[str],
-                    base: str = KREX) -> None:
+def restore_cpusets(
+    v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[str], base: str = KREX
+) -> None:
     """Put cpusets under `base` back to what create() made: v2 inherit/member, v1 the parent's cpus."""
     if cpuset == "v2":
         dirs = v2.walk(base)
@@ -247,8 +256,9 @@ def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[
                     part = v2.read(rel, "cpuset.cpus.partition").split()[0]
                 except (CgroupFileError, IndexError):
                     continue
-                if part != "member" and _try(lines, f"reset partition {rel}",
-                                             v2.write, rel, "cpuset.cpus.partition", "member"):
+                if part != "member" and _try(
+                    lines, f"reset partition {rel}", v2.write, rel, "cpuset.cpus.partition", "member"
+                ):
                     lines.append(f"partition of {rel} back to member (was {part})")
         for rel in reversed(dirs):  # exclusive cpus: leaves first
             name = "cpuset.cpus.exclusive"
@@ -289,8 +299,9 @@ def restore_cpusets(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, lines: list[
                 lines.append(f"v1 {rel}/cpuset.cpus back to {want} (was {have})")
 
 
-def remove_empty(v2: CgroupFS, v1: CgroupFS | None, lines: list[str],
-                 base: str = KREX) -> list[tuple[str, list[int]]]:
+def remove_empty(
+    v2: CgroupFS, v1: CgroupFS | None, lines: list[str], base: str = KREX
+) -> list[tuple[str, list[int]]]:
     """rmdir command cgroups (children of `base`) without tasks; returns (name, pids) of those
     still populated."""
     alive: list[tuple[str, list[int]]] = []
@@ -310,8 +321,14 @@ def remove_empty(v2: CgroupFS, v1: CgroupFS | None, lines: list[str],
     return alive
 
 
-def sweep(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str | None,
-          remove: bool = True, base: str = KREX) -> tuple[list[str], list[tuple[str, list[int]]]]:
+def sweep(
+    v2: CgroupFS,
+    v1: CgroupFS | None,
+    cpuset: str,
+    state_dir: str | None,
+    remove: bool = True,
+    base: str = KREX,
+) -> tuple[list[str], list[tuple[str, list[int]]]]:
     """Thaw, restore cpusets, remove empty command cgroups under `base` (a daemon's instance
     directory), report the old record.
 
@@ -326,6 +343,8 @@ def sweep(v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str | None,
         if problem:
             lines.append(problem + " (thawed and restored regardless)")
         elif rec and (rec.get("frozen") or rec.get("fenced")):
-            lines.append(f"previous daemon pid {rec.get('pid')} intended to freeze "
-                         f"{len(rec.get('frozen', []))} and fence {len(rec.get('fenced', {}))} cgroups")
+            lines.append(
+                f"previous daemon pid {rec.get('pid')} intended to freeze "
+                f"{len(rec.get('frozen', []))} and fence {len(rec.get('fenced', {}))} cgroups"
+            )
     return lines, alive

@@ -40,6 +40,7 @@ _MAX_LINE = 1 << 16
 
 # ------------------------------------------------------------------------------ the daemon's side
 
+
 class GuardError(Exception):
     """The guard process could not be started or did not become ready in time."""
 
@@ -66,8 +67,12 @@ class Guard:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid())],
-                stdin=rfd, stdout=subprocess.PIPE, stderr=None, close_fds=True,
-                start_new_session=True)  # not in the daemon's process group: its signals miss it
+                stdin=rfd,
+                stdout=subprocess.PIPE,
+                stderr=None,
+                close_fds=True,
+                start_new_session=True,
+            )  # not in the daemon's process group: its signals miss it
         except OSError as e:
             os.close(wfd)
             raise GuardError(f"cannot start the signal guard: {e}") from None
@@ -81,8 +86,7 @@ class Guard:
             proc.kill()
             proc.wait()
             os.close(wfd)
-            raise GuardError(f"the signal guard did not become ready within {timeout} s "
-                             f"(said {line!r})")
+            raise GuardError(f"the signal guard did not become ready within {timeout} s (said {line!r})")
         return cls(proc, wfd, os.getpid())
 
     @property
@@ -130,8 +134,10 @@ class Guard:
     def _send(self, verb: bytes, pids: list[int]) -> None:
         if self._closed:
             return
-        data = b"".join(verb + b" " + b" ".join(str(p).encode() for p in pids[i:i + 512]) + b"\n"
-                        for i in range(0, len(pids), 512))
+        data = b"".join(
+            verb + b" " + b" ".join(str(p).encode() for p in pids[i : i + 512]) + b"\n"
+            for i in range(0, len(pids), 512)
+        )
         try:
             os.write(self._wfd, data)
         except BrokenPipeError:
@@ -149,6 +155,7 @@ class Guard:
 
 
 # ------------------------------------------------------------------------------ the guard process
+
 
 class _Held:
     """The stopped pids the guard would resume, each with a pidfd where one could be opened."""
@@ -191,7 +198,7 @@ def _apply(held: _Held, buf: bytearray) -> bool:
     quit_ = False
     while (nl := buf.find(b"\n")) >= 0:
         line = bytes(buf[:nl]).split()
-        del buf[:nl + 1]
+        del buf[: nl + 1]
         if not line:
             continue
         verb, args = line[0], line[1:]
@@ -267,15 +274,13 @@ def guard_main(daemon_pid: int, rfd: int = 0, out: int = 1) -> int:
             _apply(held, buf)
         n = held.resume_all()
         if died and n:
-            print(f"krex sigguard: {why}; resumed {n} stopped processes", file=sys.stderr,
-                  flush=True)
+            print(f"krex sigguard: {why}; resumed {n} stopped processes", file=sys.stderr, flush=True)
     return 1 if died else 0
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m krex_async.isolation.sigguard DAEMON_PID  (pipe on stdin)",
-              file=sys.stderr)
+        print("usage: python -m krex_async.isolation.sigguard DAEMON_PID  (pipe on stdin)", file=sys.stderr)
         return 2
     return guard_main(int(argv[0]))
 

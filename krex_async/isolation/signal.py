@@ -169,8 +169,14 @@ class SignalBackend(Backend):
     async def create(self, command_id: str) -> Group:
         return Group(command_id)
 
-    def launch_argv(self, group: Group, argv: list[str], *, frozen: bool,
-                    as_user: tuple[int, int, list[int]] | None = None) -> list[str]:
+    def launch_argv(
+        self,
+        group: Group,
+        argv: list[str],
+        *,
+        frozen: bool,
+        as_user: tuple[int, int, list[int]] | None = None,
+    ) -> list[str]:
         if not frozen:
             return argv
         # The shell stops itself before exec: the command's first instruction runs only after thaw.
@@ -189,12 +195,14 @@ class SignalBackend(Backend):
     def pids(self, group: Group) -> list[int]:
         return _Snapshot().tree(group.pid) if group.pid is not None else []
 
-    async def freeze(self, group: Group, *, keep: frozenset[int] = frozenset(),
-                     timeout: float = 1.0) -> Freeze:
+    async def freeze(
+        self, group: Group, *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
+    ) -> Freeze:
         return (await self.freeze_many([group], keep=keep, timeout=timeout))[0]
 
-    async def freeze_many(self, groups: list[Group], *, keep: frozenset[int] = frozenset(),
-                          timeout: float = 1.0) -> list[Freeze]:
+    async def freeze_many(
+        self, groups: list[Group], *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
+    ) -> list[Freeze]:
         """Stop the groups' processes from one /proc snapshot, then verify they all stopped.
 
         Children forked while their parent was being stopped are caught by re-reading until a pass
@@ -225,10 +233,16 @@ class SignalBackend(Backend):
             r.seconds = elapsed
         return [results[g.name] for g in groups]
 
-    async def _stop_and_verify(self, todo: list[Group], keep: frozenset[int],
-                               sent: dict[str, list[int]], already: dict[str, set[int]],
-                               fds: dict[str, dict[int, int]], deadline: float,
-                               timeout: float) -> None:
+    async def _stop_and_verify(
+        self,
+        todo: list[Group],
+        keep: frozenset[int],
+        sent: dict[str, list[int]],
+        already: dict[str, set[int]],
+        fds: dict[str, dict[int, int]],
+        deadline: float,
+        timeout: float,
+    ) -> None:
         """SIGSTOP every process of `todo` through a pidfd (recording each in `sent` and `fds`
         before its signal), then wait until all have stopped. Raises FreezeError; the caller
         resumes."""
@@ -264,8 +278,13 @@ class SignalBackend(Backend):
                 raise FreezeError(",".join(sent), f"pids {pending} did not stop within {timeout:.3f} s")
             await asyncio.sleep(0.0002)
 
-    def _resume_all(self, groups: list[Group], sent: dict[str, list[int]],
-                    already: dict[str, set[int]], fds: dict[str, dict[int, int]]) -> None:
+    def _resume_all(
+        self,
+        groups: list[Group],
+        sent: dict[str, list[int]],
+        already: dict[str, set[int]],
+        fds: dict[str, dict[int, int]],
+    ) -> None:
         for g in groups:
             pids = [p for p in sent[g.name] if p not in already[g.name]]
             _signal_fds(fds[g.name], pids, signal.SIGCONT)
@@ -284,8 +303,7 @@ class SignalBackend(Backend):
             # lost and the command would stay stopped forever. Wait (bounded) until it stopped;
             # a shell slower than that is resumed in the background once it has.
             deadline = time.perf_counter() + 1.0
-            while _state(group.pid) not in (None, "Z", "X", *_STOPPED) and \
-                    time.perf_counter() < deadline:
+            while _state(group.pid) not in (None, "Z", "X", *_STOPPED) and time.perf_counter() < deadline:
                 await asyncio.sleep(0.0005)
             if _state(group.pid) in (None, "Z", "X", *_STOPPED):
                 # the leader: the daemon has not reaped it, so its pid is still its own
@@ -315,8 +333,14 @@ class SignalBackend(Backend):
         finally:
             self._resumed([pid])
 
-    async def set_cores(self, group: Group, cpus: frozenset[int] | None, *,
-                        pids: list[int] | None = None, exclusive: bool = False) -> None:
+    async def set_cores(
+        self,
+        group: Group,
+        cpus: frozenset[int] | None,
+        *,
+        pids: list[int] | None = None,
+        exclusive: bool = False,
+    ) -> None:
         target = set(cpus) if cpus is not None else set(self.all_cpus)
         if pids is None:
             group.cores = cpus

@@ -31,19 +31,40 @@ from krex_async.isolation.cgroupfs import CgroupFS
 from krex_async.isolation.intent import KREX, sweep
 
 
-def start_watchdog(pid: int, v2_root: str, v1_root: str | None, cpuset: str, state_dir: str,
-                   base: str = KREX, timeout: float = 5.0) -> subprocess.Popen[bytes]:
+def start_watchdog(
+    pid: int,
+    v2_root: str,
+    v1_root: str | None,
+    cpuset: str,
+    state_dir: str,
+    base: str = KREX,
+    timeout: float = 5.0,
+) -> subprocess.Popen[bytes]:
     """Start the watchdog for `pid` and return once it holds the pidfd. Raises RuntimeError when it
     does not report ready within `timeout` (the child is killed then)."""
-    argv = [sys.executable, "-m", "krex_async.isolation.watchdog", "--pid", str(pid),
-            "--v2", v2_root, "--cpuset", cpuset, "--state-dir", state_dir, "--base", base]
+    argv = [
+        sys.executable,
+        "-m",
+        "krex_async.isolation.watchdog",
+        "--pid",
+        str(pid),
+        "--v2",
+        v2_root,
+        "--cpuset",
+        cpuset,
+        "--state-dir",
+        state_dir,
+        "--base",
+        base,
+    ]
     if v1_root:
         argv += ["--v1", v1_root]
     env = dict(os.environ)
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                            start_new_session=True, close_fds=True)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True, close_fds=True
+    )
     assert proc.stdout is not None
     ready = select.select([proc.stdout], [], [], timeout)[0]
     line = proc.stdout.readline() if ready else b""
@@ -79,8 +100,9 @@ def _released(rfd: int) -> bool | None:
     return True if b"Q" in data else None
 
 
-def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str,
-          rfd: int = 0, base: str = KREX) -> list[str]:
+def guard(
+    pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: str, rfd: int = 0, base: str = KREX
+) -> list[str]:
     """Block until `pid` exits (sweep; returns the sweep's lines) or releases us (returns [])."""
     pidfd = os.pidfd_open(pid)
     try:
@@ -101,6 +123,7 @@ def guard(pid: int, v2: CgroupFS, v1: CgroupFS | None, cpuset: str, state_dir: s
     t0 = time.monotonic()
     lines, _alive = sweep(v2, v1, cpuset, state_dir, base=base)
     from krex_async.isolation.cudalock import release_left  # only now: ctypes, and libcuda if needed
+
     lines += release_left(state_dir)  # the CUDA driver locks it took: they outlive it
     lines.append(f"watchdog: daemon {pid} died; sweep took {time.monotonic() - t0:.4f}s")
     return lines
@@ -118,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        lines = guard(a.pid, CgroupFS(a.v2), CgroupFS(a.v1) if a.v1 else None, a.cpuset, a.state_dir,
-                      base=a.base)
+        lines = guard(
+            a.pid, CgroupFS(a.v2), CgroupFS(a.v1) if a.v1 else None, a.cpuset, a.state_dir, base=a.base
+        )
     except ProcessLookupError:
         print(f"watchdog: pid {a.pid} is not running", file=sys.stderr)
         return 1

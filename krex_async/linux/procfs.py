@@ -18,7 +18,7 @@ def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
             data = f.read()
     except OSError:
         return None
-    fields = data[data.rfind(b")") + 2:].split()
+    fields = data[data.rfind(b")") + 2 :].split()
     return fields if len(fields) > 19 else None
 
 

@@ -109,7 +109,7 @@ class Handoff:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.lseek(fd, 0, os.SEEK_SET)
             r, w = os.pipe()
         except BaseException:
@@ -202,11 +202,13 @@ def watch_pid(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[ExitS
         loop.remove_reader(pidfd)
         os.close(pidfd)
         if not done.done():
-            done.set_result(ExitStatus(
-                returncode=os.waitstatus_to_exitcode(status),
-                user_s=ru.ru_utime if ru else 0.0,
-                system_s=ru.ru_stime if ru else 0.0,
-            ))
+            done.set_result(
+                ExitStatus(
+                    returncode=os.waitstatus_to_exitcode(status),
+                    user_s=ru.ru_utime if ru else 0.0,
+                    system_s=ru.ru_stime if ru else 0.0,
+                )
+            )
 
     loop.add_reader(pidfd, on_ready)
     return done

@@ -46,6 +46,7 @@ SUBTREE = "krex"
 
 # ----------------------------------------------------------------------------- cgroup layout
 
+
 def mounts() -> list[Mount]:
     """cgroup and cgroup2 mounts of this mount namespace, in mountinfo order."""
     return procfs.mounts("cgroup", "cgroup2")
@@ -77,8 +78,7 @@ def own_cgroup(controller: str = "", pid: str = "self") -> str | None:
     """This process's cgroup path ('/system.slice/krex.service') in v2 (controller '') or in the v1
     hierarchy of `controller`; systemd's `.control` leaf (ExecStopPost under Delegate=yes) stripped."""
     for hid, ctrls, path in procfs.cgroups(pid) or []:
-        if (not controller and hid == "0" and ctrls == "") or \
-                (controller and controller in ctrls.split(",")):
+        if (not controller and hid == "0" and ctrls == "") or (controller and controller in ctrls.split(",")):
             while os.path.basename(path) in (".control", "daemon"):
                 path = os.path.dirname(path)
             return path
@@ -86,6 +86,7 @@ def own_cgroup(controller: str = "", pid: str = "self") -> str | None:
 
 
 # ---------------------------------------------------------------------------------- file I/O
+
 
 @dataclass
 class Result:
@@ -145,8 +146,8 @@ def live_instances(tree: str, res: Result) -> frozenset[str]:
 
 # ------------------------------------------------------------------------------------ sweep
 
-def sweep(tree: str, res: Result, remove_empty: bool = True,
-          skip: frozenset[str] = frozenset()) -> None:
+
+def sweep(tree: str, res: Result, remove_empty: bool = True, skip: frozenset[str] = frozenset()) -> None:
     """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc),
     except below the directories in `skip`."""
     fs = CgroupFS("/")  # paths below are absolute; the kept files are closed at the end
@@ -188,8 +189,7 @@ def _sweep(fs: CgroupFS, dirs: list[str], res: Result, remove_empty: bool) -> No
     if not remove_empty:
         return
     for d in reversed(dirs[1:]):  # 3. remove empty children, bottom-up
-        if _read(fs, d, "cgroup.procs") == "" and not any(
-                e.is_dir() for e in os.scandir(d)):
+        if _read(fs, d, "cgroup.procs") == "" and not any(e.is_dir() for e in os.scandir(d)):
             try:
                 if fs.rmdir(d):
                     res.actions.append(f"removed empty {d}")
@@ -271,19 +271,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", action="append", default=[],
-                   help="sweep ROOT/krex only (repeatable); default: every place krex may use")
+    p.add_argument(
+        "--root",
+        action="append",
+        default=[],
+        help="sweep ROOT/krex only (repeatable); default: every place krex may use",
+    )
     p.add_argument("--cgroup-root", default="", help="the daemon's configured cgroup root")
-    p.add_argument("--config", help="read cgroup_root from this krex.toml (default: "
-                                    "/etc/krex/krex.toml when it exists)")
+    p.add_argument(
+        "--config", help="read cgroup_root from this krex.toml (default: /etc/krex/krex.toml when it exists)"
+    )
     p.add_argument("--keep-empty", action="store_true", help="do not remove empty command cgroups")
-    p.add_argument("--socket", help="the daemon's socket (default: from the config, else the "
-                                    "default path): cleanup refuses while a daemon answers there")
-    p.add_argument("--force", action="store_true", help="sweep even while a daemon is serving, "
-                                                        "its instance directory included")
-    p.add_argument("--state-dir", help="the daemon's state dir, whose lock record names the "
-                                       "processes it locked through the CUDA driver (default: "
-                                       "from the config, else the default)")
+    p.add_argument(
+        "--socket",
+        help="the daemon's socket (default: from the config, else the "
+        "default path): cleanup refuses while a daemon answers there",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="sweep even while a daemon is serving, its instance directory included",
+    )
+    p.add_argument(
+        "--state-dir",
+        help="the daemon's state dir, whose lock record names the "
+        "processes it locked through the CUDA driver (default: "
+        "from the config, else the default)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -301,23 +315,31 @@ def cleanup_main(args: argparse.Namespace) -> int:
         pass
     sock = args.socket or str(conf.get("socket") or "") or _default_socket()
     if not args.force and _serving(sock):
-        print(f"krex cleanup: a daemon is serving on {sock}: a sweep would thaw its regions and "
-              "remove cgroups it is about to use; stop it first, or pass --force", file=sys.stderr)
+        print(
+            f"krex cleanup: a daemon is serving on {sock}: a sweep would thaw its regions and "
+            "remove cgroups it is about to use; stop it first, or pass --force",
+            file=sys.stderr,
+        )
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force)
     for line in _unlock(args.state_dir or str(conf.get("state_dir") or "")):
         (res.actions if line.startswith("unlocked") else res.errors).append(line)
     if args.json:
-        print(json.dumps({"ok": res.ok, "trees": res.trees, "actions": res.actions,
-                          "errors": res.errors}, indent=2))
+        print(
+            json.dumps(
+                {"ok": res.ok, "trees": res.trees, "actions": res.actions, "errors": res.errors}, indent=2
+            )
+        )
     else:
         for a in res.actions:
             print(f"krex cleanup: {a}")
         for err in res.errors:
             print(f"krex cleanup: error: {err}", file=sys.stderr)
-        print(f"krex cleanup: {len(res.trees)} tree(s) swept, {len(res.actions)} change(s), "
-              f"{len(res.errors)} error(s)")
+        print(
+            f"krex cleanup: {len(res.trees)} tree(s) swept, {len(res.actions)} change(s), "
+            f"{len(res.errors)} error(s)"
+        )
     return 0 if res.ok else 1
 
 

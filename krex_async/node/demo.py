@@ -24,7 +24,7 @@ import time
 
 WARM_S, SAMPLES, ALONE_RUNS = 0.4, 31, 3  # ALONE_RUNS at each of the three points
 
-WORK = r'''
+WORK = r"""
 import json, os, sys, time
 from krex_async import region
 
@@ -47,7 +47,7 @@ with region("timing") as r:
         samples.append(time.perf_counter() - t0)
 samples.sort()
 print(json.dumps({"median_ms": samples[len(samples) // 2] * 1e3}))
-'''
+"""
 
 
 def _env(tmp: str) -> dict[str, str]:
@@ -58,27 +58,41 @@ def _env(tmp: str) -> dict[str, str]:
     return env
 
 
-async def _workload(sock: str, script: str, n: int, env: dict[str, str],
-                    ) -> tuple[float, list[dict[str, float]]]:
+async def _workload(
+    sock: str,
+    script: str,
+    n: int,
+    env: dict[str, str],
+) -> tuple[float, list[dict[str, float]]]:
     from krex_async.client.submit import Client
 
     async with await Client.connect(sock) as c:
         t0 = time.monotonic()
-        results = await asyncio.gather(*(c.run([sys.executable, script, str(WARM_S), str(SAMPLES)],
-                                               env=env) for _ in range(n)))
+        results = await asyncio.gather(
+            *(c.run([sys.executable, script, str(WARM_S), str(SAMPLES)], env=env) for _ in range(n))
+        )
         makespan = time.monotonic() - t0
     rows = []
     for res in results:
         if res.returncode != 0:
             rep = res.report
-            raise SystemExit(f"demo command {rep.command} failed: {rep.state}, exit {rep.exit_code}, "
-                             f"signal {rep.signal} {rep.error}\n{res.stderr.decode(errors='replace')}")
+            raise SystemExit(
+                f"demo command {rep.command} failed: {rep.state}, exit {rep.exit_code}, "
+                f"signal {rep.signal} {rep.error}\n{res.stderr.decode(errors='replace')}"
+            )
         info = json.loads(res.stdout)
         reg = res.report.regions[0]
-        rows.append({"command": res.report.command, "wall_s": res.report.wall_s,
-                     "wait_ms": reg.wait_s * 1e3, "enter_ms": reg.enter_s * 1e3,
-                     "held_ms": reg.held_s * 1e3, "frozen": len(reg.frozen),
-                     "median_ms": info["median_ms"]})
+        rows.append(
+            {
+                "command": res.report.command,
+                "wall_s": res.report.wall_s,
+                "wait_ms": reg.wait_s * 1e3,
+                "enter_ms": reg.enter_s * 1e3,
+                "held_ms": reg.held_s * 1e3,
+                "frozen": len(reg.frozen),
+                "median_ms": info["median_ms"],
+            }
+        )
     return makespan, rows
 
 
@@ -87,14 +101,16 @@ def _alone(script: str, env: dict[str, str], runs: int) -> list[float]:
     times, each warmed up and sampled like a demo command."""
     out = []
     for _ in range(runs):
-        p = subprocess.run([sys.executable, script, str(WARM_S), str(SAMPLES)],
-                           capture_output=True, env=env, check=True)
+        p = subprocess.run(
+            [sys.executable, script, str(WARM_S), str(SAMPLES)], capture_output=True, env=env, check=True
+        )
         out.append(float(json.loads(p.stdout)["median_ms"]))
     return out
 
 
-def verdict(alone: list[float], medians: dict[str, list[float]],
-            load: tuple[float, int] | None = None) -> list[str]:
+def verdict(
+    alone: list[float], medians: dict[str, list[float]], load: tuple[float, int] | None = None
+) -> list[str]:
     """What the numbers say, judged against the alone runs' own spread (the noise floor):
     `medians` is each policy's per-command medians (ms), `load` the load average and core count.
     Sharing shows in its worst commands (those whose timed loops overlapped), so the verdict
@@ -106,31 +122,40 @@ def verdict(alone: list[float], medians: dict[str, list[float]],
     def pct(x: float) -> float:
         return 100 * (x / base - 1)
 
-    lines = [f"alone: {base:.2f} ms, the median of {len(alone)} runs before, between and after "
-             f"(they span {noise:.1f}%)"]
+    lines = [
+        f"alone: {base:.2f} ms, the median of {len(alone)} runs before, between and after "
+        f"(they span {noise:.1f}%)"
+    ]
     if noise > 25:
         busy = f"load average {load[0]:.1f} on {load[1]} cores; " if load else ""
-        lines.append(f"note: this machine is busy beyond the demo ({busy}the alone runs span "
-                     f"{noise:.0f}%): differences smaller than that are noise, not krex")
+        lines.append(
+            f"note: this machine is busy beyond the demo ({busy}the alone runs span "
+            f"{noise:.0f}%): differences smaller than that are noise, not krex"
+        )
     worst = {p: max(pct(m) for m in ms) for p, ms in medians.items()}
     typical = {p: pct(statistics.median(ms)) for p, ms in medians.items()}
     for p in medians:
-        lines.append(f"{p:<7} typical command {typical[p]:+.1f}%, worst command {worst[p]:+.1f}% "
-                     "vs alone")
+        lines.append(f"{p:<7} typical command {typical[p]:+.1f}%, worst command {worst[p]:+.1f}% vs alone")
     reg, sh = worst.get("region", 0.0), worst.get("shared", 0.0)
     if reg > floor:
         busy = f" (load average {load[0]:.1f} on {load[1]} cores)" if load else ""
-        lines.append(f"verdict: a timing inside a region moved {reg:+.1f}%, beyond the alone runs' "
-                     f"spread ({floor:.0f}%): something outside the demo competes for the CPU"
-                     f"{busy}, and krex holds back only its own commands. On a quiet node the "
-                     f"region column stays within the noise; `krex doctor` checks the isolation.")
+        lines.append(
+            f"verdict: a timing inside a region moved {reg:+.1f}%, beyond the alone runs' "
+            f"spread ({floor:.0f}%): something outside the demo competes for the CPU"
+            f"{busy}, and krex holds back only its own commands. On a quiet node the "
+            f"region column stays within the noise; `krex doctor` checks the isolation."
+        )
     elif sh > floor:
-        lines.append(f"verdict: regions kept every timing within {floor:.0f}% of alone (worst "
-                     f"{reg:+.1f}%); without them the commands' timed loops overlapped (worst "
-                     f"{sh:+.1f}%).")
+        lines.append(
+            f"verdict: regions kept every timing within {floor:.0f}% of alone (worst "
+            f"{reg:+.1f}%); without them the commands' timed loops overlapped (worst "
+            f"{sh:+.1f}%)."
+        )
     else:
-        lines.append(f"verdict: no difference above the noise ({floor:.0f}%) this time: the timed "
-                     f"loops did not overlap much; run it with more commands (krex demo -n 12).")
+        lines.append(
+            f"verdict: no difference above the noise ({floor:.0f}%) this time: the timed "
+            f"loops did not overlap much; run it with more commands (krex demo -n 12)."
+        )
     return lines
 
 
@@ -145,11 +170,12 @@ def next_steps() -> str:
     if os.path.exists(here) and (on_path is None or os.path.realpath(on_path) != os.path.realpath(here)):
         rel = os.path.relpath(here)
         rel = here if rel.startswith("..") else rel
-        text = text.replace("next:", f"next (krex is {rel} here; `. {os.path.dirname(rel)}/activate` "
-                                     "puts it on PATH):", 1)
+        text = text.replace(
+            "next:", f"next (krex is {rel} here; `. {os.path.dirname(rel)}/activate` puts it on PATH):", 1
+        )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.exists(os.path.join(root, "bench", "replay.py")):
-        return text[:text.index("  PYTHON -m bench.replay")].rstrip()
+        return text[: text.index("  PYTHON -m bench.replay")].rstrip()
     py = os.path.relpath(sys.executable)
     return text.replace("PYTHON", "python" if py.startswith("..") else py)
 
@@ -170,17 +196,34 @@ def main(n: int = 6) -> int:
     with open(script, "w") as f:
         f.write(WORK)
     env = _env(tmp)
-    print(f"krex demo: {n} concurrent agent-like commands under the region and the shared policy,\n"
-          f"and the same kernel timed alone before, between and after them\n", flush=True)
+    print(
+        f"krex demo: {n} concurrent agent-like commands under the region and the shared policy,\n"
+        f"and the same kernel timed alone before, between and after them\n",
+        flush=True,
+    )
     alone = _alone(script, env, ALONE_RUNS)
     medians: dict[str, list[float]] = {}
     for policy in ("region", "shared"):
         sock = os.path.join(tmp, f"{policy}.sock")
         log = open(os.path.join(tmp, f"{policy}.log"), "wb")
-        daemon = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", sock,
-                                   "--policy", policy, "--log-format", "json",
-                                   "--state-dir", os.path.join(tmp, "state")],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "krex_async",
+                "serve",
+                "--socket",
+                sock,
+                "--policy",
+                policy,
+                "--log-format",
+                "json",
+                "--state-dir",
+                os.path.join(tmp, "state"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             while not os.path.exists(sock):
                 if daemon.poll() is not None:
@@ -194,16 +237,19 @@ def main(n: int = 6) -> int:
         alone += _alone(script, env, ALONE_RUNS)
         base = statistics.median(alone)
         print(f"policy {policy}: makespan {makespan:.2f} s")
-        print(f"  {'command':<12} {'wall s':>7} {'wait ms':>8} {'enter ms':>9} {'held ms':>8} "
-              f"{'frozen':>6} {'median ms':>10} {'vs alone':>9}")
+        print(
+            f"  {'command':<12} {'wall s':>7} {'wait ms':>8} {'enter ms':>9} {'held ms':>8} "
+            f"{'frozen':>6} {'median ms':>10} {'vs alone':>9}"
+        )
         for r in rows:
-            print(f"  {r['command']:<12} {r['wall_s']:>7.2f} {r['wait_ms']:>8.1f} "
-                  f"{r['enter_ms']:>9.2f} {r['held_ms']:>8.1f} {r['frozen']:>6} "
-                  f"{r['median_ms']:>10.2f} {100 * (r['median_ms'] / base - 1):>+8.1f}%")
+            print(
+                f"  {r['command']:<12} {r['wall_s']:>7.2f} {r['wait_ms']:>8.1f} "
+                f"{r['enter_ms']:>9.2f} {r['held_ms']:>8.1f} {r['frozen']:>6} "
+                f"{r['median_ms']:>10.2f} {100 * (r['median_ms'] / base - 1):>+8.1f}%"
+            )
         medians[policy] = [r["median_ms"] for r in rows]
         med = statistics.median(medians[policy])
-        print(f"  median timing {med:.2f} ms ({100 * (med / base - 1):+.1f}% vs alone so far)\n",
-              flush=True)
+        print(f"  median timing {med:.2f} ms ({100 * (med / base - 1):+.1f}% vs alone so far)\n", flush=True)
     for line in verdict(alone, medians, (os.getloadavg()[0], os.cpu_count() or 1)):
         print(line)
     print(f"\nlogs and scripts in {tmp}\n")

@@ -48,18 +48,30 @@ PACKAGES = [
 
 # ---------------------------------------------------------------------------------- python
 
+
 def check_python() -> list[Check]:
-    out = [Check("python", OK if sys.version_info >= (3, 11) else FAIL,
-                 f"{sys.version.split()[0]} at {sys.executable}",
-                 "" if sys.version_info >= (3, 11) else "krex needs Python 3.11 or newer")]
+    out = [
+        Check(
+            "python",
+            OK if sys.version_info >= (3, 11) else FAIL,
+            f"{sys.version.split()[0]} at {sys.executable}",
+            "" if sys.version_info >= (3, 11) else "krex needs Python 3.11 or newer",
+        )
+    ]
     for dist, mod, required, why in PACKAGES:
         try:
             version = md.version(dist)
         except md.PackageNotFoundError:
             version = ""
         if mod == "amdsmi" and version:  # its import prints to stdout and may raise KeyError:
-            out.append(Check(f"package {dist}", OK, f"{version} ({why}; usable: see `gpu amd`)",
-                             data={"version": version}))  # the GPU check imports it in a child
+            out.append(
+                Check(
+                    f"package {dist}",
+                    OK,
+                    f"{version} ({why}; usable: see `gpu amd`)",
+                    data={"version": version},
+                )
+            )  # the GPU check imports it in a child
             continue
         try:
             __import__(mod)
@@ -67,17 +79,28 @@ def check_python() -> list[Check]:
         except Exception as e:  # anything the import raises means "not usable"
             importable, err = False, f"{type(e).__name__}: {e}"
         if importable:
-            out.append(Check(f"package {dist}", OK, f"{version or 'importable'} ({why})",
-                             data={"version": version}))
+            out.append(
+                Check(f"package {dist}", OK, f"{version or 'importable'} ({why})", data={"version": version})
+            )
         elif version:
-            out.append(Check(f"package {dist}", FAIL if required else WARN,
-                             f"{version} installed but import fails: {err}",
-                             f"reinstall {dist} or install what it needs ({why})",
-                             {"version": version}))
+            out.append(
+                Check(
+                    f"package {dist}",
+                    FAIL if required else WARN,
+                    f"{version} installed but import fails: {err}",
+                    f"reinstall {dist} or install what it needs ({why})",
+                    {"version": version},
+                )
+            )
         else:
-            out.append(Check(f"package {dist}", FAIL if required else WARN,
-                             "not installed" + ("" if required else f" (optional: {why})"),
-                             f"pip install {dist}"))
+            out.append(
+                Check(
+                    f"package {dist}",
+                    FAIL if required else WARN,
+                    "not installed" + ("" if required else f" (optional: {why})"),
+                    f"pip install {dist}",
+                )
+            )
     return out
 
 
@@ -85,12 +108,14 @@ def check_uvloop() -> Check:
     try:
         import uvloop
     except ImportError as e:
-        return Check("uvloop", WARN, f"not importable ({e}): the daemon falls back to asyncio",
-                     "pip install uvloop")
+        return Check(
+            "uvloop", WARN, f"not importable ({e}): the daemon falls back to asyncio", "pip install uvloop"
+        )
     return Check("uvloop", OK, f"uvloop {uvloop.__version__} will run the event loop")
 
 
 # --------------------------------------------------------------------------------- cgroups
+
 
 def _read(cgroup: str, name: str) -> str | None:
     try:
@@ -168,19 +193,37 @@ def check_cgroups(cgroup_root: str = "") -> list[Check]:
     """Layout, delegated subtree, writable, freezer (a real freeze of a test process), cpuset."""
     lay = cg.layout()
     m2 = cg.v2_mount()
-    fixes = {"none": "mount cgroup2: `mount -t cgroup2 none /sys/fs/cgroup` (or boot with "
-                     "systemd.unified_cgroup_hierarchy=1)",
-             "v1": "boot with systemd.unified_cgroup_hierarchy=1 (or mount cgroup2 beside v1)"}
-    out = [Check("cgroup layout", OK if lay in ("v2", "hybrid") else FAIL,
-                 {"v2": f"pure cgroup v2 at {m2}", "hybrid": f"hybrid: v2 at {m2}, v1 controllers "
-                  f"beside it", "v1": "cgroup v1 only", "none": "no cgroup filesystem"}[lay],
-                 fixes.get(lay, ""), {"layout": lay, "v2_mount": m2})]
+    fixes = {
+        "none": "mount cgroup2: `mount -t cgroup2 none /sys/fs/cgroup` (or boot with "
+        "systemd.unified_cgroup_hierarchy=1)",
+        "v1": "boot with systemd.unified_cgroup_hierarchy=1 (or mount cgroup2 beside v1)",
+    }
+    out = [
+        Check(
+            "cgroup layout",
+            OK if lay in ("v2", "hybrid") else FAIL,
+            {
+                "v2": f"pure cgroup v2 at {m2}",
+                "hybrid": f"hybrid: v2 at {m2}, v1 controllers beside it",
+                "v1": "cgroup v1 only",
+                "none": "no cgroup filesystem",
+            }[lay],
+            fixes.get(lay, ""),
+            {"layout": lay, "v2_mount": m2},
+        )
+    ]
     sub, how = v2_subtree(cgroup_root)
     freezer_ok = cpuset_ok = False
     if sub is None or not os.path.isdir(sub):
-        out.append(Check("cgroup subtree", FAIL, f"no v2 subtree to use ({how}: {sub})",
-                         "run the daemon under systemd with Delegate=yes (packaging/krex.service) "
-                         "or pass --cgroup-root DIR"))
+        out.append(
+            Check(
+                "cgroup subtree",
+                FAIL,
+                f"no v2 subtree to use ({how}: {sub})",
+                "run the daemon under systemd with Delegate=yes (packaging/krex.service) "
+                "or pass --cgroup-root DIR",
+            )
+        )
         out.append(Check("cgroup freezer", FAIL, "no subtree to test in", ""))
     else:
         out.append(Check("cgroup subtree", OK, f"{sub} ({how})", data={"path": sub}))
@@ -190,9 +233,15 @@ def check_cgroups(cgroup_root: str = "") -> list[Check]:
                 out.append(_check_freeze(child))
                 freezer_ok = out[-1].verdict == OK
         except (OSError, CgroupFileError) as e:
-            out.append(Check("cgroup writable", FAIL, f"cannot create a child of {sub}: {e}",
-                             "run as root, or give the daemon a delegated subtree (systemd "
-                             "Delegate=yes) and pass it with --cgroup-root"))
+            out.append(
+                Check(
+                    "cgroup writable",
+                    FAIL,
+                    f"cannot create a child of {sub}: {e}",
+                    "run as root, or give the daemon a delegated subtree (systemd "
+                    "Delegate=yes) and pass it with --cgroup-root",
+                )
+            )
             out.append(Check("cgroup freezer", FAIL, "not tested: the subtree is not writable"))
     cs = _check_cpuset(sub)
     cpuset_ok = cs.verdict == OK
@@ -205,8 +254,12 @@ def _check_freeze(child: str) -> Check:
     fs = CgroupFS(child)
     fz = fs.path("", "cgroup.freeze")
     if not fs.exists("", "cgroup.freeze"):
-        return Check("cgroup freezer", FAIL, f"{fz} does not exist (kernel older than 5.2?)",
-                     "a kernel with the cgroup v2 freezer (5.2+)")
+        return Check(
+            "cgroup freezer",
+            FAIL,
+            f"{fz} does not exist (kernel older than 5.2?)",
+            "a kernel with the cgroup v2 freezer (5.2+)",
+        )
     proc = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL)
     try:
         fs.write("", "cgroup.procs", str(proc.pid))
@@ -221,18 +274,30 @@ def _check_freeze(child: str) -> Check:
             if not (frozen and thawed):
                 break
     except (OSError, CgroupFileError) as e:
-        return Check("cgroup freezer", FAIL, f"freezing a test process failed: {e}",
-                     "the daemon needs write access to cgroup.procs and cgroup.freeze there")
+        return Check(
+            "cgroup freezer",
+            FAIL,
+            f"freezing a test process failed: {e}",
+            "the daemon needs write access to cgroup.procs and cgroup.freeze there",
+        )
     finally:
         proc.kill()
         proc.wait()
         fs.release()
     if not (frozen and thawed):
-        return Check("cgroup freezer", FAIL, f"froze={frozen} thawed={thawed} within 1 s",
-                     "check `cat cgroup.events` of a frozen cgroup; report the kernel version")
-    return Check("cgroup freezer", OK, f"froze and thawed a test process: {times[1] * 1e3:.2f} ms "
-                                       f"(first freeze after moving it in: {times[0] * 1e3:.2f} ms)",
-                 data={"freeze_s": times[1], "first_freeze_s": times[0]})
+        return Check(
+            "cgroup freezer",
+            FAIL,
+            f"froze={frozen} thawed={thawed} within 1 s",
+            "check `cat cgroup.events` of a frozen cgroup; report the kernel version",
+        )
+    return Check(
+        "cgroup freezer",
+        OK,
+        f"froze and thawed a test process: {times[1] * 1e3:.2f} ms "
+        f"(first freeze after moving it in: {times[0] * 1e3:.2f} ms)",
+        data={"freeze_s": times[1], "first_freeze_s": times[0]},
+    )
 
 
 def _check_cpuset(sub: str | None) -> Check:
@@ -240,10 +305,17 @@ def _check_cpuset(sub: str | None) -> Check:
         ctrls = (_read(sub, "cgroup.controllers") or "").split()
         enabled = (_read(sub, "cgroup.subtree_control") or "").split()
         if "cpuset" in ctrls:
-            state = "enabled for children" if "cpuset" in enabled else \
-                "available (the daemon enables it in subtree_control)"
-            return Check("cpuset", OK, f"cgroup v2 cpuset in {sub}: {state}",
-                         data={"mode": "v2", "enabled": "cpuset" in enabled})
+            state = (
+                "enabled for children"
+                if "cpuset" in enabled
+                else "available (the daemon enables it in subtree_control)"
+            )
+            return Check(
+                "cpuset",
+                OK,
+                f"cgroup v2 cpuset in {sub}: {state}",
+                data={"mode": "v2", "enabled": "cpuset" in enabled},
+            )
     m1 = cg.v1_mount("cpuset")
     if m1 is not None:
         own = cg.own_cgroup("cpuset") or "/"
@@ -252,14 +324,20 @@ def _check_cpuset(sub: str | None) -> Check:
             with _test_cgroup_v1(base):
                 pass
         except CgroupFileError as e:
-            return Check("cpuset", FAIL, f"v1 cpuset at {base} is not writable: {e}",
-                         "run as root")
-        return Check("cpuset", OK, f"v1 cpuset hierarchy at {base} (hybrid; cores via v1, "
-                                   f"freezing via v2)", data={"mode": "v1", "path": base})
-    return Check("cpuset", FAIL, "no cpuset: neither in the v2 subtree's cgroup.controllers nor a "
-                                 "v1 cpuset hierarchy",
-                 "enable it: `echo +cpuset > <parent>/cgroup.subtree_control` up to the daemon's "
-                 "subtree (systemd: Delegate=yes, or Delegate=cpuset cpu memory pids)")
+            return Check("cpuset", FAIL, f"v1 cpuset at {base} is not writable: {e}", "run as root")
+        return Check(
+            "cpuset",
+            OK,
+            f"v1 cpuset hierarchy at {base} (hybrid; cores via v1, freezing via v2)",
+            data={"mode": "v1", "path": base},
+        )
+    return Check(
+        "cpuset",
+        FAIL,
+        "no cpuset: neither in the v2 subtree's cgroup.controllers nor a v1 cpuset hierarchy",
+        "enable it: `echo +cpuset > <parent>/cgroup.subtree_control` up to the daemon's "
+        "subtree (systemd: Delegate=yes, or Delegate=cpuset cpu memory pids)",
+    )
 
 
 @contextlib.contextmanager
@@ -281,22 +359,37 @@ def check_backend(cgroup_root: str = "") -> Check:
             b = choose_backend("auto", cgroup_root=cgroup_root, state_dir=state)
             name, reason = b.name, b.reason
     except (ImportError, SystemExit, Exception) as e:
-        return Check("isolation backend", FAIL, f"choosing the backend failed: {e}",
-                     "report this with `krex doctor --json`")
-    return Check("isolation backend", OK if name == "cgroup" else WARN,
-                 f"--isolation auto picks {name}: {reason}",
-                 "" if name == "cgroup" else "the cgroup backend gives full isolation: see the "
-                                             "cgroup checks above", {"backend": name})
+        return Check(
+            "isolation backend",
+            FAIL,
+            f"choosing the backend failed: {e}",
+            "report this with `krex doctor --json`",
+        )
+    return Check(
+        "isolation backend",
+        OK if name == "cgroup" else WARN,
+        f"--isolation auto picks {name}: {reason}",
+        "" if name == "cgroup" else "the cgroup backend gives full isolation: see the cgroup checks above",
+        {"backend": name},
+    )
 
 
 # ------------------------------------------------------------------------------------- CLI
 
+
 def run_checks(gpu: bool = False, cgroup_root: str = "") -> list[Check]:
     from krex_async.node import doctor_kernel as k
 
-    checks = [*check_python(), check_uvloop(), *check_cgroups(cgroup_root),
-              check_backend(cgroup_root), *k.check_tracing(), *k.check_bpf(), *k.check_gpus(),
-              k.check_driver_lock()]
+    checks = [
+        *check_python(),
+        check_uvloop(),
+        *check_cgroups(cgroup_root),
+        check_backend(cgroup_root),
+        *k.check_tracing(),
+        *k.check_bpf(),
+        *k.check_gpus(),
+        k.check_driver_lock(),
+    ]
     if gpu:
         checks.append(k.check_cuda_context())
     return checks
@@ -335,13 +428,19 @@ def main(args: argparse.Namespace) -> int:
     checks = run_checks(gpu=args.gpu, cgroup_root=args.cgroup_root)
     full = full_isolation(checks)
     if args.json:
-        print(json.dumps({"full_isolation": full, "exit": 0 if full else 1,
-                          "checks": [asdict(c) for c in checks]}, indent=2))
+        print(
+            json.dumps(
+                {"full_isolation": full, "exit": 0 if full else 1, "checks": [asdict(c) for c in checks]},
+                indent=2,
+            )
+        )
     else:
         print(render(checks))
         missing = [c.name for c in checks if c.name in FULL_ISOLATION and c.verdict != OK]
-        print("\nregion policy with full isolation (cgroup backend, freezer, cpuset): "
-              + ("yes" if full else f"NO ({', '.join(missing)}: see above)"))
+        print(
+            "\nregion policy with full isolation (cgroup backend, freezer, cpuset): "
+            + ("yes" if full else f"NO ({', '.join(missing)}: see above)")
+        )
     return 0 if full else 1
 
 

@@ -24,20 +24,24 @@ MARK = "KREX-DOCTOR "
 def child(code: str, timeout: float, bcc_path: bool = False) -> dict[str, Any]:
     """Run `code` in a fresh interpreter; its `report(dict)` line is the result. On a timeout, a
     crash or no report: {"status": "error", "error": why}."""
-    prelude = ("import json, sys\n"
-               f"def report(d): print({MARK!r} + json.dumps(d), flush=True); sys.exit(0)\n")
+    prelude = f"import json, sys\ndef report(d): print({MARK!r} + json.dumps(d), flush=True); sys.exit(0)\n"
     env = dict(os.environ)
     if bcc_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), DIST_PACKAGES) if p)
     try:
-        p = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env,
-                           capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [sys.executable, "-c", prelude + textwrap.dedent(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return {"status": "error", "error": f"did not finish within {timeout:.0f} s"}
     for line in reversed(p.stdout.splitlines()):
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])  # type: ignore[no-any-return]
+            return json.loads(line[len(MARK) :])  # type: ignore[no-any-return]
     tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
     return {"status": "error", "error": f"exit {p.returncode}: {tail}"}
 
@@ -49,12 +53,24 @@ def _mounted(fstype: str) -> list[str]:
 def check_tracing() -> list[Check]:
     tr, dbg = _mounted("tracefs"), _mounted("debugfs")
     return [
-        Check("tracefs", OK if tr else WARN, f"mounted at {', '.join(tr)}" if tr else "not mounted "
-              "(bcc tracepoints and the tracefs probe backend need it)",
-              "" if tr else "mount -t tracefs nodev /sys/kernel/tracing", {"mounts": tr}),
-        Check("debugfs", OK if dbg else WARN, f"mounted at {', '.join(dbg)}" if dbg else
-              "not mounted (older tools look for /sys/kernel/debug/tracing)",
-              "" if dbg else "mount -t debugfs none /sys/kernel/debug", {"mounts": dbg}),
+        Check(
+            "tracefs",
+            OK if tr else WARN,
+            f"mounted at {', '.join(tr)}"
+            if tr
+            else "not mounted (bcc tracepoints and the tracefs probe backend need it)",
+            "" if tr else "mount -t tracefs nodev /sys/kernel/tracing",
+            {"mounts": tr},
+        ),
+        Check(
+            "debugfs",
+            OK if dbg else WARN,
+            f"mounted at {', '.join(dbg)}"
+            if dbg
+            else "not mounted (older tools look for /sys/kernel/debug/tracing)",
+            "" if dbg else "mount -t debugfs none /sys/kernel/debug",
+            {"mounts": dbg},
+        ),
     ]
 
 
@@ -68,7 +84,7 @@ def headers_release(build: str) -> str | None:
     except (OSError, IndexError):
         pass
     name = os.path.basename(os.path.realpath(build))  # /usr/src/linux-headers-<release>
-    return name[len("linux-headers-"):] if name.startswith("linux-headers-") else None
+    return name[len("linux-headers-") :] if name.startswith("linux-headers-") else None
 
 
 _BCC_IMPORT = """
@@ -105,43 +121,85 @@ def check_bpf(timeout: float = 60.0) -> list[Check]:
     if imp["status"] == "ok":
         out.append(Check("bcc", OK, f"bcc {imp['version']} ({imp['file']})", data=imp))
     else:
-        out.append(Check("bcc", WARN, f"not importable: {imp['error']} (probes are off without it)",
-                         f"apt-get install python3-bpfcc, then make {DIST_PACKAGES} visible to "
-                         "krex's interpreter (a .pth file in its site-packages)", imp))
+        out.append(
+            Check(
+                "bcc",
+                WARN,
+                f"not importable: {imp['error']} (probes are off without it)",
+                f"apt-get install python3-bpfcc, then make {DIST_PACKAGES} visible to "
+                "krex's interpreter (a .pth file in its site-packages)",
+                imp,
+            )
+        )
     release = os.uname().release
     build = f"/lib/modules/{release}/build"
     if not os.path.exists(build):
-        out.append(Check("kernel headers", WARN, f"{build} does not exist",
-                         f"apt-get install linux-headers-{release}; or, where none exist for this "
-                         "kernel, link build and source to the nearest linux-headers-* trees "
-                         "(tracepoint arguments and uprobes only)"))
+        out.append(
+            Check(
+                "kernel headers",
+                WARN,
+                f"{build} does not exist",
+                f"apt-get install linux-headers-{release}; or, where none exist for this "
+                "kernel, link build and source to the nearest linux-headers-* trees "
+                "(tracepoint arguments and uprobes only)",
+            )
+        )
     else:
         have = headers_release(build)
         if have == release:
             out.append(Check("kernel headers", OK, f"{build} matches the running kernel {release}"))
         else:
-            out.append(Check("kernel headers", WARN, f"{build} holds headers for {have or '?'}, the "
-                             f"kernel is {release}: programs compile, but only tracepoint arguments "
-                             "and uprobes are safe to use (krex's probes use nothing else)",
-                             f"install linux-headers-{release} if the distribution has them",
-                             {"headers": have, "kernel": release}))
+            out.append(
+                Check(
+                    "kernel headers",
+                    WARN,
+                    f"{build} holds headers for {have or '?'}, the "
+                    f"kernel is {release}: programs compile, but only tracepoint arguments "
+                    "and uprobes are safe to use (krex's probes use nothing else)",
+                    f"install linux-headers-{release} if the distribution has them",
+                    {"headers": have, "kernel": release},
+                )
+            )
     if imp["status"] != "ok":
         out.append(Check("bpf program", WARN, "not tried: bcc is not importable", "see `bcc`"))
         return out
     if os.geteuid() != 0:
-        out.append(Check("bpf program", WARN, "not tried: loading BPF needs root (CAP_BPF)",
-                         "run krex doctor as root"))
+        out.append(
+            Check(
+                "bpf program", WARN, "not tried: loading BPF needs root (CAP_BPF)", "run krex doctor as root"
+            )
+        )
         return out
     r = child(_BPF_LOAD, timeout, bcc_path=True)
     if r["status"] == "ok" and r["hits"] >= 3:
-        out.append(Check("bpf program", OK, f"a tracepoint program compiled in {r['compile_s']:.2f} s"
-                                            f" and counted {r['hits']} events", data=r))
+        out.append(
+            Check(
+                "bpf program",
+                OK,
+                f"a tracepoint program compiled in {r['compile_s']:.2f} s and counted {r['hits']} events",
+                data=r,
+            )
+        )
     elif r["status"] == "ok":
-        out.append(Check("bpf program", FAIL, f"loaded, but counted {r['hits']} of 3 events",
-                         "report the kernel version and `krex doctor --json`", r))
+        out.append(
+            Check(
+                "bpf program",
+                FAIL,
+                f"loaded, but counted {r['hits']} of 3 events",
+                "report the kernel version and `krex doctor --json`",
+                r,
+            )
+        )
     else:
-        out.append(Check("bpf program", FAIL, f"did not load: {r['error']}",
-                         "check kernel headers (above) and that tracefs is mounted", r))
+        out.append(
+            Check(
+                "bpf program",
+                FAIL,
+                f"did not load: {r['error']}",
+                "check kernel headers (above) and that tracefs is mounted",
+                r,
+            )
+        )
     return out
 
 
@@ -196,18 +254,30 @@ def check_gpus() -> list[Check]:
         r = child(code, 30)
         if r["status"] == "ok" and r["gpus"]:
             names = "; ".join(f"{g['index']}: {g['name']}" for g in r["gpus"])
-            out.append(Check(name, OK, f"driver {r['driver']}, {len(r['gpus'])} GPU(s): {names}",
-                             data=r))
+            out.append(Check(name, OK, f"driver {r['driver']}, {len(r['gpus'])} GPU(s): {names}", data=r))
         elif r["status"] == "ok":
             out.append(Check(name, WARN, f"driver {r['driver']} but no GPU", "", r))
         elif r["status"] == "missing":
             out.append(Check(name, WARN, f"{pkg} is not installed", f"pip install {pkg}", r))
         else:
-            out.append(Check(name, WARN, f"unavailable: {r['error']}",
-                             "none needed on a node without such GPUs; else install the driver", r))
+            out.append(
+                Check(
+                    name,
+                    WARN,
+                    f"unavailable: {r['error']}",
+                    "none needed on a node without such GPUs; else install the driver",
+                    r,
+                )
+            )
     if not any(c.verdict == OK for c in out):
-        out.append(Check("devices", WARN, "no GPU found: commands run on the `cpu` device",
-                         "none needed on a CPU-only node"))
+        out.append(
+            Check(
+                "devices",
+                WARN,
+                "no GPU found: commands run on the `cpu` device",
+                "none needed on a CPU-only node",
+            )
+        )
     return out
 
 
@@ -248,10 +318,14 @@ def check_cuda_context(timeout: float = 120.0) -> Check:
     if r["status"] != "ok":
         return Check("cuda context", FAIL, r["error"], "check `nvidia-smi`", r)
     slow = r["total_s"] > 1.0
-    return Check("cuda context", WARN if slow else OK,
-                 f"{r['total_s']:.2f} s per fresh process (cuInit {r['init_s']:.2f} s, context and "
-                 f"1 MiB {r['context_s']:.2f} s)" + ("; slow: the ctxpool hides this" if slow else ""),
-                 "", r)
+    return Check(
+        "cuda context",
+        WARN if slow else OK,
+        f"{r['total_s']:.2f} s per fresh process (cuInit {r['init_s']:.2f} s, context and "
+        f"1 MiB {r['context_s']:.2f} s)" + ("; slow: the ctxpool hides this" if slow else ""),
+        "",
+        r,
+    )
 
 
 _LOCK = """
@@ -267,18 +341,33 @@ def check_driver_lock(timeout: float = 60.0) -> Check:
     """Whether `--hold lock|auto` can lock siblings through the CUDA driver here, and why not."""
     r = child(_LOCK, timeout)
     if r["status"] == "ok":
-        return Check("driver lock", OK, f"cuCheckpointProcessLock in {r['library']} (driver API "
-                     f"{r['driver_version']}): --hold auto locks CUDA siblings", data=r)
+        return Check(
+            "driver lock",
+            OK,
+            f"cuCheckpointProcessLock in {r['library']} (driver API "
+            f"{r['driver_version']}): --hold auto locks CUDA siblings",
+            data=r,
+        )
     why = r["error"]
     if "cannot load" in why:
         fix = "none needed on a node without NVIDIA GPUs (regions freeze siblings)"
     elif "predates" in why:
-        fix = ("update the NVIDIA driver (the checkpoint API came with CUDA 12.8, driver 570); "
-               "meanwhile regions freeze siblings")
+        fix = (
+            "update the NVIDIA driver (the checkpoint API came with CUDA 12.8, driver 570); "
+            "meanwhile regions freeze siblings"
+        )
     else:
         fix = "check `nvidia-smi`; meanwhile regions freeze siblings"
     return Check("driver lock", WARN, f"unavailable: {why}", fix, r)
 
 
-__all__ = ["check_bpf", "check_cuda_context", "check_driver_lock", "check_gpus", "check_tracing",
-           "child", "headers_release", "FAIL"]
+__all__ = [
+    "check_bpf",
+    "check_cuda_context",
+    "check_driver_lock",
+    "check_gpus",
+    "check_tracing",
+    "child",
+    "headers_release",
+    "FAIL",
+]

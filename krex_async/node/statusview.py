@@ -27,10 +27,17 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
     s.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     s.add_argument("--json", action="store_true", help="the daemon's whole status tree as JSON")
-    s.add_argument("--all", action="store_true",
-                   help="also the commands of an earlier daemon (reported lost)")
-    s.add_argument("--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
-                   help="redraw every SECONDS (default 2) until Ctrl-C")
+    s.add_argument(
+        "--all", action="store_true", help="also the commands of an earlier daemon (reported lost)"
+    )
+    s.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=_seconds,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )
 
 
 async def status(args: argparse.Namespace) -> int:
@@ -100,7 +107,7 @@ def _ms(seconds: float | None) -> str:
 
 def _fit(line: str) -> str:
     """A table row cut to WIDTH (its last column, the command line, is what gets cut)."""
-    return line if len(line) <= WIDTH else line[:WIDTH - 1] + "…"
+    return line if len(line) <= WIDTH else line[: WIDTH - 1] + "…"
 
 
 def _wrap(line: str) -> str:
@@ -134,24 +141,34 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
     head: list[str] = []
     iso = st["isolation"]
     ver = f"krex {st['version']}  " if st.get("version") else ""
-    head.append(f"{ver}daemon pid {st.get('pid', '?')}  policy {st['policy']}  freeze {st['freeze']}  "
-                f"region cores {st['region_cores']}")
+    head.append(
+        f"{ver}daemon pid {st.get('pid', '?')}  policy {st['policy']}  freeze {st['freeze']}  "
+        f"region cores {st['region_cores']}"
+    )
     head.append(f"isolation {iso['backend']}: {iso['reason']}")
     if "hold" in st:  # a daemon from before the driver lock has no such key
         ho = st["hold"]
-        head.append(f"hold {ho['mode']}: driver lock " + (
-            "available" if ho["lock_available"] else "unavailable") + f" ({ho['reason']})")
+        head.append(
+            f"hold {ho['mode']}: driver lock "
+            + ("available" if ho["lock_available"] else "unavailable")
+            + f" ({ho['reason']})"
+        )
         for key, dv in ho.get("devices", {}).items():
             head.append(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({dv['why']})" if dv["why"] else ""))
     if "probes" in st:  # a daemon from before probes were reported has no such key
         pr = st["probes"]
-        head.append(f"probes {pr['state']}" + (f" {pr['backend']}" if pr.get("backend") else "")
-                    + (f" ({pr['reason']})" if pr.get("reason") else ""))
+        head.append(
+            f"probes {pr['state']}"
+            + (f" {pr['backend']}" if pr.get("backend") else "")
+            + (f" ({pr['reason']})" if pr.get("reason") else "")
+        )
         la = pr.get("launches")
         if la:
-            head.append(f"launch uprobes: scope {la['scope']}" + (
-                f", {la['watched']} processes probed" if "watched" in la else "")
-                + (f" on {', '.join(la['libraries'])}" if la.get("libraries") else ""))
+            head.append(
+                f"launch uprobes: scope {la['scope']}"
+                + (f", {la['watched']} processes probed" if "watched" in la else "")
+                + (f" on {', '.join(la['libraries'])}" if la.get("libraries") else "")
+            )
     out = [_wrap(x) for x in head] + [""]
     out.append(f"{'DEVICE':<9} {'NAME':<14} {'MEM USED/TOTAL':<15} {'UTIL':>5} {'CMDS':>4}  REGION")
     for d in st["devices"]:
@@ -161,8 +178,10 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         r = d["region"]
         held = "-" if r is None else f"{r['name']!r} by {r['command']} ({r['state']})"
         name = str(d.get("name") or d["vendor"])[:14]
-        out.append(f"{d['key']:<9} {name:<14} {mem:<15} "
-                   f"{'-' if util is None else f'{util:.0f}%':>5} {len(d['commands']):>4}  {held}")
+        out.append(
+            f"{d['key']:<9} {name:<14} {mem:<15} "
+            f"{'-' if util is None else f'{util:.0f}%':>5} {len(d['commands']):>4}  {held}"
+        )
         if r is not None or d["queued"]:  # the region's holds on a line of their own
             holds = f"holds {_holds(r)}, cores {r['cores']}" if r is not None else ""
             queued = f"queued: {', '.join(d['queued'])}" if d["queued"] else ""
@@ -173,27 +192,33 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         for key, p in st["pools"].items():
             lat = p.get("start_latency_s") or {}
             err = p["last_error"].strip().splitlines()[-1] if p.get("last_error") else ""
-            out.append(f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
-                       f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
-                       + ("  (paused)" if p.get("paused") else "")
-                       + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
-                       + (f"  last error: {err}" if err else ""))
+            out.append(
+                f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
+                f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
+                + ("  (paused)" if p.get("paused") else "")
+                + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
+                + (f"  last error: {err}" if err else "")
+            )
     boot = str(st.get("boot") or "")
     rows = st["commands"]
     earlier = [c for c in rows if _earlier(c, boot)]
     if not show_all:
         rows = [c for c in rows if not _earlier(c, boot)]
     out.append("")
-    out.append(f"{'COMMAND':<13} {'STATE':<9} {'DEVICE':<8} {'PID':<8} {'AGE':>7} {'START':>7} "
-               f"{'RSS':>6} {'FROZEN':<6} LABEL: ARGV")
+    out.append(
+        f"{'COMMAND':<13} {'STATE':<9} {'DEVICE':<8} {'PID':<8} {'AGE':>7} {'START':>7} "
+        f"{'RSS':>6} {'FROZEN':<6} LABEL: ARGV"
+    )
     for c in rows:
         state = c["result"] if c["state"] == "ended" else c["state"]
         what = " ".join(c["argv"])
         if c.get("label"):
             what = f"{c['label']}: {what}"
-        out.append(f"{c['command']:<13} {state:<9} {c['device']:<8} {c['pid'] or '-'!s:<8} "
-                   f"{age(c['age_s']):>7} {_ms(c.get('start_latency_s')):>7} "
-                   f"{size(c.get('rss_bytes')):>6} {'yes' if c['frozen'] else 'no':<6} {what}")
+        out.append(
+            f"{c['command']:<13} {state:<9} {c['device']:<8} {c['pid'] or '-'!s:<8} "
+            f"{age(c['age_s']):>7} {_ms(c.get('start_latency_s')):>7} "
+            f"{size(c.get('rss_bytes')):>6} {'yes' if c['frozen'] else 'no':<6} {what}"
+        )
     if not rows:
         out.append("(no commands)")
     if earlier and not show_all:

@@ -31,17 +31,41 @@ def add_parser(sub: Any) -> None:
     t = sub.add_parser("trace", help="live stream of regions, freezes and probe events (strays marked)")
     t.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     t.add_argument("--json", action="store_true", help="one JSON object a line")
-    t.add_argument("--no-probes", action="store_true",
-                   help="no plain probe events (regions, freezes, commands and strays only)")
-    t.add_argument("--command", action="append", default=[], metavar="ID",
-                   help="only events of this command (repeatable)")
-    t.add_argument("--pid", action="append", type=int, default=[], metavar="N",
-                   help="only events of this process (repeatable)")
-    t.add_argument("--device", action="append", default=[], metavar="KEY",
-                   help="only events on this device, e.g. cpu, nvidia0 (repeatable)")
-    t.add_argument("--kind", action="append", default=[], metavar="K[,K]",
-                   help="only these kinds: command_start, command_end, region_queued, "
-                        "region_grant, region_release, freeze, thaw, probe, stray, ...")
+    t.add_argument(
+        "--no-probes",
+        action="store_true",
+        help="no plain probe events (regions, freezes, commands and strays only)",
+    )
+    t.add_argument(
+        "--command",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="only events of this command (repeatable)",
+    )
+    t.add_argument(
+        "--pid",
+        action="append",
+        type=int,
+        default=[],
+        metavar="N",
+        help="only events of this process (repeatable)",
+    )
+    t.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="only events on this device, e.g. cpu, nvidia0 (repeatable)",
+    )
+    t.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        metavar="K[,K]",
+        help="only these kinds: command_start, command_end, region_queued, "
+        "region_grant, region_release, freeze, thaw, probe, stray, ...",
+    )
 
 
 def wanted(ev: Any, args: argparse.Namespace) -> bool:
@@ -51,8 +75,11 @@ def wanted(ev: Any, args: argparse.Namespace) -> bool:
         return False
     if kinds and ev.kind not in kinds:
         return False
-    if args.command and ev.command not in args.command and \
-            str(ev.detail.get("owner", "")) not in args.command:
+    if (
+        args.command
+        and ev.command not in args.command
+        and str(ev.detail.get("owner", "")) not in args.command
+    ):
         return False
     if args.pid and ev.pid not in args.pid:
         return False
@@ -65,8 +92,9 @@ def _value(key: str, v: Any) -> str:
             return f"{v * 1e3:.3f}ms"
         return f"{v:.4g}"
     if isinstance(v, list):  # ids, or held commands as {"command", "mode"}: shown id:mode
-        items = [f"{x.get('command', '?')}:{x.get('mode', '?')}" if isinstance(x, dict) else str(x)
-                 for x in v[:8]]
+        items = [
+            f"{x.get('command', '?')}:{x.get('mode', '?')}" if isinstance(x, dict) else str(x) for x in v[:8]
+        ]
         return ",".join(items) + (f",+{len(v) - 8}" if len(v) > 8 else "") or "-"
     if isinstance(v, dict):
         return ",".join(f"{k}:{x}" for k, x in list(v.items())[:8]) or "-"
@@ -86,10 +114,15 @@ def line(ev: Any) -> str:
         detail.pop("request", None)
         if detail.get("tid") == ev.pid:
             detail.pop("tid")
-    parts += [f"{k}={_value(k, v)}" for k, v in detail.items()
-              if k not in _HIDDEN and v != "" and not (isinstance(v, float) and v == 0.0)]
-    return (f"{when:<12} {kind[:14]:<14} {ev.device or '-':<8} {ev.command or '-':<12} "
-            f"{ev.pid or '-'!s:>7} {ev.region or '-':<12} {' '.join(parts)}")
+    parts += [
+        f"{k}={_value(k, v)}"
+        for k, v in detail.items()
+        if k not in _HIDDEN and v != "" and not (isinstance(v, float) and v == 0.0)
+    ]
+    return (
+        f"{when:<12} {kind[:14]:<14} {ev.device or '-':<8} {ev.command or '-':<12} "
+        f"{ev.pid or '-'!s:>7} {ev.region or '-':<12} {' '.join(parts)}"
+    )
 
 
 def as_json(ev: Any) -> str:
@@ -121,6 +154,5 @@ async def trace(args: argparse.Namespace) -> int:
         except KrexError as e:
             print(f"krex trace: {e.message}", file=sys.stderr)
             return 1
-    print(f"krex trace: the daemon at {client.path} closed the connection (it stopped)",
-          file=sys.stderr)
+    print(f"krex trace: the daemon at {client.path} closed the connection (it stopped)", file=sys.stderr)
     return 1

@@ -31,6 +31,7 @@ MODES = ("auto", "ioctl", "launches", "tracefs", "off")
 def wall_time(ts_ns: int) -> float:
     """A ProbeEvent's CLOCK_MONOTONIC ts_ns as unix seconds (for trace records and timelines)."""
     import time
+
     return time.time() - (time.monotonic_ns() - ts_ns) / 1e9
 
 
@@ -50,8 +51,9 @@ class CombinedProbe(FailureReporting, ProbeBackend):
         self.name = "+".join(p.name for p in parts)
         self.open_errors = 0
 
-    def _with_opens(self, on_events: Callable[[list[ProbeEvent]], None]
-                    ) -> Callable[[list[ProbeEvent]], None]:
+    def _with_opens(
+        self, on_events: Callable[[list[ProbeEvent]], None]
+    ) -> Callable[[list[ProbeEvent]], None]:
         """on_events, first handing "open" tgids to the parts that want them (none: unchanged)."""
         listeners = [p for p in self.parts if getattr(p, "wants_opens", False)]
         if not listeners:
@@ -69,8 +71,7 @@ class CombinedProbe(FailureReporting, ProbeBackend):
 
         return deliver
 
-    def start(self, loop: asyncio.AbstractEventLoop,
-              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]) -> None:
         running = []
         deliver = self._with_opens(on_events)
         for i, p in enumerate(self.parts):
@@ -117,9 +118,9 @@ class CombinedProbe(FailureReporting, ProbeBackend):
 def bcc_works() -> tuple[bool, str]:
     """Whether a BPF tracepoint program compiles and loads here (about 0.3 s), and why not."""
     from krex_async.probes import _bcc
+
     try:
-        bpf = _bcc.compile_bpf("TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) { return 0; }",
-                               "bcc check")
+        bpf = _bcc.compile_bpf("TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) { return 0; }", "bcc check")
     except ProbeUnavailable as e:
         return False, str(e)
     bpf.cleanup()
@@ -131,6 +132,7 @@ def tracefs_works() -> tuple[bool, str]:
     import os
 
     from krex_async.probes.tracefs import EVENT, tracefs_root
+
     try:
         root = tracefs_root()
     except ProbeUnavailable as e:
@@ -142,10 +144,13 @@ def tracefs_works() -> tuple[bool, str]:
     return True, f"tracefs at {root}"
 
 
-def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
-                launch_libs: list[str] | None = None, launch_scope: str = "outsiders",
-                is_command: Callable[[int], bool] | None = None,
-                ) -> tuple[ProbeBackend | None, str]:
+def open_probes(
+    mode: str = "auto",
+    prefixes: list[str] | None = None,
+    launch_libs: list[str] | None = None,
+    launch_scope: str = "outsiders",
+    is_command: Callable[[int], bool] | None = None,
+) -> tuple[ProbeBackend | None, str]:
     """Choose a probe backend for `mode` and say which and why, in one line.
 
     `launch_scope` and `is_command` go to the launch probe (launches.py: with "outsiders",
@@ -169,21 +174,24 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
     where = ",".join(pre)
     if mode == "tracefs":
         ok, why = tracefs_works()
-        return (TracefsProbe(pre), f"probes: tracefs on {where} ({why})") if ok else \
-            (None, f"probes: none (tracefs requested, unavailable: {why})")
+        return (
+            (TracefsProbe(pre), f"probes: tracefs on {where} ({why})")
+            if ok
+            else (None, f"probes: none (tracefs requested, unavailable: {why})")
+        )
     ok, why = bcc_works()
     if ok:
         ioctl = IoctlProbe(pre)
         if mode == "launches" or (mode == "auto" and launch_libs):
             libs = find_libraries(launch_libs)
-            found = ("on " + ", ".join(libs)) if libs else \
-                "none found yet: /proc/*/maps rescanned every 5 s"
-            who = "per process, outside krex's commands" if launch_scope == "outsiders" else \
-                "every process"
+            found = ("on " + ", ".join(libs)) if libs else "none found yet: /proc/*/maps rescanned every 5 s"
+            who = "per process, outside krex's commands" if launch_scope == "outsiders" else "every process"
             launch = LaunchProbe(launch_libs, scope=launch_scope, is_command=is_command)
-            return (CombinedProbe(ioctl, launch),
-                    f"probes: bcc ioctl on {where} + launch uprobes (scope {launch_scope}: {who}; "
-                    f"{found}) ({why})")
+            return (
+                CombinedProbe(ioctl, launch),
+                f"probes: bcc ioctl on {where} + launch uprobes (scope {launch_scope}: {who}; "
+                f"{found}) ({why})",
+            )
         return ioctl, f"probes: bcc ioctl on {where} ({why})"
     if mode != "auto":
         return None, f"probes: none ({mode} requested, bcc unavailable: {why})"
@@ -193,5 +201,13 @@ def open_probes(mode: str = "auto", prefixes: list[str] | None = None,
     return None, f"probes: none (bcc unavailable: {why}; tracefs unavailable: {why2})"
 
 
-__all__ = ["CombinedProbe", "FailureReporting", "MODES", "ProbeBackend", "ProbeEvent", "ProbeUnavailable",
-           "open_probes", "wall_time"]
+__all__ = [
+    "CombinedProbe",
+    "FailureReporting",
+    "MODES",
+    "ProbeBackend",
+    "ProbeEvent",
+    "ProbeUnavailable",
+    "open_probes",
+    "wall_time",
+]

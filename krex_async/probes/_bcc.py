@@ -40,6 +40,7 @@ def import_bcc() -> ModuleType:
     """Return the `bcc` module. Raises ProbeUnavailable (with the reason) when it cannot be imported."""
     try:
         import bcc  # type: ignore[import-not-found]
+
         return bcc
     except ImportError as e:
         first = e
@@ -49,7 +50,8 @@ def import_bcc() -> ModuleType:
         raise ProbeUnavailable(f"bcc not installed ({first}); run .ci/install-bcc.sh")
     try:
         spec = importlib.util.spec_from_file_location(
-            "bcc", DEBIAN_BCC, submodule_search_locations=[os.path.dirname(DEBIAN_BCC)])
+            "bcc", DEBIAN_BCC, submodule_search_locations=[os.path.dirname(DEBIAN_BCC)]
+        )
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules["bcc"] = mod
@@ -81,10 +83,12 @@ def detach_all(bpf: Any) -> None:
     """Detach every program of a loaded BPF object from its attach points (tracepoints, uprobes,
     kprobes), keeping its maps and ring buffer readable. Best effort: an attach point that
     cannot be detached is left for bpf.cleanup()."""
-    for fds, detach in ((bpf.tracepoint_fds, bpf.detach_tracepoint),
-                        (bpf.uprobe_fds, bpf.detach_uprobe_event),
-                        (bpf.kprobe_fds, bpf.detach_kprobe_event),
-                        (bpf.raw_tracepoint_fds, bpf.detach_raw_tracepoint)):
+    for fds, detach in (
+        (bpf.tracepoint_fds, bpf.detach_tracepoint),
+        (bpf.uprobe_fds, bpf.detach_uprobe_event),
+        (bpf.kprobe_fds, bpf.detach_kprobe_event),
+        (bpf.raw_tracepoint_fds, bpf.detach_raw_tracepoint),
+    ):
         for k in list(fds):
             try:
                 detach(k)
@@ -129,9 +133,14 @@ class CountMap:
         k_size, v_size = ct.sizeof(self._keys._type_), 8
         while total < self.size:
             count.value = self.size - total
-            res = self._batch(self.fd, ct.byref(token) if total else None, ct.byref(token),
-                              ct.byref(self._keys, k_size * total),
-                              ct.byref(self._values, v_size * total), ct.byref(count))
+            res = self._batch(
+                self.fd,
+                ct.byref(token) if total else None,
+                ct.byref(token),
+                ct.byref(self._keys, k_size * total),
+                ct.byref(self._values, v_size * total),
+                ct.byref(count),
+            )
             err = ct.get_errno()
             total += count.value
             if res == 0:
@@ -177,8 +186,7 @@ class MmapRing:
         self.size, self.page = size, page
         self.cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
-                                  offset=page)
+            self.prod = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
         except BaseException:
             self.cons.close()
             raise
@@ -204,7 +212,7 @@ class MmapRing:
                 break
             n = ln & ~(busy | discard)
             if not ln & discard:
-                out.append(data[off + 8:off + 8 + n])
+                out.append(data[off + 8 : off + 8 + n])
             cons += (n + 8 + 7) & ~7
         self._cons_q[0] = cons
         return out
@@ -232,10 +240,18 @@ class RingPoller:
     records delivered), then releases everything (bpf.cleanup()).
     """
 
-    def __init__(self, bpf: Any, ringbuf: str, decode: Callable[[bytes], ProbeEvent | None],
-                 name: str, tick: Callable[[], None] | None = None, tick_s: float = 1.0,
-                 interval_s: float = 0.01, ring_bytes: int = 0,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        bpf: Any,
+        ringbuf: str,
+        decode: Callable[[bytes], ProbeEvent | None],
+        name: str,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 1.0,
+        interval_s: float = 0.01,
+        ring_bytes: int = 0,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self.bpf = bpf
         self._decode = decode
         self._tick = tick
@@ -289,8 +305,7 @@ class RingPoller:
         """Bytes waiting in the ring (mmap reader only; None with bcc's reader)."""
         return self._mm.pending() if self._mm is not None else None
 
-    def start(self, loop: asyncio.AbstractEventLoop,
-              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]) -> None:
         """Start the drain thread. Decode and upkeep errors are survived (counted, kept in
         `error`); anything else (reading the ring failing, a closed mapping) ends the thread: the
         reason goes to `on_failure`, called once on this thread, and `error` keeps it."""
@@ -306,6 +321,7 @@ class RingPoller:
 
         def run() -> None:
             from krex_async.probes.failure import name_thread
+
             name_thread(f"krex-probe-{self._name}"[:15])
             next_tick = time.monotonic() + self._tick_s
             try:

@@ -35,8 +35,7 @@ class ProbeBackend(abc.ABC):
     name: str = "?"
 
     @abc.abstractmethod
-    def start(self, loop: asyncio.AbstractEventLoop,
-              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]) -> None:
         """Load and attach; start polling on a thread. Raises ProbeUnavailable."""
 
     @abc.abstractmethod

@@ -347,20 +347,27 @@ def _slot_setters(cls: type, names: Iterable[str]) -> list[Callable[[Any, Any], 
     return out
 
 
-_SET = _slot_setters(BccEvent, ("ts_ns", "tgid", "tid", "kind", "fd", "request", "name", "comm",
-                                "cgroup"))
+_SET = _slot_setters(BccEvent, ("ts_ns", "tgid", "tid", "kind", "fd", "request", "name", "comm", "cgroup"))
 _NEW = object.__new__
 
 
-def bcc_event(ts: int, tgid: int, tid: int, kind: str, fd: int, request: int, name: str,
-              comm: str, cgroup: int) -> BccEvent:
+def bcc_event(
+    ts: int, tgid: int, tid: int, kind: str, fd: int, request: int, name: str, comm: str, cgroup: int
+) -> BccEvent:
     """BccEvent(...) at half the cost: the reader builds one per record (100k/s and more), and a
     frozen dataclass's __init__ goes through object.__setattr__ per field; the slot descriptors
     set the same fields directly. Equal to the constructor's result (tests/probes/test_bpf_ioctl)."""
     ev = _NEW(BccEvent)
     s0, s1, s2, s3, s4, s5, s6, s7, s8 = _SET
-    s0(ev, ts); s1(ev, tgid); s2(ev, tid); s3(ev, kind); s4(ev, fd)  # noqa: E702
-    s5(ev, request); s6(ev, name); s7(ev, comm); s8(ev, cgroup)  # noqa: E702
+    s0(ev, ts)
+    s1(ev, tgid)
+    s2(ev, tid)
+    s3(ev, kind)
+    s4(ev, fd)
+    s5(ev, request)
+    s6(ev, name)
+    s7(ev, comm)
+    s8(ev, cgroup)
     return ev
 
 
@@ -375,7 +382,7 @@ def match_expr(prefixes: Iterable[str]) -> str:
         raw = p.encode()
         parts = []
         for j in range(0, len(raw), 8):
-            chunk = raw[j:j + 8]
+            chunk = raw[j : j + 8]
             val = int.from_bytes(chunk.ljust(8, b"\0"), "little")
             mask = int.from_bytes(b"\xff" * len(chunk) + b"\0" * (8 - len(chunk)), "little")
             parts.append(f"(((w)[{j // 8}] ^ 0x{val:016x}ULL) & 0x{mask:016x}ULL)")
@@ -403,27 +410,36 @@ def tracepoint_exists(category: str, event: str) -> bool:
             return True  # bcc looks under debugfs only: tracefs may be mounted without it
     except ProbeUnavailable:
         pass
-    return any(os.path.isdir(f"{root}/events/{category}/{event}")
-           for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
+    return any(
+        os.path.isdir(f"{root}/events/{category}/{event}")
+        for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+    )
 
 
 RING_PAGES = 4096  # 16 MiB: 2.6 s of 100k events/s while the reader is starved of CPU
 
 
-def bpf_text(prefixes: Iterable[str] = DEFAULT_PREFIXES, ring_pages: int = RING_PAGES,
-             stream: bool = True) -> str:
+def bpf_text(
+    prefixes: Iterable[str] = DEFAULT_PREFIXES, ring_pages: int = RING_PAGES, stream: bool = True
+) -> str:
     """The BPF program for these prefixes. ring_pages must be a power of two (4 KiB pages)."""
     prefixes = check_prefixes(prefixes)
     if ring_pages < 1 or ring_pages & (ring_pages - 1):
         raise ValueError(f"ring_pages must be a power of two, got {ring_pages}")
-    both = lambda n: (tracepoint_exists("syscalls", f"sys_enter_{n}")  # noqa: E731
-                      and tracepoint_exists("syscalls", f"sys_exit_{n}"))
-    return (BPF_TEXT.replace("__PATH_LEN__", str(PATH_LEN))
-            .replace("__RING_PAGES__", str(ring_pages))
-            .replace("__STREAM__", "1" if stream else "0")
-            .replace("__MATCH__", match_expr(prefixes))
-            .replace("__OPENAT2__", _OPENAT2 if both("openat2") else "")
-            .replace("__OPEN__", _OPEN if both("open") else ""))
+
+    def both(n: str) -> bool:
+        return tracepoint_exists("syscalls", f"sys_enter_{n}") and tracepoint_exists(
+            "syscalls", f"sys_exit_{n}"
+        )
+
+    return (
+        BPF_TEXT.replace("__PATH_LEN__", str(PATH_LEN))
+        .replace("__RING_PAGES__", str(ring_pages))
+        .replace("__STREAM__", "1" if stream else "0")
+        .replace("__MATCH__", match_expr(prefixes))
+        .replace("__OPENAT2__", _OPENAT2 if both("openat2") else "")
+        .replace("__OPEN__", _OPEN if both("open") else "")
+    )
 
 
 def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
@@ -475,8 +491,14 @@ class IoctlProbe(FailureReporting, ProbeBackend):
 
     name = "bcc-ioctl"
 
-    def __init__(self, prefixes: Iterable[str] | None = None, ring_pages: int = RING_PAGES,
-                 stream: bool = True, rescan_s: float = 5.0, mmap_reader: bool = True) -> None:
+    def __init__(
+        self,
+        prefixes: Iterable[str] | None = None,
+        ring_pages: int = RING_PAGES,
+        stream: bool = True,
+        rescan_s: float = 5.0,
+        mmap_reader: bool = True,
+    ) -> None:
         self.prefixes = check_prefixes(prefixes if prefixes is not None else DEFAULT_PREFIXES)
         self.ring_pages = ring_pages
         self.stream = stream
@@ -496,8 +518,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
     def text(self) -> str:
         return bpf_text(self.prefixes, self.ring_pages, self.stream)
 
-    def start(self, loop: asyncio.AbstractEventLoop,
-              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]) -> None:
         bpf = _bcc.compile_bpf(self.text(), self.name)
         try:
             self._bpf = bpf
@@ -505,10 +526,16 @@ class IoctlProbe(FailureReporting, ProbeBackend):
             self._cg_counts = _bcc.CountMap(bpf[b"cg_counts"], ct.c_uint64)
             self.seed()
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
-            self._poller = _bcc.RingPoller(bpf, "events", self._decode, self.name,
-                                           tick=self._upkeep, tick_s=self.rescan_s or 3600.0,
-                                           ring_bytes=ring_bytes,
-                                           on_failure=lambda why: self._failed(loop, why))
+            self._poller = _bcc.RingPoller(
+                bpf,
+                "events",
+                self._decode,
+                self.name,
+                tick=self._upkeep,
+                tick_s=self.rescan_s or 3600.0,
+                ring_bytes=ring_bytes,
+                on_failure=lambda why: self._failed(loop, why),
+            )
             self._poller.start(loop, on_events)
         except Exception as e:
             bpf.cleanup()
@@ -543,7 +570,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         for tgid, fd, path in scan_proc(self.prefixes):
             key = table.Key(tgid, fd)
             leaf = table.Leaf()
-            leaf.s = path.encode()[:PATH_LEN - 1]
+            leaf.s = path.encode()[: PATH_LEN - 1]
             leaf.ts = start
             leaf.cloexec = fd_cloexec(tgid, fd)
             table[key] = leaf
@@ -588,6 +615,7 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         that runs a command per cgroup would fill it in a day, after which new cgroups would go
         uncounted. A cgroup v2 id is its directory's inode number, never reused."""
         from krex_async.isolation.cgroupfs import cgroup_mounts
+
         v2, _ = cgroup_mounts()
         if v2 is None:
             return
@@ -672,9 +700,11 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
+
         def show(batch: list[ProbeEvent]) -> None:
             for ev in batch:
                 print(ev, flush=True)
+
         probe.start(loop, show)
         try:
             await asyncio.Event().wait()

@@ -69,14 +69,16 @@ def _mapped(text: str, names: tuple[str, ...], inodes: Inodes) -> list[str]:
         path = parts[5]
         if not path.startswith("/") or path.endswith(" (deleted)"):
             continue
-        if (names and os.path.basename(path).startswith(names)) or \
-                (inodes and (parts[3], int(parts[4])) in inodes):
+        if (names and os.path.basename(path).startswith(names)) or (
+            inodes and (parts[3], int(parts[4])) in inodes
+        ):
             found.add(path)
     return sorted(found)
 
 
-def maps_libraries(tgid: int, names: Iterable[str], inodes: Inodes = frozenset(),
-                   proc: str = "/proc") -> list[str]:
+def maps_libraries(
+    tgid: int, names: Iterable[str], inodes: Inodes = frozenset(), proc: str = "/proc"
+) -> list[str]:
     """The launch libraries process `tgid` maps now (paths as it sees them); [] when it maps none
     or is gone."""
     try:
@@ -87,8 +89,9 @@ def maps_libraries(tgid: int, names: Iterable[str], inodes: Inodes = frozenset()
     return _mapped(text, tuple(names), inodes)
 
 
-def scan_processes(names: Iterable[str], inodes: Inodes = frozenset(),
-                   proc: str = "/proc") -> dict[int, list[str]]:
+def scan_processes(
+    names: Iterable[str], inodes: Inodes = frozenset(), proc: str = "/proc"
+) -> dict[int, list[str]]:
     """Every process that maps a launch library: {tgid: libraries}. Reads each /proc/<pid>/maps
     once (tens of ms on a busy host); processes that vanish meanwhile are left out."""
     names = tuple(names)
@@ -214,8 +217,12 @@ class ProcessUprobes:
             for name, addr in self._table(tgid, path):
                 before = set(self.bpf.uprobe_fds)
                 try:
-                    self.bpf.attach_uprobe(name=path.encode(), addr=addr, pid=tgid,
-                                           fn_name=f"on_sym_{self.symbols.index(name)}".encode())
+                    self.bpf.attach_uprobe(
+                        name=path.encode(),
+                        addr=addr,
+                        pid=tgid,
+                        fn_name=f"on_sym_{self.symbols.index(name)}".encode(),
+                    )
                 except Exception as e:
                     self.attach_failures += 1
                     self.last_error = f"pid {tgid} {path} {name}: {e}"
@@ -283,9 +290,16 @@ class Outsiders:
     `attached` ({library: symbols}, the LaunchProbe's) is filled with what gets probed.
     """
 
-    def __init__(self, bpf: Any, symbols: tuple[str, ...], names: tuple[str, ...], inodes: Inodes,
-                 is_command: Callable[[int], bool] | None, rescan_s: float,
-                 attached: dict[str, list[str]]) -> None:
+    def __init__(
+        self,
+        bpf: Any,
+        symbols: tuple[str, ...],
+        names: tuple[str, ...],
+        inodes: Inodes,
+        is_command: Callable[[int], bool] | None,
+        rescan_s: float,
+        attached: dict[str, list[str]],
+    ) -> None:
         self.procs = ProcessUprobes(bpf, symbols)
         self.names, self.inodes = names, inodes
         self.is_command = is_command
@@ -295,8 +309,7 @@ class Outsiders:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         # (op, tgid, libraries or None: read its maps, its start time or None: not checked)
-        self._requests: queue.SimpleQueue[tuple[str, int, list[str] | None, int | None]] = \
-            queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[str, int, list[str] | None, int | None]] = queue.SimpleQueue()
         self._asked: dict[int, float] = {}  # tgid -> when an attach was last requested (loop)
         self._next_scan = 0.0
 
@@ -369,14 +382,18 @@ class Outsiders:
             if op == "forget":
                 self.procs.forget(tgid)
             else:
-                self._attach(tgid, libs if libs is not None else
-                             maps_libraries(tgid, self.names, self.inodes))
+                self._attach(
+                    tgid, libs if libs is not None else maps_libraries(tgid, self.names, self.inodes)
+                )
         if self.rescan_s > 0 and time.monotonic() >= self._next_scan:
             self._next_scan = time.monotonic() + self.rescan_s
             for tgid in self.procs.gone():
                 self.procs.forget(tgid)
-            found = {t: (start, libs) for t, libs in scan_processes(self.names, self.inodes).items()
-                     if (start := identity(t)) is not None}
+            found = {
+                t: (start, libs)
+                for t, libs in scan_processes(self.names, self.inodes).items()
+                if (start := identity(t)) is not None
+            }
             if found and self._loop is not None:
                 try:
                     self._loop.call_soon_threadsafe(self._classify, found)
@@ -388,9 +405,12 @@ class Outsiders:
 
     def describe(self) -> dict[str, Any]:
         w = self.procs.watched()
-        return {"watched": len(w), "watched_pids": sorted(w)[:32],
-                "attach_failures": self.procs.attach_failures,
-                "detaches_pending": self.procs.pending_detaches()}
+        return {
+            "watched": len(w),
+            "watched_pids": sorted(w)[:32],
+            "attach_failures": self.procs.attach_failures,
+            "detaches_pending": self.procs.pending_detaches(),
+        }
 
     def close(self) -> None:
         """After the BPF object was released (every event closed): forget everything."""

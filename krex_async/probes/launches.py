@@ -78,12 +78,24 @@ from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from krex_async.probes.failure import FailureReporting
 from krex_async.probes.launch_scope import SCOPES, Outsiders, exported, inode_key
 
-CUDA_SYMBOLS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
-                "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
-                "cuGraphLaunch", "cuGraphLaunch_ptsz")
-HSA_SYMBOLS = ("hsa_signal_store_relaxed", "hsa_signal_store_screlease", "hsa_signal_store_release",
-               "hsa_queue_add_write_index_relaxed", "hsa_queue_add_write_index_screlease",
-               "hsa_queue_add_write_index_scacq_screl")
+CUDA_SYMBOLS = (
+    "cuLaunchKernel",
+    "cuLaunchKernel_ptsz",
+    "cuLaunchKernelEx",
+    "cuLaunchKernelEx_ptsz",
+    "cuLaunchCooperativeKernel",
+    "cuLaunchCooperativeKernel_ptsz",
+    "cuGraphLaunch",
+    "cuGraphLaunch_ptsz",
+)
+HSA_SYMBOLS = (
+    "hsa_signal_store_relaxed",
+    "hsa_signal_store_screlease",
+    "hsa_signal_store_release",
+    "hsa_queue_add_write_index_relaxed",
+    "hsa_queue_add_write_index_screlease",
+    "hsa_queue_add_write_index_scacq_screl",
+)
 SYMBOLS = CUDA_SYMBOLS + HSA_SYMBOLS
 LIB_NAMES = ("libcuda.so", "libhsa-runtime64.so")
 KNOWN_DIRS = ("/usr/local/nvidia/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/opt/rocm/lib")
@@ -125,10 +137,12 @@ LAUNCH_EVENT = struct.Struct("<QIIII16s")  # struct levent_t
 
 def bpf_text(n_symbols: int = len(SYMBOLS), ring_pages: int = 256, stream: bool = False) -> str:
     """The BPF program: one entry function `on_sym_<i>` per symbol index."""
-    funcs = "\n".join(f"int on_sym_{i}(struct pt_regs *ctx) {{ return hit({i}); }}"
-                      for i in range(n_symbols))
-    return (BPF_TEXT.replace("__RING_PAGES__", str(ring_pages))
-            .replace("__STREAM__", "1" if stream else "0").replace("__FUNCS__", funcs))
+    funcs = "\n".join(f"int on_sym_{i}(struct pt_regs *ctx) {{ return hit({i}); }}" for i in range(n_symbols))
+    return (
+        BPF_TEXT.replace("__RING_PAGES__", str(ring_pages))
+        .replace("__STREAM__", "1" if stream else "0")
+        .replace("__FUNCS__", funcs)
+    )
 
 
 def _ldconfig_libs(names: Iterable[str]) -> list[str]:
@@ -162,8 +176,9 @@ def _maps_libs(names: Iterable[str]) -> list[str]:
     return sorted(found)
 
 
-def find_libraries(configured: Iterable[str] | None = None, names: Iterable[str] = LIB_NAMES,
-                   search: bool = True) -> list[str]:
+def find_libraries(
+    configured: Iterable[str] | None = None, names: Iterable[str] = LIB_NAMES, search: bool = True
+) -> list[str]:
     """Library files to probe, one path per distinct file (device, inode).
 
     `configured` entries may be files or glob patterns and are always used; with `search` the
@@ -213,10 +228,18 @@ class LaunchProbe(FailureReporting, ProbeBackend):
     name = "bcc-launches"
     TICK_S = 0.01  # scope outsiders: how often the poll thread takes the attach requests
 
-    def __init__(self, libs: Iterable[str] | None = None, search: bool = True, stream: bool = False,
-                 ring_pages: int = 256, rescan_s: float = 5.0,
-                 symbols: Iterable[str] = SYMBOLS, mmap_reader: bool = True, scope: str = "all",
-                 is_command: Callable[[int], bool] | None = None) -> None:
+    def __init__(
+        self,
+        libs: Iterable[str] | None = None,
+        search: bool = True,
+        stream: bool = False,
+        ring_pages: int = 256,
+        rescan_s: float = 5.0,
+        symbols: Iterable[str] = SYMBOLS,
+        mmap_reader: bool = True,
+        scope: str = "all",
+        is_command: Callable[[int], bool] | None = None,
+    ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"launch scope {scope!r}: one of {', '.join(SCOPES)}")
         self.libs_configured = list(libs or ())
@@ -256,8 +279,9 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         for name, _ in exported(path, self.symbols):
             idx = self.symbols.index(name)
             try:
-                self._bpf.attach_uprobe(name=path.encode(), sym=name.encode(),
-                                       fn_name=f"on_sym_{idx}".encode())
+                self._bpf.attach_uprobe(
+                    name=path.encode(), sym=name.encode(), fn_name=f"on_sym_{idx}".encode()
+                )
             except Exception:
                 continue
             done.append(name)
@@ -297,12 +321,12 @@ class LaunchProbe(FailureReporting, ProbeBackend):
 
     # -------------------------------------------------------------------------- lifecycle
 
-    def start(self, loop: asyncio.AbstractEventLoop,
-              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]) -> None:
         libs = find_libraries(self.libs_configured, LIB_NAMES, self.search)
         if not libs and not self.search:
-            raise ProbeUnavailable(f"{self.name}: no {'/'.join(LIB_NAMES)} found (configured "
-                                   f"{self.libs_configured})")
+            raise ProbeUnavailable(
+                f"{self.name}: no {'/'.join(LIB_NAMES)} found (configured {self.libs_configured})"
+            )
         self._bpf = _bcc.compile_bpf(self.text(), self.name)
         try:
             if self.scope == "all":
@@ -315,15 +339,28 @@ class LaunchProbe(FailureReporting, ProbeBackend):
                 if not self.search and not any(exported(lib, self.symbols) for lib in libs):
                     raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
                 inodes = frozenset(k for k in map(inode_key, libs) if k is not None)
-                self._outsiders = Outsiders(self._bpf, self.symbols,
-                                            LIB_NAMES if self.search else (), inodes,
-                                            self.is_command, self.rescan_s, self.attached)
+                self._outsiders = Outsiders(
+                    self._bpf,
+                    self.symbols,
+                    LIB_NAMES if self.search else (),
+                    inodes,
+                    self.is_command,
+                    self.rescan_s,
+                    self.attached,
+                )
                 self._outsiders.start(loop)
                 tick, tick_s = self._outsiders.tick, self.TICK_S
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
-            self._poller = _bcc.RingPoller(self._bpf, "events", self._decode, self.name,
-                                           tick=tick, tick_s=tick_s, ring_bytes=ring_bytes,
-                                           on_failure=lambda why: self._failed(loop, why))
+            self._poller = _bcc.RingPoller(
+                self._bpf,
+                "events",
+                self._decode,
+                self.name,
+                tick=tick,
+                tick_s=tick_s,
+                ring_bytes=ring_bytes,
+                on_failure=lambda why: self._failed(loop, why),
+            )
             self._poller.start(loop, on_events)
         except BaseException:
             self._outsiders = None

@@ -41,9 +41,11 @@ from krex_async.probes.ioctls import ioctl_name
 ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 EVENT = "events/syscalls/sys_enter_ioctl"
 # "  python3-7871    (   7830) [000] .....  4553.670455: sys_ioctl(fd: 3, cmd: 0x5401, arg: ...)"
-LINE = re.compile(r"^\s*(?P<comm>.*)-(?P<tid>\d+)\s+\(\s*(?P<tgid>\d+|-+)\)\s+\[\d+\]\s+\S+\s+"
-                  r"(?P<ts>\d+\.\d+): sys_ioctl\(fd: (?P<fd>(?:0x)?[0-9a-f]+), "
-                  r"cmd: (?P<cmd>(?:0x)?[0-9a-f]+)")
+LINE = re.compile(
+    r"^\s*(?P<comm>.*)-(?P<tid>\d+)\s+\(\s*(?P<tgid>\d+|-+)\)\s+\[\d+\]\s+\S+\s+"
+    r"(?P<ts>\d+\.\d+): sys_ioctl\(fd: (?P<fd>(?:0x)?[0-9a-f]+), "
+    r"cmd: (?P<cmd>(?:0x)?[0-9a-f]+)"
+)
 
 
 def tracefs_root() -> str:
@@ -85,8 +87,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
 
     name = "tracefs"
 
-    def __init__(self, prefixes: Iterable[str] | None = None, rescan_s: float = 1.0,
-                 buffer_kb: int = 8192) -> None:
+    def __init__(
+        self, prefixes: Iterable[str] | None = None, rescan_s: float = 1.0, buffer_kb: int = 8192
+    ) -> None:
         self.prefixes = tuple(prefixes if prefixes is not None else DEFAULT_PREFIXES)
         self.rescan_s = rescan_s
         self.buffer_kb = buffer_kb
@@ -114,8 +117,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         except OSError as e:
             raise ProbeUnavailable(f"tracefs: writing {value[:60]!r} to {path}: {e}") from e
 
-    def start(self, loop: asyncio.AbstractEventLoop,
-              on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]) -> None:
         root = tracefs_root()
         if not os.path.isdir(f"{root}/{EVENT}"):
             raise ProbeUnavailable(f"tracefs: no {EVENT} (kernel without syscall tracepoints)")
@@ -142,8 +144,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self._wake = os.pipe()
         for w in self._wake:
             os.set_blocking(w, False)
-        self._thread = threading.Thread(target=self._run, args=(pipe, loop, on_events),
-                                        name="krex-probe-tracefs", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(pipe, loop, on_events), name="krex-probe-tracefs", daemon=True
+        )
         self._thread.start()
 
     def _refresh(self) -> None:
@@ -169,8 +172,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
 
     def _check(self) -> None:
         """Raise ProbeUnavailable when the instance no longer traces (changed from outside)."""
-        for rel, what in ((f"{EVENT}/enable", "the sys_enter_ioctl event"),
-                          ("tracing_on", "tracing")):
+        for rel, what in ((f"{EVENT}/enable", "the sys_enter_ioctl event"), ("tracing_on", "tracing")):
             path = f"{self.instance}/{rel}"
             try:
                 with open(path) as f:
@@ -178,8 +180,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             except OSError as e:
                 raise ProbeUnavailable(f"tracefs: cannot read {path}: {e}") from e
             if not value.startswith("1"):
-                raise ProbeUnavailable(f"tracefs: {what} was turned off from outside "
-                                       f"({path} reads {value!r})")
+                raise ProbeUnavailable(
+                    f"tracefs: {what} was turned off from outside ({path} reads {value!r})"
+                )
 
     def settle(self, timeout: float = 0.1) -> bool:
         """Block until the reader has parsed every line the kernel buffered before this call,
@@ -196,8 +199,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             pass  # full: a wake-up is pending anyway; closed: the wait below times out
         return self._settled.wait(timeout)
 
-    def _run(self, pipe: int, loop: asyncio.AbstractEventLoop,
-             on_events: Callable[[list[ProbeEvent]], None]) -> None:
+    def _run(
+        self, pipe: int, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]
+    ) -> None:
         name_thread("krex-probe-tfs")
         poller = select.poll()
         poller.register(pipe, select.POLLIN)
@@ -254,8 +258,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                     continue
                 HOLD.wait()  # a region is entering: the lines wait in the kernel's buffer
                 if revents & (select.POLLERR | select.POLLNVAL):
-                    raise ProbeUnavailable(f"tracefs: trace_pipe poll error (revents "
-                                           f"{revents:#x})")
+                    raise ProbeUnavailable(f"tracefs: trace_pipe poll error (revents {revents:#x})")
                 try:
                     chunk = os.read(pipe, 1 << 16)
                 except BlockingIOError:
@@ -268,8 +271,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                     return
         except BaseException as e:
             self.error = e
-            self._failed(loop, str(e) if isinstance(e, ProbeUnavailable)
-                         else f"tracefs: reader thread failed: {e!r}")
+            self._failed(
+                loop, str(e) if isinstance(e, ProbeUnavailable) else f"tracefs: reader thread failed: {e!r}"
+            )
         finally:
             os.close(pipe)
 

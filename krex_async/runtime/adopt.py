@@ -28,8 +28,7 @@ if False:  # for type checkers only
     from collections.abc import Callable
     from typing import Any
 
-FORWARD = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT, _signal.SIGUSR1,
-           _signal.SIGUSR2)
+FORWARD = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT, _signal.SIGUSR1, _signal.SIGUSR2)
 _WAKE = _signal.SIGCHLD  # the reader thread's wake-up (this process has no children of its own)
 # sys.flags that a worker can take over from the command (sys.dont_write_bytecode is settable);
 # every other flag must equal the worker's, which the daemon checks (ctxpool/adoption.py).
@@ -75,8 +74,13 @@ def local_reason(pool: str) -> str:
 
 def _form(argv: list[str]) -> str:
     i = 1
-    while i < len(argv) and argv[i].startswith("-") and len(argv[i]) > 1 \
-            and argv[i][1] not in "cm-" and set(argv[i][1:]) <= _OWN_FLAGS:
+    while (
+        i < len(argv)
+        and argv[i].startswith("-")
+        and len(argv[i]) > 1
+        and argv[i][1] not in "cm-"
+        and set(argv[i][1:]) <= _OWN_FLAGS
+    ):
         i += 1
     if i >= len(argv):
         return "interactive"
@@ -92,19 +96,32 @@ def request(command: str, token: str) -> dict[str, Any]:
     """The adopt request: everything a fresh interpreter started with that a worker must take over."""
     um = os.umask(0o022)
     os.umask(um)
-    return {"type": "adopt", "id": 2, "command": command, "token": token, "pid": os.getpid(),
-            "argv": list(sys.orig_argv), "cwd": os.getcwd(), "env": dict(os.environ),
-            "executable": sys.executable, "sys_path": list(sys.path), "hexversion": sys.hexversion,
-            "flags": {n: int(getattr(sys.flags, n)) for n in type(sys.flags).__match_args__},
-            "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
-            "warnoptions": list(sys.warnoptions),
-            "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
-            "dont_write_bytecode": bool(sys.dont_write_bytecode),
-            "pycache_prefix": sys.pycache_prefix, "umask": um,
-            "ignored": [int(s) for s in _signal.valid_signals()
-                        if s not in (_signal.SIGKILL, _signal.SIGSTOP)
-                        and _signal.getsignal(s) == _signal.SIG_IGN],
-            "mask": [int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])]}
+    return {
+        "type": "adopt",
+        "id": 2,
+        "command": command,
+        "token": token,
+        "pid": os.getpid(),
+        "argv": list(sys.orig_argv),
+        "cwd": os.getcwd(),
+        "env": dict(os.environ),
+        "executable": sys.executable,
+        "sys_path": list(sys.path),
+        "hexversion": sys.hexversion,
+        "flags": {n: int(getattr(sys.flags, n)) for n in type(sys.flags).__match_args__},
+        "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
+        "warnoptions": list(sys.warnoptions),
+        "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
+        "dont_write_bytecode": bool(sys.dont_write_bytecode),
+        "pycache_prefix": sys.pycache_prefix,
+        "umask": um,
+        "ignored": [
+            int(s)
+            for s in _signal.valid_signals()
+            if s not in (_signal.SIGKILL, _signal.SIGSTOP) and _signal.getsignal(s) == _signal.SIG_IGN
+        ],
+        "mask": [int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])],
+    }
 
 
 def run(pool: str, load: Callable[[str, str], Any]) -> str:
@@ -116,8 +133,9 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
     q = load("_krex_quiesce", "quiesce.py")  # its msgpack codec and framing
     try:
         msg = request(env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""))
-        data = q.frame({"type": "hello", "id": 1, "version": 1, "role": "command",
-                        "client": f"krex-adopt/{os.getpid()}"}) + q.frame(msg)
+        data = q.frame(
+            {"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-adopt/{os.getpid()}"}
+        ) + q.frame(msg)
     except (OSError, UnicodeError, TypeError, ValueError):
         return "environment unusable"  # cwd gone, a variable not UTF-8: run here
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -207,8 +225,11 @@ def _wait(sock: Any, q: Any, worker: int, daemon_pid: int, waitset: set[int]) ->
                 pass
     rc = box.get("rc")
     if rc is None:  # the daemon died: the worker's status is lost with it
-        os.write(2, f"krex: lost the daemon while pool worker {worker} ran this program; "
-                    "its exit status is unknown\n".encode())
+        os.write(
+            2,
+            f"krex: lost the daemon while pool worker {worker} ran this program; "
+            "its exit status is unknown\n".encode(),
+        )
         os._exit(1)
     if rc >= 0:
         os._exit(rc & 0xFF)

@@ -126,6 +126,7 @@ def _make_probe() -> tuple[str, Callable[[], None]] | None:
                 def run_torch() -> None:
                     torch.matmul(x, x)
                     torch.cuda.synchronize()
+
                 return "torch", run_torch
         except Exception:  # noqa: BLE001
             pass
@@ -137,6 +138,7 @@ def _make_probe() -> tuple[str, Callable[[], None]] | None:
             def run_cupy() -> None:
                 cupy.matmul(y, y)
                 cupy.cuda.runtime.deviceSynchronize()
+
             return "cupy", run_cupy
         except Exception:  # noqa: BLE001
             pass
@@ -160,8 +162,7 @@ def ready_probe() -> str:
     if _probe is not None and _probe[0] == os.getpid():
         return _probe[1]  # built and run once already: its code is loaded
     try:
-        if _torch_cuda() is None and not (sys.modules.get("cupy") is not None
-                                           and cuda_context_current()):
+        if _torch_cuda() is None and not (sys.modules.get("cupy") is not None and cuda_context_current()):
             return "none"
         kernel = _tiny_kernel()
         if kernel is None:
@@ -172,8 +173,9 @@ def ready_probe() -> str:
         return f"error: {type(e).__name__}: {e}"
 
 
-def idle_verify(timeout_s: float = 5.0, window_s: float = 0.02, bar_s: float = 250e-6,
-                min_samples: int = 16) -> tuple[str, float]:
+def idle_verify(
+    timeout_s: float = 5.0, window_s: float = 0.02, bar_s: float = 250e-6, min_samples: int = 16
+) -> tuple[str, float]:
     """Time a small kernel's round trip (launch, then wait) until the device shows no other work.
 
     While another context's queued work still runs, the GPU time-slices between contexts and some

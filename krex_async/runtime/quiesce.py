@@ -38,6 +38,7 @@ _stopping = False  # stop() was called: a listener that connects afterwards ends
 
 # ------------------------------------------------------------------------------ a tiny msgpack
 
+
 def pack(obj: Any) -> bytes:
     """msgpack of None, bool, int, float, str, bytes, list and dict (what our messages hold)."""
     out = bytearray()
@@ -79,10 +80,30 @@ def _pack(o: Any, out: bytearray) -> None:
         raise TypeError(f"cannot pack {type(o).__name__}")
 
 
-_FIXED = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i",
-          0xD3: ">q", 0xCA: ">f", 0xCB: ">d"}
-_LEN = {0xD9: ">B", 0xDA: ">H", 0xDB: ">I", 0xC4: ">B", 0xC5: ">H", 0xC6: ">I",
-        0xDC: ">H", 0xDD: ">I", 0xDE: ">H", 0xDF: ">I"}
+_FIXED = {
+    0xCC: ">B",
+    0xCD: ">H",
+    0xCE: ">I",
+    0xCF: ">Q",
+    0xD0: ">b",
+    0xD1: ">h",
+    0xD2: ">i",
+    0xD3: ">q",
+    0xCA: ">f",
+    0xCB: ">d",
+}
+_LEN = {
+    0xD9: ">B",
+    0xDA: ">H",
+    0xDB: ">I",
+    0xC4: ">B",
+    0xC5: ">H",
+    0xC6: ">I",
+    0xDC: ">H",
+    0xDD: ">I",
+    0xDE: ">H",
+    0xDF: ">I",
+}
 
 
 def unpack(data: bytes) -> Any:
@@ -105,7 +126,7 @@ def _unpack(d: bytes, i: int) -> tuple[Any, int]:
         return t - 256, i
     if 0xA0 <= t <= 0xBF:
         n = t & 0x1F
-        return d[i:i + n].decode(), i + n
+        return d[i : i + n].decode(), i + n
     if 0x90 <= t <= 0x9F:
         return _array(d, i, t & 0x0F)
     if 0x80 <= t <= 0x8F:
@@ -123,9 +144,9 @@ def _unpack(d: bytes, i: int) -> tuple[Any, int]:
         n = struct.unpack_from(fmt, d, i)[0]
         i += struct.calcsize(fmt)
         if t in (0xD9, 0xDA, 0xDB):
-            return bytes(d[i:i + n]).decode(), i + n
+            return bytes(d[i : i + n]).decode(), i + n
         if t in (0xC4, 0xC5, 0xC6):
-            return bytes(d[i:i + n]), i + n
+            return bytes(d[i : i + n]), i + n
         if t in (0xDC, 0xDD):
             return _array(d, i, n)
         return _map(d, i, n)
@@ -155,6 +176,7 @@ def frame(msg: dict[str, Any]) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ listener
+
 
 class _Quiesce:
     """One pending quiesce; `released` is held until its Resume (or the end of the connection)."""
@@ -203,6 +225,7 @@ class _Listener:
                 self.pending.released.release()  # a new region replaces an unresumed one
             self.pending = _Quiesce(req_id, region)
         import _signal
+
         _signal.pthread_kill(self.main, self.signum)
 
     def on_resume(self, region: str) -> None:
@@ -253,8 +276,15 @@ def on_signal() -> None:
             if st.pending is not p:  # resumed (or replaced) while we synchronised: no stale ack
                 continue
             try:
-                st.send({"type": "quiesce_ack", "id": p.id, "region": p.region,
-                         "synced": synced, "seconds": seconds})
+                st.send(
+                    {
+                        "type": "quiesce_ack",
+                        "id": p.id,
+                        "region": p.region,
+                        "synced": synced,
+                        "seconds": seconds,
+                    }
+                )
                 st.acks += 1
             except OSError:
                 return
@@ -296,6 +326,7 @@ def _devicework() -> Any:
     if module is None:
         here = os.path.dirname(os.path.abspath(__file__))
         from importlib.machinery import ModuleSpec, SourceFileLoader
+
         path = os.path.join(here, "devicework.py")
         loader = SourceFileLoader("_krex_devicework", path)
         module = type(sys)("_krex_devicework")
@@ -319,8 +350,15 @@ def forget_parent_connection() -> None:
             pass
 
 
-def run(path: str, command: str, token: str, main: int, signum: int,
-        connect_timeout: float = 2.0, declined: str = "") -> None:
+def run(
+    path: str,
+    command: str,
+    token: str,
+    main: int,
+    signum: int,
+    connect_timeout: float = 2.0,
+    declined: str = "",
+) -> None:
     """Connect to the daemon, announce this process, and serve Quiesce / Resume until the
     connection ends. Returns (never raises) on any error; the caller runs it on its own thread.
     `declined`: why this interpreter was not adopted by the command's pool (runtime/adopt.py)."""
@@ -342,8 +380,7 @@ def run(path: str, command: str, token: str, main: int, signum: int,
         if _stopping:  # stop() ran while we connected, and found no listener to wake
             return
         pid = os.getpid()
-        st.send({"type": "hello", "id": 1, "version": 1, "role": "command",
-                 "client": f"krex-runtime/{pid}"})
+        st.send({"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-runtime/{pid}"})
         ready = {"type": "quiesce_ready", "id": 2, "command": command, "token": token, "pid": pid}
         if declined:
             ready["pool_declined"] = declined[:256]

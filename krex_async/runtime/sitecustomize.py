@@ -40,6 +40,7 @@ def _chain() -> None:
     if not entries:
         return
     from importlib.machinery import PathFinder
+
     spec = PathFinder.find_spec("sitecustomize", entries)
     if spec is None or spec.loader is None:
         return
@@ -64,6 +65,7 @@ def _load(name: str, filename: str):  # type: ignore[no-untyped-def]
     if module is not None:
         return module
     from importlib.machinery import ModuleSpec, SourceFileLoader
+
     path = os.path.join(_HERE, filename)
     loader = SourceFileLoader(name, path)
     module = type(sys)(name)
@@ -152,8 +154,14 @@ def _start() -> bool:
             q = box["q"] = _load("_krex_quiesce", "quiesce.py")
             if box.get("exiting"):  # at_exit ran while it loaded: it found no listener to stop
                 return
-            q.run(env.get("KREX_SOCKET", ""), env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""),
-                  main, signum, declined=box.pop("declined", ""))
+            q.run(
+                env.get("KREX_SOCKET", ""),
+                env.get("KREX_COMMAND", ""),
+                env.get("KREX_TOKEN", ""),
+                main,
+                signum,
+                declined=box.pop("declined", ""),
+            )
         except BaseException:  # noqa: BLE001 - never disturb the user's program
             pass
         finally:
@@ -182,6 +190,7 @@ def _start() -> bool:
 
     os.register_at_fork(after_in_child=after_fork_in_child)
     import atexit  # built in: nothing to load
+
     atexit.register(at_exit)
     start_boot()
     return True

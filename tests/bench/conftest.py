@@ -13,14 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
-def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
-               check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_script(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     """Run a bench script with this interpreter, outside krex (no KREX_SOCKET), on the cpu device."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     e.update({"KREX_BENCH_DEVICE": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     e.update(env or {})
-    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                       env=e, cwd=str(ROOT))
+    p = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=str(ROOT)
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}:\n{p.stderr[-3000:]}")
     return p

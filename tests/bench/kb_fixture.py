@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-KB_L1 = '''
+KB_L1 = """
 import random
 
 
@@ -29,9 +29,9 @@ def get_inputs():
 
 def get_init_inputs():
     return [2.0]
-'''
+"""
 
-KB_L2 = '''
+KB_L2 = """
 import random
 
 
@@ -49,10 +49,10 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
 # A candidate whose check fails: its output differs run to run.
-KB_BAD = '''
+KB_BAD = """
 import random
 
 
@@ -67,11 +67,11 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
 KB_INIT = "from . import utils  # the real package pulls its LLM clients in here\n"
 KB_UTILS = "import an_llm_client_not_installed  # noqa: F401\n"
-KB_TIMING = '''
+KB_TIMING = """
 import time
 
 
@@ -108,9 +108,9 @@ def time_execution_with_host_time(kernel_fn, args, num_warmup=3, num_trials=10, 
         if trial >= discard_first:
             out.append((time.perf_counter() - t0) * 1e3)
     return out
-'''
+"""
 
-ATREX_REF = '''
+ATREX_REF = """
 class Model:
     def __init__(self, n):
         self.n = n
@@ -118,12 +118,12 @@ class Model:
     def __call__(self, x):
         s = sum(v * v for v in x) ** 0.5 + 1e-6
         return [v / s for v in x]
-'''
+"""
 
-ATREX_INPUT = '''
+ATREX_INPUT = """
 def _make_inputs(length):
     return {"x": [float(i % 7) for i in range(length)]}
-'''
+"""
 
 
 def write_kernelbench(root: Path, timing: bool = True, bad: bool = False) -> Path:
@@ -148,6 +148,7 @@ def write_atrex(root: Path) -> Path:
     op.mkdir(parents=True, exist_ok=True)
     (op / "reference.py").write_text(ATREX_REF)
     (op / "input.py").write_text(ATREX_INPUT)
-    (op / "shapes.json").write_text(json.dumps({"s1": {"init_kwargs": {"n": 2000},
-                                                       "input_kwargs": {"length": 2000}}}))
+    (op / "shapes.json").write_text(
+        json.dumps({"s1": {"init_kwargs": {"n": 2000}, "input_kwargs": {"length": 2000}}})
+    )
     return root

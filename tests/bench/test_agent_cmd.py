@@ -62,8 +62,9 @@ def test_pace_trace_makes_each_phase_last_its_expected_time() -> None:
         line["phases"][name]["expect_s"] = want
         line["phases"][name]["cpu_s"] = 0.0
     plain = _results(run_script("-m", "bench.workload.agent_cmd", "--spec", json.dumps(line)).stdout)[0]
-    paced = _results(run_script("-m", "bench.workload.agent_cmd", "--pace", "trace", "--spec",
-                                json.dumps(line)).stdout)[0]
+    paced = _results(
+        run_script("-m", "bench.workload.agent_cmd", "--pace", "trace", "--spec", json.dumps(line)).stdout
+    )[0]
     assert plain["padded_s"] == {}
     for name in ("import", "compile", "inputs", "check"):
         want = line["phases"][name]["expect_s"]
@@ -82,8 +83,13 @@ def _paced_import(pace: str, stop_after: float, stop_for: float) -> dict:
     line["phases"]["import"]["cpu_s"] = 0.0
     e = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     e.update({"KREX_BENCH_DEVICE": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    p = subprocess.Popen([sys.executable, "-m", "bench.workload.agent_cmd", "--pace", pace, "--spec",
-                          json.dumps(line)], cwd=ROOT, env=e, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "bench.workload.agent_cmd", "--pace", pace, "--spec", json.dumps(line)],
+        cwd=ROOT,
+        env=e,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     if stop_for:
         time.sleep(stop_after)
         os.kill(p.pid, signal.SIGSTOP)
@@ -109,8 +115,9 @@ def test_pace_never_cuts_a_phase_that_ran_longer() -> None:
     line = _lines(1)[0]
     line["phases"]["compile"]["cpu_s"] = 0.6
     line["phases"]["compile"]["expect_s"] = 0.05
-    paced = _results(run_script("-m", "bench.workload.agent_cmd", "--pace", "trace", "--spec",
-                                json.dumps(line)).stdout)[0]
+    paced = _results(
+        run_script("-m", "bench.workload.agent_cmd", "--pace", "trace", "--spec", json.dumps(line)).stdout
+    )[0]
     # 0.6 nominal s of host work: well past the 0.05 s expected on any machine (0.28 s here)
     assert paced["phases_s"]["compile"] > 0.1 and "compile" not in paced["padded_s"]
 
@@ -121,10 +128,12 @@ def test_isolated_mode_times_each_kernel_per_repeat(tmp_path: Path) -> None:
     pick = list(two.values())[:2]
     f = tmp_path / "k.jsonl"
     f.write_text("".join(json.dumps(c) + "\n" for c in pick))
-    res = _results(run_script("-m", "bench.workload.agent_cmd", "--isolated", str(f), "--repeats",
-                              "2").stdout)
+    res = _results(
+        run_script("-m", "bench.workload.agent_cmd", "--isolated", str(f), "--repeats", "2").stdout
+    )
     assert [(r["key"], r["repeat"]) for r in res] == [
-        (f"{c['kernel']['id']}|{c['phases']['timing']['method']}", rep) for rep in (0, 1) for c in pick]
+        (f"{c['kernel']['id']}|{c['phases']['timing']['method']}", rep) for rep in (0, 1) for c in pick
+    ]
 
 
 def test_bad_spec_exits_2() -> None:

@@ -30,9 +30,16 @@ def test_inflation_and_buckets_from_records() -> None:
     iso = [{"key": "k|do_bench", "timing": {"median_ms": m, "p95_ms": m * 1.1}} for m in (2.0, 2.0, 2.2)]
     base = analysis.baselines(iso)
     assert base["k|do_bench"]["median_ms"] == 2.0 and base["k|do_bench"]["bucket"] == "1-10ms"
-    cmds = [{"result": {"key": "k|do_bench", "method": "do_bench",
-                        "timing": {"median_ms": 2.0 * (1 + f), "p95_ms": 2.2 * (1 + f)}}}
-            for f in (0.0, 0.01, 0.02, 0.5)]
+    cmds = [
+        {
+            "result": {
+                "key": "k|do_bench",
+                "method": "do_bench",
+                "timing": {"median_ms": 2.0 * (1 + f), "p95_ms": 2.2 * (1 + f)},
+            }
+        }
+        for f in (0.0, 0.01, 0.02, 0.5)
+    ]
     inf = analysis.inflation({"commands": cmds}, base)
     v = inf["by_bucket"]["1-10ms"]
     assert v["n"] == 4 and math.isclose(v["p50"], 0.015) and v["p95"] > 0.4
@@ -41,8 +48,12 @@ def test_inflation_and_buckets_from_records() -> None:
 
 
 def test_regions_summary() -> None:
-    p = {"commands": [{"report": {"regions": [{"enter_s": 0.001 * i, "wait_s": 0.0, "strays": i % 2}]}}
-                      for i in range(1, 101)]}
+    p = {
+        "commands": [
+            {"report": {"regions": [{"enter_s": 0.001 * i, "wait_s": 0.0, "strays": i % 2}]}}
+            for i in range(1, 101)
+        ]
+    }
     r = analysis.regions(p)
     assert r["regions"] == 100 and r["strays"] == 50
     assert math.isclose(r["enter_p50_s"], 0.0505) and r["enter_p99_s"] > 0.099

@@ -20,8 +20,18 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
     outs = []
     for i, seed in enumerate((7, 7, 8)):
         out = tmp_path / f"t{i}.jsonl"
-        run_script("-m", "bench.gen_trace", "--profile", "default", "--sessions", "12", "--seed", str(seed),
-                   "-o", str(out))
+        run_script(
+            "-m",
+            "bench.gen_trace",
+            "--profile",
+            "default",
+            "--sessions",
+            "12",
+            "--seed",
+            str(seed),
+            "-o",
+            str(out),
+        )
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
     assert outs[0] != outs[2]
@@ -52,8 +62,11 @@ def test_command_share_follows_the_profile() -> None:
 
 
 def test_timing_share_and_bucket_mix_follow_the_profile() -> None:
-    prof = dict(gen_trace.load_profile("default"), timing_share=0.05,
-                bucket_mix={">10ms": 0.6, "1-10ms": 0.2, "0.1-1ms": 0.2})
+    prof = dict(
+        gen_trace.load_profile("default"),
+        timing_share=0.05,
+        bucket_mix={">10ms": 0.6, "1-10ms": 0.2, "0.1-1ms": 0.2},
+    )
     lines = gen_trace.generate(prof, 600, seed=3)
     ts = gen_trace.summary(lines)["timing_share"]
     assert 0.035 < ts < 0.07, ts  # reps are whole numbers clamped to [min_reps, max_reps]
@@ -86,8 +99,19 @@ def test_read_trace_rejects_a_bad_line(tmp_path: Path) -> None:
 
 
 def test_replay_plan_runs_nothing_and_sizes_the_trace(tmp_path: Path) -> None:
-    p = run_script("-m", "bench.replay", "--profile", "gpu-10min", "--seed", "2", "--cores", "16", "--plan",
-                   "--out", str(tmp_path / "x.json"))
+    p = run_script(
+        "-m",
+        "bench.replay",
+        "--profile",
+        "gpu-10min",
+        "--seed",
+        "2",
+        "--cores",
+        "16",
+        "--plan",
+        "--out",
+        str(tmp_path / "x.json"),
+    )
     plan = json.loads(p.stdout)
     assert plan["commands"] == 40 and plan["concurrency"] == 40
     assert plan["ideal_trace"]["ratio"] > 4.0

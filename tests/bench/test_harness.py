@@ -82,8 +82,14 @@ async def test_stack_serves_jobs_and_a_failed_start_leaves_no_directory(tmp_path
     # under /tmp: as root the jobs' user must pass through the stack's parent (tmp_path is 0700)
     logs = tmp_path / "logs"
     before = set(Path("/tmp").glob("krex-htest-*"))
-    async with stack.Stack(["--devices", "cpu:1", "--probes", "off"], 2, policy="shared",
-                           logdir=logs, name="t", prefix="krex-htest-") as st:
+    async with stack.Stack(
+        ["--devices", "cpu:1", "--probes", "off"],
+        2,
+        policy="shared",
+        logdir=logs,
+        name="t",
+        prefix="krex-htest-",
+    ) as st:
         assert st.url.startswith("http://") and st.token
         async with st.client() as gw:
             job = await gw.dev("echo hi", timeout_s=60)
@@ -98,9 +104,11 @@ async def test_stack_serves_jobs_and_a_failed_start_leaves_no_directory(tmp_path
 
 
 def test_a_daemon_left_running_is_stopped_when_the_benchmark_exits(tmp_path: Path) -> None:
-    code = ("import sys\nfrom bench.harness.stack import Daemon\n"
-            "d = Daemon(['--devices', 'cpu:1', '--probes', 'off'], parent=sys.argv[1]).start()\n"
-            "print(d.proc.pid, flush=True)\nsys.exit(3)\n")
+    code = (
+        "import sys\nfrom bench.harness.stack import Daemon\n"
+        "d = Daemon(['--devices', 'cpu:1', '--probes', 'off'], parent=sys.argv[1]).start()\n"
+        "print(d.proc.pid, flush=True)\nsys.exit(3)\n"
+    )
     p = run_script("-c", code, str(tmp_path), check=False)
     assert p.returncode == 3, p.stderr
     pid = int(p.stdout.split()[0])

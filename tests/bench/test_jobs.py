@@ -28,8 +28,11 @@ JOB = ROOT / "bench" / "workload" / "job.py"
 
 def test_variants_parse_policy_from_name_or_args() -> None:
     v = jobs.parse_variant("region-dh:--freeze device-holders --pool-size 8")
-    assert (v.name, v.policy, v.args) == ("region-dh", "region", ["--freeze", "device-holders",
-                                                                  "--pool-size", "8"])
+    assert (v.name, v.policy, v.args) == (
+        "region-dh",
+        "region",
+        ["--freeze", "device-holders", "--pool-size", "8"],
+    )
     assert jobs.parse_variant("shared").policy == "shared"
     v = jobs.parse_variant("mine:--policy command --settle-ms 0")
     assert v.policy == "command" and jobs.strip_policy(v.args) == ["--settle-ms", "0"]
@@ -42,15 +45,22 @@ def test_variants_parse_policy_from_name_or_args() -> None:
 def test_default_variants_follow_what_the_daemon_offers() -> None:
     old = jobs.default_variants("--freeze {all,device-holders} --pool-size N", "cpu")
     assert old == ["region:--freeze all", "region-dh:--freeze device-holders", "shared", "command"]
-    new = jobs.default_variants("--freeze {all,device-holders} --hold {lock,freeze,auto} "
-                                "--pool-size N", "gpu")
-    assert new == ["region:--freeze all", "region-dh:--freeze device-holders",
-                   "region-lock:--hold lock", "region-pool:--pool-size 8 --pool-preload torch",
-                   "shared", "command"]
+    new = jobs.default_variants(
+        "--freeze {all,device-holders} --hold {lock,freeze,auto} --pool-size N", "gpu"
+    )
+    assert new == [
+        "region:--freeze all",
+        "region-dh:--freeze device-holders",
+        "region-lock:--hold lock",
+        "region-pool:--pool-size 8 --pool-preload torch",
+        "shared",
+        "command",
+    ]
 
 
-def test_gateway_token_found_where_a_gateway_leaves_it(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gateway_token_found_where_a_gateway_leaves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("KREX_GATEWAY_TOKEN", raising=False)
     assert stack.gateway_token(tmp_path, None) is None
     (tmp_path / "api-token").write_text("from-file\n")
@@ -63,11 +73,14 @@ def test_gateway_token_found_where_a_gateway_leaves_it(tmp_path: Path,
 
 
 def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
-    for args, msg in ((["--kernelbench", str(tmp_path / "nope")], "not a directory"),
-                      (["--width", "0"], "must be positive"), (["--levels", "one"], "--levels"),
-                      (["--job-timeout", "900"], "at most 600"),
-                      (["--kernelbench", str(tmp_path), "--device", "cpu"], "no KernelBench/level"),
-                      (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'")):
+    for args, msg in (
+        (["--kernelbench", str(tmp_path / "nope")], "not a directory"),
+        (["--width", "0"], "must be positive"),
+        (["--levels", "one"], "--levels"),
+        (["--job-timeout", "900"], "at most 600"),
+        (["--kernelbench", str(tmp_path), "--device", "cpu"], "no KernelBench/level"),
+        (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'"),
+    ):
         p = run_script("-m", "bench.jobs", "--out", str(tmp_path / "o.json"), *args, check=False)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     p = run_script("-m", "bench.jobs", "--width", "0", check=False)  # also runs as a module
@@ -108,16 +121,26 @@ def test_batch_files_and_fresh_tags() -> None:
     assert [len(g) for g in jobs_sets.alone_batches([a, b, a])] == [2]
 
 
-def _job(tmp_path: Path, spec: dict[str, Any], files: dict[str, str] | None = None,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _job(
+    tmp_path: Path,
+    spec: dict[str, Any],
+    files: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     all_files = jobs_sets.files_for([spec], [files or {}])
     for name, text in all_files.items():
         (tmp_path / name).write_text(text)
     e = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     e["PYTHONPATH"] = f"{ROOT / 'krex_async' / 'runtime'}{os.pathsep}{ROOT}"
     e.update(env or {})
-    return subprocess.run([sys.executable, "job.py", "spec.json"], cwd=tmp_path, env=e,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "job.py", "spec.json"],
+        cwd=tmp_path,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _line(p: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -127,8 +150,7 @@ def _line(p: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 def test_cpu_job_does_every_phase(tmp_path: Path) -> None:
-    line = _line(_job(tmp_path, {"kind": "cpu", "key": "cpu:dot", "device": "cpu", "n": 20000,
-                                 "trials": 10}))
+    line = _line(_job(tmp_path, {"kind": "cpu", "key": "cpu:dot", "device": "cpu", "n": 20000, "trials": 10}))
     assert set(line["phases_s"]) == {"import", "inputs", "check", "timing"}
     assert all(v > 0 for v in line["phases_s"].values())
     assert line["check"]["ok"] and line["timing"]["n"] == 10 and line["timing"]["median_ms"] > 0
@@ -155,33 +177,81 @@ def test_job_exit_codes_for_a_bad_spec_and_a_failed_check(tmp_path: Path) -> Non
     p = _job(tmp_path, {"kind": "nope", "key": "x"})
     assert p.returncode == 2 and "bad spec" in p.stderr
     root = write_kernelbench(tmp_path / "kb", bad=True)
-    bad = [j for j in jobs_sets.kernelbench_jobs(root, jobs_sets.Size(3, 1, 0, 0, 5), "cpu", [1], 0)
-           if j.key.endswith("3_bad")]
+    bad = [
+        j
+        for j in jobs_sets.kernelbench_jobs(root, jobs_sets.Size(3, 1, 0, 0, 5), "cpu", [1], 0)
+        if j.key.endswith("3_bad")
+    ]
     p = _job(tmp_path, bad[0].spec, bad[0].files)
     assert p.returncode == 3 and not jobs.parse_lines(p.stdout)[0]["check"]["ok"]
 
 
-def _rec(key: str, median: float, p95: float, regions: list[dict[str, Any]] | None = None,
-         krex: dict[str, Any] | None = None) -> dict[str, Any]:
-    line = {"key": key, "phases_s": {"import": 1.0, "inputs": 0.5, "check": 0.1, "timing": 0.2},
-            "timing": {"median_ms": median, "p95_ms": p95}, "check": {"ok": True}, "route": "r"}
-    return {"keys": [key], "ok": True, "lines": [line], "regions": regions or [], "krex": krex or {},
-            "end_s": 3.0}
+def _rec(
+    key: str,
+    median: float,
+    p95: float,
+    regions: list[dict[str, Any]] | None = None,
+    krex: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    line = {
+        "key": key,
+        "phases_s": {"import": 1.0, "inputs": 0.5, "check": 0.1, "timing": 0.2},
+        "timing": {"median_ms": median, "p95_ms": p95},
+        "check": {"ok": True},
+        "route": "r",
+    }
+    return {
+        "keys": [key],
+        "ok": True,
+        "lines": [line],
+        "regions": regions or [],
+        "krex": krex or {},
+        "end_s": 3.0,
+    }
 
 
 def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     alone = [{"jobs": [_rec("big", 20.0, 20.0 * f), _rec("mid", 2.0, 2.0 * f)]} for f in (1.0, 1.01, 1.02)]
-    reg = [{"name": "t", "enter_s": 0.03, "quiesce_s": 0.02, "freeze_s": 0.01, "drain": "synced",
-            "held_s": 0.3, "strays": 2, "stray_procs": {"7": "ppid 1, cgroup /, cmd 'nvidia-smi -l'"},
-            "hold": "lock", "lock_s": 0.001}]
-    data = {"alone": alone, "passes": {
-        "region": {"policy": "region", "args": [], "makespan_s": 60.0,
-                   "jobs": [_rec("big", 20.0, 20.2 * 1.01, reg), _rec("mid", 2.0, 2.1 * 1.01, reg,
-                                                                    {"via": "pool"})]},
-        "shared": {"policy": "shared", "args": [], "makespan_s": 50.0,
-                   "jobs": [_rec("big", 30.0, 40.0), _rec("mid", 3.0, 4.0)]},
-        "command": {"policy": "command", "args": [], "makespan_s": 600.0,
-                    "jobs": [_rec("big", 20.0, 20.2), _rec("mid", 2.0, 2.02)]}}}
+    reg = [
+        {
+            "name": "t",
+            "enter_s": 0.03,
+            "quiesce_s": 0.02,
+            "freeze_s": 0.01,
+            "drain": "synced",
+            "held_s": 0.3,
+            "strays": 2,
+            "stray_procs": {"7": "ppid 1, cgroup /, cmd 'nvidia-smi -l'"},
+            "hold": "lock",
+            "lock_s": 0.001,
+        }
+    ]
+    data = {
+        "alone": alone,
+        "passes": {
+            "region": {
+                "policy": "region",
+                "args": [],
+                "makespan_s": 60.0,
+                "jobs": [
+                    _rec("big", 20.0, 20.2 * 1.01, reg),
+                    _rec("mid", 2.0, 2.1 * 1.01, reg, {"via": "pool"}),
+                ],
+            },
+            "shared": {
+                "policy": "shared",
+                "args": [],
+                "makespan_s": 50.0,
+                "jobs": [_rec("big", 30.0, 40.0), _rec("mid", 3.0, 4.0)],
+            },
+            "command": {
+                "policy": "command",
+                "args": [],
+                "makespan_s": 600.0,
+                "jobs": [_rec("big", 20.0, 20.2), _rec("mid", 2.0, 2.02)],
+            },
+        },
+    }
     s = jobs_report.summarise(data)
     base = s["baselines"]
     assert base["big"]["bucket"] == ">10ms" and base["big"]["p95_ms"] == pytest.approx(20.2)
@@ -199,8 +269,9 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert "region: jobs/min vs command 10.00x, goal >= 5.00x: met" in s["goals"]
     assert "region: jobs/min vs shared 0.83x, goal >= 0.95x: MISSED by 0.12x" in s["goals"]
     assert "region: p95 inflation >10ms +1.00%, goal <= 0.2%: MISSED by 0.80%" in s["goals"]
-    assert ("region: the pool served 1 of 2 jobs; jobs/min vs shared 0.83x, goal (pool) >= 1.50x: "
-            "MISSED by 0.67x") in s["goals"]
+    assert (
+        "region: the pool served 1 of 2 jobs; jobs/min vs shared 0.83x, goal (pool) >= 1.50x: MISSED by 0.67x"
+    ) in s["goals"]
     text = jobs_report.table(s)
     assert "MISSED by 0.12x" in text and "stray x2: 'nvidia-smi -l'" in text
 
@@ -220,8 +291,14 @@ def _cpu_job(key: str) -> jobs_sets.Job:
 
 
 def _alone(seconds: dict[str, float], wall: float | None = None) -> dict[str, Any]:
-    lines = [{"key": k, "phases_s": {"import": 1.0, "timing": s - 1.0},
-              "timing": {"median_ms": 1.0, "p95_ms": 1.0}} for k, s in seconds.items()]
+    lines = [
+        {
+            "key": k,
+            "phases_s": {"import": 1.0, "timing": s - 1.0},
+            "timing": {"median_ms": 1.0, "p95_ms": 1.0},
+        }
+        for k, s in seconds.items()
+    ]
     rnd: dict[str, Any] = {"round": "alone-1", "jobs": [{"ok": True, "end_s": 20.0, "lines": lines}]}
     if wall is not None:
         rnd["wall_s"] = wall
@@ -232,8 +309,10 @@ def test_defaults_budget_one_accelerator_call(tmp_path: Path) -> None:
     a = jobs.parse_args(["--device", "cpu", "--out", str(tmp_path / "o.json")])
     assert (a.alone_rounds, a.command_jobs, a.budget_s) == (2, "distinct", jobs.DEFAULT_BUDGET_S)
     assert jobs.DEFAULT_BUDGET_S <= 560  # a 10-minute call, with start-up and the report around it
-    assert jobs.parse_args(["--device", "cpu", "--out", str(tmp_path / "o.json"),
-                            "--budget-s", "0"]).budget_s == 0
+    assert (
+        jobs.parse_args(["--device", "cpu", "--out", str(tmp_path / "o.json"), "--budget-s", "0"]).budget_s
+        == 0
+    )
     # the alone rounds bracket the variants: two are one before, one after the last
     assert jobs.alone_slots(6, 2) == {0, 6}
     assert jobs.alone_slots(6, 3) == {0, 3, 6}
@@ -246,10 +325,20 @@ def test_command_runs_one_copy_of_each_distinct_job_and_says_so() -> None:
     assert [j.key for j in jobs.pass_jobs(cmd, js, "distinct")] == ["a", "b", "c"]
     assert len(jobs.pass_jobs(cmd, js, "all")) == 5 and len(jobs.pass_jobs(region, js, "distinct")) == 5
     rec = {"keys": ["a"], "ok": True, "lines": [], "regions": [], "krex": {}}
-    data = {"alone": [], "skipped": {}, "passes": {
-        "command": {"policy": "command", "args": [], "makespan_s": 30.0, "jobs": [rec] * 3,
-                    "subset": {"rule": "distinct", "jobs": 3, "of": 5}},
-        "region": {"policy": "region", "args": [], "makespan_s": 10.0, "jobs": [rec] * 5}}}
+    data = {
+        "alone": [],
+        "skipped": {},
+        "passes": {
+            "command": {
+                "policy": "command",
+                "args": [],
+                "makespan_s": 30.0,
+                "jobs": [rec] * 3,
+                "subset": {"rule": "distinct", "jobs": 3, "of": 5},
+            },
+            "region": {"policy": "region", "args": [], "makespan_s": 10.0, "jobs": [rec] * 5},
+        },
+    }
     s = jobs_report.summarise(data)
     assert s["variants"]["command"]["jobs_per_min"] == 6.0  # 3 jobs in 30 s: measured on the subset
     assert s["ratios"]["region"]["vs_command"] == 5.0
@@ -258,8 +347,11 @@ def test_command_runs_one_copy_of_each_distinct_job_and_says_so() -> None:
 
 def test_budget_plans_each_pass_from_what_was_measured() -> None:
     js = [_cpu_job(k) for k in ("a", "b", "c", "d")] * 2
-    data: dict[str, Any] = {"alone": [_alone({"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}, wall=110.0)],
-                            "passes": {}, "skipped": {}}
+    data: dict[str, Any] = {
+        "alone": [_alone({"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}, wall=110.0)],
+        "passes": {},
+        "skipped": {},
+    }
     cmd, shared = jobs.parse_variant("command"), jobs.parse_variant("shared")
     # before any pass: alone seconds (each job its own import), serial under command
     assert jobs.estimate_s(cmd, data, js, 4, "distinct") == 100.0 + 4 * jobs.JOB_OVERHEAD_S + jobs.STACK_S
@@ -276,8 +368,12 @@ def test_budget_plans_each_pass_from_what_was_measured() -> None:
     why = jobs.plan_variant(cmd, data, js, a, 400.0 - 227.5, True)
     assert why is not None and "107 s needed" in why and "121 s kept for the last alone round" in why
     assert jobs.plan_variant(cmd, data, js, a, 400.0 - 227.5, False) is None  # no round after it
-    assert jobs.plan_variant(cmd, data, js, argparse.Namespace(budget_s=None, width=4,
-                                                               command_jobs="distinct"), 1e9, True) is None
+    assert (
+        jobs.plan_variant(
+            cmd, data, js, argparse.Namespace(budget_s=None, width=4, command_jobs="distinct"), 1e9, True
+        )
+        is None
+    )
 
 
 def test_budget_would_have_kept_the_recorded_h200_run_in_one_call() -> None:
@@ -287,16 +383,22 @@ def test_budget_would_have_kept_the_recorded_h200_run_in_one_call() -> None:
     d = read_json(ROOT / "bench" / "results" / "h200-jobs-s9.json.gz")
     keys = d["config"]["keys"]
     js = [jobs_sets.Job({"kind": "kernelbench", "key": k}) for k in keys for _ in range(2)]
-    data = {"alone": d["alone"][:1], "skipped": {},
-            "passes": {k: v for k, v in d["passes"].items() if k != "command"}}
+    data = {
+        "alone": d["alone"][:1],
+        "skipped": {},
+        "passes": {k: v for k, v in d["passes"].items() if k != "command"},
+    }
     elapsed = d["alone"][0]["jobs"][0]["end_s"] + sum(p["wall_s"] for p in data["passes"].values())
     cmd = jobs.parse_variant("command")
     full = argparse.Namespace(budget_s=540.0, width=8, command_jobs="all")
     assert jobs.estimate_s(cmd, data, js, 8, "all") >= d["passes"]["command"]["wall_s"]
     assert jobs.plan_variant(cmd, data, js, full, elapsed, True) is not None
-    assert jobs.plan_variant(cmd, data, js, argparse.Namespace(budget_s=540.0, width=8,
-                                                               command_jobs="distinct"),
-                             elapsed, True) is None
+    assert (
+        jobs.plan_variant(
+            cmd, data, js, argparse.Namespace(budget_s=540.0, width=8, command_jobs="distinct"), elapsed, True
+        )
+        is None
+    )
 
 
 @pytest.mark.slow
@@ -305,16 +407,39 @@ def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path, suites:
     atrex = write_atrex(suites / "atrex")
     out = tmp_path / "r" / "jobs.json"
     before = set(Path("/tmp").glob("krex-jobs-*"))  # the stacks' directories (jobs.stack)
-    p = run_script("-m", "bench.jobs", "--kernelbench", str(kb), "--atrex", str(atrex), "--cpu-jobs", "3",
-                   "--set", "tiny", "--device", "cpu", "--width", "4", "--alone-rounds", "2",
-                   "--variants", "region:--freeze all", "region-bad:--no-such-flag", "shared", "command",
-                   "--out", str(out), timeout=400)
+    p = run_script(
+        "-m",
+        "bench.jobs",
+        "--kernelbench",
+        str(kb),
+        "--atrex",
+        str(atrex),
+        "--cpu-jobs",
+        "3",
+        "--set",
+        "tiny",
+        "--device",
+        "cpu",
+        "--width",
+        "4",
+        "--alone-rounds",
+        "2",
+        "--variants",
+        "region:--freeze all",
+        "region-bad:--no-such-flag",
+        "shared",
+        "command",
+        "--out",
+        str(out),
+        timeout=400,
+    )
     data = json.loads(out.read_text())
     assert set(Path("/tmp").glob("krex-jobs-*")) <= before, "a stack left its state behind"
     assert [r["round"] for r in data["alone"]] == ["alone-1", "alone-2"]
     assert all(r["ok"] for rnd in data["alone"] for r in rnd["jobs"]), data["alone"]
-    assert set(data["summary"]["baselines"]) == {j for p in data["passes"].values()
-                                                 for r in p["jobs"] for j in r["keys"]}
+    assert set(data["summary"]["baselines"]) == {
+        j for p in data["passes"].values() for r in p["jobs"] for j in r["keys"]
+    }
     assert "no-such-flag" in data["passes"]["region-bad"]["error"]
     for name in ("region", "shared", "command"):
         recs = data["passes"][name]["jobs"]

@@ -28,10 +28,12 @@ def test_plan_alternates_timeouts_and_spreads_offsets() -> None:
 
 
 def test_where_names_the_op_in_flight() -> None:
-    recs = [{"op": "sleep:30", "t_enter": 100, "t_exit": 200},
-            {"op": "init", "t_enter": 200, "t_exit": 300},
-            {"op": "alloc:8", "t_enter": 350, "t_exit": 400},
-            {"op": "exit", "t_enter": 500, "t_exit": 0}]
+    recs = [
+        {"op": "sleep:30", "t_enter": 100, "t_exit": 200},
+        {"op": "init", "t_enter": 200, "t_exit": 300},
+        {"op": "alloc:8", "t_enter": 350, "t_exit": 400},
+        {"op": "exit", "t_enter": 500, "t_exit": 0},
+    ]
     assert cls.where(recs, 50) == "before"
     assert cls.where(recs, 150) == "sleep"
     assert cls.where(recs, 250) == "init"
@@ -40,24 +42,39 @@ def test_where_names_the_op_in_flight() -> None:
     assert cls.where(recs, 900) == "exit"  # an exit not yet reaped is still in flight
 
 
-def attempt(scenario: str, target: str, where: str, rc: int, before_rc: int = 0,
-            until: float | None = None) -> dict[str, object]:
-    a: dict[str, object] = {"scenario": scenario, "target": target, "where": where, "timeout_ms": 5,
-                            "rc": rc, "name": "locked" if rc == 0 else f"CUDA_ERROR_X ({rc})",
-                            "lock_ms": 0.5, "state_before_rc": before_rc, "state_before": "running",
-                            "state_after": "locked" if rc == 0 else "running"}
+def attempt(
+    scenario: str, target: str, where: str, rc: int, before_rc: int = 0, until: float | None = None
+) -> dict[str, object]:
+    a: dict[str, object] = {
+        "scenario": scenario,
+        "target": target,
+        "where": where,
+        "timeout_ms": 5,
+        "rc": rc,
+        "name": "locked" if rc == 0 else f"CUDA_ERROR_X ({rc})",
+        "lock_ms": 0.5,
+        "state_before_rc": before_rc,
+        "state_before": "running",
+        "state_after": "locked" if rc == 0 else "running",
+    }
     if rc in cls.RETRY_RCS:
-        a["retry"] = {"attempts": 3, "final_rc": 0 if until else rc,
-                      "final_name": "locked" if until else "x", "until_locked_ms": until}
+        a["retry"] = {
+            "attempts": 3,
+            "final_rc": 0 if until else rc,
+            "final_name": "locked" if until else "x",
+            "until_locked_ms": until,
+        }
     return a
 
 
 def test_summary_and_verdict_tell_context_from_no_context() -> None:
-    xs = [attempt("warm", "alloc", "alloc", 600, 0, 12.0),
-          attempt("warm", "alloc", "alloc", 0),
-          attempt("lifecycle-exit", "startup", "ctx", 600, 1, 200.0),
-          attempt("lifecycle-exit", "startup", "ctx", 600, 1, None),
-          attempt("warm", "h2d", "h2d", 909, 0, 40.0)]
+    xs = [
+        attempt("warm", "alloc", "alloc", 600, 0, 12.0),
+        attempt("warm", "alloc", "alloc", 0),
+        attempt("lifecycle-exit", "startup", "ctx", 600, 1, 200.0),
+        attempt("lifecycle-exit", "startup", "ctx", 600, 1, None),
+        attempt("warm", "h2d", "h2d", 909, 0, 40.0),
+    ]
     rows = cls.summarize(xs)
     alloc = next(r for r in rows if r["target"] == "alloc")
     assert alloc["n"] == 2 and alloc["retried"] == 1 and alloc["retry_locked_ms"] == "12.00/12.00"
@@ -76,10 +93,23 @@ def test_dry_run_against_the_fake_driver(tmp_path: Path) -> None:
     (tmp_path / "fake").mkdir()
     fake = build(tmp_path / "fake")
     out = tmp_path / "out"
-    p = run_script("-m", "bench.gpu.check_lock_states", "--dry-run", "--reps", "2",
-                   "--lifecycle-reps", "2", "--kernel-ms", "60", "--deadline", "60",
-                   "--only", "warm,lifecycle",
-                   env={**fake.env(FAKE_CUDA_CTX_MS="120"), "OUT": str(out)}, timeout=120)
+    p = run_script(
+        "-m",
+        "bench.gpu.check_lock_states",
+        "--dry-run",
+        "--reps",
+        "2",
+        "--lifecycle-reps",
+        "2",
+        "--kernel-ms",
+        "60",
+        "--deadline",
+        "60",
+        "--only",
+        "warm,lifecycle",
+        env={**fake.env(FAKE_CUDA_CTX_MS="120"), "OUT": str(out)},
+        timeout=120,
+    )
     assert "VERDICT" in p.stdout
     data = json.loads((out / "check_lock_states.json").read_text())
     assert not data["errors"], data["errors"]
@@ -91,8 +121,17 @@ def test_dry_run_against_the_fake_driver(tmp_path: Path) -> None:
     # a 5 ms lock on a process inside an 80 ms call times out; a 1 s one waits for its end
     assert by[("alloc", 5)]["rc"] == cls.TIMEOUT and by[("alloc", 1000)]["rc"] == 0
     assert by[("idle", 5)]["rc"] == 0 and by[("idle", 5)]["lock_ms"] < 50
-    assert {"alloc", "free", "h2d", "module-load", "kernel+sync", "kernel+host-idle", "idle",
-            "teardown-exit", "teardown-release"} <= {a["target"] for a in data["attempts"]}
+    assert {
+        "alloc",
+        "free",
+        "h2d",
+        "module-load",
+        "kernel+sync",
+        "kernel+host-idle",
+        "idle",
+        "teardown-exit",
+        "teardown-release",
+    } <= {a["target"] for a in data["attempts"]}
     assert "torch" not in data["scenarios"]
     assert (out / "check_lock_states.txt").read_text().count("VERDICT") == 1
 
@@ -150,13 +189,38 @@ def test_sibling_ops_pass_the_driver_what_it_expects(tmp_path: Path) -> None:
     subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "args.c")], check=True)
     shm = tmp_path / "shm"
     shm.write_bytes(b"\0" * cls.sib.SIZE)
-    ops = ["init", "ctx", "alloc:1", "free", "hostbuf:0.01", "h2d", "spinmod", "bigptx:5", "module",
-           "unload", "spin:3", "sync", "alloc:64", "release", "exit"]
+    ops = [
+        "init",
+        "ctx",
+        "alloc:1",
+        "free",
+        "hostbuf:0.01",
+        "h2d",
+        "spinmod",
+        "bigptx:5",
+        "module",
+        "unload",
+        "spin:3",
+        "sync",
+        "alloc:64",
+        "release",
+        "exit",
+    ]
     log = tmp_path / "calls.log"
-    p = subprocess.run([sys.executable, str(cls.SIBLING), str(shm), "ops",
-                        json.dumps([{"op": o, "gate": False} for o in ops]), "30"],
-                       env={"KREX_LIBCUDA": str(lib), "FAKE_LOG": str(log), "PATH": "/usr/bin:/bin"},
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(cls.SIBLING),
+            str(shm),
+            "ops",
+            json.dumps([{"op": o, "gate": False} for o in ops]),
+            "30",
+        ],
+        env={"KREX_LIBCUDA": str(lib), "FAKE_LOG": str(log), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     with open(shm, "r+b") as f:
         m = mmap.mmap(f.fileno(), cls.sib.SIZE)
@@ -194,11 +258,25 @@ def test_torch_scenario_with_a_stub_torch(tmp_path: Path) -> None:
     (tmp_path / "stub").mkdir()
     (tmp_path / "stub" / "torch.py").write_text(STUB_TORCH)
     out = tmp_path / "out"
-    run_script("-m", "bench.gpu.check_lock_states", "--dry-run", "--only", "torch",
-               "--torch-seconds", "2", "--torch-period-ms", "40", "--deadline", "30",
-               env={**fake.env(), "OUT": str(out),
-                    "PYTHONPATH": f"{tmp_path / 'stub'}:{Path(cls.__file__).resolve().parents[2]}"},
-               timeout=90)
+    run_script(
+        "-m",
+        "bench.gpu.check_lock_states",
+        "--dry-run",
+        "--only",
+        "torch",
+        "--torch-seconds",
+        "2",
+        "--torch-period-ms",
+        "40",
+        "--deadline",
+        "30",
+        env={
+            **fake.env(),
+            "OUT": str(out),
+            "PYTHONPATH": f"{tmp_path / 'stub'}:{Path(cls.__file__).resolve().parents[2]}",
+        },
+        timeout=90,
+    )
     data = json.loads((out / "check_lock_states.json").read_text())
     assert not data["errors"], data["errors"]
     xs = [a for a in data["attempts"] if a["scenario"] == "torch"]

@@ -18,13 +18,16 @@ from .conftest import run_script
 V2 = cgroup2_root()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["-m", "bench.freeze_floor", "--root", "/tmp"], "not a cgroup v2 directory"),
-    (["-m", "bench.wakeup", "--pairs", "0:x"], "expected a:b"),
-    (["-m", "bench.wakeup", "--pairs", "0:4096"], "CPUs must be pairs"),
-    (["-m", "bench.wakeup", "--rounds", "3"], "at least 10"),
-    (["-m", "bench.replay", "--repeats", "0", "--plan"], "--repeats must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["-m", "bench.freeze_floor", "--root", "/tmp"], "not a cgroup v2 directory"),
+        (["-m", "bench.wakeup", "--pairs", "0:x"], "expected a:b"),
+        (["-m", "bench.wakeup", "--pairs", "0:4096"], "CPUs must be pairs"),
+        (["-m", "bench.wakeup", "--rounds", "3"], "at least 10"),
+        (["-m", "bench.replay", "--repeats", "0", "--plan"], "--repeats must be at least 1"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(args: list[str], says: str) -> None:
     p = run_script(*args, check=False)
     assert p.returncode == 2 and says in p.stderr, p.stderr
@@ -47,8 +50,19 @@ def test_freeze_floor_freezes_and_cleans_up(tmp_path: Path) -> None:
     try:
         before = set(os.listdir(root))
         out = tmp_path / "f.json"
-        run_script("-m", "bench.freeze_floor", "--root", root, "--groups", "2", "--rounds", "5",
-                   "--json", str(out), timeout=60)
+        run_script(
+            "-m",
+            "bench.freeze_floor",
+            "--root",
+            root,
+            "--groups",
+            "2",
+            "--rounds",
+            "5",
+            "--json",
+            str(out),
+            timeout=60,
+        )
         row = json.loads(out.read_text())
         assert row["groups"] == 2 and 0 < row["writes_p50_us"] <= row["frozen_p50_us"]
         assert set(os.listdir(root)) == before  # its cgroups are gone

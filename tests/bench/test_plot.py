@@ -40,6 +40,12 @@ def test_inflation_axis_is_symlog(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_plot_usage_errors(tmp_path: Path) -> None:
     import subprocess
-    p = subprocess.run([sys.executable, "-m", "bench.plot", str(tmp_path / "no.json")],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.plot", str(tmp_path / "no.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr and "no.json" in p.stderr

@@ -31,15 +31,38 @@ def test_two_sessions_all_policies(tmp_path: Path) -> None:
     if sys.platform != "linux":
         pytest.skip("krex runs on Linux")
     prof = tmp_path / "tiny.json"
-    prof.write_text(json.dumps({
-        "name": "tiny", "base": "quick", "sessions": 2, "concurrency": 2,
-        "commands_per_session": {"mean": 2, "min": 2, "max": 2},
-        "timing": {"min_reps": 5, "max_reps": 40, "warmup_ms": 2},
-        "phases": {n: {"expect_s": 0.05, "cpu_s": 0.02} for n in ("import", "compile", "inputs", "check")}}))
+    prof.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "base": "quick",
+                "sessions": 2,
+                "concurrency": 2,
+                "commands_per_session": {"mean": 2, "min": 2, "max": 2},
+                "timing": {"min_reps": 5, "max_reps": 40, "warmup_ms": 2},
+                "phases": {
+                    n: {"expect_s": 0.05, "cpu_s": 0.02} for n in ("import", "compile", "inputs", "check")
+                },
+            }
+        )
+    )
     out = tmp_path / "res" / "tiny.json"
-    p = run_script("-m", "bench.replay", "--profile", str(prof), "--seed", "5", "--think-scale", "0.05",
-                   "--repeats", "1", "--out", str(out), timeout=120,
-                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    p = run_script(
+        "-m",
+        "bench.replay",
+        "--profile",
+        str(prof),
+        "--seed",
+        "5",
+        "--think-scale",
+        "0.05",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        timeout=120,
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
     assert "throughput region/command" in p.stdout
     assert "[region" in p.stderr  # the progress line
     data = json.loads(out.read_text())
@@ -67,13 +90,21 @@ def test_plot_from_a_results_file(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (not a project dependency)")
     import analysis
     import plot
+
     iso = [{"key": "k|do_bench", "timing": {"median_ms": 2.0, "p95_ms": 2.2}}]
-    cmd = {"ok": True, "session": "s0", "order": 0, "client_s": 5.0,
-           "result": {"key": "k|do_bench", "method": "do_bench",
-                                  "timing": {"median_ms": 2.1, "p95_ms": 2.3}}, "report": {}}
-    data = {"config": {"commands": 1, "concurrency": 1, "cores": 2, "think_scale": 1.0},
-            "isolated": {"results": iso},
-            "passes": {p: {"makespan_s": 10.0, "commands": [cmd]} for p in ("region", "command", "shared")}}
+    cmd = {
+        "ok": True,
+        "session": "s0",
+        "order": 0,
+        "client_s": 5.0,
+        "result": {"key": "k|do_bench", "method": "do_bench", "timing": {"median_ms": 2.1, "p95_ms": 2.3}},
+        "report": {},
+    }
+    data = {
+        "config": {"commands": 1, "concurrency": 1, "cores": 2, "think_scale": 1.0},
+        "isolated": {"results": iso},
+        "passes": {p: {"makespan_s": 10.0, "commands": [cmd]} for p in ("region", "command", "shared")},
+    }
     data["summary"] = analysis.summarise(data, [])
     paths = plot.plot(data, tmp_path, "x")
     assert [p.name for p in paths] == ["x-throughput.png", "x-inflation-cdf.png"]

@@ -12,7 +12,7 @@ from bench.trace_format import validate_line
 from tests.bench.conftest import run_script
 
 # Plain-Python models, so the problems run on the cpu device without torch.
-KB_PROBLEM = '''
+KB_PROBLEM = """
 class Model:
     def __init__(self, scale):
         self.scale = scale
@@ -27,9 +27,9 @@ def get_inputs():
 
 def get_init_inputs():
     return [2.0]
-'''
+"""
 
-ATREX_REF = '''
+ATREX_REF = """
 class Model:
     def __init__(self, hidden_size, eps=1e-6):
         self.hidden_size, self.eps = hidden_size, eps
@@ -37,12 +37,12 @@ class Model:
     def __call__(self, x):
         s = sum(v * v for v in x) ** 0.5 + self.eps
         return [v / s for v in x]
-'''
+"""
 
-ATREX_INPUT = '''
+ATREX_INPUT = """
 def _make_inputs(num_tokens, hidden_size):
     return {"x": [float((i * 7) % 13) for i in range(num_tokens * hidden_size)]}
-'''
+"""
 
 
 def write_kernelbench(root: Path) -> Path:
@@ -59,9 +59,20 @@ def write_atrex(root: Path) -> Path:
     op.mkdir(parents=True)
     (op / "reference.py").write_text(ATREX_REF)
     (op / "input.py").write_text(ATREX_INPUT)
-    (op / "shapes.json").write_text(json.dumps({
-        "0": {"init_kwargs": {"hidden_size": 64}, "input_kwargs": {"num_tokens": 4, "hidden_size": 64}},
-        "1": {"init_kwargs": {"hidden_size": 64}, "input_kwargs": {"num_tokens": 32, "hidden_size": 64}}}))
+    (op / "shapes.json").write_text(
+        json.dumps(
+            {
+                "0": {
+                    "init_kwargs": {"hidden_size": 64},
+                    "input_kwargs": {"num_tokens": 4, "hidden_size": 64},
+                },
+                "1": {
+                    "init_kwargs": {"hidden_size": 64},
+                    "input_kwargs": {"num_tokens": 32, "hidden_size": 64},
+                },
+            }
+        )
+    )
     (root / "data" / "incomplete").mkdir()
     (root / "data" / "incomplete" / "reference.py").write_text(ATREX_REF)
     return root
@@ -86,8 +97,22 @@ def test_atrex_listing(tmp_path: Path) -> None:
 def test_suite_commands_load_check_and_time(tmp_path: Path, suite: str) -> None:
     root = (write_kernelbench if suite == "kernelbench" else write_atrex)(tmp_path / "ck")
     out = tmp_path / "t.jsonl"
-    run_script("-m", "bench.gen_trace", "--profile", "quick", "--sessions", "4", "--seed", "2",
-               "--suite", suite, "--suite-path", str(root), "-o", str(out))
+    run_script(
+        "-m",
+        "bench.gen_trace",
+        "--profile",
+        "quick",
+        "--sessions",
+        "4",
+        "--seed",
+        "2",
+        "--suite",
+        suite,
+        "--suite-path",
+        str(root),
+        "-o",
+        str(out),
+    )
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert all(validate_line(c) == [] and c["kernel"]["kind"] == "suite" for c in lines)
     assert all(c["kernel"]["source"]["suite"] == suite for c in lines)
@@ -100,8 +125,8 @@ def test_suite_commands_load_check_and_time(tmp_path: Path, suite: str) -> None:
 def test_suite_check_fails_for_a_nondeterministic_reference(tmp_path: Path) -> None:
     root = write_kernelbench(tmp_path)
     (root / "KernelBench" / "level1" / "1_ScaleAdd.py").write_text(
-        KB_PROBLEM.replace("return [self.scale * x + y",
-                           "import random\n        return [random.random() + y"))
+        KB_PROBLEM.replace("return [self.scale * x + y", "import random\n        return [random.random() + y")
+    )
     (k,) = [k for k in suites.suite_kernels("kernelbench", root) if k["id"].endswith("1_ScaleAdd")]
     fn, check = suites.make_callable(k["source"], gpu=False, seed=0)
     ok, err = check()

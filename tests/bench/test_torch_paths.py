@@ -14,10 +14,14 @@ from tests.bench.conftest import run_script
 
 torch = pytest.importorskip("torch", reason="torch is not installed here")
 
-SMALL = {"matmul": [128, 128, 128], "reduction": [64, 512], "softmax": [64, 512],
-         "conv": [2, 8, 16, 16, 8, 3]}
+SMALL = {
+    "matmul": [128, 128, 128],
+    "reduction": [64, 512],
+    "softmax": [64, 512],
+    "conv": [2, 8, 16, 16, 8, 3],
+}
 
-KB_TORCH = '''
+KB_TORCH = """
 import torch
 import torch.nn as nn
 
@@ -37,14 +41,20 @@ def get_inputs():
 
 def get_init_inputs():
     return [128]
-'''
+"""
 
 
 def _run(lines: list[dict], tmp_path: Path) -> list[dict]:
     f = tmp_path / "k.jsonl"
     f.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    p = run_script("-m", "bench.workload.agent_cmd", "--isolated", str(f), timeout=120,
-                   env={"KREX_BENCH_DEVICE": "", "KREX_BENCH_TORCH_DEVICE": "cpu"})
+    p = run_script(
+        "-m",
+        "bench.workload.agent_cmd",
+        "--isolated",
+        str(f),
+        timeout=120,
+        env={"KREX_BENCH_DEVICE": "", "KREX_BENCH_TORCH_DEVICE": "cpu"},
+    )
     return [json.loads(x) for x in p.stdout.splitlines() if '"krex_bench"' in x]
 
 
@@ -71,8 +81,20 @@ def test_kernelbench_torch_problem(tmp_path: Path) -> None:
     lvl.mkdir(parents=True)
     (lvl / "3_LinearRelu.py").write_text(KB_TORCH)
     out = tmp_path / "t.jsonl"
-    run_script("-m", "bench.gen_trace", "--profile", "default", "--sessions", "1", "--suite", "kernelbench",
-               "--suite-path", str(tmp_path / "kb"), "-o", str(out))
+    run_script(
+        "-m",
+        "bench.gen_trace",
+        "--profile",
+        "default",
+        "--sessions",
+        "1",
+        "--suite",
+        "kernelbench",
+        "--suite-path",
+        str(tmp_path / "kb"),
+        "-o",
+        str(out),
+    )
     line = json.loads(out.read_text().splitlines()[0])
     line["phases"]["compile"]["gpu"]["count"] = 0
     line["phases"]["timing"]["method"] = "host_sync"

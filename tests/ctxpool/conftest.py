@@ -25,16 +25,23 @@ class Run:
     launched: Launched
 
 
-def make_spec(argv: list[str], cwd: str, env: dict[str, str] | None = None,
-              stdin: bytes = b"") -> tuple[LaunchSpec, list[int]]:
+def make_spec(
+    argv: list[str], cwd: str, env: dict[str, str] | None = None, stdin: bytes = b""
+) -> tuple[LaunchSpec, list[int]]:
     """A LaunchSpec with fresh pipes; returns the spec and our ends [stdin_w, stdout_r, stderr_r]."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     os.write(in_w, stdin)  # small inputs fit the pipe buffer
     os.close(in_w)
-    spec = LaunchSpec(argv=argv, cwd=cwd, env=dict(os.environ if env is None else env),
-                      stdin_fd=in_r, stdout_fd=out_w, stderr_fd=err_w)
+    spec = LaunchSpec(
+        argv=argv,
+        cwd=cwd,
+        env=dict(os.environ if env is None else env),
+        stdin_fd=in_r,
+        stdout_fd=out_w,
+        stderr_fd=err_w,
+    )
     return spec, [out_r, err_r]
 
 
@@ -59,14 +66,14 @@ async def finish(spec: LaunchSpec, ours: list[int], launched: Launched) -> Run:
     return Run(status.returncode, out, err, launched)
 
 
-async def run_plain(argv: list[str], cwd: str, env: dict[str, str] | None = None,
-                    stdin: bytes = b"") -> Run:
+async def run_plain(argv: list[str], cwd: str, env: dict[str, str] | None = None, stdin: bytes = b"") -> Run:
     spec, ours = make_spec(argv, cwd, env, stdin)
     return await finish(spec, ours, spawn(spec))
 
 
-async def run_pooled(pool: Pool, argv: list[str], cwd: str, env: dict[str, str] | None = None,
-                     stdin: bytes = b"") -> Run:
+async def run_pooled(
+    pool: Pool, argv: list[str], cwd: str, env: dict[str, str] | None = None, stdin: bytes = b""
+) -> Run:
     await pool.wait_warm(1, timeout=30)
     spec, ours = make_spec(argv, cwd, env, stdin)
     launched = await pool.launch(spec)

@@ -21,8 +21,9 @@ import pytest
 
 from ..conftest import PY, py_env, run_daemon, v2_mount
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or v2_mount() is None,
-                                reason="adoption needs the cgroup backend: root and cgroup v2")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or v2_mount() is None, reason="adoption needs the cgroup backend: root and cgroup v2"
+)
 
 MARK = "import sys as _s; _M = 'colorsys' in _s.modules\n"  # first line of every job
 
@@ -31,7 +32,7 @@ def write(d: Path, name: str, src: str) -> str:
     p = d / name
     p.parent.mkdir(parents=True, exist_ok=True)
     mark = src.startswith(MARK)
-    p.write_text((MARK if mark else "") + textwrap.dedent(src[len(MARK):] if mark else src))
+    p.write_text((MARK if mark else "") + textwrap.dedent(src[len(MARK) :] if mark else src))
     return str(p)
 
 
@@ -65,8 +66,9 @@ def declined(n):
 
 
 def pooled_daemon(size: int = 2) -> Any:
-    return run_daemon("--pool-size", str(size), "--pool-preload", "colorsys", "--isolation", "cgroup",
-                      env=py_env())
+    return run_daemon(
+        "--pool-size", str(size), "--pool-preload", "colorsys", "--isolation", "cgroup", env=py_env()
+    )
 
 
 async def run_sh(c: Any, line: str, cwd: Path, **kw: Any) -> Any:
@@ -76,12 +78,17 @@ async def run_sh(c: Any, line: str, cwd: Path, **kw: Any) -> Any:
 
 def plain(line: str, cwd: Path, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     """The same shell line without krex: what a fresh interpreter does."""
-    return subprocess.run(["/bin/sh", "-c", line], cwd=cwd, input=stdin, capture_output=True,
-                          env=py_env(), timeout=60)
+    return subprocess.run(
+        ["/bin/sh", "-c", line], cwd=cwd, input=stdin, capture_output=True, env=py_env(), timeout=60
+    )
 
 
 async def test_sh_c_job_is_adopted_and_behaves_like_a_fresh_process(tmp_path: Path) -> None:
-    write(tmp_path, "job.py", MARK + """
+    write(
+        tmp_path,
+        "job.py",
+        MARK
+        + """
         import os, sys
         print("argv", sys.argv, "file", __file__, "name", __name__, flush=True)
         print("cwd", os.getcwd(), "env", os.environ.get("JOBVAR"), "stdin", sys.stdin.read())
@@ -91,7 +98,8 @@ async def test_sh_c_job_is_adopted_and_behaves_like_a_fresh_process(tmp_path: Pa
             print("err", i, file=sys.stderr, flush=True)
         print("adopted", _M, file=sys.stderr)
         raise SystemExit(7)
-    """)
+    """,
+    )
     line = f"echo hello | JOBVAR=v {PY} job.py a 'b c' 2>&1; echo rc=$?"
     async with pooled_daemon() as d:
         async with await d.client() as c:
@@ -108,20 +116,29 @@ async def test_sh_c_job_is_adopted_and_behaves_like_a_fresh_process(tmp_path: Pa
 async def test_runner_script_module_with_relative_imports_and_uncaught_exception(tmp_path: Path) -> None:
     write(tmp_path, "pkg/__init__.py", "")
     write(tmp_path, "pkg/helper.py", "VALUE = 42\n")
-    write(tmp_path, "pkg/main.py", MARK + """
+    write(
+        tmp_path,
+        "pkg/main.py",
+        MARK
+        + """
         from .helper import VALUE
         import sys
         print("value", VALUE, __name__, __package__, sys.argv, _M, flush=True)
         def boom():
             raise ValueError("bad " + sys.argv[1])
         boom()
-    """)
-    write(tmp_path, "runner.sh", f"""
+    """,
+    )
+    write(
+        tmp_path,
+        "runner.sh",
+        f"""
         set -u
         cd "$(dirname "$0")"
         {PY} -m pkg.main x
         echo "rc=$?"
-    """)
+    """,
+    )
     async with pooled_daemon() as d:
         async with await d.client() as c:
             res = await run_sh(c, "bash runner.sh", tmp_path)
@@ -137,7 +154,11 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
     """An absolute-path interpreter started by subprocess from an adopted one: SIGINT sent by the
     parent raises KeyboardInterrupt in the program; SIGTERM and SIGKILL end it as they would a
     fresh process (the parent sees -15, -9), and a killed adopter takes its worker with it."""
-    write(tmp_path, "inner.py", MARK + """
+    write(
+        tmp_path,
+        "inner.py",
+        MARK
+        + """
         import os, sys, time
         if sys.argv[1] == "int":
             try:  # the line that tells the parent to signal is printed inside the handler's scope
@@ -148,10 +169,14 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
                 raise
         print(os.getpid(), _M, flush=True)
         time.sleep(30)
-    """)
+    """,
+    )
     # No pause between interpreters: each starts while the pool warms the replacement of the
     # worker taken last, and must wait for it (--pool-wait) rather than start fresh.
-    write(tmp_path, "outer.py", f"""
+    write(
+        tmp_path,
+        "outer.py",
+        f"""
         import os, signal, subprocess, sys, time
         def running(pid):
             try:
@@ -171,7 +196,8 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
             while (alive := running(int(first[0]))) and time.monotonic() < deadline:
                 time.sleep(0.02)
             print(how, "program alive", alive, flush=True)
-    """)
+    """,
+    )
     async with pooled_daemon() as d:
         async with await d.client() as c:
             res = await run_sh(c, f"{PY} outer.py", tmp_path, timeout=60)
@@ -186,11 +212,16 @@ async def test_subprocess_from_python_and_signals_reach_the_program(tmp_path: Pa
 async def test_timeout_kills_adopted_worker_and_ignored_signals_stay_ignored(tmp_path: Path) -> None:
     """A background job of sh inherits SIGINT ignored: so does its worker. At the command's
     timeout the worker dies with the command's tree."""
-    write(tmp_path, "job.py", MARK + """
+    write(
+        tmp_path,
+        "job.py",
+        MARK
+        + """
         import os, signal, time
         print(os.getpid(), _M, signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     async with pooled_daemon() as d:
         async with await d.client() as c:
             res = await run_sh(c, f"{PY} job.py & wait", tmp_path, timeout=3)
@@ -205,7 +236,11 @@ async def test_timeout_kills_adopted_worker_and_ignored_signals_stay_ignored(tmp
 
 async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Path) -> None:
     write(tmp_path, "declined.py", DECLINED)
-    write(tmp_path, "mp.py", MARK + """
+    write(
+        tmp_path,
+        "mp.py",
+        MARK
+        + """
         import multiprocessing as mp, os, sys
         def square(x):
             return x * x
@@ -217,7 +252,8 @@ async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Pa
                         from declined import declined
                         declined(2)
             print("adopted", _M)
-    """)
+    """,
+    )
     async with pooled_daemon(3) as d:
         async with await d.client() as c:
             res = await run_sh(c, f"{PY} mp.py", tmp_path, timeout=60)
@@ -229,20 +265,33 @@ async def test_multiprocessing_spawn_and_fork_in_an_adopted_program(tmp_path: Pa
 
 async def test_ineligible_interpreters_run_as_before_and_say_why(tmp_path: Path) -> None:
     write(tmp_path, "declined.py", DECLINED)
-    write(tmp_path, "job.py", MARK + """
+    write(
+        tmp_path,
+        "job.py",
+        MARK
+        + """
         import sys
         print(_M, sys.flags.dev_mode, sys.stdout.write_through, flush=True)
         if len(sys.argv) > 1:
             from declined import declined
             declined(int(sys.argv[1]))
-    """)
+    """,
+    )
     async with pooled_daemon() as d:
         async with await d.client() as c:
             # -u (or PYTHONUNBUFFERED) is the adopter's to choose, whatever the worker started with
-            res = await run_sh(c, f"unset PYTHONUNBUFFERED; {PY} -X dev job.py 1; {PY} -u job.py; "
-                                  f"CUDA_VISIBLE_DEVICES=7 {PY} job.py 2; {PY} job.py", tmp_path)
-    assert res.stdout.splitlines() == [b"False True False", b"True False True",
-                                       b"False False False", b"True False False"], (res.stdout, res.stderr)
+            res = await run_sh(
+                c,
+                f"unset PYTHONUNBUFFERED; {PY} -X dev job.py 1; {PY} -u job.py; "
+                f"CUDA_VISIBLE_DEVICES=7 {PY} job.py 2; {PY} job.py",
+                tmp_path,
+            )
+    assert res.stdout.splitlines() == [
+        b"False True False",
+        b"True False True",
+        b"False False False",
+        b"True False False",
+    ], (res.stdout, res.stderr)
     assert res.report.pool_adopted == 2
     assert res.report.pool_declined == {"flag -X": 1, "env CUDA_VISIBLE_DEVICES": 1}, res.report
 
@@ -251,8 +300,11 @@ async def test_no_pool_no_adoption_variable(tmp_path: Path) -> None:
     """Without a pool the runtime is told nothing (KREX_POOL unset): no request, nothing counted."""
     async with run_daemon("--isolation", "cgroup", env=py_env()) as d:
         async with await d.client() as c:
-            res = await c.run(["/bin/sh", "-c", f"{PY} -c 'import os; print(\"KREX_POOL\" in os.environ)'"],
-                              env=py_env(), cwd=str(tmp_path))
+            res = await c.run(
+                ["/bin/sh", "-c", f"{PY} -c 'import os; print(\"KREX_POOL\" in os.environ)'"],
+                env=py_env(),
+                cwd=str(tmp_path),
+            )
     assert res.stdout == b"False\n"
     assert res.report.pool_adopted == 0 and res.report.pool_declined == {}
 
@@ -263,11 +315,21 @@ async def test_gateway_jobs_are_adopted(tmp_path: Path) -> None:
     from ..gateway.conftest import JOB_USER, stack
 
     if os.geteuid() == 0 and not _runs_as(JOB_USER, PY):
-        pytest.skip(f"the gateway runs jobs as {JOB_USER}, who cannot run {PY} (a venv under a "
-                    "private home), so no pool of that user can serve them")
+        pytest.skip(
+            f"the gateway runs jobs as {JOB_USER}, who cannot run {PY} (a venv under a "
+            "private home), so no pool of that user can serve them"
+        )
     src = MARK + "import sys\nprint(_M, sys.argv[1:])\n"
-    daemon_args = ("--pool-size", "2", "--pool-preload", "colorsys", "--isolation", "cgroup",
-                   "--pool-user", JOB_USER)
+    daemon_args = (
+        "--pool-size",
+        "2",
+        "--pool-preload",
+        "colorsys",
+        "--isolation",
+        "cgroup",
+        "--pool-user",
+        JOB_USER,
+    )
     async with stack(tmp_path, daemon_args=daemon_args) as (daemon, _gw, c):
         async with await daemon.client() as dc:  # type: ignore[attr-defined]
             await warm(dc)
@@ -284,7 +346,11 @@ async def test_gateway_jobs_are_adopted(tmp_path: Path) -> None:
 async def test_a_cancel_signals_the_program_once(tmp_path: Path) -> None:
     """A cancel with SIGTERM signals every process of the command, the adopter and its worker
     alike: the adopter must not forward the daemon's own signal, or the program would get two."""
-    write(tmp_path, "job.py", MARK + """
+    write(
+        tmp_path,
+        "job.py",
+        MARK
+        + """
         import signal, time
         got = []
         signal.signal(signal.SIGTERM, lambda *a: got.append(1))
@@ -292,12 +358,14 @@ async def test_a_cancel_signals_the_program_once(tmp_path: Path) -> None:
         time.sleep(1.0)
         time.sleep(0.5)  # a second signal would cut the first sleep short only once
         print("count", len(got), flush=True)
-    """)
+    """,
+    )
     async with pooled_daemon() as d:
         async with await d.client() as c:
             await warm(c)
-            h = await c.submit(["/bin/sh", "-c", f"trap '' TERM; {PY} job.py"], env=py_env(),
-                               cwd=str(tmp_path))
+            h = await c.submit(
+                ["/bin/sh", "-c", f"trap '' TERM; {PY} job.py"], env=py_env(), cwd=str(tmp_path)
+            )
             out = b""
             async for _stream, data in h.output():
                 out += data
@@ -328,24 +396,41 @@ async def test_only_a_process_with_the_workers_user_and_privileges_is_handed_ove
     await pool.wait_warm(timeout=30)
     interp = pool.interpreter
     assert interp is not None
-    req = P.Adopt(id=2, command="c", token="t", argv=[PY, "job.py"], cwd=str(tmp_path),
-                  env={k: v for k, v in interp["init_env"].items() if v is not None},
-                  hexversion=sys.hexversion, flags=interp["flags"])
+    req = P.Adopt(
+        id=2,
+        command="c",
+        token="t",
+        argv=[PY, "job.py"],
+        cwd=str(tmp_path),
+        env={k: v for k, v in interp["init_env"].items() if v is not None},
+        hexversion=sys.hexversion,
+        flags=interp["flags"],
+    )
     sleeper = [PY, "-c", "import time; time.sleep(30)"]
     other = ["/bin/sleep", "30"]  # the user check comes first; nobody may not run our interpreter
     no_new_privs = lambda: ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # noqa: E731 PR_SET_NO_NEW_PRIVS
-    procs = [subprocess.Popen(sleeper), subprocess.Popen(other, user=65534, group=65534),
-             subprocess.Popen(other, group=65534), subprocess.Popen(sleeper, preexec_fn=no_new_privs)]
+    procs = [
+        subprocess.Popen(sleeper),
+        subprocess.Popen(other, user=65534, group=65534),
+        subprocess.Popen(other, group=65534),
+        subprocess.Popen(sleeper, preexec_fn=no_new_privs),
+    ]
     try:  # Popen returns once its child has exec'd: ids, privileges and exe are final
-        assert [refusal(pool, req, p.pid) for p in procs] == [
-            None, "user", "user", "privileges NoNewPrivs"]
-        assert refusal(pool, P.Adopt(id=2, command="c", token="t", argv=["/bin/sh", "x"],
-                                     cwd="/", env={}), procs[0].pid) == "interpreter version"
+        assert [refusal(pool, req, p.pid) for p in procs] == [None, "user", "user", "privileges NoNewPrivs"]
+        assert (
+            refusal(
+                pool,
+                P.Adopt(id=2, command="c", token="t", argv=["/bin/sh", "x"], cwd="/", env={}),
+                procs[0].pid,
+            )
+            == "interpreter version"
+        )
     finally:
         for p in procs:
             p.kill()
             p.wait()
         await pool.close()
+
 
 async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path: Path) -> None:
     """Warm workers are replaced only up to the number of commands running (at least one), never
@@ -370,18 +455,22 @@ async def test_pool_refills_towards_the_commands_running_on_its_device(tmp_path:
 async def test_a_preloaded_module_the_program_would_load_from_elsewhere_declines(tmp_path: Path) -> None:
     """A `colorsys.py` beside the script, or on the command's PYTHONPATH, is what a fresh
     interpreter imports: the worker, which preloaded the standard one, declines and leaves."""
-    write(tmp_path, "job.py", MARK + """
+    write(
+        tmp_path,
+        "job.py",
+        MARK
+        + """
         import colorsys
         print(_M, colorsys.__file__.endswith("mine/colorsys.py") or "local" in colorsys.__file__)
-    """)
+    """,
+    )
     write(tmp_path, "mine/colorsys.py", "")
     write(tmp_path, "local/job.py", MARK + "import colorsys\nprint(_M, colorsys.__file__)\n")
     write(tmp_path, "local/colorsys.py", "")
     async with pooled_daemon() as d:
         async with await d.client() as c:
             res = await run_sh(c, f"{PY} job.py", tmp_path)
-            shadow_path = await run_sh(c, f"PYTHONPATH={tmp_path / 'mine'}:$PYTHONPATH {PY} job.py",
-                                       tmp_path)
+            shadow_path = await run_sh(c, f"PYTHONPATH={tmp_path / 'mine'}:$PYTHONPATH {PY} job.py", tmp_path)
             beside = await run_sh(c, f"{PY} local/job.py", tmp_path)
             st = (await c.status())["pools"]["cpu"]
     assert res.stdout == b"True False\n" and res.report.pool_adopted == 1, res
@@ -393,14 +482,25 @@ async def test_a_preloaded_module_the_program_would_load_from_elsewhere_declines
 
 
 async def test_a_reused_worker_adopts_again_and_leaks_nothing(tmp_path: Path) -> None:
-    code = ("import os, sys; print(os.getpid(), 'json' in sys.modules, 'LEAK' in os.environ, "
-            "'wave' in sys.modules); os.environ['LEAK'] = '1'; import wave")
-    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", "--pool-preload", "json",
-                          "--isolation", "cgroup", env=py_env()) as d:
+    code = (
+        "import os, sys; print(os.getpid(), 'json' in sys.modules, 'LEAK' in os.environ, "
+        "'wave' in sys.modules); os.environ['LEAK'] = '1'; import wave"
+    )
+    async with run_daemon(
+        "--pool-size",
+        "1",
+        "--pool-max-uses",
+        "3",
+        "--pool-preload",
+        "json",
+        "--isolation",
+        "cgroup",
+        env=py_env(),
+    ) as d:
         async with await d.client() as c:
             outs = []
             for _ in range(3):
-                res = await run_sh(c, f"{PY} -c \"{code}\"", tmp_path)
+                res = await run_sh(c, f'{PY} -c "{code}"', tmp_path)
                 assert res.report.pool_adopted == 1, res.report
                 outs.append(res.stdout.split())
     assert len({o[0] for o in outs}) == 1, outs  # one worker served all three
@@ -410,12 +510,23 @@ async def test_a_reused_worker_adopts_again_and_leaks_nothing(tmp_path: Path) ->
 async def test_device_holders_an_adoption_during_a_region_is_frozen_into_it(tmp_path: Path) -> None:
     """--freeze device-holders spares siblings without a GPU file, but a worker brings its
     context with it: a command adopting one during another's region is frozen until it ends."""
-    owner = ("from krex_async import region; import time\n"
-             "with region('t'):\n"
-             "    print('in', flush=True); time.sleep(1.5); print(time.monotonic(), flush=True)\n")
+    owner = (
+        "from krex_async import region; import time\n"
+        "with region('t'):\n"
+        "    print('in', flush=True); time.sleep(1.5); print(time.monotonic(), flush=True)\n"
+    )
     write(tmp_path, "job.py", MARK + "import time\nprint(time.monotonic(), _M, flush=True)\n")
-    async with run_daemon("--pool-size", "2", "--pool-preload", "colorsys", "--isolation", "cgroup",
-                          "--freeze", "device-holders", env=py_env()) as d:
+    async with run_daemon(
+        "--pool-size",
+        "2",
+        "--pool-preload",
+        "colorsys",
+        "--isolation",
+        "cgroup",
+        "--freeze",
+        "device-holders",
+        env=py_env(),
+    ) as d:
         async with await d.client() as c:
             await warm(c, 2)
             h = await c.submit([PY, "-c", owner], env=py_env(), cwd=str(tmp_path))
@@ -441,8 +552,9 @@ async def test_a_preload_that_sets_a_start_up_variable_does_not_decline(tmp_path
     env = py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
     env.pop("CUDA_MODULE_LOADING", None)
     write(tmp_path, "job.py", MARK + "import os\nprint(_M, os.environ.get('CUDA_MODULE_LOADING'))\n")
-    async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys,envsetter", "--isolation",
-                          "cgroup", env=env) as d:
+    async with run_daemon(
+        "--pool-size", "1", "--pool-preload", "colorsys,envsetter", "--isolation", "cgroup", env=env
+    ) as d:
         async with await d.client() as c:
             await warm(c)
             res = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=env, cwd=str(tmp_path))
@@ -471,12 +583,22 @@ async def test_a_pool_of_another_user_serves_that_users_commands_only() -> None:
     d.chmod(0o755)
     try:
         write(d, "job.py", MARK + "print('adopted', _M)\n")
-        async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys", "--isolation", "cgroup",
-                              "--pool-user", "nobody", env=py_env()) as dm:
+        async with run_daemon(
+            "--pool-size",
+            "1",
+            "--pool-preload",
+            "colorsys",
+            "--isolation",
+            "cgroup",
+            "--pool-user",
+            "nobody",
+            env=py_env(),
+        ) as dm:
             async with await dm.client() as c:
                 await warm(c)
-                theirs = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(d),
-                                     run_as=nobody)
+                theirs = await c.run(
+                    ["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(d), run_as=nobody
+                )
                 ours = await c.run(["/bin/sh", "-c", f"{PY} job.py"], env=py_env(), cwd=str(d))
         assert (theirs.stdout, theirs.report.pool_adopted) == (b"adopted True\n", 1), theirs
         assert (ours.stdout, ours.report.pool_adopted) == (b"adopted False\n", 0), ours
@@ -486,10 +608,26 @@ async def test_a_pool_of_another_user_serves_that_users_commands_only() -> None:
 
 def test_an_unknown_pool_user_is_refused_at_start(tmp_path: Path) -> None:
     for name in ("no-such-user-krex", "99999999999999999999"):
-        r = subprocess.run([PY, "-m", "krex_async", "serve", "--socket", str(tmp_path / "s"),
-                            "--state-dir", str(tmp_path / "st"), "--pool-size", "1",
-                            "--pool-user", name], capture_output=True, text=True,
-                           timeout=60, env=py_env())
+        r = subprocess.run(
+            [
+                PY,
+                "-m",
+                "krex_async",
+                "serve",
+                "--socket",
+                str(tmp_path / "s"),
+                "--state-dir",
+                str(tmp_path / "st"),
+                "--pool-size",
+                "1",
+                "--pool-user",
+                name,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=py_env(),
+        )
         assert r.returncode != 0 and f"--pool-user {name!r}: no such user" in r.stderr, r.stderr
         # refused before the daemon made anything: no state dir, no socket
         assert not (tmp_path / "st").exists() and not (tmp_path / "s").exists()
@@ -502,11 +640,15 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
     # Preloaded: the first worker warms at once, the others only once the test opens the gate; so
     # with --pool-wait 0 no replacement can be warm when the second interpreter asks, however slow.
     mods = tmp_path / "mods"
-    write(mods, "gate.py", "import os, time\n"
-                           "d = os.path.dirname(os.path.abspath(__file__))\n"
-                           "try:\n    os.close(os.open(d + '/first', os.O_CREAT | os.O_EXCL))\n"
-                           "except FileExistsError:\n"
-                           "    while not os.path.exists(d + '/open'):\n        time.sleep(0.01)\n")
+    write(
+        mods,
+        "gate.py",
+        "import os, time\n"
+        "d = os.path.dirname(os.path.abspath(__file__))\n"
+        "try:\n    os.close(os.open(d + '/first', os.O_CREAT | os.O_EXCL))\n"
+        "except FileExistsError:\n"
+        "    while not os.path.exists(d + '/open'):\n        time.sleep(0.01)\n",
+    )
     env = py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
     line = f"{PY} job.py"
     for wait, adopted in (("10", 2), ("0", 1)):
@@ -514,15 +656,26 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
             (mods / f).unlink(missing_ok=True)
         if wait != "0":
             (mods / "open").touch()
-        async with run_daemon("--pool-size", "1", "--pool-preload", "colorsys,gate", "--isolation",
-                              "cgroup", "--pool-wait", wait, env=env) as d:
+        async with run_daemon(
+            "--pool-size",
+            "1",
+            "--pool-preload",
+            "colorsys,gate",
+            "--isolation",
+            "cgroup",
+            "--pool-wait",
+            wait,
+            env=env,
+        ) as d:
             async with await d.client() as c:
                 await warm(c)
-                got = await asyncio.gather(*(c.run(["/bin/sh", "-c", line], env=env, cwd=str(tmp_path))
-                                             for _ in range(2)))
+                got = await asyncio.gather(
+                    *(c.run(["/bin/sh", "-c", line], env=env, cwd=str(tmp_path)) for _ in range(2))
+                )
                 (mods / "open").touch()
         assert sum(r.report.pool_adopted for r in got) == adopted, (wait, [r.report for r in got])
         declined = sum((collections.Counter(r.report.pool_declined) for r in got), collections.Counter())
         assert dict(declined) == ({} if adopted == 2 else {"no warm worker": 1}), (wait, declined)
         assert sorted(r.stdout for r in got) == sorted(
-            [b"adopted True\n"] * adopted + [b"adopted False\n"] * (2 - adopted)), wait
+            [b"adopted True\n"] * adopted + [b"adopted False\n"] * (2 - adopted)
+        ), wait

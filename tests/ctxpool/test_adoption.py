@@ -15,8 +15,9 @@ from krex_async.ctxpool import Pool, adoption
 from krex_async.linux.spawn import Launched
 
 
-async def adopter_killed_mid_hand_over(monkeypatch: pytest.MonkeyPatch, answer: Launched | str
-                                       ) -> tuple[adoption.Tally, Pool, list[int], list[P.Msg]]:
+async def adopter_killed_mid_hand_over(
+    monkeypatch: pytest.MonkeyPatch, answer: Launched | str
+) -> tuple[adoption.Tally, Pool, list[int], list[P.Msg]]:
     """serve() an allowed adoption, cancel it (the adopter's connection closed) while the worker's
     answer is pending, then let the worker answer `answer`; returns what was counted, killed, sent."""
     monkeypatch.setattr(adoption, "refusal", lambda *a: None)
@@ -32,8 +33,9 @@ async def adopter_killed_mid_hand_over(monkeypatch: pytest.MonkeyPatch, answer: 
     pool = cast(Pool, type("FakePool", (), {"adopted": 0, "declined": collections.Counter()})())
     tally, sent = adoption.Tally(), cast(list[P.Msg], [])
     req = P.Adopt(id=2, command="c", token="t", argv=["python", "x.py"], cwd="/", env={})
-    task = asyncio.create_task(adoption.serve(pool, req, os.getpid(), lambda m: sent.append(m) or True,
-                                              hand, tally))
+    task = asyncio.create_task(
+        adoption.serve(pool, req, os.getpid(), lambda m: sent.append(m) or True, hand, tally)
+    )
     await handed.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -46,7 +48,8 @@ async def adopter_killed_mid_hand_over(monkeypatch: pytest.MonkeyPatch, answer: 
 
 
 async def test_an_adopter_killed_before_its_worker_said_started_still_counts_as_adopted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The worker runs the program before the daemon reads its "started": the program can print,
     and its parent kill the adopter for it (test_adopt's SIGKILL case), before that answer. The
     program ran in a worker: it counts as adopted, and the worker dies with its adopter."""
@@ -57,6 +60,7 @@ async def test_an_adopter_killed_before_its_worker_said_started_still_counts_as_
 
 
 async def test_an_adopter_killed_before_its_worker_declined_counts_no_adoption(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tally, pool, killed, sent = await adopter_killed_mid_hand_over(monkeypatch, "module colorsys")
     assert (tally.adopted, pool.adopted, killed, sent) == (0, 0, [], [])

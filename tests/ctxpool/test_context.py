@@ -78,7 +78,7 @@ def test_sticky_error_retires(ctx: Context) -> None:
     assert ctx.check() == "device error: CUDA error: an illegal memory access was encountered"
 
 
-FAKE_TORCH = '''
+FAKE_TORCH = """
 import types
 state = {"allocated": 0, "cached": 0, "pinned": 0}
 def ones(n, device):
@@ -89,7 +89,7 @@ cuda = types.SimpleNamespace(
     memory_allocated=lambda: state["allocated"],
     memory_reserved=lambda: state["allocated"] + state["cached"] + state["pinned"],
     empty_cache=lambda: state.update(cached=0))
-'''
+"""
 
 
 async def test_worker_retires_when_a_command_leaves_memory_reserved(tmp_path: Path) -> None:
@@ -98,8 +98,11 @@ async def test_worker_retires_when_a_command_leaves_memory_reserved(tmp_path: Pa
     segment retires its worker."""
     (tmp_path / "torch.py").write_text(FAKE_TORCH)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    p = Pool(Device(index=0, key="nv0", vendor="nvidia", name="fake"),
-             PoolConfig(size=1, max_uses=3, preload=["torch"]), env=env)
+    p = Pool(
+        Device(index=0, key="nv0", vendor="nvidia", name="fake"),
+        PoolConfig(size=1, max_uses=3, preload=["torch"]),
+        env=env,
+    )
     await p.start()
     try:
         cached = "import os, torch; torch.state['cached'] += 1 << 24; print(os.getpid())"

@@ -27,7 +27,8 @@ async def pool() -> AsyncIterator[Pool]:
     yield p
     await p.close()
 
-INFO = textwrap.dedent(r'''
+
+INFO = textwrap.dedent(r"""
     import os, signal, sys
     print(sys.argv, sys.orig_argv, sys.executable)
     print(os.getcwd(), sys.path[0], __name__, sorted(globals()))
@@ -44,9 +45,9 @@ INFO = textwrap.dedent(r'''
     import __main__; print(__main__.__dict__ is globals())
     class A: pass
     import pickle; print(type(pickle.loads(pickle.dumps(A()))).__module__)
-''')
+""")
 
-RAISES = textwrap.dedent('''
+RAISES = textwrap.dedent("""
     def inner(x):
         return {}[x]
 
@@ -57,7 +58,7 @@ RAISES = textwrap.dedent('''
             raise ValueError("wrapped") from e
 
     outer()
-''')
+""")
 
 CASES: dict[str, tuple[list[str], bytes]] = {
     # the three forms, with argv, cwd, env, __main__, stdio and signal state
@@ -86,34 +87,54 @@ CASES: dict[str, tuple[list[str], bytes]] = {
     "no such script": (["missing.py"], b""),
     "no such module": (["-m", "no_such_module_krex"], b""),
     "keyboard interrupt": (["-c", "raise KeyboardInterrupt"], b""),
-    "custom excepthook": (["-c", "import sys; sys.excepthook = lambda *a: print('hook', a[0].__name__)"
-                                 "; 1/0"], b""),
+    "custom excepthook": (
+        ["-c", "import sys; sys.excepthook = lambda *a: print('hook', a[0].__name__); 1/0"],
+        b"",
+    ),
     # process-level endings
     "os._exit": (["-c", "import os; print('before', flush=True); os._exit(5)"], b""),
     "sigterm self": (["-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], b""),
-    "sigint self": (["-c", "import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(1)"],
-                    b""),
+    "sigint self": (
+        ["-c", "import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(1)"],
+        b"",
+    ),
     "sigkill self": (["-c", "import os; os.kill(os.getpid(), 9)"], b""),
     # C-level writes and children on the real fds
-    "fd writes": (["-c", "import os, subprocess; os.write(1, b'one\\n'); os.write(2, b'two\\n');"
-                         "subprocess.run(['echo', 'child']); os.system('echo sys >&2')"], b""),
+    "fd writes": (
+        [
+            "-c",
+            "import os, subprocess; os.write(1, b'one\\n'); os.write(2, b'two\\n');"
+            "subprocess.run(['echo', 'child']); os.system('echo sys >&2')",
+        ],
+        b"",
+    ),
     "stdin python": (["-c", "import sys; d = sys.stdin.read(); print(len(d), repr(d))"], b"line 1\nline 2\n"),
     "stdin child": (["-c", "import os; os.system('cat'); print('after')"], b"fed to cat\n"),
-    "stdin readline": (["-c", "import sys; print(repr(sys.stdin.readline())); print(repr(input()))"],
-                       b"first\nsecond\nthird\n"),
+    "stdin readline": (
+        ["-c", "import sys; print(repr(sys.stdin.readline())); print(repr(input()))"],
+        b"first\nsecond\nthird\n",
+    ),
     # interpreter exit: atexit, threads, buffers
-    "atexit and thread": (["-c", textwrap.dedent('''
+    "atexit and thread": (
+        [
+            "-c",
+            textwrap.dedent("""
         import atexit, threading, time, sys
         atexit.register(lambda: print("atexit ran"))
         def late():
             time.sleep(0.2); print("thread done")
         threading.Thread(target=late).start()
         sys.stdout.write("no newline")
-    ''')], b""),
+    """),
+        ],
+        b"",
+    ),
     "atexit raising": (["-c", "import atexit; atexit.register(lambda: 1/0); print('main')"], b""),
     "warning": (["-c", "import warnings; warnings.warn('careful'); print('w')"], b""),
-    "preloaded modules": (["-c", "import json, decimal; print(json.dumps({'a': 1}), decimal.Decimal('1.1'))"],
-                          b""),
+    "preloaded modules": (
+        ["-c", "import json, decimal; print(json.dumps({'a': 1}), decimal.Decimal('1.1'))"],
+        b"",
+    ),
 }
 
 

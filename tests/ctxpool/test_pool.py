@@ -89,20 +89,39 @@ async def test_launch_returns_none_when_nothing_warm(tmp_path: Path) -> None:
 
 async def test_reuse_leaks_no_module_env_or_cwd(reuse_pool: Pool, tmp_path: Path) -> None:
     cwd = str(tmp_path)
-    first = await run_pooled(reuse_pool, [PY, "-c", (
-        "import os, sys, colorsys, xml.dom, logging; os.environ['LEAK'] = '1'; os.chdir('/'); "
-        "sys.path.append('/leak'); os.umask(0o077); logging.basicConfig(); print(os.getpid())")], cwd)
-    probe = ("import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'xml.dom' in sys.modules, "
-             "'LEAK' in os.environ, os.getcwd(), '/leak' in sys.path, oct(os.umask(0o022)), "
-             "sorted(os.environ) == sorted(%r))")
+    first = await run_pooled(
+        reuse_pool,
+        [
+            PY,
+            "-c",
+            (
+                "import os, sys, colorsys, xml.dom, logging; os.environ['LEAK'] = '1'; os.chdir('/'); "
+                "sys.path.append('/leak'); os.umask(0o077); logging.basicConfig(); print(os.getpid())"
+            ),
+        ],
+        cwd,
+    )
+    probe = (
+        "import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'xml.dom' in sys.modules, "
+        "'LEAK' in os.environ, os.getcwd(), '/leak' in sys.path, oct(os.umask(0o022)), "
+        "sorted(os.environ) == sorted(%r))"
+    )
     env = dict(os.environ)
     umask = os.umask(0)
     os.umask(umask)
     second = await run_pooled(reuse_pool, [PY, "-c", probe % sorted(env)], cwd, env)
     pid = first.stdout.split()[0]
     assert first.launched.pid == second.launched.pid == int(pid)
-    assert second.stdout.decode().split() == [pid.decode(), "False", "False", "False", cwd, "False",
-                                              oct(umask), "True"]
+    assert second.stdout.decode().split() == [
+        pid.decode(),
+        "False",
+        "False",
+        "False",
+        cwd,
+        "False",
+        oct(umask),
+        "True",
+    ]
     # xml may be baseline (imported by a preload) or not; its .dom attribute must not survive either way
     third = await run_pooled(reuse_pool, [PY, "-c", "import xml, sys; print(hasattr(xml, 'dom'))"], cwd)
     assert third.launched.pid == first.launched.pid and third.stdout == b"False\n"
@@ -149,8 +168,7 @@ def test_accepts(tmp_path: Path) -> None:
 
     def spec(argv: list[str], **kw: object) -> LaunchSpec:
         e = kw.pop("env", env)
-        return LaunchSpec(argv=argv, cwd=str(tmp_path), env=e, stdin_fd=0, stdout_fd=1, stderr_fd=2,
-                          **kw)  # type: ignore[arg-type]
+        return LaunchSpec(argv=argv, cwd=str(tmp_path), env=e, stdin_fd=0, stdout_fd=1, stderr_fd=2, **kw)  # type: ignore[arg-type]
 
     assert p.accepts(spec([PY, "-c", "pass"]))
     assert p.accepts(spec([PY, "script.py", "-u"]))
@@ -196,6 +214,7 @@ async def test_pause_holds_context_creation() -> None:
 
 async def test_context_creation_one_at_a_time_across_pools() -> None:
     from krex_async.ctxpool.pool import node_lock
+
     pools = [Pool(Device(index=i, key=f"amd{i}", vendor="amd", name="x"), PoolConfig(size=2)) for i in (0, 1)]
     lock, held = node_lock(), []
 
@@ -224,10 +243,17 @@ async def test_context_creations_never_overlap(tmp_path: Path) -> None:
     (tmp_path / "ctxmark.py").write_text(
         "import os, time\n"
         f"t0 = time.monotonic(); time.sleep(0.2)\n"
-        f"open({str(marks)!r}, 'a').write(f'{{t0}} {{time.monotonic()}} {{os.getpid()}}\\n')\n")
+        f"open({str(marks)!r}, 'a').write(f'{{t0}} {{time.monotonic()}} {{os.getpid()}}\\n')\n"
+    )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    pools = [Pool(Device(index=i, key=f"amd{i}", vendor="amd", name="x"),
-                  PoolConfig(size=2, init_modules=["ctxmark"]), env=env) for i in (0, 1)]
+    pools = [
+        Pool(
+            Device(index=i, key=f"amd{i}", vendor="amd", name="x"),
+            PoolConfig(size=2, init_modules=["ctxmark"]),
+            env=env,
+        )
+        for i in (0, 1)
+    ]
     for p in pools:
         await p.start()
     try:
@@ -288,6 +314,7 @@ async def test_status_latencies(pool: Pool, tmp_path: Path) -> None:
 async def test_sitecustomize_runs_with_the_command_env(tmp_path: Path) -> None:
     """A sitecustomize on PYTHONPATH (the daemon's runtime hook) runs per command, in its env."""
     from tests.ctxpool.conftest import run_plain
+
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import os\nprint('site sees', os.environ.get('MARK'))\n")
@@ -378,8 +405,9 @@ async def test_pool_of_another_user(tmp_path: Path) -> None:
     p = Pool(CPU, PoolConfig(size=1), user=(nobody, nobody, []))
     await p.start()
     try:
-        spec, ours = make_spec([PY, "-c", "import os; print(os.getuid(), os.getgid(), os.getgroups())"],
-                               str(tmp_path))
+        spec, ours = make_spec(
+            [PY, "-c", "import os; print(os.getuid(), os.getgid(), os.getgroups())"], str(tmp_path)
+        )
         assert not p.accepts(spec)  # the daemon's own identity: not this pool's
         spec.uid, spec.gid, spec.groups = nobody, nobody, []
         assert p.accepts(spec)
@@ -402,9 +430,12 @@ async def test_large_environment_crosses_the_channel(pool: Pool, tmp_path: Path)
 
 async def test_fork_in_reused_worker_child_exits_like_python(reuse_pool: Pool, tmp_path: Path) -> None:
     from tests.ctxpool.conftest import run_plain
-    code = ("import os, sys\npid = os.fork()\nif pid == 0:\n    print('child', flush=True)\n"
-            "    sys.exit(3)\n_, st = os.waitpid(pid, 0)\n"
-            "print('parent saw', os.waitstatus_to_exitcode(st))\n")
+
+    code = (
+        "import os, sys\npid = os.fork()\nif pid == 0:\n    print('child', flush=True)\n"
+        "    sys.exit(3)\n_, st = os.waitpid(pid, 0)\n"
+        "print('parent saw', os.waitstatus_to_exitcode(st))\n"
+    )
     plain = await run_plain([PY, "-c", code], str(tmp_path))
     pooled = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
     assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)
@@ -415,6 +446,7 @@ async def test_fork_in_reused_worker_child_exits_like_python(reuse_pool: Pool, t
 async def test_reuse_resets_logging(reuse_pool: Pool, tmp_path: Path) -> None:
     """logging is baseline in a worker; a command's basicConfig must not silence the next one's."""
     from tests.ctxpool.conftest import run_plain
+
     code = "import logging; logging.basicConfig(format='%(levelname)s:%(message)s'); logging.warning('hi')"
     plain = await run_plain([PY, "-c", code], str(tmp_path))
     a = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))

@@ -39,8 +39,9 @@ def test_auto_falls_back_to_cpu_with_notes() -> None:
     assert [d.key for d in devices] == ["cpu"]
     assert devices[0].cpus == frozenset(os.sched_getaffinity(0))
     assert devices[0].memory_total_bytes > 0
-    assert any(n.startswith("nvidia: unavailable: ") and len(n) > len("nvidia: unavailable: ") + 5
-               for n in notes), notes
+    assert any(
+        n.startswith("nvidia: unavailable: ") and len(n) > len("nvidia: unavailable: ") + 5 for n in notes
+    ), notes
     assert any(n.startswith("amd: unavailable: ") for n in notes), notes
 
 
@@ -53,8 +54,7 @@ def test_named_vendor_missing_is_an_error(vendor: str) -> None:
 
 def _run_py(code: str, pythonpath: list[Path]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
 
 @needs_no_gpu
@@ -65,11 +65,14 @@ def test_amdsmi_import_noise_is_swallowed(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text(
         "print('/opt/rocm/lib/libamd_smi.so: cannot open shared object file')\n"
         "print('Unable to find libamd_smi.so library try installing amd-smi-lib')\n"
-        "raise KeyError('libamd_smi.so')\n")
-    code = ("from krex_async.devices import discover, Unavailable\n"
-            "devs, notes = discover('auto')\n"
-            "print('NOTES', [n for n in notes if n.startswith('amd')])\n"
-            "try:\n    discover('amd')\nexcept Unavailable as e:\n    print('ERR', e)\n")
+        "raise KeyError('libamd_smi.so')\n"
+    )
+    code = (
+        "from krex_async.devices import discover, Unavailable\n"
+        "devs, notes = discover('auto')\n"
+        "print('NOTES', [n for n in notes if n.startswith('amd')])\n"
+        "try:\n    discover('amd')\nexcept Unavailable as e:\n    print('ERR', e)\n"
+    )
     out = _run_py(code, [tmp_path, REPO])
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -82,8 +85,10 @@ def test_amdsmi_import_noise_is_swallowed(tmp_path: Path) -> None:
 @needs_no_gpu
 def test_real_vendor_packages_report_cleanly() -> None:
     """With whichever of nvidia-ml-py / amdsmi this interpreter has, nothing is printed."""
-    code = ("from krex_async.devices import discover\n"
-            "devs, notes = discover('auto')\nprint(len(devs), devs[0].key)\n")
+    code = (
+        "from krex_async.devices import discover\n"
+        "devs, notes = discover('auto')\nprint(len(devs), devs[0].key)\n"
+    )
     out = _run_py(code, [REPO])
     assert out.returncode == 0, out.stderr
     assert out.stdout == "1 cpu\n" and out.stderr == ""
@@ -127,8 +132,14 @@ def test_node_keeps_vendors_for_live_queries() -> None:
 
 
 def _dev(key: str, free_gib: float, index: int) -> Device:
-    return Device(index=index, key=key, vendor="nvidia", name="g",
-                  memory_total_bytes=int(80 * 2**30), memory_free_bytes=int(free_gib * 2**30))
+    return Device(
+        index=index,
+        key=key,
+        vendor="nvidia",
+        name="g",
+        memory_total_bytes=int(80 * 2**30),
+        memory_free_bytes=int(free_gib * 2**30),
+    )
 
 
 def test_place_fewest_commands_with_memory() -> None:

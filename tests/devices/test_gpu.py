@@ -28,7 +28,12 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU with torch")
 def test_check_drain_passes() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check_drain.py")], env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu" / "check_drain.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(out.stdout[-6000:])
     assert out.returncode == 0 and "ALL PASS" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -15,8 +15,9 @@ def small_tmpfs():
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     d = tempfile.mkdtemp(prefix="krex-tmpfs-", dir="/tmp")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", d],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", d], capture_output=True, text=True
+    )
     if p.returncode != 0:
         os.rmdir(d)
         pytest.skip(f"cannot mount a tmpfs: {p.stderr.strip()}")

@@ -116,8 +116,11 @@ def _marked(marker: str) -> list[int]:
 @pytest.mark.parametrize("kind", ["thousand-children", "ignores-sigterm"])
 async def test_timeout_ends_the_whole_tree(kind):
     marker = f"KREX_FAULT_MARK={os.getpid()}-{kind}"
-    argv = ([PY, "-c", FORKER] if kind == "thousand-children" else
-            ["/bin/sh", "-c", "trap '' TERM; sleep 300 & sleep 300 & echo forked; wait"])
+    argv = (
+        [PY, "-c", FORKER]
+        if kind == "thousand-children"
+        else ["/bin/sh", "-c", "trap '' TERM; sleep 300 & sleep 300 & echo forked; wait"]
+    )
     async with run_daemon() as d:
         async with await d.client() as c:
             env = py_env(KREX_FAULT_MARK=marker.split("=", 1)[1])
@@ -129,8 +132,9 @@ async def test_timeout_ends_the_whole_tree(kind):
             assert b"forked" in seen, (seen, res.report)
             assert res.report.state == "timeout", res.report
             deadline = time.monotonic() + 5
-            while (left := [p for p in _marked(marker) if proc_state(p) not in (None, "Z")]) \
-                    and time.monotonic() < deadline:
+            while (
+                left := [p for p in _marked(marker) if proc_state(p) not in (None, "Z")]
+            ) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert left == [], f"{len(left)} processes of the tree survived its timeout"
 

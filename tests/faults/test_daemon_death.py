@@ -38,7 +38,7 @@ def tree(pid: int) -> list[int]:
                     data = f.read()
             except OSError:
                 continue
-            ppid = int(data[data.rindex(b")") + 2:].split()[1])
+            ppid = int(data[data.rindex(b")") + 2 :].split()[1])
             kids.setdefault(ppid, []).append(int(name))
     out, todo = [], [pid]
     while todo:
@@ -60,8 +60,7 @@ def cgroup_frozen(pid: int) -> bool | None:
 
 
 @pytest.mark.parametrize("isolation", ["signal", "cgroup"])
-async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon_starts(
-        script, isolation):
+async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon_starts(script, isolation):
     cg = None
     backend = ["--isolation", isolation]
     if isolation == "cgroup":
@@ -69,8 +68,11 @@ async def test_daemon_sigkill_mid_region_leaves_nothing_stopped_and_a_new_daemon
         if cg is None:
             pytest.skip("the cgroup backend needs root and a cgroup v2 mount")
         backend += ["--cgroup-root", cg]
-    held = ((lambda p: proc_state(p) in ("T", "t")) if isolation == "signal"
-            else (lambda p: bool(cgroup_frozen(p))))
+    held = (
+        (lambda p: proc_state(p) in ("T", "t"))
+        if isolation == "signal"
+        else (lambda p: bool(cgroup_frozen(p)))
+    )
     owner = script("owner.py", OWNER)
     try:
         await _sigkill_mid_region(owner, backend, held)
@@ -101,10 +103,26 @@ async def _sigkill_mid_region(owner: str, backend: list[str], held) -> None:  # 
             assert os.path.exists(d.socket)
             log = open(d.log, "ab")
             state = os.path.join(os.path.dirname(d.socket), "state")  # run_daemon's
-            new = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", d.socket,
-                                    *backend, "--log-format", "json",
-                                    "--state-dir", state, "--probes", "off"],
-                                   env=py_env(), stdout=log, stderr=subprocess.STDOUT)
+            new = subprocess.Popen(
+                [
+                    PY,
+                    "-m",
+                    "krex_async",
+                    "serve",
+                    "--socket",
+                    d.socket,
+                    *backend,
+                    "--log-format",
+                    "json",
+                    "--state-dir",
+                    state,
+                    "--probes",
+                    "off",
+                ],
+                env=py_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             d.proc = new  # run_daemon stops it at the end
             for _ in range(200):
                 with contextlib.suppress(Exception):

@@ -27,8 +27,7 @@ async def test_ended_commands_with_8_mib_stdin_do_not_keep_it():
             grown_mib = (rss_kib(d.proc.pid) - before) / 1024
             # Every result is still there for its agent: report and output tail.
             again = await (await c.attach(ids[0])).wait()
-            assert again.report.argv == ["wc", "-c"] and again.stdout.strip() == \
-                str(len(stdin)).encode()
+            assert again.report.argv == ["wc", "-c"] and again.stdout.strip() == str(len(stdin)).encode()
     # Keeping the stdin would be N x 8 MiB (192 MiB); a report and two small tails are KiBs.
     print(f"rss growth {grown_mib:.2f} MiB")
     assert grown_mib < N * 8 / 8, f"daemon RSS grew {grown_mib:.1f} MiB over {N} ended commands"

@@ -31,11 +31,26 @@ async def test_daemon_keeps_serving_when_its_log_cannot_be_written():
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited through exec: writes get EFBIG
     try:
         with open(os.path.join(d, "log"), "wb") as log:
-            proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", sock,
-                                     "--log-format", "json", "--isolation", "signal",
-                                     "--state-dir", os.path.join(d, "st")],
-                                    stdout=log, stderr=subprocess.STDOUT, env=py_env(),
-                                    preexec_fn=_small_files)
+            proc = subprocess.Popen(
+                [
+                    PY,
+                    "-m",
+                    "krex_async",
+                    "serve",
+                    "--socket",
+                    sock,
+                    "--log-format",
+                    "json",
+                    "--isolation",
+                    "signal",
+                    "--state-dir",
+                    os.path.join(d, "st"),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=py_env(),
+                preexec_fn=_small_files,
+            )
     finally:
         signal.signal(signal.SIGXFSZ, old)
     try:
@@ -89,6 +104,5 @@ async def test_full_spool_disk_keeps_the_command_and_the_daemon_going(small_tmpf
             with open(again.report.stdout_spool, "rb") as f:
                 assert f.read() == bytes(40000) + b"x"
         assert d.proc.poll() is None
-        failures = [line for line in d.logs().splitlines()
-                    if "spool_failed" in line and rep.command in line]
+        failures = [line for line in d.logs().splitlines() if "spool_failed" in line and rep.command in line]
         assert len(failures) == 1, failures  # logged once, not once per write

@@ -62,8 +62,9 @@ async def test_a_spool_that_fills_the_state_disk_leaves_the_intent_record_its_ro
         async with await d.client() as c:
             big = await asyncio.wait_for(c.run([PY, "-c", BIG], env=py_env()), 30)
             assert big.report.exit_code == 0 and len(big.stdout) == 32 * 65536
-            assert big.report.spool_error.startswith("stdout: ENOSPC") and \
-                "below the" in big.report.spool_error, big.report.spool_error
+            assert (
+                big.report.spool_error.startswith("stdout: ENOSPC") and "below the" in big.report.spool_error
+            ), big.report.spool_error
             sib = await c.submit([PY, "-c", "import time; time.sleep(30)"], env=py_env())
             res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
             assert res.stdout.decode().startswith("granted"), (res.stdout, res.stderr[-2000:])

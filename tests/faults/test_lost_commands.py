@@ -63,9 +63,18 @@ def users() -> Iterator[dict[str, User]]:
 
 
 def agent(user: User, path: str, action: str, arg: str) -> dict[str, str]:
-    p = subprocess.run([USER_PY, "-c", AGENT, path, action, arg], user=user.uid, group=user.gid,
-                       extra_groups=user.groups, env=user_env(), cwd="/tmp", capture_output=True,
-                       text=True, timeout=60, input=json.dumps(user_env()))
+    p = subprocess.run(
+        [USER_PY, "-c", AGENT, path, action, arg],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env=user_env(),
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        input=json.dumps(user_env()),
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -74,8 +83,9 @@ def launch(cfg: dict[str, object], log: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KREX_SOCKET", None)
     with open(log, "ab") as f:
-        return subprocess.Popen([PY, "-c", LAUNCH, json.dumps(cfg)], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [PY, "-c", LAUNCH, json.dumps(cfg)], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
 
 
 async def until_serving(proc: subprocess.Popen[bytes], sock: str, log: str) -> None:
@@ -102,9 +112,15 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
     d = tempfile.mkdtemp(prefix="krexl-", dir="/tmp")
     os.chmod(d, 0o755)
     sock, log = os.path.join(d, "s"), os.path.join(d, "daemon.log")
-    cfg: dict[str, object] = {"socket": sock, "state_dir": os.path.join(d, "state"),
-                              "log_format": "json", "isolation": isolation, "probes": "off",
-                              "socket_group": "krexg", "retention": 30}
+    cfg: dict[str, object] = {
+        "socket": sock,
+        "state_dir": os.path.join(d, "state"),
+        "log_format": "json",
+        "isolation": isolation,
+        "probes": "off",
+        "socket_group": "krexg",
+        "retention": 30,
+    }
     if cg is not None:
         cfg["cgroup_root"] = cg
     procs = [launch(cfg, log)]
@@ -135,8 +151,7 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
         assert f"(pid {procs[0].pid})" in got["error"] and "ended" in got["error"]
         assert got["stdout"] == "first-line\n" and got["spooled"] == "first-line\n"
         assert await asyncio.to_thread(agent, mallory, sock, "attach", cid) == {"code": "forbidden"}
-        assert await asyncio.to_thread(agent, mallory, sock, "read", spool) == \
-            {"read": "PermissionError"}
+        assert await asyncio.to_thread(agent, mallory, sock, "read", spool) == {"read": "PermissionError"}
         assert await asyncio.to_thread(agent, alice, sock, "read", spool) == {"read": "first-line\n"}
         async with await Client.connect(sock) as root:
             listed = [c for c in (await root.status())["commands"] if c["command"] == cid]
@@ -167,8 +182,14 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
     the lost command's files go when the new daemon's retention ends."""
     d = tempfile.mkdtemp(prefix="krexl-", dir="/tmp")
     sock, log, state = os.path.join(d, "s"), os.path.join(d, "daemon.log"), os.path.join(d, "state")
-    cfg: dict[str, object] = {"socket": sock, "state_dir": state, "log_format": "json",
-                              "isolation": "signal", "probes": "off", "retention": 30}
+    cfg: dict[str, object] = {
+        "socket": sock,
+        "state_dir": state,
+        "log_format": "json",
+        "isolation": "signal",
+        "probes": "off",
+        "retention": 30,
+    }
     procs = [launch(cfg, log)]
     try:
         await until_serving(procs[0], sock, log)
@@ -195,16 +216,23 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
             assert res.stdout == b"done" and res.report.ended_at == done.report.ended_at
             lost = await (await c.attach(h.command)).wait()
             assert lost.report.state == "lost" and lost.stdout == b"running\n"
-            shown = subprocess.run([PY, "-m", "krex_async", "status", "--all", "--socket", sock],
-                                   capture_output=True, text=True, timeout=30,
-                                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            shown = subprocess.run(
+                [PY, "-m", "krex_async", "status", "--all", "--socket", sock],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            )
             line = next(x for x in shown.stdout.splitlines() if x.startswith(h.command))
             assert line.split()[1] == "lost", shown.stdout
             # Submitting on the new daemon works, and never reuses a recovered id.
             new = await c.run(["true"])
             assert new.report.command not in (done.report.command, h.command)
-        files = [done.report.stdout_spool, lost.report.stdout_spool,
-                 os.path.join(state, "commands", f"{h.command}.json")]
+        files = [
+            done.report.stdout_spool,
+            lost.report.stdout_spool,
+            os.path.join(state, "commands", f"{h.command}.json"),
+        ]
         assert all(os.path.exists(f) for f in files)
         deadline = time.monotonic() + 12
         while any(os.path.exists(f) for f in files):
@@ -232,9 +260,20 @@ async def test_a_reused_pid_is_never_taken_for_the_lost_commands_leader():
         kids = [p for p in tree(proc.pid) if p != proc.pid]
         ticks = start_ticks(proc.pid)
         assert ticks is not None and len(kids) == 2
-        rec = Record(id="00000-1", uid=0, gid=0, argv=["sh"], device="none", backend="signal",
-                     group="cmd-00000-1", pid=proc.pid, start_ticks=ticks - 1, started_at=0,
-                     daemon_pid=1, daemon_ticks=0)
+        rec = Record(
+            id="00000-1",
+            uid=0,
+            gid=0,
+            argv=["sh"],
+            device="none",
+            backend="signal",
+            group="cmd-00000-1",
+            pid=proc.pid,
+            start_ticks=ticks - 1,
+            started_at=0,
+            daemon_pid=1,
+            daemon_ticks=0,
+        )
         backend = SignalBackend()
         assert await end_lost(backend, rec) == ("no processes left", [])  # another process's pid now
         assert proc.poll() is None and all(proc_state(p) not in (None, "Z") for p in kids)

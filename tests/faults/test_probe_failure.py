@@ -88,6 +88,7 @@ async def test_tracefs_backend_disabled_from_outside(prefix, script, tmp_path):
 
             async def reader_named() -> bool:  # the thread names itself once it runs
                 return "krex-probe-tfs" in thread_names(pid)
+
             assert await wait_until(reader_named, 5), thread_names(pid)
 
             # Control: with the probes healthy, a region is reported clean.
@@ -100,6 +101,7 @@ async def test_tracefs_backend_disabled_from_outside(prefix, script, tmp_path):
             async def collect() -> None:
                 async for ev in watcher.trace():
                     seen.append(ev)
+
             tracer = asyncio.create_task(collect())
             await asyncio.sleep(0.2)  # subscribed
 
@@ -115,6 +117,7 @@ async def test_tracefs_backend_disabled_from_outside(prefix, script, tmp_path):
 
             async def failed() -> bool:
                 return bool((await c.status())["probes"]["state"] == "failed")
+
             assert await wait_until(failed), (await c.status())["probes"]
             st = (await c.status())["probes"]
             assert "turned off from outside" in st["reason"], st
@@ -132,6 +135,7 @@ async def test_tracefs_backend_disabled_from_outside(prefix, script, tmp_path):
 
             async def told() -> bool:
                 return any(e.kind == "probes_failed" for e in seen)
+
             assert await wait_until(told, 5), [e.kind for e in seen]
             tracer.cancel()
             ev = next(e for e in seen if e.kind == "probes_failed")

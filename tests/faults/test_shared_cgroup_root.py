@@ -45,8 +45,7 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
             async for _, data in own.output():
                 assert b"inside" in data
                 break
-            sib_pid = next(c["pid"] for c in (await ca.status())["commands"]
-                           if c["command"] == sib.command)
+            sib_pid = next(c["pid"] for c in (await ca.status())["commands"] if c["command"] == sib.command)
             victims = tree(sib_pid)
             assert all(cgroup_frozen(p) for p in victims), victims
             # B, started with A's region held: its own command and cancel, ids and cgroups apart.
@@ -56,7 +55,7 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
             assert (await cb.status())["commands"][0]["pid"]
             await mine.cancel(9)
             assert (await mine.wait()).report.state == "cancelled"
-            rel_root = shared_root[len(v2_mount() or ''):]
+            rel_root = shared_root[len(v2_mount() or "") :]
             assert os.path.dirname(cgroup_of(sib_pid)).startswith(f"{rel_root}/krex/d-")
             # B restarts on its own state dir (its sweep runs again), then dies by SIGKILL (its
             # watchdog sweeps): A's sibling stays frozen throughout.
@@ -64,10 +63,26 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
             b.proc.wait()
             state_b = os.path.join(os.path.dirname(b.socket), "state")
             with open(b.log, "ab") as log:
-                b.proc = subprocess.Popen([PY, "-m", "krex_async", "serve", "--socket", b.socket,
-                                           *backend, "--log-format", "json", "--state-dir",
-                                           state_b, "--probes", "off"], env=py_env(), stdout=log,
-                                          stderr=subprocess.STDOUT)
+                b.proc = subprocess.Popen(
+                    [
+                        PY,
+                        "-m",
+                        "krex_async",
+                        "serve",
+                        "--socket",
+                        b.socket,
+                        *backend,
+                        "--log-format",
+                        "json",
+                        "--state-dir",
+                        state_b,
+                        "--probes",
+                        "off",
+                    ],
+                    env=py_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             t0 = time.monotonic()
             while True:
                 with contextlib.suppress(Exception):
@@ -83,19 +98,40 @@ async def test_daemons_sharing_a_cgroup_root_leave_each_other_alone(shared_root,
             state_a = os.path.join(os.path.dirname(a.socket), "state")
             sock = os.path.join(tempfile.mkdtemp(prefix="krex-", dir="/tmp"), "s")
             third = await asyncio.to_thread(
-                subprocess.run, [PY, "-m", "krex_async", "serve", "--socket", sock, *backend,
-                                 "--state-dir", state_a, "--probes", "off", "--log-format", "json"],
-                env=py_env(), capture_output=True, text=True, timeout=30)
+                subprocess.run,
+                [
+                    PY,
+                    "-m",
+                    "krex_async",
+                    "serve",
+                    "--socket",
+                    sock,
+                    *backend,
+                    "--state-dir",
+                    state_a,
+                    "--probes",
+                    "off",
+                    "--log-format",
+                    "json",
+                ],
+                env=py_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert third.returncode != 0, third
-            assert "another krex daemon" in third.stderr and str(a.proc.pid) in third.stderr, \
-                third.stderr
+            assert "another krex daemon" in third.stderr and str(a.proc.pid) in third.stderr, third.stderr
             assert not os.path.exists(sock)
             # `krex cleanup` (as ExecStopPost of another daemon's unit would run it) leaves A's
             # live instance alone, though A does not serve on the socket it checks.
             swept = await asyncio.to_thread(
-                subprocess.run, [PY, "-m", "krex_async", "cleanup", "--root", shared_root,
-                                 "--socket", sock], env=py_env(), capture_output=True, text=True,
-                timeout=30)
+                subprocess.run,
+                [PY, "-m", "krex_async", "cleanup", "--root", shared_root, "--socket", sock],
+                env=py_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert swept.returncode == 0 and f"(pid {a.proc.pid}) is alive" in swept.stdout, swept
             assert all(cgroup_frozen(p) for p in victims), victims
             # A's own region ends: A thaws its sibling.
@@ -119,8 +155,10 @@ async def test_an_instance_directory_removed_while_empty_is_made_again(shared_ro
             assert (await c.run(["true"])).report.state == "exited"
             krex = os.path.join(shared_root, "krex")
             t0 = time.monotonic()  # the ended command's cgroup goes just after its report
-            while any(sub.is_dir() for e in os.scandir(krex) if e.is_dir()
-                      for sub in os.scandir(e.path)) and time.monotonic() - t0 < 5:
+            while (
+                any(sub.is_dir() for e in os.scandir(krex) if e.is_dir() for sub in os.scandir(e.path))
+                and time.monotonic() - t0 < 5
+            ):
                 await asyncio.sleep(0.02)
             for tree in (krex, krex.replace("/unified/", "/cpuset/", 1)):
                 for inst in os.listdir(tree) if os.path.isdir(tree) else []:

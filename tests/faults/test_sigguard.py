@@ -52,8 +52,13 @@ def sleepers():
 
 
 def start_stand_in(stop: list[int], forget: list[int] = ()) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen([PY, "-c", STAND_IN, ",".join(map(str, stop)), ",".join(map(str, forget))],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=py_env())
+    p = subprocess.Popen(
+        [PY, "-c", STAND_IN, ",".join(map(str, stop)), ",".join(map(str, forget))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=py_env(),
+    )
     assert p.stdout is not None
     guard_pid = int(p.stdout.readline())
     wait_stopped([*stop, *forget])

@@ -18,8 +18,13 @@ from ..conftest import PY, ROOT, py_env
 
 @pytest.mark.slow
 def test_soak_short_form():
-    p = subprocess.run([PY, "-m", "bench.soak", "--agents", "64", "--seconds", "8",
-                        "--grace", "60", "--stall", "20"], env=py_env(), capture_output=True, cwd=ROOT,
-                       text=True, timeout=240)
+    p = subprocess.run(
+        [PY, "-m", "bench.soak", "--agents", "64", "--seconds", "8", "--grace", "60", "--stall", "20"],
+        env=py_env(),
+        capture_output=True,
+        cwd=ROOT,
+        text=True,
+        timeout=240,
+    )
     print(p.stdout)
     assert p.returncode == 0, p.stdout + p.stderr

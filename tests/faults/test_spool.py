@@ -76,8 +76,7 @@ async def test_spool_file_and_record_are_removed_when_retention_ends():
         record = os.path.join(state, "commands", f"{res.report.command}.json")
         assert _read(spool) == b"kept\n" and os.path.exists(record)
         deadline = time.monotonic() + 5
-        while os.path.exists(spool) or os.path.exists(res.report.stderr_spool) \
-                or os.path.exists(record):
+        while os.path.exists(spool) or os.path.exists(res.report.stderr_spool) or os.path.exists(record):
             assert time.monotonic() < deadline, os.listdir(os.path.dirname(spool))
             await asyncio.sleep(0.05)
         async with await Client.connect(d.socket) as c:  # the daemon serves on

@@ -50,15 +50,22 @@ async def test_a_users_lease_on_a_spool_file_does_not_stall_start_up(users):
     d = tempfile.mkdtemp(prefix="krexl-", dir="/tmp")
     os.chmod(d, 0o755)
     sock, log = os.path.join(d, "s"), os.path.join(d, "daemon.log")
-    cfg: dict[str, object] = {"socket": sock, "state_dir": os.path.join(d, "state"),
-                              "log_format": "json", "isolation": "signal", "probes": "off",
-                              "socket_group": "krexg", "retention": 120}
+    cfg: dict[str, object] = {
+        "socket": sock,
+        "state_dir": os.path.join(d, "state"),
+        "log_format": "json",
+        "isolation": "signal",
+        "probes": "off",
+        "socket_group": "krexg",
+        "retention": 120,
+    }
     procs = [launch(cfg, log)]
     holder = None
     try:
         await until_serving(procs[0], sock, log)
-        cid = (await asyncio.to_thread(agent, alice, sock, "keep",
-                                       "echo out-line; echo err-line >&2"))["command"]
+        cid = (await asyncio.to_thread(agent, alice, sock, "keep", "echo out-line; echo err-line >&2"))[
+            "command"
+        ]
         async with await Client.connect(sock) as root:
             rep = (await (await root.attach(cid)).wait()).report
         out, err = rep.stdout_spool, rep.stderr_spool
@@ -70,9 +77,16 @@ async def test_a_users_lease_on_a_spool_file_does_not_stall_start_up(users):
         os.chown(err, alice.uid, alice.gid)
         with contextlib.suppress(OSError):
             os.removexattr(err, "system.posix_acl_access")
-        holder = subprocess.Popen([USER_PY, "-c", HOLD, out, err], user=alice.uid, group=alice.gid,
-                                  extra_groups=alice.groups, env=user_env(), cwd="/tmp",
-                                  stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [USER_PY, "-c", HOLD, out, err],
+            user=alice.uid,
+            group=alice.gid,
+            extra_groups=alice.groups,
+            env=user_env(),
+            cwd="/tmp",
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert holder.stdout is not None
         got = json.loads(await asyncio.to_thread(holder.stdout.readline))
         assert got[out] in ("EACCES", "EPERM"), got  # not hers: no lease

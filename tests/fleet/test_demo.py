@@ -19,8 +19,13 @@ PY = sys.executable
 def test_demo_runs_commands_on_every_node_and_stops_everything() -> None:
     pytest.importorskip("ray", reason=NEEDS_RAY)
     before = set(glob.glob("/tmp/krex-fleet-*")) | set(glob.glob("/sys/fs/cgroup/*/krex-fleet-*"))
-    r = subprocess.run([PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2"],
-                       capture_output=True, text=True, env=env(), timeout=180)
+    r = subprocess.run(
+        [PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = re.findall(r"^\s+(node\d)/\S+\s+(node\d)\s+(node\d)/cpu\d\s+exited\s", r.stdout, re.M)
     assert len(rows) == 8, r.stdout
@@ -28,31 +33,44 @@ def test_demo_runs_commands_on_every_node_and_stops_everything() -> None:
     assert {a for a, _, _ in rows} == {"node0", "node1"}
     assert "per node: node0 4, node1 4" in r.stdout
     # Two commands per device: each region froze its sibling, never a command on the other node.
-    frozen = [int(line.split()[-2]) for line in r.stdout.splitlines()
-              if re.match(r"\s+node\d/", line)]
+    frozen = [int(line.split()[-2]) for line in r.stdout.splitlines() if re.match(r"\s+node\d/", line)]
     assert max(frozen) == 1, r.stdout
     after = set(glob.glob("/tmp/krex-fleet-*")) | set(glob.glob("/sys/fs/cgroup/*/krex-fleet-*"))
     assert after <= before, after - before
     assert "stopped the agents, daemons and Ray" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nodes", "0"], "--nodes must be 1..16"),
-    (["--nodes", "2", "--commands", "0"], "--commands must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "0"], "--nodes must be 1..16"),
+        (["--nodes", "2", "--commands", "0"], "--commands must be at least 1"),
+    ],
+)
 def test_demo_bad_input(args: list[str], message: str) -> None:
-    r = subprocess.run([PY, "-m", "krex_async", "fleet", "demo", *args], capture_output=True,
-                       text=True, env=env(), timeout=60)
+    r = subprocess.run(
+        [PY, "-m", "krex_async", "fleet", "demo", *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=60,
+    )
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_without_ray_the_fleet_says_what_to_install() -> None:
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from krex_async.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))")
-    r = subprocess.run([PY, "-c", code, "fleet", "demo"], capture_output=True, text=True,
-                       env=env(), timeout=60)
+    code = (
+        "import sys; sys.modules['ray'] = None\nfrom krex_async.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [PY, "-c", code, "fleet", "demo"], capture_output=True, text=True, env=env(), timeout=60
+    )
     assert r.returncode == 2 and "pip install 'krex[fleet]'" in r.stderr, r.stderr
-    r = subprocess.run([PY, "-c", code, "gateway", "--state-dir", "/nonexistent/x", "--fleet",
-                        "auto"], capture_output=True, text=True, env=env(), timeout=60)
+    r = subprocess.run(
+        [PY, "-c", code, "gateway", "--state-dir", "/nonexistent/x", "--fleet", "auto"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=60,
+    )
     assert r.returncode == 2 and "krex[fleet]" in r.stderr, r.stderr

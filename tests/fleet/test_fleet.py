@@ -24,8 +24,10 @@ async def test_commands_spread_over_the_nodes_and_their_devices(local_fleet: Loc
     async with await local_fleet.connect() as fc:
         assert sorted(fc.nodes) == ["node0", "node1", "node2"]
         assert all(v.up for v in fc.nodes.values()), fc.nodes
-        hs = [await fc.submit([PY, "-c", "import time; time.sleep(1.0); print('ok')"], env=env())
-              for _ in range(6)]
+        hs = [
+            await fc.submit([PY, "-c", "import time; time.sleep(1.0); print('ok')"], env=env())
+            for _ in range(6)
+        ]
         # One per device: 3 nodes x cpu:2, each placed on the least loaded device fleet-wide.
         assert by_node(hs) == {"node0": 2, "node1": 2, "node2": 2}
         assert len({h.device for h in hs}) == 6
@@ -84,11 +86,14 @@ async def test_a_region_on_one_node_freezes_nothing_on_another(local_fleet: Loca
     assert inside >= 30 and longest < 0.5, (inside, longest)
 
 
-async def test_daemon_killed_mid_run_its_commands_lost_others_finish(
-        local_fleet: LocalFleet) -> None:
+async def test_daemon_killed_mid_run_its_commands_lost_others_finish(local_fleet: LocalFleet) -> None:
     async with await local_fleet.connect() as fc:
-        hs = [await fc.submit([PY, "-c", "import time; time.sleep(2.5); print('done')"],
-                              env=env(), label=f"job {i}") for i in range(6)]
+        hs = [
+            await fc.submit(
+                [PY, "-c", "import time; time.sleep(2.5); print('done')"], env=env(), label=f"job {i}"
+            )
+            for i in range(6)
+        ]
         victims = [h for h in hs if h.node == "node1"]
         assert len(victims) == 2
         cap = (await fc.capacity())["node1"]
@@ -115,14 +120,14 @@ async def test_daemon_killed_mid_run_its_commands_lost_others_finish(
         assert again.stdout == b"back\n" and again.report.command.startswith("node1/")
         # The old daemon's commands did not outlive it: the new daemon's sweep ended them.
         st = await fc.status()
-        assert not [c for c in st["commands"] if c["node"] == "node1"
-                    and c["state"] != "ended"], st["commands"]
+        assert not [c for c in st["commands"] if c["node"] == "node1" and c["state"] != "ended"], st[
+            "commands"
+        ]
 
 
 async def test_200_commands_exactly_200_results(local_fleet: LocalFleet) -> None:
     async with await local_fleet.connect() as fc:
-        hs = await asyncio.gather(*(fc.submit([PY, "-c", f"print({i})"], env=env())
-                                    for i in range(200)))
+        hs = await asyncio.gather(*(fc.submit([PY, "-c", f"print({i})"], env=env()) for i in range(200)))
         results = await asyncio.gather(*(h.wait() for h in hs))
     assert len(results) == 200
     assert len({r.report.command for r in results}) == 200
@@ -151,8 +156,9 @@ async def test_bad_input_is_a_clear_error(local_fleet: LocalFleet) -> None:
 
 async def test_cancel_reaches_the_command_on_its_node(local_fleet: LocalFleet) -> None:
     async with await local_fleet.connect() as fc:
-        h = await fc.submit([PY, "-c", "import time; print('up', flush=True); time.sleep(30)"],
-                            env=env(), node="node2")
+        h = await fc.submit(
+            [PY, "-c", "import time; print('up', flush=True); time.sleep(30)"], env=env(), node="node2"
+        )
         seen = b""
         async for _stream, data in h.output():
             seen += data

@@ -36,9 +36,22 @@ def start(state: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     e = env()
     e["PYTHONPATH"] = os.pathsep.join([USER_PYTHONPATH, e.get("PYTHONPATH", "")])
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "krex_async", "gateway", "--listen",
-                                 "127.0.0.1:0", "--state-dir", str(state), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env=e)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "krex_async",
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--state-dir",
+                str(state),
+                *args,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=e,
+        )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -75,8 +88,7 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, stack: c
             view = (await c.env(force=True))["env"][0]
             keys = sorted(d["key"] for d in view["devices"])
             assert keys == [f"node{i}/cpu{j}" for i in range(3) for j in range(2)], view
-            jobs = [await c.dev("sleep 1; python -c 'import krex_async; print(\"ran\")'")
-                    for _ in range(6)]
+            jobs = [await c.dev("sleep 1; python -c 'import krex_async; print(\"ran\")'") for _ in range(6)]
             done = await asyncio.gather(*(c.wait(j["job_id"], 60) for j in jobs))
             assert [d["status"] for d in done] == ["succeeded"] * 6, done
             assert all(d["result"]["stdout"] == "ran\n" for d in done)
@@ -122,12 +134,26 @@ async def test_gateway_fleet_unreachable_says_so(stack: contextlib.ExitStack) ->
 async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -> None:
     assert local_fleet.cluster is not None
     async with await local_fleet.connect() as fc:
-        h = await fc.submit([sys.executable, "-c", "import time; time.sleep(20)"], env=env(),
-                            node="node2", device="cpu1")
+        h = await fc.submit(
+            [sys.executable, "-c", "import time; time.sleep(20)"], env=env(), node="node2", device="cpu1"
+        )
         try:
-            r = subprocess.run([sys.executable, "-m", "krex_async", "fleet", "status", "--json",
-                                "--address", str(local_fleet.cluster.address)],
-                               capture_output=True, text=True, env=env(), timeout=60)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "krex_async",
+                    "fleet",
+                    "status",
+                    "--json",
+                    "--address",
+                    str(local_fleet.cluster.address),
+                ],
+                capture_output=True,
+                text=True,
+                env=env(),
+                timeout=60,
+            )
             assert r.returncode == 0, r.stderr
             cap = json.loads(r.stdout)
             assert sorted(cap) == ["node0", "node1", "node2"]

@@ -11,9 +11,15 @@ GiB = 1 << 30
 
 
 def view(name: str, *devs: tuple[str, int, list[str]], up: bool = True) -> NodeView:
-    return NodeView(name, up=up, reason="" if up else "daemon gone", devices=[
-        {"key": k, "index": i, "vendor": "nvidia", "memory_free_bytes": free, "commands": cmds}
-        for i, (k, free, cmds) in enumerate(devs)])
+    return NodeView(
+        name,
+        up=up,
+        reason="" if up else "daemon gone",
+        devices=[
+            {"key": k, "index": i, "vendor": "nvidia", "memory_free_bytes": free, "commands": cmds}
+            for i, (k, free, cmds) in enumerate(devs)
+        ],
+    )
 
 
 def test_fewest_commands_across_nodes_then_most_memory() -> None:

@@ -51,8 +51,7 @@ def job_python() -> str:
     if os.geteuid() != 0:
         return PY
     try:
-        subprocess.run([PY, "-c", ""], user="nobody", check=True, capture_output=True, timeout=30,
-                       cwd="/")
+        subprocess.run([PY, "-c", ""], user="nobody", check=True, capture_output=True, timeout=30, cwd="/")
         return PY
     except (OSError, subprocess.SubprocessError):
         return USER_PY
@@ -72,8 +71,9 @@ def gateway_home() -> Iterator[Path]:
 
 
 class Gateway:
-    def __init__(self, proc: subprocess.Popen[bytes], state: Path, url: str, log: Path,
-                 token: str | None) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], state: Path, url: str, log: Path, token: str | None
+    ) -> None:
         self.proc, self.state, self.url, self.log, self.token = proc, state, url, log, token
         self.scratch = state.parent / "scratch"
 
@@ -89,8 +89,14 @@ class Gateway:
         return self.proc.wait(timeout)
 
 
-def start_gateway(socket: str, state: Path, *args: str, env: dict[str, str] | None = None,
-                  token: str | None = None, listen: str = "127.0.0.1:0") -> Gateway:
+def start_gateway(
+    socket: str,
+    state: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    token: str | None = None,
+    listen: str = "127.0.0.1:0",
+) -> Gateway:
     """Start `python -m krex_async.gateway` and wait until its gateway.json names its pid. The
     client uses `token`, else the one the gateway wrote to <state>/token."""
     state.parent.mkdir(parents=True, exist_ok=True)
@@ -102,9 +108,23 @@ def start_gateway(socket: str, state: Path, *args: str, env: dict[str, str] | No
     if "--job-python" not in args:
         args = (*args, "--job-python", job_python())
     with open(log, "wb") as f:
-        proc = subprocess.Popen([PY, "-m", "krex_async.gateway", "--listen", listen,
-                                 "--state-dir", str(state), "--socket", socket, *args],
-                                stdout=f, stderr=subprocess.STDOUT, env=e)
+        proc = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "krex_async.gateway",
+                "--listen",
+                listen,
+                "--state-dir",
+                str(state),
+                "--socket",
+                socket,
+                *args,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=e,
+        )
     info = state / "gateway.json"
     deadline = time.monotonic() + 20
     while True:
@@ -132,9 +152,13 @@ def gwhome() -> Iterator[Path]:
 
 
 @contextlib.asynccontextmanager
-async def stack(tmp_path: Path, *gateway_args: str, daemon_args: tuple[str, ...] = (),
-                as_test_user: bool = True,
-                **kw: object) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
+async def stack(
+    tmp_path: Path,
+    *gateway_args: str,
+    daemon_args: tuple[str, ...] = (),
+    as_test_user: bool = True,
+    **kw: object,
+) -> AsyncIterator[tuple[object, Gateway, GatewayClient]]:
     """A daemon, a gateway on it, and a client of the gateway; all stopped after (tmp_path is
     unused: the gateway's state must be reachable by its jobs' user, see gateway_home)."""
     root = os.geteuid() == 0

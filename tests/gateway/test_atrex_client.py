@@ -29,7 +29,8 @@ from .test_kinds import install_tools
 CHECKOUT = os.environ.get("KREX_ATREX_CHECKOUT", "")
 pytestmark = pytest.mark.skipif(
     not (CHECKOUT and (Path(CHECKOUT) / "tools" / "sandbox.py").is_file()),
-    reason="set KREX_ATREX_CHECKOUT to an atrex-kernel-agent checkout to run its real client")
+    reason="set KREX_ATREX_CHECKOUT to an atrex-kernel-agent checkout to run its real client",
+)
 PREFIXES = ("[test_kernel] RESULT_JSON=", "[sandbox] PROFILE_JSON=")
 
 
@@ -42,24 +43,41 @@ def free_port() -> int:
 def workspace(root: Path, candidate: str) -> Path:
     ws = root / f"ws-{abs(hash(candidate))}"
     ws.mkdir(parents=True)
-    files = {"kernel.py": candidate, "reference.py": "class Model: pass\n",
-             "input.py": "def _make_inputs(n): return {}\n",
-             "shapes.json": json.dumps({"0": {"n": 4}, "1": {"n": 8}}),
-             "test_kernel.py": "raise SystemExit('runs remotely only')\n"}
+    files = {
+        "kernel.py": candidate,
+        "reference.py": "class Model: pass\n",
+        "input.py": "def _make_inputs(n): return {}\n",
+        "shapes.json": json.dumps({"0": {"n": 4}, "1": {"n": 8}}),
+        "test_kernel.py": "raise SystemExit('runs remotely only')\n",
+    }
     for name, text in files.items():
         (ws / name).write_text(text)
     return ws
 
 
-def sandbox(url: str, token: str | None, ws: Path, *args: str, path: str
-            ) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": path, "HOME": str(ws), "ATREX_SANDBOX_QUEUE_WAIT_GRACE": "60",
-           "LANG": "C.UTF-8"}
+def sandbox(url: str, token: str | None, ws: Path, *args: str, path: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": path, "HOME": str(ws), "ATREX_SANDBOX_QUEUE_WAIT_GRACE": "60", "LANG": "C.UTF-8"}
     if token:
         env["AGATE_TOKEN"] = token
-    return subprocess.run([PY, str(Path(CHECKOUT) / "tools" / "sandbox.py"), "--hardware",
-                           "local", "--url", url, "--workspace", str(ws), "--no-sync", *args],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=str(ws))
+    return subprocess.run(
+        [
+            PY,
+            str(Path(CHECKOUT) / "tools" / "sandbox.py"),
+            "--hardware",
+            "local",
+            "--url",
+            url,
+            "--workspace",
+            str(ws),
+            "--no-sync",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(ws),
+    )
 
 
 def outcome(p: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -68,21 +86,37 @@ def outcome(p: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     for line in p.stdout.splitlines():
         for prefix in PREFIXES:
             if line.startswith(prefix):
-                value = json.loads(line[len(prefix):])
+                value = json.loads(line[len(prefix) :])
                 value.pop("krex", None)
                 line = prefix + json.dumps(value, sort_keys=True)
         lines.append(line)
-    return {"rc": p.returncode, "stdout": lines,
-            "resubmitted": "without a result/error; resubmitted once" in p.stderr}
+    return {
+        "rc": p.returncode,
+        "stdout": lines,
+        "resubmitted": "without a result/error; resubmitted once" in p.stderr,
+    }
 
 
 def reference_gateway(state: Path, bench: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    proc = subprocess.Popen([PY, str(Path(CHECKOUT) / "tools" / "local_gateway.py"), "serve",
-                             "--host", "127.0.0.1", "--port", str(port), "--state-dir", str(state),
-                             "--atrex-bench-root", str(bench)],
-                            env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            PY,
+            str(Path(CHECKOUT) / "tools" / "local_gateway.py"),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(state),
+            "--atrex-bench-root",
+            str(bench),
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -103,38 +137,57 @@ def cancel_first_running(url: str, token: str | None, deadline_s: float = 60) ->
         jobs = json.loads(urllib.request.urlopen(req, timeout=10).read())["jobs"]
         if jobs:
             time.sleep(1.0)  # let it reach its sleep
-            urllib.request.urlopen(urllib.request.Request(
-                f"{url}/v1/jobs/{jobs[0]['job_id']}/cancel", data=b"{}", method="POST",
-                headers={**headers, "Content-Type": "application/json"}), timeout=10).read()
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{url}/v1/jobs/{jobs[0]['job_id']}/cancel",
+                    data=b"{}",
+                    method="POST",
+                    headers={**headers, "Content-Type": "application/json"},
+                ),
+                timeout=10,
+            ).read()
             return
         time.sleep(0.1)
     raise RuntimeError("no running job to cancel")
 
 
 async def test_the_real_client_gets_the_same_outcomes_from_both_gateways(
-        tmp_path: Path, gwhome: Path) -> None:
+    tmp_path: Path, gwhome: Path
+) -> None:
     scratch = gwhome / "scratch"
     bench, env = install_tools(scratch, STUB_EVAL)
     path = env["PATH"]
     ops: list[tuple[str, str, tuple[str, ...]]] = [
-        ("dev", "class Model: pass\n",
-         ("--kind", "dev", "--", "bash", "-c", "echo hello; [[ -n x ]] && echo bash; exit 3")),
-        ("timeout", "class Model: pass\n", ("--kind", "dev", "--timeout", "2", "--",
-                                            "sleep", "30")),
+        (
+            "dev",
+            "class Model: pass\n",
+            ("--kind", "dev", "--", "bash", "-c", "echo hello; [[ -n x ]] && echo bash; exit 3"),
+        ),
+        ("timeout", "class Model: pass\n", ("--kind", "dev", "--timeout", "2", "--", "sleep", "30")),
         ("eval-pass", "class Model: pass\n", ("--kind", "run", "--", "python", "test_kernel.py")),
-        ("eval-fail", "# BROKEN\nclass Model: pass\n",
-         ("--kind", "run", "--", "python", "test_kernel.py")),
-        ("profile", "class Model: pass\n", ("--kind", "profile", "--profile-level", "sol",
-                                            "--top-kernels", "1", "--", "python",
-                                            "profile_driver.py")),
+        ("eval-fail", "# BROKEN\nclass Model: pass\n", ("--kind", "run", "--", "python", "test_kernel.py")),
+        (
+            "profile",
+            "class Model: pass\n",
+            (
+                "--kind",
+                "profile",
+                "--profile-level",
+                "sol",
+                "--top-kernels",
+                "1",
+                "--",
+                "python",
+                "profile_driver.py",
+            ),
+        ),
     ]
     ref_proc, ref_url = reference_gateway(tmp_path / "ref", bench, env)
     try:
         async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, gw, _c):
             got: dict[str, dict[str, Any]] = {}
             for name, cand, args in ops:
-                for side, url, token in (("reference", ref_url, None), ("krex", gw.url,
-                                                                        gw.token)):
+                for side, url, token in (("reference", ref_url, None), ("krex", gw.url, gw.token)):
                     ws = workspace(scratch / side / name, cand)
                     os.chmod(scratch / side, 0o777)
                     p = await asyncio.to_thread(sandbox, url, token, ws, *args, path=path)
@@ -145,8 +198,9 @@ async def test_the_real_client_gets_the_same_outcomes_from_both_gateways(
                 marker = scratch / f"once-{side}"
                 ws = workspace(scratch / side / "cancel", "class Model: pass\n")
                 cmd = f"if [ -e {marker} ]; then echo second; else touch {marker}; sleep 30; fi"
-                run = asyncio.to_thread(sandbox, url, token, ws, "--kind", "dev", "--", "bash",
-                                        "-c", cmd, path=path)
+                run = asyncio.to_thread(
+                    sandbox, url, token, ws, "--kind", "dev", "--", "bash", "-c", cmd, path=path
+                )
                 task = asyncio.ensure_future(run)
                 await asyncio.to_thread(cancel_first_running, url, token)
                 got.setdefault("cancel", {})[side] = outcome(await task)

@@ -18,8 +18,19 @@ from tests.conftest import ROOT, run_daemon
 
 from .conftest import PY, gateway_home, stack, start_gateway
 
-UNSAFE = ["/etc/passwd", "../x", "a/../../x", "a/./b", "./a", "a//b", "a/", "", "a\x00b",
-          "a\\..\\b", "x" * 300]
+UNSAFE = [
+    "/etc/passwd",
+    "../x",
+    "a/../../x",
+    "a/./b",
+    "./a",
+    "a//b",
+    "a/",
+    "",
+    "a\x00b",
+    "a\\..\\b",
+    "x" * 300,
+]
 
 
 @pytest.mark.parametrize("name", UNSAFE)
@@ -46,14 +57,17 @@ def test_write_files_does_not_follow_symlinks(tmp_path: Path) -> None:
 
 
 async def test_malformed_requests(tmp_path: Path) -> None:
-    async with stack(tmp_path, "--max-body", "20000", "--max-file", "4000", "--max-timeout",
-                     "100") as (_, gw, c):
+    async with stack(tmp_path, "--max-body", "20000", "--max-file", "4000", "--max-timeout", "100") as (
+        _,
+        gw,
+        c,
+    ):
         good = c.dev_request("true")
 
-        async def post(body: object = None, raw: bytes | None = None, path: str = "/v1/jobs/dev"
-                       ) -> tuple[int, dict[str, object]]:
-            status, resp = await c.request("POST", path, json=body if raw is None else None,
-                                           data=raw)
+        async def post(
+            body: object = None, raw: bytes | None = None, path: str = "/v1/jobs/dev"
+        ) -> tuple[int, dict[str, object]]:
+            status, resp = await c.request("POST", path, json=body if raw is None else None, data=raw)
             assert isinstance(resp, dict), resp
             assert {"reason", "message", "trace_id"} <= set(resp), resp
             return status, resp
@@ -69,14 +83,16 @@ async def test_malformed_requests(tmp_path: Path) -> None:
         await expect(422, "invalid_command", body={**good, "command": ""})
         await expect(422, "invalid_command", body={k: v for k, v in good.items() if k != "command"})
         await expect(422, "invalid_command", body={**good, "command": ["ls"]})
-        await expect(422, "invalid_target_hardware", body={k: v for k, v in good.items()
-                                                           if k != "spec"})
+        await expect(422, "invalid_target_hardware", body={k: v for k, v in good.items() if k != "spec"})
         await expect(422, "invalid_target_hardware", body={**good, "spec": {"target_hardware": []}})
         await expect(422, "unsupported_hardware", body={**good, "spec": {"target_hardware": ["B200"]}})
         for t in (0, -1, "10", True, 1e9, 101):
             await expect(422, "invalid_timeout", body={**good, "timeout_s": t})
-        await expect(422, "invalid_timeout", raw=json.dumps({**good}).replace(
-            '"timeout_s": 60', '"timeout_s": NaN').encode())
+        await expect(
+            422,
+            "invalid_timeout",
+            raw=json.dumps({**good}).replace('"timeout_s": 60', '"timeout_s": NaN').encode(),
+        )
         await expect(422, "invalid_env_vars", body={**good, "env_vars": {"1BAD": "x"}})
         await expect(422, "invalid_env_vars", body={**good, "env_vars": {"A": 1}})
         await expect(422, "invalid_env_vars", body={**good, "env_vars": {"KREX_SOCKET": "/x"}})
@@ -106,23 +122,27 @@ async def test_malformed_requests(tmp_path: Path) -> None:
         await expect(404, "job_not_found", body=None, raw=b"", path="/v1/jobs/dv_missing/cancel")
 
         for path, status, reason in (
-                ("/nope", 404, "route_not_found"), ("/v1/jobs/dv_missing", 404, "job_not_found"),
-                ("/v1/jobs?kind=teleport", 400, "invalid_kind"),
-                ("/v1/jobs?status=done", 400, "invalid_status"),
-                ("/v1/jobs?limit=ten", 400, "invalid_limit"), ("/v1/jobs?limit=0", 400,
-                                                              "invalid_limit"),
-                ("/v1/jobs?sort=age", 400, "invalid_sort"),
-                ("/v1/env?force=maybe", 400, "invalid_force")):
+            ("/nope", 404, "route_not_found"),
+            ("/v1/jobs/dv_missing", 404, "job_not_found"),
+            ("/v1/jobs?kind=teleport", 400, "invalid_kind"),
+            ("/v1/jobs?status=done", 400, "invalid_status"),
+            ("/v1/jobs?limit=ten", 400, "invalid_limit"),
+            ("/v1/jobs?limit=0", 400, "invalid_limit"),
+            ("/v1/jobs?sort=age", 400, "invalid_sort"),
+            ("/v1/env?force=maybe", 400, "invalid_force"),
+        ):
             got, resp = await c.request("GET", path)
             assert (got, resp["reason"]) == (status, reason), (path, resp)
         got, resp = await c.request("DELETE", "/v1/jobs")
         assert (got, resp["reason"]) == (405, "method_not_allowed")
 
         job = await c.dev("sleep 5")
-        for q, reason in (("wait=maybe", "invalid_wait"), ("wait=true&timeout=soon",
-                                                            "invalid_timeout"),
-                          ("wait=true&timeout=-1", "invalid_timeout"),
-                          ("wait=true&timeout=inf", "invalid_timeout")):
+        for q, reason in (
+            ("wait=maybe", "invalid_wait"),
+            ("wait=true&timeout=soon", "invalid_timeout"),
+            ("wait=true&timeout=-1", "invalid_timeout"),
+            ("wait=true&timeout=inf", "invalid_timeout"),
+        ):
             got, resp = await c.request("GET", f"/v1/jobs/{job['job_id']}?{q}")
             assert (got, resp["reason"]) == (400, reason), (q, resp)
         await c.cancel(job["job_id"])
@@ -137,18 +157,35 @@ async def test_malformed_requests(tmp_path: Path) -> None:
 async def test_remote_bind_needs_allow_remote_and_a_token(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     async with run_daemon() as daemon, contextlib.AsyncExitStack() as stack:
-        base = [PY, "-m", "krex_async.gateway", "--state-dir", str(tmp_path / "s"),
-                "--socket", daemon.socket, "--listen", "0.0.0.0:0"]
-        for extra, why in (([], "--allow-remote"),
-                           (["--allow-remote", "--no-auth"], "--no-auth is for loopback only")):
+        base = [
+            PY,
+            "-m",
+            "krex_async.gateway",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--socket",
+            daemon.socket,
+            "--listen",
+            "0.0.0.0:0",
+        ]
+        for extra, why in (
+            ([], "--allow-remote"),
+            (["--allow-remote", "--no-auth"], "--no-auth is for loopback only"),
+        ):
             r = subprocess.run(base + extra, capture_output=True, text=True, timeout=30, env=env)
             assert r.returncode == 2 and why in r.stderr, r.stderr
         home = stack.enter_context(gateway_home())  # jobs run as another user: a reachable state dir
-        gw = start_gateway(daemon.socket, home / "gw", "--allow-remote", "--token", "s3cret",
-                           listen="0.0.0.0:0", token="s3cret")
+        gw = start_gateway(
+            daemon.socket,
+            home / "gw",
+            "--allow-remote",
+            "--token",
+            "s3cret",
+            listen="0.0.0.0:0",
+            token="s3cret",
+        )
         gw.url = gw.url.replace("0.0.0.0", "127.0.0.1")
-        authed, anon, wrong = gw.client(), type(gw.client())(gw.url), \
-            type(gw.client())(gw.url, token="guess")
+        authed, anon, wrong = gw.client(), type(gw.client())(gw.url), type(gw.client())(gw.url, token="guess")
         try:
             assert await anon.health() == "ok"  # health stays open for probes
             for c in (anon, wrong):

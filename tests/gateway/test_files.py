@@ -14,8 +14,7 @@ from krex_async.gateway.jobs import job_env
 from krex_async.gateway.store import Store
 
 
-def test_a_job_never_inherits_the_gateways_token(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_never_inherits_the_gateways_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KREX_GATEWAY_TOKEN", "gateway-secret")
     monkeypatch.setenv("AGATE_TOKEN", "client-secret")
     monkeypatch.setenv("KEPT", "1")

@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import job_python, pid_alive, stack
 
-FAKE_TRITON_EXPLICIT = textwrap.dedent('''
+FAKE_TRITON_EXPLICIT = textwrap.dedent("""
     import time
     from krex_async import region
 
@@ -24,8 +24,8 @@ FAKE_TRITON_EXPLICIT = textwrap.dedent('''
             for _ in range(rep):
                 fn()
             return (time.perf_counter() - t) * 1e3 / rep
-''')
-FAKE_TRITON_PLAIN = textwrap.dedent('''
+""")
+FAKE_TRITON_PLAIN = textwrap.dedent("""
     import time
 
     def do_bench(fn, warmup=1, rep=5):
@@ -33,12 +33,12 @@ FAKE_TRITON_PLAIN = textwrap.dedent('''
         for _ in range(rep):
             fn()
         return (time.perf_counter() - t) * 1e3 / rep
-''')
-BENCH = textwrap.dedent('''
+""")
+BENCH = textwrap.dedent("""
     import triton.testing
     ms = triton.testing.do_bench(lambda: sum(range(20000)))
     print(f"ms={ms:.4f}")
-''')
+""")
 
 
 async def test_health_env_and_a_dev_job(tmp_path: Path) -> None:
@@ -55,12 +55,18 @@ async def test_health_env_and_a_dev_job(tmp_path: Path) -> None:
         assert status == 404 and body["reason"] == "environment_not_found"
 
         status, job = await c.request(
-            "POST", "/v1/jobs/dev", headers={"X-Trace-Id": "trace-abc"},
-            json=c.dev_request('cat in/data.txt; echo "$GREETING"; echo oops >&2; '
-                               'echo "$KREX_AUTO_REGION $KREX_DEVICE"; pwd; '
-                               'python -c "import sys; print(sys.executable)"',
-                               files={"in/data.txt": "payload\n"},
-                               env_vars={"GREETING": "hi there"}, hardware="h200"))
+            "POST",
+            "/v1/jobs/dev",
+            headers={"X-Trace-Id": "trace-abc"},
+            json=c.dev_request(
+                'cat in/data.txt; echo "$GREETING"; echo oops >&2; '
+                'echo "$KREX_AUTO_REGION $KREX_DEVICE"; pwd; '
+                'python -c "import sys; print(sys.executable)"',
+                files={"in/data.txt": "payload\n"},
+                env_vars={"GREETING": "hi there"},
+                hardware="h200",
+            ),
+        )
         assert status == 202, job
         assert job["status"] == "queued" and job["kind"] == "dev"
         assert job["job_id"].startswith("dv_") and job["trace_id"] == "trace-abc"
@@ -82,8 +88,7 @@ async def test_health_env_and_a_dev_job(tmp_path: Path) -> None:
 
         assert [j["job_id"] for j in await c.jobs(status="failed")] == [failed["job_id"]]
         assert [j["job_id"] for j in await c.jobs(kind="dev", limit=1)] == [failed["job_id"]]
-        assert [j["job_id"] for j in await c.jobs(sort="created_at")] == [job["job_id"],
-                                                                          failed["job_id"]]
+        assert [j["job_id"] for j in await c.jobs(sort="created_at")] == [job["job_id"], failed["job_id"]]
         assert await c.jobs(kind="eval") == []
 
 
@@ -174,8 +179,7 @@ async def test_timeout_and_output_limit(tmp_path: Path) -> None:
 
 
 async def test_jobs_go_to_the_daemon_concurrently_up_to_max_running(tmp_path: Path) -> None:
-    async with stack(tmp_path, "--max-running", "2", daemon_args=("--policy", "shared")) \
-            as (_, _gw, c):
+    async with stack(tmp_path, "--max-running", "2", daemon_args=("--policy", "shared")) as (_, _gw, c):
         jobs = [await c.dev("sleep 1") for _ in range(3)]
         views = [await c.wait(j["job_id"], 30) for j in jobs]
         assert all(v["status"] == "succeeded" for v in views)
@@ -186,9 +190,10 @@ async def test_jobs_go_to_the_daemon_concurrently_up_to_max_running(tmp_path: Pa
 
 async def test_do_bench_with_an_explicit_region_shows_the_region(tmp_path: Path) -> None:
     async with stack(tmp_path) as (_, _gw, c):
-        job = await c.dev("python bench.py", files={"triton/__init__.py": "",
-                                                    "triton/testing.py": FAKE_TRITON_EXPLICIT,
-                                                    "bench.py": BENCH})
+        job = await c.dev(
+            "python bench.py",
+            files={"triton/__init__.py": "", "triton/testing.py": FAKE_TRITON_EXPLICIT, "bench.py": BENCH},
+        )
         view = await c.wait(job["job_id"], 60)
         assert view["status"] == "succeeded", (view["error"], view["result"])
         (reg,) = view["result"]["regions"]
@@ -198,14 +203,16 @@ async def test_do_bench_with_an_explicit_region_shows_the_region(tmp_path: Path)
         assert view["result"]["stdout"].startswith("ms=")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("krex_async.integrations") is None,
-                    reason="krex_async.integrations (auto-regions around triton do_bench) is not "
-                           "merged into this branch yet")
+@pytest.mark.skipif(
+    importlib.util.find_spec("krex_async.integrations") is None,
+    reason="krex_async.integrations (auto-regions around triton do_bench) is not merged into this branch yet",
+)
 async def test_do_bench_without_a_region_gets_an_auto_region(tmp_path: Path) -> None:
     async with stack(tmp_path) as (_, _gw, c):
-        job = await c.dev("python bench.py", files={"triton/__init__.py": "",
-                                                    "triton/testing.py": FAKE_TRITON_PLAIN,
-                                                    "bench.py": BENCH})
+        job = await c.dev(
+            "python bench.py",
+            files={"triton/__init__.py": "", "triton/testing.py": FAKE_TRITON_PLAIN, "bench.py": BENCH},
+        )
         view = await c.wait(job["job_id"], 60)
         assert view["status"] == "succeeded", (view["error"], view["result"])
         assert len(view["result"]["regions"]) == 1, view["result"]
@@ -216,12 +223,17 @@ def _cuda() -> bool:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
         return False
     import subprocess
-    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                       capture_output=True, text=True, timeout=120)
+
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return r.stdout.strip() == "True"
 
 
-GPU_BENCH = textwrap.dedent('''
+GPU_BENCH = textwrap.dedent("""
     import importlib.util, torch, triton.testing
     x = torch.randn(1 << 22, device="cuda")
     fn = lambda: x.add_(1.0)
@@ -232,7 +244,7 @@ GPU_BENCH = textwrap.dedent('''
         print("explicit", ms)
     else:
         print("auto", triton.testing.do_bench(fn))
-''')
+""")
 
 
 @pytest.mark.gpu

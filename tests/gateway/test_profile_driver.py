@@ -15,7 +15,7 @@ from .conftest import job_python, stack
 from .test_atrex_compat import client_job, typed
 from .test_kinds import install_tools
 
-FAKE_TORCH = textwrap.dedent('''
+FAKE_TORCH = textwrap.dedent("""
     import contextlib, os
     def _log(what):
         with open(os.environ["DRIVER_LOG"], "a") as f:
@@ -30,8 +30,8 @@ FAKE_TORCH = textwrap.dedent('''
     class cuda:
         @staticmethod
         def cudart(): return _Cudart()
-''')
-FAKE_RUNTIME = textwrap.dedent('''
+""")
+FAKE_RUNTIME = textwrap.dedent("""
     import importlib.util, json, types
     from torch import _log
     def import_module_from_path(path, prefix):
@@ -51,15 +51,15 @@ FAKE_RUNTIME = textwrap.dedent('''
         return types.SimpleNamespace(args=(), kwargs=inputs._make_inputs(**shape))
     def clone_model_inputs(x): return types.SimpleNamespace(args=x.args, kwargs=dict(x.kwargs))
     def sync_device(dev): _log("sync")
-''')
-CANDIDATE = textwrap.dedent('''
+""")
+CANDIDATE = textwrap.dedent("""
     from torch import _log
     class Model:
         def __call__(self, **kw):
             _log("call " + json.dumps(kw, sort_keys=True))
     import json
-''')
-RUNNING_NCU = textwrap.dedent('''\
+""")
+RUNNING_NCU = textwrap.dedent("""\
     #!{py}
     import os, subprocess, sys
     args, i = sys.argv[1:], 0
@@ -71,7 +71,7 @@ RUNNING_NCU = textwrap.dedent('''\
         f.write('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\\n')
         f.write('"0","k","gpu__time_duration.sum","ns","5"\\n')
     sys.exit(rc)
-''')
+""")
 
 
 def fakes(root: Path) -> Path:
@@ -89,8 +89,7 @@ def fakes(root: Path) -> Path:
     return site
 
 
-async def test_one_candidate_call_is_profiled_inside_a_region(tmp_path: Path,
-                                                             gwhome: Path) -> None:
+async def test_one_candidate_call_is_profiled_inside_a_region(tmp_path: Path, gwhome: Path) -> None:
     scratch = gwhome / "scratch"
     bench, env = install_tools(scratch)
     ncu = Path(env["PATH"].split(os.pathsep)[0]) / "ncu"
@@ -103,14 +102,24 @@ async def test_one_candidate_call_is_profiled_inside_a_region(tmp_path: Path,
         req = typed("profile", CANDIDATE, level="survey")
         req["reference"]["shapes"] = {"10": {"n": 10}, "2": {"n": 2}, "x": {"n": 0}}
         req["reference"]["input_py"] = "def _make_inputs(n): return {'n': n}\n"
-        req["env_vars"] = {"PYTHONPATH": os.pathsep.join([str(site), USER_PYTHONPATH]),
-                           "DRIVER_LOG": str(log),
-                           "ATREX_PROFILE_WARMUP": "2"}
+        req["env_vars"] = {
+            "PYTHONPATH": os.pathsep.join([str(site), USER_PYTHONPATH]),
+            "DRIVER_LOG": str(log),
+            "ATREX_PROFILE_WARMUP": "2",
+        }
         job = await client_job(c, "profile", req)
         assert job["status"] == "succeeded", job
         events = log.read_text().splitlines()
-        assert events == ["shape 2", 'call {"n": 2}', 'call {"n": 2}', "sync", "start",
-                          'call {"n": 2}', "sync", "stop"], events
+        assert events == [
+            "shape 2",
+            'call {"n": 2}',
+            'call {"n": 2}',
+            "sync",
+            "start",
+            'call {"n": 2}',
+            "sync",
+            "stop",
+        ], events
         (region,) = job["result"]["krex"]["regions"]
         assert region["name"] == "profile" and region["outcome"] == "released", region
         assert job["result"]["kernels"][0]["name"] == "k"

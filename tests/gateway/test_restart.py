@@ -21,8 +21,7 @@ async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
         gw = start_gateway(daemon.socket, state, "--max-running", "1")
         c = gw.client()
         try:
-            running = await c.dev(f"echo run >> {scratch}/runs; echo $$ > {scratch}/pid; "
-                                  "exec sleep 60")
+            running = await c.dev(f"echo run >> {scratch}/runs; echo $$ > {scratch}/pid; exec sleep 60")
             queued = await c.dev("echo queued-ran")
             for _ in range(200):
                 if (scratch / "pid").exists() and (scratch / "pid").read_text().strip():
@@ -51,10 +50,23 @@ async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
             assert (scratch / "runs").read_text() == "run\n"  # never run twice
             assert (await c.get(running["job_id"]))["status"] == "failed"
 
-            second = subprocess.run([PY, "-m", "krex_async.gateway", "--listen", "127.0.0.1:0",
-                                     "--state-dir", str(state), "--socket", daemon.socket],
-                                    capture_output=True, text=True, timeout=30,
-                                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+            second = subprocess.run(
+                [
+                    PY,
+                    "-m",
+                    "krex_async.gateway",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--state-dir",
+                    str(state),
+                    "--socket",
+                    daemon.socket,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            )
             assert second.returncode == 2 and "in use" in second.stderr
         finally:
             await c.close()
@@ -73,10 +85,21 @@ async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path, gwhome: Path) -> 
         assert (await c.get(job["job_id"]))["status"] == "queued"
         env = (await c.env())["env"][0]
         assert "krex daemon" in (env["probe_error"] or "")
-        proc = subprocess.Popen([sys.executable, "-m", "krex_async", "serve", "--socket", sock,
-                                 "--state-dir", str(tmp_path / "dstate")],
-                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "krex_async",
+                "serve",
+                "--socket",
+                sock,
+                "--state-dir",
+                str(tmp_path / "dstate"),
+            ],
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             view = await c.wait(job["job_id"], 30)
             assert view["status"] == "succeeded" and view["result"]["stdout"] == "late\n"

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real user
 
 def uid_of(name: str) -> int:
     import pwd
+
     return pwd.getpwnam(name).pw_uid
 
 
@@ -43,8 +44,11 @@ async def test_a_default_gateway_needs_its_token_and_runs_jobs_as_nobody(tmp_pat
         async with GatewayClient(gw.url) as anon, GatewayClient(gw.url, "wrong-token") as wrong:
             assert await anon.health() == "ok"  # probes stay open
             for other in (anon, wrong):
-                for method, path, body in (("GET", "/v1/jobs", None), ("GET", "/v1/env", None),
-                                           ("POST", "/v1/jobs/dev", c.dev_request("id"))):
+                for method, path, body in (
+                    ("GET", "/v1/jobs", None),
+                    ("GET", "/v1/env", None),
+                    ("POST", "/v1/jobs/dev", c.dev_request("id")),
+                ):
                     got, resp = await other.request(method, path, json=body)
                     assert (got, resp["reason"]) == (401, "unauthorized"), (path, resp)
         job = await c.dev("id -u; head -c 40 /etc/shadow")
@@ -55,8 +59,7 @@ async def test_a_default_gateway_needs_its_token_and_runs_jobs_as_nobody(tmp_pat
 
 async def test_a_local_user_cannot_read_the_token(tmp_path: Path) -> None:
     async with stack(tmp_path) as (_, gw, _c):
-        r = subprocess.run(["cat", str(gw.state / "token")], user="krextest2",
-                           capture_output=True, text=True)
+        r = subprocess.run(["cat", str(gw.state / "token")], user="krextest2", capture_output=True, text=True)
         assert r.returncode != 0 and "Permission denied" in r.stderr
 
 
@@ -72,23 +75,26 @@ ALICE, MALLORY = "alice-token-0123456789abcdef", "mallory-token-0123456789abcdef
 
 async def test_each_token_sees_only_its_jobs_and_runs_as_its_user(tmp_path: Path) -> None:
     with gateway_home() as home:
-        tokens = token_file(home, f"alice {ALICE} krextest\n# a comment\n"
-                                  f"mallory {MALLORY} krextest2\n")
+        tokens = token_file(home, f"alice {ALICE} krextest\n# a comment\nmallory {MALLORY} krextest2\n")
         async with stack(tmp_path, "--token-file", str(tokens)) as (_, gw, _c):
             async with GatewayClient(gw.url, ALICE) as a, GatewayClient(gw.url, MALLORY) as m:
-                mine = await a.dev("id -u; cat secret.txt; exec sleep 30",
-                                   files={"secret.txt": "alice-secret-42\n"},
-                                   idempotency_key="same-key")
+                mine = await a.dev(
+                    "id -u; cat secret.txt; exec sleep 30",
+                    files={"secret.txt": "alice-secret-42\n"},
+                    idempotency_key="same-key",
+                )
                 for _ in range(200):
                     if (await a.get(mine["job_id"]))["krex_command"]:
                         break
                     await asyncio.sleep(0.05)
                 # Another token: the job does not exist for it, in every route.
                 assert await m.jobs() == []
-                for method, path in (("GET", f"/v1/jobs/{mine['job_id']}"),
-                                     ("GET", f"/v1/jobs/{mine['job_id']}?wait=true&timeout=1"),
-                                     ("GET", f"/v1/evals/{mine['job_id']}"),
-                                     ("POST", f"/v1/jobs/{mine['job_id']}/cancel")):
+                for method, path in (
+                    ("GET", f"/v1/jobs/{mine['job_id']}"),
+                    ("GET", f"/v1/jobs/{mine['job_id']}?wait=true&timeout=1"),
+                    ("GET", f"/v1/evals/{mine['job_id']}"),
+                    ("POST", f"/v1/jobs/{mine['job_id']}/cancel"),
+                ):
                     got, resp = await m.request(method, path)
                     assert (got, resp["reason"]) == (404, "job_not_found"), (path, resp)
                 # Its own idempotency key space: the same key is a new job, not alice's.
@@ -111,8 +117,7 @@ async def test_a_job_cannot_reach_the_gateway_state_or_another_job(tmp_path: Pat
             state = gw.state
             shim = (state / "bin" / "python3").read_bytes()
             async with GatewayClient(gw.url, ALICE) as a, GatewayClient(gw.url, MALLORY) as m:
-                victim = await a.wait((await a.dev("true", files={"secret.txt": "s3cr3t\n"}))
-                                      ["job_id"], 30)
+                victim = await a.wait((await a.dev("true", files={"secret.txt": "s3cr3t\n"}))["job_id"], 30)
                 attacks = {
                     "list_jobs": f"ls {state}/jobs",
                     "read_other": f"cat {state}/jobs/{victim['job_id']}/secret.txt",
@@ -133,7 +138,7 @@ async def test_a_job_cannot_reach_the_gateway_state_or_another_job(tmp_path: Pat
                 assert await a.get(victim["job_id"]) == victim  # its record is as it was
 
 
-EVIL_EVAL = '''
+EVIL_EVAL = """
 import argparse, os, pathlib, sys
 p = argparse.ArgumentParser()
 for a in ("--input", "--reference-dir", "--output", "--atol", "--rtol", "--num-correctness-cases",
@@ -144,18 +149,20 @@ out = pathlib.Path(a.output)
 out.mkdir(parents=True)
 os.symlink(os.environ["TARGET"], out / "eval_result.json")
 sys.exit(1)
-'''
+"""
 
 
-async def test_the_gateway_does_not_follow_a_jobs_link_to_read_its_result(tmp_path: Path,
-                                                                         gwhome: Path) -> None:
+async def test_the_gateway_does_not_follow_a_jobs_link_to_read_its_result(
+    tmp_path: Path, gwhome: Path
+) -> None:
     secret = gwhome / "root-only.json"
     secret.write_text(json.dumps({"root_secret": "do-not-leak"}))
     secret.chmod(0o600)
     bench, env = install_tools(gwhome / "scratch", EVIL_EVAL)
     async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, _gw, c):
-        status, job = await c.request("POST", "/v1/jobs/eval",
-                                      json={**bundle(c), "env_vars": {"TARGET": str(secret)}})
+        status, job = await c.request(
+            "POST", "/v1/jobs/eval", json={**bundle(c), "env_vars": {"TARGET": str(secret)}}
+        )
         assert status == 202, job
         view = await c.wait(job["job_id"], 60)
         assert view["status"] == "failed" and view["error"]["reason"] == "invalid_eval_result"
@@ -164,13 +171,29 @@ async def test_the_gateway_does_not_follow_a_jobs_link_to_read_its_result(tmp_pa
 
 async def test_refused_configurations(gwhome: Path) -> None:
     async with run_daemon() as daemon:
+
         def start(*args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
             from tests.security.helpers import USER_PYTHONPATH
-            return subprocess.run([job_python() if user else PY, "-m", "krex_async.gateway",
-                                   "--listen", "127.0.0.1:0", "--socket", daemon.socket, *args],
-                                  capture_output=True, text=True, timeout=30, user=user,
-                                  env={"PYTHONPATH": USER_PYTHONPATH, "PATH": "/usr/bin:/bin"},
-                                  cwd="/")
+
+            return subprocess.run(
+                [
+                    job_python() if user else PY,
+                    "-m",
+                    "krex_async.gateway",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--socket",
+                    daemon.socket,
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                user=user,
+                env={"PYTHONPATH": USER_PYTHONPATH, "PATH": "/usr/bin:/bin"},
+                cwd="/",
+            )
+
         state = str(gwhome / "s")
         r = start("--state-dir", state, "--run-as", "root")
         assert r.returncode == 2 and "never run as root" in r.stderr, r.stderr
@@ -204,11 +227,15 @@ async def test_deeply_nested_bodies_are_400s(tmp_path: Path) -> None:
         nested: object = "x"
         for _ in range(200):
             nested = [nested]
-        for raw in (b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000,
-                    b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
-                    json.dumps({**good, "extra": nested}).encode()):
-            got, resp = await c.request("POST", "/v1/jobs/dev", data=raw,
-                                        headers={"Content-Type": "application/json"})
+        for raw in (
+            b"[" * 100_000,
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+            json.dumps({**good, "extra": nested}).encode(),
+        ):
+            got, resp = await c.request(
+                "POST", "/v1/jobs/dev", data=raw, headers={"Content-Type": "application/json"}
+            )
             assert (got, resp["reason"]) == (400, "invalid_json"), resp
         assert await c.health() == "ok"
         job = await c.dev("echo still")
@@ -218,6 +245,7 @@ async def test_deeply_nested_bodies_are_400s(tmp_path: Path) -> None:
 async def test_a_job_queued_before_owners_existed_never_runs_as_root(gwhome: Path) -> None:
     """A database from before run-as: its queued job runs as the gateway's jobs' user."""
     import sqlite3
+
     state = gwhome / "gw"
     state.mkdir()
     db = sqlite3.connect(state / "jobs.db")
@@ -228,10 +256,21 @@ async def test_a_job_queued_before_owners_existed_never_runs_as_root(gwhome: Pat
             krex_command TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
             started_at REAL, finished_at REAL);
     """)
-    db.execute("INSERT INTO jobs (job_id, kind, status, request, trace_id, created_at, "
-               "updated_at) VALUES ('dv_legacy', 'dev', 'queued', ?, 't', 1, 1)",
-               (json.dumps({"command": "id -u", "files": {}, "env_vars": {}, "timeout_s": 30,
-                            "spec": {"target_hardware": ["local"]}}),))
+    db.execute(
+        "INSERT INTO jobs (job_id, kind, status, request, trace_id, created_at, "
+        "updated_at) VALUES ('dv_legacy', 'dev', 'queued', ?, 't', 1, 1)",
+        (
+            json.dumps(
+                {
+                    "command": "id -u",
+                    "files": {},
+                    "env_vars": {},
+                    "timeout_s": 30,
+                    "spec": {"target_hardware": ["local"]},
+                }
+            ),
+        ),
+    )
     db.commit()
     db.close()
     async with run_daemon() as daemon:

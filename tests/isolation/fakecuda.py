@@ -205,16 +205,28 @@ class Fake:
         e.update(extra)
         return e
 
-    def argv(self, name: str, mode: str = "cuda", gpu_file: bool = True,
-             *extra: str) -> list[str]:
+    def argv(self, name: str, mode: str = "cuda", gpu_file: bool = True, *extra: str) -> list[str]:
         """The sibling as a command. With `gpu_file` it holds "/dev/nvidia0" open: a file by that
         name in a private mount namespace (readlink of its fd from outside reads the same name), so
         the GPU-holder checks treat it as a GPU process on a machine without one."""
         if not gpu_file:
             return [self.sib, self.lib, name, mode]
-        return ["unshare", "-m", "--propagation", "private", "sh", "-c",
-                'mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && exec "$@"', "sh",
-                self.sib, self.lib, name, mode, "/dev/nvidia0", *extra]
+        return [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && exec "$@"',
+            "sh",
+            self.sib,
+            self.lib,
+            name,
+            mode,
+            "/dev/nvidia0",
+            *extra,
+        ]
 
     def stats(self, name: str) -> tuple[int, int, int]:
         """(pid, launches, cpu ticks) of the sibling `name` (zeros before it started)."""
@@ -225,7 +237,7 @@ class Fake:
             return 0, 0, 0
         if len(data) < 24:
             return 0, 0, 0
-        a, b, c = (int.from_bytes(data[i:i + 8], "little", signed=True) for i in (0, 8, 16))
+        a, b, c = (int.from_bytes(data[i : i + 8], "little", signed=True) for i in (0, 8, 16))
         return a, b, c
 
     def lock_state(self, pid: int) -> int | None:

@@ -79,9 +79,12 @@ async def test_command_runs_as_user_inside_its_cgroup(backend):
     os.chmod(where, 0o777)
     out = pathlib.Path(where) / "id"
     g = await backend.create("user")
-    argv = backend.launch_argv(g, ["/bin/sh", "-c", f"id -u > {out}; id -G >> {out}; "
-                                   f"cat /proc/self/cgroup >> {out}"],
-                               frozen=False, as_user=(65534, 65534, []))
+    argv = backend.launch_argv(
+        g,
+        ["/bin/sh", "-c", f"id -u > {out}; id -G >> {out}; cat /proc/self/cgroup >> {out}"],
+        frozen=False,
+        as_user=(65534, 65534, []),
+    )
     p = subprocess.Popen(argv)
     assert p.wait(timeout=5) == 0
     uid, groups, *cg = out.read_text().splitlines()
@@ -177,8 +180,7 @@ async def test_region_fencing_pattern_of_the_daemon(cgroot, tmp_path, mode):
     sibling off it (pids= all of theirs, or none at all), then everything back."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("fencing needs at least 2 cpus")
-    backend = CgroupBackend(root=cgroot.v2, state_dir=str(tmp_path), cpuset_root=cgroot.v1,
-                            cpuset=mode)
+    backend = CgroupBackend(root=cgroot.v2, state_dir=str(tmp_path), cpuset_root=cgroot.v1, cpuset=mode)
     owner, p = await start(backend, ["/bin/sh", "-c", "sleep 30 & exec sleep 30"])
     sib, q = await start(backend, ["sleep", "30"])
     try:
@@ -436,8 +438,10 @@ async def test_watchdog_thaws_within_a_second_of_sigkill(backend, sigterm_first)
         took = time.monotonic() - t0
         assert took < 1.0
         if backend.cores.mode == "v1":
-            assert wait_for(lambda: len(allowed(p.pid)) == 1 and
-                            allowed(p.pid) != {str(sorted(backend.cpus)[0])}, 1.0 - took)
+            assert wait_for(
+                lambda: len(allowed(p.pid)) == 1 and allowed(p.pid) != {str(sorted(backend.cpus)[0])},
+                1.0 - took,
+            )
         assert backend.watchdog is not None and backend.watchdog.wait(timeout=2) == 0
     finally:
         reap(standin)
@@ -462,7 +466,6 @@ async def test_a_released_watchdog_exits_without_a_sweep(backend):
         reap(p)
 
 
-
 @pytest.mark.parametrize("restore", ["pids", "group"])
 async def test_affinity_fence_is_lifted_from_processes_forked_while_fenced(cgroot, tmp_path, restore):
     """cpuset "none" (the fallback when the daemon cannot use cpusets): a sibling fenced off the
@@ -472,8 +475,9 @@ async def test_affinity_fence_is_lifted_from_processes_forked_while_fenced(cgroo
         pytest.skip("fencing needs at least 2 cpus")
     b = CgroupBackend(root=cgroot.v2, state_dir=str(tmp_path), cpuset_root=cgroot.v1, cpuset="none")
     go = tmp_path / "go"
-    g, p = await start(b, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.01; done; "
-                                            "sleep 30 & sleep 30 & wait"])
+    g, p = await start(
+        b, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.01; done; sleep 30 & sleep 30 & wait"]
+    )
     try:
         before = allowed(p.pid)
         one = sorted(b.cpus)[0]

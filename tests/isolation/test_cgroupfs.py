@@ -85,8 +85,15 @@ async def test_intent_is_atomic_and_coalesced(tmp_path):
     assert read_record(str(tmp_path))[0] is None and "damaged" in read_record(str(tmp_path))[1]
 
 
-@pytest.mark.parametrize("text", ['{"frozen": 3}', '{"frozen": null, "fenced": 2}',
-                                  '{"frozen": ["a"], "fenced": ["b"]}', '{"version": 1, "pid": {}}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"frozen": 3}',
+        '{"frozen": null, "fenced": 2}',
+        '{"frozen": ["a"], "fenced": ["b"]}',
+        '{"version": 1, "pid": {}}',
+    ],
+)
 def test_a_record_of_the_wrong_shape_is_damaged_not_fatal(tmp_path, text):
     """Valid JSON of another shape (hand-edited, another version) must not stop the sweep that
     start-up and the watchdog run: it is reported damaged, like a torn one."""

@@ -49,8 +49,9 @@ def _spawn(fake: Fake, name: str, mode: str) -> tuple[subprocess.Popen[bytes], i
     return p, fake.stats(name)[0]
 
 
-async def test_lock_holds_cuda_calls_not_cpu_and_unlocks(fake: Fake, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_lock_holds_cuda_calls_not_cpu_and_unlocks(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     drv, why = open_driver(fake.lib)
     assert drv is not None, why
@@ -82,8 +83,9 @@ async def test_lock_holds_cuda_calls_not_cpu_and_unlocks(fake: Fake, tmp_path: P
         pool.close()
 
 
-async def test_lock_times_out_on_a_call_in_flight(fake: Fake, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_lock_times_out_on_a_call_in_flight(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     drv, _ = open_driver(fake.lib)
     assert drv is not None
@@ -102,8 +104,7 @@ async def test_lock_times_out_on_a_call_in_flight(fake: Fake, tmp_path: Path,
         pool.close()
 
 
-async def test_locked_process_still_dies(fake: Fake, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_locked_process_still_dies(fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     drv, _ = open_driver(fake.lib)
     assert drv is not None
@@ -121,8 +122,9 @@ async def test_locked_process_still_dies(fake: Fake, tmp_path: Path,
         pool.close()
 
 
-def test_release_left_unlocks_only_recorded_live_processes(fake: Fake, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_release_left_unlocks_only_recorded_live_processes(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     drv, _ = open_driver(fake.lib)
     assert drv is not None
@@ -133,9 +135,16 @@ def test_release_left_unlocks_only_recorded_live_processes(fake: Fake, tmp_path:
             assert drv.lock(pid, 500) == 0
         st = {pid: int(stat_fields(pid)[19]) for pid in (a, b)}  # type: ignore[index]
         # b's entry carries another start time: a reused pid, which must not be touched
-        (tmp_path / "locks.json").write_text(json.dumps(
-            {"version": 1, "pid": 1, "library": fake.lib,
-             "locked": [[a, st[a]], [b, st[b] + 1], [999999999, 1]]}))
+        (tmp_path / "locks.json").write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "pid": 1,
+                    "library": fake.lib,
+                    "locked": [[a, st[a]], [b, st[b] + 1], [999999999, 1]],
+                }
+            )
+        )
         lines = release_left(str(tmp_path))
         assert f"unlocked pid {a}" in lines, lines
         assert drv.state(a) == (0, 0) and drv.state(b) == (0, 1)
@@ -150,8 +159,9 @@ def test_release_left_unlocks_only_recorded_live_processes(fake: Fake, tmp_path:
             p.wait()
 
 
-def test_doctor_says_whether_the_driver_lock_serves(fake: Fake, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_says_whether_the_driver_lock_serves(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from krex_async.node.doctor_kernel import check_driver_lock
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
@@ -166,23 +176,34 @@ def test_doctor_says_whether_the_driver_lock_serves(fake: Fake, tmp_path: Path,
     assert c.verdict == "warn" and "cannot load" in c.detail and "none needed" in c.fix
 
 
-@pytest.mark.parametrize("mode,freeze,lock,vendor,probes,how,who", [
-    ("auto", "auto", True, "nvidia", True, "lock", "device-holders"),
-    ("auto", "auto", True, "nvidia", False, "lock", "all"),  # no probes: nobody sees a late open
-    ("auto", "auto", False, "nvidia", True, "freeze", "all"),  # no driver lock: as before
-    ("auto", "auto", True, "amd", True, "freeze", "all"),
-    ("freeze", "auto", True, "nvidia", True, "freeze", "all"),
-    ("lock", "all", True, "nvidia", True, "lock", "all"),
-    ("freeze", "device-holders", False, "nvidia", False, "freeze", "device-holders"),
-])
-def test_hold_chooses_how_and_whom(fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   mode: str, freeze: str, lock: bool, vendor: str, probes: bool,
-                                   how: str, who: str) -> None:
+@pytest.mark.parametrize(
+    "mode,freeze,lock,vendor,probes,how,who",
+    [
+        ("auto", "auto", True, "nvidia", True, "lock", "device-holders"),
+        ("auto", "auto", True, "nvidia", False, "lock", "all"),  # no probes: nobody sees a late open
+        ("auto", "auto", False, "nvidia", True, "freeze", "all"),  # no driver lock: as before
+        ("auto", "auto", True, "amd", True, "freeze", "all"),
+        ("freeze", "auto", True, "nvidia", True, "freeze", "all"),
+        ("lock", "all", True, "nvidia", True, "lock", "all"),
+        ("freeze", "device-holders", False, "nvidia", False, "freeze", "device-holders"),
+    ],
+)
+def test_hold_chooses_how_and_whom(
+    fake: Fake,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    freeze: str,
+    lock: bool,
+    vendor: str,
+    probes: bool,
+    how: str,
+    who: str,
+) -> None:
     from krex_async.daemon.hold import Hold
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
-    h = Hold(mode, freeze, str(tmp_path), 0.005,
-             opener=lambda: open_driver(fake.lib if lock else fake.old))
+    h = Hold(mode, freeze, str(tmp_path), 0.005, opener=lambda: open_driver(fake.lib if lock else fake.old))
     try:
         assert h.how(vendor)[0] == how
         assert h.who(vendor, probes) == who

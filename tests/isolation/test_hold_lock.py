@@ -27,8 +27,10 @@ from ..conftest import PY, is_frozen, proc_state, py_env, run_daemon
 from .fakecuda import Fake, build
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: cgroups, and a mount namespace for "
-                                                 "the sibling's stand-in GPU device file"),
+    pytest.mark.skipif(
+        os.geteuid() != 0,
+        reason="needs root: cgroups, and a mount namespace for the sibling's stand-in GPU device file",
+    ),
     pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) missing"),
 ]
 
@@ -57,8 +59,9 @@ def daemon_env(fake: Fake, **extra: str) -> dict[str, str]:
     return py_env(**fake.env(**extra))
 
 
-async def start(c: Client, fake: Fake, name: str, mode: str = "cuda", gpu_file: bool = True,
-                *extra: str, **kw: Any) -> tuple[Any, int]:
+async def start(
+    c: Client, fake: Fake, name: str, mode: str = "cuda", gpu_file: bool = True, *extra: str, **kw: Any
+) -> tuple[Any, int]:
     (fake.state / f"{name}.stats").unlink(missing_ok=True)
     h = await c.submit(fake.argv(name, mode, gpu_file, *extra), env=daemon_env(fake), **kw)
     deadline = time.monotonic() + 15
@@ -78,8 +81,9 @@ async def granted(marker: Path, timeout: float = 30) -> None:
 async def test_lock_holds_cuda_siblings_freezes_the_rest(fake: Fake, script, tmp_path: Path) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon("--hold", "lock", "--freeze", "all", "--lock-timeout", "0.2",
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(
+        "--hold", "lock", "--freeze", "all", "--lock-timeout", "0.2", env=daemon_env(fake)
+    ) as d:
         async with await d.client() as c:
             st = await c.status()
             assert st["hold"]["mode"] == "lock" and st["hold"]["lock_available"], st["hold"]
@@ -118,8 +122,9 @@ async def test_lock_holds_cuda_siblings_freezes_the_rest(fake: Fake, script, tmp
 async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_path: Path) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "device-holders", "--region-cores", "1",
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(
+        *SLOW, "--hold", "lock", "--freeze", "device-holders", "--region-cores", "1", env=daemon_env(fake)
+    ) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda")
             hp, cpu = await start(c, fake, "cpu", "nocuda", gpu_file=False)
@@ -129,10 +134,13 @@ async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_pat
             aff = os.sched_getaffinity(cpu)
             st = await c.status()
             region = st["devices"][0]["region"]
-            assert st["hold"]["devices"]["cpu"] == {"hold": "lock", "why": "",
-                                                    "freeze": "device-holders"}
-            text = subprocess.run([sys.executable, "-m", "krex_async", "status", "--socket",
-                                   d.socket], capture_output=True, text=True, env=py_env()).stdout
+            assert st["hold"]["devices"]["cpu"] == {"hold": "lock", "why": "", "freeze": "device-holders"}
+            text = subprocess.run(
+                [sys.executable, "-m", "krex_async", "status", "--socket", d.socket],
+                capture_output=True,
+                text=True,
+                env=py_env(),
+            ).stdout
             assert "hold lock: driver lock available (cuCheckpointProcessLock" in text, text
             assert "  cpu: lock device-holders" in text, text
             c0 = fake.stats("cpu")[2]
@@ -190,8 +198,7 @@ async def test_no_driver_lock(fake: Fake, script, tmp_path: Path, hold: str) -> 
 async def test_locked_command_still_dies(fake: Fake, script, tmp_path: Path, end: str) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon(*SLOW, "--hold", "lock", "--kill-grace", "0.5",
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(*SLOW, "--hold", "lock", "--kill-grace", "0.5", env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda", timeout=2.0 if end == "timeout" else 60)
             run = asyncio.ensure_future(c.run([PY, owner, str(marker), "6"], env=py_env()))
@@ -225,20 +232,19 @@ def _watchdog_of(daemon_pid: int) -> int:
 
 
 @pytest.mark.parametrize("who", ["watchdog", "startup", "cleanup"])
-async def test_sigkilled_daemon_leaves_nothing_locked(fake: Fake, script, tmp_path: Path,
-                                                      who: str) -> None:
+async def test_sigkilled_daemon_leaves_nothing_locked(fake: Fake, script, tmp_path: Path, who: str) -> None:
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     state = str(tmp_path / "state")
     cg = None
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", state,
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(
+        *SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", state, env=daemon_env(fake)
+    ) as d:
         cg = next(a for a in d.proc.args if "krex-test-" in str(a))  # type: ignore[union-attr]
         c = await d.client()
         hc, cuda = await start(c, fake, "cuda", on_disconnect="keep")
         hv, vk = await start(c, fake, "vk", "nocuda", on_disconnect="keep")
-        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(),
-                                    on_disconnect="keep"))
+        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(), on_disconnect="keep"))
         await granted(marker)
         assert fake.lock_state(cuda) == 1 and is_frozen(vk)
         if who != "watchdog":
@@ -258,14 +264,28 @@ async def test_sigkilled_daemon_leaves_nothing_locked(fake: Fake, script, tmp_pa
             await asyncio.sleep(1.0)
             assert fake.lock_state(cuda) == 1, "nothing else should have unlocked it"
             if who == "startup":
-                async with run_daemon("--hold", "lock", "--state-dir", state, "--cgroup-root",
-                                      str(cg), env=daemon_env(fake)) as d2:
+                async with run_daemon(
+                    "--hold", "lock", "--state-dir", state, "--cgroup-root", str(cg), env=daemon_env(fake)
+                ) as d2:
                     assert "unlocked pid" in d2.logs()
                     assert fake.lock_state(cuda) == 0
             else:
-                out = subprocess.run([sys.executable, "-m", "krex_async", "cleanup", "--state-dir",
-                                      state, "--root", str(cg), "--force"],
-                                     capture_output=True, text=True, env=daemon_env(fake))
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "krex_async",
+                        "cleanup",
+                        "--state-dir",
+                        state,
+                        "--root",
+                        str(cg),
+                        "--force",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env=daemon_env(fake),
+                )
                 assert out.returncode == 0, out.stderr
                 assert f"unlocked pid {cuda}" in out.stdout
                 assert fake.lock_state(cuda) == 0 and not is_frozen(vk)
@@ -292,20 +312,30 @@ while True:
 
 
 @pytest.mark.parametrize("hold", ["lock", "freeze"])
-async def test_locked_siblings_are_not_asked_to_quiesce(fake: Fake, script, tmp_path: Path,
-                                                        hold: str) -> None:
+async def test_locked_siblings_are_not_asked_to_quiesce(
+    fake: Fake, script, tmp_path: Path, hold: str
+) -> None:
     """--quiesce all asks every runtime of a frozen sibling to stop and synchronise. A locked
     sibling is not asked: the lock stops its GPU work, and its runtime, inside a CUDA call that
     the lock holds, could only answer after the region (a whole --quiesce-timeout lost)."""
     owner = script("owner.py", OWNER)
     ready = tmp_path / "sib.pid"
     sib = script("sib.py", PY_SIB)
-    async with run_daemon(*SLOW, "--hold", hold, "--freeze", "all", "--quiesce", "all",
-                          "--quiesce-timeout", "0.5", env=daemon_env(fake)) as d:
+    async with run_daemon(
+        *SLOW,
+        "--hold",
+        hold,
+        "--freeze",
+        "all",
+        "--quiesce",
+        "all",
+        "--quiesce-timeout",
+        "0.5",
+        env=daemon_env(fake),
+    ) as d:
         async with await d.client() as c:
             argv = fake.argv("x", "cuda")
-            h = await c.submit(argv[:argv.index(fake.sib)] + [PY, sib, str(ready)],
-                               env=daemon_env(fake))
+            h = await c.submit(argv[: argv.index(fake.sib)] + [PY, sib, str(ready)], env=daemon_env(fake))
             deadline = time.monotonic() + 15
             while not (ready.exists() and ready.read_text()):
                 assert time.monotonic() < deadline, "the Python sibling did not start"
@@ -334,15 +364,18 @@ async def test_probes_see_locked_siblings_and_late_openers(fake: Fake, script, t
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     late = tmp_path / "late.pid"
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--probes", "ioctl",
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(
+        *SLOW, "--hold", "lock", "--freeze", "all", "--probes", "ioctl", env=daemon_env(fake)
+    ) as d:
         async with await d.client() as c:
             hx, x = await start(c, fake, "x", "cuda", True, "ioctl")
             # y: a locked sibling whose shell opens the "GPU" once the region is held
             argv = fake.argv("y", "cuda")
-            body = ('mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && "$@" & '
-                    f'while [ ! -s {marker} ]; do sleep 0.01; done; sleep 0.2; '
-                    f'exec 3</dev/nvidia0; echo $$ > {late}; sleep 30')
+            body = (
+                'mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && "$@" & '
+                f"while [ ! -s {marker} ]; do sleep 0.01; done; sleep 0.2; "
+                f"exec 3</dev/nvidia0; echo $$ > {late}; sleep 30"
+            )
             argv[argv.index("-c") + 1] = body
             (fake.state / "y.stats").unlink(missing_ok=True)
             hy = await c.submit(argv, env=daemon_env(fake))
@@ -382,8 +415,10 @@ print(msgspec.json.encode(out).decode())
 """
 
 
-async def test_a_runtime_that_did_not_answer_is_not_asked_again_at_once(script, tmp_path: Path,
-                                                                        ) -> None:
+async def test_a_runtime_that_did_not_answer_is_not_asked_again_at_once(
+    script,
+    tmp_path: Path,
+) -> None:
     """Under the freezer: a sibling whose runtime could not answer the last quiesce (inside a long
     C call) is frozen without asking in the next region, which then does not wait for it."""
     up = tmp_path / "up"
@@ -415,15 +450,15 @@ async def _start_creating(c: Client, fake: Fake, name: str, ctx_ms: int) -> tupl
 
 
 async def test_not_ready_sibling_is_not_waited_for_nor_frozen_and_locked_once_ready(
-        fake: Fake, script, tmp_path: Path) -> None:
+    fake: Fake, script, tmp_path: Path
+) -> None:
     """A sibling creating its context answers the lock NOT_READY: the region is granted without
     waiting for it or freezing it (its CPU thread runs on), the lock is retried behind the grant
     and taken once the context exists (no CUDA call completes after that), and released at the
     region's end with the others."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all",
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda")
             hl, late = await _start_creating(c, fake, "late", 1000)
@@ -467,22 +502,25 @@ async def test_not_ready_sibling_is_not_waited_for_nor_frozen_and_locked_once_re
 
 
 @pytest.mark.parametrize("end", ["region-ended", "exited", "shutdown"])
-async def test_lock_retry_stops_with_the_region_or_the_process(fake: Fake, script, tmp_path: Path,
-                                                               end: str) -> None:
+async def test_lock_retry_stops_with_the_region_or_the_process(
+    fake: Fake, script, tmp_path: Path, end: str
+) -> None:
     """The retry of a NOT_READY sibling ends with the region (released early, or the daemon shut
     down mid-retry) or with the process: once its context exists it is not locked by anything,
     the report says how the retry ended, and a shutdown mid-retry exits cleanly."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     state = tmp_path / "state"
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", str(state),
-                          env=daemon_env(fake)) as d:
+    async with run_daemon(
+        *SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", str(state), env=daemon_env(fake)
+    ) as d:
         async with await d.client() as c:
             hl, late = await _start_creating(c, fake, "late", 1200)
             t_create = time.monotonic()
             hold = "3" if end == "shutdown" else "0.4"
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), hold], env=py_env(),
-                                              on_disconnect="keep"))
+            run = asyncio.ensure_future(
+                c.run([PY, owner, str(marker), hold], env=py_env(), on_disconnect="keep")
+            )
             await granted(marker)
             assert not is_frozen(late)
             if end == "exited":
@@ -527,12 +565,19 @@ async def test_late_lock_is_undone_by_the_watchdog(fake: Fake, script, tmp_path:
     holds it leaves nothing locked a second later."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", "--state-dir",
-                          str(tmp_path / "state"), env=daemon_env(fake)) as d:
+    async with run_daemon(
+        *SLOW,
+        "--hold",
+        "lock",
+        "--freeze",
+        "all",
+        "--state-dir",
+        str(tmp_path / "state"),
+        env=daemon_env(fake),
+    ) as d:
         c = await d.client()
         hl, late = await _start_creating(c, fake, "late", 300)
-        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(),
-                                    on_disconnect="keep"))
+        asyncio.ensure_future(c.run([PY, owner, str(marker), "30"], env=py_env(), on_disconnect="keep"))
         await granted(marker)
         assert not is_frozen(late)
         deadline = time.monotonic() + 3

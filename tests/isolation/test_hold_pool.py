@@ -25,9 +25,11 @@ from .fakecuda import Fake, build
 from .test_hold_lock import OWNER, SLOW, granted
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0 or v2_mount() is None,
-                       reason="needs root and cgroup v2: adoption joins a worker to a command's "
-                              "cgroup, and the workers' stand-in GPU file needs a mount namespace"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or v2_mount() is None,
+        reason="needs root and cgroup v2: adoption joins a worker to a command's "
+        "cgroup, and the workers' stand-in GPU file needs a mount namespace",
+    ),
     pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc missing: no fake libcuda"),
 ]
 
@@ -91,9 +93,25 @@ def env(fake: Fake, mods: Path) -> dict[str, str]:
 
 def pool_daemon(fake: Fake, mods: Path, *extra: str) -> Any:
     (mods / "krex_gpuinit.py").write_text(GPU_INIT)
-    return run_daemon(*SLOW, "--hold", "lock", "--freeze", "auto", "--probes", "ioctl",
-                      "--isolation", "cgroup", "--pool-size", "1", "--pool-preload", "colorsys",
-                      "--pool-init", "krex_gpuinit", *extra, env=env(fake, mods))
+    return run_daemon(
+        *SLOW,
+        "--hold",
+        "lock",
+        "--freeze",
+        "auto",
+        "--probes",
+        "ioctl",
+        "--isolation",
+        "cgroup",
+        "--pool-size",
+        "1",
+        "--pool-preload",
+        "colorsys",
+        "--pool-init",
+        "krex_gpuinit",
+        *extra,
+        env=env(fake, mods),
+    )
 
 
 async def warm(c: Client, timeout: float = 30) -> list[int]:
@@ -123,7 +141,8 @@ def _count(path: Path) -> tuple[int, int]:
 
 
 async def test_idle_worker_is_locked_and_a_job_it_adopts_mid_region_waits(
-        fake: Fake, script, tmp_path: Path) -> None:
+    fake: Fake, script, tmp_path: Path
+) -> None:
     """The idle warm worker (a context, in no command) is locked at region entry; a job adopted
     by it during the region starts at once (no wait for the region, no deadlock) and runs its
     Python, but no CUDA call of it completes until the region ends; then it runs on."""
@@ -137,8 +156,12 @@ async def test_idle_worker_is_locked_and_a_job_it_adopts_mid_region_waits(
         async with await d.client() as c:
             [worker] = await warm(c)
             # the owner runs plainly (a start-up variable the workers lack): the worker stays idle
-            run = asyncio.ensure_future(c.run([PY, script("owner.py", OWNER), str(marker), "1.5"],
-                                              env={**env(fake, mods), "PYTHONHASHSEED": "7"}))
+            run = asyncio.ensure_future(
+                c.run(
+                    [PY, script("owner.py", OWNER), str(marker), "1.5"],
+                    env={**env(fake, mods), "PYTHONHASHSEED": "7"},
+                )
+            )
             await granted(marker)
             assert fake.lock_state(worker) == 1, "the idle pool worker was not locked"
             hj = await c.submit(["/bin/sh", "-c", f"{PY} {job} {counts}"], env=env(fake, mods))
@@ -182,7 +205,8 @@ async def test_adopted_owner_is_not_its_own_stray(fake: Fake, script, tmp_path: 
 
 
 async def test_adoption_while_a_worker_is_unheld_freezes_the_adopting_command(
-        fake: Fake, script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake: Fake, script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An idle worker the region could not lock (here: someone else holds its lock) is named in
     pool_unheld, and a command adopting it mid-region is frozen into the region first (under
     --freeze auto, as under device-holders): its program starts only after the region."""
@@ -202,12 +226,14 @@ async def test_adoption_while_a_worker_is_unheld_freezes_the_adopting_command(
             args = (ctypes.c_uint64 * 8)()
             assert lib.cuCheckpointProcessLock(worker, ctypes.byref(args)) == 0
             try:
-                run = asyncio.ensure_future(c.run(
-                    [PY, script("owner.py", OWNER), str(marker), "1.0"],
-                    env={**env(fake, mods), "PYTHONHASHSEED": "7"}))
+                run = asyncio.ensure_future(
+                    c.run(
+                        [PY, script("owner.py", OWNER), str(marker), "1.0"],
+                        env={**env(fake, mods), "PYTHONHASHSEED": "7"},
+                    )
+                )
                 await granted(marker)
-                hj = await c.submit(["/bin/sh", "-c", f"{PY} {job} {counts}"],
-                                    env=env(fake, mods))
+                hj = await c.submit(["/bin/sh", "-c", f"{PY} {job} {counts}"], env=env(fake, mods))
                 await asyncio.sleep(0.5)
                 assert _count(counts)[0] == 0, "the adopted job ran during the region"
                 res = await run

@@ -35,8 +35,9 @@ async def test_thaw_before_a_slow_launch_stopped_itself_still_lets_it_run(tmp_pa
             if marker.exists():
                 break
             await asyncio.sleep(0.01)
-        assert marker.exists(), \
+        assert marker.exists(), (
             f"the command never ran (leader state {state(p.pid) if p.poll() is None else 'gone'})"
+        )
         assert p.wait(timeout=2) == 0
     finally:
         reap(p)
@@ -163,8 +164,7 @@ def test_thaw_resumes_no_process_that_took_a_stopped_ones_pid():
     it next (here stopped by its own owner) must not be resumed by the thaw."""
     if os.geteuid() != 0 or not os.path.exists("/proc/sys/kernel/ns_last_pid"):
         pytest.skip("choosing the next pid needs root and /proc/sys/kernel/ns_last_pid")
-    out = subprocess.run([sys.executable, "-c", PID_REUSE], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", PID_REUSE], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     if out.stdout.startswith("SKIP"):
         pytest.skip(out.stdout.strip())

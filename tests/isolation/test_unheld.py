@@ -68,11 +68,14 @@ def mnt(tmp_path: Path) -> str:
 async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path: Path) -> None:
     pidfile = tmp_path / "hung.pid"
     hung = script("hung.py", HUNG)
-    async with run_daemon("--hold", "freeze", "--freeze", "all", "--freeze-timeout", "0.3",
-                          "--region-cores", "1") as d:
+    async with run_daemon(
+        "--hold", "freeze", "--freeze", "all", "--freeze-timeout", "0.3", "--region-cores", "1"
+    ) as d:
         async with await d.client() as c:
-            hh = await c.submit(["unshare", "-m", "--propagation", "private", PY, hung,
-                                 str(pidfile), mnt(tmp_path)], env=py_env())
+            hh = await c.submit(
+                ["unshare", "-m", "--propagation", "private", PY, hung, str(pidfile), mnt(tmp_path)],
+                env=py_env(),
+            )
             deadline = time.monotonic() + 10
             while not (pidfile.exists() and pidfile.read_text()):
                 assert time.monotonic() < deadline, "the hung sibling did not start"
@@ -85,8 +88,7 @@ async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path:
             await asyncio.sleep(0.3)
             t0 = time.monotonic()
             marker = tmp_path / "granted"
-            run = asyncio.ensure_future(c.run([PY, script("owner.py", OWNER), str(marker)],
-                                              env=py_env()))
+            run = asyncio.ensure_future(c.run([PY, script("owner.py", OWNER), str(marker)], env=py_env()))
             while not marker.exists() and not run.done():
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.1)
@@ -97,8 +99,7 @@ async def test_a_hung_sibling_is_fenced_and_the_region_tainted(script, tmp_path:
             rep = json.loads(res.stdout)
             assert not is_frozen(child) and proc_state(child) == "D"
             # the next region does not try it again while it still hangs: no timeout paid
-            again = await c.run([PY, script("owner.py", OWNER), str(tmp_path / "g2")],
-                                env=py_env())
+            again = await c.run([PY, script("owner.py", OWNER), str(tmp_path / "g2")], env=py_env())
             rep2 = json.loads(again.stdout)
             await hh.cancel(9)
             assert (await asyncio.wait_for(hh.wait(), 10)).report.state == "cancelled"
@@ -119,14 +120,18 @@ async def test_a_hung_sibling_under_the_signal_backend(script, tmp_path: Path) -
     """The signal backend names a failed freeze by its pids: the culprit is still found."""
     pidfile = tmp_path / "hung.pid"
     hung = script("hung.py", HUNG)
-    async with run_daemon("--isolation", "signal", "--hold", "freeze", "--freeze", "all",
-                          "--freeze-timeout", "0.3") as d:
+    async with run_daemon(
+        "--isolation", "signal", "--hold", "freeze", "--freeze", "all", "--freeze-timeout", "0.3"
+    ) as d:
         async with await d.client() as c:
-            hh = await c.submit(["unshare", "-m", "--propagation", "private", PY, hung,
-                                 str(pidfile), mnt(tmp_path)], env=py_env())
+            hh = await c.submit(
+                ["unshare", "-m", "--propagation", "private", PY, hung, str(pidfile), mnt(tmp_path)],
+                env=py_env(),
+            )
             deadline = time.monotonic() + 10
-            while not (pidfile.exists() and pidfile.read_text()) or \
-                    proc_state(int(pidfile.read_text())) != "D":
+            while (
+                not (pidfile.exists() and pidfile.read_text()) or proc_state(int(pidfile.read_text())) != "D"
+            ):
                 assert time.monotonic() < deadline, "the hung sibling did not start"
                 await asyncio.sleep(0.01)
             ht = await c.submit([PY, script("ticker.py", TICKER)], env=py_env())

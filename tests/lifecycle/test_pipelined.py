@@ -36,8 +36,9 @@ async def test_a_cancel_pipelined_behind_its_submit_ends_the_command_once(policy
         # Submits first (under --policy command the later ones queue behind the first), then the
         # cancels: each cancelled command holds the device when its cancel comes.
         frames: list[P.Msg] = [P.Hello(id=1)]
-        frames += [P.Submit(id=10 + i, argv=[PY, "-c", "import time; time.sleep(2)"])
-                   for i in range(len(ids))]
+        frames += [
+            P.Submit(id=10 + i, argv=[PY, "-c", "import time; time.sleep(2)"]) for i in range(len(ids))
+        ]
         frames.append(P.Submit(id=50, argv=[PY, "-c", "pass"]))
         frames += [P.Cancel(id=100 + i, command=cid, signal=9) for i, cid in enumerate(ids)]
         writer.write(b"".join(P.encode(f) for f in frames))
@@ -58,8 +59,7 @@ async def test_a_shutdown_reports_every_command_exactly_once():
     async with run_daemon("--isolation", "signal", "--policy", "command") as d:
         reader, writer = await asyncio.open_unix_connection(d.socket)
         frames: list[P.Msg] = [P.Hello(id=1)]
-        frames += [P.Submit(id=10 + i, argv=[PY, "-c", "import time; time.sleep(30)"])
-                   for i in range(6)]
+        frames += [P.Submit(id=10 + i, argv=[PY, "-c", "import time; time.sleep(30)"]) for i in range(6)]
         writer.write(b"".join(P.encode(f) for f in frames))
         await writer.drain()
         accepted = 0

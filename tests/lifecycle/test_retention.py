@@ -42,8 +42,9 @@ async def test_a_group_that_cannot_be_removed_does_not_keep_the_result_for_ever(
                     except KrexError as e:
                         assert e.code == "unknown_command", e
                         break
-                    assert asyncio.get_running_loop().time() < deadline, \
+                    assert asyncio.get_running_loop().time() < deadline, (
                         "the result outlived its retention of 1 s by 8 s"
+                    )
                     await asyncio.sleep(0.2)
                 assert not any(os.path.exists(p) for p in spools), spools
             assert "group_remove_failed" in d.logs()

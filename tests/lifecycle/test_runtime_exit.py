@@ -27,7 +27,6 @@ print(len(os.listdir('/proc/self/task')))
 async def test_no_listener_thread_outlives_the_exit_handlers():
     async with run_daemon("--isolation", "signal") as d:
         async with await d.client() as c:
-            results = await asyncio.gather(*(c.run([PY, "-c", EARLY_EXIT], env=py_env())
-                                             for _ in range(12)))
+            results = await asyncio.gather(*(c.run([PY, "-c", EARLY_EXIT], env=py_env()) for _ in range(12)))
     counts = [r.stdout.strip().decode() or r.stderr.decode() for r in results]
     assert counts == ["1"] * len(counts), counts

@@ -20,8 +20,10 @@ from ..conftest import PY, ROOT, is_root, py_env
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="cgroup writes need root")
 
-SPIN = "import sys, time\nf = open(sys.argv[1], 'a', buffering=1)\nwhile True:\n" \
-       "    f.write('x\\n'); time.sleep(0.001)\n"
+SPIN = (
+    "import sys, time\nf = open(sys.argv[1], 'a', buffering=1)\nwhile True:\n"
+    "    f.write('x\\n'); time.sleep(0.001)\n"
+)
 
 
 def read(path: str) -> str:
@@ -85,8 +87,14 @@ def progresses(path: str, wait: float = 0.3) -> bool:
 def run_cleanup(*roots: str) -> dict:
     # --socket: a path nobody serves on, so a daemon elsewhere on this machine cannot refuse us.
     args = [a for r in roots for a in ("--root", r)] + ["--socket", "/nonexistent/krex.sock"]
-    p = subprocess.run([PY, "-m", "krex_async.node.cleanup", "--json", *args], capture_output=True,
-                       text=True, env=py_env(), cwd=ROOT, timeout=30)
+    p = subprocess.run(
+        [PY, "-m", "krex_async.node.cleanup", "--json", *args],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=30,
+    )
     out = json.loads(p.stdout)
     assert p.returncode == (0 if out["ok"] else 1), p.stderr
     return out
@@ -218,14 +226,34 @@ async def test_refuses_while_a_daemon_serves(tmp_path):
             pytest.skip("no cgroup v2 freezer")
         write(os.path.join(cmd, "cgroup.freeze"), "1")
         async with run_daemon() as d:
-            p = subprocess.run([PY, "-m", "krex_async.node.cleanup", "--root", base, "--socket",
-                                d.socket], capture_output=True, text=True, env=py_env(), cwd=ROOT,
-                               timeout=30)
+            p = subprocess.run(
+                [PY, "-m", "krex_async.node.cleanup", "--root", base, "--socket", d.socket],
+                capture_output=True,
+                text=True,
+                env=py_env(),
+                cwd=ROOT,
+                timeout=30,
+            )
             assert p.returncode == 1 and "a daemon is serving" in p.stderr, p.stderr
             assert read(os.path.join(cmd, "cgroup.freeze")) == "1"  # untouched
-            p = subprocess.run([PY, "-m", "krex_async.node.cleanup", "--root", base, "--socket",
-                                d.socket, "--force", "--keep-empty"], capture_output=True,
-                               text=True, env=py_env(), cwd=ROOT, timeout=30)
+            p = subprocess.run(
+                [
+                    PY,
+                    "-m",
+                    "krex_async.node.cleanup",
+                    "--root",
+                    base,
+                    "--socket",
+                    d.socket,
+                    "--force",
+                    "--keep-empty",
+                ],
+                capture_output=True,
+                text=True,
+                env=py_env(),
+                cwd=ROOT,
+                timeout=30,
+            )
             assert p.returncode == 0 and read(os.path.join(cmd, "cgroup.freeze")) == "0"
         # After the daemon stopped its socket is gone (or stale): no refusal.
         assert run_cleanup(base)["ok"]
@@ -245,12 +273,28 @@ def test_default_roots_cover_own_cgroup_and_mounts():
 
 
 def test_krex_cleanup_verb(tmp_path):
-    top = subprocess.run([PY, "-m", "krex_async", "--help"], capture_output=True, text=True,
-                         env=py_env(), cwd=ROOT, timeout=30)
+    top = subprocess.run(
+        [PY, "-m", "krex_async", "--help"], capture_output=True, text=True, env=py_env(), cwd=ROOT, timeout=30
+    )
     if "cleanup" not in top.stdout:
         pytest.skip("wired by lead: `krex cleanup` is not a verb yet")
-    p = subprocess.run([PY, "-m", "krex_async", "cleanup", "--json", "--root", str(tmp_path),
-                        "--socket", "/nonexistent/krex.sock"],
-                       capture_output=True, text=True, env=py_env(), cwd=ROOT, timeout=30)
+    p = subprocess.run(
+        [
+            PY,
+            "-m",
+            "krex_async",
+            "cleanup",
+            "--json",
+            "--root",
+            str(tmp_path),
+            "--socket",
+            "/nonexistent/krex.sock",
+        ],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=30,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"ok": True, "trees": [], "actions": [], "errors": []}

@@ -34,25 +34,38 @@ async def test_stdin_is_passed_from_a_pipe_and_a_terminal_and_not_with_no_stdin(
         big = os.urandom(3 << 20)
         whole = await asyncio.to_thread(krex, "run", "--", "sha256sum", env=env, input=big)
         # a command that stops reading ends; krex run does not wait for its stdin's EOF
-        yes = await asyncio.to_thread(subprocess.run, f"yes | {' '.join(KREX)} run -- head -2",
-                                      shell=True, capture_output=True, env=env, cwd=ROOT,
-                                      timeout=60)
+        yes = await asyncio.to_thread(
+            subprocess.run,
+            f"yes | {' '.join(KREX)} run -- head -2",
+            shell=True,
+            capture_output=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
         # --no-stdin: /dev/null, even while this process's stdin stays open
-        held = subprocess.Popen([*KREX, "run", "--no-stdin", "--", "cat"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env, cwd=ROOT)
+        held = subprocess.Popen(
+            [*KREX, "run", "--no-stdin", "--", "cat"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+        )
         assert await asyncio.to_thread(held.wait, 30) == 0
         assert held.stdin is not None
         held.stdin.close()
         # a terminal: what is typed reaches the command
         master, slave = pty.openpty()
-        tty = subprocess.Popen([*KREX, "run", "--", "head", "-1"], stdin=slave,
-                               stdout=subprocess.PIPE, env=env, cwd=ROOT)
+        tty = subprocess.Popen(
+            [*KREX, "run", "--", "head", "-1"], stdin=slave, stdout=subprocess.PIPE, env=env, cwd=ROOT
+        )
         os.close(slave)
         await asyncio.sleep(1.0)
         os.write(master, b"typed\n")
         assert await asyncio.to_thread(tty.wait, 30) == 0
         os.close(master)
     import hashlib
+
     assert (piped.returncode, piped.stdout) == (0, b"hello\n"), piped.stderr
     assert whole.stdout.split()[0].decode() == hashlib.sha256(big).hexdigest()
     assert (yes.returncode, yes.stdout) == (0, b"y\ny\n"), yes.stderr
@@ -63,14 +76,16 @@ async def test_bad_paths_are_errors_not_tracebacks(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
-        rep = await asyncio.to_thread(krex, "run", "--report", "/nonexistent/r.json", "--",
-                                      "touch", str(marker), env=env)
+        rep = await asyncio.to_thread(
+            krex, "run", "--report", "/nonexistent/r.json", "--", "touch", str(marker), env=env
+        )
         exp = await asyncio.to_thread(krex, "export", "--perfetto", "/nonexistent/x.json", env=env)
         # the report cannot be written once the command ran (it made a directory there): its
         # exit status still stands, and an error says why
         late = tmp_path / "late"
-        after = await asyncio.to_thread(krex, "run", "--report", str(late), "--", "sh", "-c",
-                                        f"mkdir {late}; exit 3", env=env)
+        after = await asyncio.to_thread(
+            krex, "run", "--report", str(late), "--", "sh", "-c", f"mkdir {late}; exit 3", env=env
+        )
         await asyncio.to_thread(krex, "run", "--", "true", env=env)
         out = await asyncio.to_thread(krex, "export", "--perfetto", "-", env=env)
     assert rep.returncode == 125 and b"/nonexistent" in rep.stderr and not marker.exists()
@@ -115,9 +130,9 @@ def test_every_serve_flag_has_help_naming_its_variable() -> None:
 def test_readme_region_example_runs_in_and_out_of_krex(tmp_path: Path) -> None:
     """The README's region block, as written, with a stand-in time_kernel."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## The region API"):]
+    section = readme[readme.index("## The region API") :]
     start = section.index("```python") + len("```python")
-    code = section[start:section.index("```", start)]
+    code = section[start : section.index("```", start)]
     assert "region(" in code
     src = tmp_path / "example.py"
     src.write_text("import time\ndef time_kernel():\n    return time.perf_counter()\n" + code)
@@ -126,8 +141,7 @@ def test_readme_region_example_runs_in_and_out_of_krex(tmp_path: Path) -> None:
 
     async def inside() -> subprocess.CompletedProcess:
         async with run_daemon() as d:
-            return await asyncio.to_thread(krex, "run", "--", PY, str(src),
-                                           env=py_env(KREX_SOCKET=d.socket))
+            return await asyncio.to_thread(krex, "run", "--", PY, str(src), env=py_env(KREX_SOCKET=d.socket))
 
     p = asyncio.run(inside())
     assert p.returncode == 0, p.stderr.decode()
@@ -136,13 +150,13 @@ def test_readme_region_example_runs_in_and_out_of_krex(tmp_path: Path) -> None:
 
 def test_bench_analysis_usage() -> None:
     for args in ([], ["--help"]):
-        p = subprocess.run([PY, "-m", "bench.analysis", *args], capture_output=True, cwd=ROOT,
-                           timeout=60)
+        p = subprocess.run([PY, "-m", "bench.analysis", *args], capture_output=True, cwd=ROOT, timeout=60)
         no_traceback(p)
         assert b"usage:" in p.stdout + p.stderr
         assert p.returncode == (0 if args else 2)
-    missing = subprocess.run([PY, "-m", "bench.analysis", "/nonexistent.json"], capture_output=True,
-                             cwd=ROOT, timeout=60)
+    missing = subprocess.run(
+        [PY, "-m", "bench.analysis", "/nonexistent.json"], capture_output=True, cwd=ROOT, timeout=60
+    )
     no_traceback(missing)
     assert missing.returncode == 2 and b"/nonexistent.json" in missing.stderr
 
@@ -150,18 +164,53 @@ def test_bench_analysis_usage() -> None:
 def test_status_table_fits_and_says_its_units() -> None:
     from krex_async.node.statusview import age, render
 
-    st = {"version": "0.1.0", "pid": 1, "boot": "12345", "policy": "region", "freeze": "all",
-          "region_cores": 1, "isolation": {"backend": "cgroup", "reason": "x" * 300},
-          "devices": [{"key": "nvidia0", "vendor": "nvidia", "name": "NVIDIA H200",
-                       "memory_total_bytes": 150 << 30, "memory_free_bytes": 100 << 30,
-                       "utilisation_pct": 37.0, "commands": ["12345-1"], "queued": [],
-                       "region": None}],
-          "commands": [
-              {"command": "12345-1", "argv": ["python", "-c", "y" * 200], "state": "running",
-               "device": "nvidia0", "pid": 4242, "age_s": 3725.0, "frozen": False,
-               "label": "agent-7", "result": None, "rss_bytes": 300 << 20},
-              {"command": "11111-4", "argv": ["sleep", "1"], "state": "ended", "device": "cpu",
-               "pid": None, "age_s": 9.0, "frozen": False, "label": "", "result": "lost"}]}
+    st = {
+        "version": "0.1.0",
+        "pid": 1,
+        "boot": "12345",
+        "policy": "region",
+        "freeze": "all",
+        "region_cores": 1,
+        "isolation": {"backend": "cgroup", "reason": "x" * 300},
+        "devices": [
+            {
+                "key": "nvidia0",
+                "vendor": "nvidia",
+                "name": "NVIDIA H200",
+                "memory_total_bytes": 150 << 30,
+                "memory_free_bytes": 100 << 30,
+                "utilisation_pct": 37.0,
+                "commands": ["12345-1"],
+                "queued": [],
+                "region": None,
+            }
+        ],
+        "commands": [
+            {
+                "command": "12345-1",
+                "argv": ["python", "-c", "y" * 200],
+                "state": "running",
+                "device": "nvidia0",
+                "pid": 4242,
+                "age_s": 3725.0,
+                "frozen": False,
+                "label": "agent-7",
+                "result": None,
+                "rss_bytes": 300 << 20,
+            },
+            {
+                "command": "11111-4",
+                "argv": ["sleep", "1"],
+                "state": "ended",
+                "device": "cpu",
+                "pid": None,
+                "age_s": 9.0,
+                "frozen": False,
+                "label": "",
+                "result": "lost",
+            },
+        ],
+    }
     text = render(st)
     assert all(len(x) <= 100 for x in text.splitlines()), text
     assert "agent-7: python -c" in text and "1h02m" in text and "300M" in text
@@ -169,9 +218,14 @@ def test_status_table_fits_and_says_its_units() -> None:
     assert "11111-4" not in text and "1 commands of an earlier daemon" in text
     assert "11111-4" in render(st, show_all=True)
     assert [age(x) for x in (0.25, 12.34, 125, 90000)] == ["250ms", "12.3s", "2m05s", "1d01h"]
-    st["devices"][0]["region"] = {"name": "timing", "command": "12345-1", "state": "held",
-                                  "frozen": ["a"], "cores": [1],
-                                  "held": [{"command": "b", "mode": "lock"}]}
+    st["devices"][0]["region"] = {
+        "name": "timing",
+        "command": "12345-1",
+        "state": "held",
+        "frozen": ["a"],
+        "cores": [1],
+        "held": [{"command": "b", "mode": "lock"}],
+    }
     text = render(st)
     assert "'timing' by 12345-1 (held)" in text and "holds frozen 1, locked 1, cores [1]" in text
 
@@ -183,8 +237,13 @@ async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
             h = await c.submit(["sleep", "30"], label="agent-7")
             await asyncio.sleep(0.5)
             once = await asyncio.to_thread(krex, "status", env=env)
-            watch = subprocess.Popen([*KREX, "status", "--watch", "0.3"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, cwd=ROOT)
+            watch = subprocess.Popen(
+                [*KREX, "status", "--watch", "0.3"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=ROOT,
+            )
             await asyncio.sleep(2.0)
             watch.send_signal(2)
             out, err = await asyncio.to_thread(watch.communicate, timeout=30)
@@ -206,7 +265,7 @@ def test_tree_memory_sums_a_process_tree() -> None:
     try:
         deadline = time.monotonic() + 10
         while True:
-            got = tree_memory({"t": p.pid, "gone": 2 ** 22 - 1}, pss=True)
+            got = tree_memory({"t": p.pid, "gone": 2**22 - 1}, pss=True)
             if got["t"]["processes"] == 3 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

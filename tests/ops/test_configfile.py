@@ -27,34 +27,47 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_layers_override_in_order(tmp_path):
-    path = write(tmp_path, 'policy = "shared"\nregion-timeout = 7\nfreeze = "device-holders"\n'
-                           'max_frame = 2048\n')
-    env = {"KREX_POLICY": "command", "KREX_REGION_TIMEOUT": "9.5", "KREX_COMMAND": "x-1",
-           "KREX_SOCKET": "/tmp/k.sock", "KREX_LOG_LEVEL": ""}
+    path = write(
+        tmp_path, 'policy = "shared"\nregion-timeout = 7\nfreeze = "device-holders"\nmax_frame = 2048\n'
+    )
+    env = {
+        "KREX_POLICY": "command",
+        "KREX_REGION_TIMEOUT": "9.5",
+        "KREX_COMMAND": "x-1",
+        "KREX_SOCKET": "/tmp/k.sock",
+        "KREX_LOG_LEVEL": "",
+    }
     cfg, src = load_config_with_sources(path, env, {"region_timeout": 3.0, "devices": None})
-    assert cfg.policy == "command"           # env over file
-    assert cfg.region_timeout == 3.0         # flag over env over file
-    assert cfg.freeze == "device-holders"    # file only
+    assert cfg.policy == "command"  # env over file
+    assert cfg.region_timeout == 3.0  # flag over env over file
+    assert cfg.freeze == "device-holders"  # file only
     assert cfg.max_frame == 2048
-    assert cfg.socket == "/tmp/k.sock"       # KREX_SOCKET is the socket
-    assert cfg.log_level == "info"           # an empty variable is unset
-    assert cfg.devices == "auto"             # None flags are "not given"
-    assert src == {"policy": "env KREX_POLICY", "region_timeout": "flag --region-timeout",
-                   "freeze": f"file {path}", "max_frame": f"file {path}",
-                   "socket": "env KREX_SOCKET"}
+    assert cfg.socket == "/tmp/k.sock"  # KREX_SOCKET is the socket
+    assert cfg.log_level == "info"  # an empty variable is unset
+    assert cfg.devices == "auto"  # None flags are "not given"
+    assert src == {
+        "policy": "env KREX_POLICY",
+        "region_timeout": "flag --region-timeout",
+        "freeze": f"file {path}",
+        "max_frame": f"file {path}",
+        "socket": "env KREX_SOCKET",
+    }
 
 
-@pytest.mark.parametrize("text, where", [
-    ("region_timeout = -1\n", "krex.toml:region_timeout: Expected `float` > 0.0"),
-    ('policy = "fastest"\n', "krex.toml:policy: Invalid enum value 'fastest'"),
-    ('quiesce = "some"\n', "krex.toml:quiesce: Invalid enum value 'some'"),
-    ('launch-scope = "everyone"\n', "krex.toml:launch_scope: Invalid enum value 'everyone'"),
-    ('max-frame = "big"\n', "krex.toml:max_frame: Expected `int`, got `str`"),
-    ("region_timout = 5\n", "krex.toml:region_timout: unknown key"),
-    ("[serve]\npolicy = 'region'\n", "krex.toml:serve: is a table"),
-    ("policy = \n", "krex.toml: not valid TOML"),
-    ('region_timeout = 5\nregion-timeout = 6\n', "krex.toml:region-timeout: given twice"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("region_timeout = -1\n", "krex.toml:region_timeout: Expected `float` > 0.0"),
+        ('policy = "fastest"\n', "krex.toml:policy: Invalid enum value 'fastest'"),
+        ('quiesce = "some"\n', "krex.toml:quiesce: Invalid enum value 'some'"),
+        ('launch-scope = "everyone"\n', "krex.toml:launch_scope: Invalid enum value 'everyone'"),
+        ('max-frame = "big"\n', "krex.toml:max_frame: Expected `int`, got `str`"),
+        ("region_timout = 5\n", "krex.toml:region_timout: unknown key"),
+        ("[serve]\npolicy = 'region'\n", "krex.toml:serve: is a table"),
+        ("policy = \n", "krex.toml: not valid TOML"),
+        ("region_timeout = 5\nregion-timeout = 6\n", "krex.toml:region-timeout: given twice"),
+    ],
+)
 def test_file_errors_name_file_and_key(tmp_path, text, where):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, text), {}, {})
@@ -68,25 +81,31 @@ def test_strict_types_in_file(tmp_path):
         load_config(write(tmp_path, 'region_timeout = "5"\n'), {}, {})
 
 
-@pytest.mark.parametrize("env, msg", [
-    ({"KREX_REGION_TIMEOUT": "soon"}, "KREX_REGION_TIMEOUT='soon': Expected `float`, got `str`"),
-    ({"KREX_POLICY": "fast"}, "KREX_POLICY='fast': Invalid enum value 'fast'"),
-    ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none'"),
-    ({"KREX_LAUNCH_SCOPE": "mine"}, "KREX_LAUNCH_SCOPE='mine': Invalid enum value 'mine'"),
-    ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
-])
+@pytest.mark.parametrize(
+    "env, msg",
+    [
+        ({"KREX_REGION_TIMEOUT": "soon"}, "KREX_REGION_TIMEOUT='soon': Expected `float`, got `str`"),
+        ({"KREX_POLICY": "fast"}, "KREX_POLICY='fast': Invalid enum value 'fast'"),
+        ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none'"),
+        ({"KREX_LAUNCH_SCOPE": "mine"}, "KREX_LAUNCH_SCOPE='mine': Invalid enum value 'mine'"),
+        ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
+    ],
+)
 def test_env_errors_name_the_variable(env, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, env, {})
     assert str(e.value) == msg
 
 
-@pytest.mark.parametrize("cli, msg", [
-    ({"region_timeout": 0.0}, "--region-timeout: Expected `float` > 0.0"),
-    ({"region_cores": -5}, "--region-cores: Expected `int` >= -1"),
-    ({"bogus_flag": 1}, "--bogus-flag: not a serve option"),
-    ({"launch_scope": "none"}, "--launch-scope: Invalid enum value 'none'"),
-])
+@pytest.mark.parametrize(
+    "cli, msg",
+    [
+        ({"region_timeout": 0.0}, "--region-timeout: Expected `float` > 0.0"),
+        ({"region_cores": -5}, "--region-cores: Expected `int` >= -1"),
+        ({"bogus_flag": 1}, "--bogus-flag: not a serve option"),
+        ({"launch_scope": "none"}, "--launch-scope: Invalid enum value 'none'"),
+    ],
+)
 def test_cli_errors_name_the_flag(cli, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, {}, cli)
@@ -113,24 +132,39 @@ def test_print_config_round_trips(tmp_path):
 
 
 def _serve_help() -> str:
-    return subprocess.run([PY, "-m", "krex_async", "serve", "--help"], capture_output=True,
-                          text=True, env=py_env(), cwd=ROOT, timeout=30).stdout
+    return subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=30,
+    ).stdout
 
 
 def test_serve_print_config_uses_all_layers(tmp_path):
     if "--config" not in _serve_help():
         pytest.skip("wired by lead: `krex serve --config` is not accepted yet")
     path = write(tmp_path, 'policy = "shared"\nregion_timeout = 7.0\n')
-    p = subprocess.run([PY, "-m", "krex_async", "serve", "--config", path, "--region-timeout", "3",
-                        "--print-config"], capture_output=True, text=True, cwd=ROOT, timeout=30,
-                       env=py_env(KREX_FREEZE="device-holders"))
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--config", path, "--region-timeout", "3", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        env=py_env(KREX_FREEZE="device-holders"),
+    )
     assert p.returncode == 0, p.stderr
     out = tomllib.loads(p.stdout)
-    assert (out["policy"], out["region_timeout"], out["freeze"]) == ("shared", 3.0,
-                                                                      "device-holders")
-    bad = subprocess.run([PY, "-m", "krex_async", "serve", "--config", path, "--print-config"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=30,
-                         env=py_env(KREX_REGION_TIMEOUT="later"))
+    assert (out["policy"], out["region_timeout"], out["freeze"]) == ("shared", 3.0, "device-holders")
+    bad = subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--config", path, "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        env=py_env(KREX_REGION_TIMEOUT="later"),
+    )
     assert bad.returncode == 2 and "KREX_REGION_TIMEOUT='later'" in bad.stderr
 
 
@@ -141,16 +175,27 @@ def test_launch_scope_layers_and_print_config(tmp_path):
     assert load_config(path, {}, {}).launch_scope == "all"
     cfg, src = load_config_with_sources(path, {"KREX_LAUNCH_SCOPE": "outsiders"}, {})
     assert cfg.launch_scope == "outsiders" and src["launch_scope"] == "env KREX_LAUNCH_SCOPE"
-    cfg, src = load_config_with_sources(path, {"KREX_LAUNCH_SCOPE": "outsiders"},
-                                        {"launch_scope": "all"})
+    cfg, src = load_config_with_sources(path, {"KREX_LAUNCH_SCOPE": "outsiders"}, {"launch_scope": "all"})
     assert cfg.launch_scope == "all" and src["launch_scope"] == "flag --launch-scope"
-    p = subprocess.run([PY, "-m", "krex_async", "serve", "--launch-scope", "all", "--print-config"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=30, env=py_env())
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--launch-scope", "all", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        env=py_env(),
+    )
     assert p.returncode == 0, p.stderr
     assert tomllib.loads(p.stdout)["launch_scope"] == "all"
     assert "# flag --launch-scope" in p.stdout
-    p = subprocess.run([PY, "-m", "krex_async", "serve", "--print-config"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=30, env=py_env(KREX_LAUNCH_SCOPE="some"))
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        env=py_env(KREX_LAUNCH_SCOPE="some"),
+    )
     assert p.returncode == 2 and "KREX_LAUNCH_SCOPE='some': Invalid enum value 'some'" in p.stderr
 
 
@@ -162,23 +207,32 @@ def test_example_file_loads_and_documents_every_option():
         assert f"\n{name} =" in text or f"\n# {name} =" in text, f"{name} not in the example"
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--settle-fraction", "2", "--settle-fraction: Expected `float` <= 1.0"),
-    ("--settle-fraction", "0", "--settle-fraction: Expected `float` > 0.0"),
-    ("--settle-ms", "-1", "--settle-ms: Expected `float` >= 0.0"),
-    ("--max-connections", "0", "--max-connections: Expected `int` >= 1"),
-    ("--max-commands", "0", "--max-commands: Expected `int` >= 1"),
-    ("--max-buffered-total", "10", "--max-buffered-total: Expected `int` >= 65536"),
-    ("--spool-limit", "-1", "--spool-limit: Expected `int` >= 0"),
-    ("--max-connections-per-user", "0", "--max-connections-per-user: Expected `int` >= 1"),
-    ("--max-commands-per-user", "0", "--max-commands-per-user: Expected `int` >= 1"),
-    ("--max-inbound-bytes", "10", "--max-inbound-bytes: Expected `int` >= 1048576"),
-    ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--settle-fraction", "2", "--settle-fraction: Expected `float` <= 1.0"),
+        ("--settle-fraction", "0", "--settle-fraction: Expected `float` > 0.0"),
+        ("--settle-ms", "-1", "--settle-ms: Expected `float` >= 0.0"),
+        ("--max-connections", "0", "--max-connections: Expected `int` >= 1"),
+        ("--max-commands", "0", "--max-commands: Expected `int` >= 1"),
+        ("--max-buffered-total", "10", "--max-buffered-total: Expected `int` >= 65536"),
+        ("--spool-limit", "-1", "--spool-limit: Expected `int` >= 0"),
+        ("--max-connections-per-user", "0", "--max-connections-per-user: Expected `int` >= 1"),
+        ("--max-commands-per-user", "0", "--max-commands-per-user: Expected `int` >= 1"),
+        ("--max-inbound-bytes", "10", "--max-inbound-bytes: Expected `int` >= 1048576"),
+        ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
+    ],
+)
 def test_serve_flags_reject_bad_values_before_serving(tmp_path, flag, value, message):
     """A bad value stops `krex serve` with the flag and the rule named, before it binds anything."""
     sock = tmp_path / "s"
-    p = subprocess.run([PY, "-m", "krex_async", "serve", "--socket", str(sock), flag, value],
-                       capture_output=True, text=True, cwd=ROOT, timeout=30, env=py_env())
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--socket", str(sock), flag, value],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        env=py_env(),
+    )
     assert p.returncode != 0 and message in p.stderr, p.stderr
     assert not sock.exists()

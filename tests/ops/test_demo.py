@@ -25,11 +25,17 @@ def test_verdict_judges_against_the_alone_runs_spread() -> None:
 
 
 def test_demo_runs_and_ends_with_what_to_try_next() -> None:
-    p = subprocess.run([PY, "-m", "krex_async", "demo", "-n", "3"], capture_output=True,
-                       text=True, env=py_env(), cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "demo", "-n", "3"],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "alone:" in out and "runs before, between and after" in out
     assert "verdict:" in out and out.rstrip().splitlines()[0].startswith("krex demo")
-    tail = out[out.index("\nnext"):]
+    tail = out[out.index("\nnext") :]
     assert "krex serve" in tail and "krex run" in tail and "region(" in tail

@@ -16,8 +16,14 @@ DIST = "/usr/lib/python3/dist-packages"
 
 
 def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "krex_async.node.doctor", *args], capture_output=True, text=True,
-                          env=py_env(), cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [PY, "-m", "krex_async.node.doctor", *args],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +51,32 @@ def test_every_check_has_verdict_detail_and_fix(report):
         assert c["detail"], c
         if c["verdict"] == "fail":
             assert c["fix"], c
-    for name in ("python", "package krex", "package msgspec", "uvloop", "cgroup layout",
-                 "cgroup subtree", "cgroup freezer", "cpuset", "isolation backend", "tracefs",
-                 "debugfs", "bcc", "kernel headers", "bpf program", "gpu nvidia", "gpu amd"):
+    for name in (
+        "python",
+        "package krex",
+        "package msgspec",
+        "uvloop",
+        "cgroup layout",
+        "cgroup subtree",
+        "cgroup freezer",
+        "cpuset",
+        "isolation backend",
+        "tracefs",
+        "debugfs",
+        "bcc",
+        "kernel headers",
+        "bpf program",
+        "gpu nvidia",
+        "gpu amd",
+    ):
         assert name in report["by"], name
 
 
 def test_cgroup_layout_matches_mounts(report):
     types = {t for _, t in mounts()}
-    v1 = any(t == "cgroup" and p.rsplit("/", 1)[-1] in ("cpuset", "freezer", "cpu", "memory")
-             for p, t in mounts())
+    v1 = any(
+        t == "cgroup" and p.rsplit("/", 1)[-1] in ("cpuset", "freezer", "cpu", "memory") for p, t in mounts()
+    )
     want = "hybrid" if "cgroup2" in types and v1 else "v2" if "cgroup2" in types else "v1"
     assert report["by"]["cgroup layout"]["data"]["layout"] == want
 
@@ -81,13 +103,16 @@ def test_freezer_and_cpuset_match_reality(report):
 
 
 def test_backend_and_exit_status_match(report):
-    p = subprocess.run([PY, "-c", "import krex_async.isolation.cgroup"], env=py_env(), cwd=ROOT,
-                       capture_output=True)
+    p = subprocess.run(
+        [PY, "-c", "import krex_async.isolation.cgroup"], env=py_env(), cwd=ROOT, capture_output=True
+    )
     backend = report["by"]["isolation backend"]["data"].get("backend")
     if p.returncode != 0:
         assert backend == "signal"
-    full = all(verdict(report, n) == "ok"
-               for n in ("cgroup writable", "cgroup freezer", "cpuset", "isolation backend"))
+    full = all(
+        verdict(report, n) == "ok"
+        for n in ("cgroup writable", "cgroup freezer", "cpuset", "isolation backend")
+    )
     assert report["full_isolation"] is full
     assert report["exit"] == (0 if full else 1)
     assert (backend == "cgroup") == (verdict(report, "isolation backend") == "ok")
@@ -119,8 +144,11 @@ def test_bcc_headers_and_program_match_reality(report):
 
 
 def test_gpus_match_reality(report):
-    nvidia = os.path.exists("/dev/nvidiactl") and subprocess.run(
-        [PY, "-c", "import pynvml; pynvml.nvmlInit()"], capture_output=True).returncode == 0
+    nvidia = (
+        os.path.exists("/dev/nvidiactl")
+        and subprocess.run([PY, "-c", "import pynvml; pynvml.nvmlInit()"], capture_output=True).returncode
+        == 0
+    )
     assert verdict(report, "gpu nvidia") == ("ok" if nvidia else "warn")
     if not os.path.exists("/dev/kfd"):
         assert verdict(report, "gpu amd") == "warn"
@@ -132,10 +160,12 @@ def test_human_output_and_exit_agree(report):
     p = doctor()
     assert p.returncode == report["exit"]
     for c in report["checks"]:
-        assert any(line.startswith(c["name"]) and c["verdict"].upper() in line
-                   for line in p.stdout.splitlines()), c["name"]
-    assert ("full isolation" in p.stdout) and (("yes" in p.stdout.splitlines()[-1]) ==
-                                               report["full_isolation"])
+        assert any(
+            line.startswith(c["name"]) and c["verdict"].upper() in line for line in p.stdout.splitlines()
+        ), c["name"]
+    assert ("full isolation" in p.stdout) and (
+        ("yes" in p.stdout.splitlines()[-1]) == report["full_isolation"]
+    )
 
 
 def test_unusable_subtree_fails_with_exit_1(tmp_path):
@@ -153,17 +183,24 @@ def test_unusable_subtree_fails_with_exit_1(tmp_path):
 
 
 def test_krex_doctor_verb(report):
-    top = subprocess.run([PY, "-m", "krex_async", "--help"], capture_output=True, text=True,
-                         env=py_env(), cwd=ROOT, timeout=30)
+    top = subprocess.run(
+        [PY, "-m", "krex_async", "--help"], capture_output=True, text=True, env=py_env(), cwd=ROOT, timeout=30
+    )
     if "doctor" not in top.stdout:
         pytest.skip("wired by lead: `krex doctor` is not a verb yet")
-    p = subprocess.run([PY, "-m", "krex_async", "doctor", "--json"], capture_output=True,
-                       text=True, env=py_env(), cwd=ROOT, timeout=120)
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
     assert p.returncode == report["exit"], p.stderr
-    assert [c["name"] for c in json.loads(p.stdout)["checks"]] == [c["name"]
-                                                                   for c in report["checks"]]
-    bad = subprocess.run([PY, "-m", "krex_async", "doctor", "--bogus"], capture_output=True,
-                         env=py_env(), cwd=ROOT, timeout=30)
+    assert [c["name"] for c in json.loads(p.stdout)["checks"]] == [c["name"] for c in report["checks"]]
+    bad = subprocess.run(
+        [PY, "-m", "krex_async", "doctor", "--bogus"], capture_output=True, env=py_env(), cwd=ROOT, timeout=30
+    )
     assert bad.returncode == 2
 
 

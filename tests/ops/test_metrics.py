@@ -55,8 +55,7 @@ def test_commands_by_state_and_policy(metrics):
     assert got[("krex_info", L(version="0.1.0", policy="region", isolation="cgroup"))] == 1
     m.command_ended("region", "exited", 2.0, command="1", device="cpu")
     m.command_ended("command", "cancelled", 0.0, command="3", started=False, device="cpu")
-    m.command_ended("command", "cancelled", 0.0, command="3", started=False,
-                    device="cpu")  # unqueued once
+    m.command_ended("command", "cancelled", 0.0, command="3", started=False, device="cpu")  # unqueued once
     got = scrape(m.address)
     assert got[("krex_commands", L(state="running", policy="region", device="cpu"))] == 0
     assert got[("krex_commands", L(state="queued", policy="command", device="cpu"))] == 0
@@ -121,11 +120,22 @@ def test_labels_join_with_dcgm_and_no_created_series(metrics):
     m.command_ended("region", "exited", 1.0, command="1", device="nvidia0")
     m.region_entered("nvidia0", 0.001, 0.001, 0.0, 0.0)
     got = scrape(m.address)
-    assert got[("krex_device_info", L(device="nvidia0", gpu="0", UUID="GPU-1234",
-                                      modelName="NVIDIA H200", vendor="nvidia"))] == 1
+    assert (
+        got[
+            (
+                "krex_device_info",
+                L(device="nvidia0", gpu="0", UUID="GPU-1234", modelName="NVIDIA H200", vendor="nvidia"),
+            )
+        ]
+        == 1
+    )
     assert not [k for k in got if k[0].endswith("_created")], [k for k in got if "created" in k[0]]
-    for name in ("krex_commands", "krex_commands_started_total", "krex_commands_ended_total",
-                 "krex_command_wall_seconds_count"):
+    for name in (
+        "krex_commands",
+        "krex_commands_started_total",
+        "krex_commands_ended_total",
+        "krex_command_wall_seconds_count",
+    ):
         labels = {dict(k[1]).get("device") for k in got if k[0] == name}
         assert labels == {"nvidia0"}, (name, labels)
         assert all("policy" in dict(k[1]) for k in got if k[0] == name)
@@ -159,13 +169,14 @@ def test_addresses():
 
 
 def test_without_prometheus_client():
-    code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "from krex_async.daemon.metrics import Metrics, MetricsUnavailable\n"
-            "m = Metrics(); m.command_started('region', 'cpu', 'exec'); m.region_entered('cpu', 1, 1, 1, 1)\n"
-            "m.pool('cpu', 1, 1, 1, 0.1); assert m.scrape() == b'' and not m.available\n"
-            "try:\n    m.start('127.0.0.1:0')\nexcept MetricsUnavailable as e:\n    print(e)\n")
-    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=py_env(), cwd=ROOT,
-                       timeout=30)
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from krex_async.daemon.metrics import Metrics, MetricsUnavailable\n"
+        "m = Metrics(); m.command_started('region', 'cpu', 'exec'); m.region_entered('cpu', 1, 1, 1, 1)\n"
+        "m.pool('cpu', 1, 1, 1, 0.1); assert m.scrape() == b'' and not m.available\n"
+        "try:\n    m.start('127.0.0.1:0')\nexcept MetricsUnavailable as e:\n    print(e)\n"
+    )
+    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=py_env(), cwd=ROOT, timeout=30)
     assert p.returncode == 0, p.stderr
     assert "--metrics needs prometheus-client" in p.stdout and "pip install" in p.stdout
     assert MetricsUnavailable.__doc__

@@ -25,8 +25,14 @@ print(r.report.outcome)
 
 
 def _accepts_metrics_flag() -> bool:
-    p = subprocess.run([PY, "-m", "krex_async", "serve", "--help"], capture_output=True,
-                       text=True, env=py_env(), cwd=ROOT, timeout=30)
+    p = subprocess.run(
+        [PY, "-m", "krex_async", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+        timeout=30,
+    )
     return "--metrics" in p.stdout
 
 
@@ -51,15 +57,15 @@ async def test_counters_after_commands_with_regions(script):
     if not _accepts_metrics_flag():
         pytest.skip("wired by lead: `krex serve --metrics` is not accepted yet")
     addr = ("127.0.0.1", _free_port())
-    async with run_daemon("--metrics", f"{addr[0]}:{addr[1]}", "--policy", "region",
-                          "--devices", "cpu") as d:
+    async with run_daemon("--metrics", f"{addr[0]}:{addr[1]}", "--policy", "region", "--devices", "cpu") as d:
         before = await _scrape_when_up(addr)
         assert not any(k[0] == "krex_commands_ended_total" for k in before)
         owner = script("owner.py", OWNER)
         async with await d.client() as c:
             results = await asyncio.gather(
                 *(c.run([PY, owner], env=py_env()) for _ in range(3)),
-                c.run([PY, "-c", "print('no region')"], env=py_env()))
+                c.run([PY, "-c", "print('no region')"], env=py_env()),
+            )
         assert [r.returncode for r in results] == [0, 0, 0, 0]
         assert [r.stdout.strip() for r in results[:3]] == [b"released"] * 3
         # The daemon counts a command and a region before it tells their owner: no waiting here.
@@ -81,8 +87,9 @@ async def test_counters_after_commands_with_regions(script):
 
 async def test_pool_metrics_after_a_pooled_command():
     addr = ("127.0.0.1", _free_port())
-    async with run_daemon("--metrics", f"{addr[0]}:{addr[1]}", "--pool-size", "1",
-                          "--pool-preload", "json") as d:
+    async with run_daemon(
+        "--metrics", f"{addr[0]}:{addr[1]}", "--pool-size", "1", "--pool-preload", "json"
+    ) as d:
         async with await d.client() as c:
             for _ in range(100):
                 if (await c.status())["pools"]["cpu"]["warm"] >= 1:

@@ -26,7 +26,8 @@ def test_mounts_parse_filter_and_unescape(tmp_path):
     cg = procfs.mounts("cgroup", mountinfo=str(mi))
     assert [(m.point, m.root, m.options) for m in cg] == [
         ("/sys/fs/cgroup/cpuset", "/", ("rw", "cpuset")),
-        ("/mnt/with space", "/sub", ("rw", "freezer"))]
+        ("/mnt/with space", "/sub", ("rw", "freezer")),
+    ]
     assert cgroup_mounts(str(mi)) == ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpuset")
     assert procfs.mounts(mountinfo=str(tmp_path / "missing")) == []
 

@@ -81,8 +81,7 @@ async def test_daemon_sends_ready_and_watchdog(tmp_path):
         async with run_daemon(env=env) as d:
             got = []
             deadline = time.monotonic() + 10
-            while not (any(b"READY=1" in m for m in got) and
-                       sum(m == b"WATCHDOG=1" for m in got) >= 2):
+            while not (any(b"READY=1" in m for m in got) and sum(m == b"WATCHDOG=1" for m in got) >= 2):
                 assert time.monotonic() < deadline, got
                 got.append(await asyncio.get_running_loop().run_in_executor(None, s.recv, 4096))
             ready = next(m for m in got if b"READY=1" in m)

@@ -34,8 +34,13 @@ def test_systemd_analyze_verify(tmp_path):
     krex.chmod(0o755)
     unit = tmp_path / "krex.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/krex", str(krex)))
-    p = subprocess.run([exe, "verify", str(unit)], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, SYSTEMD_LOG_LEVEL="notice"))
+    p = subprocess.run(
+        [exe, "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, SYSTEMD_LOG_LEVEL="notice"),
+    )
     # verify returns 0 even for unknown keys and bad values; those show up as lines naming the unit.
     complaints = [ln for ln in (p.stdout + p.stderr).splitlines() if "krex.service" in ln]
     assert p.returncode == 0 and not complaints, p.stdout + p.stderr
@@ -53,8 +58,16 @@ def test_unit_says_what_krex_needs():
     assert any("cleanup" in v for v in d["ExecStopPost"])
     assert not d["ExecStopPost"][0].startswith("-")  # a failed cleanup must show in the journal
     assert d["ExecStart"][0].split()[1] == "serve"
-    for bad in ("ProtectControlGroups", "PrivateDevices", "DevicePolicy", "DeviceAllow",
-                "ProtectKernelModules", "ProtectKernelTunables", "PrivateTmp", "ProtectClock",
-                "MemoryDenyWriteExecute"):
+    for bad in (
+        "ProtectControlGroups",
+        "PrivateDevices",
+        "DevicePolicy",
+        "DeviceAllow",
+        "ProtectKernelModules",
+        "ProtectKernelTunables",
+        "PrivateTmp",
+        "ProtectClock",
+        "MemoryDenyWriteExecute",
+    ):
         assert bad not in d, f"{bad} breaks cgroup writes, BPF or GPU access for commands"
     assert d["ProtectSystem"] != ["strict"]

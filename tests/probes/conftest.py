@@ -54,6 +54,7 @@ def need_root() -> None:
 def need_bcc() -> None:
     need_root()
     from krex_async.probes import bcc_works
+
     ok, why = bcc_works()
     if not ok:
         pytest.skip(f"bcc unavailable: {why} (run .ci/install-bcc.sh)")
@@ -76,8 +77,13 @@ def devdir() -> Iterator[str]:
 
 def run_child(path: str, n_main: int, n_thread: int) -> dict[str, int]:
     """Run CHILD to completion; returns its pid, tids and fd."""
-    out = subprocess.run([sys.executable, "-c", CHILD, path, str(n_main), str(n_thread), "0"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, path, str(n_main), str(n_thread), "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -85,9 +91,12 @@ class WaitingChild:
     """CHILD that opens the device, says ready, and makes its ioctls only when go() is called."""
 
     def __init__(self, path: str, n_main: int, n_thread: int, linger: bool = False) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, path, str(n_main),
-                                      str(n_thread), "2" if linger else "1"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, path, str(n_main), str(n_thread), "2" if linger else "1"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         self.fd = json.loads(self.proc.stdout.readline())["ready"]
 

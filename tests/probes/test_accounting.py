@@ -35,8 +35,9 @@ async def test_counts_equal_delivered_plus_lost_after_stop_during_a_flood(devdir
         probe = IoctlProbe([devdir + "/"])
         col = Collector(probe)
         col.start()
-        child = subprocess.Popen([sys.executable, "-c", FLOOD, f"{devdir}/null0"],
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, f"{devdir}/null0"], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert child.stdout is not None
             pid = int(child.stdout.readline())

@@ -26,8 +26,9 @@ async def test_process_tree_and_strays(devdir: str, tmp_path: Path) -> None:
     # command c1: a shell whose grandchild makes the ioctls; c2: a direct child; and an outsider.
     (tmp_path / "child.py").write_text(CHILD)  # not under the prefix: open() would ioctl (isatty)
     inner = f"{sys.executable} {tmp_path}/child.py {devdir}/null0 3 0 2"
-    c1 = subprocess.Popen(["sh", "-c", f"sh -c '{inner}'; true"], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True)
+    c1 = subprocess.Popen(
+        ["sh", "-c", f"sh -c '{inner}'; true"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     c2 = WaitingChild(f"{devdir}/null0", 2, 0, linger=True)
     outsider = WaitingChild(f"{devdir}/null0", 1, 0, linger=True)
     att = EventMapper()
@@ -81,8 +82,9 @@ async def test_cgroup_id_attributes_after_exit(devdir: str) -> None:
         assert cg_id in {k.value for k in probe._bpf[b"cg_counts"].keys()}, "a live cgroup was pruned"
         os.rmdir(cg)  # empty again: the child has exited
         probe._prune_cgroups()  # what the upkeep does every rescan
-        assert cg_id not in {k.value for k in probe._bpf[b"cg_counts"].keys()}, \
+        assert cg_id not in {k.value for k in probe._bpf[b"cg_counts"].keys()}, (
             "a removed cgroup still takes a slot of the kernel-side map"
+        )
         assert probe.cgroup_counts()[cg_id] == 3, "a removed cgroup's count was lost"
     finally:
         probe.stop()
@@ -133,8 +135,9 @@ class Parent:
     """A process that forks children on request, at a chosen pid (ns_last_pid, root)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
     def ask(self, line: str) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None

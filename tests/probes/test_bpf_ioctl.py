@@ -24,8 +24,7 @@ async def test_ioctls_seen_with_identity(devdir: str, mmap_reader: bool) -> None
     col.start()
     try:
         assert probe.poller is not None
-        assert probe.poller.reader == ("mmap" if mmap_reader and os.uname().machine == "x86_64"
-                                       else "bcc")
+        assert probe.poller.reader == ("mmap" if mmap_reader and os.uname().machine == "x86_64" else "bcc")
         child = run_child(f"{devdir}/null0", 5, 3)
         pid = child["pid"]
         assert await col.wait_for(lambda: len(col.of(pid)) >= 9)
@@ -77,13 +76,15 @@ async def test_close_untracks_and_other_paths_are_ignored(devdir: str) -> None:
         "    except OSError: pass\n"
         f"fd = os.open('{devdir}/null0', os.O_RDWR); io(fd); io(fd); os.close(fd)\n"
         "fd2 = os.open('/dev/null', os.O_RDWR); io(fd2); io(fd2); io(fd2)\n"
-        "print(os.getpid(), fd, fd2)\n")
+        "print(os.getpid(), fd, fd2)\n"
+    )
     probe = IoctlProbe([devdir + "/"])
     col = Collector(probe)
     col.start()
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()
         pid, fd, fd2 = map(int, out)
         assert fd == fd2  # the same number, reused by a file outside the prefix
         await col.wait_for(lambda: len(col.of(pid)) >= 3)

@@ -28,8 +28,13 @@ PRELUDE = textwrap.dedent("""
 
 
 def run(code: str, *args: str) -> list[int]:
-    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
-                         capture_output=True, text=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return [int(x) for x in out.split()]
 
 
@@ -44,13 +49,16 @@ async def test_dup2_onto_a_tracked_fd_untracks_it_at_once(devdir: str) -> None:
     col = Collector(probe)
     col.start()
     try:
-        pid, fd, fd3 = run("""
+        pid, fd, fd3 = run(
+            """
             fd = os.open(dev, os.O_RDWR); io(fd)
             os.dup2(os.open("/dev/null", os.O_RDWR), fd); io(fd, 5)    # now /dev/null
             fd3 = os.open(dev, os.O_RDWR)
             os.dup2(os.open("/dev/null", os.O_RDWR), fd3, inheritable=False); io(fd3, 5)  # dup3
             print(os.getpid(), fd, fd3)
-        """, f"{devdir}/null0")
+        """,
+            f"{devdir}/null0",
+        )
         await settle(col, pid, 3)
     finally:
         probe.stop()
@@ -64,19 +72,23 @@ async def test_dup_and_fdupfd_of_a_tracked_fd_are_tracked(devdir: str) -> None:
     col = Collector(probe)
     col.start()
     try:
-        pid, a, b, c, d = run("""
+        pid, a, b, c, d = run(
+            """
             a = os.open(dev, os.O_RDWR)
             b = os.dup(a); c = fcntl.fcntl(a, fcntl.F_DUPFD, 40)
             d = fcntl.fcntl(a, fcntl.F_DUPFD_CLOEXEC, 50)
             os.close(a); io(b, 2); io(c, 3); io(d, 4)
             print(os.getpid(), a, b, c, d)
-        """, f"{devdir}/null0")
+        """,
+            f"{devdir}/null0",
+        )
         await settle(col, pid, 10)
     finally:
         probe.stop()
     evs = col.of(pid)
-    assert [(e.kind, e.fd) for e in evs] == [("open", a)] + [("ioctl", b)] * 2 + \
-        [("ioctl", c)] * 3 + [("ioctl", d)] * 4
+    assert [(e.kind, e.fd) for e in evs] == [("open", a)] + [("ioctl", b)] * 2 + [("ioctl", c)] * 3 + [
+        ("ioctl", d)
+    ] * 4
     assert all(e.name == "TCGETS" for e in evs[1:])
     assert probe.counts()[pid] == 10
 
@@ -106,19 +118,27 @@ STALE = {
 
 async def _stale_after_rescan(devdir: str, how: str) -> None:
     need_bcc()
-    code = PRELUDE + textwrap.dedent(STALE[how]) + textwrap.dedent("""
+    code = (
+        PRELUDE
+        + textwrap.dedent(STALE[how])
+        + textwrap.dedent("""
         fd = int(sys.argv[2]) if len(sys.argv) > 2 else fd
         print(os.getpid(), fd, flush=True)
         sys.stdin.readline(); io(fd, 5); print("done", flush=True)
     """)
+    )
     if how == "execve":
         code = code.replace("sys.argv[-1]", "CODE")
         code = f"CODE = {code!r}\n" + code
     probe = IoctlProbe([devdir + "/"], rescan_s=0.2)
     col = Collector(probe)
     col.start()
-    child = subprocess.Popen([sys.executable, "-c", code, f"{devdir}/null0"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, f"{devdir}/null0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdin is not None and child.stdout is not None
         pid, fd = map(int, child.stdout.readline().split())
@@ -173,8 +193,13 @@ async def test_execve_untracks_cloexec_fds_at_once_and_keeps_the_others(devdir: 
     col = Collector(probe)
     col.start()
     try:
-        out = subprocess.run([sys.executable, "-c", code, f"{devdir}/null0"],
-                             capture_output=True, text=True, check=True, timeout=30).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code, f"{devdir}/null0"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
         pid, a, b, c, d, e = map(int, out.split())
         await settle(col, pid, 9)
     finally:
@@ -189,7 +214,8 @@ async def test_fds_inherited_through_fork_are_tracked_in_the_child(devdir: str) 
     col = Collector(probe)
     col.start()
     try:
-        out = run("""
+        out = run(
+            """
             a = os.open(dev, os.O_RDWR); b = os.open(dev, os.O_RDWR)
             kid = os.fork()
             if kid == 0:
@@ -209,12 +235,13 @@ async def test_fds_inherited_through_fork_are_tracked_in_the_child(devdir: str) 
             os.waitpid(kid, 0)
             io(b, 1)  # the parent's b is still the device
             print(os.getpid(), a, b, flush=True)
-        """, f"{devdir}/null0")
+        """,
+            f"{devdir}/null0",
+        )
         kid, grandkid, parent, a, b = out
         await settle(col, parent, 3)
         await settle(col, grandkid, 2)
-        tombstones = [k.fd for k, v in probe._bpf[b"tracked"].items()
-                      if not v.s and k.tgid == kid]
+        tombstones = [k.fd for k, v in probe._bpf[b"tracked"].items() if not v.s and k.tgid == kid]
     finally:
         probe.stop()
     assert [e.fd for e in col.of(kid)] == [a] * 3
@@ -242,8 +269,12 @@ async def test_the_rescan_ends_fork_inheritance_and_seeds_the_child(devdir: str)
     probe = IoctlProbe([devdir + "/"], rescan_s=0.2)
     col = Collector(probe)
     col.start()
-    p = subprocess.Popen([sys.executable, "-c", code, f"{devdir}/null0"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, f"{devdir}/null0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdin is not None and p.stdout is not None
         kid, a = map(int, p.stdout.readline().split())

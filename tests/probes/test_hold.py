@@ -101,8 +101,12 @@ def test_count_map_reads_what_items_reads() -> None:
     import ctypes as ct
 
     from krex_async.probes import _bcc
-    bpf = _bcc.compile_bpf("BPF_HASH(a, u32, u64, 8192); BPF_HASH(b, u64, u64, 64);"
-                           "TRACEPOINT_PROBE(syscalls, sys_enter_getppid) { return 0; }", "test")
+
+    bpf = _bcc.compile_bpf(
+        "BPF_HASH(a, u32, u64, 8192); BPF_HASH(b, u64, u64, 64);"
+        "TRACEPOINT_PROBE(syscalls, sys_enter_getppid) { return 0; }",
+        "test",
+    )
     try:
         a, b = bpf[b"a"], bpf[b"b"]
         ra, rb = _bcc.CountMap(a), _bcc.CountMap(b, ct.c_uint64)

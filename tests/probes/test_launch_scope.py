@@ -29,9 +29,9 @@ from krex_async.probes.launches import LaunchProbe
 from .conftest import Collector, need_bcc
 
 FAKE = "".join(
-    f'__asm__(".globl {name}\\n.type {name},@function\\n{name}:\\n'
-    f'push %rbp\\npop %rbp\\n{body}\\nret\\n");\n'
-    for name, body in (("cuLaunchKernel", "mov %esi,%eax"), ("cuGraphLaunch", "xor %eax,%eax")))
+    f'__asm__(".globl {name}\\n.type {name},@function\\n{name}:\\npush %rbp\\npop %rbp\\n{body}\\nret\\n");\n'
+    for name, body in (("cuLaunchKernel", "mov %esi,%eax"), ("cuGraphLaunch", "xor %eax,%eax"))
+)
 
 # w LIB [DEV]: map LIB (and open DEV), print the pid; then per line "N T": N cuLaunchKernel calls on
 # the main thread (timed: ns per call is printed), T cuGraphLaunch calls on a second thread.
@@ -83,10 +83,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     d = tmp_path_factory.mktemp("scope")
     (d / "fake.c").write_text(FAKE)
     (d / "w.c").write_text(WORKER)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(d / "libcuda.so.1"),
-                    str(d / "fake.c")], check=True)
-    subprocess.run(["gcc", "-O2", "-pthread", "-o", str(d / "w"), str(d / "w.c"), "-ldl"],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-O2", "-shared", "-fPIC", "-o", str(d / "libcuda.so.1"), str(d / "fake.c")], check=True
+    )
+    subprocess.run(["gcc", "-O2", "-pthread", "-o", str(d / "w"), str(d / "w.c"), "-ldl"], check=True)
     return Built(str(d / "libcuda.so.1"), str(d / "w"))
 
 
@@ -150,8 +150,7 @@ async def test_a_command_takes_no_trap_and_an_outsider_is_counted_exactly(built:
         asked_on.add(threading.get_ident())
         return tgid == a.pid
 
-    probe = LaunchProbe([built.lib], search=False, scope="outsiders", is_command=is_command,
-                        rescan_s=0.2)
+    probe = LaunchProbe([built.lib], search=False, scope="outsiders", is_command=is_command, rescan_s=0.2)
     try:
         unprobed = a.ns_per_call()
         probe.start(asyncio.get_running_loop(), lambda batch: None)
@@ -169,8 +168,10 @@ async def test_a_command_takes_no_trap_and_an_outsider_is_counted_exactly(built:
         probe.stop()
         a.end()
         b.end()
-    print(f"ns per call: unprobed {unprobed:.1f}, command under outsiders {command_ns:.1f}, "
-          f"outsider {outsider_ns:.1f}")
+    print(
+        f"ns per call: unprobed {unprobed:.1f}, command under outsiders {command_ns:.1f}, "
+        f"outsider {outsider_ns:.1f}"
+    )
     assert a.pid not in counts, counts
     assert by_sym[(b.pid, "cuLaunchKernel")] == 5 * 100_000 + 1000
     assert by_sym[(b.pid, "cuGraphLaunch")] == 300  # another thread of the same process
@@ -185,8 +186,9 @@ async def test_a_command_takes_no_trap_and_an_outsider_is_counted_exactly(built:
 async def test_scope_all_traps_and_counts_every_process(built: Built) -> None:
     need_bcc()
     a, b = Worker(built), Worker(built)
-    probe = LaunchProbe([built.lib], search=False, scope="all",
-                        is_command=lambda tgid: tgid == a.pid)  # ignored: everyone is probed
+    probe = LaunchProbe(
+        [built.lib], search=False, scope="all", is_command=lambda tgid: tgid == a.pid
+    )  # ignored: everyone is probed
     try:
         unprobed = a.ns_per_call()
         probe.start(asyncio.get_running_loop(), lambda batch: None)
@@ -217,8 +219,7 @@ async def test_a_new_outsider_is_probed_when_it_opens_a_gpu_file(built: Built, d
         except OSError:
             return False
 
-    launch = LaunchProbe([built.lib], search=False, scope="outsiders", is_command=is_command,
-                         rescan_s=3600)
+    launch = LaunchProbe([built.lib], search=False, scope="outsiders", is_command=is_command, rescan_s=3600)
     probe = CombinedProbe(IoctlProbe([devdir + "/"]), launch)
     col = Collector(probe)
     col.start()
@@ -256,8 +257,9 @@ async def test_rescan_finds_new_outsiders_and_detaches_exited_ones(built: Built)
     uprobes detached (closed in the kernel, not only forgotten)."""
     need_bcc()
     inside: set[int] = set()
-    probe = LaunchProbe([built.lib], search=False, scope="outsiders", rescan_s=0.2,
-                        is_command=lambda tgid: tgid in inside)
+    probe = LaunchProbe(
+        [built.lib], search=False, scope="outsiders", rescan_s=0.2, is_command=lambda tgid: tgid in inside
+    )
     probe.start(asyncio.get_running_loop(), lambda batch: None)
     workers = []
     try:
@@ -311,17 +313,23 @@ def test_bad_scope_is_refused() -> None:
     with pytest.raises(ValueError, match="launch scope 'everyone'"):
         LaunchProbe(scope="everyone")
     from krex_async.probes import open_probes
+
     with pytest.raises(ValueError, match="launch scope 'everyone'"):
         open_probes("launches", launch_scope="everyone")
 
 
 def test_open_probes_says_the_scope(tmp_path: Path) -> None:
     from krex_async.probes import bcc_works, open_probes
+
     if not bcc_works()[0]:
         pytest.skip("bcc unavailable")
     for scope in ("outsiders", "all"):
-        backend, reason = open_probes("launches", prefixes=["/dev/krex-test"],
-                                      launch_libs=[str(tmp_path / "none.so")], launch_scope=scope)
+        backend, reason = open_probes(
+            "launches",
+            prefixes=["/dev/krex-test"],
+            launch_libs=[str(tmp_path / "none.so")],
+            launch_scope=scope,
+        )
         assert isinstance(backend, CombinedProbe) and f"scope {scope}" in reason
         launch = backend.parts[1]
         assert isinstance(launch, LaunchProbe) and launch.scope == scope
@@ -369,8 +377,16 @@ async def test_daemon_launch_scope(built: Built, devdir: str, tmp_path: Path, sc
     owner = tmp_path / "owner.py"
     owner.write_text(OWNER)
     outsider: Worker | None = None
-    async with run_daemon("--probes", "launches", "--launch-scope", scope, "--launch-libs",
-                          built.lib, "--probe-prefixes", devdir + "/") as d:
+    async with run_daemon(
+        "--probes",
+        "launches",
+        "--launch-scope",
+        scope,
+        "--launch-libs",
+        built.lib,
+        "--probe-prefixes",
+        devdir + "/",
+    ) as d:
         async with await d.client() as c:
             probes = (await c.status())["probes"]
             assert probes["state"] == "running", probes
@@ -378,14 +394,17 @@ async def test_daemon_launch_scope(built: Built, devdir: str, tmp_path: Path, sc
             try:
                 outsider = Worker(built, dev)
                 if scope == "outsiders":
+
                     async def probed() -> list[int]:
                         return list((await c.status())["probes"]["launches"]["watched_pids"])
+
                     end = time.monotonic() + 10
                     while outsider.pid not in await probed():
                         assert time.monotonic() < end, "the outsider was never probed"
                         await asyncio.sleep(0.02)
-                h = await c.submit([PY, str(owner), built.lib, dev, str(inside), str(done),
-                                    str(escaped)], env=py_env())
+                h = await c.submit(
+                    [PY, str(owner), built.lib, dev, str(inside), str(done), str(escaped)], env=py_env()
+                )
                 end = time.monotonic() + 20
                 while not inside.exists():
                     assert time.monotonic() < end, "the owner never entered its region"

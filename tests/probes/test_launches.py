@@ -40,14 +40,19 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
         pytest.skip("gcc missing: cannot build the test library")
     d = tmp_path_factory.mktemp("fakecuda")
     (d / "fake.c").write_text(FAKE)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(d / "libcuda.so.1"),
-                    str(d / "fake.c")], check=True)
+    subprocess.run(
+        ["gcc", "-O2", "-shared", "-fPIC", "-o", str(d / "libcuda.so.1"), str(d / "fake.c")], check=True
+    )
     return str(d / "libcuda.so.1")
 
 
 def call(lib: str, k: int, ptsz: int, graph: int, ex: int) -> int:
-    out = subprocess.run([sys.executable, "-c", CALLER, lib, str(k), str(ptsz), str(graph),
-                          str(ex)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CALLER, lib, str(k), str(ptsz), str(graph), str(ex)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out)
 
 
@@ -57,8 +62,11 @@ async def test_launches_counted_exactly(fake_libcuda: str) -> None:
     col = Collector(probe)
     col.start()
     try:
-        assert sorted(probe.attached[fake_libcuda]) == \
-            ["cuGraphLaunch", "cuLaunchKernel", "cuLaunchKernel_ptsz"]  # Ex aliases Kernel
+        assert sorted(probe.attached[fake_libcuda]) == [
+            "cuGraphLaunch",
+            "cuLaunchKernel",
+            "cuLaunchKernel_ptsz",
+        ]  # Ex aliases Kernel
         pid = call(fake_libcuda, 10007, 3, 5, 11)
         other = call(fake_libcuda, 2, 0, 0, 0)
         by_sym = probe.by_symbol()
@@ -98,6 +106,7 @@ async def test_no_library_is_unavailable(tmp_path: Path) -> None:
     import asyncio
 
     from krex_async.probes.base import ProbeUnavailable
+
     probe = LaunchProbe([str(tmp_path / "nothing.so")], search=False)
     with pytest.raises(ProbeUnavailable, match="no libcuda"):
         probe.start(asyncio.get_running_loop(), lambda b: None)
@@ -107,11 +116,14 @@ async def test_library_loaded_after_start_is_probed(fake_libcuda: str) -> None:
     """With search on, a libcuda first seen in a process's /proc/<pid>/maps gets probed."""
     need_bcc()
     import asyncio
+
     probe = LaunchProbe(search=True, rescan_s=0.1)
     probe.start(asyncio.get_running_loop(), lambda b: None)
-    holder = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; "
-                               f"ctypes.CDLL({fake_libcuda!r}); sys.stdin.readline()"],
-                              stdin=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import ctypes, sys; ctypes.CDLL({fake_libcuda!r}); sys.stdin.readline()"],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(100):
             if fake_libcuda in probe.attached:

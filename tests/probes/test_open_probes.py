@@ -43,10 +43,12 @@ def test_explicit_modes() -> None:
 
 async def test_combined_keeps_ioctl_when_launches_cannot_run() -> None:
     import asyncio
+
     if not bcc_works()[0]:
         pytest.skip("bcc unavailable")
-    backend, _ = open_probes("launches", prefixes=["/dev/krex-test"],
-                             launch_libs=["/nonexistent/libcuda.so.1"])
+    backend, _ = open_probes(
+        "launches", prefixes=["/dev/krex-test"], launch_libs=["/nonexistent/libcuda.so.1"]
+    )
     assert isinstance(backend, CombinedProbe)
     backend.parts[1].search = False  # type: ignore[attr-defined]  # this host's libs are not the point
     backend.start(asyncio.get_running_loop(), lambda b: None)

@@ -53,8 +53,7 @@ async def test_a_region_during_which_events_were_lost_is_tainted(devdir, script,
     inside, go, flooded = (str(tmp_path / n) for n in ("inside", "go", "flooded"))
     async with run_daemon("--probes", "ioctl", "--probe-prefixes", devdir + "/") as d:
         async with await d.client() as c:
-            h = await c.submit([PY, owner, f"{devdir}/null0", "300000", inside, go, flooded],
-                               env=py_env())
+            h = await c.submit([PY, owner, f"{devdir}/null0", "300000", inside, go, flooded], env=py_env())
             await wait_file(inside)
             os.kill(d.proc.pid, signal.SIGSTOP)
             try:

@@ -14,22 +14,56 @@ def recs() -> list[dict]:
     return [
         {"ts": T + 0.0, "kind": "command_start", "device": "nvidia:0", "command": "c1", "pid": 100},
         {"ts": T + 0.1, "kind": "command_start", "device": "nvidia:0", "command": "c2", "pid": 200},
-        {"ts": T + 0.2, "kind": "region_request", "device": "nvidia:0", "command": "c1",
-         "region": "timing"},
-        {"ts": T + 0.25, "kind": "freeze", "device": "nvidia:0", "command": "c1",
-         "region": "timing", "detail": {"seconds": 0.05, "groups": 1}},
-        {"ts": T + 0.3, "kind": "region_grant", "device": "nvidia:0", "command": "c1",
-         "region": "timing", "detail": {"frozen": ["c2"]}},
-        {"ts": T + 0.4, "kind": "probe", "device": "nvidia:0", "command": "c1", "pid": 100,
-         "detail": {"name": "NV_ESC_RM_CONTROL"}},
-        {"ts": T + 0.5, "kind": "stray", "device": "nvidia:0", "command": "", "pid": 999,
-         "region": "timing", "detail": {"name": "NV_ESC_RM_ALLOC"}},
-        {"ts": T + 0.9, "kind": "region_release", "device": "nvidia:0", "command": "c1",
-         "region": "timing", "detail": {"strays": 1}},
-        {"ts": T + 0.85, "kind": "thaw", "device": "nvidia:0", "command": "c1",
-         "region": "timing"},
-        {"ts": T + 1.0, "kind": "command_end", "device": "nvidia:0", "command": "c1",
-         "detail": {"returncode": 0}},
+        {"ts": T + 0.2, "kind": "region_request", "device": "nvidia:0", "command": "c1", "region": "timing"},
+        {
+            "ts": T + 0.25,
+            "kind": "freeze",
+            "device": "nvidia:0",
+            "command": "c1",
+            "region": "timing",
+            "detail": {"seconds": 0.05, "groups": 1},
+        },
+        {
+            "ts": T + 0.3,
+            "kind": "region_grant",
+            "device": "nvidia:0",
+            "command": "c1",
+            "region": "timing",
+            "detail": {"frozen": ["c2"]},
+        },
+        {
+            "ts": T + 0.4,
+            "kind": "probe",
+            "device": "nvidia:0",
+            "command": "c1",
+            "pid": 100,
+            "detail": {"name": "NV_ESC_RM_CONTROL"},
+        },
+        {
+            "ts": T + 0.5,
+            "kind": "stray",
+            "device": "nvidia:0",
+            "command": "",
+            "pid": 999,
+            "region": "timing",
+            "detail": {"name": "NV_ESC_RM_ALLOC"},
+        },
+        {
+            "ts": T + 0.9,
+            "kind": "region_release",
+            "device": "nvidia:0",
+            "command": "c1",
+            "region": "timing",
+            "detail": {"strays": 1},
+        },
+        {"ts": T + 0.85, "kind": "thaw", "device": "nvidia:0", "command": "c1", "region": "timing"},
+        {
+            "ts": T + 1.0,
+            "kind": "command_end",
+            "device": "nvidia:0",
+            "command": "c1",
+            "detail": {"returncode": 0},
+        },
         {"ts": T + 0.05, "kind": "command_start", "device": "cpu", "command": "c3"},
     ]
 
@@ -56,7 +90,9 @@ def test_layout() -> None:
     assert s["command c3"]["pid"] != s["command c1"]["pid"]
     inst = [e for e in tr["traceEvents"] if e["ph"] == "i"]
     assert [(e["name"], e["cat"], e["args"]["pid"]) for e in inst] == [
-        ("NV_ESC_RM_CONTROL", "probe", 100), ("STRAY NV_ESC_RM_ALLOC", "stray", 999)]
+        ("NV_ESC_RM_CONTROL", "probe", 100),
+        ("STRAY NV_ESC_RM_ALLOC", "stray", 999),
+    ]
     names = {e["args"]["name"] for e in tr["traceEvents"] if e["ph"] == "M"}
     assert {"device nvidia:0", "device cpu", "regions", "probes", "command c1"} <= names
 
@@ -66,8 +102,9 @@ def test_unfinished_and_unmatched(tmp_path: Path) -> None:
     s = slices(tr)
     assert s["command c2"]["args"]["unfinished"] is True  # no command_end: closed at the last ts
     assert s["command c2"]["dur"] == 900_000.0
-    odd = chrome_trace([{"ts": T, "kind": "region_release", "command": "x", "region": "r"},
-                        {"ts": T, "kind": "bogus"}])
+    odd = chrome_trace(
+        [{"ts": T, "kind": "region_release", "command": "x", "region": "r"}, {"ts": T, "kind": "bogus"}]
+    )
     assert [e for e in odd["traceEvents"] if e["ph"] != "M"] == []
     assert chrome_trace([]) == {"traceEvents": [], "displayTimeUnit": "ms"}
     out = tmp_path / "t.json"
@@ -78,11 +115,13 @@ def test_unfinished_and_unmatched(tmp_path: Path) -> None:
 def test_trace_ring_bounds_its_bytes_and_keeps_the_newest() -> None:
     from krex_async import protocol as P
     from krex_async.daemon.timeline import TraceRing
+
     ring = TraceRing(P.TraceEvent, max_bytes=64 << 10)
     frozen = [f"c{i:05d}" for i in range(63)]  # a grant with 63 siblings frozen: ~0.5 KiB
     for i in range(2000):
-        ring.append(P.TraceEvent(id=0, ts=T + i, kind="region_grant", command=f"k{i}",
-                                 detail={"frozen": frozen}))
+        ring.append(
+            P.TraceEvent(id=0, ts=T + i, kind="region_grant", command=f"k{i}", detail={"frozen": frozen})
+        )
     assert ring.bytes <= 64 << 10 and ring.dropped > 0
     kept = list(ring)
     assert kept[-1].command == "k1999" and len(kept) == len(ring) == 2000 - ring.dropped
@@ -99,34 +138,66 @@ def test_held_modes_on_their_own_tracks_and_slices_nest() -> None:
     each of those commands' tracks, none on the owner's; a held command killed before the thaw
     has its slice cut at its end, so every track nests; no process is named 'device ?'."""
     d = "nvidia:0"
-    rs = [{"ts": T + i * 0.01, "kind": "command_start", "device": d, "command": c}
-          for i, c in enumerate(("own", "a", "b", "c", "late"))]
+    rs = [
+        {"ts": T + i * 0.01, "kind": "command_start", "device": d, "command": c}
+        for i, c in enumerate(("own", "a", "b", "c", "late"))
+    ]
     rs += [
         {"ts": T + 0.1, "kind": "region_queued", "device": d, "command": "own", "region": "r1"},
-        {"ts": T + 0.2, "kind": "freeze", "device": d, "command": "own", "region": "r1",
-         "detail": {"seconds": 0.05}},
-        {"ts": T + 0.3, "kind": "region_grant", "device": d, "command": "own", "region": "r1",
-         "detail": {"frozen": ["a"], "held": [{"command": "b", "mode": "lock"}, ["c", "fence"]]}},
-        {"ts": T + 0.4, "kind": "freeze", "device": d, "command": "late", "region": "r1",
-         "detail": {"late": True}},
+        {
+            "ts": T + 0.2,
+            "kind": "freeze",
+            "device": d,
+            "command": "own",
+            "region": "r1",
+            "detail": {"seconds": 0.05},
+        },
+        {
+            "ts": T + 0.3,
+            "kind": "region_grant",
+            "device": d,
+            "command": "own",
+            "region": "r1",
+            "detail": {"frozen": ["a"], "held": [{"command": "b", "mode": "lock"}, ["c", "fence"]]},
+        },
+        {
+            "ts": T + 0.4,
+            "kind": "freeze",
+            "device": d,
+            "command": "late",
+            "region": "r1",
+            "detail": {"late": True},
+        },
         {"ts": T + 0.5, "kind": "command_end", "device": d, "command": "b"},
         {"ts": T + 0.6, "kind": "thaw", "device": d, "command": "own", "region": "r1"},
         {"ts": T + 0.7, "kind": "region_release", "device": d, "command": "own", "region": "r1"},
-        {"ts": T + 0.8, "kind": "probe", "device": "", "command": "", "pid": 7,
-         "detail": {"name": "NV_ESC_RM_CONTROL"}},
+        {
+            "ts": T + 0.8,
+            "kind": "probe",
+            "device": "",
+            "command": "",
+            "pid": 7,
+            "detail": {"name": "NV_ESC_RM_CONTROL"},
+        },
     ]
     tr = chrome_trace(rs)
     ev = tr["traceEvents"]
-    tracks = {e["args"]["name"]: e["tid"] for e in ev if e["ph"] == "M" and e["pid"] == 1
-              and e["name"] == "thread_name"}
+    tracks = {
+        e["args"]["name"]: e["tid"]
+        for e in ev
+        if e["ph"] == "M" and e["pid"] == 1 and e["name"] == "thread_name"
+    }
     held = {(e["name"], e["tid"]): e for e in ev if e["ph"] == "X" and e["cat"] == "hold"}
-    assert set(held) == {("frozen", tracks["command a"]), ("locked", tracks["command b"]),
-                         ("fenced", tracks["command c"]), ("frozen", tracks["command late"])}
+    assert set(held) == {
+        ("frozen", tracks["command a"]),
+        ("locked", tracks["command b"]),
+        ("fenced", tracks["command c"]),
+        ("frozen", tracks["command late"]),
+    }
     assert held[("frozen", tracks["command a"])]["ts"] == (T + 0.15) * 1e6
     assert held[("frozen", tracks["command a"])]["dur"] == 450_000.0  # to the thaw
     assert held[("locked", tracks["command b"])]["dur"] == 350_000.0  # to its own end
-    assert not any(e["ph"] == "X" and e["cat"] == "hold" and e["tid"] == tracks["command own"]
-                   for e in ev)
+    assert not any(e["ph"] == "X" and e["cat"] == "hold" and e["tid"] == tracks["command own"] for e in ev)
     names = [e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"]
     assert "device ?" not in names and "no device" in names
     by_track: dict = {}
@@ -141,9 +212,11 @@ def test_held_modes_on_their_own_tracks_and_slices_nest() -> None:
 
 
 def test_slices_that_would_overlap_are_cut_to_nest() -> None:
-    rs = [{"ts": T, "kind": "command_start", "device": "cpu", "command": "x"},
-          {"ts": T + 0.1, "kind": "region_queued", "device": "cpu", "command": "x", "region": "r"},
-          {"ts": T + 0.2, "kind": "command_end", "device": "cpu", "command": "x"},
-          {"ts": T + 0.3, "kind": "region_grant", "device": "cpu", "command": "x", "region": "r"}]
+    rs = [
+        {"ts": T, "kind": "command_start", "device": "cpu", "command": "x"},
+        {"ts": T + 0.1, "kind": "region_queued", "device": "cpu", "command": "x", "region": "r"},
+        {"ts": T + 0.2, "kind": "command_end", "device": "cpu", "command": "x"},
+        {"ts": T + 0.3, "kind": "region_grant", "device": "cpu", "command": "x", "region": "r"},
+    ]
     s = slices(chrome_trace(rs))
     assert s["wait r"]["dur"] == 100_000.0 and s["wait r"]["args"]["clipped"] is True

@@ -15,6 +15,7 @@ from .conftest import FIONREAD, TCGETS, Collector, WaitingChild, need_root
 def need_tracefs() -> None:
     need_root()
     from krex_async.probes import tracefs_works
+
     ok, why = tracefs_works()
     if not ok:
         pytest.skip(f"tracefs unavailable: {why}")
@@ -48,8 +49,10 @@ async def test_tracefs_sees_ioctls_of_device_holders(devdir: str) -> None:
 
 
 def test_parse_line_formats() -> None:
-    new = ("         python3-7871    (   7830) [000] .....  4553.670455: "
-           "sys_ioctl(fd: 12, cmd: 0x5401, arg: 0x7fd9d4465650)")
+    new = (
+        "         python3-7871    (   7830) [000] .....  4553.670455: "
+        "sys_ioctl(fd: 12, cmd: 0x5401, arg: 0x7fd9d4465650)"
+    )
     assert parse_line(new) == (4553670455000, 7830, 7871, 12, TCGETS, "python3")
     old = "  my-app-x-12 (   -----) [001] d..1  10.000001: sys_ioctl(fd: c, cmd: 541b, arg: 0)"
     assert parse_line(old, fd_hex=True) == (10000001000, 12, 12, 12, FIONREAD, "my-app-x")
@@ -100,8 +103,12 @@ async def test_a_closed_device_fd_is_forgotten_by_the_next_scan(devdir: str) -> 
     import subprocess
     import sys
 
-    p = subprocess.Popen([sys.executable, "-c", STALE, f"{devdir}/null0"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", STALE, f"{devdir}/null0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdin is not None and p.stdout is not None
     a = int(p.stdout.readline())
     other = WaitingChild(f"{devdir}/null0", 0, 0)

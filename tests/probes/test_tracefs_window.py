@@ -61,8 +61,12 @@ async def test_strays_just_before_the_release_are_all_counted(devdir, script, tm
     need_tracefs()
     owner = script("owner.py", OWNER)
     inside, done = str(tmp_path / "inside"), str(tmp_path / "done")
-    out = subprocess.Popen([sys.executable, "-c", OUTSIDER, f"{devdir}/null0", str(N)],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out = subprocess.Popen(
+        [sys.executable, "-c", OUTSIDER, f"{devdir}/null0", str(N)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert out.stdin is not None and out.stdout is not None
     try:
         pid = int(out.stdout.readline())

@@ -19,8 +19,9 @@ class Peer:
         self.conn.settimeout(10)
         self.hello = self.recv(10)
         assert isinstance(self.hello, P.Hello), self.hello
-        self.conn.sendall(P.encode(P.Welcome(id=self.hello.id, version=P.PROTOCOL_VERSION,
-                                             server="test", policy="region")))
+        self.conn.sendall(
+            P.encode(P.Welcome(id=self.hello.id, version=P.PROTOCOL_VERSION, server="test", policy="region"))
+        )
         self.ready = self.recv(10)
         assert isinstance(self.ready, P.QuiesceReady), self.ready
 

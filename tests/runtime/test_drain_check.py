@@ -32,9 +32,11 @@ server.open_node = lambda spec: Node(devices=[Device(index=0, key="nvidia0", ven
 sys.exit(server.run(msgspec.json.decode(cfg, type=config.ServeConfig)))
 """
 
-OWNER = ("from krex_async import region\n"
-         "with region('t') as r:\n    pass\n"
-         "print(r.report.drain, len(r.report.frozen))\n")
+OWNER = (
+    "from krex_async import region\n"
+    "with region('t') as r:\n    pass\n"
+    "print(r.report.drain, len(r.report.frozen))\n"
+)
 # Shells, not Python: a Python command would run krex's in-command runtime, be asked to quiesce,
 # and acknowledge (after synchronising), which is `synced` as well.
 IDLE = ["/bin/sh", "-c", "echo held; exec sleep 60"]
@@ -64,8 +66,14 @@ async def test_drain_is_synced_only_when_no_frozen_sibling_holds_a_gpu_file():
     backend = {"isolation": "cgroup", "cgroup_root": cg} if cg else {"isolation": "signal"}
     try:
         with tempfile.TemporaryDirectory(prefix="krexdev-") as devdir:
-            async with config_daemon(launch=LAUNCH, launch_args=[devdir + "/"], quiesce_timeout=0.02,
-                                     region_cores=0, settle_ms=0, **backend) as d:
+            async with config_daemon(
+                launch=LAUNCH,
+                launch_args=[devdir + "/"],
+                quiesce_timeout=0.02,
+                region_cores=0,
+                settle_ms=0,
+                **backend,
+            ) as d:
                 async with await d.client() as c:
                     assert await _drain_with(c, []) == ("not-needed", 0)
                     assert await _drain_with(c, [IDLE, IDLE]) == ("synced", 2)

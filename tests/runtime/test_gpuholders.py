@@ -32,8 +32,9 @@ def device_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def child():
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     yield p
     p.kill()
     p.wait()
@@ -90,8 +91,9 @@ def test_read_holders_skips_processes_that_are_gone(device_dir):
 
 
 def test_reading_names_exactly_the_processes_that_hold_a_device_file(device_dir, child):
-    other = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         open_in(child, str(device_dir / "nvidia0"))
         assert read_holders([child.pid, other.pid]) == [child.pid]

@@ -36,7 +36,7 @@ def do_bench_cudagraph(fn, rep=20, grad_to_none=None, quantiles=None, return_mod
     return do_bench(fn)  # nested: must not open a second region
 '''
 
-RECORDER = '''
+RECORDER = """
 import contextlib, krex_async
 EVENTS = []
 @contextlib.contextmanager
@@ -47,7 +47,7 @@ def region(name, **kw):
     finally:
         EVENTS.append(("exit", name))
 krex_async.region = region
-'''
+"""
 
 
 @pytest.fixture
@@ -68,18 +68,26 @@ def test_auto_region_hook_wraps_do_bench_at_import(fake_triton: Path) -> None:
         "r = do_bench(lambda: krex_recorder.EVENTS.append(('body', '')), rep=5)\n"
         "r2 = do_bench_cudagraph(lambda: None)\n"
         "print(r, r2, list(inspect.signature(do_bench).parameters)[:3], tt.do_bench is do_bench)\n"
-        "print(krex_recorder.EVENTS)\n")
+        "print(krex_recorder.EVENTS)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     # krex_async is found beside the runtime directory: REPO is deliberately not on the path
-    env.update(KREX_AUTO_REGION="1",
-               PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton), str(REPO)]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60, cwd=fake_triton)
+    env.update(KREX_AUTO_REGION="1", PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton), str(REPO)]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=fake_triton
+    )
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.splitlines()
     assert first == "1.25 1.25 ['fn', 'warmup', 'rep'] True"
-    assert second == str([("enter", "triton.do_bench"), ("body", ""), ("exit", "triton.do_bench"),
-                          ("enter", "triton.do_bench_cudagraph"), ("exit", "triton.do_bench_cudagraph")])
+    assert second == str(
+        [
+            ("enter", "triton.do_bench"),
+            ("body", ""),
+            ("exit", "triton.do_bench"),
+            ("enter", "triton.do_bench_cudagraph"),
+            ("exit", "triton.do_bench_cudagraph"),
+        ]
+    )
 
 
 def test_without_the_flag_nothing_is_wrapped(fake_triton: Path) -> None:
@@ -106,10 +114,12 @@ def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, str, dic
     yield log
 
 
-def test_wrapping_is_idempotent_and_preserves_values(events: list, fake_triton: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wrapping_is_idempotent_and_preserves_values(
+    events: list, fake_triton: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(fake_triton))
     import importlib
+
     tt = importlib.import_module("triton.testing")
     original = tt.do_bench
     assert integrations.wrap_triton_testing(tt) == ["do_bench", "do_bench_cudagraph"]
@@ -163,15 +173,24 @@ def test_torch_timer_methods_wrapped_on_the_class(events: list) -> None:
 
     mod = FakeTimerModule
     assert integrations.wrap_module("torch.utils.benchmark.utils.timer", mod) == [
-        "timeit", "blocked_autorange", "adaptive_autorange"]
+        "timeit",
+        "blocked_autorange",
+        "adaptive_autorange",
+    ]
     assert integrations.wrap_torch_timer(mod) == []
     t = mod.Timer()
     assert t.timeit(5) == "timeit 5" and t.adaptive_autorange() == "blocked"
     assert [e[:2] for e in events] == [
-        ("enter", "torch.Timer.timeit"), ("exit", "torch.Timer.timeit"),
-        ("enter", "torch.Timer.adaptive_autorange"), ("exit", "torch.Timer.adaptive_autorange")]
+        ("enter", "torch.Timer.timeit"),
+        ("exit", "torch.Timer.timeit"),
+        ("enter", "torch.Timer.adaptive_autorange"),
+        ("exit", "torch.Timer.adaptive_autorange"),
+    ]
     assert list(inspect.signature(mod.Timer.blocked_autorange).parameters) == [
-        "self", "callback", "min_run_time"]
+        "self",
+        "callback",
+        "min_run_time",
+    ]
 
 
 # A package of kernelbench.timing's shape: the four timing functions, handed out by name from
@@ -232,36 +251,55 @@ def test_auto_region_wraps_kernelbench_timing_functions(fake_triton: Path) -> No
         "print(timing.measure_ref_program_time(lambda: 2.0, []))\n"
         "print(direct is timing.time_execution_with_cuda_event, direct.__doc__,\n"
         "      list(inspect.signature(direct).parameters)[:3])\n"
-        "print(krex_recorder.EVENTS)\n")
+        "print(krex_recorder.EVENTS)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
-    env.update(KREX_AUTO_REGION="1",
-               PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton), str(REPO)]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60, cwd=fake_triton)
+    env.update(KREX_AUTO_REGION="1", PYTHONPATH=os.pathsep.join([str(RUNTIME), str(fake_triton), str(REPO)]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=fake_triton
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[:6] == ["cuda_event [2.5, 2.5]", "do_bench [1.25]", "do_bench_impl [2.5, 2.5]",
-                         "host_time [2.5, 2.5]", "[2.0, 2.0]",
-                         "True events ['kernel_fn', 'args', 'num_warmup']"]
+    assert lines[:6] == [
+        "cuda_event [2.5, 2.5]",
+        "do_bench [1.25]",
+        "do_bench_impl [2.5, 2.5]",
+        "host_time [2.5, 2.5]",
+        "[2.0, 2.0]",
+        "True events ['kernel_fn', 'args', 'num_warmup']",
+    ]
     kb = "kernelbench.time_execution_with_"
-    assert lines[6] == str([
-        ("enter", kb + "cuda_event"), ("body", "cuda_event"), ("exit", kb + "cuda_event"),
-        # do_bench inside the do_bench method runs in the same region, not a nested one
-        ("enter", kb + "do_bench_interface"), ("exit", kb + "do_bench_interface"),
-        ("enter", kb + "do_bench_impl"), ("body", "do_bench_impl"), ("exit", kb + "do_bench_impl"),
-        ("enter", kb + "host_time"), ("body", "host_time"), ("exit", kb + "host_time"),
-        ("enter", kb + "cuda_event"), ("body", "cuda_event"), ("exit", kb + "cuda_event")])
+    assert lines[6] == str(
+        [
+            ("enter", kb + "cuda_event"),
+            ("body", "cuda_event"),
+            ("exit", kb + "cuda_event"),
+            # do_bench inside the do_bench method runs in the same region, not a nested one
+            ("enter", kb + "do_bench_interface"),
+            ("exit", kb + "do_bench_interface"),
+            ("enter", kb + "do_bench_impl"),
+            ("body", "do_bench_impl"),
+            ("exit", kb + "do_bench_impl"),
+            ("enter", kb + "host_time"),
+            ("body", "host_time"),
+            ("exit", kb + "host_time"),
+            ("enter", kb + "cuda_event"),
+            ("body", "cuda_event"),
+            ("exit", kb + "cuda_event"),
+        ]
+    )
 
 
-def test_kernelbench_timing_wrapped_once_and_nothing_else(fake_triton: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernelbench_timing_wrapped_once_and_nothing_else(
+    fake_triton: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     write_fake_kernelbench(fake_triton)
     monkeypatch.syspath_prepend(str(fake_triton))
     import importlib
+
     timing = importlib.import_module("kernelbench.timing")
     try:
-        assert integrations.wrap_module("kernelbench.timing", timing) == list(
-            integrations.KERNELBENCH_TIMERS)
+        assert integrations.wrap_module("kernelbench.timing", timing) == list(integrations.KERNELBENCH_TIMERS)
         assert integrations.wrap_kernelbench_timing(timing) == []
         assert not integrations.is_wrapped(timing.get_timing_function)
         assert not integrations.is_wrapped(timing.measure_ref_program_time)

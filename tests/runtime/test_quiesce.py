@@ -54,8 +54,9 @@ def server() -> Iterator[Server]:
 
 def command_env(sock: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
-    env.update(PYTHONPATH=str(RUNTIME), KREX_SOCKET=sock, KREX_COMMAND="c1", KREX_TOKEN="t0k",
-               KREX_DEVICE="cpu")
+    env.update(
+        PYTHONPATH=str(RUNTIME), KREX_SOCKET=sock, KREX_COMMAND="c1", KREX_TOKEN="t0k", KREX_DEVICE="cpu"
+    )
     env.update(extra)
     return env
 
@@ -100,9 +101,12 @@ def quiesce_cycle(peer: Peer, out: Path, region: str) -> None:
 @pytest.mark.parametrize("mode", ["spin", "sleep"])
 def test_python_command_acks_blocks_and_resumes(server: Server, tmp_path: Path, mode: str) -> None:
     out = tmp_path / "stamps"
-    proc = subprocess.Popen([sys.executable, "-c", SPIN, str(out), mode],
-                            env=command_env(server.path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPIN, str(out), mode],
+        env=command_env(server.path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         peer = server.accept()
         assert peer is not None, "the runtime never connected"
@@ -171,14 +175,19 @@ def test_non_python_command_never_acknowledges(server: Server) -> None:
 def test_unreachable_daemon_is_silent(tmp_path: Path) -> None:
     code = "import time, sys; time.sleep(0.3); print('ok'); sys.exit(3)"
     for sock in (str(tmp_path / "missing.sock"), "/dev/null", ""):
-        out = subprocess.run([sys.executable, "-c", code], env=command_env(sock),
-                             capture_output=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=command_env(sock), capture_output=True, timeout=30
+        )
         assert (out.returncode, out.stdout, out.stderr) == (3, b"ok\n", b""), sock
 
 
 def test_closed_by_daemon_right_away_is_silent(server: Server) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); print('ok')"],
-                            env=command_env(server.path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(0.5); print('ok')"],
+        env=command_env(server.path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     peer = server.accept()
     assert peer is not None
     peer.send(P.Error(id=2, code="forbidden", message="bad token"))
@@ -188,25 +197,29 @@ def test_closed_by_daemon_right_away_is_silent(server: Server) -> None:
 
 
 def test_user_signal_handlers_keep_working(server: Server, tmp_path: Path) -> None:
-    code = ("import signal, time, sys\n"
-            "got = []\n"
-            "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
-            "signal.raise_signal(signal.SIGUSR1)\n"
-            "time.sleep(0.2)\n"
-            "print(got == [signal.SIGUSR1], signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=command_env(server.path),
-                          capture_output=True, timeout=30)
+    code = (
+        "import signal, time, sys\n"
+        "got = []\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
+        "signal.raise_signal(signal.SIGUSR1)\n"
+        "time.sleep(0.2)\n"
+        "print(got == [signal.SIGUSR1], signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=command_env(server.path), capture_output=True, timeout=30
+    )
     assert proc.stdout == b"True True\n" and proc.stderr == b""
 
 
 def test_existing_sitecustomize_is_chained(tmp_path: Path) -> None:
     other = tmp_path / "site"
     other.mkdir()
-    (other / "sitecustomize.py").write_text(
-        "import os\nCHAINED = 'yes'\nos.environ['CHAINED_RAN'] = '1'\n")
-    code = ("import os, sitecustomize\n"
-            "print(os.environ.get('CHAINED_RAN'), sitecustomize.CHAINED, "
-            "sitecustomize.__file__.endswith('krex_async/runtime/sitecustomize.py'))\n")
+    (other / "sitecustomize.py").write_text("import os\nCHAINED = 'yes'\nos.environ['CHAINED_RAN'] = '1'\n")
+    code = (
+        "import os, sitecustomize\n"
+        "print(os.environ.get('CHAINED_RAN'), sitecustomize.CHAINED, "
+        "sitecustomize.__file__.endswith('krex_async/runtime/sitecustomize.py'))\n"
+    )
     env = command_env(str(tmp_path / "none.sock"))
     env["PYTHONPATH"] = os.pathsep.join([str(RUNTIME), str(other)])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30)
@@ -251,12 +264,14 @@ def test_the_main_thread_imports_only_builtin_modules_for_krex() -> None:
 def test_pool_worker_arms_later(server: Server, tmp_path: Path) -> None:
     """A warm worker starts without a command and arms the runtime once it is given one."""
     out = tmp_path / "stamps"
-    code = ("import os, sys, sitecustomize\n"
-            "assert sitecustomize.arm() is False\n"  # nothing to listen for yet
-            f"os.environ.update(KREX_SOCKET={server.path!r}, KREX_COMMAND='c1', KREX_TOKEN='t0k')\n"
-            "assert sitecustomize.arm() and sitecustomize.arm()\n"  # idempotent
-            "sys.argv = ['spin', sys.argv[1], 'sleep']\n"
-            f"exec(compile({SPIN!r}, 'spin', 'exec'))\n")
+    code = (
+        "import os, sys, sitecustomize\n"
+        "assert sitecustomize.arm() is False\n"  # nothing to listen for yet
+        f"os.environ.update(KREX_SOCKET={server.path!r}, KREX_COMMAND='c1', KREX_TOKEN='t0k')\n"
+        "assert sitecustomize.arm() and sitecustomize.arm()\n"  # idempotent
+        "sys.argv = ['spin', sys.argv[1], 'sleep']\n"
+        f"exec(compile({SPIN!r}, 'spin', 'exec'))\n"
+    )
     env = {k: v for k, v in command_env(server.path).items() if not k.startswith("KREX_")}
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
     try:

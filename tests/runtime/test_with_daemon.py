@@ -45,8 +45,7 @@ print(json.dumps({"t0": t0, "t1": t1, "r": r}))
 
 
 @pytest.mark.parametrize("mode", ["all", "auto"])
-async def test_sibling_runtime_acknowledges_the_daemons_quiesce(script, tmp_path: Path,
-                                                                mode: str) -> None:
+async def test_sibling_runtime_acknowledges_the_daemons_quiesce(script, tmp_path: Path, mode: str) -> None:
     """--quiesce all: the sibling's runtime is asked, acknowledges once, and is frozen. auto: on
     the cpu device nobody is asked (no device work to synchronise); it is frozen all the same."""
     # With a long quiesce timeout, entering takes that long unless the sibling acknowledges.

@@ -32,13 +32,16 @@ from ..conftest import PY, ROOT, Daemon, serving
 USER_PY = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
 USER_PYTHONPATH = os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])
 
-LAUNCH = ("import sys, msgspec; from krex_async.daemon import server, config; "
-          "sys.exit(server.run(msgspec.json.decode(sys.argv[1], type=config.ServeConfig)))")
+LAUNCH = (
+    "import sys, msgspec; from krex_async.daemon import server, config; "
+    "sys.exit(server.run(msgspec.json.decode(sys.argv[1], type=config.ServeConfig)))"
+)
 
 
 @contextlib.asynccontextmanager
-async def config_daemon(dir_mode: int = 0o700, launch: str = LAUNCH, launch_args: Sequence[str] = (),
-                        **cfg: object) -> AsyncIterator[Daemon]:
+async def config_daemon(
+    dir_mode: int = 0o700, launch: str = LAUNCH, launch_args: Sequence[str] = (), **cfg: object
+) -> AsyncIterator[Daemon]:
     """A real daemon subprocess run from `ServeConfig(**cfg)` on a fresh short socket path.
 
     The socket's directory gets `dir_mode` (0755 lets other users reach the socket, whose own mode
@@ -49,13 +52,19 @@ async def config_daemon(dir_mode: int = 0o700, launch: str = LAUNCH, launch_args
     os.chmod(d, dir_mode)
     sock = str(cfg.get("socket") or os.path.join(d, "s"))
     log = Path(d) / "daemon.log"
-    full = {"socket": sock, "state_dir": os.path.join(d, "state"), "log_format": "json",
-            "isolation": "signal", **{**cfg, "socket": sock}}
+    full = {
+        "socket": sock,
+        "state_dir": os.path.join(d, "state"),
+        "log_format": "json",
+        "isolation": "signal",
+        **{**cfg, "socket": sock},
+    }
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KREX_SOCKET", None)
     with open(log, "wb") as f:
-        proc = subprocess.Popen([PY, "-c", launch, json.dumps(full), *launch_args], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [PY, "-c", launch, json.dumps(full), *launch_args], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
     try:
         with serving(Daemon(sock, proc, log)) as daemon:
             yield daemon
@@ -72,15 +81,27 @@ class User:
 
     def run_py(self, code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         """Run Python `code` as this user (uid, gid and supplementary groups), package importable."""
-        return subprocess.run([USER_PY, "-c", code, *args], user=self.uid, group=self.gid,
-                              extra_groups=self.groups, env=user_env(), cwd="/tmp", capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [USER_PY, "-c", code, *args],
+            user=self.uid,
+            group=self.gid,
+            extra_groups=self.groups,
+            env=user_env(),
+            cwd="/tmp",
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def user_env() -> dict[str, str]:
     """The environment for processes run as a test user (and for commands they submit)."""
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": USER_PYTHONPATH,
-            "HOME": "/tmp", "LANG": "C.UTF-8"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PYTHONPATH": USER_PYTHONPATH,
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+    }
 
 
 def _ensure_group(name: str) -> int:
@@ -108,18 +129,21 @@ def make_users() -> Iterator[dict[str, User]]:
     group krexg, `admin` in krexg and the admin group krexadm, `outsider` in neither."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create test users and run clients as them")
-    probe = subprocess.run([USER_PY, "-c", "import sys; print(sys.version_info[:2])"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [USER_PY, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+    )
     if probe.stdout.strip() != str(sys.version_info[:2]):
         pytest.skip(f"{USER_PY} is not Python {sys.version_info[:2]}: test users cannot run the client")
     if not shutil.which("useradd"):
         pytest.skip("useradd is not installed")
     _ensure_group("krexg")
     _ensure_group("krexadm")
-    yield {"alice": _ensure_user("krextest", ["krexg"]),
-           "mallory": _ensure_user("krextest2", ["krexg"]),
-           "admin": _ensure_user("krextest3", ["krexg", "krexadm"]),
-           "outsider": _ensure_user("krextest4", [])}
+    yield {
+        "alice": _ensure_user("krextest", ["krexg"]),
+        "mallory": _ensure_user("krextest2", ["krexg"]),
+        "admin": _ensure_user("krextest3", ["krexg", "krexadm"]),
+        "outsider": _ensure_user("krextest4", []),
+    }
 
 
 def raw(path: str, timeout: float = 5) -> socket.socket:

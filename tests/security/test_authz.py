@@ -58,9 +58,19 @@ def agent(user, path: str, action: str, *args: str, env: dict[str, str] | None =
     import subprocess
 
     from .helpers import USER_PY
-    p = subprocess.run([USER_PY, "-c", AGENT, path, action, *args], user=user.uid, group=user.gid,
-                       extra_groups=user.groups, env=user_env(), cwd="/tmp", capture_output=True,
-                       text=True, timeout=60, input=json.dumps(env if env is not None else user_env()))
+
+    p = subprocess.run(
+        [USER_PY, "-c", AGENT, path, action, *args],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env=user_env(),
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        input=json.dumps(env if env is not None else user_env()),
+    )
     assert p.returncode == 0, p.stderr
     return p.stdout.strip()
 
@@ -100,11 +110,21 @@ async def test_a_user_cannot_reach_the_daemon_without_the_socket_group(users):
         import subprocess
 
         from .helpers import USER_PY
+
         o = users["outsider"]
         p = await asyncio.to_thread(
-            subprocess.run, [USER_PY, "-c", AGENT, d.socket, "status"], user=o.uid, group=o.gid,
-            extra_groups=o.groups, env=user_env(), cwd="/tmp", capture_output=True, text=True,
-            timeout=60, input="{}")
+            subprocess.run,
+            [USER_PY, "-c", AGENT, d.socket, "status"],
+            user=o.uid,
+            group=o.gid,
+            extra_groups=o.groups,
+            env=user_env(),
+            cwd="/tmp",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            input="{}",
+        )
         assert p.returncode != 0 and "unreachable" in p.stderr, (p.stdout, p.stderr)
         assert os.stat(d.socket).st_mode & 0o007 == 0
 
@@ -124,8 +144,9 @@ async def test_a_trace_subscriber_sees_its_own_commands_and_the_node_not_others(
     alice, mallory = users["alice"], users["mallory"]
     flags = [f"/tmp/krex-trace-{os.getpid()}-{u.name}" for u in (mallory, alice)]
     async with config_daemon(dir_mode=0o755, socket_group="krexg", admin_group="krexadm") as d:
-        watchers = [asyncio.create_task(call(u, d.socket, "trace", "3", f))
-                    for u, f in zip((mallory, alice), flags)]
+        watchers = [
+            asyncio.create_task(call(u, d.socket, "trace", "3", f)) for u, f in zip((mallory, alice), flags)
+        ]
         for _ in range(600):  # both subscribed
             if all(os.path.exists(f) for f in flags):
                 break

@@ -83,8 +83,7 @@ async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds, isolatio
                 elif kind == 2:
                     s.sendall(P.encode(P.Hello(id=1)) + P.encode(P.Status(id=2)))
                 elif kind == 3 and i % 40 == 3:  # a command whose only agent vanishes
-                    s.sendall(P.encode(P.Hello(id=1)) +
-                              P.encode(P.Submit(id=2, argv=["sleep", dur])))
+                    s.sendall(P.encode(P.Hello(id=1)) + P.encode(P.Submit(id=2, argv=["sleep", dur])))
                     s.recv(4096)  # welcome (and maybe accepted)
                 if i % 7 == 0:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -69,8 +69,7 @@ async def test_a_header_that_stops_half_way_times_out():
 async def test_deeply_nested_msgpack_is_answered_not_fatal(where, depth):
     body = {
         "unknown field": mapping(type=msgspec.msgpack.encode("status"), id=b"\x07", zz=nested(depth)),
-        "known field": mapping(type=msgspec.msgpack.encode("submit"), id=b"\x07",
-                               argv=nested(depth)),
+        "known field": mapping(type=msgspec.msgpack.encode("submit"), id=b"\x07", argv=nested(depth)),
         "top level": nested(depth),
     }[where]
     async with run_daemon() as d:
@@ -86,18 +85,21 @@ async def test_deeply_nested_msgpack_is_answered_not_fatal(where, depth):
         assert d.proc.poll() is None
 
 
-@pytest.mark.parametrize("fields, words", [
-    (dict(argv=["x" * 100_000] * 30), "exec accepts"),  # each arg fits, their sum does not
-    (dict(argv=["true"], env={f"K{i}": "v" * 100_000 for i in range(25)}), "exec accepts"),
-    (dict(argv=["true"], stdin=b"\0" * (P.MAX_STDIN + 1)), "$.stdin"),
-    (dict(argv=["true"], label="l" * 257), "$.label"),
-    (dict(argv=["true"], timeout=-1.0), "$.timeout"),
-    (dict(argv=["true"], timeout=float("nan")), "$.timeout"),
-    (dict(argv=["true"], mem=-5), "$.mem"),
-    (dict(argv=[1, 2]), "$.argv[0]"),
-    (dict(argv=["true"], on_disconnect="maybe"), "$.on_disconnect"),
-], ids=["argv-total", "env-total", "stdin", "label", "timeout", "nan", "mem", "argv-type",
-        "literal"])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (dict(argv=["x" * 100_000] * 30), "exec accepts"),  # each arg fits, their sum does not
+        (dict(argv=["true"], env={f"K{i}": "v" * 100_000 for i in range(25)}), "exec accepts"),
+        (dict(argv=["true"], stdin=b"\0" * (P.MAX_STDIN + 1)), "$.stdin"),
+        (dict(argv=["true"], label="l" * 257), "$.label"),
+        (dict(argv=["true"], timeout=-1.0), "$.timeout"),
+        (dict(argv=["true"], timeout=float("nan")), "$.timeout"),
+        (dict(argv=["true"], mem=-5), "$.mem"),
+        (dict(argv=[1, 2]), "$.argv[0]"),
+        (dict(argv=["true"], on_disconnect="maybe"), "$.on_disconnect"),
+    ],
+    ids=["argv-total", "env-total", "stdin", "label", "timeout", "nan", "mem", "argv-type", "literal"],
+)
 async def test_oversize_and_mistyped_fields_name_the_field(fields, words):
     async with run_daemon() as d:
         s = await asyncio.to_thread(raw, d.socket)
@@ -115,8 +117,13 @@ async def test_region_requests_with_out_of_range_pids_are_refused():
         s = await asyncio.to_thread(raw, d.socket)
         await asyncio.to_thread(hello, s)
         for pid in (-2, 1 << 40):
-            s.sendall(framed(msgspec.msgpack.encode({"type": "region_enter", "id": 3, "command": "x",
-                                                     "token": "t", "pid": pid})))
+            s.sendall(
+                framed(
+                    msgspec.msgpack.encode(
+                        {"type": "region_enter", "id": 3, "command": "x", "token": "t", "pid": pid}
+                    )
+                )
+            )
             reply = await asyncio.to_thread(recv, s)
             assert isinstance(reply, P.Error) and "$.pid" in reply.message, reply
         s.close()
@@ -130,14 +137,14 @@ async def test_a_client_that_stops_reading_is_dropped_and_memory_stays_bounded()
     slow consumer once --max-conn-buffer is exceeded, the command (on_disconnect=keep) goes on, the
     daemon's RSS stays far below the flood, and another client is served meanwhile."""
     from ..conftest import PY
+
     async with config_daemon(max_conn_buffer=4 << 20, output_tail=1 << 20) as d:
         await still_serving(d)
         before = rss_kib(d.proc.pid)
         s = await asyncio.to_thread(raw, d.socket)
         s.setsockopt(1, 8, 4096)  # SO_RCVBUF: small, so the daemon's own buffer fills quickly
         await asyncio.to_thread(hello, s)
-        s.sendall(P.encode(P.Submit(id=5, argv=[PY, "-c", FLOOD.format(mib=400)],
-                                    on_disconnect="keep")))
+        s.sendall(P.encode(P.Submit(id=5, argv=[PY, "-c", FLOOD.format(mib=400)], on_disconnect="keep")))
         peak = before
         async with await d.client() as c:
             for _ in range(200):

@@ -69,15 +69,15 @@ async def test_connections_beyond_max_connections_are_refused_busy():
 async def test_peers_that_stop_reading_are_dropped_once_their_sum_passes_the_total():
     """Three agents that never read, each under --max-conn-buffer (64 MiB here), together pass
     --max-buffered-total (6 MiB): a growing one is dropped for the total, and others are served."""
-    async with config_daemon(max_conn_buffer=64 << 20, max_buffered_total=6 << 20,
-                             output_tail=1 << 20) as d:
+    async with config_daemon(max_conn_buffer=64 << 20, max_buffered_total=6 << 20, output_tail=1 << 20) as d:
         socks = []
         for i in range(3):
             s = await asyncio.to_thread(raw, d.socket)
             s.setsockopt(1, 8, 4096)  # SO_RCVBUF: small, so the daemon's own buffer fills
             await asyncio.to_thread(hello, s)
-            s.sendall(P.encode(P.Submit(id=5 + i, argv=[PY, "-c", FLOOD.format(mib=40)],
-                                        on_disconnect="keep")))
+            s.sendall(
+                P.encode(P.Submit(id=5 + i, argv=[PY, "-c", FLOOD.format(mib=40)], on_disconnect="keep"))
+            )
             socks.append(s)
         try:
             async with await d.client() as c:
@@ -114,21 +114,33 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 def hold(user, path: str, n: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([USER_PY, "-c", HOLD, path, str(n)], user=user.uid, group=user.gid,
-                            extra_groups=user.groups, env=user_env(), cwd="/tmp", text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [USER_PY, "-c", HOLD, path, str(n)],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env=user_env(),
+        cwd="/tmp",
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def test_a_user_at_its_connection_share_is_refused_while_root_and_admins_connect(users):
-    async with config_daemon(dir_mode=0o755, socket_group="krexg", admin_group="krexadm",
-                             max_connections_per_user=2) as d:
+    async with config_daemon(
+        dir_mode=0o755, socket_group="krexg", admin_group="krexadm", max_connections_per_user=2
+    ) as d:
         mallory = hold(users["mallory"], d.socket, 2)
         admin = hold(users["admin"], d.socket, 2)
         try:
             out_m = await asyncio.to_thread(mallory.stdout.readline)
             out_a = await asyncio.to_thread(admin.stdout.readline)
-            assert out_m.startswith("busy") and "--max-connections-per-user" in out_m, \
-                (out_m, mallory.stderr.read() if mallory.poll() is not None else "")
+            assert out_m.startswith("busy") and "--max-connections-per-user" in out_m, (
+                out_m,
+                mallory.stderr.read() if mallory.poll() is not None else "",
+            )
             assert out_a == "ok\n", out_a  # an admin is held to the node-wide limit only
             roots = [await d.client() for _ in range(3)]  # and so is root, over its share
             try:
@@ -189,7 +201,7 @@ def push_partial_frames(socks: list[socket.socket], length: int, send: int) -> i
         for i, s in enumerate(socks):
             if sent[i] < send:
                 try:
-                    sent[i] += s.send(chunk[:send - sent[i]])
+                    sent[i] += s.send(chunk[: send - sent[i]])
                     moved = True
                 except BlockingIOError:
                     pass

@@ -52,9 +52,17 @@ __attribute__((constructor)) static void record(void) {
 
 
 def submit_as(user: User, sock: str, argv: list[str], env: dict[str, str], cwd: str) -> dict:
-    p = subprocess.run([USER_PY, "-c", RUN, sock, json.dumps({"argv": argv, "env": env, "cwd": cwd})],
-                       user=user.uid, group=user.gid, extra_groups=user.groups, env=user_env(),
-                       cwd="/tmp", capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [USER_PY, "-c", RUN, sock, json.dumps({"argv": argv, "env": env, "cwd": cwd})],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env=user_env(),
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -100,8 +108,9 @@ def _build(world: str) -> tuple[str, str, str]:
     os.chmod(libdir, 0o755)
     pre, named = os.path.join(world, "librecpre.so"), os.path.join(libdir, "libreclp.so")
     for out, tag in ((pre, "preload"), (named, "libpath")):
-        subprocess.run(["gcc", "-shared", "-fPIC", "-o", out, src, f'-DLOG="{log}"',
-                        f'-DTAG="{tag}"'], check=True)
+        subprocess.run(
+            ["gcc", "-shared", "-fPIC", "-o", out, src, f'-DLOG="{log}"', f'-DTAG="{tag}"'], check=True
+        )
         os.chmod(out, 0o755)
     return f"{pre} libreclp.so", libdir, log
 
@@ -112,8 +121,14 @@ async def test_the_users_environment_reaches_no_privileged_process(users, backen
     the command itself loaded both, and it got its whole environment, byte for byte."""
     alice = users["alice"]
     preload, libdir, log = _build(world)
-    env = {**user_env(), "LD_PRELOAD": preload, "LD_LIBRARY_PATH": libdir,
-           "A-B.C": "x y 'z' \"q\" $HOME\nline 2", "EMPTY": "", "GLIBC_TUNABLES": "glibc.malloc.check=0"}
+    env = {
+        **user_env(),
+        "LD_PRELOAD": preload,
+        "LD_LIBRARY_PATH": libdir,
+        "A-B.C": "x y 'z' \"q\" $HOME\nline 2",
+        "EMPTY": "",
+        "GLIBC_TUNABLES": "glibc.malloc.check=0",
+    }
     async with config_daemon(dir_mode=0o755, socket_group="krexg", **backend) as d:
         out = await asyncio.to_thread(submit_as, alice, d.socket, ["/usr/bin/env", "-0"], env, world)
     assert out.get("state") == "exited" and out["exit_code"] == 0, out
@@ -154,26 +169,32 @@ async def test_cwd_and_argv0_are_entered_and_looked_up_as_the_user(users, backen
     os.chmod(plain, 0o755)
     env = user_env()
     async with config_daemon(dir_mode=0o755, socket_group="krexg", **backend) as d:
+
         def run(argv: list[str], cwd: str) -> dict:
             return submit_as(alice, d.socket, argv, env, cwd)
 
         there, missing = await asyncio.gather(
             asyncio.to_thread(run, ["cat", "secret.txt"], inner),
-            asyncio.to_thread(run, ["cat", "secret.txt"], os.path.join(hidden, "nothere")))
+            asyncio.to_thread(run, ["cat", "secret.txt"], os.path.join(hidden, "nothere")),
+        )
         prog, noprog = await asyncio.gather(
             asyncio.to_thread(run, [os.path.join(inner, "prog")], world),
-            asyncio.to_thread(run, [os.path.join(inner, "nothere")], world))
+            asyncio.to_thread(run, [os.path.join(inner, "nothere")], world),
+        )
         ok_rel = await asyncio.to_thread(run, ["./prog"], world)
         bare = await asyncio.to_thread(run, ["no-such-prog-krex"], world)
         no_shebang = await asyncio.to_thread(run, ["./plain"], world)
     assert "SECRET" not in there.get("stdout", ""), there
     assert there.get("state") == "failed", there
     assert there["error"].replace(inner, "P") == missing["error"].replace(
-        os.path.join(hidden, "nothere"), "P"), (there, missing)
+        os.path.join(hidden, "nothere"), "P"
+    ), (there, missing)
     assert "RAN" not in prog.get("stdout", ""), prog
     assert prog.get("state") == "failed" and "not found" in prog["error"], prog
-    assert prog["error"].replace(inner + "/prog", "P") == noprog["error"].replace(
-        inner + "/nothere", "P"), (prog, noprog)
+    assert prog["error"].replace(inner + "/prog", "P") == noprog["error"].replace(inner + "/nothere", "P"), (
+        prog,
+        noprog,
+    )
     assert ok_rel.get("stdout", "").strip() == f"RAN-{alice.uid}", ok_rel
     assert bare.get("state") == "failed" and bare["exit_code"] == 127, bare
     assert no_shebang.get("stdout", "").strip() == f"PLAIN-{alice.uid}", no_shebang

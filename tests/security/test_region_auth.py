@@ -46,10 +46,11 @@ async def test_another_command_with_the_right_id_and_token_is_refused(script):
                 if len(lines) >= 3:
                     break
             cid, token, region_id = lines[:3]
-            res = await c.run([PY, thief, cid, token, region_id], env=py_env(), timeout=30,
-                              device="1")
-            assert res.stdout.decode().split() == ["forbidden", "forbidden", "forbidden"], \
-                (res.stdout, res.stderr)
+            res = await c.run([PY, thief, cid, token, region_id], env=py_env(), timeout=30, device="1")
+            assert res.stdout.decode().split() == ["forbidden", "forbidden", "forbidden"], (
+                res.stdout,
+                res.stderr,
+            )
             st = await c.status()
             held = st["devices"][0]["region"]
             assert held is not None and held["region"] == region_id  # still the victim's

@@ -56,13 +56,15 @@ async def test_socket_has_its_final_mode_and_listens_from_the_first_instant(grou
     final (0600, or 0660 with --socket-group) and it already accepts connections."""
     d = tempfile.mkdtemp(prefix="krexm-", dir="/tmp")
     path = os.path.join(d, "s")
-    cfg = {"socket": path, "state_dir": os.path.join(d, "st"), "isolation": "signal",
-           "socket_group": group}
-    watcher = asyncio.create_task(asyncio.to_thread(_watch_first_sight, path,
-                                                    time.monotonic() + 20))
+    cfg = {"socket": path, "state_dir": os.path.join(d, "st"), "isolation": "signal", "socket_group": group}
+    watcher = asyncio.create_task(asyncio.to_thread(_watch_first_sight, path, time.monotonic() + 20))
     await asyncio.sleep(0)
-    proc = subprocess.Popen([PY, "-c", LAUNCH, json.dumps(cfg)], env=py_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-c", LAUNCH, json.dumps(cfg)],
+        env=py_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         mode, outcome = await watcher
         assert mode == (0o660 if group else 0o600), oct(mode)
@@ -90,8 +92,14 @@ async def test_socket_group_lets_members_in_and_keeps_others_out(users):
 async def test_unknown_socket_group_is_refused_before_any_file_exists(tmp_path):
     path = str(tmp_path / "s")
     cfg = {"socket": path, "state_dir": str(tmp_path / "st"), "socket_group": "no-such-group-krex"}
-    p = await asyncio.to_thread(subprocess.run, [PY, "-c", LAUNCH, json.dumps(cfg)],
-                                env=py_env(), capture_output=True, text=True, timeout=30)
+    p = await asyncio.to_thread(
+        subprocess.run,
+        [PY, "-c", LAUNCH, json.dumps(cfg)],
+        env=py_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode != 0 and "no such group" in p.stderr
     assert not [n for n in os.listdir(tmp_path) if n.startswith("s") and n != "st"]
 
@@ -103,8 +111,12 @@ async def test_stale_socket_from_a_crash_is_replaced(tmp_path):
     dead.bind(path)  # a socket file nobody listens on: what a SIGKILLed daemon leaves
     dead.close()
     cfg = {"socket": path, "state_dir": os.path.join(d, "st"), "isolation": "signal"}
-    proc = subprocess.Popen([PY, "-c", LAUNCH, json.dumps(cfg)], env=py_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-c", LAUNCH, json.dumps(cfg)],
+        env=py_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -130,8 +142,14 @@ async def test_a_path_that_is_not_a_socket_is_left_alone(tmp_path, kind):
     else:
         path.mkdir()
     cfg = {"socket": str(path), "state_dir": str(tmp_path / "st"), "isolation": "signal"}
-    p = await asyncio.to_thread(subprocess.run, [PY, "-c", LAUNCH, json.dumps(cfg)],
-                                env=py_env(), capture_output=True, text=True, timeout=30)
+    p = await asyncio.to_thread(
+        subprocess.run,
+        [PY, "-c", LAUNCH, json.dumps(cfg)],
+        env=py_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode != 0 and "not a socket" in p.stderr, p.stderr
     assert (path.read_text() == "precious") if kind == "file" else path.is_dir()
 
@@ -149,8 +167,6 @@ async def test_daemon_raises_its_open_file_limit_to_the_hard_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     d_soft, d_hard = line.split()[3:5]
     assert d_soft == d_hard != "1024", line
-
-
 
 
 async def test_a_socket_path_near_the_af_unix_limit_still_works(tmp_path):

@@ -30,9 +30,17 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 def ask_as(user, socket: str, uid: int) -> str:
-    p = subprocess.run([USER_PY, "-c", ASK, socket, str(uid)], user=user.uid, group=user.gid,
-                       extra_groups=user.groups, env=user_env(), cwd="/tmp", capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [USER_PY, "-c", ASK, socket, str(uid)],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env=user_env(),
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     return p.stdout.strip()
 
