@@ -94,6 +94,7 @@ class _Worker:
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
     accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
     surplus: bool = False  # came back surplus while the device was paused: retired at resume()
+    rx: channel.Receiver = field(default_factory=channel.Receiver)  # its channel's reassembly
 
 
 class Pool:
@@ -481,14 +482,26 @@ class Pool:
 
     async def _read(self, w: _Worker) -> None:
         loop = asyncio.get_running_loop()
-        rx = channel.Receiver()
         try:
             while True:
-                got = rx.feed(await loop.sock_recv(w.sock, channel.CHUNK + 1), [])
+                got = w.rx.feed(await loop.sock_recv(w.sock, channel.CHUNK + 1), [])
                 if got is not None:
                     self._on_message(w, got[0])
         except (EOFError, OSError):
             pass  # closed, or the worker died: its pidfd tells the rest
+
+    def _last_words(self, w: _Worker) -> None:
+        """Read what a dead worker sent that the reader has not yet: its exit and its last message
+        wake the loop together, in either order, and a "started" still in the socket answered as a
+        death would make the adopter run its program a second time."""
+        while True:
+            try:
+                packet = w.sock.recv(channel.CHUNK + 1)
+                got = w.rx.feed(packet, [])
+            except (OSError, EOFError):  # BlockingIOError: nothing left
+                return
+            if got is not None and got[0].get("t") in ("started", "declined", "failed"):
+                self._on_message(w, got[0])
 
     def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
         t = msg.get("t")
@@ -583,6 +596,8 @@ class Pool:
     def _on_exit(self, w: _Worker) -> None:
         status = w.exited.result()
         was = w.state
+        if w.accepted is not None or w.launched is not None:
+            self._last_words(w)
         self._answer(w, f"worker died before it started: returncode {status.returncode}")
         if w.done is not None and w.done is not w.exited and not w.done.done():
             w.done.set_result(status)  # died running a command it would have reported

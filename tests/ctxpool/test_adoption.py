@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import socket
+import time
 from typing import Any, cast
 
 import pytest
@@ -64,3 +66,28 @@ async def test_an_adopter_killed_before_its_worker_declined_counts_no_adoption(
 ) -> None:
     tally, pool, killed, sent = await adopter_killed_mid_hand_over(monkeypatch, "module colorsys")
     assert (tally.adopted, pool.adopted, killed, sent) == (0, 0, [], [])
+
+
+@pytest.mark.parametrize("last", ["started", "declined"])
+async def test_a_workers_last_message_is_read_before_its_death_is_answered(last: str) -> None:
+    """A worker that says "started" (or "declined") and dies at once: its exit and its message wake
+    the loop together. Whichever is handled first, the adopter is answered with what the worker
+    said, not "died before it started" (which would make it run its program a second time)."""
+    from krex_async.ctxpool import PoolConfig, channel
+    from krex_async.ctxpool.pool import _Worker
+    from krex_async.devices.base import Device
+    from krex_async.linux.spawn import ExitStatus
+
+    loop = asyncio.get_running_loop()
+    pool = Pool(Device(index=0, key="cpu0", vendor="cpu", name="cpu"), PoolConfig(size=1))
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setblocking(False)
+    exited: asyncio.Future[ExitStatus] = loop.create_future()
+    w = _Worker(pid=424242, sock=mine, exited=exited)
+    w.launched = launched = Launched(pid=424242, _done=exited, via="pool")
+    w.accepted = accepted = loop.create_future()
+    channel.send(theirs, {"t": last, "ts": time.time(), "reason": "cannot take fds"})
+    theirs.close()
+    exited.set_result(ExitStatus(0))
+    pool._on_exit(w)  # before any reader ran: the message is still in the socket
+    assert accepted.result() is launched if last == "started" else accepted.result() == "cannot take fds"
