@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.harness.output import read_json
+from bench.harness.output import module_prog, read_json
 from bench.harness.stats import pct
 from bench.trace_format import BUCKETS, METHODS, OTHER_BUCKET, bucket_of
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m bench.analysis",
+        prog=module_prog(__spec__),
         description="the tables of a replay results file (bench/replay.py "
         "--out): throughput, ideal ratio, region steps, timing "
         "inflation",

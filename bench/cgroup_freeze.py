@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any
 
+from bench.harness.output import module_prog
 from bench.harness.stats import quantile
 from krex_async.isolation.cgroup import CgroupBackend
 from krex_async.isolation.cgroupfs import CgroupFS, cgroup_mounts
@@ -106,7 +107,9 @@ async def measure(n_siblings: int, reps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__),
+    )
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--siblings", default="1,4,16,64")
     a = ap.parse_args()

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.harness import stats
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from krex_async.client.submit import Client
 from krex_async.fleet.local import LocalFleet
 
@@ -133,7 +133,7 @@ async def overhead(m: int) -> dict[str, object]:
 
 
 async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-nodes", type=int, default=3)
     ap.add_argument("--commands", type=int, default=36)
     ap.add_argument("--region-ms", type=float, default=200.0)

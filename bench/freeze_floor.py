@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stats import quantile
 
 
@@ -32,7 +32,7 @@ def write(path: str, data: bytes) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True, help="a cgroup v2 directory this process may write")
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=200)

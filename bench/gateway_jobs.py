@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ async def submit_all(st: Stack, specs: list[dict[str, object]], tmp: Path) -> tu
 
 
 async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--policies", default="region,command,shared")

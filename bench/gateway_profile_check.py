@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Stack
 from krex_async.gateway.profile import find_tool
 
@@ -205,7 +205,7 @@ async def one(c: Any, report: dict[str, Any], name: str, kind: str, payload: dic
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n")[0])
     ap.add_argument("--atrex-bench-root", default=os.environ.get("ATREX_BENCH_ROOT"))
     ap.add_argument("--operator", default="fused_add_rms_norm")
     ap.add_argument("--shapes", type=int, default=2, help="first N shapes of the operator")

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import module_prog
 from bench.trace_format import METHODS, VERSION, dump_lines, validate_line
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -323,7 +324,7 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="default", help="name in bench/profiles or a .json path")
     ap.add_argument("--sessions", type=int, default=None, help="default: the profile's")
     ap.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import jobs_report, jobs_sets
-from bench.harness.output import Progress, write_json
+from bench.harness.output import Progress, module_prog, write_json
 from bench.harness.stack import ROOT, Stack, bench_env
 
 POLICIES = ("region", "command", "shared")
@@ -389,7 +389,9 @@ async def run(a: argparse.Namespace, variants: list[Variant], jobs: list[jobs_se
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__.split("\n")[0] if __doc__ else None
+    )
     ap.add_argument("--kernelbench", type=Path, help="a KernelBench checkout (KernelBench/levelN/)")
     ap.add_argument("--atrex", type=Path, help="an Atrex-Bench checkout (data/<op>/)")
     ap.add_argument(

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.harness.output import pyplot, read_json, results_stem
+from bench.harness.output import module_prog, pyplot, read_json, results_stem
 from bench.trace_format import BUCKETS, OTHER_BUCKET
 
 COLORS = {"region": "tab:green", "command": "tab:blue", "shared": "tab:red"}
@@ -91,7 +91,7 @@ def plot(data: dict[str, Any], outdir: Path, stem: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="plot a replay results file")
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description="plot a replay results file")
     ap.add_argument("results", type=Path)
     ap.add_argument("--outdir", type=Path, default=None)
     a = ap.parse_args(argv)

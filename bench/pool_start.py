@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
 from krex_async.ctxpool import Pool, PoolConfig
@@ -132,7 +132,9 @@ def _read_all(fd: int) -> bytes:
 
 
 async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if os.path.exists("/dev/nvidia0") else "cpu"
     )

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Daemon, bench_env
 from krex_async.probes import CombinedProbe
 from krex_async.probes.bpf_ioctl import IoctlProbe
@@ -601,7 +601,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--gpu", action="store_true", help="torch launch rate (needs CUDA and torch)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Daemon, bench_env, module_argv
 from bench.harness.stats import pct_or_nan
 
@@ -114,7 +114,9 @@ async def contending_case(sock: str, n: int, regions: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--backends", default="signal")
     ap.add_argument("--siblings", default="1,4,16")
     ap.add_argument("--contending", default="1,4,16")

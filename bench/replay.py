@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
-from bench.harness.output import Progress, write_json
+from bench.harness.output import Progress, module_prog, write_json
 from bench.harness.stack import ROOT, Daemon, bench_env, module_argv
 from bench.trace_format import dump_lines, kernel_key, read_trace, sessions
 
@@ -300,7 +300,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="replay an agent trace through krex, per policy")
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description="replay an agent trace through krex, per policy"
+    )
     ap.add_argument("trace", nargs="?", help="trace.jsonl (or --profile to generate one)")
     ap.add_argument("--profile", default="quick", help="generate the trace from this profile")
     ap.add_argument("--sessions", type=int, default=None)

@@ -22,6 +22,8 @@ import tempfile
 import threading
 import time
 
+from bench.harness.output import module_prog
+
 RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "krex_async", "runtime")
 PROG = "import time; print(time.thread_time_ns())"
 
@@ -43,7 +45,9 @@ def one(env: dict[str, str]) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--runs", type=int, default=30)
     args = ap.parse_args()
     d = tempfile.mkdtemp(prefix="krexrt-")

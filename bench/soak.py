@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from bench.harness import output
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Daemon, bench_env
 from bench.harness.stats import pct_or_nan
 from krex_async import Client
@@ -324,7 +324,9 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--regions", type=int, default=2, help="regions per command")

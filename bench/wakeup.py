@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stats import quantile
 
 
@@ -62,7 +62,7 @@ def oversleep(cpu: int, rounds: int) -> list[float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--pairs", default="", help="CPU pairs a:b,... (default: first with second, first with middle)"
     )

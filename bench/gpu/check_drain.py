@@ -41,7 +41,7 @@ from typing import IO, Any
 
 import torch
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import module_argv
 from bench.harness.stats import quantile
 from krex_async.daemon.config import ServeConfig
@@ -296,7 +296,9 @@ PRODUCTION = ("b-settle", "d-settle")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__),
+    )
     ap.add_argument("--quick", action="store_true", help="fewer reps (a smoke run)")
     ap.add_argument("--regions", type=int, default=5, help="regions per production condition")
     ap.add_argument(

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import stats
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Daemon
 from krex_async import Client
 from krex_async.isolation.cudalock import LOCKED, open_driver
@@ -491,7 +491,7 @@ async def main_async(a: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.splitlines()[0])
     ap.add_argument("--regions", type=int, default=20)
     ap.add_argument("--sibling", choices=["torch", "driver"], default="torch")
     ap.add_argument(

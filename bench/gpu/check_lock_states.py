@@ -54,7 +54,7 @@ from typing import Any
 
 from bench.gpu import lock_states_sibling as sib
 from bench.harness import stats
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from krex_async.isolation.cudalock import PROCESS_STATES, Driver, open_driver
 
 SIBLING = Path(sib.__file__).resolve()
@@ -687,7 +687,7 @@ def run(a: argparse.Namespace, outdir: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10, help="locked repetitions per warm target")
     ap.add_argument(
         "--lifecycle-reps",

@@ -26,7 +26,7 @@ from typing import Any
 import pynvml as N
 import torch
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 
 NEIGHBOUR = r"""
 import sys, time, torch
@@ -213,7 +213,9 @@ def timing(h: object) -> dict[str, object]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__),
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     N.nvmlInit()

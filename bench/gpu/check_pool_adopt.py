@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from bench.harness import stats
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 from bench.harness.stack import Daemon
 from krex_async import Client
 
@@ -139,7 +139,7 @@ def check_cost(reps: int = 20) -> dict[str, float]:
 
 
 async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--preload", default="torch")
     ap.add_argument(

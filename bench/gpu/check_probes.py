@@ -41,6 +41,7 @@ import time
 import traceback
 from typing import Any
 
+from bench.harness.output import module_prog
 from krex_async.probes import CombinedProbe
 from krex_async.probes.base import ProbeEvent
 from krex_async.probes.bpf_ioctl import IoctlProbe
@@ -368,7 +369,9 @@ async def main(n_launches: int) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__),
+    )
     ap.add_argument("--launches", type=int, default=100_000)
     ap.add_argument("--deadline", type=int, default=110, help="seconds for the whole run")
     ap.add_argument("--prefixes", help="device path prefixes for the ioctl probe (default: GPUs)")

@@ -26,7 +26,7 @@ import pynvml as N
 import torch
 
 from bench.harness import stats
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 
 NEIGHBOUR = r"""
 import sys, time, torch
@@ -50,7 +50,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__),
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     N.nvmlInit()

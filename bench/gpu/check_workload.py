@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from bench import gen_trace
+from bench.harness.output import module_prog
 from bench.harness.stack import ROOT, bench_env, module_argv
 from bench.trace_format import METHODS, bucket_of
 
@@ -31,7 +32,9 @@ def _results(out: str) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__),
+    )
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     try:

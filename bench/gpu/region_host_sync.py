@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.output import write_json
+from bench.harness.output import module_prog, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +115,7 @@ def summary(data: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n")[0])
     ap.add_argument("--command", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--reps", type=int, default=60)

@@ -11,6 +11,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,8 @@ class Progress:
         end = "\n" if final or not self.tty else ""
         sys.stderr.write(("\r" if self.tty else "") + msg + end)
         sys.stderr.flush()
+
+
+def module_prog(spec: ModuleSpec | None) -> str:
+    """argparse's prog for a benchmark run as `python -m bench.NAME` (its usage line says so)."""
+    return f"python -m {spec.name}" if spec is not None else Path(sys.argv[0]).name

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import module_prog
 from bench.harness.stats import quantile
 
 MAX_SAMPLES = 2000
@@ -252,7 +253,7 @@ def _imports(gpu: bool, modules: list[str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one replayed agent command")
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description="one replayed agent command")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--spec", help="one trace line, as JSON")
     src.add_argument("--spec-file", help="a file holding one trace line")
