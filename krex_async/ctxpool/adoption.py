@@ -124,8 +124,8 @@ def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
         or sorted(int(g) for g in ids["Groups"].split()) != sorted(groups)
     ):
         return "user"
-    worker = next(iter(sorted(pool.pids())), None)
-    theirs = _status(worker) if worker is not None else None
+    # any live worker speaks for all (they start alike); one reaped meanwhile is passed over
+    theirs = next((st for p in sorted(pool.pids()) if (st := _status(p)) is not None), None)
     if theirs is None:
         return "no warm worker"
     for key in (*PRIVILEGES, "lsm"):

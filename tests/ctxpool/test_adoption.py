@@ -7,6 +7,7 @@ import asyncio
 import collections
 import os
 import socket
+import sys
 import time
 from typing import Any, cast
 
@@ -91,3 +92,27 @@ async def test_a_workers_last_message_is_read_before_its_death_is_answered(last:
     exited.set_result(ExitStatus(0))
     pool._on_exit(w)  # before any reader ran: the message is still in the socket
     assert accepted.result() is launched if last == "started" else accepted.result() == "cannot take fds"
+
+
+def test_a_worker_reaped_meanwhile_is_passed_over_for_the_privilege_check() -> None:
+    """refusal() compares the adopter's privileges with a worker's: when the first worker listed has
+    just been reaped, a live one answers instead of "no warm worker"."""
+    gone = next(p for p in range(os.getpid() - 1, 1, -1) if not os.path.exists(f"/proc/{p}"))
+    pool = cast(
+        Pool,
+        type(
+            "FakePool",
+            (),
+            {
+                "config": type("C", (), {"size": 1})(),
+                "interpreter": {"hexversion": sys.hexversion, "flags": {}},
+                "identity": (os.getuid(), os.getgid(), sorted(os.getgroups())),
+                "python": sys.executable,
+                "pids": lambda self: [os.getpid(), gone],
+            },
+        )(),
+    )
+    req = P.Adopt(
+        id=1, command="c", token="t", argv=["python", "x.py"], cwd="/", env={}, hexversion=sys.hexversion
+    )
+    assert adoption.refusal(pool, req, os.getpid()) is None
