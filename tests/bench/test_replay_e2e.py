@@ -87,9 +87,8 @@ def test_two_sessions_all_policies(tmp_path: Path) -> None:
 
 
 def test_plot_from_a_results_file(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (not a project dependency)")
-    import analysis
-    import plot
+    pytest.importorskip("matplotlib", reason="pip install -e '.[bench]'")
+    from bench import analysis, plot
 
     iso = [{"key": "k|do_bench", "timing": {"median_ms": 2.0, "p95_ms": 2.2}}]
     cmd = {
