@@ -19,7 +19,7 @@ import pytest
 from krex_async import Client
 
 from ..conftest import PY, ROOT, private_cgroup_root, proc_state, remove_cgroup_tree
-from ..security.helpers import LAUNCH, USER_PY, User, make_users, user_env
+from ..security.helpers import LAUNCH, User, make_users, python_as, user_env
 from .test_daemon_death import tree
 
 AGENT = r"""
@@ -63,20 +63,7 @@ def users() -> Iterator[dict[str, User]]:
 
 
 def agent(user: User, path: str, action: str, arg: str) -> dict[str, str]:
-    p = subprocess.run(
-        [USER_PY, "-c", AGENT, path, action, arg],
-        user=user.uid,
-        group=user.gid,
-        extra_groups=user.groups,
-        env=user_env(),
-        cwd="/tmp",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        input=json.dumps(user_env()),
-    )
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
+    return json.loads(python_as(user, AGENT, path, action, arg, input=json.dumps(user_env())))
 
 
 def launch(cfg: dict[str, object], log: str) -> subprocess.Popen[bytes]:

@@ -104,6 +104,25 @@ def user_env() -> dict[str, str]:
     }
 
 
+def python_as(user: User, code: str, *args: str, input: str | None = None) -> str:
+    """Run `code` (python -c) as `user` with the test users' environment, from /tmp; its stdout.
+    Fails the test, with the program's stderr, when it exits non-zero."""
+    p = subprocess.run(
+        [USER_PY, "-c", code, *args],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env=user_env(),
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        input=input,
+    )
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
 def _ensure_group(name: str) -> int:
     try:
         return grp.getgrnam(name).gr_gid

@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 
-from .helpers import config_daemon, user_env
+from .helpers import config_daemon, python_as, user_env
 
 AGENT = r"""
 import asyncio, json, sys
@@ -55,24 +55,9 @@ SECRET = "krex-secret-argument-7f3a"
 
 
 def agent(user, path: str, action: str, *args: str, env: dict[str, str] | None = None) -> str:
-    import subprocess
-
-    from .helpers import USER_PY
-
-    p = subprocess.run(
-        [USER_PY, "-c", AGENT, path, action, *args],
-        user=user.uid,
-        group=user.gid,
-        extra_groups=user.groups,
-        env=user_env(),
-        cwd="/tmp",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        input=json.dumps(env if env is not None else user_env()),
-    )
-    assert p.returncode == 0, p.stderr
-    return p.stdout.strip()
+    return python_as(
+        user, AGENT, path, action, *args, input=json.dumps(env if env is not None else user_env())
+    ).strip()
 
 
 async def call(*a, **kw) -> str:

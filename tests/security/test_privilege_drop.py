@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from ..conftest import private_cgroup_root, remove_cgroup_tree
-from .helpers import USER_PY, User, config_daemon, user_env
+from .helpers import User, config_daemon, python_as, user_env
 
 RUN = r"""
 import asyncio, json, sys
@@ -52,19 +52,7 @@ __attribute__((constructor)) static void record(void) {
 
 
 def submit_as(user: User, sock: str, argv: list[str], env: dict[str, str], cwd: str) -> dict:
-    p = subprocess.run(
-        [USER_PY, "-c", RUN, sock, json.dumps({"argv": argv, "env": env, "cwd": cwd})],
-        user=user.uid,
-        group=user.gid,
-        extra_groups=user.groups,
-        env=user_env(),
-        cwd="/tmp",
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
+    return json.loads(python_as(user, RUN, sock, json.dumps({"argv": argv, "env": env, "cwd": cwd})))
 
 
 @pytest.fixture(params=["cgroup", "signal"])

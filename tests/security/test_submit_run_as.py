@@ -4,13 +4,12 @@ not even a member of --admin-group. Real users over the real socket."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import pytest
 
 from krex_async import KrexError
 
-from .helpers import USER_PY, config_daemon, user_env
+from .helpers import config_daemon, python_as
 
 ASK = r"""
 import asyncio, sys
@@ -30,19 +29,7 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 def ask_as(user, socket: str, uid: int) -> str:
-    p = subprocess.run(
-        [USER_PY, "-c", ASK, socket, str(uid)],
-        user=user.uid,
-        group=user.gid,
-        extra_groups=user.groups,
-        env=user_env(),
-        cwd="/tmp",
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert p.returncode == 0, p.stderr
-    return p.stdout.strip()
+    return python_as(user, ASK, socket, str(uid)).strip()
 
 
 async def test_only_root_may_run_a_command_as_another_user(users):
