@@ -9,10 +9,8 @@ Trust (auth.py, files.py): every request but /healthz needs a bearer token (gene
 
 Clients of the public agate API (the agate CLI, Atrex's tools/sandbox.py) talk to it unchanged; the
 daemon found through --socket or $KREX_SOCKET runs the jobs under its policy, and KREX_AUTO_REGION=1
-in each job's environment makes its triton do_bench loops regions. Wiring into krex_async/cli.py:
-
-    from .gateway import add_parser as _gateway_parser, main as _gateway_main
-    _gateway_parser(sub)  ...  if args.verb == "gateway": return _gateway_main(args)
+in each job's environment makes its triton do_bench loops regions. krex_async/cli.py adds the verb
+with `gateway.add_parser(sub)` and runs it with `gateway.main(args)`.
 """
 
 from __future__ import annotations

@@ -104,10 +104,11 @@ def user_env() -> dict[str, str]:
     }
 
 
-def python_as(user: User, code: str, *args: str, input: str | None = None) -> str:
-    """Run `code` (python -c) as `user` with the test users' environment, from /tmp; its stdout.
-    Fails the test, with the program's stderr, when it exits non-zero."""
-    p = subprocess.run(
+def run_python_as(
+    user: User, code: str, *args: str, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `code` (python -c) as `user` with the test users' environment, from /tmp."""
+    return subprocess.run(
         [USER_PY, "-c", code, *args],
         user=user.uid,
         group=user.gid,
@@ -119,6 +120,11 @@ def python_as(user: User, code: str, *args: str, input: str | None = None) -> st
         timeout=60,
         input=input,
     )
+
+
+def python_as(user: User, code: str, *args: str, input: str | None = None) -> str:
+    """run_python_as's stdout; fails the test, with the program's stderr, when it exits non-zero."""
+    p = run_python_as(user, code, *args, input=input)
     assert p.returncode == 0, p.stderr
     return p.stdout
 

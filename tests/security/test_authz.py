@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 
-from .helpers import config_daemon, python_as, user_env
+from .helpers import config_daemon, python_as, run_python_as, user_env
 
 AGENT = r"""
 import asyncio, json, sys
@@ -92,24 +92,7 @@ async def test_agents_see_and_act_only_on_their_own_commands(users):
 
 async def test_a_user_cannot_reach_the_daemon_without_the_socket_group(users):
     async with config_daemon(dir_mode=0o755, socket_group="krexg") as d:
-        import subprocess
-
-        from .helpers import USER_PY
-
-        o = users["outsider"]
-        p = await asyncio.to_thread(
-            subprocess.run,
-            [USER_PY, "-c", AGENT, d.socket, "status"],
-            user=o.uid,
-            group=o.gid,
-            extra_groups=o.groups,
-            env=user_env(),
-            cwd="/tmp",
-            capture_output=True,
-            text=True,
-            timeout=60,
-            input="{}",
-        )
+        p = await asyncio.to_thread(run_python_as, users["outsider"], AGENT, d.socket, "status", input="{}")
         assert p.returncode != 0 and "unreachable" in p.stderr, (p.stdout, p.stderr)
         assert os.stat(d.socket).st_mode & 0o007 == 0
 
