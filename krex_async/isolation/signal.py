@@ -89,9 +89,16 @@ def _is_launch_shell(pid: int) -> bool:
     """Whether `pid` still runs the launch shell of `launch_argv` (it has not exec'd yet)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f"\0{_LAUNCH}\0".encode() in f.read()
+            return _launching(f.read())
     except OSError:
         return False
+
+
+def _launching(cmdline: bytes) -> bool:
+    """Whether a /proc/<pid>/cmdline may still be the launch shell's. Empty counts: in the middle
+    of an exec (the launch shell's own, or its start-up's) the new image has no arguments yet, and
+    taking that for "past its stop" would leave the shell stopped, never resumed."""
+    return not cmdline or f"\0{_LAUNCH}\0".encode() in cmdline
 
 
 def _set_affinity(pid: int, cpus: set[int]) -> None:

@@ -169,3 +169,16 @@ def test_thaw_resumes_no_process_that_took_a_stopped_ones_pid():
     if out.stdout.startswith("SKIP"):
         pytest.skip(out.stdout.strip())
     assert out.stdout.split() == ["newcomer", "T", "leader", "S"], out.stdout + out.stderr
+
+
+def test_a_cmdline_read_mid_exec_does_not_count_as_past_the_launch_stop() -> None:
+    """The thaw's background resume polls the launch shell's cmdline: while an exec is loading its
+    new image the cmdline reads empty, and that must not end the wait (the shell would then stop
+    itself with nobody left to resume it). Its own cmdline, with the marker, is the launch shell;
+    the command's, after the shell's exec, is not."""
+    from krex_async.isolation.signal import _LAUNCH, _launching
+
+    shell = b"\0".join([b"/bin/sh", b"-c", b'kill -STOP $$; exec "$@"', _LAUNCH.encode(), b"true", b""])
+    assert _launching(b"")
+    assert _launching(shell)
+    assert not _launching(b"true\0")
