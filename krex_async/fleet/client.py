@@ -52,7 +52,12 @@ def node_name(node: dict[str, Any]) -> str:
 
 def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
-    (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers."""
+    (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers.
+    Already joined: nothing to do (two connects of one process, e.g. the gateway's job runner and
+    its env view, both find Ray uninitialised before their address check, and join one after the
+    other; ray.init a second time raises)."""
+    if ray.is_initialized():
+        return
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:

@@ -168,3 +168,33 @@ async def test_cancel_reaches_the_command_on_its_node(local_fleet: LocalFleet) -
         r = await h.wait()
     assert r.report.state in ("cancelled", "signaled"), r.report
     assert r.stdout == b"up\n"
+
+
+async def test_two_clients_of_one_process_join_the_cluster_together(local_fleet: LocalFleet) -> None:
+    """A process that connects twice at once (the gateway's job runner and its env view) joins Ray
+    once: both find it not yet joined before their address check, and the second ray.init must not
+    fail the second client."""
+    assert local_fleet.cluster is not None
+    code = (
+        "import asyncio, sys\n"
+        "from krex_async.fleet.client import FleetClient\n"
+        "async def main(address):\n"
+        "    a, b = await asyncio.gather(FleetClient.connect(address), FleetClient.connect(address))\n"
+        "    async with a, b:\n"
+        "        print(len(a.nodes), len(b.nodes))\n"
+        "asyncio.run(main(sys.argv[1]))\n"
+    )
+    async with await local_fleet.connect():  # the agents exist first
+        pass
+    proc = await asyncio.create_subprocess_exec(
+        PY,
+        "-c",
+        code,
+        local_fleet.cluster.address,
+        env=env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert out.decode().split() == ["3", "3"], out

@@ -87,7 +87,10 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, stack: c
         async with GatewayClient(url, token(home / "gw")) as c:
             view = (await c.env(force=True))["env"][0]
             keys = sorted(d["key"] for d in view["devices"])
-            assert keys == [f"node{i}/cpu{j}" for i in range(3) for j in range(2)], view
+            assert keys == [f"node{i}/cpu{j}" for i in range(3) for j in range(2)], (
+                view["probe_error"],
+                view,
+            )
             jobs = [await c.dev("sleep 1; python -c 'import krex_async; print(\"ran\")'") for _ in range(6)]
             done = await asyncio.gather(*(c.wait(j["job_id"], 60) for j in jobs))
             assert [d["status"] for d in done] == ["succeeded"] * 6, done
