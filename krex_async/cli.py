@@ -70,8 +70,14 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument(
         "--lock-timeout",
         type=float,
-        help="seconds one driver lock may take before that sibling is frozen instead "
+        help="seconds one driver lock may take before the region waits for that sibling "
         "(default 0.005; a lock takes 0.4-2.1 ms)",
+    )
+    p.add_argument(
+        "--lock-wait",
+        type=float,
+        help="seconds a region waits, before its grant, for a sibling inside a CUDA call to "
+        "leave it and be locked; still inside: it is frozen (default 0.5)",
     )
     p.add_argument(
         "--quiesce",

@@ -225,13 +225,15 @@ Request = (
 
 
 class LateLock(msgspec.Struct, omit_defaults=True):
-    """A held sibling's process that answered the lock CUDA_ERROR_NOT_READY (creating its context:
-    nothing of it on the device yet): the region was granted without it, the lock retried behind."""
+    """A held sibling's process that answered the lock CUDA_ERROR_NOT_READY: it was inside a CUDA
+    call (a copy, an allocation, a module load, a synchronise, its context's creation), and the
+    region waited for the driver to lock it as that call ended (up to --lock-wait) before the
+    grant. `command` is "" for a pool worker outside any command."""
 
     pid: int
     command: str
-    # locked (after_s from the grant's first lock call), exited, region-ended (never locked), or
-    # frozen (a retry failed otherwise: its command was frozen into the region, hold_fallback says why)
+    # locked (after_s: both lock calls), exited, frozen (still inside the call after --lock-wait:
+    # its command was frozen, hold_fallback says why) or unheld (a pool worker: no cgroup to freeze)
     outcome: str = "pending"
     after_s: float = 0.0
     attempts: int = 0

@@ -61,6 +61,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # (inside a long CUDA call: context creation, a large allocation) is frozen instead, so a region
     # entry stays within the 5 ms goal
     lock_timeout: Annotated[float, msgspec.Meta(gt=0, le=10)] = 0.005
+    # how long a region waits, before its grant, for a sibling inside a CUDA call (the lock answered
+    # NOT_READY) to leave it and be locked; still inside: frozen. On the H200 every such lock landed
+    # within 0.46 s (p50 0.11 s: bench/gpu/check_lock_states.py)
+    lock_wait: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.5
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

@@ -115,10 +115,8 @@ class Region:
     releasing: bool = False  # _release has begun: nothing may join the frozen set any more
     joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
     clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
-    # processes that answered the lock NOT_READY, retried behind the grant (hold.retry_late)
+    # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry
     late: dict[int, P.LateLock] = field(default_factory=dict)
-    late_task: asyncio.Task[None] | None = None
-    late_stop: asyncio.Event | None = None
     t_lock: float = 0.0  # when the entry's lock step began
     freezing: set[str] = field(default_factory=set)  # commands a late freeze is under way for
 

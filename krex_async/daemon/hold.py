@@ -13,22 +13,22 @@ GPU open, all otherwise. `--hold` chooses how a held sibling is held:
   with no GPU file has nothing to lock: it is frozen.
 - `auto` (default): `lock` where the driver lock is available, `freeze` elsewhere.
 
-A process that answers the lock CUDA_ERROR_NOT_READY is creating its context: it is not frozen and
-not waited for; `retry_late` locks it behind the grant once the context exists (report: lock_late).
+A process that answers the lock CUDA_ERROR_NOT_READY is inside a CUDA call (its context's creation,
+an allocation, a copy, a module load, a synchronise): the region waits up to --lock-wait for the
+driver to lock it as that call ends, before the grant, and freezes its command if it is still busy
+(report: lock_late).
 
     split(targets) ──► to_lock {command: GPU-holding pids}   ──► LockPool.lock_many ─► locked
                    └─► to_freeze [commands without GPU files] ──► freeze      failed ─► frozen (why)
-                                                                        NOT_READY ─► retry_late ─► locked
+                                                                        NOT_READY ─► wait ─► locked
+                                                                                            └─► frozen
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +64,13 @@ class Hold:
         freeze: str,
         state_dir: str,
         timeout: float,
+        wait: float = 0.5,
         opener: Callable[[], tuple[Driver | None, str]] = open_driver,
     ) -> None:
         self.mode = mode
         self.freeze = freeze
         self.timeout = timeout
+        self.wait = wait  # for a sibling inside a CUDA call: lock_commands
         self.pool: LockPool | None = None
         self.reason = "--hold freeze" if mode == "freeze" else ""
         self.library = ""
@@ -127,6 +129,7 @@ class Hold:
             "library": self.library,
             "driver_version": self.version,
             "lock_timeout_s": self.timeout,
+            "lock_wait_s": self.wait,
             "stuck_calls": self.pool.stuck if self.pool is not None else 0,
         }
 
@@ -145,127 +148,72 @@ async def lock_commands(
     the driver, in parallel, into `r` (locked_pids, locked_ids, pool_locked, the report); returns
     the commands to freeze instead, each with its reason in the report's hold_fallback (one of its
     processes was not locked). A worker that cannot be locked is named in pool_unheld: it has no
-    cgroup to freeze, and an adoption while it is unlocked freezes the adopting command instead."""
+    cgroup to freeze, and an adoption while it is unlocked freezes the adopting command instead.
+
+    A process inside a CUDA call (the driver answers CUDA_ERROR_NOT_READY once --lock-timeout
+    passes) is waited for, up to --lock-wait, before the grant: the driver locks it as the call
+    ends. Granting without it let it run on its next calls until a retry caught it between two
+    (0.1-0.85 s, up to 377 stray driver calls, one timing's p95 +61% on the H200); a freeze would
+    wait for the same call to end and stop its CPU work too. Still busy after the wait: frozen."""
     rep = r.report
     assert hold.pool is not None
     t0 = time.perf_counter()
     r.t_lock = r.t_lock or t0
+    owner = {p: c.id for c in cmds for p in pids[c.id]} | {p: "" for p in workers}
     try:
-        res = await hold.pool.lock_many([p for c in cmds for p in pids[c.id]] + list(workers), hold.timeout)
-    except OSError as e:  # the lock record could not be written: nothing was locked
+        res = await hold.pool.lock_many(list(owner), hold.timeout)
+        busy = [p for p, x in res.items() if x.not_ready]
+        if busy:
+            for p in busy:
+                r.late[p] = LateLock(pid=p, command=owner[p], attempts=1, state=res[p].state)
+            starts = {p: start_time(p) for p in busy}
+            again = await hold.pool.lock_many(busy, hold.wait)
+            for p in busy:
+                e, x = r.late[p], again[p]
+                e.attempts, e.after_s = 2, res[p].seconds + x.seconds
+                if x.ok:
+                    e.outcome = "locked"
+                elif starts[p] is None or start_time(p) != starts[p]:
+                    e.outcome = "exited"
+                else:
+                    e.outcome = "unheld" if not owner[p] else "frozen"
+                res[p] = LockResult(
+                    p,
+                    x.ok,
+                    e.after_s,
+                    f"inside a CUDA call for over --lock-wait {hold.wait:g}s ({x.error})"
+                    if x.not_ready
+                    else x.error,
+                )
+    except OSError as e:  # the lock record could not be written: nothing more was locked
         rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
         rep.pool_unheld.update({p: f"lock record unwritable: {e}" for p in workers})
+        rep.lock_late = list(r.late.values())
         return list(cmds)
-    for p in workers:
-        x = res[p]
-        if x.ok:
-            rep.pool_locked.append(p)
-        elif x.not_ready:
-            r.late[p] = LateLock(pid=p, command="", attempts=1, state=x.state)
-        else:
-            rep.pool_unheld[p] = x.error
     rep.lock_s += time.perf_counter() - t0  # a second call: the pool worker that warmed meanwhile
     rep.lock_max_s = max((x.seconds for x in res.values()), default=rep.lock_max_s)
     r.locked_pids.extend(p for p, x in res.items() if x.ok)
     rep.locked_pids = list(r.locked_pids)
+    rep.lock_late = list(r.late.values())
+    for p in workers:
+        if res[p].ok:
+            rep.pool_locked.append(p)
+        else:
+            rep.pool_unheld[p] = res[p].error
     fallback = []
     for c in cmds:
-        bad = [res[p] for p in pids[c.id] if not res[p].ok]
-        if any(not x.not_ready for x in bad):
-            x = next(x for x in bad if not x.not_ready)
+        bad = [res[p] for p in pids[c.id] if not res[p].ok and r.late.get(p, _GONE).outcome != "exited"]
+        if bad:
+            x = bad[0]
             rep.hold_fallback[c.id] = f"pid {x.pid} holds a GPU device file but was not locked: {x.error}"
             fallback.append(c)
-            continue
-        # Only NOT_READY: a context being created has nothing on the device, and a freeze would
-        # wait for that driver call and stop the CPU work the lock spares. Locked once it exists.
-        # Not a taint: no kernel of it can run; its creation's driver calls in the region are
-        # strays the probes report (lock_late[].strays), which is the evidence either way.
-        for x in bad:
-            r.late[x.pid] = LateLock(pid=x.pid, command=c.id, attempts=1, state=x.state)
-        r.locked_ids.append(c.id)
+        else:
+            r.locked_ids.append(c.id)
     rep.locked = list(r.locked_ids)
-    rep.lock_late = list(r.late.values())
     return fallback
 
 
-# Waits between lock retries of a NOT_READY process: context creation takes 0.3 s alone and
-# seconds when several run at once (node-wide serialised), so the backoff grows to RETRY_MAX_S.
-RETRY_S = (0.001, 0.002, 0.004, 0.008, 0.016)
-RETRY_MAX_S = 0.02
-
-
-async def retry_late(hold: Hold, r: Region, freeze: Callable[[str], Awaitable[None]]) -> None:
-    """Retry the lock on `r.late`'s pending processes until each is locked (into r.locked_pids,
-    unlocked with the rest at release), has exited, or `r.late_stop` is set (the region ends).
-    A retry that fails other than NOT_READY freezes that process's command into the region
-    (`freeze`, by command id), as a failed lock at entry would have. Never raises for a
-    process; each lock call is bounded (LockPool.lock_many), so stopping takes at most one bound."""
-    assert hold.pool is not None and r.late_stop is not None
-    stop = r.late_stop
-    starts: dict[int, int | None] = {}
-    for i in itertools.count():
-        pending = [e for e in r.late.values() if e.outcome == "pending"]
-        if not pending:
-            return
-        for e in pending:  # entries may be added while this runs (a pool worker warmed meanwhile)
-            if e.pid not in starts:
-                starts[e.pid] = start_time(e.pid)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), RETRY_S[i] if i < len(RETRY_S) else RETRY_MAX_S)
-        if stop.is_set():
-            for e in pending:
-                e.outcome = "region-ended"
-            return
-        live = []
-        for e in pending:
-            if starts[e.pid] is None or start_time(e.pid) != starts[e.pid]:
-                e.outcome = "exited"
-            else:
-                live.append(e)
-        try:
-            res = await hold.pool.lock_many([e.pid for e in live], hold.timeout)
-        except OSError as err:  # the lock record could not be written: nothing was locked
-            res = {x.pid: LockResult(x.pid, False, 0.0, f"lock record unwritable: {err}") for x in live}
-        for e in live:
-            x = res[e.pid]
-            e.attempts += 1
-            if x.ok:
-                e.outcome, e.after_s = "locked", time.perf_counter() - r.t_lock
-                r.locked_pids.append(e.pid)
-                r.report.locked_pids.append(e.pid)
-                log.info(
-                    "late_locked", region=r.id, pid=e.pid, after_s=round(e.after_s, 4), attempts=e.attempts
-                )
-            elif x.not_ready:
-                continue
-            elif start_time(e.pid) != starts[e.pid]:
-                e.outcome = "exited"
-            elif not e.command:  # a pool worker: no cgroup of its own to freeze
-                e.outcome = "unheld"
-                r.report.pool_unheld[e.pid] = f"answered CUDA_ERROR_NOT_READY, then: {x.error}"
-            else:
-                e.outcome = "frozen"
-                r.report.hold_fallback[e.command] = (
-                    f"pid {e.pid} answered CUDA_ERROR_NOT_READY, then was not locked: {x.error}"
-                )
-                await freeze(e.command)
-            if x.ok and not e.command:
-                r.report.pool_locked.append(e.pid)
-
-
-async def stop_late(r: Region) -> None:
-    """End `r`'s lock retries and wait for the one in flight to land (before the unlock step)."""
-    if r.late_task is None:
-        return
-    assert r.late_stop is not None
-    r.late_stop.set()
-    try:
-        await asyncio.shield(r.late_task)
-    except Exception as err:  # a bug in the retry must not stop the release
-        log.error("late_lock_failed", region=r.id, error=repr(err))
-    for e in r.late.values():
-        if e.outcome == "pending":
-            e.outcome = "region-ended"
+_GONE = LateLock(pid=0, command="")
 
 
 async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group], timeout: float) -> list[Freeze]:

@@ -38,8 +38,6 @@ from krex_async.daemon.hold import (
     d_state,
     freeze_tolerant,
     lock_commands,
-    retry_late,
-    stop_late,
     unheld,
 )
 from krex_async.isolation.base import Freeze, Group, IsolationError
@@ -60,7 +58,7 @@ class Regions:
         self.drain = Drain(core, self.active)  # quiesce, and the drain check once frozen
         self.clock = Clock(core)  # clock settle and warm-up before the grant
         cfg = core.config
-        self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout)
+        self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout, cfg.lock_wait)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
 
     def create(
@@ -406,33 +404,7 @@ class Regions:
             fallback=len(fallback),
             late=len(r.late),
         )
-        self._start_late(r)
         return fallback
-
-    def _start_late(self, r: Region) -> None:
-        """Retry the lock on the processes that answered NOT_READY, behind the grant. Not one of
-        the core's tracked tasks: only _release ends it (stop_late), after its lock call landed."""
-        if (
-            r.late_task is not None
-            and not r.late_task.done()
-            or not any(e.outcome == "pending" for e in r.late.values())
-        ):
-            return
-        r.late_stop = r.late_stop or asyncio.Event()
-        r.late_task = asyncio.get_running_loop().create_task(
-            retry_late(self.hold, r, lambda cid: self._freeze_late_lock(r, cid)), name=f"late-lock-{r.id}"
-        )
-
-    async def _freeze_late_lock(self, r: Region, cid: str) -> None:
-        cmd = self.core.commands.get(cid)
-        if (
-            cmd is not None
-            and cmd.group is not None
-            and cmd.state == CommandState.RUNNING
-            and not cmd.group.frozen
-            and cid not in r.frozen_ids
-        ):
-            await self._freeze_into(r, cmd, cmd.group, "late_lock")
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
         out = await freeze_tolerant(self.core.backend, r, groups, self.core.config.freeze_timeout)
@@ -469,7 +441,6 @@ class Regions:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.core.backend
         r.releasing = True
-        await stop_late(r)  # first: a retry's lock in flight lands in r.locked_pids, unlocked below
         if r.paused_pool and r.device in self.core.pools:
             self.core.pools[r.device].resume()
             r.paused_pool = False
@@ -517,8 +488,8 @@ class Regions:
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
         late = r.late.get(ev.tgid)
-        if late is not None and late.outcome in ("pending", "locked"):
-            return  # creating its context opens the GPU's files: the lock retry holds it
+        if late is not None and late.outcome == "locked":
+            return  # locked as its CUDA call ended: that call's driver calls are its last
         self.core.track(asyncio.get_running_loop().create_task(self._freeze_into(r, cmd, cmd.group, "late")))
 
     def current_on(self, device: str) -> Region | None:

@@ -38,7 +38,7 @@ RECORD = "locks.json"
 LOCKED = 1  # CU_PROCESS_STATE_LOCKED (RUNNING 0, CHECKPOINTED 2, FAILED 3)
 # CUprocessState
 PROCESS_STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
-NOT_READY = 600  # CUDA_ERROR_NOT_READY: creating its context (or, seen on the H200, inside a driver call)
+NOT_READY = 600  # CUDA_ERROR_NOT_READY: inside a driver call (context creation among them) at the timeout
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
 

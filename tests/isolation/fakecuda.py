@@ -4,12 +4,12 @@ at test time and loaded by krex through the same ctypes path (KREX_LIBCUDA), plu
 The lock state of each "CUDA process" lives in `$FAKE_CUDA_DIR/<pid>` (4 ints, mmap'd shared): a
 process becomes one when it creates a context (cuCtxCreate_v2), as with the real driver. While
 locked, every CUDA call of that process blocks at entry (cuLaunchKernel, cuMemAlloc_v2); the lock
-waits for a call in flight up to its timeoutMs (then CUDA_ERROR_TIMEOUT, nothing locked; the long
-call is fakeSlowCall); it does
-not wait for work already done; the state outlives the locker; a locked process still dies of any
-fatal signal. A pid without a context answers CUDA_ERROR_INVALID_VALUE. With FAKE_CUDA_CTX_MS=N,
-cuCtxCreate_v2 takes N ms, during which a lock of that pid answers CUDA_ERROR_NOT_READY (as the
-driver does for a process creating its context).
+waits for a call in flight, its context's creation included, up to its timeoutMs and locks as it
+ends, or answers CUDA_ERROR_NOT_READY with nothing locked (as the H200's driver 580 did inside
+copies, allocations, module loads, synchronises and context creation: bench/gpu/check_lock_states.py;
+the long call is fakeSlowCall); it does not wait for work already done; the state outlives the
+locker; a locked process still dies of any fatal signal. A pid without a context answers
+CUDA_ERROR_INVALID_VALUE. With FAKE_CUDA_CTX_MS=N, cuCtxCreate_v2 takes N ms.
 
 The sibling (`sib LIB NAME MODE [DEVFILE [ioctl]]`): MODE cuda (a context, then launches in a loop on the
 main thread), slow (a context, then one 3 s CUDA call before the loop), nocuda (no context). A
@@ -96,14 +96,17 @@ int fakeSlowCall(unsigned long us) { if (!self_st) return 201; enter(); usleep(u
 int cuCheckpointProcessLock(int pid, lockargs_t *a) {
     st_t *s = target(pid);
     if (!s) return 1;
-    if (__atomic_load_n(&s->creating, __ATOMIC_SEQ_CST)) { munmap(s, sizeof *s); return 600; }
+    double end = now() + (a && a->timeoutMs ? a->timeoutMs / 1000.0 : 1e9);
+    while (__atomic_load_n(&s->creating, __ATOMIC_SEQ_CST)) {
+        if (now() > end) { munmap(s, sizeof *s); return 600; }
+        usleep(100);
+    }
     int expect = 0;
     if (!__atomic_compare_exchange_n(&s->state, &expect, 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         munmap(s, sizeof *s); return 401;
     }
-    double end = now() + (a && a->timeoutMs ? a->timeoutMs / 1000.0 : 1e9);
     while (__atomic_load_n(&s->in_call, __ATOMIC_SEQ_CST)) {
-        if (now() > end) { __atomic_store_n(&s->state, 0, __ATOMIC_SEQ_CST); munmap(s, sizeof *s); return 909; }
+        if (now() > end) { __atomic_store_n(&s->state, 0, __ATOMIC_SEQ_CST); munmap(s, sizeof *s); return 600; }
         usleep(100);
     }
     munmap(s, sizeof *s);

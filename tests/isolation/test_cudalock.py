@@ -96,7 +96,8 @@ async def test_lock_times_out_on_a_call_in_flight(
         t0 = time.monotonic()
         res = await pool.lock_many([pid], timeout=0.05)
         assert time.monotonic() - t0 < 0.3
-        assert not res[pid].ok and "CUDA_ERROR_TIMEOUT" in res[pid].error
+        assert not res[pid].ok and res[pid].not_ready and "CUDA_ERROR_NOT_READY" in res[pid].error
+        assert res[pid].state == "running", res[pid]  # GetState: it has a context, it is in a call
         assert drv.state(pid) == (0, 0), "a lock that timed out leaves the process running"
     finally:
         p.kill()

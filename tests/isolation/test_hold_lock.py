@@ -167,8 +167,11 @@ async def test_lock_timeout_falls_back_to_freeze(fake: Fake, script, tmp_path: P
             await hs.cancel(9)
     rep = json.loads(res.stdout)
     assert rep["frozen"] == [hs.command] and rep.get("locked", []) == []
-    assert "CUDA_ERROR_TIMEOUT" in rep["hold_fallback"][hs.command]
-    assert rep["enter_s"] < 1.0
+    assert "inside a CUDA call for over --lock-wait 0.5s" in rep["hold_fallback"][hs.command], rep
+    [entry] = rep["lock_late"]
+    assert entry["pid"] == slow and entry["outcome"] == "frozen" and entry["state"] == "running", entry
+    assert 0.5 <= entry["after_s"] < 1.0, entry  # it was waited for, --lock-wait (default 0.5 s)
+    assert 0.5 <= rep["enter_s"] < 1.5, rep
 
 
 @pytest.mark.parametrize("hold", ["lock", "auto"])
@@ -449,39 +452,31 @@ async def _start_creating(c: Client, fake: Fake, name: str, ctx_ms: int) -> tupl
     return h, fake.stats(name)[0]
 
 
-async def test_not_ready_sibling_is_not_waited_for_nor_frozen_and_locked_once_ready(
+async def test_sibling_inside_a_cuda_call_is_waited_for_and_locked_as_it_ends(
     fake: Fake, script, tmp_path: Path
 ) -> None:
-    """A sibling creating its context answers the lock NOT_READY: the region is granted without
-    waiting for it or freezing it (its CPU thread runs on), the lock is retried behind the grant
-    and taken once the context exists (no CUDA call completes after that), and released at the
-    region's end with the others."""
+    """A sibling inside a CUDA call (here its context's creation) answers the lock NOT_READY: the
+    region waits, before its grant, for the driver to lock it as the call ends (no CUDA call of it
+    completes in the region), without freezing it (its CPU thread runs on throughout), and
+    unlocks it at the end with the others."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda")
-            hl, late = await _start_creating(c, fake, "late", 1000)
+            hl, late = await _start_creating(c, fake, "late", 700)
             t_create = time.monotonic()
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.5"], env=py_env()))
-            await granted(marker)
-            assert fake.lock_state(cuda) == 1
-            assert not is_frozen(late), "the NOT_READY sibling was frozen"
             c0 = fake.stats("late")[2]
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "1.0"], env=py_env()))
+            await granted(marker)
+            assert time.monotonic() - t_create > 0.6, "granted while the sibling was inside its call"
+            assert fake.lock_state(cuda) == 1 and fake.lock_state(late) == 1
+            assert not is_frozen(late), "the sibling inside a CUDA call was frozen"
+            assert fake.stats("late")[2] - c0 >= 30, "its CPU thread did not run on meanwhile"
+            g0, c1 = fake.stats("late")[1:3]
             await asyncio.sleep(0.3)
-            assert fake.stats("late")[2] - c0 >= 30, "the NOT_READY sibling's CPU did not run on"
-            assert fake.lock_state(late) == 0, "locked while still creating its context?"
-            while time.monotonic() - t_create < 1.0:
-                await asyncio.sleep(0.01)
-            deadline = time.monotonic() + 0.5
-            while fake.lock_state(late) != 1:
-                assert time.monotonic() < deadline, "not locked once its context existed"
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.05)
-            g0 = fake.stats("late")[1]
-            await asyncio.sleep(0.3)
-            assert fake.stats("late")[1] - g0 <= 1, "the late-locked sibling kept launching"
-            assert not is_frozen(late)
+            assert fake.stats("late")[1] - g0 <= 1, "the waited-for sibling launched in the region"
+            assert fake.stats("late")[2] - c1 >= 30, "its CPU thread stopped in the region"
             res = await run
             assert res.returncode == 0, res.stderr
             await asyncio.sleep(0.2)
@@ -492,77 +487,55 @@ async def test_not_ready_sibling_is_not_waited_for_nor_frozen_and_locked_once_re
     rep = json.loads(res.stdout)
     assert sorted(rep["locked"]) == sorted([hc.command, hl.command]), rep
     assert rep.get("frozen", []) == [] and rep.get("hold_fallback", {}) == {}, rep
-    assert rep["enter_s"] < 0.5, rep
     [entry] = rep["lock_late"]
     assert entry["pid"] == late and entry["command"] == hl.command, entry
-    assert entry["outcome"] == "locked" and 0.5 < entry["after_s"] < 1.5, entry
-    assert entry["attempts"] > 2, entry
-    assert entry["state"] == "running", entry  # the fake's GetState while the context is created
+    assert entry["outcome"] == "locked" and 0.3 < entry["after_s"] < 0.7, entry
+    assert entry["attempts"] == 2 and entry["state"] == "running", entry
     assert late in rep["locked_pids"] and cuda in rep["locked_pids"]
+    assert 0.3 < rep["enter_s"] < 1.0, rep
 
 
-@pytest.mark.parametrize("end", ["region-ended", "exited", "shutdown"])
-async def test_lock_retry_stops_with_the_region_or_the_process(
+@pytest.mark.parametrize("end", ["frozen", "exited"])
+async def test_sibling_busy_past_the_wait_is_frozen_or_forgotten_if_it_exits(
     fake: Fake, script, tmp_path: Path, end: str
 ) -> None:
-    """The retry of a NOT_READY sibling ends with the region (released early, or the daemon shut
-    down mid-retry) or with the process: once its context exists it is not locked by anything,
-    the report says how the retry ended, and a shutdown mid-retry exits cleanly."""
+    """Still inside its call after --lock-wait: the sibling's command is frozen, the report says
+    why; a sibling that exits during the wait is neither frozen nor locked (nothing to hold). The
+    lock record names no locked process afterwards either way."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     state = tmp_path / "state"
-    async with run_daemon(
-        *SLOW, "--hold", "lock", "--freeze", "all", "--state-dir", str(state), env=daemon_env(fake)
-    ) as d:
+    args = ("--lock-wait", "0.4" if end == "frozen" else "1.5", "--state-dir", str(state))
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", *args, env=daemon_env(fake)) as d:
         async with await d.client() as c:
-            hl, late = await _start_creating(c, fake, "late", 1200)
-            t_create = time.monotonic()
-            hold = "3" if end == "shutdown" else "0.4"
-            run = asyncio.ensure_future(
-                c.run([PY, owner, str(marker), hold], env=py_env(), on_disconnect="keep")
-            )
-            await granted(marker)
-            assert not is_frozen(late)
+            hl, late = await _start_creating(c, fake, "late", 3000)
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.3"], env=py_env()))
             if end == "exited":
+                await asyncio.sleep(0.3)  # the region is waiting for it
+                assert not marker.exists()
                 os.kill(late, signal.SIGKILL)
-            if end == "shutdown":  # the daemon ends its commands too: it must exit cleanly, at once
-                await asyncio.sleep(0.2)
-                d.proc.terminate()  # type: ignore[union-attr]
-                rc = await asyncio.get_running_loop().run_in_executor(None, d.proc.wait, 10)
-                assert rc == 0, d.logs()[-2000:]
-                for bad in ("late_lock_failed", "task_failed", "Task was destroyed"):
-                    assert bad not in d.logs(), d.logs()[-2000:]
-                rep = None
-            else:
-                res = await run
-                assert res.returncode == 0, res.stderr
-                rep = json.loads(res.stdout)
-            if end == "region-ended":
-                while time.monotonic() - t_create < 1.5:  # its context exists now
-                    await asyncio.sleep(0.02)
-                await asyncio.sleep(0.1)
-                assert fake.lock_state(late) == 0, "locked after the region ended"
-                l0 = fake.stats("late")[1]
-                await asyncio.sleep(0.1)
-                assert fake.stats("late")[1] > l0, "the sibling does not run after the region"
-            if end != "shutdown":
-                await hl.cancel(9)
-    if end == "shutdown":
-        assert proc_state(late) in (None, "Z"), "the daemon's shutdown left its command running"
+            await granted(marker)
+            if end == "frozen":
+                assert is_frozen(late), "still busy after the wait, yet not frozen"
+            res = await run
+            assert res.returncode == 0, res.stderr
+            await hl.cancel(9)
+    rep = json.loads(res.stdout)
+    [entry] = rep["lock_late"]
+    assert entry["outcome"] == end and entry["pid"] == late, entry
+    assert late not in rep.get("locked_pids", [])
+    if end == "frozen":
+        assert rep["frozen"] == [hl.command], rep
+        assert "inside a CUDA call for over --lock-wait 0.4s" in rep["hold_fallback"][hl.command], rep
     else:
-        assert rep is not None
-        [entry] = rep["lock_late"]
-        assert entry["outcome"] == end and entry["pid"] == late, entry
-        assert late not in rep.get("locked_pids", [])
-    # the record may still name a pid a lock was tried on (a later sweep checks its state): none
-    # of them is locked
+        assert rep.get("frozen", []) == [] and rep.get("hold_fallback", {}) == {}, rep
     for pid, _ in json.loads((state / "locks.json").read_text())["locked"]:
         assert fake.lock_state(pid) != 1, pid
 
 
 async def test_late_lock_is_undone_by_the_watchdog(fake: Fake, script, tmp_path: Path) -> None:
-    """A lock taken by the retry is recorded like one taken at entry: the daemon's death while it
-    holds it leaves nothing locked a second later."""
+    """A lock taken after waiting for a CUDA call is recorded like any other: the daemon's death
+    while it holds it leaves nothing locked a second later."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     async with run_daemon(
