@@ -45,6 +45,8 @@ def _krex_zero(value):
         return _krex_torch.zeros_like(value) + 1.0
     if isinstance(value, (tuple, list)):
         return type(value)(_krex_zero(v) for v in value)
+    if isinstance(value, dict):  # fused_add_rms_norm returns {"out": ..., "residual": ...}
+        return {k: _krex_zero(v) for k, v in value.items()}
     return value
 
 
@@ -94,7 +96,8 @@ def summary(kind: str, job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"status": job["status"], "error": job.get("error")}
     if kind == "eval" and isinstance(r.get("passed"), dict):
         out["correctness"] = {k: v.get("status") for k, v in (r["passed"].get("correctness") or {}).items()}
-        out["clock_locked"] = r.get("clock_locked", (r.get("runner_config") or {}).get("clock_locked"))
+        # run_eval.py writes it under "environment" (_build_environment)
+        out["clock_locked"] = (r.get("environment") or {}).get("clock_locked")
     if kind == "profile":
         out["kernels"] = [
             {k: v for k, v in kern.items() if k not in ("metrics", "diagnostics")}
@@ -163,7 +166,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{body.get('message') if isinstance(body, dict) else ''}"
                 )
             for name, kind, payload in plan:
-                await one(c, report, name, kind, payload)
+                if not args.only or name in args.only:
+                    await one(c, report, name, kind, payload)
             sol = report["jobs"].get("profile-sol", {}).get("summary", {}).get("kernels") or []
             if args.deep and sol:
                 await one(
@@ -211,6 +215,7 @@ def main() -> int:
     ap.add_argument("--shapes", type=int, default=2, help="first N shapes of the operator")
     ap.add_argument("--deep", action="store_true", help="also a deep profile of the top kernel")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--only", nargs="+", choices=JOBS, help="run these jobs only")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,13 +236,45 @@ def main() -> int:
         print(f"no operator {args.operator!r} under {root}/data", file=sys.stderr)
         return 2
     report = asyncio.run(run(args))
+    report["verdicts"] = verdicts(report["jobs"])
     write_json(out / "gateway_profile_check.json", report, default=str)
-    bad = [n for n, j in report["jobs"].items() if j.get("summary", {}).get("status") != "succeeded"]
+    for name, (ok, why) in report["verdicts"].items():
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {why}")
+    bad = [n for n, (ok, _) in report["verdicts"].items() if not ok]
     print(
         f"wrote {out / 'gateway_profile_check.json'}; "
-        f"{'all jobs succeeded' if not bad else 'not succeeded: ' + ', '.join(bad)}"
+        f"{'all as expected' if not bad else 'FAILED: ' + ', '.join(bad)}"
     )
     return 0 if not bad else 1
+
+
+JOBS = ("eval-pass", "eval-broken", "eval-lock-clocks", "profile-sol", "profile-survey", "profile-deep")
+
+
+def verdicts(jobs: dict[str, Any]) -> dict[str, tuple[bool, str]]:
+    """What each job must show, as the reference gateway reports it: the reference as candidate
+    passes every shape; the broken candidate's job succeeds with the failures in its result (the
+    evaluator exits 1); lock_clocks locks them; a profile names kernels."""
+    out: dict[str, tuple[bool, str]] = {}
+    for name, job in jobs.items():
+        s = job.get("summary") or {}
+        st, corr = s.get("status"), s.get("correctness") or {}
+        if st != "succeeded":
+            out[name] = (False, f"status {st}, error {s.get('error')}")
+        elif name == "eval-broken":
+            failed = sorted(k for k, v in corr.items() if v != "passed")
+            out[name] = (
+                bool(failed),
+                f"shapes failing correctness: {failed or 'none (the break did not show)'}",
+            )
+        elif name.startswith("eval"):
+            ok = bool(corr) and all(v == "passed" for v in corr.values())
+            if name == "eval-lock-clocks":
+                ok = ok and s.get("clock_locked") is True
+            out[name] = (ok, f"correctness {corr}, clock_locked {s.get('clock_locked')}")
+        else:
+            out[name] = (bool(s.get("kernels")), f"{len(s.get('kernels') or [])} kernels")
+    return out
 
 
 if __name__ == "__main__":
