@@ -48,6 +48,7 @@ case $call in
     --atrex-bench-root .suites/atrex-bench --out "$res" ${ATREX_ARGS:-}
   # an empty cgroup to delegate to the replay's daemons, as in earlier sessions
   [ "${BATCH_DRY:-0}" = 1 ] || mkdir -p /sys/fs/cgroup/krexbench
+  # quick is a CPU profile (refused on the GPU machine): give REPLAY_PROFILE=gpu-10min there
   batch_step replay "${REPLAY_TIMEOUT:-200}" python3 -m bench.replay --profile "${REPLAY_PROFILE:-quick}" \
     --seed 1 --pace trace --out "$res/replay-${REPLAY_PROFILE:-quick}.json" \
     --daemon-arg=--cgroup-root=/sys/fs/cgroup/krexbench ${REPLAY_ARGS:-}
