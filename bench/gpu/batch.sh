@@ -7,6 +7,10 @@
 #   batch_step NAME LIMIT CMD...   run CMD under `timeout LIMIT`, output in $res/NAME.log, then
 #                       print its rc, time and log tail, and pack again (a call cut short by its
 #                       limit still returns every step finished before it)
+#   batch_jobs LIMIT BUDGET VARIANT...   bench.jobs on the default KernelBench set (VARIANTS, quoted
+#                       NAME:ARGS items, replace the list; JOBS_ARGS are added)
+#   batch_atrex LIMIT ARG...   bench.gateway_profile_check on .suites/atrex-bench (ATREX_ARGS added)
+#   batch_replay LIMIT PROFILE SEED   bench.replay --pace trace under the delegated krexbench cgroup
 # BATCH_DRY=1 prints each step's command instead of running it and skips the set-up's installs
 # (checks this script's logic on a machine without the accelerator).
 
@@ -74,6 +78,29 @@ batch_step() {
   tail -n "${TAIL:-25}" "$res/$name.log" 2>/dev/null | cut -c1-220
   batch_pack
   return 0
+}
+
+batch_jobs() {
+  local limit=$1 budget=$2; shift 2
+  local variants=("$@")
+  [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
+  batch_step jobs "$limit" python3 -m bench.jobs --kernelbench .suites/KernelBench --set default \
+    --device gpu --variants "${variants[@]}" --budget-s "$budget" --out "$res/jobs.json" ${JOBS_ARGS:-}
+}
+
+batch_atrex() {
+  local limit=$1; shift
+  batch_step atrex "$limit" python3 -m bench.gateway_profile_check --atrex-bench-root .suites/atrex-bench \
+    --out "$res" "$@" ${ATREX_ARGS:-}
+}
+
+batch_replay() {
+  # quick is a CPU profile (refused on the GPU machine): gpu-10min is the GPU one
+  local limit=$1 profile=$2 seed=$3
+  # an empty cgroup to delegate to the replay's daemons, as in earlier sessions
+  [ "${BATCH_DRY:-0}" = 1 ] || mkdir -p /sys/fs/cgroup/krexbench
+  batch_step replay "$limit" python3 -m bench.replay --profile "$profile" --seed "$seed" --pace trace \
+    --out "$res/replay-$profile.json" --daemon-arg=--cgroup-root=/sys/fs/cgroup/krexbench ${REPLAY_ARGS:-}
 }
 
 batch_end() {

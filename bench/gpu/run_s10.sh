@@ -36,22 +36,12 @@ case $call in
   # the default variants (bench/jobs.py default_variants) plus shared-pool; the pooled ones early,
   # since they are the owed measurement, and --budget-s skips whatever would not fit at the end
   pool="--pool-size 8 --pool-preload torch"
-  variants=("region:--freeze all" "region-pool:$pool" "shared" "shared-pool:$pool" "command"
-            "region-dh:--freeze device-holders" "region-lock:--hold lock")
-  [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
-  batch_step jobs "${JOBS_TIMEOUT:-545}" python3 -m bench.jobs --kernelbench .suites/KernelBench \
-    --set default --device gpu --variants "${variants[@]}" --budget-s "${JOBS_BUDGET:-510}" \
-    --out "$res/jobs.json" ${JOBS_ARGS:-}
+  batch_jobs "${JOBS_TIMEOUT:-545}" "${JOBS_BUDGET:-510}" "region:--freeze all" "region-pool:$pool" \
+    "shared" "shared-pool:$pool" "command" "region-dh:--freeze device-holders" "region-lock:--hold lock"
   ;;
 3)
-  batch_step atrex "${ATREX_TIMEOUT:-300}" python3 -m bench.gateway_profile_check \
-    --atrex-bench-root .suites/atrex-bench --out "$res" ${ATREX_ARGS:-}
-  # an empty cgroup to delegate to the replay's daemons, as in earlier sessions
-  [ "${BATCH_DRY:-0}" = 1 ] || mkdir -p /sys/fs/cgroup/krexbench
-  # quick is a CPU profile (refused on the GPU machine): give REPLAY_PROFILE=gpu-10min there
-  batch_step replay "${REPLAY_TIMEOUT:-200}" python3 -m bench.replay --profile "${REPLAY_PROFILE:-quick}" \
-    --seed 1 --pace trace --out "$res/replay-${REPLAY_PROFILE:-quick}.json" \
-    --daemon-arg=--cgroup-root=/sys/fs/cgroup/krexbench ${REPLAY_ARGS:-}
+  batch_atrex "${ATREX_TIMEOUT:-300}"
+  batch_replay "${REPLAY_TIMEOUT:-200}" "${REPLAY_PROFILE:-quick}" 1
   ;;
 esac
 batch_end
