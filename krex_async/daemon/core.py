@@ -107,6 +107,7 @@ class Region:
     locked_pids: list[int] = field(default_factory=list)  # locked through the driver: unlock them
     locked_ids: list[str] = field(default_factory=list)  # commands held by the lock alone
     quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
+    held_runtimes: list[Callable[[P.Msg], bool]] = field(default_factory=list)  # told Held: Resume
     acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
     cores: frozenset[int] = frozenset()
     task: asyncio.Task[None] | None = None

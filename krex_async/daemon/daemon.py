@@ -448,6 +448,10 @@ class Daemon:
         deliver its report, and keep it for the retention time."""
         if cmd.stdin_pipe is not None:  # what its children still read sees EOF, as after a shell
             cmd.stdin_pipe.close()
+        for other in self.regions.active.values():  # held by another's region, it ended all the same
+            rep = other.report
+            if rep.outcome == "held" and cmd.id in other.locked_ids and cmd.id not in rep.held_exited:
+                rep.held_exited.append(cmd.id)
         ending = []
         for rid in self.scheduler.regions_of(cmd.id):
             r = self.regions.active.get(rid)
@@ -647,6 +651,13 @@ class Daemon:
             self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
                 req.pool_declined, self._adoptable(cmd)
             )
+
+    def exit_held(self, req: P.ExitHeld, peer_pid: int) -> None:
+        """A locked process's runtime is deferring its exit to the region's end: say so in the
+        region's report (only for a process that region locked)."""
+        r = self.regions.active.get(req.region)
+        if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
+            r.report.exit_deferred.append(peer_pid)
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)

@@ -396,6 +396,14 @@ class Regions:
         self, r: Region, cmds: list[Command], pids: dict[str, list[int]], workers: list[int] | None = None
     ) -> list[Command]:
         fallback = await lock_commands(self.hold, r, cmds, pids, workers or ())
+        # Their runtimes defer an exit to the release: a context torn down frees GPU memory
+        # through the driver, which the lock does not stop (protocol.ExitHeld).
+        locked = set(r.locked_pids)
+        for c in cmds:
+            for pid in pids[c.id]:
+                send = c.runtimes.get(pid)
+                if pid in locked and send is not None and send(P.Held(id=0, region=r.id)):
+                    r.held_runtimes.append(send)
         self.core.trace(
             "lock",
             r,
@@ -463,9 +471,10 @@ class Regions:
             except Exception as e:
                 log.error("unlock_failed", region=r.id, error=repr(e))
             r.locked_pids.clear()
-        for send in r.quiesced:
+        for send in (*r.quiesced, *r.held_runtimes):
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
+        r.held_runtimes.clear()
         self.drain.refresh(r)
         await self.cores.restore(r)
 

@@ -200,6 +200,8 @@ class Connection:
                     self.send(P.Ok(id=req.id))
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
+                case P.ExitHeld():
+                    daemon.exit_held(req, self.pid)
                 case P.Adopt():
                     self._spawn(req.id, daemon.adopt(req, self.pid, self.send))
                 case P.Timeline():

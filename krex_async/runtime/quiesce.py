@@ -13,6 +13,11 @@
 The connection closing (daemon gone) opens the gate too, and the main thread never waits longer
 than KREX_QUIESCE_MAX_S (default 600) in one quiesce: nothing here can hang a program forever.
 
+A process a region locked through the driver is told so (Held(region)); if its interpreter exits
+before that region's Resume, stop() (at exit) sends ExitHeld and waits for the Resume, at most
+KREX_EXIT_HOLD_MAX_S (default 120): the exit tears the CUDA context down and frees its memory
+through the driver, GPU work that no lock stops and that slowed a sibling's timing on the H200.
+
 Frames are those of krex_async.protocol (4-byte big-endian length, msgpack map with a "type" tag)
 but encoded here with a small msgpack codec of the standard library: the command's interpreter may
 lack msgspec, and the runtime must cost nothing at start-up. tests/runtime check the codec against
@@ -200,6 +205,8 @@ class _Listener:
         self.in_handler = False
         self.acks = 0  # how many quiesces this process acknowledged
         self.gpu = False  # a GPU device file was seen open here (sticky)
+        self.held: str | None = None  # the region that locked this process (Held), until its Resume
+        self.held_gate = _thread.allocate_lock()  # acquired while held
         self.finished = _thread.allocate_lock()  # released when the listener thread is done
         self.finished.acquire()
 
@@ -234,6 +241,30 @@ class _Listener:
             if p is not None and (not region or p.region == region):
                 self.pending = None
                 p.released.release()
+            if self.held is not None and (not region or self.held == region):
+                self.held = None
+                self.held_gate.release()
+
+    def on_held(self, region: str) -> None:
+        with self.mu:
+            if self.closed:
+                return
+            if self.held is None:
+                self.held_gate.acquire()
+            self.held = region
+
+    def wait_unheld(self) -> None:
+        """At exit: while a region holds this process, say so and wait for its Resume (bounded)."""
+        region = self.held
+        if region is None:
+            return
+        try:
+            self.send({"type": "exit_held", "id": 0, "region": region, "pid": os.getpid()})
+        except OSError:
+            return
+        cap = float(os.environ.get("KREX_EXIT_HOLD_MAX_S") or 120)
+        if self.held_gate.acquire(True, cap):
+            self.held_gate.release()
 
     def close(self) -> None:
         with self.mu:
@@ -241,6 +272,9 @@ class _Listener:
             p, self.pending = self.pending, None
             if p is not None:
                 p.released.release()
+            if self.held is not None:
+                self.held = None
+                self.held_gate.release()
         try:
             self.sock.close()
         except OSError:
@@ -406,6 +440,8 @@ def run(
                 st.on_quiesce(int(msg.get("id") or 0), str(msg.get("region") or ""))
             elif kind == "resume":
                 st.on_resume(str(msg.get("region") or ""))
+            elif kind == "held":
+                st.on_held(str(msg.get("region") or ""))
             elif kind == "error" and int(msg.get("id") or 0) in (1, 2):
                 return  # the daemon refused this process (bad token, not a command): stay quiet
     except BaseException:  # noqa: BLE001
@@ -426,6 +462,10 @@ def stop(wait_s: float = 0.5) -> None:
     st = _state
     if st is None:
         return
+    try:
+        st.wait_unheld()
+    except BaseException:  # noqa: BLE001  (an interrupt at exit: exit now, as without krex)
+        pass
     try:
         st.sock.shutdown(_socket.SHUT_RDWR)
     except OSError:

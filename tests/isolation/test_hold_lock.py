@@ -564,3 +564,65 @@ async def test_late_lock_is_undone_by_the_watchdog(fake: Fake, script, tmp_path:
             await asyncio.sleep(0.01)
         assert fake.lock_state(late) == 0 and time.monotonic() - t0 < 1.0, "the watchdog did not unlock"
         os.kill(late, signal.SIGKILL)
+
+
+# A Python sibling holding the stand-in GPU file with a context of the fake driver (so a region
+# locks it), its krex runtime loaded as in every command; it exits when told, by sys.exit (the
+# runtime's exit hook runs) or os._exit (it does not).
+EXITING = """
+import ctypes, os, sys, time
+lib = ctypes.CDLL(sys.argv[1])
+fd = os.open("/dev/nvidia0", os.O_RDWR)
+assert lib.cuCtxCreate_v2(ctypes.byref(ctypes.c_void_p()), 0, 0) == 0
+state = sys.argv[2]
+open(state + ".ready", "w").write(str(os.getpid()))
+while not os.path.exists(state + ".go"):
+    time.sleep(0.002)
+open(state + ".exiting", "w").write(repr(time.time()))
+if sys.argv[3] == "os._exit":
+    os._exit(0)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["sys.exit", "os._exit"])
+async def test_a_locked_sibling_exits_after_the_region(fake: Fake, script, tmp_path: Path, how: str) -> None:
+    """A locked sibling that exits during a region would free its GPU memory beside the timing (the
+    driver's teardown, which no lock stops): its runtime defers the exit to the region's release
+    and the report names it (exit_deferred). An exit its runtime cannot see (os._exit) ends during
+    the region, and the report says so (held_exited)."""
+    owner = script("owner.py", OWNER)
+    sib = script("exiting.py", EXITING)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    argv = fake.argv("x")[:-5] + [PY, str(sib), fake.lib, state, how]  # the GPU-file wrapper
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h = await c.submit(argv, env=daemon_env(fake))
+            deadline = time.monotonic() + 20
+            while not os.path.exists(state + ".ready"):
+                assert time.monotonic() < deadline, "the sibling did not start"
+                await asyncio.sleep(0.01)
+            pid = int(Path(state + ".ready").read_text())
+            await asyncio.sleep(0.5)  # its runtime has announced itself to the daemon
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "1.0"], env=py_env()))
+            await granted(marker)
+            assert fake.lock_state(pid) == 1, "the sibling was not locked"
+            Path(state + ".go").write_text("")
+            res_sib = await h.wait()
+            t_end = time.time()
+            res = await run
+    assert res.returncode == 0 and res_sib.returncode == 0, (res.stderr, res_sib.stderr)
+    rep = json.loads(res.stdout)
+    t_grant = float(marker.read_text())
+    t_release = t_grant + rep["held_s"]
+    t_exiting = float(Path(state + ".exiting").read_text())
+    assert t_exiting < t_release - 0.5, "the sibling did not begin its exit inside the region"
+    if how == "sys.exit":
+        assert t_end >= t_release - 0.05, f"ended {t_release - t_end:.3f} s before the release"
+        assert rep["exit_deferred"] == [pid], rep
+        assert "held_exited" not in rep, rep
+    else:
+        assert t_end < t_release - 0.3, "os._exit waited for the release?"
+        assert rep["held_exited"] == [h.command], rep
+        assert "exit_deferred" not in rep, rep

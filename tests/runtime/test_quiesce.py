@@ -282,3 +282,67 @@ def test_pool_worker_arms_later(server: Server, tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+EXIT_WHEN_TOLD = r"""
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.005)
+sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("end", ["resume", "daemon-gone", "cap"])
+def test_a_held_process_exits_after_its_region(server: Server, tmp_path: Path, end: str) -> None:
+    """Told Held(region), an interpreter that exits says ExitHeld and waits for that region's
+    Resume (a Resume for another region does not free it); the daemon's death or
+    KREX_EXIT_HOLD_MAX_S end the wait too, and the exit status is the program's either way."""
+    go = tmp_path / "go"
+    extra = {"KREX_EXIT_HOLD_MAX_S": "1.0"} if end == "cap" else {}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXIT_WHEN_TOLD, str(go)], env=command_env(server.path, **extra)
+    )
+    try:
+        peer = server.accept()
+        assert peer is not None, "the runtime never connected"
+        peer.send(P.Held(id=0, region="r1"))
+        time.sleep(0.2)
+        go.write_text("")
+        msg = peer.recv(5)
+        assert isinstance(msg, P.ExitHeld) and (msg.region, msg.pid) == ("r1", proc.pid), msg
+        peer.send(P.Resume(id=0, region="other"))
+        time.sleep(0.4)
+        assert proc.poll() is None, "the exit did not wait for the region"
+        t0 = time.monotonic()
+        if end == "resume":
+            peer.send(P.Resume(id=0, region="r1"))
+        elif end == "daemon-gone":
+            peer.close()
+        assert proc.wait(5) == 5
+        waited = time.monotonic() - t0
+        assert waited < (1.0 if end == "cap" else 0.5), waited
+        if end == "cap":
+            assert waited > 0.2, "the cap ended the wait early"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_unheld_process_exits_at_once(server: Server, tmp_path: Path) -> None:
+    """Held, then resumed before the exit: the exit neither waits nor says ExitHeld."""
+    go = tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_WHEN_TOLD, str(go)], env=command_env(server.path))
+    try:
+        peer = server.accept()
+        assert peer is not None
+        peer.send(P.Held(id=0, region="r1"))
+        peer.send(P.Resume(id=0, region="r1"))
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        go.write_text("")
+        assert proc.wait(5) == 5
+        assert time.monotonic() - t0 < 0.5
+        assert peer.recv(0.2) is None, "an ExitHeld without a region holding it"
+    finally:
+        proc.kill()
+        proc.wait()
