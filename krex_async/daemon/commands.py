@@ -121,6 +121,8 @@ class Command:
     report: P.CommandReport | None = None
     subscribers: list[Subscriber] = field(default_factory=list)
     runtimes: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)  # pid -> send
+    # interpreters whose program a pool worker runs: each waits, idle, for the worker's status
+    adopters: set[int] = field(default_factory=set)
     regions: list[P.RegionReport] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
     started: float = 0.0

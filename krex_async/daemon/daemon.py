@@ -246,7 +246,11 @@ class Daemon:
             await pool.warm_soon(self.config.pool_wait)
             await self.regions.hold_arrival(cmd)
 
-        await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
+        cmd.adopters.add(peer_pid)
+        try:
+            await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
+        finally:
+            cmd.adopters.discard(peer_pid)
 
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")

@@ -52,7 +52,12 @@ class Drain:
         The owner's other processes are included when the region freezes them."""
         owners = [(c, pid, send) for c in targets for pid, send in c.runtimes.items()]
         if r.request.freeze_own_children:
-            owners += [(r.command, pid, send) for pid, send in r.command.runtimes.items() if pid != r.pid]
+            idle = r.command.adopters  # they wait for their worker: nothing of theirs to stop
+            owners += [
+                (r.command, pid, send)
+                for pid, send in r.command.runtimes.items()
+                if pid != r.pid and pid not in idle
+            ]
         now = time.monotonic()
         owners = [o for o in owners if now - self.silent.get((o[1], o[2]), -SILENT_S) >= SILENT_S]
         if self.core.config.quiesce == "all":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -679,3 +680,45 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
         assert sorted(r.stdout for r in got) == sorted(
             [b"adopted True\n"] * adopted + [b"adopted False\n"] * (2 - adopted)
         ), wait
+
+
+# An adopted program that takes a region and prints its report: with `child`, it first starts a
+# process of its own (still running through the region), which the region must freeze.
+REGION_JOB = (
+    MARK
+    + """
+import subprocess, sys, time, msgspec
+from krex_async import region
+kid = None
+if "child" in sys.argv:
+    kid = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(30)"])
+with region("timing", freeze_own_children=True) as r:
+    time.sleep(0.1)
+if kid is not None:
+    kid.kill()
+print(_M)
+print(msgspec.json.encode(r.report).decode())
+"""
+)
+
+
+@pytest.mark.parametrize("child", [False, True])
+async def test_an_adopted_programs_region_leaves_its_waiting_interpreter_alone(
+    tmp_path: Path, child: bool
+) -> None:
+    """The interpreter a worker adopted only waits for the worker's status, so a region of the
+    adopted program does not freeze it (which would move the worker into the keep/ cgroup first:
+    20-100 ms on the H200); a real child process of the program is still frozen."""
+    job = write(tmp_path, "job.py", REGION_JOB)
+    async with pooled_daemon() as d, await d.client() as c:
+        # exec: as bash -c runs a single command (the gateway's jobs), no shell waits beside it
+        res = await run_sh(c, f"exec {PY} {job}{' child' if child else ''}", tmp_path)
+    assert res.returncode == 0, res.stderr
+    marker, report = res.stdout.decode().splitlines()[:2]
+    assert marker == "True", "not adopted"
+    rep = json.loads(report)
+    assert rep["outcome"] == "released", rep
+    if child:
+        assert rep.get("frozen_pids", 0) >= 1, rep
+    else:
+        assert rep.get("frozen_pids", 0) == 0 and rep.get("frozen", []) == [], rep
