@@ -155,6 +155,9 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "outcome": dict(Counter(g.get("outcome", "") for g in rs)),
         "strays": sum(int(g.get("strays", 0)) for g in rs),
         "tainted": sum(bool(g.get("tainted")) for g in rs),
+        # locked siblings' exits: deferred to the release by their runtime, or not (issue 22)
+        "exits_deferred": sum(len(g.get("exit_deferred", [])) for g in rs),
+        "held_exited": sum(len(g.get("held_exited", [])) for g in rs),
         "stray_who": dict(who),
         **extra,
     }
@@ -314,6 +317,8 @@ def table(s: dict[str, Any]) -> str:
             f"{ms('quiesce_p50_s')} {ms('freeze_p50_s')} {ms('drain_p50_s')} "
             f"{_f(g['held_p50_s'], '6.2f')}  {g['quiesce']} {g['drain']} strays {g['strays']}"
             f" tainted {g['tainted']}"
+            + (f" exits deferred {g['exits_deferred']}" if g.get("exits_deferred") else "")
+            + (f" held exited {g['held_exited']}" if g.get("held_exited") else "")
         )
         for who, n in g["stray_who"].items():
             out.append(f"{'':<12} stray x{n}: {who}")
