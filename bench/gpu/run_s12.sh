@@ -1,0 +1,34 @@
+#!/bin/bash
+# What the next accelerator session owes the open issues (21-24), after session 11's fixes (the lock
+# wait, deferred exits of locked siblings, adopted programs' regions): three device calls.
+#   bash bench/gpu/run_s12.sh 1   # ~9.5 min: bench.jobs, default set, every variant in one run:
+#                                 # region (the default hold), region-all, region-pool, shared,
+#                                 # shared-pool, command
+#   bash bench/gpu/run_s12.sh 2   # ~8 min: the default set again with region, region-pool and shared
+#                                 # (how much jobs/min moves between runs), then the two Atrex evals
+#                                 # the check's fixes are about (broken candidate, lock_clocks)
+#   bash bench/gpu/run_s12.sh 3   # ~8 min: the replay of gpu-10min, seed 2, all three policies
+# Results as run_s10.sh's ($OUT/s12-N.tgz, $OUT/s12-N.log, top-level JSON). Environment: VARIANTS,
+# JOBS_BUDGET, JOBS_TIMEOUT, JOBS_ARGS, ATREX_TIMEOUT, ATREX_ARGS, REPLAY_TIMEOUT, REPLAY_ARGS,
+# BATCH_DRY=1 (print the commands only).
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+source bench/gpu/batch.sh
+call=${1:-}
+case $call in 1|2|3) ;; *) echo "usage: bash bench/gpu/run_s12.sh 1|2|3"; exit 2 ;; esac
+batch_setup "s12-$call" "s12-$call"
+pool="--pool-size 8 --pool-preload torch"
+case $call in
+1)
+  batch_jobs "${JOBS_TIMEOUT:-570}" "${JOBS_BUDGET:-540}" "region" "region-pool:$pool" "shared" \
+    "shared-pool:$pool" "command" "region-all:--freeze all"
+  ;;
+2)
+  batch_jobs "${JOBS_TIMEOUT:-400}" "${JOBS_BUDGET:-370}" "region" "region-pool:$pool" "shared"
+  batch_atrex "${ATREX_TIMEOUT:-120}" --only eval-broken eval-lock-clocks
+  ;;
+3)
+  batch_replay "${REPLAY_TIMEOUT:-560}" gpu-10min 2
+  ;;
+esac
+batch_end
