@@ -316,6 +316,7 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     # kernel by 11% for 0.1 s (bench/RESULTS.md section 0).
     exit_deferred: list[int] = []
     held_exited: list[str] = []
+    exits_waited: list[int] = []  # those deferred by an earlier region, waited for before this grant
     pool_locked: list[int] = []  # the device's pool workers outside any command, locked
     # pool workers outside any command that hold a GPU file but could not be locked: pid -> why
     pool_unheld: dict[int, str] = {}

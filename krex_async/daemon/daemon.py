@@ -662,6 +662,7 @@ class Daemon:
         r = self.regions.active.get(req.region)
         if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
             r.report.exit_deferred.append(peer_pid)
+            self.regions.exiting[peer_pid] = (r.device, time.monotonic())
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)

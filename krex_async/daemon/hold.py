@@ -26,6 +26,7 @@ driver to lock it as that call ends, before the grant, and freezes its command i
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -214,6 +215,38 @@ async def lock_commands(
 
 
 _GONE = LateLock(pid=0, command="")
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def wait_exits(pids: Sequence[int], timeout: float) -> list[int]:
+    """Wait, up to `timeout`, for `pids` to exit (pidfd readable: their files, GPU ones included,
+    are closed by then); returns those that did, the ones already gone among them."""
+    loop = asyncio.get_running_loop()
+    gone: list[int] = []
+    futs: dict[int, asyncio.Future[None]] = {}
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # gone already
+                gone.append(pid)
+                continue
+            fds.append(fd)
+            fut: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _settle, fut)
+            futs[pid] = fut
+        if futs:
+            await asyncio.wait(futs.values(), timeout=timeout)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+    return gone + [p for p, f in futs.items() if f.done()]
 
 
 async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group], timeout: float) -> list[Freeze]:

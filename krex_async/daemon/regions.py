@@ -39,6 +39,7 @@ from krex_async.daemon.hold import (
     freeze_tolerant,
     lock_commands,
     unheld,
+    wait_exits,
 )
 from krex_async.isolation.base import Freeze, Group, IsolationError
 from krex_async.probes.hold import HOLD
@@ -60,6 +61,10 @@ class Regions:
         cfg = core.config
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout, cfg.lock_wait)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
+        # processes whose exit a region deferred (ExitHeld): pid -> (device, when); the next region
+        # on that device waits for them to be gone, or they would be locked mid-exit and tear
+        # their context down beside its timing
+        self.exiting: dict[int, tuple[str, float]] = {}
 
     def create(
         self,
@@ -269,6 +274,7 @@ class Regions:
         rep = r.report
         backend = self.core.backend
         timeout = self.core.config.freeze_timeout
+        await self._exits(r)
         pool = self.core.pools.get(r.device)
         quiet: asyncio.Future[float] | None = None
         if pool is not None:
@@ -384,6 +390,15 @@ class Regions:
             # _release runs (LockPool.lock_many is bounded)
             await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
             raise
+
+    async def _exits(self, r: Region) -> None:
+        """Wait (--lock-wait at most) for the siblings on r's device whose exit an earlier region
+        deferred: released, they are tearing their CUDA context down now."""
+        now = time.monotonic()
+        mine = [p for p, (dev, t) in self.exiting.items() if dev == r.device and now - t < 60]
+        self.exiting = {p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < 60}
+        if mine:
+            r.report.exits_waited = await wait_exits(mine, self.core.config.lock_wait)
 
     def _pool_workers(self, r: Region, how: str, to_lock: dict[str, list[int]]) -> list[int]:
         """Under the lock: the device's pool workers in no command that hold a GPU device file

@@ -579,6 +579,15 @@ open(state + ".ready", "w").write(str(os.getpid()))
 while not os.path.exists(state + ".go"):
     time.sleep(0.002)
 open(state + ".exiting", "w").write(repr(time.time()))
+
+
+class _SlowToDie:  # finalised after the exit hooks: the exit lasts 0.3 s more, as a torch teardown does
+    def __del__(self, sleep=time.sleep):
+        sleep(0.3)
+
+
+if sys.argv[3] == "slow":
+    _last = _SlowToDie()
 if sys.argv[3] == "os._exit":
     os._exit(0)
 sys.exit(0)
@@ -626,3 +635,40 @@ async def test_a_locked_sibling_exits_after_the_region(fake: Fake, script, tmp_p
         assert t_end < t_release - 0.3, "os._exit waited for the release?"
         assert rep["held_exited"] == [h.command], rep
         assert "exit_deferred" not in rep, rep
+
+
+async def test_the_next_region_waits_for_a_deferred_exit(fake: Fake, script, tmp_path: Path) -> None:
+    """A sibling whose exit the first region deferred tears its context down as that region is
+    released (here for 0.3 s). The region queued behind it waits for that exit before its grant
+    (else it would lock the process mid-exit and the teardown would run beside its own timing):
+    the sibling is gone by the second grant, which names it in exits_waited; nothing is
+    held_exited."""
+    owner = script("owner.py", OWNER)
+    sib = script("exiting.py", EXITING)
+    m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
+    state = str(tmp_path / "sib")
+    argv = fake.argv("x")[:-5] + [PY, str(sib), fake.lib, state, "slow"]
+    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h = await c.submit(argv, env=daemon_env(fake))
+            deadline = time.monotonic() + 20
+            while not os.path.exists(state + ".ready"):
+                assert time.monotonic() < deadline, "the sibling did not start"
+                await asyncio.sleep(0.01)
+            pid = int(Path(state + ".ready").read_text())
+            await asyncio.sleep(0.5)
+            first = asyncio.ensure_future(c.run([PY, owner, str(m1), "0.8"], env=py_env()))
+            await granted(m1)
+            second = asyncio.ensure_future(c.run([PY, owner, str(m2), "0.3"], env=py_env()))
+            await asyncio.sleep(0.3)  # the second region is asked for, and waits for the first
+            Path(state + ".go").write_text("")
+            await granted(m2)
+            alive_at_grant = proc_state(pid) not in (None, "Z")
+            r1, r2 = await first, await second
+            assert (await h.wait()).returncode == 0
+    rep1, rep2 = json.loads(r1.stdout), json.loads(r2.stdout)
+    assert rep1["exit_deferred"] == [pid], rep1
+    assert not alive_at_grant, "the second region was granted before the sibling's exit ended"
+    assert rep2.get("exits_waited") == [pid], rep2
+    assert "held_exited" not in rep1 and "held_exited" not in rep2, (rep1, rep2)
+    assert pid not in rep2.get("locked_pids", []), rep2
