@@ -158,6 +158,7 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         # locked siblings' exits: deferred to the release by their runtime, or not (issue 22)
         "exits_deferred": sum(len(g.get("exit_deferred", [])) for g in rs),
         "held_exited": sum(len(g.get("held_exited", [])) for g in rs),
+        "exits_waited": sum(len(g.get("exits_waited", [])) for g in rs),
         "stray_who": dict(who),
         **extra,
     }
@@ -319,6 +320,7 @@ def table(s: dict[str, Any]) -> str:
             f" tainted {g['tainted']}"
             + (f" exits deferred {g['exits_deferred']}" if g.get("exits_deferred") else "")
             + (f" held exited {g['held_exited']}" if g.get("held_exited") else "")
+            + (f" exits waited {g['exits_waited']}" if g.get("exits_waited") else "")
         )
         for who, n in g["stray_who"].items():
             out.append(f"{'':<12} stray x{n}: {who}")
