@@ -7,12 +7,24 @@
 #   batch_step NAME LIMIT CMD...   run CMD under `timeout LIMIT`, output in $res/NAME.log, then
 #                       print its rc, time and log tail, and pack again (a call cut short by its
 #                       limit still returns every step finished before it)
+#   batch_call SESSION LAST ARG   a run_sNN.sh's call number checked, `call` set, batch_setup run
 #   batch_jobs LIMIT BUDGET VARIANT...   bench.jobs on the default KernelBench set (VARIANTS, quoted
 #                       NAME:ARGS items, replace the list; JOBS_ARGS are added)
 #   batch_atrex LIMIT ARG...   bench.gateway_profile_check on .suites/atrex-bench (ATREX_ARGS added)
 #   batch_replay LIMIT PROFILE SEED   bench.replay --pace trace under the delegated krexbench cgroup
 # BATCH_DRY=1 prints each step's command instead of running it and skips the set-up's installs
 # (checks this script's logic on a machine without the accelerator).
+
+batch_call() {
+  # SESSION LAST ARG: check that ARG is a call number 1..LAST (else print the usage and exit 2),
+  # set `call` to it and run batch_setup for SESSION-ARG
+  local session=$1 last=$2
+  call=${3:-}
+  if ! [[ "$call" =~ ^[0-9]+$ ]] || [ "$call" -lt 1 ] || [ "$call" -gt "$last" ]; then
+    echo "usage: bash bench/gpu/run_$session.sh 1..$last"; exit 2
+  fi
+  batch_setup "$session-$call" "$session-$call"
+}
 
 batch_setup() {
   tag=$1 pack_name=$2

@@ -17,9 +17,7 @@
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 source bench/gpu/batch.sh
-call=${1:-}
-case $call in 1|2|3) ;; *) echo "usage: bash bench/gpu/run_s10.sh 1|2|3"; exit 2 ;; esac
-batch_setup "s10-$call" "s10-$call"
+batch_call s10 3 "${1:-}"
 case $call in
 1)
   # the driver lock through a daemon (53 s on the H200 in session 9), then the open question of

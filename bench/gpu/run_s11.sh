@@ -15,9 +15,7 @@
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 source bench/gpu/batch.sh
-call=${1:-}
-case $call in 1|2|3) ;; *) echo "usage: bash bench/gpu/run_s11.sh 1|2|3"; exit 2 ;; esac
-batch_setup "s11-$call" "s11-$call"
+batch_call s11 3 "${1:-}"
 case $call in
 1)
   pool="--pool-size 8 --pool-preload torch"

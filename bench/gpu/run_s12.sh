@@ -14,9 +14,7 @@
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 source bench/gpu/batch.sh
-call=${1:-}
-case $call in 1|2|3) ;; *) echo "usage: bash bench/gpu/run_s12.sh 1|2|3"; exit 2 ;; esac
-batch_setup "s12-$call" "s12-$call"
+batch_call s12 3 "${1:-}"
 pool="--pool-size 8 --pool-preload torch"
 case $call in
 1)

@@ -594,6 +594,19 @@ sys.exit(0)
 """
 
 
+async def _start_exiting(c: Client, fake: Fake, script, state: str, how: str) -> tuple[Any, int]:
+    """EXITING as a command holding the stand-in GPU file; returns once its runtime has had time
+    to announce itself to the daemon."""
+    argv = fake.argv("x")[:-5] + [PY, str(script("exiting.py", EXITING)), fake.lib, state, how]
+    h = await c.submit(argv, env=daemon_env(fake))
+    deadline = time.monotonic() + 20
+    while not os.path.exists(state + ".ready"):
+        assert time.monotonic() < deadline, "the sibling did not start"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.5)
+    return h, int(Path(state + ".ready").read_text())
+
+
 @pytest.mark.parametrize("how", ["sys.exit", "os._exit"])
 async def test_a_locked_sibling_exits_after_the_region(fake: Fake, script, tmp_path: Path, how: str) -> None:
     """A locked sibling that exits during a region would free its GPU memory beside the timing (the
@@ -601,19 +614,11 @@ async def test_a_locked_sibling_exits_after_the_region(fake: Fake, script, tmp_p
     and the report names it (exit_deferred). An exit its runtime cannot see (os._exit) ends during
     the region, and the report says so (held_exited)."""
     owner = script("owner.py", OWNER)
-    sib = script("exiting.py", EXITING)
     marker = tmp_path / "granted"
     state = str(tmp_path / "sib")
-    argv = fake.argv("x")[:-5] + [PY, str(sib), fake.lib, state, how]  # the GPU-file wrapper
     async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
         async with await d.client() as c:
-            h = await c.submit(argv, env=daemon_env(fake))
-            deadline = time.monotonic() + 20
-            while not os.path.exists(state + ".ready"):
-                assert time.monotonic() < deadline, "the sibling did not start"
-                await asyncio.sleep(0.01)
-            pid = int(Path(state + ".ready").read_text())
-            await asyncio.sleep(0.5)  # its runtime has announced itself to the daemon
+            h, pid = await _start_exiting(c, fake, script, state, how)
             run = asyncio.ensure_future(c.run([PY, owner, str(marker), "1.0"], env=py_env()))
             await granted(marker)
             assert fake.lock_state(pid) == 1, "the sibling was not locked"
@@ -644,19 +649,11 @@ async def test_the_next_region_waits_for_a_deferred_exit(fake: Fake, script, tmp
     the sibling is gone by the second grant, which names it in exits_waited; nothing is
     held_exited."""
     owner = script("owner.py", OWNER)
-    sib = script("exiting.py", EXITING)
     m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
     state = str(tmp_path / "sib")
-    argv = fake.argv("x")[:-5] + [PY, str(sib), fake.lib, state, "slow"]
     async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
         async with await d.client() as c:
-            h = await c.submit(argv, env=daemon_env(fake))
-            deadline = time.monotonic() + 20
-            while not os.path.exists(state + ".ready"):
-                assert time.monotonic() < deadline, "the sibling did not start"
-                await asyncio.sleep(0.01)
-            pid = int(Path(state + ".ready").read_text())
-            await asyncio.sleep(0.5)
+            h, pid = await _start_exiting(c, fake, script, state, "slow")
             first = asyncio.ensure_future(c.run([PY, owner, str(m1), "0.8"], env=py_env()))
             await granted(m1)
             second = asyncio.ensure_future(c.run([PY, owner, str(m2), "0.3"], env=py_env()))
