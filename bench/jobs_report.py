@@ -159,6 +159,7 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "exits_deferred": sum(len(g.get("exit_deferred", [])) for g in rs),
         "held_exited": sum(len(g.get("held_exited", [])) for g in rs),
         "exits_waited": sum(len(g.get("exits_waited", [])) for g in rs),
+        "exits_unfinished": sum(len(g.get("exits_unfinished", [])) for g in rs),
         "stray_who": dict(who),
         **extra,
     }
@@ -321,6 +322,7 @@ def table(s: dict[str, Any]) -> str:
             + (f" exits deferred {g['exits_deferred']}" if g.get("exits_deferred") else "")
             + (f" held exited {g['held_exited']}" if g.get("held_exited") else "")
             + (f" exits waited {g['exits_waited']}" if g.get("exits_waited") else "")
+            + (f" unfinished {g['exits_unfinished']}" if g.get("exits_unfinished") else "")
         )
         for who, n in g["stray_who"].items():
             out.append(f"{'':<12} stray x{n}: {who}")

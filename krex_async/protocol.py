@@ -317,6 +317,7 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     exit_deferred: list[int] = []
     held_exited: list[str] = []
     exits_waited: list[int] = []  # those deferred by an earlier region, waited for before this grant
+    exits_unfinished: list[int] = []  # ... and still exiting after --lock-wait (then held as any)
     pool_locked: list[int] = []  # the device's pool workers outside any command, locked
     # pool workers outside any command that hold a GPU file but could not be locked: pid -> why
     pool_unheld: dict[int, str] = {}

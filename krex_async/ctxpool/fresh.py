@@ -304,13 +304,25 @@ def _print_uncaught(tp: type[BaseException], e: BaseException, tb: Any) -> None:
         sys.__excepthook__(tp, e, tb)
 
 
-def finish(code: int) -> None:
-    """Interpreter exit without exiting: join non-daemon threads, run atexit handlers, flush stdio."""
+# True while a worker that stays (it serves another command next) runs a program's exit handlers:
+# the krex runtime's exit hook then need not wait out a region that holds it (runtime/quiesce.py:
+# nothing is torn down, its context stays)
+staying = False
+
+
+def finish(code: int, stay: bool = False) -> None:
+    """Interpreter exit without exiting: join non-daemon threads, run atexit handlers, flush stdio.
+    `stay`: the worker serves again afterwards (its context is not torn down)."""
+    global staying
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not t.daemon:
             t.join()
-    atexit._run_exitfuncs()
+    staying = stay
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        staying = False
     atexit._clear()
     for s in (sys.stdout, sys.stderr):
         try:

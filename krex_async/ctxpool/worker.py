@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
         code, interrupted = _serve(msg["spec"], fds, sock, base, lc_ctype, last, tops)
         if last or os.getpid() != me:  # single use, or a forked child of the command finishing
             return _exit_like_python(code, interrupted)
-        fresh.finish(code)
+        fresh.finish(code, stay=True)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         reason = fresh.leave(base, devnull, msg["spec"])
         gc.collect()  # the command's __main__ and what it held go now

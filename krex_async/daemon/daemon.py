@@ -47,6 +47,7 @@ from krex_async.daemon.timeline import TraceRing
 from krex_async.devices import Node, NoDevice, place
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
+from krex_async.isolation.cudalock import start_time
 from krex_async.linux.procfs import stat_fields
 from krex_async.linux.spawn import Launched, LaunchSpec
 from krex_async.scheduler import Scheduler
@@ -662,7 +663,7 @@ class Daemon:
         r = self.regions.active.get(req.region)
         if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
             r.report.exit_deferred.append(peer_pid)
-            self.regions.exiting[peer_pid] = (r.device, time.monotonic())
+            self.regions.exiting[peer_pid] = (r.device, time.monotonic(), start_time(peer_pid))
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from krex_async import logs
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
 from krex_async.isolation.cudalock import Driver, LockPool, LockResult, open_driver, release_left, start_time
+from krex_async.linux.procfs import stat_fields
 from krex_async.protocol import LateLock
 
 if TYPE_CHECKING:
@@ -163,36 +164,15 @@ async def lock_commands(
     owner = {p: c.id for c in cmds for p in pids[c.id]} | {p: "" for p in workers}
     try:
         res = await hold.pool.lock_many(list(owner), hold.timeout)
-        busy = [p for p, x in res.items() if x.not_ready]
-        if busy:
-            for p in busy:
-                r.late[p] = LateLock(pid=p, command=owner[p], attempts=1, state=res[p].state)
-            starts = {p: start_time(p) for p in busy}
-            again = await hold.pool.lock_many(busy, hold.wait)
-            for p in busy:
-                e, x = r.late[p], again[p]
-                e.attempts, e.after_s = 2, res[p].seconds + x.seconds
-                if x.ok:
-                    e.outcome = "locked"
-                elif starts[p] is None or start_time(p) != starts[p]:
-                    e.outcome = "exited"
-                else:
-                    e.outcome = "unheld" if not owner[p] else "frozen"
-                res[p] = LockResult(
-                    p,
-                    x.ok,
-                    e.after_s,
-                    f"inside a CUDA call for over --lock-wait {hold.wait:g}s ({x.error})"
-                    if x.not_ready
-                    else x.error,
-                )
-    except OSError as e:  # the lock record could not be written: nothing more was locked
+    except OSError as e:  # the lock record could not be written: nothing was locked
         rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
         rep.pool_unheld.update({p: f"lock record unwritable: {e}" for p in workers})
-        rep.lock_late = list(r.late.values())
         return list(cmds)
+    busy = [p for p, x in res.items() if x.not_ready]
+    if busy:
+        await _wait_busy(hold, r, busy, owner, res)
     rep.lock_s += time.perf_counter() - t0  # a second call: the pool worker that warmed meanwhile
-    rep.lock_max_s = max((x.seconds for x in res.values()), default=rep.lock_max_s)
+    rep.lock_max_s = max([rep.lock_max_s, *(x.seconds for x in res.values())])
     r.locked_pids.extend(p for p, x in res.items() if x.ok)
     rep.locked_pids = list(r.locked_pids)
     rep.lock_late = list(r.late.values())
@@ -208,10 +188,45 @@ async def lock_commands(
             x = bad[0]
             rep.hold_fallback[c.id] = f"pid {x.pid} holds a GPU device file but was not locked: {x.error}"
             fallback.append(c)
-        else:
+        elif any(res[p].ok for p in pids[c.id]):
             r.locked_ids.append(c.id)
+        # else every GPU process of it exited meanwhile: nothing of it to hold (fenced)
     rep.locked = list(r.locked_ids)
     return fallback
+
+
+async def _wait_busy(
+    hold: Hold, r: Region, busy: list[int], owner: dict[int, str], res: dict[int, LockResult]
+) -> None:
+    """Lock `busy` (they answered NOT_READY: inside a CUDA call) again, bounded by --lock-wait, into
+    `res` and r.late; the driver locks each as its call ends."""
+    assert hold.pool is not None
+    for p in busy:
+        r.late[p] = LateLock(pid=p, command=owner[p], attempts=1, state=res[p].state)
+    starts = {p: start_time(p) for p in busy}
+    try:
+        again = await hold.pool.lock_many(busy, hold.wait)
+    except OSError as err:  # the record could not be written: none of these was locked
+        again = {p: LockResult(p, False, 0.0, f"lock record unwritable: {err}") for p in busy}
+    for p in busy:
+        e, x = r.late[p], again[p]
+        e.attempts, e.after_s = 2, res[p].seconds + x.seconds
+        if x.ok:
+            e.outcome = "locked"
+        elif _gone(p, starts[p]):
+            e.outcome = "exited"
+        else:
+            e.outcome = "unheld" if not owner[p] else "frozen"
+        why = (
+            f"inside a CUDA call for over --lock-wait {hold.wait:g}s ({x.error})" if x.not_ready else x.error
+        )
+        res[p] = LockResult(p, x.ok, e.after_s, why)
+
+
+def _gone(pid: int, started: int | None) -> bool:
+    """Whether `pid` (started at `started`) has exited: no such process, another one, or a zombie."""
+    fields = stat_fields(pid)
+    return started is None or fields is None or int(fields[19]) != started or fields[0] == b"Z"
 
 
 _GONE = LateLock(pid=0, command="")

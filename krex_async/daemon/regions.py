@@ -42,6 +42,7 @@ from krex_async.daemon.hold import (
     wait_exits,
 )
 from krex_async.isolation.base import Freeze, Group, IsolationError
+from krex_async.isolation.cudalock import start_time
 from krex_async.probes.hold import HOLD
 from krex_async.runtime.quiesce import holds_gpu_file
 
@@ -64,7 +65,7 @@ class Regions:
         # processes whose exit a region deferred (ExitHeld): pid -> (device, when); the next region
         # on that device waits for them to be gone, or they would be locked mid-exit and tear
         # their context down beside its timing
-        self.exiting: dict[int, tuple[str, float]] = {}
+        self.exiting: dict[int, tuple[str, float, int | None]] = {}  # pid -> (device, when, start)
 
     def create(
         self,
@@ -395,10 +396,16 @@ class Regions:
         """Wait (--lock-wait at most) for the siblings on r's device whose exit an earlier region
         deferred: released, they are tearing their CUDA context down now."""
         now = time.monotonic()
-        mine = [p for p, (dev, t) in self.exiting.items() if dev == r.device and now - t < 60]
+        mine = [
+            p
+            for p, (dev, t, started) in self.exiting.items()
+            if dev == r.device and now - t < 60 and start_time(p) == started  # not a reused pid
+        ]
         self.exiting = {p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < 60}
         if mine:
-            r.report.exits_waited = await wait_exits(mine, self.core.config.lock_wait)
+            done = await wait_exits(mine, self.core.config.lock_wait)
+            r.report.exits_waited = done
+            r.report.exits_unfinished = [p for p in mine if p not in done]
 
     def _pool_workers(self, r: Region, how: str, to_lock: dict[str, list[int]]) -> list[int]:
         """Under the lock: the device's pool workers in no command that hold a GPU device file

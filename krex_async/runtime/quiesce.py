@@ -256,7 +256,8 @@ class _Listener:
     def wait_unheld(self) -> None:
         """At exit: while a region holds this process, say so and wait for its Resume (bounded)."""
         region = self.held
-        if region is None:
+        fresh = sys.modules.get("krex_async.ctxpool.fresh")
+        if region is None or getattr(fresh, "staying", False):  # a pool worker serving on
             return
         try:
             self.send({"type": "exit_held", "id": 0, "region": region, "pid": os.getpid()})

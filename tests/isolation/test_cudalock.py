@@ -217,3 +217,57 @@ def test_hold_chooses_how_and_whom(
         assert st["mode"] == mode and st["lock_available"] == (lock and mode != "freeze")
     finally:
         h.close()
+
+
+async def test_an_unwritable_record_on_the_wait_leaves_nothing_locked_unknown(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock step's second call (the wait for a sibling inside a CUDA call) cannot record its
+    intent (a full disk): the sibling locked by the first call is still in the region's
+    locked_pids (so the release unlocks it), the busy one is frozen instead, saying why."""
+    from types import SimpleNamespace
+
+    from krex_async import protocol as P
+    from krex_async.daemon.hold import Hold, lock_commands
+
+    monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
+    h = Hold("lock", "all", str(tmp_path), 0.05, 0.5, opener=lambda: open_driver(fake.lib))
+    assert h.pool is not None
+    p1, quick = _spawn(fake, "quick", "cuda")
+    p2, busy = _spawn(fake, "busy", "slow")
+    deadline = time.monotonic() + 10
+    while fake.lock_state(busy) is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # inside its 3 s call
+    add = h.pool.record.add
+    calls = []
+
+    def add_once(pids):  # type: ignore[no-untyped-def]
+        calls.append(list(pids))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return add(pids)
+
+    monkeypatch.setattr(h.pool.record, "add", add_once)
+    r = SimpleNamespace(
+        report=P.RegionReport(region="x.1", name="t", device="nvidia0", pid=1, policy="region"),
+        late={},
+        locked_pids=[],
+        locked_ids=[],
+        t_lock=0.0,
+    )
+    a, b = SimpleNamespace(id="a"), SimpleNamespace(id="b")
+    try:
+        fallback = await lock_commands(h, r, [a, b], {"a": [quick], "b": [busy]})  # type: ignore[arg-type]
+        assert [c.id for c in fallback] == ["b"]
+        assert r.locked_pids == [quick] and fake.lock_state(quick) == 1
+        assert r.locked_ids == ["a"] and fake.lock_state(busy) == 0
+        assert "lock record unwritable" in r.report.hold_fallback["b"], r.report.hold_fallback
+        assert r.report.lock_late[0].outcome == "frozen", r.report.lock_late
+    finally:
+        await h.pool.unlock_many([quick])
+        h.close()
+        for p in (p1, p2):
+            p.kill()
+            p.wait()

@@ -346,3 +346,41 @@ def test_an_unheld_process_exits_at_once(server: Server, tmp_path: Path) -> None
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_pool_worker_that_serves_on_does_not_wait(server: Server, tmp_path: Path) -> None:
+    """A program's end in a pool worker that stays warm tears nothing down: held or not, its exit
+    hooks do not wait for the region (ctxpool/fresh.finish(stay=True) says so while they run)."""
+    go = tmp_path / "go"
+    code = (
+        "import sys, types\n"
+        "m = types.ModuleType('krex_async.ctxpool.fresh'); m.staying = True\n"
+        "sys.modules['krex_async.ctxpool.fresh'] = m\n" + EXIT_WHEN_TOLD
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(go)], env=command_env(server.path))
+    try:
+        peer = server.accept()
+        assert peer is not None
+        peer.send(P.Held(id=0, region="r1"))
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        go.write_text("")
+        assert proc.wait(5) == 5
+        assert time.monotonic() - t0 < 0.5, "a worker that stays waited for the region"
+        assert peer.recv(0.2) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_fresh_finish_marks_a_staying_worker_while_exit_hooks_run() -> None:
+    code = (
+        "import atexit\n"
+        "from krex_async.ctxpool import fresh\n"
+        "atexit.register(lambda: print('hook', fresh.staying))\n"
+        "fresh.finish(0, stay=True)\n"
+        "print('after', fresh.staying)\n"
+        "atexit.register(lambda: print('exit', fresh.staying))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert out.stdout.split("\n")[:3] == ["hook True", "after False", "exit False"], out
