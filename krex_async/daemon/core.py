@@ -118,7 +118,6 @@ class Region:
     clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
     # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry
     late: dict[int, P.LateLock] = field(default_factory=dict)
-    t_lock: float = 0.0  # when the entry's lock step began
     freezing: set[str] = field(default_factory=set)  # commands a late freeze is under way for
 
     def end(self, reason: str) -> None:

@@ -160,7 +160,6 @@ async def lock_commands(
     rep = r.report
     assert hold.pool is not None
     t0 = time.perf_counter()
-    r.t_lock = r.t_lock or t0
     owner = {p: c.id for c in cmds for p in pids[c.id]} | {p: "" for p in workers}
     try:
         res = await hold.pool.lock_many(list(owner), hold.timeout)
@@ -176,14 +175,15 @@ async def lock_commands(
     r.locked_pids.extend(p for p, x in res.items() if x.ok)
     rep.locked_pids = list(r.locked_pids)
     rep.lock_late = list(r.late.values())
+    exited = {p for p, e in r.late.items() if e.outcome == "exited"}  # nothing left to hold
     for p in workers:
         if res[p].ok:
             rep.pool_locked.append(p)
-        else:
+        elif p not in exited:
             rep.pool_unheld[p] = res[p].error
     fallback = []
     for c in cmds:
-        bad = [res[p] for p in pids[c.id] if not res[p].ok and r.late.get(p, _GONE).outcome != "exited"]
+        bad = [res[p] for p in pids[c.id] if not res[p].ok and p not in exited]
         if bad:
             x = bad[0]
             rep.hold_fallback[c.id] = f"pid {x.pid} holds a GPU device file but was not locked: {x.error}"
@@ -227,9 +227,6 @@ def _gone(pid: int, started: int | None) -> bool:
     """Whether `pid` (started at `started`) has exited: no such process, another one, or a zombie."""
     fields = stat_fields(pid)
     return started is None or fields is None or int(fields[19]) != started or fields[0] == b"Z"
-
-
-_GONE = LateLock(pid=0, command="")
 
 
 def _settle(fut: asyncio.Future[None]) -> None:

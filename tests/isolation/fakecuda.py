@@ -214,6 +214,12 @@ class Fake:
         the GPU-holder checks treat it as a GPU process on a machine without one."""
         if not gpu_file:
             return [self.sib, self.lib, name, mode]
+        return self.with_gpu_file([self.sib, self.lib, name, mode, "/dev/nvidia0", *extra])
+
+    @staticmethod
+    def with_gpu_file(argv: list[str]) -> list[str]:
+        """`argv` run in a private mount namespace where "/dev/nvidia0" is an empty file it may
+        open (see argv)."""
         return [
             "unshare",
             "-m",
@@ -223,12 +229,7 @@ class Fake:
             "-c",
             'mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 && exec "$@"',
             "sh",
-            self.sib,
-            self.lib,
-            name,
-            mode,
-            "/dev/nvidia0",
-            *extra,
+            *argv,
         ]
 
     def stats(self, name: str) -> tuple[int, int, int]:

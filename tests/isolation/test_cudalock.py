@@ -255,7 +255,6 @@ async def test_an_unwritable_record_on_the_wait_leaves_nothing_locked_unknown(
         late={},
         locked_pids=[],
         locked_ids=[],
-        t_lock=0.0,
     )
     a, b = SimpleNamespace(id="a"), SimpleNamespace(id="b")
     try:

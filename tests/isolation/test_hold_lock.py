@@ -597,7 +597,7 @@ sys.exit(0)
 async def _start_exiting(c: Client, fake: Fake, script, state: str, how: str) -> tuple[Any, int]:
     """EXITING as a command holding the stand-in GPU file; returns once its runtime has had time
     to announce itself to the daemon."""
-    argv = fake.argv("x")[:-5] + [PY, str(script("exiting.py", EXITING)), fake.lib, state, how]
+    argv = fake.with_gpu_file([PY, str(script("exiting.py", EXITING)), fake.lib, state, how])
     h = await c.submit(argv, env=daemon_env(fake))
     deadline = time.monotonic() + 20
     while not os.path.exists(state + ".ready"):
