@@ -220,6 +220,8 @@ def test_example_file_loads_and_documents_every_option():
         ("--max-connections-per-user", "0", "--max-connections-per-user: Expected `int` >= 1"),
         ("--max-commands-per-user", "0", "--max-commands-per-user: Expected `int` >= 1"),
         ("--max-inbound-bytes", "10", "--max-inbound-bytes: Expected `int` >= 1048576"),
+        ("--lock-wait", "-1", "--lock-wait: Expected `float` >= 0.0"),
+        ("--lock-wait", "11", "--lock-wait: Expected `float` <= 10.0"),
         ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
     ],
 )
