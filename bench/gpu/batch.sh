@@ -8,8 +8,8 @@
 #                       print its rc, time and log tail, and pack again (a call cut short by its
 #                       limit still returns every step finished before it)
 #   batch_call SESSION LAST ARG   a run_sNN.sh's call number checked, `call` set, batch_setup run
-#   batch_jobs LIMIT BUDGET VARIANT...   bench.jobs on the default KernelBench set (VARIANTS, quoted
-#                       NAME:ARGS items, replace the list; JOBS_ARGS are added)
+#   batch_jobs LIMIT BUDGET VARIANT...   bench.jobs on a KernelBench set (JOBS_SET, default `default`;
+#                       VARIANTS, quoted NAME:ARGS items, replace the list; JOBS_ARGS are added)
 #   batch_atrex LIMIT ARG...   bench.gateway_profile_check on .suites/atrex-bench (ATREX_ARGS added)
 #   batch_replay LIMIT PROFILE SEED   bench.replay --pace trace under the delegated krexbench cgroup
 # BATCH_DRY=1 prints each step's command instead of running it and skips the set-up's installs
@@ -96,7 +96,7 @@ batch_jobs() {
   local limit=$1 budget=$2; shift 2
   local variants=("$@")
   [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
-  batch_step jobs "$limit" python3 -m bench.jobs --kernelbench .suites/KernelBench --set default \
+  batch_step jobs "$limit" python3 -m bench.jobs --kernelbench .suites/KernelBench --set "${JOBS_SET:-default}" \
     --device gpu --variants "${variants[@]}" --budget-s "$budget" --out "$res/jobs.json" ${JOBS_ARGS:-}
 }
 
