@@ -13,6 +13,18 @@ class Clock:
     def __init__(self, core: Core) -> None:
         self.core = core
 
+    async def warm(self) -> None:
+        """Read each GPU's clock once, on the executor `settle` uses: its thread and the vendor
+        library's first query of the device (5-20 ms on the H200) are paid at start-up, not by
+        the first region's entry."""
+        node = self.core.node
+        if node is None:
+            return
+        loop = asyncio.get_running_loop()
+        for dev in self.core.devices:
+            if dev.vendor != "cpu":
+                await loop.run_in_executor(None, node.clock, dev)
+
     async def settle(self, r: Region) -> None:
         """Wait (up to --settle-ms) for a GPU clock held down by the power cap to come back.
 

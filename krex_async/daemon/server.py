@@ -647,6 +647,7 @@ async def serve(config: ServeConfig) -> int:
     for d in daemon.devices:
         daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
     start_probes(daemon)
+    await daemon.regions.clock.warm()
     await daemon.start_pools(pool_as)
     try:
         return await Server(cfg, daemon).run()
