@@ -160,6 +160,7 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "held_exited": sum(len(g.get("held_exited", [])) for g in rs),
         "exits_waited": sum(len(g.get("exits_waited", [])) for g in rs),
         "exits_unfinished": sum(len(g.get("exits_unfinished", [])) for g in rs),
+        "exits_wait_s": round(sum(float(g.get("exits_wait_s", 0.0)) for g in rs), 3),
         "stray_who": dict(who),
         **extra,
     }
@@ -321,7 +322,11 @@ def table(s: dict[str, Any]) -> str:
             f" tainted {g['tainted']}"
             + (f" exits deferred {g['exits_deferred']}" if g.get("exits_deferred") else "")
             + (f" held exited {g['held_exited']}" if g.get("held_exited") else "")
-            + (f" exits waited {g['exits_waited']}" if g.get("exits_waited") else "")
+            + (
+                f" exits waited {g['exits_waited']} ({g.get('exits_wait_s', 0.0):.2f} s)"
+                if g.get("exits_waited")
+                else ""
+            )
             + (f" unfinished {g['exits_unfinished']}" if g.get("exits_unfinished") else "")
         )
         for who, n in g["stray_who"].items():

@@ -192,9 +192,11 @@ class QuiesceAck(Msg, tag="quiesce_ack"):
 
 
 class ExitHeld(Msg, tag="exit_held"):
-    """From a command's runtime at interpreter exit: its process is locked for `region` (Held), so
-    it waits for the region's Resume before the exit frees its GPU memory (the driver's work of a
-    context teardown, which no lock stops, would run beside the region's timing)."""
+    """From a command's runtime at interpreter exit, in a process holding a GPU file: it waits for
+    a Resume before the exit frees its GPU memory (the driver's work of a context teardown, which
+    no lock stops, would run beside a region's timing). `region`: the region that locked it (Held),
+    whose release resumes it; "": the daemon resumes it at once, or at the end of the region of
+    another command that runs on its device."""
 
     id: ReqId
     region: Name
@@ -310,14 +312,16 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     taint: list[str] = []
     # Processes that answered the lock CUDA_ERROR_NOT_READY: waited for (--lock-wait) before the grant.
     lock_late: list[LateLock] = []
-    # Locked processes whose runtime deferred their exit to the region's end (ExitHeld), and held
-    # commands that ended while the region was held all the same (no runtime, os._exit, a kill):
-    # their GPU memory was freed beside the timing, which on the H200 slowed a memory-bound
-    # kernel by 11% for 0.1 s (bench/RESULTS.md section 0).
+    # Processes of other commands holding a GPU file whose runtime deferred their exit to the
+    # region's end (ExitHeld: locked by it, or exiting while it ran), and held commands that
+    # ended while the region was held all the same (no runtime, os._exit, a kill): their GPU
+    # memory was freed beside the timing, which on the H200 slowed a memory-bound kernel by 11%
+    # for 0.1 s (bench/RESULTS.md section 0).
     exit_deferred: list[int] = []
     held_exited: list[str] = []
-    exits_waited: list[int] = []  # those deferred by an earlier region, waited for before this grant
+    exits_waited: list[int] = []  # exiting processes (deferred, or begun before), waited for
     exits_unfinished: list[int] = []  # ... and still exiting after --lock-wait (then held as any)
+    exits_wait_s: float = 0.0  # how long this entry waited for them
     pool_locked: list[int] = []  # the device's pool workers outside any command, locked
     # pool workers outside any command that hold a GPU file but could not be locked: pid -> why
     pool_unheld: dict[int, str] = {}

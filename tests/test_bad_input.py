@@ -89,15 +89,18 @@ async def test_undecodable_frames_get_an_error_and_the_connection_goes_on(payloa
 
 
 async def test_exit_held_from_a_process_no_region_locked_changes_nothing():
-    """ExitHeld is the runtime's word that a locked process defers its exit: from anyone else, for
-    a region that does not exist or one that did not lock it, it is ignored (no reply, no report
-    entry) and the connection goes on."""
+    """ExitHeld is the runtime's word that a process holding a GPU file is exiting: for a region
+    that does not exist or one that did not lock it, it is ignored (no reply, no report entry);
+    from a process that is no command's runtime, the exit is let go at once (a Resume, so that a
+    runtime the daemon no longer knows never waits); and the connection goes on."""
     async with run_daemon() as d:
         s = await asyncio.to_thread(raw, d.socket)
         await asyncio.to_thread(hello, s)
         s.sendall(P.encode(P.ExitHeld(id=3, region="nope.1", pid=1)))
         s.sendall(P.encode(P.ExitHeld(id=4, region="", pid=-1)))
         s.sendall(P.encode(P.Status(id=9)))
+        reply = await asyncio.to_thread(recv, s)
+        assert isinstance(reply, P.Resume) and reply.region == "", reply
         reply = await asyncio.to_thread(recv, s)
         assert isinstance(reply, P.StatusReply) and reply.id == 9, reply
         s.close()

@@ -125,6 +125,7 @@ class Pool:
         self._resumed.set()
         self._changed = asyncio.Event()
         self._creating: asyncio.Future[None] | None = None  # a context creation in flight
+        self._creator: _Worker | None = None  # the worker creating it
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -310,10 +311,17 @@ class Pool:
     def outside(self) -> list[tuple[int, bool]]:
         """(pid, has a device context for sure) of the workers in no command: warming, idle, or
         retired and not yet gone. A region must hold those with a context itself (no command's hold
-        reaches them); a worker not known to have one may still hold a GPU file (ask /proc)."""
+        reaches them); a worker not known to have one may still hold a GPU file (ask /proc).
+
+        Less the worker creating its context: the region waits for that creation to end
+        (quiesce()) and holds the worker after. Locked in the middle of it, the worker's next CUDA
+        call would block the very creation the region waits for (on the H200: every region entry
+        60 s, CONTEXT_TIMEOUT_S, while its siblings stayed locked)."""
         ctx = self.config.init_context and self.device.vendor != "cpu"
         return sorted(
-            (w.pid, ctx and w.warmed) for w in self._workers if w.state != "busy" and not w.exited.done()
+            (w.pid, ctx and w.warmed)
+            for w in self._workers
+            if w.state != "busy" and not w.exited.done() and w is not self._creator
         )
 
     def idle_pids(self) -> list[int]:
@@ -570,6 +578,7 @@ class Pool:
                 except OSError:
                     return
                 self._creating = creating = asyncio.get_running_loop().create_future()
+                self._creator = w
                 ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
                 try:
                     await asyncio.wait(
@@ -584,7 +593,7 @@ class Pool:
                 finally:
                     ready.cancel()
                     creating.set_result(None)
-                    self._creating = None
+                    self._creating = self._creator = None
                 return
 
     @staticmethod

@@ -108,6 +108,8 @@ class Region:
     locked_ids: list[str] = field(default_factory=list)  # commands held by the lock alone
     quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
     held_runtimes: list[Callable[[P.Msg], bool]] = field(default_factory=list)  # told Held: Resume
+    # processes whose exit waits for this region's end (Daemon.exit_held): pid -> their runtime
+    exit_waiters: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)
     acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
     cores: frozenset[int] = frozenset()
     task: asyncio.Task[None] | None = None

@@ -657,13 +657,44 @@ class Daemon:
                 req.pool_declined, self._adoptable(cmd)
             )
 
-    def exit_held(self, req: P.ExitHeld, peer_pid: int) -> None:
-        """A locked process's runtime is deferring its exit to the region's end: say so in the
-        region's report (only for a process that region locked)."""
-        r = self.regions.active.get(req.region)
-        if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
+    def exit_held(self, req: P.ExitHeld, peer_pid: int, send: Send) -> None:
+        """A command's process holding a GPU file is exiting: its runtime waits for a Resume.
+
+        Locked by `req.region`: that region's release resumes it (the runtime was told Held). Else
+        the exit waits for the end of a region of another command on its device, if one runs (the
+        region's owner just released often exits while the next region times), and is resumed at
+        once otherwise. Either way the region granted next on the device waits, up to --lock-wait,
+        for the exit to finish (Regions.exiting): the driver frees the process's GPU memory."""
+        regions = self.regions
+        if req.region:  # its Resume comes with that region's release (or came: it is over)
+            r = regions.active.get(req.region)
+            if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
+                r.report.exit_deferred.append(peer_pid)
+                regions.exiting[peer_pid] = (r.device, time.monotonic(), start_time(peer_pid))
+            return
+        cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
+        if cmd is None or cmd.device is None:
+            send(P.Resume(id=0, region=""))
+            return
+        device = cmd.device.key
+        r = next(  # the region whose turn it is on the device (entering or held), not a queued one
+            (
+                x
+                for x in regions.active.values()
+                if x.device == device
+                and x.command is not cmd
+                and x.turn is not None
+                and x.turn.done()
+                and not x.releasing
+            ),
+            None,
+        )
+        if r is None:
+            regions.exiting[peer_pid] = (device, time.monotonic(), start_time(peer_pid))
+            send(P.Resume(id=0, region=""))
+        else:
+            r.exit_waiters[peer_pid] = send
             r.report.exit_deferred.append(peer_pid)
-            self.regions.exiting[peer_pid] = (r.device, time.monotonic(), start_time(peer_pid))
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
         r = self.regions.active.get(req.region)

@@ -393,8 +393,9 @@ class Regions:
             raise
 
     async def _exits(self, r: Region) -> None:
-        """Wait (--lock-wait at most) for the siblings on r's device whose exit an earlier region
-        deferred: released, they are tearing their CUDA context down now."""
+        """Wait (--lock-wait at most) for the siblings on r's device that are exiting (Daemon.exit_held):
+        their exit was deferred to an earlier region's end, or began with none on the device; the
+        driver is freeing their GPU memory now."""
         now = time.monotonic()
         mine = [
             p
@@ -403,7 +404,9 @@ class Regions:
         ]
         self.exiting = {p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < 60}
         if mine:
+            t0 = time.perf_counter()
             done = await wait_exits(mine, self.core.config.lock_wait)
+            r.report.exits_wait_s = time.perf_counter() - t0
             r.report.exits_waited = done
             r.report.exits_unfinished = [p for p in mine if p not in done]
 
@@ -500,6 +503,11 @@ class Regions:
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
         r.held_runtimes.clear()
+        now = time.monotonic()
+        for pid, send in r.exit_waiters.items():  # their exits go now: the next region waits for them
+            self.exiting.setdefault(pid, (r.device, now, start_time(pid)))
+            send(P.Resume(id=0, region=""))
+        r.exit_waiters.clear()
         self.drain.refresh(r)
         await self.cores.restore(r)
 

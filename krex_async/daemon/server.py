@@ -201,7 +201,7 @@ class Connection:
                 case P.QuiesceAck():
                     daemon.quiesce_ack(req, self.pid)
                 case P.ExitHeld():
-                    daemon.exit_held(req, self.pid)
+                    daemon.exit_held(req, self.pid, self.send)
                 case P.Adopt():
                     self._spawn(req.id, daemon.adopt(req, self.pid, self.send))
                 case P.Timeline():

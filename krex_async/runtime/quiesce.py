@@ -254,13 +254,25 @@ class _Listener:
             self.held = region
 
     def wait_unheld(self) -> None:
-        """At exit: while a region holds this process, say so and wait for its Resume (bounded)."""
-        region = self.held
+        """At exit, in a process that holds a GPU device file: say so, and wait (bounded) for the
+        daemon's Resume. It answers at once unless a region of another command runs on the
+        device, or holds this process (Held): then at that region's end. An exit frees the
+        process's GPU memory through the driver (a scrub no lock stops, 11% on a memory-bound
+        kernel's trials on the H200); the region granted next waits for the exit to finish."""
         fresh = sys.modules.get("krex_async.ctxpool.fresh")
-        if region is None or getattr(fresh, "staying", False):  # a pool worker serving on
+        if getattr(fresh, "staying", False):  # a pool worker serving on: it tears nothing down
             return
+        with self.mu:
+            if self.closed:
+                return
+            region = self.held
+            if region is None:
+                if not (self.gpu or holds_gpu_file(unreadable=True)):
+                    return
+                self.held_gate.acquire()
+                self.held = ""  # released by any Resume
         try:
-            self.send({"type": "exit_held", "id": 0, "region": region, "pid": os.getpid()})
+            self.send({"type": "exit_held", "id": 0, "region": region or "", "pid": os.getpid()})
         except OSError:
             return
         cap = float(os.environ.get("KREX_EXIT_HOLD_MAX_S") or 120)

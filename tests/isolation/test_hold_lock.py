@@ -572,21 +572,24 @@ async def test_late_lock_is_undone_by_the_watchdog(fake: Fake, script, tmp_path:
 EXITING = """
 import ctypes, os, sys, time
 lib = ctypes.CDLL(sys.argv[1])
-fd = os.open("/dev/nvidia0", os.O_RDWR)
-assert lib.cuCtxCreate_v2(ctypes.byref(ctypes.c_void_p()), 0, 0) == 0
 state = sys.argv[2]
+if sys.argv[3] != "late-open":
+    fd = os.open("/dev/nvidia0", os.O_RDWR)
+    assert lib.cuCtxCreate_v2(ctypes.byref(ctypes.c_void_p()), 0, 0) == 0
 open(state + ".ready", "w").write(str(os.getpid()))
 while not os.path.exists(state + ".go"):
     time.sleep(0.002)
+if sys.argv[3] == "late-open":  # a GPU file opened now, unseen by a region begun before
+    fd = os.open("/dev/nvidia0", os.O_RDWR)
 open(state + ".exiting", "w").write(repr(time.time()))
 
 
-class _SlowToDie:  # finalised after the exit hooks: the exit lasts 0.3 s more, as a torch teardown does
-    def __del__(self, sleep=time.sleep):
-        sleep(0.3)
+class _SlowToDie:  # finalised after the exit hooks: the exit lasts longer, as a torch teardown does
+    def __del__(self, sleep=time.sleep, seconds=1.5 if sys.argv[3] in ("slower", "late-open") else 0.3):
+        sleep(seconds)
 
 
-if sys.argv[3] == "slow":
+if sys.argv[3] in ("slow", "slower", "late-open"):
     _last = _SlowToDie()
 if sys.argv[3] == "os._exit":
     os._exit(0)
@@ -677,3 +680,62 @@ async def test_the_next_region_waits_for_a_deferred_exit(
     else:  # 0.3 s of exit against a 0.1 s wait: said, then held as any sibling
         assert alive_at_grant
         assert rep2.get("exits_unfinished") == [pid] and "exits_waited" not in rep2, rep2
+
+
+async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for_it(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """A sibling holding a GPU file that exits while no region runs is not delayed (the daemon
+    answers its runtime at once), and a region asked for during its teardown (1.5 s here) waits
+    for the exit before its grant: the driver frees the process's GPU memory as it ends, beside
+    whatever would be timed. The previous region's owner exiting as the next region begins is
+    this case on the H200 (every region of a KernelBench run had one)."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5")
+    async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h, pid = await _start_exiting(c, fake, script, state, "slower")
+            Path(state + ".go").write_text("")
+            while not os.path.exists(state + ".exiting"):
+                await asyncio.sleep(0.005)
+            res = await c.run([PY, owner, str(marker), "0.2"], env=py_env())
+            t_grant = float(marker.read_text())
+            res_sib = await h.wait()
+    assert res.returncode == 0 and res_sib.returncode == 0, (res.stderr, res_sib.stderr)
+    rep = json.loads(res.stdout)
+    t_exiting = float(Path(state + ".exiting").read_text())
+    assert t_grant - t_exiting < 3.0, "the sibling's exit was delayed with no region to wait for"
+    assert rep.get("exits_waited") == [pid] and rep["exits_wait_s"] > 0.2, rep
+    assert pid not in rep.get("locked_pids", []) and "held_exited" not in rep, rep
+
+
+async def test_an_exit_during_another_commands_region_waits_for_its_end(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """A sibling the region does not hold (--freeze device-holders: it had no GPU file at the
+    grant; no probes to see it open one) that opens a GPU file and exits during the region has its
+    exit deferred to the region's release by its runtime (exit_deferred), and the region granted
+    next waits for that exit."""
+    owner = script("owner.py", OWNER)
+    m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
+    state = str(tmp_path / "sib")
+    args = ("--hold", "lock", "--freeze", "device-holders", "--probes", "off", "--lock-wait", "5")
+    async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h, pid = await _start_exiting(c, fake, script, state, "late-open")
+            first = asyncio.ensure_future(c.run([PY, owner, str(m1), "1.5"], env=py_env()))
+            await granted(m1)
+            second = asyncio.ensure_future(c.run([PY, owner, str(m2), "0.2"], env=py_env()))
+            Path(state + ".go").write_text("")
+            res_sib = await h.wait()
+            t_end = time.time()
+            r1, r2 = await first, await second
+    assert res_sib.returncode == 0 and r1.returncode == 0 and r2.returncode == 0, (r1.stderr, r2.stderr)
+    rep1, rep2 = json.loads(r1.stdout), json.loads(r2.stdout)
+    t_release = float(m1.read_text()) + rep1["held_s"]
+    assert float(Path(state + ".exiting").read_text()) < t_release - 0.5, "it did not exit inside the region"
+    assert t_end >= t_release - 0.05, f"ended {t_release - t_end:.3f} s before the release"
+    assert rep1["exit_deferred"] == [pid] and pid not in rep1.get("locked_pids", []), rep1
+    assert rep2.get("exits_waited") == [pid], rep2

@@ -91,8 +91,8 @@ def env(fake: Fake, mods: Path) -> dict[str, str]:
     return base
 
 
-def pool_daemon(fake: Fake, mods: Path, *extra: str) -> Any:
-    (mods / "krex_gpuinit.py").write_text(GPU_INIT)
+def pool_daemon(fake: Fake, mods: Path, *extra: str, init: str = GPU_INIT, **fake_env: str) -> Any:
+    (mods / "krex_gpuinit.py").write_text(init)
     return run_daemon(
         *SLOW,
         "--hold",
@@ -110,7 +110,7 @@ def pool_daemon(fake: Fake, mods: Path, *extra: str) -> Any:
         "--pool-init",
         "krex_gpuinit",
         *extra,
-        env=env(fake, mods),
+        env={**env(fake, mods), **fake_env},
     )
 
 
@@ -248,3 +248,57 @@ async def test_adoption_while_a_worker_is_unheld_freezes_the_adopting_command(
     rep = json.loads(res.stdout)
     assert "CUDA_ERROR_ILLEGAL_STATE" in rep["pool_unheld"][str(worker)], rep
     assert hj.command in rep["frozen"], rep
+
+
+async def test_region_during_a_workers_context_creation_waits_for_it_then_locks_it(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """A region that begins while a pool worker creates its context (here 2 s, and a CUDA call
+    after it, as torch makes) does not lock that worker mid-creation: it waits for the creation
+    (pool_wait_s) and then locks the warm worker. Locked mid-creation, the worker's next CUDA call
+    blocked the creation the region waited for: every entry took 60 s on the H200."""
+    _probes_or_skip()
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    marker = tmp_path / "granted"
+    init = GPU_INIT + "_lib.cuLaunchKernel(None)  # a call after the creation, as torch's init\n"
+    # --lock-wait 5 covers the creation: a lock asked for mid-creation lands as it ends
+    async with pool_daemon(fake, mods, "--lock-wait", "5", init=init, FAKE_CUDA_CTX_MS="2000") as d:
+        async with await d.client() as c:
+            deadline = time.monotonic() + 30
+            worker = 0
+            while not worker:  # the worker has opened its GPU file: its creation is in flight
+                for w in (await c.status())["pools"]["cpu"]["workers"]:
+                    if w["state"] == "starting" and "/dev/nvidia0" in _fd_targets(w["pid"]):
+                        worker = w["pid"]
+                assert time.monotonic() < deadline, "the worker did not start creating its context"
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(
+                c.run(
+                    [PY, script("owner.py", OWNER), str(marker), "0.3"],
+                    env={**env(fake, mods), "PYTHONHASHSEED": "7"},
+                ),
+                timeout=30,
+            )
+            assert time.monotonic() - t0 < 15, "the region waited for a creation it had blocked"
+            assert fake.lock_state(worker) == 0  # unlocked at the release
+            assert (await c.status())["pools"]["cpu"]["warm"] == 1
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["pool_wait_s"] > 0.2, rep  # it waited for the creation in flight
+    assert rep["pool_locked"] == [worker] and worker in rep["locked_pids"], rep
+    assert "pool_unheld" not in rep, rep
+
+
+def _fd_targets(pid: int) -> list[str]:
+    out = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
