@@ -165,11 +165,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{body.get('reason') if isinstance(body, dict) else body}: "
                     f"{body.get('message') if isinstance(body, dict) else ''}"
                 )
+            deep = args.deep or "profile-deep" in (args.only or ())
             for name, kind, payload in plan:
-                if not args.only or name in args.only:
+                # the deep profile's kernel comes from the sol profile's top kernel
+                if not args.only or name in args.only or (deep and name == "profile-sol"):
                     await one(c, report, name, kind, payload)
             sol = report["jobs"].get("profile-sol", {}).get("summary", {}).get("kernels") or []
-            if args.deep and sol:
+            if deep and not sol:
+                print("profile-deep: not run (no kernel from the sol profile to name)")
+            if deep and sol:
                 await one(
                     c,
                     report,
@@ -180,7 +184,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         reference,
                         args.shapes,
                         level="deep",
-                        kernel_regex=re.escape(sol[0]["name"][:200]),
+                        kernel_regex=re.escape(function_name(sol[0]["name"])),
                     ),
                 )
     finally:
@@ -188,6 +192,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         st.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def function_name(demangled: str) -> str:
+    """A kernel's function name from ncu's demangled one, as an agent names it in kernel_regex:
+    "void at::native::elementwise_kernel<128, 2, ...>(int, T3)" -> "at::native::elementwise_kernel".
+    (The whole demangled signature, escaped, matched nothing on the H200: 0 kernels in 4.6 s.)"""
+    name = demangled.strip()
+    if name.startswith("void "):
+        name = name[len("void ") :]
+    return re.split(r"[<(]", name, maxsplit=1)[0].strip() or name
 
 
 async def one(c: Any, report: dict[str, Any], name: str, kind: str, payload: dict[str, Any]) -> None:

@@ -673,8 +673,8 @@ class Daemon:
                 regions.exiting[peer_pid] = (r.device, time.monotonic(), start_time(peer_pid))
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
-        if cmd is None or cmd.device is None:
-            send(P.Resume(id=0, region=""))
+        if cmd is None or cmd.device is None or not self.scheduler.isolates():
+            send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
         r = next(  # the region whose turn it is on the device (entering or held), not a queued one

@@ -739,3 +739,27 @@ async def test_an_exit_during_another_commands_region_waits_for_its_end(
     assert t_end >= t_release - 0.05, f"ended {t_release - t_end:.3f} s before the release"
     assert rep1["exit_deferred"] == [pid] and pid not in rep1.get("locked_pids", []), rep1
     assert rep2.get("exits_waited") == [pid], rep2
+
+
+async def test_under_shared_an_exit_during_a_region_is_not_deferred(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """Under --policy shared a region holds nothing: a GPU sibling exiting during one ends at once
+    (its runtime's Resume comes straight back), and nothing is reported deferred."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    async with run_daemon("--policy", "shared", env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h, pid = await _start_exiting(c, fake, script, state, "slow")
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.0"], env=py_env()))
+            await granted(marker)
+            Path(state + ".go").write_text("")
+            res_sib = await h.wait()
+            t_end = time.time()
+            res = await run
+    assert res.returncode == 0 and res_sib.returncode == 0, (res.stderr, res_sib.stderr)
+    rep = json.loads(res.stdout)
+    t_release = float(marker.read_text()) + rep["held_s"]
+    assert t_end < t_release - 0.5, f"the exit waited for a region under shared ({t_release - t_end:.2f} s)"
+    assert "exit_deferred" not in rep, rep
