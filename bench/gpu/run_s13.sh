@@ -1,0 +1,30 @@
+#!/bin/bash
+# What the accelerator owes the open issues after session 12 (bench/RESULTS.md section 0): three
+# device calls, in the order they matter.
+#   bash bench/gpu/run_s13.sh 1   # ~4 min: bench.gpu.check_exit (which part of a torch process's
+#                                 # 0.4-0.5 s exit disturbs another's timing: what a region must wait
+#                                 # for), then the Atrex `deep` profile with the check's fixed regex
+#   bash bench/gpu/run_s13.sh 2   # ~9 min: the large set (48 jobs) with region, region-pool and
+#                                 # shared, one alone round
+#   bash bench/gpu/run_s13.sh 3   # ~8 min: the replay of gpu-10min, seed 2, all three policies
+# Results as run_s10.sh's ($OUT/s13-N.tgz, $OUT/s13-N.log, top-level JSON). Environment: as
+# run_s12.sh's, and EXIT_ARGS (bench.gpu.check_exit's flags).
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+source bench/gpu/batch.sh
+batch_call s13 3 "${1:-}"
+pool="--pool-size 8 --pool-preload torch"
+case $call in
+1)
+  batch_step exit 150 python3 -m bench.gpu.check_exit --out "$res" ${EXIT_ARGS:-}
+  batch_atrex "${ATREX_TIMEOUT:-200}" --only profile-deep
+  ;;
+2)
+  JOBS_SET=${JOBS_SET:-large} JOBS_ARGS="--alone-rounds 1 ${JOBS_ARGS:-}" \
+    batch_jobs "${JOBS_TIMEOUT:-570}" "${JOBS_BUDGET:-540}" "region" "region-pool:$pool" "shared"
+  ;;
+3)
+  batch_replay "${REPLAY_TIMEOUT:-560}" gpu-10min 2
+  ;;
+esac
+batch_end
