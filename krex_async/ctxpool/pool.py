@@ -324,6 +324,10 @@ class Pool:
             if w.state != "busy" and not w.exited.done() and w is not self._creator
         )
 
+    def creator_pid(self) -> int | None:
+        """The worker whose context creation is in flight, if any (outside() leaves it out)."""
+        return self._creator.pid if self._creator is not None else None
+
     def idle_pids(self) -> list[int]:
         """The warm workers an adoption or a launch may take next."""
         return [w.pid for w in self._idle if w.state == "warm" and not w.exited.done()]

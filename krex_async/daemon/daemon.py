@@ -673,7 +673,7 @@ class Daemon:
                 regions.exiting[peer_pid] = (r.device, time.monotonic(), start_time(peer_pid))
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
-        if cmd is None or cmd.device is None or not self.scheduler.isolates():
+        if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.closing:
             send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
@@ -685,12 +685,15 @@ class Daemon:
                 and x.command is not cmd
                 and x.turn is not None
                 and x.turn.done()
+                and not (x.ended is not None and x.ended.done())  # withdrawn: never granted
                 and not x.releasing
             ),
             None,
         )
         if r is None:
-            regions.exiting[peer_pid] = (device, time.monotonic(), start_time(peer_pid))
+            now = time.monotonic()  # (entries a region never consumed: dropped after a minute)
+            regions.exiting = {p: v for p, v in regions.exiting.items() if now - v[1] < 60}
+            regions.exiting[peer_pid] = (device, now, start_time(peer_pid))
             send(P.Resume(id=0, region=""))
         else:
             r.exit_waiters[peer_pid] = send

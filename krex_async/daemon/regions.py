@@ -374,8 +374,13 @@ class Regions:
             ]
             rep.drain = self.drain.check(r, targets, results)
             await self.clock.settle(r)  # its NVML reads on a worker thread, while the loop idles
-            if quiet is not None:
+            if quiet is not None and pool is not None:
                 rep.pool_wait_s = await quiet
+                late = pool.creator_pid()
+                if late is not None:  # a creation that outlived the wait: neither waited for nor held
+                    rep.pool_unheld[late] = (
+                        f"its context creation still in flight after {rep.pool_wait_s:.1f} s"
+                    )
                 # a context creation that was in flight has ended: that worker is held too
                 more = [p for p in self._pool_workers(r, plan.how, plan.to_lock) if p not in workers]
                 if more:

@@ -39,6 +39,7 @@ if False:  # for type checkers only (annotations are strings here)
 MAX_FRAME = 16 * 1024 * 1024
 _state: _Listener | None = None
 _stopping = False  # stop() was called: a listener that connects afterwards ends at once
+_forked_with_gpu = False  # a forked child that holds its parent's GPU files (wait_unheld)
 
 
 # ------------------------------------------------------------------------------ a tiny msgpack
@@ -258,19 +259,30 @@ class _Listener:
         daemon's Resume. It answers at once unless a region of another command runs on the
         device, or holds this process (Held): then at that region's end. An exit frees the
         process's GPU memory through the driver (a scrub no lock stops, 11% on a memory-bound
-        kernel's trials on the H200); the region granted next waits for the exit to finish."""
+        kernel's trials on the H200); the region granted next waits for the exit to finish. A
+        child forked with its parent's GPU files frees nothing of the parent's: it goes at once
+        unless a region holds it."""
         fresh = sys.modules.get("krex_async.ctxpool.fresh")
         if getattr(fresh, "staying", False):  # a pool worker serving on: it tears nothing down
             return
-        with self.mu:
-            if self.closed:
-                return
-            region = self.held
-            if region is None:
-                if not (self.gpu or holds_gpu_file(unreadable=True)):
+        gpu = not _forked_with_gpu and (self.gpu or holds_gpu_file(unreadable=True))
+        # The main thread holds `mu` below: a Quiesce's signal handler run meanwhile would wait
+        # for a Resume that on_resume could not deliver without `mu`. It is served after.
+        self.in_handler = True
+        try:
+            with self.mu:
+                if self.closed:
                     return
-                self.held_gate.acquire()
-                self.held = ""  # released by any Resume
+                region = self.held
+                if region is None:
+                    if not gpu:
+                        return
+                    self.held_gate.acquire()
+                    self.held = ""  # released by a Resume for no region or for this exit's region
+        finally:
+            self.in_handler = False
+            if self.pending is not None:
+                on_signal()
         try:
             self.send({"type": "exit_held", "id": 0, "region": region or "", "pid": os.getpid()})
         except OSError:
@@ -387,10 +399,12 @@ def _devicework() -> Any:
 def forget_parent_connection() -> None:
     """In a forked child: drop the parent's connection (close our copy of the fd; the parent's
     stays open) so that the child's own listener starts clean."""
-    global _state
+    global _state, _forked_with_gpu
     st = _state
     _state = None
     if st is not None:
+        # its GPU files are its parent's: closing them at its exit frees nothing (wait_unheld)
+        _forked_with_gpu = st.gpu or holds_gpu_file(unreadable=True)
         try:
             st.sock.close()
         except OSError:
