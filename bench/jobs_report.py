@@ -125,6 +125,17 @@ def quiesce_outcome(r: dict[str, Any], timeout: float) -> str:
     return "<1ms" if q < 1e-3 else ("acked" if q < 0.9 * timeout else "timeout")
 
 
+def entry_own_s(g: dict[str, Any]) -> float:
+    """A region's entry less what it waited for rather than did: the earlier region (wait_s),
+    exiting siblings (exits_wait_s), the longest wait for a sibling inside a CUDA call
+    (lock_late's after_s) and a pool worker's context creation (pool_wait_s)."""
+    late = max([float(x.get("after_s", 0.0)) for x in g.get("lock_late") or []] or [0.0])
+    waits = (
+        float(g.get("wait_s", 0.0)) + float(g.get("exits_wait_s", 0.0)) + float(g.get("pool_wait_s") or 0.0)
+    )
+    return max(0.0, float(g.get("enter_s", 0.0)) - waits - late)
+
+
 def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> dict[str, Any]:
     rs = [g for r in recs for g in r.get("regions", [])]
     if not rs:
@@ -146,6 +157,11 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "enter_p50_s": med("enter_s"),
         "enter_p95_s": pct([g.get("enter_s", 0.0) for g in rs], 0.95),
         "wait_p50_s": med("wait_s"),
+        # the hold's own steps: issue 22's entry goal, apart from the waits that keep timings clean
+        "entry_own_p50_s": pct([entry_own_s(g) for g in rs], 0.5),
+        "entry_own_p95_s": pct([entry_own_s(g) for g in rs], 0.95),
+        "entry_own_p99_s": pct([entry_own_s(g) for g in rs], 0.99),
+        "entry_own_max_s": max(entry_own_s(g) for g in rs),
         "quiesce_p50_s": med("quiesce_s"),
         "quiesce": dict(Counter(quiesce_outcome(g, qtimeout) for g in rs)),
         "freeze_p50_s": med("freeze_s"),
@@ -329,6 +345,12 @@ def table(s: dict[str, Any]) -> str:
             )
             + (f" unfinished {g['exits_unfinished']}" if g.get("exits_unfinished") else "")
         )
+        if "hold" in g:  # regions that held siblings (not shared or command)
+            out.append(
+                f"{'':<12} entry less its waits (earlier region, exits, siblings inside CUDA calls, pool"
+                f" creation): p50 {ms('entry_own_p50_s').strip()} p95 {ms('entry_own_p95_s').strip()}"
+                f" p99 {ms('entry_own_p99_s').strip()} max {ms('entry_own_max_s').strip()}"
+            )
         for who, n in g["stray_who"].items():
             out.append(f"{'':<12} stray x{n}: {who}")
         for key in [key for key in g if "lock" in key or "hold" in key]:

@@ -266,6 +266,11 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert g["quiesce"] == {"timeout": 2} and g["drain"] == {"synced": 2} and g["strays"] == 4
     assert g["stray_who"] == {"'nvidia-smi -l'": 2} and g["hold"] == {"lock": 2}
     assert g["lock_s"]["p50"] == pytest.approx(0.001)
+    assert g["entry_own_p50_s"] == pytest.approx(0.03)
+    waited = {"enter_s": 0.75, "wait_s": 0.1, "exits_wait_s": 0.4, "pool_wait_s": None}
+    late = {"lock_late": [{"after_s": 0.2}, {"after_s": 0.05}]}
+    assert jobs_report.entry_own_s({**waited, **late}) == pytest.approx(0.05)
+    assert jobs_report.entry_own_s({"enter_s": 0.1, "wait_s": 0.2}) == 0.0
     assert "region: jobs/min vs command 10.00x, goal >= 5.00x: met" in s["goals"]
     assert "region: jobs/min vs shared 0.83x, goal >= 0.95x: MISSED by 0.12x" in s["goals"]
     assert "region: p95 inflation >10ms +1.00%, goal <= 0.2%: MISSED by 0.80%" in s["goals"]
@@ -274,6 +279,10 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     ) in s["goals"]
     text = jobs_report.table(s)
     assert "MISSED by 0.12x" in text and "stray x2: 'nvidia-smi -l'" in text
+    assert (
+        "entry less its waits (earlier region, exits, siblings inside CUDA calls, pool creation): p50 30.0"
+        in text
+    )
 
 
 @pytest.fixture
