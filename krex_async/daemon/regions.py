@@ -285,12 +285,27 @@ class Regions:
             r.paused_pool = True
         t_select = time.perf_counter()
         targets = self._targets(r)
+        # A sibling still exiting after --lock-wait is frozen, not locked: a lock does not stop an
+        # exit, and the driver would free its GPU memory beside the timing; frozen, it ends after.
+        unfinished = set(rep.exits_unfinished)
+        exiting = {
+            c.id
+            for c in targets
+            if unfinished and c.group is not None and unfinished & set(backend.pids(c.group))
+        }
         plan = self.hold.plan(
             self.core.device(r.device).vendor,
-            {c.id: self.drain.gpu_pids(c) for c in targets}
+            {c.id: [] if c.id in exiting else self.drain.gpu_pids(c) for c in targets}
             if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
             else {c.id: [] for c in targets},
         )
+        if plan.how == "lock":
+            rep.hold_fallback.update(
+                {
+                    cid: "exiting for over --lock-wait: frozen, so that its exit frees its GPU memory after"
+                    for cid in exiting
+                }
+            )
         locking = [c for c in targets if c.id in plan.to_lock]
         freezing = [c for c in targets if c.id not in plan.to_lock]
         workers = self._pool_workers(r, plan.how, plan.to_lock)

@@ -653,7 +653,8 @@ async def test_the_next_region_waits_for_a_deferred_exit(
     released (here for 0.3 s). The region queued behind it waits for that exit before its grant
     (else it would lock the process mid-exit and the teardown would run beside its own timing):
     the sibling is gone by the second grant, which names it in exits_waited; nothing is
-    held_exited. An exit longer than --lock-wait is named in exits_unfinished."""
+    held_exited. An exit longer than --lock-wait is named in exits_unfinished, and its command is
+    frozen for the region (a lock does not stop an exit): it ends after the release."""
     owner = script("owner.py", OWNER)
     m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
     state = str(tmp_path / "sib")
@@ -668,8 +669,10 @@ async def test_the_next_region_waits_for_a_deferred_exit(
             Path(state + ".go").write_text("")
             await granted(m2)
             alive_at_grant = proc_state(pid) not in (None, "Z")
+            frozen_in_region = alive_at_grant and is_frozen(pid)
             r1, r2 = await first, await second
             assert (await h.wait()).returncode == 0
+            t_end = time.time()
     rep1, rep2 = json.loads(r1.stdout), json.loads(r2.stdout)
     assert rep1["exit_deferred"] == [pid], rep1
     assert "held_exited" not in rep1, rep1
@@ -677,9 +680,13 @@ async def test_the_next_region_waits_for_a_deferred_exit(
         assert not alive_at_grant, "the second region was granted before the sibling's exit ended"
         assert rep2.get("exits_waited") == [pid] and "exits_unfinished" not in rep2, rep2
         assert "held_exited" not in rep2 and pid not in rep2.get("locked_pids", []), rep2
-    else:  # 0.3 s of exit against a 0.1 s wait: said, then held as any sibling
+    else:  # 0.3 s of exit against a 0.1 s wait: said, then frozen (a lock would not stop the exit)
         assert alive_at_grant
         assert rep2.get("exits_unfinished") == [pid] and "exits_waited" not in rep2, rep2
+        assert frozen_in_region and h.command in rep2["frozen"], rep2
+        assert pid not in rep2.get("locked_pids", []) and "exiting" in rep2["hold_fallback"][h.command], rep2
+        assert "held_exited" not in rep2, rep2
+        assert t_end >= float(m2.read_text()) + rep2["held_s"] - 0.05, "it ended inside the second region"
 
 
 async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for_it(
