@@ -47,7 +47,6 @@ from krex_async.daemon.timeline import TraceRing
 from krex_async.devices import Node, NoDevice, place
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
-from krex_async.isolation.cudalock import start_time
 from krex_async.linux.procfs import stat_fields
 from krex_async.linux.spawn import Launched, LaunchSpec
 from krex_async.scheduler import Scheduler
@@ -670,7 +669,7 @@ class Daemon:
             r = regions.active.get(req.region)
             if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
                 r.report.exit_deferred.append(peer_pid)
-                regions.exiting[peer_pid] = (r.device, time.monotonic(), start_time(peer_pid))
+                regions.note_exiting(peer_pid, r.device)
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
         if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.closing:
@@ -691,9 +690,7 @@ class Daemon:
             None,
         )
         if r is None:
-            now = time.monotonic()  # (entries a region never consumed: dropped after a minute)
-            regions.exiting = {p: v for p, v in regions.exiting.items() if now - v[1] < 60}
-            regions.exiting[peer_pid] = (device, now, start_time(peer_pid))
+            regions.note_exiting(peer_pid, device)
             send(P.Resume(id=0, region=""))
         else:
             r.exit_waiters[peer_pid] = send

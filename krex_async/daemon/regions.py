@@ -62,9 +62,9 @@ class Regions:
         cfg = core.config
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout, cfg.lock_wait)
         self.hung: dict[str, float] = {}  # commands a freeze failed on: id -> when
-        # processes whose exit a region deferred (ExitHeld): pid -> (device, when); the next region
-        # on that device waits for them to be gone, or they would be locked mid-exit and tear
-        # their context down beside its timing
+        # processes exiting with a GPU file (ExitHeld: at once, or at the release of the region
+        # their exit waited for): the next region on that device waits for them to be gone, or
+        # they would be locked mid-exit and tear their context down beside its timing
         self.exiting: dict[int, tuple[str, float, int | None]] = {}  # pid -> (device, when, start)
 
     def create(
@@ -391,9 +391,9 @@ class Regions:
             await self.clock.settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None and pool is not None:
                 rep.pool_wait_s = await quiet
-                late = pool.creator_pid()
-                if late is not None:  # a creation that outlived the wait: neither waited for nor held
-                    rep.pool_unheld[late] = (
+                creator = pool.creator_pid()
+                if creator is not None:  # a creation that outlived the wait: neither waited for nor held
+                    rep.pool_unheld[creator] = (
                         f"its context creation still in flight after {rep.pool_wait_s:.1f} s"
                     )
                 # a context creation that was in flight has ended: that worker is held too
@@ -411,6 +411,13 @@ class Regions:
             # _release runs (LockPool.lock_many is bounded)
             await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
             raise
+
+    def note_exiting(self, pid: int, device: str) -> None:
+        """`pid` is exiting on `device` now: the next region there waits for it (_exits). Entries
+        no region consumed within a minute are dropped."""
+        now = time.monotonic()
+        self.exiting = {p: v for p, v in self.exiting.items() if now - v[1] < 60}
+        self.exiting[pid] = (device, now, start_time(pid))
 
     async def _exits(self, r: Region) -> None:
         """Wait (--lock-wait at most) for the siblings on r's device that are exiting (Daemon.exit_held):
@@ -523,9 +530,8 @@ class Regions:
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()
         r.held_runtimes.clear()
-        now = time.monotonic()
         for pid, send in r.exit_waiters.items():  # their exits go now: the next region waits for them
-            self.exiting.setdefault(pid, (r.device, now, start_time(pid)))
+            self.note_exiting(pid, r.device)
             send(P.Resume(id=0, region=""))
         r.exit_waiters.clear()
         self.drain.refresh(r)

@@ -13,10 +13,11 @@
 The connection closing (daemon gone) opens the gate too, and the main thread never waits longer
 than KREX_QUIESCE_MAX_S (default 600) in one quiesce: nothing here can hang a program forever.
 
-A process a region locked through the driver is told so (Held(region)); if its interpreter exits
-before that region's Resume, stop() (at exit) sends ExitHeld and waits for the Resume, at most
-KREX_EXIT_HOLD_MAX_S (default 120): the exit tears the CUDA context down and frees its memory
-through the driver, GPU work that no lock stops and that slowed a sibling's timing on the H200.
+At exit, stop() in a process holding a GPU file sends ExitHeld and waits for the daemon's Resume,
+at most KREX_EXIT_HOLD_MAX_S (default 120): the exit tears the CUDA context down and frees its
+memory through the driver, GPU work that no lock stops and that slowed a sibling's timing on the
+H200. The daemon answers at once, or at the end of the region of another command on the device; a
+process a region locked through the driver was told so (Held(region)) and waits for that region.
 
 Frames are those of krex_async.protocol (4-byte big-endian length, msgpack map with a "type" tag)
 but encoded here with a small msgpack codec of the standard library: the command's interpreter may
