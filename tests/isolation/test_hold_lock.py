@@ -610,31 +610,42 @@ async def _start_exiting(c: Client, fake: Fake, script, state: str, how: str) ->
     return h, int(Path(state + ".ready").read_text())
 
 
+async def _exit_inside_a_region(
+    c: Client, fake: Fake, script, tmp_path: Path, how: str, seconds: float, locked: bool
+) -> tuple[dict[str, Any], Any, int, float, float]:
+    """EXITING started, then told to exit inside an owner's region of `seconds` (locked by it when
+    `locked`, which is checked): (the region's report, the sibling's handle and pid, when it
+    ended, when the region was released). Both end with status 0."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    h, pid = await _start_exiting(c, fake, script, state, how)
+    run = asyncio.ensure_future(c.run([PY, owner, str(marker), str(seconds)], env=py_env()))
+    await granted(marker)
+    if locked:
+        assert fake.lock_state(pid) == 1, "the sibling was not locked"
+    Path(state + ".go").write_text("")
+    res_sib = await h.wait()
+    t_end = time.time()
+    res = await run
+    assert res.returncode == 0 and res_sib.returncode == 0, (res.stderr, res_sib.stderr)
+    rep = json.loads(res.stdout)
+    t_release = float(marker.read_text()) + rep["held_s"]
+    assert float(Path(state + ".exiting").read_text()) < t_release - 0.5, "it did not exit inside the region"
+    return rep, h, pid, t_end, t_release
+
+
 @pytest.mark.parametrize("how", ["sys.exit", "os._exit"])
 async def test_a_locked_sibling_exits_after_the_region(fake: Fake, script, tmp_path: Path, how: str) -> None:
     """A locked sibling that exits during a region would free its GPU memory beside the timing (the
     driver's teardown, which no lock stops): its runtime defers the exit to the region's release
     and the report names it (exit_deferred). An exit its runtime cannot see (os._exit) ends during
     the region, and the report says so (held_exited)."""
-    owner = script("owner.py", OWNER)
-    marker = tmp_path / "granted"
-    state = str(tmp_path / "sib")
     async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
         async with await d.client() as c:
-            h, pid = await _start_exiting(c, fake, script, state, how)
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "1.0"], env=py_env()))
-            await granted(marker)
-            assert fake.lock_state(pid) == 1, "the sibling was not locked"
-            Path(state + ".go").write_text("")
-            res_sib = await h.wait()
-            t_end = time.time()
-            res = await run
-    assert res.returncode == 0 and res_sib.returncode == 0, (res.stderr, res_sib.stderr)
-    rep = json.loads(res.stdout)
-    t_grant = float(marker.read_text())
-    t_release = t_grant + rep["held_s"]
-    t_exiting = float(Path(state + ".exiting").read_text())
-    assert t_exiting < t_release - 0.5, "the sibling did not begin its exit inside the region"
+            rep, h, pid, t_end, t_release = await _exit_inside_a_region(
+                c, fake, script, tmp_path, how, 1.0, locked=True
+            )
     if how == "sys.exit":
         assert t_end >= t_release - 0.05, f"ended {t_release - t_end:.3f} s before the release"
         assert rep["exit_deferred"] == [pid], rep
@@ -753,20 +764,10 @@ async def test_under_shared_an_exit_during_a_region_is_not_deferred(
 ) -> None:
     """Under --policy shared a region holds nothing: a GPU sibling exiting during one ends at once
     (its runtime's Resume comes straight back), and nothing is reported deferred."""
-    owner = script("owner.py", OWNER)
-    marker = tmp_path / "granted"
-    state = str(tmp_path / "sib")
     async with run_daemon("--policy", "shared", env=daemon_env(fake)) as d:
         async with await d.client() as c:
-            h, pid = await _start_exiting(c, fake, script, state, "slow")
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.0"], env=py_env()))
-            await granted(marker)
-            Path(state + ".go").write_text("")
-            res_sib = await h.wait()
-            t_end = time.time()
-            res = await run
-    assert res.returncode == 0 and res_sib.returncode == 0, (res.stderr, res_sib.stderr)
-    rep = json.loads(res.stdout)
-    t_release = float(marker.read_text()) + rep["held_s"]
+            rep, _, _, t_end, t_release = await _exit_inside_a_region(
+                c, fake, script, tmp_path, "slow", 2.0, locked=False
+            )
     assert t_end < t_release - 0.5, f"the exit waited for a region under shared ({t_release - t_end:.2f} s)"
     assert "exit_deferred" not in rep, rep
