@@ -99,3 +99,23 @@ def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
     assert [e["gib"] for e in data["exits"]] == [0.01, 0.02] and len(data["windows"]) == 2, data
     assert data["copies"] > 100, data["copies"]
     assert all(e["atexit"] <= e["final"] <= e["end"] for e in data["exits"]), data["exits"]
+
+
+def test_bad_arguments_are_refused_naming_the_flag() -> None:
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    for args, says in (
+        (["--gib", "abc"], "--gib: comma-separated numbers"),
+        (["--gib", "0"], "--gib sizes and --timer-gib must be positive"),
+        (["--reps", "0"], "--reps at least 1"),
+        (["--factor", "1"], "--factor over 1"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.gpu.check_exit", *args],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
