@@ -185,17 +185,18 @@ async def serve(
     send: Callable[[P.Msg], bool],
     hand: Hand,
     tally: Tally,
-    prepare: Callable[[], Awaitable[None]] | None = None,
+    prepare: Callable[[], Awaitable[str | None]] | None = None,
 ) -> None:
     """Answer one Adopt (the peer already checked to be inside its command): Adopted, then
     AdoptExited. Cancelled (the adopter's connection closed) while the worker runs: the worker is
     killed, as the adopter's own program would have died with it. Holds no fd past its return.
-    `prepare` runs once the adoption is allowed, before the hand-over (the daemon holds the command
-    in a region it must be frozen for)."""
+    `prepare` runs once the adoption is allowed, before the hand-over, and may still decline it
+    with a reason (the daemon reserves a worker, and holds the command in a region it must be
+    frozen for)."""
     reason = refusal(pool, req, peer_pid)
-    answer: Launched | str = reason or ""
     if reason is None and prepare is not None:
-        await prepare()
+        reason = await prepare()
+    answer: Launched | str = reason or ""
     if reason is None:
         assert pool is not None
         try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import os
 import socket
@@ -94,6 +95,7 @@ class _Worker:
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
     accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
     surplus: bool = False  # came back surplus while the device was paused: retired at resume()
+    reserved: bool = False  # offered to an adopter by take(), not handed over yet
     rx: channel.Receiver = field(default_factory=channel.Receiver)  # its channel's reassembly
 
 
@@ -124,6 +126,7 @@ class Pool:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._changed = asyncio.Event()
+        self._waiters: collections.deque[asyncio.Future[_Worker | None]] = collections.deque()  # take()
         self._creating: asyncio.Future[None] | None = None  # a context creation in flight
         self._creator: _Worker | None = None  # the worker creating it
         self._started = self._closed = False
@@ -207,23 +210,93 @@ class Pool:
         return self._pop_warm()
 
     def _pop_warm(self) -> _Worker | None:
+        """The next idle warm worker, out of the idle queue; None (a miss) when there is none, or
+        when adopters wait for one (take()): they came first."""
+        w = None if self._waiters else self._next_idle()
+        self.misses += w is None
+        return w
+
+    def _next_idle(self) -> _Worker | None:
         while self._idle:
             w = self._idle.popleft()
             if w.state == "warm" and not w.exited.done():
                 return w
-        self.misses += 1
         return None
 
-    def adopt(self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> asyncio.Future[Launched | str]:
-        """Hand an adopting interpreter to a warm worker, now (the cgroup hook runs before this
-        returns). `spec.argv` is its command line without the flags the worker applies itself,
-        `adopt` its world (adopted.py, fresh.enter); `pidfd` is the adopter's, duplicated into
-        the worker (the caller closes its own). The future resolves to the worker's Launched once
-        it runs the program, or to why not: "no warm worker", the worker's own reason, its death."""
+    async def take(self, timeout: float) -> _Worker | None:
+        """Reserve an idle warm worker for one adoption: now, or within `timeout` s while others
+        are warming (a fresh interpreter pays the whole import and context that a warming worker
+        is already part way through, so a short wait beats falling back). Waiters are served in
+        arrival order, and a worker offered to one is out of the idle queue, so nothing takes it
+        between the wait and the hand-over (the region hold may await in between). None when
+        nothing is warm or warming, or at the timeout. Give the worker to adopt(), or untake() it."""
+        if self._closed:
+            return None
+        fut: asyncio.Future[_Worker | None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._refill()  # a replacement still due (call_soon after the last hand-over) counts as warming
+        try:
+            if timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except BaseException:  # cancelled (the adopter is gone): a worker offered meanwhile goes back
+            if (w := self._leave(fut)) is not None:
+                self.untake(w)
+            raise
+        w = self._leave(fut)
+        self.misses += w is None
+        return w
+
+    def _leave(self, fut: asyncio.Future[_Worker | None]) -> _Worker | None:
+        """A waiter leaves the queue: the worker it was offered, if any (else it is cancelled)."""
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(fut)
+        if not fut.done():
+            fut.cancel()
+        return None if fut.cancelled() else fut.result()
+
+    def untake(self, w: _Worker) -> None:
+        """A worker from take() that was not handed over: first in line again."""
+        w.reserved = False
+        if w.state == "warm" and not w.exited.done() and w not in self._idle:
+            self._idle.appendleft(w)
+        self._serve_waiters()
+
+    def _serve_waiters(self) -> None:
+        """Offer idle workers to take()'s waiters in arrival order, each offer starting its
+        replacement as a hand-over does; answer None to those left when nothing is warming any
+        more (or the pool closed): waiting could only end at the timeout."""
+        while self._waiters:
+            fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            w = None if self._closed else self._next_idle()
+            if w is not None:
+                w.reserved = True
+                self._waiters.popleft()
+                fut.set_result(w)
+                self._spawn_missing()
+                continue
+            if not self._closed and any(x.state == "starting" for x in self._workers):
+                return
+            self._waiters.popleft()
+            fut.set_result(None)
+
+    def adopt(
+        self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: _Worker | None = None
+    ) -> asyncio.Future[Launched | str]:
+        """Hand an adopting interpreter to `worker` (from take()) or the next warm one, now (the
+        cgroup hook runs before this returns). `spec.argv` is its command line without the flags
+        the worker applies itself, `adopt` its world (adopted.py, fresh.enter); `pidfd` is the
+        adopter's, duplicated into the worker (the caller closes its own). The future resolves to
+        the worker's Launched once it runs the program, or to why not: "no warm worker", the
+        worker's own reason, its death."""
         fut: asyncio.Future[Launched | str] = asyncio.get_running_loop().create_future()
-        w = None if self._closed else self._pop_warm()
+        if worker is not None and (worker.state != "warm" or worker.exited.done()):
+            worker = None  # it died or retired since take(): the next one, if any
+        w = None if self._closed else worker or self._pop_warm()
         if w is None:
-            self.misses += 1
             fut.set_result("no warm worker")
             return fut
         if self.cgroup_hook is not None:
@@ -249,7 +322,7 @@ class Pool:
         self, w: _Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
     ) -> Launched | None:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
-        w.state, w.submit_ts = "busy", time.monotonic()
+        w.state, w.submit_ts, w.reserved = "busy", time.monotonic(), False
         w.uses += 1
         w.joined = bool(spec.cgroup_procs)
         w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
@@ -356,6 +429,8 @@ class Pool:
             "target": self._target(),
             "adopted": self.adopted,
             "declined": dict(self.declined),
+            "waiting": sum(not f.done() for f in self._waiters),  # adopters in take()
+            "reserved": sum(w.reserved for w in self._workers),
             "workers": [
                 {"pid": w.pid, "state": w.state, **_memory(w.pid)}
                 for w in sorted(self._workers, key=lambda w: w.pid)
@@ -373,21 +448,6 @@ class Pool:
                 await self._changed.wait()
         return n
 
-    async def warm_soon(self, timeout: float) -> bool:
-        """Wait, up to `timeout` s, for an idle warm worker while others are still warming; True
-        once one is idle. A fresh interpreter pays the whole import and context that a warming
-        worker is already part way through, so a short wait beats falling back at once."""
-        try:
-            async with asyncio.timeout(timeout):
-                while not any(w.state == "warm" and not w.exited.done() for w in self._idle):
-                    if self._closed or not any(w.state == "starting" for w in self._workers):
-                        return False
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            return False
-        return True
-
     async def close(self, timeout: float = 2.0) -> None:
         """Stop warming; idle and starting workers get EOF, then SIGKILL after `timeout`.
 
@@ -395,6 +455,7 @@ class Pool:
         after its command, on EOF.
         """
         self._closed = True
+        self._serve_waiters()
         idle = [w for w in self._workers if w.state != "busy"]
         for w in self._workers:
             w.sock.close()
@@ -411,6 +472,10 @@ class Pool:
     # ------------------------------------------------------------------------------------ warming
 
     def _refill(self) -> None:
+        self._spawn_missing()
+        self._serve_waiters()  # after the spawns: a waiter gives up only when nothing warms
+
+    def _spawn_missing(self) -> None:
         if not self._started or self._closed or self._consecutive_failures >= MAX_FAILURES:
             return
         for _ in range(self._target() - self._have()):
@@ -425,16 +490,20 @@ class Pool:
         return size if self.demand is None else min(size, max(1, self.demand))
 
     def _have(self) -> int:
-        """Workers warm, warming, or busy and coming back: a reused one with uses left that can
-        leave its command's cgroups. One that will retire is not waited for: its replacement warms
-        while it runs."""
+        """Workers warm, warming, or busy (or reserved by take()) and coming back: a reused one
+        with uses left that can leave its command's cgroups. One that will retire is not waited
+        for: its replacement warms while it runs (or, reserved, while it waits to be handed over)."""
         return sum(
-            w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w)) for w in self._workers
+            self._returns(w, 1)
+            if w.reserved
+            else w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w))
+            for w in self._workers
         )
 
-    def _returns(self, w: _Worker) -> bool:
+    def _returns(self, w: _Worker, more: int = 0) -> bool:
+        """Whether `w` comes back to the pool after its command (after `more` commands yet)."""
         joins = self.cgroup_hook is not None or w.joined
-        return w.uses < self.config.max_uses and (w.home or not joins)
+        return w.uses + more < self.config.max_uses and (w.home or not joins)
 
     def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
@@ -521,7 +590,7 @@ class Pool:
             if self.config.creates_context(self.device.vendor):
                 self._task(self._create_context(w))
         elif t == "ready":
-            if w.warmed and self._have() > self._target():
+            if w.warmed and self._have() > self._target() and not self._waiters:
                 if self._resumed.is_set():
                     self._retire_surplus(w)
                     return
@@ -539,6 +608,7 @@ class Pool:
             self._idle.append(w)
             self._consecutive_failures = 0
             self._changed.set()
+            self._serve_waiters()
         elif t == "failed":
             w.error = msg.get("error", "")
         elif t == "declined":

@@ -231,26 +231,35 @@ class Daemon:
         pool = self._adoptable(cmd)
         tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
 
+        taken: list[Any] = []  # the worker reserved for this adoption until it is handed over
+
         def hand(spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> Any:
             assert pool is not None
             self.runner.launching = cmd.group
             try:
-                return pool.adopt(spec, pidfd, adopt)
+                return pool.adopt(spec, pidfd, adopt, worker=taken.pop())
             finally:
                 self.runner.launching = None
 
-        async def prepare() -> None:
-            """Once the adoption is allowed (a refused one never waits): a burst outruns the
-            refill, so wait a little for a warming worker; then hold the command if a region needs."""
+        async def prepare() -> str | None:
+            """Once the adoption is allowed (a refused one never waits): reserve a worker, waiting
+            a little for a warming one (a burst outruns the refill; first come, first served), then
+            hold the command if a region needs it held."""
             assert pool is not None
-            await pool.warm_soon(self.config.pool_wait)
-            await self.regions.hold_arrival(cmd)
+            worker = await pool.take(self.config.pool_wait)
+            if worker is None:
+                return "no warm worker"
+            taken.append(worker)
+            await self.regions.hold_arrival(cmd, worker.pid)
+            return None
 
         cmd.adopters.add(peer_pid)
         try:
             await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
         finally:
             cmd.adopters.discard(peer_pid)
+            if taken and pool is not None:  # reserved, never handed over (no pidfd, cancelled)
+                pool.untake(taken.pop())
 
     def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         pool = self.pools.get(cmd.device_key or "")

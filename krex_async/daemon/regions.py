@@ -616,14 +616,13 @@ class Regions:
             await self.core.backend.thaw(group)
         self.core.trace("freeze", r, command=cmd.id, late=True)
 
-    async def hold_arrival(self, cmd: Command) -> None:
-        """A command about to gain a warm pool worker mid-region (an adoption: the worker brings a
-        context, with no open the probes could see) while the region does not hold it already
-        (device-holders left it running, or the lock held only its other processes). Nothing to
-        do when every idle worker is locked into the region (the one it gets runs on until its
-        first CUDA call) or none is idle (nothing will be handed over); else the command is
-        frozen into the region first, as an open of a GPU device would have it, and the adoption
-        waits for the region's end."""
+    async def hold_arrival(self, cmd: Command, worker: int) -> None:
+        """A command about to gain the warm pool worker `worker` (reserved for it) mid-region (an
+        adoption: the worker brings a context, with no open the probes could see) while the
+        region does not hold the command already (device-holders left it running, or the lock
+        held only its other processes). Nothing to do when that worker is locked into the region
+        (it runs on until its first CUDA call); else the command is frozen into the region first,
+        as an open of a GPU device would have it, and the adoption waits for the region's end."""
         if cmd.group is None or cmd.device_key is None:
             return
         r = self.current_on(cmd.device_key)
@@ -631,7 +630,7 @@ class Regions:
             return
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return  # --freeze all: a running command is frozen, or locked, as a target already
-        if self.workers_held(r):
+        if worker in r.locked_pids:
             return
         await self._freeze_into(r, cmd, cmd.group, "adopt")
 

@@ -117,6 +117,12 @@ def _wrap(line: str) -> str:
     return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False))
 
 
+def _reasons(counts: dict[str, int]) -> str:
+    """Why interpreters were not adopted, most frequent first: '3 (no warm worker 2, flag -X 1)'."""
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return f"{sum(counts.values())} (" + ", ".join(f"{k} {n}" for k, n in top) + ")"
+
+
 def _holds(r: dict[str, Any]) -> str:
     """Whom a region holds and how: 'frozen 2' and, where the daemon reports them, 'locked 1',
     'fenced 3' (lists of ids, or `held` as [{"command", "mode"}])."""
@@ -197,6 +203,8 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
                 f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
                 + ("  (paused)" if p.get("paused") else "")
                 + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
+                + (f"  declined {_reasons(p['declined'])}" if p.get("declined") else "")
+                + (f"  {p['waiting']} waiting for a warm worker" if p.get("waiting") else "")
                 + (f"  last error: {err}" if err else "")
             )
     boot = str(st.get("boot") or "")

@@ -674,12 +674,51 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
                     *(c.run(["/bin/sh", "-c", line], env=env, cwd=str(tmp_path)) for _ in range(2))
                 )
                 (mods / "open").touch()
+                shown = await asyncio.to_thread(
+                    subprocess.run,
+                    [PY, "-m", "krex_async", "status", "--socket", d.socket],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=30,
+                )
+        # `krex status` tells, per pool, how many were adopted and why the others were not
+        lines = shown.stdout.splitlines()
+        row = lines[next(i for i, ln in enumerate(lines) if ln.startswith("POOL ")) + 1]
+        assert f"adopted {adopted}" in row, shown.stdout
+        assert ("declined" not in row) if adopted == 2 else row.endswith("declined 1 (no warm worker 1)"), row
         assert sum(r.report.pool_adopted for r in got) == adopted, (wait, [r.report for r in got])
         declined = sum((collections.Counter(r.report.pool_declined) for r in got), collections.Counter())
         assert dict(declined) == ({} if adopted == 2 else {"no warm worker": 1}), (wait, declined)
         assert sorted(r.stdout for r in got) == sorted(
             [b"adopted True\n"] * adopted + [b"adopted False\n"] * (2 - adopted)
         ), wait
+
+
+async def test_every_interpreter_of_a_burst_waits_its_turn(tmp_path: Path) -> None:
+    """Three interpreters at once on a pool of one: each waits for the next replacement in turn.
+    Before, the third gave up ("no warm worker") the moment the second was served, its own
+    replacement not yet started; on the H200 that job ran cold and set the run's makespan."""
+    write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
+    env = py_env()
+    async with run_daemon(
+        "--pool-size",
+        "1",
+        "--pool-preload",
+        "colorsys",
+        "--isolation",
+        "cgroup",
+        "--pool-wait",
+        "30",
+        env=env,
+    ) as d:
+        async with await d.client() as c:
+            await warm(c)
+            got = await asyncio.gather(
+                *(c.run(["/bin/sh", "-c", f"{PY} job.py"], env=env, cwd=str(tmp_path)) for _ in range(3))
+            )
+    assert [r.stdout for r in got] == [b"adopted True\n"] * 3, [r.report for r in got]
+    assert [(r.report.pool_adopted, r.report.pool_declined) for r in got] == [(1, {})] * 3
 
 
 # An adopted program that takes a region and prints its report: with `child`, it first starts a

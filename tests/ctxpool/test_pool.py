@@ -483,3 +483,70 @@ async def test_surplus_worker_does_not_leave_while_paused(tmp_path: Path) -> Non
         assert launched.pid not in p.pids() and p.status()["retired"] == 1
     finally:
         await p.close()
+
+
+async def test_take_serves_adopters_first_come_and_reserves_the_worker(tmp_path: Path) -> None:
+    """Adopters waiting for warming workers (take()) are served in arrival order; the worker a
+    waiter is offered is out of the idle queue, so nothing else takes it before its hand-over
+    (on the H200 a later adopter took it while the first was held for a region, and the first
+    ran without the pool), until untake(); and its replacement starts warming at once."""
+    p = Pool(AMD, PoolConfig(size=2, preload=["json"]))
+    p.pause()  # both workers stay warming (no context creation) until resume()
+    await p.start()
+    try:
+        first = asyncio.ensure_future(p.take(30))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(p.take(30))
+        await asyncio.sleep(0)
+        third = asyncio.ensure_future(p.take(30))
+        await asyncio.sleep(1.0)
+        assert not any(t.done() for t in (first, second, third)) and p.status()["starting"] == 2
+        p.resume()
+        done, _ = await asyncio.wait([first, second], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {first}  # contexts come one at a time: the first ready goes to the first
+        w1 = first.result()
+        assert w1 is not None and w1.state == "warm"
+        w2 = await asyncio.wait_for(second, 30)
+        # the third is served by a replacement started when the first two were reserved
+        w3 = await asyncio.wait_for(third, 30)
+        assert w2 is not None and w3 is not None and len({w1.pid, w2.pid, w3.pid}) == 3
+        spec, _ = make_spec([PY, "-c", "pass"], str(tmp_path))
+        async with asyncio.timeout(30):  # the replacements of w2 and w3 warm, idle
+            while len(p.idle_pids()) < 2:
+                await asyncio.sleep(0.05)
+        idle = set(p.idle_pids())
+        assert len(idle) == 2 and not idle & {w1.pid, w2.pid, w3.pid}  # reserved: not idle
+        p.untake(w1)
+        assert p.idle_pids()[0] == w1.pid  # first in line again
+        assert await p.take(0) is w1  # an idle worker is taken at once, even without a wait
+        assert (launched := await p.launch(spec)) is not None and launched.pid in idle
+        await launched.wait()
+    finally:
+        await p.close()
+
+
+async def test_take_cancelled_or_closed_leaves_no_waiter(tmp_path: Path) -> None:
+    """A cancelled waiter (its adopter went away) leaves the queue, and the worker it waited for
+    becomes idle for the next one; close() answers a waiter at once (None)."""
+    p = Pool(AMD, PoolConfig(size=1, preload=["json"]))
+    p.pause()
+    await p.start()
+    try:
+        waiting = asyncio.ensure_future(p.take(30))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert not p._waiters
+        p.resume()
+        await p.wait_warm(1, timeout=30)
+        assert len(p.idle_pids()) == 1
+        p.pause()
+        assert await p.take(0) is not None  # reserved: its replacement warms, held by the pause
+        last = asyncio.ensure_future(p.take(30))
+        await asyncio.sleep(0.3)
+        assert not last.done() and p.status()["starting"] == 1
+        await asyncio.wait_for(p.close(), 10)
+        assert await asyncio.wait_for(last, 1) is None
+    finally:
+        await p.close()
