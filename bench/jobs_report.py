@@ -21,12 +21,14 @@ from typing import Any
 from bench.harness.output import pyplot, read_json, results_stem
 from bench.harness.stats import pct
 from bench.trace_format import BUCKETS, OTHER_BUCKET, bucket_of
+from krex_async.runtime.devicework import IDLE_WINDOW_S as DRAIN_WINDOW_S
 
-# The issue's goals (issue 21), KernelBench set, 8 at once.
+# The issues' goals (21: throughput and timings, 22: entry, 23: the pool), KernelBench set, 8 at once.
 GOAL_VS_SHARED = 0.95
 GOAL_VS_COMMAND = 5.0
 GOAL_POOL_VS_SHARED = 1.5  # once the warm pool serves the jobs
 GOAL_P95 = {">10ms": 0.002, "1-10ms": 0.01, "0.1-1ms": 0.025}
+GOAL_ENTRY_P99_MS = 5.0  # issue 22: region entry with 7 held siblings
 QUIESCE_TIMEOUT_S = 0.02  # krex serve's default --quiesce-timeout
 PHASES = ("import", "compile", "inputs", "check", "timing")
 
@@ -136,6 +138,14 @@ def entry_own_s(g: dict[str, Any]) -> float:
     return max(0.0, float(g.get("enter_s", 0.0)) - waits - late)
 
 
+def entry_owner_s(g: dict[str, Any]) -> float:
+    """entry_own_s plus what the owner does before its timed loop: the drain check, up to its
+    idle window (DRAIN_WINDOW_S; beyond it the check waited for a held sibling's queued work,
+    another wait), and any clock warm-up. The region entry as the timing code sees it, less waits."""
+    drain = min(float(g.get("drain_s") or 0.0), float(g.get("drain_window_s") or DRAIN_WINDOW_S))
+    return entry_own_s(g) + drain + float(g.get("warm_s") or 0.0)
+
+
 def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> dict[str, Any]:
     rs = [g for r in recs for g in r.get("regions", [])]
     if not rs:
@@ -162,6 +172,9 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "entry_own_p95_s": pct([entry_own_s(g) for g in rs], 0.95),
         "entry_own_p99_s": pct([entry_own_s(g) for g in rs], 0.99),
         "entry_own_max_s": max(entry_own_s(g) for g in rs),
+        "entry_owner_p50_s": pct([entry_owner_s(g) for g in rs], 0.5),
+        "entry_owner_p95_s": pct([entry_owner_s(g) for g in rs], 0.95),
+        "entry_owner_p99_s": pct([entry_owner_s(g) for g in rs], 0.99),
         "quiesce_p50_s": med("quiesce_s"),
         "quiesce": dict(Counter(quiesce_outcome(g, qtimeout) for g in rs)),
         "freeze_p50_s": med("freeze_s"),
@@ -278,6 +291,14 @@ def goals(s: dict[str, Any]) -> list[str]:
                     f"{name}: {what} {val:.2f}x, goal >= {goal:.2f}x: "
                     + ("met" if val >= goal else f"MISSED by {goal - val:.2f}x")
                 )
+        g = s["variants"][name].get("regions") or {}
+        if g.get("hold") and g.get("entry_owner_p99_s") is not None:  # issue 22, with 7 held siblings
+            p99 = g["entry_owner_p99_s"] * 1e3
+            out.append(
+                f"{name}: region entry p99 less its waits, drain window included {p99:.1f} ms, goal <= "
+                f"{GOAL_ENTRY_P99_MS:.0f} ms: "
+                + ("met" if p99 <= GOAL_ENTRY_P99_MS else f"MISSED by {p99 - GOAL_ENTRY_P99_MS:.1f} ms")
+            )
         for bk, goal in GOAL_P95.items():
             x = s["variants"][name]["inflation"].get(bk)
             if x and x["p95"] is not None:
@@ -351,6 +372,12 @@ def table(s: dict[str, Any]) -> str:
                 f" creation): p50 {ms('entry_own_p50_s').strip()} p95 {ms('entry_own_p95_s').strip()}"
                 f" p99 {ms('entry_own_p99_s').strip()} max {ms('entry_own_max_s').strip()}"
             )
+            out.append(
+                f"{'':<12} the same with the owner's drain check (its {DRAIN_WINDOW_S * 1e3:.0f} ms window)"
+                f" and warm-up, the entry its timing code sees: p50 {ms('entry_owner_p50_s').strip()}"
+                f" p95 {ms('entry_owner_p95_s').strip()}"
+                f" p99 {ms('entry_owner_p99_s').strip()}"
+            )
         for who, n in g["stray_who"].items():
             out.append(f"{'':<12} stray x{n}: {who}")
         for key in [key for key in g if "lock" in key or "hold" in key]:
@@ -372,7 +399,7 @@ def table(s: dict[str, Any]) -> str:
                 f"   {_f(sp.get('p95'), '.2%')}, {_f(sp.get('max'), '.2%')}"
             )
     routes = Counter(r for x in v.values() for r in x["routes"])
-    out += ["", "timed through: " + "; ".join(sorted(routes)), "", "goals (issue 21):"]
+    out += ["", "timed through: " + "; ".join(sorted(routes)), "", "goals (issues 21-23):"]
     out += ["  " + g for g in s["goals"]] or ["  (no region variant with command and shared to judge)"]
     for f in s.get("alone_failed", [])[:5]:
         out.append(

@@ -90,6 +90,7 @@ def _serve_parser(sub: Any) -> None:
         "region_timeout",
         "quiesce_timeout",
         "drain_timeout",
+        "drain_window",
         "freeze_timeout",
         "kill_grace",
         "retention",

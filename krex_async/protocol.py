@@ -279,6 +279,7 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     cores: list[int] = []
     # synced, idle-verified, timeout, unverified (nothing to time with), not-needed; pending while held
     drain: str = "not-needed"
+    drain_window_s: float = 0.0  # the idle window the owner's drain check was given (--drain-window)
     warm_s: float = 0.0  # the owner warmed the device's clocks for this long (warm_ms)
     settle_s: float = 0.0  # the daemon waited this long for the GPU clock to recover before the grant
     pool_wait_s: float = 0.0  # ... and for a pool worker's context creation in flight to end
@@ -409,6 +410,7 @@ class RegionGranted(Msg, tag="region_granted"):
     report: RegionReport
     drain_timeout: float = 0.0
     warm_ms: float = 0.0  # warm the device's clocks this long before the timed loop
+    drain_window: float = 0.0  # the drain check's idle window (0: the runtime's own default)
 
 
 class RegionReleased(Msg, tag="region_released"):

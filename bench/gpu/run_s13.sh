@@ -1,14 +1,16 @@
 #!/bin/bash
 # What the accelerator owes the open issues after session 12 (bench/RESULTS.md section 0): three
 # device calls, in the order they matter.
-#   bash bench/gpu/run_s13.sh 1   # ~4 min: bench.gpu.check_exit (which part of a torch process's
+#   bash bench/gpu/run_s13.sh 1   # ~5 min: bench.gpu.check_exit (which part of a torch process's
 #                                 # 0.4-0.5 s exit disturbs another's timing: what a region must wait
-#                                 # for), then the Atrex `deep` profile with the check's fixed regex
+#                                 # for), bench.gpu.check_idle_window (how short the drain check's
+#                                 # idle window can be: 20 of a region entry's 24 ms), then the Atrex
+#                                 # `deep` profile with the check's fixed regex
 #   bash bench/gpu/run_s13.sh 2   # ~9 min: the large set (48 jobs) with region, region-pool and
 #                                 # shared, one alone round
 #   bash bench/gpu/run_s13.sh 3   # ~8 min: the replay of gpu-10min, seed 2, all three policies
 # Results as run_s10.sh's ($OUT/s13-N.tgz, $OUT/s13-N.log, top-level JSON). Environment: as
-# run_s12.sh's, and EXIT_ARGS (bench.gpu.check_exit's flags).
+# run_s12.sh's, EXIT_ARGS (bench.gpu.check_exit's flags) and WINDOW_ARGS (check_idle_window's).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 source bench/gpu/batch.sh
@@ -17,6 +19,7 @@ pool="--pool-size 8 --pool-preload torch"
 case $call in
 1)
   batch_step exit 150 python3 -m bench.gpu.check_exit --out "$res" ${EXIT_ARGS:-}
+  batch_step idle-window 120 python3 -m bench.gpu.check_idle_window --out "$res" ${WINDOW_ARGS:-}
   batch_atrex "${ATREX_TIMEOUT:-200}" --only profile-deep
   ;;
 2)

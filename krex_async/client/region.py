@@ -215,7 +215,8 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         # Drain first (a neighbour's queued work must be done before anything is timed), then
         # warm, so the timed loop starts right after the clocks were raised.
         if rep.drain == "pending":
-            rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout)
+            window = grant.drain_window or devicework.IDLE_WINDOW_S
+            rep.drain, rep.drain_s = devicework.idle_verify(grant.drain_timeout, window_s=window)
         if grant.warm_ms:
             _, rep.warm_s = devicework.warm(grant.warm_ms)
 

@@ -72,6 +72,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.02
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    # the owner's drain check passes once its round trips stayed fast this long (longer than a GPU
+    # time slice); bench/gpu/check_idle_window.py measures what a shorter one still catches
+    drain_window: Annotated[float, msgspec.Meta(ge=0.001, le=1.0)] = 0.02
     freeze_timeout: Positive = 1.0
     warm_ms: Annotated[float, msgspec.Meta(ge=-1, le=60_000)] = -1.0  # -1: as the clock needs
     settle_ms: Annotated[float, msgspec.Meta(ge=0, le=10_000)] = 300.0  # wait for clocks to recover

@@ -651,6 +651,7 @@ class Daemon:
         if req.drain:
             r.report.drain = req.drain
             r.report.drain_s = req.drain_s
+            r.report.drain_window_s = self.config.drain_window
         r.report.warm_s = req.warm_s
         r.end("released")
 

@@ -148,6 +148,7 @@ class Regions:
                         id=r.req_id,
                         report=rep,
                         drain_timeout=self.core.config.drain_timeout,
+                        drain_window=self.core.config.drain_window,
                         warm_ms=self.clock.warm_ms(r),
                     )
                 )

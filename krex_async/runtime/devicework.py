@@ -173,8 +173,11 @@ def ready_probe() -> str:
         return f"error: {type(e).__name__}: {e}"
 
 
+IDLE_WINDOW_S = 0.02  # longer than a GPU time slice (about 2.5 ms on the H200), with margin
+
+
 def idle_verify(
-    timeout_s: float = 5.0, window_s: float = 0.02, bar_s: float = 250e-6, min_samples: int = 16
+    timeout_s: float = 5.0, window_s: float = IDLE_WINDOW_S, bar_s: float = 250e-6, min_samples: int = 16
 ) -> tuple[str, float]:
     """Time a small kernel's round trip (launch, then wait) until the device shows no other work.
 

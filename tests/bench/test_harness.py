@@ -44,7 +44,7 @@ def test_results_written_with_provenance_and_read_back_gzipped_or_not(tmp_path: 
     # a gzipped file read by the analysis as any other (the recorded jobs run, compressed in git)
     root = Path(__file__).resolve().parents[2]
     p = run_script("-m", "bench.jobs_report", str(root / "bench" / "results" / "h200-jobs-s9.json.gz"))
-    assert "25.2" in p.stdout and "goals (issue 21):" in p.stdout
+    assert "25.2" in p.stdout and "goals (issues 21-23):" in p.stdout
 
 
 def test_table_aligns_columns_and_prints_none_as_a_dash() -> None:

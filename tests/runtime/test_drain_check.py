@@ -84,3 +84,53 @@ async def test_drain_is_synced_only_when_no_frozen_sibling_holds_a_gpu_file():
     finally:
         if cg:
             remove_cgroup_tree(cg)
+
+
+# An owner whose torch is a stand-in with instant round trips: its drain check passes as soon as
+# the window has passed, so the time it took shows the window it was given.
+FAKE_TORCH_OWNER = """
+import sys, types
+cuda = types.SimpleNamespace(is_initialized=lambda: True, is_available=lambda: True, synchronize=lambda: None)
+torch = types.ModuleType("torch")
+torch.cuda, torch.float16 = cuda, "f16"
+torch.randn = lambda *a, **k: object()
+torch.matmul = lambda a, b: None
+sys.modules["torch"] = torch
+from krex_async import region
+with region('t') as r:
+    pass
+print(r.report.drain, r.report.drain_s, r.report.drain_window_s)
+"""
+
+
+async def test_the_drain_check_runs_for_the_window_the_daemon_gives() -> None:
+    """--drain-window reaches the owner with the grant: its check passes after that long (not the
+    runtime's 20 ms default), and the region's report says which window it had."""
+    cg = private_cgroup_root()
+    backend = {"isolation": "cgroup", "cgroup_root": cg} if cg else {"isolation": "signal"}
+    try:
+        with tempfile.TemporaryDirectory(prefix="krexdev-") as devdir:
+            for window in (0.02, 0.4):
+                async with config_daemon(
+                    launch=LAUNCH,
+                    launch_args=[devdir + "/"],
+                    region_cores=0,
+                    settle_ms=0,
+                    drain_window=window,
+                    **backend,
+                ) as d:
+                    async with await d.client() as c:
+                        sib = await c.submit(holder(Path(devdir) / "nvidia0"), device="nvidia0")
+                        async for _, data in sib.output():
+                            if b"held" in data:
+                                break
+                        res = await c.run([PY, "-c", FAKE_TORCH_OWNER], device="nvidia0")
+                        await sib.cancel(9)
+                        await sib.wait()
+                assert res.returncode == 0, res.stderr.decode()
+                drain, took, given = res.stdout.decode().split()
+                assert drain == "idle-verified" and float(given) == window, res.stdout
+                assert window <= float(took) < window + 0.3, (window, took)
+    finally:
+        if cg:
+            remove_cgroup_tree(cg)

@@ -1,0 +1,217 @@
+"""How short can the drain check's idle window be and still catch another process's GPU work?
+
+    python3 -m bench.gpu.check_idle_window [--windows 2,3,5,10,20] [--tries 20] [--out DIR]
+
+A region's owner verifies, before its timed loop, that no held sibling still has work queued on the
+GPU (runtime/devicework.idle_verify): it times round trips of a tiny kernel until they all stayed
+under 250 us for a window (`--drain-window`, 20 ms by default). While another context has work the
+GPU time-slices between them, and some round trips wait out the other's slice (2.5 ms on the H200,
+bench/RESULTS.md, "Run 3"); the window must be long enough that one always does. On session 12's
+real jobs that window was 20 of the 24 ms a region entry took (less its waits), so issue 22's entry
+goal (p99 <= 5 ms) hangs on it. For each window this measures, with no krex involved:
+
+- alone: how long the check takes to pass on an idle GPU (it should take the window);
+- busy: a neighbour process launching matmuls back to back (short ~0.2 ms and long ~5 ms kernels,
+  a few queued at a time): how often the check wrongly passes (`idle-verified`) within a budget of
+  five windows (at least 0.1 s). Must be 0 for a window to be usable;
+- drain: the neighbour queues ~100 ms of work and stops launching (as a locked sibling does), and
+  records when its queue ran dry; the check starts at once: how often it passed before the queue
+  ran dry (early: must be 0), and how long after it passed.
+
+Writes $OUT/check_idle_window.json (OUT defaults to /tmp/krex-check-idle-window); prints a table and
+one PASS/FAIL line per window (FAIL: a wrong pass). Needs one NVIDIA GPU with torch; no daemon, no
+root. Exit status 0 when everything was measured (whatever the verdicts), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.output import module_prog, write_json
+
+# The neighbour: `busy N STOP` launches N x N fp16 matmuls back to back, at most 4 queued, until the
+# STOP file appears; `drain N MS`, for each line it reads, queues about MS ms of them and prints the
+# host time (monotonic) at which its queue ran dry. It prints "ready" once warm, and its kernel's time.
+NEIGHBOUR = r"""
+import os, sys, time, torch
+mode, n = sys.argv[1], int(sys.argv[2])
+a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+b = torch.empty_like(a)
+for _ in range(5):
+    torch.matmul(a, a, out=b)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(20):
+    torch.matmul(a, a, out=b)
+torch.cuda.synchronize()
+per_ms = (time.perf_counter() - t0) / 20 * 1e3
+print("ready", per_ms, flush=True)
+if mode == "busy":
+    stop, done = sys.argv[3], []
+    while not os.path.exists(stop):
+        torch.matmul(a, a, out=b)
+        e = torch.cuda.Event()
+        e.record()
+        done.append(e)
+        if len(done) > 4:
+            done.pop(0).synchronize()
+    torch.cuda.synchronize()
+else:
+    for _ in sys.stdin:  # one backlog per line read
+        for _ in range(max(1, int(float(sys.argv[3]) / per_ms))):
+            torch.matmul(a, a, out=b)
+        print("queued", time.monotonic(), flush=True)
+        torch.cuda.synchronize()
+        print("dry", time.monotonic(), flush=True)
+"""
+
+KERNELS = {"short": 4096, "long": 12288}  # fp16 matmuls: ~0.2 ms and ~5 ms on an H200
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per window (ms): the alone check's time (p50, max), wrong passes beside each busy neighbour
+    (passed of tried), and the drain runs' early passes and lag after the queue ran dry (ms)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        w = out.setdefault(f"{r['window_ms']:g}", {"wrong": 0})
+        if r["phase"] == "alone":
+            w.setdefault("alone_s", []).append(r["took_s"])
+        elif r["phase"] == "busy":
+            k = w.setdefault(f"busy_{r['kernel']}", [0, 0])
+            k[0] += r["verdict"] == "idle-verified"
+            k[1] += 1
+            w["wrong"] += r["verdict"] == "idle-verified"
+        elif r["phase"] == "drain":
+            early = r["verdict"] == "idle-verified" and r["passed_at"] < r["dry_at"]
+            w["drain_early"] = w.get("drain_early", 0) + early
+            w["wrong"] += early
+            w.setdefault("drain_lag_ms", []).append((r["passed_at"] - r["dry_at"]) * 1e3)
+    for w in out.values():
+        if "alone_s" in w:
+            xs = w.pop("alone_s")
+            w["alone_ms"] = {"p50": statistics.median(xs) * 1e3, "max": max(xs) * 1e3, "n": len(xs)}
+        if "drain_lag_ms" in w:
+            xs = w.pop("drain_lag_ms")
+            w["drain_lag_ms"] = {"p50": statistics.median(xs), "min": min(xs), "n": len(xs)}
+    return out
+
+
+def _neighbour(py: str, script: Path, *args: str) -> tuple[subprocess.Popen[str], float]:
+    p = subprocess.Popen([py, str(script), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline().split()
+    if not line or line[0] != "ready":
+        p.kill()
+        raise RuntimeError(f"the neighbour ({' '.join(args)}) did not start: {line}")
+    return p, float(line[1])
+
+
+def measure(py: str, windows: list[float], tries: int, tmp: Path) -> list[dict[str, Any]]:
+    import torch  # the owner: a context of its own, as a region owner has
+
+    from krex_async.runtime import devicework
+
+    torch.zeros(1, device="cuda")
+    devicework.ready_probe()
+    script = tmp / "neighbour.py"
+    script.write_text(NEIGHBOUR)
+    rows: list[dict[str, Any]] = []
+    for w in windows:
+        for _ in range(tries):
+            verdict, took = devicework.idle_verify(0.5, window_s=w / 1e3)
+            rows.append({"phase": "alone", "window_ms": w, "verdict": verdict, "took_s": took})
+    for kernel, n in KERNELS.items():
+        stop = tmp / f"stop-{kernel}"
+        p, per_ms = _neighbour(py, script, "busy", str(n), str(stop))
+        time.sleep(0.3)
+        try:
+            for w in windows:
+                for _ in range(tries):
+                    verdict, took = devicework.idle_verify(max(0.1, 5 * w / 1e3), window_s=w / 1e3)
+                    rows.append(
+                        {
+                            "phase": "busy",
+                            "kernel": kernel,
+                            "kernel_ms": per_ms,
+                            "window_ms": w,
+                            "verdict": verdict,
+                        }
+                    )
+        finally:
+            stop.write_text("")
+            p.wait(30)
+    p, _ = _neighbour(py, script, "drain", str(KERNELS["long"]), "100")
+    assert p.stdout is not None and p.stdin is not None
+    try:
+        for w in windows:
+            for _ in range(max(1, tries // 4)):
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                p.stdout.readline()  # queued
+                verdict, _ = devicework.idle_verify(2.0, window_s=w / 1e3)
+                passed_at = time.monotonic()
+                dry_at = float(p.stdout.readline().split()[1])
+                rows.append(
+                    {
+                        "phase": "drain",
+                        "window_ms": w,
+                        "verdict": verdict,
+                        "passed_at": passed_at,
+                        "dry_at": dry_at,
+                    }
+                )
+    finally:
+        p.stdin.close()
+        p.wait(30)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n")[0])
+    ap.add_argument("--windows", default="2,3,5,10,20", help="idle windows to try, ms (comma-separated)")
+    ap.add_argument("--tries", type=int, default=20, help="checks per window and condition")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/krex-check-idle-window"))
+    a = ap.parse_args()
+    try:
+        windows = [float(x) for x in a.windows.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--windows: comma-separated milliseconds, not {a.windows!r}")
+    if not windows or min(windows) <= 0 or a.tries < 1:
+        ap.error("--windows must be positive milliseconds, --tries at least 1")
+    tmp = Path(tempfile.mkdtemp(prefix="krex-check-idle-window-"))
+    try:
+        rows = measure(a.python, windows, a.tries, tmp)
+    except (RuntimeError, ImportError) as e:
+        print(f"FAIL: {e}")
+        return 1
+    s = summarise(rows)
+    print(
+        f"{'window ms':>9} {'alone p50/max ms':>17} {'busy short':>10} {'busy long':>9} "
+        f"{'drain early':>11} {'lag p50 ms':>10}"
+    )
+    for w, x in s.items():
+        al, lag = x.get("alone_ms", {}), x.get("drain_lag_ms", {})
+        short, long_ = x.get("busy_short", [0, 0]), x.get("busy_long", [0, 0])
+        print(
+            f"{w:>9} {al.get('p50', 0):>8.1f}/{al.get('max', 0):<8.1f} {short[0]:>4}/{short[1]:<5} "
+            f"{long_[0]:>4}/{long_[1]:<4} {x.get('drain_early', 0):>11} {lag.get('p50', 0):>10.1f}"
+        )
+    for w, x in s.items():
+        print(("PASS" if x["wrong"] == 0 else "FAIL") + f": window {w} ms: {x['wrong']} wrong passes")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "check_idle_window.json", {"rows": rows, "summary": s, "args": vars(a)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""bench.gpu.check_idle_window on a machine without a GPU: its verdict counting, and the whole check
+(owner, busy and draining neighbours, JSON) run end to end with a stand-in torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.gpu.check_idle_window import summarise
+
+
+def test_wrong_passes_are_counted_per_window() -> None:
+    rows = [
+        {"phase": "alone", "window_ms": 5, "verdict": "idle-verified", "took_s": 0.005},
+        {"phase": "alone", "window_ms": 5, "verdict": "idle-verified", "took_s": 0.007},
+        {"phase": "busy", "kernel": "short", "window_ms": 5, "verdict": "timeout"},
+        {"phase": "busy", "kernel": "long", "window_ms": 5, "verdict": "idle-verified"},  # wrong
+        {
+            "phase": "drain",
+            "window_ms": 5,
+            "verdict": "idle-verified",
+            "passed_at": 10.05,
+            "dry_at": 10.1,
+        },  # early
+        {"phase": "drain", "window_ms": 5, "verdict": "idle-verified", "passed_at": 20.12, "dry_at": 20.1},
+        {"phase": "busy", "kernel": "long", "window_ms": 20, "verdict": "timeout"},
+        {"phase": "drain", "window_ms": 20, "verdict": "timeout", "passed_at": 1.0, "dry_at": 2.0},  # no pass
+    ]
+    s = summarise(rows)
+    five, twenty = s["5"], s["20"]
+    assert five["wrong"] == 2 and five["busy_long"] == [1, 1] and five["busy_short"] == [0, 1]
+    assert five["drain_early"] == 1 and abs(five["drain_lag_ms"]["min"] + 50) < 1e-6
+    assert abs(five["alone_ms"]["p50"] - 6.0) < 1e-9 and abs(five["alone_ms"]["max"] - 7.0) < 1e-9
+    assert twenty["wrong"] == 0 and twenty["drain_early"] == 0
+
+
+# The few torch calls the owner's check and the neighbour make, instant: only the GPU is missing.
+FAKE_TORCH = """
+import time
+float16 = "f16"
+class _T:
+    pass
+def randn(*a, **k): return _T()
+def zeros(*a, **k): return _T()
+def empty_like(t): return _T()
+def matmul(a, b, out=None): time.sleep(0.00002)
+class cuda:
+    @staticmethod
+    def synchronize(): pass
+    @staticmethod
+    def is_initialized(): return True
+    @staticmethod
+    def is_available(): return True
+    class Event:
+        def record(self): pass
+        def synchronize(self): pass
+"""
+
+
+def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "torch.py").write_text(FAKE_TORCH)
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(repo)]))
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu.check_idle_window",
+        "--windows",
+        "1,3",
+        "--tries",
+        "4",
+        "--out",
+        str(out),
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((out / "check_idle_window.json").read_text())
+    phases = [(x["phase"], x.get("kernel")) for x in data["rows"]]
+    assert phases.count(("alone", None)) == 8 and phases.count(("drain", None)) == 2
+    assert phases.count(("busy", "short")) == phases.count(("busy", "long")) == 8
+    # nothing runs on a stand-in GPU: every check passes at once, so every busy one is a wrong pass
+    assert data["summary"]["1"]["wrong"] >= 8 and "FAIL: window 1 ms" in r.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.check_idle_window", "--windows", "0,x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=repo,
+    )
+    assert bad.returncode == 2 and "--windows" in bad.stderr
