@@ -80,6 +80,13 @@ def _serve_parser(sub: Any) -> None:
         "leave it and be locked; still inside: it is frozen (default 0.5)",
     )
     p.add_argument(
+        "--exit-wait",
+        type=float,
+        help="seconds a region waits, before its grant, for a sibling's exit to end; one still in "
+        "user space after that (Python's finalisation, the CUDA library's teardown) is frozen until "
+        "the region ends, one in the kernel's exit waited for up to --lock-wait (default: --lock-wait)",
+    )
+    p.add_argument(
         "--quiesce",
         choices=["auto", "all"],
         help="whose runtime a region asks to stop and synchronise before freezing: "

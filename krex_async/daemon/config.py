@@ -65,6 +65,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # NOT_READY) to leave it and be locked; still inside: frozen. On the H200 every such lock landed
     # within 0.46 s (p50 0.11 s: bench/gpu/check_lock_states.py)
     lock_wait: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.5
+    # how long a region waits for a sibling's exit to end before freezing what is left of it (-1:
+    # --lock-wait); a process already in the kernel's exit (past the freezer) is waited for in any case
+    exit_wait: Annotated[float, msgspec.Meta(ge=-1, le=10)] = -1.0
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

@@ -43,6 +43,7 @@ from krex_async.daemon.hold import (
 )
 from krex_async.isolation.base import Freeze, Group, IsolationError
 from krex_async.isolation.cudalock import start_time
+from krex_async.linux.procfs import exiting_in_kernel
 from krex_async.probes.hold import HOLD
 from krex_async.runtime.quiesce import holds_gpu_file
 
@@ -421,9 +422,11 @@ class Regions:
         self.exiting[pid] = (device, now, start_time(pid))
 
     async def _exits(self, r: Region) -> None:
-        """Wait (--lock-wait at most) for the siblings on r's device that are exiting (Daemon.exit_held):
-        their exit was deferred to an earlier region's end, or began with none on the device; the
-        driver is freeing their GPU memory now."""
+        """Wait (--exit-wait, default --lock-wait) for the siblings on r's device that are exiting
+        (Daemon.exit_held): their exit was deferred to an earlier region's end, or began with none
+        on the device; they are tearing their GPU state down now. Those still in user space after
+        that are left unfinished (frozen for the region, _isolate); one already in the kernel's exit
+        cannot be frozen, so it is waited for up to --lock-wait in all."""
         now = time.monotonic()
         mine = [
             p
@@ -432,8 +435,14 @@ class Regions:
         ]
         self.exiting = {p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < 60}
         if mine:
+            cfg = self.core.config
+            limit = cfg.lock_wait if cfg.exit_wait < 0 else cfg.exit_wait
             t0 = time.perf_counter()
-            done = await wait_exits(mine, self.core.config.lock_wait)
+            done = await wait_exits(mine, limit)
+            past = [p for p in mine if p not in done and exiting_in_kernel(p)]
+            if past:
+                left = max(limit, cfg.lock_wait) - (time.perf_counter() - t0)
+                done += await wait_exits(past, max(0.0, left))
             r.report.exits_wait_s = time.perf_counter() - t0
             r.report.exits_waited = done
             r.report.exits_unfinished = [p for p in mine if p not in done]
@@ -535,6 +544,8 @@ class Regions:
             self.note_exiting(pid, r.device)
             send(P.Resume(id=0, region=""))
         r.exit_waiters.clear()
+        for pid in r.report.exits_unfinished:  # frozen mid-exit, they go on exiting: the same
+            self.note_exiting(pid, r.device)
         self.drain.refresh(r)
         await self.cores.restore(r)
 

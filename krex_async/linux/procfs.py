@@ -22,6 +22,17 @@ def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
     return fields if len(fields) > 19 else None
 
 
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (the freezer no longer stops it)
+
+
+def exiting_in_kernel(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` has left user space for good: in the kernel's exit (its memory and files being
+    released, a GPU driver freeing device memory as its files close) or a zombie. A process still
+    in Python's finalisation or a library's teardown is not, and a freezer still stops it."""
+    fields = stat_fields(pid, proc)
+    return fields is not None and (fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING))
+
+
 def tree_memory(roots: dict[str, int], pss: bool = False) -> dict[str, dict[str, int]]:
     """{key: {"rss_bytes": R, "processes": N}} (and "pss_bytes" with `pss`) for each root pid and
     its descendants, from one pass over the process table (psutil). A process that vanishes or is

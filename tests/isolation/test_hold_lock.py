@@ -729,6 +729,44 @@ async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for
     assert pid not in rep.get("locked_pids", []) and "held_exited" not in rep, rep
 
 
+async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_until_it_ends(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """--exit-wait 0: a region does not wait for a sibling's exit still in user space (Python's
+    finalisation here, 1.5 s, as a torch teardown): it is named in exits_unfinished and frozen with
+    its command for the region, never locked (a lock does not stop an exit). Thawed at the release,
+    it goes on exiting, so the region right after treats it the same way again (before, it was
+    forgotten after one region and locked mid-exit); it ends after both regions."""
+    owner = script("owner.py", OWNER)
+    m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
+    state = str(tmp_path / "sib")
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5", "--exit-wait", "0")
+    async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h, pid = await _start_exiting(c, fake, script, state, "slower")
+            Path(state + ".go").write_text("")
+            while not os.path.exists(state + ".exiting"):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)  # its exit hook has been answered: it is in its finalisation
+            first = asyncio.ensure_future(c.run([PY, owner, str(m1), "0.3"], env=py_env()))
+            await granted(m1)
+            frozen_first = is_frozen(pid)
+            second = asyncio.ensure_future(c.run([PY, owner, str(m2), "0.3"], env=py_env()))
+            await granted(m2)
+            frozen_second = proc_state(pid) not in (None, "Z") and is_frozen(pid)
+            r1, r2 = await first, await second
+            assert (await h.wait()).returncode == 0
+            t_end = time.time()
+    t_exiting = float(Path(state + ".exiting").read_text())
+    rep1, rep2 = json.loads(r1.stdout), json.loads(r2.stdout)
+    assert float(m1.read_text()) - t_exiting < 0.8, "the first region waited for the exit"
+    for rep in (rep1, rep2):
+        assert rep.get("exits_unfinished") == [pid] and rep["exits_wait_s"] < 0.3, rep
+        assert pid not in rep.get("locked_pids", []) and h.command in rep["frozen"], rep
+    assert frozen_first and frozen_second
+    assert t_end >= float(m2.read_text()) + rep2["held_s"] - 0.05, "it ended inside the second region"
+
+
 async def test_an_exit_during_another_commands_region_waits_for_its_end(
     fake: Fake, script, tmp_path: Path
 ) -> None:

@@ -47,3 +47,20 @@ def test_cgroups_of_a_process_and_of_a_gone_one():
     assert procfs.cgroups(p.pid) is None  # reaped: its /proc entry is gone
     v2 = [path for hid, ctrls, path in want if hid == "0" and not ctrls]
     assert own_cgroups().get("") == (v2[0] if v2 else None)
+
+
+def test_exiting_in_kernel_tells_a_process_past_user_space() -> None:
+    """A live process (sleeping, or running its Python exit hooks) is not past user space; a
+    zombie is (its kernel exit is done); a pid that is gone is not (nothing left to wait for)."""
+    script = "import atexit, sys, time; atexit.register(time.sleep, 30); print('up', flush=True); sys.exit(0)"
+    p = subprocess.Popen(["/usr/bin/python3", "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        assert not procfs.exiting_in_kernel(p.pid)  # inside its exit hooks: still user space
+        p.kill()
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # a zombie, not reaped yet
+        assert procfs.exiting_in_kernel(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert not procfs.exiting_in_kernel(p.pid)  # gone: nothing to wait for, and False
