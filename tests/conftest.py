@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -159,6 +160,18 @@ def py_env(**extra: str) -> dict[str, str]:
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.update(extra)
     return e
+
+
+async def krex_status(socket: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`krex status` (plain text) against the daemon at `socket`, run as a user would run it."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [PY, "-m", "krex_async", "status", "--socket", socket],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
 
 
 def is_frozen(pid: int) -> bool:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 
 import pytest
 
-from .conftest import PY, py_env, run_daemon
+from .conftest import PY, krex_status, py_env, run_daemon
 
 
 async def test_python_commands_run_in_the_pool_and_match_plain_runs(script):
@@ -103,14 +102,7 @@ async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
             plain = await c.run([PY, "-X", "dev", "-c", "pass"], env=env, cwd=str(tmp_path))
             await _wait_pool(c, {"warm": 1})
             pst = (await c.status())["pools"]["cpu"]
-        shown = await asyncio.to_thread(
-            subprocess.run,
-            [PY, "-m", "krex_async", "status", "--socket", d.socket],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=30,
-        )
+        shown = await krex_status(d.socket, env)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["POOL", "SIZE"])

@@ -305,7 +305,7 @@ class Pool:
                 if inspect.isawaitable(r):
                     raise TypeError("adopt() needs a synchronous cgroup_hook")
             except BaseException:
-                self._idle.appendleft(w)
+                self.untake(w)  # back first in line, for whoever waits
                 raise
         if self._hand(w, spec, adopt, [pidfd]) is None:
             fut.set_result("worker channel closed")

@@ -28,6 +28,18 @@ def run_script(
     return p
 
 
+def with_stand_in_torch(
+    tmp: Path, torch_src: str, module: str, *args: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m module args` with `torch_src` as its torch (a stand-in for the few calls a
+    GPU check makes), so that the whole check runs end to end here: only the GPU is missing."""
+    fake = tmp / "stand-in"
+    fake.mkdir(exist_ok=True)
+    (fake / "torch.py").write_text(torch_src)
+    env = {"PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
+    return run_script("-m", module, *args, env=env, timeout=120, check=check)
+
+
 @pytest.fixture
 def bench_root() -> Path:
     return BENCH

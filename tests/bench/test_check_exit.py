@@ -9,6 +9,8 @@ from pathlib import Path
 
 from bench.gpu.check_exit import EXITER, exit_windows, run_exiter
 
+from .conftest import with_stand_in_torch
+
 # The exiter without torch: the same marks, nothing allocated.
 CPU_EXITER = EXITER.replace("import atexit, os, sys, time, torch", "import atexit, os, sys, time").replace(
     'x = torch.ones(int(gib * 2**30) // 4, device="cuda")\nx.mul_(2); torch.cuda.synchronize()\n', ""
@@ -68,33 +70,10 @@ class cuda:
 
 def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
     import json
-    import os
-    import subprocess
 
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "torch.py").write_text(FAKE_TORCH)
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(repo)]))
     out = tmp_path / "out"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.gpu.check_exit",
-            "--gib",
-            "0.01,0.02",
-            "--reps",
-            "1",
-            "--out",
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    args = ("--gib", "0.01,0.02", "--reps", "1", "--out", str(out))
+    with_stand_in_torch(tmp_path, FAKE_TORCH, "bench.gpu.check_exit", *args)
     data = json.loads((out / "check_exit.json").read_text())
     assert [e["gib"] for e in data["exits"]] == [0.01, 0.02] and len(data["windows"]) == 2, data
     assert data["copies"] > 100, data["copies"]

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from bench.gpu.check_idle_window import summarise
+
+from .conftest import with_stand_in_torch
 
 
 def test_wrong_passes_are_counted_per_window() -> None:
@@ -61,37 +60,16 @@ class cuda:
 
 
 def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "torch.py").write_text(FAKE_TORCH)
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(repo)]))
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.gpu.check_idle_window",
-        "--windows",
-        "1,3",
-        "--tries",
-        "4",
-        "--out",
-        str(out),
-    ]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=repo)
-    assert r.returncode == 0, r.stdout + r.stderr
+    args = ("--windows", "1,3", "--tries", "4", "--out", str(out))
+    r = with_stand_in_torch(tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", *args)
     data = json.loads((out / "check_idle_window.json").read_text())
     phases = [(x["phase"], x.get("kernel")) for x in data["rows"]]
     assert phases.count(("alone", None)) == 8 and phases.count(("drain", None)) == 2
     assert phases.count(("busy", "short")) == phases.count(("busy", "long")) == 8
     # nothing runs on a stand-in GPU: every check passes at once, so every busy one is a wrong pass
     assert data["summary"]["1"]["wrong"] >= 8 and "FAIL: window 1 ms" in r.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "bench.gpu.check_idle_window", "--windows", "0,x"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=repo,
+    bad = with_stand_in_torch(
+        tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", "--windows", "0,x", check=False
     )
     assert bad.returncode == 2 and "--windows" in bad.stderr

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import PY, py_env, run_daemon, v2_mount
+from ..conftest import PY, krex_status, py_env, run_daemon, v2_mount
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or v2_mount() is None, reason="adoption needs the cgroup backend: root and cgroup v2"
@@ -674,14 +674,7 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
                     *(c.run(["/bin/sh", "-c", line], env=env, cwd=str(tmp_path)) for _ in range(2))
                 )
                 (mods / "open").touch()
-                shown = await asyncio.to_thread(
-                    subprocess.run,
-                    [PY, "-m", "krex_async", "status", "--socket", d.socket],
-                    capture_output=True,
-                    text=True,
-                    env=env,
-                    timeout=30,
-                )
+                shown = await krex_status(d.socket, env)
         # `krex status` tells, per pool, how many were adopted and why the others were not
         lines = shown.stdout.splitlines()
         row = lines[next(i for i, ln in enumerate(lines) if ln.startswith("POOL ")) + 1]
@@ -698,7 +691,8 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
 async def test_every_interpreter_of_a_burst_waits_its_turn(tmp_path: Path) -> None:
     """Three interpreters at once on a pool of one: each waits for the next replacement in turn.
     Before, the third gave up ("no warm worker") the moment the second was served, its own
-    replacement not yet started; on the H200 that job ran cold and set the run's makespan."""
+    replacement not yet started (on the H200 a job of a burst declined so ran cold and set the
+    run's makespan)."""
     write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
     env = py_env()
     async with run_daemon(
