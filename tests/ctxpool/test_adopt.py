@@ -66,9 +66,9 @@ def declined(n):
 """
 
 
-def pooled_daemon(size: int = 2) -> Any:
+def pooled_daemon(size: int = 2, *more: str) -> Any:
     return run_daemon(
-        "--pool-size", str(size), "--pool-preload", "colorsys", "--isolation", "cgroup", env=py_env()
+        "--pool-size", str(size), "--pool-preload", "colorsys", "--isolation", "cgroup", *more, env=py_env()
     )
 
 
@@ -695,17 +695,7 @@ async def test_every_interpreter_of_a_burst_waits_its_turn(tmp_path: Path) -> No
     run's makespan)."""
     write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
     env = py_env()
-    async with run_daemon(
-        "--pool-size",
-        "1",
-        "--pool-preload",
-        "colorsys",
-        "--isolation",
-        "cgroup",
-        "--pool-wait",
-        "30",
-        env=env,
-    ) as d:
+    async with pooled_daemon(1, "--pool-wait", "30") as d:
         async with await d.client() as c:
             await warm(c)
             got = await asyncio.gather(
