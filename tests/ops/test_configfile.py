@@ -222,6 +222,8 @@ def test_example_file_loads_and_documents_every_option():
         ("--max-inbound-bytes", "10", "--max-inbound-bytes: Expected `int` >= 1048576"),
         ("--lock-wait", "-1", "--lock-wait: Expected `float` >= 0.0"),
         ("--lock-wait", "11", "--lock-wait: Expected `float` <= 10.0"),
+        ("--exit-wait", "-2", "--exit-wait: Expected `float` >= -1.0"),
+        ("--drain-window", "0", "--drain-window: Expected `float` >= 0.001"),
         ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
     ],
 )
