@@ -84,7 +84,7 @@ def _serve_parser(sub: Any) -> None:
         type=float,
         help="seconds a region waits, before its grant, for a sibling's exit to end; one still in "
         "user space after that (Python's finalisation, the CUDA library's teardown) is frozen until "
-        "the region ends, one in the kernel's exit waited for up to --lock-wait (default: --lock-wait)",
+        "the region ends, one in the kernel's exit up to --lock-wait at least (default: --lock-wait)",
     )
     p.add_argument(
         "--quiesce",

@@ -233,9 +233,9 @@ class Pool:
         if self._closed:
             return None
         fut: asyncio.Future[_Worker | None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        self._refill()  # a replacement still due (call_soon after the last hand-over) counts as warming
         try:
+            self._waiters.append(fut)
+            self._refill()  # a replacement still due (call_soon after the last hand-over) is warming
             if timeout > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(fut), timeout)
@@ -256,10 +256,19 @@ class Pool:
         return None if fut.cancelled() else fut.result()
 
     def untake(self, w: _Worker) -> None:
-        """A worker from take() that was not handed over: first in line again."""
+        """A worker from take() that was not handed over: first in line again, unless its
+        replacement (started when it was reserved) made it one too many: then it leaves, as a
+        surplus worker does (at resume() while a region holds the device)."""
         w.reserved = False
-        if w.state == "warm" and not w.exited.done() and w not in self._idle:
-            self._idle.appendleft(w)
+        if w.state != "warm" or w.exited.done() or w in self._idle:
+            self._serve_waiters()
+            return
+        if not self._waiters and self._have() > self._target():
+            if self._resumed.is_set():
+                self._retire_surplus(w)
+                return
+            w.surplus = True
+        self._idle.appendleft(w)
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:
@@ -286,15 +295,18 @@ class Pool:
     def adopt(
         self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: _Worker | None = None
     ) -> asyncio.Future[Launched | str]:
-        """Hand an adopting interpreter to `worker` (from take()) or the next warm one, now (the
-        cgroup hook runs before this returns). `spec.argv` is its command line without the flags
-        the worker applies itself, `adopt` its world (adopted.py, fresh.enter); `pidfd` is the
-        adopter's, duplicated into the worker (the caller closes its own). The future resolves to
-        the worker's Launched once it runs the program, or to why not: "no warm worker", the
-        worker's own reason, its death."""
+        """Hand an adopting interpreter to `worker` (from take(); "reserved worker gone" if it
+        died since) or else the next warm one, now (the cgroup hook runs before this returns).
+        `spec.argv` is its command line without the flags the worker applies itself, `adopt` its
+        world (adopted.py, fresh.enter); `pidfd` is the adopter's, duplicated into the worker (the
+        caller closes its own). The future resolves to the worker's Launched once it runs the
+        program, or to why not: "no warm worker", the worker's own reason, its death."""
         fut: asyncio.Future[Launched | str] = asyncio.get_running_loop().create_future()
         if worker is not None and (worker.state != "warm" or worker.exited.done()):
-            worker = None  # it died or retired since take(): the next one, if any
+            # It died or retired since take(). Not another one instead: the region hold was
+            # checked for this one (Regions.hold_arrival), and the adopter starts fresh at once.
+            fut.set_result("reserved worker gone")
+            return fut
         w = None if self._closed else worker or self._pop_warm()
         if w is None:
             fut.set_result("no warm worker")

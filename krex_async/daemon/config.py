@@ -142,6 +142,13 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def pool_init_list(self) -> list[str]:
         return comma_list(self.pool_init)
 
+    def __post_init__(self) -> None:
+        if 0 < self.drain_timeout < self.drain_window:
+            raise ValueError(
+                f"drain_window ({self.drain_window} s) is longer than drain_timeout "
+                f"({self.drain_timeout} s): every drain check would time out"
+            )
+
     def resolved(self) -> ServeConfig:
         """A copy with defaults that depend on the machine filled in."""
         socket = self.socket or default_socket()

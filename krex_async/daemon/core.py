@@ -110,6 +110,9 @@ class Region:
     held_runtimes: list[Callable[[P.Msg], bool]] = field(default_factory=list)  # told Held: Resume
     # processes whose exit waits for this region's end (Daemon.exit_held): pid -> their runtime
     exit_waiters: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)
+    # exits it found unfinished (Regions._exits): pid -> their Regions.exiting entry, given back at
+    # the release, so that the next region finds them still exiting
+    exits_left: dict[int, tuple[str, float, int | None]] = field(default_factory=dict)
     acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
     cores: frozenset[int] = frozenset()
     task: asyncio.Task[None] | None = None

@@ -426,13 +426,14 @@ class Regions:
         (Daemon.exit_held): their exit was deferred to an earlier region's end, or began with none
         on the device; they are tearing their GPU state down now. Those still in user space after
         that are left unfinished (frozen for the region, _isolate); one already in the kernel's exit
-        cannot be frozen, so it is waited for up to --lock-wait in all."""
+        cannot be frozen, so it is waited for up to the longer of --exit-wait and --lock-wait."""
         now = time.monotonic()
         mine = [
             p
             for p, (dev, t, started) in self.exiting.items()
             if dev == r.device and now - t < 60 and start_time(p) == started  # not a reused pid
         ]
+        noted = {p: self.exiting[p] for p in mine}
         self.exiting = {p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < 60}
         if mine:
             cfg = self.core.config
@@ -446,6 +447,7 @@ class Regions:
             r.report.exits_wait_s = time.perf_counter() - t0
             r.report.exits_waited = done
             r.report.exits_unfinished = [p for p in mine if p not in done]
+            r.exits_left = {p: noted[p] for p in r.report.exits_unfinished}
 
     def _pool_workers(self, r: Region, how: str, to_lock: dict[str, list[int]]) -> list[int]:
         """Under the lock: the device's pool workers in no command that hold a GPU device file
@@ -544,8 +546,14 @@ class Regions:
             self.note_exiting(pid, r.device)
             send(P.Resume(id=0, region=""))
         r.exit_waiters.clear()
-        for pid in r.report.exits_unfinished:  # frozen mid-exit, they go on exiting: the same
-            self.note_exiting(pid, r.device)
+        # Frozen mid-exit, they go on exiting: the next region finds them so, with the time they
+        # were first noted (an exit that never ends is dropped a minute after) and the start time
+        # then (a pid reused meanwhile is not taken for them).
+        now = time.monotonic()
+        for pid, (dev, t, started) in r.exits_left.items():
+            if now - t < 60 and start_time(pid) == started:
+                self.exiting[pid] = (dev, t, started)
+        r.exits_left.clear()
         self.drain.refresh(r)
         await self.cores.restore(r)
 

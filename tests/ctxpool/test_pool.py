@@ -516,11 +516,22 @@ async def test_take_serves_adopters_first_come_and_reserves_the_worker(tmp_path:
                 await asyncio.sleep(0.05)
         idle = set(p.idle_pids())
         assert len(idle) == 2 and not idle & {w1.pid, w2.pid, w3.pid}  # reserved: not idle
+        # given back with its replacement warm and nobody waiting, it is one too many: it leaves
         p.untake(w1)
-        assert p.idle_pids()[0] == w1.pid  # first in line again
-        assert await p.take(0) is w1  # an idle worker is taken at once, even without a wait
-        assert (launched := await p.launch(spec)) is not None and launched.pid in idle
-        await launched.wait()
+        async with asyncio.timeout(30):
+            while w1.pid in p.pids():
+                await asyncio.sleep(0.02)
+        assert set(p.idle_pids()) == idle and p.status()["retired"] == 1
+        # given back while an adopter waits, it goes to that adopter at once
+        p.pause()
+        i1, i2 = await p.take(0), await p.take(0)  # the idle two; their replacements held warming
+        assert i1 is not None and i2 is not None and {i1.pid, i2.pid} == idle
+        waiting = asyncio.ensure_future(p.take(30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        p.untake(i1)
+        assert await asyncio.wait_for(waiting, 1) is i1
+        assert await p.launch(spec) is None  # nothing idle: all reserved or warming
     finally:
         await p.close()
 
@@ -548,5 +559,29 @@ async def test_take_cancelled_or_closed_leaves_no_waiter(tmp_path: Path) -> None
         assert not last.done() and p.status()["starting"] == 1
         await asyncio.wait_for(p.close(), 10)
         assert await asyncio.wait_for(last, 1) is None
+    finally:
+        await p.close()
+
+
+async def test_a_reserved_worker_that_died_is_not_replaced_by_another_at_the_hand_over() -> None:
+    """The region hold was checked for the reserved worker: if it died before the hand-over, the
+    adoption is declined (the interpreter starts fresh) rather than given an unchecked worker."""
+    p = Pool(CPU, PoolConfig(size=2, preload=["json"]))
+    await p.start()
+    try:
+        await p.wait_warm(2, timeout=30)
+        w = await p.take(0)
+        assert w is not None
+        os.kill(w.pid, signal.SIGKILL)
+        await asyncio.wait_for(w.exited, 10)
+        assert p.idle_pids()  # another worker is idle, and is not used instead
+        pidfd = os.pidfd_open(os.getpid())
+        try:
+            got = await asyncio.wait_for(
+                p.adopt(make_spec([PY, "-c", "pass"], "/")[0], pidfd, {}, worker=w), 5
+            )
+        finally:
+            os.close(pidfd)
+        assert got == "reserved worker gone"
     finally:
         await p.close()

@@ -199,6 +199,13 @@ def test_launch_scope_layers_and_print_config(tmp_path):
     assert p.returncode == 2 and "KREX_LAUNCH_SCOPE='some': Invalid enum value 'some'" in p.stderr
 
 
+def test_a_drain_window_longer_than_the_drain_timeout_is_refused():
+    """Every drain check would end in `timeout`: said before the daemon starts, naming both."""
+    with pytest.raises(ConfigError, match="drain_window .* longer than drain_timeout"):
+        load_config(None, {"KREX_DRAIN_TIMEOUT": "0.1"}, {"drain_window": 0.5})
+    assert load_config(None, {}, {"drain_window": 0.05}).drain_window == 0.05
+
+
 def test_example_file_loads_and_documents_every_option():
     example = ROOT / "packaging" / "krex.toml.example"
     assert load_config(str(example), {}, {}) == ServeConfig()  # the example states the defaults

@@ -64,3 +64,21 @@ def test_exiting_in_kernel_tells_a_process_past_user_space() -> None:
         p.kill()
         p.wait()
     assert not procfs.exiting_in_kernel(p.pid)  # gone: nothing to wait for, and False
+
+
+def test_exiting_in_kernel_reads_the_flags_field(tmp_path) -> None:
+    """The flags field (proc(5) field 9) with PF_EXITING set is a process in the kernel's exit, even
+    while its state still reads running; other flags are not."""
+
+    def stat(pid: int, state: str, flags: int) -> None:
+        (tmp_path / str(pid)).mkdir()
+        rest = " ".join(["1", "1", "1", "0", "-1", str(flags)] + ["0"] * 15)
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a (b) c) {state} {rest}\n")
+
+    stat(10, "R", 0x404)  # PF_EXITING | PF_FORKNOEXEC
+    stat(11, "R", 0x400040)  # PF_FORKNOEXEC | PF_RANDOMIZE
+    stat(12, "D", 0x4)
+    assert procfs.exiting_in_kernel(10, proc=str(tmp_path))
+    assert not procfs.exiting_in_kernel(11, proc=str(tmp_path))
+    assert procfs.exiting_in_kernel(12, proc=str(tmp_path))
+    assert procfs.stat_fields(11, proc=str(tmp_path))[6] == str(0x400040).encode()
