@@ -146,6 +146,14 @@ def entry_owner_s(g: dict[str, Any]) -> float:
     return entry_own_s(g) + drain + float(g.get("warm_s") or 0.0)
 
 
+def drain_windows_ms(rs: list[dict[str, Any]]) -> str:
+    """The drain check's windows (--drain-window) in the regions where the owner ran it, e.g. "20 ms"
+    or "5/20 ms"; runs recorded before the window was (session 12 and earlier) had 20 ms."""
+    ran = [g for g in rs if g.get("drain") in ("idle-verified", "timeout")]
+    got = {float(g.get("drain_window_s") or DRAIN_WINDOW_S) for g in ran}
+    return "/".join(f"{w * 1e3:g}" for w in sorted(got)) + " ms" if got else "none ran"
+
+
 def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> dict[str, Any]:
     rs = [g for r in recs for g in r.get("regions", [])]
     if not rs:
@@ -173,6 +181,7 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "entry_own_p99_s": pct([entry_own_s(g) for g in rs], 0.99),
         "entry_own_max_s": max(entry_own_s(g) for g in rs),
         "entry_owner_p50_s": pct([entry_owner_s(g) for g in rs], 0.5),
+        "drain_windows_ms": drain_windows_ms(rs),
         "entry_owner_p95_s": pct([entry_owner_s(g) for g in rs], 0.95),
         "entry_owner_p99_s": pct([entry_owner_s(g) for g in rs], 0.99),
         "quiesce_p50_s": med("quiesce_s"),
@@ -373,7 +382,7 @@ def table(s: dict[str, Any]) -> str:
                 f" p99 {ms('entry_own_p99_s').strip()} max {ms('entry_own_max_s').strip()}"
             )
             out.append(
-                f"{'':<12} the same with the owner's drain check (its {DRAIN_WINDOW_S * 1e3:.0f} ms window)"
+                f"{'':<12} the same with the owner's drain check (window {g['drain_windows_ms']})"
                 f" and warm-up, the entry its timing code sees: p50 {ms('entry_owner_p50_s').strip()}"
                 f" p95 {ms('entry_owner_p95_s').strip()}"
                 f" p99 {ms('entry_owner_p99_s').strip()}"

@@ -276,6 +276,9 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     drained = {**waited, **late, "drain_s": 0.5, "warm_s": 0.004}
     assert jobs_report.entry_owner_s(drained) == pytest.approx(0.05 + jobs_report.DRAIN_WINDOW_S + 0.004)
     assert jobs_report.entry_owner_s({"enter_s": 0.003, "drain_s": 0.001}) == pytest.approx(0.004)
+    ran = [{"drain": "idle-verified", "drain_window_s": 0.005}, {"drain": "timeout"}, {"drain": "synced"}]
+    assert jobs_report.drain_windows_ms(ran) == "5/20 ms"  # 20: recorded before the window was
+    assert jobs_report.drain_windows_ms([{"drain": "not-needed"}]) == "none ran"
     assert (
         "region: region entry p99 less its waits, drain window included 30.0 ms, goal <= 5 ms: "
         "MISSED by 25.0 ms" in s["goals"]
