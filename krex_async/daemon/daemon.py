@@ -686,19 +686,9 @@ class Daemon:
             send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
-        r = next(  # the region whose turn it is on the device (entering or held), not a queued one
-            (
-                x
-                for x in regions.active.values()
-                if x.device == device
-                and x.command is not cmd
-                and x.turn is not None
-                and x.turn.done()
-                and not (x.ended is not None and x.ended.done())  # withdrawn: never granted
-                and not x.releasing
-            ),
-            None,
-        )
+        r = regions.current_on(device)  # entering or held there, not a queued one
+        if r is not None and (r.command is cmd or (r.ended is not None and r.ended.done())):
+            r = None  # its own command's, or ending (released, withdrawn): nothing to wait for
         if r is None:
             regions.note_exiting(peer_pid, device)
             send(P.Resume(id=0, region=""))

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from krex_async.probes.base import ProbeEvent
 
 log = logs.get("krex.region")
+EXITING_KEPT_S = 60.0  # an exiting process no region waited for (or whose exit never ends) is forgotten
 
 
 class Regions:
@@ -416,10 +417,16 @@ class Regions:
 
     def note_exiting(self, pid: int, device: str) -> None:
         """`pid` is exiting on `device` now: the next region there waits for it (_exits). Entries
-        no region consumed within a minute are dropped."""
+        no region consumed within EXITING_KEPT_S are dropped."""
         now = time.monotonic()
-        self.exiting = {p: v for p, v in self.exiting.items() if now - v[1] < 60}
+        self.exiting = {p: v for p, v in self.exiting.items() if now - v[1] < EXITING_KEPT_S}
         self.exiting[pid] = (device, now, start_time(pid))
+
+    @staticmethod
+    def _still_exiting(pid: int, entry: tuple[str, float, int | None], now: float) -> bool:
+        """An `exiting` entry still stands: noted less than EXITING_KEPT_S ago, and the pid is
+        the same process (its start time), not a reused one."""
+        return now - entry[1] < EXITING_KEPT_S and start_time(pid) == entry[2]
 
     async def _exits(self, r: Region) -> None:
         """Wait (--exit-wait, default --lock-wait) for the siblings on r's device that are exiting
@@ -428,13 +435,11 @@ class Regions:
         that are left unfinished (frozen for the region, _isolate); one already in the kernel's exit
         cannot be frozen, so it is waited for up to the longer of --exit-wait and --lock-wait."""
         now = time.monotonic()
-        mine = [
-            p
-            for p, (dev, t, started) in self.exiting.items()
-            if dev == r.device and now - t < 60 and start_time(p) == started  # not a reused pid
-        ]
+        mine = [p for p, e in self.exiting.items() if e[0] == r.device and self._still_exiting(p, e, now)]
         noted = {p: self.exiting[p] for p in mine}
-        self.exiting = {p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < 60}
+        self.exiting = {
+            p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < EXITING_KEPT_S
+        }
         if mine:
             cfg = self.core.config
             limit = cfg.lock_wait if cfg.exit_wait < 0 else cfg.exit_wait
@@ -546,13 +551,10 @@ class Regions:
             self.note_exiting(pid, r.device)
             send(P.Resume(id=0, region=""))
         r.exit_waiters.clear()
-        # Frozen mid-exit, they go on exiting: the next region finds them so, with the time they
-        # were first noted (an exit that never ends is dropped a minute after) and the start time
-        # then (a pid reused meanwhile is not taken for them).
+        # Frozen mid-exit, they go on exiting: the next region finds them so, as first noted (an
+        # exit that never ends is dropped EXITING_KEPT_S after; a pid reused meanwhile is not one).
         now = time.monotonic()
-        for pid, (dev, t, started) in r.exits_left.items():
-            if now - t < 60 and start_time(pid) == started:
-                self.exiting[pid] = (dev, t, started)
+        self.exiting.update({p: e for p, e in r.exits_left.items() if self._still_exiting(p, e, now)})
         r.exits_left.clear()
         self.drain.refresh(r)
         await self.cores.restore(r)

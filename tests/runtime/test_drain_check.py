@@ -8,8 +8,11 @@ GPU device prefixes point at a temporary directory, where a sibling opens a file
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from krex_async import Client
 
@@ -46,44 +49,53 @@ def holder(path: Path) -> list[str]:
     return ["/bin/sh", "-c", f"exec 3>{path}; echo held; exec sleep 60"]
 
 
-async def _drain_with(c: Client, siblings: list[list[str]]) -> tuple[str, int]:
-    sibs = [await c.submit(argv, device="nvidia0") for argv in siblings]
-    for s in sibs:  # each has opened its file (or not) before the region is asked for
-        async for _, data in s.output():
-            if b"held" in data:
-                break
-    res = await c.run([PY, "-c", OWNER], device="nvidia0")
-    for s in sibs:
-        await s.cancel(9)
-        await s.wait()
-    assert res.returncode == 0, res.stderr.decode()
-    drain, frozen = res.stdout.decode().split()
-    return drain, int(frozen)
-
-
-async def test_drain_is_synced_only_when_no_frozen_sibling_holds_a_gpu_file():
+@contextlib.asynccontextmanager
+async def _gpu_daemon(**config: Any) -> AsyncIterator[tuple[Client, str]]:
+    """A daemon with one stand-in nvidia device whose device files live in a temporary directory
+    (a sibling "holds" the GPU by opening one there): its client and that directory."""
     cg = private_cgroup_root()
     backend = {"isolation": "cgroup", "cgroup_root": cg} if cg else {"isolation": "signal"}
     try:
         with tempfile.TemporaryDirectory(prefix="krexdev-") as devdir:
             async with config_daemon(
-                launch=LAUNCH,
-                launch_args=[devdir + "/"],
-                quiesce_timeout=0.02,
-                region_cores=0,
-                settle_ms=0,
-                **backend,
+                launch=LAUNCH, launch_args=[devdir + "/"], region_cores=0, settle_ms=0, **config, **backend
             ) as d:
                 async with await d.client() as c:
-                    assert await _drain_with(c, []) == ("not-needed", 0)
-                    assert await _drain_with(c, [IDLE, IDLE]) == ("synced", 2)
-                    # one holder among idle siblings: the owner must verify, and with nothing to
-                    # verify with it says so (unverified), never a clean `synced`
-                    held = holder(Path(devdir) / "nvidia0")
-                    assert await _drain_with(c, [IDLE, held]) == ("unverified", 2)
+                    yield c, devdir
     finally:
         if cg:
             remove_cgroup_tree(cg)
+
+
+async def _owner_beside(c: Client, siblings: list[list[str]], owner: str) -> str:
+    """Run `owner` (Python) on the device once every sibling has opened its file (or not); its
+    stdout. The siblings are killed after."""
+    sibs = [await c.submit(argv, device="nvidia0") for argv in siblings]
+    for s in sibs:  # each has opened its file (or not) before the region is asked for
+        async for _, data in s.output():
+            if b"held" in data:
+                break
+    res = await c.run([PY, "-c", owner], device="nvidia0")
+    for s in sibs:
+        await s.cancel(9)
+        await s.wait()
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout.decode()
+
+
+async def _drain_with(c: Client, siblings: list[list[str]]) -> tuple[str, int]:
+    drain, frozen = (await _owner_beside(c, siblings, OWNER)).split()
+    return drain, int(frozen)
+
+
+async def test_drain_is_synced_only_when_no_frozen_sibling_holds_a_gpu_file():
+    async with _gpu_daemon(quiesce_timeout=0.02) as (c, devdir):
+        assert await _drain_with(c, []) == ("not-needed", 0)
+        assert await _drain_with(c, [IDLE, IDLE]) == ("synced", 2)
+        # one holder among idle siblings: the owner must verify, and with nothing to verify with
+        # it says so (unverified), never a clean `synced`
+        held = holder(Path(devdir) / "nvidia0")
+        assert await _drain_with(c, [IDLE, held]) == ("unverified", 2)
 
 
 # An owner whose torch is a stand-in with instant round trips: its drain check passes as soon as
@@ -106,31 +118,9 @@ print(r.report.drain, r.report.drain_s, r.report.drain_window_s)
 async def test_the_drain_check_runs_for_the_window_the_daemon_gives() -> None:
     """--drain-window reaches the owner with the grant: its check passes after that long (not the
     runtime's 20 ms default), and the region's report says which window it had."""
-    cg = private_cgroup_root()
-    backend = {"isolation": "cgroup", "cgroup_root": cg} if cg else {"isolation": "signal"}
-    try:
-        with tempfile.TemporaryDirectory(prefix="krexdev-") as devdir:
-            for window in (0.02, 0.4):
-                async with config_daemon(
-                    launch=LAUNCH,
-                    launch_args=[devdir + "/"],
-                    region_cores=0,
-                    settle_ms=0,
-                    drain_window=window,
-                    **backend,
-                ) as d:
-                    async with await d.client() as c:
-                        sib = await c.submit(holder(Path(devdir) / "nvidia0"), device="nvidia0")
-                        async for _, data in sib.output():
-                            if b"held" in data:
-                                break
-                        res = await c.run([PY, "-c", FAKE_TORCH_OWNER], device="nvidia0")
-                        await sib.cancel(9)
-                        await sib.wait()
-                assert res.returncode == 0, res.stderr.decode()
-                drain, took, given = res.stdout.decode().split()
-                assert drain == "idle-verified" and float(given) == window, res.stdout
-                assert window <= float(took) < window + 0.3, (window, took)
-    finally:
-        if cg:
-            remove_cgroup_tree(cg)
+    for window in (0.02, 0.4):
+        async with _gpu_daemon(drain_window=window) as (c, devdir):
+            out = await _owner_beside(c, [holder(Path(devdir) / "nvidia0")], FAKE_TORCH_OWNER)
+        drain, took, given = out.split()
+        assert drain == "idle-verified" and float(given) == window, out
+        assert window <= float(took) < window + 0.3, (window, took)
