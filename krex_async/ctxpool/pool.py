@@ -174,17 +174,15 @@ class Pool:
 
         Never waits for warming. The fds in `spec` are duplicated into the worker by the send: the
         caller closes its own copies as it does after spawn(). Errors of the cgroup hook (sync or
-        async) propagate, with the worker put back.
+        async) propagate, with the worker put back (and offered to an adopter waiting meanwhile).
         """
         while (w := self._take(spec)) is not None:
-            if self.cgroup_hook is not None:
-                try:
-                    r = self.cgroup_hook(w.pid, spec)
-                    if inspect.isawaitable(r):
-                        await r
-                except BaseException:
-                    self._idle.appendleft(w)
-                    raise
+            try:
+                if inspect.isawaitable(r := self._hook(w, spec)):
+                    await r
+            except BaseException:
+                self.untake(w)
+                raise
             if (launched := self._hand(w, spec)) is not None:
                 return launched
         return None
@@ -192,17 +190,20 @@ class Pool:
     def launch_nowait(self, spec: LaunchSpec) -> Launched | None:
         """launch() for a synchronous caller (the daemon's CommandRunner.launcher); the hook must be sync."""
         while (w := self._take(spec)) is not None:
-            if self.cgroup_hook is not None:
-                try:
-                    r = self.cgroup_hook(w.pid, spec)
-                    if inspect.isawaitable(r):
-                        raise TypeError("launch_nowait() needs a synchronous cgroup_hook")
-                except BaseException:
-                    self._idle.appendleft(w)
-                    raise
+            try:
+                if inspect.isawaitable(r := self._hook(w, spec)):
+                    if inspect.iscoroutine(r):
+                        r.close()  # never awaited: say so without a "never awaited" warning
+                    raise TypeError("launch_nowait() needs a synchronous cgroup_hook")
+            except BaseException:
+                self.untake(w)
+                raise
             if (launched := self._hand(w, spec)) is not None:
                 return launched
         return None
+
+    def _hook(self, w: _Worker, spec: LaunchSpec) -> None | Awaitable[None]:
+        return None if self.cgroup_hook is None else self.cgroup_hook(w.pid, spec)
 
     def _take(self, spec: LaunchSpec) -> _Worker | None:
         if not self.accepts(spec) or not os.path.isdir(spec.cwd):

@@ -74,7 +74,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region_timeout: Positive = 60.0
     region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.02
-    drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    drain_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # longer than drain_window
     # the owner's drain check passes once its round trips stayed fast this long (longer than a GPU
     # time slice); bench/gpu/check_idle_window.py measures what a shorter one still catches
     drain_window: Annotated[float, msgspec.Meta(ge=0.001, le=1.0)] = 0.02
@@ -142,12 +142,21 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def pool_init_list(self) -> list[str]:
         return comma_list(self.pool_init)
 
-    def __post_init__(self) -> None:
-        if 0 < self.drain_timeout < self.drain_window:
-            raise ValueError(
-                f"drain_window ({self.drain_window} s) is longer than drain_timeout "
-                f"({self.drain_timeout} s): every drain check would time out"
+    def conflicts(self) -> list[tuple[str, str, str]]:
+        """Options that are each valid but not together: (field, other field, why). Checked once on
+        the merged options (load_config), never per layer: a layer alone sees the other field at its
+        default."""
+        out = []
+        if self.drain_timeout <= self.drain_window:
+            out.append(
+                (
+                    "drain_timeout",
+                    "drain_window",
+                    f"drain_timeout ({self.drain_timeout} s) is not longer than drain_window "
+                    f"({self.drain_window} s): every drain check would time out",
+                )
             )
+        return out
 
     def resolved(self) -> ServeConfig:
         """A copy with defaults that depend on the machine filled in."""
@@ -276,8 +285,11 @@ def load_config_with_sources(
             sources[k] = src(k)
     try:
         cfg = msgspec.convert(merged, ServeConfig, strict=False)
-    except msgspec.ValidationError as e:  # each layer passed alone: only a cross-field rule is left
+    except msgspec.ValidationError as e:  # each layer passed alone
         raise ConfigError(f"merged options: {e}") from None
+    for field, other, why in cfg.conflicts():
+        given = [f"{sources[k]}" for k in (field, other) if k in sources]
+        raise ConfigError(f"{' and '.join(given) or 'defaults'}: {why}")
     return cfg, sources
 
 

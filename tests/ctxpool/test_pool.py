@@ -375,6 +375,46 @@ async def test_cgroup_hook_gets_the_worker_pid(tmp_path: Path) -> None:
         await p.close()
 
 
+async def test_a_failing_cgroup_hook_gives_the_worker_to_an_adopter_that_waited_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """launch() awaits the hook with the worker out of the idle queue; an adopter that came then
+    waits (nothing idle). When the hook fails the worker must go to that adopter at once, not back
+    to an idle queue nobody is watching while the adopter waits out its timeout."""
+    entered, fail = asyncio.Event(), asyncio.Event()
+
+    async def hook(pid: int, spec: LaunchSpec) -> None:
+        entered.set()
+        await fail.wait()
+        raise OSError("cgroup gone")
+
+    p = Pool(AMD, PoolConfig(size=2, preload=["json"]), cgroup_hook=hook)
+    await p.start()
+    try:
+        await p.wait_warm(2, timeout=30)
+        p.pause()  # replacements stay warming
+        other = await p.take(0)  # one reserved: its replacement warms, held by the pause
+        assert other is not None
+        (warm,) = p.idle_pids()
+        spec, ours = make_spec([PY, "-c", "pass"], str(tmp_path))
+        launching = asyncio.ensure_future(p.launch(spec))
+        await entered.wait()
+        waiting = asyncio.ensure_future(p.take(20))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        fail.set()
+        with pytest.raises(OSError, match="cgroup gone"):
+            await launching
+        w = await asyncio.wait_for(waiting, 2)
+        assert w is not None and w.pid == warm and w.reserved
+        p.untake(w)
+        p.untake(other)
+        for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd, *ours):
+            os.close(fd)
+    finally:
+        await p.close()
+
+
 async def test_reuse_resets_region_client_state(reuse_pool: Pool, tmp_path: Path) -> None:
     """region() outside krex warns once per process: a reused worker warns again for each command."""
     code = "from krex_async import region\nwith region('t'):\n    pass\n"

@@ -199,10 +199,22 @@ def test_launch_scope_layers_and_print_config(tmp_path):
     assert p.returncode == 2 and "KREX_LAUNCH_SCOPE='some': Invalid enum value 'some'" in p.stderr
 
 
-def test_a_drain_window_longer_than_the_drain_timeout_is_refused():
-    """Every drain check would end in `timeout`: said before the daemon starts, naming both."""
-    with pytest.raises(ConfigError, match="drain_window .* longer than drain_timeout"):
+def test_a_drain_window_not_shorter_than_the_drain_timeout_is_refused():
+    """Every drain check would end in `timeout`: said before the daemon starts, naming where each
+    of the two came from. The rule holds for the merged options, so a drain timeout below the
+    default window can be set in one layer and the window in another."""
+    with pytest.raises(
+        ConfigError,
+        match=r"env KREX_DRAIN_TIMEOUT and flag --drain-window: "
+        r"drain_timeout \(0.1 s\) is not longer than drain_window \(0.5 s\)",
+    ):
         load_config(None, {"KREX_DRAIN_TIMEOUT": "0.1"}, {"drain_window": 0.5})
+    with pytest.raises(ConfigError, match=r"flag --drain-timeout: .* not longer than drain_window"):
+        load_config(None, {}, {"drain_timeout": 0.02})  # equal to the default window
+    env = {"KREX_DRAIN_TIMEOUT": "0.01", "KREX_DRAIN_WINDOW": "0.005"}
+    assert load_config(None, env, {}).drain_timeout == 0.01
+    split = load_config(None, {"KREX_DRAIN_WINDOW": "0.005"}, {"drain_timeout": 0.01})
+    assert (split.drain_window, split.drain_timeout) == (0.005, 0.01)
     assert load_config(None, {}, {"drain_window": 0.05}).drain_window == 0.05
 
 
@@ -231,6 +243,8 @@ def test_example_file_loads_and_documents_every_option():
         ("--lock-wait", "11", "--lock-wait: Expected `float` <= 10.0"),
         ("--exit-wait", "-2", "--exit-wait: Expected `float` >= -1.0"),
         ("--drain-window", "0", "--drain-window: Expected `float` >= 0.001"),
+        ("--drain-timeout", "0", "--drain-timeout: Expected `float` > 0.0"),
+        ("--drain-timeout", "0.01", "flag --drain-timeout: drain_timeout (0.01 s) is not longer"),
         ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
     ],
 )
