@@ -182,6 +182,9 @@ class Adopt(Msg, tag="adopt"):
     ignored: Annotated[list[int], msgspec.Meta(max_length=128)] = []  # signals inherited as SIG_IGN
     mask: Annotated[list[int], msgspec.Meta(max_length=128)] = []  # signals blocked at start
     pid: Pid = 0
+    # CLOCK_MONOTONIC seconds at which the interpreter blocked the signals it forwards (0: when
+    # the daemon read this): the daemon's signals to the command since then reach the worker
+    blocked_at: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class QuiesceAck(Msg, tag="quiesce_ack"):

@@ -15,8 +15,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import zipfile
 from importlib.machinery import PathFinder
 from typing import Any
+
+from krex_async.linux.procfs import stat_fields
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
 _libc: Any = None
@@ -86,14 +89,44 @@ def shadowed(path: list[str], worker_path: list[str], tops: dict[str, str]) -> s
 
 
 def _provides(entry: str, limit: int = 20000) -> set[str]:
-    """Top-level module names a sys.path directory offers (modules, packages, extensions)."""
+    """Top-level module names a sys.path directory or zip archive (a zipapp, an egg) offers
+    (modules, packages, extensions)."""
     try:
         items = os.listdir(entry)
+    except NotADirectoryError:
+        try:
+            with zipfile.ZipFile(entry) as z:
+                items = list({n.partition("/")[0] for n in z.namelist()})
+        except (OSError, zipfile.BadZipFile):
+            return set()
     except OSError:
         return set()
     if len(items) > limit:
         items = items[:limit]
     return {i.partition(".")[0] for i in items if i and not i.startswith(".")}
+
+
+_worker_getppid = os.getppid
+
+
+def seen_parent(adopter: int) -> None:
+    """Make os.getppid() what the program would see: its waiting interpreter's parent (the shell,
+    the runner, the caller of subprocess), not the daemon that started the worker, so that
+    `os.kill(os.getppid(), sig)` reaches that parent rather than the daemon. Only in the worker
+    itself: a child it forks has the worker as its real parent and sees it. 0: the worker's own
+    (a command the worker started as its argv, or the next command of a reused worker)."""
+    if not adopter:
+        os.getppid = _worker_getppid
+        return
+    worker = os.getpid()
+
+    def getppid() -> int:
+        if os.getpid() == worker and (f := stat_fields(adopter)) is not None:
+            return int(f[1])
+        return _worker_getppid()
+
+    getppid.__doc__ = _worker_getppid.__doc__
+    os.getppid = getppid
 
 
 def apply(adopt: dict[str, Any]) -> None:

@@ -160,7 +160,7 @@ def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
     return None
 
 
-def handover(req: P.Adopt) -> tuple[LaunchSpec, dict[str, Any]]:
+def handover(req: P.Adopt, peer_pid: int) -> tuple[LaunchSpec, dict[str, Any]]:
     """The LaunchSpec (argv without the flags the worker applies) and the worker's "adopt" part."""
     _, argv = forms.split_flags(req.argv)
     spec = LaunchSpec(argv=argv, cwd=req.cwd, env=dict(req.env), stdin_fd=-1, stdout_fd=-1, stderr_fd=-1)
@@ -174,6 +174,7 @@ def handover(req: P.Adopt) -> tuple[LaunchSpec, dict[str, Any]]:
         "umask": req.umask,
         "ignored": list(req.ignored),
         "mask": list(req.mask),
+        "adopter": peer_pid,  # os.getppid() in the program is this one's parent (adopted.seen_parent)
     }
     return spec, adopt
 
@@ -205,7 +206,7 @@ async def serve(
             answer = f"pidfd: {e.strerror}"
         else:
             try:
-                spec, adopt = handover(req)
+                spec, adopt = handover(req, peer_pid)
                 fut = hand(spec, pidfd, adopt)
             except Exception as e:  # the cgroup refused the worker: the adopter starts fresh
                 fut = asyncio.get_running_loop().create_future()

@@ -26,6 +26,7 @@ from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
 from krex_async.ctxpool.adopted import apply as apply_adopted
+from krex_async.ctxpool.adopted import seen_parent
 from krex_async.ctxpool.forms import Form, executable_for
 from krex_async.linux import procfs
 
@@ -200,6 +201,7 @@ def enter(
         sys.argv = ["-c"] + form.args
         path0 = ""
     sys.path[:] = base.path_rest if adopt is None else adopt["sys_path"]
+    seen_parent(int(adopt.get("adopter", 0)) if adopt else 0)
     if adopt is not None:
         apply_adopted(adopt)
     for name, path in base.customize:
@@ -254,7 +256,7 @@ def run(form: Form, spec: dict[str, Any], main: types.ModuleType) -> tuple[int, 
 
 def _run_script(target: str, spec: dict[str, Any], g: dict[str, Any]) -> None:
     path = os.path.normpath(os.path.join(spec["cwd"], target))
-    if os.path.isdir(path) or _is_zip(path):
+    if os.path.isdir(path) or is_zip(path):
         sys.path[0] = path  # python runs the directory's (or archive's) __main__ module
         runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
         return
@@ -270,7 +272,7 @@ def _run_script(target: str, spec: dict[str, Any], g: dict[str, Any]) -> None:
     exec(compile(source, path, "exec"), g)
 
 
-def _is_zip(path: str) -> bool:
+def is_zip(path: str) -> bool:
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"PK\x03\x04"

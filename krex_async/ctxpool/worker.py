@@ -238,9 +238,9 @@ def _adopt(
     """The adopter's fds 0/1/2, or why this worker cannot run its program as a fresh start would."""
     cwd = spec["cwd"]
     path0 = cwd
-    if form.kind == "script":  # as fresh.enter and _run_script put it first (a directory: itself)
+    if form.kind == "script":  # as fresh.enter and _run_script put it first (a directory or zip: itself)
         target = os.path.realpath(os.path.join(cwd, form.target))
-        path0 = target if os.path.isdir(target) else os.path.dirname(target)
+        path0 = target if os.path.isdir(target) or fresh.is_zip(target) else os.path.dirname(target)
     try:
         why = adopted.shadowed([path0, *spec["adopt"]["sys_path"]], base.path_rest, tops)
     except (OSError, ValueError, ImportError) as e:

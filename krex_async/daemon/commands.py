@@ -123,6 +123,9 @@ class Command:
     runtimes: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)  # pid -> send
     # interpreters whose program a pool worker runs: each waits, idle, for the worker's status
     adopters: set[int] = field(default_factory=set)
+    # (time.monotonic(), signal) of every signal sent to the whole tree: an interpreter waiting for
+    # a worker has them blocked, and its worker, not yet in the tree, must get them (Daemon.adopt)
+    signalled: list[tuple[float, int]] = field(default_factory=list)
     regions: list[P.RegionReport] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
     started: float = 0.0
@@ -408,6 +411,7 @@ class CommandRunner:
         if cmd.state != CommandState.RUNNING or cmd.group is None:
             return
         cmd.end_reason = cmd.end_reason or reason
+        cmd.signalled.append((time.monotonic(), sig))
         await self.backend.kill(cmd.group, sig)
 
     def release(self, cmd: Command) -> None:

@@ -85,6 +85,19 @@ def _run_as(target: int, peer_uid: int) -> tuple[int, int]:
         raise RequestError("bad_request", f"run_as: uid {target} has no passwd entry") from None
 
 
+def _signal_launched(fut: asyncio.Future[Launched | str], signals: list[int]) -> None:
+    """Send `signals` to the worker that took an adoption, once it runs the program (a decline
+    runs the program in the interpreter, which has them pending)."""
+    if fut.cancelled() or not isinstance(launched := fut.result(), Launched):
+        return
+    for sig in signals:
+        if launched.returncode is None:  # still ours to signal: not yet reaped, so not reused
+            try:
+                os.kill(launched.pid, sig)
+            except ProcessLookupError:
+                return
+
+
 def _ancestors(pid: int, limit: int = 512) -> list[int]:
     """pid and its parents up to init, read from /proc."""
     out: list[int] = []
@@ -232,14 +245,22 @@ class Daemon:
         tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
 
         taken: list[Any] = []  # the worker reserved for this adoption until it is handed over
+        since = req.blocked_at or time.monotonic()
 
         def hand(spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> Any:
             assert pool is not None
             self.runner.launching = cmd.group
             try:
-                return pool.adopt(spec, pidfd, adopt, worker=taken.pop())
+                fut = pool.adopt(spec, pidfd, adopt, worker=taken.pop())
             finally:
                 self.runner.launching = None
+            # The worker is in the command's tree from here on, so the tree's signals reach it;
+            # those sent before, while the interpreter waited with them blocked (a cancel), reach
+            # it once it runs the program, as they would have reached a fresh interpreter.
+            missed = [sig for t, sig in cmd.signalled if t >= since]
+            if missed:
+                fut.add_done_callback(lambda f: _signal_launched(f, missed))
+            return fut
 
         async def prepare() -> str | None:
             """Once the adoption is allowed (a refused one never waits): reserve a worker, waiting

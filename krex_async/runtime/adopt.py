@@ -2,11 +2,13 @@
 
     sitecustomize (main thread, before any user code; only when the daemon set KREX_POOL)
       another interpreter or venv than the pool's, flags, fds beyond 0-2 .... return the reason
+      block the forwarded signals
       connect $KREX_SOCKET ── hello, adopt(argv, cwd, env, sys.path, flags, signals) ──► daemon
-          ◄── adopted(declined=why) ......................................... return the reason
-          ◄── adopted(pid=W): worker W took fds 0/1/2 (pidfd_getfd) and runs the program
-      wait, the forwarded signals blocked: sigwaitinfo; one sent by anyone but the daemon goes to
-      W (the daemon's own group signals reach W themselves, it runs in the command's cgroup)
+          ◄── adopted(declined=why) ............. unblock (a pending SIGINT kills), return the reason
+          ◄── adopted(pid=W): worker W took fds 0/1/2 (pidfd_getfd) and runs the program; the
+              daemon's signals to the command since the block reached W as it started
+      let go of fds 0 and 1; wait: sigwaitinfo; a signal sent by anyone but the daemon goes to W
+      (the daemon's own group signals reach W themselves, it runs in the command's cgroup)
           ◄── adopt_exited(returncode): exit with it, or die of the same signal
 
 Once adopted this process never returns to Python: it exits with the worker's status, so its parent
@@ -23,6 +25,7 @@ import _struct
 import _thread
 import os
 import sys
+import time as _time
 
 if False:  # for type checkers only
     from collections.abc import Callable
@@ -92,8 +95,9 @@ def _form(argv: list[str]) -> str:
     return ""
 
 
-def request(command: str, token: str) -> dict[str, Any]:
-    """The adopt request: everything a fresh interpreter started with that a worker must take over."""
+def request(command: str, token: str, mask: Any) -> dict[str, Any]:
+    """The adopt request: everything a fresh interpreter started with that a worker must take over
+    (`mask`: the signal mask it started with, before it blocked those it forwards)."""
     um = os.umask(0o022)
     os.umask(um)
     return {
@@ -120,7 +124,7 @@ def request(command: str, token: str) -> dict[str, Any]:
             for s in _signal.valid_signals()
             if s not in (_signal.SIGKILL, _signal.SIGSTOP) and _signal.getsignal(s) == _signal.SIG_IGN
         ],
-        "mask": [int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])],
+        "mask": [int(s) for s in mask],
     }
 
 
@@ -131,16 +135,18 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
         return why
     env = os.environ
     q = load("_krex_quiesce", "quiesce.py")  # its msgpack codec and framing
+    waitset = set(FORWARD) | {_WAKE}
+    old_mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, waitset)  # none lost once adopted
     try:
-        msg = request(env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""))
+        msg = request(env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""), old_mask)
+        msg["blocked_at"] = _time.monotonic()  # the daemon's signals from here on reach the worker
         data = q.frame(
             {"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-adopt/{os.getpid()}"}
         ) + q.frame(msg)
     except (OSError, UnicodeError, TypeError, ValueError):
+        _unblock(old_mask)
         return "environment unusable"  # cwd gone, a variable not UTF-8: run here
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    waitset = set(FORWARD) | {_WAKE}
-    old_mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, waitset)  # none lost once adopted
     try:
         sock.settimeout(2.0)
         sock.connect(env.get("KREX_SOCKET", ""))
@@ -154,12 +160,25 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
         reply = None
     if reply is None or reply.get("type") != "adopted" or not reply.get("pid"):
         sock.close()
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, old_mask)
+        _unblock(old_mask)
         if reply is None:
             return "daemon unreachable"
         return "" if reply.get("type") == "adopted" else "refused"  # the daemon counted it
     _wait(sock, q, int(reply["pid"]), daemon_pid, waitset)
     return ""  # not reached
+
+
+def _unblock(old_mask: Any) -> None:
+    """Restore the signal mask of a program that runs here after all. A SIGINT that came while it
+    was blocked (a cancel during the wait for a worker) ends the process as it would have ended a
+    fresh interpreter before its program ran, killed by SIGINT: raised as KeyboardInterrupt here,
+    it would be swallowed by the runtime's start-up (which never lets an adoption fail a program)."""
+    if (
+        _signal.SIGINT in _signal.sigpending()
+        and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler
+    ):
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, old_mask)
 
 
 def _reply(sock: Any, q: Any) -> dict[str, Any] | None:
@@ -191,6 +210,22 @@ def _recv_exact(sock: Any, n: int) -> bytes | None:
     return buf
 
 
+def _let_go_of_stdio() -> None:
+    """The worker holds the program's stdin and stdout now (its own copies): this process's must
+    not keep them open, or a program that closes stdout would not be seen to (its reader would get
+    EOF only when the program ends) nor one that closes stdin (its writer would get no EPIPE).
+    stderr stays, for the one message this process may have to write; /dev/null takes 0 and 1."""
+    try:
+        null = os.open("/dev/null", os.O_RDWR)
+    except OSError:
+        return
+    for fd in (0, 1):
+        if null != fd:
+            os.dup2(null, fd)
+    if null > 1:
+        os.close(null)
+
+
 def _wait(sock: Any, q: Any, worker: int, daemon_pid: int, waitset: set[int]) -> None:
     """Forward signals to `worker` until the daemon reports its status, then exit with it."""
     box: dict[str, Any] = {}
@@ -199,6 +234,7 @@ def _wait(sock: Any, q: Any, worker: int, daemon_pid: int, waitset: set[int]) ->
         wfd: int | None = os.pidfd_open(worker)
     except OSError:
         wfd = None  # already gone: its status is on its way
+    _let_go_of_stdio()
 
     def reader() -> None:
         try:
@@ -236,6 +272,9 @@ def _wait(sock: Any, q: Any, worker: int, daemon_pid: int, waitset: set[int]) ->
     sig = -rc
     try:
         _signal.signal(sig, _signal.SIG_DFL)
+    except (OSError, ValueError):
+        pass  # SIGKILL: its disposition cannot be set, nor caught
+    try:
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [sig])
         _signal.raise_signal(sig)
     except (OSError, ValueError):

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -468,18 +469,27 @@ async def test_a_preloaded_module_the_program_would_load_from_elsewhere_declines
     write(tmp_path, "mine/colorsys.py", "")
     write(tmp_path, "local/job.py", MARK + "import colorsys\nprint(_M, colorsys.__file__)\n")
     write(tmp_path, "local/colorsys.py", "")
+    with zipfile.ZipFile(tmp_path / "app.pyz", "w") as z:  # a zipapp bundling its own colorsys
+        z.writestr(
+            "__main__.py",
+            "import colorsys, sys\nprint('colorsys' in sys.builtin_module_names, colorsys.__file__)\n",
+        )
+        z.writestr("colorsys.py", "")
     async with pooled_daemon() as d:
         async with await d.client() as c:
             res = await run_sh(c, f"{PY} job.py", tmp_path)
             shadow_path = await run_sh(c, f"PYTHONPATH={tmp_path / 'mine'}:$PYTHONPATH {PY} job.py", tmp_path)
             beside = await run_sh(c, f"{PY} local/job.py", tmp_path)
+            zipped = await run_sh(c, f"{PY} app.pyz", tmp_path)
             st = (await c.status())["pools"]["cpu"]
+    assert zipped.stdout == f"False {tmp_path / 'app.pyz' / 'colorsys.py'}\n".encode(), zipped
+    assert zipped.report.pool_declined == {"module colorsys": 1}, zipped.report
     assert res.stdout == b"True False\n" and res.report.pool_adopted == 1, res
     assert shadow_path.stdout == b"False True\n", shadow_path
     assert shadow_path.report.pool_declined == {"module colorsys": 1}, shadow_path.report
     assert beside.stdout == f"False {tmp_path / 'local' / 'colorsys.py'}\n".encode(), beside
     assert beside.report.pool_declined == {"module colorsys": 1}, beside.report
-    assert st["declined"] == {"module colorsys": 2}, st
+    assert st["declined"] == {"module colorsys": 3}, st
 
 
 async def test_a_reused_worker_adopts_again_and_leaks_nothing(tmp_path: Path) -> None:
@@ -745,3 +755,123 @@ async def test_an_adopted_programs_region_leaves_its_waiting_interpreter_alone(
         assert rep.get("frozen_pids", 0) >= 1, rep
     else:
         assert rep.get("frozen_pids", 0) == 0 and rep.get("frozen", []) == [], rep
+
+
+def _gated(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A preload, `gate`, that lets the first worker warm and holds the others warming until the
+    test creates `open` (the pool knows its interpreter only once a worker warmed)."""
+    mods = tmp_path / "mods"
+    write(
+        mods,
+        "gate.py",
+        "import os, time\n"
+        "d = os.path.dirname(os.path.abspath(__file__))\n"
+        "try:\n    os.close(os.open(d + '/first', os.O_CREAT | os.O_EXCL))\n"
+        "except FileExistsError:\n"
+        "    while not os.path.exists(d + '/open'):\n        time.sleep(0.01)\n",
+    )
+    return mods, py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_cancel_while_the_interpreter_waits_for_a_worker_still_ends_the_program(
+    tmp_path: Path, sig: int
+) -> None:
+    """The interpreter waits for a warming worker with the signals it forwards blocked, and the
+    worker is not yet in the command's tree: a cancel then must still reach the program. SIGTERM:
+    the worker is served after the cancel, and gets the signal as it starts the program (it ran to
+    its end before). SIGINT: nothing warms in time (--pool-wait 1), the interpreter runs the
+    program itself and dies of the pending SIGINT (its KeyboardInterrupt was swallowed by the
+    runtime's start-up before, and the program ran)."""
+    write(
+        tmp_path,
+        "job.py",
+        MARK + "import time\nprint('started', _M, flush=True)\ntime.sleep(4)\nprint('FINISHED')\n",
+    )
+    mods, env = _gated(tmp_path)
+    adopted = sig == signal.SIGTERM
+    line = f"trap 'echo shell got it' TERM INT; {PY} job.py; echo rc=$?"
+    write(tmp_path, "hold.py", "import time\nprint('holding', flush=True)\ntime.sleep(60)\n")
+    async with run_daemon(
+        "--pool-size",
+        "1",
+        "--pool-preload",
+        "colorsys,gate",
+        "--isolation",
+        "cgroup",
+        "--pool-wait",
+        "30" if adopted else "1",
+        env=env,
+    ) as d:
+        async with await d.client() as c:
+            await warm(c)
+            holder = await c.submit([PY, "hold.py"], env=env, cwd=str(tmp_path))  # takes the worker
+            async for _ in holder.output():
+                break
+            h = await c.submit(["/bin/sh", "-c", line], env=env, cwd=str(tmp_path))
+            async with asyncio.timeout(20):
+                while (await c.status())["pools"]["cpu"]["waiting"] < 1:
+                    await asyncio.sleep(0.02)
+            await h.cancel(sig)
+            if adopted:
+                (mods / "open").touch()
+            res = await asyncio.wait_for(h.wait(), 30)
+            await holder.cancel(signal.SIGKILL)
+    assert b"FINISHED" not in res.stdout, res.stdout
+    assert res.stdout.endswith(f"rc={128 + sig}\n".encode()), res.stdout
+    assert res.report.state == "cancelled" and res.report.pool_adopted == int(adopted), res.report
+
+
+async def test_what_the_adopted_program_sees_of_its_parent_and_its_own_end(tmp_path: Path) -> None:
+    """Against a plain run of the same program: os.getppid() is the process that started it (not
+    the daemon, so signalling it does not reach the daemon) while a child it forks sees the
+    program; closing stdout gives its reader EOF at once (the waiting interpreter let go of its
+    copy); a program killed by SIGKILL is seen by its parent as killed by SIGKILL (was exit 137)."""
+    write(
+        tmp_path,
+        "inner.py",
+        MARK
+        + """
+        import os, sys, time
+        how = sys.argv[1]
+        if how == "parent":
+            me = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                print("child sees program", os.getppid() == me, flush=True)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            print(os.getppid(), flush=True)
+        elif how == "close":
+            print("closing", flush=True)
+            os.close(1)
+            time.sleep(3)
+        else:
+            os.kill(os.getpid(), 9)
+    """,
+    )
+    write(
+        tmp_path,
+        "outer.py",
+        f"""
+        import os, subprocess, sys, time
+        def inner(*args):
+            return subprocess.Popen([{PY!r}, "inner.py", *args], stdout=subprocess.PIPE)
+        p = inner("parent")
+        out = p.stdout.read().decode().split("\\n")
+        print(out[0], out[1] == str(os.getpid()), p.wait())
+        p = inner("close")
+        t0 = time.monotonic()
+        p.stdout.read()
+        print("eof in 1 s", time.monotonic() - t0 < 1, p.wait())
+        print("killed", inner("kill").wait())
+    """,
+    )
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} outer.py", tmp_path)
+    ref = plain(f"{PY} outer.py", tmp_path)
+    want = b"child sees program True True 0\neof in 1 s True 0\nkilled -9\n"
+    assert ref.stdout == want, ref
+    assert res.stdout == want, (res.stdout, res.stderr)
+    assert res.report.pool_adopted >= 4, res.report
