@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from krex_async import KrexError
+
 from .conftest import PY, ROOT, is_frozen, proc_state, py_env, run_daemon
 
 
@@ -89,7 +91,6 @@ async def test_command_policy_serialises_commands(script):
 
 
 async def test_device_none_and_bad_devices():
-    from krex_async import KrexError
 
     async with run_daemon("--devices", "cpu:2") as d:
         async with await d.client() as c:
@@ -222,3 +223,18 @@ async def test_disconnect_kills_or_keeps_per_request(tmp_path):
         killed, kept = (int(p.read_text()) for p in pids.values())
         assert proc_state(killed) in (None, "Z"), "on_disconnect=kill left the command running"
         assert proc_state(kept) not in (None, "Z"), "on_disconnect=keep ended the command"
+
+
+async def test_a_request_on_a_connection_the_daemon_closed_fails_at_once():
+    """The gateway keeps one daemon connection: a request sent after the daemon went away must
+    fail ("disconnected"), not wait for a reply that can never come (a job stayed running)."""
+    async with run_daemon() as d:
+        c = await d.client()
+        d.stop()
+        async with asyncio.timeout(5):
+            while not c._task.done():  # the read loop sees the end of the connection
+                await asyncio.sleep(0.02)
+            with pytest.raises(KrexError) as e:
+                await c.submit(["true"])
+        assert e.value.code == "disconnected"
+        await c.close()

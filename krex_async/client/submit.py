@@ -217,6 +217,10 @@ class Client:
         self._queues.pop(req_id, None)
 
     def _send(self, msg: P.Msg) -> asyncio.Queue[P.Reply | None]:
+        """Queue `msg`; its replies arrive on the queue returned (None: the connection ended).
+        Raises KrexError("disconnected") when the connection already ended: no reply could come."""
+        if self._task is not None and self._task.done():
+            raise KrexError("disconnected", "the daemon closed the connection")
         q: asyncio.Queue[P.Reply | None] = asyncio.Queue()
         self._queues[msg.id] = q  # type: ignore[attr-defined]
         self._writer.write(P.encode(msg))

@@ -139,6 +139,8 @@ class Gateway:
         except ConnectionError:
             raise  # the reader left mid-stream: nothing to answer
         except Exception as e:  # a gateway bug: say so as JSON, keep serving
+            if request.writer is not None and request.writer.output_size > 0:
+                raise  # a streamed answer had begun: a second one would corrupt it; aiohttp aborts
             return _json(500, error("internal_error", f"{type(e).__name__}: {e}", trace), trace)
         if not resp.prepared:
             resp.headers.setdefault("X-Trace-Id", trace)
@@ -165,6 +167,12 @@ class Gateway:
             raise deep from None
         if too_deep(value):  # deep enough to recurse later (encoding it, walking it)
             raise deep
+        try:  # "\ud800" parses, but no UTF-8 holds it: the store, a file or an argv could not
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "invalid_json", "the request body holds a lone surrogate (\\ud800-\\udfff)"
+            ) from None
         return value
 
     @staticmethod
@@ -227,6 +235,12 @@ class Gateway:
             )
             raise BadRequest("kind_not_supported", why, 501, kind=kind, supported=sorted(self.kinds))
         req, key, author = self.kinds[kind].validate(await self.body(request))
+        try:  # fields the kinds check name their own error; NaN left in a free-form part is this
+            json.dumps(req, allow_nan=False)
+        except ValueError:
+            raise BadRequest(
+                "invalid_request", "the request holds NaN or Infinity, which JSON does not have", 422
+            ) from None
         who = self.who(request)
         job, created = self.store.create(kind, req, request["trace"], key, author, who.name, who.run_as.uid)
         if created:
@@ -270,15 +284,16 @@ class Gateway:
         status = self.store.status(job_id, owner)
         if status is None:
             raise self.not_found(job_id)
-        if self.flag(request, "wait") and status not in TERMINAL:
-            raw = request.query.get("timeout", "30")
+        if self.flag(request, "wait"):
+            raw = request.query.get("timeout", "30")  # checked whatever the status: 400 either way
             try:
                 timeout = float(raw)
             except ValueError:
                 raise BadRequest("invalid_timeout", f"timeout must be seconds, got {raw!r}") from None
             if not math.isfinite(timeout) or timeout < 0:
                 raise BadRequest("invalid_timeout", "timeout must be a finite number >= 0")
-            await self.wait(job_id, min(timeout, self.limits.max_wait))
+            if status not in TERMINAL:
+                await self.wait(job_id, min(timeout, self.limits.max_wait))
         resp = await self.views.stream_job(request, job_id, owner)
         if resp is None:
             raise self.not_found(job_id)

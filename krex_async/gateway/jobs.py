@@ -21,6 +21,7 @@ import asyncio
 import functools
 import os
 import shlex
+import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -218,7 +219,12 @@ class JobRunner:
                 if client is None:  # keep the queue; try again shortly
                     asyncio.get_running_loop().call_later(1.0, self._wake.set)
                     break
-                claimed = self.store.claim()
+                try:
+                    claimed = self.store.claim()
+                except sqlite3.Error as e:  # locked past its timeout, disk full: the loop lives on
+                    print(f"krex gateway: cannot claim a queued job ({e}); again in 1 s", file=sys.stderr)
+                    asyncio.get_running_loop().call_later(1.0, self._wake.set)
+                    break
                 if claimed is None:
                     break
                 job_id, kind, request = claimed
@@ -255,6 +261,7 @@ class JobRunner:
                 clock = await clocks.acquire()  # raises ClockError: the job fails saying why
             if self.store.status(job_id) != "running":
                 return  # cancelled while being prepared
+            client = await self.connect() or client  # lost while it was prepared (the clock lock)
             h = await client.submit(
                 argv,
                 cwd=str(workdir),
@@ -284,8 +291,9 @@ class JobRunner:
             res = await h.wait()
             deadline.cancel()
             got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
-            status, result, err_obj = self._judge(
-                runner, job_id, request, workdir, res.report, got, timeout, uid
+            # off the event loop: a profile's CSV (up to 256 MiB) and the job's files are read here
+            status, result, err_obj = await asyncio.to_thread(
+                self._judge, runner, job_id, request, workdir, res.report, got, timeout, uid
             )
             self.store.finish(job_id, status, result, err_obj)
         except KrexError as e:

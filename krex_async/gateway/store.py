@@ -161,12 +161,12 @@ class Store:
                     run_uid,
                 ),
             )
+            job = self.get(job_id)  # read back inside the transaction: a row it cannot show is not kept
+            assert job is not None
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        job = self.get(job_id)
-        assert job is not None
         return job, True
 
     def get(self, job_id: str, owner: str | None = None) -> dict[str, Any] | None:

@@ -132,6 +132,16 @@ async def test_eval_outcomes_as_the_reference_reports_them(tmp_path: Path, gwhom
         ):
             status, body = await c.request("POST", "/v1/jobs/eval", json=payload)
             assert status == 422, body
+        # NaN in a part passed on as given: refused, and no job left behind that nobody was told
+        # of (it was stored, then its read-back failed: a 500 and a job that ran anyway)
+        before = await c.jobs()
+        for where in ("options", "metadata"):
+            nan = typed("run", "class Model: pass\n")
+            (nan["options"] if where == "options" else nan["reference"]["metadata"])["x"] = float("nan")
+            raw = json.dumps(nan).encode()  # Python writes NaN, as a client's json.dumps would
+            status, body = await c.request("POST", "/v1/jobs/eval", data=raw)
+            assert (status, body["reason"]) == (422, "invalid_request"), body
+        assert await c.jobs() == before
 
 
 async def test_lock_clocks_locks_and_resets_or_fails_saying_why(tmp_path: Path, gwhome: Path) -> None:

@@ -77,6 +77,9 @@ async def test_malformed_requests(tmp_path: Path) -> None:
             assert (got, resp["reason"]) == (status, reason), resp
 
         await expect(400, "invalid_json", raw=b"{not json")
+        for field in ("command", "author"):  # a lone surrogate parses, but no UTF-8 holds it
+            await expect(400, "invalid_json", raw=json.dumps({**good, field: "echo \ud800"}).encode())
+        await expect(400, "invalid_json", raw=json.dumps({**good, "files": {"\udc80.py": "x"}}).encode())
         await expect(400, "invalid_json", raw=b"\xff\xfe")
         await expect(400, "empty_body", raw=b"")
         await expect(422, "invalid_request", body=[1, 2])
@@ -136,6 +139,10 @@ async def test_malformed_requests(tmp_path: Path) -> None:
         got, resp = await c.request("DELETE", "/v1/jobs")
         assert (got, resp["reason"]) == (405, "method_not_allowed")
 
+        done = await c.dev("true")
+        await c.wait(done["job_id"], 30)  # a finished job's long poll checks its timeout too
+        got, resp = await c.request("GET", f"/v1/jobs/{done['job_id']}?wait=true&timeout=soon")
+        assert (got, resp["reason"]) == (400, "invalid_timeout"), resp
         job = await c.dev("sleep 5")
         for q, reason in (
             ("wait=maybe", "invalid_wait"),
@@ -148,8 +155,8 @@ async def test_malformed_requests(tmp_path: Path) -> None:
         await c.cancel(job["job_id"])
 
         # Nothing malformed was stored or written; the gateway still serves.
-        assert [j["job_id"] for j in await c.jobs()] == [job["job_id"]]
-        assert sorted(os.listdir(gw.state / "jobs")) in ([], [job["job_id"]])
+        assert sorted(j["job_id"] for j in await c.jobs()) == sorted([job["job_id"], done["job_id"]])
+        assert set(os.listdir(gw.state / "jobs")) <= {job["job_id"], done["job_id"]}
         assert not (tmp_path / "up").exists()
         assert await c.health() == "ok"
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from krex_async.gateway import catalog
+from krex_async.gateway.jobs import JobRunner
+from krex_async.gateway.limits import Limits
+from krex_async.gateway.store import Store
 from tests.conftest import ROOT, run_daemon
 
 from .conftest import PY, pid_alive, start_gateway
@@ -144,3 +149,39 @@ async def test_sigterm_fails_the_running_job_and_ends_its_command(gwhome: Path) 
         finally:
             await c.close()
             gw.stop()
+
+
+async def test_a_store_error_while_claiming_does_not_end_the_claim_loop(tmp_path: Path) -> None:
+    """A claim that fails (the database locked past its timeout, a full disk) is tried again a
+    second later: before, the loop task died with it and every later job stayed queued."""
+
+    class Flaky(Store):
+        failures = 1
+
+        def claim(self):  # type: ignore[no-untyped-def]
+            if self.failures:
+                self.failures -= 1
+                raise sqlite3.OperationalError("database is locked")
+            return super().claim()
+
+    store = Flaky(tmp_path / "jobs.db")
+    kinds, _ = catalog.build(Limits(), frozenset(["local"]), None, sys.executable)
+    async with run_daemon() as daemon:
+        runner = JobRunner(store, tmp_path / "jobs", Limits(), daemon.socket, kinds, lambda _j: None)
+        (tmp_path / "jobs").mkdir()
+        job, _ = store.create(
+            "dev",
+            kinds["dev"].validate({"command": "true", "spec": {"target_hardware": ["local"]}})[0],
+            "t",
+            None,
+            None,
+        )
+        runner.start()
+        try:
+            async with asyncio.timeout(10):
+                while store.status(job["job_id"]) == "queued":
+                    await asyncio.sleep(0.05)
+            assert store.failures == 0  # the first claim failed; the loop claimed again
+        finally:
+            await runner.stop()
+            store.close()
