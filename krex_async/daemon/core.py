@@ -124,6 +124,9 @@ class Region:
     # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry
     late: dict[int, P.LateLock] = field(default_factory=dict)
     freezing: set[str] = field(default_factory=set)  # commands a late freeze is under way for
+    # late, join and adoption freezes (Regions._freeze_into) in flight: _release waits for them,
+    # so that none lands, or is undone, after the next region took the device
+    freezes: set[asyncio.Future[None]] = field(default_factory=set)
 
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():

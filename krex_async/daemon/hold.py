@@ -167,12 +167,13 @@ async def lock_commands(
         rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
         rep.pool_unheld.update({p: f"lock record unwritable: {e}" for p in workers})
         return list(cmds)
+    # Into the region at once, so that its release unlocks them whatever happens next.
+    r.locked_pids.extend(p for p, x in res.items() if x.ok)
     busy = [p for p, x in res.items() if x.not_ready]
     if busy:
         await _wait_busy(hold, r, busy, owner, res)
     rep.lock_s += time.perf_counter() - t0  # a second call: the pool worker that warmed meanwhile
     rep.lock_max_s = max([rep.lock_max_s, *(x.seconds for x in res.values())])
-    r.locked_pids.extend(p for p, x in res.items() if x.ok)
     rep.locked_pids = list(r.locked_pids)
     rep.lock_late = list(r.late.values())
     exited = {p for p, e in r.late.items() if e.outcome == "exited"}  # nothing left to hold
@@ -208,6 +209,7 @@ async def _wait_busy(
         again = await hold.pool.lock_many(busy, hold.wait)
     except OSError as err:  # the record could not be written: none of these was locked
         again = {p: LockResult(p, False, 0.0, f"lock record unwritable: {err}") for p in busy}
+    r.locked_pids.extend(p for p in busy if again[p].ok)
     for p in busy:
         e, x = r.late[p], again[p]
         e.attempts, e.after_s = 2, res[p].seconds + x.seconds

@@ -175,6 +175,12 @@ class Regions:
             rep.outcome = "refused"
             rep.error = str(e)
             log_.warning("region_refused", error=str(e))
+        except Exception as e:  # a bug while isolating: released below, and the owner told so
+            if granted:
+                raise
+            rep.outcome = "refused"
+            rep.error = f"internal error while isolating: {e!r}"
+            log_.exception("region_entry_failed")
         except asyncio.CancelledError:
             rep.outcome = rep.outcome if rep.outcome not in ("open", "held") else "shutdown"
             raise
@@ -183,7 +189,12 @@ class Regions:
             if self.core.attributor is not None:
                 # Close the stray window before anything thaws: driver calls of the siblings after
                 # the release are theirs to make. Late stream events are covered by the counts.
-                self.core.attributor.region_released(r)
+                try:
+                    self.core.attributor.region_released(r)
+                except Exception as e:  # the probes' reading failed: what they saw is unknown
+                    rep.tainted = True
+                    rep.taint.append(f"probe reading failed at the release: {e!r}")
+                    log_.exception("region_probe_release_failed")
             await asyncio.shield(self._release(r))
             rep.exit_s = time.perf_counter() - t_exit
             self.active.pop(r.id, None)
@@ -521,6 +532,8 @@ class Regions:
         """Undo every step, each in its own try so one failure does not skip the others."""
         backend = self.core.backend
         r.releasing = True
+        if r.freezes:  # each bounded by --freeze-timeout; releasing, each undoes its own freeze
+            await asyncio.wait(r.freezes, timeout=self.core.config.freeze_timeout + 1.0)
         if r.paused_pool and r.device in self.core.pools:
             self.core.pools[r.device].resume()
             r.paused_pool = False
@@ -622,21 +635,30 @@ class Regions:
         began running meanwhile; "late", a device holder the probes saw): into the region while
         it is still current, else undone at once."""
         # a burst of GPU opens (a CUDA initialisation opens several files) freezes it once
-        if cmd.id in r.freezing or cmd.id in r.frozen_ids:
+        if cmd.id in r.freezing or cmd.id in r.frozen_ids or r.releasing:
             return
         r.freezing.add(cmd.id)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        r.freezes.add(done)
         try:
-            await self.core.backend.freeze(group, timeout=self.core.config.freeze_timeout)
-        except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
-            log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
-            return
+            try:
+                await self.core.backend.freeze(group, timeout=self.core.config.freeze_timeout)
+            except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
+                log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+                return
+            finally:
+                r.freezing.discard(cmd.id)
+            if self.current_on(r.device) is r:
+                self._add_frozen(r, cmd, group)
+                self.core.trace("freeze", r, command=cmd.id, late=True)
+                return
+            try:  # the region began releasing while this one froze (and waits for it): undo now
+                await self.core.backend.thaw(group)
+            except Exception as e:  # noqa: BLE001 - logged: nothing else would thaw it
+                log.error("thaw_failed", region=r.id, group=group.name, error=repr(e))
         finally:
-            r.freezing.discard(cmd.id)
-        if self.current_on(r.device) is r:
-            self._add_frozen(r, cmd, group)
-        else:  # the region began releasing while this one froze: undo at once
-            await self.core.backend.thaw(group)
-        self.core.trace("freeze", r, command=cmd.id, late=True)
+            r.freezes.discard(done)
+            done.set_result(None)
 
     async def hold_arrival(self, cmd: Command, worker: int) -> None:
         """A command about to gain the warm pool worker `worker` (reserved for it) mid-region (an

@@ -41,6 +41,7 @@ PROCESS_STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: inside a driver call (context creation among them) at the timeout
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
+UNLOCK_BOUND_S = 5.0  # one cuCheckpointProcessUnlock: 0.35-0.63 ms on the H200 (FACTS.md)
 
 
 class _LockArgs(ctypes.Structure):
@@ -179,6 +180,8 @@ class LockPool:
         self.driver = driver
         self.record = LockRecord(state_dir, driver.path)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="krex-cudalock")
+        # Unlocks on threads of their own: lock calls that never return cannot hold a release up.
+        self.unlocks = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="krex-cudaunlock")
         self.stuck = 0  # calls that outlived their bound and still have not returned
 
     def _timed_lock(self, pid: int, timeout_ms: int) -> LockResult:
@@ -236,30 +239,41 @@ class LockPool:
         self.record.drop([pid])
 
     async def unlock_many(self, pids: list[int]) -> tuple[float, dict[int, str]]:
-        """Unlock `pids` in parallel; returns (seconds, {pid: error}) for those the driver refused
-        (a process that died meanwhile among them). The record is rewritten afterwards."""
+        """Unlock `pids` in parallel, each call bounded by UNLOCK_BOUND_S; returns (seconds, {pid:
+        error}) for those the driver refused (a process that died meanwhile among them) or did not
+        answer in time. The record keeps each one that may still be locked (alive, not unlocked):
+        the start-up sweep, the watchdog and `krex cleanup` unlock it should this daemon die."""
         if not pids:
             return 0.0, {}
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        rcs = await asyncio.gather(
-            *(loop.run_in_executor(self.pool, self.driver.unlock, p) for p in pids), return_exceptions=True
-        )
+        futs = {p: loop.run_in_executor(self.unlocks, self.driver.unlock, p) for p in pids}
+        _, late = await asyncio.wait(futs.values(), timeout=UNLOCK_BOUND_S)
         dt = time.perf_counter() - t0
-        errors = {
-            p: (self.driver.error(rc) if isinstance(rc, int) else repr(rc))
-            for p, rc in zip(pids, rcs)
-            if rc != 0
-        }
-        self.record.drop(pids)
+        errors: dict[int, str] = {}
+        for p, fut in futs.items():
+            if fut in late:
+                errors[p] = f"no answer from the driver in {UNLOCK_BOUND_S:g} s"
+                fut.add_done_callback(functools.partial(self._late_unlock, p))
+            elif (e := fut.exception()) is not None:
+                errors[p] = repr(e)
+            elif (rc := fut.result()) != 0:
+                errors[p] = self.driver.error(rc)
+        self.record.drop(p for p in pids if p not in errors or start_time(p) is None)
         try:
-            await loop.run_in_executor(self.pool, self.record.write)
+            await loop.run_in_executor(self.unlocks, self.record.write)
         except OSError:
             pass  # a stale record only makes a later sweep check pids that are not locked
         return dt, errors
 
+    def _late_unlock(self, pid: int, fut: asyncio.Future[int]) -> None:
+        """An unlock that returned after its bound: forget the pid once it took."""
+        if not fut.cancelled() and fut.exception() is None and fut.result() == 0:
+            self.record.drop([pid])
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.unlocks.shutdown(wait=False, cancel_futures=True)
 
 
 def release_left(state_dir: str | None, library: str | None = None) -> list[str]:

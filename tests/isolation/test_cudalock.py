@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from krex_async.isolation import cudalock
 from krex_async.isolation.cudalock import LockPool, open_driver, release_left
 from krex_async.linux.procfs import stat_fields
 
@@ -117,9 +118,52 @@ async def test_locked_process_still_dies(fake: Fake, tmp_path: Path, monkeypatch
         assert p.wait(2) == -15
         _, errors = await pool.unlock_many([pid])
         assert pid in errors, "unlocking a dead process is refused, not raised"
+        assert json.loads((tmp_path / "locks.json").read_text())["locked"] == []  # gone: forgotten
     finally:
         if p.poll() is None:
             p.kill()
+        pool.close()
+
+
+async def test_an_unlock_the_driver_does_not_answer_is_bounded_and_stays_recorded(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release must not wait on the driver for ever: an unlock with no answer in its bound is
+    reported, and the pid stays in the lock record (the sweep would unlock it should the daemon
+    die) until the late unlock takes; the other pids are unlocked and forgotten meanwhile."""
+    monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
+    monkeypatch.setattr(cudalock, "UNLOCK_BOUND_S", 0.3)
+    drv, _ = open_driver(fake.lib)
+    assert drv is not None
+    procs = [_spawn(fake, n, "cuda") for n in ("u1", "u2")]
+    (_, slow), (_, quick) = procs
+
+    class SlowUnlock:  # the driver, but its unlock of `slow` takes 1.5 s
+        def __getattr__(self, name: str) -> object:
+            return getattr(drv, name)
+
+        def unlock(self, pid: int) -> int:
+            if pid == slow:
+                time.sleep(1.5)
+            return drv.unlock(pid)
+
+    pool = LockPool(SlowUnlock(), str(tmp_path))  # type: ignore[arg-type]
+    try:
+        res = await pool.lock_many([slow, quick], timeout=0.5)
+        assert res[slow].ok and res[quick].ok, res
+        t0 = time.monotonic()
+        dt, errors = await pool.unlock_many([slow, quick])
+        assert time.monotonic() - t0 < 1.0 and list(errors) == [slow], errors
+        assert "no answer from the driver" in errors[slow]
+        recorded = {p for p, _ in json.loads((tmp_path / "locks.json").read_text())["locked"]}
+        assert recorded == {slow}, recorded
+        assert drv.state(quick) == (0, 0)
+        await asyncio.sleep(1.5)  # the late unlock lands
+        assert drv.state(slow) == (0, 0) and slow not in pool.record.held
+    finally:
+        for p, _ in procs:
+            p.kill()
+            p.wait()
         pool.close()
 
 

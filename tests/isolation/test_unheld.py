@@ -143,3 +143,86 @@ async def test_a_hung_sibling_under_the_signal_backend(script, tmp_path: Path) -
     rep = json.loads(res.stdout)
     assert rep["frozen"] == [ht.command] and list(rep["unheld"]) == [hh.command], rep
     assert rep["tainted"]
+
+
+COUNTER = """
+import sys, time
+n = 0
+while True:
+    n += 1
+    with open(sys.argv[1], "w") as f:
+        f.write(str(n))
+    time.sleep(0.005)
+"""
+
+WATCHER = """
+import json, sys, time, msgspec
+from krex_async import region
+def ticks():
+    with open(sys.argv[1]) as f:
+        return f.read()
+with region("timing") as r:
+    first = ticks()
+    time.sleep(2.0)
+    moved = ticks() != first
+print(json.dumps({"report": msgspec.to_builtins(r.report), "moved": moved}))
+"""
+
+
+async def test_a_late_freeze_in_flight_at_a_release_does_not_leave_the_next_region_unheld(
+    script, tmp_path: Path
+) -> None:
+    """Region A is held; sibling y opens the GPU late (--freeze device-holders), and A's late
+    freeze of it cannot finish (a thread of y is in uninterruptible sleep) before A ends. Region B
+    is next. Before, B was granted at once and skipped y as already frozen (its cgroup.freeze was
+    written) while listing it frozen; A's freeze then timed out and undid itself, and y ran through
+    B. Now A's release waits for its freezes in flight, and B holds y or says it could not."""
+    from krex_async.probes import bcc_works
+
+    ok, why = bcc_works()
+    if not ok:
+        pytest.skip(f"bcc unavailable: {why}")
+    pidfile, ticks, marker = tmp_path / "hung.pid", tmp_path / "ticks", tmp_path / "granted"
+    hung, counter = script("hung.py", HUNG), script("counter.py", COUNTER)
+    body = (
+        f"{PY} {hung} {pidfile} {mnt(tmp_path)} & {PY} {counter} {ticks} & "  # before /dev goes
+        f"while [ ! -s {pidfile} ]; do sleep 0.01; done; "
+        "mount -t tmpfs krex-fake /dev && : > /dev/nvidia0 || exit 9; "
+        f"while [ ! -s {marker} ]; do sleep 0.01; done; sleep 0.2; exec 3</dev/nvidia0; sleep 60"
+    )
+    async with run_daemon(
+        "--hold",
+        "freeze",
+        "--freeze",
+        "device-holders",
+        "--probes",
+        "ioctl",
+        "--freeze-timeout",
+        "1.0",
+        "--region-cores",
+        "1",
+    ) as d:
+        async with await d.client() as c:
+            hy = await c.submit(
+                ["unshare", "-m", "--propagation", "private", "/bin/sh", "-c", body], env=py_env()
+            )
+            deadline = time.monotonic() + 15
+            while not (ticks.exists() and ticks.read_text() and pidfile.exists() and pidfile.read_text()) or (
+                proc_state(int(pidfile.read_text())) != "D"
+            ):
+                assert time.monotonic() < deadline, "sibling y did not start"
+                await asyncio.sleep(0.01)
+            a = asyncio.ensure_future(c.run([PY, script("owner.py", OWNER), str(marker)], env=py_env()))
+            while not marker.exists():
+                assert time.monotonic() < deadline and not a.done(), "region A was not granted"
+                await asyncio.sleep(0.01)
+            b = await c.run([PY, script("watcher.py", WATCHER), str(ticks)], env=py_env())
+            ra = await a
+            await hy.cancel(9)
+    assert ra.returncode == 0 and b.returncode == 0, (ra.stderr, b.stderr)
+    rep_a, got = json.loads(ra.stdout), json.loads(b.stdout)
+    rep_b, moved = got["report"], got["moved"]
+    assert hy.command not in rep_a.get("frozen", []), rep_a  # its late freeze never finished
+    frozen_b = hy.command in rep_b.get("frozen", [])
+    assert not (frozen_b and moved), f"B says it froze y, and y ran: {rep_b}"
+    assert hy.command in rep_b.get("unheld", {}) and rep_b["tainted"], rep_b
