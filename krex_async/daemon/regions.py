@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from krex_async import logs
 from krex_async import protocol as P
@@ -404,7 +404,15 @@ class Regions:
             rep.drain = self.drain.check(r, targets, results)
             await self.clock.settle(r)  # its NVML reads on a worker thread, while the loop idles
             if quiet is not None and pool is not None:
-                rep.pool_wait_s = await quiet
+                # up to CONTEXT_TIMEOUT_S for a creation in flight: not for an owner already gone
+                assert r.ended is not None
+                either: list[asyncio.Future[Any]] = [quiet, r.ended]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if not quiet.done():
+                    quiet.cancel()
+                    await asyncio.gather(quiet, return_exceptions=True)
+                    return  # released at once: run() finds r.ended set
+                rep.pool_wait_s = quiet.result()
                 creator = pool.creator_pid()
                 if creator is not None:  # a creation that outlived the wait: neither waited for nor held
                     rep.pool_unheld[creator] = (

@@ -291,6 +291,38 @@ async def test_region_during_a_workers_context_creation_waits_for_it_then_locks_
     assert "pool_unheld" not in rep, rep
 
 
+async def test_an_owner_gone_while_its_entry_waits_for_a_creation_frees_the_device_at_once(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """The entry waits for a worker's context creation in flight (up to 60 s); an owner killed
+    meanwhile must not keep the device held for the rest of it."""
+    _probes_or_skip()
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    async with pool_daemon(fake, mods, "--lock-wait", "5", FAKE_CUDA_CTX_MS="20000") as d:
+        async with await d.client() as c:
+            deadline = time.monotonic() + 30
+            while not any(
+                w["state"] == "starting" and "/dev/nvidia0" in _fd_targets(w["pid"])
+                for w in (await c.status())["pools"]["cpu"]["workers"]
+            ):
+                assert time.monotonic() < deadline, "the worker did not start creating its context"
+                await asyncio.sleep(0.02)
+            h = await c.submit(
+                [PY, script("owner.py", OWNER), str(tmp_path / "granted"), "0.3"], env=env(fake, mods)
+            )
+            while (await c.status())["devices"][0]["region"] is None:  # its entry has begun
+                assert time.monotonic() < deadline, "the region was not asked for"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            await h.cancel(9)
+            t0 = time.monotonic()
+            while (await c.status())["devices"][0]["region"] is not None:
+                assert time.monotonic() - t0 < 5, "the device stayed held for an owner that is gone"
+                await asyncio.sleep(0.05)
+            assert (await h.wait()).report.state == "cancelled"
+
+
 def _fd_targets(pid: int) -> list[str]:
     out = []
     try:
