@@ -244,6 +244,15 @@ def _wait(sock: Any, q: Any, worker: int, daemon_pid: int, waitset: set[int]) ->
                 box["rc"] = int(reply.get("returncode", 1))
         except BaseException:  # noqa: BLE001 - the daemon is gone: main decides what to do
             pass
+        if "rc" not in box and wfd is not None:
+            # The daemon died and the status with it, but not the order of events: this process
+            # ends (and its parent goes on) once the worker did, signals forwarded meanwhile.
+            try:
+                import select  # this path only
+
+                select.select([wfd], [], [])
+            except BaseException:  # noqa: BLE001
+                pass
         box["done"] = True
         _signal.pthread_kill(main, _WAKE)
 

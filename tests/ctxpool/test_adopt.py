@@ -875,3 +875,32 @@ async def test_what_the_adopted_program_sees_of_its_parent_and_its_own_end(tmp_p
     assert ref.stdout == want, ref
     assert res.stdout == want, (res.stdout, res.stderr)
     assert res.report.pool_adopted >= 4, res.report
+
+
+async def test_a_daemon_death_keeps_the_order_of_events_for_the_programs_parent(tmp_path: Path) -> None:
+    """The daemon dies (SIGKILL) while a worker runs an adopted program: the program's status is
+    lost with it (the interpreter exits 1, saying so), but its parent goes on only once the program
+    ended, as it would have (before, at once, with the program still running)."""
+    write(
+        tmp_path,
+        "job.py",
+        MARK
+        + "import time\nopen('started', 'w').write(str(_M))\ntime.sleep(1.5)\nopen('ended', 'w').close()\n",
+    )
+    line = f"{PY} job.py 2> err; echo $? > rc; if [ -e ended ]; then echo after; else echo before; fi > when"
+    async with pooled_daemon() as d:
+        async with await d.client() as c:
+            await warm(c)
+            await c.submit(["/bin/sh", "-c", line], env=py_env(), cwd=str(tmp_path))
+            deadline = time.monotonic() + 20
+            while not (tmp_path / "started").exists():
+                assert time.monotonic() < deadline, "the job did not start"
+                await asyncio.sleep(0.02)
+            d.proc.kill()
+            d.proc.wait()
+        while not (tmp_path / "when").exists():  # the tree runs on without its daemon
+            assert time.monotonic() < deadline, "the shell did not go on"
+            await asyncio.sleep(0.05)
+    assert (tmp_path / "started").read_text() == "True"
+    assert (tmp_path / "when").read_text() == "after\n"
+    assert (tmp_path / "rc").read_text() == "1\n" and b"lost the daemon" in (tmp_path / "err").read_bytes()
