@@ -238,3 +238,50 @@ async def test_a_request_on_a_connection_the_daemon_closed_fails_at_once():
                 await c.submit(["true"])
         assert e.value.code == "disconnected"
         await c.close()
+
+
+async def test_stdin_sent_and_closed_while_queued_reaches_the_command():
+    """eof while the command waits for its device (krex run streams stdin): the data stays in the
+    pipe for it. Before, eof closed the read end too: its start failed, it stayed `starting` for
+    ever with no report, and its device stayed taken."""
+    async with run_daemon("--policy", "command", "--devices", "cpu:1") as d:
+        async with await d.client() as c:
+            first = await c.submit(["sleep", "30"])
+            h = await c.submit(["cat"], stdin_stream=True)
+            assert h.queued
+            await h.write_stdin(b"hello\n", eof=True)
+            await first.cancel(9)
+            res = await asyncio.wait_for(h.wait(), 10)
+            after = await asyncio.wait_for(c.run(["echo", "next"]), 10)  # the device is free again
+    assert (res.report.state, res.stdout) == ("exited", b"hello\n"), res.report
+    assert after.stdout == b"next\n"
+
+
+async def test_output_reaches_every_kind_of_watcher():
+    """A submitter that does not stream gets the output with the end; an agent attaching while
+    the command runs gets what it wrote before the attach, then the rest."""
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            quiet = await c.submit(["sh", "-c", "echo out; echo err >&2"], stream=False)
+            res = await quiet.wait()
+            assert (res.stdout, res.stderr) == (b"out\n", b"err\n"), res
+            h = await c.submit(["sh", "-c", "echo early; sleep 0.5; echo late"])
+            async for _ in h.output():
+                break
+            async with await d.client() as c2:
+                late = await (await c2.attach(h.command)).wait()
+            assert late.stdout == b"early\nlate\n", late.stdout
+
+
+async def test_a_cancel_after_the_leader_exited_keeps_its_exit():
+    """The leader exited of itself while a child it left still runs: a cancel then ends the child,
+    but the command's report is its leader's exit, not `cancelled`."""
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            h = await c.submit(["sh", "-c", "sleep 5 & echo up; exit 3"])
+            async for _ in h.output():
+                break
+            await asyncio.sleep(0.2)  # the leader is gone; the daemon waits for its pipes
+            await h.cancel(15)
+            res = await asyncio.wait_for(h.wait(), 10)
+    assert (res.report.state, res.report.exit_code) == ("exited", 3), res.report

@@ -12,6 +12,7 @@ command's lifetime is its leader's), after its pipes had a moment to drain.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import secrets
@@ -168,6 +169,16 @@ class Command:
             if not sub.send(make(sub.req_id)):
                 self.subscribers.remove(sub)
 
+    def publish_exit(self, report: P.CommandReport) -> None:
+        """The end, to every subscriber: one that did not stream (Submit.stream=False) gets the
+        output with it, as the kept tails."""
+        for sub in list(self.subscribers):
+            tails = (
+                {} if sub.stream else {"stdout_tail": bytes(self.out.buf), "stderr_tail": bytes(self.err.buf)}
+            )
+            if not sub.send(P.Exited(id=sub.req_id, report=report, **tails)):
+                self.subscribers.remove(sub)
+
     def slim(self) -> None:
         """Ended: keep what its report and an attach need. The spec's stdin (up to 8 MiB) and env
         go, argv becomes the report's own list, and the pipes' closers and runtimes' senders
@@ -257,9 +268,21 @@ class CommandRunner:
                     pass
             cmd.group = None
             raise SpecError("spawn_failed", f"cannot create the isolation group of {cmd.id}: {e}") from None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        stdin_fd = cmd.stdin_pipe.reader() if cmd.stdin_pipe else self._stdin(cmd.spec.stdin)
+        fds: list[int] = []
+        try:
+            out_r, out_w = os.pipe()
+            fds += (out_r, out_w)
+            err_r, err_w = os.pipe()
+            fds += (err_r, err_w)
+            stdin_fd = cmd.stdin_pipe.reader() if cmd.stdin_pipe else self._stdin(cmd.spec.stdin)
+        except OSError as e:  # out of fds, the memfd refused: nothing started, nothing kept
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError, IsolationError):
+                await self.backend.remove(group)
+            cmd.group = None
+            self.release(cmd)
+            raise SpecError("spawn_failed", f"cannot set up the pipes of {cmd.id}: {e}") from None
         if cmd.spec.stdin is not None:  # in the memfd now: the daemon need not hold it twice
             cmd.spec = msgspec.structs.replace(cmd.spec, stdin=None)
         if self.spool is not None:
@@ -410,7 +433,9 @@ class CommandRunner:
         """End the command's whole tree (frozen processes included) and record why."""
         if cmd.state != CommandState.RUNNING or cmd.group is None:
             return
-        cmd.end_reason = cmd.end_reason or reason
+        if cmd.launched is None or cmd.launched.returncode is None:
+            # once the leader exited of itself, what is left is ended but its exit stays its own
+            cmd.end_reason = cmd.end_reason or reason
         cmd.signalled.append((time.monotonic(), sig))
         await self.backend.kill(cmd.group, sig)
 

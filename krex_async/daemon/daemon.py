@@ -9,6 +9,7 @@ What `krex status` sees of it is status.py's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import os
@@ -436,6 +437,16 @@ class Daemon:
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
+        except Exception as e:  # a bug on the way: the command ends, said so, its device is freed
+            log.exception("command_start_failed", command=cmd.id)
+            if cmd.state == CommandState.STARTING and cmd.launched is None:
+                if cmd.group is not None:
+                    with contextlib.suppress(Exception):
+                        await self.backend.remove(cmd.group)
+                    cmd.group = None
+                self.runner.release(cmd)
+                self._end_unstarted(cmd, "failed", f"internal error while starting: {e!r}")
+            raise
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
             await self.runner.kill(cmd, *cmd.kill_pending)
         await self.regions.join(cmd, region)
@@ -502,6 +513,8 @@ class Daemon:
         tally = self.adoptions.get(cmd.id)
         if tally is not None:
             cmd.report.pool_adopted, cmd.report.pool_declined = tally.adopted, dict(tally.declined)
+        if self.records is not None and (cmd.regions or tally is not None):
+            self.records.ended(cmd.id, cmd.report)  # again: with its regions' and the pool's parts
         self._demand(cmd.device_key)
         cmd.slim()  # kept for --retention: only what a report and an attach need
         cmd.done.set()
@@ -525,7 +538,7 @@ class Daemon:
             started=cmd.launched is not None,
             device=report.device,
         )
-        cmd.publish(lambda rid: P.Exited(id=rid, report=report))
+        cmd.publish_exit(report)
         self.trace(
             "command_end",
             None,
@@ -608,6 +621,11 @@ class Daemon:
                 )
             )
         else:
+            # What it wrote before this attach (the kept tails; the spool files hold all), then
+            # what it writes from now on: an agent that reconnects misses nothing the daemon kept.
+            for stream, tail in (("stdout", cmd.out), ("stderr", cmd.err)):
+                if tail.buf:
+                    send(P.Output(id=req.id, command=cmd.id, stream=stream, data=bytes(tail.buf)))  # type: ignore[arg-type]
             cmd.subscribers.append(Subscriber(send, req.id, True))
 
     def disconnected(self, send: Send) -> None:
@@ -622,7 +640,7 @@ class Daemon:
             if (
                 before
                 and not cmd.subscribers
-                and cmd.state in (CommandState.QUEUED, CommandState.RUNNING)
+                and cmd.state in (CommandState.QUEUED, CommandState.STARTING, CommandState.RUNNING)
                 and cmd.spec.on_disconnect == "kill"
             ):
                 log.info("agent_disconnected", command=cmd.id, action="kill")

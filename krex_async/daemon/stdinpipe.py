@@ -58,7 +58,7 @@ class StdinPipe:
                     self.close()
                     raise StdinClosed("the command closed its stdin") from None
             if eof:
-                self.close()
+                self.close_writer()
 
     async def _writable(self) -> None:
         loop = asyncio.get_running_loop()
@@ -77,15 +77,22 @@ class StdinPipe:
             self._watching.remove_writer(self.w)
             self._watching = None
 
-    def close(self) -> None:
-        """Close what is still open (the command sees EOF) and wake a waiting write."""
+    def close_writer(self) -> None:
+        """The agent's eof: the command reads what is in the pipe, then EOF. The read end stays
+        (a command still queued takes it at its spawn)."""
         self._unwatch()
         if self._waiter is not None:
             _wake(self._waiter)
-        for fd in (self.r, self.w):
-            if fd >= 0:
-                os.close(fd)
-        self.r = self.w = -1
+        if self.w >= 0:
+            os.close(self.w)
+        self.w = -1
+
+    def close(self) -> None:
+        """Close what is still open (the command sees EOF) and wake a waiting write."""
+        self.close_writer()
+        if self.r >= 0:
+            os.close(self.r)
+        self.r = -1
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

@@ -904,3 +904,18 @@ async def test_a_daemon_death_keeps_the_order_of_events_for_the_programs_parent(
     assert (tmp_path / "started").read_text() == "True"
     assert (tmp_path / "when").read_text() == "after\n"
     assert (tmp_path / "rc").read_text() == "1\n" and b"lost the daemon" in (tmp_path / "err").read_bytes()
+
+
+async def test_a_restarted_daemon_hands_over_the_adoptions_of_an_ended_command(tmp_path: Path) -> None:
+    """The command's record gets its final report again once the pool's part is in it: a daemon
+    restarted within the retention time reports how many interpreters were adopted (it said 0)."""
+    write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
+    state = str(tmp_path / "state")
+    async with pooled_daemon(2, "--state-dir", state) as d:
+        async with await d.client() as c:
+            res = await run_sh(c, f"{PY} job.py; {PY} job.py", tmp_path)
+    assert res.report.pool_adopted == 2, res.report
+    async with pooled_daemon(2, "--state-dir", state) as d:
+        async with await d.client() as c:
+            again = await (await c.attach(res.report.command)).wait()
+    assert again.report.pool_adopted == 2 and again.stdout == res.stdout, again

@@ -18,7 +18,7 @@ import pytest
 
 from krex_async import Client
 
-from ..conftest import PY, ROOT, private_cgroup_root, proc_state, remove_cgroup_tree
+from ..conftest import PY, ROOT, private_cgroup_root, proc_state, py_env, remove_cgroup_tree
 from ..security.helpers import LAUNCH, User, make_users, python_as, user_env
 from .test_daemon_death import tree
 
@@ -163,6 +163,9 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
             remove_cgroup_tree(cg)
 
 
+DIES_IN_REGION = "import os\nfrom krex_async import region\nregion('timing').__enter__()\nos._exit(0)\n"
+
+
 async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_retention():
     """A command that ended before its daemon was SIGKILLed is handed over with its real report
     (not called lost); a spool file no record names is removed at start-up; both the result and
@@ -182,6 +185,9 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
         await until_serving(procs[0], sock, log)
         async with await Client.connect(sock) as c:
             done = await c.run(["sh", "-c", "printf done"])
+            # ends inside its region: the region's report joins the command's after its exit
+            died = await c.run([PY, "-c", DIES_IN_REGION], env=py_env())
+            assert [r.outcome for r in died.report.regions] == ["owner-died"], died.report
             h = await c.submit(["sh", "-c", "echo running; exec sleep 60"], on_disconnect="keep")
             async for _ in h.output():
                 break
@@ -201,6 +207,8 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
             res = await (await c.attach(done.report.command)).wait()
             assert res.report.state == "exited" and res.report.exit_code == 0
             assert res.stdout == b"done" and res.report.ended_at == done.report.ended_at
+            again = await (await c.attach(died.report.command)).wait()
+            assert again.report.regions == died.report.regions, again.report
             lost = await (await c.attach(h.command)).wait()
             assert lost.report.state == "lost" and lost.stdout == b"running\n"
             shown = subprocess.run(
