@@ -6,8 +6,9 @@ Pure functions over the JSON jobs.py writes, so the table can be made again from
 Inflation: each key's alone baseline is the median over the alone rounds of that round's median (and
 p95); a job's inflation is its own median (p95) over the baseline's, minus one; per duration bucket
 (of the alone median) the p50 of the median inflations and the p95 of the p95 inflations across jobs.
-The alone spread beside it is the same p95 figure for the alone rounds themselves: what a policy that
-changes nothing would show.
+The alone spread beside it is what a policy that changes nothing would show: the p95 over keys of one
+alone round's p95 against another's (every pair of rounds, both ways); "-" with fewer than two rounds.
+Only lines whose correctness check passed make a baseline.
 """
 
 from __future__ import annotations
@@ -59,11 +60,19 @@ def alone_round_seconds(data: dict[str, Any]) -> float:
     return max(xs, default=60.0) + 5.0
 
 
+def checked(ln: dict[str, Any]) -> bool:
+    """Whether a line's kernel passed its correctness check (a line without one counts as passed)."""
+    return bool((ln.get("check") or {}).get("ok", True))
+
+
 def baselines(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per key, from the alone rounds' lines that passed their check (a failed record's other keys
+    still count: a record is a batch of keys)."""
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rnd in data["alone"]:
         for ln in lines_of(rnd["jobs"]):
-            by[ln["key"]].append(ln["timing"])
+            if checked(ln) and ln.get("timing"):
+                by[ln["key"]].append(ln["timing"])
     out = {}
     for key, ts in by.items():
         med = statistics.median(t["median_ms"] for t in ts)
@@ -98,9 +107,13 @@ def inflation(lines: list[dict[str, Any]], base: dict[str, dict[str, Any]]) -> d
 
 
 def alone_spread(base: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per bucket, one alone round's p95 over another's, minus one, for every ordered pair of rounds
+    of each key: the inflation a policy that changes nothing would show against one round. Keys
+    with one round add nothing (n counts the pairs; none: p95 and max are None)."""
     by: dict[str, list[float]] = defaultdict(list)
     for b in base.values():
-        by[b["bucket"]] += [p / b["p95_ms"] - 1.0 for p in b["p95s_ms"] if b["p95_ms"] > 0]
+        ps = [p for p in b["p95s_ms"] if p > 0]
+        by[b["bucket"]] += [a / c - 1.0 for i, a in enumerate(ps) for j, c in enumerate(ps) if i != j]
     return {bk: {"n": len(v), "p95": pct(v, 0.95), "max": max(v) if v else None} for bk, v in by.items()}
 
 
@@ -221,7 +234,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         "alone_failed": [
             {
                 "round": rnd["round"],
-                "keys": r["keys"],
+                "keys": [k for k in r["keys"] if k not in base],
                 "error": r.get("error") or r.get("status"),
                 "stderr_tail": (r.get("stderr_tail") or "")[-300:],
             }
@@ -293,29 +306,35 @@ def goals(s: dict[str, Any]) -> list[str]:
                 line += f" (goal >= {GOAL_POOL_VS_SHARED:.2f}x of shared needs the pool to serve them)"
             out.append(line)
     for name, r in s["ratios"].items():
-        for what, val, goal in (
-            ("jobs/min vs shared", r["vs_shared"], GOAL_VS_SHARED),
-            ("jobs/min vs command", r["vs_command"], GOAL_VS_COMMAND),
+        x = s["variants"][name]
+        failed = x["jobs"] - x["ok"]
+        done = f" ({failed} of {x['jobs']} jobs failed, not counted)" if failed else ""
+        for what, val, goal, other in (
+            ("jobs/min vs shared", r["vs_shared"], GOAL_VS_SHARED, "shared"),
+            ("jobs/min vs command", r["vs_command"], GOAL_VS_COMMAND, "command"),
         ):
-            if val is not None:
-                out.append(
-                    f"{name}: {what} {val:.2f}x, goal >= {goal:.2f}x: "
-                    + ("met" if val >= goal else f"MISSED by {goal - val:.2f}x")
-                )
-        g = s["variants"][name].get("regions") or {}
+            if val is None:
+                out.append(f"{name}: {what}: not measured (no {other} variant in this run)")
+                continue
+            out.append(
+                f"{name}: {what} {val:.2f}x, goal >= {goal:.2f}x: "
+                + ("met" if val >= goal else f"MISSED by {goal - val:.2f}x")
+                + done
+            )
+        g = x.get("regions") or {}
         if g.get("hold") and g.get("entry_owner_p99_s") is not None:  # issue 22, with 7 held siblings
             p99 = g["entry_owner_p99_s"] * 1e3
             out.append(
-                f"{name}: region entry p99 less its waits, drain window included {p99:.1f} ms, goal <= "
-                f"{GOAL_ENTRY_P99_MS:.0f} ms: "
+                f"{name}: region entry p99 less its waits, drain window included {p99:.1f} ms "
+                f"(n={g['n']}), goal <= {GOAL_ENTRY_P99_MS:.0f} ms: "
                 + ("met" if p99 <= GOAL_ENTRY_P99_MS else f"MISSED by {p99 - GOAL_ENTRY_P99_MS:.1f} ms")
             )
         for bk, goal in GOAL_P95.items():
-            x = s["variants"][name]["inflation"].get(bk)
-            if x and x["p95"] is not None:
+            inf = x["inflation"].get(bk)
+            if inf and inf["p95"] is not None:
                 out.append(
-                    f"{name}: p95 inflation {bk} {x['p95']:+.2%}, goal <= {goal:.1%}: "
-                    + ("met" if x["p95"] <= goal else f"MISSED by {x['p95'] - goal:.2%}")
+                    f"{name}: p95 inflation {bk} {inf['p95']:+.2%} (n={inf['n']}), goal <= {goal:.1%}: "
+                    + ("met" if inf["p95"] <= goal else f"MISSED by {inf['p95'] - goal:.2%}")
                 )
     return out
 

@@ -258,7 +258,9 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     r = s["variants"]["region"]
     assert r["inflation"][">10ms"]["p95"] == pytest.approx(0.01)
     assert r["inflation"]["1-10ms"]["p50"] == pytest.approx(0.0)
-    assert s["alone_spread"][">10ms"]["max"] == pytest.approx(1.02 / 1.01 - 1)
+    # every ordered pair of rounds: 3 rounds, 6 ratios; the largest, round 3 over round 1
+    assert s["alone_spread"][">10ms"]["n"] == 6
+    assert s["alone_spread"][">10ms"]["max"] == pytest.approx(1.02 / 1.0 - 1)
     assert s["ratios"]["region"]["vs_command"] == pytest.approx(10.0)
     assert s["ratios"]["region"]["vs_shared"] == pytest.approx(50 / 60)
     assert r["pooled"] == 1 and r["jobs_per_min"] == pytest.approx(2.0)
@@ -280,12 +282,12 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert jobs_report.drain_windows_ms(ran) == "5/20 ms"  # 20: recorded before the window was
     assert jobs_report.drain_windows_ms([{"drain": "not-needed"}]) == "none ran"
     assert (
-        "region: region entry p99 less its waits, drain window included 30.0 ms, goal <= 5 ms: "
+        "region: region entry p99 less its waits, drain window included 30.0 ms (n=2), goal <= 5 ms: "
         "MISSED by 25.0 ms" in s["goals"]
     )
     assert "region: jobs/min vs command 10.00x, goal >= 5.00x: met" in s["goals"]
     assert "region: jobs/min vs shared 0.83x, goal >= 0.95x: MISSED by 0.12x" in s["goals"]
-    assert "region: p95 inflation >10ms +1.00%, goal <= 0.2%: MISSED by 0.80%" in s["goals"]
+    assert "region: p95 inflation >10ms +1.00% (n=1), goal <= 0.2%: MISSED by 0.80%" in s["goals"]
     assert (
         "region: the pool served 1 of 2 jobs; jobs/min vs shared 0.83x, goal (pool) >= 1.50x: MISSED by 0.67x"
     ) in s["goals"]
@@ -294,6 +296,37 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert (
         "entry less its waits (earlier region, exits, siblings inside CUDA calls, pool creation): p50 30.0"
         in text
+    )
+
+
+def test_report_says_what_it_could_not_judge_and_what_failed() -> None:
+    """One alone round has no spread to print; a line whose check failed makes no baseline, and
+    only the keys left without one are named; a goal without its comparison variant says so; a
+    goal line counts the failed jobs it left out."""
+    bad = _rec("mid", 1.0, 1.0)
+    bad["ok"], bad["lines"][0]["check"] = False, {"ok": False}
+    one = {"round": 0, "jobs": [_rec("big", 20.0, 20.2), bad]}
+    failed = _rec("mid", 2.0, 2.0)
+    failed["ok"] = False
+    data = {
+        "alone": [one],
+        "passes": {
+            "region": {
+                "policy": "region",
+                "args": [],
+                "makespan_s": 60.0,
+                "jobs": [_rec("big", 20.0, 20.2), failed],
+            },
+            "shared": {"policy": "shared", "args": [], "makespan_s": 60.0, "jobs": [_rec("big", 30.0, 40.0)]},
+        },
+    }
+    s = jobs_report.summarise(data)
+    assert set(s["baselines"]) == {"big"}
+    assert s["alone_spread"][">10ms"] == {"n": 0, "p95": None, "max": None}
+    assert [f["keys"] for f in s["alone_failed"]] == [["mid"]]
+    assert "region: jobs/min vs command: not measured (no command variant in this run)" in s["goals"]
+    assert (
+        "region: jobs/min vs shared 1.00x, goal >= 0.95x: met (1 of 2 jobs failed, not counted)" in s["goals"]
     )
 
 
