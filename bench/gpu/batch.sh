@@ -53,11 +53,14 @@ batch_setup() {
 batch_pack() {
   # at most 8 files come back from a call: the tarball of everything, this call's log, and up to
   # five top-level JSON results as plain files
-  tar czf "$real_out/$pack_name.tgz.tmp" -C "$res" . 2>/dev/null && \
-    mv "$real_out/$pack_name.tgz.tmp" "$real_out/$pack_name.tgz"
+  # exit 1 is "a file changed as it was read" (a stack still writing its log after a timeout):
+  # the archive is whole all the same
+  local rc=0
+  tar czf "$real_out/$pack_name.tgz.tmp" --warning=no-file-changed -C "$res" . 2>/dev/null || rc=$?
+  [ "$rc" -le 1 ] && mv "$real_out/$pack_name.tgz.tmp" "$real_out/$pack_name.tgz"
   if [ "$(stat -c %s "$real_out/$pack_name.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
     # over a returned file's 16 MiB: keep the results, drop the daemons' and gateways' logs
-    tar czf "$real_out/$pack_name.tgz" -C "$res" --exclude='*.logs' . 2>/dev/null
+    tar czf "$real_out/$pack_name.tgz" --warning=no-file-changed -C "$res" --exclude='*.logs' . 2>/dev/null
     echo "NOTE: $pack_name.tgz without *.logs (too large)"
   fi
   batch_copy_json

@@ -12,14 +12,18 @@ wait for less. This check measures it, without krex:
 - a timer process copies a --timer-gib buffer on the GPU back to back (a memory-bound kernel),
   recording each copy's CUDA-event time and the host time it ended;
 - meanwhile exiter processes, one at a time, allocate --gib GiB, touch it, then exit by
-  sys.exit; each records the start of its exit hooks (`atexit`), a module global's finaliser
-  during Python's finalisation (`final`), and the parent records the process's end (pidfd: every
-  file closed, `end`).
+  sys.exit; each records the start of its exit hooks (`atexit`) and a module global's finaliser
+  during Python's finalisation (`final`); the parent records when it entered the kernel's exit
+  (`kernel`: PF_EXITING first seen, polled every 0.5 ms, after the C-level teardown of the CUDA
+  libraries) and its end (pidfd: every file closed, `end`).
 
-For each exit it prints the copies slower than the timer's median by more than --factor, when the
-first and last of them ended relative to `atexit`, `final` and `end`, and the time they lost in
-all. Writes $OUT/check_exit.json (OUT defaults to /tmp/krex-check-exit). Needs one NVIDIA GPU with
-torch; no daemon, no root. Exit status 0 when every exit was measured.
+For each exit it prints, per phase (python: atexit to final; teardown: final to kernel; kernel:
+kernel to end; after: the second after the end), the timer's copies, those slower than the median
+by more than --factor, and how many of those the copies outside every exit would have had (the
+noise to subtract), with the time lost; then when the first and last slow copies ended relative to
+the marks. A window without any copy (the timer stopped) fails the check. Writes
+$OUT/check_exit.json (OUT defaults to /tmp/krex-check-exit). Needs one NVIDIA GPU with torch; no
+daemon, no root. Exit status 0 when every exit was measured.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.output import module_prog, write_json
+from krex_async.linux.procfs import exiting_in_kernel
 
 TIMER = r"""
 import json, os, sys, time, torch
@@ -74,13 +79,24 @@ sys.exit(0)
 """
 
 
+PHASES = (  # (name, from mark, to mark, or seconds past the first mark)
+    ("python", "atexit", "final", None),  # exit hooks, then Python's finalisation
+    ("teardown", "final", "kernel", None),  # C-level teardown: the CUDA libraries' destructors
+    ("kernel", "kernel", "end", None),  # the kernel's exit: files close, the driver frees memory
+    ("after", "end", None, 1.0),
+)
+
+
 def exit_windows(
     rows: list[tuple[float, float]], exits: list[dict[str, float]], factor: float, after_s: float = 1.0
 ) -> list[dict[str, Any]]:
-    """For each exit (its `atexit`, `final` and `end` host times), the timer's copies that ended
-    from its `atexit` to `after_s` past its `end` and took more than `factor` x the median of the
-    copies outside every exit: how many, when the first and last ended relative to each mark (ms),
-    and the time they lost in all (ms)."""
+    """For each exit (its `atexit`, `final`, `kernel` and `end` host times; `kernel`, when PF_EXITING
+    was first seen, may be missing), the timer's copies that ended from its `atexit` to `after_s` past
+    its `end` and took more than `factor` x the median of the copies outside every exit: how many,
+    when the first and last ended relative to each mark (ms), the time they lost in all (ms), and
+    per phase of the exit (PHASES) the copies, the slow ones, and how many slow ones the copies
+    outside every exit would have had in as many copies (`expected`: the noise, to subtract).
+    `copies` 0 in a window means the timer was not running then: nothing was measured."""
     inside = [False] * len(rows)
     for e in exits:
         for i, (t, _) in enumerate(rows):
@@ -88,21 +104,40 @@ def exit_windows(
                 inside[i] = True
     quiet = [ms for (_, ms), x in zip(rows, inside) if not x]
     median = statistics.median(quiet or [ms for _, ms in rows])
+    quiet_rate = sum(ms > factor * median for ms in quiet) / len(quiet) if quiet else 0.0
     out = []
     for e in exits:
-        slow = [(t, ms) for t, ms in rows if e["atexit"] <= t <= e["end"] + after_s and ms > factor * median]
+        span = [(t, ms) for t, ms in rows if e["atexit"] <= t <= e["end"] + after_s]
+        slow = [(t, ms) for t, ms in span if ms > factor * median]
         w: dict[str, Any] = {
             "median_ms": median,
+            "copies": len(span),
             "slow": len(slow),
             "lost_ms": sum(ms - median for _, ms in slow),
+            "quiet_slow_rate": quiet_rate,
         }
         w["exit_ms"] = {
             "atexit_to_final": (e["final"] - e["atexit"]) * 1e3 if "final" in e else None,
             "final_to_end": (e["end"] - e["final"]) * 1e3 if "final" in e else None,
             "atexit_to_end": (e["end"] - e["atexit"]) * 1e3,
         }
+        phases = {}
+        for name, a, b, secs in PHASES:
+            if a not in e or (b is not None and b not in e):
+                continue
+            lo, hi = e[a], e[b] if b is not None else e[a] + (secs or 0.0)
+            got = [ms for t, ms in rows if lo <= t < hi]
+            n_slow = sum(ms > factor * median for ms in got)
+            phases[name] = {
+                "ms": (hi - lo) * 1e3,
+                "copies": len(got),
+                "slow": n_slow,
+                "expected": quiet_rate * len(got),
+                "lost_ms": sum(ms - median for ms in got if ms > factor * median),
+            }
+        w["phases"] = phases
         if slow:
-            for mark in ("atexit", "final", "end"):
+            for mark in ("atexit", "final", "kernel", "end"):
                 if mark in e:
                     w[f"first_after_{mark}_ms"] = (slow[0][0] - e[mark]) * 1e3
                     w[f"last_after_{mark}_ms"] = (slow[-1][0] - e[mark]) * 1e3
@@ -123,8 +158,17 @@ def run_exiter(py: str, script: Path, gib: float, tmp: Path, n: int) -> dict[str
             time.sleep(0.01)
         time.sleep(0.5)  # the timer runs alone for a while before the exit
         go.write_text("")
-        select.select([pidfd], [], [], 60)
-        end = time.time()
+        # Every half millisecond until it ended: when it entered the kernel's exit (PF_EXITING,
+        # after every user-space teardown), then when it ended (its pidfd: every file closed).
+        kernel, limit = None, time.time() + 60
+        while True:
+            ended = bool(select.select([pidfd], [], [], 0.0005)[0])
+            now = time.time()
+            if kernel is None and exiting_in_kernel(p.pid):
+                kernel = now
+            if ended or now > limit:
+                end = now
+                break
     finally:
         os.close(pidfd)
     p.wait(10)
@@ -134,6 +178,7 @@ def run_exiter(py: str, script: Path, gib: float, tmp: Path, n: int) -> dict[str
         "atexit": got["atexit"],
         "end": end,
         **({"final": got["final"]} if "final" in got else {}),
+        **({"kernel": kernel} if kernel is not None and kernel < end else {}),
     }
 
 
@@ -181,26 +226,43 @@ def main() -> int:
     timer.wait(budget + 60)
     rows = [tuple(r) for r in json.loads(rows_file.read_text())]
     windows = exit_windows(rows, exits, a.factor)  # type: ignore[arg-type]
+    f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(
-        f"\n{'GiB':>5} {'atexit->final':>13} {'final->end':>10} {'slow':>5} {'lost ms':>8} "
-        f"{'first/last slow after final (ms)':>33} {'after end (ms)':>16}"
+        f"\nper exit phase: ms long, copies, slow copies (the quiet copies' rate would give), lost ms;"
+        f" quiet copies slow: {windows[0]['quiet_slow_rate']:.2%}"
+        if windows
+        else ""
     )
+    print(f"{'GiB':>5} " + " ".join(f"{name:>30}" for name, *_ in PHASES))
     for e, w in zip(exits, windows):
-        x = w["exit_ms"]
-        f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        cells = []
+        for name, *_ in PHASES:
+            ph = w["phases"].get(name)
+            cells.append(
+                "-".rjust(30)
+                if ph is None
+                else f"{ph['ms']:>6.0f} {ph['copies']:>5} {ph['slow']:>4} ({ph['expected']:>4.1f}) "
+                f"{ph['lost_ms']:>6.1f}"
+            )
+        print(f"{e['gib']:>5} " + " ".join(cells))
+    print(f"\n{'GiB':>5} {'slow':>5} {'lost ms':>8} {'first/last slow after final (ms)':>33}", end="")
+    print(f" {'after end (ms)':>16}")
+    for e, w in zip(exits, windows):
         print(
-            f"{e['gib']:>5} {f(x['atexit_to_final']):>13} {f(x['final_to_end']):>10} {w['slow']:>5} "
-            f"{w['lost_ms']:>8.2f} "
+            f"{e['gib']:>5} {w['slow']:>5} {w['lost_ms']:>8.2f} "
             f"{f(w.get('first_after_final_ms')):>16}/{f(w.get('last_after_final_ms')):<16} "
             f"{f(w.get('first_after_end_ms')):>7}/{f(w.get('last_after_end_ms'))}"
         )
+    unmeasured = [n for n, w in enumerate(windows) if w["copies"] == 0]
+    for n in unmeasured:
+        print(f"FAIL: exit {n}: no timer copy in its window (the timer had stopped): nothing measured")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(
         out / "check_exit.json", {"exits": exits, "windows": windows, "copies": len(rows), "args": vars(a)}
     )
     print(f"\nwrote {out / 'check_exit.json'}")
-    return 0 if len(windows) == len(plan) else 1
+    return 0 if len(windows) == len(plan) and not unmeasured else 1
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ goal (p99 <= 5 ms) hangs on it. For each window this measures, with no krex invo
   five windows (at least 0.1 s). Must be 0 for a window to be usable;
 - drain: the neighbour queues ~100 ms of work and stops launching (as a locked sibling does), and
   records when its queue ran dry; the check starts at once: how often it passed before the queue
-  ran dry (early: must be 0), and how long after it passed.
+  ran dry (early: must be 0), and how long after it passed (of the checks that passed).
 
 Writes $OUT/check_idle_window.json (OUT defaults to /tmp/krex-check-idle-window); prints a table and
-one PASS/FAIL line per window (FAIL: a wrong pass). Needs one NVIDIA GPU with torch; no daemon, no
+one PASS/FAIL/INVALID line per window (FAIL: a wrong pass; INVALID: a check timed nothing, or
+none passed alone). Needs one NVIDIA GPU with torch; no daemon, no
 root. Exit status 0 when everything was measured (whatever the verdicts), 1 otherwise.
 """
 
@@ -78,12 +79,16 @@ KERNELS = {"short": 4096, "long": 12288}  # fp16 matmuls: ~0.2 ms and ~5 ms on a
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per window (ms): the alone check's time (p50, max), wrong passes beside each busy neighbour
-    (passed of tried), and the drain runs' early passes and lag after the queue ran dry (ms)."""
+    (passed of tried), the drain runs' early passes and lag after the queue ran dry (ms, passes
+    only), and `unverified`: checks that could not time anything (no kernel ran: the tiny kernel
+    failed), which make the window's verdict INVALID rather than a pass."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
-        w = out.setdefault(f"{r['window_ms']:g}", {"wrong": 0})
+        w = out.setdefault(f"{r['window_ms']:g}", {"wrong": 0, "unverified": 0})
+        w["unverified"] += r["verdict"] == "unverified"
         if r["phase"] == "alone":
             w.setdefault("alone_s", []).append(r["took_s"])
+            w["alone_idle"] = w.get("alone_idle", 0) + (r["verdict"] == "idle-verified")
         elif r["phase"] == "busy":
             k = w.setdefault(f"busy_{r['kernel']}", [0, 0])
             k[0] += r["verdict"] == "idle-verified"
@@ -93,7 +98,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             early = r["verdict"] == "idle-verified" and r["passed_at"] < r["dry_at"]
             w["drain_early"] = w.get("drain_early", 0) + early
             w["wrong"] += early
-            w.setdefault("drain_lag_ms", []).append((r["passed_at"] - r["dry_at"]) * 1e3)
+            if r["verdict"] == "idle-verified":  # a timeout's 2 s says nothing of the lag
+                w.setdefault("drain_lag_ms", []).append((r["passed_at"] - r["dry_at"]) * 1e3)
     for w in out.values():
         if "alone_s" in w:
             xs = w.pop("alone_s")
@@ -102,6 +108,14 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             xs = w.pop("drain_lag_ms")
             w["drain_lag_ms"] = {"p50": statistics.median(xs), "min": min(xs), "n": len(xs)}
     return out
+
+
+def verdict(x: dict[str, Any]) -> str:
+    """FAIL on any wrong pass; INVALID when a check could not time anything or the check never
+    passed alone (nothing was shown about the window); PASS otherwise."""
+    if x["wrong"]:
+        return "FAIL"
+    return "INVALID" if x["unverified"] or not x.get("alone_idle") else "PASS"
 
 
 def _neighbour(py: str, script: Path, *args: str) -> tuple[subprocess.Popen[str], float]:
@@ -152,7 +166,7 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path) -> list[dict[s
     assert p.stdout is not None and p.stdin is not None
     try:
         for w in windows:
-            for _ in range(max(1, tries // 4)):
+            for _ in range(tries):
                 p.stdin.write("go\n")
                 p.stdin.flush()
                 p.stdout.readline()  # queued
@@ -206,7 +220,7 @@ def main() -> int:
             f"{long_[0]:>4}/{long_[1]:<4} {x.get('drain_early', 0):>11} {lag.get('p50', 0):>10.1f}"
         )
     for w, x in s.items():
-        print(("PASS" if x["wrong"] == 0 else "FAIL") + f": window {w} ms: {x['wrong']} wrong passes")
+        print(f"{verdict(x)}: window {w} ms: {x['wrong']} wrong passes, {x['unverified']} unverified")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "check_idle_window.json", {"rows": rows, "summary": s, "args": vars(a)})

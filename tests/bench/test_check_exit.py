@@ -25,6 +25,9 @@ def test_an_exiters_marks_come_in_exit_order(tmp_path: Path) -> None:
     assert e["gib"] == 0.5
     assert e["atexit"] <= e["final"] <= e["end"], e
     assert e["end"] - e["atexit"] < 5, e
+    # PF_EXITING, polled: seen after the finaliser (the kernel's exit follows user space) when the
+    # exit lasted long enough to be caught in the kernel; never before `final`
+    assert "kernel" not in e or e["final"] <= e["kernel"] <= e["end"], e
 
 
 def test_slow_copies_are_placed_against_the_exits_marks() -> None:
@@ -39,6 +42,29 @@ def test_slow_copies_are_placed_against_the_exits_marks() -> None:
     assert abs(w["first_after_final_ms"] - 150) < 1 and abs(w["last_after_final_ms"] - 159) < 1
     assert w["first_after_end_ms"] < 0  # before the process ended: its own teardown
     assert abs(w["exit_ms"]["atexit_to_final"] - 500) < 1e-6
+
+
+def test_slow_copies_are_counted_per_phase_against_the_quiet_copies_noise() -> None:
+    """1% of the quiet copies are slow: a phase of 100 copies is expected to have one; the kernel
+    phase has 20 slow of 100 (19 beyond the noise), the python phase only the noise."""
+    t0 = 1000.0
+    rows = [(t0 + i * 0.001, 1.3 if i % 100 == 0 else 1.0) for i in range(4000)]  # 1% noise everywhere
+    for i in range(1520, 1540):  # 20 slow copies inside the kernel's exit
+        rows[i] = (rows[i][0], 1.5)
+    e = {"atexit": t0 + 1.3, "final": t0 + 1.4, "kernel": t0 + 1.5, "end": t0 + 1.6}
+    [w] = exit_windows(rows, [e], 1.05)
+    assert abs(w["quiet_slow_rate"] - 0.01) < 0.002
+    ph = w["phases"]
+    assert ph["kernel"]["copies"] == 100 and ph["kernel"]["slow"] >= 20 and ph["kernel"]["expected"] < 1.5
+    assert ph["python"]["slow"] <= 1 and ph["teardown"]["slow"] <= 1
+    assert ph["after"]["copies"] == 1000 and abs(ph["after"]["expected"] - 10) < 2
+    assert w["copies"] == 1301  # atexit to a second past the end, both ends included
+
+
+def test_a_window_without_copies_is_said_to_have_measured_nothing() -> None:
+    rows = [(10.0 + i * 0.001, 1.0) for i in range(100)]  # the timer stopped at 10.1 s
+    [w] = exit_windows(rows, [{"atexit": 20.0, "final": 20.1, "end": 20.2}], 1.05)
+    assert w["copies"] == 0 and w["slow"] == 0 and "kernel" not in w["phases"]
 
 
 def test_an_exit_that_disturbs_nothing_has_no_slow_copies() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.gpu.check_idle_window import summarise
+from bench.gpu.check_idle_window import summarise, verdict
 
 from .conftest import with_stand_in_torch
 
@@ -34,6 +34,17 @@ def test_wrong_passes_are_counted_per_window() -> None:
     assert five["drain_early"] == 1 and abs(five["drain_lag_ms"]["min"] + 50) < 1e-6
     assert abs(five["alone_ms"]["p50"] - 6.0) < 1e-9 and abs(five["alone_ms"]["max"] - 7.0) < 1e-9
     assert twenty["wrong"] == 0 and twenty["drain_early"] == 0
+    assert "drain_lag_ms" not in twenty  # the timed-out check says nothing of the lag
+    assert (verdict(five), verdict(twenty)) == ("FAIL", "INVALID")  # 20: never verified alone
+    timed_nothing = summarise(
+        [
+            {"phase": "alone", "window_ms": 3, "verdict": "idle-verified", "took_s": 0.003},
+            {"phase": "busy", "kernel": "short", "window_ms": 3, "verdict": "unverified"},
+        ]
+    )
+    assert verdict(timed_nothing["3"]) == "INVALID"
+    fine = summarise([{"phase": "alone", "window_ms": 3, "verdict": "idle-verified", "took_s": 0.003}])
+    assert verdict(fine["3"]) == "PASS"
 
 
 # The few torch calls the owner's check and the neighbour make, instant: only the GPU is missing.
@@ -65,7 +76,7 @@ def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
     r = with_stand_in_torch(tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", *args)
     data = json.loads((out / "check_idle_window.json").read_text())
     phases = [(x["phase"], x.get("kernel")) for x in data["rows"]]
-    assert phases.count(("alone", None)) == 8 and phases.count(("drain", None)) == 2
+    assert phases.count(("alone", None)) == 8 and phases.count(("drain", None)) == 8
     assert phases.count(("busy", "short")) == phases.count(("busy", "long")) == 8
     # nothing runs on a stand-in GPU: every check passes at once, so every busy one is a wrong pass
     assert data["summary"]["1"]["wrong"] >= 8 and "FAIL: window 1 ms" in r.stdout
