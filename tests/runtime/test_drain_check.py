@@ -123,4 +123,6 @@ async def test_the_drain_check_runs_for_the_window_the_daemon_gives() -> None:
             out = await _owner_beside(c, [holder(Path(devdir) / "nvidia0")], FAKE_TORCH_OWNER)
         drain, took, given = out.split()
         assert drain == "idle-verified" and float(given) == window, out
-        assert window <= float(took) < window + 0.3, (window, took)
+        # at least the window given (0.4 s, not the runtime's 20 ms); the upper bound only guards
+        # against a check that never ends: a loaded 2-core machine took 0.8 s for 0.4
+        assert window <= float(took) < window + 2.0, (window, took)
