@@ -602,9 +602,33 @@ def start_probes(daemon: Daemon) -> None:
     try:
         backend.start(asyncio.get_running_loop(), attributor.on_events)
     except Exception as e:  # ProbeUnavailable or a failed attach: run without probes, and say so
-        log.warning("probes", backend=None, reason=f"{backend.name} failed to start: {e}")
-        daemon.probes.update(reason=f"{backend.name} failed to start: {e}")
-        return
+        why = f"{backend.name} failed to start: {e}"
+        with contextlib.suppress(Exception):
+            backend.stop()  # whatever part of it did start (programs, threads) goes
+        log.warning("probes", backend=None, reason=why)
+        daemon.probes.update(reason=why)
+        if cfg.probes != "auto" or backend.name == "tracefs":
+            return
+        # auto: bcc compiled a test program but not this one (an older kernel, a missing
+        # tracepoint): tracefs may still serve
+        from krex_async.probes import tracefs_works
+        from krex_async.probes.bpf_ioctl import DEFAULT_PREFIXES, check_prefixes
+        from krex_async.probes.tracefs import TracefsProbe
+
+        ok, twhy = tracefs_works()
+        if not ok:
+            return
+        backend = TracefsProbe(list(check_prefixes(cfg.probe_prefix_list or DEFAULT_PREFIXES)))
+        attributor = Attributor(daemon.core, daemon.regions, backend)
+        try:
+            backend.start(asyncio.get_running_loop(), attributor.on_events)
+        except Exception as e2:
+            with contextlib.suppress(Exception):
+                backend.stop()
+            log.warning("probes", backend=None, reason=f"{why}; tracefs failed too: {e2}")
+            daemon.probes.update(reason=f"{why}; tracefs failed too: {e2}")
+            return
+        reason = f"probes: tracefs ({why}; {twhy})"
     daemon.attributor = attributor
     daemon.probes.update(state="running", backend=backend.name, reason=reason)
     failed = getattr(backend, "failed", None)

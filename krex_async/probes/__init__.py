@@ -95,8 +95,15 @@ class CombinedProbe(FailureReporting, ProbeBackend):
                 self.on_failure(reason)
 
     def stop(self) -> None:
+        """Stop every part, even when one fails to (the first error is raised after)."""
+        errors = []
         for p in self.parts:
-            p.stop()
+            try:
+                p.stop()
+            except Exception as e:  # noqa: BLE001 - the next part must stop all the same
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def lost(self) -> int:
         return sum(p.lost() for p in self.parts)

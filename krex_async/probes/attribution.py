@@ -6,7 +6,9 @@ Two ways, tried in order:
    exited, and wherever its processes were reparented.
 2. process tree: the event's tgid, then its parents (/proc/<pid>/stat), up to a registered command
    root pid. Needs the process alive when the event is attributed (events arrive within ~10 ms); the
-   answer is cached per tgid, and forgotten when the commands change.
+   answer is cached per tgid. A new command drops the cached "no command" answers (a process it
+   started before its root was known); an ended command's answers are kept KEEP_S, so that a
+   region's release still attributes the counts of its processes that have exited.
 
 A cached answer is for one process, and pids are reused: each entry keeps its process's start time
 (/proc/<pid>/stat), and an entry older than `revalidate_s` is checked against the pid's current
@@ -60,6 +62,7 @@ class EventMapper:
 
     MAX_DEPTH = 64
     REVALIDATE_S = 0.5
+    KEEP_S = 600.0  # an ended command's cached answers: longer than any region it ended during
 
     def __init__(self, proc: str = "/proc", revalidate_s: float = REVALIDATE_S) -> None:
         self.proc = proc
@@ -68,6 +71,7 @@ class EventMapper:
         self._cgroups: dict[int, str] = {}
         # tgid -> (command or None, its start time or None when unknown, when last checked)
         self._cache: dict[int, tuple[str | None, int | None, int]] = {}
+        self._ended: dict[str, float] = {}  # command -> when it was removed (time.monotonic)
 
     def _remember(self, tgid: int, command: str | None, start: int | None = None) -> None:
         if start is None:
@@ -98,12 +102,22 @@ class EventMapper:
                 self._cgroups[cgroup_id(cgroup_dir)] = command
             except OSError:
                 pass
-        self._cache.clear()
+        # A process cached as no command's may be this one's (started before its root was known);
+        # every other answer stands: clearing them made a release call the exited processes of
+        # other commands strays (their counts are looked up by tgid, after they are gone).
+        self._cache = {t: e for t, e in self._cache.items() if e[0] is not None and t != pid}
 
     def remove(self, command: str) -> None:
+        """Forget a command's root and cgroup; its processes' cached answers stay KEEP_S."""
         self._roots = {p: c for p, c in self._roots.items() if c != command}
         self._cgroups = {g: c for g, c in self._cgroups.items() if c != command}
-        self._cache.clear()
+        now = time.monotonic()
+        self._ended[command] = now
+        old = {c for c, t in self._ended.items() if now - t > self.KEEP_S}
+        if old:
+            self._cache = {t: e for t, e in self._cache.items() if e[0] not in old}
+            for c in old:
+                del self._ended[c]
 
     def command_of(self, ev: ProbeEvent) -> str | None:
         cg = getattr(ev, "cgroup", 0)

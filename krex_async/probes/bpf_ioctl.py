@@ -254,8 +254,7 @@ static __always_inline int exit_dup(long ret) {
 
 TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return enter_dup(args->fildes, 0); }
 TRACEPOINT_PROBE(syscalls, sys_exit_dup) { return exit_dup(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return enter_dup(args->oldfd, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return exit_dup(args->ret); }
+__DUP2__
 TRACEPOINT_PROBE(syscalls, sys_enter_dup3) {
     return enter_dup(args->oldfd, (args->flags & O_CLOEXEC_) ? 1 : 0);
 }
@@ -321,6 +320,11 @@ _OPENAT2 = """TRACEPOINT_PROBE(syscalls, sys_enter_openat2) {
     return enter_open(args->filename, flags);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { return exit_open(args->ret); }"""
+# dup2 is not a syscall on arm64 (Grace, GH200): only dup3 there, as only openat for open.
+_DUP2 = """TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return enter_dup(args->oldfd, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return exit_dup(args->ret); }
+"""
+
 _OPEN = """TRACEPOINT_PROBE(syscalls, sys_enter_open) { return enter_open(args->filename, args->flags); }
 TRACEPOINT_PROBE(syscalls, sys_exit_open) { return exit_open(args->ret); }"""
 
@@ -439,6 +443,7 @@ def bpf_text(
         .replace("__MATCH__", match_expr(prefixes))
         .replace("__OPENAT2__", _OPENAT2 if both("openat2") else "")
         .replace("__OPEN__", _OPEN if both("open") else "")
+        .replace("__DUP2__", _DUP2 if both("dup2") else "")
     )
 
 

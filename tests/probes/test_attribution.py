@@ -181,3 +181,29 @@ def test_a_reused_pid_is_attributed_to_its_new_process() -> None:
     finally:
         cmd.close()
         outside.close()
+
+
+def test_an_exited_process_of_another_command_stays_attributed_after_the_commands_change() -> None:
+    """A region's release looks its counts up by tgid, after short-lived processes exited: one of
+    command B that ended during A's region must still be B's once B is removed and another command
+    starts (it was called A's stray), while an outsider's cached "none" is asked again when a new
+    command starts (it may be that command's)."""
+    b = subprocess.Popen(["sleep", "60"])
+    other = subprocess.Popen(["sleep", "60"])
+    att = EventMapper()
+    ev = lambda pid: ProbeEvent(ts_ns=0, tgid=pid, tid=pid, kind="ioctl")  # noqa: E731
+    try:
+        att.add("B", b.pid)
+        assert att.command_of(ev(b.pid)) == "B"
+        assert att.command_of(ev(other.pid)) is None  # cached: no command's
+        b.kill()
+        b.wait()
+        att.remove("B")
+        att.add("C", other.pid)  # another command starts; its root was cached as nobody's
+        assert att.command_of(ev(b.pid)) == "B", "an ended command's exited process became a stray"
+        assert att.command_of(ev(other.pid)) == "C"
+        assert att.is_stray(ev(b.pid), owner="B") is False
+    finally:
+        for p in (b, other):
+            p.kill()
+            p.wait()

@@ -145,3 +145,18 @@ def test_fast_event_constructor_equals_the_dataclass() -> None:
     assert dataclasses.astuple(fast) == args
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.tgid = 9  # type: ignore[misc]
+
+
+def test_the_program_leaves_out_the_syscalls_a_machine_does_not_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """arm64 (Grace, GH200) has neither open nor dup2 as a syscall: the program must not name
+    their tracepoints there (it failed to load, and the daemon ran without probes)."""
+    from krex_async.probes import bpf_ioctl
+
+    arm64 = {"open", "dup2"}
+    monkeypatch.setattr(bpf_ioctl, "tracepoint_exists", lambda cat, ev: ev.split("_", 2)[-1] not in arm64)
+    text = bpf_text(["/dev/nvidia"])
+    for name in ("sys_enter_dup2", "sys_exit_dup2", "sys_enter_open)", "sys_exit_open)"):
+        assert name not in text, name
+    assert "sys_enter_dup3" in text and "sys_enter_openat)" in text
+    monkeypatch.setattr(bpf_ioctl, "tracepoint_exists", lambda cat, ev: True)
+    assert "sys_enter_dup2" in bpf_text(["/dev/nvidia"])
