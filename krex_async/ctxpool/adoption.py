@@ -93,7 +93,7 @@ def _status(pid: int) -> dict[str, str] | None:
     """Ids, groups, capabilities, no_new_privs, seccomp mode and LSM label of a process."""
     out: dict[str, str] = {}
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/status", errors="surrogateescape") as f:
             for line in f:
                 key, _, rest = line.partition(":")
                 if key in ("Uid", "Gid", "Groups", *PRIVILEGES):

@@ -325,7 +325,7 @@ def d_state(pids: list[int]) -> list[str]:
                     state = f.read().rsplit(b")", 1)[1].split()[0]
                 if state != b"D":
                     continue
-                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                with open(f"/proc/{pid}/task/{tid}/wchan", errors="surrogateescape") as f:
                     out.append(f"{tid}({f.read().strip() or '-'})")
             except (OSError, IndexError):
                 continue

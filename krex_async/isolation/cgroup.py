@@ -401,9 +401,9 @@ class CgroupBackend(Backend):
                 tids = self.v2.procs(rel)
             for tid in tids:
                 try:
-                    with open(f"/proc/{tid}/stat") as f:
+                    with open(f"/proc/{tid}/stat", errors="surrogateescape") as f:
                         fields = f.read().rsplit(")", 1)[1].split()
-                    with open(f"/proc/{tid}/wchan") as f:
+                    with open(f"/proc/{tid}/wchan", errors="surrogateescape") as f:
                         wchan = f.read().strip() or "-"
                 except OSError:
                     continue

@@ -120,7 +120,7 @@ def cgroups(pid: int | str = "self", proc: str = "/proc") -> list[tuple[str, str
     """/proc/<pid>/cgroup as (hierarchy id, controllers, path) per line: ("0", "", path) is the v2
     one; None when the process is gone or unreadable."""
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
+        with open(f"{proc}/{pid}/cgroup", errors="surrogateescape") as f:
             lines = f.read().splitlines()
     except OSError:
         return None

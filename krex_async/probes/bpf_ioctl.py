@@ -475,7 +475,7 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
 def fd_cloexec(pid: int, fd: int) -> int:
     """1 when the fd has close-on-exec set (/proc/<pid>/fdinfo/<fd>), else 0 (also when unknown)."""
     try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        with open(f"/proc/{pid}/fdinfo/{fd}", errors="surrogateescape") as f:
             for line in f:
                 if line.startswith("flags:"):
                     return 1 if int(line.split()[1], 8) & os.O_CLOEXEC else 0

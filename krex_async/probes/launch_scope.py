@@ -82,7 +82,7 @@ def maps_libraries(
     """The launch libraries process `tgid` maps now (paths as it sees them); [] when it maps none
     or is gone."""
     try:
-        with open(f"{proc}/{tgid}/maps") as f:
+        with open(f"{proc}/{tgid}/maps", errors="surrogateescape") as f:
             text = f.read()
     except (OSError, ValueError):
         return []

@@ -165,7 +165,7 @@ def _maps_libs(names: Iterable[str]) -> list[str]:
         if not d.isdigit():
             continue
         try:
-            with open(f"/proc/{d}/maps") as f:
+            with open(f"/proc/{d}/maps", errors="surrogateescape") as f:
                 for line in f:
                     parts = line.split(None, 5)
                     path = parts[5].strip() if len(parts) == 6 else ""

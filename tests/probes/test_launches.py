@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -135,3 +136,25 @@ async def test_library_loaded_after_start_is_probed(fake_libcuda: str) -> None:
     finally:
         holder.communicate("x\n")
         probe.stop()
+
+
+def test_a_mapping_with_a_name_that_is_not_utf8_does_not_stop_the_library_search(tmp_path) -> None:
+    """/proc/*/maps shows file names as they are: a process mapping a file whose name is not
+    UTF-8 (any user can make one) killed the daemon at start-up (`--probes launches`)."""
+    from krex_async.probes.launches import _maps_libs
+
+    odd = os.fsencode(str(tmp_path)) + b"/libcuda-\xff.so"
+    with open(odd, "wb") as f:
+        f.write(b"\0" * 4096)
+    code = (
+        "import mmap, sys, time\nf = open(sys.argv[1], 'rb')\n"
+        "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\nprint('up', flush=True)\ntime.sleep(30)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, odd], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        found = _maps_libs(["libcuda"])
+        assert os.fsdecode(odd) in found, found  # named as the file system names it
+    finally:
+        p.kill()
+        p.wait()
