@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import difflib
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from krex_async.cliargs import int_in
 from krex_async.cliargs import seconds as _seconds
 from krex_async.daemon.config import ServeConfig
 from krex_async.protocol import default_socket
@@ -287,9 +289,15 @@ def _exit_code(rep: Any) -> int:
     return int(rep.exit_code) if rep.exit_code is not None else 125
 
 
+def _buffer(stream: Any) -> Any:
+    """The binary buffer of sys.stdout/stderr, or None where it was closed (`>&-`)."""
+    return getattr(stream, "buffer", None) if stream is not None else None
+
+
 async def _run(args: argparse.Namespace) -> int:
     from krex_async.client.stdinfeed import feed_stdin, stdin_usable
     from krex_async.client.submit import Client, KrexError
+    from krex_async.linux.fsutil import quiet_stdout
 
     argv = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if not argv:
@@ -298,6 +306,12 @@ async def _run(args: argparse.Namespace) -> int:
     if args.report and (why := _check_writable(args.report)):
         print(f"krex run: --report {args.report}: {why}; the command was not run", file=sys.stderr)
         return 125
+    for what, value in [*((f"argument {i}", a) for i, a in enumerate(argv)), ("--label", args.label or "")]:
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # bytes the shell passed through that are not UTF-8
+            print(f"krex run: {what} {value!r} is not UTF-8; the command was not run", file=sys.stderr)
+            return 125
     stream_stdin = not args.no_stdin and stdin_usable()
     try:
         client = await Client.connect(args.socket)
@@ -324,12 +338,22 @@ async def _run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, forward, sig)
         feeder = loop.create_task(feed_stdin(h)) if stream_stdin else None
-        out, err = sys.stdout.buffer, sys.stderr.buffer
+        out, err = _buffer(sys.stdout), _buffer(sys.stderr)
         try:
             async for stream, data in h.output():
                 f = out if stream == "stdout" else err
-                f.write(data)
-                f.flush()
+                if f is None:
+                    continue
+                try:
+                    f.write(data)
+                    f.flush()
+                except OSError as e:  # a reader that went away (| head), a full disk: as a pipe
+                    # would, the command ends (SIGPIPE's status for EPIPE, else 125)
+                    await h.cancel(signal.SIGPIPE if isinstance(e, BrokenPipeError) else signal.SIGTERM)
+                    with contextlib.suppress(KrexError):
+                        await h.wait()
+                    quiet_stdout()
+                    return 128 + signal.SIGPIPE if isinstance(e, BrokenPipeError) else 125
         except KrexError as e:
             print(f"krex run: {e.message}", file=sys.stderr)
             return 125
@@ -448,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
-    dm.add_argument("-n", type=int, default=6, help="concurrent commands (default 6)")
+    dm.add_argument("-n", type=int_in(1, 64), default=6, help="concurrent commands (default 6, 1-64)")
     from krex_async.node import cleanup, doctor
 
     doctor.add_parser(sub)

@@ -4,6 +4,7 @@ status view need not import the CLI that imports it."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def seconds(text: str) -> float:
@@ -15,3 +16,26 @@ def seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}")
     return value
+
+
+def interval(text: str) -> float:
+    """argparse type for a redraw interval: seconds, at least 0.1 (0 would query in a tight loop)."""
+    value = seconds(text)
+    if value < 0.1:
+        raise argparse.ArgumentTypeError(f"expected seconds, at least 0.1, got {text!r}")
+    return value
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """argparse type: a whole number from lo to hi (argparse names the flag with the reason)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{n} is not in {lo}..{hi}")
+        return n
+
+    return parse

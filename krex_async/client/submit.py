@@ -158,6 +158,12 @@ class Client:
         try:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
+        except PermissionError:
+            raise KrexError(
+                "unreachable",
+                f"the socket at {path} is not open to this user (Permission denied): a daemon "
+                "admits its own user and the group it was started with (`krex serve --socket-group`)",
+            ) from None
         except (OSError, TimeoutError) as e:
             raise KrexError(
                 "unreachable",
@@ -168,8 +174,22 @@ class Client:
             ) from None
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
-        reply = await self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}"))
-        assert isinstance(reply, P.Welcome)
+        try:
+            reply = await asyncio.wait_for(
+                self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}")), timeout
+            )
+        except (TimeoutError, KrexError) as e:
+            await self.close()
+            if isinstance(e, KrexError) and e.code != "disconnected":
+                raise
+            said = "closed the connection" if isinstance(e, KrexError) else f"did not answer in {timeout:g} s"
+            raise KrexError(
+                "unreachable",
+                f"whatever listens at {path} {said} (not a krex daemon, or one that is stopped or stuck)",
+            ) from None
+        if not isinstance(reply, P.Welcome):
+            await self.close()
+            raise KrexError("unreachable", f"whatever listens at {path} is not a krex daemon")
         self.welcome = reply
         return self
 

@@ -220,6 +220,8 @@ def read_file(path: str | None) -> tuple[str | None, dict[str, Any]]:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 (TOML is): byte {e.start}") from None
     known = set(_fields())
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -241,6 +243,10 @@ def read_env(env: Mapping[str, str]) -> dict[str, str]:
     for name in _fields():
         v = env.get(_env_name(name))
         if v is not None and v != "":
+            try:
+                v.encode()
+            except UnicodeEncodeError:  # bytes the environment held that are not UTF-8
+                raise ConfigError(f"{_env_name(name)}={v!r}: not UTF-8") from None
             out[name] = v
     for name, v in out.items():
         _validate({name: v}, lambda k, n=name, v=v: f"{_env_name(k or n)}={v!r}", strict=False)

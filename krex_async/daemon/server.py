@@ -339,6 +339,37 @@ def _group_id(group: str, option: str = "--socket-group") -> int:
         raise SystemExit(f"krex: {option} {group!r}: no such group") from None
 
 
+def check_socket_path(path: str) -> None:
+    """Whether `path` can be served on, before anything is started (SystemExit saying why not):
+    short enough for a client to connect to, its directory made, nothing there but a socket nobody
+    answers on (left by a daemon that died: bind_socket replaces it)."""
+    if len(os.fsencode(path)) >= 108:
+        raise SystemExit(
+            f"krex: --socket {path}: {len(os.fsencode(path))} bytes; a Unix socket path must be "
+            "under 108 (no client could connect to it)"
+        )
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise SystemExit(f"krex: --socket {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SystemExit(f"krex: {path} exists and is not a socket; not replacing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # stale: left by a daemon that died; bind_socket's rename replaces it
+    except OSError as e:
+        raise SystemExit(f"krex: {path} exists and is not a usable socket: {e}") from None
+    else:
+        raise SystemExit(f"krex: another daemon is serving on {path}")
+    finally:
+        probe.close()
+
+
 def bind_socket(path: str, group: str = "") -> socket.socket:
     """Bind and listen with the final mode from the first instant; only then give it its name.
 
@@ -348,26 +379,8 @@ def bind_socket(path: str, group: str = "") -> socket.socket:
     yet. A leftover socket at `path` that nobody answers on is replaced; a live one is never stolen;
     anything that is not a socket is left alone (SystemExit), so a wrong path deletes nothing.
     """
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
     gid = _group_id(group) if group else None
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SystemExit(f"krex: {path} exists and is not a socket; not replacing it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass  # stale: left by a daemon that died; the rename below replaces it
-        except OSError as e:
-            raise SystemExit(f"krex: {path} exists and is not a usable socket: {e}") from None
-        else:
-            raise SystemExit(f"krex: another daemon is serving on {path}")
-        finally:
-            probe.close()
+    check_socket_path(path)
     # A short temporary name in the same directory (AF_UNIX paths end near 108 bytes; a path too
     # long for a suffix is bound directly: its mode is still right, only the listen window remains).
     tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}~")
@@ -640,7 +653,13 @@ def start_probes(daemon: Daemon) -> None:
 async def serve(config: ServeConfig) -> int:
     cfg = config.resolved()
     pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
-    os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    check_socket_path(cfg.socket)  # likewise a socket that cannot be served on
+    try:
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        if not os.path.isdir(cfg.state_dir):
+            raise NotADirectoryError(20, "not a directory")
+    except OSError as e:
+        raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
     backend = choose_backend(cfg.isolation, cgroup_root=cfg.cgroup_root, state_dir=cfg.state_dir)
     for line in await backend.reconcile():
         log.info("reconciled", action=line)

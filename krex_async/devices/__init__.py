@@ -77,13 +77,16 @@ class Node:
         self.vendors.clear()
 
 
+MAX_CPU_DEVICES = 1024  # cpu:N stands in for N GPUs: a node has at most a few dozen
+
+
 def _parse_cpu_spec(spec: str) -> int:
     try:
         n = int(spec.split(":", 1)[1])
     except ValueError:
         raise ValueError(f"bad device spec {spec!r}: expected cpu:N with N a number") from None
-    if n < 1:
-        raise ValueError(f"bad device spec {spec!r}: N must be at least 1")
+    if not 1 <= n <= MAX_CPU_DEVICES:
+        raise ValueError(f"bad device spec {spec!r}: N must be 1 to {MAX_CPU_DEVICES}")
     return n
 
 

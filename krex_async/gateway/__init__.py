@@ -20,6 +20,7 @@ import asyncio
 import fcntl
 import ipaddress
 import json
+import math
 import os
 import signal
 import socket
@@ -28,6 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from krex_async.gateway.limits import Limits
+
+LIMITS = {  # the gateway's size and time limits, flag by flag (--max-body, ...)
+    "max_body": "bytes",
+    "max_file": "bytes",
+    "max_files": "files",
+    "max_command": "bytes",
+    "max_env": "variables",
+    "max_files_total": "bytes",
+    "max_output": "bytes per stream",
+    "max_timeout": "seconds",
+    "default_timeout": "seconds",
+    "max_wait": "seconds",
+}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,18 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=d.max_running,
         help=f"jobs submitted to the daemon at once (default {d.max_running})",
     )
-    for name, unit in (
-        ("max_body", "bytes"),
-        ("max_file", "bytes"),
-        ("max_files", "files"),
-        ("max_command", "bytes"),
-        ("max_env", "variables"),
-        ("max_files_total", "bytes"),
-        ("max_output", "bytes per stream"),
-        ("max_timeout", "seconds"),
-        ("default_timeout", "seconds"),
-        ("max_wait", "seconds"),
-    ):
+    for name, unit in LIMITS.items():
         default = getattr(d, name)
         p.add_argument(
             "--" + name.replace("_", "-"),
@@ -103,10 +106,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p  # type: ignore[no-any-return]
 
 
+def limits_problem(args: argparse.Namespace) -> str:
+    """Why the --max-*/--default-timeout/--max-wait values cannot serve ("" when they can)."""
+    for name in LIMITS:
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):
+            return f"--{name.replace('_', '-')} must be a positive number, not {v}"
+    if args.default_timeout > args.max_timeout:
+        return f"--default-timeout {args.default_timeout:g} is over --max-timeout {args.max_timeout:g}"
+    return ""
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"--listen {value!r} must be HOST:PORT")
+    if int(port) > 65535:
+        raise ValueError(f"--listen {value!r}: port {port} is out of range (0-65535)")
     return host.strip("[]"), int(port)
 
 
@@ -239,6 +255,9 @@ def main(args: argparse.Namespace) -> int:
             return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
+        return 2
+    if why := limits_problem(args):
+        print(f"krex gateway: {why}", file=sys.stderr)
         return 2
     from krex_async.fleet import require_ray
 

@@ -1,4 +1,5 @@
-"""Replacing a small state file atomically (command records, the isolation intent record)."""
+"""Replacing a small state file atomically (command records, the isolation intent record); letting
+go of a standard output whose reader left."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def replace_file(path: str, data: bytes, *, durable: bool = False, mode: int = 0
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def quiet_stdout() -> None:
+    """After a write to stdout failed (its reader left: `| head`): point fd 1 at /dev/null, so that
+    the interpreter's own flush at exit does not print a second error."""
+    import sys
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)

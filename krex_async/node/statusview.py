@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from krex_async.cliargs import seconds as _seconds
+from krex_async.cliargs import interval
 from krex_async.protocol import default_socket
 
 WIDTH = 100
@@ -34,9 +34,9 @@ def add_parser(sub: Any) -> None:
         "--watch",
         nargs="?",
         const=2.0,
-        type=_seconds,
+        type=interval,
         metavar="SECONDS",
-        help="redraw every SECONDS (default 2) until Ctrl-C",
+        help="redraw every SECONDS (default 2, at least 0.1) until Ctrl-C",
     )
 
 
@@ -49,6 +49,8 @@ async def status(args: argparse.Namespace) -> int:
         client = await Client.connect(args.socket)
     except KrexError as e:
         print(f"krex status: {e.message}", file=sys.stderr)
+        if args.json:  # a JSON reader gets JSON, saying why there is no status
+            print(json.dumps({"error": e.code, "message": e.message}))
         return 1
     clear = sys.stdout.isatty()
     try:

@@ -136,6 +136,7 @@ def as_json(ev: Any) -> str:
 async def trace(args: argparse.Namespace) -> int:
     """Stream until Ctrl-C (exit 0) or until the daemon goes away (a line saying so, exit 1)."""
     from krex_async.client.submit import Client, KrexError
+    from krex_async.linux.fsutil import quiet_stdout
 
     try:
         client = await Client.connect(args.socket)
@@ -143,16 +144,19 @@ async def trace(args: argparse.Namespace) -> int:
         print(f"krex trace: {e.message}", file=sys.stderr)
         return 1
     async with client:
-        if not args.json:
-            pol = client.welcome.policy if client.welcome else "?"
-            print(f"Tracing krex at {client.path} (policy {pol})... Ctrl-C to stop.", file=sys.stderr)
-            print(HEADER, flush=True)
         try:
+            if not args.json:
+                pol = client.welcome.policy if client.welcome else "?"
+                print(f"Tracing krex at {client.path} (policy {pol})... Ctrl-C to stop.", file=sys.stderr)
+                print(HEADER, flush=True)
             async for ev in client.trace(probes=not args.no_probes):
                 if wanted(ev, args):
                     print(as_json(ev) if args.json else line(ev), flush=True)
         except KrexError as e:
             print(f"krex trace: {e.message}", file=sys.stderr)
             return 1
+        except BrokenPipeError:  # its reader left (| head): done, as for any stream
+            quiet_stdout()
+            return 0
     print(f"krex trace: the daemon at {client.path} closed the connection (it stopped)", file=sys.stderr)
     return 1

@@ -98,6 +98,87 @@ async def test_bad_paths_are_errors_not_tracebacks(tmp_path: Path) -> None:
     assert any(e.get("ph") == "X" for e in json.loads(out.stdout)["traceEvents"])
 
 
+async def test_odd_input_and_a_reader_that_leaves_are_errors_not_tracebacks(tmp_path: Path) -> None:
+    """Arguments that are not UTF-8, a stdout whose reader left (| head), a stdout closed: each
+    ends with a message or the status a pipe gives, never a traceback."""
+    async with run_daemon() as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        odd = await asyncio.to_thread(
+            subprocess.run, [*KREX, "run", "--", "echo", b"\xff"], capture_output=True, env=env, cwd=ROOT
+        )
+        head = await asyncio.to_thread(
+            subprocess.run,
+            f"{' '.join(KREX)} run -- seq 1000000 | head -2; echo rc=${{PIPESTATUS[0]}}",
+            shell=True,
+            executable="/bin/bash",
+            capture_output=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
+        closed = await asyncio.to_thread(
+            subprocess.run,
+            [*KREX, "run", "--", "echo", "x"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
+    assert odd.returncode == 125 and b"argument 1" in odd.stderr and b"not UTF-8" in odd.stderr
+    no_traceback(odd)
+    assert head.stdout == b"1\n2\nrc=141\n", head
+    no_traceback(head)
+    assert closed.returncode == 0
+    no_traceback(closed)
+
+
+def test_serve_gateway_status_and_demo_refuse_what_cannot_work(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    state = krex("serve", "--socket", str(tmp_path / "s"), "--state-dir", str(tmp_path / "file"))
+    assert state.returncode == 1 and b"--state-dir" in state.stderr
+    long_sock = krex("serve", "--socket", str(tmp_path / ("x" * 120)))
+    assert long_sock.returncode == 1 and b"under 108" in long_sock.stderr
+    gw = ["gateway", "--state-dir", str(tmp_path / "gw"), "--socket", str(tmp_path / "s")]
+    port = krex(*gw, "--listen", "127.0.0.1:99999")
+    assert port.returncode == 2 and b"out of range" in port.stderr
+    lim = krex(*gw, "--max-body", "-5")
+    assert lim.returncode == 2 and b"--max-body must be a positive number" in lim.stderr
+    over = krex(*gw, "--default-timeout", "1000", "--max-timeout", "600")
+    assert over.returncode == 2 and b"is over --max-timeout" in over.stderr
+    watch = krex("status", "--watch", "0")
+    assert watch.returncode == 2 and b"at least 0.1" in watch.stderr
+    demo = krex("demo", "-n", "0")
+    assert demo.returncode == 2 and b"not in 1..64" in demo.stderr
+    gone = krex("status", "--json", "--socket", str(tmp_path / "nobody.sock"))
+    assert gone.returncode == 1 and json.loads(gone.stdout)["error"] == "unreachable"
+    for p in (state, long_sock, port, lim, over, watch, demo, gone):
+        no_traceback(p)
+
+
+async def test_a_socket_that_never_answers_is_said_so(tmp_path: Path) -> None:
+    """A stopped or stuck daemon (here: a listener that never reads): the handshake gives up."""
+    import socket as socket_mod
+
+    from krex_async import Client, KrexError
+
+    path = str(tmp_path / "silent")
+    srv = socket_mod.socket(socket_mod.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    try:
+        t0 = time.monotonic()
+        try:
+            await Client.connect(path, timeout=0.5)
+        except KrexError as e:
+            assert e.code == "unreachable" and "did not answer in 0.5 s" in e.message, e
+        else:
+            raise AssertionError("connected to a socket that never answered")
+        assert time.monotonic() - t0 < 5
+    finally:
+        srv.close()
+
+
 def test_version_suggestions_and_human_errors() -> None:
     from krex_async import __version__
 

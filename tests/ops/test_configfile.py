@@ -75,6 +75,13 @@ def test_file_errors_name_file_and_key(tmp_path, text, where):
     assert where in str(e.value)
 
 
+def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    p = tmp_path / "krex.toml"
+    p.write_bytes(b'policy = "region\xff"\n')
+    with pytest.raises(ConfigError, match=r"krex.toml: not UTF-8 \(TOML is\)"):
+        load_config(str(p), {}, {})
+
+
 def test_strict_types_in_file(tmp_path):
     # TOML has types: a string where a number belongs is an error in the file (it is not in env).
     with pytest.raises(ConfigError, match=r"krex.toml:region_timeout: Expected `float`, got `str`"):
@@ -89,6 +96,7 @@ def test_strict_types_in_file(tmp_path):
         ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none'"),
         ({"KREX_LAUNCH_SCOPE": "mine"}, "KREX_LAUNCH_SCOPE='mine': Invalid enum value 'mine'"),
         ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
+        ({"KREX_REGION_TIMEOUT": "\udcff"}, "KREX_REGION_TIMEOUT='\\udcff': not UTF-8"),
     ],
 )
 def test_env_errors_name_the_variable(env, msg):

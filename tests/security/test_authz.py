@@ -94,6 +94,7 @@ async def test_a_user_cannot_reach_the_daemon_without_the_socket_group(users):
     async with config_daemon(dir_mode=0o755, socket_group="krexg") as d:
         p = await asyncio.to_thread(run_python_as, users["outsider"], AGENT, d.socket, "status", input="{}")
         assert p.returncode != 0 and "unreachable" in p.stderr, (p.stdout, p.stderr)
+        assert "not open to this user" in p.stderr and "--socket-group" in p.stderr, p.stderr
         assert os.stat(d.socket).st_mode & 0o007 == 0
 
 
