@@ -175,9 +175,7 @@ class Client:
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:
-            reply = await asyncio.wait_for(
-                self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}")), timeout
-            )
+            reply = await self._call(P.Hello(id=0, role="agent", client=f"pid {os.getpid()}"), timeout)
         except (TimeoutError, KrexError) as e:
             await self.close()
             if isinstance(e, KrexError) and e.code != "disconnected":
@@ -246,10 +244,13 @@ class Client:
         self._writer.write(P.encode(msg))
         return q
 
-    async def _call(self, msg: P.Msg) -> P.Reply:
+    async def _call(self, msg: P.Msg, timeout: float | None = None) -> P.Reply:
+        """Send `msg` and wait for its reply (TimeoutError after `timeout` s, when given). The
+        reply's queue is registered before anything awaits: a daemon that answers at once (a
+        refusal, then EOF) is heard, not taken for a closed connection."""
         q = self._send(msg)
         try:
-            reply = await q.get()
+            reply = await (q.get() if timeout is None else asyncio.wait_for(q.get(), timeout))
         finally:
             self._forget(msg.id)  # type: ignore[attr-defined]
         if reply is None:

@@ -256,6 +256,8 @@ def main(args: argparse.Namespace) -> int:
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
         return 2
+    if args.default_timeout == Limits().default_timeout:  # not given: it follows a lower maximum
+        args.default_timeout = min(args.default_timeout, args.max_timeout)
     if why := limits_problem(args):
         print(f"krex gateway: {why}", file=sys.stderr)
         return 2
