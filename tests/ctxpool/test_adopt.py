@@ -644,12 +644,9 @@ def test_an_unknown_pool_user_is_refused_at_start(tmp_path: Path) -> None:
         assert not (tmp_path / "st").exists() and not (tmp_path / "s").exists()
 
 
-async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_path: Path) -> None:
-    """Two interpreters at once on a pool of one: the second waits (--pool-wait) for the worker
-    that replaces the first, rather than paying a cold start; with --pool-wait 0 it runs plainly."""
-    write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
-    # Preloaded: the first worker warms at once, the others only once the test opens the gate; so
-    # with --pool-wait 0 no replacement can be warm when the second interpreter asks, however slow.
+def _gated(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A preload, `gate`, that lets the first worker warm and holds the others warming until the
+    test creates `open` (the pool knows its interpreter only once a worker warmed)."""
     mods = tmp_path / "mods"
     write(
         mods,
@@ -660,7 +657,16 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
         "except FileExistsError:\n"
         "    while not os.path.exists(d + '/open'):\n        time.sleep(0.01)\n",
     )
-    env = py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
+    return mods, py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
+
+
+async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_path: Path) -> None:
+    """Two interpreters at once on a pool of one: the second waits (--pool-wait) for the worker
+    that replaces the first, rather than paying a cold start; with --pool-wait 0 it runs plainly."""
+    write(tmp_path, "job.py", MARK + "print('adopted', _M)\n")
+    # Preloaded: the first worker warms at once, the others only once the test opens the gate; so
+    # with --pool-wait 0 no replacement can be warm when the second interpreter asks, however slow.
+    mods, env = _gated(tmp_path)
     line = f"{PY} job.py"
     for wait, adopted in (("10", 2), ("0", 1)):
         for f in ("first", "open"):
@@ -755,22 +761,6 @@ async def test_an_adopted_programs_region_leaves_its_waiting_interpreter_alone(
         assert rep.get("frozen_pids", 0) >= 1, rep
     else:
         assert rep.get("frozen_pids", 0) == 0 and rep.get("frozen", []) == [], rep
-
-
-def _gated(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """A preload, `gate`, that lets the first worker warm and holds the others warming until the
-    test creates `open` (the pool knows its interpreter only once a worker warmed)."""
-    mods = tmp_path / "mods"
-    write(
-        mods,
-        "gate.py",
-        "import os, time\n"
-        "d = os.path.dirname(os.path.abspath(__file__))\n"
-        "try:\n    os.close(os.open(d + '/first', os.O_CREAT | os.O_EXCL))\n"
-        "except FileExistsError:\n"
-        "    while not os.path.exists(d + '/open'):\n        time.sleep(0.01)\n",
-    )
-    return mods, py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
