@@ -522,7 +522,9 @@ class Pool:
         loop = asyncio.get_running_loop()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            ordinal = 0 if "CUDA_VISIBLE_DEVICES" in self.device.env else self.device.index
+            # a device env that narrows the GPUs (CUDA_, HIP_, ROCR_VISIBLE_DEVICES) leaves one: 0
+            narrowed = any(k.endswith("VISIBLE_DEVICES") for k in self.device.env)
+            ordinal = 0 if narrowed else self.device.index
             argv = [
                 self.python,
                 "-m",

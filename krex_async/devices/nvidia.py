@@ -26,6 +26,26 @@ _IDLE = 0x1
 _CAPPED = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 
 
+def visible_only(devices: list[Device], spec: str) -> list[Device]:
+    """The devices CUDA_VISIBLE_DEVICES=`spec` leaves a CUDA program, as CUDA reads it: a comma
+    list of indices (NVML's order, which krex keeps: the daemon's NVML and CUDA enumerate alike
+    when CUDA_DEVICE_ORDER=PCI_BUS_ID, and NVML's order is the PCI bus order) or UUIDs (`GPU-...`,
+    a unique prefix is enough), read up to the first entry that names no device; MIG instances
+    (`MIG-...`) name no whole GPU and end the list too. An empty spec leaves none."""
+    out: list[Device] = []
+    for token in (t.strip() for t in spec.split(",")):
+        if token.isdigit():
+            found = [d for d in devices if d.index == int(token)]
+        elif token.startswith("GPU-"):
+            found = [d for d in devices if d.uuid.startswith(token)]
+        else:
+            found = []
+        if len(found) != 1 or found[0] in out:
+            break
+        out.append(found[0])
+    return out
+
+
 def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -86,6 +106,14 @@ class NvidiaVendor(Vendor):
         if not devices:
             self.close()
             raise Unavailable(f"NVML lists {count} GPU(s) but none answers queries")
+        spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if spec is not None:  # the daemon was given some GPUs (Slurm, a shared host): those only
+            devices = visible_only(devices, spec)
+            if not devices:
+                self.close()
+                raise Unavailable(
+                    f"CUDA_VISIBLE_DEVICES={spec!r} names none of the {count} GPU(s) NVML lists"
+                )
         return devices
 
     def _device(self, index: int) -> Device:

@@ -184,3 +184,43 @@ def test_pci_sysfs_fallbacks(tmp_path: Path) -> None:
     assert pci_numa_node("0000:3b:00.0", tmp_path) is None
     assert pci_numa_node("0000:99:00.0", tmp_path) is None
     assert pci_local_cpus("0000:99:00.0", tmp_path) == frozenset()
+
+
+def test_a_daemon_given_some_gpus_schedules_on_those_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_VISIBLE_DEVICES in the daemon's environment (Slurm, two daemons on one host) limits the
+    GPUs it schedules on, read as CUDA reads it: indices or UUID prefixes, up to the first entry
+    that names no GPU; NVML alone lists every GPU of the host."""
+    from krex_async.devices.base import Device
+    from krex_async.devices.nvidia import NvidiaVendor, visible_only
+
+    gpus = [
+        Device(index=i, key=f"nvidia{i}", vendor="nvidia", name="H200", uuid=f"GPU-{i}aa{i}")
+        for i in range(4)
+    ]
+    keys = lambda spec: [d.key for d in visible_only(gpus, spec)]  # noqa: E731
+    assert keys("2,3") == ["nvidia2", "nvidia3"]
+    assert keys("3,0") == ["nvidia3", "nvidia0"]
+    assert keys("GPU-1aa1, GPU-2") == ["nvidia1", "nvidia2"]  # a unique prefix is enough
+    assert keys("1,7,2") == ["nvidia1"]  # 7 names no GPU: CUDA stops there
+    assert keys("GPU-") == [] and keys("") == [] and keys("MIG-xyz") == []
+
+    class FakeNvml:  # the few calls open() makes; every other query answers "not supported"
+        class NVMLError(Exception):
+            pass
+
+        NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_CLOCK_GRAPHICS = 1, 2, 0
+        nvmlShutdown = staticmethod(lambda: None)
+        nvmlDeviceGetCount = staticmethod(lambda: 4)
+        nvmlDeviceGetHandleByIndex = staticmethod(lambda i: i)
+        nvmlDeviceGetUUID = staticmethod(lambda h: f"GPU-{h}aa{h}")
+
+    monkeypatch.setattr(NvidiaVendor, "_load", lambda self: FakeNvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3aa3,1")
+    opened = NvidiaVendor().open()
+    assert [(d.key, d.env["CUDA_VISIBLE_DEVICES"]) for d in opened] == [
+        ("nvidia3", "GPU-3aa3"),
+        ("nvidia1", "GPU-1aa1"),
+    ]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
+    with pytest.raises(Exception, match="names none of the 4 GPU"):
+        NvidiaVendor().open()
