@@ -278,10 +278,7 @@ class CommandRunner:
         except OSError as e:  # out of fds, the memfd refused: nothing started, nothing kept
             for fd in fds:
                 os.close(fd)
-            with contextlib.suppress(OSError, IsolationError):
-                await self.backend.remove(group)
-            cmd.group = None
-            self.release(cmd)
+            await self.abandon(cmd)
             raise SpecError("spawn_failed", f"cannot set up the pipes of {cmd.id}: {e}") from None
         if cmd.spec.stdin is not None:  # in the memfd now: the daemon need not hold it twice
             cmd.spec = msgspec.structs.replace(cmd.spec, stdin=None)
@@ -438,6 +435,15 @@ class CommandRunner:
             cmd.end_reason = cmd.end_reason or reason
         cmd.signalled.append((time.monotonic(), sig))
         await self.backend.kill(cmd.group, sig)
+
+    async def abandon(self, cmd: Command) -> None:
+        """A start that failed before its leader ran: its group (if made) and what release() frees
+        go, errors removing the group aside (the start's own error is the one to report)."""
+        if cmd.group is not None:
+            with contextlib.suppress(Exception):
+                await self.backend.remove(cmd.group)
+            cmd.group = None
+        self.release(cmd)
 
     def release(self, cmd: Command) -> None:
         """Forget a command for good (its retention ended, or it never started): its spool files

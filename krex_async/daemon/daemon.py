@@ -9,7 +9,6 @@ What `krex status` sees of it is status.py's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import itertools
 import os
@@ -440,11 +439,7 @@ class Daemon:
         except Exception as e:  # a bug on the way: the command ends, said so, its device is freed
             log.exception("command_start_failed", command=cmd.id)
             if cmd.state == CommandState.STARTING and cmd.launched is None:
-                if cmd.group is not None:
-                    with contextlib.suppress(Exception):
-                        await self.backend.remove(cmd.group)
-                    cmd.group = None
-                self.runner.release(cmd)
+                await self.runner.abandon(cmd)
                 self._end_unstarted(cmd, "failed", f"internal error while starting: {e!r}")
             raise
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting

@@ -609,39 +609,37 @@ def start_probes(daemon: Daemon) -> None:
     daemon.probes.update(state="unavailable", reason=reason)
     if backend is None:
         return
-    attributor = Attributor(daemon.core, daemon.regions, backend)
-    if isinstance(backend, FailureReporting):
-        backend.on_failure = attributor.probe_failed
-    try:
-        backend.start(asyncio.get_running_loop(), attributor.on_events)
-    except Exception as e:  # ProbeUnavailable or a failed attach: run without probes, and say so
-        why = f"{backend.name} failed to start: {e}"
-        with contextlib.suppress(Exception):
-            backend.stop()  # whatever part of it did start (programs, threads) goes
-        log.warning("probes", backend=None, reason=why)
-        daemon.probes.update(reason=why)
-        if cfg.probes != "auto" or backend.name == "tracefs":
-            return
+    loop = asyncio.get_running_loop()
+
+    def started(b: Any) -> str:
+        """Start `b` feeding a new attributor: "" or why it could not (what did start is stopped)."""
+        nonlocal attributor
+        attributor = Attributor(daemon.core, daemon.regions, b)
+        if isinstance(b, FailureReporting):
+            b.on_failure = attributor.probe_failed
+        try:
+            b.start(loop, attributor.on_events)
+        except Exception as e:  # ProbeUnavailable or a failed attach
+            with contextlib.suppress(Exception):
+                b.stop()  # whatever part of it did start (programs, threads) goes
+            attributor = None
+            return f"{b.name} failed to start: {e}"
+        return ""
+
+    why = started(backend)
+    if why and cfg.probes == "auto" and backend.name != "tracefs":
         # auto: bcc compiled a test program but not this one (an older kernel, a missing
         # tracepoint): tracefs may still serve
-        from krex_async.probes import tracefs_works
-        from krex_async.probes.bpf_ioctl import DEFAULT_PREFIXES, check_prefixes
-        from krex_async.probes.tracefs import TracefsProbe
-
-        ok, twhy = tracefs_works()
-        if not ok:
-            return
-        backend = TracefsProbe(list(check_prefixes(cfg.probe_prefix_list or DEFAULT_PREFIXES)))
-        attributor = Attributor(daemon.core, daemon.regions, backend)
-        try:
-            backend.start(asyncio.get_running_loop(), attributor.on_events)
-        except Exception as e2:
-            with contextlib.suppress(Exception):
-                backend.stop()
-            log.warning("probes", backend=None, reason=f"{why}; tracefs failed too: {e2}")
-            daemon.probes.update(reason=f"{why}; tracefs failed too: {e2}")
-            return
-        reason = f"probes: tracefs ({why}; {twhy})"
+        fallback, fallback_reason = open_probes("tracefs", cfg.probe_prefix_list or None)
+        if fallback is not None:
+            if not (why_not := started(fallback)):
+                backend, reason, why = fallback, f"{fallback_reason}, after {why}", ""
+            else:
+                why = f"{why}; tracefs failed too: {why_not}"
+    if why:  # run without probes, and say so
+        log.warning("probes", backend=None, reason=why)
+        daemon.probes.update(reason=why)
+        return
     daemon.attributor = attributor
     daemon.probes.update(state="running", backend=backend.name, reason=reason)
     failed = getattr(backend, "failed", None)
@@ -655,9 +653,7 @@ async def serve(config: ServeConfig) -> int:
     pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
     check_socket_path(cfg.socket)  # likewise a socket that cannot be served on
     try:
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
-        if not os.path.isdir(cfg.state_dir):
-            raise NotADirectoryError(20, "not a directory")
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)  # FileExistsError: not a directory
     except OSError as e:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
     backend = choose_backend(cfg.isolation, cgroup_root=cfg.cgroup_root, state_dir=cfg.state_dir)

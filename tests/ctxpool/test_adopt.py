@@ -660,6 +660,12 @@ def _gated(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return mods, py_env(PYTHONPATH=f"{mods}:{py_env()['PYTHONPATH']}")
 
 
+def gated_daemon(env: dict[str, str], pool_wait: str) -> Any:
+    """A pool of one behind the gate (_gated), adopters waiting up to `pool_wait` s for a worker."""
+    gate = ("--pool-size", "1", "--pool-preload", "colorsys,gate", "--isolation", "cgroup")
+    return run_daemon(*gate, "--pool-wait", pool_wait, env=env)
+
+
 async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_path: Path) -> None:
     """Two interpreters at once on a pool of one: the second waits (--pool-wait) for the worker
     that replaces the first, rather than paying a cold start; with --pool-wait 0 it runs plainly."""
@@ -673,17 +679,7 @@ async def test_a_burst_waits_for_warming_workers_instead_of_starting_cold(tmp_pa
             (mods / f).unlink(missing_ok=True)
         if wait != "0":
             (mods / "open").touch()
-        async with run_daemon(
-            "--pool-size",
-            "1",
-            "--pool-preload",
-            "colorsys,gate",
-            "--isolation",
-            "cgroup",
-            "--pool-wait",
-            wait,
-            env=env,
-        ) as d:
+        async with gated_daemon(env, wait) as d:
             async with await d.client() as c:
                 await warm(c)
                 got = await asyncio.gather(
@@ -782,17 +778,7 @@ async def test_a_cancel_while_the_interpreter_waits_for_a_worker_still_ends_the_
     adopted = sig == signal.SIGTERM
     line = f"trap 'echo shell got it' TERM INT; {PY} job.py; echo rc=$?"
     write(tmp_path, "hold.py", "import time\nprint('holding', flush=True)\ntime.sleep(60)\n")
-    async with run_daemon(
-        "--pool-size",
-        "1",
-        "--pool-preload",
-        "colorsys,gate",
-        "--isolation",
-        "cgroup",
-        "--pool-wait",
-        "30" if adopted else "1",
-        env=env,
-    ) as d:
+    async with gated_daemon(env, "30" if adopted else "1") as d:
         async with await d.client() as c:
             await warm(c)
             holder = await c.submit([PY, "hold.py"], env=env, cwd=str(tmp_path))  # takes the worker
