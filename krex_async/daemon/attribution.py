@@ -213,7 +213,15 @@ class Attributor:
         self.events += len(batch)
         self.core.metrics.probe_lost_total(self.backend.lost())
         held = [self.regions.active[rid] for rid in self.watches if rid in self.regions.active]
+        # a GPU open since a region chose whom to hold freezes the sibling, its entry included
+        choosing = [
+            *held,
+            *(r for r in self.regions.active.values() if r.report.outcome == "open" and r.select_ns),
+        ]
         for ev in batch:
+            if ev.kind == "open":
+                for r in choosing:
+                    self.regions.freeze_late(r, ev)
             stray_for = None
             for r in held:
                 w = self.watches[r.id]
@@ -227,8 +235,6 @@ class Attributor:
                             f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
                             f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}"
                         )
-                    if ev.kind == "open":
-                        self.regions.freeze_late(r, ev)
             if self.core.tracers:
                 self._trace_event(ev, stray_for, held)
 

@@ -127,6 +127,11 @@ class Region:
     # late, join and adoption freezes (Regions._freeze_into) in flight: _release waits for them,
     # so that none lands, or is undone, after the next region took the device
     freezes: set[asyncio.Future[None]] = field(default_factory=set)
+    # when its entry chose whom to hold (CLOCK_MONOTONIC ns, the probes' clock): a sibling whose
+    # GPU open the probes see from then on is frozen into it (Regions.freeze_late), entry included
+    select_ns: int | None = None
+    targets: set[str] = field(default_factory=set)  # the commands its entry chose to hold
+    entry_late: list[str] = field(default_factory=list)  # commands frozen so before the grant
 
     def end(self, reason: str) -> None:
         if self.ended is not None and not self.ended.done():

@@ -298,7 +298,9 @@ class Regions:
             quiet = asyncio.ensure_future(pool.quiesce())
             r.paused_pool = True
         t_select = time.perf_counter()
+        r.select_ns = time.monotonic_ns()  # before the reading: an open after it is caught
         targets = self._targets(r)
+        r.targets = {c.id for c in targets}
         # A sibling still exiting after --lock-wait is frozen, not locked: a lock does not stop an
         # exit, and the driver would free its GPU memory beside the timing; frozen, it ends after.
         unfinished = set(rep.exits_unfinished)
@@ -424,6 +426,7 @@ class Regions:
                     workers += more
                     lock2 = asyncio.ensure_future(self._lock(r, [], {}, more))
                     await asyncio.shield(lock2)
+            await self._late_in_entry(r)
         except BaseException:
             tasks = [t for t in (early, cores, quiet) if t is not None]
             for task in tasks:
@@ -433,6 +436,20 @@ class Regions:
             # _release runs (LockPool.lock_many is bounded)
             await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
             raise
+
+    async def _late_in_entry(self, r: Region) -> None:
+        """Siblings the probes saw open a GPU device during the entry (--freeze device-holders
+        held only those holding one when the targets were chosen) are frozen before the grant; as
+        they may have queued work before the freeze, the owner verifies the drain."""
+        if r.freezes:
+            await asyncio.gather(*r.freezes)
+        if not r.entry_late:
+            return
+        rep = r.report
+        rep.frozen = list(r.frozen_ids)
+        rep.fenced = [cid for cid in rep.fenced if cid not in r.frozen_ids]
+        if rep.drain in ("not-needed", "synced") and self.core.device(r.device).vendor != "cpu":
+            rep.drain = "pending"
 
     def note_exiting(self, pid: int, device: str) -> None:
         """`pid` is exiting on `device` now: the next region there waits for it (_exits). Entries
@@ -582,9 +599,9 @@ class Regions:
 
     def freeze_late(self, r: Region, ev: ProbeEvent) -> None:
         """--freeze device-holders, or a sibling held by the lock: a sibling process that opened a
-        GPU device during the region is frozen with its command as soon as the probes see the open
-        (the open itself is reported as a stray)."""
-        if r.report.outcome != "held":
+        GPU device since the region chose whom to hold (its entry included) is frozen with its
+        command as soon as the probes see the open (an open during the region is a stray)."""
+        if r.report.outcome not in ("open", "held") or r.select_ns is None or ev.ts_ns < r.select_ns:
             return
         assert self.core.attributor is not None
         cmd = self.core.attributor.command_of(ev)
@@ -596,6 +613,8 @@ class Regions:
             or cmd.group.frozen
         ):
             return
+        if r.report.outcome == "open" and cmd.id in r.targets:
+            return  # the entry holds it already (frozen, or its lock under way)
         if self._who(r) != "device-holders" and cmd.id not in r.locked_ids:
             return
         late = r.late.get(ev.tgid)
@@ -658,6 +677,8 @@ class Regions:
                 r.freezing.discard(cmd.id)
             if self.current_on(r.device) is r:
                 self._add_frozen(r, cmd, group)
+                if r.report.outcome == "open" and why == "late":
+                    r.entry_late.append(cmd.id)
                 self.core.trace("freeze", r, command=cmd.id, late=True)
                 return
             try:  # the region began releasing while this one froze (and waits for it): undo now
