@@ -70,12 +70,15 @@ import os
 import re
 import struct
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from krex_async.probes import _bcc
 from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from krex_async.probes.failure import FailureReporting
+from krex_async.probes.hold import HOLD
 from krex_async.probes.launch_scope import SCOPES, Outsiders, exported, inode_key
 
 CUDA_SYMBOLS = (
@@ -227,6 +230,7 @@ class LaunchProbe(FailureReporting, ProbeBackend):
 
     name = "bcc-launches"
     TICK_S = 0.01  # scope outsiders: how often the poll thread takes the attach requests
+    RETIRE_S = 5.0  # with rescans off: how often exited processes' counts leave the map
 
     def __init__(
         self,
@@ -257,6 +261,11 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         self._poller: _bcc.RingPoller | None = None
         self._final: dict[tuple[int, str], int] = {}
         self._final_lost = 0
+        # counts of exited processes, moved out of the map (_retire_gone); _moving is held while
+        # one moves, so that by_symbol() sees it in the map or here, never in both or neither
+        self._gone: dict[tuple[int, str], int] = {}
+        self._moving = threading.Lock()
+        self._next_retire = 0.0
         self._outsiders: Outsiders | None = None  # scope outsiders, once started
 
     @property
@@ -334,7 +343,8 @@ class LaunchProbe(FailureReporting, ProbeBackend):
                     self._attach_lib(lib)
                 if not self.attached and not self.search:
                     raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
-                tick, tick_s = self._rescan, self.rescan_s or 3600.0
+                tick: Callable[[], None] = self._rescan if self.rescan_s else lambda: None
+                tick_s = self.rescan_s or self.RETIRE_S
             else:
                 if not self.search and not any(exported(lib, self.symbols) for lib in libs):
                     raise ProbeUnavailable(f"{self.name}: none of {libs} exports a launch symbol")
@@ -350,6 +360,7 @@ class LaunchProbe(FailureReporting, ProbeBackend):
                 )
                 self._outsiders.start(loop)
                 tick, tick_s = self._outsiders.tick, self.TICK_S
+            tick = self._with_upkeep(tick)
             ring_bytes = self.ring_pages * mmap.PAGESIZE if self.mmap_reader else 0
             self._poller = _bcc.RingPoller(
                 self._bpf,
@@ -368,6 +379,34 @@ class LaunchProbe(FailureReporting, ProbeBackend):
             self._bpf = None
             raise
 
+    def _with_upkeep(self, tick: Callable[[], None]) -> Callable[[], None]:
+        """`tick`, and every rescan_s (or RETIRE_S without rescans) the counts of exited
+        processes moved out of the map."""
+        every = self.rescan_s or self.RETIRE_S
+
+        def upkeep() -> None:
+            tick()
+            if time.monotonic() >= self._next_retire:
+                self._next_retire = time.monotonic() + every
+                self._retire_gone()
+
+        return upkeep
+
+    def _retire_gone(self) -> None:
+        """Poll thread: move the counts of exited processes to Python. The map holds 65536
+        (process, symbol) pairs and is never emptied by the kernel: full, it would count no new
+        process's launches (bpf_ioctl does the same for its counts)."""
+        table = self._bpf[b"counts"]
+        for k in list(table.keys()):
+            HOLD.wait()
+            if os.path.exists(f"/proc/{k.tgid}"):
+                continue
+            with self._moving:
+                n = table.pop(k, None)
+                if n is not None:
+                    key = (k.tgid, self.symbols[k.sym])
+                    self._gone[key] = self._gone.get(key, 0) + n.value
+
     def _decode(self, raw: bytes) -> ProbeEvent:
         ts, tgid, tid, sym, _, comm = LAUNCH_EVENT.unpack_from(raw)
         return ProbeEvent(ts, tgid, tid, "launch", -1, 0, self.symbols[sym], _bcc.cstr(comm))
@@ -376,7 +415,13 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         """Calls per (tgid, symbol) since start, lossless."""
         if self._bpf is None:
             return dict(self._final)
-        return {(k.tgid, self.symbols[k.sym]): v.value for k, v in self._bpf[b"counts"].items()}
+        with self._moving:
+            out = dict(self._gone)
+            live = list(self._bpf[b"counts"].items())
+        for k, v in live:
+            key = (k.tgid, self.symbols[k.sym])
+            out[key] = out.get(key, 0) + v.value
+        return out
 
     def counts(self) -> dict[int, int]:
         out: dict[int, int] = {}

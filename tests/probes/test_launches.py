@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,27 @@ def test_a_mapping_with_a_name_that_is_not_utf8_does_not_stop_the_library_search
     finally:
         p.kill()
         p.wait()
+
+
+async def test_counts_of_exited_processes_leave_the_map_and_are_kept(fake_libcuda: str) -> None:
+    """The BPF map holds 65536 (process, symbol) pairs and the kernel never empties it: the counts
+    of exited processes move to Python at each upkeep, so a long-lived daemon keeps counting new
+    processes, and by_symbol() still answers for the exited ones."""
+    need_bcc()
+    probe = LaunchProbe([fake_libcuda], search=False, rescan_s=0.1)
+    col = Collector(probe)
+    col.start()
+    try:
+        first = call(fake_libcuda, 7, 0, 1, 0)
+        second = call(fake_libcuda, 3, 2, 0, 0)
+        table = probe._bpf[b"counts"]
+        deadline = time.monotonic() + 10
+        while {k.tgid for k in table.keys()} & {first, second}:
+            assert time.monotonic() < deadline, "the exited processes' counts stayed in the map"
+            await asyncio.sleep(0.05)
+        by_sym = probe.by_symbol()
+    finally:
+        probe.stop()
+    assert by_sym[(first, "cuLaunchKernel")] == 7 and by_sym[(first, "cuGraphLaunch")] == 1
+    assert by_sym[(second, "cuLaunchKernel")] == 3 and by_sym[(second, "cuLaunchKernel_ptsz")] == 2
+    assert probe.counts() == {first: 8, second: 5}
