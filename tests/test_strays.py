@@ -159,3 +159,60 @@ async def test_a_sibling_opening_the_device_repeatedly_is_frozen_once(device, sc
             await sib.cancel(9)
     rep = res.report.regions[0]
     assert rep.frozen == [sib.command], rep.frozen
+
+
+# Imported by each warm pool worker (--pool-init): a thread that makes driver calls on the "GPU".
+TICKER = """
+import fcntl, os, threading, time
+_fd = os.open({device!r}, os.O_RDWR)
+def _tick():
+    while True:
+        try:
+            fcntl.ioctl(_fd, 0x5401, bytes(64))
+        except OSError:
+            pass
+        time.sleep(0.005)
+threading.Thread(target=_tick, daemon=True).start()
+"""
+
+OWNER_JSON = """
+import sys, time, msgspec
+from krex_async import region
+with region("timing") as r:
+    time.sleep(0.5)
+sys.stdout.write(msgspec.json.encode(r.report).decode())
+"""
+
+
+async def test_an_idle_pool_workers_driver_calls_are_not_strays_on_another_device(device, script, tmp_path):
+    """A warm pool worker in no command is no command's, but it is on its pool's device: its
+    driver calls during a region on another device are not that region's strays (they were,
+    as any process outside krex: a worker creating its context on one GPU tainted the regions
+    on the others)."""
+    import json
+
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "krex_ticker.py").write_text(TICKER.format(device=device))
+    env = py_env()
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}{os.pathsep}{mods}"
+    prefix = os.path.dirname(device) + "/"
+    args = ("--devices", "cpu:2", "--probes", "ioctl", "--probe-prefixes", prefix, "--hold", "freeze")
+    pool = ("--pool-size", "1", "--pool-preload", "colorsys", "--pool-init", "krex_ticker")
+    async with run_daemon(*args, *pool, env=env) as d:
+        async with await d.client() as c:
+            # a command on cpu1 that starts no Python: cpu1's pool warms a worker it leaves idle
+            sleeper = await c.submit(["/bin/sleep", "30"], device="cpu1", env=env)
+            deadline = time.monotonic() + 30
+            idle: list[int] = []
+            while not idle:
+                workers = (await c.status())["pools"]["cpu1"]["workers"]
+                idle = [w["pid"] for w in workers if w["state"] == "warm"]
+                assert time.monotonic() < deadline, f"cpu1's worker did not warm: {workers}"
+                await asyncio.sleep(0.05)
+            res = await c.run([PY, script("owner.py", OWNER_JSON)], device="cpu0", env=env)
+            await sleeper.cancel(9)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert idle[0] not in rep.get("stray_pids", []), rep
+    assert not rep.get("tainted"), rep

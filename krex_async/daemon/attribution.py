@@ -98,7 +98,13 @@ class Attributor:
         self.mapper.add(cmd.id, pid)
 
     def command_ended(self, cmd: Command) -> None:
-        self.mapper.remove(cmd.id)
+        # a pool worker that served it is back in its pool (or gone): no longer the command's
+        pool = self.core.pools.get(cmd.device_key or "")
+        self.mapper.remove(cmd.id, forget=pool.pids() if pool is not None else ())
+
+    def _pool_device(self, tgid: int) -> str | None:
+        """The device whose warm pool `tgid` is a worker of (in no command), else None."""
+        return next((key for key, pool in self.core.pools.items() if tgid in pool.pids()), None)
 
     def describe(self) -> dict[str, Any]:
         """What the probe backend says of itself (the launch probe: its scope, processes probed)."""
@@ -191,8 +197,9 @@ class Attributor:
         if (ev if isinstance(ev, int) else ev.tgid) == os.getpid():
             return False
         cmd = self.command_of(ev)
-        if cmd is None:
-            return True  # outside krex: it may be on any device
+        if cmd is None:  # outside krex, it may be on any device; a pool worker is on its pool's
+            dev = self._pool_device(ev if isinstance(ev, int) else ev.tgid)
+            return dev is None or dev == r.device
         if cmd is r.command:
             return False
         return cmd.device_key == r.device

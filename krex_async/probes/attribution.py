@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 from krex_async.linux import procfs
 from krex_async.linux.procfs import stat_fields
@@ -107,8 +108,12 @@ class EventMapper:
         # other commands strays (their counts are looked up by tgid, after they are gone).
         self._cache = {t: e for t, e in self._cache.items() if e[0] is not None and t != pid}
 
-    def remove(self, command: str) -> None:
-        """Forget a command's root and cgroup; its processes' cached answers stay KEEP_S."""
+    def remove(self, command: str, forget: Iterable[int] = ()) -> None:
+        """Forget a command's root and cgroup; its processes' cached answers stay KEEP_S, less
+        those of `forget` (processes that live on in no command: warm pool workers)."""
+        for tgid in forget:
+            if (entry := self._cache.get(tgid)) is not None and entry[0] == command:
+                del self._cache[tgid]
         self._roots = {p: c for p, c in self._roots.items() if c != command}
         self._cgroups = {g: c for g, c in self._cgroups.items() if c != command}
         now = time.monotonic()

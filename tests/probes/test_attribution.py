@@ -207,3 +207,24 @@ def test_an_exited_process_of_another_command_stays_attributed_after_the_command
         for p in (b, other):
             p.kill()
             p.wait()
+
+
+def test_a_pool_worker_that_served_an_ended_command_is_no_longer_its() -> None:
+    """A warm pool worker taken by a command is the command's while it serves it; once the command
+    ended (removed with the pool's workers to forget) the worker, alive and back in its pool, is
+    no command's: its next command's add() or none, never the old one's for KEEP_S."""
+    worker = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["sleep", "60"])
+    att = EventMapper()
+    ev = lambda pid: ProbeEvent(ts_ns=0, tgid=pid, tid=pid, kind="ioctl")  # noqa: E731
+    try:
+        att.add("A", worker.pid)
+        att.add("A", gone.pid)
+        assert att.command_of(ev(worker.pid)) == "A" and att.command_of(ev(gone.pid)) == "A"
+        att.remove("A", forget=[worker.pid])
+        assert att.command_of(ev(worker.pid)) is None, "the idle worker still counted as A's"
+        assert att.command_of(ev(gone.pid)) == "A", "the command's other processes stay A's"
+    finally:
+        for p in (worker, gone):
+            p.kill()
+            p.wait()
