@@ -285,3 +285,30 @@ async def test_a_cancel_after_the_leader_exited_keeps_its_exit():
             await h.cancel(15)
             res = await asyncio.wait_for(h.wait(), 10)
     assert (res.report.state, res.report.exit_code) == ("exited", 3), res.report
+
+
+async def test_placement_by_memory_reads_the_free_memory_now(tmp_path) -> None:
+    """`--device auto` with `mem` places on the free memory of now, not on the figure read at the
+    daemon's start: here 3 GiB taken after the start make a request for the start's free memory
+    less 1.5 GiB fit nowhere (it was placed, on memory no longer there)."""
+    import psutil
+
+    if psutil.virtual_memory().available < 6 * 2**30:
+        pytest.skip("needs 6 GiB of free memory to take 3 GiB of it")
+    async with run_daemon("--devices", "cpu:1") as d:
+        at_start = psutil.virtual_memory().available
+        hog = subprocess.Popen(
+            [PY, "-c", "import sys, time; b = bytearray(3 << 30); print('up', flush=True); time.sleep(60)"],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert hog.stdout is not None and hog.stdout.readline() == b"up\n"
+            async with await d.client() as c:
+                with pytest.raises(KrexError) as e:
+                    await c.submit(["true"], mem=at_start - 3 * 2**29)
+                ok = await c.submit(["true"], mem=2**20)
+                assert (await ok.wait()).returncode == 0
+        finally:
+            hog.kill()
+            hog.wait()
+    assert "no device has the memory asked for" in str(e.value), e.value

@@ -338,14 +338,28 @@ class Daemon:
         if want == "auto":
             load = {k: len(q.commands) for k, q in self.scheduler.devices.items()}
             try:
-                return place(self.devices, load, spec.mem)
+                chosen = place(self._live_memory() if spec.mem > 0 else self.devices, load, spec.mem)
             except NoDevice as e:
                 raise RequestError("bad_device", str(e)) from None
+            return next(d for d in self.devices if d.key == chosen.key)
         for d in self.devices:
             if want == d.key or (want.isdigit() and int(want) == d.index):
                 return d
         names = ", ".join(["auto", "none", *(f"{d.index} ({d.key})" for d in self.devices)])
         raise RequestError("bad_device", f"unknown device {want!r}; this node has: {names}")
+
+    def _live_memory(self) -> list[Device]:
+        """The devices with their free memory read now, for a placement by memory: the figure
+        read at start-up is long stale on a busy node. A library call per device (NVML, amdsmi,
+        /proc/meminfo: well under a millisecond), on the loop; on failure, the last figures."""
+        if self.node is None:
+            return self.devices
+        try:
+            live = {d.key: d for d in self.node.refresh()}
+        except Exception as e:  # noqa: BLE001 - a placement goes on with what it knew
+            log.warning("device_refresh_failed", error=repr(e))
+            return self.devices
+        return [live.get(d.key, d) for d in self.devices]
 
     def _own(self, command: str, uid: int) -> Command:
         cmd = self.commands.get(command)
