@@ -29,7 +29,7 @@ from krex_async import protocol as P
 from krex_async.daemon.records import Record, Records, start_ticks
 from krex_async.daemon.spool import Spool, SpoolFile, unlink
 from krex_async.daemon.stdinpipe import StdinPipe
-from krex_async.devices.base import Device
+from krex_async.devices.base import VISIBILITY_VARS, Device
 from krex_async.isolation.base import Backend, Group, IsolationError
 from krex_async.linux.spawn import PRIVILEGED_ENV, ExitStatus, Handoff, Launched, LaunchSpec, spawn
 from krex_async.scheduler import Policy
@@ -201,6 +201,9 @@ class Command:
             KREX_DEVICE=self.device_key or "none",
         )
         if self.device is not None:
+            if self.device.vendor != "cpu":
+                for name in VISIBILITY_VARS:
+                    env.pop(name, None)
             env.update(self.device.env)
         env.update(self.pool_env)
         return with_runtime(env)
