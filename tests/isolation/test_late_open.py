@@ -3,7 +3,7 @@ device after the region chose whom to hold, while its entry is still under way, 
 region before the grant. Before, only an open during the held region froze its command: one
 between the choice and the grant left the sibling running (and submitting) through the region.
 
-The entry is made long by a pool worker's context creation in flight (2 s with the fake libcuda),
+The entry is made long by a pool worker's context creation in flight (3 s with the fake libcuda),
 which a region waits for; the sibling opens its stand-in "/dev/nvidia0" 0.3 s into that wait."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ async def test_a_sibling_opening_the_gpu_during_the_entry_is_frozen_before_the_g
             f"echo $$ > {late}; while :; do echo t >> {ticks}; sleep 0.01; done",
         ]
     )
-    async with pool_daemon(fake, mods, FAKE_CUDA_CTX_MS="2000") as d:
+    async with pool_daemon(fake, mods, FAKE_CUDA_CTX_MS="3000") as d:
         async with await d.client() as c:
             deadline = time.monotonic() + 30
             creating = False
