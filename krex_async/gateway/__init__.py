@@ -2,7 +2,7 @@
 
     krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
                  [--token-file F | --token T | --no-auth] [--run-as USER] [--job-python PY]
-                 [--allow-remote] [--max-running N] [--max-body BYTES] ...
+                 [--allow-remote] [--max-running N] [--max-body BYTES] [--job-retention S|never] ...
 
 Trust (auth.py, files.py): every request but /healthz needs a bearer token (generated into
 <state>/token at first start unless given); each token's jobs are its own; jobs never run as root.
@@ -25,11 +25,15 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from krex_async.gateway.limits import Limits
+from krex_async.gateway.retention import DEFAULT as DEFAULT_RETENTION
+from krex_async.gateway.retention import parse as parse_retention
 
+RETENTION_ENV = "KREX_GATEWAY_JOB_RETENTION"
 LIMITS = {  # the gateway's size and time limits, flag by flag (--max-body, ...)
     "max_body": "bytes",
     "max_file": "bytes",
@@ -95,6 +99,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=d.max_running,
         help=f"jobs submitted to the daemon at once (default {d.max_running})",
     )
+    p.add_argument(
+        "--job-retention",
+        metavar="SECONDS|never",
+        help="remove a finished job's directory and record this long after it ended (default "
+        f"$KREX_GATEWAY_JOB_RETENTION, else {DEFAULT_RETENTION:g}: a day; 0 or 'never' keeps them)",
+    )
     for name, unit in LIMITS.items():
         default = getattr(d, name)
         p.add_argument(
@@ -115,6 +125,21 @@ def limits_problem(args: argparse.Namespace) -> str:
     if args.default_timeout > args.max_timeout:
         return f"--default-timeout {args.default_timeout:g} is over --max-timeout {args.max_timeout:g}"
     return ""
+
+
+def job_retention(flag: str | None, env: Mapping[str, str]) -> float | None:
+    """Seconds a finished job is kept (None: forever), from --job-retention, else
+    $KREX_GATEWAY_JOB_RETENTION, else a day. Raises ValueError naming the flag or variable."""
+    if flag is not None:
+        where, text = "--job-retention", flag
+    elif env.get(RETENTION_ENV):  # an empty variable counts as unset, as krex serve's KREX_* do
+        where, text = RETENTION_ENV, env[RETENTION_ENV]
+    else:
+        return DEFAULT_RETENTION
+    try:
+        return parse_retention(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -147,6 +172,7 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway.env import Environment
     from krex_async.gateway.files import StateError, prepare_state
     from krex_async.gateway.jobs import JobRunner, make_shims
+    from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
     from krex_async.protocol import default_socket
 
@@ -211,6 +237,16 @@ async def serve(args: argparse.Namespace) -> int:
     info.write_text(json.dumps({"url": url, "pid": os.getpid()}))
     info.chmod(0o600)
     runner.start()
+    sweeper = None
+    if args.job_retention is not None:
+        sweeper = Sweeper(
+            store,
+            state / "jobs",
+            args.job_retention,
+            lambda: {*runner.running, *runner.orphans},
+            gw.views.forget,
+        )
+        sweeper.start()
     print(
         f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
         f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
@@ -225,6 +261,8 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
     finally:
         gw.close()
+        if sweeper is not None:
+            await sweeper.stop()
         await app_runner.cleanup()
         await runner.stop()
         store.close()
@@ -253,6 +291,11 @@ def main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    try:
+        args.job_retention = job_retention(args.job_retention, os.environ)
+    except ValueError as e:
+        print(f"krex gateway: {e}", file=sys.stderr)
+        return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)
         return 2

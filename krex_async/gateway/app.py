@@ -5,6 +5,7 @@
     POST /v1/jobs/<kind>                dev always; eval, profile where installed; else 501
     GET  /v1/jobs                       kind, status, user, limit, sort filters
     GET  /v1/jobs/<id>                  wait=true&timeout=S long-polls until a terminal status
+                                        (or until the client disconnects)
     POST /v1/jobs/<id>/cancel
     GET  /v1/evals/<id>, POST /v1/evals legacy eval paths
 
@@ -40,6 +41,13 @@ from krex_async.gateway.views import Views
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 MAX_DEPTH = 128  # JSON nesting a request may use; deeper is malformed (and would recurse anyway)
+CLIENT_CHECK = 0.5  # seconds between a long poll's checks that its client is still connected
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the request's connection has closed (aiohttp drops the transport when it is lost)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
@@ -78,6 +86,7 @@ class Gateway:
         self.kinds, self.missing, self.auth = kinds, missing, auth
         self.views = Views(store)
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self.polls_left = 0  # long polls ended early because their client disconnected
         self.closing = False
 
     def close(self) -> None:
@@ -292,27 +301,34 @@ class Gateway:
                 raise BadRequest("invalid_timeout", f"timeout must be seconds, got {raw!r}") from None
             if not math.isfinite(timeout) or timeout < 0:
                 raise BadRequest("invalid_timeout", "timeout must be a finite number >= 0")
-            if status not in TERMINAL:
-                await self.wait(job_id, min(timeout, self.limits.max_wait))
+            if status not in TERMINAL and not await self.wait(
+                job_id, min(timeout, self.limits.max_wait), request
+            ):
+                return web.Response(status=499)  # nobody to answer: aiohttp sends nothing
         resp = await self.views.stream_job(request, job_id, owner)
         if resp is None:
             raise self.not_found(job_id)
         return resp
 
-    async def wait(self, job_id: str, timeout: float) -> None:
+    async def wait(self, job_id: str, timeout: float, request: web.Request | None = None) -> bool:
+        """Until the job is terminal, `timeout` passes or the gateway closes; False (at once, within
+        CLIENT_CHECK) when the request's client has gone: aiohttp does not cancel a handler whose
+        connection closed, and its poll would hold a waiter for the rest of `timeout`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         status = self.store.status(job_id)
         while status is not None and status not in TERMINAL and not self.closing:
-            left = deadline - loop.time()
-            if left <= 0:
-                break
             fut: asyncio.Future[None] = loop.create_future()
             self.waiters.setdefault(job_id, set()).add(fut)
             try:
-                await asyncio.wait_for(fut, left)
-            except TimeoutError:
-                pass
+                while not fut.done():
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        return True
+                    await asyncio.wait([fut], timeout=min(left, CLIENT_CHECK))
+                    if request is not None and client_gone(request):
+                        self.polls_left += 1
+                        return False
             finally:
                 waiting = self.waiters.get(job_id)
                 if waiting is not None:
@@ -320,6 +336,7 @@ class Gateway:
                     if not waiting:
                         del self.waiters[job_id]
             status = self.store.status(job_id)
+        return True
 
     async def cancel(self, request: web.Request) -> web.StreamResponse:
         job_id = request.match_info["job_id"]

@@ -5,7 +5,8 @@ The reference gateway locks every NVIDIA GPU's graphics clock at its highest sup
 level, and fails the job (execution_error) when it cannot. krex does the same through NVML where
 nvidia-ml-py is installed (nvidia-smi otherwise, rocm-smi for AMD). GPUs are shared here, so the
 lock is counted: the first job that asks locks, the last one to end resets; jobs in between share
-the locked clocks. Locking needs root (the gateway's user, not the job's).
+the locked clocks. Locking needs root (the gateway's user, not the job's). Locking and resetting
+run off the event loop, one at a time: the gateway answers requests while nvidia-smi works.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 
@@ -104,35 +105,64 @@ def lock_now() -> Callable[[], None]:
 
 
 class Lock:
-    """One job's share of the locked clocks; `release()` once (the last share resets them)."""
+    """One job's share of the locked clocks; `await release()` once (the last share resets them)."""
 
     def __init__(self, owner: _Shared) -> None:
         self._owner: _Shared | None = owner
 
-    def release(self) -> None:
+    async def release(self) -> None:
         if self._owner is not None:
-            self._owner.release()
-            self._owner = None
+            owner, self._owner = self._owner, None
+            await owner.release()
 
 
 class _Shared:
+    """The count of shares and the reset. Locking and resetting block (nvidia-smi: up to 20 s), so
+    they run on a thread; `lock` makes them one at a time in the order asked, so a reset never
+    overlaps the next lock. Each runs as its own task that the asking job's cancellation does not
+    stop: a lock still landing on its thread is given back after it lands, never before."""
+
     def __init__(self) -> None:
         self.count = 0
         self.reset: Callable[[], None] | None = None
         self.lock = asyncio.Lock()
+        self.pending: set[asyncio.Task[None]] = set()
 
-    async def acquire(self) -> Lock:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        return task
+
+    async def _lock(self) -> None:
         async with self.lock:
             if self.count == 0:
                 self.reset = await asyncio.to_thread(lock_now)
             self.count += 1
+
+    async def _unlock(self) -> None:
+        async with self.lock:
+            self.count -= 1
+            if self.count == 0 and self.reset is not None:
+                reset, self.reset = self.reset, None
+                await asyncio.to_thread(reset)
+
+    async def acquire(self) -> Lock:
+        task = self._spawn(self._lock())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._give_back)
+            raise
         return Lock(self)
 
-    def release(self) -> None:
-        self.count -= 1
-        if self.count == 0 and self.reset is not None:
-            reset, self.reset = self.reset, None
-            reset()  # a few ms of NVML; nvidia-smi's reset is bounded by its timeout
+    def _give_back(self, task: asyncio.Task[None]) -> None:
+        """A lock whose job was cancelled while it was taken: its share goes back now."""
+        if not task.cancelled() and task.exception() is None:
+            self._spawn(self._unlock())
+
+    async def release(self) -> None:
+        await asyncio.shield(self._spawn(self._unlock()))
 
 
 _SHARED: _Shared | None = None
@@ -144,3 +174,9 @@ async def acquire() -> Lock:
     if _SHARED is None:
         _SHARED = _Shared()
     return await _SHARED.acquire()
+
+
+async def settle() -> None:
+    """Wait for the locks and resets in flight (at shutdown: no clock is left locked)."""
+    while _SHARED is not None and _SHARED.pending:
+        await asyncio.gather(*_SHARED.pending, return_exceptions=True)

@@ -9,12 +9,14 @@
 A job's directory is filled by the gateway before the job starts (no link can be in the way yet),
 then handed to the job's user. What the gateway reads back after the job (eval_result.json, the
 profiler's CSV) is read without following a link and only from files the job's user owns, so a job
-cannot point the gateway (root) at another job's files or the system's.
+cannot point the gateway (root) at another job's files or the system's. A finished job's directory
+is removed the same way, never following a link (`remove_tree`, when its retention ends).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +138,38 @@ def find(root: Path, sub: str, name: str = "", suffix: str = "") -> Iterator[str
         for n in sorted(names):
             if n == name or (suffix and n.endswith(suffix)):
                 yield f"{rel}/{n}"
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove a job's directory tree without following links (shutil's fd-based rmtree); False if
+    it was not there. A gateway that is not root may meet a directory its job made read-only
+    (a module cache): it makes its own directories writable and tries once more. Blocking (run
+    it off the event loop); raises OSError."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+        _writable_dirs(path)
+        shutil.rmtree(path)
+    return True
+
+
+def _writable_dirs(root: Path) -> None:
+    """u+rwx on every directory of this user under root (links left alone). Not root, so the job
+    that could swap one in between is of the gateway's own uid: it cannot gain by it."""
+
+    def fix(path: str) -> None:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                os.chmod(path, 0o700)
+        except OSError:
+            pass  # gone meanwhile: rmtree says what is left
+
+    fix(str(root))
+    for top, dirs, _ in os.walk(root, followlinks=False):
+        for d in dirs:  # before os.walk lists them
+            fix(os.path.join(top, d))

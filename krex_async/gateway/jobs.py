@@ -311,7 +311,7 @@ class JobRunner:
                 deadline.cancel()
             self.timed_out.discard(job_id)
             if clock is not None:
-                clock.release()
+                await clock.release()  # off the loop; runs to its end even if this task is cancelled
 
     async def _deadline(self, job_id: str, h: CommandHandle, timeout: float) -> None:
         """The job's timeout, counted from its start (not its wait in the daemon's queue); then
@@ -403,5 +403,6 @@ class JobRunner:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
+        await clocks.settle()  # a reset still on its thread: no clock left locked behind us
         if self.client is not None:
             await self.client.close()

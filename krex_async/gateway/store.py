@@ -7,7 +7,8 @@ status it expects (`WHERE status=...`), so a cancelled job is never overwritten 
 and a job is claimed for running at most once. Each job has an `owner` (the identity that submitted
 it, auth.py): reads, lists, cancels and idempotency keys are scoped to it. Opening the store marks
 every job left `running` by a previous gateway as failed (reason `gateway_restarted`): it may have run
-partly, so it is never run again. Queued jobs stay queued and run after the restart.
+partly, so it is never run again. Queued jobs stay queued and run after the restart. A finished
+job's row is deleted when its retention ends (retention.py); only a terminal row is ever deleted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import secrets
 import sqlite3
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ DROP INDEX IF EXISTS jobs_idem;
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_owner_idem ON jobs(owner, kind, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner, seq);
+CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at) WHERE finished_at IS NOT NULL;
 """
 # Everything a view needs; mode and lock_clocks read from the stored request by SQLite, so the request
 # (up to the body limit) is never decoded to show a job.
@@ -181,6 +184,42 @@ class Store:
     def run_uid(self, job_id: str) -> int | None:
         row = self.db.execute("SELECT run_uid FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return None if row is None else row[0]
+
+    def expired(self, before: float, limit: int, skip: Collection[str] = ()) -> list[str]:
+        """Up to `limit` ids of jobs that reached a terminal status before `before` (oldest
+        first), leaving out `skip` (jobs whose task still runs)."""
+        sql = (
+            "SELECT job_id FROM jobs WHERE finished_at < ? AND status IN ('succeeded', 'failed', 'cancelled')"
+        )
+        if skip:
+            sql += f" AND job_id NOT IN ({','.join('?' * len(skip))})"
+        sql += " ORDER BY finished_at LIMIT ?"
+        return [r[0] for r in self.db.execute(sql, (before, *skip, limit)).fetchall()]
+
+    def forget(self, job_ids: Collection[str]) -> int:
+        """Delete these jobs' rows, each only while it is terminal. Returns how many went."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            n = sum(
+                self.db.execute(
+                    "DELETE FROM jobs WHERE job_id=? AND status IN ('succeeded', 'failed', 'cancelled')",
+                    (job_id,),
+                ).rowcount
+                for job_id in job_ids
+            )
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return n
+
+    def known(self, job_ids: Collection[str]) -> set[str]:
+        """Which of these ids have a row."""
+        return {
+            job_id
+            for job_id in job_ids
+            if self.db.execute("SELECT 1 FROM jobs WHERE job_id=?", (job_id,)).fetchone() is not None
+        }
 
     def list_ids(
         self,

@@ -50,6 +50,13 @@ class Views:
                 self._held -= len(old)
         return data
 
+    def forget(self, job_ids: list[str]) -> None:
+        """These jobs are gone (their retention ended): their cached views go too."""
+        for job_id in job_ids:
+            data = self._cache.pop(job_id, None)
+            if data is not None:
+                self._held -= len(data)
+
     @staticmethod
     async def _write(resp: web.StreamResponse, data: bytes) -> None:
         view = memoryview(data)

@@ -1,0 +1,130 @@
+"""lock_clocks with a slow nvidia-smi (on PATH, as test_atrex_compat's stand-in): the gateway answers
+requests while a lock or reset runs, a reset never overlaps the next lock, and a job cancelled while
+its lock is being taken gives it back after it landed, never before or during."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from krex_async.gateway import clocks
+
+from .conftest import stack
+from .test_atrex_compat import STUB_EVAL, client_job, typed
+from .test_kinds import install_tools
+
+SLOW_SMI = textwrap.dedent("""\
+    #!/bin/sh
+    log="$(dirname "$0")/smi.log"
+    case "$1" in
+      --query-supported-clocks=gr) printf '1980\\n345\\n' ;;
+      --lock-gpu-clocks) echo lock-start >> "$log"; sleep {lock}; echo lock-end >> "$log" ;;
+      --reset-gpu-clocks) echo reset-start >> "$log"; sleep {reset}; echo reset-end >> "$log" ;;
+      --query-gpu=compute_cap) echo 9.0 ;;
+      --query-gpu=*) echo "NVIDIA H200, 143771, 580.159.04" ;;
+    esac
+""")
+
+
+def slow_smi(bindir: Path, lock: float, reset: float) -> Path:
+    """A stand-in nvidia-smi whose lock and reset take `lock` and `reset` seconds; returns its log."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    smi.write_text(SLOW_SMI.format(lock=lock, reset=reset))
+    smi.chmod(0o755)
+    (bindir / "smi.log").write_text("")
+    return bindir / "smi.log"
+
+
+def calls(log: Path) -> list[str]:
+    return log.read_text().split()
+
+
+def serial(events: list[str]) -> bool:
+    """Every lock and reset ended before the next one began."""
+    return all(e.endswith("-start") == (i % 2 == 0) for i, e in enumerate(events)) and all(
+        events[i].split("-")[0] == events[i + 1].split("-")[0] for i in range(0, len(events) - 1, 2)
+    )
+
+
+@pytest.fixture
+def shared(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Fresh shares, the nvidia-smi path (never NVML: a machine with GPUs keeps its clocks)."""
+    monkeypatch.setattr(clocks, "_SHARED", None)
+    monkeypatch.setattr(clocks, "_nvml", lambda: (None, "NVML is not used in this test"))
+    log = slow_smi(tmp_path / "bin", lock=0.6, reset=0.6)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+async def test_a_reset_does_not_stall_the_loop_nor_overlap_the_next_lock(shared: Path) -> None:
+    lag = 0.0
+
+    async def ticker() -> None:
+        nonlocal lag
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lag = max(lag, time.monotonic() - t - 0.01)
+
+    tick = asyncio.ensure_future(ticker())
+    try:
+        a = await clocks.acquire()
+        b = await clocks.acquire()  # joins: no second lock
+        await b.release()
+        assert calls(shared) == ["lock-start", "lock-end"]
+        lag = 0.0
+        reset = asyncio.ensure_future(a.release())  # the last share: resets
+        while "reset-start" not in calls(shared):
+            await asyncio.sleep(0.01)
+        again = asyncio.ensure_future(clocks.acquire())  # asked while the reset runs
+        c = await again
+        await reset
+        assert lag < 0.3, f"the event loop stalled {lag:.2f} s during the reset"
+        await c.release()
+    finally:
+        tick.cancel()
+    events = calls(shared)
+    assert events == ["lock-start", "lock-end", "reset-start", "reset-end"] * 2, events
+
+
+async def test_a_job_cancelled_while_locking_gives_the_lock_back_after_it_landed(shared: Path) -> None:
+    job = asyncio.ensure_future(clocks.acquire())
+    while "lock-start" not in calls(shared):
+        await asyncio.sleep(0.01)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert calls(shared) == ["lock-start"]  # still locking on its thread
+    other = await clocks.acquire()  # another job meanwhile shares the lock once it landed
+    await other.release()
+    await asyncio.wait_for(clocks.settle(), 10)
+    events = calls(shared)
+    assert events == ["lock-start", "lock-end", "reset-start", "reset-end"], events
+    assert clocks._SHARED is not None and clocks._SHARED.count == 0
+
+
+async def test_the_gateway_answers_while_clocks_reset(tmp_path: Path, gwhome: Path) -> None:
+    """An eval with lock_clocks ends; its reset takes 3 s: /healthz is answered during it."""
+    bench, env = install_tools(gwhome / "scratch", STUB_EVAL)
+    log = slow_smi(gwhome / "scratch" / "bin", lock=0.1, reset=3)
+    async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, _gw, c):
+        job = asyncio.ensure_future(
+            client_job(c, "eval", typed("run", "class Model: pass\n", lock_clocks=True))
+        )
+        deadline = time.monotonic() + 60
+        while "reset-start" not in calls(log):
+            assert time.monotonic() < deadline and not job.done(), (calls(log), job)
+            await asyncio.sleep(0.02)
+        t = time.monotonic()
+        assert await c.health() == "ok"
+        took = time.monotonic() - t
+        assert "reset-end" not in calls(log) and took < 1.0, f"/healthz took {took:.2f} s during the reset"
+        done = await asyncio.wait_for(job, 30)
+        assert done["status"] == "succeeded" and done["result"]["clock_locked"] is True, done
+    assert serial(calls(log)) and calls(log)[-1] == "reset-end", calls(log)

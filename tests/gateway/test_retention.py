@@ -1,0 +1,207 @@
+"""Job retention: finished jobs' directories and rows go after --job-retention, running and
+queued ones never; a directory that will not go (chattr +i) or a locked database is said and the
+sweep goes on; at start, directories with no row are removed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from krex_async.gateway import job_retention, retention
+from krex_async.gateway.retention import Sweeper
+from krex_async.gateway.store import Store
+from tests.conftest import run_daemon
+from tests.security.helpers import _ensure_user
+
+from .conftest import SOCKET_GROUP, stack, start_gateway
+
+
+async def until(check: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_finished_jobs_go_after_retention_running_and_queued_ones_stay(tmp_path: Path) -> None:
+    async with stack(tmp_path, "--job-retention", "1.5", "--max-running", "1") as (_, gw, c):
+        jobs = gw.state / "jobs"
+        done = await c.dev("echo kept-for-now > out.txt")
+        done = await c.wait(done["job_id"], 30)
+        assert done["status"] == "succeeded", done
+        assert (jobs / done["job_id"] / "out.txt").exists()  # kept until its retention ends
+        long = await c.dev(f"touch {gw.scratch}/started; sleep 5; echo end > out.txt")
+        queued = await c.dev("echo after")
+        await until(lambda: (gw.scratch / "started").exists(), 20, "the long job started")
+        await until(lambda: not (jobs / done["job_id"]).exists(), 5, "the finished job's directory went")
+        status, body = await c.request("GET", f"/v1/jobs/{done['job_id']}")
+        assert (status, body["reason"]) == (404, "job_not_found")
+        assert done["job_id"] not in {j["job_id"] for j in await c.jobs()}
+        await asyncio.sleep(1.5)  # past the retention of a job that had ended when it started
+        assert (await c.get(long["job_id"]))["status"] == "running"
+        assert (jobs / long["job_id"]).is_dir()
+        assert (await c.get(queued["job_id"]))["status"] == "queued"
+        ended = await c.wait(long["job_id"], 30)
+        assert ended["status"] == "succeeded", ended
+        await until(lambda: not (jobs / long["job_id"]).exists(), 5, "the long job's directory went")
+        assert "cannot remove" not in gw.logs() and "sweep failed" not in gw.logs()
+
+
+async def test_start_up_removes_directories_with_no_record(gwhome: Path) -> None:
+    state = gwhome / "gw"
+    async with run_daemon() as daemon:
+        gw = start_gateway(daemon.socket, state)
+        c = gw.client()
+        try:
+            job = await c.wait((await c.dev("echo hi > out.txt"))["job_id"], 30)
+        finally:
+            await c.close()
+            gw.stop()
+        jobs = state / "jobs"
+        (jobs / "dv_0123456789ab" / "sub").mkdir(parents=True)  # its row was lost
+        (jobs / "dv_0123456789ab" / "sub" / "f").write_text("x")
+        (jobs / "operator-notes").mkdir()  # not a name the gateway makes: left alone
+        gw = start_gateway(daemon.socket, state)
+        try:
+            await until(lambda: not (jobs / "dv_0123456789ab").exists(), 10, "the orphan went")
+            assert (jobs / "operator-notes").is_dir()
+            assert (jobs / job["job_id"] / "out.txt").exists()  # has a row, within its retention
+            assert "1 job directory with no record" in gw.logs()
+        finally:
+            gw.stop()
+        # --job-retention never: nothing is removed, not even an orphan
+        (jobs / "pf_0123456789ab").mkdir()
+        gw = start_gateway(daemon.socket, state, "--job-retention", "never")
+        try:
+            await asyncio.sleep(1.0)
+            assert (jobs / "pf_0123456789ab").is_dir()
+        finally:
+            gw.stop()
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """chattr +i: not even root may unlink it (the real way a removal fails)."""
+    r = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"chattr +i is not available here: {r.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+async def test_sweep_survives_errors_and_spares_busy_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = Store(tmp_path / "jobs.db")
+    jobs = tmp_path / "jobs"
+    ids = {}
+    for name in ("plain", "stuck", "busy", "running", "queued"):
+        job, _ = store.create("dev", {"command": name}, "t", None, None)
+        ids[name] = job["job_id"]
+    while (claimed := store.claim()) is not None:
+        (jobs / claimed[0]).mkdir(parents=True)
+        (jobs / claimed[0] / "out").write_text("x")
+        if claimed[0] != ids["running"]:
+            store.finish(claimed[0], "succeeded", {}, None)
+    store.db.execute("UPDATE jobs SET status='queued' WHERE job_id=?", (ids["queued"],))
+    busy = {ids["busy"]}  # its task still runs (a cancelled job's command ending)
+    removed: list[str] = []
+    sweeper = Sweeper(store, jobs, 0.2, lambda: busy, removed.extend)
+    said: list[str] = []
+
+    def err() -> str:
+        said.append(capsys.readouterr().err)
+        return "".join(said)
+
+    locker = sqlite3.connect(tmp_path / "jobs.db", isolation_level=None)
+    store.db.execute("PRAGMA busy_timeout=50")
+    try:
+        with immutable(jobs / ids["stuck"] / "out"):
+            locker.execute("BEGIN EXCLUSIVE")  # the first sweeps cannot delete rows
+            await asyncio.sleep(0.3)
+            sweeper.start()
+            await until(lambda: "sweep failed" in err(), 5, "a failed sweep said so")
+            locker.execute("ROLLBACK")
+            await until(lambda: store.status(ids["plain"]) is None, 5, "the sweep went on")
+            await asyncio.sleep(1.2)  # more sweeps, each trying the stuck one again
+            assert err().count(f"cannot remove job {ids['stuck']}") == 1, err()  # said once
+            assert store.status(ids["stuck"]) == "succeeded" and (jobs / ids["stuck"]).is_dir()
+        await until(lambda: store.status(ids["stuck"]) is None, 5, "the stuck one went once it could")
+        assert sorted(removed) == sorted([ids["plain"], ids["stuck"]])
+        assert not (jobs / ids["plain"]).exists() and not (jobs / ids["stuck"]).exists()
+        for name in ("busy", "running", "queued"):
+            assert (jobs / ids[name] / "out").exists() and store.status(ids[name]) is not None, name
+        busy.clear()  # its task ended
+        await until(lambda: store.status(ids["busy"]) is None, 5, "the busy one went after its task")
+        assert not (jobs / ids["busy"]).exists() and sweeper._task is not None and not sweeper._task.done()
+    finally:
+        await sweeper.stop()
+        locker.close()
+        store.close()
+
+
+def test_the_retention_flag_and_variable() -> None:
+    assert job_retention(None, {}) == retention.DEFAULT == 86400
+    assert job_retention("600", {"KREX_GATEWAY_JOB_RETENTION": "5"}) == 600
+    assert job_retention(None, {"KREX_GATEWAY_JOB_RETENTION": "5"}) == 5
+    assert job_retention(None, {"KREX_GATEWAY_JOB_RETENTION": ""}) == 86400  # empty: unset
+    assert job_retention("never", {}) is None and job_retention("0", {}) is None
+    for flag, env, named in (
+        ("-1", {}, "--job-retention"),
+        (None, {"KREX_GATEWAY_JOB_RETENTION": "x"}, "KREX_GATEWAY_JOB_RETENTION"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            job_retention(flag, env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "krex_async.gateway",
+            "--state-dir",
+            "/nonexistent",
+            "--job-retention",
+            "soon",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2 and "--job-retention" in r.stderr and "soon" in r.stderr, r.stderr
+
+
+def test_a_gateway_that_is_not_root_removes_a_tree_its_job_made_read_only(gwhome: Path) -> None:
+    """A job of a non-root gateway runs as the gateway's user and may leave 0500/0000 directories
+    (a module cache): removing them needs the directories made writable first."""
+    if os.geteuid() != 0:
+        pytest.skip("runs the removal as another user: needs root")
+    user = _ensure_user("krextest", [SOCKET_GROUP])
+    top = gwhome / "scratch" / "dv_0123456789ab"
+    (top / "cache" / "mod").mkdir(parents=True)
+    (top / "cache" / "mod" / "f.go").write_text("x")
+    (top / "locked").mkdir()
+    for p in (top, top / "cache", top / "cache" / "mod", top / "cache" / "mod" / "f.go", top / "locked"):
+        os.chown(p, user.uid, user.gid)
+    os.symlink("/etc", top / "cache" / "etc")  # a link: removed, never followed or changed
+    (top / "cache" / "mod").chmod(0o500)
+    (top / "cache").chmod(0o555)
+    (top / "locked").chmod(0o000)
+    etc_mode = os.stat("/etc").st_mode
+    r = user.run_py(
+        "import sys; from pathlib import Path; from krex_async.gateway.files import remove_tree; "
+        "print(remove_tree(Path(sys.argv[1])), remove_tree(Path(sys.argv[1])))",
+        str(top),
+    )
+    assert r.returncode == 0 and r.stdout.split() == ["True", "False"], r.stderr
+    assert not top.exists() and os.stat("/etc").st_mode == etc_mode
