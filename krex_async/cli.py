@@ -241,11 +241,13 @@ def _serve_parser(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from krex_async.daemon import server
-    from krex_async.daemon.config import ConfigError, load_config_with_sources, print_config
+    from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources, print_config
 
     given = {k: v for k, v in vars(args).items() if v is not None and k in ServeConfig.__struct_fields__}
     try:
         cfg, sources = load_config_with_sources(args.config, os.environ, given)
+        if not args.print_config:
+            check_here(cfg, sources)
     except ConfigError as e:
         print(f"krex serve: {e}", file=sys.stderr)
         return 2

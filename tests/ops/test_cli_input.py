@@ -1,0 +1,92 @@
+"""Values `krex` used to accept without a word, each now refused before anything runs: exit 2 and a
+message naming the flag (or the KREX_* variable or file it came from) and the rule."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from krex_async.daemon.config import ConfigError, load_config_with_sources
+
+from ..conftest import PY, ROOT, private_cgroup_root, py_env, remove_cgroup_tree
+
+KREX = [PY, "-m", "krex_async"]
+
+
+def krex(*args: str, env: dict[str, str] | None = None) -> tuple[int | str, str]:
+    """(exit status, stderr); "still running" for a `krex serve` that took a bad value and served."""
+    try:
+        p = subprocess.run(
+            [*KREX, *args], capture_output=True, text=True, env=env or py_env(), cwd=ROOT, timeout=20
+        )
+    except subprocess.TimeoutExpired as e:  # run() has killed it
+        return "still running", (e.stderr or b"").decode(errors="replace")
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.returncode, p.stderr
+
+
+def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int | str, str]:
+    sock = tmp_path / "s"
+    out = krex(
+        "serve",
+        "--socket",
+        str(sock),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--probes",
+        "off",
+        *args,
+        env=env,
+    )
+    assert out[0] == "still running" or not sock.exists(), "it bound its socket before refusing"
+    return out
+
+
+def test_serve_refuses_more_region_cores_than_krex_may_use(tmp_path: Path) -> None:
+    """--region-cores is a count: the cpus of krex's affinity, less one that always stays for the
+    other commands (cores.py would quietly reserve fewer)."""
+
+    n = len(os.sched_getaffinity(0))
+    for value in ("99999", str(n)):
+        rc, err = serve(tmp_path, "--isolation", "signal", "--region-cores", value)
+        assert rc == 2 and f"flag --region-cores: {value} region cores" in err, (rc, err)
+        assert f"krex may use {n} cpus here" in err and f"give 0 to {n - 1}" in err, err
+    env = py_env(KREX_REGION_CORES="99999")
+    rc, err = serve(tmp_path, "--isolation", "signal", env=env)
+    assert rc == 2 and "env KREX_REGION_CORES: 99999 region cores" in err, (rc, err)
+    rc, err = serve(tmp_path, "--region-cores", "1,2")  # not a count at all: argparse says so
+    assert rc == 2 and "argument --region-cores: invalid int value: '1,2'" in err, err
+    from krex_async.daemon.config import check_here  # new with this check
+
+    for fine in (0, n - 1, -1):  # -1: the machine's default
+        cfg, src = load_config_with_sources(None, {}, {"region_cores": fine, "isolation": "signal"})
+        check_here(cfg, src)
+
+
+def test_serve_refuses_a_given_cgroup_root_it_cannot_use(tmp_path: Path) -> None:
+    """A root given on purpose is used or refused, never fallen back from to signals; the root krex
+    finds itself may still fall back (isolation.choose_backend)."""
+
+    rc, err = serve(tmp_path, "--cgroup-root", str(tmp_path / "nope"))
+    assert rc == 2 and f"flag --cgroup-root: no directory {tmp_path / 'nope'}" in err, (rc, err)
+    rc, err = serve(tmp_path, "--cgroup-root", str(tmp_path))
+    assert rc == 2 and f"{tmp_path} is not a cgroup v2 directory" in err, (rc, err)
+    rc, err = serve(tmp_path, env=py_env(KREX_CGROUP_ROOT=str(tmp_path / "nope")))
+    assert rc == 2 and "env KREX_CGROUP_ROOT: no directory" in err, (rc, err)
+    from krex_async.daemon.config import check_here  # new with this check
+
+    # --isolation signal uses no cgroup: the root (which `krex cleanup` may read) is not checked
+    cfg, src = load_config_with_sources(None, {}, {"cgroup_root": "/nope", "isolation": "signal"})
+    check_here(cfg, src)
+    with pytest.raises(ConfigError, match="flag --cgroup-root: no directory /nope"):
+        check_here(*load_config_with_sources(None, {}, {"cgroup_root": "/nope", "isolation": "cgroup"}))
+    root = private_cgroup_root()
+    if root is None:
+        return  # a usable root needs root and cgroup v2; the refusals above hold anywhere
+    try:
+        check_here(*load_config_with_sources(None, {}, {"cgroup_root": root}))
+    finally:
+        remove_cgroup_tree(root)
