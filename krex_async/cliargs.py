@@ -4,7 +4,8 @@ status view need not import the CLI that imports it."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 
 
 def seconds(text: str) -> float:
@@ -39,3 +40,30 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def names_from(known: Collection[str]) -> Callable[[str], str]:
+    """argparse type: a comma-separated list of some of `known` (given back as written); an unknown
+    item is refused with the known ones listed, where it would otherwise match nothing silently."""
+
+    def parse(text: str) -> str:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"none given (known: {', '.join(known)})")
+        bad = [x for x in items if x not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, bad))} (known: {', '.join(known)})"
+            )
+        return text
+
+    return parse
+
+
+def directory(text: str) -> str:
+    """argparse type: a path that is an existing directory (a typo there would match nothing)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text}: {'not a directory' if os.path.exists(text) else 'no such directory'}"
+        )
+    return text

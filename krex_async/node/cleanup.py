@@ -37,6 +37,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from krex_async.cliargs import directory
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.linux import procfs
 from krex_async.linux.procfs import Mount
@@ -274,6 +275,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--root",
         action="append",
+        type=directory,
         default=[],
         help="sweep ROOT/krex only (repeatable); default: every place krex may use",
     )

@@ -3,12 +3,14 @@ message naming the flag (or the KREX_* variable or file it came from) and the ru
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from krex_async import protocol as P
 from krex_async.daemon.config import ConfigError, load_config_with_sources
 
 from ..conftest import PY, ROOT, private_cgroup_root, py_env, remove_cgroup_tree
@@ -90,3 +92,39 @@ def test_serve_refuses_a_given_cgroup_root_it_cannot_use(tmp_path: Path) -> None
         check_here(*load_config_with_sources(None, {}, {"cgroup_root": root}))
     finally:
         remove_cgroup_tree(root)
+
+
+def test_trace_takes_only_the_kinds_a_daemon_sends() -> None:
+    rc, err = krex("trace", "--kind", "probe,bogus")
+    assert rc == 2 and "argument --kind: unknown 'bogus' (known: command_start," in err, err
+    assert all(k in err for k in P.TRACE_KINDS), err
+    rc, err = krex("trace", "--kind", ",")
+    assert rc == 2 and "argument --kind: none given" in err, err
+    rc, err = krex("trace", "--pid", "0")
+    assert rc == 2 and "argument --pid: 0 is not in 1..4194304" in err, err
+    rc, err = krex("trace", "--kind", "probe,stray", "--kind", "freeze", "--socket", "/nonexistent/s")
+    assert rc == 1 and "no krex daemon at /nonexistent/s" in err, err  # parsed, then no daemon
+
+
+def test_trace_kinds_are_the_kinds_the_daemon_emits() -> None:
+    """Every kind passed to `trace(...)` in the daemon is in TRACE_KINDS, and each of those is sent
+    somewhere: the list --kind checks against cannot drift from the code."""
+    sent: set[str] = set()
+    for path in (ROOT / "krex_async").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "trace" and node.args:
+                first = node.args[0]
+                sent |= {
+                    c.value
+                    for c in ast.walk(first)
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                }
+    assert sent == set(P.TRACE_KINDS), sent ^ set(P.TRACE_KINDS)
+
+
+def test_cleanup_refuses_a_root_that_is_no_directory(tmp_path: Path) -> None:
+    rc, err = krex("cleanup", "--root", str(tmp_path / "nope"), "--socket", "/nonexistent/s")
+    assert rc == 2 and f"argument --root: {tmp_path / 'nope'}: no such directory" in err, err
+    (tmp_path / "f").write_text("")
+    rc, err = krex("cleanup", "--root", str(tmp_path / "f"), "--socket", "/nonexistent/s")
+    assert rc == 2 and "not a directory" in err, err
