@@ -27,10 +27,10 @@ from typing import Any
 
 import msgspec
 
-from krex_async.cliargs import int_in
+from krex_async.cliargs import int_in, text_up_to
 from krex_async.cliargs import seconds as _seconds
 from krex_async.daemon.config import ServeConfig
-from krex_async.protocol import default_socket
+from krex_async.protocol import MAX_NAME, default_socket
 from krex_async.scheduler import Policy
 
 
@@ -296,15 +296,17 @@ def _buffer(stream: Any) -> Any:
     return getattr(stream, "buffer", None) if stream is not None else None
 
 
+def _command(args: argparse.Namespace) -> list[str]:
+    """`krex run`'s CMD: what follows its options, less the `--` that may separate them."""
+    return list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
+
+
 async def _run(args: argparse.Namespace) -> int:
     from krex_async.client.stdinfeed import feed_stdin, stdin_usable
     from krex_async.client.submit import Client, KrexError
     from krex_async.linux.fsutil import quiet_stdout
 
-    argv = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
-    if not argv:
-        print("krex run: no command given (krex run [options] -- CMD ...)", file=sys.stderr)
-        return 125
+    argv = _command(args)
     if args.report and (why := _check_writable(args.report)):
         print(f"krex run: --report {args.report}: {why}; the command was not run", file=sys.stderr)
         return 125
@@ -441,10 +443,19 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     r = sub.add_parser("run", help="run a command under the daemon, like running it directly")
     r.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
-    r.add_argument("--device", default="auto", help="auto, an index, a key (cpu, nvidia0), or none")
+    r.add_argument(
+        "--device",
+        default="auto",
+        type=text_up_to(MAX_NAME),
+        help="auto, an index, a key (cpu, nvidia0), or none",
+    )
     r.add_argument("--timeout", type=_seconds, help="seconds before the command's tree is killed")
     r.add_argument("--report", help="write the command's report as JSON to this file")
-    r.add_argument("--label", help="a label shown in `krex status` and the report")
+    r.add_argument(
+        "--label",
+        type=text_up_to(MAX_NAME),
+        help=f"a label shown in `krex status` and the report (up to {MAX_NAME} characters)",
+    )
     r.add_argument(
         "--stdin",
         action="store_true",
@@ -492,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "serve":
         return _serve(args)
     if args.verb == "run":
+        if not _command(args):  # a usage error, not a command krex could not run (125)
+            _SUBPARSERS["run"].error("no command given (krex run [options] -- CMD ...)")
         return asyncio.run(_run(args))
     if args.verb == "gateway":
         return gateway.main(args)

@@ -60,6 +60,17 @@ def names_from(known: Collection[str]) -> Callable[[str], str]:
     return parse
 
 
+def text_up_to(limit: int) -> Callable[[str], str]:
+    """argparse type: text of at most `limit` characters (the protocol's bound, said by the flag)."""
+
+    def parse(text: str) -> str:
+        if len(text) > limit:
+            raise argparse.ArgumentTypeError(f"{len(text)} characters, more than the {limit} allowed")
+        return text
+
+    return parse
+
+
 def directory(text: str) -> str:
     """argparse type: a path that is an existing directory (a typo there would match nothing)."""
     if not os.path.isdir(text):

@@ -23,7 +23,8 @@ MAX_FRAME = 16 * 1024 * 1024
 HEADER = struct.Struct(">I")
 
 # Length bounds for strings and lists that come from peers (no unbounded fields).
-Name = Annotated[str, msgspec.Meta(max_length=256)]
+MAX_NAME = 256  # characters of a label, device or region name (the CLI checks it too, by name)
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text = Annotated[str, msgspec.Meta(max_length=1 << 20)]
 Arg = Annotated[str, msgspec.Meta(max_length=128 * 1024)]
 Argv = Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=4096)]

@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from krex_async import protocol as P
@@ -128,3 +129,23 @@ def test_cleanup_refuses_a_root_that_is_no_directory(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     rc, err = krex("cleanup", "--root", str(tmp_path / "f"), "--socket", "/nonexistent/s")
     assert rc == 2 and "not a directory" in err, err
+
+
+def test_run_without_a_command_is_a_usage_error() -> None:
+    """125 means krex could not run a command (README); no command given is a usage error."""
+    for args in (["run"], ["run", "--"], ["run", "--label", "x", "--"]):
+        rc, err = krex(*args)
+        assert rc == 2 and "usage: krex run" in err and "no command given" in err, (args, rc, err)
+
+
+def test_run_label_and_device_longer_than_the_protocol_allows() -> None:
+    for flag in ("--label", "--device"):
+        rc, err = krex("run", flag, "x" * (P.MAX_NAME + 1), "--", "true")
+        assert rc == 2 and f"argument {flag}: {P.MAX_NAME + 1} characters, more than the 256" in err, err
+    # the limit is the protocol's, in characters: a 256-character label of 2-byte ones passes
+    rc, err = krex("run", "--label", "é" * P.MAX_NAME, "--socket", "/nonexistent/s", "--", "true")
+    assert rc == 125 and "no krex daemon" in err, err
+    body = msgspec.msgpack.encode(P.Submit(id=1, argv=["true"], label="é" * P.MAX_NAME))
+    assert P.decode_request(body).label == "é" * P.MAX_NAME
+    with pytest.raises(msgspec.ValidationError):
+        P.decode_request(msgspec.msgpack.encode(P.Submit(id=1, argv=["true"], label="x" * (P.MAX_NAME + 1))))
