@@ -27,8 +27,7 @@ from typing import Any
 
 import msgspec
 
-from krex_async.cliargs import int_in, text_up_to
-from krex_async.cliargs import seconds as _seconds
+from krex_async.cliargs import int_in, text_up_to, timeout
 from krex_async.daemon.config import ServeConfig
 from krex_async.protocol import MAX_NAME, default_socket
 from krex_async.scheduler import Policy
@@ -449,19 +448,20 @@ def main(argv: list[str] | None = None) -> int:
         type=text_up_to(MAX_NAME),
         help="auto, an index, a key (cpu, nvidia0), or none",
     )
-    r.add_argument("--timeout", type=_seconds, help="seconds before the command's tree is killed")
+    r.add_argument("--timeout", type=timeout, help="seconds before the command's tree is killed")
     r.add_argument("--report", help="write the command's report as JSON to this file")
     r.add_argument(
         "--label",
         type=text_up_to(MAX_NAME),
         help=f"a label shown in `krex status` and the report (up to {MAX_NAME} characters)",
     )
-    r.add_argument(
+    stdin = r.add_mutually_exclusive_group()  # both given: which one was meant is unknown
+    stdin.add_argument(
         "--stdin",
         action="store_true",
         help="pass this process's stdin to the command (the default; kept for scripts)",
     )
-    r.add_argument(
+    stdin.add_argument(
         "--no-stdin",
         action="store_true",
         help="give the command /dev/null as stdin, like ssh -n (in a `while read` loop "

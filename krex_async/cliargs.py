@@ -19,6 +19,15 @@ def seconds(text: str) -> float:
     return value
 
 
+def timeout(text: str) -> float:
+    """argparse type for a time limit: seconds > 0 (0 would kill a command as it starts, where GNU
+    timeout reads 0 as no limit; leaving the flag out is no limit)."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected seconds > 0 (leave the flag out for no limit), got 0")
+    return value
+
+
 def interval(text: str) -> float:
     """argparse type for a redraw interval: seconds, at least 0.1 (0 would query in a tight loop)."""
     value = seconds(text)

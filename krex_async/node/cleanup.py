@@ -279,7 +279,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="sweep ROOT/krex only (repeatable); default: every place krex may use",
     )
-    p.add_argument("--cgroup-root", default="", help="the daemon's configured cgroup root")
+    p.add_argument("--cgroup-root", type=directory, help="the daemon's configured cgroup root")
     p.add_argument(
         "--config", help="read cgroup_root from this krex.toml (default: /etc/krex/krex.toml when it exists)"
     )
@@ -296,6 +296,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--state-dir",
+        type=directory,
         help="the daemon's state dir, whose lock record names the "
         "processes it locked through the CUDA driver (default: "
         "from the config, else the default)",

@@ -146,6 +146,15 @@ async def trace(args: argparse.Namespace) -> int:
         return 1
     async with client:
         try:
+            if args.device:  # a key this node does not have would match nothing, silently
+                known = [str(d.get("key")) for d in (await client.status()).get("devices", [])]
+                if unknown := [k for k in args.device if k not in known]:
+                    print(
+                        f"krex trace: --device {', '.join(unknown)}: no such device here "
+                        f"(this node has: {', '.join(known)})",
+                        file=sys.stderr,
+                    )
+                    return 2
             if not args.json:
                 pol = client.welcome.policy if client.welcome else "?"
                 print(f"Tracing krex at {client.path} (policy {pol})... Ctrl-C to stop.", file=sys.stderr)

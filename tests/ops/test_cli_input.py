@@ -4,6 +4,8 @@ message naming the flag (or the KREX_* variable or file it came from) and the ru
 from __future__ import annotations
 
 import ast
+import asyncio
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 from krex_async import protocol as P
 from krex_async.daemon.config import ConfigError, load_config_with_sources
 
-from ..conftest import PY, ROOT, private_cgroup_root, py_env, remove_cgroup_tree
+from ..conftest import PY, ROOT, private_cgroup_root, py_env, remove_cgroup_tree, run_daemon
 
 KREX = [PY, "-m", "krex_async"]
 
@@ -129,6 +131,14 @@ def test_cleanup_refuses_a_root_that_is_no_directory(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     rc, err = krex("cleanup", "--root", str(tmp_path / "f"), "--socket", "/nonexistent/s")
     assert rc == 2 and "not a directory" in err, err
+    # the daemon's cgroup root and state dir, given by hand: a typo would sweep or unlock nothing
+    for flag in ("--cgroup-root", "--state-dir"):
+        rc, err = krex(
+            "cleanup", flag, str(tmp_path / "nope"), "--root", str(tmp_path), "--socket", "/nonexistent/s"
+        )
+        assert rc == 2 and f"argument {flag}: {tmp_path / 'nope'}: no such directory" in err, err
+    rc, err = krex("cleanup", "--root", str(tmp_path), "--socket", "/nonexistent/s")  # neither given
+    assert rc == 0, err
 
 
 def test_run_without_a_command_is_a_usage_error() -> None:
@@ -149,3 +159,35 @@ def test_run_label_and_device_longer_than_the_protocol_allows() -> None:
     assert P.decode_request(body).label == "é" * P.MAX_NAME
     with pytest.raises(msgspec.ValidationError):
         P.decode_request(msgspec.msgpack.encode(P.Submit(id=1, argv=["true"], label="x" * (P.MAX_NAME + 1))))
+
+
+def test_run_timeout_of_zero_and_both_stdin_flags_are_usage_errors() -> None:
+    """--timeout 0 killed the command as it started (GNU timeout reads 0 as no limit); --stdin with
+    --no-stdin quietly meant --no-stdin."""
+    rc, err = krex("run", "--timeout", "0", "--socket", "/nonexistent/s", "--", "true")
+    assert rc == 2 and "argument --timeout: expected seconds > 0 (leave the flag out" in err, err
+    rc, err = krex("run", "--stdin", "--no-stdin", "--socket", "/nonexistent/s", "--", "true")
+    assert rc == 2 and "argument --no-stdin: not allowed with argument --stdin" in err, err
+
+
+async def test_trace_device_and_status_json_stream_against_a_daemon() -> None:
+    """trace --device must name a device of the node (it matched nothing); status --json --watch is
+    JSON lines (it mixed a text header into the JSON), and a reader that leaves ends it quietly."""
+    async with run_daemon("--isolation", "signal") as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        rc, err = await asyncio.to_thread(krex, "trace", "--device", "cpu", "--device", "nvidia9", env=env)
+        watch = subprocess.Popen(
+            [*KREX, "status", "--json", "--watch", "0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+        )
+        assert watch.stdout is not None and watch.stderr is not None
+        lines = [await asyncio.to_thread(watch.stdout.readline) for _ in range(2)]
+        watch.stdout.close()  # the reader leaves, as `| head -2` does
+        code = await asyncio.to_thread(watch.wait, 30)
+        stderr = watch.stderr.read().decode()
+    assert rc == 2 and "--device nvidia9: no such device here (this node has: cpu)" in err, err
+    assert [json.loads(x)["policy"] for x in lines] == ["region", "region"], lines
+    assert code == 0 and "Traceback" not in stderr, stderr
