@@ -313,8 +313,16 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
       the other commands (cores.py would reserve fewer without a word).
     - cgroup_root: a root given on purpose is used or refused; only the root krex finds itself falls
       back to signals (isolation.choose_backend). Not checked under --isolation signal, which uses none.
+    - probe_prefixes: what the ioctl probe accepts (a bad one ended start-up in a traceback).
     """
     from krex_async.isolation.cpuset import fmt
+    from krex_async.probes.bpf_ioctl import check_prefixes
+
+    if cfg.probe_prefixes:
+        try:
+            check_prefixes(cfg.probe_prefix_list)
+        except ValueError as e:
+            raise ConfigError(f"{sources.get('probe_prefixes', 'probe_prefixes')}: {e}") from None
 
     cpus = frozenset(os.sched_getaffinity(0))
     if cfg.region_cores >= len(cpus):

@@ -97,6 +97,14 @@ def test_serve_refuses_a_given_cgroup_root_it_cannot_use(tmp_path: Path) -> None
         remove_cgroup_tree(root)
 
 
+def test_serve_refuses_probe_prefixes_the_probe_cannot_take(tmp_path: Path) -> None:
+    """A relative prefix ended start-up in a traceback (probes on) or was kept unused (off)."""
+    rc, err = serve(tmp_path, "--isolation", "signal", "--probe-prefixes", "/dev/nvidia,dri")
+    assert rc == 2 and "flag --probe-prefixes: prefix 'dri': absolute path of 2..63 bytes" in err, err
+    rc, err = serve(tmp_path, "--isolation", "signal", env=py_env(KREX_PROBE_PREFIXES=","))
+    assert rc == 2 and "env KREX_PROBE_PREFIXES: at least one device path prefix" in err, err
+
+
 def test_trace_takes_only_the_kinds_a_daemon_sends() -> None:
     rc, err = krex("trace", "--kind", "probe,bogus")
     assert rc == 2 and "argument --kind: unknown 'bogus' (known: command_start," in err, err
