@@ -267,6 +267,8 @@ def _name_env_vars(p: argparse.ArgumentParser) -> None:
 
 def _check_writable(path: str) -> str | None:
     """Why `path` cannot be written (before anything runs), or None."""
+    if not path:
+        return "an empty path"
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return "is a directory"
@@ -306,8 +308,10 @@ async def _run(args: argparse.Namespace) -> int:
     from krex_async.linux.fsutil import quiet_stdout
 
     argv = _command(args)
-    if args.report and (why := _check_writable(args.report)):
-        print(f"krex run: --report {args.report}: {why}; the command was not run", file=sys.stderr)
+    if args.report is not None and (why := _check_writable(args.report)):
+        print(
+            f"krex run: --report {args.report or repr('')}: {why}; the command was not run", file=sys.stderr
+        )
         return 125
     for what, value in [*((f"argument {i}", a) for i, a in enumerate(argv)), ("--label", args.label or "")]:
         try:
@@ -382,7 +386,7 @@ async def _export(args: argparse.Namespace) -> int:
 
     to_stdout = args.perfetto == "-"
     if not to_stdout and (why := _check_writable(args.perfetto)):
-        print(f"krex export: {args.perfetto}: {why}", file=sys.stderr)
+        print(f"krex export: --perfetto {args.perfetto or repr('')}: {why}", file=sys.stderr)
         return 1
     try:
         async with await Client.connect(args.socket) as c:

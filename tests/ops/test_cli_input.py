@@ -199,3 +199,12 @@ async def test_trace_device_and_status_json_stream_against_a_daemon() -> None:
     assert rc == 2 and "--device nvidia9: no such device here (this node has: cpu)" in err, err
     assert [json.loads(x)["policy"] for x in lines] == ["region", "region"], lines
     assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_an_empty_report_or_export_path_is_refused_before_anything_runs() -> None:
+    """An empty --report was found out only after the command ran; an empty --perfetto after the
+    timeline was fetched."""
+    rc, err = krex("run", "--report", "", "--socket", "/nonexistent/s", "--", "true")
+    assert rc == 125 and "--report '': an empty path; the command was not run" in err, err
+    rc, err = krex("export", "--perfetto", "", "--socket", "/nonexistent/s")
+    assert rc == 1 and "--perfetto '': an empty path" in err, err
