@@ -27,10 +27,9 @@ from typing import Any
 
 import msgspec
 
-from krex_async.cliargs import int_in
-from krex_async.cliargs import seconds as _seconds
+from krex_async.cliargs import int_in, text_up_to, timeout
 from krex_async.daemon.config import ServeConfig
-from krex_async.protocol import default_socket
+from krex_async.protocol import MAX_NAME, default_socket
 from krex_async.scheduler import Policy
 
 
@@ -241,11 +240,13 @@ def _serve_parser(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from krex_async.daemon import server
-    from krex_async.daemon.config import ConfigError, load_config_with_sources, print_config
+    from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources, print_config
 
     given = {k: v for k, v in vars(args).items() if v is not None and k in ServeConfig.__struct_fields__}
     try:
         cfg, sources = load_config_with_sources(args.config, os.environ, given)
+        if not args.print_config:
+            check_here(cfg, sources)
     except ConfigError as e:
         print(f"krex serve: {e}", file=sys.stderr)
         return 2
@@ -266,6 +267,8 @@ def _name_env_vars(p: argparse.ArgumentParser) -> None:
 
 def _check_writable(path: str) -> str | None:
     """Why `path` cannot be written (before anything runs), or None."""
+    if not path:
+        return "an empty path"
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return "is a directory"
@@ -294,17 +297,21 @@ def _buffer(stream: Any) -> Any:
     return getattr(stream, "buffer", None) if stream is not None else None
 
 
+def _command(args: argparse.Namespace) -> list[str]:
+    """`krex run`'s CMD: what follows its options, less the `--` that may separate them."""
+    return list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
+
+
 async def _run(args: argparse.Namespace) -> int:
     from krex_async.client.stdinfeed import feed_stdin, stdin_usable
     from krex_async.client.submit import Client, KrexError
     from krex_async.linux.fsutil import quiet_stdout
 
-    argv = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
-    if not argv:
-        print("krex run: no command given (krex run [options] -- CMD ...)", file=sys.stderr)
-        return 125
-    if args.report and (why := _check_writable(args.report)):
-        print(f"krex run: --report {args.report}: {why}; the command was not run", file=sys.stderr)
+    argv = _command(args)
+    if args.report is not None and (why := _check_writable(args.report)):
+        print(
+            f"krex run: --report {args.report or repr('')}: {why}; the command was not run", file=sys.stderr
+        )
         return 125
     for what, value in [*((f"argument {i}", a) for i, a in enumerate(argv)), ("--label", args.label or "")]:
         try:
@@ -379,7 +386,7 @@ async def _export(args: argparse.Namespace) -> int:
 
     to_stdout = args.perfetto == "-"
     if not to_stdout and (why := _check_writable(args.perfetto)):
-        print(f"krex export: {args.perfetto}: {why}", file=sys.stderr)
+        print(f"krex export: --perfetto {args.perfetto or repr('')}: {why}", file=sys.stderr)
         return 1
     try:
         async with await Client.connect(args.socket) as c:
@@ -439,16 +446,26 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     r = sub.add_parser("run", help="run a command under the daemon, like running it directly")
     r.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
-    r.add_argument("--device", default="auto", help="auto, an index, a key (cpu, nvidia0), or none")
-    r.add_argument("--timeout", type=_seconds, help="seconds before the command's tree is killed")
-    r.add_argument("--report", help="write the command's report as JSON to this file")
-    r.add_argument("--label", help="a label shown in `krex status` and the report")
     r.add_argument(
+        "--device",
+        default="auto",
+        type=text_up_to(MAX_NAME),
+        help="auto, an index, a key (cpu, nvidia0), or none",
+    )
+    r.add_argument("--timeout", type=timeout, help="seconds before the command's tree is killed")
+    r.add_argument("--report", help="write the command's report as JSON to this file")
+    r.add_argument(
+        "--label",
+        type=text_up_to(MAX_NAME),
+        help=f"a label shown in `krex status` and the report (up to {MAX_NAME} characters)",
+    )
+    stdin = r.add_mutually_exclusive_group()  # both given: which one was meant is unknown
+    stdin.add_argument(
         "--stdin",
         action="store_true",
         help="pass this process's stdin to the command (the default; kept for scripts)",
     )
-    r.add_argument(
+    stdin.add_argument(
         "--no-stdin",
         action="store_true",
         help="give the command /dev/null as stdin, like ssh -n (in a `while read` loop "
@@ -490,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "serve":
         return _serve(args)
     if args.verb == "run":
+        if not _command(args):  # a usage error, not a command krex could not run (125)
+            _SUBPARSERS["run"].error("no command given (krex run [options] -- CMD ...)")
         return asyncio.run(_run(args))
     if args.verb == "gateway":
         return gateway.main(args)

@@ -4,7 +4,8 @@ status view need not import the CLI that imports it."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 
 
 def seconds(text: str) -> float:
@@ -15,6 +16,15 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected seconds, a number >= 0, got {text!r}")
+    return value
+
+
+def timeout(text: str) -> float:
+    """argparse type for a time limit: seconds > 0 (0 would kill a command as it starts, where GNU
+    timeout reads 0 as no limit; leaving the flag out is no limit)."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected seconds > 0 (leave the flag out for no limit), got 0")
     return value
 
 
@@ -39,3 +49,41 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def names_from(known: Collection[str]) -> Callable[[str], str]:
+    """argparse type: a comma-separated list of some of `known` (given back as written); an unknown
+    item is refused with the known ones listed, where it would otherwise match nothing silently."""
+
+    def parse(text: str) -> str:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"none given (known: {', '.join(known)})")
+        bad = [x for x in items if x not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, bad))} (known: {', '.join(known)})"
+            )
+        return text
+
+    return parse
+
+
+def text_up_to(limit: int) -> Callable[[str], str]:
+    """argparse type: text of at most `limit` characters (the protocol's bound, said by the flag)."""
+
+    def parse(text: str) -> str:
+        if len(text) > limit:
+            raise argparse.ArgumentTypeError(f"{len(text)} characters, more than the {limit} allowed")
+        return text
+
+    return parse
+
+
+def directory(text: str) -> str:
+    """argparse type: a path that is an existing directory (a typo there would match nothing)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text}: {'not a directory' if os.path.exists(text) else 'no such directory'}"
+        )
+    return text

@@ -23,14 +23,16 @@ MAX_FRAME = 16 * 1024 * 1024
 HEADER = struct.Struct(">I")
 
 # Length bounds for strings and lists that come from peers (no unbounded fields).
-Name = Annotated[str, msgspec.Meta(max_length=256)]
+MAX_NAME = 256  # characters of a label, device or region name (the CLI checks it too, by name)
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text = Annotated[str, msgspec.Meta(max_length=1 << 20)]
 Arg = Annotated[str, msgspec.Meta(max_length=128 * 1024)]
 Argv = Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=4096)]
 Env = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4096)], Arg], msgspec.Meta(max_length=4096)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
-Pid = Annotated[int, msgspec.Meta(ge=-1, le=1 << 22)]  # PID_MAX_LIMIT; 0 (or -1): not given
+PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: no pid is larger
+Pid = Annotated[int, msgspec.Meta(ge=-1, le=PID_MAX)]  # 0 (or -1): not given
 # What exec accepts in all (argv and environment together; Linux's ARG_MAX is a quarter of the stack
 # limit, 2 MiB by default) and the largest stdin a command can be given in its Submit frame.
 MAX_EXEC_BYTES = 2 * 1024 * 1024
@@ -467,10 +469,27 @@ class StatusReply(Msg, tag="status_reply"):
     status: dict[str, object]  # daemon-built JSON-able tree, for people and scripts
 
 
+# The kinds of TraceEvent a daemon sends (`krex trace --kind` accepts these alone).
+TRACE_KINDS = (
+    "command_start",
+    "command_end",
+    "region_queued",
+    "region_grant",
+    "region_release",
+    "freeze",
+    "lock",
+    "thaw",
+    "unlock",
+    "probe",
+    "stray",
+    "probes_failed",
+)
+
+
 class TraceEvent(Msg, tag="trace"):
     id: ReqId
     ts: float  # unix seconds
-    kind: str  # region_request, region_grant, region_release, freeze, thaw, probe, stray, command_*
+    kind: str  # one of TRACE_KINDS
     device: str = ""
     command: str = ""
     region: str = ""

@@ -305,6 +305,51 @@ def load_config(path: str | None, env: Mapping[str, str], cli: dict[str, Any]) -
     return load_config_with_sources(path, env, cli)[0]
 
 
+def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
+    """Options that pass their types but cannot serve here, checked as `krex serve` starts (not by
+    --print-config, which may describe another node). Raises ConfigError naming where each came from.
+
+    - region_cores: a count, at most the cpus krex may use less one, which always stays for the
+      other commands (cores.py would reserve fewer without a word).
+    - cgroup_root: a root given on purpose is used or refused; only the root krex finds itself falls
+      back to signals (isolation.choose_backend). Not checked under --isolation signal, which uses none.
+    - probe_prefixes: what the ioctl probe accepts (a bad one ended start-up in a traceback).
+    """
+    from krex_async.isolation.cpuset import fmt
+    from krex_async.probes.bpf_ioctl import check_prefixes
+
+    def where(field: str) -> str:
+        return sources.get(field, field)
+
+    cpus = frozenset(os.sched_getaffinity(0))
+    if cfg.region_cores >= len(cpus):
+        raise ConfigError(
+            f"{where('region_cores')}: {cfg.region_cores} region cores, but krex may use {len(cpus)} "
+            f"cpus here ({fmt(cpus)}) and one always stays for the other commands: "
+            f"give 0 to {len(cpus) - 1} (0: none reserved)"
+        )
+    if cfg.cgroup_root and cfg.isolation != "signal":
+        from krex_async.isolation.cgroup import probe_cgroup
+
+        root = cfg.cgroup_root
+        if not os.path.isdir(root):
+            usable, why = False, f"no directory {root}"
+        elif not os.path.exists(os.path.join(root, "cgroup.controllers")):
+            usable, why = False, f"{root} is not a cgroup v2 directory (it has no cgroup.controllers)"
+        else:
+            usable, why = probe_cgroup(root)
+        if not usable:
+            raise ConfigError(
+                f"{where('cgroup_root')}: {why}; name a delegated cgroup v2 directory, or leave "
+                "cgroup_root unset to let krex find one (or fall back to signals)"
+            )
+    if cfg.probe_prefixes:
+        try:
+            check_prefixes(cfg.probe_prefix_list)
+        except ValueError as e:
+            raise ConfigError(f"{where('probe_prefixes')}: {e}") from None
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from krex_async.cliargs import directory
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.linux import procfs
 from krex_async.linux.procfs import Mount
@@ -274,10 +275,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--root",
         action="append",
+        type=directory,
         default=[],
         help="sweep ROOT/krex only (repeatable); default: every place krex may use",
     )
-    p.add_argument("--cgroup-root", default="", help="the daemon's configured cgroup root")
+    p.add_argument("--cgroup-root", type=directory, help="the daemon's configured cgroup root")
     p.add_argument(
         "--config", help="read cgroup_root from this krex.toml (default: /etc/krex/krex.toml when it exists)"
     )
@@ -294,6 +296,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--state-dir",
+        type=directory,
         help="the daemon's state dir, whose lock record names the "
         "processes it locked through the CUDA driver (default: "
         "from the config, else the default)",

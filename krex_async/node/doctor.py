@@ -365,6 +365,14 @@ def check_backend(cgroup_root: str = "") -> Check:
             f"choosing the backend failed: {e}",
             "report this with `krex doctor --json`",
         )
+    if cgroup_root and name != "cgroup":  # a root given on purpose is not fallen back from (config.py)
+        return Check(
+            "isolation backend",
+            FAIL,
+            f"krex serve refuses --cgroup-root {cgroup_root} (--isolation auto would not use it): {reason}",
+            "name a delegated cgroup v2 directory, or leave cgroup_root unset to let krex find one",
+            {"backend": name},
+        )
     return Check(
         "isolation backend",
         OK if name == "cgroup" else WARN,

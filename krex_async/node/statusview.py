@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
         const=2.0,
         type=interval,
         metavar="SECONDS",
-        help="redraw every SECONDS (default 2, at least 0.1) until Ctrl-C",
+        help="redraw every SECONDS (default 2, at least 0.1) until Ctrl-C; with --json, one status a line",
     )
 
 
@@ -44,6 +44,7 @@ async def status(args: argparse.Namespace) -> int:
     """One status (or, with --watch, one every interval over one connection). Exit 1 when the
     daemon cannot be reached or goes away, 0 after Ctrl-C."""
     from krex_async.client.submit import Client, KrexError
+    from krex_async.linux.fsutil import quiet_stdout
 
     try:
         client = await Client.connect(args.socket)
@@ -61,17 +62,20 @@ async def status(args: argparse.Namespace) -> int:
                 except KrexError as e:
                     print(f"krex status: {e.message}", file=sys.stderr)
                     return 1
-                if args.json:
-                    text = json.dumps(st, indent=2)
-                else:
-                    text = render(st, show_all=args.all)
-                if args.watch is None:
-                    print(text)
+                if args.json and args.watch is not None:  # JSON lines: one status a line, no header
+                    print(json.dumps(st), flush=True)
+                elif args.watch is None:
+                    print(json.dumps(st, indent=2) if args.json else render(st, show_all=args.all))
                     return 0
-                head = f"every {args.watch:g} s, Ctrl-C to stop    {time.strftime('%H:%M:%S')}"
-                print(("\x1b[H\x1b[2J" if clear else "") + head + "\n" + text, flush=True)
+                else:
+                    head = f"every {args.watch:g} s, Ctrl-C to stop    {time.strftime('%H:%M:%S')}"
+                    text = render(st, show_all=args.all)
+                    print(("\x1b[H\x1b[2J" if clear else "") + head + "\n" + text, flush=True)
                 await asyncio.sleep(args.watch)
     except (KeyboardInterrupt, asyncio.CancelledError):
+        return 0
+    except BrokenPipeError:  # its reader left (| head): done, as for any stream
+        quiet_stdout()
         return 0
 
 

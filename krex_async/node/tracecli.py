@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from krex_async.protocol import default_socket
+from krex_async.cliargs import int_in, names_from
+from krex_async.protocol import PID_MAX, TRACE_KINDS, default_socket
 
 HEADER = f"{'TIME':<12} {'KIND':<14} {'DEVICE':<8} {'COMMAND':<12} {'PID':>7} {'REGION':<12} DETAIL"
 PROBE_KINDS = frozenset({"probe"})
@@ -46,7 +47,7 @@ def add_parser(sub: Any) -> None:
     t.add_argument(
         "--pid",
         action="append",
-        type=int,
+        type=int_in(1, PID_MAX),
         default=[],
         metavar="N",
         help="only events of this process (repeatable)",
@@ -61,10 +62,10 @@ def add_parser(sub: Any) -> None:
     t.add_argument(
         "--kind",
         action="append",
+        type=names_from(TRACE_KINDS),
         default=[],
         metavar="K[,K]",
-        help="only these kinds: command_start, command_end, region_queued, "
-        "region_grant, region_release, freeze, thaw, probe, stray, ...",
+        help=f"only these kinds (repeatable): {', '.join(TRACE_KINDS)}",
     )
 
 
@@ -145,6 +146,15 @@ async def trace(args: argparse.Namespace) -> int:
         return 1
     async with client:
         try:
+            if args.device:  # a key this node does not have would match nothing, silently
+                known = [str(d.get("key")) for d in (await client.status()).get("devices", [])]
+                if unknown := [k for k in args.device if k not in known]:
+                    print(
+                        f"krex trace: --device {', '.join(unknown)}: no such device here "
+                        f"(this node has: {', '.join(known)})",
+                        file=sys.stderr,
+                    )
+                    return 2
             if not args.json:
                 pol = client.welcome.policy if client.welcome else "?"
                 print(f"Tracing krex at {client.path} (policy {pol})... Ctrl-C to stop.", file=sys.stderr)

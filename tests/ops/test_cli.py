@@ -74,12 +74,13 @@ async def test_stdin_is_passed_from_a_pipe_and_a_terminal_and_not_with_no_stdin(
 
 async def test_bad_paths_are_errors_not_tracebacks(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
+    gone = tmp_path / "nonexistent"  # not /nonexistent: on a shared machine someone may have made it
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
         rep = await asyncio.to_thread(
-            krex, "run", "--report", "/nonexistent/r.json", "--", "touch", str(marker), env=env
+            krex, "run", "--report", str(gone / "r.json"), "--", "touch", str(marker), env=env
         )
-        exp = await asyncio.to_thread(krex, "export", "--perfetto", "/nonexistent/x.json", env=env)
+        exp = await asyncio.to_thread(krex, "export", "--perfetto", str(gone / "x.json"), env=env)
         # the report cannot be written once the command ran (it made a directory there): its
         # exit status still stands, and an error says why
         late = tmp_path / "late"

@@ -174,6 +174,9 @@ def test_unusable_subtree_fails_with_exit_1(tmp_path):
     by = {c["name"]: c for c in out["checks"]}
     assert p.returncode == 1 and by["cgroup subtree"]["verdict"] == "fail"
     assert "Delegate=yes" in by["cgroup subtree"]["fix"]
+    # krex serve refuses a root given on purpose rather than fall back to signals: doctor says so
+    assert by["isolation backend"]["verdict"] == "fail", by["isolation backend"]
+    assert "krex serve refuses --cgroup-root" in by["isolation backend"]["detail"]
     # A writable directory that is not a cgroup: writable, but no freezer.
     p = doctor("--json", "--cgroup-root", str(tmp_path))
     by = {c["name"]: c for c in json.loads(p.stdout)["checks"]}
