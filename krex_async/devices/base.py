@@ -9,7 +9,6 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
-
 # The variables the GPU runtimes narrow their devices by (HIP reads CUDA_VISIBLE_DEVICES too, and
 # ROCr's list applies before HIP's): a command given a GPU drops what it inherited of them, or an
 # inherited ROCR_VISIBLE_DEVICES=1 with krex's HIP_VISIBLE_DEVICES=0 would be another GPU.
