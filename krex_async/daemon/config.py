@@ -314,6 +314,8 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
     - cgroup_root: a root given on purpose is used or refused; only the root krex finds itself falls
       back to signals (isolation.choose_backend). Not checked under --isolation signal, which uses none.
     - probe_prefixes: what the ioctl probe accepts (a bad one ended start-up in a traceback).
+    - launch_libs, where the probes would use them (--probes launches or auto): each names a file,
+      or is a pattern matching one (one that did not was passed over without a word).
     - pool_preload, pool_init (with a pool): modules the pool's interpreter finds, as the pool's
       user and with its workers' environment (daemon/pools.py; a missing one stopped the pool after
       three dead workers, said only by `krex status`, and commands ran plainly).
@@ -351,12 +353,21 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
             check_prefixes(cfg.probe_prefix_list)
         except ValueError as e:
             raise ConfigError(f"{where('probe_prefixes')}: {e}") from None
+    if cfg.launch_libs and cfg.probes in ("auto", "launches"):
+        from krex_async.probes.launches import check_configured
+
+        try:
+            check_configured(cfg.launch_lib_list)
+        except ValueError as e:
+            raise ConfigError(
+                f"{where('launch_libs')}: {e}; name libcuda / libhsa-runtime64 files (or glob "
+                "patterns matching them) that exist here"
+            ) from None
     if cfg.pool_size > 0:
         from krex_async.daemon.pools import module_problems
 
         for field, why in module_problems(cfg.pool_user, cfg.pool_preload_list, cfg.pool_init_list):
             raise ConfigError(f"{where(field)}: {why}")
-
 
 
 def _toml_value(v: Any) -> str:
