@@ -312,7 +312,8 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
     - region_cores: a count, at most the cpus krex may use less one, which always stays for the
       other commands (cores.py would reserve fewer without a word).
     - cgroup_root: a root given on purpose is used or refused; only the root krex finds itself falls
-      back to signals (isolation.choose_backend). Not checked under --isolation signal, which uses none.
+      back to signals (isolation.choose_backend, whose rule this asks first, to name the source). Not
+      checked under --isolation signal, which uses none.
     - probe_prefixes: what the ioctl probe accepts (a bad one ended start-up in a traceback).
     - launch_libs, where the probes would use them (--probes launches or auto): each names a file,
       or is a pattern matching one (one that did not was passed over without a word).
@@ -334,20 +335,10 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
             f"give 0 to {len(cpus) - 1} (0: none reserved)"
         )
     if cfg.cgroup_root and cfg.isolation != "signal":
-        from krex_async.isolation.cgroup import probe_cgroup
+        from krex_async.isolation import RootUnusable, root_problem  # choose_backend's own rule
 
-        root = cfg.cgroup_root
-        if not os.path.isdir(root):
-            usable, why = False, f"no directory {root}"
-        elif not os.path.exists(os.path.join(root, "cgroup.controllers")):
-            usable, why = False, f"{root} is not a cgroup v2 directory (it has no cgroup.controllers)"
-        else:
-            usable, why = probe_cgroup(root)
-        if not usable:
-            raise ConfigError(
-                f"{where('cgroup_root')}: {why}; name a delegated cgroup v2 directory, or leave "
-                "cgroup_root unset to let krex find one (or fall back to signals)"
-            )
+        if (why := root_problem(cfg.cgroup_root)) is not None:
+            raise ConfigError(f"{where('cgroup_root')}: {why}; {RootUnusable.HINT} (or fall back to signals)")
     if cfg.probe_prefixes:
         try:
             check_prefixes(cfg.probe_prefix_list)

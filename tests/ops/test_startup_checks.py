@@ -1,17 +1,23 @@
 """Options `krex serve` took and then could not use, each now refused at start-up (exit 2, naming
 the flag, KREX_* variable or file it came from): pool modules the pool's interpreter cannot find,
-and launch-probe libraries that name no file."""
+launch-probe libraries that name no file, and a given cgroup root, now refused by the backend
+chooser itself for every caller."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources
+from krex_async.isolation import IsolationError, choose_backend
 
-from ..conftest import py_env
+from ..conftest import ROOT, py_env
 from .test_cli_input import serve
 
 PY = sys.executable
@@ -80,3 +86,64 @@ def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> Non
     check("launches", f"{lib},{tmp_path}/libcu*.so.*")  # a file, and a pattern matching one
     for unused in ("off", "ioctl", "tracefs"):  # these probes take no library
         check(unused, str(missing))
+
+
+def test_choose_backend_refuses_a_given_root_it_cannot_use(tmp_path: Path) -> None:
+    """The rule was krex serve's alone (check_here): choose_backend fell back to signals for a given
+    root, so every other caller (serve() called directly, doctor) was told nothing."""
+    state = str(tmp_path / "state")
+    nope = tmp_path / "nope"
+    for isolation in ("auto", "cgroup"):
+        for root, why in ((nope, f"no directory {nope}"), (tmp_path, "is not a cgroup v2 directory")):
+            with pytest.raises(IsolationError, match=why) as e:
+                choose_backend(isolation, cgroup_root=str(root), state_dir=state)
+            assert type(e.value).__name__ == "RootUnusable", e.value  # isolation.RootUnusable
+            assert str(e.value).startswith(f"--cgroup-root {root}: ")
+    assert not (tmp_path / "krex").exists()  # nothing was made in a directory that is no cgroup
+    b = choose_backend("signal", cgroup_root=str(nope), state_dir=state)  # uses no root
+    assert b.name == "signal"
+
+
+def test_the_root_krex_finds_itself_still_falls_back_to_signals() -> None:
+    """Unchanged: with no root given, auto takes signals where the cgroup tree is not writable (here:
+    as `nobody`), and says why."""
+    if os.geteuid() != 0:
+        pytest.skip("running as another user needs root")
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 that `nobody` can run")
+    code = (
+        "import tempfile\nfrom krex_async.isolation import choose_backend\n"
+        "with tempfile.TemporaryDirectory() as d:\n"
+        "    for root in ('', None):\n"
+        "        b = choose_backend('auto', cgroup_root=root, state_dir=d); print(b.name, b.reason)\n"
+    )
+    p = subprocess.run(
+        [python, "-c", code],
+        user="nobody",
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if p.returncode != 0 and "ModuleNotFoundError" in p.stderr:
+        pytest.skip(f"{python} cannot import krex_async as nobody: {p.stderr.strip().splitlines()[-1]}")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and all(x.startswith("signal signal backend: ") for x in lines), lines
+
+
+def test_serve_refuses_the_root_through_the_same_rule(tmp_path: Path) -> None:
+    """check_here asks choose_backend's rule (isolation.root_problem) and names the source."""
+    rc, err = serve(tmp_path, "--cgroup-root", str(tmp_path))
+    assert rc == 2 and f"flag --cgroup-root: {tmp_path} is not a cgroup v2 directory" in err, (rc, err)
+    assert "name a delegated cgroup v2 directory, or leave cgroup_root unset" in err, err
+    d = Path(tempfile.mkdtemp(prefix="krex-root-", dir="/tmp"))
+    try:
+        conf = d / "krex.toml"
+        conf.write_text(f'cgroup_root = "{d}/nope"\n')
+        rc, err = serve(tmp_path, "--config", str(conf))
+        assert rc == 2 and f"file {conf}: no directory {d}/nope" in err, (rc, err)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
