@@ -41,7 +41,8 @@ def module_problems(pool_user: str, preload: list[str], init: list[str]) -> list
     """(option, why) for each of --pool-preload and --pool-init naming modules the pool's
     interpreter cannot find as the pool's user, or no module names at all; [] when all are found
     (or the user is none to run as: `krex serve` refuses that itself, daemon.pool_user). Asks one
-    child interpreter (preflight.py), imports nothing here."""
+    child interpreter (preflight.py) with pool_env() less a device's visibility variables, which
+    no lookup reads; imports nothing here."""
     try:
         user = pool_identity(pool_user)
     except ValueError:
