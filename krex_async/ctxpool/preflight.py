@@ -27,6 +27,12 @@ FIND = r"""
 import importlib.util, json, sys
 
 def found(name):
+    try:
+        return lookup(name)
+    except Exception:  # a finder that cannot tell without importing: taken on trust
+        return True
+
+def lookup(name):
     parts = name.split(".")
     spec = importlib.util.find_spec(parts[0])
     for i in range(1, len(parts)):

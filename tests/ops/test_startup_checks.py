@@ -147,3 +147,28 @@ def test_serve_refuses_the_root_through_the_same_rule(tmp_path: Path) -> None:
         assert rc == 2 and f"file {conf}: no directory {d}/nope" in err, (rc, err)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_serve_called_without_check_here_refuses_the_root_too(tmp_path: Path) -> None:
+    """server.run(cfg), as an embedding program calls it, passes no check_here: it fell back to
+    signals and served; the chooser's rule now stops it before anything is made."""
+    code = (
+        "import sys\nfrom krex_async.daemon import server\nfrom krex_async.daemon.config import ServeConfig\n"
+        "sys.exit(server.run(ServeConfig(socket=sys.argv[1], state_dir=sys.argv[2], cgroup_root=sys.argv[3],"
+        " probes='off')))\n"
+    )
+    sock, root = tmp_path / "s", tmp_path / "nope"
+    try:
+        p = subprocess.run(
+            [PY, "-c", code, str(sock), str(tmp_path / "state"), str(root)],
+            capture_output=True,
+            text=True,
+            env=py_env(),
+            timeout=20,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("server.run served with a --cgroup-root it cannot use")
+    assert p.returncode == 1 and f"krex: --cgroup-root {root}: no directory {root}; name a" in p.stderr, (
+        p.stderr
+    )
+    assert "Traceback" not in p.stderr and not sock.exists()
