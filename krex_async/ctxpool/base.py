@@ -10,7 +10,12 @@ await pool.close()
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
+
+# Workers start here (`-m` puts it first on their sys.path): the directory krex_async is found in.
+WORKER_CWD = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass
@@ -22,6 +27,10 @@ class PoolConfig:
     init_context: bool = True  # create the device context (torch.cuda.init / cuInit) when warming
     # imported after the context, as part of creating it (holding the node lock), on any device
     init_modules: list[str] = field(default_factory=list)
+
+    def interpreter(self) -> str:
+        """The Python the workers run: `python`, else the daemon's own."""
+        return self.python or sys.executable
 
     def creates_context(self, vendor: str) -> bool:
         """Whether warming has a step that holds the node lock on a device of `vendor`."""

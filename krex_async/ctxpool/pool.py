@@ -35,7 +35,6 @@ import inspect
 import os
 import socket
 import subprocess
-import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from krex_async.ctxpool import channel, forms
-from krex_async.ctxpool.base import PoolConfig
+from krex_async.ctxpool.base import WORKER_CWD, PoolConfig
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
@@ -53,7 +52,6 @@ from krex_async.devices.base import Device
 from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
@@ -117,7 +115,7 @@ class Pool:
         self.device, self.config, self.cgroup_hook = device, config, cgroup_hook
         self.user = user
         self._ident = _identity(*(user or (None, None, None)))
-        self.python = config.python or sys.executable
+        self.python = config.interpreter()
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
         self._workers: set[_Worker] = set()
@@ -548,7 +546,7 @@ class Pool:
             ]
             proc = subprocess.Popen(
                 argv,
-                cwd=_ROOT,
+                cwd=WORKER_CWD,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

@@ -312,8 +312,14 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
     - region_cores: a count, at most the cpus krex may use less one, which always stays for the
       other commands (cores.py would reserve fewer without a word).
     - cgroup_root: a root given on purpose is used or refused; only the root krex finds itself falls
-      back to signals (isolation.choose_backend). Not checked under --isolation signal, which uses none.
+      back to signals (isolation.choose_backend, whose rule this asks first, to name the source). Not
+      checked under --isolation signal, which uses none.
     - probe_prefixes: what the ioctl probe accepts (a bad one ended start-up in a traceback).
+    - launch_libs, where the probes would use them (--probes launches or auto): each names a file,
+      or is a pattern matching one (one that did not was passed over without a word).
+    - pool_preload, pool_init (with a pool): modules the pool's interpreter finds, as the pool's
+      user and with its workers' environment (daemon/pools.py; a missing one stopped the pool after
+      three dead workers, said only by `krex status`, and commands ran plainly).
     """
     from krex_async.isolation.cpuset import fmt
     from krex_async.probes.bpf_ioctl import check_prefixes
@@ -329,25 +335,30 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
             f"give 0 to {len(cpus) - 1} (0: none reserved)"
         )
     if cfg.cgroup_root and cfg.isolation != "signal":
-        from krex_async.isolation.cgroup import probe_cgroup
+        from krex_async.isolation import RootUnusable, root_problem  # choose_backend's own rule
 
-        root = cfg.cgroup_root
-        if not os.path.isdir(root):
-            usable, why = False, f"no directory {root}"
-        elif not os.path.exists(os.path.join(root, "cgroup.controllers")):
-            usable, why = False, f"{root} is not a cgroup v2 directory (it has no cgroup.controllers)"
-        else:
-            usable, why = probe_cgroup(root)
-        if not usable:
-            raise ConfigError(
-                f"{where('cgroup_root')}: {why}; name a delegated cgroup v2 directory, or leave "
-                "cgroup_root unset to let krex find one (or fall back to signals)"
-            )
+        if (why := root_problem(cfg.cgroup_root)) is not None:
+            raise ConfigError(f"{where('cgroup_root')}: {why}; {RootUnusable.HINT} (or fall back to signals)")
     if cfg.probe_prefixes:
         try:
             check_prefixes(cfg.probe_prefix_list)
         except ValueError as e:
             raise ConfigError(f"{where('probe_prefixes')}: {e}") from None
+    if cfg.launch_libs and cfg.probes in ("auto", "launches"):
+        from krex_async.probes.launches import check_configured
+
+        try:
+            check_configured(cfg.launch_lib_list)
+        except ValueError as e:
+            raise ConfigError(
+                f"{where('launch_libs')}: {e}; name libcuda / libhsa-runtime64 files (or glob "
+                "patterns matching them) that exist here"
+            ) from None
+    if cfg.pool_size > 0:
+        from krex_async.daemon.pools import module_problems
+
+        for field, why in module_problems(cfg.pool_user, cfg.pool_preload_list, cfg.pool_init_list):
+            raise ConfigError(f"{where(field)}: {why}")
 
 
 def _toml_value(v: Any) -> str:

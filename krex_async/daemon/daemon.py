@@ -31,12 +31,11 @@ from krex_async.daemon.commands import (
     CommandState,
     SpecError,
     Subscriber,
-    user_groups,
-    with_runtime,
 )
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.metrics import Metrics
+from krex_async.daemon.pools import pool_env, pool_identity
 from krex_async.daemon.records import Records
 from krex_async.daemon.recovery import recover
 from krex_async.daemon.regions import Regions
@@ -57,15 +56,10 @@ log = logs.get("krex.daemon")
 def pool_user(name: str) -> tuple[int, int, list[int]] | None:
     """--pool-user as (uid, gid, groups); None for the daemon's own. Raises SystemExit naming an
     unknown user, or a user other than the daemon's when the daemon cannot switch users."""
-    if not name:
-        return None
     try:
-        pw = pwd.getpwnam(name) if not name.isdigit() else pwd.getpwuid(int(name))
-    except KeyError:
-        raise SystemExit(f"krex: --pool-user {name!r}: no such user") from None
-    if pw.pw_uid != os.geteuid() and os.geteuid() != 0:
-        raise SystemExit(f"krex: --pool-user {name!r}: only root can run workers as another user")
-    return pw.pw_uid, pw.pw_gid, user_groups(pw.pw_uid, pw.pw_gid)
+        return pool_identity(name)
+    except ValueError as e:
+        raise SystemExit(f"krex: --pool-user {name!r}: {e}") from None
 
 
 class RequestError(Exception):
@@ -187,9 +181,6 @@ class Daemon:
             return
         preload, init = cfg.pool_preload_list, cfg.pool_init_list
         for d in self.devices:
-            env = dict(os.environ)
-            env.pop("KREX_SOCKET", None)
-            env.update(d.env)
             pool = Pool(
                 d,
                 cgroup_hook=self._join_group,
@@ -200,7 +191,7 @@ class Daemon:
                     init_context=d.vendor != "cpu",
                     init_modules=init,
                 ),
-                env=with_runtime(env),
+                env=pool_env(d.env),
                 user=user,
             )
             await pool.start()

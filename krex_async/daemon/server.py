@@ -31,7 +31,7 @@ from krex_async.daemon.commands import CommandState
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.daemon import Daemon, RequestError, pool_user
 from krex_async.devices import Unavailable, open_node
-from krex_async.isolation import choose_backend
+from krex_async.isolation import RootUnusable, choose_backend
 from krex_async.linux import sdnotify
 
 log = logs.get("krex.server")
@@ -656,7 +656,10 @@ async def serve(config: ServeConfig) -> int:
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)  # FileExistsError: not a directory
     except OSError as e:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
-    backend = choose_backend(cfg.isolation, cgroup_root=cfg.cgroup_root, state_dir=cfg.state_dir)
+    try:
+        backend = choose_backend(cfg.isolation, cgroup_root=cfg.cgroup_root, state_dir=cfg.state_dir)
+    except RootUnusable as e:  # check_here refused it already, unless it went since then
+        raise SystemExit(f"krex: {e}; {e.HINT}") from None
     for line in await backend.reconcile():
         log.info("reconciled", action=line)
     start_watchdog = getattr(backend, "start_watchdog", None)

@@ -2,31 +2,79 @@
 
 `choose_backend()` implements `--isolation auto|cgroup|signal`: auto takes the cgroup backend when the
 daemon can write a cgroup hierarchy here and the signal backend otherwise, and the backend's `reason`
-says which and why (shown at start and by `krex status`).
+says which and why (shown at start and by `krex status`). A cgroup root given on purpose
+(`--cgroup-root`) is used or refused (RootUnusable), never fallen back from: only the root krex
+finds itself is.
 """
 
 from __future__ import annotations
 
+import os
+
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group, IsolationError
 from krex_async.isolation.signal import SignalBackend
 
-__all__ = ["Backend", "Freeze", "FreezeError", "Group", "IsolationError", "SignalBackend", "choose_backend"]
+__all__ = [
+    "Backend",
+    "Freeze",
+    "FreezeError",
+    "Group",
+    "IsolationError",
+    "RootUnusable",
+    "SignalBackend",
+    "choose_backend",
+    "root_problem",
+]
+
+
+class RootUnusable(IsolationError):
+    """A cgroup root given on purpose that the cgroup backend cannot use (`why`)."""
+
+    HINT = "name a delegated cgroup v2 directory, or leave cgroup_root unset to let krex find one"
+
+    def __init__(self, root: str, why: str) -> None:
+        super().__init__(f"--cgroup-root {root}: {why}")
+        self.root, self.why = root, why
+
+
+def root_problem(root: str) -> str | None:
+    """Why the cgroup backend cannot use `root` (a v2 directory given on purpose); None when it can.
+    Probing makes `<root>/krex` once the root is a cgroup v2 directory, never in another one."""
+    if not os.path.isdir(root):
+        return f"no directory {root}"
+    if not os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return f"{root} is not a cgroup v2 directory (it has no cgroup.controllers)"
+    try:
+        from krex_async.isolation.cgroup import probe_cgroup
+    except ImportError as e:
+        return f"the cgroup backend is not installed ({e})"
+    usable, why = probe_cgroup(root)
+    return None if usable else why
 
 
 def choose_backend(isolation: str, *, cgroup_root: str | None, state_dir: str) -> Backend:
-    """The backend for `--isolation` (auto, cgroup or signal) under `cgroup_root` (None: the default)."""
+    """The backend for `--isolation` (auto, cgroup or signal) under `cgroup_root` (None or "": the
+    root krex finds itself, which auto falls back from to signals when it cannot be used). Raises
+    RootUnusable for a given root it cannot use (any isolation but signal, which uses none), and
+    SystemExit for --isolation cgroup where no cgroup backend can run or for a second daemon on
+    the same instance."""
     if isolation == "signal":
         b: Backend = SignalBackend()
         b.reason = "signal backend, as asked (--isolation signal)"
         return b
-    try:
-        from krex_async.isolation.cgroup import CgroupBackend, probe_cgroup
-    except ImportError as e:
-        why = f"the cgroup backend is not installed ({e})"
-        usable = False
+    if cgroup_root:
+        if (problem := root_problem(cgroup_root)) is not None:
+            raise RootUnusable(cgroup_root, problem)
+        usable, why = True, ""
     else:
-        usable, why = probe_cgroup(cgroup_root or None)
+        try:
+            from krex_async.isolation.cgroup import probe_cgroup
+        except ImportError as e:
+            usable, why = False, f"the cgroup backend is not installed ({e})"
+        else:
+            usable, why = probe_cgroup(None)
     if usable:
+        from krex_async.isolation.cgroup import CgroupBackend
         from krex_async.isolation.intent import InstanceBusy
 
         try:

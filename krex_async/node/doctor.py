@@ -351,27 +351,29 @@ def _test_cgroup_v1(base: str) -> Iterator[str]:
 
 
 def check_backend(cgroup_root: str = "") -> Check:
-    """What `--isolation auto` would pick, by asking the daemon's own chooser."""
+    """What `--isolation auto` would pick, by asking the daemon's own chooser (which refuses a
+    root given on purpose that it cannot use, as `krex serve` does)."""
     try:
-        from krex_async.isolation import choose_backend
+        from krex_async.isolation import RootUnusable, choose_backend
 
         with tempfile.TemporaryDirectory(prefix="krex-doctor-") as state:
             b = choose_backend("auto", cgroup_root=cgroup_root, state_dir=state)
             name, reason = b.name, b.reason
+    except RootUnusable as e:
+        return Check(
+            "isolation backend",
+            FAIL,
+            f"krex serve refuses --cgroup-root {e.root} (a root given on purpose is never fallen "
+            f"back from): {e.why}",
+            RootUnusable.HINT,
+            {"backend": None},
+        )
     except (ImportError, SystemExit, Exception) as e:
         return Check(
             "isolation backend",
             FAIL,
             f"choosing the backend failed: {e}",
             "report this with `krex doctor --json`",
-        )
-    if cgroup_root and name != "cgroup":  # a root given on purpose is not fallen back from (config.py)
-        return Check(
-            "isolation backend",
-            FAIL,
-            f"krex serve refuses --cgroup-root {cgroup_root} (--isolation auto would not use it): {reason}",
-            "name a delegated cgroup v2 directory, or leave cgroup_root unset to let krex find one",
-            {"backend": name},
         )
     return Check(
         "isolation backend",

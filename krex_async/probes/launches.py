@@ -190,7 +190,7 @@ def find_libraries(
     names = tuple(names)
     cands: list[str] = []
     for c in configured or ():
-        cands.extend(sorted(glob.glob(c)) or [c])
+        cands.extend(sorted(glob.glob(c)) or [c])  # a path with glob characters may name itself
     if search:
         cands.extend(_ldconfig_libs(names))
         for d in KNOWN_DIRS:
@@ -209,6 +209,28 @@ def find_libraries(
         seen.add((st.st_dev, st.st_ino))
         out.append(os.path.realpath(c))
     return out
+
+
+def check_configured(configured: Iterable[str]) -> None:
+    """Raise ValueError naming the configured entries (--launch-libs) that name no library file: a
+    path that does not exist or is no regular file, a glob pattern that matches none. find_libraries
+    passes over them without a word (the probe then ran on whatever the search found), so the
+    daemon asks this at start-up."""
+    entries = list(configured)
+    if not entries:
+        raise ValueError("no library given")
+    bad = []
+    for c in entries:
+        if any(os.path.isfile(p) for p in glob.glob(c)) or os.path.isfile(c):
+            continue
+        if os.path.exists(c):
+            bad.append(f"{c!r} is no regular file")
+        elif glob.has_magic(c):
+            bad.append(f"pattern {c!r} matches no file")
+        else:
+            bad.append(f"{c!r}: no such file")
+    if bad:
+        raise ValueError("; ".join(bad))
 
 
 class LaunchProbe(FailureReporting, ProbeBackend):

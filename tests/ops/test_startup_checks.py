@@ -1,0 +1,174 @@
+"""Options `krex serve` took and then could not use, each now refused at start-up (exit 2, naming
+the flag, KREX_* variable or file it came from): pool modules the pool's interpreter cannot find,
+launch-probe libraries that name no file, and a given cgroup root, now refused by the backend
+chooser itself for every caller."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources
+from krex_async.isolation import IsolationError, choose_backend
+
+from ..conftest import ROOT, py_env
+from .test_cli_input import serve
+
+PY = sys.executable
+
+
+def test_serve_refuses_pool_modules_its_interpreter_cannot_find(tmp_path: Path) -> None:
+    """Such a pool's workers each died warming, the pool stopped after three (said only by
+    `krex status`) and every command ran plainly: serve now says so before it serves."""
+    rc, err = serve(
+        tmp_path, "--isolation", "signal", "--pool-size", "1", "--pool-preload", "json,nosuchkrexmod"
+    )
+    assert rc == 2 and "flag --pool-preload: the pool's interpreter" in err, (rc, err)
+    assert f"{PY} (as the daemon's user) cannot find module 'nosuchkrexmod'" in err, err
+    assert "'json'" not in err, err
+    env = py_env(KREX_POOL_INIT="colorsys,json.nosuchkrex")
+    rc, err = serve(tmp_path, "--isolation", "signal", "--pool-size", "1", env=env)
+    assert rc == 2 and "env KREX_POOL_INIT: the pool's interpreter" in err, (rc, err)
+    assert "cannot find module 'json.nosuchkrex'" in err, err
+    rc, err = serve(tmp_path, "--isolation", "signal", "--pool-size", "1", "--pool-preload", "torch-nightly")
+    assert rc == 2 and "flag --pool-preload: not a module name: 'torch-nightly'" in err, (rc, err)
+
+
+def test_pool_modules_are_looked_up_as_the_workers_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the daemon's environment (the workers inherit its PYTHONPATH), and only with a pool."""
+
+    def check(**given: object) -> None:
+        check_here(*load_config_with_sources(None, {}, {"isolation": "signal", **given}))
+
+    (tmp_path / "hereonlykrex.py").write_text("")
+    with pytest.raises(ConfigError, match=r"flag --pool-init: .* cannot find module 'hereonlykrex'"):
+        check(pool_size=2, pool_init="hereonlykrex")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    check(pool_size=2, pool_preload="json,importlib.util", pool_init="hereonlykrex")
+    check(pool_size=0, pool_preload="nosuchkrexmod", pool_init="nosuchkrexmod")  # no pool: unused
+
+
+def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> None:
+    """find_libraries passed over a missing file or a pattern matching nothing without a word: the
+    launch probe then ran on whatever its search found."""
+    lib = tmp_path / "libcuda.so.1"
+    lib.write_bytes(b"\x7fELF")
+    missing = tmp_path / "lib" / "libcuda.so.1"
+    rc, err = serve(
+        tmp_path, "--isolation", "signal", "--probes", "launches", "--launch-libs", f"{lib},{missing}"
+    )
+    assert rc == 2 and f"flag --launch-libs: '{missing}': no such file" in err, (rc, err)
+    env = py_env(KREX_LAUNCH_LIBS=f"{tmp_path}/nope*/libcuda.so*")
+    rc, err = serve(tmp_path, "--isolation", "signal", "--probes", "auto", env=env)
+    assert (
+        rc == 2 and f"env KREX_LAUNCH_LIBS: pattern '{tmp_path}/nope*/libcuda.so*' matches no file" in err
+    ), err
+
+    def check(probes: str, libs: str) -> None:
+        check_here(
+            *load_config_with_sources(
+                None, {}, {"isolation": "signal", "probes": probes, "launch_libs": libs}
+            )
+        )
+
+    with pytest.raises(ConfigError, match=rf"flag --launch-libs: '{tmp_path}' is no regular file"):
+        check("launches", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"flag --launch-libs: no library given"):
+        check("auto", ",")
+    check("launches", f"{lib},{tmp_path}/libcu*.so.*")  # a file, and a pattern matching one
+    for unused in ("off", "ioctl", "tracefs"):  # these probes take no library
+        check(unused, str(missing))
+
+
+def test_choose_backend_refuses_a_given_root_it_cannot_use(tmp_path: Path) -> None:
+    """The rule was krex serve's alone (check_here): choose_backend fell back to signals for a given
+    root, so every other caller (serve() called directly, doctor) was told nothing."""
+    state = str(tmp_path / "state")
+    nope = tmp_path / "nope"
+    for isolation in ("auto", "cgroup"):
+        for root, why in ((nope, f"no directory {nope}"), (tmp_path, "is not a cgroup v2 directory")):
+            with pytest.raises(IsolationError, match=why) as e:
+                choose_backend(isolation, cgroup_root=str(root), state_dir=state)
+            assert type(e.value).__name__ == "RootUnusable", e.value  # isolation.RootUnusable
+            assert str(e.value).startswith(f"--cgroup-root {root}: ")
+    assert not (tmp_path / "krex").exists()  # nothing was made in a directory that is no cgroup
+    b = choose_backend("signal", cgroup_root=str(nope), state_dir=state)  # uses no root
+    assert b.name == "signal"
+
+
+def test_the_root_krex_finds_itself_still_falls_back_to_signals() -> None:
+    """Unchanged: with no root given, auto takes signals where the cgroup tree is not writable (here:
+    as `nobody`), and says why."""
+    if os.geteuid() != 0:
+        pytest.skip("running as another user needs root")
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 that `nobody` can run")
+    code = (
+        "import tempfile\nfrom krex_async.isolation import choose_backend\n"
+        "with tempfile.TemporaryDirectory() as d:\n"
+        "    for root in ('', None):\n"
+        "        b = choose_backend('auto', cgroup_root=root, state_dir=d); print(b.name, b.reason)\n"
+    )
+    p = subprocess.run(
+        [python, "-c", code],
+        user="nobody",
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if p.returncode != 0 and "ModuleNotFoundError" in p.stderr:
+        pytest.skip(f"{python} cannot import krex_async as nobody: {p.stderr.strip().splitlines()[-1]}")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and all(x.startswith("signal signal backend: ") for x in lines), lines
+
+
+def test_serve_refuses_the_root_through_the_same_rule(tmp_path: Path) -> None:
+    """check_here asks choose_backend's rule (isolation.root_problem) and names the source."""
+    rc, err = serve(tmp_path, "--cgroup-root", str(tmp_path))
+    assert rc == 2 and f"flag --cgroup-root: {tmp_path} is not a cgroup v2 directory" in err, (rc, err)
+    assert "name a delegated cgroup v2 directory, or leave cgroup_root unset" in err, err
+    d = Path(tempfile.mkdtemp(prefix="krex-root-", dir="/tmp"))
+    try:
+        conf = d / "krex.toml"
+        conf.write_text(f'cgroup_root = "{d}/nope"\n')
+        rc, err = serve(tmp_path, "--config", str(conf))
+        assert rc == 2 and f"file {conf}: no directory {d}/nope" in err, (rc, err)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_serve_called_without_check_here_refuses_the_root_too(tmp_path: Path) -> None:
+    """server.run(cfg), as an embedding program calls it, passes no check_here: it fell back to
+    signals and served; the chooser's rule now stops it before anything is made."""
+    code = (
+        "import sys\nfrom krex_async.daemon import server\nfrom krex_async.daemon.config import ServeConfig\n"
+        "sys.exit(server.run(ServeConfig(socket=sys.argv[1], state_dir=sys.argv[2], cgroup_root=sys.argv[3],"
+        " probes='off')))\n"
+    )
+    sock, root = tmp_path / "s", tmp_path / "nope"
+    try:
+        p = subprocess.run(
+            [PY, "-c", code, str(sock), str(tmp_path / "state"), str(root)],
+            capture_output=True,
+            text=True,
+            env=py_env(),
+            timeout=20,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("server.run served with a --cgroup-root it cannot use")
+    assert p.returncode == 1 and f"krex: --cgroup-root {root}: no directory {root}; name a" in p.stderr, (
+        p.stderr
+    )
+    assert "Traceback" not in p.stderr and not sock.exists()
