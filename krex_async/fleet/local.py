@@ -116,7 +116,7 @@ class LocalFleet:
         for node in os.listdir(self.base_dir) if os.path.isdir(self.base_dir) else []:
             try:
                 with open(os.path.join(self.base_dir, node, "cgroup")) as f:
-                    paths.append(f.read().strip())
+                    paths += f.read().split()
             except OSError:
                 continue
         deadline = time.monotonic() + wait_s
