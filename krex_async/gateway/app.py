@@ -76,7 +76,7 @@ class Gateway:
     ) -> None:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
         self.kinds, self.missing, self.auth = kinds, missing, auth
-        self.views = Views(store)
+        self.views = Views(store, waiting=lambda: runner.waiting)
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.closing = False
 
@@ -196,6 +196,9 @@ class Gateway:
     async def daemon_status(self) -> dict[str, Any] | None:
         client = await self.runner.connect()
         if client is None:
+            return None
+        if why := self.runner.unready(client):  # a fleet with no node up: say why jobs wait
+            self.runner.daemon_error = why
             return None
         try:
             return await client.status()
