@@ -25,7 +25,6 @@ import itertools
 import os
 import secrets
 import signal
-import threading
 from typing import Any
 
 import ray
@@ -38,65 +37,15 @@ from krex_async.devices import NoDevice
 from krex_async.fleet.agent import DaemonSpec, NodeAgent
 from krex_async.fleet.handle import FleetHandle, why
 from krex_async.fleet.placement import NodeView, pick
+from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, join, node_name, reachable
 
-NAMESPACE = "krex"
-NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
 RemoteAgent = ray.remote(NodeAgent)
 # Pauses between tries of a call to an agent that is unavailable (ActorUnavailableError: a network
 # blip, a restart; Ray says the call may or may not have run), about 3 s in all; only ActorDiedError
 # says the agent is gone.
 BACKOFF = (0.1, 0.2, 0.4, 0.8, 1.6)
 STATUS_S = 5.0  # an agent's status or capacity answer, at most (a stopped daemon never answers)
-__all__ = ["FleetClient", "FleetHandle", "join", "node_name", "reachable"]
-
-
-def node_name(node: dict[str, Any]) -> str:
-    """A node's fleet name: from a `krex_node_<name>` resource, else its Ray node id's first 8."""
-    for res in node.get("Resources", {}):
-        if res.startswith(NODE_RESOURCE):
-            return str(res[len(NODE_RESOURCE) :])
-    return str(node["NodeID"][:8])
-
-
-def join(address: str | None, options: dict[str, Any] | None = None) -> None:
-    """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
-    (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers.
-    Already joined: nothing to do (two connects of one process, e.g. the gateway's job runner and
-    its env view, both find Ray uninitialised before their address check, and join one after the
-    other; ray.init a second time raises)."""
-    if ray.is_initialized():
-        return
-    main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
-        ray.init(
-            address=address,
-            namespace=NAMESPACE,
-            log_to_driver=False,
-            configure_logging=False,
-            **(options or {}),
-        )
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
-async def reachable(address: str, timeout: float = 3.0) -> str:
-    """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
-    TCP connect to it succeeds: ray.init would block minutes for a GCS that is not there."""
-    from ray._private.services import canonicalize_bootstrap_address_or_die
-
-    try:
-        gcs = canonicalize_bootstrap_address_or_die(address)
-        host, _, port = gcs.rpartition(":")
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-        writer.close()
-    except (TimeoutError, ConnectionError, OSError, ValueError) as e:
-        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
-    return gcs
+__all__ = ["NAMESPACE", "NODE_RESOURCE", "FleetClient", "FleetHandle", "join", "node_name", "reachable"]
 
 
 class FleetClient:

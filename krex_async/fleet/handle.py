@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import msgspec
 from ray.exceptions import (
@@ -29,8 +29,15 @@ from ray.exceptions import (
 from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 
-if TYPE_CHECKING:
-    from krex_async.fleet.client import FleetClient
+
+class Fleet(Protocol):
+    """What a handle needs of its FleetClient (client.py imports this module, not the reverse)."""
+
+    async def _ask(self, name: str, method: str, *args: Any, timeout: float, agent: Any = None) -> Any: ...
+    async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None: ...
+    def _node_lost(self, name: str, reason: str, agent: Any = None) -> None: ...
+    def _agent_gone(self, name: str, agent: Any, e: BaseException) -> None: ...
+    def _forget(self, h: FleetHandle) -> None: ...
 
 
 def why(e: BaseException) -> str:
@@ -45,7 +52,7 @@ class FleetHandle:
 
     def __init__(
         self,
-        fleet: FleetClient,
+        fleet: Fleet,
         node: str,
         agent: Any,
         spec: dict[str, Any],

@@ -20,7 +20,8 @@ from ray.cluster_utils import Cluster
 from ray.exceptions import RayError
 
 from krex_async.fleet.agent import DaemonSpec, remove_cgroup
-from krex_async.fleet.client import NAMESPACE, NODE_RESOURCE, FleetClient
+from krex_async.fleet.client import FleetClient
+from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE
 
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
 
