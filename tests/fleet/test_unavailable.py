@@ -11,9 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+from krex_async import KrexError
 
 from .conftest import NEEDS_RAY, env
 from .test_node_death import survivors
@@ -86,3 +89,45 @@ async def test_a_stream_broken_by_a_blip_kills_its_command(local_fleet: LocalFle
             await asyncio.sleep(0.1)
         assert fc.nodes["node2"].up, fc.nodes["node2"]
         assert (await fc.run([PY, "-c", "print(2)"], env=env(), node="node2")).stdout == b"2\n"
+
+
+async def test_a_submit_broken_by_a_blip_never_runs_twice(local_fleet: LocalFleet, tmp_path: Path) -> None:
+    """The links break while run() waits on the daemon (held by SIGSTOP) to accept: the call may or
+    may not have reached the agent (it did). Ray may surface that before the first item (submit()
+    asks the agent to withdraw it: killed, KrexError) or after it (the handle's stream: killed,
+    `lost`); either way it runs once at most, is placed nowhere else, and nothing of it runs on."""
+    ran = tmp_path / "ran"
+    code = f"open({str(ran)!r}, 'a').write('x\\n'); import time; time.sleep(20)"
+    async with await local_fleet.connect(refresh_s=3600) as fc:
+        pid = await agent_pid(fc, "node0")
+        daemon = (await fc.capacity())["node0"]["daemon_pid"]
+        os.kill(daemon, signal.SIGSTOP)
+        try:
+            submit = asyncio.ensure_future(
+                fc.submit([PY, "-c", code, "twice-mark"], env=env(), node="node0", label="once")
+            )
+            await asyncio.sleep(0.5)
+            assert not submit.done()
+            assert abort_links(pid) > 0
+            await asyncio.sleep(0.5)
+        finally:
+            os.kill(daemon, signal.SIGCONT)
+        try:
+            h = await asyncio.wait_for(submit, 60)
+        except KrexError as e:
+            assert "node node0: its agent became unavailable" in e.message, e.message
+            assert "is not submitted again" in e.message, e.message
+        else:
+            r = await asyncio.wait_for(h.wait(), 60)
+            assert h.node == "node0" and r.report.state == "lost", r.report
+            assert "became unavailable" in r.report.error and "not run again" in r.report.error, r.report
+        t0 = time.monotonic()
+        while survivors("twice-mark"):
+            assert time.monotonic() - t0 < 15, survivors("twice-mark")
+            await asyncio.sleep(0.1)
+        assert not ran.exists() or ran.read_text() == "x\n"
+        live = [
+            c for c in (await fc.status())["commands"] if c.get("label") == "once" and c["state"] != "ended"
+        ]
+        assert live == [], live
+        assert fc.nodes["node0"].up, fc.nodes["node0"]
