@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from krex_async.cliargs import int_in, text_up_to, timeout
+from krex_async.cliargs import int_in, ray_address, text_up_to, timeout
 from krex_async.daemon.config import ServeConfig
 from krex_async.protocol import MAX_NAME, default_socket
 from krex_async.scheduler import Policy
@@ -484,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     gp.add_argument(
         "--fleet",
         metavar="ADDRESS",
-        help="run jobs on a Ray fleet of krex nodes (a Ray address, or auto; needs "
+        type=ray_address,
+        help="run jobs on a Ray fleet of krex nodes (auto, HOST:PORT or ray://HOST:PORT; needs "
         "krex[fleet]) instead of the local daemon",
     )
     fleet_cli.add_parser(sub)

@@ -87,3 +87,25 @@ def directory(text: str) -> str:
             f"{text}: {'not a directory' if os.path.exists(text) else 'no such directory'}"
         )
     return text
+
+
+RAY_ADDRESS_FORMS = "auto, HOST:PORT (the Ray head's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (Ray client)"
+
+
+def ray_address(text: str) -> str:
+    """argparse type for a Ray cluster address (--fleet, --address): checked for its form here,
+    so a typo is a usage error at once rather than a gateway that waits on no cluster."""
+    bad = argparse.ArgumentTypeError(f"{text!r} is not a Ray address; expected {RAY_ADDRESS_FORMS}")
+    if text == "auto":
+        return text
+    rest = text.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or any(c.isspace() or c in "/[]@" for c in host):
+        raise bad
+    if ":" in host and not rest.startswith("["):  # a bare IPv6 address: its port is ambiguous
+        raise bad
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise bad
+    return text

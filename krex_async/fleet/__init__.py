@@ -5,12 +5,14 @@
 
 agent.py    the per-node actor's body (owns or reaches the daemon; capacity; streamed runs)
 placement.py which node and device a command goes to (pure)
-client.py   FleetClient / FleetHandle: Client's shape over the fleet (imports Ray)
+client.py   FleetClient: Client's shape over the fleet (imports Ray)
+handle.py   FleetHandle: one command's stream and result; how a lost agent ends it
+raycluster.py joining a Ray cluster; node names (imports Ray)
 local.py    a Ray cluster of N nodes on this machine with a daemon each (demo, tests, bench)
 cli.py      `krex fleet status | demo`
 
-Ray is imported only by client.py and local.py, so the base install stays light; `require_ray()`
-says how to get it.
+Ray is imported only by client.py, handle.py, raycluster.py and local.py, so the base install
+stays light; `require_ray()` says how to get it.
 """
 
 from __future__ import annotations

@@ -75,9 +75,10 @@ class OwnedDaemon:
         args = list(self.spec.args)
         if self.spec.cgroup and "--cgroup-root" not in args and self.cgroup is None:
             self.cgroup = _private_cgroup()
-            if self.cgroup is not None:  # for whoever cleans up after a dead agent (LocalFleet)
-                with open(os.path.join(self.dir, "cgroup"), "w") as f:
-                    f.write(self.cgroup)
+            if self.cgroup is not None:  # for whoever cleans up after a dead agent (LocalFleet);
+                # a line each: a node back under its name has a new agent, and its own root
+                with open(os.path.join(self.dir, "cgroup"), "a") as f:
+                    f.write(self.cgroup + "\n")
         if self.cgroup is not None and "--cgroup-root" not in args:
             args += ["--cgroup-root", self.cgroup]
         if "--probes" not in args:
@@ -220,6 +221,11 @@ class NodeAgent:
         self.client: Client | None = None
         self._lock = asyncio.Lock()
         self._stopped = False
+        # run() tokens: the command each started ("" until accepted), and those a client withdrew
+        # after its call broke before an answer (a late run() with one is refused: never run twice).
+        self._runs: dict[str, str] = {}
+        self._withdrawn: set[str] = set()
+        self._kills: set[asyncio.Task[None]] = set()
 
     async def _client(self) -> Client:
         """The daemon connection, made again if it was lost (an owned daemon that died is started
@@ -267,29 +273,76 @@ class NodeAgent:
         """The daemon's own status (KrexError if it is away)."""
         return await (await self._client()).status()
 
-    async def run(self, spec: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
+    async def run(self, spec: dict[str, Any], token: str = "") -> AsyncIterator[tuple[Any, ...]]:
         """Submit one command and stream what happens to it, as tuples:
         ("accepted", command, device, queued), ("output", stream, data)..., then exactly one of
-        ("exited", report msgpack, stdout tail, stderr tail), ("lost", why), ("error", code, msg)."""
-        try:
-            h = await (await self._client()).submit(**spec)
-        except KrexError as e:
-            yield ("error", e.code, e.message)
+        ("exited", report msgpack, stdout tail, stderr tail), ("lost", why), ("error", code, msg).
+
+        `token` names this call for withdraw(). A stream its caller abandons before the end (Ray
+        closes the generator) kills a command submitted with on_disconnect="kill", as the daemon
+        does when a client's connection drops: nobody would get its result."""
+        if token in self._withdrawn:
+            yield ("error", "withdrawn", f"node {self.name}: this submission was withdrawn; not run")
             return
-        yield ("accepted", h.command, h.device, h.queued)
+        if token:
+            self._runs[token] = ""
+        command = ""
         try:
+            try:
+                h = await (await self._client()).submit(**spec)
+            except KrexError as e:
+                yield ("error", e.code, e.message)
+                return
+            command = h.command
+            if token in self._withdrawn:  # withdrawn while the daemon accepted it
+                self._kill_later(command)
+                command = ""
+                yield ("error", "withdrawn", f"node {self.name}: this submission was withdrawn; killed")
+                return
+            if token:
+                self._runs[token] = command
+            yield ("accepted", h.command, h.device, h.queued)
             async for stream, data in h.output():
                 h._out.clear()  # forwarded as it comes; the handle would keep a second copy
                 h._err.clear()
                 yield ("output", stream, data)
             res = await h.wait()
+            command = ""  # ended: nothing left to kill
         except KrexError as e:
+            command = ""  # the daemon ended it, or its connection did (which kills it)
             if e.code != "disconnected":
                 yield ("error", e.code, e.message)
                 return
             yield ("lost", f"node {self.name}: its daemon went away while {h.command} ran")
             return
+        finally:
+            self._runs.pop(token, None)
+            if command and spec.get("on_disconnect", "kill") == "kill":
+                self._kill_later(command)  # closed early, its caller gone: a result nobody reads
         yield ("exited", msgspec.msgpack.encode(res.report), res.stdout, res.stderr)
+
+    async def withdraw(self, token: str) -> bool:
+        """For a client whose run(token) broke before its first answer (ActorUnavailableError: it
+        may or may not have reached this agent). Fences the token, so a run() still on its way is
+        refused, and kills the command it started, if any. True when a run(token) reached here."""
+        self._withdrawn.add(token)
+        command = self._runs.get(token)
+        if command:
+            self._kill_later(command)
+        return command is not None
+
+    def _kill_later(self, command: str) -> None:
+        """SIGKILL a command off the caller's path (from a generator's finally, which cannot wait)."""
+
+        async def kill() -> None:
+            try:
+                await (await self._client()).cancel(command, signal.SIGKILL)
+            except KrexError:
+                pass  # it ended meanwhile, or its daemon did (and so did it)
+
+        task = asyncio.get_running_loop().create_task(kill())
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
 
     async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None:
         await (await self._client()).cancel(command, sig)

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from krex_async.cliargs import RAY_ADDRESS_FORMS, ray_address
 from krex_async.fleet import require_ray
 
 
@@ -35,7 +36,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     d.add_argument("--devices", default="cpu:2", help="each daemon's --devices (default cpu:2)")
     s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, regions")
-    s.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    s.add_argument(
+        "--address",
+        default="auto",
+        type=ray_address,
+        help=f"the Ray cluster: {RAY_ADDRESS_FORMS} (default auto)",
+    )
     s.add_argument("--json", action="store_true")
     return p  # type: ignore[no-any-return]
 

@@ -6,14 +6,16 @@
             ...
         res = await h.wait()          # Result; res.report.state == "lost" if its node died
 
-    connect: ray.init ─► one NodeAgent actor per alive node (named, detached, NodeAffinity-pinned)
-    submit:  pick(node, device) from the capacity reports ─► agent.run(spec) (a streaming call)
-    refresh: every refresh_s, each agent's capacity() ─► NodeView (up, devices, their commands)
+    connect:  ray.init ─► one NodeAgent actor per alive node (named, detached, NodeAffinity-pinned)
+    submit:   pick(node, device) from the capacity reports ─► agent.run(spec, token) (streamed)
+    refresh:  every refresh_s, each agent's capacity() ─► NodeView (up, devices, their commands)
+    discover: new nodes, and nodes back under their name (a dead agent's successor is made)
 
 Commands are named `<node>/<daemon's id>`, devices `<node>/<key>`. Each command has one result: the
 daemon's report, or a report with state `lost` naming the node when its daemon or its actor died
-while it ran; the other nodes go on. An agent call is never retried once the daemon accepted the
-command (Ray actor tasks run at most once here), so no command runs twice.
+while it ran; the other nodes go on. Ray's ActorUnavailableError (a blip: the call may or may not
+have run) is not a death: idempotent calls are asked again (BACKOFF); a run() is never sent again
+unless its agent says (withdraw) that it never started, so no command runs twice.
 """
 
 from __future__ import annotations
@@ -21,169 +23,29 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import signal
-import threading
-from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import Any
 
-import msgspec
 import ray
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 from krex_async.devices import NoDevice
 from krex_async.fleet.agent import DaemonSpec, NodeAgent
+from krex_async.fleet.handle import FleetHandle, why
 from krex_async.fleet.placement import NodeView, pick
+from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, join, node_name, reachable
 
-NAMESPACE = "krex"
-NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
 RemoteAgent = ray.remote(NodeAgent)
-
-
-def node_name(node: dict[str, Any]) -> str:
-    """A node's fleet name: from a `krex_node_<name>` resource, else its Ray node id's first 8."""
-    for res in node.get("Resources", {}):
-        if res.startswith(NODE_RESOURCE):
-            return str(res[len(NODE_RESOURCE) :])
-    return str(node["NodeID"][:8])
-
-
-def join(address: str | None, options: dict[str, Any] | None = None) -> None:
-    """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
-    (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers.
-    Already joined: nothing to do (two connects of one process, e.g. the gateway's job runner and
-    its env view, both find Ray uninitialised before their address check, and join one after the
-    other; ray.init a second time raises)."""
-    if ray.is_initialized():
-        return
-    main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
-        ray.init(
-            address=address,
-            namespace=NAMESPACE,
-            log_to_driver=False,
-            configure_logging=False,
-            **(options or {}),
-        )
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
-async def reachable(address: str, timeout: float = 3.0) -> str:
-    """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
-    TCP connect to it succeeds: ray.init would block minutes for a GCS that is not there."""
-    from ray._private.services import canonicalize_bootstrap_address_or_die
-
-    try:
-        gcs = canonicalize_bootstrap_address_or_die(address)
-        host, _, port = gcs.rpartition(":")
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-        writer.close()
-    except (TimeoutError, ConnectionError, OSError, ValueError) as e:
-        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
-    return gcs
-
-
-class FleetHandle:
-    """One fleet command: `command` and `device` name its node; output() and wait() as
-    CommandHandle's. A lost node ends it with a `lost` report instead of an exception."""
-
-    def __init__(
-        self, fleet: FleetClient, node: str, spec: dict[str, Any], gen: Any, accepted: tuple[Any, ...]
-    ) -> None:
-        self.client = fleet
-        self.node = node
-        self.daemon_command = str(accepted[1])
-        self.command = f"{node}/{accepted[1]}"
-        self.device = f"{node}/{accepted[2]}"
-        self.queued = bool(accepted[3])
-        self.pid: int | None = None  # on another node: not reported
-        self._spec = spec
-        self._error: KrexError | None = None
-        self._gen = gen
-        self._out = bytearray()
-        self._err = bytearray()
-        self._result: Result | None = None
-
-    async def output(self) -> AsyncIterator[tuple[str, bytes]]:
-        """Yield (stream, data) as the command writes, until it ends or its node is lost."""
-        if self._error is not None:
-            raise self._error
-        while self._result is None:
-            try:
-                item = await (await self._gen.__anext__())
-            except StopAsyncIteration:
-                self._end(self._lost("its agent ended the stream without a result"))
-                break
-            except RayTaskError as e:  # a bug in the agent, not a lost node: say so
-                self._fail(KrexError("fleet_error", f"node {self.node}: {e}"))
-            except (RayActorError, NodeDiedError, ObjectLostError) as e:  # agent or node gone
-                self.client._node_lost(self.node, f"its agent is gone ({type(e).__name__})")
-                self._end(self._lost(f"its agent is gone ({type(e).__name__})"))
-                break
-            except RayError as e:  # the stream broke, the node may be fine: end the command
-                await self._kill_quietly()
-                self._end(
-                    self._lost(f"its output stream failed ({type(e).__name__}: {e}); the command was killed")
-                )
-                break
-            match item:
-                case ("output", stream, data):
-                    (self._out if stream == "stdout" else self._err).extend(data)
-                    yield stream, data
-                case ("exited", raw, out, err):
-                    report = msgspec.msgpack.decode(raw, type=P.CommandReport)
-                    self._out += out
-                    self._err += err
-                    self._end(msgspec.structs.replace(report, command=self.command, device=self.device))
-                case ("lost", why):
-                    self.client._node_lost(self.node, why)
-                    self._end(self._lost(why))
-                case ("error", code, message):
-                    self._fail(KrexError(code, message))
-
-    def _fail(self, error: KrexError) -> NoReturn:
-        """No result will come (as Client's Error reply): every later output()/wait() raises."""
-        self._error = error
-        self.client._forget(self)
-        raise error
-
-    async def _kill_quietly(self) -> None:
-        try:
-            await asyncio.wait_for(self.client.cancel(self.command, signal.SIGKILL), 5.0)
-        except (TimeoutError, KrexError, RayError):
-            pass  # it ended, or its node went: either way nothing of it runs on
-
-    def _lost(self, why: str) -> P.CommandReport:
-        return P.CommandReport(
-            command=self.command,
-            argv=list(self._spec["argv"]),
-            device=self.device,
-            policy="",
-            state="lost",
-            error=why if why.startswith("node ") else f"node {self.node}: {why}",
-            label=self._spec.get("label", ""),
-        )
-
-    def _end(self, report: P.CommandReport) -> None:
-        self._result = Result(report, bytes(self._out), bytes(self._err))
-        self.client._forget(self)
-
-    async def wait(self) -> Result:
-        async for _ in self.output():
-            pass
-        assert self._result is not None
-        return self._result
-
-    async def cancel(self, sig: int = signal.SIGTERM) -> None:
-        await self.client.cancel(self.command, sig)
+# Pauses between tries of a call to an agent that is unavailable (ActorUnavailableError: a network
+# blip, a restart; Ray says the call may or may not have run), about 3 s in all; only ActorDiedError
+# says the agent is gone.
+BACKOFF = (0.1, 0.2, 0.4, 0.8, 1.6)
+STATUS_S = 5.0  # an agent's status or capacity answer, at most (a stopped daemon never answers)
+__all__ = ["NAMESPACE", "NODE_RESOURCE", "FleetClient", "FleetHandle", "join", "node_name", "reachable"]
 
 
 class FleetClient:
@@ -191,13 +53,16 @@ class FleetClient:
     and cancels commands submitted with on_disconnect="kill"."""
 
     def __init__(self, agents: dict[str, Any], refresh_s: float) -> None:
-        self.agents = agents  # node name -> actor handle
+        self.agents = agents  # node name -> actor handle (none while a node's agent is dead)
         self.nodes: dict[str, NodeView] = {n: NodeView(n) for n in agents}
         self.lost: list[str] = []  # names of commands reported lost, in order
         self.refresh_s = refresh_s
+        self._pinned: dict[str, str] = {}  # node name -> the Ray node id its agent was made on
         self._handles: dict[str, FleetHandle] = {}  # in flight, by fleet command name
         self._kill_on_close: set[str] = set()
         self._pending = itertools.count(1)
+        self._tokens = itertools.count(1)  # run() tokens, unique to this client: withdraw() names one
+        self._token_base = secrets.token_hex(6)
         self._socket: str | None = None  # how agents made by this client reach their daemon
         self._daemon: DaemonSpec | None = None
         self._task: asyncio.Task[None] | None = None  # the refresher: done once closed
@@ -227,8 +92,8 @@ class FleetClient:
         hellos = await asyncio.gather(*(a.hello.remote() for a in agents.values()), return_exceptions=True)
         await self.refresh()
         if not any(v.up for v in self.nodes.values()):
-            why = "; ".join(f"{n}: {h}" for n, h in zip(agents, hellos))
-            raise KrexError("unreachable", f"no node's krex daemon answers ({why or 'no nodes'})")
+            reasons = "; ".join(f"{n}: {h}" for n, h in zip(agents, hellos))
+            raise KrexError("unreachable", f"no node's krex daemon answers ({reasons or 'no nodes'})")
         policies = sorted({h["policy"] for h in hellos if isinstance(h, dict)})
         self.welcome = P.Welcome(
             id=0, version=P.PROTOCOL_VERSION, server="krex fleet", policy=",".join(policies)
@@ -237,12 +102,16 @@ class FleetClient:
         return self
 
     def _add_agents(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
-        """An agent on each alive node that has none here yet (an existing named agent is reused,
-        with the socket or daemon it was made with); returns the new ones by node name."""
-        new: dict[str, Any] = {}
+        """An agent on each alive node that has none here, or whose agent was made on a Ray node
+        that is gone (the node came back under its name: a new Ray node id). An existing named agent
+        is reused, with the socket or daemon it was made with. Returns the new ones by node name."""
+        alive: dict[str, list[str]] = {}
         for node in sorted(nodes, key=node_name):
-            name = node_name(node)
-            if not node.get("Alive") or name in self.agents:
+            if node.get("Alive"):
+                alive.setdefault(node_name(node), []).append(node["NodeID"])
+        new: dict[str, Any] = {}
+        for name, ids in alive.items():
+            if name in self.agents and self._pinned.get(name) in ids:
                 continue
             new[name] = RemoteAgent.options(
                 name=f"krex-node-{name}",
@@ -253,16 +122,19 @@ class FleetClient:
                 max_restarts=0,
                 max_task_retries=0,
                 max_concurrency=10000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ids[0], soft=False),
             ).remote(name, self._socket, self._daemon)
+            self._pinned[name] = ids[0]
         for name, agent in new.items():
             self.agents[name] = agent
-            self.nodes[name] = NodeView(name)
+            view = self.nodes.setdefault(name, NodeView(name))
+            view.up, view.reason = False, "its agent is new: waiting for its first capacity report"
         return new
 
     async def discover(self) -> list[str]:
-        """Reach nodes that joined the Ray cluster since; returns their names. The refresher
-        calls it every `discover_every` refreshes."""
+        """Reach nodes that joined the Ray cluster since, or came back (same name, new agent);
+        returns their names. The refresher calls it every `discover_every` refreshes, and at each
+        while a node has no agent."""
         nodes = await asyncio.to_thread(ray.nodes)
         return sorted(self._add_agents(nodes))
 
@@ -272,16 +144,40 @@ class FleetClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
+    async def _ask(self, name: str, method: str, *args: Any, timeout: float, agent: Any = None) -> Any:
+        """Call an idempotent agent method (capacity, status, cancel, withdraw) on `name`'s agent
+        (or the given incarnation), trying again after BACKOFF's pauses while the agent is only
+        unavailable, all within `timeout`. An agent that died is dropped (discover() makes the
+        node's next one). Raises what the last try raised, or KrexError when the node has no agent."""
+        agent = agent if agent is not None else self.agents.get(name)
+        if agent is None:
+            reason = self.nodes[name].reason if name in self.nodes else "no such node"
+            raise KrexError("unreachable", f"node {name} has no agent now ({reason})")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for pause in (*BACKOFF, None):
+            try:
+                return await asyncio.wait_for(getattr(agent, method).remote(*args), deadline - loop.time())
+            except ActorUnavailableError:
+                if pause is None or loop.time() + pause >= deadline:
+                    raise
+                await asyncio.sleep(pause)
+            except RayActorError as e:  # ActorDiedError: that incarnation is gone for good
+                self._agent_gone(name, agent, e)
+                raise
+
     async def refresh(self) -> None:
-        """Ask every agent for its capacity (2 s each at most); an agent that fails is down."""
+        """Ask every agent for its capacity (STATUS_S each at most, an unavailable agent asked again
+        within it); an agent that does not answer leaves its node down, saying why."""
         names = list(self.agents)
         reports = await asyncio.gather(
-            *(asyncio.wait_for(self.agents[n].capacity.remote(), 2.0) for n in names), return_exceptions=True
+            *(self._ask(n, "capacity", timeout=STATUS_S) for n in names), return_exceptions=True
         )
         for name, rep in zip(names, reports):
             view = self.nodes[name]
             if isinstance(rep, BaseException):
-                view.up, view.reason = False, f"no capacity report: {type(rep).__name__} {rep}"
+                if not isinstance(rep, RayActorError) or name in self.agents:
+                    view.up, view.reason = False, f"no capacity report: {why(rep)}"
                 continue
             view.up, view.reason, view.devices = rep["up"], rep["reason"], rep["devices"]
 
@@ -289,24 +185,30 @@ class FleetClient:
         for tick in itertools.count(1):
             await asyncio.sleep(self.refresh_s)
             try:
-                if tick % discover_every == 0:
+                if tick % discover_every == 0 or len(self.agents) < len(self.nodes):
                     await self.discover()
                 await self.refresh()
             except Exception:  # a refresh that fails leaves the last views; the next one retries
                 pass
 
+    def unavailable(self) -> str:
+        """Why no command can be placed now ("" when a node is up): for the gateway, which keeps its
+        queue waiting rather than failing jobs a node would take once it is back."""
+        if any(v.up for v in self.nodes.values()):
+            return ""
+        down = "; ".join(f"{n}: {v.reason or 'down'}" for n, v in sorted(self.nodes.items()))
+        return f"no node of the fleet is up ({down or 'no nodes'})"
+
     async def capacity(self) -> dict[str, dict[str, Any]]:
         """Each node's capacity report as its agent gives it now (KrexError-free: down says why)."""
-        names = list(self.agents)
+        names = list(self.nodes)
         reps = await asyncio.gather(
-            *(self.agents[n].capacity.remote() for n in names), return_exceptions=True
+            *(self._ask(n, "capacity", timeout=60.0) for n in names), return_exceptions=True
         )
         return {
-            n: (
-                r
-                if not isinstance(r, BaseException)
-                else {"node": n, "up": False, "reason": repr(r), "devices": []}
-            )
+            n: r
+            if not isinstance(r, BaseException)
+            else {"node": n, "up": False, "reason": why(r), "devices": []}
             for n, r in zip(names, reps)
         }
 
@@ -329,7 +231,9 @@ class FleetClient:
         """Place and start a command (as Client.submit; `node` pins it to one node; `run_as`, for
         a root client such as the gateway, runs it as that uid on the node). env=None
         passes this process's environment; cwd must exist on the node that runs it. A node whose
-        agent or daemon is gone before accepting is marked down and the next node is tried."""
+        agent or daemon is gone before accepting is marked down and the next node is tried; one
+        whose agent is unavailable as it answers is asked (withdraw) whether the command started:
+        if not, it is placed again; if so, it is killed there and KrexError says so."""
         spec = {
             "argv": list(argv),
             "cwd": cwd or os.getcwd(),
@@ -342,65 +246,105 @@ class FleetClient:
             "stream": stream,
             "run_as": run_as,
         }
+        pauses = iter(BACKOFF)
         while True:
             try:
                 name, key = pick(list(self.nodes.values()), mem, str(device), node)
             except NoDevice as e:
                 down = not any(v.up for v in self.nodes.values())
                 raise KrexError("unreachable" if down else "bad_device", str(e)) from None
+            agent = self.agents[name]
             # Counted on its device from now, so concurrent submits spread before any is accepted.
             ours = self.nodes[name].ours.setdefault(key, set())
             pending = f"pending-{next(self._pending)}"
+            token = f"{self._token_base}-{next(self._tokens)}"
             ours.add(pending)
             try:
-                gen = self.agents[name].run.remote({**spec, "device": key})
+                gen = agent.run.remote({**spec, "device": key}, token)
                 first = await (await gen.__anext__())
             except RayTaskError as e:
                 raise KrexError("fleet_error", f"node {name}: {e}") from None
+            except ActorUnavailableError as e:  # it may or may not have reached the agent
+                await self._withdraw(name, agent, token, e)  # raises unless it never started
+                pause = next(pauses, None)
+                if pause is None:
+                    self._node_lost(name, f"its agent stays unavailable ({why(e)})", agent)
+                else:
+                    await asyncio.sleep(pause)
+                continue
             except (RayError, StopAsyncIteration) as e:
-                self._node_lost(name, f"its agent is gone ({type(e).__name__})")
+                # Gone before it answered: the daemon kills what a lost connection submitted with
+                # on_disconnect="kill", so only those may go elsewhere without running twice.
+                self._agent_gone(name, agent, e)
+                if on_disconnect != "kill":
+                    raise KrexError(
+                        "lost", f"node {name}: its agent died as it was given the command ({why(e)})"
+                    ) from None
                 continue
             finally:
                 ours.discard(pending)
             if first[0] == "error" and first[1] in ("unreachable", "disconnected"):
-                self._node_lost(name, first[2])  # not accepted there: the next node may take it
+                self._node_lost(name, first[2], agent)  # not accepted there: the next node may take it
                 continue
             if first[0] == "error":
                 raise KrexError(first[1], f"node {name}: {first[2]}")
-            h = FleetHandle(self, name, spec, gen, first)
+            h = FleetHandle(self, name, agent, spec, gen, first)
             self.nodes[name].ours.setdefault(str(first[2]), set()).add(h.daemon_command)
             self._handles[h.command] = h
             if on_disconnect == "kill":
                 self._kill_on_close.add(h.command)
             return h
 
+    async def _withdraw(self, name: str, agent: Any, token: str, cause: BaseException) -> None:
+        """After run(token) broke before its first answer: fence the token on that agent. Returns
+        when no command started there (it may be placed again); raises KrexError when one did (it
+        is killed there) or when the agent cannot say: never a second run."""
+        try:
+            reached = await self._ask(name, "withdraw", token, timeout=10.0, agent=agent)
+        except (RayError, KrexError, TimeoutError) as e:
+            raise KrexError(
+                "fleet_error",
+                f"node {name}: its agent became unavailable ({why(cause)}) as the command was "
+                f"submitted and cannot say whether it started ({why(e)}); it is not submitted again",
+            ) from None
+        if reached:
+            raise KrexError(
+                "fleet_error",
+                f"node {name}: its agent became unavailable ({why(cause)}) as it took the command; "
+                "the command was killed there and is not submitted again",
+            )
+
     async def run(self, argv: list[str], **kw: Any) -> Result:
         return await (await self.submit(argv, **kw)).wait()
 
     async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None:
-        """Signal a fleet command (`<node>/<id>`). KrexError when it or its node is unknown."""
+        """Signal a fleet command (`<node>/<id>`), through the agent that runs it. KrexError when
+        it or its node is unknown, or its agent is gone."""
         name, sep, cid = command.partition("/")
-        if not sep or name not in self.agents:
+        if not sep or name not in self.nodes:
             raise KrexError(
                 "unknown_command", f"no command {command!r} in the fleet (fleet commands are named NODE/ID)"
             )
+        h = self._handles.get(command)
         try:
-            await self.agents[name].cancel.remote(cid, sig)
+            await self._ask(name, "cancel", cid, sig, timeout=30.0, agent=h.agent if h else None)
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, KrexError) else None
             raise (cause or KrexError("fleet_error", str(e))) from None
         except RayActorError as e:
-            raise KrexError("lost", f"node {name} is gone ({type(e).__name__})") from None
+            raise KrexError("lost", f"node {name}: its agent is gone ({why(e)})") from None
 
     async def status(self) -> dict[str, Any]:
         """Every node's daemon status merged: devices and commands named by node, and `nodes` with
-        each node's state. Nodes that do not answer are listed down, with why."""
-        names = list(self.agents)
-        sts = await asyncio.gather(*(self.agents[n].status.remote() for n in names), return_exceptions=True)
+        each node's state. Nodes that do not answer (in STATUS_S) are listed down, with why."""
+        names = list(self.nodes)
+        sts = await asyncio.gather(
+            *(self._ask(n, "status", timeout=STATUS_S) for n in names), return_exceptions=True
+        )
         out: dict[str, Any] = {"policy": None, "devices": [], "commands": [], "nodes": []}
         for name, st in zip(names, sts):
             if isinstance(st, BaseException):
-                out["nodes"].append({"node": name, "up": False, "reason": str(st)})
+                out["nodes"].append({"node": name, "up": False, "reason": why(st)})
                 continue
             out["policy"] = out["policy"] or st.get("policy")
             out["nodes"].append(
@@ -419,10 +363,22 @@ class FleetClient:
                 )
         return out
 
-    def _node_lost(self, name: str, why: str) -> None:
-        """Place nothing more there until a capacity report says it is up again."""
+    def _node_lost(self, name: str, reason: str, agent: Any = None) -> None:
+        """Place nothing more there until a capacity report says it is up again (news from an
+        agent that is no longer the node's says nothing of its successor)."""
+        if agent is not None and self.agents.get(name) is not agent:
+            return
         view = self.nodes[name]
-        view.up, view.reason = False, why
+        view.up, view.reason = False, reason
+
+    def _agent_gone(self, name: str, agent: Any, e: BaseException) -> None:
+        """That incarnation of the node's agent died (or its node did): forget it, so discover()
+        makes the next one when the node is back, under the same name."""
+        if self.agents.get(name) is not agent:
+            return
+        del self.agents[name]
+        self._pinned.pop(name, None)
+        self._node_lost(name, f"its agent died ({why(e)}); waiting for the node to come back")
 
     def _forget(self, h: FleetHandle) -> None:
         if self._handles.pop(h.command, None) is None:
@@ -440,7 +396,7 @@ class FleetClient:
         for command in list(self._kill_on_close):
             try:
                 await asyncio.wait_for(self.cancel(command, signal.SIGKILL), 5.0)
-            except (TimeoutError, KrexError):
+            except (TimeoutError, KrexError, RayError):
                 pass  # it ended meanwhile, or its node is gone
 
     async def stop_nodes(self) -> None:

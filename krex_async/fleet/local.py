@@ -20,7 +20,8 @@ from ray.cluster_utils import Cluster
 from ray.exceptions import RayError
 
 from krex_async.fleet.agent import DaemonSpec, remove_cgroup
-from krex_async.fleet.client import NAMESPACE, NODE_RESOURCE, FleetClient
+from krex_async.fleet.client import FleetClient
+from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE
 
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
 
@@ -116,7 +117,7 @@ class LocalFleet:
         for node in os.listdir(self.base_dir) if os.path.isdir(self.base_dir) else []:
             try:
                 with open(os.path.join(self.base_dir, node, "cgroup")) as f:
-                    paths.append(f.read().strip())
+                    paths += f.read().split()
             except OSError:
                 continue
         deadline = time.monotonic() + wait_s

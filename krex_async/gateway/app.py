@@ -84,7 +84,7 @@ class Gateway:
     ) -> None:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
         self.kinds, self.missing, self.auth = kinds, missing, auth
-        self.views = Views(store)
+        self.views = Views(store, waiting=lambda: runner.waiting)
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.polls_left = 0  # long polls ended early because their client disconnected
         self.closing = False
@@ -205,6 +205,9 @@ class Gateway:
     async def daemon_status(self) -> dict[str, Any] | None:
         client = await self.runner.connect()
         if client is None:
+            return None
+        if why := self.runner.unready(client):  # a fleet with no node up: say why jobs wait
+            self.runner.daemon_error = why
             return None
         try:
             return await client.status()

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import os
 import shlex
+import shutil
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
@@ -162,6 +163,7 @@ class JobRunner:
         self.shims: Path | None = None  # a directory with `python` for jobs' PATH
         self.client: Client | None = None
         self.daemon_error = ""
+        self.waiting = ""  # why queued jobs are not being started now ("" when they are)
         self.policy = ""
         self.running: dict[str, asyncio.Task[None]] = {}
         self.commands: dict[str, str] = {}  # job id -> krex command id
@@ -216,7 +218,8 @@ class JobRunner:
             self._wake.clear()
             while not self._stopping and len(self.running) < self.limits.max_running:
                 client = await self.connect()
-                if client is None:  # keep the queue; try again shortly
+                self.waiting = self.unready(client)
+                if client is None or self.waiting:  # keep the queue; try again shortly
                     asyncio.get_running_loop().call_later(1.0, self._wake.set)
                     break
                 try:
@@ -232,6 +235,15 @@ class JobRunner:
                 task = asyncio.get_running_loop().create_task(self._run(client, job_id, kind, request))
                 self.running[job_id] = task
                 task.add_done_callback(functools.partial(self._done, job_id))
+
+    def unready(self, client: Client | None) -> str:
+        """Why no queued job can start now ("" when one can): no daemon, or a fleet with no node
+        up (its jobs wait for one rather than fail)."""
+        if client is None:
+            return f"waiting for the krex daemon: {self.daemon_error or 'unreachable'}"
+        fleet_down = getattr(client, "unavailable", None)  # FleetClient's
+        why = fleet_down() if fleet_down is not None else ""
+        return f"waiting for a fleet node: {why}" if why else ""
 
     def _done(self, job_id: str, _task: object = None) -> None:
         self.running.pop(job_id, None)
@@ -297,6 +309,11 @@ class JobRunner:
             )
             self.store.finish(job_id, status, result, err_obj)
         except KrexError as e:
+            if e.code == "unreachable" and job_id not in self.commands and self.store.requeue(job_id):
+                # Nothing started (a fleet whose nodes all went down meanwhile): back in line,
+                # in its place, with a fresh job dir when it is claimed again.
+                shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
+                return
             reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
             self.store.finish(job_id, "failed", None, error(reason, f"krex: {e.message}", krex_code=e.code))
         except asyncio.CancelledError:

@@ -288,6 +288,16 @@ class Store:
             raise
         return None if row is None else (row[0], row[1], _loads(row[2]))
 
+    def requeue(self, job_id: str) -> bool:
+        """running -> queued again, keeping its place, for a job no command was started for (no
+        node could take it). False when it is no longer running (cancelled meanwhile)."""
+        n = self.db.execute(
+            "UPDATE jobs SET status='queued', started_at=NULL, krex_command=NULL, updated_at=? "
+            "WHERE job_id=? AND status='running'",
+            (time.time(), job_id),
+        ).rowcount
+        return n == 1
+
     def set_command(self, job_id: str, command: str) -> None:
         self.db.execute(
             "UPDATE jobs SET krex_command=?, updated_at=? WHERE job_id=? AND status='running'",

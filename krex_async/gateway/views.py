@@ -9,7 +9,9 @@ them: a reader costs one slice of buffer however large the result and however sl
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -24,8 +26,11 @@ HEADERS = {"Content-Type": "application/json; charset=utf-8"}
 class Views:
     """Renders and caches job views; `stream_*` write them to a request."""
 
-    def __init__(self, store: Store, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self, store: Store, cache_bytes: int = CACHE_BYTES, waiting: Callable[[], str] = lambda: ""
+    ) -> None:
         self.store = store
+        self.waiting = waiting  # why queued jobs are not being started: a queued job's `waiting`
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._held = 0
@@ -42,6 +47,8 @@ class Views:
         if rendered is None:
             return None
         status, data = rendered
+        if status == "queued" and (why := self.waiting()):
+            data = data[:-1] + b',"waiting":' + json.dumps(why, ensure_ascii=False).encode() + b"}"
         if status in TERMINAL and len(data) <= self.cache_bytes // 4:
             self._cache[job_id] = data
             self._held += len(data)

@@ -74,3 +74,24 @@ def test_without_ray_the_fleet_says_what_to_install() -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "krex[fleet]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("address", ["bogus", "host:", ":6379", "host:0", "host:70000", "::1:6379", "ray://"])
+@pytest.mark.parametrize(
+    "verb", [["gateway", "--state-dir", "/nonexistent/x", "--fleet"], ["fleet", "status", "--address"]]
+)
+def test_a_bad_ray_address_is_a_usage_error(verb: list[str], address: str) -> None:
+    """Checked before anything starts (no Ray needed): exit 2 naming the flag and the forms."""
+    r = subprocess.run(
+        [PY, "-m", "krex_async", *verb, address], capture_output=True, text=True, env=env(), timeout=60
+    )
+    assert r.returncode == 2, r.stderr
+    assert f"argument {verb[-1]}: {address!r} is not a Ray address" in r.stderr, r.stderr
+    assert "auto, HOST:PORT" in r.stderr and "ray://HOST:PORT" in r.stderr, r.stderr
+
+
+def test_good_ray_addresses_pass() -> None:
+    from krex_async.cliargs import ray_address
+
+    for address in ["auto", "10.0.0.5:6379", "head.example:6379", "[::1]:6379", "ray://head:10001"]:
+        assert ray_address(address) == address

@@ -117,6 +117,46 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, stack: c
     assert "fleet" in log.read_text()
 
 
+async def test_gateway_jobs_wait_while_no_fleet_node_is_up(
+    local_fleet: LocalFleet, stack: contextlib.ExitStack
+) -> None:
+    """Every node's daemon stopped (SIGSTOP: it answers nothing): a job submitted then stays queued,
+    its view and /v1/env saying why, and runs once the nodes answer again; it is not failed."""
+    assert local_fleet.cluster is not None
+    async with await local_fleet.connect() as fc:
+        pids = [c["daemon_pid"] for c in (await fc.capacity()).values()]
+    assert len(pids) == 3 and all(pids), pids
+    home = stack.enter_context(gateway_home())
+    proc, url, log = start(home / "gw", "--fleet", str(local_fleet.cluster.address))
+    try:
+        async with GatewayClient(url, token(home / "gw")) as c:
+            warm = await c.dev("echo warm")
+            assert (await c.wait(warm["job_id"], 60))["status"] == "succeeded"
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                # The gateway's refresher finds every node silent within STATUS_S (5 s) of a tick.
+                await asyncio.sleep(9)
+                job = await c.dev("echo back")
+                await asyncio.sleep(3)
+                view = await c.get(job["job_id"])
+                assert view["status"] == "queued", view
+                waiting = view["waiting"]
+                assert waiting.startswith("waiting for a fleet node: no node of the fleet is up"), view
+                assert "node0: no capacity report" in waiting, view
+                probe = (await c.env())["env"][0]["probe_error"]
+                assert "waiting for a fleet node: no node of the fleet is up" in probe, probe
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            done = await c.wait(job["job_id"], 60)
+            assert done["status"] == "succeeded" and done["result"]["stdout"] == "back\n", done
+            assert "waiting" not in done
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+
+
 async def test_gateway_fleet_unreachable_says_so(stack: contextlib.ExitStack) -> None:
     """No Ray cluster at the address: the gateway serves, /v1/env names the failure, jobs wait
     queued (as with a daemon that is down), and SIGTERM ends it cleanly."""

@@ -1,0 +1,70 @@
+"""Joining a Ray cluster, and what names a node in it: the plumbing FleetClient.connect and the local
+fleet share.
+
+A node is named by a custom Ray resource `krex_node_<name>` (`ray start --resources
+'{"krex_node_gpu-a1": 1}'`), else by its Ray node id's first 8 characters; its agent is the actor
+`krex-node-<name>` in namespace `krex`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from typing import Any
+
+import ray
+
+from krex_async.client.submit import KrexError
+
+NAMESPACE = "krex"
+NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
+
+
+def node_name(node: dict[str, Any]) -> str:
+    """A node's fleet name: from a `krex_node_<name>` resource, else its Ray node id's first 8."""
+    for res in node.get("Resources", {}):
+        if res.startswith(NODE_RESOURCE):
+            return str(res[len(NODE_RESOURCE) :])
+    return str(node["NodeID"][:8])
+
+
+def join(address: str | None, options: dict[str, Any] | None = None) -> None:
+    """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
+    (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers.
+    Already joined: nothing to do (two connects of one process, e.g. the gateway's job runner and
+    its env view, both find Ray uninitialised before their address check, and join one after the
+    other; ray.init a second time raises)."""
+    if ray.is_initialized():
+        return
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            configure_logging=False,
+            **(options or {}),
+        )
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e}") from None
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+async def reachable(address: str, timeout: float = 3.0) -> str:
+    """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
+    TCP connect to it succeeds: ray.init would block minutes for a GCS that is not there."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        gcs = canonicalize_bootstrap_address_or_die(address)
+        host, _, port = gcs.rpartition(":")
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        writer.close()
+    except (TimeoutError, ConnectionError, OSError, ValueError) as e:
+        raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
+    return gcs

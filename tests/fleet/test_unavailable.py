@@ -1,0 +1,133 @@
+"""ActorUnavailableError is a blip, not a death: the connections between this process and a node's
+agent are aborted by the kernel (`ss -K`, as a network failure ends them), and the client asks
+again instead of marking the node down; a command whose stream broke is killed through the agent
+that still runs it and ends `lost`, not left running unseen."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from krex_async import KrexError
+
+from .conftest import NEEDS_RAY, env
+from .test_node_death import survivors
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason=NEEDS_RAY)
+from krex_async.fleet.client import FleetClient  # noqa: E402
+from krex_async.fleet.local import LocalFleet  # noqa: E402
+
+PY = sys.executable
+
+
+def abort_links(pid: int) -> int:
+    """Abort every TCP connection between this process and process `pid` (Ray's gRPC channels to
+    and from the agent); returns how many."""
+    ours = {(c.laddr, c.raddr) for c in psutil.Process().net_connections("tcp") if c.raddr}
+    theirs = {(c.laddr, c.raddr) for c in psutil.Process(pid).net_connections("tcp") if c.raddr}
+    links = [(lo, re) for lo, re in ours if (re, lo) in theirs]
+    for lo, re in links:
+        subprocess.run(
+            ["ss", "-K", "-t", "src", f"{lo.ip}:{lo.port}", "dst", f"{re.ip}:{re.port}"],
+            check=True,
+            capture_output=True,
+        )
+    return len(links)
+
+
+async def agent_pid(fc: FleetClient, node: str) -> int:
+    return int((await fc.agents[node].hello.remote())["pid"])
+
+
+async def test_an_unavailable_agent_is_asked_again_not_taken_for_dead(local_fleet: LocalFleet) -> None:
+    """The links break while capacity() is in flight (its daemon held by SIGSTOP, so the call
+    waits): Ray fails the call with ActorUnavailableError; the refresh asks again and the node
+    stays up. The same for status()."""
+    async with await local_fleet.connect(refresh_s=3600) as fc:  # refreshed here only
+        pid = await agent_pid(fc, "node1")
+        daemon = (await fc.capacity())["node1"]["daemon_pid"]
+        for ask in (fc.refresh, fc.status):
+            os.kill(daemon, signal.SIGSTOP)
+            try:
+                task = asyncio.ensure_future(ask())
+                await asyncio.sleep(0.5)  # the call is with the agent, which waits on its daemon
+                assert abort_links(pid) > 0
+            finally:
+                os.kill(daemon, signal.SIGCONT)
+            answer = await task
+            assert fc.nodes["node1"].up, fc.nodes["node1"]
+            if answer is not None:
+                assert [n["up"] for n in answer["nodes"] if n["node"] == "node1"] == [True], answer["nodes"]
+        assert (await fc.run([PY, "-c", "print(1)"], env=env(), node="node1")).stdout == b"1\n"
+
+
+async def test_a_stream_broken_by_a_blip_kills_its_command(local_fleet: LocalFleet) -> None:
+    async with await local_fleet.connect(refresh_s=3600) as fc:
+        code = "import time\nwhile True: print('tick', flush=True); time.sleep(0.05)"
+        h = await fc.submit([PY, "-c", code, "blip-mark"], env=env(), node="node2", label="blip")
+        pid = await agent_pid(fc, "node2")
+        async for _stream, _data in h.output():
+            break
+        t0 = time.monotonic()
+        assert abort_links(pid) > 0
+        r = await asyncio.wait_for(h.wait(), 60)
+        assert r.report.state == "lost", r.report
+        assert "node node2: its agent became unavailable" in r.report.error, r.report
+        assert "killed, not run again" in r.report.error, r.report
+        # Killed on its node at once, not left to run with nobody reading it; the node stays in use.
+        while survivors("blip-mark"):
+            assert time.monotonic() - t0 < 15, survivors("blip-mark")
+            await asyncio.sleep(0.1)
+        assert fc.nodes["node2"].up, fc.nodes["node2"]
+        assert (await fc.run([PY, "-c", "print(2)"], env=env(), node="node2")).stdout == b"2\n"
+
+
+async def test_a_submit_broken_by_a_blip_never_runs_twice(local_fleet: LocalFleet, tmp_path: Path) -> None:
+    """The links break while run() waits on the daemon (held by SIGSTOP) to accept: the call may or
+    may not have reached the agent (it did). Ray may surface that before the first item (submit()
+    asks the agent to withdraw it: killed, KrexError) or after it (the handle's stream: killed,
+    `lost`); either way it runs once at most, is placed nowhere else, and nothing of it runs on."""
+    ran = tmp_path / "ran"
+    code = f"open({str(ran)!r}, 'a').write('x\\n'); import time; time.sleep(20)"
+    async with await local_fleet.connect(refresh_s=3600) as fc:
+        pid = await agent_pid(fc, "node0")
+        daemon = (await fc.capacity())["node0"]["daemon_pid"]
+        os.kill(daemon, signal.SIGSTOP)
+        try:
+            submit = asyncio.ensure_future(
+                fc.submit([PY, "-c", code, "twice-mark"], env=env(), node="node0", label="once")
+            )
+            await asyncio.sleep(0.5)
+            assert not submit.done()
+            assert abort_links(pid) > 0
+            await asyncio.sleep(0.5)
+        finally:
+            os.kill(daemon, signal.SIGCONT)
+        try:
+            h = await asyncio.wait_for(submit, 60)
+        except KrexError as e:
+            assert "node node0: its agent became unavailable" in e.message, e.message
+            assert "is not submitted again" in e.message, e.message
+        else:
+            r = await asyncio.wait_for(h.wait(), 60)
+            assert h.node == "node0" and r.report.state == "lost", r.report
+            assert "became unavailable" in r.report.error and "not run again" in r.report.error, r.report
+        t0 = time.monotonic()
+        while survivors("twice-mark"):
+            assert time.monotonic() - t0 < 15, survivors("twice-mark")
+            await asyncio.sleep(0.1)
+        assert not ran.exists() or ran.read_text() == "x\n"
+        live = [
+            c for c in (await fc.status())["commands"] if c.get("label") == "once" and c["state"] != "ended"
+        ]
+        assert live == [], live
+        assert fc.nodes["node0"].up, fc.nodes["node0"]
