@@ -574,6 +574,14 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         start = time.monotonic_ns()
         for tgid, fd, path in scan_proc(self.prefixes):
             key = table.Key(tgid, fd)
+            made = table.get(key)
+            if made is not None and made.ts >= start:
+                # the BPF side made it since the scan began (an open, a dup): its stamp is the true
+                # one. The scan's would predate an execve between the two, and the entry of a
+                # close-on-exec fd opened after that execve would be dropped at its first ioctl.
+                self.fd_paths[(tgid, fd)] = path
+                n += 1
+                continue
             leaf = table.Leaf()
             leaf.s = path.encode()[: PATH_LEN - 1]
             leaf.ts = start

@@ -288,3 +288,47 @@ async def test_the_rescan_ends_fork_inheritance_and_seeds_the_child(devdir: str)
         p.wait()
         probe.stop()
     assert probe.counts().get(kid, 0) == 0, "ioctls on /dev/null counted as inherited GPU ones"
+
+
+async def test_a_seed_keeps_an_entry_made_after_its_scan_began(devdir: str, monkeypatch) -> None:
+    """A rescan stamps what it seeds with its start. A process that execs after the scan began and
+    then opens a close-on-exec device fd has an entry the BPF side made at the open; the scan, on
+    reaching it, must not restamp it with its (earlier) start: older than the execve, the entry of
+    a close-on-exec fd is dropped at its first ioctl, and the process's device work went uncounted
+    until the next rescan."""
+    import time as time_mod
+
+    import krex_async.probes.bpf_ioctl as bpf_ioctl
+
+    need_bcc()
+    probe = IoctlProbe([devdir + "/"], rescan_s=0)
+    col = Collector(probe)
+    col.start()
+    began = time_mod.monotonic_ns()  # the scan "begins" here, before the process's execve
+    code = PRELUDE + textwrap.dedent("""
+        fd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
+        print(os.getpid(), fd, flush=True)
+        sys.stdin.readline(); io(fd, 3); print("done", flush=True)
+    """)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, f"{devdir}/null0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdin is not None and p.stdout is not None
+        pid, fd = map(int, p.stdout.readline().split())
+        await col.wait_for(lambda: len(col.of(pid)) >= 1, timeout=3)  # its open: the BPF entry
+        monkeypatch.setattr(bpf_ioctl.time, "monotonic_ns", lambda: began)
+        assert probe.seed() >= 1
+        monkeypatch.undo()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "done"
+        await settle(col, pid, 4)
+    finally:
+        p.kill()
+        p.wait()
+        probe.stop()
+    assert [(e.kind, e.fd) for e in col.of(pid)] == [("open", fd)] + [("ioctl", fd)] * 3
