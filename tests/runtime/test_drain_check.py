@@ -119,10 +119,12 @@ async def test_the_drain_check_runs_for_the_window_the_daemon_gives() -> None:
     """--drain-window reaches the owner with the grant: its check passes after that long (not the
     runtime's 20 ms default), and the region's report says which window it had."""
     for window in (0.02, 0.4):
-        async with _gpu_daemon(drain_window=window) as (c, devdir):
+        # a long timeout: on a loaded machine a preemption longer than the bar (250 us) restarts
+        # the window, and a 0.4 s window went unfinished within the default 2 s
+        async with _gpu_daemon(drain_window=window, drain_timeout=10.0) as (c, devdir):
             out = await _owner_beside(c, [holder(Path(devdir) / "nvidia0")], FAKE_TORCH_OWNER)
         drain, took, given = out.split()
         assert drain == "idle-verified" and float(given) == window, out
         # at least the window given (0.4 s, not the runtime's 20 ms); the upper bound only guards
         # against a check that never ends: a loaded 2-core machine took 0.8 s for 0.4
-        assert window <= float(took) < window + 2.0, (window, took)
+        assert window <= float(took) < 10.0, (window, took)
