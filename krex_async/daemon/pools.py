@@ -9,7 +9,7 @@ import os
 import pwd
 from collections.abc import Mapping
 
-from krex_async.ctxpool.base import PoolConfig
+from krex_async.ctxpool.base import WORKER_CWD, WORKER_MODULE, PoolConfig
 from krex_async.ctxpool.preflight import PreflightError, bad_names, missing_modules
 from krex_async.daemon.commands import user_groups, with_runtime
 
@@ -39,10 +39,11 @@ def pool_env(device_env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def module_problems(pool_user: str, preload: list[str], init: list[str]) -> list[tuple[str, str]]:
     """(option, why) for each of --pool-preload and --pool-init naming modules the pool's
-    interpreter cannot find as the pool's user, or no module names at all; [] when all are found
-    (or the user is none to run as: `krex serve` refuses that itself, daemon.pool_user). Asks one
-    child interpreter (preflight.py) with pool_env() less a device's visibility variables, which
-    no lookup reads; imports nothing here."""
+    interpreter cannot find as the pool's user, or no module names at all, and for a --pool-user
+    who cannot run krex's own worker module there (its pool failed every spawn, said only by
+    `krex status`); [] when all are found (or the user is none to run as: `krex serve` refuses
+    that itself, daemon.pool_user). Asks one child interpreter (preflight.py) with pool_env()
+    less a device's visibility variables, which no lookup reads; imports nothing here."""
     try:
         user = pool_identity(pool_user)
     except ValueError:
@@ -53,19 +54,26 @@ def module_problems(pool_user: str, preload: list[str], init: list[str]) -> list
         for f, n in given.items()
         if (bad := bad_names(n))
     ]
-    if out or not preload + init:
-        return out
+    if out or not (preload + init or user):
+        return out  # the daemon's own interpreter and user run its own worker module
     python = PoolConfig().interpreter()
     who = f"as user {pool_user}" if pool_user else "as the daemon's user"
+    blame = "pool_preload" if preload else "pool_init" if init else "pool_user"
     try:
-        missing = set(missing_modules([*preload, *init], python=python, env=pool_env(), user=user))
+        missing = set(
+            missing_modules([WORKER_MODULE, *preload, *init], python=python, env=pool_env(), user=user)
+        )
     except PreflightError as e:
-        return [
+        return [(blame, f"cannot ask the pool's interpreter ({who}) for its modules: {e}")]
+    if WORKER_MODULE in missing:
+        out.append(
             (
-                "pool_preload" if preload else "pool_init",
-                f"cannot ask the pool's interpreter ({who}) for its modules: {e}",
+                "pool_user" if pool_user else blame,
+                f"the pool's interpreter {python} ({who}) cannot find krex's worker module "
+                f"{WORKER_MODULE} (under {WORKER_CWD}), so no worker could start; give a user who "
+                "can read krex there",
             )
-        ]
+        )
     for field, names in given.items():
         if lost := [n for n in names if n in missing]:
             them = "it" if len(lost) == 1 else "them"

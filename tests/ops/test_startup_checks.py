@@ -5,10 +5,12 @@ chooser itself for every caller."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -172,3 +174,43 @@ def test_serve_called_without_check_here_refuses_the_root_too(tmp_path: Path) ->
         p.stderr
     )
     assert "Traceback" not in p.stderr and not sock.exists()
+
+
+def test_a_pool_user_who_cannot_run_the_worker_is_refused_without_preloads(tmp_path: Path) -> None:
+    """Asked with no --pool-preload too: a --pool-user who cannot run krex's worker module (krex
+    where that user cannot read it) had a pool whose every spawn failed, said only by `krex
+    status`, while the same setup with a preload was refused. Asked of a copy of krex whose
+    package only root may read, then of one anyone may."""
+    if os.geteuid() != 0:
+        pytest.skip("running as another user needs root")
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    purelib = sysconfig.get_paths()["purelib"]
+    if (
+        python is None
+        or subprocess.run([python, "-c", "import msgspec"], env={"PYTHONPATH": purelib}).returncode
+    ):
+        pytest.skip("no system python3 that can run krex with this venv's packages")
+    top = Path(tempfile.mkdtemp(prefix="krex-pooluser-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        shutil.copytree(ROOT / "krex_async", top / "krex_async")
+        ask = "import json; from krex_async.daemon.pools import module_problems as m; "
+        ask += "print(json.dumps(m('nobody', [], [])))"
+        # the copy and this venv's packages (not a site dir: its .pth adding this tree is not read)
+        env = {**py_env(), "PYTHONPATH": f"{top}{os.pathsep}{purelib}"}
+
+        def problems() -> list[list[str]]:
+            p = subprocess.run(
+                [python, "-c", ask], env=env, cwd="/", capture_output=True, text=True, timeout=60
+            )
+            assert p.returncode == 0, p.stderr
+            return json.loads(p.stdout)  # type: ignore[no-any-return]
+
+        (top / "krex_async").chmod(0o700)
+        [(field, why)] = problems()
+        assert field == "pool_user" and "cannot find krex's worker module" in why, why
+        assert f"under {top}" in why, why
+        (top / "krex_async").chmod(0o755)
+        assert problems() == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
