@@ -190,3 +190,22 @@ def test_a_failed_nvidia_smi_lock_is_reset(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ClockError, match="nvidia-smi failed"):
         clocks._lock_tools("NVML is not used in this test")
     assert log.read_text().split() == ["lock", "reset"]
+
+
+async def test_a_long_poll_answers_before_the_reset_ends(tmp_path: Path, gwhome: Path) -> None:
+    """The job is decided before its clocks are given back: a client long-polling it (as the
+    reference client reads every result) gets it then, not once the reset is over (up to 20 s
+    of nvidia-smi after every lock_clocks job)."""
+    bench, env = install_tools(gwhome / "scratch", STUB_EVAL)
+    log = slow_smi(gwhome / "scratch" / "bin", lock=0.1, reset=4)
+    async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, _gw, c):
+        done = await asyncio.wait_for(
+            client_job(c, "eval", typed("run", "class Model: pass\n", lock_clocks=True)), 60
+        )
+        assert done["status"] == "succeeded" and done["result"]["clock_locked"] is True, done
+        assert "reset-end" not in calls(log), calls(log)
+        deadline = time.monotonic() + 30
+        while "reset-end" not in calls(log):  # and the clocks are still given back
+            assert time.monotonic() < deadline, calls(log)
+            await asyncio.sleep(0.05)
+        assert calls(log) == ["lock-start", "lock-end", "reset-start", "reset-end"], calls(log)
