@@ -59,10 +59,9 @@ def module_problems(pool_user: str, preload: list[str], init: list[str]) -> list
     python = PoolConfig().interpreter()
     who = f"as user {pool_user}" if pool_user else "as the daemon's user"
     blame = "pool_preload" if preload else "pool_init" if init else "pool_user"
+    env = pool_env()
     try:
-        missing = set(
-            missing_modules([WORKER_MODULE, *preload, *init], python=python, env=pool_env(), user=user)
-        )
+        missing = set(missing_modules([WORKER_MODULE, *preload, *init], python=python, env=env, user=user))
     except PreflightError as e:
         return [(blame, f"cannot ask the pool's interpreter ({who}) for its modules: {e}")]
     if WORKER_MODULE in missing:
@@ -82,7 +81,19 @@ def module_problems(pool_user: str, preload: list[str], init: list[str]) -> list
                     field,
                     f"the pool's interpreter {python} ({who}) cannot find module "
                     f"{', '.join(map(repr, lost))}, so no worker could warm; install {them} "
-                    f"for that interpreter, or leave {them} out",
+                    f"for that interpreter, or leave {them} out{relative_path_note(env)}",
                 )
             )
     return out
+
+
+def relative_path_note(env: Mapping[str, str]) -> str:
+    """What to say of PYTHONPATH's relative entries: workers resolve them from WORKER_CWD, not
+    from the directory `krex serve` was started in (PYTHONPATH=. names krex's directory there)."""
+    rel = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.isabs(p)]
+    if not rel:
+        return ""
+    return (
+        f" (workers start in {WORKER_CWD}, so PYTHONPATH's relative {', '.join(map(repr, rel))} "
+        "is taken from there, not from where krex serve started: give absolute paths)"
+    )

@@ -58,6 +58,20 @@ def test_pool_modules_are_looked_up_as_the_workers_would(
     check(pool_size=0, pool_preload="nosuchkrexmod", pool_init="nosuchkrexmod")  # no pool: unused
 
 
+def test_a_relative_pythonpath_is_said_to_be_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PYTHONPATH=. krex serve --pool-preload mod` beside mod.py is refused rightly (workers
+    start in krex's directory, where '.' points), but said only that mod could not be found."""
+    (tmp_path / "besidekrex.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", f".{os.pathsep}{tmp_path}")
+    check_here(*load_config_with_sources(None, {}, {"pool_size": 1, "pool_preload": "besidekrex"}))
+    monkeypatch.setenv("PYTHONPATH", ".")
+    with pytest.raises(ConfigError, match=r"cannot find module 'besidekrex'.* relative '\.' is taken from"):
+        check_here(*load_config_with_sources(None, {}, {"pool_size": 1, "pool_preload": "besidekrex"}))
+
+
 def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> None:
     """find_libraries passed over a missing file or a pattern matching nothing without a word: the
     launch probe then ran on whatever its search found."""
