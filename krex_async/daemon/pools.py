@@ -15,16 +15,20 @@ from krex_async.daemon.commands import user_groups, with_runtime
 
 
 def pool_identity(name: str) -> tuple[int, int, list[int]] | None:
-    """--pool-user (a name or a uid) as (uid, gid, groups); None for the daemon's own. Raises
-    ValueError for an unknown user, or another user than the daemon's where it cannot switch."""
+    """--pool-user (a name or a uid) as (uid, gid, groups); None for the daemon's own, which a
+    daemon that is not root names too: it cannot set groups, and a spawn that asks to fails (its
+    pool never warmed). Raises ValueError for an unknown user, or another user than the daemon's
+    where it cannot switch."""
     if not name:
         return None
     try:
         pw = pwd.getpwnam(name) if not name.isdigit() else pwd.getpwuid(int(name))
     except KeyError:
         raise ValueError("no such user") from None
-    if pw.pw_uid != os.geteuid() and os.geteuid() != 0:
-        raise ValueError("only root can run workers as another user")
+    if os.geteuid() != 0:
+        if pw.pw_uid != os.geteuid():
+            raise ValueError("only root can run workers as another user")
+        return None
     return pw.pw_uid, pw.pw_gid, user_groups(pw.pw_uid, pw.pw_gid)
 
 

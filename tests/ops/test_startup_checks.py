@@ -228,3 +228,23 @@ def test_a_pool_user_who_cannot_run_the_worker_is_refused_without_preloads(tmp_p
         assert problems() == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_daemon_that_is_not_root_may_name_itself_as_pool_user() -> None:
+    """`--pool-user` naming the daemon's own user (a config shared with a root node, the gateway's
+    --run-as) is the daemon's own: a daemon that is not root cannot set groups, and asking to did
+    fail the start-up check (Operation not permitted) and every worker spawn."""
+    if os.geteuid() != 0:
+        pytest.skip("runs the check as another user: needs root")
+    from tests.security.helpers import _ensure_user
+
+    user = _ensure_user("krextest", [])
+    r = user.run_py(
+        "import json; from krex_async.daemon.pools import module_problems, pool_identity as p; "
+        "print(json.dumps([p('krextest'), p(str(__import__('os').getuid())), "
+        "module_problems('krextest', ['json'], [])]))"
+    )
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip(f"the test user cannot import krex here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [None, None, []], r.stdout
