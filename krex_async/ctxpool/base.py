@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 # Workers start here (`-m` puts it first on their sys.path): the directory krex_async is found in.
 WORKER_CWD = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER_MODULE = "krex_async.ctxpool.worker"  # what a worker runs (`python -m`)
 
 
 @dataclass

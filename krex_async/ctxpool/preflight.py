@@ -8,8 +8,10 @@ environment and as their user (a module in the daemon's own ~/.local is not the 
 
 Nothing is imported: each name is looked up as importlib.util.find_spec would, but a dotted name's
 parents are looked up too rather than imported (their __init__ never runs: `torch.cuda` costs no
-torch import). A submodule that only its parent's import makes (`os.path`: os is no package) cannot
-be told from a missing one without importing, and is taken on trust.
+torch import); a submodule is also looked for where a legacy namespace __init__ (pkgutil's
+extend_path) would extend its package's path to: the same directory under each sys.path entry.
+A submodule that only its parent's import makes (`os.path`: os is no package) cannot be told
+from a missing one without importing, and is taken on trust.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ TIMEOUT_S = 20.0  # an interpreter that cannot look up a few names in this long 
 
 # Run as `python -c FIND name...`; prints the JSON list of the names not found, last on stdout.
 FIND = r"""
-import importlib.util, json, sys
+import importlib.util, json, os, sys
 
 def found(name):
     try:
@@ -42,10 +44,14 @@ def lookup(name):
         if where is None:  # a module, not a package: what it makes on import is not on disk
             return True
         full = ".".join(parts[: i + 1])
+        # and where pkgutil.extend_path / pkg_resources.declare_namespace in its __init__ would
+        # look: the same directory under every sys.path entry (a legacy namespace package)
+        where = [*where, *(d for p in sys.path if isinstance(p, str)
+                           if os.path.isdir(d := os.path.join(p, *parts[:i])) and d not in where)]
         spec = None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            if find is not None and (spec := find(full, list(where))) is not None:
+            if find is not None and (spec := find(full, where)) is not None:
                 break
     return spec is not None
 

@@ -36,24 +36,34 @@ def _nvml() -> tuple[Any, str]:
 
 
 def _lock_nvml(nv: Any) -> Callable[[], None]:
-    handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-    if not handles:
-        raise ClockError("lock_clocks: NVML sees no GPU")
-    locked = []
+    """Lock each GPU at its top graphics clock; a GPU that cannot be locked (an NVML error, no
+    clock listed) fails the whole lock, and the GPUs locked before it are reset first."""
+    locked: list[Any] = []
     try:
+        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+        if not handles:
+            raise ClockError("lock_clocks: NVML sees no GPU")
         for h in handles:
             top = max(
-                max(nv.nvmlDeviceGetSupportedGraphicsClocks(h, m), default=0)
-                for m in nv.nvmlDeviceGetSupportedMemoryClocks(h)
+                (
+                    max(nv.nvmlDeviceGetSupportedGraphicsClocks(h, m), default=0)
+                    for m in nv.nvmlDeviceGetSupportedMemoryClocks(h)
+                ),
+                default=0,
             )
             if top <= 0:
                 raise ClockError("lock_clocks: NVML lists no supported graphics clock")
             nv.nvmlDeviceSetGpuLockedClocks(h, top, top)
             locked.append(h)
-    except nv.NVMLError as e:
+    except BaseException as e:
         for h in locked:
-            nv.nvmlDeviceResetGpuLockedClocks(h)
-        raise ClockError(f"lock_clocks: NVML could not lock the GPU clocks: {e}") from None
+            try:
+                nv.nvmlDeviceResetGpuLockedClocks(h)
+            except nv.NVMLError:
+                pass  # the others are still reset
+        if isinstance(e, nv.NVMLError):
+            raise ClockError(f"lock_clocks: NVML could not lock the GPU clocks: {e}") from None
+        raise
 
     def reset() -> None:
         for h in locked:
@@ -79,7 +89,11 @@ def _lock_tools(why_not_nvml: str) -> Callable[[], None]:
         clocks = [int(float(x)) for x in out.split() if x.replace(".", "", 1).isdigit()]
         if not clocks:
             raise ClockError("lock_clocks: nvidia-smi returned no supported graphics clocks")
-        _run([smi, "--lock-gpu-clocks", f"{max(clocks)},{max(clocks)}"])
+        try:
+            _run([smi, "--lock-gpu-clocks", f"{max(clocks)},{max(clocks)}"])
+        except ClockError:
+            _quiet([smi, "--reset-gpu-clocks"])  # it may have locked the GPUs before the one that failed
+            raise
         return lambda: _quiet([smi, "--reset-gpu-clocks"])
     rocm = shutil.which("rocm-smi")
     if rocm:

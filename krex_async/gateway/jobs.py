@@ -328,6 +328,7 @@ class JobRunner:
                 deadline.cancel()
             self.timed_out.discard(job_id)
             if clock is not None:
+                self.on_change(job_id)  # decided above: its long polls answer now, not after the reset
                 await clock.release()  # off the loop; runs to its end even if this task is cancelled
 
     async def _deadline(self, job_id: str, h: CommandHandle, timeout: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -52,8 +53,9 @@ def log(message: str) -> None:
 
 
 class Sweeper:
-    """Removes expired jobs on a schedule; `stop()` ends the task (a removal in flight on its
-    thread finishes; its rows are then removed by the next gateway's sweep)."""
+    """Removes expired jobs on a schedule; `stop()` ends the task and halts a removal in flight on
+    its thread after the directory it is in (a thread cannot be cancelled: 20,000 orphans held a
+    stopping gateway for minutes). Rows whose directory went are forgotten by the next sweep."""
 
     def __init__(
         self,
@@ -69,14 +71,25 @@ class Sweeper:
         self.failing: set[str] = set()  # ids whose directory would not go: said once each
         self.removed = 0  # jobs removed since start
         self._task: asyncio.Task[None] | None = None
+        self._halt = threading.Event()  # set by stop(): the removal thread takes no next directory
+        self._removing: asyncio.Future[tuple[list[str], list[tuple[str, str]]]] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """End the task; returns once no removal runs (the one in flight ends its directory)."""
+        self._halt.set()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._removing is not None:
+            await asyncio.gather(self._removing, return_exceptions=True)
+
+    async def _remove_off_loop(self, ids: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+        """_remove on a thread, kept for stop() to wait on when this task is cancelled."""
+        self._removing = asyncio.get_running_loop().run_in_executor(None, self._remove, ids)
+        return await asyncio.shield(self._removing)
 
     async def _run(self) -> None:
         try:
@@ -98,7 +111,9 @@ class Sweeper:
             ids = self.store.expired(cutoff, BATCH, {*self.busy(), *tried})
             if not ids or len(tried) > MAX_SKIP:  # the skip list is bound by SQLite's parameters
                 return total
-            gone, failed = await asyncio.to_thread(self._remove, ids)
+            gone, failed = await self._remove_off_loop(ids)
+            if self._halt.is_set():
+                return total  # stopping: what went is forgotten by the next gateway's sweep
             for job_id, why in failed:
                 tried.add(job_id)  # kept, and tried again on the next sweep
                 if job_id not in self.failing:
@@ -114,6 +129,8 @@ class Sweeper:
     def _remove(self, ids: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
         gone, failed = [], []
         for job_id in ids:
+            if self._halt.is_set():
+                break
             try:
                 remove_tree(self.jobs_dir / job_id)
                 gone.append(job_id)
@@ -124,12 +141,17 @@ class Sweeper:
     async def orphan_dirs(self) -> int:
         """Remove job directories that have no row (a database reset, or its last commits lost to a
         power cut). Only names the gateway makes are touched; rows are made before directories,
-        so a directory with no row belongs to no job, past or future."""
+        so a directory with no row belongs to no job, past or future. BATCH names at a time: the
+        loop answers between their lookups, and stop() waits for one directory at most."""
         names = await asyncio.to_thread(
-            lambda: [p.name for p in self.jobs_dir.iterdir() if JOB_DIR.match(p.name)]
+            lambda: sorted(p.name for p in self.jobs_dir.iterdir() if JOB_DIR.match(p.name))
         )
-        orphans = sorted(set(names) - self.store.known(names))
-        gone, failed = await asyncio.to_thread(self._remove, orphans)
-        for job_id, why in failed:
-            log(f"cannot remove {self.jobs_dir / job_id} (no job has it): {why}")
-        return len(gone)
+        removed = 0
+        for i in range(0, len(names), BATCH):
+            batch = names[i : i + BATCH]
+            orphans = sorted(set(batch) - self.store.known(batch))
+            gone, failed = await self._remove_off_loop(orphans)
+            for job_id, why in failed:
+                log(f"cannot remove {self.jobs_dir / job_id} (no job has it): {why}")
+            removed += len(gone)
+        return removed

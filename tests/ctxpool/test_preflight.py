@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -84,3 +85,29 @@ def test_no_answer_is_an_error_not_a_verdict(tmp_path: Path) -> None:
         missing_modules(["json"], python=str(broken), env=dict(os.environ))
     with pytest.raises(ValueError, match=r"not a module name: 'torch-nightly', 'a..b'"):
         missing_modules(["json", "torch-nightly", "a..b"], python=PY, env=dict(os.environ))
+
+
+def test_a_namespace_package_split_over_path_entries_is_found(tmp_path: Path) -> None:
+    """The halves of a namespace package in two PYTHONPATH entries: PEP 420 (no __init__) and the
+    legacy kind whose __init__ calls pkgutil.extend_path, whose submodule is in the other half. A
+    worker imports both (checked here by a real import); the check refused the legacy one."""
+    for half in ("a", "b"):
+        (tmp_path / half / "pep420krex").mkdir(parents=True)
+        (tmp_path / half / "legacykrex").mkdir(parents=True)
+        (tmp_path / half / "legacykrex" / "__init__.py").write_text(
+            "__path__ = __import__('pkgutil').extend_path(__path__, __name__)\n"
+        )
+    (tmp_path / "a" / "pep420krex" / "one.py").write_text("")
+    (tmp_path / "b" / "pep420krex" / "two.py").write_text("")
+    (tmp_path / "b" / "legacykrex" / "sub.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}
+    names = ["pep420krex", "pep420krex.one", "pep420krex.two", "legacykrex", "legacykrex.sub"]
+    imported = subprocess.run(
+        [PY, "-c", f"import {', '.join(names)}"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert imported.returncode == 0, imported.stderr  # what a worker would do
+    assert missing_modules(names, python=PY, env=env) == []
+    assert missing_modules(["legacykrex.nosuch", "pep420krex.nosuch"], python=PY, env=env) == [
+        "legacykrex.nosuch",
+        "pep420krex.nosuch",
+    ]

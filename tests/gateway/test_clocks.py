@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway import clocks
+from krex_async.gateway.clocks import ClockError
 
 from .conftest import stack
 from .test_atrex_compat import STUB_EVAL, client_job, typed
@@ -128,3 +129,83 @@ async def test_the_gateway_answers_while_clocks_reset(tmp_path: Path, gwhome: Pa
         done = await asyncio.wait_for(job, 30)
         assert done["status"] == "succeeded" and done["result"]["clock_locked"] is True, done
     assert serial(calls(log)) and calls(log)[-1] == "reset-end", calls(log)
+
+
+class TwoGpuNvml:
+    """NVML's calls as _lock_nvml makes them, for two GPUs where the second cannot be locked the
+    way `broken` says; records which GPUs are locked now. (No GPU here: the failure paths of a
+    real NVML cannot be provoked on purpose, so this stands in for the library's answers.)"""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, broken: str) -> None:
+        self.broken, self.locked = broken, set[int]()
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetSupportedMemoryClocks(self, h: int) -> list[int]:
+        return [] if h == 1 and self.broken == "no memory clocks" else [2619]
+
+    def nvmlDeviceGetSupportedGraphicsClocks(self, h: int, m: int) -> list[int]:
+        return [] if h == 1 and self.broken == "no graphics clocks" else [1980, 345]
+
+    def nvmlDeviceSetGpuLockedClocks(self, h: int, lo: int, hi: int) -> None:
+        if h == 1 and self.broken == "refused":
+            raise self.NVMLError("Insufficient Permissions")
+        self.locked.add(h)
+
+    def nvmlDeviceResetGpuLockedClocks(self, h: int) -> None:
+        self.locked.discard(h)
+
+
+@pytest.mark.parametrize("broken", ["refused", "no graphics clocks", "no memory clocks"])
+def test_a_gpu_that_cannot_be_locked_leaves_none_locked(broken: str) -> None:
+    """The lock fails (ClockError, the job says why) and the GPUs locked before the failing one
+    are reset: only an NVML error did that, and a GPU listing no clock left GPU 0 locked for good."""
+    nv = TwoGpuNvml(broken)
+    with pytest.raises(ClockError, match="lock_clocks: NVML"):
+        clocks._lock_nvml(nv)
+    assert nv.locked == set(), f"GPU {nv.locked} left locked"
+
+
+def test_a_failed_nvidia_smi_lock_is_reset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi --lock-gpu-clocks locks GPU by GPU and exits non-zero at one it cannot lock:
+    the ones before stay locked unless the failed lock is followed by a reset."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = bindir / "smi.log"
+    (bindir / "nvidia-smi").write_text(
+        '#!/bin/sh\ncase "$1" in\n'
+        "  --query-supported-clocks=gr) echo 1980 ;;\n"
+        f"  --lock-gpu-clocks) echo lock >> {log}; echo 'GPU 1: Insufficient Permissions' >&2; exit 4 ;;\n"
+        f"  --reset-gpu-clocks) echo reset >> {log} ;;\nesac\n"
+    )
+    (bindir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(ClockError, match="nvidia-smi failed"):
+        clocks._lock_tools("NVML is not used in this test")
+    assert log.read_text().split() == ["lock", "reset"]
+
+
+async def test_a_long_poll_answers_before_the_reset_ends(tmp_path: Path, gwhome: Path) -> None:
+    """The job is decided before its clocks are given back: a client long-polling it (as the
+    reference client reads every result) gets it then, not once the reset is over (up to 20 s
+    of nvidia-smi after every lock_clocks job)."""
+    bench, env = install_tools(gwhome / "scratch", STUB_EVAL)
+    log = slow_smi(gwhome / "scratch" / "bin", lock=0.1, reset=4)
+    async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, _gw, c):
+        done = await asyncio.wait_for(
+            client_job(c, "eval", typed("run", "class Model: pass\n", lock_clocks=True)), 60
+        )
+        assert done["status"] == "succeeded" and done["result"]["clock_locked"] is True, done
+        assert "reset-end" not in calls(log), calls(log)
+        deadline = time.monotonic() + 30
+        while "reset-end" not in calls(log):  # and the clocks are still given back
+            assert time.monotonic() < deadline, calls(log)
+            await asyncio.sleep(0.05)
+        assert calls(log) == ["lock-start", "lock-end", "reset-start", "reset-end"], calls(log)

@@ -205,3 +205,38 @@ def test_a_gateway_that_is_not_root_removes_a_tree_its_job_made_read_only(gwhome
     )
     assert r.returncode == 0 and r.stdout.split() == ["True", "False"], r.stderr
     assert not top.exists() and os.stat("/etc").st_mode == etc_mode
+
+
+def many_job_dirs(jobs: Path, n: int) -> list[Path]:
+    """`n` directories named as the gateway names jobs, each a small tree (a job's module cache)."""
+    made = []
+    for i in range(n):
+        top = jobs / f"dv_{i:012x}"
+        for sub in ("a", "b"):
+            (top / sub).mkdir(parents=True)
+            for j in range(5):
+                (top / sub / f"f{j}").write_text("x")
+        made.append(top)
+    return made
+
+
+async def test_stop_halts_a_removal_in_flight(tmp_path: Path) -> None:
+    """A thread cannot be cancelled: stop() must tell it to take no next directory and wait for
+    the one it is in, or a gateway asked to stop during a big start-up sweep goes on deleting
+    (20,000 orphans held one for minutes)."""
+    store = Store(tmp_path / "jobs.db")
+    jobs = tmp_path / "jobs"
+    made = many_job_dirs(jobs, 2000)
+    sweeper = Sweeper(store, jobs, 3600, lambda: ())
+    try:
+        sweeper.start()
+        await until(lambda: not made[0].exists(), 30, "the start-up sweep began removing")
+        t = time.monotonic()
+        await sweeper.stop()
+        left = sum(p.exists() for p in made)
+        await asyncio.sleep(1.0)
+        assert sum(p.exists() for p in made) == left > 0, "the removal went on after stop()"
+        assert time.monotonic() - t < 2.0
+    finally:
+        await sweeper.stop()
+        store.close()

@@ -5,10 +5,12 @@ chooser itself for every caller."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -54,6 +56,20 @@ def test_pool_modules_are_looked_up_as_the_workers_would(
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     check(pool_size=2, pool_preload="json,importlib.util", pool_init="hereonlykrex")
     check(pool_size=0, pool_preload="nosuchkrexmod", pool_init="nosuchkrexmod")  # no pool: unused
+
+
+def test_a_relative_pythonpath_is_said_to_be_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PYTHONPATH=. krex serve --pool-preload mod` beside mod.py is refused rightly (workers
+    start in krex's directory, where '.' points), but said only that mod could not be found."""
+    (tmp_path / "besidekrex.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", f".{os.pathsep}{tmp_path}")
+    check_here(*load_config_with_sources(None, {}, {"pool_size": 1, "pool_preload": "besidekrex"}))
+    monkeypatch.setenv("PYTHONPATH", ".")
+    with pytest.raises(ConfigError, match=r"cannot find module 'besidekrex'.* relative '\.' is taken from"):
+        check_here(*load_config_with_sources(None, {}, {"pool_size": 1, "pool_preload": "besidekrex"}))
 
 
 def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> None:
@@ -172,3 +188,63 @@ def test_serve_called_without_check_here_refuses_the_root_too(tmp_path: Path) ->
         p.stderr
     )
     assert "Traceback" not in p.stderr and not sock.exists()
+
+
+def test_a_pool_user_who_cannot_run_the_worker_is_refused_without_preloads(tmp_path: Path) -> None:
+    """Asked with no --pool-preload too: a --pool-user who cannot run krex's worker module (krex
+    where that user cannot read it) had a pool whose every spawn failed, said only by `krex
+    status`, while the same setup with a preload was refused. Asked of a copy of krex whose
+    package only root may read, then of one anyone may."""
+    if os.geteuid() != 0:
+        pytest.skip("running as another user needs root")
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    purelib = sysconfig.get_paths()["purelib"]
+    if (
+        python is None
+        or subprocess.run([python, "-c", "import msgspec"], env={"PYTHONPATH": purelib}).returncode
+    ):
+        pytest.skip("no system python3 that can run krex with this venv's packages")
+    top = Path(tempfile.mkdtemp(prefix="krex-pooluser-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        shutil.copytree(ROOT / "krex_async", top / "krex_async")
+        ask = "import json; from krex_async.daemon.pools import module_problems as m; "
+        ask += "print(json.dumps(m('nobody', [], [])))"
+        # the copy and this venv's packages (not a site dir: its .pth adding this tree is not read)
+        env = {**py_env(), "PYTHONPATH": f"{top}{os.pathsep}{purelib}"}
+
+        def problems() -> list[list[str]]:
+            p = subprocess.run(
+                [python, "-c", ask], env=env, cwd="/", capture_output=True, text=True, timeout=60
+            )
+            assert p.returncode == 0, p.stderr
+            return json.loads(p.stdout)  # type: ignore[no-any-return]
+
+        (top / "krex_async").chmod(0o700)
+        [(field, why)] = problems()
+        assert field == "pool_user" and "cannot find krex's worker module" in why, why
+        assert f"under {top}" in why, why
+        (top / "krex_async").chmod(0o755)
+        assert problems() == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_daemon_that_is_not_root_may_name_itself_as_pool_user() -> None:
+    """`--pool-user` naming the daemon's own user (a config shared with a root node, the gateway's
+    --run-as) is the daemon's own: a daemon that is not root cannot set groups, and asking to did
+    fail the start-up check (Operation not permitted) and every worker spawn."""
+    if os.geteuid() != 0:
+        pytest.skip("runs the check as another user: needs root")
+    from tests.security.helpers import _ensure_user
+
+    user = _ensure_user("krextest", [])
+    r = user.run_py(
+        "import json; from krex_async.daemon.pools import module_problems, pool_identity as p; "
+        "print(json.dumps([p('krextest'), p(str(__import__('os').getuid())), "
+        "module_problems('krextest', ['json'], [])]))"
+    )
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip(f"the test user cannot import krex here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [None, None, []], r.stdout
