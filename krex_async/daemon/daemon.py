@@ -12,7 +12,6 @@ import asyncio
 import hmac
 import itertools
 import os
-import pwd
 import secrets
 import signal
 import time
@@ -24,6 +23,7 @@ import msgspec
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import Pool, PoolConfig, adoption
+from krex_async.daemon.access import RequestError, inside, own, run_as
 from krex_async.daemon.attribution import Attributor
 from krex_async.daemon.commands import (
     Command,
@@ -46,7 +46,6 @@ from krex_async.daemon.timeline import TraceRing
 from krex_async.devices import Node, NoDevice, place
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
-from krex_async.linux.procfs import stat_fields
 from krex_async.linux.spawn import Launched, LaunchSpec
 from krex_async.scheduler import Scheduler
 
@@ -62,23 +61,6 @@ def pool_user(name: str) -> tuple[int, int, list[int]] | None:
         raise SystemExit(f"krex: --pool-user {name!r}: {e}") from None
 
 
-class RequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _run_as(target: int, peer_uid: int) -> tuple[int, int]:
-    """(uid, primary gid) for Submit.run_as: only root (by SO_PEERCRED) may name another uid, and
-    only one with a passwd entry (its groups come from there)."""
-    if peer_uid != 0:
-        raise RequestError("forbidden", "only root may run a command as another user (run_as)")
-    try:
-        return target, pwd.getpwuid(target).pw_gid
-    except KeyError:
-        raise RequestError("bad_request", f"run_as: uid {target} has no passwd entry") from None
-
-
 def _signal_launched(fut: asyncio.Future[Launched | str], signals: list[int]) -> None:
     """Send `signals` to the worker that took an adoption, once it runs the program (a decline
     runs the program in the interpreter, which has them pending)."""
@@ -90,18 +72,6 @@ def _signal_launched(fut: asyncio.Future[Launched | str], signals: list[int]) ->
                 os.kill(launched.pid, sig)
             except ProcessLookupError:
                 return
-
-
-def _ancestors(pid: int, limit: int = 512) -> list[int]:
-    """pid and its parents up to init, read from /proc."""
-    out: list[int] = []
-    while pid > 1 and len(out) < limit:
-        out.append(pid)
-        fields = stat_fields(pid)
-        if fields is None:
-            break
-        pid = int(fields[1])
-    return out
 
 
 class Daemon:
@@ -229,7 +199,7 @@ class Daemon:
         cmd = self.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
-        self._inside(cmd, peer_pid, req.token, req.pid)
+        inside(self.core, cmd, peer_pid, req.token, req.pid)
         if self.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         pool = self._adoptable(cmd)
@@ -352,17 +322,6 @@ class Daemon:
             return self.devices
         return [live.get(d.key, d) for d in self.devices]
 
-    def _own(self, command: str, uid: int) -> Command:
-        cmd = self.commands.get(command)
-        if cmd is None:
-            raise RequestError(
-                "unknown_command",
-                f"no command {command!r} (ended results are kept for {self.config.retention:.0f} s)",
-            )
-        if uid not in (0, cmd.uid):
-            raise RequestError("forbidden", f"command {command} belongs to another user")
-        return cmd
-
     # --------------------------------------------------------------------------------- commands
 
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
@@ -371,7 +330,7 @@ class Daemon:
         if self.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if req.run_as is not None and req.run_as != uid:
-            uid, gid = _run_as(req.run_as, uid)
+            uid, gid = run_as(req.run_as, uid)
         if len(self.commands) >= self.config.max_commands:
             raise RequestError(
                 "busy",
@@ -578,7 +537,7 @@ class Daemon:
         self.runner.release(cmd)
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
-        cmd = self._own(req.command, uid)
+        cmd = own(self.core, req.command, uid)
         if cmd.state == CommandState.QUEUED:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == CommandState.RUNNING:
@@ -590,7 +549,7 @@ class Daemon:
     async def stdin(self, req: P.StdinData, uid: int) -> None:
         """Feed a command's stdin pipe (Submit.stdin_stream); returns once written (flow control:
         a command that does not read holds its agent's next chunk back). Raises RequestError."""
-        cmd = self._own(req.command, uid)
+        cmd = own(self.core, req.command, uid)
         if cmd.stdin_pipe is None:
             raise RequestError("bad_request", f"command {cmd.id} was not submitted with stdin_stream")
         try:
@@ -601,7 +560,7 @@ class Daemon:
             raise RequestError("busy", f"{cmd.id}: {e}") from None
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
-        cmd = self._own(req.command, uid)
+        cmd = own(self.core, req.command, uid)
         send(
             P.Accepted(
                 id=req.id,
@@ -653,23 +612,11 @@ class Daemon:
 
     # ---------------------------------------------------------------------------------- regions
 
-    def _inside(self, cmd: Command, peer_pid: int, token: str, claimed_pid: int) -> int:
-        """The requesting pid, after checking the token and that the peer runs inside the command."""
-        if not hmac.compare_digest(token.encode(), cmd.token.encode()):
-            raise RequestError("forbidden", f"wrong token for command {cmd.id}")
-        if claimed_pid and claimed_pid != peer_pid:
-            raise RequestError("forbidden", f"request claims pid {claimed_pid} but comes from pid {peer_pid}")
-        if cmd.state != CommandState.RUNNING or cmd.group is None:
-            raise RequestError("bad_request", f"command {cmd.id} is {cmd.state}, not running")
-        if cmd.pid not in _ancestors(peer_pid) and peer_pid not in self.backend.pids(cmd.group):
-            raise RequestError("forbidden", f"pid {peer_pid} is not a process of command {cmd.id}")
-        return peer_pid
-
     def region_enter(self, req: P.RegionEnter, peer_pid: int, send: Send) -> None:
         cmd = self.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
-        pid = self._inside(cmd, peer_pid, req.token, req.pid)
+        pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
         if cmd.device is None:
             raise RequestError("bad_request", f"command {cmd.id} has no device (device=none)")
         if self.closing:
@@ -698,7 +645,7 @@ class Daemon:
         cmd = self.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
-        pid = self._inside(cmd, peer_pid, req.token, req.pid)
+        pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
         cmd.runtimes[pid] = send
         if req.pool_declined:
             self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
