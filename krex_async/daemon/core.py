@@ -36,7 +36,7 @@ Send = Callable[[P.Msg], bool]  # to one connection; False once it is closed
 
 
 class TraceSink(Protocol):
-    """`Daemon.trace`: one event into the timeline ring and to `krex trace` subscribers."""
+    """`Tracer.trace` (tracing.py): one event into the timeline ring and to `krex trace` subscribers."""
 
     def __call__(
         self,

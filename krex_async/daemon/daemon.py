@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import Pool, PoolConfig, adoption
@@ -42,7 +40,7 @@ from krex_async.daemon.regions import Regions
 from krex_async.daemon.spool import Spool
 from krex_async.daemon.status import Status
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
-from krex_async.daemon.timeline import TraceRing
+from krex_async.daemon.tracing import Tracer
 from krex_async.devices import Node, NoDevice, place
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
@@ -99,8 +97,8 @@ class Daemon:
             records=self.records,
         )
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.tracers: list[tuple[Send, int]] = []
-        self.timeline = TraceRing(P.TraceEvent)
+        self.tracer = Tracer()
+        self.tracers = self.tracer.subscribers  # server.py adds `krex trace` peers here
         self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         # What regions, attribution and recovery share with the daemon: these same objects.
@@ -113,7 +111,7 @@ class Daemon:
             commands=self.commands,
             pools=self.pools,
             metrics=self.metrics,
-            trace=self.trace,
+            trace=self.tracer.trace,
             track=self.track,
             records=self.records,
             spool=self.runner.spool,
@@ -264,34 +262,6 @@ class Daemon:
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)
 
-    def trace(
-        self,
-        kind: str,
-        region: Any = None,
-        *,
-        command: str = "",
-        device: str = "",
-        pid: int = 0,
-        region_id: str = "",
-        **detail: Any,
-    ) -> None:
-        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers.
-        Fields not given come from `region` (its device, owner, id and pid)."""
-        ev = P.TraceEvent(
-            id=0,
-            ts=time.time(),
-            kind=kind,
-            device=device or (region.device if region is not None else ""),
-            command=command or (region.command.id if region is not None else ""),
-            region=region_id or (region.id if region is not None else ""),
-            pid=pid or (region.pid if region is not None else 0),
-            detail=detail,
-        )
-        self.timeline.append(ev)
-        for send, req_id in list(self.tracers):
-            if not send(msgspec.structs.replace(ev, id=req_id)):
-                self.tracers.remove((send, req_id))
-
     def _place(self, spec: P.Submit) -> Device | None:
         want = spec.device
         if want == "none":
@@ -416,7 +386,7 @@ class Daemon:
         self.metrics.command_started(
             cmd.policy_name, cmd.device_key or "none", cmd.launched.via if cmd.launched else "exec", cmd.id
         )
-        self.trace(
+        self.tracer.trace(
             "command_start",
             None,
             command=cmd.id,
@@ -498,7 +468,7 @@ class Daemon:
             device=report.device,
         )
         cmd.publish_exit(report)
-        self.trace(
+        self.tracer.trace(
             "command_end",
             None,
             command=cmd.id,
@@ -608,7 +578,7 @@ class Daemon:
                         self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)
                     )
                 )
-        self.tracers[:] = [(s, i) for s, i in self.tracers if s != send]  # shared with the core
+        self.tracer.drop(send)
 
     # ---------------------------------------------------------------------------------- regions
 
@@ -690,13 +660,7 @@ class Daemon:
     def send_timeline(
         self, req: P.Timeline, send: Send, visible: Callable[[P.TraceEvent], bool] | None = None
     ) -> None:
-        """The timeline ring in chunks; only the events `visible` allows, when given."""
-        events = [e for e in self.timeline if visible is None or visible(e)]
-        step = 2000
-        for i in range(0, max(1, len(events)), step):
-            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i : i + step]]
-            if not send(P.TimelineChunk(id=req.id, events=chunk, last=i + step >= len(events))):
-                return
+        self.tracer.send_timeline(req, send, visible)
 
     # --------------------------------------------------------------------------------- shutdown
 
