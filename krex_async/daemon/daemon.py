@@ -33,6 +33,7 @@ from krex_async.daemon.commands import (
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.metrics import Metrics
+from krex_async.daemon.placement import choose
 from krex_async.daemon.pools import pool_env, pool_identity
 from krex_async.daemon.records import Records
 from krex_async.daemon.recovery import recover
@@ -41,7 +42,7 @@ from krex_async.daemon.spool import Spool
 from krex_async.daemon.status import Status
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from krex_async.daemon.tracing import Tracer
-from krex_async.devices import Node, NoDevice, place
+from krex_async.devices import Node
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
 from krex_async.linux.spawn import Launched, LaunchSpec
@@ -262,36 +263,6 @@ class Daemon:
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)
 
-    def _place(self, spec: P.Submit) -> Device | None:
-        want = spec.device
-        if want == "none":
-            return None
-        if want == "auto":
-            load = {k: len(q.commands) for k, q in self.scheduler.devices.items()}
-            try:
-                chosen = place(self._live_memory() if spec.mem > 0 else self.devices, load, spec.mem)
-            except NoDevice as e:
-                raise RequestError("bad_device", str(e)) from None
-            return next(d for d in self.devices if d.key == chosen.key)
-        for d in self.devices:
-            if want == d.key or (want.isdigit() and int(want) == d.index):
-                return d
-        names = ", ".join(["auto", "none", *(f"{d.index} ({d.key})" for d in self.devices)])
-        raise RequestError("bad_device", f"unknown device {want!r}; this node has: {names}")
-
-    def _live_memory(self) -> list[Device]:
-        """The devices with their free memory read now, for a placement by memory: the figure
-        read at start-up is long stale on a busy node. A library call per device (NVML, amdsmi,
-        /proc/meminfo: well under a millisecond), on the loop; on failure, the last figures."""
-        if self.node is None:
-            return self.devices
-        try:
-            live = {d.key: d for d in self.node.refresh()}
-        except Exception as e:  # noqa: BLE001 - a placement goes on with what it knew
-            log.warning("device_refresh_failed", error=repr(e))
-            return self.devices
-        return [live.get(d.key, d) for d in self.devices]
-
     # --------------------------------------------------------------------------------- commands
 
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
@@ -315,7 +286,7 @@ class Daemon:
                     f"{mine} of your commands are queued, running or kept "
                     "(--max-commands-per-user); retry after some have ended",
                 )
-        device = self._place(req)
+        device = choose(self.core, req)
         cid = f"{self._boot}-{next(self._ids)}"
         while cid in self.commands:  # a dead daemon's command, recovered, started in the same second
             cid = f"{self._boot}-{next(self._ids)}"
