@@ -226,8 +226,7 @@ class CommandRunner:
         self.records = records  # None: commands are not recorded (nothing to report after a crash)
         self.socket = socket
         self.on_exit = on_exit
-        self.launcher = launcher  # the ctxpool, when it can take the command
-        self.launching: Group | None = None  # the group a pool worker must join (during launcher())
+        self.launcher = launcher  # the ctxpool, when it can take the command (it joins cmd.group)
 
     def check(self, cmd: Command) -> tuple[str, dict[str, str]]:
         """Validate cwd and argv before anything is created; returns (cwd, env).
@@ -307,11 +306,7 @@ class CommandRunner:
                 spec.pass_fds = (cmd.handoff.env_fd, cmd.handoff.err_w)
             launched = None
             if self.launcher and not frozen and not other_user:
-                self.launching = group
-                try:
-                    launched = self.launcher(cmd, spec)
-                finally:
-                    self.launching = None
+                launched = self.launcher(cmd, spec)
             if launched is None:
                 as_user = None
                 if other_user and self.backend.wrapper_drops_privileges:

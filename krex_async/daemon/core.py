@@ -52,13 +52,14 @@ class TraceSink(Protocol):
 
 
 class Watcher(Protocol):
-    """What regions ask of the probe attributor (attribution.py) while probes run."""
+    """What the daemon's parts ask of the probe attributor (attribution.py) while probes run."""
 
     def region_granted(self, r: Region) -> None: ...
     def counts_snapshot(self, r: Region) -> None: ...
     def region_released(self, r: Region) -> None: ...
     def command_of(self, ev: ProbeEvent | int) -> Command | None: ...
     def describe(self) -> dict[str, Any]: ...  # what the running probe backend says of itself
+    def worker_joined(self, cmd: Command, pid: int) -> None: ...  # a pool worker took the command
 
 
 @dataclass(eq=False)
@@ -82,6 +83,7 @@ class Core:
     tracers: list[tuple[Send, int]] = field(default_factory=list)  # `krex trace` subscribers
     all_cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
     attributor: Watcher | None = None  # set when probes run
+    closing: bool = False  # shutting down: no command, region or adoption starts any more
 
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)

@@ -14,13 +14,12 @@ import itertools
 import os
 import secrets
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.ctxpool import Pool, PoolConfig, adoption
+from krex_async.ctxpool import Pool, adoption
 from krex_async.daemon.access import RequestError, inside, own, run_as
 from krex_async.daemon.attribution import Attributor
 from krex_async.daemon.commands import (
@@ -34,7 +33,6 @@ from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.placement import choose
-from krex_async.daemon.pools import pool_env, pool_identity
 from krex_async.daemon.records import Records
 from krex_async.daemon.recovery import recover
 from krex_async.daemon.regions import Regions
@@ -42,35 +40,13 @@ from krex_async.daemon.spool import Spool
 from krex_async.daemon.status import Status
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from krex_async.daemon.tracing import Tracer
+from krex_async.daemon.warmpools import WarmPools
 from krex_async.devices import Node
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
-from krex_async.linux.spawn import Launched, LaunchSpec
 from krex_async.scheduler import Scheduler
 
 log = logs.get("krex.daemon")
-
-
-def pool_user(name: str) -> tuple[int, int, list[int]] | None:
-    """--pool-user as (uid, gid, groups); None for the daemon's own. Raises SystemExit naming an
-    unknown user, or a user other than the daemon's when the daemon cannot switch users."""
-    try:
-        return pool_identity(name)
-    except ValueError as e:
-        raise SystemExit(f"krex: --pool-user {name!r}: {e}") from None
-
-
-def _signal_launched(fut: asyncio.Future[Launched | str], signals: list[int]) -> None:
-    """Send `signals` to the worker that took an adoption, once it runs the program (a decline
-    runs the program in the interpreter, which has them pending)."""
-    if fut.cancelled() or not isinstance(launched := fut.result(), Launched):
-        return
-    for sig in signals:
-        if launched.returncode is None:  # still ours to signal: not yet reaped, so not reused
-            try:
-                os.kill(launched.pid, sig)
-            except ProcessLookupError:
-                return
 
 
 class Daemon:
@@ -86,21 +62,12 @@ class Daemon:
         self.commands: dict[str, Command] = {}
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
-        self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         # Spool files and command records live in the state dir (none without one: a bare config).
         self.records = Records(config.state_dir) if config.state_dir else None
-        self.runner = CommandRunner(
-            backend,
-            config.socket,
-            self._on_exit,
-            launcher=self._launch_pooled,
-            spool=Spool(config.state_dir, config.spool_limit) if config.state_dir else None,
-            records=self.records,
-        )
+        spool = Spool(config.state_dir, config.spool_limit) if config.state_dir else None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracer = Tracer()
         self.tracers = self.tracer.subscribers  # server.py adds `krex trace` peers here
-        self.closing = False
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         # What regions, attribution and recovery share with the daemon: these same objects.
         self.core = Core(
@@ -115,18 +82,27 @@ class Daemon:
             trace=self.tracer.trace,
             track=self.track,
             records=self.records,
-            spool=self.runner.spool,
+            spool=spool,
             probes=self.probes,
             tracers=self.tracers,
             all_cpus=self.all_cpus,
         )
         self.regions = Regions(self.core)
+        self.warm = WarmPools(self.core, self.regions)
+        self.runner = CommandRunner(
+            backend,
+            config.socket,
+            self._on_exit,
+            launcher=self.warm.launch,
+            spool=spool,
+            records=self.records,
+        )
         self._attributor: Attributor | None = None  # set when probes run
         self._ids = itertools.count(1)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
-        self.status = Status(self.core, self.regions, self.adoptions, self._boot)
+        self.status = Status(self.core, self.regions, self.warm.adoptions, self._boot)
         recover(self.core, self.forget)  # a dead daemon's commands: ended and reported (recovery.py)
 
     @property
@@ -142,113 +118,10 @@ class Daemon:
     # ---------------------------------------------------------------------------------- helpers
 
     async def start_pools(self, user: tuple[int, int, list[int]] | None = None) -> None:
-        """One pool of warm workers per device, run as `user` (pool_user(); None: the daemon's),
-        whose commands alone they serve (others are spawned plainly), with the environment
-        commands get from the daemon."""
-        cfg = self.config
-        if cfg.pool_size <= 0:
-            return
-        preload, init = cfg.pool_preload_list, cfg.pool_init_list
-        for d in self.devices:
-            pool = Pool(
-                d,
-                cgroup_hook=self._join_group,
-                config=PoolConfig(
-                    size=cfg.pool_size,
-                    max_uses=cfg.pool_max_uses,
-                    preload=preload,
-                    init_context=d.vendor != "cpu",
-                    init_modules=init,
-                ),
-                env=pool_env(d.env),
-                user=user,
-            )
-            await pool.start()
-            self.pools[d.key] = pool
-
-    def _join_group(self, pid: int, spec: LaunchSpec) -> None:
-        """Pool hook: the worker taking a command joins that command's group first. The probes
-        learn it is the command's: its parent is the daemon, not the command's leader, and once
-        it owns a region it sits in the group's keep/ leaf, whose cgroup they do not know."""
-        if self.runner.launching is not None:
-            self.backend.join(self.runner.launching, pid)
-            cmd = next((c for c in self.commands.values() if c.group is self.runner.launching), None)
-            if cmd is not None and self.attributor is not None:
-                self.attributor.worker_joined(cmd, pid)
-
-    def _adoptable(self, cmd: Command) -> Pool | None:
-        """The pool that may adopt this command's interpreters: its device's, running as the
-        command's user, with a backend that can put a worker into the command's group."""
-        pool = self.pools.get(cmd.device_key or "")
-        if pool is None or type(self.backend).join is Backend.join or not adoption.workers_can_take_fds(pool):
-            return None
-        uid, gid, _ = pool.identity
-        return pool if (cmd.uid, cmd.gid) == (uid, gid) or cmd.uid == uid == os.geteuid() else None
-
-    def _demand(self, device: str | None) -> None:
-        """Pool sizing: keep warm workers towards the commands running on the device."""
-        pool = self.pools.get(device or "")
-        if pool is not None:
-            q = self.scheduler.devices[pool.device.key]
-            live = (CommandState.STARTING, CommandState.RUNNING)
-            pool.set_demand(sum(self.commands[c].state in live for c in q.commands if c in self.commands))
+        await self.warm.start(user)
 
     async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
-        """An interpreter of a command asks to be run by a warm worker (ctxpool/adoption.py)."""
-        cmd = self.commands.get(req.command)
-        if cmd is None:
-            raise RequestError("unknown_command", f"no command {req.command!r}")
-        inside(self.core, cmd, peer_pid, req.token, req.pid)
-        if self.closing:
-            raise RequestError("shutdown", "the daemon is shutting down")
-        pool = self._adoptable(cmd)
-        tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
-
-        taken: list[Any] = []  # the worker reserved for this adoption until it is handed over
-        since = req.blocked_at or time.monotonic()
-
-        def hand(spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> Any:
-            assert pool is not None
-            self.runner.launching = cmd.group
-            try:
-                fut = pool.adopt(spec, pidfd, adopt, worker=taken.pop())
-            finally:
-                self.runner.launching = None
-            # The worker is in the command's tree from here on, so the tree's signals reach it;
-            # those sent before, while the interpreter waited with them blocked (a cancel), reach
-            # it once it runs the program, as they would have reached a fresh interpreter.
-            missed = [sig for t, sig in cmd.signalled if t >= since]
-            if missed:
-                fut.add_done_callback(lambda f: _signal_launched(f, missed))
-            return fut
-
-        async def prepare() -> str | None:
-            """Once the adoption is allowed (a refused one never waits): reserve a worker, waiting
-            a little for a warming one (a burst outruns the refill; first come, first served), then
-            hold the command if a region needs it held."""
-            assert pool is not None
-            worker = await pool.take(self.config.pool_wait)
-            if worker is None:
-                return "no warm worker"
-            taken.append(worker)
-            await self.regions.hold_arrival(cmd, worker.pid)
-            return None
-
-        cmd.adopters.add(peer_pid)
-        try:
-            await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
-        finally:
-            cmd.adopters.discard(peer_pid)
-            if taken and pool is not None:  # reserved, never handed over (no pidfd, cancelled)
-                pool.untake(taken.pop())
-
-    def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
-        pool = self.pools.get(cmd.device_key or "")
-        if pool is None or spec.uid is not None or not pool.accepts(spec):
-            return None
-        if self.regions.holds_starts(pool.device.key, cmd):
-            return None  # a worker's context would arrive unseen mid-region: start it plainly
-        return pool.launch_nowait(spec)
+        await self.warm.adopt(req, peer_pid, send)
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self.tasks.add(task)
@@ -268,7 +141,7 @@ class Daemon:
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
         """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
         lifts the per-user limit, never the node-wide one."""
-        if self.closing:
+        if self.core.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if req.run_as is not None and req.run_as != uid:
             uid, gid = run_as(req.run_as, uid)
@@ -299,7 +172,7 @@ class Daemon:
             policy=self.scheduler.policy,
             tail_limit=self.config.output_tail,
         )
-        if (pool := self._adoptable(cmd)) is not None:
+        if (pool := self.warm.adoptable(cmd)) is not None:
             cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
         try:
             self.runner.check(cmd)
@@ -332,7 +205,7 @@ class Daemon:
         # ended (cancelled, shut down) after its start was scheduled
         if cmd.state != CommandState.QUEUED:
             return
-        if self.closing:  # promoted while the daemon shuts down: it never runs
+        if self.core.closing:  # promoted while the daemon shuts down: it never runs
             self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
             return
         region = self.regions.admit_frozen(cmd)
@@ -350,7 +223,7 @@ class Daemon:
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
             await self.runner.kill(cmd, *cmd.kill_pending)
         await self.regions.join(cmd, region)
-        self._demand(cmd.device_key)
+        self.warm.demand(cmd.device_key)
         if self.attributor is not None:
             self.attributor.command_started(cmd)
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
@@ -410,25 +283,14 @@ class Daemon:
         for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
             self.track(loop.create_task(self._start(self.commands[nxt])))
         assert cmd.report is not None
-        tally = self.adoptions.get(cmd.id)
-        if tally is not None:
-            cmd.report.pool_adopted, cmd.report.pool_declined = tally.adopted, dict(tally.declined)
-        if self.records is not None and (cmd.regions or tally is not None):
+        adopted = self.warm.report(cmd.id, cmd.report)
+        if self.records is not None and (cmd.regions or adopted):
             self.records.ended(cmd.id, cmd.report)  # again: with its regions' and the pool's parts
-        self._demand(cmd.device_key)
+        self.warm.demand(cmd.device_key)
         cmd.slim()  # kept for --retention: only what a report and an attach need
         cmd.done.set()
         report = cmd.report
-        pool = self.pools.get(report.device) if report.via == "pool" else None
-        if pool is not None:  # the worker reports its start latency once the command began
-            st = pool.status()
-            self.metrics.pool(
-                report.device,
-                st.get("warm", 0),
-                st.get("busy", 0),
-                st.get("retired", 0),
-                report.start_latency_s,
-            )
+        self.warm.ended(report)
         # Before the agent hears of it: a scrape after a report always includes that command.
         self.metrics.command_ended(
             report.policy,
@@ -474,7 +336,7 @@ class Daemon:
         """The command's retention ended: drop it, its spool files and its record."""
         if self.commands.get(cmd.id) is cmd:
             del self.commands[cmd.id]
-            self.adoptions.pop(cmd.id, None)
+            self.warm.forget(cmd)
         self.runner.release(cmd)
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
@@ -560,7 +422,7 @@ class Daemon:
         pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
         if cmd.device is None:
             raise RequestError("bad_request", f"command {cmd.id} has no device (device=none)")
-        if self.closing:
+        if self.core.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if self.regions.by_owner_pid(cmd, pid) is not None:
             raise RequestError(
@@ -589,9 +451,7 @@ class Daemon:
         pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
         cmd.runtimes[pid] = send
         if req.pool_declined:
-            self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
-                req.pool_declined, self._adoptable(cmd)
-            )
+            self.warm.declined(cmd, req.pool_declined)
 
     def exit_held(self, req: P.ExitHeld, peer_pid: int, send: Send) -> None:
         """A command's process holding a GPU file is exiting: its runtime waits for a Resume.
@@ -609,7 +469,7 @@ class Daemon:
                 regions.note_exiting(peer_pid, r.device)
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
-        if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.closing:
+        if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.core.closing:
             send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
@@ -637,7 +497,7 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """End every region (thawing), then every command: SIGTERM, then SIGKILL after the grace."""
-        self.closing = True
+        self.core.closing = True
         for r in list(self.regions.active.values()):
             r.end("shutdown")
         region_tasks = [r.task for r in self.regions.active.values() if r.task]
@@ -661,8 +521,7 @@ class Daemon:
                     if c.state == CommandState.RUNNING and c.group is not None:
                         await self.backend.kill(c.group, signal.SIGKILL)
                 await asyncio.wait(pending, timeout=5)
-        for pool in self.pools.values():
-            await pool.close()
+        await self.warm.close()
         if self.attributor is not None:
             self.attributor.backend.stop()
         await self.backend.close()
