@@ -33,36 +33,37 @@ import collections
 import contextlib
 import inspect
 import os
-import socket
-import subprocess
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from krex_async.ctxpool import channel, forms
-from krex_async.ctxpool.base import WORKER_CWD, PoolConfig
+from krex_async.ctxpool.base import PoolConfig
+from krex_async.ctxpool.handle import BrokenWorker, Worker, WorkerStartError, spawn
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
 from krex_async.ctxpool.procs import memory as _memory
 from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
-from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
+from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec
+
+# BrokenWorker and WorkerStartError live in handle.py; importable from here as before.
+__all__ = [
+    "CONTEXT_TIMEOUT_S",
+    "MAX_FAILURES",
+    "BrokenWorker",
+    "CgroupHook",
+    "Pool",
+    "WorkerStartError",
+    "node_lock",
+]
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
 _NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
-
-
-class BrokenWorker(Exception):
-    """A worker could not do what it was started for; the message carries the worker's own words."""
-
-
-class WorkerStartError(BrokenWorker):
-    """Warming failed: an import or the device context raised (traceback attached) or it died."""
 
 
 def node_lock() -> asyncio.Lock:
@@ -72,29 +73,6 @@ def node_lock() -> asyncio.Lock:
     if lock is None:
         lock = _NODE_LOCKS[loop] = asyncio.Lock()
     return lock
-
-
-@dataclass(eq=False)
-class _Worker:
-    pid: int
-    sock: Any
-    exited: asyncio.Future[ExitStatus]
-    state: str = "starting"  # starting, warm, busy, retired
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    launched: Launched | None = None
-    done: asyncio.Future[ExitStatus] | None = None  # the running command's (max_uses > 1)
-    submit_ts: float = 0.0
-    form: str = ""
-    rusage0: tuple[float, float] = (0.0, 0.0)
-    error: str = ""
-    uses: int = 0
-    joined: bool = False  # its command joins a cgroup (spec.cgroup_procs)
-    warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
-    home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
-    accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
-    surplus: bool = False  # came back surplus while the device was paused: retired at resume()
-    reserved: bool = False  # offered to an adopter by take(), not handed over yet
-    rx: channel.Receiver = field(default_factory=channel.Receiver)  # its channel's reassembly
 
 
 class Pool:
@@ -118,15 +96,15 @@ class Pool:
         self.python = config.interpreter()
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
-        self._workers: set[_Worker] = set()
-        self._idle: collections.deque[_Worker] = collections.deque()
+        self._workers: set[Worker] = set()
+        self._idle: collections.deque[Worker] = collections.deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._changed = asyncio.Event()
-        self._waiters: collections.deque[asyncio.Future[_Worker | None]] = collections.deque()  # take()
+        self._waiters: collections.deque[asyncio.Future[Worker | None]] = collections.deque()  # take()
         self._creating: asyncio.Future[None] | None = None  # a context creation in flight
-        self._creator: _Worker | None = None  # the worker creating it
+        self._creator: Worker | None = None  # the worker creating it
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -200,29 +178,29 @@ class Pool:
                 return launched
         return None
 
-    def _hook(self, w: _Worker, spec: LaunchSpec) -> None | Awaitable[None]:
+    def _hook(self, w: Worker, spec: LaunchSpec) -> None | Awaitable[None]:
         return None if self.cgroup_hook is None else self.cgroup_hook(w.pid, spec)
 
-    def _take(self, spec: LaunchSpec) -> _Worker | None:
+    def _take(self, spec: LaunchSpec) -> Worker | None:
         if not self.accepts(spec) or not os.path.isdir(spec.cwd):
             return None
         return self._pop_warm()
 
-    def _pop_warm(self) -> _Worker | None:
+    def _pop_warm(self) -> Worker | None:
         """The next idle warm worker, out of the idle queue; None (a miss) when there is none, or
         when adopters wait for one (take()): they came first."""
         w = None if self._waiters else self._next_idle()
         self.misses += w is None
         return w
 
-    def _next_idle(self) -> _Worker | None:
+    def _next_idle(self) -> Worker | None:
         while self._idle:
             w = self._idle.popleft()
             if w.state == "warm" and not w.exited.done():
                 return w
         return None
 
-    async def take(self, timeout: float) -> _Worker | None:
+    async def take(self, timeout: float) -> Worker | None:
         """Reserve an idle warm worker for one adoption: now, or within `timeout` s while others
         are warming (a fresh interpreter pays the whole import and context that a warming worker
         is already part way through, so a short wait beats falling back). Waiters are served in
@@ -231,7 +209,7 @@ class Pool:
         nothing is warm or warming, or at the timeout. Give the worker to adopt(), or untake() it."""
         if self._closed:
             return None
-        fut: asyncio.Future[_Worker | None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Worker | None] = asyncio.get_running_loop().create_future()
         try:
             self._waiters.append(fut)
             self._refill()  # a replacement still due (call_soon after the last hand-over) is warming
@@ -246,7 +224,7 @@ class Pool:
         self.misses += w is None
         return w
 
-    def _leave(self, fut: asyncio.Future[_Worker | None]) -> _Worker | None:
+    def _leave(self, fut: asyncio.Future[Worker | None]) -> Worker | None:
         """A waiter leaves the queue: the worker it was offered, if any (else it is cancelled)."""
         with contextlib.suppress(ValueError):
             self._waiters.remove(fut)
@@ -254,7 +232,7 @@ class Pool:
             fut.cancel()
         return None if fut.cancelled() else fut.result()
 
-    def untake(self, w: _Worker) -> None:
+    def untake(self, w: Worker) -> None:
         """A worker from take() that was not handed over: first in line again, unless its
         replacement (started when it was reserved) made it one too many: then it leaves, as a
         surplus worker does (at resume() while a region holds the device)."""
@@ -292,7 +270,7 @@ class Pool:
             fut.set_result(None)
 
     def adopt(
-        self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: _Worker | None = None
+        self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: Worker | None = None
     ) -> asyncio.Future[Launched | str]:
         """Hand an adopting interpreter to `worker` (from take(); "reserved worker gone" if it
         died since) or else the next warm one, now (the cgroup hook runs before this returns).
@@ -330,7 +308,7 @@ class Pool:
         self._refill()
 
     def _hand(
-        self, w: _Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
+        self, w: Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
     ) -> Launched | None:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
         w.state, w.submit_ts, w.reserved = "busy", time.monotonic(), False
@@ -384,7 +362,7 @@ class Pool:
                 self._idle.remove(w)
                 self._retire_surplus(w)
 
-    def _retire_surplus(self, w: _Worker) -> None:
+    def _retire_surplus(self, w: Worker) -> None:
         self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
         w.sock.close()  # EOF: it exits
 
@@ -511,93 +489,23 @@ class Pool:
             for w in self._workers
         )
 
-    def _returns(self, w: _Worker, more: int = 0) -> bool:
+    def _returns(self, w: Worker, more: int = 0) -> bool:
         """Whether `w` comes back to the pool after its command (after `more` commands yet)."""
         joins = self.cgroup_hook is not None or w.joined
         return w.uses + more < self.config.max_uses and (w.home or not joins)
 
     def _spawn(self) -> None:
-        loop = asyncio.get_running_loop()
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            # a device env that narrows the GPUs (CUDA_, HIP_, ROCR_VISIBLE_DEVICES) leaves one: 0
-            narrowed = any(k.endswith("VISIBLE_DEVICES") for k in self.device.env)
-            ordinal = 0 if narrowed else self.device.index
-            argv = [
-                self.python,
-                "-m",
-                "krex_async.ctxpool.worker",
-                "--fd",
-                str(theirs.fileno()),
-                "--preload",
-                ",".join(self.config.preload),
-                "--vendor",
-                self.device.vendor,
-                "--init-modules",
-                ",".join(self.config.init_modules),
-                "--ordinal",
-                str(ordinal),
-                "--init-context",
-                "1" if self.config.init_context else "0",
-                "--max-uses",
-                str(max(1, self.config.max_uses)),
-                "--lc-ctype-coerced",
-                "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1",
-            ]
-            proc = subprocess.Popen(
-                argv,
-                cwd=WORKER_CWD,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
-                restore_signals=True,
-                user=self.user[0] if self.user else None,
-                group=self.user[1] if self.user else None,
-                extra_groups=self.user[2] if self.user else None,
-            )
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-        proc.returncode = 0  # we reap it through its pidfd, not Popen
-        mine.setblocking(False)
-        w = _Worker(pid=proc.pid, sock=mine, exited=watch_pid(loop, proc.pid))
+        w = spawn(self.python, self.env, self.device, self.config, self.user)
         self._workers.add(w)
         w.exited.add_done_callback(lambda _f: self._on_exit(w))
-        self._task(self._read(w))
+        self._task(w.read(self._on_message))
 
     def _task(self, coro: Any) -> None:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _read(self, w: _Worker) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                got = w.rx.feed(await loop.sock_recv(w.sock, channel.CHUNK + 1), [])
-                if got is not None:
-                    self._on_message(w, got[0])
-        except (EOFError, OSError):
-            pass  # closed, or the worker died: its pidfd tells the rest
-
-    def _last_words(self, w: _Worker) -> None:
-        """Read what a dead worker sent that the reader has not yet: its exit and its last message
-        wake the loop together, in either order, and a "started" still in the socket answered as a
-        death would make the adopter run its program a second time."""
-        while True:
-            try:
-                packet = w.sock.recv(channel.CHUNK + 1)
-                got = w.rx.feed(packet, [])
-            except (OSError, EOFError):  # BlockingIOError: nothing left
-                return
-            if got is not None and got[0].get("t") in ("started", "declined", "failed"):
-                self._on_message(w, got[0])
-
-    def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
+    def _on_message(self, w: Worker, msg: dict[str, Any]) -> None:
         t = msg.get("t")
         if t == "imported":
             if self.config.creates_context(self.device.vendor):
@@ -625,11 +533,11 @@ class Pool:
         elif t == "failed":
             w.error = msg.get("error", "")
         elif t == "declined":
-            self._answer(w, str(msg.get("reason") or "declined"))
+            w.answer(str(msg.get("reason") or "declined"))
             w.launched = None
             self._retire(w, f"declined an adoption: {msg.get('reason')}", kill=False)
         elif t == "started" and w.launched is not None:
-            self._answer(w, w.launched)
+            w.answer(w.launched)
             lat = max(0.0, msg["ts"] - w.submit_ts)
             w.launched.start_latency_s = lat
             w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
@@ -650,7 +558,7 @@ class Pool:
                 w.state = "starting"  # until its "ready" after the reset
                 w.ready.clear()
 
-    async def _create_context(self, w: _Worker) -> None:
+    async def _create_context(self, w: Worker) -> None:
         """Let `w` create its context while holding the node lock, never while the device is paused."""
         lock = node_lock()
         while True:
@@ -683,24 +591,9 @@ class Pool:
                     self._creating = self._creator = None
                 return
 
-    @staticmethod
-    def _answer(w: _Worker, answer: Launched | str) -> None:
-        if w.accepted is not None and not w.accepted.done():
-            w.accepted.set_result(answer)
-        w.accepted = None
-
-    def _on_exit(self, w: _Worker) -> None:
-        status = w.exited.result()
+    def _on_exit(self, w: Worker) -> None:
         was = w.state
-        if w.accepted is not None or w.launched is not None:
-            self._last_words(w)
-        self._answer(w, f"worker died before it started: returncode {status.returncode}")
-        if w.done is not None and w.done is not w.exited and not w.done.done():
-            w.done.set_result(status)  # died running a command it would have reported
-        if w.launched is not None and w.done is w.exited and w.rusage0 != (0.0, 0.0):
-            status.user_s -= w.rusage0[0]
-            status.system_s -= w.rusage0[1]
-        w.sock.close()
+        status = w.died(self._on_message)
         if not w.warmed and not self._closed:
             self._failed(w.error or f"worker {w.pid} died while warming: returncode {status.returncode}")
         elif was != "retired":
@@ -710,7 +603,7 @@ class Pool:
         self._changed.set()
         self._refill()
 
-    def _retire(self, w: _Worker, reason: str, kill: bool = True) -> None:
+    def _retire(self, w: Worker, reason: str, kill: bool = True) -> None:
         if w.state != "retired":
             self.retired += 1
         w.state, w.error = "retired", reason
