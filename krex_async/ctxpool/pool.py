@@ -34,12 +34,12 @@ import contextlib
 import inspect
 import os
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
+from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate, node_lock
 from krex_async.ctxpool.handle import BrokenWorker, Worker, WorkerStartError, spawn
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
@@ -61,18 +61,7 @@ __all__ = [
 ]
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
-_NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
-CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
-
-
-def node_lock() -> asyncio.Lock:
-    """The lock every pool of this daemon holds while a worker creates its device context."""
-    loop = asyncio.get_running_loop()
-    lock = _NODE_LOCKS.get(loop)
-    if lock is None:
-        lock = _NODE_LOCKS[loop] = asyncio.Lock()
-    return lock
 
 
 class Pool:
@@ -99,12 +88,9 @@ class Pool:
         self._workers: set[Worker] = set()
         self._idle: collections.deque[Worker] = collections.deque()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        self._gate = ContextGate()  # one context created at a time per node, none while paused
         self._changed = asyncio.Event()
         self._waiters: collections.deque[asyncio.Future[Worker | None]] = collections.deque()  # take()
-        self._creating: asyncio.Future[None] | None = None  # a context creation in flight
-        self._creator: Worker | None = None  # the worker creating it
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -241,7 +227,7 @@ class Pool:
             self._serve_waiters()
             return
         if not self._waiters and self._have() > self._target():
-            if self._resumed.is_set():
+            if not self._gate.paused:
                 self._retire_surplus(w)
                 return
             w.surplus = True
@@ -340,22 +326,16 @@ class Pool:
 
     def pause(self) -> None:
         """No new device context is created until resume(); one being created finishes."""
-        self._resumed.clear()
+        self._gate.pause()
 
     async def quiesce(self, timeout: float = CONTEXT_TIMEOUT_S) -> float:
         """pause(), then wait for a context creation already in flight on this device to end (at
         most one: the node lock; bounded by `timeout`, and a creation that hangs is killed at
         CONTEXT_TIMEOUT_S). Returns the seconds waited; never raises for the worker's failure."""
-        self.pause()
-        creating = self._creating
-        if creating is None or creating.done():
-            return 0.0
-        t0 = time.monotonic()
-        await asyncio.wait([creating], timeout=timeout)
-        return time.monotonic() - t0
+        return await self._gate.quiesce(timeout)
 
     def resume(self) -> None:
-        self._resumed.set()
+        self._gate.resume()
         for w in [w for w in self._idle if w.surplus]:
             w.surplus = False
             if w.state == "warm" and self._have() > self._target():
@@ -383,12 +363,12 @@ class Pool:
         return sorted(
             (w.pid, ctx and w.warmed)
             for w in self._workers
-            if w.state != "busy" and not w.exited.done() and w is not self._creator
+            if w.state != "busy" and not w.exited.done() and w is not self._gate.creator
         )
 
     def creator_pid(self) -> int | None:
         """The worker whose context creation is in flight, if any (outside() leaves it out)."""
-        return self._creator.pid if self._creator is not None else None
+        return self._gate.creator.pid if self._gate.creator is not None else None
 
     def idle_pids(self) -> list[int]:
         """The warm workers an adoption or a launch may take next."""
@@ -410,7 +390,7 @@ class Pool:
             "failures": self.failures,
             "launched": self.launched,
             "misses": self.misses,
-            "paused": not self._resumed.is_set(),
+            "paused": self._gate.paused,
             "last_error": self.last_error,
             "start_latency_s": _summary(everything),
             "by_form": lat,
@@ -509,10 +489,10 @@ class Pool:
         t = msg.get("t")
         if t == "imported":
             if self.config.creates_context(self.device.vendor):
-                self._task(self._create_context(w))
+                self._task(self._gate.create(w, lambda: self._closed))
         elif t == "ready":
             if w.warmed and self._have() > self._target() and not self._waiters:
-                if self._resumed.is_set():
+                if not self._gate.paused:
                     self._retire_surplus(w)
                     return
                 # A region holds the device: exiting now would tear its context down inside the
@@ -557,39 +537,6 @@ class Pool:
             else:
                 w.state = "starting"  # until its "ready" after the reset
                 w.ready.clear()
-
-    async def _create_context(self, w: Worker) -> None:
-        """Let `w` create its context while holding the node lock, never while the device is paused."""
-        lock = node_lock()
-        while True:
-            await self._resumed.wait()
-            async with lock:
-                if not self._resumed.is_set():
-                    continue
-                if w.exited.done() or self._closed:
-                    return
-                try:
-                    channel.send(w.sock, {"t": "init"})
-                except OSError:
-                    return
-                self._creating = creating = asyncio.get_running_loop().create_future()
-                self._creator = w
-                ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
-                try:
-                    await asyncio.wait(
-                        [ready, w.exited],  # type: ignore[list-item]
-                        timeout=CONTEXT_TIMEOUT_S,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    if not w.ready.is_set() and not w.exited.done():  # hung in the driver
-                        w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
-                        _kill(w.pid)
-                        await asyncio.wait([w.exited], timeout=5.0)  # gone before the node is free
-                finally:
-                    ready.cancel()
-                    creating.set_result(None)
-                    self._creating = self._creator = None
-                return
 
     def _on_exit(self, w: Worker) -> None:
         was = w.state
