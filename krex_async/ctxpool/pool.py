@@ -41,6 +41,7 @@ from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import PoolConfig
 from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate, node_lock
 from krex_async.ctxpool.handle import BrokenWorker, Worker, WorkerStartError, spawn
+from krex_async.ctxpool.lending import Lending
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
@@ -86,11 +87,10 @@ class Pool:
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
         self._workers: set[Worker] = set()
-        self._idle: collections.deque[Worker] = collections.deque()
+        self._lending = Lending()  # the idle workers, and the adopters waiting in take()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._gate = ContextGate()  # one context created at a time per node, none while paused
         self._changed = asyncio.Event()
-        self._waiters: collections.deque[asyncio.Future[Worker | None]] = collections.deque()  # take()
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -175,16 +175,9 @@ class Pool:
     def _pop_warm(self) -> Worker | None:
         """The next idle warm worker, out of the idle queue; None (a miss) when there is none, or
         when adopters wait for one (take()): they came first."""
-        w = None if self._waiters else self._next_idle()
+        w = self._lending.pop()
         self.misses += w is None
         return w
-
-    def _next_idle(self) -> Worker | None:
-        while self._idle:
-            w = self._idle.popleft()
-            if w.state == "warm" and not w.exited.done():
-                return w
-        return None
 
     async def take(self, timeout: float) -> Worker | None:
         """Reserve an idle warm worker for one adoption: now, or within `timeout` s while others
@@ -195,65 +188,42 @@ class Pool:
         nothing is warm or warming, or at the timeout. Give the worker to adopt(), or untake() it."""
         if self._closed:
             return None
-        fut: asyncio.Future[Worker | None] = asyncio.get_running_loop().create_future()
+        fut = self._lending.enter()
         try:
-            self._waiters.append(fut)
             self._refill()  # a replacement still due (call_soon after the last hand-over) is warming
             if timeout > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(fut), timeout)
         except BaseException:  # cancelled (the adopter is gone): a worker offered meanwhile goes back
-            if (w := self._leave(fut)) is not None:
+            if (w := self._lending.leave(fut)) is not None:
                 self.untake(w)
             raise
-        w = self._leave(fut)
+        w = self._lending.leave(fut)
         self.misses += w is None
         return w
-
-    def _leave(self, fut: asyncio.Future[Worker | None]) -> Worker | None:
-        """A waiter leaves the queue: the worker it was offered, if any (else it is cancelled)."""
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(fut)
-        if not fut.done():
-            fut.cancel()
-        return None if fut.cancelled() else fut.result()
 
     def untake(self, w: Worker) -> None:
         """A worker from take() that was not handed over: first in line again, unless its
         replacement (started when it was reserved) made it one too many: then it leaves, as a
         surplus worker does (at resume() while a region holds the device)."""
         w.reserved = False
-        if w.state != "warm" or w.exited.done() or w in self._idle:
+        if w.state != "warm" or w.exited.done() or w in self._lending.idle:
             self._serve_waiters()
             return
-        if not self._waiters and self._have() > self._target():
+        if not self._lending.waiters and self._have() > self._target():
             if not self._gate.paused:
                 self._retire_surplus(w)
                 return
             w.surplus = True
-        self._idle.appendleft(w)
+        self._lending.idle.appendleft(w)
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:
-        """Offer idle workers to take()'s waiters in arrival order, each offer starting its
-        replacement as a hand-over does; answer None to those left when nothing is warming any
-        more (or the pool closed): waiting could only end at the timeout."""
-        while self._waiters:
-            fut = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
-                continue
-            w = None if self._closed else self._next_idle()
-            if w is not None:
-                w.reserved = True
-                self._waiters.popleft()
-                fut.set_result(w)
-                self._spawn_missing()
-                continue
-            if not self._closed and any(x.state == "starting" for x in self._workers):
-                return
-            self._waiters.popleft()
-            fut.set_result(None)
+        """Offer idle workers to take()'s waiters; each offer starts its replacement."""
+        self._lending.serve(self._closed, self._warming, self._spawn_missing)
+
+    def _warming(self) -> bool:
+        return any(x.state == "starting" for x in self._workers)
 
     def adopt(
         self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: Worker | None = None
@@ -336,10 +306,10 @@ class Pool:
 
     def resume(self) -> None:
         self._gate.resume()
-        for w in [w for w in self._idle if w.surplus]:
+        for w in [w for w in self._lending.idle if w.surplus]:
             w.surplus = False
             if w.state == "warm" and self._have() > self._target():
-                self._idle.remove(w)
+                self._lending.idle.remove(w)
                 self._retire_surplus(w)
 
     def _retire_surplus(self, w: Worker) -> None:
@@ -372,7 +342,7 @@ class Pool:
 
     def idle_pids(self) -> list[int]:
         """The warm workers an adoption or a launch may take next."""
-        return [w.pid for w in self._idle if w.state == "warm" and not w.exited.done()]
+        return self._lending.idle_pids()
 
     def status(self) -> dict[str, Any]:
         """Sizes, counts and latencies; each worker's host memory (RSS, PSS from smaps_rollup)."""
@@ -398,7 +368,7 @@ class Pool:
             "target": self._target(),
             "adopted": self.adopted,
             "declined": dict(self.declined),
-            "waiting": sum(not f.done() for f in self._waiters),  # adopters in take()
+            "waiting": self._lending.waiting(),  # adopters in take()
             "reserved": sum(w.reserved for w in self._workers),
             "workers": [
                 {"pid": w.pid, "state": w.state, **_memory(w.pid)}
@@ -491,7 +461,7 @@ class Pool:
             if self.config.creates_context(self.device.vendor):
                 self._task(self._gate.create(w, lambda: self._closed))
         elif t == "ready":
-            if w.warmed and self._have() > self._target() and not self._waiters:
+            if w.warmed and self._have() > self._target() and not self._lending.waiters:
                 if not self._gate.paused:
                     self._retire_surplus(w)
                     return
@@ -506,7 +476,7 @@ class Pool:
                     if k in msg
                 }
             w.ready.set()
-            self._idle.append(w)
+            self._lending.idle.append(w)
             self._consecutive_failures = 0
             self._changed.set()
             self._serve_waiters()
