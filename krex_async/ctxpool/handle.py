@@ -1,5 +1,6 @@
-"""The daemon's handle on one warm worker process (worker.py is the process itself): starting it, its
-state as the pool sees it, reading its channel, and settling what waits on it when it dies.
+"""The pool's side of its worker processes (worker.py is the process itself). `Worker` is one as the
+pool sees it: started, sent a command, heard warm, started or exited, and dead (what waited on it is
+settled then); `Workers` is the set of them, with their channel readers, ended at close.
 
 A worker is started with a fresh interpreter (exec, never a fork of a process that holds a context) in
 its own session, with stdin/stdout on /dev/null, the daemon's stderr, and one end of a SOCK_SEQPACKET
@@ -12,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from krex_async.ctxpool import channel
+from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import WORKER_CWD, PoolConfig
+from krex_async.ctxpool.procs import kill as _kill
+from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
 from krex_async.devices.base import Device
-from krex_async.linux.spawn import ExitStatus, Launched, watch_pid
+from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
 
 class BrokenWorker(Exception):
@@ -62,6 +66,82 @@ class Worker:
                     on_message(self, got[0])
         except (EOFError, OSError):
             pass  # closed, or the worker died: its pidfd tells the rest
+
+    def run(
+        self,
+        spec: LaunchSpec,
+        max_uses: int,
+        hooked: bool,
+        adopt: dict[str, Any] | None = None,
+        fds: list[int] | None = None,
+    ) -> Launched:
+        """Send it `spec` to run: its fds 0/1/2, or an adopter's pidfd in `fds` and world in `adopt`
+        (adopted.py); `hooked`: the pool's cgroup hook puts it in the command's cgroup. It is busy
+        from here. Raises OSError when its channel is gone."""
+        self.state, self.submit_ts, self.reserved = "busy", time.monotonic(), False
+        self.uses += 1
+        self.joined = bool(spec.cgroup_procs)
+        self.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
+        self.done = self.exited if max_uses <= 1 else asyncio.get_running_loop().create_future()
+        msg: dict[str, Any] = {
+            "t": "run",
+            "spec": {
+                "argv": spec.argv,
+                "cwd": spec.cwd,
+                "env": spec.env,
+                "cgroup_procs": None if hooked else spec.cgroup_procs,
+                "cgroup_hook": hooked,
+            },
+        }
+        if adopt is not None:
+            msg["spec"].update(adopt=adopt, orig_argv=adopt.get("orig_argv"))
+        channel.send(self.sock, msg, fds or [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
+        self.launched = Launched(pid=self.pid, _done=self.done, via="pool")
+        return self.launched
+
+    def warm(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """It said "ready": warm, its context made (if asked). Returns what it said of its
+        interpreter (flags, options, start-up environment), if it said it."""
+        self.state, self.warmed, self.home = "warm", True, bool(msg.get("home", True))
+        self.ready.set()
+        if "hexversion" not in msg:
+            return None
+        return {k: msg[k] for k in ("hexversion", "flags", "xoptions", "warnoptions", "init_env") if k in msg}
+
+    def started(self, msg: dict[str, Any]) -> float:
+        """It said "started": its command runs. Returns the start latency (from the hand-over)."""
+        assert self.launched is not None
+        self.answer(self.launched)
+        lat = max(0.0, msg["ts"] - self.submit_ts)
+        self.launched.start_latency_s = lat
+        self.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
+        return lat
+
+    def finished(self, msg: dict[str, Any]) -> str:
+        """It said "exited" (max_uses > 1): its command's exit status, with the CPU time of the
+        command alone. Returns why it retires ("" when it resets for another command; what the
+        command left running in it is killed first)."""
+        assert self.done is not None
+        if not msg.get("retire") and self.launched is not None:
+            self.launched.lives_on = True
+            _kill_leftovers(self.pid)  # before it can take another command and fork for it
+        self.done.set_result(
+            ExitStatus(
+                msg["code"],
+                user_s=msg["user_s"] - self.rusage0[0],
+                system_s=msg["system_s"] - self.rusage0[1],
+            )
+        )
+        self.launched = None
+        if not msg.get("retire"):
+            self.state = "starting"  # until its "ready" after the reset
+            self.ready.clear()
+        return str(msg.get("retire") or "")
+
+    def returns(self, max_uses: int, hooked: bool, more: int = 0) -> bool:
+        """Whether it comes back to the pool after its command (after `more` commands yet)."""
+        joins = hooked or self.joined
+        return self.uses + more < max_uses and (self.home or not joins)
 
     def answer(self, answer: Launched | str) -> None:
         """Resolve the adoption handed to it: its Launched, or why it did not start the program."""
@@ -156,3 +236,71 @@ def spawn(
     proc.returncode = 0  # we reap it through its pidfd, not Popen
     mine.setblocking(False)
     return Worker(pid=proc.pid, sock=mine, exited=watch_pid(loop, proc.pid))
+
+
+class Workers:
+    """A pool's worker processes: each started with its channel read (`on_message`) and its death
+    heard (`on_exit`), all ended at close. Iterating gives those not yet heard dead."""
+
+    def __init__(
+        self,
+        on_message: Callable[[Worker, dict[str, Any]], None],
+        on_exit: Callable[[Worker], None],
+    ) -> None:
+        self._all: set[Worker] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._on_message, self._on_exit = on_message, on_exit
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._all)
+
+    def start(
+        self,
+        python: str,
+        env: dict[str, str],
+        device: Device,
+        config: PoolConfig,
+        user: tuple[int, int, list[int]] | None,
+    ) -> None:
+        """spawn() one more. Raises OSError as spawn() does, with nothing added."""
+        w = spawn(python, env, device, config, user)
+        self._all.add(w)
+        w.exited.add_done_callback(lambda _f: self._on_exit(w))
+        self.task(w.read(self._on_message))
+
+    def task(self, coro: Any) -> None:
+        """Run `coro` as a task of the pool's, cancelled at close()."""
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def kept(self, max_uses: int, hooked: bool) -> int:
+        """Those that count towards the pool's size: warm, warming, or busy (or reserved by take())
+        and coming back: a reused one with uses left that can leave its command's cgroups. One that
+        will retire is not waited for: its replacement warms while it runs (or, reserved, while it
+        waits to be handed over)."""
+        return sum(
+            w.returns(max_uses, hooked, 1)
+            if w.reserved
+            else w.state in ("starting", "warm") or (w.state == "busy" and w.returns(max_uses, hooked))
+            for w in self._all
+        )
+
+    def discard(self, w: Worker) -> None:
+        self._all.discard(w)
+
+    async def close(self, timeout: float) -> None:
+        """Every worker gets EOF and the tasks end; the idle and starting ones are waited for, then
+        SIGKILLed after `timeout`. Busy ones run their commands on (their Launched still resolves)."""
+        idle = [w for w in self._all if w.state != "busy"]
+        for w in self._all:
+            w.sock.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if idle:
+            await asyncio.wait([w.exited for w in idle], timeout=timeout)
+        for w in idle:
+            if not w.exited.done():
+                _kill(w.pid)
+        if idle:
+            await asyncio.wait([w.exited for w in idle], timeout=timeout)

@@ -10,14 +10,16 @@ Data flow (one Pool per device, all on the daemon's event loop):
     _refill ── Popen(python -m krex_async.ctxpool.worker) ──► "imported" ──► node lock (one context
                at a time per node, none while the device is paused) ──"init"──► "ready" ──► idle deque
 
-Workers are started with a fresh interpreter (exec, never a fork of a process that holds a context) in
-their own session, with stdin/stdout on /dev/null, the daemon's stderr, and one end of a SOCK_SEQPACKET
-socketpair (channel.py). The pool learns of a worker's death from its pidfd, not from the channel: a
-worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced, one
-that dies running a command resolves that command's Launched with the real exit status (os._exit(n):
-n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so warming runs
-ahead of demand; `launch()` never waits for warming and returns None when no worker is warm. A
-region entering on the device calls `quiesce()`: no creation starts, and one in flight ends first.
+`Pool` decides; its parts carry out: handle.py is each worker process (a fresh interpreter, its
+channel, its death) and `Workers` the set of them, gate.py says when a worker may create its context,
+lending.py keeps the idle queue and the adopters waiting in take().
+
+A worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced,
+one that dies running a command resolves that command's Launched with the real exit status
+(os._exit(n): n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so
+warming runs ahead of demand; `launch()` never waits for warming and returns None when no worker is
+warm. A region entering on the device calls `quiesce()`: no creation starts, and one in flight ends
+first.
 
 `adopt()` hands a worker an interpreter that is already running somewhere in a command's tree
 (ctxpool/adoption.py): the worker gets the adopter's pidfd instead of fds, takes fds 0/1/2 itself,
@@ -33,22 +35,20 @@ import collections
 import contextlib
 import inspect
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from krex_async.ctxpool import channel, forms
+from krex_async.ctxpool import forms
 from krex_async.ctxpool.base import PoolConfig
 from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate, node_lock
-from krex_async.ctxpool.handle import BrokenWorker, Worker, WorkerStartError, spawn
+from krex_async.ctxpool.handle import BrokenWorker, Worker, Workers, WorkerStartError
 from krex_async.ctxpool.lending import Lending
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
-from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
 from krex_async.ctxpool.procs import memory as _memory
 from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
-from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec
+from krex_async.linux.spawn import Launched, LaunchSpec
 
 # BrokenWorker and WorkerStartError live in handle.py; importable from here as before.
 __all__ = [
@@ -86,9 +86,8 @@ class Pool:
         self.python = config.interpreter()
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
-        self._workers: set[Worker] = set()
+        self._workers = Workers(self._on_message, self._on_exit)  # their processes and tasks
         self._lending = Lending()  # the idle workers, and the adopters waiting in take()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._gate = ContextGate()  # one context created at a time per node, none while paused
         self._changed = asyncio.Event()
         self._started = self._closed = False
@@ -267,32 +266,14 @@ class Pool:
         self, w: Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
     ) -> Launched | None:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
-        w.state, w.submit_ts, w.reserved = "busy", time.monotonic(), False
-        w.uses += 1
-        w.joined = bool(spec.cgroup_procs)
-        w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
-        w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
-        msg: dict[str, Any] = {
-            "t": "run",
-            "spec": {
-                "argv": spec.argv,
-                "cwd": spec.cwd,
-                "env": spec.env,
-                "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
-                "cgroup_hook": self.cgroup_hook is not None,
-            },
-        }
-        if adopt is not None:
-            msg["spec"].update(adopt=adopt, orig_argv=adopt.get("orig_argv"))
         try:
-            channel.send(w.sock, msg, fds or [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
+            launched = w.run(spec, self.config.max_uses, self.cgroup_hook is not None, adopt, fds)
         except OSError as e:
             self._retire(w, f"channel: {e}")
             return None
-        w.launched = Launched(pid=w.pid, _done=w.done, via="pool")
         self.launched += 1
         asyncio.get_running_loop().call_soon(self._refill)  # fork/exec after the caller's burst
-        return w.launched
+        return launched
 
     def pause(self) -> None:
         """No new device context is created until resume(); one being created finishes."""
@@ -395,18 +376,7 @@ class Pool:
         """
         self._closed = True
         self._serve_waiters()
-        idle = [w for w in self._workers if w.state != "busy"]
-        for w in self._workers:
-            w.sock.close()
-        for t in list(self._tasks):
-            t.cancel()
-        if idle:
-            await asyncio.wait([w.exited for w in idle], timeout=timeout)
-        for w in idle:
-            if not w.exited.done():
-                _kill(w.pid)
-        if idle:
-            await asyncio.wait([w.exited for w in idle], timeout=timeout)
+        await self._workers.close(timeout)
 
     # ------------------------------------------------------------------------------------ warming
 
@@ -419,7 +389,7 @@ class Pool:
             return
         for _ in range(self._target() - self._have()):
             try:
-                self._spawn()
+                self._workers.start(self.python, self.env, self.device, self.config, self.user)
             except OSError as e:
                 self._failed(f"spawn: {e}")
                 return
@@ -429,37 +399,13 @@ class Pool:
         return size if self.demand is None else min(size, max(1, self.demand))
 
     def _have(self) -> int:
-        """Workers warm, warming, or busy (or reserved by take()) and coming back: a reused one
-        with uses left that can leave its command's cgroups. One that will retire is not waited
-        for: its replacement warms while it runs (or, reserved, while it waits to be handed over)."""
-        return sum(
-            self._returns(w, 1)
-            if w.reserved
-            else w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w))
-            for w in self._workers
-        )
-
-    def _returns(self, w: Worker, more: int = 0) -> bool:
-        """Whether `w` comes back to the pool after its command (after `more` commands yet)."""
-        joins = self.cgroup_hook is not None or w.joined
-        return w.uses + more < self.config.max_uses and (w.home or not joins)
-
-    def _spawn(self) -> None:
-        w = spawn(self.python, self.env, self.device, self.config, self.user)
-        self._workers.add(w)
-        w.exited.add_done_callback(lambda _f: self._on_exit(w))
-        self._task(w.read(self._on_message))
-
-    def _task(self, coro: Any) -> None:
-        t = asyncio.ensure_future(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        return self._workers.kept(self.config.max_uses, self.cgroup_hook is not None)
 
     def _on_message(self, w: Worker, msg: dict[str, Any]) -> None:
         t = msg.get("t")
         if t == "imported":
             if self.config.creates_context(self.device.vendor):
-                self._task(self._gate.create(w, lambda: self._closed))
+                self._workers.task(self._gate.create(w, lambda: self._closed))
         elif t == "ready":
             if w.warmed and self._have() > self._target() and not self._lending.waiters:
                 if not self._gate.paused:
@@ -468,14 +414,8 @@ class Pool:
                 # A region holds the device: exiting now would tear its context down inside the
                 # region, unheld (it is in no command). It waits idle, and leaves at resume().
                 w.surplus = True
-            w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
-            if "hexversion" in msg:
-                self.interpreter = {
-                    k: msg[k]
-                    for k in ("hexversion", "flags", "xoptions", "warnoptions", "init_env")
-                    if k in msg
-                }
-            w.ready.set()
+            if (interpreter := w.warm(msg)) is not None:
+                self.interpreter = interpreter
             self._lending.idle.append(w)
             self._consecutive_failures = 0
             self._changed.set()
@@ -487,26 +427,10 @@ class Pool:
             w.launched = None
             self._retire(w, f"declined an adoption: {msg.get('reason')}", kill=False)
         elif t == "started" and w.launched is not None:
-            w.answer(w.launched)
-            lat = max(0.0, msg["ts"] - w.submit_ts)
-            w.launched.start_latency_s = lat
-            w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
-            self.latencies[w.form].append(lat)
+            self.latencies[w.form].append(w.started(msg))
         elif t == "exited" and w.done is not None and not w.done.done():
-            if not msg.get("retire") and w.launched is not None:
-                w.launched.lives_on = True
-                _kill_leftovers(w.pid)  # before it can take another command and fork for it
-            w.done.set_result(
-                ExitStatus(
-                    msg["code"], user_s=msg["user_s"] - w.rusage0[0], system_s=msg["system_s"] - w.rusage0[1]
-                )
-            )
-            w.launched = None
-            if msg.get("retire"):
-                self._retire(w, msg["retire"], kill=False)
-            else:
-                w.state = "starting"  # until its "ready" after the reset
-                w.ready.clear()
+            if retire := w.finished(msg):
+                self._retire(w, retire, kill=False)
 
     def _on_exit(self, w: Worker) -> None:
         was = w.state
