@@ -22,6 +22,7 @@ from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import WORKER_CWD, PoolConfig
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
+from krex_async.ctxpool.procs import memory as _memory
 from krex_async.devices.base import Device
 from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
 
@@ -285,6 +286,15 @@ class Workers:
             else w.state in ("starting", "warm") or (w.state == "busy" and w.returns(max_uses, hooked))
             for w in self._all
         )
+
+    def warming(self) -> bool:
+        return any(w.state == "starting" for w in self._all)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each one's pid, state and host memory (RSS, PSS from smaps_rollup), by pid."""
+        return [
+            {"pid": w.pid, "state": w.state, **_memory(w.pid)} for w in sorted(self._all, key=lambda w: w.pid)
+        ]
 
     def discard(self, w: Worker) -> None:
         self._all.discard(w)

@@ -40,26 +40,16 @@ from typing import Any
 
 from krex_async.ctxpool import forms
 from krex_async.ctxpool.base import PoolConfig
-from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate, node_lock
-from krex_async.ctxpool.handle import BrokenWorker, Worker, Workers, WorkerStartError
+from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate
+from krex_async.ctxpool.gate import node_lock as node_lock  # re-exported: it was defined here
+from krex_async.ctxpool.handle import BrokenWorker as BrokenWorker  # re-exported: it was defined here
+from krex_async.ctxpool.handle import Worker, Workers, WorkerStartError
 from krex_async.ctxpool.lending import Lending
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
-from krex_async.ctxpool.procs import memory as _memory
 from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
 from krex_async.linux.spawn import Launched, LaunchSpec
-
-# BrokenWorker and WorkerStartError live in handle.py; importable from here as before.
-__all__ = [
-    "CONTEXT_TIMEOUT_S",
-    "MAX_FAILURES",
-    "BrokenWorker",
-    "CgroupHook",
-    "Pool",
-    "WorkerStartError",
-    "node_lock",
-]
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
@@ -219,10 +209,7 @@ class Pool:
 
     def _serve_waiters(self) -> None:
         """Offer idle workers to take()'s waiters; each offer starts its replacement."""
-        self._lending.serve(self._closed, self._warming, self._spawn_missing)
-
-    def _warming(self) -> bool:
-        return any(x.state == "starting" for x in self._workers)
+        self._lending.serve(self._closed, self._workers.warming, self._spawn_missing)
 
     def adopt(
         self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: Worker | None = None
@@ -351,10 +338,7 @@ class Pool:
             "declined": dict(self.declined),
             "waiting": self._lending.waiting(),  # adopters in take()
             "reserved": sum(w.reserved for w in self._workers),
-            "workers": [
-                {"pid": w.pid, "state": w.state, **_memory(w.pid)}
-                for w in sorted(self._workers, key=lambda w: w.pid)
-            ],
+            "workers": self._workers.describe(),
         }
 
     async def wait_warm(self, n: int | None = None, timeout: float = 60.0) -> int:
