@@ -1,11 +1,13 @@
 """The daemon's shared core: the narrow state its parts take instead of the `Daemon` itself.
 
-`Regions` (regions.py), the probe `Attributor` (attribution.py) and `recover` (recovery.py) each get a
-`Core`: the pieces of the daemon they use, each named below, and nothing else (uvicorn's `ServerState`,
-CPython's process-pool manager). With it the imports run one way, down:
+`Lifecycle` (lifecycle.py), `WarmPools` (warmpools.py), `Regions` (regions.py), the probe `Attributor`
+(attribution.py), `Status` (status.py) and `recover` (recovery.py) each get a `Core`: the pieces of the
+daemon they use, each named below, and nothing else (uvicorn's `ServerState`, CPython's process-pool
+manager). With it the imports run one way, down:
 
-    daemon -> attribution -> regions -> hold -> core -> commands -> records
-           -> recovery ---------------------------^
+    daemon -> lifecycle -> warmpools -> regions -> hold -> core -> commands -> records
+           -> attribution --------------^                  ^
+           -> recovery, tracing; lifecycle -> placement -> access
 """
 
 from __future__ import annotations
