@@ -125,7 +125,7 @@ class Command:
     # interpreters whose program a pool worker runs: each waits, idle, for the worker's status
     adopters: set[int] = field(default_factory=set)
     # (time.monotonic(), signal) of every signal sent to the whole tree: an interpreter waiting for
-    # a worker has them blocked, and its worker, not yet in the tree, must get them (Daemon.adopt)
+    # a worker has them blocked, and its worker, not yet in the tree, must get them (WarmPools.adopt)
     signalled: list[tuple[float, int]] = field(default_factory=list)
     regions: list[P.RegionReport] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
@@ -134,7 +134,7 @@ class Command:
     end_reason: str = ""
     start_error: str = ""  # why the applier could not start it (state "failed")
     # A cancel (or shutdown) that came while the command was starting: (reason, signal), acted
-    # on as soon as the leader runs (Daemon._start).
+    # on as soon as the leader runs (Lifecycle._start).
     kill_pending: tuple[str, int] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watch_task: asyncio.Task[None] | None = None
