@@ -1,8 +1,10 @@
-"""The package's structure: imports run one way (no circles, local imports counted), and the typed
-values at its edges (policy and command state as enums, comma lists split once)."""
+"""The package's structure: imports run one way (no circles, local imports counted), modules stay
+short and say why they exist, and the typed values at its edges (policy and command state as enums,
+comma lists split once)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -67,6 +69,63 @@ def test_the_check_sees_a_circle_hidden_by_a_local_import(tmp_path: Path) -> Non
     assert "cycle: krex_async.a, krex_async.b" in out.stdout
     assert "cycle: krex_async.d, krex_async.sub.c" in out.stdout
     assert "2 cycle(s)" in out.stdout
+
+
+# Modules past LIMIT lines when the rule came: each is two or more waiting to be split along its seams
+# (STYLE.md 1). No other module may pass the limit; take a module off the list once it is split.
+LIMIT = 450
+LONG_MODULES = {
+    "krex_async/cli.py",
+    "krex_async/daemon/commands.py",
+    "krex_async/daemon/regions.py",
+    "krex_async/daemon/server.py",
+    "krex_async/isolation/cgroup.py",
+    "krex_async/node/doctor.py",
+    "krex_async/probes/bpf_ioctl.py",
+    "krex_async/probes/launches.py",
+    "krex_async/protocol.py",
+    "krex_async/runtime/quiesce.py",
+}
+
+
+def long_modules(root: Path) -> set[str]:
+    return {
+        p.relative_to(root).as_posix()
+        for p in (root / "krex_async").rglob("*.py")
+        if len(p.read_text().splitlines()) > LIMIT
+    }
+
+
+def test_no_module_but_the_listed_ones_passes_the_size_limit() -> None:
+    grown = sorted(long_modules(ROOT) - LONG_MODULES)
+    assert not grown, f"past {LIMIT} lines: {grown}; split them where they do two things"
+
+
+def test_the_size_check_sees_a_long_module(tmp_path: Path) -> None:
+    (tmp_path / "krex_async" / "daemon").mkdir(parents=True)
+    (tmp_path / "krex_async" / "daemon" / "daemon.py").write_text("x = 1\n" * (LIMIT + 1))
+    (tmp_path / "krex_async" / "short.py").write_text("x = 1\n" * LIMIT)
+    assert long_modules(tmp_path) == {"krex_async/daemon/daemon.py"}
+
+
+def bare_modules(root: Path) -> list[str]:
+    """Modules with code and no docstring (`python -m krex_async`, one call, needs none)."""
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in (root / "krex_async").rglob("*.py")
+        if p.name != "__main__.py"
+        and p.read_text().strip()
+        and not ast.get_docstring(ast.parse(p.read_text()))
+    )
+
+
+def test_every_module_says_why_it_exists(tmp_path: Path) -> None:
+    assert not bare_modules(ROOT), f"no module docstring: {bare_modules(ROOT)}"
+    (tmp_path / "krex_async").mkdir()
+    (tmp_path / "krex_async" / "__init__.py").write_text("")
+    (tmp_path / "krex_async" / "said.py").write_text('"""Why."""\nx = 1\n')
+    (tmp_path / "krex_async" / "mute.py").write_text("# a comment is no docstring\nx = 1\n")
+    assert bare_modules(tmp_path) == ["krex_async/mute.py"]
 
 
 def test_policy_is_an_enum_inside_and_a_string_outside() -> None:

@@ -10,14 +10,19 @@ from typing import TYPE_CHECKING, Any
 from krex_async.ctxpool.base import PoolConfig
 
 if TYPE_CHECKING:
-    from krex_async.ctxpool.pool import BrokenWorker, Pool, WorkerStartError
+    from krex_async.ctxpool.handle import BrokenWorker, WorkerStartError
+    from krex_async.ctxpool.pool import Pool
 
 __all__ = ["BrokenWorker", "Pool", "PoolConfig", "WorkerStartError"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Pool", "BrokenWorker", "WorkerStartError"):
+    if name == "Pool":
         from krex_async.ctxpool import pool
 
-        return getattr(pool, name)
+        return pool.Pool
+    if name in ("BrokenWorker", "WorkerStartError"):
+        from krex_async.ctxpool import handle
+
+        return getattr(handle, name)
     raise AttributeError(name)

@@ -10,14 +10,16 @@ Data flow (one Pool per device, all on the daemon's event loop):
     _refill ── Popen(python -m krex_async.ctxpool.worker) ──► "imported" ──► node lock (one context
                at a time per node, none while the device is paused) ──"init"──► "ready" ──► idle deque
 
-Workers are started with a fresh interpreter (exec, never a fork of a process that holds a context) in
-their own session, with stdin/stdout on /dev/null, the daemon's stderr, and one end of a SOCK_SEQPACKET
-socketpair (channel.py). The pool learns of a worker's death from its pidfd, not from the channel: a
-worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced, one
-that dies running a command resolves that command's Launched with the real exit status (os._exit(n):
-n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so warming runs
-ahead of demand; `launch()` never waits for warming and returns None when no worker is warm. A
-region entering on the device calls `quiesce()`: no creation starts, and one in flight ends first.
+`Pool` decides; its parts carry out: handle.py is each worker process (a fresh interpreter, its
+channel, its death) and `Workers` the set of them, gate.py says when a worker may create its context,
+lending.py keeps the idle queue and the adopters waiting in take().
+
+A worker that dies while warming is a WorkerStartError, one that dies idle is retired and replaced,
+one that dies running a command resolves that command's Launched with the real exit status
+(os._exit(n): n; killed by a signal: -sig). Replacements are started as soon as a worker is taken, so
+warming runs ahead of demand; `launch()` never waits for warming and returns None when no worker is
+warm. A region entering on the device calls `quiesce()`: no creation starts, and one in flight ends
+first.
 
 `adopt()` hands a worker an interpreter that is already running somewhere in a command's tree
 (ctxpool/adoption.py): the worker gets the adopter's pidfd instead of fds, takes fds 0/1/2 itself,
@@ -33,68 +35,24 @@ import collections
 import contextlib
 import inspect
 import os
-import socket
-import subprocess
-import time
-import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from krex_async.ctxpool import channel, forms
-from krex_async.ctxpool.base import WORKER_CWD, PoolConfig
+from krex_async.ctxpool import forms
+from krex_async.ctxpool.base import PoolConfig
+from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate
+from krex_async.ctxpool.gate import node_lock as node_lock  # re-exported: it was defined here
+from krex_async.ctxpool.handle import BrokenWorker as BrokenWorker  # re-exported: it was defined here
+from krex_async.ctxpool.handle import Worker, Workers, WorkerStartError
+from krex_async.ctxpool.lending import Lending
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
-from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
-from krex_async.ctxpool.procs import memory as _memory
 from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
-from krex_async.linux.spawn import ExitStatus, Launched, LaunchSpec, watch_pid
+from krex_async.linux.spawn import Launched, LaunchSpec
 
 CgroupHook = Callable[[int, LaunchSpec], "None | Awaitable[None]"]
-_NODE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
-CONTEXT_TIMEOUT_S = 60.0  # a worker holding the node lock longer than this is killed
 MAX_FAILURES = 3  # consecutive warm-up failures after which the pool stops warming
-
-
-class BrokenWorker(Exception):
-    """A worker could not do what it was started for; the message carries the worker's own words."""
-
-
-class WorkerStartError(BrokenWorker):
-    """Warming failed: an import or the device context raised (traceback attached) or it died."""
-
-
-def node_lock() -> asyncio.Lock:
-    """The lock every pool of this daemon holds while a worker creates its device context."""
-    loop = asyncio.get_running_loop()
-    lock = _NODE_LOCKS.get(loop)
-    if lock is None:
-        lock = _NODE_LOCKS[loop] = asyncio.Lock()
-    return lock
-
-
-@dataclass(eq=False)
-class _Worker:
-    pid: int
-    sock: Any
-    exited: asyncio.Future[ExitStatus]
-    state: str = "starting"  # starting, warm, busy, retired
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    launched: Launched | None = None
-    done: asyncio.Future[ExitStatus] | None = None  # the running command's (max_uses > 1)
-    submit_ts: float = 0.0
-    form: str = ""
-    rusage0: tuple[float, float] = (0.0, 0.0)
-    error: str = ""
-    uses: int = 0
-    joined: bool = False  # its command joins a cgroup (spec.cgroup_procs)
-    warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
-    home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
-    accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
-    surplus: bool = False  # came back surplus while the device was paused: retired at resume()
-    reserved: bool = False  # offered to an adopter by take(), not handed over yet
-    rx: channel.Receiver = field(default_factory=channel.Receiver)  # its channel's reassembly
 
 
 class Pool:
@@ -118,15 +76,10 @@ class Pool:
         self.python = config.interpreter()
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
-        self._workers: set[_Worker] = set()
-        self._idle: collections.deque[_Worker] = collections.deque()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        self._workers = Workers(self._on_message, self._on_exit)  # their processes and tasks
+        self._lending = Lending()  # the idle workers, and the adopters waiting in take()
+        self._gate = ContextGate()  # one context created at a time per node, none while paused
         self._changed = asyncio.Event()
-        self._waiters: collections.deque[asyncio.Future[_Worker | None]] = collections.deque()  # take()
-        self._creating: asyncio.Future[None] | None = None  # a context creation in flight
-        self._creator: _Worker | None = None  # the worker creating it
         self._started = self._closed = False
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
@@ -200,29 +153,22 @@ class Pool:
                 return launched
         return None
 
-    def _hook(self, w: _Worker, spec: LaunchSpec) -> None | Awaitable[None]:
+    def _hook(self, w: Worker, spec: LaunchSpec) -> None | Awaitable[None]:
         return None if self.cgroup_hook is None else self.cgroup_hook(w.pid, spec)
 
-    def _take(self, spec: LaunchSpec) -> _Worker | None:
+    def _take(self, spec: LaunchSpec) -> Worker | None:
         if not self.accepts(spec) or not os.path.isdir(spec.cwd):
             return None
         return self._pop_warm()
 
-    def _pop_warm(self) -> _Worker | None:
+    def _pop_warm(self) -> Worker | None:
         """The next idle warm worker, out of the idle queue; None (a miss) when there is none, or
         when adopters wait for one (take()): they came first."""
-        w = None if self._waiters else self._next_idle()
+        w = self._lending.pop()
         self.misses += w is None
         return w
 
-    def _next_idle(self) -> _Worker | None:
-        while self._idle:
-            w = self._idle.popleft()
-            if w.state == "warm" and not w.exited.done():
-                return w
-        return None
-
-    async def take(self, timeout: float) -> _Worker | None:
+    async def take(self, timeout: float) -> Worker | None:
         """Reserve an idle warm worker for one adoption: now, or within `timeout` s while others
         are warming (a fresh interpreter pays the whole import and context that a warming worker
         is already part way through, so a short wait beats falling back). Waiters are served in
@@ -231,68 +177,42 @@ class Pool:
         nothing is warm or warming, or at the timeout. Give the worker to adopt(), or untake() it."""
         if self._closed:
             return None
-        fut: asyncio.Future[_Worker | None] = asyncio.get_running_loop().create_future()
+        fut = self._lending.enter()
         try:
-            self._waiters.append(fut)
             self._refill()  # a replacement still due (call_soon after the last hand-over) is warming
             if timeout > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(fut), timeout)
         except BaseException:  # cancelled (the adopter is gone): a worker offered meanwhile goes back
-            if (w := self._leave(fut)) is not None:
+            if (w := self._lending.leave(fut)) is not None:
                 self.untake(w)
             raise
-        w = self._leave(fut)
+        w = self._lending.leave(fut)
         self.misses += w is None
         return w
 
-    def _leave(self, fut: asyncio.Future[_Worker | None]) -> _Worker | None:
-        """A waiter leaves the queue: the worker it was offered, if any (else it is cancelled)."""
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(fut)
-        if not fut.done():
-            fut.cancel()
-        return None if fut.cancelled() else fut.result()
-
-    def untake(self, w: _Worker) -> None:
+    def untake(self, w: Worker) -> None:
         """A worker from take() that was not handed over: first in line again, unless its
         replacement (started when it was reserved) made it one too many: then it leaves, as a
         surplus worker does (at resume() while a region holds the device)."""
         w.reserved = False
-        if w.state != "warm" or w.exited.done() or w in self._idle:
+        if w.state != "warm" or w.exited.done() or w in self._lending.idle:
             self._serve_waiters()
             return
-        if not self._waiters and self._have() > self._target():
-            if self._resumed.is_set():
+        if not self._lending.waiters and self._have() > self._target():
+            if not self._gate.paused:
                 self._retire_surplus(w)
                 return
             w.surplus = True
-        self._idle.appendleft(w)
+        self._lending.idle.appendleft(w)
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:
-        """Offer idle workers to take()'s waiters in arrival order, each offer starting its
-        replacement as a hand-over does; answer None to those left when nothing is warming any
-        more (or the pool closed): waiting could only end at the timeout."""
-        while self._waiters:
-            fut = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
-                continue
-            w = None if self._closed else self._next_idle()
-            if w is not None:
-                w.reserved = True
-                self._waiters.popleft()
-                fut.set_result(w)
-                self._spawn_missing()
-                continue
-            if not self._closed and any(x.state == "starting" for x in self._workers):
-                return
-            self._waiters.popleft()
-            fut.set_result(None)
+        """Offer idle workers to take()'s waiters; each offer starts its replacement."""
+        self._lending.serve(self._closed, self._workers.warming, self._spawn_missing)
 
     def adopt(
-        self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: _Worker | None = None
+        self, spec: LaunchSpec, pidfd: int, adopt: dict[str, Any], worker: Worker | None = None
     ) -> asyncio.Future[Launched | str]:
         """Hand an adopting interpreter to `worker` (from take(); "reserved worker gone" if it
         died since) or else the next warm one, now (the cgroup hook runs before this returns).
@@ -330,61 +250,37 @@ class Pool:
         self._refill()
 
     def _hand(
-        self, w: _Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
+        self, w: Worker, spec: LaunchSpec, adopt: dict[str, Any] | None = None, fds: list[int] | None = None
     ) -> Launched | None:
         """Send the command to `w`; None (and `w` retired) when its channel is gone."""
-        w.state, w.submit_ts, w.reserved = "busy", time.monotonic(), False
-        w.uses += 1
-        w.joined = bool(spec.cgroup_procs)
-        w.form = (forms.parse(spec.argv) or forms.Form("?", "", [])).kind
-        w.done = w.exited if self.config.max_uses <= 1 else asyncio.get_running_loop().create_future()
-        msg: dict[str, Any] = {
-            "t": "run",
-            "spec": {
-                "argv": spec.argv,
-                "cwd": spec.cwd,
-                "env": spec.env,
-                "cgroup_procs": None if self.cgroup_hook else spec.cgroup_procs,
-                "cgroup_hook": self.cgroup_hook is not None,
-            },
-        }
-        if adopt is not None:
-            msg["spec"].update(adopt=adopt, orig_argv=adopt.get("orig_argv"))
         try:
-            channel.send(w.sock, msg, fds or [spec.stdin_fd, spec.stdout_fd, spec.stderr_fd])
+            launched = w.run(spec, self.config.max_uses, self.cgroup_hook is not None, adopt, fds)
         except OSError as e:
             self._retire(w, f"channel: {e}")
             return None
-        w.launched = Launched(pid=w.pid, _done=w.done, via="pool")
         self.launched += 1
         asyncio.get_running_loop().call_soon(self._refill)  # fork/exec after the caller's burst
-        return w.launched
+        return launched
 
     def pause(self) -> None:
         """No new device context is created until resume(); one being created finishes."""
-        self._resumed.clear()
+        self._gate.pause()
 
     async def quiesce(self, timeout: float = CONTEXT_TIMEOUT_S) -> float:
         """pause(), then wait for a context creation already in flight on this device to end (at
         most one: the node lock; bounded by `timeout`, and a creation that hangs is killed at
         CONTEXT_TIMEOUT_S). Returns the seconds waited; never raises for the worker's failure."""
-        self.pause()
-        creating = self._creating
-        if creating is None or creating.done():
-            return 0.0
-        t0 = time.monotonic()
-        await asyncio.wait([creating], timeout=timeout)
-        return time.monotonic() - t0
+        return await self._gate.quiesce(timeout)
 
     def resume(self) -> None:
-        self._resumed.set()
-        for w in [w for w in self._idle if w.surplus]:
+        self._gate.resume()
+        for w in [w for w in self._lending.idle if w.surplus]:
             w.surplus = False
             if w.state == "warm" and self._have() > self._target():
-                self._idle.remove(w)
+                self._lending.idle.remove(w)
                 self._retire_surplus(w)
 
-    def _retire_surplus(self, w: _Worker) -> None:
+    def _retire_surplus(self, w: Worker) -> None:
         self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
         w.sock.close()  # EOF: it exits
 
@@ -405,16 +301,16 @@ class Pool:
         return sorted(
             (w.pid, ctx and w.warmed)
             for w in self._workers
-            if w.state != "busy" and not w.exited.done() and w is not self._creator
+            if w.state != "busy" and not w.exited.done() and w is not self._gate.creator
         )
 
     def creator_pid(self) -> int | None:
         """The worker whose context creation is in flight, if any (outside() leaves it out)."""
-        return self._creator.pid if self._creator is not None else None
+        return self._gate.creator.pid if self._gate.creator is not None else None
 
     def idle_pids(self) -> list[int]:
         """The warm workers an adoption or a launch may take next."""
-        return [w.pid for w in self._idle if w.state == "warm" and not w.exited.done()]
+        return self._lending.idle_pids()
 
     def status(self) -> dict[str, Any]:
         """Sizes, counts and latencies; each worker's host memory (RSS, PSS from smaps_rollup)."""
@@ -432,7 +328,7 @@ class Pool:
             "failures": self.failures,
             "launched": self.launched,
             "misses": self.misses,
-            "paused": not self._resumed.is_set(),
+            "paused": self._gate.paused,
             "last_error": self.last_error,
             "start_latency_s": _summary(everything),
             "by_form": lat,
@@ -440,12 +336,9 @@ class Pool:
             "target": self._target(),
             "adopted": self.adopted,
             "declined": dict(self.declined),
-            "waiting": sum(not f.done() for f in self._waiters),  # adopters in take()
+            "waiting": self._lending.waiting(),  # adopters in take()
             "reserved": sum(w.reserved for w in self._workers),
-            "workers": [
-                {"pid": w.pid, "state": w.state, **_memory(w.pid)}
-                for w in sorted(self._workers, key=lambda w: w.pid)
-            ],
+            "workers": self._workers.describe(),
         }
 
     async def wait_warm(self, n: int | None = None, timeout: float = 60.0) -> int:
@@ -467,18 +360,7 @@ class Pool:
         """
         self._closed = True
         self._serve_waiters()
-        idle = [w for w in self._workers if w.state != "busy"]
-        for w in self._workers:
-            w.sock.close()
-        for t in list(self._tasks):
-            t.cancel()
-        if idle:
-            await asyncio.wait([w.exited for w in idle], timeout=timeout)
-        for w in idle:
-            if not w.exited.done():
-                _kill(w.pid)
-        if idle:
-            await asyncio.wait([w.exited for w in idle], timeout=timeout)
+        await self._workers.close(timeout)
 
     # ------------------------------------------------------------------------------------ warming
 
@@ -491,7 +373,7 @@ class Pool:
             return
         for _ in range(self._target() - self._have()):
             try:
-                self._spawn()
+                self._workers.start(self.python, self.env, self.device, self.config, self.user)
             except OSError as e:
                 self._failed(f"spawn: {e}")
                 return
@@ -501,206 +383,42 @@ class Pool:
         return size if self.demand is None else min(size, max(1, self.demand))
 
     def _have(self) -> int:
-        """Workers warm, warming, or busy (or reserved by take()) and coming back: a reused one
-        with uses left that can leave its command's cgroups. One that will retire is not waited
-        for: its replacement warms while it runs (or, reserved, while it waits to be handed over)."""
-        return sum(
-            self._returns(w, 1)
-            if w.reserved
-            else w.state in ("starting", "warm") or (w.state == "busy" and self._returns(w))
-            for w in self._workers
-        )
+        return self._workers.kept(self.config.max_uses, self.cgroup_hook is not None)
 
-    def _returns(self, w: _Worker, more: int = 0) -> bool:
-        """Whether `w` comes back to the pool after its command (after `more` commands yet)."""
-        joins = self.cgroup_hook is not None or w.joined
-        return w.uses + more < self.config.max_uses and (w.home or not joins)
-
-    def _spawn(self) -> None:
-        loop = asyncio.get_running_loop()
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            # a device env that narrows the GPUs (CUDA_, HIP_, ROCR_VISIBLE_DEVICES) leaves one: 0
-            narrowed = any(k.endswith("VISIBLE_DEVICES") for k in self.device.env)
-            ordinal = 0 if narrowed else self.device.index
-            argv = [
-                self.python,
-                "-m",
-                "krex_async.ctxpool.worker",
-                "--fd",
-                str(theirs.fileno()),
-                "--preload",
-                ",".join(self.config.preload),
-                "--vendor",
-                self.device.vendor,
-                "--init-modules",
-                ",".join(self.config.init_modules),
-                "--ordinal",
-                str(ordinal),
-                "--init-context",
-                "1" if self.config.init_context else "0",
-                "--max-uses",
-                str(max(1, self.config.max_uses)),
-                "--lc-ctype-coerced",
-                "0" if {"LC_ALL", "LC_CTYPE"} & self.env.keys() else "1",
-            ]
-            proc = subprocess.Popen(
-                argv,
-                cwd=WORKER_CWD,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
-                restore_signals=True,
-                user=self.user[0] if self.user else None,
-                group=self.user[1] if self.user else None,
-                extra_groups=self.user[2] if self.user else None,
-            )
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-        proc.returncode = 0  # we reap it through its pidfd, not Popen
-        mine.setblocking(False)
-        w = _Worker(pid=proc.pid, sock=mine, exited=watch_pid(loop, proc.pid))
-        self._workers.add(w)
-        w.exited.add_done_callback(lambda _f: self._on_exit(w))
-        self._task(self._read(w))
-
-    def _task(self, coro: Any) -> None:
-        t = asyncio.ensure_future(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-
-    async def _read(self, w: _Worker) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                got = w.rx.feed(await loop.sock_recv(w.sock, channel.CHUNK + 1), [])
-                if got is not None:
-                    self._on_message(w, got[0])
-        except (EOFError, OSError):
-            pass  # closed, or the worker died: its pidfd tells the rest
-
-    def _last_words(self, w: _Worker) -> None:
-        """Read what a dead worker sent that the reader has not yet: its exit and its last message
-        wake the loop together, in either order, and a "started" still in the socket answered as a
-        death would make the adopter run its program a second time."""
-        while True:
-            try:
-                packet = w.sock.recv(channel.CHUNK + 1)
-                got = w.rx.feed(packet, [])
-            except (OSError, EOFError):  # BlockingIOError: nothing left
-                return
-            if got is not None and got[0].get("t") in ("started", "declined", "failed"):
-                self._on_message(w, got[0])
-
-    def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
+    def _on_message(self, w: Worker, msg: dict[str, Any]) -> None:
         t = msg.get("t")
         if t == "imported":
             if self.config.creates_context(self.device.vendor):
-                self._task(self._create_context(w))
+                self._workers.task(self._gate.create(w, lambda: self._closed))
         elif t == "ready":
-            if w.warmed and self._have() > self._target() and not self._waiters:
-                if self._resumed.is_set():
+            if w.warmed and self._have() > self._target() and not self._lending.waiters:
+                if not self._gate.paused:
                     self._retire_surplus(w)
                     return
                 # A region holds the device: exiting now would tear its context down inside the
                 # region, unheld (it is in no command). It waits idle, and leaves at resume().
                 w.surplus = True
-            w.state, w.warmed, w.home = "warm", True, bool(msg.get("home", True))
-            if "hexversion" in msg:
-                self.interpreter = {
-                    k: msg[k]
-                    for k in ("hexversion", "flags", "xoptions", "warnoptions", "init_env")
-                    if k in msg
-                }
-            w.ready.set()
-            self._idle.append(w)
+            if (interpreter := w.warm(msg)) is not None:
+                self.interpreter = interpreter
+            self._lending.idle.append(w)
             self._consecutive_failures = 0
             self._changed.set()
             self._serve_waiters()
         elif t == "failed":
             w.error = msg.get("error", "")
         elif t == "declined":
-            self._answer(w, str(msg.get("reason") or "declined"))
+            w.answer(str(msg.get("reason") or "declined"))
             w.launched = None
             self._retire(w, f"declined an adoption: {msg.get('reason')}", kill=False)
         elif t == "started" and w.launched is not None:
-            self._answer(w, w.launched)
-            lat = max(0.0, msg["ts"] - w.submit_ts)
-            w.launched.start_latency_s = lat
-            w.rusage0 = (msg.get("user_s", 0.0), msg.get("system_s", 0.0))
-            self.latencies[w.form].append(lat)
+            self.latencies[w.form].append(w.started(msg))
         elif t == "exited" and w.done is not None and not w.done.done():
-            if not msg.get("retire") and w.launched is not None:
-                w.launched.lives_on = True
-                _kill_leftovers(w.pid)  # before it can take another command and fork for it
-            w.done.set_result(
-                ExitStatus(
-                    msg["code"], user_s=msg["user_s"] - w.rusage0[0], system_s=msg["system_s"] - w.rusage0[1]
-                )
-            )
-            w.launched = None
-            if msg.get("retire"):
-                self._retire(w, msg["retire"], kill=False)
-            else:
-                w.state = "starting"  # until its "ready" after the reset
-                w.ready.clear()
+            if retire := w.finished(msg):
+                self._retire(w, retire, kill=False)
 
-    async def _create_context(self, w: _Worker) -> None:
-        """Let `w` create its context while holding the node lock, never while the device is paused."""
-        lock = node_lock()
-        while True:
-            await self._resumed.wait()
-            async with lock:
-                if not self._resumed.is_set():
-                    continue
-                if w.exited.done() or self._closed:
-                    return
-                try:
-                    channel.send(w.sock, {"t": "init"})
-                except OSError:
-                    return
-                self._creating = creating = asyncio.get_running_loop().create_future()
-                self._creator = w
-                ready: asyncio.Future[Any] = asyncio.ensure_future(w.ready.wait())
-                try:
-                    await asyncio.wait(
-                        [ready, w.exited],  # type: ignore[list-item]
-                        timeout=CONTEXT_TIMEOUT_S,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    if not w.ready.is_set() and not w.exited.done():  # hung in the driver
-                        w.error = f"no context after {CONTEXT_TIMEOUT_S} s"
-                        _kill(w.pid)
-                        await asyncio.wait([w.exited], timeout=5.0)  # gone before the node is free
-                finally:
-                    ready.cancel()
-                    creating.set_result(None)
-                    self._creating = self._creator = None
-                return
-
-    @staticmethod
-    def _answer(w: _Worker, answer: Launched | str) -> None:
-        if w.accepted is not None and not w.accepted.done():
-            w.accepted.set_result(answer)
-        w.accepted = None
-
-    def _on_exit(self, w: _Worker) -> None:
-        status = w.exited.result()
+    def _on_exit(self, w: Worker) -> None:
         was = w.state
-        if w.accepted is not None or w.launched is not None:
-            self._last_words(w)
-        self._answer(w, f"worker died before it started: returncode {status.returncode}")
-        if w.done is not None and w.done is not w.exited and not w.done.done():
-            w.done.set_result(status)  # died running a command it would have reported
-        if w.launched is not None and w.done is w.exited and w.rusage0 != (0.0, 0.0):
-            status.user_s -= w.rusage0[0]
-            status.system_s -= w.rusage0[1]
-        w.sock.close()
+        status = w.died(self._on_message)
         if not w.warmed and not self._closed:
             self._failed(w.error or f"worker {w.pid} died while warming: returncode {status.returncode}")
         elif was != "retired":
@@ -710,7 +428,7 @@ class Pool:
         self._changed.set()
         self._refill()
 
-    def _retire(self, w: _Worker, reason: str, kill: bool = True) -> None:
+    def _retire(self, w: Worker, reason: str, kill: bool = True) -> None:
         if w.state != "retired":
             self.retired += 1
         w.state, w.error = "retired", reason

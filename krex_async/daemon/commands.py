@@ -125,7 +125,7 @@ class Command:
     # interpreters whose program a pool worker runs: each waits, idle, for the worker's status
     adopters: set[int] = field(default_factory=set)
     # (time.monotonic(), signal) of every signal sent to the whole tree: an interpreter waiting for
-    # a worker has them blocked, and its worker, not yet in the tree, must get them (Daemon.adopt)
+    # a worker has them blocked, and its worker, not yet in the tree, must get them (WarmPools.adopt)
     signalled: list[tuple[float, int]] = field(default_factory=list)
     regions: list[P.RegionReport] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
@@ -134,7 +134,7 @@ class Command:
     end_reason: str = ""
     start_error: str = ""  # why the applier could not start it (state "failed")
     # A cancel (or shutdown) that came while the command was starting: (reason, signal), acted
-    # on as soon as the leader runs (Daemon._start).
+    # on as soon as the leader runs (Lifecycle._start).
     kill_pending: tuple[str, int] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watch_task: asyncio.Task[None] | None = None
@@ -226,8 +226,7 @@ class CommandRunner:
         self.records = records  # None: commands are not recorded (nothing to report after a crash)
         self.socket = socket
         self.on_exit = on_exit
-        self.launcher = launcher  # the ctxpool, when it can take the command
-        self.launching: Group | None = None  # the group a pool worker must join (during launcher())
+        self.launcher = launcher  # the ctxpool, when it can take the command (it joins cmd.group)
 
     def check(self, cmd: Command) -> tuple[str, dict[str, str]]:
         """Validate cwd and argv before anything is created; returns (cwd, env).
@@ -307,11 +306,7 @@ class CommandRunner:
                 spec.pass_fds = (cmd.handoff.env_fd, cmd.handoff.err_w)
             launched = None
             if self.launcher and not frozen and not other_user:
-                self.launching = group
-                try:
-                    launched = self.launcher(cmd, spec)
-                finally:
-                    self.launching = None
+                launched = self.launcher(cmd, spec)
             if launched is None:
                 as_user = None
                 if other_user and self.backend.wrapper_drops_privileges:

@@ -1,11 +1,13 @@
 """The daemon's shared core: the narrow state its parts take instead of the `Daemon` itself.
 
-`Regions` (regions.py), the probe `Attributor` (attribution.py) and `recover` (recovery.py) each get a
-`Core`: the pieces of the daemon they use, each named below, and nothing else (uvicorn's `ServerState`,
-CPython's process-pool manager). With it the imports run one way, down:
+`Lifecycle` (lifecycle.py), `WarmPools` (warmpools.py), `Regions` (regions.py), the probe `Attributor`
+(attribution.py), `Status` (status.py) and `recover` (recovery.py) each get a `Core`: the pieces of the
+daemon they use, each named below, and nothing else (uvicorn's `ServerState`, CPython's process-pool
+manager). With it the imports run one way, down:
 
-    daemon -> attribution -> regions -> hold -> core -> commands -> records
-           -> recovery ---------------------------^
+    daemon -> lifecycle -> warmpools -> regions -> hold -> core -> commands -> records
+           -> attribution --------------^                  ^
+           -> recovery, tracing; lifecycle -> placement -> access
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ Send = Callable[[P.Msg], bool]  # to one connection; False once it is closed
 
 
 class TraceSink(Protocol):
-    """`Daemon.trace`: one event into the timeline ring and to `krex trace` subscribers."""
+    """`Tracer.trace` (tracing.py): one event into the timeline ring and to `krex trace` subscribers."""
 
     def __call__(
         self,
@@ -52,13 +54,16 @@ class TraceSink(Protocol):
 
 
 class Watcher(Protocol):
-    """What regions ask of the probe attributor (attribution.py) while probes run."""
+    """What the daemon's parts ask of the probe attributor (attribution.py) while probes run."""
 
     def region_granted(self, r: Region) -> None: ...
     def counts_snapshot(self, r: Region) -> None: ...
     def region_released(self, r: Region) -> None: ...
     def command_of(self, ev: ProbeEvent | int) -> Command | None: ...
     def describe(self) -> dict[str, Any]: ...  # what the running probe backend says of itself
+    def command_started(self, cmd: Command) -> None: ...
+    def worker_joined(self, cmd: Command, pid: int) -> None: ...  # a pool worker took the command
+    def command_ended(self, cmd: Command) -> None: ...
 
 
 @dataclass(eq=False)
@@ -82,6 +87,7 @@ class Core:
     tracers: list[tuple[Send, int]] = field(default_factory=list)  # `krex trace` subscribers
     all_cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
     attributor: Watcher | None = None  # set when probes run
+    closing: bool = False  # shutting down: no command, region or adoption starts any more
 
     def device(self, key: str) -> Device:
         return next(d for d in self.devices if d.key == key)

@@ -1,107 +1,45 @@
-"""The daemon's state and its answers to requests. One event loop owns all of it.
+"""The daemon: its parts, put together once, and the requests server.py hands it. One event loop owns
+all of it.
 
-`Daemon` holds the devices, the scheduler, the commands (running, queued, and ended ones whose results
-are kept for their agents), the regions, and the isolation backend. `server.py` feeds it decoded
-requests with the peer's credentials; every handler answers through the connection's `send`.
-What `krex status` sees of it is status.py's.
+`Daemon` builds the shared `Core` (core.py) and the parts that take it: `Regions` (regions.py),
+`WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
+(status.py), and the `Tracer` (tracing.py). server.py feeds it decoded requests with the peer's
+credentials; each is answered by the part that owns it, through the connection's `send`, or refused
+with a RequestError (access.py). The region requests a command's runtime makes are checked here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import os
-import pwd
 import secrets
-import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.ctxpool import Pool, PoolConfig, adoption
+from krex_async.ctxpool import Pool
+from krex_async.daemon.access import RequestError, inside
 from krex_async.daemon.attribution import Attributor
-from krex_async.daemon.commands import (
-    Command,
-    CommandRunner,
-    CommandState,
-    SpecError,
-    Subscriber,
-)
+from krex_async.daemon.commands import Command
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.core import Core, Send
+from krex_async.daemon.lifecycle import Lifecycle
 from krex_async.daemon.metrics import Metrics
-from krex_async.daemon.pools import pool_env, pool_identity
 from krex_async.daemon.records import Records
 from krex_async.daemon.recovery import recover
 from krex_async.daemon.regions import Regions
 from krex_async.daemon.spool import Spool
 from krex_async.daemon.status import Status
-from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
-from krex_async.daemon.timeline import TraceRing
-from krex_async.devices import Node, NoDevice, place
+from krex_async.daemon.tracing import Tracer
+from krex_async.daemon.warmpools import WarmPools
+from krex_async.devices import Node
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
-from krex_async.linux.procfs import stat_fields
-from krex_async.linux.spawn import Launched, LaunchSpec
 from krex_async.scheduler import Scheduler
 
 log = logs.get("krex.daemon")
-
-
-def pool_user(name: str) -> tuple[int, int, list[int]] | None:
-    """--pool-user as (uid, gid, groups); None for the daemon's own. Raises SystemExit naming an
-    unknown user, or a user other than the daemon's when the daemon cannot switch users."""
-    try:
-        return pool_identity(name)
-    except ValueError as e:
-        raise SystemExit(f"krex: --pool-user {name!r}: {e}") from None
-
-
-class RequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _run_as(target: int, peer_uid: int) -> tuple[int, int]:
-    """(uid, primary gid) for Submit.run_as: only root (by SO_PEERCRED) may name another uid, and
-    only one with a passwd entry (its groups come from there)."""
-    if peer_uid != 0:
-        raise RequestError("forbidden", "only root may run a command as another user (run_as)")
-    try:
-        return target, pwd.getpwuid(target).pw_gid
-    except KeyError:
-        raise RequestError("bad_request", f"run_as: uid {target} has no passwd entry") from None
-
-
-def _signal_launched(fut: asyncio.Future[Launched | str], signals: list[int]) -> None:
-    """Send `signals` to the worker that took an adoption, once it runs the program (a decline
-    runs the program in the interpreter, which has them pending)."""
-    if fut.cancelled() or not isinstance(launched := fut.result(), Launched):
-        return
-    for sig in signals:
-        if launched.returncode is None:  # still ours to signal: not yet reaped, so not reused
-            try:
-                os.kill(launched.pid, sig)
-            except ProcessLookupError:
-                return
-
-
-def _ancestors(pid: int, limit: int = 512) -> list[int]:
-    """pid and its parents up to init, read from /proc."""
-    out: list[int] = []
-    while pid > 1 and len(out) < limit:
-        out.append(pid)
-        fields = stat_fields(pid)
-        if fields is None:
-            break
-        pid = int(fields[1])
-    return out
 
 
 class Daemon:
@@ -117,23 +55,14 @@ class Daemon:
         self.commands: dict[str, Command] = {}
         self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
         self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
-        self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         # Spool files and command records live in the state dir (none without one: a bare config).
         self.records = Records(config.state_dir) if config.state_dir else None
-        self.runner = CommandRunner(
-            backend,
-            config.socket,
-            self._on_exit,
-            launcher=self._launch_pooled,
-            spool=Spool(config.state_dir, config.spool_limit) if config.state_dir else None,
-            records=self.records,
-        )
+        spool = Spool(config.state_dir, config.spool_limit) if config.state_dir else None
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.tracers: list[tuple[Send, int]] = []
-        self.timeline = TraceRing(P.TraceEvent)
-        self.closing = False
+        self.tracer = Tracer()
+        self.tracers = self.tracer.subscribers  # server.py adds `krex trace` peers here
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
-        # What regions, attribution and recovery share with the daemon: these same objects.
+        # What the parts share with the daemon: these same objects.
         self.core = Core(
             config=config,
             backend=backend,
@@ -143,22 +72,24 @@ class Daemon:
             commands=self.commands,
             pools=self.pools,
             metrics=self.metrics,
-            trace=self.trace,
+            trace=self.tracer.trace,
             track=self.track,
             records=self.records,
-            spool=self.runner.spool,
+            spool=spool,
             probes=self.probes,
             tracers=self.tracers,
             all_cpus=self.all_cpus,
         )
         self.regions = Regions(self.core)
-        self._attributor: Attributor | None = None  # set when probes run
-        self._ids = itertools.count(1)
+        self.warm = WarmPools(self.core, self.regions)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
-        self.status = Status(self.core, self.regions, self.adoptions, self._boot)
-        recover(self.core, self.forget)  # a dead daemon's commands: ended and reported (recovery.py)
+        self.lifecycle = Lifecycle(self.core, self.regions, self.warm, self._boot)
+        self._attributor: Attributor | None = None  # set when probes run
+        self.status = Status(self.core, self.regions, self.warm.adoptions, self._boot)
+        # a dead daemon's commands: ended and reported (recovery.py)
+        recover(self.core, self.lifecycle.forget)
 
     @property
     def attributor(self) -> Attributor | None:
@@ -168,120 +99,10 @@ class Daemon:
     @attributor.setter
     def attributor(self, attributor: Attributor | None) -> None:
         self._attributor = attributor
-        self.core.attributor = attributor  # regions ask it through the core
-
-    # ---------------------------------------------------------------------------------- helpers
-
-    async def start_pools(self, user: tuple[int, int, list[int]] | None = None) -> None:
-        """One pool of warm workers per device, run as `user` (pool_user(); None: the daemon's),
-        whose commands alone they serve (others are spawned plainly), with the environment
-        commands get from the daemon."""
-        cfg = self.config
-        if cfg.pool_size <= 0:
-            return
-        preload, init = cfg.pool_preload_list, cfg.pool_init_list
-        for d in self.devices:
-            pool = Pool(
-                d,
-                cgroup_hook=self._join_group,
-                config=PoolConfig(
-                    size=cfg.pool_size,
-                    max_uses=cfg.pool_max_uses,
-                    preload=preload,
-                    init_context=d.vendor != "cpu",
-                    init_modules=init,
-                ),
-                env=pool_env(d.env),
-                user=user,
-            )
-            await pool.start()
-            self.pools[d.key] = pool
-
-    def _join_group(self, pid: int, spec: LaunchSpec) -> None:
-        """Pool hook: the worker taking a command joins that command's group first. The probes
-        learn it is the command's: its parent is the daemon, not the command's leader, and once
-        it owns a region it sits in the group's keep/ leaf, whose cgroup they do not know."""
-        if self.runner.launching is not None:
-            self.backend.join(self.runner.launching, pid)
-            cmd = next((c for c in self.commands.values() if c.group is self.runner.launching), None)
-            if cmd is not None and self.attributor is not None:
-                self.attributor.worker_joined(cmd, pid)
-
-    def _adoptable(self, cmd: Command) -> Pool | None:
-        """The pool that may adopt this command's interpreters: its device's, running as the
-        command's user, with a backend that can put a worker into the command's group."""
-        pool = self.pools.get(cmd.device_key or "")
-        if pool is None or type(self.backend).join is Backend.join or not adoption.workers_can_take_fds(pool):
-            return None
-        uid, gid, _ = pool.identity
-        return pool if (cmd.uid, cmd.gid) == (uid, gid) or cmd.uid == uid == os.geteuid() else None
-
-    def _demand(self, device: str | None) -> None:
-        """Pool sizing: keep warm workers towards the commands running on the device."""
-        pool = self.pools.get(device or "")
-        if pool is not None:
-            q = self.scheduler.devices[pool.device.key]
-            live = (CommandState.STARTING, CommandState.RUNNING)
-            pool.set_demand(sum(self.commands[c].state in live for c in q.commands if c in self.commands))
-
-    async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
-        """An interpreter of a command asks to be run by a warm worker (ctxpool/adoption.py)."""
-        cmd = self.commands.get(req.command)
-        if cmd is None:
-            raise RequestError("unknown_command", f"no command {req.command!r}")
-        self._inside(cmd, peer_pid, req.token, req.pid)
-        if self.closing:
-            raise RequestError("shutdown", "the daemon is shutting down")
-        pool = self._adoptable(cmd)
-        tally = self.adoptions.setdefault(cmd.id, adoption.Tally())
-
-        taken: list[Any] = []  # the worker reserved for this adoption until it is handed over
-        since = req.blocked_at or time.monotonic()
-
-        def hand(spec: LaunchSpec, pidfd: int, adopt: dict[str, Any]) -> Any:
-            assert pool is not None
-            self.runner.launching = cmd.group
-            try:
-                fut = pool.adopt(spec, pidfd, adopt, worker=taken.pop())
-            finally:
-                self.runner.launching = None
-            # The worker is in the command's tree from here on, so the tree's signals reach it;
-            # those sent before, while the interpreter waited with them blocked (a cancel), reach
-            # it once it runs the program, as they would have reached a fresh interpreter.
-            missed = [sig for t, sig in cmd.signalled if t >= since]
-            if missed:
-                fut.add_done_callback(lambda f: _signal_launched(f, missed))
-            return fut
-
-        async def prepare() -> str | None:
-            """Once the adoption is allowed (a refused one never waits): reserve a worker, waiting
-            a little for a warming one (a burst outruns the refill; first come, first served), then
-            hold the command if a region needs it held."""
-            assert pool is not None
-            worker = await pool.take(self.config.pool_wait)
-            if worker is None:
-                return "no warm worker"
-            taken.append(worker)
-            await self.regions.hold_arrival(cmd, worker.pid)
-            return None
-
-        cmd.adopters.add(peer_pid)
-        try:
-            await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
-        finally:
-            cmd.adopters.discard(peer_pid)
-            if taken and pool is not None:  # reserved, never handed over (no pidfd, cancelled)
-                pool.untake(taken.pop())
-
-    def _launch_pooled(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
-        pool = self.pools.get(cmd.device_key or "")
-        if pool is None or spec.uid is not None or not pool.accepts(spec):
-            return None
-        if self.regions.holds_starts(pool.device.key, cmd):
-            return None  # a worker's context would arrive unseen mid-region: start it plainly
-        return pool.launch_nowait(spec)
+        self.core.attributor = attributor  # the parts ask it through the core
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+        """Keep `task` until it ends; a failure is logged (nothing else would see it)."""
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -291,388 +112,49 @@ class Daemon:
         if not task.cancelled() and task.exception() is not None:
             log.error("task_failed", task=task.get_name(), error=repr(task.exception()))
 
-    def device(self, key: str) -> Device:
-        return next(d for d in self.devices if d.key == key)
+    async def start_pools(self, user: tuple[int, int, list[int]] | None = None) -> None:
+        await self.warm.start(user)
 
-    def trace(
-        self,
-        kind: str,
-        region: Any = None,
-        *,
-        command: str = "",
-        device: str = "",
-        pid: int = 0,
-        region_id: str = "",
-        **detail: Any,
-    ) -> None:
-        """Record a trace event in the timeline ring and stream it to `krex trace` subscribers.
-        Fields not given come from `region` (its device, owner, id and pid)."""
-        ev = P.TraceEvent(
-            id=0,
-            ts=time.time(),
-            kind=kind,
-            device=device or (region.device if region is not None else ""),
-            command=command or (region.command.id if region is not None else ""),
-            region=region_id or (region.id if region is not None else ""),
-            pid=pid or (region.pid if region is not None else 0),
-            detail=detail,
-        )
-        self.timeline.append(ev)
-        for send, req_id in list(self.tracers):
-            if not send(msgspec.structs.replace(ev, id=req_id)):
-                self.tracers.remove((send, req_id))
-
-    def _place(self, spec: P.Submit) -> Device | None:
-        want = spec.device
-        if want == "none":
-            return None
-        if want == "auto":
-            load = {k: len(q.commands) for k, q in self.scheduler.devices.items()}
-            try:
-                chosen = place(self._live_memory() if spec.mem > 0 else self.devices, load, spec.mem)
-            except NoDevice as e:
-                raise RequestError("bad_device", str(e)) from None
-            return next(d for d in self.devices if d.key == chosen.key)
-        for d in self.devices:
-            if want == d.key or (want.isdigit() and int(want) == d.index):
-                return d
-        names = ", ".join(["auto", "none", *(f"{d.index} ({d.key})" for d in self.devices)])
-        raise RequestError("bad_device", f"unknown device {want!r}; this node has: {names}")
-
-    def _live_memory(self) -> list[Device]:
-        """The devices with their free memory read now, for a placement by memory: the figure
-        read at start-up is long stale on a busy node. A library call per device (NVML, amdsmi,
-        /proc/meminfo: well under a millisecond), on the loop; on failure, the last figures."""
-        if self.node is None:
-            return self.devices
-        try:
-            live = {d.key: d for d in self.node.refresh()}
-        except Exception as e:  # noqa: BLE001 - a placement goes on with what it knew
-            log.warning("device_refresh_failed", error=repr(e))
-            return self.devices
-        return [live.get(d.key, d) for d in self.devices]
-
-    def _own(self, command: str, uid: int) -> Command:
-        cmd = self.commands.get(command)
-        if cmd is None:
-            raise RequestError(
-                "unknown_command",
-                f"no command {command!r} (ended results are kept for {self.config.retention:.0f} s)",
-            )
-        if uid not in (0, cmd.uid):
-            raise RequestError("forbidden", f"command {command} belongs to another user")
-        return cmd
-
-    # --------------------------------------------------------------------------------- commands
+    # --------------------------------------------------------------------- an agent's requests
 
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
-        """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
-        lifts the per-user limit, never the node-wide one."""
-        if self.closing:
-            raise RequestError("shutdown", "the daemon is shutting down")
-        if req.run_as is not None and req.run_as != uid:
-            uid, gid = _run_as(req.run_as, uid)
-        if len(self.commands) >= self.config.max_commands:
-            raise RequestError(
-                "busy",
-                f"{len(self.commands)} commands are queued, running or "
-                "kept (--max-commands); retry after some have ended",
-            )
-        if not admin:
-            mine = sum(c.uid == uid for c in self.commands.values())
-            if mine >= self.config.max_commands_per_user:
-                raise RequestError(
-                    "busy",
-                    f"{mine} of your commands are queued, running or kept "
-                    "(--max-commands-per-user); retry after some have ended",
-                )
-        device = self._place(req)
-        cid = f"{self._boot}-{next(self._ids)}"
-        while cid in self.commands:  # a dead daemon's command, recovered, started in the same second
-            cid = f"{self._boot}-{next(self._ids)}"
-        cmd = Command(
-            id=cid,
-            spec=req,
-            uid=uid,
-            gid=gid,
-            device=device,
-            policy=self.scheduler.policy,
-            tail_limit=self.config.output_tail,
-        )
-        if (pool := self._adoptable(cmd)) is not None:
-            cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
-        try:
-            self.runner.check(cmd)
-        except SpecError as e:
-            raise RequestError(e.code, str(e)) from None
-        cmd.subscribers.append(Subscriber(send, req.id, req.stream))
-        if req.stdin_stream:
-            cmd.stdin_pipe = StdinPipe()
-        self.commands[cid] = cmd
-        start_now = self.scheduler.add_command(cid, cmd.device_key)
-        send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
-        self.metrics.command_submitted(cmd.policy_name, cmd.device_key or "none", not start_now, cid)
-        log.info(
-            "command_submitted",
-            command=cid,
-            argv=req.argv[:8],
-            device=cmd.device_key,
-            queued=not start_now,
-            uid=uid,
-        )
-        if start_now:
-            # Its own task: the connection's tasks are cancelled when the agent leaves, and a start
-            # cancelled between creating the group and watching the leader would strand the command
-            # ('starting' for ever, no report). The agent still hears of a failure here.
-            await asyncio.shield(
-                self.track(asyncio.get_running_loop().create_task(self._start(cmd), name=f"start-{cid}"))
-            )
-
-    async def _start(self, cmd: Command) -> None:
-        # ended (cancelled, shut down) after its start was scheduled
-        if cmd.state != CommandState.QUEUED:
-            return
-        if self.closing:  # promoted while the daemon shuts down: it never runs
-            self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
-            return
-        region = self.regions.admit_frozen(cmd)
-        try:
-            await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores.for_new())
-        except SpecError as e:
-            self._end_unstarted(cmd, "failed", str(e))
-            return
-        except Exception as e:  # a bug on the way: the command ends, said so, its device is freed
-            log.exception("command_start_failed", command=cmd.id)
-            if cmd.state == CommandState.STARTING and cmd.launched is None:
-                await self.runner.abandon(cmd)
-                self._end_unstarted(cmd, "failed", f"internal error while starting: {e!r}")
-            raise
-        if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
-            await self.runner.kill(cmd, *cmd.kill_pending)
-        await self.regions.join(cmd, region)
-        self._demand(cmd.device_key)
-        if self.attributor is not None:
-            self.attributor.command_started(cmd)
-        cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
-        self.metrics.command_started(
-            cmd.policy_name, cmd.device_key or "none", cmd.launched.via if cmd.launched else "exec", cmd.id
-        )
-        self.trace(
-            "command_start",
-            None,
-            command=cmd.id,
-            device=cmd.device_key or "",
-            pid=cmd.pid or 0,
-            frozen=region is not None,
-        )
-
-    def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
-        """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
-        out of its device's queue at once, then reported like any other."""
-        promoted = self.scheduler.end_command(cmd.id, cmd.device_key)  # it may have held the device
-        cmd.state = CommandState.ENDED
-        cmd.report = P.CommandReport(
-            command=cmd.id,
-            argv=list(cmd.spec.argv),
-            device=cmd.device_key or "none",
-            policy=cmd.policy_name,
-            state=state,
-            error=error,
-            label=cmd.spec.label,
-        )
-        loop = asyncio.get_running_loop()
-        for nxt in promoted:
-            self.track(loop.create_task(self._start(self.commands[nxt])))
-        self._on_exit(cmd)
-
-    def _on_exit(self, cmd: Command) -> None:
-        self.track(asyncio.get_running_loop().create_task(self._finalize(cmd)))
-
-    async def _finalize(self, cmd: Command) -> None:
-        """A command ended: release its regions (so its report has their outcome), promote waiters,
-        deliver its report, and keep it for the retention time."""
-        if cmd.stdin_pipe is not None:  # what its children still read sees EOF, as after a shell
-            cmd.stdin_pipe.close()
-        for other in self.regions.active.values():  # held by another's region, it ended all the same
-            rep = other.report
-            if rep.outcome == "held" and cmd.id in other.locked_ids and cmd.id not in rep.held_exited:
-                rep.held_exited.append(cmd.id)
-        ending = []
-        for rid in self.scheduler.regions_of(cmd.id):
-            r = self.regions.active.get(rid)
-            if r is not None:
-                r.end("owner-died")
-                if r.task is not None:
-                    ending.append(r.task)
-        if ending:
-            await asyncio.wait(ending, timeout=10)
-        loop = asyncio.get_running_loop()
-        for nxt in self.scheduler.end_command(cmd.id, cmd.device_key):
-            self.track(loop.create_task(self._start(self.commands[nxt])))
-        assert cmd.report is not None
-        tally = self.adoptions.get(cmd.id)
-        if tally is not None:
-            cmd.report.pool_adopted, cmd.report.pool_declined = tally.adopted, dict(tally.declined)
-        if self.records is not None and (cmd.regions or tally is not None):
-            self.records.ended(cmd.id, cmd.report)  # again: with its regions' and the pool's parts
-        self._demand(cmd.device_key)
-        cmd.slim()  # kept for --retention: only what a report and an attach need
-        cmd.done.set()
-        report = cmd.report
-        pool = self.pools.get(report.device) if report.via == "pool" else None
-        if pool is not None:  # the worker reports its start latency once the command began
-            st = pool.status()
-            self.metrics.pool(
-                report.device,
-                st.get("warm", 0),
-                st.get("busy", 0),
-                st.get("retired", 0),
-                report.start_latency_s,
-            )
-        # Before the agent hears of it: a scrape after a report always includes that command.
-        self.metrics.command_ended(
-            report.policy,
-            report.state,
-            report.wall_s,
-            cmd.id,
-            started=cmd.launched is not None,
-            device=report.device,
-        )
-        cmd.publish_exit(report)
-        self.trace(
-            "command_end",
-            None,
-            command=cmd.id,
-            device=cmd.device_key or "",
-            state=report.state,
-            exit_code=report.exit_code,
-        )
-        log.info(
-            "command",
-            command=cmd.id,
-            state=report.state,
-            exit_code=report.exit_code,
-            signal=report.signal,
-            wall_s=round(report.wall_s, 6),
-            queued_s=round(report.queued_s, 6),
-            regions=len(report.regions),
-            device=report.device,
-            via=report.via,
-            pool_adopted=report.pool_adopted,
-            pool_declined=report.pool_declined or None,
-        )
-        if cmd.group is not None:
-            try:
-                await self.backend.remove(cmd.group)
-            except Exception as e:  # a leftover group is logged; the retention below must still run
-                log.error("group_remove_failed", command=cmd.id, error=repr(e))
-        if self.attributor is not None:
-            loop.call_later(1.0, self.attributor.command_ended, cmd)  # late events still attribute
-        loop.call_later(self.config.retention, self.forget, cmd)
-
-    def forget(self, cmd: Command) -> None:
-        """The command's retention ended: drop it, its spool files and its record."""
-        if self.commands.get(cmd.id) is cmd:
-            del self.commands[cmd.id]
-            self.adoptions.pop(cmd.id, None)
-        self.runner.release(cmd)
+        await self.lifecycle.submit(req, uid, gid, send, admin)
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
-        cmd = self._own(req.command, uid)
-        if cmd.state == CommandState.QUEUED:
-            self._end_unstarted(cmd, "cancelled", "cancelled before it started")
-        elif cmd.state == CommandState.RUNNING:
-            await self.runner.kill(cmd, "cancelled", req.signal)
-        elif cmd.state == CommandState.STARTING:
-            # no process to signal yet: _start kills it once it runs
-            cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
+        await self.lifecycle.cancel(req, uid)
 
     async def stdin(self, req: P.StdinData, uid: int) -> None:
-        """Feed a command's stdin pipe (Submit.stdin_stream); returns once written (flow control:
-        a command that does not read holds its agent's next chunk back). Raises RequestError."""
-        cmd = self._own(req.command, uid)
-        if cmd.stdin_pipe is None:
-            raise RequestError("bad_request", f"command {cmd.id} was not submitted with stdin_stream")
-        try:
-            await cmd.stdin_pipe.write(req.data, req.eof)
-        except StdinClosed as e:
-            raise RequestError("stdin_closed", f"{cmd.id}: {e}") from None
-        except StdinBusy as e:
-            raise RequestError("busy", f"{cmd.id}: {e}") from None
+        await self.lifecycle.stdin(req, uid)
 
     def attach(self, req: P.Attach, uid: int, send: Send) -> None:
-        cmd = self._own(req.command, uid)
-        send(
-            P.Accepted(
-                id=req.id,
-                command=cmd.id,
-                device=cmd.device_key or "none",
-                queued=cmd.state == CommandState.QUEUED,
-            )
-        )
-        if cmd.state == CommandState.ENDED:
-            assert cmd.report is not None
-            send(
-                P.Exited(
-                    id=req.id,
-                    report=cmd.report,
-                    stdout_tail=bytes(cmd.out.buf),
-                    stderr_tail=bytes(cmd.err.buf),
-                )
-            )
-        else:
-            # What it wrote before this attach (the kept tails; the spool files hold all), then
-            # what it writes from now on: an agent that reconnects misses nothing the daemon kept.
-            for stream, tail in (("stdout", cmd.out), ("stderr", cmd.err)):
-                if tail.buf:
-                    send(P.Output(id=req.id, command=cmd.id, stream=stream, data=bytes(tail.buf)))  # type: ignore[arg-type]
-            cmd.subscribers.append(Subscriber(send, req.id, True))
+        self.lifecycle.attach(req, uid, send)
+
+    def send_timeline(
+        self, req: P.Timeline, send: Send, visible: Callable[[P.TraceEvent], bool] | None = None
+    ) -> None:
+        self.tracer.send_timeline(req, send, visible)
 
     def disconnected(self, send: Send) -> None:
         """A connection closed: end the regions it held and the commands only it was watching."""
         for r in list(self.regions.active.values()):
             if r.send == send:
                 r.end("owner-died")
-        for cmd in self.commands.values():
-            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s != send}
-            before = len(cmd.subscribers)
-            cmd.subscribers = [s for s in cmd.subscribers if s.send != send]
-            if (
-                before
-                and not cmd.subscribers
-                and cmd.state in (CommandState.QUEUED, CommandState.STARTING, CommandState.RUNNING)
-                and cmd.spec.on_disconnect == "kill"
-            ):
-                log.info("agent_disconnected", command=cmd.id, action="kill")
-                self.track(
-                    asyncio.get_running_loop().create_task(
-                        self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)
-                    )
-                )
-        self.tracers[:] = [(s, i) for s, i in self.tracers if s != send]  # shared with the core
+        self.lifecycle.disconnected(send)
+        self.tracer.drop(send)
 
-    # ---------------------------------------------------------------------------------- regions
+    # --------------------------------------------------------- requests from inside a command
 
-    def _inside(self, cmd: Command, peer_pid: int, token: str, claimed_pid: int) -> int:
-        """The requesting pid, after checking the token and that the peer runs inside the command."""
-        if not hmac.compare_digest(token.encode(), cmd.token.encode()):
-            raise RequestError("forbidden", f"wrong token for command {cmd.id}")
-        if claimed_pid and claimed_pid != peer_pid:
-            raise RequestError("forbidden", f"request claims pid {claimed_pid} but comes from pid {peer_pid}")
-        if cmd.state != CommandState.RUNNING or cmd.group is None:
-            raise RequestError("bad_request", f"command {cmd.id} is {cmd.state}, not running")
-        if cmd.pid not in _ancestors(peer_pid) and peer_pid not in self.backend.pids(cmd.group):
-            raise RequestError("forbidden", f"pid {peer_pid} is not a process of command {cmd.id}")
-        return peer_pid
+    async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
+        await self.warm.adopt(req, peer_pid, send)
 
     def region_enter(self, req: P.RegionEnter, peer_pid: int, send: Send) -> None:
         cmd = self.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
-        pid = self._inside(cmd, peer_pid, req.token, req.pid)
+        pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
         if cmd.device is None:
             raise RequestError("bad_request", f"command {cmd.id} has no device (device=none)")
-        if self.closing:
+        if self.core.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if self.regions.by_owner_pid(cmd, pid) is not None:
             raise RequestError(
@@ -698,12 +180,10 @@ class Daemon:
         cmd = self.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
-        pid = self._inside(cmd, peer_pid, req.token, req.pid)
+        pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
         cmd.runtimes[pid] = send
         if req.pool_declined:
-            self.adoptions.setdefault(cmd.id, adoption.Tally()).decline(
-                req.pool_declined, self._adoptable(cmd)
-            )
+            self.warm.declined(cmd, req.pool_declined)
 
     def exit_held(self, req: P.ExitHeld, peer_pid: int, send: Send) -> None:
         """A command's process holding a GPU file is exiting: its runtime waits for a Resume.
@@ -721,7 +201,7 @@ class Daemon:
                 regions.note_exiting(peer_pid, r.device)
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
-        if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.closing:
+        if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.core.closing:
             send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
@@ -740,47 +220,18 @@ class Daemon:
         if r is not None:
             self.regions.drain.ack(r.command, peer_pid, req)
 
-    def send_timeline(
-        self, req: P.Timeline, send: Send, visible: Callable[[P.TraceEvent], bool] | None = None
-    ) -> None:
-        """The timeline ring in chunks; only the events `visible` allows, when given."""
-        events = [e for e in self.timeline if visible is None or visible(e)]
-        step = 2000
-        for i in range(0, max(1, len(events)), step):
-            chunk = [msgspec.structs.replace(e, id=req.id) for e in events[i : i + step]]
-            if not send(P.TimelineChunk(id=req.id, events=chunk, last=i + step >= len(events))):
-                return
-
     # --------------------------------------------------------------------------------- shutdown
 
     async def shutdown(self) -> None:
         """End every region (thawing), then every command: SIGTERM, then SIGKILL after the grace."""
-        self.closing = True
+        self.core.closing = True
         for r in list(self.regions.active.values()):
             r.end("shutdown")
         region_tasks = [r.task for r in self.regions.active.values() if r.task]
         if region_tasks:
             await asyncio.wait(region_tasks, timeout=5)
-        live = [c for c in self.commands.values() if c.state is not CommandState.ENDED]
-        for c in live:
-            if c.state == CommandState.QUEUED:
-                self._end_unstarted(c, "shutdown", "the daemon shut down first")
-            elif c.state == CommandState.STARTING:
-                c.kill_pending = ("shutdown", signal.SIGTERM)
-            elif c.group is not None:
-                if c.group.frozen:
-                    await self.backend.thaw(c.group)
-                await self.runner.kill(c, "shutdown", signal.SIGTERM)
-        waits = [asyncio.ensure_future(c.done.wait()) for c in live if c.state != CommandState.ENDED]
-        if waits:
-            _, pending = await asyncio.wait(waits, timeout=self.config.kill_grace)
-            if pending:
-                for c in live:
-                    if c.state == CommandState.RUNNING and c.group is not None:
-                        await self.backend.kill(c.group, signal.SIGKILL)
-                await asyncio.wait(pending, timeout=5)
-        for pool in self.pools.values():
-            await pool.close()
+        await self.lifecycle.stop()
+        await self.warm.close()
         if self.attributor is not None:
             self.attributor.backend.stop()
         await self.backend.close()

@@ -26,10 +26,12 @@ import msgspec
 
 from krex_async import logs
 from krex_async import protocol as P
+from krex_async.daemon.access import RequestError
 from krex_async.daemon.attribution import Attributor
 from krex_async.daemon.commands import CommandState
 from krex_async.daemon.config import ServeConfig
-from krex_async.daemon.daemon import Daemon, RequestError, pool_user
+from krex_async.daemon.daemon import Daemon
+from krex_async.daemon.warmpools import pool_user
 from krex_async.devices import Unavailable, open_node
 from krex_async.isolation import RootUnusable, choose_backend
 from krex_async.linux import sdnotify

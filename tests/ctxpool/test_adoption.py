@@ -75,7 +75,7 @@ async def test_a_workers_last_message_is_read_before_its_death_is_answered(last:
     the loop together. Whichever is handled first, the adopter is answered with what the worker
     said, not "died before it started" (which would make it run its program a second time)."""
     from krex_async.ctxpool import PoolConfig, channel
-    from krex_async.ctxpool.pool import _Worker
+    from krex_async.ctxpool.handle import Worker
     from krex_async.devices.base import Device
     from krex_async.linux.spawn import ExitStatus
 
@@ -84,7 +84,7 @@ async def test_a_workers_last_message_is_read_before_its_death_is_answered(last:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     mine.setblocking(False)
     exited: asyncio.Future[ExitStatus] = loop.create_future()
-    w = _Worker(pid=424242, sock=mine, exited=exited)
+    w = Worker(pid=424242, sock=mine, exited=exited)
     w.launched = launched = Launched(pid=424242, _done=exited, via="pool")
     w.accepted = accepted = loop.create_future()
     channel.send(theirs, {"t": last, "ts": time.time(), "reason": "cannot take fds"})

@@ -34,7 +34,7 @@ async def test_crash_by_signal_reported_and_pool_recovers(pool: Pool, tmp_path: 
 
 
 async def test_idle_worker_killed_is_replaced(pool: Pool) -> None:
-    victim = pool._idle[0].pid
+    victim = pool._lending.idle[0].pid
     os.kill(victim, signal.SIGKILL)
     async with asyncio.timeout(30):
         while any(w.pid == victim for w in pool._workers):
@@ -588,7 +588,7 @@ async def test_take_cancelled_or_closed_leaves_no_waiter(tmp_path: Path) -> None
         assert not waiting.done()
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
-        assert not p._waiters
+        assert not p._lending.waiters
         p.resume()
         await p.wait_warm(1, timeout=30)
         assert len(p.idle_pids()) == 1

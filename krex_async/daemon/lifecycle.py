@@ -1,0 +1,338 @@
+"""A command's life in the daemon: submitted (checked, placed, queued), started, ended and reported,
+kept for its agent until --retention passes, then forgotten; and what its agent may do meanwhile
+(attach, feed stdin, cancel, leave).
+
+`CommandRunner` (commands.py) spawns and watches the processes; this module decides when, and what the
+rest of the daemon hears: the scheduler's queues, the regions a command held, the warm pools, the
+metrics, the trace, the durable record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.ctxpool import adoption
+from krex_async.daemon.access import RequestError, own, run_as
+from krex_async.daemon.commands import Command, CommandRunner, CommandState, SpecError, Subscriber
+from krex_async.daemon.core import Core, Send
+from krex_async.daemon.placement import choose
+from krex_async.daemon.regions import Regions
+from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
+from krex_async.daemon.warmpools import WarmPools
+
+log = logs.get("krex.daemon")
+
+
+class Lifecycle:
+    def __init__(self, core: Core, regions: Regions, warm: WarmPools, boot: str) -> None:
+        self.core = core
+        self.regions = regions  # a command's regions end with it; one may hold its start frozen
+        self.warm = warm  # a warm worker may start it, or adopt its interpreters
+        self.runner = CommandRunner(
+            core.backend,
+            core.config.socket,
+            self._on_exit,
+            launcher=warm.launch,  # a warm worker starts what it can take
+            spool=core.spool,
+            records=core.records,
+        )
+        self.boot = boot  # every command id starts with it (Daemon: unique across daemons)
+        self._ids = itertools.count(1)
+
+    async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
+        """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
+        lifts the per-user limit, never the node-wide one."""
+        if self.core.closing:
+            raise RequestError("shutdown", "the daemon is shutting down")
+        if req.run_as is not None and req.run_as != uid:
+            uid, gid = run_as(req.run_as, uid)
+        if len(self.core.commands) >= self.core.config.max_commands:
+            raise RequestError(
+                "busy",
+                f"{len(self.core.commands)} commands are queued, running or "
+                "kept (--max-commands); retry after some have ended",
+            )
+        if not admin:
+            mine = sum(c.uid == uid for c in self.core.commands.values())
+            if mine >= self.core.config.max_commands_per_user:
+                raise RequestError(
+                    "busy",
+                    f"{mine} of your commands are queued, running or kept "
+                    "(--max-commands-per-user); retry after some have ended",
+                )
+        device = choose(self.core, req)
+        cid = f"{self.boot}-{next(self._ids)}"
+        while cid in self.core.commands:  # a dead daemon's command, recovered, started in the same second
+            cid = f"{self.boot}-{next(self._ids)}"
+        cmd = Command(
+            id=cid,
+            spec=req,
+            uid=uid,
+            gid=gid,
+            device=device,
+            policy=self.core.scheduler.policy,
+            tail_limit=self.core.config.output_tail,
+        )
+        if (pool := self.warm.adoptable(cmd)) is not None:
+            cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
+        try:
+            self.runner.check(cmd)
+        except SpecError as e:
+            raise RequestError(e.code, str(e)) from None
+        cmd.subscribers.append(Subscriber(send, req.id, req.stream))
+        if req.stdin_stream:
+            cmd.stdin_pipe = StdinPipe()
+        self.core.commands[cid] = cmd
+        start_now = self.core.scheduler.add_command(cid, cmd.device_key)
+        send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
+        self.core.metrics.command_submitted(cmd.policy_name, cmd.device_key or "none", not start_now, cid)
+        log.info(
+            "command_submitted",
+            command=cid,
+            argv=req.argv[:8],
+            device=cmd.device_key,
+            queued=not start_now,
+            uid=uid,
+        )
+        if start_now:
+            # Its own task: the connection's tasks are cancelled when the agent leaves, and a start
+            # cancelled between creating the group and watching the leader would strand the command
+            # ('starting' for ever, no report). The agent still hears of a failure here.
+            await asyncio.shield(
+                self.core.track(asyncio.get_running_loop().create_task(self._start(cmd), name=f"start-{cid}"))
+            )
+
+    async def _start(self, cmd: Command) -> None:
+        # ended (cancelled, shut down) after its start was scheduled
+        if cmd.state != CommandState.QUEUED:
+            return
+        if self.core.closing:  # promoted while the daemon shuts down: it never runs
+            self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
+            return
+        region = self.regions.admit_frozen(cmd)
+        try:
+            await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores.for_new())
+        except SpecError as e:
+            self._end_unstarted(cmd, "failed", str(e))
+            return
+        except Exception as e:  # a bug on the way: the command ends, said so, its device is freed
+            log.exception("command_start_failed", command=cmd.id)
+            if cmd.state == CommandState.STARTING and cmd.launched is None:
+                await self.runner.abandon(cmd)
+                self._end_unstarted(cmd, "failed", f"internal error while starting: {e!r}")
+            raise
+        if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
+            await self.runner.kill(cmd, *cmd.kill_pending)
+        await self.regions.join(cmd, region)
+        self.warm.demand(cmd.device_key)
+        if self.core.attributor is not None:
+            self.core.attributor.command_started(cmd)
+        cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
+        self.core.metrics.command_started(
+            cmd.policy_name, cmd.device_key or "none", cmd.launched.via if cmd.launched else "exec", cmd.id
+        )
+        self.core.trace(
+            "command_start",
+            None,
+            command=cmd.id,
+            device=cmd.device_key or "",
+            pid=cmd.pid or 0,
+            frozen=region is not None,
+        )
+
+    def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
+        """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
+        out of its device's queue at once, then reported like any other."""
+        promoted = self.core.scheduler.end_command(cmd.id, cmd.device_key)  # it may have held the device
+        cmd.state = CommandState.ENDED
+        cmd.report = P.CommandReport(
+            command=cmd.id,
+            argv=list(cmd.spec.argv),
+            device=cmd.device_key or "none",
+            policy=cmd.policy_name,
+            state=state,
+            error=error,
+            label=cmd.spec.label,
+        )
+        loop = asyncio.get_running_loop()
+        for nxt in promoted:
+            self.core.track(loop.create_task(self._start(self.core.commands[nxt])))
+        self._on_exit(cmd)
+
+    def _on_exit(self, cmd: Command) -> None:
+        self.core.track(asyncio.get_running_loop().create_task(self._finalize(cmd)))
+
+    async def _finalize(self, cmd: Command) -> None:
+        """A command ended: release its regions (so its report has their outcome), promote waiters,
+        deliver its report, and keep it for the retention time."""
+        if cmd.stdin_pipe is not None:  # what its children still read sees EOF, as after a shell
+            cmd.stdin_pipe.close()
+        for other in self.regions.active.values():  # held by another's region, it ended all the same
+            rep = other.report
+            if rep.outcome == "held" and cmd.id in other.locked_ids and cmd.id not in rep.held_exited:
+                rep.held_exited.append(cmd.id)
+        ending = []
+        for rid in self.core.scheduler.regions_of(cmd.id):
+            r = self.regions.active.get(rid)
+            if r is not None:
+                r.end("owner-died")
+                if r.task is not None:
+                    ending.append(r.task)
+        if ending:
+            await asyncio.wait(ending, timeout=10)
+        loop = asyncio.get_running_loop()
+        for nxt in self.core.scheduler.end_command(cmd.id, cmd.device_key):
+            self.core.track(loop.create_task(self._start(self.core.commands[nxt])))
+        assert cmd.report is not None
+        adopted = self.warm.report(cmd.id, cmd.report)
+        if self.core.records is not None and (cmd.regions or adopted):
+            self.core.records.ended(cmd.id, cmd.report)  # again: with its regions' and the pool's parts
+        self.warm.demand(cmd.device_key)
+        cmd.slim()  # kept for --retention: only what a report and an attach need
+        cmd.done.set()
+        report = cmd.report
+        self.warm.ended(report)
+        # Before the agent hears of it: a scrape after a report always includes that command.
+        self.core.metrics.command_ended(
+            report.policy,
+            report.state,
+            report.wall_s,
+            cmd.id,
+            started=cmd.launched is not None,
+            device=report.device,
+        )
+        cmd.publish_exit(report)
+        self.core.trace(
+            "command_end",
+            None,
+            command=cmd.id,
+            device=cmd.device_key or "",
+            state=report.state,
+            exit_code=report.exit_code,
+        )
+        log.info(
+            "command",
+            command=cmd.id,
+            state=report.state,
+            exit_code=report.exit_code,
+            signal=report.signal,
+            wall_s=round(report.wall_s, 6),
+            queued_s=round(report.queued_s, 6),
+            regions=len(report.regions),
+            device=report.device,
+            via=report.via,
+            pool_adopted=report.pool_adopted,
+            pool_declined=report.pool_declined or None,
+        )
+        if cmd.group is not None:
+            try:
+                await self.core.backend.remove(cmd.group)
+            except Exception as e:  # a leftover group is logged; the retention below must still run
+                log.error("group_remove_failed", command=cmd.id, error=repr(e))
+        if self.core.attributor is not None:
+            loop.call_later(1.0, self.core.attributor.command_ended, cmd)  # late events still attribute
+        loop.call_later(self.core.config.retention, self.forget, cmd)
+
+    def forget(self, cmd: Command) -> None:
+        """The command's retention ended: drop it, its spool files and its record."""
+        if self.core.commands.get(cmd.id) is cmd:
+            del self.core.commands[cmd.id]
+            self.warm.forget(cmd)
+        self.runner.release(cmd)
+
+    async def cancel(self, req: P.Cancel, uid: int) -> None:
+        cmd = own(self.core, req.command, uid)
+        if cmd.state == CommandState.QUEUED:
+            self._end_unstarted(cmd, "cancelled", "cancelled before it started")
+        elif cmd.state == CommandState.RUNNING:
+            await self.runner.kill(cmd, "cancelled", req.signal)
+        elif cmd.state == CommandState.STARTING:
+            # no process to signal yet: _start kills it once it runs
+            cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
+
+    async def stdin(self, req: P.StdinData, uid: int) -> None:
+        """Feed a command's stdin pipe (Submit.stdin_stream); returns once written (flow control:
+        a command that does not read holds its agent's next chunk back). Raises RequestError."""
+        cmd = own(self.core, req.command, uid)
+        if cmd.stdin_pipe is None:
+            raise RequestError("bad_request", f"command {cmd.id} was not submitted with stdin_stream")
+        try:
+            await cmd.stdin_pipe.write(req.data, req.eof)
+        except StdinClosed as e:
+            raise RequestError("stdin_closed", f"{cmd.id}: {e}") from None
+        except StdinBusy as e:
+            raise RequestError("busy", f"{cmd.id}: {e}") from None
+
+    def attach(self, req: P.Attach, uid: int, send: Send) -> None:
+        cmd = own(self.core, req.command, uid)
+        send(
+            P.Accepted(
+                id=req.id,
+                command=cmd.id,
+                device=cmd.device_key or "none",
+                queued=cmd.state == CommandState.QUEUED,
+            )
+        )
+        if cmd.state == CommandState.ENDED:
+            assert cmd.report is not None
+            send(
+                P.Exited(
+                    id=req.id,
+                    report=cmd.report,
+                    stdout_tail=bytes(cmd.out.buf),
+                    stderr_tail=bytes(cmd.err.buf),
+                )
+            )
+        else:
+            # What it wrote before this attach (the kept tails; the spool files hold all), then
+            # what it writes from now on: an agent that reconnects misses nothing the daemon kept.
+            for stream, tail in (("stdout", cmd.out), ("stderr", cmd.err)):
+                if tail.buf:
+                    send(P.Output(id=req.id, command=cmd.id, stream=stream, data=bytes(tail.buf)))  # type: ignore[arg-type]
+            cmd.subscribers.append(Subscriber(send, req.id, True))
+
+    def disconnected(self, send: Send) -> None:
+        """A connection closed: it watches no command and speaks for no runtime any more; a command
+        only it was watching ends, if it asked to (on_disconnect=kill)."""
+        for cmd in self.core.commands.values():
+            cmd.runtimes = {p: s for p, s in cmd.runtimes.items() if s != send}
+            before = len(cmd.subscribers)
+            cmd.subscribers = [s for s in cmd.subscribers if s.send != send]
+            if (
+                before
+                and not cmd.subscribers
+                and cmd.state in (CommandState.QUEUED, CommandState.STARTING, CommandState.RUNNING)
+                and cmd.spec.on_disconnect == "kill"
+            ):
+                log.info("agent_disconnected", command=cmd.id, action="kill")
+                self.core.track(
+                    asyncio.get_running_loop().create_task(
+                        self.cancel(P.Cancel(id=0, command=cmd.id, signal=9), 0)
+                    )
+                )
+
+    async def stop(self) -> None:
+        """Shutdown: every command ends, a queued one at once, a running one by SIGTERM, then
+        SIGKILL after --kill-grace; returns once all have ended (or a last bounded wait)."""
+        live = [c for c in self.core.commands.values() if c.state is not CommandState.ENDED]
+        for c in live:
+            if c.state == CommandState.QUEUED:
+                self._end_unstarted(c, "shutdown", "the daemon shut down first")
+            elif c.state == CommandState.STARTING:
+                c.kill_pending = ("shutdown", signal.SIGTERM)
+            elif c.group is not None:
+                if c.group.frozen:
+                    await self.core.backend.thaw(c.group)
+                await self.runner.kill(c, "shutdown", signal.SIGTERM)
+        waits = [asyncio.ensure_future(c.done.wait()) for c in live if c.state != CommandState.ENDED]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.core.config.kill_grace)
+            if pending:
+                for c in live:
+                    if c.state == CommandState.RUNNING and c.group is not None:
+                        await self.core.backend.kill(c.group, signal.SIGKILL)
+                await asyncio.wait(pending, timeout=5)
