@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from krex_async.ctxpool import channel, forms
-from krex_async.ctxpool.base import WORKER_CWD, PoolConfig
+from krex_async.ctxpool.base import WORKER_CWD, WORKER_MODULE, PoolConfig
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
 from krex_async.ctxpool.procs import memory as _memory
@@ -198,7 +198,7 @@ def spawn(
         argv = [
             python,
             "-m",
-            "krex_async.ctxpool.worker",
+            WORKER_MODULE,
             "--fd",
             str(theirs.fileno()),
             "--preload",
