@@ -167,14 +167,32 @@ def _start() -> bool:
         finally:
             done.release()
 
+    # The listener thread takes no signal a process is sent: the kernel gives one to any thread
+    # that does not block it, and one given to this thread (the program's main thread blocking
+    # it to sigwait, or busy) ends the process (SIG_DFL) or never interrupts the main thread's
+    # sleep. As in a fresh process, the program's own threads alone receive them. Faults stay.
+    quiet = _signal.valid_signals() - {
+        _signal.SIGKILL,
+        _signal.SIGSTOP,
+        _signal.SIGSEGV,
+        _signal.SIGBUS,
+        _signal.SIGFPE,
+        _signal.SIGILL,
+        _signal.SIGTRAP,
+        _signal.SIGSYS,
+    }
+
     def start_boot() -> None:
         done = box["done"] = _thread.allocate_lock()
         done.acquire()
+        mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, quiet)  # the thread starts with it
         try:
             _thread.start_new_thread(boot, ())
         except BaseException:  # no thread (RLIMIT_NPROC): nothing for at_exit to wait for
             done.release()
             raise
+        finally:
+            _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
 
     def after_fork_in_child() -> None:
         try:

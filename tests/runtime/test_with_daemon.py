@@ -129,3 +129,39 @@ async def test_auto_region_wraps_kernelbench_timing_in_a_real_region(script, tmp
     assert [r.name for r in regions] == ["kernelbench.time_execution_with_cuda_event"], regions
     assert regions[0].frozen, "the sibling was not frozen for the auto-region"
     assert [t for t in ticks(out) if info["t0"] < t < info["t1"]] == []
+
+
+# Blocks SIGUSR1 in its (only) thread and waits for it with sigwaitinfo, as a program that handles
+# signals synchronously does; first it waits for krex's listener thread to be running beside it.
+SIGWAITER = """
+import _thread, os, signal, sys, time
+deadline = time.monotonic() + 10
+while _thread._count() < 1 and time.monotonic() < deadline:  # the runtime's listener thread
+    time.sleep(0.01)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+print("ready", _thread._count(), os.getpid(), flush=True)
+info = signal.sigwaitinfo([signal.SIGUSR1])
+print("got", info.si_signo, flush=True)
+"""
+
+
+async def test_a_signal_sent_to_a_program_never_lands_on_krexs_listener_thread(script) -> None:
+    """The kernel gives a process's signal to any thread that does not block it. krex's listener
+    thread took them: a program blocking SIGUSR1 to sigwait for it was killed by it (SIG_DFL in
+    that thread), and a SIGINT landing there left the main thread's sleep uninterrupted. Now the
+    listener blocks them, so the program's own threads alone receive them, as in a fresh process."""
+    import os
+    import signal
+
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, script("sigwait.py", SIGWAITER)], env=py_env())
+            said = b""
+            async for _, data in h.output():
+                said += data
+                if b"\n" in said:
+                    break
+            assert said.startswith(b"ready 1"), said  # its listener thread runs beside it
+            os.kill(int(said.split()[2]), signal.SIGUSR1)
+            res = await h.wait()
+    assert res.returncode == 0 and res.stdout.endswith(b"got 10\n"), (res.returncode, res.stdout)
