@@ -18,10 +18,10 @@ then SIGKILL) and leaves the job cancelled with result and error null, as the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import shlex
-import shutil
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
@@ -33,7 +33,7 @@ import msgspec
 from krex_async.client.submit import Client, CommandHandle, KrexError
 from krex_async.gateway import auth, clocks
 from krex_async.gateway.auth import RunAs
-from krex_async.gateway.files import hand_over
+from krex_async.gateway.files import hand_over, remove_tree
 from krex_async.gateway.limits import RESERVED_ENV, TERMINAL, Limits
 from krex_async.gateway.store import Store, error
 
@@ -264,7 +264,13 @@ class JobRunner:
                 raise PermissionError("refusing to run a job as root")
             user = auth.user(str(uid)) if uid is not None else None
             workdir = self.jobs_dir / job_id
-            workdir.mkdir(mode=0o700)
+            try:
+                workdir.mkdir(mode=0o700)
+            except FileExistsError:
+                # What a requeue (below) could not remove: this job's own (ids are unique), so it
+                # goes; remove_tree follows no link and refuses one in place of the directory.
+                await asyncio.to_thread(remove_tree, workdir)
+                workdir.mkdir(mode=0o700)
             (workdir / ".torch_extensions").mkdir(mode=0o700)
             argv, timeout = runner.prepare(request, workdir)
             hand_over(workdir, uid, user.gid if user else None)
@@ -311,8 +317,10 @@ class JobRunner:
         except KrexError as e:
             if e.code == "unreachable" and job_id not in self.commands and self.store.requeue(job_id):
                 # Nothing started (a fleet whose nodes all went down meanwhile): back in line,
-                # in its place, with a fresh job dir when it is claimed again.
-                shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
+                # in its place, with a fresh job dir when it is claimed again (what is left now
+                # goes then).
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(remove_tree, self.jobs_dir / job_id)
                 return
             reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
             self.store.finish(job_id, "failed", None, error(reason, f"krex: {e.message}", krex_code=e.code))

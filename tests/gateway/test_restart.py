@@ -78,6 +78,15 @@ async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
             gw.stop()
 
 
+def _serve(sock: str, state: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "krex_async", "serve", "--socket", sock, "--state-dir", str(state)],
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path, gwhome: Path) -> None:
     """With no daemon the gateway serves and queues; jobs run once the daemon is there."""
     async with run_daemon() as daemon:
@@ -90,24 +99,42 @@ async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path, gwhome: Path) -> 
         assert (await c.get(job["job_id"]))["status"] == "queued"
         env = (await c.env())["env"][0]
         assert "krex daemon" in (env["probe_error"] or "")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "krex_async",
-                "serve",
-                "--socket",
-                sock,
-                "--state-dir",
-                str(tmp_path / "dstate"),
-            ],
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc = _serve(sock, tmp_path / "dstate")
         try:
             view = await c.wait(job["job_id"], 30)
             assert view["status"] == "succeeded" and view["result"]["stdout"] == "late\n"
+        finally:
+            proc.terminate()
+            proc.wait(15)
+    finally:
+        await c.close()
+        gw.stop()
+
+
+async def test_a_claim_removes_what_a_requeue_left_of_the_job_dir(tmp_path: Path, gwhome: Path) -> None:
+    """A fleet job put back in the queue may leave part of its dir (its removal could fail):
+    claimed again, the job starts in a fresh dir; before, mkdir raised FileExistsError and the job
+    failed. A link left in it is removed, not followed."""
+    async with run_daemon() as daemon:
+        sock = daemon.socket
+    gw = start_gateway(sock, gwhome / "gw")
+    c = gw.client()
+    try:
+        job = await c.dev("ls -A")
+        await asyncio.sleep(0.5)
+        assert (await c.get(job["job_id"]))["status"] == "queued"
+        left = gwhome / "gw" / "jobs" / job["job_id"]
+        (left / ".torch_extensions" / "x").mkdir(parents=True)
+        (left / "stale").write_text("from the first claim")
+        keep = gwhome / "scratch" / "keep"
+        keep.write_text("not the job's")
+        (left / "link").symlink_to(keep)
+        proc = _serve(sock, tmp_path / "dstate")
+        try:
+            view = await c.wait(job["job_id"], 30)
+            assert view["status"] == "succeeded", view
+            assert "stale" not in view["result"]["stdout"] and "link" not in view["result"]["stdout"]
+            assert keep.read_text() == "not the job's"
         finally:
             proc.terminate()
             proc.wait(15)
