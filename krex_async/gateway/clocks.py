@@ -14,8 +14,14 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+TOOL_TIMEOUT = 20.0  # seconds one nvidia-smi or rocm-smi call may take
+SETTLE_TIMEOUT = TOOL_TIMEOUT + 10.0  # how long shutdown waits for a reset in flight
+RESET_HINT = "reset them with `nvidia-smi -rgc` and `nvidia-smi -rmc` (AMD: `rocm-smi --setperflevel auto`)"
 
 
 class ClockError(Exception):
@@ -77,7 +83,7 @@ def _lock_nvml(nv: Any) -> Callable[[], None]:
 
 def _run(argv: list[str]) -> str:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=True).stdout
+        return subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise ClockError(f"lock_clocks: {argv[0]} failed: {e}") from None
 
@@ -107,7 +113,7 @@ def _lock_tools(why_not_nvml: str) -> Callable[[], None]:
 
 def _quiet(argv: list[str]) -> None:
     try:
-        subprocess.run(argv, capture_output=True, timeout=20, check=False)
+        subprocess.run(argv, capture_output=True, timeout=TOOL_TIMEOUT, check=False)
     except (OSError, subprocess.SubprocessError):
         pass
 
@@ -116,6 +122,36 @@ def lock_now() -> Callable[[], None]:
     """Blocking: lock every GPU's clocks; returns the reset. Raises ClockError."""
     nv, why = _nvml()
     return _lock_nvml(nv) if nv is not None else _lock_tools(why)
+
+
+def _off_loop(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """fn() on a daemon thread: a call that hangs (NVML has no timeout) cannot keep the gateway
+    from exiting, as one on the loop's executor would (asyncio.run joins its threads)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def land(value: T | None, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)  # type: ignore[arg-type]  # fn() returned it
+
+    def work() -> None:
+        value: T | None = None
+        exc: BaseException | None = None
+        try:
+            value = fn()
+        except BaseException as e:
+            exc = e
+        try:
+            loop.call_soon_threadsafe(land, value, exc)
+        except RuntimeError:
+            pass  # the loop closed meanwhile (the gateway gave up waiting)
+
+    threading.Thread(target=work, name="krex-clocks", daemon=True).start()
+    return fut
 
 
 class Lock:
@@ -151,7 +187,7 @@ class _Shared:
     async def _lock(self) -> None:
         async with self.lock:
             if self.count == 0:
-                self.reset = await asyncio.to_thread(lock_now)
+                self.reset = await _off_loop(lock_now)
             self.count += 1
 
     async def _unlock(self) -> None:
@@ -159,7 +195,7 @@ class _Shared:
             self.count -= 1
             if self.count == 0 and self.reset is not None:
                 reset, self.reset = self.reset, None
-                await asyncio.to_thread(reset)
+                await _off_loop(reset)
 
     async def acquire(self) -> Lock:
         task = self._spawn(self._lock())
@@ -190,7 +226,14 @@ async def acquire() -> Lock:
     return await _SHARED.acquire()
 
 
-async def settle() -> None:
-    """Wait for the locks and resets in flight (at shutdown: no clock is left locked)."""
+async def settle(timeout: float | None = None) -> bool:
+    """Wait for the locks and resets in flight (at shutdown: no clock is left locked); False if
+    some still run after `timeout` seconds (a hung NVML or nvidia-smi call)."""
+    loop = asyncio.get_running_loop()
+    end = None if timeout is None else loop.time() + timeout
     while _SHARED is not None and _SHARED.pending:
-        await asyncio.gather(*_SHARED.pending, return_exceptions=True)
+        left = None if end is None else end - loop.time()
+        if left is not None and left <= 0:
+            return False
+        await asyncio.wait(set(_SHARED.pending), timeout=left)
+    return True

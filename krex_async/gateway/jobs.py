@@ -429,6 +429,14 @@ class JobRunner:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        await clocks.settle()  # a reset still on its thread: no clock left locked behind us
+        # A reset still on its thread: no clock left locked behind us, unless it hangs (NVML has
+        # no timeout): then SIGTERM still ends the gateway, saying what to do.
+        if not await clocks.settle(clocks.SETTLE_TIMEOUT):
+            print(
+                f"krex gateway: a GPU clock lock or reset still runs after {clocks.SETTLE_TIMEOUT:g} s;"
+                f" stopping anyway: the clocks may still be locked: {clocks.RESET_HINT}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.client is not None:
             await self.client.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 from krex_async.gateway import clocks
 from krex_async.gateway.clocks import ClockError
+from tests.conftest import ROOT
 
 from .conftest import stack
 from .test_atrex_compat import STUB_EVAL, client_job, typed
@@ -209,3 +212,43 @@ async def test_a_long_poll_answers_before_the_reset_ends(tmp_path: Path, gwhome:
             assert time.monotonic() < deadline, calls(log)
             await asyncio.sleep(0.05)
         assert calls(log) == ["lock-start", "lock-end", "reset-start", "reset-end"], calls(log)
+
+
+HUNG_RESET = """
+import asyncio, sys, time
+from pathlib import Path
+from krex_async.gateway import clocks
+from krex_async.gateway.jobs import JobRunner
+from krex_async.gateway.limits import Limits
+from krex_async.gateway.store import Store
+
+clocks.SETTLE_TIMEOUT = 0.5
+clocks.lock_now = lambda: (lambda: time.sleep(600))  # a reset that hangs, as NVML can
+
+async def main() -> None:
+    share = await clocks.acquire()
+    asyncio.ensure_future(share.release())  # the last share: the reset starts and hangs
+    await asyncio.sleep(0.2)
+    state = Path(sys.argv[1])
+    runner = JobRunner(Store(state / "jobs.db"), state / "jobs", Limits(), None, {}, lambda _j: None)
+    await runner.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_shutdown_does_not_wait_for_ever_on_a_hung_clock_reset(tmp_path: Path) -> None:
+    """A reset that never returns (NVML has no timeout): the gateway's stop waits
+    SETTLE_TIMEOUT, says the clocks may still be locked and how to reset them, and the process
+    exits; before, stop (and asyncio.run's executor) waited for the reset for ever."""
+    t = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_RESET, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t < 10
+    assert "may still be locked" in done.stderr and "nvidia-smi -rgc" in done.stderr, done.stderr
