@@ -170,7 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway import catalog as K
     from krex_async.gateway.app import Gateway, make_app
     from krex_async.gateway.env import Environment
-    from krex_async.gateway.files import StateError, prepare_state
+    from krex_async.gateway.files import StateError, own_dir, prepare_state
     from krex_async.gateway.jobs import JobRunner, make_shims
     from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
@@ -180,23 +180,32 @@ async def serve(args: argparse.Namespace) -> int:
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
     state = Path(args.state_dir).resolve()
     euid = os.geteuid()
+    # The lock first (only the state dir itself is made or checked before it): a second gateway
+    # on this state dir is refused before it changes anything the first one owns.
     try:
+        own_dir(state, 0o711)
+        lock = open(state / "gateway.lock", "a+")
+    except (StateError, OSError) as e:
+        print(f"krex gateway: {e}", file=sys.stderr)
+        return 2
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        print(f"krex gateway: {state} is in use by another gateway", file=sys.stderr)
+        return 2
+    try:
+        os.chmod(lock.name, 0o600)
         prepare_state(state)
         run_as, note = auth.job_user(args.run_as, euid)
         gate, where = auth.load(state, args.token_file, args.token, args.no_auth, run_as, euid)
     except (auth.AuthError, StateError, OSError) as e:
+        lock.close()
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
     for line in (note, where, auth.check_job_users(gate, args.job_python, args.socket or default_socket())):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
-    lock = open(state / "gateway.lock", "a+")
-    os.chmod(lock.name, 0o600)
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"krex gateway: {state} is in use by another gateway", file=sys.stderr)
-        return 2
     store = Store(state / "jobs.db")
     if store.restarted:
         print(

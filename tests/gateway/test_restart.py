@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
@@ -55,6 +56,8 @@ async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
             assert (scratch / "runs").read_text() == "run\n"  # never run twice
             assert (await c.get(running["job_id"]))["status"] == "failed"
 
+            # The second gateway is refused before it touches the first one's state (its modes).
+            (state / "bin").chmod(0o700)
             second = subprocess.run(
                 [
                     PY,
@@ -73,6 +76,8 @@ async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
                 env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
             )
             assert second.returncode == 2 and "in use" in second.stderr
+            assert stat.S_IMODE((state / "bin").stat().st_mode) == 0o700
+            (state / "bin").chmod(0o755)
         finally:
             await c.close()
             gw.stop()
