@@ -38,6 +38,29 @@ def run(code: str, *args: str) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+class Paced:
+    """A process of `code` on `dev` that prints its first line, then waits for a line on stdin
+    before its next step (it prints "done" after it): the test acts between the two."""
+
+    def __init__(self, code: str, dev: str) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", code, dev], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.first = [int(x) for x in self.p.stdout.readline().split()]
+
+    def step(self) -> None:
+        """Let it go on, and wait until it has done its step."""
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write("go\n")
+        self.p.stdin.flush()
+        assert self.p.stdout.readline().strip() == "done"
+
+    def end(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+
 async def settle(col: Collector, pid: int, n: int) -> None:
     await col.wait_for(lambda: len(col.of(pid)) >= n, timeout=3)
     await asyncio.sleep(0.2)  # anything more that would (wrongly) come
@@ -133,25 +156,16 @@ async def _stale_after_rescan(devdir: str, how: str) -> None:
     probe = IoctlProbe([devdir + "/"], rescan_s=0.2)
     col = Collector(probe)
     col.start()
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, f"{devdir}/null0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    child = Paced(code, f"{devdir}/null0")
     try:
-        assert child.stdin is not None and child.stdout is not None
-        pid, fd = map(int, child.stdout.readline().split())
+        pid, fd = child.first
         await asyncio.sleep(0.8)  # several rescans: the stale entry must be gone by now
         before = probe.counts().get(pid, 0)
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "done"
+        child.step()
         await asyncio.sleep(0.2)
         after = probe.counts().get(pid, 0)
     finally:
-        child.kill()
-        child.wait()
+        child.end()
         probe.stop()
     assert after == before, f"{after - before} ioctls on /dev/null (fd {fd}) counted as GPU"
     assert (pid, fd) not in probe.fd_paths
@@ -269,23 +283,14 @@ async def test_the_rescan_ends_fork_inheritance_and_seeds_the_child(devdir: str)
     probe = IoctlProbe([devdir + "/"], rescan_s=0.2)
     col = Collector(probe)
     col.start()
-    p = subprocess.Popen(
-        [sys.executable, "-c", code, f"{devdir}/null0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    p = Paced(code, f"{devdir}/null0")
     try:
-        assert p.stdin is not None and p.stdout is not None
-        kid, a = map(int, p.stdout.readline().split())
+        kid, a = p.first
         await asyncio.sleep(0.6)  # several rescans
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "done"
+        p.step()
         await asyncio.sleep(0.2)
     finally:
-        p.kill()
-        p.wait()
+        p.end()
         probe.stop()
     assert probe.counts().get(kid, 0) == 0, "ioctls on /dev/null counted as inherited GPU ones"
 
@@ -310,25 +315,16 @@ async def test_a_seed_keeps_an_entry_made_after_its_scan_began(devdir: str, monk
         print(os.getpid(), fd, flush=True)
         sys.stdin.readline(); io(fd, 3); print("done", flush=True)
     """)
-    p = subprocess.Popen(
-        [sys.executable, "-c", code, f"{devdir}/null0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    p = Paced(code, f"{devdir}/null0")
     try:
-        assert p.stdin is not None and p.stdout is not None
-        pid, fd = map(int, p.stdout.readline().split())
+        pid, fd = p.first
         await col.wait_for(lambda: len(col.of(pid)) >= 1, timeout=3)  # its open: the BPF entry
         monkeypatch.setattr(bpf_ioctl.time, "monotonic_ns", lambda: began)
         assert probe.seed() >= 1
         monkeypatch.undo()
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "done"
+        p.step()
         await settle(col, pid, 4)
     finally:
-        p.kill()
-        p.wait()
+        p.end()
         probe.stop()
     assert [(e.kind, e.fd) for e in col.of(pid)] == [("open", fd)] + [("ioctl", fd)] * 3
