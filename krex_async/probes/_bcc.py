@@ -26,7 +26,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -154,6 +154,35 @@ class CountMap:
                 return self._read()
             raise OSError(err, f"BPF_MAP_LOOKUP_BATCH on map fd {self.fd}: {os.strerror(err)}")
         return dict(zip(self._keys[:total], self._values[:total]))
+
+
+def retire_counts(
+    table: Any,
+    keys: Iterable[Any],
+    gone: Callable[[Any], bool],
+    name: Callable[[Any], Hashable],
+    into: dict[Any, int],
+    lock: threading.Lock,
+) -> None:
+    """Poll thread: move the counts under those of `keys` whose owner is `gone` (an exited
+    process, a removed cgroup) from the BPF hash `table` into `into`, under `name(key)`. The
+    kernel never empties a count map: full, it counts no new owner. `lock` is held while a count
+    moves, so a reader that takes it sees each count in the map or in `into`, never in both or
+    neither."""
+    for k in keys:
+        HOLD.wait()
+        if not gone(k):
+            continue
+        with lock:
+            n = table.pop(k, None)
+            if n is not None:
+                key = name(k)
+                into[key] = into.get(key, 0) + n.value
+
+
+def exited(tgid: int) -> bool:
+    """No process `tgid` in /proc (its pid may be reused later: counts are kept per tgid anyway)."""
+    return not os.path.exists(f"/proc/{tgid}")
 
 
 def sum_percpu(table: Any, key: int = 0) -> int:

@@ -614,12 +614,10 @@ class IoctlProbe(FailureReporting, ProbeBackend):
                 table.pop(k, None)
                 self.fd_paths.pop((k.tgid, k.fd), None)
         counts = self._bpf[b"counts"]
-        for tgid in self._counts.read():
-            if not os.path.exists(f"/proc/{tgid}"):
-                with self._moving:  # counts() sees the count in the map or in _gone, not both
-                    n = counts.pop(counts.Key(tgid), None)
-                    if n is not None:
-                        self._gone_counts[tgid] = self._gone_counts.get(tgid, 0) + n.value
+        keys = [counts.Key(tgid) for tgid in self._counts.read()]
+        _bcc.retire_counts(
+            counts, keys, lambda k: _bcc.exited(k.value), lambda k: k.value, self._gone_counts, self._moving
+        )
         self._prune_cgroups()
         self.seed()
 
@@ -646,12 +644,10 @@ class IoctlProbe(FailureReporting, ProbeBackend):
                 continue  # removed while we walked
         live.add(os.stat(v2).st_ino)
         table = self._bpf[b"cg_counts"]
-        for cg in self._cg_counts.read():
-            if cg not in live:
-                with self._moving:
-                    n = table.pop(table.Key(cg), None)
-                    if n is not None:
-                        self._gone_cg_counts[cg] = self._gone_cg_counts.get(cg, 0) + n.value
+        keys = [table.Key(cg) for cg in self._cg_counts.read()]
+        _bcc.retire_counts(
+            table, keys, lambda k: k.value not in live, lambda k: k.value, self._gone_cg_counts, self._moving
+        )
 
     def stop(self) -> None:
         if self._bpf is None:

@@ -78,7 +78,6 @@ from typing import Any
 from krex_async.probes import _bcc
 from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from krex_async.probes.failure import FailureReporting
-from krex_async.probes.hold import HOLD
 from krex_async.probes.launch_scope import SCOPES, Outsiders, exported, inode_key
 
 CUDA_SYMBOLS = (
@@ -415,19 +414,17 @@ class LaunchProbe(FailureReporting, ProbeBackend):
         return upkeep
 
     def _retire_gone(self) -> None:
-        """Poll thread: move the counts of exited processes to Python. The map holds 65536
-        (process, symbol) pairs and is never emptied by the kernel: full, it would count no new
-        process's launches (bpf_ioctl does the same for its counts)."""
+        """Poll thread: the counts of exited processes leave the map (65536 (process, symbol)
+        pairs) for Python, as bpf_ioctl's do."""
         table = self._bpf[b"counts"]
-        for k in list(table.keys()):
-            HOLD.wait()
-            if os.path.exists(f"/proc/{k.tgid}"):
-                continue
-            with self._moving:
-                n = table.pop(k, None)
-                if n is not None:
-                    key = (k.tgid, self.symbols[k.sym])
-                    self._gone[key] = self._gone.get(key, 0) + n.value
+        _bcc.retire_counts(
+            table,
+            list(table.keys()),
+            lambda k: _bcc.exited(k.tgid),
+            lambda k: (k.tgid, self.symbols[k.sym]),
+            self._gone,
+            self._moving,
+        )
 
     def _decode(self, raw: bytes) -> ProbeEvent:
         ts, tgid, tid, sym, _, comm = LAUNCH_EVENT.unpack_from(raw)
