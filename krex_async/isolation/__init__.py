@@ -44,12 +44,17 @@ def root_problem(root: str) -> str | None:
         return f"no directory {root}"
     if not os.path.exists(os.path.join(root, "cgroup.controllers")):
         return f"{root} is not a cgroup v2 directory (it has no cgroup.controllers)"
+    usable, why = _probe(root)
+    return None if usable else why
+
+
+def _probe(root: str | None) -> tuple[bool, str]:
+    """cgroup.probe_cgroup(root), or why not where the cgroup backend is not installed."""
     try:
         from krex_async.isolation.cgroup import probe_cgroup
     except ImportError as e:
-        return f"the cgroup backend is not installed ({e})"
-    usable, why = probe_cgroup(root)
-    return None if usable else why
+        return False, f"the cgroup backend is not installed ({e})"
+    return probe_cgroup(root)
 
 
 def choose_backend(isolation: str, *, cgroup_root: str | None, state_dir: str) -> Backend:
@@ -67,12 +72,7 @@ def choose_backend(isolation: str, *, cgroup_root: str | None, state_dir: str) -
             raise RootUnusable(cgroup_root, problem)
         usable, why = True, ""
     else:
-        try:
-            from krex_async.isolation.cgroup import probe_cgroup
-        except ImportError as e:
-            usable, why = False, f"the cgroup backend is not installed ({e})"
-        else:
-            usable, why = probe_cgroup(None)
+        usable, why = _probe(None)
     if usable:
         from krex_async.isolation.cgroup import CgroupBackend
         from krex_async.isolation.intent import InstanceBusy
