@@ -13,7 +13,8 @@ Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a
 JSON (or nests deeper than MAX_DEPTH) and for bad query parameters, 422 for a job request that fails
 validation (as the reference gateway answers), 401 without a valid token, 404 for unknown routes
 and for jobs that do not exist or are not the caller's, 405 for a wrong method, 413 for a body over
---max-body, 501 for kinds not runnable here, 500 (reason internal_error) for a gateway bug.
+--max-body, 410 (reason job_removed, naming it) for an idempotency key whose job retention removed,
+501 for kinds not runnable here, 500 (reason internal_error) for a gateway bug.
 
 Every route but /healthz needs a token (auth.py) unless the gateway runs with --no-auth; a caller
 sees, waits on and cancels only its own jobs. A job's view is rendered once from the stored JSON
@@ -26,6 +27,7 @@ import asyncio
 import json
 import math
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +37,7 @@ from krex_async.gateway.auth import Auth, Identity
 from krex_async.gateway.env import Environment
 from krex_async.gateway.jobs import JobRunner
 from krex_async.gateway.limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
-from krex_async.gateway.store import Store, error
+from krex_async.gateway.store import KeyRemoved, Store, error
 from krex_async.gateway.views import Views
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -254,7 +256,21 @@ class Gateway:
                 "invalid_request", "the request holds NaN or Infinity, which JSON does not have", 422
             ) from None
         who = self.who(request)
-        job, created = self.store.create(kind, req, request["trace"], key, author, who.name, who.run_as.uid)
+        try:
+            job, created = self.store.create(
+                kind, req, request["trace"], key, author, who.name, who.run_as.uid
+            )
+        except KeyRemoved as e:
+            raise BadRequest(
+                "job_removed",
+                f"idempotency_key {key!r} named job {e.job_id}, removed by the gateway's job retention"
+                f" at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(e.removed_at))}; it is not run"
+                " again (its result is gone): submit with a new key to run it anew",
+                410,
+                job_id=e.job_id,
+                removed_at=e.removed_at,
+                idempotency_key=key,
+            ) from None
         if created:
             self.runner.notify()
         resp = _json(202, job)

@@ -5,6 +5,8 @@ so a gateway that runs for months does not fill its disk with uploads, outputs a
         then every `interval`: sweep() -> store.expired(now - retention, skip=busy())
             -> files.remove_tree(<jobs>/<id>) on a thread -> store.forget(those now gone)
             -> on_removed(ids) (the views' cache lets go of them)
+        and store.forget_keys(now - retention): a removed job's idempotency key, kept so that a
+        late resubmission is refused rather than run again, goes one more retention later
 
 A job is only ever removed once it is terminal and its task has ended (`busy`: a cancelled job's
 command may still be ending in its directory, and a job a dead gateway left running may still run
@@ -107,6 +109,7 @@ class Sweeper:
     async def sweep(self) -> int:
         """Remove the jobs that ended more than `retention` ago; returns how many went."""
         cutoff, total, tried = time.time() - self.retention, 0, set[str]()
+        self.store.forget_keys(cutoff)  # removed one retention ago: two after their job ended
         while True:
             ids = self.store.expired(cutoff, BATCH, {*self.busy(), *tried})
             if not ids or len(tried) > MAX_SKIP:  # the skip list is bound by SQLite's parameters

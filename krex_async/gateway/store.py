@@ -9,6 +9,8 @@ it, auth.py): reads, lists, cancels and idempotency keys are scoped to it. Openi
 every job left `running` by a previous gateway as failed (reason `gateway_restarted`): it may have run
 partly, so it is never run again. Queued jobs stay queued and run after the restart. A finished
 job's row is deleted when its retention ends (retention.py); only a terminal row is ever deleted.
+Its idempotency key outlives it in `removed_keys` for one more retention period, so a resubmission
+with that key is answered (KeyRemoved) rather than run a second time.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
+CREATE TABLE IF NOT EXISTS removed_keys (
+    owner TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    removed_at REAL NOT NULL,
+    PRIMARY KEY (owner, kind, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS removed_keys_at ON removed_keys(removed_at);
 """
 # Added after the first release: a database made before them gains them on open (owner 'default',
 # the identity of a single token, for its jobs).
@@ -65,6 +76,15 @@ COLUMNS = (
     "json_extract(request, '$.lock_clocks') AS lock_clocks"
 )
 PREFIX = {"dev": "dv", "eval": "ev", "profile": "pf"}
+
+
+class KeyRemoved(Exception):
+    """An idempotency key whose job retention removed: answered, never run again (a client
+    resubmitting after a long outage would otherwise run the job twice)."""
+
+    def __init__(self, job_id: str, removed_at: float) -> None:
+        super().__init__(f"job {job_id} was removed")
+        self.job_id, self.removed_at = job_id, removed_at
 
 
 def error(reason: str, message: str, trace_id: str | None = None, **details: Any) -> dict[str, Any]:
@@ -133,7 +153,8 @@ class Store:
         owner: str = "default",
         run_uid: int | None = None,
     ) -> tuple[dict[str, Any], bool]:
-        """Insert a queued job, or return the owner's job with the same kind and idempotency key."""
+        """Insert a queued job, or return the owner's job with the same kind and idempotency key.
+        Raises KeyRemoved when that job was removed (its key is kept a while: `forget`)."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             if idempotency_key is not None:
@@ -144,6 +165,13 @@ class Store:
                 if row is not None:
                     self.db.execute("COMMIT")
                     return self.view(row), False
+                gone = self.db.execute(
+                    "SELECT job_id, removed_at FROM removed_keys WHERE owner=? AND kind=? "
+                    "AND idempotency_key=?",
+                    (owner, kind, idempotency_key),
+                ).fetchone()
+                if gone is not None:
+                    raise KeyRemoved(gone[0], gone[1])  # rolled back below: nothing was written
             now = time.time()
             job_id = f"{PREFIX.get(kind, 'jb')}_{secrets.token_hex(6)}"
             self.db.execute(
@@ -197,21 +225,28 @@ class Store:
         return [r[0] for r in self.db.execute(sql, (before, *skip, limit)).fetchall()]
 
     def forget(self, job_ids: Collection[str]) -> int:
-        """Delete these jobs' rows, each only while it is terminal. Returns how many went."""
+        """Delete these jobs' rows, each only while it is terminal, keeping each one's idempotency
+        key in removed_keys (`forget_keys` ends that). Returns how many went."""
+        now, terminal = time.time(), "status IN ('succeeded', 'failed', 'cancelled')"
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            n = sum(
+            n = 0
+            for job_id in job_ids:
                 self.db.execute(
-                    "DELETE FROM jobs WHERE job_id=? AND status IN ('succeeded', 'failed', 'cancelled')",
-                    (job_id,),
-                ).rowcount
-                for job_id in job_ids
-            )
+                    "INSERT OR REPLACE INTO removed_keys SELECT owner, kind, idempotency_key, job_id, ? "
+                    f"FROM jobs WHERE job_id=? AND idempotency_key IS NOT NULL AND {terminal}",
+                    (now, job_id),
+                )
+                n += self.db.execute(f"DELETE FROM jobs WHERE job_id=? AND {terminal}", (job_id,)).rowcount
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
         return n
+
+    def forget_keys(self, before: float) -> int:
+        """Let go of the keys of jobs removed before `before`: the table stays bounded."""
+        return self.db.execute("DELETE FROM removed_keys WHERE removed_at < ?", (before,)).rowcount
 
     def known(self, job_ids: Collection[str]) -> set[str]:
         """Which of these ids have a row."""

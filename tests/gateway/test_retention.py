@@ -18,7 +18,7 @@ import pytest
 
 from krex_async.gateway import job_retention, retention
 from krex_async.gateway.retention import Sweeper
-from krex_async.gateway.store import Store
+from krex_async.gateway.store import KeyRemoved, Store
 from tests.conftest import run_daemon
 from tests.security.helpers import _ensure_user
 
@@ -237,6 +237,53 @@ async def test_stop_halts_a_removal_in_flight(tmp_path: Path) -> None:
         await asyncio.sleep(1.0)
         assert sum(p.exists() for p in made) == left > 0, "the removal went on after stop()"
         assert time.monotonic() - t < 2.0
+    finally:
+        await sweeper.stop()
+        store.close()
+
+
+async def test_a_removed_jobs_idempotency_key_is_refused_not_run_again(tmp_path: Path) -> None:
+    """A client resubmitting after a long outage must not run its job twice: the key of a job the
+    sweep removed answers 410 naming that job, for one more retention period."""
+    async with stack(tmp_path, "--job-retention", "1") as (_, gw, c):
+        req = c.dev_request(f"echo ran >> {gw.scratch}/count", idempotency_key="k-1")
+        _, first = await c.request("POST", "/v1/jobs/dev", json=req)
+        assert (await c.wait(first["job_id"], 30))["status"] == "succeeded"
+        await until(lambda: not (gw.state / "jobs" / first["job_id"]).exists(), 10, "the job went")
+        status, body = await c.request("POST", "/v1/jobs/dev", json=req)
+        assert (status, body["reason"]) == (410, "job_removed"), body
+        assert body["details"]["job_id"] == first["job_id"] and first["job_id"] in body["message"]
+        assert body["details"]["idempotency_key"] == "k-1" and body["error_class"] == "krex_gateway"
+        await asyncio.sleep(1.0)
+        assert (gw.scratch / "count").read_text() == "ran\n"  # not run a second time
+        assert await c.jobs() == []  # and nothing was queued
+
+
+async def test_removed_keys_are_kept_one_more_retention_then_forgotten(tmp_path: Path) -> None:
+    store = Store(tmp_path / "jobs.db")
+    jobs = tmp_path / "jobs"
+    sweeper = Sweeper(store, jobs, 0.3, lambda: ())
+    try:
+        keyed, _ = store.create("dev", {"command": "a"}, "t", "key", None, owner="alice")
+        plain, _ = store.create("dev", {"command": "b"}, "t", None, None, owner="alice")
+        while (claimed := store.claim()) is not None:
+            store.finish(claimed[0], "succeeded", {}, None)
+        await asyncio.sleep(0.4)
+        assert await sweeper.sweep() == 2
+        assert store.db.execute("SELECT COUNT(*) FROM removed_keys").fetchone()[0] == 1
+        with pytest.raises(KeyRemoved) as e:
+            store.create("dev", {"command": "a"}, "t", "key", None, owner="alice")
+        assert e.value.job_id == keyed["job_id"]
+        # Keys are per identity and kind, as they were while the job lived.
+        other, created = store.create("dev", {"command": "a"}, "t", "key", None, owner="bob")
+        assert created and other["job_id"] != keyed["job_id"]
+        await sweeper.sweep()  # within the second retention: kept
+        assert store.db.execute("SELECT COUNT(*) FROM removed_keys").fetchone()[0] == 1
+        await asyncio.sleep(0.4)
+        await sweeper.sweep()
+        assert store.db.execute("SELECT COUNT(*) FROM removed_keys").fetchone()[0] == 0
+        again, created = store.create("dev", {"command": "a"}, "t", "key", None, owner="alice")
+        assert created and again["job_id"] not in (keyed["job_id"], plain["job_id"])
     finally:
         await sweeper.stop()
         store.close()
