@@ -207,6 +207,8 @@ async def serve(args: argparse.Namespace) -> int:
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     store = Store(state / "jobs.db")
+    if store.note:
+        print(f"krex gateway: {store.note}", file=sys.stderr, flush=True)
     if store.restarted:
         print(
             f"krex gateway: {store.restarted} job(s) were running when the last gateway "

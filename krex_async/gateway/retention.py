@@ -7,6 +7,7 @@ so a gateway that runs for months does not fill its disk with uploads, outputs a
             -> on_removed(ids) (the views' cache lets go of them)
         and store.forget_keys(now - retention): a removed job's idempotency key, kept so that a
         late resubmission is refused rather than run again, goes one more retention later
+        -> compact(): the rows' pages go back to the filesystem (jobs.db shrinks)
 
 A job is only ever removed once it is terminal and its task has ended (`busy`: a cancelled job's
 command may still be ending in its directory, and a job a dead gateway left running may still run
@@ -32,6 +33,7 @@ from krex_async.gateway.store import PREFIX, Store
 
 DEFAULT = 86400.0  # a day: seconds a finished job's directory and record are kept
 BATCH = 200  # jobs per removal step: one thread hop and one short transaction each
+COMPACT_STEP = 1024  # free pages given back per transaction (4 MiB at SQLite's default page size)
 MAX_SKIP = 5000  # directories that would not go, passed over in one sweep before it stops
 JOB_DIR = re.compile(rf"(?:{'|'.join(sorted({*PREFIX.values(), 'jb'}))})_[0-9a-f]{{12}}\Z")
 
@@ -102,6 +104,7 @@ class Sweeper:
         while True:
             try:
                 await self.sweep()
+                await self.compact()
             except Exception as e:  # noqa: BLE001 - a locked database, a bug: said, tried again
                 log(f"job retention sweep failed ({type(e).__name__}: {e}); again in {self.interval:g} s")
             await asyncio.sleep(self.interval)
@@ -128,6 +131,21 @@ class Sweeper:
                 self.failing.difference_update(gone)
                 self.removed += len(gone)
                 total += len(gone)
+
+    async def compact(self) -> int:
+        """Give the pages of removed rows back to the filesystem, COMPACT_STEP pages per short
+        transaction with the loop answering between them; returns how many went. A database
+        whose conversion failed (Store.note) frees none, and this stops at once."""
+        left = start = self.store.free_pages(0)
+        while left:
+            now = self.store.free_pages(COMPACT_STEP)
+            if now >= left:
+                break
+            left = now
+            await asyncio.sleep(0)
+        if left < start:
+            self.store.checkpoint()
+        return start - left
 
     def _remove(self, ids: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
         gone, failed = [], []

@@ -113,6 +113,9 @@ class Store:
         self.db = sqlite3.connect(path, isolation_level=None)  # autocommit; explicit BEGINs
         path.chmod(0o600)
         self.db.row_factory = sqlite3.Row
+        # Pages freed by the retention sweep go back to the filesystem (free_pages). This takes
+        # on a new database only; an older one is converted by a VACUUM below.
+        self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
@@ -122,6 +125,7 @@ class Store:
             if column not in have:
                 self.db.execute(sql)
         self.db.executescript(INDEXES)
+        self.note = self._make_shrinkable(path)  # said by the gateway at start ("" when nothing)
         now = time.time()
         self.orphans = [
             r[0] for r in self.db.execute("SELECT job_id FROM jobs WHERE status='running'").fetchall()
@@ -142,6 +146,31 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    def _make_shrinkable(self, path: Path) -> str:
+        """Turn on incremental auto-vacuum in a database made before it: a one-off VACUUM, which
+        rewrites the file (seconds per GB, on start only). Without it the file keeps its largest
+        size for ever; a VACUUM that fails (disk full) is said and the gateway runs on."""
+        if self.db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+            return ""
+        size = path.stat().st_size / 2**20
+        try:
+            self.db.execute("VACUUM")
+            self.checkpoint()
+        except sqlite3.Error as e:
+            return f"{path}: cannot make it shrinkable ({e}): it keeps its size after rows are removed"
+        return f"{path}: made shrinkable (a one-off VACUUM of {size:.1f} MiB for incremental auto-vacuum)"
+
+    def free_pages(self, limit: int) -> int:
+        """Give up to `limit` free pages (rows deleted) back to the filesystem, in one short
+        transaction; returns how many free pages are left (`limit` 0: only says so)."""
+        if limit > 0:  # executescript steps the pragma to its end; execute would free one page
+            self.db.executescript(f"PRAGMA incremental_vacuum({int(limit)})")
+        return int(self.db.execute("PRAGMA freelist_count").fetchone()[0])
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database and empty it: the file shrinks now, and so does the WAL."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def create(
         self,

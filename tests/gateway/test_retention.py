@@ -287,3 +287,38 @@ async def test_removed_keys_are_kept_one_more_retention_then_forgotten(tmp_path:
     finally:
         await sweeper.stop()
         store.close()
+
+
+def db_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+
+
+@pytest.mark.parametrize("made", ["new", "before auto-vacuum"])
+async def test_jobs_db_shrinks_after_the_sweep_removes_jobs(tmp_path: Path, made: str) -> None:
+    """Deleted rows' pages go back to the filesystem (incremental auto-vacuum after each sweep);
+    a database made before that is converted once at start. Without it the file keeps its size."""
+    path = tmp_path / "jobs.db"
+    if made != "new":  # as an older gateway made it: auto_vacuum off
+        Store(path).close()
+        old = sqlite3.connect(path, isolation_level=None)
+        old.executescript("PRAGMA auto_vacuum=NONE; VACUUM; PRAGMA wal_checkpoint(TRUNCATE)")
+        assert old.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+        old.close()
+    store = Store(path)
+    assert ("made shrinkable" in store.note) == (made != "new"), store.note
+    (tmp_path / "jobs").mkdir()
+    sweeper = Sweeper(store, tmp_path / "jobs", 0.2, lambda: ())
+    try:
+        for i in range(300):
+            store.create("dev", {"command": str(i)}, "t", f"k{i}", None)
+        while (claimed := store.claim()) is not None:
+            store.finish(claimed[0], "succeeded", {"stdout": os.urandom(20_000).hex()}, None)
+        store.checkpoint()
+        full = db_bytes(path)
+        assert full > 12_000_000
+        sweeper.start()
+        await until(lambda: not store.counts(), 10, "the sweep removed every job")
+        await until(lambda: db_bytes(path) < full / 10, 10, f"jobs.db shrank from {full} bytes")
+    finally:
+        await sweeper.stop()
+        store.close()
