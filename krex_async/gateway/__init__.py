@@ -170,7 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway import catalog as K
     from krex_async.gateway.app import Gateway, make_app
     from krex_async.gateway.env import Environment
-    from krex_async.gateway.files import StateError, own_dir, prepare_state
+    from krex_async.gateway.files import StateError, open_lock, own_dir, prepare_state
     from krex_async.gateway.jobs import JobRunner, make_shims
     from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
@@ -184,23 +184,22 @@ async def serve(args: argparse.Namespace) -> int:
     # on this state dir is refused before it changes anything the first one owns.
     try:
         own_dir(state, 0o711)
-        lock = open(state / "gateway.lock", "a+")
+        lock = open_lock(state / "gateway.lock")  # an fd: no link followed, 0600
     except (StateError, OSError) as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
     try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.close()
+        os.close(lock)
         print(f"krex gateway: {state} is in use by another gateway", file=sys.stderr)
         return 2
     try:
-        os.chmod(lock.name, 0o600)
         prepare_state(state)
         run_as, note = auth.job_user(args.run_as, euid)
         gate, where = auth.load(state, args.token_file, args.token, args.no_auth, run_as, euid)
     except (auth.AuthError, StateError, OSError) as e:
-        lock.close()
+        os.close(lock)
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
     for line in (note, where, auth.check_job_users(gate, args.job_python, args.socket or default_socket())):
@@ -241,6 +240,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"krex gateway: cannot listen on {args.listen}: {e}", file=sys.stderr)
         await app_runner.cleanup()
         store.close()
+        os.close(lock)
         return 2
     bound = app_runner.addresses[0][1] if app_runner.addresses else port
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
@@ -277,8 +277,8 @@ async def serve(args: argparse.Namespace) -> int:
         await app_runner.cleanup()
         await runner.stop()
         store.close()
-        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-        lock.close()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
     return 0
 
 

@@ -15,6 +15,7 @@ is removed the same way, never following a link (`remove_tree`, when its retenti
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -44,6 +45,28 @@ def own_dir(path: Path, mode: int) -> None:
             "a job's user could change the gateway's state"
         )
     os.chmod(path, mode)
+
+
+def open_lock(path: Path) -> int:
+    """Open (or create, 0600) the state directory's lock file without following a link: a link
+    planted there would turn the gateway's open and chmod onto its target. Returns the fd, which
+    the caller closes. Raises StateError for a symbolic or hard link or a non-regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise StateError(f"{path} is a symbolic link; refusing it as the lock file (remove it)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            what = "a hard link" if stat.S_ISREG(st.st_mode) else "not a regular file"
+            raise StateError(f"{path} is {what}; refusing it as the lock file (remove it)")
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def prepare_state(state: Path) -> None:

@@ -1,15 +1,19 @@
 """The gateway reads back what a job wrote without following the job's links, from files of the
-job's user only; the store keeps a database made before owners existed."""
+job's user only; the store keeps a database made before owners existed; a link planted as the
+state directory's lock file is refused, never followed."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from krex_async.gateway.files import find, read_job_file
+from krex_async.gateway.files import StateError, find, open_lock, read_job_file
 from krex_async.gateway.jobs import job_env
 from krex_async.gateway.store import Store
 
@@ -76,3 +80,37 @@ def test_a_database_from_before_owners_opens_with_its_jobs_kept(tmp_path: Path) 
         assert created and job["job_id"] != "dv_old"  # keys are per owner now
     finally:
         store.close()
+
+
+def test_a_link_planted_as_the_lock_file_is_refused(tmp_path: Path) -> None:
+    """Opened with O_NOFOLLOW: a link there would have the gateway open and chmod its target."""
+    state, target = tmp_path / "state", tmp_path / "target"
+    state.mkdir(mode=0o711)
+    target.write_text("keep")
+    target.chmod(0o644)
+    os.symlink(target, state / "gateway.lock")
+    r = subprocess.run(
+        [sys.executable, "-m", "krex_async.gateway", "--listen", "127.0.0.1:0", "--no-auth"]
+        + ["--state-dir", str(state), "--socket", str(tmp_path / "no-daemon.sock")],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert r.returncode == 2 and "gateway.lock is a symbolic link" in r.stderr, r.stderr
+    assert target.read_text() == "keep" and target.stat().st_mode & 0o777 == 0o644
+    assert not (state / "jobs.db").exists()  # refused before anything was made
+    (state / "gateway.lock").unlink()
+    os.link(target, state / "gateway.lock")
+    with pytest.raises(StateError, match="hard link"):
+        open_lock(state / "gateway.lock")
+    (state / "gateway.lock").unlink()
+    os.mkfifo(state / "gateway.lock")
+    with pytest.raises(StateError, match="not a regular file"):
+        open_lock(state / "gateway.lock")
+    (state / "gateway.lock").unlink()
+    fd = open_lock(state / "gateway.lock")
+    try:
+        assert os.fstat(fd).st_mode & 0o777 == 0o600 and fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    finally:
+        os.close(fd)
+    assert target.stat().st_mode & 0o777 == 0o644
