@@ -38,12 +38,13 @@ from krex_async.gateway.env import Environment
 from krex_async.gateway.jobs import JobRunner
 from krex_async.gateway.limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
 from krex_async.gateway.store import KeyRemoved, Store, error
-from krex_async.gateway.views import Views
+from krex_async.gateway.views import TRACE, Views, request_key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 MAX_DEPTH = 128  # JSON nesting a request may use; deeper is malformed (and would recurse anyway)
 CLIENT_CHECK = 0.5  # seconds between a long poll's checks that its client is still connected
+WHO = request_key("who", Identity)  # the caller, set by the middleware
 
 
 def client_gone(request: web.Request) -> bool:
@@ -108,7 +109,7 @@ class Gateway:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         got = request.headers.get("X-Trace-Id", "")
         trace = got if got and len(got) <= 128 and got.isprintable() else f"req-{secrets.token_hex(6)}"
-        request["trace"] = trace
+        request[TRACE] = trace
         if request.path != "/healthz":
             who = self.auth.identify(request.headers.get("Authorization", ""))
             if who is None:
@@ -119,7 +120,7 @@ class Gateway:
                     ),
                     trace,
                 )
-            request["who"] = who
+            request[WHO] = who
         try:
             resp = await handler(request)
         except BadRequest as e:
@@ -197,7 +198,7 @@ class Gateway:
 
     @staticmethod
     def who(request: web.Request) -> Identity:
-        return request["who"]  # type: ignore[no-any-return]
+        return request[WHO]
 
     @staticmethod
     def not_found(job_id: str) -> BadRequest:
@@ -257,9 +258,7 @@ class Gateway:
             ) from None
         who = self.who(request)
         try:
-            job, created = self.store.create(
-                kind, req, request["trace"], key, author, who.name, who.run_as.uid
-            )
+            job, created = self.store.create(kind, req, request[TRACE], key, author, who.name, who.run_as.uid)
         except KeyRemoved as e:
             raise BadRequest(
                 "job_removed",

@@ -12,11 +12,25 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 
 from krex_async.gateway.limits import TERMINAL
 from krex_async.gateway.store import Store
+
+T = TypeVar("T")
+
+
+def request_key(name: str, kind: type[T]) -> web.RequestKey[T]:
+    """A typed key for per-request state: aiohttp 3.14+ warns (NotAppKeyWarning) on a plain
+    string key; an older aiohttp has neither the class nor the warning, and takes the string."""
+    if hasattr(web, "RequestKey"):
+        return web.RequestKey(name, kind)
+    return name  # type: ignore[return-value]
+
+
+TRACE = request_key("trace", str)  # the request's trace id, set by the app's middleware
 
 SLICE = 256 * 1024
 CACHE_BYTES = 256 * 1024 * 1024
@@ -78,7 +92,7 @@ class Views:
             return None
         resp = web.StreamResponse(status=200, headers=HEADERS)
         resp.content_length = len(data)
-        resp.headers["X-Trace-Id"] = request["trace"]
+        resp.headers["X-Trace-Id"] = request[TRACE]
         await resp.prepare(request)
         await self._write(resp, data)
         await resp.write_eof()
@@ -88,7 +102,7 @@ class Views:
         """{"jobs": [...]}: one job rendered at a time, so a long list of large jobs costs one
         job's encoding, not the list's."""
         resp = web.StreamResponse(status=200, headers=HEADERS)
-        resp.headers["X-Trace-Id"] = request["trace"]
+        resp.headers["X-Trace-Id"] = request[TRACE]
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         await resp.write(b'{"jobs":[')

@@ -96,9 +96,11 @@ def start_gateway(
     env: dict[str, str] | None = None,
     token: str | None = None,
     listen: str = "127.0.0.1:0",
+    launcher: tuple[str, ...] = ("-m", "krex_async.gateway"),
 ) -> Gateway:
-    """Start `python -m krex_async.gateway` and wait until its gateway.json names its pid. The
-    client uses `token`, else the one the gateway wrote to <state>/token."""
+    """Start `python -m krex_async.gateway` (or `python *launcher`) and wait until its
+    gateway.json names its pid. The client uses `token`, else the one the gateway wrote to
+    <state>/token."""
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / f"{state.name}.{time.monotonic_ns()}.log"
     e = dict(os.environ, **(env or {}))
@@ -111,8 +113,7 @@ def start_gateway(
         proc = subprocess.Popen(
             [
                 PY,
-                "-m",
-                "krex_async.gateway",
+                *launcher,
                 "--listen",
                 listen,
                 "--state-dir",
