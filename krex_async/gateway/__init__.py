@@ -2,7 +2,8 @@
 
     krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
                  [--token-file F | --token T | --no-auth] [--run-as USER] [--job-python PY]
-                 [--allow-remote] [--max-running N] [--max-body BYTES] [--job-retention S|never] ...
+                 [--allow-remote] [--max-running N] [--max-body BYTES] [--job-retention S|never]
+                 [--queue-timeout S] ...
 
 Trust (auth.py, files.py): every request but /healthz needs a bearer token (generated into
 <state>/token at first start unless given); each token's jobs are its own; jobs never run as root.
@@ -29,11 +30,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from krex_async import cliargs
 from krex_async.gateway.limits import Limits
 from krex_async.gateway.retention import DEFAULT as DEFAULT_RETENTION
 from krex_async.gateway.retention import parse as parse_retention
 
 RETENTION_ENV = "KREX_GATEWAY_JOB_RETENTION"
+QUEUE_TIMEOUT_ENV = "KREX_GATEWAY_QUEUE_TIMEOUT"
 LIMITS = {  # the gateway's size and time limits, flag by flag (--max-body, ...)
     "max_body": "bytes",
     "max_file": "bytes",
@@ -105,6 +108,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="remove a finished job's directory and record this long after it ended (default "
         f"$KREX_GATEWAY_JOB_RETENTION, else {DEFAULT_RETENTION:g}: a day; 0 or 'never' keeps them)",
     )
+    p.add_argument(
+        "--queue-timeout",
+        metavar="SECONDS",
+        help="fail a job not started this long after it was submitted (reason queue_timeout; "
+        f"default ${QUEUE_TIMEOUT_ENV}, else none: a job waits for a daemon, node or slot for ever)",
+    )
     for name, unit in LIMITS.items():
         default = getattr(d, name)
         p.add_argument(
@@ -142,6 +151,21 @@ def job_retention(flag: str | None, env: Mapping[str, str]) -> float | None:
         raise ValueError(f"{where}: {e}") from None
 
 
+def queue_timeout(flag: str | None, env: Mapping[str, str]) -> float | None:
+    """Seconds a job may stay queued (None: no limit), from --queue-timeout, else
+    $KREX_GATEWAY_QUEUE_TIMEOUT. Raises ValueError naming the flag or variable."""
+    if flag is not None:
+        where, text = "--queue-timeout", flag
+    elif env.get(QUEUE_TIMEOUT_ENV):  # empty: unset, as for the retention
+        where, text = QUEUE_TIMEOUT_ENV, env[QUEUE_TIMEOUT_ENV]
+    else:
+        return None
+    try:
+        return cliargs.timeout(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not host:
@@ -172,6 +196,7 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway.env import Environment
     from krex_async.gateway.files import StateError, open_lock, own_dir, prepare_state
     from krex_async.gateway.jobs import JobRunner, make_shims
+    from krex_async.gateway.queue_timeout import QueueTimeout
     from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
     from krex_async.protocol import default_socket
@@ -248,6 +273,10 @@ async def serve(args: argparse.Namespace) -> int:
     info.write_text(json.dumps({"url": url, "pid": os.getpid()}))
     info.chmod(0o600)
     runner.start()
+    expiry = None
+    if args.queue_timeout is not None:
+        expiry = QueueTimeout(store, args.queue_timeout, gw.changed, lambda: runner.waiting)
+        expiry.start()
     sweeper = None
     if args.job_retention is not None:
         sweeper = Sweeper(
@@ -272,6 +301,8 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
     finally:
         gw.close()
+        if expiry is not None:
+            await expiry.stop()
         if sweeper is not None:
             await sweeper.stop()
         await app_runner.cleanup()
@@ -304,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
     try:
         args.job_retention = job_retention(args.job_retention, os.environ)
+        args.queue_timeout = queue_timeout(args.queue_timeout, os.environ)
     except ValueError as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2

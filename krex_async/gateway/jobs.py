@@ -413,7 +413,7 @@ class JobRunner:
         if self._loop_task is not None:
             self._loop_task.cancel()
         # Decided first, so the cancellations below do not turn these jobs into `cancelled`.
-        self.store.fail_running("gateway_stopped", "the gateway stopped while the job ran")
+        self.store.fail_all("running", "gateway_stopped", "the gateway stopped while the job ran")
         for command in list(self.commands.values()):
             if self.client is not None:
                 try:

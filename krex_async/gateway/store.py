@@ -126,23 +126,13 @@ class Store:
                 self.db.execute(sql)
         self.db.executescript(INDEXES)
         self.note = self._make_shrinkable(path)  # said by the gateway at start ("" when nothing)
-        now = time.time()
-        self.orphans = [
-            r[0] for r in self.db.execute("SELECT job_id FROM jobs WHERE status='running'").fetchall()
-        ]
-        self.restarted = self.db.execute(
-            "UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? WHERE status='running'",
-            (
-                _dumps(
-                    error(
-                        "gateway_restarted",
-                        "the gateway stopped while the job was running; it is not run again",
-                    )
-                ),
-                now,
-                now,
-            ),
-        ).rowcount
+        # Jobs a previous gateway left running: they may have run partly, so they never run again.
+        self.orphans = self.fail_all(
+            "running",
+            "gateway_restarted",
+            "the gateway stopped while the job was running; it is not run again",
+        )
+        self.restarted = len(self.orphans)
 
     def close(self) -> None:
         self.db.close()
@@ -304,21 +294,6 @@ class Store:
         sql += f" ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?"
         return [r[0] for r in self.db.execute(sql, (*args, limit)).fetchall()]
 
-    def list(
-        self,
-        kind: str | None,
-        status: str | None,
-        author: str | None,
-        limit: int,
-        newest_first: bool = True,
-        owner: str = "default",
-    ) -> list[dict[str, Any]]:
-        return [
-            j
-            for j in (self.get(i) for i in self.list_ids(owner, kind, status, author, limit, newest_first))
-            if j is not None
-        ]
-
     def render(self, job_id: str, owner: str | None = None) -> tuple[str, bytes] | None:
         """(status, the job's API object as JSON bytes), built around the stored result and error
         text without decoding them: a 16 MB result is not parsed and re-encoded for each reader."""
@@ -401,12 +376,33 @@ class Store:
             raise
         return before
 
-    def fail_running(self, reason: str, message: str) -> int:
-        now = time.time()
-        return self.db.execute(
-            "UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? WHERE status='running'",
-            (_dumps(error(reason, message)), now, now),
-        ).rowcount
+    def fail_all(
+        self, status: str, reason: str, message: str, created_before: float | None = None
+    ) -> list[str]:
+        """Mark every job in `status` (created before `created_before`, when given) failed with
+        this error, in one transaction; returns their ids."""
+        now, where = time.time(), "status=?"
+        args: list[object] = [status]
+        if created_before is not None:
+            where += " AND created_at < ?"
+            args.append(created_before)
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            ids = [r[0] for r in self.db.execute(f"SELECT job_id FROM jobs WHERE {where}", args)]
+            self.db.execute(
+                f"UPDATE jobs SET status='failed', error=?, updated_at=?, finished_at=? WHERE {where}",
+                (_dumps(error(reason, message)), now, now, *args),
+            )
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return ids
+
+    def oldest_queued(self) -> float | None:
+        """When the longest-waiting queued job was submitted (None: the queue is empty)."""
+        row = self.db.execute("SELECT MIN(created_at) FROM jobs WHERE status='queued'").fetchone()
+        return None if row[0] is None else float(row[0])
 
     def counts(self) -> dict[str, int]:
         return {
