@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import socket
+import sqlite3
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -230,7 +231,16 @@ async def serve(args: argparse.Namespace) -> int:
     for line in (note, where, auth.check_job_users(gate, args.job_python, args.socket or default_socket())):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
-    store = Store(state / "jobs.db")
+    try:
+        store = Store(state / "jobs.db")
+    except (sqlite3.Error, OSError) as e:  # corrupt, not a database, unreadable
+        os.close(lock)
+        print(
+            f"krex gateway: {state / 'jobs.db'} cannot be used ({type(e).__name__}: {e}); move it "
+            "aside to start with an empty job list",
+            file=sys.stderr,
+        )
+        return 2
     if store.note:
         print(f"krex gateway: {store.note}", file=sys.stderr, flush=True)
     if store.restarted:

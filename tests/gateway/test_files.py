@@ -114,3 +114,15 @@ def test_a_link_planted_as_the_lock_file_is_refused(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert target.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_corrupt_jobs_db_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    """A jobs.db that is not a database: exit 2 naming it, not a traceback."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o711)
+    (state / "jobs.db").write_bytes(b"not a database, " * 512)
+    argv = [sys.executable, "-m", "krex_async.gateway", "--listen", "127.0.0.1:0", "--no-auth"]
+    argv += ["--state-dir", str(state), "--socket", str(tmp_path / "no-daemon.sock")]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert "jobs.db cannot be used (DatabaseError" in r.stderr and "Traceback" not in r.stderr, r.stderr
