@@ -81,7 +81,7 @@ class Daemon:
             all_cpus=self.all_cpus,
         )
         self.regions = Regions(self.core)
-        self.warm = WarmPools(self.core, self.regions)
+        self.warm = WarmPools(self.core, self.regions.joins)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
@@ -192,24 +192,24 @@ class Daemon:
         the exit waits for the end of a region of another command on its device, if one runs (the
         region's owner just released often exits while the next region times), and is resumed at
         once otherwise. Either way the region granted next on the device waits, up to --lock-wait,
-        for the exit to finish (Regions.exiting): the driver frees the process's GPU memory."""
+        for the exit to finish (Exits.exiting): the driver frees the process's GPU memory."""
         regions = self.regions
         if req.region:  # its Resume comes with that region's release (or came: it is over)
             r = regions.active.get(req.region)
             if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
                 r.report.exit_deferred.append(peer_pid)
-                regions.note_exiting(peer_pid, r.device)
+                regions.exits.note_exiting(peer_pid, r.device)
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
         if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.core.closing:
             send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
-        r = regions.current_on(device)  # entering or held there, not a queued one
+        r = regions.joins.current_on(device)  # entering or held there, not a queued one
         if r is not None and (r.command is cmd or (r.ended is not None and r.ended.done())):
             r = None  # its own command's, or ending (released, withdrawn): nothing to wait for
         if r is None:
-            regions.note_exiting(peer_pid, device)
+            regions.exits.note_exiting(peer_pid, device)
             send(P.Resume(id=0, region=""))
         else:
             r.exit_waiters[peer_pid] = send

@@ -113,7 +113,7 @@ class Lifecycle:
         if self.core.closing:  # promoted while the daemon shuts down: it never runs
             self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
             return
-        region = self.regions.admit_frozen(cmd)
+        region = self.regions.joins.admit_frozen(cmd)
         try:
             await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores.for_new())
         except SpecError as e:
@@ -127,7 +127,7 @@ class Lifecycle:
             raise
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
             await self.runner.kill(cmd, *cmd.kill_pending)
-        await self.regions.join(cmd, region)
+        await self.regions.joins.join(cmd, region)
         self.warm.demand(cmd.device_key)
         if self.core.attributor is not None:
             self.core.attributor.command_started(cmd)
