@@ -77,7 +77,6 @@ LIMIT = 450
 LONG_MODULES = {
     "krex_async/cli.py",
     "krex_async/daemon/commands.py",
-    "krex_async/daemon/server.py",
     "krex_async/isolation/cgroup.py",
     "krex_async/node/doctor.py",
     "krex_async/probes/bpf_ioctl.py",

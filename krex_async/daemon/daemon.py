@@ -1,9 +1,9 @@
-"""The daemon: its parts, put together once, and the requests server.py hands it. One event loop owns
+"""The daemon: its parts, put together once, and the requests connection.py hands it. One event loop owns
 all of it.
 
 `Daemon` builds the shared `Core` (core.py) and the parts that take it: `Regions` (regions.py),
 `WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
-(status.py), and the `Tracer` (tracing.py). server.py feeds it decoded requests with the peer's
+(status.py), and the `Tracer` (tracing.py). connection.py feeds it decoded requests with the peer's
 credentials; each is answered by the part that owns it, through the connection's `send`, or refused
 with a RequestError (access.py). The region requests a command's runtime makes are checked here.
 """
@@ -60,7 +60,7 @@ class Daemon:
         spool = Spool(config.state_dir, config.spool_limit) if config.state_dir else None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracer = Tracer()
-        self.tracers = self.tracer.subscribers  # server.py adds `krex trace` peers here
+        self.tracers = self.tracer.subscribers  # connection.py adds `krex trace` peers here
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         # What the parts share with the daemon: these same objects.
         self.core = Core(
@@ -93,7 +93,7 @@ class Daemon:
 
     @property
     def attributor(self) -> Attributor | None:
-        """The probe attributor while probes run (server.start_probes sets it)."""
+        """The probe attributor while probes run (probing.start_probes sets it)."""
         return self._attributor
 
     @attributor.setter
