@@ -2,7 +2,7 @@
 kept for its agent until --retention passes, then forgotten; and what its agent may do meanwhile
 (attach, feed stdin, cancel, leave).
 
-`CommandRunner` (commands.py) spawns and watches the processes; this module decides when, and what the
+`CommandRunner` (runner.py) spawns and watches the processes; this module decides when, and what the
 rest of the daemon hears: the scheduler's queues, the regions a command held, the warm pools, the
 metrics, the trace, the durable record.
 """
@@ -17,10 +17,11 @@ from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import adoption
 from krex_async.daemon.access import RequestError, own, run_as
-from krex_async.daemon.commands import Command, CommandRunner, CommandState, SpecError, Subscriber
+from krex_async.daemon.commands import Command, CommandState, SpecError, Subscriber
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.placement import choose
 from krex_async.daemon.regions import Regions
+from krex_async.daemon.runner import CommandRunner
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from krex_async.daemon.warmpools import WarmPools
 
