@@ -76,9 +76,6 @@ def test_the_check_sees_a_circle_hidden_by_a_local_import(tmp_path: Path) -> Non
 LIMIT = 450
 LONG_MODULES = {
     "krex_async/cli.py",
-    "krex_async/daemon/commands.py",
-    "krex_async/daemon/regions.py",
-    "krex_async/daemon/server.py",
     "krex_async/isolation/cgroup.py",
     "krex_async/node/doctor.py",
     "krex_async/probes/bpf_ioctl.py",

@@ -223,7 +223,7 @@ class Pool:
         fut: asyncio.Future[Launched | str] = asyncio.get_running_loop().create_future()
         if worker is not None and (worker.state != "warm" or worker.exited.done()):
             # It died or retired since take(). Not another one instead: the region hold was
-            # checked for this one (Regions.hold_arrival), and the adopter starts fresh at once.
+            # checked for this one (Joins.hold_arrival), and the adopter starts fresh at once.
             fut.set_result("reserved worker gone")
             return fut
         w = None if self._closed else worker or self._pop_warm()

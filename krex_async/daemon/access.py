@@ -1,15 +1,18 @@
-"""Who may ask what of a command, and the error a refused request answers with.
+"""Who may ask what of a command, and see what of the node; the error a refused request answers with.
 
 An agent acts only on its own commands (root on any), a request from inside a command must carry its
 token and come from one of its processes, and only root may run a command as another user (DESIGN.md,
-Security and failure model). Every check raises `RequestError`, which server.py answers.
+Security and failure model). Every check raises `RequestError`, which connection.py answers. A peer
+that is not an admin sees its own commands' trace events and status, and only counts of the others'.
 """
 
 from __future__ import annotations
 
 import hmac
 import pwd
+from typing import Any
 
+from krex_async import protocol as P
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core
 from krex_async.linux.procfs import stat_fields
@@ -68,3 +71,51 @@ def inside(core: Core, cmd: Command, peer_pid: int, token: str, claimed_pid: int
     if cmd.pid not in ancestors(peer_pid) and peer_pid not in core.backend.pids(cmd.group):
         raise RequestError("forbidden", f"pid {peer_pid} is not a process of command {cmd.id}")
     return peer_pid
+
+
+# Events about the node rather than a command: every subscriber may see them (a probes_failed
+# means that each region from then on is reported tainted, theirs too).
+NODE_EVENTS = frozenset({"probes_failed"})
+
+
+def visible_event(ev: P.TraceEvent, commands: dict[str, Any], uid: int) -> bool:
+    """Whether a subscriber that is not an admin may see `ev`: its own commands' events (a stray in
+    its region included, whoever's process it was) and the node's own."""
+    if not ev.command:
+        return ev.kind in NODE_EVENTS
+    cmd = commands.get(ev.command)
+    return cmd is not None and cmd.uid == uid
+
+
+def visible_status(status: dict[str, Any], uid: int) -> dict[str, Any]:
+    """What `krex status` shows a peer that is not an admin: its own commands in full, other users'
+    commands only counted (`other_commands`), and a device held by another user's region as held,
+    without naming its command or region."""
+    mine = [c for c in status["commands"] if c.get("uid") == uid]
+    own = {c["command"] for c in mine}
+
+    def own_id(x: object) -> bool:  # a command id, or a region id "<command>.<n>"
+        return isinstance(x, str) and (x in own or x.rsplit(".", 1)[0] in own)
+
+    devices = []
+    for d in status["devices"]:
+        d = dict(
+            d,
+            commands=[c for c in d["commands"] if c in own],
+            other_commands=sum(c not in own for c in d["commands"]),
+            queued=[q for q in d["queued"] if own_id(q)],
+            holder=d["holder"] if d["holder"] is None or own_id(d["holder"]) else "other",
+        )
+        r = d.get("region")
+        if r is not None and r.get("command") not in own:
+            d["region"] = {
+                "region": "other",
+                "name": "",
+                "command": "other user",
+                "pid": None,
+                "state": r.get("state"),
+                "cores": r.get("cores", []),
+                "frozen": [f for f in r.get("frozen", []) if f in own],
+            }
+        devices.append(d)
+    return dict(status, devices=devices, commands=mine, other_commands=len(status["commands"]) - len(mine))

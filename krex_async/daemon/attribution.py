@@ -228,7 +228,7 @@ class Attributor:
         for ev in batch:
             if ev.kind == "open":
                 for r in choosing:
-                    self.regions.freeze_late(r, ev)
+                    self.regions.joins.freeze_late(r, ev)
             stray_for = None
             for r in held:
                 w = self.watches[r.id]

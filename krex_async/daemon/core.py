@@ -1,12 +1,14 @@
 """The daemon's shared core: the narrow state its parts take instead of the `Daemon` itself.
 
-`Lifecycle` (lifecycle.py), `WarmPools` (warmpools.py), `Regions` (regions.py), the probe `Attributor`
-(attribution.py), `Status` (status.py) and `recover` (recovery.py) each get a `Core`: the pieces of the
-daemon they use, each named below, and nothing else (uvicorn's `ServerState`, CPython's process-pool
-manager). With it the imports run one way, down:
+`Lifecycle` (lifecycle.py), `WarmPools` (warmpools.py), `Regions` (regions.py; its `Entry`, `Joins`
+and `Exits`), the probe `Attributor` (attribution.py), `Status` (status.py) and `recover`
+(recovery.py) each get a `Core`: the pieces of the daemon they use, each named below, and nothing
+else (uvicorn's `ServerState`, CPython's process-pool manager). With it the imports run one way,
+down:
 
-    daemon -> lifecycle -> warmpools -> regions -> hold -> core -> commands -> records
-           -> attribution --------------^                  ^
+    daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> commands -> records
+                                   -> joins -----------^       ^
+           -> attribution -> regions; lifecycle -> warmpools -> joins
            -> recovery, tracing; lifecycle -> placement -> access
 """
 
@@ -116,7 +118,7 @@ class Region:
     held_runtimes: list[Callable[[P.Msg], bool]] = field(default_factory=list)  # told Held: Resume
     # processes whose exit waits for this region's end (Daemon.exit_held): pid -> their runtime
     exit_waiters: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)
-    # exits it found unfinished (Regions._exits): pid -> their Regions.exiting entry, given back at
+    # exits it found unfinished (Exits.wait): pid -> their Exits.exiting entry, given back at
     # the release, so that the next region finds them still exiting
     exits_left: dict[int, tuple[str, float, int | None]] = field(default_factory=dict)
     acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
@@ -124,17 +126,17 @@ class Region:
     task: asyncio.Task[None] | None = None
     exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
     paused_pool: bool = False
-    releasing: bool = False  # _release has begun: nothing may join the frozen set any more
+    releasing: bool = False  # Entry.release has begun: nothing may join the frozen set any more
     joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
     clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
     # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry
     late: dict[int, P.LateLock] = field(default_factory=dict)
     freezing: set[str] = field(default_factory=set)  # commands a late freeze is under way for
-    # late, join and adoption freezes (Regions._freeze_into) in flight: _release waits for them,
+    # late, join and adoption freezes (Joins._freeze_into) in flight: Entry.release waits for them,
     # so that none lands, or is undone, after the next region took the device
     freezes: set[asyncio.Future[None]] = field(default_factory=set)
     # when its entry chose whom to hold (CLOCK_MONOTONIC ns, the probes' clock): a sibling whose
-    # GPU open the probes see from then on is frozen into it (Regions.freeze_late), entry included
+    # GPU open the probes see from then on is frozen into it (Joins.freeze_late), entry included
     select_ns: int | None = None
     targets: set[str] = field(default_factory=set)  # the commands its entry chose to hold
     entry_late: list[str] = field(default_factory=list)  # commands frozen so before the grant

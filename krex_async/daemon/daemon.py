@@ -1,9 +1,9 @@
-"""The daemon: its parts, put together once, and the requests server.py hands it. One event loop owns
+"""The daemon: its parts, put together once, and the requests connection.py hands it. One event loop owns
 all of it.
 
 `Daemon` builds the shared `Core` (core.py) and the parts that take it: `Regions` (regions.py),
 `WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
-(status.py), and the `Tracer` (tracing.py). server.py feeds it decoded requests with the peer's
+(status.py), and the `Tracer` (tracing.py). connection.py feeds it decoded requests with the peer's
 credentials; each is answered by the part that owns it, through the connection's `send`, or refused
 with a RequestError (access.py). The region requests a command's runtime makes are checked here.
 """
@@ -60,7 +60,7 @@ class Daemon:
         spool = Spool(config.state_dir, config.spool_limit) if config.state_dir else None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.tracer = Tracer()
-        self.tracers = self.tracer.subscribers  # server.py adds `krex trace` peers here
+        self.tracers = self.tracer.subscribers  # connection.py adds `krex trace` peers here
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         # What the parts share with the daemon: these same objects.
         self.core = Core(
@@ -81,7 +81,7 @@ class Daemon:
             all_cpus=self.all_cpus,
         )
         self.regions = Regions(self.core)
-        self.warm = WarmPools(self.core, self.regions)
+        self.warm = WarmPools(self.core, self.regions.joins)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
@@ -93,7 +93,7 @@ class Daemon:
 
     @property
     def attributor(self) -> Attributor | None:
-        """The probe attributor while probes run (server.start_probes sets it)."""
+        """The probe attributor while probes run (probing.start_probes sets it)."""
         return self._attributor
 
     @attributor.setter
@@ -192,24 +192,24 @@ class Daemon:
         the exit waits for the end of a region of another command on its device, if one runs (the
         region's owner just released often exits while the next region times), and is resumed at
         once otherwise. Either way the region granted next on the device waits, up to --lock-wait,
-        for the exit to finish (Regions.exiting): the driver frees the process's GPU memory."""
+        for the exit to finish (Exits.exiting): the driver frees the process's GPU memory."""
         regions = self.regions
         if req.region:  # its Resume comes with that region's release (or came: it is over)
             r = regions.active.get(req.region)
             if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
                 r.report.exit_deferred.append(peer_pid)
-                regions.note_exiting(peer_pid, r.device)
+                regions.exits.note_exiting(peer_pid, r.device)
             return
         cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
         if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.core.closing:
             send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
             return
         device = cmd.device.key
-        r = regions.current_on(device)  # entering or held there, not a queued one
+        r = regions.joins.current_on(device)  # entering or held there, not a queued one
         if r is not None and (r.command is cmd or (r.ended is not None and r.ended.done())):
             r = None  # its own command's, or ending (released, withdrawn): nothing to wait for
         if r is None:
-            regions.note_exiting(peer_pid, device)
+            regions.exits.note_exiting(peer_pid, device)
             send(P.Resume(id=0, region=""))
         else:
             r.exit_waiters[peer_pid] = send

@@ -41,7 +41,7 @@ from krex_async.protocol import LateLock
 
 if TYPE_CHECKING:
     from krex_async.daemon.commands import Command
-    from krex_async.daemon.core import Region
+    from krex_async.daemon.core import Core, Region
 
 log = logs.get("krex.hold")
 
@@ -109,6 +109,10 @@ class Hold:
         if self.freeze != "auto":
             return self.freeze
         return "device-holders" if probes and self.how(vendor)[0] == "lock" else "all"
+
+    def who_on(self, core: Core, device: str) -> str:
+        """`who` for a region on `device` now (the probes may start after the daemon)."""
+        return self.who(core.device(device).vendor, core.attributor is not None)
 
     def plan(self, vendor: str, targets: dict[str, list[int]]) -> Plan:
         """Split the held commands ({id: their GPU-holding pids}) into those to lock and to freeze."""

@@ -2,7 +2,7 @@
 kept for its agent until --retention passes, then forgotten; and what its agent may do meanwhile
 (attach, feed stdin, cancel, leave).
 
-`CommandRunner` (commands.py) spawns and watches the processes; this module decides when, and what the
+`CommandRunner` (runner.py) spawns and watches the processes; this module decides when, and what the
 rest of the daemon hears: the scheduler's queues, the regions a command held, the warm pools, the
 metrics, the trace, the durable record.
 """
@@ -17,10 +17,11 @@ from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import adoption
 from krex_async.daemon.access import RequestError, own, run_as
-from krex_async.daemon.commands import Command, CommandRunner, CommandState, SpecError, Subscriber
+from krex_async.daemon.commands import Command, CommandState, SpecError, Subscriber
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.placement import choose
 from krex_async.daemon.regions import Regions
+from krex_async.daemon.runner import CommandRunner
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from krex_async.daemon.warmpools import WarmPools
 
@@ -113,7 +114,7 @@ class Lifecycle:
         if self.core.closing:  # promoted while the daemon shuts down: it never runs
             self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
             return
-        region = self.regions.admit_frozen(cmd)
+        region = self.regions.joins.admit_frozen(cmd)
         try:
             await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores.for_new())
         except SpecError as e:
@@ -127,7 +128,7 @@ class Lifecycle:
             raise
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
             await self.runner.kill(cmd, *cmd.kill_pending)
-        await self.regions.join(cmd, region)
+        await self.regions.joins.join(cmd, region)
         self.warm.demand(cmd.device_key)
         if self.core.attributor is not None:
             self.core.attributor.command_started(cmd)

@@ -5,7 +5,7 @@ memory flat. The long form and its figures: bench/RESULTS.md.
 This is also the regression test for a race that left a command frozen for good: a command admitted
 frozen into a region that released while the daemon was still spawning it (creating its cgroup
 awaits) was added to the region's frozen set after the thaw. 3 of 3 runs at 16 agents left one or
-two of ~70 commands without a result before `Regions.join` reconciled starts with regions."""
+two of ~70 commands without a result before `Joins.join` reconciled starts with regions."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ async def test_a_launch_stopped_command_thawed_in_time_runs_once(tmp_path):
 
 
 async def test_a_freeze_cancelled_while_it_verifies_resumes_what_it_stopped():
-    """regions._isolate cancels a freeze still in flight when another step fails (or at
+    """Entry.isolate cancels a freeze still in flight when another step fails (or at
     shutdown): the processes it had stopped must run again, and its group must not read frozen."""
     from .cgroup_util import v1_freezer
 
@@ -88,7 +88,7 @@ async def test_a_freeze_cancelled_while_it_verifies_resumes_what_it_stopped():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for g in (g1, g2):  # what regions._release does with every group it marked
+        for g in (g1, g2):  # what Entry.release does with every group it marked
             await b.thaw(g)
         assert not g1.frozen and not g2.frozen
         assert wait_for(lambda: state(sleeper.pid) == "S"), f"left stopped: {state(sleeper.pid)}"

@@ -1,0 +1,172 @@
+"""Commands that meet a region already under way on their device: one that begins running during
+it (started frozen into it, or joined to it), a sibling the probes see open a GPU device, a command
+about to gain a warm pool worker mid-region. None stays frozen without a region to thaw it, and
+none runs through a region it should be held for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from krex_async import logs
+from krex_async.daemon.commands import Command
+from krex_async.daemon.core import Core, Region
+from krex_async.daemon.hold import Hold
+from krex_async.isolation.base import Group, IsolationError
+
+if TYPE_CHECKING:
+    from krex_async.probes.base import ProbeEvent
+
+log = logs.get("krex.region")
+
+
+class Joins:
+    def __init__(self, core: Core, hold: Hold, holder_on: Callable[[str], Region | None]) -> None:
+        self.core = core
+        self.hold = hold  # whom a region holds: all, or the device holders alone
+        self.holder_on = holder_on  # Regions.holder_on: the region that holds a device now
+
+    def freeze_late(self, r: Region, ev: ProbeEvent) -> None:
+        """--freeze device-holders, or a sibling held by the lock: a sibling process that opened a
+        GPU device since the region chose whom to hold (its entry included) is frozen with its
+        command as soon as the probes see the open (an open during the region is a stray)."""
+        if r.report.outcome not in ("open", "held") or r.select_ns is None or ev.ts_ns < r.select_ns:
+            return
+        assert self.core.attributor is not None
+        cmd = self.core.attributor.command_of(ev)
+        if (
+            cmd is None
+            or cmd is r.command
+            or cmd.device_key != r.device
+            or cmd.group is None
+            or cmd.group.frozen
+        ):
+            return
+        if r.report.outcome == "open" and cmd.id in r.targets:
+            return  # the entry holds it already (frozen, or its lock under way)
+        if self.hold.who_on(self.core, r.device) != "device-holders" and cmd.id not in r.locked_ids:
+            return
+        late = r.late.get(ev.tgid)
+        if late is not None and late.outcome == "locked":
+            return  # locked as its CUDA call ended: that call's driver calls are its last
+        self.core.track(asyncio.get_running_loop().create_task(self._freeze_into(r, cmd, cmd.group, "late")))
+
+    def current_on(self, device: str) -> Region | None:
+        """The region isolating or held on `device` that a command may still join."""
+        r = self.holder_on(device)
+        if r is None or r.releasing or r.report.outcome not in ("open", "held"):
+            return None
+        return r
+
+    async def join(self, cmd: Command, admitted: Region | None) -> None:
+        """Reconcile a command that has just begun running with the region now on its device.
+
+        Spawning awaits (the group is created, cores set), and a region may begin or end meanwhile:
+        a command started frozen for a region that has since released is thawed here, and one that
+        started unfrozen after a region took its targets is frozen into it before the grant (or at
+        once, if the region is already held). Either way no command stays frozen without a region
+        to thaw it, and none runs through a region it should be frozen for."""
+        group = cmd.group
+        if group is None or cmd.device_key is None:
+            return
+        current = self.current_on(cmd.device_key)
+        if admitted is not None and admitted is current:
+            self._add_frozen(current, cmd, group)
+            return
+        if admitted is not None:
+            await self.core.backend.thaw(group)
+        if current is None or cmd.id in current.frozen_ids or not self._freezes_starts(current.device):
+            return
+        task = asyncio.get_running_loop().create_task(self._freeze_into(current, cmd, group, "join"))
+        current.joins.append(task)
+        await task
+
+    def _add_frozen(self, r: Region, cmd: Command, group: Group) -> None:
+        r.frozen.append(group)
+        r.frozen_ids.append(cmd.id)
+        r.report.frozen.append(cmd.id)
+
+    async def _freeze_into(self, r: Region, cmd: Command, group: Group, why: str) -> None:
+        """Freeze a command after the region froze its targets (`why`: "join", a command that
+        began running meanwhile; "late", a device holder the probes saw): into the region while
+        it is still current, else undone at once."""
+        # a burst of GPU opens (a CUDA initialisation opens several files) freezes it once
+        if cmd.id in r.freezing or cmd.id in r.frozen_ids or r.releasing:
+            return
+        r.freezing.add(cmd.id)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        r.freezes.add(done)
+        try:
+            try:
+                await self.core.backend.freeze(group, timeout=self.core.config.freeze_timeout)
+            except (IsolationError, OSError) as e:  # FreezeError included: the backend undid it
+                log.warning(f"{why}_freeze_failed", region=r.id, command=cmd.id, error=str(e))
+                return
+            finally:
+                r.freezing.discard(cmd.id)
+            if self.current_on(r.device) is r:
+                self._add_frozen(r, cmd, group)
+                if r.report.outcome == "open" and why == "late":
+                    r.entry_late.append(cmd.id)
+                self.core.trace("freeze", r, command=cmd.id, late=True)
+                return
+            try:  # the region began releasing while this one froze (and waits for it): undo now
+                await self.core.backend.thaw(group)
+            except Exception as e:  # noqa: BLE001 - logged: nothing else would thaw it
+                log.error("thaw_failed", region=r.id, group=group.name, error=repr(e))
+        finally:
+            r.freezes.discard(done)
+            done.set_result(None)
+
+    async def hold_arrival(self, cmd: Command, worker: int) -> None:
+        """A command about to gain the warm pool worker `worker` (reserved for it) mid-region (an
+        adoption: the worker brings a context, with no open the probes could see) while the
+        region does not hold the command already (device-holders left it running, or the lock
+        held only its other processes). Nothing to do when that worker is locked into the region
+        (it runs on until its first CUDA call); else the command is frozen into the region first,
+        as an open of a GPU device would have it, and the adoption waits for the region's end."""
+        if cmd.group is None or cmd.device_key is None:
+            return
+        r = self.current_on(cmd.device_key)
+        if r is None or r.command is cmd or cmd.group.frozen or cmd.id in r.frozen_ids:
+            return
+        if self.hold.who_on(self.core, r.device) != "device-holders" and cmd.id not in r.locked_ids:
+            return  # --freeze all: a running command is frozen, or locked, as a target already
+        if worker in r.locked_pids:
+            return
+        await self._freeze_into(r, cmd, cmd.group, "adopt")
+
+    def workers_held(self, r: Region) -> bool:
+        """Whether every idle warm worker of the region's device is locked into it (so one taken
+        mid-region by a command the region does not hold starts no GPU work); with none idle,
+        nothing can be handed over (adopt() and launch() take only an idle one, at once)."""
+        pool = self.core.pools.get(r.device)
+        return pool is None or set(pool.idle_pids()) <= set(r.locked_pids)
+
+    def holds_starts(self, device: str, cmd: Command) -> bool:
+        """Whether a warm worker may not be handed a command starting now on `device`: a region
+        there holds GPU holders only (device-holders) and would not hold the worker's context."""
+        r = self.current_on(device)
+        return (
+            r is not None
+            and r.command is not cmd
+            and self.hold.who_on(self.core, r.device) == "device-holders"
+            and not self.workers_held(r)
+        )
+
+    def admit_frozen(self, cmd: Command) -> Region | None:
+        """A command starting on a device whose region is held lands frozen: the region it joins.
+        Under --freeze device-holders it holds no GPU file yet, so it starts (fenced off the
+        region cores) and is frozen if it opens one during the region."""
+        if cmd.device is None or not self._freezes_starts(cmd.device.key):
+            return None
+        return self.current_on(cmd.device.key)
+
+    def _freezes_starts(self, device: str) -> bool:
+        """Whether commands that start during a region are frozen into it (not under the shared
+        or command policies, nor --freeze device-holders, which freezes on a GPU open instead)."""
+        if not self.core.scheduler.isolates():
+            return False
+        return self.hold.who_on(self.core, device) != "device-holders"

@@ -1,0 +1,111 @@
+"""The daemon's listening socket: its path checked before anything starts, bound with its final
+mode from the first instant and only then given its name, a stale socket replaced and a live one
+never stolen; and the file limit raised for thousands of idle agents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import resource
+import socket
+import stat
+
+LISTEN_BACKLOG = 4096
+
+
+def group_id(group: str, option: str = "--socket-group") -> int:
+    """A group name or number (--socket-group, --admin-group); SystemExit naming `option` if none."""
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise SystemExit(f"krex: {option} {group!r}: no such group") from None
+
+
+def check_socket_path(path: str) -> None:
+    """Whether `path` can be served on, before anything is started (SystemExit saying why not):
+    short enough for a client to connect to, its directory made, nothing there but a socket nobody
+    answers on (left by a daemon that died: bind_socket replaces it)."""
+    if len(os.fsencode(path)) >= 108:
+        raise SystemExit(
+            f"krex: --socket {path}: {len(os.fsencode(path))} bytes; a Unix socket path must be "
+            "under 108 (no client could connect to it)"
+        )
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise SystemExit(f"krex: --socket {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SystemExit(f"krex: {path} exists and is not a socket; not replacing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # stale: left by a daemon that died; bind_socket's rename replaces it
+    except OSError as e:
+        raise SystemExit(f"krex: {path} exists and is not a usable socket: {e}") from None
+    else:
+        raise SystemExit(f"krex: another daemon is serving on {path}")
+    finally:
+        probe.close()
+
+
+def bind_socket(path: str, group: str = "") -> socket.socket:
+    """Bind and listen with the final mode from the first instant; only then give it its name.
+
+    The socket is bound under a temporary name with umask 0177 (mode 0600), given its group and mode
+    0660 when `group` is set, put into listening state, and renamed onto `path`: at no moment is there
+    a file at `path` with a looser mode, or one that refuses connections because it is not listening
+    yet. A leftover socket at `path` that nobody answers on is replaced; a live one is never stolen;
+    anything that is not a socket is left alone (SystemExit), so a wrong path deletes nothing.
+    """
+    gid = group_id(group) if group else None
+    check_socket_path(path)
+    # A short temporary name in the same directory (AF_UNIX paths end near 108 bytes; a path too
+    # long for a suffix is bound directly: its mode is still right, only the listen window remains).
+    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}~")
+    if len(os.fsencode(tmp)) >= 108:
+        tmp = path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(tmp)
+    finally:
+        os.umask(old)
+    try:
+        if gid is not None:
+            os.chown(tmp, -1, gid)
+            os.chmod(tmp, 0o660)
+        sock.listen(LISTEN_BACKLOG)
+        if tmp != path:
+            os.rename(tmp, path)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (thousands of idle agents are normal).
+    Returns the soft limit now in force; never raises."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+        except (ValueError, OSError):
+            pass
+    return soft
