@@ -3,8 +3,8 @@
     krex status [--json] [--all] [--watch [SECONDS]]
 
 The daemon's settings, then one row per device (memory, utilisation, the region held and queued),
-the warm pools, and one row per command of this daemon (commands a previous daemon left, reported
-`lost`, only with --all). --watch redraws every SECONDS (2 by default) until Ctrl-C, like
+the warm pools, and one row per command of this daemon (commands of a previous daemon, those it
+left running reported `lost`, only with --all). --watch redraws every SECONDS (2 by default) until Ctrl-C, like
 `nvidia-smi -l`.
 """
 
@@ -236,5 +236,8 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
     if not rows:
         out.append("(no commands)")
     if earlier and not show_all:
-        out.append(f"({len(earlier)} commands of an earlier daemon, reported lost: krex status --all)")
-    return "\n".join(_fit(line) for line in out)
+        lost = sum(1 for c in earlier if c.get("result") == "lost")
+        out.append(f"({len(earlier)} commands of an earlier daemon, {lost} of them lost: krex status --all)")
+    # Settings lines arrive wrapped (several lines in one item): each line is fitted on its own,
+    # so a wrapped reason is kept whole and only table rows are cut.
+    return "\n".join(_fit(line) for item in out for line in item.split("\n"))

@@ -312,6 +312,33 @@ def test_status_table_fits_and_says_its_units() -> None:
     assert "'timing' by 12345-1 (held)" in text and "holds frozen 1, locked 1, cores [1]" in text
 
 
+def test_status_keeps_a_long_reason_whole_and_counts_lost_apart() -> None:
+    """A settings line is wrapped, never cut: the isolation reason of a hybrid host (longer than
+    the table) reads to its end; earlier commands that exited are not called lost."""
+    from krex_async.node.statusview import render
+
+    reason = "hybrid: freezer in v2 at /sys/fs/cgroup/unified, cpuset in v1 at /sys/fs/cgroup/cpuset END"
+    earlier = {"argv": ["true"], "state": "ended", "device": "cpu", "pid": None, "age_s": 1.0}
+    st = {
+        "pid": 1,
+        "boot": "b2",
+        "policy": "region",
+        "freeze": "all",
+        "region_cores": 1,
+        "isolation": {"backend": "cgroup", "reason": reason},
+        "devices": [],
+        "commands": [
+            {**earlier, "command": "b1-1", "frozen": False, "label": "", "result": "exited"},
+            {**earlier, "command": "b1-2", "frozen": False, "label": "", "result": "lost"},
+        ],
+    }
+    text = render(st)
+    assert all(len(x) <= 100 for x in text.splitlines()), text
+    assert "…" not in text, text
+    assert " ".join(text.split()).count(reason) == 1, text
+    assert "2 commands of an earlier daemon, 1 of them lost" in text, text
+
+
 async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
