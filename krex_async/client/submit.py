@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import os
 import socket
+import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,40 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
-from krex_async.protocol import default_socket
+from krex_async.protocol import NODE_SOCKET, default_socket
+
+
+def agent_socket(path: str | None = None) -> str:
+    """The socket an agent connects to: PATH, else $KREX_SOCKET, else the default path. A user who
+    runs no daemon of their own (nothing at $XDG_RUNTIME_DIR/krex.sock) reaches the node's daemon
+    at /run/krex/krex.sock, as `krex run` on a node with the systemd unit should."""
+    if path:
+        return path
+    own = default_socket()
+    if os.environ.get("KREX_SOCKET") or own == NODE_SOCKET:
+        return own
+    return NODE_SOCKET if not os.path.lexists(own) and os.path.lexists(NODE_SOCKET) else own
+
+
+def _unreachable(path: str, e: BaseException) -> str:
+    """Why nothing answers at PATH, and what to do: a directory or a file named instead of the
+    socket is said so (starting a daemon there would not help)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISDIR(mode):
+        return (
+            f"{path} is a directory, not a daemon's socket: --socket or KREX_SOCKET names the socket "
+            f"file itself (e.g. {os.path.join(path, 'krex.sock')})"
+        )
+    if mode and not stat.S_ISSOCK(mode):
+        return f"{path} is not a socket: --socket or KREX_SOCKET names the daemon's socket file"
+    strerror = getattr(e, "strerror", None)
+    return (
+        f"no krex daemon at {path}: {strerror or e} (start one with `krex serve --socket {path}`, or "
+        "`systemctl start krex` where the unit is installed; --socket or KREX_SOCKET names another)"
+    )
 
 
 async def _connect_unix(path: str) -> socket.socket:
@@ -154,7 +188,7 @@ class Client:
     @classmethod
     async def connect(cls, path: str | None = None, timeout: float = 10.0) -> Client:
         """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens."""
-        path = path or default_socket()
+        path = agent_socket(path)
         try:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
@@ -165,13 +199,7 @@ class Client:
                 "admits its own user and the group it was started with (`krex serve --socket-group`)",
             ) from None
         except (OSError, TimeoutError) as e:
-            raise KrexError(
-                "unreachable",
-                f"no krex daemon at {path}: {e.strerror or e} (start "
-                f"one with `krex serve --socket {path}`, or `systemctl "
-                "start krex` where the unit is installed; --socket or "
-                "KREX_SOCKET names another)",
-            ) from None
+            raise KrexError("unreachable", _unreachable(path, e)) from None
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:

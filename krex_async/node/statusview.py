@@ -4,8 +4,8 @@
 
 The daemon's settings, then one row per device (memory, utilisation, the region held and queued),
 the warm pools, and one row per command of this daemon (commands of a previous daemon, those it
-left running reported `lost`, only with --all). --watch redraws every SECONDS (2 by default) until Ctrl-C, like
-`nvidia-smi -l`.
+left running reported `lost`, only with --all). --watch redraws every SECONDS (2 by default)
+until Ctrl-C, like `nvidia-smi -l`.
 """
 
 from __future__ import annotations
