@@ -190,6 +190,7 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
     from aiohttp import web
 
+    from krex_async.client.submit import agent_socket
     from krex_async.fleet import fleet_connector
     from krex_async.gateway import auth
     from krex_async.gateway import catalog as K
@@ -200,7 +201,6 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway.queue_timeout import QueueTimeout
     from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
-    from krex_async.protocol import default_socket
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
@@ -228,7 +228,8 @@ async def serve(args: argparse.Namespace) -> int:
         os.close(lock)
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
-    for line in (note, where, auth.check_job_users(gate, args.job_python, args.socket or default_socket())):
+    daemon_socket = agent_socket(args.socket)  # the one JobRunner's Client.connect reaches
+    for line in (note, where, *auth.check_job_users(gate, args.job_python, daemon_socket).splitlines()):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     try:
@@ -299,7 +300,7 @@ async def serve(args: argparse.Namespace) -> int:
         sweeper.start()
     print(
         f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
-        f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
+        f", daemon {f'fleet {fleet}' if fleet else daemon_socket})",
         file=sys.stderr,
         flush=True,
     )
