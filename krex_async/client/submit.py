@@ -25,6 +25,12 @@ import msgspec
 from krex_async import protocol as P
 from krex_async.protocol import NODE_SOCKET, default_socket
 
+# A connection lost with no word from the daemon: it died (a clean stop reports `shutdown` first).
+DISCONNECTED = (
+    "the daemon closed the connection without a word (it died or was killed): a command it ran may "
+    "still be running; the next daemon started on the same state dir ends it and reports it lost"
+)
+
 
 def agent_socket(path: str | None = None) -> str:
     """The socket an agent connects to: PATH, else $KREX_SOCKET, else the default path. A user who
@@ -133,7 +139,7 @@ class CommandHandle:
         while self._result is None:
             msg = await self._queue.get()
             if msg is None:
-                raise KrexError("disconnected", "the daemon closed the connection")
+                raise KrexError("disconnected", DISCONNECTED)
             match msg:
                 case P.Output():
                     (self._out if msg.stream == "stdout" else self._err).extend(msg.data)
@@ -266,7 +272,7 @@ class Client:
         """Queue `msg`; its replies arrive on the queue returned (None: the connection ended).
         Raises KrexError("disconnected") when the connection already ended: no reply could come."""
         if self._task is not None and self._task.done():
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", DISCONNECTED)
         q: asyncio.Queue[P.Reply | None] = asyncio.Queue()
         self._queues[msg.id] = q  # type: ignore[attr-defined]
         self._writer.write(P.encode(msg))
@@ -282,7 +288,7 @@ class Client:
         finally:
             self._forget(msg.id)  # type: ignore[attr-defined]
         if reply is None:
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", DISCONNECTED)
         if isinstance(reply, P.Error):
             raise KrexError(reply.code, reply.message)
         return reply
@@ -325,7 +331,7 @@ class Client:
         q = self._send(msg)
         first = await q.get()
         if first is None:
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", DISCONNECTED)
         if isinstance(first, P.Error):
             self._forget(req_id)
             raise KrexError(first.code, first.message)
@@ -343,7 +349,7 @@ class Client:
             self._forget(req_id)
             raise KrexError(first.code, first.message)
         if first is None:
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", DISCONNECTED)
         assert isinstance(first, P.Accepted)
         return CommandHandle(self, req_id, first, q)
 
@@ -364,7 +370,7 @@ class Client:
             while True:
                 msg = await q.get()
                 if msg is None:
-                    raise KrexError("disconnected", "the daemon closed the connection")
+                    raise KrexError("disconnected", DISCONNECTED)
                 if isinstance(msg, P.Error):
                     raise KrexError(msg.code, msg.message)
                 if isinstance(msg, P.TimelineChunk):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pty
@@ -411,3 +412,38 @@ async def test_stdin_pipe_waits_while_full_refuses_a_second_writer_and_wakes_on_
             await pipe.write(b"late")
     finally:
         os.close(reader)
+
+
+async def test_run_whose_daemon_dies_says_its_command_may_still_run(tmp_path: Path) -> None:
+    """A daemon killed under `krex run` (SIGKILL: no shutdown report) leaves its command running;
+    `krex run` exits 125 saying so and how it ends, not only that a connection closed."""
+    async with run_daemon() as d:
+        run = subprocess.Popen(
+            [*KREX, "run", "--", "sleep", "60"],
+            env=py_env(KREX_SOCKET=d.socket),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        pid = None
+        try:
+            async with await d.client() as c:
+                for _ in range(500):
+                    rows = [x for x in (await c.status())["commands"] if x["state"] == "running"]
+                    if rows and rows[0]["pid"]:
+                        pid = rows[0]["pid"]
+                        break
+                    await asyncio.sleep(0.02)
+            assert pid is not None, "the command did not start"
+            d.proc.kill()
+            _, err = await asyncio.to_thread(run.communicate, timeout=30)
+            assert run.returncode == 125, err
+            assert b"may still be running" in err and b"reports it lost" in err, err
+            no_traceback(subprocess.CompletedProcess([], 125, b"", err))
+        finally:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, 9)
+            if run.poll() is None:
+                run.kill()
+                run.wait()
