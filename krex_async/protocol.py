@@ -40,6 +40,7 @@ MAX_STDIN = 8 * 1024 * 1024
 
 
 NODE_SOCKET = "/run/krex/krex.sock"  # the node's daemon (root's, the systemd unit's)
+SUN_PATH_MAX = 108  # bytes of sockaddr_un.sun_path: a socket path must be shorter
 
 
 def default_socket() -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
-from krex_async.protocol import NODE_SOCKET, default_socket
+from krex_async.protocol import NODE_SOCKET, SUN_PATH_MAX, default_socket
 
 # A connection lost with no word from the daemon: it died (a clean stop reports `shutdown` first).
 DISCONNECTED = (
@@ -58,6 +58,11 @@ def _unreachable(path: str, e: BaseException) -> str:
         )
     if mode and not stat.S_ISSOCK(mode):
         return f"{path} is not a socket: --socket or KREX_SOCKET names the daemon's socket file"
+    if len(os.fsencode(path)) >= SUN_PATH_MAX:
+        return (
+            f"{path}: {len(os.fsencode(path))} bytes; a Unix socket path must be under {SUN_PATH_MAX} "
+            "(no daemon can serve there): name a shorter one with --socket or KREX_SOCKET"
+        )
     strerror = getattr(e, "strerror", None)
     return (
         f"no krex daemon at {path}: {strerror or e} (start one with `krex serve --socket {path}`, or "

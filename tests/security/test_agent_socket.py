@@ -58,17 +58,22 @@ async def test_a_user_without_a_daemon_of_its_own_reaches_the_nodes(users):
         os.rmdir(runtime)
 
 
-@pytest.mark.parametrize("kind", ["directory", "file"])
+@pytest.mark.parametrize("kind", ["directory", "file", "too long"])
 async def test_a_path_that_is_not_a_socket_is_named_as_such(tmp_path: Path, kind: str) -> None:
+    """A directory, a plain file or a path no socket can have: said so, and no advice to start a
+    daemon there (which could not help)."""
     from krex_async import Client, KrexError
 
     path = tmp_path / "sock"
     if kind == "directory":
         path.mkdir()
-    else:
+    elif kind == "file":
         path.write_text("")
+    else:
+        path = tmp_path / ("x" * 120) / "s"
     with pytest.raises(KrexError) as e:
         await Client.connect(str(path), timeout=2)
     said = e.value.message
-    assert f"{path} is {'a directory' if kind == 'directory' else 'not a socket'}" in said, said
+    expect = {"directory": "is a directory", "file": "is not a socket", "too long": "must be under 108"}
+    assert f"{path}" in said and expect[kind] in said, said
     assert "--socket" in said and "krex serve --socket" not in said, said
