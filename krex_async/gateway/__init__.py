@@ -71,8 +71,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--token",
-        default=os.environ.get("KREX_GATEWAY_TOKEN"),
-        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN; otherwise the token file)",
+        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN, unless --token-file "
+        "or --no-auth is given; otherwise the token file)",
     )
     p.add_argument(
         "--token-file",
@@ -223,7 +223,10 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         prepare_state(state)
         run_as, note = auth.job_user(args.run_as, euid)
-        gate, where = auth.load(state, args.token_file, args.token, args.no_auth, run_as, euid)
+        token, token_from = args.token, "--token"
+        if token is None and not (args.token_file or args.no_auth):  # a flag given wins over the env
+            token, token_from = os.environ.get("KREX_GATEWAY_TOKEN") or None, "$KREX_GATEWAY_TOKEN"
+        gate, where = auth.load(state, args.token_file, token, args.no_auth, run_as, euid, token_from)
     except (auth.AuthError, StateError, OSError) as e:
         os.close(lock)
         print(f"krex gateway: {e}", file=sys.stderr)

@@ -165,9 +165,16 @@ def read_tokens(path: Path, default: RunAs, euid: int) -> dict[str, Identity]:
 
 
 def load(
-    state: Path, token_file: str | None, token: str | None, no_auth: bool, run_as: RunAs, euid: int
+    state: Path,
+    token_file: str | None,
+    token: str | None,
+    no_auth: bool,
+    run_as: RunAs,
+    euid: int,
+    token_from: str = "--token",
 ) -> tuple[Auth, str]:
-    """The gateway's Auth and a line saying where its tokens are. Raises AuthError."""
+    """The gateway's Auth and a line saying where its tokens are (`token_from`: where `token`
+    came from, --token or $KREX_GATEWAY_TOKEN). Raises AuthError."""
     if no_auth:
         if token or token_file:
             raise AuthError("--no-auth cannot be combined with --token or --token-file")
@@ -179,7 +186,7 @@ def load(
     if token_file and token:
         raise AuthError("give --token-file or --token, not both")
     if token:
-        return Auth({token: Identity(DEFAULT_NAME, run_as)}), "token from --token"
+        return Auth({token: Identity(DEFAULT_NAME, run_as)}), f"token from {token_from}"
     path = Path(token_file) if token_file else state / "token"
     made = False
     try:

@@ -62,3 +62,18 @@ def test_the_start_names_the_socket_and_a_job_python_without_krex(tmp_path: Path
         # The same interpreter given krex's dependencies (PYTHONPATH, as jobs inherit it): no warning.
         fine = start_lines(home / "gw2", {**base, "KREX_SOCKET": sock, "PYTHONPATH": USER_PYTHONPATH}, *args)
         assert "region client" not in fine and "listening on" in fine, fine
+
+
+def test_a_token_flag_given_wins_over_krex_gateway_token_in_the_environment(tmp_path: Path) -> None:
+    """$KREX_GATEWAY_TOKEN left in a shell does not turn `--token-file F` or `--no-auth` into
+    'give --token-file or --token, not both'; used alone, the start line says where it came from."""
+    base = {k: v for k, v in os.environ.items() if k != "KREX_GATEWAY_TOKEN"}
+    env = {**base, "KREX_GATEWAY_TOKEN": "t" * 32, "KREX_SOCKET": str(tmp_path / "krex.sock")}
+    args = ("--job-python", USER_PY) + (("--run-as", JOB_USER) if os.geteuid() == 0 else ())
+    with gateway_home() as home:
+        said = start_lines(home / "a", env, *args)
+        assert "token from $KREX_GATEWAY_TOKEN" in said and "listening on" in said, said
+        said = start_lines(home / "b", env, "--token-file", str(home / "tokens"), *args)
+        assert f"new token written to {home / 'tokens'}" in said and "listening on" in said, said
+        said = start_lines(home / "c", env, "--no-auth", *args)
+        assert "NO AUTHENTICATION" in said and "listening on" in said, said
