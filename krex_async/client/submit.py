@@ -25,7 +25,9 @@ import msgspec
 from krex_async import protocol as P
 from krex_async.protocol import NODE_SOCKET, SUN_PATH_MAX, default_socket
 
-# A connection lost with no word from the daemon: it died (a clean stop reports `shutdown` first).
+CLOSED = "the daemon closed the connection (it stopped, or died)"
+# A command's stream lost with no word from the daemon: it died (a clean stop ends each command's
+# stream with a `shutdown` report first), and the command's processes may live on.
 DISCONNECTED = (
     "the daemon closed the connection without a word (it died or was killed): a command it ran may "
     "still be running; the next daemon started on the same state dir ends it and reports it lost"
@@ -277,7 +279,7 @@ class Client:
         """Queue `msg`; its replies arrive on the queue returned (None: the connection ended).
         Raises KrexError("disconnected") when the connection already ended: no reply could come."""
         if self._task is not None and self._task.done():
-            raise KrexError("disconnected", DISCONNECTED)
+            raise KrexError("disconnected", CLOSED)
         q: asyncio.Queue[P.Reply | None] = asyncio.Queue()
         self._queues[msg.id] = q  # type: ignore[attr-defined]
         self._writer.write(P.encode(msg))
@@ -293,7 +295,7 @@ class Client:
         finally:
             self._forget(msg.id)  # type: ignore[attr-defined]
         if reply is None:
-            raise KrexError("disconnected", DISCONNECTED)
+            raise KrexError("disconnected", CLOSED)
         if isinstance(reply, P.Error):
             raise KrexError(reply.code, reply.message)
         return reply
@@ -336,7 +338,7 @@ class Client:
         q = self._send(msg)
         first = await q.get()
         if first is None:
-            raise KrexError("disconnected", DISCONNECTED)
+            raise KrexError("disconnected", CLOSED)
         if isinstance(first, P.Error):
             self._forget(req_id)
             raise KrexError(first.code, first.message)
@@ -354,7 +356,7 @@ class Client:
             self._forget(req_id)
             raise KrexError(first.code, first.message)
         if first is None:
-            raise KrexError("disconnected", DISCONNECTED)
+            raise KrexError("disconnected", CLOSED)
         assert isinstance(first, P.Accepted)
         return CommandHandle(self, req_id, first, q)
 
@@ -375,7 +377,7 @@ class Client:
             while True:
                 msg = await q.get()
                 if msg is None:
-                    raise KrexError("disconnected", DISCONNECTED)
+                    raise KrexError("disconnected", CLOSED)
                 if isinstance(msg, P.Error):
                     raise KrexError(msg.code, msg.message)
                 if isinstance(msg, P.TimelineChunk):

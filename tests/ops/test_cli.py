@@ -447,3 +447,26 @@ async def test_run_whose_daemon_dies_says_its_command_may_still_run(tmp_path: Pa
             if run.poll() is None:
                 run.kill()
                 run.wait()
+
+
+async def test_watch_of_a_daemon_that_stops_cleanly_says_it_stopped() -> None:
+    """A SIGTERM'd daemon ends `krex status --watch` with exit 1 and a line, and without the
+    warning about commands left running that a killed daemon's `krex run` gets."""
+    async with run_daemon() as d:
+        watch = subprocess.Popen(
+            [*KREX, "status", "--watch", "0.2"],
+            env=py_env(KREX_SOCKET=d.socket),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            await asyncio.sleep(1.0)
+            d.proc.terminate()
+            _, err = await asyncio.to_thread(watch.communicate, timeout=30)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
+    assert watch.returncode == 1, err
+    assert b"closed the connection (it stopped, or died)" in err and b"may still be running" not in err, err
