@@ -318,12 +318,22 @@ class Client:
     ) -> CommandHandle:
         """Start a command. env=None passes this process's environment (as a shell would);
         run_as: another uid to run it as (the daemon allows that to a root peer only).
-        stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills."""
+        stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills.
+        Raises KrexError("bad_spec") where cwd is not given and this process's own is gone."""
+        if not cwd:
+            try:
+                cwd = os.getcwd()
+            except FileNotFoundError:  # a shell still in a directory someone removed
+                raise KrexError(
+                    "bad_spec",
+                    "the current directory was removed, so the command has no cwd to start in: "
+                    "cd to an existing directory (or pass cwd=)",
+                ) from None
         req_id = next(self._ids)
         msg = P.Submit(
             id=req_id,
             argv=list(argv),
-            cwd=cwd or os.getcwd(),
+            cwd=cwd,
             env=dict(os.environ) if env is None else env,
             device=str(device),
             timeout=timeout,

@@ -470,3 +470,23 @@ async def test_watch_of_a_daemon_that_stops_cleanly_says_it_stopped() -> None:
                 watch.wait()
     assert watch.returncode == 1, err
     assert b"closed the connection (it stopped, or died)" in err and b"may still be running" not in err, err
+
+
+async def test_run_from_a_removed_directory_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    """A shell left in a directory that was removed: `krex run` says so and exits 125."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    async with run_daemon() as d:
+        script = f"import os, runpy, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+        script += (
+            "sys.argv = ['krex', 'run', '--', 'true']; runpy.run_module('krex_async', run_name='__main__')"
+        )
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-c", script],
+            env=py_env(KREX_SOCKET=d.socket),
+            capture_output=True,
+            timeout=60,
+        )
+    no_traceback(p)
+    assert p.returncode == 125 and b"current directory was removed" in p.stderr, p.stderr
