@@ -204,7 +204,15 @@ async def serve(args: argparse.Namespace) -> int:
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
-    state = Path(args.state_dir).resolve()
+    try:
+        state = Path(args.state_dir).resolve()
+    except FileNotFoundError:  # relative, from a directory that was removed
+        print(
+            f"krex gateway: --state-dir {args.state_dir}: the current directory was removed; "
+            "give an absolute path or cd to an existing directory",
+            file=sys.stderr,
+        )
+        return 2
     euid = os.geteuid()
     # The lock first (only the state dir itself is made or checked before it): a second gateway
     # on this state dir is refused before it changes anything the first one owns.

@@ -77,3 +77,16 @@ def test_a_token_flag_given_wins_over_krex_gateway_token_in_the_environment(tmp_
         assert f"new token written to {home / 'tokens'}" in said and "listening on" in said, said
         said = start_lines(home / "c", env, "--no-auth", *args)
         assert "NO AUTHENTICATION" in said and "listening on" in said, said
+
+
+def test_a_relative_state_dir_from_a_removed_directory_is_exit_2_naming_the_flag(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        f"import os, runpy, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+        "sys.argv = ['krex-gateway', '--listen', '127.0.0.1:0', '--state-dir', 'rel']; "
+        "runpy.run_module('krex_async.gateway', run_name='__main__')"
+    )
+    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "--state-dir rel: the current directory was removed" in p.stderr, p.stderr
