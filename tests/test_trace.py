@@ -159,6 +159,9 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
         detail={"frozen": "1065bba0-124"},
     )
     assert line(grant).index("frozen=") == HEADER.index("DETAIL"), (HEADER, line(grant))
+    # A stray's comm is any process's text: escaped, never sent raw to the terminal.
+    odd = P.TraceEvent(id=0, ts=1.0, kind="stray", device="cpu", pid=9, detail={"comm": "a\x1b]0;t\x07\nb"})
+    assert "\x1b" not in line(odd) and "\n" not in line(odd) and "comm=a\\x1b]0;t\\x07\\nb" in line(odd)
 
 
 async def test_trace_names_the_stray_process_and_the_owners_own_region(device, script, tmp_path):  # noqa: F811 - the fixture

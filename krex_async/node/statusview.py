@@ -111,6 +111,14 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
 
 
+def printable(text: str) -> str:
+    """TEXT with control and other unprintable characters escaped (`\x1b`, `\n`), as ps shows
+    them: argv, labels and region names are any user's, and an admin's terminal must not run them."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def _fit(line: str) -> str:
     """A table row cut to WIDTH (its last column, the command line, is what gets cut)."""
     return line if len(line) <= WIDTH else line[: WIDTH - 1] + "…"
@@ -188,7 +196,7 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         mem = f"{size(total - free)}/{size(total)}" if total and free is not None else "-"
         util = d.get("utilisation_pct")
         r = d["region"]
-        held = "-" if r is None else f"{r['name']!r} by {r['command']} ({r['state']})"
+        held = "-" if r is None else f"{printable(repr(r['name']))} by {r['command']} ({r['state']})"
         name = str(d.get("name") or d["vendor"])[:14]
         out.append(
             f"{d['key']:<9} {name:<14} {mem:<15} "
@@ -225,9 +233,9 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
     )
     for c in rows:
         state = c["result"] if c["state"] == "ended" else c["state"]
-        what = " ".join(c["argv"])
+        what = printable(" ".join(c["argv"]))
         if c.get("label"):
-            what = f"{c['label']}: {what}"
+            what = f"{printable(c['label'])}: {what}"
         out.append(
             f"{c['command']:<13} {state:<9} {c['device']:<8} {c['pid'] or '-'!s:<8} "
             f"{age(c['age_s']):>7} {_ms(c.get('start_latency_s')):>7} "

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from krex_async.cliargs import int_in, names_from
+from krex_async.node.statusview import printable
 from krex_async.protocol import PID_MAX, TRACE_KINDS, default_socket
 
 # COMMAND and REGION fit ids up to a daemon's 99999th command and its 99th region ("1065bba0-123.4").
@@ -121,7 +122,7 @@ def line(ev: Any) -> str:
         for k, v in detail.items()
         if k not in _HIDDEN and v != "" and not (isinstance(v, float) and v == 0.0)
     ]
-    return (
+    return printable(  # a stray's comm, a region's name: anyone's text, escaped
         f"{when:<12} {kind[:14]:<14} {ev.device or '-':<8} {ev.command or '-':<14} "
         f"{ev.pid or '-'!s:>7} {ev.region or '-':<17} {' '.join(parts)}"
     )

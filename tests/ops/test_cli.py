@@ -340,6 +340,47 @@ def test_status_keeps_a_long_reason_whole_and_counts_lost_apart() -> None:
     assert "2 commands of an earlier daemon, 1 of them lost" in text, text
 
 
+def test_status_escapes_control_characters_of_a_users_label_argv_and_region() -> None:
+    """Another user's label, argv or region name cannot clear an admin's screen or forge a row."""
+    from krex_async.node.statusview import render
+
+    evil = "x\x1b[2J\x1b[31m\r\nforged 1-1 running"
+    st = {
+        "pid": 1,
+        "boot": "b",
+        "policy": "region",
+        "freeze": "all",
+        "region_cores": 1,
+        "isolation": {"backend": "cgroup", "reason": "r"},
+        "devices": [
+            {
+                "key": "cpu",
+                "vendor": "cpu",
+                "commands": ["b-1"],
+                "queued": [],
+                "region": {"name": evil, "command": "b-1", "state": "held", "frozen": [], "cores": [1]},
+            }
+        ],
+        "commands": [
+            {
+                "command": "b-1",
+                "argv": ["sh", "-c", evil],
+                "state": "running",
+                "device": "cpu",
+                "pid": 7,
+                "age_s": 1.0,
+                "frozen": False,
+                "label": evil,
+                "result": None,
+            }
+        ],
+    }
+    text = render(st)
+    assert "\x1b" not in text and "\r" not in text, repr(text)
+    assert not any(line.startswith("forged") for line in text.splitlines()), text
+    assert text.count("x\\x1b[2J\\x1b[31m\\r\\nforged") == 2, text  # label and argv, escaped
+
+
 async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
