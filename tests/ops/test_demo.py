@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -43,6 +45,9 @@ def test_demo_runs_and_ends_with_what_to_try_next() -> None:
     assert "verdict:" in out and out.rstrip().splitlines()[0].startswith("krex demo")
     tail = out[out.index("\nnext") :]
     assert "krex serve" in tail and "krex run" in tail and "region(" in tail
+    logs = re.search(r"logs and scripts in (/tmp/krex-demo-\S+)", out)
+    assert logs, out
+    shutil.rmtree(logs.group(1))  # the demo keeps them for its user; a test does not
 
 
 def test_ctrl_c_ends_the_demo_with_130_a_line_and_no_daemon_left() -> None:
@@ -79,6 +84,7 @@ def test_ctrl_c_ends_the_demo_with_130_a_line_and_no_daemon_left() -> None:
     assert "Traceback" not in err and f"interrupted; its daemon was stopped (logs in {tmp})" in err, err
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and tmp.encode() in _cmdline(pid)]
     assert not left, [_cmdline(pid) for pid in left]
+    shutil.rmtree(tmp)
 
 
 def _cmdline(pid: str) -> bytes:
