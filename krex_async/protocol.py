@@ -39,12 +39,16 @@ MAX_EXEC_BYTES = 2 * 1024 * 1024
 MAX_STDIN = 8 * 1024 * 1024
 
 
+NODE_SOCKET = "/run/krex/krex.sock"  # the node's daemon (root's, the systemd unit's)
+SUN_PATH_MAX = 108  # bytes of sockaddr_un.sun_path: a socket path must be shorter
+
+
 def default_socket() -> str:
     """$KREX_SOCKET, else /run/krex/krex.sock as root, else $XDG_RUNTIME_DIR/krex.sock."""
     if os.environ.get("KREX_SOCKET"):
         return os.environ["KREX_SOCKET"]
     if os.geteuid() == 0:
-        return "/run/krex/krex.sock"
+        return NODE_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/krex-{os.getuid()}"
     return os.path.join(runtime, "krex.sock")
 

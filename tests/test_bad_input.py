@@ -238,3 +238,33 @@ async def test_a_live_socket_is_not_stolen():
         await still_serving(d)
         mode = os.stat(d.socket).st_mode & 0o777
         assert mode == 0o600, oct(mode)
+
+
+def test_region_outside_a_command_names_what_is_missing_and_a_long_name_is_refused_by_name(script):
+    """KREX_SOCKET exported in a shell (for `krex run`) does not make a plain `python` a command:
+    the warning names the variables that are missing, not KREX_SOCKET. A region name over the
+    protocol's limit is a ValueError saying so, before any request."""
+    src = script(
+        "alone.py",
+        """
+        from krex_async import region
+        with region("timing") as r:
+            pass
+        print(r.report)
+        try:
+            region("x" * 257)
+        except ValueError as e:
+            print("refused:", e)
+        """,
+    )
+    p = subprocess.run(
+        [PY, src], env=py_env(KREX_SOCKET="/tmp/krex-nowhere.sock"), capture_output=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    err = p.stderr.decode()
+    assert "KREX_COMMAND, KREX_TOKEN unset" in err and "KREX_SOCKET unset" not in err, err
+    assert "krex run" in err, err
+    assert p.stdout.decode().splitlines() == [
+        "None",
+        f"refused: region name must be a string of at most {P.MAX_NAME} characters",
+    ], p.stdout

@@ -145,6 +145,23 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     text = line(ev)
     assert text.split()[1:6] == ["STRAY", "cpu", "-", "42", "r-1"], text
     assert "owner=1-2" in text and "comm=nvidia-smi" in text and "seconds=1.836ms" in text
+    # Real ids (a boot id and numbers in the hundreds) keep DETAIL in its column, under the header.
+    from krex_async.node.tracecli import HEADER
+
+    grant = P.TraceEvent(
+        id=0,
+        ts=1.0,
+        kind="region_grant",
+        device="cpu",
+        command="1065bba0-123",
+        region="1065bba0-123.45",
+        pid=7,
+        detail={"frozen": "1065bba0-124"},
+    )
+    assert line(grant).index("frozen=") == HEADER.index("DETAIL"), (HEADER, line(grant))
+    # A stray's comm is any process's text: escaped, never sent raw to the terminal.
+    odd = P.TraceEvent(id=0, ts=1.0, kind="stray", device="cpu", pid=9, detail={"comm": "a\x1b]0;t\x07\nb"})
+    assert "\x1b" not in line(odd) and "\n" not in line(odd) and "comm=a\\x1b]0;t\\x07\\nb" in line(odd)
 
 
 async def test_trace_names_the_stray_process_and_the_owners_own_region(device, script, tmp_path):  # noqa: F811 - the fixture

@@ -10,8 +10,9 @@
 The request travels over the daemon's socket (KREX_SOCKET) with the command's id and token, on one
 blocking connection per process (re-made after fork). The daemon checks the token and that the
 connection's peer is a process of the command. If the process dies inside the block its connection
-closes and the daemon releases the region at once. Outside krex (no KREX_SOCKET) the block runs
-unprotected after a single warning on stderr, so the same script still runs alone.
+closes and the daemon releases the region at once. Outside krex (KREX_SOCKET, KREX_COMMAND or
+KREX_TOKEN unset) the block runs unprotected after a single warning on stderr, so the same script
+still runs alone.
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ def reset() -> None:
     _warned = False
 
 
+COMMAND_VARS = ("KREX_SOCKET", "KREX_COMMAND", "KREX_TOKEN")  # what krex gives each command
+
+
 def inside_krex() -> bool:
-    return all(os.environ.get(k) for k in ("KREX_SOCKET", "KREX_COMMAND", "KREX_TOKEN"))
+    return all(os.environ.get(k) for k in COMMAND_VARS)
 
 
 class region:  # noqa: N801 - used like a function, as `with region("timing"):`
@@ -134,6 +138,9 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
     def __init__(
         self, name: str = "region", *, warm_ms: float | None = None, freeze_own_children: bool = True
     ) -> None:
+        if not isinstance(name, str) or len(name) > P.MAX_NAME:
+            # Said here, by name, rather than as the daemon's "undecodable request" at entry.
+            raise ValueError(f"region name must be a string of at most {P.MAX_NAME} characters")
         self.name = name
         self.warm_ms = warm_ms
         self.freeze_own_children = freeze_own_children
@@ -157,8 +164,10 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
         if not inside_krex():
             if not _warned:
                 _warned = True
+                unset = ", ".join(k for k in COMMAND_VARS if not os.environ.get(k))
                 print(
-                    "krex: not running under krex (KREX_SOCKET unset): region() does not protect anything",
+                    f"krex: not running under krex ({unset} unset: start the program with `krex run`): "
+                    "region() does not protect anything",
                     file=sys.stderr,
                 )
             return self

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import os
 import socket
+import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,53 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
-from krex_async.protocol import default_socket
+from krex_async.protocol import NODE_SOCKET, SUN_PATH_MAX, default_socket
+
+CLOSED = "the daemon closed the connection (it stopped, or died)"
+# A command's stream lost with no word from the daemon: it died (a clean stop ends each command's
+# stream with a `shutdown` report first), and the command's processes may live on.
+DISCONNECTED = (
+    "the daemon closed the connection without a word (it died or was killed): a command it ran may "
+    "still be running; the next daemon started on the same state dir ends it and reports it lost"
+)
+
+
+def agent_socket(path: str | None = None) -> str:
+    """The socket an agent connects to: PATH, else $KREX_SOCKET, else the default path. A user who
+    runs no daemon of their own (nothing at $XDG_RUNTIME_DIR/krex.sock) reaches the node's daemon
+    at /run/krex/krex.sock, as `krex run` on a node with the systemd unit should."""
+    if path:
+        return path
+    own = default_socket()
+    if os.environ.get("KREX_SOCKET") or own == NODE_SOCKET:
+        return own
+    return NODE_SOCKET if not os.path.lexists(own) and os.path.lexists(NODE_SOCKET) else own
+
+
+def _unreachable(path: str, e: BaseException) -> str:
+    """Why nothing answers at PATH, and what to do: a directory or a file named instead of the
+    socket is said so (starting a daemon there would not help)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISDIR(mode):
+        return (
+            f"{path} is a directory, not a daemon's socket: --socket or KREX_SOCKET names the socket "
+            f"file itself (e.g. {os.path.join(path, 'krex.sock')})"
+        )
+    if mode and not stat.S_ISSOCK(mode):
+        return f"{path} is not a socket: --socket or KREX_SOCKET names the daemon's socket file"
+    if len(os.fsencode(path)) >= SUN_PATH_MAX:
+        return (
+            f"{path}: {len(os.fsencode(path))} bytes; a Unix socket path must be under {SUN_PATH_MAX} "
+            "(no daemon can serve there): name a shorter one with --socket or KREX_SOCKET"
+        )
+    strerror = getattr(e, "strerror", None)
+    return (
+        f"no krex daemon at {path}: {strerror or e} (start one with `krex serve --socket {path}`, or "
+        "`systemctl start krex` where the unit is installed; --socket or KREX_SOCKET names another)"
+    )
 
 
 async def _connect_unix(path: str) -> socket.socket:
@@ -99,7 +146,7 @@ class CommandHandle:
         while self._result is None:
             msg = await self._queue.get()
             if msg is None:
-                raise KrexError("disconnected", "the daemon closed the connection")
+                raise KrexError("disconnected", DISCONNECTED)
             match msg:
                 case P.Output():
                     (self._out if msg.stream == "stdout" else self._err).extend(msg.data)
@@ -154,7 +201,7 @@ class Client:
     @classmethod
     async def connect(cls, path: str | None = None, timeout: float = 10.0) -> Client:
         """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens."""
-        path = path or default_socket()
+        path = agent_socket(path)
         try:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
@@ -165,13 +212,7 @@ class Client:
                 "admits its own user and the group it was started with (`krex serve --socket-group`)",
             ) from None
         except (OSError, TimeoutError) as e:
-            raise KrexError(
-                "unreachable",
-                f"no krex daemon at {path}: {e.strerror or e} (start "
-                f"one with `krex serve --socket {path}`, or `systemctl "
-                "start krex` where the unit is installed; --socket or "
-                "KREX_SOCKET names another)",
-            ) from None
+            raise KrexError("unreachable", _unreachable(path, e)) from None
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:
@@ -238,7 +279,7 @@ class Client:
         """Queue `msg`; its replies arrive on the queue returned (None: the connection ended).
         Raises KrexError("disconnected") when the connection already ended: no reply could come."""
         if self._task is not None and self._task.done():
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", CLOSED)
         q: asyncio.Queue[P.Reply | None] = asyncio.Queue()
         self._queues[msg.id] = q  # type: ignore[attr-defined]
         self._writer.write(P.encode(msg))
@@ -254,7 +295,7 @@ class Client:
         finally:
             self._forget(msg.id)  # type: ignore[attr-defined]
         if reply is None:
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", CLOSED)
         if isinstance(reply, P.Error):
             raise KrexError(reply.code, reply.message)
         return reply
@@ -277,12 +318,22 @@ class Client:
     ) -> CommandHandle:
         """Start a command. env=None passes this process's environment (as a shell would);
         run_as: another uid to run it as (the daemon allows that to a root peer only).
-        stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills."""
+        stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills.
+        Raises KrexError("bad_spec") where cwd is not given and this process's own is gone."""
+        if not cwd:
+            try:
+                cwd = os.getcwd()
+            except FileNotFoundError:  # a shell still in a directory someone removed
+                raise KrexError(
+                    "bad_spec",
+                    "the current directory was removed, so the command has no cwd to start in: "
+                    "cd to an existing directory (or pass cwd=)",
+                ) from None
         req_id = next(self._ids)
         msg = P.Submit(
             id=req_id,
             argv=list(argv),
-            cwd=cwd or os.getcwd(),
+            cwd=cwd,
             env=dict(os.environ) if env is None else env,
             device=str(device),
             timeout=timeout,
@@ -297,7 +348,7 @@ class Client:
         q = self._send(msg)
         first = await q.get()
         if first is None:
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", CLOSED)
         if isinstance(first, P.Error):
             self._forget(req_id)
             raise KrexError(first.code, first.message)
@@ -315,7 +366,7 @@ class Client:
             self._forget(req_id)
             raise KrexError(first.code, first.message)
         if first is None:
-            raise KrexError("disconnected", "the daemon closed the connection")
+            raise KrexError("disconnected", CLOSED)
         assert isinstance(first, P.Accepted)
         return CommandHandle(self, req_id, first, q)
 
@@ -336,7 +387,7 @@ class Client:
             while True:
                 msg = await q.get()
                 if msg is None:
-                    raise KrexError("disconnected", "the daemon closed the connection")
+                    raise KrexError("disconnected", CLOSED)
                 if isinstance(msg, P.Error):
                     raise KrexError(msg.code, msg.message)
                 if isinstance(msg, P.TimelineChunk):

@@ -71,8 +71,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--token",
-        default=os.environ.get("KREX_GATEWAY_TOKEN"),
-        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN; otherwise the token file)",
+        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN, unless --token-file "
+        "or --no-auth is given; otherwise the token file)",
     )
     p.add_argument(
         "--token-file",
@@ -190,6 +190,7 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT. Holds an flock on the state dir so two gateways never share it."""
     from aiohttp import web
 
+    from krex_async.client.submit import agent_socket
     from krex_async.fleet import fleet_connector
     from krex_async.gateway import auth
     from krex_async.gateway import catalog as K
@@ -200,11 +201,18 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway.queue_timeout import QueueTimeout
     from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
-    from krex_async.protocol import default_socket
 
     host, port = parse_listen(args.listen)
     limits = Limits(**{f: getattr(args, f) for f in Limits.__dataclass_fields__})
-    state = Path(args.state_dir).resolve()
+    try:
+        state = Path(args.state_dir).resolve()
+    except FileNotFoundError:  # relative, from a directory that was removed
+        print(
+            f"krex gateway: --state-dir {args.state_dir}: the current directory was removed; "
+            "give an absolute path or cd to an existing directory",
+            file=sys.stderr,
+        )
+        return 2
     euid = os.geteuid()
     # The lock first (only the state dir itself is made or checked before it): a second gateway
     # on this state dir is refused before it changes anything the first one owns.
@@ -223,12 +231,16 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         prepare_state(state)
         run_as, note = auth.job_user(args.run_as, euid)
-        gate, where = auth.load(state, args.token_file, args.token, args.no_auth, run_as, euid)
+        token, token_from = args.token, "--token"
+        if token is None and not (args.token_file or args.no_auth):  # a flag given wins over the env
+            token, token_from = os.environ.get("KREX_GATEWAY_TOKEN") or None, "$KREX_GATEWAY_TOKEN"
+        gate, where = auth.load(state, args.token_file, token, args.no_auth, run_as, euid, token_from)
     except (auth.AuthError, StateError, OSError) as e:
         os.close(lock)
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
-    for line in (note, where, auth.check_job_users(gate, args.job_python, args.socket or default_socket())):
+    daemon_socket = agent_socket(args.socket)  # the one JobRunner's Client.connect reaches
+    for line in (note, where, *auth.check_job_users(gate, args.job_python, daemon_socket).splitlines()):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     try:
@@ -299,7 +311,7 @@ async def serve(args: argparse.Namespace) -> int:
         sweeper.start()
     print(
         f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
-        f", daemon {f'fleet {fleet}' if fleet else args.socket or 'default socket'})",
+        f", daemon {f'fleet {fleet}' if fleet else daemon_socket})",
         file=sys.stderr,
         flush=True,
     )

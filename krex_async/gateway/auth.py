@@ -165,9 +165,16 @@ def read_tokens(path: Path, default: RunAs, euid: int) -> dict[str, Identity]:
 
 
 def load(
-    state: Path, token_file: str | None, token: str | None, no_auth: bool, run_as: RunAs, euid: int
+    state: Path,
+    token_file: str | None,
+    token: str | None,
+    no_auth: bool,
+    run_as: RunAs,
+    euid: int,
+    token_from: str = "--token",
 ) -> tuple[Auth, str]:
-    """The gateway's Auth and a line saying where its tokens are. Raises AuthError."""
+    """The gateway's Auth and a line saying where its tokens are (`token_from`: where `token`
+    came from, --token or $KREX_GATEWAY_TOKEN). Raises AuthError."""
     if no_auth:
         if token or token_file:
             raise AuthError("--no-auth cannot be combined with --token or --token-file")
@@ -179,7 +186,7 @@ def load(
     if token_file and token:
         raise AuthError("give --token-file or --token, not both")
     if token:
-        return Auth({token: Identity(DEFAULT_NAME, run_as)}), "token from --token"
+        return Auth({token: Identity(DEFAULT_NAME, run_as)}), f"token from {token_from}"
     path = Path(token_file) if token_file else state / "token"
     made = False
     try:
@@ -198,22 +205,35 @@ def load(
 
 
 def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
-    """A warning when a jobs' user cannot run the jobs' python (a venv under a private home) or
-    reach the daemon's socket (a job's regions go through it: add the user to --socket-group)."""
+    """Warnings, one a line, when a jobs' user cannot run the jobs' python (a venv under a private
+    home), cannot import krex's region client with it (an interpreter without krex's dependencies:
+    every region in a job, KREX_AUTO_REGION's included, would fail) or cannot reach the daemon's
+    socket (a job's regions go through it: add the user to --socket-group)."""
     users = {i.run_as for i in gate.tokens.values()}
     if gate.open_as is not None:
         users.add(gate.open_as.run_as)
     probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    job_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*job_path, package_root]))  # as jobs.job_env
+    warnings: list[str] = []
     for u in users:
         if u.uid is None or u.gid is None:
             continue
-        for argv, what in (
-            ([python, "-c", ""], f"run {python}: pass --job-python PATH"),
+        for i, (argv, what) in enumerate(
             (
-                [python, "-c", probe, socket_path],
-                f"reach the daemon's socket {socket_path}, so regions in its jobs "
-                "fail: add it to the daemon's --socket-group",
-            ),
+                ([python, "-c", ""], f"run {python}: pass --job-python PATH"),
+                (
+                    [python, "-c", "import krex_async.client.region"],
+                    f"import krex's region client with {python}, so regions in its jobs fail: install "
+                    "krex's dependencies for it, or pass --job-python of an environment that has krex",
+                ),
+                (
+                    [python, "-c", probe, socket_path],
+                    f"reach the daemon's socket {socket_path}, so regions in its jobs "
+                    "fail: add it to the daemon's --socket-group",
+                ),
+            )
         ):
             try:
                 r = subprocess.run(
@@ -225,6 +245,7 @@ def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
                     text=True,
                     timeout=30,
                     cwd="/",
+                    env=env,
                     check=False,
                 )
                 last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
@@ -232,5 +253,7 @@ def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
             except (OSError, subprocess.SubprocessError) as e:
                 last, failed = str(e), True
             if failed:
-                return f"WARNING: {u.name}, who runs jobs, cannot {what} ({last})"
-    return ""
+                warnings.append(f"WARNING: {u.name}, who runs jobs, cannot {what} ({last})")
+                if i == 0:  # it cannot run the interpreter: nothing else can be asked of it
+                    break
+    return "\n".join(warnings)

@@ -30,6 +30,7 @@ path and the exit status is 1. Nothing is raised to the caller of `cleanup()`.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
@@ -94,10 +95,15 @@ class Result:
     trees: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    denied: int = 0  # errors that were EACCES/EPERM: the sweep needs the cgroups' owner (root)
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def failed(self, line: str, err: int | None) -> None:
+        self.errors.append(line)
+        self.denied += err in (errno.EACCES, errno.EPERM)
 
 
 def _read(fs: CgroupFS, d: str, name: str) -> str | None:
@@ -114,7 +120,7 @@ def _write(fs: CgroupFS, res: Result, d: str, name: str, data: str, why: str) ->
     except CgroupVanished:  # the cgroup vanished: a state, not a failure
         return
     except CgroupFileError as e:
-        res.errors.append(f"{path}: writing {data!r} ({why}) failed: {os.strerror(e.errno or 0)}")
+        res.failed(f"{path}: writing {data!r} ({why}) failed: {os.strerror(e.errno or 0)}", e.errno)
     else:
         res.actions.append(f"{why}: {path} <- {data!r}")
 
@@ -195,7 +201,7 @@ def _sweep(fs: CgroupFS, dirs: list[str], res: Result, remove_empty: bool) -> No
                 if fs.rmdir(d):
                     res.actions.append(f"removed empty {d}")
             except CgroupFileError as e:
-                res.errors.append(f"{d}: rmdir failed: {os.strerror(e.errno or 0)}")
+                res.failed(f"{d}: rmdir failed: {os.strerror(e.errno or 0)}", e.errno)
 
 
 def default_roots(cgroup_root: str = "") -> list[str]:
@@ -342,6 +348,12 @@ def cleanup_main(args: argparse.Namespace) -> int:
         print(
             f"krex cleanup: {len(res.trees)} tree(s) swept, {len(res.actions)} change(s), "
             f"{len(res.errors)} error(s)"
+        )
+    if res.denied and os.geteuid() != 0:
+        print(
+            f"krex cleanup: {res.denied} of them permission denied: the cgroups are root's (the "
+            "daemon's); run it as root (sudo krex cleanup)",
+            file=sys.stderr,
         )
     return 0 if res.ok else 1
 

@@ -191,7 +191,16 @@ NEXT = """next:
 
 
 def main(n: int = 6) -> int:
+    """Run the demo; Ctrl-C ends it with 130 and a line (its daemon already stopped by then)."""
     tmp = tempfile.mkdtemp(prefix="krex-demo-", dir="/tmp")
+    try:
+        return _demo(n, tmp)
+    except KeyboardInterrupt:
+        print(f"\nkrex demo: interrupted; its daemon was stopped (logs in {tmp})", file=sys.stderr)
+        return 130
+
+
+def _demo(n: int, tmp: str) -> int:
     script = os.path.join(tmp, "work.py")
     with open(script, "w") as f:
         f.write(WORK)

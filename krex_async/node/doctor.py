@@ -434,8 +434,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run every check and print them; 0 when the region policy gets full isolation here, else 1."""
-    checks = run_checks(gpu=args.gpu, cgroup_root=args.cgroup_root)
+    """Run every check and print them; 0 when the region policy gets full isolation here, else 1;
+    130 on Ctrl-C (each check's test cgroup and processes are removed in its own `finally`)."""
+    try:
+        checks = run_checks(gpu=args.gpu, cgroup_root=args.cgroup_root)
+    except KeyboardInterrupt:
+        print("krex doctor: interrupted; no check result is printed", file=sys.stderr)
+        return 130
     full = full_isolation(checks)
     if args.json:
         print(

@@ -3,9 +3,9 @@
     krex status [--json] [--all] [--watch [SECONDS]]
 
 The daemon's settings, then one row per device (memory, utilisation, the region held and queued),
-the warm pools, and one row per command of this daemon (commands a previous daemon left, reported
-`lost`, only with --all). --watch redraws every SECONDS (2 by default) until Ctrl-C, like
-`nvidia-smi -l`.
+the warm pools, and one row per command of this daemon (commands of a previous daemon, those it
+left running reported `lost`, only with --all). --watch redraws every SECONDS (2 by default)
+until Ctrl-C, like `nvidia-smi -l`.
 """
 
 from __future__ import annotations
@@ -111,6 +111,14 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
 
 
+def printable(text: str) -> str:
+    """TEXT with control and other unprintable characters escaped (`\x1b`, `\n`), as ps shows
+    them: argv, labels and region names are any user's, and an admin's terminal must not run them."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def _fit(line: str) -> str:
     """A table row cut to WIDTH (its last column, the command line, is what gets cut)."""
     return line if len(line) <= WIDTH else line[: WIDTH - 1] + "…"
@@ -188,7 +196,7 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         mem = f"{size(total - free)}/{size(total)}" if total and free is not None else "-"
         util = d.get("utilisation_pct")
         r = d["region"]
-        held = "-" if r is None else f"{r['name']!r} by {r['command']} ({r['state']})"
+        held = "-" if r is None else f"{printable(repr(r['name']))} by {r['command']} ({r['state']})"
         name = str(d.get("name") or d["vendor"])[:14]
         out.append(
             f"{d['key']:<9} {name:<14} {mem:<15} "
@@ -225,9 +233,9 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
     )
     for c in rows:
         state = c["result"] if c["state"] == "ended" else c["state"]
-        what = " ".join(c["argv"])
+        what = printable(" ".join(c["argv"]))
         if c.get("label"):
-            what = f"{c['label']}: {what}"
+            what = f"{printable(c['label'])}: {what}"
         out.append(
             f"{c['command']:<13} {state:<9} {c['device']:<8} {c['pid'] or '-'!s:<8} "
             f"{age(c['age_s']):>7} {_ms(c.get('start_latency_s')):>7} "
@@ -236,5 +244,8 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
     if not rows:
         out.append("(no commands)")
     if earlier and not show_all:
-        out.append(f"({len(earlier)} commands of an earlier daemon, reported lost: krex status --all)")
-    return "\n".join(_fit(line) for line in out)
+        lost = sum(1 for c in earlier if c.get("result") == "lost")
+        out.append(f"({len(earlier)} commands of an earlier daemon, {lost} of them lost: krex status --all)")
+    # Settings lines arrive wrapped (several lines in one item): each line is fitted on its own,
+    # so a wrapped reason is kept whole and only table rows are cut.
+    return "\n".join(_fit(line) for item in out for line in item.split("\n"))

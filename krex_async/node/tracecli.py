@@ -20,9 +20,11 @@ from typing import Any
 import msgspec
 
 from krex_async.cliargs import int_in, names_from
+from krex_async.node.statusview import printable
 from krex_async.protocol import PID_MAX, TRACE_KINDS, default_socket
 
-HEADER = f"{'TIME':<12} {'KIND':<14} {'DEVICE':<8} {'COMMAND':<12} {'PID':>7} {'REGION':<12} DETAIL"
+# COMMAND and REGION fit ids up to a daemon's 99999th command and its 99th region ("1065bba0-123.4").
+HEADER = f"{'TIME':<12} {'KIND':<14} {'DEVICE':<8} {'COMMAND':<14} {'PID':>7} {'REGION':<17} DETAIL"
 PROBE_KINDS = frozenset({"probe"})
 # detail keys shown in the columns already, or that say nothing to a reader
 _HIDDEN = frozenset({"stray"})
@@ -120,9 +122,9 @@ def line(ev: Any) -> str:
         for k, v in detail.items()
         if k not in _HIDDEN and v != "" and not (isinstance(v, float) and v == 0.0)
     ]
-    return (
-        f"{when:<12} {kind[:14]:<14} {ev.device or '-':<8} {ev.command or '-':<12} "
-        f"{ev.pid or '-'!s:>7} {ev.region or '-':<12} {' '.join(parts)}"
+    return printable(  # a stray's comm, a region's name: anyone's text, escaped
+        f"{when:<12} {kind[:14]:<14} {ev.device or '-':<8} {ev.command or '-':<14} "
+        f"{ev.pid or '-'!s:>7} {ev.region or '-':<17} {' '.join(parts)}"
     )
 
 

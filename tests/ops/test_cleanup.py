@@ -298,3 +298,28 @@ def test_krex_cleanup_verb(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"ok": True, "trees": [], "actions": [], "errors": []}
+
+
+def test_a_user_without_rights_is_told_to_run_it_as_root(tmp_path):
+    """`krex cleanup` as a plain user meets root's cgroups: beside each failed path, one line says
+    why they all failed and what to run instead."""
+    from tests.security.helpers import USER_PY, USER_PYTHONPATH, make_users
+
+    users = make_users()
+    alice = next(users)["alice"]
+    with tree(cg.v2_mount(), "cgroup v2") as base:
+        os.makedirs(os.path.join(base, "krex", "d-gone", "cmd-1"))
+        p = subprocess.run(
+            [USER_PY, "-m", "krex_async", "cleanup", "--root", base, "--socket", "/nonexistent/krex.sock"],
+            capture_output=True,
+            text=True,
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": USER_PYTHONPATH, "HOME": "/tmp"},
+            cwd="/tmp",
+            user=alice.uid,
+            group=alice.gid,
+            timeout=60,
+        )
+        assert p.returncode == 1, (p.stdout, p.stderr)
+        assert "rmdir failed: Permission denied" in p.stderr, p.stderr
+        assert "permission denied: the cgroups are root's" in p.stderr and "sudo krex cleanup" in p.stderr
+        assert os.path.isdir(os.path.join(base, "krex", "d-gone", "cmd-1"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pty
@@ -312,6 +313,74 @@ def test_status_table_fits_and_says_its_units() -> None:
     assert "'timing' by 12345-1 (held)" in text and "holds frozen 1, locked 1, cores [1]" in text
 
 
+def test_status_keeps_a_long_reason_whole_and_counts_lost_apart() -> None:
+    """A settings line is wrapped, never cut: the isolation reason of a hybrid host (longer than
+    the table) reads to its end; earlier commands that exited are not called lost."""
+    from krex_async.node.statusview import render
+
+    reason = "hybrid: freezer in v2 at /sys/fs/cgroup/unified, cpuset in v1 at /sys/fs/cgroup/cpuset END"
+    earlier = {"argv": ["true"], "state": "ended", "device": "cpu", "pid": None, "age_s": 1.0}
+    st = {
+        "pid": 1,
+        "boot": "b2",
+        "policy": "region",
+        "freeze": "all",
+        "region_cores": 1,
+        "isolation": {"backend": "cgroup", "reason": reason},
+        "devices": [],
+        "commands": [
+            {**earlier, "command": "b1-1", "frozen": False, "label": "", "result": "exited"},
+            {**earlier, "command": "b1-2", "frozen": False, "label": "", "result": "lost"},
+        ],
+    }
+    text = render(st)
+    assert all(len(x) <= 100 for x in text.splitlines()), text
+    assert "…" not in text, text
+    assert " ".join(text.split()).count(reason) == 1, text
+    assert "2 commands of an earlier daemon, 1 of them lost" in text, text
+
+
+def test_status_escapes_control_characters_of_a_users_label_argv_and_region() -> None:
+    """Another user's label, argv or region name cannot clear an admin's screen or forge a row."""
+    from krex_async.node.statusview import render
+
+    evil = "x\x1b[2J\x1b[31m\r\nforged 1-1 running"
+    st = {
+        "pid": 1,
+        "boot": "b",
+        "policy": "region",
+        "freeze": "all",
+        "region_cores": 1,
+        "isolation": {"backend": "cgroup", "reason": "r"},
+        "devices": [
+            {
+                "key": "cpu",
+                "vendor": "cpu",
+                "commands": ["b-1"],
+                "queued": [],
+                "region": {"name": evil, "command": "b-1", "state": "held", "frozen": [], "cores": [1]},
+            }
+        ],
+        "commands": [
+            {
+                "command": "b-1",
+                "argv": ["sh", "-c", evil],
+                "state": "running",
+                "device": "cpu",
+                "pid": 7,
+                "age_s": 1.0,
+                "frozen": False,
+                "label": evil,
+                "result": None,
+            }
+        ],
+    }
+    text = render(st)
+    assert "\x1b" not in text and "\r" not in text, repr(text)
+    assert not any(line.startswith("forged") for line in text.splitlines()), text
+    assert text.count("x\\x1b[2J\\x1b[31m\\r\\nforged") == 2, text  # label and argv, escaped
+
+
 async def test_status_shows_label_memory_and_watches(tmp_path: Path) -> None:
     async with run_daemon() as d:
         env = py_env(KREX_SOCKET=d.socket)
@@ -384,3 +453,81 @@ async def test_stdin_pipe_waits_while_full_refuses_a_second_writer_and_wakes_on_
             await pipe.write(b"late")
     finally:
         os.close(reader)
+
+
+async def test_run_whose_daemon_dies_says_its_command_may_still_run(tmp_path: Path) -> None:
+    """A daemon killed under `krex run` (SIGKILL: no shutdown report) leaves its command running;
+    `krex run` exits 125 saying so and how it ends, not only that a connection closed."""
+    async with run_daemon() as d:
+        run = subprocess.Popen(
+            [*KREX, "run", "--", "sleep", "60"],
+            env=py_env(KREX_SOCKET=d.socket),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        pid = None
+        try:
+            async with await d.client() as c:
+                for _ in range(500):
+                    rows = [x for x in (await c.status())["commands"] if x["state"] == "running"]
+                    if rows and rows[0]["pid"]:
+                        pid = rows[0]["pid"]
+                        break
+                    await asyncio.sleep(0.02)
+            assert pid is not None, "the command did not start"
+            d.proc.kill()
+            _, err = await asyncio.to_thread(run.communicate, timeout=30)
+            assert run.returncode == 125, err
+            assert b"may still be running" in err and b"reports it lost" in err, err
+            no_traceback(subprocess.CompletedProcess([], 125, b"", err))
+        finally:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, 9)
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+
+
+async def test_watch_of_a_daemon_that_stops_cleanly_says_it_stopped() -> None:
+    """A SIGTERM'd daemon ends `krex status --watch` with exit 1 and a line, and without the
+    warning about commands left running that a killed daemon's `krex run` gets."""
+    async with run_daemon() as d:
+        watch = subprocess.Popen(
+            [*KREX, "status", "--watch", "0.2"],
+            env=py_env(KREX_SOCKET=d.socket),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            await asyncio.sleep(1.0)
+            d.proc.terminate()
+            _, err = await asyncio.to_thread(watch.communicate, timeout=30)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
+    assert watch.returncode == 1, err
+    assert b"closed the connection (it stopped, or died)" in err and b"may still be running" not in err, err
+
+
+async def test_run_from_a_removed_directory_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    """A shell left in a directory that was removed: `krex run` says so and exits 125."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    async with run_daemon() as d:
+        script = f"import os, runpy, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+        script += (
+            "sys.argv = ['krex', 'run', '--', 'true']; runpy.run_module('krex_async', run_name='__main__')"
+        )
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-c", script],
+            env=py_env(KREX_SOCKET=d.socket),
+            capture_output=True,
+            timeout=60,
+        )
+    no_traceback(p)
+    assert p.returncode == 125 and b"current directory was removed" in p.stderr, p.stderr

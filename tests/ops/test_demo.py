@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 from krex_async.node.demo import verdict
 
@@ -39,3 +45,52 @@ def test_demo_runs_and_ends_with_what_to_try_next() -> None:
     assert "verdict:" in out and out.rstrip().splitlines()[0].startswith("krex demo")
     tail = out[out.index("\nnext") :]
     assert "krex serve" in tail and "krex run" in tail and "region(" in tail
+    logs = re.search(r"logs and scripts in (/tmp/krex-demo-\S+)", out)
+    assert logs, out
+    shutil.rmtree(logs.group(1))  # the demo keeps them for its user; a test does not
+
+
+def test_ctrl_c_ends_the_demo_with_130_a_line_and_no_daemon_left() -> None:
+    """Ctrl-C while the demo's daemon runs its commands: no traceback, exit 130, the daemon and
+    its commands gone (the terminal's SIGINT reaches the demo first; here only the demo gets it)."""
+    p = subprocess.Popen(
+        [PY, "-m", "krex_async", "demo", "-n", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=py_env(),
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        tmp = None
+        while tmp is None and time.monotonic() < deadline and p.poll() is None:
+            for pid in os.listdir("/proc"):  # the demo's daemon: `serve --socket /tmp/krex-demo-*/`
+                argv = _cmdline(pid).split(b"\0")
+                if b"serve" in argv and b"--socket" in argv and int(pid) != p.pid:
+                    sock = argv[argv.index(b"--socket") + 1].decode()
+                    if sock.startswith("/tmp/krex-demo-"):
+                        tmp = os.path.dirname(sock)
+            time.sleep(0.05)
+        assert tmp is not None, "the demo started no daemon"
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err and f"interrupted; its daemon was stopped (logs in {tmp})" in err, err
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and tmp.encode() in _cmdline(pid)]
+    assert not left, [_cmdline(pid) for pid in left]
+    shutil.rmtree(tmp)
+
+
+def _cmdline(pid: str) -> bytes:
+    if not pid.isdigit():
+        return b""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

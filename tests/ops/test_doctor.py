@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 
 import pytest
@@ -227,3 +228,32 @@ def test_gpu_node_full_report():
     assert by["cpuset"]["data"]["mode"] == "v2", by["cpuset"]
     assert by["cgroup freezer"]["verdict"] == "ok"
     print(json.dumps(by["cuda context"]), json.dumps(by["gpu nvidia"]["data"]))
+
+
+# The doctor, with its BPF check held up (the cgroup checks have run by then), reports "held".
+HELD = """
+import sys, time
+from krex_async.node import doctor, doctor_kernel
+def held(*a, **kw):
+    print("held", flush=True)
+    time.sleep(60)
+doctor_kernel.check_bpf = held
+sys.exit(doctor._main([]))
+"""
+
+
+def test_ctrl_c_mid_check_exits_130_with_a_line_and_leaves_no_test_cgroup() -> None:
+    p = subprocess.Popen(
+        [PY, "-c", HELD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=py_env(), cwd=ROOT
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"held\n", p.stderr
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err
+    assert b"Traceback" not in err and b"krex doctor: interrupted" in err, err
+    assert not glob.glob(f"/sys/fs/cgroup/**/krex-doctor-{p.pid}", recursive=True)

@@ -105,15 +105,15 @@ def user_env() -> dict[str, str]:
 
 
 def run_python_as(
-    user: User, code: str, *args: str, input: str | None = None
+    user: User, code: str, *args: str, input: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run `code` (python -c) as `user` with the test users' environment, from /tmp."""
+    """Run `code` (python -c) as `user` with the test users' environment (and `env`), from /tmp."""
     return subprocess.run(
         [USER_PY, "-c", code, *args],
         user=user.uid,
         group=user.gid,
         extra_groups=user.groups,
-        env=user_env(),
+        env={**user_env(), **(env or {})},
         cwd="/tmp",
         capture_output=True,
         text=True,
