@@ -11,7 +11,7 @@ launching. Conditions, each after the sibling has rebuilt its backlog:
   b-quiesce    Quiesce -> its runtime synchronises -> QuiesceAck -> SIGSTOP
   c-verify     SIGSTOP, then the owner's devicework.idle_verify() until the device is idle
   b-settle     b-quiesce, then wait for the SM clock to recover as the daemon does before a grant
-               (the clock settle, daemon/clock.py): krex's path for a sibling that acknowledges (--regions times)
+               (daemon/clock.py): krex's path for a sibling that acknowledges (--regions times)
   d-settle     c-verify, then the same settle: krex's path for one that does not (--regions times)
   alone-i      interleaved with those: the sibling stopped, its queue waited out, 1.5 s of rest,
                then the same timings (the GPU alone, in the same stretch of the run); the baseline
