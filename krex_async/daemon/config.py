@@ -317,6 +317,9 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
     - probe_prefixes: what the ioctl probe accepts (a bad one ended start-up in a traceback).
     - launch_libs, where the probes would use them (--probes launches or auto): each names a file,
       or is a pattern matching one (one that did not was passed over without a word).
+    - pool_user: a user who exists (and whom this daemon may run workers as), with a pool or
+      without: serve resolves it either way, and refused it by exiting 1 without saying where the
+      name came from.
     - pool_preload, pool_init (with a pool): modules the pool's interpreter finds, as the pool's
       user and with its workers' environment (daemon/pools.py; a missing one stopped the pool after
       three dead workers, said only by `krex status`, and commands ran plainly).
@@ -354,6 +357,13 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> None:
                 f"{where('launch_libs')}: {e}; name libcuda / libhsa-runtime64 files (or glob "
                 "patterns matching them) that exist here"
             ) from None
+    if cfg.pool_user:
+        from krex_async.daemon.pools import pool_identity
+
+        try:
+            pool_identity(cfg.pool_user)
+        except ValueError as e:
+            raise ConfigError(f"{where('pool_user')}: {cfg.pool_user!r}: {e}") from None
     if cfg.pool_size > 0:
         from krex_async.daemon.pools import module_problems
 

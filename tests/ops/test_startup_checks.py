@@ -72,6 +72,22 @@ def test_a_relative_pythonpath_is_said_to_be_the_workers(
         check_here(*load_config_with_sources(None, {}, {"pool_size": 1, "pool_preload": "besidekrex"}))
 
 
+def test_serve_refuses_an_unknown_pool_user_naming_where_it_came_from(tmp_path: Path) -> None:
+    """serve exited 1 with `krex: --pool-user 'x': no such user` whether the name came from the
+    flag, KREX_POOL_USER or the config file: now a usage error (2) naming its source, as the other
+    checked options are, with a pool or without (serve resolves the user either way)."""
+    for pool in ((), ("--pool-size", "1")):
+        rc, err = serve(tmp_path, "--isolation", "signal", "--pool-user", "nosuchkrexuser", *pool)
+        assert rc == 2 and "flag --pool-user: 'nosuchkrexuser': no such user" in err, (rc, err)
+    rc, err = serve(tmp_path, "--isolation", "signal", env=py_env(KREX_POOL_USER="99999999"))
+    assert rc == 2 and "env KREX_POOL_USER: '99999999': no such user" in err, (rc, err)
+    conf = tmp_path / "krex.toml"
+    conf.write_text('pool_user = "nosuchkrexuser"\n')
+    rc, err = serve(tmp_path, "--isolation", "signal", "--config", str(conf))
+    assert rc == 2 and f"file {conf}: 'nosuchkrexuser': no such user" in err, (rc, err)
+    check_here(*load_config_with_sources(None, {}, {"pool_user": "root" if os.geteuid() == 0 else ""}))
+
+
 def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> None:
     """find_libraries passed over a missing file or a pattern matching nothing without a word: the
     launch probe then ran on whatever its search found."""
