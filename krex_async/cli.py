@@ -245,11 +245,12 @@ def _serve(args: argparse.Namespace) -> int:
     given = {k: v for k, v in vars(args).items() if v is not None and k in ServeConfig.__struct_fields__}
     try:
         cfg, sources = load_config_with_sources(args.config, os.environ, given)
-        if not args.print_config:
-            check_here(cfg, sources)
+        notes = [] if args.print_config else check_here(cfg, sources)
     except ConfigError as e:
         print(f"krex serve: {e}", file=sys.stderr)
         return 2
+    for note in notes:  # valid options that do nothing here
+        print(f"krex serve: warning: {note}", file=sys.stderr)
     if args.print_config:
         print(print_config(cfg.resolved(), sources), end="")
         return 0

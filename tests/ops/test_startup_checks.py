@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,7 @@ def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> Non
     )
     assert rc == 2 and f"flag --launch-libs: '{missing}': no such file" in err, (rc, err)
     env = py_env(KREX_LAUNCH_LIBS=f"{tmp_path}/nope*/libcuda.so*")
-    rc, err = serve(tmp_path, "--isolation", "signal", "--probes", "auto", env=env)
+    rc, err = serve(tmp_path, "--isolation", "signal", "--probes", "launches", env=env)
     assert (
         rc == 2 and f"env KREX_LAUNCH_LIBS: pattern '{tmp_path}/nope*/libcuda.so*' matches no file" in err
     ), err
@@ -114,10 +115,73 @@ def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=rf"flag --launch-libs: '{tmp_path}' is no regular file"):
         check("launches", str(tmp_path))
     with pytest.raises(ConfigError, match=r"flag --launch-libs: no library given"):
-        check("auto", ",")
+        check("launches", ",")
     check("launches", f"{lib},{tmp_path}/libcu*.so.*")  # a file, and a pattern matching one
     for unused in ("off", "ioctl", "tracefs"):  # these probes take no library
         check(unused, str(missing))
+
+
+def test_under_probes_auto_launch_libraries_are_checked_only_where_bcc_runs(tmp_path: Path) -> None:
+    """`--probes auto` runs launch uprobes only where bcc runs (open_probes): elsewhere it falls
+    back to tracefs or no probes, which take no libraries, yet a missing --launch-libs entry was
+    refused there too, so one krex.toml could not serve nodes with and without bcc. Now: refused
+    where bcc runs (root here), a warning where it does not (the test user: eBPF needs root)."""
+    from krex_async.probes import bcc_works
+    from tests.security.helpers import USER_PY, _ensure_user, user_env
+
+    if os.geteuid() != 0 or not bcc_works()[0]:
+        pytest.skip("needs root, with bcc running here, to compare with a user it cannot run for")
+    missing = "/nonexistent-krex/libcuda.so.1"
+    with pytest.raises(ConfigError, match=rf"env KREX_LAUNCH_LIBS: '{missing}': no such file"):
+        check_here(*load_config_with_sources(None, {"KREX_LAUNCH_LIBS": missing}, {"isolation": "signal"}))
+    user = _ensure_user("krextest", [])
+    r = user.run_py(
+        "import json, sys; from krex_async.daemon.config import ConfigError, check_here, "
+        "load_config_with_sources as load; from krex_async.probes import open_probes\n"
+        "notes = check_here(*load(None, {'KREX_LAUNCH_LIBS': sys.argv[1]}, {'isolation': 'signal'}))\n"
+        "try:\n    check_here(*load(None, {}, {'probes': 'launches', 'launch_libs': sys.argv[1]}))\n"
+        "    refused = ''\nexcept ConfigError as e:\n    refused = str(e)\n"
+        "print(json.dumps([notes, refused, open_probes('auto', launch_libs=[sys.argv[1]])[1]]))",
+        missing,
+    )
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip(f"the test user cannot import krex here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    [note], refused, reason = json.loads(r.stdout)
+    assert note.startswith("env KREX_LAUNCH_LIBS: not used here: --probes auto (the default) runs"), note
+    assert "bcc cannot run here (eBPF probes need root" in note, note
+    assert refused.startswith(f"flag --launch-libs: '{missing}': no such file"), refused
+    assert reason.endswith("; launch libraries unused: the launch uprobes need bcc"), reason
+    # `krex serve` says so, and serves
+    top = Path(tempfile.mkdtemp(prefix="krex-libs-", dir="/tmp"))
+    top.chmod(0o777)
+    argv = [USER_PY, "-m", "krex_async", "serve", "--socket", str(top / "s"), "--state-dir", str(top / "st")]
+    err = top / "err"
+    try:
+        with (
+            open(err, "w") as f,
+            subprocess.Popen(
+                [*argv, "--isolation", "signal", "--devices", "cpu:1", "--log-format", "json"],
+                user=user.uid,
+                group=user.gid,
+                env={**user_env(), "KREX_LAUNCH_LIBS": missing},
+                cwd="/tmp",
+                stdout=subprocess.DEVNULL,
+                stderr=f,
+            ) as p,
+        ):
+            try:
+                deadline = time.monotonic() + 30
+                while not (top / "s").exists() and p.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert (top / "s").exists(), (p.poll(), err.read_text())
+            finally:
+                p.terminate()
+                p.wait(15)
+        first = err.read_text().splitlines()[0]
+        assert first.startswith("krex serve: warning: env KREX_LAUNCH_LIBS: not used here: "), first
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_choose_backend_refuses_a_given_root_it_cannot_use(tmp_path: Path) -> None:
