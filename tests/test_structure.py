@@ -80,7 +80,6 @@ LONG_MODULES = {
     "krex_async/daemon/regions.py",
     "krex_async/daemon/server.py",
     "krex_async/isolation/cgroup.py",
-    "krex_async/node/doctor.py",
     "krex_async/probes/bpf_ioctl.py",
     "krex_async/probes/launches.py",
     "krex_async/protocol.py",
