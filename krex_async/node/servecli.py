@@ -188,7 +188,11 @@ def add_parser(sub: Any) -> None:
         "--probe-prefixes",
         help="comma-separated device path prefixes to watch (default /dev/nvidia,/dev/kfd,/dev/dri/renderD)",
     )
-    p.add_argument("--launch-libs", help="comma-separated libraries for --probes launches")
+    p.add_argument(
+        "--launch-libs",
+        help="comma-separated libraries (files or glob patterns) for the launch uprobes: "
+        "--probes launches, or auto where bcc runs (its fallbacks take none)",
+    )
     p.add_argument(
         "--launch-scope",
         choices=["outsiders", "all"],
