@@ -5,6 +5,7 @@
 
 agent.py    the per-node actor's body (owns or reaches the daemon; capacity; streamed runs)
 placement.py which node and device a command goes to (pure)
+discovery.py when the client asks Ray for its nodes again (pure)
 client.py   FleetClient: Client's shape over the fleet (imports Ray)
 handle.py   FleetHandle: one command's stream and result; how a lost agent ends it
 raycluster.py joining a Ray cluster; node names (imports Ray)

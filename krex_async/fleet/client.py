@@ -9,7 +9,8 @@
     connect:  ray.init ─► one NodeAgent actor per alive node (named, detached, NodeAffinity-pinned)
     submit:   pick(node, device) from the capacity reports ─► agent.run(spec, token) (streamed)
     refresh:  every refresh_s, each agent's capacity() ─► NodeView (up, devices, their commands)
-    discover: new nodes, and nodes back under their name (a dead agent's successor is made)
+    discover: new nodes, and nodes back under their name (a dead agent's successor is made); paced
+              by discovery.DiscoverPace
 
 Commands are named `<node>/<daemon's id>`, devices `<node>/<key>`. Each command has one result: the
 daemon's report, or a report with state `lost` naming the node when its daemon or its actor died
@@ -35,6 +36,7 @@ from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 from krex_async.devices import NoDevice
 from krex_async.fleet.agent import DaemonSpec, NodeAgent
+from krex_async.fleet.discovery import DiscoverPace
 from krex_async.fleet.handle import FleetHandle, why
 from krex_async.fleet.placement import NodeView, pick
 from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, join, node_name, reachable
@@ -133,8 +135,8 @@ class FleetClient:
 
     async def discover(self) -> list[str]:
         """Reach nodes that joined the Ray cluster since, or came back (same name, new agent);
-        returns their names. The refresher calls it every `discover_every` refreshes, and at each
-        while a node has no agent."""
+        returns their names. The refresher calls it every `discover_every` refreshes, and sooner,
+        backing off, while a node has no agent (discovery.py)."""
         nodes = await asyncio.to_thread(ray.nodes)
         return sorted(self._add_agents(nodes))
 
@@ -182,10 +184,11 @@ class FleetClient:
             view.up, view.reason, view.devices = rep["up"], rep["reason"], rep["devices"]
 
     async def _refresher(self, discover_every: int = 10) -> None:
+        pace = DiscoverPace(discover_every)
         for tick in itertools.count(1):
             await asyncio.sleep(self.refresh_s)
             try:
-                if tick % discover_every == 0 or len(self.agents) < len(self.nodes):
+                if pace.due(tick, self.nodes.keys() - self.agents.keys()):
                     await self.discover()
                 await self.refresh()
             except Exception:  # a refresh that fails leaves the last views; the next one retries

@@ -1,4 +1,5 @@
-"""`krex doctor`'s checks of tracing, BPF and GPUs (the cgroup and package checks are in doctor.py).
+"""`krex doctor`'s checks of tracing, BPF and GPUs (the cgroup checks are in doctor_cgroup.py, the
+package checks in doctor.py).
 
 Everything that loads a foreign library (bcc, NVML, AMD SMI, libcuda) runs in a child interpreter
 with a timeout and reports one JSON line prefixed with `KREX-DOCTOR `, so a library that prints to

@@ -9,10 +9,11 @@ runs once on the loop if the backend dies at runtime (`backend.failure` then say
 
 Modes: `off`; `ioctl` (bcc syscall tracepoints); `launches` (ioctl plus launch uprobes on libcuda /
 libhsa-runtime64); `tracefs` (no compiler needed); `auto` (bcc ioctl when a BPF program compiles and
-loads here, else tracefs, else None; with launch_libs given, launch uprobes too). The launch uprobes'
-scope (`outsiders`, the default: only processes outside krex's commands, per process; `all`: every
-process) is launches.py's; with `outsiders`, CombinedProbe hands the tgids of the ioctl probe's
-"open" events to the launch probe, which probes a new outsider as soon as it opens a GPU file.
+loads here, else tracefs, else None; with launch_libs given, launch uprobes too where bcc runs: the
+fallbacks take no libraries, and their reason says so). The launch uprobes' scope (`outsiders`, the
+default: only processes outside krex's commands, per process; `all`: every process) is
+launches.py's; with `outsiders`, CombinedProbe hands the tgids of the ioctl probe's "open" events to
+the launch probe, which probes a new outsider as soon as it opens a GPU file.
 Events carry tgid and ts_ns on CLOCK_MONOTONIC (compare with time.monotonic_ns()).
 """
 
@@ -202,10 +203,11 @@ def open_probes(
         return ioctl, f"probes: bcc ioctl on {where} ({why})"
     if mode != "auto":
         return None, f"probes: none ({mode} requested, bcc unavailable: {why})"
+    unused = "; launch libraries unused: the launch uprobes need bcc" if launch_libs else ""
     ok2, why2 = tracefs_works()
     if ok2:
-        return TracefsProbe(pre), f"probes: tracefs on {where} (bcc unavailable: {why}; {why2})"
-    return None, f"probes: none (bcc unavailable: {why}; tracefs unavailable: {why2})"
+        return TracefsProbe(pre), f"probes: tracefs on {where} (bcc unavailable: {why}; {why2}){unused}"
+    return None, f"probes: none (bcc unavailable: {why}; tracefs unavailable: {why2}){unused}"
 
 
 __all__ = [

@@ -639,7 +639,7 @@ def test_an_unknown_pool_user_is_refused_at_start(tmp_path: Path) -> None:
             timeout=60,
             env=py_env(),
         )
-        assert r.returncode != 0 and f"--pool-user {name!r}: no such user" in r.stderr, r.stderr
+        assert r.returncode == 2 and f"flag --pool-user: {name!r}: no such user" in r.stderr, r.stderr
         # refused before the daemon made anything: no state dir, no socket
         assert not (tmp_path / "st").exists() and not (tmp_path / "s").exists()
 

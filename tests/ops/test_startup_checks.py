@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,22 @@ def test_a_relative_pythonpath_is_said_to_be_the_workers(
         check_here(*load_config_with_sources(None, {}, {"pool_size": 1, "pool_preload": "besidekrex"}))
 
 
+def test_serve_refuses_an_unknown_pool_user_naming_where_it_came_from(tmp_path: Path) -> None:
+    """serve exited 1 with `krex: --pool-user 'x': no such user` whether the name came from the
+    flag, KREX_POOL_USER or the config file: now a usage error (2) naming its source, as the other
+    checked options are, with a pool or without (serve resolves the user either way)."""
+    for pool in ((), ("--pool-size", "1")):
+        rc, err = serve(tmp_path, "--isolation", "signal", "--pool-user", "nosuchkrexuser", *pool)
+        assert rc == 2 and "flag --pool-user: 'nosuchkrexuser': no such user" in err, (rc, err)
+    rc, err = serve(tmp_path, "--isolation", "signal", env=py_env(KREX_POOL_USER="99999999"))
+    assert rc == 2 and "env KREX_POOL_USER: '99999999': no such user" in err, (rc, err)
+    conf = tmp_path / "krex.toml"
+    conf.write_text('pool_user = "nosuchkrexuser"\n')
+    rc, err = serve(tmp_path, "--isolation", "signal", "--config", str(conf))
+    assert rc == 2 and f"file {conf}: 'nosuchkrexuser': no such user" in err, (rc, err)
+    check_here(*load_config_with_sources(None, {}, {"pool_user": "root" if os.geteuid() == 0 else ""}))
+
+
 def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> None:
     """find_libraries passed over a missing file or a pattern matching nothing without a word: the
     launch probe then ran on whatever its search found."""
@@ -83,7 +100,7 @@ def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> Non
     )
     assert rc == 2 and f"flag --launch-libs: '{missing}': no such file" in err, (rc, err)
     env = py_env(KREX_LAUNCH_LIBS=f"{tmp_path}/nope*/libcuda.so*")
-    rc, err = serve(tmp_path, "--isolation", "signal", "--probes", "auto", env=env)
+    rc, err = serve(tmp_path, "--isolation", "signal", "--probes", "launches", env=env)
     assert (
         rc == 2 and f"env KREX_LAUNCH_LIBS: pattern '{tmp_path}/nope*/libcuda.so*' matches no file" in err
     ), err
@@ -98,10 +115,73 @@ def test_serve_refuses_launch_libraries_that_name_no_file(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=rf"flag --launch-libs: '{tmp_path}' is no regular file"):
         check("launches", str(tmp_path))
     with pytest.raises(ConfigError, match=r"flag --launch-libs: no library given"):
-        check("auto", ",")
+        check("launches", ",")
     check("launches", f"{lib},{tmp_path}/libcu*.so.*")  # a file, and a pattern matching one
     for unused in ("off", "ioctl", "tracefs"):  # these probes take no library
         check(unused, str(missing))
+
+
+def test_under_probes_auto_launch_libraries_are_checked_only_where_bcc_runs(tmp_path: Path) -> None:
+    """`--probes auto` runs launch uprobes only where bcc runs (open_probes): elsewhere it falls
+    back to tracefs or no probes, which take no libraries, yet a missing --launch-libs entry was
+    refused there too, so one krex.toml could not serve nodes with and without bcc. Now: refused
+    where bcc runs (root here), a warning where it does not (the test user: eBPF needs root)."""
+    from krex_async.probes import bcc_works
+    from tests.security.helpers import USER_PY, _ensure_user, user_env
+
+    if os.geteuid() != 0 or not bcc_works()[0]:
+        pytest.skip("needs root, with bcc running here, to compare with a user it cannot run for")
+    missing = "/nonexistent-krex/libcuda.so.1"
+    with pytest.raises(ConfigError, match=rf"env KREX_LAUNCH_LIBS: '{missing}': no such file"):
+        check_here(*load_config_with_sources(None, {"KREX_LAUNCH_LIBS": missing}, {"isolation": "signal"}))
+    user = _ensure_user("krextest", [])
+    r = user.run_py(
+        "import json, sys; from krex_async.daemon.config import ConfigError, check_here, "
+        "load_config_with_sources as load; from krex_async.probes import open_probes\n"
+        "notes = check_here(*load(None, {'KREX_LAUNCH_LIBS': sys.argv[1]}, {'isolation': 'signal'}))\n"
+        "try:\n    check_here(*load(None, {}, {'probes': 'launches', 'launch_libs': sys.argv[1]}))\n"
+        "    refused = ''\nexcept ConfigError as e:\n    refused = str(e)\n"
+        "print(json.dumps([notes, refused, open_probes('auto', launch_libs=[sys.argv[1]])[1]]))",
+        missing,
+    )
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip(f"the test user cannot import krex here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    [note], refused, reason = json.loads(r.stdout)
+    assert note.startswith("env KREX_LAUNCH_LIBS: not used here: --probes auto (the default) runs"), note
+    assert "bcc cannot run here (eBPF probes need root" in note, note
+    assert refused.startswith(f"flag --launch-libs: '{missing}': no such file"), refused
+    assert reason.endswith("; launch libraries unused: the launch uprobes need bcc"), reason
+    # `krex serve` says so, and serves
+    top = Path(tempfile.mkdtemp(prefix="krex-libs-", dir="/tmp"))
+    top.chmod(0o777)
+    argv = [USER_PY, "-m", "krex_async", "serve", "--socket", str(top / "s"), "--state-dir", str(top / "st")]
+    err = top / "err"
+    try:
+        with (
+            open(err, "w") as f,
+            subprocess.Popen(
+                [*argv, "--isolation", "signal", "--devices", "cpu:1", "--log-format", "json"],
+                user=user.uid,
+                group=user.gid,
+                env={**user_env(), "KREX_LAUNCH_LIBS": missing},
+                cwd="/tmp",
+                stdout=subprocess.DEVNULL,
+                stderr=f,
+            ) as p,
+        ):
+            try:
+                deadline = time.monotonic() + 30
+                while not (top / "s").exists() and p.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert (top / "s").exists(), (p.poll(), err.read_text())
+            finally:
+                p.terminate()
+                p.wait(15)
+        first = err.read_text().splitlines()[0]
+        assert first.startswith("krex serve: warning: env KREX_LAUNCH_LIBS: not used here: "), first
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_choose_backend_refuses_a_given_root_it_cannot_use(tmp_path: Path) -> None:
