@@ -21,6 +21,8 @@ from typing import Any
 
 from bench.harness.output import pyplot, read_json, results_stem
 from bench.harness.stats import pct
+from bench.jobs_time import lines as time_lines
+from bench.jobs_time import time_budget
 from bench.trace_format import BUCKETS, OTHER_BUCKET, bucket_of
 from krex_async.runtime.devicework import IDLE_WINDOW_S as DRAIN_WINDOW_S
 
@@ -230,6 +232,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         "baselines": base,
         "alone_spread": alone_spread(base),
         "variants": {},
+        "width": int(data.get("config", {}).get("width") or 8),  # jobs at once
         "skipped": data.get("skipped", {}),
         "alone_failed": [
             {
@@ -277,6 +280,8 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
             "via": dict(via),
             "pooled": via.get("pool", 0) + adopted,
             "inflation": inflation(lines, base),
+            # command exclusivity runs one job at a time
+            "time": time_budget(recs, 1 if p["policy"] == "command" else out["width"]),
         }
     v = out["variants"]
     jpm = {k: x["jobs_per_min"] for k, x in v.items() if x["jobs_per_min"]}
@@ -428,6 +433,8 @@ def table(s: dict[str, Any]) -> str:
                 f"{k + ' ' + bk:<22} {i['n']:>3} {_f(i['p50'], '8.2%')} {_f(i['p95'], '8.2%')}"
                 f"   {_f(sp.get('p95'), '.2%')}, {_f(sp.get('max'), '.2%')}"
             )
+    if spent := time_lines(v, s.get("width", 8)):
+        out += ["", *spent]
     routes = Counter(r for x in v.values() for r in x["routes"])
     out += ["", "timed through: " + "; ".join(sorted(routes)), "", "goals (issues 21-23):"]
     out += ["  " + g for g in s["goals"]] or ["  (no region variant with command and shared to judge)"]
