@@ -105,7 +105,10 @@ async def _run(args: argparse.Namespace) -> int:
             return 127 if "not found" in e.message else 125
         loop = asyncio.get_running_loop()
 
+        sent: set[int] = set()
+
         def forward(sig: int) -> None:
+            sent.add(sig)
             asyncio.ensure_future(h.cancel(sig))
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -135,6 +138,9 @@ async def _run(args: argparse.Namespace) -> int:
                 feeder.cancel()
         res = await h.wait()
     rep = res.report
+    if rep.state == "cancelled" and rep.signal and rep.signal not in sent:
+        # the daemon ended it otherwise than asked (SIGKILL: it was frozen by a region): say why
+        print(f"krex run: {rep.error}", file=sys.stderr)
     code = _exit_code(rep)
     if args.report:
         try:

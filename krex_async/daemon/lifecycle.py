@@ -21,6 +21,7 @@ from krex_async.daemon.commands import Command, CommandState, SpecError, Subscri
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.placement import choose
 from krex_async.daemon.regions import Regions
+from krex_async.daemon.report import signal_name
 from krex_async.daemon.runner import CommandRunner
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from krex_async.daemon.warmpools import WarmPools
@@ -250,7 +251,18 @@ class Lifecycle:
         if cmd.state == CommandState.QUEUED:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == CommandState.RUNNING:
-            await self.runner.kill(cmd, "cancelled", req.signal)
+            sig = req.signal
+            if sig != signal.SIGKILL and (held := self.regions.holding(cmd)) is not None:
+                # A held command would act on the signal only once the region ends (up to
+                # --region-timeout): a cancel ends it now, killed where it stands, never thawed.
+                how, r = held
+                by = f" by region {r.report.name!r} of {r.command.id}" if r is not None else ""
+                cmd.end_note = (
+                    f"killed by SIGKILL: it was {how}{by} and would have acted on "
+                    f"{signal_name(sig)} only once the region ended"
+                )
+                sig = signal.SIGKILL
+            await self.runner.kill(cmd, "cancelled", sig)
         elif cmd.state == CommandState.STARTING:
             # no process to signal yet: _start kills it once it runs
             cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
