@@ -334,6 +334,11 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
     def where(field: str) -> str:
         return sources.get(field, field)
 
+    from krex_async.daemon.startchecks import problems  # devices, groups, metrics: its docstring
+
+    groups = {"socket_group": cfg.socket_group, "admin_group": cfg.admin_group}
+    for field, problem in problems(cfg.devices, groups, cfg.metrics):
+        raise ConfigError(f"{where(field)}: {problem}")
     cpus = frozenset(os.sched_getaffinity(0))
     if cfg.region_cores >= len(cpus):
         raise ConfigError(
