@@ -4,10 +4,14 @@ or watchdog line before it (they exited 1 once all of that had started)."""
 
 from __future__ import annotations
 
+import enum
 import os
+import typing
 from pathlib import Path
 
 import pytest
+
+from krex_async.daemon.config import ConfigError, ServeConfig, load_config_with_sources
 
 from ..conftest import py_env, run_daemon
 from .test_cli_input import serve
@@ -49,3 +53,39 @@ async def test_a_cpu_of_its_own_for_each_device_is_served() -> None:
             devs = (await c.status())["devices"]
     assert [x["key"] for x in devs] == [f"cpu{i}" for i in range(N)]
     assert sum(len(x["cpus"]) for x in devs) == N
+
+
+ENUMS = {
+    "policy": "region, command, shared",
+    "isolation": "auto, cgroup, signal",
+    "freeze": "all, device-holders, auto",
+    "hold": "auto, lock, freeze",
+    "quiesce": "auto, all",
+    "log_format": "auto, json, console",
+    "log_level": "debug, info, warning, error",
+    "probes": "auto, off, ioctl, launches, tracefs",
+    "launch_scope": "outsiders, all",
+}
+
+
+def test_a_bad_enum_value_from_a_variable_or_a_file_lists_the_choices(tmp_path: Path) -> None:
+    """KREX_POLICY=bogus said only `Invalid enum value 'bogus'`; the flag (argparse) listed them."""
+    hints = typing.get_type_hints(ServeConfig)
+    enums = {
+        k for k, t in hints.items() if typing.get_origin(t) is typing.Literal or isinstance(t, enum.EnumMeta)
+    }
+    assert enums == set(ENUMS), enums  # every enum option of serve is tried below
+    for field, choices in ENUMS.items():
+        var = f"KREX_{field.upper()}"
+        with pytest.raises(ConfigError) as e:
+            load_config_with_sources(None, {var: "bogus"}, {})
+        assert str(e.value) == f"{var}='bogus': Invalid enum value 'bogus' (choose from {choices})"
+    conf = tmp_path / "krex.toml"
+    conf.write_text('hold = "bogus"\n')
+    with pytest.raises(ConfigError, match=r"krex.toml:hold: .* \(choose from auto, lock, freeze\)"):
+        load_config_with_sources(str(conf), {}, {})
+    rc, err = serve(tmp_path, env=py_env(KREX_POLICY="bogus"))
+    assert (
+        rc == 2
+        and "KREX_POLICY='bogus': Invalid enum value 'bogus' (choose from region, command, shared)" in err
+    )
