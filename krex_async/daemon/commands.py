@@ -107,6 +107,7 @@ class Command:
     signalled: list[tuple[float, int]] = field(default_factory=list)
     regions: list[P.RegionReport] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
+    age_known: bool = True  # False: recovered from a record with no start time (`krex status`: ?)
     started: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
