@@ -103,7 +103,10 @@ class Regions:
 
     def holding(self, cmd: Command) -> tuple[str, Region | None] | None:
         """("frozen" or "locked", the region that holds it) while a region holds `cmd`, else None:
-        a held command acts on no signal but SIGKILL until that region ends."""
+        a held command acts on no signal but SIGKILL until that region ends. A region's owner is
+        not held: the process in its region runs (its other processes are frozen, keep/ aside)."""
+        if any(r.command is cmd for r in self.active.values()):
+            return None
         for r in self.active.values():
             if cmd.id in r.locked_ids:
                 return "locked", r

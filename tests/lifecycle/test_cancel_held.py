@@ -93,4 +93,17 @@ async def test_ctrl_c_ends_a_frozen_sibling_at_once_and_a_running_one_politely(
             _, err = await asyncio.wait_for(calm.communicate(), 10)
             assert calm.returncode == 128 + signal.SIGINT, (calm.returncode, err)
             assert err == b"", err
+
+            # A region's owner is not held (its shell is frozen, the process in the region runs):
+            # Ctrl-C reaches it as SIGINT and ends the region at once.
+            release.unlink()
+            hold = script("hold.py", HOLDER)
+            own = await _krex_run(d.socket, "sh", "-c", f"{PY} {hold} {release}; true")
+            assert own.stdout is not None
+            assert (await asyncio.wait_for(own.stdout.readline(), 20)) == b"in\n"
+            t0 = time.monotonic()
+            own.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(own.communicate(), 10)
+            assert own.returncode == 128 + signal.SIGINT and time.monotonic() - t0 < 5, (own.returncode, err)
+            assert b"KeyboardInterrupt" in err and b"SIGKILL" not in err, err
         assert '"level": "error"' not in d.logs(), d.logs()  # the killed group went, the region thawed
