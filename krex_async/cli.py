@@ -35,7 +35,10 @@ def _check_writable(path: str) -> str | None:
     """Why `path` cannot be written (before anything runs), or None."""
     if not path:
         return "an empty path"
-    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        parent = os.path.dirname(os.path.abspath(path))
+    except FileNotFoundError:  # getcwd() of a directory that was removed
+        return "a relative path, and the current directory was removed"
     if os.path.isdir(path):
         return "is a directory"
     if not os.path.isdir(parent):
@@ -74,11 +77,6 @@ async def _run(args: argparse.Namespace) -> int:
     from krex_async.linux.fsutil import quiet_stdout
 
     argv = _command(args)
-    if args.report is not None and (why := _check_writable(args.report)):
-        print(
-            f"krex run: --report {args.report or repr('')}: {why}; the command was not run", file=sys.stderr
-        )
-        return 125
     for what, value in [*((f"argument {i}", a) for i, a in enumerate(argv)), ("--label", args.label or "")]:
         try:
             value.encode()
@@ -105,7 +103,10 @@ async def _run(args: argparse.Namespace) -> int:
             return 127 if "not found" in e.message else 125
         loop = asyncio.get_running_loop()
 
+        sent: set[int] = set()
+
         def forward(sig: int) -> None:
+            sent.add(sig)
             asyncio.ensure_future(h.cancel(sig))
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -135,6 +136,9 @@ async def _run(args: argparse.Namespace) -> int:
                 feeder.cancel()
         res = await h.wait()
     rep = res.report
+    if rep.state == "cancelled" and rep.signal and rep.signal not in sent:
+        # the daemon ended it otherwise than asked (SIGKILL: it was frozen by a region): say why
+        print(f"krex run: {rep.error}", file=sys.stderr)
     code = _exit_code(rep)
     if args.report:
         try:
@@ -151,9 +155,6 @@ async def _export(args: argparse.Namespace) -> int:
     from krex_async.daemon.timeline import chrome_trace
 
     to_stdout = args.perfetto == "-"
-    if not to_stdout and (why := _check_writable(args.perfetto)):
-        print(f"krex export: --perfetto {args.perfetto or repr('')}: {why}", file=sys.stderr)
-        return 1
     try:
         async with await Client.connect(args.socket) as c:
             events = await c.timeline()
@@ -177,6 +178,14 @@ async def _export(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _check_output(verb: str, flag: str, path: str | None) -> None:
+    """A file `krex VERB` would write that cannot be written is a usage error (exit 2), said before
+    anything runs."""
+    if path is not None and path != "-" and (why := _check_writable(path)):
+        then = "; the command was not run" if verb == "run" else ""
+        _SUBPARSERS[verb].error(f"{flag} {path or repr('')}: {why}{then}")
 
 
 def _parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -276,12 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "run":
         if not _command(args):  # a usage error, not a command krex could not run (125)
             _SUBPARSERS["run"].error("no command given (krex run [options] -- CMD ...)")
+        _check_output("run", "--report", args.report)
         return asyncio.run(_run(args))
     if args.verb == "gateway":
         return gateway.main(args)
     if args.verb == "fleet":
         return fleet_cli.main(args)
     if args.verb == "export":
+        _check_output("export", "--perfetto", args.perfetto)
         return asyncio.run(_export(args))
     try:  # Ctrl-C is how a trace or a watch ends: no traceback
         return asyncio.run(tracecli.trace(args) if args.verb == "trace" else statusview.status(args))

@@ -107,9 +107,11 @@ class Command:
     signalled: list[tuple[float, int]] = field(default_factory=list)
     regions: list[P.RegionReport] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
+    age_known: bool = True  # False: recovered from a record with no start time (`krex status`: ?)
     started: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
+    end_note: str = ""  # how the daemon ended it, where that is not what was asked (the report's error)
     start_error: str = ""  # why the applier could not start it (state "failed")
     # A cancel (or shutdown) that came while the command was starting: (reason, signal), acted
     # on as soon as the leader runs (Lifecycle._start).

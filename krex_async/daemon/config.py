@@ -20,10 +20,12 @@ Errors are raised as ConfigError; nothing here exits the process or prints.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -200,7 +202,17 @@ def _validate(layer: dict[str, Any], where: Any, *, strict: bool) -> None:
         m = _PATH.search(text)
         key = (m.group(1) or m.group(2)) if m else None
         detail = text.rsplit(" - at ", 1)[0]
+        if key and detail.startswith("Invalid enum value") and (choices := _choices(key)):
+            detail = f"{detail} (choose from {', '.join(choices)})"
         raise ConfigError(f"{where(key)}: {detail}" if key else f"{where(None)}: {text}") from None
+
+
+def _choices(field: str) -> list[str]:
+    """The values an enum or Literal option takes ([] for another type or an unknown field)."""
+    kind = typing.get_type_hints(ServeConfig).get(field)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return [str(m.value) for m in kind]
+    return [str(v) for v in typing.get_args(kind)] if typing.get_origin(kind) is Literal else []
 
 
 def read_file(path: str | None) -> tuple[str | None, dict[str, Any]]:
@@ -334,6 +346,11 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
     def where(field: str) -> str:
         return sources.get(field, field)
 
+    from krex_async.daemon.startchecks import problems  # devices, groups, metrics: its docstring
+
+    groups = {"socket_group": cfg.socket_group, "admin_group": cfg.admin_group}
+    for field, problem in problems(cfg.devices, groups, cfg.metrics):
+        raise ConfigError(f"{where(field)}: {problem}")
     cpus = frozenset(os.sched_getaffinity(0))
     if cfg.region_cores >= len(cpus):
         raise ConfigError(

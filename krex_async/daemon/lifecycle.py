@@ -21,6 +21,7 @@ from krex_async.daemon.commands import Command, CommandState, SpecError, Subscri
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.placement import choose
 from krex_async.daemon.regions import Regions
+from krex_async.daemon.report import signal_name
 from krex_async.daemon.runner import CommandRunner
 from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 from krex_async.daemon.warmpools import WarmPools
@@ -127,7 +128,10 @@ class Lifecycle:
                 self._end_unstarted(cmd, "failed", f"internal error while starting: {e!r}")
             raise
         if cmd.kill_pending is not None:  # cancelled (or shut down) while it was starting
-            await self.runner.kill(cmd, *cmd.kill_pending)
+            reason, sig = cmd.kill_pending
+            await self.runner.kill(
+                cmd, reason, self._cancel_signal(cmd, sig) if reason == "cancelled" else sig
+            )
         await self.regions.joins.join(cmd, region)
         self.warm.demand(cmd.device_key)
         if self.core.attributor is not None:
@@ -250,10 +254,24 @@ class Lifecycle:
         if cmd.state == CommandState.QUEUED:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == CommandState.RUNNING:
-            await self.runner.kill(cmd, "cancelled", req.signal)
+            await self.runner.kill(cmd, "cancelled", self._cancel_signal(cmd, req.signal))
         elif cmd.state == CommandState.STARTING:
             # no process to signal yet: _start kills it once it runs
             cmd.kill_pending = cmd.kill_pending or ("cancelled", req.signal)
+
+    def _cancel_signal(self, cmd: Command, sig: int) -> int:
+        """The signal a cancel sends: the one asked for, or SIGKILL for a command a region holds,
+        which would act on any other only once the region ends (up to --region-timeout): it ends
+        now, killed where it stands, never thawed into the region (the report says so)."""
+        if sig == signal.SIGKILL or (held := self.regions.holding(cmd)) is None:
+            return sig
+        how, r = held
+        by = f" by region {r.report.name!r} of {r.command.id}" if r is not None else ""
+        cmd.end_note = (
+            f"killed by SIGKILL: it was {how}{by} and would have acted on "
+            f"{signal_name(sig)} only once the region ended"
+        )
+        return signal.SIGKILL
 
     async def stdin(self, req: P.StdinData, uid: int) -> None:
         """Feed a command's stdin pipe (Submit.stdin_stream); returns once written (flow control:

@@ -45,7 +45,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Metrics", "MetricsUnavailable", "parse_addr"]
+__all__ = ["Metrics", "MetricsUnavailable", "missing", "parse_addr"]
 
 _prom: ModuleType | None
 try:
@@ -70,11 +70,21 @@ class MetricsUnavailable(RuntimeError):
     """The endpoint cannot be served; the message says why and how to fix it."""
 
 
+def missing() -> str:
+    """Why no endpoint can be served here ("" when one can)."""
+    if _prom is not None:
+        return ""
+    return (
+        f"--metrics needs prometheus-client ({_IMPORT_ERROR}); install it with "
+        "`pip install 'krex[metrics]'` or `pip install prometheus-client`"
+    )
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     """'127.0.0.1:9464', '[::1]:9464' or ':9464' (all interfaces) -> (host, port). ValueError else."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--metrics {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+        raise ValueError(f"{addr!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
 
@@ -304,11 +314,7 @@ class Metrics:
         bound (host, port). Raises MetricsUnavailable without prometheus-client, ValueError for a bad
         address, OSError when the port cannot be bound."""
         if _prom is None:
-            raise MetricsUnavailable(
-                f"--metrics needs prometheus-client ({_IMPORT_ERROR}); install "
-                "it with `pip install 'krex[metrics]'` or "
-                "`pip install prometheus-client`"
-            )
+            raise MetricsUnavailable(missing())
         host, port = parse_addr(addr)
         self.server, self.thread = _prom.start_http_server(port, addr=host, registry=self.registry)
         bound = self.server.server_address

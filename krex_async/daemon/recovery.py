@@ -55,6 +55,12 @@ def _command(core: Core, rec: Record) -> Command:
     )
     cmd.state = CommandState.ENDED
     cmd.done.set()
+    # Its age counts from when it was submitted to the dead daemon, not from this recovery.
+    since = time.time() - rec.started_at + (rec.report.queued_s if rec.report is not None else 0.0)
+    if rec.started_at > 0 and since >= 0:
+        cmd.submitted = time.monotonic() - since
+    else:  # no start time recorded (or one after now): `krex status` says it is not known
+        cmd.age_known = False
     late = [
         (tail, path)
         for tail, path in ((cmd.out, rec.stdout_spool), (cmd.err, rec.stderr_spool))

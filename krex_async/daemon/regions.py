@@ -101,6 +101,21 @@ class Regions:
         rid = self.core.scheduler.holder(device)
         return self.active.get(rid) if rid else None
 
+    def holding(self, cmd: Command) -> tuple[str, Region | None] | None:
+        """("frozen" or "locked", the region that holds it) while a region holds `cmd`, else None:
+        a held command acts on no signal but SIGKILL until that region ends. A region's owner is
+        not held: the process in its region runs (its other processes are frozen, keep/ aside)."""
+        if any(r.command is cmd for r in self.active.values()):
+            return None
+        for r in self.active.values():
+            if cmd.id in r.locked_ids:
+                return "locked", r
+            if cmd.id in r.frozen_ids:
+                return "frozen", r
+        if cmd.group is not None and cmd.group.frozen:  # frozen at its start, or joining one
+            return "frozen", self.holder_on(cmd.device_key) if cmd.device_key else None
+        return None
+
     # ------------------------------------------------------------------------------ lifecycle
 
     async def run(self, r: Region) -> None:

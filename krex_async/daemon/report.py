@@ -100,12 +100,17 @@ def _describe(state: str, status: ExitStatus, cmd: Command) -> str:
     if state == "shutdown":
         return "ended because the daemon shut down"
     if state == "cancelled":
-        return "cancelled by its agent"
+        return "cancelled by its agent" + (f": {cmd.end_note}" if cmd.end_note else "")
     if state == "failed":
         return cmd.start_error
     if status.signal:
-        try:
-            return f"killed by {signal.Signals(status.signal).name}"
-        except ValueError:
-            return f"killed by signal {status.signal}"
+        return f"killed by {signal_name(status.signal)}"
     return ""
+
+
+def signal_name(sig: int) -> str:
+    """SIGINT for 2; `signal N` for a number with no name."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

@@ -151,7 +151,7 @@ class Status:
                 "device": c.device_key or "none",
                 "pid": c.pid,
                 "uid": c.uid,
-                "age_s": round(now - c.submitted, 3),
+                "age_s": round(now - c.submitted, 3) if c.age_known else None,
                 "frozen": bool(c.group and c.group.frozen),
                 "regions": len(c.regions),
                 "label": c.spec.label,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from krex_async.devices.base import ClockState, Device, DeviceProcess, Unavailable, Vendor
-from krex_async.devices.cpu import CpuVendor
+from krex_async.devices.cpu import CpuVendor, allowed_cpus
 
 __all__ = [
     "Device",
@@ -25,6 +25,7 @@ __all__ = [
     "NoDevice",
     "Unavailable",
     "Vendor",
+    "check_spec",
     "describe",
     "discover",
     "open_node",
@@ -88,6 +89,29 @@ def _parse_cpu_spec(spec: str) -> int:
     if not 1 <= n <= MAX_CPU_DEVICES:
         raise ValueError(f"bad device spec {spec!r}: N must be 1 to {MAX_CPU_DEVICES}")
     return n
+
+
+def check_spec(spec: str) -> None:
+    """Whether `spec` can be served here, without keeping anything open (ValueError saying why
+    not): one open_node knows; cpu:N at most one logical device per cpu krex may use (more would
+    put regions of different devices, which run in parallel, on one cpu); a vendor named alone
+    answers (its library is opened and shut again)."""
+    spec = spec.strip().lower()
+    if spec.startswith("cpu:"):
+        n, cpus = _parse_cpu_spec(spec), allowed_cpus()
+        if n > len(cpus):
+            raise ValueError(
+                f"{spec}: {n} logical cpu devices, but krex may use {len(cpus)} cpus here: give cpu:1 to "
+                f"cpu:{len(cpus)} (each device needs a cpu of its own, or regions on different "
+                "devices, which run in parallel, would share one)"
+            )
+    elif spec in _gpu_vendors():
+        try:
+            open_node(spec).close()
+        except Unavailable as e:  # the vendor's reason
+            raise ValueError(f"{e}") from None
+    elif spec not in ("auto", "none", "cpu"):
+        raise ValueError(f"bad device spec {spec!r}: expected auto, none, cpu:N, nvidia or amd")
 
 
 def open_node(spec: str = "auto") -> Node:

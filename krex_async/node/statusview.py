@@ -238,7 +238,7 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
             what = f"{printable(c['label'])}: {what}"
         out.append(
             f"{c['command']:<13} {state:<9} {c['device']:<8} {c['pid'] or '-'!s:<8} "
-            f"{age(c['age_s']):>7} {_ms(c.get('start_latency_s')):>7} "
+            f"{age(c['age_s']) if c['age_s'] is not None else '?':>7} {_ms(c.get('start_latency_s')):>7} "
             f"{size(c.get('rss_bytes')):>6} {'yes' if c['frozen'] else 'no':<6} {what}"
         )
     if not rows:

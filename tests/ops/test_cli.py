@@ -90,11 +90,11 @@ async def test_bad_paths_are_errors_not_tracebacks(tmp_path: Path) -> None:
         )
         await asyncio.to_thread(krex, "run", "--", "true", env=env)
         out = await asyncio.to_thread(krex, "export", "--perfetto", "-", env=env)
-    assert rep.returncode == 125 and b"/nonexistent" in rep.stderr and not marker.exists()
+    assert rep.returncode == 2 and b"/nonexistent" in rep.stderr and not marker.exists()
     no_traceback(rep)
     assert after.returncode == 3 and b"cannot write the report" in after.stderr
     no_traceback(after)
-    assert exp.returncode == 1 and b"/nonexistent" in exp.stderr
+    assert exp.returncode == 2 and b"--perfetto" in exp.stderr and b"/nonexistent" in exp.stderr
     no_traceback(exp)
     assert out.returncode == 0 and not Path(ROOT / "-").exists()
     assert any(e.get("ph") == "X" for e in json.loads(out.stdout)["traceEvents"])
@@ -531,3 +531,22 @@ async def test_run_from_a_removed_directory_is_an_error_not_a_traceback(tmp_path
         )
     no_traceback(p)
     assert p.returncode == 125 and b"current directory was removed" in p.stderr, p.stderr
+
+
+def test_output_files_relative_to_a_removed_directory_are_usage_errors(tmp_path: Path) -> None:
+    """`--report rel.json` / `--perfetto rel.json` from a directory that was removed: exit 2 naming
+    the flag and why (getcwd() failed in a traceback), before anything connects or runs."""
+    gone = tmp_path / "gone"
+    marker = tmp_path / "ran"
+    for args in (
+        ["run", "--report", "rel.json", "--", "touch", str(marker)],
+        ["export", "--perfetto", "rel.json"],
+    ):
+        gone.mkdir()
+        script = f"import os, runpy, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+        script += f"sys.argv = ['krex', *{args!r}]; runpy.run_module('krex_async', run_name='__main__')"
+        p = subprocess.run([PY, "-c", script], env=py_env(), capture_output=True, timeout=60)
+        no_traceback(p)
+        flag = args[1].encode()
+        assert p.returncode == 2 and flag + b" rel.json: a relative path" in p.stderr, p.stderr
+        assert b"current directory was removed" in p.stderr and not marker.exists(), p.stderr

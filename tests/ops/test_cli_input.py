@@ -205,6 +205,6 @@ def test_an_empty_report_or_export_path_is_refused_before_anything_runs() -> Non
     """An empty --report was found out only after the command ran; an empty --perfetto after the
     timeline was fetched."""
     rc, err = krex("run", "--report", "", "--socket", "/nonexistent/s", "--", "true")
-    assert rc == 125 and "--report '': an empty path; the command was not run" in err, err
+    assert rc == 2 and "--report '': an empty path; the command was not run" in err, err
     rc, err = krex("export", "--perfetto", "", "--socket", "/nonexistent/s")
-    assert rc == 1 and "--perfetto '': an empty path" in err, err
+    assert rc == 2 and "--perfetto '': an empty path" in err, err

@@ -92,9 +92,15 @@ def test_strict_types_in_file(tmp_path):
     "env, msg",
     [
         ({"KREX_REGION_TIMEOUT": "soon"}, "KREX_REGION_TIMEOUT='soon': Expected `float`, got `str`"),
-        ({"KREX_POLICY": "fast"}, "KREX_POLICY='fast': Invalid enum value 'fast'"),
-        ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none'"),
-        ({"KREX_LAUNCH_SCOPE": "mine"}, "KREX_LAUNCH_SCOPE='mine': Invalid enum value 'mine'"),
+        (
+            {"KREX_POLICY": "fast"},
+            "KREX_POLICY='fast': Invalid enum value 'fast' (choose from region, command, shared)",
+        ),
+        ({"KREX_QUIESCE": "none"}, "KREX_QUIESCE='none': Invalid enum value 'none' (choose from auto, all)"),
+        (
+            {"KREX_LAUNCH_SCOPE": "mine"},
+            "KREX_LAUNCH_SCOPE='mine': Invalid enum value 'mine' (choose from outsiders, all)",
+        ),
         ({"KREX_MAX_FRAME": "12"}, "KREX_MAX_FRAME='12': Expected `int` >= 1024"),
         ({"KREX_REGION_TIMEOUT": "\udcff"}, "KREX_REGION_TIMEOUT='\\udcff': not UTF-8"),
     ],
@@ -111,7 +117,7 @@ def test_env_errors_name_the_variable(env, msg):
         ({"region_timeout": 0.0}, "--region-timeout: Expected `float` > 0.0"),
         ({"region_cores": -5}, "--region-cores: Expected `int` >= -1"),
         ({"bogus_flag": 1}, "--bogus-flag: not a serve option"),
-        ({"launch_scope": "none"}, "--launch-scope: Invalid enum value 'none'"),
+        ({"launch_scope": "none"}, "--launch-scope: Invalid enum value 'none' (choose from outsiders, all)"),
     ],
 )
 def test_cli_errors_name_the_flag(cli, msg):

@@ -1,0 +1,109 @@
+"""Ctrl-C on a command that a region holds frozen ends it at once (SIGKILL where it stands, never
+thawed into the region) and `krex run` says why; one that is not held still gets the polite SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import PY, py_env, run_daemon
+
+HOLDER = """
+import os, sys, time
+from krex_async import region
+with region("timing") as r:
+    print("in", flush=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+print("released", r.report.outcome, flush=True)
+"""
+
+
+async def _krex_run(socket: str, *argv: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        PY,
+        "-m",
+        "krex_async",
+        "run",
+        "--",
+        *argv,
+        env=py_env(KREX_SOCKET=socket),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _until(c: object, pred: object, what: str, timeout: float = 15) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = await c.status()  # type: ignore[attr-defined]
+        if pred(st):  # type: ignore[operator]
+            return st
+        assert time.monotonic() < deadline, f"{what}: {st['commands']}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("isolation", ["cgroup", "signal"])
+async def test_ctrl_c_ends_a_frozen_sibling_at_once_and_a_running_one_politely(
+    script, tmp_path: Path, isolation: str
+):
+    release = tmp_path / "release"
+    async with run_daemon("--isolation", isolation, "--freeze", "all", "--region-timeout", "60") as d:
+        async with await d.client() as c:
+            owner = await c.submit([PY, script("hold.py", HOLDER), str(release)], env=py_env())
+            async for _, data in owner.output():
+                assert data.startswith(b"in"), data
+                break
+            sib = await _krex_run(d.socket, "sleep", "100")
+            await _until(
+                c,
+                lambda st: any(x["argv"][0] == "sleep" and x["frozen"] for x in st["commands"]),
+                "the sibling was never frozen",
+            )
+            t0 = time.monotonic()
+            sib.send_signal(signal.SIGINT)  # Ctrl-C, as a terminal sends it to krex run
+            out, err = await asyncio.wait_for(sib.communicate(), 10)
+            took = time.monotonic() - t0
+            # ended while the region still holds the device, not when it ends (30 s away)
+            assert sib.returncode == 128 + signal.SIGKILL, (sib.returncode, err)
+            assert took < 5, took
+            assert b"frozen by region 'timing'" in err and b"SIGINT" in err, err
+            assert b"Traceback" not in err, err
+            st = await c.status()
+            assert [x["state"] for x in st["commands"] if x["command"] == owner.command] == ["running"]
+            assert st["devices"][0]["region"]["command"] == owner.command
+            release.touch()
+            res = await asyncio.wait_for(owner.wait(), 15)
+            assert res.report.exit_code == 0 and [r.outcome for r in res.report.regions] == ["released"]
+            assert b"released released" in res.stdout, res.stdout
+
+            # No region now: Ctrl-C is passed on as SIGINT, as running the command directly would.
+            calm = await _krex_run(d.socket, "sleep", "100")
+            await _until(
+                c,
+                lambda st: any(x["argv"][0] == "sleep" and x["state"] == "running" for x in st["commands"]),
+                "the command never ran",
+            )
+            calm.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(calm.communicate(), 10)
+            assert calm.returncode == 128 + signal.SIGINT, (calm.returncode, err)
+            assert err == b"", err
+
+            # A region's owner is not held (its shell is frozen, the process in the region runs):
+            # Ctrl-C reaches it as SIGINT and ends the region at once.
+            release.unlink()
+            hold = script("hold.py", HOLDER)
+            own = await _krex_run(d.socket, "sh", "-c", f"{PY} {hold} {release}; true")
+            assert own.stdout is not None
+            assert (await asyncio.wait_for(own.stdout.readline(), 20)) == b"in\n"
+            t0 = time.monotonic()
+            own.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(own.communicate(), 10)
+            assert own.returncode == 128 + signal.SIGINT and time.monotonic() - t0 < 5, (own.returncode, err)
+            assert b"KeyboardInterrupt" in err and b"SIGKILL" not in err, err
+        assert '"level": "error"' not in d.logs(), d.logs()  # the killed group went, the region thawed
