@@ -8,7 +8,8 @@ gateway's request semantics and result shape.
              (ATREX_PROFILE_WARMUP, default 3) and profiles one call between cudaProfilerStart and
              cudaProfilerStop, inside a krex region when it runs under krex
     result:  {profiler, level, kernels: [{name, duration (ns), duration_unit, compute_sol_pct,
-             mem_sol_pct, dram_pct, occupancy_pct, bound, [diagnostics for deep], metrics}],
+             mem_sol_pct, dram_pct, occupancy_pct, bound, [diagnostics and ncu's rules for deep],
+             metrics}],
              [note]} sorted by duration, cut to top_kernels
 
 Where no profiler is installed the kind is not offered (501 kind_not_supported, saying so).
@@ -153,8 +154,18 @@ def _number(value: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _is_duration(metric: str) -> bool:
+    """gpu__time_duration.* under --metrics; "Duration" (GPU Speed Of Light) under --set."""
+    return metric.startswith("gpu__time_duration") or metric == "Duration"
+
+
 def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
-    """ncu's --csv log: one row per (kernel launch, metric); kernels keyed by name."""
+    """ncu's --csv log: one row per (kernel launch, metric); kernels keyed by name.
+
+    Under `--set full` (level deep) the header gains the rule columns (Rule Name ... Estimated
+    Speedup) and the metric rows stop after Metric Value: rows are read up to the columns they
+    have (the reference gateway drops every such row and so returns no kernel for a deep profile),
+    and the rule rows become the kernel's `rules` (krex's addition: ncu's own advice)."""
     rows = list(csv.reader(io.StringIO(text)))
     start = next((i for i, r in enumerate(rows) if "Kernel Name" in r and "Metric Name" in r), None)
     out: dict[str, Any] = {"profiler": "ncu", "level": level, "kernels": []}
@@ -162,27 +173,46 @@ def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
         out["note"] = "no kernels captured by ncu"
         return out
     header = [c.strip() for c in rows[start]]
+    need = header.index("Metric Value") + 1 if "Metric Value" in header else len(header)
     samples: dict[str, dict[str, list[float]]] = {}
     durations: dict[str, float] = {}
+    units: dict[str, dict[str, str]] = {}
+    rules: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
     for raw in rows[start + 1 :]:
-        if len(raw) < len(header):
+        if len(raw) < need:
             continue
         rec = dict(zip(header, raw))
         name, metric = rec.get("Kernel Name", "").strip(), rec.get("Metric Name", "").strip()
+        rule = rec.get("Rule Name", "").strip()
+        if name and rule and not metric:
+            said = rec.get("Rule Description", "").strip()
+            rules.setdefault(name, {})[(rule, said)] = {
+                "name": rule,
+                "type": rec.get("Rule Type", "").strip(),
+                "description": said,
+                "estimated_speedup": _number(rec.get("Estimated Speedup")),
+                "estimated_speedup_type": rec.get("Estimated Speedup Type", "").strip() or None,
+            }
+            continue
         value = _number(rec.get("Metric Value"))
         if not name or not metric or value is None:
             continue
+        unit = rec.get("Metric Unit", "").strip()
+        seen = units.setdefault(name, {})
+        if seen.setdefault(metric, unit) != unit:  # --set names two metrics alike ("Memory
+            metric = f"{metric} [{unit}]"  # Throughput" in % and in byte/second): keep both
+            seen.setdefault(metric, unit)
         samples.setdefault(name, {}).setdefault(metric, []).append(value)
         durations.setdefault(name, 0.0)
-        if metric.startswith("gpu__time_duration"):
-            unit = rec.get("Metric Unit", "").strip().lower().replace(" ", "")
-            durations[name] += value * NS_PER.get(unit, 1.0)
+        if _is_duration(metric):
+            durations[name] += value * NS_PER.get(unit.lower().replace(" ", ""), 1.0)
     kernels = []
     for name, metrics in samples.items():
 
-        def mean(*prefixes: str) -> float | None:
+        def mean(raw: str, shown: str) -> float | None:
+            """A raw metric (--metrics) or its display name in percent (--set)."""
             for m, vs in metrics.items():  # noqa: B023 - called in this iteration only
-                if m.startswith(prefixes):
+                if m.startswith(raw) or (m == shown and units[name].get(m) == "%"):  # noqa: B023
                     return sum(vs) / len(vs)
             return None
 
@@ -198,9 +228,8 @@ def parse_ncu(text: str, level: str, top: int | None) -> dict[str, Any]:
                 bound="compute" if (compute or 0.0) >= (memory or 0.0) else "memory",
             )
         if level == "deep":
-            k["diagnostics"] = {
-                m: str(vs[-1]) for m, vs in metrics.items() if not m.startswith("gpu__time_duration")
-            }
+            k["diagnostics"] = {m: str(vs[-1]) for m, vs in metrics.items() if not _is_duration(m)}
+            k["rules"] = list(rules.get(name, {}).values())
         k["metrics"] = {m: vs[-1] for m, vs in metrics.items()}
         kernels.append(k)
     kernels.sort(key=lambda k: k["duration"], reverse=True)
