@@ -29,6 +29,7 @@ from krex_async.daemon.listener import (
     check_socket_path,
     group_id,
     raise_nofile_limit,
+    usage_exit,
 )
 from krex_async.daemon.probing import start_probes
 from krex_async.daemon.warmpools import pool_user
@@ -175,7 +176,9 @@ async def serve(config: ServeConfig) -> int:
     pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
     check_socket_path(cfg.socket)  # likewise a socket that cannot be served on
     try:
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)  # FileExistsError: not a directory
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file there, or on the way to it
+        usage_exit(f"--state-dir {cfg.state_dir}: not a directory")
     except OSError as e:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
     try:

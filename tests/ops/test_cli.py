@@ -138,7 +138,7 @@ async def test_odd_input_and_a_reader_that_leaves_are_errors_not_tracebacks(tmp_
 def test_serve_gateway_status_and_demo_refuse_what_cannot_work(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     state = krex("serve", "--socket", str(tmp_path / "s"), "--state-dir", str(tmp_path / "file"))
-    assert state.returncode == 1 and b"--state-dir" in state.stderr
+    assert state.returncode == 2 and b"--state-dir" in state.stderr and b"not a directory" in state.stderr
     long_sock = krex("serve", "--socket", str(tmp_path / ("x" * 120)))
     assert long_sock.returncode == 1 and b"under 108" in long_sock.stderr
     gw = ["gateway", "--state-dir", str(tmp_path / "gw"), "--socket", str(tmp_path / "s")]
