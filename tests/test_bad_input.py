@@ -135,10 +135,13 @@ async def test_truncated_frame_and_first_message_not_hello():
 
 
 async def test_bad_specs_are_refused_with_reasons(tmp_path):
+    plain = tmp_path / "plain"  # there, but without its x bit
+    plain.write_text("true\n")
     async with run_daemon() as d:
         async with await d.client() as c:
             cases = [
-                (dict(argv=["/no/such/binary"]), "not an executable"),
+                (dict(argv=["/no/such/binary"]), "not found"),
+                (dict(argv=[str(plain)]), "not an executable"),
                 (dict(argv=["no-such-prog-krex"]), "not found on PATH"),
                 (dict(argv=["true"], cwd="relative/dir"), "absolute"),
                 (dict(argv=["true"], cwd=str(tmp_path / "missing")), "not a directory"),

@@ -11,8 +11,24 @@ import os
 import resource
 import socket
 import stat
+import sys
+from typing import NoReturn
+
+from krex_async.protocol import NODE_SOCKET
 
 LISTEN_BACKLOG = 4096
+
+
+def usage_exit(message: str) -> NoReturn:
+    """End `krex serve` with a usage error (exit 2, as the CLI's own), before anything is made."""
+    print(f"krex serve: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def own_socket_dirs() -> frozenset[str]:
+    """The default socket directories krex makes itself (root's /run/krex, a user's /tmp/krex-UID
+    when there is no $XDG_RUNTIME_DIR); any other must exist: a typo must not leave directories."""
+    return frozenset({os.path.dirname(NODE_SOCKET), f"/tmp/krex-{os.getuid()}"})
 
 
 def group_id(group: str, option: str = "--socket-group") -> int:
@@ -27,15 +43,24 @@ def group_id(group: str, option: str = "--socket-group") -> int:
 
 def check_socket_path(path: str) -> None:
     """Whether `path` can be served on, before anything is started (SystemExit saying why not):
-    short enough for a client to connect to, its directory made, nothing there but a socket nobody
-    answers on (left by a daemon that died: bind_socket replaces it)."""
+    short enough for a client to connect to, its directory there (made only when it is one of
+    own_socket_dirs: exit 2 otherwise), nothing there but a socket nobody answers on (left by a
+    daemon that died: bind_socket replaces it)."""
     if len(os.fsencode(path)) >= 108:
         raise SystemExit(
             f"krex: --socket {path}: {len(os.fsencode(path))} bytes; a Unix socket path must be "
             "under 108 (no client could connect to it)"
         )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) and parent not in own_socket_dirs():
+        if os.path.lexists(parent):
+            usage_exit(f"--socket {path}: {parent} is not a directory")
+        usage_exit(
+            f"--socket {path}: no directory {parent} (krex makes only its default "
+            f"{' and '.join(sorted(own_socket_dirs()))}: create it, or give another --socket)"
+        )
     try:
-        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        os.makedirs(parent, mode=0o755, exist_ok=True)
         st = os.lstat(path)
     except FileNotFoundError:
         return

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import time
 from collections.abc import Callable
 
@@ -35,8 +36,16 @@ def resolve_argv0(argv0: str, env: dict[str, str], cwd: str) -> str:
         raise SpecError("bad_spec", "argv[0] is empty or contains NUL")
     if "/" in argv0:
         path = argv0 if os.path.isabs(argv0) else os.path.join(cwd, argv0)
-        if not os.path.isfile(path) or not os.access(path, os.X_OK):
-            raise SpecError("bad_spec", f"argv[0] {argv0!r} is not an executable file")
+        # as the shell: a missing path is "not found" (krex run's 127, the client tells it by
+        # those words); one that is there but cannot be run (a directory, no x bit) is 125
+        try:
+            mode: int | None = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise SpecError("bad_spec", f"argv[0] {argv0!r} not found (no such file)") from None
+        except OSError:  # ENOTDIR, EACCES on the way: there, but not runnable by us
+            mode = None
+        if mode is None or not stat.S_ISREG(mode) or not os.access(path, os.X_OK):
+            raise SpecError("bad_spec", f"argv[0] {argv0!r} cannot be executed: not an executable file")
         return path
     found = shutil.which(argv0, path=env.get("PATH", os.defpath))
     if not found:

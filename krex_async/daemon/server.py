@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import pwd
-import signal
 import time
 
 from krex_async import logs
@@ -23,12 +22,14 @@ from krex_async.daemon.commands import CommandState
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.connection import READ_LIMIT, Connection
 from krex_async.daemon.daemon import Daemon
+from krex_async.daemon.earlystop import EarlyStop
 from krex_async.daemon.listener import (
     LISTEN_BACKLOG,
     bind_socket,
     check_socket_path,
     group_id,
     raise_nofile_limit,
+    usage_exit,
 )
 from krex_async.daemon.probing import start_probes
 from krex_async.daemon.warmpools import pool_user
@@ -53,9 +54,10 @@ async def _refuse(
 
 
 class Server:
-    def __init__(self, config: ServeConfig, daemon: Daemon) -> None:
+    def __init__(self, config: ServeConfig, daemon: Daemon, early: EarlyStop | None = None) -> None:
         self.config = config
         self.daemon = daemon
+        self.early = early or EarlyStop()  # a signal noted while the daemon started
         self.connections: set[Connection] = set()
         self.inbound = P.InboundBudget(config.max_inbound_bytes, small=READ_LIMIT)
         self.stop = asyncio.Event()
@@ -127,8 +129,7 @@ class Server:
         server = await asyncio.start_unix_server(
             self.on_connect, sock=sock, limit=READ_LIMIT, backlog=LISTEN_BACKLOG
         )
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
+        self.early.hand_over(loop, self.stop.set)
         log.info(
             "serving",
             socket=cfg.socket,
@@ -170,30 +171,64 @@ class Server:
         return 0
 
 
-async def serve(config: ServeConfig) -> int:
+async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
+    """Put the daemon together and serve until SIGTERM/SIGINT. One that comes while it starts
+    (`early`, installed here if not given) ends the start at its next phase, releasing what was
+    made: exit 0, as a later stop. SystemExit for what cannot serve, after the same release."""
+    early = early or EarlyStop().install()
     cfg = config.resolved()
+    log.info("starting", pid=os.getpid(), socket=cfg.socket)  # from here a stop signal is clean
     pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
     check_socket_path(cfg.socket)  # likewise a socket that cannot be served on
     try:
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)  # FileExistsError: not a directory
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file there, or on the way to it
+        usage_exit(f"--state-dir {cfg.state_dir}: not a directory")
     except OSError as e:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
+    if early.stopped("isolation"):
+        return 0
     try:
         backend = choose_backend(cfg.isolation, cgroup_root=cfg.cgroup_root, state_dir=cfg.state_dir)
     except RootUnusable as e:  # check_here refused it already, unless it went since then
         raise SystemExit(f"krex: {e}; {e.HINT}") from None
-    for line in await backend.reconcile():
-        log.info("reconciled", action=line)
-    start_watchdog = getattr(backend, "start_watchdog", None)
-    if start_watchdog is not None:
-        start_watchdog()  # thaws every krex cgroup within 1 s of this daemon's death
+    async with contextlib.AsyncExitStack() as made:  # until the daemon owns them: its shutdown
+        made.push_async_callback(backend.close)
+        if early.stopped("reconcile"):
+            return 0
+        for line in await backend.reconcile():
+            log.info("reconciled", action=line)
+        start_watchdog = getattr(backend, "start_watchdog", None)
+        if start_watchdog is not None:
+            start_watchdog()  # thaws every krex cgroup within 1 s of this daemon's death
+        if early.stopped("devices"):
+            return 0
+        try:
+            node = open_node(cfg.devices)
+        except (ValueError, Unavailable) as e:
+            raise SystemExit(f"krex: --devices {cfg.devices}: {e}") from None
+        made.callback(node.close)
+        for note in node.notes:
+            log.info("devices", note=note)
+        daemon = Daemon(cfg, backend, node.devices, node=node)
+        made.pop_all()
     try:
-        node = open_node(cfg.devices)
-    except (ValueError, Unavailable) as e:
-        raise SystemExit(f"krex: --devices {cfg.devices}: {e}") from None
-    for note in node.notes:
-        log.info("devices", note=note)
-    daemon = Daemon(cfg, backend, node.devices, node=node)
+        try:
+            if await _start(cfg, daemon, pool_as, early):
+                await daemon.shutdown()
+                return 0
+        except BaseException:
+            await daemon.shutdown()
+            raise
+        return await Server(cfg, daemon, early).run()
+    finally:
+        daemon.metrics.stop()
+
+
+async def _start(
+    cfg: ServeConfig, daemon: Daemon, pool_as: tuple[int, int, list[int]] | None, early: EarlyStop
+) -> bool:
+    """Metrics, probes, the clock and the warm pools; True where a stop signal ended the start."""
     if cfg.metrics:
         from krex_async.daemon.metrics import MetricsUnavailable
 
@@ -207,22 +242,26 @@ async def serve(config: ServeConfig) -> int:
         )
     from krex_async import __version__
 
-    daemon.metrics.info(__version__, cfg.policy.value, backend.name)
+    daemon.metrics.info(__version__, cfg.policy.value, daemon.backend.name)
     for d in daemon.devices:
         daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
+    if early.stopped("probes"):
+        return True
     start_probes(daemon)
+    if early.stopped("pools"):
+        return True
     await daemon.regions.clock.warm()
     await daemon.start_pools(pool_as)
-    try:
-        return await Server(cfg, daemon).run()
-    finally:
-        daemon.metrics.stop()
+    return early.stopped("serving")
 
 
-def run(config: ServeConfig) -> int:
+def run(config: ServeConfig, early: EarlyStop | None = None) -> int:
+    """Serve `config` on a new loop; `early`: the stop-signal handler the caller installed as soon
+    as it knew it would serve (installed here otherwise)."""
+    early = early or EarlyStop().install()  # before the loop: asyncio.Runner then leaves SIGINT be
     logs.configure(config.log_format, config.log_level)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio still works
-        return asyncio.run(serve(config))
-    return uvloop.run(serve(config))
+        return asyncio.run(serve(config, early))
+    return uvloop.run(serve(config, early))

@@ -46,7 +46,18 @@ from krex_async.isolation.cgroupfs import (
     detect,
 )
 from krex_async.isolation.cpuset import Cores, move
-from krex_async.isolation.intent import KREX, Intent, claim_instance, instance_name, mark_instance, sweep
+from krex_async.isolation.intent import (
+    KREX,
+    Intent,
+    claim_instance,
+    instance_name,
+    mark_instance,
+    remove_instance,
+    sweep,
+)
+from krex_async.logs import get as get_log
+
+log = get_log("krex.cgroup")
 
 DEFAULT_STATE_DIR = (
     "/run/krex" if os.geteuid() == 0 else os.path.join(os.environ.get("XDG_RUNTIME_DIR", "/tmp"), "krex")
@@ -178,6 +189,8 @@ class CgroupBackend(Backend):
         self.v2.mkdir(self.base)
         mark_instance(self.v2.path(self.base), self.state_dir)
         self.cores.setup_root()
+        if self.cores.mode == "v1" and self.v1 is not None:  # so `krex cleanup` leaves it alone too
+            mark_instance(self.v1.path(self.base), self.state_dir)
 
     def _make_group(self, g: CgroupGroup) -> None:
         self.v2.mkdir(g.top)
@@ -534,7 +547,9 @@ class CgroupBackend(Backend):
         return lines or ["nothing left by a previous daemon"]
 
     async def close(self) -> None:
-        """Stop the watchdog (clean shutdown: nothing is frozen any more) and the inotify watcher."""
+        """Stop the watchdog (clean shutdown: nothing is frozen any more) and the inotify watcher;
+        remove the instance directory if it is empty (while the owner lock still keeps any other
+        daemon on this state dir from making it), log why when it is not."""
         if self.watchdog is not None:
             from krex_async.isolation.watchdog import release
 
@@ -544,7 +559,10 @@ class CgroupBackend(Backend):
             self._watcher.close()
             self._watcher = None
         self.v2.release()
-        if self._owner_fd >= 0:  # the next daemon on this state dir may start
+        if self._owner_fd >= 0:  # then the next daemon on this state dir may start
+            fss = [self.v2] + ([self.v1] if self.v1 is not None and self.cores.mode == "v1" else [])
+            for line in remove_instance(fss, self.base):
+                log.warning("instance_kept", detail=line)
             os.close(self._owner_fd)
             self._owner_fd = -1
 

@@ -81,6 +81,20 @@ def mark_instance(path: str, state_dir: str) -> None:
         pass
 
 
+def remove_instance(fss: Iterable[CgroupFS], base: str) -> list[str]:
+    """rmdir the instance directory `base` in each tree (v2, the v1 cpuset twin) if it is empty, so
+    that a cleanly stopped daemon leaves no directory per state dir behind; never recursive. One
+    line per directory that stays (children or tasks left: EBUSY or ENOTEMPTY)."""
+    lines = []
+    for fs in fss:
+        try:
+            fs.rmdir(base)
+        except CgroupFileError as e:
+            why = "not empty" if e.errno in (errno.EBUSY, errno.ENOTEMPTY) else "could not remove it"
+            lines.append(f"kept instance directory {fs.path(base)}: {why} ({e})")
+    return lines
+
+
 def live_owner(instance_dir: str) -> str | None:
     """The pid (as written) of the live daemon that owns `instance_dir`, or None when none does
     (or the directory does not say whose it is)."""

@@ -11,6 +11,9 @@ only the cgroupfs and intent modules (and cudalock, with libcuda where a lock wa
 daemon has died), and removes nothing but empty command cgroups, all under its daemon's instance
 directory (`--base krex/<instance>`): other daemons' cgroups are never thawed.
 
+A "ready" that finds no reader (the daemon died while it started the watchdog) is no error: the
+pidfd says the same a moment later, and the sweep runs.
+
 The daemon's clean shutdown releases it by writing "Q" to its stdin pipe (it exits without a
 sweep: nothing is frozen any more). End of that pipe without a "Q" means the daemon died. SIGTERM
 and SIGINT are ignored: `systemctl stop` signals every process of the unit at once, and a
@@ -106,7 +109,10 @@ def guard(
     """Block until `pid` exits (sweep; returns the sweep's lines) or releases us (returns [])."""
     pidfd = os.pidfd_open(pid)
     try:
-        print("ready", flush=True)
+        try:
+            print("ready", flush=True)
+        except BrokenPipeError:  # the daemon died while it started us: its pidfd says so next
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         p = select.poll()
         p.register(pidfd, select.POLLIN)
         p.register(rfd, select.POLLIN)

@@ -23,8 +23,10 @@ It refuses to run while a daemon answers on its socket (unless --force): a sweep
 would thaw its regions. For the same reason it leaves alone every instance directory
 (`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
 the directory names its daemon's state dir, whose owner lock that daemon holds (--force sweeps
-those too). A cgroup that vanishes meanwhile is skipped; any other failed write is reported with its
-path and the exit status is 1. Nothing is raised to the caller of `cleanup()`.
+those too); the twin of such a directory in another tree (the v1 cpuset one) is left alone with it.
+Empty instance directories of daemons that are not running are removed in step 3. A cgroup that
+vanishes meanwhile is skipped; any other failed write is reported with its path and the exit status
+is 1. Nothing is raised to the caller of `cleanup()`.
 """
 
 from __future__ import annotations
@@ -132,22 +134,35 @@ def _walk(tree: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
         yield dirpath
 
 
-def live_instances(tree: str, res: Result) -> frozenset[str]:
-    """Instance directories of `tree` whose daemon is alive (each noted in res.actions)."""
+def _instances(tree: str) -> list[str]:
+    try:
+        return sorted(e.path for e in os.scandir(tree) if e.is_dir())
+    except OSError:
+        return []
+
+
+def live_instances(trees: list[str], res: Result) -> frozenset[str]:
+    """Instance directories of `trees` whose daemon is alive (each noted in res.actions). An
+    instance's name is the same in every tree (v2, the v1 cpuset twin): one that names a live
+    daemon in any tree is live in all, so a twin without the name (an older daemon's, a kernel
+    without user xattrs on v1) is not taken for a dead daemon's."""
     try:
         from krex_async.isolation.intent import live_owner
     except ImportError:  # the sweep itself needs nothing but the stdlib
         return frozenset()
+    owners: dict[str, str] = {}
+    for tree in trees:
+        for d in _instances(tree):
+            pid = live_owner(d)
+            if pid is not None:
+                owners.setdefault(os.path.basename(d), pid)
     live = set()
-    try:
-        entries = [e.path for e in os.scandir(tree) if e.is_dir()]
-    except OSError:
-        return frozenset()
-    for d in sorted(entries):
-        pid = live_owner(d)
-        if pid is not None:
-            live.add(d)
-            res.actions.append(f"left {d} alone: its daemon (pid {pid}) is alive")
+    for tree in trees:
+        for d in _instances(tree):
+            pid = owners.get(os.path.basename(d))
+            if pid is not None:
+                live.add(d)
+                res.actions.append(f"left {d} alone: its daemon (pid {pid}) is alive")
     return frozenset(live)
 
 
@@ -228,15 +243,14 @@ def cleanup(roots: list[str], remove_empty: bool = True, force: bool = False) ->
     """Sweep `<root>/krex` (or `root` itself when it is named krex) for each root that exists;
     instance directories of live daemons are left alone unless `force`."""
     res = Result()
-    seen = set()
     for root in roots:
         tree = root if os.path.basename(root.rstrip("/")) == SUBTREE else os.path.join(root, SUBTREE)
         real = os.path.realpath(tree)
-        if real in seen or not os.path.isdir(real):
-            continue
-        seen.add(real)
-        res.trees.append(real)
-        sweep(real, res, remove_empty, frozenset() if force else live_instances(real, res))
+        if real not in res.trees and os.path.isdir(real):
+            res.trees.append(real)
+    live = frozenset() if force else live_instances(res.trees, res)
+    for tree in res.trees:
+        sweep(tree, res, remove_empty, live)
     return res
 
 

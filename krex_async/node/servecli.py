@@ -230,6 +230,10 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from krex_async.daemon.earlystop import EarlyStop
+
+    # a stop signal from here on ends the start cleanly (the imports below take a while)
+    early = None if args.print_config else EarlyStop().install()
     from krex_async.daemon import server
     from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources, print_config
 
@@ -245,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
     if args.print_config:
         print(print_config(cfg.resolved(), sources), end="")
         return 0
-    return server.run(cfg)
+    return server.run(cfg, early)
 
 
 def _name_env_vars(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from krex_async.linux import procfs
 from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from krex_async.probes.bpf_ioctl import DEFAULT_PREFIXES, scan_proc
 from krex_async.probes.failure import FailureReporting, name_thread
@@ -49,15 +50,33 @@ LINE = re.compile(
 
 
 def tracefs_root() -> str:
-    """The mounted tracefs directory; mounts it (root only) when absent. Raises ProbeUnavailable."""
+    """The mounted tracefs directory; mounts it (root only) when absent. Raises ProbeUnavailable
+    saying which: not mounted, or mounted where this user may not look (mode 0700, root's)."""
     for r in ROOTS:
         if os.path.isdir(f"{r}/instances"):
             return r
+    mounted = [m.point for m in procfs.mounts("tracefs") if m.point in ROOTS]
+    for r in mounted:  # isdir() is False for a directory we may not search, too
+        if not os.access(r, os.R_OK | os.X_OK):
+            why = "; ".join(w for w in (f"uid {os.geteuid()}", _mode(r)) if w)
+            raise ProbeUnavailable(
+                f"tracefs is mounted at {r} but not readable by this user ({why}): run the daemon as root"
+            )
+        raise ProbeUnavailable(f"tracefs at {r} has no instances/ directory (kernel before 4.1?)")
     if os.geteuid() == 0 and os.path.isdir(ROOTS[0]):
         rc = os.system(f"mount -t tracefs nodev {ROOTS[0]} 2>/dev/null")
         if rc == 0 and os.path.isdir(f"{ROOTS[0]}/instances"):
             return ROOTS[0]
     raise ProbeUnavailable("tracefs not mounted (mount -t tracefs nodev /sys/kernel/tracing)")
+
+
+def _mode(path: str) -> str:
+    """'mode 0700, owner uid 0' for an error message; '' where even that cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}"
 
 
 def _num(s: str, hex_default: bool) -> int:

@@ -148,7 +148,7 @@ async def test_bad_input_is_a_clear_error(local_fleet: LocalFleet) -> None:
             await fc.submit(["true"], device="nvidia0")
         with pytest.raises(KrexError, match="memory"):
             await fc.submit(["true"], mem=1 << 60)
-        with pytest.raises(KrexError, match=r"node node\d: .*not an executable"):
+        with pytest.raises(KrexError, match=r"node node\d: .*not found"):
             await fc.submit(["/nonexistent/prog"], env=env())
         with pytest.raises(KrexError, match="NODE/ID"):
             await fc.cancel("nonsense")

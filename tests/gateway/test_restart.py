@@ -4,6 +4,7 @@ and never run again, the queued one runs; a second gateway cannot share the stat
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sqlite3
 import stat
@@ -84,6 +85,7 @@ async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
 
 
 def _serve(sock: str, state: Path) -> subprocess.Popen[bytes]:
+    os.makedirs(os.path.dirname(sock), exist_ok=True)  # run_daemon removed it; serve makes none
     return subprocess.Popen(
         [sys.executable, "-m", "krex_async", "serve", "--socket", sock, "--state-dir", str(state)],
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},

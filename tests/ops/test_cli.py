@@ -138,7 +138,7 @@ async def test_odd_input_and_a_reader_that_leaves_are_errors_not_tracebacks(tmp_
 def test_serve_gateway_status_and_demo_refuse_what_cannot_work(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     state = krex("serve", "--socket", str(tmp_path / "s"), "--state-dir", str(tmp_path / "file"))
-    assert state.returncode == 1 and b"--state-dir" in state.stderr
+    assert state.returncode == 2 and b"--state-dir" in state.stderr and b"not a directory" in state.stderr
     long_sock = krex("serve", "--socket", str(tmp_path / ("x" * 120)))
     assert long_sock.returncode == 1 and b"under 108" in long_sock.stderr
     gw = ["gateway", "--state-dir", str(tmp_path / "gw"), "--socket", str(tmp_path / "s")]
@@ -550,3 +550,21 @@ def test_output_files_relative_to_a_removed_directory_are_usage_errors(tmp_path:
         flag = args[1].encode()
         assert p.returncode == 2 and flag + b" rel.json: a relative path" in p.stderr, p.stderr
         assert b"current directory was removed" in p.stderr and not marker.exists(), p.stderr
+
+
+async def test_a_missing_program_path_is_127_and_one_that_cannot_run_is_125(tmp_path: Path) -> None:
+    """As the shell: `krex run -- /missing/path` is "not found" (127), a file without its x bit
+    or a directory is a command krex could not run (125); only the x-less file is not "not found"."""
+    plain = tmp_path / "plain"
+    plain.write_text("#!/bin/sh\ntrue\n")
+    async with run_daemon() as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        missing = await asyncio.to_thread(krex, "run", "--", str(tmp_path / "nonexistent"), env=env)
+        under = await asyncio.to_thread(krex, "run", "--", str(plain / "x"), env=env)
+        noexec = await asyncio.to_thread(krex, "run", "--", str(plain), env=env)
+        a_dir = await asyncio.to_thread(krex, "run", "--", str(tmp_path), env=env)
+    assert missing.returncode == 127 and b"not found" in missing.stderr, missing.stderr
+    for p in (under, noexec, a_dir):
+        assert p.returncode == 125 and b"cannot be executed" in p.stderr, p.stderr
+        assert b"not found" not in p.stderr
+        no_traceback(p)
