@@ -32,6 +32,9 @@ batch_setup() {
   res=/tmp/res-$tag; mkdir -p "$res"
   exec > >(tee -a "$real_out/$pack_name.log") 2>&1  # the whole call's output comes back as a file too
   echo "== $pack_name $(date -u +%FT%TZ) $(git log --format='%h %s' -1 2>/dev/null | cut -c1-90)"
+  # the device's copy of .git may predate the tree it was given: the code's own digest says which
+  # commit ran (`bash bench/gpu/tree_digest.sh` at a checkout prints the same)
+  echo "== krex_async digest $(bash bench/gpu/tree_digest.sh)"
   if [ "${BATCH_DRY:-0}" = 1 ]; then
     export OUT=$res
     return 0

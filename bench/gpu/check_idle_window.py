@@ -1,6 +1,6 @@
 """How short can the drain check's idle window be and still catch another process's GPU work?
 
-    python3 -m bench.gpu.check_idle_window [--windows 2,3,5,10,20] [--tries 20] [--out DIR]
+    python3 -m bench.gpu.check_idle_window [--windows 2,3,5,10,20] [--tries 20] [--bar-us 250] [--out DIR]
 
 A region's owner verifies, before its timed loop, that no held sibling still has work queued on the
 GPU (runtime/devicework.idle_verify): it times round trips of a tiny kernel until they all stayed
@@ -128,7 +128,7 @@ def _neighbour(py: str, script: Path, *args: str) -> tuple[subprocess.Popen[str]
     return p, float(line[1])
 
 
-def measure(py: str, windows: list[float], tries: int, tmp: Path) -> list[dict[str, Any]]:
+def measure(py: str, windows: list[float], tries: int, tmp: Path, bar_s: float) -> list[dict[str, Any]]:
     import torch  # the owner: a context of its own, as a region owner has
 
     from krex_async.runtime import devicework
@@ -140,7 +140,7 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path) -> list[dict[s
     rows: list[dict[str, Any]] = []
     for w in windows:
         for _ in range(tries):
-            verdict, took = devicework.idle_verify(0.5, window_s=w / 1e3)
+            verdict, took = devicework.idle_verify(0.5, window_s=w / 1e3, bar_s=bar_s)
             rows.append({"phase": "alone", "window_ms": w, "verdict": verdict, "took_s": took})
     for kernel, n in KERNELS.items():
         stop = tmp / f"stop-{kernel}"
@@ -149,7 +149,9 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path) -> list[dict[s
         try:
             for w in windows:
                 for _ in range(tries):
-                    verdict, took = devicework.idle_verify(max(0.1, 5 * w / 1e3), window_s=w / 1e3)
+                    verdict, took = devicework.idle_verify(
+                        max(0.1, 5 * w / 1e3), window_s=w / 1e3, bar_s=bar_s
+                    )
                     rows.append(
                         {
                             "phase": "busy",
@@ -170,7 +172,7 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path) -> list[dict[s
                 p.stdin.write("go\n")
                 p.stdin.flush()
                 p.stdout.readline()  # queued
-                verdict, _ = devicework.idle_verify(2.0, window_s=w / 1e3)
+                verdict, _ = devicework.idle_verify(2.0, window_s=w / 1e3, bar_s=bar_s)
                 passed_at = time.monotonic()
                 dry_at = float(p.stdout.readline().split()[1])
                 rows.append(
@@ -192,6 +194,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog=module_prog(__spec__), description=__doc__.split("\n")[0])
     ap.add_argument("--windows", default="2,3,5,10,20", help="idle windows to try, ms (comma-separated)")
     ap.add_argument("--tries", type=int, default=20, help="checks per window and condition")
+    ap.add_argument(
+        "--bar-us",
+        type=float,
+        default=250.0,
+        help="the round trip under which the device counts as idle, us (idle_verify's bar_s; "
+        "a neighbour's kernel shorter than it delays a round trip too little to be seen)",
+    )
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/krex-check-idle-window"))
     a = ap.parse_args()
@@ -199,15 +208,16 @@ def main() -> int:
         windows = [float(x) for x in a.windows.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--windows: comma-separated milliseconds, not {a.windows!r}")
-    if not windows or min(windows) <= 0 or a.tries < 1:
-        ap.error("--windows must be positive milliseconds, --tries at least 1")
+    if not windows or min(windows) <= 0 or a.tries < 1 or not 0 < a.bar_us <= 1000:
+        ap.error("--windows must be positive milliseconds, --tries at least 1, --bar-us in (0, 1000]")
     tmp = Path(tempfile.mkdtemp(prefix="krex-check-idle-window-"))
     try:
-        rows = measure(a.python, windows, a.tries, tmp)
+        rows = measure(a.python, windows, a.tries, tmp, a.bar_us / 1e6)
     except (RuntimeError, ImportError) as e:
         print(f"FAIL: {e}")
         return 1
     s = summarise(rows)
+    print(f"bar {a.bar_us:g} us")
     print(
         f"{'window ms':>9} {'alone p50/max ms':>17} {'busy short':>10} {'busy long':>9} "
         f"{'drain early':>11} {'lag p50 ms':>10}"

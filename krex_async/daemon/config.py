@@ -68,8 +68,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # within 0.46 s (p50 0.11 s: bench/gpu/check_lock_states.py)
     lock_wait: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.5
     # how long a region waits for a sibling's exit to end before freezing what is left of it (-1:
-    # --lock-wait); a process already in the kernel's exit (past the freezer) is waited for in any case
-    exit_wait: Annotated[float, msgspec.Meta(ge=-1, le=10)] = -1.0
+    # --lock-wait); a process already in the kernel's exit (past the freezer) is waited for in any case.
+    # 0: a torch exit disturbs another process's timing only once in the kernel (its files closing),
+    # not in Python's finalisation or the CUDA library's teardown (bench/gpu/check_exit.py), and the
+    # large set ran 1.11x shared with 0 against 0.96x waiting (bench/RESULTS.md, session 16)
+    exit_wait: Annotated[float, msgspec.Meta(ge=-1, le=10)] = 0.0
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

@@ -72,7 +72,8 @@ def add_parser(sub: Any) -> None:
         type=float,
         help="seconds a region waits, before its grant, for a sibling's exit to end; one still in "
         "user space after that (Python's finalisation, the CUDA library's teardown) is frozen until "
-        "the region ends, one in the kernel's exit up to --lock-wait at least (default: --lock-wait)",
+        "the region ends, one in the kernel's exit up to --lock-wait at least (default 0: freeze at once; "
+        "-1: as long as --lock-wait)",
     )
     p.add_argument(
         "--quiesce",

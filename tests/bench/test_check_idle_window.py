@@ -84,3 +84,13 @@ def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
         tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", "--windows", "0,x", check=False
     )
     assert bad.returncode == 2 and "--windows" in bad.stderr
+    args = ("--windows", "1", "--tries", "1", "--bar-us", "40", "--out", str(out))
+    r = with_stand_in_torch(tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", *args)
+    assert (
+        "bar 40 us" in r.stdout
+        and json.loads((out / "check_idle_window.json").read_text())["args"]["bar_us"] == 40
+    )
+    bad = with_stand_in_torch(
+        tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", "--bar-us", "0", check=False
+    )
+    assert bad.returncode == 2 and "--bar-us" in bad.stderr

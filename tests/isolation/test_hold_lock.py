@@ -669,7 +669,7 @@ async def test_the_next_region_waits_for_a_deferred_exit(
     owner = script("owner.py", OWNER)
     m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
     state = str(tmp_path / "sib")
-    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", wait)
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", wait, "--exit-wait", "-1")
     async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
         async with await d.client() as c:
             h, pid = await _start_exiting(c, fake, script, state, "slow")
@@ -711,7 +711,7 @@ async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     state = str(tmp_path / "sib")
-    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5")
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5", "--exit-wait", "5")
     async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
         async with await d.client() as c:
             h, pid = await _start_exiting(c, fake, script, state, "slower")
@@ -732,15 +732,16 @@ async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for
 async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_until_it_ends(
     fake: Fake, script, tmp_path: Path
 ) -> None:
-    """--exit-wait 0: a region does not wait for a sibling's exit still in user space (Python's
-    finalisation here, 1.5 s, as a torch teardown): it is named in exits_unfinished and frozen with
-    its command for the region, never locked (a lock does not stop an exit). Thawed at the release,
-    it goes on exiting, so the region right after treats it the same way again (before, it was
-    forgotten after one region and locked mid-exit); it ends after both regions."""
+    """--exit-wait 0 (the default): a region does not wait for a sibling's exit still in user
+    space (Python's finalisation here, 1.5 s, as a torch teardown): it is named in
+    exits_unfinished and frozen with its command for the region, never locked (a lock does not
+    stop an exit). Thawed at the release, it goes on exiting, so the region right after treats it
+    the same way again (before, it was forgotten after one region and locked mid-exit); it ends
+    after both regions."""
     owner = script("owner.py", OWNER)
     m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
     state = str(tmp_path / "sib")
-    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5", "--exit-wait", "0")
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5")  # --exit-wait 0, the default
     async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
         async with await d.client() as c:
             h, pid = await _start_exiting(c, fake, script, state, "slower")
@@ -777,7 +778,18 @@ async def test_an_exit_during_another_commands_region_waits_for_its_end(
     owner = script("owner.py", OWNER)
     m1, m2 = tmp_path / "granted1", tmp_path / "granted2"
     state = str(tmp_path / "sib")
-    args = ("--hold", "lock", "--freeze", "device-holders", "--probes", "off", "--lock-wait", "5")
+    args = (
+        "--hold",
+        "lock",
+        "--freeze",
+        "device-holders",
+        "--probes",
+        "off",
+        "--lock-wait",
+        "5",
+        "--exit-wait",
+        "5",
+    )
     async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
         async with await d.client() as c:
             h, pid = await _start_exiting(c, fake, script, state, "late-open")
