@@ -9,8 +9,8 @@
     krex fleet demo [--nodes N] | status [--address A]
 
 `krex run` behaves like running CMD directly: its stdout and stderr, and its exit code (128+N when a
-signal N ended it, 124 when krex's timeout did, 125 when krex itself could not run it, 127 when the
-program was not found).
+signal N ended it, 124 when krex's timeout did, 125 when krex itself could not run it, 126 when the
+program was found but cannot be executed, 127 when it was not found).
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ def _check_writable(path: str) -> str | None:
     return None
 
 
+def _not_started_code(message: str) -> int:
+    """As the shell: 127 for a program not found, 126 for one found but not executable, else 125
+    (krex itself could not run it)."""
+    return 127 if "not found" in message else 126 if "cannot be executed" in message else 125
+
+
 def _exit_code(rep: Any) -> int:
     """A command's report as `krex run`'s exit status (the module docstring's table)."""
     if rep.state == "timeout":
@@ -55,7 +61,7 @@ def _exit_code(rep: Any) -> int:
         return 124
     if rep.state in ("failed", "shutdown"):
         print(f"krex run: {rep.error}", file=sys.stderr)
-        return 127 if rep.state == "failed" and "not found" in rep.error else 125
+        return _not_started_code(rep.error) if rep.state == "failed" else 125
     if rep.signal:
         return 128 + int(rep.signal)
     return int(rep.exit_code) if rep.exit_code is not None else 125
@@ -100,7 +106,7 @@ async def _run(args: argparse.Namespace) -> int:
             )
         except KrexError as e:
             print(f"krex run: {e.message}", file=sys.stderr)
-            return 127 if "not found" in e.message else 125
+            return _not_started_code(e.message)
         loop = asyncio.get_running_loop()
 
         sent: set[int] = set()

@@ -552,9 +552,10 @@ def test_output_files_relative_to_a_removed_directory_are_usage_errors(tmp_path:
         assert b"current directory was removed" in p.stderr and not marker.exists(), p.stderr
 
 
-async def test_a_missing_program_path_is_127_and_one_that_cannot_run_is_125(tmp_path: Path) -> None:
-    """As the shell: `krex run -- /missing/path` is "not found" (127), a file without its x bit
-    or a directory is a command krex could not run (125); only the x-less file is not "not found"."""
+async def test_a_missing_program_path_is_127_and_one_that_cannot_run_is_126(tmp_path: Path) -> None:
+    """As the shell: `krex run -- /missing/path` is "not found" (127), a file without its x bit, a
+    path through a regular file or a directory cannot be executed (126), and none of those says
+    "not found"."""
     plain = tmp_path / "plain"
     plain.write_text("#!/bin/sh\ntrue\n")
     async with run_daemon() as d:
@@ -565,6 +566,6 @@ async def test_a_missing_program_path_is_127_and_one_that_cannot_run_is_125(tmp_
         a_dir = await asyncio.to_thread(krex, "run", "--", str(tmp_path), env=env)
     assert missing.returncode == 127 and b"not found" in missing.stderr, missing.stderr
     for p in (under, noexec, a_dir):
-        assert p.returncode == 125 and b"cannot be executed" in p.stderr, p.stderr
+        assert p.returncode == 126 and b"cannot be executed" in p.stderr, p.stderr
         assert b"not found" not in p.stderr
         no_traceback(p)
