@@ -11,7 +11,8 @@ real jobs that window was 20 of the 24 ms a region entry took (less its waits), 
 goal (p99 <= 5 ms) hangs on it. For each window this measures, with no krex involved:
 
 - alone: how long the check takes to pass on an idle GPU (it should take the window);
-- busy: a neighbour process launching matmuls back to back (short ~0.2 ms and long ~5 ms kernels,
+- roundtrip: the check's own round trip alone, 50 x tries of them (min, p50, p99, max us);
+- busy: a neighbour process launching matmuls back to back (tiny ~0.03, short ~0.2, long ~5 ms,
   a few queued at a time): how often the check wrongly passes (`idle-verified`) within a budget of
   five windows (at least 0.1 s). Must be 0 for a window to be usable;
 - drain: the neighbour queues ~100 ms of work and stops launching (as a locked sibling does), and
@@ -74,7 +75,7 @@ else:
         print("dry", time.monotonic(), flush=True)
 """
 
-KERNELS = {"short": 4096, "long": 12288}  # fp16 matmuls: ~0.2 ms and ~5 ms on an H200
+KERNELS = {"tiny": 2048, "short": 4096, "long": 12288}  # fp16 matmuls: ~0.03, ~0.2 and ~5 ms (H100)
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -84,6 +85,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     failed), which make the window's verdict INVALID rather than a pass."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
+        if r["phase"] == "roundtrip":
+            continue
         w = out.setdefault(f"{r['window_ms']:g}", {"wrong": 0, "unverified": 0})
         w["unverified"] += r["verdict"] == "unverified"
         if r["phase"] == "alone":
@@ -108,6 +111,16 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             xs = w.pop("drain_lag_ms")
             w["drain_lag_ms"] = {"p50": statistics.median(xs), "min": min(xs), "n": len(xs)}
     return out
+
+
+def roundtrips(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The check's own round trip alone, us (min, p50, p99, max, n): a bar below its tail would
+    never pass an idle device; one above a neighbour's kernel time cannot see that neighbour."""
+    trips = sorted(float(r["us"]) for r in rows if r["phase"] == "roundtrip")
+    if not trips:
+        return {}
+    at = lambda q: trips[min(len(trips) - 1, int(q * len(trips)))]  # noqa: E731
+    return {"min": trips[0], "p50": at(0.5), "p99": at(0.99), "max": trips[-1], "n": len(trips)}
 
 
 def verdict(x: dict[str, Any]) -> str:
@@ -138,6 +151,12 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path, bar_s: float) 
     script = tmp / "neighbour.py"
     script.write_text(NEIGHBOUR)
     rows: list[dict[str, Any]] = []
+    probe = devicework._tiny_kernel()  # the check's own round trip alone: what a bar must clear
+    if probe is not None:
+        for _ in range(50 * tries):
+            t0 = time.perf_counter()
+            probe[1]()
+            rows.append({"phase": "roundtrip", "us": (time.perf_counter() - t0) * 1e6})
     for w in windows:
         for _ in range(tries):
             verdict, took = devicework.idle_verify(0.5, window_s=w / 1e3, bar_s=bar_s)
@@ -216,24 +235,31 @@ def main() -> int:
     except (RuntimeError, ImportError) as e:
         print(f"FAIL: {e}")
         return 1
-    s = summarise(rows)
-    print(f"bar {a.bar_us:g} us")
+    s, trip = summarise(rows), roundtrips(rows)
     print(
-        f"{'window ms':>9} {'alone p50/max ms':>17} {'busy short':>10} {'busy long':>9} "
-        f"{'drain early':>11} {'lag p50 ms':>10}"
+        f"bar {a.bar_us:g} us; the check's round trip alone: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in trip.items() if k != "n")
+        + f" us (n={trip.get('n', 0):g})"
+    )
+    print(
+        f"{'window ms':>9} {'alone p50/max ms':>17} "
+        + " ".join(f"{'busy ' + k:>10}" for k in KERNELS)
+        + f" {'drain early':>11} {'lag p50 ms':>10}"
     )
     for w, x in s.items():
         al, lag = x.get("alone_ms", {}), x.get("drain_lag_ms", {})
-        short, long_ = x.get("busy_short", [0, 0]), x.get("busy_long", [0, 0])
+        busy = " ".join(f"{'{}/{}'.format(*x.get('busy_' + k, [0, 0])):>10}" for k in KERNELS)
         print(
-            f"{w:>9} {al.get('p50', 0):>8.1f}/{al.get('max', 0):<8.1f} {short[0]:>4}/{short[1]:<5} "
-            f"{long_[0]:>4}/{long_[1]:<4} {x.get('drain_early', 0):>11} {lag.get('p50', 0):>10.1f}"
+            f"{w:>9} {al.get('p50', 0):>8.1f}/{al.get('max', 0):<8.1f} {busy} "
+            f"{x.get('drain_early', 0):>11} {lag.get('p50', 0):>10.1f}"
         )
     for w, x in s.items():
         print(f"{verdict(x)}: window {w} ms: {x['wrong']} wrong passes, {x['unverified']} unverified")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "check_idle_window.json", {"rows": rows, "summary": s, "args": vars(a)})
+    write_json(
+        out / "check_idle_window.json", {"rows": rows, "summary": s, "roundtrip_us": trip, "args": vars(a)}
+    )
     return 0
 
 

@@ -22,10 +22,10 @@ pool="--pool-size 8 --pool-preload torch"
 case $call in
 1)
   batch_atrex "${ATREX_TIMEOUT:-200}" --only profile-deep
-  batch_step idle-window-250 90 python3 -m bench.gpu.check_idle_window --out "$res/bar250" ${WINDOW_ARGS:-}
-  batch_step idle-window-60 90 python3 -m bench.gpu.check_idle_window --bar-us 60 --out "$res/bar60" \
+  batch_step idle-window-250 110 python3 -m bench.gpu.check_idle_window --out "$res/bar250" ${WINDOW_ARGS:-}
+  batch_step idle-window-60 110 python3 -m bench.gpu.check_idle_window --bar-us 60 --out "$res/bar60" \
     ${WINDOW_ARGS:-}
-  batch_step exit 150 python3 -m bench.gpu.check_exit --out "$res" ${EXIT_ARGS:-}
+  batch_step exit 100 python3 -m bench.gpu.check_exit --out "$res" ${EXIT_ARGS:-}
   ;;
 2)
   JOBS_SET=${JOBS_SET:-default} batch_jobs "${JOBS_TIMEOUT:-430}" "${JOBS_BUDGET:-400}" \

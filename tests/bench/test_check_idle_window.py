@@ -77,7 +77,15 @@ def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
     data = json.loads((out / "check_idle_window.json").read_text())
     phases = [(x["phase"], x.get("kernel")) for x in data["rows"]]
     assert phases.count(("alone", None)) == 8 and phases.count(("drain", None)) == 8
-    assert phases.count(("busy", "short")) == phases.count(("busy", "long")) == 8
+    assert (
+        phases.count(("busy", "tiny"))
+        == phases.count(("busy", "short"))
+        == phases.count(("busy", "long"))
+        == 8
+    )
+    assert phases.count(("roundtrip", None)) == 200 and data["roundtrip_us"]["n"] == 200
+    assert data["roundtrip_us"]["min"] <= data["roundtrip_us"]["p50"] <= data["roundtrip_us"]["max"]
+    assert "the check's round trip alone: min" in r.stdout and "busy tiny" in r.stdout
     # nothing runs on a stand-in GPU: every check passes at once, so every busy one is a wrong pass
     assert data["summary"]["1"]["wrong"] >= 8 and "FAIL: window 1 ms" in r.stdout
     bad = with_stand_in_torch(
