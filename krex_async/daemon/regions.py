@@ -104,14 +104,15 @@ class Regions:
     def holding(self, cmd: Command) -> tuple[str, Region | None] | None:
         """("frozen" or "locked", the region that holds it) while a region holds `cmd`, else None:
         a held command acts on no signal but SIGKILL until that region ends. A region's owner is
-        not held: the process in its region runs (its other processes are frozen, keep/ aside)."""
-        if any(r.command is cmd for r in self.active.values()):
-            return None
+        not held: the process in its region runs (its other processes are frozen, keep/ aside).
+        One whose own region waits its turn is held by the region that froze it."""
         for r in self.active.values():
             if cmd.id in r.locked_ids:
                 return "locked", r
             if cmd.id in r.frozen_ids:
                 return "frozen", r
+        if any(r.command is cmd for r in self.active.values()):
+            return None
         if cmd.group is not None and cmd.group.frozen:  # frozen at its start, or joining one
             return "frozen", self.holder_on(cmd.device_key) if cmd.device_key else None
         return None

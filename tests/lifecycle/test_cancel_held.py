@@ -107,3 +107,55 @@ async def test_ctrl_c_ends_a_frozen_sibling_at_once_and_a_running_one_politely(
             assert own.returncode == 128 + signal.SIGINT and time.monotonic() - t0 < 5, (own.returncode, err)
             assert b"KeyboardInterrupt" in err and b"SIGKILL" not in err, err
         assert '"level": "error"' not in d.logs(), d.logs()  # the killed group went, the region thawed
+
+
+# A sibling whose runtime never acks the quiesce: it runs through the entry's --quiesce-timeout,
+# asks for a region of its own meanwhile (queued behind the owner's), and is then frozen.
+ASKER = """
+import os, socket, struct, sys
+from krex_async.runtime.quiesce import frame, unpack
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["KREX_SOCKET"])
+s.sendall(frame({"type": "hello", "id": 1, "version": 1, "role": "command", "client": "asker"}))
+s.sendall(frame({"type": "quiesce_ready", "id": 2, "command": os.environ["KREX_COMMAND"],
+                 "token": os.environ["KREX_TOKEN"], "pid": os.getpid()}))
+print("ready", flush=True)
+while True:
+    (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+    if unpack(s.recv(n, socket.MSG_WAITALL)).get("type") == "quiesce":
+        break
+print("asking", flush=True)
+from krex_async import region
+with region("second"):
+    pass
+"""
+
+
+async def test_ctrl_c_ends_a_frozen_sibling_whose_own_region_is_queued(script, tmp_path: Path):
+    """A sibling frozen while its own region waits its turn (agents that loop on regions ask again
+    as the last one ends) is held like any other: its Ctrl-C ends it at once, not after the region."""
+    release = tmp_path / "release"
+    args = ("--isolation", "cgroup", "--freeze", "all", "--quiesce", "all", "--quiesce-timeout", "2")
+    async with run_daemon(*args, "--region-timeout", "60") as d:
+        async with await d.client() as c:
+            sib = await _krex_run(d.socket, PY, script("asker.py", ASKER))
+            assert sib.stdout is not None
+            assert (await asyncio.wait_for(sib.stdout.readline(), 20)) == b"ready\n"
+            owner = await c.submit([PY, script("hold.py", HOLDER), str(release)], env=py_env())
+            assert (await asyncio.wait_for(sib.stdout.readline(), 20)) == b"asking\n"
+            async for _, data in owner.output():
+                assert data.startswith(b"in"), data
+                break
+            await _until(
+                c,
+                lambda st: any(x["command"] != owner.command and x["frozen"] for x in st["commands"]),
+                "the sibling was never frozen",
+            )
+            t0 = time.monotonic()
+            sib.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(sib.communicate(), 10)
+            assert sib.returncode == 128 + signal.SIGKILL and time.monotonic() - t0 < 5, (sib.returncode, err)
+            assert b"frozen by region 'timing'" in err, err
+            release.touch()
+            res = await asyncio.wait_for(owner.wait(), 15)
+            assert res.report.exit_code == 0, res.report
