@@ -66,9 +66,12 @@ class Exits:
             r.exits_left = {p: noted[p] for p in r.report.exits_unfinished}
 
     def give_back(self, r: Region) -> None:
-        """At r's release: the exits its entry found unfinished are noted again, as first noted."""
-        # Frozen mid-exit, they go on exiting: the next region finds them so, as first noted (an
-        # exit that never ends is dropped EXITING_KEPT_S after; a pid reused meanwhile is not one).
+        """At r's release: the exits its entry found unfinished are noted again, as of now."""
+        # Frozen mid-exit, they go on exiting, and the next region must find them so. Under
+        # --exit-wait 0 and back-to-back regions an exit runs only between regions and can outlast
+        # EXITING_KEPT_S from its first note: dropped then, it would be locked mid-exit and free its
+        # memory beside a timing. So each release renews the note (a pid reused is not renewed; an
+        # exit no region froze is still dropped EXITING_KEPT_S after its last note).
         now = time.monotonic()
-        self.exiting.update({p: e for p, e in r.exits_left.items() if self.still_exiting(p, e, now)})
+        self.exiting.update({p: (e[0], now, e[2]) for p, e in r.exits_left.items() if start_time(p) == e[2]})
         r.exits_left.clear()
