@@ -105,11 +105,13 @@ class Regions:
         """("frozen" or "locked", the region that holds it) while a region holds `cmd`, else None:
         a held command acts on no signal but SIGKILL until that region ends. A region's owner is
         not held: the process in its region runs (its other processes are frozen, keep/ aside).
-        One whose own region waits its turn is held by the region that froze it."""
+        One whose own region waits its turn is held by the region that froze it. A releasing
+        region holds only what it has not yet thawed or unlocked."""
         for r in self.active.values():
-            if cmd.id in r.locked_ids:
+            if cmd.id in r.locked_ids and not (r.releasing and not r.locked_pids):
                 return "locked", r
-            if cmd.id in r.frozen_ids:
+            thawed = r.releasing and cmd.group is not None and not cmd.group.frozen
+            if cmd.id in r.frozen_ids and not thawed:
                 return "frozen", r
         if any(r.command is cmd for r in self.active.values()):
             return None
