@@ -248,6 +248,7 @@ class Regions:
         """For `krex status`: the hold's mode and lock availability, and per device how and whom
         a region there would hold now (and why not by the lock)."""
         st: dict[str, object] = dict(self.hold.status())
+        st["exit_wait_s"] = self.core.config.exit_wait  # 0: an exit in user space is frozen
         probes = self.core.attributor is not None
         st["devices"] = {
             d.key: {

@@ -173,6 +173,14 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
             + ("available" if ho["lock_available"] else "unavailable")
             + f" ({ho['reason']})"
         )
+        if "exit_wait_s" in ho:  # how a region meets a sibling's exit (--exit-wait)
+            ew = float(ho["exit_wait_s"])
+            waited = "--lock-wait" if ew < 0 else f"{ew:g} s"
+            head.append(
+                "exits: one in user space frozen at once, one in the kernel waited for (--exit-wait 0)"
+                if ew == 0
+                else f"exits: waited for up to {waited}, then frozen (--exit-wait {ew:g})"
+            )
         for key, dv in ho.get("devices", {}).items():
             head.append(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({dv['why']})" if dv["why"] else ""))
     if "probes" in st:  # a daemon from before probes were reported has no such key
