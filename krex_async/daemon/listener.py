@@ -31,14 +31,20 @@ def own_socket_dirs() -> frozenset[str]:
     return frozenset({os.path.dirname(NODE_SOCKET), f"/tmp/krex-{os.getuid()}"})
 
 
-def group_id(group: str, option: str = "--socket-group") -> int:
-    """A group name or number (--socket-group, --admin-group); SystemExit naming `option` if none."""
+def find_group(group: str) -> int | None:
+    """A group name's gid, or a number's; None where there is no such group."""
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        if group.isdigit():
-            return int(group)
-        raise SystemExit(f"krex: {option} {group!r}: no such group") from None
+        return int(group) if group.isdigit() else None
+
+
+def group_id(group: str, option: str = "--socket-group") -> int:
+    """A group name or number (--socket-group, --admin-group); SystemExit naming `option` if none."""
+    gid = find_group(group)
+    if gid is None:
+        raise SystemExit(f"krex: {option} {group!r}: no such group")
+    return gid
 
 
 def check_socket_path(path: str) -> None:

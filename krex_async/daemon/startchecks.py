@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def problems(devices: str, groups: dict[str, str], metrics: str) -> list[tuple[str, str]]:
     """(option field, why) for each of these that cannot serve here; `groups`: {field: name}."""
-    from krex_async.daemon.listener import group_id
+    from krex_async.daemon.listener import find_group
     from krex_async.daemon.metrics import missing, parse_addr
     from krex_async.devices import check_spec
 
@@ -18,10 +18,7 @@ def problems(devices: str, groups: dict[str, str], metrics: str) -> list[tuple[s
     except ValueError as e:
         out.append(("devices", str(e)))
     for field, name in groups.items():
-        try:
-            if name:
-                group_id(name)
-        except SystemExit:  # group_id's way of saying it; the message here names the source
+        if name and find_group(name) is None:
             out.append((field, f"{name!r}: no such group (a name or a gid)"))
     if metrics:
         try:
