@@ -150,19 +150,18 @@ def live_instances(trees: list[str], res: Result) -> frozenset[str]:
         from krex_async.isolation.intent import live_owner
     except ImportError:  # the sweep itself needs nothing but the stdlib
         return frozenset()
+    found = [d for tree in trees for d in _instances(tree)]
     owners: dict[str, str] = {}
-    for tree in trees:
-        for d in _instances(tree):
-            pid = live_owner(d)
-            if pid is not None:
-                owners.setdefault(os.path.basename(d), pid)
+    for d in found:  # one probe per instance name: a twin of a live one is live too
+        name = os.path.basename(d)
+        if name not in owners and (pid := live_owner(d)) is not None:
+            owners[name] = pid
     live = set()
-    for tree in trees:
-        for d in _instances(tree):
-            pid = owners.get(os.path.basename(d))
-            if pid is not None:
-                live.add(d)
-                res.actions.append(f"left {d} alone: its daemon (pid {pid}) is alive")
+    for d in found:
+        pid = owners.get(os.path.basename(d))
+        if pid is not None:
+            live.add(d)
+            res.actions.append(f"left {d} alone: its daemon (pid {pid}) is alive")
     return frozenset(live)
 
 
