@@ -50,7 +50,8 @@ def v2_subtree(cgroup_root: str = "") -> tuple[str | None, str]:
 
 @contextlib.contextmanager
 def _test_cgroup(parent: str) -> Iterator[str]:
-    """A fresh child cgroup, removed afterwards (its processes killed first)."""
+    """A fresh child cgroup (v2, or a v1 hierarchy's), removed afterwards (its processes killed
+    first)."""
     fs, rel = CgroupFS(parent), f"krex-doctor-{os.getpid()}"
     fs.mkdir(rel)
     try:
@@ -228,7 +229,7 @@ def _check_cpuset(sub: str | None) -> Check:
         own = cg.own_cgroup("cpuset") or "/"
         base = os.path.normpath(os.path.join(m1, own.lstrip("/")))
         try:
-            with _test_cgroup_v1(base):
+            with _test_cgroup(base):
                 pass
         except CgroupFileError as e:
             return Check("cpuset", FAIL, f"v1 cpuset at {base} is not writable: {e}", "run as root")
@@ -245,16 +246,6 @@ def _check_cpuset(sub: str | None) -> Check:
         "enable it: `echo +cpuset > <parent>/cgroup.subtree_control` up to the daemon's "
         "subtree (systemd: Delegate=yes, or Delegate=cpuset cpu memory pids)",
     )
-
-
-@contextlib.contextmanager
-def _test_cgroup_v1(base: str) -> Iterator[str]:
-    fs, rel = CgroupFS(base), f"krex-doctor-{os.getpid()}"
-    fs.mkdir(rel)
-    try:
-        yield fs.path(rel)
-    finally:
-        fs.rmdir(rel)
 
 
 def check_backend(cgroup_root: str = "") -> Check:
