@@ -93,6 +93,18 @@ def serving(daemon: Daemon, timeout: float = 20) -> Iterator[Daemon]:
             daemon.proc.wait()
 
 
+def cmdline(pid: int | str) -> bytes:
+    """A process's /proc cmdline (NUL-separated argv); b"" for one gone, or a /proc entry that is
+    not a pid ("self", "sys", ...)."""
+    if not str(pid).isdigit():
+        return b""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 @contextlib.asynccontextmanager
 async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
     """Start `python -m krex_async serve` on a fresh short socket path; stop it (SIGTERM) after.

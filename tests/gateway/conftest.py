@@ -89,6 +89,13 @@ class Gateway:
         return self.proc.wait(timeout)
 
 
+async def stopped_daemon_socket() -> str:
+    """The socket path of a daemon started and stopped again: a gateway on it finds no daemon
+    (its jobs stay queued) until a test serves there."""
+    async with run_daemon() as daemon:
+        return daemon.socket
+
+
 def start_gateway(
     socket: str,
     state: Path,

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway import queue_timeout
-from tests.conftest import run_daemon
 
-from .conftest import stack, start_gateway
+from .conftest import stack, start_gateway, stopped_daemon_socket
 
 
 async def test_a_job_queued_past_the_timeout_fails_and_never_runs(tmp_path: Path) -> None:
@@ -41,8 +40,7 @@ async def test_a_job_queued_past_the_timeout_fails_and_never_runs(tmp_path: Path
 
 
 async def test_a_job_waiting_for_no_daemon_fails_saying_so(gwhome: Path) -> None:
-    async with run_daemon() as daemon:
-        sock = daemon.socket  # gone once the block ends: the gateway finds no daemon
+    sock = await stopped_daemon_socket()
     gw = start_gateway(sock, gwhome / "gw", "--queue-timeout", "1")
     c = gw.client()
     try:
@@ -56,8 +54,7 @@ async def test_a_job_waiting_for_no_daemon_fails_saying_so(gwhome: Path) -> None
 
 
 async def test_without_the_flag_a_job_waits(gwhome: Path) -> None:
-    async with run_daemon() as daemon:
-        sock = daemon.socket
+    sock = await stopped_daemon_socket()
     gw = start_gateway(sock, gwhome / "gw")
     c = gw.client()
     try:

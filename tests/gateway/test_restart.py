@@ -19,7 +19,7 @@ from krex_async.gateway.limits import Limits
 from krex_async.gateway.store import Store
 from tests.conftest import ROOT, run_daemon
 
-from .conftest import PY, pid_alive, start_gateway
+from .conftest import PY, pid_alive, start_gateway, stopped_daemon_socket
 
 
 async def test_sigkill_mid_job_then_restart(gwhome: Path) -> None:
@@ -96,8 +96,7 @@ def _serve(sock: str, state: Path) -> subprocess.Popen[bytes]:
 
 async def test_queued_jobs_wait_for_the_daemon(tmp_path: Path, gwhome: Path) -> None:
     """With no daemon the gateway serves and queues; jobs run once the daemon is there."""
-    async with run_daemon() as daemon:
-        sock = daemon.socket
+    sock = await stopped_daemon_socket()
     gw = start_gateway(sock, gwhome / "gw")
     c = gw.client()
     try:
@@ -122,8 +121,7 @@ async def test_a_claim_removes_what_a_requeue_left_of_the_job_dir(tmp_path: Path
     """A fleet job put back in the queue may leave part of its dir (its removal could fail):
     claimed again, the job starts in a fresh dir; before, mkdir raised FileExistsError and the job
     failed. A link left in it is removed, not followed."""
-    async with run_daemon() as daemon:
-        sock = daemon.socket
+    sock = await stopped_daemon_socket()
     gw = start_gateway(sock, gwhome / "gw")
     c = gw.client()
     try:

@@ -8,11 +8,10 @@ import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 from krex_async.node.demo import verdict
 
-from ..conftest import PY, ROOT, py_env
+from ..conftest import PY, ROOT, cmdline, py_env
 
 
 def test_verdict_judges_against_the_alone_runs_spread() -> None:
@@ -66,7 +65,7 @@ def test_ctrl_c_ends_the_demo_with_130_a_line_and_no_daemon_left() -> None:
         tmp = None
         while tmp is None and time.monotonic() < deadline and p.poll() is None:
             for pid in os.listdir("/proc"):  # the demo's daemon: `serve --socket /tmp/krex-demo-*/`
-                argv = _cmdline(pid).split(b"\0")
+                argv = cmdline(pid).split(b"\0")
                 if b"serve" in argv and b"--socket" in argv and int(pid) != p.pid:
                     sock = argv[argv.index(b"--socket") + 1].decode()
                     if sock.startswith("/tmp/krex-demo-"):
@@ -82,15 +81,6 @@ def test_ctrl_c_ends_the_demo_with_130_a_line_and_no_daemon_left() -> None:
             p.wait()
     assert p.returncode == 130, (out, err)
     assert "Traceback" not in err and f"interrupted; its daemon was stopped (logs in {tmp})" in err, err
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and tmp.encode() in _cmdline(pid)]
-    assert not left, [_cmdline(pid) for pid in left]
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and tmp.encode() in cmdline(pid)]
+    assert not left, [cmdline(pid) for pid in left]
     shutil.rmtree(tmp)
-
-
-def _cmdline(pid: str) -> bytes:
-    if not pid.isdigit():
-        return b""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT, is_root, private_cgroup_root, py_env, remove_cgroup_tree
+from ..conftest import ROOT, cmdline, is_root, private_cgroup_root, py_env, remove_cgroup_tree
 from .test_cli_input import KREX, krex
 
 QUIET = ("--isolation", "signal", "--probes", "off")  # a daemon that served by mistake holds nothing
@@ -44,13 +44,7 @@ def watchdogs_of(pid: int) -> list[int]:
     """The watchdog processes guarding `pid` (isolation/watchdog.py, `--pid PID` on their argv)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
+        argv = cmdline(entry).split(b"\0")
         if b"krex_async.isolation.watchdog" in argv and str(pid).encode() in argv:
             found.append(int(entry))
     return found

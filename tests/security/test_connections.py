@@ -14,7 +14,7 @@ import pytest
 
 from krex_async import protocol as P
 
-from ..conftest import run_daemon
+from ..conftest import cmdline, run_daemon
 from .helpers import fd_count
 
 
@@ -103,7 +103,7 @@ async def test_connect_disconnect_storm_leaves_nothing_behind(many_fds, isolatio
             assert live == [], live  # on_disconnect=kill: the storm's sleeps are gone
         assert await wait_for_fds(d.proc.pid, base) <= base
         mine = b"sleep\x00" + dur.encode() + b"\x00"
-        sleeps = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == mine]
+        sleeps = [p for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == mine]
         assert sleeps == [], [_describe(p) for p in sleeps]
         assert d.proc.poll() is None
 
@@ -118,11 +118,3 @@ def _describe(pid: str) -> str:
     except OSError:
         return f"{pid} (gone)"
     return f"{pid} state {status.get('State')} ppid {status.get('PPid')} cgroup {cgroup}"
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
