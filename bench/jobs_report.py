@@ -23,7 +23,7 @@ from bench.harness.output import pyplot, read_json, results_stem
 from bench.harness.stats import pct
 from bench.jobs_time import lines as time_lines
 from bench.jobs_time import time_budget
-from bench.trace_format import BUCKETS, OTHER_BUCKET, bucket_of
+from bench.trace_format import BUCKETS, OTHER_BUCKET, PHASES, bucket_of
 from krex_async.runtime.devicework import IDLE_WINDOW_S as DRAIN_WINDOW_S
 
 # The issues' goals (21: throughput and timings, 22: entry, 23: the pool), KernelBench set, 8 at once.
@@ -33,7 +33,6 @@ GOAL_POOL_VS_SHARED = 1.5  # once the warm pool serves the jobs
 GOAL_P95 = {">10ms": 0.002, "1-10ms": 0.01, "0.1-1ms": 0.025}
 GOAL_ENTRY_P99_MS = 5.0  # issue 22: region entry with 7 held siblings
 QUIESCE_TIMEOUT_S = 0.02  # krex serve's default --quiesce-timeout
-PHASES = ("import", "compile", "inputs", "check", "timing")
 
 
 def lines_of(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-PHASES = ("import", "compile", "inputs", "check", "timing")
+from bench.trace_format import PHASES
 
 
 def fifo_makespan(durations: list[float], width: int) -> float:

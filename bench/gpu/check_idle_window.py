@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.output import module_prog, write_json
+from bench.harness.stats import quantile
 
 # The neighbour: `busy N STOP` launches N x N fp16 matmuls back to back, at most 4 queued, until the
 # STOP file appears; `drain N MS`, for each line it reads, queues about MS ms of them and prints the
@@ -116,11 +117,16 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def roundtrips(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The check's own round trip alone, us (min, p50, p99, max, n): a bar below its tail would
     never pass an idle device; one above a neighbour's kernel time cannot see that neighbour."""
-    trips = sorted(float(r["us"]) for r in rows if r["phase"] == "roundtrip")
+    trips = [float(r["us"]) for r in rows if r["phase"] == "roundtrip"]
     if not trips:
         return {}
-    at = lambda q: trips[min(len(trips) - 1, int(q * len(trips)))]  # noqa: E731
-    return {"min": trips[0], "p50": at(0.5), "p99": at(0.99), "max": trips[-1], "n": len(trips)}
+    return {
+        "min": min(trips),
+        "p50": quantile(trips, 0.5),
+        "p99": quantile(trips, 0.99),
+        "max": max(trips),
+        "n": len(trips),
+    }
 
 
 def verdict(x: dict[str, Any]) -> str:
