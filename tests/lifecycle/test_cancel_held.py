@@ -24,7 +24,7 @@ print("released", r.report.outcome, flush=True)
 """
 
 
-async def _krex_run(socket: str, *argv: str) -> asyncio.subprocess.Process:
+async def _krex_run(socket: str, *argv: str, **env: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         PY,
         "-m",
@@ -32,7 +32,7 @@ async def _krex_run(socket: str, *argv: str) -> asyncio.subprocess.Process:
         "run",
         "--",
         *argv,
-        env=py_env(KREX_SOCKET=socket),
+        env=py_env(KREX_SOCKET=socket, **env),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -111,6 +111,9 @@ async def test_ctrl_c_ends_a_frozen_sibling_at_once_and_a_running_one_politely(
 
 # A sibling whose runtime never acks the quiesce: it runs through the entry's --quiesce-timeout,
 # asks for a region of its own meanwhile (queued behind the owner's), and is then frozen.
+# It is the process's only runtime: KREX_QUIESCE_SIGNAL that names no signal keeps krex's own
+# listener from starting, whose quiesce_ready would otherwise race this one for the process's
+# place in the command (the later one wins), take the Quiesce, and leave the asker silent.
 ASKER = """
 import os, socket, struct, sys
 from krex_async.runtime.quiesce import frame, unpack
@@ -138,7 +141,7 @@ async def test_ctrl_c_ends_a_frozen_sibling_whose_own_region_is_queued(script, t
     args = ("--isolation", "cgroup", "--freeze", "all", "--quiesce", "all", "--quiesce-timeout", "2")
     async with run_daemon(*args, "--region-timeout", "60") as d:
         async with await d.client() as c:
-            sib = await _krex_run(d.socket, PY, script("asker.py", ASKER))
+            sib = await _krex_run(d.socket, PY, script("asker.py", ASKER), KREX_QUIESCE_SIGNAL="none")
             assert sib.stdout is not None
             assert (await asyncio.wait_for(sib.stdout.readline(), 20)) == b"ready\n"
             owner = await c.submit([PY, script("hold.py", HOLDER), str(release)], env=py_env())
