@@ -19,6 +19,11 @@ goal (p99 <= 5 ms) hangs on it. For each window this measures, with no krex invo
   records when its queue ran dry; the check starts at once: how often it passed before the queue
   ran dry (early: must be 0), and how long after it passed (of the checks that passed).
 
+It also records raw streams of the check's round trips (`--stream-ms` each: 3 alone, 2 beside each
+busy neighbour, 5 while a backlog drains) into $OUT/idle_streams.json.gz, and prints them replayed
+through the check's rule at this run's bar: the live table's figures again, from many more starting
+points. `python3 -m bench.gpu.idle_streams FILE` replays them at other bars and windows, no GPU.
+
 Writes $OUT/check_idle_window.json (OUT defaults to /tmp/krex-check-idle-window); prints a table and
 one PASS/FAIL/INVALID line per window (FAIL: a wrong pass; INVALID: a check timed nothing, or
 none passed alone). Needs one NVIDIA GPU with torch; no daemon, no
@@ -28,6 +33,8 @@ root. Exit status 0 when everything was measured (whatever the verdicts), 1 othe
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
 import statistics
 import subprocess
@@ -37,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.idle_streams import Stream, floats, record, table
 from bench.harness.output import module_prog, write_json
 from bench.harness.stats import quantile
 
@@ -147,7 +155,10 @@ def _neighbour(py: str, script: Path, *args: str) -> tuple[subprocess.Popen[str]
     return p, float(line[1])
 
 
-def measure(py: str, windows: list[float], tries: int, tmp: Path, bar_s: float) -> list[dict[str, Any]]:
+def measure(
+    py: str, windows: list[float], tries: int, tmp: Path, bar_s: float, stream_s: float, streams: list[Stream]
+) -> list[dict[str, Any]]:
+    """The live checks' rows; the raw round-trip streams (stream_s each, none at 0) go to `streams`."""
     import torch  # the owner: a context of its own, as a region owner has
 
     from krex_async.runtime import devicework
@@ -163,6 +174,8 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path, bar_s: float) 
             t0 = time.perf_counter()
             probe[1]()
             rows.append({"phase": "roundtrip", "us": (time.perf_counter() - t0) * 1e6})
+        if stream_s > 0:
+            streams.extend(record(probe[1], stream_s, phase="alone", kernel=None) for _ in range(3))
     for w in windows:
         for _ in range(tries):
             verdict, took = devicework.idle_verify(0.5, window_s=w / 1e3, bar_s=bar_s)
@@ -186,6 +199,9 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path, bar_s: float) 
                             "verdict": verdict,
                         }
                     )
+            if probe is not None and stream_s > 0:
+                for _ in range(2):
+                    streams.append(record(probe[1], stream_s, phase="busy", kernel=kernel, kernel_ms=per_ms))
         finally:
             stop.write_text("")
             p.wait(30)
@@ -209,6 +225,14 @@ def measure(py: str, windows: list[float], tries: int, tmp: Path, bar_s: float) 
                         "dry_at": dry_at,
                     }
                 )
+        for _ in range(5 if probe is not None and stream_s > 0 else 0):
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            p.stdout.readline()  # queued: the stream starts as the check would
+            assert probe is not None
+            s = record(probe[1], stream_s, phase="drain", kernel=None)
+            s["dry_us"] = (float(p.stdout.readline().split()[1]) - s["start_s"]) * 1e6
+            streams.append(s)
     finally:
         p.stdin.close()
         p.wait(30)
@@ -226,18 +250,22 @@ def main() -> int:
         help="the round trip under which the device counts as idle, us (idle_verify's bar_s; "
         "a neighbour's kernel shorter than it delays a round trip too little to be seen)",
     )
+    ap.add_argument(
+        "--stream-ms",
+        type=float,
+        default=300.0,
+        help="length of each recorded round-trip stream, ms (0: record none)",
+    )
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/krex-check-idle-window"))
     a = ap.parse_args()
-    try:
-        windows = [float(x) for x in a.windows.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--windows: comma-separated milliseconds, not {a.windows!r}")
-    if not windows or min(windows) <= 0 or a.tries < 1 or not 0 < a.bar_us <= 1000:
-        ap.error("--windows must be positive milliseconds, --tries at least 1, --bar-us in (0, 1000]")
+    windows = floats(a.windows, "--windows", ap)
+    if a.tries < 1 or not 0 < a.bar_us <= 1000 or not 0 <= a.stream_ms <= 10_000:
+        ap.error("--tries must be at least 1, --bar-us in (0, 1000], --stream-ms in [0, 10000]")
     tmp = Path(tempfile.mkdtemp(prefix="krex-check-idle-window-"))
+    streams: list[Stream] = []
     try:
-        rows = measure(a.python, windows, a.tries, tmp, a.bar_us / 1e6)
+        rows = measure(a.python, windows, a.tries, tmp, a.bar_us / 1e6, a.stream_ms / 1e3, streams)
     except (RuntimeError, ImportError) as e:
         print(f"FAIL: {e}")
         return 1
@@ -263,6 +291,11 @@ def main() -> int:
         print(f"{verdict(x)}: window {w} ms: {x['wrong']} wrong passes, {x['unverified']} unverified")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if streams:
+        print(f"the same bar on {len(streams)} recorded streams (python3 -m bench.gpu.idle_streams):")
+        print("\n".join(table(streams, [a.bar_us], windows, 20.0)))
+        with gzip.open(out / "idle_streams.json.gz", "wt") as f:
+            json.dump({"streams": streams, "args": vars(a)}, f)
     write_json(
         out / "check_idle_window.json", {"rows": rows, "summary": s, "roundtrip_us": trip, "args": vars(a)}
     )

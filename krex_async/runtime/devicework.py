@@ -174,21 +174,52 @@ def ready_probe() -> str:
 
 
 IDLE_WINDOW_S = 0.02  # longer than a GPU time slice (about 2.5 ms on the H200), with margin
+IDLE_BAR_S = 250e-6
 
 
-def idle_verify(
-    timeout_s: float = 5.0, window_s: float = IDLE_WINDOW_S, bar_s: float = 250e-6, min_samples: int = 16
-) -> tuple[str, float]:
-    """Time a small kernel's round trip (launch, then wait) until the device shows no other work.
+class IdleWindow:
+    """The drain check's rule, fed one round trip of the tiny kernel at a time.
 
     While another context's queued work still runs, the GPU time-slices between contexts and some
     of our round trips wait out its slice: milliseconds instead of tens of microseconds
     (bench/gpu/check_settle.py measures both). So the device counts as drained once every round
     trip for `window_s` (longer than a time slice, and at least `min_samples` of them) stayed under
     a bar: `bar_s`, or three times the fastest round trip seen where that is slower (a slow host),
-    but never more than 1 ms. The bar is absolute on
-    purpose: a baseline calibrated from the first samples is the busy level when those samples all
-    waited for slices (which made an earlier version pass a busy device in 60 ms).
+    but never more than 1 ms. The bar is absolute on purpose: a baseline calibrated from the first
+    samples is the busy level when those samples all waited for slices (which made an earlier
+    version pass a busy device in 60 ms). A neighbour whose kernels are shorter than the bar delays
+    no round trip past it (bench/RESULTS.md, session 16): bench/gpu/check_idle_window records
+    round-trip streams beside such neighbours and replays them through this rule to choose a bar.
+
+    idle_verify feeds it live; the bench replays recorded streams through the same rule, so what
+    it reports for a bar and window is what the check would have decided."""
+
+    __slots__ = ("window_s", "bar_s", "min_samples", "best", "good", "start")
+
+    def __init__(self, window_s: float = IDLE_WINDOW_S, bar_s: float = IDLE_BAR_S, min_samples: int = 16):
+        self.window_s, self.bar_s, self.min_samples = window_s, bar_s, min_samples
+        self.best = float("inf")
+        self.good = 0  # round trips under the bar in a row
+        self.start = 0.0  # when the first of them began
+
+    def add(self, t0: float, dt: float) -> bool:
+        """One round trip that began at t0 (seconds, any monotonic origin) and took dt: whether the
+        device now counts as drained."""
+        self.best = min(self.best, dt)
+        if dt > max(self.bar_s, min(3 * self.best, 1e-3)):
+            self.good = 0
+            return False
+        if self.good == 0:
+            self.start = t0
+        self.good += 1
+        return self.good >= self.min_samples and t0 + dt - self.start >= self.window_s
+
+
+def idle_verify(
+    timeout_s: float = 5.0, window_s: float = IDLE_WINDOW_S, bar_s: float = IDLE_BAR_S, min_samples: int = 16
+) -> tuple[str, float]:
+    """Time a small kernel's round trip (launch, then wait) until the device shows no other work
+    (the rule: IdleWindow).
 
     Returns ("idle-verified", seconds), ("timeout", seconds) when that did not happen within
     timeout_s, or ("unverified", seconds) when neither torch nor cupy is imported here (nothing to
@@ -200,23 +231,14 @@ def idle_verify(
     _, run = kernel
     t_start = time.perf_counter()
     deadline = t_start + timeout_s
-    best = float("inf")
-    good = 0
-    window_start = 0.0
+    rule = IdleWindow(window_s, bar_s, min_samples)
     try:
         while True:
             t0 = time.perf_counter()
             run()
             dt = time.perf_counter() - t0
-            best = min(best, dt)
-            if dt <= max(bar_s, min(3 * best, 1e-3)):
-                if good == 0:
-                    window_start = t0
-                good += 1
-                if good >= min_samples and t0 + dt - window_start >= window_s:
-                    return "idle-verified", time.perf_counter() - t_start
-            else:
-                good = 0
+            if rule.add(t0, dt):
+                return "idle-verified", time.perf_counter() - t_start
             if t0 + dt >= deadline:
                 return "timeout", time.perf_counter() - t_start
     except Exception:  # noqa: BLE001 - a failing device must not raise into the owner

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -72,7 +73,7 @@ class cuda:
 
 def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = ("--windows", "1,3", "--tries", "4", "--out", str(out))
+    args = ("--windows", "1,3", "--tries", "4", "--stream-ms", "30", "--out", str(out))
     r = with_stand_in_torch(tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", *args)
     data = json.loads((out / "check_idle_window.json").read_text())
     phases = [(x["phase"], x.get("kernel")) for x in data["rows"]]
@@ -86,13 +87,19 @@ def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
     assert phases.count(("roundtrip", None)) == 200 and data["roundtrip_us"]["n"] == 200
     assert data["roundtrip_us"]["min"] <= data["roundtrip_us"]["p50"] <= data["roundtrip_us"]["max"]
     assert "the check's round trip alone: min" in r.stdout and "busy tiny" in r.stdout
+    with gzip.open(out / "idle_streams.json.gz", "rt") as f:
+        streams = json.load(f)["streams"]
+    assert [s["phase"] for s in streams] == ["alone"] * 3 + ["busy"] * 6 + ["drain"] * 5
+    assert all(len(s["t0_us"]) == len(s["dt_us"]) > 10 for s in streams)
+    assert all(isinstance(s["dry_us"], float) for s in streams if s["phase"] == "drain")
+    assert "recorded streams" in r.stdout and "drain early" in r.stdout
     # nothing runs on a stand-in GPU: every check passes at once, so every busy one is a wrong pass
     assert data["summary"]["1"]["wrong"] >= 8 and "FAIL: window 1 ms" in r.stdout
     bad = with_stand_in_torch(
         tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", "--windows", "0,x", check=False
     )
     assert bad.returncode == 2 and "--windows" in bad.stderr
-    args = ("--windows", "1", "--tries", "1", "--bar-us", "40", "--out", str(out))
+    args = ("--windows", "1", "--tries", "1", "--bar-us", "40", "--stream-ms", "0", "--out", str(out))
     r = with_stand_in_torch(tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", *args)
     assert (
         "bar 40 us" in r.stdout
