@@ -120,15 +120,16 @@ class Server:
             self.connections.discard(conn)
 
     async def run(self) -> int:
+        """Listen on --socket and serve until stopped. The daemon is shut down however this ends,
+        a socket that cannot be listened on included (SystemExit saying why, after the release)."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         nofile = raise_nofile_limit()
-        sock = bind_socket(cfg.socket, cfg.socket_group)
-        # backlog: start_unix_server re-listens with its own (default 100), which a storm of
-        # connects overflows; the kernel caps this at net.core.somaxconn.
-        server = await asyncio.start_unix_server(
-            self.on_connect, sock=sock, limit=READ_LIMIT, backlog=LISTEN_BACKLOG
-        )
+        try:
+            server = await self._listen()
+        except BaseException:
+            await self.daemon.shutdown()
+            raise
         self.early.hand_over(loop, self.stop.set)
         log.info(
             "serving",
@@ -169,6 +170,26 @@ class Server:
                 os.unlink(cfg.socket)
             log.info("stopped")
         return 0
+
+    async def _listen(self) -> asyncio.Server:
+        """The listener on --socket, or SystemExit: bind_socket's own (the path checked again: exit 2
+        for a directory gone since the start checks), or one naming the socket for an OSError."""
+        cfg = self.config
+        try:
+            sock = bind_socket(cfg.socket, cfg.socket_group)
+        except OSError as e:
+            raise SystemExit(f"krex: --socket {cfg.socket}: cannot listen there: {e}") from None
+        try:
+            # backlog: start_unix_server re-listens with its own (default 100), which a storm of
+            # connects overflows; the kernel caps this at net.core.somaxconn.
+            return await asyncio.start_unix_server(
+                self.on_connect, sock=sock, limit=READ_LIMIT, backlog=LISTEN_BACKLOG
+            )
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.socket)  # bound and renamed there by bind_socket: ours
+            raise
 
 
 async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
@@ -217,10 +238,11 @@ async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
             if await _start(cfg, daemon, pool_as, early):
                 await daemon.shutdown()
                 return 0
+            server = Server(cfg, daemon, early)  # --admin-group looked up: gone since the checks?
         except BaseException:
             await daemon.shutdown()
             raise
-        return await Server(cfg, daemon, early).run()
+        return await server.run()  # which shuts the daemon down, however it ends
     finally:
         daemon.metrics.stop()
 
