@@ -130,30 +130,33 @@ class Server:
         except BaseException:
             await self.daemon.shutdown()
             raise
-        self.early.hand_over(loop, self.stop.set)
-        log.info(
-            "serving",
-            socket=cfg.socket,
-            policy=cfg.policy.value,
-            isolation=self.daemon.backend.name,
-            isolation_reason=self.daemon.backend.reason,
-            pid=os.getpid(),
-            devices=[d.key for d in self.daemon.devices],
-            region_cores=cfg.region_cores,
-            freeze=cfg.freeze,
-            nofile=nofile,
-        )
-        print(
-            f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation {self.daemon.backend.name})",
-            flush=True,
-        )
-        sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")
-        watchdog = loop.create_task(sdnotify.watchdog_loop(), name="sd-watchdog")
-        try:
+        watchdog: asyncio.Task[None] | None = None
+        try:  # from here any failure ends as a stop does
+            self.early.hand_over(loop, self.stop.set)
+            log.info(
+                "serving",
+                socket=cfg.socket,
+                policy=cfg.policy.value,
+                isolation=self.daemon.backend.name,
+                isolation_reason=self.daemon.backend.reason,
+                pid=os.getpid(),
+                devices=[d.key for d in self.daemon.devices],
+                region_cores=cfg.region_cores,
+                freeze=cfg.freeze,
+                nofile=nofile,
+            )
+            backend = self.daemon.backend.name
+            try:
+                print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation {backend})", flush=True)
+            except OSError as e:  # a closed pipe: whoever waited for this line is gone
+                raise SystemExit(f"krex: cannot say on stdout that it serves: {e}") from None
+            sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")
+            watchdog = loop.create_task(sdnotify.watchdog_loop(), name="sd-watchdog")
             await self.stop.wait()
         finally:
             sdnotify.notify("STOPPING=1")
-            watchdog.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
             log.info(
                 "shutting_down",
                 commands=sum(c.state != CommandState.ENDED for c in self.daemon.commands.values()),

@@ -1,6 +1,7 @@
-"""`krex serve` whose socket cannot be bound once its parts have started (after the start checks):
-it releases what it made, as a stop would (its cgroup instance, watchdog, warm workers, probes), and
-exits with a message saying why, not with a traceback and its parts left to the watchdog."""
+"""`krex serve` failing once its parts have started (after the start checks: a socket it cannot
+bind, a stdout it cannot write its serving line to): it releases what it made, as a stop would (its
+cgroup instance, watchdog, warm workers, probes), and exits with a message saying why, not with a
+traceback and its parts left to the watchdog."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
-def _serve(d: Path, root: str, mark: str, *extra: str) -> subprocess.Popen[bytes]:
+def _serve(d: Path, root: str, mark: str, *extra: str, stdout: int | None = None) -> subprocess.Popen[bytes]:
     env = py_env()
     env["KREX_TEST_MARK"] = mark.split("=", 1)[1]
     with open(d / "log", "wb") as out:
@@ -44,8 +45,8 @@ def _serve(d: Path, root: str, mark: str, *extra: str) -> subprocess.Popen[bytes
             [*KREX, "serve", "--socket", str(d / "sock" / "s"), "--state-dir", str(d / "state")]
             + ["--cgroup-root", root, "--isolation", "cgroup", "--log-format", "json", "--pool-size", "1"]
             + list(extra),
-            stdout=out,
-            stderr=subprocess.STDOUT,
+            stdout=out if stdout is None else stdout,
+            stderr=out,
             env=env,
             cwd=ROOT,
         )
@@ -120,5 +121,26 @@ def test_a_socket_directory_replaced_by_a_file_while_starting_is_exit_2(tmp_path
         text = _nothing_left(tmp_path, root, mark)
         assert p.returncode == 2, (p.returncode, text)
         assert f"--socket {sock}/s: {sock} is not a directory" in text, text
+    finally:
+        remove_cgroup_tree(root)
+
+
+def test_a_stdout_that_cannot_take_the_serving_line_releases_what_the_start_made(tmp_path: Path) -> None:
+    """Its stdout a pipe nobody reads any more (whoever waited for "serving" is gone): the line
+    fails once the daemon listens, which then stops as a stop signal would stop it."""
+    root = private_cgroup_root()
+    assert root is not None
+    mark = f"KREX_TEST_MARK={uuid.uuid4().hex}"
+    (tmp_path / "sock").mkdir()
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = _serve(tmp_path, root, mark, "--probes", "off", stdout=w)
+        os.close(w)
+        _wait(p)
+        text = _nothing_left(tmp_path, root, mark)
+        assert p.returncode == 1, (p.returncode, text)
+        assert "krex: cannot say on stdout that it serves: [Errno 32] Broken pipe" in text, text
+        assert '"stopped"' in text, text
     finally:
         remove_cgroup_tree(root)
