@@ -185,13 +185,15 @@ async def test_idle_worker_is_locked_and_a_job_it_adopts_mid_region_waits(
     assert "pool_unheld" not in rep
 
 
+@pytest.mark.parametrize("via", ["adopted", "launched"])
 async def test_a_command_held_through_its_locked_worker_is_held_once_for_cancel_status_and_report(
-    fake: Fake, script, tmp_path: Path
+    fake: Fake, script, tmp_path: Path, via: str
 ) -> None:
-    """A job adopted mid-region by the idle worker the region locked is held through that worker
-    alone (no freeze, no GPU file of its own when the region began): the region counts it locked,
-    once, in `krex status` and in its report, and a Ctrl-C of it ends it at once by SIGKILL, as
-    any held command, instead of a SIGINT its blocked CUDA call would hold until the release."""
+    """A job adopted mid-region by the idle worker the region locked (or launched in it, python
+    being the command's own argv) is held through that worker alone (no freeze, no GPU file of
+    its own when the region began): the region counts it locked, once, in `krex status` and in
+    its report, and a Ctrl-C of it ends it at once by SIGKILL, as any held command, instead of a
+    SIGINT its blocked CUDA call would hold until the release."""
     _probes_or_skip()
     mods = tmp_path / "mods"
     mods.mkdir()
@@ -208,10 +210,11 @@ async def test_a_command_held_through_its_locked_worker_is_held_once_for_cancel_
                 )
             )
             await granted(marker)
-            hj = await c.submit(["/bin/sh", "-c", f"{PY} {job} {counts}"], env=env(fake, mods))
+            argv = ["/bin/sh", "-c", f"{PY} {job} {counts}"] if via == "adopted" else [PY, job, str(counts)]
+            hj = await c.submit(argv, env=env(fake, mods))
             deadline = time.monotonic() + 10
             while _count(counts)[0] != worker:
-                assert time.monotonic() < deadline, "the job was not adopted by the locked worker"
+                assert time.monotonic() < deadline, f"the job was not {via} by the locked worker"
                 await asyncio.sleep(0.01)
             st = await c.status()
             assert st["devices"][0]["region"]["locked"] == [hj.command], st["devices"][0]["region"]
