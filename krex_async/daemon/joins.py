@@ -138,6 +138,20 @@ class Joins:
             return
         await self._freeze_into(r, cmd, cmd.group, "adopt")
 
+    def worker_joined(self, cmd: Command, worker: int) -> None:
+        """The warm worker `worker` has just joined `cmd` (an adoption, or a launch). One that the
+        region on the device holds by the lock (an idle worker locked at its entry) holds the
+        command with it: its program's CUDA calls block until the release. Unless the region
+        holds the command already, it is named among the locked ones, so that a cancel kills it
+        at once (Regions.holding) and `krex status` and the region's report count it, once."""
+        r = self.holder_on(cmd.device_key) if cmd.device_key is not None else None
+        if r is None or r.command is cmd or worker not in r.locked_pids:
+            return
+        if cmd.id in r.locked_ids or cmd.id in r.frozen_ids:
+            return
+        r.locked_ids.append(cmd.id)
+        r.report.locked = list(r.locked_ids)
+
     def workers_held(self, r: Region) -> bool:
         """Whether every idle warm worker of the region's device is locked into it (so one taken
         mid-region by a command the region does not hold starts no GPU work); with none idle,

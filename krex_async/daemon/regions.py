@@ -106,7 +106,8 @@ class Regions:
         a held command acts on no signal but SIGKILL until that region ends. A region's owner is
         not held: the process in its region runs (its other processes are frozen, keep/ aside).
         One whose own region waits its turn is held by the region that froze it. A releasing
-        region holds only what it has not yet thawed or unlocked."""
+        region holds only what it has not yet thawed or unlocked. One frozen as it starts is held
+        only while a region it can join is current: Joins.join thaws one whose region ended."""
         for r in self.active.values():
             if cmd.id in r.locked_ids and not (r.releasing and not r.locked_pids):
                 return "locked", r
@@ -115,8 +116,10 @@ class Regions:
                 return "frozen", r
         if any(r.command is cmd for r in self.active.values()):
             return None
-        if cmd.group is not None and cmd.group.frozen:  # frozen at its start, or joining one
-            return "frozen", self.holder_on(cmd.device_key) if cmd.device_key else None
+        if cmd.group is not None and cmd.group.frozen and cmd.device_key is not None:
+            current = self.joins.current_on(cmd.device_key)  # frozen at its start, or joining one
+            if current is not None:
+                return "frozen", current
         return None
 
     # ------------------------------------------------------------------------------ lifecycle

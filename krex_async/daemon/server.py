@@ -120,39 +120,43 @@ class Server:
             self.connections.discard(conn)
 
     async def run(self) -> int:
+        """Listen on --socket and serve until stopped. The daemon is shut down however this ends,
+        a socket that cannot be listened on included (SystemExit saying why, after the release)."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         nofile = raise_nofile_limit()
-        sock = bind_socket(cfg.socket, cfg.socket_group)
-        # backlog: start_unix_server re-listens with its own (default 100), which a storm of
-        # connects overflows; the kernel caps this at net.core.somaxconn.
-        server = await asyncio.start_unix_server(
-            self.on_connect, sock=sock, limit=READ_LIMIT, backlog=LISTEN_BACKLOG
-        )
-        self.early.hand_over(loop, self.stop.set)
-        log.info(
-            "serving",
-            socket=cfg.socket,
-            policy=cfg.policy.value,
-            isolation=self.daemon.backend.name,
-            isolation_reason=self.daemon.backend.reason,
-            pid=os.getpid(),
-            devices=[d.key for d in self.daemon.devices],
-            region_cores=cfg.region_cores,
-            freeze=cfg.freeze,
-            nofile=nofile,
-        )
-        print(
-            f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation {self.daemon.backend.name})",
-            flush=True,
-        )
-        sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")
-        watchdog = loop.create_task(sdnotify.watchdog_loop(), name="sd-watchdog")
         try:
+            server = await self._listen()
+        except BaseException:
+            await self.daemon.shutdown()
+            raise
+        watchdog: asyncio.Task[None] | None = None
+        try:  # from here any failure ends as a stop does
+            self.early.hand_over(loop, self.stop.set)
+            log.info(
+                "serving",
+                socket=cfg.socket,
+                policy=cfg.policy.value,
+                isolation=self.daemon.backend.name,
+                isolation_reason=self.daemon.backend.reason,
+                pid=os.getpid(),
+                devices=[d.key for d in self.daemon.devices],
+                region_cores=cfg.region_cores,
+                freeze=cfg.freeze,
+                nofile=nofile,
+            )
+            backend = self.daemon.backend.name
+            try:
+                print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation {backend})", flush=True)
+            except OSError as e:  # a closed pipe: whoever waited for this line is gone
+                raise SystemExit(f"krex: cannot say on stdout that it serves: {e}") from None
+            sdnotify.notify(f"READY=1\nSTATUS=serving on {cfg.socket}\nMAINPID={os.getpid()}")
+            watchdog = loop.create_task(sdnotify.watchdog_loop(), name="sd-watchdog")
             await self.stop.wait()
         finally:
             sdnotify.notify("STOPPING=1")
-            watchdog.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
             log.info(
                 "shutting_down",
                 commands=sum(c.state != CommandState.ENDED for c in self.daemon.commands.values()),
@@ -169,6 +173,26 @@ class Server:
                 os.unlink(cfg.socket)
             log.info("stopped")
         return 0
+
+    async def _listen(self) -> asyncio.Server:
+        """The listener on --socket, or SystemExit: bind_socket's own (the path checked again: exit 2
+        for a directory gone since the start checks), or one naming the socket for an OSError."""
+        cfg = self.config
+        try:
+            sock = bind_socket(cfg.socket, cfg.socket_group)
+        except OSError as e:
+            raise SystemExit(f"krex: --socket {cfg.socket}: cannot listen there: {e}") from None
+        try:
+            # backlog: start_unix_server re-listens with its own (default 100), which a storm of
+            # connects overflows; the kernel caps this at net.core.somaxconn.
+            return await asyncio.start_unix_server(
+                self.on_connect, sock=sock, limit=READ_LIMIT, backlog=LISTEN_BACKLOG
+            )
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.socket)  # bound and renamed there by bind_socket: ours
+            raise
 
 
 async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
@@ -217,10 +241,11 @@ async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
             if await _start(cfg, daemon, pool_as, early):
                 await daemon.shutdown()
                 return 0
+            server = Server(cfg, daemon, early)  # --admin-group looked up: gone since the checks?
         except BaseException:
             await daemon.shutdown()
             raise
-        return await Server(cfg, daemon, early).run()
+        return await server.run()  # which shuts the daemon down, however it ends
     finally:
         daemon.metrics.stop()
 

@@ -153,6 +153,8 @@ class Status:
                 "uid": c.uid,
                 "age_s": round(now - c.submitted, 3) if c.age_known else None,
                 "frozen": bool(c.group and c.group.frozen),
+                # "frozen" or "locked" while a region holds it (a cancel then kills it), else None
+                "held": held[0] if (held := self.regions.holding(c)) is not None else None,
                 "regions": len(c.regions),
                 "label": c.spec.label,
                 "result": c.report.state if c.report else None,

@@ -81,10 +81,13 @@ class WarmPools:
     def _join_group(self, pid: int, spec: LaunchSpec) -> None:
         """Pool hook: the worker taking a command joins that command's group first. The probes
         learn it is the command's: its parent is the daemon, not the command's leader, and once
-        it owns a region it sits in the group's keep/ leaf, whose cgroup they do not know."""
+        it owns a region it sits in the group's keep/ leaf, whose cgroup they do not know. A
+        worker a region holds by the lock holds the command with it (Joins.worker_joined)."""
         if self.joining is not None:
             self.core.backend.join(self.joining, pid)
             cmd = next((c for c in self.core.commands.values() if c.group is self.joining), None)
+            if cmd is not None:
+                self.joins.worker_joined(cmd, pid)
             if cmd is not None and self.core.attributor is not None:
                 self.core.attributor.worker_joined(cmd, pid)
 

@@ -185,6 +185,54 @@ async def test_idle_worker_is_locked_and_a_job_it_adopts_mid_region_waits(
     assert "pool_unheld" not in rep
 
 
+@pytest.mark.parametrize("via", ["adopted", "launched"])
+async def test_a_command_held_through_its_locked_worker_is_held_once_for_cancel_status_and_report(
+    fake: Fake, script, tmp_path: Path, via: str
+) -> None:
+    """A job adopted mid-region by the idle worker the region locked (or launched in it, python
+    being the command's own argv) is held through that worker alone (no freeze, no GPU file of
+    its own when the region began): the region counts it locked, once, in `krex status` and in
+    its report, and a Ctrl-C of it ends it at once by SIGKILL, as any held command, instead of a
+    SIGINT its blocked CUDA call would hold until the release."""
+    _probes_or_skip()
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    job = script("job.py", JOB)
+    counts = tmp_path / "counts"
+    marker = tmp_path / "granted"
+    async with pool_daemon(fake, mods) as d:
+        async with await d.client() as c:
+            [worker] = await warm(c)
+            run = asyncio.ensure_future(
+                c.run(
+                    [PY, script("owner.py", OWNER), str(marker), "6"],
+                    env={**env(fake, mods), "PYTHONHASHSEED": "7"},  # run plainly: the worker stays idle
+                )
+            )
+            await granted(marker)
+            argv = ["/bin/sh", "-c", f"{PY} {job} {counts}"] if via == "adopted" else [PY, job, str(counts)]
+            hj = await c.submit(argv, env=env(fake, mods))
+            deadline = time.monotonic() + 10
+            while _count(counts)[0] != worker:
+                assert time.monotonic() < deadline, f"the job was not {via} by the locked worker"
+                await asyncio.sleep(0.01)
+            st = await c.status()
+            assert st["devices"][0]["region"]["locked"] == [hj.command], st["devices"][0]["region"]
+            [mine] = [x for x in st["commands"] if x["command"] == hj.command]
+            assert mine["held"] == "locked" and not mine["frozen"], mine
+            t0 = time.monotonic()
+            await hj.cancel(2)  # SIGINT, as `krex run` passes a Ctrl-C on
+            end = await asyncio.wait_for(hj.wait(), 10)
+            took = time.monotonic() - t0
+            assert took < 3 and end.report.signal == 9, (took, end.report)
+            assert not run.done(), "the region ended first: nothing was shown"
+            assert "locked by region 'timing'" in end.report.error, end.report.error
+            res = await run
+    rep = json.loads(res.stdout)
+    assert rep["locked"] == [hj.command] and rep["held_exited"] == [hj.command], rep
+    assert rep["pool_locked"] == [worker], rep
+
+
 async def test_adopted_owner_is_not_its_own_stray(fake: Fake, script, tmp_path: Path) -> None:
     """A region owner run by a pool worker (its parent the daemon, moved to its group's keep/ leaf
     for the region cores) touching its GPU file is the owner, not a stray of its own region."""

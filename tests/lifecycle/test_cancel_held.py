@@ -162,3 +162,55 @@ async def test_ctrl_c_ends_a_frozen_sibling_whose_own_region_is_queued(script, t
             release.touch()
             res = await asyncio.wait_for(owner.wait(), 15)
             assert res.report.exit_code == 0, res.report
+
+
+# The owner submits a sibling and ends its region in one write, so the sibling is admitted frozen
+# into the region (still current when its start begins) and the region ends while the sibling's
+# start waits on its cgroup's intent record (an fsync on a worker thread); the cancel, sent as
+# Accepted comes back, lands in that start. The sibling is thawed as its start ends: nothing holds
+# it any more, so the cancel is the polite SIGINT, not the SIGKILL of a held command.
+ENDS_AS_SIBLING_STARTS = """
+import os, socket, sys
+from krex_async import protocol as P
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["KREX_SOCKET"])
+cmd, token = os.environ["KREX_COMMAND"], os.environ["KREX_TOKEN"]
+buf = bytearray()
+def reply():
+    global buf
+    while True:
+        if len(buf) >= 4:
+            (n,) = P.HEADER.unpack(buf[:4])
+            if len(buf) >= 4 + n:
+                msg, buf = P.decode_reply(bytes(buf[4:4 + n])), buf[4 + n:]
+                return msg
+        data = s.recv(65536)
+        assert data, "the daemon closed the connection"
+        buf += data
+s.sendall(P.encode(P.Hello(id=0, role="command")))
+assert isinstance(reply(), P.Welcome)
+s.sendall(P.encode(P.RegionEnter(id=1, command=cmd, token=token, name="timing", pid=os.getpid())))
+granted = reply()
+assert isinstance(granted, P.RegionGranted), granted
+sibling = P.Submit(id=2, argv=["sleep", "100"], on_disconnect="keep")
+s.sendall(P.encode(sibling) + P.encode(P.RegionExit(id=3, region=granted.report.region, token=token)))
+while not isinstance(msg := reply(), P.Accepted):
+    pass
+s.sendall(P.encode(P.Cancel(id=4, command=msg.command, signal=2)))
+while not isinstance(msg := reply(), P.Exited):
+    pass
+print(msg.report.signal, msg.report.error, flush=True)
+"""
+
+
+async def test_a_cancel_while_starting_into_a_region_that_ended_meanwhile_is_polite(script):
+    """The sibling's start was admitted frozen into a region that ended before the cancel was
+    acted on: it is thawed, not held, so the cancel reaches it as SIGINT, as it would any command
+    no region holds."""
+    owner = script("owner.py", ENDS_AS_SIBLING_STARTS)
+    async with run_daemon("--isolation", "cgroup", "--freeze", "all", "--region-timeout", "60") as d:
+        async with await d.client() as c:
+            for i in range(5):
+                res = await asyncio.wait_for(c.run([PY, owner], env=py_env()), 30)
+                assert res.report.exit_code == 0, (i, res.report, res.stderr)
+                assert res.stdout.split(b" ", 1)[0] == b"%d" % signal.SIGINT, (i, res.stdout)
