@@ -214,6 +214,7 @@ def regions(recs: list[dict[str, Any]], qtimeout: float = QUIESCE_TIMEOUT_S) -> 
         "held_exited": sum(len(g.get("held_exited", [])) for g in rs),
         "exits_waited": sum(len(g.get("exits_waited", [])) for g in rs),
         "exits_unfinished": sum(len(g.get("exits_unfinished", [])) for g in rs),
+        "exits_starved": sum(len(g.get("exits_starved", [])) for g in rs),
         "exits_wait_s": round(sum(float(g.get("exits_wait_s", 0.0)) for g in rs), 3),
         "stray_who": dict(who),
         **extra,
@@ -399,6 +400,7 @@ def table(s: dict[str, Any]) -> str:
                 else ""
             )
             + (f" unfinished {g['exits_unfinished']}" if g.get("exits_unfinished") else "")
+            + (f" starved {g['exits_starved']}" if g.get("exits_starved") else "")
         )
         if "hold" in g:  # regions that held siblings (not shared or command)
             out.append(

@@ -73,6 +73,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # not in Python's finalisation or the CUDA library's teardown (bench/gpu/check_exit.py), and the
     # large set ran 1.11x shared with 0 against 0.96x waiting (bench/RESULTS.md, session 16)
     exit_wait: Annotated[float, msgspec.Meta(ge=-1, le=10)] = 0.0
+    # an exit begun this long ago and still in user space is waited for like one in the kernel: under
+    # back-to-back regions it runs only between them, and on the H100's large set one was frozen
+    # through regions for 8 s, its job slot and GPU memory held (bench/RESULTS.md, session 17)
+    exit_starve: Annotated[float, msgspec.Meta(ge=0, le=600)] = 2.0
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

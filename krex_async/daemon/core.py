@@ -95,6 +95,11 @@ class Core:
         return next(d for d in self.devices if d.key == key)
 
 
+# a process exiting with a GPU file (daemon/exits.py): its device, when noted last, its start time
+# (a reused pid is not it), when noted first
+Exiting = tuple[str, float, int | None, float]
+
+
 @dataclass
 class Region:
     """One region from its request to its release (regions.py runs it)."""
@@ -120,7 +125,7 @@ class Region:
     exit_waiters: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)
     # exits it found unfinished (Exits.wait): pid -> their Exits.exiting entry, given back at
     # the release, so that the next region finds them still exiting
-    exits_left: dict[int, tuple[str, float, int | None]] = field(default_factory=dict)
+    exits_left: dict[int, Exiting] = field(default_factory=dict)
     acks: dict[int, asyncio.Future[P.QuiesceAck]] = field(default_factory=dict)
     cores: frozenset[int] = frozenset()
     task: asyncio.Task[None] | None = None

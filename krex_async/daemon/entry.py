@@ -100,7 +100,8 @@ class Entry:
         if plan.how == "lock":
             rep.hold_fallback.update(
                 {
-                    cid: "exiting for over --lock-wait: frozen, so that its exit frees its GPU memory after"
+                    cid: "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
+                    "frees its GPU memory after"
                     for cid in exiting
                 }
             )

@@ -3,14 +3,16 @@
 A sibling's exit frees its GPU memory through the driver, which neither a lock nor the timing stops:
 one deferred to a region's end (ExitHeld), or begun with no region on the device, is noted here, and
 the next region there waits for it first (--exit-wait); one still exiting after that is frozen for
-the region (entry.py) and noted again at its release.
+the region (entry.py) and noted again at its release. Frozen by region after region, an exit would
+run only in the gaps between them, so one begun over --exit-starve ago is waited for as one in the
+kernel is.
 """
 
 from __future__ import annotations
 
 import time
 
-from krex_async.daemon.core import Core, Region
+from krex_async.daemon.core import Core, Exiting, Region
 from krex_async.daemon.hold import wait_exits
 from krex_async.isolation.cudalock import start_time
 from krex_async.linux.procfs import exiting_in_kernel
@@ -24,17 +26,17 @@ class Exits:
         # processes exiting with a GPU file (ExitHeld: at once, or at the release of the region
         # their exit waited for): the next region on that device waits for them to be gone, or
         # they would be locked mid-exit and tear their context down beside its timing
-        self.exiting: dict[int, tuple[str, float, int | None]] = {}  # pid -> (device, when, start)
+        self.exiting: dict[int, Exiting] = {}
 
     def note_exiting(self, pid: int, device: str) -> None:
         """`pid` is exiting on `device` now: the next region there waits for it (wait). Entries
         no region consumed within EXITING_KEPT_S are dropped."""
         now = time.monotonic()
         self.exiting = {p: v for p, v in self.exiting.items() if now - v[1] < EXITING_KEPT_S}
-        self.exiting[pid] = (device, now, start_time(pid))
+        self.exiting[pid] = (device, now, start_time(pid), now)
 
     @staticmethod
-    def still_exiting(pid: int, entry: tuple[str, float, int | None], now: float) -> bool:
+    def still_exiting(pid: int, entry: Exiting, now: float) -> bool:
         """An `exiting` entry still stands: noted less than EXITING_KEPT_S ago, and the pid is
         the same process (its start time), not a reused one."""
         return now - entry[1] < EXITING_KEPT_S and start_time(pid) == entry[2]
@@ -44,7 +46,8 @@ class Exits:
         (Daemon.exit_held): their exit was deferred to an earlier region's end, or began with none
         on the device; they are tearing their GPU state down now. Those still in user space after
         that are left unfinished (frozen for the region, Entry.isolate); one already in the kernel's exit
-        cannot be frozen, so it is waited for up to the longer of --exit-wait and --lock-wait."""
+        cannot be frozen, so it is waited for up to the longer of --exit-wait and --lock-wait, and so is
+        one begun over --exit-starve ago (starved: frozen through the regions since)."""
         now = time.monotonic()
         mine = [p for p, e in self.exiting.items() if e[0] == r.device and self.still_exiting(p, e, now)]
         noted = {p: self.exiting[p] for p in mine}
@@ -56,13 +59,15 @@ class Exits:
             limit = cfg.lock_wait if cfg.exit_wait < 0 else cfg.exit_wait
             t0 = time.perf_counter()
             done = await wait_exits(mine, limit)
-            past = [p for p in mine if p not in done and exiting_in_kernel(p)]
+            starved = [p for p in mine if p not in done and now - noted[p][3] >= cfg.exit_starve]
+            past = [p for p in mine if p not in done and (p in starved or exiting_in_kernel(p))]
             if past:
                 left = max(limit, cfg.lock_wait) - (time.perf_counter() - t0)
                 done += await wait_exits(past, max(0.0, left))
             r.report.exits_wait_s = time.perf_counter() - t0
             r.report.exits_waited = done
             r.report.exits_unfinished = [p for p in mine if p not in done]
+            r.report.exits_starved = starved
             r.exits_left = {p: noted[p] for p in r.report.exits_unfinished}
 
     def give_back(self, r: Region) -> None:
@@ -73,5 +78,8 @@ class Exits:
         # memory beside a timing. So each release renews the note (a pid reused is not renewed; an
         # exit no region froze is still dropped EXITING_KEPT_S after its last note).
         now = time.monotonic()
-        self.exiting.update({p: (e[0], now, e[2]) for p, e in r.exits_left.items() if start_time(p) == e[2]})
+        # Renewed, not restarted: an exit's first note stays, so --exit-starve counts from its start.
+        self.exiting.update(
+            {p: (e[0], now, e[2], e[3]) for p, e in r.exits_left.items() if start_time(p) == e[2]}
+        )
         r.exits_left.clear()

@@ -252,6 +252,7 @@ class Regions:
         a region there would hold now (and why not by the lock)."""
         st: dict[str, object] = dict(self.hold.status())
         st["exit_wait_s"] = self.core.config.exit_wait  # 0: an exit in user space is frozen
+        st["exit_starve_s"] = self.core.config.exit_starve  # ... until it began this long ago
         probes = self.core.attributor is not None
         st["devices"] = {
             d.key: {

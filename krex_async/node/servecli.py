@@ -76,6 +76,13 @@ def add_parser(sub: Any) -> None:
         "-1: as long as --lock-wait)",
     )
     p.add_argument(
+        "--exit-starve",
+        type=float,
+        help="seconds after its start an exit still in user space stops being frozen at once: the "
+        "next region waits for it as for one in the kernel (default 2; back-to-back regions "
+        "otherwise leave it only the gaps between them)",
+    )
+    p.add_argument(
         "--quiesce",
         choices=["auto", "all"],
         help="whose runtime a region asks to stop and synchronise before freezing: "

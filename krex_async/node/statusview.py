@@ -181,6 +181,9 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
                 if ew == 0
                 else f"exits: waited for up to {waited}, then frozen (--exit-wait {ew:g})"
             )
+            if "exit_starve_s" in ho:
+                starve = float(ho["exit_starve_s"])
+                head[-1] += f"; one begun over {starve:g} s ago waited for (--exit-starve)"
         for key, dv in ho.get("devices", {}).items():
             head.append(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({dv['why']})" if dv["why"] else ""))
     if "probes" in st:  # a daemon from before probes were reported has no such key

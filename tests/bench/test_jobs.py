@@ -269,6 +269,12 @@ def test_report_inflation_against_the_alone_p95_goals_and_regions() -> None:
     assert g["stray_who"] == {"'nvidia-smi -l'": 2} and g["hold"] == {"lock": 2}
     assert g["lock_s"]["p50"] == pytest.approx(0.001)
     assert g["entry_own_p50_s"] == pytest.approx(0.03)
+    exits = [
+        {"exits_waited": [7, 8], "exits_unfinished": [9], "exits_starved": [8, 9]},
+        {"exits_starved": []},
+    ]
+    g = jobs_report.regions([{"regions": [{"enter_s": 0.01, **x} for x in exits]}])
+    assert (g["exits_waited"], g["exits_unfinished"], g["exits_starved"]) == (2, 1, 2)
     waited = {"enter_s": 0.75, "wait_s": 0.1, "exits_wait_s": 0.4, "pool_wait_s": None}
     late = {"lock_late": [{"after_s": 0.2}, {"after_s": 0.05}]}
     assert jobs_report.entry_own_s({**waited, **late}) == pytest.approx(0.05)

@@ -144,6 +144,7 @@ async def test_device_holders_lock_fences_the_others(fake: Fake, script, tmp_pat
             assert "hold lock: driver lock available (cuCheckpointProcessLock" in text, text
             assert "  cpu: lock device-holders" in text, text
             assert "exits: one in user space frozen at once" in text and st["hold"]["exit_wait_s"] == 0, text
+            assert "one begun over 2 s ago waited for (--exit-starve)" in " ".join(text.split()), text
             c0 = fake.stats("cpu")[2]
             await asyncio.sleep(0.3)
             assert fake.stats("cpu")[2] - c0 >= 30, "the CPU-only sibling did not run on"
