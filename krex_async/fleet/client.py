@@ -320,9 +320,9 @@ class FleetClient:
     async def run(self, argv: list[str], **kw: Any) -> Result:
         return await (await self.submit(argv, **kw)).wait()
 
-    async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None:
-        """Signal a fleet command (`<node>/<id>`), through the agent that runs it. KrexError when
-        it or its node is unknown, or its agent is gone."""
+    async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None:
+        """Signal a fleet command (`<node>/<id>`), through the agent that runs it (`queued_only`: as
+        Client.cancel's). KrexError when it or its node is unknown, or its agent is gone."""
         name, sep, cid = command.partition("/")
         if not sep or name not in self.nodes:
             raise KrexError(
@@ -330,7 +330,8 @@ class FleetClient:
             )
         h = self._handles.get(command)
         try:
-            await self._ask(name, "cancel", cid, sig, timeout=30.0, agent=h.agent if h else None)
+            more = (True,) if queued_only else ()  # an agent made by an older krex takes two
+            await self._ask(name, "cancel", cid, sig, *more, timeout=30.0, agent=h.agent if h else None)
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, KrexError) else None
             raise (cause or KrexError("fleet_error", str(e))) from None

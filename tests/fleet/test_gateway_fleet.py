@@ -207,3 +207,63 @@ async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -
         finally:
             await h.cancel(signal.SIGKILL)
             await h.wait()
+
+
+# A fleet of its own (this process joined the package's cluster): one node whose daemon runs one
+# command at a time, so a second job waits in that daemon's queue.
+COMMAND_FLEET = """
+import asyncio, sys
+from krex_async.fleet.local import LocalFleet
+
+async def main():
+    fleet = LocalFleet(1, daemon_args=("--devices", "cpu:1", "--policy", "command"))
+    try:
+        address = fleet.start()
+        async with await fleet.connect():  # its agent starts the node's daemon
+            pass
+        print(address, flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
+    finally:
+        fleet.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_gateway_queue_timeout_withdraws_a_job_queued_on_its_node(stack: contextlib.ExitStack) -> None:
+    """--queue-timeout over a fleet as over one daemon: a job its node's daemon queued is cancelled
+    there at its deadline (queue_timeout, result null); the one that started is not touched."""
+    home = stack.enter_context(gateway_home())
+    helper = subprocess.Popen(
+        [sys.executable, "-c", COMMAND_FLEET],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(home / "fleet.log", "wb"),  # noqa: SIM115 - closed with the process
+        env=env(),
+    )
+    try:
+        assert helper.stdout is not None
+        address = (await asyncio.to_thread(helper.stdout.readline)).decode().strip()
+        assert address, (home / "fleet.log").read_text()
+        proc, url, log = start(home / "gw", "--fleet", address, "--queue-timeout", "3", "--max-running", "3")
+        try:
+            async with GatewayClient(url, token(home / "gw")) as c:
+                long = await c.dev(f"touch {home}/scratch/long; sleep 6")
+                deadline = time.monotonic() + 30
+                while not (home / "scratch" / "long").exists():
+                    assert time.monotonic() < deadline, await c.get(long["job_id"])
+                    await asyncio.sleep(0.1)
+                stuck = await c.dev(f"touch {home}/scratch/stuck")
+                view = await c.wait(stuck["job_id"], 30)
+                assert view["status"] == "failed" and view["error"]["reason"] == "queue_timeout", view
+                assert view["result"] is None and "node0/cpu0" in view["error"]["message"], view
+                assert (await c.wait(long["job_id"], 30))["status"] == "succeeded"
+                await asyncio.sleep(0.5)
+                assert not (home / "scratch" / "stuck").exists()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if helper.stdin is not None:
+            helper.stdin.close()
+        helper.wait(60)
