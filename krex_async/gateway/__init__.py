@@ -299,6 +299,7 @@ async def serve(args: argparse.Namespace) -> int:
     expiry = None
     if args.queue_timeout is not None:
         expiry = QueueTimeout(store, args.queue_timeout, gw.changed, lambda: runner.waiting)
+        runner.expiry = expiry  # a job the daemon queued is timed there too
         expiry.start()
     sweeper = None
     if args.job_retention is not None:

@@ -4,7 +4,7 @@
         fresh job dir <state>/jobs/<id>/, files written without following links, handed to the
         job's user (files.hand_over); clocks locked if asked (clocks.py)
         Client.submit(bash -c CMD, cwd=job dir, env + KREX_AUTO_REGION=1, run_as=job's uid)
-            (the environment and the result dict: command.py)
+            (its environment and result dict: command.py; queued there: queue_timeout.watch)
         timeout (from the command's start): SIGTERM, SIGKILL 2 s later (exit -15, as the reference)
         bounded output, CommandReport (regions) -> store.finish(succeeded|failed) -> waiters woken
 
@@ -26,7 +26,7 @@ import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from krex_async.client.submit import Client, CommandHandle, KrexError
 from krex_async.gateway import auth, clocks
@@ -34,6 +34,9 @@ from krex_async.gateway.command import command_result, job_env
 from krex_async.gateway.files import hand_over, remove_tree
 from krex_async.gateway.limits import TERMINAL, Limits
 from krex_async.gateway.store import Store, error
+
+if TYPE_CHECKING:  # not at run time: the submodule's name would hide gateway.queue_timeout()
+    from krex_async.gateway.queue_timeout import QueueTimeout
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
 
@@ -84,6 +87,7 @@ class JobRunner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.commands: dict[str, str] = {}  # job id -> krex command id
         self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
+        self.expiry: QueueTimeout | None = None  # --queue-timeout: also times the daemon's queue
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -171,6 +175,7 @@ class JobRunner:
         """Run one claimed job to a terminal status. Every failure becomes the job's error."""
         clock: clocks.Lock | None = None
         deadline: asyncio.Task[None] | None = None
+        unqueue: asyncio.Task[None] | None = None
         try:
             runner = self.kinds[kind]
             uid = self.store.run_uid(job_id)
@@ -211,6 +216,8 @@ class JobRunner:
             if self.store.status(job_id) == "cancelled":
                 await self._terminate(h.command)
             deadline = asyncio.get_running_loop().create_task(self._deadline(job_id, h, timeout))
+            if h.queued and self.expiry is not None:  # not started yet: the queue timeout still runs
+                unqueue = asyncio.get_running_loop().create_task(self.expiry.watch(job_id, h, self.policy))
             out, err = bytearray(), bytearray()
             cut = {"stdout": False, "stderr": False}
             limit = self.limits.max_output
@@ -248,8 +255,11 @@ class JobRunner:
         except Exception as e:  # a bug or an OSError preparing the job: the job says so
             self.store.finish(job_id, "failed", None, error("execution_error", f"{type(e).__name__}: {e}"))
         finally:
-            if deadline is not None:
-                deadline.cancel()
+            for task in (deadline, unqueue):
+                if task is not None:
+                    task.cancel()
+            if self.expiry is not None:
+                self.expiry.forget(job_id)
             self.timed_out.discard(job_id)
             if clock is not None:
                 self.on_change(job_id)  # decided above: its long polls answer now, not after the reset
@@ -289,6 +299,8 @@ class JobRunner:
         timeout: float,
         uid: int | None,
     ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+        if self.expiry is not None and (late := self.expiry.judge(job_id, report)) is not None:
+            return "failed", None, late  # withdrawn from the daemon's queue at its deadline
         if report.state == "timeout" or job_id in self.timed_out:
             return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} seconds")
         if report.state == "cancelled":  # by an operator (`krex cancel`): as a gateway cancel
