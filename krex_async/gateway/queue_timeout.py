@@ -26,6 +26,7 @@ before the deadline is never touched. The job's own timeout counts from its comm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sqlite3
 import sys
@@ -109,17 +110,18 @@ class QueueTimeout:
             return  # Started heard: it runs
         self.withdrawn[job_id] = f"queued in the krex daemon for device {handle.device} (policy {policy})"
         client: Canceller = handle.client
-        try:
+        # Refused (not_queued: it started as the cancel came; or a fleet's retry of a cancel that
+        # had ended it) or a lost connection: judge() reads what happened from its report.
+        with contextlib.suppress(KrexError):
             await client.cancel(handle.command, signal.SIGKILL, queued_only=True)
-        except KrexError:  # not_queued (it started as the cancel came), ended, or connection lost
-            self.withdrawn.pop(job_id, None)
 
     def forget(self, job_id: str) -> None:
         """The job ended (judged or not): nothing of it is kept here."""
         self.withdrawn.pop(job_id, None)
 
     def judge(self, job_id: str, report: Any) -> dict[str, Any] | None:
-        """The job's error when watch() withdrew its command and it never started; else None."""
+        """The job's error when watch() asked to withdraw its command and its report says it was
+        cancelled before it started; else None (it started: it ended as it would have)."""
         why = self.withdrawn.pop(job_id, None)
         if why is None or report.state != "cancelled" or report.started_at:
             return None
