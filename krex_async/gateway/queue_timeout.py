@@ -1,6 +1,7 @@
 """The queue timeout (`--queue-timeout`): a job that waited that long without being started (no
-daemon or fleet node to take it, or every --max-running slot taken) ends failed, reason
-`queue_timeout`, so a client polling for it hears why instead of waiting for ever.
+daemon or fleet node to take it, every --max-running slot taken, or its command queued in the
+daemon) ends failed, reason `queue_timeout`, so a client polling for it hears why instead of
+waiting for ever.
 
     QueueTimeout.start() -> task: sleep until the oldest queued job's deadline (its submission
         plus `timeout`; a whole `timeout` when nothing is queued: no job can expire sooner)
