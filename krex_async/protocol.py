@@ -114,6 +114,9 @@ class Cancel(Msg, tag="cancel"):
     id: ReqId
     command: Name
     signal: Annotated[int, msgspec.Meta(ge=1, le=64)] = 15
+    # True: end it only while it is queued (never started), else Error not_queued and nothing is
+    # done: the gateway's queue timeout then cannot kill a command that started as its cancel came.
+    queued_only: bool = False
 
 
 class StdinData(Msg, tag="stdin"):

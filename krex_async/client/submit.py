@@ -111,6 +111,10 @@ class KrexError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[KrexError], tuple[str, str]]:
+        # Pickled whole (a fleet agent's error crosses Ray to its client): code and message kept.
+        return type(self), (self.code, self.message)
+
 
 @dataclass
 class Result:
@@ -141,8 +145,9 @@ class CommandHandle:
         self._err = bytearray()
         self._result: Result | None = None
 
-    async def output(self) -> AsyncIterator[tuple[str, bytes]]:
-        """Yield (stream, data) as the command writes, until it ends (then `wait()` returns at once)."""
+    async def output(self, started: bool = False) -> AsyncIterator[tuple[str, bytes]]:
+        """Yield (stream, data) as the command writes, until it ends (then `wait()` returns at once).
+        `started`: also ("started", b"") as it starts (`pid` set), for a relay (the fleet's agent)."""
         while self._result is None:
             msg = await self._queue.get()
             if msg is None:
@@ -153,6 +158,8 @@ class CommandHandle:
                     yield msg.stream, msg.data
                 case P.Started():
                     self.pid = msg.pid
+                    if started:
+                        yield "started", b""
                 case P.Exited():
                     self._out += msg.stdout_tail
                     self._err += msg.stderr_tail
@@ -375,8 +382,10 @@ class Client:
         assert isinstance(reply, P.StatusReply)
         return reply.status
 
-    async def cancel(self, command: str, sig: int = 15) -> None:
-        await self._call(P.Cancel(id=next(self._ids), command=command, signal=sig))
+    async def cancel(self, command: str, sig: int = 15, queued_only: bool = False) -> None:
+        """Signal a command (a queued one ends unstarted). `queued_only`: end it only if it has not
+        started; KrexError("not_queued") otherwise, and it runs on untouched."""
+        await self._call(P.Cancel(id=next(self._ids), command=command, signal=sig, queued_only=queued_only))
 
     async def timeline(self) -> list[P.TraceEvent]:
         """The daemon's recent trace records (its bounded ring), oldest first."""

@@ -251,6 +251,8 @@ class Lifecycle:
 
     async def cancel(self, req: P.Cancel, uid: int) -> None:
         cmd = own(self.core, req.command, uid)
+        if req.queued_only and cmd.state != CommandState.QUEUED:
+            raise RequestError("not_queued", f"command {cmd.id} is {cmd.state}, no longer queued")
         if cmd.state == CommandState.QUEUED:
             self._end_unstarted(cmd, "cancelled", "cancelled before it started")
         elif cmd.state == CommandState.RUNNING:

@@ -275,8 +275,9 @@ class NodeAgent:
 
     async def run(self, spec: dict[str, Any], token: str = "") -> AsyncIterator[tuple[Any, ...]]:
         """Submit one command and stream what happens to it, as tuples:
-        ("accepted", command, device, queued), ("output", stream, data)..., then exactly one of
-        ("exited", report msgpack, stdout tail, stderr tail), ("lost", why), ("error", code, msg).
+        ("accepted", command, device, queued), ("started", pid) and ("output", stream, data)...,
+        then exactly one of ("exited", report msgpack, stdout tail, stderr tail), ("lost", why),
+        ("error", code, msg).
 
         `token` names this call for withdraw(). A stream its caller abandons before the end (Ray
         closes the generator) kills a command submitted with on_disconnect="kill", as the daemon
@@ -302,7 +303,10 @@ class NodeAgent:
             if token:
                 self._runs[token] = command
             yield ("accepted", h.command, h.device, h.queued)
-            async for stream, data in h.output():
+            async for stream, data in h.output(started=True):
+                if stream == "started":  # a queued command's start: its job's timeout runs from it
+                    yield ("started", h.pid)
+                    continue
                 h._out.clear()  # forwarded as it comes; the handle would keep a second copy
                 h._err.clear()
                 yield ("output", stream, data)
@@ -344,8 +348,8 @@ class NodeAgent:
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
 
-    async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None:
-        await (await self._client()).cancel(command, sig)
+    async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None:
+        await (await self._client()).cancel(command, sig, queued_only)
 
     async def stop(self) -> None:
         """Close the connection and stop an owned daemon (its commands end as `shutdown`)."""

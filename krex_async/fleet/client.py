@@ -8,9 +8,7 @@
 
     connect:  ray.init ─► one NodeAgent actor per alive node (named, detached, NodeAffinity-pinned)
     submit:   pick(node, device) from the capacity reports ─► agent.run(spec, token) (streamed)
-    refresh:  every refresh_s, each agent's capacity() ─► NodeView (up, devices, their commands)
-    discover: new nodes, and nodes back under their name (a dead agent's successor is made); paced
-              by discovery.DiscoverPace
+    refresh, discover, capacity, status: the nodes' half (nodes.FleetNodes, which this extends)
 
 Commands are named `<node>/<daemon's id>`, devices `<node>/<key>`. Each command has one result: the
 daemon's report, or a report with state `lost` naming the node when its daemon or its actor died
@@ -30,44 +28,31 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 from krex_async.devices import NoDevice
-from krex_async.fleet.agent import DaemonSpec, NodeAgent
-from krex_async.fleet.discovery import DiscoverPace
+from krex_async.fleet.agent import DaemonSpec
 from krex_async.fleet.handle import FleetHandle, why
-from krex_async.fleet.placement import NodeView, pick
+from krex_async.fleet.nodes import BACKOFF, FleetNodes
+from krex_async.fleet.placement import pick
 from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, join, node_name, reachable
 
-RemoteAgent = ray.remote(NodeAgent)
-# Pauses between tries of a call to an agent that is unavailable (ActorUnavailableError: a network
-# blip, a restart; Ray says the call may or may not have run), about 3 s in all; only ActorDiedError
-# says the agent is gone.
-BACKOFF = (0.1, 0.2, 0.4, 0.8, 1.6)
-STATUS_S = 5.0  # an agent's status or capacity answer, at most (a stopped daemon never answers)
 __all__ = ["NAMESPACE", "NODE_RESOURCE", "FleetClient", "FleetHandle", "join", "node_name", "reachable"]
 
 
-class FleetClient:
+class FleetClient(FleetNodes):
     """Places commands on the nodes of a Ray cluster. One per process; close() ends the refresher
     and cancels commands submitted with on_disconnect="kill"."""
 
     def __init__(self, agents: dict[str, Any], refresh_s: float) -> None:
-        self.agents = agents  # node name -> actor handle (none while a node's agent is dead)
-        self.nodes: dict[str, NodeView] = {n: NodeView(n) for n in agents}
+        super().__init__(agents, refresh_s)
         self.lost: list[str] = []  # names of commands reported lost, in order
-        self.refresh_s = refresh_s
-        self._pinned: dict[str, str] = {}  # node name -> the Ray node id its agent was made on
         self._handles: dict[str, FleetHandle] = {}  # in flight, by fleet command name
         self._kill_on_close: set[str] = set()
         self._pending = itertools.count(1)
         self._tokens = itertools.count(1)  # run() tokens, unique to this client: withdraw() names one
         self._token_base = secrets.token_hex(6)
-        self._socket: str | None = None  # how agents made by this client reach their daemon
-        self._daemon: DaemonSpec | None = None
-        self._task: asyncio.Task[None] | None = None  # the refresher: done once closed
         self.welcome: P.Welcome | None = None  # as Client's; policy: the nodes' policies
 
     @classmethod
@@ -103,117 +88,11 @@ class FleetClient:
         self._task = asyncio.get_running_loop().create_task(self._refresher())
         return self
 
-    def _add_agents(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
-        """An agent on each alive node that has none here, or whose agent was made on a Ray node
-        that is gone (the node came back under its name: a new Ray node id). An existing named agent
-        is reused, with the socket or daemon it was made with. Returns the new ones by node name."""
-        alive: dict[str, list[str]] = {}
-        for node in sorted(nodes, key=node_name):
-            if node.get("Alive"):
-                alive.setdefault(node_name(node), []).append(node["NodeID"])
-        new: dict[str, Any] = {}
-        for name, ids in alive.items():
-            if name in self.agents and self._pinned.get(name) in ids:
-                continue
-            new[name] = RemoteAgent.options(
-                name=f"krex-node-{name}",
-                namespace=NAMESPACE,
-                get_if_exists=True,
-                lifetime="detached",
-                num_cpus=0,
-                max_restarts=0,
-                max_task_retries=0,
-                max_concurrency=10000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(ids[0], soft=False),
-            ).remote(name, self._socket, self._daemon)
-            self._pinned[name] = ids[0]
-        for name, agent in new.items():
-            self.agents[name] = agent
-            view = self.nodes.setdefault(name, NodeView(name))
-            view.up, view.reason = False, "its agent is new: waiting for its first capacity report"
-        return new
-
-    async def discover(self) -> list[str]:
-        """Reach nodes that joined the Ray cluster since, or came back (same name, new agent);
-        returns their names. The refresher calls it every `discover_every` refreshes, and sooner,
-        backing off, while a node has no agent (discovery.py)."""
-        nodes = await asyncio.to_thread(ray.nodes)
-        return sorted(self._add_agents(nodes))
-
     async def __aenter__(self) -> FleetClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-
-    async def _ask(self, name: str, method: str, *args: Any, timeout: float, agent: Any = None) -> Any:
-        """Call an idempotent agent method (capacity, status, cancel, withdraw) on `name`'s agent
-        (or the given incarnation), trying again after BACKOFF's pauses while the agent is only
-        unavailable, all within `timeout`. An agent that died is dropped (discover() makes the
-        node's next one). Raises what the last try raised, or KrexError when the node has no agent."""
-        agent = agent if agent is not None else self.agents.get(name)
-        if agent is None:
-            reason = self.nodes[name].reason if name in self.nodes else "no such node"
-            raise KrexError("unreachable", f"node {name} has no agent now ({reason})")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        for pause in (*BACKOFF, None):
-            try:
-                return await asyncio.wait_for(getattr(agent, method).remote(*args), deadline - loop.time())
-            except ActorUnavailableError:
-                if pause is None or loop.time() + pause >= deadline:
-                    raise
-                await asyncio.sleep(pause)
-            except RayActorError as e:  # ActorDiedError: that incarnation is gone for good
-                self._agent_gone(name, agent, e)
-                raise
-
-    async def refresh(self) -> None:
-        """Ask every agent for its capacity (STATUS_S each at most, an unavailable agent asked again
-        within it); an agent that does not answer leaves its node down, saying why."""
-        names = list(self.agents)
-        reports = await asyncio.gather(
-            *(self._ask(n, "capacity", timeout=STATUS_S) for n in names), return_exceptions=True
-        )
-        for name, rep in zip(names, reports):
-            view = self.nodes[name]
-            if isinstance(rep, BaseException):
-                if not isinstance(rep, RayActorError) or name in self.agents:
-                    view.up, view.reason = False, f"no capacity report: {why(rep)}"
-                continue
-            view.up, view.reason, view.devices = rep["up"], rep["reason"], rep["devices"]
-
-    async def _refresher(self, discover_every: int = 10) -> None:
-        pace = DiscoverPace(discover_every)
-        for tick in itertools.count(1):
-            await asyncio.sleep(self.refresh_s)
-            try:
-                if pace.due(tick, self.nodes.keys() - self.agents.keys()):
-                    await self.discover()
-                await self.refresh()
-            except Exception:  # a refresh that fails leaves the last views; the next one retries
-                pass
-
-    def unavailable(self) -> str:
-        """Why no command can be placed now ("" when a node is up): for the gateway, which keeps its
-        queue waiting rather than failing jobs a node would take once it is back."""
-        if any(v.up for v in self.nodes.values()):
-            return ""
-        down = "; ".join(f"{n}: {v.reason or 'down'}" for n, v in sorted(self.nodes.items()))
-        return f"no node of the fleet is up ({down or 'no nodes'})"
-
-    async def capacity(self) -> dict[str, dict[str, Any]]:
-        """Each node's capacity report as its agent gives it now (KrexError-free: down says why)."""
-        names = list(self.nodes)
-        reps = await asyncio.gather(
-            *(self._ask(n, "capacity", timeout=60.0) for n in names), return_exceptions=True
-        )
-        return {
-            n: r
-            if not isinstance(r, BaseException)
-            else {"node": n, "up": False, "reason": why(r), "devices": []}
-            for n, r in zip(names, reps)
-        }
 
     async def submit(
         self,
@@ -320,9 +199,9 @@ class FleetClient:
     async def run(self, argv: list[str], **kw: Any) -> Result:
         return await (await self.submit(argv, **kw)).wait()
 
-    async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None:
-        """Signal a fleet command (`<node>/<id>`), through the agent that runs it. KrexError when
-        it or its node is unknown, or its agent is gone."""
+    async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None:
+        """Signal a fleet command (`<node>/<id>`), through the agent that runs it (`queued_only`: as
+        Client.cancel's). KrexError when it or its node is unknown, or its agent is gone."""
         name, sep, cid = command.partition("/")
         if not sep or name not in self.nodes:
             raise KrexError(
@@ -330,58 +209,13 @@ class FleetClient:
             )
         h = self._handles.get(command)
         try:
-            await self._ask(name, "cancel", cid, sig, timeout=30.0, agent=h.agent if h else None)
+            more = (True,) if queued_only else ()  # an agent made by an older krex takes two
+            await self._ask(name, "cancel", cid, sig, *more, timeout=30.0, agent=h.agent if h else None)
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, KrexError) else None
             raise (cause or KrexError("fleet_error", str(e))) from None
         except RayActorError as e:
             raise KrexError("lost", f"node {name}: its agent is gone ({why(e)})") from None
-
-    async def status(self) -> dict[str, Any]:
-        """Every node's daemon status merged: devices and commands named by node, and `nodes` with
-        each node's state. Nodes that do not answer (in STATUS_S) are listed down, with why."""
-        names = list(self.nodes)
-        sts = await asyncio.gather(
-            *(self._ask(n, "status", timeout=STATUS_S) for n in names), return_exceptions=True
-        )
-        out: dict[str, Any] = {"policy": None, "devices": [], "commands": [], "nodes": []}
-        for name, st in zip(names, sts):
-            if isinstance(st, BaseException):
-                out["nodes"].append({"node": name, "up": False, "reason": why(st)})
-                continue
-            out["policy"] = out["policy"] or st.get("policy")
-            out["nodes"].append(
-                {"node": name, "up": True, "pid": st.get("pid"), "isolation": st.get("isolation")}
-            )
-            for d in st.get("devices", []):
-                out["devices"].append({**d, "node": name, "key": f"{name}/{d['key']}"})
-            for c in st.get("commands", []):
-                out["commands"].append(
-                    {
-                        **c,
-                        "node": name,
-                        "command": f"{name}/{c['command']}",
-                        "device": f"{name}/{c['device']}",
-                    }
-                )
-        return out
-
-    def _node_lost(self, name: str, reason: str, agent: Any = None) -> None:
-        """Place nothing more there until a capacity report says it is up again (news from an
-        agent that is no longer the node's says nothing of its successor)."""
-        if agent is not None and self.agents.get(name) is not agent:
-            return
-        view = self.nodes[name]
-        view.up, view.reason = False, reason
-
-    def _agent_gone(self, name: str, agent: Any, e: BaseException) -> None:
-        """That incarnation of the node's agent died (or its node did): forget it, so discover()
-        makes the next one when the node is back, under the same name."""
-        if self.agents.get(name) is not agent:
-            return
-        del self.agents[name]
-        self._pinned.pop(name, None)
-        self._node_lost(name, f"its agent died ({why(e)}); waiting for the node to come back")
 
     def _forget(self, h: FleetHandle) -> None:
         if self._handles.pop(h.command, None) is None:
@@ -401,12 +235,3 @@ class FleetClient:
                 await asyncio.wait_for(self.cancel(command, signal.SIGKILL), 5.0)
             except (TimeoutError, KrexError, RayError):
                 pass  # it ended meanwhile, or its node is gone
-
-    async def stop_nodes(self) -> None:
-        """Stop every agent (an owned daemon ends its commands) and remove the actors."""
-        await asyncio.gather(*(a.stop.remote() for a in self.agents.values()), return_exceptions=True)
-        for a in self.agents.values():
-            try:
-                ray.kill(a)
-            except RayError:
-                pass

@@ -34,7 +34,7 @@ class Fleet(Protocol):
     """What a handle needs of its FleetClient (client.py imports this module, not the reverse)."""
 
     async def _ask(self, name: str, method: str, *args: Any, timeout: float, agent: Any = None) -> Any: ...
-    async def cancel(self, command: str, sig: int = signal.SIGTERM) -> None: ...
+    async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None: ...
     def _node_lost(self, name: str, reason: str, agent: Any = None) -> None: ...
     def _agent_gone(self, name: str, agent: Any, e: BaseException) -> None: ...
     def _forget(self, h: FleetHandle) -> None: ...
@@ -66,7 +66,7 @@ class FleetHandle:
         self.command = f"{node}/{accepted[1]}"
         self.device = f"{node}/{accepted[2]}"
         self.queued = bool(accepted[3])
-        self.pid: int | None = None  # on another node: not reported
+        self.pid: int | None = None  # on its node, once its agent says it started (older agents: never)
         self._spec = spec
         self._error: KrexError | None = None
         self._gen = gen
@@ -102,6 +102,8 @@ class FleetHandle:
                 self._end(self._lost(f"its output stream failed ({why(e)}); the command was killed"))
                 break
             match item:
+                case ("started", pid):
+                    self.pid = pid
                 case ("output", stream, data):
                     (self._out if stream == "stdout" else self._err).extend(data)
                     yield stream, data

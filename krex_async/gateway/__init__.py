@@ -195,9 +195,10 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway import auth
     from krex_async.gateway import catalog as K
     from krex_async.gateway.app import Gateway, make_app
+    from krex_async.gateway.command import make_shims
     from krex_async.gateway.env import Environment
     from krex_async.gateway.files import StateError, open_lock, own_dir, prepare_state
-    from krex_async.gateway.jobs import JobRunner, make_shims
+    from krex_async.gateway.jobs import JobRunner
     from krex_async.gateway.queue_timeout import QueueTimeout
     from krex_async.gateway.retention import Sweeper
     from krex_async.gateway.store import Store
@@ -298,6 +299,7 @@ async def serve(args: argparse.Namespace) -> int:
     expiry = None
     if args.queue_timeout is not None:
         expiry = QueueTimeout(store, args.queue_timeout, gw.changed, lambda: runner.waiting)
+        runner.expiry = expiry  # a job the daemon queued is timed there too
         expiry.start()
     sweeper = None
     if args.job_retention is not None:

@@ -215,7 +215,7 @@ def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
     probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     job_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*job_path, package_root]))  # as jobs.job_env
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*job_path, package_root]))  # as command.job_env
     warnings: list[str] = []
     for u in users:
         if u.uid is None or u.gid is None:

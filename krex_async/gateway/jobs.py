@@ -4,6 +4,7 @@
         fresh job dir <state>/jobs/<id>/, files written without following links, handed to the
         job's user (files.hand_over); clocks locked if asked (clocks.py)
         Client.submit(bash -c CMD, cwd=job dir, env + KREX_AUTO_REGION=1, run_as=job's uid)
+            (its environment and result dict: command.py; queued there: queue_timeout.watch)
         timeout (from the command's start): SIGTERM, SIGKILL 2 s later (exit -15, as the reference)
         bounded output, CommandReport (regions) -> store.finish(succeeded|failed) -> waiters woken
 
@@ -21,24 +22,22 @@ import asyncio
 import contextlib
 import functools
 import os
-import shlex
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
-
-import msgspec
+from typing import TYPE_CHECKING, Any, Protocol
 
 from krex_async.client.submit import Client, CommandHandle, KrexError
 from krex_async.gateway import auth, clocks
-from krex_async.gateway.auth import RunAs
+from krex_async.gateway.command import command_result, job_env
 from krex_async.gateway.files import hand_over, remove_tree
-from krex_async.gateway.limits import RESERVED_ENV, TERMINAL, Limits
+from krex_async.gateway.limits import TERMINAL, Limits
 from krex_async.gateway.store import Store, error
 
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
-SECRET_ENV = frozenset({"KREX_GATEWAY_TOKEN", "AGATE_TOKEN"})  # the gateway's, never a job's
+if TYPE_CHECKING:  # not at run time: the submodule's name would hide gateway.queue_timeout()
+    from krex_async.gateway.queue_timeout import QueueTimeout
+
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
 
 
@@ -53,86 +52,6 @@ class Kind(Protocol):
     ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         """(status, result, error) from the command's result dict; files the job wrote are read
         as files.read_job_file reads them (owner: the job's uid, None for the gateway's)."""
-
-
-def make_shims(bindir: Path, python: str = sys.executable) -> Path:
-    """<state>/bin/python and python3: run `python` (images often lack a `python`).
-
-    Scripts, not symlinks: a venv's interpreter finds its environment only when called by its path.
-    The directory and the scripts are the gateway user's (files.prepare_state): no job changes them.
-    """
-    bindir.mkdir(mode=0o755, exist_ok=True)
-    for name in ("python", "python3"):
-        tmp = bindir / f".{name}.new"
-        tmp.unlink(missing_ok=True)
-        tmp.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
-        tmp.chmod(0o755)
-        tmp.replace(bindir / name)
-    return bindir
-
-
-def job_env(
-    job_id: str,
-    workdir: Path,
-    extra: dict[str, str],
-    shims: Path | None = None,
-    python: str = sys.executable,
-    user: RunAs | None = None,
-) -> dict[str, str]:
-    """The gateway's environment, the job's variables, and what krex and the API add. A job run as
-    another user gets that user's name and a HOME it can write (its own, else the job directory)."""
-    env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV and k not in SECRET_ENV}
-    if user is not None and user.uid is not None:
-        env.update(HOME=user.home or str(workdir), USER=user.name, LOGNAME=user.name)
-    env.update(extra)
-    env.setdefault("KREX_AUTO_REGION", "1")
-    env["ATREX_LOCAL_JOB_ID"] = env["KREX_GATEWAY_JOB"] = job_id
-    if "PATH" not in extra:  # `python` (and python3) in a job is the gateway's interpreter
-        first = [str(shims)] if shims is not None else []
-        first.append(str(Path(python).parent))
-        env["PATH"] = os.pathsep.join(
-            first + [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p not in first]
-        )
-    if "TORCH_EXTENSIONS_DIR" not in extra:  # torch's build locks survive SIGKILL: keep them local
-        env["TORCH_EXTENSIONS_DIR"] = str(workdir / ".torch_extensions")
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if PACKAGE_ROOT not in parts:  # `from krex_async import region` works in every job
-        parts.append(PACKAGE_ROOT)
-    env["PYTHONPATH"] = os.pathsep.join(parts)
-    return env
-
-
-def command_result(
-    handle: CommandHandle, report: Any, out: bytearray, err: bytearray, out_cut: bool, err_cut: bool
-) -> dict[str, Any]:
-    rep = msgspec.to_builtins(report)
-    return {
-        "exit_code": report.exit_code if report.signal is None else -report.signal,
-        "stdout": out.decode("utf-8", "replace"),
-        "stderr": err.decode("utf-8", "replace"),
-        "stdout_truncated": out_cut,
-        "stderr_truncated": err_cut,
-        "regions": rep.get("regions", []),
-        "krex": {
-            k: getattr(report, k)
-            for k in (
-                "command",
-                "device",
-                "policy",
-                "state",
-                "signal",
-                "wall_s",
-                "queued_s",
-                "start_latency_s",
-                "error",
-                "stdout_bytes",
-                "stderr_bytes",
-                "via",
-                "pool_adopted",
-                "pool_declined",
-            )
-        },
-    }
 
 
 class JobRunner:
@@ -168,6 +87,7 @@ class JobRunner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.commands: dict[str, str] = {}  # job id -> krex command id
         self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
+        self.expiry: QueueTimeout | None = None  # --queue-timeout: also times the daemon's queue
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -255,6 +175,7 @@ class JobRunner:
         """Run one claimed job to a terminal status. Every failure becomes the job's error."""
         clock: clocks.Lock | None = None
         deadline: asyncio.Task[None] | None = None
+        unqueue: asyncio.Task[None] | None = None
         try:
             runner = self.kinds[kind]
             uid = self.store.run_uid(job_id)
@@ -295,6 +216,8 @@ class JobRunner:
             if self.store.status(job_id) == "cancelled":
                 await self._terminate(h.command)
             deadline = asyncio.get_running_loop().create_task(self._deadline(job_id, h, timeout))
+            if h.queued and self.expiry is not None:  # not started yet: the queue timeout still runs
+                unqueue = asyncio.get_running_loop().create_task(self.expiry.watch(job_id, h, self.policy))
             out, err = bytearray(), bytearray()
             cut = {"stdout": False, "stderr": False}
             limit = self.limits.max_output
@@ -332,8 +255,11 @@ class JobRunner:
         except Exception as e:  # a bug or an OSError preparing the job: the job says so
             self.store.finish(job_id, "failed", None, error("execution_error", f"{type(e).__name__}: {e}"))
         finally:
-            if deadline is not None:
-                deadline.cancel()
+            for task in (deadline, unqueue):
+                if task is not None:
+                    task.cancel()
+            if self.expiry is not None:
+                self.expiry.forget(job_id)
             self.timed_out.discard(job_id)
             if clock is not None:
                 self.on_change(job_id)  # decided above: its long polls answer now, not after the reset
@@ -373,6 +299,8 @@ class JobRunner:
         timeout: float,
         uid: int | None,
     ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+        if self.expiry is not None and (late := self.expiry.judge(job_id, report)) is not None:
+            return "failed", None, late  # withdrawn from the daemon's queue at its deadline
         if report.state == "timeout" or job_id in self.timed_out:
             return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} seconds")
         if report.state == "cancelled":  # by an operator (`krex cancel`): as a gateway cancel

@@ -58,6 +58,7 @@ async def test_withdrawing_an_accepted_run_kills_its_command(agent: NodeAgent, t
 async def test_an_abandoned_stream_kills_its_command(agent: NodeAgent, tmp_path: Path) -> None:
     gen = agent.run(spec(tmp_path, "import time; print('up', flush=True); time.sleep(30)"), "t-3")
     accepted = await anext(gen)
+    assert (await anext(gen))[0] == "started"  # its client's job timeout runs from here
     assert (await anext(gen))[:2] == ("output", "stdout")
     await gen.aclose()  # as Ray closes it when its caller is gone
     deadline = asyncio.get_running_loop().time() + 10

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from krex_async.client.submit import KrexError
+
 from .conftest import NEEDS_RAY, by_node, env
 
 pytestmark = pytest.mark.slow
@@ -168,6 +170,26 @@ async def test_cancel_reaches_the_command_on_its_node(local_fleet: LocalFleet) -
         r = await h.wait()
     assert r.report.state in ("cancelled", "signaled"), r.report
     assert r.stdout == b"up\n"
+
+
+async def test_a_fleet_command_says_it_started_and_a_queued_only_cancel_leaves_it(
+    local_fleet: LocalFleet,
+) -> None:
+    """As on a node's own socket: the handle hears its command start (a queued job's timeout runs
+    from then), and a cancel only-if-queued (the gateway's queue timeout) of a command that started
+    is refused on its node, which runs it to its end."""
+    async with await local_fleet.connect() as fc:
+        h = await fc.submit([PY, "-c", "import time; time.sleep(2); print('done')"], env=env(), node="node1")
+        ended = asyncio.get_running_loop().create_task(h.wait())
+        deadline = time.monotonic() + 20
+        while h.pid is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert h.pid, "no start heard"
+        with pytest.raises(KrexError) as refused:
+            await fc.cancel(h.command, signal.SIGKILL, queued_only=True)
+        assert refused.value.code == "not_queued", refused.value
+        r = await ended
+    assert r.report.state == "exited" and r.stdout == b"done\n", r.report
 
 
 async def test_two_clients_of_one_process_join_the_cluster_together(local_fleet: LocalFleet) -> None:

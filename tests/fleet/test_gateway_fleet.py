@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,3 +208,104 @@ async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -
         finally:
             await h.cancel(signal.SIGKILL)
             await h.wait()
+
+
+# A fleet of its own (this process joined the package's cluster): one node whose daemon runs one
+# command at a time, so a second job waits in that daemon's queue.
+COMMAND_FLEET = """
+import asyncio, sys
+from krex_async.fleet.local import LocalFleet
+
+async def main():
+    fleet = LocalFleet(1, daemon_args=("--devices", "cpu:1", "--policy", "command"))
+    try:
+        address = fleet.start()
+        async with await fleet.connect():  # its agent starts the node's daemon
+            pass
+        print(address, flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
+    finally:
+        fleet.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def command_fleet() -> Iterator[str]:
+    """COMMAND_FLEET's address, its helper's log beside it in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="krex-cmdfleet-", dir="/tmp") as tmp:
+        log = Path(tmp) / "fleet.log"
+        with open(log, "wb") as err:
+            helper = subprocess.Popen(
+                [sys.executable, "-c", COMMAND_FLEET],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env(),
+            )
+        assert helper.stdin is not None and helper.stdout is not None
+        try:
+            address = helper.stdout.readline().decode().strip()
+            assert address, log.read_text()
+            yield address
+        finally:
+            helper.stdin.close()  # it stops its fleet
+            try:
+                helper.wait(60)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
+
+
+async def test_gateway_queue_timeout_withdraws_a_job_queued_on_its_node(
+    command_fleet: str, stack: contextlib.ExitStack
+) -> None:
+    """--queue-timeout over a fleet as over one daemon: a job its node's daemon queued is cancelled
+    there at its deadline (queue_timeout, result null); the one that started is not touched."""
+    home = stack.enter_context(gateway_home())
+    proc, url, log = start(
+        home / "gw", "--fleet", command_fleet, "--queue-timeout", "3", "--max-running", "3"
+    )
+    try:
+        async with GatewayClient(url, token(home / "gw")) as c:
+            long = await c.dev(f"touch {home}/scratch/long; sleep 6")
+            deadline = time.monotonic() + 30
+            while not (home / "scratch" / "long").exists():
+                assert time.monotonic() < deadline, await c.get(long["job_id"])
+                await asyncio.sleep(0.1)
+            stuck = await c.dev(f"touch {home}/scratch/stuck")
+            view = await c.wait(stuck["job_id"], 30)
+            assert view["status"] == "failed" and view["error"]["reason"] == "queue_timeout", view
+            assert view["result"] is None and "node0/cpu0" in view["error"]["message"], view
+            assert (await c.wait(long["job_id"], 30))["status"] == "succeeded"
+            await asyncio.sleep(0.5)
+            assert not (home / "scratch" / "stuck").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+
+
+async def test_a_fleet_job_queued_on_its_node_is_timed_from_its_start(
+    command_fleet: str, stack: contextlib.ExitStack
+) -> None:
+    """A job's timeout runs from its command's start, heard from its node's agent: not the
+    daemon's backstop (timeout + 7 s) for a command that waited in that node's queue."""
+    home = stack.enter_context(gateway_home())
+    proc, url, log = start(home / "gw", "--fleet", command_fleet, "--max-running", "3")
+    try:
+        async with GatewayClient(url, token(home / "gw")) as c:
+            first = await c.dev(f"touch {home}/scratch/first; sleep 2")
+            deadline = time.monotonic() + 30
+            while not (home / "scratch" / "first").exists():
+                assert time.monotonic() < deadline, await c.get(first["job_id"])
+                await asyncio.sleep(0.1)
+            t = time.monotonic()
+            late = await c.dev("sleep 30", timeout_s=1)
+            view = await c.wait(late["job_id"], 40)
+            took = time.monotonic() - t
+            assert view["status"] == "failed" and view["error"]["reason"] == "command_timeout", view
+            assert took < 6.5, took  # ~2 s queued, 1 s run, SIGTERM; the backstop ends it at ~10 s
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from krex_async.gateway.command import job_env
 from krex_async.gateway.files import StateError, find, open_lock, read_job_file
-from krex_async.gateway.jobs import job_env
 from krex_async.gateway.store import Store
 
 

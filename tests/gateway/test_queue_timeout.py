@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from krex_async.client.submit import Client, KrexError
 from krex_async.gateway import queue_timeout
+from tests.conftest import py_env, run_daemon
 
 from .conftest import stack, start_gateway, stopped_daemon_socket
 
@@ -37,6 +39,68 @@ async def test_a_job_queued_past_the_timeout_fails_and_never_runs(tmp_path: Path
         assert not (gw.state / "jobs" / stuck["job_id"]).exists()
         fresh = await c.wait((await c.dev("echo on time"))["job_id"], 30)
         assert fresh["status"] == "succeeded", fresh
+
+
+async def test_a_job_queued_in_the_daemon_past_the_timeout_is_withdrawn_there(tmp_path: Path) -> None:
+    """Handed to a daemon that runs one command at a time (--policy command), the second job
+    waits in the daemon's queue: at its deadline it is cancelled there and ends as a job the
+    gateway kept queued does, its slot free, its directory kept, and it never runs."""
+    async with stack(
+        tmp_path, "--max-running", "3", "--queue-timeout", "2", daemon_args=("--policy", "command")
+    ) as (daemon, gw, c):
+        long = await c.dev(f"touch {gw.scratch}/long; sleep 5")
+        while not (gw.scratch / "long").exists():
+            await asyncio.sleep(0.05)
+        t = time.monotonic()
+        stuck = await c.dev(f"touch {gw.scratch}/stuck")
+        await asyncio.sleep(0.5)
+        assert (await c.get(stuck["job_id"]))["status"] == "running"  # the daemon has it, queued
+        view = await c.get(stuck["job_id"], wait=True, timeout=20)  # answered as it fails
+        waited = time.monotonic() - t
+        assert view["status"] == "failed" and view["error"]["reason"] == "queue_timeout", view
+        assert view["result"] is None, view
+        assert "2 s" in view["error"]["message"] and "daemon" in view["error"]["message"], view
+        assert 1.5 < waited < 4.0, waited
+        assert (gw.state / "jobs" / stuck["job_id"]).is_dir()  # its record and files are kept
+        assert (await c.get(long["job_id"]))["status"] == "running"  # started in time: not touched
+        assert (await c.wait(long["job_id"], 30))["status"] == "succeeded"
+        await asyncio.sleep(0.5)
+        assert not (gw.scratch / "stuck").exists()  # the device came free, but it had ended
+        async with await Client.connect(daemon.socket) as k:  # the daemon ended it unstarted
+            cmds = {x["label"]: x for x in (await k.status())["commands"]}
+        assert cmds[f"gateway {stuck['job_id']}"]["state"] == "ended", cmds
+        fresh = await c.wait((await c.dev("echo on time"))["job_id"], 30)
+        assert fresh["status"] == "succeeded", fresh
+
+
+async def test_a_job_the_daemon_starts_before_its_deadline_is_not_touched(tmp_path: Path) -> None:
+    async with stack(
+        tmp_path, "--max-running", "3", "--queue-timeout", "2", daemon_args=("--policy", "command")
+    ) as (_, gw, c):
+        first = await c.dev(f"touch {gw.scratch}/first; sleep 1")
+        while not (gw.scratch / "first").exists():
+            await asyncio.sleep(0.05)
+        second = await c.dev("sleep 2.5; echo done")  # queued ~1 s in the daemon, then runs past 2 s
+        view = await c.wait(second["job_id"], 30)
+        assert view["status"] == "succeeded" and "done" in view["result"]["stdout"], view
+        assert (await c.wait(first["job_id"], 30))["status"] == "succeeded"
+
+
+async def test_a_cancel_only_if_queued_ends_a_queued_command_and_spares_a_running_one() -> None:
+    """The daemon's side (Cancel.queued_only): it decides in one step, so the gateway's queue
+    timeout cannot kill a command that started as its cancel came."""
+    async with run_daemon("--policy", "command") as daemon, await Client.connect(daemon.socket) as k:
+        running = await k.submit(["sleep", "1.5"], env=py_env())
+        queued = await k.submit(["sleep", "1.5"], env=py_env())
+        assert not running.queued and queued.queued
+        with pytest.raises(KrexError) as refused:
+            await k.cancel(running.command, 9, queued_only=True)
+        assert refused.value.code == "not_queued", refused.value
+        await k.cancel(queued.command, 9, queued_only=True)
+        withdrawn = (await queued.wait()).report
+        assert withdrawn.state == "cancelled" and not withdrawn.started_at, withdrawn
+        ran = (await running.wait()).report
+        assert ran.state == "exited" and ran.exit_code == 0, ran
 
 
 async def test_a_job_waiting_for_no_daemon_fails_saying_so(gwhome: Path) -> None:

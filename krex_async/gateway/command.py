@@ -1,0 +1,101 @@
+"""A job as a krex command: the environment it runs in (job_env, with `python` shims on its PATH)
+and the result dict its command's report and output become (command_result). JobRunner (jobs.py)
+submits and watches; this is what it hands the daemon and what it reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from krex_async.client.submit import CommandHandle
+from krex_async.gateway.auth import RunAs
+from krex_async.gateway.limits import RESERVED_ENV
+
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+SECRET_ENV = frozenset({"KREX_GATEWAY_TOKEN", "AGATE_TOKEN"})  # the gateway's, never a job's
+
+
+def make_shims(bindir: Path, python: str = sys.executable) -> Path:
+    """<state>/bin/python and python3: run `python` (images often lack a `python`).
+
+    Scripts, not symlinks: a venv's interpreter finds its environment only when called by its path.
+    The directory and the scripts are the gateway user's (files.prepare_state): no job changes them.
+    """
+    bindir.mkdir(mode=0o755, exist_ok=True)
+    for name in ("python", "python3"):
+        tmp = bindir / f".{name}.new"
+        tmp.unlink(missing_ok=True)
+        tmp.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
+        tmp.chmod(0o755)
+        tmp.replace(bindir / name)
+    return bindir
+
+
+def job_env(
+    job_id: str,
+    workdir: Path,
+    extra: dict[str, str],
+    shims: Path | None = None,
+    python: str = sys.executable,
+    user: RunAs | None = None,
+) -> dict[str, str]:
+    """The gateway's environment, the job's variables, and what krex and the API add. A job run as
+    another user gets that user's name and a HOME it can write (its own, else the job directory)."""
+    env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV and k not in SECRET_ENV}
+    if user is not None and user.uid is not None:
+        env.update(HOME=user.home or str(workdir), USER=user.name, LOGNAME=user.name)
+    env.update(extra)
+    env.setdefault("KREX_AUTO_REGION", "1")
+    env["ATREX_LOCAL_JOB_ID"] = env["KREX_GATEWAY_JOB"] = job_id
+    if "PATH" not in extra:  # `python` (and python3) in a job is the gateway's interpreter
+        first = [str(shims)] if shims is not None else []
+        first.append(str(Path(python).parent))
+        env["PATH"] = os.pathsep.join(
+            first + [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p not in first]
+        )
+    if "TORCH_EXTENSIONS_DIR" not in extra:  # torch's build locks survive SIGKILL: keep them local
+        env["TORCH_EXTENSIONS_DIR"] = str(workdir / ".torch_extensions")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if PACKAGE_ROOT not in parts:  # `from krex_async import region` works in every job
+        parts.append(PACKAGE_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def command_result(
+    handle: CommandHandle, report: Any, out: bytearray, err: bytearray, out_cut: bool, err_cut: bool
+) -> dict[str, Any]:
+    rep = msgspec.to_builtins(report)
+    return {
+        "exit_code": report.exit_code if report.signal is None else -report.signal,
+        "stdout": out.decode("utf-8", "replace"),
+        "stderr": err.decode("utf-8", "replace"),
+        "stdout_truncated": out_cut,
+        "stderr_truncated": err_cut,
+        "regions": rep.get("regions", []),
+        "krex": {
+            k: getattr(report, k)
+            for k in (
+                "command",
+                "device",
+                "policy",
+                "state",
+                "signal",
+                "wall_s",
+                "queued_s",
+                "start_latency_s",
+                "error",
+                "stdout_bytes",
+                "stderr_bytes",
+                "via",
+                "pool_adopted",
+                "pool_declined",
+            )
+        },
+    }
