@@ -152,7 +152,7 @@ def job_retention(flag: str | None, env: Mapping[str, str]) -> float | None:
         raise ValueError(f"{where}: {e}") from None
 
 
-def queue_timeout(flag: str | None, env: Mapping[str, str]) -> float | None:
+def queue_timeout_s(flag: str | None, env: Mapping[str, str]) -> float | None:
     """Seconds a job may stay queued (None: no limit), from --queue-timeout, else
     $KREX_GATEWAY_QUEUE_TIMEOUT. Raises ValueError naming the flag or variable."""
     if flag is not None:
@@ -359,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
     try:
         args.job_retention = job_retention(args.job_retention, os.environ)
-        args.queue_timeout = queue_timeout(args.queue_timeout, os.environ)
+        args.queue_timeout = queue_timeout_s(args.queue_timeout, os.environ)
     except ValueError as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2

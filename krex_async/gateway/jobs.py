@@ -26,17 +26,15 @@ import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from krex_async.client.submit import Client, CommandHandle, KrexError
 from krex_async.gateway import auth, clocks
 from krex_async.gateway.command import command_result, job_env
 from krex_async.gateway.files import hand_over, remove_tree
 from krex_async.gateway.limits import TERMINAL, Limits
+from krex_async.gateway.queue_timeout import QueueTimeout
 from krex_async.gateway.store import Store, error
-
-if TYPE_CHECKING:  # not at run time: the submodule's name would hide gateway.queue_timeout()
-    from krex_async.gateway.queue_timeout import QueueTimeout
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
 

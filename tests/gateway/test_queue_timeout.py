@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.client.submit import Client, KrexError
-from krex_async.gateway import queue_timeout
+from krex_async.gateway import queue_timeout_s
 from tests.conftest import py_env, run_daemon
 
 from .conftest import stack, start_gateway, stopped_daemon_socket
@@ -131,10 +131,10 @@ async def test_without_the_flag_a_job_waits(gwhome: Path) -> None:
 
 
 def test_the_queue_timeout_flag_and_variable() -> None:
-    assert queue_timeout(None, {}) is None
-    assert queue_timeout("2.5", {"KREX_GATEWAY_QUEUE_TIMEOUT": "9"}) == 2.5
-    assert queue_timeout(None, {"KREX_GATEWAY_QUEUE_TIMEOUT": "9"}) == 9
-    assert queue_timeout(None, {"KREX_GATEWAY_QUEUE_TIMEOUT": ""}) is None  # empty: unset
+    assert queue_timeout_s(None, {}) is None
+    assert queue_timeout_s("2.5", {"KREX_GATEWAY_QUEUE_TIMEOUT": "9"}) == 2.5
+    assert queue_timeout_s(None, {"KREX_GATEWAY_QUEUE_TIMEOUT": "9"}) == 9
+    assert queue_timeout_s(None, {"KREX_GATEWAY_QUEUE_TIMEOUT": ""}) is None  # empty: unset
     for flag, env, named in (
         ("0", {}, "--queue-timeout"),
         ("-1", {}, "--queue-timeout"),
@@ -142,7 +142,7 @@ def test_the_queue_timeout_flag_and_variable() -> None:
         (None, {"KREX_GATEWAY_QUEUE_TIMEOUT": "soon"}, "KREX_GATEWAY_QUEUE_TIMEOUT"),
     ):
         with pytest.raises(ValueError, match=named):
-            queue_timeout(flag, env)
+            queue_timeout_s(flag, env)
     for args, env in ((["--queue-timeout", "soon"], {}), ([], {"KREX_GATEWAY_QUEUE_TIMEOUT": "-3"})):
         r = subprocess.run(
             [sys.executable, "-m", "krex_async.gateway", "--state-dir", "/nonexistent", *args],
