@@ -9,8 +9,10 @@
 #   bash bench/gpu/run_s16.sh 2   # ~6 min: the default set (the goals' judge) with region,
 #                                 # region-pool (now --exit-wait 0), region-pool-wait (-1: the
 #                                 # earlier wait) and shared
-#   bash bench/gpu/run_s16.sh 3   # ~9 min: the large set with region-pool, region-pool-wait and
-#                                 # shared, one alone round (the H100 ran out of memory there)
+#   bash bench/gpu/run_s16.sh 3   # ~9 min: the large set with region-pool (--exit-starve 2, the
+#                                 # default since session 17), region-pool-nostarve (600: exits
+#                                 # frozen at once however long ago they began, session 16's
+#                                 # exit0) and shared, one alone round (the H100 ran out of memory)
 #   bash bench/gpu/run_s16.sh 4   # ~8 min: the replay of gpu-10min, seed 2, all three policies
 # Results as run_s10.sh's ($OUT/s16-N.tgz, $OUT/s16-N.log, top-level JSON). Environment: as
 # run_s12.sh's, EXIT_ARGS (bench.gpu.check_exit's flags) and WINDOW_ARGS (check_idle_window's).
@@ -34,7 +36,7 @@ case $call in
 3)
   JOBS_SET=${JOBS_SET:-large} JOBS_ARGS="--alone-rounds 1 ${JOBS_ARGS:-}" \
     batch_jobs "${JOBS_TIMEOUT:-570}" "${JOBS_BUDGET:-540}" \
-    "region-pool:$pool" "region-pool-wait:$pool --exit-wait -1" "shared"
+    "region-pool:$pool" "region-pool-nostarve:$pool --exit-starve 600" "shared"
   ;;
 4)
   batch_replay "${REPLAY_TIMEOUT:-560}" gpu-10min 2
