@@ -87,7 +87,7 @@ class Gateway:
     ) -> None:
         self.store, self.runner, self.env, self.limits = store, runner, env, limits
         self.kinds, self.missing, self.auth = kinds, missing, auth
-        self.views = Views(store, waiting=lambda: runner.waiting)
+        self.views = Views(store, waiting=runner.why_waiting)
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.polls_left = 0  # long polls ended early because their client disconnected
         self.closing = False

@@ -33,7 +33,7 @@ from krex_async.gateway import auth, clocks
 from krex_async.gateway.command import command_result, job_env
 from krex_async.gateway.files import hand_over, remove_tree
 from krex_async.gateway.limits import TERMINAL, Limits
-from krex_async.gateway.queue_timeout import QueueTimeout
+from krex_async.gateway.queue_timeout import QueueTimeout, in_daemon_queue
 from krex_async.gateway.store import Store, error
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
@@ -84,6 +84,7 @@ class JobRunner:
         self.policy = ""
         self.running: dict[str, asyncio.Task[None]] = {}
         self.commands: dict[str, str] = {}  # job id -> krex command id
+        self.handles: dict[str, CommandHandle] = {}  # job id -> its command, while it runs
         self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
         self.expiry: QueueTimeout | None = None  # --queue-timeout: also times the daemon's queue
         self._wake = asyncio.Event()
@@ -94,6 +95,16 @@ class JobRunner:
 
     def notify(self) -> None:
         self._wake.set()
+
+    def why_waiting(self, job_id: str, status: str) -> str:
+        """Why a job has not started ("" if it has, or is not waiting): a queued one waits for a
+        daemon, a node or a slot; a running one whose command the daemon queued waits there."""
+        if status == "queued":
+            return self.waiting
+        h = self.handles.get(job_id)
+        if status != "running" or h is None or not h.queued or h.pid is not None:
+            return ""
+        return in_daemon_queue(h.device, self.policy)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
@@ -209,6 +220,7 @@ class JobRunner:
                 run_as=uid,
             )
             self.commands[job_id] = h.command
+            self.handles[job_id] = h
             self.store.set_command(job_id, h.command)
             self.on_change(job_id)
             if self.store.status(job_id) == "cancelled":
@@ -258,6 +270,7 @@ class JobRunner:
                     task.cancel()
             if self.expiry is not None:
                 self.expiry.forget(job_id)
+            self.handles.pop(job_id, None)
             self.timed_out.discard(job_id)
             if clock is not None:
                 self.on_change(job_id)  # decided above: its long polls answer now, not after the reset

@@ -41,6 +41,11 @@ from krex_async.gateway.store import Store, error
 REASON = "queue_timeout"
 
 
+def in_daemon_queue(device: str, policy: str) -> str:
+    """Why a job handed to the daemon has not started (its view's `waiting`, its queue_timeout)."""
+    return f"queued in the krex daemon for device {device} (policy {policy})"
+
+
 class Canceller(Protocol):
     async def cancel(self, command: str, sig: int = ..., queued_only: bool = ...) -> None: ...
 
@@ -109,7 +114,7 @@ class QueueTimeout:
         await asyncio.sleep(max(created + self.timeout - time.time(), 0.0))
         if handle.pid is not None:
             return  # Started heard: it runs
-        self.withdrawn[job_id] = f"queued in the krex daemon for device {handle.device} (policy {policy})"
+        self.withdrawn[job_id] = in_daemon_queue(handle.device, policy)
         client: Canceller = handle.client
         # Refused (not_queued: it started as the cancel came; or a fleet's retry of a cancel that
         # had ended it) or a lost connection: judge() reads what happened from its report.

@@ -41,10 +41,13 @@ class Views:
     """Renders and caches job views; `stream_*` write them to a request."""
 
     def __init__(
-        self, store: Store, cache_bytes: int = CACHE_BYTES, waiting: Callable[[], str] = lambda: ""
+        self,
+        store: Store,
+        cache_bytes: int = CACHE_BYTES,
+        waiting: Callable[[str, str], str] = lambda job_id, status: "",
     ) -> None:
         self.store = store
-        self.waiting = waiting  # why queued jobs are not being started: a queued job's `waiting`
+        self.waiting = waiting  # (job id, status) -> why it has not started: the view's `waiting`
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._held = 0
@@ -61,7 +64,7 @@ class Views:
         if rendered is None:
             return None
         status, data = rendered
-        if status == "queued" and (why := self.waiting()):
+        if status in ("queued", "running") and (why := self.waiting(job_id, status)):
             data = data[:-1] + b',"waiting":' + json.dumps(why, ensure_ascii=False).encode() + b"}"
         if status in TERMINAL and len(data) <= self.cache_bytes // 4:
             self._cache[job_id] = data

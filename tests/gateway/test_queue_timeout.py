@@ -54,7 +54,13 @@ async def test_a_job_queued_in_the_daemon_past_the_timeout_is_withdrawn_there(tm
         t = time.monotonic()
         stuck = await c.dev(f"touch {gw.scratch}/stuck")
         await asyncio.sleep(0.5)
-        assert (await c.get(stuck["job_id"]))["status"] == "running"  # the daemon has it, queued
+        view = await c.get(stuck["job_id"])
+        assert view["status"] == "running", view  # the daemon has it, queued, and the view says so:
+        assert (
+            view["waiting"].startswith("queued in the krex daemon for device ")
+            and "command" in view["waiting"]
+        )
+        assert "waiting" not in await c.get(long["job_id"])  # started: nothing to wait for
         view = await c.get(stuck["job_id"], wait=True, timeout=20)  # answered as it fails
         waited = time.monotonic() - t
         assert view["status"] == "failed" and view["error"]["reason"] == "queue_timeout", view
