@@ -19,6 +19,11 @@ from typing import Annotated, Literal
 import msgspec
 
 PROTOCOL_VERSION = 1
+# What a daemon honours beyond the messages of its version, said in Welcome.features: a field that
+# asks for less than its message's default (Cancel.queued_only) is sent only to a daemon naming it,
+# since an older one drops fields it does not know (forbid_unknown_fields=False) and does the more.
+CANCEL_QUEUED_ONLY = "cancel.queued_only"
+FEATURES = (CANCEL_QUEUED_ONLY,)
 MAX_FRAME = 16 * 1024 * 1024
 HEADER = struct.Struct(">I")
 
@@ -385,6 +390,7 @@ class Welcome(Msg, tag="welcome"):
     server: str
     policy: str
     uid: int = -1  # the peer as the daemon sees it
+    features: list[str] = []  # FEATURES (none from a daemon older than them)
 
 
 class Accepted(Msg, tag="accepted"):

@@ -384,7 +384,14 @@ class Client:
 
     async def cancel(self, command: str, sig: int = 15, queued_only: bool = False) -> None:
         """Signal a command (a queued one ends unstarted). `queued_only`: end it only if it has not
-        started; KrexError("not_queued") otherwise, and it runs on untouched."""
+        started; KrexError("not_queued") otherwise, and it runs on untouched. A daemon that does not
+        say it honours that (an older one would signal a started command all the same) is sent
+        nothing: KrexError("unsupported")."""
+        if queued_only and (self.welcome is None or P.CANCEL_QUEUED_ONLY not in self.welcome.features):
+            raise KrexError(
+                "unsupported",
+                f"the daemon (an older krex) ignores a cancel's queued_only: nothing sent for {command}",
+            )
         await self._call(P.Cancel(id=next(self._ids), command=command, signal=sig, queued_only=queued_only))
 
     async def timeline(self) -> list[P.TraceEvent]:

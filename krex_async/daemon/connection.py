@@ -180,6 +180,7 @@ class Connection:
                             server="krex",
                             policy=daemon.scheduler.policy.value,
                             uid=self.uid,
+                            features=list(P.FEATURES),
                         )
                     )
                 case P.Submit():

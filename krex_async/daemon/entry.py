@@ -325,6 +325,7 @@ class Entry:
             except Exception as e:
                 log.error("unlock_failed", region=r.id, error=repr(e))
             r.locked_pids.clear()
+        self.exits.begin(r.report.exit_deferred)  # resumed now: their exits start here
         for send in (*r.quiesced, *r.held_runtimes):
             send(P.Resume(id=0, region=r.id))
         r.quiesced.clear()

@@ -70,6 +70,17 @@ class Exits:
             r.report.exits_starved = starved
             r.exits_left = {p: noted[p] for p in r.report.exits_unfinished}
 
+    def begin(self, pids: list[int]) -> None:
+        """The exits a region deferred to its release (ExitHeld from a process it locked), noted
+        as they asked: they run from now, as the release resumes them, so their notes start now
+        and --exit-starve counts the time an exit could run, not the region's that held it back.
+        A pid reused since is left as it was."""
+        now = time.monotonic()
+        for p in pids:
+            e = self.exiting.get(p)
+            if e is not None and start_time(p) == e[2]:
+                self.exiting[p] = (e[0], now, e[2], now)
+
     def give_back(self, r: Region) -> None:
         """At r's release: the exits its entry found unfinished are noted again, as of now."""
         # Frozen mid-exit, they go on exiting, and the next region must find them so. Under

@@ -117,7 +117,8 @@ class QueueTimeout:
         self.withdrawn[job_id] = in_daemon_queue(handle.device, policy)
         client: Canceller = handle.client
         # Refused (not_queued: it started as the cancel came; or a fleet's retry of a cancel that
-        # had ended it) or a lost connection: judge() reads what happened from its report.
+        # had ended it), not sent (unsupported: an older daemon would kill it even if started) or a
+        # lost connection: judge() reads what happened from its report.
         with contextlib.suppress(KrexError):
             await client.cancel(handle.command, signal.SIGKILL, queued_only=True)
 

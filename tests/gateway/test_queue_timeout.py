@@ -8,11 +8,13 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from krex_async import protocol as P
 from krex_async.client.submit import Client, KrexError
 from krex_async.gateway import queue_timeout_s
 from tests.conftest import py_env, run_daemon
@@ -107,6 +109,41 @@ async def test_a_cancel_only_if_queued_ends_a_queued_command_and_spares_a_runnin
         assert withdrawn.state == "cancelled" and not withdrawn.started_at, withdrawn
         ran = (await running.wait()).report
         assert ran.state == "exited" and ran.exit_code == 0, ran
+
+
+async def test_a_cancel_only_if_queued_is_never_sent_to_a_daemon_that_would_not_honour_it() -> None:
+    """A daemon from before Cancel.queued_only drops the field (msgspec ignores fields it does not
+    know) and would signal a command that started as the queue timeout came. The client sends
+    such a cancel only to a daemon whose Welcome names the feature; to an older one it sends
+    nothing (KrexError unsupported: the queue timeout leaves the command to run)."""
+    d = tempfile.mkdtemp(prefix="krexq-", dir="/tmp")
+    path = os.path.join(d, "s")
+    got: list[P.Msg] = []
+
+    async def older_daemon(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await P.read_frame(reader)) is not None:
+            req = P.decode_request(body)
+            got.append(req)
+            if isinstance(req, P.Hello):  # its Welcome, as an older krex sends it: no features
+                writer.write(P.encode(P.Welcome(id=req.id, version=1, server="krex", policy="command")))
+            else:  # a Cancel, queued_only dropped: done, whatever the command's state
+                writer.write(P.encode(P.Ok(id=req.id)))
+        writer.close()
+
+    server = await asyncio.start_unix_server(older_daemon, path)
+    try:
+        async with await Client.connect(path) as k:
+            with pytest.raises(KrexError) as refused:
+                await asyncio.wait_for(k.cancel("c-1", 9, queued_only=True), 5)
+            assert refused.value.code == "unsupported", refused.value
+            await asyncio.wait_for(k.cancel("c-1", 15), 5)  # a plain cancel still goes
+        assert [type(m) for m in got] == [P.Hello, P.Cancel] and got[1].signal == 15, got
+    finally:
+        server.close()
+        os.unlink(path)
+        os.rmdir(d)
+    async with run_daemon() as daemon, await Client.connect(daemon.socket) as k:
+        assert k.welcome is not None and P.CANCEL_QUEUED_ONLY in k.welcome.features, k.welcome
 
 
 async def test_a_job_waiting_for_no_daemon_fails_saying_so(gwhome: Path) -> None:

@@ -4,6 +4,7 @@ one begun over --exit-starve ago is waited for instead of frozen again."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 from types import SimpleNamespace
@@ -44,7 +45,7 @@ async def test_an_exit_begun_over_exit_starve_ago_is_waited_for_not_frozen_again
     config = SimpleNamespace(exit_wait=0.0, lock_wait=0.5, exit_starve=2.0)
     ex = E.Exits(SimpleNamespace(config=config))  # type: ignore[arg-type]
     young = subprocess.Popen(["sleep", "30"])  # exiting in user space, noted just now
-    starved = subprocess.Popen(["sleep", "0.2"])  # noted 3 s ago; ends 0.2 s from now
+    starved = subprocess.Popen(["sleep", "30"])  # noted 3 s ago; ends 0.2 s into the wait (below)
     stuck = subprocess.Popen(["sleep", "30"])  # noted 3 s ago; never ends in time
     try:
         for p in (young, starved, stuck):
@@ -54,6 +55,9 @@ async def test_an_exit_begun_over_exit_starve_ago_is_waited_for_not_frozen_again
             ex.exiting[p.pid] = (d, last, start, time.monotonic() - 3.0)
         r = _region()
         t0 = time.monotonic()
+        # killed once the wait began: a loaded host may take longer than any fixed lifetime to get
+        # there, and an exit already over is simply waited for (done), never starved
+        asyncio.get_running_loop().call_later(0.2, starved.kill)
         await ex.wait(r)
         took = time.monotonic() - t0
         rep = r.report

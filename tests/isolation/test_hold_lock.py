@@ -770,6 +770,47 @@ async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_
     assert t_end >= float(m2.read_text()) + rep2["held_s"] - 0.05, "it ended inside the second region"
 
 
+# Two regions back to back in one owner: the second is asked for as the first is released, with no
+# start of a process between them (a second owner, frozen into the first as it started, would ask
+# only once thawed and through its imports).
+TWO_REGIONS = """
+import sys, time, msgspec
+from krex_async import region
+with region("timing") as r1:
+    open(sys.argv[1], "w").write(str(time.time()))
+    time.sleep(float(sys.argv[2]))
+with region("timing") as r2:
+    time.sleep(0.3)
+sys.stdout.write(msgspec.json.encode([r1.report, r2.report]).decode())
+"""
+
+
+async def test_an_exit_a_region_deferred_is_not_starved_when_the_next_region_begins(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """--exit-starve counts from an exit's start: a locked sibling that exits during a region
+    (ExitHeld) starts its exit only at the release, however long the region held it. The region
+    granted right after finds it just begun (its finalisation, 1.5 s here): frozen at once under
+    --exit-wait 0, not waited for as starved (before, its note was the ExitHeld's, 2.5 s old)."""
+    owner = script("two.py", TWO_REGIONS)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5", "--exit-starve", "1")
+    async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h, pid = await _start_exiting(c, fake, script, state, "slower")
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "2.5"], env=py_env()))
+            await granted(marker)
+            assert fake.lock_state(pid) == 1, "the sibling was not locked"
+            Path(state + ".go").write_text("")  # it exits now, deferred to the first's release
+            res = await run
+            assert res.returncode == 0 and (await h.wait()).returncode == 0, res.stderr
+    rep1, rep2 = json.loads(res.stdout)
+    assert rep1["exit_deferred"] == [pid], rep1
+    assert "exits_starved" not in rep2 and rep2.get("exits_unfinished") == [pid], rep2
+    assert rep2["exits_wait_s"] < 0.5 and h.command in rep2["frozen"], rep2
+
+
 async def test_an_exit_during_another_commands_region_waits_for_its_end(
     fake: Fake, script, tmp_path: Path
 ) -> None:

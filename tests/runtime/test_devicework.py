@@ -29,6 +29,7 @@ def test_codec_speaks_the_protocol_both_ways() -> None:
         P.Quiesce(id=7, region="r-1"),
         P.Resume(id=2**40, region="x" * 300),
         P.Welcome(id=1, version=1, server="krex", policy="region", uid=0),
+        P.Welcome(id=1, version=1, server="krex", policy="region", features=list(P.FEATURES)),
         P.Error(id=2, code="forbidden", message="ü" * 40),
     ):
         body = P.encode(msg)[4:]
