@@ -199,9 +199,12 @@ class FleetClient(FleetNodes):
     async def run(self, argv: list[str], **kw: Any) -> Result:
         return await (await self.submit(argv, **kw)).wait()
 
+    CANCEL_S = 30.0  # a cancel's answer, at most: an agent or daemon that hangs (stopped) never answers
+
     async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None:
         """Signal a fleet command (`<node>/<id>`), through the agent that runs it (`queued_only`: as
-        Client.cancel's). KrexError when it or its node is unknown, or its agent is gone."""
+        Client.cancel's). KrexError when it or its node is unknown, its agent is gone, or it did not
+        answer within CANCEL_S (as Client.cancel's callers expect: nothing else reaches them)."""
         name, sep, cid = command.partition("/")
         if not sep or name not in self.nodes:
             raise KrexError(
@@ -210,12 +213,18 @@ class FleetClient(FleetNodes):
         h = self._handles.get(command)
         try:
             more = (True,) if queued_only else ()  # an agent made by an older krex takes two
-            await self._ask(name, "cancel", cid, sig, *more, timeout=30.0, agent=h.agent if h else None)
+            await self._ask(
+                name, "cancel", cid, sig, *more, timeout=self.CANCEL_S, agent=h.agent if h else None
+            )
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, KrexError) else None
             raise (cause or KrexError("fleet_error", str(e))) from None
         except RayActorError as e:
             raise KrexError("lost", f"node {name}: its agent is gone ({why(e)})") from None
+        except (TimeoutError, ActorUnavailableError) as e:  # hung, or unreachable past the retries
+            raise KrexError(
+                "unreachable", f"node {name}: no answer to the cancel within {self.CANCEL_S:g} s ({why(e)})"
+            ) from None
 
     def _forget(self, h: FleetHandle) -> None:
         if self._handles.pop(h.command, None) is None:

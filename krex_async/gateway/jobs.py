@@ -242,10 +242,12 @@ class JobRunner:
             res = await h.wait()
             deadline.cancel()
             got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
-            # off the event loop: a profile's CSV (up to 256 MiB) and the job's files are read here
-            status, result, err_obj = await asyncio.to_thread(
-                self._judge, runner, job_id, request, workdir, res.report, got, timeout, uid
-            )
+            if self.expiry is not None and (late := self.expiry.judge(job_id, res.report)) is not None:
+                status, result, err_obj = "failed", None, late  # withdrawn from the daemon's queue
+            else:  # off the event loop: a profile's CSV (up to 256 MiB) and the job's files are read
+                status, result, err_obj = await asyncio.to_thread(
+                    self._judge, runner, job_id, request, workdir, res.report, got, timeout, uid
+                )
             self.store.finish(job_id, status, result, err_obj)
         except KrexError as e:
             if e.code == "unreachable" and job_id not in self.commands and self.store.requeue(job_id):
@@ -310,8 +312,6 @@ class JobRunner:
         timeout: float,
         uid: int | None,
     ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
-        if self.expiry is not None and (late := self.expiry.judge(job_id, report)) is not None:
-            return "failed", None, late  # withdrawn from the daemon's queue at its deadline
         if report.state == "timeout" or job_id in self.timed_out:
             return "failed", result, error("command_timeout", f"the job exceeded {timeout:g} seconds")
         if report.state == "cancelled":  # by an operator (`krex cancel`): as a gateway cancel

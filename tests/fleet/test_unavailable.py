@@ -132,3 +132,26 @@ async def test_a_submit_broken_by_a_blip_never_runs_twice(local_fleet: LocalFlee
             assert time.monotonic() - t0 < 15, live
             await asyncio.sleep(0.1)
         assert fc.nodes["node0"].up, fc.nodes["node0"]
+
+
+async def test_a_cancel_the_agent_never_answers_is_a_krex_error(
+    local_fleet: LocalFleet, tmp_path: Path
+) -> None:
+    """A node's agent that hangs (stopped) never answers a cancel: the caller (the gateway's job
+    timeout, its queue timeout, `krex cancel`) gets KrexError 'unreachable' after CANCEL_S, the
+    error every cancel's caller handles, not Ray's or asyncio's own exception."""
+    async with await local_fleet.connect(refresh_s=3600) as fc:
+        h = await fc.submit([PY, "-c", "import time; time.sleep(30)"], env=env(), node="node0")
+        pid = await agent_pid(fc, "node0")
+        fc.CANCEL_S = 2.0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KrexError) as e:
+                await fc.cancel(h.command, signal.SIGKILL)
+            assert e.value.code == "unreachable" and "no answer to the cancel within 2 s" in e.value.message
+            assert time.monotonic() - t0 < 10
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await fc.cancel(h.command, signal.SIGKILL)  # answered again once it runs
+        assert (await asyncio.wait_for(h.wait(), 30)).report.state in ("cancelled", "failed")
