@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from krex_async import protocol as P
 from krex_async.daemon.commands import Command
@@ -95,9 +95,13 @@ class Core:
         return next(d for d in self.devices if d.key == key)
 
 
-# a process exiting with a GPU file (daemon/exits.py): its device, when noted last, its start time
-# (a reused pid is not it), when noted first
-Exiting = tuple[str, float, int | None, float]
+class Exiting(NamedTuple):
+    """A process exiting with a GPU file (daemon/exits.py)."""
+
+    device: str
+    noted: float  # monotonic, last noted (renewed at each release that froze it)
+    start: int | None  # its start time: a reused pid is not it
+    began: float  # monotonic, when its exit could first run: --exit-starve counts from here
 
 
 @dataclass

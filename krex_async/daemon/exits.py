@@ -32,14 +32,14 @@ class Exits:
         """`pid` is exiting on `device` now: the next region there waits for it (wait). Entries
         no region consumed within EXITING_KEPT_S are dropped."""
         now = time.monotonic()
-        self.exiting = {p: v for p, v in self.exiting.items() if now - v[1] < EXITING_KEPT_S}
-        self.exiting[pid] = (device, now, start_time(pid), now)
+        self.exiting = {p: v for p, v in self.exiting.items() if now - v.noted < EXITING_KEPT_S}
+        self.exiting[pid] = Exiting(device, now, start_time(pid), now)
 
     @staticmethod
     def still_exiting(pid: int, entry: Exiting, now: float) -> bool:
         """An `exiting` entry still stands: noted less than EXITING_KEPT_S ago, and the pid is
         the same process (its start time), not a reused one."""
-        return now - entry[1] < EXITING_KEPT_S and start_time(pid) == entry[2]
+        return now - entry.noted < EXITING_KEPT_S and start_time(pid) == entry.start
 
     async def wait(self, r: Region) -> None:
         """Wait (--exit-wait, default --lock-wait) for the siblings on r's device that are exiting
@@ -49,17 +49,17 @@ class Exits:
         cannot be frozen, so it is waited for up to the longer of --exit-wait and --lock-wait, and so is
         one begun over --exit-starve ago (starved: frozen through the regions since)."""
         now = time.monotonic()
-        mine = [p for p, e in self.exiting.items() if e[0] == r.device and self.still_exiting(p, e, now)]
+        mine = [p for p, e in self.exiting.items() if e.device == r.device and self.still_exiting(p, e, now)]
         noted = {p: self.exiting[p] for p in mine}
         self.exiting = {
-            p: v for p, v in self.exiting.items() if v[0] != r.device and now - v[1] < EXITING_KEPT_S
+            p: v for p, v in self.exiting.items() if v.device != r.device and now - v.noted < EXITING_KEPT_S
         }
         if mine:
             cfg = self.core.config
             limit = cfg.lock_wait if cfg.exit_wait < 0 else cfg.exit_wait
             t0 = time.perf_counter()
             done = await wait_exits(mine, limit)
-            starved = [p for p in mine if p not in done and now - noted[p][3] >= cfg.exit_starve]
+            starved = [p for p in mine if p not in done and now - noted[p].began >= cfg.exit_starve]
             past = [p for p in mine if p not in done and (p in starved or exiting_in_kernel(p))]
             if past:
                 left = max(limit, cfg.lock_wait) - (time.perf_counter() - t0)
@@ -78,8 +78,8 @@ class Exits:
         now = time.monotonic()
         for p in pids:
             e = self.exiting.get(p)
-            if e is not None and start_time(p) == e[2]:
-                self.exiting[p] = (e[0], now, e[2], now)
+            if e is not None and start_time(p) == e.start:
+                self.exiting[p] = e._replace(noted=now, began=now)
 
     def give_back(self, r: Region) -> None:
         """At r's release: the exits its entry found unfinished are noted again, as of now."""
@@ -91,6 +91,6 @@ class Exits:
         now = time.monotonic()
         # Renewed, not restarted: an exit's first note stays, so --exit-starve counts from its start.
         self.exiting.update(
-            {p: (e[0], now, e[2], e[3]) for p, e in r.exits_left.items() if start_time(p) == e[2]}
+            {p: e._replace(noted=now) for p, e in r.exits_left.items() if start_time(p) == e.start}
         )
         r.exits_left.clear()

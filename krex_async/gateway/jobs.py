@@ -242,13 +242,14 @@ class JobRunner:
             res = await h.wait()
             deadline.cancel()
             got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
+            verdict: tuple[str, dict[str, Any] | None, dict[str, Any] | None]
             if self.expiry is not None and (late := self.expiry.judge(job_id, res.report)) is not None:
-                status, result, err_obj = "failed", None, late  # withdrawn from the daemon's queue
+                verdict = "failed", None, late  # withdrawn from the daemon's queue
             else:  # off the event loop: a profile's CSV (up to 256 MiB) and the job's files are read
-                status, result, err_obj = await asyncio.to_thread(
+                verdict = await asyncio.to_thread(
                     self._judge, runner, job_id, request, workdir, res.report, got, timeout, uid
                 )
-            self.store.finish(job_id, status, result, err_obj)
+            self.store.finish(job_id, *verdict)
         except KrexError as e:
             if e.code == "unreachable" and job_id not in self.commands and self.store.requeue(job_id):
                 # Nothing started (a fleet whose nodes all went down meanwhile): back in line,

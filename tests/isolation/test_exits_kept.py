@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from krex_async.daemon import exits as E
+from krex_async.daemon.core import Exiting
 from krex_async.isolation.cudalock import start_time
 
 
@@ -19,12 +20,12 @@ def test_an_exit_frozen_through_regions_is_kept_past_its_first_notes_age() -> No
     try:
         ex = E.Exits(SimpleNamespace())  # type: ignore[arg-type]
         old = time.monotonic() - E.EXITING_KEPT_S + 0.5  # first noted just under the limit ago
-        r: Any = SimpleNamespace(exits_left={proc.pid: ("nvidia0", old, start_time(proc.pid), old)})
+        r: Any = SimpleNamespace(exits_left={proc.pid: Exiting("nvidia0", old, start_time(proc.pid), old)})
         ex.give_back(r)  # a region froze it and ends: the exit is renewed, not left to age out
-        assert r.exits_left == {} and ex.exiting[proc.pid][3] == old  # its start is kept
+        assert r.exits_left == {} and ex.exiting[proc.pid].began == old  # when it began is kept
         time.sleep(1.0)
         assert ex.still_exiting(proc.pid, ex.exiting[proc.pid], time.monotonic())
-        reused: Any = SimpleNamespace(exits_left={proc.pid: ("nvidia0", old, 12345, old)})
+        reused: Any = SimpleNamespace(exits_left={proc.pid: Exiting("nvidia0", old, 12345, old)})
         ex2 = E.Exits(SimpleNamespace())  # type: ignore[arg-type]
         ex2.give_back(reused)  # another process under that pid: not an exit
         assert proc.pid not in ex2.exiting
@@ -51,8 +52,7 @@ async def test_an_exit_begun_over_exit_starve_ago_is_waited_for_not_frozen_again
         for p in (young, starved, stuck):
             ex.note_exiting(p.pid, "nvidia0")
         for p in (starved, stuck):
-            d, last, start, _ = ex.exiting[p.pid]
-            ex.exiting[p.pid] = (d, last, start, time.monotonic() - 3.0)
+            ex.exiting[p.pid] = ex.exiting[p.pid]._replace(began=time.monotonic() - 3.0)
         r = _region()
         t0 = time.monotonic()
         # killed once the wait began: a loaded host may take longer than any fixed lifetime to get
