@@ -95,7 +95,7 @@ def _lock_owner(fd: int, wait_s: float) -> str | None:
 
 def mark_instance(path: str, state_dir: str) -> None:
     """Name the state dir on the instance directory (an xattr), so that `krex cleanup`, which
-    knows only the cgroup tree, can tell a live daemon's instance (live_owner). Best effort:
+    knows only the cgroup tree, can find its owner lock (Pin). Best effort:
     kernels before 5.7 have no user xattrs on cgroupfs."""
     try:
         os.setxattr(path, STATE_XATTR, os.fsencode(os.path.realpath(state_dir)))
@@ -173,19 +173,6 @@ def pin_instance(state_dir: str) -> tuple[int, str | None]:
         os.close(fd)
         return -1, None
     return fd, None
-
-
-def live_owner(instance_dir: str) -> str | None:
-    """The pid (as written) of the live daemon that owns `instance_dir`, or None when none does
-    (or the directory does not say whose it is). Its probe is a pin (shared): never in the way
-    of a daemon that starts meanwhile."""
-    state_dir = state_dir_of(instance_dir)
-    if state_dir is None:
-        return None
-    fd, pid = pin_instance(state_dir)
-    if fd >= 0:
-        os.close(fd)
-    return pid
 
 
 class Pin:
