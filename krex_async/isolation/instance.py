@@ -175,6 +175,15 @@ def pin_instance(state_dir: str) -> tuple[int, str | None]:
     return fd, None
 
 
+def owner_of(state_dir: str) -> str | None:
+    """The pid the owner file names (its last claimant, alive or not), or None (none yet)."""
+    try:
+        with open(os.path.join(state_dir, OWNER_FILE), "rb") as f:
+            return f.read(32).decode(errors="replace").strip() or None
+    except OSError:
+        return None
+
+
 class Pin:
     """Whether an instance (one name: its directories in every tree) may be swept, asked through
     its owner lock: `live` is its daemon's pid when that daemon is alive; otherwise `fds` hold the

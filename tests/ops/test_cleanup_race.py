@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from krex_async.isolation.cgroup import CgroupBackend
 from krex_async.isolation.cgroupfs import CgroupFileError
 from krex_async.isolation.instance import InstanceBusy, instance_name
 
-from ..conftest import PY, ROOT, is_root, py_env
+from ..conftest import PY, ROOT, cmdline, is_root, py_env
 from ..isolation.cgroup_util import CgRoot
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="cgroup writes need root")
@@ -140,3 +141,52 @@ def test_krex_serve_starts_while_krex_cleanup_sweeps(tmp_path: Path) -> None:
         assert stop_sweeper(sweeper, stop) > 0
     finally:
         r.cleanup()
+
+
+# A daemon's start on the state dir (its instance and watchdog), then nothing until it is killed.
+OLD_DAEMON = """
+import sys
+from krex_async.isolation.cgroup import CgroupBackend
+b = CgroupBackend(root=sys.argv[1], state_dir=sys.argv[2], cpuset="none")
+b.start_watchdog()
+print(b.watchdog.pid, flush=True)
+sys.stdin.readline()
+"""
+
+
+async def test_a_dead_daemons_watchdog_leaves_a_restarted_one_alone(tmp_path: Path) -> None:
+    """A daemon restarted on the state dir of one just killed (systemd's Restart=) can own the
+    instance before the dead one's watchdog sweeps it (held up here by SIGSTOP): that sweep thawed
+    the new daemon's region and removed its fresh command cgroup. Now the watchdog sees the new
+    owner and leaves the instance to it."""
+    r = CgRoot()
+    state = str(tmp_path / "state")
+    old = subprocess.Popen(
+        [PY, "-c", OLD_DAEMON, r.v2, state], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=py_env()
+    )
+    b = None
+    try:
+        assert old.stdout is not None
+        watchdog = int(old.stdout.readline())
+        os.kill(watchdog, signal.SIGSTOP)
+        old.kill()
+        old.wait()
+        b = CgroupBackend(root=r.v2, state_dir=state, cpuset="none")  # the restart
+        g = await b.create("new")
+        await b.freeze(g)  # a region of the new daemon
+        os.kill(watchdog, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{watchdog}") and b"watchdog" in cmdline(watchdog):
+            assert time.monotonic() < deadline, "the old watchdog did not finish"
+            time.sleep(0.01)
+        assert b.v2.exists(g.run), "the old watchdog removed the new daemon's command cgroup"
+        assert b.v2.events(g.top)["frozen"] == 1, "the old watchdog thawed the new daemon's region"
+        await b.thaw(g)
+        await b.remove(g)
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()
+        if b is not None:
+            await b.close()
+        await asyncio.to_thread(r.cleanup)
