@@ -7,10 +7,33 @@ Names are imported on first use, so `import krex_async` (which every pool worker
 in-process runtime does) costs neither asyncio nor the client.
 """
 
-from __future__ import annotations
+import sys
 
-import importlib
-from typing import TYPE_CHECKING, Any
+
+def _cli_starting() -> bool:
+    """Whether this process is the `krex` CLI starting (the console script, or -m krex_async)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0.rpartition("/")[2] == "krex":
+        return True
+    if argv0 != "-m":  # "-m" while the module named after -m is found: which one, orig_argv says
+        return False
+    o = sys.orig_argv + [""]
+    i = next(i for i, a in enumerate(o) if a.startswith("-m"))
+    return (o[i][2:] or o[i + 1]) == "krex_async"
+
+
+# First thing, before any import: the CLI holds SIGINT pending while its modules import, so that a
+# Ctrl-C there raises in none of them (linux/interrupt.py says what becomes of it). The builtin
+# _signal is loaded at interpreter start; `signal` and typing would cost the window they close.
+_sigint_held = False
+if _cli_starting():
+    import _signal
+
+    _sigint_held = _signal.SIGINT not in _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
+
+import importlib  # noqa: E402
+
+TYPE_CHECKING = False  # typing's costs ~2 ms of the CLI's start (see above)
 
 __version__ = "0.1.0"
 __all__ = ["Client", "CommandHandle", "KrexError", "RegionError", "Result", "region", "__version__"]
@@ -25,11 +48,13 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from krex_async.client.region import RegionError, region
     from krex_async.client.submit import Client, CommandHandle, KrexError, Result
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "Any":
     if name in _WHERE:
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
         globals()[name] = value

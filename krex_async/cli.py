@@ -23,11 +23,13 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
 
 from krex_async.cliargs import int_in, ray_address, text_up_to, timeout
+from krex_async.linux import interrupt
 from krex_async.protocol import MAX_NAME, default_socket
 
 
@@ -278,6 +280,35 @@ def main(argv: list[str] | None = None) -> int:
     cleanup.add_parser(sub)
     _SUBPARSERS.update(sub.choices)
     args = _parse(ap, argv)
+    try:
+        if args.verb == "serve" and not args.print_config:
+            # a Ctrl-C so far stops it as a later one would; its EarlyStop takes the held SIGINT
+            return 0 if interrupt.came() else servecli.main(args)
+        interrupt.release()  # a Ctrl-C held while krex started raises here: nothing has run yet
+        return _dispatch(args)
+    except KeyboardInterrupt:  # in a verb's own imports, or before its own handling: as the shell
+        return 130
+
+
+def _arun(coro: Coroutine[Any, Any, int]) -> int:
+    """asyncio.run, for a Ctrl-C at its very start too: one that cancels the task before its first
+    step comes out of asyncio.Runner as CancelledError (made KeyboardInterrupt here), one before the
+    task exists leaves the coroutine unawaited (closed here: no warning on the way out)."""
+    try:
+        return asyncio.run(coro)
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    finally:
+        coro.close()
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from krex_async import gateway
+    from krex_async.fleet import cli as fleet_cli
+    from krex_async.node import cleanup, doctor, servecli, statusview, tracecli
+
+    if args.verb == "serve":
+        return servecli.main(args)
     if args.verb == "doctor":
         return doctor.main(args)
     if args.verb == "cleanup":
@@ -286,22 +317,20 @@ def main(argv: list[str] | None = None) -> int:
         from krex_async.node import demo
 
         return demo.main(args.n)
-    if args.verb == "serve":
-        return servecli.main(args)
     if args.verb == "run":
         if not _command(args):  # a usage error, not a command krex could not run (125)
             _SUBPARSERS["run"].error("no command given (krex run [options] -- CMD ...)")
         _check_output("run", "--report", args.report)
-        return asyncio.run(_run(args))
+        return _arun(_run(args))
     if args.verb == "gateway":
         return gateway.main(args)
     if args.verb == "fleet":
         return fleet_cli.main(args)
     if args.verb == "export":
         _check_output("export", "--perfetto", args.perfetto)
-        return asyncio.run(_export(args))
+        return _arun(_export(args))
     try:  # Ctrl-C is how a trace or a watch ends: no traceback
-        return asyncio.run(tracecli.trace(args) if args.verb == "trace" else statusview.status(args))
+        return _arun(tracecli.trace(args) if args.verb == "trace" else statusview.status(args))
     except KeyboardInterrupt:
         return 0
 

@@ -20,6 +20,8 @@ import pytest
 from krex_async import Client
 from krex_async.linux.procfs import stat_fields
 
+from . import testcgroups
+
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,12 +56,28 @@ def v2_mount() -> str | None:
 
 def private_cgroup_root() -> str | None:
     """As root, a fresh v2 cgroup for one daemon, so daemons of concurrent tests (and sessions) never
-    reconcile each other's command cgroups. None where the cgroup backend cannot run."""
+    reconcile each other's command cgroups; named after this process (testcgroups.py). None where
+    the cgroup backend cannot run."""
     mount = v2_mount()
     if os.geteuid() != 0 or mount is None:
         return None
-    path = tempfile.mkdtemp(prefix="krex-test-", dir=mount)
+    path = tempfile.mkdtemp(prefix=testcgroups.prefix(), dir=mount)
     return path
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Remove the test cgroups that killed runs left (their pytest process is gone, nothing is in
+    them); a run still going elsewhere keeps its own."""
+    if os.geteuid() == 0:
+        session.config.stash[_SWEPT] = testcgroups.sweep_leftovers()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    swept = config.stash.get(_SWEPT, [])
+    return f"krex: removed {len(swept)} test cgroup(s) left by runs that died" if swept else None
+
+
+_SWEPT = pytest.StashKey[list[str]]()
 
 
 def remove_cgroup_tree(path: str) -> None:

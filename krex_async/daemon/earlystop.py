@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from krex_async import logs
+from krex_async.linux import interrupt
 
 log = logs.get("krex.server")
 
@@ -29,9 +30,11 @@ class EarlyStop:
         self.signal: int | None = None
 
     def install(self) -> EarlyStop:
-        """Note SIGTERM/SIGINT from now on instead of dying or raising. Main thread only."""
+        """Note SIGTERM/SIGINT from now on instead of dying or raising; a Ctrl-C the CLI held
+        pending while it imported (linux/interrupt.py) is noted now. Main thread only."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._note)
+        interrupt.release()
         return self
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:

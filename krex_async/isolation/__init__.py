@@ -75,7 +75,7 @@ def choose_backend(isolation: str, *, cgroup_root: str | None, state_dir: str) -
         usable, why = _probe(None)
     if usable:
         from krex_async.isolation.cgroup import CgroupBackend
-        from krex_async.isolation.intent import InstanceBusy
+        from krex_async.isolation.instance import InstanceBusy
 
         try:
             return CgroupBackend(root=cgroup_root or None, state_dir=state_dir)

@@ -46,15 +46,8 @@ from krex_async.isolation.cgroupfs import (
     detect,
 )
 from krex_async.isolation.cpuset import Cores, move
-from krex_async.isolation.intent import (
-    KREX,
-    Intent,
-    claim_instance,
-    instance_name,
-    mark_instance,
-    remove_instance,
-    sweep,
-)
+from krex_async.isolation.instance import claim_instance, gate, instance_name, mark_instance, remove_instance
+from krex_async.isolation.intent import KREX, Intent, sweep
 from krex_async.logs import get as get_log
 
 log = get_log("krex.cgroup")
@@ -137,6 +130,7 @@ class CgroupBackend(Backend):
             self._make_instance()
         except CgroupFileError as e:
             if self.layout.cpuset != "v2" or not self.v2.exists(self.base):
+                os.close(self._owner_fd)  # a start that failed leaves the state dir to the next
                 raise
             # v2 forbids processes in a cgroup that hands controllers to children: a daemon that
             # lives in its own delegated cgroup must run in a leaf of it, or be given a root.
@@ -186,11 +180,12 @@ class CgroupBackend(Backend):
         """mkdir krex/ and the instance directory, named (xattr) and able to carry cpusets.
         Raises CgroupFileError."""
         self.v2.mkdir(KREX)
-        self.v2.mkdir(self.base)
-        mark_instance(self.v2.path(self.base), self.state_dir)
-        self.cores.setup_root()
-        if self.cores.mode == "v1" and self.v1 is not None:  # so `krex cleanup` leaves it alone too
-            mark_instance(self.v1.path(self.base), self.state_dir)
+        with gate([self.v2.path(KREX)], exclusive=False):  # no sweep lists it before it is named
+            self.v2.mkdir(self.base)
+            mark_instance(self.v2.path(self.base), self.state_dir)
+            self.cores.setup_root()
+            if self.cores.mode == "v1" and self.v1 is not None:  # so `krex cleanup` leaves it alone too
+                mark_instance(self.v1.path(self.base), self.state_dir)
 
     def _make_group(self, g: CgroupGroup) -> None:
         self.v2.mkdir(g.top)

@@ -16,102 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
-import hashlib
 import json
 import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
-from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.linux.fsutil import replace_file
 
 KREX = "krex"
-OWNER_FILE = "cgroup.owner"  # in the state dir: locked (flock) by the live daemon of the instance
-STATE_XATTR = "user.krex.state_dir"  # on the instance directory: whose state dir it belongs to
-
-
-class InstanceBusy(IsolationError):
-    """Another live daemon owns this daemon's instance directory (same state dir and root)."""
-
-
-def instance_name(state_dir: str) -> str:
-    """The instance directory's name: the same for every daemon on `state_dir`, and only them."""
-    return "d-" + hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
-
-
-def claim_instance(state_dir: str, subtree: str) -> int:
-    """Lock `<state_dir>/cgroup.owner` for this process's life (the fd is the lock; the kernel
-    drops it when the daemon dies, SIGKILL included) and write our pid into it. Raises
-    InstanceBusy naming the live owner, or OSError."""
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(state_dir, OWNER_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise InstanceBusy(
-            f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
-            f"(state dir {state_dir}): refusing to start, since its start-up sweep "
-            "would thaw that daemon's regions; stop it first, or give this daemon "
-            "its own --state-dir"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    try:  # the pid is for the message only: a full disk must not stop the start
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass
-    return fd
-
-
-def mark_instance(path: str, state_dir: str) -> None:
-    """Name the state dir on the instance directory (an xattr), so that `krex cleanup`, which
-    knows only the cgroup tree, can tell a live daemon's instance (live_owner). Best effort:
-    kernels before 5.7 have no user xattrs on cgroupfs."""
-    try:
-        os.setxattr(path, STATE_XATTR, os.fsencode(os.path.realpath(state_dir)))
-    except OSError:
-        pass
-
-
-def remove_instance(fss: Iterable[CgroupFS], base: str) -> list[str]:
-    """rmdir the instance directory `base` in each tree (v2, the v1 cpuset twin) if it is empty, so
-    that a cleanly stopped daemon leaves no directory per state dir behind; never recursive. One
-    line per directory that stays (children or tasks left: EBUSY or ENOTEMPTY)."""
-    lines = []
-    for fs in fss:
-        try:
-            fs.rmdir(base)
-        except CgroupFileError as e:
-            why = "not empty" if e.errno in (errno.EBUSY, errno.ENOTEMPTY) else "could not remove it"
-            lines.append(f"kept instance directory {fs.path(base)}: {why} ({e})")
-    return lines
-
-
-def live_owner(instance_dir: str) -> str | None:
-    """The pid (as written) of the live daemon that owns `instance_dir`, or None when none does
-    (or the directory does not say whose it is)."""
-    try:
-        state_dir = os.fsdecode(os.getxattr(instance_dir, STATE_XATTR))
-        fd = os.open(os.path.join(state_dir, OWNER_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # a lock we took goes with the fd
-    return None
 
 
 class Intent:

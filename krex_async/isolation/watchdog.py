@@ -7,9 +7,12 @@
                                                 cudalock.release_left(): unlock its locks; exit
 
 It is started with exec (subprocess, its own session), never as a fork of the event loop, imports
-only the cgroupfs and intent modules (and cudalock, with libcuda where a lock was recorded, once the
+only the cgroupfs, instance and intent modules (and cudalock, with libcuda where a lock was recorded, once the
 daemon has died), and removes nothing but empty command cgroups, all under its daemon's instance
-directory (`--base krex/<instance>`): other daemons' cgroups are never thawed.
+directory (`--base krex/<instance>`): other daemons' cgroups are never thawed. It sweeps holding
+the instance's owner lock shared (instance.py), so a daemon restarted on the same state dir waits
+for it; and not at all once such a daemon owns the instance: that one's start-up sweep did the
+work, and a late one would thaw its regions and remove its new cgroups.
 
 A "ready" that finds no reader (the daemon died while it started the watchdog) is no error: the
 pidfd says the same a moment later, and the sweep runs.
@@ -31,6 +34,7 @@ import sys
 import time
 
 from krex_async.isolation.cgroupfs import CgroupFS
+from krex_async.isolation.instance import owner_of, pin_instance
 from krex_async.isolation.intent import KREX, sweep
 
 
@@ -108,6 +112,7 @@ def guard(
 ) -> list[str]:
     """Block until `pid` exits (sweep; returns the sweep's lines) or releases us (returns [])."""
     pidfd = os.pidfd_open(pid)
+    guarded = owner_of(state_dir)  # the instance's owner now: the daemon (a test's stand-in: itself)
     try:
         try:
             print("ready", flush=True)
@@ -127,12 +132,33 @@ def guard(
     finally:
         os.close(pidfd)
     t0 = time.monotonic()
-    lines, _alive = sweep(v2, v1, cpuset, state_dir, base=base)
-    from krex_async.isolation.cudalock import release_left  # only now: ctypes, and libcuda if needed
+    pin, owner = _pin(state_dir, pid)
+    if owner is not None and owner != guarded:
+        return [f"watchdog: daemon {pid} died; daemon {owner} has started on its state dir since: no sweep"]
+    try:
+        lines, _alive = sweep(v2, v1, cpuset, state_dir, base=base)
+        from krex_async.isolation.cudalock import release_left  # only now: ctypes, libcuda if needed
 
-    lines += release_left(state_dir)  # the CUDA driver locks it took: they outlive it
+        lines += release_left(state_dir)  # the CUDA driver locks it took: they outlive it
+    finally:
+        if pin >= 0:
+            os.close(pin)
     lines.append(f"watchdog: daemon {pid} died; sweep took {time.monotonic() - t0:.4f}s")
     return lines
+
+
+def _pin(state_dir: str, dead: int) -> tuple[int, str | None]:
+    """Pin the instance for the sweep (instance.pin_instance), so that a daemon restarted on the
+    state dir meanwhile waits for it; else the live owner's pid. The dead daemon's own lock can
+    outlive the end of its pipe by a moment: waited for, then swept regardless."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        fd, owner = pin_instance(state_dir)
+        if owner != str(dead):
+            return fd, owner
+        if time.monotonic() > deadline:
+            return -1, None
+        time.sleep(0.005)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,9 +24,12 @@ would thaw its regions. For the same reason it leaves alone every instance direc
 (`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
 the directory names its daemon's state dir, whose owner lock that daemon holds (--force sweeps
 those too); the twin of such a directory in another tree (the v1 cpuset one) is left alone with it.
-Empty instance directories of daemons that are not running are removed in step 3. A cgroup that
-vanishes meanwhile is skipped; any other failed write is reported with its path and the exit status
-is 1. Nothing is raised to the caller of `cleanup()`.
+A dead daemon's instance is swept holding that lock shared (isolation/instance.py), so a daemon
+starting on its state dir meanwhile waits for the sweep rather than being refused or swept; only
+the instances present when the sweep began are touched. Empty instance directories of daemons that
+are not running are removed in step 3. A cgroup that vanishes meanwhile is skipped; any other
+failed write is reported with its path and the exit status is 1. Nothing is raised to the caller
+of `cleanup()`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 
 from krex_async.cliargs import directory
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+from krex_async.isolation.instance import Pin, gate, instance_name, state_dir_of
 from krex_async.linux import procfs
 from krex_async.linux.procfs import Mount
 
@@ -127,58 +131,71 @@ def _write(fs: CgroupFS, res: Result, d: str, name: str, data: str, why: str) ->
         res.actions.append(f"{why}: {path} <- {data!r}")
 
 
-def _walk(tree: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
-    """The tree's cgroup directories, parents before children, none at or below `skip`."""
+def _walk(tree: str) -> Iterator[str]:
+    """The tree's cgroup directories, parents before children."""
     for dirpath, dirnames, _ in os.walk(tree):
-        dirnames[:] = sorted(d for d in dirnames if os.path.join(dirpath, d) not in skip)
+        dirnames.sort()
         yield dirpath
 
 
-def _instances(tree: str) -> list[str]:
-    try:
-        return sorted(e.path for e in os.scandir(tree) if e.is_dir())
-    except OSError:
-        return []
-
-
-def live_instances(trees: list[str], res: Result) -> frozenset[str]:
-    """Instance directories of `trees` whose daemon is alive (each noted in res.actions). An
-    instance's name is the same in every tree (v2, the v1 cpuset twin): one that names a live
-    daemon in any tree is live in all, so a twin without the name (an older daemon's, a kernel
-    without user xattrs on v1) is not taken for a dead daemon's."""
-    try:
-        from krex_async.isolation.intent import live_owner
-    except ImportError:  # the sweep itself needs nothing but the stdlib
-        return frozenset()
-    found = [d for tree in trees for d in _instances(tree)]
-    owners: dict[str, str] = {}
-    for d in found:  # one probe per instance name: a twin of a live one is live too
-        name = os.path.basename(d)
-        if name not in owners and (pid := live_owner(d)) is not None:
-            owners[name] = pid
-    live = set()
-    for d in found:
-        pid = owners.get(os.path.basename(d))
-        if pid is not None:
-            live.add(d)
-            res.actions.append(f"left {d} alone: its daemon (pid {pid}) is alive")
-    return frozenset(live)
+def _pins(trees: list[str], state_dirs: list[str]) -> list[Pin]:
+    """One per instance name under `trees` now (a directory made later is not ours to touch),
+    listed at the trees' gate so that each directory already names its state dir. An instance's
+    name is the same in every tree (v2, the v1 cpuset twin), so a twin without the xattr (an older
+    daemon's, a kernel without user xattrs on v1) goes with the named one; so does a directory
+    named after a state dir this cleanup was given."""
+    known = {instance_name(s): s for s in state_dirs if s}
+    by_name: dict[str, list[str]] = {}
+    named: dict[str, set[str | None]] = {}
+    with gate(trees, exclusive=True):
+        for tree in trees:
+            try:
+                found = sorted(e.path for e in os.scandir(tree) if e.is_dir())
+            except OSError:
+                found = []
+            for d in found:
+                name = os.path.basename(d)
+                by_name.setdefault(name, []).append(d)
+                named.setdefault(name, {known.get(name)}).add(state_dir_of(d))
+    return [Pin(dirs, named[name]) for name, dirs in sorted(by_name.items())]
 
 
 # ------------------------------------------------------------------------------------ sweep
 
 
-def sweep(tree: str, res: Result, remove_empty: bool = True, skip: frozenset[str] = frozenset()) -> None:
-    """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc),
-    except below the directories in `skip`."""
+def sweep(tree: str, res: Result, remove_empty: bool = True, recurse: bool = True) -> None:
+    """Thaw, restore cpusets and remove empty children in one `krex` tree (see the module doc);
+    with `recurse` False, the tree's own directory only."""
     fs = CgroupFS("/")  # paths below are absolute; the kept files are closed at the end
     try:
-        _sweep(fs, list(_walk(tree, skip)), res, remove_empty)
+        dirs = list(_walk(tree)) if recurse else [tree]
+        _restore(fs, dirs, res)
+        if remove_empty:
+            _remove(fs, dirs[1:], res)
     finally:
         fs.release()
 
 
-def _sweep(fs: CgroupFS, dirs: list[str], res: Result, remove_empty: bool) -> None:
+def sweep_instance(pin: Pin, res: Result, remove_empty: bool = True) -> None:
+    """Sweep one instance's directories (in every tree) unless its daemon is alive, holding its
+    owner lock throughout; asked again right before the removals when nothing could be pinned at
+    first (a daemon started since has named its directory and taken its lock by then)."""
+    fs = CgroupFS("/")
+    try:
+        if pin.ask():
+            _restore(fs, [d for top in pin.dirs for d in _walk(top)], res)
+            if remove_empty and (pin.fds or pin.ask()):
+                for top in pin.dirs:
+                    _remove(fs, list(_walk(top)), res)
+        for d in pin.dirs if pin.live is not None else ():
+            res.actions.append(f"left {d} alone: its daemon (pid {pin.live}) is alive")
+    finally:
+        pin.release()
+        fs.release()
+
+
+def _restore(fs: CgroupFS, dirs: list[str], res: Result) -> None:
+    """Steps 1 and 2 over `dirs` (parents first)."""
     for d in dirs:  # 1. thaw, top-down
         if _read(fs, d, "cgroup.freeze") not in (None, "0"):
             _write(fs, res, d, "cgroup.freeze", "0", "thaw")
@@ -207,9 +224,11 @@ def _sweep(fs: CgroupFS, dirs: list[str], res: Result, remove_empty: bool) -> No
             want = _read(fs, parent, name)
             if want is not None and want != _read(fs, d, name):
                 _write(fs, res, d, name, want, f"restore {name[7:]} from parent")
-    if not remove_empty:
-        return
-    for d in reversed(dirs[1:]):  # 3. remove empty children, bottom-up
+
+
+def _remove(fs: CgroupFS, dirs: list[str], res: Result) -> None:
+    """Step 3: rmdir each of `dirs` (parents first) that is empty, bottom-up."""
+    for d in reversed(dirs):
         if _read(fs, d, "cgroup.procs") == "" and not any(e.is_dir() for e in os.scandir(d)):
             try:
                 if fs.rmdir(d):
@@ -238,18 +257,27 @@ def default_roots(cgroup_root: str = "") -> list[str]:
     return roots
 
 
-def cleanup(roots: list[str], remove_empty: bool = True, force: bool = False) -> Result:
+def cleanup(
+    roots: list[str], remove_empty: bool = True, force: bool = False, state_dirs: list[str] | None = None
+) -> Result:
     """Sweep `<root>/krex` (or `root` itself when it is named krex) for each root that exists;
-    instance directories of live daemons are left alone unless `force`."""
+    instance directories of live daemons are left alone unless `force`. `state_dirs`: state dirs
+    whose instances are known by name even where their directories do not say whose they are."""
     res = Result()
     for root in roots:
         tree = root if os.path.basename(root.rstrip("/")) == SUBTREE else os.path.join(root, SUBTREE)
         real = os.path.realpath(tree)
         if real not in res.trees and os.path.isdir(real):
             res.trees.append(real)
-    live = frozenset() if force else live_instances(res.trees, res)
+    if force:
+        for tree in res.trees:
+            sweep(tree, res, remove_empty)
+        return res
+    pins = _pins(res.trees, state_dirs or [])
     for tree in res.trees:
-        sweep(tree, res, remove_empty, live)
+        sweep(tree, res, recurse=False)
+    for pin in pins:
+        sweep_instance(pin, res, remove_empty)
     return res
 
 
@@ -261,14 +289,22 @@ def _default_socket() -> str:
     return default_socket()
 
 
+def _state_dir(given: str) -> str:
+    """`given`, else the daemon's default state dir ("" where the config cannot be loaded)."""
+    try:
+        from krex_async.daemon.config import ServeConfig
+    except ImportError:  # msgspec missing: the sweep itself needs nothing but the stdlib
+        return given
+    return given or ServeConfig().resolved().state_dir
+
+
 def _unlock(state_dir: str) -> list[str]:
     """Undo the CUDA driver locks a dead daemon recorded in its state dir (they outlive it)."""
     try:
-        from krex_async.daemon.config import ServeConfig
         from krex_async.isolation.cudalock import release_left
     except ImportError:  # msgspec missing: no daemon of this install can have locked anything
         return []
-    return release_left(state_dir or ServeConfig().resolved().state_dir)
+    return release_left(state_dir) if state_dir else []
 
 
 def _serving(path: str) -> bool:
@@ -344,8 +380,9 @@ def cleanup_main(args: argparse.Namespace) -> int:
         )
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
-    res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force)
-    for line in _unlock(args.state_dir or str(conf.get("state_dir") or "")):
+    state_dir = _state_dir(args.state_dir or str(conf.get("state_dir") or ""))
+    res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force, state_dirs=[state_dir])
+    for line in _unlock(state_dir):
         (res.actions if line.startswith("unlocked") else res.errors).append(line)
     if args.json:
         print(

@@ -13,6 +13,7 @@ import pytest
 from krex_async.probes.attribution import cgroup2_root
 
 from ..conftest import remove_cgroup_tree
+from ..testcgroups import prefix
 from .conftest import run_script
 
 V2 = cgroup2_root()
@@ -46,7 +47,7 @@ def test_freeze_floor_freezes_and_cleans_up(tmp_path: Path) -> None:
     if os.geteuid() != 0 or V2 is None:
         pytest.skip("needs root and a writable cgroup v2 hierarchy")
     # Its own parent cgroup: daemons of concurrent test runs add and remove theirs under V2.
-    root = tempfile.mkdtemp(prefix="krex-floor-test-", dir=V2)
+    root = tempfile.mkdtemp(prefix=prefix() + "floor-", dir=V2)
     try:
         before = set(os.listdir(root))
         out = tmp_path / "f.json"

@@ -6,12 +6,13 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 
 import pytest
 
 from krex_async.isolation.cgroupfs import CgroupFS, cgroup_mounts
 from krex_async.isolation.intent import sweep
+
+from ..testcgroups import new_name
 
 SPIN = ["/bin/sh", "-c", "while :; do :; done"]
 
@@ -33,7 +34,7 @@ class CgRoot:
 
     def __init__(self) -> None:
         v2_mount, v1_mount = need_cgroups()
-        name = f"krex-test-{uuid.uuid4().hex[:8]}"
+        name = new_name()
         self.v2 = os.path.join(v2_mount, name)
         os.mkdir(self.v2)
         if "cpuset" in open(os.path.join(v2_mount, "cgroup.subtree_control")).read().split():

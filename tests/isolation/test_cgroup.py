@@ -17,6 +17,7 @@ from krex_async.isolation.base import FreezeError
 from krex_async.isolation.cgroup import CgroupBackend, probe_cgroup
 from krex_async.isolation.cgroupfs import CgroupFS
 
+from ..testcgroups import new_name
 from .cgroup_util import SPIN, CgRoot, allowed, cpu_ticks, reap, state, v1_freezer, wait_for
 
 
@@ -323,7 +324,7 @@ def v1_frozen_task(b: CgroupBackend, g, p) -> str:  # type: ignore[no-untyped-de
     mnt = v1_freezer()
     if mnt is None:
         pytest.skip("no v1 freezer hierarchy: no way to hold a task unfreezable here")
-    path = os.path.join(mnt, f"krex-test-{g.command_id}")
+    path = os.path.join(mnt, new_name(g.command_id))
     os.mkdir(path)
     fs = CgroupFS(path)
     fs.write("", "cgroup.procs", str(p.pid))

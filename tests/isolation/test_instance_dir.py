@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from krex_async.isolation.cgroup import CgroupBackend
-from krex_async.isolation.intent import instance_name
+from krex_async.isolation.instance import instance_name
 
 from ..conftest import PY, ROOT, is_root, private_cgroup_root, py_env, remove_cgroup_tree, run_daemon
 from .cgroup_util import CgRoot

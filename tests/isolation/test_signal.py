@@ -12,6 +12,7 @@ import pytest
 
 from krex_async.isolation.signal import SignalBackend
 
+from ..testcgroups import new_name
 from .cgroup_util import reap, state, wait_for
 
 
@@ -71,7 +72,7 @@ async def test_a_freeze_cancelled_while_it_verifies_resumes_what_it_stopped():
     b = SignalBackend()
     sleeper = subprocess.Popen(["sleep", "30"])
     held = subprocess.Popen(["sleep", "30"])
-    path = os.path.join(mnt, f"krex-test-sig-{held.pid}")
+    path = os.path.join(mnt, new_name("sig"))
     os.mkdir(path)
     try:
         with open(os.path.join(path, "cgroup.procs"), "w") as f:

@@ -17,6 +17,7 @@ import pytest
 from krex_async.node import cleanup as cg
 
 from ..conftest import PY, ROOT, is_root, py_env
+from ..testcgroups import new_name
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="cgroup writes need root")
 
@@ -45,10 +46,10 @@ def wait_for(cond, what: str, timeout: float = 2.0) -> None:
 
 @contextlib.contextmanager
 def tree(mount: str | None, what: str) -> Iterator[str]:
-    """A fresh <mount>/krex-test-<pid>-<ns> directory, torn down (thawed, emptied) afterwards."""
+    """A fresh <mount>/krex-test-<creator>-... directory, torn down (thawed, emptied) afterwards."""
     if mount is None:
         pytest.skip(f"no {what} hierarchy on this machine")
-    base = os.path.join(mount, f"krex-test-{os.getpid()}-{time.monotonic_ns()}")
+    base = os.path.join(mount, new_name("cleanup"))
     os.mkdir(base)
     try:
         yield base

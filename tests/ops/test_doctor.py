@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from ..conftest import PY, ROOT, is_root, py_env
+from ..testcgroups import new_name
 
 DIST = "/usr/lib/python3/dist-packages"
 
@@ -87,7 +88,7 @@ def test_freezer_and_cpuset_match_reality(report):
     if not is_root() or v2 is None:
         assert verdict(report, "cgroup freezer") == "fail"
         return
-    probe = os.path.join(report["by"]["cgroup subtree"]["data"]["path"], f"krex-test-{os.getpid()}")
+    probe = os.path.join(report["by"]["cgroup subtree"]["data"]["path"], new_name("doctor"))
     os.mkdir(probe)
     try:
         has_freeze = os.path.exists(os.path.join(probe, "cgroup.freeze"))
