@@ -1,6 +1,6 @@
 """What the daemon's warm pools are started with: the user their workers run as (--pool-user) and
 the environment they get, in one place for Daemon.start_pools and for the start-up check
-(config.check_here) that the pool's interpreter can find the modules it is told to import
+(startchecks.check_here) that the pool's interpreter can find the modules it is told to import
 (ctxpool/preflight.py says why that is asked before serving)."""
 
 from __future__ import annotations

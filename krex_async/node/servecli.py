@@ -1,6 +1,6 @@
 """`krex serve`: its options on the command line (one flag per ServeConfig field, each help naming
 the KREX_* variable that also sets it), merged with krex.toml and the environment (daemon/config.py),
-checked for this node (config.check_here), then the daemon (daemon/server.py).
+checked for this node (startchecks.check_here), then the daemon (daemon/server.py).
 
 Exit status: 2 for an option that is invalid, or valid but unusable here (naming the flag, variable
 or file it came from); otherwise the daemon's.
@@ -243,7 +243,8 @@ def main(args: argparse.Namespace) -> int:
     # a stop signal from here on ends the start cleanly (the imports below take a while)
     early = None if args.print_config else EarlyStop().install()
     from krex_async.daemon import server
-    from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources, print_config
+    from krex_async.daemon.config import ConfigError, load_config_with_sources, print_config
+    from krex_async.daemon.startchecks import check_here
 
     given = {k: v for k, v in vars(args).items() if v is not None and k in ServeConfig.__struct_fields__}
     try:

@@ -64,7 +64,7 @@ def test_serve_refuses_more_region_cores_than_krex_may_use(tmp_path: Path) -> No
     assert rc == 2 and "env KREX_REGION_CORES: 99999 region cores" in err, (rc, err)
     rc, err = serve(tmp_path, "--region-cores", "1,2")  # not a count at all: argparse says so
     assert rc == 2 and "argument --region-cores: invalid int value: '1,2'" in err, err
-    from krex_async.daemon.config import check_here  # new with this check
+    from krex_async.daemon.startchecks import check_here  # new with this check
 
     for fine in (0, n - 1, -1):  # -1: the machine's default
         cfg, src = load_config_with_sources(None, {}, {"region_cores": fine, "isolation": "signal"})
@@ -81,7 +81,7 @@ def test_serve_refuses_a_given_cgroup_root_it_cannot_use(tmp_path: Path) -> None
     assert rc == 2 and f"{tmp_path} is not a cgroup v2 directory" in err, (rc, err)
     rc, err = serve(tmp_path, env=py_env(KREX_CGROUP_ROOT=str(tmp_path / "nope")))
     assert rc == 2 and "env KREX_CGROUP_ROOT: no directory" in err, (rc, err)
-    from krex_async.daemon.config import check_here  # new with this check
+    from krex_async.daemon.startchecks import check_here  # new with this check
 
     # --isolation signal uses no cgroup: the root (which `krex cleanup` may read) is not checked
     cfg, src = load_config_with_sources(None, {}, {"cgroup_root": "/nope", "isolation": "signal"})

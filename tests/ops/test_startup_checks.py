@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from krex_async.daemon.config import ConfigError, check_here, load_config_with_sources
+from krex_async.daemon.config import ConfigError, load_config_with_sources
+from krex_async.daemon.startchecks import check_here
 from krex_async.isolation import IsolationError, choose_backend
 
 from ..conftest import ROOT, py_env
@@ -136,8 +137,9 @@ def test_under_probes_auto_launch_libraries_are_checked_only_where_bcc_runs(tmp_
         check_here(*load_config_with_sources(None, {"KREX_LAUNCH_LIBS": missing}, {"isolation": "signal"}))
     user = _ensure_user("krextest", [])
     r = user.run_py(
-        "import json, sys; from krex_async.daemon.config import ConfigError, check_here, "
-        "load_config_with_sources as load; from krex_async.probes import open_probes\n"
+        "import json, sys; from krex_async.daemon.config import ConfigError, "
+        "load_config_with_sources as load; from krex_async.daemon.startchecks import check_here; "
+        "from krex_async.probes import open_probes\n"
         "notes = check_here(*load(None, {'KREX_LAUNCH_LIBS': sys.argv[1]}, {'isolation': 'signal'}))\n"
         "try:\n    check_here(*load(None, {}, {'probes': 'launches', 'launch_libs': sys.argv[1]}))\n"
         "    refused = ''\nexcept ConfigError as e:\n    refused = str(e)\n"
