@@ -22,6 +22,19 @@ def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
     return fields if len(fields) > 19 else None
 
 
+def tgid(tid: int, proc: str = "/proc") -> int | None:
+    """The process (thread group) of thread `tid`, from /proc/<tid>/status (readable for any thread,
+    though /proc lists only processes); None once it is gone."""
+    try:
+        with open(f"{proc}/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (the freezer no longer stops it)
 
 

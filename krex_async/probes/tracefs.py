@@ -8,7 +8,9 @@ the top-level trace_pipe, and it removes the instance on stop. Set-up, in the in
     device file, events/syscalls/sys_enter_ioctl/filter = "fd == a || fd == b ...", enable = 1.
 The holders come from /proc/*/fd (prefix match on the link target); every `rescan_s` the scan is
 repeated and the pid set and filter updated. Lines whose (tgid, fd) is not a known device fd (another
-holder's fd number) are dropped in user space.
+holder's fd number) are dropped in user space. A line read before the kernel saved its thread's tgid
+(a thread that began since and has not been switched out yet) shows none: its thread is looked up
+(the last scan's tasks, else /proc/<tid>/status), or its ioctls would be dropped as another holder's.
 
 Less precise than the bcc backend: a device opened after a scan is seen from the next scan on; no
 "open" events; counts() counts parsed events (not kernel-side: settle() waits until the reader has
@@ -120,6 +122,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self._thread: threading.Thread | None = None
         self._fd_hex = False
         self._pids: set[int] = set()
+        self._tgids: dict[int, int] = {}  # tid -> tgid: the last scan's tasks, and threads looked up since
         self._fds: set[int] = set()
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
@@ -174,11 +177,15 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         # Replaced, not merged: an fd a holder closed may name another file by now.
         self.fd_paths = paths
         pids: set[int] = set()
+        tgids: dict[int, int] = {}
         for tgid in {t for t, _ in paths}:
             try:
-                pids.update(int(t) for t in os.listdir(f"/proc/{tgid}/task"))
+                tids = [int(t) for t in os.listdir(f"/proc/{tgid}/task")]
             except OSError:
                 continue
+            pids.update(tids)
+            tgids.update(dict.fromkeys(tids, tgid))
+        self._tgids = tgids
         fds = {fd for _, fd in paths}
         if pids != self._pids:
             # set_event_pid: "" clears (= trace all), so no holder is expressed by the filter.
@@ -304,11 +311,22 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                 continue
             ts, tgid, tid, fd, cmd, comm = rec
             path = self.fd_paths.get((tgid, fd))
+            if path is None and tgid == tid:  # a thread the kernel had no tgid for yet, perhaps
+                tgid = self._thread_group(tid)
+                path = self.fd_paths.get((tgid, fd))
             if path is None:
                 continue  # another holder's fd number, not a device fd of this process
             self._counts[tgid] = self._counts.get(tgid, 0) + 1
             out.append(ProbeEvent(ts, tgid, tid, "ioctl", fd, cmd, ioctl_name(cmd, path), comm))
         return out
+
+    def _thread_group(self, tid: int) -> int:
+        """The process of thread `tid`: the last scan's, else /proc's (remembered until the next
+        scan), else `tid` itself (gone: its line is dropped as before)."""
+        found = self._tgids.get(tid)
+        if found is None:
+            found = self._tgids[tid] = procfs.tgid(tid) or tid
+        return found
 
     def lost(self) -> int:
         if not self.instance or not os.path.isdir(self.instance):
