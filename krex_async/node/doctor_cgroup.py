@@ -8,6 +8,7 @@ removed in `finally` (their test process killed first).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -257,6 +258,7 @@ def check_backend(cgroup_root: str = "") -> Check:
         with tempfile.TemporaryDirectory(prefix="krex-doctor-") as state:
             b = choose_backend("auto", cgroup_root=cgroup_root, state_dir=state)
             name, reason = b.name, b.reason
+            asyncio.run(b.close())  # its instance directory and owner lock: none left per doctor run
     except RootUnusable as e:
         return Check(
             "isolation backend",
