@@ -283,3 +283,19 @@ def test_doctor_leaves_no_instance_directory_behind() -> None:
         assert left == [], f"krex doctor left {left}"
     finally:
         remove_cgroup_tree(root)
+
+
+async def test_the_backend_check_closes_its_backend_from_a_running_loop_too() -> None:
+    """run_checks is public: called from a coroutine, the close must not need a loop of its own."""
+    if not is_root():
+        pytest.skip("the cgroup backend needs root")
+    from krex_async.node.doctor_cgroup import check_backend
+
+    root = private_cgroup_root()
+    assert root is not None
+    try:
+        c = check_backend(root)
+        assert c.verdict == "ok" and c.data["backend"] == "cgroup", c
+        assert glob.glob(os.path.join(root, "krex", "d-*")) == []
+    finally:
+        remove_cgroup_tree(root)
