@@ -15,11 +15,28 @@ def _cli_starting() -> bool:
     argv0 = sys.argv[0] if sys.argv else ""
     if argv0.rpartition("/")[2] == "krex":
         return True
-    if argv0 != "-m":  # "-m" while the module named after -m is found: which one, orig_argv says
-        return False
-    o = sys.orig_argv + [""]
-    i = next(i for i, a in enumerate(o) if a.startswith("-m"))
-    return (o[i][2:] or o[i + 1]) == "krex_async"
+    # "-m" while the module named after -m is found (a package importing us on the way included)
+    return argv0 == "-m" and _module_run() == "krex_async"
+
+
+def _module_run() -> str:
+    """The MODULE of `python [options] -m MODULE` in orig_argv, "" if none. Short options group
+    (`-Im`, `-um`, `-BW error -m`); -c, -m, -W and -X take the rest of their word or the next."""
+    words = iter(sys.orig_argv[1:])
+    for w in words:
+        if w[:1] != "-" or w == "-":  # the script: no -m
+            return ""
+        if w.startswith("--"):
+            if w == "--check-hash-based-pycs":
+                next(words, "")
+            continue
+        for j, c in enumerate(w[1:], 2):
+            if c in "cmWX":
+                arg = w[j:] or next(words, "")
+                if c in "cm":
+                    return arg if c == "m" else ""
+                break
+    return ""
 
 
 # First thing, before any import: the CLI holds SIGINT pending while its modules import, so that a

@@ -69,7 +69,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Remove the test cgroups that killed runs left (their pytest process is gone, nothing is in
     them); a run still going elsewhere keeps its own."""
     if os.geteuid() == 0:
-        session.config.stash[_SWEPT] = testcgroups.sweep_leftovers()
+        session.config.stash[_SWEPT] = testcgroups.sweep_leftovers(min_age_s=testcgroups.SESSION_MIN_AGE_S)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

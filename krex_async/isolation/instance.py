@@ -52,12 +52,16 @@ def claim_instance(state_dir: str, subtree: str, wait_s: float = CLAIM_WAIT_S) -
         os.close(fd)
         raise
     if holder is not None:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        try:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            sweepers = _sweepers(fd) if holder == "sweep" else ""
+        finally:
+            os.close(fd)
         if holder == "sweep":
             raise InstanceBusy(
-                f"`krex cleanup` has been sweeping cgroup subtree {subtree} (state dir {state_dir}) "
-                f"for over {wait_s:g} s: refusing to start under it; try again once it is done"
+                f"a sweep of cgroup subtree {subtree} (state dir {state_dir}) has held its owner lock "
+                f"{path} for over {wait_s:g} s ({sweepers}): refusing to start under it; try again "
+                "once it is done, or end it"
             )
         raise InstanceBusy(
             f"another krex daemon (pid {owner}) is live on cgroup subtree {subtree} "
@@ -91,6 +95,28 @@ def _lock_owner(fd: int, wait_s: float) -> str | None:
         if time.monotonic() >= deadline:
             return "sweep"
         time.sleep(0.002)
+
+
+def _sweepers(fd: int) -> str:
+    """Who holds the file of `fd` flocked (/proc/locks), for the message of a start that waited
+    on them: a stuck `krex cleanup` or a dead daemon's watchdog is not the same fix."""
+    ino = os.fstat(fd).st_ino
+    try:
+        with open("/proc/locks") as f:  # "1: FLOCK  ADVISORY  READ 3495 fe:00:2310195 0 EOF"
+            pids = sorted(
+                {int(w[4]) for w in map(str.split, f) if w[1:2] == ["FLOCK"] and w[5].endswith(f":{ino}")}
+            )
+    except (OSError, ValueError, IndexError):
+        pids = []
+    who = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                cmd = c.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = "?"
+        who.append(f"pid {pid}: {cmd}")
+    return "; ".join(who) or "`krex cleanup`, or the watchdog of a daemon that died"
 
 
 def mark_instance(path: str, state_dir: str) -> None:

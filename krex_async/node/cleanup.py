@@ -18,7 +18,8 @@ What, per tree:
    top-down the parent's `cpuset.cpus` and `cpuset.mems` written into each child.
 3. remove, bottom-up: every directory below `krex` with no processes and no children (not `krex`).
 4. unlock the processes the daemon's lock record (`--state-dir`) says it locked through the CUDA
-   driver and that still read LOCKED (isolation/cudalock.py).
+   driver and that still read LOCKED (isolation/cudalock.py), unless that daemon is alive (its
+   owner lock, as for its instance directory; --force unlocks them too).
 It refuses to run while a daemon answers on its socket (unless --force): a sweep under a live daemon
 would thaw its regions. For the same reason it leaves alone every instance directory
 (`krex/<instance>/`, one per daemon) whose daemon is alive, whatever socket that one serves on:
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 
 from krex_async.cliargs import directory
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
-from krex_async.isolation.instance import Pin, gate, instance_name, state_dir_of
+from krex_async.isolation.instance import Pin, gate, instance_name, pin_instance, state_dir_of
 from krex_async.linux import procfs
 from krex_async.linux.procfs import Mount
 
@@ -298,13 +299,24 @@ def _state_dir(given: str) -> str:
     return given or ServeConfig().resolved().state_dir
 
 
-def _unlock(state_dir: str) -> list[str]:
-    """Undo the CUDA driver locks a dead daemon recorded in its state dir (they outlive it)."""
+def _unlock(state_dir: str, force: bool = False) -> list[str]:
+    """Undo the CUDA driver locks a dead daemon recorded in its state dir (they outlive it), holding
+    its owner lock shared as the sweep does: a live daemon's locks are its regions' holds, left
+    alone unless `force` (whatever socket it serves on), and one starting meanwhile waits."""
+    if not state_dir:
+        return []
     try:
         from krex_async.isolation.cudalock import release_left
     except ImportError:  # msgspec missing: no daemon of this install can have locked anything
         return []
-    return release_left(state_dir) if state_dir else []
+    fd, live = pin_instance(state_dir)
+    if live is not None and not force:
+        return [f"left the CUDA driver locks recorded in {state_dir} alone: its daemon (pid {live}) is alive"]
+    try:
+        return release_left(state_dir)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _serving(path: str) -> bool:
@@ -382,8 +394,8 @@ def cleanup_main(args: argparse.Namespace) -> int:
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     state_dir = _state_dir(args.state_dir or str(conf.get("state_dir") or ""))
     res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force, state_dirs=[state_dir])
-    for line in _unlock(state_dir):
-        (res.actions if line.startswith("unlocked") else res.errors).append(line)
+    for line in _unlock(state_dir, args.force):
+        (res.actions if line.startswith(("unlocked", "left ")) else res.errors).append(line)
     if args.json:
         print(
             json.dumps(

@@ -8,6 +8,8 @@ removed in `finally` (their test process killed first).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import select
@@ -257,6 +259,10 @@ def check_backend(cgroup_root: str = "") -> Check:
         with tempfile.TemporaryDirectory(prefix="krex-doctor-") as state:
             b = choose_backend("auto", cgroup_root=cgroup_root, state_dir=state)
             name, reason = b.name, b.reason
+            # its instance directory and owner lock: none left per doctor run; on a thread of its
+            # own, for run_checks called from a running loop
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(asyncio.run, b.close()).result()
     except RootUnusable as e:
         return Check(
             "isolation backend",

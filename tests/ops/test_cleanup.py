@@ -324,3 +324,60 @@ def test_a_user_without_rights_is_told_to_run_it_as_root(tmp_path):
         assert "rmdir failed: Permission denied" in p.stderr, p.stderr
         assert "permission denied: the cgroups are root's" in p.stderr and "sudo krex cleanup" in p.stderr
         assert os.path.isdir(os.path.join(base, "krex", "d-gone", "cmd-1"))
+
+
+# A live daemon's stand-in: its owner lock on the state dir (as CgroupBackend takes it), until stdin ends.
+OWNER = """
+import sys
+from krex_async.isolation.instance import claim_instance
+claim_instance(sys.argv[1], "krex/test")
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_cleanup_leaves_a_live_daemons_cuda_locks_alone(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`krex cleanup --state-dir S` unlocked every process the record in S names, even while S's
+    daemon was alive (serving on another socket than the one cleanup asked, or started since it
+    asked): a region's held siblings ran on inside it. Now it unlocks only with S's owner lock
+    pinned, as the sweep does: a live daemon's locks stay; a dead one's are undone."""
+    from ..isolation.fakecuda import build
+
+    (tmp_path / "fake").mkdir()
+    fake = build(tmp_path / "fake")
+    state, root = tmp_path / "state", tmp_path / "root"
+    root.mkdir()
+    env = {**py_env(), **fake.env()}
+    monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))  # the driver's state, for this process's lock
+    sib = subprocess.Popen(fake.argv("s1", "cuda", gpu_file=False), env=env)
+    owner = subprocess.Popen(
+        [PY, "-c", OWNER, str(state)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert owner.stdout is not None and owner.stdout.readline() == "ready\n"
+        wait_for(lambda: fake.stats("s1")[1] > 0, "the sibling made no CUDA call", timeout=10)
+        pid = fake.stats("s1")[0]
+        from krex_async.isolation.cudalock import open_driver
+
+        drv, why = open_driver(fake.lib)
+        assert drv is not None, why
+        assert drv.lock(pid, 500) == 0
+        st = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+        record = json.dumps({"version": 1, "pid": owner.pid, "library": fake.lib, "locked": [[pid, st]]})
+        (state / "locks.json").write_text(record)
+        argv = [PY, "-m", "krex_async", "cleanup", "--root", str(root), "--state-dir", str(state)]
+        argv += ["--socket", str(tmp_path / "not-served")]
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert fake.lock_state(pid) == 1, f"cleanup unlocked a live daemon's sibling: {r.stdout}"
+        assert (state / "locks.json").read_text() == record
+        assert f"daemon (pid {owner.pid}) is alive" in r.stdout
+        owner.communicate("\n", timeout=30)  # the daemon dies: its locks are cleanup's to undo
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+        assert r.returncode == 0 and f"unlocked pid {pid}" in r.stdout, r.stdout + r.stderr
+        assert fake.lock_state(pid) == 0
+    finally:
+        for p in (owner, sib):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

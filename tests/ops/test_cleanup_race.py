@@ -18,7 +18,7 @@ import pytest
 
 from krex_async.isolation.cgroup import CgroupBackend
 from krex_async.isolation.cgroupfs import CgroupFileError
-from krex_async.isolation.instance import InstanceBusy, instance_name
+from krex_async.isolation.instance import InstanceBusy, claim_instance, instance_name
 
 from ..conftest import PY, ROOT, cmdline, is_root, py_env
 from ..isolation.cgroup_util import CgRoot
@@ -190,3 +190,31 @@ async def test_a_dead_daemons_watchdog_leaves_a_restarted_one_alone(tmp_path: Pa
         if b is not None:
             await b.close()
         await asyncio.to_thread(r.cleanup)
+
+
+# Pins the state dir's owner lock as a sweep does (instance.pin_instance), says so, then hangs.
+STUCK_SWEEP = """
+import sys, time
+from krex_async.isolation.instance import pin_instance
+assert pin_instance(sys.argv[1])[0] >= 0
+print("pinned", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_start_refused_by_a_stuck_sweep_names_it(tmp_path: Path) -> None:
+    """A sweep that holds the owner lock past the wait (a Ctrl-Z'd `krex cleanup`, a dead daemon's
+    watchdog stuck in a driver unlock) refuses the start; the refusal blamed `krex cleanup`
+    whoever it was. It names the holding process now, so that the right one is ended."""
+    state = str(tmp_path / "state")
+    os.close(claim_instance(state, "krex/test"))  # the owner file a daemon leaves
+    sweep = subprocess.Popen([PY, "-c", STUCK_SWEEP, state], stdout=subprocess.PIPE, text=True, env=py_env())
+    try:
+        assert sweep.stdout is not None and sweep.stdout.readline() == "pinned\n"
+        with pytest.raises(InstanceBusy) as e:
+            claim_instance(state, "krex/test", wait_s=0.2)
+        assert f"pid {sweep.pid}: {PY} -c" in str(e.value), e.value
+    finally:
+        sweep.kill()
+        sweep.wait()
+    os.close(claim_instance(state, "krex/test", wait_s=0.2))  # ended: the start goes on

@@ -29,9 +29,9 @@ KREX = [str(SCRIPT)] if SCRIPT.exists() else [PY, "-m", "krex_async"]
 KREX_FRAME = re.compile(r'File "[^"]*/krex_async/')
 
 
-def interrupted(argv: list[str], delay: float) -> tuple[int, str]:
+def interrupted(argv: list[str], delay: float, krex: list[str] = KREX) -> tuple[int, str]:
     p = subprocess.Popen(
-        [*KREX, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=py_env(), cwd=ROOT
+        [*krex, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=py_env(), cwd=ROOT
     )
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
@@ -86,3 +86,28 @@ def test_ctrl_c_while_krex_serve_starts_ends_it_as_a_later_one(tmp_path: Path) -
         seen[kind] += 1
         assert not os.path.exists(d / "s"), text
     assert seen["start"] >= 10, seen
+
+
+def test_interpreter_options_grouped_with_m_start_krex_and_its_users(tmp_path: Path) -> None:
+    """`python -Bm krex_async` (-Im, -um: any short options grouped with -m) raised StopIteration
+    in the package's __init__, which looked for a word starting "-m"; so did `python -um` of any
+    krex_async module, and a user's `python -Bm tool` whose package imports krex_async. Now the
+    CLI started so holds a Ctrl-C as `-m krex_async` does, and the others leave SIGINT alone."""
+    for argv in (["-Bm", "krex_async", "--version"], ["-um", "krex_async.isolation.watchdog", "--help"]):
+        r = subprocess.run([PY, *argv], capture_output=True, text=True, env=py_env(), cwd=ROOT, timeout=60)
+        assert r.returncode == 0, r.stderr
+    tool = tmp_path / "tool"
+    tool.mkdir()
+    (tool / "__init__.py").write_text("import krex_async\n")
+    (tool / "__main__.py").write_text(
+        "import signal\nprint(sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n"
+    )
+    env = py_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    r = subprocess.run([PY, "-Bm", "tool"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "[]\n"), r.stderr
+    argv, done = VERBS["status"]
+    seen: Counter[str] = Counter()
+    for ms in range(0, 151, 10):
+        seen[outcome(*interrupted(argv, ms / 1000, [PY, "-W", "ignore", "-Bm", "krex_async"]), done)] += 1
+    assert seen["start"] >= 3, f"too few Ctrl-Cs landed in the start to show anything: {seen}"

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from ..conftest import PY, ROOT, is_root, py_env
+from ..conftest import PY, ROOT, is_root, private_cgroup_root, py_env, remove_cgroup_tree
 from ..testcgroups import new_name
 
 DIST = "/usr/lib/python3/dist-packages"
@@ -258,3 +258,44 @@ def test_ctrl_c_mid_check_exits_130_with_a_line_and_leaves_no_test_cgroup() -> N
     assert p.returncode == 130, err
     assert b"Traceback" not in err and b"krex doctor: interrupted" in err, err
     assert not glob.glob(f"/sys/fs/cgroup/**/krex-doctor-{p.pid}", recursive=True)
+
+
+def test_doctor_leaves_no_instance_directory_behind() -> None:
+    """Its backend check starts the daemon's own backend on a temporary state dir: that left a
+    krex/d-<hash> directory (and its v1 cpuset twin) per `krex doctor`, and the owner lock open."""
+    if not is_root():
+        pytest.skip("the cgroup backend needs root")
+    root = private_cgroup_root()
+    assert root is not None
+    try:
+        r = subprocess.run(
+            [PY, "-m", "krex_async", "doctor", "--json", "--cgroup-root", root],
+            env=py_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert json.loads(r.stdout), r.stderr
+        left = glob.glob(os.path.join(root, "krex", "d-*")) + glob.glob(
+            os.path.join(root.replace("/unified/", "/cpuset/", 1), "krex", "d-*")
+        )
+        assert left == [], f"krex doctor left {left}"
+    finally:
+        remove_cgroup_tree(root)
+
+
+async def test_the_backend_check_closes_its_backend_from_a_running_loop_too() -> None:
+    """run_checks is public: called from a coroutine, the close must not need a loop of its own."""
+    if not is_root():
+        pytest.skip("the cgroup backend needs root")
+    from krex_async.node.doctor_cgroup import check_backend
+
+    root = private_cgroup_root()
+    assert root is not None
+    try:
+        c = check_backend(root)
+        assert c.verdict == "ok" and c.data["backend"] == "cgroup", c
+        assert glob.glob(os.path.join(root, "krex", "d-*")) == []
+    finally:
+        remove_cgroup_tree(root)

@@ -136,3 +136,35 @@ async def test_a_dead_runs_root_that_a_live_daemon_still_uses_stays(tmp_path) ->
     finally:
         await b.close()
     assert len(tc.sweep_leftovers(names={name})) == len(tc.mounts())
+
+
+def test_another_sessions_start_leaves_a_dead_makers_fresh_cgroups_to_the_run_using_them() -> None:
+    """The tests above make a dead run's cgroups on purpose (their maker exits) and then use them:
+    a session starting meanwhile elsewhere (a real pytest process here) swept them from under the
+    run. Now a session's start leaves those made in the last SESSION_MIN_AGE_S."""
+    maker, name = make_leftover()
+    try:
+        maker.communicate("\n", timeout=30)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--co",
+                "tests/ops/test_doctor.py",
+            ],
+            capture_output=True,
+            text=True,
+            env=py_env(),
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert len(paths(name)) == len(tc.mounts()), "another session's start swept a live run's cgroups"
+        assert len(tc.sweep_leftovers(names={name})) == len(tc.mounts())
+    finally:
+        for p in paths(name):
+            remove_cgroup_tree(p)
