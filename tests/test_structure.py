@@ -168,3 +168,28 @@ def test_readme_layout_names_every_part_and_nothing_else() -> None:
     exists |= {p.name + "/" for p in (ROOT / "bench").iterdir() if p.is_dir()}
     unknown = sorted(n for n in named if n not in exists)
     assert not unknown, f"README's layout names what is not in the tree: {unknown}"
+
+
+def rebound_names(path: Path) -> list[str]:
+    """Module-level names a file assigns more than once: a second script constant under a taken
+    name (TWO_REGIONS, once) silently changes what every earlier test of the file runs."""
+    seen: dict[str, int] = {}
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for t in targets:
+            if isinstance(t, ast.Name):
+                seen[t.id] = seen.get(t.id, 0) + 1
+    return sorted(n for n, k in seen.items() if k > 1 and n != "__all__")
+
+
+def test_no_module_level_name_is_bound_twice(tmp_path: Path) -> None:
+    twice = tmp_path / "test_x.py"
+    twice.write_text('A = "one"\n\ndef test_a():\n    pass\n\nA = "two"\n')
+    assert rebound_names(twice) == ["A"]  # the check sees one
+    found = {
+        str(p.relative_to(ROOT)): names
+        for base in ("krex_async", "tests", "bench")
+        for p in sorted((ROOT / base).rglob("*.py"))
+        if (names := rebound_names(p))
+    }
+    assert not found, f"module-level names assigned twice: {found}"

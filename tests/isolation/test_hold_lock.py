@@ -773,7 +773,7 @@ async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_
 # Two regions back to back in one owner: the second is asked for as the first is released, with no
 # start of a process between them (a second owner, frozen into the first as it started, would ask
 # only once thawed and through its imports).
-TWO_REGIONS = """
+BACK_TO_BACK = """
 import sys, time, msgspec
 from krex_async import region
 with region("timing") as r1:
@@ -792,7 +792,7 @@ async def test_an_exit_a_region_deferred_is_not_starved_when_the_next_region_beg
     (ExitHeld) starts its exit only at the release, however long the region held it. The region
     granted right after finds it just begun (its finalisation, 1.5 s here): frozen at once under
     --exit-wait 0, not waited for as starved (before, its note was the ExitHeld's, 2.5 s old)."""
-    owner = script("two.py", TWO_REGIONS)
+    owner = script("back_to_back.py", BACK_TO_BACK)
     marker = tmp_path / "granted"
     state = str(tmp_path / "sib")
     args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "5", "--exit-starve", "1")
