@@ -8,9 +8,12 @@ the top-level trace_pipe, and it removes the instance on stop. Set-up, in the in
     device file, events/syscalls/sys_enter_ioctl/filter = "fd == a || fd == b ...", enable = 1.
 The holders come from /proc/*/fd (prefix match on the link target); every `rescan_s` the scan is
 repeated and the pid set and filter updated. Lines whose (tgid, fd) is not a known device fd (another
-holder's fd number) are dropped in user space. A line read before the kernel saved its thread's tgid
-(a thread that began since and has not been switched out yet) shows none: its thread is looked up
-(the last scan's tasks, else /proc/<tid>/status), or its ioctls would be dropped as another holder's.
+holder's fd number) are dropped in user space. A device fd that a scan no longer finds (its process
+exited, or closed it) still counts for the lines stamped before that scan: the reader may parse them
+after it (late under CPU load, or paused), and a process's last ioctls before it exits are its own.
+A line read before the kernel saved its thread's tgid (a thread that began since and has not been
+switched out yet) shows none: its thread is looked up (the last scan's tasks, else
+/proc/<tid>/status), or its ioctls would be dropped as another holder's.
 
 Less precise than the bcc backend: a device opened after a scan is seen from the next scan on; no
 "open" events; counts() counts parsed events (not kernel-side: settle() waits until the reader has
@@ -124,6 +127,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self._pids: set[int] = set()
         self._tgids: dict[int, int] = {}  # tid -> tgid: the last scan's tasks, and threads looked up since
         self._fds: set[int] = set()
+        # (tgid, fd) -> (path, mono ns of the scan that no longer found it), for the lines stamped before
+        self._retired: dict[tuple[int, int], tuple[str, int]] = {}
+        self._read_ts = 0  # the newest line's timestamp parsed so far
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
         self._stopped = False
@@ -173,8 +179,16 @@ class TracefsProbe(FailureReporting, ProbeBackend):
 
     def _refresh(self) -> None:
         """Scan /proc for device holders; update set_event_pid and the fd filter when they changed."""
+        began = time.monotonic_ns()
         paths = {(tgid, fd): path for tgid, fd, path in scan_proc(self.prefixes)}
-        # Replaced, not merged: an fd a holder closed may name another file by now.
+        # Replaced, not merged: an fd a holder closed may name another file by now. The ones gone
+        # are kept for the lines stamped before this scan, still in the kernel's buffer or in flight
+        # (a holder that made its ioctls and exited while the reader lagged); forgotten once the
+        # reader has parsed a line stamped after they went (trace_pipe is in timestamp order).
+        for key, path in self.fd_paths.items():
+            if key not in paths:
+                self._retired[key] = (path, began)
+        self._retired = {k: v for k, v in self._retired.items() if k not in paths and v[1] > self._read_ts}
         self.fd_paths = paths
         pids: set[int] = set()
         tgids: dict[int, int] = {}
@@ -310,15 +324,26 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             if rec is None:
                 continue
             ts, tgid, tid, fd, cmd, comm = rec
-            path = self.fd_paths.get((tgid, fd))
+            self._read_ts = max(self._read_ts, ts)
+            path = self._device(tgid, fd, ts)
             if path is None and tgid == tid:  # a thread the kernel had no tgid for yet, perhaps
                 tgid = self._thread_group(tid)
-                path = self.fd_paths.get((tgid, fd))
+                path = self._device(tgid, fd, ts)
             if path is None:
                 continue  # another holder's fd number, not a device fd of this process
             self._counts[tgid] = self._counts.get(tgid, 0) + 1
             out.append(ProbeEvent(ts, tgid, tid, "ioctl", fd, cmd, ioctl_name(cmd, path), comm))
         return out
+
+    def _device(self, tgid: int, fd: int, ts: int) -> str | None:
+        """The device file at (tgid, fd) when the line stamped `ts` was made: the last scan's, else
+        one a later scan no longer found, for a line from before that scan."""
+        path = self.fd_paths.get((tgid, fd))
+        if path is None:
+            gone = self._retired.get((tgid, fd))
+            if gone is not None and ts < gone[1]:
+                path = gone[0]
+        return path
 
     def _thread_group(self, tid: int) -> int:
         """The process of thread `tid`: the last scan's, else /proc's (remembered until the next
