@@ -83,8 +83,7 @@ class JobRunner:
         self.waiting = ""  # why queued jobs are not being started now ("" when they are)
         self.policy = ""
         self.running: dict[str, asyncio.Task[None]] = {}
-        self.commands: dict[str, str] = {}  # job id -> krex command id
-        self.handles: dict[str, CommandHandle] = {}  # job id -> its command, while it runs
+        self.handles: dict[str, CommandHandle] = {}  # job id -> its krex command, while it runs
         self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
         self.expiry: QueueTimeout | None = None  # --queue-timeout: also times the daemon's queue
         self._wake = asyncio.Event()
@@ -176,7 +175,6 @@ class JobRunner:
 
     def _done(self, job_id: str, _task: object = None) -> None:
         self.running.pop(job_id, None)
-        self.commands.pop(job_id, None)
         self.on_change(job_id)
         self._wake.set()
 
@@ -219,7 +217,6 @@ class JobRunner:
                 label=f"gateway {job_id}",
                 run_as=uid,
             )
-            self.commands[job_id] = h.command
             self.handles[job_id] = h
             self.store.set_command(job_id, h.command)
             self.on_change(job_id)
@@ -251,7 +248,7 @@ class JobRunner:
                 )
             self.store.finish(job_id, *verdict)
         except KrexError as e:
-            if e.code == "unreachable" and job_id not in self.commands and self.store.requeue(job_id):
+            if e.code == "unreachable" and job_id not in self.handles and self.store.requeue(job_id):
                 # Nothing started (a fleet whose nodes all went down meanwhile): back in line,
                 # in its place, with a fresh job dir when it is claimed again (what is left now
                 # goes then).
@@ -299,7 +296,7 @@ class JobRunner:
                 return  # it ended meanwhile
             if pause:
                 await asyncio.sleep(pause)
-            if command not in self.commands.values():
+            if all(h.command != command for h in self.handles.values()):
                 return
 
     def _judge(
@@ -337,9 +334,9 @@ class JobRunner:
         job's krex command gets SIGTERM, then SIGKILL, as the reference gateway's does."""
         before = self.store.cancel(job_id, owner)
         if before == "running":
-            command = self.commands.get(job_id)
-            if command is not None:
-                task = asyncio.get_running_loop().create_task(self._terminate(command))
+            h = self.handles.get(job_id)
+            if h is not None:
+                task = asyncio.get_running_loop().create_task(self._terminate(h.command))
                 self.enders.add(task)
                 task.add_done_callback(self.enders.discard)
         if before is not None and before not in TERMINAL:
@@ -354,7 +351,7 @@ class JobRunner:
             self._loop_task.cancel()
         # Decided first, so the cancellations below do not turn these jobs into `cancelled`.
         self.store.fail_all("running", "gateway_stopped", "the gateway stopped while the job ran")
-        for command in list(self.commands.values()):
+        for command in [h.command for h in self.handles.values()]:
             if self.client is not None:
                 try:
                     await self.client.cancel(command, 9)
