@@ -88,8 +88,8 @@ class WarmPools:
             cmd = next((c for c in self.core.commands.values() if c.group is self.joining), None)
             if cmd is not None:
                 self.joins.worker_joined(cmd, pid)
-            if cmd is not None and self.core.attributor is not None:
-                self.core.attributor.worker_joined(cmd, pid)
+                if self.core.attributor is not None:
+                    self.core.attributor.worker_joined(cmd, pid)
 
     def launch(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         """The runner's launcher: `cmd` started in a warm worker, or None (spawn it plainly)."""

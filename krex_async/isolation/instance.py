@@ -53,7 +53,7 @@ def claim_instance(state_dir: str, subtree: str, wait_s: float = CLAIM_WAIT_S) -
         raise
     if holder is not None:
         try:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            owner = _written_pid(fd)
             sweepers = _sweepers(fd) if holder == "sweep" else ""
         finally:
             os.close(fd)
@@ -75,6 +75,11 @@ def claim_instance(state_dir: str, subtree: str, wait_s: float = CLAIM_WAIT_S) -
     except OSError:
         pass
     return fd
+
+
+def _written_pid(fd: int) -> str:
+    """The pid the owner file says (its claimant's, for messages), "?" when it says none."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
 
 
 def _lock_owner(fd: int, wait_s: float) -> str | None:
@@ -192,7 +197,7 @@ def pin_instance(state_dir: str) -> tuple[int, str | None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        pid = _written_pid(fd)
         os.close(fd)
         return -1, pid
     except OSError:
