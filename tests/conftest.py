@@ -12,7 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -109,6 +109,19 @@ def serving(daemon: Daemon, timeout: float = 20) -> Iterator[Daemon]:
         except subprocess.TimeoutExpired:
             daemon.proc.kill()
             daemon.proc.wait()
+
+
+async def until(
+    check: Callable[[], object], what: str | Callable[[], str], timeout: float = 60.0, step: float = 0.01
+) -> float:
+    """Seconds until `check()` held, polled every `step`; AssertionError after `timeout`, naming
+    `what` (a text, or a function that makes it then: a costly or changing description)."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout:g} s: {what if isinstance(what, str) else what()}")
+        await asyncio.sleep(step)
+    return time.monotonic() - t0
 
 
 def cmdline(pid: int | str) -> bytes:

@@ -4,11 +4,11 @@ a new client."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 
 import pytest
+
+from tests.conftest import until
 
 from .conftest import NEEDS_RAY, env
 from .test_node_death import survivors
@@ -18,13 +18,6 @@ pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
 
 PY = sys.executable
-
-
-async def until(check: object, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
 
 
 async def test_a_node_back_under_its_name_is_used_again(local_fleet: LocalFleet) -> None:

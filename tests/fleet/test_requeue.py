@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -18,6 +16,7 @@ from krex_async.gateway import catalog
 from krex_async.gateway.jobs import JobRunner
 from krex_async.gateway.limits import Limits
 from krex_async.gateway.store import Store
+from tests.conftest import until
 from tests.security.helpers import _ensure_user
 
 from ..gateway.conftest import JOB_USER, gateway_home, job_python
@@ -26,13 +25,6 @@ from .conftest import NEEDS_RAY
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
-
-
-async def until(check: Callable[[], object], what: Callable[[], str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what()
-        await asyncio.sleep(0.05)
 
 
 async def test_a_job_whose_nodes_all_go_between_claim_and_start_is_queued_again(

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -22,16 +21,7 @@ from krex_async.gateway.env import Environment
 from krex_async.gateway.jobs import JobRunner
 from krex_async.gateway.limits import Limits
 from krex_async.gateway.store import Store
-
-
-async def until(check: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until `check()` held; AssertionError after `timeout`."""
-    t = time.monotonic()
-    while not check():
-        if time.monotonic() - t > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t
+from tests.conftest import until
 
 
 @pytest.fixture
@@ -66,13 +56,13 @@ async def test_a_long_poll_ends_when_its_client_disconnects(
     caplog.set_level(logging.DEBUG, logger="aiohttp")
     async with aiohttp.ClientSession() as stays, aiohttp.ClientSession() as leaves:
         staying = asyncio.ensure_future(stays.get(poll))
-        await until(lambda: len(gw.waiters.get(job_id, ())) == 1, 5, "the first poll waits")
+        await until(lambda: len(gw.waiters.get(job_id, ())) == 1, "the first poll waits", 5)
         # The client gives up after 0.5 s (as urllib's timeout does) and closes its connection.
         with pytest.raises(asyncio.TimeoutError):
             async with leaves.get(poll, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
                 await r.read()
         assert len(gw.waiters[job_id]) == 2
-        took = await until(lambda: len(gw.waiters[job_id]) == 1, 3, "the abandoned poll ended")
+        took = await until(lambda: len(gw.waiters[job_id]) == 1, "the abandoned poll ended", 3)
         assert took < 1.5, f"the server-side wait outlived its client by {took:.2f} s"
         assert gw.polls_left == 1 and not staying.done()  # the other still waits
         await asyncio.sleep(1.2)  # a few checks later: still connected, still waiting

@@ -19,18 +19,10 @@ import pytest
 from krex_async.gateway import job_retention, retention
 from krex_async.gateway.retention import Sweeper
 from krex_async.gateway.store import KeyRemoved, Store
-from tests.conftest import run_daemon
+from tests.conftest import run_daemon, until
 from tests.security.helpers import _ensure_user
 
 from .conftest import SOCKET_GROUP, stack, start_gateway
-
-
-async def until(check: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 async def test_finished_jobs_go_after_retention_running_and_queued_ones_stay(tmp_path: Path) -> None:
@@ -42,8 +34,8 @@ async def test_finished_jobs_go_after_retention_running_and_queued_ones_stay(tmp
         assert (jobs / done["job_id"] / "out.txt").exists()  # kept until its retention ends
         long = await c.dev(f"touch {gw.scratch}/started; sleep 5; echo end > out.txt")
         queued = await c.dev("echo after")
-        await until(lambda: (gw.scratch / "started").exists(), 20, "the long job started")
-        await until(lambda: not (jobs / done["job_id"]).exists(), 5, "the finished job's directory went")
+        await until(lambda: (gw.scratch / "started").exists(), "the long job started", 20)
+        await until(lambda: not (jobs / done["job_id"]).exists(), "the finished job's directory went", 5)
         status, body = await c.request("GET", f"/v1/jobs/{done['job_id']}")
         assert (status, body["reason"]) == (404, "job_not_found")
         assert done["job_id"] not in {j["job_id"] for j in await c.jobs()}
@@ -53,7 +45,7 @@ async def test_finished_jobs_go_after_retention_running_and_queued_ones_stay(tmp
         assert (await c.get(queued["job_id"]))["status"] == "queued"
         ended = await c.wait(long["job_id"], 30)
         assert ended["status"] == "succeeded", ended
-        await until(lambda: not (jobs / long["job_id"]).exists(), 5, "the long job's directory went")
+        await until(lambda: not (jobs / long["job_id"]).exists(), "the long job's directory went", 5)
         assert "cannot remove" not in gw.logs() and "sweep failed" not in gw.logs()
 
 
@@ -73,7 +65,7 @@ async def test_start_up_removes_directories_with_no_record(gwhome: Path) -> None
         (jobs / "operator-notes").mkdir()  # not a name the gateway makes: left alone
         gw = start_gateway(daemon.socket, state)
         try:
-            await until(lambda: not (jobs / "dv_0123456789ab").exists(), 10, "the orphan went")
+            await until(lambda: not (jobs / "dv_0123456789ab").exists(), "the orphan went", 10)
             assert (jobs / "operator-notes").is_dir()
             assert (jobs / job["job_id"] / "out.txt").exists()  # has a row, within its retention
             assert "1 job directory with no record" in gw.logs()
@@ -132,19 +124,19 @@ async def test_sweep_survives_errors_and_spares_busy_jobs(
             locker.execute("BEGIN EXCLUSIVE")  # the first sweeps cannot delete rows
             await asyncio.sleep(0.3)
             sweeper.start()
-            await until(lambda: "sweep failed" in err(), 5, "a failed sweep said so")
+            await until(lambda: "sweep failed" in err(), "a failed sweep said so", 5)
             locker.execute("ROLLBACK")
-            await until(lambda: store.status(ids["plain"]) is None, 5, "the sweep went on")
+            await until(lambda: store.status(ids["plain"]) is None, "the sweep went on", 5)
             await asyncio.sleep(1.2)  # more sweeps, each trying the stuck one again
             assert err().count(f"cannot remove job {ids['stuck']}") == 1, err()  # said once
             assert store.status(ids["stuck"]) == "succeeded" and (jobs / ids["stuck"]).is_dir()
-        await until(lambda: store.status(ids["stuck"]) is None, 5, "the stuck one went once it could")
+        await until(lambda: store.status(ids["stuck"]) is None, "the stuck one went once it could", 5)
         assert sorted(removed) == sorted([ids["plain"], ids["stuck"]])
         assert not (jobs / ids["plain"]).exists() and not (jobs / ids["stuck"]).exists()
         for name in ("busy", "running", "queued"):
             assert (jobs / ids[name] / "out").exists() and store.status(ids[name]) is not None, name
         busy.clear()  # its task ended
-        await until(lambda: store.status(ids["busy"]) is None, 5, "the busy one went after its task")
+        await until(lambda: store.status(ids["busy"]) is None, "the busy one went after its task", 5)
         assert not (jobs / ids["busy"]).exists() and sweeper._task is not None and not sweeper._task.done()
     finally:
         await sweeper.stop()
@@ -230,7 +222,7 @@ async def test_stop_halts_a_removal_in_flight(tmp_path: Path) -> None:
     sweeper = Sweeper(store, jobs, 3600, lambda: ())
     try:
         sweeper.start()
-        await until(lambda: not made[0].exists(), 30, "the start-up sweep began removing")
+        await until(lambda: not made[0].exists(), "the start-up sweep began removing", 30)
         t = time.monotonic()
         await sweeper.stop()
         left = sum(p.exists() for p in made)
@@ -249,7 +241,7 @@ async def test_a_removed_jobs_idempotency_key_is_refused_not_run_again(tmp_path:
         req = c.dev_request(f"echo ran >> {gw.scratch}/count", idempotency_key="k-1")
         _, first = await c.request("POST", "/v1/jobs/dev", json=req)
         assert (await c.wait(first["job_id"], 30))["status"] == "succeeded"
-        await until(lambda: not (gw.state / "jobs" / first["job_id"]).exists(), 10, "the job went")
+        await until(lambda: not (gw.state / "jobs" / first["job_id"]).exists(), "the job went", 10)
         status, body = await c.request("POST", "/v1/jobs/dev", json=req)
         assert (status, body["reason"]) == (410, "job_removed"), body
         assert body["details"]["job_id"] == first["job_id"] and first["job_id"] in body["message"]
@@ -317,8 +309,8 @@ async def test_jobs_db_shrinks_after_the_sweep_removes_jobs(tmp_path: Path, made
         full = db_bytes(path)
         assert full > 12_000_000
         sweeper.start()
-        await until(lambda: not store.counts(), 10, "the sweep removed every job")
-        await until(lambda: db_bytes(path) < full / 10, 10, f"jobs.db shrank from {full} bytes")
+        await until(lambda: not store.counts(), "the sweep removed every job", 10)
+        await until(lambda: db_bytes(path) < full / 10, f"jobs.db shrank from {full} bytes", 10)
     finally:
         await sweeper.stop()
         store.close()

@@ -20,7 +20,7 @@ import pytest
 
 from krex_async import Client
 
-from ..conftest import PY, py_env, run_daemon, v2_mount
+from ..conftest import PY, py_env, run_daemon, until, v2_mount
 from .fakecuda import Fake, build
 from .test_hold_lock import OWNER, SLOW, granted
 
@@ -132,6 +132,14 @@ def _probes_or_skip() -> None:
         pytest.skip(f"bcc unavailable: {why} (--freeze auto holds GPU holders only with probes)")
 
 
+def _plain_owner(
+    c: Client, owner: str, marker: Path, hold_s: str, env: dict[str, str]
+) -> asyncio.Future[Any]:
+    """The region's owner, run plainly (a start-up variable the warm workers lack), so that the
+    worker stays idle for the region to lock; writes `marker` once granted, holds `hold_s`."""
+    return asyncio.ensure_future(c.run([PY, owner, str(marker), hold_s], env={**env, "PYTHONHASHSEED": "7"}))
+
+
 def _count(path: Path) -> tuple[int, int]:
     try:
         pid, n = path.read_text().split()
@@ -155,29 +163,17 @@ async def test_idle_worker_is_locked_and_a_job_it_adopts_mid_region_waits(
     async with pool_daemon(fake, mods) as d:
         async with await d.client() as c:
             [worker] = await warm(c)
-            # the owner runs plainly (a start-up variable the workers lack): the worker stays idle
-            run = asyncio.ensure_future(
-                c.run(
-                    [PY, script("owner.py", OWNER), str(marker), "1.5"],
-                    env={**env(fake, mods), "PYTHONHASHSEED": "7"},
-                )
-            )
+            run = _plain_owner(c, script("owner.py", OWNER), marker, "1.5", env(fake, mods))
             await granted(marker)
             assert fake.lock_state(worker) == 1, "the idle pool worker was not locked"
             hj = await c.submit(["/bin/sh", "-c", f"{PY} {job} {counts}"], env=env(fake, mods))
-            deadline = time.monotonic() + 10
-            while _count(counts)[0] == 0:
-                assert time.monotonic() < deadline, "the adopted job did not start in the region"
-                await asyncio.sleep(0.01)
+            await until(lambda: _count(counts)[0] != 0, "the adopted job did not start in the region", 10)
             assert _count(counts)[0] == worker, "not adopted by the warm worker"
             await asyncio.sleep(0.3)
             assert not run.done()
             assert _count(counts)[1] == 0, "the adopted job's CUDA calls ran during the region"
             res = await run
-            deadline = time.monotonic() + 5
-            while _count(counts)[1] == 0:
-                assert time.monotonic() < deadline, "the adopted job did not run after the region"
-                await asyncio.sleep(0.01)
+            await until(lambda: _count(counts)[1] != 0, "the adopted job did not run after the region", 5)
             assert fake.lock_state(worker) == 0
             await hj.cancel(9)
     rep = json.loads(res.stdout)
@@ -203,19 +199,13 @@ async def test_a_command_held_through_its_locked_worker_is_held_once_for_cancel_
     async with pool_daemon(fake, mods) as d:
         async with await d.client() as c:
             [worker] = await warm(c)
-            run = asyncio.ensure_future(
-                c.run(
-                    [PY, script("owner.py", OWNER), str(marker), "6"],
-                    env={**env(fake, mods), "PYTHONHASHSEED": "7"},  # run plainly: the worker stays idle
-                )
-            )
+            run = _plain_owner(c, script("owner.py", OWNER), marker, "6", env(fake, mods))
             await granted(marker)
             argv = ["/bin/sh", "-c", f"{PY} {job} {counts}"] if via == "adopted" else [PY, job, str(counts)]
             hj = await c.submit(argv, env=env(fake, mods))
-            deadline = time.monotonic() + 10
-            while _count(counts)[0] != worker:
-                assert time.monotonic() < deadline, f"the job was not {via} by the locked worker"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: _count(counts)[0] == worker, f"the job was not {via} by the locked worker", 10
+            )
             st = await c.status()
             assert st["devices"][0]["region"]["locked"] == [hj.command], st["devices"][0]["region"]
             [mine] = [x for x in st["commands"] if x["command"] == hj.command]
