@@ -109,3 +109,7 @@ def test_the_whole_check_runs_with_a_stand_in_torch(tmp_path: Path) -> None:
         tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", "--bar-us", "0", check=False
     )
     assert bad.returncode == 2 and "--bar-us" in bad.stderr
+    bad = with_stand_in_torch(
+        tmp_path, FAKE_TORCH, "bench.gpu.check_idle_window", "--stream-ms", "-1", check=False
+    )
+    assert bad.returncode == 2 and "--stream-ms" in bad.stderr
