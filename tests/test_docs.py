@@ -8,7 +8,6 @@ import functools
 import re
 import shlex
 import subprocess
-from pathlib import Path
 
 import pytest
 
