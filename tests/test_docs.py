@@ -43,6 +43,10 @@ async def test_python_snippet_runs_as_pasted(where: str, source: str) -> None:
     if "region(" in source:  # it ran inside krex: the region was granted, not run unprotected
         assert res.report.regions, f"{where} entered no region:\n{out}"
         assert "not running under krex" not in out, out
+        # and outside krex the same script still runs, unprotected, after one warning
+        plain = subprocess.run([PY, "-c", source], capture_output=True, text=True, env=py_env(), timeout=120)
+        assert plain.returncode == 0, f"{where} failed outside krex:\n{plain.stderr}"
+        assert plain.stderr.count("not running under krex") == 1, plain.stderr
 
 
 @functools.cache
