@@ -121,9 +121,12 @@ async def _run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, forward, sig)
         feeder = loop.create_task(feed_stdin(h)) if stream_stdin else None
         out, err = _buffer(sys.stdout), _buffer(sys.stderr)
+        err_tail = b""
         try:
             async for stream, data in h.output():
                 f = out if stream == "stdout" else err
+                if stream == "stderr":
+                    err_tail = (err_tail + data)[-4096:]
                 if f is None:
                     continue
                 try:
@@ -148,6 +151,8 @@ async def _run(args: argparse.Namespace) -> int:
         # the daemon ended it otherwise than asked (SIGKILL: it was frozen by a region): say why
         print(f"krex run: {rep.error}", file=sys.stderr)
     code = _exit_code(rep)
+    if code != 0 and b"No module named 'krex_async'" in err_tail:
+        print(_import_hint(argv), file=sys.stderr)
     if args.report:
         try:
             with open(args.report, "wb") as f:
@@ -155,6 +160,16 @@ async def _run(args: argparse.Namespace) -> int:
         except OSError as e:  # the command ran: its exit status still stands
             print(f"krex run: cannot write the report to {args.report}: {e.strerror or e}", file=sys.stderr)
     return code
+
+
+def _import_hint(argv: list[str]) -> str:
+    """Why a command's `from krex_async import region` failed: its interpreter is not the one krex is
+    installed in (a system python3 beside krex's venv, say), which the traceback alone does not say."""
+    return (
+        f"krex run: the command's Python ({argv[0]}) cannot import krex_async, which region() needs: "
+        f"run it with the interpreter krex is installed in ({sys.executable}), or install krex into "
+        f"that interpreter (pip install krex)"
+    )
 
 
 async def _export(args: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """Who may ask what of a command, and see what of the node; the error a refused request answers with.
 
 An agent acts only on its own commands (root on any), a request from inside a command must carry its
-token and come from one of its processes, and only root may run a command as another user (DESIGN.md,
-Security and failure model). Every check raises `RequestError`, which connection.py answers. A peer
+token and come from one of its processes, and only root may run a command as another user
+(docs/security.md). Every check raises `RequestError`, which connection.py answers. A peer
 that is not an admin sees its own commands' trace events and status, and only counts of the others'.
 """
 

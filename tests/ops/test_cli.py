@@ -210,27 +210,6 @@ def test_every_serve_flag_has_help_naming_its_variable() -> None:
         assert helped[flag].strip() != f"env KREX_{name.upper()}", f"{flag} has no help of its own"
 
 
-def test_readme_region_example_runs_in_and_out_of_krex(tmp_path: Path) -> None:
-    """The README's region block, as written, with a stand-in time_kernel."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## The region API") :]
-    start = section.index("```python") + len("```python")
-    code = section[start : section.index("```", start)]
-    assert "region(" in code
-    src = tmp_path / "example.py"
-    src.write_text("import time\ndef time_kernel():\n    return time.perf_counter()\n" + code)
-    alone = subprocess.run([PY, str(src)], capture_output=True, env=py_env(), timeout=60)
-    assert alone.returncode == 0, alone.stderr.decode()
-
-    async def inside() -> subprocess.CompletedProcess:
-        async with run_daemon() as d:
-            return await asyncio.to_thread(krex, "run", "--", PY, str(src), env=py_env(KREX_SOCKET=d.socket))
-
-    p = asyncio.run(inside())
-    assert p.returncode == 0, p.stderr.decode()
-    assert p.stdout.strip(), "inside krex the example prints the region's report"
-
-
 def test_bench_analysis_usage() -> None:
     for args in ([], ["--help"]):
         p = subprocess.run([PY, "-m", "bench.analysis", *args], capture_output=True, cwd=ROOT, timeout=60)
