@@ -238,3 +238,42 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
     assert s["region"]["entry"]["n"] == len(region)
     assert "comparisons" in second.stdout and "region vs shared (same width)" in second.stdout
     assert "region-gw did not run" in second.stdout
+
+
+def test_the_device_script_runs_what_is_owed_within_its_call(tmp_path: Path) -> None:
+    """bench/gpu/steady_state.sh with BATCH_DRY=1: the steps it would run, with their limits."""
+    import os
+    import subprocess
+
+    script = steady.ROOT / "bench" / "gpu" / "steady_state.sh"
+    bad = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "usage" in bad.stdout
+
+    def call(**env: str) -> str:
+        e = {
+            **os.environ,
+            "OUT": str(tmp_path / "out"),
+            "STATE": str(tmp_path / "state"),
+            "BATCH_DRY": "1",
+            **env,
+        }
+        p = subprocess.run(["bash", str(script), "1"], capture_output=True, text=True, timeout=60, env=e)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    out = call(ADMIT="--x on -- --max-running auto", FIDELITY_FIRST="1")
+    fid = out.index("== fidelity (limit")
+    st = out.index("== steady (limit")
+    assert fid < st  # FIDELITY_FIRST
+    steps = out[st:]
+    assert "python3 -m bench.steady --kernelbench .suites/KernelBench --device gpu" in steps
+    assert "region-pool@8:--pool-size 8 --pool-preload torch" in steps
+    assert "--admit=--x on -- --max-running auto --resume --deadline-s" in steps
+    # once the steady run owes nothing, the fidelity check follows it; then nothing is left
+    (tmp_path / "state").mkdir(exist_ok=True)
+    (tmp_path / "state" / "steady.json").write_text(json.dumps({"pending": []}))
+    out = call()
+    assert "== steady (limit" not in out and "== fidelity (limit" in out
+    (tmp_path / "state" / "fidelity" / "check_fidelity.json").write_text("{}")
+    out = call()
+    assert "== steady (limit" not in out and "== fidelity (limit" not in out
