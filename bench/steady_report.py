@@ -1,7 +1,7 @@
 """What a bench/steady.py run means: steady-state jobs/min with its between-round spread, failures by
 class, timing inflation against the alone rounds, region entry, and issue 38's goals.
 
-    python -m bench.steady_report results/steady.json[.gz]
+    python -m bench.steady_report results/steady.json[.gz] [--json]   # --json: the summary as JSON
 
 Pure functions over the JSON steady.py writes (also a partial one: the units still owed are listed).
 
@@ -21,6 +21,7 @@ Pure functions over the JSON steady.py writes (also a partial one: the units sti
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections import Counter
@@ -405,15 +406,17 @@ def table(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m bench.steady_report RESULTS.json[.gz]", file=sys.stderr)
+    args = [x for x in argv[1:] if x != "--json"]
+    if len(args) != 1:
+        print("usage: python -m bench.steady_report RESULTS.json[.gz] [--json]", file=sys.stderr)
         return 2
     try:
-        data = read_json(argv[1])
+        data = read_json(args[0])
     except (OSError, ValueError) as e:
-        print(f"steady_report: {argv[1]}: {e}", file=sys.stderr)
+        print(f"steady_report: {args[0]}: {e}", file=sys.stderr)
         return 2
-    print(table(summarise(data)))
+    s = summarise(data)
+    print(json.dumps(s, indent=1) if "--json" in argv else table(s))
     return 0
 
 

@@ -7,7 +7,7 @@
 #      survives between calls while the machine stays warm), stopping before a unit (an alone
 #      round, or one variant's round of --jobs-per-round jobs) that would not end in time;
 #   2. then, once the steady run owes nothing (or first, with FIDELITY_FIRST=1) and at least
-#      FIDELITY_S (default 200) seconds are left, bench.gpu.check_fidelity, once.
+#      FIDELITY_S (default 230) seconds are left, bench.gpu.check_fidelity, once.
 # With the defaults (the large KernelBench set, 48 jobs a round, 2 rounds, 2 alone rounds; shared at
 # 4, 8 and 12, region and region with the pool at 8) the steady run is ~21 min of units: three
 # calls, a fourth if an estimate was short. A machine gone cold loses $STATE: carry the last
@@ -27,7 +27,7 @@ fi
 source bench/gpu/batch.sh
 batch_setup "steady-$call" "steady-$call"
 CALL_S=${CALL_S:-560}
-FIDELITY_S=${FIDELITY_S:-200}
+FIDELITY_S=${FIDELITY_S:-230}
 STATE=${STATE:-/tmp/krex-steady}
 mkdir -p "$STATE"
 if [ ! -f "$STATE/steady.json" ] && [ -n "${STEADY_FROM:-}" ]; then

@@ -277,3 +277,14 @@ def test_the_device_script_runs_what_is_owed_within_its_call(tmp_path: Path) -> 
     (tmp_path / "state" / "fidelity" / "check_fidelity.json").write_text("{}")
     out = call()
     assert "== steady (limit" not in out and "== fidelity (limit" not in out
+
+
+def test_the_report_again_from_a_file_as_a_table_or_json(tmp_path: Path) -> None:
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"alone": [], "rounds": [_round("shared", "shared", 1, 30.0)], "pending": []}))
+    p = run_script("-m", "bench.steady_report", str(f), "--json")
+    assert json.loads(p.stdout)["variants"]["shared"]["rounds"][0]["jobs_per_min"] == pytest.approx(30.0)
+    assert "steady state: succeeded jobs/min" in run_script("-m", "bench.steady_report", str(f)).stdout
+    for args in ([], [str(tmp_path / "none.json")]):
+        p = run_script("-m", "bench.steady_report", *args, check=False)
+        assert p.returncode == 2 and ("usage" in p.stderr or "No such file" in p.stderr), p.stderr
