@@ -78,3 +78,56 @@ def test_the_whole_protocol_on_the_cpu_device(tmp_path: Path) -> None:
     assert all(len(a) < len(o) for a in fenced for o in open_), (fenced, open_)  # the owner's own cores
     assert "VERDICT freeze region" in p.stdout and "bad" in p.stdout
     assert (tmp_path / "check_fidelity.txt").read_text().startswith("config / mode")
+
+
+def test_the_gpu_code_paths_call_what_torch_and_triton_offer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sibling's and the owner's GPU work against stand-ins that accept only the calls and
+    arguments the real torch and triton.testing take, so a wrong name fails here, not on the device."""
+    import sys
+    import threading
+    import types
+
+    calls: list[str] = []
+
+    def rec(name: str, result: Any = None) -> Any:
+        def f(*args: Any, **kw: Any) -> Any:
+            calls.append(name)
+            return result
+
+        return f
+
+    torch = types.ModuleType("torch")
+    torch.float16 = "float16"  # type: ignore[attr-defined]
+    torch.randn = rec("randn", object())  # type: ignore[attr-defined]
+    torch.empty_like = rec("empty_like", object())  # type: ignore[attr-defined]
+    torch.mm = rec("mm")  # type: ignore[attr-defined]
+
+    def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
+        calls.append("matmul")
+
+    torch.matmul = matmul  # type: ignore[attr-defined]
+    torch.cuda = types.SimpleNamespace(synchronize=rec("synchronize"))  # type: ignore[attr-defined]
+    triton = types.ModuleType("triton")
+    testing = types.ModuleType("triton.testing")
+
+    def do_bench(fn: Any, warmup: int = 25, rep: int = 100, return_mode: str = "mean") -> Any:
+        assert return_mode == "all"
+        fn()
+        return [1.5, 1.6]
+
+    testing.do_bench = do_bench  # type: ignore[attr-defined]
+    triton.testing = testing  # type: ignore[attr-defined]
+    for name, mod in (("torch", torch), ("triton", triton), ("triton.testing", testing)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    assert cf._timer("gpu", 64)() == [1.5, 1.6] and "matmul" in calls
+    (tmp_path / "work").touch()
+    t = threading.Thread(target=cf.sibling, args=(tmp_path, 0, "gpu", 64, 1.0), daemon=True)
+    t.start()
+    assert cf._wait_state(tmp_path, 1, "work", 10)
+    (tmp_path / "work").unlink()
+    assert cf._wait_state(tmp_path, 1, "idle", 10)
+    (tmp_path / "stop").touch()
+    t.join(10)
+    assert not t.is_alive() and {"mm", "matmul", "synchronize"} <= set(calls)
