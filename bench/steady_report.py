@@ -88,7 +88,10 @@ def classify(rec: dict[str, Any]) -> str:
         return "oom"
     err = rec.get("error")
     reason = str(err.get("reason", "")) if isinstance(err, dict) else ""
-    if reason == "command_timeout" or "timeout" in reason or "timed out" in text:
+    # the gateway's timeout, or the benchmark gave up waiting (the job still queued or running)
+    if reason == "command_timeout" or "timeout" in reason or "timed out" in text or "timeouterror" in text:
+        return "timeout"
+    if rec.get("status") in ("queued", "running"):
         return "timeout"
     return "other"
 

@@ -51,8 +51,12 @@ def test_failed_jobs_are_classified_from_their_result_text() -> None:
         "error": {"reason": "co_located_oom", "message": "out of memory beside co-location"},
     }
     refused = {"ok": False, "error": "ClientResponseError: HTTP 400 bad_request: nope"}
-    got = [steady_report.classify(r) for r in (oom, timeout, big, coloc, refused, {"ok": True})]
-    assert got == ["oom", "timeout", "other", "oom", "other", "ok"]
+    gave_up = {"ok": False, "status": "running", "error": None}
+    waited = {"ok": False, "error": "TimeoutError: "}
+    got = [
+        steady_report.classify(r) for r in (oom, timeout, big, coloc, refused, gave_up, waited, {"ok": True})
+    ]
+    assert got == ["oom", "timeout", "other", "oom", "other", "timeout", "timeout", "ok"]
 
 
 def test_spread_and_whether_a_difference_exceeds_it() -> None:
@@ -206,7 +210,7 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
         "--variants", "shared", "region", "region-gw@2:-- --max-running auto",
     ]  # fmt: skip
     before = set(Path("/tmp").glob("krex-jobs-*"))
-    first = run_script(*common, "--units", "2", timeout=120)
+    first = run_script(*common, "--units", "2", timeout=300)
     data = json.loads(out.read_text())
     assert [r["unit"] for r in data["alone"]] == ["alone-1"]
     assert [r["unit"] for r in data["rounds"]] == ["shared/r1"]
@@ -215,7 +219,7 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
     # another plan cannot continue this file
     p = run_script(*common, "--resume", "--concurrency", "3", check=False, timeout=60)
     assert p.returncode == 2 and "planned with other concurrency" in p.stderr, p.stderr
-    second = run_script(*common, "--resume", timeout=150)
+    second = run_script(*common, "--resume", timeout=400)
     data = json.loads(out.read_text())
     assert set(Path("/tmp").glob("krex-jobs-*")) <= before, "a stack left its state behind"
     assert [r["unit"] for r in data["rounds"]] == [
