@@ -37,7 +37,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +54,30 @@ DEFAULT_BUDGET_S = 540.0  # a 10-minute accelerator call less start-up (serve --
 class Variant:
     name: str
     policy: str
-    args: list[str]
+    args: list[str]  # krex serve's
+    gateway_args: list[str] = field(default_factory=list)  # this variant's own krex gateway arguments
+    width: int | None = None  # jobs at once (the gateway's --max-running); None: the run's --width
 
 
 def parse_variant(text: str) -> Variant:
-    """`NAME[:ARGS]`: ARGS are `krex serve` arguments (shell words); the policy is ARGS' --policy,
-    else NAME's part before the first '-' (region-dh: region). Raises ValueError otherwise."""
-    name, _, rest = text.partition(":")
-    name = name.strip()
+    """`NAME[@WIDTH][:ARGS [-- GATEWAY ARGS]]`: ARGS are `krex serve` arguments (shell words), those
+    after a lone `--` the variant's `krex gateway` arguments (e.g. `--max-running auto`, which
+    overrides the WIDTH the gateway is given first); WIDTH, the jobs at once, overrides --width.
+    The policy is ARGS' --policy, else NAME's part before the first '-' (region-dh: region).
+    Raises ValueError otherwise."""
+    head, _, rest = text.partition(":")
+    name, at, width_text = head.strip().partition("@")
     if not name:
         raise ValueError(f"variant {text!r}: no name")
-    args = shlex.split(rest)
+    width = None
+    if at:
+        if not width_text.isdigit() or int(width_text) < 1:
+            raise ValueError(f"variant {text!r}: @{width_text} is not a positive number of jobs at once")
+        width = int(width_text)
+    words = shlex.split(rest)
+    args, gw_args = (
+        (words[: words.index("--")], words[words.index("--") + 1 :]) if "--" in words else (words, [])
+    )
     policy = name.split("-", 1)[0]
     for i, a in enumerate(args):
         if a == "--policy" and i + 1 < len(args):
@@ -76,7 +89,7 @@ def parse_variant(text: str) -> Variant:
             f"variant {text!r}: policy {policy!r} is not one of {', '.join(POLICIES)} "
             "(name it region-..., command-..., shared-... or pass --policy)"
         )
-    return Variant(name, policy, args)
+    return Variant(name, policy, args, gw_args, width)
 
 
 def default_variants(serve_help: str, device: str) -> list[str]:
@@ -100,7 +113,7 @@ def stack(v: Variant, a: argparse.Namespace, width: int) -> Stack:
         ["--log-format", "json", *strip_policy(v.args), *a.daemon_devices],
         width,
         policy=v.policy,
-        gateway_args=a.gateway_arg,
+        gateway_args=[*a.gateway_arg, *v.gateway_args],
         python=a.python,
         logdir=a.logdir,
         name=v.name,
@@ -133,6 +146,49 @@ def parse_lines(stdout: str) -> list[dict[str, Any]]:
     return out
 
 
+JOB_ENV = {"TRITON_CACHE_DIR": ".triton-cache", "TORCHINDUCTOR_CACHE_DIR": ".inductor-cache"}
+
+
+async def submit_one(
+    gw: Any, group: list[jobs_sets.Job], timeout_s: float, wait_s: float, t0: float, prog: Progress
+) -> dict[str, Any]:
+    """One job (a single spec, or a batch) through the gateway client `gw`, waited for up to
+    `wait_s`; times relative to `t0` (monotonic). A failed or refused job is a record with ok
+    False, never an exception."""
+    files = jobs_sets.files_for([j.spec for j in group], [j.files for j in group])
+    rec: dict[str, Any] = {"keys": [j.key for j in group], "submit_s": time.monotonic() - t0}
+    try:
+        job = await gw.dev("python job.py spec.json", files=files, env_vars=JOB_ENV, timeout_s=timeout_s)
+        prog.running += 1
+        view = await gw.wait(job["job_id"], wait_s)
+        prog.running -= 1
+    except Exception as e:  # a job the gateway refused is a result, not the end of the run
+        rec.update(ok=False, end_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+        prog.done += 1
+        prog.failed += 1
+        return rec
+    rec["end_s"] = time.monotonic() - t0
+    res = view.get("result") or {}
+    lines = parse_lines(res.get("stdout", ""))
+    ok = view["status"] == "succeeded" and len(lines) == len(group) and all(ln["check"]["ok"] for ln in lines)
+    rec.update(
+        ok=ok,
+        status=view["status"],
+        lines=lines,
+        regions=res.get("regions", []),
+        krex=res.get("krex", {}),
+        error=view.get("error"),
+        exit_code=res.get("exit_code"),
+    )
+    if not ok:
+        rec["stderr_tail"] = res.get("stderr", "")[-2000:]
+        rec["stdout_tail"] = res.get("stdout", "")[-1000:]
+    prog.done += 1
+    prog.failed += not ok
+    prog.show()
+    return rec
+
+
 async def submit(
     st: Stack, groups: list[list[jobs_sets.Job]], timeout_s: float, prog: Progress
 ) -> tuple[float, list[dict[str, Any]]]:
@@ -140,51 +196,11 @@ async def submit(
     Returns (makespan s, records); a failed job is a record with ok False, never an exception."""
     from krex_async.gateway.client import GatewayClient
 
-    env = {"TRITON_CACHE_DIR": ".triton-cache", "TORCHINDUCTOR_CACHE_DIR": ".inductor-cache"}
     async with GatewayClient(st.url, st.token, timeout=timeout_s + 120) as gw:
         t0 = time.monotonic()
-
-        async def one(group: list[jobs_sets.Job]) -> dict[str, Any]:
-            files = jobs_sets.files_for([j.spec for j in group], [j.files for j in group])
-            s0 = time.monotonic() - t0
-            rec: dict[str, Any] = {"keys": [j.key for j in group], "submit_s": s0}
-            try:
-                job = await gw.dev("python job.py spec.json", files=files, env_vars=env, timeout_s=timeout_s)
-                prog.running += 1
-                # queued behind the others (all of them, under command) before its own timeout runs
-                view = await gw.wait(job["job_id"], timeout_s * len(groups) + 60)
-                prog.running -= 1
-            except Exception as e:  # a job the gateway refused is a result, not the end of the run
-                rec.update(ok=False, end_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-                prog.done += 1
-                prog.failed += 1
-                return rec
-            rec["end_s"] = time.monotonic() - t0
-            res = view.get("result") or {}
-            lines = parse_lines(res.get("stdout", ""))
-            ok = (
-                view["status"] == "succeeded"
-                and len(lines) == len(group)
-                and all(ln["check"]["ok"] for ln in lines)
-            )
-            rec.update(
-                ok=ok,
-                status=view["status"],
-                lines=lines,
-                regions=res.get("regions", []),
-                krex=res.get("krex", {}),
-                error=view.get("error"),
-                exit_code=res.get("exit_code"),
-            )
-            if not ok:
-                rec["stderr_tail"] = res.get("stderr", "")[-2000:]
-                rec["stdout_tail"] = res.get("stdout", "")[-1000:]
-            prog.done += 1
-            prog.failed += not ok
-            prog.show()
-            return rec
-
-        recs = await asyncio.gather(*(one(g) for g in groups))
+        # each is queued behind the others (all of them, under command) before its own timeout runs
+        wait_s = timeout_s * len(groups) + 60
+        recs = await asyncio.gather(*(submit_one(gw, g, timeout_s, wait_s, t0, prog) for g in groups))
     return time.monotonic() - t0, list(recs)
 
 
@@ -202,7 +218,7 @@ async def run_pass(v: Variant, jobs: list[jobs_sets.Job], a: argparse.Namespace)
     prog = Progress(v.name, len(todo))
     t = time.monotonic()
     try:
-        async with stack(v, a, a.width) as st:
+        async with stack(v, a, v.width or a.width) as st:
             warm_s = await pool_warm(st.daemon.socket, a.pool_warm_s)
             makespan, recs = await submit(
                 st, [[j] for j in jobs_sets.fresh_tags(todo, v.name)], a.job_timeout, prog
@@ -332,7 +348,7 @@ def plan_variant(
     round still to come, would not end within the budget."""
     if not a.budget_s:
         return None
-    need = estimate_s(v, data, jobs, a.width, a.command_jobs)
+    need = estimate_s(v, data, jobs, v.width or a.width, a.command_jobs)
     reserve = alone_reserve_s(data) if last_round_pending else 0.0
     left = a.budget_s - elapsed
     if need + reserve <= left:
@@ -388,10 +404,8 @@ async def run(a: argparse.Namespace, variants: list[Variant], jobs: list[jobs_se
     return data
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog=module_prog(__spec__), description=__doc__.split("\n")[0] if __doc__ else None
-    )
+def add_job_args(ap: argparse.ArgumentParser, default_set: str = "default") -> None:
+    """The job set, the device and what every daemon and gateway gets (bench.jobs, bench.steady)."""
     ap.add_argument("--kernelbench", type=Path, help="a KernelBench checkout (KernelBench/levelN/)")
     ap.add_argument("--atrex", type=Path, help="an Atrex-Bench checkout (data/<op>/)")
     ap.add_argument(
@@ -401,32 +415,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Triton do_bench jobs (default: the set's number when no suite is given)",
     )
     ap.add_argument("--cpu-jobs", type=int, default=None, help="cpu stand-in jobs (cpu device)")
-    ap.add_argument("--set", "--size", dest="set", choices=sorted(jobs_sets.SIZES), default="default")
+    ap.add_argument("--set", "--size", dest="set", choices=sorted(jobs_sets.SIZES), default=default_set)
     ap.add_argument("--problems", type=int, default=None, help="distinct suite problems (default: the set's)")
     ap.add_argument("--levels", default="1,2,3", help="KernelBench levels to draw from")
     ap.add_argument("--seed", type=int, default=0, help="which problems are drawn")
-    ap.add_argument("--width", type=int, default=8, help="jobs running at once (gateway --max-running)")
-    ap.add_argument(
-        "--variants",
-        nargs="+",
-        default=None,
-        metavar="NAME:ARGS",
-        help="daemon variants, each NAME[:krex serve args] (default: region in each "
-        "freeze/hold mode this daemon offers, the pool on a GPU, shared, command)",
-    )
-    ap.add_argument(
-        "--alone-rounds",
-        type=int,
-        default=2,
-        help="alone rounds: the first before the variants, the last after, any others between (default 2)",
-    )
-    ap.add_argument(
-        "--command-jobs",
-        choices=["distinct", "all"],
-        default="distinct",
-        help="the command variant's jobs: one copy of each distinct job (default: it is "
-        "the serial baseline, and its jobs/min is measured on them) or the whole set",
-    )
     ap.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     ap.add_argument(
         "--daemon-arg",
@@ -450,21 +442,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "counted in the makespan: a node's pool is warm before an agent's burst)",
     )
     ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds per job")
-    ap.add_argument(
-        "--budget-s",
-        type=float,
-        default=DEFAULT_BUDGET_S,
-        help="skip a variant whose estimated pass (from the phases measured so far), with "
-        "the last alone round, would not end within S seconds of the start "
-        f"(default {DEFAULT_BUDGET_S:.0f}: one 10-minute accelerator call with room "
-        "for start-up and the report; 0: no budget)",
-    )
     ap.add_argument("--python", default=sys.executable, help="interpreter of daemon, gateway, jobs")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "jobs.json")
-    ap.add_argument("--no-plots", action="store_true")
-    a = ap.parse_args(argv)
-    if a.width < 1 or a.alone_rounds < 1 or a.job_timeout <= 0 or (a.budget_s or 0) < 0:
-        ap.error("--width, --alone-rounds and --job-timeout must be positive, --budget-s not negative")
+
+
+def check_job_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """add_job_args' checks (ap.error on bad input) and derived fields: level_list, the token,
+    the device (auto: gpu where torch sees CUDA), daemon_devices, logdir (beside a.out)."""
+    if a.job_timeout <= 0:
+        ap.error("--job-timeout must be positive")
     if a.job_timeout > GATEWAY_MAX_TIMEOUT_S:
         ap.error(f"--job-timeout: the gateway accepts at most {GATEWAY_MAX_TIMEOUT_S:.0f} s")
     try:
@@ -485,6 +470,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.daemon_devices = (["--devices", "cpu:1"] if a.device == "cpu" else []) + a.daemon_arg
     a.logdir = a.out.parent / (a.out.stem + ".logs")
     a.logdir.mkdir(parents=True, exist_ok=True)
+
+
+def build_jobs(a: argparse.Namespace) -> list[jobs_sets.Job]:
+    """The run's job set from check_job_args' namespace. Raises ValueError, FileNotFoundError."""
+    return jobs_sets.build(
+        jobs_sets.SIZES[a.set],
+        a.device,
+        a.kernelbench,
+        a.atrex,
+        a.triton,
+        a.cpu_jobs,
+        a.level_list,
+        a.seed,
+        a.problems,
+    )
+
+
+def serve_help(python: str) -> str:
+    """`krex serve --help` of this checkout (which options the daemon offers)."""
+    return subprocess.run(
+        [python, "-m", "krex_async", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=60,
+        env=bench_env(),
+    ).stdout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog=module_prog(__spec__), description=__doc__.split("\n")[0] if __doc__ else None
+    )
+    add_job_args(ap)
+    ap.add_argument("--width", type=int, default=8, help="jobs running at once (gateway --max-running)")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="NAME:ARGS",
+        help="daemon variants, each NAME[@WIDTH][:krex serve args [-- krex gateway args]] (default: "
+        "region in each freeze/hold mode this daemon offers, the pool on a GPU, shared, command)",
+    )
+    ap.add_argument(
+        "--alone-rounds",
+        type=int,
+        default=2,
+        help="alone rounds: the first before the variants, the last after, any others between (default 2)",
+    )
+    ap.add_argument(
+        "--command-jobs",
+        choices=["distinct", "all"],
+        default="distinct",
+        help="the command variant's jobs: one copy of each distinct job (default: it is "
+        "the serial baseline, and its jobs/min is measured on them) or the whole set",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="skip a variant whose estimated pass (from the phases measured so far), with "
+        "the last alone round, would not end within S seconds of the start "
+        f"(default {DEFAULT_BUDGET_S:.0f}: one 10-minute accelerator call with room "
+        "for start-up and the report; 0: no budget)",
+    )
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "jobs.json")
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+    if a.width < 1 or a.alone_rounds < 1 or a.job_timeout <= 0 or (a.budget_s or 0) < 0:
+        ap.error("--width, --alone-rounds and --job-timeout must be positive, --budget-s not negative")
+    check_job_args(ap, a)
     return a
 
 
@@ -499,29 +555,12 @@ def _has_cuda(python: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    helptext = subprocess.run(
-        [a.python, "-m", "krex_async", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=60,
-        env=bench_env(),
-    ).stdout
+    helptext = serve_help(a.python)
     try:
         variants = [parse_variant(t) for t in (a.variants or default_variants(helptext, a.device))]
         if len({v.name for v in variants}) != len(variants):
             raise ValueError("variant names must differ")
-        jobs = jobs_sets.build(
-            jobs_sets.SIZES[a.set],
-            a.device,
-            a.kernelbench,
-            a.atrex,
-            a.triton,
-            a.cpu_jobs,
-            a.level_list,
-            a.seed,
-            a.problems,
-        )
+        jobs = build_jobs(a)
     except (ValueError, FileNotFoundError) as e:
         print(f"jobs: {e}", file=sys.stderr)
         return 2
