@@ -1,59 +1,217 @@
-"""The README's install route for a node: scripts/install-node.sh puts krex in its own virtual
-environment, `krex` on PATH, the unit and the config in place, and `systemd-analyze verify`
-accepts the unit it wrote. Run into a temporary tree (the same script, other paths)."""
+"""The node install route (docs/install.md): scripts/install-node.sh puts krex in its own virtual
+environment built from an interpreter every user can run, `krex` on PATH, the units and the config
+in place, and a gateway whose jobs run as an unprivileged user in the daemon's socket group. Run
+into a temporary tree (the same script, other paths) that other users can enter, with a python3
+first on PATH that only root can run (as pyenv's under /root), as root, and checked as other users."""
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import shutil
+import stat
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from ..conftest import ROOT
+from ..faults.test_lost_commands import until_serving
 
 pytestmark = pytest.mark.slow
+SCRIPT = str(ROOT / "scripts/install-node.sh")
+EXAMPLE = ROOT / "packaging/krex.toml.example"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
-def test_install_route_gives_a_unit_systemd_accepts(tmp_path: Path) -> None:
-    t = tmp_path
-    args = [
-        "--prefix",
-        str(t / "opt"),
-        "--bin",
-        str(t / "bin"),
-        "--unit-dir",
-        str(t / "units"),
-        "--conf-dir",
-        str(t / "etc"),
-        "--no-bcc",
-        "--extras",
-        "metrics",
-    ]
-    p = subprocess.run(
-        [str(ROOT / "scripts/install-node.sh"), *args], capture_output=True, text=True, timeout=600, cwd="/"
+@dataclass
+class Install:
+    tree: Path  # prefix, bin, units and config under it
+    private: Path  # a 0700 directory holding a python3 that only root can run
+    env: dict[str, str]  # PATH with that python3 first
+    args: list[str]
+    job_user: str
+    group: str
+    proc: subprocess.CompletedProcess[str]
+
+
+def private_python(d: Path) -> Path:
+    """A python3 in a directory only root can enter: a copy of this host's, which finds its standard
+    library by its compiled-in prefix, as pyenv's interpreter under a 0700 /root does."""
+    real = os.path.realpath(shutil.which("python3", path="/usr/bin:/usr/local/bin") or "/usr/bin/python3")
+    (d / "bin").mkdir(parents=True)
+    d.chmod(0o700)
+    shutil.copy2(real, d / "bin/python3")
+    return d / "bin/python3"
+
+
+def run_install(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=900, cwd="/", env=env)
+
+
+def as_user(user: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """argv run as `user` with its groups (runuser: initgroups), from /."""
+    return subprocess.run(
+        ["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=120, cwd="/"
     )
-    assert p.returncode == 0, p.stderr
+
+
+def _remove_user(name: str, group: str) -> None:
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    for g in (name, group):  # useradd --user-group made the first
+        subprocess.run(["groupdel", g], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[Install]:
+    if os.geteuid() != 0:
+        pytest.skip("the node install creates a user and a group, and checks as other users: root")
+    for tool in ("runuser", "useradd", "groupadd", "systemd-analyze"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no {tool} here")
+    tree = Path(tempfile.mkdtemp(prefix="krexi-", dir="/tmp"))
+    tree.chmod(0o755)  # other users reach the prefix, as /opt
+    py = private_python(tree / "private")
+    tag = str(os.getpid())
+    job_user, group = f"kxjob{tag}", f"kxsock{tag}"
+    args = [
+        *("--prefix", str(tree / "opt"), "--bin", str(tree / "bin"), "--unit-dir", str(tree / "units")),
+        *("--conf-dir", str(tree / "etc"), "--no-bcc", "--extras", "metrics"),
+        *("--job-user", job_user, "--socket-group", group),
+    ]
+    env = dict(os.environ, PATH=f"{py.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    env.pop("PYTHON", None)
+    # What the old script left: an environment made from that python3, which others cannot run.
+    subprocess.run([str(py), "-m", "venv", "--without-pip", str(tree / "opt")], check=True, timeout=300)
+    try:
+        yield Install(tree, tree / "private", env, args, job_user, group, run_install(args, env))
+    finally:
+        _remove_user(job_user, group)
+        shutil.rmtree(tree, ignore_errors=True)
+
+
+def test_help_prints_the_usage() -> None:
+    p = subprocess.run([SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "install-node.sh [--prefix" in p.stdout and "--python PATH" in p.stdout
+    assert "set -euo" not in p.stdout and "#" not in p.stdout.splitlines()[0], p.stdout
+
+
+def test_an_interpreter_other_users_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a directory root can enter and others cannot: run as root")
+    py = private_python(tmp_path / "private")
+    prefix = tmp_path / "opt"
+    p = run_install(["--python", str(py), "--prefix", str(prefix), "--no-bcc"], dict(os.environ))
+    assert p.returncode == 2, p.stderr
+    assert f"--python {py} cannot serve every user" in p.stderr and "mode 0700" in p.stderr, p.stderr
+    assert "e.g. /usr/bin/python3" in p.stderr and not prefix.exists()
+
+
+def test_the_installed_krex_runs_for_every_user(installed: Install) -> None:
+    """python3 first on PATH lives under a 0700 directory, and an older install made the environment
+    from it: the install takes another interpreter every user can run (and says so), rebuilds the
+    environment from it, and checks as `nobody` that `krex` runs."""
+    p = installed.proc
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"not {installed.private}/bin/python3" in p.stderr and "mode 0700" in p.stderr, p.stderr
+    assert f"rebuilding {installed.tree}/opt" in p.stderr, p.stderr  # an older install's environment
+    real = os.path.realpath(installed.tree / "opt/bin/python")
+    assert not real.startswith(str(installed.private)), real
+    v = as_user("nobody", str(installed.tree / "bin/krex"), "--version")
+    assert v.returncode == 0 and v.stdout.startswith("krex "), v.stdout + v.stderr
+
+
+def test_the_install_gives_units_systemd_accepts_and_keeps_a_config(installed: Install) -> None:
+    t = installed.tree
+    assert installed.proc.returncode == 0, installed.proc.stderr
     unit = (t / "units/krex.service").read_text()
     assert f"ExecStart={t}/bin/krex serve --config {t}/etc/krex.toml" in unit
-    assert (t / "etc/krex.toml").read_text() == (ROOT / "packaging/krex.toml.example").read_text()
-    v = subprocess.run([str(t / "bin/krex"), "--version"], capture_output=True, text=True)
-    assert v.returncode == 0 and v.stdout.startswith("krex ")
-    # the installed copy runs without this checkout on its path
-    assert not (t / "opt").joinpath("src").exists()
+    want = EXAMPLE.read_text().replace('socket_group = ""', f'socket_group = "{installed.group}"')
+    want = want.replace('pool_user = ""', f'pool_user = "{installed.job_user}"')
+    assert (t / "etc/krex.toml").read_text() == want
+    assert not (t / "opt").joinpath("src").exists()  # the installed copy runs without this checkout
+    units = [str(t / "units/krex.service"), str(t / "units/krex-gateway.service")]
     ok = subprocess.run(
-        ["systemd-analyze", "verify", str(t / "units/krex.service")], capture_output=True, text=True, cwd="/"
+        ["systemd-analyze", "verify", *units],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=dict(os.environ, SYSTEMD_LOG_LEVEL="notice"),
     )
-    assert ok.returncode == 0, ok.stderr
-    # again: idempotent, and an edited config is kept
-    (t / "etc/krex.toml").write_text('policy = "command"\n')
-    again = subprocess.run(
-        [str(ROOT / "scripts/install-node.sh"), *args], capture_output=True, text=True, timeout=600, cwd="/"
+    assert ok.returncode == 0 and ".service" not in ok.stdout + ok.stderr, ok.stdout + ok.stderr
+    # again: idempotent, and an edited config and the token are kept
+    edited = f'policy = "command"\nsocket_group = "{installed.group}"\n'
+    (t / "etc/krex.toml").write_text(edited)
+    token = (t / "etc/gateway.token").read_text()
+    try:
+        again = run_install(installed.args, installed.env)
+        assert again.returncode == 0, again.stderr
+        assert (t / "etc/krex.toml").read_text() == edited
+        assert (t / "etc/gateway.token").read_text() == token
+        assert 'pool_user = ""' in again.stderr and "will not serve the gateway's jobs" in again.stderr
+        # a kept config whose socket group the jobs' user is not in: refused, with the fix
+        (t / "etc/krex.toml").write_text('socket_group = ""\n')
+        bad = run_install(installed.args, installed.env)
+        assert bad.returncode == 1 and f'set socket_group = "{installed.group}"' in bad.stderr, bad.stderr
+    finally:
+        (t / "etc/krex.toml").write_text(want)  # the installed one, for the other tests
+
+
+CONNECT = """
+import asyncio, sys
+import krex_async.client.region  # what KREX_AUTO_REGION=1 imports in a job
+from krex_async import Client
+
+async def main(path):
+    async with await Client.connect(path, timeout=10) as c:
+        await c.status()
+    print("connected")
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed: Install) -> None:
+    """What the gateway unit's jobs get: a user made by the install, in the socket group of the
+    installed config, which runs the job interpreter, imports krex's region client with it and
+    connects to a daemon started with that config; a user outside the group cannot."""
+    t, job = installed.tree, installed.job_user
+    assert installed.proc.returncode == 0, installed.proc.stderr
+    pw = pwd.getpwnam(job)
+    assert pw.pw_uid != 0 and installed.group in [g.gr_name for g in grp.getgrall() if job in g.gr_mem]
+    gw = (t / "units/krex-gateway.service").read_text()
+    want = (
+        f"--token-file {t}/etc/gateway.token --run-as {job} --job-python {t}/opt/bin/python",
+        "--socket /run/krex/krex.sock",
     )
-    assert again.returncode == 0, again.stderr
-    assert (t / "etc/krex.toml").read_text() == 'policy = "command"\n'
+    assert all(w in gw for w in want), gw
+    st = (t / "etc/gateway.token").lstat()
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
+    assert len((t / "etc/gateway.token").read_text().strip()) >= 32
+    d = Path(tempfile.mkdtemp(prefix="krexj-", dir="/tmp"))
+    d.chmod(0o755)
+    sock, log = str(d / "krex.sock"), d / "daemon.log"
+    argv = [str(t / "bin/krex"), "serve", "--config", str(t / "etc/krex.toml"), "--socket", sock]
+    argv += ["--state-dir", str(d / "state"), "--isolation", "signal", "--probes", "off"]
+    with open(log, "wb") as f:
+        daemon = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd="/")
+    try:
+        await until_serving(daemon, sock, str(log))
+        got = as_user(job, str(t / "opt/bin/python"), "-c", CONNECT, sock)
+        assert got.returncode == 0 and got.stdout.strip() == "connected", got.stdout + got.stderr
+        out = as_user("nobody", str(t / "opt/bin/python"), "-c", CONNECT, sock)
+        assert out.returncode != 0 and "connected" not in out.stdout  # the group decides
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(15)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
