@@ -7,8 +7,10 @@ first on PATH that only root can run (as pyenv's under /root), as root, and chec
 from __future__ import annotations
 
 import grp
+import json
 import os
 import pwd
+import shlex
 import shutil
 import stat
 import subprocess
@@ -19,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT
+from krex_async.gateway.client import GatewayClient
+
+from ..conftest import ROOT, until
 from ..faults.test_lost_commands import until_serving
 
 pytestmark = pytest.mark.slow
@@ -174,10 +178,56 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
+def unit_argv(unit: str, **override: str) -> list[str]:
+    """The ExecStart= of a unit's text as argv, with `--flag value` pairs replaced (flag=value)."""
+    line = next(ln for ln in unit.splitlines() if ln.startswith("ExecStart="))
+    argv = shlex.split(line.removeprefix("ExecStart="))
+    for flag, value in override.items():
+        argv[argv.index("--" + flag.replace("_", "-")) + 1] = value
+    return argv
+
+
+async def gateway_job_enters_a_region(t: Path, sock: str, d: Path) -> None:
+    """The installed gateway unit's command (state, socket and port changed to the test's) starts
+    with no warning and its dev job enters a region through the daemon."""
+    state, log = d / "gw" / "state", d / "gateway.log"
+    state.parent.mkdir(mode=0o711)
+    argv = unit_argv((t / "units/krex-gateway.service").read_text(), state_dir=str(state), socket=sock)
+    argv = [*argv, "--listen", "127.0.0.1:0"]  # a later flag wins: any free port
+    with open(log, "wb") as f:
+        gw = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd="/")
+    try:
+        await until(lambda: (state / "gateway.json").exists() or gw.poll() is not None, "the gateway")
+        assert gw.poll() is None, log.read_text()
+        await until(lambda: "listening on" in log.read_text(), "the gateway's start line")
+        assert "WARNING" not in log.read_text(), log.read_text()
+        url = json.loads((state / "gateway.json").read_text())["url"]
+        token = (t / "etc/gateway.token").read_text().strip()
+        async with GatewayClient(url, token=token) as c:
+            job = await c.dev(REGION_JOB)
+            done = await c.wait(job["job_id"], 120)
+        assert done["status"] == "succeeded", done
+        assert done["result"]["stdout"] == "granted True\n", done
+    finally:
+        gw.terminate()
+        try:
+            gw.wait(15)
+        except subprocess.TimeoutExpired:
+            gw.kill()
+            gw.wait()
+
+
+REGION_JOB = (
+    'python -c \'from krex_async import region; r = region("job"); r.__enter__(); '
+    'r.__exit__(None, None, None); print("granted", r.report is not None)\''
+)
+
+
 async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed: Install) -> None:
     """What the gateway unit's jobs get: a user made by the install, in the socket group of the
     installed config, which runs the job interpreter, imports krex's region client with it and
-    connects to a daemon started with that config; a user outside the group cannot."""
+    connects to a daemon started with that config; a user outside the group cannot. The gateway
+    started as its unit says starts with no warning, and a job of it enters a region."""
     t, job = installed.tree, installed.job_user
     assert installed.proc.returncode == 0, installed.proc.stderr
     pw = pwd.getpwnam(job)
@@ -204,6 +254,7 @@ async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed
         assert got.returncode == 0 and got.stdout.strip() == "connected", got.stdout + got.stderr
         out = as_user("nobody", str(t / "opt/bin/python"), "-c", CONNECT, sock)
         assert out.returncode != 0 and "connected" not in out.stdout  # the group decides
+        await gateway_job_enters_a_region(t, sock, d)
     finally:
         daemon.terminate()
         try:

@@ -22,6 +22,7 @@ from ..faults.test_daemon_death import tree
 from ..faults.test_lost_commands import until_serving
 
 UNIT = ROOT / "packaging" / "krex.service"
+GATEWAY_UNIT = ROOT / "packaging" / "krex-gateway.service"
 EXAMPLE = ROOT / "packaging" / "krex.toml.example"  # what install-node.sh writes to /etc/krex/krex.toml
 # Where systemd puts each kind of unit directory for a system service (systemd.exec(5)).
 UNIT_DIRS = {
@@ -33,9 +34,9 @@ UNIT_DIRS = {
 }
 
 
-def directives() -> dict[str, list[str]]:
+def directives(unit: Path = UNIT) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for line in UNIT.read_text().splitlines():
+    for line in unit.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith(("#", ";", "[")) and "=" in line:
             k, v = line.split("=", 1)
@@ -43,7 +44,8 @@ def directives() -> dict[str, list[str]]:
     return out
 
 
-def test_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("source", [UNIT, GATEWAY_UNIT], ids=["daemon", "gateway"])
+def test_systemd_analyze_verify(tmp_path, source):
     exe = shutil.which("systemd-analyze")
     if exe is None:
         pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
@@ -51,8 +53,8 @@ def test_systemd_analyze_verify(tmp_path):
     krex = tmp_path / "krex"
     krex.write_text(f"#!{sys.executable}\n")
     krex.chmod(0o755)
-    unit = tmp_path / "krex.service"
-    unit.write_text(UNIT.read_text().replace("/usr/local/bin/krex", str(krex)))
+    unit = tmp_path / source.name
+    unit.write_text(source.read_text().replace("/usr/local/bin/krex", str(krex)))
     p = subprocess.run(
         [exe, "verify", str(unit)],
         capture_output=True,
@@ -61,10 +63,10 @@ def test_systemd_analyze_verify(tmp_path):
         env=dict(os.environ, SYSTEMD_LOG_LEVEL="notice"),
     )
     # verify returns 0 even for unknown keys and bad values; those show up as lines naming the unit.
-    complaints = [ln for ln in (p.stdout + p.stderr).splitlines() if "krex.service" in ln]
+    complaints = [ln for ln in (p.stdout + p.stderr).splitlines() if source.name in ln]
     assert p.returncode == 0 and not complaints, p.stdout + p.stderr
     broken = tmp_path / "broken.service"
-    broken.write_text(unit.read_text().replace("Delegate=yes", "Delegat=yes"))
+    broken.write_text(unit.read_text().replace("Restart=on-failure", "Restar=on-failure"))
     p = subprocess.run([exe, "verify", str(broken)], capture_output=True, text=True, timeout=60)
     assert "Unknown key" in p.stdout + p.stderr  # the check above can fail
 
@@ -90,6 +92,23 @@ def test_unit_says_what_krex_needs():
     ):
         assert bad not in d, f"{bad} breaks cgroup writes, BPF or GPU access for commands"
     assert d["ProtectSystem"] != ["strict"]
+
+
+def test_the_gateway_unit_runs_jobs_as_the_installs_job_user_on_the_daemons_socket():
+    """What install-node.sh writes (its defaults substituted into the same text): jobs as the
+    unprivileged user it creates in the socket group, tokens from a 0600 file (never argv), the
+    installed environment's interpreter for jobs, and the socket the installed daemon serves."""
+    d = directives(GATEWAY_UNIT)
+    argv = d["ExecStart"][0].split()
+    opt = {argv[i]: argv[i + 1] for i in range(2, len(argv) - 1) if argv[i].startswith("--")}
+    assert argv[:2] == ["/usr/local/bin/krex", "gateway"]
+    assert "--token" not in argv and "--no-auth" not in argv
+    assert opt["--token-file"] == "/etc/krex/gateway.token" and opt["--job-python"] == "/opt/krex/bin/python"
+    assert opt["--socket"] == load_config(str(EXAMPLE), {}, {}).resolved().socket
+    assert opt["--state-dir"] == "/var/lib/" + d["StateDirectory"][0]
+    script = (ROOT / "scripts/install-node.sh").read_text()
+    assert f"JOB_USER={opt['--run-as']} " in script and "GROUP=krex " in script
+    assert opt["--listen"].startswith("127.0.0.1:")  # loopback unless the operator says otherwise
 
 
 class UnitLayout:
