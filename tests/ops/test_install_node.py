@@ -6,6 +6,7 @@ first on PATH that only root can run (as pyenv's under /root), as root, and chec
 
 from __future__ import annotations
 
+import asyncio
 import grp
 import json
 import os
@@ -15,15 +16,18 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from krex_async import Client
 from krex_async.gateway.client import GatewayClient
 
-from ..conftest import ROOT, until
+from ..conftest import ROOT, private_cgroup_root, remove_cgroup_tree, until
 from ..faults.test_lost_commands import until_serving
 
 pytestmark = pytest.mark.slow
@@ -187,9 +191,9 @@ def unit_argv(unit: str, **override: str) -> list[str]:
     return argv
 
 
-async def gateway_job_enters_a_region(t: Path, sock: str, d: Path) -> None:
+async def gateway_job_enters_a_region(t: Path, sock: str, d: Path) -> dict[str, Any]:
     """The installed gateway unit's command (state, socket and port changed to the test's) starts
-    with no warning and its dev job enters a region through the daemon."""
+    with no warning and its dev job enters a region through the daemon. Returns the job's result."""
     state, log = d / "gw" / "state", d / "gateway.log"
     state.parent.mkdir(mode=0o711)
     argv = unit_argv((t / "units/krex-gateway.service").read_text(), state_dir=str(state), socket=sock)
@@ -204,10 +208,11 @@ async def gateway_job_enters_a_region(t: Path, sock: str, d: Path) -> None:
         url = json.loads((state / "gateway.json").read_text())["url"]
         token = (t / "etc/gateway.token").read_text().strip()
         async with GatewayClient(url, token=token) as c:
-            job = await c.dev(REGION_JOB)
+            job = await c.dev("python job.py", files={"job.py": REGION_JOB})
             done = await c.wait(job["job_id"], 120)
         assert done["status"] == "succeeded", done
-        assert done["result"]["stdout"] == "granted True\n", done
+        assert done["result"]["stdout"].startswith("granted True "), done
+        return done["result"]  # type: ignore[no-any-return]
     finally:
         gw.terminate()
         try:
@@ -217,10 +222,14 @@ async def gateway_job_enters_a_region(t: Path, sock: str, d: Path) -> None:
             gw.wait()
 
 
-REGION_JOB = (
-    'python -c \'from krex_async import region; r = region("job"); r.__enter__(); '
-    'r.__exit__(None, None, None); print("granted", r.report is not None)\''
-)
+REGION_JOB = """
+import sys
+adopted = "colorsys" in sys.modules  # the pool preloads it: only a warm worker has it already
+from krex_async import region
+with region("job") as r:
+    pass
+print("granted", r.report is not None, "adopted", adopted)
+"""
 
 
 async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed: Install) -> None:
@@ -245,7 +254,10 @@ async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed
     d.chmod(0o755)
     sock, log = str(d / "krex.sock"), d / "daemon.log"
     argv = [str(t / "bin/krex"), "serve", "--config", str(t / "etc/krex.toml"), "--socket", sock]
-    argv += ["--state-dir", str(d / "state"), "--isolation", "signal", "--probes", "off"]
+    argv += ["--state-dir", str(d / "state"), "--probes", "off"]
+    cg = private_cgroup_root()  # the warm pool adopts through the cgroup backend
+    pool = ["--isolation", "cgroup", "--pool-size", "1", "--pool-preload", "colorsys"]
+    argv += [*pool, "--cgroup-root", cg] if cg else ["--isolation", "signal"]
     with open(log, "wb") as f:
         daemon = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd="/")
     try:
@@ -254,7 +266,12 @@ async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed
         assert got.returncode == 0 and got.stdout.strip() == "connected", got.stdout + got.stderr
         out = as_user("nobody", str(t / "opt/bin/python"), "-c", CONNECT, sock)
         assert out.returncode != 0 and "connected" not in out.stdout  # the group decides
-        await gateway_job_enters_a_region(t, sock, d)
+        if cg:
+            await until_warm(sock)
+        result = await gateway_job_enters_a_region(t, sock, d)
+        if cg:  # the installed config's pool_user is the gateway's --run-as: its pool serves the jobs
+            assert result["stdout"] == "granted True adopted True\n", result
+            assert result["krex"]["pool_adopted"] == 1, result
     finally:
         daemon.terminate()
         try:
@@ -263,6 +280,21 @@ async def test_the_gateways_jobs_user_runs_krex_and_reaches_the_daemon(installed
             daemon.kill()
             daemon.wait()
         shutil.rmtree(d, ignore_errors=True)
+        if cg:
+            remove_cgroup_tree(cg)
+
+
+async def until_warm(sock: str) -> None:
+    """Until the daemon's pool has a warm worker (started as the installed config's pool_user)."""
+
+    async def warm() -> bool:
+        async with await Client.connect(sock) as c:
+            return any(p["warm"] >= 1 for p in (await c.status())["pools"].values())
+
+    deadline = time.monotonic() + 60
+    while not await warm():
+        assert time.monotonic() < deadline, "the pool did not warm a worker as the job user"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
