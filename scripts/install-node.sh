@@ -72,9 +72,11 @@ def blocked(path, end):
             return f"{p} has mode {mode:04o}: other users cannot {what} it"
     return ""
 exe = os.path.realpath(sys.executable)
+why = "" if sys.version_info < (3, 11) else (
+    blocked(exe, 0o005) or blocked(os.path.realpath(sysconfig.get_path("stdlib")), 0o005))
 if sys.version_info < (3, 11):
     print(f"no {exe} is Python {sys.version.split()[0]}; krex needs 3.11 or later")
-elif why := blocked(exe, 0o005) or blocked(os.path.realpath(sysconfig.get_path("stdlib")), 0o005):
+elif why:
     print(f"no {exe}: {why}")
 else:
     try:
@@ -221,7 +223,8 @@ fi
 as_user() { runuser -u "$1" -- "${@:2}"; }
 if [ "$ROOT" = 1 ] && command -v runuser >/dev/null; then
     out=$(as_user nobody "$BIN/krex" --version 2>&1) ||
-        die "FAILED: user nobody cannot run $BIN/krex: $out"
+        die "FAILED: user nobody cannot run $BIN/krex: $out (files an older install left unreadable" \
+            "by others? rm -r $PREFIX and run this again)"
     if [ "$GATEWAY" = 1 ]; then
         out=$(as_user "$JOB_USER" "$PREFIX/bin/python" -c 'import krex_async.client.region' 2>&1) ||
             die "FAILED: user $JOB_USER cannot import krex's region client with $PREFIX/bin/python: $out"
