@@ -18,6 +18,7 @@
 #:   --job-user     the unprivileged user the gateway's jobs run as (created if missing, a member of
 #:                  the socket group; written to a new config as pool_user, to the gateway unit as
 #:                  --run-as)
+#:   --listen       the gateway's HOST:PORT (one that is not loopback is written with --allow-remote)
 #:
 #: Then: systemctl daemon-reload && systemctl enable --now krex krex-gateway   (printed at the end)
 set -euo pipefail
@@ -53,6 +54,15 @@ done
 for p in PREFIX BIN UNIT_DIR CONF_DIR; do
     case "${!p}" in /*) ;; *) echo "install-node: --$(echo "$p" | tr 'A-Z_' 'a-z-') must be an absolute path" >&2; exit 2 ;; esac
 done
+for v in "$PREFIX" "$BIN" "$UNIT_DIR" "$CONF_DIR"; do # written into units and sed expressions
+    [[ "$v" =~ ^[A-Za-z0-9_./+@:-]+$ ]] || { echo "install-node: unusual characters in path $v" >&2; exit 2; }
+done
+for v in "$GROUP" "$JOB_USER"; do
+    [[ "$v" =~ ^[a-z_][a-z0-9_-]*$ ]] || { echo "install-node: $v is not a user or group name" >&2; exit 2; }
+done
+[[ "$LISTEN" =~ ^[][A-Za-z0-9.:-]+:[0-9]+$ ]] || { echo "install-node: --listen $LISTEN must be HOST:PORT" >&2; exit 2; }
+REMOTE="" # an address other than loopback, chosen here, is the gateway's --allow-remote (tokens stay required)
+case "${LISTEN%:*}" in 127.* | localhost | "[::1]") ;; *) REMOTE=" --allow-remote" ;; esac
 ROOT=0
 [ "$(id -u)" = 0 ] && ROOT=1
 
@@ -171,7 +181,7 @@ fi
 subst() {
     sed -e "s#/usr/local/bin/krex#$BIN/krex#g" -e "s#/etc/krex/#$CONF_DIR/#g" \
         -e "s#/opt/krex/#$PREFIX/#g" -e "s#--run-as krexjob#--run-as $JOB_USER#" \
-        -e "s#--listen 127.0.0.1:8000#--listen $LISTEN#" -e "s#--socket /run/krex/krex.sock#--socket $SOCK#" "$1"
+        -e "s#--listen 127.0.0.1:8000#--listen $LISTEN$REMOTE#" -e "s#--socket /run/krex/krex.sock#--socket $SOCK#" "$1"
 }
 put() { # stdin to DEST with MODE: atomically, through a temporary file beside DEST
     cat >"$1.tmp"

@@ -107,6 +107,23 @@ def test_help_prints_the_usage() -> None:
     assert "set -euo" not in p.stdout and "#" not in p.stdout.splitlines()[0], p.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--prefix"], "--prefix needs a value"),
+        (["--prefix", "opt/krex"], "--prefix must be an absolute path"),
+        (["--job-user", "Bad#name"], "Bad#name is not a user or group name"),
+        (["--socket-group", "a&b"], "a&b is not a user or group name"),
+        (["--listen", "8000"], "--listen 8000 must be HOST:PORT"),
+        (["--bin", "/tmp/a#b"], "unusual characters in path /tmp/a#b"),
+        (["--frobnicate"], "unknown argument --frobnicate"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_done(args: list[str], says: str) -> None:
+    p = subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and says in p.stderr, p.stderr
+
+
 def test_an_interpreter_other_users_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("a directory root can enter and others cannot: run as root")
