@@ -35,6 +35,9 @@ from krex_async.protocol import default_socket
 from krex_async.scheduler import Policy
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
+# Root's --state-dir: the unit's StateDirectory=krex, kept across stops (its RuntimeDirectory /run/krex,
+# where the socket lives, is removed at each one, and with it anything recovery would need).
+ROOT_STATE_DIR = "/var/lib/krex"
 
 
 def comma_list(text: str) -> list[str]:
@@ -172,7 +175,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         socket = self.socket or default_socket()
         cores = self.region_cores if self.region_cores >= 0 else default_region_cores()
         state = self.state_dir or (
-            "/run/krex" if os.geteuid() == 0 else os.path.join(os.path.dirname(socket), "krex-state")
+            ROOT_STATE_DIR if os.geteuid() == 0 else os.path.join(os.path.dirname(socket), "krex-state")
         )
         return msgspec.structs.replace(self, socket=socket, region_cores=cores, state_dir=state)
 

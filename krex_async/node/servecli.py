@@ -174,8 +174,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--state-dir",
         help="intent records, spooled output and recovery state "
-        "(default /run/krex as root, else krex-state beside the "
-        "socket)",
+        "(default /var/lib/krex as root, which the unit's StateDirectory= keeps across "
+        "restarts; else krex-state beside the socket)",
     )
     p.add_argument(
         "--log-format",
