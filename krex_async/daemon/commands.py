@@ -123,6 +123,17 @@ class Command:
     handoff: Handoff | None = None  # another user's command: its cwd and env, applied after the drop
     stdin_pipe: StdinPipe | None = None  # Submit.stdin_stream: fed by StdinData until it ends
     pool_env: dict[str, str] = field(default_factory=dict)  # KREX_POOL, where its interpreters may be adopted
+    # memory-aware admission (admission.py): what it is taken to need and where that figure came
+    # from (declared, learned, default, unknown), what its tree holds now and at most, why it waits
+    mem_need: int = 0
+    mem_source: str = ""
+    mem_now: int = 0
+    mem_peak: int = 0
+    mem_wait: str = ""
+    co_located: bool = False  # other commands (or pool workers) held device memory while it ran
+    solo: bool = False  # a re-run after a co-located out-of-memory: runs alone on its device
+    reruns: int = 0
+    rerun_reason: str = ""
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
