@@ -4,7 +4,7 @@ What a command is taken to need (`need`), most trusted first:
 
     declared   Submit.mem, reserved as given
     learned    the largest peak the last commands of its key reached (Submit.mem_key, else its
-               label, else argv[0] and argv[1]), kept across the daemon's life in
+               label, else its program and first argument), kept across the daemon's life in
                <state dir>/memory.json
     default    --mem-default, where set
     unknown    none of these: one unknown at a time per device, while its footprint is learned
@@ -58,12 +58,20 @@ def gib(n: int) -> str:
 
 def mem_key(spec: P.Submit) -> str:
     """What commands that need alike share: the submit's mem_key, its label, else its program and
-    first argument (`python bench.py`)."""
+    first argument (`python bench.py`, `python -m pkg.mod`)."""
     if spec.mem_key:
         return f"key {spec.mem_key}"
     if spec.label:
         return f"label {spec.label}"
-    return "argv " + " ".join([os.path.basename(spec.argv[0]), *spec.argv[1:2]])[:256]
+    parts = [os.path.basename(spec.argv[0])]
+    for i, arg in enumerate(spec.argv[1:], 1):
+        if arg in ("-m", "-c") and i + 1 < len(spec.argv):  # python -m MODULE, sh -c TEXT
+            parts += [arg, spec.argv[i + 1]]
+            break
+        if not arg.startswith("-"):
+            parts.append(os.path.basename(arg))
+            break
+    return "argv " + " ".join(parts)[:256]
 
 
 class Footprints:
