@@ -8,7 +8,7 @@ for production: it is named `fake` in status and its devices' keys are fake0..fa
                         allocated on device <key>, in bytes (a process that is gone holds nothing)
     KREX_FAKE_GPU_MEM   each device's total memory in bytes (default 1 GiB)
 
-A command on a fake device gets KREX_FAKE_GPU_DIR and KREX_FAKE_GPU_DEVICE in its environment, and
+A command on a fake device gets KREX_FAKE_GPU_DIR, _MEM and _DEVICE in its environment, and
 `python -m krex_async.devices.fake SIZE [SIZE ...]` allocates there: it sets its usage to each
 SIZE in turn (after --gate FILE exists between steps), then holds it (--hold S, or until
 --release FILE exists). An allocation beyond the device's free memory prints CUDA's
@@ -96,7 +96,7 @@ class FakeVendor(Vendor):
                     memory_total_bytes=self.total,
                     memory_free_bytes=self.total - sum(usage(self.dir / key).values()),
                     cpus=cpus,
-                    env={DIR_VAR: str(self.dir), DEVICE_VAR: key},
+                    env={DIR_VAR: str(self.dir), DEVICE_VAR: key, MEM_VAR: str(self.total)},
                 )
             )
         return devices

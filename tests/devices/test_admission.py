@@ -86,7 +86,10 @@ async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_
         assert (await row(c, cc.command))["waiting_for"].startswith("queued behind 1 on fake0")
         await until_status(c, a.command, lambda s: s["mem_peak"] >= 600 * MiB, "A's usage sampled")
         text = " ".join((await krex_status(d.socket, env)).stdout.split())  # unwrapped
-        want = f"reserved 600M, used 600M, pool 0B, headroom 0B, free for commands 400M; 2 queued for memory: {b.command}, {cc.command}"
+        want = (
+            "reserved 600M, used 600M, pool 0B, headroom 0B, free for commands 400M; "
+            f"2 queued for memory: {b.command}, {cc.command}"
+        )
         assert want in text, text
         assert "waiting for memory on fake0: needs ~0.6 GiB" in text, text
         assert (await row(c, b.command))["state"] == "queued"  # still: 600 + 600 > 1000
