@@ -114,6 +114,7 @@ class DeviceMemory:
     device: Device
     used: int = 0  # what the vendor reported used at the last sample (all processes)
     pool: int = 0  # the pool's workers outside any command, at the last sample
+    baseline: int = 0  # used with no command running: what a lone command's use is counted from
     running: set[str] = field(default_factory=set)  # admitted, not yet ended
     waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
 
@@ -350,6 +351,7 @@ class Admission:
         used: dict[str, int] = {}
         held: dict[str, int] = {}
         pool: dict[str, int] = {}
+        mapped: set[str] = set()  # devices where some process NVML lists is one we know
         owner: dict[int, str] = {}
         for cid, (_key, group) in snap["groups"].items():
             for pid in backend.pids(group):
@@ -365,9 +367,11 @@ class Admission:
                 n = proc.used_memory_bytes or 0
                 if proc.pid in owner:
                     held[owner[proc.pid]] = held.get(owner[proc.pid], 0) + n
+                    mapped.add(key)
                 elif proc.pid in workers:
                     pool[key] = pool.get(key, 0) + n
-        return {"used": used, "held": held, "pool": pool, "sampled": list(snap["groups"])}
+                    mapped.add(key)
+        return {"used": used, "held": held, "pool": pool, "mapped": mapped, "sampled": snap["groups"]}
 
     def _apply(self, seen: dict[str, Any]) -> None:
         for key, dm in self.devices.items():
@@ -377,12 +381,24 @@ class Admission:
                 if dm.pool:
                     for c in dm.running:
                         self.core.commands[c].co_located = True
-        for cid in seen["sampled"]:
+        for cid, (key, _group) in seen["sampled"].items():
             if (cmd := self.core.commands.get(cid)) is not None:
-                cmd.mem_now = seen["held"].get(cid, 0)
+                cmd.mem_now = seen["held"].get(cid, 0) or self._lone_use(cmd, key, seen)
                 cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
         for dm in self.devices.values():
+            if not dm.running and dm.device.key in seen["used"]:
+                dm.baseline = dm.used
+        for dm in self.devices.values():
             self._reserved_metric(dm)
+
+    def _lone_use(self, cmd: Command, key: str, seen: dict[str, Any]) -> int:
+        """Where NVML's pids are not ours (a daemon in a container without the host's pid
+        namespace sees none of them), the use of a command running alone on its device: what is
+        used beyond the device's idle baseline and the pool. 0 where others run beside it."""
+        dm = self.devices[key]
+        if key in seen["mapped"] or dm.running != {cmd.id}:
+            return 0
+        return max(0, dm.used - dm.baseline - dm.pool)
 
     # ------------------------------------------------------------------------------ status
 

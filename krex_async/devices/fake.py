@@ -7,6 +7,8 @@ for production: it is named `fake` in status and its devices' keys are fake0..fa
     KREX_FAKE_GPU_DIR   a directory (required): <dir>/<key>/<pid> holds what process <pid> has
                         allocated on device <key>, in bytes (a process that is gone holds nothing)
     KREX_FAKE_GPU_MEM   each device's total memory in bytes (default 1 GiB)
+    KREX_FAKE_GPU_PID_OFFSET  added to every pid the vendor reports: pids that are not the
+                        daemon's, as NVML's are for a daemon in a container (default 0)
 
 A command on a fake device gets KREX_FAKE_GPU_DIR, _MEM and _DEVICE in its environment, and
 `python -m krex_async.devices.fake SIZE [SIZE ...]` allocates there: it sets its usage to each
@@ -29,6 +31,7 @@ from krex_async.devices.base import Device, DeviceProcess, Unavailable, Vendor
 DIR_VAR = "KREX_FAKE_GPU_DIR"
 MEM_VAR = "KREX_FAKE_GPU_MEM"
 DEVICE_VAR = "KREX_FAKE_GPU_DEVICE"
+OFFSET_VAR = "KREX_FAKE_GPU_PID_OFFSET"
 DEFAULT_MEM = 1 << 30
 
 
@@ -102,7 +105,8 @@ class FakeVendor(Vendor):
         return devices
 
     def processes(self, device: Device) -> list[DeviceProcess]:
-        return [DeviceProcess(pid, used) for pid, used in usage(self.dir / device.key).items()]
+        offset = int(os.environ.get(OFFSET_VAR) or 0)
+        return [DeviceProcess(pid + offset, used) for pid, used in usage(self.dir / device.key).items()]
 
     def refresh(self, device: Device) -> Device:
         from dataclasses import replace

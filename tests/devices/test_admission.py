@@ -236,3 +236,20 @@ def _free_port() -> int:
 def _scrape(addr: tuple[str, int]) -> bytes:
     with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/metrics", timeout=10) as r:
         return bytes(r.read())
+
+
+async def test_pids_that_are_not_ours_still_measure_a_command_running_alone(fake, tmp_path):
+    """NVML's pids are the host's: a daemon in a container matches none of them. A command alone
+    on its device is then measured by the device's use above its idle baseline, and learned."""
+    env = dict(fake, KREX_FAKE_GPU_PID_OFFSET="4000000")
+    rel = str(tmp_path / "r")
+    async with daemon(env=env) as d:
+        c = await d.client()
+        h = await c.submit(alloc("300M", release=rel), env=env, label="far")
+        await until_status(c, h.command, lambda s: s["mem_peak"] >= 300 * MiB, "its use above the baseline")
+        released(rel)
+        assert (await h.wait()).report.mem_peak == 300 * MiB
+        nxt = await c.submit(alloc("1M"), env=env, label="far")
+        res = await nxt.wait()
+        assert res.report.mem_source == "learned" and res.report.mem_need == 300 * MiB, res.report
+        await c.close()
