@@ -197,6 +197,11 @@ class Admission:
         solo = next((o for o in others if o.solo), None)
         if solo is not None:
             return f"waiting for {solo.id}, a re-run after a co-located out-of-memory, to end on {key}"
+        backlog = self.core.config.region_backlog
+        if backlog and self.core.scheduler.isolates():
+            queued = len(self.core.scheduler.queued(key))
+            if queued >= backlog:  # another command would only wait in that line too
+                return f"waiting: {queued} region(s) already queued on {key} (--region-backlog {backlog})"
         if cmd.mem_source == "unknown":
             unknown = next((o for o in others if o.mem_source == "unknown"), None)
             if unknown is not None:

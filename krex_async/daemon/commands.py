@@ -152,6 +152,24 @@ class Command:
     def pid(self) -> int | None:
         return self.launched.pid if self.launched else None
 
+    def reset_for_rerun(self, reason: str) -> None:
+        """Ended, to run again (a re-run after a co-located out-of-memory, admission.py): queued
+        and alone, with nothing of the first run's processes, output or regions left."""
+        self.reruns += 1
+        self.rerun_reason, self.solo, self.co_located = reason, True, False
+        self.state, self.report, self.launched, self.group, self.watch_task = (
+            CommandState.QUEUED,
+            None,
+            None,
+            None,
+            None,
+        )
+        self.end_reason = self.end_note = self.start_error = ""
+        self.kill_pending, self.handoff, self.spools, self.regions = None, None, {}, []
+        for held in (self.pipe_closers, self.runtimes, self.adopters, self.signalled):
+            held.clear()
+        self.out, self.err = Tail(self.tail_limit), Tail(self.tail_limit)
+
     def publish(self, make: Callable[[int], P.Msg], *, output: bool = False) -> None:
         """Send make(request id) to every subscriber (output only to those that stream)."""
         for sub in list(self.subscribers):

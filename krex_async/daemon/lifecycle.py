@@ -13,14 +13,13 @@ import asyncio
 import itertools
 import signal
 
-import msgspec
-
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import adoption
+from krex_async.daemon import reruns
 from krex_async.daemon.access import RequestError, own, run_as
 from krex_async.daemon.admission import Admission
-from krex_async.daemon.commands import Command, CommandState, SpecError, Subscriber, Tail
+from krex_async.daemon.commands import Command, CommandState, SpecError, Subscriber
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.placement import choose
 from krex_async.daemon.regions import Regions
@@ -272,37 +271,12 @@ class Lifecycle:
             await asyncio.wait(ending, timeout=10)
 
     async def _oom(self, cmd: Command) -> bool:
-        """The command failed with CUDA out of memory. Co-located (others held device memory while
-        it ran), allowed (Submit.rerun_on_oom), not re-run yet and fitting alone: it is re-run,
-        alone, and True. Otherwise its report says whether the failure was co-location's."""
-        assert cmd.report is not None
-        others = sorted(set(self.core.scheduler.siblings(cmd.device_key or "", cmd.id)))
-        if not cmd.co_located:
-            cmd.report = msgspec.structs.replace(cmd.report, oom="alone")
+        """The command failed with CUDA out of memory: re-run it (True) or say why not (reruns.py)."""
+        others = self.core.scheduler.siblings(cmd.device_key or "", cmd.id)
+        if not reruns.verdict(cmd, others, self.admission.fits_alone(cmd), self.core.closing):
             return False
-        if (
-            cmd.spec.rerun_on_oom
-            and not cmd.reruns
-            and self.admission.fits_alone(cmd)
-            and not self.core.closing
-        ):
-            await self._rerun(cmd)
-            return True
-        why = (
-            "it was re-run once already"
-            if cmd.reruns
-            else "it would not fit alone either"
-            if not self.admission.fits_alone(cmd)
-            else "the submit did not allow a re-run (rerun_on_oom)"
-        )
-        note = (
-            f"CUDA out of memory while co-located on {cmd.device_key} with other commands "
-            f"({', '.join(others) or 'since ended'}) or warm pool workers holding its memory; "
-            f"not re-run: {why}"
-        )
-        error = f"{cmd.report.error}; {note}" if cmd.report.error else note
-        cmd.report = msgspec.structs.replace(cmd.report, oom="co-located", error=error)
-        return False
+        await self._rerun(cmd)
+        return True
 
     async def _rerun(self, cmd: Command) -> None:
         """Put an out-of-memory command back in line, first, to run alone: its regions end, its
@@ -317,24 +291,7 @@ class Lifecycle:
             self.core.spool.remove(sorted(f.path for f in cmd.spools.values()))
         if self.core.attributor is not None:
             self.core.attributor.command_ended(cmd)
-        reason = "co-located OOM"
-        cmd.reruns += 1
-        cmd.rerun_reason, cmd.solo = reason, True
-        cmd.state, cmd.report, cmd.launched, cmd.group, cmd.watch_task = (
-            CommandState.QUEUED,
-            None,
-            None,
-            None,
-            None,
-        )
-        cmd.end_reason = cmd.end_note = cmd.start_error = ""
-        cmd.kill_pending, cmd.handoff, cmd.spools, cmd.regions = None, None, {}, []
-        cmd.pipe_closers.clear()
-        cmd.runtimes.clear()
-        cmd.adopters.clear()
-        cmd.signalled.clear()
-        cmd.co_located = False
-        cmd.out, cmd.err = Tail(cmd.tail_limit), Tail(cmd.tail_limit)
+        cmd.reset_for_rerun(reason := reruns.REASON)
         self.admission.requeue(cmd)
         self.core.metrics.rerun(cmd.device_key or "none", reason)
         self.core.metrics.command_requeued(cmd.policy_name, cmd.device_key or "none", cmd.id)

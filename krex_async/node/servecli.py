@@ -246,6 +246,13 @@ def add_parser(sub: Any) -> None:
         metavar="FRACTION",
         help="fraction of each device's memory admission keeps free (default 0.05)",
     )
+    p.add_argument(
+        "--region-backlog",
+        type=int,
+        metavar="N",
+        help="with memory admission under policy region: a new command waits while N regions "
+        "already queue on its device (default 0: off)",
+    )
     p.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
     p.add_argument(

@@ -51,18 +51,19 @@ async def row(c: Client, command: str) -> dict[str, Any]:
     return next(x for x in st["commands"] if x["command"] == command)
 
 
-async def until_status(c: Client, command: str, check: Any, what: str) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-
-    async def poll() -> bool:
-        seen.update(await row(c, command))
-        return bool(check(seen))
-
+async def eventually(read: Any, check: Any, what: str, timeout: float = 60.0) -> Any:
+    """conftest.until for a value read asynchronously: poll `read()` until `check(value)` holds;
+    AssertionError naming `what` and the last value after `timeout`."""
     t0 = asyncio.get_running_loop().time()
-    while not await poll():
-        assert asyncio.get_running_loop().time() - t0 < 60, f"{what}: {seen}"
+    while not check(value := await read()):
+        assert asyncio.get_running_loop().time() - t0 < timeout, f"not within {timeout:g} s: {what}: {value}"
         await asyncio.sleep(0.05)
-    return seen
+    return value
+
+
+async def until_status(c: Client, command: str, check: Any, what: str) -> dict[str, Any]:
+    """The command's `krex status` row once `check(row)` holds."""
+    return await eventually(lambda: row(c, command), check, what)  # type: ignore[no-any-return]
 
 
 def released(path: str) -> None:
@@ -252,4 +253,43 @@ async def test_pids_that_are_not_ours_still_measure_a_command_running_alone(fake
         nxt = await c.submit(alloc("1M"), env=env, label="far")
         res = await nxt.wait()
         assert res.report.mem_source == "learned" and res.report.mem_need == 300 * MiB, res.report
+        await c.close()
+
+
+REGION_OWNER = """
+import os, sys, time
+from krex_async import region
+with region(sys.argv[1]):
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.02)
+"""
+
+
+async def test_region_backlog_holds_a_new_command_while_regions_queue(fake, tmp_path, script):
+    """--region-backlog 1 under policy region: while one region waits behind another on the device,
+    a new command waits too (its reason names the backlog); it starts once the line is gone."""
+    env = fake
+    owner = script("owner.py", REGION_OWNER)
+    ra, rb = str(tmp_path / "ra"), str(tmp_path / "rb")
+    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "region", "--freeze", "device-holders")
+    async with run_daemon(*args, "--region-backlog", "1", "--mem-default", "1", env=env) as d:
+        c = await d.client()
+        a = await c.submit([PY, owner, "a", ra], env=env, label="a")
+
+        async def device() -> dict[str, Any]:
+            return (await c.status())["devices"][0]  # type: ignore[no-any-return]
+
+        await eventually(lambda: device(), lambda dev: dev["holder"] is not None, "A's region held")
+        b = await c.submit([PY, owner, "b", rb], env=env, label="b")
+        await eventually(lambda: device(), lambda dev: len(dev["queued"]) == 1, "B's region queued")
+        new = await c.submit(alloc("1M"), env=env, label="new")
+        st = await row(c, new.command)
+        assert (
+            st["state"] == "queued"
+            and "1 region(s) already queued on fake0 (--region-backlog 1)" in st["waiting_for"]
+        ), st
+        released(ra)
+        released(rb)
+        assert (await new.wait()).report.exit_code == 0
+        assert (await a.wait()).report.exit_code == 0 and (await b.wait()).report.exit_code == 0
         await c.close()
