@@ -166,7 +166,7 @@ class CommandHandle:
                 case P.Rerun():
                     self._out.clear()
                     self._err.clear()
-                    self.pid = None
+                    self.pid, self.queued = None, True  # in its device's queue again
                     self.reruns += 1
                     if reruns:
                         yield "rerun", b""

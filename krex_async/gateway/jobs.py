@@ -240,6 +240,8 @@ class JobRunner:
                     out.clear()
                     err.clear()
                     cut = {"stdout": False, "stderr": False}
+                    deadline.cancel()  # its timeout counts from the re-run's start
+                    deadline = asyncio.get_running_loop().create_task(self._deadline(job_id, h, timeout))
                     continue
                 buf = out if stream == "stdout" else err
                 room = limit - len(buf)
