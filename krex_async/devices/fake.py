@@ -26,27 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from krex_async.devices.base import Device, DeviceProcess, Unavailable, Vendor
+from krex_async.devices.base import Device, DeviceProcess, Unavailable, Vendor, parse_size
 
 DIR_VAR = "KREX_FAKE_GPU_DIR"
 MEM_VAR = "KREX_FAKE_GPU_MEM"
 DEVICE_VAR = "KREX_FAKE_GPU_DEVICE"
 OFFSET_VAR = "KREX_FAKE_GPU_PID_OFFSET"
 DEFAULT_MEM = 1 << 30
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "123", "64K", "512M", "2G" (binary units). ValueError naming the text."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = units.get(t[-1:], 1)
-    try:
-        n = int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
-    if n < 0:
-        raise ValueError(f"not a size: {text!r} (negative)")
-    return n
 
 
 def _alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -293,3 +294,28 @@ async def test_region_backlog_holds_a_new_command_while_regions_queue(fake, tmp_
         assert (await new.wait()).report.exit_code == 0
         assert (await a.wait()).report.exit_code == 0 and (await b.wait()).report.exit_code == 0
         await c.close()
+
+
+async def test_krex_run_mem_declares_the_need(fake):
+    """`krex run --mem SIZE` is Submit.mem: larger than the device, refused before anything runs."""
+    env = fake
+    async with daemon(env=env) as d:
+        run = [PY, "-m", "krex_async", "run", "--socket", d.socket, "--device", "fake0"]
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [*run, "--mem", "2G", "--", "true"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert p.returncode == 125 and "needs 2.0 GiB (Submit.mem), more than fake0 has in all" in p.stderr, p
+        ok = await asyncio.to_thread(
+            subprocess.run,
+            [*run, "--mem", "100M", "--", "true"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert ok.returncode == 0, ok
