@@ -43,6 +43,7 @@ log = logs.get("krex.daemon")
 SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
 IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
 KEEP_PEAKS = 8  # peaks remembered per key: the need is the largest of them
+KEEP_KEYS = 4096  # keys remembered (a daemon's life of distinct scripts must not grow the file)
 OOM_MARKERS = (
     b"CUDA out of memory",
     b"CUDA_ERROR_OUT_OF_MEMORY",
@@ -98,8 +99,10 @@ class Footprints:
         return max(peaks) if peaks else None
 
     def learn(self, key: str, peak: int) -> None:
-        self.peaks.setdefault(key, []).append(peak)
-        del self.peaks[key][:-KEEP_PEAKS]
+        peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
+        self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
+        while len(self.peaks) > KEEP_KEYS:
+            del self.peaks[next(iter(self.peaks))]
         if self.path is not None:
             try:
                 replace_file(self.path, json.dumps({"version": 1, "peaks": self.peaks}).encode())

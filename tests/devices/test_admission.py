@@ -319,3 +319,21 @@ async def test_krex_run_mem_declares_the_need(fake):
             timeout=60,
         )
         assert ok.returncode == 0, ok
+
+
+def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkeypatch):
+    from krex_async.daemon import admission
+
+    monkeypatch.setattr(admission, "KEEP_KEYS", 3)
+    path = str(tmp_path / "memory.json")
+    f = admission.Footprints(path)
+    for i in range(5):
+        f.learn(f"k{i}", i)
+    f.learn("k3", 10)
+    for _ in range(admission.KEEP_PEAKS):
+        f.learn("k4", 1)
+    again = admission.Footprints(path)
+    assert list(again.peaks) == ["k2", "k3", "k4"] and again.get("k3") == 10  # the oldest went
+    assert again.peaks["k4"] == [1] * admission.KEEP_PEAKS and again.get("k4") == 1  # the last 8
+    Path(path).write_text("{not json")
+    assert admission.Footprints(path).peaks == {}  # learned anew, not a daemon that cannot start
