@@ -105,6 +105,7 @@ async def _run(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 label=args.label or "",
                 stdin_stream=stream_stdin,
+                mem=args.mem,
             )
         except KrexError as e:
             print(f"krex run: {e.message}", file=sys.stderr)
@@ -257,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         type=text_up_to(MAX_NAME),
         help=f"a label shown in `krex status` and the report (up to {MAX_NAME} characters)",
     )
+    r.add_argument(
+        "--mem",
+        type=_mem_size,
+        default=0,
+        metavar="SIZE",
+        help="device memory the command needs (e.g. 12G): memory admission reserves it, and waits "
+        "to start it until it fits beside what runs on the device",
+    )
     stdin = r.add_mutually_exclusive_group()  # both given: which one was meant is unknown
     stdin.add_argument(
         "--stdin",
@@ -303,6 +312,16 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except KeyboardInterrupt:  # in a verb's own imports, or before its own handling: as the shell
         return 130
+
+
+def _mem_size(text: str) -> int:
+    """--mem: a size (512M, 12G, bytes); argparse names the flag in its error."""
+    from krex_async.devices.base import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _arun(coro: Coroutine[Any, Any, int]) -> int:

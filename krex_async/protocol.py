@@ -92,6 +92,11 @@ class Submit(Msg, tag="submit"):
     run_as: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)] | None = None
     # stdin a pipe that StdinData requests fill (krex run's default), instead of `stdin`'s bytes
     stdin_stream: bool = False
+    # Memory-aware admission: what commands that need alike share (their learned footprint;
+    # default: the label, else argv[0] and argv[1]), and whether a CUDA out-of-memory failure
+    # while others held the device's memory may be re-run once, alone (the agent gets Rerun)
+    mem_key: Name = ""
+    rerun_on_oom: bool = False
 
     def __post_init__(self) -> None:
         if self.stdin_stream and self.stdin is not None:
@@ -379,6 +384,16 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     # the others were not ("flag -X", "fds", "interpreter", "no warm worker" ...: count each).
     pool_adopted: int = 0
     pool_declined: dict[str, int] = {}
+    # Memory-aware admission: re-runs after a CUDA out-of-memory while co-located (this report is
+    # the re-run's, its output too), why; oom: "co-located" or "alone" when it failed so; the
+    # device memory it was taken to need (mem_source: declared, learned, default, unknown) and
+    # the most its processes were seen to hold
+    reruns: int = 0
+    rerun_reason: str = ""
+    oom: str = ""
+    mem_need: int = 0
+    mem_source: str = ""
+    mem_peak: int = 0
 
 
 # ------------------------------------------------------------------------------------------ replies
@@ -419,6 +434,15 @@ class Exited(Msg, tag="exited"):
     report: CommandReport
     stdout_tail: bytes = b""  # for Attach after disconnect: what was not streamed
     stderr_tail: bytes = b""
+
+
+class Rerun(Msg, tag="rerun"):
+    """The command (Submit.rerun_on_oom) failed with CUDA out of memory while others held the
+    device's memory: it runs again, alone; its output so far is void (the re-run's replaces it)."""
+
+    id: ReqId
+    command: str
+    reason: str = ""
 
 
 class RegionGranted(Msg, tag="region_granted"):
@@ -546,6 +570,7 @@ Reply = (
     | Error
     | Adopted
     | AdoptExited
+    | Rerun
 )
 
 

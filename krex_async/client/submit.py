@@ -144,10 +144,13 @@ class CommandHandle:
         self._out = bytearray()
         self._err = bytearray()
         self._result: Result | None = None
+        self.reruns = 0  # times the daemon re-ran it after a co-located out-of-memory
 
-    async def output(self, started: bool = False) -> AsyncIterator[tuple[str, bytes]]:
+    async def output(self, started: bool = False, reruns: bool = False) -> AsyncIterator[tuple[str, bytes]]:
         """Yield (stream, data) as the command writes, until it ends (then `wait()` returns at once).
-        `started`: also ("started", b"") as it starts (`pid` set), for a relay (the fleet's agent)."""
+        `started`: also ("started", b"") as it starts (`pid` set), for a relay (the fleet's agent).
+        `reruns`: also ("rerun", b"") where the daemon re-runs it (Submit.rerun_on_oom): what it
+        wrote so far is void, the re-run's output replaces it."""
         while self._result is None:
             msg = await self._queue.get()
             if msg is None:
@@ -160,6 +163,13 @@ class CommandHandle:
                     self.pid = msg.pid
                     if started:
                         yield "started", b""
+                case P.Rerun():
+                    self._out.clear()
+                    self._err.clear()
+                    self.pid, self.queued = None, True  # in its device's queue again
+                    self.reruns += 1
+                    if reruns:
+                        yield "rerun", b""
                 case P.Exited():
                     self._out += msg.stdout_tail
                     self._err += msg.stderr_tail
@@ -322,6 +332,8 @@ class Client:
         stream: bool = True,
         run_as: int | None = None,
         stdin_stream: bool = False,
+        mem_key: str = "",
+        rerun_on_oom: bool = False,
     ) -> CommandHandle:
         """Start a command. env=None passes this process's environment (as a shell would);
         run_as: another uid to run it as (the daemon allows that to a root peer only).
@@ -351,6 +363,8 @@ class Client:
             stream=stream,
             run_as=run_as,
             stdin_stream=stdin_stream,
+            mem_key=mem_key,
+            rerun_on_oom=rerun_on_oom,
         )
         q = self._send(msg)
         first = await q.get()

@@ -123,6 +123,17 @@ class Command:
     handoff: Handoff | None = None  # another user's command: its cwd and env, applied after the drop
     stdin_pipe: StdinPipe | None = None  # Submit.stdin_stream: fed by StdinData until it ends
     pool_env: dict[str, str] = field(default_factory=dict)  # KREX_POOL, where its interpreters may be adopted
+    # memory-aware admission (admission.py): what it is taken to need and where that figure came
+    # from (declared, learned, default, unknown), what its tree holds now and at most, why it waits
+    mem_need: int = 0
+    mem_source: str = ""
+    mem_now: int = 0
+    mem_peak: int = 0
+    mem_wait: str = ""
+    co_located: bool = False  # other commands (or pool workers) held device memory while it ran
+    solo: bool = False  # a re-run after a co-located out-of-memory: runs alone on its device
+    reruns: int = 0
+    rerun_reason: str = ""
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -140,6 +151,24 @@ class Command:
     @property
     def pid(self) -> int | None:
         return self.launched.pid if self.launched else None
+
+    def reset_for_rerun(self, reason: str) -> None:
+        """Ended, to run again (a re-run after a co-located out-of-memory, admission.py): queued
+        and alone, with nothing of the first run's processes, output or regions left."""
+        self.reruns += 1
+        self.rerun_reason, self.solo, self.co_located = reason, True, False
+        self.state, self.report, self.launched, self.group, self.watch_task = (
+            CommandState.QUEUED,
+            None,
+            None,
+            None,
+            None,
+        )
+        self.end_reason = self.end_note = self.start_error = ""
+        self.kill_pending, self.handoff, self.spools, self.regions = None, None, {}, []
+        for held in (self.pipe_closers, self.runtimes, self.adopters, self.signalled):
+            held.clear()
+        self.out, self.err = Tail(self.tail_limit), Tail(self.tail_limit)
 
     def publish(self, make: Callable[[int], P.Msg], *, output: bool = False) -> None:
         """Send make(request id) to every subscriber (output only to those that stream)."""

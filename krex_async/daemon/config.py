@@ -134,6 +134,15 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # seconds an adopting interpreter waits for a warming worker before it runs plainly (its own
     # import and context cost more than the rest of a warm-up already under way)
     pool_wait: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
+    # memory-aware admission (daemon/admission.py): auto tracks every GPU (not `cpu` devices),
+    # memory every device, off none; an unknown command reserves --mem-default bytes (0: one
+    # unknown at a time per device); --mem-headroom: the fraction of a device's memory kept free
+    admission: Literal["auto", "memory", "off"] = "auto"
+    mem_default: Annotated[int, msgspec.Meta(ge=0, le=2**60)] = 0
+    mem_headroom: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.05
+    # ... and (policy region) a new command waits while this many regions queue on its device
+    # already: beside them it would only add to the line and to the memory in use (0: off)
+    region_backlog: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint ("" = off), e.g. 127.0.0.1:9464
 
     # The comma-separated options as lists: they stay strings in the Struct (how the command line,

@@ -10,6 +10,7 @@ down:
                                    -> joins -----------^       ^
            -> attribution -> regions; lifecycle -> warmpools -> joins
            -> recovery, tracing; lifecycle -> placement -> access
+                                 lifecycle, placement, status -> admission -> core
 """
 
 from __future__ import annotations

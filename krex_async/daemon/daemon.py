@@ -87,7 +87,9 @@ class Daemon:
         self._boot = secrets.token_hex(4)
         self.lifecycle = Lifecycle(self.core, self.regions, self.warm, self._boot)
         self._attributor: Attributor | None = None  # set when probes run
-        self.status = Status(self.core, self.regions, self.warm.adoptions, self._boot)
+        self.status = Status(
+            self.core, self.regions, self.warm.adoptions, self._boot, self.lifecycle.admission
+        )
         # a dead daemon's commands: ended and reported (recovery.py)
         recover(self.core, self.lifecycle.forget)
 

@@ -16,7 +16,9 @@ import signal
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import adoption
+from krex_async.daemon import reruns
 from krex_async.daemon.access import RequestError, own, run_as
+from krex_async.daemon.admission import Admission
 from krex_async.daemon.commands import Command, CommandState, SpecError, Subscriber
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.placement import choose
@@ -44,6 +46,7 @@ class Lifecycle:
         )
         self.boot = boot  # every command id starts with it (Daemon: unique across daemons)
         self._ids = itertools.count(1)
+        self.admission = Admission(core)  # a command starts only when it fits in device memory
 
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
         """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
@@ -66,7 +69,11 @@ class Lifecycle:
                     f"{mine} of your commands are queued, running or kept "
                     "(--max-commands-per-user); retry after some have ended",
                 )
-        device = choose(self.core, req)
+        if req.rerun_on_oom and (req.stdin is not None or req.stdin_stream):
+            raise RequestError(
+                "bad_spec", "rerun_on_oom needs a command without stdin: a re-run could not feed it again"
+            )
+        device = choose(self.core, req, self.admission)
         cid = f"{self.boot}-{next(self._ids)}"
         while cid in self.core.commands:  # a dead daemon's command, recovered, started in the same second
             cid = f"{self.boot}-{next(self._ids)}"
@@ -79,6 +86,8 @@ class Lifecycle:
             policy=self.core.scheduler.policy,
             tail_limit=self.core.config.output_tail,
         )
+        if device is not None and (why := self.admission.too_large(cmd, device)):
+            raise RequestError("too_large", why)
         if (pool := self.warm.adoptable(cmd)) is not None:
             cmd.pool_env = {"KREX_POOL": adoption.pool_env(pool)}
         try:
@@ -89,7 +98,7 @@ class Lifecycle:
         if req.stdin_stream:
             cmd.stdin_pipe = StdinPipe()
         self.core.commands[cid] = cmd
-        start_now = self.core.scheduler.add_command(cid, cmd.device_key)
+        start_now = self.core.scheduler.add_command(cid, cmd.device_key) and self.admission.admit(cmd)
         send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
         self.core.metrics.command_submitted(cmd.policy_name, cmd.device_key or "none", not start_now, cid)
         log.info(
@@ -99,6 +108,7 @@ class Lifecycle:
             device=cmd.device_key,
             queued=not start_now,
             uid=uid,
+            waits_for=cmd.mem_wait or None,
         )
         if start_now:
             # Its own task: the connection's tasks are cancelled when the agent leaves, and a start
@@ -149,6 +159,14 @@ class Lifecycle:
             frozen=region is not None,
         )
 
+    def _launch(self, cmd: Command) -> None:
+        """Start a command its device's queue (or memory) let go, as a task of its own."""
+        self.core.track(asyncio.get_running_loop().create_task(self._start(cmd), name=f"start-{cmd.id}"))
+
+    async def memory_loop(self) -> None:
+        """Sample device memory while the daemon serves; start what comes to fit (admission.py)."""
+        await self.admission.sample_loop(self._launch)
+
     def _end_unstarted(self, cmd: Command, state: str, error: str) -> None:
         """End a command that never ran (cancelled or shut down while queued, or its spawn failed):
         out of its device's queue at once, then reported like any other."""
@@ -163,9 +181,9 @@ class Lifecycle:
             error=error,
             label=cmd.spec.label,
         )
-        loop = asyncio.get_running_loop()
         for nxt in promoted:
-            self.core.track(loop.create_task(self._start(self.core.commands[nxt])))
+            if self.admission.admit(self.core.commands[nxt]):
+                self._launch(self.core.commands[nxt])
         self._on_exit(cmd)
 
     def _on_exit(self, cmd: Command) -> None:
@@ -176,22 +194,21 @@ class Lifecycle:
         deliver its report, and keep it for the retention time."""
         if cmd.stdin_pipe is not None:  # what its children still read sees EOF, as after a shell
             cmd.stdin_pipe.close()
+        oom = self.admission.tracks(cmd.device_key) and self.admission.oom(cmd)
+        if oom and await self._oom(cmd):
+            return  # re-run: it starts again once it can run alone
         for other in self.regions.active.values():  # held by another's region, it ended all the same
             rep = other.report
             if rep.outcome == "held" and cmd.id in other.locked_ids and cmd.id not in rep.held_exited:
                 rep.held_exited.append(cmd.id)
-        ending = []
-        for rid in self.core.scheduler.regions_of(cmd.id):
-            r = self.regions.active.get(rid)
-            if r is not None:
-                r.end("owner-died")
-                if r.task is not None:
-                    ending.append(r.task)
-        if ending:
-            await asyncio.wait(ending, timeout=10)
+        await self._end_regions(cmd)
         loop = asyncio.get_running_loop()
         for nxt in self.core.scheduler.end_command(cmd.id, cmd.device_key):
-            self.core.track(loop.create_task(self._start(self.core.commands[nxt])))
+            if self.admission.admit(self.core.commands[nxt]):
+                self._launch(self.core.commands[nxt])
+        if not self.core.closing:
+            for fits in self.admission.ended(cmd, oom):
+                self._launch(fits)
         assert cmd.report is not None
         adopted = self.warm.report(cmd.id, cmd.report)
         if self.core.records is not None and (cmd.regions or adopted):
@@ -241,6 +258,47 @@ class Lifecycle:
         if self.core.attributor is not None:
             loop.call_later(1.0, self.core.attributor.command_ended, cmd)  # late events still attribute
         loop.call_later(self.core.config.retention, self.forget, cmd)
+
+    async def _end_regions(self, cmd: Command) -> None:
+        ending = []
+        for rid in self.core.scheduler.regions_of(cmd.id):
+            r = self.regions.active.get(rid)
+            if r is not None:
+                r.end("owner-died")
+                if r.task is not None:
+                    ending.append(r.task)
+        if ending:
+            await asyncio.wait(ending, timeout=10)
+
+    async def _oom(self, cmd: Command) -> bool:
+        """The command failed with CUDA out of memory: re-run it (True) or say why not (reruns.py)."""
+        others = self.core.scheduler.siblings(cmd.device_key or "", cmd.id)
+        if not reruns.verdict(cmd, others, self.admission.fits_alone(cmd), self.core.closing):
+            return False
+        await self._rerun(cmd)
+        return True
+
+    async def _rerun(self, cmd: Command) -> None:
+        """Put an out-of-memory command back in line, first, to run alone: its regions end, its
+        group and spool files go, its output so far is void (its agents hear Rerun)."""
+        await self._end_regions(cmd)
+        if cmd.group is not None:
+            try:
+                await self.core.backend.remove(cmd.group)
+            except Exception as e:  # its next start makes a group of its own name: say why it fails
+                log.error("group_remove_failed", command=cmd.id, error=repr(e))
+        if self.core.spool is not None and cmd.spools:
+            self.core.spool.remove(sorted(f.path for f in cmd.spools.values()))
+        if self.core.attributor is not None:
+            self.core.attributor.command_ended(cmd)
+        cmd.reset_for_rerun(reason := reruns.REASON)
+        self.admission.requeue(cmd)
+        self.core.metrics.rerun(cmd.device_key or "none", reason)
+        self.core.metrics.command_requeued(cmd.policy_name, cmd.device_key or "none", cmd.id)
+        log.info("command_rerun", command=cmd.id, device=cmd.device_key, reason=reason)
+        cmd.publish(lambda rid: P.Rerun(id=rid, command=cmd.id, reason=reason))
+        for other in self.admission.pump(cmd.device_key):
+            self._launch(other)
 
     def forget(self, cmd: Command) -> None:
         """The command's retention ended: drop it, its spool files and its record."""

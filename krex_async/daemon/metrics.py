@@ -36,6 +36,11 @@ No `_created` series are exported (prometheus-client's per-series creation times
     device_utilization_percent{device}             gauge      the same in percent (kept for
                                                               existing dashboards; deprecated)
     device_info{device,gpu,UUID,modelName,vendor}  gauge = 1
+    device_memory_reserved_bytes{device}           gauge      memory admission counts as held by
+                                                              running commands (admission.py)
+    device_memory_used_bytes{device}               gauge      used on the device, all processes
+    commands_waiting_memory{device}                gauge      commands queued for memory
+    command_reruns_total{device,reason}            counter    re-runs after a co-located OOM
     info{version,policy,isolation}                 gauge = 1
 """
 
@@ -189,6 +194,24 @@ class Metrics:
             ["device", "gpu", "UUID", "modelName", "vendor"],
             registry=r,
         )
+        self._mem_reserved = Gauge(
+            "krex_device_memory_reserved_bytes",
+            "Device memory admission counts as held by running commands",
+            ["device"],
+            registry=r,
+        )
+        self._mem_used = Gauge(
+            "krex_device_memory_used_bytes", "Device memory used, all processes", ["device"], registry=r
+        )
+        self._mem_waiting = Gauge(
+            "krex_commands_waiting_memory", "Commands queued for device memory", ["device"], registry=r
+        )
+        self._reruns = Counter(
+            "krex_command_reruns",
+            "Commands re-run after a CUDA out-of-memory while co-located",
+            ["device", "reason"],
+            registry=r,
+        )
         self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"], registry=r)
 
     # ------------------------------------------------------------------------------- commands
@@ -217,6 +240,14 @@ class Metrics:
         self._commands.labels("running", policy, device).inc()
         self._started.labels(policy, device, via).inc()
 
+    def command_requeued(self, policy: str, device: str, command: str) -> None:
+        """A running command ended and waits to run again (a re-run): running -> queued."""
+        if not self.available:
+            return
+        self._commands.labels("running", policy, device).dec()
+        self._commands.labels("queued", policy, device).inc()
+        self._queued[command] = (policy, device)
+
     def command_ended(
         self,
         policy: str,
@@ -237,6 +268,20 @@ class Metrics:
             self._commands.labels("running", policy, device).dec()
             self._wall.labels(policy, device).observe(max(0.0, wall_s))
         self._ended.labels(policy, device, state).inc()
+
+    def memory_reserved(self, device: str, reserved: int, used: int) -> None:
+        """Memory admission's view of `device`: held by its running commands, used in all."""
+        if self.available:
+            self._mem_reserved.labels(device).set(reserved)
+            self._mem_used.labels(device).set(used)
+
+    def memory_waiting(self, device: str, n: int) -> None:
+        if self.available:
+            self._mem_waiting.labels(device).set(n)
+
+    def rerun(self, device: str, reason: str) -> None:
+        if self.available:
+            self._reruns.labels(device, reason).inc()
 
     # -------------------------------------------------------------------------------- regions
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.access import RequestError
+from krex_async.daemon.admission import Admission, gib
 from krex_async.daemon.core import Core
 from krex_async.devices import NoDevice, place
 from krex_async.devices.base import Device
@@ -13,7 +14,7 @@ from krex_async.devices.base import Device
 log = logs.get("krex.daemon")
 
 
-def choose(core: Core, spec: P.Submit) -> Device | None:
+def choose(core: Core, spec: P.Submit, admission: Admission | None = None) -> Device | None:
     """The device for `spec` (None for device=none). Raises RequestError for a device this node
     does not have, or when no device can take it (`auto`)."""
     want = spec.device
@@ -21,6 +22,8 @@ def choose(core: Core, spec: P.Submit) -> Device | None:
         return None
     if want == "auto":
         load = {k: len(q.commands) for k, q in core.scheduler.devices.items()}
+        if admission is not None and any(admission.tracks(d.key) for d in core.devices):
+            return by_admission(core, spec, admission, load)
         try:
             chosen = place(live_memory(core) if spec.mem > 0 else core.devices, load, spec.mem)
         except NoDevice as e:
@@ -45,3 +48,17 @@ def live_memory(core: Core) -> list[Device]:
         log.warning("device_refresh_failed", error=repr(e))
         return core.devices
     return [live.get(d.key, d) for d in core.devices]
+
+
+def by_admission(core: Core, spec: P.Submit, admission: Admission, load: dict[str, int]) -> Device:
+    """`auto` where memory admission tracks the devices: the least loaded of those where the command
+    fits now (as admission counts it), else of those it fits alone (it then waits for memory
+    there); RequestError where it fits on none."""
+    need, source = admission.need(spec)
+    able = [d for d in core.devices if not admission.tracks(d.key) or need <= d.memory_total_bytes]
+    if not able:
+        have = ", ".join(f"{d.key} has {gib(d.memory_total_bytes)}" for d in core.devices)
+        raise RequestError("bad_device", f"no device is large enough: needs {gib(need)} ({source}); {have}")
+    room = {d.key: admission.available(d.key) if admission.tracks(d.key) else 1 << 62 for d in able}
+    now = [d for d in able if room[d.key] >= need]
+    return min(now or able, key=lambda d: (load.get(d.key, 0), -room[d.key], d.index))

@@ -50,6 +50,11 @@ def end_report(cmd: Command, status: ExitStatus, now: float) -> P.CommandReport:
         stdout_dropped=out.dropped if out else 0,
         stderr_dropped=err.dropped if err else 0,
         spool_error="; ".join(f"{f.stream}: {f.error}" for f in cmd.spools.values() if f.error),
+        reruns=cmd.reruns,
+        rerun_reason=cmd.rerun_reason,
+        mem_need=cmd.mem_need,
+        mem_source=cmd.mem_source,
+        mem_peak=cmd.mem_peak,
     )
 
 

@@ -265,6 +265,10 @@ async def _start(
         daemon.track(
             asyncio.get_running_loop().create_task(daemon.status.sample_metrics(), name="metrics-sampler")
         )
+    if daemon.lifecycle.admission.devices:  # memory-aware admission tracks a device
+        daemon.track(
+            asyncio.get_running_loop().create_task(daemon.lifecycle.memory_loop(), name="memory-sampler")
+        )
     from krex_async import __version__
 
     daemon.metrics.info(__version__, cfg.policy.value, daemon.backend.name)

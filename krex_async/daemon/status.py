@@ -10,6 +10,7 @@ from typing import Any
 
 from krex_async import __version__, logs
 from krex_async.ctxpool import adoption
+from krex_async.daemon.admission import Admission
 from krex_async.daemon.core import Core
 from krex_async.daemon.regions import Regions
 from krex_async.linux.procfs import tree_memory
@@ -18,8 +19,16 @@ log = logs.get("krex.daemon")
 
 
 class Status:
-    def __init__(self, core: Core, regions: Regions, adoptions: dict[str, adoption.Tally], boot: str) -> None:
+    def __init__(
+        self,
+        core: Core,
+        regions: Regions,
+        adoptions: dict[str, adoption.Tally],
+        boot: str,
+        admission: Admission | None = None,
+    ) -> None:
         self.core = core
+        self.admission = admission  # what memory admission counts per device, and who waits
         self.regions = regions  # who holds each device, and how a region there would hold
         self.adoptions = adoptions  # command id -> interpreters adopted or declined
         self.boot = boot
@@ -141,6 +150,8 @@ class Status:
                         "locked": list(holder.locked_ids),
                     },
                     "queued": q.waiting and list(q.waiting) or [],
+                    # memory-aware admission (admission.py): None where it does not track the device
+                    "memory": self.admission.status(d.key) if self.admission is not None else None,
                 }
             )
         commands = [
@@ -162,6 +173,12 @@ class Status:
                 "start_latency_s": c.launched.start_latency_s if c.launched else None,
                 "pool_adopted": self.adoptions[c.id].adopted if c.id in self.adoptions else 0,
                 "pool_declined": dict(self.adoptions[c.id].declined) if c.id in self.adoptions else {},
+                "mem_need": c.mem_need,
+                "mem_source": c.mem_source,
+                "mem_bytes": c.mem_now,
+                "mem_peak": c.mem_peak,
+                "waiting_for": c.mem_wait if c.state.value == "queued" else "",
+                "reruns": c.reruns,
             }
             for c in self.core.commands.values()
         ]

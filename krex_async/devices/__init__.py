@@ -6,7 +6,8 @@
 
 spec: "auto" (NVIDIA, then AMD; every vendor that answers contributes its GPUs; none: one `cpu`
 device), "none" (only `cpu`), "cpu:N" (N logical cpu devices cpu0..cpuN-1 splitting the host's
-cpus), "nvidia" / "amd" (only that vendor; Unavailable with the reason when it is missing).
+cpus), "nvidia" / "amd" (only that vendor; Unavailable with the reason when it is missing), "fake:N"
+(N test GPUs whose memory the tests control: devices/fake.py; never for production).
 Notes are one line per vendor asked, for logs and `krex status`:
 "nvidia: unavailable: NVML library not found (libnvidia-ml.so.1)", "nvidia: 8 device(s)".
 """
@@ -82,10 +83,11 @@ MAX_CPU_DEVICES = 1024  # cpu:N stands in for N GPUs: a node has at most a few d
 
 
 def _parse_cpu_spec(spec: str) -> int:
+    kind = spec.split(":", 1)[0]
     try:
         n = int(spec.split(":", 1)[1])
     except ValueError:
-        raise ValueError(f"bad device spec {spec!r}: expected cpu:N with N a number") from None
+        raise ValueError(f"bad device spec {spec!r}: expected {kind}:N with N a number") from None
     if not 1 <= n <= MAX_CPU_DEVICES:
         raise ValueError(f"bad device spec {spec!r}: N must be 1 to {MAX_CPU_DEVICES}")
     return n
@@ -105,7 +107,7 @@ def check_spec(spec: str) -> None:
                 f"cpu:{len(cpus)} (each device needs a cpu of its own, or regions on different "
                 "devices, which run in parallel, would share one)"
             )
-    elif spec in _gpu_vendors():
+    elif spec in _gpu_vendors() or spec.startswith("fake:"):
         try:
             open_node(spec).close()
         except Unavailable as e:  # the vendor's reason
@@ -129,6 +131,12 @@ def open_node(spec: str = "auto") -> Node:
         cpu = CpuVendor(_parse_cpu_spec(spec))
         devs = cpu.open()
         return Node(devs, [f"cpu: {len(devs)} logical cpu devices"], {"cpu": cpu})
+    if spec.startswith("fake:"):
+        from krex_async.devices.fake import FakeVendor
+
+        fake = FakeVendor(_parse_cpu_spec(spec))
+        devs = fake.open()  # Unavailable without its directory
+        return Node(devs, [f"fake: {len(devs)} test device(s)"], {"fake": fake})
     vendors = _gpu_vendors()
     if spec == "auto":
         wanted = list(vendors)

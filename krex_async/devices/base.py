@@ -20,6 +20,21 @@ VISIBILITY_VARS = (
 )
 
 
+def parse_size(text: str) -> int:
+    """Bytes from "123", "64K", "512M", "2G", "2GiB" (binary units): a device memory size as
+    people write it. ValueError naming the text."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = units.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if n < 0:
+        raise ValueError(f"not a size: {text!r} (negative)")
+    return n
+
+
 class Unavailable(Exception):
     """This vendor's library or driver is missing here; the message says why."""
 

@@ -167,7 +167,8 @@ class NvidiaVendor(Vendor):
     # ------------------------------------------------------------------------------ live queries
 
     def processes(self, device: Device) -> list[DeviceProcess]:
-        """Processes holding a compute context on the device, as NVML reports them.
+        """Processes holding a compute context on the device, with the device memory each uses, as
+        NVML reports them (memory admission samples this: daemon/admission.py).
 
         NVML reports pids in the host's pid namespace; inside a container without it they do not
         match the daemon's pids. Empty when NVML cannot tell.
@@ -175,13 +176,30 @@ class NvidiaVendor(Vendor):
         handle = self._handles.get(device.key)
         if handle is None:
             return []
-        procs: list[Any] = self._try(lambda: self._nvml.nvmlDeviceGetComputeRunningProcesses(handle), [])
         return [
             DeviceProcess(
                 pid=int(p.pid), used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory)
             )
-            for p in procs
+            for p in self._compute_processes(handle)
         ]
+
+    def _compute_processes(self, handle: Any) -> list[Any]:
+        """nvmlDeviceGetComputeRunningProcesses, newest version first: pynvml's unversioned name
+        calls _v3 and raises NVMLLibraryMismatchError (no NVMLError) where the driver lacks it."""
+        nvml = self._nvml
+        mismatch = getattr(nvml, "NVMLLibraryMismatchError", nvml.NVMLError)
+        missing = getattr(nvml, "NVMLError_FunctionNotFound", mismatch)
+        for name in ("_v3", "_v2", ""):
+            fn = getattr(nvml, f"nvmlDeviceGetComputeRunningProcesses{name}", None)
+            if fn is None:
+                continue
+            try:
+                return list(fn(handle))
+            except (missing, mismatch):
+                continue  # an older driver: the version before
+            except nvml.NVMLError:
+                return []
+        return []
 
     def clock(self, device: Device) -> ClockState | None:
         """The SM clock against the applications clock (else the maximum), with NVML's reasons.

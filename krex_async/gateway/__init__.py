@@ -2,7 +2,7 @@
 
     krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
                  [--token-file F | --token T | --no-auth] [--run-as USER] [--job-python PY]
-                 [--allow-remote] [--max-running N] [--max-body BYTES] [--job-retention S|never]
+                 [--allow-remote] [--max-running N|auto] [--max-body BYTES] [--job-retention S|never]
                  [--queue-timeout S] ...
 
 Trust (auth.py, files.py): every request but /healthz needs a bearer token (generated into
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from krex_async import cliargs
-from krex_async.gateway.limits import Limits
+from krex_async.gateway.limits import AUTO_MAX_RUNNING, Limits, max_running_arg
 from krex_async.gateway.retention import DEFAULT as DEFAULT_RETENTION
 from krex_async.gateway.retention import parse as parse_retention
 
@@ -99,9 +99,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--atrex-bench-root", help="an Atrex-Bench checkout for eval/profile jobs")
     p.add_argument(
         "--max-running",
-        type=int,
-        default=d.max_running,
-        help=f"jobs submitted to the daemon at once (default {d.max_running})",
+        default=str(d.max_running),
+        metavar="N|auto",
+        help=f"jobs submitted to the daemon at once, an upper bound (default {d.max_running}); auto: "
+        f"up to {AUTO_MAX_RUNNING}, the daemon's memory admission deciding which start",
     )
     p.add_argument(
         "--job-retention",
@@ -363,8 +364,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
-    if args.max_running < 1:
-        print("krex gateway: --max-running must be at least 1", file=sys.stderr)
+    try:
+        args.max_running = max_running_arg(str(args.max_running))
+    except ValueError as e:
+        print(f"krex gateway: {e}", file=sys.stderr)
         return 2
     if args.default_timeout == Limits().default_timeout:  # not given: it follows a lower maximum
         args.default_timeout = min(args.default_timeout, args.max_timeout)

@@ -96,6 +96,9 @@ def command_result(
                 "via",
                 "pool_adopted",
                 "pool_declined",
+                "reruns",  # memory admission: re-run after a co-located CUDA out-of-memory
+                "rerun_reason",
+                "oom",  # "co-located" or "alone" where it failed so
             )
         },
     }

@@ -208,6 +208,12 @@ class JobRunner:
             if self.store.status(job_id) != "running":
                 return  # cancelled while being prepared
             client = await self.connect() or client  # lost while it was prepared (the clock lock)
+            # A daemon's (not a fleet's) memory admission: jobs of a kind share a learned footprint,
+            # and a job that ran out of memory beside others is run again alone (jobs are
+            # evaluations: running one twice is safe), its output replacing the first's.
+            admission: dict[str, Any] = (
+                {"mem_key": f"gateway {kind}", "rerun_on_oom": True} if isinstance(client, Client) else {}
+            )
             h = await client.submit(
                 argv,
                 cwd=str(workdir),
@@ -216,6 +222,7 @@ class JobRunner:
                 timeout=timeout + KILL_GRACE + 5,
                 label=f"gateway {job_id}",
                 run_as=uid,
+                **admission,
             )
             self.handles[job_id] = h
             self.store.set_command(job_id, h.command)
@@ -228,7 +235,14 @@ class JobRunner:
             out, err = bytearray(), bytearray()
             cut = {"stdout": False, "stderr": False}
             limit = self.limits.max_output
-            async for stream, data in h.output():
+            async for stream, data in h.output(reruns=True) if isinstance(h, CommandHandle) else h.output():
+                if stream == "rerun":  # the daemon runs it again: the first run's output is void
+                    out.clear()
+                    err.clear()
+                    cut = {"stdout": False, "stderr": False}
+                    deadline.cancel()  # its timeout counts from the re-run's start
+                    deadline = asyncio.get_running_loop().create_task(self._deadline(job_id, h, timeout))
+                    continue
                 buf = out if stream == "stdout" else err
                 room = limit - len(buf)
                 if len(data) > room:

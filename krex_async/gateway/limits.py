@@ -40,6 +40,24 @@ class Limits:
     max_running: int = 16  # jobs submitted to the daemon at once; the rest stay queued
 
 
+# --max-running auto: the gateway submits up to this many and the daemon's memory admission
+# decides which start (the rest wait in its queue, each with its reason)
+AUTO_MAX_RUNNING = 64
+
+
+def max_running_arg(text: str) -> int:
+    """--max-running: a number of jobs at least 1, or `auto` (AUTO_MAX_RUNNING). ValueError else."""
+    if text.strip().lower() == "auto":
+        return AUTO_MAX_RUNNING
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"--max-running {text!r}: expected a number of jobs or auto") from None
+    if n < 1:
+        raise ValueError("--max-running must be at least 1")
+    return n
+
+
 class BadRequest(Exception):
     """A request the gateway will not run: `reason` is machine-readable, `status` the HTTP code."""
 

@@ -227,6 +227,32 @@ def add_parser(sub: Any) -> None:
         "exists, as part of creating it (one at a time per node, "
         "never while a region holds the device), e.g. to warm cuBLAS",
     )
+    p.add_argument(
+        "--admission",
+        choices=["auto", "memory", "off"],
+        help="memory-aware admission: a command starts only when it fits beside what runs on its "
+        "device; auto (default): on GPUs, memory: every device, off",
+    )
+    p.add_argument(
+        "--mem-default",
+        type=int,
+        metavar="BYTES",
+        help="device memory a command of unknown footprint reserves (default 0: one such command at "
+        "a time per device, until its footprint is learned)",
+    )
+    p.add_argument(
+        "--mem-headroom",
+        type=float,
+        metavar="FRACTION",
+        help="fraction of each device's memory admission keeps free (default 0.05)",
+    )
+    p.add_argument(
+        "--region-backlog",
+        type=int,
+        metavar="N",
+        help="with memory admission under policy region: a new command waits while N regions "
+        "already queue on its device (default 0: off)",
+    )
     p.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     p.add_argument("--config", help="TOML file of options (default /etc/krex/krex.toml, if present)")
     p.add_argument(

@@ -156,6 +156,21 @@ def _earlier(c: dict[str, Any], boot: str) -> bool:
     return c.get("result") == "lost" or bool(boot) and not str(c["command"]).startswith(boot + "-")
 
 
+def _memory(m: dict[str, Any]) -> str:
+    """One device's line of memory admission: what its commands hold, what is left, who waits."""
+    waiting = m.get("waiting") or []
+    return (
+        f"{'':<9} memory: reserved {size(m['reserved_bytes'])}, used {size(m['used_bytes'])}, "
+        f"pool {size(m['pool_bytes'])}, headroom {size(m['headroom_bytes'])}, "
+        f"free for commands {size(m['free_for_commands_bytes'])}"
+        + (
+            f"; {len(waiting)} queued for memory: {', '.join(w['command'] for w in waiting)}"
+            if waiting
+            else ""
+        )
+    )
+
+
 def render(st: dict[str, Any], show_all: bool = False) -> str:
     """The status tree as text, no line over WIDTH characters."""
     head: list[str] = []
@@ -217,6 +232,8 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
             holds = f"holds {_holds(r)}, cores {r['cores']}" if r is not None else ""
             queued = f"queued: {', '.join(d['queued'])}" if d["queued"] else ""
             out.append(_wrap(f"{'':<9} " + "; ".join(x for x in (holds, queued) if x)))
+        if m := d.get("memory"):  # memory-aware admission
+            out.append(_wrap(_memory(m)))
     if st.get("pools"):
         out.append("")
         out.append("POOL      SIZE  WARM  BUSY  RETIRED  START_P50  START_P95")
@@ -252,6 +269,10 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
             f"{age(c['age_s']) if c['age_s'] is not None else '?':>7} {_ms(c.get('start_latency_s')):>7} "
             f"{size(c.get('rss_bytes')):>6} {'yes' if c['frozen'] else 'no':<6} {what}"
         )
+        if c.get("waiting_for"):
+            out.append(_wrap(f"{'':<13} {printable(c['waiting_for'])}"))
+        if c.get("reruns"):
+            out.append(f"{'':<13} re-run {c['reruns']}x after a co-located CUDA out-of-memory")
     if not rows:
         out.append("(no commands)")
     if earlier and not show_all:

@@ -224,3 +224,47 @@ def test_a_daemon_given_some_gpus_schedules_on_those_only(monkeypatch: pytest.Mo
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
     with pytest.raises(Exception, match="names none of the 4 GPU"):
         NvidiaVendor().open()
+
+
+def test_nvidia_processes_fall_back_to_an_older_nvml_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-process memory (memory admission's figures): pynvml's _v3 where the driver has it, else
+    _v2 (pynvml's unversioned name raises NVMLLibraryMismatchError, not an NVMLError, there); an
+    NVML error means no processes, never a raise; usedGpuMemory None stays unknown."""
+    pynvml = pytest.importorskip("pynvml")
+    from types import SimpleNamespace
+
+    from krex_async.devices.nvidia import NvidiaVendor
+
+    gone = pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    assert isinstance(gone, pynvml.NVMLError_FunctionNotFound)
+
+    def v3(h: object) -> list[object]:
+        raise gone
+
+    def v2(h: object) -> list[object]:
+        return [SimpleNamespace(pid=41, usedGpuMemory=5 << 20), SimpleNamespace(pid=42, usedGpuMemory=None)]
+
+    def unversioned(h: object) -> list[object]:
+        raise pynvml.NVMLLibraryMismatchError("mismatch")
+
+    fake = SimpleNamespace(
+        NVMLError=pynvml.NVMLError,
+        NVMLError_FunctionNotFound=pynvml.NVMLError_FunctionNotFound,
+        NVMLLibraryMismatchError=pynvml.NVMLLibraryMismatchError,
+        nvmlDeviceGetComputeRunningProcesses_v3=v3,
+        nvmlDeviceGetComputeRunningProcesses_v2=v2,
+        nvmlDeviceGetComputeRunningProcesses=unversioned,
+    )
+    v = NvidiaVendor()
+    v._nvml = fake
+    v._handles["nvidia0"] = object()
+    dev = Device(index=0, key="nvidia0", vendor="nvidia", name="H100")
+    assert [(p.pid, p.used_memory_bytes) for p in v.processes(dev)] == [(41, 5 << 20), (42, None)]
+
+    def broken(h: object) -> list[object]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    fake.nvmlDeviceGetComputeRunningProcesses_v3 = broken
+    assert v.processes(dev) == []
+    fake.nvmlDeviceGetComputeRunningProcesses_v3 = fake.nvmlDeviceGetComputeRunningProcesses_v2 = v3
+    assert v.processes(dev) == []  # no version answers: unknown, not a raise

@@ -1,0 +1,431 @@
+"""Memory-aware admission: a command starts on its device only when it fits beside what runs there.
+
+What a command is taken to need (`need`), most trusted first:
+
+    declared   Submit.mem, reserved as given
+    learned    the largest peak the last commands of its key reached (Submit.mem_key, else its
+               label, else its program and first argument), kept across the daemon's life in
+               <state dir>/memory.json
+    default    --mem-default, where set
+    unknown    none of these: one unknown at a time per device, while its footprint is learned
+
+A running command holds max(its need, its observed peak); the device's commitment is that sum plus
+the warm pool's workers' memory, or what the vendor reports used if that is more (processes outside
+krex, driver reservations). A command fits when its need is at most the device's total less the
+commitment and --mem-headroom (a fraction of the total). Commands that do not fit wait in a FIFO
+per device, each with its reason; none is refused for memory unless its declared need exceeds the
+device. A head waiting on a device where no command runs starts whatever the figures say, so a
+command that fits alone always runs eventually; nothing passes a waiting head, so none starves.
+
+Per-process peaks come from the vendor (NVML's per-process used memory) on a thread, every
+SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.daemon.commands import Command, CommandState
+from krex_async.daemon.core import Core
+from krex_async.devices.base import Device
+from krex_async.linux.fsutil import replace_file
+
+log = logs.get("krex.daemon")
+
+SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
+IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
+KEEP_PEAKS = 8  # peaks remembered per key: the need is the largest of them
+KEEP_KEYS = 4096  # keys remembered (a daemon's life of distinct scripts must not grow the file)
+OOM_MARKERS = (
+    b"CUDA out of memory",
+    b"CUDA_ERROR_OUT_OF_MEMORY",
+    b"torch.OutOfMemoryError",
+    b"cudaErrorMemoryAllocation",
+    b"hipErrorOutOfMemory",
+)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def mem_key(spec: P.Submit) -> str:
+    """What commands that need alike share: the submit's mem_key, its label, else its program and
+    first argument (`python bench.py`, `python -m pkg.mod`)."""
+    if spec.mem_key:
+        return f"key {spec.mem_key}"
+    if spec.label:
+        return f"label {spec.label}"
+    parts = [os.path.basename(spec.argv[0])]
+    for i, arg in enumerate(spec.argv[1:], 1):
+        if arg in ("-m", "-c") and i + 1 < len(spec.argv):  # python -m MODULE, sh -c TEXT
+            parts += [arg, spec.argv[i + 1]]
+            break
+        if not arg.startswith("-"):
+            parts.append(os.path.basename(arg))
+            break
+    return "argv " + " ".join(parts)[:256]
+
+
+class Footprints:
+    """Peak device memory by key, learned from commands that ended, kept in a JSON file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.peaks: dict[str, list[int]] = {}
+        if path is None:
+            return
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            self.peaks = {
+                str(k): [int(x) for x in v][-KEEP_PEAKS:] for k, v in raw.get("peaks", {}).items() if v
+            }
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file: learn anew
+            log.warning("footprints_unreadable", path=path, error=repr(e))
+
+    def get(self, key: str) -> int | None:
+        peaks = self.peaks.get(key)
+        return max(peaks) if peaks else None
+
+    def learn(self, key: str, peak: int) -> None:
+        peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
+        self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
+        while len(self.peaks) > KEEP_KEYS:
+            del self.peaks[next(iter(self.peaks))]
+        if self.path is not None:
+            try:
+                replace_file(self.path, json.dumps({"version": 1, "peaks": self.peaks}).encode())
+            except OSError as e:
+                log.warning("footprints_unwritable", path=self.path, error=repr(e))
+
+
+@dataclass
+class DeviceMemory:
+    """What admission knows of one device's memory."""
+
+    device: Device
+    used: int = 0  # what the vendor reported used at the last sample (all processes)
+    pool: int = 0  # the pool's workers outside any command, at the last sample
+    baseline: int = 0  # used with no command running: what a lone command's use is counted from
+    running: set[str] = field(default_factory=set)  # admitted, not yet ended
+    waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
+
+    @property
+    def total(self) -> int:
+        return self.device.memory_total_bytes
+
+
+class Admission:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        cfg = core.config
+        self.devices = {d.key: DeviceMemory(d) for d in core.devices if self._tracks(d)}
+        state = cfg.state_dir
+        self.footprints = Footprints(os.path.join(state, "memory.json") if state else None)
+        self._wake = asyncio.Event()  # a command started: sample at once, then every SAMPLE_S
+
+    def _tracks(self, d: Device) -> bool:
+        mode = self.core.config.admission
+        return mode == "memory" or (mode == "auto" and d.vendor != "cpu" and d.memory_total_bytes > 0)
+
+    def tracks(self, key: str | None) -> bool:
+        return key is not None and key in self.devices
+
+    # ------------------------------------------------------------------------------ estimates
+
+    def need(self, spec: P.Submit) -> tuple[int, str]:
+        """(bytes, where the figure comes from) that a command of `spec` is taken to need."""
+        if spec.mem > 0:
+            return spec.mem, "declared"
+        learned = self.footprints.get(mem_key(spec))
+        if learned is not None:
+            return learned, "learned"
+        if self.core.config.mem_default > 0:
+            return self.core.config.mem_default, "default"
+        return 0, "unknown"
+
+    def holds(self, cmd: Command) -> int:
+        """What a running command is taken to hold: its need, or more where it was seen to."""
+        return max(cmd.mem_need, cmd.mem_peak)
+
+    def headroom(self, dm: DeviceMemory) -> int:
+        return int(dm.total * self.core.config.mem_headroom)
+
+    def committed(self, dm: DeviceMemory, but: str = "") -> int:
+        held = sum(self.holds(self.core.commands[c]) for c in dm.running if c != but)
+        return max(held + dm.pool, dm.used)
+
+    def free(self, dm: DeviceMemory, but: str = "") -> int:
+        """What a new command may still take there."""
+        return max(0, dm.total - self.committed(dm, but) - self.headroom(dm))
+
+    def too_large(self, cmd: Command, device: Device) -> str:
+        """Why `cmd` can never run on `device` ("" when it can): its declared need exceeds it."""
+        if not self.tracks(device.key) or cmd.spec.mem <= device.memory_total_bytes:
+            return ""
+        return (
+            f"needs {gib(cmd.spec.mem)} (Submit.mem), more than {device.key} has in all "
+            f"({gib(device.memory_total_bytes)})"
+        )
+
+    def available(self, key: str) -> int:
+        """For placement: what a command may take on `key` now (0 where others wait already)."""
+        dm = self.devices[key]
+        return 0 if dm.waiting else self.free(dm)
+
+    # ------------------------------------------------------------------------------ admitting
+
+    def why_not(self, cmd: Command, dm: DeviceMemory) -> str:
+        """Why `cmd` may not start on the device now ("" when it may)."""
+        others = [self.core.commands[c] for c in dm.running if c != cmd.id]
+        if not others:  # alone: whatever the figures say (a command that fits alone always runs)
+            return ""
+        key = dm.device.key
+        if cmd.solo:
+            return (
+                f"re-run after a co-located CUDA out-of-memory: waits to run alone on {key} "
+                f"({len(others)} command(s) there)"
+            )
+        solo = next((o for o in others if o.solo), None)
+        if solo is not None:
+            return f"waiting for {solo.id}, a re-run after a co-located out-of-memory, to end on {key}"
+        backlog = self.core.config.region_backlog
+        if backlog and self.core.scheduler.isolates():
+            queued = len(self.core.scheduler.queued(key))
+            if queued >= backlog:  # another command would only wait in that line too
+                return f"waiting: {queued} region(s) already queued on {key} (--region-backlog {backlog})"
+        if cmd.mem_source == "unknown":
+            unknown = next((o for o in others if o.mem_source == "unknown"), None)
+            if unknown is not None:
+                return (
+                    f"waiting for memory on {key}: footprint unknown, and {unknown.id} (unknown too) "
+                    "runs there while its footprint is learned (declare Submit.mem, or --mem-default)"
+                )
+        free = self.free(dm, cmd.id)
+        if cmd.mem_need > free:
+            return (
+                f"waiting for memory on {key}: needs ~{gib(cmd.mem_need)} ({cmd.mem_source}), "
+                f"{gib(free)} free of {gib(dm.total)} (commands {gib(sum(self.holds(o) for o in others))}, "
+                f"pool {gib(dm.pool)}, used {gib(dm.used)}, headroom {gib(self.headroom(dm))})"
+            )
+        return ""
+
+    def admit(self, cmd: Command) -> bool:
+        """The scheduler lets `cmd` start: True if memory does too (it is then counted as running),
+        else it waits in its device's queue, its reason in `cmd.mem_wait`."""
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        dm = self.devices.get(cmd.device_key or "")
+        if dm is None:
+            return True
+        if dm.waiting:  # nothing passes a waiting head
+            cmd.mem_wait = f"queued behind {len(dm.waiting)} on {dm.device.key}"
+        elif why := self.why_not(cmd, dm):
+            cmd.mem_wait = why
+            log.info("command_waits_for_memory", command=cmd.id, reason=why)
+        else:
+            self._run(cmd, dm)
+            return True
+        dm.waiting.append(cmd.id)
+        self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
+        return False
+
+    def _run(self, cmd: Command, dm: DeviceMemory) -> None:
+        cmd.mem_wait = ""
+        if dm.running or dm.pool:  # beside others: an out-of-memory failure may be theirs
+            cmd.co_located = True
+            for c in dm.running:
+                self.core.commands[c].co_located = True
+        dm.running.add(cmd.id)
+        self._reserved_metric(dm)
+        self._wake.set()
+
+    def pump(self, key: str | None) -> list[Command]:
+        """Start what now fits on `key`, in order; returns the commands to start."""
+        dm = self.devices.get(key or "")
+        out: list[Command] = []
+        while dm is not None and dm.waiting:
+            cmd = self.core.commands.get(dm.waiting[0])
+            if cmd is None or cmd.state is not CommandState.QUEUED:  # ended while it waited
+                dm.waiting.popleft()
+                continue
+            cmd.mem_need, cmd.mem_source = self.need(cmd.spec)  # learned meanwhile, maybe
+            why = self.why_not(cmd, dm)
+            if why:
+                cmd.mem_wait = why
+                for i, other in enumerate(list(dm.waiting)[1:], 2):
+                    if (c := self.core.commands.get(other)) is not None:
+                        c.mem_wait = f"queued behind {i - 1} on {dm.device.key} ({cmd.id}: {why})"
+                break
+            dm.waiting.popleft()
+            self._run(cmd, dm)
+            out.append(cmd)
+        if dm is not None:
+            self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
+        return out
+
+    def ended(self, cmd: Command, oom: bool) -> list[Command]:
+        """`cmd` ended (or left the queue): its memory is free again, and what it peaked at is
+        learned (not from an out-of-memory failure: that peak fell short). Returns what may start."""
+        dm = self.devices.get(cmd.device_key or "")
+        if dm is None:
+            return []
+        dm.running.discard(cmd.id)
+        if cmd.id in dm.waiting:
+            dm.waiting.remove(cmd.id)
+        if cmd.mem_peak > 0 and not oom:
+            self.footprints.learn(mem_key(cmd.spec), cmd.mem_peak)
+        self._reserved_metric(dm)
+        return self.pump(dm.device.key)
+
+    def requeue(self, cmd: Command) -> None:
+        """A re-run: out of the running set, first in line (it already waited its turn)."""
+        dm = self.devices[cmd.device_key or ""]
+        dm.running.discard(cmd.id)
+        dm.waiting.appendleft(cmd.id)
+        self._reserved_metric(dm)
+
+    def _reserved_metric(self, dm: DeviceMemory) -> None:
+        held = sum(self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)
+        self.core.metrics.memory_reserved(dm.device.key, held, dm.used)
+
+    # ------------------------------------------------------------------------------ OOM verdict
+
+    def oom(self, cmd: Command) -> bool:
+        """Whether the command failed with a device out-of-memory error (its exit and its output)."""
+        rep = cmd.report
+        if rep is None or rep.state not in ("exited", "signaled") or rep.exit_code == 0:
+            return False
+        tails = bytes(cmd.err.buf[-65536:]) + bytes(cmd.out.buf[-65536:])
+        return any(m in tails for m in OOM_MARKERS)
+
+    def fits_alone(self, cmd: Command) -> bool:
+        dm = self.devices.get(cmd.device_key or "")
+        return dm is not None and cmd.mem_need <= dm.total - self.headroom(dm)
+
+    # ------------------------------------------------------------------------------ sampling
+
+    async def sample_loop(self, start: Callable[[Command], None]) -> None:
+        """Read each tracked device's memory and its processes' on a thread, every SAMPLE_S while
+        commands run or wait there (IDLE_SAMPLE_S otherwise); start what now fits. Errors are
+        logged and cost one sample."""
+        loop = asyncio.get_running_loop()
+        while self.devices:
+            busy = any(dm.running or dm.waiting for dm in self.devices.values())
+            try:
+                snap = self._snapshot()
+                seen = await loop.run_in_executor(None, self._read, snap)
+                self._apply(seen)
+            except Exception as e:  # noqa: BLE001 - a vendor or /proc error costs one sample
+                log.warning("memory_sample_failed", error=repr(e))
+            for key in self.devices:
+                for cmd in self.pump(key):
+                    start(cmd)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), SAMPLE_S if busy else IDLE_SAMPLE_S)
+                await asyncio.sleep(0.05)  # a moment for its process to start
+            except TimeoutError:
+                pass
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What the thread reads against, taken on the loop: each running command's group and the
+        pool's pids per device."""
+        groups = {}
+        for dm in self.devices.values():
+            for cid in dm.running:
+                c = self.core.commands.get(cid)
+                if c is not None and c.group is not None and c.state is CommandState.RUNNING:
+                    groups[cid] = (dm.device.key, c.group)
+        pools = {k: p.pids() for k, p in self.core.pools.items() if k in self.devices}
+        return {"groups": groups, "pools": pools}
+
+    def _read(self, snap: dict[str, Any]) -> dict[str, Any]:
+        """On a thread: per device, what is used in all, what each command's tree holds now, and
+        what the pool's workers outside commands hold (NVML per-process figures; see nvidia.py on
+        pids in containers)."""
+        node = self.core.node
+        backend = self.core.backend
+        used: dict[str, int] = {}
+        held: dict[str, int] = {}
+        pool: dict[str, int] = {}
+        mapped: set[str] = set()  # devices where some process NVML lists is one we know
+        owner: dict[int, str] = {}
+        for cid, (_key, group) in snap["groups"].items():
+            for pid in backend.pids(group):
+                owner[pid] = cid
+        for key, dm in self.devices.items():
+            if node is None:
+                continue
+            fresh = node.vendor(dm.device)
+            dev = fresh.refresh(dm.device) if fresh is not None else dm.device
+            used[key] = max(0, dev.memory_total_bytes - dev.memory_free_bytes)
+            workers = snap["pools"].get(key, set())
+            for proc in node.processes(dm.device):
+                n = proc.used_memory_bytes or 0
+                if proc.pid in owner:
+                    held[owner[proc.pid]] = held.get(owner[proc.pid], 0) + n
+                    mapped.add(key)
+                elif proc.pid in workers:
+                    pool[key] = pool.get(key, 0) + n
+                    mapped.add(key)
+        return {"used": used, "held": held, "pool": pool, "mapped": mapped, "sampled": snap["groups"]}
+
+    def _apply(self, seen: dict[str, Any]) -> None:
+        for key, dm in self.devices.items():
+            if key in seen["used"]:
+                dm.used = seen["used"][key]
+                dm.pool = seen["pool"].get(key, 0)
+                if dm.pool:
+                    for c in dm.running:
+                        self.core.commands[c].co_located = True
+        for cid, (key, _group) in seen["sampled"].items():
+            if (cmd := self.core.commands.get(cid)) is not None:
+                cmd.mem_now = seen["held"].get(cid, 0) or self._lone_use(cmd, key, seen)
+                cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
+        for dm in self.devices.values():
+            if not dm.running and dm.device.key in seen["used"]:
+                dm.baseline = dm.used
+        for dm in self.devices.values():
+            self._reserved_metric(dm)
+
+    def _lone_use(self, cmd: Command, key: str, seen: dict[str, Any]) -> int:
+        """Where NVML's pids are not ours (a daemon in a container without the host's pid
+        namespace sees none of them), the use of a command running alone on its device: what is
+        used beyond the device's idle baseline and the pool. 0 where others run beside it."""
+        dm = self.devices[key]
+        if key in seen["mapped"] or dm.running != {cmd.id}:
+            return 0
+        return max(0, dm.used - dm.baseline - dm.pool)
+
+    # ------------------------------------------------------------------------------ status
+
+    def status(self, key: str) -> dict[str, Any] | None:
+        dm = self.devices.get(key)
+        if dm is None:
+            return None
+        return {
+            "total_bytes": dm.total,
+            "used_bytes": dm.used,
+            "reserved_bytes": sum(
+                self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands
+            ),
+            "pool_bytes": dm.pool,
+            "headroom_bytes": self.headroom(dm),
+            "free_for_commands_bytes": self.free(dm),
+            "waiting": [
+                {"command": c, "reason": self.core.commands[c].mem_wait}
+                for c in dm.waiting
+                if c in self.core.commands
+            ],
+        }

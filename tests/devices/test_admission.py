@@ -1,0 +1,339 @@
+"""Memory-aware admission on a real daemon with the fake test vendor (devices/fake.py): each device
+has 1000 MiB, and each command's allocation is a file the vendor reads per process, as NVML's
+per-process memory. Commands allocate with `python -m krex_async.devices.fake`, which fails as
+CUDA does ("torch.OutOfMemoryError: CUDA out of memory") where the device is full."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from krex_async.client.submit import Client, CommandHandle, KrexError
+
+from ..conftest import PY, krex_status, py_env, run_daemon, until
+
+MiB = 1 << 20
+TOTAL = 1000 * MiB
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> dict[str, str]:
+    d = tempfile.mkdtemp(prefix="fakegpu-", dir="/tmp")
+    yield py_env(KREX_FAKE_GPU_DIR=d, KREX_FAKE_GPU_MEM=str(TOTAL))
+    for root, _dirs, files in os.walk(d, topdown=False):
+        for f in files:
+            os.unlink(os.path.join(root, f))
+        os.rmdir(root)
+
+
+def alloc(*sizes: str, gate: str = "", release: str = "", hold: float = 0.0) -> list[str]:
+    argv = [PY, "-m", "krex_async.devices.fake", *sizes, "--hold", str(hold)]
+    if gate:
+        argv += ["--gate", gate]
+    if release:
+        argv += ["--release", release]
+    return argv
+
+
+def daemon(*extra: str, env: dict[str, str]) -> Any:
+    return run_daemon("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", *extra, env=env)
+
+
+async def row(c: Client, command: str) -> dict[str, Any]:
+    st = await c.status()
+    return next(x for x in st["commands"] if x["command"] == command)
+
+
+async def eventually(read: Any, check: Any, what: str, timeout: float = 60.0) -> Any:
+    """conftest.until for a value read asynchronously: poll `read()` until `check(value)` holds;
+    AssertionError naming `what` and the last value after `timeout`."""
+    t0 = asyncio.get_running_loop().time()
+    while not check(value := await read()):
+        assert asyncio.get_running_loop().time() - t0 < timeout, f"not within {timeout:g} s: {what}: {value}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def until_status(c: Client, command: str, check: Any, what: str) -> dict[str, Any]:
+    """The command's `krex status` row once `check(row)` holds."""
+    return await eventually(lambda: row(c, command), check, what)  # type: ignore[no-any-return]
+
+
+def released(path: str) -> None:
+    Path(path).touch()
+
+
+async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_order(fake, tmp_path):
+    """A holds 600 MiB (declared); B (600) waits for memory, with its reason in status; C (100,
+    which would fit now) waits behind B, never passing it; A's end starts B, then C beside it."""
+    env = fake
+    ra, rb, rc = (str(tmp_path / n) for n in ("ra", "rb", "rc"))
+    async with daemon(env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
+        b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
+        cc = await c.submit(alloc("100M", release=rc), env=env, mem=100 * MiB)
+        assert not a.queued and b.queued and cc.queued
+        st = await row(c, b.command)
+        assert st["state"] == "queued"
+        assert "waiting for memory on fake0: needs ~0.6 GiB (declared), 0.4 GiB free" in st["waiting_for"]
+        assert (await row(c, cc.command))["waiting_for"].startswith("queued behind 1 on fake0")
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 600 * MiB, "A's usage sampled")
+        text = " ".join((await krex_status(d.socket, env)).stdout.split())  # unwrapped
+        want = (
+            "reserved 600M, used 600M, pool 0B, headroom 0B, free for commands 400M; "
+            f"2 queued for memory: {b.command}, {cc.command}"
+        )
+        assert want in text, text
+        assert "waiting for memory on fake0: needs ~0.6 GiB" in text, text
+        assert (await row(c, b.command))["state"] == "queued"  # still: 600 + 600 > 1000
+        released(ra)
+        assert (await a.wait()).report.exit_code == 0
+        await until_status(c, b.command, lambda s: s["state"] == "running", "B started after A")
+        await until_status(c, cc.command, lambda s: s["state"] == "running", "C started beside B")
+        released(rb)
+        released(rc)
+        rep_b, rep_c = (await b.wait()).report, (await cc.wait()).report
+        assert rep_b.exit_code == 0 and rep_c.exit_code == 0, (rep_b, rep_c)
+        assert rep_b.mem_source == "declared" and rep_b.mem_need == 600 * MiB
+        await c.close()
+
+
+async def test_a_footprint_learned_by_label_reserves_and_unknowns_run_one_at_a_time(fake, tmp_path):
+    """A first `big` command (unknown) runs; a second unknown waits while its footprint is learned;
+    once `big` ended at 700 MiB, two more `big` commands do not run together (learned 700 each),
+    and the learned figure is kept in the state dir for the daemon's next life."""
+    env = fake
+    r1, r2, ru = (str(tmp_path / n) for n in ("r1", "r2", "ru"))
+    async with daemon(env=env) as d:
+        c = await d.client()
+        first = await c.submit(alloc("700M", release=r1), env=env, label="big")
+        other = await c.submit(alloc("10M", release=ru), env=env, label="small")
+        assert not first.queued and other.queued
+        assert "footprint unknown" in (await row(c, other.command))["waiting_for"]
+        await until_status(c, first.command, lambda s: s["mem_peak"] >= 700 * MiB, "first's peak seen")
+        released(r1)
+        assert (await first.wait()).report.mem_peak == 700 * MiB
+        await until_status(c, other.command, lambda s: s["state"] == "running", "the unknown started")
+        released(ru)
+        await other.wait()
+        b1 = await c.submit(alloc("700M", release=r2), env=env, label="big")
+        b2 = await c.submit(alloc("700M", hold=0), env=env, label="big")
+        assert not b1.queued and b2.queued
+        st = await row(c, b2.command)
+        assert st["mem_source"] == "learned" and "needs ~0.7 GiB (learned)" in st["waiting_for"], st
+        released(r2)
+        assert (await b1.wait()).report.exit_code == 0
+        rep = (await b2.wait()).report
+        assert rep.exit_code == 0 and rep.mem_source == "learned", rep
+        await c.close()
+        state = Path(d.socket).parent / "state" / "memory.json"
+        assert '"label big"' in state.read_text()
+
+
+async def _scenario(c: Client, env: dict[str, str], tmp_path: Path, rerun: bool) -> tuple[CommandHandle, Any]:
+    """A (declared 100 MiB, allocates 50) runs; B (400) starts beside it; A then grows to 700 MiB,
+    which does not fit beside B: CUDA out of memory, though A alone fits."""
+    gate, rb = str(tmp_path / "gate"), str(tmp_path / "rb")
+    a = await c.submit(alloc("50M", "700M", gate=gate), env=env, mem=100 * MiB, rerun_on_oom=rerun)
+    await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
+    b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
+    assert not b.queued
+    await until_status(c, b.command, lambda s: s["mem_peak"] >= 400 * MiB, "B allocated")
+    released(gate)
+    return a, b
+
+
+async def test_a_co_located_oom_is_re_run_once_alone_and_reported(fake, tmp_path):
+    env = fake
+    addr = ("127.0.0.1", _free_port())
+    async with daemon("--metrics", f"{addr[0]}:{addr[1]}", env=env) as d:
+        c = await d.client()
+        a, b = await _scenario(c, env, tmp_path, rerun=True)
+        events: list[str] = []
+
+        async def watch() -> None:
+            async for stream, _data in a.output(reruns=True):
+                events.append(stream)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        st = await until_status(c, a.command, lambda s: s["reruns"] == 1, "A re-queued after its OOM")
+        assert st["state"] == "queued" and "waits to run alone on fake0" in st["waiting_for"], st
+        assert (await row(c, b.command))["state"] == "running"
+        await until(lambda: "rerun" in events, "the agent heard of the re-run")
+        text = (await asyncio.to_thread(_scrape, addr)).decode()
+        assert 'krex_command_reruns_total{device="fake0",reason="co-located OOM"} 1.0' in text, text
+        assert 'krex_commands_waiting_memory{device="fake0"} 1.0' in text, text
+        released(str(tmp_path / "rb"))
+        await watcher
+        res = a._result
+        assert res is not None
+        rep = res.report
+        assert rep.state == "exited" and rep.exit_code == 0, rep
+        assert rep.reruns == 1 and rep.rerun_reason == "co-located OOM" and rep.oom == ""
+        assert (
+            b"out of memory" not in res.stderr and res.stdout == b"allocated 52428800\nallocated 734003200\n"
+        ), res
+        assert (await b.wait()).report.exit_code == 0
+        await c.close()
+
+
+async def test_a_co_located_oom_without_rerun_on_oom_fails_naming_co_location(fake, tmp_path):
+    env = fake
+    async with daemon(env=env) as d:
+        c = await d.client()
+        a, b = await _scenario(c, env, tmp_path, rerun=False)
+        res = await a.wait()
+        rep = res.report
+        assert rep.exit_code == 1 and rep.oom == "co-located" and rep.reruns == 0, rep
+        assert "co-located on fake0" in rep.error and "rerun_on_oom" in rep.error, rep.error
+        assert b"CUDA out of memory" in res.stderr
+        released(str(tmp_path / "rb"))
+        await b.wait()
+        # alone, an OOM is the command's own
+        lone = await c.run(alloc("2000M"), env=env)
+        assert (
+            lone.report.exit_code == 1
+            and lone.report.oom == "alone"
+            and "co-located" not in lone.report.error
+        )
+        await c.close()
+
+
+async def test_larger_than_the_device_is_refused_and_fits_alone_always_runs(fake, tmp_path):
+    env = fake
+    async with daemon(env=env) as d:
+        c = await d.client()
+        with pytest.raises(KrexError) as e:
+            await c.submit(alloc("1M"), env=env, mem=2000 * MiB, device="fake0")
+        assert e.value.code == "too_large" and "more than fake0 has in all" in e.value.message
+        with pytest.raises(KrexError) as e:
+            await c.submit(alloc("1M"), env=env, mem=2000 * MiB)
+        assert e.value.code == "bad_device" and "no device is large enough" in e.value.message
+        # a need up to the whole device (the headroom aside) runs once the device is free
+        rel = str(tmp_path / "r")
+        small = await c.submit(alloc("10M", release=rel), env=env, mem=10 * MiB)
+        whole = await c.submit(alloc("990M"), env=env, mem=TOTAL)
+        assert whole.queued
+        released(rel)
+        await small.wait()
+        assert (await whole.wait()).report.exit_code == 0
+        await c.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(addr: tuple[str, int]) -> bytes:
+    with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/metrics", timeout=10) as r:
+        return bytes(r.read())
+
+
+async def test_pids_that_are_not_ours_still_measure_a_command_running_alone(fake, tmp_path):
+    """NVML's pids are the host's: a daemon in a container matches none of them. A command alone
+    on its device is then measured by the device's use above its idle baseline, and learned."""
+    env = dict(fake, KREX_FAKE_GPU_PID_OFFSET="4000000")
+    rel = str(tmp_path / "r")
+    async with daemon(env=env) as d:
+        c = await d.client()
+        h = await c.submit(alloc("300M", release=rel), env=env, label="far")
+        await until_status(c, h.command, lambda s: s["mem_peak"] >= 300 * MiB, "its use above the baseline")
+        released(rel)
+        assert (await h.wait()).report.mem_peak == 300 * MiB
+        nxt = await c.submit(alloc("1M"), env=env, label="far")
+        res = await nxt.wait()
+        assert res.report.mem_source == "learned" and res.report.mem_need == 300 * MiB, res.report
+        await c.close()
+
+
+REGION_OWNER = """
+import os, sys, time
+from krex_async import region
+with region(sys.argv[1]):
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.02)
+"""
+
+
+async def test_region_backlog_holds_a_new_command_while_regions_queue(fake, tmp_path, script):
+    """--region-backlog 1 under policy region: while one region waits behind another on the device,
+    a new command waits too (its reason names the backlog); it starts once the line is gone."""
+    env = fake
+    owner = script("owner.py", REGION_OWNER)
+    ra, rb = str(tmp_path / "ra"), str(tmp_path / "rb")
+    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "region", "--freeze", "device-holders")
+    async with run_daemon(*args, "--region-backlog", "1", "--mem-default", "1", env=env) as d:
+        c = await d.client()
+        a = await c.submit([PY, owner, "a", ra], env=env, label="a")
+
+        async def device() -> dict[str, Any]:
+            return (await c.status())["devices"][0]  # type: ignore[no-any-return]
+
+        await eventually(lambda: device(), lambda dev: dev["holder"] is not None, "A's region held")
+        b = await c.submit([PY, owner, "b", rb], env=env, label="b")
+        await eventually(lambda: device(), lambda dev: len(dev["queued"]) == 1, "B's region queued")
+        new = await c.submit(alloc("1M"), env=env, label="new")
+        st = await row(c, new.command)
+        assert (
+            st["state"] == "queued"
+            and "1 region(s) already queued on fake0 (--region-backlog 1)" in st["waiting_for"]
+        ), st
+        released(ra)
+        released(rb)
+        assert (await new.wait()).report.exit_code == 0
+        assert (await a.wait()).report.exit_code == 0 and (await b.wait()).report.exit_code == 0
+        await c.close()
+
+
+async def test_krex_run_mem_declares_the_need(fake):
+    """`krex run --mem SIZE` is Submit.mem: larger than the device, refused before anything runs."""
+    env = fake
+    async with daemon(env=env) as d:
+        run = [PY, "-m", "krex_async", "run", "--socket", d.socket, "--device", "fake0"]
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [*run, "--mem", "2G", "--", "true"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert p.returncode == 125 and "needs 2.0 GiB (Submit.mem), more than fake0 has in all" in p.stderr, p
+        ok = await asyncio.to_thread(
+            subprocess.run,
+            [*run, "--mem", "100M", "--", "true"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert ok.returncode == 0, ok
+
+
+def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkeypatch):
+    from krex_async.daemon import admission
+
+    monkeypatch.setattr(admission, "KEEP_KEYS", 3)
+    path = str(tmp_path / "memory.json")
+    f = admission.Footprints(path)
+    for i in range(5):
+        f.learn(f"k{i}", i)
+    f.learn("k3", 10)
+    for _ in range(admission.KEEP_PEAKS):
+        f.learn("k4", 1)
+    again = admission.Footprints(path)
+    assert list(again.peaks) == ["k2", "k3", "k4"] and again.get("k3") == 10  # the oldest went
+    assert again.peaks["k4"] == [1] * admission.KEEP_PEAKS and again.get("k4") == 1  # the last 8
+    Path(path).write_text("{not json")
+    assert admission.Footprints(path).peaks == {}  # learned anew, not a daemon that cannot start

@@ -1,0 +1,89 @@
+"""Memory admission on a real NVIDIA GPU (skipped without one, torch and NVML): the per-process
+figures NVML gives (nvmlDeviceGetComputeRunningProcesses) reach each command's peak, and a torch
+job that runs out of memory beside another is re-run alone and succeeds.
+
+Run on the GPU machine: `python -m pytest -q -p no:cacheprovider tests/devices/test_admission_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ..conftest import PY, py_env, run_daemon
+from .test_admission import eventually, released, row
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pynvml")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+GiB = 1 << 30
+
+# Allocate argv[1] bytes, wait for argv[2] to exist, then grow to argv[3] bytes (0: no growth),
+# then wait for argv[4] (or not, where "-"). torch's own out-of-memory error ends it (exit 1).
+ALLOC = """
+import os, sys, time
+import torch
+def wait(path):
+    while path != "-" and not os.path.exists(path):
+        time.sleep(0.02)
+first = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+print("first", flush=True)
+wait(sys.argv[2])
+if int(sys.argv[3]):
+    more = torch.empty(int(sys.argv[3]), dtype=torch.uint8, device="cuda")
+    print("grown", flush=True)
+wait(sys.argv[4])
+"""
+
+
+def total_bytes() -> int:
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+async def test_nvml_per_process_peaks_and_a_co_located_oom_re_run(script, tmp_path) -> None:
+    alloc = script("alloc.py", ALLOC)
+    env = py_env()
+    total = total_bytes()
+    gate, rb, done = (str(tmp_path / n) for n in ("gate", "rb", "done"))
+    released(done)
+    async with run_daemon(
+        "--devices", "nvidia", "--policy", "shared", "--mem-headroom", "0.02", env=env
+    ) as d:
+        c = await d.client()
+        dev = (await c.status())["devices"][0]["key"]
+        # one alone: NVML's per-process memory for its pid reaches its allocation (and its context)
+        rs = str(tmp_path / "rs")
+        solo = await c.submit([PY, alloc, str(2 * GiB), "-", "0", rs], env=env, device=dev, label="solo")
+        await eventually(lambda: row(c, solo.command), lambda s: s["mem_peak"] >= 2 * GiB, "its NVML figure")
+        released(rs)
+        res = await solo.wait()
+        assert res.report.exit_code == 0, res
+        # A (declares 1 GiB, takes 1) and B (takes half the card) run together; A then grows by 60%
+        # of the card: out of memory beside B, though it fits alone
+        a = await c.submit(
+            [PY, alloc, str(GiB), gate, str(int(total * 0.6)), "-"],
+            env=env,
+            device=dev,
+            mem=2 * GiB,
+            rerun_on_oom=True,
+            label="grower",
+        )
+        await eventually(lambda: row(c, a.command), lambda s: s["mem_peak"] >= GiB, "A's NVML figure")
+        b = await c.submit(
+            [PY, alloc, str(total // 2), done, "0", rb],
+            env=env,
+            device=dev,
+            mem=total // 2 + GiB,
+            label="half",
+        )
+        assert not b.queued
+        await eventually(lambda: row(c, b.command), lambda s: s["mem_peak"] >= total // 2, "B's NVML figure")
+        released(gate)
+        await eventually(lambda: row(c, a.command), lambda s: s["reruns"] == 1, "A re-queued after its OOM")
+        released(rb)
+        ra = await a.wait()
+        assert ra.report.exit_code == 0 and ra.report.reruns == 1, (ra.report, ra.stderr[-2000:])
+        assert ra.report.mem_peak >= int(total * 0.6), ra.report
+        assert (await b.wait()).report.exit_code == 0
+        await c.close()
