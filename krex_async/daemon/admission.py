@@ -5,7 +5,9 @@ What a command is taken to need (`need`), most trusted first:
     declared   Submit.mem, reserved as given
     learned    the largest peak the last commands of its key reached (Submit.mem_key, else its
                label, else its program and first argument), kept across the daemon's life in
-               <state dir>/memory.json
+               <state dir>/memory.json; a mem_key of parts ("gateway dev / 3f2a") is a path: a
+               command teaches every prefix, and its need is what the longest known prefix learned
+               (a problem's own footprint once it ran, its kind's until then)
     default    --mem-default, where set
     unknown    none of these: one unknown at a time per device, while its footprint is learned
 
@@ -57,11 +59,23 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+KEY_SEP = " / "  # between a mem_key's parts, most general first
+
+
+def mem_keys(spec: P.Submit) -> list[str]:
+    """The keys a command learns under and is estimated by, most specific first: every prefix of a
+    mem_key of parts, else the one key of `mem_key`."""
+    if not spec.mem_key:
+        return [mem_key(spec)]
+    parts = [p.strip() for p in spec.mem_key.split(KEY_SEP.strip())]
+    return [f"key {KEY_SEP.join(parts[:n])}" for n in range(len(parts), 0, -1)]
+
+
 def mem_key(spec: P.Submit) -> str:
     """What commands that need alike share: the submit's mem_key, its label, else its program and
     first argument (`python bench.py`, `python -m pkg.mod`)."""
     if spec.mem_key:
-        return f"key {spec.mem_key}"
+        return mem_keys(spec)[0]
     if spec.label:
         return f"label {spec.label}"
     parts = [os.path.basename(spec.argv[0])]
@@ -98,9 +112,10 @@ class Footprints:
         peaks = self.peaks.get(key)
         return max(peaks) if peaks else None
 
-    def learn(self, key: str, peak: int) -> None:
-        peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
-        self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
+    def learn(self, keys: list[str], peak: int) -> None:
+        for key in keys:
+            peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
+            self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
         while len(self.peaks) > KEEP_KEYS:
             del self.peaks[next(iter(self.peaks))]
         if self.path is not None:
@@ -148,9 +163,10 @@ class Admission:
         """(bytes, where the figure comes from) that a command of `spec` is taken to need."""
         if spec.mem > 0:
             return spec.mem, "declared"
-        learned = self.footprints.get(mem_key(spec))
-        if learned is not None:
-            return learned, "learned"
+        for key in mem_keys(spec):
+            learned = self.footprints.get(key)
+            if learned is not None:
+                return learned, "learned"
         if self.core.config.mem_default > 0:
             return self.core.config.mem_default, "default"
         return 0, "unknown"
@@ -284,7 +300,7 @@ class Admission:
         if cmd.id in dm.waiting:
             dm.waiting.remove(cmd.id)
         if cmd.mem_peak > 0 and not oom:
-            self.footprints.learn(mem_key(cmd.spec), cmd.mem_peak)
+            self.footprints.learn(mem_keys(cmd.spec), cmd.mem_peak)
         self._reserved_metric(dm)
         return self.pump(dm.device.key)
 

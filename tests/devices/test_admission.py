@@ -139,6 +139,31 @@ async def test_a_footprint_learned_by_label_reserves_and_unknowns_run_one_at_a_t
         assert '"label big"' in state.read_text()
 
 
+async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kinds_until_then(fake, tmp_path):
+    """`kind / p1` peaks at 700 MiB; `kind / p3`, never seen, is taken to need its kind's 700 MiB;
+    once it ran (300 MiB), it is taken at its own 300, while an unseen `kind / p9` still needs 700."""
+    env = fake
+    runs = iter(range(100))
+
+    async def need(size: str, key: str) -> tuple[int, str]:
+        release = str(tmp_path / f"r{next(runs)}")
+        h = await c.submit(alloc(size, release=release), env=env, mem_key=key)
+        peak = int(size[:-1]) * MiB
+        await until_status(c, h.command, lambda s: s["mem_peak"] >= peak, f"{key}'s peak seen")
+        released(release)
+        rep = (await h.wait()).report
+        assert rep.exit_code == 0 and rep.mem_peak == peak, rep
+        return rep.mem_need, rep.mem_source
+
+    async with daemon(env=env) as d:
+        c = await d.client()
+        assert await need("700M", "kind / p1") == (0, "unknown")
+        assert await need("300M", "kind / p3") == (700 * MiB, "learned")  # the kind's, until it ran
+        assert await need("300M", "kind / p3") == (300 * MiB, "learned")  # its own
+        assert await need("300M", "kind / p9") == (700 * MiB, "learned")
+        await c.close()
+
+
 async def _scenario(c: Client, env: dict[str, str], tmp_path: Path, rerun: bool) -> tuple[CommandHandle, Any]:
     """A (declared 100 MiB, allocates 50) runs; B (400) starts beside it; A then grows to 700 MiB,
     which does not fit beside B: CUDA out of memory, though A alone fits."""
@@ -328,10 +353,10 @@ def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkey
     path = str(tmp_path / "memory.json")
     f = admission.Footprints(path)
     for i in range(5):
-        f.learn(f"k{i}", i)
-    f.learn("k3", 10)
+        f.learn([f"k{i}"], i)
+    f.learn(["k3"], 10)
     for _ in range(admission.KEEP_PEAKS):
-        f.learn("k4", 1)
+        f.learn(["k4"], 1)
     again = admission.Footprints(path)
     assert list(again.peaks) == ["k2", "k3", "k4"] and again.get("k3") == 10  # the oldest went
     assert again.peaks["k4"] == [1] * admission.KEEP_PEAKS and again.get("k4") == 1  # the last 8

@@ -5,6 +5,7 @@ a job that runs out of memory beside another is run again alone, and its job say
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.client.submit import Client
+from krex_async.gateway.jobs import job_shape
 
 from .conftest import stack
 
@@ -67,6 +69,18 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         assert r["stdout"] == "allocated 52428800\nallocated 734003200\n" and r["stderr"] == "", r
         assert (await c.wait(b["job_id"], 60))["status"] == "succeeded"
         await krex.close()
+        # B taught its own shape (its command and file names) and its kind; A's OOM taught nothing
+        learned = json.loads((Path(daemon.socket).parent / "state" / "memory.json").read_text())["peaks"]
+        b_shape = job_shape({"command": f"python -m krex_async.devices.fake 400M --release {rb}"})
+        assert learned[f"key gateway dev / {b_shape}"] == [400 * MiB], learned
+        assert 400 * MiB in learned["key gateway dev"], learned
+
+
+def test_a_jobs_shape_is_its_command_and_file_names_not_their_contents() -> None:
+    one = {"command": "python eval.py", "files": {"eval.py": "a", "kernel.cu": "x"}}
+    assert job_shape(one) == job_shape({**one, "files": {"kernel.cu": "y", "eval.py": "b"}})
+    assert job_shape(one) != job_shape({**one, "command": "python eval.py --big"})
+    assert job_shape(one) != job_shape({**one, "files": {"eval.py": "a"}})
 
 
 async def until_async(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
