@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
@@ -61,6 +62,7 @@ class Regions:
         self.entry = Entry(core, self.hold, self.cores, self.drain, self.clock, self.exits)
         self.joins = Joins(core, self.hold, self.holder_on)  # commands meeting a region under way
         self.share = Share(cfg.hold_share, cfg.share_window)  # siblings' share of the device
+        self.share_wake: dict[str, asyncio.Future[None]] = {}  # device -> its region's share wait
 
     def create(
         self,
@@ -93,6 +95,9 @@ class Regions:
             ended=loop.create_future(),
         )
         self.active[rid] = r
+        wake = self.share_wake.get(r.device)  # a sibling asks for its region: owed no time now
+        if wake is not None and not wake.done():
+            wake.set_result(None)
         r.task = loop.create_task(self.run(r), name=f"region-{rid}")
         self.core.track(r.task)
         return r
@@ -158,7 +163,6 @@ class Regions:
                 rep.enter_s = time.perf_counter() - r.t_request
                 rep.outcome = "held"
                 granted = True
-                self.share.begin(r.id, self._held_ids(r), t_entry)
                 if self.core.attributor is not None:
                     self.core.attributor.region_granted(r)
                 self.core.metrics.region_entered(
@@ -174,6 +178,7 @@ class Regions:
                         warm_ms=self.clock.warm_ms(r),
                     )
                 )
+            self.share.begin(r.id, self._held_ids(r), t_entry)  # after the grant: off its path
             if self.core.attributor is not None:
                 self.core.attributor.counts_snapshot(r)
             self.core.trace(
@@ -217,8 +222,7 @@ class Regions:
                     log_.exception("region_probe_release_failed")
             await asyncio.shield(self.entry.release(r))
             rep.exit_s = time.perf_counter() - t_exit
-            if granted:
-                self._share_end(r, t_entry)
+            t_thawed = time.monotonic()
             self.active.pop(r.id, None)
             nxt = sched.release_region(r.id)
             if nxt and nxt in self.active:
@@ -228,6 +232,8 @@ class Regions:
             self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain, granted=granted)
             self.core.metrics.strays(r.device, rep.strays)
             self._tell_owner(r, granted)
+            if granted:  # after the owner's answer, before the next region's turn runs (no await)
+                self._share_end(r, t_entry, t_thawed)
             self.core.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
             log_.info(
                 "region",
@@ -251,9 +257,9 @@ class Regions:
     def _held_ids(r: Region) -> list[str]:
         return list(dict.fromkeys([*r.frozen_ids, *r.locked_ids]))
 
-    def _share_end(self, r: Region, since: float) -> None:
-        """Its siblings were held from its entry to now; the commands ended since are forgotten."""
-        now = time.monotonic()
+    def _share_end(self, r: Region, since: float, now: float) -> None:
+        """Its siblings were held from its entry to their thaw (`now`); the commands ended since
+        are forgotten."""
         held = self._held_ids(r)
         self.share.end(r.id, held, since, now)
         for cid in held:
@@ -304,8 +310,9 @@ class Regions:
                 rep.share_for = sorted(set(rep.share_for) | set(due))
                 for cid in due:
                     base.setdefault(cid, (time.monotonic(), self._cpu_ns(cid)))
-                ended: list[asyncio.Future[str]] = [r.ended]
-                await asyncio.wait(ended, timeout=min(min(due.values()), IDLE_PROBE_S))
+                wake = self.share_wake[r.device] = asyncio.get_running_loop().create_future()
+                either: list[asyncio.Future[Any]] = [r.ended, wake]
+                await asyncio.wait(either, timeout=min(min(due.values()), IDLE_PROBE_S))
                 if r.ended.done():
                     return False
                 now = time.monotonic()
@@ -318,6 +325,7 @@ class Regions:
             return True
         finally:
             r.sharing = False
+            self.share_wake.pop(r.device, None)
             rep.share_wait_s = time.perf_counter() - t0
             self.core.metrics.share_waited(r.device, rep.share_wait_s)
             log.info(

@@ -101,7 +101,7 @@ class Share:
         owed = self.owed_s(cid, now)
         return {
             "held_s": round(self.total.get(cid, 0.0), 3),
-            "held_fraction": round(self.held_s(cid, now) / self.window, 3) if self.on else 0.0,
+            "held_fraction": round(self.held_s(cid, now) / self.window, 3),
             "owed_s": round(owed, 3),
             "starved": owed > 0,
         }
