@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from typing import Any
 
 import pytest
@@ -193,6 +194,24 @@ def test_owed_time_is_what_slides_the_held_part_under_the_share() -> None:
     assert s.owed_s("b", 6.0) == 0.0 and s.status("b", 6.0)["held_s"] == 5.5
     s.begin("r3", ["c"], 1.0)  # held now: counted up to now
     assert s.held_s("c", 3.0) == pytest.approx(2.0)
+
+
+def test_held_part_of_the_window_kept_in_o1_agrees_with_the_spans() -> None:
+    """held_s keeps a running sum (a region's turn must not walk hundreds of spans per sibling):
+    it agrees with the sum over the spans clipped to the window, and only a command held to the
+    share or over is a candidate for owed time."""
+    rng = random.Random(36)
+    s, spans, now = Share(0.5, 2.0), [], 0.0
+    for i in range(400):  # a region's turn (now), then its span: time only goes on
+        start = now + rng.uniform(0.0, 0.05)
+        t = start + rng.uniform(0.001, 0.1)
+        s.end(f"r{i}", ["b"], start, t)
+        spans.append((start, t))
+        now = t + rng.uniform(0.0, 0.5) * (i % 7 == 0)
+        brute = sum(max(0.0, e - max(a, now - 2.0)) for a, e in spans)
+        assert s.held_s("b", now) == pytest.approx(brute, abs=1e-9)
+        assert ("b" in s.over) == (s.owed_s("b", now) > 0) or s.held_s("b", now) < 1.0
+    assert len(s.spans["b"]) < 100  # pruned to the window
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])

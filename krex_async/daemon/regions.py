@@ -277,7 +277,7 @@ class Regions:
         one whose own region is requested: it waits for that, not to run."""
         now = time.monotonic()
         out = {}
-        for cid in list(self.share.spans):
+        for cid in list(self.share.over):
             cmd = self.core.commands.get(cid)
             if cmd is None or cmd is r.command or cmd.device_key != r.device or not self._running(cid):
                 continue
@@ -294,7 +294,7 @@ class Regions:
         """With its turn, before its entry: wait while siblings it would hold are owed their share
         (share.py), none of them held, so they run. A sibling that does not use the time (under
         IDLE_CPU over IDLE_PROBE_S) is not waited for. False when the region ended meanwhile."""
-        if not (self.share.on and self.share.spans and self.core.scheduler.isolates()):
+        if not (self.share.over and self.core.scheduler.isolates()):  # the common path
             return True
         due = self.owed(r)
         if not due:

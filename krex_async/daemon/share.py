@@ -33,6 +33,10 @@ class Share:
         self.window = window
         self.on = 0.0 < share < 1.0
         self.spans: dict[str, deque[tuple[float, float]]] = {}  # command -> (start, end), monotonic
+        self.sums: dict[str, float] = {}  # command -> its spans' seconds: held_s in O(1)
+        # commands at or over the share when last held: the only ones that can be owed time (the
+        # held part of the window grows only at a release), so a region's turn looks at these alone
+        self.over: set[str] = set()
         self.open: dict[str, tuple[list[str], float]] = {}  # region -> (commands it holds, since)
         self.total: dict[str, float] = {}  # command -> seconds held by others' regions in all
 
@@ -51,26 +55,37 @@ class Share:
         for cid in held:
             q = self.spans.setdefault(cid, deque())
             q.append((since, now))
+            self.sums[cid] = self.sums.get(cid, 0.0) + (now - since)
             self.total[cid] = self.total.get(cid, 0.0) + (now - since)
-            self._prune(q, now)
+            self._prune(cid, q, now)
+            if self.on and self.held_s(cid, now) >= self.budget:
+                self.over.add(cid)
 
     def forget(self, cid: str) -> None:
         """`cid` ended, or did not want the time it was given: it is owed nothing from its past."""
         self.spans.pop(cid, None)
+        self.sums.pop(cid, None)
+        self.over.discard(cid)
 
     def drop(self, cid: str) -> None:
         self.forget(cid)
         self.total.pop(cid, None)
 
-    def _prune(self, q: deque[tuple[float, float]], now: float) -> None:
+    def _prune(self, cid: str, q: deque[tuple[float, float]], now: float) -> None:
         while q and q[0][1] <= now - self.window:
-            q.popleft()
+            s, e = q.popleft()
+            self.sums[cid] -= e - s
 
     def held_s(self, cid: str, now: float) -> float:
         """Seconds of the last --share-window that others' regions held `cid` (one holding it now
         counts up to now)."""
         left = now - self.window
-        out = sum(max(0.0, e - max(s, left)) for s, e in self.spans.get(cid, ()))
+        q = self.spans.get(cid)
+        out = 0.0
+        if q:
+            self._prune(cid, q, now)
+            # the spans are disjoint and in order: only the first can reach past the left edge
+            out = max(0.0, self.sums[cid] - max(0.0, left - q[0][0])) if q else 0.0
         for held, since in self.open.values():
             if cid in held:
                 out += now - max(since, left)
@@ -82,9 +97,9 @@ class Share:
         if not self.on or cid not in self.spans:
             return 0.0
         q = self.spans[cid]
-        self._prune(q, now)
         excess = self.held_s(cid, now) - self.budget
         if excess < 0:
+            self.over.discard(cid)
             return 0.0
         left = now - self.window
         gone = 0.0
