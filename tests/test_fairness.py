@@ -13,9 +13,12 @@ import pytest
 
 from krex_async import Client
 from krex_async.daemon.config import ConfigError, load_config
+from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.share import Share
 
 from .conftest import PY, py_env, run_daemon, until
+from .ops.test_metrics import L, scrape
+from .ops.test_metrics_daemon import _free_port
 from .test_regions import start_ticker, ticks
 
 WINDOW = 1.5  # --share-window for the daemons here: three windows make a run of a few seconds
@@ -94,15 +97,21 @@ async def test_back_to_back_regions_leave_a_busy_sibling_its_share(script, tmp_p
     """Issue 36 (7): one command's regions back to back left another 2% of its progress. With the
     default --hold-share 0.5 the sibling keeps about half its progress over the windows (at least a
     quarter asserted, against a few percent before), the region reports say whom they waited for,
-    and `krex status` shows the sibling starved while a region waited for it."""
-    async with run_daemon("--share-window", str(WINDOW)) as d:
+    and `krex status` shows the sibling starved while a region waited for it; the metrics count
+    the waits and the sibling's held seconds, whose series goes once the sibling has ended."""
+    addr = ("127.0.0.1", _free_port())
+    metrics = ("--metrics", f"{addr[0]}:{addr[1]}") if Metrics().available else ()
+    async with run_daemon("--share-window", str(WINDOW), *metrics) as d:
         async with await d.client() as c:
             ticker, out = await start_ticker(c, script, tmp_path)
             rate = await alone_rate(out)
             regions, seen = await run_loop(c, script, 3 * WINDOW, watch=ticker.command)
             sib = next(x for x in (await c.status())["commands"] if x["command"] == ticker.command)
+            scraped = scrape(addr) if metrics else {}
             await ticker.cancel(9)
             await ticker.wait()
+            await run_loop(c, script, 0.01)  # one region released after the sibling's end
+            after = scrape(addr) if metrics else {}
     got = progress(out, regions, rate)
     waited = sum(r["share_wait_s"] for r in regions)
     print(f"progress {got:.1%}, {len(regions)} regions, waited {waited:.2f} s, status {sib}")
@@ -116,6 +125,15 @@ async def test_back_to_back_regions_leave_a_busy_sibling_its_share(script, tmp_p
     loop_s = regions[-1]["t1"] - regions[0]["t0"]
     assert 0.3 * loop_s < sib["held_s"] < 0.75 * loop_s, (sib, loop_s)
     assert sib["held_fraction"] <= 0.75, sib
+    if metrics:
+        held = scraped[("krex_command_held_seconds_total", L(device="cpu", command=ticker.command))]
+        assert held == pytest.approx(sib["held_s"], abs=0.01)
+        assert scraped[("krex_region_share_wait_seconds_total", L(device="cpu"))] == pytest.approx(
+            waited, abs=0.01
+        )
+        assert not any(k[0] == "krex_command_held_seconds_total" for k in after), (
+            "the ended sibling's series stayed"
+        )
 
 
 async def test_hold_share_0_is_off_and_the_sibling_starves(script, tmp_path):
