@@ -15,6 +15,7 @@ from krex_async import Client
 from krex_async.daemon.config import ConfigError, load_config
 from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.share import Share
+from krex_async.node.statusview import render
 
 from .conftest import PY, py_env, run_daemon, until
 from .ops.test_metrics import L, scrape
@@ -61,7 +62,7 @@ async def run_loop(c: Client, script, seconds: float, watch: str = "") -> tuple[
     """The owner's regions for `seconds`, and what `krex status` showed meanwhile of `watch` (a
     sibling): whether it was ever starved, and a region ever waited for its share."""
     h = await c.submit([PY, script("loop.py", LOOP), str(seconds), "0.1"], env=py_env())
-    seen = {"starved": False, "share_wait": False, "max_owed_s": 0.0}
+    seen: dict[str, Any] = {"starved": False, "share_wait": False, "max_owed_s": 0.0, "text": ""}
     done = asyncio.ensure_future(h.wait())
     while not done.done():
         st = await c.status()
@@ -72,6 +73,7 @@ async def run_loop(c: Client, script, seconds: float, watch: str = "") -> tuple[
         r = st["devices"][0]["region"]
         if r is not None and r["state"] == "share-wait" and watch in r.get("share_for", []):
             seen["share_wait"] = True
+            seen["text"] = render(st)  # `krex status` as people read it
         await asyncio.sleep(0.02)
     res = await done
     assert res.returncode == 0, res.stderr
@@ -120,6 +122,7 @@ async def test_back_to_back_regions_leave_a_busy_sibling_its_share(script, tmp_p
     assert waited > 0.5 and any(ticker.command in r["share_for"] for r in regions), regions
     assert not any(r["share_idle"] for r in regions), "a busy sibling was taken for idle"
     assert seen["starved"] and seen["share_wait"], seen
+    assert f"waits for the share of {ticker.command}" in seen["text"], seen["text"]
     assert 0 < seen["max_owed_s"] <= WINDOW, seen
     # the daemon's own accounting agrees: held about half the loop, never much over the share
     loop_s = regions[-1]["t1"] - regions[0]["t0"]
