@@ -139,6 +139,23 @@ async def test_back_to_back_regions_leave_a_busy_sibling_its_share(script, tmp_p
         )
 
 
+async def test_several_siblings_each_get_their_share(script, tmp_path):
+    """Two busy siblings: a region waits until neither is owed time, so each keeps its share."""
+    async with run_daemon("--share-window", str(WINDOW)) as d:
+        async with await d.client() as c:
+            a, out_a = await start_ticker(c, script, tmp_path, "a")
+            b, out_b = await start_ticker(c, script, tmp_path, "b")
+            rates = [await alone_rate(out_a), await alone_rate(out_b)]
+            regions, _ = await run_loop(c, script, 3 * WINDOW)
+            for h in (a, b):
+                await h.cancel(9)
+                await h.wait()
+    got = [progress(out, regions, rate) for out, rate in zip((out_a, out_b), rates)]
+    assert min(got) >= 0.2, f"progress {got}"
+    owed = {x for r in regions for x in r["share_for"]}
+    assert owed == {a.command, b.command}, owed
+
+
 async def test_hold_share_0_is_off_and_the_sibling_starves(script, tmp_path):
     """The same loop with --hold-share 0 (off, as before the share): the sibling gets next to
     nothing, which is what the test above would see without the share."""
