@@ -288,6 +288,11 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     policy: str
     requested_at: float = 0.0  # unix seconds
     wait_s: float = 0.0  # queued behind other regions
+    # its turn come, waited this long for siblings owed their share of the device (--hold-share),
+    # which ran meanwhile; share_idle: those of them that did not use the time, not waited for
+    share_wait_s: float = 0.0
+    share_for: list[str] = []
+    share_idle: list[str] = []
     select_s: float = 0.0  # choosing whom to freeze and whom to quiesce first
     quiesce_s: float = 0.0
     freeze_s: float = 0.0
@@ -512,6 +517,7 @@ TRACE_KINDS = (
     "command_start",
     "command_end",
     "region_queued",
+    "region_share_wait",  # its turn come, waiting for siblings owed their share (they run)
     "region_grant",
     "region_release",
     "freeze",

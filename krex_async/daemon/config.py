@@ -84,6 +84,12 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"
     region_timeout: Positive = 60.0
+    # the most of any share_window seconds that others' regions may hold a command (plus one region):
+    # one held that long is owed the time to run before the next region that would hold it starts
+    # (daemon/share.py). Back to back, one user's regions left another's command 2% of its progress.
+    # 0 or 1: off
+    hold_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    share_window: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
     region_cores: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: 1 on a 2-core machine, 2 otherwise
     quiesce_timeout: Annotated[float, msgspec.Meta(ge=0)] = 0.02
     drain_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # longer than drain_window

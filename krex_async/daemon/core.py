@@ -137,6 +137,9 @@ class Region:
     exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
     paused_pool: bool = False
     releasing: bool = False  # Entry.release has begun: nothing may join the frozen set any more
+    # its turn has come, and it waits for siblings owed their share (share.py): they run, and it is
+    # not yet the region a command starting or exiting meets (Joins.current_on)
+    sharing: bool = False
     joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
     clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
     # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry

@@ -54,9 +54,10 @@ class Joins:
         self.core.track(asyncio.get_running_loop().create_task(self._freeze_into(r, cmd, cmd.group, "late")))
 
     def current_on(self, device: str) -> Region | None:
-        """The region isolating or held on `device` that a command may still join."""
+        """The region isolating or held on `device` that a command may still join (not one that
+        waits, its turn come, for its siblings' share: they run meanwhile)."""
         r = self.holder_on(device)
-        if r is None or r.releasing or r.report.outcome not in ("open", "held"):
+        if r is None or r.sharing or r.releasing or r.report.outcome not in ("open", "held"):
             return None
         return r
 

@@ -28,6 +28,9 @@ No `_created` series are exported (prometheus-client's per-series creation times
     regions_total{device,outcome}                  counter    released, expired, owner-died, ...
     region_drain_total{device,drain}               counter    synced, idle-verified, timeout, ...
     strays_total{device}                           counter    GPU activity of non-owners in regions
+    region_share_wait_seconds_total{device}        counter    regions' waits for siblings' share
+    command_held_seconds_total{device,command}     counter    a running command held by others'
+                                                              regions (rate(): its held fraction)
     probe_lost_events_total                        counter
     pool_workers{device,state=warm|busy}           gauge
     pool_retired_total{device}                     counter
@@ -164,6 +167,19 @@ class Metrics:
             "krex_strays", "GPU activity of non-owners during regions", ["device"], registry=r
         )
         self._lost = Counter("krex_probe_lost_events", "Probe events the kernel dropped", registry=r)
+        self._share_wait = Counter(
+            "krex_region_share_wait_seconds",
+            "Seconds regions waited, their turn come, for siblings owed their share (--hold-share)",
+            ["device"],
+            registry=r,
+        )
+        self._cmd_held = Counter(
+            "krex_command_held_seconds",
+            "Seconds a running command was held by other commands' regions",
+            ["device", "command"],
+            registry=r,
+        )
+        self._cmd_held_dev: dict[str, str] = {}  # command -> its series' device, to remove it
         self._pool = Gauge("krex_pool_workers", "Context pool workers", ["device", "state"], registry=r)
         self._pool_retired = Counter(
             "krex_pool_retired", "Context pool workers retired", ["device"], registry=r
@@ -312,6 +328,22 @@ class Metrics:
     def strays(self, device: str, n: int) -> None:
         if self.available and n > 0:
             self._strays.labels(device).inc(n)
+
+    def share_waited(self, device: str, seconds: float) -> None:
+        if self.available and seconds > 0:
+            self._share_wait.labels(device).inc(seconds)
+
+    def command_held(self, device: str, command: str, seconds: float) -> None:
+        """A region held `command` (a sibling) for `seconds`."""
+        if self.available and seconds > 0:
+            self._cmd_held.labels(device, command).inc(seconds)
+            self._cmd_held_dev[command] = device
+
+    def command_held_forget(self, command: str) -> None:
+        """`command` ended: its series goes (one per command would grow without bound)."""
+        device = self._cmd_held_dev.pop(command, None)
+        if self.available and device is not None:
+            self._cmd_held.remove(device, command)
 
     def probe_lost(self, n: int) -> None:
         """`n` more probe events were lost."""

@@ -7,8 +7,9 @@ tells the owner and the log how it went; the isolation steps and their undoing a
 commands that meet a region under way joins.py's, siblings' exits waited for exits.py's.
 Steps and their cost:
 
-    wait     queued behind other regions on the device (FIFO); then for siblings still exiting
-             (exits.py)
+    wait     queued behind other regions on the device (FIFO); its turn come, for siblings owed
+             their share of the device, running meanwhile (share.py); then for siblings still
+             exiting (exits.py)
     quiesce  ask frozen siblings' in-command runtimes to stop at a bytecode boundary and synchronise
              (drain.py)
     hold     lock the siblings' CUDA processes through the driver (--hold lock) and freeze the rest
@@ -28,11 +29,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.clock import Clock
-from krex_async.daemon.commands import Command
+from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core, Region
 from krex_async.daemon.cores import Cores
 from krex_async.daemon.drain import Drain
@@ -40,6 +42,7 @@ from krex_async.daemon.entry import Entry
 from krex_async.daemon.exits import Exits
 from krex_async.daemon.hold import Hold
 from krex_async.daemon.joins import Joins
+from krex_async.daemon.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_ns
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
 
@@ -58,6 +61,8 @@ class Regions:
         self.exits = Exits(core)  # processes exiting with a GPU file: the next region waits
         self.entry = Entry(core, self.hold, self.cores, self.drain, self.clock, self.exits)
         self.joins = Joins(core, self.hold, self.holder_on)  # commands meeting a region under way
+        self.share = Share(cfg.hold_share, cfg.share_window)  # siblings' share of the device
+        self.share_wake: dict[str, asyncio.Future[None]] = {}  # device -> its region's share wait
 
     def create(
         self,
@@ -90,6 +95,9 @@ class Regions:
             ended=loop.create_future(),
         )
         self.active[rid] = r
+        wake = self.share_wake.get(r.device)  # a sibling asks for its region: owed no time now
+        if wake is not None and not wake.done():
+            wake.set_result(None)
         r.task = loop.create_task(self.run(r), name=f"region-{rid}")
         self.core.track(r.task)
         return r
@@ -130,6 +138,7 @@ class Regions:
         assert r.turn is not None and r.ended is not None
         log_ = log.bind(region=r.id, command=r.command.id, device=r.device)
         granted = False
+        t_entry = 0.0  # when its entry began: the siblings it holds are held from then
         try:
             if sched.request_region(r.id, r.command.id, r.device):
                 r.turn.set_result(None)
@@ -142,6 +151,10 @@ class Regions:
                 return
             t_turn = time.perf_counter()
             rep.wait_s = t_turn - r.t_request
+            if not await self._share_wait(r):  # withdrawn while its siblings ran
+                rep.outcome = r.ended.result()
+                return
+            t_entry = time.monotonic()
             # The probes' threads hold off from the turn to the grant (probes/hold.py): each of
             # their GIL hand-offs would cost the entry more than their work.
             with HOLD.held() if self.core.attributor is not None else contextlib.nullcontext():
@@ -165,6 +178,7 @@ class Regions:
                         warm_ms=self.clock.warm_ms(r),
                     )
                 )
+            self.share.begin(r.id, self._held_ids(r), t_entry)  # after the grant: off its path
             if self.core.attributor is not None:
                 self.core.attributor.counts_snapshot(r)
             self.core.trace(
@@ -208,6 +222,7 @@ class Regions:
                     log_.exception("region_probe_release_failed")
             await asyncio.shield(self.entry.release(r))
             rep.exit_s = time.perf_counter() - t_exit
+            t_thawed = time.monotonic()
             self.active.pop(r.id, None)
             nxt = sched.release_region(r.id)
             if nxt and nxt in self.active:
@@ -217,6 +232,8 @@ class Regions:
             self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain, granted=granted)
             self.core.metrics.strays(r.device, rep.strays)
             self._tell_owner(r, granted)
+            if granted:  # after the owner's answer, before the next region's turn runs (no await)
+                self._share_end(r, t_entry, t_thawed)
             self.core.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
             log_.info(
                 "region",
@@ -232,6 +249,91 @@ class Regions:
                 frozen=len(rep.frozen),
                 cores=rep.cores,
                 drain=rep.drain,
+            )
+
+    # -------------------------------------------------------------------------- the share
+
+    @staticmethod
+    def _held_ids(r: Region) -> list[str]:
+        return list(dict.fromkeys([*r.frozen_ids, *r.locked_ids]))
+
+    def _share_end(self, r: Region, since: float, now: float) -> None:
+        """Its siblings were held from its entry to their thaw (`now`); the commands ended since
+        are forgotten."""
+        held = self._held_ids(r)
+        self.share.end(r.id, held, since, now)
+        for cid in held:
+            self.core.metrics.command_held(r.device, cid, now - since)
+        for cid in [c for c in self.share.total if not self._running(c)]:
+            self.share.drop(cid)
+            self.core.metrics.command_held_forget(cid)
+
+    def _running(self, cid: str) -> bool:
+        cmd = self.core.commands.get(cid)
+        return cmd is not None and cmd.state is CommandState.RUNNING and cmd.group is not None
+
+    def owed(self, r: Region) -> dict[str, float]:
+        """The siblings r would hold that are owed their share now: {command: seconds owed}. Not
+        one whose own region is requested: it waits for that, not to run."""
+        now = time.monotonic()
+        out = {}
+        for cid in list(self.share.over):
+            cmd = self.core.commands.get(cid)
+            if cmd is None or cmd is r.command or cmd.device_key != r.device or not self._running(cid):
+                continue
+            owed = self.share.owed_s(cid, now)
+            if owed > 0 and not self.core.scheduler.regions_of(cid):
+                out[cid] = owed
+        return out
+
+    def _cpu_ns(self, cid: str) -> int:
+        cmd = self.core.commands.get(cid)
+        return cpu_ns(self.core.backend.pids(cmd.group)) if cmd is not None and cmd.group else 0
+
+    async def _share_wait(self, r: Region) -> bool:
+        """With its turn, before its entry: wait while siblings it would hold are owed their share
+        (share.py), none of them held, so they run. A sibling that does not use the time (under
+        IDLE_CPU over IDLE_PROBE_S) is not waited for. False when the region ended meanwhile."""
+        if not (self.share.over and self.core.scheduler.isolates()):  # the common path
+            return True
+        due = self.owed(r)
+        if not due:
+            return True
+        assert r.ended is not None
+        rep = r.report
+        r.sharing = True
+        t0 = time.perf_counter()
+        self.core.trace("region_share_wait", r, owed={k: round(v, 3) for k, v in due.items()})
+        base: dict[str, tuple[float, int]] = {}  # command -> (since, its CPU ns then)
+        try:
+            while due:
+                rep.share_for = sorted(set(rep.share_for) | set(due))
+                for cid in due:
+                    base.setdefault(cid, (time.monotonic(), self._cpu_ns(cid)))
+                wake = self.share_wake[r.device] = asyncio.get_running_loop().create_future()
+                either: list[asyncio.Future[Any]] = [r.ended, wake]
+                await asyncio.wait(either, timeout=min(min(due.values()), IDLE_PROBE_S))
+                if r.ended.done():
+                    return False
+                now = time.monotonic()
+                for cid, (since, ns) in base.items():
+                    idle = now - since >= IDLE_PROBE_S and cid not in rep.share_idle
+                    if idle and cid in due and self._cpu_ns(cid) - ns < IDLE_CPU * (now - since) * 1e9:
+                        self.share.forget(cid)  # it was given the device and did not use it
+                        rep.share_idle.append(cid)
+                due = self.owed(r)
+            return True
+        finally:
+            r.sharing = False
+            self.share_wake.pop(r.device, None)
+            rep.share_wait_s = time.perf_counter() - t0
+            self.core.metrics.share_waited(r.device, rep.share_wait_s)
+            log.info(
+                "region_share_wait",
+                region=r.id,
+                waited_s=round(rep.share_wait_s, 3),
+                owed=rep.share_for,
+                idle=rep.share_idle,
             )
 
     def _tell_owner(self, r: Region, granted: bool) -> None:

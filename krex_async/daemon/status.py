@@ -144,7 +144,8 @@ class Status:
                         "name": holder.report.name,
                         "command": holder.command.id,
                         "pid": holder.pid,
-                        "state": holder.report.outcome,
+                        "state": "share-wait" if holder.sharing else holder.report.outcome,
+                        "share_for": list(holder.report.share_for) if holder.sharing else [],
                         "frozen": list(holder.frozen_ids),
                         "cores": sorted(holder.cores),
                         "locked": list(holder.locked_ids),
@@ -167,6 +168,8 @@ class Status:
                 # "frozen" or "locked" while a region holds it (a cancel then kills it), else None
                 "held": held[0] if (held := self.regions.holding(c)) is not None else None,
                 "regions": len(c.regions),
+                # held by others' regions: seconds in all, fraction of the window, owed now (share.py)
+                **self.regions.share.status(c.id, now),
                 "label": c.spec.label,
                 "result": c.report.state if c.report else None,
                 "via": c.launched.via if c.launched else None,
@@ -192,6 +195,11 @@ class Status:
             "pools": {k: p.status() for k, p in self.core.pools.items()},
             "freeze": self.core.config.freeze,
             "region_cores": self.core.config.region_cores,
+            "share": {
+                "hold_share": self.core.config.hold_share,
+                "window_s": self.core.config.share_window,
+                "on": self.regions.share.on,
+            },
             "hold": self.regions.hold_status(),
             "devices": devices,
             "commands": commands,

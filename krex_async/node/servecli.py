@@ -89,6 +89,18 @@ def add_parser(sub: Any) -> None:
         "auto (default) those holding a GPU device file, none on the cpu device; "
         "all: every runtime",
     )
+    p.add_argument(
+        "--hold-share",
+        type=float,
+        help="the most of any --share-window that other commands' regions may hold a command; "
+        "one held that long runs before the next region that would hold it starts (queued, not "
+        "refused) (default 0.5; 0 or 1: off)",
+    )
+    p.add_argument(
+        "--share-window",
+        type=float,
+        help="seconds of the sliding window --hold-share is measured over (default 10)",
+    )
     for name in (
         "region_timeout",
         "quiesce_timeout",

@@ -230,6 +230,8 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         )
         if r is not None or d["queued"]:  # the region's holds on a line of their own
             holds = f"holds {_holds(r)}, cores {r['cores']}" if r is not None else ""
+            if r is not None and r.get("share_for"):  # its turn come, its siblings run first
+                holds = f"waits for the share of {', '.join(r['share_for'])}"
             queued = f"queued: {', '.join(d['queued'])}" if d["queued"] else ""
             out.append(_wrap(f"{'':<9} " + "; ".join(x for x in (holds, queued) if x)))
         if m := d.get("memory"):  # memory-aware admission

@@ -1,0 +1,140 @@
+"""A held command's share of its device (--hold-share, --share-window): regions of other commands
+may hold a command for at most --hold-share of any --share-window seconds (plus one region).
+
+Each region's wait for its turn is bounded by --region-timeout, but nothing bounded their sum: back
+to back, one user's regions left another user's command 2% of its progress. So each command keeps
+the spans in which others' regions held it (frozen or locked: what krex did to it, from the region's
+entry to its release), and a region whose turn has come first looks at the siblings it would hold:
+one held for --hold-share of the last --share-window is owed the time until that is no longer so.
+The region waits that long with its turn kept (queued, never refused, no sibling held), so the
+sibling runs; then it isolates as ever, so a grant still never comes while a sibling runs.
+
+Not owed a share: a sibling whose own region is requested (it waits for that, not to run), and one
+that did not use the time it was given (under 1% of a CPU over IDLE_PROBE_S: blocked, sleeping,
+idle), whose spans are then forgotten. Regions of a command never hold that command. --hold-share
+0 or 1 turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+IDLE_PROBE_S = 0.1  # a sibling given this long that stays under IDLE_CPU is not waited for
+IDLE_CPU = 0.01  # of one CPU
+EPSILON_S = 0.001  # past the exact instant, so the fraction is below the share when the wait ends
+
+
+class Share:
+    """Per command, the spans others' regions held it; what a region owes its siblings."""
+
+    def __init__(self, share: float, window: float) -> None:
+        self.share = share
+        self.window = window
+        self.on = 0.0 < share < 1.0
+        self.spans: dict[str, deque[tuple[float, float]]] = {}  # command -> (start, end), monotonic
+        self.sums: dict[str, float] = {}  # command -> its spans' seconds: held_s in O(1)
+        # commands at or over the share when last held: the only ones that can be owed time (the
+        # held part of the window grows only at a release), so a region's turn looks at these alone
+        self.over: set[str] = set()
+        self.open: dict[str, tuple[list[str], float]] = {}  # region -> (commands it holds, since)
+        self.total: dict[str, float] = {}  # command -> seconds held by others' regions in all
+
+    @property
+    def budget(self) -> float:
+        return self.share * self.window
+
+    def begin(self, region: str, held: list[str], since: float) -> None:
+        """A region was granted holding `held` since `since` (its entry began)."""
+        if held:
+            self.open[region] = (held, since)
+
+    def end(self, region: str, held: list[str], since: float, now: float) -> None:
+        """A granted region released: each of `held` (as it ended) was held from `since` to `now`."""
+        self.open.pop(region, None)
+        for cid in held:
+            q = self.spans.setdefault(cid, deque())
+            q.append((since, now))
+            self.sums[cid] = self.sums.get(cid, 0.0) + (now - since)
+            self.total[cid] = self.total.get(cid, 0.0) + (now - since)
+            self._prune(cid, q, now)
+            if self.on and self.held_s(cid, now) >= self.budget:
+                self.over.add(cid)
+
+    def forget(self, cid: str) -> None:
+        """`cid` ended, or did not want the time it was given: it is owed nothing from its past."""
+        self.spans.pop(cid, None)
+        self.sums.pop(cid, None)
+        self.over.discard(cid)
+
+    def drop(self, cid: str) -> None:
+        self.forget(cid)
+        self.total.pop(cid, None)
+
+    def _prune(self, cid: str, q: deque[tuple[float, float]], now: float) -> None:
+        while q and q[0][1] <= now - self.window:
+            s, e = q.popleft()
+            self.sums[cid] -= e - s
+
+    def held_s(self, cid: str, now: float) -> float:
+        """Seconds of the last --share-window that others' regions held `cid` (one holding it now
+        counts up to now)."""
+        left = now - self.window
+        q = self.spans.get(cid)
+        out = 0.0
+        if q:
+            self._prune(cid, q, now)
+            # the spans are disjoint and in order: only the first can reach past the left edge
+            out = max(0.0, self.sums[cid] - max(0.0, left - q[0][0])) if q else 0.0
+        for held, since in self.open.values():
+            if cid in held:
+                out += now - max(since, left)
+        return out
+
+    def owed_s(self, cid: str, now: float) -> float:
+        """How long `cid` must now run unheld before its held part of the window is under the share
+        (0: it is not over it). The window's left edge passes its oldest spans as it runs."""
+        if not self.on or cid not in self.spans:
+            return 0.0
+        q = self.spans[cid]
+        excess = self.held_s(cid, now) - self.budget
+        if excess < 0:
+            self.over.discard(cid)
+            return 0.0
+        left = now - self.window
+        gone = 0.0
+        for s, e in q:
+            s = max(s, left)
+            if gone + (e - s) > excess:
+                return s + (excess - gone) - left + EPSILON_S
+            gone += e - s
+        return self.window  # held now (an open span): not reached by sliding; not asked while held
+
+    def status(self, cid: str, now: float) -> dict[str, float | bool]:
+        """For `krex status`: held seconds in all and the held fraction of the window, and what it
+        is owed now (`starved`: a region would wait for it)."""
+        owed = self.owed_s(cid, now)
+        return {
+            "held_s": round(self.total.get(cid, 0.0), 3),
+            "held_fraction": round(self.held_s(cid, now) / self.window, 3),
+            "owed_s": round(owed, 3),
+            "starved": owed > 0,
+        }
+
+
+def cpu_ns(pids: list[int]) -> int:
+    """CPU time the processes `pids` have had, their threads summed, in ns (schedstat: precise,
+    where /proc/PID/stat counts in ticks). A process gone counts nothing."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
