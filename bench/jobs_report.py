@@ -144,11 +144,10 @@ def quiesce_outcome(r: dict[str, Any], timeout: float) -> str:
 def entry_own_s(g: dict[str, Any]) -> float:
     """A region's entry less what it waited for rather than did: the earlier region (wait_s),
     exiting siblings (exits_wait_s), the longest wait for a sibling inside a CUDA call
-    (lock_late's after_s) and a pool worker's context creation (pool_wait_s)."""
+    (lock_late's after_s), a pool worker's context creation (pool_wait_s) and held siblings' share
+    of the device (share_wait_s)."""
     late = max([float(x.get("after_s", 0.0)) for x in g.get("lock_late") or []] or [0.0])
-    waits = (
-        float(g.get("wait_s", 0.0)) + float(g.get("exits_wait_s", 0.0)) + float(g.get("pool_wait_s") or 0.0)
-    )
+    waits = sum(float(g.get(k) or 0.0) for k in ("wait_s", "exits_wait_s", "pool_wait_s", "share_wait_s"))
     return max(0.0, float(g.get("enter_s", 0.0)) - waits - late)
 
 
