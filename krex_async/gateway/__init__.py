@@ -1,7 +1,7 @@
 """`krex gateway`: the agate jobs API over HTTP, running every job as a krex command.
 
     krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
-                 [--token-file F | --token T | --no-auth] [--run-as USER] [--job-python PY]
+                 [--token-file F | --no-auth] [--run-as USER] [--job-python PY]
                  [--allow-remote] [--max-running N] [--max-body BYTES] [--job-retention S|never]
                  [--queue-timeout S] ...
 
@@ -38,6 +38,11 @@ from krex_async.gateway.retention import parse as parse_retention
 
 RETENTION_ENV = "KREX_GATEWAY_JOB_RETENTION"
 QUEUE_TIMEOUT_ENV = "KREX_GATEWAY_QUEUE_TIMEOUT"
+TOKEN_ENV = "KREX_GATEWAY_TOKEN"
+TOKEN_IN_ARGV = (
+    "--token puts the token in the command line, where every local user and every job reads it "
+    f"(ps, /proc/PID/cmdline): pass --token-file F (a 0600 file, one token a line) or set ${TOKEN_ENV}"
+)
 LIMITS = {  # the gateway's size and time limits, flag by flag (--max-body, ...)
     "max_body": "bytes",
     "max_file": "bytes",
@@ -71,8 +76,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--token",
-        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN, unless --token-file "
-        "or --no-auth is given; otherwise the token file)",
+        help="refused: a token on the command line is readable by every local user (ps, "
+        "/proc/PID/cmdline); use --token-file F or $KREX_GATEWAY_TOKEN",
     )
     p.add_argument(
         "--token-file",
@@ -95,6 +100,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=sys.executable,
         help="the interpreter `python` runs in jobs and evaluators run with (default "
         "this one; it must be executable by the jobs' user)",
+    )
+    p.add_argument(
+        "--job-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass the gateway's variable NAME on to jobs (repeatable); jobs otherwise get a minimal "
+        "environment: PATH, PYTHONPATH, LD_LIBRARY_PATH, the locale, TZ, TERM, TMPDIR, KREX_*, "
+        "CUDA_*, NVIDIA_*, NCCL_*, TRITON_*, TORCH_*",
     )
     p.add_argument("--atrex-bench-root", help="an Atrex-Bench checkout for eval/profile jobs")
     p.add_argument(
@@ -134,6 +148,20 @@ def limits_problem(args: argparse.Namespace) -> str:
             return f"--{name.replace('_', '-')} must be a positive number, not {v}"
     if args.default_timeout > args.max_timeout:
         return f"--default-timeout {args.default_timeout:g} is over --max-timeout {args.max_timeout:g}"
+    return ""
+
+
+def job_env_problem(names: list[str]) -> str:
+    """Why a --job-env NAME cannot be passed on ("" when all can): not a variable name, or one the
+    gateway keeps from jobs (its token) or krex sets itself."""
+    from krex_async.gateway.command import SECRET_ENV
+    from krex_async.gateway.limits import ENV_NAME, RESERVED_ENV
+
+    for name in names:
+        if not ENV_NAME.match(name):
+            return f"--job-env {name!r} is not a variable name"
+        if name in SECRET_ENV or name in RESERVED_ENV:
+            return f"--job-env {name}: never passed to jobs (a secret of the gateway's, or set by krex)"
     return ""
 
 
@@ -195,7 +223,7 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway import auth
     from krex_async.gateway import catalog as K
     from krex_async.gateway.app import Gateway, make_app
-    from krex_async.gateway.command import make_shims
+    from krex_async.gateway.command import job_env, make_shims
     from krex_async.gateway.env import Environment
     from krex_async.gateway.files import StateError, open_lock, own_dir, prepare_state
     from krex_async.gateway.jobs import JobRunner
@@ -232,16 +260,23 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         prepare_state(state)
         run_as, note = auth.job_user(args.run_as, euid)
-        token, token_from = args.token, "--token"
-        if token is None and not (args.token_file or args.no_auth):  # a flag given wins over the env
-            token, token_from = os.environ.get("KREX_GATEWAY_TOKEN") or None, "$KREX_GATEWAY_TOKEN"
-        gate, where = auth.load(state, args.token_file, token, args.no_auth, run_as, euid, token_from)
+        # Read once and dropped: no child (the start-up probes, a job) inherits it.
+        token = os.environ.pop(TOKEN_ENV, "") or None
+        if args.token_file or args.no_auth:  # a flag given wins over the env
+            token = None
+        gate, where = auth.load(state, args.token_file, token, args.no_auth, run_as, euid, f"${TOKEN_ENV}")
     except (auth.AuthError, StateError, OSError) as e:
         os.close(lock)
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
     daemon_socket = agent_socket(args.socket)  # the one JobRunner's Client.connect reaches
-    for line in (note, where, *auth.check_job_users(gate, args.job_python, daemon_socket).splitlines()):
+    names = frozenset(args.job_env)
+
+    def probe_env(u: auth.RunAs) -> dict[str, str]:  # what a job of `u` gets, for the start-up probes
+        return job_env("start-up-check", state / "jobs", {}, state / "bin", args.job_python, u, names)
+
+    checks = auth.check_job_users(gate, args.job_python, daemon_socket, probe_env, state / "jobs")
+    for line in (note, where, *checks.splitlines()):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     try:
@@ -278,6 +313,7 @@ async def serve(args: argparse.Namespace) -> int:
         fleet_connector(fleet) if fleet else None,
     )
     runner.shims = make_shims(state / "bin", args.job_python)
+    runner.env_names = names
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False, shutdown_timeout=3.0)
     await app_runner.setup()
@@ -339,6 +375,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point for `krex gateway`: checks the bind rules, then serves (uvloop when present)."""
+    if args.token is not None:  # refused, not scrubbed: a wrapper's argv (sudo, a unit) keeps it too
+        print(f"krex gateway: {TOKEN_IN_ARGV}", file=sys.stderr)
+        return 2
     try:
         host, _ = parse_listen(args.listen)
     except ValueError as e:
@@ -362,6 +401,9 @@ def main(args: argparse.Namespace) -> int:
         args.queue_timeout = queue_timeout_s(args.queue_timeout, os.environ)
     except ValueError as e:
         print(f"krex gateway: {e}", file=sys.stderr)
+        return 2
+    if why := job_env_problem(args.job_env):
+        print(f"krex gateway: {why}", file=sys.stderr)
         return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)

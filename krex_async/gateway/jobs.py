@@ -78,6 +78,7 @@ class JobRunner:
         self.kinds = kinds
         self.on_change = on_change
         self.shims: Path | None = None  # a directory with `python` for jobs' PATH
+        self.env_names: frozenset[str] = frozenset()  # --job-env: more of the gateway's variables
         self.client: Client | None = None
         self.daemon_error = ""
         self.waiting = ""  # why queued jobs are not being started now ("" when they are)
@@ -202,7 +203,8 @@ class JobRunner:
             (workdir / ".torch_extensions").mkdir(mode=0o700)
             argv, timeout = runner.prepare(request, workdir)
             hand_over(workdir, uid, user.gid if user else None)
-            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims, self.python, user)
+            extra = request.get("env_vars") or {}
+            env = job_env(job_id, workdir, extra, self.shims, self.python, user, self.env_names)
             if kind != "dev" and request.get("lock_clocks"):
                 clock = await clocks.acquire()  # raises ClockError: the job fails saying why
             if self.store.status(job_id) != "running":

@@ -110,9 +110,10 @@ def start_gateway(
     <state>/token."""
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / f"{state.name}.{time.monotonic_ns()}.log"
-    e = dict(os.environ, **(env or {}))
+    e = dict(os.environ)
     e.pop("KREX_SOCKET", None)
     e.pop("KREX_GATEWAY_TOKEN", None)
+    e.update(env or {})  # a test's own KREX_GATEWAY_TOKEN stays
     e["PYTHONPATH"] = os.pathsep.join([USER_PYTHONPATH, e.get("PYTHONPATH", "")])
     if "--job-python" not in args:
         args = (*args, "--job-python", job_python())
@@ -139,7 +140,11 @@ def start_gateway(
         try:
             meta = json.loads(info.read_text())
             if meta["pid"] == proc.pid:
-                if token is None and not {"--no-auth", "--token", "--token-file"} & set(args):
+                if (
+                    token is None
+                    and not {"--no-auth", "--token-file"} & set(args)
+                    and "KREX_GATEWAY_TOKEN" not in e
+                ):
                     token = (state / "token").read_text().split()[-1]
                 return Gateway(proc, state, meta["url"], log, token)
         except (OSError, ValueError, KeyError):
