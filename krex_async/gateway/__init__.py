@@ -39,6 +39,7 @@ from krex_async.gateway.retention import parse as parse_retention
 RETENTION_ENV = "KREX_GATEWAY_JOB_RETENTION"
 QUEUE_TIMEOUT_ENV = "KREX_GATEWAY_QUEUE_TIMEOUT"
 TOKEN_ENV = "KREX_GATEWAY_TOKEN"
+MIN_FREE_SPACE = 64 * 1024 * 1024
 TOKEN_IN_ARGV = (
     "--token puts the token in the command line, where every local user and every job reads it "
     f"(ps, /proc/PID/cmdline): pass --token-file F (a 0600 file, one token a line) or set ${TOKEN_ENV}"
@@ -116,6 +117,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=d.max_running,
         help=f"jobs submitted to the daemon at once (default {d.max_running})",
+    )
+    p.add_argument(
+        "--min-free-space",
+        type=int,
+        default=MIN_FREE_SPACE,
+        metavar="BYTES",
+        help="below this much free space on the state directory's file system, new jobs are "
+        f"refused (507) and queued ones wait; jobs already accepted are kept (default {MIN_FREE_SPACE}, "
+        "64 MiB; 0: only a write that fails refuses)",
     )
     p.add_argument(
         "--job-retention",
@@ -314,7 +324,9 @@ async def serve(args: argparse.Namespace) -> int:
     )
     runner.shims = make_shims(state / "bin", args.job_python)
     runner.env_names = names
+    runner.min_free = args.min_free_space
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
+    gw.min_free = args.min_free_space
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False, shutdown_timeout=3.0)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port, reuse_address=True)
@@ -404,6 +416,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if why := job_env_problem(args.job_env):
         print(f"krex gateway: {why}", file=sys.stderr)
+        return 2
+    if args.min_free_space < 0:
+        print("krex gateway: --min-free-space must be 0 or more bytes", file=sys.stderr)
         return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)

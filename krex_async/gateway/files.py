@@ -29,6 +29,24 @@ class StateError(Exception):
     """The state directory cannot be made safe; the message says why."""
 
 
+def low_space(path: Path, reserve: int) -> str:
+    """Why new work must wait or be refused ("" when it need not): less than `reserve` bytes left
+    to this user on `path`'s file system (0: never)."""
+    if reserve <= 0:
+        return ""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return f"cannot tell the free space of {path}: {e}"
+    free = st.f_bavail * st.f_frsize
+    if free >= reserve:
+        return ""
+    return (
+        f"the gateway's state disk is full: {free} bytes free under {path}, under the "
+        f"--min-free-space reserve of {reserve}"
+    )
+
+
 def own_dir(path: Path, mode: int) -> None:
     """Create `path` (or take the existing one) as a directory of this user with exactly `mode`.
     Raises StateError for a link, a non-directory, or a directory of another user."""

@@ -15,6 +15,7 @@ with that key is answered (KeyRemoved) rather than run a second time.
 
 from __future__ import annotations
 
+import errno
 import json
 import secrets
 import sqlite3
@@ -98,6 +99,13 @@ def error(reason: str, message: str, trace_id: str | None = None, **details: Any
     }
 
 
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` says the state's file system (or the user's quota there) is full."""
+    if isinstance(e, sqlite3.Error):
+        return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def _dumps(v: Any) -> str | None:
     return None if v is None else json.dumps(v, ensure_ascii=False, separators=(",", ":"))
 
@@ -110,6 +118,7 @@ class Store:
     """Owns one sqlite3 connection; `close()` releases it. Raises sqlite3.Error on a broken db."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.db = sqlite3.connect(path, isolation_level=None)  # autocommit; explicit BEGINs
         path.chmod(0o600)
         self.db.row_factory = sqlite3.Row
@@ -136,6 +145,13 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    def _rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already: on a full disk (SQLITE_FULL)
+        it rolls back by itself, and a second ROLLBACK would hide that error behind 'cannot
+        rollback - no transaction is active'."""
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
 
     def _make_shrinkable(self, path: Path) -> str:
         """Turn on incremental auto-vacuum in a database made before it: a one-off VACUUM, which
@@ -215,7 +231,7 @@ class Store:
             assert job is not None
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return job, True
 
@@ -259,7 +275,7 @@ class Store:
                 n += self.db.execute(f"DELETE FROM jobs WHERE job_id=? AND {terminal}", (job_id,)).rowcount
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return n
 
@@ -323,7 +339,7 @@ class Store:
                 )
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return None if row is None else (row[0], row[1], _loads(row[2]))
 
@@ -372,7 +388,7 @@ class Store:
                 )
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return before
 
@@ -395,7 +411,7 @@ class Store:
             )
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return ids
 
