@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from krex_async import cliargs
+from krex_async.gateway import conns
 from krex_async.gateway.limits import Limits
 from krex_async.gateway.retention import DEFAULT as DEFAULT_RETENTION
 from krex_async.gateway.retention import parse as parse_retention
@@ -117,6 +118,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=d.max_running,
         help=f"jobs submitted to the daemon at once (default {d.max_running})",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=conns.DEFAULT_PER_ADDRESS,
+        metavar="N",
+        help="open connections from one address; a new one beyond it closes that address's oldest "
+        f"connection without a token (default {conns.DEFAULT_PER_ADDRESS}; behind a proxy, raise it)",
+    )
+    p.add_argument(
+        "--unauthenticated-timeout",
+        type=float,
+        default=conns.DEFAULT_IDLE,
+        metavar="SECONDS",
+        help="close a connection that has made no request with a valid token this long after it "
+        f"opened (default {conns.DEFAULT_IDLE:g})",
     )
     p.add_argument(
         "--min-free-space",
@@ -329,6 +346,10 @@ async def serve(args: argparse.Namespace) -> int:
     gw.min_free = args.min_free_space
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False, shutdown_timeout=3.0)
     await app_runner.setup()
+    if said := conns.raise_nofile():  # a burst of connections meets the cap below before EMFILE
+        print(f"krex gateway: {said}", file=sys.stderr, flush=True)
+    gw.guard = conns.ConnectionGuard(args.max_connections_per_address, args.unauthenticated_timeout)
+    gw.guard.install(app_runner.server)
     site = web.TCPSite(app_runner, host, port, reuse_address=True)
     try:
         await site.start()
@@ -416,6 +437,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if why := job_env_problem(args.job_env):
         print(f"krex gateway: {why}", file=sys.stderr)
+        return 2
+    if args.max_connections_per_address < 1:
+        print("krex gateway: --max-connections-per-address must be at least 1", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.unauthenticated_timeout) and args.unauthenticated_timeout > 0):
+        print("krex gateway: --unauthenticated-timeout must be a positive number of seconds", file=sys.stderr)
         return 2
     if args.min_free_space < 0:
         print("krex gateway: --min-free-space must be 0 or more bytes", file=sys.stderr)

@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from krex_async.gateway.auth import Auth, Identity
+from krex_async.gateway.conns import ConnectionGuard
 from krex_async.gateway.env import Environment
 from krex_async.gateway.files import low_space
 from krex_async.gateway.jobs import JobRunner
@@ -103,6 +104,7 @@ class Gateway:
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.polls_left = 0  # long polls ended early because their client disconnected
         self.min_free = 0  # --min-free-space: below it on the state disk, new jobs are 507
+        self.guard: ConnectionGuard | None = None  # connections per address, idle ones without a token
         self.closing = False
 
     def close(self) -> None:
@@ -134,6 +136,8 @@ class Gateway:
                     trace,
                 )
             request[WHO] = who
+            if self.guard is not None:
+                self.guard.trust(request.protocol)
         try:
             resp = await handler(request)
         except BadRequest as e:

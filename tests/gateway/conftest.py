@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -104,6 +104,7 @@ def start_gateway(
     token: str | None = None,
     listen: str = "127.0.0.1:0",
     launcher: tuple[str, ...] = ("-m", "krex_async.gateway"),
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Gateway:
     """Start `python -m krex_async.gateway` (or `python *launcher`) and wait until its
     gateway.json names its pid. The client uses `token`, else the one the gateway wrote to
@@ -133,6 +134,7 @@ def start_gateway(
             stdout=f,
             stderr=subprocess.STDOUT,
             env=e,
+            preexec_fn=preexec_fn,
         )
     info = state / "gateway.json"
     deadline = time.monotonic() + 20
