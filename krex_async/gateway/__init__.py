@@ -145,6 +145,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "64 MiB; 0: only a write that fails refuses)",
     )
     p.add_argument(
+        "--max-running-per-identity",
+        type=int,
+        default=0,
+        metavar="N",
+        help="jobs of one identity (token) running at once; its others wait while other identities' "
+        "jobs start (default 0: no cap beyond --max-running; identities are served in turn either way)",
+    )
+    p.add_argument(
+        "--max-queued-per-identity",
+        type=int,
+        default=0,
+        metavar="N",
+        help="jobs of one identity queued or running; a submit beyond it is 429 too_many_jobs "
+        "(default 0: no cap)",
+    )
+    p.add_argument(
         "--job-retention",
         metavar="SECONDS|never",
         help="remove a finished job's directory and record this long after it ended (default "
@@ -316,6 +332,8 @@ async def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    store.max_running_per_owner = args.max_running_per_identity
+    store.max_active_per_owner = args.max_queued_per_identity
     if store.note:
         print(f"krex gateway: {store.note}", file=sys.stderr, flush=True)
     if store.restarted:
@@ -444,6 +462,10 @@ def main(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.unauthenticated_timeout) and args.unauthenticated_timeout > 0):
         print("krex gateway: --unauthenticated-timeout must be a positive number of seconds", file=sys.stderr)
         return 2
+    for flag in ("max_running_per_identity", "max_queued_per_identity"):
+        if getattr(args, flag) < 0:
+            print(f"krex gateway: --{flag.replace('_', '-')} must be 0 (no cap) or more", file=sys.stderr)
+            return 2
     if args.min_free_space < 0:
         print("krex gateway: --min-free-space must be 0 or more bytes", file=sys.stderr)
         return 2

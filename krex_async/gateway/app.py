@@ -13,7 +13,7 @@ Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a
 JSON (or nests deeper than MAX_DEPTH) and for bad query parameters, 422 for a job request that fails
 validation (as the reference gateway answers), 401 without a valid token, 404 for unknown routes
 and for jobs that do not exist or are not the caller's, 405 for a wrong method, 413 for a body over
---max-body, 410 (reason job_removed, naming it) for an idempotency key whose job retention removed,
+--max-body, 429 (reason too_many_jobs) for an identity over --max-queued-per-identity, 410 (reason job_removed, naming it) for an idempotency key whose job retention removed,
 501 for kinds not runnable here, 507 (reason insufficient_storage) for new work while the state disk
 is full (under --min-free-space, or a write met ENOSPC), 500 (reason internal_error) for a gateway bug.
 
@@ -41,7 +41,7 @@ from krex_async.gateway.env import Environment
 from krex_async.gateway.files import low_space
 from krex_async.gateway.jobs import JobRunner
 from krex_async.gateway.limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
-from krex_async.gateway.store import KeyRemoved, Store, disk_full, error
+from krex_async.gateway.store import KeyRemoved, Store, TooMany, disk_full, error
 from krex_async.gateway.views import TRACE, Views, request_key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -286,6 +286,17 @@ class Gateway:
         who = self.who(request)
         try:
             job, created = self.store.create(kind, req, request[TRACE], key, author, who.name, who.run_as.uid)
+        except TooMany as e:
+            raise BadRequest(
+                "too_many_jobs",
+                f"identity {who.name!r} has {e.queued} job(s) queued and {e.running} running, the most "
+                f"this gateway takes from one identity (--max-queued-per-identity {e.cap}); submit again "
+                "when one has ended",
+                429,
+                queued=e.queued,
+                running=e.running,
+                limit=e.cap,
+            ) from None
         except KeyRemoved as e:
             raise BadRequest(
                 "job_removed",

@@ -102,11 +102,19 @@ class JobRunner:
         """Why a job has not started ("" if it has, or is not waiting): a queued one waits for a
         daemon, a node or a slot; a running one whose command the daemon queued waits there."""
         if status == "queued":
-            return self.waiting
+            return self.waiting or self._held_by_cap(job_id)
         h = self.handles.get(job_id)
         if status != "running" or h is None or not h.queued or h.pid is not None:
             return ""
         return in_daemon_queue(h.device, self.policy)
+
+    def _held_by_cap(self, job_id: str) -> str:
+        """Why a queued job waits for its own identity ("" when it does not)."""
+        cap = self.store.max_running_per_owner
+        owner = self.store.owner(job_id) if cap else None
+        if owner is None or self.store.active(owner)[1] < cap:
+            return ""
+        return f"waiting for one of its identity's {cap} running jobs to end (--max-running-per-identity)"
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())

@@ -88,6 +88,14 @@ class KeyRemoved(Exception):
         self.job_id, self.removed_at = job_id, removed_at
 
 
+class TooMany(Exception):
+    """The identity already has its --max-queued-per-identity jobs queued or running."""
+
+    def __init__(self, queued: int, running: int, cap: int) -> None:
+        super().__init__(f"{queued} queued and {running} running of at most {cap}")
+        self.queued, self.running, self.cap = queued, running, cap
+
+
 def error(reason: str, message: str, trace_id: str | None = None, **details: Any) -> dict[str, Any]:
     """The API's error object, used both for HTTP error bodies and for a job's `error`."""
     return {
@@ -119,6 +127,10 @@ class Store:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.max_running_per_owner = 0  # --max-running-per-identity (0: no cap)
+        self.max_active_per_owner = 0  # --max-queued-per-identity: queued and running (0: no cap)
+        self.served: dict[str, int] = {}  # identity -> the turn its last job was claimed in
+        self._turn = 0
         self.db = sqlite3.connect(path, isolation_level=None)  # autocommit; explicit BEGINs
         path.chmod(0o600)
         self.db.row_factory = sqlite3.Row
@@ -189,7 +201,8 @@ class Store:
         run_uid: int | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """Insert a queued job, or return the owner's job with the same kind and idempotency key.
-        Raises KeyRemoved when that job was removed (its key is kept a while: `forget`)."""
+        Raises KeyRemoved when that job was removed (its key is kept a while: `forget`), TooMany
+        when the owner has max_active_per_owner jobs queued or running already."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             if idempotency_key is not None:
@@ -207,6 +220,10 @@ class Store:
                 ).fetchone()
                 if gone is not None:
                     raise KeyRemoved(gone[0], gone[1])  # rolled back below: nothing was written
+            if self.max_active_per_owner:
+                queued, running = self.active(owner)
+                if queued + running >= self.max_active_per_owner:
+                    raise TooMany(queued, running, self.max_active_per_owner)
             now = time.time()
             job_id = f"{PREFIX.get(kind, 'jb')}_{secrets.token_hex(6)}"
             self.db.execute(
@@ -324,13 +341,25 @@ class Store:
         return str(row["status"]), body
 
     def claim(self) -> tuple[str, str, dict[str, Any]] | None:
-        """The oldest queued job, now marked running (recorded before anything is started)."""
+        """The next queued job, now marked running (recorded before anything is started): fair
+        between identities, not first come first served (one identity's batch would make every
+        other identity wait for all of it). Each identity's oldest queued job is a candidate; the
+        one whose identity has the fewest jobs running goes first, then the identity served
+        longest ago (round robin), then the oldest. Identities at `max_running_per_owner` wait."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            row = self.db.execute(
-                "SELECT job_id, kind, request FROM jobs WHERE status='queued' ORDER BY seq LIMIT 1"
-            ).fetchone()
-            if row is not None:
+            running = dict(
+                self.db.execute("SELECT owner, COUNT(*) FROM jobs WHERE status='running' GROUP BY owner")
+            )
+            heads = self.db.execute(
+                "SELECT owner, MIN(seq) FROM jobs WHERE status='queued' GROUP BY owner"
+            ).fetchall()
+            cap = self.max_running_per_owner
+            ready = [(o, seq) for o, seq in heads if not (cap and running.get(o, 0) >= cap)]
+            row = None
+            if ready:
+                owner, seq = min(ready, key=lambda h: (running.get(h[0], 0), self.served.get(h[0], -1), h[1]))
+                row = self.db.execute("SELECT job_id, kind, request FROM jobs WHERE seq=?", (seq,)).fetchone()
                 now = time.time()
                 self.db.execute(
                     "UPDATE jobs SET status='running', started_at=?, updated_at=? "
@@ -341,7 +370,26 @@ class Store:
         except BaseException:
             self._rollback()
             raise
-        return None if row is None else (row[0], row[1], _loads(row[2]))
+        if row is None:
+            return None
+        self._turn += 1
+        self.served[owner] = self._turn
+        return row[0], row[1], _loads(row[2])
+
+    def active(self, owner: str) -> tuple[int, int]:
+        """(queued, running) jobs of this identity."""
+        counts = dict(
+            self.db.execute(
+                "SELECT status, COUNT(*) FROM jobs WHERE owner=? AND status IN ('queued', 'running') "
+                "GROUP BY status",
+                (owner,),
+            )
+        )
+        return counts.get("queued", 0), counts.get("running", 0)
+
+    def owner(self, job_id: str) -> str | None:
+        row = self.db.execute("SELECT owner FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None else str(row[0])
 
     def requeue(self, job_id: str) -> bool:
         """running -> queued again, keeping its place, for a job no command was started for (no
