@@ -13,9 +13,10 @@ Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a
 JSON (or nests deeper than MAX_DEPTH) and for bad query parameters, 422 for a job request that fails
 validation (as the reference gateway answers), 401 without a valid token, 404 for unknown routes
 and for jobs that do not exist or are not the caller's, 405 for a wrong method, 413 for a body over
---max-body, 429 (reason too_many_jobs) for an identity over --max-queued-per-identity, 410 (reason job_removed, naming it) for an idempotency key whose job retention removed,
-501 for kinds not runnable here, 507 (reason insufficient_storage) for new work while the state disk
-is full (under --min-free-space, or a write met ENOSPC), 500 (reason internal_error) for a gateway bug.
+--max-body, 429 (reason too_many_jobs) for an identity over --max-queued-per-identity, 410 (reason
+job_removed, naming it) for an idempotency key whose job retention removed, 501 for kinds not
+runnable here, 507 (reason insufficient_storage) for new work while the state disk is full (under
+--min-free-space, or a write met ENOSPC), 500 (reason internal_error) for a gateway bug.
 
 Every route but /healthz needs a token (auth.py) unless the gateway runs with --no-auth; a caller
 sees, waits on and cancels only its own jobs. A job's view is rendered once from the stored JSON
