@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from krex_async import cliargs
-from krex_async.gateway import conns
+from krex_async.gateway import conns, options
 from krex_async.gateway.limits import Limits
 from krex_async.gateway.retention import DEFAULT as DEFAULT_RETENTION
 from krex_async.gateway.retention import parse as parse_retention
@@ -40,7 +40,6 @@ from krex_async.gateway.retention import parse as parse_retention
 RETENTION_ENV = "KREX_GATEWAY_JOB_RETENTION"
 QUEUE_TIMEOUT_ENV = "KREX_GATEWAY_QUEUE_TIMEOUT"
 TOKEN_ENV = "KREX_GATEWAY_TOKEN"
-MIN_FREE_SPACE = 64 * 1024 * 1024
 TOKEN_IN_ARGV = (
     "--token puts the token in the command line, where every local user and every job reads it "
     f"(ps, /proc/PID/cmdline): pass --token-file F (a 0600 file, one token a line) or set ${TOKEN_ENV}"
@@ -103,62 +102,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the interpreter `python` runs in jobs and evaluators run with (default "
         "this one; it must be executable by the jobs' user)",
     )
-    p.add_argument(
-        "--job-env",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="pass the gateway's variable NAME on to jobs (repeatable); jobs otherwise get a minimal "
-        "environment: PATH, PYTHONPATH, LD_LIBRARY_PATH, the locale, TZ, TERM, TMPDIR, KREX_*, "
-        "CUDA_*, NVIDIA_*, NCCL_*, TRITON_*, TORCH_*",
-    )
     p.add_argument("--atrex-bench-root", help="an Atrex-Bench checkout for eval/profile jobs")
     p.add_argument(
         "--max-running",
         type=int,
         default=d.max_running,
         help=f"jobs submitted to the daemon at once (default {d.max_running})",
-    )
-    p.add_argument(
-        "--max-connections-per-address",
-        type=int,
-        default=conns.DEFAULT_PER_ADDRESS,
-        metavar="N",
-        help="open connections from one address; a new one beyond it closes that address's oldest "
-        f"connection without a token (default {conns.DEFAULT_PER_ADDRESS}; behind a proxy, raise it)",
-    )
-    p.add_argument(
-        "--unauthenticated-timeout",
-        type=float,
-        default=conns.DEFAULT_IDLE,
-        metavar="SECONDS",
-        help="close a connection that has made no request with a valid token this long after it "
-        f"opened (default {conns.DEFAULT_IDLE:g})",
-    )
-    p.add_argument(
-        "--min-free-space",
-        type=int,
-        default=MIN_FREE_SPACE,
-        metavar="BYTES",
-        help="below this much free space on the state directory's file system, new jobs are "
-        f"refused (507) and queued ones wait; jobs already accepted are kept (default {MIN_FREE_SPACE}, "
-        "64 MiB; 0: only a write that fails refuses)",
-    )
-    p.add_argument(
-        "--max-running-per-identity",
-        type=int,
-        default=0,
-        metavar="N",
-        help="jobs of one identity (token) running at once; its others wait while other identities' "
-        "jobs start (default 0: no cap beyond --max-running; identities are served in turn either way)",
-    )
-    p.add_argument(
-        "--max-queued-per-identity",
-        type=int,
-        default=0,
-        metavar="N",
-        help="jobs of one identity queued or running; a submit beyond it is 429 too_many_jobs "
-        "(default 0: no cap)",
     )
     p.add_argument(
         "--job-retention",
@@ -172,6 +121,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="fail a job not started this long after it was submitted (reason queue_timeout; "
         f"default ${QUEUE_TIMEOUT_ENV}, else none: a job waits for a daemon, node or slot for ever)",
     )
+    options.add(p)  # the flags of the trust model's limits
     for name, unit in LIMITS.items():
         default = getattr(d, name)
         p.add_argument(
@@ -191,20 +141,6 @@ def limits_problem(args: argparse.Namespace) -> str:
             return f"--{name.replace('_', '-')} must be a positive number, not {v}"
     if args.default_timeout > args.max_timeout:
         return f"--default-timeout {args.default_timeout:g} is over --max-timeout {args.max_timeout:g}"
-    return ""
-
-
-def job_env_problem(names: list[str]) -> str:
-    """Why a --job-env NAME cannot be passed on ("" when all can): not a variable name, or one the
-    gateway keeps from jobs (its token) or krex sets itself."""
-    from krex_async.gateway.command import SECRET_ENV
-    from krex_async.gateway.limits import ENV_NAME, RESERVED_ENV
-
-    for name in names:
-        if not ENV_NAME.match(name):
-            return f"--job-env {name!r} is not a variable name"
-        if name in SECRET_ENV or name in RESERVED_ENV:
-            return f"--job-env {name}: never passed to jobs (a secret of the gateway's, or set by krex)"
     return ""
 
 
@@ -453,21 +389,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
-    if why := job_env_problem(args.job_env):
+    if why := options.problem(args):
         print(f"krex gateway: {why}", file=sys.stderr)
-        return 2
-    if args.max_connections_per_address < 1:
-        print("krex gateway: --max-connections-per-address must be at least 1", file=sys.stderr)
-        return 2
-    if not (math.isfinite(args.unauthenticated_timeout) and args.unauthenticated_timeout > 0):
-        print("krex gateway: --unauthenticated-timeout must be a positive number of seconds", file=sys.stderr)
-        return 2
-    for flag in ("max_running_per_identity", "max_queued_per_identity"):
-        if getattr(args, flag) < 0:
-            print(f"krex gateway: --{flag.replace('_', '-')} must be 0 (no cap) or more", file=sys.stderr)
-            return 2
-    if args.min_free_space < 0:
-        print("krex gateway: --min-free-space must be 0 or more bytes", file=sys.stderr)
         return 2
     if args.max_running < 1:
         print("krex gateway: --max-running must be at least 1", file=sys.stderr)

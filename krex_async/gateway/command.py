@@ -74,8 +74,8 @@ def job_env(
     if user is not None and user.uid is not None:
         name, home = user.name, user.home or str(workdir)
     else:  # the gateway's own user
-        name, home = _me()
-        home = home or os.environ.get("HOME") or str(workdir)
+        name, own = _me()
+        home = own or os.environ.get("HOME") or str(workdir)
     env.update(HOME=home, USER=name, LOGNAME=name)
     env.update(extra)
     env.setdefault("KREX_AUTO_REGION", "1")
