@@ -407,7 +407,10 @@ class JobRunner:
         if self._loop_task is not None:
             self._loop_task.cancel()
         # Decided first, so the cancellations below do not turn these jobs into `cancelled`.
-        self.store.fail_all("running", "gateway_stopped", "the gateway stopped while the job ran")
+        try:
+            self.store.fail_all("running", "gateway_stopped", "the gateway stopped while the job ran")
+        except sqlite3.Error as e:  # a full disk: the next start marks them gateway_restarted
+            print(f"krex gateway: cannot record the running jobs as stopped ({e})", file=sys.stderr)
         for command in [h.command for h in self.handles.values()]:
             if self.client is not None:
                 try:
