@@ -4,17 +4,24 @@ queued one runs once space is freed), and the filler does not stay `running` aft
 
 from __future__ import annotations
 
+import errno
 import os
+import pwd
+import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from krex_async.gateway import catalog
+from krex_async.gateway.jobs import JobRunner
+from krex_async.gateway.limits import Limits
 from krex_async.gateway.store import Store, disk_full
 from tests.conftest import run_daemon, until
 
-from .conftest import SOCKET_GROUP, gateway_home, start_gateway
+from .conftest import JOB_USER, SOCKET_GROUP, gateway_home, start_gateway
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
@@ -108,3 +115,57 @@ async def test_a_job_filling_the_state_disk_refuses_new_work_and_loses_nothing(
             assert "Traceback" not in gw.logs(), gw.logs()
         finally:
             gw.stop()
+
+
+async def test_an_accepted_job_waits_for_space_and_its_verdict_is_kept_until_written(small_fs: Path) -> None:
+    """Its directory meets ENOSPC before it starts: back in the queue, not failed; its verdict
+    meets a full database: written once there is room, not left `running`."""
+
+    class FullStore(Store):
+        refusals = 2
+
+        def finish(self, *a, **kw):  # type: ignore[no-untyped-def]
+            if self.refusals:
+                self.refusals -= 1
+                raise sqlite3.OperationalError("database or disk is full")
+            return super().finish(*a, **kw)
+
+    kinds, _ = catalog.build(Limits(), frozenset(["local"]), None, sys.executable)
+    dev, tries = kinds["dev"], []
+
+    class FullDisk:
+        def __getattr__(self, name: str) -> object:
+            return getattr(dev, name)
+
+        def prepare(self, request, workdir):  # type: ignore[no-untyped-def]
+            tries.append(workdir.exists())
+            if len(tries) <= 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return dev.prepare(request, workdir)
+
+    store = FullStore(small_fs / "jobs.db")
+    (small_fs / "jobs").mkdir(mode=0o711)
+    async with run_daemon() as daemon:
+        runner = JobRunner(
+            store,
+            small_fs / "jobs",
+            Limits(),
+            daemon.socket,
+            {"dev": FullDisk()},
+            lambda _j: None,
+            run_as=pwd.getpwnam(JOB_USER).pw_uid,  # never root
+        )
+        request = dev.validate({"command": "echo kept", "spec": {"target_hardware": ["local"]}})[0]
+        job, _ = store.create("dev", request, "t", None, None)
+        runner.start()
+        try:
+            await until(
+                lambda: store.status(job["job_id"]) == "succeeded",
+                lambda: f"the job ran once there was room: {store.get(job['job_id'])}, tries {tries}",
+                30,
+            )
+            assert len(tries) == 3 and store.refusals == 0
+            assert (store.get(job["job_id"]) or {})["result"]["stdout"] == "kept\n"
+        finally:
+            await runner.stop()
+            store.close()
