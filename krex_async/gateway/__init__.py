@@ -1,7 +1,7 @@
 """`krex gateway`: the agate jobs API over HTTP, running every job as a krex command.
 
     krex gateway --listen 127.0.0.1:8000 --state-dir DIR [--socket PATH] [--gpu-alias NAME ...]
-                 [--token-file F | --token T | --no-auth] [--run-as USER] [--job-python PY]
+                 [--token-file F | --no-auth] [--run-as USER] [--job-python PY]
                  [--allow-remote] [--max-running N|auto] [--max-body BYTES] [--job-retention S|never]
                  [--queue-timeout S] ...
 
@@ -32,12 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from krex_async import cliargs
+from krex_async.gateway import conns, options
 from krex_async.gateway.limits import AUTO_MAX_RUNNING, Limits, max_running_arg
 from krex_async.gateway.retention import DEFAULT as DEFAULT_RETENTION
 from krex_async.gateway.retention import parse as parse_retention
 
 RETENTION_ENV = "KREX_GATEWAY_JOB_RETENTION"
 QUEUE_TIMEOUT_ENV = "KREX_GATEWAY_QUEUE_TIMEOUT"
+TOKEN_ENV = "KREX_GATEWAY_TOKEN"
+TOKEN_IN_ARGV = (
+    "--token puts the token in the command line, where every local user and every job reads it "
+    f"(ps, /proc/PID/cmdline): pass --token-file F (a 0600 file, one token a line) or set ${TOKEN_ENV}"
+)
 LIMITS = {  # the gateway's size and time limits, flag by flag (--max-body, ...)
     "max_body": "bytes",
     "max_file": "bytes",
@@ -71,8 +77,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--token",
-        help="require 'Authorization: Bearer TOKEN' (default $KREX_GATEWAY_TOKEN, unless --token-file "
-        "or --no-auth is given; otherwise the token file)",
+        help="refused: a token on the command line is readable by every local user (ps, "
+        "/proc/PID/cmdline); use --token-file F or $KREX_GATEWAY_TOKEN",
     )
     p.add_argument(
         "--token-file",
@@ -116,6 +122,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="fail a job not started this long after it was submitted (reason queue_timeout; "
         f"default ${QUEUE_TIMEOUT_ENV}, else none: a job waits for a daemon, node or slot for ever)",
     )
+    options.add(p)  # the flags of the trust model's limits
     for name, unit in LIMITS.items():
         default = getattr(d, name)
         p.add_argument(
@@ -196,7 +203,7 @@ async def serve(args: argparse.Namespace) -> int:
     from krex_async.gateway import auth
     from krex_async.gateway import catalog as K
     from krex_async.gateway.app import Gateway, make_app
-    from krex_async.gateway.command import make_shims
+    from krex_async.gateway.command import job_env, make_shims
     from krex_async.gateway.env import Environment
     from krex_async.gateway.files import StateError, open_lock, own_dir, prepare_state
     from krex_async.gateway.jobs import JobRunner
@@ -233,16 +240,23 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         prepare_state(state)
         run_as, note = auth.job_user(args.run_as, euid)
-        token, token_from = args.token, "--token"
-        if token is None and not (args.token_file or args.no_auth):  # a flag given wins over the env
-            token, token_from = os.environ.get("KREX_GATEWAY_TOKEN") or None, "$KREX_GATEWAY_TOKEN"
-        gate, where = auth.load(state, args.token_file, token, args.no_auth, run_as, euid, token_from)
+        # Read once and dropped: no child (the start-up probes, a job) inherits it.
+        token = os.environ.pop(TOKEN_ENV, "") or None
+        if args.token_file or args.no_auth:  # a flag given wins over the env
+            token = None
+        gate, where = auth.load(state, args.token_file, token, args.no_auth, run_as, euid, f"${TOKEN_ENV}")
     except (auth.AuthError, StateError, OSError) as e:
         os.close(lock)
         print(f"krex gateway: {e}", file=sys.stderr)
         return 2
     daemon_socket = agent_socket(args.socket)  # the one JobRunner's Client.connect reaches
-    for line in (note, where, *auth.check_job_users(gate, args.job_python, daemon_socket).splitlines()):
+    names = frozenset(args.job_env)
+
+    def probe_env(u: auth.RunAs) -> dict[str, str]:  # what a job of `u` gets, for the start-up probes
+        return job_env("start-up-check", state / "jobs", {}, state / "bin", args.job_python, u, names)
+
+    checks = auth.check_job_users(gate, args.job_python, daemon_socket, probe_env, state / "jobs")
+    for line in (note, where, *checks.splitlines()):
         if line:
             print(f"krex gateway: {line}", file=sys.stderr, flush=True)
     try:
@@ -255,6 +269,8 @@ async def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    store.max_running_per_owner = args.max_running_per_identity
+    store.max_active_per_owner = args.max_queued_per_identity
     if store.note:
         print(f"krex gateway: {store.note}", file=sys.stderr, flush=True)
     if store.restarted:
@@ -279,9 +295,16 @@ async def serve(args: argparse.Namespace) -> int:
         fleet_connector(fleet) if fleet else None,
     )
     runner.shims = make_shims(state / "bin", args.job_python)
+    runner.env_names = names
+    runner.min_free = args.min_free_space
     gw = Gateway(store, runner, Environment(aliases), limits, kinds, missing, gate)
+    gw.min_free = args.min_free_space
     app_runner = web.AppRunner(make_app(gw), access_log=None, handle_signals=False, shutdown_timeout=3.0)
     await app_runner.setup()
+    if said := conns.raise_nofile():  # a burst of connections meets the cap below before EMFILE
+        print(f"krex gateway: {said}", file=sys.stderr, flush=True)
+    gw.guard = conns.ConnectionGuard(args.max_connections_per_address, args.unauthenticated_timeout)
+    gw.guard.install(app_runner.server)
     site = web.TCPSite(app_runner, host, port, reuse_address=True)
     try:
         await site.start()
@@ -340,6 +363,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point for `krex gateway`: checks the bind rules, then serves (uvloop when present)."""
+    if args.token is not None:  # refused, not scrubbed: a wrapper's argv (sudo, a unit) keeps it too
+        print(f"krex gateway: {TOKEN_IN_ARGV}", file=sys.stderr)
+        return 2
     try:
         host, _ = parse_listen(args.listen)
     except ValueError as e:
@@ -363,6 +389,9 @@ def main(args: argparse.Namespace) -> int:
         args.queue_timeout = queue_timeout_s(args.queue_timeout, os.environ)
     except ValueError as e:
         print(f"krex gateway: {e}", file=sys.stderr)
+        return 2
+    if why := options.problem(args):
+        print(f"krex gateway: {why}", file=sys.stderr)
         return 2
     try:
         args.max_running = max_running_arg(str(args.max_running))

@@ -13,8 +13,10 @@ Every error is JSON {error_class, reason, message, details, trace_id}: 400 for a
 JSON (or nests deeper than MAX_DEPTH) and for bad query parameters, 422 for a job request that fails
 validation (as the reference gateway answers), 401 without a valid token, 404 for unknown routes
 and for jobs that do not exist or are not the caller's, 405 for a wrong method, 413 for a body over
---max-body, 410 (reason job_removed, naming it) for an idempotency key whose job retention removed,
-501 for kinds not runnable here, 500 (reason internal_error) for a gateway bug.
+--max-body, 429 (reason too_many_jobs) for an identity over --max-queued-per-identity, 410 (reason
+job_removed, naming it) for an idempotency key whose job retention removed, 501 for kinds not
+runnable here, 507 (reason insufficient_storage) for new work while the state disk is full (under
+--min-free-space, or a write met ENOSPC), 500 (reason internal_error) for a gateway bug.
 
 Every route but /healthz needs a token (auth.py) unless the gateway runs with --no-auth; a caller
 sees, waits on and cancels only its own jobs. A job's view is rendered once from the stored JSON
@@ -27,6 +29,7 @@ import asyncio
 import json
 import math
 import secrets
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,10 +37,12 @@ from typing import Any
 from aiohttp import web
 
 from krex_async.gateway.auth import Auth, Identity
+from krex_async.gateway.conns import ConnectionGuard
 from krex_async.gateway.env import Environment
+from krex_async.gateway.files import low_space
 from krex_async.gateway.jobs import JobRunner
 from krex_async.gateway.limits import KINDS, STATUSES, TERMINAL, BadRequest, Limits
-from krex_async.gateway.store import KeyRemoved, Store, error
+from krex_async.gateway.store import KeyRemoved, Store, TooMany, disk_full, error
 from krex_async.gateway.views import TRACE, Views, request_key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,6 +70,15 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+def full_disk(why: str, trace: str) -> dict[str, Any]:
+    """The 507 refusal of new work while the state disk is full; accepted jobs are kept."""
+    return error(
+        "insufficient_storage",
+        f"{why}: no new job is accepted until space is freed (jobs already accepted are kept)",
+        trace,
+    )
+
+
 def _json(status: int, body: Any, trace_id: str = "") -> web.Response:
     r = web.json_response(body, status=status, dumps=lambda v: json.dumps(v, ensure_ascii=False))
     if trace_id:
@@ -90,6 +104,8 @@ class Gateway:
         self.views = Views(store, waiting=runner.why_waiting)
         self.waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.polls_left = 0  # long polls ended early because their client disconnected
+        self.min_free = 0  # --min-free-space: below it on the state disk, new jobs are 507
+        self.guard: ConnectionGuard | None = None  # connections per address, idle ones without a token
         self.closing = False
 
     def close(self) -> None:
@@ -121,6 +137,8 @@ class Gateway:
                     trace,
                 )
             request[WHO] = who
+            if self.guard is not None:
+                self.guard.trust(request.protocol)
         try:
             resp = await handler(request)
         except BadRequest as e:
@@ -150,13 +168,21 @@ class Gateway:
             )
         except ConnectionError:
             raise  # the reader left mid-stream: nothing to answer
+        except (sqlite3.Error, OSError) as e:  # a full state disk is 507, whichever write met it
+            if disk_full(e) and not (request.writer is not None and request.writer.output_size > 0):
+                return _json(507, full_disk(f"{type(e).__name__}: {e}", trace), trace)
+            return self.bug(request, e, trace)
         except Exception as e:  # a gateway bug: say so as JSON, keep serving
-            if request.writer is not None and request.writer.output_size > 0:
-                raise  # a streamed answer had begun: a second one would corrupt it; aiohttp aborts
-            return _json(500, error("internal_error", f"{type(e).__name__}: {e}", trace), trace)
+            return self.bug(request, e, trace)
         if not resp.prepared:
             resp.headers.setdefault("X-Trace-Id", trace)
         return resp
+
+    @staticmethod
+    def bug(request: web.Request, e: Exception, trace: str) -> web.Response:
+        if request.writer is not None and request.writer.output_size > 0:
+            raise e  # a streamed answer had begun: a second one would corrupt it; aiohttp aborts
+        return _json(500, error("internal_error", f"{type(e).__name__}: {e}", trace), trace)
 
     # -------------------------------------------------------------------------------- helpers
 
@@ -250,6 +276,8 @@ class Gateway:
             )
             raise BadRequest("kind_not_supported", why, 501, kind=kind, supported=sorted(self.kinds))
         req, key, author = self.kinds[kind].validate(await self.body(request))
+        if why := low_space(self.store.path.parent, self.min_free):  # jobs accepted keep the rest
+            return _json(507, full_disk(why, request[TRACE]), request[TRACE])
         try:  # fields the kinds check name their own error; NaN left in a free-form part is this
             json.dumps(req, allow_nan=False)
         except ValueError:
@@ -259,6 +287,17 @@ class Gateway:
         who = self.who(request)
         try:
             job, created = self.store.create(kind, req, request[TRACE], key, author, who.name, who.run_as.uid)
+        except TooMany as e:
+            raise BadRequest(
+                "too_many_jobs",
+                f"identity {who.name!r} has {e.queued} job(s) queued and {e.running} running, the most "
+                f"this gateway takes from one identity (--max-queued-per-identity {e.cap}); submit again "
+                "when one has ended",
+                429,
+                queued=e.queued,
+                running=e.running,
+                limit=e.cap,
+            ) from None
         except KeyRemoved as e:
             raise BadRequest(
                 "job_removed",

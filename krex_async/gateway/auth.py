@@ -4,7 +4,8 @@
 
 Every token names one identity. A job belongs to the identity that submitted it: only that identity
 lists, reads, waits on or cancels it (for anyone else it does not exist: 404). Tokens come from
---token-file (created with one token if missing), from --token / $KREX_GATEWAY_TOKEN, or else from
+--token-file (created with one token if missing), from $KREX_GATEWAY_TOKEN (never the command line,
+which every local user reads), or else from
 <state>/token, generated at first start; a token file must be a regular file of the gateway's user
 with mode 0600 or stricter. `--no-auth` serves everyone as one identity, on loopback only.
 
@@ -20,6 +21,7 @@ import pwd
 import secrets
 import stat
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,22 +206,36 @@ def load(
     )
 
 
-def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
-    """Warnings, one a line, when a jobs' user cannot run the jobs' python (a venv under a private
-    home), cannot import krex's region client with it (an interpreter without krex's dependencies:
-    every region in a job, KREX_AUTO_REGION's included, would fail) or cannot reach the daemon's
-    socket (a job's regions go through it: add the user to --socket-group)."""
+def check_job_users(
+    gate: Auth,
+    python: str,
+    socket_path: str,
+    make_env: Callable[[RunAs], dict[str, str]],
+    jobs_dir: Path,
+) -> str:
+    """Warnings, one a line, when a jobs' user cannot reach the job directories under `jobs_dir`
+    (a --state-dir under a private parent: every job would fail to start, exit 125), cannot run
+    the jobs' python (a venv under a private home), cannot import krex's region client with it (an
+    interpreter without krex's dependencies: every region in a job, KREX_AUTO_REGION's included,
+    would fail) or cannot reach the daemon's socket (a job's regions go through it: add the user
+    to --socket-group). Each probe runs as that user in the environment its jobs get (make_env)."""
     users = {i.run_as for i in gate.tokens.values()}
     if gate.open_as is not None:
         users.add(gate.open_as.run_as)
     probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    job_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*job_path, package_root]))  # as command.job_env
     warnings: list[str] = []
-    for u in users:
+    for u in sorted(users, key=lambda u: u.name):
         if u.uid is None or u.gid is None:
             continue
+        groups = os.getgrouplist(u.name, u.gid)
+        env = make_env(u)
+        if _fails_as(u, groups, env, ["/bin/sh", "-c", 'cd "$1"', "sh", str(jobs_dir)]):
+            where = blocking_dir(jobs_dir, u.uid, groups) or jobs_dir
+            warnings.append(
+                f"WARNING: {u.name}, who runs jobs, cannot enter {where}, so every job fails to "
+                f"start (exit 125) in its directory under {jobs_dir}: let it through (chmod o+x "
+                f"{where}, or a group of {u.name}'s), or choose a --state-dir it can reach"
+            )
         for i, (argv, what) in enumerate(
             (
                 ([python, "-c", ""], f"run {python}: pass --job-python PATH"),
@@ -235,25 +251,44 @@ def check_job_users(gate: Auth, python: str, socket_path: str) -> str:
                 ),
             )
         ):
-            try:
-                r = subprocess.run(
-                    argv,
-                    user=u.uid,
-                    group=u.gid,
-                    extra_groups=os.getgrouplist(u.name, u.gid),
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                    cwd="/",
-                    env=env,
-                    check=False,
-                )
-                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-                failed = r.returncode != 0
-            except (OSError, subprocess.SubprocessError) as e:
-                last, failed = str(e), True
-            if failed:
+            if last := _fails_as(u, groups, env, argv):
                 warnings.append(f"WARNING: {u.name}, who runs jobs, cannot {what} ({last})")
                 if i == 0:  # it cannot run the interpreter: nothing else can be asked of it
                     break
     return "\n".join(warnings)
+
+
+def _fails_as(u: RunAs, groups: list[int], env: dict[str, str], argv: list[str]) -> str:
+    """Run argv as `u`; "" when it succeeds, else the last line it said (or its exit status)."""
+    try:
+        r = subprocess.run(
+            argv,
+            user=u.uid,
+            group=u.gid,
+            extra_groups=groups,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd="/",
+            env=env,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    if r.returncode == 0:
+        return ""
+    return (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+
+
+def blocking_dir(path: Path, uid: int, groups: list[int]) -> Path | None:
+    """The first directory on the way to `path` (itself included) that `uid` with `groups` may not
+    pass through, by its mode bits; None when every one lets it (an ACL may still refuse)."""
+    for p in (*reversed(path.parents), path):
+        try:
+            st = os.stat(p)
+        except OSError:
+            return p
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid in groups else 0o001
+        if not st.st_mode & bit:
+            return p
+    return None

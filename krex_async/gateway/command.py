@@ -6,8 +6,10 @@ submits and watches; this is what it hands the daemon and what it reads back.
 from __future__ import annotations
 
 import os
+import pwd
 import shlex
 import sys
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,12 @@ from krex_async.gateway.limits import RESERVED_ENV
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
 SECRET_ENV = frozenset({"KREX_GATEWAY_TOKEN", "AGATE_TOKEN"})  # the gateway's, never a job's
+# What a job inherits from the gateway's environment (docs/gateway-security.md): the locale, the
+# search paths, and the variables that configure krex and the GPU stack. Anything else (an
+# operator's secret in a root gateway's environment) stays out unless --job-env names it.
+PASS_ENV = frozenset({"PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR"})
+PASS_PREFIXES = ("LC_", "KREX_", "CUDA_", "NVIDIA_", "NCCL_", "TRITON_", "TORCH_")
+GATEWAY_PREFIX = "KREX_GATEWAY_"  # the gateway's own settings: not a job's
 
 
 def make_shims(bindir: Path, python: str = sys.executable) -> Path:
@@ -37,6 +45,19 @@ def make_shims(bindir: Path, python: str = sys.executable) -> Path:
     return bindir
 
 
+def passed_env(source: Mapping[str, str], names: Collection[str] = ()) -> dict[str, str]:
+    """The gateway's variables a job inherits: PASS_ENV, PASS_PREFIXES and the operator's `names`
+    (--job-env), never a secret, a reserved variable or the gateway's own configuration."""
+    return {
+        k: v
+        for k, v in source.items()
+        if (k in PASS_ENV or k.startswith(PASS_PREFIXES) or k in names)
+        and k not in RESERVED_ENV
+        and k not in SECRET_ENV
+        and not (k.startswith(GATEWAY_PREFIX) and k not in names)
+    }
+
+
 def job_env(
     job_id: str,
     workdir: Path,
@@ -44,12 +65,18 @@ def job_env(
     shims: Path | None = None,
     python: str = sys.executable,
     user: RunAs | None = None,
+    names: Collection[str] = (),
 ) -> dict[str, str]:
-    """The gateway's environment, the job's variables, and what krex and the API add. A job run as
-    another user gets that user's name and a HOME it can write (its own, else the job directory)."""
-    env = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV and k not in SECRET_ENV}
+    """A minimal environment (passed_env: a root gateway's other variables, an operator's
+    secrets among them, never reach a job), the user's name and a HOME it can write (its own, else
+    the job directory), the job's variables, and what krex and the API add."""
+    env = passed_env(os.environ, names)
     if user is not None and user.uid is not None:
-        env.update(HOME=user.home or str(workdir), USER=user.name, LOGNAME=user.name)
+        name, home = user.name, user.home or str(workdir)
+    else:  # the gateway's own user
+        name, own = _me()
+        home = own or os.environ.get("HOME") or str(workdir)
+    env.update(HOME=home, USER=name, LOGNAME=name)
     env.update(extra)
     env.setdefault("KREX_AUTO_REGION", "1")
     env["ATREX_LOCAL_JOB_ID"] = env["KREX_GATEWAY_JOB"] = job_id
@@ -66,6 +93,15 @@ def job_env(
         parts.append(PACKAGE_ROOT)
     env["PYTHONPATH"] = os.pathsep.join(parts)
     return env
+
+
+def _me() -> tuple[str, str | None]:
+    """The gateway user's name and its home (None when it has no passwd entry)."""
+    try:
+        pw = pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return str(os.geteuid()), None
+    return pw.pw_name, pw.pw_dir
 
 
 def command_result(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,24 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class StateError(Exception):
     """The state directory cannot be made safe; the message says why."""
+
+
+def low_space(path: Path, reserve: int) -> str:
+    """Why new work must wait or be refused ("" when it need not): less than `reserve` bytes left
+    to this user on `path`'s file system (0: never)."""
+    if reserve <= 0:
+        return ""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return f"cannot tell the free space of {path}: {e}"
+    free = st.f_bavail * st.f_frsize
+    if free >= reserve:
+        return ""
+    return (
+        f"the gateway's state disk is full: {free} bytes free under {path}, under the "
+        f"--min-free-space reserve of {reserve}"
+    )
 
 
 def own_dir(path: Path, mode: int) -> None:
@@ -164,35 +181,86 @@ def find(root: Path, sub: str, name: str = "", suffix: str = "") -> Iterator[str
 
 
 def remove_tree(path: Path) -> bool:
-    """Remove a job's directory tree without following links (shutil's fd-based rmtree); False if
-    it was not there. A gateway that is not root may meet a directory its job made read-only
-    (a module cache): it makes its own directories writable and tries once more. Blocking (run
-    it off the event loop); raises OSError."""
+    """Remove a job's directory tree without following links and without recursion (a job may
+    leave a tree thousands of levels deep: shutil.rmtree's recursion and its fd per level would
+    fail on it); False if it was not there. It walks down by directory fds opened with O_NOFOLLOW
+    and back up by "..", checking each parent is the one it came from (a directory moved
+    meanwhile is an OSError, never a walk elsewhere), so it holds one fd at a time. A gateway that
+    is not root may meet a directory its job made read-only or unreadable (a module cache): it
+    makes its own directories u+rwx. Blocking (run it off the event loop); raises OSError."""
     try:
-        shutil.rmtree(path)
+        top = os.lstat(path)
     except FileNotFoundError:
         return False
-    except PermissionError:
-        if os.geteuid() == 0:
-            raise
-        _writable_dirs(path)
-        shutil.rmtree(path)
+    if stat.S_ISLNK(top.st_mode):
+        raise OSError(
+            errno.ELOOP, f"refusing to remove a symbolic link in place of a job's directory: {path}"
+        )
+    if not stat.S_ISDIR(top.st_mode):
+        os.unlink(path)
+        return True
+    fd = _open_dir(str(path), None, top)
+    trail: list[tuple[str, int, int]] = []  # (name, dev, ino) of each directory below `path`
+    try:
+        while True:
+            child = _clear_files(fd)
+            if child is not None:  # go down into it
+                cfd = _open_dir(child, fd, os.stat(child, dir_fd=fd, follow_symlinks=False))
+                st = os.fstat(cfd)
+                os.close(fd)
+                fd = cfd
+                trail.append((child, st.st_dev, st.st_ino))
+                continue
+            if not trail:
+                break
+            name, _, _ = trail.pop()
+            want = trail[-1][1:] if trail else (top.st_dev, top.st_ino)
+            pfd = os.open("..", DIR_FLAGS, dir_fd=fd)
+            st = os.fstat(pfd)
+            os.close(fd)
+            fd = pfd
+            if (st.st_dev, st.st_ino) != want:
+                raise OSError(errno.ESTALE, f"a directory under {path} was moved while it was removed")
+            os.rmdir(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
     return True
 
 
-def _writable_dirs(root: Path) -> None:
-    """u+rwx on every directory of this user under root (links left alone). Not root, so the job
-    that could swap one in between is of the gateway's own uid: it cannot gain by it."""
+def _open_dir(name: str, dir_fd: int | None, seen: os.stat_result) -> int:
+    """An fd of the directory `name` (relative to dir_fd), which must still be the one `seen`
+    (lstat) described; a directory of ours without u+rwx is made so (not root: see remove_tree)."""
+    if not stat.S_ISDIR(seen.st_mode):
+        raise OSError(errno.ENOTDIR, f"{name} is no longer a directory")
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        if os.geteuid() == 0 or seen.st_uid != os.geteuid():
+            raise
+        os.chmod(name, 0o700, dir_fd=dir_fd)  # ours, not root: a swapped-in link gains its uid nothing
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+        os.close(fd)
+        raise OSError(errno.ESTALE, f"{name} was replaced while it was removed")
+    if os.geteuid() != 0 and st.st_uid == os.geteuid() and st.st_mode & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
 
-    def fix(path: str) -> None:
+
+def _clear_files(fd: int) -> str | None:
+    """Unlink every entry of the directory `fd` that is not a directory (a link is unlinked, never
+    followed); the name of one subdirectory, or None when it is empty."""
+    with os.scandir(fd) as it:
+        entries = list(it)  # listed first: unlinking while reading the directory may skip some
+    sub = None
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            sub = sub or entry.name
+            continue
         try:
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-                os.chmod(path, 0o700)
-        except OSError:
-            pass  # gone meanwhile: rmtree says what is left
-
-    fix(str(root))
-    for top, dirs, _ in os.walk(root, followlinks=False):
-        for d in dirs:  # before os.walk lists them
-            fix(os.path.join(top, d))
+            os.unlink(entry.name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+    return sub

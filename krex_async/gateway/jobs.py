@@ -33,12 +33,13 @@ from typing import Any, Protocol
 from krex_async.client.submit import Client, CommandHandle, KrexError
 from krex_async.gateway import auth, clocks
 from krex_async.gateway.command import command_result, job_env
-from krex_async.gateway.files import hand_over, remove_tree
+from krex_async.gateway.files import hand_over, low_space, remove_tree
 from krex_async.gateway.limits import TERMINAL, Limits
 from krex_async.gateway.queue_timeout import QueueTimeout, in_daemon_queue
-from krex_async.gateway.store import Store, error
+from krex_async.gateway.store import Store, disk_full, error
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
+RETRY_S = 1.0  # between tries of a record the state disk had no room for
 
 
 def job_shape(request: dict[str, Any]) -> str:
@@ -88,6 +89,8 @@ class JobRunner:
         self.kinds = kinds
         self.on_change = on_change
         self.shims: Path | None = None  # a directory with `python` for jobs' PATH
+        self.env_names: frozenset[str] = frozenset()  # --job-env: more of the gateway's variables
+        self.min_free = 0  # --min-free-space: below it on the state disk, nothing new starts
         self.client: Client | None = None
         self.daemon_error = ""
         self.waiting = ""  # why queued jobs are not being started now ("" when they are)
@@ -109,11 +112,19 @@ class JobRunner:
         """Why a job has not started ("" if it has, or is not waiting): a queued one waits for a
         daemon, a node or a slot; a running one whose command the daemon queued waits there."""
         if status == "queued":
-            return self.waiting
+            return self.waiting or self._held_by_cap(job_id)
         h = self.handles.get(job_id)
         if status != "running" or h is None or not h.queued or h.pid is not None:
             return ""
         return in_daemon_queue(h.device, self.policy)
+
+    def _held_by_cap(self, job_id: str) -> str:
+        """Why a queued job waits for its own identity ("" when it does not)."""
+        cap = self.store.max_running_per_owner
+        owner = self.store.owner(job_id) if cap else None
+        if owner is None or self.store.active(owner)[1] < cap:
+            return ""
+        return f"waiting for one of its identity's {cap} running jobs to end (--max-running-per-identity)"
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
@@ -156,7 +167,7 @@ class JobRunner:
             self._wake.clear()
             while not self._stopping and len(self.running) < self.limits.max_running:
                 client = await self.connect()
-                self.waiting = self.unready(client)
+                self.waiting = self.unready(client) or low_space(self.jobs_dir, self.min_free)
                 if client is None or self.waiting:  # keep the queue; try again shortly
                     asyncio.get_running_loop().call_later(1.0, self._wake.set)
                     break
@@ -203,16 +214,23 @@ class JobRunner:
             user = auth.user(str(uid)) if uid is not None else None
             workdir = self.jobs_dir / job_id
             try:
-                workdir.mkdir(mode=0o700)
-            except FileExistsError:
-                # What a requeue (below) could not remove: this job's own (ids are unique), so it
-                # goes; remove_tree follows no link and refuses one in place of the directory.
-                await asyncio.to_thread(remove_tree, workdir)
-                workdir.mkdir(mode=0o700)
-            (workdir / ".torch_extensions").mkdir(mode=0o700)
-            argv, timeout = runner.prepare(request, workdir)
+                try:
+                    workdir.mkdir(mode=0o700)
+                except FileExistsError:
+                    # What a requeue (below) could not remove: this job's own (ids are unique), so
+                    # it goes; remove_tree follows no link and refuses one in place of the directory.
+                    await asyncio.to_thread(remove_tree, workdir)
+                    workdir.mkdir(mode=0o700)
+                (workdir / ".torch_extensions").mkdir(mode=0o700)
+                argv, timeout = runner.prepare(request, workdir)
+            except OSError as e:
+                if not disk_full(e):
+                    raise
+                await self._requeue(job_id, workdir)  # accepted: it waits for space, not fails
+                return
             hand_over(workdir, uid, user.gid if user else None)
-            env = job_env(job_id, workdir, request.get("env_vars") or {}, self.shims, self.python, user)
+            extra = request.get("env_vars") or {}
+            env = job_env(job_id, workdir, extra, self.shims, self.python, user, self.env_names)
             if kind != "dev" and request.get("lock_clocks"):
                 clock = await clocks.acquire()  # raises ClockError: the job fails saying why
             if self.store.status(job_id) != "running":
@@ -239,7 +257,10 @@ class JobRunner:
                 **admission,
             )
             self.handles[job_id] = h
-            self.store.set_command(job_id, h.command)
+            try:
+                self.store.set_command(job_id, h.command)
+            except sqlite3.Error as e:  # shown in the job's view only: the job runs on
+                print(f"krex gateway: job {job_id}: cannot record its command ({e})", file=sys.stderr)
             self.on_change(job_id)
             if self.store.status(job_id) == "cancelled":
                 await self._terminate(h.command)
@@ -274,7 +295,7 @@ class JobRunner:
                 verdict = await asyncio.to_thread(
                     self._judge, runner, job_id, request, workdir, res.report, got, timeout, uid
                 )
-            self.store.finish(job_id, *verdict)
+            await self._record(job_id, *verdict)
         except KrexError as e:
             if e.code == "unreachable" and job_id not in self.handles and self.store.requeue(job_id):
                 # Nothing started (a fleet whose nodes all went down meanwhile): back in line,
@@ -284,14 +305,15 @@ class JobRunner:
                     await asyncio.to_thread(remove_tree, self.jobs_dir / job_id)
                 return
             reason = "daemon_lost" if e.code == "disconnected" else "krex_error"
-            self.store.finish(job_id, "failed", None, error(reason, f"krex: {e.message}", krex_code=e.code))
+            await self._record(job_id, "failed", None, error(reason, f"krex: {e.message}", krex_code=e.code))
         except asyncio.CancelledError:
-            self.store.finish(
-                job_id, "failed", None, error("gateway_stopped", "the gateway stopped while the job ran")
-            )
+            with contextlib.suppress(sqlite3.Error):  # else the next start marks it gateway_restarted
+                self.store.finish(
+                    job_id, "failed", None, error("gateway_stopped", "the gateway stopped while the job ran")
+                )
             raise
         except Exception as e:  # a bug or an OSError preparing the job: the job says so
-            self.store.finish(job_id, "failed", None, error("execution_error", f"{type(e).__name__}: {e}"))
+            await self._record(job_id, "failed", None, error("execution_error", f"{type(e).__name__}: {e}"))
         finally:
             for task in (deadline, unqueue):
                 if task is not None:
@@ -303,6 +325,41 @@ class JobRunner:
             if clock is not None:
                 self.on_change(job_id)  # decided above: its long polls answer now, not after the reset
                 await clock.release()  # off the loop; runs to its end even if this task is cancelled
+
+    async def _record(
+        self, job_id: str, status: str, result: dict[str, Any] | None, err: dict[str, Any] | None
+    ) -> None:
+        """store.finish, tried again each RETRY_S while the state disk is full (or the database
+        locked): the verdict waits in memory, and the job is not left `running` once space is
+        freed. A gateway stopping meanwhile leaves it to the next start (gateway_restarted)."""
+        said = False
+        while True:
+            try:
+                self.store.finish(job_id, status, result, err)
+                return
+            except sqlite3.Error as e:
+                if not said:
+                    said = True
+                    print(
+                        f"krex gateway: job {job_id} ended {status} but cannot be recorded ({e}); "
+                        f"trying again every {RETRY_S:g} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            await asyncio.sleep(RETRY_S)
+
+    async def _requeue(self, job_id: str, workdir: Path) -> None:
+        """Back in line, in its place, for a job whose directory met a full disk before it started
+        (after RETRY_S: the loop claims it again at once, and finds the disk as full)."""
+        await asyncio.sleep(RETRY_S)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(remove_tree, workdir)
+        while True:
+            try:
+                self.store.requeue(job_id)
+                return
+            except sqlite3.Error:
+                await asyncio.sleep(RETRY_S)
 
     async def _deadline(self, job_id: str, h: CommandHandle, timeout: float) -> None:
         """The job's timeout, counted from its start (not its wait in the daemon's queue); then
@@ -378,7 +435,10 @@ class JobRunner:
         if self._loop_task is not None:
             self._loop_task.cancel()
         # Decided first, so the cancellations below do not turn these jobs into `cancelled`.
-        self.store.fail_all("running", "gateway_stopped", "the gateway stopped while the job ran")
+        try:
+            self.store.fail_all("running", "gateway_stopped", "the gateway stopped while the job ran")
+        except sqlite3.Error as e:  # a full disk: the next start marks them gateway_restarted
+            print(f"krex gateway: cannot record the running jobs as stopped ({e})", file=sys.stderr)
         for command in [h.command for h in self.handles.values()]:
             if self.client is not None:
                 try:

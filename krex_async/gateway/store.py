@@ -24,92 +24,33 @@ from pathlib import Path
 from typing import Any
 
 from krex_async.gateway.limits import TERMINAL
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL UNIQUE,
-    kind TEXT NOT NULL,
-    status TEXT NOT NULL,
-    request TEXT NOT NULL,
-    result TEXT,
-    error TEXT,
-    trace_id TEXT NOT NULL,
-    author TEXT,
-    idempotency_key TEXT,
-    krex_command TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL
-);
-CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
-CREATE TABLE IF NOT EXISTS removed_keys (
-    owner TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    idempotency_key TEXT NOT NULL,
-    job_id TEXT NOT NULL,
-    removed_at REAL NOT NULL,
-    PRIMARY KEY (owner, kind, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS removed_keys_at ON removed_keys(removed_at);
-"""
-# Added after the first release: a database made before them gains them on open (owner 'default',
-# the identity of a single token, for its jobs).
-MIGRATIONS = (
-    ("owner", "ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'default'"),
-    ("run_uid", "ALTER TABLE jobs ADD COLUMN run_uid INTEGER"),
+from krex_async.gateway.schema import (
+    COLUMNS,
+    INDEXES,
+    MIGRATIONS,
+    PREFIX,
+    SCHEMA,
+    KeyRemoved,
+    TooMany,
+    disk_full,
+    error,
+    view,
 )
-INDEXES = """
-DROP INDEX IF EXISTS jobs_idem;
-CREATE UNIQUE INDEX IF NOT EXISTS jobs_owner_idem ON jobs(owner, kind, idempotency_key)
-    WHERE idempotency_key IS NOT NULL;
-CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner, seq);
-CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at) WHERE finished_at IS NOT NULL;
-"""
-# Everything a view needs; mode and lock_clocks read from the stored request by SQLite, so the request
-# (up to the body limit) is never decoded to show a job.
-COLUMNS = (
-    "job_id, kind, status, result, error, trace_id, author, idempotency_key, krex_command, "
-    "created_at, updated_at, started_at, finished_at, owner, "
-    "json_extract(request, '$.mode') AS mode, "
-    "json_extract(request, '$.lock_clocks') AS lock_clocks"
-)
-PREFIX = {"dev": "dv", "eval": "ev", "profile": "pf"}
+from krex_async.gateway.schema import dumps as _dumps
+from krex_async.gateway.schema import loads as _loads
 
-
-class KeyRemoved(Exception):
-    """An idempotency key whose job retention removed: answered, never run again (a client
-    resubmitting after a long outage would otherwise run the job twice)."""
-
-    def __init__(self, job_id: str, removed_at: float) -> None:
-        super().__init__(f"job {job_id} was removed")
-        self.job_id, self.removed_at = job_id, removed_at
-
-
-def error(reason: str, message: str, trace_id: str | None = None, **details: Any) -> dict[str, Any]:
-    """The API's error object, used both for HTTP error bodies and for a job's `error`."""
-    return {
-        "error_class": "krex_gateway",
-        "reason": reason,
-        "message": message,
-        "details": details,
-        "trace_id": trace_id,
-    }
-
-
-def _dumps(v: Any) -> str | None:
-    return None if v is None else json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-
-
-def _loads(v: str | None) -> Any:
-    return None if v is None else json.loads(v)
+__all__ = ["PREFIX", "KeyRemoved", "Store", "TooMany", "disk_full", "error"]  # their old home
 
 
 class Store:
     """Owns one sqlite3 connection; `close()` releases it. Raises sqlite3.Error on a broken db."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
+        self.max_running_per_owner = 0  # --max-running-per-identity (0: no cap)
+        self.max_active_per_owner = 0  # --max-queued-per-identity: queued and running (0: no cap)
+        self.served: dict[str, int] = {}  # identity -> the turn its last job was claimed in
+        self._turn = 0
         self.db = sqlite3.connect(path, isolation_level=None)  # autocommit; explicit BEGINs
         path.chmod(0o600)
         self.db.row_factory = sqlite3.Row
@@ -136,6 +77,13 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    def _rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already: on a full disk (SQLITE_FULL)
+        it rolls back by itself, and a second ROLLBACK would hide that error behind 'cannot
+        rollback - no transaction is active'."""
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
 
     def _make_shrinkable(self, path: Path) -> str:
         """Turn on incremental auto-vacuum in a database made before it: a one-off VACUUM, which
@@ -173,7 +121,8 @@ class Store:
         run_uid: int | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """Insert a queued job, or return the owner's job with the same kind and idempotency key.
-        Raises KeyRemoved when that job was removed (its key is kept a while: `forget`)."""
+        Raises KeyRemoved when that job was removed (its key is kept a while: `forget`), TooMany
+        when the owner has max_active_per_owner jobs queued or running already."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             if idempotency_key is not None:
@@ -191,6 +140,10 @@ class Store:
                 ).fetchone()
                 if gone is not None:
                     raise KeyRemoved(gone[0], gone[1])  # rolled back below: nothing was written
+            if self.max_active_per_owner:
+                queued, running = self.active(owner)
+                if queued + running >= self.max_active_per_owner:
+                    raise TooMany(queued, running, self.max_active_per_owner)
             now = time.time()
             job_id = f"{PREFIX.get(kind, 'jb')}_{secrets.token_hex(6)}"
             self.db.execute(
@@ -215,7 +168,7 @@ class Store:
             assert job is not None
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return job, True
 
@@ -259,7 +212,7 @@ class Store:
                 n += self.db.execute(f"DELETE FROM jobs WHERE job_id=? AND {terminal}", (job_id,)).rowcount
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return n
 
@@ -308,13 +261,25 @@ class Store:
         return str(row["status"]), body
 
     def claim(self) -> tuple[str, str, dict[str, Any]] | None:
-        """The oldest queued job, now marked running (recorded before anything is started)."""
+        """The next queued job, now marked running (recorded before anything is started): fair
+        between identities, not first come first served (one identity's batch would make every
+        other identity wait for all of it). Each identity's oldest queued job is a candidate; the
+        one whose identity has the fewest jobs running goes first, then the identity served
+        longest ago (round robin), then the oldest. Identities at `max_running_per_owner` wait."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            row = self.db.execute(
-                "SELECT job_id, kind, request FROM jobs WHERE status='queued' ORDER BY seq LIMIT 1"
-            ).fetchone()
-            if row is not None:
+            running = dict(
+                self.db.execute("SELECT owner, COUNT(*) FROM jobs WHERE status='running' GROUP BY owner")
+            )
+            heads = self.db.execute(
+                "SELECT owner, MIN(seq) FROM jobs WHERE status='queued' GROUP BY owner"
+            ).fetchall()
+            cap = self.max_running_per_owner
+            ready = [(o, seq) for o, seq in heads if not (cap and running.get(o, 0) >= cap)]
+            row = None
+            if ready:
+                owner, seq = min(ready, key=lambda h: (running.get(h[0], 0), self.served.get(h[0], -1), h[1]))
+                row = self.db.execute("SELECT job_id, kind, request FROM jobs WHERE seq=?", (seq,)).fetchone()
                 now = time.time()
                 self.db.execute(
                     "UPDATE jobs SET status='running', started_at=?, updated_at=? "
@@ -323,9 +288,28 @@ class Store:
                 )
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
-        return None if row is None else (row[0], row[1], _loads(row[2]))
+        if row is None:
+            return None
+        self._turn += 1
+        self.served[owner] = self._turn
+        return row[0], row[1], _loads(row[2])
+
+    def active(self, owner: str) -> tuple[int, int]:
+        """(queued, running) jobs of this identity."""
+        counts = dict(
+            self.db.execute(
+                "SELECT status, COUNT(*) FROM jobs WHERE owner=? AND status IN ('queued', 'running') "
+                "GROUP BY status",
+                (owner,),
+            )
+        )
+        return counts.get("queued", 0), counts.get("running", 0)
+
+    def owner(self, job_id: str) -> str | None:
+        row = self.db.execute("SELECT owner FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None else str(row[0])
 
     def requeue(self, job_id: str) -> bool:
         """running -> queued again, keeping its place, for a job no command was started for (no
@@ -372,7 +356,7 @@ class Store:
                 )
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return before
 
@@ -395,7 +379,7 @@ class Store:
             )
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         return ids
 
@@ -410,30 +394,4 @@ class Store:
             for r in self.db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
         }
 
-    @staticmethod
-    def view(row: sqlite3.Row, decode: bool = True) -> dict[str, Any]:
-        """The API's job object (without result and error when not `decode`: render splices
-        their stored text in)."""
-        mode = row["mode"]
-        lock = row["lock_clocks"]
-        job = {
-            "job_id": row["job_id"],
-            "kind": row["kind"],
-            "status": row["status"],
-            "mode": mode,
-            "lock_clocks": None if lock is None else bool(lock),
-            "mode_enforced": (
-                (mode or "full") in ("full", "correctness_only") if row["kind"] == "eval" else None
-            ),
-            "trace_id": row["trace_id"],
-            "author": row["author"],
-            "idempotency_key": row["idempotency_key"],
-            "krex_command": row["krex_command"],
-            "created_at": row["created_at"],
-            "updated_at": row["updated_at"],
-            "started_at": row["started_at"],
-            "finished_at": row["finished_at"],
-        }
-        if decode:
-            job["result"], job["error"] = _loads(row["result"]), _loads(row["error"])
-        return job
+    view = staticmethod(view)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -104,15 +104,17 @@ def start_gateway(
     token: str | None = None,
     listen: str = "127.0.0.1:0",
     launcher: tuple[str, ...] = ("-m", "krex_async.gateway"),
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Gateway:
     """Start `python -m krex_async.gateway` (or `python *launcher`) and wait until its
     gateway.json names its pid. The client uses `token`, else the one the gateway wrote to
     <state>/token."""
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / f"{state.name}.{time.monotonic_ns()}.log"
-    e = dict(os.environ, **(env or {}))
+    e = dict(os.environ)
     e.pop("KREX_SOCKET", None)
     e.pop("KREX_GATEWAY_TOKEN", None)
+    e.update(env or {})  # a test's own KREX_GATEWAY_TOKEN stays
     e["PYTHONPATH"] = os.pathsep.join([USER_PYTHONPATH, e.get("PYTHONPATH", "")])
     if "--job-python" not in args:
         args = (*args, "--job-python", job_python())
@@ -132,6 +134,7 @@ def start_gateway(
             stdout=f,
             stderr=subprocess.STDOUT,
             env=e,
+            preexec_fn=preexec_fn,
         )
     info = state / "gateway.json"
     deadline = time.monotonic() + 20
@@ -139,7 +142,11 @@ def start_gateway(
         try:
             meta = json.loads(info.read_text())
             if meta["pid"] == proc.pid:
-                if token is None and not {"--no-auth", "--token", "--token-file"} & set(args):
+                if (
+                    token is None
+                    and not {"--no-auth", "--token-file"} & set(args)
+                    and "KREX_GATEWAY_TOKEN" not in e
+                ):
                     token = (state / "token").read_text().split()[-1]
                 return Gateway(proc, state, meta["url"], log, token)
         except (OSError, ValueError, KeyError):

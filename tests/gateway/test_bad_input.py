@@ -186,8 +186,7 @@ async def test_remote_bind_needs_allow_remote_and_a_token(tmp_path: Path) -> Non
             daemon.socket,
             home / "gw",
             "--allow-remote",
-            "--token",
-            "s3cret",
+            env={"KREX_GATEWAY_TOKEN": "s3cret"},
             listen="0.0.0.0:0",
             token="s3cret",
         )

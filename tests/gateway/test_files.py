@@ -21,10 +21,14 @@ from krex_async.gateway.store import Store
 def test_a_job_never_inherits_the_gateways_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KREX_GATEWAY_TOKEN", "gateway-secret")
     monkeypatch.setenv("AGATE_TOKEN", "client-secret")
-    monkeypatch.setenv("KEPT", "1")
-    env = job_env("dv_x", tmp_path, {"MINE": "2"})
+    monkeypatch.setenv("NOT_PASSED", "1")
+    monkeypatch.setenv("LC_ALL", "C")
+    env = job_env("dv_x", tmp_path, {"MINE": "2"}, names={"KEPT"})
     assert "KREX_GATEWAY_TOKEN" not in env and "AGATE_TOKEN" not in env
-    assert env["KEPT"] == "1" and env["MINE"] == "2" and env["KREX_GATEWAY_JOB"] == "dv_x"
+    assert "NOT_PASSED" not in env and "KEPT" not in env  # named, but not set
+    assert env["LC_ALL"] == "C" and env["MINE"] == "2" and env["KREX_GATEWAY_JOB"] == "dv_x"
+    monkeypatch.setenv("KEPT", "1")
+    assert job_env("dv_x", tmp_path, {}, names={"KEPT"})["KEPT"] == "1"
 
 
 def test_read_back_refuses_links_fifos_and_other_owners(tmp_path: Path) -> None:

@@ -36,7 +36,11 @@ async def test_finished_jobs_go_after_retention_running_and_queued_ones_stay(tmp
         queued = await c.dev("echo after")
         await until(lambda: (gw.scratch / "started").exists(), "the long job started", 20)
         await until(lambda: not (jobs / done["job_id"]).exists(), "the finished job's directory went", 5)
-        status, body = await c.request("GET", f"/v1/jobs/{done['job_id']}")
+        deadline = time.monotonic() + 5
+        while (got := await c.request("GET", f"/v1/jobs/{done['job_id']}"))[0] == 200:  # row: just after
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.02)
+        status, body = got
         assert (status, body["reason"]) == (404, "job_not_found")
         assert done["job_id"] not in {j["job_id"] for j in await c.jobs()}
         await asyncio.sleep(1.5)  # past the retention of a job that had ended when it started
@@ -313,4 +317,51 @@ async def test_jobs_db_shrinks_after_the_sweep_removes_jobs(tmp_path: Path, made
         await until(lambda: db_bytes(path) < full / 10, f"jobs.db shrank from {full} bytes", 10)
     finally:
         await sweeper.stop()
+        store.close()
+
+
+def deep_tree(top: Path, depth: int) -> Path:
+    """`depth` nested directories under `top` (made by relative steps: the path outgrows PATH_MAX);
+    returns `top`."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=nfd), "w") as f:
+                f.write("x")
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+    return top
+
+
+async def test_a_3000_deep_tree_is_removed_by_the_sweep_without_following_links(tmp_path: Path) -> None:
+    """A job that leaves a 3000-deep tree made every sweep fail (RecursionError, or EMFILE from
+    one fd per level); the sweep removes it, and a link inside it to a directory outside is
+    removed, not followed."""
+    store = Store(tmp_path / "jobs.db")
+    jobs = tmp_path / "jobs"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the job's")
+    try:
+        job, _ = store.create("dev", {"command": "deep"}, "t", None, None)
+        other, _ = store.create("dev", {"command": "plain"}, "t", None, None)
+        for _ in range(2):
+            claimed = store.claim()
+            assert claimed is not None
+            (jobs / claimed[0]).mkdir(parents=True)
+            store.finish(claimed[0], "succeeded", {}, None)
+        top = deep_tree(jobs / job["job_id"], 3000)
+        (top / "d" / "d" / "link").symlink_to(outside, target_is_directory=True)
+        (top / "toplink").symlink_to(outside)
+        await asyncio.sleep(0.05)
+        sweeper = Sweeper(store, jobs, 0.01, lambda: ())
+        assert await sweeper.sweep() == 2
+        assert not (jobs / job["job_id"]).exists() and not (jobs / other["job_id"]).exists()
+        assert (outside / "keep").read_text() == "not the job's"
+        assert store.status(job["job_id"]) is None and sweeper.failing == set()
+    finally:
         store.close()

@@ -90,3 +90,23 @@ def test_a_relative_state_dir_from_a_removed_directory_is_exit_2_naming_the_flag
     p = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "--state-dir rel: the current directory was removed" in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs jobs as another user: needs root")
+def test_a_state_dir_the_jobs_user_cannot_reach_is_a_warning_naming_the_directory(tmp_path: Path) -> None:
+    """A --state-dir under a parent the jobs' user cannot pass through would fail every job with
+    exit 125 (its directory cannot be entered): the start says so, naming that parent and the fix."""
+    sock = str(tmp_path / "krex.sock")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KREX_GATEWAY_TOKEN")}
+    env = {**base, "KREX_SOCKET": sock, "PYTHONPATH": USER_PYTHONPATH}
+    args = ("--run-as", JOB_USER, "--job-python", USER_PY)
+    with gateway_home() as home:
+        private = home / "private"
+        private.mkdir(mode=0o700)
+        said = start_lines(private / "gw", env, *args)
+        assert "listening on" in said, said
+        assert f"{JOB_USER}, who runs jobs, cannot enter {private}," in said, said
+        assert f"chmod o+x {private}" in said and "exit 125" in said, said
+        private.chmod(0o711)  # passable: nothing to say
+        fine = start_lines(private / "gw", env, *args)
+        assert "cannot enter" not in fine and "listening on" in fine, fine

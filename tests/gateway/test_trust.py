@@ -197,7 +197,7 @@ async def test_refused_configurations(gwhome: Path) -> None:
         state = str(gwhome / "s")
         r = start("--state-dir", state, "--run-as", "root")
         assert r.returncode == 2 and "never run as root" in r.stderr, r.stderr
-        r = start("--state-dir", state, "--no-auth", "--token", "x" * 20)
+        r = start("--state-dir", state, "--no-auth", "--token-file", str(gwhome / "t"))
         assert r.returncode == 2 and "--no-auth cannot be combined" in r.stderr, r.stderr
         loose = token_file(gwhome, f"{ALICE}\n", 0o644)
         r = start("--state-dir", state, "--token-file", str(loose))
