@@ -5,6 +5,8 @@ submits and watches; this is what it hands the daemon and what it reads back.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pwd
 import shlex
@@ -138,3 +140,19 @@ def command_result(
             )
         },
     }
+
+
+def job_shape(request: dict[str, Any]) -> str:
+    """A digest of what makes jobs alike in memory: the command and the names of the files (not
+    their contents, which an agent changes from candidate to candidate of one problem)."""
+    files = request.get("files") or {}
+    shape = json.dumps([request.get("command"), sorted(files) if isinstance(files, dict) else []])
+    return hashlib.sha256(shape.encode()).hexdigest()[:16]
+
+
+def admission_args(kind: str, request: dict[str, Any]) -> dict[str, Any]:
+    """A job's Submit fields for a daemon's (not a fleet's) memory admission: it is taken to need
+    what the last jobs of its own shape (an agent's next candidate for the same problem) peaked at,
+    or its kind's until one ran; one that ran out of memory beside others is run again alone (jobs
+    are evaluations: running one twice is safe), its output replacing the first's."""
+    return {"mem_key": f"gateway {kind} / {job_shape(request)}", "rerun_on_oom": True}

@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
-import json
 import os
 import sqlite3
 import sys
@@ -32,7 +30,7 @@ from typing import Any, Protocol
 
 from krex_async.client.submit import Client, CommandHandle, KrexError
 from krex_async.gateway import auth, clocks
-from krex_async.gateway.command import command_result, job_env
+from krex_async.gateway.command import admission_args, command_result, job_env
 from krex_async.gateway.files import hand_over, low_space, remove_tree
 from krex_async.gateway.limits import TERMINAL, Limits
 from krex_async.gateway.queue_timeout import QueueTimeout, in_daemon_queue
@@ -40,14 +38,6 @@ from krex_async.gateway.store import Store, disk_full, error
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
 RETRY_S = 1.0  # between tries of a record the state disk had no room for
-
-
-def job_shape(request: dict[str, Any]) -> str:
-    """A digest of what makes jobs alike in memory: the command and the names of the files (not
-    their contents, which an agent changes from candidate to candidate of one problem)."""
-    files = request.get("files") or {}
-    shape = json.dumps([request.get("command"), sorted(files) if isinstance(files, dict) else []])
-    return hashlib.sha256(shape.encode()).hexdigest()[:16]
 
 
 class Kind(Protocol):
@@ -236,16 +226,7 @@ class JobRunner:
             if self.store.status(job_id) != "running":
                 return  # cancelled while being prepared
             client = await self.connect() or client  # lost while it was prepared (the clock lock)
-            # A daemon's (not a fleet's) memory admission: a job is taken to need what the last of
-            # its own (its kind, command and file names: an agent's next candidate for the same
-            # problem) peaked at, or its kind's until one ran; a job that ran out of memory beside
-            # others is run again alone (jobs are evaluations: running one twice is safe), its
-            # output replacing the first's.
-            admission: dict[str, Any] = (
-                {"mem_key": f"gateway {kind} / {job_shape(request)}", "rerun_on_oom": True}
-                if isinstance(client, Client)
-                else {}
-            )
+            admission = admission_args(kind, request) if isinstance(client, Client) else {}
             h = await client.submit(
                 argv,
                 cwd=str(workdir),

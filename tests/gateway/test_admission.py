@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.client.submit import Client
-from krex_async.gateway.jobs import job_shape
+from krex_async.gateway.command import job_shape
 
 from .conftest import stack
 
