@@ -207,7 +207,7 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
     common = [
         "-m", "bench.steady", "--device", "cpu", "--set", "tiny", "--cpu-jobs", "2", "--jobs-per-round", "4",
         "--rounds", "2", "--alone-rounds", "1", "--concurrency", "2", "--out", str(out),
-        "--variants", "shared", "region", "region-gw@2:-- --max-running auto",
+        "--variants", "shared", "region", "region-gw@2:-- --max-running none",
     ]  # fmt: skip
     before = set(Path("/tmp").glob("krex-jobs-*"))
     first = run_script(*common, "--units", "2", timeout=300)
