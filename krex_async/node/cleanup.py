@@ -379,8 +379,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-empty", action="store_true", help="do not remove empty command cgroups")
     p.add_argument(
         "--socket",
-        help="the daemon's socket (default: from the config, else the "
-        "default path): cleanup refuses while a daemon answers there",
+        help=f"the daemon's socket (default: the config's, else {_default_socket()}): cleanup "
+        "refuses while a daemon answers there",
     )
     p.add_argument(
         "--force",
