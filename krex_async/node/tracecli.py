@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from krex_async.cliargs import int_in, names_from, timeout
-from krex_async.node.statusview import printable
+from krex_async.node.statustable import printable
 from krex_async.protocol import PID_MAX, TRACE_KINDS, default_socket
 
 # COMMAND and REGION fit ids up to a daemon's 99999th command and its 99th region ("1065bba0-123.4").
