@@ -97,7 +97,8 @@ def _uid(text: str) -> int:
 
 def view_of(args: argparse.Namespace, watch: bool) -> View:
     """The table's view from the flags and the terminal (COLUMNS/LINES or the tty's size; a pipe
-    gets WIDTH). In --watch, one line goes to the header above the status."""
+    gets WIDTH). In --watch, the header above the status takes a line, and the cursor after the
+    last line another (a full screen would scroll its first line away)."""
     cols, lines = shutil.get_terminal_size((WIDTH, 24))
     return View(
         show_all=args.all,
@@ -107,7 +108,7 @@ def view_of(args: argparse.Namespace, watch: bool) -> View:
         label=args.label,
         sort=args.sort,
         width=cols,
-        height=lines - 1 if watch else None,
+        height=lines - 2 if watch else None,  # the header line, and the last line's newline
     )
 
 
