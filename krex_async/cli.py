@@ -241,9 +241,16 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="krex", description="region-granular GPU exclusivity")
     ap.add_argument("--version", action="version", version=f"krex {__version__}")
-    sub = ap.add_subparsers(dest="verb", required=True)
+    sub = ap.add_subparsers(dest="verb", metavar="VERB", required=True)
     servecli.add_parser(sub)
-    r = sub.add_parser("run", help="run a command under the daemon, like running it directly")
+    r = sub.add_parser(
+        "run",
+        help="run a command under the daemon, like running it directly",
+        usage="krex run [options] -- CMD [ARG ...]",
+        description="Run CMD under the daemon as if run directly: its stdout, stderr and exit status "
+        "(128+N when signal N ended it, 124 for --timeout, 125 when krex could not run it, 126 not "
+        "executable, 127 not found).",
+    )
     r.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     r.add_argument(
         "--device",
@@ -278,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         help="give the command /dev/null as stdin, like ssh -n (in a `while read` loop "
         "krex run would otherwise read ahead of the loop)",
     )
-    r.add_argument("cmd", nargs=argparse.REMAINDER)
+    r.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the command to run and its arguments, after `--` (krex run --label x -- python3 bench.py)",
+    )
     statusview.add_parser(sub)
     tracecli.add_parser(sub)
     x = sub.add_parser("export", help="write the daemon's recent timeline for Perfetto")
@@ -303,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_parser(sub)
     cleanup.add_parser(sub)
     _SUBPARSERS.update(sub.choices)
+    if not (sys.argv[1:] if argv is None else argv):  # bare `krex`: what it can do, as git does
+        ap.print_help()
+        return 0
     args = _parse(ap, argv)
     try:
         if args.verb == "serve" and not args.print_config:

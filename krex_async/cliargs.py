@@ -21,10 +21,16 @@ def seconds(text: str) -> float:
 
 def timeout(text: str) -> float:
     """argparse type for a time limit: seconds > 0 (0 would kill a command as it starts, where GNU
-    timeout reads 0 as no limit; leaving the flag out is no limit)."""
-    value = seconds(text)
+    timeout reads 0 as no limit; leaving the flag out is no limit). One message for every value
+    it refuses (0, -1, abc): the same mistake reads the same."""
+    try:
+        value = seconds(text)
+    except argparse.ArgumentTypeError:
+        value = 0.0
     if value == 0:
-        raise argparse.ArgumentTypeError("expected seconds > 0 (leave the flag out for no limit), got 0")
+        raise argparse.ArgumentTypeError(
+            f"expected seconds > 0 (leave the flag out for no limit), got {text!r}"
+        )
     return value
 
 

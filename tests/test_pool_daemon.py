@@ -93,7 +93,7 @@ async def test_daemon_reuses_a_worker_and_leaks_nothing(backend: str, tmp_path) 
 
 async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
     """Plain `krex status`: a pool table (device, size, warm, busy, retired, start p50/p95) and a
-    START column holding the start latency of a command started through the pool."""
+    WAIT column holding the start latency of a command started through the pool."""
     env = py_env()
     async with run_daemon("--pool-size", "1", env=env) as d:
         async with await d.client() as c:
@@ -119,14 +119,14 @@ async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
         f"{lat['p95'] * 1e3:.1f}ms",
     ], lines
     chead = next(ln for ln in lines if ln.startswith("COMMAND"))
-    assert chead.split()[:6] == ["COMMAND", "STATE", "DEVICE", "PID", "AGE", "START"]
+    assert chead.split()[:7] == ["COMMAND", "STATE", "DEVICE", "PID", "STARTED", "AGE", "WAIT"]
     rows = {
         ln.split()[0]: ln.split()
         for ln in lines
         if ln.split()[:1] in ([pooled.report.command], [plain.report.command])
     }
-    assert rows[pooled.report.command][5] == f"{pooled.report.start_latency_s * 1e3:.1f}ms", lines
-    assert rows[plain.report.command][5] == "-", lines
+    assert rows[pooled.report.command][6] == f"{pooled.report.start_latency_s * 1e3:.1f}ms", lines
+    assert rows[plain.report.command][6] == "-", lines
 
 
 async def test_region_waits_for_a_context_creation_in_flight(script, tmp_path) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
-from .conftest import PY, py_env, run_daemon
+from .conftest import PY, py_env, run_daemon, until
 from .test_strays import device, entered  # noqa: F401  (the fixture: a watched private device node)
 
 
@@ -104,10 +105,16 @@ async def test_trace_cli_reads_like_a_bcc_tool_and_says_when_the_daemon_stops(sc
     assert (
         grant.split()[3] == res.report.command and grant[col:].split()[0] == res.report.regions[0].region
     ), grant
-    assert "enter_s=" in grant and "ms" in grant.split("enter_s=")[1].split()[0]
-    assert "0000" not in grant.split("enter_s=")[1].split()[0], "durations must be rounded"
+    # fields named *_s and seconds are seconds, rounded to the microsecond (they read 0.514ms)
+    enter = grant.split("enter_s=")[1].split()[0]
+    assert re.fullmatch(r"\d+(\.\d{1,6})?s", enter), grant
+    assert abs(float(enter[:-1]) - res.report.regions[0].enter_s) < 1e-5, (grant, res.report.regions[0])
+    assert "region_name=timing" in grant, grant  # the name the code gave, beside the id
     freeze = next(x for x in lines if " freeze " in x)
-    assert "seconds=" in freeze and freeze.split("seconds=")[1].split()[0].endswith("ms")
+    assert re.fullmatch(r"\d+(\.\d{1,6})?s", freeze.split("seconds=")[1].split()[0]), freeze
+    assert f"frozen={sib.command}" in freeze, freeze  # whom it froze, not only the owner
+    start = next(x for x in lines if " command_start " in x and res.report.command in x)
+    assert f"argv={PY} {owner}" in start, start
     assert all(len(x.split()) >= 6 for x in lines[1:]), lines
     import json
 
@@ -144,7 +151,7 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     assert not wanted(probe, argparse.Namespace(**{**vars(ns), "no_probes": True}))
     text = line(ev)
     assert text.split()[1:6] == ["STRAY", "cpu", "-", "42", "r-1"], text
-    assert "owner=1-2" in text and "comm=nvidia-smi" in text and "seconds=1.836ms" in text
+    assert "owner=1-2" in text and "comm=nvidia-smi" in text and "seconds=0.001836s" in text
     # Real ids (a boot id and numbers in the hundreds) keep DETAIL in its column, under the header.
     from krex_async.node.tracecli import HEADER
 
@@ -228,3 +235,129 @@ async def test_trace_names_the_stray_process_and_the_owners_own_region(device, s
     assert own and all(e.region == rid for e in own), own
     assert not [e for e in seen["quiet"] if e.kind == "probe"]
     assert [e for e in seen["quiet"] if e.kind == "stray"]
+
+
+async def test_trace_sums_strays_per_region_and_comm_refuses_unknown_ids_and_stops_on_duration(
+    device,  # noqa: F811 - the fixture
+    script,
+    tmp_path,
+):
+    """Strays were one line per ioctl (147 for a 1.5 s region): by default `krex trace` now sums
+    them, one STRAYS line per (region, command, comm) before the region's release line, naming
+    the region's name; --strays lines keeps one line each. --command with an id this node does not
+    have is refused (it waited silently forever), as --device is; --duration S ends it with 0."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import ROOT
+    from .test_strays import IOCTLS
+
+    marker = tmp_path / "inside"
+    ioctls = script("io.py", IOCTLS)
+    owner = script(
+        "owner.py",
+        f"""
+        import time
+        from krex_async import region
+        with region("timing"):
+            open({str(marker)!r}, "w").close()
+            time.sleep(1.5)
+    """,
+    )
+    prefix = os.path.dirname(device) + "/"
+    async with run_daemon("--probes", "ioctl", "--probe-prefixes", prefix) as d:
+        env = py_env(KREX_SOCKET=d.socket)
+        krex = [sys.executable, "-m", "krex_async", "trace"]
+        files = {m: open(tmp_path / m, "wb") for m in ("summary", "lines")}
+        traces = {
+            m: subprocess.Popen(
+                [*krex, *([] if m == "summary" else ["--strays", "lines"]), "--duration", "60"],
+                stdout=files[m],
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=ROOT,
+            )
+            for m in files
+        }
+        await until(lambda: all((tmp_path / m).read_bytes().startswith(b"TIME") for m in files), "headers")
+        await asyncio.sleep(0.3)  # the subscriptions are made after the header is printed
+        async with await d.client() as c:
+            h = await c.submit([PY, owner], env=py_env())
+            await until(marker.exists, "the owner in its region")
+            outside = await asyncio.to_thread(
+                subprocess.run, [PY, ioctls, device, "40"], capture_output=True, text=True, timeout=30
+            )
+            res = await h.wait()
+        await until(lambda: b"region_release" in (tmp_path / "summary").read_bytes(), "the release")
+        for p in traces.values():
+            p.send_signal(2)
+            await asyncio.to_thread(p.wait, 30)
+        nosuch = await asyncio.to_thread(
+            subprocess.run,
+            [*krex, "--command", "nosuch-1"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=30,
+        )
+        t0 = time.monotonic()
+        short = await asyncio.to_thread(
+            subprocess.run, [*krex, "--duration", "1"], capture_output=True, text=True, env=env, timeout=30
+        )
+        took = time.monotonic() - t0
+    assert res.returncode == 0 and outside.returncode == 0, (res.stderr, outside.stderr)
+    pid = outside.stdout.strip()
+    summary = (tmp_path / "summary").read_text().splitlines()
+    lines = (tmp_path / "lines").read_text().splitlines()
+    mine = [x for x in summary if x.split()[1:2] == ["STRAYS"] and f" {pid} " in x]
+    assert len(mine) == 1, summary
+    # its open and its 40 ioctls
+    assert "count=41" in mine[0] and "calls=TCGETS:40," in mine[0], mine[0]
+    assert "region_name=timing" in mine[0] and f"owner={h.command}" in mine[0], mine[0]
+    assert not [x for x in summary if x.split()[1:2] == ["STRAY"]], summary
+    release = next(i for i, x in enumerate(summary) if " region_release " in x)
+    assert summary.index(mine[0]) < release, summary
+    assert len([x for x in lines if x.split()[1:2] == ["STRAY"] and f" {pid} " in x]) == 41, lines
+    assert nosuch.returncode == 2 and "--command nosuch-1: no such command" in nosuch.stderr, nosuch.stderr
+    assert short.returncode == 0 and short.stdout.startswith("TIME") and took < 20, (short, took)
+
+
+async def test_perfetto_names_command_tracks_and_regions(script) -> None:
+    """The exported timeline's command track names the command's label and argv, and its region
+    slices carry the name the code gave (`timing`) beside the id (they were ids only)."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    owner = script(
+        "o.py",
+        """
+        import time
+        from krex_async import region
+        with region("timing"):
+            time.sleep(0.05)
+    """,
+    )
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            res = await c.run([PY, owner], env=py_env(), label="agent-7")
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "krex_async", "export", "--socket", d.socket, "--perfetto", "-"],
+            capture_output=True,
+            text=True,
+            env=py_env(),
+            cwd=ROOT,
+            timeout=60,
+        )
+    assert res.returncode == 0 and out.returncode == 0, (res.stderr, out.stderr)
+    evs = json.loads(out.stdout)["traceEvents"]
+    cid, rid = res.report.command, res.report.regions[0].region
+    tracks = [e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert f"command {cid} agent-7: {PY} {owner}" in tracks, tracks
+    names = {e["name"] for e in evs if e["ph"] == "X"}
+    assert f"{rid} timing" in names and f"{cid}:{rid} timing" in names, names

@@ -59,9 +59,11 @@ class Daemon:
         self.records = Records(config.state_dir) if config.state_dir else None
         spool = Spool(config.state_dir, config.spool_limit) if config.state_dir else None
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.tracer = Tracer()
+        self.tracer = Tracer(self.commands)  # it names a starting command's label and argv
         self.tracers = self.tracer.subscribers  # connection.py adds `krex trace` peers here
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
+        for d in devices:  # first: every per-device series carries the device's UUID and model
+            self.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
         # What the parts share with the daemon: these same objects.
         self.core = Core(
             config=config,

@@ -11,40 +11,12 @@ dedicated CollectorRegistry. Why a thread and not an aiohttp handler on the loop
 event-loop time during a region. The metric objects are thread-safe, so the loop updates and the
 scrape thread reads without further locking.
 
-Metric names (all prefixed krex_). Every command metric carries {policy, device} and every device
-metric {device}, with the device key ("nvidia0") that dcgm-exporter also puts in its `device`
-label; `device_info` adds the GPU's index, UUID and model to join with it:
-    krex_region_hold_seconds_count * on(device) group_left(UUID, modelName) krex_device_info
-No `_created` series are exported (prometheus-client's per-series creation times).
-
-    commands{state=queued|running,policy,device}   gauge      commands now in that state
-    commands_started_total{policy,device,via}      counter
-    commands_ended_total{policy,device,state}      counter    state: exited, signaled, timeout, ...
-    command_wall_seconds{policy,device}            histogram
-    regions_held{device}                           gauge
-    region_enter_seconds{device}                   histogram  request to grant, all steps
-    region_freeze_seconds / _quiesce_ / _cores_    histograms the steps of entering
-    region_hold_seconds{device}                    histogram  grant to release
-    regions_total{device,outcome}                  counter    released, expired, owner-died, ...
-    region_drain_total{device,drain}               counter    synced, idle-verified, timeout, ...
-    strays_total{device}                           counter    GPU activity of non-owners in regions
-    region_share_wait_seconds_total{device}        counter    regions' waits for siblings' share
-    command_held_seconds_total{device,command}     counter    a running command held by others'
-                                                              regions (rate(): its held fraction)
-    probe_lost_events_total                        counter
-    pool_workers{device,state=warm|busy}           gauge
-    pool_retired_total{device}                     counter
-    pool_start_seconds{device}                     histogram  command start latency through the pool
-    device_utilization_ratio{device}               gauge      0-1, as Prometheus conventions have it
-    device_utilization_percent{device}             gauge      the same in percent (kept for
-                                                              existing dashboards; deprecated)
-    device_info{device,gpu,UUID,modelName,vendor}  gauge = 1
-    device_memory_reserved_bytes{device}           gauge      memory admission counts as held by
-                                                              running commands (admission.py)
-    device_memory_used_bytes{device}               gauge      used on the device, all processes
-    commands_waiting_memory{device}                gauge      commands queued for memory
-    command_reruns_total{device,reason}            counter    re-runs after a co-located OOM
-    info{version,policy,isolation}                 gauge = 1
+Every command metric carries {policy, device} and every per-device series {device, UUID,
+modelName}, the labels dcgm-exporter puts on its GPU series (`device` the key, "nvidia0"), so a panel
+groups or filters by GPU model with no join; `device_info` adds the GPU's index (`gpu`) and vendor. A
+series of no device ("none") has empty UUID and modelName. No `_created` series are exported. The
+series, their labels and meaning: docs/operating.md, "Metrics" (the Grafana dashboard's test checks
+every query it makes against a live daemon's series).
 """
 
 from __future__ import annotations
@@ -72,6 +44,21 @@ else:
 # Region steps are sub-millisecond to seconds; command walls are seconds to hours.
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _SLOW = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+
+# Every per-device series carries the device's UUID and model, as dcgm-exporter's do: a dashboard
+# filters or groups by GPU model without a join.
+_DEV = ["device", "UUID", "modelName"]
+
+
+def _user(uid: int) -> str:
+    """A uid as its user name (the uid where it has none)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 class MetricsUnavailable(RuntimeError):
@@ -108,101 +95,108 @@ class Metrics:
         self._retired: dict[str, int] = {}
         self._queued: dict[str, tuple[str, str]] = {}  # command -> (policy, device) while queued
         self._lost_total = 0
+        self._devices: dict[str, tuple[str, str]] = {}  # device key -> (UUID, modelName)
         if _prom is None:
             return
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._commands = Gauge(
-            "krex_commands", "Commands now queued or running", ["state", "policy", "device"], registry=r
+            "krex_commands", "Commands now queued or running", ["state", "policy", *_DEV], registry=r
         )
         self._started = Counter(
-            "krex_commands_started", "Commands started", ["policy", "device", "via"], registry=r
+            "krex_commands_started", "Commands started", ["policy", *_DEV, "via"], registry=r
         )
         self._ended = Counter(
-            "krex_commands_ended", "Commands ended, by final state", ["policy", "device", "state"], registry=r
+            "krex_commands_ended", "Commands ended, by final state", ["policy", *_DEV, "state"], registry=r
         )
         self._wall = Histogram(
             "krex_command_wall_seconds",
             "Command wall-clock time",
-            ["policy", "device"],
+            ["policy", *_DEV],
             buckets=_SLOW,
             registry=r,
         )
-        self._held = Gauge(
-            "krex_regions_held", "Regions granted and not yet released", ["device"], registry=r
-        )
+        self._held = Gauge("krex_regions_held", "Regions granted and not yet released", _DEV, registry=r)
         self._enter = Histogram(
-            "krex_region_enter_seconds", "Region request to grant", ["device"], buckets=_FAST, registry=r
+            "krex_region_enter_seconds", "Region request to grant", _DEV, buckets=_FAST, registry=r
         )
         self._freeze = Histogram(
             "krex_region_freeze_seconds",
             "Freezing a region's siblings",
-            ["device"],
+            _DEV,
             buckets=_FAST,
             registry=r,
         )
         self._quiesce = Histogram(
             "krex_region_quiesce_seconds",
             "Cooperative quiesce of siblings",
-            ["device"],
+            _DEV,
             buckets=_FAST,
             registry=r,
         )
         self._cores = Histogram(
             "krex_region_cores_seconds",
             "Reserving region cores and fencing",
-            ["device"],
+            _DEV,
             buckets=_FAST,
             registry=r,
         )
         self._hold = Histogram(
-            "krex_region_hold_seconds", "Region grant to release", ["device"], buckets=_SLOW, registry=r
+            "krex_region_hold_seconds", "Region grant to release", _DEV, buckets=_SLOW, registry=r
         )
-        self._regions = Counter(
-            "krex_regions", "Regions ended, by outcome", ["device", "outcome"], registry=r
-        )
+        self._regions = Counter("krex_regions", "Regions ended, by outcome", [*_DEV, "outcome"], registry=r)
         self._drain = Counter(
-            "krex_region_drain", "How each region's drain ended", ["device", "drain"], registry=r
+            "krex_region_drain", "How each region's drain ended", [*_DEV, "drain"], registry=r
         )
-        self._strays = Counter(
-            "krex_strays", "GPU activity of non-owners during regions", ["device"], registry=r
-        )
+        self._strays = Counter("krex_strays", "GPU activity of non-owners during regions", _DEV, registry=r)
         self._lost = Counter("krex_probe_lost_events", "Probe events the kernel dropped", registry=r)
         self._share_wait = Counter(
             "krex_region_share_wait_seconds",
             "Seconds regions waited, their turn come, for siblings owed their share (--hold-share)",
-            ["device"],
+            _DEV,
             registry=r,
         )
         self._cmd_held = Counter(
             "krex_command_held_seconds",
             "Seconds a running command was held by other commands' regions",
-            ["device", "command"],
+            [*_DEV, "command"],
             registry=r,
         )
         self._cmd_held_dev: dict[str, str] = {}  # command -> its series' device, to remove it
-        self._pool = Gauge("krex_pool_workers", "Context pool workers", ["device", "state"], registry=r)
-        self._pool_retired = Counter(
-            "krex_pool_retired", "Context pool workers retired", ["device"], registry=r
-        )
+        self._pool = Gauge("krex_pool_workers", "Context pool workers", [*_DEV, "state"], registry=r)
+        self._pool_retired = Counter("krex_pool_retired", "Context pool workers retired", _DEV, registry=r)
         self._pool_start = Histogram(
             "krex_pool_start_seconds",
             "Command start latency via the pool",
-            ["device"],
+            _DEV,
             buckets=_FAST,
             registry=r,
         )
         self._util_ratio = Gauge(
             "krex_device_utilization_ratio",
             "Device utilisation, 0-1 (the vendor's recent busy fraction)",
-            ["device"],
+            _DEV,
             registry=r,
         )
-        self._util = Gauge(
-            "krex_device_utilization_percent",
-            "Device utilisation in percent (deprecated: use krex_device_utilization_ratio)",
-            ["device"],
+        self._memory = Gauge(
+            "krex_device_memory_bytes",
+            "Device memory: used and total (a CPU device: the host's, used as total less available)",
+            [*_DEV, "state"],
             registry=r,
         )
+        self._held_now = Gauge(
+            "krex_commands_held",
+            "Commands a region holds now, by how (frozen, locked)",
+            [*_DEV, "mode"],
+            registry=r,
+        )
+        self._held_seconds = Counter(
+            "krex_held_seconds",
+            "Seconds commands were held by other commands' regions (each region's grant to release), "
+            "by the held command's user",
+            ["user"],
+            registry=r,
+        )
+        _prom.ProcessCollector(namespace="", registry=r)  # process_*: the daemon's CPU, memory, fds
         self._device_info = Gauge(
             "krex_device_info",
             "A device of this node, with the labels "
@@ -213,19 +207,19 @@ class Metrics:
         self._mem_reserved = Gauge(
             "krex_device_memory_reserved_bytes",
             "Device memory admission counts as held by running commands",
-            ["device"],
+            _DEV,
             registry=r,
         )
         self._mem_used = Gauge(
-            "krex_device_memory_used_bytes", "Device memory used, all processes", ["device"], registry=r
+            "krex_device_memory_used_bytes", "Device memory used, all processes", _DEV, registry=r
         )
         self._mem_waiting = Gauge(
-            "krex_commands_waiting_memory", "Commands queued for device memory", ["device"], registry=r
+            "krex_commands_waiting_memory", "Commands queued for device memory", _DEV, registry=r
         )
         self._reruns = Counter(
             "krex_command_reruns",
             "Commands re-run after a CUDA out-of-memory while co-located",
-            ["device", "reason"],
+            [*_DEV, "reason"],
             registry=r,
         )
         self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"], registry=r)
@@ -240,28 +234,28 @@ class Metrics:
         """A command was accepted; `queued` when it waits for its device (policy command). With its
         id, its later start or end takes it out of the queued gauge again."""
         if self.available and queued:
-            self._commands.labels("queued", policy, device).inc()
+            self._commands.labels("queued", policy, *self._dev(device)).inc()
             self._queued[command] = (policy, device)
 
     def _unqueue(self, command: str) -> None:
         if command and command in self._queued:
             policy, device = self._queued.pop(command)
-            self._commands.labels("queued", policy, device).dec()
+            self._commands.labels("queued", policy, *self._dev(device)).dec()
 
     def command_started(self, policy: str, device: str, via: str, command: str = "") -> None:
         """A command's leader was spawned (`via`: exec, or pool when a warm worker ran it)."""
         if not self.available:
             return
         self._unqueue(command)
-        self._commands.labels("running", policy, device).inc()
-        self._started.labels(policy, device, via).inc()
+        self._commands.labels("running", policy, *self._dev(device)).inc()
+        self._started.labels(policy, *self._dev(device), via).inc()
 
     def command_requeued(self, policy: str, device: str, command: str) -> None:
         """A running command ended and waits to run again (a re-run): running -> queued."""
         if not self.available:
             return
-        self._commands.labels("running", policy, device).dec()
-        self._commands.labels("queued", policy, device).inc()
+        self._commands.labels("running", policy, *self._dev(device)).dec()
+        self._commands.labels("queued", policy, *self._dev(device)).inc()
         self._queued[command] = (policy, device)
 
     def command_ended(
@@ -281,23 +275,23 @@ class Metrics:
             return
         self._unqueue(command)
         if started:
-            self._commands.labels("running", policy, device).dec()
-            self._wall.labels(policy, device).observe(max(0.0, wall_s))
-        self._ended.labels(policy, device, state).inc()
+            self._commands.labels("running", policy, *self._dev(device)).dec()
+            self._wall.labels(policy, *self._dev(device)).observe(max(0.0, wall_s))
+        self._ended.labels(policy, *self._dev(device), state).inc()
 
     def memory_reserved(self, device: str, reserved: int, used: int) -> None:
         """Memory admission's view of `device`: held by its running commands, used in all."""
         if self.available:
-            self._mem_reserved.labels(device).set(reserved)
-            self._mem_used.labels(device).set(used)
+            self._mem_reserved.labels(*self._dev(device)).set(reserved)
+            self._mem_used.labels(*self._dev(device)).set(used)
 
     def memory_waiting(self, device: str, n: int) -> None:
         if self.available:
-            self._mem_waiting.labels(device).set(n)
+            self._mem_waiting.labels(*self._dev(device)).set(n)
 
     def rerun(self, device: str, reason: str) -> None:
         if self.available:
-            self._reruns.labels(device, reason).inc()
+            self._reruns.labels(*self._dev(device), reason).inc()
 
     # -------------------------------------------------------------------------------- regions
 
@@ -307,11 +301,11 @@ class Metrics:
         """A region was granted, with what each step of entering cost."""
         if not self.available:
             return
-        self._held.labels(device).inc()
-        self._enter.labels(device).observe(enter_s)
-        self._freeze.labels(device).observe(freeze_s)
-        self._cores.labels(device).observe(cores_s)
-        self._quiesce.labels(device).observe(quiesce_s)
+        self._held.labels(*self._dev(device)).inc()
+        self._enter.labels(*self._dev(device)).observe(enter_s)
+        self._freeze.labels(*self._dev(device)).observe(freeze_s)
+        self._cores.labels(*self._dev(device)).observe(cores_s)
+        self._quiesce.labels(*self._dev(device)).observe(quiesce_s)
 
     def region_released(
         self, device: str, held_s: float, outcome: str, drain: str, *, granted: bool = True
@@ -320,30 +314,30 @@ class Metrics:
         if not self.available:
             return
         if granted:
-            self._held.labels(device).dec()
-            self._hold.labels(device).observe(held_s)
-            self._drain.labels(device, drain).inc()
-        self._regions.labels(device, outcome).inc()
+            self._held.labels(*self._dev(device)).dec()
+            self._hold.labels(*self._dev(device)).observe(held_s)
+            self._drain.labels(*self._dev(device), drain).inc()
+        self._regions.labels(*self._dev(device), outcome).inc()
 
     def strays(self, device: str, n: int) -> None:
         if self.available and n > 0:
-            self._strays.labels(device).inc(n)
+            self._strays.labels(*self._dev(device)).inc(n)
 
     def share_waited(self, device: str, seconds: float) -> None:
         if self.available and seconds > 0:
-            self._share_wait.labels(device).inc(seconds)
+            self._share_wait.labels(*self._dev(device)).inc(seconds)
 
     def command_held(self, device: str, command: str, seconds: float) -> None:
         """A region held `command` (a sibling) for `seconds`."""
         if self.available and seconds > 0:
-            self._cmd_held.labels(device, command).inc(seconds)
+            self._cmd_held.labels(*self._dev(device), command).inc(seconds)
             self._cmd_held_dev[command] = device
 
     def command_held_forget(self, command: str) -> None:
         """`command` ended: its series goes (one per command would grow without bound)."""
         device = self._cmd_held_dev.pop(command, None)
         if self.available and device is not None:
-            self._cmd_held.remove(device, command)
+            self._cmd_held.remove(*self._dev(device), command)
 
     def probe_lost(self, n: int) -> None:
         """`n` more probe events were lost."""
@@ -364,25 +358,50 @@ class Metrics:
         (exported as a counter from the increases), and one start latency if a command just started."""
         if not self.available:
             return
-        self._pool.labels(device, "warm").set(warm)
-        self._pool.labels(device, "busy").set(busy)
+        self._pool.labels(*self._dev(device), "warm").set(warm)
+        self._pool.labels(*self._dev(device), "busy").set(busy)
         delta = retired - self._retired.get(device, 0)
         if delta > 0:
-            self._pool_retired.labels(device).inc(delta)
+            self._pool_retired.labels(*self._dev(device)).inc(delta)
             self._retired[device] = retired
         if start_latency_s is not None:
-            self._pool_start.labels(device).observe(start_latency_s)
+            self._pool_start.labels(*self._dev(device)).observe(start_latency_s)
 
     def device_util(self, device: str, pct: float) -> None:
         """The device's utilisation as the vendor reports it, in percent (exported as a ratio)."""
         if self.available:
-            self._util_ratio.labels(device).set(pct / 100.0)
-            self._util.labels(device).set(pct)
+            self._util_ratio.labels(*self._dev(device)).set(pct / 100.0)
+
+    def device_memory(self, device: str, used: int, total: int) -> None:
+        """The device's memory now, in bytes."""
+        if self.available:
+            self._memory.labels(*self._dev(device), "used").set(used)
+            self._memory.labels(*self._dev(device), "total").set(total)
+
+    def holding(self, device: str, frozen: int, locked: int) -> None:
+        """The region on `device` holds this many commands now (0, 0 at its release)."""
+        if self.available:
+            self._held_now.labels(*self._dev(device), "frozen").set(frozen)
+            self._held_now.labels(*self._dev(device), "locked").set(locked)
+
+    def held_for(self, uids: list[int], seconds: float) -> None:
+        """A region held the commands of these users (one uid per command) for `seconds`. Labelled
+        by user, not by command: a command id per series would grow without bound."""
+        if self.available:
+            for uid in uids:
+                self._held_seconds.labels(_user(uid)).inc(max(0.0, seconds))
 
     def device_info(self, device: str, index: int, uuid: str, model: str, vendor: str) -> None:
-        """A device of the node, once at start (`gpu` is its index, as dcgm-exporter labels it)."""
+        """A device of the node, before any of its series (`gpu` is its index, as dcgm-exporter
+        labels it); its UUID and model label every per-device series from then on."""
+        self._devices[device] = (uuid, model)
         if self.available:
             self._device_info.labels(device, str(index), uuid, model, vendor).set(1)
+
+    def _dev(self, device: str) -> tuple[str, str, str]:
+        """The labels of a per-device series: the key, its UUID and model (dcgm-exporter's)."""
+        uuid, model = self._devices.get(device, ("", ""))
+        return device, uuid, model
 
     # ------------------------------------------------------------------------------- exposing
 

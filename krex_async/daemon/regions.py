@@ -168,6 +168,7 @@ class Regions:
                 self.core.metrics.region_entered(
                     r.device, rep.enter_s, rep.freeze_s, rep.cores_s, rep.quiesce_s
                 )
+                self.core.metrics.holding(r.device, len(r.frozen_ids), len(r.locked_ids))
                 t_held = time.perf_counter()
                 r.send(
                     P.RegionGranted(
@@ -230,6 +231,10 @@ class Regions:
                 if turn is not None and not turn.done():
                     turn.set_result(None)
             self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain, granted=granted)
+            if granted:
+                self.core.metrics.holding(r.device, 0, 0)
+                held = {*r.frozen_ids, *r.locked_ids} & self.core.commands.keys()
+                self.core.metrics.held_for([self.core.commands[c].uid for c in held], rep.held_s)
             self.core.metrics.strays(r.device, rep.strays)
             self._tell_owner(r, granted)
             if granted:  # after the owner's answer, before the next region's turn runs (no await)

@@ -18,6 +18,27 @@ from krex_async.linux.procfs import tree_memory
 log = logs.get("krex.daemon")
 
 
+class _CpuUse:
+    """The host's CPU use since the previous call, in percent, from its own /proc/stat readings
+    (psutil's cpu_percent(None) shares one reference with `krex status`: each would reset the
+    other's interval)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.last = psutil.cpu_times()
+
+    def percent(self) -> float | None:
+        import psutil
+
+        now = psutil.cpu_times()
+        busy = sum(now) - now.idle - getattr(now, "iowait", 0.0)
+        last_busy = sum(self.last) - self.last.idle - getattr(self.last, "iowait", 0.0)
+        total = sum(now) - sum(self.last)
+        self.last = now
+        return None if total <= 0 else max(0.0, min(100.0, 100.0 * (busy - last_busy) / total))
+
+
 class Status:
     def __init__(
         self,
@@ -35,26 +56,46 @@ class Status:
         self._cpu_primed = False  # psutil's first cpu_percent has no interval to measure
 
     async def sample_metrics(self, every_s: float = 5.0) -> None:
-        """While --metrics serves: every few seconds, the pools' sizes and each GPU's utilisation
-        (vendor queries block: they run on a thread). Errors are logged, never fatal."""
+        """While --metrics serves: every few seconds, the pools' sizes and each device's utilisation
+        and memory (a GPU's from the vendor library, a CPU device's from the host, as `krex status`
+        shows them), read on a thread (vendor queries and /proc reads block). Errors are logged,
+        never fatal."""
         loop = asyncio.get_running_loop()
-        node = self.core.node
+        cpu = _CpuUse()
         while True:
             for key, pool in self.core.pools.items():
                 st = pool.status()
                 self.core.metrics.pool(key, st.get("warm", 0), st.get("busy", 0), st.get("retired", 0))
-            if node is not None and any(d.vendor != "cpu" for d in self.core.devices):
-                try:
-                    utils = await loop.run_in_executor(
-                        None, lambda: [(d.key, node.utilisation(d)) for d in self.core.devices]
-                    )
-                except Exception as e:  # a vendor library error costs one sample
-                    log.warning("metrics_sample_failed", error=repr(e))
-                    utils = []
-                for key, pct in utils:
-                    if pct is not None:
-                        self.core.metrics.device_util(key, pct)
+            try:
+                samples = await loop.run_in_executor(None, self._device_samples, cpu)
+            except Exception as e:  # a vendor library error costs one sample
+                log.warning("metrics_sample_failed", error=repr(e))
+                samples = []
+            for key, pct, used, total in samples:
+                if pct is not None:
+                    self.core.metrics.device_util(key, pct)
+                if total:
+                    self.core.metrics.device_memory(key, used, total)
             await asyncio.sleep(every_s)
+
+    def _device_samples(self, cpu: _CpuUse) -> list[tuple[str, float | None, int, int]]:
+        """(key, utilisation %, memory used, memory total) of each device, now (blocks)."""
+        import psutil
+
+        node = self.core.node
+        any_gpu = any(d.vendor != "cpu" for d in self.core.devices)
+        fresh = {d.key: d for d in (node.refresh() if node is not None and any_gpu else [])}
+        out: list[tuple[str, float | None, int, int]] = []
+        for d in self.core.devices:
+            if d.vendor == "cpu":
+                vm = psutil.virtual_memory()
+                out.append((d.key, cpu.percent(), int(vm.total - vm.available), int(vm.total)))
+                continue
+            g = fresh.get(d.key, d)
+            total, free = g.memory_total_bytes or 0, g.memory_free_bytes
+            used = total - free if total and free is not None else 0
+            out.append((d.key, node.utilisation(g) if node is not None else None, used, total))
+        return out
 
     async def live(self) -> dict[str, Any]:
         """snapshot() with each GPU's current memory, clocks, utilisation and context holders, read

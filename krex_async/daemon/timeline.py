@@ -11,14 +11,17 @@ Input: trace records, dicts with these keys (missing ones default to "" / 0 / {}
     region   str    region id (region_* records; on freeze/thaw the region that caused it; on a
                     probe or stray the region it happened in)
     pid      int    process id (command_start: the command's main pid; probe/stray: the tgid)
-    detail   dict   free-form; shown as the event's args. For probe/stray records `detail["name"]`
+    detail   dict   free-form; shown as the event's args. A region's name (the code's) is
+                    `detail["region_name"]`, shown after its id; a command_start's `label` and `argv`
+                    name the command's track. For probe/stray records `detail["name"]`
                     (e.g. "NV_ESC_RM_CONTROL", "cuLaunchKernel") names the instant; a probe record
                     with detail["stray"] true counts as a stray.
 
 Output layout, per device process (events of no device under a process named "no device"):
-    track "regions"           one slice per granted region: "<command>:<region>" (grant..release)
+    track "regions"           one slice per granted region: "<command>:<region> <name>" (grant..release)
     track "probes"            instants for probe events; strays are named "STRAY <name>"
-    track "command <id>"      the command's slice (start..end), and inside it slices for
+    track "command <id> <label>: <argv>"
+                              the command's slice (start..end), and inside it slices for
                               "wait <region>" (request..grant), "<region>" (grant..release) and,
                               on each command a region held, "frozen" / "locked" / "fenced" (from
                               the freeze that began entering the region to its thaw)
@@ -84,6 +87,7 @@ class _Builder:
         self.pids: dict[str, int] = {}
         self.tids: dict[tuple[str, str], int] = {}
         self.open: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        self.about: dict[str, str] = {}  # command id -> "label: argv", from its command_start
 
     def pid(self, device: str) -> int:
         if device not in self.pids:
@@ -98,7 +102,13 @@ class _Builder:
         if key not in self.tids:
             n = sum(1 for d, _ in self.tids if d == device)
             t = self.tids[key] = _FIRST_COMMAND_TID + n
-            self.meta(self.pid(device), t, "thread_name", f"command {command or '?'}")
+            about = self.about.get(command, "")
+            self.meta(
+                self.pid(device),
+                t,
+                "thread_name",
+                f"command {command or '?'}" + (f" {about}" if about else ""),
+            )
         return self.tids[key]
 
     def meta(self, pid: int, tid: int, what: str, name: str) -> None:
@@ -129,6 +139,18 @@ class _Builder:
         if rec["detail"]:
             ev["args"].update(rec["detail"])
         return ev
+
+
+def _named(r: dict[str, Any]) -> str:
+    """A region's slice name: its id, and the name the code gave it (`83fb149b-2.1 timing`)."""
+    name = str(r["detail"].get("region_name") or "")
+    return f"{r['region']} {name}" if name else r["region"]
+
+
+def _about(detail: dict[str, Any]) -> str:
+    """A command track's description from its command_start: `label: argv` (either may be absent)."""
+    label, argv = str(detail.get("label") or ""), str(detail.get("argv") or "")
+    return f"{label}: {argv}" if label and argv else label or argv
 
 
 def _norm(r: dict[str, Any]) -> dict[str, Any]:
@@ -213,6 +235,8 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             (starts if r["kind"] == "command_start" else ends).setdefault(
                 (r["device"], r["command"]), r["ts"]
             )
+        if r["kind"] == "command_start":
+            b.about[r["command"]] = _about(r["detail"])
 
     def hold(dev: str, reg: str, cmd: str, name: str, r: dict[str, Any], since: float) -> None:
         key = ("held", dev, reg, cmd)
@@ -242,11 +266,11 @@ def chrome_trace(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         elif k == "command_end":
             b.end(("cmd", dev, cmd), r)
         elif k in ("region_request", "region_queued"):
-            b.begin(("wait", dev, cmd, reg), r, f"wait {reg}", pid, b.tid(dev, cmd), "region")
+            b.begin(("wait", dev, cmd, reg), r, f"wait {_named(r)}", pid, b.tid(dev, cmd), "region")
         elif k == "region_grant":
             b.end(("wait", dev, cmd, reg), r)
-            b.begin(("hold", dev, cmd, reg), r, reg or "region", pid, b.tid(dev, cmd), "region")
-            b.begin(("dev", dev, cmd, reg), r, f"{cmd}:{reg}", pid, _REGIONS_TID, "region")
+            b.begin(("hold", dev, cmd, reg), r, _named(r) or "region", pid, b.tid(dev, cmd), "region")
+            b.begin(("dev", dev, cmd, reg), r, f"{cmd}:{_named(r)}", pid, _REGIONS_TID, "region")
             since = entering.pop((dev, reg), r["ts"])
             for other, name in _held(r["detail"]):
                 if other != cmd:

@@ -3,8 +3,9 @@ reads back (timeline.py draws it), and out at once to the `krex trace` subscribe
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -13,11 +14,39 @@ from krex_async import protocol as P
 from krex_async.daemon.core import Send
 from krex_async.daemon.timeline import TraceRing
 
+NAMES_KEPT = 4096  # region id -> name, for the strays and probes that name only the id
+ARGV_CHARS = 256  # a command's argv as one string, cut: a trace names it, the report has it whole
+FROZEN_NAMED = 64  # frozen command ids a freeze/thaw event lists (its `groups` counts them all)
+
 
 class Tracer:
-    def __init__(self) -> None:
+    def __init__(self, commands: Mapping[str, Any] | None = None) -> None:
         self.ring = TraceRing(P.TraceEvent)
         self.subscribers: list[tuple[Send, int]] = []  # `krex trace` peers: (send, request id)
+        self.commands: Mapping[str, Any] = commands if commands is not None else {}
+        self.names: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def _describe(self, kind: str, region: Any, command: str, region_id: str, detail: dict[str, Any]) -> None:
+        """What makes an event readable without a lookup (bcc tools name COMM and PID): the name
+        the code gave the region beside its id, the commands a freeze or thaw held, a command's
+        label and argv at its start."""
+        name = getattr(getattr(region, "report", None), "name", "") if region is not None else ""
+        rid = region_id or (region.id if region is not None else "")
+        if name and rid:
+            self.names[rid] = name
+            self.names.move_to_end(rid)
+            while len(self.names) > NAMES_KEPT:
+                self.names.popitem(last=False)
+        if rid and (name := name or self.names.get(rid, "")):
+            detail.setdefault("region_name", name)
+        if kind in ("freeze", "thaw") and region is not None and not detail.get("late"):
+            detail.setdefault("frozen", list(region.frozen_ids)[:FROZEN_NAMED])
+        if kind == "command_start" and (cmd := self.commands.get(command)) is not None:
+            spec = getattr(cmd, "spec", None)
+            if spec is not None:
+                if spec.label:
+                    detail.setdefault("label", spec.label)
+                detail.setdefault("argv", " ".join(spec.argv)[:ARGV_CHARS])
 
     def trace(
         self,
@@ -32,6 +61,7 @@ class Tracer:
     ) -> None:
         """Record a trace event in the timeline ring and stream it to `krex trace` subscribers.
         Fields not given come from `region` (its device, owner, id and pid)."""
+        self._describe(kind, region, command, region_id, detail)
         ev = P.TraceEvent(
             id=0,
             ts=time.time(),

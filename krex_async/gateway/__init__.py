@@ -335,16 +335,16 @@ async def serve(args: argparse.Namespace) -> int:
             gw.views.forget,
         )
         sweeper.start()
+    stop = asyncio.Event()  # before the line that says it listens: a stop after it is clean
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     print(
         f"krex gateway: listening on {url} (state {state}, kinds {', '.join(sorted(kinds))}"
         f", daemon {f'fleet {fleet}' if fleet else daemon_socket})",
         file=sys.stderr,
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:
@@ -358,6 +358,7 @@ async def serve(args: argparse.Namespace) -> int:
         store.close()
         fcntl.flock(lock, fcntl.LOCK_UN)
         os.close(lock)
+    print(f"krex gateway: stopped (was listening on {url})", file=sys.stderr, flush=True)
     return 0
 
 

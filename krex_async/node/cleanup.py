@@ -31,6 +31,12 @@ the instances present when the sweep began are touched. Empty instance directori
 are not running are removed in step 3. A cgroup that vanishes meanwhile is skipped; any other
 failed write is reported with its path and the exit status is 1. Nothing is raised to the caller
 of `cleanup()`.
+
+--dry-run reads the same files and prints what the sweep would do ("would thaw: ..."), writing
+nothing (the lock record is not opened either); it runs beside a live daemon. The summary counts
+changes; what was left alone (a live daemon's instance, its locks) is listed apart. A --config
+given that cannot be read is refused with 2 and nothing swept, as `krex serve` refuses it; the
+default file, broken, only warns (an ExecStopPost must still thaw).
 """
 
 from __future__ import annotations
@@ -47,51 +53,14 @@ from dataclasses import dataclass, field
 from krex_async.cliargs import directory
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.isolation.instance import Pin, gate, instance_name, pin_instance, state_dir_of
-from krex_async.linux import procfs
-from krex_async.linux.procfs import Mount
+from krex_async.node.cgroupsites import default_roots as default_roots
+from krex_async.node.cgroupsites import layout as layout
+from krex_async.node.cgroupsites import mounts as mounts
+from krex_async.node.cgroupsites import own_cgroup as own_cgroup
+from krex_async.node.cgroupsites import v1_mount as v1_mount
+from krex_async.node.cgroupsites import v2_mount as v2_mount
 
 SUBTREE = "krex"
-
-
-# ----------------------------------------------------------------------------- cgroup layout
-
-
-def mounts() -> list[Mount]:
-    """cgroup and cgroup2 mounts of this mount namespace, in mountinfo order."""
-    return procfs.mounts("cgroup", "cgroup2")
-
-
-def _controllers(m: Mount) -> frozenset[str]:
-    return frozenset(m.options) if m.fstype == "cgroup" else frozenset()
-
-
-def v2_mount(ms: list[Mount] | None = None) -> str | None:
-    ms = mounts() if ms is None else ms
-    return next((m.point for m in ms if m.fstype == "cgroup2"), None)
-
-
-def v1_mount(controller: str, ms: list[Mount] | None = None) -> str | None:
-    ms = mounts() if ms is None else ms
-    return next((m.point for m in ms if controller in _controllers(m)), None)
-
-
-def layout(ms: list[Mount] | None = None) -> str:
-    """'v2' (unified only), 'hybrid' (v2 beside v1 controllers), 'v1', or 'none'."""
-    ms = mounts() if ms is None else ms
-    has2 = any(m.fstype == "cgroup2" for m in ms)
-    has1 = any(_controllers(m) - {"name=systemd"} for m in ms)
-    return "hybrid" if has2 and has1 else "v2" if has2 else "v1" if has1 else "none"
-
-
-def own_cgroup(controller: str = "", pid: str = "self") -> str | None:
-    """This process's cgroup path ('/system.slice/krex.service') in v2 (controller '') or in the v1
-    hierarchy of `controller`; systemd's `.control` leaf (ExecStopPost under Delegate=yes) stripped."""
-    for hid, ctrls, path in procfs.cgroups(pid) or []:
-        if (not controller and hid == "0" and ctrls == "") or (controller and controller in ctrls.split(",")):
-            while os.path.basename(path) in (".control", "daemon"):
-                path = os.path.dirname(path)
-            return path
-    return None
 
 
 # ---------------------------------------------------------------------------------- file I/O
@@ -100,9 +69,11 @@ def own_cgroup(controller: str = "", pid: str = "self") -> str | None:
 @dataclass
 class Result:
     trees: list[str] = field(default_factory=list)
-    actions: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)  # changes made (with dry: that would be made)
+    notes: list[str] = field(default_factory=list)  # what was left alone, and why: not changes
     errors: list[str] = field(default_factory=list)
     denied: int = 0  # errors that were EACCES/EPERM: the sweep needs the cgroups' owner (root)
+    dry: bool = False  # --dry-run: read everything, write nothing; actions say "would ..."
 
     @property
     def ok(self) -> bool:
@@ -122,6 +93,9 @@ def _read(fs: CgroupFS, d: str, name: str) -> str | None:
 
 def _write(fs: CgroupFS, res: Result, d: str, name: str, data: str, why: str) -> None:
     path = fs.path(d, name)
+    if res.dry:
+        res.actions.append(f"would {why}: {path} <- {data!r}")
+        return
     try:
         fs.write(d, name, data)
     except CgroupVanished:  # the cgroup vanished: a state, not a failure
@@ -189,7 +163,7 @@ def sweep_instance(pin: Pin, res: Result, remove_empty: bool = True) -> None:
                 for top in pin.dirs:
                     _remove(fs, list(_walk(top)), res)
         for d in pin.dirs if pin.live is not None else ():
-            res.actions.append(f"left {d} alone: its daemon (pid {pin.live}) is alive")
+            res.notes.append(f"left {d} alone: its daemon (pid {pin.live}) is alive")
     finally:
         pin.release()
         fs.release()
@@ -228,9 +202,16 @@ def _restore(fs: CgroupFS, dirs: list[str], res: Result) -> None:
 
 
 def _remove(fs: CgroupFS, dirs: list[str], res: Result) -> None:
-    """Step 3: rmdir each of `dirs` (parents first) that is empty, bottom-up."""
+    """Step 3: rmdir each of `dirs` (parents first) that is empty, bottom-up (in a dry run, one
+    whose children would all be removed counts as empty)."""
+    gone: set[str] = set()
     for d in reversed(dirs):
-        if _read(fs, d, "cgroup.procs") == "" and not any(e.is_dir() for e in os.scandir(d)):
+        children = [e.path for e in os.scandir(d) if e.is_dir() and e.path not in gone]
+        if _read(fs, d, "cgroup.procs") == "" and not children:
+            if res.dry:
+                gone.add(d)
+                res.actions.append(f"would remove empty {d}")
+                continue
             try:
                 if fs.rmdir(d):
                     res.actions.append(f"removed empty {d}")
@@ -238,33 +219,18 @@ def _remove(fs: CgroupFS, dirs: list[str], res: Result) -> None:
                 res.failed(f"{d}: rmdir failed: {os.strerror(e.errno or 0)}", e.errno)
 
 
-def default_roots(cgroup_root: str = "") -> list[str]:
-    """Where krex trees may be: the configured root, own cgroups, the mounts (see module doc)."""
-    ms = mounts()
-    roots = [cgroup_root] if cgroup_root else []
-    m2 = v2_mount(ms)
-    if m2:
-        own = own_cgroup("")
-        if own:
-            roots.append(os.path.join(m2, own.lstrip("/")))
-        roots.append(m2)
-    for ctrl in ("freezer", "cpuset"):
-        m1 = v1_mount(ctrl, ms)
-        if m1:
-            own = own_cgroup(ctrl)
-            if own:
-                roots.append(os.path.join(m1, own.lstrip("/")))
-            roots.append(m1)
-    return roots
-
-
 def cleanup(
-    roots: list[str], remove_empty: bool = True, force: bool = False, state_dirs: list[str] | None = None
+    roots: list[str],
+    remove_empty: bool = True,
+    force: bool = False,
+    state_dirs: list[str] | None = None,
+    dry: bool = False,
 ) -> Result:
     """Sweep `<root>/krex` (or `root` itself when it is named krex) for each root that exists;
     instance directories of live daemons are left alone unless `force`. `state_dirs`: state dirs
-    whose instances are known by name even where their directories do not say whose they are."""
-    res = Result()
+    whose instances are known by name even where their directories do not say whose they are.
+    `dry`: write nothing, list what would be done."""
+    res = Result(dry=dry)
     for root in roots:
         tree = root if os.path.basename(root.rstrip("/")) == SUBTREE else os.path.join(root, SUBTREE)
         real = os.path.realpath(tree)
@@ -299,12 +265,15 @@ def _state_dir(given: str) -> str:
     return given or ServeConfig().resolved().state_dir
 
 
-def _unlock(state_dir: str, force: bool = False) -> list[str]:
+def _unlock(state_dir: str, force: bool = False, dry: bool = False) -> list[str]:
     """Undo the CUDA driver locks a dead daemon recorded in its state dir (they outlive it), holding
     its owner lock shared as the sweep does: a live daemon's locks are its regions' holds, left
-    alone unless `force` (whatever socket it serves on), and one starting meanwhile waits."""
+    alone unless `force` (whatever socket it serves on), and one starting meanwhile waits. A dry
+    run does not open the record (reading it means loading libcuda and asking the driver)."""
     if not state_dir:
         return []
+    if dry:
+        return [f"left the CUDA driver locks recorded in {state_dir} (if any) alone: a dry run"]
     try:
         from krex_async.isolation.cudalock import release_left
     except ImportError:  # msgspec missing: no daemon of this install can have locked anything
@@ -353,8 +322,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-empty", action="store_true", help="do not remove empty command cgroups")
     p.add_argument(
         "--socket",
-        help="the daemon's socket (default: from the config, else the "
-        "default path): cleanup refuses while a daemon answers there",
+        help=f"the daemon's socket (default: the config's, else {_default_socket()}): cleanup "
+        "refuses while a daemon answers there",
     )
     p.add_argument(
         "--force",
@@ -368,6 +337,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "processes it locked through the CUDA driver (default: "
         "from the config, else the default)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="say what would be thawed, restored and removed, and change nothing",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -379,12 +353,16 @@ def cleanup_main(args: argparse.Namespace) -> int:
         from krex_async.daemon.config import ConfigError, read_file
 
         conf = read_file(args.config)[1]
-    except ConfigError as e:  # a broken config must not stop the thaw: sweep the defaults
+    except ConfigError as e:
+        if args.config is not None:  # a mistyped --config: the roots meant are unknown, as for serve
+            print(f"krex cleanup: {e}; nothing was swept", file=sys.stderr)
+            return 2
+        # the default file, broken: it must not stop the thaw (ExecStopPost): sweep the defaults
         print(f"krex cleanup: warning: {e}", file=sys.stderr)
     except ImportError:  # msgspec missing: the sweep itself needs nothing but the stdlib
         pass
     sock = args.socket or str(conf.get("socket") or "") or _default_socket()
-    if not args.force and _serving(sock):
+    if not args.force and not getattr(args, "dry_run", False) and _serving(sock):
         print(
             f"krex cleanup: a daemon is serving on {sock}: a sweep would thaw its regions and "
             "remove cgroups it is about to use; stop it first, or pass --force",
@@ -393,23 +371,28 @@ def cleanup_main(args: argparse.Namespace) -> int:
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     state_dir = _state_dir(args.state_dir or str(conf.get("state_dir") or ""))
-    res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force, state_dirs=[state_dir])
-    for line in _unlock(state_dir, args.force):
-        (res.actions if line.startswith(("unlocked", "left ")) else res.errors).append(line)
+    dry = bool(getattr(args, "dry_run", False))
+    res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force, state_dirs=[state_dir], dry=dry)
+    for line in _unlock(state_dir, args.force, dry):
+        (
+            res.actions
+            if line.startswith("unlocked")
+            else res.notes
+            if line.startswith("left ")
+            else res.errors
+        ).append(line)
     if args.json:
-        print(
-            json.dumps(
-                {"ok": res.ok, "trees": res.trees, "actions": res.actions, "errors": res.errors}, indent=2
-            )
-        )
+        out = {"ok": res.ok, "dry_run": dry, "trees": res.trees, "actions": res.actions}
+        print(json.dumps(out | {"notes": res.notes, "errors": res.errors}, indent=2))
     else:
-        for a in res.actions:
+        for a in [*res.actions, *res.notes]:
             print(f"krex cleanup: {a}")
         for err in res.errors:
             print(f"krex cleanup: error: {err}", file=sys.stderr)
         print(
-            f"krex cleanup: {len(res.trees)} tree(s) swept, {len(res.actions)} change(s), "
-            f"{len(res.errors)} error(s)"
+            f"krex cleanup: {len(res.trees)} tree(s) {'looked at' if dry else 'swept'}, "
+            f"{len(res.actions)} change(s){' that would be made (dry run)' if dry else ''}, "
+            f"{len(res.notes)} left alone, {len(res.errors)} error(s)"
         )
     if res.denied and os.geteuid() != 0:
         print(

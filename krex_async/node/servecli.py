@@ -273,6 +273,71 @@ def add_parser(sub: Any) -> None:
         help="print the merged options (file < KREX_* env < flags) as TOML and exit",
     )
     _name_env_vars(p)
+    _group(p)
+
+
+# `krex serve --help` in sections (an option not listed here stays under "options").
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("where and who", ("config", "print_config", "socket", "socket_group", "admin_group", "state_dir")),
+    (
+        "policy and isolation",
+        ("policy", "isolation", "cgroup_root", "devices", "freeze", "hold", "quiesce", "region_cores"),
+    ),
+    (
+        "region timing (seconds unless named)",
+        (
+            "lock_timeout",
+            "lock_wait",
+            "exit_wait",
+            "exit_starve",
+            "region_timeout",
+            "quiesce_timeout",
+            "drain_timeout",
+            "drain_window",
+            "freeze_timeout",
+            "kill_grace",
+            "warm_ms",
+            "settle_fraction",
+            "settle_ms",
+        ),
+    ),
+    (
+        "sharing a device (memory admission, a held command's share)",
+        ("admission", "mem_headroom", "mem_default", "region_backlog", "hold_share", "share_window"),
+    ),
+    ("probes", ("probes", "probe_prefixes", "launch_libs", "launch_scope")),
+    ("warm pools", ("pool_size", "pool_max_uses", "pool_preload", "pool_wait", "pool_user", "pool_init")),
+    (
+        "limits",
+        (
+            "retention",
+            "read_timeout",
+            "max_frame",
+            "max_inbound_bytes",
+            "max_buffered_total",
+            "max_connections",
+            "max_commands",
+            "max_connections_per_user",
+            "max_commands_per_user",
+            "max_conn_buffer",
+            "output_tail",
+            "spool_limit",
+        ),
+    ),
+    ("logs and metrics", ("log_format", "log_level", "metrics")),
+]
+
+
+def _group(p: argparse.ArgumentParser) -> None:
+    """Move serve's options into the GROUPS sections of its help (parsing is unchanged: a group
+    only decides where --help lists an option)."""
+    actions = {a.dest: a for a in p._optionals._group_actions}
+    for title, dests in GROUPS:
+        group = p.add_argument_group(title)
+        for dest in dests:
+            if (a := actions.pop(dest, None)) is not None:
+                p._optionals._group_actions.remove(a)
+                group._group_actions.append(a)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,11 +1,13 @@
-"""`krex status`: the node at a glance, as a table an operator reads in an 100-column terminal.
+"""`krex status`: the node at a glance, as a table that fits the terminal (80 columns and up).
 
-    krex status [--json] [--all] [--watch [SECONDS]]
+    krex status [--json] [--all] [--state S] [--device D] [--user U] [--label GLOB] [--sort KEY]
+                [--watch [SECONDS]]
 
-The daemon's settings, then one row per device (memory, utilisation, the region held and queued),
-the warm pools, and one row per command of this daemon (commands of a previous daemon, those it
-left running reported `lost`, only with --all). --watch redraws every SECONDS (2 by default)
-until Ctrl-C, like `nvidia-smi -l`.
+The daemon's settings, then one row per device (memory, utilisation, commands, the region held and
+queued), the warm pools, and one row per command: live ones first, the last few ended ones, the
+rest counted (--all lists them, and the commands of a previous daemon, reported `lost`). --watch
+redraws every SECONDS (2 by default) until Ctrl-C, like `nvidia-smi -l`, keeping the settings
+and devices on screen and cutting the command list to the terminal's height ("+N more").
 """
 
 from __future__ import annotations
@@ -13,22 +15,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import time
 from typing import Any
 
 from krex_async.cliargs import interval
+from krex_async.node.statustable import (
+    SORTS,
+    WIDTH,
+    View,
+    command_table,
+    matches,
+    ms,
+    select_rows,
+)
+from krex_async.node.statustable import age as age
+from krex_async.node.statustable import printable as printable
+from krex_async.node.statustable import size as size
 from krex_async.protocol import default_socket
-
-WIDTH = 100
 
 
 def add_parser(sub: Any) -> None:
-    s = sub.add_parser("status", help="devices, commands, the region held and queued, what is frozen")
+    s = sub.add_parser(
+        "status",
+        help="devices, commands, the region held and queued, what is frozen",
+        description="Running commands first; ended ones beyond the last few are counted (--all "
+        "lists them). Filters combine (all must match); the table fits the terminal's width.",
+    )
     s.add_argument("--socket", help=f"the daemon's socket (default: {default_socket()})")
     s.add_argument("--json", action="store_true", help="the daemon's whole status tree as JSON")
     s.add_argument(
-        "--all", action="store_true", help="also the commands of an earlier daemon (reported lost)"
+        "--all",
+        action="store_true",
+        help="list every ended command, and the commands of an earlier daemon (reported lost)",
+    )
+    s.add_argument(
+        "--state",
+        type=_state_name,
+        help="only commands in this state: running, queued, starting, frozen, locked, ended, or how "
+        "one ended (exited, failed, cancelled, timeout, lost, ...)",
+    )
+    s.add_argument("--device", help="only commands on this device (its key: cpu, nvidia0)")
+    s.add_argument("--user", type=_uid, help="only commands of this user (a name or a uid)")
+    s.add_argument("--label", help="only commands whose label matches this glob (agent-*)")
+    s.add_argument(
+        "--sort",
+        choices=SORTS,
+        default="state",
+        help="row order (default state: live commands first, each group oldest first; "
+        "age, rss and wait biggest first)",
     )
     s.add_argument(
         "--watch",
@@ -38,6 +74,49 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="redraw every SECONDS (default 2, at least 0.1) until Ctrl-C; with --json, one status a line",
     )
+
+
+def _state_name(text: str) -> str:
+    """argparse type for --state: a word (the daemon's results may grow, so any word is taken)."""
+    if not text.isalpha():
+        raise argparse.ArgumentTypeError(f"expected a state such as running or ended, got {text!r}")
+    return text.lower()
+
+
+def _uid(text: str) -> int:
+    """argparse type for --user: a user name, or a uid."""
+    import pwd
+
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no user {text!r}") from None
+
+
+def view_of(args: argparse.Namespace, watch: bool) -> View:
+    """The table's view from the flags and the terminal (COLUMNS/LINES or the tty's size; a pipe
+    gets WIDTH). In --watch, the header above the status takes a line, and the cursor after the
+    last line another (a full screen would scroll its first line away)."""
+    cols, lines = shutil.get_terminal_size((WIDTH, 24))
+    return View(
+        show_all=args.all,
+        state=args.state,
+        device=args.device,
+        uid=args.user,
+        label=args.label,
+        sort=args.sort,
+        width=cols,
+        height=lines - 2 if watch else None,  # the header line, and the last line's newline
+    )
+
+
+def filter_json(st: dict[str, Any], v: View) -> dict[str, Any]:
+    """The status tree with only the commands the filters match (--json with filters)."""
+    if not v.filtered:
+        return st
+    return dict(st, commands=[c for c in st["commands"] if matches(c, v)])
 
 
 async def status(args: argparse.Namespace) -> int:
@@ -62,14 +141,15 @@ async def status(args: argparse.Namespace) -> int:
                 except KrexError as e:
                     print(f"krex status: {e.message}", file=sys.stderr)
                     return 1
+                v = view_of(args, args.watch is not None)  # a resized terminal redraws to fit
                 if args.json and args.watch is not None:  # JSON lines: one status a line, no header
-                    print(json.dumps(st), flush=True)
+                    print(json.dumps(filter_json(st, v)), flush=True)
                 elif args.watch is None:
-                    print(json.dumps(st, indent=2) if args.json else render(st, show_all=args.all))
+                    print(json.dumps(filter_json(st, v), indent=2) if args.json else render(st, view=v))
                     return 0
                 else:
                     head = f"every {args.watch:g} s, Ctrl-C to stop    {time.strftime('%H:%M:%S')}"
-                    text = render(st, show_all=args.all)
+                    text = render(st, view=v)
                     print(("\x1b[H\x1b[2J" if clear else "") + head + "\n" + text, flush=True)
                 await asyncio.sleep(args.watch)
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -79,56 +159,16 @@ async def status(args: argparse.Namespace) -> int:
         return 0
 
 
-def age(seconds: float) -> str:
-    """A duration with its unit, short: 850ms, 12.3s, 4m05s, 2h03m, 3d04h."""
-    if seconds < 1:
-        return f"{seconds * 1e3:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    m, s = divmod(int(seconds), 60)
-    if m < 60:
-        return f"{m}m{s:02d}s"
-    h, m = divmod(m, 60)
-    if h < 24:
-        return f"{h}h{m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d{h:02d}h"
+def _fit(line: str, width: int = WIDTH) -> str:
+    """A table row cut to `width` (its last column, the command line, is what gets cut)."""
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
-def size(n: float | None) -> str:
-    """Bytes in binary units with one decimal where it matters: 812K, 45.2M, 139.8G; '-' unknown."""
-    if n is None:
-        return "-"
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1024 or unit == "T":
-            return f"{n:.0f}{unit}" if n >= 100 or unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return "-"
-
-
-def _ms(seconds: float | None) -> str:
-    """A latency in milliseconds for the tables; '-' where there is none (a plain start)."""
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
-
-
-def printable(text: str) -> str:
-    """TEXT with control and other unprintable characters escaped (`\x1b`, `\n`), as ps shows
-    them: argv, labels and region names are any user's, and an admin's terminal must not run them."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
-def _fit(line: str) -> str:
-    """A table row cut to WIDTH (its last column, the command line, is what gets cut)."""
-    return line if len(line) <= WIDTH else line[: WIDTH - 1] + "…"
-
-
-def _wrap(line: str) -> str:
-    """A settings line wrapped to WIDTH (nothing of a reason is lost), continued indented."""
+def _wrap(line: str, width: int = WIDTH) -> str:
+    """A settings line wrapped to `width` (nothing of a reason is lost), continued indented."""
     import textwrap
 
-    return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False))
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False))
 
 
 def _reasons(counts: dict[str, int]) -> str:
@@ -151,28 +191,8 @@ def _holds(r: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items() if v or k == "frozen")
 
 
-def _earlier(c: dict[str, Any], boot: str) -> bool:
-    """A command that an earlier daemon ran (recovered from the state dir and reported lost)."""
-    return c.get("result") == "lost" or bool(boot) and not str(c["command"]).startswith(boot + "-")
-
-
-def _memory(m: dict[str, Any]) -> str:
-    """One device's line of memory admission: what its commands hold, what is left, who waits."""
-    waiting = m.get("waiting") or []
-    return (
-        f"{'':<9} memory: reserved {size(m['reserved_bytes'])}, used {size(m['used_bytes'])}, "
-        f"pool {size(m['pool_bytes'])}, headroom {size(m['headroom_bytes'])}, "
-        f"free for commands {size(m['free_for_commands_bytes'])}"
-        + (
-            f"; {len(waiting)} queued for memory: {', '.join(w['command'] for w in waiting)}"
-            if waiting
-            else ""
-        )
-    )
-
-
-def render(st: dict[str, Any], show_all: bool = False) -> str:
-    """The status tree as text, no line over WIDTH characters."""
+def _head(st: dict[str, Any]) -> list[str]:
+    """The daemon's settings: policy, isolation, hold, exits, probes (wrapped later, never cut)."""
     head: list[str] = []
     iso = st["isolation"]
     ver = f"krex {st['version']}  " if st.get("version") else ""
@@ -200,7 +220,10 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
                 starve = float(ho["exit_starve_s"])
                 head[-1] += f"; one begun over {starve:g} s ago waited for (--exit-starve)"
         for key, dv in ho.get("devices", {}).items():
-            head.append(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({dv['why']})" if dv["why"] else ""))
+            why = str(dv["why"] or "")
+            if ho.get("reason") and str(ho["reason"]) in why:  # the hold line above says it once
+                why = why.replace(str(ho["reason"]), "as above")
+            head.append(f"  {key}: {dv['hold']} {dv['freeze']}" + (f" ({why})" if why else ""))
     if "probes" in st:  # a daemon from before probes were reported has no such key
         pr = st["probes"]
         head.append(
@@ -215,8 +238,31 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
                 + (f", {la['watched']} processes probed" if "watched" in la else "")
                 + (f" on {', '.join(la['libraries'])}" if la.get("libraries") else "")
             )
-    out = [_wrap(x) for x in head] + [""]
-    out.append(f"{'DEVICE':<9} {'NAME':<14} {'MEM USED/TOTAL':<15} {'UTIL':>5} {'CMDS':>4}  REGION")
+    for key in ("devices_error", "host_error"):  # said once, not per device
+        if st.get(key):
+            head.append(f"{key.replace('_', ' ')}: {st[key]}")
+    return head
+
+
+def _memory(m: dict[str, Any]) -> str:
+    """One device's line of memory admission: what its commands hold, what is left, who waits."""
+    waiting = m.get("waiting") or []
+    return (
+        f"{'':<9} memory: reserved {size(m['reserved_bytes'])}, used {size(m['used_bytes'])}, "
+        f"pool {size(m['pool_bytes'])}, headroom {size(m['headroom_bytes'])}, "
+        f"free for commands {size(m['free_for_commands_bytes'])}"
+        + (
+            f"; {len(waiting)} queued for memory: {', '.join(w['command'] for w in waiting)}"
+            if waiting
+            else ""
+        )
+    )
+
+
+def _devices(st: dict[str, Any], width: int) -> list[str]:
+    """One row per device; CMDS counts every command on it, other users' too (a user who is not
+    an admin sees their number, not who they are)."""
+    out = [f"{'DEVICE':<9} {'NAME':<14} {'MEM USED/TOTAL':<15} {'UTIL':>5} {'CMDS':>4}  REGION"]
     for d in st["devices"]:
         total, free = d.get("memory_total_bytes") or 0, d.get("memory_free_bytes")
         mem = f"{size(total - free)}/{size(total)}" if total and free is not None else "-"
@@ -224,62 +270,61 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         r = d["region"]
         held = "-" if r is None else f"{printable(repr(r['name']))} by {r['command']} ({r['state']})"
         name = str(d.get("name") or d["vendor"])[:14]
+        cmds = len(d["commands"]) + int(d.get("other_commands") or 0)
         out.append(
             f"{d['key']:<9} {name:<14} {mem:<15} "
-            f"{'-' if util is None else f'{util:.0f}%':>5} {len(d['commands']):>4}  {held}"
+            f"{'-' if util is None else f'{util:.0f}%':>5} {cmds:>4}  {held}"
         )
         if r is not None or d["queued"]:  # the region's holds on a line of their own
             holds = f"holds {_holds(r)}, cores {r['cores']}" if r is not None else ""
             if r is not None and r.get("share_for"):  # its turn come, its siblings run first
                 holds = f"waits for the share of {', '.join(r['share_for'])}"
             queued = f"queued: {', '.join(d['queued'])}" if d["queued"] else ""
-            out.append(_wrap(f"{'':<9} " + "; ".join(x for x in (holds, queued) if x)))
+            out.append(_wrap(f"{'':<9} " + "; ".join(x for x in (holds, queued) if x), width))
         if m := d.get("memory"):  # memory-aware admission
-            out.append(_wrap(_memory(m)))
-    if st.get("pools"):
-        out.append("")
-        out.append("POOL      SIZE  WARM  BUSY  RETIRED  START_P50  START_P95")
-        for key, p in st["pools"].items():
-            lat = p.get("start_latency_s") or {}
-            err = p["last_error"].strip().splitlines()[-1] if p.get("last_error") else ""
-            out.append(
-                f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
-                f"{_ms(lat.get('p50')):<10} {_ms(lat.get('p95'))}"
-                + ("  (paused)" if p.get("paused") else "")
-                + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
-                + (f"  declined {_reasons(p['declined'])}" if p.get("declined") else "")
-                + (f"  {p['waiting']} waiting for a warm worker" if p.get("waiting") else "")
-                + (f"  last error: {err}" if err else "")
-            )
-    boot = str(st.get("boot") or "")
-    rows = st["commands"]
-    earlier = [c for c in rows if _earlier(c, boot)]
-    if not show_all:
-        rows = [c for c in rows if not _earlier(c, boot)]
-    out.append("")
-    out.append(
-        f"{'COMMAND':<13} {'STATE':<9} {'DEVICE':<8} {'PID':<8} {'AGE':>7} {'START':>7} "
-        f"{'RSS':>6} {'FROZEN':<6} LABEL: ARGV"
-    )
-    for c in rows:
-        state = c["result"] if c["state"] == "ended" else c["state"]
-        what = printable(" ".join(c["argv"]))
-        if c.get("label"):
-            what = f"{printable(c['label'])}: {what}"
+            out.append(_wrap(_memory(m), width))
+    return out
+
+
+def _pools(st: dict[str, Any]) -> list[str]:
+    if not st.get("pools"):
+        return []
+    out = ["", "POOL      SIZE  WARM  BUSY  RETIRED  START_P50  START_P95"]
+    for key, p in st["pools"].items():
+        lat = p.get("start_latency_s") or {}
+        err = p["last_error"].strip().splitlines()[-1] if p.get("last_error") else ""
         out.append(
-            f"{c['command']:<13} {state:<9} {c['device']:<8} {c['pid'] or '-'!s:<8} "
-            f"{age(c['age_s']) if c['age_s'] is not None else '?':>7} {_ms(c.get('start_latency_s')):>7} "
-            f"{size(c.get('rss_bytes')):>6} {'yes' if c['frozen'] else 'no':<6} {what}"
+            f"{key:<9} {p['size']:<5} {p['warm']:<5} {p['busy']:<5} {p['retired']:<8} "
+            f"{ms(lat.get('p50')):<10} {ms(lat.get('p95'))}"
+            + ("  (paused)" if p.get("paused") else "")
+            + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
+            + (f"  declined {_reasons(p['declined'])}" if p.get("declined") else "")
+            + (f"  {p['waiting']} waiting for a warm worker" if p.get("waiting") else "")
+            + (f"  last error: {err}" if err else "")
         )
-        if c.get("waiting_for"):
-            out.append(_wrap(f"{'':<13} {printable(c['waiting_for'])}"))
-        if c.get("reruns"):
-            out.append(f"{'':<13} re-run {c['reruns']}x after a co-located CUDA out-of-memory")
+    return out
+
+
+def render(st: dict[str, Any], show_all: bool = False, view: View | None = None) -> str:
+    """The status tree as text, no line over the view's width; with a height (--watch), the
+    settings and device rows always shown and the command list cut to fit, with a "+N more" line."""
+    v = view or View(show_all=show_all)
+    width = max(40, v.width)
+    top = [_wrap(x, width) for x in _head(st)] + [""] + _devices(st, width) + _pools(st)
+    top = [line for item in top for line in item.split("\n")]
+    rows, notes = select_rows(st["commands"], str(st.get("boot") or ""), v)
+    other = int(st.get("other_commands") or 0)
+    if other:  # a user who is not an admin: other users' commands are counted, never listed
+        notes.append(f"({other} command{'s' if other > 1 else ''} of other users not shown)")
+    table = command_table(rows, time.time())
     if not rows:
-        out.append("(no commands)")
-    if earlier and not show_all:
-        lost = sum(1 for c in earlier if c.get("result") == "lost")
-        out.append(f"({len(earlier)} commands of an earlier daemon, {lost} of them lost: krex status --all)")
-    # Settings lines arrive wrapped (several lines in one item): each line is fitted on its own,
-    # so a wrapped reason is kept whole and only table rows are cut.
-    return "\n".join(_fit(line) for item in out for line in item.split("\n"))
+        table = [table[0], "(no commands match)" if v.filtered else "(no commands)"]
+    if v.height is not None:
+        room = v.height - len(top) - 1 - len(notes) - 1  # the blank line and the header
+        if len(table) - 1 > room:  # a row and the lines under it (why it waits, its re-runs)
+            keep = max(0, room - 1)
+            shown = sum(1 for line in table[1 : 1 + keep] if not line.startswith(" "))
+            notes.insert(0, f"+{len(rows) - shown} more (krex status --state/--device/--label to narrow)")
+            table = table[: 1 + keep]
+    # Settings lines arrive wrapped: each line is fitted on its own, so only table rows are cut.
+    return "\n".join(_fit(line, width) for line in [*top, "", *table, *notes])

@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 from krex_async.client.submit import Client, CommandHandle, KrexError
 
 from ..conftest import PY, krex_status, py_env, run_daemon, until
+from ..ops.test_metrics import L, scrape
 
 MiB = 1 << 20
 TOTAL = 1000 * MiB
@@ -194,9 +194,9 @@ async def test_a_co_located_oom_is_re_run_once_alone_and_reported(fake, tmp_path
         assert st["state"] == "queued" and "waits to run alone on fake0" in st["waiting_for"], st
         assert (await row(c, b.command))["state"] == "running"
         await until(lambda: "rerun" in events, "the agent heard of the re-run")
-        text = (await asyncio.to_thread(_scrape, addr)).decode()
-        assert 'krex_command_reruns_total{device="fake0",reason="co-located OOM"} 1.0' in text, text
-        assert 'krex_commands_waiting_memory{device="fake0"} 1.0' in text, text
+        m = await asyncio.to_thread(scrape, addr)
+        assert m[("krex_command_reruns_total", L(device="fake0", reason="co-located OOM"))] == 1.0, m
+        assert m[("krex_commands_waiting_memory", L(device="fake0"))] == 1.0, m
         released(str(tmp_path / "rb"))
         await watcher
         res = a._result
@@ -258,11 +258,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _scrape(addr: tuple[str, int]) -> bytes:
-    with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/metrics", timeout=10) as r:
-        return bytes(r.read())
 
 
 async def test_pids_that_are_not_ours_still_measure_a_command_running_alone(fake, tmp_path):

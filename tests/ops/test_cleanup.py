@@ -298,7 +298,14 @@ def test_krex_cleanup_verb(tmp_path):
         timeout=30,
     )
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout) == {"ok": True, "trees": [], "actions": [], "errors": []}
+    assert json.loads(p.stdout) == {
+        "ok": True,
+        "dry_run": False,
+        "trees": [],
+        "actions": [],
+        "notes": [],
+        "errors": [],
+    }
 
 
 def test_a_user_without_rights_is_told_to_run_it_as_root(tmp_path):

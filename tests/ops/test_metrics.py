@@ -14,15 +14,26 @@ from ..conftest import PY, ROOT, py_env
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client not installed")
 
 
-def scrape(addr: tuple[str, int]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} from GET /metrics."""
+DEVICE_LABELS = ("UUID", "modelName")  # on every per-device series, as dcgm-exporter's
+
+
+def scrape(
+    addr: tuple[str, int], device_labels: bool = False
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} from GET /metrics; the UUID and modelName labels of
+    per-device series left out unless `device_labels` (most tests name a series by its key)."""
     with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/metrics", timeout=5) as r:
         assert r.status == 200
         text = r.read().decode()
     out = {}
     for fam in parser.text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = {
+                k: v
+                for k, v in s.labels.items()
+                if device_labels or k not in DEVICE_LABELS or s.name == "krex_device_info"
+            }
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
@@ -106,8 +117,19 @@ def test_pool_and_devices(metrics):
     assert got[("krex_pool_workers", L(device="nvidia0", state="busy"))] == 2
     assert got[("krex_pool_retired_total", L(device="nvidia0"))] == 6
     assert got[("krex_pool_start_seconds_count", L(device="nvidia0"))] == 1
-    assert got[("krex_device_utilization_percent", L(device="nvidia0"))] == 37.5
     assert got[("krex_device_utilization_ratio", L(device="nvidia0"))] == 0.375
+    assert not [k for k in got if k[0].endswith("_percent")], "the ratio only, as Prometheus has it"
+    m.device_memory("nvidia0", used=3 << 30, total=140 << 30)
+    m.holding("nvidia0", frozen=2, locked=1)
+    m.held_for([0, 0, 2**31 - 7], 1.5)
+    got = scrape(m.address)
+    assert got[("krex_device_memory_bytes", L(device="nvidia0", state="used"))] == 3 << 30
+    assert got[("krex_device_memory_bytes", L(device="nvidia0", state="total"))] == 140 << 30
+    assert got[("krex_commands_held", L(device="nvidia0", mode="frozen"))] == 2
+    assert got[("krex_commands_held", L(device="nvidia0", mode="locked"))] == 1
+    assert got[("krex_held_seconds_total", L(user="root"))] == 3.0  # by user, never by command
+    assert got[("krex_held_seconds_total", L(user=str(2**31 - 7)))] == 1.5  # a uid with no name
+    assert got[("process_open_fds", ())] > 0 and got[("process_resident_memory_bytes", ())] > 0
 
 
 def test_labels_join_with_dcgm_and_no_created_series(metrics):
@@ -139,6 +161,12 @@ def test_labels_join_with_dcgm_and_no_created_series(metrics):
         labels = {dict(k[1]).get("device") for k in got if k[0] == name}
         assert labels == {"nvidia0"}, (name, labels)
         assert all("policy" in dict(k[1]) for k in got if k[0] == name)
+    # dcgm-exporter's UUID and modelName on every per-device series: no join needed
+    full = scrape(m.address, device_labels=True)
+    per_device = [k for k in full if "device" in dict(k[1])]
+    assert len({k[0] for k in per_device}) >= 8, per_device
+    for name, labels in per_device:
+        assert (dict(labels)["UUID"], dict(labels)["modelName"]) == ("GPU-1234", "NVIDIA H200"), name
 
 
 def test_dedicated_registry():
@@ -146,7 +174,7 @@ def test_dedicated_registry():
 
     a, b = Metrics(), Metrics()  # two daemons in one process must not collide
     a.strays("cpu", 1)
-    sample = b'krex_strays_total{device="cpu"} 1.0'
+    sample = b'krex_strays_total{UUID="",device="cpu",modelName=""} 1.0'
     assert sample in a.scrape() and sample not in b.scrape()
     assert b"krex_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
 
