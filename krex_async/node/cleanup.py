@@ -49,6 +49,7 @@ from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanis
 from krex_async.isolation.instance import Pin, gate, instance_name, pin_instance, state_dir_of
 from krex_async.linux import procfs
 from krex_async.linux.procfs import Mount
+from krex_async.linux.trust import state_dir_problem, state_dir_refusal
 
 SUBTREE = "krex"
 
@@ -393,6 +394,10 @@ def cleanup_main(args: argparse.Namespace) -> int:
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     state_dir = _state_dir(args.state_dir or str(conf.get("state_dir") or ""))
+    if state_dir and os.path.lexists(state_dir) and (why := state_dir_problem(state_dir)):
+        # Its records name processes to unlock: another user's file must not steer this sweep.
+        print(f"krex cleanup: {state_dir_refusal(state_dir, why)}", file=sys.stderr)
+        return 2
     res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force, state_dirs=[state_dir])
     for line in _unlock(state_dir, args.force):
         (res.actions if line.startswith(("unlocked", "left ")) else res.errors).append(line)
