@@ -37,6 +37,8 @@ No `_created` series are exported (prometheus-client's per-series creation times
                                                               existing dashboards; deprecated)
     device_info{device,gpu,UUID,modelName,vendor}  gauge = 1
     info{version,policy,isolation}                 gauge = 1
+    state_disk_full                                gauge      1 while record writes live on the
+                                                              state disk's reserve (linux/reserve)
 """
 
 from __future__ import annotations
@@ -190,6 +192,9 @@ class Metrics:
             registry=r,
         )
         self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"], registry=r)
+        self._disk_full = Gauge(
+            "krex_state_disk_full", "1 while the state disk is full and records use its reserve", registry=r
+        )
 
     # ------------------------------------------------------------------------------- commands
 
@@ -306,6 +311,10 @@ class Metrics:
         """A device of the node, once at start (`gpu` is its index, as dcgm-exporter labels it)."""
         if self.available:
             self._device_info.labels(device, str(index), uuid, model, vendor).set(1)
+
+    def state_disk_full(self, full: bool) -> None:
+        if self.available:
+            self._disk_full.set(1 if full else 0)
 
     # ------------------------------------------------------------------------------- exposing
 

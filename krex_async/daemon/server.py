@@ -35,7 +35,7 @@ from krex_async.daemon.probing import start_probes
 from krex_async.daemon.warmpools import pool_user
 from krex_async.devices import Unavailable, open_node
 from krex_async.isolation import RootUnusable, choose_backend
-from krex_async.linux import sdnotify
+from krex_async.linux import reserve, sdnotify
 from krex_async.linux.trust import state_dir_problem, state_dir_refusal
 
 log = logs.get("krex.server")
@@ -213,6 +213,8 @@ async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
     if why := state_dir_problem(cfg.state_dir):
         usage_exit(state_dir_refusal(cfg.state_dir, why))
+    if reserve.setup(cfg.state_dir).full:
+        log.warning("state_disk_full", state_dir=cfg.state_dir, detail="no room for the records' reserve")
     if early.stopped("isolation"):
         return 0
     try:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from krex_async.linux import reserve
 from krex_async.linux.fsutil import replace_file
 from krex_async.linux.procfs import stat_fields
 
@@ -159,7 +160,7 @@ class LockRecord:
                     "locked": sorted(self.held.items()),
                 }
             ).encode()
-            replace_file(self.path, data)
+            reserve.guarded(self.path, lambda: replace_file(self.path, data))  # before a lock: must land
 
     def add(self, pids: Iterable[int]) -> list[int]:
         """Record `pids` (those still alive) and write; returns the recorded ones. Raises OSError."""
