@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
-from krex_async.client.trust import UntrustedSocket, check_dir, check_peer, expected_peer
+from krex_async.client.trust import UntrustedSocket, check_listener, expected_peer
 from krex_async.protocol import NODE_SOCKET, SUN_PATH_MAX, default_socket
 
 CLOSED = "the daemon closed the connection (it stopped, or died)"
@@ -91,14 +91,6 @@ async def _connect_unix(path: str) -> socket.socket:
         except BaseException:
             sock.close()
             raise
-
-
-def _trust(path: str, sock: socket.socket, explicit: bool, peer_uid: int | None) -> None:
-    """Raise UntrustedSocket unless the connected `sock` may hear this client: a socket found at a
-    default path must also lie in a directory only the user or root can write."""
-    if not explicit:
-        check_dir(path)
-    check_peer(path, sock, peer_uid)
 
 
 class _IdOnly(msgspec.Struct):
@@ -231,7 +223,7 @@ class Client:
         try:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
             try:
-                _trust(path, sock, explicit, expect)
+                check_listener(path, sock, explicit, expect)
             except BaseException:
                 sock.close()
                 raise

@@ -53,3 +53,11 @@ def check_peer(path: str, sock: socket.socket, peer_uid: int | None = None) -> N
             f"refusing the socket {path}: {why}; if that is the daemon you mean to use, name its uid "
             f"in {PEER_UID_VAR}"
         )
+
+
+def check_listener(path: str, sock: socket.socket, explicit: bool, peer_uid: int | None = None) -> None:
+    """Raise UntrustedSocket unless connected `sock` may hear this client: its peer, and for a
+    socket found at a default path (not `explicit`ly named) its directory too."""
+    if not explicit:
+        check_dir(path)
+    check_peer(path, sock, peer_uid)
