@@ -166,6 +166,8 @@ def render(st: dict[str, Any], show_all: bool = False) -> str:
         f"region cores {st['region_cores']}"
     )
     head.append(f"isolation {iso['backend']}: {iso['reason']}")
+    if st.get("state_disk_full"):
+        head.append("state disk FULL: region records use the reserve (free space in the state dir)")
     if "hold" in st:  # a daemon from before the driver lock has no such key
         ho = st["hold"]
         head.append(

@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from krex_async.node.statusview import render
+
 from ..conftest import PY, py_env, run_daemon
 from ..isolation.cgroup_util import need_cgroups
 
@@ -46,7 +48,9 @@ async def test_a_state_disk_filled_by_others_keeps_regions_going_on_the_reserve(
             fill(small_tmpfs)
             res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
             assert res.stdout.decode().startswith("granted"), (res.stdout, res.stderr[-2000:])
-            assert (await c.status())["state_disk_full"] is True
+            st = await c.status()
+            assert st["state_disk_full"] is True
+            assert "state disk FULL" in render(st), render(st)
             fill(small_tmpfs, "filler2")  # what the reserve gave back
             res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
             out = res.stdout.decode()
