@@ -81,7 +81,6 @@ class _Snapshot:
             out.insert(0, leader)
         return out
 
-
     def detached(self, leader: int, command: str, born: int) -> list[int]:
         """Roots of what the command detached: a process that left its session (setsid) and its
         parent (a double fork: orphans go to init or a subreaper) is no descendant and no session
