@@ -397,3 +397,41 @@ async def test_region_that_cannot_reach_the_daemon_says_so_in_one_line(users: di
         assert p.returncode == 1 and len(lines) == 1 and "Connection refused" in lines[0], p.stderr
     finally:
         shutil.rmtree(gone, ignore_errors=True)
+
+
+async def test_the_in_command_runtime_sends_its_token_to_no_other_users_listener(
+    users: dict[str, User],
+) -> None:
+    """A command's runtime (sitecustomize: the quiesce listener) whose KREX_SOCKET leads to a
+    listener of another user says nothing to it, its token least of all; the program runs on."""
+    alice, mallory = users["alice"], users["mallory"]
+    d = tempfile.mkdtemp(prefix="krexrt-", dir="/tmp")
+    os.chown(d, mallory.uid, mallory.gid)
+    os.chmod(d, 0o755)
+    sock = os.path.join(d, "s")
+    runtime = str(ROOT / "krex_async" / "runtime")
+    env = {
+        "PYTHONPATH": f"{runtime}:{user_env()['PYTHONPATH']}",
+        "KREX_SOCKET": sock,
+        "KREX_COMMAND": "c1",
+        "KREX_TOKEN": "secret",
+        "KREX_DEVICE": "cpu",
+    }
+    try:
+        with fake_daemon(mallory, sock) as log:
+            p = await asyncio.to_thread(
+                run_python_as, alice, "import time; time.sleep(1); print('ran')", env=env
+            )
+            assert p.stdout == "ran\n", (p.stdout, p.stderr)
+            assert requests(log) == [], requests(log)
+            # the same listener named as trusted: the runtime talks to it (the check is what held it back)
+            named = {**env, "KREX_SOCKET_UID": str(mallory.uid)}
+            p = await asyncio.to_thread(
+                run_python_as, alice, "import time; time.sleep(1); print('ran')", env=named
+            )
+            assert p.stdout == "ran\n", (p.stdout, p.stderr)
+            await until(
+                lambda: "QuiesceReady" in requests(log), lambda: f"no QuiesceReady: {requests(log)}", 10
+            )
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
