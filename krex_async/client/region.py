@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import grp
 import itertools
 import os
 import socket
@@ -29,6 +30,8 @@ from types import TracebackType
 from typing import Any
 
 from krex_async import protocol as P
+from krex_async.client.trust import UntrustedSocket, check_peer, expected_peer
+from krex_async.linux.trust import who
 
 
 class RegionError(Exception):
@@ -37,6 +40,7 @@ class RegionError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
 
 
 class _Channel:
@@ -44,7 +48,14 @@ class _Channel:
 
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
+        try:
+            self.sock.connect(path)
+            check_peer(
+                path, self.sock, expected_peer()
+            )  # the token goes only to a daemon this user may trust
+        except (OSError, UntrustedSocket, ValueError) as e:
+            self.sock.close()
+            raise RegionError("unreachable", unreachable(path, e)) from None
         self.pid = os.getpid()
         self.ids = itertools.count(1)
         self.revoked: dict[int, P.RegionReport] = {}
@@ -82,6 +93,59 @@ class _Channel:
             self.sock.close()
         except OSError:
             pass
+
+
+def unreachable(path: str, e: BaseException) -> str:
+    """One line: which socket, why a command cannot reach it, and the fix."""
+    if isinstance(e, UntrustedSocket | ValueError):
+        return str(e)
+    if isinstance(e, PermissionError):
+        return f"the krex daemon's socket {path} is not open to {who(os.getuid())}: {_not_member(path)}"
+    if isinstance(e, FileNotFoundError | ConnectionRefusedError):
+        return (
+            f"no krex daemon answers at {path} ({e.strerror}): it stopped, or KREX_SOCKET names another "
+            "path; start it (`systemctl start krex`, or `krex serve --socket PATH`) and run the job again"
+        )
+    return f"cannot reach the krex daemon at {path}: {getattr(e, 'strerror', None) or e}"
+
+
+def _not_member(path: str) -> str:
+    """Why EACCES: the socket's group (not this user's) or a directory on the way; the fix."""
+    try:
+        st = os.stat(path)
+    except PermissionError:
+        return (
+            f"a directory above it cannot be entered by this user; the operator must let the job's "
+            f"user reach {os.path.dirname(path)} (or run the job as a user who can)"
+        )
+    except OSError as e:
+        return str(e.strerror)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return (
+        f"only its owner and group {group} may connect (mode {st.st_mode & 0o777:04o}) and this user is "
+        f"not in {group}: add it (`usermod -aG {group} USER`, then start a new session) or run the job as a "
+        "member (the daemon's --socket-group)"
+    )
+
+
+def _one_line_if_uncaught() -> None:
+    """Should the program not catch a daemon it cannot reach, say so in one line (`krex: ...`,
+    exit 1) instead of a traceback: the fix is the operator's, not in the program's code."""
+    previous = sys.excepthook
+    if getattr(previous, "_krex", False):
+        return
+
+    def hook(et: type[BaseException], ev: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(ev, RegionError) and ev.code == "unreachable":
+            print(f"krex: region(): {ev.message}", file=sys.stderr, flush=True)
+        else:
+            previous(et, ev, tb)
+
+    hook._krex = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 _lock = threading.Lock()
@@ -178,7 +242,15 @@ class region:  # noqa: N801 - used like a function, as `with region("timing"):`
 
             devicework.ready_probe()
         with _lock:
-            ch = _get_channel()
+            try:
+                ch = _get_channel()
+            except RegionError as e:
+                failed: RegionError | None = e
+            else:
+                failed = None
+            if failed is not None:  # raised here: no frames from inside the connect
+                _one_line_if_uncaught()
+                raise failed.with_traceback(None)
             self._enter_id = next(ch.ids)
             try:
                 reply = ch.call(

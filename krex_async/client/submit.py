@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
+from krex_async.client.trust import UntrustedSocket, check_listener, expected_peer
 from krex_async.protocol import NODE_SOCKET, SUN_PATH_MAX, default_socket
 
 CLOSED = "the daemon closed the connection (it stopped, or died)"
@@ -216,12 +217,29 @@ class Client:
         self.welcome: P.Welcome | None = None
 
     @classmethod
-    async def connect(cls, path: str | None = None, timeout: float = 10.0) -> Client:
-        """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens."""
+    async def connect(
+        cls, path: str | None = None, timeout: float = 10.0, *, peer_uid: int | None = None
+    ) -> Client:
+        """Connect and shake hands. Raises KrexError('unreachable', ...) when nobody listens, and
+        KrexError('untrusted', ...), with nothing sent, when the listener may not be trusted (see
+        client/trust.py): `peer_uid` (else $KREX_SOCKET_UID) names a daemon's uid to trust besides
+        root and this user's own."""
+        explicit = bool(path or os.environ.get("KREX_SOCKET"))
         path = agent_socket(path)
         try:
+            expect = expected_peer(peer_uid)
+        except ValueError as e:
+            raise KrexError("bad_input", str(e)) from None
+        try:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
+            try:
+                check_listener(path, sock, explicit, expect)
+            except BaseException:
+                sock.close()
+                raise
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
+        except UntrustedSocket as e:
+            raise KrexError("untrusted", str(e)) from None
         except PermissionError:
             raise KrexError(
                 "unreachable",

@@ -14,6 +14,7 @@ import stat
 import sys
 from typing import NoReturn
 
+from krex_async.linux.trust import dir_problem
 from krex_async.protocol import NODE_SOCKET
 
 LISTEN_BACKLOG = 4096
@@ -47,11 +48,35 @@ def group_id(group: str, option: str = "--socket-group") -> int:
     return gid
 
 
-def check_socket_path(path: str) -> None:
+def make_own_dir(path: str, shared: bool) -> None:
+    """Make default socket directory `path` (0755 when others reach the socket through its group,
+    else 0700); one already there is judged by check_socket_dir, never chmodded or followed."""
+    try:
+        os.mkdir(path, 0o755 if shared or path == os.path.dirname(NODE_SOCKET) else 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise SystemExit(f"krex: cannot make the socket directory {path}: {e.strerror}") from None
+
+
+def check_socket_dir(path: str) -> None:
+    """Exit 2 unless the socket's directory is this daemon's (or root's) and nobody else can write
+    it or move it: another user could otherwise replace the socket, or listen in its place first."""
+    parent = os.path.dirname(os.path.abspath(path))
+    why = dir_problem(parent, frozenset({os.geteuid(), 0}))
+    if why:
+        usage_exit(
+            f"--socket {path}: refusing to serve there: {why}, so another user could replace the "
+            "socket or listen in its place; serve in a directory only this user (or root) can write"
+        )
+
+
+def check_socket_path(path: str, group: str = "") -> None:
     """Whether `path` can be served on, before anything is started (SystemExit saying why not):
     short enough for a client to connect to, its directory there (made only when it is one of
-    own_socket_dirs: exit 2 otherwise), nothing there but a socket nobody answers on (left by a
-    daemon that died: bind_socket replaces it)."""
+    own_socket_dirs: exit 2 otherwise) and safe (check_socket_dir), nothing there but a socket
+    nobody answers on (left by a daemon that died: bind_socket replaces it). `group`: the
+    --socket-group, whose members must be able to enter a directory made here."""
     if len(os.fsencode(path)) >= 108:
         raise SystemExit(
             f"krex: --socket {path}: {len(os.fsencode(path))} bytes; a Unix socket path must be "
@@ -65,8 +90,10 @@ def check_socket_path(path: str) -> None:
             f"--socket {path}: no directory {parent} (krex makes only its default "
             f"{' and '.join(sorted(own_socket_dirs()))}: create it, or give another --socket)"
         )
+    if parent in own_socket_dirs():
+        make_own_dir(parent, bool(group))
+    check_socket_dir(path)
     try:
-        os.makedirs(parent, mode=0o755, exist_ok=True)
         st = os.lstat(path)
     except FileNotFoundError:
         return
@@ -97,7 +124,7 @@ def bind_socket(path: str, group: str = "") -> socket.socket:
     anything that is not a socket is left alone (SystemExit), so a wrong path deletes nothing.
     """
     gid = group_id(group) if group else None
-    check_socket_path(path)
+    check_socket_path(path, group)
     # A short temporary name in the same directory (AF_UNIX paths end near 108 bytes; a path too
     # long for a suffix is bound directly: its mode is still right, only the listen window remains).
     tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}~")

@@ -223,6 +223,9 @@ class Metrics:
             registry=r,
         )
         self._info = Gauge("krex_info", "This daemon", ["version", "policy", "isolation"], registry=r)
+        self._disk_full = Gauge(
+            "krex_state_disk_full", "1 while the state disk is full and records use its reserve", registry=r
+        )
 
     # ------------------------------------------------------------------------------- commands
 
@@ -402,6 +405,10 @@ class Metrics:
         """The labels of a per-device series: the key, its UUID and model (dcgm-exporter's)."""
         uuid, model = self._devices.get(device, ("", ""))
         return device, uuid, model
+
+    def state_disk_full(self, full: bool) -> None:
+        if self.available:
+            self._disk_full.set(1 if full else 0)
 
     # ------------------------------------------------------------------------------- exposing
 

@@ -35,7 +35,8 @@ from krex_async.daemon.probing import start_probes
 from krex_async.daemon.warmpools import pool_user
 from krex_async.devices import Unavailable, open_node
 from krex_async.isolation import RootUnusable, choose_backend
-from krex_async.linux import sdnotify
+from krex_async.linux import reserve, sdnotify
+from krex_async.linux.trust import state_dir_problem, state_dir_refusal
 
 log = logs.get("krex.server")
 
@@ -203,13 +204,17 @@ async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
     cfg = config.resolved()
     log.info("starting", pid=os.getpid(), socket=cfg.socket)  # from here a stop signal is clean
     pool_as = pool_user(cfg.pool_user)  # an unknown user is refused before anything is made
-    check_socket_path(cfg.socket)  # likewise a socket that cannot be served on
+    check_socket_path(cfg.socket, cfg.socket_group)  # likewise a socket that cannot be served on
     try:
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # a file there, or on the way to it
         usage_exit(f"--state-dir {cfg.state_dir}: not a directory")
     except OSError as e:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
+    if why := state_dir_problem(cfg.state_dir):
+        usage_exit(state_dir_refusal(cfg.state_dir, why))
+    if reserve.setup(cfg.state_dir).full:
+        log.warning("state_disk_full", state_dir=cfg.state_dir, detail="no room for the records' reserve")
     if early.stopped("isolation"):
         return 0
     try:

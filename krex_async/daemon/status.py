@@ -13,6 +13,7 @@ from krex_async.ctxpool import adoption
 from krex_async.daemon.admission import Admission
 from krex_async.daemon.core import Core
 from krex_async.daemon.regions import Regions
+from krex_async.linux import reserve
 from krex_async.linux.procfs import tree_memory
 
 log = logs.get("krex.daemon")
@@ -63,6 +64,7 @@ class Status:
         loop = asyncio.get_running_loop()
         cpu = _CpuUse()
         while True:
+            self.core.metrics.state_disk_full(self.state_disk_full())
             for key, pool in self.core.pools.items():
                 st = pool.status()
                 self.core.metrics.pool(key, st.get("warm", 0), st.get("busy", 0), st.get("retired", 0))
@@ -242,9 +244,15 @@ class Status:
                 "on": self.regions.share.on,
             },
             "hold": self.regions.hold_status(),
+            "state_disk_full": self.state_disk_full(),
             "devices": devices,
             "commands": commands,
         }
+
+    def state_disk_full(self) -> bool:
+        """Whether a record write met a full state disk and its reserve is not back (linux/reserve)."""
+        r = reserve.of(self.core.config.state_dir) if self.core.config.state_dir else None
+        return r is not None and r.refresh()
 
     def probes(self) -> dict[str, Any]:
         """`daemon.probes` (state, backend, reason), plus what the running backend says of itself

@@ -30,10 +30,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from krex_async.linux import reserve
 from krex_async.linux.fsutil import replace_file
 from krex_async.linux.procfs import stat_fields
 
 LIBRARY = "libcuda.so.1"
+# What the record says of the library: a fixed key, not a path. Whoever reads the record back
+# (start-up, the watchdog, `krex cleanup`) opens its own library_path(): no file names code to load.
+DRIVER_KEY = "libcuda"
 RECORD = "locks.json"
 LOCKED = 1  # CU_PROCESS_STATE_LOCKED (RUNNING 0, CHECKPOINTED 2, FAILED 3)
 # CUprocessState
@@ -135,9 +139,9 @@ def start_time(pid: int) -> int | None:
 
 class LockRecord:
     """`<state_dir>/locks.json`: the pids this daemon may hold locked, each with its start time (a
-    reused pid is never unlocked), and the library that locked them. Written before every lock and
-    after unlocks. Not fsynced: a lock dies with the machine, only the daemon's death must be
-    survived, and the page cache outlives a process."""
+    reused pid is never unlocked); the library is DRIVER_KEY, resolved by each reader itself.
+    Written before every lock and after unlocks. Not fsynced: a lock dies with the machine, only
+    the daemon's death must be survived, and the page cache outlives a process."""
 
     def __init__(self, state_dir: str, library: str) -> None:
         self.path = os.path.join(state_dir, RECORD)
@@ -152,11 +156,11 @@ class LockRecord:
                 {
                     "version": 1,
                     "pid": os.getpid(),
-                    "library": self.library,
+                    "library": DRIVER_KEY,  # which one: the reader resolves it itself
                     "locked": sorted(self.held.items()),
                 }
             ).encode()
-            replace_file(self.path, data)
+            reserve.guarded(self.path, lambda: replace_file(self.path, data))  # before a lock: must land
 
     def add(self, pids: Iterable[int]) -> list[int]:
         """Record `pids` (those still alive) and write; returns the recorded ones. Raises OSError."""
@@ -287,7 +291,6 @@ def release_left(state_dir: str | None, library: str | None = None) -> list[str]
         with open(path) as f:
             rec = json.load(f)
         entries = [(int(p), int(st)) for p, st in rec.get("locked", [])]
-        lib = str(rec.get("library") or "")
     except FileNotFoundError:
         return []
     except (OSError, ValueError, TypeError, AttributeError) as e:
@@ -295,7 +298,9 @@ def release_left(state_dir: str | None, library: str | None = None) -> list[str]
     lines: list[str] = []
     alive = [p for p, st in entries if start_time(p) == st]
     if alive:
-        drv, why = open_driver(library or lib or None)
+        # The library is this process's own choice (library_path), never the record's: a file
+        # that named a library would let whoever wrote it run code in the daemon or in cleanup.
+        drv, why = open_driver(library or None)
         if drv is None:
             lines.append(f"cannot unlock {len(alive)} recorded process(es) {alive}: {why}")
             return lines
@@ -310,7 +315,7 @@ def release_left(state_dir: str | None, library: str | None = None) -> list[str]
             except Exception as e:  # a driver fault costs this pid, not the sweep
                 lines.append(f"could not unlock pid {pid}: {e!r}")
     try:
-        replace_file(path, json.dumps({"version": 1, "pid": 0, "library": lib, "locked": []}).encode())
+        replace_file(path, json.dumps({"version": 1, "pid": 0, "library": DRIVER_KEY, "locked": []}).encode())
     except OSError as e:
         lines.append(f"could not clear {path}: {e.strerror}")
     return lines

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 
 from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS
+from krex_async.linux.trust import dir_problem
 
 OWNER_FILE = "cgroup.owner"  # in the state dir: locked (flock) by the live daemon of the instance
 STATE_XATTR = "user.krex.state_dir"  # on the instance directory: whose state dir it belongs to
@@ -26,6 +27,7 @@ STATE_XATTR = "user.krex.state_dir"  # on the instance directory: whose state di
 CLAIM_WAIT_S = 10.0
 #: how long either side waits at the gate of a `krex` tree (held for a listing, or one mkdir)
 GATE_WAIT_S = 5.0
+GATE_DIR = "/run/krex-gate"  # root's gate files (gate_file): a directory only root can enter
 
 
 class InstanceBusy(IsolationError):
@@ -134,17 +136,44 @@ def mark_instance(path: str, state_dir: str) -> None:
         pass
 
 
+def gate_file(krex_dir: str) -> str | None:
+    """The lock file that stands for `krex_dir` at the gate: in a directory only the owner of the
+    `krex` tree can enter (/run/krex-gate for root's, /tmp/krex-gate-UID for a delegated tree), so
+    no other user can open it, let alone hold it locked (any user could flock the cgroup directory
+    itself, and made every start wait GATE_WAIT_S). None where that directory is not safe."""
+    try:
+        owner = os.stat(krex_dir).st_uid
+    except OSError:
+        return None
+    where = GATE_DIR if owner == 0 else f"/tmp/krex-gate-{owner}"
+    if owner == os.geteuid():
+        try:
+            os.mkdir(where, 0o700)
+        except FileExistsError:
+            pass  # judged below like any other
+        except OSError:
+            return None
+    if dir_problem(where, frozenset({owner})):
+        return None  # squatted or loosened: no gate rather than one another user can hold
+    digest = hashlib.sha256(os.path.realpath(krex_dir).encode()).hexdigest()[:12]
+    return os.path.join(where, f"gate-{digest}")
+
+
 @contextlib.contextmanager
 def gate(krex_dirs: list[str], exclusive: bool, wait_s: float = GATE_WAIT_S) -> Iterator[None]:
-    """flock the `krex` directories: shared by a daemon while it makes and names its instance
-    directory, exclusive by a sweep while it lists and reads the names, so that a sweep never sees a
-    directory that is made but not yet named (and would take it for a dead daemon's). Waits up to
-    `wait_s` for each, then goes on without it (a stuck holder must not stop a start or a thaw)."""
+    """flock the `krex` directories' gate files (gate_file): shared by a daemon while it makes and
+    names its instance directory, exclusive by a sweep while it lists and reads the names, so that a
+    sweep never sees a directory that is made but not yet named (and would take it for a dead
+    daemon's). Waits up to `wait_s` for each, then goes on without it (a stuck holder must not stop
+    a start or a thaw)."""
     fds = []
     try:
         for d in sorted(set(krex_dirs)):
+            path = gate_file(d)
+            if path is None:
+                continue
             try:
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             except OSError:
                 continue
             fds.append(fd)

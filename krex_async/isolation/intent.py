@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
+from krex_async.linux import reserve
 from krex_async.linux.fsutil import replace_file
 
 KREX = "krex"
@@ -63,7 +64,8 @@ class Intent:
         with self._lock:
             if seq < self._disk_seq:
                 return  # a newer snapshot is already there
-            replace_file(self.path, data, durable=True)
+            # Through the state disk's reserve: a disk filled by others must not refuse regions.
+            reserve.guarded(self.path, lambda: replace_file(self.path, data, durable=True))
             self._disk_seq = seq
 
     def write_now(self) -> None:

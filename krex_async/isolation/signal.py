@@ -1,9 +1,11 @@
 """The signal backend: SIGSTOP/SIGCONT of a command's process tree and sched_setaffinity of its threads.
 
 It needs no cgroups and no root, so it runs on laptops and in CI containers. A command's processes are
-its leader's descendants plus every process still in the leader's session (which catches orphans that
-were reparented to init); a process that starts its own session and leaves the tree is not seen, which
-is the limit of this backend and the reason the cgroup backend exists.
+its leader's descendants, every process still in the leader's session (which catches orphans that
+were reparented to init), and what it detached (setsid and a double fork): processes born since the
+leader, outside its tree, whose environment names the command (KREX_COMMAND). One that clears its
+environment before it detaches is not seen, which is the limit of this backend and the reason the
+cgroup backend exists.
 
 One /proc snapshot serves a whole batch of freezes (`freeze_many`), so entering a region with many
 siblings reads /proc once, not once per sibling. A process that was already stopped (state T) before a
@@ -37,6 +39,7 @@ class _Proc:
     ppid: int
     sid: int
     state: str
+    born: int = 0  # start time, clock ticks since boot
 
 
 class _Snapshot:
@@ -46,6 +49,7 @@ class _Snapshot:
         self.procs: dict[int, _Proc] = {}
         self.children: dict[int, list[int]] = defaultdict(list)
         self.sessions: dict[int, list[int]] = defaultdict(list)
+        self.environs: dict[int, bytes] = {}
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
@@ -56,12 +60,15 @@ class _Snapshot:
             self.children[p.ppid].append(p.pid)
             self.sessions[p.sid].append(p.pid)
 
-    def tree(self, leader: int) -> list[int]:
-        """The leader (if alive), its descendants, and its session's members, each once."""
+    def tree(self, leader: int, command: str = "", born: int = 0) -> list[int]:
+        """The leader (if alive), its descendants, and its session's members, each once; with
+        `command` (its id) and `born` (the leader's start time) also the processes it detached."""
         out: list[int] = []
         seen: set[int] = set()
         stack = [leader] if leader in self.procs else []
         stack += self.sessions.get(leader, [])
+        if command and born:
+            stack += self.detached(leader, command, born)
         while stack:
             pid = stack.pop()
             if pid in seen:
@@ -74,10 +81,41 @@ class _Snapshot:
             out.insert(0, leader)
         return out
 
+    def detached(self, leader: int, command: str, born: int) -> list[int]:
+        """Roots of what the command detached: a process that left its session (setsid) and its
+        parent (a double fork: orphans go to init or a subreaper) is no descendant and no session
+        member any more. Candidates are the processes born since the leader whose parent is
+        older (the roots of every tree of new processes); those whose environment still names
+        the command (KREX_COMMAND, given to each command) are its own. A program that clears
+        its environment before it detaches is not found: the cgroup backend has no such gap."""
+        key = f"KREX_COMMAND={command}\0".encode()
+        roots = []
+        for p in self.procs.values():
+            if p.pid == leader or p.born < born or p.sid == leader:
+                continue
+            parent = self.procs.get(p.ppid)
+            if parent is not None and parent.born >= born:
+                continue  # a child of a new process: walked from its root
+            if (env := self._environ(p.pid)) and (env.startswith(key) or b"\0" + key in env):
+                roots.append(p.pid)
+        return roots
+
+    def _environ(self, pid: int) -> bytes:
+        """/proc/<pid>/environ, read once per snapshot (b"" when gone or another user's)."""
+        if pid not in self.environs:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    self.environs[pid] = f.read()
+            except OSError:
+                self.environs[pid] = b""
+        return self.environs[pid]
+
 
 def _read_stat(pid: int) -> _Proc | None:
     fields = stat_fields(pid)
-    return None if fields is None else _Proc(pid, int(fields[1]), int(fields[3]), fields[0].decode())
+    if fields is None:
+        return None
+    return _Proc(pid, int(fields[1]), int(fields[3]), fields[0].decode(), int(fields[19]))
 
 
 def _state(pid: int) -> str | None:
@@ -99,6 +137,14 @@ def _launching(cmdline: bytes) -> bool:
     of an exec (the launch shell's own, or its start-up's) the new image has no arguments yet, and
     taking that for "past its stop" would leave the shell stopped, never resumed."""
     return not cmdline or f"\0{_LAUNCH}\0".encode() in cmdline
+
+
+def _members(snap: _Snapshot, group: Group) -> list[int]:
+    """The group's processes in `snap`: its leader's tree, session, and what it detached."""
+    if group.pid is None:
+        return []
+    born = group.extra.get("born", 0)
+    return snap.tree(group.pid, group.command_id, born if isinstance(born, int) else 0)
 
 
 def _set_affinity(pid: int, cpus: set[int]) -> None:
@@ -194,13 +240,15 @@ class SignalBackend(Backend):
 
     async def started(self, group: Group, pid: int) -> None:
         group.pid = pid
+        if (p := _read_stat(pid)) is not None:
+            group.extra["born"] = p.born  # what it detaches later is born after it
         if group.extra.get("launched_stopped"):
             self._stopping([pid])
         if group.cores is not None:
             _set_affinity(pid, set(group.cores))
 
     def pids(self, group: Group) -> list[int]:
-        return _Snapshot().tree(group.pid) if group.pid is not None else []
+        return _members(_Snapshot(), group)
 
     async def freeze(
         self, group: Group, *, keep: frozenset[int] = frozenset(), timeout: float = 1.0
@@ -258,7 +306,7 @@ class SignalBackend(Backend):
             fresh = False
             for g in todo:
                 done = set(sent[g.name])
-                for pid in snap.tree(g.pid):  # type: ignore[arg-type]
+                for pid in _members(snap, g):
                     if pid in keep or pid in done:
                         continue
                     fresh = True

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from krex_async.cliargs import directory
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.isolation.instance import Pin, gate, instance_name, pin_instance, state_dir_of
+from krex_async.linux.trust import state_dir_problem, state_dir_refusal
 from krex_async.node.cgroupsites import default_roots as default_roots
 from krex_async.node.cgroupsites import layout as layout
 from krex_async.node.cgroupsites import mounts as mounts
@@ -371,6 +372,10 @@ def cleanup_main(args: argparse.Namespace) -> int:
         return 1
     roots = list(args.root) or default_roots(args.cgroup_root or str(conf.get("cgroup_root", "")))
     state_dir = _state_dir(args.state_dir or str(conf.get("state_dir") or ""))
+    if state_dir and os.path.lexists(state_dir) and (why := state_dir_problem(state_dir)):
+        # Its records name processes to unlock: another user's file must not steer this sweep.
+        print(f"krex cleanup: {state_dir_refusal(state_dir, why)}", file=sys.stderr)
+        return 2
     dry = bool(getattr(args, "dry_run", False))
     res = cleanup(roots, remove_empty=not args.keep_empty, force=args.force, state_dirs=[state_dir], dry=dry)
     for line in _unlock(state_dir, args.force, dry):

@@ -282,7 +282,13 @@ def check_backend(cgroup_root: str = "") -> Check:
     return Check(
         "isolation backend",
         OK if name == "cgroup" else WARN,
-        f"--isolation auto picks {name}: {reason}",
+        f"--isolation auto picks {name}: {reason}"
+        + (
+            ""
+            if name == "cgroup"
+            else "; it finds a command's processes by its tree, session and environment (KREX_COMMAND): "
+            "one that clears its environment and detaches (setsid) is neither held by regions nor killed"
+        ),
         "" if name == "cgroup" else "the cgroup backend gives full isolation: see the cgroup checks above",
         {"backend": name},
     )

@@ -201,6 +201,8 @@ def _head(st: dict[str, Any]) -> list[str]:
         f"region cores {st['region_cores']}"
     )
     head.append(f"isolation {iso['backend']}: {iso['reason']}")
+    if st.get("state_disk_full"):
+        head.append("state disk FULL: region records use the reserve (free space in the state dir)")
     if "hold" in st:  # a daemon from before the driver lock has no such key
         ho = st["hold"]
         head.append(

@@ -151,6 +151,8 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
         sock.settimeout(2.0)
         sock.connect(env.get("KREX_SOCKET", ""))
         daemon_pid = _struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0]
+        if not q.peer_trusted(sock):  # the token goes only to a daemon this user may trust
+            raise ValueError("untrusted listener")
         # No timeout from here: a worker may already run the program (a region can hold the
         # command frozen meanwhile); giving up would run it twice. The daemon answers or closes.
         sock.settimeout(None)

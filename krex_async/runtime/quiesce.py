@@ -43,6 +43,19 @@ _stopping = False  # stop() was called: a listener that connects afterwards ends
 _forked_with_gpu = False  # a forked child that holds its parent's GPU files (wait_unheld)
 
 
+def peer_trusted(sock: _socket.socket) -> bool:
+    """Whether the listener at the other end of `sock` runs as root, this user, or the uid in
+    $KREX_SOCKET_UID (as client/trust.py decides): the command's token goes to nobody else."""
+    try:
+        uid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[1]
+    except OSError:
+        return False
+    if uid in (0, os.getuid(), os.geteuid()):
+        return True
+    named = os.environ.get("KREX_SOCKET_UID", "").strip()
+    return named.isdigit() and int(named) == uid
+
+
 # ------------------------------------------------------------------------------ a tiny msgpack
 
 
@@ -433,6 +446,8 @@ def run(
         sock.settimeout(connect_timeout)
         sock.connect(path)
         sock.settimeout(None)
+        if not peer_trusted(sock):
+            raise OSError("the socket's listener is not the daemon this command may trust")
     except OSError:
         sock.close()
         return

@@ -171,6 +171,7 @@ def test_release_left_unlocks_only_recorded_live_processes(
     fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
+    monkeypatch.setenv("KREX_LIBCUDA", fake.lib)  # the sweep opens its own library, not the record's
     drv, _ = open_driver(fake.lib)
     assert drv is not None
     procs = [_spawn(fake, n, "cuda") for n in ("r1", "r2")]

@@ -183,3 +183,95 @@ def test_a_cmdline_read_mid_exec_does_not_count_as_past_the_launch_stop() -> Non
     assert _launching(b"")
     assert _launching(shell)
     assert not _launching(b"true\0")
+
+
+# A command that detaches a worker the classic way (fork, setsid, fork; the middle one exits): the
+# worker is no descendant of the leader and in no session of its; it writes its pid, then spins.
+DETACH = r"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        while True:
+            pass
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+async def test_a_process_the_command_detached_with_setsid_is_held_and_killed(tmp_path):
+    """--isolation signal: the detached worker is stopped by a freeze, resumed by the thaw, and
+    killed with the command."""
+    b = SignalBackend()
+    g = await b.create("detach1")
+    out = tmp_path / "worker"
+    env = dict(os.environ, KREX_COMMAND="detach1")
+    p = subprocess.Popen([sys.executable, "-c", DETACH, str(out)], env=env, start_new_session=True)
+    worker = 0
+    try:
+        await b.started(g, p.pid)
+        assert wait_for(out.exists, 10), "the worker never started"
+        worker = int(out.read_text())
+        assert worker in b.pids(g), "the detached worker is not one of the command's processes"
+        await b.freeze(g)
+        assert wait_for(lambda: state(worker) in "tT"), f"the worker runs on ({state(worker)})"
+        await b.thaw(g)
+        assert wait_for(lambda: state(worker) not in "tT"), "the worker was not resumed"
+        await b.kill(g)
+        assert wait_for(lambda: not os.path.exists(f"/proc/{worker}") or state(worker) == "Z", 5), (
+            "the worker outlived the command's kill"
+        )
+    finally:
+        reap(p)
+        if worker and os.path.exists(f"/proc/{worker}"):
+            os.kill(worker, 9)
+        await b.close()
+
+
+async def test_a_detached_process_of_another_command_is_not_taken(tmp_path):
+    """The environment decides: a detached worker naming another command is left alone."""
+    b = SignalBackend()
+    g = await b.create("mine")
+    out = tmp_path / "worker"
+    p = subprocess.Popen(
+        [sys.executable, "-c", DETACH, str(out)],
+        env=dict(os.environ, KREX_COMMAND="theirs"),
+        start_new_session=True,
+    )
+    worker = 0
+    try:
+        await b.started(g, p.pid)
+        assert wait_for(out.exists, 10)
+        worker = int(out.read_text())
+        assert worker not in b.pids(g)
+    finally:
+        reap(p)
+        if worker and os.path.exists(f"/proc/{worker}"):
+            os.kill(worker, 9)
+        await b.close()
+
+
+async def test_cancel_kills_what_a_command_detached_under_the_signal_backend(tmp_path):
+    """Through the daemon: `krex` cancel of a command that detached a worker kills the worker."""
+    from ..conftest import PY, py_env, run_daemon, until
+
+    out = tmp_path / "worker"
+    async with run_daemon("--isolation", "signal") as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, "-c", DETACH, str(out)], env=py_env())
+            await until(out.exists, "the worker starts", timeout=30)
+            worker = int(out.read_text())
+            try:
+                await c.cancel(h.command)
+                await h.wait()
+                await until(
+                    lambda: not os.path.exists(f"/proc/{worker}") or state(worker) == "Z",
+                    "the detached worker is killed with its command",
+                    timeout=10,
+                )
+            finally:
+                if os.path.exists(f"/proc/{worker}"):
+                    os.kill(worker, 9)

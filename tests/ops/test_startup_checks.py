@@ -156,7 +156,7 @@ def test_under_probes_auto_launch_libraries_are_checked_only_where_bcc_runs(tmp_
     assert reason.endswith("; launch libraries unused: the launch uprobes need bcc"), reason
     # `krex serve` says so, and serves
     top = Path(tempfile.mkdtemp(prefix="krex-libs-", dir="/tmp"))
-    top.chmod(0o777)
+    os.chown(top, user.uid, user.gid)  # the user's own: a daemon refuses a directory others can write
     argv = [USER_PY, "-m", "krex_async", "serve", "--socket", str(top / "s"), "--state-dir", str(top / "st")]
     err = top / "err"
     try:

@@ -1,0 +1,103 @@
+"""Space kept on the state disk for the records regions need, should something else fill it.
+
+The daemon allocates `<state_dir>/space.reserve` at start. A record write (the cgroup backend's
+intent record, the driver-lock record) that fails with ENOSPC releases the reserve and is tried once
+more, so regions go on while something other than krex's spool (which stops short of its own margin)
+fills the disk; the disk is then reported full (`state_disk_full` in status and metrics) until the
+reserve can be made again, which each later write and each status read tries.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+
+NAME = "space.reserve"
+MOST = 1 << 20  # bytes kept: dozens of record rewrites
+LEAST = 16 << 10  # on a tiny file system: a few pages still
+_by_dir: dict[str, Reserve] = {}
+
+
+class Reserve:
+    """The reserve file of one state dir; safe from any thread."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, NAME)
+        self.full = False  # a write met ENOSPC and the reserve is not back yet
+        self._mutex = threading.Lock()
+        try:
+            st = os.statvfs(state_dir)
+            self.size = max(LEAST, min(MOST, st.f_blocks * st.f_frsize // 16))
+        except OSError:
+            self.size = LEAST
+
+    def make(self) -> bool:
+        """Allocate the reserve (again); False where the disk has not the room (nothing kept)."""
+        with self._mutex:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError:
+                return False
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError:
+                os.close(fd)
+                self._drop()
+                return False
+            os.close(fd)
+            self.full = False
+            return True
+
+    def _drop(self) -> bool:
+        try:
+            os.unlink(self.path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def refresh(self) -> bool:
+        """Whether the disk is still full: retries the reserve once it was spent."""
+        if self.full:
+            self.make()
+        return self.full
+
+    def write(self, fn: Callable[[], None]) -> None:
+        """Run record write `fn`; on ENOSPC spend the reserve and run it once more (OSError if it
+        still fails, or there was no reserve to spend)."""
+        try:
+            fn()
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.full = True
+            with self._mutex:
+                spent = self._drop()
+            if not spent:
+                raise
+            fn()
+            return
+        if self.full:
+            self.make()
+
+
+def setup(state_dir: str) -> Reserve:
+    """The reserve of `state_dir`, allocated now where there is room (see `refresh`)."""
+    r = _by_dir.setdefault(os.path.realpath(state_dir), Reserve(state_dir))
+    if not r.make():
+        r.full = True
+    return r
+
+
+def of(state_dir: str) -> Reserve | None:
+    return _by_dir.get(os.path.realpath(state_dir))
+
+
+def guarded(path: str, fn: Callable[[], None]) -> None:
+    """Run `fn`, which writes `path`, through the reserve of the state dir `path` is in, if any."""
+    r = _by_dir.get(os.path.realpath(os.path.dirname(path)))
+    if r is None:
+        fn()
+    else:
+        r.write(fn)
