@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import os
 import socket
-import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,8 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
-from krex_async.client.trust import UntrustedSocket, check_listener, expected_peer
-from krex_async.protocol import NODE_SOCKET, SUN_PATH_MAX, default_socket
+from krex_async.client.trust import UntrustedSocket, check_listener, expected_peer, unreachable_reason
+from krex_async.protocol import NODE_SOCKET, default_socket
 
 CLOSED = "the daemon closed the connection (it stopped, or died)"
 # A command's stream lost with no word from the daemon: it died (a clean stop ends each command's
@@ -45,32 +44,6 @@ def agent_socket(path: str | None = None) -> str:
     if os.environ.get("KREX_SOCKET") or own == NODE_SOCKET:
         return own
     return NODE_SOCKET if not os.path.lexists(own) and os.path.lexists(NODE_SOCKET) else own
-
-
-def _unreachable(path: str, e: BaseException) -> str:
-    """Why nothing answers at PATH, and what to do: a directory or a file named instead of the
-    socket is said so (starting a daemon there would not help)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        mode = 0
-    if stat.S_ISDIR(mode):
-        return (
-            f"{path} is a directory, not a daemon's socket: --socket or KREX_SOCKET names the socket "
-            f"file itself (e.g. {os.path.join(path, 'krex.sock')})"
-        )
-    if mode and not stat.S_ISSOCK(mode):
-        return f"{path} is not a socket: --socket or KREX_SOCKET names the daemon's socket file"
-    if len(os.fsencode(path)) >= SUN_PATH_MAX:
-        return (
-            f"{path}: {len(os.fsencode(path))} bytes; a Unix socket path must be under {SUN_PATH_MAX} "
-            "(no daemon can serve there): name a shorter one with --socket or KREX_SOCKET"
-        )
-    strerror = getattr(e, "strerror", None)
-    return (
-        f"no krex daemon at {path}: {strerror or e} (start one with `krex serve --socket {path}`, or "
-        "`systemctl start krex` where the unit is installed; --socket or KREX_SOCKET names another)"
-    )
 
 
 async def _connect_unix(path: str) -> socket.socket:
@@ -232,22 +205,12 @@ class Client:
             raise KrexError("bad_input", str(e)) from None
         try:
             sock = await asyncio.wait_for(_connect_unix(path), timeout)
-            try:
-                check_listener(path, sock, explicit, expect)
-            except BaseException:
-                sock.close()
-                raise
+            check_listener(path, sock, explicit, expect)  # closes it when it refuses
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_FRAME + 8)
         except UntrustedSocket as e:
             raise KrexError("untrusted", str(e)) from None
-        except PermissionError:
-            raise KrexError(
-                "unreachable",
-                f"the socket at {path} is not open to this user (Permission denied): a daemon "
-                "admits its own user and the group it was started with (`krex serve --socket-group`)",
-            ) from None
         except (OSError, TimeoutError) as e:
-            raise KrexError("unreachable", _unreachable(path, e)) from None
+            raise KrexError("unreachable", unreachable_reason(path, e)) from None
         self = cls(reader, writer, path)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:

@@ -1,4 +1,5 @@
-"""Whether a client may talk to what listens on a socket, decided before it sends anything.
+"""Whether a client may talk to what listens on a socket, decided before it sends anything; and why
+nothing answers where it looked.
 
 A socket found at a default path (no --socket, no KREX_SOCKET) must sit in a directory owned by the
 user or root that nobody else can write: otherwise another user may have made the directory
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 
 from krex_async.linux.trust import dir_problem, peer_problem, trusted_uids
+from krex_async.protocol import SUN_PATH_MAX
 
 PEER_UID_VAR = "KREX_SOCKET_UID"
 
@@ -56,8 +59,43 @@ def check_peer(path: str, sock: socket.socket, peer_uid: int | None = None) -> N
 
 
 def check_listener(path: str, sock: socket.socket, explicit: bool, peer_uid: int | None = None) -> None:
-    """Raise UntrustedSocket unless connected `sock` may hear this client: its peer, and for a
-    socket found at a default path (not `explicit`ly named) its directory too."""
-    if not explicit:
-        check_dir(path)
-    check_peer(path, sock, peer_uid)
+    """Raise UntrustedSocket, `sock` closed, unless connected `sock` may hear this client: its peer,
+    and for a socket found at a default path (not `explicit`ly named) its directory too."""
+    try:
+        if not explicit:
+            check_dir(path)
+        check_peer(path, sock, peer_uid)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def unreachable_reason(path: str, e: BaseException) -> str:
+    """Why nothing answers at PATH, and what to do: a directory or a file named instead of the
+    socket is said so (starting a daemon there would not help)."""
+    if isinstance(e, PermissionError):
+        return (
+            f"the socket at {path} is not open to this user (Permission denied): a daemon admits its "
+            "own user and the group it was started with (`krex serve --socket-group`)"
+        )
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISDIR(mode):
+        return (
+            f"{path} is a directory, not a daemon's socket: --socket or KREX_SOCKET names the socket "
+            f"file itself (e.g. {os.path.join(path, 'krex.sock')})"
+        )
+    if mode and not stat.S_ISSOCK(mode):
+        return f"{path} is not a socket: --socket or KREX_SOCKET names the daemon's socket file"
+    if len(os.fsencode(path)) >= SUN_PATH_MAX:
+        return (
+            f"{path}: {len(os.fsencode(path))} bytes; a Unix socket path must be under {SUN_PATH_MAX} "
+            "(no daemon can serve there): name a shorter one with --socket or KREX_SOCKET"
+        )
+    strerror = getattr(e, "strerror", None)
+    return (
+        f"no krex daemon at {path}: {strerror or e} (start one with `krex serve --socket {path}`, or "
+        "`systemctl start krex` where the unit is installed; --socket or KREX_SOCKET names another)"
+    )
