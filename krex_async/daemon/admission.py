@@ -7,7 +7,7 @@ What a command is taken to need (`need`), most trusted first:
                label, else its program and first argument), kept across the daemon's life in
                <state dir>/memory.json; a mem_key of parts ("gateway dev / 3f2a") is a path: a
                command teaches every prefix, and its need is what the longest known prefix learned
-               (a problem's own footprint once it ran, its kind's until then)
+               (a problem's own largest peak once it ran, its kind's typical (median) one until then)
     default    --mem-default, where set
     unknown    none of these: one unknown at a time per device, while its footprint is learned
 
@@ -108,9 +108,12 @@ class Footprints:
         except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file: learn anew
             log.warning("footprints_unreadable", path=path, error=repr(e))
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: str, typical: bool = False) -> int | None:
+        """The largest of the key's recent peaks; `typical`: their median (a kind's many shapes)."""
         peaks = self.peaks.get(key)
-        return max(peaks) if peaks else None
+        if not peaks:
+            return None
+        return sorted(peaks)[len(peaks) // 2] if typical else max(peaks)
 
     def learn(self, keys: list[str], peak: int) -> None:
         for key in keys:
@@ -163,8 +166,13 @@ class Admission:
         """(bytes, where the figure comes from) that a command of `spec` is taken to need."""
         if spec.mem > 0:
             return spec.mem, "declared"
-        for key in mem_keys(spec):
-            learned = self.footprints.get(key)
+        for i, key in enumerate(mem_keys(spec)):
+            # Its own key: the largest it reached. A prefix (its kind, never its own shape): the
+            # kind's typical peak, not its largest: one outsize problem (29 GiB of an H100's 80 in
+            # KernelBench's large set) reserved for every new shape held eight jobs to two or
+            # three. A new shape larger than typical is seen as it grows (the peaks are sampled,
+            # and what runs holds its peak) and, if it still meets an out-of-memory, is re-run.
+            learned = self.footprints.get(key, typical=i > 0)
             if learned is not None:
                 return learned, "learned"
         if self.core.config.mem_default > 0:

@@ -141,7 +141,8 @@ async def test_a_footprint_learned_by_label_reserves_and_unknowns_run_one_at_a_t
 
 async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kinds_until_then(fake, tmp_path):
     """`kind / p1` peaks at 700 MiB; `kind / p3`, never seen, is taken to need its kind's 700 MiB;
-    once it ran (300 MiB), it is taken at its own 300, while an unseen `kind / p9` still needs 700."""
+    once it ran (300 MiB), it is taken at its own 300; an unseen `kind / p9` needs the kind's
+    typical peak (the median of 700, 300, 300: 300), not its largest."""
     env = fake
     runs = iter(range(100))
 
@@ -160,7 +161,8 @@ async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kind
         assert await need("700M", "kind / p1") == (0, "unknown")
         assert await need("300M", "kind / p3") == (700 * MiB, "learned")  # the kind's, until it ran
         assert await need("300M", "kind / p3") == (300 * MiB, "learned")  # its own
-        assert await need("300M", "kind / p9") == (700 * MiB, "learned")
+        assert await need("300M", "kind / p9") == (300 * MiB, "learned")
+        assert await need("700M", "kind / p1") == (700 * MiB, "learned")  # its own largest
         await c.close()
 
 
