@@ -17,7 +17,10 @@ krex, driver reservations). A command fits when its need is at most the device's
 commitment and --mem-headroom (a fraction of the total). Commands that do not fit wait in a FIFO
 per device, each with its reason; none is refused for memory unless its declared need exceeds the
 device. A head waiting on a device where no command runs starts whatever the figures say, so a
-command that fits alone always runs eventually; nothing passes a waiting head, so none starves.
+command that fits alone always runs eventually. For --mem-backfill seconds after a head first waits,
+later commands that fit start past it (on the H100, strict order behind one 28.7 GiB problem left
+the device idling at a third of sharing's pace); then nothing more starts there until it does, so
+none starves. A re-run waiting to run alone is never passed.
 
 Per-process peaks come from the vendor (NVML's per-process used memory) on a thread, every
 SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
@@ -26,8 +29,8 @@ SAMPLE_S while commands run, matched to each command's process tree (its cgroup'
 from __future__ import annotations
 
 import asyncio
-import json
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,15 +40,13 @@ from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core
+from krex_async.daemon.footprints import Footprints, mem_keys
 from krex_async.devices.base import Device
-from krex_async.linux.fsutil import replace_file
 
 log = logs.get("krex.daemon")
 
 SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
 IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
-KEEP_PEAKS = 8  # peaks remembered per key: the need is the largest of them
-KEEP_KEYS = 4096  # keys remembered (a daemon's life of distinct scripts must not grow the file)
 OOM_MARKERS = (
     b"CUDA out of memory",
     b"CUDA_ERROR_OUT_OF_MEMORY",
@@ -59,75 +60,6 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-KEY_SEP = " / "  # between a mem_key's parts, most general first
-
-
-def mem_keys(spec: P.Submit) -> list[str]:
-    """The keys a command learns under and is estimated by, most specific first: every prefix of a
-    mem_key of parts, else the one key of `mem_key`."""
-    if not spec.mem_key:
-        return [mem_key(spec)]
-    parts = [p.strip() for p in spec.mem_key.split(KEY_SEP.strip())]
-    return [f"key {KEY_SEP.join(parts[:n])}" for n in range(len(parts), 0, -1)]
-
-
-def mem_key(spec: P.Submit) -> str:
-    """What commands that need alike share: the submit's mem_key, its label, else its program and
-    first argument (`python bench.py`, `python -m pkg.mod`)."""
-    if spec.mem_key:
-        return mem_keys(spec)[0]
-    if spec.label:
-        return f"label {spec.label}"
-    parts = [os.path.basename(spec.argv[0])]
-    for i, arg in enumerate(spec.argv[1:], 1):
-        if arg in ("-m", "-c") and i + 1 < len(spec.argv):  # python -m MODULE, sh -c TEXT
-            parts += [arg, spec.argv[i + 1]]
-            break
-        if not arg.startswith("-"):
-            parts.append(os.path.basename(arg))
-            break
-    return "argv " + " ".join(parts)[:256]
-
-
-class Footprints:
-    """Peak device memory by key, learned from commands that ended, kept in a JSON file."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.peaks: dict[str, list[int]] = {}
-        if path is None:
-            return
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-            self.peaks = {
-                str(k): [int(x) for x in v][-KEEP_PEAKS:] for k, v in raw.get("peaks", {}).items() if v
-            }
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file: learn anew
-            log.warning("footprints_unreadable", path=path, error=repr(e))
-
-    def get(self, key: str, typical: bool = False) -> int | None:
-        """The largest of the key's recent peaks; `typical`: their median (a kind's many shapes)."""
-        peaks = self.peaks.get(key)
-        if not peaks:
-            return None
-        return sorted(peaks)[len(peaks) // 2] if typical else max(peaks)
-
-    def learn(self, keys: list[str], peak: int) -> None:
-        for key in keys:
-            peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
-            self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
-        while len(self.peaks) > KEEP_KEYS:
-            del self.peaks[next(iter(self.peaks))]
-        if self.path is not None:
-            try:
-                replace_file(self.path, json.dumps({"version": 1, "peaks": self.peaks}).encode())
-            except OSError as e:
-                log.warning("footprints_unwritable", path=self.path, error=repr(e))
-
-
 @dataclass
 class DeviceMemory:
     """What admission knows of one device's memory."""
@@ -138,6 +70,7 @@ class DeviceMemory:
     baseline: int = 0  # used with no command running: what a lone command's use is counted from
     running: set[str] = field(default_factory=set)  # admitted, not yet ended
     waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
+    head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
 
     @property
     def total(self) -> int:
@@ -252,7 +185,7 @@ class Admission:
         dm = self.devices.get(cmd.device_key or "")
         if dm is None:
             return True
-        if dm.waiting:  # nothing passes a waiting head
+        if dm.waiting and not self._passes(cmd, dm):  # behind a head it may not pass
             cmd.mem_wait = f"queued behind {len(dm.waiting)} on {dm.device.key}"
         elif why := self.why_not(cmd, dm):
             cmd.mem_wait = why
@@ -263,6 +196,14 @@ class Admission:
         dm.waiting.append(cmd.id)
         self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
         return False
+
+    def _passes(self, cmd: Command, dm: DeviceMemory) -> bool:
+        """Whether a new `cmd` may start past the waiting head (--mem-backfill) if it fits."""
+        head = self.core.commands.get(dm.waiting[0])
+        if head is None or head.solo:
+            return False
+        since = dm.head_since.get(head.id, time.monotonic())
+        return time.monotonic() - since < self.core.config.mem_backfill
 
     def _run(self, cmd: Command, dm: DeviceMemory) -> None:
         cmd.mem_wait = ""
@@ -281,22 +222,44 @@ class Admission:
         while dm is not None and dm.waiting:
             cmd = self.core.commands.get(dm.waiting[0])
             if cmd is None or cmd.state is not CommandState.QUEUED:  # ended while it waited
-                dm.waiting.popleft()
+                dm.head_since.pop(dm.waiting.popleft(), None)
                 continue
             cmd.mem_need, cmd.mem_source = self.need(cmd.spec)  # learned meanwhile, maybe
             why = self.why_not(cmd, dm)
             if why:
                 cmd.mem_wait = why
-                for i, other in enumerate(list(dm.waiting)[1:], 2):
-                    if (c := self.core.commands.get(other)) is not None:
-                        c.mem_wait = f"queued behind {i - 1} on {dm.device.key} ({cmd.id}: {why})"
+                out += self._backfill(cmd, why, dm)
                 break
             dm.waiting.popleft()
+            dm.head_since.pop(cmd.id, None)
             self._run(cmd, dm)
             out.append(cmd)
         if dm is not None:
             self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
         return out
+
+    def _backfill(self, head: Command, why: str, dm: DeviceMemory) -> list[Command]:
+        """While `head` (which does not fit) has headed the queue under --mem-backfill seconds, the
+        later commands that fit start past it, in order; after that, and behind a re-run that
+        waits to run alone, they wait for it. Returns those started."""
+        since = dm.head_since.setdefault(head.id, time.monotonic())
+        open_ = not head.solo and time.monotonic() - since < self.core.config.mem_backfill
+        out: list[Command] = []
+        for i, other in enumerate(list(dm.waiting)[1:], 2):
+            c = self.core.commands.get(other)
+            if c is None or c.state is not CommandState.QUEUED:
+                continue
+            if open_:
+                c.mem_need, c.mem_source = self.need(c.spec)
+                if not (c_why := self.why_not(c, dm)):
+                    dm.waiting.remove(c.id)
+                    self._run(c, dm)
+                    out.append(c)
+                    continue
+                c.mem_wait = c_why
+            else:
+                c.mem_wait = f"queued behind {i - 1} on {dm.device.key} ({head.id}: {why})"
+        return out  # the sample loop pumps again within SAMPLE_S, so a closing window is seen
 
     def ended(self, cmd: Command, oom: bool) -> list[Command]:
         """`cmd` ended (or left the queue): its memory is free again, and what it peaked at is
@@ -305,6 +268,7 @@ class Admission:
         if dm is None:
             return []
         dm.running.discard(cmd.id)
+        dm.head_since.pop(cmd.id, None)
         if cmd.id in dm.waiting:
             dm.waiting.remove(cmd.id)
         if cmd.mem_peak > 0 and not oom:

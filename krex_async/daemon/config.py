@@ -146,6 +146,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admission: Literal["auto", "memory", "off"] = "auto"
     mem_default: Annotated[int, msgspec.Meta(ge=0, le=2**60)] = 0
     mem_headroom: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.05
+    # seconds a queue's head that does not fit lets later commands that fit start past it; then
+    # nothing more starts on its device until it does (0: strict first in, first out)
+    mem_backfill: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
     # ... and (policy region) a new command waits while this many regions queue on its device
     # already: beside them it would only add to the line and to the memory in use (0: off)
     region_backlog: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0

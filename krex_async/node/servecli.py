@@ -259,6 +259,13 @@ def add_parser(sub: Any) -> None:
         help="fraction of each device's memory admission keeps free (default 0.05)",
     )
     p.add_argument(
+        "--mem-backfill",
+        type=float,
+        metavar="SECONDS",
+        help="how long a waiting command that does not fit lets later ones that fit start past it; "
+        "then its device drains for it (default 10; 0: strict first in, first out)",
+    )
+    p.add_argument(
         "--region-backlog",
         type=int,
         metavar="N",
@@ -303,7 +310,15 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "sharing a device (memory admission, a held command's share)",
-        ("admission", "mem_headroom", "mem_default", "region_backlog", "hold_share", "share_window"),
+        (
+            "admission",
+            "mem_headroom",
+            "mem_default",
+            "mem_backfill",
+            "region_backlog",
+            "hold_share",
+            "share_window",
+        ),
     ),
     ("probes", ("probes", "probe_prefixes", "launch_libs", "launch_scope")),
     ("warm pools", ("pool_size", "pool_max_uses", "pool_preload", "pool_wait", "pool_user", "pool_init")),

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,11 @@ def released(path: str) -> None:
 
 async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_order(fake, tmp_path):
     """A holds 600 MiB (declared); B (600) waits for memory, with its reason in status; C (100,
-    which would fit now) waits behind B, never passing it; A's end starts B, then C beside it."""
+    which would fit now) waits behind B under --mem-backfill 0, never passing it; A's end starts B,
+    then C beside it."""
     env = fake
     ra, rb, rc = (str(tmp_path / n) for n in ("ra", "rb", "rc"))
-    async with daemon(env=env) as d:
+    async with daemon("--mem-backfill", "0", env=env) as d:
         c = await d.client()
         a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
         b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
@@ -104,6 +106,38 @@ async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_
         rep_b, rep_c = (await b.wait()).report, (await cc.wait()).report
         assert rep_b.exit_code == 0 and rep_c.exit_code == 0, (rep_b, rep_c)
         assert rep_b.mem_source == "declared" and rep_b.mem_need == 600 * MiB
+        await c.close()
+
+
+async def test_commands_that_fit_start_past_a_waiting_head_until_its_backfill_window_closes(fake, tmp_path):
+    """A holds 600 MiB; B (600) waits. Within --mem-backfill, C (100, fits) starts past B; once B has
+    waited longer than the window, D (100, fits too) waits behind B, and starts only after B did."""
+    env = fake
+    ra, rb, rc, rd = (str(tmp_path / n) for n in ("ra", "rb", "rc", "rd"))
+    async with daemon("--mem-backfill", "1.5", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
+        b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
+        b_waits = time.monotonic()
+        cc = await c.submit(alloc("100M", release=rc), env=env, mem=100 * MiB)
+        assert not a.queued and b.queued
+        await until_status(c, cc.command, lambda s: s["state"] == "running", "C started past B")
+        assert (await row(c, b.command))["state"] == "queued"
+        await until(lambda: time.monotonic() - b_waits > 2.0, "B waited past the window")
+        dd = await c.submit(alloc("100M", release=rd), env=env, mem=100 * MiB)
+        assert dd.queued
+        await until_status(
+            c, dd.command, lambda s: s["waiting_for"].startswith("queued behind"), "D behind B"
+        )
+        released(rc)
+        assert (await cc.wait()).report.exit_code == 0
+        assert (await row(c, dd.command))["state"] == "queued"  # 100 would fit beside A; B comes first
+        released(ra)
+        await until_status(c, b.command, lambda s: s["state"] == "running", "B started after A")
+        await until_status(c, dd.command, lambda s: s["state"] == "running", "D started beside B")
+        released(rb)
+        released(rd)
+        assert (await b.wait()).report.exit_code == 0 and (await dd.wait()).report.exit_code == 0
         await c.close()
 
 
@@ -344,18 +378,18 @@ async def test_krex_run_mem_declares_the_need(fake):
 
 
 def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkeypatch):
-    from krex_async.daemon import admission
+    from krex_async.daemon import footprints
 
-    monkeypatch.setattr(admission, "KEEP_KEYS", 3)
+    monkeypatch.setattr(footprints, "KEEP_KEYS", 3)
     path = str(tmp_path / "memory.json")
-    f = admission.Footprints(path)
+    f = footprints.Footprints(path)
     for i in range(5):
         f.learn([f"k{i}"], i)
     f.learn(["k3"], 10)
-    for _ in range(admission.KEEP_PEAKS):
+    for _ in range(footprints.KEEP_PEAKS):
         f.learn(["k4"], 1)
-    again = admission.Footprints(path)
+    again = footprints.Footprints(path)
     assert list(again.peaks) == ["k2", "k3", "k4"] and again.get("k3") == 10  # the oldest went
-    assert again.peaks["k4"] == [1] * admission.KEEP_PEAKS and again.get("k4") == 1  # the last 8
+    assert again.peaks["k4"] == [1] * footprints.KEEP_PEAKS and again.get("k4") == 1  # the last 8
     Path(path).write_text("{not json")
-    assert admission.Footprints(path).peaks == {}  # learned anew, not a daemon that cannot start
+    assert footprints.Footprints(path).peaks == {}  # learned anew, not a daemon that cannot start
