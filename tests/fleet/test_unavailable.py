@@ -18,7 +18,7 @@ import pytest
 
 from krex_async import KrexError
 
-from .conftest import NEEDS_RAY, env
+from .conftest import NEEDS_RAY, PY, env
 from .test_node_death import survivors
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,6 @@ pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.client import FleetClient  # noqa: E402
 from krex_async.fleet.local import LocalFleet  # noqa: E402
 
-PY = sys.executable
 
 
 def abort_links(pid: int) -> int:
