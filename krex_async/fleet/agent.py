@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -326,7 +326,7 @@ class NodeAgent:
         finally:  # closed early by Ray (its caller gone): the inner run's own finally kills it now
             await gen.aclose()
 
-    async def _run(self, spec: dict[str, Any], token: str) -> AsyncIterator[tuple[Any, ...]]:
+    async def _run(self, spec: dict[str, Any], token: str) -> AsyncGenerator[tuple[Any, ...], None]:
         """Submit one command and stream what happens to it, as tuples:
         ("accepted", command, device, queued), ("started", pid) and ("output", stream, data)...,
         then exactly one of ("exited", report msgpack, stdout tail, stderr tail), ("lost", why),
@@ -379,9 +379,10 @@ class NodeAgent:
         yield ("exited", msgspec.msgpack.encode(res.report), res.stdout, res.stderr)
 
     async def withdraw(self, request: Any, mac: Any = None) -> bool:
-        """A sealed {"token": ..}. For a client whose run(token) broke before its first answer (ActorUnavailableError: it
-        may or may not have reached this agent). Fences the token, so a run() still on its way is
-        refused, and kills the command it started, if any. True when a run(token) reached here."""
+        """A sealed {"token": ..}. For a client whose run(token) broke before its first answer
+        (ActorUnavailableError: it may or may not have reached this agent). Fences the token, so a
+        run() still on its way is refused, and kills the command it started, if any. True when a
+        run(token) reached here."""
         token = str(self._open("withdraw", request, mac).get("token", ""))
         self._withdrawn.add(token)
         command = self._runs.get(token)

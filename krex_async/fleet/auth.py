@@ -50,10 +50,11 @@ def default_token_file() -> str:
 
 
 def read_token(path: str) -> bytes:
-    """The token in `path`: a regular file (no link) of ours or root's, readable by nobody else,
-    not empty. KrexError('bad_token', ...) saying what is wrong."""
+    """The token in `path`: a regular file of ours or root's, readable by nobody else, not empty
+    (checked on the file opened: a link is followed, as a Kubernetes Secret's file is one).
+    KrexError('bad_token', ...) saying what is wrong."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise KrexError("bad_token", f"the Ray token file {path!r} cannot be read: {e.strerror}") from None
     try:
@@ -102,7 +103,7 @@ def use_token(path: str) -> bytes:
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.abspath(path)
     if "ray" in sys.modules:  # Ray caches its config and token at import: read them again
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

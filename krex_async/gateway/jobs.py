@@ -85,6 +85,9 @@ class JobRunner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.handles: dict[str, CommandHandle] = {}  # job id -> its krex command, while it runs
         self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
+        # Jobs queued again after their fleet node was lost before their command started: why,
+        # told in the result of the run that ends them (in memory: a restart forgets it).
+        self.requeued: dict[str, list[str]] = {}
         self.expiry: QueueTimeout | None = None  # --queue-timeout: also times the daemon's queue
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -238,7 +241,14 @@ class JobRunner:
                 h._err.clear()
             res = await h.wait()
             deadline.cancel()
+            if await self._requeue_lost(job_id, h, res.report):
+                return
             got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
+            if self.requeued.get(job_id):  # it ran here after a node was lost before it started
+                got["krex"]["requeued"] = self.requeued.pop(job_id)
+            if res.report.state == "lost":  # the client prints stderr, not the job's error: say why
+                sep = "\n" if got["stderr"] and not got["stderr"].endswith("\n") else ""
+                got["stderr"] += f"{sep}krex: the job failed: {res.report.error}\n"
             verdict: tuple[str, dict[str, Any] | None, dict[str, Any] | None]
             if self.expiry is not None and (late := self.expiry.judge(job_id, res.report)) is not None:
                 verdict = "failed", None, late  # withdrawn from the daemon's queue
@@ -270,11 +280,28 @@ class JobRunner:
                     task.cancel()
             if self.expiry is not None:
                 self.expiry.forget(job_id)
+            with contextlib.suppress(sqlite3.Error):
+                if self.store.status(job_id) != "queued":  # ended (or gone): its requeue notes too
+                    self.requeued.pop(job_id, None)
             self.handles.pop(job_id, None)
             self.timed_out.discard(job_id)
             if clock is not None:
                 self.on_change(job_id)  # decided above: its long polls answer now, not after the reset
                 await clock.release()  # off the loop; runs to its end even if this task is cancelled
+
+    async def _requeue_lost(self, job_id: str, h: CommandHandle, report: Any) -> bool:
+        """A fleet job whose node was lost (`lost` report) before its command started there (no
+        start heard: it waited in that node's queue, so it reached no region and ran nothing) goes
+        back to the queue in its place, for another node; its directory is made afresh. True then.
+        One that started is not run again: the gateway cannot know from a dead node how far it got."""
+        if report.state != "lost" or h.pid is not None or self.store.status(job_id) != "running":
+            return False
+        if not self.store.requeue(job_id):
+            return False
+        self.requeued.setdefault(job_id, []).append(f"{report.error}; it had not started there: queued again")
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(remove_tree, self.jobs_dir / job_id)
+        return True
 
     async def _deadline(self, job_id: str, h: CommandHandle, timeout: float) -> None:
         """The job's timeout, counted from its start (not its wait in the daemon's queue); then

@@ -9,8 +9,11 @@ the interpreter and import path that unprivileged users have (PY, env())."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -61,3 +64,15 @@ def by_node(items: list[Any]) -> dict[str, int]:
     for h in items:
         out[h.node] = out.get(h.node, 0) + 1
     return out
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory the fleet's commands (run as an unprivileged user) can write: pytest's tmp_path
+    is under a 0700 directory of root's."""
+    path = Path(tempfile.mkdtemp(prefix="krex-fleettest-", dir="/tmp"))
+    path.chmod(0o777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

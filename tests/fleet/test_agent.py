@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
-import sys
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +25,9 @@ USER = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
 
 
 @pytest.fixture
-async def agent(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> AsyncIterator[NodeAgent]:
+async def agent(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> AsyncIterator[NodeAgent]:
     with tempfile.TemporaryDirectory(prefix="krex-agent-", dir="/tmp") as base:
         # As in a Ray worker of a node started with token authentication.
         monkeypatch.setenv("RAY_AUTH_MODE", "token")

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from .conftest import NEEDS_RAY, env
+from .conftest import PY as USER_PY
 
 PY = sys.executable
 
@@ -20,7 +21,8 @@ def test_demo_runs_commands_on_every_node_and_stops_everything() -> None:
     pytest.importorskip("ray", reason=NEEDS_RAY)
     before = set(glob.glob("/tmp/krex-fleet-*")) | set(glob.glob("/sys/fs/cgroup/*/krex-fleet-*"))
     r = subprocess.run(
-        [PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2"],
+        # As root its commands run as nobody: with an interpreter nobody can run.
+        [PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2", "--python", USER_PY],
         capture_output=True,
         text=True,
         env=env(),

@@ -20,7 +20,6 @@ pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
 
 
-
 async def test_commands_spread_over_the_nodes_and_their_devices(local_fleet: LocalFleet) -> None:
     async with await local_fleet.connect() as fc:
         assert sorted(fc.nodes) == ["node0", "node1", "node2"]

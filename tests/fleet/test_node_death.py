@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 
 import pytest
@@ -17,7 +16,6 @@ from .conftest import NEEDS_RAY, PY, env
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
-
 
 
 def survivors(marker: str) -> list[int]:
