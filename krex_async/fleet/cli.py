@@ -126,8 +126,20 @@ async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: st
 
     try:
         fleet = LocalFleet(nodes, daemon_args=("--devices", devices), run_as=run_as)
-    except (KrexError, KeyError) as e:
-        print(f"krex fleet demo: --run-as {run_as}: {getattr(e, 'message', None) or e}", file=sys.stderr)
+    except KrexError as e:
+        print(f"krex fleet demo: --run-as: {e.message}", file=sys.stderr)
+        return 2
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if os.geteuid() == 0 and (why := _cannot_run(python, fleet.run_as, env)):
+        print(
+            f"krex fleet demo: the commands run as {fleet.run_as}, who cannot run {python} with krex "
+            f"importable ({why}): pass --python (one they can run, of this Python version, with krex "
+            "and its dependencies on PYTHONPATH) or --run-as",
+            file=sys.stderr,
+        )
+        fleet.close()  # its directory: nothing else was started
         return 2
     work_dir = tempfile.mkdtemp(prefix="krex-fleet-work-", dir="/tmp")
     os.chmod(work_dir, 0o755)  # the commands' user reads the script there
@@ -156,9 +168,6 @@ async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: st
         with open(script, "w") as f:
             f.write(WORK)
         os.chmod(script, 0o644)
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         t1 = time.monotonic()
         handles = [
             await fc.submit([python, script, "0.3", "15"], env=env, cwd=work_dir, label=f"demo {i}")
@@ -204,3 +213,26 @@ async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: st
         fleet.close()
         shutil.rmtree(work_dir, ignore_errors=True)
         print(f"  stopped the agents, daemons and Ray ({time.monotonic() - t0:.1f} s in all)")
+
+
+def _cannot_run(python: str, user: str | int, env: dict[str, str]) -> str:
+    """Why `user` cannot run `python` with krex_async importable ("" when they can)."""
+    import pwd
+    import subprocess
+
+    try:
+        pw = pwd.getpwnam(str(user)) if not str(user).isdigit() else pwd.getpwuid(int(user))
+        r = subprocess.run(
+            [python, "-c", "import krex_async.client.region"],
+            user=pw.pw_uid,
+            group=pw.pw_gid,
+            extra_groups=[],
+            env=env,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, KeyError, subprocess.SubprocessError) as e:
+        return str(e)
+    return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]

@@ -24,6 +24,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.exceptions import RayError
 
+from krex_async.client.submit import KrexError
 from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec, remove_cgroup
 from krex_async.fleet.client import FleetClient
@@ -53,18 +54,22 @@ class LocalFleet:
             raise ValueError(f"a fleet needs at least one node, not {nodes}")
         self.n = nodes
         self.daemon_args = daemon_args
+        # Who the commands of connect()'s clients run as on the nodes: as root, `nobody` unless
+        # named (the fleet runs nothing as root). Checked first: a bad one leaves nothing behind.
+        self.run_as = run_as if run_as is not None else (os.environ.get(auth.RUN_AS_ENV) or "nobody")
+        if os.geteuid() == 0 and "--socket-group" not in daemon_args:
+            # Its commands reach their node's daemon (regions): the socket's group is theirs.
+            who = auth.identity(self.run_as)  # KrexError for root
+            try:
+                group = socket_group or str(pwd.getpwnam(who).pw_gid if not who.isdigit() else who)
+            except KeyError:
+                raise KrexError("forbidden", f"no user {who!r} here to run the fleet's commands as") from None
+            self.daemon_args = (*daemon_args, "--socket-group", group)
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="krex-fleet-", dir="/tmp")
         self._own_dir = base_dir is None
-        self.token_file = token_file or os.path.join(self.base_dir, "ray-token")
-        # Who the commands of connect()'s clients run as on the nodes: as root, `nobody` unless
-        # named (the fleet runs nothing as root).
-        self.run_as = run_as if run_as is not None else (os.environ.get(auth.RUN_AS_ENV) or "nobody")
         if os.geteuid() == 0:
-            # Its commands reach their node's daemon (regions): the socket's group is theirs.
-            group = socket_group or str(pwd.getpwnam(auth.identity(self.run_as)).pw_gid)
-            if "--socket-group" not in daemon_args:
-                self.daemon_args = (*daemon_args, "--socket-group", group)
             os.chmod(self.base_dir, 0o711)  # passable to reach the sockets; the token file is 0600
+        self.token_file = token_file or os.path.join(self.base_dir, "ray-token")
         self.key = b""
         self.cluster: Cluster | None = None
         self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node
