@@ -8,7 +8,9 @@ as uid 0, and had the node agent run a command as root."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -53,13 +55,46 @@ print("AGENT", [i for i in ray.get(list(agent.run.remote(spec, "attack")), timeo
 """
 
 
+# The issue's attack: a Ray worker node of the attacker's own (its raylet, its temporary dir) joined
+# to the fleet's GCS, named as a krex node. Ray would swap 127.0.0.1 for the host's address: not
+# here (the attacker patches that out). On the unauthenticated fleet this started a node.
+JOIN_NODE = """
+import sys
+import ray._private.services as services
+services.resolve_ip_for_localhost = lambda host: host
+from ray.scripts import scripts
+try:
+    scripts.start.main(
+        ["--address", sys.argv[1], "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+         "--resources", '{"krex_node_node0": 1}', "--temp-dir", sys.argv[2], "--disable-usage-stats"],
+        standalone_mode=False,
+    )
+    print("NODE STARTED", flush=True)
+except BaseException as e:
+    print("NODE REFUSED", type(e).__name__, flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
 def outsider() -> Iterator[User]:
     yield from (users["outsider"] for users in make_users())
 
 
-def attack(user: User | None, address: str, **extra: str) -> str:
-    """ATTACK as `user` (None: as root, for the control), its stdout and stderr."""
+def mentioning(text: str) -> list[int]:
+    """Pids whose command line mentions `text`."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def attack(user: User | None, address: str, *args: str, code: str = ATTACK, **extra: str) -> str:
+    """ATTACK (or `code`) as `user` (None: as root, for the control), its stdout and stderr."""
     home = f"/tmp/krex-attacker-{user.name if user else 'root'}"
     os.makedirs(home, mode=0o700, exist_ok=True)
     e = {
@@ -77,7 +112,7 @@ def attack(user: User | None, address: str, **extra: str) -> str:
     if user is not None:
         os.chown(home, user.uid, user.gid)
     r = subprocess.run(
-        [USER_PY, "-c", ATTACK, address],
+        [USER_PY, "-c", code, address, *args],
         user=user.uid if user else None,
         group=user.gid if user else None,
         extra_groups=user.groups if user else None,
@@ -124,6 +159,17 @@ async def test_an_unprivileged_user_cannot_join_run_tasks_or_use_an_agent(
         assert "Connected to Ray cluster" not in out and "JOINED" not in out, (what, out)
         assert "TASK" not in out and "AGENT" not in out, (what, out)
         assert "REFUSED" in out, (what, out)
+    own = f"/tmp/krex-attacker-{outsider.name}/ray"
+    os.makedirs(own, exist_ok=True)
+    os.chown(own, outsider.uid, outsider.gid)
+    try:
+        out = attack(outsider, address, own, code=JOIN_NODE, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
+        assert "NODE REFUSED" in out and "NODE STARTED" not in out, out
+        assert "InvalidAuthToken" in out, out  # refused by the GCS for want of the token
+    finally:  # whatever of it started (nothing, unless this test fails): its processes name `own`
+        for pid in mentioning(own):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     # Nothing of it listens beyond loopback: not at the host's own address.
     from ray._common.network_utils import node_ip_address_from_perspective
 
