@@ -126,7 +126,7 @@ class FleetClient(FleetNodes):
         label: str = "",
         stream: bool = True,
         node: str | None = None,
-        run_as: int | None = None,
+        run_as: str | int | None = None,
     ) -> FleetHandle:
         """Place and start a command (as Client.submit; `node` pins it to one node; `run_as` runs it
         as that uid (or user name) on the node instead of the client's user; never root). env=None
