@@ -9,7 +9,9 @@ as uid 0, and had the node agent run a command as root."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,7 +79,11 @@ except BaseException as e:
 
 @pytest.fixture(scope="module")
 def outsider() -> Iterator[User]:
-    yield from (users["outsider"] for users in make_users())
+    try:
+        yield from (users["outsider"] for users in make_users())
+    finally:  # the attackers' homes (attack() makes them)
+        for home in glob.glob("/tmp/krex-attacker-*"):
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def mentioning(text: str) -> list[int]:
