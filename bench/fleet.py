@@ -25,6 +25,7 @@ import asyncio
 import os
 import statistics
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -34,6 +35,9 @@ from krex_async.client.submit import Client
 from krex_async.fleet.local import LocalFleet
 
 ROOT = Path(__file__).resolve().parent.parent
+# As root the fleet runs its commands as an unprivileged user (`nobody`): an interpreter that user can
+# run (this venv's may sit under root's home), of the same Python version.
+PYTHON = sys.executable if os.geteuid() else os.environ.get("KREX_BENCH_PYTHON", "/usr/bin/python3")
 
 HOLD = """
 import sys, time
@@ -45,7 +49,8 @@ with region("timing"):
 
 def env() -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k != "KREX_SOCKET"}
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    site = sysconfig.get_paths()["purelib"]  # msgspec & co. for PYTHON below
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), site, e.get("PYTHONPATH", "")])
     return e
 
 
@@ -62,10 +67,7 @@ async def throughput(k: int, n: int, region_ms: float) -> dict[str, object]:
         try:
             t0 = time.monotonic()
             hs = await asyncio.gather(
-                *(
-                    fc.submit([sys.executable, "-c", HOLD, str(region_ms)], env=env(), cwd=str(ROOT))
-                    for _ in range(n)
-                )
+                *(fc.submit([PYTHON, "-c", HOLD, str(region_ms)], env=env(), cwd=str(ROOT)) for _ in range(n))
             )
             results = await asyncio.gather(*(h.wait() for h in hs))
             makespan = time.monotonic() - t0

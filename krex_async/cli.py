@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run jobs on a Ray fleet of krex nodes (auto, HOST:PORT or ray://HOST:PORT; needs "
         "krex[fleet]) instead of the local daemon",
     )
+    fleet_cli.add_token_file(gp)
     fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int_in(1, 64), default=6, help="concurrent commands (default 6, 1-64)")

@@ -9,6 +9,7 @@ discovery.py when the client asks Ray for its nodes again (pure)
 client.py   FleetClient: Client's shape over the fleet (imports Ray)
 handle.py   FleetHandle: one command's stream and result; how a lost agent ends it
 raycluster.py joining a Ray cluster; node names (imports Ray)
+auth.py     Ray's token authentication on; agents' sealed requests; who commands run as
 local.py    a Ray cluster of N nodes on this machine with a daemon each (demo, tests, bench)
 cli.py      `krex fleet status | demo`
 
@@ -31,17 +32,18 @@ def require_ray() -> str | None:
     return None
 
 
-def fleet_connector(address: str) -> Callable[[], Awaitable[Any]]:
-    """For `krex gateway --fleet ADDRESS`: the gateway JobRunner's connect(), giving one FleetClient
-    for the gateway's life (it keeps its nodes' views fresh itself); until it exists, each call
-    tries again and raises KrexError('unreachable', ...) as the daemon's connect does."""
+def fleet_connector(address: str, token_file: str | None = None) -> Callable[[], Awaitable[Any]]:
+    """For `krex gateway --fleet ADDRESS [--ray-token-file F]`: the gateway JobRunner's connect(),
+    giving one FleetClient for the gateway's life (it keeps its nodes' views fresh itself); until it
+    exists, each call tries again and raises KrexError('unreachable' | 'bad_token', ...) as the
+    daemon's connect does."""
     made: list[Any] = []
 
     async def connect() -> Any:
         if not made:
             from krex_async.fleet.client import FleetClient
 
-            made.append(await FleetClient.connect(address))
+            made.append(await FleetClient.connect(address, token_file=token_file))
         return made[0]
 
     return connect

@@ -9,12 +9,17 @@ when given a DaemonSpec (the local fleet of `krex fleet demo` and the tests), el
 node's socket (a DaemonSet on Kubernetes, a systemd unit). An owned daemon is started again on the
 same state dir when it dies: that daemon's start-up sweep ends what the dead one left running.
 
+Every call that makes the agent act (run, cancel, withdraw, stop) is sealed with the fleet's key
+(auth.py): one without a valid seal is refused and logged, and a run's identity maps to the
+unprivileged user its command runs as (the daemon's run_as; never root).
+
 Nothing here imports Ray: fleet/client.py wraps NodeAgent with `ray.remote`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket as socketlib
@@ -22,13 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
 from krex_async.client.submit import Client, KrexError
+from krex_async.fleet import auth
 from krex_async.protocol import default_socket
 
 # Started between fork and exec of the daemon: the daemon gets SIGTERM (and so ends its commands and
@@ -72,6 +78,8 @@ class OwnedDaemon:
         Spawned from the event loop's thread, which lives as long as the agent: the death signal
         is tied to the thread that forked, not the process."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        if "--socket-group" in self.spec.args:  # its commands' users reach the socket: let them pass
+            os.chmod(self.dir, 0o711)
         args = list(self.spec.args)
         if self.spec.cgroup and "--cgroup-root" not in args and self.cgroup is None:
             self.cgroup = _private_cgroup()
@@ -226,6 +234,21 @@ class NodeAgent:
         self._runs: dict[str, str] = {}
         self._withdrawn: set[str] = set()
         self._kills: set[asyncio.Task[None]] = set()
+        self._key = auth.node_key()  # None: this node's Ray runs without a token; nothing is done
+        self.refused = 0  # requests refused (unsigned, forged, or for root)
+
+    def _open(self, method: str, raw: Any, mac: Any) -> dict[str, Any]:
+        """A sealed request's body; KrexError('forbidden', ...) refused, and logged to the agent's
+        stderr (the Ray worker's log on its node)."""
+        try:
+            return auth.open_sealed(self._key, method, self.name, raw, mac)
+        except KrexError as e:
+            self._refuse(method, e)
+
+    def _refuse(self, method: str, e: KrexError) -> NoReturn:
+        self.refused += 1
+        print(f"krex node agent {self.name}: refused {method}: {e.message}", file=sys.stderr, flush=True)
+        raise e
 
     async def _client(self) -> Client:
         """The daemon connection, made again if it was lost (an owned daemon that died is started
@@ -262,18 +285,48 @@ class NodeAgent:
             "daemon_pid": self.owned.proc.pid if self.owned and self.owned.proc else None,
         }
 
+    def how(self) -> dict[str, Any]:
+        """How this agent reaches its daemon: a client makes the node's next agent (one that comes
+        back after this one died) the same way, rather than with its own defaults."""
+        own = self.owned.spec if self.owned else None
+        return {"socket": self.socket, "own": dataclasses.asdict(own) if own else None}
+
     async def capacity(self) -> dict[str, Any]:
         try:
             c = await self._client()
-            return summarize(self.name, await c.status())
+            rep = summarize(self.name, await c.status())
         except KrexError as e:
-            return {"node": self.name, "up": False, "reason": e.message, "devices": []}
+            rep = {"node": self.name, "up": False, "reason": e.message, "devices": []}
+        return {**rep, "how": self.how(), "refused": self.refused, "signed": self._key is not None}
 
     async def status(self) -> dict[str, Any]:
         """The daemon's own status (KrexError if it is away)."""
         return await (await self._client()).status()
 
-    async def run(self, spec: dict[str, Any], token: str = "") -> AsyncIterator[tuple[Any, ...]]:
+    async def run(self, request: Any, mac: Any = None) -> AsyncIterator[tuple[Any, ...]]:
+        """A sealed run (auth.seal: {"spec": Client.submit's arguments, "token": .., "user": ..}):
+        refused, as ("error", "forbidden", why), unless signed with the fleet's key and for a user
+        of this node who is not root; else _run() as that user."""
+        try:
+            body = self._open("run", request, mac)
+            try:
+                spec, token = dict(body["spec"]), str(body.get("token", ""))
+                spec["run_as"] = auth.node_uid(body.get("user"))
+            except (KeyError, TypeError, ValueError) as e:
+                self._refuse("run", KrexError("forbidden", f"a malformed run request ({e!r})"))
+            except KrexError as e:  # no identity, root, or a user unknown here
+                self._refuse("run", e)
+        except KrexError as e:
+            yield ("error", "forbidden", f"node {self.name}: {e.message}")
+            return
+        gen = self._run(spec, token)
+        try:
+            async for item in gen:
+                yield item
+        finally:  # closed early by Ray (its caller gone): the inner run's own finally kills it now
+            await gen.aclose()
+
+    async def _run(self, spec: dict[str, Any], token: str) -> AsyncGenerator[tuple[Any, ...], None]:
         """Submit one command and stream what happens to it, as tuples:
         ("accepted", command, device, queued), ("started", pid) and ("output", stream, data)...,
         then exactly one of ("exited", report msgpack, stdout tail, stderr tail), ("lost", why),
@@ -325,10 +378,12 @@ class NodeAgent:
                 self._kill_later(command)  # closed early, its caller gone: a result nobody reads
         yield ("exited", msgspec.msgpack.encode(res.report), res.stdout, res.stderr)
 
-    async def withdraw(self, token: str) -> bool:
-        """For a client whose run(token) broke before its first answer (ActorUnavailableError: it
-        may or may not have reached this agent). Fences the token, so a run() still on its way is
-        refused, and kills the command it started, if any. True when a run(token) reached here."""
+    async def withdraw(self, request: Any, mac: Any = None) -> bool:
+        """A sealed {"token": ..}. For a client whose run(token) broke before its first answer
+        (ActorUnavailableError: it may or may not have reached this agent). Fences the token, so a
+        run() still on its way is refused, and kills the command it started, if any. True when a
+        run(token) reached here."""
+        token = str(self._open("withdraw", request, mac).get("token", ""))
         self._withdrawn.add(token)
         command = self._runs.get(token)
         if command:
@@ -348,11 +403,16 @@ class NodeAgent:
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
 
-    async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None:
-        await (await self._client()).cancel(command, sig, queued_only)
+    async def cancel(self, request: Any, mac: Any = None) -> None:
+        """A sealed {"command": .., "sig": .., "queued_only": ..}: Client.cancel on this node."""
+        body = self._open("cancel", request, mac)
+        sig, queued_only = int(body.get("sig", signal.SIGTERM)), bool(body.get("queued_only", False))
+        await (await self._client()).cancel(str(body["command"]), sig, queued_only)
 
-    async def stop(self) -> None:
-        """Close the connection and stop an owned daemon (its commands end as `shutdown`)."""
+    async def stop(self, request: Any = None, mac: Any = None) -> None:
+        """A sealed {}: close the connection and stop an owned daemon (its commands end as
+        `shutdown`)."""
+        self._open("stop", request, mac)
         self._stopped = True
         async with self._lock:
             if self.client is not None:

@@ -13,12 +13,24 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
 
 from krex_async.cliargs import RAY_ADDRESS_FORMS, ray_address
 from krex_async.fleet import require_ray
+
+
+def add_token_file(p: argparse.ArgumentParser) -> None:
+    """--ray-token-file: the Ray cluster's token (Ray's token authentication), for every command
+    that joins a fleet's cluster."""
+    p.add_argument(
+        "--ray-token-file",
+        metavar="FILE",
+        help="the fleet's Ray token, a file readable only by its owner (default: $KREX_RAY_TOKEN_FILE, "
+        "$RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token); never give the token itself in argv",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,6 +47,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="commands to run (default 4 per node: two per device, so regions freeze a sibling)",
     )
     d.add_argument("--devices", default="cpu:2", help="each daemon's --devices (default cpu:2)")
+    d.add_argument(
+        "--run-as",
+        metavar="USER",
+        help="as root: the unprivileged user the commands run as (default $KREX_FLEET_RUN_AS, else nobody)",
+    )
+    d.add_argument(
+        "--python",
+        metavar="PATH",
+        default=sys.executable,
+        help="the interpreter the commands run (default this one; as root it must be one --run-as can "
+        "run, e.g. /usr/bin/python3 of the same version with krex on its PYTHONPATH)",
+    )
     s = sub.add_parser("status", help="each node's capacity: devices, free memory, commands, regions")
     s.add_argument(
         "--address",
@@ -43,6 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"the Ray cluster: {RAY_ADDRESS_FORMS} (default auto)",
     )
     s.add_argument("--json", action="store_true")
+    add_token_file(s)
     return p  # type: ignore[no-any-return]
 
 
@@ -53,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"krex fleet: {missing}", file=sys.stderr)
         return 2
     if args.fleet_verb == "status":
-        return asyncio.run(_status(args.address, args.json))
+        return asyncio.run(_status(args.address, args.json, args.ray_token_file))
     if args.nodes < 1 or args.nodes > 16:
         print(f"krex fleet demo: --nodes must be 1..16, not {args.nodes}", file=sys.stderr)
         return 2
@@ -61,17 +86,17 @@ def main(args: argparse.Namespace) -> int:
     if n < 1:
         print(f"krex fleet demo: --commands must be at least 1, not {n}", file=sys.stderr)
         return 2
-    return asyncio.run(_demo(args.nodes, n, args.devices))
+    return asyncio.run(_demo(args.nodes, n, args.devices, args.run_as, args.python))
 
 
-async def _status(address: str, as_json: bool) -> int:
+async def _status(address: str, as_json: bool, token_file: str | None) -> int:
     """Print every node's capacity report (agents are made where missing, reaching the node's
     default socket)."""
     from krex_async.client.submit import KrexError
     from krex_async.fleet.client import FleetClient
 
     try:
-        fc = await FleetClient.connect(address)
+        fc = await FleetClient.connect(address, token_file=token_file)
     except KrexError as e:
         print(f"krex fleet status: {e.message}", file=sys.stderr)
         return 1
@@ -92,12 +117,32 @@ async def _status(address: str, as_json: bool) -> int:
     return 0
 
 
-async def _demo(nodes: int, n: int, devices: str) -> int:
+async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: str) -> int:
+    import tempfile
+
     from krex_async.client.submit import KrexError
     from krex_async.fleet.local import LocalFleet
     from krex_async.node.demo import WORK
 
-    fleet = LocalFleet(nodes, daemon_args=("--devices", devices))
+    try:
+        fleet = LocalFleet(nodes, daemon_args=("--devices", devices), run_as=run_as)
+    except KrexError as e:
+        print(f"krex fleet demo: --run-as: {e.message}", file=sys.stderr)
+        return 2
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if os.geteuid() == 0 and (why := _cannot_run(python, fleet.run_as, env)):
+        print(
+            f"krex fleet demo: the commands run as {fleet.run_as}, who cannot run {python} with krex "
+            f"importable ({why}): pass --python (one they can run, of this Python version, with krex "
+            "and its dependencies on PYTHONPATH) or --run-as",
+            file=sys.stderr,
+        )
+        fleet.close()  # its directory: nothing else was started
+        return 2
+    work_dir = tempfile.mkdtemp(prefix="krex-fleet-work-", dir="/tmp")
+    os.chmod(work_dir, 0o755)  # the commands' user reads the script there
     fc = None
     t0 = time.monotonic()
     print(f"krex fleet demo: starting a Ray cluster of {nodes} nodes on this machine ...", flush=True)
@@ -119,17 +164,13 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
             ),
             flush=True,
         )
-        script = os.path.join(fleet.base_dir, "work.py")
+        script = os.path.join(work_dir, "work.py")
         with open(script, "w") as f:
             f.write(WORK)
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        os.chmod(script, 0o644)
         t1 = time.monotonic()
         handles = [
-            await fc.submit(
-                [sys.executable, script, "0.3", "15"], env=env, cwd=fleet.base_dir, label=f"demo {i}"
-            )
+            await fc.submit([python, script, "0.3", "15"], env=env, cwd=work_dir, label=f"demo {i}")
             for i in range(n)
         ]
         results = await asyncio.gather(*(h.wait() for h in handles))
@@ -170,4 +211,28 @@ async def _demo(nodes: int, n: int, devices: str) -> int:
         if fc is not None:
             await fc.close()
         fleet.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
         print(f"  stopped the agents, daemons and Ray ({time.monotonic() - t0:.1f} s in all)")
+
+
+def _cannot_run(python: str, user: str | int, env: dict[str, str]) -> str:
+    """Why `user` cannot run `python` with krex_async importable ("" when they can)."""
+    import pwd
+    import subprocess
+
+    try:
+        pw = pwd.getpwnam(str(user)) if not str(user).isdigit() else pwd.getpwuid(int(user))
+        r = subprocess.run(
+            [python, "-c", "import krex_async.client.region"],
+            user=pw.pw_uid,
+            group=pw.pw_gid,
+            extra_groups=[],
+            env=env,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, KeyError, subprocess.SubprocessError) as e:
+        return str(e)
+    return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]

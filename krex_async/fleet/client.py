@@ -32,6 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTa
 from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 from krex_async.devices import NoDevice
+from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec
 from krex_async.fleet.handle import FleetHandle, why
 from krex_async.fleet.nodes import BACKOFF, FleetNodes
@@ -54,6 +55,7 @@ class FleetClient(FleetNodes):
         self._tokens = itertools.count(1)  # run() tokens, unique to this client: withdraw() names one
         self._token_base = secrets.token_hex(6)
         self.welcome: P.Welcome | None = None  # as Client's; policy: the nodes' policies
+        self._user = ""  # who the commands run as on the nodes (auth.identity)
 
     @classmethod
     async def connect(
@@ -64,17 +66,33 @@ class FleetClient(FleetNodes):
         daemon: DaemonSpec | None = None,
         refresh_s: float = 1.0,
         ray_options: dict[str, Any] | None = None,
+        token_file: str | None = None,
+        run_as: str | int | None = None,
     ) -> FleetClient:
-        """Join the Ray cluster at `address` (already joined: reused) and reach an agent on every
-        alive node, creating it where there is none: it connects to `socket` (default: the node's
-        krex socket) or, with `daemon`, starts and owns the node's daemon. Raises KrexError
-        ('unreachable', ...) when no Ray cluster answers or no node's daemon does."""
-        if not ray.is_initialized():
+        """Join the Ray cluster at `address` (already joined: reused) with Ray's token
+        authentication, the token in `token_file` (default: auth.default_token_file()), and reach
+        an agent on every alive node, creating it where there is none: it connects to `socket`
+        (default: the node's krex socket) or, with `daemon`, starts and owns the node's daemon.
+        Commands run on the nodes as `run_as` (a user name or uid, never root; default: this
+        process's user, or $KREX_FLEET_RUN_AS for root). Raises KrexError ('unreachable', ...) when
+        no Ray cluster answers or no node's daemon does; ('bad_token' | 'forbidden', ...) for a
+        token file that is missing or readable by others, or no user to run as."""
+        try:
+            user = auth.identity(run_as)
+        except KrexError:
+            if run_as is not None:
+                raise
+            user = ""  # a root client (the gateway) names one at each submit
+        path = token_file or auth.default_token_file()
+        if ray.is_initialized():
+            key = auth.read_token(path)
+        else:
+            key = auth.use_token(path)
             if address is not None and "://" not in address:  # not a Ray client address
                 address = await reachable(address)
             join(address, ray_options)
         self = cls({}, refresh_s)
-        self._socket, self._daemon = socket, daemon
+        self._socket, self._daemon, self._key, self._user = socket, daemon, key, user
         agents = self._add_agents(ray.nodes())
         hellos = await asyncio.gather(*(a.hello.remote() for a in agents.values()), return_exceptions=True)
         await self.refresh()
@@ -108,10 +126,10 @@ class FleetClient(FleetNodes):
         label: str = "",
         stream: bool = True,
         node: str | None = None,
-        run_as: int | None = None,
+        run_as: str | int | None = None,
     ) -> FleetHandle:
-        """Place and start a command (as Client.submit; `node` pins it to one node; `run_as`, for
-        a root client such as the gateway, runs it as that uid on the node). env=None
+        """Place and start a command (as Client.submit; `node` pins it to one node; `run_as` runs it
+        as that uid (or user name) on the node instead of the client's user; never root). env=None
         passes this process's environment; cwd must exist on the node that runs it. A node whose
         agent or daemon is gone before accepting is marked down and the next node is tried; one
         whose agent is unavailable as it answers is asked (withdraw) whether the command started:
@@ -126,8 +144,9 @@ class FleetClient(FleetNodes):
             "on_disconnect": on_disconnect,
             "label": label,
             "stream": stream,
-            "run_as": run_as,
         }
+        user = self._user if run_as is None else auth.identity(run_as)
+        user = user or auth.identity(None)  # raises: a root client named nobody to run as
         pauses = iter(BACKOFF)
         while True:
             try:
@@ -142,7 +161,9 @@ class FleetClient(FleetNodes):
             token = f"{self._token_base}-{next(self._tokens)}"
             ours.add(pending)
             try:
-                gen = agent.run.remote({**spec, "device": key}, token)
+                gen = agent.run.remote(
+                    *self._sealed("run", name, spec={**spec, "device": key}, token=token, user=user)
+                )
                 first = await (await gen.__anext__())
             except RayTaskError as e:
                 raise KrexError("fleet_error", f"node {name}: {e}") from None
@@ -182,7 +203,8 @@ class FleetClient(FleetNodes):
         when no command started there (it may be placed again); raises KrexError when one did (it
         is killed there) or when the agent cannot say: never a second run."""
         try:
-            reached = await self._ask(name, "withdraw", token, timeout=10.0, agent=agent)
+            sealed = self._sealed("withdraw", name, token=token)
+            reached = await self._ask(name, "withdraw", *sealed, timeout=10.0, agent=agent)
         except (RayError, KrexError, TimeoutError) as e:
             raise KrexError(
                 "fleet_error",
@@ -212,10 +234,8 @@ class FleetClient(FleetNodes):
             )
         h = self._handles.get(command)
         try:
-            more = (True,) if queued_only else ()  # an agent made by an older krex takes two
-            await self._ask(
-                name, "cancel", cid, sig, *more, timeout=self.CANCEL_S, agent=h.agent if h else None
-            )
+            sealed = self._sealed("cancel", name, command=cid, sig=int(sig), queued_only=queued_only)
+            await self._ask(name, "cancel", *sealed, timeout=self.CANCEL_S, agent=h.agent if h else None)
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, KrexError) else None
             raise (cause or KrexError("fleet_error", str(e))) from None

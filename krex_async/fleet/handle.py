@@ -34,6 +34,7 @@ class Fleet(Protocol):
     """What a handle needs of its FleetClient (client.py imports this module, not the reverse)."""
 
     async def _ask(self, name: str, method: str, *args: Any, timeout: float, agent: Any = None) -> Any: ...
+    def _sealed(self, method: str, name: str, **body: Any) -> tuple[bytes, str]: ...
     async def cancel(self, command: str, sig: int = signal.SIGTERM, queued_only: bool = False) -> None: ...
     def _node_lost(self, name: str, reason: str, agent: Any = None) -> None: ...
     def _agent_gone(self, name: str, agent: Any, e: BaseException) -> None: ...
@@ -130,9 +131,8 @@ class FleetHandle:
         `lost` report: killed; its agent died after all (Ray says unavailable until it knows; the
         daemon kills what a dead agent ran); or the agent could not be reached."""
         try:
-            await self.client._ask(
-                self.node, "cancel", self.daemon_command, signal.SIGKILL, timeout=10.0, agent=self.agent
-            )
+            kill = self.client._sealed("cancel", self.node, command=self.daemon_command, sig=signal.SIGKILL)
+            await self.client._ask(self.node, "cancel", *kill, timeout=10.0, agent=self.agent)
         except RayTaskError:
             pass  # it had ended meanwhile: killed or not, nothing of it runs on
         except (ActorUnavailableError, TimeoutError, KrexError) as again:

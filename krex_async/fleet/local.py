@@ -5,11 +5,16 @@ Each node is kept small (1 CPU for Ray's own tasks, which the agents do not use;
 store; no dashboard; workers' logs not sent to the driver) and carries a custom resource
 `krex_node_node<i>`, which names it in the fleet. Every daemon has its own socket, state dir and, as
 root on cgroup v2, its own cgroup root, under one temporary directory that close() removes.
+
+The cluster is bound to 127.0.0.1 and runs with Ray's token authentication: the token is made in
+`<base_dir>/ray-token` (0600, in the 0700 base dir) unless one is named, and reaches the Ray
+processes as that file's path (RAY_AUTH_TOKEN_PATH), never in argv.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import tempfile
 import time
@@ -19,11 +24,17 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.exceptions import RayError
 
+from krex_async.client.submit import KrexError
+from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec, remove_cgroup
 from krex_async.fleet.client import FleetClient
 from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE
 
-NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
+NODE_ARGS: dict[str, Any] = {
+    "num_cpus": 1,
+    "object_store_memory": 100 * 1024 * 1024,
+    "node_ip_address": "127.0.0.1",  # GCS, raylets and workers listen on loopback only
+}
 
 
 class LocalFleet:
@@ -35,13 +46,31 @@ class LocalFleet:
         nodes: int = 2,
         daemon_args: tuple[str, ...] = ("--devices", "cpu:2"),
         base_dir: str | None = None,
+        token_file: str | None = None,
+        run_as: str | int | None = None,
+        socket_group: str | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"a fleet needs at least one node, not {nodes}")
         self.n = nodes
         self.daemon_args = daemon_args
+        # Who the commands of connect()'s clients run as on the nodes: as root, `nobody` unless
+        # named (the fleet runs nothing as root). Checked first: a bad one leaves nothing behind.
+        self.run_as = run_as if run_as is not None else (os.environ.get(auth.RUN_AS_ENV) or "nobody")
+        if os.geteuid() == 0 and "--socket-group" not in daemon_args:
+            # Its commands reach their node's daemon (regions): the socket's group is theirs.
+            who = auth.identity(self.run_as)  # KrexError for root
+            try:
+                group = socket_group or str(pwd.getpwnam(who).pw_gid if not who.isdigit() else who)
+            except KeyError:
+                raise KrexError("forbidden", f"no user {who!r} here to run the fleet's commands as") from None
+            self.daemon_args = (*daemon_args, "--socket-group", group)
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="krex-fleet-", dir="/tmp")
         self._own_dir = base_dir is None
+        if os.geteuid() == 0:
+            os.chmod(self.base_dir, 0o711)  # passable to reach the sockets; the token file is 0600
+        self.token_file = token_file or os.path.join(self.base_dir, "ray-token")
+        self.key = b""
         self.cluster: Cluster | None = None
         self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node
 
@@ -50,6 +79,10 @@ class LocalFleet:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network calls from a test box
         if ray.is_initialized():
             raise RuntimeError("this process already joined a Ray cluster")
+        if not os.path.exists(self.token_file):
+            auth.create_token(self.token_file)
+        self.key = auth.use_token(self.token_file)  # before any Ray process starts: they inherit it
+        auth.local_only()
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -70,6 +103,9 @@ class LocalFleet:
     async def connect(self, **kw: Any) -> FleetClient:
         """A fleet client whose agents own their nodes' daemons (started by the first client)."""
         spec = DaemonSpec(self.base_dir, args=self.daemon_args)
+        kw.setdefault("token_file", self.token_file)
+        if os.geteuid() == 0:
+            kw.setdefault("run_as", self.run_as)
         return await FleetClient.connect(self.cluster.address if self.cluster else "auto", daemon=spec, **kw)
 
     def add_node(self, name: str) -> None:
@@ -87,14 +123,16 @@ class LocalFleet:
         actors = []
         for name in self.ray_nodes:
             try:
-                actors.append(ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE))
+                actors.append((name, ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE)))
             except ValueError:
                 continue  # never made, or gone with its node
         try:
-            ray.get([a.stop.remote() for a in actors], timeout=timeout)
+            ray.get(
+                [a.stop.remote(*auth.seal(self.key, "stop", name, {})) for name, a in actors], timeout=timeout
+            )
         except RayError:
             pass  # an agent that is gone took its daemon with it (death signal)
-        for a in actors:
+        for _, a in actors:
             ray.kill(a)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from krex_async.client.submit import KrexError
+from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec, NodeAgent
 from krex_async.fleet.discovery import DiscoverPace
 from krex_async.fleet.handle import why
@@ -46,7 +47,22 @@ class FleetNodes:
         self._pinned: dict[str, str] = {}  # node name -> the Ray node id its agent was made on
         self._socket: str | None = None  # how agents made by this client reach their daemon
         self._daemon: DaemonSpec | None = None
+        # How each node's agent reached its daemon, from its capacity reports: that node's next
+        # agent is made the same way (not with this client's defaults, e.g. the default socket).
+        self._how: dict[str, tuple[str | None, DaemonSpec | None]] = {}
+        self._key = b""  # the fleet's key (the Ray token): seals every request that makes an agent act
         self._task: asyncio.Task[None] | None = None  # the refresher: done once closed
+
+    def _sealed(self, method: str, name: str, **body: Any) -> tuple[bytes, str]:
+        """A request for `name`'s agent, signed (auth.seal)."""
+        return auth.seal(self._key, method, name, body)
+
+    def _learn_how(self, name: str, how: Any) -> None:
+        if not isinstance(how, dict):
+            return  # an agent of an older krex
+        own = how.get("own")
+        spec = DaemonSpec(**{**own, "args": tuple(own["args"])}) if own else None
+        self._how[name] = (None if spec else how.get("socket"), spec)
 
     def _add_agents(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
         """An agent on each alive node that has none here, or whose agent was made on a Ray node
@@ -60,6 +76,7 @@ class FleetNodes:
         for name, ids in alive.items():
             if name in self.agents and self._pinned.get(name) in ids:
                 continue
+            socket, daemon = self._how.get(name, (self._socket, self._daemon))
             new[name] = RemoteAgent.options(
                 name=f"krex-node-{name}",
                 namespace=NAMESPACE,
@@ -70,7 +87,7 @@ class FleetNodes:
                 max_task_retries=0,
                 max_concurrency=10000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(ids[0], soft=False),
-            ).remote(name, self._socket, self._daemon)
+            ).remote(name, socket, daemon)
             self._pinned[name] = ids[0]
         for name, agent in new.items():
             self.agents[name] = agent
@@ -121,6 +138,7 @@ class FleetNodes:
                     view.up, view.reason = False, f"no capacity report: {why(rep)}"
                 continue
             view.up, view.reason, view.devices = rep["up"], rep["reason"], rep["devices"]
+            self._learn_how(name, rep.get("how"))
 
     async def _refresher(self, discover_every: int = 10) -> None:
         pace = DiscoverPace(discover_every)
@@ -202,7 +220,9 @@ class FleetNodes:
 
     async def stop_nodes(self) -> None:
         """Stop every agent (an owned daemon ends its commands) and remove the actors."""
-        await asyncio.gather(*(a.stop.remote() for a in self.agents.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(a.stop.remote(*self._sealed("stop", n)) for n, a in self.agents.items()), return_exceptions=True
+        )
         for a in self.agents.values():
             try:
                 ray.kill(a)

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from krex_async.client.submit import KrexError
+from krex_async.fleet import auth
 
 NAMESPACE = "krex"
 NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
@@ -37,6 +38,8 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     other; ray.init a second time raises)."""
     if ray.is_initialized():
         return
+    if address and auth.loopback(address):
+        auth.local_only()  # a cluster bound to 127.0.0.1 is reached there, not at the host's address
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
@@ -58,9 +61,12 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
 async def reachable(address: str, timeout: float = 3.0) -> str:
     """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
     TCP connect to it succeeds: ray.init would block minutes for a GCS that is not there."""
-    from ray._private.services import canonicalize_bootstrap_address_or_die
+    from ray._private.services import canonicalize_bootstrap_address_or_die, get_ray_address_from_environment
 
     try:
+        raw = get_ray_address_from_environment(address, None) if address == "auto" else address
+        if raw and auth.loopback(raw):
+            auth.local_only()
         gcs = canonicalize_bootstrap_address_or_die(address)
         host, _, port = gcs.rpartition(":")
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)

@@ -292,7 +292,7 @@ async def serve(args: argparse.Namespace) -> int:
         lambda job_id: gw.changed(job_id) if gw else None,
         args.job_python,
         run_as.uid,
-        fleet_connector(fleet) if fleet else None,
+        fleet_connector(fleet, getattr(args, "ray_token_file", None)) if fleet else None,
     )
     runner.shims = make_shims(state / "bin", args.job_python)
     runner.env_names = names

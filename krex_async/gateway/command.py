@@ -110,10 +110,15 @@ def command_result(
     handle: CommandHandle, report: Any, out: bytearray, err: bytearray, out_cut: bool, err_cut: bool
 ) -> dict[str, Any]:
     rep = msgspec.to_builtins(report)
+    stderr = err.decode("utf-8", "replace")
+    if report.state == "lost":  # its node died: the Atrex client prints stderr, not the error
+        stderr += (
+            "\n" if stderr and not stderr.endswith("\n") else ""
+        ) + f"krex: the job failed: {report.error}\n"
     return {
         "exit_code": report.exit_code if report.signal is None else -report.signal,
         "stdout": out.decode("utf-8", "replace"),
-        "stderr": err.decode("utf-8", "replace"),
+        "stderr": stderr,
         "stdout_truncated": out_cut,
         "stderr_truncated": err_cut,
         "regions": rep.get("regions", []),

@@ -34,10 +34,9 @@ from krex_async.gateway.command import admission_args, command_result, job_env
 from krex_async.gateway.files import hand_over, low_space, remove_tree
 from krex_async.gateway.limits import TERMINAL, Limits
 from krex_async.gateway.queue_timeout import QueueTimeout, in_daemon_queue
-from krex_async.gateway.store import Store, disk_full, error
+from krex_async.gateway.store import RETRY_S, Store, disk_full, error, until_stored
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
-RETRY_S = 1.0  # between tries of a record the state disk had no room for
 
 
 class Kind(Protocol):
@@ -88,6 +87,8 @@ class JobRunner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.handles: dict[str, CommandHandle] = {}  # job id -> its krex command, while it runs
         self.orphans = set(store.orphans)  # jobs a dead gateway left running: end their commands
+        # Why jobs were queued again (their fleet node lost before they started), for their result
+        self.requeued: dict[str, list[str]] = {}
         self.expiry: QueueTimeout | None = None  # --queue-timeout: also times the daemon's queue
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -268,7 +269,11 @@ class JobRunner:
                 h._err.clear()
             res = await h.wait()
             deadline.cancel()
+            if await self._requeue_lost(job_id, h, res.report):
+                return
             got = command_result(h, res.report, out, err, cut["stdout"], cut["stderr"])
+            if self.requeued.get(job_id):  # it ran here after a node was lost before it started
+                got["krex"]["requeued"] = self.requeued.pop(job_id)
             verdict: tuple[str, dict[str, Any] | None, dict[str, Any] | None]
             if self.expiry is not None and (late := self.expiry.judge(job_id, res.report)) is not None:
                 verdict = "failed", None, late  # withdrawn from the daemon's queue
@@ -301,6 +306,9 @@ class JobRunner:
                     task.cancel()
             if self.expiry is not None:
                 self.expiry.forget(job_id)
+            with contextlib.suppress(sqlite3.Error):
+                if self.store.status(job_id) != "queued":  # ended (or gone): its requeue notes too
+                    self.requeued.pop(job_id, None)
             self.handles.pop(job_id, None)
             self.timed_out.discard(job_id)
             if clock is not None:
@@ -310,24 +318,10 @@ class JobRunner:
     async def _record(
         self, job_id: str, status: str, result: dict[str, Any] | None, err: dict[str, Any] | None
     ) -> None:
-        """store.finish, tried again each RETRY_S while the state disk is full (or the database
-        locked): the verdict waits in memory, and the job is not left `running` once space is
-        freed. A gateway stopping meanwhile leaves it to the next start (gateway_restarted)."""
-        said = False
-        while True:
-            try:
-                self.store.finish(job_id, status, result, err)
-                return
-            except sqlite3.Error as e:
-                if not said:
-                    said = True
-                    print(
-                        f"krex gateway: job {job_id} ended {status} but cannot be recorded ({e}); "
-                        f"trying again every {RETRY_S:g} s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            await asyncio.sleep(RETRY_S)
+        """store.finish, tried again while the state disk is full: the verdict waits in memory, never
+        left `running`; a gateway stopping meanwhile leaves it to the next (gateway_restarted)."""
+        said = f"krex gateway: job {job_id} ended {status} but cannot be recorded"
+        await until_stored(lambda: self.store.finish(job_id, status, result, err), said)
 
     async def _requeue(self, job_id: str, workdir: Path) -> None:
         """Back in line, in its place, for a job whose directory met a full disk before it started
@@ -335,12 +329,20 @@ class JobRunner:
         await asyncio.sleep(RETRY_S)
         with contextlib.suppress(OSError):
             await asyncio.to_thread(remove_tree, workdir)
-        while True:
-            try:
-                self.store.requeue(job_id)
-                return
-            except sqlite3.Error:
-                await asyncio.sleep(RETRY_S)
+        await until_stored(lambda: self.store.requeue(job_id))
+
+    async def _requeue_lost(self, job_id: str, h: CommandHandle, report: Any) -> bool:
+        """A fleet job whose node was lost before its command started there (it ran nothing) goes
+        back to the queue in its place, its directory made afresh: True then. One that started is
+        not run again: the gateway cannot know from a dead node how far it got."""
+        if report.state != "lost" or h.pid is not None or self.store.status(job_id) != "running":
+            return False
+        if not self.store.requeue(job_id):  # ended meanwhile (cancelled)
+            return False
+        self.requeued.setdefault(job_id, []).append(f"{report.error}; it had not started there: queued again")
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(remove_tree, self.jobs_dir / job_id)
+        return True
 
     async def _deadline(self, job_id: str, h: CommandHandle, timeout: float) -> None:
         """The job's timeout, counted from its start (not its wait in the daemon's queue); then

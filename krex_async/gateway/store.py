@@ -15,11 +15,13 @@ with that key is answered (KeyRemoved) rather than run a second time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import sqlite3
+import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -395,3 +397,21 @@ class Store:
         }
 
     view = staticmethod(view)
+
+
+RETRY_S = 1.0  # between tries of a write the state disk had no room for
+
+
+async def until_stored(write: Callable[[], object], said: str = "") -> None:
+    """`write()` (a store call), tried again each RETRY_S while it fails with sqlite3.Error (a full
+    state disk, a locked database); the first failure is said on stderr after `said`, if given."""
+    first = True
+    while True:
+        try:
+            write()
+            return
+        except sqlite3.Error as e:
+            if first and said:
+                print(f"{said} ({e}); trying again every {RETRY_S:g} s", file=sys.stderr, flush=True)
+            first = False
+        await asyncio.sleep(RETRY_S)

@@ -4,6 +4,7 @@ answered with a message and exit 2."""
 from __future__ import annotations
 
 import glob
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from .conftest import NEEDS_RAY, env
+from .conftest import PY as USER_PY
 
 PY = sys.executable
 
@@ -20,7 +22,8 @@ def test_demo_runs_commands_on_every_node_and_stops_everything() -> None:
     pytest.importorskip("ray", reason=NEEDS_RAY)
     before = set(glob.glob("/tmp/krex-fleet-*")) | set(glob.glob("/sys/fs/cgroup/*/krex-fleet-*"))
     r = subprocess.run(
-        [PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2"],
+        # As root its commands run as nobody: with an interpreter nobody can run.
+        [PY, "-m", "krex_async", "fleet", "demo", "--nodes", "2", "--python", USER_PY],
         capture_output=True,
         text=True,
         env=env(),
@@ -56,6 +59,31 @@ def test_demo_bad_input(args: list[str], message: str) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--run-as", "root"], "--run-as: the fleet runs no command as root"),
+        (["--run-as", "no-such-user-x"], "no user 'no-such-user-x' here"),
+        (["--run-as", "nobody", "--python", "/nonexistent/python3"], "who cannot run /nonexistent/python3"),
+    ],
+)
+def test_demo_as_root_runs_nothing_as_root(args: list[str], message: str) -> None:
+    """Refused before any Ray process starts, leaving no directory behind."""
+    if os.geteuid() != 0:
+        pytest.skip("as root only: a user's demo runs its commands as that user")
+    pytest.importorskip("ray", reason=NEEDS_RAY)
+    before = set(glob.glob("/tmp/krex-fleet-*"))
+    r = subprocess.run(
+        [PY, "-m", "krex_async", "fleet", "demo", "--nodes", "1", *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=60,
+    )
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert set(glob.glob("/tmp/krex-fleet-*")) <= before
 
 
 def test_without_ray_the_fleet_says_what_to_install() -> None:

@@ -13,13 +13,11 @@ import pytest
 
 from krex_async.client.submit import KrexError
 
-from .conftest import NEEDS_RAY, by_node, env
+from .conftest import NEEDS_RAY, PY, by_node, env
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
-
-PY = sys.executable
 
 
 async def test_commands_spread_over_the_nodes_and_their_devices(local_fleet: LocalFleet) -> None:
@@ -150,8 +148,12 @@ async def test_bad_input_is_a_clear_error(local_fleet: LocalFleet) -> None:
             await fc.submit(["true"], device="nvidia0")
         with pytest.raises(KrexError, match="memory"):
             await fc.submit(["true"], mem=1 << 60)
-        with pytest.raises(KrexError, match=r"node node\d: .*not found"):
-            await fc.submit(["/nonexistent/prog"], env=env())
+        if os.geteuid() == 0:  # run as its user: the daemon finds that out as it starts it
+            r = await fc.run(["/nonexistent/prog"], env=env())
+            assert r.report.state == "failed" and "not found" in r.report.error, r.report
+        else:
+            with pytest.raises(KrexError, match=r"node node\d: .*not found"):
+                await fc.submit(["/nonexistent/prog"], env=env())
         with pytest.raises(KrexError, match="NODE/ID"):
             await fc.cancel("nonsense")
 
@@ -209,11 +211,11 @@ async def test_two_clients_of_one_process_join_the_cluster_together(local_fleet:
     async with await local_fleet.connect():  # the agents exist first
         pass
     proc = await asyncio.create_subprocess_exec(
-        PY,
+        sys.executable,  # a client, as root: this venv's Python (Ray wants the cluster's exact one)
         "-c",
         code,
         local_fleet.cluster.address,
-        env=env(),
+        env=env(KREX_RAY_TOKEN_FILE=local_fleet.token_file),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

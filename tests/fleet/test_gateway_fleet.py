@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from krex_async.gateway.client import GatewayClient
+from tests.conftest import until
 from tests.security.helpers import USER_PYTHONPATH
 
-from ..gateway.conftest import JOB_USER, gateway_home, job_python
-from .conftest import NEEDS_RAY, env
+from ..gateway.conftest import JOB_USER, SOCKET_GROUP, gateway_home, job_python
+from .conftest import NEEDS_RAY, PY, env
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
@@ -83,7 +84,9 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, stack: c
     async with await local_fleet.connect():  # the agents (and their daemons) exist first
         pass
     home = stack.enter_context(gateway_home())  # a state dir the jobs' user can pass through
-    proc, url, log = start(home / "gw", "--fleet", str(local_fleet.cluster.address))
+    proc, url, log = start(
+        home / "gw", "--fleet", str(local_fleet.cluster.address), "--ray-token-file", local_fleet.token_file
+    )
     try:
         async with GatewayClient(url, token(home / "gw")) as c:
             view = (await c.env(force=True))["env"][0]
@@ -112,6 +115,8 @@ async def test_gateway_runs_jobs_on_every_node(local_fleet: LocalFleet, stack: c
             assert lost["status"] == "failed", lost
             assert lost["error"]["reason"] == "daemon_lost", lost
             assert f"node {node}" in lost["error"]["message"], lost
+            # What the Atrex client prints (stdout, stderr) says why, not only the job's error.
+            assert f"krex: the job failed: node {node}" in lost["result"]["stderr"], lost
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
@@ -128,7 +133,9 @@ async def test_gateway_jobs_wait_while_no_fleet_node_is_up(
         pids = [c["daemon_pid"] for c in (await fc.capacity()).values()]
     assert len(pids) == 3 and all(pids), pids
     home = stack.enter_context(gateway_home())
-    proc, url, log = start(home / "gw", "--fleet", str(local_fleet.cluster.address))
+    proc, url, log = start(
+        home / "gw", "--fleet", str(local_fleet.cluster.address), "--ray-token-file", local_fleet.token_file
+    )
     try:
         async with GatewayClient(url, token(home / "gw")) as c:
             warm = await c.dev("echo warm")
@@ -161,8 +168,11 @@ async def test_gateway_jobs_wait_while_no_fleet_node_is_up(
 async def test_gateway_fleet_unreachable_says_so(stack: contextlib.ExitStack) -> None:
     """No Ray cluster at the address: the gateway serves, /v1/env names the failure, jobs wait
     queued (as with a daemon that is down), and SIGTERM ends it cleanly."""
+    from krex_async.fleet.auth import create_token
+
     home = stack.enter_context(gateway_home())
-    proc, url, log = start(home / "gw", "--fleet", "127.0.0.1:1")
+    ray_token = create_token(str(home / "ray" / "token"))
+    proc, url, log = start(home / "gw", "--fleet", "127.0.0.1:1", "--ray-token-file", ray_token)
     try:
         async with GatewayClient(url, token(home / "gw")) as c:
             view = (await c.env())["env"][0]
@@ -178,9 +188,7 @@ async def test_gateway_fleet_unreachable_says_so(stack: contextlib.ExitStack) ->
 async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -> None:
     assert local_fleet.cluster is not None
     async with await local_fleet.connect() as fc:
-        h = await fc.submit(
-            [sys.executable, "-c", "import time; time.sleep(20)"], env=env(), node="node2", device="cpu1"
-        )
+        h = await fc.submit([PY, "-c", "import time; time.sleep(20)"], env=env(), node="node2", device="cpu1")
         try:
             r = subprocess.run(
                 [
@@ -192,6 +200,8 @@ async def test_fleet_status_shows_each_nodes_capacity(local_fleet: LocalFleet) -
                     "--json",
                     "--address",
                     str(local_fleet.cluster.address),
+                    "--ray-token-file",
+                    local_fleet.token_file,
                 ],
                 capture_output=True,
                 text=True,
@@ -217,12 +227,13 @@ import asyncio, sys
 from krex_async.fleet.local import LocalFleet
 
 async def main():
-    fleet = LocalFleet(1, daemon_args=("--devices", "cpu:1", "--policy", "command"))
+    args = ("--devices", "cpu:1", "--policy", "command")
+    fleet = LocalFleet(1, daemon_args=args, run_as=sys.argv[1], socket_group=sys.argv[2])
     try:
         address = fleet.start()
-        async with await fleet.connect():  # its agent starts the node's daemon
-            pass
-        print(address, flush=True)
+        async with await fleet.connect() as fc:  # its agent starts the node's daemon
+            agent = await fc.agents["node0"].hello.remote()
+        print(address, fleet.token_file, agent["pid"], flush=True)
         await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
     finally:
         fleet.close()
@@ -232,13 +243,14 @@ asyncio.run(main())
 
 
 @pytest.fixture(scope="module")
-def command_fleet() -> Iterator[str]:
-    """COMMAND_FLEET's address, its helper's log beside it in a temporary directory."""
+def command_fleet() -> Iterator[tuple[str, str, int]]:
+    """COMMAND_FLEET's address, token file and node agent's pid; its helper's log beside it in a
+    temporary directory."""
     with tempfile.TemporaryDirectory(prefix="krex-cmdfleet-", dir="/tmp") as tmp:
         log = Path(tmp) / "fleet.log"
         with open(log, "wb") as err:
             helper = subprocess.Popen(
-                [sys.executable, "-c", COMMAND_FLEET],
+                [sys.executable, "-c", COMMAND_FLEET, JOB_USER, SOCKET_GROUP],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -246,9 +258,9 @@ def command_fleet() -> Iterator[str]:
             )
         assert helper.stdin is not None and helper.stdout is not None
         try:
-            address = helper.stdout.readline().decode().strip()
-            assert address, log.read_text()
-            yield address
+            line = helper.stdout.readline().decode().split()
+            assert len(line) == 3, log.read_text()
+            yield line[0], line[1], int(line[2])
         finally:
             helper.stdin.close()  # it stops its fleet
             try:
@@ -259,13 +271,16 @@ def command_fleet() -> Iterator[str]:
 
 
 async def test_gateway_queue_timeout_withdraws_a_job_queued_on_its_node(
-    command_fleet: str, stack: contextlib.ExitStack
+    command_fleet: tuple[str, str, int], stack: contextlib.ExitStack
 ) -> None:
     """--queue-timeout over a fleet as over one daemon: a job its node's daemon queued is cancelled
     there at its deadline (queue_timeout, result null); the one that started is not touched."""
     home = stack.enter_context(gateway_home())
+    address, token_file, _ = command_fleet
     proc, url, log = start(
-        home / "gw", "--fleet", command_fleet, "--queue-timeout", "3", "--max-running", "3"
+        home / "gw",
+        *("--fleet", address, "--ray-token-file", token_file),
+        *("--queue-timeout", "3", "--max-running", "3"),
     )
     try:
         async with GatewayClient(url, token(home / "gw")) as c:
@@ -287,12 +302,15 @@ async def test_gateway_queue_timeout_withdraws_a_job_queued_on_its_node(
 
 
 async def test_a_fleet_job_queued_on_its_node_is_timed_from_its_start(
-    command_fleet: str, stack: contextlib.ExitStack
+    command_fleet: tuple[str, str, int], stack: contextlib.ExitStack
 ) -> None:
     """A job's timeout runs from its command's start, heard from its node's agent: not the
     daemon's backstop (timeout + 7 s) for a command that waited in that node's queue."""
     home = stack.enter_context(gateway_home())
-    proc, url, log = start(home / "gw", "--fleet", command_fleet, "--max-running", "3")
+    address, token_file, _ = command_fleet
+    proc, url, log = start(
+        home / "gw", "--fleet", address, "--ray-token-file", token_file, "--max-running", "3"
+    )
     try:
         async with GatewayClient(url, token(home / "gw")) as c:
             first = await c.dev(f"touch {home}/scratch/first; sleep 2")
@@ -309,3 +327,69 @@ async def test_a_fleet_job_queued_on_its_node_is_timed_from_its_start(
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
+
+
+async def test_a_job_on_a_node_whose_agent_dies_is_failed_saying_why_or_queued_again(
+    command_fleet: tuple[str, str, int], stack: contextlib.ExitStack
+) -> None:
+    """The node's agent is killed (SIGKILL) while one job runs there and another waits in its
+    daemon's queue: the running one fails, its reason in the job's error and in the stderr that the
+    Atrex client prints; the queued one (it never started, so never reached its region) is queued
+    again, says so in its result, and runs once the node is back: the node's new agent reaches the
+    node's daemon where its predecessor did (not the default socket). Last in this module: it kills
+    the helper fleet's agent."""
+    address, token_file, agent_pid = command_fleet
+    home = stack.enter_context(gateway_home())
+    proc, url, log = start(
+        home / "gw", "--fleet", address, "--ray-token-file", token_file, "--max-running", "3"
+    )
+    try:
+        async with GatewayClient(url, token(home / "gw")) as c:
+            running = await c.dev(f"echo partial; touch {home}/scratch/running; sleep 60")
+            await until(lambda: (home / "scratch" / "running").exists(), "the first job runs")
+            queued = await c.dev(f"touch {home}/scratch/queued; echo second")
+            deadline = time.monotonic() + 30
+            while not (view := await c.get(queued["job_id"])).get("krex_command"):
+                assert time.monotonic() < deadline, view
+                await asyncio.sleep(0.1)
+            assert not (home / "scratch" / "queued").exists()  # waiting in the node's daemon
+            os.kill(agent_pid, signal.SIGKILL)
+
+            lost = await c.wait(running["job_id"], 60)
+            assert lost["status"] == "failed" and lost["error"]["reason"] == "daemon_lost", lost
+            assert "node node0: its agent" in lost["error"]["message"], lost
+            assert lost["result"]["stdout"] == "partial\n", lost
+            assert "krex: the job failed: node node0: its agent" in lost["result"]["stderr"], lost
+
+            done = await c.wait(queued["job_id"], 120)
+            assert done["status"] == "succeeded" and done["result"]["stdout"] == "second\n", done
+            requeued = done["result"]["krex"]["requeued"]
+            assert len(requeued) == 1 and "node node0" in requeued[0], done
+            assert "had not started there: queued again" in requeued[0], done
+            assert done["krex_command"].startswith("node0/"), done  # the node, used again
+            again = await c.wait((await c.dev("echo again"))["job_id"], 60)
+            assert again["status"] == "succeeded" and again["result"]["stdout"] == "again\n", again
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+
+
+async def test_gateway_fleet_without_a_usable_token_file_says_so(stack: contextlib.ExitStack) -> None:
+    """--fleet joins only with Ray's token: none there, or one others can read, is named as the
+    reason jobs wait (the gateway serves on), before any connection is tried."""
+    home = stack.enter_context(gateway_home())
+    loose = home / "loose-token"
+    loose.write_text("x" * 64)
+    loose.chmod(0o644)
+    for i, (token_file, why) in enumerate(
+        ((home / "none", "cannot be read"), (loose, "is readable by others"))
+    ):
+        state = home / f"gw{i}"
+        proc, url, log = start(state, "--fleet", "127.0.0.1:1", "--ray-token-file", str(token_file))
+        try:
+            async with GatewayClient(url, token(state)) as c:
+                view = (await c.env())["env"][0]
+                assert f"the Ray token file {str(token_file)!r} {why}" in view["probe_error"], view
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, log.read_text()

@@ -30,7 +30,12 @@ def docs() -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_manifest_is_valid_strictly(version: str) -> None:
     found = docs()
-    assert set(found) == {"Namespace/krex-system", "ConfigMap/krex-config", "DaemonSet/krex"}
+    assert set(found) == {
+        "Namespace/krex-system",
+        "ConfigMap/krex-config",
+        "DaemonSet/krex",
+        "DaemonSet/krex-ray",
+    }
     for doc in found.values():
         kv.validate(doc, version, strict=True)
 
@@ -73,3 +78,23 @@ def test_the_daemonset_gives_the_daemon_what_it_needs(tmp_path: Path) -> None:
     assert config.cgroup_root in c["args"][0]  # the entrypoint creates it
     cfg = next(v for v in pod["volumes"] if "configMap" in v)
     assert cfg["configMap"]["name"] == "krex-config" and mounts[cfg["name"]] == "/etc/krex"
+
+
+def test_the_ray_workers_take_the_token_from_a_secret_file_only() -> None:
+    """Ray's token authentication on, the token a Secret's file (root only), named by its path:
+    never a literal, an env value from the Secret, or an argument."""
+    ds = docs()["DaemonSet/krex-ray"]
+    pod = ds["spec"]["template"]["spec"]
+    (ray,) = pod["containers"]
+    env = {e["name"]: e for e in ray["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert "RAY_AUTH_TOKEN" not in env
+    path = env["RAY_AUTH_TOKEN_PATH"]["value"]
+    (mount,) = [m for m in ray["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount.get("readOnly") is True
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert vol["secret"]["secretName"] == "krex-ray-token" and vol["secret"]["defaultMode"] == 0o400
+    assert [i["path"] for i in vol["secret"]["items"]] == [path.rpartition("/")[2]]
+    assert "token" not in " ".join(ray["args"]).replace("RAY_AUTH_TOKEN_PATH", "")
+    assert not ray["securityContext"].get("privileged")
+    assert any(m["mountPath"] == "/run/krex" for m in ray["volumeMounts"])  # the daemon's socket

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 
 import pytest
 
 from krex_async import KrexError
 
-from .conftest import NEEDS_RAY, env
+from .conftest import NEEDS_RAY, PY, env
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
-
-PY = sys.executable
 
 
 def survivors(marker: str) -> list[int]:

@@ -4,20 +4,16 @@ a new client."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from tests.conftest import until
 
-from .conftest import NEEDS_RAY, env
+from .conftest import NEEDS_RAY, PY, env
 from .test_node_death import survivors
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.local import LocalFleet  # noqa: E402
-
-PY = sys.executable
 
 
 async def test_a_node_back_under_its_name_is_used_again(local_fleet: LocalFleet) -> None:

@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,15 +17,13 @@ import pytest
 
 from krex_async import KrexError
 
-from .conftest import NEEDS_RAY, env
+from .conftest import NEEDS_RAY, PY, env
 from .test_node_death import survivors
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason=NEEDS_RAY)
 from krex_async.fleet.client import FleetClient  # noqa: E402
 from krex_async.fleet.local import LocalFleet  # noqa: E402
-
-PY = sys.executable
 
 
 def abort_links(pid: int) -> int:
@@ -91,12 +88,12 @@ async def test_a_stream_broken_by_a_blip_kills_its_command(local_fleet: LocalFle
         assert (await fc.run([PY, "-c", "print(2)"], env=env(), node="node2")).stdout == b"2\n"
 
 
-async def test_a_submit_broken_by_a_blip_never_runs_twice(local_fleet: LocalFleet, tmp_path: Path) -> None:
+async def test_a_submit_broken_by_a_blip_never_runs_twice(local_fleet: LocalFleet, shared_tmp: Path) -> None:
     """The links break while run() waits on the daemon (held by SIGSTOP) to accept: the call may or
     may not have reached the agent (it did). Ray may surface that before the first item (submit()
     asks the agent to withdraw it: killed, KrexError) or after it (the handle's stream: killed,
     `lost`); either way it runs once at most, is placed nowhere else, and nothing of it runs on."""
-    ran = tmp_path / "ran"
+    ran = shared_tmp / "ran"
     code = f"open({str(ran)!r}, 'a').write('x\\n'); import time; time.sleep(20)"
     async with await local_fleet.connect(refresh_s=3600) as fc:
         pid = await agent_pid(fc, "node0")
