@@ -71,6 +71,7 @@ class DeviceMemory:
     running: set[str] = field(default_factory=set)  # admitted, not yet ended
     waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
     head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
+    sampled_at: float = 0.0  # monotonic time of the last sample of `used`
 
     @property
     def total(self) -> int:
@@ -120,8 +121,16 @@ class Admission:
         return int(dm.total * self.core.config.mem_headroom)
 
     def committed(self, dm: DeviceMemory, but: str = "") -> int:
-        held = sum(self.holds(self.core.commands[c]) for c in dm.running if c != but)
-        return max(held + dm.pool, dm.used)
+        """What the device is taken to hold. --mem-commit peak: every running command's need or
+        peak, for its whole life. now (default): what the vendor saw used at the last sample, and
+        the need of each command started since (not in that sample yet): KernelBench jobs hold
+        their peak for a moment of a life spent mostly importing and making inputs on the CPU, and
+        reserving it throughout held an H100 to a third of sharing's pace; a collision of peaks
+        is what the co-located out-of-memory re-run is for."""
+        running = [self.core.commands[c] for c in dm.running if c != but]
+        if self.core.config.mem_commit == "peak":
+            return max(sum(self.holds(c) for c in running) + dm.pool, dm.used)
+        return dm.used + sum(c.mem_need for c in running if c.mem_admitted > dm.sampled_at)
 
     def free(self, dm: DeviceMemory, but: str = "") -> int:
         """What a new command may still take there."""
@@ -206,7 +215,7 @@ class Admission:
         return time.monotonic() - since < self.core.config.mem_backfill
 
     def _run(self, cmd: Command, dm: DeviceMemory) -> None:
-        cmd.mem_wait = ""
+        cmd.mem_wait, cmd.mem_admitted = "", time.monotonic()
         if dm.running or dm.pool:  # beside others: an out-of-memory failure may be theirs
             cmd.co_located = True
             for c in dm.running:
@@ -342,6 +351,7 @@ class Admission:
         """On a thread: per device, what is used in all, what each command's tree holds now, and
         what the pool's workers outside commands hold (NVML per-process figures; see nvidia.py on
         pids in containers)."""
+        at = time.monotonic()  # a command admitted after this is not in what is read here
         node = self.core.node
         backend = self.core.backend
         used: dict[str, int] = {}
@@ -367,12 +377,19 @@ class Admission:
                 elif proc.pid in workers:
                     pool[key] = pool.get(key, 0) + n
                     mapped.add(key)
-        return {"used": used, "held": held, "pool": pool, "mapped": mapped, "sampled": snap["groups"]}
+        return {
+            "used": used,
+            "held": held,
+            "pool": pool,
+            "mapped": mapped,
+            "sampled": snap["groups"],
+            "at": at,
+        }
 
     def _apply(self, seen: dict[str, Any]) -> None:
         for key, dm in self.devices.items():
             if key in seen["used"]:
-                dm.used = seen["used"][key]
+                dm.used, dm.sampled_at = seen["used"][key], seen["at"]
                 dm.pool = seen["pool"].get(key, 0)
                 if dm.pool:
                     for c in dm.running:

@@ -130,6 +130,7 @@ class Command:
     mem_now: int = 0
     mem_peak: int = 0
     mem_wait: str = ""
+    mem_admitted: float = 0.0  # monotonic time memory admission let it start
     co_located: bool = False  # other commands (or pool workers) held device memory while it ran
     solo: bool = False  # a re-run after a co-located out-of-memory: runs alone on its device
     reruns: int = 0

@@ -259,6 +259,12 @@ def add_parser(sub: Any) -> None:
         help="fraction of each device's memory admission keeps free (default 0.05)",
     )
     p.add_argument(
+        "--mem-commit",
+        choices=["now", "peak"],
+        help="what a device is taken to hold: now (default): its use at the last sample and the "
+        "needs of commands started since; peak: every running command's need or peak, its whole life",
+    )
+    p.add_argument(
         "--mem-backfill",
         type=float,
         metavar="SECONDS",
@@ -314,6 +320,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "admission",
             "mem_headroom",
             "mem_default",
+            "mem_commit",
             "mem_backfill",
             "region_backlog",
             "hold_share",

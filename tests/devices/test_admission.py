@@ -75,10 +75,10 @@ def released(path: str) -> None:
 async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_order(fake, tmp_path):
     """A holds 600 MiB (declared); B (600) waits for memory, with its reason in status; C (100,
     which would fit now) waits behind B under --mem-backfill 0, never passing it; A's end starts B,
-    then C beside it."""
+    then C beside it (--mem-commit peak: A holds its 600 until it ends)."""
     env = fake
     ra, rb, rc = (str(tmp_path / n) for n in ("ra", "rb", "rc"))
-    async with daemon("--mem-backfill", "0", env=env) as d:
+    async with daemon("--mem-backfill", "0", "--mem-commit", "peak", env=env) as d:
         c = await d.client()
         a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
         b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
@@ -109,12 +109,34 @@ async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_
         await c.close()
 
 
+async def test_mem_commit_now_counts_what_the_device_uses_and_peak_what_commands_could(fake, tmp_path):
+    """A declares 600 MiB but uses 50. Under --mem-commit now, once a sample has seen its use, B
+    (600) starts beside it; under peak, B waits for A's end (A is taken at its declared 600)."""
+    env = fake
+    for commit, beside in (("now", True), ("peak", False)):
+        ra, rb = str(tmp_path / f"a-{commit}"), str(tmp_path / f"b-{commit}")
+        async with daemon("--mem-commit", commit, env=env) as d:
+            c = await d.client()
+            a = await c.submit(alloc("50M", release=ra), env=env, mem=600 * MiB)
+            await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A's use sampled")
+            b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
+            if beside:
+                await until_status(c, b.command, lambda s: s["state"] == "running", "B beside A")
+            else:
+                assert b.queued and "needs ~0.6 GiB (declared)" in (await row(c, b.command))["waiting_for"]
+            released(ra)
+            await until_status(c, b.command, lambda s: s["state"] == "running", "B running")
+            released(rb)
+            assert (await a.wait()).report.exit_code == 0 and (await b.wait()).report.exit_code == 0
+            await c.close()
+
+
 async def test_commands_that_fit_start_past_a_waiting_head_until_its_backfill_window_closes(fake, tmp_path):
     """A holds 600 MiB; B (600) waits. Within --mem-backfill, C (100, fits) starts past B; once B has
     waited longer than the window, D (100, fits too) waits behind B, and starts only after B did."""
     env = fake
     ra, rb, rc, rd = (str(tmp_path / n) for n in ("ra", "rb", "rc", "rd"))
-    async with daemon("--mem-backfill", "1.5", env=env) as d:
+    async with daemon("--mem-backfill", "1.5", "--mem-commit", "peak", env=env) as d:
         c = await d.client()
         a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
         b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
