@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from krex_async import logs
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
 from krex_async.isolation.cudalock import Driver, LockPool, LockResult, open_driver, release_left, start_time
+from krex_async.linux import procfs
 from krex_async.linux.procfs import stat_fields
 from krex_async.protocol import LateLock
 
@@ -316,21 +317,5 @@ def unheld(r: Region, g: Group, why: str) -> None:
 
 
 def d_state(pids: list[int]) -> list[str]:
-    """The threads of `pids` in uninterruptible sleep, as "tid(wchan)" (from /proc)."""
-    out = []
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-                if state != b"D":
-                    continue
-                with open(f"/proc/{pid}/task/{tid}/wchan", errors="surrogateescape") as f:
-                    out.append(f"{tid}({f.read().strip() or '-'})")
-            except (OSError, IndexError):
-                continue
-    return out
+    """The threads of `pids` in uninterruptible sleep, as "tid(wchan)"."""
+    return procfs.uninterruptible(pids)

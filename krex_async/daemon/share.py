@@ -17,8 +17,10 @@ idle), whose spans are then forgotten. Regions of a command never hold that comm
 
 from __future__ import annotations
 
-import os
+import contextlib
 from collections import deque
+
+from krex_async.linux import procfs
 
 IDLE_PROBE_S = 0.1  # a sibling given this long that stays under IDLE_CPU is not waited for
 IDLE_CPU = 0.01  # of one CPU
@@ -126,15 +128,7 @@ def cpu_ns(pids: list[int]) -> int:
     """CPU time the processes `pids` have had, their threads summed, in ns (schedstat: precise,
     where /proc/PID/stat counts in ticks). A process gone counts nothing."""
     total = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
+    for _pid, _tid, text in procfs.thread_files(pids, "schedstat"):
+        with contextlib.suppress(ValueError, IndexError):
+            total += int(text.split()[0])
     return total

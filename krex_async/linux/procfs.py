@@ -3,7 +3,9 @@ are told apart by start time), /proc/<pid>/cgroup, the mount table, and memory f
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,38 @@ def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
         return None
     fields = data[data.rfind(b")") + 2 :].split()
     return fields if len(fields) > 19 else None
+
+
+def thread_files(pids: list[int], name: str, proc: str = "/proc") -> Iterator[tuple[int, str, bytes]]:
+    """(pid, tid, contents of /proc/PID/task/TID/NAME) for every thread of `pids`; a process or
+    thread gone meanwhile, or a file it cannot read, is left out."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"{proc}/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"{proc}/{pid}/task/{tid}/{name}", "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            yield pid, tid, text
+
+
+def uninterruptible(pids: list[int], proc: str = "/proc") -> list[str]:
+    """The threads of `pids` in uninterruptible sleep (state D), as "tid(wchan)"."""
+    out = []
+    for pid, tid, text in thread_files(pids, "stat", proc):
+        if text.rsplit(b")", 1)[-1].split()[:1] != [b"D"]:
+            continue
+        try:
+            with open(f"{proc}/{pid}/task/{tid}/wchan", errors="surrogateescape") as f:
+                wchan = f.read().strip()
+        except OSError:
+            wchan = ""
+        out.append(f"{tid}({wchan or '-'})")
+    return out
 
 
 def tgid(tid: int, proc: str = "/proc") -> int | None:

@@ -82,3 +82,20 @@ def test_exiting_in_kernel_reads_the_flags_field(tmp_path) -> None:
     assert not procfs.exiting_in_kernel(11, proc=str(tmp_path))
     assert procfs.exiting_in_kernel(12, proc=str(tmp_path))
     assert procfs.stat_fields(11, proc=str(tmp_path))[6] == str(0x400040).encode()
+
+
+def test_thread_files_reads_every_thread_and_skips_the_gone() -> None:
+    import threading
+
+    from krex_async.linux import procfs
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        seen = {tid for pid, tid, text in procfs.thread_files([os.getpid(), 2**22 + 7], "stat") if text}
+        assert str(threading.get_native_id()) in seen and str(t.native_id) in seen, seen
+        assert procfs.uninterruptible([os.getpid()]) == []  # running and sleeping, none in D
+    finally:
+        stop.set()
+        t.join()
