@@ -1,6 +1,7 @@
 """The README and docs/ as a reader uses them: every Python snippet runs as pasted (inside a command of
-a real daemon, so a region is granted and a client finds its daemon), every `krex VERB --flag` a page
-shows is a flag that verb has, and every link to a file of the repository leads to one."""
+a real daemon, so a region is granted and a client finds its daemon; one fenced `python no-run`,
+which needs what a test cannot have, such as a running fleet, is compiled), every `krex VERB --flag`
+a page shows is a flag that verb has, and every link to a file of the repository leads to one."""
 
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ import pytest
 from .conftest import PY, ROOT, py_env, run_daemon
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^```([\w -]*)\n(.*?)^```", re.M | re.S)
 
 
 def blocks(lang: str) -> list[tuple[str, str]]:
-    """(page:line, body) of every fenced block whose info string starts with `lang`."""
+    """(page:line, body) of every fenced block whose info string is `lang`."""
     out = []
     for page in PAGES:
         text = page.read_text()
         for m in FENCE.finditer(text):
-            if m.group(1) == lang:
+            if m.group(1).strip() == lang:
                 line = text.count("\n", 0, m.start()) + 1
                 out.append((f"{page.relative_to(ROOT)}:{line}", m.group(2)))
     return out
@@ -49,12 +50,20 @@ async def test_python_snippet_runs_as_pasted(where: str, source: str) -> None:
         assert plain.stderr.count("not running under krex") == 1, plain.stderr
 
 
+@pytest.mark.parametrize(
+    ("where", "source"), blocks("python no-run"), ids=[w for w, _ in blocks("python no-run")]
+)
+def test_python_snippet_that_cannot_run_here_compiles(where: str, source: str) -> None:
+    compile(source, where, "exec")
+
+
 @functools.cache
-def help_text(verb: str) -> str:
-    args = [verb, "--help"] if verb else ["--help"]
-    p = subprocess.run([PY, "-m", "krex_async", *args], capture_output=True, text=True, env=py_env())
-    assert p.returncode == 0, f"krex {verb} --help: {p.stderr}"
-    return p.stdout
+def help_text(verb: str) -> str | None:
+    """`krex VERB --help` (VERB may be a verb and its sub-verb), None where there is no such verb."""
+    p = subprocess.run(
+        [PY, "-m", "krex_async", *verb.split(), "--help"], capture_output=True, text=True, env=py_env()
+    )
+    return p.stdout if p.returncode == 0 else None
 
 
 def krex_lines() -> list[tuple[str, str]]:
@@ -80,8 +89,10 @@ def test_there_are_krex_commands_to_check() -> None:
 @pytest.mark.parametrize(("where", "command"), krex_lines(), ids=[w for w, _ in krex_lines()])
 def test_every_flag_a_page_shows_exists(where: str, command: str) -> None:
     words = command.split()[1:]
-    verb = words[0] if words and not words[0].startswith("-") else ""
-    known = set(re.findall(r"--[a-z][a-z0-9-]*", help_text(verb)))
+    leading = [w for w in words[:2] if re.fullmatch(r"[a-z][a-z-]*", w)]
+    leading = leading[: next((i for i, w in enumerate(words) if w not in leading), len(leading))]
+    verb = next(v for n in range(len(leading), -1, -1) if help_text(v := " ".join(leading[:n])) is not None)
+    known = set(re.findall(r"--[a-z][a-z0-9-]*", help_text(verb) or ""))
     shown = {f for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", " ".join(words)) if f != "--"}
     missing = sorted(shown - known)
     assert not missing, f"{where}: `krex {verb}` has no {missing} (its --help lists {sorted(known)})"
