@@ -65,6 +65,8 @@ ENUMS = {
     "log_level": "debug, info, warning, error",
     "probes": "auto, off, ioctl, launches, tracefs",
     "launch_scope": "outsiders, all",
+    "admission": "auto, memory, off",
+    "mem_commit": "now, peak",
 }
 
 
