@@ -137,7 +137,14 @@ def verdict(
     for p in medians:
         lines.append(f"{p:<7} typical command {typical[p]:+.1f}%, worst command {worst[p]:+.1f}% vs alone")
     reg, sh = worst.get("region", 0.0), worst.get("shared", 0.0)
-    if noise > NOISY_PCT:
+    if noise > NOISY_PCT and sh > noise:
+        lines.append(
+            f"verdict: sharing moved a timing {sh:+.1f}%, beyond even this machine's noise (the same "
+            f"command alone spans {noise:.0f}%; {busy.rstrip('; ') or 'load unknown'}); whether "
+            f"regions kept timings within a few percent cannot be judged here (region's worst "
+            f"{reg:+.1f}%): run it again on a quieter machine for that."
+        )
+    elif noise > NOISY_PCT:
         lines.append(
             f"verdict: none: this machine is too noisy to judge ({busy}the same command alone "
             f"spans {noise:.0f}%, over the {NOISY_PCT:.0f}% a verdict needs): region's worst "

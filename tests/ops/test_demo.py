@@ -24,9 +24,13 @@ def test_verdict_judges_against_the_alone_runs_spread() -> None:
     assert "moved +200.0%" in busy[-1] and "load average 7.5 on 2 cores" in busy[-1], busy
     # noisy alone runs (wider than NOISY_PCT): no verdict either way, and it says why; a region at
     # +101.8% is not passed because the alone runs spread even wider
-    noisy = verdict([1.0, 2.6, 1.5], {"region": [3.05], "shared": [4.0]}, (8.0, 2))
+    noisy = verdict([1.0, 2.6, 1.5], {"region": [3.05], "shared": [2.9]}, (8.0, 2))
     assert noisy[-1].startswith("verdict: none: this machine is too noisy to judge"), noisy
     assert "load average 8.0 on 2 cores" in noisy[-1] and "region's worst +103.3%" in noisy[-1], noisy
+    # noisy, but sharing beyond even that noise: said, and regions left unjudged
+    beyond = verdict([2.0, 2.4, 2.1], {"region": [2.1], "shared": [6.2]}, (0.6, 2))
+    assert beyond[-1].startswith("verdict: sharing moved a timing +195.2%, beyond even"), beyond
+    assert "cannot be judged here (region's worst +0.0%)" in beyond[-1], beyond
     # spread just within NOISY_PCT: judged, with the spread as the floor
     fair = verdict([2.0, 2.2, 2.1], {"region": [2.15], "shared": [3.0]})
     assert "regions kept every timing within 10% of alone" in fair[-1], fair
