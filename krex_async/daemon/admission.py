@@ -202,6 +202,8 @@ class Admission:
         else:
             self._run(cmd, dm)
             return True
+        if not dm.waiting:  # it heads the queue: its backfill window opens now
+            dm.head_since[cmd.id] = time.monotonic()
         dm.waiting.append(cmd.id)
         self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
         return False
@@ -262,6 +264,7 @@ class Admission:
                 c.mem_need, c.mem_source = self.need(c.spec)
                 if not (c_why := self.why_not(c, dm)):
                     dm.waiting.remove(c.id)
+                    dm.head_since.pop(c.id, None)  # it may have headed the queue before a re-run
                     self._run(c, dm)
                     out.append(c)
                     continue
