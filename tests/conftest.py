@@ -111,6 +111,18 @@ def serving(daemon: Daemon, timeout: float = 20) -> Iterator[Daemon]:
             daemon.proc.wait()
 
 
+def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15) -> None:
+    """Stop each process still running: SIGTERM, then SIGKILL if it has not ended in `grace` s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 async def until(
     check: Callable[[], object], what: str | Callable[[], str], timeout: float = 60.0, step: float = 0.01
 ) -> float:

@@ -18,7 +18,7 @@ import pytest
 
 from krex_async import Client
 
-from ..conftest import PY, ROOT, private_cgroup_root, proc_state, py_env, remove_cgroup_tree
+from ..conftest import PY, ROOT, private_cgroup_root, proc_state, py_env, remove_cgroup_tree, stop_all
 from ..security.helpers import LAUNCH, User, make_users, python_as, user_env
 from .test_daemon_death import tree
 
@@ -147,14 +147,7 @@ async def test_a_dead_daemons_command_is_ended_and_reported_lost_to_its_owner(us
         how = "in cgroup" if isolation == "cgroup" else "of session"
         assert len(ended) == 1 and how in ended[0]["action"], ended
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stop_all(procs)
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, 9)

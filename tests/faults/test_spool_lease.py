@@ -18,6 +18,7 @@ import pytest
 
 from krex_async import Client
 
+from ..conftest import stop_all
 from ..security.helpers import USER_PY, User, make_users, user_env
 from .test_lost_commands import agent, launch, until_serving
 
@@ -103,12 +104,5 @@ async def test_a_users_lease_on_a_spool_file_does_not_stall_start_up(users):
         if holder is not None:
             holder.kill()
             holder.wait()
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stop_all(procs)
         shutil.rmtree(d, ignore_errors=True)

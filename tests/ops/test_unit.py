@@ -17,7 +17,7 @@ import pytest
 from krex_async import Client
 from krex_async.daemon.config import load_config
 
-from ..conftest import PY, ROOT, proc_state, until
+from ..conftest import PY, ROOT, proc_state, stop_all, until
 from ..faults.test_daemon_death import tree
 from ..faults.test_lost_commands import until_serving
 
@@ -196,14 +196,7 @@ async def test_a_daemon_killed_under_the_units_layout_is_recovered_by_the_next()
         assert res.report.state == "lost", res.report
         assert res.stdout == b"first-line\n" and Path(res.report.stdout_spool).read_bytes() == b"first-line\n"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stop_all(procs)
         for pid in pids:
             if proc_state(pid) not in (None, "Z"):
                 os.kill(pid, signal.SIGKILL)
