@@ -20,7 +20,13 @@ device. A head waiting on a device where no command runs starts whatever the fig
 command that fits alone always runs eventually. For --mem-backfill seconds after a head first waits,
 later commands that fit start past it (on the H100, strict order behind one 28.7 GiB problem left
 the device idling at a third of sharing's pace); then nothing more starts there until it does, so
-none starves. A re-run waiting to run alone is never passed.
+none starves. A waiting re-run is never passed.
+
+A re-run after a co-located out-of-memory (reruns.py) whose need is known is *guarded*: it starts
+when that need fits beside every running command's peak, and while it runs the device counts peaks
+for every admission, so nothing started later can take what it needs. Where its need is unknown, or
+a guarded re-run met an out-of-memory again, it runs alone. Running each re-run alone left an H100
+running one job at a time for a third of a region round (four re-runs, 48 s of 139 s).
 
 Per-process peaks come from the vendor (NVML's per-process used memory) on a thread, every
 SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
@@ -38,6 +44,7 @@ from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
+from krex_async.daemon import memsample
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core
 from krex_async.daemon.footprints import Footprints, mem_keys
@@ -47,13 +54,6 @@ log = logs.get("krex.daemon")
 
 SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
 IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
-OOM_MARKERS = (
-    b"CUDA out of memory",
-    b"CUDA_ERROR_OUT_OF_MEMORY",
-    b"torch.OutOfMemoryError",
-    b"cudaErrorMemoryAllocation",
-    b"hipErrorOutOfMemory",
-)
 
 
 def gib(n: int) -> str:
@@ -128,9 +128,15 @@ class Admission:
         reserving it throughout held an H100 to a third of sharing's pace; a collision of peaks
         is what the co-located out-of-memory re-run is for."""
         running = [self.core.commands[c] for c in dm.running if c != but]
-        if self.core.config.mem_commit == "peak":
-            return max(sum(self.holds(c) for c in running) + dm.pool, dm.used)
+        if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
+            return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
         return dm.used + sum(c.mem_need for c in running if c.mem_admitted > dm.sampled_at)
+
+    def peaks(self, dm: DeviceMemory, but: str = "") -> int:
+        """The device taken at every running command's need or peak, for its whole life, plus the
+        pool's workers; or what the vendor reports used, if that is more."""
+        running = [self.core.commands[c] for c in dm.running if c != but]
+        return max(sum(self.holds(c) for c in running) + dm.pool, dm.used)
 
     def free(self, dm: DeviceMemory, but: str = "") -> int:
         """What a new command may still take there."""
@@ -166,12 +172,17 @@ class Admission:
         solo = next((o for o in others if o.solo), None)
         if solo is not None:
             return f"waiting for {solo.id}, a re-run after a co-located out-of-memory, to end on {key}"
+        if cmd.guarded:
+            return self._guard_wait(cmd, dm, others)
         backlog = self.core.config.region_backlog
         if backlog and self.core.scheduler.isolates():
             queued = len(self.core.scheduler.queued(key))
             if queued >= backlog:  # another command would only wait in that line too
                 return f"waiting: {queued} region(s) already queued on {key} (--region-backlog {backlog})"
         if cmd.mem_source == "unknown":
+            guarded = next((o for o in others if o.guarded), None)
+            if guarded is not None:  # its need of 0 could take what the re-run's peak needs
+                return f"waiting for {guarded.id}, a guarded re-run, to end on {key}: footprint unknown"
             unknown = next((o for o in others if o.mem_source == "unknown"), None)
             if unknown is not None:
                 return (
@@ -185,6 +196,21 @@ class Admission:
                 f"{gib(free)} free of {gib(dm.total)} (commands {gib(sum(self.holds(o) for o in others))}, "
                 f"pool {gib(dm.pool)}, used {gib(dm.used)}, headroom {gib(self.headroom(dm))})"
             )
+        return ""
+
+    def _guard_wait(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str:
+        """Why a guarded re-run may not start yet ("" when it may): it needs its need (or what its
+        failed run reached, if more) free beside every running command's peak, and none of them
+        of unknown need (an unknown's peak is not known to leave it room)."""
+        key, why = dm.device.key, "re-run after a co-located CUDA out-of-memory"
+        unknown = next((o for o in others if o.mem_source == "unknown"), None)
+        if unknown is not None:
+            return f"{why}: waits for {unknown.id} (need unknown) on {key}"
+        want = max(cmd.mem_need, cmd.mem_peak)
+        free = max(0, dm.total - self.peaks(dm, cmd.id) - self.headroom(dm))
+        if want > free:
+            need = f"~{gib(want)} ({cmd.mem_source})"
+            return f"{why}: needs {need} beside the others' peaks on {key}, {gib(free)} free"
         return ""
 
     def admit(self, cmd: Command) -> bool:
@@ -211,7 +237,7 @@ class Admission:
     def _passes(self, cmd: Command, dm: DeviceMemory) -> bool:
         """Whether a new `cmd` may start past the waiting head (--mem-backfill) if it fits."""
         head = self.core.commands.get(dm.waiting[0])
-        if head is None or head.solo:
+        if head is None or head.solo or head.guarded:
             return False
         since = dm.head_since.get(head.id, time.monotonic())
         return time.monotonic() - since < self.core.config.mem_backfill
@@ -252,9 +278,9 @@ class Admission:
     def _backfill(self, head: Command, why: str, dm: DeviceMemory) -> list[Command]:
         """While `head` (which does not fit) has headed the queue under --mem-backfill seconds, the
         later commands that fit start past it, in order; after that, and behind a re-run that
-        waits to run alone, they wait for it. Returns those started."""
+        waits, they wait for it. Returns those started."""
         since = dm.head_since.setdefault(head.id, time.monotonic())
-        open_ = not head.solo and time.monotonic() - since < self.core.config.mem_backfill
+        open_ = not (head.solo or head.guarded) and time.monotonic() - since < self.core.config.mem_backfill
         out: list[Command] = []
         for i, other in enumerate(list(dm.waiting)[1:], 2):
             c = self.core.commands.get(other)
@@ -289,8 +315,12 @@ class Admission:
         return self.pump(dm.device.key)
 
     def requeue(self, cmd: Command) -> None:
-        """A re-run: out of the running set, first in line (it already waited its turn)."""
+        """A re-run: out of the running set, first in line (it already waited its turn); guarded
+        where its need is known and it is the first re-run, else alone."""
         dm = self.devices[cmd.device_key or ""]
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        cmd.guarded = cmd.reruns == 1 and cmd.mem_source != "unknown"
+        cmd.solo = not cmd.guarded
         dm.running.discard(cmd.id)
         dm.waiting.appendleft(cmd.id)
         self._reserved_metric(dm)
@@ -300,14 +330,6 @@ class Admission:
         self.core.metrics.memory_reserved(dm.device.key, held, dm.used)
 
     # ------------------------------------------------------------------------------ OOM verdict
-
-    def oom(self, cmd: Command) -> bool:
-        """Whether the command failed with a device out-of-memory error (its exit and its output)."""
-        rep = cmd.report
-        if rep is None or rep.state not in ("exited", "signaled") or rep.exit_code == 0:
-            return False
-        tails = bytes(cmd.err.buf[-65536:]) + bytes(cmd.out.buf[-65536:])
-        return any(m in tails for m in OOM_MARKERS)
 
     def fits_alone(self, cmd: Command) -> bool:
         dm = self.devices.get(cmd.device_key or "")
@@ -351,43 +373,9 @@ class Admission:
         return {"groups": groups, "pools": pools}
 
     def _read(self, snap: dict[str, Any]) -> dict[str, Any]:
-        """On a thread: per device, what is used in all, what each command's tree holds now, and
-        what the pool's workers outside commands hold (NVML per-process figures; see nvidia.py on
-        pids in containers)."""
-        at = time.monotonic()  # a command admitted after this is not in what is read here
-        node = self.core.node
-        backend = self.core.backend
-        used: dict[str, int] = {}
-        held: dict[str, int] = {}
-        pool: dict[str, int] = {}
-        mapped: set[str] = set()  # devices where some process NVML lists is one we know
-        owner: dict[int, str] = {}
-        for cid, (_key, group) in snap["groups"].items():
-            for pid in backend.pids(group):
-                owner[pid] = cid
-        for key, dm in self.devices.items():
-            if node is None:
-                continue
-            fresh = node.vendor(dm.device)
-            dev = fresh.refresh(dm.device) if fresh is not None else dm.device
-            used[key] = max(0, dev.memory_total_bytes - dev.memory_free_bytes)
-            workers = snap["pools"].get(key, set())
-            for proc in node.processes(dm.device):
-                n = proc.used_memory_bytes or 0
-                if proc.pid in owner:
-                    held[owner[proc.pid]] = held.get(owner[proc.pid], 0) + n
-                    mapped.add(key)
-                elif proc.pid in workers:
-                    pool[key] = pool.get(key, 0) + n
-                    mapped.add(key)
-        return {
-            "used": used,
-            "held": held,
-            "pool": pool,
-            "mapped": mapped,
-            "sampled": snap["groups"],
-            "at": at,
-        }
+        return memsample.read(
+            self.core.node, self.core.backend, [dm.device for dm in self.devices.values()], snap
+        )
 
     def _apply(self, seen: dict[str, Any]) -> None:
         for key, dm in self.devices.items():

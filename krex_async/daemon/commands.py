@@ -132,7 +132,10 @@ class Command:
     mem_wait: str = ""
     mem_admitted: float = 0.0  # monotonic time memory admission let it start
     co_located: bool = False  # other commands (or pool workers) held device memory while it ran
-    solo: bool = False  # a re-run after a co-located out-of-memory: runs alone on its device
+    # a re-run after a co-located out-of-memory (admission.py): guarded (its need known: starts
+    # where it fits beside the others' peaks) or solo (runs alone on its device)
+    solo: bool = False
+    guarded: bool = False
     reruns: int = 0
     rerun_reason: str = ""
 
@@ -155,9 +158,10 @@ class Command:
 
     def reset_for_rerun(self, reason: str) -> None:
         """Ended, to run again (a re-run after a co-located out-of-memory, admission.py): queued
-        and alone, with nothing of the first run's processes, output or regions left."""
+        (guarded or alone: admission.requeue), with nothing of the first run's processes, output
+        or regions left."""
         self.reruns += 1
-        self.rerun_reason, self.solo, self.co_located = reason, True, False
+        self.rerun_reason, self.co_located = reason, False
         self.state, self.report, self.launched, self.group, self.watch_task = (
             CommandState.QUEUED,
             None,

@@ -194,9 +194,9 @@ class Lifecycle:
         deliver its report, and keep it for the retention time."""
         if cmd.stdin_pipe is not None:  # what its children still read sees EOF, as after a shell
             cmd.stdin_pipe.close()
-        oom = self.admission.tracks(cmd.device_key) and self.admission.oom(cmd)
+        oom = self.admission.tracks(cmd.device_key) and reruns.is_oom(cmd)
         if oom and await self._oom(cmd):
-            return  # re-run: it starts again once it can run alone
+            return  # re-run: it starts again once it fits (guarded) or can run alone
         for other in self.regions.active.values():  # held by another's region, it ended all the same
             rep = other.report
             if rep.outcome == "held" and cmd.id in other.locked_ids and cmd.id not in rep.held_exited:

@@ -1,7 +1,8 @@
-"""What a CUDA out-of-memory failure means for a command: a re-run, alone, where it was co-located
-(others held device memory while it ran), allowed (Submit.rerun_on_oom), not re-run yet and
-fitting alone; otherwise a report that says whether the failure was co-location's or its own.
-Memory admission (admission.py) detects the failure and runs the re-run; lifecycle.py acts."""
+"""What a CUDA out-of-memory failure means for a command: a re-run where it was co-located (others
+held device memory while it ran), allowed (Submit.rerun_on_oom), fitting alone, and not re-run yet,
+or re-run once guarded (admission.py: beside the others' peaks) and now to run alone; otherwise a
+report that says whether the failure was co-location's or its own. Memory admission (admission.py)
+runs the re-run; lifecycle.py acts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ import msgspec
 from krex_async.daemon.commands import Command
 
 REASON = "co-located OOM"
+OOM_MARKERS = (
+    b"CUDA out of memory",
+    b"CUDA_ERROR_OUT_OF_MEMORY",
+    b"torch.OutOfMemoryError",
+    b"cudaErrorMemoryAllocation",
+    b"hipErrorOutOfMemory",
+)
+
+
+def is_oom(cmd: Command) -> bool:
+    """Whether the command failed with a device out-of-memory error (its exit and its output)."""
+    rep = cmd.report
+    if rep is None or rep.state not in ("exited", "signaled") or rep.exit_code == 0:
+        return False
+    tails = bytes(cmd.err.buf[-65536:]) + bytes(cmd.out.buf[-65536:])
+    return any(m in tails for m in OOM_MARKERS)
 
 
 def verdict(cmd: Command, others: list[str], fits_alone: bool, closing: bool) -> bool:
@@ -19,10 +36,14 @@ def verdict(cmd: Command, others: list[str], fits_alone: bool, closing: bool) ->
     if not cmd.co_located:
         cmd.report = msgspec.structs.replace(cmd.report, oom="alone")
         return False
-    if cmd.spec.rerun_on_oom and not cmd.reruns and fits_alone and not closing:
+    # a first re-run that was guarded (beside others) may run once more, alone
+    allowed = 2 if cmd.guarded else 1
+    if cmd.spec.rerun_on_oom and cmd.reruns < allowed and fits_alone and not closing:
         return True
     if cmd.reruns:
-        why = "it was re-run once already"
+        why = (
+            "it was re-run once already" if cmd.reruns == 1 else "it was re-run twice already, the last alone"
+        )
     elif not fits_alone:
         why = "it would not fit alone either"
     elif closing:

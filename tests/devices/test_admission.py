@@ -223,10 +223,11 @@ async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kind
 
 
 async def _scenario(c: Client, env: dict[str, str], tmp_path: Path, rerun: bool) -> tuple[CommandHandle, Any]:
-    """A (declared 100 MiB, allocates 50) runs; B (400) starts beside it; A then grows to 700 MiB,
-    which does not fit beside B: CUDA out of memory, though A alone fits."""
+    """A (need unknown, allocates 50 MiB) runs; B (400) starts beside it; A then grows to 700 MiB,
+    which does not fit beside B: CUDA out of memory, though A alone fits. A failed run teaches no
+    footprint, so A's need is still unknown: a re-run runs alone."""
     gate, rb = str(tmp_path / "gate"), str(tmp_path / "rb")
-    a = await c.submit(alloc("50M", "700M", gate=gate), env=env, mem=100 * MiB, rerun_on_oom=rerun)
+    a = await c.submit(alloc("50M", "700M", gate=gate), env=env, rerun_on_oom=rerun)
     await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
     b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
     assert not b.queued
@@ -266,6 +267,81 @@ async def test_a_co_located_oom_is_re_run_once_alone_and_reported(fake, tmp_path
             b"out of memory" not in res.stderr and res.stdout == b"allocated 52428800\nallocated 734003200\n"
         ), res
         assert (await b.wait()).report.exit_code == 0
+        await c.close()
+
+
+async def test_a_re_run_of_known_need_is_guarded_beside_the_others_peaks_not_alone(fake, tmp_path):
+    """A declares 300 MiB and uses 50 at first; B (400) and D (350) start beside it under
+    --mem-commit now. A's growth to 300 meets CUDA out of memory. A's re-run is guarded: it waits
+    while 300 does not fit beside B's and D's peaks, and starts once D ends, with B still running
+    (not alone); while it runs, an unknown C waits for it (C's peak could take A's room), and A
+    ends well with one re-run."""
+    env = fake
+    gate, ra, rb, rc, rd = (str(tmp_path / n) for n in ("gate", "ra", "rb", "rc", "rd"))
+    async with daemon(env=env) as d:
+        c = await d.client()
+        a = await c.submit(
+            alloc("50M", "300M", gate=gate, release=ra), env=env, mem=300 * MiB, rerun_on_oom=True
+        )
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
+        b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
+        dd = await c.submit(alloc("350M", release=rd), env=env, mem=350 * MiB)
+        assert not b.queued and not dd.queued
+        for h, n in ((b, 400), (dd, 350)):
+            await until_status(c, h.command, lambda s, n=n: s["mem_peak"] >= n * MiB, "B and D allocated")
+        released(gate)
+        st = await until_status(c, a.command, lambda s: s["reruns"] == 1, "A re-queued after its OOM")
+        assert st["state"] == "queued", st
+        assert (
+            "needs ~0.3 GiB (declared) beside the others' peaks on fake0, 0.2 GiB free" in st["waiting_for"]
+        ), st
+        released(rd)
+        assert (await dd.wait()).report.exit_code == 0
+        await until_status(
+            c,
+            a.command,
+            lambda s: s["state"] == "running" and s["mem_bytes"] >= 300 * MiB,
+            "A's re-run grew to 300 beside B",
+        )
+        assert (await row(c, b.command))["state"] == "running"
+        cc = await c.submit(alloc("10M", release=rc), env=env, label="never seen")
+        assert cc.queued
+        st = await row(c, cc.command)
+        assert (
+            st["mem_source"] == "unknown"
+            and f"waiting for {a.command}, a guarded re-run" in st["waiting_for"]
+        ), st
+        released(ra)
+        rep = (await a.wait()).report
+        assert rep.exit_code == 0 and rep.reruns == 1 and rep.rerun_reason == "co-located OOM", rep
+        assert (await row(c, b.command))["state"] == "running"  # A's re-run never needed B gone
+        await until_status(c, cc.command, lambda s: s["state"] == "running", "C after A's re-run")
+        released(rb)
+        released(rc)
+        assert (await b.wait()).report.exit_code == 0 and (await cc.wait()).report.exit_code == 0
+        await c.close()
+
+
+async def test_a_guarded_re_run_that_meets_out_of_memory_again_runs_once_more_alone(fake, tmp_path):
+    """A declares 100 MiB but grows to 700: its guarded re-run (100 fits beside B's 400) meets out of
+    memory again beside B, so it is re-run a second time, alone: it waits for B, then succeeds."""
+    env = fake
+    gate, rb = str(tmp_path / "gate"), str(tmp_path / "rb")
+    async with daemon(env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("50M", "700M", gate=gate), env=env, mem=100 * MiB, rerun_on_oom=True)
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
+        b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
+        await until_status(c, b.command, lambda s: s["mem_peak"] >= 400 * MiB, "B allocated")
+        released(gate)
+        st = await until_status(c, a.command, lambda s: s["reruns"] == 2, "A re-run a second time")
+        assert st["state"] == "queued" and "waits to run alone on fake0" in st["waiting_for"], st
+        assert (await row(c, b.command))["state"] == "running"
+        released(rb)
+        assert (await b.wait()).report.exit_code == 0
+        res = await a.wait()
+        assert res.report.exit_code == 0 and res.report.reruns == 2, res.report
+        assert res.stdout == b"allocated 52428800\nallocated 734003200\n", res
         await c.close()
 
 
