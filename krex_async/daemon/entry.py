@@ -197,8 +197,8 @@ class Entry:
                 rep.pool_wait_s = quiet.result()
                 creator = pool.creator_pid()
                 if creator is not None:  # a creation that outlived the wait: neither waited for nor held
-                    rep.pool_unheld[creator] = (
-                        f"its context creation still in flight after {rep.pool_wait_s:.1f} s"
+                    held.unheld_worker(
+                        creator, f"its context creation still in flight after {rep.pool_wait_s:.1f} s"
                     )
                 # a context creation that was in flight has ended: that worker is held too
                 more = [p for p in self._pool_workers(r, plan.how, plan.to_lock) if p not in workers]

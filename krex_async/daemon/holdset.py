@@ -285,6 +285,10 @@ class HoldSet:
             why = f"inside a CUDA call for over --lock-wait {wait:g}s ({x.error})" if x.not_ready else x.error
             res[p] = LockResult(p, x.ok, e.after_s, why)
 
+    def unheld_worker(self, pid: int, why: str) -> None:
+        """A pool worker outside any command that holds a GPU file and is not held (pool_unheld)."""
+        self.report.pool_unheld[pid] = why
+
     def add_locked(self, cid: str) -> None:
         """A command held by a process already locked (a warm worker locked at the entry joined it)."""
         self._locked_ids.append(cid)
