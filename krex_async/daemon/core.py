@@ -6,9 +6,9 @@ and `Exits`), the probe `Attributor` (attribution.py), `Status` (status.py) and 
 else (uvicorn's `ServerState`, CPython's process-pool manager). With it the imports run one way,
 down:
 
-    daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> commands -> records
+    daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> holdset, commands -> records
                                    -> joins -----------^       ^
-           -> attribution -> regions; lifecycle -> warmpools -> joins
+           -> attribution -> regions; lifecycle -> warmpools -> regions
            -> recovery, tracing; lifecycle -> placement -> access
                                  lifecycle, placement, status -> admission -> core
 """
