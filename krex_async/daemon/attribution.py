@@ -219,16 +219,13 @@ class Attributor:
     def _attribute(self, batch: list[ProbeEvent]) -> None:
         self.events += len(batch)
         self.core.metrics.probe_lost_total(self.backend.lost())
-        held = [self.regions.active[rid] for rid in self.watches if rid in self.regions.active]
+        held = [r for rid in self.watches if (r := self.regions.get(rid)) is not None]
         # a GPU open since a region chose whom to hold freezes the sibling, its entry included
-        choosing = [
-            *held,
-            *(r for r in self.regions.active.values() if r.report.outcome == "open" and r.select_ns),
-        ]
+        choosing = [*held, *self.regions.choosing()]
         for ev in batch:
             if ev.kind == "open":
                 for r in choosing:
-                    self.regions.joins.freeze_late(r, ev)
+                    self.regions.freeze_late(r, ev)
             stray_for = None
             for r in held:
                 w = self.watches[r.id]

@@ -6,9 +6,9 @@ and `Exits`), the probe `Attributor` (attribution.py), `Status` (status.py) and 
 else (uvicorn's `ServerState`, CPython's process-pool manager). With it the imports run one way,
 down:
 
-    daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> commands -> records
+    daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> holdset, commands -> records
                                    -> joins -----------^       ^
-           -> attribution -> regions; lifecycle -> warmpools -> joins
+           -> attribution -> regions; lifecycle -> warmpools -> regions
            -> recovery, tracing; lifecycle -> placement -> access
                                  lifecycle, placement, status -> admission -> core
 """
@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from krex_async import protocol as P
 from krex_async.daemon.commands import Command
 from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.holdset import HoldSet
 from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.records import Records
 from krex_async.daemon.spool import Spool
@@ -105,9 +107,23 @@ class Exiting(NamedTuple):
     began: float  # monotonic, when its exit could first run: --exit-starve counts from here
 
 
+class Outcome(StrEnum):
+    """How a region stands, then how it ended (its report's `outcome` spells it)."""
+
+    OPEN = "open"  # requested: queued, waiting its share, or entering
+    HELD = "held"  # granted: the owner times
+    RELEASED = "released"  # the owner exited it (RegionExit)
+    EXPIRED = "expired"  # --region-timeout passed
+    OWNER_DIED = "owner-died"  # its process, connection or command ended
+    SHUTDOWN = "shutdown"  # the daemon shut down
+    REFUSED = "refused"  # its entry failed: nothing held, the owner told why
+
+
 @dataclass
 class Region:
-    """One region from its request to its release (regions.py runs it)."""
+    """One region from its request to its release (regions.py runs it). What it holds is its
+    `held` HoldSet's (holdset.py), the only writer of the held processes and the report's hold
+    fields; the read-only views below are for the daemon's readers (status, trace, cores)."""
 
     id: str
     command: Command
@@ -119,15 +135,8 @@ class Region:
     report: P.RegionReport
     t_request: float = field(default_factory=time.perf_counter)
     turn: asyncio.Future[None] | None = None
-    ended: asyncio.Future[str] | None = None
-    frozen: list[Group] = field(default_factory=list)
-    frozen_ids: list[str] = field(default_factory=list)
-    locked_pids: list[int] = field(default_factory=list)  # locked through the driver: unlock them
-    locked_ids: list[str] = field(default_factory=list)  # commands held by the lock alone
-    quiesced: list[Callable[[P.Msg], bool]] = field(default_factory=list)
-    held_runtimes: list[Callable[[P.Msg], bool]] = field(default_factory=list)  # told Held: Resume
-    # processes whose exit waits for this region's end (Daemon.exit_held): pid -> their runtime
-    exit_waiters: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)
+    ended: asyncio.Future[Outcome] | None = None
+    held: HoldSet = field(init=False)
     # exits it found unfinished (Exits.wait): pid -> their Exits.exiting entry, given back at
     # the release, so that the next region finds them still exiting
     exits_left: dict[int, Exiting] = field(default_factory=dict)
@@ -136,24 +145,43 @@ class Region:
     task: asyncio.Task[None] | None = None
     exit_id: int | None = None  # the RegionExit request that ended it, answered with the report
     paused_pool: bool = False
-    releasing: bool = False  # Entry.release has begun: nothing may join the frozen set any more
     # its turn has come, and it waits for siblings owed their share (share.py): they run, and it is
     # not yet the region a command starting or exiting meets (Joins.current_on)
     sharing: bool = False
     joins: list[asyncio.Task[None]] = field(default_factory=list)  # commands started meanwhile
     clock: ClockState | None = None  # the GPU clock at the grant, where the vendor can read it
-    # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry
-    late: dict[int, P.LateLock] = field(default_factory=dict)
-    freezing: set[str] = field(default_factory=set)  # commands a late freeze is under way for
-    # late, join and adoption freezes (Joins._freeze_into) in flight: Entry.release waits for them,
-    # so that none lands, or is undone, after the next region took the device
-    freezes: set[asyncio.Future[None]] = field(default_factory=set)
     # when its entry chose whom to hold (CLOCK_MONOTONIC ns, the probes' clock): a sibling whose
     # GPU open the probes see from then on is frozen into it (Joins.freeze_late), entry included
     select_ns: int | None = None
     targets: set[str] = field(default_factory=set)  # the commands its entry chose to hold
-    entry_late: list[str] = field(default_factory=list)  # commands frozen so before the grant
 
-    def end(self, reason: str) -> None:
+    def __post_init__(self) -> None:
+        self.held = HoldSet(self.id, self.report)
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome(self.report.outcome)
+
+    @outcome.setter
+    def outcome(self, value: Outcome) -> None:
+        self.report.outcome = Outcome(value).value
+
+    @property
+    def frozen(self) -> Sequence[Group]:
+        return self.held.frozen
+
+    @property
+    def frozen_ids(self) -> Sequence[str]:
+        return self.held.frozen_ids
+
+    @property
+    def locked_ids(self) -> Sequence[str]:
+        return self.held.locked_ids
+
+    @property
+    def locked_pids(self) -> Sequence[int]:
+        return self.held.locked_pids
+
+    def end(self, reason: Outcome) -> None:
         if self.ended is not None and not self.ended.done():
             self.ended.set_result(reason)

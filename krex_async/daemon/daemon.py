@@ -83,7 +83,7 @@ class Daemon:
             all_cpus=self.all_cpus,
         )
         self.regions = Regions(self.core)
-        self.warm = WarmPools(self.core, self.regions.joins)
+        self.warm = WarmPools(self.core, self.regions)
         # Unique across daemons and restarts (two started in one second shared ids once): a
         # command id names cgroups, records and spool files that another daemon must not meet.
         self._boot = secrets.token_hex(4)
@@ -140,9 +140,7 @@ class Daemon:
 
     def disconnected(self, send: Send) -> None:
         """A connection closed: end the regions it held and the commands only it was watching."""
-        for r in list(self.regions.active.values()):
-            if r.send == send:
-                r.end("owner-died")
+        self.regions.end_owned_by(send)
         self.lifecycle.disconnected(send)
         self.tracer.drop(send)
 
@@ -167,18 +165,12 @@ class Daemon:
         self.regions.create(cmd, req, pid, send)
 
     def region_exit(self, req: P.RegionExit, peer_pid: int) -> None:
-        r = self.regions.active.get(req.region)
+        r = self.regions.get(req.region)
         if r is None:
             raise RequestError("unknown_region", f"no active region {req.region!r}")
         if not hmac.compare_digest(req.token.encode(), r.command.token.encode()) or r.pid != peer_pid:
             raise RequestError("forbidden", f"region {req.region} belongs to another process")
-        r.exit_id = req.id
-        if req.drain:
-            r.report.drain = req.drain
-            r.report.drain_s = req.drain_s
-            r.report.drain_window_s = self.config.drain_window
-        r.report.warm_s = req.warm_s
-        r.end("released")
+        self.regions.exit(r, req)
 
     def quiesce_ready(self, req: P.QuiesceReady, peer_pid: int, send: Send) -> None:
         cmd = self.commands.get(req.command)
@@ -190,55 +182,25 @@ class Daemon:
             self.warm.declined(cmd, req.pool_declined)
 
     def exit_held(self, req: P.ExitHeld, peer_pid: int, send: Send) -> None:
-        """A command's process holding a GPU file is exiting: its runtime waits for a Resume.
-
-        Locked by `req.region`: that region's release resumes it (the runtime was told Held). Else
-        the exit waits for the end of a region of another command on its device, if one runs (the
-        region's owner just released often exits while the next region times), and is resumed at
-        once otherwise. Either way the region granted next on the device waits, up to --lock-wait,
-        for the exit to finish (Exits.exiting): the driver frees the process's GPU memory."""
-        regions = self.regions
-        if req.region:  # its Resume comes with that region's release (or came: it is over)
-            r = regions.active.get(req.region)
-            if r is not None and peer_pid in r.locked_pids and peer_pid not in r.report.exit_deferred:
-                r.report.exit_deferred.append(peer_pid)
-                regions.exits.note_exiting(peer_pid, r.device)
-            return
-        cmd = next((c for c in self.commands.values() if c.runtimes.get(peer_pid) == send), None)
-        if cmd is None or cmd.device is None or not self.scheduler.isolates() or self.core.closing:
-            send(P.Resume(id=0, region=""))  # (no region holds a device under shared or command)
-            return
-        device = cmd.device.key
-        r = regions.joins.current_on(device)  # entering or held there, not a queued one
-        if r is not None and (r.command is cmd or (r.ended is not None and r.ended.done())):
-            r = None  # its own command's, or ending (released, withdrawn): nothing to wait for
-        if r is None:
-            regions.exits.note_exiting(peer_pid, device)
-            send(P.Resume(id=0, region=""))
-        else:
-            r.exit_waiters[peer_pid] = send
-            r.report.exit_deferred.append(peer_pid)
+        """A command's process holding a GPU file is exiting: its runtime waits for a Resume, which
+        comes with the release of the region that locked it, or of one running on its device, or at
+        once (Regions.exit_held)."""
+        self.regions.exit_held(req, peer_pid, send)
 
     def quiesce_ack(self, req: P.QuiesceAck, peer_pid: int) -> None:
-        r = self.regions.active.get(req.region)
-        if r is not None:
-            self.regions.drain.ack(r.command, peer_pid, req)
+        self.regions.ack(req, peer_pid)
 
     # --------------------------------------------------------------------------------- shutdown
 
     async def shutdown(self) -> None:
         """End every region (thawing), then every command: SIGTERM, then SIGKILL after the grace."""
         self.core.closing = True
-        for r in list(self.regions.active.values()):
-            r.end("shutdown")
-        region_tasks = [r.task for r in self.regions.active.values() if r.task]
-        if region_tasks:
-            await asyncio.wait(region_tasks, timeout=5)
+        await self.regions.end_all()
         await self.lifecycle.stop()
         await self.warm.close()
         if self.attributor is not None:
             self.attributor.backend.stop()
         await self.backend.close()
-        self.regions.hold.close()
+        self.regions.close()
         if self.node is not None:
             self.node.close()

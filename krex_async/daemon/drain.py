@@ -73,13 +73,14 @@ class Drain:
         r: Region,
         asked: Asked,
     ) -> None:
-        """Send every Quiesce first (no awaiting in between); acks resolve r.acks."""
+        """Send every Quiesce first (no awaiting in between); acks resolve r.acks. Each runtime told
+        is told Resume at the release (HoldSet.resume)."""
         loop = asyncio.get_running_loop()
         for _, pid, send in asked:
             fut: asyncio.Future[P.QuiesceAck] = loop.create_future()
             r.acks[pid] = fut
             if send(P.Quiesce(id=0, region=r.id)):
-                r.quiesced.append(send)
+                r.held.quiesced(send)
             else:
                 fut.cancel()
 

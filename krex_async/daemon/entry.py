@@ -19,7 +19,7 @@ from krex_async.daemon.core import Core, Region
 from krex_async.daemon.cores import Cores
 from krex_async.daemon.drain import Drain
 from krex_async.daemon.exits import Exits
-from krex_async.daemon.hold import Hold, d_state, freeze_tolerant, lock_commands, unheld
+from krex_async.daemon.hold import Hold, d_state
 from krex_async.isolation.base import Freeze, Group
 from krex_async.runtime.quiesce import holds_gpu_file
 
@@ -97,8 +97,9 @@ class Entry:
             if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
             else {c.id: [] for c in targets},
         )
+        held = r.held
         if plan.how == "lock":
-            rep.hold_fallback.update(
+            held.fallback(
                 {
                     cid: "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
                     "frees its GPU memory after"
@@ -114,12 +115,10 @@ class Entry:
         rep.select_s = time.perf_counter() - t_select
         rep.hold, rep.hold_why = (plan.how, plan.why) if targets else ("", "")
         if plan.why and self.hold.mode == "lock":  # asked for by name: each sibling says why not
-            rep.hold_fallback.update({c.id: plan.why for c in freezing if self.drain.gpu_pids(c)})
+            held.fallback({c.id: plan.why for c in freezing if self.drain.gpu_pids(c)})
         quiesced_cmds = {id(c) for c, _, _ in asked}
         todo = [c for c in freezing if c.group is not None and not c.group.frozen]
-        # Mark before freezing: a failure part-way still thaws every one of them in release.
-        r.frozen.extend(c.group for c in todo if c.group is not None)
-        r.frozen_ids.extend(c.id for c in freezing)
+        held.mark_frozen((c.group for c in todo if c.group is not None), (c.id for c in freezing))
         todo = self._still_hung(r, todo)
         now = [c.group for c in todo if id(c) not in quiesced_cmds and c.group is not None]
         later = [c.group for c in todo if id(c) in quiesced_cmds and c.group is not None]
@@ -153,23 +152,22 @@ class Entry:
                 fallback = await asyncio.shield(lock)  # a lock in flight is never abandoned
                 if fallback:  # frozen after all: no quiesce, the owner verifies the drain
                     groups = [c.group for c in fallback if c.group is not None and not c.group.frozen]
-                    r.frozen.extend(groups)
-                    r.frozen_ids.extend(c.id for c in fallback)
+                    held.mark_frozen(groups, (c.id for c in fallback))
                     results += await self._freeze_some(r, groups)
             if own_first and own is not None:
                 results.append(await backend.freeze(own, keep=frozenset({r.pid}), timeout=timeout))
-                r.frozen.append(own)
+                held.add_own(own)
             t2 = time.perf_counter()
             rep.freeze_s = t2 - t1
-            rep.frozen = list(r.frozen_ids)
+            held.publish_frozen()
             rep.frozen_pids = sum(x.pids for x in results)
             self.core.trace(
                 "freeze",
                 r,
                 seconds=rep.freeze_s,
-                groups=len(r.frozen),
+                groups=len(held.frozen),
                 pids=rep.frozen_pids,
-                locked=len(r.locked_pids),
+                locked=len(held.locked_pids),
             )
             if cores is None:
                 cores = asyncio.ensure_future(self.cores.reserve(r))
@@ -178,11 +176,10 @@ class Entry:
                 await self.cores.refence()
             if r.joins:  # commands that began running while the targets were being frozen
                 await asyncio.gather(*r.joins, return_exceptions=True)
-            held = set(r.frozen_ids) | set(r.locked_ids)
             rep.fenced = [
                 cid
                 for cid in self.core.scheduler.siblings(r.device, r.command.id)
-                if cid not in held
+                if not held.holds(cid)
                 and (c := self.core.commands.get(cid)) is not None
                 and c.state == CommandState.RUNNING
             ]
@@ -200,8 +197,8 @@ class Entry:
                 rep.pool_wait_s = quiet.result()
                 creator = pool.creator_pid()
                 if creator is not None:  # a creation that outlived the wait: neither waited for nor held
-                    rep.pool_unheld[creator] = (
-                        f"its context creation still in flight after {rep.pool_wait_s:.1f} s"
+                    held.unheld_worker(
+                        creator, f"its context creation still in flight after {rep.pool_wait_s:.1f} s"
                     )
                 # a context creation that was in flight has ended: that worker is held too
                 more = [p for p in self._pool_workers(r, plan.how, plan.to_lock) if p not in workers]
@@ -215,7 +212,7 @@ class Entry:
             for task in tasks:
                 if not task.done():
                     task.cancel()
-            # never cancelled: a lock in flight must land in r.locked_pids, or be undone, before
+            # never cancelled: a lock in flight must land in the held set, or be undone, before
             # release runs (LockPool.lock_many is bounded)
             await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
             raise
@@ -224,13 +221,14 @@ class Entry:
         """Siblings the probes saw open a GPU device during the entry (--freeze device-holders
         held only those holding one when the targets were chosen) are frozen before the grant; as
         they may have queued work before the freeze, the owner verifies the drain."""
-        if r.freezes:
-            await asyncio.gather(*r.freezes)
-        if not r.entry_late:
+        held = r.held
+        if held.freezes:
+            await asyncio.gather(*held.freezes)
+        if not held.entry_late:
             return
         rep = r.report
-        rep.frozen = list(r.frozen_ids)
-        rep.fenced = [cid for cid in rep.fenced if cid not in r.frozen_ids]
+        held.publish_frozen()
+        rep.fenced = [cid for cid in rep.fenced if cid not in held.frozen_ids]
         if rep.drain in ("not-needed", "synced") and self.core.device(r.device).vendor != "cpu":
             rep.drain = "pending"
 
@@ -240,34 +238,38 @@ class Entry:
         pool = self.core.pools.get(r.device)
         if pool is None or how != "lock":
             return []
-        taken = {p for pids in to_lock.values() for p in pids} | set(r.locked_pids) | set(r.late)
+        taken = {p for pids in to_lock.values() for p in pids} | set(r.held.locked_pids) | set(r.held.late)
         # a warm worker's context is known: no /proc reading of its many fds on the entry path
         return [p for p, ctx in pool.outside() if p not in taken and (ctx or holds_gpu_file(p))]
 
     async def _lock(
         self, r: Region, cmds: list[Command], pids: dict[str, list[int]], workers: list[int] | None = None
     ) -> list[Command]:
-        fallback = await lock_commands(self.hold, r, cmds, pids, workers or ())
+        held = r.held
+        assert self.hold.pool is not None
+        fallback = await held.lock(
+            self.hold.pool, self.hold.timeout, self.hold.wait, cmds, pids, workers or ()
+        )
         # Their runtimes defer an exit to the release: a context torn down frees GPU memory
         # through the driver, which the lock does not stop (protocol.ExitHeld).
-        locked = set(r.locked_pids)
+        locked = set(held.locked_pids)
         for c in cmds:
             for pid in pids[c.id]:
                 send = c.runtimes.get(pid)
                 if pid in locked and send is not None and send(P.Held(id=0, region=r.id)):
-                    r.held_runtimes.append(send)
+                    held.told_held(send)
         self.core.trace(
             "lock",
             r,
             seconds=r.report.lock_s,
-            pids=len(r.locked_pids),
+            pids=len(held.locked_pids),
             fallback=len(fallback),
-            late=len(r.late),
+            late=len(held.late),
         )
         return fallback
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
-        out = await freeze_tolerant(self.core.backend, r, groups, self.core.config.freeze_timeout)
+        out = await r.held.freeze(self.core.backend, groups, self.core.config.freeze_timeout)
         for cid in r.report.unheld:
             self.hung[cid] = time.monotonic()
         return out
@@ -287,8 +289,7 @@ class Entry:
                 d_state(self.core.backend.pids(c.group)) if c.id in self.hung and c.group is not None else []
             )
             if stuck and c.group is not None:
-                unheld(
-                    r,
+                r.held.drop(
                     c.group,
                     f"still in uninterruptible sleep, as when a freeze last failed "
                     f"(not tried again): {', '.join(stuck)}",
@@ -299,41 +300,23 @@ class Entry:
 
     async def release(self, r: Region) -> None:
         """Undo every step, each in its own try so one failure does not skip the others."""
-        backend = self.core.backend
-        r.releasing = True
-        if r.freezes:  # each bounded by --freeze-timeout; releasing, each undoes its own freeze
-            await asyncio.wait(r.freezes, timeout=self.core.config.freeze_timeout + 1.0)
+        held = r.held
+        held.begin_release()
+        await held.settle(self.core.config.freeze_timeout + 1.0)  # each undoes its own freeze
         if r.paused_pool and r.device in self.core.pools:
             self.core.pools[r.device].resume()
             r.paused_pool = False
-        for g in r.frozen:
-            try:
-                await backend.thaw(g)
-            except Exception as e:  # a vanished group thaws as a no-op; anything else is logged
-                log.error("thaw_failed", region=r.id, group=g.name, error=repr(e))
-        if r.frozen:
-            self.core.trace("thaw", r, groups=len(r.frozen))
-        r.frozen.clear()
+        thawed = await held.thaw(self.core.backend)
+        if thawed:
+            self.core.trace("thaw", r, groups=thawed)
         # After the thaw: a process both locked and frozen (it opened a GPU during the region)
         # may need to run for the driver to unlock it.
-        if r.locked_pids and self.hold.pool is not None:
-            try:
-                r.report.unlock_s, errors = await self.hold.pool.unlock_many(list(r.locked_pids))
-                self.core.trace("unlock", r, seconds=r.report.unlock_s, pids=len(r.locked_pids))
-                for pid, err in errors.items():  # a locked process that died meanwhile among them
-                    log.info("unlock_refused", region=r.id, pid=pid, error=err)
-            except Exception as e:
-                log.error("unlock_failed", region=r.id, error=repr(e))
-            r.locked_pids.clear()
+        unlocked = await held.unlock(self.hold.pool)
+        if unlocked:
+            self.core.trace("unlock", r, seconds=r.report.unlock_s, pids=unlocked)
         self.exits.begin(r.report.exit_deferred)  # resumed now: their exits start here
-        for send in (*r.quiesced, *r.held_runtimes):
-            send(P.Resume(id=0, region=r.id))
-        r.quiesced.clear()
-        r.held_runtimes.clear()
-        for pid, send in r.exit_waiters.items():  # their exits go now: the next region waits for them
-            self.exits.note_exiting(pid, r.device)
-            send(P.Resume(id=0, region=""))
-        r.exit_waiters.clear()
+        # the exit waiters' exits go now: the next region waits for them
+        held.resume(lambda pid: self.exits.note_exiting(pid, r.device))
         self.exits.give_back(r)
         self.drain.refresh(r)
         await self.cores.restore(r)

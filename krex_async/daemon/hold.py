@@ -28,21 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from krex_async import logs
-from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
-from krex_async.isolation.cudalock import Driver, LockPool, LockResult, open_driver, release_left, start_time
+from krex_async.isolation.cudalock import Driver, LockPool, open_driver, release_left
 from krex_async.linux import procfs
-from krex_async.linux.procfs import stat_fields
-from krex_async.protocol import LateLock
 
 if TYPE_CHECKING:
-    from krex_async.daemon.commands import Command
-    from krex_async.daemon.core import Core, Region
+    from krex_async.daemon.core import Core
 
 log = logs.get("krex.hold")
 
@@ -73,7 +68,7 @@ class Hold:
         self.mode = mode
         self.freeze = freeze
         self.timeout = timeout
-        self.wait = wait  # for a sibling inside a CUDA call: lock_commands
+        self.wait = wait  # for a sibling inside a CUDA call: HoldSet.lock
         self.pool: LockPool | None = None
         self.reason = "--hold freeze" if mode == "freeze" else ""
         self.library = ""
@@ -140,100 +135,29 @@ class Hold:
             "stuck_calls": self.pool.stuck if self.pool is not None else 0,
         }
 
+    def status_on(self, core: Core) -> dict[str, object]:
+        """`status`, the exit waits, and per device how and whom a region there would hold now
+        (and why not by the lock)."""
+        st: dict[str, object] = dict(self.status())
+        st["exit_wait_s"] = core.config.exit_wait  # 0: an exit in user space is frozen
+        st["exit_starve_s"] = core.config.exit_starve  # ... until it began this long ago
+        probes = core.attributor is not None
+        st["devices"] = {
+            d.key: {
+                "hold": (how := self.how(d.vendor))[0],
+                "why": how[1],
+                "freeze": self.who(d.vendor, probes),
+            }
+            for d in core.devices
+        }
+        return st
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
 
 
-# ------------------------------------------------------------------------- a region's hold steps
-
-
-async def lock_commands(
-    hold: Hold, r: Region, cmds: list[Command], pids: dict[str, list[int]], workers: Sequence[int] = ()
-) -> list[Command]:
-    """Lock the GPU-holding processes of `cmds`, and the pool `workers` outside any command, through
-    the driver, in parallel, into `r` (locked_pids, locked_ids, pool_locked, the report); returns
-    the commands to freeze instead, each with its reason in the report's hold_fallback (one of its
-    processes was not locked). A worker that cannot be locked is named in pool_unheld: it has no
-    cgroup to freeze, and an adoption while it is unlocked freezes the adopting command instead.
-
-    A process inside a CUDA call (the driver answers CUDA_ERROR_NOT_READY once --lock-timeout
-    passes) is waited for, up to --lock-wait, before the grant: the driver locks it as the call
-    ends. Granting without it let it run on its next calls until a retry caught it between two
-    (0.1-0.85 s, up to 377 stray driver calls, one timing's p95 +61% on the H200); a freeze would
-    wait for the same call to end and stop its CPU work too. Still busy after the wait: frozen."""
-    rep = r.report
-    assert hold.pool is not None
-    t0 = time.perf_counter()
-    owner = {p: c.id for c in cmds for p in pids[c.id]} | {p: "" for p in workers}
-    try:
-        res = await hold.pool.lock_many(list(owner), hold.timeout)
-    except OSError as e:  # the lock record could not be written: nothing was locked
-        rep.hold_fallback.update({c.id: f"lock record unwritable: {e}" for c in cmds})
-        rep.pool_unheld.update({p: f"lock record unwritable: {e}" for p in workers})
-        return list(cmds)
-    # Into the region at once, so that its release unlocks them whatever happens next.
-    r.locked_pids.extend(p for p, x in res.items() if x.ok)
-    busy = [p for p, x in res.items() if x.not_ready]
-    if busy:
-        await _wait_busy(hold, r, busy, owner, res)
-    rep.lock_s += time.perf_counter() - t0  # a second call: the pool worker that warmed meanwhile
-    rep.lock_max_s = max([rep.lock_max_s, *(x.seconds for x in res.values())])
-    rep.locked_pids = list(r.locked_pids)
-    rep.lock_late = list(r.late.values())
-    exited = {p for p, e in r.late.items() if e.outcome == "exited"}  # nothing left to hold
-    for p in workers:
-        if res[p].ok:
-            rep.pool_locked.append(p)
-        elif p not in exited:
-            rep.pool_unheld[p] = res[p].error
-    fallback = []
-    for c in cmds:
-        bad = [res[p] for p in pids[c.id] if not res[p].ok and p not in exited]
-        if bad:
-            x = bad[0]
-            rep.hold_fallback[c.id] = f"pid {x.pid} holds a GPU device file but was not locked: {x.error}"
-            fallback.append(c)
-        elif any(res[p].ok for p in pids[c.id]):
-            r.locked_ids.append(c.id)
-        # else every GPU process of it exited meanwhile: nothing of it to hold (fenced)
-    rep.locked = list(r.locked_ids)
-    return fallback
-
-
-async def _wait_busy(
-    hold: Hold, r: Region, busy: list[int], owner: dict[int, str], res: dict[int, LockResult]
-) -> None:
-    """Lock `busy` (they answered NOT_READY: inside a CUDA call) again, bounded by --lock-wait, into
-    `res` and r.late; the driver locks each as its call ends."""
-    assert hold.pool is not None
-    for p in busy:
-        r.late[p] = LateLock(pid=p, command=owner[p], attempts=1, state=res[p].state)
-    starts = {p: start_time(p) for p in busy}
-    try:
-        again = await hold.pool.lock_many(busy, hold.wait)
-    except OSError as err:  # the record could not be written: none of these was locked
-        again = {p: LockResult(p, False, 0.0, f"lock record unwritable: {err}") for p in busy}
-    r.locked_pids.extend(p for p in busy if again[p].ok)
-    for p in busy:
-        e, x = r.late[p], again[p]
-        e.attempts, e.after_s = 2, res[p].seconds + x.seconds
-        if x.ok:
-            e.outcome = "locked"
-        elif _gone(p, starts[p]):
-            e.outcome = "exited"
-        else:
-            e.outcome = "unheld" if not owner[p] else "frozen"
-        why = (
-            f"inside a CUDA call for over --lock-wait {hold.wait:g}s ({x.error})" if x.not_ready else x.error
-        )
-        res[p] = LockResult(p, x.ok, e.after_s, why)
-
-
-def _gone(pid: int, started: int | None) -> bool:
-    """Whether `pid` (started at `started`) has exited: no such process, another one, or a zombie."""
-    fields = stat_fields(pid)
-    return started is None or fields is None or int(fields[19]) != started or fields[0] == b"Z"
+# ------------------------------------------------------------------------- exits and stuck threads
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -266,54 +190,6 @@ async def wait_exits(pids: Sequence[int], timeout: float) -> list[int]:
             loop.remove_reader(fd)
             os.close(fd)
     return gone + [p for p, f in futs.items() if f.done()]
-
-
-async def freeze_tolerant(backend: Backend, r: Region, groups: list[Group], timeout: float) -> list[Freeze]:
-    """Freeze `groups` together. A group the freezer cannot stop within `timeout` (a thread in
-    uninterruptible sleep: a hung FUSE or NFS read) is not a reason to refuse the region, which
-    would refuse every region on the device for as long as it hangs: that sibling is left running
-    (fenced off the region cores by the caller), named in `unheld`, and the region is tainted. The
-    others are frozen again without it (each culprit costs one timeout)."""
-    groups = list(groups)
-    while groups:
-        try:
-            return await backend.freeze_many(groups, timeout=timeout)
-        except FreezeError as e:  # the batch was undone; which group held it up is named
-            bad = next((g for g in groups if g.name == e.group), None)
-            if bad is None and len(groups) > 1:  # named by its pids (the signal backend)
-                return await _freeze_one_by_one(backend, r, groups, timeout)
-            bad = bad or groups[0]
-            groups.remove(bad)
-            unheld(r, bad, e.reason)
-    return []
-
-
-async def _freeze_one_by_one(
-    backend: Backend, r: Region, groups: list[Group], timeout: float
-) -> list[Freeze]:
-    out: list[Freeze] = []
-    for g in groups:
-        try:
-            out += await backend.freeze_many([g], timeout=timeout)
-        except FreezeError as e:
-            unheld(r, g, e.reason)
-    return out
-
-
-def unheld(r: Region, g: Group, why: str) -> None:
-    """Take `g` out of the region's frozen set and say why in its report, tainting the region."""
-    rep = r.report
-    if g in r.frozen:
-        r.frozen.remove(g)
-    if g.command_id in r.frozen_ids:
-        r.frozen_ids.remove(g.command_id)
-    rep.unheld[g.command_id] = why
-    rep.tainted = True
-    rep.taint.append(
-        f"command {g.command_id} could not be held ({why.split('; its threads')[0]}):"
-        " it ran on, fenced off the region cores"
-    )
-    log.warning("sibling_unheld", region=r.id, command=g.command_id, error=why)
 
 
 def d_state(pids: list[int]) -> list[str]:

@@ -125,9 +125,9 @@ class Lifecycle:
         if self.core.closing:  # promoted while the daemon shuts down: it never runs
             self._end_unstarted(cmd, "shutdown", "the daemon shut down first")
             return
-        region = self.regions.joins.admit_frozen(cmd)
+        region = self.regions.admit_frozen(cmd)
         try:
-            await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores.for_new())
+            await self.runner.start(cmd, frozen=region is not None, cores=self.regions.cores_for_new())
         except SpecError as e:
             self._end_unstarted(cmd, "failed", str(e))
             return
@@ -142,7 +142,7 @@ class Lifecycle:
             await self.runner.kill(
                 cmd, reason, self._cancel_signal(cmd, sig) if reason == "cancelled" else sig
             )
-        await self.regions.joins.join(cmd, region)
+        await self.regions.join(cmd, region)
         self.warm.demand(cmd.device_key)
         if self.core.attributor is not None:
             self.core.attributor.command_started(cmd)
@@ -197,11 +197,8 @@ class Lifecycle:
         oom = self.admission.tracks(cmd.device_key) and reruns.is_oom(cmd)
         if oom and await self._oom(cmd):
             return  # re-run: it starts again once it fits (guarded) or can run alone
-        for other in self.regions.active.values():  # held by another's region, it ended all the same
-            rep = other.report
-            if rep.outcome == "held" and cmd.id in other.locked_ids and cmd.id not in rep.held_exited:
-                rep.held_exited.append(cmd.id)
-        await self._end_regions(cmd)
+        self.regions.ended_held(cmd)  # held by another's region, it ended all the same
+        await self.regions.end_of(cmd)
         loop = asyncio.get_running_loop()
         for nxt in self.core.scheduler.end_command(cmd.id, cmd.device_key):
             if self.admission.admit(self.core.commands[nxt]):
@@ -259,17 +256,6 @@ class Lifecycle:
             loop.call_later(1.0, self.core.attributor.command_ended, cmd)  # late events still attribute
         loop.call_later(self.core.config.retention, self.forget, cmd)
 
-    async def _end_regions(self, cmd: Command) -> None:
-        ending = []
-        for rid in self.core.scheduler.regions_of(cmd.id):
-            r = self.regions.active.get(rid)
-            if r is not None:
-                r.end("owner-died")
-                if r.task is not None:
-                    ending.append(r.task)
-        if ending:
-            await asyncio.wait(ending, timeout=10)
-
     async def _oom(self, cmd: Command) -> bool:
         """The command failed with CUDA out of memory: re-run it (True) or say why not (reruns.py)."""
         others = self.core.scheduler.siblings(cmd.device_key or "", cmd.id)
@@ -281,7 +267,7 @@ class Lifecycle:
     async def _rerun(self, cmd: Command) -> None:
         """Put an out-of-memory command back in line, first, to run alone: its regions end, its
         group and spool files go, its output so far is void (its agents hear Rerun)."""
-        await self._end_regions(cmd)
+        await self.regions.end_of(cmd)
         if cmd.group is not None:
             try:
                 await self.core.backend.remove(cmd.group)

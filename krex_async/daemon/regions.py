@@ -29,13 +29,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.clock import Clock
 from krex_async.daemon.commands import Command, CommandState
-from krex_async.daemon.core import Core, Region
+from krex_async.daemon.core import Core, Outcome, Region, Send
 from krex_async.daemon.cores import Cores
 from krex_async.daemon.drain import Drain
 from krex_async.daemon.entry import Entry
@@ -45,6 +45,9 @@ from krex_async.daemon.joins import Joins
 from krex_async.daemon.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_ns
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
+
+if TYPE_CHECKING:
+    from krex_async.probes.base import ProbeEvent
 
 log = logs.get("krex.region")
 
@@ -60,7 +63,7 @@ class Regions:
         self.hold = Hold(cfg.hold, cfg.freeze, cfg.state_dir, cfg.lock_timeout, cfg.lock_wait)
         self.exits = Exits(core)  # processes exiting with a GPU file: the next region waits
         self.entry = Entry(core, self.hold, self.cores, self.drain, self.clock, self.exits)
-        self.joins = Joins(core, self.hold, self.holder_on)  # commands meeting a region under way
+        self.joins = Joins(core, self.hold, self.holder_on, self.exits)  # commands meeting a region under way
         self.share = Share(cfg.hold_share, cfg.share_window)  # siblings' share of the device
         self.share_wake: dict[str, asyncio.Future[None]] = {}  # device -> its region's share wait
 
@@ -117,10 +120,11 @@ class Regions:
         region holds only what it has not yet thawed or unlocked. One frozen as it starts is held
         only while a region it can join is current: Joins.join thaws one whose region ended."""
         for r in self.active.values():
-            if cmd.id in r.locked_ids and not (r.releasing and not r.locked_pids):
+            held = r.held
+            if cmd.id in held.locked_ids and not (held.releasing and not held.locked_pids):
                 return "locked", r
-            thawed = r.releasing and cmd.group is not None and not cmd.group.frozen
-            if cmd.id in r.frozen_ids and not thawed:
+            thawed = held.releasing and cmd.group is not None and not cmd.group.frozen
+            if cmd.id in held.frozen_ids and not thawed:
                 return "frozen", r
         if any(r.command is cmd for r in self.active.values()):
             return None
@@ -129,6 +133,94 @@ class Regions:
             if current is not None:
                 return "frozen", current
         return None
+
+    # ------------------------------------------- what the dispatcher, the commands and pools ask
+
+    def get(self, rid: str) -> Region | None:
+        return self.active.get(rid)
+
+    def choosing(self) -> list[Region]:
+        """The regions entering that have chosen whom to hold: a GPU open since freezes its sibling."""
+        return [r for r in self.active.values() if r.outcome is Outcome.OPEN and r.select_ns]
+
+    def freeze_late(self, r: Region, ev: ProbeEvent) -> None:
+        self.joins.freeze_late(r, ev)
+
+    def exit(self, r: Region, req: P.RegionExit) -> None:
+        """Its owner exits the region (RegionExit, its rights checked): released, with its drain."""
+        r.exit_id = req.id
+        if req.drain:
+            r.report.drain = req.drain
+            r.report.drain_s = req.drain_s
+            r.report.drain_window_s = self.core.config.drain_window
+        r.report.warm_s = req.warm_s
+        r.end(Outcome.RELEASED)
+
+    def exit_held(self, req: P.ExitHeld, pid: int, send: Send) -> None:
+        """A command's process holding a GPU file is exiting; its runtime waits for a Resume. Locked
+        by `req.region`: that region's release resumes it (told Held). Else Joins.exit_held."""
+        if req.region:  # its Resume comes with that region's release (or came: it is over)
+            r = self.active.get(req.region)
+            if r is not None and r.held.defer_exit(pid):
+                self.exits.note_exiting(pid, r.device)
+            return
+        self.joins.exit_held(pid, send)
+
+    def ack(self, req: P.QuiesceAck, pid: int) -> None:
+        if (r := self.active.get(req.region)) is not None:
+            self.drain.ack(r.command, pid, req)
+
+    def end_owned_by(self, send: Send) -> None:
+        """Its owner's connection closed: every region it held or awaited ends."""
+        for r in list(self.active.values()):
+            if r.send == send:
+                r.end(Outcome.OWNER_DIED)
+
+    async def end_of(self, cmd: Command) -> None:
+        """`cmd` ended (or re-runs): its regions end, their release awaited (up to 10 s)."""
+        rids = self.core.scheduler.regions_of(cmd.id)
+        await self._end(
+            [r for rid in rids if (r := self.active.get(rid)) is not None], Outcome.OWNER_DIED, 10
+        )
+
+    async def end_all(self) -> None:
+        """Shutdown: every region ends, thawing what it held (awaited up to 5 s)."""
+        await self._end(list(self.active.values()), Outcome.SHUTDOWN, 5)
+
+    @staticmethod
+    async def _end(regions: list[Region], outcome: Outcome, timeout: float) -> None:
+        for r in regions:
+            r.end(outcome)
+        tasks = [r.task for r in regions if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    def ended_held(self, cmd: Command) -> None:
+        """`cmd` ended while a region held it: that region's report says so."""
+        for r in self.active.values():
+            if r.outcome is Outcome.HELD:
+                r.held.ended_held(cmd.id)
+
+    def admit_frozen(self, cmd: Command) -> Region | None:
+        return self.joins.admit_frozen(cmd)
+
+    async def join(self, cmd: Command, admitted: Region | None) -> None:
+        await self.joins.join(cmd, admitted)
+
+    def cores_for_new(self) -> frozenset[int] | None:
+        return self.cores.for_new()
+
+    def holds_starts(self, device: str, cmd: Command) -> bool:
+        return self.joins.holds_starts(device, cmd)
+
+    async def hold_arrival(self, cmd: Command, worker: int) -> None:
+        await self.joins.hold_arrival(cmd, worker)
+
+    def worker_joined(self, cmd: Command, worker: int) -> None:
+        self.joins.worker_joined(cmd, worker)
+
+    def close(self) -> None:
+        self.hold.close()
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -147,12 +239,12 @@ class Regions:
             waiters: list[asyncio.Future[object]] = [r.turn, r.ended]  # type: ignore[list-item]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if r.ended.done():  # withdrawn while queued (owner died, shutdown)
-                rep.outcome = r.ended.result()
+                r.outcome = r.ended.result()
                 return
             t_turn = time.perf_counter()
             rep.wait_s = t_turn - r.t_request
             if not await self._share_wait(r):  # withdrawn while its siblings ran
-                rep.outcome = r.ended.result()
+                r.outcome = r.ended.result()
                 return
             t_entry = time.monotonic()
             # The probes' threads hold off from the turn to the grant (probes/hold.py): each of
@@ -161,7 +253,7 @@ class Regions:
                 if sched.isolates():
                     await self.entry.isolate(r)
                 rep.enter_s = time.perf_counter() - r.t_request
-                rep.outcome = "held"
+                r.outcome = Outcome.HELD
                 granted = True
                 if self.core.attributor is not None:
                     self.core.attributor.region_granted(r)
@@ -179,36 +271,39 @@ class Regions:
                         warm_ms=self.clock.warm_ms(r),
                     )
                 )
-            self.share.begin(r.id, self._held_ids(r), t_entry)  # after the grant: off its path
+            self.share.begin(r.id, r.held.held_ids(), t_entry)  # after the grant: off its path
             if self.core.attributor is not None:
                 self.core.attributor.counts_snapshot(r)
             self.core.trace(
                 "region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen, pool_wait_s=rep.pool_wait_s
             )
-            timer = asyncio.get_running_loop().call_later(self.core.config.region_timeout, r.end, "expired")
+            timer = asyncio.get_running_loop().call_later(
+                self.core.config.region_timeout, r.end, Outcome.EXPIRED
+            )
             try:
                 reason = await asyncio.shield(r.ended)
             finally:
                 timer.cancel()
             rep.held_s = time.perf_counter() - t_held
-            rep.outcome = reason
+            r.outcome = reason
         except (IsolationError, OSError) as e:
             # FreezeError, and the backend's other documented failures while isolating (a cgroup
             # or cpuset write refused, the intent record unwritable): the owner must get its
             # answer, not wait forever on a region whose task died
             if granted:
                 raise
-            rep.outcome = "refused"
+            r.outcome = Outcome.REFUSED
             rep.error = str(e)
             log_.warning("region_refused", error=str(e))
         except Exception as e:  # a bug while isolating: released below, and the owner told so
             if granted:
                 raise
-            rep.outcome = "refused"
+            r.outcome = Outcome.REFUSED
             rep.error = f"internal error while isolating: {e!r}"
             log_.exception("region_entry_failed")
         except asyncio.CancelledError:
-            rep.outcome = rep.outcome if rep.outcome not in ("open", "held") else "shutdown"
+            if r.outcome in (Outcome.OPEN, Outcome.HELD):
+                r.outcome = Outcome.SHUTDOWN
             raise
         finally:
             t_exit = time.perf_counter()
@@ -258,14 +353,10 @@ class Regions:
 
     # -------------------------------------------------------------------------- the share
 
-    @staticmethod
-    def _held_ids(r: Region) -> list[str]:
-        return list(dict.fromkeys([*r.frozen_ids, *r.locked_ids]))
-
     def _share_end(self, r: Region, since: float, now: float) -> None:
         """Its siblings were held from its entry to their thaw (`now`); the commands ended since
         are forgotten."""
-        held = self._held_ids(r)
+        held = r.held.held_ids()
         self.share.end(r.id, held, since, now)
         for cid in held:
             self.core.metrics.command_held(r.device, cid, now - since)
@@ -342,31 +433,18 @@ class Regions:
             )
 
     def _tell_owner(self, r: Region, granted: bool) -> None:
-        rep = r.report
-        if rep.outcome == "refused":
+        rep, outcome = r.report, r.outcome
+        if outcome is Outcome.REFUSED:
             r.send(P.Error(id=r.req_id, code="region_refused", message=rep.error))
-        elif rep.outcome == "expired":
+        elif outcome is Outcome.EXPIRED:
             r.send(P.RegionRevoked(id=r.req_id, report=rep))
-        elif rep.outcome == "released":
+        elif outcome is Outcome.RELEASED:
             r.send(P.RegionReleased(id=r.exit_id if r.exit_id is not None else r.req_id, report=rep))
-        elif not granted and rep.outcome == "shutdown":
+        elif not granted and outcome is Outcome.SHUTDOWN:
             r.send(P.Error(id=r.req_id, code="shutdown", message="the daemon is shutting down"))
         elif granted:
             r.send(P.RegionRevoked(id=r.req_id, report=rep))
 
     def hold_status(self) -> dict[str, object]:
-        """For `krex status`: the hold's mode and lock availability, and per device how and whom
-        a region there would hold now (and why not by the lock)."""
-        st: dict[str, object] = dict(self.hold.status())
-        st["exit_wait_s"] = self.core.config.exit_wait  # 0: an exit in user space is frozen
-        st["exit_starve_s"] = self.core.config.exit_starve  # ... until it began this long ago
-        probes = self.core.attributor is not None
-        st["devices"] = {
-            d.key: {
-                "hold": (how := self.hold.how(d.vendor))[0],
-                "why": how[1],
-                "freeze": self.hold.who(d.vendor, probes),
-            }
-            for d in self.core.devices
-        }
-        return st
+        """For `krex status`: the hold, and per device how and whom a region there would hold now."""
+        return self.hold.status_on(self.core)

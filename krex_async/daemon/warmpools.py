@@ -17,8 +17,8 @@ from krex_async.ctxpool import Pool, PoolConfig, adoption
 from krex_async.daemon.access import RequestError, inside
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core, Send
-from krex_async.daemon.joins import Joins
 from krex_async.daemon.pools import pool_env, pool_identity
+from krex_async.daemon.regions import Regions
 from krex_async.isolation.base import Backend, Group
 from krex_async.linux.spawn import Launched, LaunchSpec
 
@@ -46,9 +46,9 @@ def _signal_launched(fut: asyncio.Future[Launched | str], signals: list[int]) ->
 
 
 class WarmPools:
-    def __init__(self, core: Core, joins: Joins) -> None:
+    def __init__(self, core: Core, regions: Regions) -> None:
         self.core = core
-        self.joins = joins  # a region may hold a worker's start, or the command adopting it
+        self.regions = regions  # a region may hold a worker's start, or the command adopting it
         self.pools = core.pools  # device key -> warm workers (--pool-size > 0)
         self.adoptions: dict[str, adoption.Tally] = {}  # command id -> interpreters adopted or not
         self.joining: Group | None = None  # the group of the command a worker is handed to now
@@ -87,7 +87,7 @@ class WarmPools:
             self.core.backend.join(self.joining, pid)
             cmd = next((c for c in self.core.commands.values() if c.group is self.joining), None)
             if cmd is not None:
-                self.joins.worker_joined(cmd, pid)
+                self.regions.worker_joined(cmd, pid)
                 if self.core.attributor is not None:
                     self.core.attributor.worker_joined(cmd, pid)
 
@@ -96,7 +96,7 @@ class WarmPools:
         pool = self.pools.get(cmd.device_key or "")
         if pool is None or spec.uid is not None or not pool.accepts(spec):
             return None
-        if self.joins.holds_starts(pool.device.key, cmd):
+        if self.regions.holds_starts(pool.device.key, cmd):
             return None  # a worker's context would arrive unseen mid-region: start it plainly
         self.joining = cmd.group
         try:
@@ -164,7 +164,7 @@ class WarmPools:
             if worker is None:
                 return "no warm worker"
             taken.append(worker)
-            await self.joins.hold_arrival(cmd, worker.pid)
+            await self.regions.hold_arrival(cmd, worker.pid)
             return None
 
         cmd.adopters.add(peer_pid)

@@ -273,7 +273,8 @@ async def test_an_unwritable_record_on_the_wait_leaves_nothing_locked_unknown(
     from types import SimpleNamespace
 
     from krex_async import protocol as P
-    from krex_async.daemon.hold import Hold, lock_commands
+    from krex_async.daemon.hold import Hold
+    from krex_async.daemon.holdset import HoldSet
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     h = Hold("lock", "all", str(tmp_path), 0.05, 0.5, opener=lambda: open_driver(fake.lib))
@@ -295,15 +296,10 @@ async def test_an_unwritable_record_on_the_wait_leaves_nothing_locked_unknown(
         return add(pids)
 
     monkeypatch.setattr(h.pool.record, "add", add_once)
-    r = SimpleNamespace(
-        report=P.RegionReport(region="x.1", name="t", device="nvidia0", pid=1, policy="region"),
-        late={},
-        locked_pids=[],
-        locked_ids=[],
-    )
+    r = HoldSet("x.1", P.RegionReport(region="x.1", name="t", device="nvidia0", pid=1, policy="region"))
     a, b = SimpleNamespace(id="a"), SimpleNamespace(id="b")
     try:
-        fallback = await lock_commands(h, r, [a, b], {"a": [quick], "b": [busy]})  # type: ignore[arg-type]
+        fallback = await r.lock(h.pool, h.timeout, h.wait, [a, b], {"a": [quick], "b": [busy]})  # type: ignore[list-item]
         assert [c.id for c in fallback] == ["b"]
         assert r.locked_pids == [quick] and fake.lock_state(quick) == 1
         assert r.locked_ids == ["a"] and fake.lock_state(busy) == 0

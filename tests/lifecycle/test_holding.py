@@ -22,17 +22,16 @@ def test_a_releasing_region_holds_only_what_it_has_not_undone() -> None:
     thawed_cmd = SimpleNamespace(id="b", group=SimpleNamespace(frozen=False), device_key="cpu0")
     locked_cmd = SimpleNamespace(id="c", group=SimpleNamespace(frozen=False), device_key="cpu0")
     owner = SimpleNamespace(id="o", group=SimpleNamespace(frozen=True), device_key="cpu0")
-    r = SimpleNamespace(
-        command=owner, frozen_ids=["a", "b"], locked_ids=["c"], locked_pids={7}, releasing=False
-    )
+    held = SimpleNamespace(frozen_ids=["a", "b"], locked_ids=["c"], locked_pids={7}, releasing=False)
+    r = SimpleNamespace(command=owner, held=held)
     rs = _regions(r)
     assert Regions.holding(rs, frozen_cmd) == ("frozen", r)
     assert Regions.holding(rs, thawed_cmd) == ("frozen", r)  # entering: marked before its freeze
     assert Regions.holding(rs, locked_cmd) == ("locked", r)
     assert Regions.holding(rs, owner) is None
-    r.releasing = True  # thawing: b is thawed, a not yet; c still locked
+    held.releasing = True  # thawing: b is thawed, a not yet; c still locked
     assert Regions.holding(rs, frozen_cmd) == ("frozen", r)
     assert Regions.holding(rs, thawed_cmd) is None
     assert Regions.holding(rs, locked_cmd) == ("locked", r)
-    r.locked_pids = set()  # unlocked
+    held.locked_pids = set()  # unlocked
     assert Regions.holding(rs, locked_cmd) is None
