@@ -54,3 +54,13 @@ class Bus:
                     kind=type(event).__name__,
                     observer=getattr(handler, "__qualname__", repr(handler)),
                 )
+
+
+def undo_all(undo: list[Callable[[], None]]) -> Callable[[], None]:
+    """One callable that ends several subscriptions (each observer's `observe` returns it)."""
+
+    def run() -> None:
+        for u in undo:
+            u()
+
+    return run
