@@ -115,3 +115,100 @@ def test_events_are_frozen() -> None:
         pass
     else:
         raise AssertionError("an event's fields must not change on its way to the observers")
+
+
+# ------------------------------------------------------------------- the daemon's own observers
+
+
+def _observers(bus: Bus, commands: dict[str, object] | None = None):
+    """The observers the daemon subscribes (daemon.py, Daemon.attributor), on `bus`."""
+    from krex_async.daemon.attribution import Attributor
+    from krex_async.daemon.metering import Metering
+    from krex_async.daemon.metrics import Metrics
+    from krex_async.daemon.tracing import Tracer
+
+    metrics, tracer = Metrics(), Tracer()
+    Metering(metrics, commands if commands is not None else {}, {}).observe(bus)  # type: ignore[arg-type]
+    tracer.observe(bus)
+    attributor = Attributor(None, None, None, metrics)  # type: ignore[arg-type]  # observe() needs none
+    return metrics, tracer, attributor, attributor.observe(bus)
+
+
+def _event_types() -> list[type]:
+    return [v for v in vars(E).values() if isinstance(v, type) and v.__module__ == E.__name__]
+
+
+def test_every_event_the_engine_emits_has_an_observer_and_unobserve_ends_the_attributors() -> None:
+    bus = Bus()
+    _, _, _, unobserve = _observers(bus)
+    kinds = _event_types()
+    assert len(kinds) >= 15
+    assert [k.__name__ for k in kinds if not bus.subscribers(k)] == []
+    unobserve()  # probes stopped: only the metrics and the trace still follow the regions
+    assert bus.subscribers(E.RegionReleasing) == 0 and bus.subscribers(E.WorkerJoined) == 0
+    assert bus.subscribers(E.RegionReleased) == 2
+
+
+def _sample(metrics, name: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(metrics.scrape().decode()):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def test_a_region_s_events_reach_the_metrics_and_the_trace() -> None:
+    from types import SimpleNamespace
+
+    from krex_async import protocol as P
+
+    bus = Bus()
+    commands: dict[str, object] = {"c-2": SimpleNamespace(id="c-2", uid=0)}  # a sibling it holds
+    metrics, tracer, _, unobserve = _observers(bus, commands)
+    unobserve()  # no probe backend here
+    if not metrics.available:
+        import pytest
+
+        pytest.skip("prometheus_client is not installed")
+    report = P.RegionReport(region="c-1.1", name="loop", device="cpu:0", pid=42, policy="region")
+    owner = SimpleNamespace(id="c-1", uid=0)
+    r = SimpleNamespace(id="c-1.1", device="cpu:0", pid=42, command=owner, report=report, frozen_ids=[])
+    bus.emit(E.RegionGranted(r, frozen=2, locked=1))  # type: ignore[arg-type]
+    assert _sample(metrics, "krex_regions_held", device="cpu:0") == 1
+    assert _sample(metrics, "krex_commands_held", device="cpu:0", mode="frozen") == 2
+    assert _sample(metrics, "krex_commands_held", device="cpu:0", mode="locked") == 1
+    bus.emit(E.RegionRunning(r))  # type: ignore[arg-type]
+    report.outcome, report.held_s = "released", 0.25
+    bus.emit(E.RegionReleased(r, granted=True, held=("c-2", "gone")))  # type: ignore[arg-type]
+    assert _sample(metrics, "krex_regions_held", device="cpu:0") == 0
+    assert _sample(metrics, "krex_commands_held", device="cpu:0", mode="frozen") == 0
+    assert _sample(metrics, "krex_held_seconds_total", user="root") == 0.25  # c-2's; "gone" ended
+    assert _sample(metrics, "krex_regions_total", device="cpu:0", outcome="released") == 1
+    assert [(e.kind, e.region, e.command) for e in tracer.ring] == [
+        ("region_grant", "c-1.1", "c-1"),
+        ("region_release", "c-1.1", "c-1"),
+    ]
+    assert tracer.ring and list(tracer.ring)[-1].detail["outcome"] == "released"
+
+
+def test_a_probe_reading_that_fails_at_the_release_taints_the_region_and_the_others_still_run() -> None:
+    from types import SimpleNamespace
+
+    from krex_async import protocol as P
+
+    bus = Bus()
+    _, tracer, attributor, _ = _observers(bus)
+    seen: list[str] = []
+    bus.subscribe(E.RegionReleasing, lambda e: seen.append(e.region.id))
+
+    def broken(r: object) -> None:
+        raise OSError("map read failed")
+
+    attributor.region_released = broken  # type: ignore[method-assign]
+    report = P.RegionReport(region="c-1.1", name="loop", device="cpu:0", pid=42, policy="region")
+    r = SimpleNamespace(id="c-1.1", device="cpu:0", pid=42, command=SimpleNamespace(id="c-1"), report=report)
+    bus.emit(E.RegionReleasing(r))  # type: ignore[arg-type]
+    assert report.tainted and "map read failed" in report.taint[0]
+    assert seen == ["c-1.1"]
