@@ -13,6 +13,8 @@ the imports run one way, down:
            -> attribution -> regions; lifecycle -> warmpools -> joins
            -> recovery, tracing; lifecycle -> placement -> access
                                  lifecycle, placement, status -> admission -> core
+           -> metering -> metrics;  regions, lifecycle, tracing, attribution -> events
+                                                                 core -> fanout
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@ all of it.
 
 `Daemon` builds the shared `Core` (core.py) and the parts that take it: `Regions` (regions.py),
 `WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
-(status.py), and the `Tracer` (tracing.py). connection.py feeds it decoded requests with the peer's
-credentials; each is answered by the part that owns it, through the connection's `send`, or refused
-with a RequestError (access.py). The region requests a command's runtime makes are checked here.
+(status.py), and the observers: the `Tracer` (tracing.py), the metrics (metering.py) and, while
+probes run, the `Attributor` (attribution.py) subscribe to the core's events (events.py); the daemon
+keeps the tracer and the metrics, reaches everything the parts share through `core`, and keeps no
+second handle to it. connection.py feeds it decoded requests with the peer's credentials; each is
+answered by the part that owns it, through the connection's `send`, or refused with a RequestError
+(access.py). The region requests a command's runtime makes are checked here.
 """
 
 from __future__ import annotations
