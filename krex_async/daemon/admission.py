@@ -47,6 +47,7 @@ from krex_async import protocol as P
 from krex_async.daemon import memsample
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core
+from krex_async.daemon.events import MemoryReserved, MemoryWaiting
 from krex_async.daemon.footprints import Footprints, mem_keys
 from krex_async.devices.base import Device
 
@@ -231,7 +232,7 @@ class Admission:
         if not dm.waiting:  # it heads the queue: its backfill window opens now
             dm.head_since[cmd.id] = time.monotonic()
         dm.waiting.append(cmd.id)
-        self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
+        self.core.events.emit(MemoryWaiting(dm.device.key, len(dm.waiting)))
         return False
 
     def _passes(self, cmd: Command, dm: DeviceMemory) -> bool:
@@ -272,7 +273,7 @@ class Admission:
             self._run(cmd, dm)
             out.append(cmd)
         if dm is not None:
-            self.core.metrics.memory_waiting(dm.device.key, len(dm.waiting))
+            self.core.events.emit(MemoryWaiting(dm.device.key, len(dm.waiting)))
         return out
 
     def _backfill(self, head: Command, why: str, dm: DeviceMemory) -> list[Command]:
@@ -327,7 +328,7 @@ class Admission:
 
     def _reserved_metric(self, dm: DeviceMemory) -> None:
         held = sum(self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)
-        self.core.metrics.memory_reserved(dm.device.key, held, dm.used)
+        self.core.events.emit(MemoryReserved(dm.device.key, held, dm.used))
 
     # ------------------------------------------------------------------------------ OOM verdict
 

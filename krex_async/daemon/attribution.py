@@ -15,7 +15,7 @@ at a grant and at a release the loop first waits for its reader to catch up (set
 millisecond; a region whose window could not be settled within SETTLE_S is `tainted`).
 
 A backend that fails at runtime (its polling thread died; probes/failure.py) calls probe_failed()
-on the loop: it is logged once as an error, `daemon.probes` (shown by `krex status`) says
+on the loop: it is logged once as an error, `core.probes` (shown by `krex status`) says
 `failed` with the reason, `krex trace` subscribers get a `probes_failed` event, the backend is
 stopped (thread joined, program detached, tracefs instance removed), and every region held then or
 granted later is `tainted`: nothing watched it. The daemon goes on serving.
@@ -23,12 +23,17 @@ granted later is `tainted`: nothing watched it. The daemon goes on serving.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from krex_async import logs
+from krex_async.daemon import events as E
+from krex_async.daemon.fanout import Bus, undo_all
+from krex_async.daemon.metrics import Metrics
 from krex_async.linux import procfs
 from krex_async.probes.attribution import EventMapper, parent_pid
 from krex_async.probes.base import ProbeBackend, ProbeEvent
@@ -80,14 +85,56 @@ def describe(pid: int, proc: str = "/proc") -> str:
 
 
 class Attributor:
-    def __init__(self, core: Core, regions: Regions, backend: ProbeBackend) -> None:
+    def __init__(
+        self,
+        core: Core,
+        regions: Regions,
+        backend: ProbeBackend,
+        metrics: Metrics,
+        tracers: Sequence[object] = (),
+    ) -> None:
         self.core = core
         self.regions = regions  # the regions held now: their strays, and a late open to freeze
         self.backend = backend
+        self.metrics = metrics  # the events the backend lost
+        self.tracers = tracers  # `krex trace` subscribers: a probe event is traced only for them
         self.watches: dict[str, Watch] = {}  # region id -> watch
         self.mapper = EventMapper()
         self.events = 0
         self.failed: str | None = None  # why the backend stopped at runtime
+
+    def observe(self, bus: Bus) -> Callable[[], None]:
+        """Follow the regions and commands (events.py) while probes run; returns what unsubscribes."""
+        undo = [
+            bus.subscribe(E.RegionGranted, lambda e: self.region_granted(e.region)),
+            bus.subscribe(E.RegionRunning, lambda e: self.counts_snapshot(e.region)),
+            bus.subscribe(E.RegionReleasing, self._releasing),
+            bus.subscribe(E.CommandStarted, lambda e: self.command_started(e.cmd)),
+            bus.subscribe(E.WorkerJoined, lambda e: self.worker_joined(e.cmd, e.pid)),
+            bus.subscribe(E.CommandRequeued, lambda e: self.command_ended(e.cmd)),
+            bus.subscribe(E.CommandGone, self._gone),
+        ]
+        return undo_all(undo)
+
+    def _gone(self, e: E.CommandGone) -> None:
+        """Its group is gone: late events of its processes still attribute for a second."""
+        asyncio.get_running_loop().call_later(1.0, self.command_ended, e.cmd)
+
+    def _releasing(self, e: E.RegionReleasing) -> None:
+        """Close the stray window before anything thaws: driver calls of the siblings after the
+        release are theirs to make. Late stream events are covered by the counts."""
+        try:
+            self.region_released(e.region)
+        except Exception as ex:  # the probes' reading failed: what they saw is unknown
+            rep = e.region.report
+            rep.tainted = True
+            rep.taint.append(f"probe reading failed at the release: {ex!r}")
+            log.exception(
+                "region_probe_release_failed",
+                region=e.region.id,
+                command=e.region.command.id,
+                device=e.region.device,
+            )
 
     def command_started(self, cmd: Command) -> None:
         if cmd.pid is not None and cmd.group is not None:
@@ -218,7 +265,7 @@ class Attributor:
 
     def _attribute(self, batch: list[ProbeEvent]) -> None:
         self.events += len(batch)
-        self.core.metrics.probe_lost_total(self.backend.lost())
+        self.metrics.probe_lost_total(self.backend.lost())
         held = [r for rid in self.watches if (r := self.regions.get(rid)) is not None]
         # a GPU open since a region chose whom to hold freezes the sibling, its entry included
         choosing = [*held, *self.regions.choosing()]
@@ -239,7 +286,7 @@ class Attributor:
                             f"+{(ev.ts_ns - w.since_ns) / 1e6:.3f} ms pid {ev.tgid} "
                             f"({ev.comm}) {ev.kind} {ev.name or hex(ev.request)}"
                         )
-            if self.core.tracers:
+            if self.tracers:
                 self._trace_event(ev, stray_for, held)
 
     def _trace_event(self, ev: ProbeEvent, stray_for: Region | None, held: list[Region]) -> None:

@@ -178,7 +178,7 @@ class Connection:
                             id=req.id,
                             version=P.PROTOCOL_VERSION,
                             server="krex",
-                            policy=daemon.scheduler.policy.value,
+                            policy=daemon.core.scheduler.policy.value,
                             uid=self.uid,
                             features=list(P.FEATURES),
                         )
@@ -210,8 +210,8 @@ class Connection:
                     daemon.send_timeline(req, self.send, None if self.admin else self._visible)
                 case P.Subscribe():
                     send = self.send if self.admin else self._send_own
-                    daemon.tracers.append(
-                        (send if req.probes else _no_probes(send, lambda: not self.gone), req.id)
+                    daemon.subscribe_trace(
+                        send if req.probes else _no_probes(send, lambda: not self.gone), req.id
                     )
                     self.send(P.Ok(id=req.id))
         except RequestError as e:
@@ -227,7 +227,7 @@ class Connection:
 
     def _visible(self, ev: P.TraceEvent) -> bool:
         """Whether this peer, not an admin, may see `ev`: live or in the timeline (visible_event)."""
-        return visible_event(ev, self.server.daemon.commands, self.uid)
+        return visible_event(ev, self.server.daemon.core.commands, self.uid)
 
     def _send_own(self, msg: P.Msg) -> bool:
         """A trace subscriber that is not an admin sees only events of its own commands, and the

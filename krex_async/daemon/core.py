@@ -3,14 +3,18 @@
 `Lifecycle` (lifecycle.py), `WarmPools` (warmpools.py), `Regions` (regions.py; its `Entry`, `Joins`
 and `Exits`), the probe `Attributor` (attribution.py), `Status` (status.py) and `recover`
 (recovery.py) each get a `Core`: the pieces of the daemon they use, each named below, and nothing
-else (uvicorn's `ServerState`, CPython's process-pool manager). With it the imports run one way,
-down:
+else (uvicorn's `ServerState`, CPython's process-pool manager). The observers (the metrics, the
+trace's region and command events, the probe attributor) are not called through it: they subscribe
+to `events` (fanout.py, events.py), which the region engine and the command lifecycle emit. With it
+the imports run one way, down:
 
     daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> holdset, commands -> records
                                    -> joins -----------^       ^
            -> attribution -> regions; lifecycle -> warmpools -> regions
            -> recovery, tracing; lifecycle -> placement -> access
                                  lifecycle, placement, status -> admission -> core
+           -> metering -> metrics;  regions, lifecycle, tracing, attribution -> events
+                                                                 core -> fanout
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from krex_async import protocol as P
 from krex_async.daemon.commands import Command
 from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.fanout import Bus
 from krex_async.daemon.holdset import HoldSet
-from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.records import Records
 from krex_async.daemon.spool import Spool
 from krex_async.devices.base import ClockState, Device
@@ -59,16 +63,11 @@ class TraceSink(Protocol):
 
 
 class Watcher(Protocol):
-    """What the daemon's parts ask of the probe attributor (attribution.py) while probes run."""
+    """What the daemon's parts ask of the probe attributor (attribution.py) while probes run; it
+    follows regions and commands through `Core.events`."""
 
-    def region_granted(self, r: Region) -> None: ...
-    def counts_snapshot(self, r: Region) -> None: ...
-    def region_released(self, r: Region) -> None: ...
     def command_of(self, ev: ProbeEvent | int) -> Command | None: ...
     def describe(self) -> dict[str, Any]: ...  # what the running probe backend says of itself
-    def command_started(self, cmd: Command) -> None: ...
-    def worker_joined(self, cmd: Command, pid: int) -> None: ...  # a pool worker took the command
-    def command_ended(self, cmd: Command) -> None: ...
 
 
 @dataclass(eq=False)
@@ -83,13 +82,12 @@ class Core:
     scheduler: Scheduler  # region queues per device, and the policy
     commands: dict[str, Command]  # every command the daemon knows: running, queued, kept
     pools: dict[str, Pool]  # device key -> warm workers
-    metrics: Metrics  # the metrics sink
-    trace: TraceSink  # the trace sink
+    trace: TraceSink  # the trace sink, for the region engine's steps (freeze, thaw, unlock)
     track: Callable[[asyncio.Task[Any]], asyncio.Task[Any]]  # keep a task until it ends
     records: Records | None  # durable command records (None without a state dir)
     spool: Spool | None  # output spool files (None without a state dir)
     probes: dict[str, Any] = field(default_factory=dict)  # probe state, shown by `krex status`
-    tracers: list[tuple[Send, int]] = field(default_factory=list)  # `krex trace` subscribers
+    events: Bus = field(default_factory=Bus)  # regions and commands to their observers (events.py)
     all_cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
     attributor: Watcher | None = None  # set when probes run
     closing: bool = False  # shutting down: no command, region or adoption starts any more

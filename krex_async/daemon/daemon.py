@@ -3,29 +3,31 @@ all of it.
 
 `Daemon` builds the shared `Core` (core.py) and the parts that take it: `Regions` (regions.py),
 `WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
-(status.py), and the `Tracer` (tracing.py). connection.py feeds it decoded requests with the peer's
-credentials; each is answered by the part that owns it, through the connection's `send`, or refused
-with a RequestError (access.py). The region requests a command's runtime makes are checked here.
+(status.py), and the observers: the `Tracer` (tracing.py), the metrics (metering.py) and, while
+probes run, the `Attributor` (attribution.py) subscribe to the core's events (events.py); the daemon
+keeps the tracer and the metrics, reaches everything the parts share through `core`, and keeps no
+second handle to it. connection.py feeds it decoded requests with the peer's credentials; each is
+answered by the part that owns it, through the connection's `send`, or refused with a RequestError
+(access.py). The region requests a command's runtime makes are checked here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 import secrets
 from collections.abc import Callable
 from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.ctxpool import Pool
 from krex_async.daemon.access import RequestError, inside
 from krex_async.daemon.attribution import Attributor
 from krex_async.daemon.commands import Command
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.core import Core, Send
 from krex_async.daemon.lifecycle import Lifecycle
+from krex_async.daemon.metering import Metering
 from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.records import Records
 from krex_async.daemon.recovery import recover
@@ -46,42 +48,31 @@ class Daemon:
     def __init__(
         self, config: ServeConfig, backend: Backend, devices: list[Device], node: Node | None = None
     ) -> None:
-        self.config = config
-        self.backend = backend
-        self.devices = devices
-        self.node = node  # the opened vendor libraries, for live queries (status)
-        self.all_cpus = frozenset(os.sched_getaffinity(0))
-        self.scheduler = Scheduler(config.policy, [d.key for d in devices])
-        self.commands: dict[str, Command] = {}
-        self.probes: dict[str, Any] = {"state": "off", "backend": None, "reason": ""}  # start_probes
-        self.pools: dict[str, Pool] = {}  # device key -> warm workers (--pool-size > 0)
-        # Spool files and command records live in the state dir (none without one: a bare config).
-        self.records = Records(config.state_dir) if config.state_dir else None
-        spool = Spool(config.state_dir, config.spool_limit) if config.state_dir else None
+        commands: dict[str, Command] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.tracer = Tracer(self.commands)  # it names a starting command's label and argv
-        self.tracers = self.tracer.subscribers  # connection.py adds `krex trace` peers here
+        self.tracer = Tracer(commands)  # it names a starting command's label and argv
         self.metrics = Metrics()  # always callable; the endpoint starts only with --metrics
         for d in devices:  # first: every per-device series carries the device's UUID and model
             self.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
-        # What the parts share with the daemon: these same objects.
+        # What the parts share: the daemon reaches them through the core too, never a second handle.
         self.core = Core(
             config=config,
             backend=backend,
             devices=devices,
-            node=node,
-            scheduler=self.scheduler,
-            commands=self.commands,
-            pools=self.pools,
-            metrics=self.metrics,
+            node=node,  # the opened vendor libraries, for live queries (status)
+            scheduler=Scheduler(config.policy, [d.key for d in devices]),
+            commands=commands,
+            pools={},  # device key -> warm workers (--pool-size > 0)
             trace=self.tracer.trace,
             track=self.track,
-            records=self.records,
-            spool=spool,
-            probes=self.probes,
-            tracers=self.tracers,
-            all_cpus=self.all_cpus,
+            # Spool files and command records live in the state dir (none without one: a bare config).
+            records=Records(config.state_dir) if config.state_dir else None,
+            spool=Spool(config.state_dir, config.spool_limit) if config.state_dir else None,
+            probes={"state": "off", "backend": None, "reason": ""},  # start_probes
         )
+        # The observers follow regions and commands through the core's events (events.py).
+        Metering(self.metrics, commands, self.core.pools).observe(self.core.events)
+        self.tracer.observe(self.core.events)
         self.regions = Regions(self.core)
         self.warm = WarmPools(self.core, self.regions)
         # Unique across daemons and restarts (two started in one second shared ids once): a
@@ -89,8 +80,9 @@ class Daemon:
         self._boot = secrets.token_hex(4)
         self.lifecycle = Lifecycle(self.core, self.regions, self.warm, self._boot)
         self._attributor: Attributor | None = None  # set when probes run
+        self._unobserve: Callable[[], None] | None = None  # the attributor's subscriptions
         self.status = Status(
-            self.core, self.regions, self.warm.adoptions, self._boot, self.lifecycle.admission
+            self.core, self.regions, self.warm.adoptions, self._boot, self.lifecycle.admission, self.metrics
         )
         # a dead daemon's commands: ended and reported (recovery.py)
         recover(self.core, self.lifecycle.forget)
@@ -102,8 +94,13 @@ class Daemon:
 
     @attributor.setter
     def attributor(self, attributor: Attributor | None) -> None:
+        if self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
         self._attributor = attributor
         self.core.attributor = attributor  # the parts ask it through the core
+        if attributor is not None:  # and it follows regions and commands through its events
+            self._unobserve = attributor.observe(self.core.events)
 
     def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         """Keep `task` until it ends; a failure is logged (nothing else would see it)."""
@@ -138,6 +135,10 @@ class Daemon:
     ) -> None:
         self.tracer.send_timeline(req, send, visible)
 
+    def subscribe_trace(self, send: Send, req_id: int) -> None:
+        """A `krex trace` peer: every trace event from now on, until its connection closes."""
+        self.tracer.subscribers.append((send, req_id))
+
     def disconnected(self, send: Send) -> None:
         """A connection closed: end the regions it held and the commands only it was watching."""
         self.regions.end_owned_by(send)
@@ -150,7 +151,7 @@ class Daemon:
         await self.warm.adopt(req, peer_pid, send)
 
     def region_enter(self, req: P.RegionEnter, peer_pid: int, send: Send) -> None:
-        cmd = self.commands.get(req.command)
+        cmd = self.core.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
         pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
@@ -173,7 +174,7 @@ class Daemon:
         self.regions.exit(r, req)
 
     def quiesce_ready(self, req: P.QuiesceReady, peer_pid: int, send: Send) -> None:
-        cmd = self.commands.get(req.command)
+        cmd = self.core.commands.get(req.command)
         if cmd is None:
             raise RequestError("unknown_command", f"no command {req.command!r}")
         pid = inside(self.core, cmd, peer_pid, req.token, req.pid)
@@ -200,7 +201,7 @@ class Daemon:
         await self.warm.close()
         if self.attributor is not None:
             self.attributor.backend.stop()
-        await self.backend.close()
+        await self.core.backend.close()
         self.regions.close()
-        if self.node is not None:
-            self.node.close()
+        if self.core.node is not None:
+            self.core.node.close()

@@ -16,6 +16,7 @@ import signal
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import adoption
+from krex_async.daemon import events as E
 from krex_async.daemon import reruns
 from krex_async.daemon.access import RequestError, own, run_as
 from krex_async.daemon.admission import Admission
@@ -100,7 +101,7 @@ class Lifecycle:
         self.core.commands[cid] = cmd
         start_now = self.core.scheduler.add_command(cid, cmd.device_key) and self.admission.admit(cmd)
         send(P.Accepted(id=req.id, command=cid, device=cmd.device_key or "none", queued=not start_now))
-        self.core.metrics.command_submitted(cmd.policy_name, cmd.device_key or "none", not start_now, cid)
+        self.core.events.emit(E.CommandSubmitted(cmd, queued=not start_now))
         log.info(
             "command_submitted",
             command=cid,
@@ -144,20 +145,8 @@ class Lifecycle:
             )
         await self.regions.join(cmd, region)
         self.warm.demand(cmd.device_key)
-        if self.core.attributor is not None:
-            self.core.attributor.command_started(cmd)
+        self.core.events.emit(E.CommandStarted(cmd, frozen=region is not None))
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
-        self.core.metrics.command_started(
-            cmd.policy_name, cmd.device_key or "none", cmd.launched.via if cmd.launched else "exec", cmd.id
-        )
-        self.core.trace(
-            "command_start",
-            None,
-            command=cmd.id,
-            device=cmd.device_key or "",
-            pid=cmd.pid or 0,
-            frozen=region is not None,
-        )
 
     def _launch(self, cmd: Command) -> None:
         """Start a command its device's queue (or memory) let go, as a task of its own."""
@@ -214,25 +203,9 @@ class Lifecycle:
         cmd.slim()  # kept for --retention: only what a report and an attach need
         cmd.done.set()
         report = cmd.report
-        self.warm.ended(report)
         # Before the agent hears of it: a scrape after a report always includes that command.
-        self.core.metrics.command_ended(
-            report.policy,
-            report.state,
-            report.wall_s,
-            cmd.id,
-            started=cmd.launched is not None,
-            device=report.device,
-        )
+        self.core.events.emit(E.CommandEnded(cmd))
         cmd.publish_exit(report)
-        self.core.trace(
-            "command_end",
-            None,
-            command=cmd.id,
-            device=cmd.device_key or "",
-            state=report.state,
-            exit_code=report.exit_code,
-        )
         log.info(
             "command",
             command=cmd.id,
@@ -252,8 +225,7 @@ class Lifecycle:
                 await self.core.backend.remove(cmd.group)
             except Exception as e:  # a leftover group is logged; the retention below must still run
                 log.error("group_remove_failed", command=cmd.id, error=repr(e))
-        if self.core.attributor is not None:
-            loop.call_later(1.0, self.core.attributor.command_ended, cmd)  # late events still attribute
+        self.core.events.emit(E.CommandGone(cmd))
         loop.call_later(self.core.config.retention, self.forget, cmd)
 
     async def _oom(self, cmd: Command) -> bool:
@@ -275,12 +247,9 @@ class Lifecycle:
                 log.error("group_remove_failed", command=cmd.id, error=repr(e))
         if self.core.spool is not None and cmd.spools:
             self.core.spool.remove(sorted(f.path for f in cmd.spools.values()))
-        if self.core.attributor is not None:
-            self.core.attributor.command_ended(cmd)
         cmd.reset_for_rerun(reason := reruns.REASON)
         self.admission.requeue(cmd)
-        self.core.metrics.rerun(cmd.device_key or "none", reason)
-        self.core.metrics.command_requeued(cmd.policy_name, cmd.device_key or "none", cmd.id)
+        self.core.events.emit(E.CommandRequeued(cmd, reason))
         log.info("command_rerun", command=cmd.id, device=cmd.device_key, reason=reason)
         cmd.publish(lambda rid: P.Rerun(id=rid, command=cmd.id, reason=reason))
         for other in self.admission.pump(cmd.device_key):

@@ -32,7 +32,7 @@ def is_krex_process(
     """
     if attributor.command_of(tgid) is not None:
         return True
-    if any(tgid in pool.pids() for pool in daemon.pools.values()):
+    if any(tgid in pool.pids() for pool in daemon.core.pools.values()):
         return True
     if cgroup_root is None:
         return False
@@ -43,9 +43,9 @@ def is_krex_process(
     except (OSError, ValueError):
         return False
     path = path.rstrip("/")
-    for cmd in daemon.commands.values():
+    for cmd in daemon.core.commands.values():
         cg = (
-            daemon.backend.cgroup_dir(cmd.group)
+            daemon.core.backend.cgroup_dir(cmd.group)
             if cmd.group is not None and cmd.state in (CommandState.STARTING, CommandState.RUNNING)
             else None
         )
@@ -57,11 +57,11 @@ def is_krex_process(
 def start_probes(daemon: Daemon) -> None:
     """Open the probe backend `--probes` asks for and feed its events to the attributor. A probe
     that cannot run is a logged state, never a reason not to serve; so is one that fails later
-    (Attributor.probe_failed). `daemon.probes` (in `krex status`) says which state, and why."""
-    cfg = daemon.config
+    (Attributor.probe_failed). `core.probes` (in `krex status`) says which state, and why."""
+    cfg = daemon.core.config
     if cfg.probes == "off":
         log.info("probes", backend=None, reason="off (--probes off)")
-        daemon.probes.update(state="off", reason="--probes off")
+        daemon.core.probes.update(state="off", reason="--probes off")
         return
     from krex_async.probes import FailureReporting, open_probes
 
@@ -81,7 +81,7 @@ def start_probes(daemon: Daemon) -> None:
         is_command=is_command,
     )
     log.info("probes", backend=backend.name if backend else None, reason=reason)
-    daemon.probes.update(state="unavailable", reason=reason)
+    daemon.core.probes.update(state="unavailable", reason=reason)
     if backend is None:
         return
     loop = asyncio.get_running_loop()
@@ -89,7 +89,7 @@ def start_probes(daemon: Daemon) -> None:
     def started(b: Any) -> str:
         """Start `b` feeding a new attributor: "" or why it could not (what did start is stopped)."""
         nonlocal attributor
-        attributor = Attributor(daemon.core, daemon.regions, b)
+        attributor = Attributor(daemon.core, daemon.regions, b, daemon.metrics, daemon.tracer.subscribers)
         if isinstance(b, FailureReporting):
             b.on_failure = attributor.probe_failed
         try:
@@ -113,11 +113,11 @@ def start_probes(daemon: Daemon) -> None:
                 why = f"{why}; tracefs failed too: {why_not}"
     if why:  # run without probes, and say so
         log.warning("probes", backend=None, reason=why)
-        daemon.probes.update(reason=why)
+        daemon.core.probes.update(reason=why)
         return
     daemon.attributor = attributor
-    daemon.probes.update(state="running", backend=backend.name, reason=reason)
+    daemon.core.probes.update(state="running", backend=backend.name, reason=reason)
     failed = getattr(backend, "failed", None)
     if failed:
         log.warning("probes_partial", failed=failed)
-        daemon.probes["partial"] = dict(failed)
+        daemon.core.probes["partial"] = dict(failed)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from krex_async import logs
 from krex_async import protocol as P
+from krex_async.daemon import events as E
 from krex_async.daemon.clock import Clock
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core, Outcome, Region, Send
@@ -235,7 +236,7 @@ class Regions:
             if sched.request_region(r.id, r.command.id, r.device):
                 r.turn.set_result(None)
             else:
-                self.core.trace("region_queued", r)
+                self.core.events.emit(E.RegionQueued(r))
             waiters: list[asyncio.Future[object]] = [r.turn, r.ended]  # type: ignore[list-item]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if r.ended.done():  # withdrawn while queued (owner died, shutdown)
@@ -255,12 +256,7 @@ class Regions:
                 rep.enter_s = time.perf_counter() - r.t_request
                 r.outcome = Outcome.HELD
                 granted = True
-                if self.core.attributor is not None:
-                    self.core.attributor.region_granted(r)
-                self.core.metrics.region_entered(
-                    r.device, rep.enter_s, rep.freeze_s, rep.cores_s, rep.quiesce_s
-                )
-                self.core.metrics.holding(r.device, len(r.frozen_ids), len(r.locked_ids))
+                self.core.events.emit(E.RegionGranted(r, len(r.frozen_ids), len(r.locked_ids)))
                 t_held = time.perf_counter()
                 r.send(
                     P.RegionGranted(
@@ -272,11 +268,7 @@ class Regions:
                     )
                 )
             self.share.begin(r.id, r.held.held_ids(), t_entry)  # after the grant: off its path
-            if self.core.attributor is not None:
-                self.core.attributor.counts_snapshot(r)
-            self.core.trace(
-                "region_grant", r, enter_s=rep.enter_s, frozen=rep.frozen, pool_wait_s=rep.pool_wait_s
-            )
+            self.core.events.emit(E.RegionRunning(r))
             timer = asyncio.get_running_loop().call_later(
                 self.core.config.region_timeout, r.end, Outcome.EXPIRED
             )
@@ -307,15 +299,7 @@ class Regions:
             raise
         finally:
             t_exit = time.perf_counter()
-            if self.core.attributor is not None:
-                # Close the stray window before anything thaws: driver calls of the siblings after
-                # the release are theirs to make. Late stream events are covered by the counts.
-                try:
-                    self.core.attributor.region_released(r)
-                except Exception as e:  # the probes' reading failed: what they saw is unknown
-                    rep.tainted = True
-                    rep.taint.append(f"probe reading failed at the release: {e!r}")
-                    log_.exception("region_probe_release_failed")
+            self.core.events.emit(E.RegionReleasing(r))  # the probes close their window: nothing thawed yet
             await asyncio.shield(self.entry.release(r))
             rep.exit_s = time.perf_counter() - t_exit
             t_thawed = time.monotonic()
@@ -325,16 +309,10 @@ class Regions:
                 turn = self.active[nxt].turn
                 if turn is not None and not turn.done():
                     turn.set_result(None)
-            self.core.metrics.region_released(r.device, rep.held_s, rep.outcome, rep.drain, granted=granted)
-            if granted:
-                self.core.metrics.holding(r.device, 0, 0)
-                held = {*r.frozen_ids, *r.locked_ids} & self.core.commands.keys()
-                self.core.metrics.held_for([self.core.commands[c].uid for c in held], rep.held_s)
-            self.core.metrics.strays(r.device, rep.strays)
+            self.core.events.emit(E.RegionReleased(r, granted, tuple(r.held.held_ids())))
             self._tell_owner(r, granted)
             if granted:  # after the owner's answer, before the next region's turn runs (no await)
                 self._share_end(r, t_entry, t_thawed)
-            self.core.trace("region_release", r, outcome=rep.outcome, held_s=rep.held_s)
             log_.info(
                 "region",
                 name=rep.name,
@@ -359,10 +337,10 @@ class Regions:
         held = r.held.held_ids()
         self.share.end(r.id, held, since, now)
         for cid in held:
-            self.core.metrics.command_held(r.device, cid, now - since)
+            self.core.events.emit(E.SiblingHeld(r.device, cid, now - since))
         for cid in [c for c in self.share.total if not self._running(c)]:
             self.share.drop(cid)
-            self.core.metrics.command_held_forget(cid)
+            self.core.events.emit(E.SiblingForgotten(cid))
 
     def _running(self, cid: str) -> bool:
         cmd = self.core.commands.get(cid)
@@ -399,7 +377,7 @@ class Regions:
         rep = r.report
         r.sharing = True
         t0 = time.perf_counter()
-        self.core.trace("region_share_wait", r, owed={k: round(v, 3) for k, v in due.items()})
+        self.core.events.emit(E.ShareWaiting(r, dict(due)))
         base: dict[str, tuple[float, int]] = {}  # command -> (since, its CPU ns then)
         try:
             while due:
@@ -423,7 +401,7 @@ class Regions:
             r.sharing = False
             self.share_wake.pop(r.device, None)
             rep.share_wait_s = time.perf_counter() - t0
-            self.core.metrics.share_waited(r.device, rep.share_wait_s)
+            self.core.events.emit(E.ShareWaited(r, rep.share_wait_s))
             log.info(
                 "region_share_wait",
                 region=r.id,

@@ -138,15 +138,15 @@ class Server:
                 "serving",
                 socket=cfg.socket,
                 policy=cfg.policy.value,
-                isolation=self.daemon.backend.name,
-                isolation_reason=self.daemon.backend.reason,
+                isolation=self.daemon.core.backend.name,
+                isolation_reason=self.daemon.core.backend.reason,
                 pid=os.getpid(),
-                devices=[d.key for d in self.daemon.devices],
+                devices=[d.key for d in self.daemon.core.devices],
                 region_cores=cfg.region_cores,
                 freeze=cfg.freeze,
                 nofile=nofile,
             )
-            backend = self.daemon.backend.name
+            backend = self.daemon.core.backend.name
             try:
                 print(f"krex: serving on {cfg.socket} (policy {cfg.policy}, isolation {backend})", flush=True)
             except OSError as e:  # a closed pipe: whoever waited for this line is gone
@@ -160,7 +160,7 @@ class Server:
                 watchdog.cancel()
             log.info(
                 "shutting_down",
-                commands=sum(c.state != CommandState.ENDED for c in self.daemon.commands.values()),
+                commands=sum(c.state != CommandState.ENDED for c in self.daemon.core.commands.values()),
             )
             server.close()
             await self.daemon.shutdown()
@@ -276,8 +276,8 @@ async def _start(
         )
     from krex_async import __version__
 
-    daemon.metrics.info(__version__, cfg.policy.value, daemon.backend.name)
-    for d in daemon.devices:
+    daemon.metrics.info(__version__, cfg.policy.value, daemon.core.backend.name)
+    for d in daemon.core.devices:
         daemon.metrics.device_info(d.key, d.index, d.uuid, d.name, d.vendor)
     if early.stopped("probes"):
         return True

@@ -12,6 +12,7 @@ from krex_async import __version__, logs
 from krex_async.ctxpool import adoption
 from krex_async.daemon.admission import Admission
 from krex_async.daemon.core import Core
+from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.regions import Regions
 from krex_async.linux import reserve
 from krex_async.linux.procfs import tree_memory
@@ -48,8 +49,10 @@ class Status:
         adoptions: dict[str, adoption.Tally],
         boot: str,
         admission: Admission | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.core = core
+        self.metrics = metrics if metrics is not None else Metrics()  # sample_metrics writes it
         self.admission = admission  # what memory admission counts per device, and who waits
         self.regions = regions  # who holds each device, and how a region there would hold
         self.adoptions = adoptions  # command id -> interpreters adopted or declined
@@ -64,10 +67,10 @@ class Status:
         loop = asyncio.get_running_loop()
         cpu = _CpuUse()
         while True:
-            self.core.metrics.state_disk_full(self.state_disk_full())
+            self.metrics.state_disk_full(self.state_disk_full())
             for key, pool in self.core.pools.items():
                 st = pool.status()
-                self.core.metrics.pool(key, st.get("warm", 0), st.get("busy", 0), st.get("retired", 0))
+                self.metrics.pool(key, st.get("warm", 0), st.get("busy", 0), st.get("retired", 0))
             try:
                 samples = await loop.run_in_executor(None, self._device_samples, cpu)
             except Exception as e:  # a vendor library error costs one sample
@@ -75,9 +78,9 @@ class Status:
                 samples = []
             for key, pct, used, total in samples:
                 if pct is not None:
-                    self.core.metrics.device_util(key, pct)
+                    self.metrics.device_util(key, pct)
                 if total:
-                    self.core.metrics.device_memory(key, used, total)
+                    self.metrics.device_memory(key, used, total)
             await asyncio.sleep(every_s)
 
     def _device_samples(self, cpu: _CpuUse) -> list[tuple[str, float | None, int, int]]:
@@ -255,7 +258,7 @@ class Status:
         return r is not None and r.refresh()
 
     def probes(self) -> dict[str, Any]:
-        """`daemon.probes` (state, backend, reason), plus what the running backend says of itself
+        """`core.probes` (state, backend, reason), plus what the running backend says of itself
         (the launch probe: its scope and how many processes it probes)."""
         out = dict(self.core.probes)
         if self.core.attributor is not None and out.get("state") == "running":

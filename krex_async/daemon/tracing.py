@@ -1,5 +1,7 @@
 """The daemon's trace sink: each event goes into the timeline ring, which `krex export --perfetto`
-reads back (timeline.py draws it), and out at once to the `krex trace` subscribers."""
+reads back (timeline.py draws it), and out at once to the `krex trace` subscribers. The region and
+command events (events.py) reach it through the core's bus (`Tracer.observe`); the region engine's
+finer steps (freeze, thaw, unlock) call the sink itself."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
+from krex_async.daemon import events as E
 from krex_async.daemon.core import Send
+from krex_async.daemon.fanout import Bus, undo_all
 from krex_async.daemon.timeline import TraceRing
 
 NAMES_KEPT = 4096  # region id -> name, for the strays and probes that name only the id
@@ -25,6 +29,54 @@ class Tracer:
         self.subscribers: list[tuple[Send, int]] = []  # `krex trace` peers: (send, request id)
         self.commands: Mapping[str, Any] = commands if commands is not None else {}
         self.names: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def observe(self, bus: Bus) -> Callable[[], None]:
+        """Trace the region and command events; returns what unsubscribes them all."""
+        undo = [
+            bus.subscribe(E.RegionQueued, lambda e: self.trace("region_queued", e.region)),
+            bus.subscribe(E.RegionRunning, self._region_grant),
+            bus.subscribe(E.RegionReleased, self._region_release),
+            bus.subscribe(E.ShareWaiting, self._share_wait),
+            bus.subscribe(E.CommandStarted, self._command_start),
+            bus.subscribe(E.CommandEnded, self._command_end),
+        ]
+        return undo_all(undo)
+
+    def _region_grant(self, e: E.RegionRunning) -> None:
+        rep = e.region.report
+        self.trace(
+            "region_grant", e.region, enter_s=rep.enter_s, frozen=rep.frozen, pool_wait_s=rep.pool_wait_s
+        )
+
+    def _region_release(self, e: E.RegionReleased) -> None:
+        rep = e.region.report
+        self.trace("region_release", e.region, outcome=rep.outcome, held_s=rep.held_s)
+
+    def _share_wait(self, e: E.ShareWaiting) -> None:
+        self.trace("region_share_wait", e.region, owed={k: round(v, 3) for k, v in e.owed.items()})
+
+    def _command_start(self, e: E.CommandStarted) -> None:
+        cmd = e.cmd
+        self.trace(
+            "command_start",
+            None,
+            command=cmd.id,
+            device=cmd.device_key or "",
+            pid=cmd.pid or 0,
+            frozen=e.frozen,
+        )
+
+    def _command_end(self, e: E.CommandEnded) -> None:
+        cmd, report = e.cmd, e.cmd.report
+        assert report is not None
+        self.trace(
+            "command_end",
+            None,
+            command=cmd.id,
+            device=cmd.device_key or "",
+            state=report.state,
+            exit_code=report.exit_code,
+        )
 
     def _describe(self, kind: str, region: Any, command: str, region_id: str, detail: dict[str, Any]) -> None:
         """What makes an event readable without a lookup (bcc tools name COMM and PID): the name

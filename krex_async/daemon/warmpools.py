@@ -1,6 +1,7 @@
 """The daemon's use of its warm pools (ctxpool): one pool per device, the commands a worker may take
 (a launch, or an interpreter adopted from inside a command's tree), warm workers kept towards the
-commands running on each device, and what the pools add to a command's report and the metrics.
+commands running on each device, and what the pools add to a command's report (metering.py puts a
+pool's sizes into the metrics).
 
 pools.py says what the pools start with (user, environment); this module serves commands with them.
 """
@@ -17,6 +18,7 @@ from krex_async.ctxpool import Pool, PoolConfig, adoption
 from krex_async.daemon.access import RequestError, inside
 from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.core import Core, Send
+from krex_async.daemon.events import WorkerJoined
 from krex_async.daemon.pools import pool_env, pool_identity
 from krex_async.daemon.regions import Regions
 from krex_async.isolation.base import Backend, Group
@@ -88,8 +90,7 @@ class WarmPools:
             cmd = next((c for c in self.core.commands.values() if c.group is self.joining), None)
             if cmd is not None:
                 self.regions.worker_joined(cmd, pid)
-                if self.core.attributor is not None:
-                    self.core.attributor.worker_joined(cmd, pid)
+                self.core.events.emit(WorkerJoined(cmd, pid))  # the probes: its events are the command's
 
     def launch(self, cmd: Command, spec: LaunchSpec) -> Launched | None:
         """The runner's launcher: `cmd` started in a warm worker, or None (spawn it plainly)."""
@@ -185,20 +186,6 @@ class WarmPools:
         if tally is not None:
             report.pool_adopted, report.pool_declined = tally.adopted, dict(tally.declined)
         return tally is not None
-
-    def ended(self, report: P.CommandReport) -> None:
-        """A command ended: its pool's sizes, and the start latency of a worker that ran it, into
-        the metrics (the worker reports its start latency once the command began)."""
-        pool = self.pools.get(report.device) if report.via == "pool" else None
-        if pool is not None:
-            st = pool.status()
-            self.core.metrics.pool(
-                report.device,
-                st.get("warm", 0),
-                st.get("busy", 0),
-                st.get("retired", 0),
-                report.start_latency_s,
-            )
 
     def forget(self, cmd: Command) -> None:
         self.adoptions.pop(cmd.id, None)
