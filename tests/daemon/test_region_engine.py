@@ -23,7 +23,6 @@ from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.core import Core, Outcome, Region
 from krex_async.daemon.holdset import HoldSet
-from krex_async.daemon.metrics import Metrics
 from krex_async.daemon.regions import Regions
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
@@ -219,7 +218,6 @@ def make_engine(*, hold: str = "auto", freeze: str = "all", lock: bool = True, *
         scheduler=Scheduler(Policy.REGION, [DEV]),
         commands={},
         pools={},
-        metrics=Metrics(),
         trace=lambda *a, **k: None,
         track=track,
         records=None,
