@@ -43,7 +43,6 @@ LOCKED = 1  # CU_PROCESS_STATE_LOCKED (RUNNING 0, CHECKPOINTED 2, FAILED 3)
 # CUprocessState
 PROCESS_STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: inside a driver call (context creation among them) at the timeout
-STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
 UNLOCK_BOUND_S = 5.0  # one cuCheckpointProcessUnlock: 0.35-0.63 ms on the H200 (FACTS.md)
 
