@@ -13,7 +13,29 @@ import pytest
 
 from krex_async import KrexError
 
-from .conftest import PY, ROOT, is_frozen, proc_state, py_env, run_daemon
+from .conftest import PY, ROOT, is_frozen, proc_state, py_env, run_daemon, until
+
+
+async def test_a_relay_reads_the_output_once_and_sees_the_connection_end() -> None:
+    """What a relay (the gateway's runner, the fleet's agent) needs of the client, in public: output
+    streamed with keep=False is not kept a second time in the handle (the runner cleared the
+    handle's private buffers, and read the client's private reader task to see a lost connection)."""
+    async with run_daemon() as d:
+        c = await d.client()
+        assert c.connected
+        argv = ["sh", "-c", "echo one; echo two >&2"]
+        kept, relayed = await c.submit(argv), await c.submit(argv)
+        seen = [x async for x in kept.output()]
+        told = [x async for x in relayed.output(keep=False)]
+        a, b = await kept.wait(), await relayed.wait()
+        assert sorted(seen) == sorted(told) == [("stderr", b"two\n"), ("stdout", b"one\n")]
+        assert (a.stdout, a.stderr) == (b"one\n", b"two\n") and a.returncode == b.returncode == 0
+        assert (b.stdout, b.stderr) == (b"", b"")  # the relay's copy is its own
+        await c.close()
+        assert not c.connected
+        lost = await d.client()
+    await until(lambda: not lost.connected, "the stopped daemon's connection to end")
+    await lost.close()
 
 
 async def test_output_env_and_exit(script, tmp_path):

@@ -1,5 +1,6 @@
-# Shared by bench/gpu/run_s9.sh and run_s10.sh (sourced, not run): the set-up of one accelerator
-# call, bounded steps that log to a results folder, and packing that folder into $OUT.
+# Shared by the accelerator scripts of bench/gpu/ (lock_checks.sh, kernelbench_jobs.sh, atrex_gateway.sh,
+# region_waits.sh, replay.sh, steady_state.sh; sourced, not run): the set-up of one accelerator call,
+# bounded steps that log to a results folder, and packing that folder into $OUT.
 #   batch_setup TAG PACK  install the carried .whl, activate the carried .bcc, copy the repo to
 #                       /tmp/krex (jobs run as the unprivileged krexbench user must read it and
 #                       .suites) and cd there; results go to /tmp/res-TAG, packed as $OUT/PACK.tgz,
@@ -7,23 +8,19 @@
 #   batch_step NAME LIMIT CMD...   run CMD under `timeout LIMIT`, output in $res/NAME.log, then
 #                       print its rc, time and log tail, and pack again (a call cut short by its
 #                       limit still returns every step finished before it)
-#   batch_call SESSION LAST ARG   a run_sNN.sh's call number checked, `call` set, batch_setup run
+#   batch_begin NAME    batch_setup for NAME, or NAME-$TAG where TAG is set (two runs of one script
+#                       on a warm machine then keep their results apart)
 #   batch_jobs LIMIT BUDGET VARIANT...   bench.jobs on a KernelBench set (JOBS_SET, default `default`;
-#                       VARIANTS, quoted NAME:ARGS items, replace the list; JOBS_ARGS are added)
+#                       VARIANTS, quoted NAME:ARGS items, replace the list; JOBS_ARGS are added;
+#                       an empty BUDGET gives no --budget-s)
 #   batch_atrex LIMIT ARG...   bench.gateway_profile_check on .suites/atrex-bench (ATREX_ARGS added)
 #   batch_replay LIMIT PROFILE SEED   bench.replay --pace trace under the delegated krexbench cgroup
 # BATCH_DRY=1 prints each step's command instead of running it and skips the set-up's installs
 # (checks this script's logic on a machine without the accelerator).
 
-batch_call() {
-  # SESSION LAST ARG: check that ARG is a call number 1..LAST (else print the usage and exit 2),
-  # set `call` to it and run batch_setup for SESSION-ARG
-  local session=$1 last=$2
-  call=${3:-}
-  if ! [[ "$call" =~ ^[0-9]+$ ]] || [ "$call" -lt 1 ] || [ "$call" -gt "$last" ]; then
-    echo "usage: bash bench/gpu/run_$session.sh 1..$last"; exit 2
-  fi
-  batch_setup "$session-$call" "$session-$call"
+batch_begin() {
+  local name=$1${TAG:+-$TAG}
+  batch_setup "$name" "$name"
 }
 
 batch_setup() {
@@ -103,7 +100,7 @@ batch_jobs() {
   local variants=("$@")
   [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
   batch_step jobs "$limit" python3 -m bench.jobs --kernelbench .suites/KernelBench --set "${JOBS_SET:-default}" \
-    --device gpu --variants "${variants[@]}" --budget-s "$budget" --out "$res/jobs.json" ${JOBS_ARGS:-}
+    --device gpu --variants "${variants[@]}" ${budget:+--budget-s "$budget"} --out "$res/jobs.json" ${JOBS_ARGS:-}
 }
 
 batch_atrex() {

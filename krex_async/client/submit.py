@@ -120,18 +120,23 @@ class CommandHandle:
         self._result: Result | None = None
         self.reruns = 0  # times the daemon re-ran it after a co-located out-of-memory
 
-    async def output(self, started: bool = False, reruns: bool = False) -> AsyncIterator[tuple[str, bytes]]:
+    async def output(
+        self, started: bool = False, reruns: bool = False, keep: bool = True
+    ) -> AsyncIterator[tuple[str, bytes]]:
         """Yield (stream, data) as the command writes, until it ends (then `wait()` returns at once).
         `started`: also ("started", b"") as it starts (`pid` set), for a relay (the fleet's agent).
         `reruns`: also ("rerun", b"") where the daemon re-runs it (Submit.rerun_on_oom): what it
-        wrote so far is void, the re-run's output replaces it."""
+        wrote so far is void, the re-run's output replaces it. `keep=False`: what is yielded is not
+        kept for the Result too (a relay keeps its own copy, or none), so its stdout/stderr are only
+        the tails the daemon sends with the end."""
         while self._result is None:
             msg = await self._queue.get()
             if msg is None:
                 raise KrexError("disconnected", DISCONNECTED)
             match msg:
                 case P.Output():
-                    (self._out if msg.stream == "stdout" else self._err).extend(msg.data)
+                    if keep:
+                        (self._out if msg.stream == "stdout" else self._err).extend(msg.data)
                     yield msg.stream, msg.data
                 case P.Started():
                     self.pid = msg.pid
@@ -188,6 +193,11 @@ class Client:
         self._queues: dict[int, asyncio.Queue[P.Reply | None]] = {}
         self._task: asyncio.Task[None] | None = None
         self.welcome: P.Welcome | None = None
+
+    @property
+    def connected(self) -> bool:
+        """The connection is up: False once closed or lost (a caller then connects again)."""
+        return self._task is not None and not self._task.done()
 
     @classmethod
     async def connect(

@@ -32,6 +32,7 @@ from krex_async import protocol as P
 from krex_async.ctxpool import forms
 from krex_async.ctxpool.pool import Pool
 from krex_async.ctxpool.procs import kill as _kill
+from krex_async.linux import procfs
 from krex_async.linux.spawn import Launched, LaunchSpec
 
 # Start-up variables a worker takes over from the adopter instead of requiring them equal: sys.path
@@ -71,16 +72,12 @@ def pool_env(pool: Pool) -> str:
     return os.path.realpath(pool.python) + "\n" + (os.path.dirname(cfg) if cfg else "")
 
 
-def workers_can_take_fds(pool: Pool, scope_file: str = "/proc/sys/kernel/yama/ptrace_scope") -> bool:
+def workers_can_take_fds(pool: Pool, proc: str = procfs.PROC) -> bool:
     """Whether the pool's workers may pidfd_getfd an adopter (ptrace access): as root always; as
     another user only where Yama does not restrict ptrace to descendants (the adopter is none)."""
     if pool.identity[0] == 0:
         return True
-    try:
-        with open(scope_file) as f:
-            return f.read().strip() == "0"
-    except OSError:
-        return True  # no Yama: the same user may
+    return procfs.ptrace_scope(proc) in (None, "0")  # None: no Yama, the same user may
 
 
 # What a process may do beyond its ids: a worker with more than its adopter would run the program
@@ -91,20 +88,11 @@ PRIVILEGES = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "S
 
 def _status(pid: int) -> dict[str, str] | None:
     """Ids, groups, capabilities, no_new_privs, seccomp mode and LSM label of a process."""
-    out: dict[str, str] = {}
-    try:
-        with open(f"/proc/{pid}/status", errors="surrogateescape") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("Uid", "Gid", "Groups", *PRIVILEGES):
-                    out[key] = " ".join(rest.split())
-    except OSError:
+    status = procfs.status(pid)
+    if status is None:
         return None
-    try:
-        with open(f"/proc/{pid}/attr/current", "rb") as f:
-            out["lsm"] = f.read().decode(errors="replace").strip("\0\n")
-    except OSError:
-        out["lsm"] = ""
+    out = {k: v for k, v in status.items() if k in ("Uid", "Gid", "Groups", *PRIVILEGES)}
+    out["lsm"] = procfs.security_label(pid)
     return out if {"Uid", "Gid", "Groups"} <= out.keys() else None
 
 
@@ -131,11 +119,7 @@ def refusal(pool: Pool | None, req: P.Adopt, peer_pid: int) -> str | None:
     for key in (*PRIVILEGES, "lsm"):
         if ids.get(key) != theirs.get(key):
             return f"privileges {key}"
-    try:
-        exe = os.path.realpath(f"/proc/{peer_pid}/exe")
-    except OSError:
-        return "interpreter"
-    if exe != os.path.realpath(pool.python):
+    if procfs.exe(peer_pid) != os.path.realpath(pool.python):
         return "interpreter"
     if req.hexversion != interp.get("hexversion"):
         return "interpreter version"

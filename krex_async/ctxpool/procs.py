@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from krex_async.linux import procfs
 from krex_async.linux.procfs import memory as _rss_pss
-from krex_async.linux.procfs import stat_fields
 
 
 def identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
@@ -32,11 +32,11 @@ def kill_leftovers(pid: int) -> None:
     kill of a command's tree would take the worker too, so it spares a worker that lives on."""
     parent: dict[int, int] = {}
     victims = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != pid and (f := stat_fields(int(name))) is not None:
-            parent[int(name)] = int(f[1])
-            if int(f[3]) == pid:
-                victims.add(int(name))
+    for p in procfs.pids():
+        if p != pid and (st := procfs.stat(p)) is not None:
+            parent[p] = st.ppid
+            if st.session == pid:
+                victims.add(p)
     for p in parent:
         q, seen = p, 0
         while q in parent and seen < 512:

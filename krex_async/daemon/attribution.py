@@ -62,7 +62,7 @@ class Watch:
     unverified: bool = False  # a batch could not be attributed while it was held
 
 
-def describe(pid: int, proc: str = "/proc") -> str:
+def describe(pid: int, proc: str = procfs.PROC) -> str:
     """Who a process is, for a stray's report: its parent, cgroup and command line, read once when
     its first stray event is attributed (a few /proc reads; a process that is gone says so)."""
     parts = []
@@ -75,12 +75,9 @@ def describe(pid: int, proc: str = "/proc") -> str:
     cg = [path for hid, ctrls, path in lines if hid == "0" and not ctrls]
     if cg:
         parts.append(f"cgroup {cg[0]}")
-    try:
-        with open(f"{proc}/{pid}/cmdline", "rb") as fb:
-            argv = fb.read(512).rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+    if (raw := procfs.cmdline(pid, proc, 512)) is not None:
+        argv = raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
         parts.append(f"cmd {argv[:200]!r}")
-    except OSError:
-        pass
     return ", ".join(parts) or "gone"
 
 

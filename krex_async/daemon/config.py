@@ -233,13 +233,14 @@ def _validate(layer: dict[str, Any], where: Any, *, strict: bool) -> None:
         m = _PATH.search(text)
         key = (m.group(1) or m.group(2)) if m else None
         detail = text.rsplit(" - at ", 1)[0]
-        if key and detail.startswith("Invalid enum value") and (choices := _choices(key)):
-            detail = f"{detail} (choose from {', '.join(choices)})"
+        if key and detail.startswith("Invalid enum value") and (values := choices(key)):
+            detail = f"{detail} (choose from {', '.join(values)})"
         raise ConfigError(f"{where(key)}: {detail}" if key else f"{where(None)}: {text}") from None
 
 
-def _choices(field: str) -> list[str]:
-    """The values an enum or Literal option takes ([] for another type or an unknown field)."""
+def choices(field: str) -> list[str]:
+    """The values an enum or Literal option takes ([] for another type or an unknown field): the one
+    spelling of them, for the file, the KREX_* variables and `krex serve`'s flags alike."""
     kind = typing.get_type_hints(ServeConfig).get(field)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return [str(m.value) for m in kind]

@@ -31,8 +31,9 @@ import msgspec
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.isolation.base import Backend, Group, IsolationError
+from krex_async.linux import procfs
 from krex_async.linux.fsutil import replace_file
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux.procfs import start_time as start_ticks  # the one reading: report.py's name
 
 log = logs.get("krex.records")
 
@@ -64,18 +65,10 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
 
 
-def start_ticks(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot), or None when it does not exist."""
-    fields = stat_fields(pid)
-    return None if fields is None else int(fields[19])
-
-
 def _stat(pid: int) -> tuple[int, int, int] | None:
     """(parent pid, session id, start ticks) of a live process."""
-    fields = stat_fields(pid)
-    if fields is None or fields[0] == b"Z":
-        return None
-    return int(fields[1]), int(fields[3]), int(fields[19])
+    st = procfs.stat(pid)
+    return None if st is None or st.state == "Z" else (st.ppid, st.session, st.start)
 
 
 class Records:
@@ -170,9 +163,9 @@ def leftover_pids(rec: Record) -> list[int]:
     so these are the command's. A process that made its own session and left the tree escapes, as
     it does the signal backend."""
     procs: dict[int, tuple[int, int, int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (st := _stat(int(name))) is not None:
-            procs[int(name)] = st
+    for pid in procfs.pids():
+        if (st := _stat(pid)) is not None:
+            procs[pid] = st
     leader = procs.get(rec.pid)
     if leader is not None and leader[2] != rec.start_ticks:
         return []  # the pid was reused: nothing of the command's session is left

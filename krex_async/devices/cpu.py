@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from krex_async.devices.base import Device, Vendor
+from krex_async.linux import procfs
 
 SYS_PCI = Path("/sys/bus/pci/devices")
 
@@ -82,15 +83,7 @@ def usable_cpus(near: frozenset[int]) -> frozenset[int]:
 
 def host_memory_bytes() -> tuple[int, int]:
     """(MemTotal, MemAvailable) from /proc/meminfo; (0, 0) when unreadable."""
-    fields: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            parts = value.split()
-            if parts:
-                fields[key] = int(parts[0]) * 1024
-    except (OSError, ValueError):
-        return 0, 0
+    fields = procfs.meminfo()
     return fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
 
 

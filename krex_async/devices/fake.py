@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from krex_async.devices.base import Device, DeviceProcess, Unavailable, Vendor, parse_size
+from krex_async.linux import procfs
 
 DIR_VAR = "KREX_FAKE_GPU_DIR"
 MEM_VAR = "KREX_FAKE_GPU_MEM"
@@ -36,7 +37,7 @@ DEFAULT_MEM = 1 << 30
 
 
 def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
+    return procfs.exists(pid)
 
 
 def usage(root: Path) -> dict[int, int]:

@@ -255,7 +255,7 @@ class NodeAgent:
         again first). Raises KrexError('unreachable', ...)."""
         async with self._lock:
             c = self.client
-            if c is not None and c._task is not None and not c._task.done():
+            if c is not None and c.connected:
                 return c
             self.client = None
             if c is not None:
@@ -356,12 +356,11 @@ class NodeAgent:
             if token:
                 self._runs[token] = command
             yield ("accepted", h.command, h.device, h.queued)
-            async for stream, data in h.output(started=True):
+            # keep=False: forwarded as it comes; the handle would keep a second copy
+            async for stream, data in h.output(started=True, keep=False):
                 if stream == "started":  # a queued command's start: its job's timeout runs from it
                     yield ("started", h.pid)
                     continue
-                h._out.clear()  # forwarded as it comes; the handle would keep a second copy
-                h._err.clear()
                 yield ("output", stream, data)
             res = await h.wait()
             command = ""  # ended: nothing left to kill

@@ -75,8 +75,9 @@ class FleetHandle:
         self._err = bytearray()
         self._result: Result | None = None
 
-    async def output(self) -> AsyncIterator[tuple[str, bytes]]:
-        """Yield (stream, data) as the command writes, until it ends or its node is lost."""
+    async def output(self, keep: bool = True) -> AsyncIterator[tuple[str, bytes]]:
+        """Yield (stream, data) as the command writes, until it ends or its node is lost. `keep`: as
+        CommandHandle.output's (False: the Result has only the tails sent with the end)."""
         if self._error is not None:
             raise self._error
         while self._result is None:
@@ -106,7 +107,8 @@ class FleetHandle:
                 case ("started", pid):
                     self.pid = pid
                 case ("output", stream, data):
-                    (self._out if stream == "stdout" else self._err).extend(data)
+                    if keep:
+                        (self._out if stream == "stdout" else self._err).extend(data)
                     yield stream, data
                 case ("exited", raw, out, err):
                     report = msgspec.msgpack.decode(raw, type=P.CommandReport)

@@ -53,6 +53,11 @@ class FleetNodes:
         self._key = b""  # the fleet's key (the Ray token): seals every request that makes an agent act
         self._task: asyncio.Task[None] | None = None  # the refresher: done once closed
 
+    @property
+    def connected(self) -> bool:
+        """As Client's: False once closed (the refresher ended)."""
+        return self._task is not None and not self._task.done()
+
     def _sealed(self, method: str, name: str, **body: Any) -> tuple[bytes, str]:
         """A request for `name`'s agent, signed (auth.seal)."""
         return auth.seal(self._key, method, name, body)

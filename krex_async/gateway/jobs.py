@@ -123,7 +123,7 @@ class JobRunner:
 
     async def connect(self) -> Client | None:
         """The daemon connection, made again if it was lost; None (and `daemon_error`) if not."""
-        if self.client is not None and self.client._task is not None and not self.client._task.done():
+        if self.client is not None and self.client.connected:
             return self.client
         try:
             self.client = await self._connect()
@@ -252,7 +252,8 @@ class JobRunner:
             out, err = bytearray(), bytearray()
             cut = {"stdout": False, "stderr": False}
             limit = self.limits.max_output
-            async for stream, data in h.output(reruns=True) if isinstance(h, CommandHandle) else h.output():
+            reruns = {"reruns": True} if isinstance(h, CommandHandle) else {}
+            async for stream, data in h.output(keep=False, **reruns):  # we keep `limit` of each, not h
                 if stream == "rerun":  # the daemon runs it again: the first run's output is void
                     out.clear()
                     err.clear()
@@ -265,8 +266,6 @@ class JobRunner:
                 if len(data) > room:
                     cut[stream] = True
                 buf += data[: max(room, 0)]
-                h._out.clear()  # the handle would keep every byte; we keep `limit` of each
-                h._err.clear()
             res = await h.wait()
             deadline.cancel()
             if await self._requeue_lost(job_id, h, res.report):

@@ -48,6 +48,7 @@ from krex_async.isolation.cgroupfs import (
 from krex_async.isolation.cpuset import Cores, move
 from krex_async.isolation.instance import claim_instance, gate, instance_name, mark_instance, remove_instance
 from krex_async.isolation.intent import KREX, Intent, sweep
+from krex_async.linux import procfs
 from krex_async.logs import get as get_log
 
 log = get_log("krex.cgroup")
@@ -408,14 +409,8 @@ class CgroupBackend(Backend):
             except CgroupFileError:
                 tids = self.v2.procs(rel)
             for tid in tids:
-                try:
-                    with open(f"/proc/{tid}/stat", errors="surrogateescape") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                    with open(f"/proc/{tid}/wchan", errors="surrogateescape") as f:
-                        wchan = f.read().strip() or "-"
-                except OSError:
-                    continue
-                out.append(f"{tid}({fields[0]} {wchan})")
+                if (st := procfs.thread_state(tid)) is not None:
+                    out.append(f"{tid}({st[0]} {st[1]})")
         return ", ".join(out) or "none listed"
 
     def _unfreeze(self, g: CgroupGroup) -> None:

@@ -359,7 +359,7 @@ class Layout:
     reason: str
 
 
-def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, str | None]:
+def cgroup_mounts(mountinfo: str = procfs.MOUNTINFO) -> tuple[str | None, str | None]:
     """(cgroup2 mount point, v1 cpuset mount point), None where absent."""
     ms = procfs.mounts("cgroup2", "cgroup", mountinfo=mountinfo)
     v2 = next((m.point for m in ms if m.fstype == "cgroup2"), None)

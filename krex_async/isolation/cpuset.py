@@ -20,7 +20,7 @@ import os
 from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS, CgroupVanished
 from krex_async.isolation.intent import KREX, Intent
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux import procfs
 
 
 def fmt(cpus: frozenset[int] | set[int]) -> str:
@@ -245,10 +245,7 @@ class Cores:
         its process's saved thread, else of its nearest saved ancestor."""
         tids: list[tuple[int, int]] = []  # (tid, its process)
         for pid in pids:
-            try:
-                tids.extend((int(t), pid) for t in os.listdir(f"/proc/{pid}/task"))
-            except FileNotFoundError:
-                continue
+            tids.extend((tid, pid) for tid in procfs.tids(pid) or ())
         if cpus is None:
             todo = {tid: saved[tid] for tid, _ in tids if tid in saved}
             if everything:
@@ -279,8 +276,8 @@ def _inherited(pid: int, saved: dict[int, set[int]]) -> set[int] | None:
     for _ in range(64):
         if pid in saved:
             return saved[pid]
-        fields = stat_fields(pid)
-        if fields is None or int(fields[1]) <= 1:
+        st = procfs.stat(pid)
+        if st is None or st.ppid <= 1:
             return None
-        pid = int(fields[1])
+        pid = st.ppid
     return None

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from krex_async.linux import reserve
 from krex_async.linux.fsutil import replace_file
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux.procfs import start_time  # the one reading (hold.py, exits.py import it here)
 
 LIBRARY = "libcuda.so.1"
 # What the record says of the library: a fixed key, not a path. Whoever reads the record back
@@ -43,7 +43,6 @@ LOCKED = 1  # CU_PROCESS_STATE_LOCKED (RUNNING 0, CHECKPOINTED 2, FAILED 3)
 # CUprocessState
 PROCESS_STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: inside a driver call (context creation among them) at the timeout
-STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
 UNLOCK_BOUND_S = 5.0  # one cuCheckpointProcessUnlock: 0.35-0.63 ms on the H200 (FACTS.md)
 
@@ -130,11 +129,6 @@ class LockResult:
     error: str = ""
     not_ready: bool = False  # CUDA_ERROR_NOT_READY: no context yet, try again shortly
     state: str = ""  # on NOT_READY, what cuCheckpointProcessGetState says of the process (evidence)
-
-
-def start_time(pid: int) -> int | None:
-    fields = stat_fields(pid)
-    return int(fields[19]) if fields is not None else None
 
 
 class LockRecord:

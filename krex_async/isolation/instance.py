@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 
 from krex_async.isolation.base import IsolationError
 from krex_async.isolation.cgroupfs import CgroupFileError, CgroupFS
+from krex_async.linux import procfs
 from krex_async.linux.trust import dir_problem
 
 OWNER_FILE = "cgroup.owner"  # in the state dir: locked (flock) by the live daemon of the instance
@@ -107,21 +108,10 @@ def _lock_owner(fd: int, wait_s: float) -> str | None:
 def _sweepers(fd: int) -> str:
     """Who holds the file of `fd` flocked (/proc/locks), for the message of a start that waited
     on them: a stuck `krex cleanup` or a dead daemon's watchdog is not the same fix."""
-    ino = os.fstat(fd).st_ino
-    try:
-        with open("/proc/locks") as f:  # "1: FLOCK  ADVISORY  READ 3495 fe:00:2310195 0 EOF"
-            pids = sorted(
-                {int(w[4]) for w in map(str.split, f) if w[1:2] == ["FLOCK"] and w[5].endswith(f":{ino}")}
-            )
-    except (OSError, ValueError, IndexError):
-        pids = []
     who = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as c:
-                cmd = c.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            cmd = "?"
+    for pid in procfs.flock_holders(os.fstat(fd).st_ino):
+        raw = procfs.cmdline(pid, limit=200)
+        cmd = "?" if raw is None else raw.replace(b"\0", b" ").decode(errors="replace").strip()
         who.append(f"pid {pid}: {cmd}")
     return "; ".join(who) or "`krex cleanup`, or the watchdog of a daemon that died"
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
 from krex_async.isolation.sigguard import Guard, GuardError
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux import procfs
 
 _STOPPED = frozenset("tT")
 _LAUNCH = "krex-launch"  # $0 of the launch shell, told apart in /proc/<pid>/cmdline
@@ -50,10 +50,8 @@ class _Snapshot:
         self.children: dict[int, list[int]] = defaultdict(list)
         self.sessions: dict[int, list[int]] = defaultdict(list)
         self.environs: dict[int, bytes] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            p = _read_stat(int(name))
+        for pid in procfs.pids():
+            p = _read_stat(pid)
             if p is None:
                 continue
             self.procs[p.pid] = p
@@ -103,19 +101,13 @@ class _Snapshot:
     def _environ(self, pid: int) -> bytes:
         """/proc/<pid>/environ, read once per snapshot (b"" when gone or another user's)."""
         if pid not in self.environs:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    self.environs[pid] = f.read()
-            except OSError:
-                self.environs[pid] = b""
+            self.environs[pid] = procfs.environ(pid) or b""
         return self.environs[pid]
 
 
 def _read_stat(pid: int) -> _Proc | None:
-    fields = stat_fields(pid)
-    if fields is None:
-        return None
-    return _Proc(pid, int(fields[1]), int(fields[3]), fields[0].decode(), int(fields[19]))
+    st = procfs.stat(pid)
+    return None if st is None else _Proc(pid, st.ppid, st.session, st.state, st.start)
 
 
 def _state(pid: int) -> str | None:
@@ -125,11 +117,8 @@ def _state(pid: int) -> str | None:
 
 def _is_launch_shell(pid: int) -> bool:
     """Whether `pid` still runs the launch shell of `launch_argv` (it has not exec'd yet)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return _launching(f.read())
-    except OSError:
-        return False
+    cmd = procfs.cmdline(pid)
+    return cmd is not None and _launching(cmd)
 
 
 def _launching(cmdline: bytes) -> bool:
@@ -148,11 +137,7 @@ def _members(snap: _Snapshot, group: Group) -> list[int]:
 
 
 def _set_affinity(pid: int, cpus: set[int]) -> None:
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return
-    for tid in tids:
+    for tid in procfs.tids(pid) or ():
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # the thread exited meanwhile

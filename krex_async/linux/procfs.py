@@ -1,5 +1,10 @@
-"""Every read of /proc lives here: /proc/<pid>/stat (parent, session, state, start time: reused pids
-are told apart by start time), /proc/<pid>/cgroup, the mount table, and memory figures."""
+"""Every read of /proc lives here: the process list, /proc/<pid>/stat (parent, session, state, start
+time: reused pids are told apart by start time, read one way, start_time), cmdline, environ, status,
+cgroup, maps, open fds, threads, the mount table, file locks and memory figures. Each reader answers
+None (or []) for a process that is gone or unreadable: /proc changes under every walk.
+
+Not here: krex_async/runtime, loaded into every command's interpreter, lists its own fds with os
+alone (importing this module there would cost each command's start-up its imports)."""
 
 from __future__ import annotations
 
@@ -7,10 +12,13 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+PROC = "/proc"  # the root every reader takes (`proc`): tests give a fake one
+MOUNTINFO = "/proc/self/mountinfo"
 
 
-def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
+def stat_fields(pid: int, proc: str = PROC) -> list[bytes] | None:
     """The fields of /proc/<pid>/stat after the command name, from its state (field 3) on, or None
     when the process is gone or unreadable. The name may hold spaces and parentheses: the fields
     are taken after its last ')'. Index 0 is the state, 1 the parent, 3 the session, 19 the start
@@ -24,7 +32,179 @@ def stat_fields(pid: int, proc: str = "/proc") -> list[bytes] | None:
     return fields if len(fields) > 19 else None
 
 
-def thread_files(pids: list[int], name: str, proc: str = "/proc") -> Iterator[tuple[int, str, bytes]]:
+class Stat(NamedTuple):
+    """What /proc/<pid>/stat says of a process that krex uses."""
+
+    state: str  # R, S, D, T, Z, X...
+    ppid: int
+    session: int
+    start: int  # when it started, in clock ticks since boot: a reused pid has another
+
+
+def stat(pid: int, proc: str = PROC) -> Stat | None:
+    """A process's state, parent, session and start time, or None when it is gone or unreadable."""
+    f = stat_fields(pid, proc)
+    if f is None:
+        return None
+    return Stat(f[0].decode(errors="replace"), int(f[1]), int(f[3]), int(f[19]))
+
+
+def start_time(pid: int, proc: str = PROC) -> int | None:
+    """When `pid` started (clock ticks since boot: a reused pid has another), or None when it is
+    gone or unreadable. The one reading of it: every comparison of start times compares these."""
+    st = stat(pid, proc)
+    return None if st is None else st.start
+
+
+def pids(proc: str = PROC) -> list[int]:
+    """Every process /proc lists now ([] when it cannot be listed)."""
+    try:
+        return [int(d) for d in os.listdir(proc) if d.isdigit()]
+    except OSError:
+        return []
+
+
+def exists(pid: int, proc: str = PROC) -> bool:
+    """Whether /proc has an entry for `pid` (a zombie has one; its pid may be reused later)."""
+    return os.path.exists(f"{proc}/{pid}")
+
+
+def _read(path: str, limit: int = -1) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def cmdline(pid: int | str, proc: str = PROC, limit: int = -1) -> bytes | None:
+    """/proc/<pid>/cmdline as it is (NUL-separated argv; b"" for a kernel thread, or a process in
+    the middle of an exec), its first `limit` bytes when given; None when gone or unreadable."""
+    return _read(f"{proc}/{pid}/cmdline", limit)
+
+
+def environ(pid: int | str, proc: str = PROC) -> bytes | None:
+    """/proc/<pid>/environ (NUL-separated), None when gone or another user's."""
+    return _read(f"{proc}/{pid}/environ")
+
+
+def status(pid: int | str, proc: str = PROC) -> dict[str, str] | None:
+    """/proc/<pid>/status as {key: value, whitespace collapsed}, None when gone or unreadable."""
+    raw = _read(f"{proc}/{pid}/status")
+    if raw is None:
+        return None
+    out = {}
+    for line in raw.decode(errors="surrogateescape").splitlines():
+        key, _, rest = line.partition(":")
+        out[key] = " ".join(rest.split())
+    return out
+
+
+def security_label(pid: int | str, proc: str = PROC) -> str:
+    """The process's LSM label (/proc/<pid>/attr/current), "" when there is none or it is gone."""
+    raw = _read(f"{proc}/{pid}/attr/current")
+    return "" if raw is None else raw.decode(errors="replace").strip("\0\n")
+
+
+def exe(pid: int | str, proc: str = PROC) -> str | None:
+    """The executable a process runs, links resolved; None when gone or unreadable."""
+    try:
+        return os.path.realpath(f"{proc}/{pid}/exe", strict=True)
+    except OSError:
+        return None
+
+
+def maps(pid: int | str, proc: str = PROC) -> str | None:
+    """/proc/<pid>/maps, None when gone or unreadable."""
+    raw = _read(f"{proc}/{pid}/maps")
+    return None if raw is None else raw.decode(errors="surrogateescape")
+
+
+def in_root(pid: int, path: str, proc: str = PROC) -> str:
+    """`path` as process `pid` sees it (through its root: another mount namespace's files)."""
+    return f"{proc}/{pid}/root{path}"
+
+
+def tids(pid: int | str, proc: str = PROC) -> list[int] | None:
+    """The threads of a process, None when it is gone or unreadable."""
+    try:
+        return [int(t) for t in os.listdir(f"{proc}/{pid}/task")]
+    except OSError:
+        return None
+
+
+def fds(pid: int | str, proc: str = PROC) -> list[int] | None:
+    """The open fds of a process, None when it is gone or they may not be listed."""
+    try:
+        return [int(fd) for fd in os.listdir(f"{proc}/{pid}/fd")]
+    except OSError:
+        return None
+
+
+def fd_target(pid: int | str, fd: int, proc: str = PROC) -> str | None:
+    """What fd `fd` of a process names (a path, or "socket:[N]"...), None when it is closed or gone."""
+    try:
+        return os.readlink(f"{proc}/{pid}/fd/{fd}")
+    except OSError:
+        return None
+
+
+def fd_flags(pid: int | str, fd: int, proc: str = PROC) -> int | None:
+    """The open flags of fd `fd` of a process (os.O_* bits, from fdinfo), None when unknown."""
+    raw = _read(f"{proc}/{pid}/fdinfo/{fd}")
+    for line in (raw or b"").splitlines():
+        if line.startswith(b"flags:"):
+            try:
+                return int(line.split()[1], 8)
+            except (ValueError, IndexError):
+                return None
+    return None
+
+
+def thread_state(tid: int, proc: str = PROC) -> tuple[str, str] | None:
+    """(state, wchan: where it sleeps, "-" for nowhere) of a thread, None when it is gone."""
+    raw, wchan = _read(f"{proc}/{tid}/stat"), _read(f"{proc}/{tid}/wchan")
+    if raw is None or wchan is None:
+        return None
+    fields = raw.rsplit(b")", 1)[-1].split()
+    if not fields:
+        return None
+    return fields[0].decode(errors="replace"), wchan.decode(errors="surrogateescape").strip() or "-"
+
+
+def flock_holders(inode: int, proc: str = PROC) -> list[int]:
+    """The pids holding a flock on a file of inode `inode` (/proc/locks; a lock on another device's
+    file of that inode counts too), [] when /proc/locks cannot be read."""
+    raw = _read(f"{proc}/locks")  # "1: FLOCK  ADVISORY  READ 3495 fe:00:2310195 0 EOF"
+    try:
+        rows = [w.split() for w in (raw or b"").decode().splitlines()]
+        return sorted({int(w[4]) for w in rows if w[1:2] == ["FLOCK"] and w[5].endswith(f":{inode}")})
+    except (ValueError, IndexError):
+        return []
+
+
+def meminfo(proc: str = PROC) -> dict[str, int]:
+    """/proc/meminfo's figures in bytes ({} when unreadable)."""
+    raw = _read(f"{proc}/meminfo")
+    out: dict[str, int] = {}
+    try:
+        for line in (raw or b"").decode().splitlines():
+            key, _, value = line.partition(":")
+            parts = value.split()
+            if parts:
+                out[key] = int(parts[0]) * 1024
+    except ValueError:
+        return {}
+    return out
+
+
+def ptrace_scope(proc: str = PROC) -> str | None:
+    """Yama's ptrace_scope ("0": classic, "1": descendants only...), None without Yama."""
+    raw = _read(f"{proc}/sys/kernel/yama/ptrace_scope")
+    return None if raw is None else raw.decode(errors="replace").strip()
+
+
+def thread_files(pids: list[int], name: str, proc: str = PROC) -> Iterator[tuple[int, str, bytes]]:
     """(pid, tid, contents of /proc/PID/task/TID/NAME) for every thread of `pids`; a process or
     thread gone meanwhile, or a file it cannot read, is left out."""
     for pid in pids:
@@ -41,7 +221,7 @@ def thread_files(pids: list[int], name: str, proc: str = "/proc") -> Iterator[tu
             yield pid, tid, text
 
 
-def uninterruptible(pids: list[int], proc: str = "/proc") -> list[str]:
+def uninterruptible(pids: list[int], proc: str = PROC) -> list[str]:
     """The threads of `pids` in uninterruptible sleep (state D), as "tid(wchan)"."""
     out = []
     for pid, tid, text in thread_files(pids, "stat", proc):
@@ -56,7 +236,7 @@ def uninterruptible(pids: list[int], proc: str = "/proc") -> list[str]:
     return out
 
 
-def tgid(tid: int, proc: str = "/proc") -> int | None:
+def tgid(tid: int, proc: str = PROC) -> int | None:
     """The process (thread group) of thread `tid`, from /proc/<tid>/status (readable for any thread,
     though /proc lists only processes); None once it is gone."""
     try:
@@ -72,7 +252,7 @@ def tgid(tid: int, proc: str = "/proc") -> int | None:
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (the freezer no longer stops it)
 
 
-def exiting_in_kernel(pid: int, proc: str = "/proc") -> bool:
+def exiting_in_kernel(pid: int, proc: str = PROC) -> bool:
     """Whether `pid` has left user space for good: in the kernel's exit (its memory and files being
     released, a GPU driver freeing device memory as its files close) or a zombie. A process still
     in Python's finalisation or a library's teardown is not, and a freezer still stops it."""
@@ -115,7 +295,7 @@ def tree_memory(roots: dict[str, int], pss: bool = False) -> dict[str, dict[str,
     return out
 
 
-def memory(pid: int, proc: str = "/proc") -> tuple[int, int] | None:
+def memory(pid: int, proc: str = PROC) -> tuple[int, int] | None:
     """(RSS, PSS) of a process in bytes from smaps_rollup, or None when gone or unreadable. PSS
     shares each page among the processes that map it: what one more such process costs the host."""
     got = {}
@@ -144,7 +324,7 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def mounts(*fstypes: str, mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+def mounts(*fstypes: str, mountinfo: str = MOUNTINFO) -> list[Mount]:
     """The mounts of this mount namespace in mountinfo order, only those of `fstypes` when given;
     [] when the table cannot be read."""
     try:
@@ -163,7 +343,7 @@ def mounts(*fstypes: str, mountinfo: str = "/proc/self/mountinfo") -> list[Mount
     return out
 
 
-def cgroups(pid: int | str = "self", proc: str = "/proc") -> list[tuple[str, str, str]] | None:
+def cgroups(pid: int | str = "self", proc: str = PROC) -> list[tuple[str, str, str]] | None:
     """/proc/<pid>/cgroup as (hierarchy id, controllers, path) per line: ("0", "", path) is the v2
     one; None when the process is gone or unreadable."""
     try:

@@ -15,9 +15,8 @@ from typing import Any
 
 import msgspec
 
-from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.config import ServeConfig, choices
 from krex_async.protocol import default_socket
-from krex_async.scheduler import Policy
 
 
 def add_parser(sub: Any) -> None:
@@ -27,13 +26,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--socket-group", help="group that may connect besides the owner")
     p.add_argument(
         "--policy",
-        choices=[x.value for x in Policy],
         help="what a region means: region (exclusive, default), command (a command "
         "holds its device start to end), shared (nothing protected)",
     )
     p.add_argument(
         "--isolation",
-        choices=["auto", "cgroup", "signal"],
         help="how commands are frozen and fenced: auto (default: cgroup where a cgroup "
         "tree is writable, else signal), cgroup, signal (SIGSTOP, affinity)",
     )
@@ -41,7 +38,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--devices", help="auto, none, cpu:N (N logical cpu devices), nvidia, amd")
     p.add_argument(
         "--freeze",
-        choices=["all", "device-holders", "auto"],
         help="who a region holds: every sibling on the device, those holding a GPU "
         "device file (the others run on, fenced, and are held when they open one), "
         "or auto (default): device-holders where the hold locks and the probes "
@@ -49,7 +45,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--hold",
-        choices=["auto", "lock", "freeze"],
         help="how a held sibling is held: lock (its CUDA processes through the NVIDIA "
         "driver's process lock: its other threads run on; frozen where a lock "
         "cannot serve), freeze (the cgroup freezer), auto (default): lock where "
@@ -84,7 +79,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--quiesce",
-        choices=["auto", "all"],
         help="whose runtime a region asks to stop and synchronise before freezing: "
         "auto (default) those holding a GPU device file, none on the cpu device; "
         "all: every runtime",
@@ -191,17 +185,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--log-format",
-        choices=["auto", "json", "console"],
         help="auto (default): console at a terminal, JSON lines otherwise",
     )
     p.add_argument(
         "--log-level",
-        choices=["debug", "info", "warning", "error"],
         help="default info: one line per command and per region",
     )
     p.add_argument(
         "--probes",
-        choices=["auto", "off", "ioctl", "launches", "tracefs"],
         help="GPU driver probes (default auto: bcc, else tracefs, else none)",
     )
     p.add_argument(
@@ -215,7 +206,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--launch-scope",
-        choices=["outsiders", "all"],
         help="processes the launch uprobes trap (each trapped launch costs ~0.7 us): "
         "outsiders (default) only processes outside krex's commands, attached "
         "per process; all: every process, commands included",
@@ -241,7 +231,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--admission",
-        choices=["auto", "memory", "off"],
         help="memory-aware admission: a command starts only when it fits beside what runs on its "
         "device; auto (default): on GPUs, memory: every device, off",
     )
@@ -260,7 +249,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--mem-commit",
-        choices=["now", "peak"],
         help="what a device is taken to hold: now (default): its use at the last sample and the "
         "needs of commands started since; peak: every running command's need or peak, its whole life",
     )
@@ -285,7 +273,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="print the merged options (file < KREX_* env < flags) as TOML and exit",
     )
-    _name_env_vars(p)
+    _from_config(p)
     _group(p)
 
 
@@ -386,10 +374,16 @@ def main(args: argparse.Namespace) -> int:
     return server.run(cfg, early)
 
 
-def _name_env_vars(p: argparse.ArgumentParser) -> None:
-    """Append to each serve option's help the KREX_* variable that also sets it (config.py)."""
+def _from_config(p: argparse.ArgumentParser) -> None:
+    """Give each serve option what ServeConfig already says of its field: an enum or Literal field's
+    values as the flag's choices (spelled once, in config.py), and in its help the KREX_* variable
+    that also sets it."""
     fields = set(ServeConfig.__struct_fields__)
     for a in p._actions:
-        if a.dest in fields and a.help is not argparse.SUPPRESS:
+        if a.dest not in fields:
+            continue
+        if values := choices(a.dest):
+            a.choices = values
+        if a.help is not argparse.SUPPRESS:
             env = f"KREX_{a.dest.upper()}"
             a.help = f"{a.help}; env {env}" if a.help else f"env {env}"

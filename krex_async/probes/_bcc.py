@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Iterable
 from types import ModuleType
 from typing import Any
 
+from krex_async.linux import procfs
 from krex_async.probes.base import ProbeEvent, ProbeUnavailable
 from krex_async.probes.hold import HOLD
 
@@ -182,7 +183,7 @@ def retire_counts(
 
 def exited(tgid: int) -> bool:
     """No process `tgid` in /proc (its pid may be reused later: counts are kept per tgid anyway)."""
-    return not os.path.exists(f"/proc/{tgid}")
+    return not procfs.exists(tgid)
 
 
 def sum_percpu(table: Any, key: int = 0) -> int:

@@ -30,20 +30,14 @@ import time
 from collections.abc import Iterable
 
 from krex_async.linux import procfs
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux.procfs import start_time  # the one reading (importers name it here too)
 from krex_async.probes.base import ProbeEvent
 
 
-def parent_pid(pid: int, proc: str = "/proc") -> int | None:
+def parent_pid(pid: int, proc: str = procfs.PROC) -> int | None:
     """The parent of `pid` from /proc/<pid>/stat, or None when it is gone or unreadable."""
-    fields = stat_fields(pid, proc)
-    return None if fields is None else int(fields[1])
-
-
-def start_time(pid: int, proc: str = "/proc") -> int | None:
-    """The start time of `pid` (clock ticks since boot), or None when it is gone or unreadable."""
-    fields = stat_fields(pid, proc)
-    return None if fields is None else int(fields[19])
+    st = procfs.stat(pid, proc)
+    return None if st is None else st.ppid
 
 
 def cgroup_id(cgroup_dir: str) -> int:
@@ -65,7 +59,7 @@ class EventMapper:
     REVALIDATE_S = 0.5
     KEEP_S = 600.0  # an ended command's cached answers: longer than any region it ended during
 
-    def __init__(self, proc: str = "/proc", revalidate_s: float = REVALIDATE_S) -> None:
+    def __init__(self, proc: str = procfs.PROC, revalidate_s: float = REVALIDATE_S) -> None:
         self.proc = proc
         self.revalidate_ns = int(revalidate_s * 1e9)
         self._roots: dict[int, str] = {}

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from krex_async.linux import procfs
 from krex_async.probes import _bcc
 from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from krex_async.probes.failure import FailureReporting
@@ -452,36 +453,18 @@ def scan_proc(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
 
     Processes and fds that vanish or deny access while scanning are skipped.
     """
-    try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return
-    for pid in pids:
+    for pid in procfs.pids():
         HOLD.wait()  # on a probe thread's upkeep a region entering goes first (none at start)
-        base = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(base)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"{base}/{fd}")
-            except OSError:
-                continue
-            if target.startswith(prefixes):
-                yield pid, int(fd), target
+        for fd in procfs.fds(pid) or ():
+            target = procfs.fd_target(pid, fd)
+            if target is not None and target.startswith(prefixes):
+                yield pid, fd, target
 
 
 def fd_cloexec(pid: int, fd: int) -> int:
     """1 when the fd has close-on-exec set (/proc/<pid>/fdinfo/<fd>), else 0 (also when unknown)."""
-    try:
-        with open(f"/proc/{pid}/fdinfo/{fd}", errors="surrogateescape") as f:
-            for line in f:
-                if line.startswith("flags:"):
-                    return 1 if int(line.split()[1], 8) & os.O_CLOEXEC else 0
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    flags = procfs.fd_flags(pid, fd)
+    return 1 if flags is not None and flags & os.O_CLOEXEC else 0
 
 
 class IoctlProbe(FailureReporting, ProbeBackend):
@@ -604,12 +587,9 @@ class IoctlProbe(FailureReporting, ProbeBackend):
         table = self._bpf[b"tracked"]
         for k, v in list(table.items()):
             HOLD.wait()
-            if not v.s and os.path.exists(f"/proc/{k.tgid}"):
+            if not v.s and procfs.exists(k.tgid):
                 continue  # a live child's tombstone: it keeps the fd from being inherited again
-            try:
-                target = os.readlink(f"/proc/{k.tgid}/fd/{k.fd}")
-            except OSError:
-                target = ""  # gone: the fd or the whole process
+            target = procfs.fd_target(k.tgid, k.fd) or ""  # "": gone, the fd or the whole process
             if not target.startswith(self.prefixes):
                 table.pop(k, None)
                 self.fd_paths.pop((k.tgid, k.fd), None)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux import procfs
 from krex_async.probes import _bcc
 from krex_async.probes.hold import HOLD
 
@@ -77,41 +77,34 @@ def _mapped(text: str, names: tuple[str, ...], inodes: Inodes) -> list[str]:
 
 
 def maps_libraries(
-    tgid: int, names: Iterable[str], inodes: Inodes = frozenset(), proc: str = "/proc"
+    tgid: int, names: Iterable[str], inodes: Inodes = frozenset(), proc: str = procfs.PROC
 ) -> list[str]:
     """The launch libraries process `tgid` maps now (paths as it sees them); [] when it maps none
     or is gone."""
-    try:
-        with open(f"{proc}/{tgid}/maps", errors="surrogateescape") as f:
-            text = f.read()
-    except (OSError, ValueError):
-        return []
-    return _mapped(text, tuple(names), inodes)
+    text = procfs.maps(tgid, proc)
+    return [] if text is None else _mapped(text, tuple(names), inodes)
 
 
 def scan_processes(
-    names: Iterable[str], inodes: Inodes = frozenset(), proc: str = "/proc"
+    names: Iterable[str], inodes: Inodes = frozenset(), proc: str = procfs.PROC
 ) -> dict[int, list[str]]:
     """Every process that maps a launch library: {tgid: libraries}. Reads each /proc/<pid>/maps
     once (tens of ms on a busy host); processes that vanish meanwhile are left out."""
     names = tuple(names)
     out: dict[int, list[str]] = {}
-    for d in os.listdir(proc):
-        if d.isdigit():
-            HOLD.wait()  # on the poll thread: a region entering goes first (probes/hold.py)
-            libs = maps_libraries(int(d), names, inodes, proc)
-            if libs:
-                out[int(d)] = libs
+    for pid in procfs.pids(proc):
+        HOLD.wait()  # on the poll thread: a region entering goes first (probes/hold.py)
+        libs = maps_libraries(pid, names, inodes, proc)
+        if libs:
+            out[pid] = libs
     return out
 
 
 def identity(tgid: int) -> int | None:
     """The start time of a live process (tells a reused pid apart), or None when it is gone or a
     zombie (its address space, and with it every breakpoint, is gone)."""
-    f = stat_fields(tgid)
-    if f is None or f[0] in (b"Z", b"X"):
-        return None
-    return int(f[19])
+    st = procfs.stat(tgid)
+    return None if st is None or st.state in ("Z", "X") else st.start
 
 
 def exported(path: str, symbols: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -182,7 +175,7 @@ class ProcessUprobes:
     def _table(self, tgid: int, path: str) -> list[tuple[str, int]]:
         """The launch symbols of the file `path` names in process `tgid`, one per address (an
         alias would count each call twice), read once per file."""
-        real = f"/proc/{tgid}/root{path}"
+        real = procfs.in_root(tgid, path)
         try:
             st = os.stat(real)
         except OSError:

@@ -75,6 +75,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from krex_async.linux import procfs
 from krex_async.probes import _bcc
 from krex_async.probes.base import ProbeBackend, ProbeEvent, ProbeUnavailable
 from krex_async.probes.failure import FailureReporting
@@ -163,18 +164,12 @@ def _ldconfig_libs(names: Iterable[str]) -> list[str]:
 def _maps_libs(names: Iterable[str]) -> list[str]:
     names = tuple(names)
     found: set[str] = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/maps", errors="surrogateescape") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    path = parts[5].strip() if len(parts) == 6 else ""
-                    if path.startswith("/") and os.path.basename(path).startswith(names):
-                        found.add(path)
-        except OSError:
-            continue
+    for pid in procfs.pids():
+        for line in (procfs.maps(pid) or "").splitlines():
+            parts = line.split(None, 5)
+            path = parts[5].strip() if len(parts) == 6 else ""
+            if path.startswith("/") and os.path.basename(path).startswith(names):
+                found.add(path)
     return sorted(found)
 
 

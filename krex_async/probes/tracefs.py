@@ -193,9 +193,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         pids: set[int] = set()
         tgids: dict[int, int] = {}
         for tgid in {t for t, _ in paths}:
-            try:
-                tids = [int(t) for t in os.listdir(f"/proc/{tgid}/task")]
-            except OSError:
+            if (tids := procfs.tids(tgid)) is None:
                 continue
             pids.update(tids)
             tgids.update(dict.fromkeys(tids, tgid))

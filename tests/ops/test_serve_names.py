@@ -4,6 +4,7 @@ or watchdog line before it (they exited 1 once all of that had started)."""
 
 from __future__ import annotations
 
+import argparse
 import enum
 import os
 import typing
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from krex_async.daemon.config import ConfigError, ServeConfig, load_config_with_sources
+from krex_async.daemon.config import ConfigError, ServeConfig, choices, load_config_with_sources
+from krex_async.node import servecli
 
 from ..conftest import py_env, run_daemon
 from .test_cli_input import serve
@@ -70,6 +72,22 @@ ENUMS = {
 }
 
 
+def test_each_enum_option_is_spelled_once_for_the_flag_the_variable_and_the_file() -> None:
+    """`krex serve`'s choices come from ServeConfig's types (they were typed twice, once as Literals
+    and once as argparse lists): the flag takes exactly the values the variable and the file take."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    servecli.add_parser(sub)
+    flags = {a.dest: a for a in sub.choices["serve"]._actions}
+    for field, said in ENUMS.items():
+        assert choices(field) == said.split(", "), field
+        assert flags[field].choices == choices(field), field
+        with pytest.raises(SystemExit):
+            sub.choices["serve"].parse_args(["--" + field.replace("_", "-"), "bogus"])
+        ok = sub.choices["serve"].parse_args(["--" + field.replace("_", "-"), choices(field)[-1]])
+        assert getattr(ok, field) == choices(field)[-1]
+    assert {k for k, a in flags.items() if a.choices} == set(ENUMS)  # no flag has choices of its own
+
+
 def test_a_bad_enum_value_from_a_variable_or_a_file_lists_the_choices(tmp_path: Path) -> None:
     """KREX_POLICY=bogus said only `Invalid enum value 'bogus'`; the flag (argparse) listed them."""
     hints = typing.get_type_hints(ServeConfig)
@@ -77,11 +95,11 @@ def test_a_bad_enum_value_from_a_variable_or_a_file_lists_the_choices(tmp_path: 
         k for k, t in hints.items() if typing.get_origin(t) is typing.Literal or isinstance(t, enum.EnumMeta)
     }
     assert enums == set(ENUMS), enums  # every enum option of serve is tried below
-    for field, choices in ENUMS.items():
+    for field, said in ENUMS.items():
         var = f"KREX_{field.upper()}"
         with pytest.raises(ConfigError) as e:
             load_config_with_sources(None, {var: "bogus"}, {})
-        assert str(e.value) == f"{var}='bogus': Invalid enum value 'bogus' (choose from {choices})"
+        assert str(e.value) == f"{var}='bogus': Invalid enum value 'bogus' (choose from {said})"
     conf = tmp_path / "krex.toml"
     conf.write_text('hold = "bogus"\n')
     with pytest.raises(ConfigError, match=r"krex.toml:hold: .* \(choose from auto, lock, freeze\)"):
