@@ -25,7 +25,7 @@ from krex_async import logs
 from krex_async import protocol as P
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
 from krex_async.isolation.cudalock import LockPool, LockResult, start_time
-from krex_async.linux.procfs import stat_fields
+from krex_async.linux import procfs
 
 if TYPE_CHECKING:
     from krex_async.daemon.commands import Command
@@ -372,5 +372,5 @@ class HoldSet:
 
 def _gone(pid: int, started: int | None) -> bool:
     """Whether `pid` (started at `started`) has exited: no such process, another one, or a zombie."""
-    fields = stat_fields(pid)
-    return started is None or fields is None or int(fields[19]) != started or fields[0] == b"Z"
+    st = procfs.stat(pid)
+    return started is None or st is None or st.start != started or st.state == "Z"
