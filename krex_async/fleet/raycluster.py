@@ -9,6 +9,7 @@ A node is named by a custom Ray resource `krex_node_<name>` (`ray start --resour
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
 from typing import Any
@@ -20,6 +21,9 @@ from krex_async.fleet import auth
 
 NAMESPACE = "krex"
 NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
+# Ray refuses a driver whose Python's patch version differs from the cluster's; a root driver (this
+# venv's Python) joins a local fleet whose Ray user runs the system's python3 of the same minor.
+PYTHON_MATCH_ENV = "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL"
 
 
 def node_name(node: dict[str, Any]) -> str:
@@ -38,6 +42,7 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     other; ray.init a second time raises)."""
     if ray.is_initialized():
         return
+    os.environ.setdefault(PYTHON_MATCH_ENV, "minor")
     if address and auth.loopback(address):
         auth.local_only()  # a cluster bound to 127.0.0.1 is reached there, not at the host's address
     main = threading.current_thread() is threading.main_thread()
