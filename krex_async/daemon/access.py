@@ -34,12 +34,13 @@ FIRST_USER_UID = 1000
 
 @functools.lru_cache(maxsize=8)
 def peer_uids(peers: str) -> frozenset[int]:
-    """The uids of --run-as-peers (comma-separated names or uids). ValueError naming one that has no
-    passwd entry, or root (who may already)."""
+    """The uids of --run-as-peers (comma-separated names or uids: a uid needs no passwd entry, as a
+    pod's runAsUser has none in the daemon's container). ValueError naming a name that is no user
+    here, or root (who may already)."""
     out = set()
     for who in comma_list(peers):
         try:
-            uid = pwd.getpwuid(int(who)).pw_uid if who.isdigit() else pwd.getpwnam(who).pw_uid
+            uid = int(who) if who.isdigit() else pwd.getpwnam(who).pw_uid
         except KeyError:
             raise ValueError(f"{who!r}: no such user") from None
         if uid == 0:

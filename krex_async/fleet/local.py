@@ -81,7 +81,6 @@ class LocalFleet:
                 raise KrexError(
                     "forbidden", f"the fleet's commands cannot run as its Ray user {self.ray_user!r}"
                 )
-            self.daemon_args = (*self.daemon_args, "--run-as-peers", self.ray_user)
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="krex-fleet-", dir="/tmp")
         self._own_dir = base_dir is None
         if os.geteuid() == 0:
@@ -132,6 +131,11 @@ class LocalFleet:
         """The daemons as root, kept here; the cluster as the Ray user, in the socket group."""
         assert self.ray_user is not None
         user = ensure_user(self.ray_user)
+        # The daemons grant it run_as, and make it an admin (its own group), so that its agents see
+        # and cancel the commands they started for others.
+        self.daemon_args = (*self.daemon_args, "--run-as-peers", str(user.pw_uid))
+        if "--admin-group" not in self.daemon_args:
+            self.daemon_args = (*self.daemon_args, "--admin-group", str(user.pw_gid))
         names = [f"node{i}" for i in range(self.n)]
         self.keeper = DaemonKeeper(DaemonSpec(self.base_dir, args=self.daemon_args))
         for name in names:
