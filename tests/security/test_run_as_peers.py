@@ -22,7 +22,8 @@ def ask_as(user, socket: str, uid: int) -> str:
 
 async def test_a_peer_runs_commands_as_ordinary_users_only(users) -> None:
     alice, mallory, outsider = users["alice"], users["mallory"], users["outsider"]
-    peers = f"{alice.name},{outsider.uid}"  # by name and by uid
+    # By name, by uid, and a uid with no passwd entry (a pod's runAsUser): granted all the same.
+    peers = f"{alice.name},{outsider.uid},3999999999"
     async with config_daemon(dir_mode=0o755, socket_group="krexg", run_as_peers=peers) as d:
         # Alice is granted: her command for mallory runs as mallory.
         assert await asyncio.to_thread(ask_as, alice, d.socket, mallory.uid) == str(mallory.uid)
@@ -44,6 +45,7 @@ async def test_a_peer_runs_commands_as_ordinary_users_only(users) -> None:
     [
         ("nosuchkrexuser", "flag --run-as-peers: 'nosuchkrexuser': no such user"),
         ("krextest,root", "flag --run-as-peers: 'root' is root, who may run commands as other users"),
+        ("0", "flag --run-as-peers: '0' is root"),
     ],
 )
 def test_serve_refuses_a_peer_that_is_not_a_user_or_is_root(tmp_path, peers: str, said: str) -> None:
