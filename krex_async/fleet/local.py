@@ -143,7 +143,7 @@ class LocalFleet:
         groups = [_gid(self.daemon_args[self.daemon_args.index("--socket-group") + 1])]
         host = RayHost(user, self.base_dir, self.token_file, groups, self.ray_python)
         self.cluster = host
-        address = host.start(NODE_ARGS, names)
+        address = host.start(NODE_ARGS, names, self.keeper)
         self.ray_nodes.update(dict.fromkeys(names))
         return address
 
@@ -171,11 +171,27 @@ class LocalFleet:
         node = self.ray_nodes.pop(name)
         if isinstance(self.cluster, RayHost):
             assert self.keeper is not None
+            agent = self._agent_pid(name)
             self.cluster.ask("remove", name)
-            self.keeper.remove(name)  # as the agent's death signal did where it owned the daemon
+            # The daemon goes as the agent's death signal took it where the agent owned it: once
+            # the agent is gone (its commands' clients see it die: `lost`, not `shutdown`).
+            deadline = time.monotonic() + 15
+            while agent and os.path.exists(f"/proc/{agent}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.keeper.remove(name)
             return
         assert self.cluster is not None
         self.cluster.remove_node(node, allow_graceful=False)
+
+    def _agent_pid(self, name: str) -> int:
+        """The pid of `name`'s agent, 0 if it has none that answers."""
+        try:
+            hello: dict[str, Any] = ray.get(
+                ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE).hello.remote(), timeout=10
+            )
+            return int(hello["pid"])
+        except (ValueError, RayError, KrexError):
+            return 0
 
     def stop_agents(self, timeout: float = 30.0) -> None:
         """Stop each node's agent (it stops its daemon: commands end as `shutdown`), then kill it."""

@@ -30,11 +30,14 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO, Any, TypeVar
 
 from krex_async.client.submit import KrexError
 from krex_async.fleet import auth
-from krex_async.fleet.agent import DaemonSpec, OwnedDaemon
+from krex_async.fleet.agent import DaemonSpec, OwnedDaemon, _tail
+
+T = TypeVar("T")
 
 DEFAULT_RAY_USER = "krexray"
 
@@ -83,6 +86,7 @@ class RayHost:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         os.chown(self.dir, user.pw_uid, user.pw_gid)
         self.token_file = os.path.join(self.dir, "token")
+        self.log = os.path.join(self.dir, "ray.log")  # the host's stderr, Ray's own prints
         _copy_token(token_file, self.token_file, user)
         self.env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -135,14 +139,17 @@ class RayHost:
             f"that imports krex and Ray ({'; '.join(tried)}): give one (--ray-python)",
         )
 
-    def start(self, node_args: dict[str, Any], nodes: list[str], timeout: float = 120.0) -> str:
-        """Start the head and the other nodes; returns the GCS address."""
+    def start(
+        self, node_args: dict[str, Any], nodes: list[str], keeper: DaemonKeeper, timeout: float = 120.0
+    ) -> str:
+        """Start the head and the other nodes; returns the GCS address. Spawned from the keeper's
+        thread, which lives as long as the fleet: the host's death signal is tied to it."""
         conf = {"node_args": {**node_args, "temp_dir": os.path.join(self.dir, "t")}, "nodes": nodes}
-        self.proc = self._popen(
-            [self.python, "-m", "krex_async.fleet.rayuser", json.dumps(conf), str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
+        argv = [self.python, "-m", "krex_async.fleet.rayuser", json.dumps(conf), str(os.getpid())]
+        with open(self.log, "ab") as log:
+            self.proc = keeper.on_thread(
+                lambda: self._popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            )
         self.address = str(self._answer(timeout)["address"])
         return self.address
 
@@ -155,7 +162,8 @@ class RayHost:
         line = box[0] if box else ""
         if not line:
             raise KrexError(
-                "unreachable", f"the Ray cluster of user {self.user.pw_name} did not answer (see its stderr)"
+                "unreachable",
+                f"the Ray cluster of user {self.user.pw_name} did not answer: {_tail(self.log)}",
             )
         reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
@@ -209,6 +217,15 @@ class DaemonKeeper:
 
     def _call(self, coro: Any, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def on_thread(self, fn: Callable[[], T]) -> T:
+        """fn() on the keeper's thread (a child it spawns dies with the keeper, not the caller)."""
+
+        async def call() -> T:
+            return fn()
+
+        result: T = self._call(call())
+        return result
 
     def add(self, name: str) -> None:
         """Start `name`'s daemon and wait for its socket (RuntimeError with its log's tail)."""
