@@ -186,7 +186,7 @@ class LocalFleet:
     def _agent_pid(self, name: str) -> int:
         """The pid of `name`'s agent, 0 if it has none that answers."""
         try:
-            hello: dict[str, Any] = ray.get(
+            hello: Any = ray.get(
                 ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE).hello.remote(), timeout=10
             )
             return int(hello["pid"])
