@@ -135,7 +135,8 @@ async def _demo(
     try:
         fleet = LocalFleet(nodes, daemon_args=("--devices", devices), run_as=run_as, ray_user=ray_user)
     except KrexError as e:
-        print(f"krex fleet demo: --run-as: {e.message}", file=sys.stderr)
+        flag = "--ray-user" if "Ray" in e.message else "--run-as"
+        print(f"krex fleet demo: {flag}: {e.message}", file=sys.stderr)
         return 2
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)

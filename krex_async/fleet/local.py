@@ -33,8 +33,8 @@ from krex_async.client.submit import KrexError
 from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec, remove_cgroup
 from krex_async.fleet.client import FleetClient
-from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, PYTHON_MATCH_ENV
-from krex_async.fleet.rayuser import DEFAULT_RAY_USER, DaemonKeeper, RayHost, ensure_user
+from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, minor_python_match
+from krex_async.fleet.rayuser import DEFAULT_RAY_USER, DaemonKeeper, RayHost, check_ray_user, ensure_user
 
 NODE_ARGS: dict[str, Any] = {
     "num_cpus": 1,
@@ -77,7 +77,8 @@ class LocalFleet:
         self.ray_user = (ray_user or DEFAULT_RAY_USER) if os.geteuid() == 0 else None
         self.ray_python = ray_python
         if self.ray_user is not None:
-            if self.ray_user in (str(self.run_as), _name(self.run_as)):
+            check_ray_user(self.ray_user)
+            if _name(self.ray_user) in (str(self.run_as), _name(self.run_as)):
                 raise KrexError(
                     "forbidden", f"the fleet's commands cannot run as its Ray user {self.ray_user!r}"
                 )
@@ -100,7 +101,7 @@ class LocalFleet:
             auth.create_token(self.token_file)
         self.key = auth.use_token(self.token_file)  # before any Ray process starts: they inherit it
         auth.local_only()
-        os.environ.setdefault(PYTHON_MATCH_ENV, "minor")
+        minor_python_match()
         try:
             address = self._start_ray_user() if self.ray_user is not None else self._start_here()
             ray.init(address=address, namespace="krex", log_to_driver=False, configure_logging=False)

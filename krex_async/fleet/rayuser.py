@@ -42,10 +42,23 @@ T = TypeVar("T")
 DEFAULT_RAY_USER = "krexray"
 
 
+def check_ray_user(name: str) -> None:
+    """KrexError for root, or a user other than krexray (which is made when missing) who is not here."""
+    try:
+        uid = pwd.getpwuid(int(name)).pw_uid if name.isdigit() else pwd.getpwnam(name).pw_uid
+    except KeyError:
+        if name == DEFAULT_RAY_USER:
+            return
+        raise KrexError("forbidden", f"no user {name!r} here to run the fleet's Ray as") from None
+    if uid == 0:
+        raise KrexError("forbidden", "the fleet's Ray runs as an unprivileged user, not as root")
+
+
 def ensure_user(name: str) -> pwd.struct_passwd:
     """The Ray user, created as a system user without a home or shell where missing (root only)."""
+    check_ray_user(name)
     try:
-        return pwd.getpwnam(name)
+        return pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
     except KeyError:
         pass
     if name != DEFAULT_RAY_USER:  # create only our own; a named one must exist
