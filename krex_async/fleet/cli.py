@@ -59,6 +59,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default krexray, created as a system user if missing)",
     )
     d.add_argument(
+        "--ray-python",
+        metavar="PATH",
+        help="as root: the interpreter Ray runs as --ray-user (default this one if that user can run "
+        "it, else the system's python3 of this version), with krex and Ray on its PYTHONPATH",
+    )
+    d.add_argument(
         "--python",
         metavar="PATH",
         default=sys.executable,
@@ -92,7 +98,9 @@ def main(args: argparse.Namespace) -> int:
     if n < 1:
         print(f"krex fleet demo: --commands must be at least 1, not {n}", file=sys.stderr)
         return 2
-    return asyncio.run(_demo(args.nodes, n, args.devices, args.run_as, args.python, args.ray_user))
+    return asyncio.run(
+        _demo(args.nodes, n, args.devices, args.run_as, args.python, args.ray_user, args.ray_python)
+    )
 
 
 async def _status(address: str, as_json: bool, token_file: str | None) -> int:
@@ -124,7 +132,13 @@ async def _status(address: str, as_json: bool, token_file: str | None) -> int:
 
 
 async def _demo(
-    nodes: int, n: int, devices: str, run_as: str | None, python: str, ray_user: str | None = None
+    nodes: int,
+    n: int,
+    devices: str,
+    run_as: str | None,
+    python: str,
+    ray_user: str | None = None,
+    ray_python: str | None = None,
 ) -> int:
     import tempfile
 
@@ -133,7 +147,9 @@ async def _demo(
     from krex_async.node.demo import WORK
 
     try:
-        fleet = LocalFleet(nodes, daemon_args=("--devices", devices), run_as=run_as, ray_user=ray_user)
+        fleet = LocalFleet(
+            nodes, daemon_args=("--devices", devices), run_as=run_as, ray_user=ray_user, ray_python=ray_python
+        )
     except KrexError as e:
         flag = "--ray-user" if "Ray" in e.message else "--run-as"
         print(f"krex fleet demo: {flag}: {e.message}", file=sys.stderr)
