@@ -233,6 +233,8 @@ class LocalFleet:
         paths = []
         for node in os.listdir(self.base_dir) if os.path.isdir(self.base_dir) else []:
             try:
+                if os.lstat(os.path.join(self.base_dir, node)).st_uid != os.geteuid():
+                    continue  # the Ray user's directory: nothing it wrote names what root removes
                 with open(os.path.join(self.base_dir, node, "cgroup")) as f:
                     paths += f.read().split()
             except OSError:

@@ -27,6 +27,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -95,11 +96,10 @@ class RayHost:
         self, user: pwd.struct_passwd, base_dir: str, token_file: str, groups: list[int], python: str | None
     ) -> None:
         self.user = user
-        self.dir = os.path.join(base_dir, "ray")  # the Ray user's: token and Ray's temp dir
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        os.chown(self.dir, user.pw_uid, user.pw_gid)
+        self.dir = _own_dir(os.path.join(base_dir, "ray"), user)  # the Ray user's: token, Ray's temp dir
         self.token_file = os.path.join(self.dir, "token")
-        self.log = os.path.join(self.dir, "ray.log")  # the host's stderr, Ray's own prints
+        # The host's stderr (Ray's own prints), in root's base dir: never a file the Ray user names.
+        self.log = os.path.join(base_dir, "ray.log")
         _copy_token(token_file, self.token_file, user)
         self.env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -159,10 +159,13 @@ class RayHost:
         thread, which lives as long as the fleet: the host's death signal is tied to it."""
         conf = {"node_args": {**node_args, "temp_dir": os.path.join(self.dir, "t")}, "nodes": nodes}
         argv = [self.python, "-m", "krex_async.fleet.rayuser", json.dumps(conf), str(os.getpid())]
-        with open(self.log, "ab") as log:
+        log = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
             self.proc = keeper.on_thread(
                 lambda: self._popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
             )
+        finally:
+            os.close(log)
         self.address = str(self._answer(timeout)["address"])
         return self.address
 
@@ -204,13 +207,31 @@ class RayHost:
         self.proc = None
 
 
+def _own_dir(path: str, user: pwd.struct_passwd) -> str:
+    """`path`, a directory for the Ray user alone (0700, theirs); never a link followed."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise KrexError("forbidden", f"{path} is not a directory")
+    os.chown(path, user.pw_uid, user.pw_gid, follow_symlinks=False)
+    os.chmod(path, 0o700, follow_symlinks=False)
+    return path
+
+
 def _copy_token(src: str, dst: str, user: pwd.struct_passwd) -> None:
-    """The token, for the Ray user alone (0600, theirs)."""
+    """The token, for the Ray user alone (0600, theirs): a new file (what the Ray user left at that
+    name is removed, never written through: a link to another file)."""
     token = auth.read_token(src)
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.unlink(dst)
+    except FileNotFoundError:
+        pass
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchown(fd, user.pw_uid, user.pw_gid)
-        os.fchmod(fd, 0o600)
         os.write(fd, token)
     finally:
         os.close(fd)
