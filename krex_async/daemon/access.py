@@ -1,19 +1,22 @@
 """Who may ask what of a command, and see what of the node; the error a refused request answers with.
 
 An agent acts only on its own commands (root on any), a request from inside a command must carry its
-token and come from one of its processes, and only root may run a command as another user
-(docs/security.md). Every check raises `RequestError`, which connection.py answers. A peer
-that is not an admin sees its own commands' trace events and status, and only counts of the others'.
+token and come from one of its processes, and only root (or, within bounds, a --run-as-peers user:
+run_as()) may run a command as another user (docs/security.md, docs/fleet.md). Every check raises
+`RequestError`, which connection.py answers. A peer that is not an admin sees its own commands'
+trace events and status, and only counts of the others'.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import pwd
 from typing import Any
 
 from krex_async import protocol as P
 from krex_async.daemon.commands import Command, CommandState
+from krex_async.daemon.config import comma_list
 from krex_async.daemon.core import Core
 from krex_async.linux.procfs import stat_fields
 
@@ -24,11 +27,48 @@ class RequestError(Exception):
         self.code = code
 
 
-def run_as(target: int, peer_uid: int) -> tuple[int, int]:
-    """(uid, primary gid) for Submit.run_as: only root (by SO_PEERCRED) may name another uid, and
-    only one with a passwd entry (its groups come from there)."""
+# A --run-as-peers user may name only a uid from here up: below are root and the system's own
+# users (daemons, services: Debian's and most distributions' UID_MIN), which no fleet job runs as.
+FIRST_USER_UID = 1000
+
+
+@functools.lru_cache(maxsize=8)
+def peer_uids(peers: str) -> frozenset[int]:
+    """The uids of --run-as-peers (comma-separated names or uids: a uid needs no passwd entry, as a
+    pod's runAsUser has none in the daemon's container). ValueError naming a name that is no user
+    here, or root (who may already)."""
+    out = set()
+    for who in comma_list(peers):
+        try:
+            uid = int(who) if who.isdigit() else pwd.getpwnam(who).pw_uid
+        except KeyError:
+            raise ValueError(f"{who!r}: no such user") from None
+        if uid == 0:
+            raise ValueError(f"{who!r} is root, who may run commands as other users already")
+        out.add(uid)
+    return frozenset(out)
+
+
+def run_as(target: int, peer_uid: int, peers: str = "") -> tuple[int, int]:
+    """(uid, primary gid) for Submit.run_as: root (by SO_PEERCRED) may name any other uid; a
+    --run-as-peers user (`peers`) only an ordinary user's (uid >= 1000) that is not one of those
+    peers: never root, a system user, or a uid that could grant itself again. Only a uid with a
+    passwd entry (its groups come from there)."""
     if peer_uid != 0:
-        raise RequestError("forbidden", "only root may run a command as another user (run_as)")
+        try:
+            granted = peer_uids(peers)
+        except ValueError:  # a user removed since the start, which checked them
+            granted = frozenset()
+        if peer_uid not in granted:
+            raise RequestError(
+                "forbidden", "only root (or a --run-as-peers user) may run a command as another user (run_as)"
+            )
+        if target < FIRST_USER_UID or target in granted:
+            raise RequestError(
+                "forbidden",
+                f"run_as {'root' if target == 0 else f'uid {target}'}: a --run-as-peers user may run "
+                f"commands only as ordinary users (uid >= {FIRST_USER_UID}) who are not such peers",
+            )
     try:
         return target, pwd.getpwuid(target).pw_gid
     except KeyError:

@@ -130,6 +130,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a command's launches run untrapped) or all (every process mapping the library)
     launch_scope: Literal["outsiders", "all"] = "outsiders"
     admin_group: str = ""
+    # users (names or uids, comma-separated) who, though not root, may ask for run_as: a fleet
+    # node's Ray user (daemon/access.py says whom they may name)
+    run_as_peers: str = ""
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
     pool_preload: str = ""  # comma-separated modules every worker imports, e.g. "torch"
@@ -166,6 +169,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def launch_lib_list(self) -> list[str]:
         return comma_list(self.launch_libs)
+
+    @property
+    def run_as_peer_list(self) -> list[str]:
+        return comma_list(self.run_as_peers)
 
     @property
     def pool_preload_list(self) -> list[str]:

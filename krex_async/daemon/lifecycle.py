@@ -55,7 +55,7 @@ class Lifecycle:
         if self.core.closing:
             raise RequestError("shutdown", "the daemon is shutting down")
         if req.run_as is not None and req.run_as != uid:
-            uid, gid = run_as(req.run_as, uid)
+            uid, gid = run_as(req.run_as, uid, self.core.config.run_as_peers)
         if len(self.core.commands) >= self.core.config.max_commands:
             raise RequestError(
                 "busy",

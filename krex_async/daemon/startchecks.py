@@ -59,6 +59,7 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
       user and with its workers' environment (daemon/pools.py; a missing one stopped the pool after
       three dead workers, said only by `krex status`, and commands ran plainly).
     """
+    from krex_async.daemon.access import peer_uids
     from krex_async.isolation.cpuset import fmt
     from krex_async.probes.bpf_ioctl import check_prefixes
 
@@ -68,6 +69,10 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
     groups = {"socket_group": cfg.socket_group, "admin_group": cfg.admin_group}
     for field, problem in problems(cfg.devices, groups, cfg.metrics):
         raise ConfigError(f"{where(field)}: {problem}")
+    try:
+        peer_uids(cfg.run_as_peers)
+    except ValueError as e:
+        raise ConfigError(f"{where('run_as_peers')}: {e}") from None
     cpus = frozenset(os.sched_getaffinity(0))
     if cfg.region_cores >= len(cpus):
         raise ConfigError(

@@ -5,9 +5,10 @@
 
 The agent is an async actor (`num_cpus=0`, so it takes no slot from Ray's own work): every call runs
 on its event loop, and many commands run at once over its one daemon connection. It owns its daemon
-when given a DaemonSpec (the local fleet of `krex fleet demo` and the tests), else it connects to the
-node's socket (a DaemonSet on Kubernetes, a systemd unit). An owned daemon is started again on the
-same state dir when it dies: that daemon's start-up sweep ends what the dead one left running.
+when given a DaemonSpec (the local fleet of `krex fleet demo` and the tests, unless its root process
+keeps the daemons: DaemonSpec.start), else it connects to the node's socket (a DaemonSet on
+Kubernetes, a systemd unit). An owned daemon is started again on the same state dir when it dies:
+that daemon's start-up sweep ends what the dead one left running.
 
 Every call that makes the agent act (run, cancel, withdraw, stop) is sealed with the fleet's key
 (auth.py): one without a valid seal is refused and logged, and a run's identity maps to the
@@ -56,6 +57,9 @@ class DaemonSpec:
     args: tuple[str, ...] = ("--devices", "cpu:2")
     cgroup: bool = True  # as root on cgroup v2: a private cgroup root of its own, removed at stop
     restart: bool = True  # start it again (same state dir) when it dies
+    # False: the agent only reaches the daemon at <base_dir>/<node>/s; someone else (the local
+    # fleet as root, whose Ray runs as an unprivileged user: fleet/rayuser.py) starts and keeps it
+    start: bool = True
 
 
 class OwnedDaemon:
@@ -70,7 +74,8 @@ class OwnedDaemon:
         self.starts = 0
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Running; True when it is not ours to start (a connection to it says whether it is up)."""
+        return not self.spec.start or (self.proc is not None and self.proc.poll() is None)
 
     async def start(self, timeout: float = 30.0) -> None:
         """Start the daemon and wait for its socket. Raises RuntimeError with its log's tail.

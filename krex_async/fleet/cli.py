@@ -53,6 +53,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="as root: the unprivileged user the commands run as (default $KREX_FLEET_RUN_AS, else nobody)",
     )
     d.add_argument(
+        "--ray-user",
+        metavar="USER",
+        help="as root: the unprivileged user Ray (every task, every node agent) runs as "
+        "(default krexray, created as a system user if missing)",
+    )
+    d.add_argument(
+        "--ray-python",
+        metavar="PATH",
+        help="as root: the interpreter Ray runs as --ray-user (default this one if that user can run "
+        "it, else the system's python3 of this version), with krex and Ray on its PYTHONPATH",
+    )
+    d.add_argument(
         "--python",
         metavar="PATH",
         default=sys.executable,
@@ -86,7 +98,9 @@ def main(args: argparse.Namespace) -> int:
     if n < 1:
         print(f"krex fleet demo: --commands must be at least 1, not {n}", file=sys.stderr)
         return 2
-    return asyncio.run(_demo(args.nodes, n, args.devices, args.run_as, args.python))
+    return asyncio.run(
+        _demo(args.nodes, n, args.devices, args.run_as, args.python, args.ray_user, args.ray_python)
+    )
 
 
 async def _status(address: str, as_json: bool, token_file: str | None) -> int:
@@ -117,7 +131,15 @@ async def _status(address: str, as_json: bool, token_file: str | None) -> int:
     return 0
 
 
-async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: str) -> int:
+async def _demo(
+    nodes: int,
+    n: int,
+    devices: str,
+    run_as: str | None,
+    python: str,
+    ray_user: str | None = None,
+    ray_python: str | None = None,
+) -> int:
     import tempfile
 
     from krex_async.client.submit import KrexError
@@ -125,9 +147,12 @@ async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: st
     from krex_async.node.demo import WORK
 
     try:
-        fleet = LocalFleet(nodes, daemon_args=("--devices", devices), run_as=run_as)
+        fleet = LocalFleet(
+            nodes, daemon_args=("--devices", devices), run_as=run_as, ray_user=ray_user, ray_python=ray_python
+        )
     except KrexError as e:
-        print(f"krex fleet demo: --run-as: {e.message}", file=sys.stderr)
+        flag = "--ray-user" if "Ray" in e.message else "--run-as"
+        print(f"krex fleet demo: {flag}: {e.message}", file=sys.stderr)
         return 2
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
@@ -164,6 +189,8 @@ async def _demo(nodes: int, n: int, devices: str, run_as: str | None, python: st
             ),
             flush=True,
         )
+        if fleet.ray_user:
+            print(f"  Ray runs as {fleet.ray_user}, the daemons as root, the commands as {fleet.run_as}")
         script = os.path.join(work_dir, "work.py")
         with open(script, "w") as f:
             f.write(WORK)

@@ -9,10 +9,15 @@ root on cgroup v2, its own cgroup root, under one temporary directory that close
 The cluster is bound to 127.0.0.1 and runs with Ray's token authentication: the token is made in
 `<base_dir>/ray-token` (0600, in the 0700 base dir) unless one is named, and reaches the Ray
 processes as that file's path (RAY_AUTH_TOKEN_PATH), never in argv.
+
+As root, Ray runs as an unprivileged user (`ray_user`, default krexray, created if missing) and this
+process keeps the daemons as root, granting that user run_as (fleet/rayuser.py): a Ray task on a
+node runs as the Ray user, never as root.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import shutil
@@ -28,7 +33,8 @@ from krex_async.client.submit import KrexError
 from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec, remove_cgroup
 from krex_async.fleet.client import FleetClient
-from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE
+from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, minor_python_match
+from krex_async.fleet.rayuser import DEFAULT_RAY_USER, DaemonKeeper, RayHost, check_ray_user, ensure_user
 
 NODE_ARGS: dict[str, Any] = {
     "num_cpus": 1,
@@ -49,6 +55,8 @@ class LocalFleet:
         token_file: str | None = None,
         run_as: str | int | None = None,
         socket_group: str | None = None,
+        ray_user: str | None = None,
+        ray_python: str | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"a fleet needs at least one node, not {nodes}")
@@ -65,14 +73,24 @@ class LocalFleet:
             except KeyError:
                 raise KrexError("forbidden", f"no user {who!r} here to run the fleet's commands as") from None
             self.daemon_args = (*daemon_args, "--socket-group", group)
+        # As root: who Ray runs as (every task, every agent), granted run_as by the daemons.
+        self.ray_user = (ray_user or DEFAULT_RAY_USER) if os.geteuid() == 0 else None
+        self.ray_python = ray_python
+        if self.ray_user is not None:
+            check_ray_user(self.ray_user)
+            if _name(self.ray_user) in (str(self.run_as), _name(self.run_as)):
+                raise KrexError(
+                    "forbidden", f"the fleet's commands cannot run as its Ray user {self.ray_user!r}"
+                )
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="krex-fleet-", dir="/tmp")
         self._own_dir = base_dir is None
         if os.geteuid() == 0:
             os.chmod(self.base_dir, 0o711)  # passable to reach the sockets; the token file is 0600
         self.token_file = token_file or os.path.join(self.base_dir, "ray-token")
         self.key = b""
-        self.cluster: Cluster | None = None
-        self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node
+        self.cluster: Cluster | RayHost | None = None
+        self.keeper: DaemonKeeper | None = None  # the daemons, where Ray runs as ray_user
+        self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node (None: the host's)
 
     def start(self) -> str:
         """Start the head and N-1 worker nodes and join as the driver; returns the address."""
@@ -83,6 +101,17 @@ class LocalFleet:
             auth.create_token(self.token_file)
         self.key = auth.use_token(self.token_file)  # before any Ray process starts: they inherit it
         auth.local_only()
+        minor_python_match()
+        try:
+            address = self._start_ray_user() if self.ray_user is not None else self._start_here()
+            ray.init(address=address, namespace="krex", log_to_driver=False, configure_logging=False)
+        except BaseException:
+            self.close()
+            raise
+        return address
+
+    def _start_here(self) -> str:
+        """The cluster's processes as children of this process (and as its user)."""
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -97,12 +126,31 @@ class LocalFleet:
                 **NODE_ARGS, resources={f"{NODE_RESOURCE}node{i}": 1}
             )
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace="krex", log_to_driver=False, configure_logging=False)
         return str(self.cluster.address)
+
+    def _start_ray_user(self) -> str:
+        """The daemons as root, kept here; the cluster as the Ray user, in the socket group."""
+        assert self.ray_user is not None
+        user = ensure_user(self.ray_user)
+        # The daemons grant it run_as, and make it an admin (its own group), so that its agents see
+        # and cancel the commands they started for others.
+        self.daemon_args = (*self.daemon_args, "--run-as-peers", str(user.pw_uid))
+        if "--admin-group" not in self.daemon_args:
+            self.daemon_args = (*self.daemon_args, "--admin-group", str(user.pw_gid))
+        names = [f"node{i}" for i in range(self.n)]
+        self.keeper = DaemonKeeper(DaemonSpec(self.base_dir, args=self.daemon_args))
+        for name in names:
+            self.keeper.add(name)
+        groups = [_gid(self.daemon_args[self.daemon_args.index("--socket-group") + 1])]
+        host = RayHost(user, self.base_dir, self.token_file, groups, self.ray_python)
+        self.cluster = host
+        address = host.start(NODE_ARGS, names, self.keeper)
+        self.ray_nodes.update(dict.fromkeys(names))
+        return address
 
     async def connect(self, **kw: Any) -> FleetClient:
         """A fleet client whose agents own their nodes' daemons (started by the first client)."""
-        spec = DaemonSpec(self.base_dir, args=self.daemon_args)
+        spec = DaemonSpec(self.base_dir, args=self.daemon_args, start=self.keeper is None)
         kw.setdefault("token_file", self.token_file)
         if os.geteuid() == 0:
             kw.setdefault("run_as", self.run_as)
@@ -110,13 +158,41 @@ class LocalFleet:
 
     def add_node(self, name: str) -> None:
         """Start one more node (fleet name `name`); a client connected after sees it."""
+        if isinstance(self.cluster, RayHost):
+            assert self.keeper is not None
+            self.keeper.add(name)
+            self.cluster.ask("add", name)
+            self.ray_nodes[name] = None
+            return
         assert self.cluster is not None
         self.ray_nodes[name] = self.cluster.add_node(**NODE_ARGS, resources={f"{NODE_RESOURCE}{name}": 1})
 
     def remove_node(self, name: str) -> None:
         """Kill a worker node's Ray processes at once (its agent dies; its daemon gets SIGTERM)."""
+        node = self.ray_nodes.pop(name)
+        if isinstance(self.cluster, RayHost):
+            assert self.keeper is not None
+            agent = self._agent_pid(name)
+            self.cluster.ask("remove", name)
+            # The daemon goes as the agent's death signal took it where the agent owned it: once
+            # the agent is gone (its commands' clients see it die: `lost`, not `shutdown`).
+            deadline = time.monotonic() + 15
+            while agent and os.path.exists(f"/proc/{agent}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.keeper.remove(name)
+            return
         assert self.cluster is not None
-        self.cluster.remove_node(self.ray_nodes.pop(name), allow_graceful=False)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def _agent_pid(self, name: str) -> int:
+        """The pid of `name`'s agent, 0 if it has none that answers."""
+        try:
+            hello: Any = ray.get(
+                ray.get_actor(f"krex-node-{name}", namespace=NAMESPACE).hello.remote(), timeout=10
+            )
+            return int(hello["pid"])
+        except (ValueError, RayError, KrexError):
+            return 0
 
     def stop_agents(self, timeout: float = 30.0) -> None:
         """Stop each node's agent (it stops its daemon: commands end as `shutdown`), then kill it."""
@@ -144,6 +220,9 @@ class LocalFleet:
         if self.cluster is not None:
             self.cluster.shutdown()
             self.cluster = None
+        if self.keeper is not None:
+            self.keeper.close()  # the daemons: their commands end as `shutdown`
+            self.keeper = None
         self._remove_cgroups()
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
@@ -154,6 +233,8 @@ class LocalFleet:
         paths = []
         for node in os.listdir(self.base_dir) if os.path.isdir(self.base_dir) else []:
             try:
+                if os.lstat(os.path.join(self.base_dir, node)).st_uid != os.geteuid():
+                    continue  # the Ray user's directory: nothing it wrote names what root removes
                 with open(os.path.join(self.base_dir, node, "cgroup")) as f:
                     paths += f.read().split()
             except OSError:
@@ -172,3 +253,15 @@ class LocalFleet:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _name(who: str | int) -> str:
+    """A user's name, from a name or a uid ("" if unknown)."""
+    try:
+        return pwd.getpwuid(int(who)).pw_name if str(who).isdigit() else str(who)
+    except KeyError:
+        return ""
+
+
+def _gid(group: str) -> int:
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid

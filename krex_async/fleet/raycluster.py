@@ -9,6 +9,8 @@ A node is named by a custom Ray resource `krex_node_<name>` (`ray start --resour
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -20,6 +22,9 @@ from krex_async.fleet import auth
 
 NAMESPACE = "krex"
 NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
+# Ray refuses a driver whose Python's patch version differs from the cluster's; a root driver (this
+# venv's Python) joins a local fleet whose Ray user runs the system's python3 of the same minor.
+PYTHON_MATCH_ENV = "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL"
 
 
 def node_name(node: dict[str, Any]) -> str:
@@ -30,6 +35,22 @@ def node_name(node: dict[str, Any]) -> str:
     return str(node["NodeID"][:8])
 
 
+class _PatchMismatch(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Python patch version mismatch")
+
+
+def minor_python_match() -> None:
+    """Let this driver join a cluster of the same Python minor version (unless
+    $RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL says otherwise), without Ray's warning each time: the
+    local fleet's Ray user runs the system's python3, a root driver this venv's."""
+    if os.environ.setdefault(PYTHON_MATCH_ENV, "minor") == "minor":
+        logging.getLogger("ray._private.utils").addFilter(_PATCH_MISMATCH)
+
+
+_PATCH_MISMATCH = _PatchMismatch()
+
+
 def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     """ray.init, keeping this process's SIGTERM/SIGINT handlers: Ray's own would end the process
     (sys.exit) where a daemon or the gateway shuts down cleanly. KrexError when nobody answers.
@@ -38,6 +59,7 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
     other; ray.init a second time raises)."""
     if ray.is_initialized():
         return
+    minor_python_match()
     if address and auth.loopback(address):
         auth.local_only()  # a cluster bound to 127.0.0.1 is reached there, not at the host's address
     main = threading.current_thread() is threading.main_thread()

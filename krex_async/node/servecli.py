@@ -178,6 +178,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--admin-group", help="group whose members may act on every command")
     p.add_argument(
+        "--run-as-peers",
+        metavar="USERS",
+        help="comma-separated users who may run commands as other users (run_as) without being root, "
+        "never as root nor a system user (uid < 1000): a fleet node's Ray user",
+    )
+    p.add_argument(
         "--state-dir",
         help="intent records, spooled output and recovery state "
         "(default /var/lib/krex as root, which the unit's StateDirectory= keeps across "
@@ -279,7 +285,18 @@ def add_parser(sub: Any) -> None:
 
 # `krex serve --help` in sections (an option not listed here stays under "options").
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("where and who", ("config", "print_config", "socket", "socket_group", "admin_group", "state_dir")),
+    (
+        "where and who",
+        (
+            "config",
+            "print_config",
+            "socket",
+            "socket_group",
+            "admin_group",
+            "run_as_peers",
+            "state_dir",
+        ),
+    ),
     (
         "policy and isolation",
         ("policy", "isolation", "cgroup_root", "devices", "freeze", "hold", "quiesce", "region_cores"),

@@ -67,6 +67,15 @@ def test_demo_bad_input(args: list[str], message: str) -> None:
         (["--run-as", "root"], "--run-as: the fleet runs no command as root"),
         (["--run-as", "no-such-user-x"], "no user 'no-such-user-x' here"),
         (["--run-as", "nobody", "--python", "/nonexistent/python3"], "who cannot run /nonexistent/python3"),
+        (["--ray-user", "root"], "--ray-user: the fleet's Ray runs as an unprivileged user, not as root"),
+        (
+            ["--ray-user", "no-such-user-x"],
+            "--ray-user: no user 'no-such-user-x' here to run the fleet's Ray",
+        ),
+        (
+            ["--run-as", "nobody", "--ray-user", "nobody"],
+            "--ray-user: the fleet's commands cannot run as its Ray",
+        ),
     ],
 )
 def test_demo_as_root_runs_nothing_as_root(args: list[str], message: str) -> None:

@@ -81,20 +81,53 @@ def test_the_daemonset_gives_the_daemon_what_it_needs(tmp_path: Path) -> None:
 
 
 def test_the_ray_workers_take_the_token_from_a_secret_file_only() -> None:
-    """Ray's token authentication on, the token a Secret's file (root only), named by its path:
-    never a literal, an env value from the Secret, or an argument."""
+    """Ray's token authentication on, the token a Secret's file (root only, mounted in the init
+    container alone) copied for the Ray user (0600, theirs, in memory), named by its path: never a
+    literal, an env value from the Secret, or an argument."""
     ds = docs()["DaemonSet/krex-ray"]
     pod = ds["spec"]["template"]["spec"]
     (ray,) = pod["containers"]
+    (init,) = pod["initContainers"]
     env = {e["name"]: e for e in ray["env"]}
     assert env["RAY_AUTH_MODE"]["value"] == "token"
     assert "RAY_AUTH_TOKEN" not in env
     path = env["RAY_AUTH_TOKEN_PATH"]["value"]
     (mount,) = [m for m in ray["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
     assert mount.get("readOnly") is True
-    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert vol["secret"]["secretName"] == "krex-ray-token" and vol["secret"]["defaultMode"] == 0o400
-    assert [i["path"] for i in vol["secret"]["items"]] == [path.rpartition("/")[2]]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    # The init container copies the Secret's file there, for the Ray user alone.
+    (secret,) = [v for v in pod["volumes"] if "secret" in v]
+    assert secret["secret"]["secretName"] == "krex-ray-token" and secret["secret"]["defaultMode"] == 0o400
+    assert not [m for m in ray["volumeMounts"] if m["name"] == secret["name"]]
+    src = next(m["mountPath"] for m in init["volumeMounts"] if m["name"] == secret["name"])
+    dst = next(m["mountPath"] for m in init["volumeMounts"] if m["name"] == mount["name"])
+    uid = pod["securityContext"]["runAsUser"]
+    gid = pod["securityContext"]["runAsGroup"]
+    name = secret["secret"]["items"][0]["path"]
+    argv = [*init["command"], *init["args"]]
+    assert argv == ["install", "-o", str(uid), "-g", str(gid), "-m", "600", f"{src}/{name}", path]
+    assert path.startswith(dst + "/")
     assert "token" not in " ".join(ray["args"]).replace("RAY_AUTH_TOKEN_PATH", "")
     assert not ray["securityContext"].get("privileged")
     assert any(m["mountPath"] == "/run/krex" for m in ray["volumeMounts"])  # the daemon's socket
+
+
+def test_ray_runs_unprivileged_and_the_daemon_grants_it_run_as(tmp_path: Path) -> None:
+    """The Ray container (every Ray task on the node, the node agent included) runs as a non-root
+    uid with no capability; the daemon container stays root; the daemon's config lets that uid ask
+    for run_as, act on the commands it started (admin group) and reach the socket (its group)."""
+    found = docs()
+    pod = found["DaemonSet/krex-ray"]["spec"]["template"]["spec"]
+    (ray,) = pod["containers"]
+    uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
+    assert uid != 0 and pod["securityContext"]["runAsNonRoot"] is True
+    assert ray["securityContext"]["runAsNonRoot"] is True and ray["securityContext"]["runAsUser"] == uid
+    assert ray["securityContext"]["allowPrivilegeEscalation"] is False
+    assert ray["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    daemon = found["DaemonSet/krex"]["spec"]["template"]["spec"]
+    assert daemon.get("securityContext", {}).get("runAsUser", 0) == 0
+    assert all(c.get("securityContext", {}).get("runAsUser", 0) == 0 for c in daemon["containers"])
+    config = krex_config(found["ConfigMap/krex-config"]["data"]["krex.toml"], tmp_path)
+    assert config.run_as_peer_list == [str(uid)]
+    assert config.socket_group == config.admin_group == str(gid)

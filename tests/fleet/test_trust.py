@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -142,7 +143,9 @@ async def test_an_unprivileged_user_cannot_join_run_tasks_or_use_an_agent(
     # The control: the same program with the fleet's token (root's, from its file) gets in, so the
     # attempts below fail for want of the token, not for how the attacker's Ray was set up.
     ok = attack(None, address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=local_fleet.token_file)
-    assert "JOINED" in ok and "TASK (0," in ok, ok
+    # Its task runs as the fleet's Ray user (root only where the fleet's process is not root).
+    ray_uid = pwd.getpwnam(local_fleet.ray_user).pw_uid if local_fleet.ray_user else os.geteuid()
+    assert "JOINED" in ok and f"TASK ({ray_uid}," in ok, ok
     assert "AGENT [('error', 'forbidden'" in ok, ok  # and even then the agent wants a sealed request
 
     guess = f"/tmp/krex-attacker-{outsider.name}/guess"
