@@ -176,7 +176,7 @@ def _import_hint(argv: list[str]) -> str:
 async def _export(args: argparse.Namespace) -> int:
     """Write the daemon's recent timeline as Chrome-trace JSON (opens in Perfetto); `-` is stdout."""
     from krex_async.client.submit import Client, KrexError
-    from krex_async.daemon.timeline import chrome_trace
+    from krex_async.daemon.observe.timeline import chrome_trace
 
     to_stdout = args.perfetto == "-"
     try:
@@ -237,7 +237,7 @@ _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 def main(argv: list[str] | None = None) -> int:
     from krex_async import __version__
-    from krex_async.node import servecli, statusview, tracecli
+    from krex_async.ops import servecli, statusview, tracecli
 
     ap = argparse.ArgumentParser(prog="krex", description="region-granular GPU exclusivity")
     ap.add_argument("--version", action="version", version=f"krex {__version__}")
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet_cli.add_parser(sub)
     dm = sub.add_parser("demo", help="start a daemon and run a small concurrent workload with regions")
     dm.add_argument("-n", type=int_in(1, 64), default=6, help="concurrent commands (default 6, 1-64)")
-    from krex_async.node import cleanup, doctor
+    from krex_async.ops import cleanup, doctor
 
     doctor.add_parser(sub)
     cleanup.add_parser(sub)
@@ -355,7 +355,7 @@ def _arun(coro: Coroutine[Any, Any, int]) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     from krex_async import gateway
     from krex_async.fleet import cli as fleet_cli
-    from krex_async.node import cleanup, doctor, servecli, statusview, tracecli
+    from krex_async.ops import cleanup, doctor, servecli, statusview, tracecli
 
     if args.verb == "serve":
         return servecli.main(args)
@@ -364,7 +364,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "cleanup":
         return cleanup.cleanup_main(args)
     if args.verb == "demo":
-        from krex_async.node import demo
+        from krex_async.ops import demo
 
         return demo.main(args.n)
     if args.verb == "run":

@@ -321,7 +321,7 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     # "ppid P, cgroup /path, cmd 'argv...'" (or "gone" when it had already exited). Up to 10.
     stray_procs: dict[int, str] = {}
     tainted: bool = False
-    # How siblings were held (hold.py): "lock" or "freeze" ("" when none were), and, when a lock was
+    # How siblings were held (regions/policy.py): "lock" or "freeze" ("" when none were), and, when a lock was
     # asked for but could not serve on this region at all, why. Locked: commands whose GPU-holding
     # processes the CUDA driver locked (their other threads ran on); fenced: siblings left running
     # off the region cores; hold_fallback: command -> why it was frozen rather than locked.

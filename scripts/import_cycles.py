@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 PKG = "krex_async"
@@ -22,10 +23,21 @@ FLOORS = [
     {"runtime"},  # loaded into commands' interpreters
     {"client", "probes", "ctxpool"},
     {"daemon"},  # `krex serve`
-    {"node"},  # doctor, cleanup, status, trace, demo
+    {"ops"},  # doctor, cleanup, status, trace, demo
     {"fleet"},
     {"gateway"},
     {"cli", "__main__"},
+]
+
+# Inside the daemon (`krex serve`), the same rule one level down: its folders and its top-level
+# modules (the wire: daemon, server, connection, listener, probing, startchecks) by floor.
+DAEMON_FLOORS = [
+    {"config", "persist"},  # the serve options; records and spool files on disk
+    {"model"},  # Core, Command, Region and the HoldSet that alone writes what it holds, events
+    {"regions"},  # the region engine
+    {"commands"},  # a command's life: access, placement, admission, launch, end, report, recovery
+    {"observe"},  # metrics, trace, attribution, timeline, status: subscribers to the model's events
+    {"daemon", "server", "connection", "listener", "probing", "startchecks"},  # the wire, on top
 ]
 
 
@@ -108,21 +120,37 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def part(mod: str) -> str:
-    """The top-level part a module belongs to: krex_async.daemon.regions -> daemon."""
+    """The top-level part a module belongs to: krex_async.daemon.regions.engine -> daemon."""
     return mod.split(".")[1] if "." in mod else ""
 
 
-def upward(graph: dict[str, set[str]]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Imports from a lower floor to a higher one, and the parts that stand on no floor."""
-    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
-    unplaced = sorted({part(m) for m in graph if part(m) and part(m) not in floor})
+def daemon_part(mod: str) -> str:
+    """The daemon's folder or top-level module a module belongs to: krex_async.daemon.regions.entry ->
+    regions; "" outside the daemon (and for the daemon package itself)."""
+    bits = mod.split(".")
+    return bits[2] if len(bits) > 2 and bits[1] == "daemon" else ""
+
+
+def _up(
+    graph: dict[str, set[str]], floors: list[set[str]], where: Callable[[str], str]
+) -> tuple[list[tuple[str, str]], list[str]]:
+    floor = {name: i for i, names in enumerate(floors) for name in names}
+    unplaced = sorted({where(m) for m in graph if where(m) and where(m) not in floor})
     up = [
         (a, b)
         for a in sorted(graph)
         for b in sorted(graph[a])
-        if part(a) in floor and part(b) in floor and floor[part(b)] > floor[part(a)]
+        if where(a) in floor and where(b) in floor and floor[where(b)] > floor[where(a)]
     ]
     return up, unplaced
+
+
+def upward(graph: dict[str, set[str]]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Imports from a lower floor to a higher one, and the parts that stand on no floor: the
+    package's parts (FLOORS), then the daemon's folders (DAEMON_FLOORS)."""
+    up, unplaced = _up(graph, FLOORS, part)
+    inner_up, inner_unplaced = _up(graph, DAEMON_FLOORS, daemon_part)
+    return up + inner_up, unplaced + [f"daemon.{name}" for name in inner_unplaced]
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""A held command's share of its device (--hold-share, --share-window; daemon/share.py): back-to-back
+"""A held command's share of its device (--hold-share, --share-window; daemon/regions/share.py): back-to-back
 regions of one command leave a busy sibling its share of the time, a region still never starts
 while a sibling runs, an idle sibling is not waited for, and the option reads from every layer."""
 
@@ -13,9 +13,9 @@ import pytest
 
 from krex_async import Client
 from krex_async.daemon.config import ConfigError, load_config
-from krex_async.daemon.metrics import Metrics
-from krex_async.daemon.share import Share
-from krex_async.node.statusview import render
+from krex_async.daemon.observe.metrics import Metrics
+from krex_async.daemon.regions.share import Share
+from krex_async.ops.statusview import render
 
 from .conftest import PY, py_env, run_daemon, until
 from .ops.test_metrics import L, scrape

@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from krex_async.daemon.commands import CommandState
 from krex_async.daemon.config import ServeConfig, comma_list
+from krex_async.daemon.model.command import CommandState
 from krex_async.scheduler import Policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +49,24 @@ def test_the_check_sees_an_import_up_the_floors(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "upward: krex_async.linux.procfs -> krex_async.daemon.core" in out.stdout
     assert "unplaced: krex_async.stray" in out.stdout
+
+
+def test_the_check_sees_an_import_up_the_daemons_floors(tmp_path: Path) -> None:
+    """Inside the daemon, a folder below reaching up (the model importing the region engine) is
+    reported, and so is a new daemon folder or module that stands on no floor."""
+    pkg = tmp_path / "krex_async"
+    for sub in ("daemon", "daemon/model", "daemon/regions", "daemon/stray"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "daemon" / "regions" / "engine.py").write_text("from krex_async.daemon.model import core\n")
+    (pkg / "daemon" / "model" / "core.py").write_text(
+        "def f():\n    from krex_async.daemon.regions import engine\n"
+    )
+    out = cycles(tmp_path)
+    assert out.returncode == 1
+    assert "upward: krex_async.daemon.model.core -> krex_async.daemon.regions.engine" in out.stdout
+    assert "unplaced: krex_async.daemon.stray" in out.stdout
 
 
 def test_the_check_sees_a_circle_hidden_by_a_local_import(tmp_path: Path) -> None:

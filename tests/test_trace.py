@@ -127,7 +127,7 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     import argparse
 
     from krex_async import protocol as P
-    from krex_async.node.tracecli import line, wanted
+    from krex_async.ops.tracecli import line, wanted
 
     ns = argparse.Namespace(kind=[], command=[], pid=[], device=[], no_probes=False)
     ev = P.TraceEvent(
@@ -153,7 +153,7 @@ async def test_trace_filters_pick_by_command_pid_device() -> None:
     assert text.split()[1:6] == ["STRAY", "cpu", "-", "42", "r-1"], text
     assert "owner=1-2" in text and "comm=nvidia-smi" in text and "seconds=0.001836s" in text
     # Real ids (a boot id and numbers in the hundreds) keep DETAIL in its column, under the header.
-    from krex_async.node.tracecli import HEADER
+    from krex_async.ops.tracecli import HEADER
 
     grant = P.TraceEvent(
         id=0,

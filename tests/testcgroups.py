@@ -18,7 +18,7 @@ import uuid
 
 from krex_async.isolation.instance import Pin
 from krex_async.linux.procfs import stat_fields
-from krex_async.node.cleanup import v1_mount, v2_mount
+from krex_async.ops.cleanup import v1_mount, v2_mount
 
 PREFIX = "krex-test-"
 _CREATOR = re.compile(r"krex-test-(\d+)\.(\d+)-")

@@ -11,7 +11,7 @@ launching. Conditions, each after the sibling has rebuilt its backlog:
   b-quiesce    Quiesce -> its runtime synchronises -> QuiesceAck -> SIGSTOP
   c-verify     SIGSTOP, then the owner's devicework.idle_verify() until the device is idle
   b-settle     b-quiesce, then wait for the SM clock to recover as the daemon does before a grant
-               (daemon/clock.py): krex's path for a sibling that acknowledges (--regions times)
+               (daemon/regions/clock.py): krex's path for a sibling that acknowledges (--regions times)
   d-settle     c-verify, then the same settle: krex's path for one that does not (--regions times)
   alone-i      interleaved with those: the sibling stopped, its queue waited out, 1.5 s of rest,
                then the same timings (the GPU alone, in the same stretch of the run); the baseline
@@ -271,7 +271,7 @@ SETTLE_FRACTION = [ServeConfig().settle_fraction]
 
 
 def settle(node, gpu) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    """What the daemon's clock settle (daemon/clock.py) does before a grant (default --settle-ms 300)."""
+    """What the daemon's clock settle (daemon/regions/clock.py) does before a grant (--settle-ms 300)."""
     t_s = time.perf_counter()
     st = first = node.clock(gpu)
     while (

@@ -57,7 +57,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cgroup_root: str = ""  # a delegated v2 cgroup to create command cgroups under ("" = find one)
     devices: str = "auto"  # auto, none, cpu:N, nvidia, amd
     # who a region holds: every sibling on the device, those holding a GPU device file, or auto
-    # (device-holders where the hold locks and the probes see GPU opens, all otherwise; hold.py)
+    # (device-holders where the hold locks and the probes see GPU opens, all otherwise; regions/policy.py)
     freeze: Literal["all", "device-holders", "auto"] = "auto"
     # how: the CUDA driver's process lock (freezer fallback per sibling), the freezer, or auto (the
     # lock where the driver offers it)
@@ -86,7 +86,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region_timeout: Positive = 60.0
     # the most of any share_window seconds that others' regions may hold a command (plus one region):
     # one held that long is owed the time to run before the next region that would hold it starts
-    # (daemon/share.py). Back to back, one user's regions left another's command 2% of its progress.
+    # (daemon/regions/share.py). Back to back, one user's regions left another's command 2% of its progress.
     # 0 or 1: off
     hold_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
     share_window: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
@@ -131,7 +131,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     launch_scope: Literal["outsiders", "all"] = "outsiders"
     admin_group: str = ""
     # users (names or uids, comma-separated) who, though not root, may ask for run_as: a fleet
-    # node's Ray user (daemon/access.py says whom they may name)
+    # node's Ray user (daemon/commands/access.py says whom they may name)
     run_as_peers: str = ""
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -143,7 +143,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # seconds an adopting interpreter waits for a warming worker before it runs plainly (its own
     # import and context cost more than the rest of a warm-up already under way)
     pool_wait: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
-    # memory-aware admission (daemon/admission.py): auto tracks every GPU (not `cpu` devices),
+    # memory-aware admission (daemon/commands/admission.py): auto tracks every GPU (not `cpu` devices),
     # memory every device, off none; an unknown command reserves --mem-default bytes (0: one
     # unknown at a time per device); --mem-headroom: the fraction of a device's memory kept free
     admission: Literal["auto", "memory", "off"] = "auto"

@@ -20,7 +20,7 @@ import msgspec
 
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.daemon.access import RequestError, visible_event, visible_status
+from krex_async.daemon.commands.access import RequestError, visible_event, visible_status
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.daemon import Daemon
 

@@ -1,7 +1,7 @@
 """The daemon: its parts, put together once, and the requests connection.py hands it. One event loop owns
 all of it.
 
-`Daemon` builds the shared `Core` (core.py) and the parts that take it: `Regions` (regions.py),
+`Daemon` builds the shared `Core` (model/core.py) and the parts that take it: `Regions` (regions/engine.py),
 `WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
 (status.py), and the observers: the `Tracer` (tracing.py), the metrics (metering.py) and, while
 probes run, the `Attributor` (attribution.py) subscribe to the core's events (events.py); the daemon
@@ -21,21 +21,21 @@ from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.daemon.access import RequestError, inside
-from krex_async.daemon.attribution import Attributor
-from krex_async.daemon.commands import Command
+from krex_async.daemon.commands.access import RequestError, inside
+from krex_async.daemon.commands.lifecycle import Lifecycle
+from krex_async.daemon.commands.recovery import recover
+from krex_async.daemon.commands.warmpools import WarmPools
 from krex_async.daemon.config import ServeConfig
-from krex_async.daemon.core import Core, Send
-from krex_async.daemon.lifecycle import Lifecycle
-from krex_async.daemon.metering import Metering
-from krex_async.daemon.metrics import Metrics
-from krex_async.daemon.records import Records
-from krex_async.daemon.recovery import recover
-from krex_async.daemon.regions import Regions
-from krex_async.daemon.spool import Spool
-from krex_async.daemon.status import Status
-from krex_async.daemon.tracing import Tracer
-from krex_async.daemon.warmpools import WarmPools
+from krex_async.daemon.model.command import Command
+from krex_async.daemon.model.core import Core, Send
+from krex_async.daemon.observe.attribution import Attributor
+from krex_async.daemon.observe.metering import Metering
+from krex_async.daemon.observe.metrics import Metrics
+from krex_async.daemon.observe.status import DaemonStatus
+from krex_async.daemon.observe.tracing import Tracer
+from krex_async.daemon.persist.records import Records
+from krex_async.daemon.persist.spool import Spool
+from krex_async.daemon.regions.engine import Regions
 from krex_async.devices import Node
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
@@ -81,7 +81,7 @@ class Daemon:
         self.lifecycle = Lifecycle(self.core, self.regions, self.warm, self._boot)
         self._attributor: Attributor | None = None  # set when probes run
         self._unobserve: Callable[[], None] | None = None  # the attributor's subscriptions
-        self.status = Status(
+        self.status = DaemonStatus(
             self.core, self.regions, self.warm.adoptions, self._boot, self.lifecycle.admission, self.metrics
         )
         # a dead daemon's commands: ended and reported (recovery.py)

@@ -11,9 +11,9 @@ import contextlib
 from typing import Any
 
 from krex_async import logs
-from krex_async.daemon.attribution import Attributor
-from krex_async.daemon.commands import CommandState
 from krex_async.daemon.daemon import Daemon
+from krex_async.daemon.model.command import CommandState
+from krex_async.daemon.observe.attribution import Attributor
 
 log = logs.get("krex.server")
 

@@ -17,12 +17,12 @@ import time
 
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.daemon.access import visible_event as visible_event  # its old path, tests use it
-from krex_async.daemon.commands import CommandState
+from krex_async.daemon.commands.access import visible_event as visible_event  # its old path, tests use it
+from krex_async.daemon.commands.earlystop import EarlyStop
+from krex_async.daemon.commands.warmpools import pool_user
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.connection import READ_LIMIT, Connection
 from krex_async.daemon.daemon import Daemon
-from krex_async.daemon.earlystop import EarlyStop
 from krex_async.daemon.listener import (
     LISTEN_BACKLOG,
     bind_socket,
@@ -31,8 +31,8 @@ from krex_async.daemon.listener import (
     raise_nofile_limit,
     usage_exit,
 )
+from krex_async.daemon.model.command import CommandState
 from krex_async.daemon.probing import start_probes
-from krex_async.daemon.warmpools import pool_user
 from krex_async.devices import Unavailable, open_node
 from krex_async.isolation import RootUnusable, choose_backend
 from krex_async.linux import reserve, sdnotify
@@ -260,7 +260,7 @@ async def _start(
 ) -> bool:
     """Metrics, probes, the clock and the warm pools; True where a stop signal ended the start."""
     if cfg.metrics:
-        from krex_async.daemon.metrics import MetricsUnavailable
+        from krex_async.daemon.observe.metrics import MetricsUnavailable
 
         try:
             host, port = daemon.metrics.start(cfg.metrics)

@@ -15,7 +15,7 @@ from krex_async.daemon.config import ConfigError, ServeConfig
 def problems(devices: str, groups: dict[str, str], metrics: str) -> list[tuple[str, str]]:
     """(option field, why) for each of these that cannot serve here; `groups`: {field: name}."""
     from krex_async.daemon.listener import find_group
-    from krex_async.daemon.metrics import missing, parse_addr
+    from krex_async.daemon.observe.metrics import missing, parse_addr
     from krex_async.devices import check_spec
 
     out = []
@@ -42,7 +42,7 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
     returns notes on options that are valid but do nothing here, for the caller to say.
 
     - region_cores: a count, at most the cpus krex may use less one, which always stays for the
-      other commands (cores.py would reserve fewer without a word).
+      other commands (regions/fence.py would reserve fewer without a word).
     - cgroup_root: a root given on purpose is used or refused; only the root krex finds itself falls
       back to signals (isolation.choose_backend, whose rule this asks first, to name the source). Not
       checked under --isolation signal, which uses none.
@@ -56,10 +56,10 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
       without: serve resolves it either way, and refused it by exiting 1 without saying where the
       name came from.
     - pool_preload, pool_init (with a pool): modules the pool's interpreter finds, as the pool's
-      user and with its workers' environment (daemon/pools.py; a missing one stopped the pool after
+      user and with its workers' environment (daemon/commands/pools.py; a missing one stopped the pool after
       three dead workers, said only by `krex status`, and commands ran plainly).
     """
-    from krex_async.daemon.access import peer_uids
+    from krex_async.daemon.commands.access import peer_uids
     from krex_async.isolation.cpuset import fmt
     from krex_async.probes.bpf_ioctl import check_prefixes
 
@@ -107,14 +107,14 @@ def check_here(cfg: ServeConfig, sources: Mapping[str, str]) -> list[str]:
                 "patterns matching them) that exist here"
             ) from None
     if cfg.pool_user:
-        from krex_async.daemon.pools import pool_identity
+        from krex_async.daemon.commands.pools import pool_identity
 
         try:
             pool_identity(cfg.pool_user)
         except ValueError as e:
             raise ConfigError(f"{where('pool_user')}: {cfg.pool_user!r}: {e}") from None
     if cfg.pool_size > 0:
-        from krex_async.daemon.pools import module_problems
+        from krex_async.daemon.commands.pools import module_problems
 
         for field, why in module_problems(cfg.pool_user, cfg.pool_preload_list, cfg.pool_init_list):
             raise ConfigError(f"{where(field)}: {why}")

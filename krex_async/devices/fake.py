@@ -1,6 +1,6 @@
 """A test vendor: GPUs with no hardware, whose memory the tests control (`--devices fake:N`).
 
-Memory-aware admission (daemon/admission.py) needs per-process device memory and an allocator that
+Memory-aware admission (daemon/commands/admission.py) needs per-process device memory and an allocator that
 fails as CUDA's does; on a machine without a GPU this module stands in for both. Nothing here is
 for production: it is named `fake` in status and its devices' keys are fake0..fakeN-1.
 

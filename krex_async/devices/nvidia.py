@@ -168,7 +168,7 @@ class NvidiaVendor(Vendor):
 
     def processes(self, device: Device) -> list[DeviceProcess]:
         """Processes holding a compute context on the device, with the device memory each uses, as
-        NVML reports them (memory admission samples this: daemon/admission.py).
+        NVML reports them (memory admission samples this: daemon/commands/admission.py).
 
         NVML reports pids in the host's pid namespace; inside a container without it they do not
         match the daemon's pids. Empty when NVML cannot tell.

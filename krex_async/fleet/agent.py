@@ -168,7 +168,7 @@ def _tail(path: str, n: int = 2000) -> str:
 def _private_cgroup() -> str | None:
     """A fresh v2 cgroup for one daemon, so the daemons of one host never sweep each other's
     commands; None where the cgroup backend cannot run (not root, no v2)."""
-    from krex_async.node.cleanup import v2_mount
+    from krex_async.ops.cleanup import v2_mount
 
     mount = v2_mount()
     if os.geteuid() != 0 or mount is None:

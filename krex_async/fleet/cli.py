@@ -144,7 +144,7 @@ async def _demo(
 
     from krex_async.client.submit import KrexError
     from krex_async.fleet.local import LocalFleet
-    from krex_async.node.demo import WORK
+    from krex_async.ops.demo import WORK
 
     try:
         fleet = LocalFleet(

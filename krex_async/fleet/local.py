@@ -35,6 +35,7 @@ from krex_async.fleet.agent import DaemonSpec, remove_cgroup
 from krex_async.fleet.client import FleetClient
 from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, minor_python_match
 from krex_async.fleet.rayuser import DEFAULT_RAY_USER, DaemonKeeper, RayHost, check_ray_user, ensure_user
+from krex_async.linux import procfs
 
 NODE_ARGS: dict[str, Any] = {
     "num_cpus": 1,
@@ -177,7 +178,7 @@ class LocalFleet:
             # The daemon goes as the agent's death signal took it where the agent owned it: once
             # the agent is gone (its commands' clients see it die: `lost`, not `shutdown`).
             deadline = time.monotonic() + 15
-            while agent and os.path.exists(f"/proc/{agent}") and time.monotonic() < deadline:
+            while agent and procfs.exists(agent) and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.keeper.remove(name)
             return

@@ -11,7 +11,7 @@ Ray runs every task as its raylet's user, and an agent that owned its daemon wou
 the Ray user's too (no run_as, no cgroups). So as root the local fleet starts the daemons itself and
 keeps them (started again on their state dir when one dies; stopped with their node); the agents
 only reach them at `<base_dir>/<node>/s` (DaemonSpec.start False) and ask for run_as as the Ray
-user, which the daemon grants for ordinary users only (daemon/access.py).
+user, which the daemon grants for ordinary users only (daemon/commands/access.py).
 
 The Ray user gets a copy of the token of its own (0600, in its 0700 directory, with Ray's temp
 dir), the socket group as a supplementary group (its agents reach the daemons' sockets), and an

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from krex_async.linux import reserve
 from krex_async.linux.fsutil import replace_file
-from krex_async.linux.procfs import start_time  # the one reading (hold.py, exits.py import it here)
+from krex_async.linux.procfs import start_time  # the one reading (model/holdset.py, exits.py import it here)
 
 LIBRARY = "libcuda.so.1"
 # What the record says of the library: a fixed key, not a path. Whoever reads the record back

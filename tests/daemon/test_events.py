@@ -1,4 +1,4 @@
-"""The daemon's event fan-out (daemon/fanout.py): order, unsubscribe, and an observer that raises."""
+"""The daemon's event fan-out (daemon/model/fanout.py): order, unsubscribe, and an observer that raises."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from krex_async.daemon import events as E
-from krex_async.daemon.fanout import Bus
+from krex_async.daemon.model import events as E
+from krex_async.daemon.model.fanout import Bus
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,10 @@ def test_events_are_frozen() -> None:
 
 def _observers(bus: Bus, commands: dict[str, object] | None = None):
     """The observers the daemon subscribes (daemon.py, Daemon.attributor), on `bus`."""
-    from krex_async.daemon.attribution import Attributor
-    from krex_async.daemon.metering import Metering
-    from krex_async.daemon.metrics import Metrics
-    from krex_async.daemon.tracing import Tracer
+    from krex_async.daemon.observe.attribution import Attributor
+    from krex_async.daemon.observe.metering import Metering
+    from krex_async.daemon.observe.metrics import Metrics
+    from krex_async.daemon.observe.tracing import Tracer
 
     metrics, tracer = Metrics(), Tracer()
     Metering(metrics, commands if commands is not None else {}, {}).observe(bus)  # type: ignore[arg-type]

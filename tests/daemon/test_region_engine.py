@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from krex_async import protocol as P
-from krex_async.daemon.commands import Command, CommandState
 from krex_async.daemon.config import ServeConfig
-from krex_async.daemon.core import Core, Outcome, Region
-from krex_async.daemon.holdset import HoldSet
-from krex_async.daemon.regions import Regions
+from krex_async.daemon.model.command import Command, CommandState
+from krex_async.daemon.model.core import Core, Outcome, Region
+from krex_async.daemon.model.holdset import HoldSet
+from krex_async.daemon.regions.engine import Regions
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend, Freeze, FreezeError, Group
 from krex_async.isolation.cudalock import LockResult
@@ -340,7 +340,7 @@ async def test_a_sibling_that_cannot_be_frozen_is_dropped_and_the_region_tainted
 async def test_a_command_that_still_hangs_is_not_tried_again_by_the_next_region(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from krex_async.daemon import entry
+    from krex_async.daemon.regions import entry
 
     e = engine
     o = e.command("o", [NO_PID])

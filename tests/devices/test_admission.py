@@ -476,7 +476,7 @@ async def test_krex_run_mem_declares_the_need(fake):
 
 
 def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkeypatch):
-    from krex_async.daemon import footprints
+    from krex_async.daemon.commands import footprints
 
     monkeypatch.setattr(footprints, "KEEP_KEYS", 3)
     path = str(tmp_path / "memory.json")

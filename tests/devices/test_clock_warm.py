@@ -9,8 +9,8 @@ import threading
 from types import SimpleNamespace
 from typing import Any, cast
 
-from krex_async.daemon.clock import Clock
-from krex_async.daemon.core import Core
+from krex_async.daemon.model.core import Core
+from krex_async.daemon.regions.clock import Clock
 from krex_async.devices import Node
 from krex_async.devices.base import ClockState, Device, Vendor
 

@@ -6,7 +6,7 @@ HIP_VISIBLE_DEVICES=0 (an AMD GPU without a hip uuid) was another GPU than the o
 from __future__ import annotations
 
 from krex_async import protocol as P
-from krex_async.daemon.commands import Command
+from krex_async.daemon.model.command import Command
 from krex_async.devices.base import VISIBILITY_VARS, Device
 
 INHERITED = {

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from krex_async.node.statusview import render
+from krex_async.ops.statusview import render
 
 from ..conftest import PY, py_env, run_daemon
 from ..isolation.cgroup_util import need_cgroups
@@ -64,7 +64,7 @@ async def test_a_state_disk_filled_by_others_keeps_regions_going_on_the_reserve(
 
 
 def test_the_full_state_disk_gauge() -> None:
-    from krex_async.daemon.metrics import Metrics
+    from krex_async.daemon.observe.metrics import Metrics
 
     m = Metrics()
     if not m.available:

@@ -239,7 +239,7 @@ async def test_a_restart_keeps_ended_results_sweeps_stale_spools_and_forgets_at_
 
 async def test_a_reused_pid_is_never_taken_for_the_lost_commands_leader():
     """end_lost signals the recorded leader only when its start time matches the record."""
-    from krex_async.daemon.records import Record, end_lost, start_ticks
+    from krex_async.daemon.persist.records import Record, end_lost, start_ticks
     from krex_async.isolation.signal import SignalBackend
 
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30; wait"], start_new_session=True)

@@ -208,7 +208,7 @@ def test_release_left_unlocks_only_recorded_live_processes(
 def test_doctor_says_whether_the_driver_lock_serves(
     fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from krex_async.node.doctor_kernel import check_driver_lock
+    from krex_async.ops.doctor_kernel import check_driver_lock
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
     monkeypatch.setenv("KREX_LIBCUDA", fake.lib)
@@ -246,10 +246,12 @@ def test_hold_chooses_how_and_whom(
     how: str,
     who: str,
 ) -> None:
-    from krex_async.daemon.hold import Hold
+    from krex_async.daemon.regions.policy import HoldPolicy
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
-    h = Hold(mode, freeze, str(tmp_path), 0.005, opener=lambda: open_driver(fake.lib if lock else fake.old))
+    h = HoldPolicy(
+        mode, freeze, str(tmp_path), 0.005, opener=lambda: open_driver(fake.lib if lock else fake.old)
+    )
     try:
         assert h.how(vendor)[0] == how
         assert h.who(vendor, probes) == who
@@ -273,11 +275,11 @@ async def test_an_unwritable_record_on_the_wait_leaves_nothing_locked_unknown(
     from types import SimpleNamespace
 
     from krex_async import protocol as P
-    from krex_async.daemon.hold import Hold
-    from krex_async.daemon.holdset import HoldSet
+    from krex_async.daemon.model.holdset import HoldSet
+    from krex_async.daemon.regions.policy import HoldPolicy
 
     monkeypatch.setenv("FAKE_CUDA_DIR", str(fake.state))
-    h = Hold("lock", "all", str(tmp_path), 0.05, 0.5, opener=lambda: open_driver(fake.lib))
+    h = HoldPolicy("lock", "all", str(tmp_path), 0.05, 0.5, opener=lambda: open_driver(fake.lib))
     assert h.pool is not None
     p1, quick = _spawn(fake, "quick", "cuda")
     p2, busy = _spawn(fake, "busy", "slow")

@@ -1,4 +1,4 @@
-"""daemon/exits.py: an exit a region froze is still an exit at the next region, however many
+"""daemon/regions/exits.py: an exit a region froze is still an exit at the next region, however many
 regions it has been frozen through (under --exit-wait 0 an exit runs only between regions), and
 one begun over --exit-starve ago is waited for instead of frozen again."""
 
@@ -10,8 +10,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from krex_async.daemon import exits as E
-from krex_async.daemon.core import Exiting
+from krex_async.daemon.model.core import Exiting
+from krex_async.daemon.regions import exits as E
 from krex_async.isolation.cudalock import start_time
 
 

@@ -37,7 +37,7 @@ def instances(root: str) -> list[str]:
 def cleanup(root: str) -> subprocess.CompletedProcess[str]:
     roots = [a for t in twins(root) for a in ("--root", t)]
     return subprocess.run(
-        [PY, "-m", "krex_async.node.cleanup", *roots, "--socket", "/nonexistent/krex.sock"],
+        [PY, "-m", "krex_async.ops.cleanup", *roots, "--socket", "/nonexistent/krex.sock"],
         capture_output=True,
         text=True,
         env=py_env(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from krex_async.daemon.regions import Regions
+from krex_async.daemon.regions.engine import Regions
 
 
 def _regions(*active: Any) -> Any:

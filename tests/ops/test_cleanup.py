@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from krex_async.node import cleanup as cg
+from krex_async.ops import cleanup as cg
 
 from ..conftest import PY, ROOT, is_root, py_env
 from ..testcgroups import new_name
@@ -89,7 +89,7 @@ def run_cleanup(*roots: str) -> dict:
     # --socket: a path nobody serves on, so a daemon elsewhere on this machine cannot refuse us.
     args = [a for r in roots for a in ("--root", r)] + ["--socket", "/nonexistent/krex.sock"]
     p = subprocess.run(
-        [PY, "-m", "krex_async.node.cleanup", "--json", *args],
+        [PY, "-m", "krex_async.ops.cleanup", "--json", *args],
         capture_output=True,
         text=True,
         env=py_env(),
@@ -228,7 +228,7 @@ async def test_refuses_while_a_daemon_serves(tmp_path):
         write(os.path.join(cmd, "cgroup.freeze"), "1")
         async with run_daemon() as d:
             p = subprocess.run(
-                [PY, "-m", "krex_async.node.cleanup", "--root", base, "--socket", d.socket],
+                [PY, "-m", "krex_async.ops.cleanup", "--root", base, "--socket", d.socket],
                 capture_output=True,
                 text=True,
                 env=py_env(),
@@ -241,7 +241,7 @@ async def test_refuses_while_a_daemon_serves(tmp_path):
                 [
                     PY,
                     "-m",
-                    "krex_async.node.cleanup",
+                    "krex_async.ops.cleanup",
                     "--root",
                     base,
                     "--socket",

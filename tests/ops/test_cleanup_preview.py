@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from krex_async.node import cleanup as cg
+from krex_async.ops import cleanup as cg
 
 from ..conftest import PY, ROOT, is_root, private_cgroup_root, py_env, remove_cgroup_tree, run_daemon
 from .test_cleanup import progresses, read, spinner, tree, wait_for, write

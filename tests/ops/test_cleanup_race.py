@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not is_root(), reason="cgroup writes need root")
 # Sweeps the given roots until the stop file appears; prints how many sweeps it made.
 SWEEPER = """
 import os, sys
-from krex_async.node import cleanup
+from krex_async.ops import cleanup
 stop, roots = sys.argv[1], sys.argv[2:]
 n = 0
 print("ready", flush=True)

@@ -224,7 +224,7 @@ def test_bench_analysis_usage() -> None:
 
 
 def test_status_table_fits_and_says_its_units() -> None:
-    from krex_async.node.statusview import age, render
+    from krex_async.ops.statusview import age, render
 
     st = {
         "version": "0.1.0",
@@ -295,7 +295,7 @@ def test_status_table_fits_and_says_its_units() -> None:
 def test_status_keeps_a_long_reason_whole_and_counts_lost_apart() -> None:
     """A settings line is wrapped, never cut: the isolation reason of a hybrid host (longer than
     the table) reads to its end; earlier commands that exited are not called lost."""
-    from krex_async.node.statusview import render
+    from krex_async.ops.statusview import render
 
     reason = "hybrid: freezer in v2 at /sys/fs/cgroup/unified, cpuset in v1 at /sys/fs/cgroup/cpuset END"
     earlier = {"argv": ["true"], "state": "ended", "device": "cpu", "pid": None, "age_s": 1.0}
@@ -321,7 +321,7 @@ def test_status_keeps_a_long_reason_whole_and_counts_lost_apart() -> None:
 
 def test_status_escapes_control_characters_of_a_users_label_argv_and_region() -> None:
     """Another user's label, argv or region name cannot clear an admin's screen or forge a row."""
-    from krex_async.node.statusview import render
+    from krex_async.ops.statusview import render
 
     evil = "x\x1b[2J\x1b[31m\r\nforged 1-1 running"
     st = {
@@ -413,7 +413,7 @@ async def test_stdin_pipe_waits_while_full_refuses_a_second_writer_and_wakes_on_
     write meanwhile is refused (busy), and closing wakes the waiting one with StdinClosed."""
     import pytest
 
-    from krex_async.daemon.stdinpipe import StdinBusy, StdinClosed, StdinPipe
+    from krex_async.daemon.model.stdinpipe import StdinBusy, StdinClosed, StdinPipe
 
     pipe = StdinPipe()
     reader = pipe.reader()

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 
-from krex_async.node.demo import verdict
+from krex_async.ops.demo import verdict
 
 from ..conftest import PY, ROOT, cmdline, py_env
 

@@ -19,7 +19,7 @@ DIST = "/usr/lib/python3/dist-packages"
 
 def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PY, "-m", "krex_async.node.doctor", *args],
+        [PY, "-m", "krex_async.ops.doctor", *args],
         capture_output=True,
         text=True,
         env=py_env(),
@@ -234,7 +234,7 @@ def test_gpu_node_full_report():
 # The doctor, with its BPF check held up (the cgroup checks have run by then), reports "held".
 HELD = """
 import sys, time
-from krex_async.node import doctor, doctor_kernel
+from krex_async.ops import doctor, doctor_kernel
 def held(*a, **kw):
     print("held", flush=True)
     time.sleep(60)
@@ -289,7 +289,7 @@ async def test_the_backend_check_closes_its_backend_from_a_running_loop_too() ->
     """run_checks is public: called from a coroutine, the close must not need a loop of its own."""
     if not is_root():
         pytest.skip("the cgroup backend needs root")
-    from krex_async.node.doctor_cgroup import check_backend
+    from krex_async.ops.doctor_cgroup import check_backend
 
     root = private_cgroup_root()
     assert root is not None

@@ -42,7 +42,7 @@ def test_run_documents_its_command() -> None:
 
 
 def test_serve_help_is_in_sections_and_lists_every_option_once() -> None:
-    from krex_async.node.servecli import GROUPS
+    from krex_async.ops.servecli import GROUPS
 
     p = krex("serve", "--help")
     assert p.returncode == 0

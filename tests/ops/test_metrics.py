@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from krex_async.daemon.metrics import Metrics, MetricsUnavailable, parse_addr
+from krex_async.daemon.observe.metrics import Metrics, MetricsUnavailable, parse_addr
 
 from ..conftest import PY, ROOT, py_env
 
@@ -199,7 +199,7 @@ def test_addresses():
 def test_without_prometheus_client():
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "from krex_async.daemon.metrics import Metrics, MetricsUnavailable\n"
+        "from krex_async.daemon.observe.metrics import Metrics, MetricsUnavailable\n"
         "m = Metrics(); m.command_started('region', 'cpu', 'exec'); m.region_entered('cpu', 1, 1, 1, 1)\n"
         "m.pool('cpu', 1, 1, 1, 0.1); assert m.scrape() == b'' and not m.available\n"
         "try:\n    m.start('127.0.0.1:0')\nexcept MetricsUnavailable as e:\n    print(e)\n"

@@ -53,7 +53,7 @@ def gone() -> int:
 def test_stat_and_the_one_start_time_of_a_child_a_zombie_and_a_gone_one() -> None:
     """The start time, in clock ticks since boot, is psutil's create time; every module that
     compares start times reads this one function."""
-    from krex_async.daemon.records import start_ticks
+    from krex_async.daemon.persist.records import start_ticks
     from krex_async.isolation.cudalock import start_time as lock_start
     from krex_async.probes.attribution import start_time as probe_start
 

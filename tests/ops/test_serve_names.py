@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.daemon.config import ConfigError, ServeConfig, choices, load_config_with_sources
-from krex_async.node import servecli
+from krex_async.ops import servecli
 
 from ..conftest import py_env, run_daemon
 from .test_cli_input import serve

@@ -290,7 +290,7 @@ def test_a_pool_user_who_cannot_run_the_worker_is_refused_without_preloads(tmp_p
     try:
         top.chmod(0o755)
         shutil.copytree(ROOT / "krex_async", top / "krex_async")
-        ask = "import json; from krex_async.daemon.pools import module_problems as m; "
+        ask = "import json; from krex_async.daemon.commands.pools import module_problems as m; "
         ask += "print(json.dumps(m('nobody', [], [])))"
         # the copy and this venv's packages (not a site dir: its .pth adding this tree is not read)
         env = {**py_env(), "PYTHONPATH": f"{top}{os.pathsep}{purelib}"}
@@ -322,7 +322,7 @@ def test_a_daemon_that_is_not_root_may_name_itself_as_pool_user() -> None:
 
     user = _ensure_user("krextest", [])
     r = user.run_py(
-        "import json; from krex_async.daemon.pools import module_problems, pool_identity as p; "
+        "import json; from krex_async.daemon.commands.pools import module_problems, pool_identity as p; "
         "print(json.dumps([p('krextest'), p(str(__import__('os').getuid())), "
         "module_problems('krextest', ['json'], [])]))"
     )

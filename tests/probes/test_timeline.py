@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from krex_async.daemon.timeline import chrome_trace, write_chrome_trace
+from krex_async.daemon.observe.timeline import chrome_trace, write_chrome_trace
 
 T = 1_700_000_000.0
 
@@ -114,7 +114,7 @@ def test_unfinished_and_unmatched(tmp_path: Path) -> None:
 
 def test_trace_ring_bounds_its_bytes_and_keeps_the_newest() -> None:
     from krex_async import protocol as P
-    from krex_async.daemon.timeline import TraceRing
+    from krex_async.daemon.observe.timeline import TraceRing
 
     ring = TraceRing(P.TraceEvent, max_bytes=64 << 10)
     frozen = [f"c{i:05d}" for i in range(63)]  # a grant with 63 siblings frozen: ~0.5 KiB

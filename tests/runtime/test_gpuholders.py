@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from krex_async.daemon.gpuholders import GpuHolders, read_holders
+from krex_async.daemon.regions.gpuholders import GpuHolders, read_holders
 from krex_async.runtime import quiesce
 
 CHILD = r"""

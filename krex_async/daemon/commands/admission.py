@@ -1,0 +1,428 @@
+"""Memory-aware admission: a command starts on its device only when it fits beside what runs there.
+
+What a command is taken to need (`need`), most trusted first:
+
+    declared   Submit.mem, reserved as given
+    learned    the largest peak the last commands of its key reached (Submit.mem_key, else its
+               label, else its program and first argument), kept across the daemon's life in
+               <state dir>/memory.json; a mem_key of parts ("gateway dev / 3f2a") is a path: a
+               command teaches every prefix, and its need is what the longest known prefix learned
+               (a problem's own largest peak once it ran, its kind's typical (median) one until then)
+    default    --mem-default, where set
+    unknown    none of these: one unknown at a time per device, while its footprint is learned
+
+A running command holds max(its need, its observed peak); the device's commitment is that sum plus
+the warm pool's workers' memory, or what the vendor reports used if that is more (processes outside
+krex, driver reservations). A command fits when its need is at most the device's total less the
+commitment and --mem-headroom (a fraction of the total). Commands that do not fit wait in a FIFO
+per device, each with its reason; none is refused for memory unless its declared need exceeds the
+device. A head waiting on a device where no command runs starts whatever the figures say, so a
+command that fits alone always runs eventually. For --mem-backfill seconds after a head first waits,
+later commands that fit start past it (on the H100, strict order behind one 28.7 GiB problem left
+the device idling at a third of sharing's pace); then nothing more starts there until it does, so
+none starves. A waiting re-run is never passed.
+
+A re-run after a co-located out-of-memory (reruns.py) whose need is known is *guarded*: it starts
+when that need fits beside every running command's peak, and while it runs the device counts peaks
+for every admission, so nothing started later can take what it needs. Where its need is unknown, or
+a guarded re-run met an out-of-memory again, it runs alone. Running each re-run alone left an H100
+running one job at a time for a third of a region round (four re-runs, 48 s of 139 s).
+
+Per-process peaks come from the vendor (NVML's per-process used memory) on a thread, every
+SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from krex_async import logs
+from krex_async import protocol as P
+from krex_async.daemon.commands import memsample
+from krex_async.daemon.commands.footprints import Footprints, mem_keys
+from krex_async.daemon.model.command import Command, CommandState
+from krex_async.daemon.model.core import Core
+from krex_async.daemon.model.events import MemoryReserved, MemoryWaiting
+from krex_async.devices.base import Device
+
+log = logs.get("krex.daemon")
+
+SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
+IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@dataclass
+class DeviceMemory:
+    """What admission knows of one device's memory."""
+
+    device: Device
+    used: int = 0  # what the vendor reported used at the last sample (all processes)
+    pool: int = 0  # the pool's workers outside any command, at the last sample
+    baseline: int = 0  # used with no command running: what a lone command's use is counted from
+    running: set[str] = field(default_factory=set)  # admitted, not yet ended
+    waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
+    head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
+    sampled_at: float = 0.0  # monotonic time of the last sample of `used`
+
+    @property
+    def total(self) -> int:
+        return self.device.memory_total_bytes
+
+
+class Admission:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        cfg = core.config
+        self.devices = {d.key: DeviceMemory(d) for d in core.devices if self._tracks(d)}
+        state = cfg.state_dir
+        self.footprints = Footprints(os.path.join(state, "memory.json") if state else None)
+        self._wake = asyncio.Event()  # a command started: sample at once, then every SAMPLE_S
+
+    def _tracks(self, d: Device) -> bool:
+        mode = self.core.config.admission
+        return mode == "memory" or (mode == "auto" and d.vendor != "cpu" and d.memory_total_bytes > 0)
+
+    def tracks(self, key: str | None) -> bool:
+        return key is not None and key in self.devices
+
+    # ------------------------------------------------------------------------------ estimates
+
+    def need(self, spec: P.Submit) -> tuple[int, str]:
+        """(bytes, where the figure comes from) that a command of `spec` is taken to need."""
+        if spec.mem > 0:
+            return spec.mem, "declared"
+        for i, key in enumerate(mem_keys(spec)):
+            # Its own key: the largest it reached. A prefix (its kind, never its own shape): the
+            # kind's typical peak, not its largest: one outsize problem (29 GiB of an H100's 80 in
+            # KernelBench's large set) reserved for every new shape held eight jobs to two or
+            # three. A new shape larger than typical is seen as it grows (the peaks are sampled,
+            # and what runs holds its peak) and, if it still meets an out-of-memory, is re-run.
+            learned = self.footprints.get(key, typical=i > 0)
+            if learned is not None:
+                return learned, "learned"
+        if self.core.config.mem_default > 0:
+            return self.core.config.mem_default, "default"
+        return 0, "unknown"
+
+    def holds(self, cmd: Command) -> int:
+        """What a running command is taken to hold: its need, or more where it was seen to."""
+        return max(cmd.mem_need, cmd.mem_peak)
+
+    def headroom(self, dm: DeviceMemory) -> int:
+        return int(dm.total * self.core.config.mem_headroom)
+
+    def committed(self, dm: DeviceMemory, but: str = "") -> int:
+        """What the device is taken to hold. --mem-commit peak: every running command's need or
+        peak, for its whole life. now (default): what the vendor saw used at the last sample, and
+        the need of each command started since (not in that sample yet): KernelBench jobs hold
+        their peak for a moment of a life spent mostly importing and making inputs on the CPU, and
+        reserving it throughout held an H100 to a third of sharing's pace; a collision of peaks
+        is what the co-located out-of-memory re-run is for."""
+        running = [self.core.commands[c] for c in dm.running if c != but]
+        if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
+            return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
+        return dm.used + sum(c.mem_need for c in running if c.mem_admitted > dm.sampled_at)
+
+    def peaks(self, dm: DeviceMemory, but: str = "") -> int:
+        """The device taken at every running command's need or peak, for its whole life, plus the
+        pool's workers; or what the vendor reports used, if that is more."""
+        running = [self.core.commands[c] for c in dm.running if c != but]
+        return max(sum(self.holds(c) for c in running) + dm.pool, dm.used)
+
+    def free(self, dm: DeviceMemory, but: str = "") -> int:
+        """What a new command may still take there."""
+        return max(0, dm.total - self.committed(dm, but) - self.headroom(dm))
+
+    def too_large(self, cmd: Command, device: Device) -> str:
+        """Why `cmd` can never run on `device` ("" when it can): its declared need exceeds it."""
+        if not self.tracks(device.key) or cmd.spec.mem <= device.memory_total_bytes:
+            return ""
+        return (
+            f"needs {gib(cmd.spec.mem)} (Submit.mem), more than {device.key} has in all "
+            f"({gib(device.memory_total_bytes)})"
+        )
+
+    def available(self, key: str) -> int:
+        """For placement: what a command may take on `key` now (0 where others wait already)."""
+        dm = self.devices[key]
+        return 0 if dm.waiting else self.free(dm)
+
+    # ------------------------------------------------------------------------------ admitting
+
+    def why_not(self, cmd: Command, dm: DeviceMemory) -> str:
+        """Why `cmd` may not start on the device now ("" when it may)."""
+        others = [self.core.commands[c] for c in dm.running if c != cmd.id]
+        if not others:  # alone: whatever the figures say (a command that fits alone always runs)
+            return ""
+        key = dm.device.key
+        if cmd.solo:
+            return (
+                f"re-run after a co-located CUDA out-of-memory: waits to run alone on {key} "
+                f"({len(others)} command(s) there)"
+            )
+        solo = next((o for o in others if o.solo), None)
+        if solo is not None:
+            return f"waiting for {solo.id}, a re-run after a co-located out-of-memory, to end on {key}"
+        if cmd.guarded:
+            return self._guard_wait(cmd, dm, others)
+        backlog = self.core.config.region_backlog
+        if backlog and self.core.scheduler.isolates():
+            queued = len(self.core.scheduler.queued(key))
+            if queued >= backlog:  # another command would only wait in that line too
+                return f"waiting: {queued} region(s) already queued on {key} (--region-backlog {backlog})"
+        if cmd.mem_source == "unknown":
+            guarded = next((o for o in others if o.guarded), None)
+            if guarded is not None:  # its need of 0 could take what the re-run's peak needs
+                return f"waiting for {guarded.id}, a guarded re-run, to end on {key}: footprint unknown"
+            unknown = next((o for o in others if o.mem_source == "unknown"), None)
+            if unknown is not None:
+                return (
+                    f"waiting for memory on {key}: footprint unknown, and {unknown.id} (unknown too) "
+                    "runs there while its footprint is learned (declare Submit.mem, or --mem-default)"
+                )
+        free = self.free(dm, cmd.id)
+        if cmd.mem_need > free:
+            return (
+                f"waiting for memory on {key}: needs ~{gib(cmd.mem_need)} ({cmd.mem_source}), "
+                f"{gib(free)} free of {gib(dm.total)} (commands {gib(sum(self.holds(o) for o in others))}, "
+                f"pool {gib(dm.pool)}, used {gib(dm.used)}, headroom {gib(self.headroom(dm))})"
+            )
+        return ""
+
+    def _guard_wait(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str:
+        """Why a guarded re-run may not start yet ("" when it may): it needs its need (or what its
+        failed run reached, if more) free beside every running command's peak, and none of them
+        of unknown need (an unknown's peak is not known to leave it room)."""
+        key, why = dm.device.key, "re-run after a co-located CUDA out-of-memory"
+        unknown = next((o for o in others if o.mem_source == "unknown"), None)
+        if unknown is not None:
+            return f"{why}: waits for {unknown.id} (need unknown) on {key}"
+        want = max(cmd.mem_need, cmd.mem_peak)
+        free = max(0, dm.total - self.peaks(dm, cmd.id) - self.headroom(dm))
+        if want > free:
+            need = f"~{gib(want)} ({cmd.mem_source})"
+            return f"{why}: needs {need} beside the others' peaks on {key}, {gib(free)} free"
+        return ""
+
+    def admit(self, cmd: Command) -> bool:
+        """The scheduler lets `cmd` start: True if memory does too (it is then counted as running),
+        else it waits in its device's queue, its reason in `cmd.mem_wait`."""
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        dm = self.devices.get(cmd.device_key or "")
+        if dm is None:
+            return True
+        if dm.waiting and not self._passes(cmd, dm):  # behind a head it may not pass
+            cmd.mem_wait = f"queued behind {len(dm.waiting)} on {dm.device.key}"
+        elif why := self.why_not(cmd, dm):
+            cmd.mem_wait = why
+            log.info("command_waits_for_memory", command=cmd.id, reason=why)
+        else:
+            self._run(cmd, dm)
+            return True
+        if not dm.waiting:  # it heads the queue: its backfill window opens now
+            dm.head_since[cmd.id] = time.monotonic()
+        dm.waiting.append(cmd.id)
+        self.core.events.emit(MemoryWaiting(dm.device.key, len(dm.waiting)))
+        return False
+
+    def _passes(self, cmd: Command, dm: DeviceMemory) -> bool:
+        """Whether a new `cmd` may start past the waiting head (--mem-backfill) if it fits."""
+        head = self.core.commands.get(dm.waiting[0])
+        if head is None or head.solo or head.guarded:
+            return False
+        since = dm.head_since.get(head.id, time.monotonic())
+        return time.monotonic() - since < self.core.config.mem_backfill
+
+    def _run(self, cmd: Command, dm: DeviceMemory) -> None:
+        cmd.mem_wait, cmd.mem_admitted = "", time.monotonic()
+        if dm.running or dm.pool:  # beside others: an out-of-memory failure may be theirs
+            cmd.co_located = True
+            for c in dm.running:
+                self.core.commands[c].co_located = True
+        dm.running.add(cmd.id)
+        self._reserved_metric(dm)
+        self._wake.set()
+
+    def pump(self, key: str | None) -> list[Command]:
+        """Start what now fits on `key`, in order; returns the commands to start."""
+        dm = self.devices.get(key or "")
+        out: list[Command] = []
+        while dm is not None and dm.waiting:
+            cmd = self.core.commands.get(dm.waiting[0])
+            if cmd is None or cmd.state is not CommandState.QUEUED:  # ended while it waited
+                dm.head_since.pop(dm.waiting.popleft(), None)
+                continue
+            cmd.mem_need, cmd.mem_source = self.need(cmd.spec)  # learned meanwhile, maybe
+            why = self.why_not(cmd, dm)
+            if why:
+                cmd.mem_wait = why
+                out += self._backfill(cmd, why, dm)
+                break
+            dm.waiting.popleft()
+            dm.head_since.pop(cmd.id, None)
+            self._run(cmd, dm)
+            out.append(cmd)
+        if dm is not None:
+            self.core.events.emit(MemoryWaiting(dm.device.key, len(dm.waiting)))
+        return out
+
+    def _backfill(self, head: Command, why: str, dm: DeviceMemory) -> list[Command]:
+        """While `head` (which does not fit) has headed the queue under --mem-backfill seconds, the
+        later commands that fit start past it, in order; after that, and behind a re-run that
+        waits, they wait for it. Returns those started."""
+        since = dm.head_since.setdefault(head.id, time.monotonic())
+        open_ = not (head.solo or head.guarded) and time.monotonic() - since < self.core.config.mem_backfill
+        out: list[Command] = []
+        for i, other in enumerate(list(dm.waiting)[1:], 2):
+            c = self.core.commands.get(other)
+            if c is None or c.state is not CommandState.QUEUED:
+                continue
+            if open_:
+                c.mem_need, c.mem_source = self.need(c.spec)
+                if not (c_why := self.why_not(c, dm)):
+                    dm.waiting.remove(c.id)
+                    dm.head_since.pop(c.id, None)  # it may have headed the queue before a re-run
+                    self._run(c, dm)
+                    out.append(c)
+                    continue
+                c.mem_wait = c_why
+            else:
+                c.mem_wait = f"queued behind {i - 1} on {dm.device.key} ({head.id}: {why})"
+        return out  # the sample loop pumps again within SAMPLE_S, so a closing window is seen
+
+    def ended(self, cmd: Command, oom: bool) -> list[Command]:
+        """`cmd` ended (or left the queue): its memory is free again, and what it peaked at is
+        learned (not from an out-of-memory failure: that peak fell short). Returns what may start."""
+        dm = self.devices.get(cmd.device_key or "")
+        if dm is None:
+            return []
+        dm.running.discard(cmd.id)
+        dm.head_since.pop(cmd.id, None)
+        if cmd.id in dm.waiting:
+            dm.waiting.remove(cmd.id)
+        if cmd.mem_peak > 0 and not oom:
+            self.footprints.learn(mem_keys(cmd.spec), cmd.mem_peak)
+        self._reserved_metric(dm)
+        return self.pump(dm.device.key)
+
+    def requeue(self, cmd: Command) -> None:
+        """A re-run: out of the running set, first in line (it already waited its turn); guarded
+        where its need is known and it is the first re-run, else alone."""
+        dm = self.devices[cmd.device_key or ""]
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        cmd.guarded = cmd.reruns == 1 and cmd.mem_source != "unknown"
+        cmd.solo = not cmd.guarded
+        dm.running.discard(cmd.id)
+        dm.waiting.appendleft(cmd.id)
+        self._reserved_metric(dm)
+
+    def _reserved_metric(self, dm: DeviceMemory) -> None:
+        held = sum(self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)
+        self.core.events.emit(MemoryReserved(dm.device.key, held, dm.used))
+
+    # ------------------------------------------------------------------------------ OOM verdict
+
+    def fits_alone(self, cmd: Command) -> bool:
+        dm = self.devices.get(cmd.device_key or "")
+        return dm is not None and cmd.mem_need <= dm.total - self.headroom(dm)
+
+    # ------------------------------------------------------------------------------ sampling
+
+    async def sample_loop(self, start: Callable[[Command], None]) -> None:
+        """Read each tracked device's memory and its processes' on a thread, every SAMPLE_S while
+        commands run or wait there (IDLE_SAMPLE_S otherwise); start what now fits. Errors are
+        logged and cost one sample."""
+        loop = asyncio.get_running_loop()
+        while self.devices:
+            busy = any(dm.running or dm.waiting for dm in self.devices.values())
+            try:
+                snap = self._snapshot()
+                seen = await loop.run_in_executor(None, self._read, snap)
+                self._apply(seen)
+            except Exception as e:  # noqa: BLE001 - a vendor or /proc error costs one sample
+                log.warning("memory_sample_failed", error=repr(e))
+            for key in self.devices:
+                for cmd in self.pump(key):
+                    start(cmd)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), SAMPLE_S if busy else IDLE_SAMPLE_S)
+                await asyncio.sleep(0.05)  # a moment for its process to start
+            except TimeoutError:
+                pass
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What the thread reads against, taken on the loop: each running command's group and the
+        pool's pids per device."""
+        groups = {}
+        for dm in self.devices.values():
+            for cid in dm.running:
+                c = self.core.commands.get(cid)
+                if c is not None and c.group is not None and c.state is CommandState.RUNNING:
+                    groups[cid] = (dm.device.key, c.group)
+        pools = {k: p.pids() for k, p in self.core.pools.items() if k in self.devices}
+        return {"groups": groups, "pools": pools}
+
+    def _read(self, snap: dict[str, Any]) -> dict[str, Any]:
+        return memsample.read(
+            self.core.node, self.core.backend, [dm.device for dm in self.devices.values()], snap
+        )
+
+    def _apply(self, seen: dict[str, Any]) -> None:
+        for key, dm in self.devices.items():
+            if key in seen["used"]:
+                dm.used, dm.sampled_at = seen["used"][key], seen["at"]
+                dm.pool = seen["pool"].get(key, 0)
+                if dm.pool:
+                    for c in dm.running:
+                        self.core.commands[c].co_located = True
+        for cid, (key, _group) in seen["sampled"].items():
+            if (cmd := self.core.commands.get(cid)) is not None:
+                cmd.mem_now = seen["held"].get(cid, 0) or self._lone_use(cmd, key, seen)
+                cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
+        for dm in self.devices.values():
+            if not dm.running and dm.device.key in seen["used"]:
+                dm.baseline = dm.used
+        for dm in self.devices.values():
+            self._reserved_metric(dm)
+
+    def _lone_use(self, cmd: Command, key: str, seen: dict[str, Any]) -> int:
+        """Where NVML's pids are not ours (a daemon in a container without the host's pid
+        namespace sees none of them), the use of a command running alone on its device: what is
+        used beyond the device's idle baseline and the pool. 0 where others run beside it."""
+        dm = self.devices[key]
+        if key in seen["mapped"] or dm.running != {cmd.id}:
+            return 0
+        return max(0, dm.used - dm.baseline - dm.pool)
+
+    # ------------------------------------------------------------------------------ status
+
+    def status(self, key: str) -> dict[str, Any] | None:
+        dm = self.devices.get(key)
+        if dm is None:
+            return None
+        return {
+            "total_bytes": dm.total,
+            "used_bytes": dm.used,
+            "reserved_bytes": sum(
+                self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands
+            ),
+            "pool_bytes": dm.pool,
+            "headroom_bytes": self.headroom(dm),
+            "free_for_commands_bytes": self.free(dm),
+            "waiting": [
+                {"command": c, "reason": self.core.commands[c].mem_wait}
+                for c in dm.waiting
+                if c in self.core.commands
+            ],
+        }
