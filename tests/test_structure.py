@@ -212,3 +212,11 @@ def test_no_module_level_name_is_bound_twice(tmp_path: Path) -> None:
         if (names := rebound_names(p))
     }
     assert not found, f"module-level names assigned twice: {found}"
+
+
+def test_commands_get_the_in_command_runtime_on_their_path() -> None:
+    """A command's PYTHONPATH names the runtime's folder (its sitecustomize loads the in-command
+    runtime); a module that computes it from its own place breaks silently when it moves."""
+    from krex_async.daemon.model.command import RUNTIME_DIR
+
+    assert Path(RUNTIME_DIR, "sitecustomize.py").is_file(), RUNTIME_DIR

@@ -864,20 +864,30 @@ async def test_a_daemon_death_keeps_the_order_of_events_for_the_programs_parent(
         + "import time\nopen('started', 'w').write(str(_M))\ntime.sleep(1.5)\nopen('ended', 'w').close()\n",
     )
     line = f"{PY} job.py 2> err; echo $? > rc; if [ -e ended ]; then echo after; else echo before; fi > when"
-    async with pooled_daemon() as d:
-        async with await d.client() as c:
-            await warm(c)
-            await c.submit(["/bin/sh", "-c", line], env=py_env(), cwd=str(tmp_path))
-            deadline = time.monotonic() + 20
-            while not (tmp_path / "started").exists():
-                assert time.monotonic() < deadline, "the job did not start"
-                await asyncio.sleep(0.02)
-            d.proc.kill()
-            d.proc.wait()
-        while not (tmp_path / "when").exists():  # the tree runs on without its daemon
-            assert time.monotonic() < deadline, "the shell did not go on"
-            await asyncio.sleep(0.05)
-    assert (tmp_path / "started").read_text() == "True"
+    declined: list[Any] = []
+    for _attempt in range(3):  # a loaded machine may decline an adoption (it says why): again
+        for f in ("started", "ended", "rc", "err", "when"):
+            (tmp_path / f).unlink(missing_ok=True)
+        async with pooled_daemon() as d:
+            async with await d.client() as c:
+                await warm(c)
+                h = await c.submit(["/bin/sh", "-c", line], env=py_env(), cwd=str(tmp_path))
+                deadline = time.monotonic() + 20
+                while not (tmp_path / "started").exists():
+                    assert time.monotonic() < deadline, "the job did not start"
+                    await asyncio.sleep(0.02)
+                if (tmp_path / "started").read_text() != "True":  # ran in a fresh interpreter
+                    st = await c.status()
+                    declined.append([x["pool_declined"] for x in st["commands"] if x["command"] == h.command])
+                    await h.wait()
+                    continue
+                d.proc.kill()
+                d.proc.wait()
+            while not (tmp_path / "when").exists():  # the tree runs on without its daemon
+                assert time.monotonic() < deadline, "the shell did not go on"
+                await asyncio.sleep(0.05)
+        break
+    assert (tmp_path / "started").read_text() == "True", f"never adopted: {declined}"
     assert (tmp_path / "when").read_text() == "after\n"
     assert (tmp_path / "rc").read_text() == "1\n" and b"lost the daemon" in (tmp_path / "err").read_bytes()
 

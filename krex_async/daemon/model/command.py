@@ -27,7 +27,10 @@ from krex_async.isolation.base import Group
 from krex_async.linux.spawn import Handoff, Launched
 from krex_async.scheduler import Policy
 
-RUNTIME_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime")
+# krex_async/runtime: put on a command's PYTHONPATH (its sitecustomize loads the in-command runtime)
+RUNTIME_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "runtime"
+)
 
 
 class SpecError(Exception):
