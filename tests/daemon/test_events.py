@@ -146,7 +146,7 @@ def test_every_event_the_engine_emits_has_an_observer_and_unobserve_ends_the_att
     assert [k.__name__ for k in kinds if not bus.subscribers(k)] == []
     unobserve()  # probes stopped: only the metrics and the trace still follow the regions
     assert bus.subscribers(E.RegionReleasing) == 0 and bus.subscribers(E.WorkerJoined) == 0
-    assert bus.subscribers(E.RegionReleased) == 2
+    assert bus.subscribers(E.RegionReleased) == 1 and bus.subscribers(E.RegionAnswered) == 1
 
 
 def _sample(metrics, name: str, **labels: str) -> float | None:
@@ -182,6 +182,7 @@ def test_a_region_s_events_reach_the_metrics_and_the_trace() -> None:
     bus.emit(E.RegionRunning(r))  # type: ignore[arg-type]
     report.outcome, report.held_s = "released", 0.25
     bus.emit(E.RegionReleased(r, granted=True, held=("c-2", "gone")))  # type: ignore[arg-type]
+    bus.emit(E.RegionAnswered(r))  # type: ignore[arg-type]
     assert _sample(metrics, "krex_regions_held", device="cpu:0") == 0
     assert _sample(metrics, "krex_commands_held", device="cpu:0", mode="frozen") == 0
     assert _sample(metrics, "krex_held_seconds_total", user="root") == 0.25  # c-2's; "gone" ended

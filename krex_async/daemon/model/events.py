@@ -59,6 +59,14 @@ class RegionReleased:
 
 
 @dataclass(frozen=True, slots=True)
+class RegionAnswered:
+    """Its owner has been answered (granted, revoked or refused): what need not delay the answer
+    (the trace) happens here."""
+
+    region: Region
+
+
+@dataclass(frozen=True, slots=True)
 class ShareWaiting:
     """With its turn, the region waits while siblings run their owed share (share.py)."""
 

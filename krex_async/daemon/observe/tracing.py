@@ -35,7 +35,7 @@ class Tracer:
         undo = [
             bus.subscribe(E.RegionQueued, lambda e: self.trace("region_queued", e.region)),
             bus.subscribe(E.RegionRunning, self._region_grant),
-            bus.subscribe(E.RegionReleased, self._region_release),
+            bus.subscribe(E.RegionAnswered, self._region_release),
             bus.subscribe(E.ShareWaiting, self._share_wait),
             bus.subscribe(E.CommandStarted, self._command_start),
             bus.subscribe(E.CommandEnded, self._command_end),
@@ -48,7 +48,7 @@ class Tracer:
             "region_grant", e.region, enter_s=rep.enter_s, frozen=rep.frozen, pool_wait_s=rep.pool_wait_s
         )
 
-    def _region_release(self, e: E.RegionReleased) -> None:
+    def _region_release(self, e: E.RegionAnswered) -> None:
         rep = e.region.report
         self.trace("region_release", e.region, outcome=rep.outcome, held_s=rep.held_s)
 

@@ -311,6 +311,7 @@ class Regions:
                     turn.set_result(None)
             self.core.events.emit(E.RegionReleased(r, granted, tuple(r.held.held_ids())))
             self._tell_owner(r, granted)
+            self.core.events.emit(E.RegionAnswered(r))
             if granted:  # after the owner's answer, before the next region's turn runs (no await)
                 self._share_end(r, t_entry, t_thawed)
             log_.info(
