@@ -1,14 +1,15 @@
 """The daemon: its parts, put together once, and the requests connection.py hands it. One event loop owns
 all of it.
 
-`Daemon` builds the shared `Core` (model/core.py) and the parts that take it: `Regions` (regions/engine.py),
-`WarmPools` (warmpools.py), `Lifecycle` (lifecycle.py: a command from submit to forget), `Status`
-(status.py), and the observers: the `Tracer` (tracing.py), the metrics (metering.py) and, while
-probes run, the `Attributor` (attribution.py) subscribe to the core's events (events.py); the daemon
-keeps the tracer and the metrics, reaches everything the parts share through `core`, and keeps no
-second handle to it. connection.py feeds it decoded requests with the peer's credentials; each is
+`Daemon` builds the shared `Core` (model/core.py) and the parts that take it: `Regions`
+(regions/engine.py), `WarmPools` (commands/warmpools.py), `Lifecycle` (commands/lifecycle.py: a
+command from submit to forget), `DaemonStatus` (observe/status.py), and the observers: the `Tracer`
+(observe/tracing.py), the metrics (observe/metering.py) and, while probes run, the `Attributor`
+(observe/attribution.py) subscribe to the core's events (model/events.py); the daemon keeps the
+tracer and the metrics, reaches everything the parts share through `core`, and keeps no second
+handle to it. connection.py feeds it decoded requests with the peer's credentials; each is
 answered by the part that owns it, through the connection's `send`, or refused with a RequestError
-(access.py). The region requests a command's runtime makes are checked here.
+(commands/access.py). The region requests a command's runtime makes are checked here.
 """
 
 from __future__ import annotations

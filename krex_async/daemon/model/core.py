@@ -1,20 +1,13 @@
 """The daemon's shared core: the narrow state its parts take instead of the `Daemon` itself.
 
-`Lifecycle` (lifecycle.py), `WarmPools` (warmpools.py), `Regions` (regions/engine.py; its `Entry`, `Joins`
-and `Exits`), the probe `Attributor` (attribution.py), `Status` (status.py) and `recover`
-(recovery.py) each get a `Core`: the pieces of the daemon they use, each named below, and nothing
-else (uvicorn's `ServerState`, CPython's process-pool manager). The observers (the metrics, the
-trace's region and command events, the probe attributor) are not called through it: they subscribe
-to `events` (fanout.py, events.py), which the region engine and the command lifecycle emit. With it
-the imports run one way, down:
-
-    daemon -> lifecycle -> regions -> entry -> exits -> hold -> core -> holdset, commands -> records
-                                   -> joins -----------^       ^
-           -> attribution -> regions; lifecycle -> warmpools -> regions
-           -> recovery, tracing; lifecycle -> placement -> access
-                                 lifecycle, placement, status -> admission -> core
-           -> metering -> metrics;  regions, lifecycle, tracing, attribution -> events
-                                                                 core -> fanout
+`Lifecycle` (commands/lifecycle.py), `WarmPools` (commands/warmpools.py), `Regions`
+(regions/engine.py; its `Entry`, `Joins` and `Exits`), the probe `Attributor`
+(observe/attribution.py), `DaemonStatus` (observe/status.py) and `recover` (commands/recovery.py)
+each get a `Core`: the pieces of the daemon they use, each named below, and nothing else (uvicorn's
+`ServerState`, CPython's process-pool manager). The observers (the metrics, the trace's region and
+command events, the probe attributor) are not called through it: they subscribe to `events`
+(fanout.py, events.py), which the region engine and the command lifecycle emit. The daemon's
+layers, their floors and who owns which state: docs/architecture.md.
 """
 
 from __future__ import annotations
