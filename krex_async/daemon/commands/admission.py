@@ -11,16 +11,17 @@ What a command is taken to need (`need`), most trusted first:
     default    --mem-default, where set
     unknown    none of these: one unknown at a time per device, while its footprint is learned
 
-A running command holds max(its need, its observed peak); the device's commitment is that sum plus
-the warm pool's workers' memory, or what the vendor reports used if that is more (processes outside
-krex, driver reservations). A command fits when its need is at most the device's total less the
-commitment and --mem-headroom (a fraction of the total). Commands that do not fit wait in a FIFO
-per device, each with its reason; none is refused for memory unless its declared need exceeds the
-device. A head waiting on a device where no command runs starts whatever the figures say, so a
-command that fits alone always runs eventually. For --mem-backfill seconds after a head first waits,
-later commands that fit start past it (on the H100, strict order behind one 28.7 GiB problem left
-the device idling at a third of sharing's pace); then nothing more starts there until it does, so
-none starves. A waiting re-run is never passed.
+The device's commitment (`committed`) is, under --mem-commit now (the default), what the vendor
+reported used at the last sample plus the need of each command started since; under peak, every
+running command's max(need, observed peak) plus the warm pool's workers' memory, or what the vendor
+reports used if that is more (processes outside krex, driver reservations). A command fits when its
+need is at most the device's total less the commitment and --mem-headroom (a fraction of the total).
+Commands that do not fit wait in a FIFO per device, each with its reason; none is refused for memory
+unless its declared need exceeds the device. A head waiting on a device where no command runs starts
+whatever the figures say, so a command that fits alone always runs eventually. For --mem-backfill
+seconds after a head first waits, later commands that fit start past it (on the H100, strict order
+behind one 28.7 GiB problem left the device idling at a third of sharing's pace); then nothing more
+starts there until it does, so none starves. A waiting re-run is never passed.
 
 A re-run after a co-located out-of-memory (reruns.py) whose need is known is *guarded*: it starts
 when that need fits beside every running command's peak, and while it runs the device counts peaks
