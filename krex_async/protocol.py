@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 1
 # asks for less than its message's default (Cancel.queued_only) is sent only to a daemon naming it,
 # since an older one drops fields it does not know (forbid_unknown_fields=False) and does the more.
 CANCEL_QUEUED_ONLY = "cancel.queued_only"
-FEATURES = (CANCEL_QUEUED_ONLY,)
+MEM_GATE = "mem_gate"  # MemGate requests are answered
+FEATURES = (CANCEL_QUEUED_ONLY, MEM_GATE)
 MAX_FRAME = 16 * 1024 * 1024
 HEADER = struct.Struct(">I")
 
@@ -206,6 +207,17 @@ class Adopt(Msg, tag="adopt"):
     blocked_at: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
+class MemGate(Msg, tag="mem_gate"):
+    """From a command's runtime, as its process first initialises CUDA (KREX_CUDA_GATE=1, set by a
+    daemon with --mem-gate on): wait until memory admission lets the command use its device. The
+    reply, Ok, comes then (at once where the command is not gated or has passed already)."""
+
+    id: ReqId
+    command: Name
+    token: Name
+    pid: Pid = 0
+
+
 class QuiesceAck(Msg, tag="quiesce_ack"):
     id: ReqId
     region: Name
@@ -253,6 +265,7 @@ Request = (
     | Timeline
     | StdinData
     | Adopt
+    | MemGate
 )
 
 
@@ -399,6 +412,11 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     mem_need: int = 0
     mem_source: str = ""
     mem_peak: int = 0
+    # --mem-gate: seconds its first CUDA initialisation waited for memory admission (the command
+    # ran, importing and making inputs, from its start until then); gate: "passed", "bypassed"
+    # (it used the device without asking: no torch), "unused" (it never did), "" (not gated)
+    gate_s: float = 0.0
+    gate: str = ""
 
 
 # ------------------------------------------------------------------------------------------ replies

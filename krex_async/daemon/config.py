@@ -155,6 +155,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # seconds a queue's head that does not fit lets later commands that fit start past it; then
     # nothing more starts on its device until it does (0: strict first in, first out)
     mem_backfill: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
+    # on: a torch command starts at once and its admission waits for its first CUDA initialisation
+    # (its runtime asks, MemGate), so its import overlaps others' device work; off: at its start
+    mem_gate: Literal["on", "off"] = "on"
     # ... and (policy region) a new command waits while this many regions queue on its device
     # already: beside them it would only add to the line and to the memory in use (0: off)
     region_backlog: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0

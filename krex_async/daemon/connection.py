@@ -204,6 +204,8 @@ class Connection:
                     daemon.quiesce_ack(req, self.pid)
                 case P.ExitHeld():
                     daemon.exit_held(req, self.pid, self.send)
+                case P.MemGate():
+                    self._spawn(req.id, daemon.mem_gate(req, self.pid), ok=True)
                 case P.Adopt():
                     self._spawn(req.id, daemon.adopt(req, self.pid, self.send))
                 case P.Timeline():

@@ -148,6 +148,13 @@ class Daemon:
 
     # --------------------------------------------------------- requests from inside a command
 
+    async def mem_gate(self, req: P.MemGate, peer_pid: int) -> None:
+        cmd = self.core.commands.get(req.command)
+        if cmd is None:
+            raise RequestError("unknown_command", f"no command {req.command!r}")
+        inside(self.core, cmd, peer_pid, req.token, req.pid)
+        await self.lifecycle.gate(cmd)
+
     async def adopt(self, req: P.Adopt, peer_pid: int, send: Send) -> None:
         await self.warm.adopt(req, peer_pid, send)
 

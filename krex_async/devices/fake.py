@@ -13,8 +13,10 @@ for production: it is named `fake` in status and its devices' keys are fake0..fa
 A command on a fake device gets KREX_FAKE_GPU_DIR, _MEM and _DEVICE in its environment, and
 `python -m krex_async.devices.fake SIZE [SIZE ...]` allocates there: it sets its usage to each
 SIZE in turn (after --gate FILE exists between steps), then holds it (--hold S, or until
---release FILE exists). An allocation beyond the device's free memory prints CUDA's
-"torch.OutOfMemoryError: CUDA out of memory" and exits 1, as a PyTorch job does.
+--release FILE exists). Under the daemon's --mem-gate it first asks for memory admission, as a
+torch job does when it starts CUDA (runtime/cudagate.py), unless --no-cuda-gate. An allocation
+beyond the device's free memory prints CUDA's "torch.OutOfMemoryError: CUDA out of memory" and
+exits 1, as a PyTorch job does.
 """
 
 from __future__ import annotations
@@ -131,10 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold", type=float, default=0.0, help="seconds to hold the last step")
     p.add_argument("--release", help="hold until this file exists")
     p.add_argument("--exit", type=int, default=0, help="exit status once done")
+    p.add_argument("--ready", help="create this file once started, before the first allocation")
+    p.add_argument(
+        "--no-cuda-gate",
+        action="store_true",
+        help="allocate without asking the daemon's --mem-gate first (as a program without torch)",
+    )
     args = p.parse_args(argv)
     root = Path(os.environ[DIR_VAR]) / os.environ[DEVICE_VAR]
     total = parse_size(os.environ.get(MEM_VAR) or str(DEFAULT_MEM))
     mine = root / str(os.getpid())
+    if args.ready:
+        Path(args.ready).touch()
+    gate = sys.modules.get("_krex_cudagate")  # the runtime's, under --mem-gate on (cudagate.py)
+    if gate is not None and not args.no_cuda_gate:
+        gate.ask()  # where a torch job starts CUDA
     try:
         for i, size in enumerate(args.sizes):
             if i and args.gate:

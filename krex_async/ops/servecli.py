@@ -266,6 +266,11 @@ def add_parser(sub: Any) -> None:
         "then its device drains for it (default 10; 0: strict first in, first out)",
     )
     p.add_argument(
+        "--mem-gate",
+        help="on (default): a torch command starts at once and waits for memory admission only as "
+        "it first initialises CUDA, so its imports overlap others' device work; off: at its start",
+    )
+    p.add_argument(
         "--region-backlog",
         type=int,
         metavar="N",
@@ -327,6 +332,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "mem_default",
             "mem_commit",
             "mem_backfill",
+            "mem_gate",
             "region_backlog",
             "hold_share",
             "share_window",

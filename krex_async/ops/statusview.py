@@ -258,6 +258,7 @@ def _memory(m: dict[str, Any]) -> str:
             if waiting
             else ""
         )
+        + (f"; {len(m['gated'])} started, admitted at their first CUDA use" if m.get("gated") else "")
     )
 
 

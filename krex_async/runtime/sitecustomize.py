@@ -10,7 +10,9 @@ that `site` imports at start-up. It
   2. inside a command (KREX_SOCKET, KREX_COMMAND and KREX_TOKEN set), installs a handler for a
      spare real-time signal (KREX_QUIESCE_SIGNAL, default SIGRTMAX-6) and starts the quiesce
      listener (quiesce.py) on a background thread; it re-arms in children after os.fork();
-  3. with KREX_AUTO_REGION=1, installs the auto-region import hook (autoregion.py).
+  3. with KREX_AUTO_REGION=1, installs the auto-region import hook (autoregion.py);
+  4. with KREX_CUDA_GATE=1 (the daemon's --mem-gate), wraps torch's CUDA start so that it first
+     waits for the daemon's memory admission (cudagate.py).
 
 The main thread pays only for this file (builtin modules, no socket or ctypes import): the listener
 thread loads quiesce.py and connects. Any failure here is swallowed: an unreachable daemon, a
@@ -214,6 +216,11 @@ def _start() -> bool:
     return True
 
 
+def _cuda_gate() -> None:
+    if os.environ.get("KREX_CUDA_GATE") == "1" and os.environ.get("KREX_COMMAND"):
+        _load("_krex_cudagate", "cudagate.py").install(_load)
+
+
 def _auto_regions() -> None:
     if os.environ.get("KREX_AUTO_REGION") == "1":
         _load("_krex_autoregion", "autoregion.py").install()
@@ -225,6 +232,10 @@ except BaseException:  # noqa: BLE001 - an adoption that fails runs the program 
     pass
 try:
     _auto_regions()
+except BaseException:  # noqa: BLE001
+    pass
+try:
+    _cuda_gate()
 except BaseException:  # noqa: BLE001
     pass
 arm()

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,12 @@ TOTAL = 1000 * MiB
 
 
 @pytest.fixture
-def fake(tmp_path: Path) -> dict[str, str]:
+def fake(tmp_path: Path) -> Iterator[dict[str, str]]:
+    yield from fake_gpu_env()
+
+
+def fake_gpu_env() -> Iterator[dict[str, str]]:
+    """The environment of commands on a fake device of TOTAL bytes; its directory goes after."""
     d = tempfile.mkdtemp(prefix="fakegpu-", dir="/tmp")
     yield py_env(KREX_FAKE_GPU_DIR=d, KREX_FAKE_GPU_MEM=str(TOTAL))
     for root, _dirs, files in os.walk(d, topdown=False):
@@ -45,7 +51,19 @@ def alloc(*sizes: str, gate: str = "", release: str = "", hold: float = 0.0) -> 
 
 
 def daemon(*extra: str, env: dict[str, str]) -> Any:
-    return run_daemon("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", *extra, env=env)
+    """Admission at a command's start (--mem-gate off): test_memgate.py has the gate's tests."""
+    return run_daemon(
+        "--devices",
+        "fake:1",
+        "--mem-headroom",
+        "0",
+        "--policy",
+        "shared",
+        "--mem-gate",
+        "off",
+        *extra,
+        env=env,
+    )
 
 
 async def row(c: Client, command: str) -> dict[str, Any]:
@@ -426,7 +444,18 @@ async def test_region_backlog_holds_a_new_command_while_regions_queue(fake, tmp_
     env = fake
     owner = script("owner.py", REGION_OWNER)
     ra, rb = str(tmp_path / "ra"), str(tmp_path / "rb")
-    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "region", "--freeze", "device-holders")
+    args = (
+        "--devices",
+        "fake:1",
+        "--mem-headroom",
+        "0",
+        "--policy",
+        "region",
+        "--freeze",
+        "device-holders",
+        "--mem-gate",
+        "off",
+    )
     async with run_daemon(*args, "--region-backlog", "1", "--mem-default", "1", env=env) as d:
         c = await d.client()
         a = await c.submit([PY, owner, "a", ra], env=env, label="a")

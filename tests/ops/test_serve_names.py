@@ -69,6 +69,7 @@ ENUMS = {
     "launch_scope": "outsiders, all",
     "admission": "auto, memory, off",
     "mem_commit": "now, peak",
+    "mem_gate": "on, off",
 }
 
 

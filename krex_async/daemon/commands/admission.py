@@ -71,6 +71,7 @@ class DeviceMemory:
     pool: int = 0  # the pool's workers outside any command, at the last sample
     baseline: int = 0  # used with no command running: what a lone command's use is counted from
     running: set[str] = field(default_factory=set)  # admitted, not yet ended
+    gated: set[str] = field(default_factory=set)  # started, admitted at their first CUDA use (--mem-gate)
     waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
     head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
     sampled_at: float = 0.0  # monotonic time of the last sample of `used`
@@ -216,12 +217,54 @@ class Admission:
         return ""
 
     def admit(self, cmd: Command) -> bool:
-        """The scheduler lets `cmd` start: True if memory does too (it is then counted as running),
-        else it waits in its device's queue, its reason in `cmd.mem_wait`."""
+        """The scheduler lets `cmd` start: True if memory does too (it is then counted as running,
+        or, gated, it starts and is admitted when its runtime asks), else it waits in its device's
+        queue, its reason in `cmd.mem_wait`."""
         cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
         dm = self.devices.get(cmd.device_key or "")
         if dm is None:
             return True
+        if self._gates(cmd):
+            cmd.gate, cmd.co_located = "open", bool(dm.running or dm.pool)
+            dm.gated.add(cmd.id)
+            return True
+        return self._enter(cmd, dm)
+
+    def _gates(self, cmd: Command) -> bool:
+        """Whether `cmd` starts at once and is admitted at its first CUDA use (--mem-gate on): its
+        imports and inputs (most of a KernelBench job's life) then overlap the others' device work.
+        Not a re-run (it waits as a re-run does), one a warm pool adopts (its worker has CUDA up
+        already) or one under policy command (it runs alone)."""
+        return (
+            self.core.config.mem_gate == "on"
+            and cmd.reruns == 0
+            and not cmd.pool_env
+            and self.core.scheduler.policy.value != "command"
+        )
+
+    def ask(self, cmd: Command) -> bool:
+        """A gated command's runtime asks to use its device: True if it may now, else it waits in
+        the device's queue (pump opens it, lifecycle's start callback)."""
+        dm = self.devices.get(cmd.device_key or "")
+        if dm is None or cmd.gate != "open":
+            return cmd.gate != "asked"  # another of its processes asked first: it waits too
+        dm.gated.discard(cmd.id)
+        cmd.gate, cmd.gate_asked = "asked", time.monotonic()
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        if self._enter(cmd, dm):
+            cmd.gate = "passed"
+            return True
+        return False
+
+    @staticmethod
+    def waits(cmd: Command) -> bool:
+        """Whether a command in a device's queue still waits there: not yet started, or a gated one
+        whose runtime waits at the gate (not ended meanwhile)."""
+        if cmd.gate == "asked":
+            return cmd.state is CommandState.RUNNING
+        return cmd.state is CommandState.QUEUED
+
+    def _enter(self, cmd: Command, dm: DeviceMemory) -> bool:
         if dm.waiting and not self._passes(cmd, dm):  # behind a head it may not pass
             cmd.mem_wait = f"queued behind {len(dm.waiting)} on {dm.device.key}"
         elif why := self.why_not(cmd, dm):
@@ -248,7 +291,7 @@ class Admission:
         cmd.mem_wait, cmd.mem_admitted = "", time.monotonic()
         if dm.running or dm.pool:  # beside others: an out-of-memory failure may be theirs
             cmd.co_located = True
-            for c in dm.running:
+            for c in dm.running | dm.gated:
                 self.core.commands[c].co_located = True
         dm.running.add(cmd.id)
         self._reserved_metric(dm)
@@ -260,7 +303,7 @@ class Admission:
         out: list[Command] = []
         while dm is not None and dm.waiting:
             cmd = self.core.commands.get(dm.waiting[0])
-            if cmd is None or cmd.state is not CommandState.QUEUED:  # ended while it waited
+            if cmd is None or not self.waits(cmd):  # ended while it waited
                 dm.head_since.pop(dm.waiting.popleft(), None)
                 continue
             cmd.mem_need, cmd.mem_source = self.need(cmd.spec)  # learned meanwhile, maybe
@@ -286,7 +329,7 @@ class Admission:
         out: list[Command] = []
         for i, other in enumerate(list(dm.waiting)[1:], 2):
             c = self.core.commands.get(other)
-            if c is None or c.state is not CommandState.QUEUED:
+            if c is None or not self.waits(c):
                 continue
             if open_:
                 c.mem_need, c.mem_source = self.need(c.spec)
@@ -308,6 +351,7 @@ class Admission:
         if dm is None:
             return []
         dm.running.discard(cmd.id)
+        dm.gated.discard(cmd.id)
         dm.head_since.pop(cmd.id, None)
         if cmd.id in dm.waiting:
             dm.waiting.remove(cmd.id)
@@ -324,6 +368,7 @@ class Admission:
         cmd.guarded = cmd.reruns == 1 and cmd.mem_source != "unknown"
         cmd.solo = not cmd.guarded
         dm.running.discard(cmd.id)
+        dm.gated.discard(cmd.id)
         dm.waiting.appendleft(cmd.id)
         self._reserved_metric(dm)
 
@@ -367,7 +412,7 @@ class Admission:
         pool's pids per device."""
         groups = {}
         for dm in self.devices.values():
-            for cid in dm.running:
+            for cid in dm.running | dm.gated:
                 c = self.core.commands.get(cid)
                 if c is not None and c.group is not None and c.state is CommandState.RUNNING:
                     groups[cid] = (dm.device.key, c.group)
@@ -389,41 +434,16 @@ class Admission:
                         self.core.commands[c].co_located = True
         for cid, (key, _group) in seen["sampled"].items():
             if (cmd := self.core.commands.get(cid)) is not None:
-                cmd.mem_now = seen["held"].get(cid, 0) or self._lone_use(cmd, key, seen)
+                dm = self.devices[key]
+                lone = key not in seen["mapped"] and dm.running == {cid}
+                cmd.mem_now = seen["held"].get(cid, 0) or (memsample.lone_use(dm) if lone else 0)
                 cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
+                if cmd.mem_now and cmd.gate == "open":  # on the device without asking (no torch)
+                    dm.gated.discard(cid)
+                    cmd.gate = "bypassed"
+                    self._run(cmd, dm)
         for dm in self.devices.values():
             if not dm.running and dm.device.key in seen["used"]:
                 dm.baseline = dm.used
         for dm in self.devices.values():
             self._reserved_metric(dm)
-
-    def _lone_use(self, cmd: Command, key: str, seen: dict[str, Any]) -> int:
-        """Where NVML's pids are not ours (a daemon in a container without the host's pid
-        namespace sees none of them), the use of a command running alone on its device: what is
-        used beyond the device's idle baseline and the pool. 0 where others run beside it."""
-        dm = self.devices[key]
-        if key in seen["mapped"] or dm.running != {cmd.id}:
-            return 0
-        return max(0, dm.used - dm.baseline - dm.pool)
-
-    # ------------------------------------------------------------------------------ status
-
-    def status(self, key: str) -> dict[str, Any] | None:
-        dm = self.devices.get(key)
-        if dm is None:
-            return None
-        return {
-            "total_bytes": dm.total,
-            "used_bytes": dm.used,
-            "reserved_bytes": sum(
-                self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands
-            ),
-            "pool_bytes": dm.pool,
-            "headroom_bytes": self.headroom(dm),
-            "free_for_commands_bytes": self.free(dm),
-            "waiting": [
-                {"command": c, "reason": self.core.commands[c].mem_wait}
-                for c in dm.waiting
-                if c in self.core.commands
-            ],
-        }

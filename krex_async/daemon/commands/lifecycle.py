@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
+import time
 
 from krex_async import logs
 from krex_async import protocol as P
@@ -149,8 +150,37 @@ class Lifecycle:
         cmd.publish(lambda rid: P.Started(id=rid, command=cmd.id, pid=cmd.pid or 0))
 
     def _launch(self, cmd: Command) -> None:
-        """Start a command its device's queue (or memory) let go, as a task of its own."""
+        """Start a command its device's queue (or memory) let go, as a task of its own; or, one
+        that waits at its gate (--mem-gate), let its runtime go on into CUDA."""
+        if cmd.gate == "asked":
+            self._open(cmd)
+            return
         self.core.track(asyncio.get_running_loop().create_task(self._start(cmd), name=f"start-{cmd.id}"))
+
+    async def gate(self, cmd: Command) -> None:
+        """A command's runtime is about to initialise CUDA (MemGate): return once memory admission
+        lets the command use its device; at once where it is not gated or passed already."""
+        was = cmd.gate
+        if self.admission.ask(cmd):
+            if was == "open":
+                log.info("command_gate_passed", command=cmd.id, waited_s=0.0)
+            return
+        opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def go() -> None:
+            if not opened.done():
+                opened.set_result(None)
+
+        cmd.gate_waiters.append(go)
+        log.info("command_gated", command=cmd.id, reason=cmd.mem_wait)
+        await opened  # cancelled with the connection: a process that died waiting asks no more
+
+    def _open(self, cmd: Command) -> None:
+        cmd.gate, cmd.gate_s = "passed", time.monotonic() - cmd.gate_asked
+        for opened in cmd.gate_waiters:
+            opened()
+        cmd.gate_waiters.clear()
+        log.info("command_gate_passed", command=cmd.id, waited_s=round(cmd.gate_s, 6))
 
     async def memory_loop(self) -> None:
         """Sample device memory while the daemon serves; start what comes to fit (admission.py)."""

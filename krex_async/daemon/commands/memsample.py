@@ -45,3 +45,10 @@ def read(node: Node | None, backend: Backend, devices: list[Device], snap: dict[
                 pool[key] = pool.get(key, 0) + n
                 mapped.add(key)
     return {"used": used, "held": held, "pool": pool, "mapped": mapped, "sampled": snap["groups"], "at": at}
+
+
+def lone_use(dm: Any) -> int:
+    """Where NVML's pids are not ours (a daemon in a container without the host's pid namespace
+    sees none of them), the use of a command running alone on its device (`dm`, admission's
+    DeviceMemory): what is used beyond the device's idle baseline and the pool."""
+    return max(0, dm.used - dm.baseline - dm.pool)

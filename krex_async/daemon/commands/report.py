@@ -55,6 +55,8 @@ def end_report(cmd: Command, status: ExitStatus, now: float) -> P.CommandReport:
         mem_need=cmd.mem_need,
         mem_source=cmd.mem_source,
         mem_peak=cmd.mem_peak,
+        gate_s=round(cmd.gate_s, 6),
+        gate="unused" if cmd.gate == "open" else cmd.gate,
     )
 
 

@@ -141,6 +141,13 @@ class Command:
     guarded: bool = False
     reruns: int = 0
     rerun_reason: str = ""
+    # --mem-gate (admission.py, memgate.py): "" not gated; "open" started, its memory admission
+    # waits for its first CUDA initialisation; "asked" its runtime waits at the gate (queued for
+    # memory); "passed"; "bypassed" seen holding device memory without asking
+    gate: str = ""
+    gate_asked: float = 0.0  # monotonic time its runtime first asked
+    gate_s: float = 0.0  # seconds it waited at the gate
+    gate_waiters: list[Callable[[], None]] = field(default_factory=list)  # open them at admission
 
     def __post_init__(self) -> None:
         self.out = Tail(self.tail_limit)
@@ -165,6 +172,8 @@ class Command:
         or regions left."""
         self.reruns += 1
         self.rerun_reason, self.co_located = reason, False
+        self.gate, self.gate_asked, self.gate_s = "", 0.0, 0.0  # a re-run is admitted at its start
+        self.gate_waiters.clear()
         self.state, self.report, self.launched, self.group, self.watch_task = (
             CommandState.QUEUED,
             None,
@@ -223,4 +232,6 @@ class Command:
                     env.pop(name, None)
             env.update(self.device.env)
         env.update(self.pool_env)
+        if self.gate:
+            env["KREX_CUDA_GATE"] = "1"  # its runtime asks for memory admission before CUDA starts
         return with_runtime(env)

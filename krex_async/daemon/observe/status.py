@@ -198,7 +198,7 @@ class DaemonStatus:
                     },
                     "queued": q.waiting and list(q.waiting) or [],
                     # memory-aware admission (admission.py): None where it does not track the device
-                    "memory": self.admission.status(d.key) if self.admission is not None else None,
+                    "memory": memory_status(self.admission, d.key) if self.admission is not None else None,
                 }
             )
         commands = [
@@ -226,8 +226,9 @@ class DaemonStatus:
                 "mem_source": c.mem_source,
                 "mem_bytes": c.mem_now,
                 "mem_peak": c.mem_peak,
-                "waiting_for": c.mem_wait if c.state.value == "queued" else "",
+                "waiting_for": c.mem_wait if c.state.value == "queued" or c.gate == "asked" else "",
                 "reruns": c.reruns,
+                "gate": c.gate,  # --mem-gate: open (importing), asked (waits for memory), passed...
             }
             for c in self.core.commands.values()
         ]
@@ -267,3 +268,22 @@ class DaemonStatus:
             except Exception as e:  # status must answer even when a backend cannot
                 out["describe_error"] = repr(e)
         return out
+
+
+def memory_status(admission: Admission, key: str) -> dict[str, Any] | None:
+    """A device's memory as admission sees it (None where it does not track the device)."""
+    dm = admission.devices.get(key)
+    if dm is None:
+        return None
+    commands = admission.core.commands
+    return {
+        "total_bytes": dm.total,
+        "used_bytes": dm.used,
+        "reserved_bytes": sum(admission.holds(commands[c]) for c in dm.running if c in commands),
+        "pool_bytes": dm.pool,
+        "headroom_bytes": admission.headroom(dm),
+        "free_for_commands_bytes": admission.free(dm),
+        "waiting": [{"command": c, "reason": commands[c].mem_wait} for c in dm.waiting if c in commands],
+        # --mem-gate: started, to be admitted at their first CUDA use
+        "gated": sorted(dm.gated),
+    }

@@ -1,0 +1,164 @@
+"""KREX_CUDA_GATE=1: ask the daemon for memory admission as this process first starts CUDA.
+
+A daemon with `--mem-gate on` starts a torch command at once and counts it on its device only once
+it asks here: its imports and inputs, most of a KernelBench job's life, overlap the device work of
+the commands already admitted, instead of waiting in the daemon's queue for memory that it does
+not touch yet (daemon/commands/admission.py).
+
+An entry at the front of sys.meta_path waits for `torch.cuda`. Right after that module's code has
+run, `torch._C._cuda_init` is wrapped: `torch.cuda._lazy_init`, which every path into CUDA through
+torch takes once per process, calls it under torch's own initialisation lock. The first call
+connects to KREX_SOCKET, sends MemGate and waits for the daemon's answer, then starts CUDA.
+
+Nothing is imported ahead of the program. The wait never raises into it: an unreachable daemon,
+an untrusted socket or an error answer lets CUDA start at once. A Ctrl-C while it waits ends the
+program as it would anywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from collections.abc import Callable
+from typing import Any
+
+TARGET = "torch.cuda"
+CONNECT_TIMEOUT_S = 2.0
+_asked = False
+_load: Callable[[str, str], Any] | None = None  # sitecustomize's loader of runtime modules
+errors: list[str] = []  # why a wait was skipped (kept for tests and debugging, never printed)
+
+
+def ask() -> None:
+    """Wait until the daemon lets this command use its device (once per process). What a CUDA
+    start calls first; the fake test vendor's allocator calls it too, as a torch job would."""
+    global _asked
+    if _asked or _load is None:
+        return
+    _asked = True
+    env = os.environ
+    path, command, token = env.get("KREX_SOCKET"), env.get("KREX_COMMAND"), env.get("KREX_TOKEN")
+    if not (path and command and token):
+        return
+    import _socket
+
+    q = _load("_krex_quiesce", "quiesce.py")  # its msgpack framing and peer check, standard library only
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(path)
+        sock.settimeout(None)
+        if not q.peer_trusted(sock):
+            errors.append("the socket's listener is not the daemon this command may trust")
+            return
+        pid = os.getpid()
+        hello = {"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-gate/{pid}"}
+        gate = {"type": "mem_gate", "id": 2, "command": command, "token": token, "pid": pid}
+        sock.sendall(q.frame(hello) + q.frame(gate))
+        while True:
+            msg = _read(sock, q)
+            if msg is None:
+                errors.append("the daemon closed the connection")
+                return
+            if msg.get("id") == 2 or (msg.get("id") == 1 and msg.get("type") == "error"):
+                if msg.get("type") == "error":
+                    errors.append(f"{msg.get('code')}: {msg.get('message')}")
+                return
+    except OSError as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        sock.close()
+
+
+def _read(sock: Any, q: Any) -> dict[str, Any] | None:
+    head = _exact(sock, 4)
+    if head is None:
+        return None
+    (n,) = struct.unpack(">I", head)
+    body = _exact(sock, n) if n <= q.MAX_FRAME else None
+    if body is None:
+        return None
+    msg = q.unpack(body)
+    return msg if isinstance(msg, dict) else {}
+
+
+def _exact(sock: Any, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _wrap() -> None:
+    """Wrap torch._C._cuda_init (once) so that it asks first."""
+    c = sys.modules.get("torch._C")
+    real = getattr(c, "_cuda_init", None)
+    if real is None or getattr(real, "_krex_gate", False):
+        return  # a torch built without CUDA, or wrapped already
+
+    def cuda_init(*args: Any, **kwargs: Any) -> Any:
+        try:
+            ask()
+        except Exception as e:  # noqa: BLE001 - never stop the program's CUDA
+            errors.append(f"{type(e).__name__}: {e}")
+        return real(*args, **kwargs)
+
+    cuda_init._krex_gate = True  # type: ignore[attr-defined]
+    c._cuda_init = cuda_init  # type: ignore[union-attr]
+
+
+class _Loader:
+    """torch.cuda's loader, with the wrap run after its exec_module; everything else delegated."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        try:
+            _wrap()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._inner, attr)
+
+
+class _Finder:
+    def __init__(self) -> None:
+        self._busy = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != TARGET or self._busy:
+            return None
+        self._busy = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _Loader(spec.loader)  # type: ignore[assignment]
+                    return spec
+            return None
+        finally:
+            self._busy = False
+
+
+def install(load: Callable[[str, str], Any]) -> None:
+    """Wrap torch's CUDA start now if torch.cuda is imported, else when it is (idempotent).
+    `load(name, file)`: sitecustomize's loader of the runtime's modules by path."""
+    global _load
+    _load = load
+    if TARGET in sys.modules:
+        _wrap()
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

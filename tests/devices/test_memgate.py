@@ -1,0 +1,197 @@
+"""--mem-gate on (the default): a command starts at once and memory admission waits for its first
+CUDA start, so its imports and inputs overlap the device work of the others (runtime/cudagate.py,
+daemon/commands/admission.py). On a real daemon with the fake test vendor (devices/fake.py), whose
+allocator asks at the gate as a torch job's CUDA start does, and with a stand-in `torch` package
+whose `torch.cuda._lazy_init` calls `torch._C._cuda_init` as the real one does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from krex_async.daemon.model.command import RUNTIME_DIR
+
+from ..conftest import PY, krex_status, run_daemon, until
+from .test_admission import MiB, alloc, fake_gpu_env, released, row, until_status
+
+# A stand-in for torch's CUDA start: `torch.cuda._lazy_init()` calls `torch._C._cuda_init()`, looked
+# up at call time as in torch; the "context" it makes is 300 MiB on the fake device.
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import _C\nfrom torch import cuda\n",
+    "torch/_C.py": """
+        import os
+        from pathlib import Path
+        from krex_async.devices import fake
+
+        def _cuda_init():
+            root = Path(os.environ[fake.DIR_VAR]) / os.environ[fake.DEVICE_VAR]
+            if not fake.allocate(root, int(os.environ[fake.MEM_VAR]), 300 << 20):
+                raise RuntimeError("CUDA out of memory")
+        """,
+    "torch/cuda/__init__.py": """
+        import torch
+        _initialized = False
+
+        def _lazy_init():
+            global _initialized
+            if not _initialized:
+                torch._C._cuda_init()
+                _initialized = True
+        """,
+}
+
+# a torch job: imports (here: says so), then starts CUDA, then holds its memory until released
+TORCH_JOB = """
+    import sys
+    from pathlib import Path
+    import torch
+    Path(sys.argv[1]).touch()  # imported: the CPU part of the job runs
+    torch.cuda._lazy_init()
+    Path(sys.argv[2]).touch()  # CUDA started
+    import time
+    while not Path(sys.argv[3]).exists():
+        time.sleep(0.02)
+    """
+
+
+@pytest.fixture
+def fake() -> Iterator[dict[str, str]]:
+    yield from fake_gpu_env()
+
+
+def fake_torch(tmp_path: Path) -> str:
+    root = tmp_path / "faketorch"
+    for name, source in FAKE_TORCH.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(source))
+    return str(root)
+
+
+def gated(*extra: str, env: dict[str, str]) -> Any:
+    return run_daemon("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", *extra, env=env)
+
+
+def held(fake_env: dict[str, str], pid: int) -> bool:
+    """Whether process `pid` holds memory on the fake device."""
+    return (Path(fake_env["KREX_FAKE_GPU_DIR"]) / "fake0" / str(pid)).exists()
+
+
+async def test_a_gated_command_runs_at_once_and_waits_for_memory_at_its_cuda_start(fake, tmp_path):
+    """A holds 600 of 1000 MiB. B (needs 600) is not queued: its process starts and runs (its
+    'imports') while A holds the memory, and waits at its CUDA start, with its reason in status and
+    none of the device's memory taken; A's end lets it on. A command that never starts CUDA ends
+    with its gate unused. On the old code B was queued at submit and its process did not run."""
+    env = fake
+    ra, rb, b_ready = (str(tmp_path / n) for n in ("ra", "rb", "b-ready"))
+    async with gated("--mem-commit", "peak", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
+        await until_status(c, a.command, lambda s: s["gate"] == "passed", "A passed its gate")
+        b = await c.submit(alloc("600M", release=rb) + ["--ready", b_ready], env=env, mem=600 * MiB)
+        assert not b.queued, "a gated command starts at once"
+        await until(lambda: os.path.exists(b_ready), "B's process runs while A holds the memory")
+        st = await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+        assert st["state"] == "running"
+        assert "waiting for memory on fake0: needs ~0.6 GiB (declared), 0.4 GiB free" in st["waiting_for"]
+        assert not held(env, st["pid"]), "B took no device memory while it waited"
+        text = " ".join((await krex_status(d.socket, env)).stdout.split())
+        assert f"1 queued for memory: {b.command}" in text, text
+        unused = await c.submit([PY, "-c", "pass"], env=env, mem=1)
+        assert (await unused.wait()).report.gate == "unused"
+        assert (await row(c, b.command))["gate"] == "asked", "a command that fits (1 byte) did not pass B"
+        released(ra)
+        assert (await a.wait()).report.exit_code == 0
+        await until_status(c, b.command, lambda s: s["gate"] == "passed", "B let on once A ended")
+        released(rb)
+        rep = (await b.wait()).report
+        assert rep.exit_code == 0 and rep.gate == "passed", rep
+        assert rep.gate_s > 0, rep
+        await c.close()
+
+
+async def test_the_torch_cuda_start_is_what_waits(fake, tmp_path, script):
+    """The runtime wraps torch._C._cuda_init as torch.cuda is imported: a torch job imports and
+    runs its CPU part at once, and its CUDA start (300 MiB here) waits while A holds 800 of 1000."""
+    env = dict(fake)
+    env["PYTHONPATH"] = fake_torch(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    job = script("job.py", TORCH_JOB)
+    ra, imported, started, rb = (str(tmp_path / n) for n in ("ra", "imported", "started", "rb"))
+    async with gated("--mem-commit", "peak", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("800M", release=ra), env=env, mem=800 * MiB)
+        await until_status(c, a.command, lambda s: s["gate"] == "passed", "A passed its gate")
+        b = await c.submit([PY, job, imported, started, rb], env=env, mem=300 * MiB)
+        await until(lambda: os.path.exists(imported), "the job imported torch and ran on")
+        await until_status(c, b.command, lambda s: s["gate"] == "asked", "its CUDA start waits")
+        assert not os.path.exists(started)
+        released(ra)
+        await until(lambda: os.path.exists(started), "its CUDA started once A ended")
+        released(rb)
+        rep = (await b.wait()).report
+        assert rep.exit_code == 0 and rep.gate == "passed" and rep.gate_s > 0, rep
+        await c.close()
+
+
+async def test_a_command_on_the_device_without_asking_is_counted_once_seen(fake, tmp_path):
+    """A program without torch never asks: once a sample sees it hold memory it is counted (gate
+    'bypassed'), and B's CUDA start waits for it as for any other."""
+    env = fake
+    ra, rb = str(tmp_path / "ra"), str(tmp_path / "rb")
+    async with gated("--mem-commit", "peak", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra) + ["--no-cuda-gate"], env=env, mem=600 * MiB)
+        await until_status(c, a.command, lambda s: s["gate"] == "bypassed", "A seen on the device")
+        b = await c.submit(alloc("600M", release=rb), env=env, mem=600 * MiB)
+        st = await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+        assert "waiting for memory on fake0" in st["waiting_for"], st
+        released(ra)
+        await until_status(c, b.command, lambda s: s["gate"] == "passed", "B let on once A ended")
+        released(rb)
+        rep_a, rep_b = (await a.wait()).report, (await b.wait()).report
+        assert rep_a.gate == "bypassed" and rep_b.gate == "passed", (rep_a, rep_b)
+        assert rep_a.exit_code == 0 and rep_b.exit_code == 0
+        await c.close()
+
+
+async def test_mem_gate_off_admits_at_the_start(fake, tmp_path):
+    """--mem-gate off: B waits in the daemon's queue, its process not started (as before the gate)."""
+    env = fake
+    ra = str(tmp_path / "ra")
+    async with gated("--mem-commit", "peak", "--mem-gate", "off", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
+        b = await c.submit(alloc("600M"), env=env, mem=600 * MiB)
+        assert b.queued and (await row(c, b.command))["state"] == "queued"
+        released(ra)
+        rep_a, rep_b = (await a.wait()).report, (await b.wait()).report
+        assert rep_b.exit_code == 0 and rep_a.gate == "" and rep_b.gate == "", (rep_a, rep_b)
+        await c.close()
+
+
+def test_an_unreachable_daemon_lets_cuda_start(tmp_path):
+    """The gate never stops the program: with no daemon at KREX_SOCKET its CUDA starts at once."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": RUNTIME_DIR + os.pathsep + fake_torch(tmp_path),
+        "KREX_CUDA_GATE": "1",
+        "KREX_SOCKET": str(tmp_path / "none.sock"),
+        "KREX_COMMAND": "x-1",
+        "KREX_TOKEN": "t",
+        "KREX_FAKE_GPU_DIR": str(tmp_path),
+        "KREX_FAKE_GPU_DEVICE": "fake0",
+        "KREX_FAKE_GPU_MEM": str(1 << 30),
+    }
+    (tmp_path / "fake0").mkdir()
+    code = (
+        "import sys, torch; torch.cuda._lazy_init(); "
+        "g = sys.modules['_krex_cudagate']; print(g._asked, g.errors)"
+    )
+    out = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True ['FileNotFoundError"), out.stdout
