@@ -236,8 +236,8 @@ def test_owed_time_is_what_slides_the_held_part_under_the_share() -> None:
 
 def test_held_part_of_the_window_kept_in_o1_agrees_with_the_spans() -> None:
     """held_s keeps a running sum (a region's turn must not walk hundreds of spans per sibling):
-    it agrees with the sum over the spans clipped to the window (each charged in part or in full), and only a command held to the
-    share or over is a candidate for owed time."""
+    it agrees with the sum over the spans clipped to the window (each charged in part or in
+    full), and only a command held to the share or over is a candidate for owed time."""
     rng = random.Random(36)
     s, spans, now = Share(0.5, 2.0), [], 0.0
     for i in range(400):  # a region's turn (now), then its span: time only goes on
@@ -261,7 +261,8 @@ def test_a_locked_sibling_is_charged_the_span_less_its_cpu_time_a_frozen_one_all
     charged the span, never more."""
     s = Share(0.5, 10.0)
     s.begin("r1", ["f", "l", "busy", "gone"], 0.0, {"l": 10**9, "busy": 0, "gone": 5 * 10**9})
-    got = s.end("r1", ["f", "l", "busy", "gone"], 0.0, 4.0, {"l": 10**9 + 1_500_000_000, "busy": 9 * 10**9, "gone": 0})
+    at_end = {"l": 10**9 + 1_500_000_000, "busy": 9 * 10**9, "gone": 0}
+    got = s.end("r1", ["f", "l", "busy", "gone"], 0.0, 4.0, at_end)
     assert got == pytest.approx({"f": 4.0, "l": 2.5, "busy": 0.0, "gone": 4.0})
     assert s.held_s("l", 4.0) == pytest.approx(2.5) and s.held_s("busy", 4.0) == 0.0
     st = s.status("l", 4.0)
