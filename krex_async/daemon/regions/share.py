@@ -56,7 +56,9 @@ class Share:
 
     def begin(self, region: str, held: list[str], since: float, cpu: Mapping[str, int] | None = None) -> None:
         """A region was granted holding `held` since `since` (its entry began); `cpu`: the CPU ns
-        (cpu_ns) of those of them locked, read now: their CPU time in the span is credited at end."""
+        (cpu_ns) of those of them locked, read now: their CPU time from now to the release is
+        credited at `end`; what they used from `since` to the grant is not (charged, as if
+        stopped: at most the entry's length, docs/fairness.md)."""
         if held:
             self.open[region] = (held, since, dict(cpu or {}))
 
