@@ -244,8 +244,8 @@ def test_held_part_of_the_window_kept_in_o1_agrees_with_the_spans() -> None:
         start = now + rng.uniform(0.0, 0.05)
         t = start + rng.uniform(0.001, 0.1)
         ran = rng.choice([0.0, 0.0, rng.uniform(0.0, 1.2)]) * (t - start)  # frozen, or locked and ran
-        s.begin(f"r{i}", ["b"], start, {"b": 0})
-        s.end(f"r{i}", ["b"], start, t, {"b": int(ran * 1e9)})
+        s.begin(f"r{i}", ["b"], start, {"b": {1: 0}})
+        s.end(f"r{i}", ["b"], start, t, {"b": {1: int(ran * 1e9)}})
         spans.append((start, t, max(0.0, 1 - ran / (t - start))))  # the charge spread evenly
         now = t + rng.uniform(0.0, 0.5) * (i % 7 == 0)
         brute = sum(max(0.0, e - max(a, now - 2.0)) * d for a, e, d in spans)
@@ -255,22 +255,29 @@ def test_held_part_of_the_window_kept_in_o1_agrees_with_the_spans() -> None:
 
 
 def test_a_locked_sibling_is_charged_the_span_less_its_cpu_time_a_frozen_one_all_of_it() -> None:
-    """A region of S = 4 s: the locked sibling `l` used X = 1.5 s of CPU in it (read at begin and
-    end) and is charged S - X; the frozen `f` (no CPU read) all S; `busy` used more CPU than the
-    span (several threads) and is charged nothing, never less; `gone` ended (read 0 at the end) is
-    charged the span, never more."""
+    """A region of S = 4 s: the locked sibling `l` used X = 1.5 s of CPU in it (two processes, read
+    at begin and end) and is charged S - X; the frozen `f` (no CPU read) all S; `busy` used more
+    CPU than the span (several threads) and is charged nothing, never less; `gone` ended (nothing
+    read at the end) is charged the span, never more; `moved` lost a process and gained one (a warm
+    worker with 100 s of CPU behind it): only the process read both times is credited."""
     s = Share(0.5, 10.0)
-    s.begin("r1", ["f", "l", "busy", "gone"], 0.0, {"l": 10**9, "busy": 0, "gone": 5 * 10**9})
-    at_end = {"l": 10**9 + 1_500_000_000, "busy": 9 * 10**9, "gone": 0}
-    got = s.end("r1", ["f", "l", "busy", "gone"], 0.0, 4.0, at_end)
-    assert got == pytest.approx({"f": 4.0, "l": 2.5, "busy": 0.0, "gone": 4.0})
+    G = 10**9
+    s.begin(
+        "r1",
+        ["f", "l", "busy", "gone", "moved"],
+        0.0,
+        {"l": {1: G, 2: 0}, "busy": {3: 0}, "gone": {4: 5 * G}, "moved": {5: 0, 6: 0}},
+    )
+    at_end = {"l": {1: 2 * G, 2: G // 2}, "busy": {3: 9 * G}, "gone": {}, "moved": {5: G // 2, 7: 100 * G}}
+    got = s.end("r1", ["f", "l", "busy", "gone", "moved"], 0.0, 4.0, at_end)
+    assert got == pytest.approx({"f": 4.0, "l": 2.5, "busy": 0.0, "gone": 4.0, "moved": 3.5})
     assert s.held_s("l", 4.0) == pytest.approx(2.5) and s.held_s("busy", 4.0) == 0.0
     st = s.status("l", 4.0)
     assert st["held_s"] == 2.5 and st["held_wall_s"] == 4.0 and st["held_fraction"] == 0.25
     assert s.status("busy", 4.0)["held_wall_s"] == 4.0 and "busy" not in s.over
     # no CPU read at the begin (frozen when granted, locked at the end): charged as frozen
     s.begin("r2", ["x"], 5.0)
-    assert s.end("r2", ["x"], 5.0, 6.0, {"x": 10**12}) == {"x": 1.0}
+    assert s.end("r2", ["x"], 5.0, 6.0, {"x": {8: 10**12}}) == {"x": 1.0}
 
 
 def test_a_locked_sibling_s_charge_is_spread_over_its_span_for_the_window() -> None:
@@ -284,8 +291,8 @@ def test_a_locked_sibling_s_charge_is_spread_over_its_span_for_the_window() -> N
     assert frozen.held_s("l", 6.0) == pytest.approx(6.0)
     assert frozen.owed_s("l", 6.0) == pytest.approx(5.0 + 0.001)
     locked = Share(0.5, 10.0)
-    locked.begin("r1", ["l"], -4.0, {"l": 0})
-    locked.end("r1", ["l"], -4.0, 6.0, {"l": 4 * 10**9})
+    locked.begin("r1", ["l"], -4.0, {"l": {1: 0}})
+    locked.end("r1", ["l"], -4.0, 6.0, {"l": {1: 4 * 10**9}})
     assert locked.held_s("l", 6.0) == pytest.approx(6.0) and "l" in locked.over
     assert locked.owed_s("l", 6.0) == pytest.approx(1.0 / 0.6 + 0.001)
     assert locked.owed_s("l", 7.0) == pytest.approx(1.0 / 0.6 - 1.0 + 0.001)  # it ran 1 s

@@ -43,7 +43,7 @@ from krex_async.daemon.regions.exits import Exits
 from krex_async.daemon.regions.fence import CoreFence
 from krex_async.daemon.regions.joins import Joins
 from krex_async.daemon.regions.policy import HoldPolicy
-from krex_async.daemon.regions.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_ns
+from krex_async.daemon.regions.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_by_pid, cpu_ns
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
 
@@ -362,11 +362,15 @@ class Regions:
                 out[cid] = owed
         return out
 
-    def _locked_cpu(self, r: Region) -> dict[str, int]:
-        """The CPU ns of r's siblings held by the lock alone (their CPU threads run); one frozen as
-        well (a late freeze) is charged as frozen for the whole span."""
-        frozen = set(r.held.frozen_ids)
-        return {cid: self._cpu_ns(cid) for cid in dict.fromkeys(r.held.locked_ids) if cid not in frozen}
+    def _locked_cpu(self, r: Region) -> dict[str, dict[int, int]]:
+        """The CPU ns of each process of r's siblings held by the lock alone (their CPU threads
+        run); one frozen as well (a late freeze) is charged as frozen for the whole span."""
+        frozen, out = set(r.held.frozen_ids), {}
+        for cid in dict.fromkeys(r.held.locked_ids):
+            cmd = self.core.commands.get(cid)
+            if cid not in frozen and cmd is not None and cmd.group is not None:
+                out[cid] = cpu_by_pid(self.core.backend.pids(cmd.group))
+        return out
 
     def _cpu_ns(self, cid: str) -> int:
         cmd = self.core.commands.get(cid)

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 
 from krex_async.linux import procfs
 
+CpuReading = Mapping[str, Mapping[int, int]]  # command -> pid -> CPU ns (cpu_by_pid)
+
 IDLE_PROBE_S = 0.1  # a sibling given this long that stays under IDLE_CPU is not waited for
 IDLE_CPU = 0.01  # of one CPU
 EPSILON_S = 0.001  # past the exact instant, so the fraction is below the share when the wait ends
@@ -45,8 +47,8 @@ class Share:
         # commands at or over the share when last held: the only ones that can be owed time (the
         # held part of the window grows only at a release), so a region's turn looks at these alone
         self.over: set[str] = set()
-        # region -> (commands it holds, since, CPU ns of its locked ones at the grant)
-        self.open: dict[str, tuple[list[str], float, dict[str, int]]] = {}
+        # region -> (commands it holds, since, CPU ns of its locked ones' processes at the grant)
+        self.open: dict[str, tuple[list[str], float, dict[str, dict[int, int]]]] = {}
         self.total: dict[str, float] = {}  # command -> charged seconds held by others' regions in all
         self.wall: dict[str, float] = {}  # command -> wall seconds held (frozen or locked) in all
 
@@ -54,28 +56,30 @@ class Share:
     def budget(self) -> float:
         return self.share * self.window
 
-    def begin(self, region: str, held: list[str], since: float, cpu: Mapping[str, int] | None = None) -> None:
+    def begin(self, region: str, held: list[str], since: float, cpu: CpuReading | None = None) -> None:
         """A region was granted holding `held` since `since` (its entry began); `cpu`: the CPU ns
-        (cpu_ns) of those of them locked, read now: their CPU time from now to the release is
-        credited at `end`; what they used from `since` to the grant is not (charged, as if
-        stopped: at most the entry's length, docs/fairness.md)."""
+        of each process (cpu_by_pid) of those of them locked, read now: their CPU time from now to
+        the release is credited at `end`; what they used from `since` to the grant is not
+        (charged, as if stopped: at most the entry's length, docs/fairness.md)."""
         if held:
-            self.open[region] = (held, since, dict(cpu or {}))
+            self.open[region] = (held, since, {c: dict(x) for c, x in (cpu or {}).items()})
 
     def end(
-        self, region: str, held: list[str], since: float, now: float, cpu: Mapping[str, int] | None = None
+        self, region: str, held: list[str], since: float, now: float, cpu: CpuReading | None = None
     ) -> dict[str, float]:
         """A granted region released: each of `held` (as it ended) was held from `since` to `now`.
-        `cpu`: the CPU ns of those still locked alone (not frozen), read now; one read at begin
-        too is charged the span less the CPU time it used in between, the others the whole span.
+        `cpu`: the CPU ns of each process of those still locked alone (not frozen), read now; one
+        read at begin too is charged the span less the CPU time its processes read both times used
+        in between (one started or gone meanwhile: not credited), the others the whole span.
         Returns the seconds charged to each."""
         base = self.open.pop(region, ([], since, {}))[2]
         span = max(0.0, now - since)
         out = {}
         for cid in held:
             used = 0.0
-            if cpu and cid in cpu and cid in base:  # a process gone meanwhile: less credit, never < 0
-                used = max(0.0, (cpu[cid] - base[cid]) / 1e9)
+            if cpu and cid in cpu and cid in base:
+                was, now_ns = base[cid], cpu[cid]
+                used = sum(max(0, ns - was[p]) for p, ns in now_ns.items() if p in was) / 1e9
             charged = out[cid] = span - min(span, used)
             self.total[cid] = self.total.get(cid, 0.0) + charged
             self.wall[cid] = self.wall.get(cid, 0.0) + span
@@ -149,6 +153,17 @@ class Share:
             "owed_s": round(owed, 3),
             "starved": owed > 0,
         }
+
+
+def cpu_by_pid(pids: list[int]) -> dict[int, int]:
+    """CPU ns each of `pids` has had, its threads summed (as cpu_ns); one gone is left out. Keyed
+    by pid, so that a process that joins or leaves a command between two readings adds nothing
+    (a warm worker that joins brings its whole past)."""
+    out: dict[int, int] = {}
+    for pid, _tid, text in procfs.thread_files(pids, "schedstat"):
+        with contextlib.suppress(ValueError, IndexError):
+            out[pid] = out.get(pid, 0) + int(text.split()[0])
+    return out
 
 
 def cpu_ns(pids: list[int]) -> int:
