@@ -236,20 +236,68 @@ def test_owed_time_is_what_slides_the_held_part_under_the_share() -> None:
 
 def test_held_part_of_the_window_kept_in_o1_agrees_with_the_spans() -> None:
     """held_s keeps a running sum (a region's turn must not walk hundreds of spans per sibling):
-    it agrees with the sum over the spans clipped to the window, and only a command held to the
-    share or over is a candidate for owed time."""
+    it agrees with the sum over the spans clipped to the window (each charged in part or in
+    full), and only a command held to the share or over is a candidate for owed time."""
     rng = random.Random(36)
     s, spans, now = Share(0.5, 2.0), [], 0.0
     for i in range(400):  # a region's turn (now), then its span: time only goes on
         start = now + rng.uniform(0.0, 0.05)
         t = start + rng.uniform(0.001, 0.1)
-        s.end(f"r{i}", ["b"], start, t)
-        spans.append((start, t))
+        ran = rng.choice([0.0, 0.0, rng.uniform(0.0, 1.2)]) * (t - start)  # frozen, or locked and ran
+        s.begin(f"r{i}", ["b"], start, {"b": {1: 0}})
+        s.end(f"r{i}", ["b"], start, t, {"b": {1: int(ran * 1e9)}})
+        spans.append((start, t, max(0.0, 1 - ran / (t - start))))  # the charge spread evenly
         now = t + rng.uniform(0.0, 0.5) * (i % 7 == 0)
-        brute = sum(max(0.0, e - max(a, now - 2.0)) for a, e in spans)
-        assert s.held_s("b", now) == pytest.approx(brute, abs=1e-9)
+        brute = sum(max(0.0, e - max(a, now - 2.0)) * d for a, e, d in spans)
+        assert s.held_s("b", now) == pytest.approx(brute, abs=1e-6)  # ns read as ints
         assert ("b" in s.over) == (s.owed_s("b", now) > 0) or s.held_s("b", now) < 1.0
     assert len(s.spans["b"]) < 100  # pruned to the window
+
+
+def test_a_locked_sibling_is_charged_the_span_less_its_cpu_time_a_frozen_one_all_of_it() -> None:
+    """A region of S = 4 s: the locked sibling `l` used X = 1.5 s of CPU in it (two processes, read
+    at begin and end) and is charged S - X; the frozen `f` (no CPU read) all S; `busy` used more
+    CPU than the span (several threads) and is charged nothing, never less; `gone` ended (nothing
+    read at the end) is charged the span, never more; `moved` lost a process and gained one (a warm
+    worker with 100 s of CPU behind it): only the process read both times is credited."""
+    s = Share(0.5, 10.0)
+    G = 10**9
+    s.begin(
+        "r1",
+        ["f", "l", "busy", "gone", "moved"],
+        0.0,
+        {"l": {1: G, 2: 0}, "busy": {3: 0}, "gone": {4: 5 * G}, "moved": {5: 0, 6: 0}},
+    )
+    at_end = {"l": {1: 2 * G, 2: G // 2}, "busy": {3: 9 * G}, "gone": {}, "moved": {5: G // 2, 7: 100 * G}}
+    got = s.end("r1", ["f", "l", "busy", "gone", "moved"], 0.0, 4.0, at_end)
+    assert got == pytest.approx({"f": 4.0, "l": 2.5, "busy": 0.0, "gone": 4.0, "moved": 3.5})
+    assert s.held_s("l", 4.0) == pytest.approx(2.5) and s.held_s("busy", 4.0) == 0.0
+    st = s.status("l", 4.0)
+    assert st["held_s"] == 2.5 and st["held_wall_s"] == 4.0 and st["held_fraction"] == 0.25
+    assert s.status("busy", 4.0)["held_wall_s"] == 4.0 and "busy" not in s.over
+    # no CPU read at the begin (frozen when granted, locked at the end): charged as frozen
+    s.begin("r2", ["x"], 5.0)
+    assert s.end("r2", ["x"], 5.0, 6.0, {"x": {8: 10**12}}) == {"x": 1.0}
+
+
+def test_a_locked_sibling_s_charge_is_spread_over_its_span_for_the_window() -> None:
+    """The CPU read at each end says how much of a span was charged, not when: the charge is spread
+    evenly over it, so it leaves the window at that rate. Frozen over [0, 6], the sibling is 1 s
+    over the share of the window [-4, 6] and owed 5 s (the edge must pass 1 s of the span); locked
+    over [-4, 6] using 4 s of CPU, it is charged 6 s (0.6 of each second), as far over, and owed the
+    1/0.6 s in which the edge passes 1 s of charge."""
+    frozen = Share(0.5, 10.0)
+    frozen.end("r1", ["l"], 0.0, 6.0)
+    assert frozen.held_s("l", 6.0) == pytest.approx(6.0)
+    assert frozen.owed_s("l", 6.0) == pytest.approx(5.0 + 0.001)
+    locked = Share(0.5, 10.0)
+    locked.begin("r1", ["l"], -4.0, {"l": {1: 0}})
+    locked.end("r1", ["l"], -4.0, 6.0, {"l": {1: 4 * 10**9}})
+    assert locked.held_s("l", 6.0) == pytest.approx(6.0) and "l" in locked.over
+    assert locked.owed_s("l", 6.0) == pytest.approx(1.0 / 0.6 + 0.001)
+    assert locked.owed_s("l", 7.0) == pytest.approx(1.0 / 0.6 - 1.0 + 0.001)  # it ran 1 s
+    assert locked.held_s("l", 8.0) == pytest.approx(6.0 - 2 * 0.6)  # 2 s of the span left it
+    assert locked.owed_s("l", 6.0 + 1.0 / 0.6 + 0.002) == 0.0
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])

@@ -82,7 +82,8 @@ class ShareWaited:
 
 @dataclass(frozen=True, slots=True)
 class SiblingHeld:
-    """A region held `command` for `seconds`, from its entry to the thaw."""
+    """A region held `command` from its entry to the thaw; `seconds`: what it was charged for that
+    (share.py: the span, less the CPU time it used while only locked)."""
 
     device: str
     command: str

@@ -43,7 +43,7 @@ from krex_async.daemon.regions.exits import Exits
 from krex_async.daemon.regions.fence import CoreFence
 from krex_async.daemon.regions.joins import Joins
 from krex_async.daemon.regions.policy import HoldPolicy
-from krex_async.daemon.regions.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_ns
+from krex_async.daemon.regions.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_by_pid, cpu_ns
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
 
@@ -267,7 +267,8 @@ class Regions:
                         warm_ms=self.clock.warm_ms(r),
                     )
                 )
-            self.share.begin(r.id, r.held.held_ids(), t_entry)  # after the grant: off its path
+            # after the grant, off its path: the locked siblings' CPU from here is credited
+            self.share.begin(r.id, r.held.held_ids(), t_entry, self._locked_cpu(r))
             self.core.events.emit(E.RegionRunning(r))
             timer = asyncio.get_running_loop().call_later(
                 self.core.config.region_timeout, r.end, Outcome.EXPIRED
@@ -333,12 +334,12 @@ class Regions:
     # -------------------------------------------------------------------------- the share
 
     def _share_end(self, r: Region, since: float, now: float) -> None:
-        """Its siblings were held from its entry to their thaw (`now`); the commands ended since
-        are forgotten."""
+        """Its siblings were held from its entry to their thaw (`now`), each charged for what it
+        could not run (share.py); the commands ended since are forgotten."""
         held = r.held.held_ids()
-        self.share.end(r.id, held, since, now)
+        charged = self.share.end(r.id, held, since, now, self._locked_cpu(r))
         for cid in held:
-            self.core.events.emit(E.SiblingHeld(r.device, cid, now - since))
+            self.core.events.emit(E.SiblingHeld(r.device, cid, charged[cid]))
         for cid in [c for c in self.share.total if not self._running(c)]:
             self.share.drop(cid)
             self.core.events.emit(E.SiblingForgotten(cid))
@@ -359,6 +360,16 @@ class Regions:
             owed = self.share.owed_s(cid, now)
             if owed > 0 and not self.core.scheduler.regions_of(cid):
                 out[cid] = owed
+        return out
+
+    def _locked_cpu(self, r: Region) -> dict[str, dict[int, int]]:
+        """The CPU ns of each process of r's siblings held by the lock alone (their CPU threads
+        run); one frozen as well (a late freeze) is charged as frozen for the whole span."""
+        frozen, out = set(r.held.frozen_ids), {}
+        for cid in dict.fromkeys(r.held.locked_ids):
+            cmd = self.core.commands.get(cid)
+            if cid not in frozen and cmd is not None and cmd.group is not None:
+                out[cid] = cpu_by_pid(self.core.backend.pids(cmd.group))
         return out
 
     def _cpu_ns(self, cid: str) -> int:

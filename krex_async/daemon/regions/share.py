@@ -3,9 +3,11 @@ may hold a command for at most --hold-share of any --share-window seconds (plus 
 
 Each region's wait for its turn is bounded by --region-timeout, but nothing bounded their sum: back
 to back, one user's regions left another user's command 2% of its progress. So each command keeps
-the spans in which others' regions held it (frozen or locked: what krex did to it, from the region's
-entry to its release), and a region whose turn has come first looks at the siblings it would hold:
-one held for --hold-share of the last --share-window is owed the time until that is no longer so.
+the spans in which others' regions held it (from the region's entry to its release), each charged
+for the part of it the command could not run: a frozen command all of it; a locked one (the driver
+lock stops its CUDA calls, its CPU threads run on) the span less the CPU time its threads used in
+it (capped at the span). A region whose turn has come first looks at the siblings it would hold:
+one charged for --hold-share of the last --share-window is owed the time until that is no longer so.
 The region waits that long with its turn kept (queued, never refused, no sibling held), so the
 sibling runs; then it isolates as ever, so a grant still never comes while a sibling runs.
 
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Mapping
 
 from krex_async.linux import procfs
+
+CpuReading = Mapping[str, Mapping[int, int]]  # command -> pid -> CPU ns (cpu_by_pid)
 
 IDLE_PROBE_S = 0.1  # a sibling given this long that stays under IDLE_CPU is not waited for
 IDLE_CPU = 0.01  # of one CPU
@@ -28,40 +33,64 @@ EPSILON_S = 0.001  # past the exact instant, so the fraction is below the share 
 
 
 class Share:
-    """Per command, the spans others' regions held it; what a region owes its siblings."""
+    """Per command, the spans others' regions held it, each charged for the part of it the command
+    could not run; what a region owes its siblings."""
 
     def __init__(self, share: float, window: float) -> None:
         self.share = share
         self.window = window
         self.on = 0.0 < share < 1.0
-        self.spans: dict[str, deque[tuple[float, float]]] = {}  # command -> (start, end), monotonic
-        self.sums: dict[str, float] = {}  # command -> its spans' seconds: held_s in O(1)
+        # command -> (start, end, charged part of the span 0..1), monotonic; the charge is taken as
+        # spread evenly over the span (a CPU reading at each end says how much, not when)
+        self.spans: dict[str, deque[tuple[float, float, float]]] = {}
+        self.sums: dict[str, float] = {}  # command -> its spans' charged seconds: held_s in O(1)
         # commands at or over the share when last held: the only ones that can be owed time (the
         # held part of the window grows only at a release), so a region's turn looks at these alone
         self.over: set[str] = set()
-        self.open: dict[str, tuple[list[str], float]] = {}  # region -> (commands it holds, since)
-        self.total: dict[str, float] = {}  # command -> seconds held by others' regions in all
+        # region -> (commands it holds, since, CPU ns of its locked ones' processes at the grant)
+        self.open: dict[str, tuple[list[str], float, dict[str, dict[int, int]]]] = {}
+        self.total: dict[str, float] = {}  # command -> charged seconds held by others' regions in all
+        self.wall: dict[str, float] = {}  # command -> wall seconds held (frozen or locked) in all
 
     @property
     def budget(self) -> float:
         return self.share * self.window
 
-    def begin(self, region: str, held: list[str], since: float) -> None:
-        """A region was granted holding `held` since `since` (its entry began)."""
+    def begin(self, region: str, held: list[str], since: float, cpu: CpuReading | None = None) -> None:
+        """A region was granted holding `held` since `since` (its entry began); `cpu`: the CPU ns
+        of each process (cpu_by_pid) of those of them locked, read now: their CPU time from now to
+        the release is credited at `end`; what they used from `since` to the grant is not
+        (charged, as if stopped: at most the entry's length, docs/fairness.md)."""
         if held:
-            self.open[region] = (held, since)
+            self.open[region] = (held, since, {c: dict(x) for c, x in (cpu or {}).items()})
 
-    def end(self, region: str, held: list[str], since: float, now: float) -> None:
-        """A granted region released: each of `held` (as it ended) was held from `since` to `now`."""
-        self.open.pop(region, None)
+    def end(
+        self, region: str, held: list[str], since: float, now: float, cpu: CpuReading | None = None
+    ) -> dict[str, float]:
+        """A granted region released: each of `held` (as it ended) was held from `since` to `now`.
+        `cpu`: the CPU ns of each process of those still locked alone (not frozen), read now; one
+        read at begin too is charged the span less the CPU time its processes read both times used
+        in between (one started or gone meanwhile: not credited), the others the whole span.
+        Returns the seconds charged to each."""
+        base = self.open.pop(region, ([], since, {}))[2]
+        span = max(0.0, now - since)
+        out = {}
         for cid in held:
+            used = 0.0
+            if cpu and cid in cpu and cid in base:
+                was, now_ns = base[cid], cpu[cid]
+                used = sum(max(0, ns - was[p]) for p, ns in now_ns.items() if p in was) / 1e9
+            charged = out[cid] = span - min(span, used)
+            self.total[cid] = self.total.get(cid, 0.0) + charged
+            self.wall[cid] = self.wall.get(cid, 0.0) + span
             q = self.spans.setdefault(cid, deque())
-            q.append((since, now))
-            self.sums[cid] = self.sums.get(cid, 0.0) + (now - since)
-            self.total[cid] = self.total.get(cid, 0.0) + (now - since)
+            if charged > 0:
+                q.append((since, now, charged / span))
+                self.sums[cid] = self.sums.get(cid, 0.0) + charged
             self._prune(cid, q, now)
             if self.on and self.held_s(cid, now) >= self.budget:
                 self.over.add(cid)
+        return out
 
     def forget(self, cid: str) -> None:
         """`cid` ended, or did not want the time it was given: it is owed nothing from its past."""
@@ -72,23 +101,24 @@ class Share:
     def drop(self, cid: str) -> None:
         self.forget(cid)
         self.total.pop(cid, None)
+        self.wall.pop(cid, None)
 
-    def _prune(self, cid: str, q: deque[tuple[float, float]], now: float) -> None:
+    def _prune(self, cid: str, q: deque[tuple[float, float, float]], now: float) -> None:
         while q and q[0][1] <= now - self.window:
-            s, e = q.popleft()
-            self.sums[cid] -= e - s
+            s, e, d = q.popleft()
+            self.sums[cid] -= (e - s) * d
 
     def held_s(self, cid: str, now: float) -> float:
-        """Seconds of the last --share-window that others' regions held `cid` (one holding it now
-        counts up to now)."""
+        """Charged seconds of the last --share-window that others' regions held `cid` (one holding
+        it now counts in full up to now: its locked siblings' CPU is credited at its release)."""
         left = now - self.window
         q = self.spans.get(cid)
         out = 0.0
         if q:
             self._prune(cid, q, now)
             # the spans are disjoint and in order: only the first can reach past the left edge
-            out = max(0.0, self.sums[cid] - max(0.0, left - q[0][0])) if q else 0.0
-        for held, since in self.open.values():
+            out = max(0.0, self.sums[cid] - max(0.0, left - q[0][0]) * q[0][2]) if q else 0.0
+        for held, since, _cpu in self.open.values():
             if cid in held:
                 out += now - max(since, left)
         return out
@@ -105,23 +135,35 @@ class Share:
             return 0.0
         left = now - self.window
         gone = 0.0
-        for s, e in q:
+        for s, e, d in q:
             s = max(s, left)
-            if gone + (e - s) > excess:
-                return s + (excess - gone) - left + EPSILON_S
-            gone += e - s
+            if gone + (e - s) * d > excess:
+                return s + (excess - gone) / d - left + EPSILON_S
+            gone += (e - s) * d
         return self.window  # held now (an open span): not reached by sliding; not asked while held
 
     def status(self, cid: str, now: float) -> dict[str, float | bool]:
-        """For `krex status`: held seconds in all and the held fraction of the window, and what it
-        is owed now (`starved`: a region would wait for it)."""
+        """For `krex status`: charged seconds held in all, wall seconds held in all, the charged
+        fraction of the window, and what it is owed now (`starved`: a region would wait for it)."""
         owed = self.owed_s(cid, now)
         return {
             "held_s": round(self.total.get(cid, 0.0), 3),
+            "held_wall_s": round(self.wall.get(cid, 0.0), 3),
             "held_fraction": round(self.held_s(cid, now) / self.window, 3),
             "owed_s": round(owed, 3),
             "starved": owed > 0,
         }
+
+
+def cpu_by_pid(pids: list[int]) -> dict[int, int]:
+    """CPU ns each of `pids` has had, its threads summed (as cpu_ns); one gone is left out. Keyed
+    by pid, so that a process that joins or leaves a command between two readings adds nothing
+    (a warm worker that joins brings its whole past)."""
+    out: dict[int, int] = {}
+    for pid, _tid, text in procfs.thread_files(pids, "schedstat"):
+        with contextlib.suppress(ValueError, IndexError):
+            out[pid] = out.get(pid, 0) + int(text.split()[0])
+    return out
 
 
 def cpu_ns(pids: list[int]) -> int:
