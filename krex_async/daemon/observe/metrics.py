@@ -157,7 +157,8 @@ class Metrics:
         )
         self._cmd_held = Counter(
             "krex_command_held_seconds",
-            "Seconds a running command was held by other commands' regions",
+            "Seconds a running command was kept from running by other commands' regions (frozen: "
+            "the whole hold; locked: less the CPU it used meanwhile; docs/fairness.md)",
             [*_DEV, "command"],
             registry=r,
         )
