@@ -221,7 +221,11 @@ async def run_config(name: str, args: list[str], a: argparse.Namespace) -> dict[
     t = time.monotonic()
     out: dict[str, Any] = {"config": name, "args": args}
     try:
-        async with Daemon(["--log-format", "json", *devices, *args], policy="region", log=log) as d:
+        # No memory admission: the siblings run until the owner ends, and commands of unknown
+        # footprint are admitted one at a time, so the owner would wait for ever (it is timing
+        # that is checked here, not memory)
+        serve = ["--log-format", "json", "--admission", "off", *devices, *args]
+        async with Daemon(serve, policy="region", log=log) as d:
             async with await Client.connect(d.socket) as c:
                 sibs = [
                     await c.submit(
@@ -367,7 +371,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog=module_prog(__spec__), description=__doc__.split("\n")[0] if __doc__ else None
     )
-    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="NAME:SERVE ARGS")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(DEFAULT_CONFIGS),
+        metavar="NAME:SERVE ARGS",
+        help="configurations to run; a bare NAME is that default one (e.g. --configs lock freeze)",
+    )
     ap.add_argument("--siblings", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=3, help="do_bench calls per block")
@@ -390,10 +400,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(a.siblings, a.rounds, a.reps, a.size) < 1 or min(a.busy_s, a.quiet_s, a.sibling_cpu_ms) < 0:
         ap.error("--siblings, --rounds, --reps and --size must be positive, the times not negative")
     a.parsed = []
+    defaults = {c.partition(":")[0]: c for c in DEFAULT_CONFIGS}
     for text in a.configs:
-        name, _, rest = text.partition(":")
-        if not name.strip():
-            ap.error(f"--configs {text!r}: no name")
+        name, colon, rest = defaults.get(text, text).partition(":")
+        if not name.strip() or not colon:
+            ap.error(f"--configs {text!r}: NAME:SERVE ARGS, or one of {', '.join(defaults)}")
         a.parsed.append((name.strip(), rest.split()))
     if len({n for n, _ in a.parsed}) != len(a.parsed):
         ap.error("--configs: names must differ")

@@ -138,6 +138,49 @@ async def test_the_torch_cuda_start_is_what_waits(fake, tmp_path, script):
         await c.close()
 
 
+# a torch job whose first CUDA start comes inside its region
+CUDA_IN_REGION = """
+    import sys
+    from pathlib import Path
+    import torch
+    from krex_async import region
+    with region("first-cuda"):
+        torch.cuda._lazy_init()
+        Path(sys.argv[1]).touch()
+    """
+
+
+async def test_a_cuda_start_inside_the_commands_own_region_passes_at_once(fake, tmp_path, script):
+    """Under policy region, a job whose CUDA starts inside its own region holds the others off
+    the device: waiting there for their memory would last until the region's timeout. It passes
+    at once, though its declared 500 MiB does not fit beside A's 600."""
+    env = dict(fake)
+    env["PYTHONPATH"] = fake_torch(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    job = script("job.py", CUDA_IN_REGION)
+    ra, started = str(tmp_path / "ra"), str(tmp_path / "started")
+    async with gated(
+        "--mem-commit",
+        "peak",
+        "--policy",
+        "region",
+        "--freeze",
+        "device-holders",
+        "--region-timeout",
+        "600",
+        env=env,
+    ) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, mem=600 * MiB)
+        await until_status(c, a.command, lambda s: s["gate"] == "passed", "A passed its gate")
+        b = await c.submit([PY, job, started], env=env, mem=500 * MiB)
+        rep = (await b.wait()).report
+        assert rep.exit_code == 0 and rep.gate == "passed" and os.path.exists(started), rep
+        assert (await row(c, a.command))["state"] == "running", "B passed while A held its memory"
+        released(ra)
+        assert (await a.wait()).report.exit_code == 0
+        await c.close()
+
+
 async def test_a_command_on_the_device_without_asking_is_counted_once_seen(fake, tmp_path):
     """A program without torch never asks: once a sample sees it hold memory it is counted (gate
     'bypassed'), and B's CUDA start waits for it as for any other."""

@@ -242,24 +242,25 @@ class Admission:
             and self.core.scheduler.policy.value != "command"
         )
 
-    def ask(self, cmd: Command) -> bool:
-        """A gated command's runtime asks to use its device: True if it may now, else it waits in
-        the device's queue (pump opens it, lifecycle's start callback)."""
+    def ask(self, cmd: Command, now: bool = False) -> bool:
+        """A gated command's runtime asks to use its device: True if it may now (`now`: whatever
+        the figures say), else it waits in the device's queue (pump lets it go)."""
         dm = self.devices.get(cmd.device_key or "")
         if dm is None or cmd.gate != "open":
             return cmd.gate != "asked"  # another of its processes asked first: it waits too
         dm.gated.discard(cmd.id)
         cmd.gate, cmd.gate_asked = "asked", time.monotonic()
         cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
-        if self._enter(cmd, dm):
+        if now:
+            self._run(cmd, dm)
+        if now or self._enter(cmd, dm):
             cmd.gate = "passed"
             return True
         return False
 
     @staticmethod
     def waits(cmd: Command) -> bool:
-        """Whether a command in a device's queue still waits there: not yet started, or a gated one
-        whose runtime waits at the gate (not ended meanwhile)."""
+        """Whether a command in a device's queue still waits: not started, or waits at its gate."""
         if cmd.gate == "asked":
             return cmd.state is CommandState.RUNNING
         return cmd.state is CommandState.QUEUED

@@ -161,7 +161,9 @@ class Lifecycle:
         """A command's runtime is about to initialise CUDA (MemGate): return once memory admission
         lets the command use its device; at once where it is not gated or passed already."""
         was = cmd.gate
-        if self.admission.ask(cmd):
+        # Its CUDA starts inside its own region (or while it waits for one): the others are held
+        # for it, so waiting for their memory would wait until the region's timeout
+        if self.admission.ask(cmd, now=self.regions.of_command(cmd)):
             if was == "open":
                 log.info("command_gate_passed", command=cmd.id, waited_s=0.0)
             return

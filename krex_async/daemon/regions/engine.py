@@ -106,6 +106,10 @@ class Regions:
         self.core.track(r.task)
         return r
 
+    def of_command(self, cmd: Command) -> bool:
+        """Whether `cmd` holds a region or waits for one."""
+        return any(r.command is cmd for r in self.active.values())
+
     def by_owner_pid(self, cmd: Command, pid: int) -> Region | None:
         return next((r for r in self.active.values() if r.command is cmd and r.pid == pid), None)
 
