@@ -125,15 +125,16 @@ class Admission:
 
     def committed(self, dm: DeviceMemory, but: str = "") -> int:
         """What the device is taken to hold. --mem-commit peak: every running command's need or
-        peak, for its whole life. now (default): what the vendor saw used at the last sample, and
-        the need of each command started since (not in that sample yet): KernelBench jobs hold
-        their peak for a moment of a life spent mostly importing and making inputs on the CPU, and
-        reserving it throughout held an H100 to a third of sharing's pace; a collision of peaks
-        is what the co-located out-of-memory re-run is for."""
+        peak, its whole life. now (default): what the vendor saw used at the last sample, and the
+        need of each command it did not see (started since, or not seen holding memory yet: a
+        start races the sample). KernelBench jobs hold their peak for a moment of a life spent
+        mostly on the CPU: reserving it throughout held an H100 to a third of sharing's pace, and
+        a collision of peaks is what the co-located out-of-memory re-run is for."""
         running = [self.core.commands[c] for c in dm.running if c != but]
         if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
             return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
-        return dm.used + sum(c.mem_need for c in running if c.mem_admitted > dm.sampled_at)
+        unseen = [c for c in running if c.mem_admitted > dm.sampled_at or not c.mem_now]
+        return dm.used + sum(c.mem_need for c in unseen)
 
     def peaks(self, dm: DeviceMemory, but: str = "") -> int:
         """The device taken at every running command's need or peak, for its whole life, plus the
@@ -149,10 +150,8 @@ class Admission:
         """Why `cmd` can never run on `device` ("" when it can): its declared need exceeds it."""
         if not self.tracks(device.key) or cmd.spec.mem <= device.memory_total_bytes:
             return ""
-        return (
-            f"needs {gib(cmd.spec.mem)} (Submit.mem), more than {device.key} has in all "
-            f"({gib(device.memory_total_bytes)})"
-        )
+        total = gib(device.memory_total_bytes)
+        return f"needs {gib(cmd.spec.mem)} (Submit.mem), more than {device.key} has in all ({total})"
 
     def available(self, key: str) -> int:
         """For placement: what a command may take on `key` now (0 where others wait already)."""
