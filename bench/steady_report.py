@@ -117,6 +117,25 @@ def compare(a: list[float], b: list[float]) -> dict[str, Any]:
     return {"ratio": sa["mean"] / sb["mean"], "beyond_spread": beyond}
 
 
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
+    """a over b round by round (each round runs the same jobs in the same order for every variant,
+    so the job mix, which moves a round's rate by 30%, cancels): the ratios, their mean and spread
+    ((max - min) / mean), whether every round went the same way (None with under two rounds in
+    common), and whether a 10% change would stand out of that spread."""
+    ratios = [a[r] / b[r] for r in sorted(a.keys() & b.keys()) if b[r]]
+    if not ratios:
+        return {"ratios": [], "mean": None, "rel": None, "same_way": None, "resolves_10pct": None}
+    sp = spread(ratios)
+    same = None if len(ratios) < 2 else min(ratios) > 1.0 or max(ratios) < 1.0
+    return {
+        "ratios": ratios,
+        "mean": sp["mean"],
+        "rel": sp["rel"],
+        "same_way": same,
+        "resolves_10pct": None if sp["rel"] is None else sp["rel"] < RESOLVE,
+    }
+
+
 def entry_less_wait(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each region's entry less its wait for the region before it (enter_s - wait_s), p50/p95/max s;
     and, apart, the part of it that waited for held siblings' share of the device (share_wait_s,
@@ -210,8 +229,13 @@ def rates_of(x: dict[str, Any]) -> list[float]:
     return [r["jobs_per_min"] for r in x["rounds"] if r["jobs_per_min"] is not None]
 
 
+def by_round(x: dict[str, Any]) -> dict[int, float]:
+    return {r["round"]: r["jobs_per_min"] for r in x["rounds"] if r["jobs_per_min"] is not None}
+
+
 def comparisons(v: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each non-shared variant against shared at its width, and against the best shared width."""
+    """Each non-shared variant against shared at its width, against the best shared width, and
+    against every other non-shared variant of its policy and width (e.g. one option changed)."""
     shared = {k: x for k, x in v.items() if x["policy"] == "shared" and rates_of(x)}
     best = max(shared, key=lambda k: shared[k]["jobs_per_min"]["mean"], default=None)
     out = []
@@ -223,7 +247,30 @@ def comparisons(v: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             if other is None or (what == "best shared" and other == same):
                 continue
             c = compare(rates_of(x), rates_of(shared[other]))
-            out.append({"a": name, "b": other, "what": what, **c})
+            out.append(
+                {
+                    "a": name,
+                    "b": other,
+                    "what": what,
+                    **c,
+                    "paired": paired(by_round(x), by_round(shared[other])),
+                }
+            )
+    krex = [k for k, x in v.items() if x["policy"] != "shared" and rates_of(x)]
+    for i, name in enumerate(krex):
+        for other in krex[i + 1 :]:
+            x, y = v[name], v[other]
+            if (x["policy"], x["width"]) == (y["policy"], y["width"]):
+                c = compare(rates_of(x), rates_of(y))
+                out.append(
+                    {
+                        "a": name,
+                        "b": other,
+                        "what": "same policy",
+                        **c,
+                        "paired": paired(by_round(x), by_round(y)),
+                    }
+                )
     return out
 
 
@@ -252,7 +299,7 @@ def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]]) -> list[str
             out.append(
                 f"{name}: jobs/min vs {c['b']} ({c['what']}) {c['ratio']:.2f}x, goal >= {goal:.2f}x: "
                 + ("met" if c["ratio"] >= goal else f"MISSED by {goal - c['ratio']:.2f}x")
-                + f" ({verdict[c['beyond_spread']]})"
+                + f" ({verdict[c['beyond_spread']]}{_paired_text(c['paired'])})"
             )
         for bk, goal in GOAL_P95.items():
             inf = x["inflation"].get(bk)
@@ -279,6 +326,14 @@ def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]]) -> list[str
                 )
             )
     return out
+
+
+def _paired_text(p: dict[str, Any]) -> str:
+    """'; paired by round 0.73x 0.66x, every round the same way' (empty without paired rounds)."""
+    if not p["ratios"]:
+        return ""
+    way = {True: "every round the same way", False: "the rounds disagree", None: "one round"}[p["same_way"]]
+    return "; paired by round " + " ".join(f"{r:.2f}x" for r in p["ratios"]) + f", {way}"
 
 
 def alone_rows(base: dict[str, dict[str, Any]]) -> list[list[Any]]:
@@ -360,10 +415,25 @@ def table(s: dict[str, Any]) -> str:
     for name, x in v.items():
         for e in x["errors"]:
             out.append(f"  {name} did not run: {e}")
-    out += ["", "comparisons (spread: every round of one beat every round of the other)"]
+    out += [
+        "",
+        "comparisons (spread: every round of one beat every round of the other; paired: the same round's",
+        "jobs, in the same order, under each variant, so the round's job mix cancels)",
+    ]
     for c in s["comparisons"]:
         verdict = {True: "beyond the spread", False: "within the spread", None: "one round: no spread"}
-        out.append(f"  {c['a']} vs {c['b']} ({c['what']}): {c['ratio']:.2f}x, {verdict[c['beyond_spread']]}")
+        p = c["paired"]
+        resolves = (
+            ""
+            if p["resolves_10pct"] is None
+            else f"; paired spread {p['rel']:.1%}: a 10% change "
+            + ("is beyond it" if p["resolves_10pct"] else "is NOT beyond it")
+        )
+        out.append(
+            f"  {c['a']} vs {c['b']} ({c['what']}): {c['ratio']:.2f}x, {verdict[c['beyond_spread']]}"
+            + _paired_text(p)
+            + resolves
+        )
     for name, x in v.items():
         if x["resolves_10pct"] is not None:
             out.append(

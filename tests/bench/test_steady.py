@@ -170,13 +170,17 @@ def test_summary_judges_issue_38s_goals_against_the_spread() -> None:
     g = s["goals"]
     assert "region: jobs lost to out of memory / co-location 1 of 21, goal 0: MISSED" in g
     assert (
-        "region: jobs/min vs shared-8 (same width) 0.98x, goal >= 1.00x: MISSED by 0.02x (within the spread)"
-        in g
-    )
-    assert "region-pool: jobs/min vs shared-8 (same width) 1.45x, goal >= 1.30x: met (beyond the spread)" in g
+        "region: jobs/min vs shared-8 (same width) 0.98x, goal >= 1.00x: MISSED by 0.02x (within the spread; "
+        "paired by round 1.00x 0.97x, the rounds disagree)"
+    ) in g
     assert (
-        "region-pool: jobs/min vs shared-4 (best shared) 1.32x, goal >= 1.20x: met (beyond the spread)" in g
-    )
+        "region-pool: jobs/min vs shared-8 (same width) 1.45x, goal >= 1.30x: met (beyond the spread; "
+        "paired by round 1.47x 1.44x, every round the same way)"
+    ) in g
+    assert (
+        "region-pool: jobs/min vs shared-4 (best shared) 1.32x, goal >= 1.20x: met (beyond the spread; "
+        "paired by round 1.33x 1.31x, every round the same way)"
+    ) in g
     assert "region: p95 inflation 1-10ms +2.00% (n=20), goal <= 1.0%: MISSED by 1.00%" in g
     assert (
         "region-pool: region entry less the wait for the region before it p95 500.0 ms (n=20), "
@@ -292,3 +296,33 @@ def test_the_report_again_from_a_file_as_a_table_or_json(tmp_path: Path) -> None
     for args in ([], [str(tmp_path / "none.json")]):
         p = run_script("-m", "bench.steady_report", *args, check=False)
         assert p.returncode == 2 and ("usage" in p.stderr or "No such file" in p.stderr), p.stderr
+
+
+def test_paired_by_round_cancels_the_rounds_job_mix() -> None:
+    """Each round runs the same jobs under every variant: a's rate over b's round by round is steady
+    where the rounds' own rates move by 30%, and the report says that a 10% change then stands out."""
+    p = steady_report.paired({1: 30.8, 2: 41.7}, {1: 22.9, 2: 31.6})
+    assert p["ratios"] == pytest.approx([30.8 / 22.9, 41.7 / 31.6])
+    assert p["same_way"] is True and p["resolves_10pct"] is True and p["rel"] < 0.03
+    mixed = steady_report.paired({1: 30.0, 2: 40.0, 3: 35.0}, {1: 33.0, 2: 36.0})  # round 3 has no pair
+    assert len(mixed["ratios"]) == 2 and mixed["same_way"] is False and mixed["resolves_10pct"] is False
+    assert steady_report.paired({1: 30.0}, {1: 20.0})["same_way"] is None
+    assert steady_report.paired({1: 30.0}, {2: 20.0})["mean"] is None
+    data = {
+        "alone": [],
+        "rounds": [
+            _round("region", "region", 1, 30.8),
+            _round("region-nogate", "region", 1, 22.9),
+            _round("region", "region", 2, 41.7),
+            _round("region-nogate", "region", 2, 31.6),
+        ],
+    }
+    s = steady_report.summarise(data)
+    (c,) = [c for c in s["comparisons"] if c["what"] == "same policy"]
+    assert (c["a"], c["b"], c["beyond_spread"]) == ("region", "region-nogate", False)
+    assert c["paired"]["same_way"] is True
+    text = steady_report.table(s)
+    assert (
+        "region vs region-nogate (same policy): 1.33x, within the spread; paired by round 1.34x 1.32x" in text
+    )
+    assert "a 10% change is beyond it" in text
