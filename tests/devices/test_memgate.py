@@ -18,7 +18,7 @@ import pytest
 from krex_async.daemon.model.command import RUNTIME_DIR
 
 from ..conftest import PY, krex_status, run_daemon, until
-from .test_admission import MiB, alloc, fake_gpu_env, released, row, until_status
+from .test_admission import MiB, alloc, eventually, fake_gpu_env, released, row, until_status
 
 # A stand-in for torch's CUDA start: `torch.cuda._lazy_init()` calls `torch._C._cuda_init()`, looked
 # up at call time as in torch; the "context" it makes is 300 MiB on the fake device.
@@ -178,6 +178,45 @@ async def test_a_cuda_start_inside_the_commands_own_region_passes_at_once(fake, 
         assert (await row(c, a.command))["state"] == "running", "B passed while A held its memory"
         released(ra)
         assert (await a.wait()).report.exit_code == 0
+        await c.close()
+
+
+# holds a region named argv[1] until argv[2] exists, then another until argv[3] exists
+REGION_OWNER = """
+    import os, sys, time
+    from krex_async import region
+    def hold(name, until):
+        with region(name):
+            while not os.path.exists(until):
+                time.sleep(0.02)
+    hold("first", sys.argv[1])
+    hold("second", sys.argv[2])
+    """
+
+
+async def test_a_cuda_start_waits_for_the_region_that_holds_the_device(fake, tmp_path, script):
+    """Under policy region a CUDA start does not begin beside another command's region (a context's
+    creation is driver work beside its timing): B, which fits in memory, waits at its gate while A's
+    region holds the device and starts at its release, not waiting for A's end."""
+    env = fake
+    owner = script("owner.py", REGION_OWNER)
+    r1, r2, rb = (str(tmp_path / n) for n in ("r1", "r2", "rb"))
+    async with gated("--policy", "region", "--freeze", "device-holders", env=env) as d:
+        c = await d.client()
+        a = await c.submit([PY, owner, r1, r2], env=env, mem=1)
+        held = await eventually(
+            c.status, lambda st: (st["devices"][0]["region"] or {}).get("name"), "A's region"
+        )
+        assert held["devices"][0]["region"]["name"] == "first"
+        b = await c.submit(alloc("100M", release=rb), env=env, mem=100 * MiB)
+        st = await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+        assert "waiting for region" in st["waiting_for"] and "on fake0 to end" in st["waiting_for"], st
+        released(r1)  # A's first region ends; A runs on, then holds a second
+        await until_status(c, b.command, lambda s: s["gate"] == "passed", "B passed at the release")
+        released(r2)
+        released(rb)
+        rep_a, rep_b = (await a.wait()).report, (await b.wait()).report
+        assert rep_a.exit_code == 0 and rep_b.exit_code == 0 and rep_b.gate_s > 0, (rep_a, rep_b)
         await c.close()
 
 

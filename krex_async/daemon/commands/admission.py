@@ -30,7 +30,7 @@ a guarded re-run met an out-of-memory again, it runs alone. Running each re-run 
 running one job at a time for a third of a region round (four re-runs, 48 s of 139 s).
 
 Per-process peaks come from the vendor (NVML's per-process used memory) on a thread, every
-SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
+memsample.SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from krex_async import logs
 from krex_async import protocol as P
@@ -53,9 +52,6 @@ from krex_async.daemon.model.events import MemoryReserved, MemoryWaiting
 from krex_async.devices.base import Device
 
 log = logs.get("krex.daemon")
-
-SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
-IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
 
 
 def gib(n: int) -> str:
@@ -88,7 +84,7 @@ class Admission:
         self.devices = {d.key: DeviceMemory(d) for d in core.devices if self._tracks(d)}
         state = cfg.state_dir
         self.footprints = Footprints(os.path.join(state, "memory.json") if state else None)
-        self._wake = asyncio.Event()  # a command started: sample at once, then every SAMPLE_S
+        self.wake = asyncio.Event()  # a command started: sample at once, then every SAMPLE_S
 
     def _tracks(self, d: Device) -> bool:
         mode = self.core.config.admission
@@ -162,6 +158,8 @@ class Admission:
 
     def why_not(self, cmd: Command, dm: DeviceMemory) -> str:
         """Why `cmd` may not start on the device now ("" when it may)."""
+        if cmd.gate == "asked" and (region := self._region_on(dm)):
+            return region
         others = [self.core.commands[c] for c in dm.running if c != cmd.id]
         if not others:  # alone: whatever the figures say (a command that fits alone always runs)
             return ""
@@ -199,6 +197,18 @@ class Admission:
                 f"pool {gib(dm.pool)}, used {gib(dm.used)}, headroom {gib(self.headroom(dm))})"
             )
         return ""
+
+    def _region_on(self, dm: DeviceMemory) -> str:
+        """Why a CUDA start waits for the region that holds (or enters on) the device ("": none).
+        A context's creation is driver work beside the region's timing: on an H100 it came as
+        stray driver calls in 22 of 96 regions (KernelBench, 8 at once), gate or none."""
+        key = dm.device.key
+        rid = self.core.scheduler.holder(key) if self.core.scheduler.isolates() else None
+        return (
+            f"waiting for region {rid} on {key} to end: a CUDA start beside it would disturb its timing"
+            if rid
+            else ""
+        )
 
     def _guard_wait(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str:
         """Why a guarded re-run may not start yet ("" when it may): it needs its need (or what its
@@ -294,8 +304,8 @@ class Admission:
             for c in dm.running | dm.gated:
                 self.core.commands[c].co_located = True
         dm.running.add(cmd.id)
-        self._reserved_metric(dm)
-        self._wake.set()
+        self.reserved_metric(dm)
+        self.wake.set()
 
     def pump(self, key: str | None) -> list[Command]:
         """Start what now fits on `key`, in order; returns the commands to start."""
@@ -357,7 +367,7 @@ class Admission:
             dm.waiting.remove(cmd.id)
         if cmd.mem_peak > 0 and not oom:
             self.footprints.learn(mem_keys(cmd.spec), cmd.mem_peak)
-        self._reserved_metric(dm)
+        self.reserved_metric(dm)
         return self.pump(dm.device.key)
 
     def requeue(self, cmd: Command) -> None:
@@ -370,9 +380,9 @@ class Admission:
         dm.running.discard(cmd.id)
         dm.gated.discard(cmd.id)
         dm.waiting.appendleft(cmd.id)
-        self._reserved_metric(dm)
+        self.reserved_metric(dm)
 
-    def _reserved_metric(self, dm: DeviceMemory) -> None:
+    def reserved_metric(self, dm: DeviceMemory) -> None:
         held = sum(self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)
         self.core.events.emit(MemoryReserved(dm.device.key, held, dm.used))
 
@@ -382,68 +392,12 @@ class Admission:
         dm = self.devices.get(cmd.device_key or "")
         return dm is not None and cmd.mem_need <= dm.total - self.headroom(dm)
 
-    # ------------------------------------------------------------------------------ sampling
+    def bypassed(self, cmd: Command, dm: DeviceMemory) -> None:
+        """A gated command seen holding device memory without asking (no torch): counted now."""
+        dm.gated.discard(cmd.id)
+        cmd.gate = "bypassed"
+        self._run(cmd, dm)
 
     async def sample_loop(self, start: Callable[[Command], None]) -> None:
-        """Read each tracked device's memory and its processes' on a thread, every SAMPLE_S while
-        commands run or wait there (IDLE_SAMPLE_S otherwise); start what now fits. Errors are
-        logged and cost one sample."""
-        loop = asyncio.get_running_loop()
-        while self.devices:
-            busy = any(dm.running or dm.waiting for dm in self.devices.values())
-            try:
-                snap = self._snapshot()
-                seen = await loop.run_in_executor(None, self._read, snap)
-                self._apply(seen)
-            except Exception as e:  # noqa: BLE001 - a vendor or /proc error costs one sample
-                log.warning("memory_sample_failed", error=repr(e))
-            for key in self.devices:
-                for cmd in self.pump(key):
-                    start(cmd)
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), SAMPLE_S if busy else IDLE_SAMPLE_S)
-                await asyncio.sleep(0.05)  # a moment for its process to start
-            except TimeoutError:
-                pass
-
-    def _snapshot(self) -> dict[str, Any]:
-        """What the thread reads against, taken on the loop: each running command's group and the
-        pool's pids per device."""
-        groups = {}
-        for dm in self.devices.values():
-            for cid in dm.running | dm.gated:
-                c = self.core.commands.get(cid)
-                if c is not None and c.group is not None and c.state is CommandState.RUNNING:
-                    groups[cid] = (dm.device.key, c.group)
-        pools = {k: p.pids() for k, p in self.core.pools.items() if k in self.devices}
-        return {"groups": groups, "pools": pools}
-
-    def _read(self, snap: dict[str, Any]) -> dict[str, Any]:
-        return memsample.read(
-            self.core.node, self.core.backend, [dm.device for dm in self.devices.values()], snap
-        )
-
-    def _apply(self, seen: dict[str, Any]) -> None:
-        for key, dm in self.devices.items():
-            if key in seen["used"]:
-                dm.used, dm.sampled_at = seen["used"][key], seen["at"]
-                dm.pool = seen["pool"].get(key, 0)
-                if dm.pool:
-                    for c in dm.running:
-                        self.core.commands[c].co_located = True
-        for cid, (key, _group) in seen["sampled"].items():
-            if (cmd := self.core.commands.get(cid)) is not None:
-                dm = self.devices[key]
-                lone = key not in seen["mapped"] and dm.running == {cid}
-                cmd.mem_now = seen["held"].get(cid, 0) or (memsample.lone_use(dm) if lone else 0)
-                cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
-                if cmd.mem_now and cmd.gate == "open":  # on the device without asking (no torch)
-                    dm.gated.discard(cid)
-                    cmd.gate = "bypassed"
-                    self._run(cmd, dm)
-        for dm in self.devices.values():
-            if not dm.running and dm.device.key in seen["used"]:
-                dm.baseline = dm.used
-        for dm in self.devices.values():
-            self._reserved_metric(dm)
+        """Sample every tracked device's memory while the daemon serves; start what comes to fit."""
+        await memsample.loop(self, start)

@@ -49,6 +49,8 @@ class Lifecycle:
         self.boot = boot  # every command id starts with it (Daemon: unique across daemons)
         self._ids = itertools.count(1)
         self.admission = Admission(core)  # a command starts only when it fits in device memory
+        if self.admission.devices and core.config.mem_gate == "on":
+            core.events.subscribe(E.RegionReleased, self._region_released)
 
     async def submit(self, req: P.Submit, uid: int, gid: int, send: Send, admin: bool = False) -> None:
         """Start (or queue) a command for `uid`. Raises RequestError; `admin` (root, --admin-group)
@@ -156,6 +158,12 @@ class Lifecycle:
             self._open(cmd)
             return
         self.core.track(asyncio.get_running_loop().create_task(self._start(cmd), name=f"start-{cmd.id}"))
+
+    def _region_released(self, e: E.RegionReleased) -> None:
+        """CUDA starts waited for the region (admission._region_on): let them go, unless the next
+        region holds the device already."""
+        for cmd in self.admission.pump(e.region.device):
+            self._launch(cmd)
 
     async def gate(self, cmd: Command) -> None:
         """A command's runtime is about to initialise CUDA (MemGate): return once memory admission

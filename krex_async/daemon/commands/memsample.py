@@ -1,17 +1,94 @@
-"""One memory sample for admission (admission.py), read on a thread: per device, what is used in
-all, what each command's process tree holds, and what the pool's workers outside commands hold,
-from the vendor's per-process figures (NVML's; see devices/nvidia.py on pids in containers)."""
+"""Admission's memory samples (admission.py): the loop that takes one every SAMPLE_S while commands
+run or wait, and starts what then fits; the sample itself, read on a thread: per device, what is
+used in all, what each command's process tree holds, and what the pool's workers outside commands
+hold, from the vendor's per-process figures (NVML's; see devices/nvidia.py on pids in containers);
+and what it tells admission."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from krex_async import logs
+from krex_async.daemon.model.command import Command, CommandState
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Backend
 
 if TYPE_CHECKING:
     from krex_async.devices import Node
+
+# `adm` below is admission.Admission, untyped here: it imports this module
+Admission = Any
+
+log = logs.get("krex.daemon")
+SAMPLE_S = 0.5  # while commands run on a device whose memory is tracked
+IDLE_SAMPLE_S = 2.0  # otherwise: the pool's memory and outsiders, for status
+
+
+async def loop(adm: Admission, start: Callable[[Command], None]) -> None:
+    """Read each tracked device's memory and its processes' on a thread, every SAMPLE_S while
+    commands run or wait there (IDLE_SAMPLE_S otherwise); start what now fits. Errors are logged
+    and cost one sample."""
+    ev = asyncio.get_running_loop()
+    core = adm.core
+    while adm.devices:
+        busy = any(dm.running or dm.waiting for dm in adm.devices.values())
+        try:
+            snap = snapshot(adm)
+            devices = [dm.device for dm in adm.devices.values()]
+            seen = await ev.run_in_executor(None, read, core.node, core.backend, devices, snap)
+            apply(adm, seen)
+        except Exception as e:  # noqa: BLE001 - a vendor or /proc error costs one sample
+            log.warning("memory_sample_failed", error=repr(e))
+        for key in adm.devices:
+            for cmd in adm.pump(key):
+                start(cmd)
+        adm.wake.clear()
+        try:
+            await asyncio.wait_for(adm.wake.wait(), SAMPLE_S if busy else IDLE_SAMPLE_S)
+            await asyncio.sleep(0.05)  # a moment for its process to start
+        except TimeoutError:
+            pass
+
+
+def snapshot(adm: Admission) -> dict[str, Any]:
+    """What the thread reads against, taken on the loop: each running (or gated) command's group and
+    the pool's pids per device."""
+    groups = {}
+    for dm in adm.devices.values():
+        for cid in dm.running | dm.gated:
+            c = adm.core.commands.get(cid)
+            if c is not None and c.group is not None and c.state is CommandState.RUNNING:
+                groups[cid] = (dm.device.key, c.group)
+    pools = {k: p.pids() for k, p in adm.core.pools.items() if k in adm.devices}
+    return {"groups": groups, "pools": pools}
+
+
+def apply(adm: Admission, seen: dict[str, Any]) -> None:
+    """A sample's figures into admission: each device's use, the pool's, each command's now and
+    peak; a gated command seen on the device without asking is counted from now on."""
+    commands = adm.core.commands
+    for key, dm in adm.devices.items():
+        if key in seen["used"]:
+            dm.used, dm.sampled_at = seen["used"][key], seen["at"]
+            dm.pool = seen["pool"].get(key, 0)
+            if dm.pool:
+                for c in dm.running:
+                    commands[c].co_located = True
+    for cid, (key, _group) in seen["sampled"].items():
+        if (cmd := commands.get(cid)) is not None:
+            dm = adm.devices[key]
+            lone = key not in seen["mapped"] and dm.running == {cid}
+            cmd.mem_now = seen["held"].get(cid, 0) or (lone_use(dm) if lone else 0)
+            cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
+            if cmd.mem_now and cmd.gate == "open":  # on the device without asking (no torch)
+                adm.bypassed(cmd, dm)
+    for dm in adm.devices.values():
+        if not dm.running and dm.device.key in seen["used"]:
+            dm.baseline = dm.used
+        adm.reserved_metric(dm)
 
 
 def read(node: Node | None, backend: Backend, devices: list[Device], snap: dict[str, Any]) -> dict[str, Any]:
