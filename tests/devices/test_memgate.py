@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from krex_async.daemon.commands.admission import REGION_GATE_MAX_S
 from krex_async.daemon.model.command import RUNTIME_DIR
 
 from ..conftest import PY, krex_status, run_daemon, until
@@ -217,6 +218,30 @@ async def test_a_cuda_start_waits_for_the_region_that_holds_the_device(fake, tmp
         released(rb)
         rep_a, rep_b = (await a.wait()).report, (await b.wait()).report
         assert rep_a.exit_code == 0 and rep_b.exit_code == 0 and rep_b.gate_s > 0, (rep_a, rep_b)
+        await c.close()
+
+
+async def test_a_cuda_start_waits_for_regions_at_most_region_gate_max_s(fake, tmp_path, script):
+    """Regions that never leave the device free do not starve a CUDA start: after
+    REGION_GATE_MAX_S at its gate it goes beside the region that still holds the device."""
+    env = fake
+    owner = script("owner.py", REGION_OWNER)
+    r1, r2, rb = (str(tmp_path / n) for n in ("r1", "r2", "rb"))
+    async with gated("--policy", "region", "--freeze", "device-holders", env=env) as d:
+        c = await d.client()
+        a = await c.submit([PY, owner, r1, r2], env=env, mem=1)
+        await eventually(c.status, lambda st: (st["devices"][0]["region"] or {}).get("name"), "A's region")
+        b = await c.submit(alloc("100M", release=rb), env=env, mem=100 * MiB)
+        await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+        await until_status(c, b.command, lambda s: s["gate"] == "passed", "B went after the bound")
+        st = await c.status()
+        assert st["devices"][0]["region"]["name"] == "first", "A's region still holds the device"
+        released(rb)
+        rep_b = (await b.wait()).report
+        assert rep_b.exit_code == 0 and rep_b.gate_s >= REGION_GATE_MAX_S, rep_b
+        released(r1)
+        released(r2)
+        assert (await a.wait()).report.exit_code == 0
         await c.close()
 
 

@@ -52,6 +52,7 @@ from krex_async.daemon.model.events import MemoryReserved, MemoryWaiting
 from krex_async.devices.base import Device
 
 log = logs.get("krex.daemon")
+REGION_GATE_MAX_S = 5.0  # the longest a CUDA start waits for the device's regions to end
 
 
 def gib(n: int) -> str:
@@ -158,7 +159,7 @@ class Admission:
 
     def why_not(self, cmd: Command, dm: DeviceMemory) -> str:
         """Why `cmd` may not start on the device now ("" when it may)."""
-        if cmd.gate == "asked" and (region := self._region_on(dm)):
+        if cmd.gate == "asked" and (region := self._region_on(cmd, dm)):
             return region
         others = [self.core.commands[c] for c in dm.running if c != cmd.id]
         if not others:  # alone: whatever the figures say (a command that fits alone always runs)
@@ -198,11 +199,14 @@ class Admission:
             )
         return ""
 
-    def _region_on(self, dm: DeviceMemory) -> str:
+    def _region_on(self, cmd: Command, dm: DeviceMemory) -> str:
         """Why a CUDA start waits for the region that holds (or enters on) the device ("": none).
         A context's creation is driver work beside the region's timing: on an H100 it came as
-        stray driver calls in 22 of 96 regions (KernelBench, 8 at once), gate or none."""
+        stray driver calls in 22 of 96 regions (KernelBench, 8 at once), gate or none. Regions
+        back to back never leave the device free: after REGION_GATE_MAX_S it goes all the same."""
         key = dm.device.key
+        if time.monotonic() - cmd.gate_asked > REGION_GATE_MAX_S:
+            return ""
         rid = self.core.scheduler.holder(key) if self.core.scheduler.isolates() else None
         return (
             f"waiting for region {rid} on {key} to end: a CUDA start beside it would disturb its timing"
