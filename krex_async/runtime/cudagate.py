@@ -27,13 +27,14 @@ TARGET = "torch.cuda"
 CONNECT_TIMEOUT_S = 2.0
 _asked = False
 _load: Callable[[str, str], Any] | None = None  # sitecustomize's loader of runtime modules
+_sock: Any = None  # the connection while this process waits at the gate
 errors: list[str] = []  # why a wait was skipped (kept for tests and debugging, never printed)
 
 
 def ask() -> None:
     """Wait until the daemon lets this command use its device (once per process). What a CUDA
     start calls first; the fake test vendor's allocator calls it too, as a torch job would."""
-    global _asked
+    global _asked, _sock
     if _asked or _load is None:
         return
     _asked = True
@@ -44,7 +45,7 @@ def ask() -> None:
     import _socket
 
     q = _load("_krex_quiesce", "quiesce.py")  # its msgpack framing and peer check, standard library only
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    sock = _sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(CONNECT_TIMEOUT_S)
         sock.connect(path)
@@ -68,7 +69,20 @@ def ask() -> None:
     except OSError as e:
         errors.append(f"{type(e).__name__}: {e}")
     finally:
+        _sock = None
         sock.close()
+
+
+def _after_fork_in_child() -> None:
+    """Forked while another thread waited at the gate: the child's own CUDA start asks for itself,
+    and it drops its copy of the parent's connection (the daemon sees the parent's end alone)."""
+    global _asked, _sock
+    if _sock is not None:
+        try:
+            _sock.close()
+        except OSError:
+            pass
+        _sock, _asked = None, False
 
 
 def _read(sock: Any, q: Any) -> dict[str, Any] | None:
@@ -157,6 +171,8 @@ def install(load: Callable[[str, str], Any]) -> None:
     """Wrap torch's CUDA start now if torch.cuda is imported, else when it is (idempotent).
     `load(name, file)`: sitecustomize's loader of the runtime's modules by path."""
     global _load
+    if _load is None:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
     _load = load
     if TARGET in sys.modules:
         _wrap()

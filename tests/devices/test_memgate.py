@@ -87,7 +87,8 @@ async def test_a_gated_command_runs_at_once_and_waits_for_memory_at_its_cuda_sta
     """A holds 600 of 1000 MiB. B (needs 600) is not queued: its process starts and runs (its
     'imports') while A holds the memory, and waits at its CUDA start, with its reason in status and
     none of the device's memory taken; A's end lets it on. A command that never starts CUDA ends
-    with its gate unused. On the old code B was queued at submit and its process did not run."""
+    with its gate unused; one that fits passes B's place in the queue (--mem-backfill). On the old
+    code B was queued at submit and its process did not run."""
     env = fake
     ra, rb, b_ready = (str(tmp_path / n) for n in ("ra", "rb", "b-ready"))
     async with gated("--mem-commit", "peak", env=env) as d:
@@ -105,7 +106,10 @@ async def test_a_gated_command_runs_at_once_and_waits_for_memory_at_its_cuda_sta
         assert f"1 queued for memory: {b.command}" in text, text
         unused = await c.submit([PY, "-c", "pass"], env=env, mem=1)
         assert (await unused.wait()).report.gate == "unused"
-        assert (await row(c, b.command))["gate"] == "asked", "a command that fits (1 byte) did not pass B"
+        small = await c.submit(alloc("1M"), env=env, mem=MiB)  # fits: within --mem-backfill it passes B
+        rep_small = (await small.wait()).report
+        assert rep_small.exit_code == 0 and rep_small.gate == "passed", rep_small
+        assert (await row(c, b.command))["gate"] == "asked"
         released(ra)
         assert (await a.wait()).report.exit_code == 0
         await until_status(c, b.command, lambda s: s["gate"] == "passed", "B let on once A ended")
@@ -302,3 +306,49 @@ def test_an_unreachable_daemon_lets_cuda_start(tmp_path):
     out = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("True ['FileNotFoundError"), out.stdout
+
+
+# Waits at the gate on a thread (the daemon at KREX_SOCKET never answers), forks meanwhile, and
+# prints what the child's gate holds.
+FORK_WHILE_WAITING = """
+    import os, sys, threading, time
+    import torch
+    gate = sys.modules["_krex_cudagate"]
+    threading.Thread(target=torch.cuda._lazy_init, daemon=True).start()
+    while gate._sock is None or not gate._asked:
+        time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:
+        print("child", gate._asked, gate._sock, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("parent", gate._asked, gate._sock is not None, flush=True)
+    os._exit(0)
+    """
+
+
+def test_a_child_forked_while_its_parent_waits_at_the_gate_asks_for_itself(tmp_path, script):
+    """A fork while another thread waits at the gate: the child's own CUDA start asks for itself
+    (it does not inherit 'asked'), and it drops its copy of the parent's connection."""
+    import socket
+
+    path = str(tmp_path / "mute.sock")
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(path)
+    mute.listen(4)  # accepts (the kernel's backlog) and never answers
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": RUNTIME_DIR + os.pathsep + fake_torch(tmp_path),
+        "KREX_CUDA_GATE": "1",
+        "KREX_SOCKET": path,
+        "KREX_COMMAND": "x-1",
+        "KREX_TOKEN": "t",
+    }
+    try:
+        out = subprocess.run(
+            [PY, script("fork.py", FORK_WHILE_WAITING)], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        mute.close()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["child False None", "parent True True"], out.stdout

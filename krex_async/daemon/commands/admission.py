@@ -53,6 +53,9 @@ from krex_async.devices.base import Device
 
 log = logs.get("krex.daemon")
 REGION_GATE_MAX_S = 5.0  # the longest a CUDA start waits for the device's regions to end
+# how long a started command not yet seen holding memory counts its need (its start raced the
+# sample); bounded, for a daemon whose NVML pids are not its own sees no command's memory
+UNSEEN_S = 5.0
 
 
 def gib(n: int) -> str:
@@ -130,7 +133,12 @@ class Admission:
         running = [self.core.commands[c] for c in dm.running if c != but]
         if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
             return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
-        unseen = [c for c in running if c.mem_admitted > dm.sampled_at or not c.mem_now]
+        now = time.monotonic()  # not seen yet: started since, or starting (no memory seen, bounded)
+        unseen = [
+            c
+            for c in running
+            if c.mem_admitted > dm.sampled_at or (not c.mem_peak and now - c.mem_admitted < UNSEEN_S)
+        ]
         return dm.used + sum(c.mem_need for c in unseen)
 
     def peaks(self, dm: DeviceMemory, but: str = "") -> int:
@@ -204,10 +212,10 @@ class Admission:
         A context's creation is driver work beside the region's timing: on an H100 it came as
         stray driver calls in 22 of 96 regions (KernelBench, 8 at once), gate or none. Regions
         back to back never leave the device free: after REGION_GATE_MAX_S it goes all the same."""
-        key = dm.device.key
-        if time.monotonic() - cmd.gate_asked > REGION_GATE_MAX_S:
+        key, sched = dm.device.key, self.core.scheduler
+        rid = sched.holder(key) if sched.isolates() else None
+        if time.monotonic() - cmd.gate_asked > REGION_GATE_MAX_S or rid in sched.regions_of(cmd.id):
             return ""
-        rid = self.core.scheduler.holder(key) if self.core.scheduler.isolates() else None
         return (
             f"waiting for region {rid} on {key} to end: a CUDA start beside it would disturb its timing"
             if rid
@@ -237,8 +245,8 @@ class Admission:
         dm = self.devices.get(cmd.device_key or "")
         if dm is None:
             return True
-        if self._gates(cmd):
-            cmd.gate, cmd.co_located = "open", bool(dm.running or dm.pool)
+        if self._gates(cmd):  # co-located from its CUDA start on (_run), not from its start
+            cmd.gate = "open"
             dm.gated.add(cmd.id)
             return True
         return self._enter(cmd, dm)
@@ -246,12 +254,13 @@ class Admission:
     def _gates(self, cmd: Command) -> bool:
         """Whether `cmd` starts at once and is admitted at its first CUDA use (--mem-gate on): its
         imports and inputs (most of a KernelBench job's life) then overlap the others' device work.
-        Not a re-run (it waits as a re-run does), one a warm pool adopts (its worker has CUDA up
-        already) or one under policy command (it runs alone)."""
+        Not a re-run (it waits as a re-run does), one on a device with a warm pool (a worker that
+        adopts or launches it has CUDA up already) or one under policy command (it runs alone)."""
         return (
             self.core.config.mem_gate == "on"
             and cmd.reruns == 0
             and not cmd.pool_env
+            and cmd.device_key not in self.core.pools
             and self.core.scheduler.policy.value != "command"
         )
 
@@ -259,6 +268,12 @@ class Admission:
         """A gated command's runtime asks to use its device: True if it may now (`now`: whatever
         the figures say), else it waits in the device's queue (pump lets it go)."""
         dm = self.devices.get(cmd.device_key or "")
+        if dm is not None and cmd.gate == "asked" and now:  # another of its processes waits
+            if cmd.id in dm.waiting:
+                dm.waiting.remove(cmd.id)
+            dm.head_since.pop(cmd.id, None)
+            self._run(cmd, dm)
+            return True
         if dm is None or cmd.gate != "open":
             return cmd.gate != "asked"  # another of its processes asked first: it waits too
         dm.gated.discard(cmd.id)
@@ -305,7 +320,7 @@ class Admission:
         cmd.mem_wait, cmd.mem_admitted = "", time.monotonic()
         if dm.running or dm.pool:  # beside others: an out-of-memory failure may be theirs
             cmd.co_located = True
-            for c in dm.running | dm.gated:
+            for c in dm.running:
                 self.core.commands[c].co_located = True
         dm.running.add(cmd.id)
         self.reserved_metric(dm)
@@ -367,6 +382,9 @@ class Admission:
         dm.running.discard(cmd.id)
         dm.gated.discard(cmd.id)
         dm.head_since.pop(cmd.id, None)
+        for go in cmd.gate_waiters:  # a process that outlived it waits no more
+            go()
+        cmd.gate_waiters.clear()
         if cmd.id in dm.waiting:
             dm.waiting.remove(cmd.id)
         if cmd.mem_peak > 0 and not oom:
@@ -383,6 +401,8 @@ class Admission:
         cmd.solo = not cmd.guarded
         dm.running.discard(cmd.id)
         dm.gated.discard(cmd.id)
+        if cmd.id in dm.waiting:  # it failed while another of its processes waited at the gate
+            dm.waiting.remove(cmd.id)
         dm.waiting.appendleft(cmd.id)
         self.reserved_metric(dm)
 
@@ -398,6 +418,8 @@ class Admission:
 
     def bypassed(self, cmd: Command, dm: DeviceMemory) -> None:
         """A gated command seen holding device memory without asking (no torch): counted now."""
+        if cmd.id not in dm.gated or cmd.state is not CommandState.RUNNING:
+            return  # it ended while the sample was read
         dm.gated.discard(cmd.id)
         cmd.gate = "bypassed"
         self._run(cmd, dm)

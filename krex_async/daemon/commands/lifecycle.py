@@ -172,7 +172,9 @@ class Lifecycle:
         # Its CUDA starts inside its own region (or while it waits for one): the others are held
         # for it, so waiting for their memory would wait until the region's timeout
         if self.admission.ask(cmd, now=self.regions.of_command(cmd)):
-            if was == "open":
+            if was == "asked":
+                self._open(cmd)  # its other processes waiting at the gate go too
+            elif was == "open":
                 log.info("command_gate_passed", command=cmd.id, waited_s=0.0)
             return
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -183,7 +185,11 @@ class Lifecycle:
 
         cmd.gate_waiters.append(go)
         log.info("command_gated", command=cmd.id, reason=cmd.mem_wait)
-        await opened  # cancelled with the connection: a process that died waiting asks no more
+        try:
+            await opened  # cancelled with the connection: a process that died waiting asks no more
+        finally:
+            if go in cmd.gate_waiters:
+                cmd.gate_waiters.remove(go)
 
     def _open(self, cmd: Command) -> None:
         cmd.gate, cmd.gate_s = "passed", time.monotonic() - cmd.gate_asked

@@ -34,17 +34,17 @@ async def loop(adm: Admission, start: Callable[[Command], None]) -> None:
     ev = asyncio.get_running_loop()
     core = adm.core
     while adm.devices:
-        busy = any(dm.running or dm.waiting for dm in adm.devices.values())
+        busy = any(dm.running or dm.waiting or dm.gated for dm in adm.devices.values())
         try:
             snap = snapshot(adm)
             devices = [dm.device for dm in adm.devices.values()]
             seen = await ev.run_in_executor(None, read, core.node, core.backend, devices, snap)
             apply(adm, seen)
-        except Exception as e:  # noqa: BLE001 - a vendor or /proc error costs one sample
+            for key in adm.devices:
+                for cmd in adm.pump(key):
+                    start(cmd)
+        except Exception as e:  # noqa: BLE001 - a vendor or /proc error (or a bug) costs one sample
             log.warning("memory_sample_failed", error=repr(e))
-        for key in adm.devices:
-            for cmd in adm.pump(key):
-                start(cmd)
         adm.wake.clear()
         try:
             await asyncio.wait_for(adm.wake.wait(), SAMPLE_S if busy else IDLE_SAMPLE_S)
@@ -86,7 +86,7 @@ def apply(adm: Admission, seen: dict[str, Any]) -> None:
             if cmd.mem_now and cmd.gate == "open":  # on the device without asking (no torch)
                 adm.bypassed(cmd, dm)
     for dm in adm.devices.values():
-        if not dm.running and dm.device.key in seen["used"]:
+        if not dm.running and not dm.gated and dm.device.key in seen["used"]:
             dm.baseline = dm.used
         adm.reserved_metric(dm)
 

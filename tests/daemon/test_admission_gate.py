@@ -1,0 +1,148 @@
+"""Memory admission's gate bookkeeping in process: a real `Admission` on a real `Core` (a 1000 MiB
+device, no vendor library), its commands in the states a daemon puts them in, and the sample's
+figures given to `memsample.apply` as the thread would read them. The paths a daemon cannot be
+steered into on demand (a command that ends while its sample is read, a second process asking
+from inside the command's own region, a re-run while a process waits at the gate)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from krex_async import protocol as P
+from krex_async.daemon.commands import memsample
+from krex_async.daemon.commands.admission import UNSEEN_S, Admission
+from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.model.command import Command, CommandState
+from krex_async.daemon.model.core import Core
+from krex_async.devices.base import Device
+from krex_async.isolation.base import Group
+from krex_async.scheduler import Policy, Scheduler
+
+from .test_region_engine import FakeBackend
+
+DEV = "nvidia0"
+MiB = 1 << 20
+
+
+def admission(**cfg: Any) -> Admission:
+    cpus = frozenset(os.sched_getaffinity(0))
+    core = Core(
+        config=ServeConfig(mem_headroom=0, **cfg),  # type: ignore[arg-type]
+        backend=FakeBackend(),
+        devices=[
+            Device(index=0, key=DEV, vendor="nvidia", name="fake", cpus=cpus, memory_total_bytes=1000 * MiB)
+        ],
+        node=None,
+        scheduler=Scheduler(Policy.SHARED, [DEV]),
+        commands={},
+        pools={},
+        trace=lambda *a, **k: None,
+        track=lambda t: t,
+        records=None,
+        spool=None,
+        all_cpus=cpus,
+    )
+    return Admission(core)
+
+
+def command(adm: Admission, cid: str, mem: int) -> Command:
+    """A command that declared `mem` bytes, admitted by `adm` (gated where the gate applies)."""
+    cmd = Command(
+        id=cid,
+        spec=P.Submit(id=0, argv=["true"], mem=mem),
+        uid=os.getuid(),
+        gid=os.getgid(),
+        device=adm.core.device(DEV),
+        policy=Policy.SHARED,
+        tail_limit=1024,
+    )
+    adm.core.commands[cid] = cmd
+    adm.core.scheduler.add_command(cid, DEV)
+    started = adm.admit(cmd)
+    cmd.state, cmd.group = (CommandState.RUNNING, Group(cid)) if started else (CommandState.QUEUED, None)
+    return cmd
+
+
+def sample(adm: Admission, used: int, held: dict[str, int]) -> None:
+    """What the thread would read: the device's use, and per command what its processes hold."""
+    memsample.apply(
+        adm,
+        {
+            "used": {DEV: used},
+            "held": held,
+            "pool": {},
+            "mapped": {DEV} if held else set(),
+            "sampled": {cid: (DEV, None) for cid in held},
+            "at": time.monotonic(),
+        },
+    )
+
+
+async def test_a_command_that_ended_while_its_sample_was_read_is_not_counted_again() -> None:
+    """A gated command that never asked ends while the sample that saw its memory is read: the
+    sample must not put it back among the device's running commands (for good: a re-run waiting
+    to run alone would wait for ever, and the next status after its retention would fail)."""
+    adm = admission()
+    dm = adm.devices[DEV]
+    a = command(adm, "a", 100 * MiB)
+    assert a.gate == "open" and a.id in dm.gated and a.id not in dm.running
+    a.state = CommandState.ENDED
+    adm.ended(a, oom=False)
+    sample(adm, 100 * MiB, {"a": 100 * MiB})  # read before it ended, applied after
+    assert a.id not in dm.running and a.id not in dm.gated and a.gate == "open"
+    b = command(adm, "b", 100 * MiB)
+    assert adm.ask(b) and b.gate == "passed" and dm.running == {"b"}
+
+
+async def test_a_gated_command_seen_on_the_device_without_asking_is_counted() -> None:
+    adm = admission()
+    dm = adm.devices[DEV]
+    a = command(adm, "a", 600 * MiB)
+    sample(adm, 600 * MiB, {"a": 600 * MiB})
+    assert a.gate == "bypassed" and dm.running == {"a"} and not dm.gated
+    b = command(adm, "b", 600 * MiB)
+    assert not adm.ask(b) and b.gate == "asked" and "waiting for memory" in b.mem_wait
+
+
+async def test_a_cuda_start_in_its_own_region_lets_its_waiting_processes_go() -> None:
+    """One process of B waits at the gate (A holds the memory); another of B's processes starts CUDA
+    inside B's own region: B is admitted at once, and leaves the queue."""
+    adm = admission()
+    dm = adm.devices[DEV]
+    command(adm, "a", 800 * MiB)
+    assert adm.ask(adm.core.commands["a"])
+    b = command(adm, "b", 500 * MiB)
+    assert not adm.ask(b) and list(dm.waiting) == ["b"]
+    assert not adm.ask(b), "a second process of B waits as the first does"
+    assert adm.ask(b, now=True) and "b" in dm.running and not dm.waiting
+
+
+async def test_a_starting_command_counts_until_seen_holding_memory_for_at_most_unseen_s() -> None:
+    """--mem-commit now: a command admitted just before a sample that did not see it allocate yet
+    still counts its need; where no sample ever sees its memory (a daemon whose NVML pids are not
+    its own) it counts for UNSEEN_S, not for ever on top of the reported use."""
+    adm = admission()
+    dm = adm.devices[DEV]
+    a = command(adm, "a", 700 * MiB)
+    assert adm.ask(a)
+    sample(adm, 0, {})  # after its admission, before it allocated
+    assert adm.committed(dm) == 700 * MiB
+    a.mem_admitted -= UNSEEN_S + 1
+    assert adm.committed(dm) == 0
+    a.mem_admitted += UNSEEN_S + 1
+    sample(adm, 300 * MiB, {"a": 300 * MiB})  # seen: what it uses now is in the reported use
+    assert adm.committed(dm) == 300 * MiB
+
+
+async def test_a_re_run_while_a_process_waits_at_the_gate_is_queued_once() -> None:
+    adm = admission()
+    dm = adm.devices[DEV]
+    command(adm, "a", 800 * MiB)
+    assert adm.ask(adm.core.commands["a"])
+    b = command(adm, "b", 500 * MiB)
+    assert not adm.ask(b) and list(dm.waiting) == ["b"]
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    assert list(dm.waiting) == ["b"] and b.gate == "" and b.guarded
