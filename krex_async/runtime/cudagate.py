@@ -5,7 +5,7 @@ it asks here: its imports and inputs, most of a KernelBench job's life, overlap 
 the commands already admitted, instead of waiting in the daemon's queue for memory that it does
 not touch yet (daemon/commands/admission.py).
 
-An entry at the front of sys.meta_path waits for `torch.cuda`. Right after that module's code has
+An after-import hook (autoregion.py's) waits for `torch.cuda`. Right after that module's code has
 run, `torch._C._cuda_init` is wrapped: `torch.cuda._lazy_init`, which every path into CUDA through
 torch takes once per process, calls it under torch's own initialisation lock. The first call
 connects to KREX_SOCKET, sends MemGate and waits for the daemon's answer, then starts CUDA.
@@ -125,48 +125,6 @@ def _wrap() -> None:
     c._cuda_init = cuda_init  # type: ignore[union-attr]
 
 
-class _Loader:
-    """torch.cuda's loader, with the wrap run after its exec_module; everything else delegated."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._inner.exec_module(module)
-        try:
-            _wrap()
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{type(e).__name__}: {e}")
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._inner, attr)
-
-
-class _Finder:
-    def __init__(self) -> None:
-        self._busy = False
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != TARGET or self._busy:
-            return None
-        self._busy = True
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _Loader(spec.loader)  # type: ignore[assignment]
-                    return spec
-            return None
-        finally:
-            self._busy = False
-
-
 def install(load: Callable[[str, str], Any]) -> None:
     """Wrap torch's CUDA start now if torch.cuda is imported, else when it is (idempotent).
     `load(name, file)`: sitecustomize's loader of the runtime's modules by path."""
@@ -174,7 +132,5 @@ def install(load: Callable[[str, str], Any]) -> None:
     if _load is None:
         os.register_at_fork(after_in_child=_after_fork_in_child)
     _load = load
-    if TARGET in sys.modules:
-        _wrap()
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    hooks = load("_krex_autoregion", "autoregion.py")  # its after-import hook, standard library only
+    hooks.after_import(TARGET, lambda module: _wrap(), key="cuda-gate")
