@@ -157,7 +157,7 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
         # command frozen meanwhile); giving up would run it twice. The daemon answers or closes.
         sock.settimeout(None)
         sock.sendall(data)
-        reply = _reply(sock, q)
+        reply = q.reply(sock)
     except (OSError, ValueError, UnicodeError):
         reply = None
     if reply is None or reply.get("type") != "adopted" or not reply.get("pid"):
@@ -181,35 +181,6 @@ def _unblock(old_mask: Any) -> None:
     ):
         _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
     _signal.pthread_sigmask(_signal.SIG_SETMASK, old_mask)
-
-
-def _reply(sock: Any, q: Any) -> dict[str, Any] | None:
-    """The next frame answering request 2 (the hello's welcome is skipped); None at EOF."""
-    while True:
-        head = _recv_exact(sock, 4)
-        if head is None:
-            return None
-        (n,) = _struct.unpack(">I", head)
-        if n > q.MAX_FRAME:
-            return None
-        body = _recv_exact(sock, n)
-        if body is None:
-            return None
-        msg = q.unpack(body)
-        if isinstance(msg, dict) and msg.get("id") == 2:
-            return msg
-        if isinstance(msg, dict) and msg.get("type") == "error" and msg.get("id") in (0, 1):
-            return msg
-
-
-def _recv_exact(sock: Any, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
 
 
 def _let_go_of_stdio() -> None:
@@ -241,7 +212,7 @@ def _wait(sock: Any, q: Any, worker: int, daemon_pid: int, waitset: set[int]) ->
     def reader() -> None:
         try:
             sock.settimeout(None)
-            reply = _reply(sock, q)
+            reply = q.reply(sock)
             if reply is not None and reply.get("type") == "adopt_exited":
                 box["rc"] = int(reply.get("returncode", 1))
         except BaseException:  # noqa: BLE001 - the daemon is gone: main decides what to do

@@ -18,7 +18,6 @@ program as it would anywhere else.
 from __future__ import annotations
 
 import os
-import struct
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -57,15 +56,11 @@ def ask() -> None:
         hello = {"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-gate/{pid}"}
         gate = {"type": "mem_gate", "id": 2, "command": command, "token": token, "pid": pid}
         sock.sendall(q.frame(hello) + q.frame(gate))
-        while True:
-            msg = _read(sock, q)
-            if msg is None:
-                errors.append("the daemon closed the connection")
-                return
-            if msg.get("id") == 2 or (msg.get("id") == 1 and msg.get("type") == "error"):
-                if msg.get("type") == "error":
-                    errors.append(f"{msg.get('code')}: {msg.get('message')}")
-                return
+        msg = q.reply(sock)
+        if msg is None:
+            errors.append("the daemon closed the connection")
+        elif msg.get("type") == "error":
+            errors.append(f"{msg.get('code')}: {msg.get('message')}")
     except OSError as e:
         errors.append(f"{type(e).__name__}: {e}")
     finally:
@@ -83,28 +78,6 @@ def _after_fork_in_child() -> None:
         except OSError:
             pass
         _sock, _asked = None, False
-
-
-def _read(sock: Any, q: Any) -> dict[str, Any] | None:
-    head = _exact(sock, 4)
-    if head is None:
-        return None
-    (n,) = struct.unpack(">I", head)
-    body = _exact(sock, n) if n <= q.MAX_FRAME else None
-    if body is None:
-        return None
-    msg = q.unpack(body)
-    return msg if isinstance(msg, dict) else {}
-
-
-def _exact(sock: Any, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
 
 
 def _wrap() -> None:

@@ -195,6 +195,34 @@ def frame(msg: dict[str, Any]) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
+def recv_exact(sock: Any, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def reply(sock: Any) -> dict[str, Any] | None:
+    """The daemon's answer to request 2 after a hello (id 1, its welcome skipped), or its error to
+    the hello; None at EOF or past MAX_FRAME. For the one-request connections of adopt.py and
+    cudagate.py."""
+    while True:
+        head = recv_exact(sock, 4)
+        if head is None or (n := struct.unpack(">I", head)[0]) > MAX_FRAME:
+            return None
+        body = recv_exact(sock, n)
+        if body is None:
+            return None
+        msg = unpack(body)
+        if isinstance(msg, dict) and (
+            msg.get("id") == 2 or (msg.get("type") == "error" and msg.get("id") in (0, 1))
+        ):
+            return msg
+
+
 # ------------------------------------------------------------------------------------ listener
 
 
@@ -231,13 +259,7 @@ class _Listener:
             self.sock.sendall(data)
 
     def recv_exact(self, n: int) -> bytes | None:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return bytes(buf)
+        return recv_exact(self.sock, n)
 
     def on_quiesce(self, req_id: int, region: str) -> None:
         with self.mu:

@@ -80,6 +80,16 @@ def sample(adm: Admission, used: int, held: dict[str, int]) -> None:
     )
 
 
+def b_waits_behind_a() -> tuple[Admission, Command]:
+    """A (800 MiB) passed its gate; B (500 MiB) asked and waits in the device's queue."""
+    adm = admission()
+    command(adm, "a", 800 * MiB)
+    assert adm.ask(adm.core.commands["a"])
+    b = command(adm, "b", 500 * MiB)
+    assert not adm.ask(b) and list(adm.devices[DEV].waiting) == ["b"]
+    return adm, b
+
+
 async def test_a_command_that_ended_while_its_sample_was_read_is_not_counted_again() -> None:
     """A gated command that never asked ends while the sample that saw its memory is read: the
     sample must not put it back among the device's running commands (for good: a re-run waiting
@@ -109,12 +119,8 @@ async def test_a_gated_command_seen_on_the_device_without_asking_is_counted() ->
 async def test_a_cuda_start_in_its_own_region_lets_its_waiting_processes_go() -> None:
     """One process of B waits at the gate (A holds the memory); another of B's processes starts CUDA
     inside B's own region: B is admitted at once, and leaves the queue."""
-    adm = admission()
+    adm, b = b_waits_behind_a()
     dm = adm.devices[DEV]
-    command(adm, "a", 800 * MiB)
-    assert adm.ask(adm.core.commands["a"])
-    b = command(adm, "b", 500 * MiB)
-    assert not adm.ask(b) and list(dm.waiting) == ["b"]
     assert not adm.ask(b), "a second process of B waits as the first does"
     assert adm.ask(b, now=True) and "b" in dm.running and not dm.waiting
 
@@ -137,12 +143,8 @@ async def test_a_starting_command_counts_until_seen_holding_memory_for_at_most_u
 
 
 async def test_a_re_run_while_a_process_waits_at_the_gate_is_queued_once() -> None:
-    adm = admission()
+    adm, b = b_waits_behind_a()
     dm = adm.devices[DEV]
-    command(adm, "a", 800 * MiB)
-    assert adm.ask(adm.core.commands["a"])
-    b = command(adm, "b", 500 * MiB)
-    assert not adm.ask(b) and list(dm.waiting) == ["b"]
     b.reset_for_rerun("co-located OOM")
     adm.requeue(b)
     assert list(dm.waiting) == ["b"] and b.gate == "" and b.guarded

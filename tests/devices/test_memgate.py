@@ -199,6 +199,17 @@ REGION_OWNER = """
     """
 
 
+async def b_asks_in_as_region(c: Any, env: dict[str, str], owner: str, r1: str, r2: str, rb: str) -> Any:
+    """A holds its first region (until r1, then a second until r2); B (100 MiB, until rb) then
+    asks at its gate. Returns A's and B's handles and B's status row."""
+    a = await c.submit([PY, owner, r1, r2], env=env, mem=1)
+    held = await eventually(c.status, lambda st: (st["devices"][0]["region"] or {}).get("name"), "A's region")
+    assert held["devices"][0]["region"]["name"] == "first"
+    b = await c.submit(alloc("100M", release=rb), env=env, mem=100 * MiB)
+    st = await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+    return a, b, st
+
+
 async def test_a_cuda_start_waits_for_the_region_that_holds_the_device(fake, tmp_path, script):
     """Under policy region a CUDA start does not begin beside another command's region (a context's
     creation is driver work beside its timing): B, which fits in memory, waits at its gate while A's
@@ -208,13 +219,7 @@ async def test_a_cuda_start_waits_for_the_region_that_holds_the_device(fake, tmp
     r1, r2, rb = (str(tmp_path / n) for n in ("r1", "r2", "rb"))
     async with gated("--policy", "region", "--freeze", "device-holders", env=env) as d:
         c = await d.client()
-        a = await c.submit([PY, owner, r1, r2], env=env, mem=1)
-        held = await eventually(
-            c.status, lambda st: (st["devices"][0]["region"] or {}).get("name"), "A's region"
-        )
-        assert held["devices"][0]["region"]["name"] == "first"
-        b = await c.submit(alloc("100M", release=rb), env=env, mem=100 * MiB)
-        st = await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+        a, b, st = await b_asks_in_as_region(c, env, owner, r1, r2, rb)
         assert "waiting for region" in st["waiting_for"] and "on fake0 to end" in st["waiting_for"], st
         released(r1)  # A's first region ends; A runs on, then holds a second
         await until_status(c, b.command, lambda s: s["gate"] == "passed", "B passed at the release")
@@ -233,10 +238,7 @@ async def test_a_cuda_start_waits_for_regions_at_most_region_gate_max_s(fake, tm
     r1, r2, rb = (str(tmp_path / n) for n in ("r1", "r2", "rb"))
     async with gated("--policy", "region", "--freeze", "device-holders", env=env) as d:
         c = await d.client()
-        a = await c.submit([PY, owner, r1, r2], env=env, mem=1)
-        await eventually(c.status, lambda st: (st["devices"][0]["region"] or {}).get("name"), "A's region")
-        b = await c.submit(alloc("100M", release=rb), env=env, mem=100 * MiB)
-        await until_status(c, b.command, lambda s: s["gate"] == "asked", "B waits at its gate")
+        a, b, _ = await b_asks_in_as_region(c, env, owner, r1, r2, rb)
         await until_status(c, b.command, lambda s: s["gate"] == "passed", "B went after the bound")
         st = await c.status()
         assert st["devices"][0]["region"]["name"] == "first", "A's region still holds the device"
