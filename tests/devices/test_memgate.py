@@ -251,6 +251,33 @@ async def test_a_cuda_start_waits_for_regions_at_most_region_gate_max_s(fake, tm
         await c.close()
 
 
+async def test_no_more_start_ahead_of_their_cuda_start_than_the_device_has_cpus(fake, tmp_path):
+    """As many commands as the device has CPUs wait at their gates (X holds the memory): the next one
+    is queued at submit, its process not started, with its reason; once one of them passes, it
+    starts. Without the bound, --max-running auto's 64 jobs would all import at once."""
+    env = fake
+    cap = len(os.sched_getaffinity(0))  # the fake device's CPUs: the daemon's affinity
+    rx = str(tmp_path / "rx")
+    async with gated("--mem-commit", "peak", env=env) as d:
+        c = await d.client()
+        x = await c.submit(alloc("950M", release=rx), env=env, mem=950 * MiB)
+        await until_status(c, x.command, lambda s: s["gate"] == "passed", "X passed its gate")
+        ahead = [await c.submit(alloc("100M"), env=env, mem=100 * MiB + i) for i in range(cap)]
+        for h in ahead:
+            await until_status(c, h.command, lambda s: s["gate"] == "asked", "waits at its gate")
+        last = await c.submit(alloc("100M"), env=env, mem=100 * MiB)
+        assert last.queued
+        st = await row(c, last.command)
+        assert (
+            st["state"] == "queued" and f"are ahead of their CUDA start (its {cap} CPUs)" in st["waiting_for"]
+        ), st
+        released(rx)
+        for h in [*ahead, last]:
+            rep = (await h.wait()).report
+            assert rep.exit_code == 0 and rep.gate == "passed", rep
+        await c.close()
+
+
 async def test_a_command_on_the_device_without_asking_is_counted_once_seen(fake, tmp_path):
     """A program without torch never asks: once a sample sees it hold memory it is counted (gate
     'bypassed'), and B's CUDA start waits for it as for any other."""

@@ -72,6 +72,7 @@ class DeviceMemory:
     baseline: int = 0  # used with no command running: what a lone command's use is counted from
     running: set[str] = field(default_factory=set)  # admitted, not yet ended
     gated: set[str] = field(default_factory=set)  # started, admitted at their first CUDA use (--mem-gate)
+    starts: deque[str] = field(default_factory=deque)  # gated, waiting to start (ahead_cap), in order
     waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
     head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
     sampled_at: float = 0.0  # monotonic time of the last sample of `used`
@@ -101,20 +102,7 @@ class Admission:
 
     def need(self, spec: P.Submit) -> tuple[int, str]:
         """(bytes, where the figure comes from) that a command of `spec` is taken to need."""
-        if spec.mem > 0:
-            return spec.mem, "declared"
-        for i, key in enumerate(mem_keys(spec)):
-            # Its own key: the largest it reached. A prefix (its kind, never its own shape): the
-            # kind's typical peak, not its largest: one outsize problem (29 GiB of an H100's 80 in
-            # KernelBench's large set) reserved for every new shape held eight jobs to two or
-            # three. A new shape larger than typical is seen as it grows (the peaks are sampled,
-            # and what runs holds its peak) and, if it still meets an out-of-memory, is re-run.
-            learned = self.footprints.get(key, typical=i > 0)
-            if learned is not None:
-                return learned, "learned"
-        if self.core.config.mem_default > 0:
-            return self.core.config.mem_default, "default"
-        return 0, "unknown"
+        return self.footprints.need(spec, self.core.config.mem_default)
 
     def holds(self, cmd: Command) -> int:
         """What a running command is taken to hold: its need, or more where it was seen to."""
@@ -161,7 +149,7 @@ class Admission:
     def available(self, key: str) -> int:
         """For placement: what a command may take on `key` now (0 where others wait already)."""
         dm = self.devices[key]
-        return 0 if dm.waiting else self.free(dm)
+        return 0 if dm.waiting or dm.starts else self.free(dm)
 
     # ------------------------------------------------------------------------------ admitting
 
@@ -246,10 +234,38 @@ class Admission:
         if dm is None:
             return True
         if self._gates(cmd):  # co-located from its CUDA start on (_run), not from its start
+            if dm.starts or (why := self._ahead_wait(dm)):
+                cmd.mem_wait = (
+                    f"queued behind {len(dm.starts)} to start on {dm.device.key}" if dm.starts else why
+                )
+                dm.starts.append(cmd.id)
+                return False
             cmd.gate = "open"
             dm.gated.add(cmd.id)
             return True
         return self._enter(cmd, dm)
+
+    def _ahead_wait(self, dm: DeviceMemory) -> str:
+        """Why a gated command may not start yet ("" when it may): as many started on the device and
+        not admitted yet (importing, or waiting at their gates) as it has CPUs. Without a bound,
+        `--max-running auto`'s 64 jobs would all import at once."""
+        ahead = len(dm.gated) + sum(1 for c in dm.waiting if self.core.commands[c].gate == "asked")
+        cap = len(dm.device.cpus) or os.cpu_count() or 1
+        if ahead < cap:
+            return ""
+        key = dm.device.key
+        return f"waiting to start: {ahead} commands on {key} are ahead of their CUDA start (its {cap} CPUs)"
+
+    def _starts(self, dm: DeviceMemory) -> list[Command]:
+        """Gated commands that may start now (ahead of their CUDA start), in order."""
+        out = []
+        while dm.starts and not self._ahead_wait(dm):
+            cmd = self.core.commands.get(dm.starts.popleft())
+            if cmd is not None and cmd.state is CommandState.QUEUED:
+                cmd.gate, cmd.mem_wait = "open", ""
+                dm.gated.add(cmd.id)
+                out.append(cmd)
+        return out
 
     def _gates(self, cmd: Command) -> bool:
         """Whether `cmd` starts at once and is admitted at its first CUDA use (--mem-gate on): its
@@ -329,7 +345,7 @@ class Admission:
     def pump(self, key: str | None) -> list[Command]:
         """Start what now fits on `key`, in order; returns the commands to start."""
         dm = self.devices.get(key or "")
-        out: list[Command] = []
+        out: list[Command] = self._starts(dm) if dm is not None else []
         while dm is not None and dm.waiting:
             cmd = self.core.commands.get(dm.waiting[0])
             if cmd is None or not self.waits(cmd):  # ended while it waited
@@ -381,6 +397,8 @@ class Admission:
             return []
         dm.running.discard(cmd.id)
         dm.gated.discard(cmd.id)
+        if cmd.id in dm.starts:
+            dm.starts.remove(cmd.id)
         dm.head_since.pop(cmd.id, None)
         for go in cmd.gate_waiters:  # a process that outlived it waits no more
             go()

@@ -69,6 +69,22 @@ class Footprints:
         except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file: learn anew
             log.warning("footprints_unreadable", path=path, error=repr(e))
 
+    def need(self, spec: P.Submit, default: int) -> tuple[int, str]:
+        """(bytes, where the figure comes from) that a command of `spec` is taken to need: declared,
+        learned, `default` (--mem-default) where above 0, else unknown (0)."""
+        if spec.mem > 0:
+            return spec.mem, "declared"
+        for i, key in enumerate(mem_keys(spec)):
+            # Its own key: the largest it reached. A prefix (its kind, never its own shape): the
+            # kind's typical peak, not its largest: one outsize problem (29 GiB of an H100's 80 in
+            # KernelBench's large set) reserved for every new shape held eight jobs to two or
+            # three. A new shape larger than typical is seen as it grows (the peaks are sampled,
+            # and what runs holds its peak) and, if it still meets an out-of-memory, is re-run.
+            learned = self.get(key, typical=i > 0)
+            if learned is not None:
+                return learned, "learned"
+        return (default, "default") if default > 0 else (0, "unknown")
+
     def get(self, key: str, typical: bool = False) -> int | None:
         """The largest of the key's recent peaks; `typical`: their median (a kind's many shapes)."""
         peaks = self.peaks.get(key)

@@ -284,6 +284,8 @@ def memory_status(admission: Admission, key: str) -> dict[str, Any] | None:
         "headroom_bytes": admission.headroom(dm),
         "free_for_commands_bytes": admission.free(dm),
         "waiting": [{"command": c, "reason": commands[c].mem_wait} for c in dm.waiting if c in commands],
-        # --mem-gate: started, to be admitted at their first CUDA use
+        # --mem-gate: started, to be admitted at their first CUDA use; waiting to start (as many
+        # are ahead of their CUDA start as the device has CPUs)
         "gated": sorted(dm.gated),
+        "starting": [{"command": c, "reason": commands[c].mem_wait} for c in dm.starts if c in commands],
     }
