@@ -79,11 +79,14 @@ class View:
 
 
 def _state(c: dict[str, Any]) -> str:
-    """A command's STATE cell: its result once ended, `frozen`/`locked` while a region holds it."""
+    """A command's STATE cell: its result once ended, `frozen`/`locked` while a region holds it,
+    `gated` while its CUDA start waits for memory admission (--mem-gate)."""
     if c["state"] == "ended":
         return str(c.get("result") or "ended")
     if c.get("held"):
         return str(c["held"])
+    if c.get("gate") == "asked" and c["state"] == "running":
+        return "gated"
     return "frozen" if c.get("frozen") else str(c["state"])
 
 

@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument(
         "--state",
         type=_state_name,
-        help="only commands in this state: running, queued, starting, frozen, locked, ended, or how "
+        help="only commands in this state: running, queued, starting, frozen, locked, gated, ended, or how "
         "one ended (exited, failed, cancelled, timeout, lost, ...)",
     )
     s.add_argument("--device", help="only commands on this device (its key: cpu, nvidia0)")

@@ -6,6 +6,8 @@ whose `torch.cuda._lazy_init` calls `torch._C._cuda_init` as the real one does."
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import textwrap
@@ -104,6 +106,15 @@ async def test_a_gated_command_runs_at_once_and_waits_for_memory_at_its_cuda_sta
         assert not held(env, st["pid"]), "B took no device memory while it waited"
         text = " ".join((await krex_status(d.socket, env)).stdout.split())
         assert f"1 queued for memory: {b.command}" in text, text
+        only = await asyncio.to_thread(
+            subprocess.run,
+            [PY, "-m", "krex_async", "status", "--socket", d.socket, "--state", "gated", "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=30,
+        )
+        assert [x["command"] for x in json.loads(only.stdout)["commands"]] == [b.command], only.stdout
         unused = await c.submit([PY, "-c", "pass"], env=env, mem=1)
         assert (await unused.wait()).report.gate == "unused"
         small = await c.submit(alloc("1M"), env=env, mem=MiB)  # fits: within --mem-backfill it passes B
