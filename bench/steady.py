@@ -36,14 +36,16 @@ from bench.harness.output import Progress, module_prog, read_json, write_json
 from bench.harness.stack import ROOT
 
 POOL = "--pool-size 8 --pool-preload torch"
+UNPROTECTED = "--admission off"  # sharing as it is without krex: no memory admission either
 DEFAULT_DEADLINE_S = 540.0  # one 10-minute accelerator call, less start-up and the report
 ALONE_GUESS_S = 150.0  # an alone round of the large set before one was measured (H100: 124 s)
 SLACK = 1.5  # a variant round against its jobs' alone seconds spread over C agents
 
 
 def default_variants(device: str, concurrency: int) -> list[str]:
-    """Issue 38's comparison: unprotected sharing at three widths, region, region with the pool."""
-    out = ["shared-4@4", "shared-8@8", "shared-12@12", f"region@{concurrency}"]
+    """Issue 38's comparison: unprotected sharing at three widths, region, region with the pool.
+    Sharing is unprotected only without the daemon's memory admission (on by default on a GPU)."""
+    out = [f"shared-{w}@{w}:{UNPROTECTED}" for w in (4, 8, 12)] + [f"region@{concurrency}"]
     if device == "gpu":
         out.append(f"region-pool@{concurrency}:{POOL}")
     return out
@@ -284,8 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=None,
         metavar="NAME[@C][:ARGS]",
-        help="variants, each NAME[@C][:krex serve args [-- krex gateway args]] (default: shared-4@4 "
-        "shared-8@8 shared-12@12 region@C, and region-pool@C on a GPU)",
+        help="variants, each NAME[@C][:krex serve args [-- krex gateway args]] (default: shared-4@4, "
+        "shared-8@8 and shared-12@12 with --admission off, region@C, and region-pool@C on a GPU)",
     )
     ap.add_argument(
         "--admit",

@@ -34,7 +34,8 @@ if [ ! -f "$STATE/steady.json" ] && [ -n "${STEADY_FROM:-}" ]; then
   cp "$STEADY_FROM" "$STATE/steady.json" && echo "== continuing $STEADY_FROM"
 fi
 pool="--pool-size 8 --pool-preload torch"
-variants=("shared-4@4" "shared-8@8" "shared-12@12" "region@8" "region-pool@8:$pool")
+off="--admission off"  # unprotected sharing: no memory admission either
+variants=("shared-4@4:$off" "shared-8@8:$off" "shared-12@12:$off" "region@8" "region-pool@8:$pool")
 [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
 admit=()
 [ -n "${ADMIT:-}" ] && admit=("--admit=$ADMIT")
