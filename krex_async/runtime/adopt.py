@@ -140,22 +140,16 @@ def run(pool: str, load: Callable[[str, str], Any]) -> str:
     try:
         msg = request(env.get("KREX_COMMAND", ""), env.get("KREX_TOKEN", ""), old_mask)
         msg["blocked_at"] = _time.monotonic()  # the daemon's signals from here on reach the worker
-        data = q.frame(
-            {"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-adopt/{os.getpid()}"}
-        ) + q.frame(msg)
+        data = q.frame(q.hello(f"krex-adopt/{os.getpid()}")) + q.frame(msg)
     except (OSError, UnicodeError, TypeError, ValueError):
         _unblock(old_mask)
         return "environment unusable"  # cwd gone, a variable not UTF-8: run here
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        sock.settimeout(2.0)
-        sock.connect(env.get("KREX_SOCKET", ""))
-        daemon_pid = _struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0]
-        if not q.peer_trusted(sock):  # the token goes only to a daemon this user may trust
-            raise ValueError("untrusted listener")
-        # No timeout from here: a worker may already run the program (a region can hold the
+        # No timeout once connected: a worker may already run the program (a region can hold the
         # command frozen meanwhile); giving up would run it twice. The daemon answers or closes.
-        sock.settimeout(None)
+        q.connect_trusted(sock, env.get("KREX_SOCKET", ""), 2.0)
+        daemon_pid = _struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0]
         sock.sendall(data)
         reply = q.reply(sock)
     except (OSError, ValueError, UnicodeError):

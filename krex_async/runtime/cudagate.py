@@ -46,16 +46,10 @@ def ask() -> None:
     q = _load("_krex_quiesce", "quiesce.py")  # its msgpack framing and peer check, standard library only
     sock = _sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(path)
-        sock.settimeout(None)
-        if not q.peer_trusted(sock):
-            errors.append("the socket's listener is not the daemon this command may trust")
-            return
+        q.connect_trusted(sock, path, CONNECT_TIMEOUT_S)
         pid = os.getpid()
-        hello = {"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-gate/{pid}"}
         gate = {"type": "mem_gate", "id": 2, "command": command, "token": token, "pid": pid}
-        sock.sendall(q.frame(hello) + q.frame(gate))
+        sock.sendall(q.frame(q.hello(f"krex-gate/{pid}")) + q.frame(gate))
         msg = q.reply(sock)
         if msg is None:
             errors.append("the daemon closed the connection")

@@ -56,6 +56,22 @@ def peer_trusted(sock: _socket.socket) -> bool:
     return named.isdigit() and int(named) == uid
 
 
+def connect_trusted(sock: _socket.socket, path: str, timeout: float) -> None:
+    """Connect `sock` to the daemon at `path` within `timeout`, and leave it blocking. OSError where
+    that fails or its listener is not one this command may trust (peer_trusted): the command's
+    token, sent next, goes to nobody else. For every runtime connection (here, adopt.py, cudagate.py)."""
+    sock.settimeout(timeout)
+    sock.connect(path)
+    sock.settimeout(None)
+    if not peer_trusted(sock):
+        raise OSError("the socket's listener is not the daemon this command may trust")
+
+
+def hello(client: str) -> dict[str, Any]:
+    """A runtime connection's first request (protocol.Hello), id 1: `reply` skips its answer."""
+    return {"type": "hello", "id": 1, "version": 1, "role": "command", "client": client}
+
+
 # ------------------------------------------------------------------------------ a tiny msgpack
 
 
@@ -465,11 +481,7 @@ def run(
     except OSError:
         return
     try:
-        sock.settimeout(connect_timeout)
-        sock.connect(path)
-        sock.settimeout(None)
-        if not peer_trusted(sock):
-            raise OSError("the socket's listener is not the daemon this command may trust")
+        connect_trusted(sock, path, connect_timeout)
     except OSError:
         sock.close()
         return
@@ -479,7 +491,7 @@ def run(
         if _stopping:  # stop() ran while we connected, and found no listener to wake
             return
         pid = os.getpid()
-        st.send({"type": "hello", "id": 1, "version": 1, "role": "command", "client": f"krex-runtime/{pid}"})
+        st.send(hello(f"krex-runtime/{pid}"))
         ready = {"type": "quiesce_ready", "id": 2, "command": command, "token": token, "pid": pid}
         if declined:
             ready["pool_declined"] = declined[:256]

@@ -435,3 +435,49 @@ async def test_the_in_command_runtime_sends_its_token_to_no_other_users_listener
             )
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# a torch whose CUDA start (torch._C._cuda_init, through torch.cuda._lazy_init) does nothing
+BARE_TORCH = {
+    "torch/__init__.py": "from torch import _C\nfrom torch import cuda\n",
+    "torch/_C.py": "def _cuda_init():\n    pass\n",
+    "torch/cuda/__init__.py": "import torch\n\ndef _lazy_init():\n    torch._C._cuda_init()\n",
+}
+
+
+async def test_the_cuda_gate_sends_its_token_to_no_other_users_listener(users: dict[str, User]) -> None:
+    """A command's CUDA start under --mem-gate (KREX_CUDA_GATE=1) whose KREX_SOCKET leads to a
+    listener of another user asks it nothing, its token least of all, and CUDA starts; named as
+    trusted (KREX_SOCKET_UID), the same listener gets the MemGate (the check is what held it back)."""
+    alice, mallory = users["alice"], users["mallory"]
+    d = tempfile.mkdtemp(prefix="krexgate-", dir="/tmp")
+    os.chown(d, mallory.uid, mallory.gid)
+    os.chmod(d, 0o755)
+    torch = Path(tempfile.mkdtemp(prefix="krexgate-torch-", dir="/tmp"))
+    for name, source in BARE_TORCH.items():
+        (torch / name).parent.mkdir(parents=True, exist_ok=True)
+        (torch / name).write_text(source)
+    for p in [torch, *torch.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    sock = os.path.join(d, "s")
+    env = {
+        "PYTHONPATH": f"{ROOT / 'krex_async' / 'runtime'}:{torch}:{user_env()['PYTHONPATH']}",
+        "KREX_SOCKET": sock,
+        "KREX_COMMAND": "c1",
+        "KREX_TOKEN": "secret",
+        "KREX_DEVICE": "cpu",
+        "KREX_CUDA_GATE": "1",
+    }
+    program = "import torch; torch.cuda._lazy_init(); print('ran')"
+    try:
+        with fake_daemon(mallory, sock) as log:
+            p = await asyncio.to_thread(run_python_as, alice, program, env=env)
+            assert p.stdout == "ran\n", (p.stdout, p.stderr)
+            assert "MemGate" not in requests(log), requests(log)
+            named = {**env, "KREX_SOCKET_UID": str(mallory.uid)}
+            p = await asyncio.to_thread(run_python_as, alice, program, env=named)
+            assert p.stdout == "ran\n", (p.stdout, p.stderr)
+            await until(lambda: "MemGate" in requests(log), lambda: f"no MemGate: {requests(log)}", 10)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(torch, ignore_errors=True)
