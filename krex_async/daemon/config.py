@@ -158,8 +158,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # on: a torch command starts at once and its admission waits for its first CUDA initialisation
     # (its runtime asks, MemGate), so its import overlaps others' device work; off: at its start
     mem_gate: Literal["on", "off"] = "on"
-    # ... and (policy region) a new command (under mem_gate on: its CUDA start) waits while this
-    # many regions queue on its device already: beside them it would only add to the line and to
+    # policy region: a new command (under mem_gate on: its CUDA start) waits while this many
+    # regions queue on its device already: beside them it would only add to the line and to
     # the memory in use (0: off)
     region_backlog: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint ("" = off), e.g. 127.0.0.1:9464

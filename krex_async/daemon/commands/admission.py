@@ -202,13 +202,13 @@ class Admission:
         back to back never leave the device free: after REGION_GATE_MAX_S it goes all the same."""
         key, sched = dm.device.key, self.core.scheduler
         rid = sched.holder(key) if sched.isolates() else None
-        if time.monotonic() - cmd.gate_asked > REGION_GATE_MAX_S or rid in sched.regions_of(cmd.id):
+        if (
+            not rid
+            or rid in sched.regions_of(cmd.id)
+            or time.monotonic() - cmd.gate_asked > REGION_GATE_MAX_S
+        ):
             return ""
-        return (
-            f"waiting for region {rid} on {key} to end: a CUDA start beside it would disturb its timing"
-            if rid
-            else ""
-        )
+        return f"waiting for region {rid} on {key} to end: a CUDA start beside it would disturb its timing"
 
     def _guard_wait(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str:
         """Why a guarded re-run may not start yet ("" when it may): it needs its need (or what its
@@ -285,9 +285,7 @@ class Admission:
         the figures say), else it waits in the device's queue (pump lets it go)."""
         dm = self.devices.get(cmd.device_key or "")
         if dm is not None and cmd.gate == "asked" and now:  # another of its processes waits
-            if cmd.id in dm.waiting:
-                dm.waiting.remove(cmd.id)
-            dm.head_since.pop(cmd.id, None)
+            self._unqueue(dm, cmd.id)
             self._run(cmd, dm)
             return True
         if dm is None or cmd.gate != "open":
@@ -399,12 +397,10 @@ class Admission:
         dm.gated.discard(cmd.id)
         if cmd.id in dm.starts:
             dm.starts.remove(cmd.id)
-        dm.head_since.pop(cmd.id, None)
+        self._unqueue(dm, cmd.id)
         for go in cmd.gate_waiters:  # a process that outlived it waits no more
             go()
         cmd.gate_waiters.clear()
-        if cmd.id in dm.waiting:
-            dm.waiting.remove(cmd.id)
         if cmd.mem_peak > 0 and not oom:
             self.footprints.learn(mem_keys(cmd.spec), cmd.mem_peak)
         self.reserved_metric(dm)
@@ -419,10 +415,16 @@ class Admission:
         cmd.solo = not cmd.guarded
         dm.running.discard(cmd.id)
         dm.gated.discard(cmd.id)
-        if cmd.id in dm.waiting:  # it failed while another of its processes waited at the gate
-            dm.waiting.remove(cmd.id)
+        self._unqueue(dm, cmd.id)  # it failed while another of its processes waited at the gate
         dm.waiting.appendleft(cmd.id)
         self.reserved_metric(dm)
+
+    @staticmethod
+    def _unqueue(dm: DeviceMemory, cid: str) -> None:
+        """`cid` leaves the device's memory queue, wherever it stood (and its backfill window)."""
+        if cid in dm.waiting:
+            dm.waiting.remove(cid)
+        dm.head_since.pop(cid, None)
 
     def reserved_metric(self, dm: DeviceMemory) -> None:
         held = sum(self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)

@@ -141,7 +141,7 @@ class Command:
     guarded: bool = False
     reruns: int = 0
     rerun_reason: str = ""
-    # --mem-gate (admission.py, memgate.py): "" not gated; "open" started, its memory admission
+    # --mem-gate (admission.py, runtime/cudagate.py): "" not gated; "open" started, its admission
     # waits for its first CUDA initialisation; "asked" its runtime waits at the gate (queued for
     # memory); "passed"; "bypassed" seen holding device memory without asking
     gate: str = ""

@@ -156,7 +156,7 @@ class Share:
 
 
 def cpu_by_pid(pids: list[int]) -> dict[int, int]:
-    """CPU ns each of `pids` has had, its threads summed (as cpu_ns); one gone is left out. Keyed
+    """CPU ns each of `pids` has had, its threads summed (schedstat); one gone is left out. Keyed
     by pid, so that a process that joins or leaves a command between two readings adds nothing
     (a warm worker that joins brings its whole past)."""
     out: dict[int, int] = {}
@@ -169,8 +169,4 @@ def cpu_by_pid(pids: list[int]) -> dict[int, int]:
 def cpu_ns(pids: list[int]) -> int:
     """CPU time the processes `pids` have had, their threads summed, in ns (schedstat: precise,
     where /proc/PID/stat counts in ticks). A process gone counts nothing."""
-    total = 0
-    for _pid, _tid, text in procfs.thread_files(pids, "schedstat"):
-        with contextlib.suppress(ValueError, IndexError):
-            total += int(text.split()[0])
-    return total
+    return sum(cpu_by_pid(pids).values())
