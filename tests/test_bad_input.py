@@ -14,7 +14,7 @@ import pytest
 from krex_async import KrexError
 from krex_async import protocol as P
 
-from .conftest import PY, py_env, run_daemon
+from .conftest import PY, py_env, run_daemon, until
 
 
 def raw(sock_path: str) -> socket.socket:
@@ -271,3 +271,38 @@ def test_region_outside_a_command_names_what_is_missing_and_a_long_name_is_refus
         "None",
         f"refused: region name must be a string of at most {P.MAX_NAME} characters",
     ], p.stdout
+
+
+async def test_mem_gate_answers_bad_requests_with_errors_and_changes_nothing(tmp_path):
+    """MemGate (a runtime's CUDA start asking for memory admission) from outside its command: an
+    unknown command, a wrong token, the right token from a process that is not the command's, and a
+    malformed request each get an error naming it; the connection and the command go on."""
+    tok = tmp_path / "token"
+    prog = f"import os, time; open({str(tok)!r}, 'w').write(os.environ['KREX_TOKEN']); time.sleep(60)"
+    async with run_daemon() as d:
+        async with await d.client() as c:
+            h = await c.submit([PY, "-c", prog], env=py_env())
+            await until(lambda: tok.exists() and tok.read_text(), "the command wrote its token")
+            s = await asyncio.to_thread(raw, d.socket)
+            await asyncio.to_thread(hello, s)
+            asks = [
+                (P.MemGate(id=3, command="nope-1", token="t"), "unknown_command"),
+                (P.MemGate(id=4, command=h.command, token="wrong"), "forbidden"),
+                (P.MemGate(id=5, command=h.command, token=tok.read_text()), "forbidden"),
+            ]
+            for req, code in asks:
+                s.sendall(P.encode(req))
+                reply = await asyncio.to_thread(recv, s)
+                assert isinstance(reply, P.Error) and reply.code == code and reply.id == req.id, reply
+            s.sendall(frame({"type": "mem_gate", "id": 6, "command": "x" * 300, "token": "t"}))
+            reply = await asyncio.to_thread(recv, s)
+            assert isinstance(reply, P.Error) and reply.code == "bad_request", reply
+            s.sendall(P.encode(P.Status(id=9)))
+            st = await asyncio.to_thread(recv, s)
+            assert isinstance(st, P.StatusReply)
+            s.close()
+            row = next(x for x in (await c.status())["commands"] if x["command"] == h.command)
+            assert row["state"] == "running" and row["gate"] == "", row
+            await h.cancel(9)
+            await h.wait()
+        await still_serving(d)
