@@ -150,8 +150,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mem_default: Annotated[int, msgspec.Meta(ge=0, le=2**60)] = 0
     mem_headroom: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.05
     # what a device is taken to hold: now, what it used at the last sample plus the needs of the
-    # commands started since; peak, every running command's need or peak for its whole life
-    mem_commit: Literal["now", "peak"] = "now"
+    # commands started since; peak, every running command's need or peak for its whole life; none,
+    # nothing for a first run (only a declared need or a guarded re-run's waits): a co-located
+    # out-of-memory is re-run instead
+    mem_commit: Literal["now", "peak", "none"] = "now"
     # seconds a queue's head that does not fit lets later commands that fit start past it; then
     # nothing more starts on its device until it does (0: strict first in, first out)
     mem_backfill: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0

@@ -14,23 +14,21 @@ What a command is taken to need (`need`), most trusted first:
 The device's commitment (`committed`) is, under --mem-commit now (the default), what the vendor
 reported used at the last sample plus the need of each command started since; under peak, every
 running command's max(need, observed peak) plus the warm pool's workers' memory, or what the vendor
-reports used if that is more (processes outside krex, driver reservations). A command fits when its
-need is at most the device's total less the commitment and --mem-headroom (a fraction of the total).
-Commands that do not fit wait in a FIFO per device, each with its reason; none is refused for memory
-unless its declared need exceeds the device. A head waiting on a device where no command runs starts
+reports used if that is more (processes outside krex, driver reservations). Under none, memory holds
+no first run back (`optimistic`): only a declared need, and a guarded re-run's, must fit. A command
+fits when its need is at most the device's total less the commitment and --mem-headroom. Commands
+that do not fit wait in a FIFO per device, each with its reason; none is refused for memory unless
+its declared need exceeds the device. A head waiting on a device where no command runs starts
 whatever the figures say, so a command that fits alone always runs eventually. For --mem-backfill
-seconds after a head first waits, later commands that fit start past it (on the H100, strict order
-behind one 28.7 GiB problem left the device idling at a third of sharing's pace); then nothing more
-starts there until it does, so none starves. A waiting re-run is never passed.
+seconds after a head first waits, later commands that fit start past it; then nothing more starts
+there until it does, so none starves. A waiting re-run is never passed.
 
 A re-run after a co-located out-of-memory (reruns.py) whose need is known is *guarded*: it starts
 when that need fits beside every running command's peak, and while it runs the device counts peaks
 for every admission, so nothing started later can take what it needs. Where its need is unknown, or
-a guarded re-run met an out-of-memory again, it runs alone. Running each re-run alone left an H100
-running one job at a time for a third of a region round (four re-runs, 48 s of 139 s).
+a guarded re-run met an out-of-memory again, it runs alone (docs/admission.md has why).
 
-Per-process peaks come from the vendor (NVML's per-process used memory) on a thread, every
-memsample.SAMPLE_S while commands run, matched to each command's process tree (its cgroup's pids).
+Per-process peaks: the vendor's per-process used memory (NVML), sampled by memsample.py.
 """
 
 from __future__ import annotations
@@ -113,11 +111,9 @@ class Admission:
 
     def committed(self, dm: DeviceMemory, but: str = "") -> int:
         """What the device is taken to hold. --mem-commit peak: every running command's need or
-        peak, its whole life. now (default): what the vendor saw used at the last sample, and the
-        need of each command it did not see (started since, or not seen holding memory yet: a
-        start races the sample). KernelBench jobs hold their peak for a moment of a life spent
-        mostly on the CPU: reserving it throughout held an H100 to a third of sharing's pace, and
-        a collision of peaks is what the co-located out-of-memory re-run is for."""
+        peak, its whole life. now (default) and none: what the vendor saw used at the last sample,
+        and the need of each command it did not see (started since, or not seen holding memory
+        yet: a start races the sample). docs/admission.md says why `now` is the default."""
         running = [self.core.commands[c] for c in dm.running if c != but]
         if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
             return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
@@ -176,6 +172,8 @@ class Admission:
             queued = len(self.core.scheduler.queued(key))
             if queued >= backlog:  # another command would only wait in that line too
                 return f"waiting: {queued} region(s) already queued on {key} (--region-backlog {backlog})"
+        if self.optimistic(cmd, others):
+            return ""
         if cmd.mem_source == "unknown":
             guarded = next((o for o in others if o.guarded), None)
             if guarded is not None:  # its need of 0 could take what the re-run's peak needs
@@ -194,6 +192,12 @@ class Admission:
                 f"pool {gib(dm.pool)}, used {gib(dm.used)}, headroom {gib(self.headroom(dm))})"
             )
         return ""
+
+    def optimistic(self, cmd: Command, others: list[Command]) -> bool:
+        """--mem-commit none: a first run with no declared need starts whatever memory is in use,
+        unless a guarded re-run runs (it keeps its need); a co-located out-of-memory is re-run."""
+        none, declared = self.core.config.mem_commit == "none", cmd.mem_source == "declared"
+        return none and not declared and not any(o.guarded for o in others)
 
     def _region_on(self, cmd: Command, dm: DeviceMemory) -> str:
         """Why a CUDA start waits for the region that holds (or enters on) the device ("": none).
@@ -247,8 +251,7 @@ class Admission:
 
     def _ahead_wait(self, dm: DeviceMemory) -> str:
         """Why a gated command may not start yet ("" when it may): as many started on the device and
-        not admitted yet (importing, or waiting at their gates) as it has CPUs. Without a bound,
-        `--max-running auto`'s 64 jobs would all import at once."""
+        not admitted yet (importing, or at their gates) as it has CPUs (`--max-running auto`: 64)."""
         ahead = len(dm.gated) + sum(1 for c in dm.waiting if self.core.commands[c].gate == "asked")
         cap = len(dm.device.cpus) or os.cpu_count() or 1
         if ahead < cap:
@@ -303,9 +306,7 @@ class Admission:
     @staticmethod
     def waits(cmd: Command) -> bool:
         """Whether a command in a device's queue still waits: not started, or waits at its gate."""
-        if cmd.gate == "asked":
-            return cmd.state is CommandState.RUNNING
-        return cmd.state is CommandState.QUEUED
+        return cmd.state is (CommandState.RUNNING if cmd.gate == "asked" else CommandState.QUEUED)
 
     def _enter(self, cmd: Command, dm: DeviceMemory) -> bool:
         if dm.waiting and not self._passes(cmd, dm):  # behind a head it may not pass

@@ -1,0 +1,41 @@
+"""--mem-commit none on a real daemon with the fake vendor (test_admission.py has its helpers): memory
+holds no first run back, a co-located out-of-memory is re-run so that no job is lost, and a declared
+need is still reserved."""
+
+from __future__ import annotations
+
+from .test_admission import MiB, alloc, daemon, fake, released, row, until_status
+
+__all__ = ["fake"]  # the fixture
+
+
+async def test_first_runs_start_whatever_memory_and_a_co_located_oom_is_re_run(fake, tmp_path):
+    """A (unknown footprint) holds 600 MiB of 1000. B, unknown too, starts beside it at once (under
+    `now` it would wait: one unknown at a time), grows to 600 and meets CUDA out of memory; it is
+    re-run alone (its need is still unknown: an out-of-memory peak is not learned) once A ends, and
+    succeeds. C declares 600 MiB: a declared need still waits for room."""
+    env = fake
+    ra, gb, rc = (str(tmp_path / n) for n in ("ra", "gb", "rc"))
+    async with daemon("--mem-commit", "none", "--mem-backfill", "0", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, label="a-kind")
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 600 * MiB, "A allocated")
+        b = await c.submit(alloc("50M", "600M", gate=gb), env=env, label="b-kind", rerun_on_oom=True)
+        assert not b.queued
+        st = await until_status(c, b.command, lambda s: s["mem_peak"] >= 50 * MiB, "B beside A")
+        assert st["mem_source"] == "unknown", st
+        cc = await c.submit(alloc("600M", release=rc), env=env, mem=600 * MiB)
+        assert cc.queued
+        assert "needs ~0.6 GiB (declared)" in (await row(c, cc.command))["waiting_for"]
+        released(gb)
+        st = await until_status(c, b.command, lambda s: s["reruns"] == 1, "B re-queued after its OOM")
+        assert st["state"] == "queued" and "waits to run alone on fake0" in st["waiting_for"], st
+        released(ra)
+        assert (await a.wait()).report.exit_code == 0
+        res = await b.wait()
+        rep = res.report
+        assert rep.exit_code == 0 and rep.reruns == 1 and rep.rerun_reason == "co-located OOM", rep
+        assert res.stdout == b"allocated 52428800\nallocated 629145600\n", res
+        released(rc)
+        assert (await cc.wait()).report.exit_code == 0
+        await c.close()
