@@ -4,7 +4,10 @@ The daemon allocates `<state_dir>/space.reserve` at start. A record write (the c
 intent record, the driver-lock record) that fails with ENOSPC releases the reserve and is tried once
 more, so regions go on while something other than krex's spool (which stops short of its own margin)
 fills the disk; the disk is then reported full (`state_disk_full` in status and metrics) until the
-reserve can be made again, which each later write and each status read tries.
+reserve is made again, which each later write and each status read tries once the disk has room for
+the reserve and as much again: space was freed. Making it back from the room it gave (all there is
+while the disk stays full) would report the disk fine while it is not, and the next write would only
+spend it again; whether status said so would depend on whether some other write had taken that room.
 """
 
 from __future__ import annotations
@@ -57,9 +60,17 @@ class Reserve:
         except FileNotFoundError:
             return False
 
+    def _room(self) -> bool:
+        """Whether the disk has room for the reserve and as much again (see the module's doc)."""
+        try:
+            st = os.statvfs(os.path.dirname(self.path))
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= 2 * self.size
+
     def refresh(self) -> bool:
-        """Whether the disk is still full: retries the reserve once it was spent."""
-        if self.full:
+        """Whether the disk is still full: makes the reserve again once it was spent and space freed."""
+        if self.full and self._room():
             self.make()
         return self.full
 
@@ -78,8 +89,7 @@ class Reserve:
                 raise
             fn()
             return
-        if self.full:
-            self.make()
+        self.refresh()
 
 
 def setup(state_dir: str) -> Reserve:

@@ -8,9 +8,12 @@ import os
 
 import pytest
 
+from krex_async import Client
+from krex_async.linux import reserve
+from krex_async.linux.fsutil import replace_file
 from krex_async.ops.statusview import render
 
-from ..conftest import PY, py_env, run_daemon
+from ..conftest import PY, py_env, run_daemon, until
 from ..isolation.cgroup_util import need_cgroups
 
 REGION = """
@@ -21,6 +24,23 @@ try:
 except Exception as e:
     print("refused", type(e).__name__, e)
 """
+
+
+def intent_names(state: str, command: str) -> bool:
+    """Whether the intent record on disk holds `command`'s cgroups (written in the background)."""
+    try:
+        with open(os.path.join(state, "intent.json")) as f:
+            return f"cmd-{command}" in f.read()
+    except OSError:
+        return False
+
+
+async def running(c: Client, command: str) -> None:
+    """Until status shows `command` running (its start record is written by then)."""
+    while not any(
+        x["command"] == command and x["state"] == "running" for x in (await c.status())["commands"]
+    ):
+        await asyncio.sleep(0.01)
 
 
 def fill(d: str, name: str = "filler") -> None:
@@ -38,18 +58,28 @@ async def test_a_state_disk_filled_by_others_keeps_regions_going_on_the_reserve(
     """Something else fills the state disk: the next record write spends the reserve, the region
     is granted and status says the disk is full; with the reserve's room taken too, a region that
     cannot record its intent is refused with an answer (not left waiting); space freed, the
-    reserve is made again and the disk no longer reported full."""
+    reserve is made again and the disk no longer reported full.
+
+    The sibling's records all land before the fill, so the write that meets the full disk is the
+    region's own intent record, and nothing else takes the room the reserve gave back: the disk
+    must still read full then (the reserve is not made back from its own room)."""
     need_cgroups()
     state = os.path.join(small_tmpfs, "state")
     async with run_daemon("--isolation", "cgroup", "--state-dir", state) as d:
         async with await d.client() as c:
             assert (await c.status())["state_disk_full"] is False
             sib = await c.submit([PY, "-c", "import time; time.sleep(30)"], env=py_env())
+            await asyncio.wait_for(running(c, sib.command), 20)
+            await until(
+                lambda: intent_names(state, sib.command), "the sibling's cgroups in the intent record"
+            )
             fill(small_tmpfs)
             res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
             assert res.stdout.decode().startswith("granted"), (res.stdout, res.stderr[-2000:])
+            assert not os.path.exists(os.path.join(state, "space.reserve"))  # spent
             st = await c.status()
             assert st["state_disk_full"] is True
+            assert not os.path.exists(os.path.join(state, "space.reserve"))  # not made from its own room
             assert "state disk FULL" in render(st), render(st)
             fill(small_tmpfs, "filler2")  # what the reserve gave back
             res = await asyncio.wait_for(c.run([PY, "-c", REGION], env=py_env()), 20)
@@ -61,6 +91,25 @@ async def test_a_state_disk_filled_by_others_keeps_regions_going_on_the_reserve(
             assert os.path.getsize(os.path.join(state, "space.reserve")) > 0
             await c.cancel(sib.command)
         assert d.proc.poll() is None
+
+
+def test_the_reserve_comes_back_only_when_space_is_freed(small_tmpfs):
+    """A write on a full disk spends the reserve; the room it gave back alone does not make it
+    again (the disk is still full: the next write would only spend it again), space freed does."""
+    state = os.path.join(small_tmpfs, "state")
+    os.makedirs(state)
+    r = reserve.setup(state)
+    assert not r.full and os.path.getsize(r.path) == r.size
+    record = os.path.join(state, "intent.json")
+    replace_file(record, b"{}")  # there before: its rewrite takes no more room than it frees
+    fill(small_tmpfs)
+    reserve.guarded(record, lambda: replace_file(record, b"{ }"))
+    assert r.full and not os.path.exists(r.path)
+    assert r.refresh() is True and not os.path.exists(r.path)
+    reserve.guarded(record, lambda: replace_file(record, b"{}"))  # a later write: still full
+    assert r.full and not os.path.exists(r.path)
+    os.unlink(os.path.join(small_tmpfs, "filler"))
+    assert r.refresh() is False and os.path.getsize(r.path) == r.size
 
 
 def test_the_full_state_disk_gauge() -> None:
