@@ -152,8 +152,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # what a device is taken to hold: now, what it used at the last sample plus the needs of the
     # commands started since; peak, every running command's need or peak for its whole life; none,
     # nothing for a first run (only a declared need or a guarded re-run's waits): a co-located
-    # out-of-memory is re-run instead
-    mem_commit: Literal["now", "peak", "none"] = "now"
+    # out-of-memory is re-run instead; auto, none for a command that allows that re-run
+    # (Submit.rerun_on_oom: the gateway's jobs), now for the others
+    mem_commit: Literal["auto", "now", "peak", "none"] = "auto"
     # seconds a queue's head that does not fit lets later commands that fit start past it; then
     # nothing more starts on its device until it does (0: strict first in, first out)
     mem_backfill: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0

@@ -255,9 +255,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--mem-commit",
-        help="what a device is taken to hold: now (default): its use at the last sample and the "
-        "needs of commands started since; peak: every running command's need or peak, its whole life; "
-        "none: first runs start whatever memory is in use, and a co-located out-of-memory is re-run",
+        help="what a device is taken to hold: now: its use at the last sample and the needs of "
+        "commands started since; peak: every running command's need or peak, its whole life; none: "
+        "first runs start whatever memory is in use, and a co-located out-of-memory is re-run; auto "
+        "(default): none for commands that allow that re-run (the gateway's), now for the others",
     )
     p.add_argument(
         "--mem-backfill",

@@ -1,6 +1,7 @@
-"""--mem-commit none on a real daemon with the fake vendor (test_admission.py has its helpers): memory
-holds no first run back, a co-located out-of-memory is re-run so that no job is lost, and a declared
-need is still reserved."""
+"""--mem-commit none and auto (the default) on a real daemon with the fake vendor (test_admission.py
+has its helpers): memory holds no first run back, a co-located out-of-memory is re-run so that no
+job is lost, and a declared need is still reserved; auto is optimistic only where that re-run is
+allowed."""
 
 from __future__ import annotations
 
@@ -38,4 +39,28 @@ async def test_first_runs_start_whatever_memory_and_a_co_located_oom_is_re_run(f
         assert res.stdout == b"allocated 52428800\nallocated 629145600\n", res
         released(rc)
         assert (await cc.wait()).report.exit_code == 0
+        await c.close()
+
+
+async def test_auto_is_optimistic_only_for_commands_whose_out_of_memory_is_re_run(fake, tmp_path):
+    """The default, --mem-commit auto: A (unknown footprint) holds 600 MiB. B, unknown too and not
+    allowing a re-run (a plain client's default), waits while A's footprint is learned, as under
+    `now`; C, unknown and allowing one (as the gateway's jobs do), starts beside A at once."""
+    env = fake
+    ra, rb, rc = (str(tmp_path / n) for n in ("ra", "rb", "rc"))
+    async with daemon("--mem-backfill", "600", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("600M", release=ra), env=env, label="a-kind")
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 600 * MiB, "A allocated")
+        b = await c.submit(alloc("10M", release=rb), env=env, label="b-kind")
+        assert b.queued
+        assert "footprint unknown" in (await row(c, b.command))["waiting_for"]
+        cc = await c.submit(alloc("10M", release=rc), env=env, label="c-kind", rerun_on_oom=True)
+        assert not cc.queued
+        await until_status(c, cc.command, lambda s: s["mem_peak"] >= 10 * MiB, "C beside A")
+        assert (await row(c, b.command))["state"] == "queued"
+        for path in (ra, rb, rc):
+            released(path)
+        for h in (a, b, cc):
+            assert (await h.wait()).report.exit_code == 0
         await c.close()

@@ -68,7 +68,7 @@ ENUMS = {
     "probes": "auto, off, ioctl, launches, tracefs",
     "launch_scope": "outsiders, all",
     "admission": "auto, memory, off",
-    "mem_commit": "now, peak, none",
+    "mem_commit": "auto, now, peak, none",
     "mem_gate": "on, off",
 }
 

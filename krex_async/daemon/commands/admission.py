@@ -9,16 +9,17 @@ What a command is taken to need (`need`), most trusted first:
                command teaches every prefix, and its need is what the longest known prefix learned
                (a problem's own largest peak once it ran, its kind's typical (median) one until then)
     default    --mem-default, where set
-    unknown    none of these: one unknown at a time per device, while its footprint is learned
+    unknown    none of these: one unknown at a time per device (not under none), footprint learned
 
-The device's commitment (`committed`) is, under --mem-commit now (the default), what the vendor
-reported used at the last sample plus the need of each command started since; under peak, every
-running command's max(need, observed peak) plus the warm pool's workers' memory, or what the vendor
-reports used if that is more (processes outside krex, driver reservations). Under none, memory holds
-no first run back (`optimistic`): only a declared need, and a guarded re-run's, must fit. A command
-fits when its need is at most the device's total less the commitment and --mem-headroom. Commands
-that do not fit wait in a FIFO per device, each with its reason; none is refused for memory unless
-its declared need exceeds the device. A head waiting on a device where no command runs starts
+The device's commitment (`committed`) is, under --mem-commit now, what the vendor reported used at
+the last sample plus the need of each command started since; under peak, every running command's
+max(need, observed peak) plus the warm pool's workers' memory, or what the vendor reports used if
+that is more (processes outside krex, driver reservations). Under none, memory holds no first run
+back (`optimistic`): only a declared need, and a guarded re-run's, must fit; auto (the default) is
+none for a command that allows a re-run (Submit.rerun_on_oom, as the gateway's), now for the rest. A
+command fits when its need is at most the device's total less the commitment and --mem-headroom.
+Commands that do not fit wait in a FIFO per device, each with its reason; none is refused for memory
+unless its declared need exceeds the device. A head waiting on a device where no command runs starts
 whatever the figures say, so a command that fits alone always runs eventually. For --mem-backfill
 seconds after a head first waits, later commands that fit start past it; then nothing more starts
 there until it does, so none starves. A waiting re-run is never passed.
@@ -28,7 +29,6 @@ when that need fits beside every running command's peak, and while it runs the d
 for every admission, so nothing started later can take what it needs. Where its need is unknown, or
 a guarded re-run met an out-of-memory again, it runs alone (docs/admission.md has why).
 
-Per-process peaks: the vendor's per-process used memory (NVML), sampled by memsample.py.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ from krex_async.devices.base import Device
 
 log = logs.get("krex.daemon")
 REGION_GATE_MAX_S = 5.0  # the longest a CUDA start waits for the device's regions to end
-# how long a started command not yet seen holding memory counts its need (its start raced the
-# sample); bounded, for a daemon whose NVML pids are not its own sees no command's memory
+# how long a started command not yet seen holding memory counts its need (a start races the sample)
 UNSEEN_S = 5.0
 
 
@@ -194,10 +193,11 @@ class Admission:
         return ""
 
     def optimistic(self, cmd: Command, others: list[Command]) -> bool:
-        """--mem-commit none: a first run with no declared need starts whatever memory is in use,
-        unless a guarded re-run runs (it keeps its need); a co-located out-of-memory is re-run."""
-        none, declared = self.core.config.mem_commit == "none", cmd.mem_source == "declared"
-        return none and not declared and not any(o.guarded for o in others)
+        """--mem-commit none (auto: for a command whose co-located out-of-memory is re-run): a first
+        run with no declared need starts whatever memory is in use, unless a guarded re-run runs."""
+        mode = self.core.config.mem_commit
+        none = mode == "none" or (mode == "auto" and cmd.spec.rerun_on_oom)
+        return none and cmd.mem_source != "declared" and not any(o.guarded for o in others)
 
     def _region_on(self, cmd: Command, dm: DeviceMemory) -> str:
         """Why a CUDA start waits for the region that holds (or enters on) the device ("": none).
