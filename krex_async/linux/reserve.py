@@ -66,14 +66,18 @@ class Reserve:
         """Whether the disk has room for the reserve and as much again, as this process may take it:
         statvfs only bounds that (a root daemon may use the blocks kept for root, which f_bavail
         leaves out, and ext4 keeps others from everyone, which f_bfree counts), so an allocation of
-        that much, given back at once, tells."""
+        that much, given back at once, tells (under the mutex: a write that fails meanwhile waits
+        for it to end and tries again)."""
         try:
             st = os.statvfs(os.path.dirname(self.path))
         except OSError:
             return False
         if st.f_bfree * st.f_frsize < 2 * self.size:
             return False
-        probe = self.path + ".probe"
+        with self._mutex:
+            return self._probe(self.path + ".probe")
+
+    def _probe(self, probe: str) -> bool:
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -95,8 +99,8 @@ class Reserve:
         return self.full
 
     def write(self, fn: Callable[[], None]) -> None:
-        """Run record write `fn`; on ENOSPC spend the reserve and run it once more (OSError if it
-        still fails, or there was no reserve to spend)."""
+        """Run record write `fn`; on ENOSPC spend the reserve (if any is left) and run it once more
+        (OSError if that fails too): a probe (`_room`) that took the room a moment has ended then."""
         try:
             fn()
         except OSError as e:
@@ -104,9 +108,7 @@ class Reserve:
                 raise
             self.full = True
             with self._mutex:
-                spent = self._drop()
-            if not spent:
-                raise
+                self._drop()
             fn()
             return
         self.refresh()
