@@ -34,10 +34,10 @@ def small_ext4():
     keeps 5% by default: an unprivileged writer sees it full while root can still write."""
     if os.geteuid() != 0:
         pytest.skip("mounting a loop file system needs root")
-    img = tempfile.mktemp(prefix="krex-ext4-", suffix=".img", dir="/tmp")
+    fd, img = tempfile.mkstemp(prefix="krex-ext4-", suffix=".img", dir="/tmp")
+    os.ftruncate(fd, 8 << 20)
+    os.close(fd)
     d = tempfile.mkdtemp(prefix="krex-ext4-", dir="/tmp")
-    with open(img, "wb") as f:
-        f.truncate(8 << 20)
     try:
         for argv in (["mkfs.ext4", "-q", "-F", "-m", "50", img], ["mount", "-o", "loop", img, d]):
             try:
