@@ -91,7 +91,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=str(d.max_running),
         metavar="N|auto",
         help=f"jobs submitted to the daemon at once, an upper bound (default {d.max_running}); auto: "
-        f"up to {AUTO_MAX_RUNNING}, the daemon's memory admission deciding which start",
+        f"up to {AUTO_MAX_RUNNING}, the daemon's admission deciding which start (its memory only "
+        "under --mem-commit now or peak: docs/admission.md)",
     )
     p.add_argument(
         "--job-retention",

@@ -40,8 +40,9 @@ class Limits:
     max_running: int = 16  # jobs submitted to the daemon at once; the rest stay queued
 
 
-# --max-running auto: the gateway submits up to this many and the daemon's memory admission
-# decides which start (the rest wait in its queue, each with its reason)
+# --max-running auto: the gateway submits up to this many and the daemon's admission decides which
+# start (the rest wait in its queue, each with its reason); under its default --mem-commit auto,
+# memory holds none of these jobs' first runs back (docs/admission.md, "The gateway")
 AUTO_MAX_RUNNING = 64
 
 

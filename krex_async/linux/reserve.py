@@ -5,13 +5,15 @@ intent record, the driver-lock record) that fails with ENOSPC releases the reser
 more, so regions go on while something other than krex's spool (which stops short of its own margin)
 fills the disk; the disk is then reported full (`state_disk_full` in status and metrics) until the
 reserve is made again, which each later write and each status read tries once the disk has room for
-the reserve and as much again: space was freed. Making it back from the room it gave (all there is
-while the disk stays full) would report the disk fine while it is not, and the next write would only
-spend it again; whether status said so would depend on whether some other write had taken that room.
+the reserve and as much again, as the daemon may take it (`_room`): space was freed. Making it back
+from the room it gave (all there is while the disk stays full) would report the disk fine while it
+is not, and the next write would only spend it again; whether status said so would depend on
+whether some other write had taken that room.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -61,12 +63,34 @@ class Reserve:
             return False
 
     def _room(self) -> bool:
-        """Whether the disk has room for the reserve and as much again (see the module's doc)."""
+        """Whether the disk has room for the reserve and as much again, as this process may take it:
+        statvfs only bounds that (a root daemon may use the blocks kept for root, which f_bavail
+        leaves out, and ext4 keeps others from everyone, which f_bfree counts), so an allocation of
+        that much, given back at once, tells (under the mutex: a write that fails meanwhile waits
+        for it to end and tries again)."""
         try:
             st = os.statvfs(os.path.dirname(self.path))
         except OSError:
             return False
-        return st.f_bavail * st.f_frsize >= 2 * self.size
+        if st.f_bfree * st.f_frsize < 2 * self.size:
+            return False
+        with self._mutex:
+            return self._probe(self.path + ".probe")
+
+    def _probe(self, probe: str) -> bool:
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            os.posix_fallocate(fd, 0, 2 * self.size)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
 
     def refresh(self) -> bool:
         """Whether the disk is still full: makes the reserve again once it was spent and space freed."""
@@ -75,8 +99,8 @@ class Reserve:
         return self.full
 
     def write(self, fn: Callable[[], None]) -> None:
-        """Run record write `fn`; on ENOSPC spend the reserve and run it once more (OSError if it
-        still fails, or there was no reserve to spend)."""
+        """Run record write `fn`; on ENOSPC spend the reserve (if any is left) and run it once more
+        (OSError if that fails too): a probe (`_room`) that took the room a moment has ended then."""
         try:
             fn()
         except OSError as e:
@@ -84,9 +108,7 @@ class Reserve:
                 raise
             self.full = True
             with self._mutex:
-                spent = self._drop()
-            if not spent:
-                raise
+                self._drop()
             fn()
             return
         self.refresh()

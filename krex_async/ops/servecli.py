@@ -257,7 +257,7 @@ def add_parser(sub: Any) -> None:
         "--mem-commit",
         help="what a device is taken to hold: now: its use at the last sample and the needs of "
         "commands started since; peak: every running command's need or peak, its whole life; none: "
-        "first runs start whatever memory is in use, and a co-located out-of-memory is re-run; auto "
+        "first runs start whatever memory is in use, a co-located out-of-memory re-run where allowed; auto "
         "(default): none for commands that allow that re-run (the gateway's), now for the others",
     )
     p.add_argument(

@@ -148,3 +148,63 @@ async def test_a_re_run_while_a_process_waits_at_the_gate_is_queued_once() -> No
     b.reset_for_rerun("co-located OOM")
     adm.requeue(b)
     assert list(dm.waiting) == ["b"] and b.gate == "" and b.guarded
+
+
+def gateway_job(adm: Admission, cid: str, mem: int = 0) -> Command:
+    """A first run as the gateway submits it (rerun_on_oom; need unknown unless `mem` is declared),
+    gated; it asks at its CUDA start and returns having passed or waiting."""
+    cmd = Command(
+        id=cid,
+        spec=P.Submit(id=0, argv=["true"], mem=mem, rerun_on_oom=True),
+        uid=os.getuid(),
+        gid=os.getgid(),
+        device=adm.core.device(DEV),
+        policy=Policy.SHARED,
+        tail_limit=1024,
+    )
+    adm.core.commands[cid] = cmd
+    adm.core.scheduler.add_command(cid, DEV)
+    assert adm.admit(cmd) and cmd.gate == "open"
+    cmd.state, cmd.group = CommandState.RUNNING, Group(cid)
+    adm.ask(cmd)
+    return cmd
+
+
+def oom_rerun(adm: Admission, cmd: Command) -> None:
+    """`cmd` failed with a co-located out-of-memory and is put back in line (lifecycle._rerun);
+    others run on its device, so nothing starts."""
+    cmd.reset_for_rerun("co-located OOM")
+    adm.requeue(cmd)
+    assert adm.pump(DEV) == []
+
+
+async def test_optimistic_first_runs_never_pass_a_waiting_re_run() -> None:
+    """--mem-commit none (and auto for a job that allows a re-run): a first run starts whatever the
+    memory, but not past a re-run that waits, alone (need unknown) or guarded (need known); and
+    not beside one that runs alone, or (need unknown) beside a guarded one."""
+    for mode in ("none", "auto"):
+        adm = admission(mem_commit=mode)
+        dm = adm.devices[DEV]
+        a, b = gateway_job(adm, "a"), gateway_job(adm, "b")
+        assert a.gate == b.gate == "passed" and dm.running == {"a", "b"}  # unknowns side by side
+        oom_rerun(adm, b)
+        assert b.solo and list(dm.waiting) == ["b"]
+        c = gateway_job(adm, "c")
+        assert c.gate == "asked" and c.mem_wait == f"queued behind 1 on {DEV}", c.mem_wait
+        assert adm.pump(DEV) == [] and "waits to run alone" in b.mem_wait
+        assert f"({b.id}: re-run" in c.mem_wait, c.mem_wait
+        a.state = CommandState.ENDED
+        assert adm.ended(a, oom=False) == [b]  # b alone; c does not start beside it
+        assert "waiting for b, a re-run after a co-located out-of-memory" in c.mem_wait, c.mem_wait
+        b.state = CommandState.ENDED
+        assert adm.ended(b, oom=False) == [c]
+
+        d = gateway_job(adm, "d", mem=300 * MiB)  # declared: guarded when re-run
+        oom_rerun(adm, d)
+        assert d.guarded and list(dm.waiting) == ["d"] and "waits for c (need unknown)" in d.mem_wait
+        e = gateway_job(adm, "e")
+        assert e.gate == "asked" and e.mem_wait == f"queued behind 1 on {DEV}", e.mem_wait
+        assert adm.pump(DEV) == []
+        c.state = CommandState.ENDED
+        assert adm.ended(c, oom=False) == [d]
+        assert "waiting for d, a guarded re-run, to end" in e.mem_wait, e.mem_wait

@@ -112,6 +112,34 @@ def test_the_reserve_comes_back_only_when_space_is_freed(small_tmpfs):
     assert r.refresh() is False and os.path.getsize(r.path) == r.size
 
 
+def test_a_root_daemon_s_reserve_comes_back_in_the_blocks_kept_for_root(small_ext4):
+    """ext4 keeps blocks for root: a root daemon's writes, the reserve's included, use them, so free
+    space is what root may take (f_bfree), not what an unprivileged writer may (f_bavail, 0 until
+    more than the kept blocks is freed). Space freed, the reserve comes back at once."""
+    state = os.path.join(small_ext4, "state")
+    os.makedirs(state)
+    r = reserve.setup(state)
+    assert not r.full
+    record, freed = os.path.join(state, "intent.json"), os.path.join(small_ext4, "freed")
+    replace_file(record, b"{}")
+    with open(freed, "wb") as f:
+        f.write(b"\0" * (4 * r.size))
+        os.fsync(f.fileno())
+    fill(small_ext4)  # as root: the kept blocks too
+    for i in range(64):  # and what a new small file may still take
+        try:
+            replace_file(os.path.join(small_ext4, f"small{i}"), b"x" * 1024)
+        except OSError:
+            break
+    reserve.guarded(record, lambda: replace_file(record, b"{ }"))
+    assert r.full and not os.path.exists(r.path)
+    assert r.refresh() is True and not os.path.exists(r.path)  # not from its own room
+    os.unlink(freed)
+    st = os.statvfs(small_ext4)
+    assert st.f_bavail * st.f_frsize < 2 * r.size <= st.f_bfree * st.f_frsize, st  # the case
+    assert r.refresh() is False and os.path.getsize(r.path) == r.size
+
+
 def test_the_full_state_disk_gauge() -> None:
     from krex_async.daemon.observe.metrics import Metrics
 

@@ -110,9 +110,9 @@ class Admission:
 
     def committed(self, dm: DeviceMemory, but: str = "") -> int:
         """What the device is taken to hold. --mem-commit peak: every running command's need or
-        peak, its whole life. now (default) and none: what the vendor saw used at the last sample,
-        and the need of each command it did not see (started since, or not seen holding memory
-        yet: a start races the sample). docs/admission.md says why `now` is the default."""
+        peak, its whole life. now, and none or auto (for a declared need): what the vendor saw used
+        at the last sample, and the need of each command it did not see (started since, or not seen
+        holding memory yet: a start races the sample). docs/admission.md has why not peak."""
         running = [self.core.commands[c] for c in dm.running if c != but]
         if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
             return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
