@@ -64,3 +64,26 @@ async def test_auto_is_optimistic_only_for_commands_whose_out_of_memory_is_re_ru
         for h in (a, b, cc):
             assert (await h.wait()).report.exit_code == 0
         await c.close()
+
+
+async def test_an_optimistic_start_waits_while_the_device_is_full_already(fake, tmp_path):
+    """Optimism is about peaks to come, not memory in use: A holds all 1000 MiB; B (unknown,
+    allowing a re-run) waits with a reason naming the full device instead of starting into an
+    out-of-memory, and starts once A ends. This bounds a pile-up (`--max-running auto`: 64)."""
+    env = fake
+    ra, rb = str(tmp_path / "ra"), str(tmp_path / "rb")
+    async with daemon("--mem-commit", "none", env=env) as d:
+        c = await d.client()
+        a = await c.submit(alloc("1000M", release=ra), env=env, label="a-kind")
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 1000 * MiB, "A allocated")
+        b = await c.submit(alloc("10M", release=rb), env=env, label="b-kind", rerun_on_oom=True)
+        assert b.queued
+        why = (await row(c, b.command))["waiting_for"]
+        assert "full already (1.0 GiB of 1.0 GiB in use or starting)" in why, why
+        released(ra)
+        assert (await a.wait()).report.exit_code == 0
+        await until_status(c, b.command, lambda s: s["state"] == "running", "B once A ended")
+        released(rb)
+        rep = (await b.wait()).report
+        assert rep.exit_code == 0 and rep.reruns == 0, rep
+        await c.close()

@@ -28,7 +28,6 @@ A re-run after a co-located out-of-memory (reruns.py) whose need is known is *gu
 when that need fits beside every running command's peak, and while it runs the device counts peaks
 for every admission, so nothing started later can take what it needs. Where its need is unknown, or
 a guarded re-run met an out-of-memory again, it runs alone (docs/admission.md has why).
-
 """
 
 from __future__ import annotations
@@ -36,13 +35,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.commands import memsample
+from krex_async.daemon.commands.devmemory import DeviceMemory, gib
 from krex_async.daemon.commands.footprints import Footprints, mem_keys
 from krex_async.daemon.model.command import Command, CommandState
 from krex_async.daemon.model.core import Core
@@ -53,30 +51,6 @@ log = logs.get("krex.daemon")
 REGION_GATE_MAX_S = 5.0  # the longest a CUDA start waits for the device's regions to end
 # how long a started command not yet seen holding memory counts its need (a start races the sample)
 UNSEEN_S = 5.0
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-@dataclass
-class DeviceMemory:
-    """What admission knows of one device's memory."""
-
-    device: Device
-    used: int = 0  # what the vendor reported used at the last sample (all processes)
-    pool: int = 0  # the pool's workers outside any command, at the last sample
-    baseline: int = 0  # used with no command running: what a lone command's use is counted from
-    running: set[str] = field(default_factory=set)  # admitted, not yet ended
-    gated: set[str] = field(default_factory=set)  # started, admitted at their first CUDA use (--mem-gate)
-    starts: deque[str] = field(default_factory=deque)  # gated, waiting to start (ahead_cap), in order
-    waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
-    head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
-    sampled_at: float = 0.0  # monotonic time of the last sample of `used`
-
-    @property
-    def total(self) -> int:
-        return self.device.memory_total_bytes
 
 
 class Admission:
@@ -171,8 +145,8 @@ class Admission:
             queued = len(self.core.scheduler.queued(key))
             if queued >= backlog:  # another command would only wait in that line too
                 return f"waiting: {queued} region(s) already queued on {key} (--region-backlog {backlog})"
-        if self.optimistic(cmd, others):
-            return ""
+        if (full := self.optimistic(cmd, dm, others)) is not None:
+            return full
         if cmd.mem_source == "unknown":
             guarded = next((o for o in others if o.guarded), None)
             if guarded is not None:  # its need of 0 could take what the re-run's peak needs
@@ -192,12 +166,19 @@ class Admission:
             )
         return ""
 
-    def optimistic(self, cmd: Command, others: list[Command]) -> bool:
+    def optimistic(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str | None:
         """--mem-commit none (auto: for a command whose co-located out-of-memory is re-run): a first
-        run with no declared need starts whatever memory is in use, unless a guarded re-run runs."""
+        run with no declared need starts ("") whatever its own need, unless a guarded re-run runs
+        (None: the other rules decide) or the device is full already by the `now` count (why it
+        waits): that bounds a pile-up, e.g. --max-running auto's 64 jobs on one device."""
         mode = self.core.config.mem_commit
         none = mode == "none" or (mode == "auto" and cmd.spec.rerun_on_oom)
-        return none and cmd.mem_source != "declared" and not any(o.guarded for o in others)
+        if not none or cmd.mem_source == "declared" or any(o.guarded for o in others):
+            return None
+        if self.free(dm, cmd.id) > 0:
+            return ""
+        used, total = gib(self.committed(dm, cmd.id)), gib(dm.total)
+        return f"waiting for memory on {dm.device.key}: full already ({used} of {total} in use or starting)"
 
     def _region_on(self, cmd: Command, dm: DeviceMemory) -> str:
         """Why a CUDA start waits for the region that holds (or enters on) the device ("": none).

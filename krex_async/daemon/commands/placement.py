@@ -6,7 +6,8 @@ from __future__ import annotations
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.commands.access import RequestError
-from krex_async.daemon.commands.admission import Admission, gib
+from krex_async.daemon.commands.admission import Admission
+from krex_async.daemon.commands.devmemory import gib
 from krex_async.daemon.model.core import Core
 from krex_async.devices import NoDevice, place
 from krex_async.devices.base import Device
