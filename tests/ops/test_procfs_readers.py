@@ -112,8 +112,12 @@ def test_threads_and_where_they_sleep() -> None:
         assert until_sync(lambda: len(procfs.tids(p.pid) or ()) == 3), procfs.tids(p.pid)
         tids = procfs.tids(p.pid)
         assert tids is not None and p.pid in tids
-        states = {procfs.thread_state(t) for t in tids}
-        assert all(s is not None and s[0] == "S" for s in states), states
+
+        def sleeping() -> bool:  # a thread just started may still run (R) on a loaded machine
+            return all((s := procfs.thread_state(t)) is not None and s[0] == "S" for t in tids)
+
+        assert until_sync(sleeping), {procfs.thread_state(t) for t in tids}
+        assert {s[1] for t in tids if (s := procfs.thread_state(t))} & {"hrtimer_nanosleep", "do_nanosleep"}
         os.kill(p.pid, signal.SIGSTOP)
         assert until_sync(lambda: (procfs.thread_state(p.pid) or ("",))[0] == "T")
     dead = gone()
