@@ -69,10 +69,7 @@ class LocalFleet:
         if os.geteuid() == 0 and "--socket-group" not in daemon_args:
             # Its commands reach their node's daemon (regions): the socket's group is theirs.
             who = auth.identity(self.run_as)  # KrexError for root
-            try:
-                group = socket_group or str(pwd.getpwnam(who).pw_gid if not who.isdigit() else who)
-            except KeyError:
-                raise KrexError("forbidden", f"no user {who!r} here to run the fleet's commands as") from None
+            group = socket_group or str(_primary_gid(who))
             self.daemon_args = (*daemon_args, "--socket-group", group)
         # As root: who Ray runs as (every task, every agent), granted run_as by the daemons.
         self.ray_user = (ray_user or DEFAULT_RAY_USER) if os.geteuid() == 0 else None
@@ -262,6 +259,16 @@ def _name(who: str | int) -> str:
         return pwd.getpwuid(int(who)).pw_name if str(who).isdigit() else str(who)
     except KeyError:
         return ""
+
+
+def _primary_gid(who: str) -> int:
+    """The primary group of the user (a name, or a uid with no name here) the fleet's commands run
+    as. KrexError for one without a passwd entry: it has no group (and the daemons run no command
+    as it); its uid was once passed on as the socket's gid, some other group or none."""
+    try:
+        return (pwd.getpwuid(int(who)) if who.isdigit() else pwd.getpwnam(who)).pw_gid
+    except KeyError:
+        raise KrexError("forbidden", f"no user {who!r} here to run the fleet's commands as") from None
 
 
 def _gid(group: str) -> int:

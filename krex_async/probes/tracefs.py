@@ -9,7 +9,7 @@ the top-level trace_pipe, and it removes the instance on stop. Set-up, in the in
 The holders come from /proc/*/fd (prefix match on the link target); every `rescan_s` the scan is
 repeated and the pid set and filter updated. Lines whose (tgid, fd) is not a known device fd (another
 holder's fd number) are dropped in user space. A device fd that a scan no longer finds (its process
-exited, or closed it) still counts for the lines stamped before that scan: the reader may parse them
+exited, or closed it) still counts for the lines stamped before that scan ended: the reader may parse them
 after it (late under CPU load, or paused), and a process's last ioctls before it exits are its own.
 A line read before the kernel saved its thread's tgid (a thread that began since and has not been
 switched out yet) shows none: its thread is looked up (the last scan's tasks, else
@@ -130,6 +130,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         # (tgid, fd) -> (path, mono ns of the scan that no longer found it), for the lines stamped before
         self._retired: dict[tuple[int, int], tuple[str, int]] = {}
         self._read_ts = 0  # the newest line's timestamp parsed so far
+        self.scans = 0  # /proc scans done (tests wait for one to have happened)
         self.error: BaseException | None = None
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
         self._stopped = False
@@ -179,15 +180,19 @@ class TracefsProbe(FailureReporting, ProbeBackend):
 
     def _refresh(self) -> None:
         """Scan /proc for device holders; update set_event_pid and the fd filter when they changed."""
-        began = time.monotonic_ns()
         paths = {(tgid, fd): path for tgid, fd, path in scan_proc(self.prefixes)}
+        # Stamped after the scan, not before: a holder may make its ioctls and exit while the scan
+        # runs (before it reaches that pid), and those lines are still its own. The cost: a number
+        # closed and reused during the scan counts as the device until this stamp, as it did
+        # between the close and the scan anyway.
+        ended = time.monotonic_ns()
         # Replaced, not merged: an fd a holder closed may name another file by now. The ones gone
-        # are kept for the lines stamped before this scan, still in the kernel's buffer or in flight
-        # (a holder that made its ioctls and exited while the reader lagged); forgotten once the
-        # reader has parsed a line stamped after they went (trace_pipe is in timestamp order).
+        # are kept for the lines stamped before this scan ended, still in the kernel's buffer or in
+        # flight (a holder that made its ioctls and exited while the reader lagged); forgotten once
+        # the reader has parsed a line stamped after they went (trace_pipe is in timestamp order).
         for key, path in self.fd_paths.items():
             if key not in paths:
-                self._retired[key] = (path, began)
+                self._retired[key] = (path, ended)
         self._retired = {k: v for k, v in self._retired.items() if k not in paths and v[1] > self._read_ts}
         self.fd_paths = paths
         pids: set[int] = set()
@@ -207,6 +212,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             expr = " || ".join(f"fd == {fd}" for fd in sorted(fds)) if fds else "common_pid < 0"
             self._write(f"{EVENT}/filter", expr)
             self._fds = fds
+        self.scans += 1
 
     def _check(self) -> None:
         """Raise ProbeUnavailable when the instance no longer traces (changed from outside)."""

@@ -16,7 +16,7 @@ import pytest
 
 from krex_async.gateway import clocks
 from krex_async.gateway.clocks import ClockError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, until
 
 from .conftest import stack
 from .test_atrex_compat import STUB_EVAL, client_job, typed
@@ -28,21 +28,34 @@ SLOW_SMI = textwrap.dedent("""\
     case "$1" in
       --query-supported-clocks=gr) printf '1980\\n345\\n' ;;
       --lock-gpu-clocks) echo lock-start >> "$log"; sleep {lock}; echo lock-end >> "$log" ;;
-      --reset-gpu-clocks) echo reset-start >> "$log"; sleep {reset}; echo reset-end >> "$log" ;;
+      --reset-gpu-clocks) echo reset-start >> "$log"; {reset_wait}; echo reset-end >> "$log" ;;
       --query-gpu=compute_cap) echo 9.0 ;;
       --query-gpu=*) echo "NVIDIA H200, 143771, 580.159.04" ;;
     esac
 """)
 
 
-def slow_smi(bindir: Path, lock: float, reset: float) -> Path:
-    """A stand-in nvidia-smi whose lock and reset take `lock` and `reset` seconds; returns its log."""
+# The reset waits until the test creates reset.gate beside the log (at most 30 s; the gateway kills
+# it at clocks.TOOL_TIMEOUT, 20 s): a test that asks "still resetting?" gets yes until it says so.
+GATE_WAIT = (
+    'n=0; while [ ! -e "$(dirname "$0")/reset.gate" ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done'
+)
+
+
+def slow_smi(bindir: Path, lock: float, reset: float | None) -> Path:
+    """A stand-in nvidia-smi whose lock and reset take `lock` and `reset` seconds (reset None: until
+    reset.gate exists beside the log, see open_gate); returns its log."""
     bindir.mkdir(parents=True, exist_ok=True)
     smi = bindir / "nvidia-smi"
-    smi.write_text(SLOW_SMI.format(lock=lock, reset=reset))
+    smi.write_text(SLOW_SMI.format(lock=lock, reset_wait=GATE_WAIT if reset is None else f"sleep {reset}"))
     smi.chmod(0o755)
     (bindir / "smi.log").write_text("")
     return bindir / "smi.log"
+
+
+def open_gate(log: Path) -> None:
+    """Let a gated reset (slow_smi with reset=None) end."""
+    (log.parent / "reset.gate").touch()
 
 
 def calls(log: Path) -> list[str]:
@@ -67,33 +80,41 @@ def shared(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 async def test_a_reset_does_not_stall_the_loop_nor_overlap_the_next_lock(shared: Path) -> None:
-    lag = 0.0
+    """The reset runs until the test opens its gate, so a loop that waited for it would stall
+    until clocks.TOOL_TIMEOUT killed it (20 s): the bound on the loop's lag can be far above what
+    a loaded machine adds (it was 0.3 s against a 0.6 s reset)."""
+    log = slow_smi(shared.parent, lock=0.6, reset=None)
+    lag, ticks = 0.0, 0
 
     async def ticker() -> None:
-        nonlocal lag
+        nonlocal lag, ticks
         while True:
             t = time.monotonic()
             await asyncio.sleep(0.01)
-            lag = max(lag, time.monotonic() - t - 0.01)
+            lag, ticks = max(lag, time.monotonic() - t - 0.01), ticks + 1
 
     tick = asyncio.ensure_future(ticker())
     try:
         a = await clocks.acquire()
         b = await clocks.acquire()  # joins: no second lock
         await b.release()
-        assert calls(shared) == ["lock-start", "lock-end"]
+        assert calls(log) == ["lock-start", "lock-end"]
         lag = 0.0
         reset = asyncio.ensure_future(a.release())  # the last share: resets
-        while "reset-start" not in calls(shared):
-            await asyncio.sleep(0.01)
+        await until(lambda: "reset-start" in calls(log), lambda: f"the reset began: {calls(log)}")
         again = asyncio.ensure_future(clocks.acquire())  # asked while the reset runs
+        seen = ticks
+        await until(lambda: ticks >= seen + 5, "the loop ticked during the reset")
+        assert calls(log)[-1] == "reset-start" and not again.done(), (calls(log), again)  # it waits
+        open_gate(log)
         c = await again
         await reset
-        assert lag < 0.3, f"the event loop stalled {lag:.2f} s during the reset"
+        assert lag < clocks.TOOL_TIMEOUT / 2, f"the event loop stalled {lag:.2f} s during the reset"
         await c.release()
     finally:
+        open_gate(log)
         tick.cancel()
-    events = calls(shared)
+    events = calls(log)
     assert events == ["lock-start", "lock-end", "reset-start", "reset-end"] * 2, events
 
 
@@ -114,24 +135,34 @@ async def test_a_job_cancelled_while_locking_gives_the_lock_back_after_it_landed
 
 
 async def test_the_gateway_answers_while_clocks_reset(tmp_path: Path, gwhome: Path) -> None:
-    """An eval with lock_clocks ends; its reset takes 3 s: /healthz is answered during it."""
+    """An eval with lock_clocks ends; its reset runs until the test lets it end: /healthz is
+    answered meanwhile. (A gateway whose loop waited for the reset would answer only once the
+    gateway killed it, after clocks.TOOL_TIMEOUT.) The job itself may be answered before the reset
+    has even begun (its long poll answers first): under load that beat the old test's check."""
     bench, env = install_tools(gwhome / "scratch", STUB_EVAL)
-    log = slow_smi(gwhome / "scratch" / "bin", lock=0.1, reset=3)
+    log = slow_smi(gwhome / "scratch" / "bin", lock=0.1, reset=None)
     async with stack(tmp_path, "--atrex-bench-root", str(bench), env=env) as (_, _gw, c):
         job = asyncio.ensure_future(
             client_job(c, "eval", typed("run", "class Model: pass\n", lock_clocks=True))
         )
-        deadline = time.monotonic() + 60
-        while "reset-start" not in calls(log):
-            assert time.monotonic() < deadline and not job.done(), (calls(log), job)
-            await asyncio.sleep(0.02)
-        t = time.monotonic()
-        assert await c.health() == "ok"
-        took = time.monotonic() - t
-        assert "reset-end" not in calls(log) and took < 1.0, f"/healthz took {took:.2f} s during the reset"
+        try:
+            await until(
+                lambda: "reset-start" in calls(log) or (job.done() and job.exception() is not None),
+                lambda: f"the reset began: {calls(log)}, {job}",
+            )
+            assert not (job.done() and job.exception() is not None), job
+            t = time.monotonic()
+            assert await asyncio.wait_for(c.health(), clocks.TOOL_TIMEOUT / 2) == "ok"
+            took = time.monotonic() - t
+            assert calls(log)[-1] == "reset-start", (calls(log), f"/healthz took {took:.2f} s")
+        finally:
+            open_gate(log)
         done = await asyncio.wait_for(job, 30)
         assert done["status"] == "succeeded" and done["result"]["clock_locked"] is True, done
-    assert serial(calls(log)) and calls(log)[-1] == "reset-end", calls(log)
+        await until(lambda: "reset-end" in calls(log), lambda: f"the reset ended: {calls(log)}")
+    assert serial(calls(log)) and calls(log) == ["lock-start", "lock-end", "reset-start", "reset-end"], calls(
+        log
+    )
 
 
 class TwoGpuNvml:

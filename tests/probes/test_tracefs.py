@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from krex_async.probes import tracefs
 from krex_async.probes.tracefs import TracefsProbe, parse_line
 
+from ..conftest import until
 from .conftest import FIONREAD, TCGETS, Collector, WaitingChild, need_root
 
 
@@ -68,15 +71,16 @@ async def test_an_exited_holders_last_ioctls_are_kept_when_read_after_the_next_s
     col = Collector(probe)
     try:
         col.start()
-        await col.wait_for(lambda: bool(probe._pids))
+        await until(lambda: bool(probe._pids), "the first scan found the holder")
         probe.paused.set()  # the lines wait in the kernel's buffer
         res = child.go()
         pid = res["pid"]
         child.proc.wait()  # exited
-        assert await col.wait_for(lambda: (pid, child.fd) not in probe.fd_paths, timeout=3)  # a scan since
-        await asyncio.sleep(0.3)  # and more
+        await until(lambda: (pid, child.fd) not in probe.fd_paths, "a scan found the holder gone")
+        scans = probe.scans
+        await until(lambda: probe.scans >= scans + 2, "two more scans while paused")
         probe.paused.clear()
-        await col.wait_for(lambda: len(col.of(pid)) >= 7)
+        await until(lambda: len(col.of(pid)) >= 7, lambda: f"7 ioctls of {pid}: {col.of(pid)}")
     finally:
         probe.stop()
         child.kill()
@@ -84,6 +88,50 @@ async def test_an_exited_holders_last_ioctls_are_kept_when_read_after_the_next_s
         [(res["tid"], "TCGETS")] * 4 + [(res["thread_tid"], "FIONREAD")] * 3
     )
     assert probe.counts()[pid] == 7
+
+
+async def test_a_holder_that_exits_while_a_scan_runs_keeps_its_ioctls(
+    devdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race behind the test above's failures under load: a scan begins, the holder makes its
+    ioctls and exits before the scan reaches its pid (the newest, listed last), so that scan no
+    longer finds it. Its device fd was retired as of the scan's start, before its lines' stamps,
+    and all 7 were dropped. Here that scan is held at its start until the holder has exited."""
+    need_tracefs()
+    real_scan = tracefs.scan_proc
+    armed, began, go_on = threading.Event(), threading.Event(), threading.Event()
+
+    def scan(prefixes: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
+        if armed.is_set():
+            armed.clear()
+            began.set()
+            go_on.wait(30)
+        yield from real_scan(prefixes)
+
+    monkeypatch.setattr(tracefs, "scan_proc", scan)
+    child = WaitingChild(f"{devdir}/null0", 4, 3)
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.1)
+    col = Collector(probe)
+    try:
+        col.start()
+        await until(lambda: (child.proc.pid, child.fd) in probe.fd_paths, "a scan found the holder")
+        armed.set()
+        await until(began.is_set, "the next scan began")
+        res = child.go()
+        pid = res["pid"]
+        child.proc.wait()  # exited before that scan lists /proc
+        go_on.set()
+        await until(lambda: (pid, child.fd) not in probe.fd_paths, "the scan found the holder gone")
+        await until(lambda: probe.settle(1.0), "the reader parsed every buffered line")
+        assert probe.counts().get(pid, 0) == 7, (res, probe._retired)
+        await until(lambda: len(col.of(pid)) >= 7, "the batches were delivered")
+    finally:
+        go_on.set()
+        probe.stop()
+        child.kill()
+    assert sorted((e.tid, e.name) for e in col.of(pid)) == sorted(
+        [(res["tid"], "TCGETS")] * 4 + [(res["thread_tid"], "FIONREAD")] * 3
+    )
 
 
 def test_parse_line_formats() -> None:
@@ -164,7 +212,7 @@ async def test_a_closed_device_fd_is_forgotten_by_the_next_scan(devdir: str) -> 
         col.start()
         await col.wait_for(lambda: (p.pid, a) in probe.fd_paths)
         pid = int(say())  # closed a
-        await asyncio.sleep(0.5)  # several scans
+        await until(lambda: (pid, a) not in probe.fd_paths, "a scan found a closed")  # b still held
         assert say() == "done"
         assert probe.settle(1.0)
     finally:
