@@ -47,11 +47,11 @@ def admission(**cfg: Any) -> Admission:
     return Admission(core)
 
 
-def command(adm: Admission, cid: str, mem: int) -> Command:
-    """A command that declared `mem` bytes, admitted by `adm` (gated where the gate applies)."""
+def added(adm: Admission, cid: str, spec: P.Submit) -> Command:
+    """A command of `spec` on DEV, known to `adm`'s core and scheduler, not admitted yet."""
     cmd = Command(
         id=cid,
-        spec=P.Submit(id=0, argv=["true"], mem=mem),
+        spec=spec,
         uid=os.getuid(),
         gid=os.getgid(),
         device=adm.core.device(DEV),
@@ -60,6 +60,12 @@ def command(adm: Admission, cid: str, mem: int) -> Command:
     )
     adm.core.commands[cid] = cmd
     adm.core.scheduler.add_command(cid, DEV)
+    return cmd
+
+
+def command(adm: Admission, cid: str, mem: int) -> Command:
+    """A command that declared `mem` bytes, admitted by `adm` (gated where the gate applies)."""
+    cmd = added(adm, cid, P.Submit(id=0, argv=["true"], mem=mem))
     started = adm.admit(cmd)
     cmd.state, cmd.group = (CommandState.RUNNING, Group(cid)) if started else (CommandState.QUEUED, None)
     return cmd
@@ -153,17 +159,7 @@ async def test_a_re_run_while_a_process_waits_at_the_gate_is_queued_once() -> No
 def gateway_job(adm: Admission, cid: str, mem: int = 0) -> Command:
     """A first run as the gateway submits it (rerun_on_oom; need unknown unless `mem` is declared),
     gated; it asks at its CUDA start and returns having passed or waiting."""
-    cmd = Command(
-        id=cid,
-        spec=P.Submit(id=0, argv=["true"], mem=mem, rerun_on_oom=True),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        device=adm.core.device(DEV),
-        policy=Policy.SHARED,
-        tail_limit=1024,
-    )
-    adm.core.commands[cid] = cmd
-    adm.core.scheduler.add_command(cid, DEV)
+    cmd = added(adm, cid, P.Submit(id=0, argv=["true"], mem=mem, rerun_on_oom=True))
     assert adm.admit(cmd) and cmd.gate == "open"
     cmd.state, cmd.group = CommandState.RUNNING, Group(cid)
     adm.ask(cmd)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import grp
 import os
-import pwd
 import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from krex_async.client.submit import KrexError
+from krex_async.gateway.auth import _has_passwd
 from tests.conftest import run_daemon
 from tests.security.helpers import User, make_users, python_as
 
@@ -43,14 +43,6 @@ def nameless_uid() -> int:
         if g.gr_gid >= 1000 and not _has_passwd(g.gr_gid):
             return g.gr_gid
     return next(u for u in range(60000, 65000) if not _has_passwd(u))
-
-
-def _has_passwd(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    return True
 
 
 async def test_a_uid_run_as_gives_the_socket_to_that_users_primary_group(mallory: User) -> None:
