@@ -255,10 +255,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--mem-commit",
-        help="what a device is taken to hold: now: its use at the last sample and the needs of "
-        "commands started since; peak: every running command's need or peak, its whole life; none: "
-        "first runs start whatever memory is in use, a co-located out-of-memory re-run where allowed; auto "
-        "(default): none for commands that allow that re-run (the gateway's), now for the others",
+        help="what a device is taken to hold: now (its use and the needs of new commands), peak "
+        "(each command's need or peak), none (first runs start, a co-located OOM is re-run), auto "
+        "(default: none where a re-run is allowed, else now)",
     )
     p.add_argument(
         "--mem-backfill",
