@@ -6,12 +6,9 @@ CUDA does ("torch.OutOfMemoryError: CUDA out of memory") where the device is ful
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +16,9 @@ import pytest
 
 from krex_async.client.submit import Client, CommandHandle, KrexError
 
-from ..conftest import PY, krex_status, py_env, run_daemon, until
+from ..conftest import PY, krex_status, run_daemon, until
 from ..ops.test_metrics import L, scrape
-
-MiB = 1 << 20
-TOTAL = 1000 * MiB
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> Iterator[dict[str, str]]:
-    yield from fake_gpu_env()
-
-
-def fake_gpu_env() -> Iterator[dict[str, str]]:
-    """The environment of commands on a fake device of TOTAL bytes; its directory goes after."""
-    d = tempfile.mkdtemp(prefix="fakegpu-", dir="/tmp")
-    yield py_env(KREX_FAKE_GPU_DIR=d, KREX_FAKE_GPU_MEM=str(TOTAL))
-    for root, _dirs, files in os.walk(d, topdown=False):
-        for f in files:
-            os.unlink(os.path.join(root, f))
-        os.rmdir(root)
+from .conftest import TOTAL, MiB
 
 
 def alloc(*sizes: str, gate: str = "", release: str = "", hold: float = 0.0) -> list[str]:

@@ -5,9 +5,8 @@ allowed."""
 
 from __future__ import annotations
 
-from .test_admission import MiB, alloc, daemon, fake, released, row, until_status
-
-__all__ = ["fake"]  # the fixture
+from .conftest import MiB
+from .test_admission import alloc, daemon, released, row, until_status
 
 
 async def test_first_runs_start_whatever_memory_and_a_co_located_oom_is_re_run(fake, tmp_path):

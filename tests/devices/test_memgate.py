@@ -11,17 +11,15 @@ import json
 import os
 import subprocess
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from krex_async.daemon.commands.admission import REGION_GATE_MAX_S
 from krex_async.daemon.model.command import RUNTIME_DIR
 
 from ..conftest import PY, krex_status, run_daemon, until
-from .test_admission import MiB, alloc, eventually, fake_gpu_env, released, row, until_status
+from .conftest import MiB
+from .test_admission import alloc, eventually, released, row, until_status
 
 # A stand-in for torch's CUDA start: `torch.cuda._lazy_init()` calls `torch._C._cuda_init()`, looked
 # up at call time as in torch; the "context" it makes is 300 MiB on the fake device.
@@ -61,11 +59,6 @@ TORCH_JOB = """
     while not Path(sys.argv[3]).exists():
         time.sleep(0.02)
     """
-
-
-@pytest.fixture
-def fake() -> Iterator[dict[str, str]]:
-    yield from fake_gpu_env()
 
 
 def fake_torch(tmp_path: Path) -> str:
