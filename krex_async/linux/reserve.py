@@ -41,26 +41,14 @@ class Reserve:
     def make(self) -> bool:
         """Allocate the reserve (again); False where the disk has not the room (nothing kept)."""
         with self._mutex:
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except OSError:
+            if not _allocate(self.path, self.size):
                 return False
-            try:
-                os.posix_fallocate(fd, 0, self.size)
-            except OSError:
-                os.close(fd)
-                self._drop()
-                return False
-            os.close(fd)
             self.full = False
             return True
 
-    def _drop(self) -> bool:
-        try:
+    def _drop(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-            return True
-        except FileNotFoundError:
-            return False
 
     def _room(self) -> bool:
         """Whether the disk has room for the reserve and as much again, as this process may take it:
@@ -74,23 +62,12 @@ class Reserve:
             return False
         if st.f_bfree * st.f_frsize < 2 * self.size:
             return False
+        probe = self.path + ".probe"
         with self._mutex:
-            return self._probe(self.path + ".probe")
-
-    def _probe(self, probe: str) -> bool:
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return False
-        try:
-            os.posix_fallocate(fd, 0, 2 * self.size)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+            ok = _allocate(probe, 2 * self.size, fresh=True)
             with contextlib.suppress(OSError):
                 os.unlink(probe)
+            return ok
 
     def refresh(self) -> bool:
         """Whether the disk is still full: makes the reserve again once it was spent and space freed."""
@@ -112,6 +89,25 @@ class Reserve:
             fn()
             return
         self.refresh()
+
+
+def _allocate(path: str, size: int, fresh: bool = False) -> bool:
+    """Allocate `size` bytes to `path` (created; a link refused; `fresh`: emptied first, so that
+    blocks it held already do not count); False, and `path` removed, where the disk has not the room."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if fresh else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
 
 
 def setup(state_dir: str) -> Reserve:
