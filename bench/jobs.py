@@ -264,6 +264,17 @@ async def pool_warm(socket: str, limit: float) -> float | None:
             await asyncio.sleep(0.2)
 
 
+async def pool_counts(socket: str) -> dict[str, Any]:
+    """Each pool's counts once a round is done: what it launched and adopted, its misses, and why
+    its workers retired (a reused worker that retires after every job is no reuse)."""
+    from krex_async import Client
+
+    keys = ("launched", "adopted", "misses", "retired", "retired_why", "declined", "failures", "max_uses")
+    async with await Client.connect(socket) as c:
+        pools = (await c.status()).get("pools") or {}
+    return {dev: {k: p.get(k) for k in keys} for dev, p in pools.items()}
+
+
 async def run_alone(jobs: list[jobs_sets.Job], a: argparse.Namespace, name: str) -> dict[str, Any]:
     """Each distinct job alone: one batch job per device kind, one at a time, under `command`."""
     batches = jobs_sets.alone_batches(jobs)

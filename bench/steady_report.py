@@ -368,6 +368,11 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         "variants": v,
         "comparisons": comps,
         "goals": goals(v, comps),
+        "pools": [
+            {"unit": rnd["unit"], "device": dev, **counts}
+            for rnd in data.get("rounds", [])
+            for dev, counts in (rnd.get("pools") or {}).items()
+        ],
         "pending": data.get("pending", []),
     }
 
@@ -477,6 +482,16 @@ def table(s: dict[str, Any]) -> str:
     if rows:
         out += ["", "region entry less the wait for the region before it (ms)"]
         out.append(fmt_table(["variant", "n", "p50", "p95", "max"], rows, floatfmt=".1f"))
+    if s.get("pools"):
+        out += ["", "warm pools at each pooled round's end (workers retired, and why)"]
+        for p in s["pools"]:
+            why = ", ".join(
+                f"{k} {n}" for k, n in sorted((p.get("retired_why") or {}).items(), key=lambda kv: -kv[1])
+            )
+            out.append(
+                f"  {p['unit']} {p['device']}: launched {p.get('launched')}, adopted {p.get('adopted')}, "
+                f"misses {p.get('misses')}, retired {p.get('retired')}" + (f" ({why})" if why else "")
+            )
     out += ["", "goals (issue 38):"] + (["  " + g for g in s["goals"]] or ["  (nothing to judge yet)"])
     for name, x in v.items():
         for f in x["failed_examples"]:

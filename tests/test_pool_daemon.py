@@ -84,7 +84,8 @@ async def test_daemon_reuses_a_worker_and_leaks_nothing(backend: str, tmp_path) 
                 if len(runs) < 3:  # the worker is back, warm, and was not retired
                     st = await _wait_pool(c, {"warm": 1})
                     assert st["retired"] == 0, st
-            await _wait_pool(c, {"warm": 1, "retired": 1})  # its third use ended it; one warmed
+            st = await _wait_pool(c, {"warm": 1, "retired": 1})  # its third use ended it; one warmed
+            assert st["retired_why"] == {"used up (--pool-max-uses)": 1}, st
     pids = [int(r.stdout.split()[0]) for r in runs]
     assert pids[0] == pids[1] == pids[2], [r.stdout for r in runs]
     for r in runs[1:]:
@@ -109,7 +110,9 @@ async def test_status_shows_pools_and_command_start_latency(tmp_path) -> None:
     assert lines[head].split() == ["POOL", "SIZE", "WARM", "BUSY", "RETIRED", "START_P50", "START_P95"]
     row = lines[head + 1].split()
     lat = pst["start_latency_s"]
-    assert row == [
+    assert pst["retired_why"] == {"used up (--pool-max-uses)": pst["retired"]} and pst["retired"] >= 1, pst
+    assert lines[head + 1].endswith(f"retired: {pst['retired']} (used up (--pool-max-uses) {pst['retired']})")
+    assert row[:7] == [
         "cpu",
         "1",
         "1",

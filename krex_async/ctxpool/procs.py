@@ -4,6 +4,7 @@ command left behind in them, and latency summaries for status."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from krex_async.linux import procfs
@@ -58,3 +59,8 @@ def summary(values: Any) -> dict[str, Any]:
     if not v:
         return {"n": 0, "p50": None, "p95": None}
     return {"n": len(v), "p50": v[(len(v) - 1) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))]}
+
+
+def retire_class(reason: str) -> str:
+    """A worker's reason to retire without its particulars (paths, pids, byte counts): a count's key."""
+    return re.sub(r"'[^']*'|\d+", "…", reason.split(":")[0]).strip()[:80]

@@ -302,6 +302,7 @@ def _pools(st: dict[str, Any]) -> list[str]:
             + ("  (paused)" if p.get("paused") else "")
             + (f"  adopted {p['adopted']}" if p.get("adopted") else "")
             + (f"  declined {_reasons(p['declined'])}" if p.get("declined") else "")
+            + (f"  retired: {_reasons(p['retired_why'])}" if p.get("retired_why") else "")
             + (f"  {p['waiting']} waiting for a warm worker" if p.get("waiting") else "")
             + (f"  last error: {err}" if err else "")
         )

@@ -625,3 +625,14 @@ async def test_a_reserved_worker_that_died_is_not_replaced_by_another_at_the_han
         assert got == "reserved worker gone"
     finally:
         await p.close()
+
+
+def test_retire_reasons_are_counted_without_their_particulars() -> None:
+    """Status counts retirements by class: the same cause with another path, pid or size is one key."""
+    from krex_async.ctxpool.procs import retire_class
+
+    a = retire_class("cannot go back to '/sys/fs/cgroup/a/cgroup.procs': [Errno 13] Permission denied")
+    b = retire_class("cannot go back to '/sys/fs/cgroup/b/cgroup.procs': [Errno 1] Operation not permitted")
+    assert a == b == "cannot go back to …"
+    assert retire_class("device memory not returned: 512 bytes") == "device memory not returned"
+    assert retire_class("threads left running: t1") != retire_class("surplus")
