@@ -149,7 +149,9 @@ def cmdline(pid: int | str) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
+async def run_daemon(
+    *args: str, env: dict[str, str] | None = None, python: str = PY
+) -> AsyncIterator[Daemon]:
     """Start `python -m krex_async serve` on a fresh short socket path; stop it (SIGTERM) after.
 
     AF_UNIX paths stop near 108 bytes, so the socket lives in a short temporary directory. As root,
@@ -171,7 +173,7 @@ async def run_daemon(*args: str, env: dict[str, str] | None = None) -> AsyncIter
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             [
-                PY,
+                python,
                 "-m",
                 "krex_async",
                 "serve",

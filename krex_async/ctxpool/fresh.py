@@ -82,7 +82,7 @@ class Baseline:
         self.logging = _logging_state()
         # where a reused worker goes back to after a command: each hierarchy's cgroup.procs
         self.cgroups = _cgroups()
-        self.cgroup_home: dict[str, str | None] = _cgroup_homes()
+        self.cgroup_home: dict[str, str | None] = cgroup_homes()
         self.customize: list[tuple[str, str]] = [
             (n, sys.modules[n].__file__ or "")
             for n in ("sitecustomize", "usercustomize")
@@ -333,13 +333,13 @@ def finish(code: int, stay: bool = False) -> None:
             pass
 
 
-def _cgroups() -> dict[str, str]:
-    """This process's cgroup per hierarchy, keyed as /proc/self/cgroup names them ("" is v2)."""
-    return {ctrls: path for _hid, ctrls, path in procfs.cgroups() or []}
+def _cgroups(pid: int | str = "self") -> dict[str, str]:
+    """A process's cgroup per hierarchy, keyed as /proc/<pid>/cgroup names them ("" is v2)."""
+    return {ctrls: path for _hid, ctrls, path in procfs.cgroups(pid) or []}
 
 
-def _cgroup_homes() -> dict[str, str | None]:
-    """Per hierarchy of /proc/self/cgroup, the cgroup.procs file of this process's cgroup there
+def cgroup_homes(pid: int | str = "self") -> dict[str, str | None]:
+    """Per hierarchy of /proc/<pid>/cgroup, the cgroup.procs file of that process's cgroup there
     (None: that hierarchy is not mounted where we can see it)."""
     mounts: dict[str, str] = {}
     for m in procfs.mounts("cgroup2", "cgroup"):
@@ -349,7 +349,7 @@ def _cgroup_homes() -> dict[str, str | None]:
             names = [o for o in m.options if o not in ("rw", "ro") and "=" not in o or o.startswith("name=")]
             mounts.setdefault(",".join(sorted(names)), m.point)
     homes: dict[str, str | None] = {}
-    for ident, path in _cgroups().items():
+    for ident, path in _cgroups(pid).items():
         mount = mounts.get(",".join(sorted(ident.split(","))) if ident else "")
         homes[ident] = None if mount is None else os.path.join(mount, path.lstrip("/"), "cgroup.procs")
     return homes
@@ -372,8 +372,10 @@ def _go_home(base: Baseline) -> str | None:
     return None
 
 
-def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
-    """Put a reused worker back to its baseline; returns why it must retire instead, or None."""
+def leave(base: Baseline, devnull: int, spec: dict[str, Any], go_home: bool = True) -> str | None:
+    """Put a reused worker back to its baseline; returns why it must retire instead, or None.
+    `go_home` False: the pool moves it back to its own cgroups once it reports the command's end
+    (a worker of an unprivileged user cannot leave a cgroup the root daemon put it in)."""
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)  # the command's pipes see EOF once its own children are done
     sys.stdin, sys.stdout, sys.stderr = base.stdio
@@ -403,7 +405,7 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any]) -> str | None:
     sys.setprofile(None)
     threading.settrace(None)  # type: ignore[arg-type]
     threading.setprofile(None)  # type: ignore[arg-type]
-    reason = _go_home(base) or _drop_modules(base)
+    reason = (_go_home(base) if go_home else None) or _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:
         reason = reason or f"threads left running: {', '.join(alive)}"

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from krex_async.ctxpool import channel, forms
+from krex_async.ctxpool import channel, forms, fresh
 from krex_async.ctxpool.base import WORKER_CWD, WORKER_MODULE, PoolConfig
+from krex_async.ctxpool.procs import home_by_pool
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
 from krex_async.ctxpool.procs import memory as _memory
@@ -52,6 +53,7 @@ class Worker:
     joined: bool = False  # its command joins a cgroup (spec.cgroup_procs)
     warmed: bool = False  # was warm once: leaving now is retiring, not failing to start
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
+    homes: dict[str, str | None] | None = None  # its own cgroups' procs files, where the pool moves it
     accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
     surplus: bool = False  # came back surplus while the device was paused: retired at resume()
     reserved: bool = False  # offered to an adopter by take(), not handed over yet
@@ -104,6 +106,8 @@ class Worker:
         """It said "ready": warm, its context made (if asked). Returns what it said of its
         interpreter (flags, options, start-up environment), if it said it."""
         self.state, self.warmed, self.home = "warm", True, bool(msg.get("home", True))
+        if self.homes is None and home_by_pool():  # read before any command ran in it
+            self.homes = fresh.cgroup_homes(self.pid)
         self.ready.set()
         if "hexversion" not in msg:
             return None
@@ -123,9 +127,11 @@ class Worker:
         command alone. Returns why it retires ("" when it resets for another command; what the
         command left running in it is killed first)."""
         assert self.done is not None
-        if not msg.get("retire") and self.launched is not None:
+        retire = str(msg.get("retire") or "")
+        if not retire and self.launched is not None:
             self.launched.lives_on = True
             _kill_leftovers(self.pid)  # before it can take another command and fork for it
+            retire = self._go_home()
         self.done.set_result(
             ExitStatus(
                 msg["code"],
@@ -134,10 +140,24 @@ class Worker:
             )
         )
         self.launched = None
-        if not msg.get("retire"):
+        if not retire:
             self.state = "starting"  # until its "ready" after the reset
             self.ready.clear()
-        return str(msg.get("retire") or "")
+        return retire
+
+    def _go_home(self) -> str:
+        """Back into its own cgroups, moved by the pool (home_by_pool()): the command is over, and
+        its reset and health check ran in the command's cgroups. Why not, or ""."""
+        for path in (self.homes or {}).values():
+            if path is None:
+                continue
+            try:
+                with open(path, "w") as f:
+                    f.write(str(self.pid))
+            except OSError as e:
+                _kill(self.pid)  # it would reset and say "ready"; it is not to serve again
+                return f"cannot go back to {path}: {e.strerror}"
+        return ""
 
     def returns(self, max_uses: int, hooked: bool, more: int = 0) -> bool:
         """Whether it comes back to the pool after its command (after `more` commands yet)."""
@@ -213,6 +233,8 @@ def spawn(
             "1" if config.init_context else "0",
             "--max-uses",
             str(max(1, config.max_uses)),
+            "--home-by-pool",
+            "1" if home_by_pool() else "0",
             "--lc-ctype-coerced",
             "0" if {"LC_ALL", "LC_CTYPE"} & env.keys() else "1",
         ]

@@ -392,7 +392,7 @@ class Pool:
         if t == "imported":
             if self.config.creates_context(self.device.vendor):
                 self._workers.task(self._gate.create(w, lambda: self._closed))
-        elif t == "ready":
+        elif t == "ready" and w.state != "retired":  # not one retired as it said "exited"
             if w.warmed and self._have() > self._target() and not self._lending.waiters:
                 if not self._gate.paused:
                     self._retire_surplus(w)

@@ -61,6 +61,15 @@ def summary(values: Any) -> dict[str, Any]:
     return {"n": len(v), "p50": v[(len(v) - 1) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))]}
 
 
+def home_by_pool() -> bool:
+    """Whether the pool moves a reused worker back to its own cgroups after a command, rather than
+    the worker itself: a root daemon can, and a worker of another user cannot leave the command's
+    cgroups (their common ancestor's cgroup.procs is root's). Only once the command is over, from
+    cgroups read before any command ran in the worker: a request of the worker's own is never taken,
+    as a command's code could make it to leave its command's cgroups."""
+    return os.geteuid() == 0
+
+
 def retire_class(reason: str) -> str:
     """A worker's reason to retire without its particulars (paths, pids, byte counts): a count's key."""
-    return re.sub(r"'[^']*'|\d+", "…", reason.split(":")[0]).strip()[:80]
+    return re.sub(r"'[^']*'|/\S*|\d+", "…", reason.split(":")[0]).strip()[:80]

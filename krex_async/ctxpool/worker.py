@@ -4,7 +4,8 @@
           import --init-modules ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started"
           ──► run __main__
           ──► max_uses reached: exit with the command's status (atexit, flush: a normal exit)
-          ──► else: finish, report "exited", fresh.leave, health check ──► "ready" again, or retire
+          ──► else: finish, fresh.leave, health check, report "exited" (the pool may move it back to its
+              own cgroups then) ──► "ready" again, or retire
 
 The worker keeps its channel (a SOCK_SEQPACKET fd from the pool, close-on-exec) open while it waits;
 EOF on it means the pool is gone, and the worker exits. Warming errors are sent back as a traceback
@@ -71,6 +72,9 @@ class Context:
             cuda = self.torch.cuda
             try:
                 cuda.synchronize()
+                # cuBLAS keeps a workspace per handle and stream from the caching allocator: the
+                # command's, not the worker's (the next command's first matmul makes its own)
+                getattr(getattr(self.torch, "_C", None), "_cuda_clearCublasWorkspaces", lambda: None)()
                 now = cuda.memory_allocated()
                 if now > self.baseline_bytes:
                     return f"device memory not returned: {now - self.baseline_bytes} bytes"
@@ -102,6 +106,7 @@ def _options(argv: list[str]) -> dict[str, str]:
         "ordinal": "0",
         "init-context": "1",
         "max-uses": "1",
+        "home-by-pool": "0",
         "lc-ctype-coerced": "0",
         "init-modules": "",
     }
@@ -154,7 +159,9 @@ def main(argv: list[str]) -> int:
         if k not in ("__main__", "sitecustomize", "usercustomize")
     }
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
-    home = all(base.cgroup_home.values())  # can leave any cgroup a command puts it in
+    # can leave any cgroup a command puts it in: itself, or the pool moves it (the daemon is root)
+    by_pool = opts["home-by-pool"] == "1"
+    home = by_pool or all(base.cgroup_home.values())
     channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home, **_interpreter(init_env)})
     while True:
         try:
@@ -170,7 +177,7 @@ def main(argv: list[str]) -> int:
             return _exit_like_python(code, interrupted)
         fresh.finish(code, stay=True)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
-        reason = fresh.leave(base, devnull, msg["spec"])
+        reason = fresh.leave(base, devnull, msg["spec"], go_home=not by_pool)
         gc.collect()  # the command's __main__ and what it held go now
         reason = reason or ctx.check()
         _send_quiet(

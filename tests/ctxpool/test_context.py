@@ -37,9 +37,22 @@ class FakeCuda:
         self.cached = 0  # free cached blocks go back; `pinned` (a segment still in use) does not
 
 
+class FakeC:
+    """torch._C's cuBLAS workspaces: allocated through the caching allocator, dropped on request."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda, self.workspaces = cuda, 0
+
+    def _cuda_clearCublasWorkspaces(self) -> None:
+        self.cuda.allocated -= self.workspaces
+        self.cuda.cached += self.workspaces  # freed into the cache, which empty_cache() gives back
+        self.workspaces = 0
+
+
 class FakeTorch:
     def __init__(self) -> None:
         self.cuda = FakeCuda()
+        self._C = FakeC(self.cuda)
 
     def ones(self, n: int, device: str) -> Any:
         self.cuda.allocated += 512  # the context's first tensor: part of the baseline
@@ -59,6 +72,14 @@ def test_clean_context_passes_and_cached_blocks_do_not_count(ctx: Context) -> No
     assert ctx.check() is None
     ctx.torch.cuda.cached += 64 << 20  # the command's freed tensors, cached by the allocator
     assert ctx.check() is None and ctx.torch.cuda.cached == 0  # empty_cache() gave them back
+
+
+def test_the_commands_cublas_workspaces_are_dropped_not_counted(ctx: Context) -> None:
+    """A command that ran a matmul leaves cuBLAS workspaces allocated: the worker's own handle
+    keeps them, not the command; they are dropped, and the worker serves again."""
+    ctx.torch._C.workspaces = 8 << 20
+    ctx.torch.cuda.allocated += 8 << 20
+    assert ctx.check() is None and ctx.torch.cuda.allocated == 512 and ctx.torch.cuda.cached == 0
 
 
 def test_allocated_memory_left_retires(ctx: Context) -> None:
