@@ -44,7 +44,15 @@ GOAL_POOL_VS_BEST_SHARED = 1.2
 GOAL_ENTRY_P95_S = 0.1
 GOAL_P95 = jobs_report.GOAL_P95
 
-OOM_MARKS = ("out of memory", "cuda_error_out_of_memory", "outofmemoryerror", "co-location", "colocation")
+OOM_MARKS = (
+    "out of memory",
+    "cuda_error_out_of_memory",
+    "outofmemoryerror",
+    "status_alloc_failed",  # a CUDA library's own memory (cuBLAS, cuDNN, ...): krex re-runs these too
+    "cufft_alloc_failed",
+    "co-location",
+    "colocation",
+)
 
 
 def window_rate(recs: list[dict[str, Any]], lo: float = WINDOW[0], hi: float = WINDOW[1]) -> dict[str, Any]:

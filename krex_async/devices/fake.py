@@ -112,6 +112,13 @@ def _wait_for(path: str) -> None:
         time.sleep(0.02)
 
 
+OOM_MESSAGES = {
+    "torch": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {size} bytes on {device} "
+    "of {total} bytes total",
+    "cublas": "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+}
+
+
 def allocate(root: Path, total: int, size: int) -> bool:
     """Set this process's usage on the device to `size`; False (nothing changed) where the others'
     usage leaves less than that free. Under a lock, so two allocations never both fit."""
@@ -135,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit", type=int, default=0, help="exit status once done")
     p.add_argument("--ready", help="create this file once started, before the first allocation")
     p.add_argument(
+        "--oom",
+        choices=sorted(OOM_MESSAGES),
+        default="torch",
+        help="what an allocation that does not fit prints: torch's allocator's message, or a CUDA "
+        "library's that could not get its own memory (cuBLAS creating its handle)",
+    )
+    p.add_argument(
         "--no-cuda-gate",
         action="store_true",
         help="allocate without asking the daemon's --mem-gate first (as a program without torch)",
@@ -153,12 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             if i and args.gate:
                 _wait_for(args.gate)
             if not allocate(root, total, size):
-                print(
-                    f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {size} bytes "
-                    f"on {os.environ[DEVICE_VAR]} of {total} bytes total",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                msg = OOM_MESSAGES[args.oom].format(size=size, device=os.environ[DEVICE_VAR], total=total)
+                print(msg, file=sys.stderr, flush=True)
                 return 1
             print(f"allocated {size}", flush=True)
         if args.release:

@@ -21,8 +21,8 @@ from ..ops.test_metrics import L, scrape
 from .conftest import TOTAL, MiB
 
 
-def alloc(*sizes: str, gate: str = "", release: str = "", hold: float = 0.0) -> list[str]:
-    argv = [PY, "-m", "krex_async.devices.fake", *sizes, "--hold", str(hold)]
+def alloc(*sizes: str, gate: str = "", release: str = "", hold: float = 0.0, oom: str = "torch") -> list[str]:
+    argv = [PY, "-m", "krex_async.devices.fake", *sizes, "--hold", str(hold), "--oom", oom]
     if gate:
         argv += ["--gate", gate]
     if release:
@@ -220,12 +220,14 @@ async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kind
         await c.close()
 
 
-async def _scenario(c: Client, env: dict[str, str], tmp_path: Path, rerun: bool) -> tuple[CommandHandle, Any]:
+async def _scenario(
+    c: Client, env: dict[str, str], tmp_path: Path, rerun: bool, oom: str = "torch"
+) -> tuple[CommandHandle, Any]:
     """A (need unknown, allocates 50 MiB) runs; B (400) starts beside it; A then grows to 700 MiB,
     which does not fit beside B: CUDA out of memory, though A alone fits. A failed run teaches no
     footprint, so A's need is still unknown: a re-run runs alone."""
     gate, rb = str(tmp_path / "gate"), str(tmp_path / "rb")
-    a = await c.submit(alloc("50M", "700M", gate=gate), env=env, rerun_on_oom=rerun)
+    a = await c.submit(alloc("50M", "700M", gate=gate, oom=oom), env=env, rerun_on_oom=rerun)
     await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
     b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
     assert not b.queued
@@ -234,12 +236,15 @@ async def _scenario(c: Client, env: dict[str, str], tmp_path: Path, rerun: bool)
     return a, b
 
 
-async def test_a_co_located_oom_is_re_run_once_alone_and_reported(fake, tmp_path):
+@pytest.mark.parametrize("oom", ["torch", "cublas"])
+async def test_a_co_located_oom_is_re_run_once_alone_and_reported(fake, tmp_path, oom):
+    """Whether torch's allocator or a CUDA library (cuBLAS creating its handle, as a job lost on
+    the H100 in session 22) ran out of device memory beside others."""
     env = fake
     addr = ("127.0.0.1", _free_port())
     async with daemon("--metrics", f"{addr[0]}:{addr[1]}", env=env) as d:
         c = await d.client()
-        a, b = await _scenario(c, env, tmp_path, rerun=True)
+        a, b = await _scenario(c, env, tmp_path, rerun=True, oom=oom)
         events: list[str] = []
 
         async def watch() -> None:

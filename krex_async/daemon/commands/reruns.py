@@ -17,6 +17,17 @@ OOM_MARKERS = (
     b"torch.OutOfMemoryError",
     b"cudaErrorMemoryAllocation",
     b"hipErrorOutOfMemory",
+    b"CUDA error: out of memory",  # a cudaMalloc outside torch's allocator (an extension's, NCCL's)
+    # a CUDA library that could not get its own device memory (a handle's, a workspace): on an
+    # H100 under region with the pool, a job lost to co-location as "other" (cuBLAS creating its
+    # handle, session 22)
+    b"CUBLAS_STATUS_ALLOC_FAILED",
+    b"CUBLASLT_STATUS_ALLOC_FAILED",
+    b"CUDNN_STATUS_ALLOC_FAILED",
+    b"CUSOLVER_STATUS_ALLOC_FAILED",
+    b"CUSPARSE_STATUS_ALLOC_FAILED",
+    b"CUFFT_ALLOC_FAILED",
+    b"HIPBLAS_STATUS_ALLOC_FAILED",
 )
 
 
