@@ -4,8 +4,8 @@
           import --init-modules ──► "ready" ──► wait for "run" + fds ──► fresh.enter ──► "started"
           ──► run __main__
           ──► max_uses reached: exit with the command's status (atexit, flush: a normal exit)
-          ──► else: finish, fresh.leave, health check, report "exited" (the pool may move it back to its
-              own cgroups then) ──► "ready" again, or retire
+          ──► else: finish, fresh.leave, torch's settings back (torchstate), health check, report
+              "exited" (the pool may move it back to its own cgroups then) ──► "ready" again, or retire
 
 The worker keeps its channel (a SOCK_SEQPACKET fd from the pool, close-on-exec) open while it waits;
 EOF on it means the pool is gone, and the worker exits. Warming errors are sent back as a traceback
@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from krex_async.ctxpool import adopted, channel, forms, fresh
+from krex_async.ctxpool import adopted, channel, forms, fresh, torchstate
 
 
 class Context:
@@ -153,6 +153,7 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     gc.collect()
     base = fresh.Baseline(path_rest)
+    settings = torchstate.snapshot()  # torch's process-wide settings, put back after each command
     tops = {
         k: v
         for k, v in adopted.top_modules().items()
@@ -177,7 +178,7 @@ def main(argv: list[str]) -> int:
             return _exit_like_python(code, interrupted)
         fresh.finish(code, stay=True)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
-        reason = fresh.leave(base, devnull, msg["spec"], go_home=not by_pool)
+        reason = fresh.leave(base, devnull, msg["spec"], go_home=not by_pool) or torchstate.restore(settings)
         gc.collect()  # the command's __main__ and what it held go now
         reason = reason or ctx.check()
         _send_quiet(
