@@ -67,7 +67,15 @@ def private_cgroup_root() -> str | None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Remove the test cgroups that killed runs left (their pytest process is gone, nothing is in
-    them); a run still going elsewhere keeps its own."""
+    them); a run still going elsewhere keeps its own.
+
+    A run started in the background of a script (`scripts/test.sh > log &`) has SIGINT ignored, as
+    POSIX has a non-interactive shell do: every process the tests start would inherit that, and the
+    tests of what Ctrl-C does (a verb, `krex serve`, the demo, --watch) would test nothing. The
+    tests run as from a terminal: Python's own SIGINT handler, which the processes they start get
+    back as the default."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.geteuid() == 0:
         session.config.stash[_SWEPT] = testcgroups.sweep_leftovers(min_age_s=testcgroups.SESSION_MIN_AGE_S)
 

@@ -36,13 +36,16 @@ _PYTHON_DEFAULTS: dict[int, Any] = {
     signal.SIGXFSZ: signal.SIG_IGN,
 }
 
-# Signals the worker was started with ignored (its daemon's, such as SIGHUP under nohup): exec keeps
-# them ignored for a plain command, so a pooled one gets them ignored too. Read at import, before
-# the worker installs any handler of its own.
+# Signals the worker was started with ignored (its daemon's, such as SIGHUP under nohup, or SIGINT
+# too under `krex serve &` in a script): exec keeps them ignored for a plain command, so a pooled one
+# gets them ignored too. SIGINT among them: Python installs its handler only over SIG_DFL. Not
+# SIGPIPE or SIGXFSZ, which Python ignores itself at start. Read at import, before the worker
+# installs any handler of its own.
 _INHERITED_IGNORED = frozenset(
     s
     for s in signal.valid_signals()
-    if s not in (signal.SIGKILL, signal.SIGSTOP, *_PYTHON_DEFAULTS) and signal.getsignal(s) == signal.SIG_IGN
+    if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ)
+    and signal.getsignal(s) == signal.SIG_IGN
 )
 
 

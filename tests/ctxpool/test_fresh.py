@@ -182,11 +182,16 @@ async def test_bare_python_name_through_path(pool, tmp_path: Path) -> None:
     assert (pooled.returncode, pooled.stdout, pooled.stderr) == (plain.returncode, plain.stdout, plain.stderr)
 
 
-async def test_signals_the_daemon_ignores_stay_ignored_as_for_a_plain_command(tmp_path: Path) -> None:
-    """A daemon started under nohup has SIGHUP ignored: exec keeps that for a plain command, and a
-    pooled one must see the same (a worker reset it to the default before)."""
+@pytest.mark.parametrize("ignored", [(signal.SIGHUP,), (signal.SIGHUP, signal.SIGINT)], ids=["nohup", "bg"])
+async def test_signals_the_daemon_ignores_stay_ignored_as_for_a_plain_command(
+    tmp_path: Path, ignored
+) -> None:
+    """A daemon started under nohup has SIGHUP ignored, and one started in the background of a
+    script (`krex serve &`) SIGINT too: exec keeps them ignored for a plain command, whose Python
+    then installs no SIGINT handler, and a pooled one must see the same (a worker reset them
+    before: SIGINT to Python's handler until 2026-12-06)."""
     _files(tmp_path)
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}
     try:
         p = Pool(CPU, PoolConfig(size=1))
         await p.start()
@@ -198,6 +203,8 @@ async def test_signals_the_daemon_ignores_stay_ignored_as_for_a_plain_command(tm
         finally:
             await p.close()
     finally:
-        signal.signal(signal.SIGHUP, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
     assert "Handlers.SIG_IGN: 1>, <Handlers.SIG_DFL: 0>]" in plain.stdout.decode(), plain.stdout
+    assert (signal.SIGINT in ignored) == ("[<Handlers.SIG_IGN: 1>," in plain.stdout.decode()), plain.stdout
     assert _norm(pooled.stdout) == _norm(plain.stdout)
