@@ -36,6 +36,7 @@ from bench.harness.output import Progress, module_prog, read_json, write_json
 from bench.harness.stack import ROOT
 
 POOL = "--pool-size 8 --pool-preload torch"
+REUSE = f"{POOL} --pool-max-uses 1000"  # workers reused (1.55x the single-use pool, session 22)
 UNPROTECTED = "--admission off"  # sharing as it is without krex: no memory admission either
 DEFAULT_DEADLINE_S = 540.0  # one 10-minute accelerator call, less start-up and the report
 ALONE_GUESS_S = 150.0  # an alone round of the large set before one was measured (H100: 124 s)
@@ -43,11 +44,12 @@ SLACK = 1.5  # a variant round against its jobs' alone seconds spread over C age
 
 
 def default_variants(device: str, concurrency: int) -> list[str]:
-    """Issue 38's comparison: unprotected sharing at three widths, region, region with the pool.
-    Sharing is unprotected only without the daemon's memory admission (on by default on a GPU)."""
+    """Issue 38's comparison: unprotected sharing at three widths, region, region with the pool
+    (single-use, the default, and reusing its workers). Sharing is unprotected only without the
+    daemon's memory admission (on by default on a GPU)."""
     out = [f"shared-{w}@{w}:{UNPROTECTED}" for w in (4, 8, 12)] + [f"region@{concurrency}"]
     if device == "gpu":
-        out.append(f"region-pool@{concurrency}:{POOL}")
+        out += [f"region-pool@{concurrency}:{POOL}", f"region-pool-reuse@{concurrency}:{REUSE}"]
     return out
 
 

@@ -9,8 +9,8 @@
 #   2. then, once the steady run owes nothing (or first, with FIDELITY_FIRST=1) and at least
 #      FIDELITY_S (default 230) seconds are left, bench.gpu.check_fidelity, once.
 # With the defaults (the large KernelBench set, 48 jobs a round, 2 rounds, 2 alone rounds; shared at
-# 4, 8 and 12, region and region with the pool at 8) the steady run is ~21 min of units: three
-# calls, a fourth if an estimate was short. A machine gone cold loses $STATE: carry the last
+# 4, 8 and 12, region and region with the pool, single-use and reused, at 8) the steady run is ~24
+# min of units: three calls, a fourth if an estimate was short. A machine gone cold loses $STATE: carry the last
 # returned steady.json (at an ignored path) and name it in STEADY_FROM to continue it.
 # Environment (all optional): ADMIT (the region-admit@8 variant's args: serve args, then `-- `
 # and gateway args, e.g. "--mem-admission on -- --max-running auto"), VARIANTS (quoted NAME:ARGS
@@ -35,7 +35,9 @@ if [ ! -f "$STATE/steady.json" ] && [ -n "${STEADY_FROM:-}" ]; then
 fi
 pool="--pool-size 8 --pool-preload torch"
 off="--admission off"  # unprotected sharing: no memory admission either
-variants=("shared-4@4:$off" "shared-8@8:$off" "shared-12@12:$off" "region@8" "region-pool@8:$pool")
+reuse="$pool --pool-max-uses 1000"  # the pool reusing its workers
+variants=("shared-4@4:$off" "shared-8@8:$off" "shared-12@12:$off" "region@8" "region-pool@8:$pool"
+  "region-pool-reuse@8:$reuse")
 [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
 admit=()
 [ -n "${ADMIT:-}" ] && admit=("--admit=$ADMIT")

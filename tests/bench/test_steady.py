@@ -276,6 +276,7 @@ def test_the_device_script_runs_what_is_owed_within_its_call(tmp_path: Path) -> 
     steps = out[st:]
     assert "python3 -m bench.steady --kernelbench .suites/KernelBench --device gpu" in steps
     assert "region-pool@8:--pool-size 8 --pool-preload torch" in steps
+    assert "region-pool-reuse@8:--pool-size 8 --pool-preload torch --pool-max-uses 1000" in steps
     assert "shared-8@8:--admission off" in steps  # unprotected sharing by default
     assert "--admit=--x on -- --max-running auto --resume --deadline-s" in steps
     # once the steady run owes nothing, the fidelity check follows it; then nothing is left
