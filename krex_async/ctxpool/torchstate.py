@@ -8,7 +8,9 @@ takes them once warm (snapshot) and puts them back after each command (restore);
 back retires it.
 
 What is not here stays with the worker: caches keyed by shape (cuDNN's and cuBLAS's algorithm
-choices, compiled kernels). They change how soon a result comes, not what it is.
+choices, compiled kernels). They do not change what a command computes, but they can change which
+kernel it times: an algorithm a command's predecessor chose (e.g. a smaller workspace, the device
+being full then) is the one the next command of that shape runs.
 """
 
 from __future__ import annotations
