@@ -275,6 +275,16 @@ async def pool_counts(socket: str) -> dict[str, Any]:
     return {dev: {k: p.get(k) for k in keys} for dev, p in pools.items()}
 
 
+async def device_memory(socket: str) -> dict[str, int]:
+    """Each GPU's memory in all (bytes), as the daemon reports it: what a round's jobs' memory
+    occupancy (bench.steady_report) is taken against."""
+    from krex_async import Client
+
+    async with await Client.connect(socket) as c:
+        devices = (await c.status()).get("devices") or []
+    return {d["key"]: d["memory_total_bytes"] for d in devices if d.get("memory_total_bytes")}
+
+
 async def run_alone(jobs: list[jobs_sets.Job], a: argparse.Namespace, name: str) -> dict[str, Any]:
     """Each distinct job alone: one batch job per device kind, one at a time, under `command`."""
     batches = jobs_sets.alone_batches(jobs)

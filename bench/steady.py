@@ -132,6 +132,7 @@ async def run_round(u: Unit, js: list[jobs_sets.Job], a: argparse.Namespace) -> 
             out["pool_warm_s"] = await jobs.pool_warm(st.daemon.socket, a.pool_warm_s)
             out["makespan_s"], out["jobs"] = await agents(st.url, st.token, todo, c, a.job_timeout, prog)
             out["pools"] = await jobs.pool_counts(st.daemon.socket)
+            out["memory_total"] = await jobs.device_memory(st.daemon.socket)
     except RuntimeError as e:  # the daemon or gateway refused this configuration
         out.update(error=str(e)[-3000:], jobs=[])
     out["wall_s"] = time.monotonic() - t

@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from bench import jobs_report
+from bench import jobs_report, steady_time
 from bench.harness.output import read_json
 from bench.harness.output import table as fmt_table
 from bench.harness.stats import pct
@@ -382,6 +382,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
             for dev, counts in (rnd.get("pools") or {}).items()
         ],
         "pending": data.get("pending", []),
+        "time": steady_time.rows(data.get("rounds", [])),
     }
 
 
@@ -490,6 +491,12 @@ def table(s: dict[str, Any]) -> str:
     if rows:
         out += ["", "region entry less the wait for the region before it (ms)"]
         out.append(fmt_table(["variant", "n", "p50", "p95", "max"], rows, floatfmt=".1f"))
+    if s.get("time"):
+        out += [
+            "",
+            "where each round's agent time went (bench/steady_time.py), and its jobs' memory occupancy",
+        ]
+        out.append(fmt_table(steady_time.HEADER, s["time"], floatfmt=".0f"))
     if s.get("pools"):
         out += ["", "warm pools at each pooled round's end (workers retired, and why)"]
         for p in s["pools"]:

@@ -142,6 +142,11 @@ def command_result(
                 "reruns",  # memory admission: re-run after a co-located CUDA out-of-memory
                 "rerun_reason",
                 "oom",  # "co-located" or "alone" where it failed so
+                "mem_need",  # bytes it was taken to need, and whence (learned, default, ...)
+                "mem_source",
+                "mem_peak",  # the most its processes were seen to hold on the device
+                "gate_s",  # --mem-gate: how long its first CUDA use waited for admission
+                "gate",
             )
         },
     }

@@ -246,6 +246,8 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
     assert s["region"]["entry"]["n"] == len(region)
     assert "comparisons" in second.stdout and "region vs shared (same width)" in second.stdout
     assert "region-gw did not run" in second.stdout
+    assert all("memory_total" in r for r in data["rounds"] if not r.get("error"))
+    assert "where each round's agent time went" in second.stdout
 
 
 def test_the_device_script_runs_what_is_owed_within_its_call(tmp_path: Path) -> None:
@@ -328,3 +330,27 @@ def test_paired_by_round_cancels_the_rounds_job_mix() -> None:
         "region vs region-nogate (same policy): 1.33x, within the spread; paired by round 1.34x 1.32x" in text
     )
     assert "a 10% change is beyond it" in text
+
+
+def test_a_rounds_agent_time_is_split_and_its_memory_occupancy_taken() -> None:
+    from bench import steady_time
+
+    GiB = 1 << 30
+    job = {
+        "submit_s": 0.0,
+        "end_s": 10.0,
+        "krex": {"queued_s": 3.0, "gate_s": 1.0, "mem_peak": 8 * GiB},
+        "lines": [{"phases_s": {"import": 1.0, "inputs": 2.0, "check": 0.5, "timing": 1.5}}],
+        "regions": [{"wait_s": 0.2, "enter_s": 0.1}],
+    }
+    rnd = {"unit": "v/r1", "makespan_s": 10.0, "memory_total": {"nvidia0": 80 * GiB}, "jobs": [job, job]}
+    t = steady_time.round_time(rnd)
+    assert (t["latency"], t["queued"], t["gate"], t["phases"]) == (20.0, 6.0, 2.0, 10.0)
+    assert t["other"] == pytest.approx(2.0) and t["region"] == pytest.approx(0.6)
+    # two jobs of 8 GiB, each from its inputs on (4 s), on 80 GiB for 10 s
+    assert t["memory"] == pytest.approx(2 * 8 * 4 / (80 * 10))
+    (row,) = steady_time.rows([rnd, {"unit": "v/r2", "error": "refused"}])
+    assert row[0] == "v/r1" and row[2] == "6 (30%)" and row[-1] == "8%"
+    # a round recorded before jobs carried their peak: no occupancy, not 0%
+    old = {**rnd, "jobs": [{**job, "krex": {"queued_s": 3.0}}]}
+    assert steady_time.round_time(old)["memory"] is None and steady_time.rows([old])[0][-1] == "-"

@@ -67,7 +67,10 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         r = done["result"]
         assert r["krex"]["reruns"] == 1 and r["krex"]["rerun_reason"] == "co-located OOM", r["krex"]
         assert r["stdout"] == "allocated 52428800\nallocated 734003200\n" and r["stderr"] == "", r
-        assert (await c.wait(b["job_id"], 60))["status"] == "succeeded"
+        # what admission took it to need (--mem-default), and what B was seen to hold (400 MiB)
+        assert (r["krex"]["mem_source"], r["krex"]["mem_need"]) == ("default", 100 * MiB), r["krex"]
+        done_b = await c.wait(b["job_id"], 60)
+        assert done_b["status"] == "succeeded" and done_b["result"]["krex"]["mem_peak"] >= 400 * MiB, done_b
         await krex.close()
         # B taught its own shape (its command and file names) and its kind; A's OOM taught nothing
         learned = json.loads((Path(daemon.socket).parent / "state" / "memory.json").read_text())["peaks"]
