@@ -25,10 +25,10 @@ import warnings
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
+from krex_async.ctxpool import homes
 from krex_async.ctxpool.adopted import apply as apply_adopted
 from krex_async.ctxpool.adopted import seen_parent
 from krex_async.ctxpool.forms import Form, executable_for
-from krex_async.linux import procfs
 
 _PYTHON_DEFAULTS: dict[int, Any] = {
     signal.SIGINT: signal.default_int_handler,
@@ -84,8 +84,8 @@ class Baseline:
         # site.py ran these at the worker's start; a fresh interpreter runs them with the command's env
         self.logging = _logging_state()
         # where a reused worker goes back to after a command: each hierarchy's cgroup.procs
-        self.cgroups = _cgroups()
-        self.cgroup_home: dict[str, str | None] = cgroup_homes()
+        self.cgroups = homes.cgroups()
+        self.cgroup_home: dict[str, str | None] = homes.cgroup_homes()
         self.customize: list[tuple[str, str]] = [
             (n, sys.modules[n].__file__ or "")
             for n in ("sitecustomize", "usercustomize")
@@ -336,45 +336,6 @@ def finish(code: int, stay: bool = False) -> None:
             pass
 
 
-def _cgroups(pid: int | str = "self") -> dict[str, str]:
-    """A process's cgroup per hierarchy, keyed as /proc/<pid>/cgroup names them ("" is v2)."""
-    return {ctrls: path for _hid, ctrls, path in procfs.cgroups(pid) or []}
-
-
-def cgroup_homes(pid: int | str = "self") -> dict[str, str | None]:
-    """Per hierarchy of /proc/<pid>/cgroup, the cgroup.procs file of that process's cgroup there
-    (None: that hierarchy is not mounted where we can see it)."""
-    mounts: dict[str, str] = {}
-    for m in procfs.mounts("cgroup2", "cgroup"):
-        if m.fstype == "cgroup2":
-            mounts.setdefault("", m.point)
-        elif m.root == "/":
-            names = [o for o in m.options if o not in ("rw", "ro") and "=" not in o or o.startswith("name=")]
-            mounts.setdefault(",".join(sorted(names)), m.point)
-    homes: dict[str, str | None] = {}
-    for ident, path in _cgroups(pid).items():
-        mount = mounts.get(",".join(sorted(ident.split(","))) if ident else "")
-        homes[ident] = None if mount is None else os.path.join(mount, path.lstrip("/"), "cgroup.procs")
-    return homes
-
-
-def _go_home(base: Baseline) -> str | None:
-    """Back into the worker's own cgroups, in every hierarchy where the command (its cgroup_procs,
-    or the daemon's hook: v2 and the v1 cpuset on hybrid hosts) moved it; None when home again."""
-    for ident, path in _cgroups().items():
-        if path == base.cgroups.get(ident):
-            continue
-        home = base.cgroup_home.get(ident)
-        if not home:
-            return f"cannot leave cgroup {path!r} (hierarchy {ident or 'v2'!r}): no way home"
-        try:  # written here, not through CgroupFS: a worker between commands keeps its modules lean
-            with open(home, "w") as f:
-                f.write(str(os.getpid()))
-        except OSError as e:
-            return f"cannot go back to {home}: {e}"
-    return None
-
-
 def leave(base: Baseline, devnull: int, spec: dict[str, Any], go_home: bool = True) -> str | None:
     """Put a reused worker back to its baseline; returns why it must retire instead, or None.
     `go_home` False: the pool moves it back to its own cgroups once it reports the command's end
@@ -408,7 +369,7 @@ def leave(base: Baseline, devnull: int, spec: dict[str, Any], go_home: bool = Tr
     sys.setprofile(None)
     threading.settrace(None)  # type: ignore[arg-type]
     threading.setprofile(None)  # type: ignore[arg-type]
-    reason = (_go_home(base) if go_home else None) or _drop_modules(base)
+    reason = (homes.go_home(base.cgroups, base.cgroup_home) if go_home else None) or _drop_modules(base)
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:
         reason = reason or f"threads left running: {', '.join(alive)}"

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from krex_async.ctxpool import channel, forms, fresh
+from krex_async.ctxpool import channel, forms
 from krex_async.ctxpool.base import WORKER_CWD, WORKER_MODULE, PoolConfig
+from krex_async.ctxpool.homes import cgroup_homes
 from krex_async.ctxpool.procs import home_by_pool
 from krex_async.ctxpool.procs import kill as _kill
 from krex_async.ctxpool.procs import kill_leftovers as _kill_leftovers
@@ -107,7 +108,7 @@ class Worker:
         interpreter (flags, options, start-up environment), if it said it."""
         self.state, self.warmed, self.home = "warm", True, bool(msg.get("home", True))
         if self.homes is None and home_by_pool():  # read before any command ran in it
-            self.homes = fresh.cgroup_homes(self.pid)
+            self.homes = cgroup_homes(self.pid)
         self.ready.set()
         if "hexversion" not in msg:
             return None

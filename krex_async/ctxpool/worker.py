@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from krex_async.ctxpool import adopted, channel, forms, fresh, torchstate
+from krex_async.ctxpool import adopted, channel, forms, fresh, homes, torchstate
 
 
 class Context:
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
     max_uses, uses, me = int(opts["max-uses"]), 0, os.getpid()
     # can leave any cgroup a command puts it in: itself, or the pool moves it (the daemon is root)
     by_pool = opts["home-by-pool"] == "1"
-    home = by_pool or all(base.cgroup_home.values())
+    home = by_pool or homes.can_go_home(base.cgroup_home)
     channel.send(sock, {"t": "ready", "s": time.monotonic() - t0, "home": home, **_interpreter(init_env)})
     while True:
         try:

@@ -81,3 +81,28 @@ async def test_a_reused_worker_of_another_user_comes_back_for_the_next_command()
     assert [(m, int(pid)) for m, pid, _ in runs] == [("True", worker)] * 2, runs
     # each ran in its own command's cgroups, not the worker's
     assert runs[0][2] != runs[1][2] and home.replace("\n", " ") not in (runs[0][2], runs[1][2]), (home, runs)
+
+
+def test_a_worker_knows_whether_it_can_write_itself_back_into_its_cgroups() -> None:
+    """A worker says at once whether it can go home after a command (homes.can_go_home), so the pool
+    warms its replacement ahead where it cannot. Those files existing is not enough: as nobody, in
+    root's cgroups, they are there and not writable."""
+    from krex_async.ctxpool import homes
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": USER_PYTHONPATH, "LANG": "C.UTF-8"}
+    if not _nobody_runs(env):
+        pytest.skip(f"nobody cannot import krex with {USER_PY} and PYTHONPATH={USER_PYTHONPATH}")
+    mine = homes.cgroup_homes()
+    if not mine or not all(mine.values()):
+        pytest.skip(f"not every cgroup hierarchy of this process is mounted where it sees it: {mine}")
+    assert homes.can_go_home(mine)  # root: it may write its own cgroups' procs files
+    code = (
+        "from krex_async.ctxpool import homes; h = homes.cgroup_homes(); "
+        "print(all(h.values()), homes.can_go_home(h))"
+    )
+    p = subprocess.run(
+        [USER_PY, "-c", code], user="nobody", env=env, capture_output=True, text=True, timeout=60, cwd="/"
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "False"], p.stdout  # the files are there, not nobody's to write
+    assert not homes.can_go_home({**mine, "": None})  # a hierarchy not mounted here: no way home
