@@ -213,8 +213,11 @@ async def serve(config: ServeConfig, early: EarlyStop | None = None) -> int:
         raise SystemExit(f"krex: --state-dir {cfg.state_dir}: {e.strerror}") from None
     if why := state_dir_problem(cfg.state_dir):
         usage_exit(state_dir_refusal(cfg.state_dir, why))
-    if reserve.setup(cfg.state_dir).full:
+    kept = reserve.setup(cfg.state_dir)
+    if kept.full:
         log.warning("state_disk_full", state_dir=cfg.state_dir, detail="no room for the records' reserve")
+    elif kept.unavailable:
+        log.warning("state_disk_reserve_unavailable", state_dir=cfg.state_dir, detail=kept.unavailable)
     if early.stopped("isolation"):
         return 0
     try:

@@ -9,6 +9,11 @@ the reserve and as much again, as the daemon may take it (`_room`): space was fr
 from the room it gave (all there is while the disk stays full) would report the disk fine while it
 is not, and the next write would only spend it again; whether status said so would depend on
 whether some other write had taken that room.
+
+A reserve that cannot be made for a reason other than space (a file system without fallocate, a
+directory or link at its path) is `unavailable` (why, in status and the log): the disk is not
+taken to be full for it, and is full only while a record write meets ENOSPC and until statvfs shows
+the room again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 NAME = "space.reserve"
 MOST = 1 << 20  # bytes kept: dozens of record rewrites
 LEAST = 16 << 10  # on a tiny file system: a few pages still
+SPACE = (errno.ENOSPC, errno.EDQUOT)  # the errors that say the disk (or a quota) is full
 _by_dir: dict[str, Reserve] = {}
 
 
@@ -31,6 +37,7 @@ class Reserve:
     def __init__(self, state_dir: str) -> None:
         self.path = os.path.join(state_dir, NAME)
         self.full = False  # a write met ENOSPC and the reserve is not back yet
+        self.unavailable = ""  # why no reserve can be made here at all (not for want of space)
         self._mutex = threading.Lock()
         try:
             st = os.statvfs(state_dir)
@@ -39,15 +46,20 @@ class Reserve:
             self.size = LEAST
 
     def make(self) -> bool:
-        """Allocate the reserve (again); False where the disk has not the room (nothing kept)."""
+        """Allocate the reserve (again); False where the disk has not the room (nothing kept). One
+        that fails otherwise is `unavailable`: True, nothing kept, the disk not taken to be full."""
         with self._mutex:
-            if not _allocate(self.path, self.size):
-                return False
+            try:
+                if not _allocate(self.path, self.size):
+                    return False
+                self.unavailable = ""
+            except OSError as e:
+                self.unavailable = f"{self.path}: {e.strerror or e}"
             self.full = False
             return True
 
     def _drop(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # none there (spent, or unavailable): nothing to give
             os.unlink(self.path)
 
     def _room(self) -> bool:
@@ -64,7 +76,10 @@ class Reserve:
             return False
         probe = self.path + ".probe"
         with self._mutex:
-            ok = _allocate(probe, 2 * self.size, fresh=True)
+            try:
+                ok = _allocate(probe, 2 * self.size, fresh=True)
+            except OSError:  # no allocation here for another reason: statvfs is all there is
+                ok = True
             with contextlib.suppress(OSError):
                 os.unlink(probe)
             return ok
@@ -81,7 +96,7 @@ class Reserve:
         try:
             fn()
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if e.errno not in SPACE:
                 raise
             self.full = True
             with self._mutex:
@@ -93,19 +108,24 @@ class Reserve:
 
 def _allocate(path: str, size: int, fresh: bool = False) -> bool:
     """Allocate `size` bytes to `path` (created; a link refused; `fresh`: emptied first, so that
-    blocks it held already do not count); False, and `path` removed, where the disk has not the room."""
+    blocks it held already do not count); False, and `path` removed, where the disk has not the room;
+    OSError where it fails for another reason (no fallocate there, a directory or link at `path`)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if fresh else 0)
     try:
         fd = os.open(path, flags, 0o600)
-    except OSError:
-        return False
+    except OSError as e:
+        if e.errno in SPACE:  # no inode left
+            return False
+        raise
     try:
         os.posix_fallocate(fd, 0, size)
         return True
-    except OSError:
+    except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(path)
-        return False
+        if e.errno in SPACE:
+            return False
+        raise
     finally:
         os.close(fd)
 

@@ -203,6 +203,8 @@ def _head(st: dict[str, Any]) -> list[str]:
     head.append(f"isolation {iso['backend']}: {iso['reason']}")
     if st.get("state_disk_full"):
         head.append("state disk FULL: region records use the reserve (free space in the state dir)")
+    elif st.get("state_disk_reserve_unavailable"):
+        head.append(f"state disk: no reserve for region records ({st['state_disk_reserve_unavailable']})")
     if "hold" in st:  # a daemon from before the driver lock has no such key
         ho = st["hold"]
         head.append(

@@ -203,3 +203,43 @@ async def test_start_up_on_a_full_state_disk_serves_and_refuses_regions_with_an_
             await c.cancel(sib.command)
         assert d.proc.poll() is None
         assert "intent record not written" in d.logs()
+
+
+def test_a_reserve_that_cannot_be_made_for_another_reason_does_not_say_the_disk_is_full(small_tmpfs):
+    """A directory where the reserve goes (or no fallocate on that file system): no reserve can be
+    made, for want of nothing but a file. The disk is not called full for it; a write that meets
+    ENOSPC makes it full until statvfs shows room again, then it is not."""
+    state = os.path.join(small_tmpfs, "state")
+    os.makedirs(os.path.join(state, reserve.NAME))
+    r = reserve.setup(state)
+    assert not r.full and "Is a directory" in r.unavailable, (r.full, r.unavailable)
+    assert r.refresh() is False  # and stays so: the disk has room
+    record = os.path.join(state, "intent.json")
+    replace_file(record, b"{}")
+    fill(small_tmpfs)
+    with pytest.raises(OSError):  # no reserve to spend: the write fails as the disk is full
+        reserve.guarded(record, lambda: replace_file(record, b"{ " + b" " * 8192 + b"}"))
+    assert r.full and r.refresh() is True
+    os.unlink(os.path.join(small_tmpfs, "filler"))
+    assert r.refresh() is False and os.path.isdir(r.path)
+    reserve.guarded(record, lambda: replace_file(record, b"{ }"))  # and writes go through
+    assert not r.full
+
+
+async def test_status_names_a_reserve_that_cannot_be_made() -> None:
+    """A daemon whose state dir has a directory where the reserve goes serves, says why it has no
+    reserve, and does not call the disk full."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="krex-state-", dir="/tmp")
+    os.makedirs(os.path.join(d, reserve.NAME))
+    try:
+        async with run_daemon("--isolation", "signal", "--state-dir", d) as dm:
+            async with await dm.client() as c:
+                st = await c.status()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    assert st["state_disk_full"] is False, st["state_disk_full"]
+    assert "Is a directory" in st["state_disk_reserve_unavailable"], st["state_disk_reserve_unavailable"]
+    assert "no reserve for region records" in render(st)

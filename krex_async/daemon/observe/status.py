@@ -249,6 +249,8 @@ class DaemonStatus:
             },
             "hold": self.regions.hold_status(),
             "state_disk_full": self.state_disk_full(),
+            # why the state disk has no reserve for the records at all ("": it has one, or is full)
+            "state_disk_reserve_unavailable": self.reserve_unavailable(),
             "devices": devices,
             "commands": commands,
         }
@@ -257,6 +259,10 @@ class DaemonStatus:
         """Whether a record write met a full state disk and its reserve is not back (linux/reserve)."""
         r = reserve.of(self.core.config.state_dir) if self.core.config.state_dir else None
         return r is not None and r.refresh()
+
+    def reserve_unavailable(self) -> str:
+        r = reserve.of(self.core.config.state_dir) if self.core.config.state_dir else None
+        return r.unavailable if r is not None else ""
 
     def probes(self) -> dict[str, Any]:
         """`core.probes` (state, backend, reason), plus what the running backend says of itself
