@@ -71,7 +71,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # within 0.46 s (p50 0.11 s: bench/gpu/check_lock_states.py)
     lock_wait: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.5
     # how long a region waits for a sibling's exit to end before freezing what is left of it (-1:
-    # --lock-wait); a process already in the kernel's exit (past the freezer) is waited for in any case.
+    # --lock-wait); a process already in the kernel's exit (past the freezer) is waited for in any
+    # case, up to --exit-kernel-wait at least.
     # 0: a torch exit disturbs another process's timing only once in the kernel (its files closing),
     # not in Python's finalisation or the CUDA library's teardown (bench/gpu/check_exit.py), and the
     # large set ran 1.11x shared with 0 against 0.96x waiting (bench/RESULTS.md, session 16)
@@ -80,6 +81,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # back-to-back regions it runs only between them, and on the H100's large set one was frozen
     # through regions for 8 s, its job slot and GPU memory held (bench/RESULTS.md, session 17)
     exit_starve: Annotated[float, msgspec.Meta(ge=0, le=600)] = 2.0
+    # how long a region waits at most for a sibling already in the kernel's exit (the freezer cannot
+    # stop it; its driver frees its GPU memory beside the timing), or a starved one: its own bound,
+    # so a short --lock-wait (entry latency) does not shorten it. 0.5: --lock-wait's default, which
+    # bounded it until 2026-12-06 (on the H200 a torch job's exit frees in 0.4-0.7 s)
+    exit_kernel_wait: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.5
     # auto: quiesce the runtimes whose process holds a GPU device file (none on the cpu device,
     # which has no queued work to synchronise: freezing is enough); all: every runtime
     quiesce: Literal["auto", "all"] = "auto"

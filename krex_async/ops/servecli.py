@@ -67,8 +67,14 @@ def add_parser(sub: Any) -> None:
         type=float,
         help="seconds a region waits, before its grant, for a sibling's exit to end; one still in "
         "user space after that (Python's finalisation, the CUDA library's teardown) is frozen until "
-        "the region ends, one in the kernel's exit up to --lock-wait at least (default 0: freeze at once; "
-        "-1: as long as --lock-wait)",
+        "the region ends, one in the kernel's exit up to --exit-kernel-wait at least (default 0: freeze "
+        "at once; -1: as long as --lock-wait)",
+    )
+    p.add_argument(
+        "--exit-kernel-wait",
+        type=float,
+        help="seconds a region waits at most for a sibling already in the kernel's exit (freeing its GPU "
+        "memory, which the freezer cannot stop) or a starved one (--exit-starve) (default 0.5)",
     )
     p.add_argument(
         "--exit-starve",
@@ -314,6 +320,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "lock_wait",
             "exit_wait",
             "exit_starve",
+            "exit_kernel_wait",
             "region_timeout",
             "quiesce_timeout",
             "drain_timeout",

@@ -46,8 +46,8 @@ class Exits:
         (Daemon.exit_held): their exit was deferred to an earlier region's end, or began with none
         on the device; they are tearing their GPU state down now. Those still in user space after
         that are left unfinished (frozen for the region, Entry.isolate); one already in the kernel's exit
-        cannot be frozen, so it is waited for up to the longer of --exit-wait and --lock-wait, and so is
-        one begun over --exit-starve ago (starved: frozen through the regions since)."""
+        cannot be frozen, so it is waited for up to the longer of --exit-wait and --exit-kernel-wait,
+        and so is one begun over --exit-starve ago (starved: frozen through the regions since)."""
         now = time.monotonic()
         mine = [p for p, e in self.exiting.items() if e.device == r.device and self.still_exiting(p, e, now)]
         noted = {p: self.exiting[p] for p in mine}
@@ -62,7 +62,7 @@ class Exits:
             starved = [p for p in mine if p not in done and now - noted[p].began >= cfg.exit_starve]
             past = [p for p in mine if p not in done and (p in starved or exiting_in_kernel(p))]
             if past:
-                left = max(limit, cfg.lock_wait) - (time.perf_counter() - t0)
+                left = max(limit, cfg.exit_kernel_wait) - (time.perf_counter() - t0)
                 done += await wait_exits(past, max(0.0, left))
             r.report.exits_wait_s = time.perf_counter() - t0
             r.report.exits_waited = done
