@@ -204,3 +204,27 @@ async def test_optimistic_first_runs_never_pass_a_waiting_re_run() -> None:
         c.state = CommandState.ENDED
         assert adm.ended(c, oom=False) == [d]
         assert "waiting for d, a guarded re-run, to end" in e.mem_wait, e.mem_wait
+
+
+async def test_a_command_ending_while_others_wait_for_memory_asks_for_a_sample_at_once() -> None:
+    """The last sample still counts an ended command's memory, so what waits for it could start only
+    at the next sample (SAMPLE_S later): its end wakes the sample loop now. With nothing waiting,
+    an end does not."""
+    adm = admission()
+    dm = adm.devices[DEV]
+    a, c = command(adm, "a", 400 * MiB), command(adm, "c", 400 * MiB)
+    assert adm.ask(a) and adm.ask(c)
+    sample(adm, 800 * MiB, {"a": 400 * MiB, "c": 400 * MiB})
+    b = command(adm, "b", 500 * MiB)
+    assert not adm.ask(b) and list(dm.waiting) == ["b"]
+    adm.wake.clear()
+    a.state = CommandState.ENDED
+    assert adm.ended(a, oom=False) == []  # the last sample's 800 MiB still has a's 400 in it
+    assert adm.wake.is_set(), "no sample asked for while a command waits for memory"
+    sample(adm, 400 * MiB, {"c": 400 * MiB})  # the sample the wake brings: b fits now
+    assert adm.pump(DEV) == [b]
+    adm.wake.clear()
+    for x in (b, c):
+        x.state = CommandState.ENDED
+        adm.ended(x, oom=False)
+    assert not adm.wake.is_set(), "a sample asked for with nothing waiting"

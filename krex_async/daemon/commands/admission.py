@@ -386,6 +386,8 @@ class Admission:
         if cmd.mem_peak > 0 and not oom:
             self.footprints.learn(mem_keys(cmd.spec), cmd.mem_peak)
         self.reserved_metric(dm)
+        if dm.waiting:  # the last sample still counts its memory: take one now, not in SAMPLE_S
+            self.wake.set()
         return self.pump(dm.device.key)
 
     def requeue(self, cmd: Command) -> None:
