@@ -45,9 +45,9 @@ from krex_async.ctxpool.gate import node_lock as node_lock  # re-exported: it wa
 from krex_async.ctxpool.handle import BrokenWorker as BrokenWorker  # re-exported: it was defined here
 from krex_async.ctxpool.handle import Worker, Workers, WorkerStartError
 from krex_async.ctxpool.lending import Lending
+from krex_async.ctxpool.procs import Retirements
 from krex_async.ctxpool.procs import identity as _identity
 from krex_async.ctxpool.procs import kill as _kill
-from krex_async.ctxpool.procs import retire_class
 from krex_async.ctxpool.procs import summary as _summary
 from krex_async.devices.base import Device
 from krex_async.linux.spawn import Launched, LaunchSpec
@@ -88,7 +88,7 @@ class Pool:
         self.demand: int | None = None  # commands running on the device (None: keep config.size)
         self.interpreter: dict[str, Any] | None = None  # what a warm worker said of itself
         self.adopted = 0
-        self.declined, self.retired_why = collections.Counter[str](), collections.Counter[str]()
+        self.declined, self.retired_why = collections.Counter[str](), Retirements(device.key)
         self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=1000)
         )
@@ -327,6 +327,7 @@ class Pool:
             "starting": counts["starting"],
             "retired": self.retired,
             "retired_why": dict(self.retired_why),
+            "retired_last": dict(self.retired_why.last),  # each class's last reason in full
             "failures": self.failures,
             "launched": self.launched,
             "misses": self.misses,
@@ -426,7 +427,7 @@ class Pool:
         elif was != "retired":
             self.retired += 1
             used_up = was == "busy" and w.uses >= self.config.max_uses
-            self.retired_why["used up (--pool-max-uses)" if used_up else f"exited while {was}"] += 1
+            self.retired_why.add("used up (--pool-max-uses)" if used_up else f"exited while {was}")
         w.state = "retired"
         self._workers.discard(w)
         self._changed.set()
@@ -435,7 +436,7 @@ class Pool:
     def _retire(self, w: Worker, reason: str, kill: bool = True) -> None:
         if w.state != "retired":
             self.retired += 1
-            self.retired_why[retire_class(reason)] += 1
+            self.retired_why.add(reason)
         w.state, w.error = "retired", reason
         if kill:
             _kill(w.pid)

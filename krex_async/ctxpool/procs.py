@@ -3,12 +3,16 @@ command left behind in them, and latency summaries for status."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from typing import Any
 
+from krex_async import logs
 from krex_async.linux import procfs
 from krex_async.linux.procfs import memory as _rss_pss
+
+log = logs.get("krex.pool")
 
 
 def identity(uid: int | None, gid: int | None, groups: list[int] | None) -> tuple[int, int, list[int]]:
@@ -73,3 +77,18 @@ def home_by_pool() -> bool:
 def retire_class(reason: str) -> str:
     """A worker's reason to retire without its particulars (paths, pids, byte counts): a count's key."""
     return re.sub(r"'[^']*'|/\S*|\d+", "…", reason.split(":")[0]).strip()[:80]
+
+
+class Retirements(collections.Counter[str]):
+    """Workers retired, counted by reason class (retire_class); the last full reason of each class
+    kept (`last`: which module, which path) and logged, so a count can be traced to its cause."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device, self.last = device, dict[str, str]()
+
+    def add(self, reason: str) -> None:
+        key = retire_class(reason)
+        self[key] += 1
+        self.last[key] = reason[:500]
+        log.info("pool_worker_retired", device=self.device, reason=reason[:500])

@@ -152,8 +152,11 @@ def main(argv: list[str]) -> int:
     os.chdir("/")
     devnull = os.open(os.devnull, os.O_RDWR)
     gc.collect()
-    base = fresh.Baseline(path_rest)
     settings = torchstate.snapshot()  # torch's process-wide settings, put back after each command
+    # put back once before the baseline, so what restoring imports (lazily, in torch) is the worker's:
+    # taken after, it was new at the next command's end, and an extension module retired the worker
+    torchstate.restore(settings)
+    base = fresh.Baseline(path_rest)
     tops = {
         k: v
         for k, v in adopted.top_modules().items()

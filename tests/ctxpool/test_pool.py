@@ -142,7 +142,10 @@ async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path:
     assert r.returncode == 0
     await reuse_pool.wait_warm(timeout=30)
     assert r.launched.pid not in [w.pid for w in reuse_pool._workers]
-    assert reuse_pool.status()["retired"] == 1
+    st = reuse_pool.status()
+    assert st["retired"] == 1 and st["retired_why"] == {"threads left running": 1}, st
+    # the count's class, and its last reason in full: which thread
+    assert st["retired_last"]["threads left running"].startswith("threads left running: Thread-"), st
 
 
 async def test_reuse_os_exit_resolves_with_real_status(reuse_pool: Pool, tmp_path: Path) -> None:

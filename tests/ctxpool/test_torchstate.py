@@ -9,6 +9,8 @@ import os
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from krex_async.ctxpool import Pool, PoolConfig
 from tests.ctxpool.conftest import CPU, PY, run_pooled
 
@@ -77,3 +79,39 @@ async def test_a_command_that_sets_torchs_settings_leaves_the_next_one_torchs_de
     assert before.stdout == FRESH and first.stdout == b"set\n", (before, first)
     assert before.launched.pid == first.launched.pid == second.launched.pid
     assert (second.returncode, second.stdout, second.stderr) == (0, FRESH, b"")
+
+
+async def test_what_restoring_torchs_settings_imports_does_not_retire_the_worker(tmp_path: Path) -> None:
+    """torch may import a module the first time a setting is put back (here the stand-in's
+    set_num_threads imports an extension module). The worker puts its settings back once before it
+    takes its baseline, so that module is the worker's own: three commands run in one worker.
+    Before, it was new at the second command's end, and an extension cannot be unloaded: retired."""
+    import importlib
+    import importlib.machinery
+
+    # a stdlib extension module's file, copied into a package of ours: a foreign extension module
+    files = [getattr(importlib.import_module(n), "__file__", None) for n in ("_json", "_csv", "_bisect")]
+    name, so = next(((Path(f).name.split(".")[0], f) for f in files if f and f.endswith(".so")), (None, None))
+    if so is None:
+        pytest.skip("no stdlib extension module here is a file to copy")
+    mods = tmp_path / "mods"
+    (mods / "lazyext").mkdir(parents=True)
+    (mods / "lazyext" / "__init__.py").write_text("")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    (mods / "lazyext" / f"{name}{suffix}").write_bytes(Path(so).read_bytes())  # PyInit_<name> inside
+    lazy = STAND_IN.replace(
+        'def set_num_threads(n): _s["threads"] = n',
+        f'def set_num_threads(n):\n    import lazyext.{name}\n    _s["threads"] = n',
+    )
+    assert lazy != STAND_IN
+    (mods / "torch.py").write_text(lazy)
+    env = dict(os.environ, PYTHONPATH=f"{mods}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = Pool(CPU, PoolConfig(size=1, max_uses=4, preload=["torch"]), env=env)
+    await p.start()
+    try:
+        runs = [await run_pooled(p, [PY, "-c", SHOWS], str(tmp_path), env) for _ in range(3)]
+        st = p.status()
+    finally:
+        await p.close()
+    assert [r.stdout for r in runs] == [FRESH] * 3, runs
+    assert len({r.launched.pid for r in runs}) == 1 and st["retired"] == 0, (st["retired_last"], runs)
