@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Awaitable, Callable
@@ -283,7 +284,6 @@ class Pool:
 
     def _retire_surplus(self, w: Worker) -> None:
         self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
-        w.sock.close()  # EOF: it exits
 
     def pids(self) -> set[int]:
         """The pids of this pool's workers now (starting, warm or running a command)."""
@@ -438,8 +438,7 @@ class Pool:
             self.retired += 1
             self.retired_why.add(reason)
         w.state, w.error = "retired", reason
-        if kill:
-            _kill(w.pid)
+        self._gate.later(functools.partial(_kill, w.pid) if kill else w.sock.close)  # or EOF: it exits
         self._changed.set()
         self._refill()
 

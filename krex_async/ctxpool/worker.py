@@ -194,9 +194,18 @@ def main(argv: list[str]) -> int:
                 "system_s": r0.ru_stime,
             },
         )
-        if reason:
-            return 0
+        if reason:  # retired: it goes at the pool's EOF (not in a region's timing: ctxpool/gate.py)
+            return _until_eof(sock, rx)
         _send_quiet(sock, {"t": "ready", "s": 0.0, "home": home})
+
+
+def _until_eof(sock: socket.socket, rx: channel.Receiver) -> int:
+    """A retired worker waits for the pool to close its channel, then exits (0)."""
+    try:
+        while True:
+            channel.recv(sock, rx)
+    except (EOFError, OSError):
+        return 0
 
 
 def _interpreter(init_env: dict[str, str | None]) -> dict[str, Any]:

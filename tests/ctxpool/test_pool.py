@@ -148,6 +148,50 @@ async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path:
     assert st["retired_last"]["threads left running"].startswith("threads left running: Thread-"), st
 
 
+async def test_a_worker_retired_while_a_region_holds_the_device_ends_at_the_regions_end(
+    reuse_pool: Pool, tmp_path: Path
+) -> None:
+    """Ending, a worker frees its device memory in the kernel, which no hold stops: a worker that
+    retires while a region has the pool paused waits (in its channel's receive) until the region
+    ends (resume), then exits. Before, it exited at once, beside the region's timing."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("reads the x86-64 number of the system call a worker waits in")
+    reuse_pool.pause()  # what a region's entry does (quiesce)
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
+    r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    pid = r.launched.pid
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while reuse_pool.status()["retired"] < 1:  # it said why it retires: its command is over
+        assert loop.time() < deadline, reuse_pool.status()
+        await asyncio.sleep(0.02)
+    while (now := _syscall(pid)) not in (None, RECVMSG):  # then: gone, or waiting for the pool
+        assert loop.time() < deadline, now
+        await asyncio.sleep(0.02)
+    assert now == RECVMSG, "the retired worker ended while the region held the device"
+    reuse_pool.resume()  # the region's release
+    while _syscall(pid) is not None:
+        assert loop.time() < deadline, f"worker {pid} did not end at the resume"
+        await asyncio.sleep(0.02)
+
+
+RECVMSG = 47  # x86-64: the receive a worker blocks in (socket.recv_fds)
+
+
+def _syscall(pid: int) -> int | str | None:
+    """The system call `pid`'s main thread is blocked in ("running" when it is not); None once it
+    is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return None
+        with open(f"/proc/{pid}/syscall") as f:
+            first = f.read().split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return int(first) if first.lstrip("-").isdigit() else first
+
+
 async def test_reuse_os_exit_resolves_with_real_status(reuse_pool: Pool, tmp_path: Path) -> None:
     r = await run_pooled(reuse_pool, [PY, "-c", "import os; os._exit(3)"], str(tmp_path))
     assert r.returncode == 3
