@@ -56,8 +56,8 @@ class ContextGate:
     def later(self, end: Callable[[], None]) -> None:
         """End a retired worker (`end`: its kill, or the EOF it exits on) now, or at resume() while
         paused. Ending, a worker frees its device memory, in the kernel, which no hold stops: beside
-        the timing of the region that paused the pool (on the H100 a memory-bound kernel's trials ran
-        15% slower beside such an end). Until then it waits, held as an idle worker is."""
+        the timing of the region that paused the pool (docs/pool.md). Until then it waits, held as
+        an idle worker is."""
         if self.paused:
             self.deferred.append(end)
         else:
