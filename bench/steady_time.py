@@ -5,10 +5,12 @@ agent time is the sum of its jobs' latencies. It is split (from each job's resul
 
 - **queued**: waiting in the daemon's queue before it started (`krex.queued_s`: for memory under
   admission, for the device under policy command);
-- **gate**: started, waiting at its first CUDA use for memory (`krex.gate_s`, under --mem-gate);
-- **phases**: the job's own work as the KernelBench job reports it (import, inputs, check, timing;
-  the timing phase holds its region's wait and entry, shown apart);
+- **phases**: the job's own work as the KernelBench job reports it (import, inputs, check, timing);
 - **other**: the rest (the gateway, the command's start and exit, the interpreter's start).
+
+Shown beside them, inside the phases: **gate**, the wait at the job's first CUDA use (in its import
+phase) for memory or for a region to end (`krex.gate_s`, under --mem-gate), and the regions' wait
+and entry (in its timing phase).
 
 **Memory occupancy** is the sum over jobs of the most each was seen to hold (`krex.mem_peak`) times
 the time from its first allocation (its inputs phase) to its end, over the device's memory times the
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-PARTS = ("queued", "gate", "phases", "other")
+PARTS = ("queued", "phases", "other")
+INSIDE = ("gate", "region")  # parts of the phases
 
 
 def job_time(rec: dict[str, Any]) -> dict[str, float]:
@@ -38,7 +41,7 @@ def job_time(rec: dict[str, Any]) -> dict[str, float]:
         "queued": queued,
         "gate": gate,
         "phases": work,
-        "other": max(0.0, latency - queued - gate - work),
+        "other": max(0.0, latency - queued - work),
         "region": region,
         "mem_s": (k.get("mem_peak") or 0) * held,
         "mem_seen": bool(k.get("mem_peak")),
@@ -48,7 +51,7 @@ def job_time(rec: dict[str, Any]) -> dict[str, float]:
 def round_time(rnd: dict[str, Any]) -> dict[str, Any]:
     """A round's jobs' time, summed, and its memory occupancy (None where no job's peak is known)."""
     jobs = [job_time(r) for r in rnd.get("jobs") or []]
-    out: dict[str, Any] = {k: sum(j[k] for j in jobs) for k in ("latency", *PARTS, "region")}
+    out: dict[str, Any] = {k: sum(j[k] for j in jobs) for k in ("latency", *PARTS, *INSIDE)}
     total = sum((rnd.get("memory_total") or {}).values())
     span = rnd.get("makespan_s") or 0.0
     seen = any(j["mem_seen"] for j in jobs)
@@ -69,6 +72,7 @@ def rows(rounds: list[dict[str, Any]]) -> list[list[Any]]:
                 rnd.get("unit", "?"),
                 t["latency"],
                 *(f"{t[p]:.0f} ({t[p] / lat:.0%})" for p in PARTS),
+                t["gate"],
                 t["region"],
                 "-" if t["memory"] is None else f"{t['memory']:.0%}",
             ]
@@ -76,4 +80,4 @@ def rows(rounds: list[dict[str, Any]]) -> list[list[Any]]:
     return out
 
 
-HEADER = ["round", "agent s", *(f"{p} s" for p in PARTS), "region wait+entry s", "memory"]
+HEADER = ["round", "agent s", *(f"{p} s" for p in PARTS), "of which gate s", "region wait+entry s", "memory"]
