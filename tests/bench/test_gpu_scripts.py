@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +102,39 @@ def test_every_script_the_docs_name_exists() -> None:
     docs = [ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     named = {m for d in docs for m in re.findall(r"bench/gpu/([a-z_0-9]+\.sh)", d.read_text())}
     assert named and {n for n in named if not (GPU / n).exists()} == set()
+
+
+def test_the_torchstate_check_compares_rng_states_and_says_where_it_cannot_run() -> None:
+    """bench.gpu.check_torchstate: states compare element-wise (tensors, lists of them); without
+    torch or a CUDA device it says so and exits 2, not a failure of the check."""
+    import sys
+
+    from bench.gpu import check_torchstate as ct
+
+    class T:  # a tensor's face: shape, element-wise ==, all()
+        def __init__(self, *v: int) -> None:
+            self.v, self.shape = v, (len(v),)
+
+        def __eq__(self, o: object) -> Any:
+            return T(*(int(a == b) for a, b in zip(self.v, o.v)))  # type: ignore[attr-defined]
+
+        def all(self) -> bool:
+            return all(self.v)
+
+    assert ct.same([T(1, 2), T(3)], [T(1, 2), T(3)]) and not ct.same([T(1, 2)], [T(1, 5)])
+    assert ct.same("highest", "highest") and not ct.same(True, False) and not ct.same([T(1)], [])
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has torch and a GPU: the check would run for real")
+    except ImportError:
+        pass
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.check_torchstate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert p.returncode == 2 and "check_torchstate:" in p.stderr, (p.returncode, p.stderr)
