@@ -507,6 +507,9 @@ def table(s: dict[str, Any]) -> str:
                 f"  {p['unit']} {p['device']}: launched {p.get('launched')}, adopted {p.get('adopted')}, "
                 f"misses {p.get('misses')}, retired {p.get('retired')}" + (f" ({why})" if why else "")
             )
+            for cls, reason in sorted((p.get("retired_last") or {}).items()):
+                if reason != cls:  # its particulars: which module, which path
+                    out.append(f"    last {cls!r}: {reason[:200]}")
     out += ["", "goals (issue 38):"] + (["  " + g for g in s["goals"]] or ["  (nothing to judge yet)"])
     for name, x in v.items():
         for f in x["failed_examples"]:

@@ -141,6 +141,15 @@ def test_summary_judges_issue_38s_goals_against_the_spread() -> None:
     pool = _round("region-pool", "region", 1, 44.0, regions=regs)
     pool["args"] = ["--pool-size", "8"]
     pool2 = {**_round("region-pool", "region", 2, 46.0), "args": ["--pool-size", "8"]}
+    ext = "extension modules cannot be unloaded"
+    pool2["pools"] = {
+        "nvidia0": {
+            "launched": 10,
+            "retired": 3,
+            "retired_why": {ext: 2, "surplus": 1},
+            "retired_last": {ext: f"{ext}: lazyext._json", "surplus": "surplus"},
+        }
+    }
     oom = {**_job("k", 99.0, ok=False), "stderr_tail": "CUDA out of memory"}
     region1 = _round("region", "region", 1, 30.0, p95=2.04)
     region1["jobs"].append(oom)
@@ -190,6 +199,8 @@ def test_summary_judges_issue_38s_goals_against_the_spread() -> None:
     assert "region vs shared-8 (same width): 0.98x, within the spread" in text
     assert "still owed (1 units, run again with --resume): alone-3" in text
     assert "failed in region (oom)" in text
+    assert f"retired 3 ({ext} 2, surplus 1)" in text
+    assert f"    last {ext!r}: {ext}: lazyext._json" in text and "last 'surplus'" not in text
 
 
 def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
