@@ -87,8 +87,11 @@ class Retirements(collections.Counter[str]):
         super().__init__()
         self.device, self.last = device, dict[str, str]()
 
+    ROUTINE = ("used up (--pool-max-uses)", "surplus")  # by design: counted, not logged
+
     def add(self, reason: str) -> None:
         key = retire_class(reason)
         self[key] += 1
         self.last[key] = reason[:500]
-        log.info("pool_worker_retired", device=self.device, reason=reason[:500])
+        if key not in self.ROUTINE:
+            log.info("pool_worker_retired", device=self.device, reason=reason[:500])

@@ -137,10 +137,15 @@ async def test_reuse_reports_exit_codes_and_exceptions(reuse_pool: Pool, tmp_pat
 
 
 async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path: Path) -> None:
+    import structlog.testing
+
     code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
-    r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
-    assert r.returncode == 0
-    await reuse_pool.wait_warm(timeout=30)
+    with structlog.testing.capture_logs() as logged:
+        r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+        assert r.returncode == 0
+        await reuse_pool.wait_warm(timeout=30)
+    (line,) = [e for e in logged if e["event"] == "pool_worker_retired"]  # logged with its particulars
+    assert line["device"] == "cpu" and line["reason"].startswith("threads left running: Thread-"), line
     assert r.launched.pid not in [w.pid for w in reuse_pool._workers]
     st = reuse_pool.status()
     assert st["retired"] == 1 and st["retired_why"] == {"threads left running": 1}, st
