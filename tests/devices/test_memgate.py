@@ -385,3 +385,33 @@ def test_a_child_forked_while_its_parent_waits_at_the_gate_asks_for_itself(tmp_p
         mute.close()
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["child False None", "parent True True"], out.stdout
+
+
+async def test_an_oom_beside_a_command_never_seen_is_not_called_its_own(fake, tmp_path):
+    """A program without torch never asks at its gate, and where NVML's pids are not the daemon's
+    (KREX_FAKE_GPU_PID_OFFSET) no sample ever sees it: A holds 700 MiB uncounted. B, admitted
+    alone, grows to 700 MiB and runs out of memory. The verdict reads the device now: something
+    else holds memory there, so B was co-located and is re-run. Before, B's failure was called its
+    own (`oom: "alone"`), not re-run. Here A holds its memory to the end, so the re-run (alone by
+    the figures, which do not see A) fails too, and the report says co-location, naming the device."""
+    from krex_async.devices.fake import usage
+
+    env = dict(fake, KREX_FAKE_GPU_PID_OFFSET="4000000")
+    root = Path(env["KREX_FAKE_GPU_DIR"]) / "fake0"
+    grow, ra = str(tmp_path / "grow"), str(tmp_path / "ra")
+    async with gated(env=env) as d:
+        c = await d.client()
+        b = await c.submit(alloc("50M", "700M", gate=grow), env=env, rerun_on_oom=True)
+        await until_status(c, b.command, lambda s: s["gate"] == "passed", "B passed its gate")
+        await until(lambda: sum(usage(root).values()) >= 50 * MiB, "B allocated 50 MiB")
+        a = await c.submit([*alloc("700M", release=ra), "--no-cuda-gate"], env=env)
+        await until(lambda: sum(usage(root).values()) >= 750 * MiB, "A allocated 700 MiB, unasked")
+        assert (await row(c, a.command))["gate"] == "open", "A was counted: the case is gone"
+        released(grow)
+        rep = (await b.wait()).report
+        released(ra)
+        rep_a = (await a.wait()).report
+        await c.close()
+    assert rep.exit_code != 0 and rep.reruns == 1 and rep.rerun_reason == "co-located OOM", rep
+    assert rep.oom == "co-located" and "co-located on fake0" in rep.error, (rep.oom, rep.error)
+    assert rep_a.exit_code == 0 and rep_a.gate in ("open", "unused", "bypassed"), rep_a

@@ -17,7 +17,7 @@ import time
 from krex_async import logs
 from krex_async import protocol as P
 from krex_async.ctxpool import adoption
-from krex_async.daemon.commands import reruns
+from krex_async.daemon.commands import memsample, reruns
 from krex_async.daemon.commands.access import RequestError, own, run_as
 from krex_async.daemon.commands.admission import Admission
 from krex_async.daemon.commands.placement import choose
@@ -277,6 +277,8 @@ class Lifecycle:
     async def _oom(self, cmd: Command) -> bool:
         """The command failed with CUDA out of memory: re-run it (True) or say why not (reruns.py)."""
         others = self.core.scheduler.siblings(cmd.device_key or "", cmd.id)
+        if not cmd.co_located and others and await memsample.others_hold(self.admission, cmd):
+            cmd.co_located = True  # beside one not counted yet (it allocated without asking)
         if not reruns.verdict(cmd, others, self.admission.fits_alone(cmd), self.core.closing):
             return False
         await self._rerun(cmd)

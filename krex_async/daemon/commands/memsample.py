@@ -124,6 +124,22 @@ def read(node: Node | None, backend: Backend, devices: list[Device], snap: dict[
     return {"used": used, "held": held, "pool": pool, "mapped": mapped, "sampled": snap["groups"], "at": at}
 
 
+async def others_hold(adm: Admission, cmd: Command) -> bool:
+    """Whether, now that `cmd` failed, something else holds memory on its device while another
+    command was started there: the device's use, read now, above its idle baseline and the pool's
+    workers. A command that allocates without asking at its gate (a program without torch) is
+    counted only once a sample sees it (never where NVML's pids are not ours), so a collision it
+    causes before that would otherwise be judged the failed command's own ("oom: alone")."""
+    dm = adm.devices.get(cmd.device_key or "")
+    if dm is None or not (dm.running | dm.gated) - {cmd.id}:
+        return False
+    ev = asyncio.get_running_loop()
+    snap = {"groups": {}, "pools": {k: p.pids() for k, p in adm.core.pools.items() if k == dm.device.key}}
+    seen = await ev.run_in_executor(None, read, adm.core.node, adm.core.backend, [dm.device], snap)
+    used = seen["used"].get(dm.device.key)
+    return used is not None and used - dm.baseline - seen["pool"].get(dm.device.key, 0) > 0
+
+
 def lone_use(dm: Any) -> int:
     """Where NVML's pids are not ours (a daemon in a container without the host's pid namespace
     sees none of them), the use of a command running alone on its device (`dm`, admission's
