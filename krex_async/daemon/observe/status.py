@@ -255,13 +255,17 @@ class DaemonStatus:
             "commands": commands,
         }
 
+    def _reserve(self) -> reserve.Reserve | None:
+        """The state dir's reserve for the records (linux/reserve), if the daemon has a state dir."""
+        return reserve.of(self.core.config.state_dir) if self.core.config.state_dir else None
+
     def state_disk_full(self) -> bool:
         """Whether a record write met a full state disk and its reserve is not back (linux/reserve)."""
-        r = reserve.of(self.core.config.state_dir) if self.core.config.state_dir else None
+        r = self._reserve()
         return r is not None and r.refresh()
 
     def reserve_unavailable(self) -> str:
-        r = reserve.of(self.core.config.state_dir) if self.core.config.state_dir else None
+        r = self._reserve()
         return r.unavailable if r is not None else ""
 
     def probes(self) -> dict[str, Any]:
