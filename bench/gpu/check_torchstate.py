@@ -12,6 +12,7 @@ machines have no torch. Session 23 ran these steps on the H100 (bench/RESULTS.md
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -25,7 +26,8 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options
     try:
         import torch
     except ImportError:

@@ -138,3 +138,11 @@ def test_the_torchstate_check_compares_rng_states_and_says_where_it_cannot_run()
         cwd=ROOT,
     )
     assert p.returncode == 2 and "check_torchstate:" in p.stderr, (p.returncode, p.stderr)
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.check_torchstate", "--rounds", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "unrecognized arguments: --rounds 3" in bad.stderr, bad.stderr

@@ -256,6 +256,8 @@ def test_example_file_loads_and_documents_every_option():
         ("--lock-wait", "-1", "--lock-wait: Expected `float` >= 0.0"),
         ("--lock-wait", "11", "--lock-wait: Expected `float` <= 10.0"),
         ("--exit-wait", "-2", "--exit-wait: Expected `float` >= -1.0"),
+        ("--exit-kernel-wait", "-1", "--exit-kernel-wait: Expected `float` >= 0.0"),
+        ("--exit-kernel-wait", "11", "--exit-kernel-wait: Expected `float` <= 10.0"),
         ("--drain-window", "0", "--drain-window: Expected `float` >= 0.001"),
         ("--drain-timeout", "0", "--drain-timeout: Expected `float` > 0.0"),
         ("--drain-timeout", "0.01", "flag --drain-timeout: drain_timeout (0.01 s) is not longer"),
