@@ -31,6 +31,7 @@ HEADER = struct.Struct(">I")
 # Length bounds for strings and lists that come from peers (no unbounded fields).
 MAX_NAME = 256  # characters of a label, device or region name (the CLI checks it too, by name)
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+MAX_ALIKE = 64  # features in a Submit's mem_alike
 Text = Annotated[str, msgspec.Meta(max_length=1 << 20)]
 Arg = Annotated[str, msgspec.Meta(max_length=128 * 1024)]
 Argv = Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=4096)]
@@ -98,6 +99,9 @@ class Submit(Msg, tag="submit"):
     # while others held the device's memory may be re-run once, alone (the agent gets Rerun)
     mem_key: Name = ""
     rerun_on_oom: bool = False
+    # What it shares with other commands whose peaks bound its own (the gateway: a digest of each
+    # of a job's files and of its command); the tightest known is its need (footprints.py)
+    mem_alike: Annotated[list[Name], msgspec.Meta(max_length=MAX_ALIKE)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.stdin_stream and self.stdin is not None:

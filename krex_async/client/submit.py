@@ -325,6 +325,7 @@ class Client:
         stdin_stream: bool = False,
         mem_key: str = "",
         rerun_on_oom: bool = False,
+        mem_alike: list[str] | None = None,
     ) -> CommandHandle:
         """Start a command. env=None passes this process's environment (as a shell would);
         run_as: another uid to run it as (the daemon allows that to a root peer only).
@@ -356,6 +357,7 @@ class Client:
             stdin_stream=stdin_stream,
             mem_key=mem_key,
             rerun_on_oom=rerun_on_oom,
+            mem_alike=list(mem_alike or ()),
         )
         q = self._send(msg)
         first = await q.get()

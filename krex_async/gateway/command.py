@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from krex_async import protocol as P
 from krex_async.client.submit import CommandHandle
 from krex_async.gateway.auth import RunAs
 from krex_async.gateway.limits import RESERVED_ENV
@@ -160,9 +161,37 @@ def job_shape(request: dict[str, Any]) -> str:
     return hashlib.sha256(shape.encode()).hexdigest()[:16]
 
 
+CONTENT = ("candidate", "command", "files", "reference")  # the request fields that make up a job
+
+
+def job_features(request: dict[str, Any]) -> list[str]:
+    """What a job shares with others, each a digest of content: its command and each of its files
+    (name and content); an eval's reference and candidate. An agent's next candidate for a problem
+    shares the problem's files, not the candidate's: the daemon takes a job to need what the earlier
+    jobs that shared such a feature peaked at (footprints.py). The first MAX_ALIKE, in order of
+    field and file name."""
+    out = []
+    for field in CONTENT:
+        value = request.get(field)
+        if field == "files" and isinstance(value, dict):
+            out += [f"file {name[:64]} {_digest([name, text])}" for name, text in sorted(value.items())]
+        elif value is not None:
+            out.append(f"{field} {_digest(value)}")
+    return out[: P.MAX_ALIKE]
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def admission_args(kind: str, request: dict[str, Any]) -> dict[str, Any]:
     """A job's Submit fields for a daemon's (not a fleet's) memory admission: it is taken to need
-    what the last jobs of its own shape (an agent's next candidate for the same problem) peaked at,
-    or its kind's until one ran; one that ran out of memory beside others is run again alone (jobs
-    are evaluations: running one twice is safe), its output replacing the first's."""
-    return {"mem_key": f"gateway {kind} / {job_shape(request)}", "rerun_on_oom": True}
+    what the last jobs that shared its problem's files (an agent's earlier candidates for it)
+    peaked at, or the typical peak of its own shape until one ran; one that ran out of memory
+    beside others is run again alone (jobs are evaluations: running one twice is safe), its output
+    replacing the first's."""
+    return {
+        "mem_key": f"gateway {kind} / {job_shape(request)}",
+        "mem_alike": job_features(request),
+        "rerun_on_oom": True,
+    }

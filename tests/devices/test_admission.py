@@ -6,6 +6,7 @@ CUDA does ("torch.OutOfMemoryError: CUDA out of memory") where the device is ful
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import time
@@ -505,3 +506,40 @@ def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkey
     assert again.peaks["k4"] == [1] * footprints.KEEP_PEAKS and again.get("k4") == 1  # the last 8
     Path(path).write_text("{not json")
     assert footprints.Footprints(path).peaks == {}  # learned anew, not a daemon that cannot start
+
+
+def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical(tmp_path):
+    """Jobs of one shape (the same runner and file names, as an agent's) for several problems:
+    each problem's own file bounds its need, the runner every job carries does not, and a problem
+    not seen yet is taken at the shape's typical peak, not its largest. On an H100 the shape's
+    largest held a 1.1 GiB ResNet18 job 23 s as if it needed an element-wise problem's 42.7 GiB."""
+    from krex_async import protocol as P
+    from krex_async.daemon.commands import footprints
+
+    path = str(tmp_path / "memory.json")
+    f = footprints.Footprints(path)
+
+    def job(problem: str) -> P.Submit:
+        alike = ["command 11", "file job.py 22", f"file problem.py {problem}"]
+        return P.Submit(id=1, argv=["sh"], mem_key="gateway dev / shape", mem_alike=alike)
+
+    def ran(f: footprints.Footprints, problem: str, peak: int) -> None:
+        spec = job(problem)
+        f.learn(footprints.mem_keys(spec) + footprints.alike_keys(spec), peak)
+
+    for problem, peak in (("big", 40), ("small", 1), ("mid", 3), ("small", 2)):
+        ran(f, problem, peak * MiB)
+    assert f.need(job("small"), 0) == (2 * MiB, "learned")  # its own file's largest, not the shape's
+    assert f.need(job("big"), 0) == (40 * MiB, "learned")
+    assert f.need(job("new"), 0) == (3 * MiB, "learned")  # the shape's median of 1, 2, 3, 40
+    again = footprints.Footprints(path)  # which jobs taught what survives a restart
+    assert again.need(job("small"), 0) == (2 * MiB, "learned") and again.seq == 4
+    one = footprints.Footprints(None)  # one problem only: its file is every job's, so the median
+    for peak in (5, 7, 6):
+        ran(one, "only", peak * MiB)
+    assert one.need(job("only"), 0) == (6 * MiB, "learned")
+    no_alike = P.Submit(id=1, argv=["sh"], mem_key="gateway dev / shape")
+    assert one.need(no_alike, 0) == (7 * MiB, "learned")  # without features: its key's largest
+    Path(path).write_text(json.dumps({"version": 1, "peaks": {"key gateway dev / shape": [9 * MiB]}}))
+    old = footprints.Footprints(path)  # a version 1 file (no numbers) still serves
+    assert old.need(job("new"), 0) == (9 * MiB, "learned") and old.seqs == {"key gateway dev / shape": [0]}

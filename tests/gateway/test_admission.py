@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from krex_async.client.submit import Client
-from krex_async.gateway.command import job_shape
+from krex_async.gateway.command import job_features, job_shape
 
 from .conftest import stack
 
@@ -79,11 +79,62 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         assert 400 * MiB in learned["key gateway dev"], learned
 
 
+RUN = "import os, runpy, sys\nsys.argv = ['fake', {size!r}, '--release', os.environ['RELEASE']]\n" + (
+    "runpy.run_module('krex_async.devices.fake', run_name='__main__')\n"
+)
+
+
+async def test_a_job_is_taken_at_what_its_own_problem_peaked_not_its_shapes_largest(
+    tmp_path: Path, fake_gpu: str
+) -> None:
+    """Jobs of one shape (`python run.py`, as an agent's candidates all are) for two problems, one
+    peaking at 400 MiB and one at 50: the small problem's next job is taken to need its own 50 MiB
+    (the file it shares with its earlier job), not the shape's 400 (the old key of command and file
+    names lumped every problem together, and admission held small jobs for the largest)."""
+    daemon_args = ("--devices", "fake:1", "--mem-headroom", "0")
+    async with stack(tmp_path, "--max-running", "auto", daemon_args=daemon_args) as (daemon, _gw, c):
+        krex = await Client.connect(daemon.socket)  # type: ignore[attr-defined]
+
+        async def job(size: str, release: str) -> dict:
+            run = {"run.py": RUN.format(size=size)}  # the same file for each job of a problem
+            j = await c.dev("python run.py", files=run, env_vars={"RELEASE": release})
+            await until_async(
+                lambda: _running(krex, f"gateway {j['job_id']}", int(size[:-1]) * MiB), f"{size} allocated"
+            )
+            Path(release).touch()
+            done = await c.wait(j["job_id"], 60)
+            assert done["status"] == "succeeded", done
+            return done["result"]["krex"]
+
+        releases = (os.path.join(fake_gpu, f"r{i}") for i in range(3))
+        assert (await job("400M", next(releases)))["mem_peak"] >= 400 * MiB
+        first = await job("50M", next(releases))  # its problem not seen yet: the shape's typical, 400
+        assert (first["mem_need"], first["mem_source"]) == (400 * MiB, "learned"), first
+        again = await job("50M", next(releases))
+        assert (again["mem_need"], again["mem_source"]) == (50 * MiB, "learned"), again
+        await krex.close()
+
+
 def test_a_jobs_shape_is_its_command_and_file_names_not_their_contents() -> None:
     one = {"command": "python eval.py", "files": {"eval.py": "a", "kernel.cu": "x"}}
     assert job_shape(one) == job_shape({**one, "files": {"kernel.cu": "y", "eval.py": "b"}})
     assert job_shape(one) != job_shape({**one, "command": "python eval.py --big"})
     assert job_shape(one) != job_shape({**one, "files": {"eval.py": "a"}})
+
+
+def test_a_jobs_features_are_its_contents_one_by_one() -> None:
+    """What the daemon learns a job's need by: each file's name and content, its command; an eval
+    job's reference and candidate; nothing of its environment or timeout."""
+    one = {"command": "python eval.py", "files": {"eval.py": "a", "kernel.cu": "x"}, "timeout_s": 5}
+    two = {**one, "files": {"eval.py": "a", "kernel.cu": "y"}, "env_vars": {"A": "1"}, "timeout_s": 9}
+    f1, f2 = job_features(one), job_features(two)
+    assert len(f1) == 3 and f1[:2] == f2[:2] and f1[2] != f2[2], (f1, f2)  # only the kernel differs
+    assert [x.split()[:2] for x in f1[1:]] == [["file", "eval.py"], ["file", "kernel.cu"]], f1
+    assert f1[0].startswith("command "), f1
+    ev = job_features({"reference": {"reference_py": "r"}, "candidate": "c", "options": {}})
+    assert [x.split()[0] for x in ev] == ["candidate", "reference"], ev
+    many = job_features({"files": {f"f{i:03}.py": "" for i in range(100)}})
+    assert len(many) == 64 and many[-1].startswith("file f063.py"), many[-1]
 
 
 async def until_async(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:

@@ -41,7 +41,7 @@ from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.commands import memsample
 from krex_async.daemon.commands.devmemory import DeviceMemory, gib
-from krex_async.daemon.commands.footprints import Footprints, mem_keys
+from krex_async.daemon.commands.footprints import Footprints, alike_keys, mem_keys
 from krex_async.daemon.model.command import Command, CommandState
 from krex_async.daemon.model.core import Core
 from krex_async.daemon.model.events import MemoryReserved, MemoryWaiting
@@ -384,7 +384,7 @@ class Admission:
             go()
         cmd.gate_waiters.clear()
         if cmd.mem_peak > 0 and not oom:
-            self.footprints.learn(mem_keys(cmd.spec), cmd.mem_peak)
+            self.footprints.learn(mem_keys(cmd.spec) + alike_keys(cmd.spec), cmd.mem_peak)
         self.reserved_metric(dm)
         if dm.waiting:  # the last sample still counts its memory: take one now, not in SAMPLE_S
             self.wake.set()

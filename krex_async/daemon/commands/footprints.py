@@ -4,6 +4,14 @@ daemon's life in <state dir>/memory.json (admission.py takes a command's need fr
 A command's keys (`mem_keys`): its Submit.mem_key, else its label, else its program and first
 argument. A mem_key of parts ("gateway dev / 3f2a") is a path, most general first: a command teaches
 every prefix, and admission estimates it by the longest prefix known.
+
+A command may also name what it shares with others (Submit.mem_alike: the gateway gives a digest of
+each of a job's files and of its command). Every earlier command that shared one of them bounds it:
+a later candidate for the same problem shares the problem's files, not the candidate's. Such a
+feature tells the command apart only where it is *specific*: taught by some of its key's recent
+commands, not by all of them (a runner script every job carries is not; the file of one problem among
+several is). The tightest bound of the specific features known is its need; with none known (a
+problem not seen yet), its key's typical (median) peak: the key of many problems is a kind.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ KEEP_PEAKS = 8  # peaks remembered per key: the need is the largest of them
 KEEP_KEYS = 4096  # keys remembered (a daemon's life of distinct scripts must not grow the file)
 
 KEY_SEP = " / "  # between a mem_key's parts, most general first
+ALIKE = "alike "  # before a Submit.mem_alike feature, in the file
 
 
 def mem_keys(spec: P.Submit) -> list[str]:
@@ -30,6 +39,11 @@ def mem_keys(spec: P.Submit) -> list[str]:
         return [mem_key(spec)]
     parts = [p.strip() for p in spec.mem_key.split(KEY_SEP.strip())]
     return [f"key {KEY_SEP.join(parts[:n])}" for n in range(len(parts), 0, -1)]
+
+
+def alike_keys(spec: P.Submit) -> list[str]:
+    """The keys of what the command shares with others (Submit.mem_alike)."""
+    return [ALIKE + a for a in spec.mem_alike]
 
 
 def mem_key(spec: P.Submit) -> str:
@@ -51,11 +65,14 @@ def mem_key(spec: P.Submit) -> str:
 
 
 class Footprints:
-    """Peak device memory by key, learned from commands that ended, kept in a JSON file."""
+    """Peak device memory by key, learned from commands that ended, kept in a JSON file. Each peak
+    has its command's number (`seqs`, counted in `seq`): which commands taught a key."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self.peaks: dict[str, list[int]] = {}
+        self.seqs: dict[str, list[int]] = {}
+        self.seq = 0
         if path is None:
             return
         try:
@@ -64,26 +81,46 @@ class Footprints:
             self.peaks = {
                 str(k): [int(x) for x in v][-KEEP_PEAKS:] for k, v in raw.get("peaks", {}).items() if v
             }
+            seqs = raw.get("seqs", {})  # none in a version 1 file: every peak numbered 0
+            self.seqs = {
+                k: [int(x) for x in seqs.get(k, [0] * len(v))][-len(v) :] for k, v in self.peaks.items()
+            }
+            self.seq = int(raw.get("seq", 0))
         except FileNotFoundError:
             pass
         except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file: learn anew
             log.warning("footprints_unreadable", path=path, error=repr(e))
+            self.peaks, self.seqs, self.seq = {}, {}, 0
 
     def need(self, spec: P.Submit, default: int) -> tuple[int, str]:
         """(bytes, where the figure comes from) that a command of `spec` is taken to need: declared,
         learned, `default` (--mem-default) where above 0, else unknown (0)."""
         if spec.mem > 0:
             return spec.mem, "declared"
-        for i, key in enumerate(mem_keys(spec)):
-            # Its own key: the largest it reached. A prefix (its kind, never its own shape): the
-            # kind's typical peak, not its largest: one outsize problem (29 GiB of an H100's 80 in
-            # KernelBench's large set) reserved for every new shape held eight jobs to two or
+        keys = mem_keys(spec)
+        bounds = [self.get(k) or 0 for k in alike_keys(spec) if self.specific(k, keys[0])]
+        if bounds:  # every earlier command that shared it peaked within: the tightest is its need
+            return min(bounds), "learned"
+        for i, key in enumerate(keys):
+            # Its own key: the largest it reached. A prefix (its kind, never its own shape), or its
+            # own key where features tell its commands apart (the key of many problems): the
+            # kind's typical peak, not its largest: one outsize problem (29 GiB of an H100's 80
+            # in KernelBench's large set) reserved for every new shape held eight jobs to two or
             # three. A new shape larger than typical is seen as it grows (the peaks are sampled,
             # and what runs holds its peak) and, if it still meets an out-of-memory, is re-run.
-            learned = self.get(key, typical=i > 0)
+            learned = self.get(key, typical=i > 0 or bool(spec.mem_alike))
             if learned is not None:
                 return learned, "learned"
         return (default, "default") if default > 0 else (0, "unknown")
+
+    def specific(self, feature: str, key: str) -> bool:
+        """Whether the known `feature` tells some of `key`'s commands from the rest: not every one of
+        the key's recent commands taught it (the feature of one problem among several, not a script
+        they all carry; where the key is new, whatever is known of the feature)."""
+        if feature not in self.peaks:
+            return False
+        own = set(self.seqs.get(key, []))
+        return not own or not own <= set(self.seqs.get(feature, []))
 
     def get(self, key: str, typical: bool = False) -> int | None:
         """The largest of the key's recent peaks; `typical`: their median (a kind's many shapes)."""
@@ -93,13 +130,20 @@ class Footprints:
         return sorted(peaks)[len(peaks) // 2] if typical else max(peaks)
 
     def learn(self, keys: list[str], peak: int) -> None:
-        for key in keys:
+        """A command of `keys` (mem_keys, then alike_keys) peaked at `peak`."""
+        self.seq += 1
+        for key in dict.fromkeys(keys):
             peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
+            seqs = self.seqs.pop(key, [])
             self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
+            self.seqs[key] = [*seqs, self.seq][-KEEP_PEAKS:]
         while len(self.peaks) > KEEP_KEYS:
-            del self.peaks[next(iter(self.peaks))]
+            oldest = next(iter(self.peaks))
+            del self.peaks[oldest]
+            self.seqs.pop(oldest, None)
         if self.path is not None:
+            data = {"version": 2, "seq": self.seq, "peaks": self.peaks, "seqs": self.seqs}
             try:
-                replace_file(self.path, json.dumps({"version": 1, "peaks": self.peaks}).encode())
+                replace_file(self.path, json.dumps(data).encode())
             except OSError as e:
                 log.warning("footprints_unwritable", path=self.path, error=repr(e))
