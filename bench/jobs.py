@@ -269,10 +269,10 @@ async def pool_counts(socket: str) -> dict[str, Any]:
     its workers retired (a reused worker that retires after every job is no reuse)."""
     from krex_async import Client
 
-    keys = "launched adopted misses retired retired_why retired_last declined failures max_uses".split()
+    keys = "launched adopted misses retired retired_why retired_last declined failures max_uses keep_s"
     async with await Client.connect(socket) as c:
         pools = (await c.status()).get("pools") or {}
-    return {dev: {k: p.get(k) for k in keys} for dev, p in pools.items()}
+    return {dev: {k: p.get(k) for k in keys.split()} for dev, p in pools.items()}
 
 
 async def device_memory(socket: str) -> dict[str, int]:

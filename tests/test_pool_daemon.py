@@ -67,16 +67,18 @@ async def _wait_pool(c, want: dict[str, int], timeout: float = 30) -> dict:
 @pytest.mark.parametrize("backend", ["signal", "cgroup"])
 async def test_daemon_reuses_a_worker_and_leaks_nothing(backend: str, tmp_path) -> None:
     """--pool-max-uses 3: three commands in a row run in one worker pid, the pool is warm again
-    between them, and neither a module nor a variable of one command is seen by the next."""
+    between them, and neither a module nor a variable of one command is seen by the next.
+    (--pool-keep-s reaches the pool.)"""
     env = py_env()
     first = "import os, sys, colorsys; os.environ['LEAK'] = '1'; print(os.getpid())"
     probe = (
         "import os, sys; print(os.getpid(), 'colorsys' in sys.modules, 'LEAK' in os.environ, "
         "open('/proc/self/cgroup').read().count('krex'))"
     )
-    async with run_daemon("--pool-size", "1", "--pool-max-uses", "3", *_backend_args(backend), env=env) as d:
+    args = ("--pool-size", "1", "--pool-max-uses", "3", "--pool-keep-s", "5", *_backend_args(backend))
+    async with run_daemon(*args, env=env) as d:
         async with await d.client() as c:
-            await _wait_pool(c, {"warm": 1})
+            await _wait_pool(c, {"warm": 1, "keep_s": 5.0})
             runs = []
             for code in (first, probe, probe):
                 runs.append(await c.run([PY, "-c", code], env=env, cwd=str(tmp_path)))

@@ -23,6 +23,7 @@ WORKER_MODULE = "krex_async.ctxpool.worker"  # what a worker runs (`python -m`)
 class PoolConfig:
     size: int = 0  # warm workers per device; 0 disables the pool
     max_uses: int = 1
+    keep_s: float = 30.0  # seconds a worker one too many is kept after the demand falls (0: none)
     preload: list[str] = field(default_factory=list)  # modules every worker imports, e.g. ["torch"]
     python: str = ""  # the interpreter whose commands the pool accepts (default: sys.executable)
     init_context: bool = True  # create the device context (torch.cuda.init / cuInit) when warming

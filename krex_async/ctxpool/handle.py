@@ -56,7 +56,7 @@ class Worker:
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
     homes: dict[str, str | None] | None = None  # its own cgroups' procs files, where the pool moves it
     accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
-    surplus: bool = False  # came back surplus while the device was paused: retired at resume()
+    surplus: bool = False  # came back one too many: leaves once not kept (Pool._trim: keep_s, resume())
     reserved: bool = False  # offered to an adopter by take(), not handed over yet
     rx: channel.Receiver = field(default_factory=channel.Receiver)  # its channel's reassembly
 

@@ -39,6 +39,23 @@ class Lending:
         self.waiters.append(fut)
         return fut
 
+    async def wait(
+        self, timeout: float, refill: Callable[[], None], untake: Callable[[Worker], None]
+    ) -> Worker | None:
+        """Pool.take(): wait in line up to `timeout` s for a worker (`refill()` once in line, so
+        what is due warms); one offered to a waiter cancelled meanwhile goes back (`untake`)."""
+        fut = self.enter()
+        try:
+            refill()
+            if timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except BaseException:  # cancelled (the adopter is gone)
+            if (w := self.leave(fut)) is not None:
+                untake(w)
+            raise
+        return self.leave(fut)
+
     def leave(self, fut: asyncio.Future[Worker | None]) -> Worker | None:
         """A waiter leaves the line: the worker it was offered, if any (else it is cancelled)."""
         with contextlib.suppress(ValueError):

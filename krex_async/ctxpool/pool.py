@@ -24,15 +24,16 @@ first.
 `adopt()` hands a worker an interpreter that is already running somewhere in a command's tree
 (ctxpool/adoption.py): the worker gets the adopter's pidfd instead of fds, takes fds 0/1/2 itself,
 and answers "started" (it runs the program) or "declined" (it cannot, and leaves the pool). The
-daemon's `set_demand()` sets how many workers to keep: one per command running on the device, at
-least one, at most config.size.
+daemon's `set_demand()` sets how many workers to warm towards: one per command running on the
+device, at least one, at most config.size. Shrinking lags (keep.py): a worker that comes back one too
+many stays while the demand of the last config.keep_s seconds would keep it, and leaves at that
+window's end (a timer) if still one too many; never while a region holds the device (at resume()).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import inspect
 import os
@@ -45,6 +46,7 @@ from krex_async.ctxpool.gate import CONTEXT_TIMEOUT_S, ContextGate
 from krex_async.ctxpool.gate import node_lock as node_lock  # re-exported: it was defined here
 from krex_async.ctxpool.handle import BrokenWorker as BrokenWorker  # re-exported: it was defined here
 from krex_async.ctxpool.handle import Worker, Workers, WorkerStartError
+from krex_async.ctxpool.keep import Demand
 from krex_async.ctxpool.lending import Lending
 from krex_async.ctxpool.procs import Retirements
 from krex_async.ctxpool.procs import identity as _identity
@@ -86,7 +88,7 @@ class Pool:
         self.retired = self.failures = self.launched = self.misses = 0
         self._consecutive_failures = 0
         self.last_error: str | None = None
-        self.demand: int | None = None  # commands running on the device (None: keep config.size)
+        self._demand = Demand(config.size, config.keep_s)  # workers to warm towards, and to keep
         self.interpreter: dict[str, Any] | None = None  # what a warm worker said of itself
         self.adopted = 0
         self.declined, self.retired_why = collections.Counter[str](), Retirements(device.key)
@@ -179,35 +181,18 @@ class Pool:
         nothing is warm or warming, or at the timeout. Give the worker to adopt(), or untake() it."""
         if self._closed:
             return None
-        fut = self._lending.enter()
-        try:
-            self._refill()  # a replacement still due (call_soon after the last hand-over) is warming
-            if timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except BaseException:  # cancelled (the adopter is gone): a worker offered meanwhile goes back
-            if (w := self._lending.leave(fut)) is not None:
-                self.untake(w)
-            raise
-        w = self._lending.leave(fut)
+        w = await self._lending.wait(timeout, self._refill, self.untake)  # refill: what is due warms
         self.misses += w is None
         return w
 
     def untake(self, w: Worker) -> None:
         """A worker from take() that was not handed over: first in line again, unless its
-        replacement (started when it was reserved) made it one too many: then it leaves, as a
-        surplus worker does (at resume() while a region holds the device)."""
+        replacement (started when it was reserved) made it one too many: then it is surplus."""
         w.reserved = False
         if w.state != "warm" or w.exited.done() or w in self._lending.idle:
             self._serve_waiters()
             return
-        if not self._lending.waiters and self._have() > self._target():
-            if not self._gate.paused:
-                self._retire_surplus(w)
-                return
-            w.surplus = True
-        self._lending.idle.appendleft(w)
-        self._serve_waiters()
+        self._idle(w, first=True)
 
     def _serve_waiters(self) -> None:
         """Offer idle workers to take()'s waiters; each offer starts its replacement."""
@@ -246,9 +231,14 @@ class Pool:
             w.accepted = fut
         return fut
 
+    @property
+    def demand(self) -> int | None:
+        """Commands running on the device (set_demand(); None: keep config.size)."""
+        return self._demand.now
+
     def set_demand(self, running: int) -> None:
         """The number of commands running on the device: warm workers are kept towards it."""
-        self.demand = running
+        self._demand.set(running)
         self._refill()
 
     def _hand(
@@ -276,14 +266,31 @@ class Pool:
 
     def resume(self) -> None:
         self._gate.resume()
-        for w in [w for w in self._lending.idle if w.surplus]:
-            w.surplus = False
-            if w.state == "warm" and self._have() > self._target():
-                self._lending.idle.remove(w)
-                self._retire_surplus(w)
+        self._trim()
 
-    def _retire_surplus(self, w: Worker) -> None:
-        self._retire(w, "surplus", kill=False)  # a replacement warmed while it was busy
+    def _idle(self, w: Worker, first: bool = False, back: bool = True) -> None:
+        """`w` waits idle, first in line (given back by take()'s adopter) or last; offered to
+        take()'s waiters first. One `back` from a command or an adopter that is one too many (a
+        replacement warmed meanwhile, or the demand fell) is marked surplus, for _trim()."""
+        w.surplus = back and self._have() > self._demand.target()
+        (self._lending.idle.appendleft if first else self._lending.idle.append)(w)
+        self._serve_waiters()
+        self._trim()
+
+    def _trim(self) -> None:
+        """Idle workers marked surplus leave while still one too many, the last in line first; not
+        while the demand of the last keep_s seconds keeps them (looked at again once it may have
+        fallen), nor while a region holds the device (exiting would tear the context down inside
+        the region, unheld: it is in no command; resume() looks again). Those wanted are unmarked."""
+        for w in [w for w in reversed(self._lending.idle) if w.surplus and w.state == "warm"]:
+            if self._closed or self._lending.waiters or self._have() <= self._demand.target():
+                w.surplus = False
+            elif not self._gate.paused and self._have() > self._demand.kept():
+                w.surplus = False
+                self._lending.idle.remove(w)
+                self._retire(w, "surplus", kill=False)
+        if not self._closed and any(w.surplus for w in self._lending.idle):
+            self._demand.when_kept_falls(self._trim)  # none while kept() is target(): resume() then
 
     def pids(self) -> set[int]:
         """The pids of this pool's workers now (starting, warm or running a command)."""
@@ -322,6 +329,7 @@ class Pool:
             "device": self.device.key,
             "size": self.config.size,
             "max_uses": self.config.max_uses,
+            "keep_s": self.config.keep_s,
             "warm": counts["warm"],
             "busy": counts["busy"],
             "starting": counts["starting"],
@@ -336,7 +344,8 @@ class Pool:
             "start_latency_s": _summary(everything),
             "by_form": lat,
             "demand": self.demand,
-            "target": self._target(),
+            "target": self._demand.target(),
+            "kept": self._demand.kept(),  # the largest demand within keep_s: retiring's target
             "adopted": self.adopted,
             "declined": dict(self.declined),
             "waiting": self._lending.waiting(),  # adopters in take()
@@ -362,6 +371,7 @@ class Pool:
         after its command, on EOF.
         """
         self._closed = True
+        self._demand.cancel()
         self._serve_waiters()
         await self._workers.close(timeout)
 
@@ -374,16 +384,12 @@ class Pool:
     def _spawn_missing(self) -> None:
         if not self._started or self._closed or self._consecutive_failures >= MAX_FAILURES:
             return
-        for _ in range(self._target() - self._have()):
+        for _ in range(self._demand.target() - self._have()):
             try:
                 self._workers.start(self.python, self.env, self.device, self.config, self.user)
             except OSError as e:
                 self._failed(f"spawn: {e}")
                 return
-
-    def _target(self) -> int:
-        size = self.config.size
-        return size if self.demand is None else min(size, max(1, self.demand))
 
     def _have(self) -> int:
         return self._workers.kept(self.config.max_uses, self.cgroup_hook is not None)
@@ -394,19 +400,12 @@ class Pool:
             if self.config.creates_context(self.device.vendor):
                 self._workers.task(self._gate.create(w, lambda: self._closed))
         elif t == "ready" and w.state != "retired":  # not one retired as it said "exited"
-            if w.warmed and self._have() > self._target() and not self._lending.waiters:
-                if not self._gate.paused:
-                    self._retire_surplus(w)
-                    return
-                # A region holds the device: exiting now would tear its context down inside the
-                # region, unheld (it is in no command). It waits idle, and leaves at resume().
-                w.surplus = True
+            back = w.warmed  # from a command, not warm for the first time
             if (interpreter := w.warm(msg)) is not None:
                 self.interpreter = interpreter
-            self._lending.idle.append(w)
             self._consecutive_failures = 0
             self._changed.set()
-            self._serve_waiters()
+            self._idle(w, back=back)
         elif t == "failed":
             w.error = msg.get("error", "")
         elif t == "declined":

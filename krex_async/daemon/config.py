@@ -141,6 +141,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run_as_peers: str = ""
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0  # warm workers per device (0: off)
     pool_max_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # seconds a warm worker that comes back one too many is kept after the demand fell (a command
+    # ended: its agent's next job likely comes soon), so it serves that job (0: it leaves at once)
+    pool_keep_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     pool_preload: str = ""  # comma-separated modules every worker imports, e.g. "torch"
     pool_init: str = ""  # modules a worker imports after its context, holding the node lock
     # the user (name or uid) warm workers run as ("" = the daemon's): a pool serves that user's

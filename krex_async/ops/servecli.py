@@ -224,6 +224,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--pool-size", type=int, help="warm context workers per device (default 0: off)")
     p.add_argument("--pool-max-uses", type=int, help="commands a worker runs before it is replaced")
+    p.add_argument(
+        "--pool-keep-s",
+        type=float,
+        help="seconds a surplus warm worker is kept after demand falls (default 30; 0: retire at once)",
+    )
     p.add_argument("--pool-preload", help="comma-separated modules workers import, e.g. torch")
     p.add_argument(
         "--pool-wait",
@@ -347,7 +352,10 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("probes", ("probes", "probe_prefixes", "launch_libs", "launch_scope")),
-    ("warm pools", ("pool_size", "pool_max_uses", "pool_preload", "pool_wait", "pool_user", "pool_init")),
+    (
+        "warm pools",
+        ("pool_size", "pool_max_uses", "pool_keep_s", "pool_preload", "pool_wait", "pool_user", "pool_init"),
+    ),
     (
         "limits",
         (

@@ -7,13 +7,14 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from krex_async.ctxpool import Pool, PoolConfig, WorkerStartError
 from krex_async.devices.base import Device
-from krex_async.linux.spawn import LaunchSpec, spawn
+from krex_async.linux.spawn import Launched, LaunchSpec, spawn
 from tests.ctxpool.conftest import CPU, PY, finish, make_spec, run_pooled
 
 
@@ -550,8 +551,8 @@ async def test_reuse_resets_logging(reuse_pool: Pool, tmp_path: Path) -> None:
 async def test_surplus_worker_does_not_leave_while_paused(tmp_path: Path) -> None:
     """A reused worker that comes back surplus (a replacement warmed while it was busy) exits at
     once, tearing its device context down; while a region holds the device (paused) it waits idle
-    instead, and leaves at resume()."""
-    p = Pool(CPU, PoolConfig(size=2, max_uses=3, preload=["json"]))
+    instead, and leaves at resume(). (keep_s=0: no keep window, which would keep it past resume.)"""
+    p = Pool(CPU, PoolConfig(size=2, max_uses=3, preload=["json"], keep_s=0))
     p.set_demand(1)
     await p.start()
     try:
@@ -575,6 +576,118 @@ async def test_surplus_worker_does_not_leave_while_paused(tmp_path: Path) -> Non
         assert launched.pid not in p.pids() and p.status()["retired"] == 1
     finally:
         await p.close()
+
+
+async def _back_while_demand_fell(
+    p: Pool, tmp_path: Path, go: Path
+) -> tuple[int, LaunchSpec, list[int], Launched]:
+    """Two commands on two warm workers; the first ends while the demand is one (its agent thinks,
+    the other runs on until `go` exists). Returns the first one's worker once it came back (idle)
+    or left, and the second command (spec, our fds, Launched)."""
+    p.set_demand(2)
+    await p.start()
+    await p.wait_warm(2, timeout=30)
+    first, ours1 = make_spec([PY, "-c", "pass"], str(tmp_path))
+    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.02)"
+    other, ours2 = make_spec([PY, "-c", wait], str(tmp_path))
+    l1, l2 = await p.launch(first), await p.launch(other)
+    assert l1 is not None and l2 is not None and l1.pid != l2.pid
+    p.set_demand(1)  # the first command ended
+    assert (await finish(first, ours1, l1)).returncode == 0
+    async with asyncio.timeout(30):  # its worker resets and says "ready": idle again, or gone
+        while l1.pid not in p.idle_pids() and l1.pid in p.pids():
+            await asyncio.sleep(0.02)
+    return l1.pid, other, ours2, l2
+
+
+@pytest.mark.parametrize("keep_s", [30.0, 0.0])
+async def test_worker_back_in_a_demand_dip_serves_the_next_job(keep_s: float, tmp_path: Path) -> None:
+    """A reused worker that comes back in the gap between its agent's jobs (the demand one lower
+    for the moment) stays for keep_s, and the agent's next job runs in it, with nothing warmed
+    from scratch. keep_s=0 (the old behaviour): it leaves at once as surplus, and a replacement
+    warms when the demand comes back."""
+    p = Pool(CPU, PoolConfig(size=2, max_uses=3, preload=["json"], keep_s=keep_s))
+    go = tmp_path / "go"
+    try:
+        pid, other, ours2, l2 = await _back_while_demand_fell(p, tmp_path, go)
+        st = p.status()
+        assert st["keep_s"] == keep_s and (st["demand"], st["target"]) == (1, 1)
+        if keep_s:
+            assert pid in p.idle_pids() and st["retired"] == 0 and st["kept"] == 2, st
+            p.set_demand(2)  # the agent's next job
+            assert p.status()["starting"] == 0  # nothing to warm: the worker stayed
+            r = await run_pooled(p, [PY, "-c", "import os; print(os.getpid())"], str(tmp_path))
+            assert (r.returncode, r.launched.pid, r.stdout) == (0, pid, f"{pid}\n".encode())
+            assert p.status()["retired"] == 0
+        else:
+            async with asyncio.timeout(30):
+                while pid in p.pids():
+                    await asyncio.sleep(0.02)
+            assert p.status()["retired_why"] == {"surplus": 1} and st["kept"] == 1
+            p.set_demand(2)
+            assert p.status()["starting"] == 1  # a replacement warms from scratch
+        go.touch()
+        assert (await finish(other, ours2, l2)).returncode == 0
+    finally:
+        go.touch()
+        await p.close()
+
+
+@pytest.mark.parametrize("paused", [False, True])
+async def test_surplus_worker_leaves_after_keep_s_of_low_demand(paused: bool, tmp_path: Path) -> None:
+    """With the demand low for keep_s, the worker kept leaves then (a timer, nothing else happens),
+    counted as surplus; while a region holds the device (paused) not even then, but at resume()."""
+    keep_s = 1.0
+    p = Pool(CPU, PoolConfig(size=2, max_uses=3, preload=["json"], keep_s=keep_s))
+    go = tmp_path / "go"
+    try:
+        if paused:
+            p.pause()
+        t0 = time.monotonic()  # before set_demand(1): the window starts no earlier
+        pid, other, ours2, l2 = await _back_while_demand_fell(p, tmp_path, go)
+        if paused:
+            async with asyncio.timeout(30):  # the window ends (and its timer runs): still here, idle
+                while p.status()["kept"] == 2:
+                    await asyncio.sleep(0.02)
+                end = time.monotonic() + 0.5
+                while time.monotonic() < end:
+                    assert pid in p.idle_pids() and p.status()["retired"] == 0
+                    await asyncio.sleep(0.05)
+            p.resume()
+        async with asyncio.timeout(30):
+            while pid in p.pids():
+                await asyncio.sleep(0.02)
+        assert time.monotonic() - t0 >= keep_s
+        assert p.status()["retired_why"] == {"surplus": 1} and p.status()["kept"] == 1
+        go.touch()
+        assert (await finish(other, ours2, l2)).returncode == 0
+    finally:
+        go.touch()
+        await p.close()
+
+
+def test_demand_keeps_the_largest_of_the_last_keep_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep.Demand: warming follows the demand now; retiring the largest within keep_s."""
+    from krex_async.ctxpool import keep
+
+    now = [100.0]
+    monkeypatch.setattr(keep.time, "monotonic", lambda: now[0])
+    d = keep.Demand(size=4, keep_s=10.0)
+    assert (d.target(), d.kept()) == (4, 4)  # no demand yet: the size
+    for t, n in ((100.0, 3), (101.0, 2), (102.0, 0), (103.0, 1)):
+        now[0] = t
+        d.set(n)
+    assert (d.target(), d.kept()) == (1, 4)  # the size, until 100 + 10
+    now[0] = 110.5
+    assert (d.target(), d.kept()) == (1, 3)  # 3 ended at 101
+    now[0] = 111.5
+    assert d.kept() == 2
+    now[0] = 112.5
+    assert d.kept() == 1
+    z = keep.Demand(size=4, keep_s=0.0)
+    z.set(3)
+    z.set(1)
+    assert (z.target(), z.kept()) == (1, 1)
 
 
 async def test_take_serves_adopters_first_come_and_reserves_the_worker(tmp_path: Path) -> None:

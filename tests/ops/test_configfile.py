@@ -262,6 +262,8 @@ def test_example_file_loads_and_documents_every_option():
         ("--drain-timeout", "0", "--drain-timeout: Expected `float` > 0.0"),
         ("--drain-timeout", "0.01", "flag --drain-timeout: drain_timeout (0.01 s) is not longer"),
         ("--launch-scope", "everyone", "argument --launch-scope: invalid choice: 'everyone'"),
+        ("--pool-keep-s", "-1", "--pool-keep-s: Expected `float` >= 0.0"),
+        ("--pool-keep-s", "abc", "argument --pool-keep-s: invalid float value: 'abc'"),
     ],
 )
 def test_serve_flags_reject_bad_values_before_serving(tmp_path, flag, value, message):

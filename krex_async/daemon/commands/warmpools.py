@@ -70,6 +70,7 @@ class WarmPools:
                 config=PoolConfig(
                     size=cfg.pool_size,
                     max_uses=cfg.pool_max_uses,
+                    keep_s=cfg.pool_keep_s,
                     preload=preload,
                     init_context=d.vendor != "cpu",
                     init_modules=init,
