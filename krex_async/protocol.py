@@ -408,7 +408,7 @@ class CommandReport(msgspec.Struct, omit_defaults=True):
     pool_declined: dict[str, int] = {}
     # Memory-aware admission: re-runs after a CUDA out-of-memory while co-located (this report is
     # the re-run's, its output too), why; oom: "co-located" or "alone" when it failed so; the
-    # device memory it was taken to need (mem_source: declared, learned, default, unknown) and
+    # device memory it was taken to need (mem_source: declared, learned, typical, default, unknown) and
     # the most its processes were seen to hold
     reruns: int = 0
     rerun_reason: str = ""

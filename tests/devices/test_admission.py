@@ -214,9 +214,9 @@ async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kind
     async with daemon(env=env) as d:
         c = await d.client()
         assert await need("700M", "kind / p1") == (0, "unknown")
-        assert await need("300M", "kind / p3") == (700 * MiB, "learned")  # the kind's, until it ran
+        assert await need("300M", "kind / p3") == (700 * MiB, "typical")  # the kind's, until it ran
         assert await need("300M", "kind / p3") == (300 * MiB, "learned")  # its own
-        assert await need("300M", "kind / p9") == (300 * MiB, "learned")
+        assert await need("300M", "kind / p9") == (300 * MiB, "typical")
         assert await need("700M", "kind / p1") == (700 * MiB, "learned")  # its own largest
         await c.close()
 
@@ -531,15 +531,15 @@ def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical
         ran(f, problem, peak * MiB)
     assert f.need(job("small"), 0) == (2 * MiB, "learned")  # its own file's largest, not the shape's
     assert f.need(job("big"), 0) == (40 * MiB, "learned")
-    assert f.need(job("new"), 0) == (3 * MiB, "learned")  # the shape's median of 1, 2, 3, 40
+    assert f.need(job("new"), 0) == (3 * MiB, "typical")  # the shape's median of 1, 2, 3, 40
     again = footprints.Footprints(path)  # which jobs taught what survives a restart
     assert again.need(job("small"), 0) == (2 * MiB, "learned") and again.seq == 4
     one = footprints.Footprints(None)  # one problem only: its file is every job's, so the median
     for peak in (5, 7, 6):
         ran(one, "only", peak * MiB)
-    assert one.need(job("only"), 0) == (6 * MiB, "learned")
+    assert one.need(job("only"), 0) == (6 * MiB, "typical")
     no_alike = P.Submit(id=1, argv=["sh"], mem_key="gateway dev / shape")
     assert one.need(no_alike, 0) == (7 * MiB, "learned")  # without features: its key's largest
     Path(path).write_text(json.dumps({"version": 1, "peaks": {"key gateway dev / shape": [9 * MiB]}}))
     old = footprints.Footprints(path)  # a version 1 file (no numbers) still serves
-    assert old.need(job("new"), 0) == (9 * MiB, "learned") and old.seqs == {"key gateway dev / shape": [0]}
+    assert old.need(job("new"), 0) == (9 * MiB, "typical") and old.seqs == {"key gateway dev / shape": [0]}

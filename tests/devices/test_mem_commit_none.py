@@ -86,3 +86,31 @@ async def test_an_optimistic_start_waits_while_the_device_is_full_already(fake, 
         rep = (await b.wait()).report
         assert rep.exit_code == 0 and rep.reruns == 0, rep
         await c.close()
+
+
+async def test_auto_counts_a_need_learned_from_the_commands_own_kind_as_now_does(fake, tmp_path):
+    """Under auto a guess starts optimistically, but a need learned from the command's own key does
+    not: `big` peaked at 600 MiB before, A holds 500 of 1000, so the next `big` (allowing a re-run)
+    waits for memory instead of starting into an out-of-memory, a wasted run and a re-run that
+    would hold every later command back; it starts once A ends, and is never re-run."""
+    env = fake
+    r0, ra, rb = (str(tmp_path / n) for n in ("r0", "ra", "rb"))
+    async with daemon(env=env) as d:
+        c = await d.client()
+        first = await c.submit(alloc("600M", release=r0), env=env, label="big", rerun_on_oom=True)
+        await until_status(c, first.command, lambda s: s["mem_peak"] >= 600 * MiB, "big's peak seen")
+        released(r0)
+        assert (await first.wait()).report.exit_code == 0
+        a = await c.submit(alloc("500M", release=ra), env=env, label="a-kind", rerun_on_oom=True)
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 500 * MiB, "A allocated")
+        b = await c.submit(alloc("600M", release=rb), env=env, label="big", rerun_on_oom=True)
+        assert b.queued
+        st = await row(c, b.command)
+        assert st["mem_source"] == "learned" and "needs ~0.6 GiB (learned)" in st["waiting_for"], st
+        released(ra)
+        assert (await a.wait()).report.exit_code == 0
+        await until_status(c, b.command, lambda s: s["mem_peak"] >= 600 * MiB, "B ran once A ended")
+        released(rb)
+        rep = (await b.wait()).report
+        assert rep.exit_code == 0 and rep.reruns == 0, rep
+        await c.close()

@@ -4,10 +4,12 @@ What a command is taken to need (`need`), most trusted first:
 
     declared   Submit.mem, reserved as given
     learned    the largest peak the last commands of its key reached (Submit.mem_key, else its
-               label, else its program and first argument), kept across the daemon's life in
-               <state dir>/memory.json; a mem_key of parts ("gateway dev / 3f2a") is a path: a
-               command teaches every prefix, and its need is what the longest known prefix learned
-               (a problem's own largest peak once it ran, its kind's typical (median) one until then)
+               label, else its program and first argument), or of a specific feature it shares
+               with them (Submit.mem_alike), kept across the daemon's life in <state
+               dir>/memory.json (footprints.py); a mem_key of parts ("gateway dev / 3f2a") is a
+               path: a command teaches every prefix
+    typical    the median recent peak of its kind (a mem_key prefix; or its own key where its
+               mem_alike features tell nothing yet): a guess for a problem not seen yet
     default    --mem-default, where set
     unknown    none of these: one unknown at a time per device (not under none), footprint learned
 
@@ -16,8 +18,9 @@ the last sample plus the need of each command started since; under peak, every r
 max(need, observed peak) plus the warm pool's workers' memory, or what the vendor reports used if
 that is more (processes outside krex, driver reservations). Under none, memory holds no first run
 back (`optimistic`): only a declared need, and a guarded re-run's, must fit; auto (the default) is
-none for a command that allows a re-run (Submit.rerun_on_oom, as the gateway's), now for the rest. A
-command fits when its need is at most the device's total less the commitment and --mem-headroom.
+none for a command that allows a re-run (Submit.rerun_on_oom, as the gateway's) and whose need is a
+guess (not learned from its own key or problem), now for the rest. A command fits when its need is
+at most the device's total less the commitment and --mem-headroom.
 Commands that do not fit wait in a FIFO per device, each with its reason; none is refused for memory
 unless its declared need exceeds the device. A head waiting on a device where no command runs starts
 whatever the figures say, so a command that fits alone always runs eventually. For --mem-backfill
@@ -167,12 +170,17 @@ class Admission:
         return ""
 
     def optimistic(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str | None:
-        """--mem-commit none (auto: for a command whose co-located out-of-memory is re-run): a first
-        run with no declared need starts ("") whatever its own need, unless a guarded re-run runs
-        (None: the other rules decide) or the device is full already by the `now` count (why it
-        waits): that bounds a pile-up, e.g. --max-running auto's 64 jobs on one device."""
+        """--mem-commit none (auto: for a command whose co-located out-of-memory is re-run and whose
+        need is a guess): a first run with no declared need starts ("") whatever its own need,
+        unless a guarded re-run runs (None: the other rules decide) or the device is full already
+        by the `now` count (why it waits): that bounds a pile-up, e.g. --max-running auto's 64 jobs
+        on one device. Under auto, a need learned from the command's own key or problem is counted
+        as under `now`: what its problem peaked at before, it will again, and starting it into
+        memory it cannot have only buys an out-of-memory, a wasted run and a re-run that holds
+        every later command back (on an H100, seven jobs 30-45 s each behind one)."""
         mode = self.core.config.mem_commit
-        none = mode == "none" or (mode == "auto" and cmd.spec.rerun_on_oom)
+        guess = cmd.mem_source != "learned"
+        none = mode == "none" or (mode == "auto" and cmd.spec.rerun_on_oom and guess)
         if not none or cmd.mem_source == "declared" or any(o.guarded for o in others):
             return None
         if self.free(dm, cmd.id) > 0:

@@ -94,7 +94,9 @@ class Footprints:
 
     def need(self, spec: P.Submit, default: int) -> tuple[int, str]:
         """(bytes, where the figure comes from) that a command of `spec` is taken to need: declared,
-        learned, `default` (--mem-default) where above 0, else unknown (0)."""
+        learned (what commands of its own key, or sharing a specific feature, peaked at), typical
+        (the median peak of its kind: a guess for what was not seen yet), `default` (--mem-default)
+        where above 0, else unknown (0)."""
         if spec.mem > 0:
             return spec.mem, "declared"
         keys = mem_keys(spec)
@@ -108,9 +110,10 @@ class Footprints:
             # in KernelBench's large set) reserved for every new shape held eight jobs to two or
             # three. A new shape larger than typical is seen as it grows (the peaks are sampled,
             # and what runs holds its peak) and, if it still meets an out-of-memory, is re-run.
-            learned = self.get(key, typical=i > 0 or bool(spec.mem_alike))
+            typical = i > 0 or bool(spec.mem_alike)
+            learned = self.get(key, typical=typical)
             if learned is not None:
-                return learned, "learned"
+                return learned, "typical" if typical else "learned"
         return (default, "default") if default > 0 else (0, "unknown")
 
     def specific(self, feature: str, key: str) -> bool:

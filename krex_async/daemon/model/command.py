@@ -127,7 +127,7 @@ class Command:
     stdin_pipe: StdinPipe | None = None  # Submit.stdin_stream: fed by StdinData until it ends
     pool_env: dict[str, str] = field(default_factory=dict)  # KREX_POOL, where its interpreters may be adopted
     # memory-aware admission (admission.py): what it is taken to need and where that figure came
-    # from (declared, learned, default, unknown), what its tree holds now and at most, why it waits
+    # from (declared, learned, typical, default, unknown), what its tree holds now and at most, why it waits
     mem_need: int = 0
     mem_source: str = ""
     mem_now: int = 0
