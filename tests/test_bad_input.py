@@ -306,3 +306,22 @@ async def test_mem_gate_answers_bad_requests_with_errors_and_changes_nothing(tmp
             await h.cancel(9)
             await h.wait()
         await still_serving(d)
+
+
+async def test_mem_alike_is_bounded_and_a_list():
+    """Submit.mem_alike from a peer: more than MAX_ALIKE features, or one longer than a name, is
+    refused as a bad request on a connection that goes on; a client given one string instead of a
+    list says so instead of sending its characters as features."""
+    async with run_daemon() as d:
+        s = await asyncio.to_thread(raw, d.socket)
+        await asyncio.to_thread(hello, s)
+        for alike in (["f"] * (P.MAX_ALIKE + 1), ["x" * (P.MAX_NAME + 1)]):
+            s.sendall(P.encode(P.Submit(id=3, argv=["true"], mem_alike=alike)))
+            reply = await asyncio.to_thread(recv, s)
+            assert isinstance(reply, P.Error) and "mem_alike" in reply.message, reply
+        s.close()
+        c = await d.client()
+        with pytest.raises(KrexError, match="mem_alike is a list of features"):
+            await c.submit(["true"], mem_alike="abc")  # type: ignore[arg-type]
+        await c.close()
+        await still_serving(d)

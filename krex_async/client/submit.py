@@ -331,6 +331,8 @@ class Client:
         run_as: another uid to run it as (the daemon allows that to a root peer only).
         stdin: all of it at once (then EOF); stdin_stream: a pipe that `write_stdin` fills.
         Raises KrexError("bad_spec") where cwd is not given and this process's own is gone."""
+        if isinstance(mem_alike, (str, bytes)):  # not a list of one-character features
+            raise KrexError("bad_spec", "mem_alike is a list of features, not one string")
         if not cwd:
             try:
                 cwd = os.getcwd()

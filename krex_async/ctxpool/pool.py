@@ -289,7 +289,7 @@ class Pool:
                 w.surplus = False
                 self._lending.idle.remove(w)
                 self._retire(w, "surplus", kill=False)
-        if not self._closed and any(w.surplus for w in self._lending.idle):
+        if not self._closed and any(w.surplus and w.state == "warm" for w in self._lending.idle):
             self._demand.when_kept_falls(self._trim)  # none while kept() is target(): resume() then
 
     def pids(self) -> set[int]:

@@ -206,6 +206,7 @@ class Daemon:
         self.core.closing = True
         await self.regions.end_all()
         await self.lifecycle.stop()
+        self.lifecycle.admission.footprints.flush()  # what the last commands' ends taught
         await self.warm.close()
         if self.attributor is not None:
             self.attributor.backend.stop()

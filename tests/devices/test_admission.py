@@ -190,8 +190,12 @@ async def test_a_footprint_learned_by_label_reserves_and_unknowns_run_one_at_a_t
         rep = (await b2.wait()).report
         assert rep.exit_code == 0 and rep.mem_source == "learned", rep
         await c.close()
-        state = Path(d.socket).parent / "state" / "memory.json"
-        assert '"label big"' in state.read_text()
+        state = Path(d.socket).parent / "state" / "memory.json"  # written within WRITE_S
+
+        def kept() -> bool:
+            return state.exists() and '"label big"' in state.read_text()
+
+        await until(kept, "the learned figure kept in the state dir")
 
 
 async def test_a_mem_key_of_parts_uses_its_own_footprint_once_known_and_its_kinds_until_then(fake, tmp_path):
@@ -525,7 +529,7 @@ def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical
 
     def ran(f: footprints.Footprints, problem: str, peak: int) -> None:
         spec = job(problem)
-        f.learn(footprints.mem_keys(spec) + footprints.alike_keys(spec), peak)
+        f.learn(footprints.alike_keys(spec) + footprints.mem_keys(spec), peak)
 
     for problem, peak in (("big", 40), ("small", 1), ("mid", 3), ("small", 2)):
         ran(f, problem, peak * MiB)
@@ -543,3 +547,46 @@ def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical
     Path(path).write_text(json.dumps({"version": 1, "peaks": {"key gateway dev / shape": [9 * MiB]}}))
     old = footprints.Footprints(path)  # a version 1 file (no numbers) still serves
     assert old.need(job("new"), 0) == (9 * MiB, "typical") and old.seqs == {"key gateway dev / shape": [0]}
+
+
+def test_a_feature_shared_beyond_a_key_is_not_taken_for_its_problem():
+    """Each problem under its own key (its own file name), one runner for all: a new problem's key
+    is unknown, so its kind (the prefix) is what the runner is compared with, and the runner, taught
+    by every one of the kind's commands, bounds nothing: the kind's typical peak, not the largest
+    peak of every problem that ran the runner. A runner shared with another kind remembers fewer of
+    this kind's commands: compared over what both remember, it still bounds nothing."""
+    from krex_async import protocol as P
+    from krex_async.daemon.commands import footprints
+
+    def job(kind: str, problem: str) -> P.Submit:
+        alike = ["command run", f"file {problem}.py {problem}"]
+        return P.Submit(id=1, argv=["sh"], mem_key=f"{kind} / {problem}", mem_alike=alike)
+
+    f = footprints.Footprints(None)
+    for i, peak in enumerate((28, 1, 2, 1, 3, 2, 1, 2, 2, 1)):
+        spec = job("dev" if i % 3 else "eval", f"p{i}")
+        f.learn(footprints.alike_keys(spec) + footprints.mem_keys(spec), peak * MiB)
+    assert f.need(job("dev", "new"), 0) == (2 * MiB, "typical")  # dev's median, not the runner's 28
+    # its own key, of one problem here: every feature of it is its key's, so its key's median,
+    # a guess as for a key of many problems (what features alone cannot tell apart)
+    assert f.need(job("dev", "p4"), 0) == (3 * MiB, "typical")
+    assert f.specific("alike file p5.py p5", ["key dev"])  # one problem's file among the kind's
+    assert not f.specific("alike command run", ["key dev"])  # every one of them ran it
+
+
+async def test_footprints_are_written_within_write_s_and_at_a_flush(tmp_path):
+    """On the daemon's loop a command's end does not write memory.json at once (all of it, each
+    time): within WRITE_S, or at flush() (the daemon's stop)."""
+    from krex_async.daemon.commands import footprints
+
+    path = tmp_path / "memory.json"
+    f = footprints.Footprints(str(path))
+    f.learn(["k"], 1)
+    assert not path.exists()  # due within WRITE_S
+    f.flush()
+    assert json.loads(path.read_text())["peaks"] == {"k": [1]}
+    f.learn(["k"], 2)
+    t0 = asyncio.get_running_loop().time()
+    while json.loads(path.read_text())["peaks"]["k"] != [1, 2]:
+        assert asyncio.get_running_loop().time() - t0 < footprints.WRITE_S + 30, "never written"
+        await asyncio.sleep(0.05)

@@ -73,10 +73,18 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         assert done_b["status"] == "succeeded" and done_b["result"]["krex"]["mem_peak"] >= 400 * MiB, done_b
         await krex.close()
         # B taught its own shape (its command and file names) and its kind; A's OOM taught nothing
-        learned = json.loads((Path(daemon.socket).parent / "state" / "memory.json").read_text())["peaks"]
+        # (memory.json is written within footprints.WRITE_S)
+        state = Path(daemon.socket).parent / "state" / "memory.json"
         b_shape = job_shape({"command": f"python -m krex_async.devices.fake 400M --release {rb}"})
-        assert learned[f"key gateway dev / {b_shape}"] == [400 * MiB], learned
+        key = f"key gateway dev / {b_shape}"
+        await until_async(lambda: _learned(state, key), "B's peak written to memory.json")
+        learned = json.loads(state.read_text())["peaks"]
+        assert learned[key] == [400 * MiB], learned
         assert 400 * MiB in learned["key gateway dev"], learned
+
+
+async def _learned(state: Path, key: str) -> bool:
+    return state.exists() and key in json.loads(state.read_text())["peaks"]
 
 
 RUN = "import os, runpy, sys\nsys.argv = ['fake', {size!r}, '--release', os.environ['RELEASE']]\n" + (

@@ -392,7 +392,7 @@ class Admission:
             go()
         cmd.gate_waiters.clear()
         if cmd.mem_peak > 0 and not oom:
-            self.footprints.learn(mem_keys(cmd.spec) + alike_keys(cmd.spec), cmd.mem_peak)
+            self.footprints.learn(alike_keys(cmd.spec) + mem_keys(cmd.spec), cmd.mem_peak)
         self.reserved_metric(dm)
         if dm.waiting:  # the last sample still counts its memory: take one now, not in SAMPLE_S
             self.wake.set()

@@ -16,6 +16,7 @@ problem not seen yet), its key's typical (median) peak: the key of many problems
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -27,6 +28,9 @@ log = logs.get("krex.daemon")
 
 KEEP_PEAKS = 8  # peaks remembered per key: the need is the largest of them
 KEEP_KEYS = 4096  # keys remembered (a daemon's life of distinct scripts must not grow the file)
+# memory.json is written at most this often: all of it each time (up to a few MB with KEEP_KEYS
+# features), which on the daemon's loop at every command's end took 4-13 ms
+WRITE_S = 2.0
 
 KEY_SEP = " / "  # between a mem_key's parts, most general first
 ALIKE = "alike "  # before a Submit.mem_alike feature, in the file
@@ -73,6 +77,8 @@ class Footprints:
         self.peaks: dict[str, list[int]] = {}
         self.seqs: dict[str, list[int]] = {}
         self.seq = 0
+        self._dirty = False  # learned since the file was written
+        self._timer: asyncio.TimerHandle | None = None  # the write due within WRITE_S
         if path is None:
             return
         try:
@@ -100,7 +106,7 @@ class Footprints:
         if spec.mem > 0:
             return spec.mem, "declared"
         keys = mem_keys(spec)
-        bounds = [self.get(k) or 0 for k in alike_keys(spec) if self.specific(k, keys[0])]
+        bounds = [self.get(k) or 0 for k in alike_keys(spec) if self.specific(k, keys)]
         if bounds:  # every earlier command that shared it peaked within: the tightest is its need
             return min(bounds), "learned"
         for i, key in enumerate(keys):
@@ -116,14 +122,20 @@ class Footprints:
                 return learned, "typical" if typical else "learned"
         return (default, "default") if default > 0 else (0, "unknown")
 
-    def specific(self, feature: str, key: str) -> bool:
-        """Whether the known `feature` tells some of `key`'s commands from the rest: not every one of
-        the key's recent commands taught it (the feature of one problem among several, not a script
-        they all carry; where the key is new, whatever is known of the feature)."""
-        if feature not in self.peaks:
+    def specific(self, feature: str, keys: list[str]) -> bool:
+        """Whether the known `feature` tells some of the commands of its key (else of the longest
+        known prefix) from the rest: not every one of those recent commands taught it (the file of
+        one problem among several, not a script they all carry). Compared over what both remember
+        (a feature taught by other keys' commands too remembers fewer of this key's); peaks of a
+        version 1 file (numbered 0) tell nothing; with no key known, nothing is specific."""
+        mine = [x for x in self.seqs.get(feature, []) if x]
+        ref = next((k for k in keys if any(self.seqs.get(k, []))), None)
+        if not mine or ref is None:
             return False
-        own = set(self.seqs.get(key, []))
-        return not own or not own <= set(self.seqs.get(feature, []))
+        theirs = [x for x in self.seqs[ref] if x]
+        if len(self.seqs[feature]) == KEEP_PEAKS:  # it remembers no further back than its oldest
+            theirs = [x for x in theirs if x >= min(mine)]
+        return not set(theirs) <= set(mine)
 
     def get(self, key: str, typical: bool = False) -> int | None:
         """The largest of the key's recent peaks; `typical`: their median (a kind's many shapes)."""
@@ -133,7 +145,9 @@ class Footprints:
         return sorted(peaks)[len(peaks) // 2] if typical else max(peaks)
 
     def learn(self, keys: list[str], peak: int) -> None:
-        """A command of `keys` (mem_keys, then alike_keys) peaked at `peak`."""
+        """A command of `keys` peaked at `peak`. Give its alike_keys before its mem_keys: the least
+        recently learned keys go first past KEEP_KEYS, so its own outlives its features. The file
+        is written within WRITE_S (at once where no event loop runs), and by flush()."""
         self.seq += 1
         for key in dict.fromkeys(keys):
             peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
@@ -144,9 +158,24 @@ class Footprints:
             oldest = next(iter(self.peaks))
             del self.peaks[oldest]
             self.seqs.pop(oldest, None)
-        if self.path is not None:
-            data = {"version": 2, "seq": self.seq, "peaks": self.peaks, "seqs": self.seqs}
-            try:
-                replace_file(self.path, json.dumps(data).encode())
-            except OSError as e:
-                log.warning("footprints_unwritable", path=self.path, error=repr(e))
+        self._dirty = True
+        if self.path is None or self._timer is not None:
+            return
+        try:
+            self._timer = asyncio.get_running_loop().call_later(WRITE_S, self.flush)
+        except RuntimeError:  # no event loop (a tool, a test): now
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what was learned since the last write (the daemon's stop calls it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._dirty or self.path is None:
+            return
+        self._dirty = False
+        data = {"version": 2, "seq": self.seq, "peaks": self.peaks, "seqs": self.seqs}
+        try:
+            replace_file(self.path, json.dumps(data).encode())
+        except OSError as e:
+            log.warning("footprints_unwritable", path=self.path, error=repr(e))
