@@ -30,6 +30,8 @@ the instance.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import os
 import re
 import select
@@ -123,6 +125,10 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self._lost_final = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # batches parsed by the reader, for the loop: settle() hands them over before it returns
+        self._pending: collections.deque[list[ProbeEvent]] = collections.deque()
+        self._on_events: Callable[[list[ProbeEvent]], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._fd_hex = False
         self._pids: set[int] = set()
         self._tgids: dict[int, int] = {}  # tid -> tgid: the last scan's tasks, and threads looked up since
@@ -173,6 +179,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self._wake = os.pipe()
         for w in self._wake:
             os.set_blocking(w, False)
+        self._loop, self._on_events = loop, on_events
         self._thread = threading.Thread(
             target=self._run, args=(pipe, loop, on_events), name="krex-probe-tracefs", daemon=True
         )
@@ -230,9 +237,12 @@ class TracefsProbe(FailureReporting, ProbeBackend):
 
     def settle(self, timeout: float = 0.1) -> bool:
         """Block until the reader has parsed every line the kernel buffered before this call,
-        so that counts() covers every ioctl made until now (they are not kept kernel-side).
-        Returns False when it could not within `timeout` (the reader is paused, stopped or
-        failed, or starved of CPU): the caller must then treat counts() as incomplete."""
+        so that counts() covers every ioctl made until now (they are not kept kernel-side), and,
+        called on the loop, until on_events has had every batch parsed: a region released right
+        after a burst had the stream's last batch still queued for the loop, and came back a
+        stray short (2999 of 3000 under load). Returns False when it could not within `timeout`
+        (the reader is paused, stopped or failed, or starved of CPU): the caller must then treat
+        counts() as incomplete."""
         if self._thread is None or not self._thread.is_alive() or self._wake is None:
             return False
         self._settled.clear()
@@ -241,7 +251,16 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             os.write(self._wake[1], b"s")
         except (BlockingIOError, OSError):
             pass  # full: a wake-up is pending anyway; closed: the wait below times out
-        return self._settled.wait(timeout)
+        settled = self._settled.wait(timeout)
+        with contextlib.suppress(RuntimeError):  # not on a loop: the batches come as scheduled
+            if asyncio.get_running_loop() is self._loop:
+                self._hand_over()
+        return settled
+
+    def _hand_over(self) -> None:
+        """On the loop: give on_events every batch the reader parsed, in order (once each)."""
+        while self._pending and self._on_events is not None:
+            self._on_events(self._pending.popleft())
 
     def _run(
         self, pipe: int, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]
@@ -258,8 +277,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         def deliver(lines: list[bytes]) -> bool:
             batch = self._parse(lines)
             if batch:
+                self._pending.append(batch)  # handed over by the call, or by a settle() before it
                 try:
-                    loop.call_soon_threadsafe(on_events, batch)
+                    loop.call_soon_threadsafe(self._hand_over)
                 except RuntimeError:
                     return False
             return True
