@@ -157,8 +157,7 @@ def job_shape(request: dict[str, Any]) -> str:
     """A digest of what makes jobs alike in memory: the command and the names of the files (not
     their contents, which an agent changes from candidate to candidate of one problem)."""
     files = request.get("files") or {}
-    shape = json.dumps([request.get("command"), sorted(files) if isinstance(files, dict) else []])
-    return hashlib.sha256(shape.encode()).hexdigest()[:16]
+    return _digest([request.get("command"), sorted(files) if isinstance(files, dict) else []])
 
 
 CONTENT = ("candidate", "command", "files", "reference")  # the request fields that make up a job

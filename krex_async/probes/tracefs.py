@@ -181,7 +181,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             os.set_blocking(w, False)
         self._loop, self._on_events = loop, on_events
         self._thread = threading.Thread(
-            target=self._run, args=(pipe, loop, on_events), name="krex-probe-tracefs", daemon=True
+            target=self._run, args=(pipe, loop), name="krex-probe-tracefs", daemon=True
         )
         self._thread.start()
 
@@ -262,9 +262,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         while self._pending and self._on_events is not None:
             self._on_events(self._pending.popleft())
 
-    def _run(
-        self, pipe: int, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[ProbeEvent]], None]
-    ) -> None:
+    def _run(self, pipe: int, loop: asyncio.AbstractEventLoop) -> None:
         name_thread("krex-probe-tfs")
         poller = select.poll()
         poller.register(pipe, select.POLLIN)
