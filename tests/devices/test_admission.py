@@ -21,6 +21,8 @@ from ..conftest import PY, krex_status, run_daemon, until
 from ..ops.test_metrics import L, scrape
 from .conftest import TOTAL, MiB
 
+U = 7  # the user the footprints' unit tests learn and estimate as
+
 
 def alloc(*sizes: str, gate: str = "", release: str = "", hold: float = 0.0, oom: str = "torch") -> list[str]:
     argv = [PY, "-m", "krex_async.devices.fake", *sizes, "--hold", str(hold), "--oom", oom]
@@ -193,7 +195,7 @@ async def test_a_footprint_learned_by_label_reserves_and_unknowns_run_one_at_a_t
         state = Path(d.socket).parent / "state" / "memory.json"  # written within WRITE_S
 
         def kept() -> bool:
-            return state.exists() and '"label big"' in state.read_text()
+            return state.exists() and '"u0 label big"' in state.read_text()  # root's (uid 0)
 
         await until(kept, "the learned figure kept in the state dir")
 
@@ -501,15 +503,32 @@ def test_footprints_are_kept_bounded_and_survive_a_damaged_file(tmp_path, monkey
     path = str(tmp_path / "memory.json")
     f = footprints.Footprints(path)
     for i in range(5):
-        f.learn([f"k{i}"], i)
-    f.learn(["k3"], 10)
+        f.learn(U, [f"k{i}"], i)
+    f.learn(U, ["k3"], 10)
     for _ in range(footprints.KEEP_PEAKS):
-        f.learn(["k4"], 1)
+        f.learn(U, ["k4"], 1)
     again = footprints.Footprints(path)
-    assert list(again.peaks) == ["k2", "k3", "k4"] and again.get("k3") == 10  # the oldest went
-    assert again.peaks["k4"] == [1] * footprints.KEEP_PEAKS and again.get("k4") == 1  # the last 8
+    assert list(again.peaks) == ["u7 k2", "u7 k3", "u7 k4"] and again.get("u7 k3") == 10  # the oldest went
+    assert again.peaks["u7 k4"] == [1] * footprints.KEEP_PEAKS and again.get("u7 k4") == 1  # the last 8
     Path(path).write_text("{not json")
     assert footprints.Footprints(path).peaks == {}  # learned anew, not a daemon that cannot start
+
+
+def test_one_users_many_keys_never_push_out_anothers(monkeypatch):
+    """Past KEEP_KEYS the user holding the most keys gives up its oldest: a user learning many keys
+    (by chance, or to evict) pushes out its own, not another user's few."""
+    from krex_async.daemon.commands import footprints
+
+    monkeypatch.setattr(footprints, "KEEP_KEYS", 4)
+    f = footprints.Footprints(None)
+    f.learn(1, ["mine"], 5)
+    for i in range(10):
+        f.learn(2, [f"k{i}"], i)
+    assert list(f.peaks) == ["u1 mine", "u2 k7", "u2 k8", "u2 k9"]
+    f.learn(1, ["also"], 6)  # now user 2 holds the most still
+    assert list(f.peaks) == ["u1 mine", "u2 k8", "u2 k9", "u1 also"]
+    f.learn(1, ["third"], 7)  # user 1 holds the most now: its own oldest goes
+    assert list(f.peaks) == ["u2 k8", "u2 k9", "u1 also", "u1 third"]
 
 
 def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical(tmp_path):
@@ -529,24 +548,25 @@ def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical
 
     def ran(f: footprints.Footprints, problem: str, peak: int) -> None:
         spec = job(problem)
-        f.learn(footprints.alike_keys(spec) + footprints.mem_keys(spec), peak)
+        f.learn(U, footprints.alike_keys(spec) + footprints.mem_keys(spec), peak)
 
     for problem, peak in (("big", 40), ("small", 1), ("mid", 3), ("small", 2)):
         ran(f, problem, peak * MiB)
-    assert f.need(job("small"), 0) == (2 * MiB, "learned")  # its own file's largest, not the shape's
-    assert f.need(job("big"), 0) == (40 * MiB, "learned")
-    assert f.need(job("new"), 0) == (3 * MiB, "typical")  # the shape's median of 1, 2, 3, 40
+    assert f.need(job("small"), U, 0) == (2 * MiB, "learned")  # its own file's largest, not the shape's
+    assert f.need(job("big"), U, 0) == (40 * MiB, "learned")
+    assert f.need(job("new"), U, 0) == (3 * MiB, "typical")  # the shape's median of 1, 2, 3, 40
     again = footprints.Footprints(path)  # which jobs taught what survives a restart
-    assert again.need(job("small"), 0) == (2 * MiB, "learned") and again.seq == 4
+    assert again.need(job("small"), U, 0) == (2 * MiB, "learned") and again.seq == 4
     one = footprints.Footprints(None)  # one problem only: its file is every job's, so the median
     for peak in (5, 7, 6):
         ran(one, "only", peak * MiB)
-    assert one.need(job("only"), 0) == (6 * MiB, "typical")
+    assert one.need(job("only"), U, 0) == (6 * MiB, "typical")
     no_alike = P.Submit(id=1, argv=["sh"], mem_key="gateway dev / shape")
-    assert one.need(no_alike, 0) == (7 * MiB, "learned")  # without features: its key's largest
-    Path(path).write_text(json.dumps({"version": 1, "peaks": {"key gateway dev / shape": [9 * MiB]}}))
-    old = footprints.Footprints(path)  # a version 1 file (no numbers) still serves
-    assert old.need(job("new"), 0) == (9 * MiB, "typical") and old.seqs == {"key gateway dev / shape": [0]}
+    assert one.need(no_alike, U, 0) == (7 * MiB, "learned")  # without features: its key's largest
+    for version in (1, 2):  # keys of no user: learned anew
+        old = {"version": version, "peaks": {"key gateway dev / shape": [9 * MiB]}}
+        Path(path).write_text(json.dumps(old))
+        assert footprints.Footprints(path).need(job("new"), U, 0) == (0, "unknown")
 
 
 def test_a_feature_shared_beyond_a_key_is_not_taken_for_its_problem():
@@ -565,13 +585,13 @@ def test_a_feature_shared_beyond_a_key_is_not_taken_for_its_problem():
     f = footprints.Footprints(None)
     for i, peak in enumerate((28, 1, 2, 1, 3, 2, 1, 2, 2, 1)):
         spec = job("dev" if i % 3 else "eval", f"p{i}")
-        f.learn(footprints.alike_keys(spec) + footprints.mem_keys(spec), peak * MiB)
-    assert f.need(job("dev", "new"), 0) == (2 * MiB, "typical")  # dev's median, not the runner's 28
+        f.learn(U, footprints.alike_keys(spec) + footprints.mem_keys(spec), peak * MiB)
+    assert f.need(job("dev", "new"), U, 0) == (2 * MiB, "typical")  # dev's median, not the runner's 28
     # its own key, of one problem here: every feature of it is its key's, so its key's median,
     # a guess as for a key of many problems (what features alone cannot tell apart)
-    assert f.need(job("dev", "p4"), 0) == (3 * MiB, "typical")
-    assert f.specific("alike file p5.py p5", ["key dev"])  # one problem's file among the kind's
-    assert not f.specific("alike command run", ["key dev"])  # every one of them ran it
+    assert f.need(job("dev", "p4"), U, 0) == (3 * MiB, "typical")
+    assert f.specific("u7 alike file p5.py p5", ["u7 key dev"])  # one problem's file among the kind's
+    assert not f.specific("u7 alike command run", ["u7 key dev"])  # every one of them ran it
 
 
 async def test_footprints_are_written_within_write_s_and_at_a_flush(tmp_path):
@@ -581,12 +601,12 @@ async def test_footprints_are_written_within_write_s_and_at_a_flush(tmp_path):
 
     path = tmp_path / "memory.json"
     f = footprints.Footprints(str(path))
-    f.learn(["k"], 1)
+    f.learn(U, ["k"], 1)
     assert not path.exists()  # due within WRITE_S
     f.flush()
-    assert json.loads(path.read_text())["peaks"] == {"k": [1]}
-    f.learn(["k"], 2)
+    assert json.loads(path.read_text())["peaks"] == {"u7 k": [1]}
+    f.learn(U, ["k"], 2)
     t0 = asyncio.get_running_loop().time()
-    while json.loads(path.read_text())["peaks"]["k"] != [1, 2]:
+    while json.loads(path.read_text())["peaks"]["u7 k"] != [1, 2]:
         assert asyncio.get_running_loop().time() - t0 < footprints.WRITE_S + 30, "never written"
         await asyncio.sleep(0.05)

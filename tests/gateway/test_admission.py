@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from krex_async.client.submit import Client
 from krex_async.gateway.command import job_features, job_shape
 
-from .conftest import stack
+from .conftest import JOB_USER, stack
 
 MiB = 1 << 20
 
@@ -76,11 +77,12 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         # (memory.json is written within footprints.WRITE_S)
         state = Path(daemon.socket).parent / "state" / "memory.json"
         b_shape = job_shape({"command": f"python -m krex_async.devices.fake 400M --release {rb}"})
-        key = f"key gateway dev / {b_shape}"
+        user = f"u{pwd.getpwnam(JOB_USER).pw_uid if os.geteuid() == 0 else os.getuid()}"  # the job's
+        key = f"{user} key gateway dev / {b_shape}"
         await until_async(lambda: _learned(state, key), "B's peak written to memory.json")
         learned = json.loads(state.read_text())["peaks"]
         assert learned[key] == [400 * MiB], learned
-        assert 400 * MiB in learned["key gateway dev"], learned
+        assert 400 * MiB in learned[f"{user} key gateway dev"], learned
 
 
 async def _learned(state: Path, key: str) -> bool:

@@ -74,9 +74,10 @@ class Admission:
 
     # ------------------------------------------------------------------------------ estimates
 
-    def need(self, spec: P.Submit) -> tuple[int, str]:
-        """(bytes, where the figure comes from) that a command of `spec` is taken to need."""
-        return self.footprints.need(spec, self.core.config.mem_default)
+    def need(self, spec: P.Submit, uid: int) -> tuple[int, str]:
+        """(bytes, where the figure comes from) that a command of `spec` run as `uid` is taken to
+        need (from that user's commands alone)."""
+        return self.footprints.need(spec, uid, self.core.config.mem_default)
 
     def holds(self, cmd: Command) -> int:
         """What a running command is taken to hold: its need, or more where it was seen to."""
@@ -222,7 +223,7 @@ class Admission:
         """The scheduler lets `cmd` start: True if memory does too (it is then counted as running,
         or, gated, it starts and is admitted when its runtime asks), else it waits in its device's
         queue, its reason in `cmd.mem_wait`."""
-        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec, cmd.uid)
         dm = self.devices.get(cmd.device_key or "")
         if dm is None:
             return True
@@ -284,7 +285,7 @@ class Admission:
             return cmd.gate != "asked"  # another of its processes asked first: it waits too
         dm.gated.discard(cmd.id)
         cmd.gate, cmd.gate_asked = "asked", time.monotonic()
-        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec, cmd.uid)
         if now:
             self._run(cmd, dm)
         if now or self._enter(cmd, dm):
@@ -339,7 +340,7 @@ class Admission:
             if cmd is None or not self.waits(cmd):  # ended while it waited
                 dm.head_since.pop(dm.waiting.popleft(), None)
                 continue
-            cmd.mem_need, cmd.mem_source = self.need(cmd.spec)  # learned meanwhile, maybe
+            cmd.mem_need, cmd.mem_source = self.need(cmd.spec, cmd.uid)  # learned meanwhile, maybe
             why = self.why_not(cmd, dm)
             if why:
                 cmd.mem_wait = why
@@ -365,7 +366,7 @@ class Admission:
             if c is None or not self.waits(c):
                 continue
             if open_:
-                c.mem_need, c.mem_source = self.need(c.spec)
+                c.mem_need, c.mem_source = self.need(c.spec, c.uid)
                 if not (c_why := self.why_not(c, dm)):
                     dm.waiting.remove(c.id)
                     dm.head_since.pop(c.id, None)  # it may have headed the queue before a re-run
@@ -392,7 +393,7 @@ class Admission:
             go()
         cmd.gate_waiters.clear()
         if cmd.mem_peak > 0 and not oom:
-            self.footprints.learn(alike_keys(cmd.spec) + mem_keys(cmd.spec), cmd.mem_peak)
+            self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec), cmd.mem_peak)
         self.reserved_metric(dm)
         if dm.waiting:  # the last sample still counts its memory: take one now, not in SAMPLE_S
             self.wake.set()
@@ -402,7 +403,7 @@ class Admission:
         """A re-run: out of the running set, first in line (it already waited its turn); guarded
         where its need is known and it is the first re-run, else alone."""
         dm = self.devices[cmd.device_key or ""]
-        cmd.mem_need, cmd.mem_source = self.need(cmd.spec)
+        cmd.mem_need, cmd.mem_source = self.need(cmd.spec, cmd.uid)
         cmd.guarded = cmd.reruns == 1 and cmd.mem_source != "unknown"
         cmd.solo = not cmd.guarded
         dm.running.discard(cmd.id)

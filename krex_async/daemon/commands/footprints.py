@@ -12,6 +12,11 @@ feature tells the command apart only where it is *specific*: taught by some of i
 commands, not by all of them (a runner script every job carries is not; the file of one problem among
 several is). The tightest bound of the specific features known is its need; with none known (a
 problem not seen yet), its key's typical (median) peak: the key of many problems is a kind.
+
+Each user learns from its own commands alone (the user a command runs as): another user's commands
+that share a label, a program name or a feature, by chance or to mislead, tell nothing of this
+user's. A user past KEEP_KEYS of them does not push another's out: the user holding the most keys
+gives up its oldest.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections import Counter
 
 from krex_async import logs
 from krex_async import protocol as P
@@ -34,6 +40,7 @@ WRITE_S = 2.0
 
 KEY_SEP = " / "  # between a mem_key's parts, most general first
 ALIKE = "alike "  # before a Submit.mem_alike feature, in the file
+VERSION = 3  # 3: keys per user ("u1000 label x"); a file before it is learned anew
 
 
 def mem_keys(spec: P.Submit) -> list[str]:
@@ -43,6 +50,15 @@ def mem_keys(spec: P.Submit) -> list[str]:
         return [mem_key(spec)]
     parts = [p.strip() for p in spec.mem_key.split(KEY_SEP.strip())]
     return [f"key {KEY_SEP.join(parts[:n])}" for n in range(len(parts), 0, -1)]
+
+
+def scoped(uid: int, keys: list[str]) -> list[str]:
+    """`keys` as user `uid` has them in the file (footprints are per user)."""
+    return [f"u{uid} {k}" for k in keys]
+
+
+def _user(key: str) -> str:
+    return key.split(" ", 1)[0]
 
 
 def alike_keys(spec: P.Submit) -> list[str]:
@@ -84,10 +100,13 @@ class Footprints:
         try:
             with open(path) as f:
                 raw = json.load(f)
+            if raw.get("version", 1) < VERSION:  # keys of no user: another user's could mislead
+                log.warning("footprints_relearned", path=path, version=raw.get("version", 1))
+                raw = {}
             self.peaks = {
                 str(k): [int(x) for x in v][-KEEP_PEAKS:] for k, v in raw.get("peaks", {}).items() if v
             }
-            seqs = raw.get("seqs", {})  # none in a version 1 file: every peak numbered 0
+            seqs = raw.get("seqs", {})  # a peak without its number: 0, telling nothing
             self.seqs = {
                 k: [int(x) for x in seqs.get(k, [0] * len(v))][-len(v) :] for k, v in self.peaks.items()
             }
@@ -98,15 +117,15 @@ class Footprints:
             log.warning("footprints_unreadable", path=path, error=repr(e))
             self.peaks, self.seqs, self.seq = {}, {}, 0
 
-    def need(self, spec: P.Submit, default: int) -> tuple[int, str]:
-        """(bytes, where the figure comes from) that a command of `spec` is taken to need: declared,
-        learned (what commands of its own key, or sharing a specific feature, peaked at), typical
-        (the median peak of its kind: a guess for what was not seen yet), `default` (--mem-default)
-        where above 0, else unknown (0)."""
+    def need(self, spec: P.Submit, uid: int, default: int) -> tuple[int, str]:
+        """(bytes, where the figure comes from) that a command of `spec` run as `uid` is taken to
+        need: declared, learned (what the user's commands of its own key, or sharing a specific
+        feature, peaked at), typical (the median peak of its kind: a guess for what was not seen
+        yet), `default` (--mem-default) where above 0, else unknown (0)."""
         if spec.mem > 0:
             return spec.mem, "declared"
-        keys = mem_keys(spec)
-        bounds = [self.get(k) or 0 for k in alike_keys(spec) if self.specific(k, keys)]
+        keys = scoped(uid, mem_keys(spec))
+        bounds = [self.get(k) or 0 for k in scoped(uid, alike_keys(spec)) if self.specific(k, keys)]
         if bounds:  # every earlier command that shared it peaked within: the tightest is its need
             return min(bounds), "learned"
         for i, key in enumerate(keys):
@@ -126,8 +145,8 @@ class Footprints:
         """Whether the known `feature` tells some of the commands of its key (else of the longest
         known prefix) from the rest: not every one of those recent commands taught it (the file of
         one problem among several, not a script they all carry). Compared over what both remember
-        (a feature taught by other keys' commands too remembers fewer of this key's); peaks of a
-        version 1 file (numbered 0) tell nothing; with no key known, nothing is specific."""
+        (a feature taught by other keys' commands too remembers fewer of this key's); peaks without
+        their numbers (0) tell nothing; with no key known, nothing is specific."""
         mine = [x for x in self.seqs.get(feature, []) if x]
         ref = next((k for k in keys if any(self.seqs.get(k, []))), None)
         if not mine or ref is None:
@@ -144,20 +163,26 @@ class Footprints:
             return None
         return sorted(peaks)[len(peaks) // 2] if typical else max(peaks)
 
-    def learn(self, keys: list[str], peak: int) -> None:
-        """A command of `keys` peaked at `peak`. Give its alike_keys before its mem_keys: the least
-        recently learned keys go first past KEEP_KEYS, so its own outlives its features. The file
-        is written within WRITE_S (at once where no event loop runs), and by flush()."""
+    def learn(self, uid: int, keys: list[str], peak: int) -> None:
+        """A command of `keys` run as `uid` peaked at `peak`. Give its alike_keys before its
+        mem_keys: past KEEP_KEYS, the user holding the most keys gives up its least recently
+        learned, so a command's own key outlives its features, and one user's many keys never push
+        out another's fewer. The file is written within WRITE_S (at once where no event loop runs),
+        and by flush()."""
         self.seq += 1
-        for key in dict.fromkeys(keys):
+        for key in dict.fromkeys(scoped(uid, keys)):
             peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
             seqs = self.seqs.pop(key, [])
             self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
             self.seqs[key] = [*seqs, self.seq][-KEEP_PEAKS:]
-        while len(self.peaks) > KEEP_KEYS:
-            oldest = next(iter(self.peaks))
-            del self.peaks[oldest]
-            self.seqs.pop(oldest, None)
+        if len(self.peaks) > KEEP_KEYS:
+            held = Counter(_user(k) for k in self.peaks)
+            while len(self.peaks) > KEEP_KEYS:
+                most = max(held, key=held.__getitem__)
+                oldest = next(k for k in self.peaks if _user(k) == most)
+                del self.peaks[oldest]
+                self.seqs.pop(oldest, None)
+                held[most] -= 1
         self._dirty = True
         if self.path is None or self._timer is not None:
             return
@@ -174,7 +199,7 @@ class Footprints:
         if not self._dirty or self.path is None:
             return
         self._dirty = False
-        data = {"version": 2, "seq": self.seq, "peaks": self.peaks, "seqs": self.seqs}
+        data = {"version": VERSION, "seq": self.seq, "peaks": self.peaks, "seqs": self.seqs}
         try:
             replace_file(self.path, json.dumps(data).encode())
         except OSError as e:

@@ -77,7 +77,7 @@ class Lifecycle:
             raise RequestError(
                 "bad_spec", "rerun_on_oom needs a command without stdin: a re-run could not feed it again"
             )
-        device = choose(self.core, req, self.admission)
+        device = choose(self.core, req, uid, self.admission)
         cid = f"{self.boot}-{next(self._ids)}"
         while cid in self.core.commands:  # a dead daemon's command, recovered, started in the same second
             cid = f"{self.boot}-{next(self._ids)}"

@@ -15,16 +15,16 @@ from krex_async.devices.base import Device
 log = logs.get("krex.daemon")
 
 
-def choose(core: Core, spec: P.Submit, admission: Admission | None = None) -> Device | None:
-    """The device for `spec` (None for device=none). Raises RequestError for a device this node
-    does not have, or when no device can take it (`auto`)."""
+def choose(core: Core, spec: P.Submit, uid: int, admission: Admission | None = None) -> Device | None:
+    """The device for `spec` run as `uid` (None for device=none). Raises RequestError for a device
+    this node does not have, or when no device can take it (`auto`)."""
     want = spec.device
     if want == "none":
         return None
     if want == "auto":
         load = {k: len(q.commands) for k, q in core.scheduler.devices.items()}
         if admission is not None and any(admission.tracks(d.key) for d in core.devices):
-            return by_admission(core, spec, admission, load)
+            return by_admission(core, spec, uid, admission, load)
         try:
             chosen = place(live_memory(core) if spec.mem > 0 else core.devices, load, spec.mem)
         except NoDevice as e:
@@ -51,11 +51,11 @@ def live_memory(core: Core) -> list[Device]:
     return [live.get(d.key, d) for d in core.devices]
 
 
-def by_admission(core: Core, spec: P.Submit, admission: Admission, load: dict[str, int]) -> Device:
+def by_admission(core: Core, spec: P.Submit, uid: int, admission: Admission, load: dict[str, int]) -> Device:
     """`auto` where memory admission tracks the devices: the least loaded of those where the command
     fits now (as admission counts it), else of those it fits alone (it then waits for memory
     there); RequestError where it fits on none."""
-    need, source = admission.need(spec)
+    need, source = admission.need(spec, uid)
     able = [d for d in core.devices if not admission.tracks(d.key) or need <= d.memory_total_bytes]
     if not able:
         have = ", ".join(f"{d.key} has {gib(d.memory_total_bytes)}" for d in core.devices)

@@ -1,0 +1,107 @@
+"""What a user's commands taught memory admission serves that user alone (footprints.py): another
+user's commands of the same label (or program, or mem_key) tell nothing of its need. Before, a
+peer could set what a victim's commands were taken to need: a large peak held them queued or alone,
+a small one started them into an out-of-memory. Real unprivileged users over the daemon's socket,
+the fake vendor's device (1000 MiB) standing in for a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from krex_async.client.submit import Client
+
+from ..conftest import run_daemon
+from ..devices.conftest import MiB, fake_gpu_env
+from ..devices.test_admission import row, until_status
+from .helpers import User, python_as, user_env
+
+AGENT = r"""
+import asyncio, json, sys
+from krex_async import Client
+
+async def main(path, label, release):
+    async with await Client.connect(path) as c:
+        argv = [sys.executable, "-m", "krex_async.devices.fake", "600M", "--release", release]
+        h = await c.submit(argv, label=label, env=json.loads(sys.stdin.read()), on_disconnect="keep")
+        print(json.dumps({"command": h.command}))
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.fixture
+def shared_fake() -> Iterator[dict[str, str]]:
+    """The fake device's directory, where every user's commands record what they allocate."""
+    for env in fake_gpu_env():
+        dev = Path(env["KREX_FAKE_GPU_DIR"]) / "fake0"
+        dev.mkdir()
+        (dev / ".lock").touch()
+        for p, mode in ((dev.parent, 0o1777), (dev, 0o1777), (dev / ".lock", 0o666)):
+            p.chmod(mode)
+        yield env
+
+
+@pytest.fixture
+def releases() -> Iterator[Path]:
+    """Where the test releases the users' commands: a folder they can look into."""
+    d = Path(tempfile.mkdtemp(prefix="krex-release-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def submit_as(user: User, sock: str, label: str, release: Path, env: dict[str, str]) -> str:
+    """`user`'s own client submits a command that allocates 600 MiB until `release` exists."""
+    out = python_as(user, AGENT, sock, label, str(release), input=json.dumps({**user_env(), **env}))
+    return str(json.loads(out)["command"])
+
+
+async def ended(c: Client, command: str) -> None:
+    async def gone() -> dict[str, str]:
+        st = await c.status()
+        return next((x for x in st["commands"] if x["command"] == command), {"state": "ended"})
+
+    t0 = asyncio.get_running_loop().time()
+    while (await gone())["state"] != "ended":
+        assert asyncio.get_running_loop().time() - t0 < 60, f"{command} never ended"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_peers_commands_of_the_same_label_tell_nothing_of_a_users_need(
+    users: dict[str, User], shared_fake: dict[str, str], releases: Path
+) -> None:
+    """mallory's `bench` peaks at 600 MiB: her next `bench` is taken at 600 MiB (learned), alice's
+    first `bench` knows nothing of it (unknown). The old code took alice's at mallory's 600."""
+    alice, mallory = users["alice"], users["mallory"]
+    fake = {k: v for k, v in shared_fake.items() if k.startswith("KREX_FAKE_GPU")}
+    group = str(grp.getgrnam("krexg").gr_gid)
+    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", "--mem-gate", "off")
+    async with run_daemon(*args, "--socket-group", group, "--isolation", "signal", env=shared_fake) as d:
+        os.chmod(os.path.dirname(d.socket), 0o711)
+        c = await d.client()
+        taught = submit_as(mallory, d.socket, "bench", releases / "r1", fake)
+        await until_status(c, taught, lambda s: s["mem_peak"] >= 600 * MiB, "mallory's 600 MiB seen")
+        (releases / "r1").touch()
+        await ended(c, taught)
+
+        victim = submit_as(alice, d.socket, "bench", releases / "r2", fake)
+        st = await row(c, victim)
+        assert (st["mem_source"], st["mem_need"]) == ("unknown", 0), st
+        (releases / "r2").touch()
+        await ended(c, victim)
+
+        again = submit_as(mallory, d.socket, "bench", releases / "r3", fake)
+        st = await row(c, again)
+        assert (st["mem_source"], st["mem_need"]) == ("learned", 600 * MiB), st
+        (releases / "r3").touch()
+        await ended(c, again)
+        await c.close()
