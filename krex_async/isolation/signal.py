@@ -160,6 +160,18 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
+async def _until_stopped(sent: dict[str, list[int]], deadline: float, timeout: float) -> None:
+    """Until every process of `sent` has stopped (or gone); FreezeError past `deadline`."""
+    pending = [pid for pids in sent.values() for pid in pids]
+    while True:
+        pending = [pid for pid in pending if _state(pid) not in (None, "Z", "X", *_STOPPED)]
+        if not pending:
+            return
+        if time.perf_counter() > deadline:
+            raise FreezeError(",".join(sent), f"pids {pending} did not stop within {timeout:.3f} s")
+        await asyncio.sleep(0.0002)
+
+
 def _signal_fds(fds: dict[int, int], pids: list[int], sig: int) -> None:
     """Signal `pids` through their pidfds in `fds` (a process that is gone is skipped)."""
     for pid in pids:
@@ -284,8 +296,10 @@ class SignalBackend(Backend):
         timeout: float,
     ) -> None:
         """SIGSTOP every process of `todo` through a pidfd (recording each in `sent` and `fds`
-        before its signal), then wait until all have stopped. Raises FreezeError; the caller
-        resumes."""
+        before its signal) and wait until all have stopped, then look again: a process inside
+        fork() when its SIGSTOP came stops after the fork, with a child that the signal missed.
+        Only a look taken once every process seen has stopped (none can fork any more) finds
+        nothing new for certain. Raises FreezeError; the caller resumes."""
         for _ in range(64):
             snap = _Snapshot()
             fresh = False
@@ -306,17 +320,9 @@ class SignalBackend(Backend):
                     sent[g.name].append(pid)
                     _signal_fds(fds[g.name], [pid], signal.SIGSTOP)
             if not fresh:
-                break
-        else:
-            raise FreezeError(",".join(sent), "process tree kept growing while being stopped")
-        pending = [pid for pids in sent.values() for pid in pids]
-        while True:
-            pending = [pid for pid in pending if _state(pid) not in (None, "Z", "X", *_STOPPED)]
-            if not pending:
                 return
-            if time.perf_counter() > deadline:
-                raise FreezeError(",".join(sent), f"pids {pending} did not stop within {timeout:.3f} s")
-            await asyncio.sleep(0.0002)
+            await _until_stopped(sent, deadline, timeout)
+        raise FreezeError(",".join(sent), "process tree kept growing while being stopped")
 
     def _resume_all(
         self,
