@@ -14,9 +14,10 @@ only reach them at `<base_dir>/<node>/s` (DaemonSpec.start False) and ask for ru
 user, which the daemon grants for ordinary users only (daemon/commands/access.py).
 
 The Ray user gets a copy of the token of its own (0600, in its 0700 directory, with Ray's temp
-dir), the socket group as a supplementary group (its agents reach the daemons' sockets), and an
-interpreter it can run: this one when it can import krex and Ray with it, else the system's python3
-of the same version, with the directories of krex and Ray on PYTHONPATH.
+dirs: its nodes' and its default one), the socket group as a supplementary group (its agents reach
+the daemons' sockets), and an interpreter it can run: this one when it can import krex and Ray with
+it, else the system's python3 of the same version, with the directories of krex and Ray on
+PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class RayHost:
         # The host's stderr (Ray's own prints), in root's base dir: never a file the Ray user names.
         self.log = os.path.join(base_dir, "ray.log")
         _copy_token(token_file, self.token_file, user)
+        _own_dir(os.path.join(self.dir, "ray"), user)
         self.env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": self.dir,
@@ -108,6 +110,10 @@ class RayHost:
             "PYTHONPATH": import_path(),
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": self.token_file,
+            # Ray's default temp dir (<RAY_TMPDIR>/ray): where a Cluster writes its address for
+            # ray.init("auto") whatever temp_dir its nodes have (Ray 2.60 makes no /tmp/ray first),
+            # the Ray user's own, not /tmp/ray, which any user could make first
+            "RAY_TMPDIR": self.dir,
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback stays loopback (auth.local_only)
             "RAY_USAGE_STATS_ENABLED": "0",
         }
