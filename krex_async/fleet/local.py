@@ -89,6 +89,7 @@ class LocalFleet:
         self.cluster: Cluster | RayHost | None = None
         self.keeper: DaemonKeeper | None = None  # the daemons, where Ray runs as ray_user
         self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node (None: the host's)
+        self._ray_tmpdir: tuple[str | None, ...] = ()  # RAY_TMPDIR before _own_ray_tmp, while set
 
     def start(self) -> str:
         """Start the head and N-1 worker nodes and join as the driver; returns the address."""
@@ -100,6 +101,8 @@ class LocalFleet:
         self.key = auth.use_token(self.token_file)  # before any Ray process starts: they inherit it
         auth.local_only()
         minor_python_match()
+        if self.ray_user is None:
+            self._own_ray_tmp()
         try:
             address = self._start_ray_user() if self.ray_user is not None else self._start_here()
             ray.init(address=address, namespace="krex", log_to_driver=False, configure_logging=False)
@@ -107,6 +110,17 @@ class LocalFleet:
             self.close()
             raise
         return address
+
+    def _own_ray_tmp(self) -> None:
+        """Ray's temp dir (its sessions' sockets and logs, and the address a Cluster writes for
+        ray.init("auto")) in this fleet's directory, not /tmp/ray: another user who made /tmp/ray
+        first would keep the fleet from starting, or, where all may write there, be handed its
+        sockets and logs. Ray reads RAY_TMPDIR from this process's environment (as its children
+        do); close() puts the old value back."""
+        tmp = os.path.join(self.base_dir, "ray")
+        os.makedirs(tmp, mode=0o700, exist_ok=True)
+        self._ray_tmpdir = (os.environ.get("RAY_TMPDIR"),)
+        os.environ["RAY_TMPDIR"] = tmp
 
     def _start_here(self) -> str:
         """The cluster's processes as children of this process (and as its user)."""
@@ -222,6 +236,12 @@ class LocalFleet:
             self.keeper.close()  # the daemons: their commands end as `shutdown`
             self.keeper = None
         self._remove_cgroups()
+        if self._ray_tmpdir:
+            (before,), self._ray_tmpdir = self._ray_tmpdir, ()
+            if before is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = before
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 

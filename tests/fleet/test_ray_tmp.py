@@ -1,0 +1,58 @@
+"""A local fleet of an ordinary user keeps Ray's temp dir in its own directory, not /tmp/ray, which
+any user of the machine may have made first (then Ray, which puts its sessions' sockets and logs
+there, cannot start, or, where all may write there, hands them to that user)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.security.helpers import USER_PY, User, make_users, python_as, user_env
+
+from .conftest import NEEDS_RAY
+
+FLEET = """
+from krex_async.fleet.local import LocalFleet
+fleet = LocalFleet(1, daemon_args=("--devices", "cpu:1"))
+try:
+    fleet.start()
+    print("started", fleet.base_dir)
+finally:
+    fleet.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, User]]:
+    yield from make_users()  # skips unless root
+
+
+def test_a_ray_tmp_made_first_by_another_user_does_not_stop_a_users_fleet(users: dict[str, User]) -> None:
+    """alice made /tmp/ray first (0755, hers); mallory's fleet starts all the same, and nothing of
+    it lands in alice's directory. The old fleet failed: Ray could not make its session there."""
+    pytest.importorskip("ray", reason=NEEDS_RAY)
+    alice, mallory = users["alice"], users["mallory"]
+    if os.path.lexists("/tmp/ray"):
+        pytest.skip("/tmp/ray exists already: the test must make it as another user")
+    try:
+        python_as(alice, "import os; os.mkdir('/tmp/ray', 0o755)")
+        p = subprocess.run(
+            [USER_PY, "-c", FLEET],
+            user=mallory.uid,
+            group=mallory.gid,
+            extra_groups=mallory.groups,
+            env=user_env(),
+            cwd="/tmp",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0 and p.stdout.startswith("started "), p.stdout + p.stderr
+        assert os.listdir("/tmp/ray") == [], os.listdir("/tmp/ray")
+        assert not os.path.exists(p.stdout.split()[1]), "the fleet's directory outlived it"
+    finally:
+        shutil.rmtree("/tmp/ray", ignore_errors=True)
