@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-from tests.security.helpers import USER_PY, User, make_users, python_as, user_env
+from tests.security.helpers import User, make_users, python_as, run_python_as
 
 from .conftest import NEEDS_RAY
 
@@ -40,17 +39,7 @@ def test_a_ray_tmp_made_first_by_another_user_does_not_stop_a_users_fleet(users:
         pytest.skip("/tmp/ray exists already: the test must make it as another user")
     try:
         python_as(alice, "import os; os.mkdir('/tmp/ray', 0o755)")
-        p = subprocess.run(
-            [USER_PY, "-c", FLEET],
-            user=mallory.uid,
-            group=mallory.gid,
-            extra_groups=mallory.groups,
-            env=user_env(),
-            cwd="/tmp",
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        p = run_python_as(mallory, FLEET, timeout=300)  # Ray's start, on a loaded machine
         assert p.returncode == 0 and p.stdout.startswith("started "), p.stdout + p.stderr
         assert os.listdir("/tmp/ray") == [], os.listdir("/tmp/ray")
         assert not os.path.exists(p.stdout.split()[1]), "the fleet's directory outlived it"

@@ -105,9 +105,15 @@ def user_env() -> dict[str, str]:
 
 
 def run_python_as(
-    user: User, code: str, *args: str, input: str | None = None, env: dict[str, str] | None = None
+    user: User,
+    code: str,
+    *args: str,
+    input: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `code` (python -c) as `user` with the test users' environment (and `env`), from /tmp."""
+    """Run `code` (python -c) as `user` with the test users' environment (and `env`), from /tmp;
+    `timeout`: a bound for a program that hangs, not a measure."""
     return subprocess.run(
         [USER_PY, "-c", code, *args],
         user=user.uid,
@@ -117,7 +123,7 @@ def run_python_as(
         cwd="/tmp",
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         input=input,
     )
 
