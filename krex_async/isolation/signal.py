@@ -298,8 +298,9 @@ class SignalBackend(Backend):
         """SIGSTOP every process of `todo` through a pidfd (recording each in `sent` and `fds`
         before its signal) and wait until all have stopped, then look again: a process inside
         fork() when its SIGSTOP came stops after the fork, with a child that the signal missed.
-        Only a look taken once every process seen has stopped (none can fork any more) finds
-        nothing new for certain. Raises FreezeError; the caller resumes."""
+        Only a look taken once every process signalled has stopped finds nothing new for certain
+        (the `keep` pids, a region's owner, run on: children they fork are stopped in the next
+        pass, as before). Raises FreezeError; the caller resumes."""
         for _ in range(64):
             snap = _Snapshot()
             fresh = False
