@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import time
@@ -195,7 +196,7 @@ async def test_a_footprint_learned_by_label_reserves_and_unknowns_run_one_at_a_t
         state = Path(d.socket).parent / "state" / "memory.json"  # written within WRITE_S
 
         def kept() -> bool:
-            return state.exists() and '"u0 label big"' in state.read_text()  # root's (uid 0)
+            return state.exists() and f'"u{os.geteuid()} label big"' in state.read_text()
 
         await until(kept, "the learned figure kept in the state dir")
 
@@ -529,6 +530,32 @@ def test_one_users_many_keys_never_push_out_anothers(monkeypatch):
     assert list(f.peaks) == ["u1 mine", "u2 k8", "u2 k9", "u1 also"]
     f.learn(1, ["third"], 7)  # user 1 holds the most now: its own oldest goes
     assert list(f.peaks) == ["u2 k8", "u2 k9", "u1 also", "u1 third"]
+    tie = footprints.Footprints(None)
+    for uid, keys in ((1, ["a1", "a2"]), (2, ["b1"]), (3, ["c1"]), (2, ["b2"])):
+        tie.learn(uid, keys, 1)
+    # users 1 and 2 both hold two at the end: the one learning gives up its own oldest
+    assert list(tie.peaks) == ["u1 a1", "u1 a2", "u3 c1", "u2 b2"]
+
+
+def test_what_one_user_taught_tells_nothing_of_anothers_need():
+    """Every source a need comes from is the user's own: its key, a prefix (typical) and a
+    mem_alike feature another user's commands share."""
+    from krex_async import protocol as P
+    from krex_async.daemon.commands import footprints
+
+    f = footprints.Footprints(None)
+
+    def job(problem: str) -> P.Submit:
+        alike = ["runner", f"file {problem}"]
+        return P.Submit(id=1, argv=["sh"], mem_key="dev / shape", mem_alike=alike)
+
+    for problem, peak in (("a", 9), ("b", 1), ("c", 2)):
+        f.learn(1, footprints.alike_keys(job(problem)) + footprints.mem_keys(job(problem)), peak * MiB)
+    assert f.need(job("a"), 1, 0) == (9 * MiB, "learned")  # its own file's peak
+    assert f.need(job("new"), 1, 0) == (2 * MiB, "typical")  # its kind's median
+    for problem in ("a", "new"):
+        assert f.need(job(problem), 2, 0) == (0, "unknown")  # another user: nothing known
+    assert f.need(job("a"), 2, 5 * MiB) == (5 * MiB, "default")
 
 
 def test_a_jobs_problem_files_bound_its_need_and_a_new_problem_takes_the_typical(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 from krex_async.client.submit import Client
 
-from ..conftest import run_daemon
+from ..conftest import run_daemon, until
 from ..devices.conftest import MiB, fake_gpu_env
 from ..devices.test_admission import row, until_status
 from .helpers import User, python_as, user_env
@@ -92,6 +92,10 @@ async def test_a_peers_commands_of_the_same_label_tell_nothing_of_a_users_need(
         await until_status(c, taught, lambda s: s["mem_peak"] >= 600 * MiB, "mallory's 600 MiB seen")
         (releases / "r1").touch()
         await ended(c, taught)
+        # learned once the daemon has finished with it (after its state says ended), and written
+        # within WRITE_S (as "u<uid> label bench"; the old code's key was "label bench")
+        state = Path(d.socket).parent / "state" / "memory.json"
+        await until(lambda: state.exists() and 'label bench"' in state.read_text(), "mallory's peak learned")
 
         victim = submit_as(alice, d.socket, "bench", releases / "r2", fake)
         st = await row(c, victim)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections import Counter
 
 from krex_async import logs
 from krex_async import protocol as P
@@ -92,6 +91,7 @@ class Footprints:
         self.path = path
         self.peaks: dict[str, list[int]] = {}
         self.seqs: dict[str, list[int]] = {}
+        self.users: dict[str, dict[str, None]] = {}  # "u<uid>" -> its keys, least recently learned first
         self.seq = 0
         self._dirty = False  # learned since the file was written
         self._timer: asyncio.TimerHandle | None = None  # the write due within WRITE_S
@@ -111,11 +111,13 @@ class Footprints:
                 k: [int(x) for x in seqs.get(k, [0] * len(v))][-len(v) :] for k, v in self.peaks.items()
             }
             self.seq = int(raw.get("seq", 0))
+            for k in self.peaks:
+                self.users.setdefault(_user(k), {})[k] = None
         except FileNotFoundError:
             pass
         except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file: learn anew
             log.warning("footprints_unreadable", path=path, error=repr(e))
-            self.peaks, self.seqs, self.seq = {}, {}, 0
+            self.peaks, self.seqs, self.users, self.seq = {}, {}, {}, 0
 
     def need(self, spec: P.Submit, uid: int, default: int) -> tuple[int, str]:
         """(bytes, where the figure comes from) that a command of `spec` run as `uid` is taken to
@@ -170,19 +172,25 @@ class Footprints:
         out another's fewer. The file is written within WRITE_S (at once where no event loop runs),
         and by flush()."""
         self.seq += 1
+        me = f"u{uid}"
+        mine = self.users.setdefault(me, {})
         for key in dict.fromkeys(scoped(uid, keys)):
             peaks = self.peaks.pop(key, [])  # re-inserted last: the least recently learned go first
             seqs = self.seqs.pop(key, [])
             self.peaks[key] = [*peaks, peak][-KEEP_PEAKS:]
             self.seqs[key] = [*seqs, self.seq][-KEEP_PEAKS:]
-        if len(self.peaks) > KEEP_KEYS:
-            held = Counter(_user(k) for k in self.peaks)
-            while len(self.peaks) > KEEP_KEYS:
-                most = max(held, key=held.__getitem__)
-                oldest = next(k for k in self.peaks if _user(k) == most)
-                del self.peaks[oldest]
-                self.seqs.pop(oldest, None)
-                held[most] -= 1
+            mine.pop(key, None)
+            mine[key] = None
+        if not mine:  # no keys given
+            del self.users[me]
+        while len(self.peaks) > KEEP_KEYS:  # the most keys, the learning user's on a tie
+            most = max(self.users, key=lambda u: (len(self.users[u]), u == me))
+            held = self.users[most]
+            oldest = next(iter(held))
+            del held[oldest], self.peaks[oldest]
+            self.seqs.pop(oldest, None)
+            if not held:
+                del self.users[most]
         self._dirty = True
         if self.path is None or self._timer is not None:
             return
