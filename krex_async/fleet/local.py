@@ -21,6 +21,7 @@ import grp
 import os
 import pwd
 import shutil
+import stat
 import tempfile
 import time
 from typing import Any
@@ -37,6 +38,9 @@ from krex_async.fleet.raycluster import NAMESPACE, NODE_RESOURCE, minor_python_m
 from krex_async.fleet.rayuser import DEFAULT_RAY_USER, DaemonKeeper, RayHost, check_ray_user, ensure_user
 from krex_async.linux import procfs
 
+SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX socket's path
+# the longest socket path below a node's temp dir (a 7-digit pid)
+SESSION_SOCKET = "/session_2026-12-07_03-38-23_940027_4194304/sockets/plasma_store"
 NODE_ARGS: dict[str, Any] = {
     "num_cpus": 1,
     "object_store_memory": 100 * 1024 * 1024,
@@ -101,8 +105,6 @@ class LocalFleet:
         self.key = auth.use_token(self.token_file)  # before any Ray process starts: they inherit it
         auth.local_only()
         minor_python_match()
-        if self.ray_user is None:
-            self._own_ray_tmp()
         try:
             address = self._start_ray_user() if self.ray_user is not None else self._start_here()
             ray.init(address=address, namespace="krex", log_to_driver=False, configure_logging=False)
@@ -112,31 +114,38 @@ class LocalFleet:
         return address
 
     def _own_ray_tmp(self) -> None:
-        """Ray's temp dir (its sessions' sockets and logs, and the address a Cluster writes for
-        ray.init("auto")) in this fleet's directory, not /tmp/ray: another user who made /tmp/ray
+        """Ray's temp dirs in this fleet's directory, not /tmp/ray: another user who made /tmp/ray
         first would keep the fleet from starting, or, where all may write there, be handed its
-        sockets and logs. Ray reads RAY_TMPDIR from this process's environment (as its children
-        do); close() puts the old value back."""
-        tmp = os.path.join(self.base_dir, "ray")
-        os.makedirs(tmp, mode=0o700, exist_ok=True)
+        sessions' sockets and logs. The nodes' is `<base dir>/t` (`temp_dir`: short, as a
+        session's socket paths must be); Ray's default one, where a Cluster writes its address
+        for ray.init("auto") whatever its nodes', is `<base dir>/ray`, through RAY_TMPDIR in this
+        process's environment (its children's too), which close() puts back."""
+        tmp = os.path.join(self.base_dir, "t")
+        if len(tmp) + len(SESSION_SOCKET) > SOCKET_PATH_MAX:
+            raise KrexError(
+                "fleet_error",
+                f"the fleet's directory {self.base_dir} is too long for Ray's socket paths (at most "
+                f"{SOCKET_PATH_MAX - len(SESSION_SOCKET) - 2} characters): give a shorter one",
+            )
+        for name in ("t", "ray"):
+            _private_dir(os.path.join(self.base_dir, name))
         self._ray_tmpdir = (os.environ.get("RAY_TMPDIR"),)
-        os.environ["RAY_TMPDIR"] = tmp
+        os.environ["RAY_TMPDIR"] = self.base_dir
+
+    def _node_args(self, name: str) -> dict[str, Any]:
+        """A node's arguments where this process starts it (not as the Ray user)."""
+        tmp = os.path.join(self.base_dir, "t")
+        return {**NODE_ARGS, "temp_dir": tmp, "resources": {f"{NODE_RESOURCE}{name}": 1}}
 
     def _start_here(self) -> str:
         """The cluster's processes as children of this process (and as its user)."""
+        self._own_ray_tmp()
         self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                **NODE_ARGS,
-                "include_dashboard": False,
-                "resources": {f"{NODE_RESOURCE}node0": 1},
-            },
+            initialize_head=True, head_node_args={**self._node_args("node0"), "include_dashboard": False}
         )
         self.ray_nodes["node0"] = self.cluster.head_node
         for i in range(1, self.n):
-            self.ray_nodes[f"node{i}"] = self.cluster.add_node(
-                **NODE_ARGS, resources={f"{NODE_RESOURCE}node{i}": 1}
-            )
+            self.ray_nodes[f"node{i}"] = self.cluster.add_node(**self._node_args(f"node{i}"))
         self.cluster.wait_for_nodes()
         return str(self.cluster.address)
 
@@ -177,7 +186,7 @@ class LocalFleet:
             self.ray_nodes[name] = None
             return
         assert self.cluster is not None
-        self.ray_nodes[name] = self.cluster.add_node(**NODE_ARGS, resources={f"{NODE_RESOURCE}{name}": 1})
+        self.ray_nodes[name] = self.cluster.add_node(**self._node_args(name))
 
     def remove_node(self, name: str) -> None:
         """Kill a worker node's Ray processes at once (its agent dies; its daemon gets SIGTERM)."""
@@ -224,26 +233,29 @@ class LocalFleet:
             ray.kill(a)
 
     def close(self) -> None:
-        """Stop the agents, leave and stop the cluster, remove what the daemons left."""
-        if ray.is_initialized():
+        """Stop the agents, leave and stop the cluster, remove what the daemons left; RAY_TMPDIR
+        and the fleet's own directory go back however that ends."""
+        try:
+            if ray.is_initialized():
+                if self.cluster is not None:
+                    self.stop_agents()
+                ray.shutdown()
             if self.cluster is not None:
-                self.stop_agents()
-            ray.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
-            self.cluster = None
-        if self.keeper is not None:
-            self.keeper.close()  # the daemons: their commands end as `shutdown`
-            self.keeper = None
-        self._remove_cgroups()
-        if self._ray_tmpdir:
-            (before,), self._ray_tmpdir = self._ray_tmpdir, ()
-            if before is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = before
-        if self._own_dir:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
+                self.cluster.shutdown()
+                self.cluster = None
+            if self.keeper is not None:
+                self.keeper.close()  # the daemons: their commands end as `shutdown`
+                self.keeper = None
+            self._remove_cgroups()
+        finally:
+            if self._ray_tmpdir:
+                (before,), self._ray_tmpdir = self._ray_tmpdir, ()
+                if before is None:
+                    os.environ.pop("RAY_TMPDIR", None)
+                else:
+                    os.environ["RAY_TMPDIR"] = before
+            if self._own_dir:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
 
     def _remove_cgroups(self, wait_s: float = 10.0) -> None:
         """Remove the cgroup roots agents made and could not remove (an agent killed with its
@@ -279,6 +291,18 @@ def _name(who: str | int) -> str:
         return pwd.getpwuid(int(who)).pw_name if str(who).isdigit() else str(who)
     except KeyError:
         return ""
+
+
+def _private_dir(path: str) -> None:
+    """`path` as a directory of this user alone: made 0700, or, already there (a base dir given by
+    the caller), a directory (not a link) of this user's that no one else may write to."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise KrexError("forbidden", f"{path}: not a directory of this user's alone, for Ray's temp files")
 
 
 def _primary_gid(who: str) -> int:

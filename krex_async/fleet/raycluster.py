@@ -81,8 +81,10 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
 
 
 async def reachable(address: str, timeout: float = 3.0) -> str:
-    """The cluster's GCS host:port ("auto": the one this host last started, or $RAY_ADDRESS), once a
-    TCP connect to it succeeds: ray.init would block minutes for a GCS that is not there."""
+    """The cluster's GCS host:port ("auto": $RAY_ADDRESS, else the address in Ray's default temp
+    dir, $RAY_TMPDIR/ray or /tmp/ray, where a local fleet no longer writes it, else a GCS running
+    on this host), once a TCP connect to it succeeds: ray.init would block minutes for a GCS that
+    is not there."""
     from ray._private.services import canonicalize_bootstrap_address_or_die, get_ray_address_from_environment
 
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -45,3 +46,27 @@ def test_a_ray_tmp_made_first_by_another_user_does_not_stop_a_users_fleet(users:
         assert not os.path.exists(p.stdout.split()[1]), "the fleet's directory outlived it"
     finally:
         shutil.rmtree("/tmp/ray", ignore_errors=True)
+
+
+def test_close_puts_ray_tmpdir_back_and_a_long_directory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAY_TMPDIR is the caller's again once the fleet closes (as start() does when it fails), and
+    the fleet's directory is gone; a base dir too long for a Ray session's socket paths is refused
+    before anything starts, saying so."""
+    pytest.importorskip("ray", reason=NEEDS_RAY)
+    from krex_async.client.submit import KrexError
+    from krex_async.fleet.local import LocalFleet
+
+    monkeypatch.setenv("RAY_TMPDIR", "/somewhere/else")
+    fleet = LocalFleet(1)
+    fleet._own_ray_tmp()
+    assert os.environ["RAY_TMPDIR"] == fleet.base_dir
+    assert sorted(os.listdir(fleet.base_dir)) == ["ray", "t"]
+    fleet.close()
+    assert os.environ["RAY_TMPDIR"] == "/somewhere/else" and not os.path.exists(fleet.base_dir)
+    long = tempfile.mkdtemp(prefix="krex-" + "x" * 40, dir="/tmp")
+    try:
+        with pytest.raises(KrexError, match="too long for Ray's socket paths"):
+            LocalFleet(1, base_dir=long)._own_ray_tmp()
+        assert os.environ["RAY_TMPDIR"] == "/somewhere/else"
+    finally:
+        shutil.rmtree(long)
