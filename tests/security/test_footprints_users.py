@@ -28,9 +28,9 @@ AGENT = r"""
 import asyncio, json, sys
 from krex_async import Client
 
-async def main(path, label, release):
+async def main(path, label, release, *extra):
     async with await Client.connect(path) as c:
-        argv = [sys.executable, "-m", "krex_async.devices.fake", "600M", "--release", release]
+        argv = [sys.executable, "-m", "krex_async.devices.fake", *extra, "--release", release]
         h = await c.submit(argv, label=label, env=json.loads(sys.stdin.read()), on_disconnect="keep")
         print(json.dumps({"command": h.command}))
 
@@ -59,9 +59,11 @@ def releases() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def submit_as(user: User, sock: str, label: str, release: Path, env: dict[str, str]) -> str:
-    """`user`'s own client submits a command that allocates 600 MiB until `release` exists."""
-    out = python_as(user, AGENT, sock, label, str(release), input=json.dumps({**user_env(), **env}))
+def submit_as(user: User, sock: str, label: str, release: Path, env: dict[str, str], *fake: str) -> str:
+    """`user`'s own client submits a command that allocates (`fake`'s arguments: 600 MiB unless
+    given) until `release` exists."""
+    args = fake or ("600M",)
+    out = python_as(user, AGENT, sock, label, str(release), *args, input=json.dumps({**user_env(), **env}))
     return str(json.loads(out)["command"])
 
 
@@ -107,5 +109,51 @@ async def test_a_peers_commands_of_the_same_label_tell_nothing_of_a_users_need(
         st = await row(c, again)
         assert (st["mem_source"], st["mem_need"]) == ("learned", 600 * MiB), st
         (releases / "r3").touch()
+        await ended(c, again)
+        await c.close()
+
+
+async def test_a_peers_program_that_never_asks_is_not_measured_as_a_users_command(
+    users: dict[str, User], shared_fake: dict[str, str], releases: Path
+) -> None:
+    """Where NVML's pids are not the daemon's (a daemon in a container), a command alone on its
+    device is measured by the device's use above its idle baseline. mallory's program, started
+    beside alice's and allocating 700 MiB without asking at its gate (no torch), never seen, makes
+    alice's not alone: alice's `bench` is measured, and learned, at its own 50 MiB. Before, it was
+    measured at 750 MiB: mallory set what alice's commands were taken to need."""
+    from krex_async.devices.fake import usage
+
+    alice, mallory = users["alice"], users["mallory"]
+    daemon_env = dict(shared_fake, KREX_FAKE_GPU_PID_OFFSET="4000000")
+    fake = {k: v for k, v in daemon_env.items() if k.startswith("KREX_FAKE_GPU")}
+    root = Path(fake["KREX_FAKE_GPU_DIR"]) / "fake0"
+    group = str(grp.getgrnam("krexg").gr_gid)
+    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared")
+    async with run_daemon(*args, "--socket-group", group, "--isolation", "signal", env=daemon_env) as d:
+        os.chmod(os.path.dirname(d.socket), 0o711)
+        c = await d.client()
+        mine = submit_as(alice, d.socket, "bench", releases / "ra", fake, "50M")
+        await until_status(c, mine, lambda s: s["mem_peak"] >= 50 * MiB, "alice's 50 MiB seen alone")
+        theirs = submit_as(mallory, d.socket, "x", releases / "rm", fake, "700M", "--no-cuda-gate")
+        await until(lambda: sum(usage(root).values()) >= 750 * MiB, "mallory's 700 MiB, unasked")
+
+        async def sampled() -> bool:
+            (dev,) = (await c.status())["devices"]
+            return bool(dev["memory"]["used_bytes"] >= 750 * MiB)
+
+        t0 = asyncio.get_running_loop().time()
+        while not await sampled():  # a sample after mallory's allocation: alice's figure is set
+            assert asyncio.get_running_loop().time() - t0 < 60, "no sample saw mallory's 700 MiB"
+            await asyncio.sleep(0.05)
+        assert (await row(c, mine))["mem_peak"] == 50 * MiB
+        for name, command in (("ra", mine), ("rm", theirs)):
+            (releases / name).touch()
+            await ended(c, command)
+        state = Path(d.socket).parent / "state" / "memory.json"
+        await until(lambda: state.exists() and 'label bench"' in state.read_text(), "alice's peak learned")
+        again = submit_as(alice, d.socket, "bench", releases / "r2", fake, "1M")
+        st = await row(c, again)
+        assert (st["mem_source"], st["mem_need"]) == ("learned", 50 * MiB), st
+        (releases / "r2").touch()
         await ended(c, again)
         await c.close()

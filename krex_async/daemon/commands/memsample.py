@@ -80,7 +80,9 @@ def apply(adm: Admission, seen: dict[str, Any]) -> None:
     for cid, (key, _group) in seen["sampled"].items():
         if (cmd := commands.get(cid)) is not None:
             dm = adm.devices[key]
-            lone = key not in seen["mapped"] and dm.running == {cid}
+            # alone: no other command started there (one that allocates without asking at its gate
+            # holds memory uncounted: it would be taken for this one's, and learned as its need)
+            lone = key not in seen["mapped"] and dm.running | dm.gated == {cid}
             cmd.mem_now = seen["held"].get(cid, 0) or (lone_use(dm) if lone else 0)
             cmd.mem_peak = max(cmd.mem_peak, cmd.mem_now)
             if cmd.mem_now and cmd.gate == "open":  # on the device without asking (no torch)
