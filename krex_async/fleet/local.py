@@ -94,6 +94,7 @@ class LocalFleet:
         self.keeper: DaemonKeeper | None = None  # the daemons, where Ray runs as ray_user
         self.ray_nodes: dict[str, Any] = {}  # fleet name -> ray._private.node.Node (None: the host's)
         self._ray_tmpdir: tuple[str | None, ...] = ()  # RAY_TMPDIR before _own_ray_tmp, while set
+        self._joined = False  # ray.init called for this fleet (and not left yet)
 
     def start(self) -> str:
         """Start the head and N-1 worker nodes and join as the driver; returns the address."""
@@ -107,6 +108,7 @@ class LocalFleet:
         minor_python_match()
         try:
             address = self._start_ray_user() if self.ray_user is not None else self._start_here()
+            self._joined = True  # this process's Ray connection is this fleet's (close() leaves it)
             ray.init(address=address, namespace="krex", log_to_driver=False, configure_logging=False)
         except BaseException:
             self.close()
@@ -236,10 +238,11 @@ class LocalFleet:
         """Stop the agents, leave and stop the cluster, remove what the daemons left; RAY_TMPDIR
         and the fleet's own directory go back however that ends."""
         try:
-            if ray.is_initialized():
+            if self._joined and ray.is_initialized():  # not another fleet's connection
                 if self.cluster is not None:
                     self.stop_agents()
                 ray.shutdown()
+            self._joined = False
             if self.cluster is not None:
                 self.cluster.shutdown()
                 self.cluster = None

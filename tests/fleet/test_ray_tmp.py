@@ -48,13 +48,19 @@ def test_a_ray_tmp_made_first_by_another_user_does_not_stop_a_users_fleet(users:
         shutil.rmtree("/tmp/ray", ignore_errors=True)
 
 
-def test_close_puts_ray_tmpdir_back_and_a_long_directory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_puts_ray_tmpdir_back_and_a_long_directory_is_refused(
+    monkeypatch: pytest.MonkeyPatch, local_fleet: object
+) -> None:
     """RAY_TMPDIR is the caller's again once the fleet closes (as start() does when it fails), and
     the fleet's directory is gone; a base dir too long for a Ray session's socket paths is refused
-    before anything starts, saying so."""
-    pytest.importorskip("ray", reason=NEEDS_RAY)
+    before anything starts, saying so. The close of a fleet that never joined Ray leaves this
+    process's Ray connection (the package's fleet, here) alone."""
+    import ray
+
     from krex_async.client.submit import KrexError
     from krex_async.fleet.local import LocalFleet
+
+    assert ray.is_initialized()  # the package's fleet (local_fleet) joined it
 
     monkeypatch.setenv("RAY_TMPDIR", "/somewhere/else")
     fleet = LocalFleet(1)
@@ -63,6 +69,7 @@ def test_close_puts_ray_tmpdir_back_and_a_long_directory_is_refused(monkeypatch:
     assert sorted(os.listdir(fleet.base_dir)) == ["ray", "t"]
     fleet.close()
     assert os.environ["RAY_TMPDIR"] == "/somewhere/else" and not os.path.exists(fleet.base_dir)
+    assert ray.is_initialized(), "the package fleet's connection was left"
     long = tempfile.mkdtemp(prefix="krex-" + "x" * 40, dir="/tmp")
     try:
         with pytest.raises(KrexError, match="too long for Ray's socket paths"):
