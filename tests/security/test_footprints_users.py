@@ -6,7 +6,6 @@ the fake vendor's device (1000 MiB) standing in for a GPU."""
 
 from __future__ import annotations
 
-import asyncio
 import grp
 import json
 import os
@@ -21,7 +20,7 @@ from krex_async.client.submit import Client
 
 from ..conftest import run_daemon, until
 from ..devices.conftest import MiB, fake_gpu_env
-from ..devices.test_admission import row, until_status
+from ..devices.test_admission import eventually, row, until_status
 from .helpers import User, python_as, user_env
 
 AGENT = r"""
@@ -68,14 +67,11 @@ def submit_as(user: User, sock: str, label: str, release: Path, env: dict[str, s
 
 
 async def ended(c: Client, command: str) -> None:
-    async def gone() -> dict[str, str]:
+    async def state() -> str:
         st = await c.status()
-        return next((x for x in st["commands"] if x["command"] == command), {"state": "ended"})
+        return next((x["state"] for x in st["commands"] if x["command"] == command), "ended")
 
-    t0 = asyncio.get_running_loop().time()
-    while (await gone())["state"] != "ended":
-        assert asyncio.get_running_loop().time() - t0 < 60, f"{command} never ended"
-        await asyncio.sleep(0.05)
+    await eventually(state, lambda s: s == "ended", f"{command} ended")
 
 
 async def test_a_peers_commands_of_the_same_label_tell_nothing_of_a_users_need(
@@ -137,14 +133,12 @@ async def test_a_peers_program_that_never_asks_is_not_measured_as_a_users_comman
         theirs = submit_as(mallory, d.socket, "x", releases / "rm", fake, "700M", "--no-cuda-gate")
         await until(lambda: sum(usage(root).values()) >= 750 * MiB, "mallory's 700 MiB, unasked")
 
-        async def sampled() -> bool:
+        async def used() -> int:
             (dev,) = (await c.status())["devices"]
-            return bool(dev["memory"]["used_bytes"] >= 750 * MiB)
+            return int(dev["memory"]["used_bytes"])
 
-        t0 = asyncio.get_running_loop().time()
-        while not await sampled():  # a sample after mallory's allocation: alice's figure is set
-            assert asyncio.get_running_loop().time() - t0 < 60, "no sample saw mallory's 700 MiB"
-            await asyncio.sleep(0.05)
+        # a sample after mallory's allocation: alice's figure is set
+        await eventually(used, lambda n: n >= 750 * MiB, "a sample that saw mallory's 700 MiB")
         assert (await row(c, mine))["mem_peak"] == 50 * MiB
         for name, command in (("ra", mine), ("rm", theirs)):
             (releases / name).touch()
