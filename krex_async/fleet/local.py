@@ -122,22 +122,26 @@ class LocalFleet:
         session's socket paths must be); Ray's default one, where a Cluster writes its address
         for ray.init("auto") whatever its nodes', is `<base dir>/ray`, through RAY_TMPDIR in this
         process's environment (its children's too), which close() puts back."""
-        tmp = os.path.join(self.base_dir, "t")
+        tmp = self._node_tmp()
         if len(tmp) + len(SESSION_SOCKET) > SOCKET_PATH_MAX:
+            most = SOCKET_PATH_MAX - len(SESSION_SOCKET) - (len(tmp) - len(self.base_dir))
             raise KrexError(
                 "fleet_error",
                 f"the fleet's directory {self.base_dir} is too long for Ray's socket paths (at most "
-                f"{SOCKET_PATH_MAX - len(SESSION_SOCKET) - 2} characters): give a shorter one",
+                f"{most} characters): give a shorter one",
             )
         for name in ("t", "ray"):
             _private_dir(os.path.join(self.base_dir, name))
         self._ray_tmpdir = (os.environ.get("RAY_TMPDIR"),)
         os.environ["RAY_TMPDIR"] = self.base_dir
 
+    def _node_tmp(self) -> str:
+        """The nodes' Ray temp dir where this process starts them (not as the Ray user)."""
+        return os.path.join(self.base_dir, "t")
+
     def _node_args(self, name: str) -> dict[str, Any]:
         """A node's arguments where this process starts it (not as the Ray user)."""
-        tmp = os.path.join(self.base_dir, "t")
-        return {**NODE_ARGS, "temp_dir": tmp, "resources": {f"{NODE_RESOURCE}{name}": 1}}
+        return {**NODE_ARGS, "temp_dir": self._node_tmp(), "resources": {f"{NODE_RESOURCE}{name}": 1}}
 
     def _start_here(self) -> str:
         """The cluster's processes as children of this process (and as its user)."""
