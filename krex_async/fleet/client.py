@@ -32,7 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTa
 from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 from krex_async.devices import NoDevice
-from krex_async.fleet import auth
+from krex_async.fleet import auth, clustertrust
 from krex_async.fleet.agent import DaemonSpec
 from krex_async.fleet.handle import FleetHandle, why
 from krex_async.fleet.nodes import BACKOFF, FleetNodes
@@ -69,13 +69,15 @@ class FleetClient(FleetNodes):
         token_file: str | None = None,
         run_as: str | int | None = None,
     ) -> FleetClient:
-        """Join the Ray cluster at `address` (already joined: reused) with Ray's token
-        authentication, the token in `token_file` (default: auth.default_token_file()), and reach
-        an agent on every alive node, creating it where there is none: it connects to `socket`
-        (default: the node's krex socket) or, with `daemon`, starts and owns the node's daemon.
+        """Join the Ray cluster at `address` ("auto" or None: found as clustertrust says; already
+        joined: reused) with Ray's token authentication, the token in `token_file` (default:
+        auth.default_token_file()), and reach an agent on every alive node, creating it where
+        there is none: it connects to `socket` (default: the node's krex socket) or, with
+        `daemon`, starts and owns the node's daemon.
         Commands run on the nodes as `run_as` (a user name or uid, never root; default: this
         process's user, or $KREX_FLEET_RUN_AS for root). Raises KrexError ('unreachable', ...) when
-        no Ray cluster answers or no node's daemon does; ('bad_token' | 'forbidden', ...) for a
+        no Ray cluster answers or no node's daemon does; ('untrusted', ...), nothing sent, when the
+        cluster's listener on this host is another user's; ('bad_token' | 'forbidden', ...) for a
         token file that is missing or readable by others, or no user to run as."""
         try:
             user = auth.identity(run_as)
@@ -88,7 +90,10 @@ class FleetClient(FleetNodes):
             key = auth.read_token(path)
         else:
             key = auth.use_token(path)
-            if address is not None and "://" not in address:  # not a Ray client address
+            address = address or "auto"  # never Ray's None, which reads an address file anyone may write
+            if "://" in address:  # a Ray client address: its server hears the token
+                clustertrust.check_listener(address, clustertrust.trusted())
+            else:
                 address = await reachable(address)
             join(address, ray_options)
         self = cls({}, refresh_s)

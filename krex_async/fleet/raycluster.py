@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from krex_async.client.submit import KrexError
-from krex_async.fleet import auth
+from krex_async.fleet import auth, clustertrust
 
 NAMESPACE = "krex"
 NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
@@ -81,20 +81,23 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
 
 
 async def reachable(address: str, timeout: float = 3.0) -> str:
-    """The cluster's GCS host:port ("auto": $RAY_ADDRESS, else the address in Ray's default temp
-    dir, $RAY_TMPDIR/ray or /tmp/ray, where a local fleet no longer writes it, else a GCS running
-    on this host), once a TCP connect to it succeeds: ray.init would block minutes for a GCS that
-    is not there."""
-    from ray._private.services import canonicalize_bootstrap_address_or_die, get_ray_address_from_environment
+    """The cluster's GCS host:port once a TCP connect to it succeeds (ray.init would block minutes
+    for a GCS that is not there) and, on this host, once its listener is a trusted user's
+    (clustertrust): "auto" is $RAY_ADDRESS, else what a trusted user's Ray wrote in Ray's default
+    temp dir ($RAY_TMPDIR/ray or /tmp/ray, where a local fleet no longer writes it), else a trusted
+    user's raylet on this host. KrexError 'unreachable' or 'untrusted', nothing sent."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
 
+    uids = clustertrust.trusted()
+    raw = clustertrust.auto_address(uids) if address == "auto" else address
     try:
-        raw = get_ray_address_from_environment(address, None) if address == "auto" else address
-        if raw and auth.loopback(raw):
+        if auth.loopback(raw):
             auth.local_only()
-        gcs = canonicalize_bootstrap_address_or_die(address)
+        gcs = canonicalize_bootstrap_address_or_die(raw)
         host, _, port = gcs.rpartition(":")
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
         writer.close()
     except (TimeoutError, ConnectionError, OSError, ValueError) as e:
         raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
+    clustertrust.check_listener(gcs, uids)
     return gcs

@@ -38,10 +38,9 @@ from typing import IO, Any, TypeVar
 from krex_async.client.submit import KrexError
 from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec, OwnedDaemon, _tail
+from krex_async.fleet.clustertrust import DEFAULT_RAY_USER
 
 T = TypeVar("T")
-
-DEFAULT_RAY_USER = "krexray"
 
 
 def check_ray_user(name: str) -> None:

@@ -1,0 +1,226 @@
+"""The fleet's token goes to no other user's listener (krex_async/fleet/clustertrust.py): a Ray
+client on a shared host, told to join a cluster at a loopback port or to find one (`auto`), sends
+the token only where a trusted user listens.
+
+mallory listens on a loopback port and records every byte that reaches her. alice, with a token
+file of her own, joins the fleet at that port by name, and by `auto` with mallory's raylet-named
+process and Ray address file in her way. Before the fix alice's Ray opened its gRPC connection to
+mallory (82 bytes reached her), whose first call carries the token; now mallory gets no byte,
+unless alice names her uid in KREX_RAY_UID (the control: the same client reaches mallory once told
+to trust her)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import until
+from tests.security.helpers import USER_PY, User, make_users, user_env
+
+from .conftest import NEEDS_RAY
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason=NEEDS_RAY)
+
+from krex_async.client.submit import KrexError  # noqa: E402
+from krex_async.fleet import clustertrust  # noqa: E402
+from krex_async.linux.tcp import listener_uids  # noqa: E402
+
+# mallory's listener: a thread per connection, each read's size appended to the file in argv[1]
+LISTENER = """
+import socket, sys, threading
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+def serve(c):
+    while data := c.recv(65536):
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{len(data)}\\n")
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+# alice's fleet client: one line, the error's code and message, or JOINED
+JOIN = """
+import asyncio, sys
+from krex_async.client.submit import KrexError
+from krex_async.fleet.client import FleetClient
+async def main():
+    try:
+        await FleetClient.connect(sys.argv[1], token_file=sys.argv[2])
+        print("JOINED", flush=True)
+    except KrexError as e:
+        print(e.code, e.message, flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, User]]:
+    yield from make_users()
+
+
+def _popen_as(
+    user: User, argv: list[str], env: dict[str, str], cwd: str, executable: str | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv,
+        executable=executable,
+        user=user.uid,
+        group=user.gid,
+        extra_groups=user.groups,
+        env={**user_env(), **env},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+
+class Squat:
+    """mallory's listener, its record of what reached it, and alice's home with her token."""
+
+    def __init__(self, alice: User, mallory: User, base: Path) -> None:
+        self.alice, self.mallory, self.base = alice, mallory, base
+        self.got = base / "mallory" / "got"
+        (base / "mallory").mkdir(mode=0o755)
+        os.chown(base / "mallory", mallory.uid, mallory.gid)
+        self.listener = _popen_as(
+            mallory, [USER_PY, "-c", LISTENER, str(self.got)], {}, str(base / "mallory")
+        )
+        assert self.listener.stdout is not None
+        self.port = int(self.listener.stdout.readline())
+        self.home = base / "alice"
+        self.home.mkdir(mode=0o700)
+        self.token = self.home / "token"
+        self.token.write_text("alices-fleet-token\n")
+        self.token.chmod(0o600)
+        for p in (self.home, self.token):
+            os.chown(p, alice.uid, alice.gid)
+
+    def received(self) -> int:
+        try:
+            return sum(int(n) for n in self.got.read_text().split())
+        except FileNotFoundError:
+            return 0
+
+    async def join_as_alice(self, address: str, **env: str) -> tuple[int, str]:
+        """alice's client joining `address`: (bytes mallory got, alice's line), once alice's
+        client has ended or mallory has heard from it (its Ray then waits on her for minutes)."""
+        e = {"HOME": str(self.home), "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL": "minor", **env}
+        proc = _popen_as(self.alice, [USER_PY, "-c", JOIN, address, str(self.token)], e, str(self.home))
+        try:
+            await until(lambda: proc.poll() is not None or self.received() > 0, "alice's client ends", 120)
+        finally:
+            _stop(proc)
+        out, err = proc.communicate()
+        return self.received(), (out.strip() or err.strip()[-600:])
+
+
+@pytest.fixture
+def squat(users: dict[str, User]) -> Iterator[Squat]:
+    base = Path(tempfile.mkdtemp(prefix="krex-squat-", dir="/tmp"))
+    base.chmod(0o755)
+    s = Squat(users["alice"], users["mallory"], base)
+    try:
+        yield s
+    finally:
+        _stop(s.listener)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_a_named_port_that_another_user_listens_on_gets_no_token(squat: Squat) -> None:
+    address = f"127.0.0.1:{squat.port}"
+    got, line = await squat.join_as_alice(address)
+    assert got == 0, (got, line)
+    assert line.startswith(f"untrusted refusing the Ray cluster at {address}"), line
+    assert "krextest2" in line and "KREX_RAY_UID" in line, line
+    got, line = await squat.join_as_alice(address, KREX_RAY_UID=str(squat.mallory.uid))
+    assert got > 0, ("alice, told to trust mallory, should have reached her", line)
+
+
+async def test_auto_passes_over_another_users_address_file_and_raylet(squat: Squat) -> None:
+    """Ray's own `auto` would take the address file in alice's Ray temp dir (mallory made that
+    directory first) or, without it, mallory's process named raylet."""
+    tmp = squat.base / "raytmp"
+    (tmp / "ray").mkdir(parents=True, mode=0o755)
+    (tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{squat.port}\n")
+    for p in (tmp, tmp / "ray", tmp / "ray" / "ray_current_cluster"):
+        os.chown(p, squat.mallory.uid, squat.mallory.gid)
+    gcs = f"--gcs-address=127.0.0.1:{squat.port}"
+    raylet = _popen_as(squat.mallory, ["raylet", "-c", "sleep 600; :", gcs], {}, "/tmp", executable="/bin/sh")
+    try:
+        got, line = await squat.join_as_alice("auto", RAY_TMPDIR=str(tmp))
+        assert got == 0, (got, line)
+        assert line and "JOINED" not in line, line
+    finally:
+        _stop(raylet)
+
+
+def test_auto_takes_a_trusted_users_file_then_raylet_and_names_what_it_passed_over(
+    squat: Squat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resolution itself, for a set of trusted uids: mallory's file and raylet are passed over
+    (named in the error) for alice, and taken, the file first, for mallory."""
+    tmp = squat.base / "raytmp"
+    (tmp / "ray").mkdir(parents=True, mode=0o755)
+    (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:7001\n")
+    for p in (tmp / "ray", tmp / "ray" / "ray_current_cluster"):
+        os.chown(p, squat.mallory.uid, squat.mallory.gid)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gcs = "--gcs-address=127.0.0.1:7002"
+    raylet = _popen_as(squat.mallory, ["raylet", "-c", "sleep 600; :", gcs], {}, "/tmp", executable="/bin/sh")
+    try:
+        alice, mallory = frozenset({squat.alice.uid}), frozenset({squat.mallory.uid})
+        asyncio.run(until(lambda: "127.0.0.1:7002" in [a for _, a in clustertrust._raylets()], "the raylet"))
+        with pytest.raises(KrexError) as e:
+            clustertrust.auto_address(alice)
+        assert e.value.code == "unreachable", e.value
+        assert f"{tmp}/ray is owned by uid {squat.mallory.uid}" in e.value.message, e.value.message
+        assert "127.0.0.1:7002" in e.value.message, e.value.message
+        assert clustertrust.auto_address(mallory) == "127.0.0.1:7001"
+        (tmp / "ray" / "ray_current_cluster").unlink()
+        assert clustertrust.auto_address(mallory) == "127.0.0.1:7002"
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")  # the caller's own choice
+        assert clustertrust.auto_address(alice) == "10.0.0.9:6379"
+    finally:
+        _stop(raylet)
+
+
+def test_listener_uids_sees_each_family_and_the_wildcards() -> None:
+    v4 = socket.socket()
+    v6 = socket.socket(socket.AF_INET6)
+    try:
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        v6.bind(("::", 0))
+        v6.listen()
+        me = os.geteuid()
+        p4, p6 = v4.getsockname()[1], v6.getsockname()[1]
+        assert listener_uids("127.0.0.1", p4) == {me}
+        assert listener_uids("::ffff:127.0.0.1", p4) == {me}
+        assert listener_uids("127.0.0.2", p4) == set()  # bound to one address, not another
+        assert listener_uids("127.0.0.1", p6) == {me} and listener_uids("::1", p6) == {me}
+        v4.close()
+        assert listener_uids("127.0.0.1", p4) == set()
+    finally:
+        v4.close()
+        v6.close()
