@@ -32,7 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTa
 from krex_async import protocol as P
 from krex_async.client.submit import KrexError, Result
 from krex_async.devices import NoDevice
-from krex_async.fleet import auth, clustertrust
+from krex_async.fleet import auth
 from krex_async.fleet.agent import DaemonSpec
 from krex_async.fleet.handle import FleetHandle, why
 from krex_async.fleet.nodes import BACKOFF, FleetNodes
@@ -77,8 +77,9 @@ class FleetClient(FleetNodes):
         Commands run on the nodes as `run_as` (a user name or uid, never root; default: this
         process's user, or $KREX_FLEET_RUN_AS for root). Raises KrexError ('unreachable', ...) when
         no Ray cluster answers or no node's daemon does; ('untrusted', ...), nothing sent, when the
-        cluster's listener on this host is another user's; ('bad_token' | 'forbidden', ...) for a
-        token file that is missing or readable by others, or no user to run as."""
+        process that accepts the connection on this host is another user's; ('bad_token' |
+        'forbidden', ...) for a token file that is missing or readable by others, or no user to
+        run as."""
         try:
             user = auth.identity(run_as)
         except KrexError:
@@ -90,11 +91,9 @@ class FleetClient(FleetNodes):
             key = auth.read_token(path)
         else:
             key = auth.use_token(path)
-            address = address or "auto"  # never Ray's None, which reads an address file anyone may write
-            if "://" in address:  # a Ray client address: its server hears the token
-                clustertrust.check_listener(address, clustertrust.trusted())
-            else:
-                address = await reachable(address)
+            # never Ray's None, which reads an address file anyone may write; a Ray client's
+            # ray:// address too: its server hears the token
+            address = await reachable(address or "auto")
             join(address, ray_options)
         self = cls({}, refresh_s)
         self._socket, self._daemon, self._key, self._user = socket, daemon, key, user

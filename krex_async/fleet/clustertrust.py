@@ -8,30 +8,30 @@ it runs commands on every node as any ordinary user. So krex resolves `auto` its
 
     $RAY_ADDRESS (the caller's own environment)
       └─ else ray_current_cluster, only where the file and its directory are a trusted user's own
-           └─ else a raylet on this host, only one running as a trusted user
+           └─ else a raylet on this host, only one whose real, effective and saved uids are trusted
 
-and any address on this host (loopback, or one of its interfaces), named or found, is used only
-where every socket listening on its port is a trusted user's (/proc/net/tcp): a port the cluster
-has left is anyone's to take. Trusted: root, this user, the local fleet's Ray user (krexray) where
-it exists, and the uid in $KREX_RAY_UID (a cluster that another user runs, named on purpose).
+and joins any address, named or found, only after a TCP connect to it whose accepting end, where
+it is on this host (/proc/net/tcp), belongs to a trusted user: a port the cluster has left is
+anyone's to take, and 0.0.0.0, ::ffff:127.0.0.1 or a local route reach the same listeners as
+127.0.0.1. Trusted: root, this user, the uid in $KREX_RAY_UID (a cluster that another user runs,
+named on purpose), and for root the local fleet's Ray user krexray where it exists.
 
-What stays open: a listener that dies between the check and Ray's connect, and a cluster on another
-host, whose listener no local check can see (Ray's token travels in clear over the network: keep
-the GCS port on a network only the fleet's hosts reach).
+What stays open: a listener that replaces the checked one between the check and Ray's own connect
+(the cluster's process gone in that instant), and a cluster on another host, whose process no local
+check can see (Ray's token travels in clear over the network: keep the GCS port on a network only
+the fleet's hosts reach).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import pwd
-import socket
 from collections.abc import Iterator
 
 import psutil
 
 from krex_async.client.submit import KrexError
-from krex_async.linux.tcp import listener_uids
+from krex_async.linux import tcp
 from krex_async.linux.trust import dir_problem, trusted_uids, who
 
 UID_VAR = "KREX_RAY_UID"  # the uid of a Ray cluster's user trusted besides root, us and krexray
@@ -39,16 +39,18 @@ DEFAULT_RAY_USER = "krexray"  # the local fleet's Ray user as root (rayuser), tr
 
 
 def trusted() -> frozenset[int]:
-    """The uids whose Ray cluster may hear the token: root, this user, krexray where it exists,
-    and $KREX_RAY_UID. KrexError('bad_input') when that variable is not a uid."""
+    """The uids whose Ray cluster may hear the token: root, this user, $KREX_RAY_UID, and for root
+    krexray where it exists (the local fleet's Ray user; a token holder runs code as it, so it is
+    no one else's to trust). KrexError('bad_input') when that variable is not a uid."""
     text = os.environ.get(UID_VAR, "").strip()
     if text and not text.isdigit():
         raise KrexError("bad_input", f"{UID_VAR}={text!r} is not a uid (a number: the Ray cluster's user id)")
     uids = set(trusted_uids(int(text) if text else None))
-    try:
-        uids.add(pwd.getpwnam(DEFAULT_RAY_USER).pw_uid)
-    except KeyError:
-        pass
+    if os.geteuid() == 0:
+        try:
+            uids.add(pwd.getpwnam(DEFAULT_RAY_USER).pw_uid)
+        except KeyError:
+            pass
     return frozenset(uids)
 
 
@@ -70,8 +72,8 @@ def auto_address(uids: frozenset[int]) -> str:
         skipped.append(f"{path}: {why}")
     mine: list[str] = []
     others: list[str] = []
-    for uid, address in _raylets():
-        (mine if uid in uids else others).append(address)
+    for owners, address in _raylets():
+        (mine if owners <= uids else others).append(address)
     if mine:
         return sorted(mine)[0]
     if others:
@@ -101,48 +103,57 @@ def _file_problem(path: str, uids: frozenset[int]) -> str:
     return ""
 
 
-def _raylets() -> Iterator[tuple[int, str]]:
-    """(effective uid, GCS address) of each raylet on this host, as Ray's own `auto` finds them."""
+def _raylets() -> Iterator[tuple[frozenset[int], str]]:
+    """(real, effective and saved uids, GCS address) of each raylet on this host, as Ray's own
+    `auto` finds them: a process of root's is trusted only when it is root's through and through,
+    not a setuid program that another user started under a raylet's name."""
     for proc in psutil.process_iter(["cmdline", "uids"]):
         cmdline, uids = proc.info["cmdline"], proc.info["uids"]
         if not cmdline or uids is None or "raylet" not in os.path.basename(cmdline[0]):
             continue
         for arg in " ".join(cmdline).split(" "):
             if arg.startswith("--gcs-address=") and (address := arg.split("=", 1)[1]) not in ("", "None"):
-                yield uids.effective, address
+                yield frozenset(uids), address
 
 
-def check_listener(address: str, uids: frozenset[int]) -> None:
-    """KrexError('untrusted') when `address` (HOST:PORT or ray://HOST:PORT) is on this host and a
-    process of a uid not in `uids` listens on its port ('unreachable' when none does); nothing for
-    another host's address."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    host = host.strip("[]")
-    for ip in _local_ips(host):
-        try:
-            owners = listener_uids(ip, int(port))
-        except (OSError, ValueError) as e:
-            why = f"its listener cannot be read: {e}"
-            raise KrexError("untrusted", f"refusing the Ray cluster at {address}: {why}") from None
-        if not owners:
-            raise KrexError("unreachable", f"no Ray cluster at {address}: nothing listens on port {port}")
-        if owners <= uids:
-            continue
-        why = f"the process listening there runs as {', '.join(who(u) for u in sorted(owners - uids))}"
-        names = " or ".join(who(u) for u in sorted(uids))
-        raise KrexError(
-            "untrusted",
-            f"refusing the Ray cluster at {address}: {why}, not {names}, and the fleet's token would go "
-            f"to it; if that is the cluster you mean, name its user's uid in {UID_VAR}",
-        )
-
-
-def _local_ips(host: str) -> list[str]:
-    """The addresses of this host that `host` (an IP or a name) resolves to; none for another's."""
+def check_peer(address: str, local: tuple[str, int], peer: tuple[str, int], uids: frozenset[int]) -> None:
+    """KrexError('untrusted') unless the process that accepted this host's connection from `local`
+    to `peer` (made to reach `address`) runs as one of `uids`, or the connection went to another
+    host: one whose peer is an address of this host but whose accepting end cannot be found or
+    carries no user (closed into TIME_WAIT at once) is refused too."""
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return []  # a name that does not resolve: Ray's connect fails on it
-    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    ips = {str(info[4][0]) for info in infos}
-    return sorted(ip for ip in ips if ipaddress.ip_address(ip).is_loopback or ip in mine)
+        uid = tcp.owner(peer, local)
+    except (OSError, ValueError) as e:
+        raise KrexError("untrusted", f"refusing the Ray cluster at {address}: {e}") from None
+    if uid is None and not _local(peer[0]):
+        return  # another host's: no check here sees its process
+    if uid in uids:
+        return
+    why = (
+        f"the process listening there runs as {who(uid)}"
+        if uid is not None
+        else "the process that accepted the connection cannot be identified"
+    )
+    names = " or ".join(who(u) for u in sorted(uids))
+    raise KrexError(
+        "untrusted",
+        f"refusing the Ray cluster at {address}: {why}, not {names}, and the fleet's token would go "
+        f"to it; if that is the cluster you mean, name its user's uid in {UID_VAR}",
+    )
+
+
+def _local(address: str) -> bool:
+    """Whether `address` is one of this host's: loopback, unspecified, or an interface's."""
+    a = tcp.ip(address)
+    if a.is_loopback or a.is_unspecified:
+        return True
+    mine = (x.address for xs in psutil.net_if_addrs().values() for x in xs)
+    return any(_is_ip(x) and tcp.ip(x) == a for x in mine)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        tcp.ip(text)
+        return True
+    except ValueError:
+        return False

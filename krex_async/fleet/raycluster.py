@@ -80,24 +80,27 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
                 signal.signal(sig, handler)
 
 
-async def reachable(address: str, timeout: float = 3.0) -> str:
-    """The cluster's GCS host:port once a TCP connect to it succeeds (ray.init would block minutes
-    for a GCS that is not there) and, on this host, once its listener is a trusted user's
-    (clustertrust): "auto" is $RAY_ADDRESS, else what a trusted user's Ray wrote in Ray's default
-    temp dir ($RAY_TMPDIR/ray or /tmp/ray, where a local fleet no longer writes it), else a trusted
-    user's raylet on this host. KrexError 'unreachable' or 'untrusted', nothing sent."""
+async def reachable(address: str, timeout: float = 3.0, uids: frozenset[int] | None = None) -> str:
+    """The cluster's GCS host:port (a Ray client's ray://HOST:PORT as given) once a TCP connect to
+    it succeeds (ray.init would block minutes for a GCS that is not there) and the process that
+    accepted that connection, where on this host, runs as one of `uids` (default: clustertrust's
+    trusted users). "auto" is found as clustertrust.auto_address says. KrexError 'unreachable' or
+    'untrusted', nothing sent."""
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
-    uids = clustertrust.trusted()
+    uids = uids if uids is not None else clustertrust.trusted()
     raw = clustertrust.auto_address(uids) if address == "auto" else address
     try:
         if auth.loopback(raw):
             auth.local_only()
-        gcs = canonicalize_bootstrap_address_or_die(raw)
-        host, _, port = gcs.rpartition(":")
+        target = raw if "://" in raw else canonicalize_bootstrap_address_or_die(raw)
+        host, _, port = target.split("://", 1)[-1].rpartition(":")
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-        writer.close()
     except (TimeoutError, ConnectionError, OSError, ValueError) as e:
         raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
-    clustertrust.check_listener(gcs, uids)
-    return gcs
+    try:
+        sock = writer.get_extra_info("socket")
+        clustertrust.check_peer(target, sock.getsockname()[:2], sock.getpeername()[:2], uids)
+    finally:
+        writer.close()
+    return target

@@ -1,7 +1,7 @@
-"""Who listens on a TCP port of this host, from /proc/net/tcp and /proc/net/tcp6 (this network
-namespace's sockets, every user's, readable by any user): a client that is about to send a secret
-to 127.0.0.1:PORT can first ask whose process will hear it, as a Unix socket's client asks
-SO_PEERCRED. Standard library only.
+"""Whose process holds this host's end of a TCP connection, from /proc/net/tcp and /proc/net/tcp6
+(this network namespace's sockets, every user's, readable by any user): a client about to send a
+secret over a connection it just made can ask who accepted it, as a Unix socket's client asks
+SO_PEERCRED. A connection made to another host has no such end here. Standard library only.
 """
 
 from __future__ import annotations
@@ -10,36 +10,35 @@ import ipaddress
 import struct
 
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-LISTEN = "0A"  # the kernel's TCP_LISTEN, as /proc/net/tcp prints a socket's state
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+TIME_WAIT_TIMER = "03:"  # a TIME_WAIT socket's timer field: the kernel prints uid 0 for it, not its user's
 
 
-def _address(text: str) -> IP:
-    """A /proc/net/tcp local address's IP: 32-bit words printed in hex in host byte order."""
-    words = [int(text[i : i + 8], 16) for i in range(0, len(text), 8)]
-    raw = b"".join(struct.pack("=I", w) for w in words)
-    return ipaddress.ip_address(raw)
+def ip(text: str) -> IP:
+    """An address, an IPv4-mapped IPv6 one as the IPv4 address it maps."""
+    a = ipaddress.ip_address(text.split("%")[0])
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        return a.ipv4_mapped
+    return a
 
 
-def _reaches(bound: IP, ip: IP) -> bool:
-    """Whether a listener bound to `bound` may accept a connection to `ip`: the same address, its
-    IPv4-mapped form, or a wildcard (an IPv6 wildcard takes IPv4 too unless IPV6_V6ONLY, which
-    /proc does not show: counted, so that no listener that might answer is missed)."""
-    if bound.is_unspecified:
-        return bound.version == 6 or ip.version == 4
-    if isinstance(bound, ipaddress.IPv6Address) and bound.ipv4_mapped is not None:
-        bound = bound.ipv4_mapped
-    return bound == ip
+def _endpoint(text: str) -> tuple[IP, int]:
+    """A /proc/net/tcp address: 32-bit words in hex, in host byte order, then the port in hex."""
+    addr, _, port = text.partition(":")
+    words = [int(addr[i : i + 8], 16) for i in range(0, len(addr), 8)]
+    a = ipaddress.ip_address(b"".join(struct.pack("=I", w) for w in words))
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    return a, int(port, 16)
 
 
-def listener_uids(host: str, port: int, tables: tuple[str, ...] = TABLES) -> set[int]:
-    """The uids owning the listening sockets a connection to `host`:`port` (an IP address) could
-    reach; empty when none listens. OSError when a table cannot be read."""
-    ip = ipaddress.ip_address(host)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    uids = set()
+def owner(end: tuple[str, int], other: tuple[str, int], tables: tuple[str, ...] = TABLES) -> int | None:
+    """The uid owning this host's socket at `end` (address, port) connected to `other`: the uid
+    of the process listening there (a connection accepted, or waiting to be, is its listener's
+    user's, whatever became of it since). None when no such socket is here (`end` is another
+    host's), or the one here is in TIME_WAIT, which carries no user. OSError when a table cannot
+    be read."""
+    want = ((ip(end[0]), end[1]), (ip(other[0]), other[1]))
     for table in tables:
         try:
             with open(table) as f:
@@ -47,10 +46,8 @@ def listener_uids(host: str, port: int, tables: tuple[str, ...] = TABLES) -> set
         except FileNotFoundError:  # no IPv6 in this kernel
             continue
         for line in lines:
-            # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...
-            fields = line.split()
-            local, state, uid = fields[1], fields[3], fields[7]
-            addr, _, hexport = local.partition(":")
-            if state == LISTEN and int(hexport, 16) == port and _reaches(_address(addr), ip):
-                uids.add(int(uid))
-    return uids
+            # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
+            cols = line.split()
+            if (_endpoint(cols[1]), _endpoint(cols[2])) == want and not cols[5].startswith(TIME_WAIT_TIMER):
+                return int(cols[7])
+    return None

@@ -11,7 +11,6 @@ to trust her)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -33,7 +32,7 @@ pytest.importorskip("ray", reason=NEEDS_RAY)
 
 from krex_async.client.submit import KrexError  # noqa: E402
 from krex_async.fleet import clustertrust  # noqa: E402
-from krex_async.linux.tcp import listener_uids  # noqa: E402
+from krex_async.linux import tcp  # noqa: E402
 
 # mallory's listener: a thread per connection, each read's size appended to the file in argv[1]
 LISTENER = """
@@ -81,6 +80,7 @@ def _popen_as(
         extra_groups=user.groups,
         env={**user_env(), **env},
         cwd=cwd,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -146,81 +146,99 @@ def squat(users: dict[str, User]) -> Iterator[Squat]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-async def test_a_named_port_that_another_user_listens_on_gets_no_token(squat: Squat) -> None:
-    address = f"127.0.0.1:{squat.port}"
-    got, line = await squat.join_as_alice(address)
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "[::ffff:127.0.0.1]"])
+async def test_a_named_port_that_another_user_listens_on_gets_no_token(squat: Squat, host: str) -> None:
+    """Any name of the loopback listener: 0.0.0.0 and the IPv4-mapped form reach it too."""
+    got, line = await squat.join_as_alice(f"{host}:{squat.port}")
     assert got == 0, (got, line)
-    assert line.startswith(f"untrusted refusing the Ray cluster at {address}"), line
-    assert "krextest2" in line and "KREX_RAY_UID" in line, line
-    got, line = await squat.join_as_alice(address, KREX_RAY_UID=str(squat.mallory.uid))
+    assert line.startswith("untrusted refusing the Ray cluster at"), line
+    assert f"runs as uid {squat.mallory.uid} (krextest2)" in line and "KREX_RAY_UID" in line, line
+    got, line = await squat.join_as_alice(f"{host}:{squat.port}", KREX_RAY_UID=str(squat.mallory.uid))
     assert got > 0, ("alice, told to trust mallory, should have reached her", line)
 
 
-async def test_auto_passes_over_another_users_address_file_and_raylet(squat: Squat) -> None:
-    """Ray's own `auto` would take the address file in alice's Ray temp dir (mallory made that
-    directory first) or, without it, mallory's process named raylet."""
+def _raylet_as(user: User, gcs: str) -> subprocess.Popen[str]:
+    """A process of `user`'s named raylet, naming `gcs` as its GCS as a raylet does."""
+    return _popen_as(user, ["raylet", "-c", "sleep 600; :", f"--gcs-address={gcs}"], {}, "/tmp", "/bin/sh")
+
+
+def _squatted_address_file(squat: Squat, address: str) -> Path:
+    """A Ray temp dir whose ray/ray_current_cluster, naming `address`, mallory made: Ray's default
+    one is /tmp/ray, which any user can make first."""
     tmp = squat.base / "raytmp"
     (tmp / "ray").mkdir(parents=True, mode=0o755)
-    (tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{squat.port}\n")
+    (tmp / "ray" / "ray_current_cluster").write_text(f"{address}\n")
     for p in (tmp, tmp / "ray", tmp / "ray" / "ray_current_cluster"):
         os.chown(p, squat.mallory.uid, squat.mallory.gid)
-    gcs = f"--gcs-address=127.0.0.1:{squat.port}"
-    raylet = _popen_as(squat.mallory, ["raylet", "-c", "sleep 600; :", gcs], {}, "/tmp", executable="/bin/sh")
+    return tmp
+
+
+async def test_auto_passes_over_another_users_address_file_and_raylet(squat: Squat) -> None:
+    """Ray's own `auto` takes the address file (mallory made alice's Ray temp dir) or, without
+    it, mallory's process named raylet."""
+    address = f"127.0.0.1:{squat.port}"
+    tmp = _squatted_address_file(squat, address)
+    raylet = _raylet_as(squat.mallory, address)
     try:
         got, line = await squat.join_as_alice("auto", RAY_TMPDIR=str(tmp))
         assert got == 0, (got, line)
-        assert line and "JOINED" not in line, line
+        assert line.startswith("unreachable no Ray cluster found for 'auto' (passed over: "), line
+        assert f"{tmp}/ray is owned by uid {squat.mallory.uid}" in line and address in line, line
     finally:
         _stop(raylet)
 
 
-def test_auto_takes_a_trusted_users_file_then_raylet_and_names_what_it_passed_over(
+async def test_auto_takes_only_a_trusted_users_file_or_raylet(
     squat: Squat, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The resolution itself, for a set of trusted uids: mallory's file and raylet are passed over
-    (named in the error) for alice, and taken, the file first, for mallory."""
-    tmp = squat.base / "raytmp"
-    (tmp / "ray").mkdir(parents=True, mode=0o755)
-    (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:7001\n")
-    for p in (tmp / "ray", tmp / "ray" / "ray_current_cluster"):
-        os.chown(p, squat.mallory.uid, squat.mallory.gid)
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp))
+    """The resolution itself, for a set of trusted uids: for alice (and root), mallory's file and
+    raylet are passed over, and so is a setuid-root program that mallory started under a raylet's
+    name (root by its effective uid alone); for mallory her file comes first, then her raylets;
+    $RAY_ADDRESS before both."""
+    file_address, raylet_address = f"127.0.0.1:{squat.port}", f"127.0.0.1:{squat.port}1"
+    monkeypatch.setenv("RAY_TMPDIR", str(_squatted_address_file(squat, file_address)))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    gcs = "--gcs-address=127.0.0.1:7002"
-    raylet = _popen_as(squat.mallory, ["raylet", "-c", "sleep 600; :", gcs], {}, "/tmp", executable="/bin/sh")
+    procs = [_raylet_as(squat.mallory, raylet_address)]
+    passwd = Path("/usr/bin/passwd")
+    if passwd.exists() and passwd.stat().st_mode & 0o4000 and passwd.stat().st_uid == 0:
+        # a root process of mallory's: it waits for her current password on its stdin
+        argv = [f"raylet --gcs-address={raylet_address}2"]
+        procs.append(_popen_as(squat.mallory, argv, {}, "/tmp", str(passwd)))
+
+    def ours() -> dict[str, frozenset[int]]:
+        return {a: o for o, a in clustertrust._raylets() if a.startswith(raylet_address)}
+
     try:
-        alice, mallory = frozenset({squat.alice.uid}), frozenset({squat.mallory.uid})
-        asyncio.run(until(lambda: "127.0.0.1:7002" in [a for _, a in clustertrust._raylets()], "the raylet"))
+        await until(lambda: len(ours()) == len(procs), "mallory's raylets are seen")
+        assert ours()[raylet_address] == {squat.mallory.uid}
+        alice, mallory = frozenset({0, squat.alice.uid}), frozenset({squat.mallory.uid})
         with pytest.raises(KrexError) as e:
             clustertrust.auto_address(alice)
         assert e.value.code == "unreachable", e.value
-        assert f"{tmp}/ray is owned by uid {squat.mallory.uid}" in e.value.message, e.value.message
-        assert "127.0.0.1:7002" in e.value.message, e.value.message
-        assert clustertrust.auto_address(mallory) == "127.0.0.1:7001"
-        (tmp / "ray" / "ray_current_cluster").unlink()
-        assert clustertrust.auto_address(mallory) == "127.0.0.1:7002"
+        assert f"ray is owned by uid {squat.mallory.uid}" in e.value.message, e.value.message
+        for address in ours():
+            assert address in e.value.message, (address, e.value.message)
+        assert clustertrust.auto_address(mallory) == file_address
+        Path(os.environ["RAY_TMPDIR"], "ray", "ray_current_cluster").unlink()
+        found = clustertrust.auto_address(mallory)  # the first of hers (another run's may sort first)
+        assert found == min(a for o, a in clustertrust._raylets() if o <= mallory), found
         monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")  # the caller's own choice
         assert clustertrust.auto_address(alice) == "10.0.0.9:6379"
     finally:
-        _stop(raylet)
+        for p in procs:
+            _stop(p)
 
 
-def test_listener_uids_sees_each_family_and_the_wildcards() -> None:
-    v4 = socket.socket()
-    v6 = socket.socket(socket.AF_INET6)
-    try:
-        v4.bind(("127.0.0.1", 0))
-        v4.listen()
-        v6.bind(("::", 0))
-        v6.listen()
-        me = os.geteuid()
-        p4, p6 = v4.getsockname()[1], v6.getsockname()[1]
-        assert listener_uids("127.0.0.1", p4) == {me}
-        assert listener_uids("::ffff:127.0.0.1", p4) == {me}
-        assert listener_uids("127.0.0.2", p4) == set()  # bound to one address, not another
-        assert listener_uids("127.0.0.1", p6) == {me} and listener_uids("::1", p6) == {me}
-        v4.close()
-        assert listener_uids("127.0.0.1", p4) == set()
-    finally:
-        v4.close()
-        v6.close()
+def test_the_owner_of_a_connections_far_end_is_its_listeners_user(squat: Squat) -> None:
+    """tcp.owner: mallory's accepting end of a connection made to 127.0.0.1, 0.0.0.0 or
+    ::ffff:127.0.0.1, and nothing for an end that is not on this host."""
+    for family, host in (
+        (socket.AF_INET, "127.0.0.1"),
+        (socket.AF_INET, "0.0.0.0"),
+        (socket.AF_INET6, "::ffff:127.0.0.1"),
+    ):
+        with socket.socket(family) as c:
+            c.connect((host, squat.port))
+            assert tcp.owner(c.getpeername()[:2], c.getsockname()[:2]) == squat.mallory.uid, host
+            assert tcp.owner(c.getsockname()[:2], c.getpeername()[:2]) == os.geteuid(), host  # our own end
+            assert tcp.owner(("192.0.2.1", squat.port), c.getsockname()[:2]) is None
