@@ -11,9 +11,9 @@ it runs commands on every node as any ordinary user. So krex resolves `auto` its
            └─ else a raylet on this host, only one whose real, effective and saved uids are trusted
 
 and joins any address, named or found, only after a TCP connect to it whose accepting end, where
-it is on this host (/proc/net/tcp), belongs to a trusted user: a port the cluster has left is
-anyone's to take, and 0.0.0.0, ::ffff:127.0.0.1 or a local route reach the same listeners as
-127.0.0.1. Trusted: root, this user, the uid in $KREX_RAY_UID (a cluster that another user runs,
+it is on this host (/proc/net/tcp), a trusted user's process has accepted: a port the cluster has
+left is anyone's to take, and 0.0.0.0, ::ffff:127.0.0.1 or a local route reach the same listeners
+as 127.0.0.1. Ray is then given the address that was checked, not a name to resolve again. Trusted: root, this user, the uid in $KREX_RAY_UID (a cluster that another user runs,
 named on purpose), and for root the local fleet's Ray user krexray where it exists.
 
 What stays open: a listener that replaces the checked one between the check and Ray's own connect
@@ -24,8 +24,10 @@ the fleet's hosts reach).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pwd
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -116,13 +118,19 @@ def _raylets() -> Iterator[tuple[frozenset[int], str]]:
                 yield frozenset(uids), address
 
 
-def check_peer(address: str, local: tuple[str, int], peer: tuple[str, int], uids: frozenset[int]) -> None:
+async def check_peer(
+    address: str, local: tuple[str, int], peer: tuple[str, int], uids: frozenset[int], accept_s: float = 1.0
+) -> None:
     """KrexError('untrusted') unless the process that accepted this host's connection from `local`
     to `peer` (made to reach `address`) runs as one of `uids`, or the connection went to another
-    host: one whose peer is an address of this host but whose accepting end cannot be found or
-    carries no user (closed into TIME_WAIT at once) is refused too."""
+    host. Until a process accepts it the connection's owner is not known (its listener's maker,
+    root before Linux 6.17, whoever accepts it later): waited for up to `accept_s` (a GCS accepts
+    at once). One to an address of this host that no process here accepts in that time (closed at
+    once, or another network namespace's, through a NAT) is refused too."""
+    deadline = time.monotonic() + accept_s
     try:
-        uid = tcp.owner(peer, local)
+        while (uid := tcp.owner(peer, local)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
     except (OSError, ValueError) as e:
         raise KrexError("untrusted", f"refusing the Ray cluster at {address}: {e}") from None
     if uid is None and not _local(peer[0]):
@@ -132,7 +140,7 @@ def check_peer(address: str, local: tuple[str, int], peer: tuple[str, int], uids
     why = (
         f"the process listening there runs as {who(uid)}"
         if uid is not None
-        else "the process that accepted the connection cannot be identified"
+        else f"no process on this host accepted the connection within {accept_s:g} s"
     )
     names = " or ".join(who(u) for u in sorted(uids))
     raise KrexError(

@@ -19,6 +19,7 @@ import ray
 
 from krex_async.client.submit import KrexError
 from krex_async.fleet import auth, clustertrust
+from krex_async.linux import tcp
 
 NAMESPACE = "krex"
 NODE_RESOURCE = "krex_node_"  # a custom resource "krex_node_<name>": <name> names the node
@@ -81,8 +82,8 @@ def join(address: str | None, options: dict[str, Any] | None = None) -> None:
 
 
 async def reachable(address: str, timeout: float = 3.0, uids: frozenset[int] | None = None) -> str:
-    """The cluster's GCS host:port (a Ray client's ray://HOST:PORT as given) once a TCP connect to
-    it succeeds (ray.init would block minutes for a GCS that is not there) and the process that
+    """The cluster's GCS IP:port (a Ray client's ray://IP:PORT), the address a TCP connect to it
+    reached (ray.init would block minutes for a GCS that is not there), once the process that
     accepted that connection, where on this host, runs as one of `uids` (default: clustertrust's
     trusted users). "auto" is found as clustertrust.auto_address says. KrexError 'unreachable' or
     'untrusted', nothing sent."""
@@ -100,7 +101,11 @@ async def reachable(address: str, timeout: float = 3.0, uids: frozenset[int] | N
         raise KrexError("unreachable", f"no Ray cluster at {address!r}: {e or type(e).__name__}") from None
     try:
         sock = writer.get_extra_info("socket")
-        clustertrust.check_peer(target, sock.getsockname()[:2], sock.getpeername()[:2], uids)
+        peer = sock.getpeername()[:2]
+        await clustertrust.check_peer(target, sock.getsockname()[:2], peer, uids)
     finally:
         writer.close()
-    return target
+    # the address checked, not a name that Ray would resolve again (perhaps to another address)
+    checked = tcp.ip(peer[0])
+    hostport = f"[{checked}]:{port}" if checked.version == 6 else f"{checked}:{port}"
+    return f"ray://{hostport}" if target.startswith("ray://") else hostport

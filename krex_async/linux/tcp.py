@@ -11,7 +11,6 @@ import struct
 
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-TIME_WAIT_TIMER = "03:"  # a TIME_WAIT socket's timer field: the kernel prints uid 0 for it, not its user's
 
 
 def ip(text: str) -> IP:
@@ -33,11 +32,11 @@ def _endpoint(text: str) -> tuple[IP, int]:
 
 
 def owner(end: tuple[str, int], other: tuple[str, int], tables: tuple[str, ...] = TABLES) -> int | None:
-    """The uid owning this host's socket at `end` (address, port) connected to `other`: the uid
-    of the process listening there (a connection accepted, or waiting to be, is its listener's
-    user's, whatever became of it since). None when no such socket is here (`end` is another
-    host's), or the one here is in TIME_WAIT, which carries no user. OSError when a table cannot
-    be read."""
+    """The uid owning this host's socket at `end` (address, port) connected to `other` once a
+    process has accepted it: the user of the process that called accept() (its socket's inode is
+    that process's). None when no such socket is here (`end` is another host's) or none that a
+    process holds: one still in its listener's queue, whose uid is whoever made the listener (0 on
+    kernels before 6.17), one closed, or one in TIME_WAIT. OSError when a table cannot be read."""
     want = ((ip(end[0]), end[1]), (ip(other[0]), other[1]))
     for table in tables:
         try:
@@ -48,6 +47,6 @@ def owner(end: tuple[str, int], other: tuple[str, int], tables: tuple[str, ...] 
         for line in lines:
             # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
             cols = line.split()
-            if (_endpoint(cols[1]), _endpoint(cols[2])) == want and not cols[5].startswith(TIME_WAIT_TIMER):
+            if cols[9] != "0" and (_endpoint(cols[1]), _endpoint(cols[2])) == want:
                 return int(cols[7])
     return None

@@ -11,6 +11,7 @@ to trust her)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,18 +36,24 @@ from krex_async.client.submit import KrexError  # noqa: E402
 from krex_async.fleet import clustertrust  # noqa: E402
 from krex_async.linux import tcp  # noqa: E402
 
-# mallory's listener: a thread per connection, each read's size appended to the file in argv[1]
+# mallory's listener: a thread per connection, each read's size appended to the file in argv[1],
+# each accept() argv[2] seconds after the last; on a listening socket of her own, or on the one
+# whose fd is argv[3] (handed to her, made by root: as systemd's socket activation does)
 LISTENER = """
-import socket, sys, threading
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-s.listen()
+import socket, sys, threading, time
+if len(sys.argv) > 3:
+    s = socket.socket(fileno=int(sys.argv[3]))
+else:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
 print(s.getsockname()[1], flush=True)
 def serve(c):
     while data := c.recv(65536):
         with open(sys.argv[1], "a") as f:
             f.write(f"{len(data)}\\n")
 while True:
+    time.sleep(float(sys.argv[2]))
     threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
 """
 
@@ -70,11 +78,17 @@ def users() -> Iterator[dict[str, User]]:
 
 
 def _popen_as(
-    user: User, argv: list[str], env: dict[str, str], cwd: str, executable: str | None = None
+    user: User,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    executable: str | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
         argv,
         executable=executable,
+        pass_fds=pass_fds,
         user=user.uid,
         group=user.gid,
         extra_groups=user.groups,
@@ -97,14 +111,19 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 class Squat:
     """mallory's listener, its record of what reached it, and alice's home with her token."""
 
-    def __init__(self, alice: User, mallory: User, base: Path) -> None:
+    def __init__(self, alice: User, mallory: User, base: Path, handed: bool = False) -> None:
+        """`handed`: mallory listens on a socket root made, and accepts 3 s late."""
         self.alice, self.mallory, self.base = alice, mallory, base
         self.got = base / "mallory" / "got"
         (base / "mallory").mkdir(mode=0o755)
         os.chown(base / "mallory", mallory.uid, mallory.gid)
-        self.listener = _popen_as(
-            mallory, [USER_PY, "-c", LISTENER, str(self.got)], {}, str(base / "mallory")
-        )
+        argv = [USER_PY, "-c", LISTENER, str(self.got), "3" if handed else "0"]
+        with socket.create_server(("127.0.0.1", 0)) as made:
+            if handed:
+                argv.append(str(made.fileno()))
+            self.listener = _popen_as(
+                mallory, argv, {}, str(base / "mallory"), pass_fds=(made.fileno(),) if handed else ()
+            )
         assert self.listener.stdout is not None
         self.port = int(self.listener.stdout.readline())
         self.home = base / "alice"
@@ -134,16 +153,22 @@ class Squat:
         return self.received(), (out.strip() or err.strip()[-600:])
 
 
-@pytest.fixture
-def squat(users: dict[str, User]) -> Iterator[Squat]:
+@contextlib.contextmanager
+def squatting(users: dict[str, User], handed: bool = False) -> Iterator[Squat]:
     base = Path(tempfile.mkdtemp(prefix="krex-squat-", dir="/tmp"))
     base.chmod(0o755)
-    s = Squat(users["alice"], users["mallory"], base)
+    s = Squat(users["alice"], users["mallory"], base, handed)
     try:
         yield s
     finally:
         _stop(s.listener)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def squat(users: dict[str, User]) -> Iterator[Squat]:
+    with squatting(users) as s:
+        yield s
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "[::ffff:127.0.0.1]"])
@@ -155,6 +180,20 @@ async def test_a_named_port_that_another_user_listens_on_gets_no_token(squat: Sq
     assert f"runs as uid {squat.mallory.uid} (krextest2)" in line and "KREX_RAY_UID" in line, line
     got, line = await squat.join_as_alice(f"{host}:{squat.port}", KREX_RAY_UID=str(squat.mallory.uid))
     assert got > 0, ("alice, told to trust mallory, should have reached her", line)
+
+
+async def test_a_listener_made_by_root_and_handed_to_another_user_gets_no_token(
+    users: dict[str, User],
+) -> None:
+    """Until a process accepts a connection, its row in /proc/net/tcp names whoever made the
+    listener (root here; root for every listener before Linux 6.17): mallory, accepting 3 s late
+    on a socket root made for her, was taken for root. Now the owner is read once accepted, and
+    a connection nobody accepts within a second is refused."""
+    with squatting(users, handed=True) as squat:
+        got, line = await squat.join_as_alice(f"127.0.0.1:{squat.port}")
+    assert got == 0, (got, line)
+    assert line.startswith("untrusted refusing the Ray cluster at 127.0.0.1:"), line
+    assert "no process on this host accepted the connection within 1 s" in line, line
 
 
 def _raylet_as(user: User, gcs: str) -> subprocess.Popen[str]:
@@ -229,7 +268,11 @@ async def test_auto_takes_only_a_trusted_users_file_or_raylet(
             _stop(p)
 
 
-def test_the_owner_of_a_connections_far_end_is_its_listeners_user(squat: Squat) -> None:
+def _far_owner(c: socket.socket) -> int | None:
+    return tcp.owner(c.getpeername()[:2], c.getsockname()[:2])
+
+
+async def test_the_owner_of_a_connections_far_end_is_the_accepting_user(squat: Squat) -> None:
     """tcp.owner: mallory's accepting end of a connection made to 127.0.0.1, 0.0.0.0 or
     ::ffff:127.0.0.1, and nothing for an end that is not on this host."""
     for family, host in (
@@ -239,6 +282,7 @@ def test_the_owner_of_a_connections_far_end_is_its_listeners_user(squat: Squat) 
     ):
         with socket.socket(family) as c:
             c.connect((host, squat.port))
-            assert tcp.owner(c.getpeername()[:2], c.getsockname()[:2]) == squat.mallory.uid, host
+            await until(partial(_far_owner, c), "mallory accepts")
+            assert _far_owner(c) == squat.mallory.uid, host
             assert tcp.owner(c.getsockname()[:2], c.getpeername()[:2]) == os.geteuid(), host  # our own end
             assert tcp.owner(("192.0.2.1", squat.port), c.getsockname()[:2]) is None
