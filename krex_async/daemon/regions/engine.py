@@ -43,7 +43,7 @@ from krex_async.daemon.regions.exits import Exits
 from krex_async.daemon.regions.fence import CoreFence
 from krex_async.daemon.regions.joins import Joins
 from krex_async.daemon.regions.policy import HoldPolicy
-from krex_async.daemon.regions.share import IDLE_CPU, IDLE_PROBE_S, Share, cpu_by_pid, cpu_ns
+from krex_async.daemon.regions.share import IDLE_BUSY, IDLE_PROBE_S, PROBE_SLACK_S, Share, busy_ns, cpu_by_pid
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
 
@@ -376,14 +376,15 @@ class Regions:
                 out[cid] = cpu_by_pid(self.core.backend.pids(cmd.group))
         return out
 
-    def _cpu_ns(self, cid: str) -> int:
+    def _busy_ns(self, cid: str) -> int:
         cmd = self.core.commands.get(cid)
-        return cpu_ns(self.core.backend.pids(cmd.group)) if cmd is not None and cmd.group else 0
+        return busy_ns(self.core.backend.pids(cmd.group)) if cmd is not None and cmd.group else 0
 
     async def _share_wait(self, r: Region) -> bool:
         """With its turn, before its entry: wait while siblings it would hold are owed their share
-        (share.py), none of them held, so they run. A sibling that does not use the time (under
-        IDLE_CPU over IDLE_PROBE_S) is not waited for. False when the region ended meanwhile."""
+        (share.py), none of them held, so they run. A sibling that does not use the time (on a CPU
+        or waiting for one under IDLE_BUSY of IDLE_PROBE_S) is not waited for. False when the
+        region ended meanwhile."""
         if not (self.share.over and self.core.scheduler.isolates()):  # the common path
             return True
         due = self.owed(r)
@@ -399,7 +400,7 @@ class Regions:
             while due:
                 rep.share_for = sorted(set(rep.share_for) | set(due))
                 for cid in due:
-                    base.setdefault(cid, (time.monotonic(), self._cpu_ns(cid)))
+                    base.setdefault(cid, (time.monotonic(), self._busy_ns(cid)))
                 wake = self.share_wake[r.device] = asyncio.get_running_loop().create_future()
                 either: list[asyncio.Future[Any]] = [r.ended, wake]
                 await asyncio.wait(either, timeout=min(min(due.values()), IDLE_PROBE_S))
@@ -407,8 +408,8 @@ class Regions:
                     return False
                 now = time.monotonic()
                 for cid, (since, ns) in base.items():
-                    idle = now - since >= IDLE_PROBE_S and cid not in rep.share_idle
-                    if idle and cid in due and self._cpu_ns(cid) - ns < IDLE_CPU * (now - since) * 1e9:
+                    idle = now - since >= IDLE_PROBE_S - PROBE_SLACK_S and cid not in rep.share_idle
+                    if idle and cid in due and self._busy_ns(cid) - ns < IDLE_BUSY * (now - since) * 1e9:
                         self.share.forget(cid)  # it was given the device and did not use it
                         rep.share_idle.append(cid)
                 due = self.owed(r)

@@ -12,9 +12,9 @@ The region waits that long with its turn kept (queued, never refused, no sibling
 sibling runs; then it isolates as ever, so a grant still never comes while a sibling runs.
 
 Not owed a share: a sibling whose own region is requested (it waits for that, not to run), and one
-that did not use the time it was given (under 1% of a CPU over IDLE_PROBE_S: blocked, sleeping,
-idle), whose spans are then forgotten. Regions of a command never hold that command. --hold-share
-0 or 1 turns this off.
+that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of the
+time over IDLE_PROBE_S: blocked, sleeping, idle), whose spans are then forgotten. Regions of a
+command never hold that command. --hold-share 0 or 1 turns this off.
 """
 
 from __future__ import annotations
@@ -27,8 +27,17 @@ from krex_async.linux import procfs
 
 CpuReading = Mapping[str, Mapping[int, int]]  # command -> pid -> CPU ns (cpu_by_pid)
 
-IDLE_PROBE_S = 0.1  # a sibling given this long that stays under IDLE_CPU is not waited for
-IDLE_CPU = 0.01  # of one CPU
+# A sibling given IDLE_PROBE_S that spends under IDLE_BUSY of it on a CPU or waiting in a run queue
+# for one is not waited for. A runnable thread is always one or the other, so a busy sibling on a
+# loaded host is not taken for idle however short the probe; 0.1 s until 2026-12-07, when the
+# probe (0.2 s at times, below) was most of the p95 of region entry on the H100's steady run
+# (150.7 ms; 71.8 ms without it: bench/RESULTS.md, session 26).
+IDLE_PROBE_S = 0.02
+IDLE_BUSY = 0.01
+# uvloop's timers run on a millisecond clock read at the loop's turn, so a wait of IDLE_PROBE_S
+# can end a little before time.monotonic() says it has passed; without this slack the probe then
+# took a second round (0.2 s instead of 0.1 in half the idle probes of session 24's steady run)
+PROBE_SLACK_S = 0.002
 EPSILON_S = 0.001  # past the exact instant, so the fraction is below the share when the wait ends
 
 
@@ -166,7 +175,13 @@ def cpu_by_pid(pids: list[int]) -> dict[int, int]:
     return out
 
 
-def cpu_ns(pids: list[int]) -> int:
-    """CPU time the processes `pids` have had, their threads summed, in ns (schedstat: precise,
-    where /proc/PID/stat counts in ticks). A process gone counts nothing."""
-    return sum(cpu_by_pid(pids).values())
+def busy_ns(pids: list[int]) -> int:
+    """The time the processes `pids` have spent on a CPU or waiting in a run queue for one, their
+    threads summed, in ns (schedstat's first two fields: precise, where /proc/PID/stat counts in
+    ticks): a blocked thread adds to neither. A process gone counts nothing."""
+    total = 0
+    for _pid, _tid, text in procfs.thread_files(pids, "schedstat"):
+        with contextlib.suppress(ValueError, IndexError):
+            on_cpu, waiting = text.split()[:2]
+            total += int(on_cpu) + int(waiting)
+    return total
