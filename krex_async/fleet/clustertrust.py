@@ -13,8 +13,9 @@ it runs commands on every node as any ordinary user. So krex resolves `auto` its
 and joins any address, named or found, only after a TCP connect to it whose accepting end, where
 it is on this host (/proc/net/tcp), a trusted user's process has accepted: a port the cluster has
 left is anyone's to take, and 0.0.0.0, ::ffff:127.0.0.1 or a local route reach the same listeners
-as 127.0.0.1. Ray is then given the address that was checked, not a name to resolve again. Trusted: root, this user, the uid in $KREX_RAY_UID (a cluster that another user runs,
-named on purpose), and for root the local fleet's Ray user krexray where it exists.
+as 127.0.0.1. Ray is then given the address that was checked, not a name to resolve again.
+Trusted: root, this user, the uid in $KREX_RAY_UID (a cluster that another user runs, named on
+purpose), and for root the local fleet's Ray user krexray where it exists.
 
 What stays open: a listener that replaces the checked one between the check and Ray's own connect
 (the cluster's process gone in that instant), and a cluster on another host, whose process no local

@@ -204,6 +204,20 @@ def ptrace_scope(proc: str = PROC) -> str | None:
     return None if raw is None else raw.decode(errors="replace").strip()
 
 
+def tcp_sockets(proc: str = PROC) -> list[str]:
+    """The rows of net/tcp and net/tcp6: this network namespace's TCP sockets, every user's, their
+    headers left out (a table missing, as net/tcp6 without IPv6, adds none). OSError when one
+    cannot be read."""
+    rows: list[str] = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc}/net/{table}") as f:
+                rows += f.readlines()[1:]
+        except FileNotFoundError:
+            continue
+    return rows
+
+
 def thread_files(pids: list[int], name: str, proc: str = PROC) -> Iterator[tuple[int, str, bytes]]:
     """(pid, tid, contents of /proc/PID/task/TID/NAME) for every thread of `pids`; a process or
     thread gone meanwhile, or a file it cannot read, is left out."""
