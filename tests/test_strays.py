@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from krex_async import Client
+
 from .conftest import PY, py_env, run_daemon
+from .devices.test_admission import eventually
 
 IOCTLS = """
 import fcntl, os, sys
@@ -27,9 +30,13 @@ for _ in range(int(sys.argv[2])):
     except OSError:
         pass
 print(os.getpid(), flush=True)
-if len(sys.argv) > 3:  # linger, so that the daemon can read who it was
+if len(sys.argv) > 3:  # linger, so that the daemon can read who it was (or freeze it)
     import time
-    time.sleep(float(sys.argv[3]))
+    try:
+        time.sleep(float(sys.argv[3]))
+    except ValueError:  # until a file exists
+        while not os.path.exists(sys.argv[3]):
+            time.sleep(0.01)
 """
 
 
@@ -39,6 +46,10 @@ async def entered(marker: Path) -> None:
     while not marker.exists():
         assert time.monotonic() < deadline, "the owner never entered its region"
         await asyncio.sleep(0.02)
+
+
+async def frozen(c: Client, command: str) -> bool:
+    return any(x["command"] == command and x["frozen"] for x in (await c.status())["commands"])
 
 
 @pytest.fixture
@@ -57,7 +68,9 @@ def device() -> str:
 
 
 async def test_strays_during_a_region_are_reported_with_their_pids(device, script, tmp_path):
-    marker = tmp_path / "inside"
+    """The owner holds its region until the test has seen both strays' effects (no fixed span: a
+    1.5 s region once ended first on a loaded machine)."""
+    marker, release = tmp_path / "inside", tmp_path / "release"
     ioctls = script("io.py", IOCTLS)
     owner = script(
         "owner.py",
@@ -72,7 +85,9 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
                 except OSError:
                     pass
             open({str(marker)!r}, "w").close()
-            time.sleep(1.5)
+            end = time.monotonic() + 60
+            while not os.path.exists({str(release)!r}) and time.monotonic() < end:
+                time.sleep(0.01)
         print(os.getpid())
     """,
     )
@@ -87,8 +102,13 @@ async def test_strays_during_a_region_are_reported_with_their_pids(device, scrip
             )
             outside_pid = int(outside.stdout)
             # A sibling command that opened nothing when the region began (device-holders: it
-            # was not frozen) opens the device now: a stray, and it is frozen at once.
-            sib = await c.submit([PY, ioctls, device, "3"], env=py_env())
+            # was not frozen) opens the device now: a stray, and it is frozen at once. It lingers
+            # until the release (one that exits at once may be gone before its freeze comes).
+            sib = await c.submit([PY, ioctls, device, "3", str(release)], env=py_env())
+            await eventually(
+                lambda: frozen(c, sib.command), bool, "the sibling that opened the device is frozen"
+            )
+            release.touch()
             res = await h.wait()
             sib_res = await sib.wait()
     assert res.returncode == 0, res.stderr
