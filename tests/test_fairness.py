@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -14,7 +18,7 @@ import pytest
 from krex_async import Client
 from krex_async.daemon.config import ConfigError, load_config
 from krex_async.daemon.observe.metrics import Metrics
-from krex_async.daemon.regions.share import Share
+from krex_async.daemon.regions.share import IDLE_PROBE_S, Share, busy_ns, idle_since, runnable
 from krex_async.ops.statusview import render
 
 from .conftest import PY, py_env, run_daemon, until
@@ -319,3 +323,64 @@ def test_hold_share_from_every_layer(tmp_path) -> None:
         load_config(None, {"KREX_HOLD_SHARE": "1.5"}, {})
     with pytest.raises(ConfigError, match="--share-window"):
         load_config(None, {}, {"share_window": 0.0})
+
+
+# A spinner on one CPU (argv[1]) under a policy (argv[2]: SCHED_IDLE, SCHED_FIFO or SCHED_OTHER),
+# for argv[3] seconds (0: until killed); "go" once it spins
+SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+policy = getattr(os, sys.argv[2])
+os.sched_setscheduler(0, policy, os.sched_param(1 if policy == os.SCHED_FIFO else 0))
+end = time.monotonic() + float(sys.argv[3]) if float(sys.argv[3]) else float("inf")
+print("go", flush=True)
+while time.monotonic() < end:
+    pass
+"""
+
+
+def _spin(cpu: int, policy: str, seconds: float = 0) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-c", SPIN, str(cpu), policy, str(seconds)], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdout.readline() == "go\n"
+    return p
+
+
+async def _probe(pids: list[int]) -> bool:
+    """share.idle_since over one probe of the processes `pids`, as a region's share wait takes it."""
+    since, then = time.monotonic(), busy_ns(pids)
+    await asyncio.sleep(IDLE_PROBE_S)
+    return idle_since(pids, since, then, time.monotonic())
+
+
+async def test_the_idle_probe_takes_a_sibling_kept_off_its_cpu_for_busy() -> None:
+    """A spinner that a real-time spinner on its one CPU keeps from running for the whole probe
+    gets no CPU time in it, and the kernel adds its wait in the run queue to its schedstat only
+    once it runs: it is found busy by its runnable thread alone (CPU time alone, the rule before
+    2026-12-07, took it for idle, and its share was forgotten). A sleeper is idle, a spinner busy."""
+    if os.geteuid() != 0:
+        pytest.skip("a real-time spinner needs root")
+    cpu = max(os.sched_getaffinity(0))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    time.sleep(1)"])
+    spinner = _spin(cpu, "SCHED_IDLE")
+    try:
+        assert not await _probe([spinner.pid])
+        await until(
+            lambda: open(f"/proc/{sleeper.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "S", "it sleeps"
+        )
+        assert await _probe([sleeper.pid])
+        rt = _spin(cpu, "SCHED_FIFO", 0.5)  # the kernel keeps 5% of each second for the others
+        try:
+            since, then = time.monotonic(), busy_ns([spinner.pid])
+            await asyncio.sleep(IDLE_PROBE_S)
+            assert busy_ns([spinner.pid]) == then, "the spinner ran beside the real-time one"
+            assert runnable([spinner.pid])
+            assert not idle_since([spinner.pid], since, then, time.monotonic())
+        finally:
+            rt.kill()
+            rt.wait()
+    finally:
+        for p in (sleeper, spinner):
+            p.kill()
+            p.wait()

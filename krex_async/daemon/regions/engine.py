@@ -43,7 +43,7 @@ from krex_async.daemon.regions.exits import Exits
 from krex_async.daemon.regions.fence import CoreFence
 from krex_async.daemon.regions.joins import Joins
 from krex_async.daemon.regions.policy import HoldPolicy
-from krex_async.daemon.regions.share import IDLE_BUSY, IDLE_PROBE_S, PROBE_SLACK_S, Share, busy_ns, cpu_by_pid
+from krex_async.daemon.regions.share import IDLE_PROBE_S, Share, busy_ns, cpu_by_pid, idle_since
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
 
@@ -376,15 +376,14 @@ class Regions:
                 out[cid] = cpu_by_pid(self.core.backend.pids(cmd.group))
         return out
 
-    def _busy_ns(self, cid: str) -> int:
+    def _pids(self, cid: str) -> list[int]:
         cmd = self.core.commands.get(cid)
-        return busy_ns(self.core.backend.pids(cmd.group)) if cmd is not None and cmd.group else 0
+        return self.core.backend.pids(cmd.group) if cmd is not None and cmd.group else []
 
     async def _share_wait(self, r: Region) -> bool:
         """With its turn, before its entry: wait while siblings it would hold are owed their share
-        (share.py), none of them held, so they run. A sibling that does not use the time (on a CPU
-        or waiting for one under IDLE_BUSY of IDLE_PROBE_S) is not waited for. False when the
-        region ended meanwhile."""
+        (share.py), none of them held, so they run. A sibling that does not use IDLE_PROBE_S of it
+        (share.idle_since) is not waited for. False when the region ended meanwhile."""
         if not (self.share.over and self.core.scheduler.isolates()):  # the common path
             return True
         due = self.owed(r)
@@ -400,7 +399,7 @@ class Regions:
             while due:
                 rep.share_for = sorted(set(rep.share_for) | set(due))
                 for cid in due:
-                    base.setdefault(cid, (time.monotonic(), self._busy_ns(cid)))
+                    base.setdefault(cid, (time.monotonic(), busy_ns(self._pids(cid))))
                 wake = self.share_wake[r.device] = asyncio.get_running_loop().create_future()
                 either: list[asyncio.Future[Any]] = [r.ended, wake]
                 await asyncio.wait(either, timeout=min(min(due.values()), IDLE_PROBE_S))
@@ -408,8 +407,11 @@ class Regions:
                     return False
                 now = time.monotonic()
                 for cid, (since, ns) in base.items():
-                    idle = now - since >= IDLE_PROBE_S - PROBE_SLACK_S and cid not in rep.share_idle
-                    if idle and cid in due and self._busy_ns(cid) - ns < IDLE_BUSY * (now - since) * 1e9:
+                    if (
+                        cid in due
+                        and cid not in rep.share_idle
+                        and idle_since(self._pids(cid), since, ns, now)
+                    ):
                         self.share.forget(cid)  # it was given the device and did not use it
                         rep.share_idle.append(cid)
                 due = self.owed(r)

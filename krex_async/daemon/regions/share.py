@@ -13,7 +13,8 @@ sibling runs; then it isolates as ever, so a grant still never comes while a sib
 
 Not owed a share: a sibling whose own region is requested (it waits for that, not to run), and one
 that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of the
-time over IDLE_PROBE_S: blocked, sleeping, idle), whose spans are then forgotten. Regions of a
+time over IDLE_PROBE_S, and no thread runnable at its end: blocked, sleeping, idle), whose spans
+are then forgotten. Regions of a
 command never hold that command. --hold-share 0 or 1 turns this off.
 """
 
@@ -28,8 +29,9 @@ from krex_async.linux import procfs
 CpuReading = Mapping[str, Mapping[int, int]]  # command -> pid -> CPU ns (cpu_by_pid)
 
 # A sibling given IDLE_PROBE_S that spends under IDLE_BUSY of it on a CPU or waiting in a run queue
-# for one is not waited for. A runnable thread is always one or the other, so a busy sibling on a
-# loaded host is not taken for idle however short the probe; 0.1 s until 2026-12-07, when the
+# for one, with no thread runnable at its end, is not waited for. A busy sibling on a loaded host,
+# kept off the CPUs for the whole probe, has its threads runnable (state R): the kernel adds a
+# thread's wait to its schedstat only once it runs. 0.1 s of CPU time alone until 2026-12-07, when the
 # probe (0.2 s at times, below) was most of the p95 of region entry on the H100's steady run
 # (150.7 ms; 71.8 ms without it: bench/RESULTS.md, session 26).
 IDLE_PROBE_S = 0.02
@@ -173,6 +175,22 @@ def cpu_by_pid(pids: list[int]) -> dict[int, int]:
         with contextlib.suppress(ValueError, IndexError):
             out[pid] = out.get(pid, 0) + int(text.split()[0])
     return out
+
+
+def idle_since(pids: list[int], since: float, busy_then: int, now: float) -> bool:
+    """Whether the processes `pids`, at busy_ns `busy_then` at `since` (monotonic), did not use the
+    time to `now`, at least IDLE_PROBE_S: on a CPU or in a run queue under IDLE_BUSY of it, and
+    none of their threads runnable now."""
+    if not pids or now - since < IDLE_PROBE_S - PROBE_SLACK_S:
+        return False
+    return busy_ns(pids) - busy_then < IDLE_BUSY * (now - since) * 1e9 and not runnable(pids)
+
+
+def runnable(pids: list[int]) -> bool:
+    """Whether a thread of the processes `pids` is running or waiting in a run queue (state R)."""
+    return any(
+        text.rsplit(b")", 1)[-1].split()[:1] == [b"R"] for _p, _t, text in procfs.thread_files(pids, "stat")
+    )
 
 
 def busy_ns(pids: list[int]) -> int:
