@@ -128,13 +128,16 @@ async def check_peer(
     root before Linux 6.17, whoever accepts it later): waited for up to `accept_s` (a GCS accepts
     at once). One to an address of this host that no process here accepts in that time (closed at
     once, or another network namespace's, through a NAT) is refused too."""
-    deadline = time.monotonic() + accept_s
+    deadline, local_peer = time.monotonic() + accept_s, _local(peer[0])
     try:
-        while (uid := tcp.owner(peer, local)) is None and time.monotonic() < deadline:
+        while True:
+            here, uid = tcp.owner(peer, local)
+            if uid is not None or not (here or local_peer) or time.monotonic() >= deadline:
+                break
             await asyncio.sleep(0.01)
     except (OSError, ValueError) as e:
         raise KrexError("untrusted", f"refusing the Ray cluster at {address}: {e}") from None
-    if uid is None and not _local(peer[0]):
+    if uid is None and not (here or local_peer):
         return  # another host's: no check here sees its process
     if uid in uids:
         return

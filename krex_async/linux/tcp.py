@@ -32,16 +32,20 @@ def _endpoint(text: str) -> tuple[IP, int]:
     return a, int(port, 16)
 
 
-def owner(end: tuple[str, int], other: tuple[str, int], proc: str = procfs.PROC) -> int | None:
-    """The uid owning this host's socket at `end` (address, port) connected to `other` once a
-    process has accepted it: the user of the process that called accept() (its socket's inode is
-    that process's). None when no such socket is here (`end` is another host's) or none that a
-    process holds: one still in its listener's queue, whose uid is whoever made the listener (0 on
-    kernels before 6.17), one closed, or one in TIME_WAIT. OSError when a table cannot be read."""
+def owner(end: tuple[str, int], other: tuple[str, int], proc: str = procfs.PROC) -> tuple[bool, int | None]:
+    """Whether this host holds the socket at `end` (address, port) connected to `other`, and the
+    uid owning it once a process has accepted it: the user of the process that called accept()
+    (its socket's inode is that process's). (False, None): no such socket here (`end` is another
+    host's). (True, None): one that no process holds: still in its listener's queue, whose uid is
+    whoever made the listener (0 on kernels before 6.17), closed, or in TIME_WAIT. OSError when a
+    table cannot be read."""
     want = ((ip(end[0]), end[1]), (ip(other[0]), other[1]))
+    here = False
     for row in procfs.tcp_sockets(proc):
         # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
         cols = row.split()
-        if cols[9] != "0" and (_endpoint(cols[1]), _endpoint(cols[2])) == want:
-            return int(cols[7])
-    return None
+        if (_endpoint(cols[1]), _endpoint(cols[2])) == want:
+            if cols[9] != "0":
+                return True, int(cols[7])
+            here = True
+    return here, None

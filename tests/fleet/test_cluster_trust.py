@@ -269,7 +269,7 @@ async def test_auto_takes_only_a_trusted_users_file_or_raylet(
 
 
 def _far_owner(c: socket.socket) -> int | None:
-    return tcp.owner(c.getpeername()[:2], c.getsockname()[:2])
+    return tcp.owner(c.getpeername()[:2], c.getsockname()[:2])[1]
 
 
 async def test_the_owner_of_a_connections_far_end_is_the_accepting_user(squat: Squat) -> None:
@@ -284,5 +284,18 @@ async def test_the_owner_of_a_connections_far_end_is_the_accepting_user(squat: S
             c.connect((host, squat.port))
             await until(partial(_far_owner, c), "mallory accepts")
             assert _far_owner(c) == squat.mallory.uid, host
-            assert tcp.owner(c.getsockname()[:2], c.getpeername()[:2]) == os.geteuid(), host  # our own end
-            assert tcp.owner(("192.0.2.1", squat.port), c.getsockname()[:2]) is None
+            assert tcp.owner(c.getsockname()[:2], c.getpeername()[:2]) == (True, os.geteuid()), host  # ours
+            assert tcp.owner(("192.0.2.1", squat.port), c.getsockname()[:2]) == (False, None)
+
+
+async def test_a_connection_to_another_host_passes_and_one_here_that_nobody_accepts_does_not() -> None:
+    """check_peer: no socket of this host at the far end and a far address not this host's is
+    another host's (nothing to check here); a far address of this host with no socket here (a NAT
+    into another network namespace, or one closed at once) is refused."""
+    me = frozenset({os.geteuid()})
+    await clustertrust.check_peer("192.0.2.1:6379", ("10.9.9.9", 40000), ("192.0.2.1", 6379), me)
+    with pytest.raises(KrexError) as e:
+        await clustertrust.check_peer(
+            "127.0.0.1:9", ("127.0.0.1", 40000), ("127.0.0.1", 9), me, accept_s=0.05
+        )
+    assert e.value.code == "untrusted" and "no process on this host accepted" in e.value.message, e.value
