@@ -66,10 +66,18 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         done = await c.wait(a["job_id"], 60)
         assert done["status"] == "succeeded", done
         r = done["result"]
-        assert r["krex"]["reruns"] == 1 and r["krex"]["rerun_reason"] == "co-located OOM", r["krex"]
+        # Its guarded re-run (at its --mem-default need, which fits beside B) may start before B's
+        # release and meet B again: then it is re-run a second time, alone (docs/admission.md),
+        # which one depends on how fast B sees its release file
+        assert r["krex"]["reruns"] in (1, 2) and r["krex"]["rerun_reason"] == "co-located OOM", r["krex"]
         assert r["stdout"] == "allocated 52428800\nallocated 734003200\n" and r["stderr"] == "", r
-        # what admission took it to need (--mem-default), and what B was seen to hold (400 MiB)
-        assert (r["krex"]["mem_source"], r["krex"]["mem_need"]) == ("default", 100 * MiB), r["krex"]
+        # what admission took it to need (--mem-default; at a second re-run, after B has taught the
+        # kind, B's 400 MiB as its kind's typical), and what B was seen to hold (400 MiB)
+        need = (r["krex"]["mem_source"], r["krex"]["mem_need"])
+        assert need == ("default", 100 * MiB) or (
+            r["krex"]["reruns"] == 2 and need == ("typical", 400 * MiB)
+        ), r
+
         done_b = await c.wait(b["job_id"], 60)
         assert done_b["status"] == "succeeded" and done_b["result"]["krex"]["mem_peak"] >= 400 * MiB, done_b
         await krex.close()
