@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import stat
 import time
 from collections.abc import Iterator
 
@@ -97,7 +98,7 @@ def _file_problem(path: str, uids: frozenset[int]) -> str:
         st = os.lstat(path)
     except FileNotFoundError:
         return f"{path} does not exist"
-    if not os.path.isfile(path) or os.path.islink(path):
+    if not stat.S_ISREG(st.st_mode):  # a link too: lstat does not follow it
         return "not a regular file"
     if st.st_uid not in uids:
         return f"written by {who(st.st_uid)}"

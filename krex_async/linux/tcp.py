@@ -16,20 +16,18 @@ IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 def ip(text: str) -> IP:
     """An address, an IPv4-mapped IPv6 one as the IPv4 address it maps."""
-    a = ipaddress.ip_address(text.split("%")[0])
-    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
-        return a.ipv4_mapped
-    return a
+    return _unmapped(ipaddress.ip_address(text.split("%")[0]))
+
+
+def _unmapped(a: IP) -> IP:
+    return a.ipv4_mapped if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None else a
 
 
 def _endpoint(text: str) -> tuple[IP, int]:
     """A /proc/net/tcp address: 32-bit words in hex, in host byte order, then the port in hex."""
     addr, _, port = text.partition(":")
     words = [int(addr[i : i + 8], 16) for i in range(0, len(addr), 8)]
-    a = ipaddress.ip_address(b"".join(struct.pack("=I", w) for w in words))
-    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
-        a = a.ipv4_mapped
-    return a, int(port, 16)
+    return _unmapped(ipaddress.ip_address(b"".join(struct.pack("=I", w) for w in words))), int(port, 16)
 
 
 def owner(end: tuple[str, int], other: tuple[str, int], proc: str = procfs.PROC) -> tuple[bool, int | None]:
