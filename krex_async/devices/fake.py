@@ -112,11 +112,20 @@ def _wait_for(path: str) -> None:
         time.sleep(0.02)
 
 
-OOM_MESSAGES = {
-    "torch": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {size} bytes on {device} "
-    "of {total} bytes total",
+OOM_MESSAGES = {  # torch's as its caching allocator words it (sizes as c10's format_size gives them)
+    "torch": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {more}. GPU 0 has a total "
+    "capacity of {total} of which {free} is free. Including non-PyTorch memory, this process has "
+    "{held} memory in use. ({device})",
     "cublas": "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
 }
+
+
+def format_size(n: int) -> str:
+    """A size as torch's out-of-memory message gives it (c10's format_size)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n > scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def allocate(root: Path, total: int, size: int) -> bool:
@@ -162,14 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     gate = sys.modules.get("_krex_cudagate")  # the runtime's, under --mem-gate on (cudagate.py)
     if gate is not None and not args.no_cuda_gate:
         gate.ask()  # where a torch job starts CUDA
+    held = 0
     try:
         for i, size in enumerate(args.sizes):
             if i and args.gate:
                 _wait_for(args.gate)
             if not allocate(root, total, size):
-                msg = OOM_MESSAGES[args.oom].format(size=size, device=os.environ[DEVICE_VAR], total=total)
+                free = total - sum(usage(root).values())
+                sizes = {"more": size - held, "total": total, "free": max(0, free), "held": held}
+                words = {k: format_size(v) for k, v in sizes.items()}
+                msg = OOM_MESSAGES[args.oom].format(device=os.environ[DEVICE_VAR], **words)
                 print(msg, file=sys.stderr, flush=True)
                 return 1
+            held = size
             print(f"allocated {size}", flush=True)
         if args.release:
             _wait_for(args.release)

@@ -11,10 +11,11 @@ import time
 from typing import Any
 
 from krex_async import protocol as P
-from krex_async.daemon.commands import memsample
-from krex_async.daemon.commands.admission import UNSEEN_S, Admission
+from krex_async.daemon.commands import memsample, reruns
+from krex_async.daemon.commands.admission import Admission
+from krex_async.daemon.commands.commitment import UNSEEN_S
 from krex_async.daemon.config import ServeConfig
-from krex_async.daemon.model.command import Command, CommandState
+from krex_async.daemon.model.command import Command, CommandState, Tail
 from krex_async.daemon.model.core import Core
 from krex_async.devices.base import Device
 from krex_async.isolation.base import Group
@@ -228,3 +229,33 @@ async def test_a_command_ending_while_others_wait_for_memory_asks_for_a_sample_a
         x.state = CommandState.ENDED
         adm.ended(x, oom=False)
     assert not adm.wake.is_set(), "a sample asked for with nothing waiting"
+
+
+# torch 2.11's message on an H100 (session 26's pool at 12 at once): 30.60 GiB held, 6.00 GiB more
+H100_OOM = (
+    b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB. GPU 0 has a total capacity "
+    b"of 79.18 GiB of which 5.95 GiB is free. Including non-PyTorch memory, this process has 30.60 GiB "
+    b"memory in use. Process 908 has 42.60 GiB memory in use. Process 1048 has 14.00 MiB memory in use."
+)
+
+
+def test_an_out_of_memory_floor_is_what_the_process_held_and_what_it_asked_for_on_top() -> None:
+    """reruns.floor reads torch's message: held plus tried (not another process's use, which the
+    message lists too); where it names no use (older torch), tried on top of the sampled peak;
+    nothing where no size is named (cuBLAS). Admission learns the floor for the command's keys,
+    at most what fits the device alone."""
+    adm = admission()
+    cmd = command(adm, "a", 0)
+    cmd.err.add(b"Traceback ...\n" + H100_OOM + b"\n")
+    assert reruns.floor(cmd) == int(30.60 * 2**30) + 6 * 2**30
+    cmd.err, cmd.mem_peak = Tail(4096), 100 * MiB
+    cmd.err.add(b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 KiB on device 0")
+    assert reruns.floor(cmd) == 100 * MiB + 512 * 1024
+    cmd.err = Tail(4096)
+    cmd.err.add(b"RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert reruns.floor(cmd) == 0
+    learner = added(adm, "b", P.Submit(id=0, argv=["true"], label="wide"))
+    learner.err.add(H100_OOM)
+    adm.learn_floor(learner)  # 36.6 GiB: more than this 1000 MiB device holds
+    assert learner.mem_floor == 1000 * MiB
+    assert adm.need(P.Submit(id=0, argv=["true"], label="wide"), os.getuid()) == (1000 * MiB, "learned")

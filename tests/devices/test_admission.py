@@ -232,8 +232,10 @@ async def _scenario(
     c: Client, env: dict[str, str], tmp_path: Path, rerun: bool, oom: str = "torch"
 ) -> tuple[CommandHandle, Any]:
     """A (need unknown, allocates 50 MiB) runs; B (400) starts beside it; A then grows to 700 MiB,
-    which does not fit beside B: CUDA out of memory, though A alone fits. A failed run teaches no
-    footprint, so A's need is still unknown: a re-run runs alone."""
+    which does not fit beside B: CUDA out of memory, though A alone fits. torch's message shows what
+    A needs at least (its floor: 50 held, 650 tried), so its re-run is guarded at 700 beside B's
+    peak; cuBLAS's says nothing of sizes, and a failed run teaches no peak, so A's need is still
+    unknown: its re-run runs alone."""
     gate, rb = str(tmp_path / "gate"), str(tmp_path / "rb")
     a = await c.submit(alloc("50M", "700M", gate=gate, oom=oom), env=env, rerun_on_oom=rerun)
     await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
@@ -261,7 +263,11 @@ async def test_a_co_located_oom_is_re_run_once_alone_and_reported(fake, tmp_path
 
         watcher = asyncio.get_running_loop().create_task(watch())
         st = await until_status(c, a.command, lambda s: s["reruns"] == 1, "A re-queued after its OOM")
-        assert st["state"] == "queued" and "waits to run alone on fake0" in st["waiting_for"], st
+        waits = {
+            "torch": "needs ~0.7 GiB (learned) beside the others' peaks on fake0",
+            "cublas": "waits to run alone on fake0",
+        }[oom]
+        assert st["state"] == "queued" and waits in st["waiting_for"], st
         assert (await row(c, b.command))["state"] == "running"
         await until(lambda: "rerun" in events, "the agent heard of the re-run")
         m = await asyncio.to_thread(scrape, addr)
@@ -335,12 +341,15 @@ async def test_a_re_run_of_known_need_is_guarded_beside_the_others_peaks_not_alo
 
 async def test_a_guarded_re_run_that_meets_out_of_memory_again_runs_once_more_alone(fake, tmp_path):
     """A declares 100 MiB but grows to 700: its guarded re-run (100 fits beside B's 400) meets out of
-    memory again beside B, so it is re-run a second time, alone: it waits for B, then succeeds."""
+    memory again beside B, so it is re-run a second time, alone: it waits for B, then succeeds.
+    A's out-of-memory is cuBLAS's, whose message shows no floor (torch's would have guarded the
+    re-run at 700)."""
     env = fake
     gate, rb = str(tmp_path / "gate"), str(tmp_path / "rb")
     async with daemon(env=env) as d:
         c = await d.client()
-        a = await c.submit(alloc("50M", "700M", gate=gate), env=env, mem=100 * MiB, rerun_on_oom=True)
+        argv = alloc("50M", "700M", gate=gate, oom="cublas")
+        a = await c.submit(argv, env=env, mem=100 * MiB, rerun_on_oom=True)
         await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
         b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
         await until_status(c, b.command, lambda s: s["mem_peak"] >= 400 * MiB, "B allocated")
@@ -353,6 +362,70 @@ async def test_a_guarded_re_run_that_meets_out_of_memory_again_runs_once_more_al
         res = await a.wait()
         assert res.report.exit_code == 0 and res.report.reruns == 2, res.report
         assert res.stdout == b"allocated 52428800\nallocated 734003200\n", res
+        await c.close()
+
+
+async def test_the_floor_an_out_of_memory_shows_guards_its_re_run_and_is_learned_for_its_kind(fake, tmp_path):
+    """A (label `wide`, need unknown) grows to 700 MiB beside B's 400: torch's message shows A needs
+    700 at least. A's re-run waits guarded at that floor (on the old code: alone, its need
+    unknown), and the next `wide` command is taken at 700 learned (on the old code: unknown, as a
+    failed run taught nothing). Once B ends, A's re-run succeeds."""
+    env = fake
+    gate, ra, rb = str(tmp_path / "gate"), str(tmp_path / "ra"), str(tmp_path / "rb")
+    async with daemon(env=env) as d:
+        c = await d.client()
+        argv = alloc("50M", "700M", gate=gate, release=ra)
+        a = await c.submit(argv, env=env, label="wide", rerun_on_oom=True)
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
+        b = await c.submit(alloc("400M", release=rb), env=env, mem=400 * MiB)
+        assert not b.queued
+        await until_status(c, b.command, lambda s: s["mem_peak"] >= 400 * MiB, "B allocated")
+        released(gate)
+        st = await until_status(c, a.command, lambda s: s["reruns"] == 1, "A re-queued after its OOM")
+        assert st["state"] == "queued", st
+        assert "needs ~0.7 GiB (learned) beside the others' peaks on fake0" in st["waiting_for"], st
+        e = await c.submit(alloc("10M"), env=env, label="wide")
+        assert e.queued
+        st = await row(c, e.command)
+        assert st["mem_source"] == "learned" and st["mem_need"] == 700 * MiB, st
+        released(rb)
+        assert (await b.wait()).report.exit_code == 0
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 700 * MiB, "A's re-run at 700")
+        released(ra)
+        rep = (await a.wait()).report
+        assert rep.exit_code == 0 and rep.reruns == 1, rep
+        assert (await e.wait()).report.exit_code == 0
+        await c.close()
+
+
+async def test_under_auto_a_learned_need_keeps_what_its_command_has_still_to_take(fake, tmp_path):
+    """A `grow` command peaked at 600 MiB; the next (learned 600) holds 50 at first. Under the
+    default --mem-commit auto, B (declared 500) waits: 50 used and 550 still to come leave 400.
+    A then grows to 600 and ends well, and B starts. Under `now` (on the old code, auto too) B
+    started beside A's 50, and A's growth met an out-of-memory."""
+    env = fake
+    gate, r1, ra = (str(tmp_path / n) for n in ("gate", "r1", "ra"))
+    async with daemon(env=env) as d:
+        c = await d.client()
+        first = await c.submit(alloc("600M", release=r1), env=env, label="grow")
+        await until_status(c, first.command, lambda s: s["mem_peak"] >= 600 * MiB, "the first's peak seen")
+        released(r1)
+        assert (await first.wait()).report.mem_peak == 600 * MiB
+        argv = alloc("50M", "600M", gate=gate, release=ra)
+        a = await c.submit(argv, env=env, label="grow", rerun_on_oom=True)
+        st = await until_status(c, a.command, lambda s: s["mem_bytes"] >= 50 * MiB, "A at 50 MiB")
+        assert st["mem_source"] == "learned" and st["mem_need"] == 600 * MiB, st
+        b = await c.submit(alloc("500M"), env=env, mem=500 * MiB)
+        assert b.queued
+        st = await row(c, b.command)
+        assert "needs ~0.5 GiB (declared), 0.4 GiB free" in st["waiting_for"], st
+        released(gate)
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 600 * MiB, "A grown to 600")
+        assert (await row(c, b.command))["state"] == "queued"
+        released(ra)
+        rep = (await a.wait()).report
+        assert rep.exit_code == 0 and rep.reruns == 0, rep
+        assert (await b.wait()).report.exit_code == 0
         await c.close()
 
 

@@ -12,8 +12,9 @@ from .test_admission import alloc, daemon, released, row, until_status
 async def test_first_runs_start_whatever_memory_and_a_co_located_oom_is_re_run(fake, tmp_path):
     """A (unknown footprint) holds 600 MiB of 1000. B, unknown too, starts beside it at once (under
     `now` it would wait: one unknown at a time), grows to 600 and meets CUDA out of memory; it is
-    re-run alone (its need is still unknown: an out-of-memory peak is not learned) once A ends, and
-    succeeds. C declares 600 MiB: a declared need still waits for room."""
+    re-run, guarded at the floor its out-of-memory showed (600: 50 held, 550 more), which waits
+    for A (its need unknown) to end, and succeeds. C declares 600 MiB: a declared need still waits
+    for room."""
     env = fake
     ra, gb, rc = (str(tmp_path / n) for n in ("ra", "gb", "rc"))
     async with daemon("--mem-commit", "none", "--mem-backfill", "0", env=env) as d:
@@ -29,7 +30,8 @@ async def test_first_runs_start_whatever_memory_and_a_co_located_oom_is_re_run(f
         assert "needs ~0.6 GiB (declared)" in (await row(c, cc.command))["waiting_for"]
         released(gb)
         st = await until_status(c, b.command, lambda s: s["reruns"] == 1, "B re-queued after its OOM")
-        assert st["state"] == "queued" and "waits to run alone on fake0" in st["waiting_for"], st
+        assert st["state"] == "queued" and st["mem_need"] == 600 * MiB, st
+        assert f"waits for {a.command} (need unknown) on fake0" in st["waiting_for"], st
         released(ra)
         assert (await a.wait()).report.exit_code == 0
         res = await b.wait()

@@ -392,8 +392,9 @@ async def test_an_oom_beside_a_command_never_seen_is_not_called_its_own(fake, tm
     (KREX_FAKE_GPU_PID_OFFSET) no sample ever sees it: A holds 700 MiB uncounted. B, admitted
     alone, grows to 700 MiB and runs out of memory. The verdict reads the device now: something
     else holds memory there, so B was co-located and is re-run. Before, B's failure was called its
-    own (`oom: "alone"`), not re-run. Here A holds its memory to the end, so the re-run (alone by
-    the figures, which do not see A) fails too, and the report says co-location, naming the device."""
+    own (`oom: "alone"`), not re-run. Here A holds its memory to the end, so the re-runs (guarded
+    at the floor B's out-of-memory showed, then alone, by the figures, which do not see A) fail
+    too, and the report says co-location, naming the device."""
     from krex_async.devices.fake import usage
 
     env = dict(fake, KREX_FAKE_GPU_PID_OFFSET="4000000")
@@ -412,6 +413,6 @@ async def test_an_oom_beside_a_command_never_seen_is_not_called_its_own(fake, tm
         released(ra)
         rep_a = (await a.wait()).report
         await c.close()
-    assert rep.exit_code != 0 and rep.reruns == 1 and rep.rerun_reason == "co-located OOM", rep
+    assert rep.exit_code != 0 and rep.reruns == 2 and rep.rerun_reason == "co-located OOM", rep
     assert rep.oom == "co-located" and "co-located on fake0" in rep.error, (rep.oom, rep.error)
     assert rep_a.exit_code == 0 and rep_a.gate in ("open", "unused", "bypassed"), rep_a

@@ -13,14 +13,15 @@ What a command is taken to need (`need`), most trusted first:
     default    --mem-default, where set
     unknown    none of these: one unknown at a time per device (not under none), footprint learned
 
-The device's commitment (`committed`) is, under --mem-commit now, what the vendor reported used at
-the last sample plus the need of each command started since; under peak, every running command's
-max(need, observed peak) plus the warm pool's workers' memory, or what the vendor reports used if
-that is more (processes outside krex, driver reservations). Under none, memory holds no first run
-back (`optimistic`): only a declared need, and a guarded re-run's, must fit; auto (the default) is
+The device's commitment (`committed`, commitment.py) is, under --mem-commit now, what the vendor
+reported used at the last sample plus the need of each command started since; under auto (the
+default), that plus what each command whose need was learned has still to take; under peak, every
+running command's max(need, observed peak) plus the warm pool's workers. Under none, memory holds
+no first run back (`optimistic`): only a declared need, and a guarded re-run's, must fit; auto is
 none for a command that allows a re-run (Submit.rerun_on_oom, as the gateway's) and whose need is a
-guess (not learned from its own key or problem), now for the rest. A command fits when its need is
-at most the device's total less the commitment and --mem-headroom.
+guess (not learned from its own key or problem). A command fits when its need is at most the
+device's total less the commitment and --mem-headroom.
+
 Commands that do not fit wait in a FIFO per device, each with its reason; none is refused for memory
 unless its declared need exceeds the device. A head waiting on a device where no command runs starts
 whatever the figures say, so a command that fits alone always runs eventually. For --mem-backfill
@@ -28,8 +29,9 @@ seconds after a head first waits, later commands that fit start past it; then no
 there until it does, so none starves. A waiting re-run is never passed.
 
 A re-run after a co-located out-of-memory (reruns.py) whose need is known is *guarded*: it starts
-when that need fits beside every running command's peak, and while it runs the device counts peaks
-for every admission, so nothing started later can take what it needs. Where its need is unknown, or
+when that need (or what its failure showed it needs at least, learn_floor) fits beside every
+running command's peak, and while it runs the device counts peaks for every admission, so nothing
+started later can take what it needs. Where its need is unknown, or
 a guarded re-run met an out-of-memory again, it runs alone (docs/admission.md has why).
 """
 
@@ -42,7 +44,7 @@ from collections.abc import Callable
 
 from krex_async import logs
 from krex_async import protocol as P
-from krex_async.daemon.commands import memsample
+from krex_async.daemon.commands import commitment, memsample, reruns
 from krex_async.daemon.commands.devmemory import DeviceMemory, gib
 from krex_async.daemon.commands.footprints import Footprints, alike_keys, mem_keys
 from krex_async.daemon.model.command import Command, CommandState
@@ -52,8 +54,6 @@ from krex_async.devices.base import Device
 
 log = logs.get("krex.daemon")
 REGION_GATE_MAX_S = 5.0  # the longest a CUDA start waits for the device's regions to end
-# how long a started command not yet seen holding memory counts its need (a start races the sample)
-UNSEEN_S = 5.0
 
 
 class Admission:
@@ -81,32 +81,21 @@ class Admission:
 
     def holds(self, cmd: Command) -> int:
         """What a running command is taken to hold: its need, or more where it was seen to."""
-        return max(cmd.mem_need, cmd.mem_peak)
+        return commitment.holds(cmd)
 
     def headroom(self, dm: DeviceMemory) -> int:
         return int(dm.total * self.core.config.mem_headroom)
 
+    def _others(self, dm: DeviceMemory, but: str) -> list[Command]:
+        return [self.core.commands[c] for c in dm.running if c != but]
+
     def committed(self, dm: DeviceMemory, but: str = "") -> int:
-        """What the device is taken to hold. --mem-commit peak: every running command's need or
-        peak, its whole life. now, and none or auto (for a declared need): what the vendor saw used
-        at the last sample, and the need of each command it did not see (started since, or not seen
-        holding memory yet: a start races the sample). docs/admission.md has why not peak."""
-        running = [self.core.commands[c] for c in dm.running if c != but]
-        if self.core.config.mem_commit == "peak" or any(c.guarded for c in running):
-            return self.peaks(dm, but)  # a guarded re-run keeps what it needs until it ends
-        now = time.monotonic()  # not seen yet: started since, or starting (no memory seen, bounded)
-        unseen = [
-            c
-            for c in running
-            if c.mem_admitted > dm.sampled_at or (not c.mem_peak and now - c.mem_admitted < UNSEEN_S)
-        ]
-        return dm.used + sum(c.mem_need for c in unseen)
+        """What the device is taken to hold, by --mem-commit (commitment.py)."""
+        return commitment.committed(dm, self._others(dm, but), self.core.config.mem_commit)
 
     def peaks(self, dm: DeviceMemory, but: str = "") -> int:
-        """The device taken at every running command's need or peak, for its whole life, plus the
-        pool's workers; or what the vendor reports used, if that is more."""
-        running = [self.core.commands[c] for c in dm.running if c != but]
-        return max(sum(self.holds(c) for c in running) + dm.pool, dm.used)
+        """The device taken at every running command's need or peak (commitment.py)."""
+        return commitment.peaks(dm, self._others(dm, but))
 
     def free(self, dm: DeviceMemory, but: str = "") -> int:
         """What a new command may still take there."""
@@ -212,10 +201,11 @@ class Admission:
         unknown = next((o for o in others if o.mem_source == "unknown"), None)
         if unknown is not None:
             return f"{why}: waits for {unknown.id} (need unknown) on {key}"
-        want = max(cmd.mem_need, cmd.mem_peak)
+        want = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor)
         free = max(0, dm.total - self.peaks(dm, cmd.id) - self.headroom(dm))
         if want > free:
-            need = f"~{gib(want)} ({cmd.mem_source})"
+            source = "its out-of-memory's floor" if want > max(cmd.mem_need, cmd.mem_peak) else cmd.mem_source
+            need = f"~{gib(want)} ({source})"
             return f"{why}: needs {need} beside the others' peaks on {key}, {gib(free)} free"
         return ""
 
@@ -398,6 +388,18 @@ class Admission:
         if dm.waiting:  # the last sample still counts its memory: take one now, not in SAMPLE_S
             self.wake.set()
         return self.pump(dm.device.key)
+
+    def learn_floor(self, cmd: Command) -> None:
+        """`cmd` ran out of memory: what its failure shows it needs at least (reruns.floor, at most
+        what fits the device alone) is its floor, and is learned under its keys as a peak, so its
+        re-run, and the next command of its problem, are not taken at a guess that fell short."""
+        dm = self.devices.get(cmd.device_key or "")
+        floor = min(reruns.floor(cmd), dm.total - self.headroom(dm)) if dm is not None else 0
+        if floor <= max(cmd.mem_floor, cmd.mem_peak):
+            return
+        cmd.mem_floor = floor
+        self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec), floor)
+        log.info("command_oom_floor", command=cmd.id, floor=floor, need=cmd.mem_need, source=cmd.mem_source)
 
     def requeue(self, cmd: Command) -> None:
         """A re-run: out of the running set, first in line (it already waited its turn); guarded

@@ -6,6 +6,8 @@ runs the re-run; lifecycle.py acts."""
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from krex_async.daemon.model.command import Command
@@ -29,6 +31,33 @@ OOM_MARKERS = (
     b"CUFFT_ALLOC_FAILED",
     b"HIPBLAS_STATUS_ALLOC_FAILED",
 )
+
+
+# torch's caching allocator's message (c10 format_size: "bytes", "KiB", "MiB", "GiB"): what the process
+# held, the CUDA context and other libraries' memory included, and what it asked for on top
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIZE = rb"([0-9]+(?:\.[0-9]+)?) (bytes|KiB|MiB|GiB|TiB)"
+_TRIED = re.compile(rb"CUDA out of memory\. Tried to allocate " + _SIZE)
+_HELD = re.compile(rb"this process has " + _SIZE + rb" memory in use")
+
+
+def _bytes(m: re.Match[bytes]) -> int:
+    return int(float(m.group(1)) * _UNITS[m.group(2).decode()])
+
+
+def floor(cmd: Command) -> int:
+    """What the command's out-of-memory failure shows it needs at least (0 where its output does
+    not say): torch's last "Tried to allocate X" on top of "this process has Y memory in use", or
+    on top of its sampled peak where the message names no use (older torch). On an H100 this
+    read 36.6-42.6 GiB for element-wise jobs that peaked at 42.6 alone, where their failed runs'
+    sampled peaks, and their kind's typical need (9.0 GiB), fell far short."""
+    tails = bytes(cmd.err.buf[-65536:]) + b"\n" + bytes(cmd.out.buf[-65536:])
+    tried = list(_TRIED.finditer(tails))
+    if not tried:
+        return 0
+    last = tried[-1]
+    held = _HELD.search(tails, last.end(), last.end() + 1024)
+    return _bytes(last) + (_bytes(held) if held else cmd.mem_peak)
 
 
 def is_oom(cmd: Command) -> bool:
