@@ -13,7 +13,7 @@ from typing import Any
 from krex_async import protocol as P
 from krex_async.daemon.commands import memsample, reruns
 from krex_async.daemon.commands.admission import Admission
-from krex_async.daemon.commands.commitment import UNSEEN_S
+from krex_async.daemon.commands.commitment import GROW_S, UNSEEN_S
 from krex_async.daemon.config import ServeConfig
 from krex_async.daemon.model.command import Command, CommandState, Tail
 from krex_async.daemon.model.core import Core
@@ -240,22 +240,79 @@ H100_OOM = (
 
 
 def test_an_out_of_memory_floor_is_what_the_process_held_and_what_it_asked_for_on_top() -> None:
-    """reruns.floor reads torch's message: held plus tried (not another process's use, which the
-    message lists too); where it names no use (older torch), tried on top of the sampled peak;
-    nothing where no size is named (cuBLAS). Admission learns the floor for the command's keys,
-    at most what fits the device alone."""
+    """reruns.floor reads torch's last message, in stderr before stdout: held plus tried (not
+    another process's use, which the message lists too, however many come first); nothing where
+    the message names no use of this process (a container's torch, older torch: a request alone
+    bounds nothing), where the use is on another line, where no size is named (cuBLAS), or where a
+    size is no size (a command's output is its own to write). Admission learns a floor for the
+    command's keys where it fits the device alone, and counts it in fits_alone."""
     adm = admission()
     cmd = command(adm, "a", 0)
-    cmd.err.add(b"Traceback ...\n" + H100_OOM + b"\n")
-    assert reruns.floor(cmd) == int(30.60 * 2**30) + 6 * 2**30
-    cmd.err, cmd.mem_peak = Tail(4096), 100 * MiB
-    cmd.err.add(b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 KiB on device 0")
-    assert reruns.floor(cmd) == 100 * MiB + 512 * 1024
-    cmd.err = Tail(4096)
-    cmd.err.add(b"RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
-    assert reruns.floor(cmd) == 0
+
+    def floor(err: bytes, out: bytes = b"") -> int:
+        cmd.err, cmd.out = Tail(1 << 20), Tail(1 << 20)
+        cmd.err.add(err)
+        cmd.out.add(out)
+        return reruns.floor(cmd)
+
+    assert floor(b"Traceback ...\n" + H100_OOM + b"\n") == int(30.60 * 2**30) + 6 * 2**30
+    others = b"".join(b"Process %d has 1.00 GiB memory in use. " % pid for pid in range(40))
+    late = H100_OOM.replace(b"Including non-PyTorch", others + b"Including non-PyTorch")
+    assert floor(late) == int(30.60 * 2**30) + 6 * 2**30
+    small = H100_OOM.replace(b"6.00 GiB", b"512.00 KiB").replace(b"30.60 GiB", b"20 bytes")
+    assert floor(b"first " + H100_OOM + b"\nthen " + small) == 512 * 1024 + 20
+    assert floor(small, out=H100_OOM) == 512 * 1024 + 20, "stderr's message first"
+    assert floor(b"", out=H100_OOM) == int(30.60 * 2**30) + 6 * 2**30
+    assert floor(b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 KiB on device 0") == 0
+    assert floor(H100_OOM.replace(b"Including non-PyTorch memory, ", b"\n")) == 0
+    assert floor(b"RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`") == 0
+    held = b" GiB. Including non-PyTorch memory, this process has 1.00 GiB memory in use."
+    assert floor(b"CUDA out of memory. Tried to allocate 2" + held) == 3 * 2**30
+    assert floor(b"CUDA out of memory. Tried to allocate " + b"9" * 400 + held) == 0
     learner = added(adm, "b", P.Submit(id=0, argv=["true"], label="wide"))
     learner.err.add(H100_OOM)
-    adm.learn_floor(learner)  # 36.6 GiB: more than this 1000 MiB device holds
-    assert learner.mem_floor == 1000 * MiB
-    assert adm.need(P.Submit(id=0, argv=["true"], label="wide"), os.getuid()) == (1000 * MiB, "learned")
+    adm.learn_floor(learner)  # 36.6 GiB: more than this 1000 MiB device holds: not learned
+    assert learner.mem_floor == int(30.60 * 2**30) + 6 * 2**30 and not adm.fits_alone(learner)
+    assert adm.need(P.Submit(id=0, argv=["true"], label="wide"), os.getuid()) == (0, "unknown")
+    fits = added(adm, "c", P.Submit(id=0, argv=["true"], label="narrow"))
+    fits.err.add(small.replace(b"512.00 KiB", b"700.00 MiB"))
+    adm.learn_floor(fits)
+    assert fits.mem_floor == 700 * MiB + 20 and adm.fits_alone(fits)
+    assert adm.need(P.Submit(id=0, argv=["true"], label="narrow"), os.getuid()) == (700 * MiB + 20, "learned")
+
+
+def learned(adm: Admission, cid: str, label: str) -> Command:
+    """A command of `label` (its need learned), admitted at its gate."""
+    cmd = added(adm, cid, P.Submit(id=0, argv=["true"], label=label))
+    assert adm.admit(cmd)
+    cmd.state, cmd.group = CommandState.RUNNING, Group(cid)
+    assert adm.ask(cmd) and cmd.mem_source == "learned"
+    return cmd
+
+
+async def test_under_auto_a_learned_need_counts_what_it_has_still_to_take_until_reached() -> None:
+    """--mem-commit auto: a command of learned need (600 MiB) seen at 100 counts 500 more on top
+    of the device's use; nothing more once it has reached its need, or GROW_S after its admission,
+    or under `now`; nor where the vendor's pids are not ours (its use, unseen by command, is in the
+    device's already)."""
+    for commit in ("auto", "now"):
+        adm = admission(mem_commit=commit)
+        adm.footprints.learn(os.getuid(), ["label wide"], 600 * MiB)
+        dm = adm.devices[DEV]
+        a = learned(adm, "a", "wide")
+        sample(adm, 100 * MiB, {"a": 100 * MiB})
+        assert adm.committed(dm) == (600 if commit == "auto" else 100) * MiB, commit
+        a.mem_admitted -= GROW_S + 1
+        assert adm.committed(dm) == 100 * MiB, "past GROW_S"
+        a.mem_admitted += GROW_S + 1
+        sample(adm, 600 * MiB, {"a": 600 * MiB})
+        sample(adm, 300 * MiB, {"a": 300 * MiB})  # reached its need, then gave some back
+        assert adm.committed(dm) == 300 * MiB
+    adm = admission()
+    adm.footprints.learn(os.getuid(), ["label half"], 400 * MiB)
+    dm = adm.devices[DEV]
+    a, b = learned(adm, "a", "half"), learned(adm, "b", "half")
+    for c in (a, b):
+        c.mem_admitted -= UNSEEN_S + 1
+    sample(adm, 700 * MiB, {})  # pids not ours: neither is seen, their 700 only in the device's use
+    assert not dm.mapped and a.mem_now == b.mem_now == 0 and adm.committed(dm) == 700 * MiB

@@ -390,16 +390,18 @@ class Admission:
         return self.pump(dm.device.key)
 
     def learn_floor(self, cmd: Command) -> None:
-        """`cmd` ran out of memory: what its failure shows it needs at least (reruns.floor, at most
-        what fits the device alone) is its floor, and is learned under its keys as a peak, so its
-        re-run, and the next command of its problem, are not taken at a guess that fell short."""
+        """`cmd` ran out of memory: what its failure shows it needs at least (reruns.floor) is its
+        floor (fits_alone counts it) and, where it fits the device alone, is learned under its
+        keys as a peak, so its re-run and the next command of its problem are not taken at a
+        guess that fell short."""
         dm = self.devices.get(cmd.device_key or "")
-        floor = min(reruns.floor(cmd), dm.total - self.headroom(dm)) if dm is not None else 0
-        if floor <= max(cmd.mem_floor, cmd.mem_peak):
+        floor = reruns.floor(cmd)
+        if dm is None or floor <= max(cmd.mem_floor, cmd.mem_peak):
             return
         cmd.mem_floor = floor
-        self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec), floor)
         log.info("command_oom_floor", command=cmd.id, floor=floor, need=cmd.mem_need, source=cmd.mem_source)
+        if floor <= dm.total - self.headroom(dm):  # else it needs more than the device: its own failure
+            self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec), floor)
 
     def requeue(self, cmd: Command) -> None:
         """A re-run: out of the running set, first in line (it already waited its turn); guarded
@@ -429,7 +431,7 @@ class Admission:
 
     def fits_alone(self, cmd: Command) -> bool:
         dm = self.devices.get(cmd.device_key or "")
-        return dm is not None and cmd.mem_need <= dm.total - self.headroom(dm)
+        return dm is not None and max(cmd.mem_need, cmd.mem_floor) <= dm.total - self.headroom(dm)
 
     def bypassed(self, cmd: Command, dm: DeviceMemory) -> None:
         """A gated command seen holding device memory without asking (no torch): counted now."""

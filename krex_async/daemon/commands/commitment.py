@@ -5,10 +5,12 @@
     now    the vendor's use at the last sample, plus the need of each running command that sample
            could not see (started since, or not seen holding memory yet, for UNSEEN_S)
     auto   as now, plus what each command whose need was learned from its own key or problem has
-           still to take: max(0, need - what it holds now). What a problem peaked at before it
-           reaches again; counted only by what it held at the last sample, its growth went to the
-           next command admitted, and both ran out of memory (on an H100, three of the reusing
-           pool's twelve re-runs were of commands whose 39.7-42.7 GiB need was learned)
+           still to take (need less what it holds now) until it has reached that need, for at
+           most GROW_S after its admission, where the vendor's pids are ours (`grows`). What a
+           problem peaked at before it reaches again; counted only by what it held at the last
+           sample, its growth went to the next command admitted, and both ran out of memory (on an
+           H100, three of the reusing pool's twelve re-runs were of commands whose 39.7-42.7 GiB
+           need was learned)
     none   as now (the commitment a first run's optimism is bounded by)
 
 A guarded re-run running on the device switches every mode to peak until it ends (it keeps what
@@ -23,6 +25,11 @@ from krex_async.daemon.model.command import Command
 
 # how long a started command not yet seen holding memory counts its need (a start races the sample)
 UNSEEN_S = 5.0
+# how long after its admission a command of learned need counts what it has still to take: longer
+# than any job of KernelBench's large set lived on an H100 (0.7-21.7 s in the reusing pool, session
+# 26), and a bound on what a command that never allocates (a sleep under a learned label) holds
+# back from the others
+GROW_S = 30.0
 
 
 def holds(cmd: Command) -> int:
@@ -36,10 +43,15 @@ def peaks(dm: DeviceMemory, running: list[Command]) -> int:
     return max(sum(holds(c) for c in running) + dm.pool, dm.used)
 
 
-def grows(cmd: Command) -> bool:
-    """Whether a running command is counted by what it has still to take (auto): its need was
-    learned from its own key or problem (footprints.py), so it will reach it again."""
-    return cmd.mem_source == "learned"
+def grows(dm: DeviceMemory, cmd: Command, now: float) -> int:
+    """What a running command seen by the last sample is taken to have still to take (auto): its
+    need, learned from its own key or problem (footprints.py), less what it holds now; nothing once
+    it has reached that need (what it holds is in the reported use), GROW_S after its admission,
+    or where the vendor's pids are not ours (a command not alone then holds 0 by the figures,
+    though its use is in the device's: counting its need on top would count it twice)."""
+    if cmd.mem_source != "learned" or not dm.mapped or now - cmd.mem_admitted > GROW_S:
+        return 0
+    return 0 if cmd.mem_peak >= cmd.mem_need else max(0, cmd.mem_need - cmd.mem_now)
 
 
 def committed(dm: DeviceMemory, running: list[Command], mode: str) -> int:
@@ -54,5 +66,5 @@ def committed(dm: DeviceMemory, running: list[Command], mode: str) -> int:
     ]
     more = sum(c.mem_need for c in unseen)
     if mode == "auto":
-        more += sum(max(0, c.mem_need - c.mem_now) for c in running if grows(c) and c not in unseen)
+        more += sum(grows(dm, c, now) for c in running if c not in unseen)
     return dm.used + more

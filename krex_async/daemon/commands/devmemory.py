@@ -27,6 +27,7 @@ class DeviceMemory:
     waiting: deque[str] = field(default_factory=deque)  # queued for memory, in order
     head_since: dict[str, float] = field(default_factory=dict)  # when each first headed the queue
     sampled_at: float = 0.0  # monotonic time of the last sample of `used`
+    mapped: bool = False  # a sample found a process of ours among the vendor's (its pids are ours)
 
     @property
     def total(self) -> int:

@@ -276,7 +276,10 @@ class Lifecycle:
 
     async def _oom(self, cmd: Command) -> bool:
         """The command failed with CUDA out of memory: re-run it (True) or say why not (reruns.py)."""
-        self.admission.learn_floor(cmd)  # what it showed it needs at least, before its output goes
+        try:  # what it showed it needs at least, before its output goes
+            self.admission.learn_floor(cmd)
+        except Exception as e:  # noqa: BLE001 - the command's end must go on: its report, its memory
+            log.error("oom_floor_failed", command=cmd.id, error=repr(e))
         others = self.core.scheduler.siblings(cmd.device_key or "", cmd.id)
         if not cmd.co_located and others and await memsample.others_hold(self.admission, cmd):
             cmd.co_located = True  # beside one not counted yet (it allocated without asking)

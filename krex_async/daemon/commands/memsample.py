@@ -73,6 +73,7 @@ def apply(adm: Admission, seen: dict[str, Any]) -> None:
     for key, dm in adm.devices.items():
         if key in seen["used"]:
             dm.used, dm.sampled_at = seen["used"][key], seen["at"]
+            dm.mapped = dm.mapped or key in seen["mapped"]
             dm.pool = seen["pool"].get(key, 0)
             if dm.pool:
                 for c in dm.running:

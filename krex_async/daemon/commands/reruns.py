@@ -34,9 +34,10 @@ OOM_MARKERS = (
 
 
 # torch's caching allocator's message (c10 format_size: "bytes", "KiB", "MiB", "GiB"): what the process
-# held, the CUDA context and other libraries' memory included, and what it asked for on top
+# held, its CUDA context and other libraries' memory included, and what it asked for on top. Sizes
+# of at most 9 digits: a command's output is its own to write, and a longer number is no size
 _UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_SIZE = rb"([0-9]+(?:\.[0-9]+)?) (bytes|KiB|MiB|GiB|TiB)"
+_SIZE = rb"([0-9]{1,9}(?:\.[0-9]{1,4})?) (bytes|KiB|MiB|GiB|TiB)\b"
 _TRIED = re.compile(rb"CUDA out of memory\. Tried to allocate " + _SIZE)
 _HELD = re.compile(rb"this process has " + _SIZE + rb" memory in use")
 
@@ -46,18 +47,23 @@ def _bytes(m: re.Match[bytes]) -> int:
 
 
 def floor(cmd: Command) -> int:
-    """What the command's out-of-memory failure shows it needs at least (0 where its output does
-    not say): torch's last "Tried to allocate X" on top of "this process has Y memory in use", or
-    on top of its sampled peak where the message names no use (older torch). On an H100 this
+    """What the command's out-of-memory failure shows it needs at least, from the last torch
+    message in its stderr (else its stdout): "Tried to allocate X" on top of "this process has Y
+    memory in use", on that message's line. 0 where no message names both: torch names the
+    process's use only where it finds the process among NVML's (not in a container without the
+    host's pids) and only since 2.1, and a request alone is no bound of the need. On an H100 this
     read 36.6-42.6 GiB for element-wise jobs that peaked at 42.6 alone, where their failed runs'
     sampled peaks, and their kind's typical need (9.0 GiB), fell far short."""
-    tails = bytes(cmd.err.buf[-65536:]) + b"\n" + bytes(cmd.out.buf[-65536:])
-    tried = list(_TRIED.finditer(tails))
-    if not tried:
-        return 0
-    last = tried[-1]
-    held = _HELD.search(tails, last.end(), last.end() + 1024)
-    return _bytes(last) + (_bytes(held) if held else cmd.mem_peak)
+    for buf in (cmd.err.buf, cmd.out.buf):  # torch's exception goes to stderr
+        tail = bytes(buf[-65536:])
+        tried = list(_TRIED.finditer(tail))
+        if not tried:
+            continue
+        last = tried[-1]
+        end = tail.find(b"\n", last.end())
+        held = _HELD.search(tail, last.end(), end if end >= 0 else len(tail))
+        return _bytes(last) + _bytes(held) if held else 0
+    return 0
 
 
 def is_oom(cmd: Command) -> bool:
