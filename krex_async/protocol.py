@@ -96,7 +96,7 @@ class Submit(Msg, tag="submit"):
     stdin_stream: bool = False
     # Memory-aware admission: what commands that need alike share (their learned footprint;
     # default: the label, else argv[0] and argv[1]), and whether a CUDA out-of-memory failure
-    # while others held the device's memory may be re-run once, alone (the agent gets Rerun)
+    # while others held the device's memory may be re-run, guarded or alone (the agent gets Rerun)
     mem_key: Name = ""
     rerun_on_oom: bool = False
     # What it shares with other commands whose peaks bound its own (the gateway: a digest of each

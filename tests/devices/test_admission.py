@@ -429,6 +429,45 @@ async def test_under_auto_a_learned_need_keeps_what_its_command_has_still_to_tak
         await c.close()
 
 
+async def test_a_guarded_re_run_whose_floor_grew_is_guarded_again_not_run_alone(fake, tmp_path):
+    """A (label `steps`) holds 50 MiB beside B (400), D (350) and C (100, declared), then asks for
+    300: out of memory, floor 300. Its guarded re-run starts once D ends (300 fits beside B and C)
+    and grows to 700: out of memory again, floor 700. It is guarded again at 700, not alone: it
+    starts once B ends, with C still running, and succeeds with two re-runs. On the old code the
+    second re-run ran alone, after C too."""
+    env = fake
+    gate, ra, rb, rc, rd = (str(tmp_path / n) for n in ("gate", "ra", "rb", "rc", "rd"))
+    async with daemon(env=env) as d:
+        c = await d.client()
+        argv = alloc("50M", "300M", "700M", gate=gate, release=ra)
+        a = await c.submit(argv, env=env, label="steps", rerun_on_oom=True)
+        await until_status(c, a.command, lambda s: s["mem_peak"] >= 50 * MiB, "A allocated")
+        others = {}
+        for name, size, release in (("B", 400, rb), ("D", 350, rd), ("C", 100, rc)):
+            h = await c.submit(alloc(f"{size}M", release=release), env=env, mem=size * MiB)
+            await until_status(c, h.command, lambda s, n=size: s["mem_peak"] >= n * MiB, f"{name} allocated")
+            others[name] = h
+        released(gate)
+        st = await until_status(c, a.command, lambda s: s["reruns"] == 1, "A re-queued at its floor")
+        assert "needs ~0.3 GiB (learned) beside the others' peaks" in st["waiting_for"], st
+        released(rd)
+        st = await until_status(c, a.command, lambda s: s["reruns"] == 2, "A re-queued at its new floor")
+        assert (
+            st["state"] == "queued"
+            and "needs ~0.7 GiB (learned) beside the others' peaks" in st["waiting_for"]
+        ), st
+        released(rb)
+        await until_status(c, a.command, lambda s: s["mem_bytes"] >= 700 * MiB, "A's third run at 700")
+        assert (await row(c, others["C"].command))["state"] == "running", "A was guarded, not alone"
+        released(ra)
+        rep = (await a.wait()).report
+        assert rep.exit_code == 0 and rep.reruns == 2 and rep.oom == "", rep
+        released(rc)
+        for h in others.values():
+            assert (await h.wait()).report.exit_code == 0
+        await c.close()
+
+
 async def test_a_co_located_oom_without_rerun_on_oom_fails_naming_co_location(fake, tmp_path):
     env = fake
     async with daemon(env=env) as d:

@@ -1,8 +1,8 @@
 """What a CUDA out-of-memory failure means for a command: a re-run where it was co-located (others
-held device memory while it ran), allowed (Submit.rerun_on_oom), fitting alone, and not re-run yet,
-or re-run once guarded (admission.py: beside the others' peaks) and now to run alone; otherwise a
-report that says whether the failure was co-location's or its own. Memory admission (admission.py)
-runs the re-run; lifecycle.py acts."""
+held device memory while it ran), allowed (Submit.rerun_on_oom), fitting alone, and not yet run
+alone after one (admission.requeue: guarded beside the others' peaks, again where its floor grew,
+then alone); otherwise a report that says whether the failure was co-location's or its own.
+Memory admission (admission.py) runs the re-run; lifecycle.py acts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import msgspec
 from krex_async.daemon.model.command import Command
 
 REASON = "co-located OOM"
+MAX_RERUNS = 3  # guarded, guarded again where its floor grew, alone
 OOM_MARKERS = (
     b"CUDA out of memory",
     b"CUDA_ERROR_OUT_OF_MEMORY",
@@ -82,14 +83,13 @@ def verdict(cmd: Command, others: list[str], fits_alone: bool, closing: bool) ->
     if not cmd.co_located:
         cmd.report = msgspec.structs.replace(cmd.report, oom="alone")
         return False
-    # a first re-run that was guarded (beside others) may run once more, alone
-    allowed = 2 if cmd.guarded else 1
-    if cmd.spec.rerun_on_oom and cmd.reruns < allowed and fits_alone and not closing:
+    # every run but one alone is re-run, at most MAX_RERUNS times (admission.requeue: guarded
+    # once, twice where the floor grew, then alone)
+    if cmd.spec.rerun_on_oom and not cmd.solo and cmd.reruns < MAX_RERUNS and fits_alone and not closing:
         return True
     if cmd.reruns:
-        why = (
-            "it was re-run once already" if cmd.reruns == 1 else "it was re-run twice already, the last alone"
-        )
+        times = {1: "once", 2: "twice"}.get(cmd.reruns, f"{cmd.reruns} times")
+        why = f"it was re-run {times} already" + (", the last alone" if cmd.solo else "")
     elif not fits_alone:
         why = "it would not fit alone either"
     elif closing:

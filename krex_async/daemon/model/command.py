@@ -133,6 +133,7 @@ class Command:
     mem_now: int = 0
     mem_peak: int = 0
     mem_floor: int = 0  # what an out-of-memory failure of it showed it needs at least (reruns.floor)
+    mem_guard: int = 0  # what its guarded re-run was guarded at (admission.requeue)
     mem_wait: str = ""
     mem_admitted: float = 0.0  # monotonic time memory admission let it start
     co_located: bool = False  # other commands (or pool workers) held device memory while it ran
