@@ -60,7 +60,7 @@ def add_parser(sub: Any) -> None:
         "--lock-wait",
         type=float,
         help="seconds a region waits, before its grant, for a sibling inside a CUDA call to "
-        "leave it and be locked; still inside: it is frozen (default 0.5)",
+        "leave it and be locked; still inside: it is frozen (default 0.05)",
     )
     p.add_argument(
         "--exit-wait",

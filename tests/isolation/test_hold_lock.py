@@ -169,11 +169,11 @@ async def test_lock_timeout_falls_back_to_freeze(fake: Fake, script, tmp_path: P
             await hs.cancel(9)
     rep = json.loads(res.stdout)
     assert rep["frozen"] == [hs.command] and rep.get("locked", []) == []
-    assert "inside a CUDA call for over --lock-wait 0.5s" in rep["hold_fallback"][hs.command], rep
+    assert "inside a CUDA call for over --lock-wait 0.05s" in rep["hold_fallback"][hs.command], rep
     [entry] = rep["lock_late"]
     assert entry["pid"] == slow and entry["outcome"] == "frozen" and entry["state"] == "running", entry
-    assert 0.5 <= entry["after_s"] < 1.0, entry  # it was waited for, --lock-wait (default 0.5 s)
-    assert 0.5 <= rep["enter_s"] < 1.5, rep
+    assert 0.05 <= entry["after_s"] < 1.0, entry  # it was waited for, --lock-wait (default 0.05 s)
+    assert 0.05 <= rep["enter_s"] < 1.5, rep
 
 
 @pytest.mark.parametrize("hold", ["lock", "auto"])
@@ -463,7 +463,8 @@ async def test_sibling_inside_a_cuda_call_is_waited_for_and_locked_as_it_ends(
     unlocks it at the end with the others."""
     owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
-    async with run_daemon(*SLOW, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
+    wait = ("--lock-wait", "1.5")  # longer than the call (the default, 0.05 s, freezes it)
+    async with run_daemon(*SLOW, *wait, "--hold", "lock", "--freeze", "all", env=daemon_env(fake)) as d:
         async with await d.client() as c:
             hc, cuda = await start(c, fake, "cuda")
             hl, late = await _start_creating(c, fake, "late", 700)
