@@ -74,6 +74,13 @@ def released(path: str) -> None:
     Path(path).touch()
 
 
+async def ended_at(c: Client, h: CommandHandle, release: str, peak: int, what: str) -> Any:
+    """The report of `h` (held until `release` exists), ended once a sample saw it reach `peak`."""
+    await until_status(c, h.command, lambda s: s["mem_peak"] >= peak, what)
+    released(release)
+    return (await h.wait()).report
+
+
 async def test_a_declared_need_holds_the_next_until_memory_frees_and_fifo_keeps_order(fake, tmp_path):
     """A holds 600 MiB (declared); B (600) waits for memory, with its reason in status; C (100,
     which would fit now) waits behind B under --mem-backfill 0, never passing it; A's end starts B,
@@ -390,9 +397,7 @@ async def test_the_floor_an_out_of_memory_shows_guards_its_re_run_and_is_learned
         assert st["mem_source"] == "learned" and st["mem_need"] == 700 * MiB, st
         released(rb)
         assert (await b.wait()).report.exit_code == 0
-        await until_status(c, a.command, lambda s: s["mem_peak"] >= 700 * MiB, "A's re-run at 700")
-        released(ra)
-        rep = (await a.wait()).report
+        rep = await ended_at(c, a, ra, 700 * MiB, "A's re-run at 700")
         assert rep.exit_code == 0 and rep.reruns == 1, rep
         assert (await e.wait()).report.exit_code == 0
         await c.close()
@@ -408,9 +413,7 @@ async def test_under_auto_a_learned_need_keeps_what_its_command_has_still_to_tak
     async with daemon(env=env) as d:
         c = await d.client()
         first = await c.submit(alloc("600M", release=r1), env=env, label="grow")
-        await until_status(c, first.command, lambda s: s["mem_peak"] >= 600 * MiB, "the first's peak seen")
-        released(r1)
-        assert (await first.wait()).report.mem_peak == 600 * MiB
+        assert (await ended_at(c, first, r1, 600 * MiB, "the first's peak seen")).mem_peak == 600 * MiB
         argv = alloc("50M", "600M", gate=gate, release=ra)
         a = await c.submit(argv, env=env, label="grow", rerun_on_oom=True)
         st = await until_status(c, a.command, lambda s: s["mem_bytes"] >= 50 * MiB, "A at 50 MiB")
@@ -422,8 +425,7 @@ async def test_under_auto_a_learned_need_keeps_what_its_command_has_still_to_tak
         released(gate)
         await until_status(c, a.command, lambda s: s["mem_peak"] >= 600 * MiB, "A grown to 600")
         assert (await row(c, b.command))["state"] == "queued"
-        released(ra)
-        rep = (await a.wait()).report
+        rep = await ended_at(c, a, ra, 600 * MiB, "A at 600")
         assert rep.exit_code == 0 and rep.reruns == 0, rep
         assert (await b.wait()).report.exit_code == 0
         await c.close()

@@ -6,7 +6,7 @@ allowed."""
 from __future__ import annotations
 
 from .conftest import MiB
-from .test_admission import alloc, daemon, released, row, until_status
+from .test_admission import alloc, daemon, ended_at, released, row, until_status
 
 
 async def test_first_runs_start_whatever_memory_and_a_co_located_oom_is_re_run(fake, tmp_path):
@@ -111,8 +111,6 @@ async def test_auto_counts_a_need_learned_from_the_commands_own_kind_as_now_does
         assert st["mem_source"] == "learned" and "needs ~0.6 GiB (learned)" in st["waiting_for"], st
         released(ra)
         assert (await a.wait()).report.exit_code == 0
-        await until_status(c, b.command, lambda s: s["mem_peak"] >= 600 * MiB, "B ran once A ended")
-        released(rb)
-        rep = (await b.wait()).report
+        rep = await ended_at(c, b, rb, 600 * MiB, "B ran once A ended")
         assert rep.exit_code == 0 and rep.reruns == 0, rep
         await c.close()
