@@ -282,7 +282,16 @@ def comparisons(v: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]]) -> list[str]:
+def _against_alone(p95: float, spread: dict[str, Any] | None) -> str:
+    """How a p95 inflation stands against the alone rounds' own spread at p95 (what a policy that
+    changes nothing would show: bench.jobs_report.alone_spread)."""
+    if not spread or spread.get("p95") is None:
+        return "; one alone round: no spread to judge it against"
+    where = "within" if p95 <= spread["p95"] else "beyond"
+    return f"; {where} the alone rounds' own spread ({spread['p95']:+.2%} at p95)"
+
+
+def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]], spread: dict[str, Any]) -> list[str]:
     """Issue 38's goals, one line each: met, or MISSED by how much, with the spread's verdict."""
     out = []
     for name, x in v.items():
@@ -315,6 +324,7 @@ def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]]) -> list[str
                 out.append(
                     f"{name}: p95 inflation {bk} {inf['p95']:+.2%} (n={inf['n']}), goal <= {goal:.1%}: "
                     + ("met" if inf["p95"] <= goal else f"MISSED by {inf['p95'] - goal:.2%}")
+                    + _against_alone(inf["p95"], spread.get(bk))
                 )
         e = x["entry"]
         if e["n"] and x["policy"] == "region":
@@ -363,9 +373,10 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         by.setdefault(rnd["variant"], []).append(rnd)
     v = {name: variant_summary(rs, base) for name, rs in by.items()}
     comps = comparisons(v)
+    spread = jobs_report.alone_spread(base)
     return {
         "baselines": base,
-        "alone_spread": jobs_report.alone_spread(base),
+        "alone_spread": spread,
         "alone_rows": alone_rows(base),
         "alone_failed": [
             {"round": rnd["round"], "keys": r["keys"], "class": classify(r), "tail": _text(r)[-200:]}
@@ -375,7 +386,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         ],
         "variants": v,
         "comparisons": comps,
-        "goals": goals(v, comps),
+        "goals": goals(v, comps, spread),
         "pools": [
             {"unit": rnd["unit"], "device": dev, **counts}
             for rnd in data.get("rounds", [])

@@ -190,7 +190,15 @@ def test_summary_judges_issue_38s_goals_against_the_spread() -> None:
         "region-pool: jobs/min vs shared-4 (best shared) 1.32x, goal >= 1.20x: met (beyond the spread; "
         "paired by round 1.33x 1.31x, every round the same way)"
     ) in g
-    assert "region: p95 inflation 1-10ms +2.00% (n=20), goal <= 1.0%: MISSED by 1.00%" in g
+    assert (
+        "region: p95 inflation 1-10ms +2.00% (n=20), goal <= 1.0%: MISSED by 1.00%; beyond the alone "
+        "rounds' own spread (+0.00% at p95)"
+    ) in g
+    one = steady_report.summarise({**data, "alone": data["alone"][:1]})["goals"]
+    assert (
+        "region: p95 inflation 1-10ms +2.00% (n=20), goal <= 1.0%: MISSED by 1.00%; one alone round: no "
+        "spread to judge it against"
+    ) in one
     assert (
         "region-pool: region entry less the wait for the region before it p95 500.0 ms (n=20), "
         "goal <= 100 ms: MISSED by 400.0 ms"
