@@ -69,8 +69,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # how long a region waits, before its grant, for a sibling inside a CUDA call (the lock answered
     # NOT_READY) to leave it and be locked; still inside: frozen. On the H200 every such lock landed
     # within 0.46 s (p50 0.11 s: bench/gpu/check_lock_states.py); but waiting for them was most of a
-    # region's entry, and on the H100 0.05 cut the entry's p95 to a third at the same throughput and
-    # with timings inside the alone runs' spread (bench/RESULTS.md, sessions 23, 24 and 27)
+    # region's entry, and on the H100 0.05 cut the entry's p95 to a third at the same throughput,
+    # timings near the alone runs' own spread (bench/RESULTS.md, sessions 23, 24 and 27)
     lock_wait: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.05
     # how long a region waits for a sibling's exit to end before freezing what is left of it (-1:
     # --lock-wait); a process already in the kernel's exit (past the freezer) is waited for in any

@@ -31,8 +31,8 @@ there until it does, so none starves. A waiting re-run is never passed.
 A re-run after a co-located out-of-memory (reruns.py) whose need is known is *guarded*: it starts
 when that need (or what its failure showed it needs at least, learn_floor) fits beside every
 running command's peak, and while it runs the device counts peaks for every admission, so nothing
-started later can take what it needs. Where its need is unknown, or
-a guarded re-run met an out-of-memory again, it runs alone (docs/admission.md has why).
+started later can take what it needs; again where its next failure shows a higher floor. Else, or
+where its need is unknown, it runs alone (docs/admission.md has why).
 """
 
 from __future__ import annotations
