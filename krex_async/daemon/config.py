@@ -166,6 +166,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # out-of-memory is re-run instead; auto, none for a command that allows that re-run
     # (Submit.rerun_on_oom: the gateway's jobs), now for the others
     mem_commit: Literal["auto", "now", "peak", "none"] = "auto"
+    # how a guarded re-run keeps its room: peak, the device counted at every command's whole-life
+    # need or peak from its wait to its end; want, at --mem-commit's count plus what the re-run has
+    # still to take (not measured on a GPU yet: docs/admission.md)
+    mem_guard: Literal["peak", "want"] = "peak"
     # seconds a queue's head that does not fit lets later commands that fit start past it; then
     # nothing more starts on its device until it does (0: strict first in, first out)
     mem_backfill: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0

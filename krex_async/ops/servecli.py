@@ -271,6 +271,11 @@ def add_parser(sub: Any) -> None:
         "(default: none where a re-run is allowed, else now)",
     )
     p.add_argument(
+        "--mem-guard",
+        help="how a re-run after a co-located OOM keeps its room: peak (default: every command "
+        "counted at its need or peak), want (the usual count plus what the re-run has still to take)",
+    )
+    p.add_argument(
         "--mem-backfill",
         type=float,
         metavar="SECONDS",
@@ -344,6 +349,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "mem_headroom",
             "mem_default",
             "mem_commit",
+            "mem_guard",
             "mem_backfill",
             "mem_gate",
             "region_backlog",

@@ -316,3 +316,30 @@ async def test_under_auto_a_learned_need_counts_what_it_has_still_to_take_until_
         c.mem_admitted -= UNSEEN_S + 1
     sample(adm, 700 * MiB, {})  # pids not ours: neither is seen, their 700 only in the device's use
     assert not dm.mapped and a.mem_now == b.mem_now == 0 and adm.committed(dm) == 700 * MiB
+
+
+async def test_mem_guard_want_keeps_a_re_runs_room_without_the_others_whole_life_peaks() -> None:
+    """A (declared 500) peaked at 500 and holds 100 now; B's guarded re-run is guarded at 600.
+    --mem-guard peak (the default): B waits, A taken at its 500, and the device is counted at
+    every command's whole-life peak. want: B starts beside A's 100; running at 200 it counts the
+    400 it has still to take on top of the device's use, and nothing more once it reached 600."""
+    for guarding in ("peak", "want"):
+        adm = admission(mem_guard=guarding)
+        dm = adm.devices[DEV]
+        a, b = command(adm, "a", 500 * MiB), command(adm, "b", 600 * MiB)
+        assert adm.ask(a)
+        sample(adm, 500 * MiB, {"a": 500 * MiB})
+        sample(adm, 100 * MiB, {"a": 100 * MiB})
+        b.reset_for_rerun("co-located OOM")
+        adm.requeue(b)
+        assert b.guarded and b.mem_guard == 600 * MiB
+        started = adm.pump(DEV)
+        if guarding == "peak":
+            assert started == [] and "beside the others' peaks on nvidia0, 0.5 GiB free" in b.mem_wait
+            continue
+        assert started == [b] and dm.running == {"a", "b"}
+        b.state = CommandState.RUNNING
+        sample(adm, 300 * MiB, {"a": 100 * MiB, "b": 200 * MiB})
+        assert adm.committed(dm) == 700 * MiB  # 300 used, 400 still to come for B
+        sample(adm, 700 * MiB, {"a": 100 * MiB, "b": 600 * MiB})
+        assert adm.committed(dm) == 700 * MiB

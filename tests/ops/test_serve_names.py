@@ -69,6 +69,7 @@ ENUMS = {
     "launch_scope": "outsiders, all",
     "admission": "auto, memory, off",
     "mem_commit": "auto, now, peak, none",
+    "mem_guard": "peak, want",
     "mem_gate": "on, off",
 }
 

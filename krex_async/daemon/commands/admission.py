@@ -91,11 +91,8 @@ class Admission:
 
     def committed(self, dm: DeviceMemory, but: str = "") -> int:
         """What the device is taken to hold, by --mem-commit (commitment.py)."""
-        return commitment.committed(dm, self._others(dm, but), self.core.config.mem_commit)
-
-    def peaks(self, dm: DeviceMemory, but: str = "") -> int:
-        """The device taken at every running command's need or peak (commitment.py)."""
-        return commitment.peaks(dm, self._others(dm, but))
+        cfg = self.core.config
+        return commitment.committed(dm, self._others(dm, but), cfg.mem_commit, cfg.mem_guard)
 
     def free(self, dm: DeviceMemory, but: str = "") -> int:
         """What a new command may still take there."""
@@ -195,18 +192,21 @@ class Admission:
 
     def _guard_wait(self, cmd: Command, dm: DeviceMemory, others: list[Command]) -> str:
         """Why a guarded re-run may not start yet ("" when it may): it needs its need (or what its
-        failed run reached, if more) free beside every running command's peak, and none of them
-        of unknown need (an unknown's peak is not known to leave it room)."""
+        failed run reached or showed, if more) free beside every running command's peak (--mem-guard
+        want: beside the usual count), and none of them of unknown need (an unknown's peak is not
+        known to leave it room)."""
         key, why = dm.device.key, "re-run after a co-located CUDA out-of-memory"
         unknown = next((o for o in others if o.mem_source == "unknown"), None)
         if unknown is not None:
             return f"{why}: waits for {unknown.id} (need unknown) on {key}"
-        want = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor)
-        free = max(0, dm.total - self.peaks(dm, cmd.id) - self.headroom(dm))
+        want = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor)  # as requeue's mem_guard
+        by_peaks = self.core.config.mem_guard == "peak"
+        held = commitment.peaks(dm, others) if by_peaks else self.committed(dm, cmd.id)
+        free = max(0, dm.total - held - self.headroom(dm))
         if want > free:
             source = "its out-of-memory's floor" if want > max(cmd.mem_need, cmd.mem_peak) else cmd.mem_source
-            need = f"~{gib(want)} ({source})"
-            return f"{why}: needs {need} beside the others' peaks on {key}, {gib(free)} free"
+            by = "peaks" if by_peaks else "use"
+            return f"{why}: needs ~{gib(want)} ({source}) beside the others' {by} on {key}, {gib(free)} free"
         return ""
 
     def admit(self, cmd: Command) -> bool:

@@ -13,8 +13,9 @@
            need was learned)
     none   as now (the commitment a first run's optimism is bounded by)
 
-A guarded re-run running on the device switches every mode to peak until it ends (it keeps what
-it needs). docs/admission.md has why the modes are what they are."""
+A guarded re-run running on the device keeps its room (--mem-guard): under peak, every mode is
+peak until it ends; under want, the mode's count plus what it has still to take (`guard`).
+docs/admission.md has why the modes are what they are."""
 
 from __future__ import annotations
 
@@ -54,17 +55,26 @@ def grows(dm: DeviceMemory, cmd: Command, now: float) -> int:
     return 0 if cmd.mem_peak >= cmd.mem_need else max(0, cmd.mem_need - cmd.mem_now)
 
 
-def committed(dm: DeviceMemory, running: list[Command], mode: str) -> int:
-    """What the device is taken to hold with `running` on it under --mem-commit `mode`."""
-    if mode == "peak" or any(c.guarded for c in running):
+def guard(cmd: Command) -> int:
+    """What a guarded re-run has still to take (--mem-guard want): what it was guarded at less
+    what it holds now, until it has reached it (what it holds is in the reported use)."""
+    return 0 if cmd.mem_peak >= cmd.mem_guard else max(0, cmd.mem_guard - cmd.mem_now)
+
+
+def committed(dm: DeviceMemory, running: list[Command], mode: str, guarding: str = "peak") -> int:
+    """What the device is taken to hold with `running` on it under --mem-commit `mode` and
+    --mem-guard `guarding`."""
+    guarded = [c for c in running if c.guarded]
+    if mode == "peak" or (guarded and guarding == "peak"):
         return peaks(dm, running)
     now = time.monotonic()  # not seen yet: started since, or starting (no memory seen, bounded)
     unseen = [
         c
         for c in running
-        if c.mem_admitted > dm.sampled_at or (not c.mem_peak and now - c.mem_admitted < UNSEEN_S)
+        if not c.guarded
+        and (c.mem_admitted > dm.sampled_at or (not c.mem_peak and now - c.mem_admitted < UNSEEN_S))
     ]
-    more = sum(c.mem_need for c in unseen)
+    more = sum(c.mem_need for c in unseen) + sum(guard(c) for c in guarded)
     if mode == "auto":
         more += sum(grows(dm, c, now) for c in running if c not in unseen)
     return dm.used + more
