@@ -10,6 +10,8 @@ import os
 import time
 from typing import Any
 
+import msgspec
+
 from krex_async import protocol as P
 from krex_async.daemon.commands import memsample, reruns
 from krex_async.daemon.commands.admission import Admission
@@ -343,3 +345,85 @@ async def test_mem_guard_want_keeps_a_re_runs_room_without_the_others_whole_life
         assert adm.committed(dm) == 700 * MiB  # 300 used, 400 still to come for B
         sample(adm, 700 * MiB, {"a": 100 * MiB, "b": 600 * MiB})
         assert adm.committed(dm) == 700 * MiB
+
+
+def guarded_beside_a(adm: Admission, mem: int = 300 * MiB) -> tuple[Command, Command]:
+    """A (declared 100) and B (declared `mem`), both admitted at their gates."""
+    a = command(adm, "a", 100 * MiB)
+    assert adm.ask(a)
+    b = command(adm, "b", mem)
+    assert adm.ask(b)
+    return a, b
+
+
+async def test_under_mem_guard_want_a_re_run_counts_its_guard_not_its_failed_runs_figures() -> None:
+    """--mem-guard want (found by review): B's failed run reached 600 (or showed a floor of 600
+    while holding 400). Its re-run is guarded at 600 and, started, counts all of it until its own
+    processes are seen: the failed run's peak and use are not the re-run's, so C (500) waits. Under
+    auto, a re-run of learned need is counted once (its want, not its growth as well); where the
+    vendor's pids are not ours, by its whole-life figures, not its want on top of the device's use."""
+    for how in ("peak reached", "floor shown"):
+        adm = admission(mem_guard="want", mem_commit="now")
+        dm = adm.devices[DEV]
+        _, b = guarded_beside_a(adm)
+        if how == "peak reached":
+            sample(adm, 700 * MiB, {"a": 100 * MiB, "b": 600 * MiB})
+        else:
+            sample(adm, 500 * MiB, {"a": 100 * MiB, "b": 400 * MiB})
+            b.mem_floor = 600 * MiB  # as learn_floor would
+        b.reset_for_rerun("co-located OOM")
+        adm.requeue(b)
+        sample(adm, 100 * MiB, {"a": 100 * MiB})
+        assert b.guarded and b.mem_guard == 600 * MiB and b.mem_now == b.mem_peak == 0, how
+        assert adm.pump(DEV) == [b]
+        assert adm.committed(dm) == 700 * MiB, how
+        c = command(adm, "c", 500 * MiB)
+        assert not adm.ask(c) and "waiting for memory" in c.mem_wait, how
+    adm = admission(mem_guard="want", mem_commit="auto")
+    dm = adm.devices[DEV]
+    assert adm.ask(command(adm, "a", 100 * MiB))
+    adm.footprints.learn(os.getuid(), ["label job"], 600 * MiB)
+    b = learned(adm, "b", "job")
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    sample(adm, 100 * MiB, {"a": 100 * MiB})
+    assert b.guarded and adm.pump(DEV) == [b]
+    b.state = CommandState.RUNNING
+    sample(adm, 200 * MiB, {"a": 100 * MiB, "b": 100 * MiB})
+    assert adm.committed(dm) == 700 * MiB, "a learned re-run counted twice (its want and its growth)"
+    adm = admission(mem_guard="want", mem_commit="now")
+    dm = adm.devices[DEV]
+    _, b = guarded_beside_a(adm)
+    b.mem_floor = 600 * MiB
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    assert adm.pump(DEV) == [b]
+    b.state = CommandState.RUNNING
+    for used in (500, 700):  # pids not ours: B's use only in the device's
+        memsample.apply(
+            adm,
+            {
+                "used": {DEV: used * MiB},
+                "held": {},
+                "pool": {},
+                "mapped": set(),
+                "sampled": {"a": (DEV, None), "b": (DEV, None)},
+                "at": time.monotonic(),
+            },
+        )
+        assert not dm.mapped and adm.committed(dm) == 700 * MiB, used
+
+
+def test_a_guarded_re_run_not_re_run_again_says_why() -> None:
+    """A guarded re-run whose out-of-memory shows it would not fit alone, or that fails as the
+    daemon stops, says so: not "re-run once already" (found by review)."""
+    adm = admission()
+    b = command(adm, "b", 300 * MiB)
+    b.reruns, b.guarded, b.solo, b.co_located = 1, True, False, True
+    b.spec = msgspec.structs.replace(b.spec, rerun_on_oom=True)
+    for fits, closing, why in ((False, False, "would not fit alone"), (True, True, "shutting down")):
+        b.report = P.CommandReport(
+            command="b", argv=["true"], device=DEV, policy="shared", state="exited", exit_code=1
+        )
+        assert not reruns.verdict(b, ["a"], fits_alone=fits, closing=closing)
+        assert why in b.report.error and "re-run once" not in b.report.error, b.report.error

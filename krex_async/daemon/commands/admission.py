@@ -79,10 +79,6 @@ class Admission:
         need (from that user's commands alone)."""
         return self.footprints.need(spec, uid, self.core.config.mem_default)
 
-    def holds(self, cmd: Command) -> int:
-        """What a running command is taken to hold: its need, or more where it was seen to."""
-        return commitment.holds(cmd)
-
     def headroom(self, dm: DeviceMemory) -> int:
         return int(dm.total * self.core.config.mem_headroom)
 
@@ -147,11 +143,11 @@ class Admission:
                     f"waiting for memory on {key}: footprint unknown, and {unknown.id} (unknown too) "
                     "runs there while its footprint is learned (declare Submit.mem, or --mem-default)"
                 )
-        free = self.free(dm, cmd.id)
+        free, held = self.free(dm, cmd.id), sum(commitment.holds(o) for o in others)
         if cmd.mem_need > free:
             return (
                 f"waiting for memory on {key}: needs ~{gib(cmd.mem_need)} ({cmd.mem_source}), "
-                f"{gib(free)} free of {gib(dm.total)} (commands {gib(sum(self.holds(o) for o in others))}, "
+                f"{gib(free)} free of {gib(dm.total)} (commands {gib(held)}, "
                 f"pool {gib(dm.pool)}, used {gib(dm.used)}, headroom {gib(self.headroom(dm))})"
             )
         return ""
@@ -199,14 +195,15 @@ class Admission:
         unknown = next((o for o in others if o.mem_source == "unknown"), None)
         if unknown is not None:
             return f"{why}: waits for {unknown.id} (need unknown) on {key}"
-        want = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor)  # as requeue's mem_guard
+        want = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor, cmd.mem_guard)
         by_peaks = self.core.config.mem_guard == "peak"
         held = commitment.peaks(dm, others) if by_peaks else self.committed(dm, cmd.id)
         free = max(0, dm.total - held - self.headroom(dm))
         if want > free:
-            source = "its out-of-memory's floor" if want > max(cmd.mem_need, cmd.mem_peak) else cmd.mem_source
+            source = "its out-of-memory's floor" if want > cmd.mem_need else cmd.mem_source
             by = "peaks" if by_peaks else "use"
             return f"{why}: needs ~{gib(want)} ({source}) beside the others' {by} on {key}, {gib(free)} free"
+        cmd.mem_guard = want  # what it is guarded at from its start (its need may have been learned since)
         return ""
 
     def admit(self, cmd: Command) -> bool:
@@ -414,6 +411,7 @@ class Admission:
         cmd.guarded = (cmd.reruns == 1 or grew) and cmd.mem_source != "unknown"
         cmd.solo = not cmd.guarded
         cmd.mem_guard = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor) if cmd.guarded else 0
+        cmd.mem_now = cmd.mem_peak = 0  # the failed run's, in mem_guard: the re-run's are its own
         dm.running.discard(cmd.id)
         dm.gated.discard(cmd.id)
         self._unqueue(dm, cmd.id)  # it failed while another of its processes waited at the gate
@@ -428,7 +426,7 @@ class Admission:
         dm.head_since.pop(cid, None)
 
     def reserved_metric(self, dm: DeviceMemory) -> None:
-        held = sum(self.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)
+        held = sum(commitment.holds(self.core.commands[c]) for c in dm.running if c in self.core.commands)
         self.core.events.emit(MemoryReserved(dm.device.key, held, dm.used))
 
     # ------------------------------------------------------------------------------ OOM verdict

@@ -34,8 +34,9 @@ GROW_S = 30.0
 
 
 def holds(cmd: Command) -> int:
-    """What a running command is taken to hold for its whole life: its need, or more where seen."""
-    return max(cmd.mem_need, cmd.mem_peak)
+    """What a running command is taken to hold for its whole life: its need, or more where seen (a
+    guarded re-run: what it is guarded at, its failed run's peak and floor included)."""
+    return max(cmd.mem_need, cmd.mem_peak, cmd.mem_guard if cmd.guarded else 0)
 
 
 def peaks(dm: DeviceMemory, running: list[Command]) -> int:
@@ -65,7 +66,8 @@ def committed(dm: DeviceMemory, running: list[Command], mode: str, guarding: str
     """What the device is taken to hold with `running` on it under --mem-commit `mode` and
     --mem-guard `guarding`."""
     guarded = [c for c in running if c.guarded]
-    if mode == "peak" or (guarded and guarding == "peak"):
+    # want counts a re-run's use by its processes: where the vendor's pids are not ours, by peaks
+    if mode == "peak" or (guarded and (guarding == "peak" or not dm.mapped)):
         return peaks(dm, running)
     now = time.monotonic()  # not seen yet: started since, or starting (no memory seen, bounded)
     unseen = [
@@ -76,5 +78,5 @@ def committed(dm: DeviceMemory, running: list[Command], mode: str, guarding: str
     ]
     more = sum(c.mem_need for c in unseen) + sum(guard(c) for c in guarded)
     if mode == "auto":
-        more += sum(grows(dm, c, now) for c in running if c not in unseen)
+        more += sum(grows(dm, c, now) for c in running if c not in unseen and not c.guarded)
     return dm.used + more

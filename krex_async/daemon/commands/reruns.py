@@ -87,7 +87,7 @@ def verdict(cmd: Command, others: list[str], fits_alone: bool, closing: bool) ->
     # once, twice where the floor grew, then alone)
     if cmd.spec.rerun_on_oom and not cmd.solo and cmd.reruns < MAX_RERUNS and fits_alone and not closing:
         return True
-    if cmd.reruns:
+    if cmd.solo or cmd.reruns >= MAX_RERUNS:
         times = {1: "once", 2: "twice"}.get(cmd.reruns, f"{cmd.reruns} times")
         why = f"it was re-run {times} already" + (", the last alone" if cmd.solo else "")
     elif not fits_alone:

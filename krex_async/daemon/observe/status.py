@@ -10,6 +10,7 @@ from typing import Any
 
 from krex_async import __version__, logs
 from krex_async.ctxpool import adoption
+from krex_async.daemon.commands import commitment
 from krex_async.daemon.commands.admission import Admission
 from krex_async.daemon.model.core import Core
 from krex_async.daemon.observe.metrics import Metrics
@@ -289,7 +290,7 @@ def memory_status(admission: Admission, key: str) -> dict[str, Any] | None:
     return {
         "total_bytes": dm.total,
         "used_bytes": dm.used,
-        "reserved_bytes": sum(admission.holds(commands[c]) for c in dm.running if c in commands),
+        "reserved_bytes": sum(commitment.holds(commands[c]) for c in dm.running if c in commands),
         "pool_bytes": dm.pool,
         "headroom_bytes": admission.headroom(dm),
         "free_for_commands_bytes": admission.free(dm),
