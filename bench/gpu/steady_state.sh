@@ -9,8 +9,9 @@
 #   2. then, once the steady run owes nothing (or first, with FIDELITY_FIRST=1) and at least
 #      FIDELITY_S (default 230) seconds are left, bench.gpu.check_fidelity, once.
 # With the defaults (the large KernelBench set, 48 jobs a round, 2 rounds, 2 alone rounds; shared at
-# 4, 8 and 12, region, and region with a reusing pool under --mem-commit auto and none, at 8; the
-# single-use pool left out: it ran below the reusing one in every invocation) the steady run is ~24
+# 4, 8 and 12, region, region with a reusing pool at 8, and at 10 with --mem-guard want, the lead on
+# the pool's memory queueing; the single-use pool left out: it ran below the reusing one in every
+# invocation) the steady run is ~24
 # min of units: three calls, a fourth if an estimate was short. A machine gone cold loses $STATE: carry the last
 # returned steady.json (at an ignored path) and name it in STEADY_FROM to continue it.
 # Environment (all optional): ADMIT (the region-admit@8 variant's args: serve args, then `-- `
@@ -38,7 +39,7 @@ pool="--pool-size 8 --pool-preload torch"
 off="--admission off"  # unprotected sharing: no memory admission either
 reuse="$pool --pool-max-uses 1000"  # the pool reusing its workers
 variants=("shared-4@4:$off" "shared-8@8:$off" "shared-12@12:$off" "region@8" "region-pool-reuse@8:$reuse"
-  "region-pool-reuse-none@8:$reuse --mem-commit none")  # none: auto's learned needs counted or not
+  "region-pool-reuse-want@10:$reuse --pool-size 10 --mem-guard want")  # a guarded re-run's room, narrower
 [ -n "${VARIANTS:-}" ] && eval "variants=($VARIANTS)"
 admit=()
 [ -n "${ADMIT:-}" ] && admit=("--admit=$ADMIT")

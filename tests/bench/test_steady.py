@@ -298,7 +298,7 @@ def test_the_device_script_runs_what_is_owed_within_its_call(tmp_path: Path) -> 
     assert "python3 -m bench.steady --kernelbench .suites/KernelBench --device gpu" in steps
     assert "region-pool@8:" not in steps  # the single-use pool is no longer a default
     reuse = "--pool-size 8 --pool-preload torch --pool-max-uses 1000"
-    assert f"region-pool-reuse-none@8:{reuse} --mem-commit none" in steps
+    assert f"region-pool-reuse-want@10:{reuse} --pool-size 10 --mem-guard want" in steps
     assert "region-pool-reuse@8:--pool-size 8 --pool-preload torch --pool-max-uses 1000" in steps
     assert "shared-8@8:--admission off" in steps  # unprotected sharing by default
     assert "--admit=--x on -- --max-running auto --resume --deadline-s" in steps
