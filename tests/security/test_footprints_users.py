@@ -151,3 +151,36 @@ async def test_a_peers_program_that_never_asks_is_not_measured_as_a_users_comman
         (releases / "r2").touch()
         await ended(c, again)
         await c.close()
+
+
+async def test_a_floor_a_peers_out_of_memory_showed_tells_nothing_of_a_users_need(
+    users: dict[str, User], shared_fake: dict[str, str], releases: Path
+) -> None:
+    """A command's output is its own to write: mallory's `bench` runs out of memory beside alice's
+    500 MiB, its message showing a floor of 900 MiB (50 held, 850 more). That floor is learned for
+    mallory's next `bench` (900, learned: the code before floors learned nothing from a failure),
+    and tells nothing of alice's first `bench` (unknown)."""
+    alice, mallory = users["alice"], users["mallory"]
+    fake = {k: v for k, v in shared_fake.items() if k.startswith("KREX_FAKE_GPU")}
+    group = str(grp.getgrnam("krexg").gr_gid)
+    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", "--mem-gate", "off")
+    args += ("--mem-commit", "none")  # mallory's unknown first run starts beside alice's
+    async with run_daemon(*args, "--socket-group", group, "--isolation", "signal", env=shared_fake) as d:
+        os.chmod(os.path.dirname(d.socket), 0o711)
+        c = await d.client()
+        holder = submit_as(alice, d.socket, "hold", releases / "rh", fake, "500M")
+        await until_status(c, holder, lambda s: s["mem_peak"] >= 500 * MiB, "alice's 500 MiB seen")
+        failed = submit_as(mallory, d.socket, "bench", releases / "r1", fake, "50M", "900M")
+        await ended(c, failed)
+        state = Path(d.socket).parent / "state" / "memory.json"
+        await until(lambda: state.exists() and 'label bench"' in state.read_text(), "mallory's floor learned")
+        again = submit_as(mallory, d.socket, "bench", releases / "r2", fake, "1M")
+        st = await row(c, again)
+        assert (st["mem_source"], st["mem_need"]) == ("learned", 900 * MiB), st
+        victim = submit_as(alice, d.socket, "bench", releases / "r3", fake, "1M")
+        st = await row(c, victim)
+        assert (st["mem_source"], st["mem_need"]) == ("unknown", 0), st
+        for name, command in (("rh", holder), ("r2", again), ("r3", victim)):
+            (releases / name).touch()
+            await ended(c, command)
+        await c.close()
