@@ -112,7 +112,7 @@ class Admission:
         """Why `cmd` may not start on the device now ("" when it may)."""
         if cmd.gate == "asked" and (region := self._region_on(cmd, dm)):
             return region
-        others = [self.core.commands[c] for c in dm.running if c != cmd.id]
+        others = self._others(dm, cmd.id)
         if not others:  # alone: whatever the figures say (a command that fits alone always runs)
             return ""
         key = dm.device.key
@@ -195,15 +195,15 @@ class Admission:
         unknown = next((o for o in others if o.mem_source == "unknown"), None)
         if unknown is not None:
             return f"{why}: waits for {unknown.id} (need unknown) on {key}"
-        want = max(cmd.mem_need, cmd.mem_peak, cmd.mem_floor, cmd.mem_guard)
+        want = max(cmd.mem_need, cmd.mem_guard)  # its need may have been learned since requeue
         by_peaks = self.core.config.mem_guard == "peak"
         held = commitment.peaks(dm, others) if by_peaks else self.committed(dm, cmd.id)
         free = max(0, dm.total - held - self.headroom(dm))
         if want > free:
-            source = "its out-of-memory's floor" if want > cmd.mem_need else cmd.mem_source
+            source = "what its failed run reached or showed" if want > cmd.mem_need else cmd.mem_source
             by = "peaks" if by_peaks else "use"
             return f"{why}: needs ~{gib(want)} ({source}) beside the others' {by} on {key}, {gib(free)} free"
-        cmd.mem_guard = want  # what it is guarded at from its start (its need may have been learned since)
+        cmd.mem_guard = want  # what it is guarded at from its start
         return ""
 
     def admit(self, cmd: Command) -> bool:
