@@ -119,6 +119,7 @@ def stack(v: Variant, a: argparse.Namespace, width: int) -> Stack:
         name=v.name,
         token=a.gateway_token,
         prefix="krex-jobs-",
+        parent=a.stack_dir,
     )
 
 
@@ -464,6 +465,13 @@ def add_job_args(ap: argparse.ArgumentParser, default_set: str = "default") -> N
     )
     ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds per job")
     ap.add_argument("--python", default=sys.executable, help="interpreter of daemon, gateway, jobs")
+    ap.add_argument(
+        "--stack-dir",
+        type=Path,
+        default=Path("/tmp"),
+        help="where each stack makes its directory (sockets, state; removed when it stops): one "
+        "the jobs' user can traverse (default /tmp)",
+    )
 
 
 def check_job_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -489,6 +497,8 @@ def check_job_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         a.device = "gpu" if _has_cuda(a.python) else "cpu"
     # cpu: one logical device, so every job shares it as jobs share one GPU
     a.daemon_devices = (["--devices", "cpu:1"] if a.device == "cpu" else []) + a.daemon_arg
+    if not a.stack_dir.is_dir():
+        ap.error(f"--stack-dir {a.stack_dir}: not a directory")
     a.logdir = a.out.parent / (a.out.stem + ".logs")
     a.logdir.mkdir(parents=True, exist_ok=True)
 

@@ -84,9 +84,10 @@ def stream(js: list[jobs_sets.Job], n: int, seed: int, rnd: int) -> list[jobs_se
 
 async def agents(
     url: str, token: str | None, todo: list[jobs_sets.Job], c: int, timeout_s: float, prog: Progress
-) -> tuple[float, list[dict[str, Any]]]:
+) -> tuple[float, float, list[dict[str, Any]]]:
     """C agent loops over one stream: each submits its next job when its previous one has ended.
-    Returns (makespan s, records in completion order, each with its agent and stream index)."""
+    Returns (the unix time of the first submit, makespan s, records in completion order, each with
+    its agent and stream index; their submit_s and end_s are seconds after that first submit)."""
     from krex_async.gateway.client import GatewayClient
 
     queue = iter(enumerate(todo))
@@ -95,7 +96,7 @@ async def agents(
     wait_s = timeout_s * max(2, len(todo) / c) + 60
 
     async with GatewayClient(url, token, timeout=timeout_s + 120) as gw:
-        t0 = time.monotonic()
+        t0, t0_at = time.monotonic(), time.time()
 
         async def agent(i: int) -> None:
             for idx, job in queue:  # one iterator: the next job goes to whichever agent is free
@@ -103,7 +104,7 @@ async def agents(
                 recs.append({**rec, "agent": i, "index": idx})
 
         await asyncio.gather(*(agent(i) for i in range(c)))
-    return time.monotonic() - t0, recs
+    return t0_at, time.monotonic() - t0, recs
 
 
 def width_of(v: jobs.Variant, a: argparse.Namespace) -> int:
@@ -130,7 +131,11 @@ async def run_round(u: Unit, js: list[jobs_sets.Job], a: argparse.Namespace) -> 
     try:
         async with jobs.stack(dataclasses.replace(v, name=f"{v.name}-r{u.round}"), a, c) as st:
             out["pool_warm_s"] = await jobs.pool_warm(st.daemon.socket, a.pool_warm_s)
-            out["makespan_s"], out["jobs"] = await agents(st.url, st.token, todo, c, a.job_timeout, prog)
+            # stream_at: the unix time the jobs' submit_s and end_s count from, to line them up with
+            # the daemon's and gateway's log times (started_at is before the stack started)
+            out["stream_at"], out["makespan_s"], out["jobs"] = await agents(
+                st.url, st.token, todo, c, a.job_timeout, prog
+            )
             out["pools"] = await jobs.pool_counts(st.daemon.socket)
             out["memory_total"] = await jobs.device_memory(st.daemon.socket)
     except RuntimeError as e:  # the daemon or gateway refused this configuration

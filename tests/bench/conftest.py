@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,16 @@ def with_stand_in_torch(
 @pytest.fixture
 def bench_root() -> Path:
     return BENCH
+
+
+@pytest.fixture
+def stack_dir() -> Iterator[Path]:
+    """A directory of this test's own for the stacks' directories (--stack-dir): a stack that left
+    its state behind is found there, never confused with another test run's stacks in /tmp.
+    Short (socket paths) and traversable by the jobs' user."""
+    d = Path(tempfile.mkdtemp(prefix="kxs-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

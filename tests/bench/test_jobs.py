@@ -462,11 +462,12 @@ def test_budget_would_have_kept_the_recorded_h200_run_in_one_call() -> None:
 
 
 @pytest.mark.slow
-def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path, suites: Path) -> None:
+def test_whole_run_on_the_cpu_device_through_the_gateway(
+    tmp_path: Path, suites: Path, stack_dir: Path
+) -> None:
     kb = write_kernelbench(suites / "kb")
     atrex = write_atrex(suites / "atrex")
     out = tmp_path / "r" / "jobs.json"
-    before = set(Path("/tmp").glob("krex-jobs-*"))  # the stacks' directories (jobs.stack)
     p = run_script(
         "-m",
         "bench.jobs",
@@ -491,10 +492,12 @@ def test_whole_run_on_the_cpu_device_through_the_gateway(tmp_path: Path, suites:
         "command",
         "--out",
         str(out),
+        "--stack-dir",
+        str(stack_dir),
         timeout=400,
     )
     data = json.loads(out.read_text())
-    assert set(Path("/tmp").glob("krex-jobs-*")) <= before, "a stack left its state behind"
+    assert not list(stack_dir.iterdir()), "a stack left its state behind"
     assert [r["round"] for r in data["alone"]] == ["alone-1", "alone-2"]
     assert all(r["ok"] for rnd in data["alone"] for r in rnd["jobs"]), data["alone"]
     assert set(data["summary"]["baselines"]) == {

@@ -225,14 +225,14 @@ def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) -> None:
+def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path, stack_dir: Path) -> None:
     out = tmp_path / "steady.json"
     common = [
         "-m", "bench.steady", "--device", "cpu", "--set", "tiny", "--cpu-jobs", "2", "--jobs-per-round", "4",
         "--rounds", "2", "--alone-rounds", "1", "--concurrency", "2", "--out", str(out),
+        "--stack-dir", str(stack_dir),
         "--variants", "shared", "region", "region-gw@2:-- --max-running none",
     ]  # fmt: skip
-    before = set(Path("/tmp").glob("krex-jobs-*"))
     first = run_script(*common, "--units", "2", timeout=300)
     data = json.loads(out.read_text())
     assert [r["unit"] for r in data["alone"]] == ["alone-1"]
@@ -244,7 +244,7 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
     assert p.returncode == 2 and "planned with other concurrency" in p.stderr, p.stderr
     second = run_script(*common, "--resume", timeout=400)
     data = json.loads(out.read_text())
-    assert set(Path("/tmp").glob("krex-jobs-*")) <= before, "a stack left its state behind"
+    assert not list(stack_dir.iterdir()), "a stack left its state behind"
     assert [r["unit"] for r in data["rounds"]] == [
         "shared/r1", "region/r1", "region-gw/r1", "shared/r2", "region/r2", "region-gw/r2"
     ]  # fmt: skip
@@ -260,6 +260,11 @@ def test_a_tiny_stream_through_the_gateway_split_over_two_calls(tmp_path: Path) 
         }
     region = [g for r in data["rounds"] if r["variant"] == "region" for j in r["jobs"] for g in j["regions"]]
     assert region and all("enter_s" in g for g in region)
+    for r in data["rounds"]:  # a job's times line up with the daemon's clock through stream_at
+        for j in r["jobs"]:
+            for g in j["regions"]:
+                span = (r["stream_at"] + j["submit_s"] - 0.01, r["stream_at"] + j["end_s"] + 0.01)
+                assert span[0] <= g["requested_at"] <= span[1], (span, g["requested_at"], r["started_at"])
     s = data["summary"]["variants"]
     assert len(s["region"]["rounds"]) == 2 and s["region"]["jobs_per_min"]["n"] == 2
     assert s["region"]["entry"]["n"] == len(region)

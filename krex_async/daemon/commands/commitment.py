@@ -78,5 +78,6 @@ def committed(dm: DeviceMemory, running: list[Command], mode: str, guarding: str
     ]
     more = sum(c.mem_need for c in unseen) + sum(guard(c) for c in guarded)
     if mode == "auto":
-        more += sum(grows(dm, c, now) for c in running if c not in unseen and not c.guarded)
+        counted = {id(c) for c in unseen}
+        more += sum(grows(dm, c, now) for c in running if id(c) not in counted and not c.guarded)
     return dm.used + more
