@@ -32,7 +32,7 @@ MiB = 1 << 20
 def admission(**cfg: Any) -> Admission:
     cpus = frozenset(os.sched_getaffinity(0))
     core = Core(
-        config=ServeConfig(mem_headroom=0, **cfg),  # type: ignore[arg-type]
+        config=ServeConfig(**{"mem_headroom": 0, **cfg}),  # type: ignore[arg-type]
         backend=FakeBackend(),
         devices=[
             Device(index=0, key=DEV, vendor="nvidia", name="fake", cpus=cpus, memory_total_bytes=1000 * MiB)
@@ -83,7 +83,7 @@ def sample(adm: Admission, used: int, held: dict[str, int]) -> None:
             "held": held,
             "pool": {},
             "mapped": {DEV} if held else set(),
-            "sampled": {cid: (DEV, None) for cid in held},
+            "sampled": {cid: (DEV, c.group if (c := adm.core.commands.get(cid)) else None) for cid in held},
             "at": time.monotonic(),
         },
     )
@@ -407,7 +407,7 @@ async def test_under_mem_guard_want_a_re_run_counts_its_guard_not_its_failed_run
                 "held": {},
                 "pool": {},
                 "mapped": set(),
-                "sampled": {"a": (DEV, None), "b": (DEV, None)},
+                "sampled": {"a": (DEV, adm.core.commands["a"].group), "b": (DEV, b.group)},
                 "at": time.monotonic(),
             },
         )
@@ -427,3 +427,101 @@ def test_a_guarded_re_run_not_re_run_again_says_why() -> None:
         )
         assert not reruns.verdict(b, ["a"], fits_alone=fits, closing=closing)
         assert why in b.report.error and "re-run once" not in b.report.error, b.report.error
+
+
+def oom_message(held_mib: int, tried_mib: int) -> bytes:
+    """torch's out-of-memory message on this 1000 MiB device: the process held `held_mib` and
+    tried to allocate `tried_mib` more."""
+    return (
+        b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate %d.00 MiB. GPU 0 has a total "
+        b"capacity of 1000.00 MiB of which 1.00 MiB is free. Including non-PyTorch memory, this process "
+        b"has %d.00 MiB memory in use.\n" % (tried_mib, held_mib)
+    )
+
+
+async def test_a_sample_of_the_failed_run_applied_after_the_requeue_is_not_the_re_runs() -> None:
+    """--mem-guard want (found by review): a sample read while B's failed run was alive (600) and
+    applied after B was put back in line must not give the re-run that run's figures: its guard
+    would count as reached, and C (500) would be admitted into B's room."""
+    adm = admission(mem_guard="want", mem_commit="now")
+    dm = adm.devices[DEV]
+    _, b = guarded_beside_a(adm)
+    failed = b.group
+    sample(adm, 700 * MiB, {"a": 100 * MiB, "b": 600 * MiB})
+    late = {
+        "used": {DEV: 700 * MiB},
+        "held": {"a": 100 * MiB, "b": 600 * MiB},
+        "pool": {},
+        "mapped": {DEV},
+        "sampled": {"a": (DEV, adm.core.commands["a"].group), "b": (DEV, failed)},
+        "at": time.monotonic(),
+    }
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    memsample.apply(adm, late)  # read before the requeue, applied after it
+    assert b.mem_now == b.mem_peak == 0 and b.mem_guard == 600 * MiB
+    assert adm.core.commands["a"].mem_now == 100 * MiB  # A's run is the one sampled
+    sample(adm, 100 * MiB, {"a": 100 * MiB})
+    assert adm.pump(DEV) == [b]
+    b.state, b.group = CommandState.RUNNING, Group("b")  # its re-run's processes
+    assert adm.committed(dm) == 700 * MiB  # 100 used, 600 for B's re-run still to take
+    c = command(adm, "c", 500 * MiB)
+    assert not adm.ask(c) and "waiting for memory" in c.mem_wait
+
+
+async def test_a_re_runs_floor_above_its_guard_is_kept_though_its_processes_peaked_higher() -> None:
+    """(found by review) B's first re-run is guarded at 300; its processes together reach 450 and
+    its out-of-memory shows a floor of 400 (200 held, 200 tried) in one of them: more than it was
+    guarded at, so its second re-run is guarded again (at 450), not run alone."""
+    adm = admission()
+    _, b = guarded_beside_a(adm)
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    assert b.guarded and b.mem_guard == 300 * MiB
+    assert adm.pump(DEV) == [b]
+    b.state, b.group = CommandState.RUNNING, Group("b")
+    sample(adm, 550 * MiB, {"a": 100 * MiB, "b": 450 * MiB})
+    b.err.add(oom_message(200, 200))
+    adm.learn_floor(b)
+    assert b.mem_floor == 400 * MiB
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    assert b.reruns == 2 and b.guarded and not b.solo and b.mem_guard == 450 * MiB
+
+
+def test_a_floor_within_the_headroom_still_fits_alone() -> None:
+    """(found by review) A command alone starts whatever the figures say: a floor of 960 on this
+    1000 MiB device (within its 5% headroom) fits alone, and its failure beside another is
+    re-run, not called its own."""
+    adm = admission(mem_headroom=0.05)
+    b = command(adm, "b", 0)
+    b.err.add(oom_message(760, 200))
+    adm.learn_floor(b)
+    assert b.mem_floor == 960 * MiB and adm.fits_alone(b)
+    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="k"), os.getuid()) == (0, "unknown")
+    big = command(adm, "c", 0)
+    big.err.add(oom_message(900, 200))
+    adm.learn_floor(big)
+    assert big.mem_floor == 1100 * MiB and not adm.fits_alone(big)
+
+
+async def test_a_guarded_re_run_started_alone_is_guarded_at_a_need_learned_since() -> None:
+    """--mem-guard want (found by review): B's re-run is guarded at 300, and its problem's need is
+    learned as 800 while it waits. Started alone (the device empty), it is guarded at 800: C (500)
+    is not admitted into the room B has still to take."""
+    adm = admission(mem_guard="want", mem_commit="now")
+    dm = adm.devices[DEV]
+    adm.footprints.learn(os.getuid(), ["label job"], 300 * MiB)
+    b = learned(adm, "b", "job")
+    b.co_located = True
+    b.reset_for_rerun("co-located OOM")
+    adm.requeue(b)
+    assert b.guarded and b.mem_guard == 300 * MiB
+    adm.footprints.learn(os.getuid(), ["label job"], 800 * MiB)  # another of its problem ended
+    assert adm.pump(DEV) == [b]  # alone
+    assert b.mem_need == b.mem_guard == 800 * MiB
+    b.state, b.group = CommandState.RUNNING, Group("b")
+    sample(adm, 100 * MiB, {"b": 100 * MiB})
+    assert adm.committed(dm) == 800 * MiB
+    c = command(adm, "c", 500 * MiB)
+    assert not adm.ask(c) and "waiting for memory" in c.mem_wait

@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 
 from krex_async import protocol as P
 from krex_async.daemon.config import ServeConfig
+from krex_async.daemon.model import events as E
 from krex_async.daemon.model.command import Command, CommandState
 from krex_async.daemon.model.core import Core, Outcome, Region
 from krex_async.daemon.model.holdset import HoldSet
@@ -748,3 +750,24 @@ def test_the_outcome_is_an_enum_spelled_as_the_wire_says() -> None:
     assert r.outcome is Outcome.OPEN
     r.outcome = Outcome.OWNER_DIED
     assert rep.outcome == "owner-died" and type(rep.outcome) is str and r.held.report is rep
+
+
+async def test_a_re_run_is_owed_nothing_of_its_failed_runs_share(engine: Engine) -> None:
+    """Others' regions held B for 8 of the last 10 s, so a region would wait for B's share; B then
+    fails with a co-located out-of-memory and is re-run: a new run, which no region has held.
+    The next region does not wait for it (on an H100 one waited 3.6 s for such a re-run)."""
+    e = engine
+    o = e.command("o", [NO_PID])
+    b = e.command("b", [NO_PID + 1])
+    now = time.monotonic()
+    e.regions.share.end("before", ["b"], now - 8.0, now)
+    assert e.regions.share.owed_s("b", time.monotonic()) > 0
+    b.reset_for_rerun("co-located OOM")
+    e.core.events.emit(E.CommandRequeued(b, "co-located OOM"))
+    b.state, b.group = CommandState.RUNNING, Group("b")  # its re-run started
+    r, owner = e.enter(o, NO_PID)
+    await granted(r, owner)
+    assert r.outcome is Outcome.HELD and r.report.share_for == [] and r.report.share_wait_s == 0.0
+    release(e, r)
+    await ended(r)
+    nothing_held(e, r)

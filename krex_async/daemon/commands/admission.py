@@ -310,6 +310,8 @@ class Admission:
 
     def _run(self, cmd: Command, dm: DeviceMemory) -> None:
         cmd.mem_wait, cmd.mem_admitted = "", time.monotonic()
+        if cmd.guarded:  # started alone, past _guard_wait: a need learned since the requeue counts
+            cmd.mem_guard = max(cmd.mem_guard, cmd.mem_need)
         if dm.running or dm.pool:  # beside others: an out-of-memory failure may be theirs
             cmd.co_located = True
             for c in dm.running:
@@ -388,16 +390,15 @@ class Admission:
 
     def learn_floor(self, cmd: Command) -> None:
         """`cmd` ran out of memory: what its failure shows it needs at least (reruns.floor) is its
-        floor (fits_alone counts it) and, where it fits the device alone, is learned under its
-        keys as a peak, so its re-run and the next command of its problem are not taken at a
-        guess that fell short."""
+        floor (fits_alone counts it) and, above its run's peak and within the device, is learned
+        under its keys, so its re-run and its problem's next command are not taken at a guess."""
         dm = self.devices.get(cmd.device_key or "")
         floor = reruns.floor(cmd)
-        if dm is None or floor <= max(cmd.mem_floor, cmd.mem_peak):
+        if dm is None or floor <= cmd.mem_floor:
             return
-        cmd.mem_floor = floor
+        cmd.mem_floor = floor  # below the sampled peak too: above the guard, a re-run guarded again
         log.info("command_oom_floor", command=cmd.id, floor=floor, need=cmd.mem_need, source=cmd.mem_source)
-        if floor <= dm.total - self.headroom(dm):  # else it needs more than the device: its own failure
+        if cmd.mem_peak < floor <= dm.total:  # else it says nothing new, or is its own failure
             self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec), floor)
 
     def requeue(self, cmd: Command) -> None:
@@ -433,7 +434,8 @@ class Admission:
 
     def fits_alone(self, cmd: Command) -> bool:
         dm = self.devices.get(cmd.device_key or "")
-        return dm is not None and max(cmd.mem_need, cmd.mem_floor) <= dm.total - self.headroom(dm)
+        """Whether `cmd` could run alone: a command alone starts whatever the figures say."""
+        return dm is not None and max(cmd.mem_need, cmd.mem_floor) <= dm.total
 
     def bypassed(self, cmd: Command, dm: DeviceMemory) -> None:
         """A gated command seen holding device memory without asking (no torch): counted now."""

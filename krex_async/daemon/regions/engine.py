@@ -67,6 +67,9 @@ class Regions:
         self.joins = Joins(core, self.hold, self.holder_on, self.exits)  # commands meeting a region under way
         self.share = Share(cfg.hold_share, cfg.share_window)  # siblings' share of the device
         self.share_wake: dict[str, asyncio.Future[None]] = {}  # device -> its region's share wait
+        # a re-run is a new run: the time others' regions held the failed one is owed to no one (on
+        # the H100 a region waited 3.6 s for a guarded re-run owed its failed run's share)
+        core.events.subscribe(E.CommandRequeued, lambda e: self.share.forget(e.cmd.id))
 
     def create(
         self,

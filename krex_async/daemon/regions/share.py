@@ -14,7 +14,8 @@ sibling runs; then it isolates as ever, so a grant still never comes while a sib
 Not owed a share: a sibling whose own region is requested (it waits for that, not to run), and one
 that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of the
 time over IDLE_PROBE_S, and no thread runnable at its end: blocked, sleeping, idle), whose spans
-are then forgotten. Regions of a command never hold that command. --hold-share 0 or 1 turns this
+are then forgotten, and a command put back in line to run again (a re-run: a new run, which no
+region has held). Regions of a command never hold that command. --hold-share 0 or 1 turns this
 off.
 """
 
