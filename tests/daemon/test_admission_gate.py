@@ -525,3 +525,19 @@ async def test_a_guarded_re_run_started_alone_is_guarded_at_a_need_learned_since
     assert adm.committed(dm) == 800 * MiB
     c = command(adm, "c", 500 * MiB)
     assert not adm.ask(c) and "waiting for memory" in c.mem_wait
+
+
+def test_a_floor_is_learned_for_its_problem_not_for_its_kind() -> None:
+    """(found by review) A problem's out-of-memory floor is learned under its own key: the next
+    command of that problem needs it, one of another problem of the same kind is not taken at it
+    (a problem failing twice filled three of its kind's remembered peaks: its typical)."""
+    adm = admission()
+    b = added(adm, "b", P.Submit(id=0, argv=["true"], mem_key="eval / wide"))
+    b.err.add(oom_message(500, 200))
+    adm.learn_floor(b)
+    assert b.mem_floor == 700 * MiB
+    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / wide"), os.getuid()) == (
+        700 * MiB,
+        "learned",
+    )
+    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / narrow"), os.getuid()) == (0, "unknown")

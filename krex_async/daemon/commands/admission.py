@@ -390,8 +390,9 @@ class Admission:
 
     def learn_floor(self, cmd: Command) -> None:
         """`cmd` ran out of memory: what its failure shows it needs at least (reruns.floor) is its
-        floor (fits_alone counts it) and, above its run's peak and within the device, is learned
-        under its keys, so its re-run and its problem's next command are not taken at a guess."""
+        floor (fits_alone counts it) and, above its run's peak and within the device, is learned under
+        its problem's keys (not its kind's: one problem's failures are not the kind's typical), so
+        its re-run and its problem's next command are not taken at a guess."""
         dm = self.devices.get(cmd.device_key or "")
         floor = reruns.floor(cmd)
         if dm is None or floor <= cmd.mem_floor:
@@ -399,7 +400,7 @@ class Admission:
         cmd.mem_floor = floor  # below the sampled peak too: above the guard, a re-run guarded again
         log.info("command_oom_floor", command=cmd.id, floor=floor, need=cmd.mem_need, source=cmd.mem_source)
         if cmd.mem_peak < floor <= dm.total:  # else it says nothing new, or is its own failure
-            self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec), floor)
+            self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + mem_keys(cmd.spec)[:1], floor)
 
     def requeue(self, cmd: Command) -> None:
         """A re-run: out of the running set, first in line (it already waited its turn). Guarded
