@@ -43,7 +43,7 @@ from krex_async.daemon.regions.exits import Exits
 from krex_async.daemon.regions.fence import CoreFence
 from krex_async.daemon.regions.joins import Joins
 from krex_async.daemon.regions.policy import HoldPolicy
-from krex_async.daemon.regions.share import IDLE_PROBE_S, Share, busy_ns, cpu_by_pid, idle_since
+from krex_async.daemon.regions.share import IDLE_PROBE_S, IdleProbes, Share, cpu_by_pid
 from krex_async.isolation.base import IsolationError
 from krex_async.probes.hold import HOLD
 
@@ -385,8 +385,8 @@ class Regions:
 
     async def _share_wait(self, r: Region) -> bool:
         """With its turn, before its entry: wait while siblings it would hold are owed their share
-        (share.py), none of them held, so they run. A sibling that does not use IDLE_PROBE_S of it
-        (share.idle_since) is not waited for. False when the region ended meanwhile."""
+        (share.py), none of them held, so they run. A sibling that does not use the time
+        (share.IdleProbes) is not waited for. False when the region ended meanwhile."""
         if not (self.share.over and self.core.scheduler.isolates()):  # the common path
             return True
         due = self.owed(r)
@@ -397,24 +397,19 @@ class Regions:
         r.sharing = True
         t0 = time.perf_counter()
         self.core.events.emit(E.ShareWaiting(r, dict(due)))
-        base: dict[str, tuple[float, int]] = {}  # command -> (since, its CPU ns then)
+        probes = IdleProbes()
         try:
             while due:
                 rep.share_for = sorted(set(rep.share_for) | set(due))
                 for cid in due:
-                    base.setdefault(cid, (time.monotonic(), busy_ns(self._pids(cid))))
+                    probes.start(cid, self._pids(cid))
                 wake = self.share_wake[r.device] = asyncio.get_running_loop().create_future()
                 either: list[asyncio.Future[Any]] = [r.ended, wake]
                 await asyncio.wait(either, timeout=min(min(due.values()), IDLE_PROBE_S))
                 if r.ended.done():
                     return False
-                now = time.monotonic()
-                for cid, (since, ns) in base.items():
-                    if (
-                        cid in due
-                        and cid not in rep.share_idle
-                        and idle_since(self._pids(cid), since, ns, now)
-                    ):
+                for cid in [c for c in probes.started() if c in due and c not in rep.share_idle]:
+                    if probes.idle(cid, self._pids(cid)):
                         self.share.forget(cid)  # it was given the device and did not use it
                         rep.share_idle.append(cid)
                 due = self.owed(r)

@@ -11,17 +11,18 @@ one charged for --hold-share of the last --share-window is owed the time until t
 The region waits that long with its turn kept (queued, never refused, no sibling held), so the
 sibling runs; then it isolates as ever, so a grant still never comes while a sibling runs.
 
-Not owed a share: a sibling whose own region is requested (it waits for that, not to run), and one
-that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of the
-time over IDLE_PROBE_S, and no thread runnable at its end: blocked, sleeping, idle), whose spans
-are then forgotten, and a command put back in line to run again (a re-run: a new run, which no
-region has held). Regions of a command never hold that command. --hold-share 0 or 1 turns this
-off.
+Not owed a share: a sibling whose own region is requested (it waits for that, not to run); one
+that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of its
+last IDLE_PROBE_S and under 5% of the whole wait, and no thread runnable at its end: blocked,
+sleeping, idle; IdleProbes), whose spans are then forgotten; and a command put back in line to run
+again (a re-run: a new run, which no region has held). Regions of a command never hold that
+command. --hold-share 0 or 1 turns this off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -37,6 +38,12 @@ CpuReading = Mapping[str, Mapping[int, int]]  # command -> pid -> CPU ns (cpu_by
 # (150.7 ms; 71.8 ms without it: bench/RESULTS.md, session 26).
 IDLE_PROBE_S = 0.02
 IDLE_BUSY = 0.01
+# ... and that over the whole wait so far spent under IDLE_WAIT_BUSY of it so: its first moments,
+# thawed by the region before, are its catch-up on what waited meanwhile. By IDLE_BUSY of the whole
+# wait alone (the rule until session 28), 2 ms of catch-up kept a sibling that then blocked "busy"
+# for 0.2 s, the length of most share waits that found a sibling idle on the H100's steady runs
+# (session 27). A sibling busy IDLE_WAIT_BUSY of the time or more is waited for as before.
+IDLE_WAIT_BUSY = 0.05
 # uvloop's timers run on a millisecond clock read at the loop's turn, so a wait of IDLE_PROBE_S
 # can end a little before time.monotonic() says it has passed; without this slack the probe then
 # took a second round (0.2 s instead of 0.1 in half the idle probes of session 24's steady run)
@@ -167,6 +174,38 @@ class Share:
         }
 
 
+class IdleProbes:
+    """The idle probes of one region's share wait: per sibling owed, its busy ns when it was first
+    probed and at its last probe. Idle: under IDLE_BUSY of its last probe (at least IDLE_PROBE_S)
+    and under IDLE_WAIT_BUSY of the whole wait on a CPU or in a run queue, and no thread runnable."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, tuple[float, int]] = {}  # command -> (monotonic, busy ns) at its first probe
+        self.last: dict[str, tuple[float, int]] = {}  # ... at its last probe
+
+    def start(self, cid: str, pids: list[int]) -> None:
+        """Probe `cid` (its processes `pids`) from now, unless it is probed already."""
+        if cid not in self.first:
+            self.first[cid] = self.last[cid] = (time.monotonic(), busy_ns(pids))
+
+    def started(self) -> list[str]:
+        return list(self.first)
+
+    def idle(self, cid: str, pids: list[int]) -> bool:
+        """Whether `cid` did not use the time it was given (the class docstring); a probe of at
+        least IDLE_PROBE_S that finds it busy starts the next."""
+        (t0, b0), (t1, b1) = self.first[cid], self.last[cid]
+        now = time.monotonic()
+        if not pids or now - t1 < IDLE_PROBE_S - PROBE_SLACK_S:
+            return False
+        busy = busy_ns(pids)
+        last, whole = busy - b1 < IDLE_BUSY * (now - t1) * 1e9, busy - b0 < IDLE_WAIT_BUSY * (now - t0) * 1e9
+        if last and whole and not runnable(pids):
+            return True
+        self.last[cid] = (now, busy)
+        return False
+
+
 def cpu_by_pid(pids: list[int]) -> dict[int, int]:
     """CPU ns each of `pids` has had, its threads summed (schedstat); one gone is left out. Keyed
     by pid, so that a process that joins or leaves a command between two readings adds nothing
@@ -176,15 +215,6 @@ def cpu_by_pid(pids: list[int]) -> dict[int, int]:
         with contextlib.suppress(ValueError, IndexError):
             out[pid] = out.get(pid, 0) + int(text.split()[0])
     return out
-
-
-def idle_since(pids: list[int], since: float, busy_then: int, now: float) -> bool:
-    """Whether the processes `pids`, at busy_ns `busy_then` at `since` (monotonic), did not use the
-    time to `now`, at least IDLE_PROBE_S: on a CPU or in a run queue under IDLE_BUSY of it, and
-    none of their threads runnable now."""
-    if not pids or now - since < IDLE_PROBE_S - PROBE_SLACK_S:
-        return False
-    return busy_ns(pids) - busy_then < IDLE_BUSY * (now - since) * 1e9 and not runnable(pids)
 
 
 def runnable(pids: list[int]) -> bool:
