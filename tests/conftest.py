@@ -218,6 +218,18 @@ def script(tmp_path: Path) -> Iterator[object]:
     yield make
 
 
+@contextlib.contextmanager
+def open_tmpdir(prefix: str, mode: int) -> Iterator[Path]:
+    """A fresh directory under /tmp with `mode`, for other users (pytest's tmp_path is under a 0700
+    directory of root's), short enough for socket paths; removed with what is in it."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(mode)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def py_env(**extra: str) -> dict[str, str]:
     """The environment for commands: this interpreter's, with the package importable."""
     e = dict(os.environ)

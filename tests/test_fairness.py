@@ -197,17 +197,24 @@ async def test_a_region_is_granted_only_after_the_sibling_is_held_again(isolatio
         assert any(regions[i - 1]["t1"] < t < regions[i]["t0"] for t in ts), (i, regions[i])
 
 
+async def beside_the_loop(script, source: str, seconds: float) -> tuple[str, list[dict[str, Any]]]:
+    """A sibling running `source` while the owner's regions go back to back for `seconds`: its
+    command id, and the owner's regions."""
+    async with run_daemon("--share-window", str(WINDOW)) as d:
+        async with await d.client() as c:
+            sibling = await c.submit([PY, script("sibling.py", source)], env=py_env())
+            await running(c, sibling.command)
+            regions, _ = await run_loop(c, script, seconds)
+            await sibling.cancel(9)
+            await sibling.wait()
+    return sibling.command, regions
+
+
 async def test_an_idle_sibling_is_not_waited_for(script, tmp_path):
     """A sibling that sleeps uses none of the time it is given: the region stops waiting for it
     after a short probe (IDLE_PROBE_S), and the report names it idle."""
-    async with run_daemon("--share-window", str(WINDOW)) as d:
-        async with await d.client() as c:
-            sleeper = await c.submit([PY, script("sleeper.py", SLEEPER)], env=py_env())
-            await running(c, sleeper.command)
-            regions, _ = await run_loop(c, script, 2 * WINDOW)
-            await sleeper.cancel(9)
-            await sleeper.wait()
-    idle = [r for r in regions if sleeper.command in r["share_idle"]]
+    sleeper, regions = await beside_the_loop(script, SLEEPER, 2 * WINDOW)
+    idle = [r for r in regions if sleeper in r["share_idle"]]
     assert idle, f"the sleeper was never found idle: {regions}"
     waited = sum(r["share_wait_s"] for r in regions)
     assert waited < 0.25 * (regions[-1]["t1"] - regions[0]["t0"]), (
@@ -234,16 +241,8 @@ async def test_a_sibling_that_catches_up_after_its_thaw_is_not_waited_for_long(s
     """Thawed by the region before, the sibling spins 4 ms and then sleeps: no share wait for it
     lasts 0.3 s. Judged by 1% of the whole wait (the rule until session 28), the 4 ms kept it
     "busy" for 0.4 s, and a region waited all it was owed (0.72-0.74 s here)."""
-    async with run_daemon("--share-window", str(WINDOW)) as d:
-        async with await d.client() as c:
-            catcher = await c.submit([PY, script("catcher.py", CATCHER)], env=py_env())
-            await running(c, catcher.command)
-            regions, _ = await run_loop(c, script, 3 * WINDOW)
-            await catcher.cancel(9)
-            await catcher.wait()
-    waits = [
-        (round(r["share_wait_s"], 3), r["share_idle"]) for r in regions if catcher.command in r["share_for"]
-    ]
+    catcher, regions = await beside_the_loop(script, CATCHER, 3 * WINDOW)
+    waits = [(round(r["share_wait_s"], 3), r["share_idle"]) for r in regions if catcher in r["share_for"]]
     assert waits, f"no region waited for the catcher's share: {regions}"
     assert max(w for w, _ in waits) < 0.3, waits
 

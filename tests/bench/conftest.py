@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from ..conftest import open_tmpdir
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -53,9 +53,5 @@ def stack_dir() -> Iterator[Path]:
     """A directory of this test's own for the stacks' directories (--stack-dir): a stack that left
     its state behind is found there, never confused with another test run's stacks in /tmp.
     Short (socket paths) and traversable by the jobs' user."""
-    d = Path(tempfile.mkdtemp(prefix="kxs-", dir="/tmp"))
-    d.chmod(0o755)
-    try:
+    with open_tmpdir("kxs-", 0o755) as d:
         yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)

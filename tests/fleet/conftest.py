@@ -9,16 +9,14 @@ the interpreter and import path that unprivileged users have (PY, env())."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, open_tmpdir
 from tests.security.helpers import USER_PY, USER_PYTHONPATH
 
 if TYPE_CHECKING:
@@ -70,9 +68,5 @@ def by_node(items: list[Any]) -> dict[str, int]:
 def shared_tmp() -> Iterator[Path]:
     """A directory the fleet's commands (run as an unprivileged user) can write: pytest's tmp_path
     is under a 0700 directory of root's."""
-    path = Path(tempfile.mkdtemp(prefix="krex-fleettest-", dir="/tmp"))
-    path.chmod(0o777)
-    try:
+    with open_tmpdir("krex-fleettest-", 0o777) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
