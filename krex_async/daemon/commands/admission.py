@@ -389,10 +389,8 @@ class Admission:
         return self.pump(dm.device.key)
 
     def learn_floor(self, cmd: Command) -> None:
-        """`cmd` ran out of memory: what its failure shows it needs at least (reruns.floor) is its
-        floor (fits_alone counts it) and, above its run's peak and within the device, is learned under
-        its problem's keys (not its kind's: one problem's failures are not the kind's typical), so
-        its re-run and its problem's next command are not taken at a guess."""
+        """`cmd` ran out of memory: its failure's floor (reruns.floor; fits_alone counts it) is kept,
+        and learned under its problem's key (not its kind's typical) where above its peak."""
         dm = self.devices.get(cmd.device_key or "")
         floor = reruns.floor(cmd)
         if dm is None or floor <= cmd.mem_floor:
@@ -434,8 +432,8 @@ class Admission:
     # ------------------------------------------------------------------------------ OOM verdict
 
     def fits_alone(self, cmd: Command) -> bool:
-        dm = self.devices.get(cmd.device_key or "")
         """Whether `cmd` could run alone: a command alone starts whatever the figures say."""
+        dm = self.devices.get(cmd.device_key or "")
         return dm is not None and max(cmd.mem_need, cmd.mem_floor) <= dm.total
 
     def bypassed(self, cmd: Command, dm: DeviceMemory) -> None:
