@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -222,31 +223,6 @@ async def test_an_idle_sibling_is_not_waited_for(script, tmp_path):
     )
 
 
-# A sibling that sleeps in 20 ms ticks and, after a tick that took over 60 ms (it was frozen by a
-# region), first spins 4 ms: it catches up on what waited, then sleeps again.
-CATCHER = """
-import time
-last = time.monotonic()
-while True:
-    time.sleep(0.02)
-    if time.monotonic() - last > 0.06:
-        stop = time.monotonic() + 0.004
-        while time.monotonic() < stop:
-            pass
-    last = time.monotonic()
-"""
-
-
-async def test_a_sibling_that_catches_up_after_its_thaw_is_not_waited_for_long(script, tmp_path):
-    """Thawed by the region before, the sibling spins 4 ms and then sleeps: no share wait for it
-    lasts 0.3 s. Judged by 1% of the whole wait (the rule until session 28), the 4 ms kept it
-    "busy" for 0.4 s, and a region waited all it was owed (0.72-0.74 s here)."""
-    catcher, regions = await beside_the_loop(script, CATCHER, 3 * WINDOW)
-    waits = [(round(r["share_wait_s"], 3), r["share_idle"]) for r in regions if catcher in r["share_for"]]
-    assert waits, f"no region waited for the catcher's share: {regions}"
-    assert max(w for w, _ in waits) < 0.3, waits
-
-
 # ------------------------------------------------------------------------------ without a daemon
 
 
@@ -421,7 +397,8 @@ async def test_the_idle_probe_takes_a_sibling_kept_off_its_cpu_for_busy() -> Non
             p.wait()
 
 
-# After "go" on stdin: spins argv[1] s, then every argv[3] s spins argv[2] s more (0: sleeps).
+# After "go" on stdin: spins argv[1] s, then every argv[3] s spins argv[2] s more (0: sleeps);
+# argv[4] "exit": exits after its first spin instead.
 BURSTS = """
 import sys, time
 first, each, period = map(float, sys.argv[1:4])
@@ -432,36 +409,46 @@ def spin(s):
 print("ready", flush=True)
 sys.stdin.readline()
 spin(first)
+if sys.argv[4] == "exit":
+    sys.exit(0)
 while True:
     time.sleep(period or 3600)
     spin(each)
 """
 
 
-async def _probes_until_idle(first: float, each: float, period: float, limit_s: float) -> float | None:
-    """Seconds of 20 ms probes, from its "go", until a BURSTS process is found idle; None if not
-    within `limit_s`."""
+def _bursts(first: float, each: float = 0, period: float = 0, then: str = "stay") -> subprocess.Popen[str]:
+    """A BURSTS process, ready (its "go" not given yet)."""
     p = subprocess.Popen(
-        [sys.executable, "-c", BURSTS, str(first), str(each), str(period)],
+        [sys.executable, "-c", BURSTS, str(first), str(each), str(period), then],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert p.stdin is not None and p.stdout is not None and p.stdout.readline() == "ready\n"
-    try:
-        probes = IdleProbes()
-        p.stdin.write("go\n")
-        p.stdin.flush()
-        t0 = time.monotonic()
-        probes.start("x", [p.pid])
-        while time.monotonic() - t0 < limit_s:
-            await asyncio.sleep(IDLE_PROBE_S)
-            if probes.idle("x", [p.pid]):
-                return time.monotonic() - t0
-        return None
-    finally:
-        p.kill()
-        p.wait()
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    return p
+
+
+def _go(p: subprocess.Popen[str]) -> None:
+    assert p.stdin is not None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+
+
+async def _probes_until_idle(
+    pids: Callable[[float], list[int]], limit_s: float, begin: Callable[[], None] = lambda: None
+) -> float | None:
+    """Seconds of 20 ms probes until the sibling whose processes are pids(seconds so far) is found
+    idle; None if not within `limit_s`. `begin` runs once the first probe has started."""
+    probes = IdleProbes()
+    t0 = time.monotonic()
+    probes.start("x", pids(0.0))
+    begin()
+    while (now := time.monotonic() - t0) < limit_s:
+        await asyncio.sleep(IDLE_PROBE_S)
+        if probes.idle("x", pids(now)):
+            return time.monotonic() - t0
+    return None
 
 
 async def test_a_sibling_s_catch_up_is_forgiven_a_sibling_busy_a_tenth_of_the_time_is_not() -> None:
@@ -469,6 +456,45 @@ async def test_a_sibling_s_catch_up_is_forgiven_a_sibling_busy_a_tenth_of_the_ti
     probe was quiet and the 3 ms are under 5% of the wait: within 0.2 s here (by 1% of the whole
     wait, the rule until session 28, not before 0.3 s). One that spins 3 ms every 20 ms (13% of
     the time) is never found idle, however its probes fall between its spins."""
-    took = await _probes_until_idle(0.003, 0, 0, 2.0)
-    assert took is not None and 2 * IDLE_PROBE_S <= took < 0.2, took
-    assert await _probes_until_idle(0.003, 0.003, 0.02, 1.0) is None
+    for first, each, period, limit in ((0.003, 0, 0, 2.0), (0.003, 0.003, 0.02, 1.0)):
+        p = _bursts(first, each, period)
+        try:
+            took = await _probes_until_idle(lambda _s, p=p: [p.pid], limit, lambda p=p: _go(p))
+        finally:
+            p.kill()
+            p.wait()
+        if each:
+            assert took is None, took
+        else:
+            assert took is not None and 2 * IDLE_PROBE_S <= took < 0.2, took
+
+
+async def test_a_worker_that_ends_takes_nothing_back_and_one_that_joins_brings_no_past() -> None:
+    """What a sibling was busy is counted thread by thread. Its worker spins 60 ms and exits while
+    the rest sleeps: still busy over 5% of the wait at 0.5 s, so not idle (summed over its
+    processes, the worker's end took its whole past back, and the sibling was idle at once). A
+    warm worker that spun 0.2 s before it joined and sleeps since adds none of that: idle soon
+    after it joins (summed, it was 'busy' for the next 4 s)."""
+    main, worker = _bursts(0), _bursts(0.06, then="exit")
+    _go(main)
+    try:
+        took = await _probes_until_idle(
+            lambda _s: [p.pid for p in (main, worker) if p.poll() is None], 0.5, lambda: _go(worker)
+        )
+        assert took is None, took
+        assert worker.wait(5) == 0
+    finally:
+        for p in (main, worker):
+            p.kill()
+            p.wait()
+    main, warm = _bursts(0), _bursts(0.2)
+    for p in (main, warm):
+        _go(p)
+    try:
+        await until(lambda: busy_ns([warm.pid]) >= 0.15e9 and not runnable([warm.pid]), "the warm one spun")
+        took = await _probes_until_idle(lambda s: [main.pid] + ([warm.pid] if s >= 0.05 else []), 2.0)
+        assert took is not None and took < 0.35, took
+    finally:
+        for p in (main, warm):
+            p.kill()
+            p.wait()

@@ -141,6 +141,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
         self._stopped = False
         self._settle_req = threading.Event()
+        self._settle_ns = 0  # when the last settle() was asked for: lines stamped before are owed
         self._settled = threading.Event()
         self._wake: tuple[int, int] | None = None  # a pipe that wakes the reader out of poll()
 
@@ -246,6 +247,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         if self._thread is None or not self._thread.is_alive() or self._wake is None:
             return False
         self._settled.clear()
+        self._settle_ns = time.monotonic_ns()
         self._settle_req.set()
         try:
             os.write(self._wake[1], b"s")
@@ -300,9 +302,13 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                     except BlockingIOError:
                         pass
                 if self._settle_req.is_set():
-                    # Read until the buffer is empty: every line committed before the request.
+                    # Read until the buffer is empty, or a line stamped after the request is read
+                    # (trace_pipe is in timestamp order): every line committed before the request.
+                    # Until empty alone never ended while a holder went on making ioctls, and the
+                    # region released then came back tainted.
                     self._settle_req.clear()
-                    while True:
+                    upto = self._settle_ns
+                    while self._read_ts < upto:
                         try:
                             chunk = os.read(pipe, 1 << 16)
                         except BlockingIOError:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from krex_async import protocol as P
-from krex_async.daemon.commands import memsample, reruns
+from krex_async.daemon.commands import footprints, memsample, reruns
 from krex_async.daemon.commands.admission import Admission
 from krex_async.daemon.commands.commitment import GROW_S, UNSEEN_S
 from krex_async.daemon.config import ServeConfig
@@ -498,11 +498,12 @@ def test_a_floor_within_the_headroom_still_fits_alone() -> None:
     b.err.add(oom_message(760, 200))
     adm.learn_floor(b)
     assert b.mem_floor == 960 * MiB and adm.fits_alone(b)
-    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="k"), os.getuid()) == (0, "unknown")
+    assert adm.need(P.Submit(id=0, argv=["true"]), os.getuid()) == (960 * MiB, "learned")
     big = command(adm, "c", 0)
     big.err.add(oom_message(900, 200))
     adm.learn_floor(big)
     assert big.mem_floor == 1100 * MiB and not adm.fits_alone(big)
+    assert adm.need(P.Submit(id=0, argv=["true"]), os.getuid()) == (960 * MiB, "learned")  # not learned
 
 
 async def test_a_guarded_re_run_started_alone_is_guarded_at_a_need_learned_since() -> None:
@@ -528,14 +529,30 @@ async def test_a_guarded_re_run_started_alone_is_guarded_at_a_need_learned_since
 
 
 def test_a_floor_is_learned_for_its_problem_not_for_its_kind() -> None:
-    """(found by review) A problem's out-of-memory floor is learned under its own key: the next
-    command of that problem needs it, one of another problem of the same kind is not taken at it
-    (a problem failing twice filled three of its kind's remembered peaks: its typical)."""
+    """(found by review, twice) A problem's out-of-memory floor is learned for that problem: the
+    next command of it needs the floor, one of another problem of its kind is not taken at it.
+    A gateway job's key names its shape, which every problem of a set can share, so its floor is
+    learned under its features alone: under its key, one problem failing twice filled three of
+    the shape's remembered peaks, whose median is every new problem's typical need."""
+
+    def job(problem: str) -> P.Submit:
+        alike = ["command 11", "file job.py 22", f"file problem.py {problem}"]
+        return P.Submit(id=0, argv=["true"], mem_key="gateway eval / shape", mem_alike=alike)
+
     adm = admission()
-    b = added(adm, "b", P.Submit(id=0, argv=["true"], mem_key="eval / wide"))
+    for problem in ("a", "b"):
+        spec = job(problem)
+        adm.footprints.learn(os.getuid(), footprints.alike_keys(spec) + footprints.mem_keys(spec), 100 * MiB)
+    for i in range(2):  # the same problem fails twice
+        wide = added(adm, f"w{i}", job("wide"))
+        wide.err.add(oom_message(500, 300))
+        adm.learn_floor(wide)
+        assert wide.mem_floor == 800 * MiB
+    assert adm.need(job("wide"), os.getuid()) == (800 * MiB, "learned")
+    assert adm.need(job("new"), os.getuid()) == (100 * MiB, "typical")
+    b = added(adm, "b", P.Submit(id=0, argv=["true"], mem_key="eval / wide"))  # no features: its key
     b.err.add(oom_message(500, 200))
     adm.learn_floor(b)
-    assert b.mem_floor == 700 * MiB
     assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / wide"), os.getuid()) == (
         700 * MiB,
         "learned",

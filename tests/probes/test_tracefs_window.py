@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 from krex_async.daemon.observe.attribution import Attributor
 from krex_async.daemon.observe.metrics import Metrics
+from krex_async.probes.base import ProbeEvent
 from krex_async.probes.tracefs import TracefsProbe
 from krex_async.protocol import RegionReport
 
@@ -32,15 +33,18 @@ from .test_tracefs import need_tracefs
 N = 3000
 
 OUTSIDER = """
-import fcntl, os, sys
+import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR)
 print(os.getpid(), flush=True)
-for line in sys.stdin:  # each line: how many ioctls to make, then say done
-    for _ in range(int(line)):
+for line in sys.stdin:  # each line: how many ioctls to make [and after each how many a 0.5 ms nap]
+    n, pace = (list(map(int, line.split())) + [0])[:2]
+    for i in range(n):
         try:
             fcntl.ioctl(fd, 0x5401, b"")
         except OSError:
             pass
+        if pace and i % pace == 0:
+            time.sleep(0.0005)
     print("done", flush=True)
 """
 
@@ -59,8 +63,9 @@ class Outsider:
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.pid = int(self.stdout.readline())
 
-    def start(self, n: int) -> None:
-        self.stdin.write(f"{n}\n")
+    def start(self, n: int, pace: int = 0) -> None:
+        """Make `n` ioctls, napping 0.5 ms after every `pace` of them (0: none)."""
+        self.stdin.write(f"{n} {pace}\n")
         self.stdin.flush()
 
     def burst(self, n: int) -> None:
@@ -152,3 +157,44 @@ async def test_a_late_snapshot_and_the_last_batches_still_count_every_stray(devd
         out.kill()
     assert not report.tainted, report
     assert (report.strays, report.stray_pids) == (k + n, [out.pid]), report
+
+
+async def test_an_outsiders_ioctls_after_the_window_closed_are_not_its_strays(devdir):
+    """The outsider goes on making ioctls while the region is released: those stamped after its
+    window closed are not its strays. The region counts exactly the ones its stream saw in the
+    window; compared with the reader's counts too (which take in every line parsed by the
+    release's settle, later ones as well), it came back with more."""
+    need_tracefs()
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.2)
+    report = RegionReport(region="r1", name="timing", device="cpu", pid=os.getpid(), policy="region")
+    region = SimpleNamespace(id="r1", device="cpu", command=None, report=report)
+    core = SimpleNamespace(commands={}, pools={})
+    regions = SimpleNamespace(get={region.id: region}.get, choosing=list)
+    att = Attributor(core, regions, probe, Metrics())  # type: ignore[arg-type]
+    seen: list[ProbeEvent] = []
+
+    def on_events(batch: list[ProbeEvent]) -> None:
+        seen.extend(batch)
+        att.on_events(batch)
+
+    out = Outsider(devdir)
+    try:
+        probe.start(asyncio.get_running_loop(), on_events)
+        await until(lambda: out.pid in {t for t, _ in probe.fd_paths}, "a scan found the outsider")
+        att.region_granted(region)  # type: ignore[arg-type]
+        att.counts_snapshot(region)  # type: ignore[arg-type]
+        watch = att.watches[region.id]
+        out.start(20000, pace=50)  # about 0.2 s, at a rate the reader keeps up with
+        await until(lambda: probe.counts().get(out.pid, 0) >= 200, "the reader parsed the first strays")
+        att.region_released(region)  # type: ignore[arg-type]  # while the outsider goes on
+        assert await asyncio.to_thread(out.stdout.readline) == "done\n"
+        assert watch.until_ns is not None
+        later = probe.settle(10.0)
+    finally:
+        probe.stop()
+        out.kill()
+    assert later and not report.tainted, report
+    inside = [e for e in seen if e.tgid == out.pid and watch.since_ns <= e.ts_ns < watch.until_ns]
+    after = [e for e in seen if e.tgid == out.pid and e.ts_ns >= watch.until_ns]
+    assert after, "the outsider's ioctls all came before the release: nothing to tell apart"
+    assert report.strays == len(inside), (report.strays, len(inside), len(after))

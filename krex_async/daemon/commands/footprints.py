@@ -65,6 +65,14 @@ def alike_keys(spec: P.Submit) -> list[str]:
     return [ALIKE + a for a in spec.mem_alike]
 
 
+def problem_keys(spec: P.Submit) -> list[str]:
+    """The keys of the command's own problem, not of its kind: its features where it has them (a
+    gateway job's key names its shape, which every problem of a set can share), else its most
+    specific key. An out-of-memory's floor is learned under these alone: one problem that failed
+    twice filled three of its kind's remembered peaks, whose median is the kind's typical need."""
+    return alike_keys(spec) if spec.mem_alike else mem_keys(spec)[:1]
+
+
 def mem_key(spec: P.Submit) -> str:
     """What commands that need alike share: the submit's mem_key, its label, else its program and
     first argument (`python bench.py`, `python -m pkg.mod`)."""

@@ -79,10 +79,9 @@ def apply(adm: Admission, seen: dict[str, Any]) -> None:
                 for c in dm.running:
                     commands[c].co_located = True
     for cid, (key, group) in seen["sampled"].items():
-        # the run sampled, not one since: a sample read before a re-run was put back in line put
-        # the failed run's figures back on it (its guard then counted as reached)
-        cmd = commands.get(cid)
-        if cmd is not None and cmd.state is CommandState.RUNNING and cmd.group is group:
+        # the run sampled (its group, set once a run), not one since: a sample read before a re-run
+        # was put back in line put the failed run's figures back on it (its guard taken as reached)
+        if (cmd := commands.get(cid)) is not None and cmd.group is group:
             dm = adm.devices[key]
             # alone: no other command started there (one that allocates without asking at its gate
             # holds memory uncounted: it would be taken for this one's, and learned as its need)

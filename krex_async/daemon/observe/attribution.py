@@ -12,7 +12,9 @@ release the region compares those counts to what it saw, and a region during whi
 events is marked `tainted`, never reported clean.
 The tracefs backend keeps no counts kernel-side (its counts are the lines its reader has parsed), so
 at a grant and at a release the loop first waits for its reader to catch up (settle(), about a
-millisecond; a region whose window could not be settled within SETTLE_S is `tainted`).
+millisecond; a region whose window could not be settled within SETTLE_S is `tainted`), and the
+region keeps its window watched until the settle has handed over every batch: its stream is then
+complete, and its counts are not compared (they are the same lines, and later ones).
 
 A backend that fails at runtime (its polling thread died; probes/failure.py) calls probe_failed()
 on the loop: it is logged once as an error, `core.probes` (shown by `krex status`) says
@@ -218,11 +220,13 @@ class Attributor:
         finally:
             self.watches.pop(r.id, None)
         rep = r.report
-        # Lossless kernel-side counts catch strays whose events the stream dropped.
+        # Lossless kernel-side counts catch strays whose events the stream dropped. A backend that
+        # settles keeps none: its counts are the lines its stream was made of, then complete, and
+        # later ones too (an outsider's ioctls in the settle, after the window closed).
         start = w.counts_at_start
         if start is None:
             w.unverified = True  # no snapshot at the start: the stream alone cannot be trusted
-        else:
+        elif getattr(self.backend, "settle", None) is None:
             for tgid, n in (self._counts(r, w) or {}).items():
                 extra = n - start.get(tgid, 0)
                 if extra > w.pids.get(tgid, 0) and self._is_stray(r, tgid):

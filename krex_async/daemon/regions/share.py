@@ -175,34 +175,46 @@ class Share:
 
 
 class IdleProbes:
-    """The idle probes of one region's share wait: per sibling owed, its busy ns when it was first
-    probed and at its last probe. Idle: under IDLE_BUSY of its last probe (at least IDLE_PROBE_S)
-    and under IDLE_WAIT_BUSY of the whole wait on a CPU or in a run queue, and no thread runnable."""
+    """The idle probes of one region's share wait. Per sibling owed: when it was first probed, its
+    last probe, each of its threads' busy ns then (busy_by_thread), and what its threads have been
+    busy since the first. Idle: under IDLE_BUSY of its last probe (at least IDLE_PROBE_S) and under
+    IDLE_WAIT_BUSY of the whole wait on a CPU or in a run queue, and no thread runnable.
+
+    Counted thread by thread, between two readings of it: a thread or process that ends takes
+    nothing back from what the sibling was busy (a sum over its processes dropped by a finished
+    worker's whole past), a new thread of a process read before counts all its time (it began
+    since), and a process that joins counts from its first reading (a warm worker brings its past)."""
 
     def __init__(self) -> None:
-        self.first: dict[str, tuple[float, int]] = {}  # command -> (monotonic, busy ns) at its first probe
-        self.last: dict[str, tuple[float, int]] = {}  # ... at its last probe
+        self.since: dict[str, float] = {}  # command -> monotonic at its first probe
+        self.at: dict[str, float] = {}  # ... at its last probe
+        self.seen: dict[str, dict[tuple[int, str], int]] = {}  # ... its threads' busy ns then
+        self.busy: dict[str, int] = {}  # ... busy ns since its first probe
 
     def start(self, cid: str, pids: list[int]) -> None:
         """Probe `cid` (its processes `pids`) from now, unless it is probed already."""
-        if cid not in self.first:
-            self.first[cid] = self.last[cid] = (time.monotonic(), busy_ns(pids))
+        if cid not in self.since:
+            self.since[cid] = self.at[cid] = time.monotonic()
+            self.seen[cid], self.busy[cid] = busy_by_thread(pids), 0
 
     def started(self) -> list[str]:
-        return list(self.first)
+        return list(self.since)
 
     def idle(self, cid: str, pids: list[int]) -> bool:
         """Whether `cid` did not use the time it was given (the class docstring); a probe of at
         least IDLE_PROBE_S that finds it busy starts the next."""
-        (t0, b0), (t1, b1) = self.first[cid], self.last[cid]
-        now = time.monotonic()
-        if not pids or now - t1 < IDLE_PROBE_S - PROBE_SLACK_S:
+        now, at = time.monotonic(), self.at[cid]
+        if not pids or now - at < IDLE_PROBE_S - PROBE_SLACK_S:
             return False
-        busy = busy_ns(pids)
-        last, whole = busy - b1 < IDLE_BUSY * (now - t1) * 1e9, busy - b0 < IDLE_WAIT_BUSY * (now - t0) * 1e9
-        if last and whole and not runnable(pids):
+        was, cur = self.seen[cid], busy_by_thread(pids)
+        known = {pid for pid, _tid in was}
+        step = sum(max(0, ns - was[t]) if t in was else ns if t[0] in known else 0 for t, ns in cur.items())
+        self.busy[cid] += step
+        whole = self.busy[cid] < IDLE_WAIT_BUSY * (now - self.since[cid]) * 1e9
+        if step < IDLE_BUSY * (now - at) * 1e9 and whole and not runnable(pids):
             return True
-        self.last[cid] = (now, busy)
+        self.at[cid] = now
+        self.seen[cid] = cur
         return False
 
 
@@ -224,13 +236,18 @@ def runnable(pids: list[int]) -> bool:
     )
 
 
-def busy_ns(pids: list[int]) -> int:
-    """The time the processes `pids` have spent on a CPU or waiting in a run queue for one, their
-    threads summed, in ns (schedstat's first two fields: precise, where /proc/PID/stat counts in
-    ticks): a blocked thread adds to neither. A process gone counts nothing."""
-    total = 0
-    for _pid, _tid, text in procfs.thread_files(pids, "schedstat"):
+def busy_by_thread(pids: list[int]) -> dict[tuple[int, str], int]:
+    """The time each thread of the processes `pids` has spent on a CPU or waiting in a run queue
+    for one, in ns (schedstat's first two fields: precise, where /proc/PID/stat counts in ticks),
+    by (pid, tid): a blocked thread adds to neither. One gone is left out."""
+    out = {}
+    for pid, tid, text in procfs.thread_files(pids, "schedstat"):
         with contextlib.suppress(ValueError, IndexError):
             on_cpu, waiting = text.split()[:2]
-            total += int(on_cpu) + int(waiting)
-    return total
+            out[pid, tid] = int(on_cpu) + int(waiting)
+    return out
+
+
+def busy_ns(pids: list[int]) -> int:
+    """busy_by_thread summed: what the processes `pids` have been busy in all."""
+    return sum(busy_by_thread(pids).values())
