@@ -470,21 +470,30 @@ async def test_a_sibling_s_catch_up_is_forgiven_a_sibling_busy_a_tenth_of_the_ti
 
 
 async def test_a_worker_that_ends_takes_nothing_back_and_one_that_joins_brings_no_past() -> None:
-    """What a sibling was busy is counted thread by thread. Its worker spins 60 ms and exits while
-    the rest sleeps: still busy over 5% of the wait at 0.5 s, so not idle (summed over its
+    """What a sibling was busy is counted thread by thread. Its worker spins 0.3 s and exits while
+    the rest sleeps: still busy over 5% of the wait at 0.8 s, so not idle (summed over its
     processes, the worker's end took its whole past back, and the sibling was idle at once). A
-    warm worker that spun 0.2 s before it joined and sleeps since adds none of that: idle soon
-    after it joins (summed, it was 'busy' for the next 4 s)."""
-    main, worker = _bursts(0), _bursts(0.06, then="exit")
+    child started during the wait counts all its time, its start included. A warm worker that
+    spun 0.2 s before it joined and sleeps since adds none of that: idle soon after it joins
+    (summed, it was 'busy' for the next 4 s)."""
+    main, worker = _bursts(0), _bursts(0.3, then="exit")
+    children: list[subprocess.Popen[str]] = []
     _go(main)
     try:
         took = await _probes_until_idle(
-            lambda _s: [p.pid for p in (main, worker) if p.poll() is None], 0.5, lambda: _go(worker)
+            lambda _s: [p.pid for p in (main, worker) if p.poll() is None], 0.8, lambda: _go(worker)
         )
         assert took is None, took
         assert worker.wait(5) == 0
+
+        def spawn() -> None:  # its interpreter's start and a 40 ms spin, all after the first probe
+            children.append(_bursts(0.04))
+            _go(children[0])
+
+        took = await _probes_until_idle(lambda _s: [main.pid] + [c.pid for c in children], 0.6, spawn)
+        assert took is None, took
     finally:
-        for p in (main, worker):
+        for p in (main, worker, *children):
             p.kill()
             p.wait()
     main, warm = _bursts(0), _bursts(0.2)
@@ -492,7 +501,7 @@ async def test_a_worker_that_ends_takes_nothing_back_and_one_that_joins_brings_n
         _go(p)
     try:
         await until(lambda: busy_ns([warm.pid]) >= 0.15e9 and not runnable([warm.pid]), "the warm one spun")
-        took = await _probes_until_idle(lambda s: [main.pid] + ([warm.pid] if s >= 0.05 else []), 2.0)
+        took = await _probes_until_idle(lambda s: [main.pid] + ([warm.pid] if s > 0 else []), 2.0)
         assert took is not None and took < 0.35, took
     finally:
         for p in (main, warm):

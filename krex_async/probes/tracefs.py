@@ -47,6 +47,10 @@ from krex_async.probes.hold import HOLD
 from krex_async.probes.ioctls import ioctl_name
 
 ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+# A settle reads the lines stamped up to this past its request: a line of another CPU stamped just
+# before it may be committed (and so readable) just after a later one was read (a vCPU paused
+# between the two steps)
+SETTLE_MARGIN_NS = 1_000_000
 EVENT = "events/syscalls/sys_enter_ioctl"
 # "  python3-7871    (   7830) [000] .....  4553.670455: sys_ioctl(fd: 3, cmd: 0x5401, arg: ...)"
 LINE = re.compile(
@@ -141,8 +145,12 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         self.paused = threading.Event()  # set: lines wait in the kernel buffer (tests, benchmarks)
         self._stopped = False
         self._settle_req = threading.Event()
-        self._settle_ns = 0  # when the last settle() was asked for: lines stamped before are owed
-        self._settled = threading.Event()
+        # settle() requests by number: the last asked for (and when: the lines stamped before it
+        # are owed), the last the reader has done. A pass for a request that timed out, still
+        # running when the next one came, must not answer that one.
+        self._settle = threading.Condition()
+        self._asked = self._done = 0
+        self._settle_ns = 0
         self._wake: tuple[int, int] | None = None  # a pipe that wakes the reader out of poll()
 
     def _write(self, rel: str, value: str) -> None:
@@ -246,14 +254,16 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         counts() as incomplete."""
         if self._thread is None or not self._thread.is_alive() or self._wake is None:
             return False
-        self._settled.clear()
-        self._settle_ns = time.monotonic_ns()
+        with self._settle:
+            self._asked += 1
+            mine, self._settle_ns = self._asked, time.monotonic_ns()
         self._settle_req.set()
         try:
             os.write(self._wake[1], b"s")
         except (BlockingIOError, OSError):
             pass  # full: a wake-up is pending anyway; closed: the wait below times out
-        settled = self._settled.wait(timeout)
+        with self._settle:
+            settled = self._settle.wait_for(lambda: self._done >= mine, timeout)
         with contextlib.suppress(RuntimeError):  # not on a loop: the batches come as scheduled
             if asyncio.get_running_loop() is self._loop:
                 self._hand_over()
@@ -307,7 +317,8 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                     # Until empty alone never ended while a holder went on making ioctls, and the
                     # region released then came back tainted.
                     self._settle_req.clear()
-                    upto = self._settle_ns
+                    with self._settle:
+                        asked, upto = self._asked, self._settle_ns + SETTLE_MARGIN_NS
                     while self._read_ts < upto:
                         try:
                             chunk = os.read(pipe, 1 << 16)
@@ -319,7 +330,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                         *lines, buf = buf.split(b"\n")
                         if not deliver(lines):
                             return
-                    self._settled.set()
+                    with self._settle:
+                        self._done = asked
+                        self._settle.notify_all()
                     continue
                 revents = ready.get(pipe, 0)
                 if not revents:

@@ -529,32 +529,45 @@ async def test_a_guarded_re_run_started_alone_is_guarded_at_a_need_learned_since
 
 
 def test_a_floor_is_learned_for_its_problem_not_for_its_kind() -> None:
-    """(found by review, twice) A problem's out-of-memory floor is learned for that problem: the
-    next command of it needs the floor, one of another problem of its kind is not taken at it.
-    A gateway job's key names its shape, which every problem of a set can share, so its floor is
-    learned under its features alone: under its key, one problem failing twice filled three of
-    the shape's remembered peaks, whose median is every new problem's typical need."""
+    """(found by review, three times) A problem's out-of-memory floor is kept for that problem: the
+    next command of it is taken at the floor, one of another problem of its kind is not. A gateway
+    job's key names its shape, which every problem of a set can share: under it, one problem
+    failing twice filled three of the shape's remembered peaks, whose median is every new
+    problem's typical need. Under the job's features alone, the floor counted only where a
+    feature was specific: not for a shape's first problem, nor for one whose shape had seen no
+    other problem."""
 
     def job(problem: str) -> P.Submit:
         alike = ["command 11", "file job.py 22", f"file problem.py {problem}"]
         return P.Submit(id=0, argv=["true"], mem_key="gateway eval / shape", mem_alike=alike)
 
+    def fails(adm: Admission, cid: str, problem: str, held: int, tried: int) -> None:
+        cmd = added(adm, cid, job(problem))
+        cmd.err.add(oom_message(held, tried))
+        adm.learn_floor(cmd)
+        assert cmd.mem_floor == (held + tried) * MiB
+
+    uid = os.getuid()
+    adm = admission()
+    fails(adm, "w0", "wide", 500, 300)  # the shape's first problem
+    assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
+    assert adm.need(job("new"), uid) == (0, "unknown")
+    adm = admission()
+    spec = job("wide")
+    adm.footprints.learn(uid, footprints.alike_keys(spec) + footprints.mem_keys(spec), 100 * MiB)
+    fails(adm, "w0", "wide", 500, 300)  # it ran at 100 once, then failed beside others
+    assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
     adm = admission()
     for problem in ("a", "b"):
         spec = job(problem)
-        adm.footprints.learn(os.getuid(), footprints.alike_keys(spec) + footprints.mem_keys(spec), 100 * MiB)
+        adm.footprints.learn(uid, footprints.alike_keys(spec) + footprints.mem_keys(spec), 100 * MiB)
     for i in range(2):  # the same problem fails twice
-        wide = added(adm, f"w{i}", job("wide"))
-        wide.err.add(oom_message(500, 300))
-        adm.learn_floor(wide)
-        assert wide.mem_floor == 800 * MiB
-    assert adm.need(job("wide"), os.getuid()) == (800 * MiB, "learned")
-    assert adm.need(job("new"), os.getuid()) == (100 * MiB, "typical")
+        fails(adm, f"w{i}", "wide", 500, 300)
+    assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
+    assert adm.need(job("new"), uid) == (100 * MiB, "typical")
+    assert adm.need(job("a"), uid) == (100 * MiB, "learned")
     b = added(adm, "b", P.Submit(id=0, argv=["true"], mem_key="eval / wide"))  # no features: its key
     b.err.add(oom_message(500, 200))
     adm.learn_floor(b)
-    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / wide"), os.getuid()) == (
-        700 * MiB,
-        "learned",
-    )
-    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / narrow"), os.getuid()) == (0, "unknown")
+    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / wide"), uid) == (700 * MiB, "learned")
+    assert adm.need(P.Submit(id=0, argv=["true"], mem_key="eval / narrow"), uid) == (0, "unknown")

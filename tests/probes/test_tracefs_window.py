@@ -184,7 +184,7 @@ async def test_an_outsiders_ioctls_after_the_window_closed_are_not_its_strays(de
         att.region_granted(region)  # type: ignore[arg-type]
         att.counts_snapshot(region)  # type: ignore[arg-type]
         watch = att.watches[region.id]
-        out.start(20000, pace=50)  # about 0.2 s, at a rate the reader keeps up with
+        out.start(60000, pace=50)  # about 0.6 s, at a rate the reader keeps up with
         await until(lambda: probe.counts().get(out.pid, 0) >= 200, "the reader parsed the first strays")
         att.region_released(region)  # type: ignore[arg-type]  # while the outsider goes on
         assert await asyncio.to_thread(out.stdout.readline) == "done\n"

@@ -13,6 +13,11 @@ commands, not by all of them (a runner script every job carries is not; the file
 several is). The tightest bound of the specific features known is its need; with none known (a
 problem not seen yet), its key's typical (median) peak: the key of many problems is a kind.
 
+An out-of-memory's floor (what the failed command held and asked for: admission.learn_floor) is
+kept for its problem alone (floor_key): under the digest of all its features together, else its
+most specific key; a command whose problem showed a floor above what `need` gives otherwise is
+taken at the floor.
+
 Each user learns from its own commands alone (the user a command runs as): another user's commands
 that share a label, a program name or a feature, by chance or to mislead, tell nothing of this
 user's. A user past KEEP_KEYS of them does not push another's out: the user holding the most keys
@@ -22,6 +27,7 @@ gives up its oldest.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 
@@ -39,6 +45,7 @@ WRITE_S = 2.0
 
 KEY_SEP = " / "  # between a mem_key's parts, most general first
 ALIKE = "alike "  # before a Submit.mem_alike feature, in the file
+FLOOR = "floor "  # before the digest of a command's features, in the file: its problem's floors
 VERSION = 3  # 3: keys per user ("u1000 label x"); a file before it is learned anew
 
 
@@ -65,12 +72,16 @@ def alike_keys(spec: P.Submit) -> list[str]:
     return [ALIKE + a for a in spec.mem_alike]
 
 
-def problem_keys(spec: P.Submit) -> list[str]:
-    """The keys of the command's own problem, not of its kind: its features where it has them (a
-    gateway job's key names its shape, which every problem of a set can share), else its most
-    specific key. An out-of-memory's floor is learned under these alone: one problem that failed
-    twice filled three of its kind's remembered peaks, whose median is the kind's typical need."""
-    return alike_keys(spec) if spec.mem_alike else mem_keys(spec)[:1]
+def floor_key(spec: P.Submit) -> str:
+    """The key a command's out-of-memory floors are kept under: its problem's, not its kind's. With
+    features, all of them at once (a gateway job's files and command: its problem; its mem_key names
+    a shape, which every problem of a set can share), else its most specific key. Under its kind's
+    keys, one problem that failed twice filled three of its kind's remembered peaks, whose median
+    is the kind's typical need; under its features alone, a floor counted only where a feature was
+    specific, and was lost for a shape's first problem."""
+    if not spec.mem_alike:
+        return mem_keys(spec)[0]
+    return FLOOR + hashlib.sha256("\0".join(sorted(spec.mem_alike)).encode()).hexdigest()[:32]
 
 
 def mem_key(spec: P.Submit) -> str:
@@ -131,9 +142,15 @@ class Footprints:
         """(bytes, where the figure comes from) that a command of `spec` run as `uid` is taken to
         need: declared, learned (what the user's commands of its own key, or sharing a specific
         feature, peaked at), typical (the median peak of its kind: a guess for what was not seen
-        yet), `default` (--mem-default) where above 0, else unknown (0)."""
+        yet), `default` (--mem-default) where above 0, else unknown (0); learned where more, what
+        an out-of-memory of its problem showed it needs at least (floor_key)."""
         if spec.mem > 0:
             return spec.mem, "declared"
+        need, source = self._need(spec, uid, default)
+        floor = self.get(scoped(uid, [floor_key(spec)])[0]) if spec.mem_alike else None
+        return (floor, "learned") if floor is not None and floor > need else (need, source)
+
+    def _need(self, spec: P.Submit, uid: int, default: int) -> tuple[int, str]:
         keys = scoped(uid, mem_keys(spec))
         bounds = [self.get(k) or 0 for k in scoped(uid, alike_keys(spec)) if self.specific(k, keys)]
         if bounds:  # every earlier command that shared it peaked within: the tightest is its need

@@ -22,6 +22,7 @@ command. --hold-share 0 or 1 turns this off.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -44,6 +45,7 @@ IDLE_BUSY = 0.01
 # for 0.2 s, the length of most share waits that found a sibling idle on the H100's steady runs
 # (session 27). A sibling busy IDLE_WAIT_BUSY of the time or more is waited for as before.
 IDLE_WAIT_BUSY = 0.05
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc's clock ticks a second (a process's start time)
 # uvloop's timers run on a millisecond clock read at the loop's turn, so a wait of IDLE_PROBE_S
 # can end a little before time.monotonic() says it has passed; without this slack the probe then
 # took a second round (0.2 s instead of 0.1 in half the idle probes of session 24's steady run)
@@ -182,12 +184,14 @@ class IdleProbes:
 
     Counted thread by thread, between two readings of it: a thread or process that ends takes
     nothing back from what the sibling was busy (a sum over its processes dropped by a finished
-    worker's whole past), a new thread of a process read before counts all its time (it began
-    since), and a process that joins counts from its first reading (a warm worker brings its past)."""
+    worker's whole past); a new thread of a process read before, and a process started since the
+    last reading (a child), count all their time; a process started before it that joins since (a
+    warm worker) counts from its first reading, not its past."""
 
     def __init__(self) -> None:
         self.since: dict[str, float] = {}  # command -> monotonic at its first probe
         self.at: dict[str, float] = {}  # ... at its last probe
+        self.booted: dict[str, int] = {}  # ... clock ticks since boot at its last probe
         self.seen: dict[str, dict[tuple[int, str], int]] = {}  # ... its threads' busy ns then
         self.busy: dict[str, int] = {}  # ... busy ns since its first probe
 
@@ -195,6 +199,7 @@ class IdleProbes:
         """Probe `cid` (its processes `pids`) from now, unless it is probed already."""
         if cid not in self.since:
             self.since[cid] = self.at[cid] = time.monotonic()
+            self.booted[cid] = boot_ticks()
             self.seen[cid], self.busy[cid] = busy_by_thread(pids), 0
 
     def started(self) -> list[str]:
@@ -206,16 +211,25 @@ class IdleProbes:
         now, at = time.monotonic(), self.at[cid]
         if not pids or now - at < IDLE_PROBE_S - PROBE_SLACK_S:
             return False
-        was, cur = self.seen[cid], busy_by_thread(pids)
-        known = {pid for pid, _tid in was}
-        step = sum(max(0, ns - was[t]) if t in was else ns if t[0] in known else 0 for t, ns in cur.items())
+        was, booted, cur = self.seen[cid], self.booted[cid], busy_by_thread(pids)
+        new = {pid for pid, _tid in cur} - {pid for pid, _tid in was}
+        born = {p for p in new if (started := procfs.start_time(p)) is not None and started >= booted}
+        step = sum(
+            max(0, ns - was[t]) if t in was else ns if t[0] not in new or t[0] in born else 0
+            for t, ns in cur.items()
+        )
         self.busy[cid] += step
         whole = self.busy[cid] < IDLE_WAIT_BUSY * (now - self.since[cid]) * 1e9
         if step < IDLE_BUSY * (now - at) * 1e9 and whole and not runnable(pids):
             return True
-        self.at[cid] = now
-        self.seen[cid] = cur
+        self.at[cid], self.booted[cid], self.seen[cid] = now, boot_ticks(), cur
         return False
+
+
+def boot_ticks() -> int:
+    """Clock ticks since boot now, less one (a process's start time in /proc is in whole ticks:
+    one started within the tick of a reading counts as started after it)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * TICKS) - 1
 
 
 def cpu_by_pid(pids: list[int]) -> dict[int, int]:
