@@ -150,6 +150,7 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         # running when the next one came, must not answer that one.
         self._settle = threading.Condition()
         self._asked = self._done = 0
+        self._gone = False  # the reader has exited: no request will be done
         self._settle_ns = 0
         self._wake: tuple[int, int] | None = None  # a pipe that wakes the reader out of poll()
 
@@ -263,7 +264,8 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         except (BlockingIOError, OSError):
             pass  # full: a wake-up is pending anyway; closed: the wait below times out
         with self._settle:
-            settled = self._settle.wait_for(lambda: self._done >= mine, timeout)
+            self._settle.wait_for(lambda: self._done >= mine or self._gone, timeout)
+            settled = self._done >= mine
         with contextlib.suppress(RuntimeError):  # not on a loop: the batches come as scheduled
             if asyncio.get_running_loop() is self._loop:
                 self._hand_over()
@@ -357,6 +359,9 @@ class TracefsProbe(FailureReporting, ProbeBackend):
             )
         finally:
             os.close(pipe)
+            with self._settle:  # a settle() waiting for this reader: it will not come, say so now
+                self._gone = True
+                self._settle.notify_all()
 
     def _parse(self, lines: list[bytes]) -> list[ProbeEvent]:
         out = []

@@ -529,43 +529,46 @@ async def test_a_guarded_re_run_started_alone_is_guarded_at_a_need_learned_since
 
 
 def test_a_floor_is_learned_for_its_problem_not_for_its_kind() -> None:
-    """(found by review, three times) A problem's out-of-memory floor is kept for that problem: the
-    next command of it is taken at the floor, one of another problem of its kind is not. A gateway
-    job's key names its shape, which every problem of a set can share: under it, one problem
-    failing twice filled three of the shape's remembered peaks, whose median is every new
-    problem's typical need. Under the job's features alone, the floor counted only where a
-    feature was specific: not for a shape's first problem, nor for one whose shape had seen no
-    other problem."""
+    """(found by review, four times) A problem's out-of-memory floor is learned for that problem:
+    its next candidate is taken at the floor, a job of another problem of its kind is not. A
+    gateway job's key names its shape, which every problem of a set can share: under it, one
+    problem failing twice filled three of the shape's remembered peaks, whose median is every new
+    problem's typical need. Its features carry the floor to the problem's next candidate where
+    its problem's file tells it apart; the digest of all its features (floor_key) carries it to the
+    same job again where nothing does yet (a shape's first problem)."""
 
-    def job(problem: str) -> P.Submit:
-        alike = ["command 11", "file job.py 22", f"file problem.py {problem}"]
+    def job(problem: str, candidate: str = "c1") -> P.Submit:
+        alike = ["command 11", "file job.py 22", f"file problem.py {problem}", f"candidate {candidate}"]
         return P.Submit(id=0, argv=["true"], mem_key="gateway eval / shape", mem_alike=alike)
 
-    def fails(adm: Admission, cid: str, problem: str, held: int, tried: int) -> None:
-        cmd = added(adm, cid, job(problem))
+    def fails(adm: Admission, cid: str, spec: P.Submit, held: int, tried: int) -> None:
+        cmd = added(adm, cid, spec)
         cmd.err.add(oom_message(held, tried))
         adm.learn_floor(cmd)
         assert cmd.mem_floor == (held + tried) * MiB
 
+    def ran(adm: Admission, spec: P.Submit, peak: int) -> None:
+        adm.footprints.learn(uid, footprints.alike_keys(spec) + footprints.mem_keys(spec), peak)
+
     uid = os.getuid()
     adm = admission()
-    fails(adm, "w0", "wide", 500, 300)  # the shape's first problem
+    fails(adm, "w0", job("wide"), 500, 300)  # the shape's first problem
     assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
+    assert adm.need(job("wide", "c2"), uid) == (0, "unknown")  # nothing tells its problem apart yet
     assert adm.need(job("new"), uid) == (0, "unknown")
     adm = admission()
-    spec = job("wide")
-    adm.footprints.learn(uid, footprints.alike_keys(spec) + footprints.mem_keys(spec), 100 * MiB)
-    fails(adm, "w0", "wide", 500, 300)  # it ran at 100 once, then failed beside others
+    ran(adm, job("wide"), 100 * MiB)
+    fails(adm, "w0", job("wide"), 500, 300)  # it ran at 100 once, then failed beside others
     assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
     adm = admission()
     for problem in ("a", "b"):
-        spec = job(problem)
-        adm.footprints.learn(uid, footprints.alike_keys(spec) + footprints.mem_keys(spec), 100 * MiB)
+        ran(adm, job(problem), 100 * MiB)
     for i in range(2):  # the same problem fails twice
-        fails(adm, f"w{i}", "wide", 500, 300)
+        fails(adm, f"w{i}", job("wide"), 500, 300)
     assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
+    assert adm.need(job("wide", "c2"), uid) == (800 * MiB, "learned")  # its next candidate
     assert adm.need(job("new"), uid) == (100 * MiB, "typical")
-    assert adm.need(job("a"), uid) == (100 * MiB, "learned")
+    assert adm.need(job("a", "c2"), uid) == (100 * MiB, "learned")
     b = added(adm, "b", P.Submit(id=0, argv=["true"], mem_key="eval / wide"))  # no features: its key
     b.err.add(oom_message(500, 200))
     adm.learn_floor(b)

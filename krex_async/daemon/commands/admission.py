@@ -390,7 +390,7 @@ class Admission:
 
     def learn_floor(self, cmd: Command) -> None:
         """`cmd` ran out of memory: its failure's floor (reruns.floor; fits_alone counts it) is kept,
-        and learned for its problem (footprints.floor_key) where above its peak."""
+        and learned for its problem (its features, footprints.floor_key) where above its peak."""
         dm = self.devices.get(cmd.device_key or "")
         floor = reruns.floor(cmd)
         if dm is None or floor <= cmd.mem_floor:
@@ -398,7 +398,7 @@ class Admission:
         cmd.mem_floor = floor  # below the sampled peak too: above the guard, a re-run guarded again
         log.info("command_oom_floor", command=cmd.id, floor=floor, need=cmd.mem_need, source=cmd.mem_source)
         if cmd.mem_peak < floor <= dm.total:  # else it says nothing new, or is its own failure
-            self.footprints.learn(cmd.uid, [floor_key(cmd.spec)], floor)
+            self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + [floor_key(cmd.spec)], floor)
 
     def requeue(self, cmd: Command) -> None:
         """A re-run: out of the running set, first in line (it already waited its turn). Guarded

@@ -14,9 +14,9 @@ several is). The tightest bound of the specific features known is its need; with
 problem not seen yet), its key's typical (median) peak: the key of many problems is a kind.
 
 An out-of-memory's floor (what the failed command held and asked for: admission.learn_floor) is
-kept for its problem alone (floor_key): under the digest of all its features together, else its
-most specific key; a command whose problem showed a floor above what `need` gives otherwise is
-taken at the floor.
+learned for its problem, not its kind: under its features, and under floor_key (the digest of all
+its features together, else its most specific key); a command of that very job whose floor is above
+what `need` gives otherwise is taken at the floor.
 
 Each user learns from its own commands alone (the user a command runs as): another user's commands
 that share a label, a program name or a feature, by chance or to mislead, tell nothing of this
@@ -73,12 +73,13 @@ def alike_keys(spec: P.Submit) -> list[str]:
 
 
 def floor_key(spec: P.Submit) -> str:
-    """The key a command's out-of-memory floors are kept under: its problem's, not its kind's. With
-    features, all of them at once (a gateway job's files and command: its problem; its mem_key names
-    a shape, which every problem of a set can share), else its most specific key. Under its kind's
-    keys, one problem that failed twice filled three of its kind's remembered peaks, whose median
-    is the kind's typical need; under its features alone, a floor counted only where a feature was
-    specific, and was lost for a shape's first problem."""
+    """The key a command's out-of-memory floors are kept under besides its features (admission's
+    learn_floor): not its kind's keys. With features, all of them at once (this very job: a gateway
+    job's key names a shape, which every problem of a set can share, and its features its problem's
+    files and its candidate's), else its most specific key. Under its kind's keys, one problem that
+    failed twice filled three of its kind's remembered peaks, whose median is the kind's typical
+    need. Its features carry the floor to the problem's next candidate where one tells the problem
+    apart; this key to the same job again where none does yet (a shape's first problem)."""
     if not spec.mem_alike:
         return mem_keys(spec)[0]
     return FLOOR + hashlib.sha256("\0".join(sorted(spec.mem_alike)).encode()).hexdigest()[:32]

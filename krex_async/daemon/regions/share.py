@@ -211,9 +211,11 @@ class IdleProbes:
         now, at = time.monotonic(), self.at[cid]
         if not pids or now - at < IDLE_PROBE_S - PROBE_SLACK_S:
             return False
+        ticks = boot_ticks()  # before the reading: a child started after it is in the next one's
         was, booted, cur = self.seen[cid], self.booted[cid], busy_by_thread(pids)
         new = {pid for pid, _tid in cur} - {pid for pid, _tid in was}
-        born = {p for p in new if (started := procfs.start_time(p)) is not None and started >= booted}
+        # started since the last reading, or gone already (its time cannot be told from a past)
+        born = {p for p in new if (started := procfs.start_time(p)) is None or started >= booted}
         step = sum(
             max(0, ns - was[t]) if t in was else ns if t[0] not in new or t[0] in born else 0
             for t, ns in cur.items()
@@ -222,7 +224,7 @@ class IdleProbes:
         whole = self.busy[cid] < IDLE_WAIT_BUSY * (now - self.since[cid]) * 1e9
         if step < IDLE_BUSY * (now - at) * 1e9 and whole and not runnable(pids):
             return True
-        self.at[cid], self.booted[cid], self.seen[cid] = now, boot_ticks(), cur
+        self.at[cid], self.booted[cid], self.seen[cid] = now, ticks, cur
         return False
 
 
