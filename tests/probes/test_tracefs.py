@@ -274,3 +274,28 @@ def test_a_line_without_its_threads_tgid_is_kept_for_the_holder_that_thread_belo
     finally:
         done.set()
         t.join()
+
+
+async def test_a_settle_waiting_on_a_reader_that_exits_returns_at_once(devdir: str) -> None:
+    """The reader is paused (the lines wait in the kernel), so a settle waits; the probe stops
+    meanwhile and its reader exits: the settle says False at once, not at its timeout (a daemon's
+    loop waits in it)."""
+    need_tracefs()
+    probe = TracefsProbe([devdir + "/"], rescan_s=0.2)
+    col = Collector(probe)
+    col.start()
+    probe.paused.set()
+    out: list[tuple[bool, float]] = []
+
+    def settle() -> None:
+        t0 = time.monotonic()
+        out.append((probe.settle(30.0), time.monotonic() - t0))
+
+    waiter = threading.Thread(target=settle)
+    try:
+        waiter.start()
+        await until(lambda: probe._asked == 1, "the settle asked")
+    finally:
+        probe.stop()
+        waiter.join(60)
+    assert out and out[0][0] is False and out[0][1] < 10, out
