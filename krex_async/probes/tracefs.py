@@ -253,17 +253,17 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         stray short (2999 of 3000 under load). Returns False when it could not within `timeout`
         (the reader is paused, stopped or failed, or starved of CPU): the caller must then treat
         counts() as incomplete."""
-        if self._thread is None or not self._thread.is_alive() or self._wake is None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
             return False
-        with self._settle:
+        with self._settle:  # stop() closes the wake-up pipe under it
+            if self._wake is None or self._gone:
+                return False
             self._asked += 1
             mine, self._settle_ns = self._asked, time.monotonic_ns()
-        self._settle_req.set()
-        try:
-            os.write(self._wake[1], b"s")
-        except (BlockingIOError, OSError):
-            pass  # full: a wake-up is pending anyway; closed: the wait below times out
-        with self._settle:
+            self._settle_req.set()
+            with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+                os.write(self._wake[1], b"s")
             self._settle.wait_for(lambda: self._done >= mine or self._gone, timeout)
             settled = self._done >= mine
         with contextlib.suppress(RuntimeError):  # not on a loop: the batches come as scheduled
@@ -313,6 +313,8 @@ class TracefsProbe(FailureReporting, ProbeBackend):
                         os.read(wake_r, 4096)
                     except BlockingIOError:
                         pass
+                if self.paused.is_set():  # paused while it polled: a settle asked now waits too
+                    continue
                 if self._settle_req.is_set():
                     # Read until the buffer is empty, or a line stamped after the request is read
                     # (trace_pipe is in timestamp order): every line committed before the request.
@@ -437,9 +439,10 @@ class TracefsProbe(FailureReporting, ProbeBackend):
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        if self._wake is not None:
-            for w in self._wake:
-                os.close(w)
-            self._wake = None
+        with self._settle:
+            if self._wake is not None:
+                for w in self._wake:
+                    os.close(w)
+                self._wake = None
         self._lost_final = self.lost()
         self._remove_instance()

@@ -563,10 +563,10 @@ def test_a_floor_is_learned_for_its_problem_not_for_its_kind() -> None:
     adm = admission()
     for problem in ("a", "b"):
         ran(adm, job(problem), 100 * MiB)
-    for i in range(2):  # the same problem fails twice
-        fails(adm, f"w{i}", job("wide"), 500, 300)
+    for i in range(8):  # a batch of its candidates fails side by side (a feature keeps eight peaks)
+        fails(adm, f"w{i}", job("wide", f"c{i}"), 500, 300)
     assert adm.need(job("wide"), uid) == (800 * MiB, "learned")
-    assert adm.need(job("wide", "c2"), uid) == (800 * MiB, "learned")  # its next candidate
+    assert adm.need(job("wide", "c9"), uid) == (800 * MiB, "learned")  # its next candidate
     assert adm.need(job("new"), uid) == (100 * MiB, "typical")
     assert adm.need(job("a", "c2"), uid) == (100 * MiB, "learned")
     b = added(adm, "b", P.Submit(id=0, argv=["true"], mem_key="eval / wide"))  # no features: its key

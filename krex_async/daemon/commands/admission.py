@@ -46,7 +46,7 @@ from krex_async import logs
 from krex_async import protocol as P
 from krex_async.daemon.commands import commitment, memsample, reruns
 from krex_async.daemon.commands.devmemory import DeviceMemory, gib
-from krex_async.daemon.commands.footprints import Footprints, alike_keys, floor_key, mem_keys
+from krex_async.daemon.commands.footprints import Footprints, alike_keys, mem_keys
 from krex_async.daemon.model.command import Command, CommandState
 from krex_async.daemon.model.core import Core
 from krex_async.daemon.model.events import MemoryReserved, MemoryWaiting
@@ -398,7 +398,7 @@ class Admission:
         cmd.mem_floor = floor  # below the sampled peak too: above the guard, a re-run guarded again
         log.info("command_oom_floor", command=cmd.id, floor=floor, need=cmd.mem_need, source=cmd.mem_source)
         if cmd.mem_peak < floor <= dm.total:  # else it says nothing new, or is its own failure
-            self.footprints.learn(cmd.uid, alike_keys(cmd.spec) + [floor_key(cmd.spec)], floor)
+            self.footprints.learn_floor(cmd.uid, cmd.spec, floor)
 
     def requeue(self, cmd: Command) -> None:
         """A re-run: out of the running set, first in line (it already waited its turn). Guarded

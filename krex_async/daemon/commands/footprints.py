@@ -169,6 +169,14 @@ class Footprints:
                 return learned, "typical" if typical else "learned"
         return (default, "default") if default > 0 else (0, "unknown")
 
+    def learn_floor(self, uid: int, spec: P.Submit, floor: int) -> None:
+        """An out-of-memory of a command of `spec` run as `uid` showed it needs at least `floor`:
+        learned under its features and floor_key, those of them not above it already (a feature
+        keeps KEEP_PEAKS: eight floors of one batch of candidates would leave it none of the
+        key's commands to be told specific by)."""
+        keys = alike_keys(spec) + [floor_key(spec)]
+        self.learn(uid, [k for k in keys if (self.get(scoped(uid, [k])[0]) or 0) < floor], floor)
+
     def specific(self, feature: str, keys: list[str]) -> bool:
         """Whether the known `feature` tells some of the commands of its key (else of the longest
         known prefix) from the rest: not every one of those recent commands taught it (the file of
