@@ -67,17 +67,18 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         assert done["status"] == "succeeded", done
         r = done["result"]
         # Its guarded re-run waits at the floor its out-of-memory showed (50 MiB held, 650 more),
-        # learned under its own shape (its shape's typical: one job taught it), not at its
+        # learned for its problem (its features, and this very job's floor key), not at its
         # --mem-default 100 MiB, which fit beside B and met B again (docs/admission.md)
         assert r["krex"]["reruns"] == 1 and r["krex"]["rerun_reason"] == "co-located OOM", r["krex"]
         assert r["stdout"] == "allocated 52428800\nallocated 734003200\n" and r["stderr"] == "", r
-        assert (r["krex"]["mem_source"], r["krex"]["mem_need"]) == ("typical", 700 * MiB), r
+        assert (r["krex"]["mem_source"], r["krex"]["mem_need"]) == ("learned", 700 * MiB), r
 
         done_b = await c.wait(b["job_id"], 60)
         assert done_b["status"] == "succeeded" and done_b["result"]["krex"]["mem_peak"] >= 400 * MiB, done_b
         await krex.close()
-        # B taught its own shape (its command and file names) and its kind; A's OOM its floor, then
-        # its re-run its peak (memory.json is written within footprints.WRITE_S)
+        # B taught its own shape (its command and file names) and its kind; A's OOM its floor to
+        # its problem (its features and its floor key, not its shape), and its re-run its peak,
+        # where sampled, to its shape as well (memory.json is written within footprints.WRITE_S)
         state = Path(daemon.socket).parent / "state" / "memory.json"
         b_shape = job_shape({"command": f"python -m krex_async.devices.fake 400M --release {rb}"})
         user = f"u{pwd.getpwnam(JOB_USER).pw_uid if os.geteuid() == 0 else os.getuid()}"  # the job's
@@ -87,7 +88,9 @@ async def test_a_job_out_of_memory_beside_another_is_re_run_and_says_so(
         assert learned[key] == [400 * MiB], learned
         assert 400 * MiB in learned[f"{user} key gateway dev"], learned
         a_shape = job_shape({"command": f"python -m krex_async.devices.fake 50M 700M --gate {gate}"})
-        assert learned[f"{user} key gateway dev / {a_shape}"][0] == 700 * MiB, learned  # the floor first
+        peak = r["krex"]["mem_peak"]  # 0 where its re-run ended before a sample saw it
+        assert learned.get(f"{user} key gateway dev / {a_shape}", []) == ([peak] if peak else []), learned
+        assert [v for k, v in learned.items() if k.startswith(f"{user} floor ")] == [[700 * MiB]], learned
 
 
 async def _learned(state: Path, key: str) -> bool:
