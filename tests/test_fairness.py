@@ -19,7 +19,7 @@ import pytest
 from krex_async import Client
 from krex_async.daemon.config import ConfigError, load_config
 from krex_async.daemon.observe.metrics import Metrics
-from krex_async.daemon.regions.share import IDLE_PROBE_S, IdleProbes, Share, busy_ns, runnable
+from krex_async.daemon.regions.share import IDLE_PROBE_S, IdleProbes, Share, busy_by_thread, runnable
 from krex_async.ops.statusview import render
 
 from .conftest import PY, py_env, run_daemon, until
@@ -353,6 +353,11 @@ def _spin(cpu: int, policy: str, seconds: float = 0) -> subprocess.Popen[str]:
     )
     assert p.stdout is not None and p.stdout.readline() == "go\n"
     return p
+
+
+def busy_ns(pids: list[int]) -> int:
+    """What the processes `pids` have been busy in all (on a CPU or in a run queue), in ns."""
+    return sum(busy_by_thread(pids).values())
 
 
 async def _probe(pids: list[int]) -> bool:

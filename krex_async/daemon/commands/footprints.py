@@ -175,7 +175,8 @@ class Footprints:
         keeps KEEP_PEAKS: eight floors of one batch of candidates would leave it none of the
         key's commands to be told specific by)."""
         keys = alike_keys(spec) + [floor_key(spec)]
-        self.learn(uid, [k for k in keys if (self.get(scoped(uid, [k])[0]) or 0) < floor], floor)
+        below = [k for k, mine in zip(keys, scoped(uid, keys)) if (self.get(mine) or 0) < floor]
+        self.learn(uid, below, floor)
 
     def specific(self, feature: str, keys: list[str]) -> bool:
         """Whether the known `feature` tells some of the commands of its key (else of the longest

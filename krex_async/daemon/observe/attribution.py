@@ -100,6 +100,8 @@ class Attributor:
         self.core = core
         self.regions = regions  # the regions held now: their strays, and a late open to freeze
         self.backend = backend
+        # settle(): what a backend whose counts are not kept kernel-side has (tracefs), else None
+        self.settles: Callable[[float], bool] | None = getattr(backend, "settle", None)
         self.metrics = metrics  # the events the backend lost
         self.tracers = tracers  # `krex trace` subscribers: a probe event is traced only for them
         self.watches: dict[str, RegionWatch] = {}  # region id -> watch
@@ -174,8 +176,7 @@ class Attributor:
         """Bring a backend whose counts are not kept kernel-side (tracefs: what its reader has
         parsed) up to now. Blocks the loop (about a millisecond; at most SETTLE_S). False: its
         counts may miss events made before this call."""
-        settle = getattr(self.backend, "settle", None)
-        return True if settle is None or self.failed is not None else bool(settle(SETTLE_S))
+        return True if self.settles is None or self.failed is not None else bool(self.settles(SETTLE_S))
 
     def region_granted(self, r: Region) -> None:
         """Open the region's stray window, just before the grant is sent. Only what must precede
@@ -226,7 +227,7 @@ class Attributor:
         start = w.counts_at_start
         if start is None:
             w.unverified = True  # no snapshot at the start: the stream alone cannot be trusted
-        elif getattr(self.backend, "settle", None) is None:
+        elif self.settles is None:
             for tgid, n in (self._counts(r, w) or {}).items():
                 extra = n - start.get(tgid, 0)
                 if extra > w.pids.get(tgid, 0) and self._is_stray(r, tgid):

@@ -262,8 +262,3 @@ def busy_by_thread(pids: list[int]) -> dict[tuple[int, str], int]:
             on_cpu, waiting = text.split()[:2]
             out[pid, tid] = int(on_cpu) + int(waiting)
     return out
-
-
-def busy_ns(pids: list[int]) -> int:
-    """busy_by_thread summed: what the processes `pids` have been busy in all."""
-    return sum(busy_by_thread(pids).values())
