@@ -6,19 +6,18 @@ the fake vendor's device (1000 MiB) standing in for a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from krex_async.client.submit import Client
 
-from ..conftest import run_daemon, until
+from ..conftest import Daemon, open_tmpdir, run_daemon, until
 from ..devices.conftest import MiB, fake_gpu_env
 from ..devices.test_admission import eventually, row, until_status
 from .helpers import User, python_as, user_env
@@ -52,10 +51,28 @@ def shared_fake() -> Iterator[dict[str, str]]:
 @pytest.fixture
 def releases() -> Iterator[Path]:
     """Where the test releases the users' commands: a folder they can look into."""
-    d = Path(tempfile.mkdtemp(prefix="krex-release-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with open_tmpdir("krex-release-", 0o755) as d:
+        yield d
+
+
+def fake_of(env: dict[str, str]) -> dict[str, str]:
+    """The fake device's variables of `env`: what the users' commands are given."""
+    return {k: v for k, v in env.items() if k.startswith("KREX_FAKE_GPU")}
+
+
+@contextlib.asynccontextmanager
+async def serving_users(env: dict[str, str], *args: str) -> AsyncIterator[tuple[Daemon, Client]]:
+    """A daemon on the fake device (shared policy, no headroom, `args` after), its socket open to
+    the test users (group krexg, its directory 0711), and a client of this user's."""
+    group = str(grp.getgrnam("krexg").gr_gid)
+    base = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", *args)
+    async with run_daemon(*base, "--socket-group", group, "--isolation", "signal", env=env) as d:
+        os.chmod(os.path.dirname(d.socket), 0o711)
+        c = await d.client()
+        try:
+            yield d, c
+        finally:
+            await c.close()
 
 
 def submit_as(user: User, sock: str, label: str, release: Path, env: dict[str, str], *fake: str) -> str:
@@ -64,6 +81,13 @@ def submit_as(user: User, sock: str, label: str, release: Path, env: dict[str, s
     args = fake or ("600M",)
     out = python_as(user, AGENT, sock, label, str(release), *args, input=json.dumps({**user_env(), **env}))
     return str(json.loads(out)["command"])
+
+
+async def bench_learned(d: Daemon, what: str) -> None:
+    """Until the daemon's memory.json (written within footprints.WRITE_S) holds a `bench` label's
+    figure, as "u<uid> label bench" (the old code's key was "label bench")."""
+    state = Path(d.socket).parent / "state" / "memory.json"
+    await until(lambda: state.exists() and 'label bench"' in state.read_text(), what)
 
 
 async def ended(c: Client, command: str) -> None:
@@ -80,20 +104,14 @@ async def test_a_peers_commands_of_the_same_label_tell_nothing_of_a_users_need(
     """mallory's `bench` peaks at 600 MiB: her next `bench` is taken at 600 MiB (learned), alice's
     first `bench` knows nothing of it (unknown). The old code took alice's at mallory's 600."""
     alice, mallory = users["alice"], users["mallory"]
-    fake = {k: v for k, v in shared_fake.items() if k.startswith("KREX_FAKE_GPU")}
-    group = str(grp.getgrnam("krexg").gr_gid)
-    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", "--mem-gate", "off")
-    async with run_daemon(*args, "--socket-group", group, "--isolation", "signal", env=shared_fake) as d:
-        os.chmod(os.path.dirname(d.socket), 0o711)
-        c = await d.client()
+    fake = fake_of(shared_fake)
+    async with serving_users(shared_fake, "--mem-gate", "off") as (d, c):
         taught = submit_as(mallory, d.socket, "bench", releases / "r1", fake)
         await until_status(c, taught, lambda s: s["mem_peak"] >= 600 * MiB, "mallory's 600 MiB seen")
         (releases / "r1").touch()
         await ended(c, taught)
-        # learned once the daemon has finished with it (after its state says ended), and written
-        # within WRITE_S (as "u<uid> label bench"; the old code's key was "label bench")
-        state = Path(d.socket).parent / "state" / "memory.json"
-        await until(lambda: state.exists() and 'label bench"' in state.read_text(), "mallory's peak learned")
+        # learned once the daemon has finished with it (after its state says ended)
+        await bench_learned(d, "mallory's peak learned")
 
         victim = submit_as(alice, d.socket, "bench", releases / "r2", fake)
         st = await row(c, victim)
@@ -106,7 +124,6 @@ async def test_a_peers_commands_of_the_same_label_tell_nothing_of_a_users_need(
         assert (st["mem_source"], st["mem_need"]) == ("learned", 600 * MiB), st
         (releases / "r3").touch()
         await ended(c, again)
-        await c.close()
 
 
 async def test_a_peers_program_that_never_asks_is_not_measured_as_a_users_command(
@@ -121,13 +138,9 @@ async def test_a_peers_program_that_never_asks_is_not_measured_as_a_users_comman
 
     alice, mallory = users["alice"], users["mallory"]
     daemon_env = dict(shared_fake, KREX_FAKE_GPU_PID_OFFSET="4000000")
-    fake = {k: v for k, v in daemon_env.items() if k.startswith("KREX_FAKE_GPU")}
+    fake = fake_of(daemon_env)
     root = Path(fake["KREX_FAKE_GPU_DIR"]) / "fake0"
-    group = str(grp.getgrnam("krexg").gr_gid)
-    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared")
-    async with run_daemon(*args, "--socket-group", group, "--isolation", "signal", env=daemon_env) as d:
-        os.chmod(os.path.dirname(d.socket), 0o711)
-        c = await d.client()
+    async with serving_users(daemon_env) as (d, c):
         mine = submit_as(alice, d.socket, "bench", releases / "ra", fake, "50M")
         await until_status(c, mine, lambda s: s["mem_peak"] >= 50 * MiB, "alice's 50 MiB seen alone")
         theirs = submit_as(mallory, d.socket, "x", releases / "rm", fake, "700M", "--no-cuda-gate")
@@ -143,14 +156,12 @@ async def test_a_peers_program_that_never_asks_is_not_measured_as_a_users_comman
         for name, command in (("ra", mine), ("rm", theirs)):
             (releases / name).touch()
             await ended(c, command)
-        state = Path(d.socket).parent / "state" / "memory.json"
-        await until(lambda: state.exists() and 'label bench"' in state.read_text(), "alice's peak learned")
+        await bench_learned(d, "alice's peak learned")
         again = submit_as(alice, d.socket, "bench", releases / "r2", fake, "1M")
         st = await row(c, again)
         assert (st["mem_source"], st["mem_need"]) == ("learned", 50 * MiB), st
         (releases / "r2").touch()
         await ended(c, again)
-        await c.close()
 
 
 async def test_a_floor_a_peers_out_of_memory_showed_tells_nothing_of_a_users_need(
@@ -161,19 +172,14 @@ async def test_a_floor_a_peers_out_of_memory_showed_tells_nothing_of_a_users_nee
     mallory's next `bench` (900, learned: the code before floors learned nothing from a failure),
     and tells nothing of alice's first `bench` (unknown)."""
     alice, mallory = users["alice"], users["mallory"]
-    fake = {k: v for k, v in shared_fake.items() if k.startswith("KREX_FAKE_GPU")}
-    group = str(grp.getgrnam("krexg").gr_gid)
-    args = ("--devices", "fake:1", "--mem-headroom", "0", "--policy", "shared", "--mem-gate", "off")
-    args += ("--mem-commit", "none")  # mallory's unknown first run starts beside alice's
-    async with run_daemon(*args, "--socket-group", group, "--isolation", "signal", env=shared_fake) as d:
-        os.chmod(os.path.dirname(d.socket), 0o711)
-        c = await d.client()
+    fake = fake_of(shared_fake)
+    # --mem-commit none: mallory's unknown first run starts beside alice's
+    async with serving_users(shared_fake, "--mem-gate", "off", "--mem-commit", "none") as (d, c):
         holder = submit_as(alice, d.socket, "hold", releases / "rh", fake, "500M")
         await until_status(c, holder, lambda s: s["mem_peak"] >= 500 * MiB, "alice's 500 MiB seen")
         failed = submit_as(mallory, d.socket, "bench", releases / "r1", fake, "50M", "900M")
         await ended(c, failed)
-        state = Path(d.socket).parent / "state" / "memory.json"
-        await until(lambda: state.exists() and 'label bench"' in state.read_text(), "mallory's floor learned")
+        await bench_learned(d, "mallory's floor learned")
         again = submit_as(mallory, d.socket, "bench", releases / "r2", fake, "1M")
         st = await row(c, again)
         assert (st["mem_source"], st["mem_need"]) == ("learned", 900 * MiB), st
@@ -183,4 +189,3 @@ async def test_a_floor_a_peers_out_of_memory_showed_tells_nothing_of_a_users_nee
         for name, command in (("rh", holder), ("r2", again), ("r3", victim)):
             (releases / name).touch()
             await ended(c, command)
-        await c.close()
