@@ -80,6 +80,7 @@ def test_bad_command_lines_answered_clearly(tmp_path: Path) -> None:
         (["--job-timeout", "900"], "at most 600"),
         (["--kernelbench", str(tmp_path), "--device", "cpu"], "no KernelBench/level"),
         (["--variants", "fast:--x", "--device", "cpu"], "policy 'fast'"),
+        (["--stack-dir", str(tmp_path / "no"), "--device", "cpu"], f"--stack-dir {tmp_path}/no: not a"),
     ):
         p = run_script("-m", "bench.jobs", "--out", str(tmp_path / "o.json"), *args, check=False)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
