@@ -587,12 +587,15 @@ if sys.argv[3] == "late-open":  # a GPU file opened now, unseen by a region begu
 open(state + ".exiting", "w").write(repr(time.time()))
 
 
+SLOW_S = {"slow": 0.3, "slower": 1.5, "late-open": 1.5, "slowest": 4.0}
+
+
 class _SlowToDie:  # finalised after the exit hooks: the exit lasts longer, as a torch teardown does
-    def __del__(self, sleep=time.sleep, seconds=1.5 if sys.argv[3] in ("slower", "late-open") else 0.3):
+    def __del__(self, sleep=time.sleep, seconds=SLOW_S.get(sys.argv[3], 0.0)):
         sleep(seconds)
 
 
-if sys.argv[3] in ("slow", "slower", "late-open"):
+if sys.argv[3] in SLOW_S:
     _last = _SlowToDie()
 if sys.argv[3] == "os._exit":
     os._exit(0)
@@ -730,6 +733,57 @@ async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for
     assert t_grant - t_exiting < 3.0, "the sibling's exit was delayed with no region to wait for"
     assert rep.get("exits_waited") == [pid] and rep["exits_wait_s"] > 0.2, rep
     assert pid not in rep.get("locked_pids", []) and "held_exited" not in rep, rep
+
+
+# OWNER, asking for its region as soon as argv[3] exists (it says it is ready in argv[3].owner).
+OWNER_ON_CUE = """
+import os, sys, time, msgspec
+from krex_async import region
+open(sys.argv[3] + ".owner", "w").close()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.002)
+with region("timing") as r:
+    open(sys.argv[1], "w").write(str(time.time()))
+    time.sleep(float(sys.argv[2]))
+sys.stdout.write(msgspec.json.encode(r.report).decode())
+"""
+
+
+async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_after_it(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """A region that waits for a sibling's exit (4 s of teardown here) tries the lock of its
+    other siblings meanwhile: one inside a CUDA call past --lock-wait (0.8 s) is frozen as the
+    exit ends, not 0.8 s after it. (On the H100 a region's entry spent both one after the other:
+    an exit in the kernel's teardown, 73-117 ms, then 50 ms for a sibling inside a call.)"""
+    owner = script("owner_on_cue.py", OWNER_ON_CUE)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "0.8", "--exit-wait", "8")
+    async with run_daemon(*SLOW, *args, env=daemon_env(fake)) as d:
+        async with await d.client() as c:
+            h, pid = await _start_exiting(c, fake, script, state, "slowest")
+            hl, late = await _start_creating(c, fake, "late", 60000)
+            run = asyncio.ensure_future(
+                c.run([PY, owner, str(marker), "0.2", state + ".exiting"], env=py_env())
+            )
+            deadline = time.monotonic() + 30
+            while not os.path.exists(state + ".exiting.owner"):
+                assert time.monotonic() < deadline, "the owner did not start"
+                await asyncio.sleep(0.01)
+            Path(state + ".go").write_text("")  # it exits, with no region yet: the region waits for it
+            res = await run
+            assert (await h.wait()).returncode == 0
+            await hl.cancel(9)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep.get("exits_waited") == [pid] and rep["exits_wait_s"] > 1.0, rep
+    [entry] = rep["lock_late"]
+    assert entry["pid"] == late and entry["outcome"] == "frozen", entry
+    assert hl.command in rep["frozen"] and "inside a CUDA call" in rep["hold_fallback"][hl.command], rep
+    assert pid not in rep.get("locked_pids", []), rep
+    # the lock's 0.8 s ran inside the wait for the exit: the entry is not their sum
+    assert rep["enter_s"] - rep["exits_wait_s"] < 0.6, rep
 
 
 async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_until_it_ends(

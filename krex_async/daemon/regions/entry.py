@@ -71,7 +71,11 @@ class Entry:
         rep = r.report
         backend = self.core.backend
         timeout = self.core.config.freeze_timeout
-        await self.exits.wait(r)
+        noted = self.exits.take(r)
+        # The exits are waited for beside the lock of the other siblings (a sibling inside a CUDA
+        # call is waited for, up to --lock-wait, while the exits end, not after them); nothing is
+        # frozen before that wait ends, or an exit it could have let end would stop where it is.
+        exits = asyncio.ensure_future(self.exits.wait(r, noted)) if noted else None
         pool = self.core.pools.get(r.device)
         quiet: asyncio.Future[float] | None = None
         if pool is not None:
@@ -83,36 +87,47 @@ class Entry:
         r.select_ns = time.monotonic_ns()  # before the reading: an open after it is caught
         targets = self._targets(r)
         r.targets = {c.id for c in targets}
-        # A sibling still exiting after --lock-wait is frozen, not locked: a lock does not stop an
-        # exit, and the driver would free its GPU memory beside the timing; frozen, it ends after.
-        unfinished = set(rep.exits_unfinished)
-        exiting = {
-            c.id
-            for c in targets
-            if unfinished and c.group is not None and unfinished & set(backend.pids(c.group))
-        }
+        # A sibling with a process exiting is frozen (after the wait), not locked: a lock does not
+        # stop an exit, and the driver would free its GPU memory beside the timing; frozen, an
+        # exit still unfinished ends after the region.
+        exiting = [
+            c for c in targets if c.group is not None and not noted.keys().isdisjoint(backend.pids(c.group))
+        ]
+        vendor = self.core.device(r.device).vendor
         plan = self.hold.plan(
-            self.core.device(r.device).vendor,
-            {c.id: [] if c.id in exiting else self.drain.gpu_pids(c) for c in targets}
-            if self.hold.how(self.core.device(r.device).vendor)[0] == "lock"
+            vendor,
+            {c.id: [] if c in exiting else self.drain.gpu_pids(c) for c in targets}
+            if self.hold.how(vendor)[0] == "lock"
             else {c.id: [] for c in targets},
         )
         held = r.held
-        if plan.how == "lock":
-            held.fallback(
-                {
-                    cid: "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
-                    "frees its GPU memory after"
-                    for cid in exiting
-                }
-            )
         locking = [c for c in targets if c.id in plan.to_lock]
         freezing = [c for c in targets if c.id not in plan.to_lock]
         workers = self._pool_workers(r, plan.how, plan.to_lock)
+        lock = (
+            asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
+            if locking or workers
+            else None
+        )
+        rep.select_s = time.perf_counter() - t_select
+        if exits is not None:
+            try:
+                await exits
+            except BaseException:
+                for waiting in (exits, quiet):
+                    if waiting is not None:
+                        waiting.cancel()
+                # never the lock: it lands in the held set, or is undone, before release runs
+                await asyncio.gather(
+                    *(x for x in (exits, quiet, lock) if x is not None), return_exceptions=True
+                )
+                raise
+            if plan.how == "lock":
+                held.fallback(self._exiting_why(r, exiting))
+            freezing = [c for c in freezing if c.state == CommandState.RUNNING]  # not those ended since
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
         asked = self.drain.to_ask(r, freezing)
-        rep.select_s = time.perf_counter() - t_select
         rep.hold, rep.hold_why = (plan.how, plan.why) if targets else ("", "")
         if plan.why and self.hold.mode == "lock":  # asked for by name: each sibling says why not
             held.fallback({c.id: plan.why for c in freezing if self.drain.gpu_pids(c)})
@@ -128,11 +143,6 @@ class Entry:
         idle = r.command.adopters
         own_first = own is not None and any(p != r.pid and p not in idle for p in backend.pids(own))
         t0 = time.perf_counter()
-        lock = (
-            asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
-            if locking or workers
-            else None
-        )
         self.drain.send(r, asked)
         early = asyncio.ensure_future(self._freeze_some(r, now)) if now else None
         cores = None if own_first else asyncio.ensure_future(self.cores.reserve(r))
@@ -216,6 +226,22 @@ class Entry:
             # release runs (LockPool.lock_many is bounded)
             await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
             raise
+
+    def _exiting_why(self, r: Region, exiting: list[Command]) -> dict[str, str]:
+        """Why the commands with a process exiting as r began are frozen rather than locked (only
+        those with a GPU file left to lock): still exiting after the wait, or the rest of them."""
+        unfinished = set(r.report.exits_unfinished)
+        out = {}
+        for c in exiting:
+            pids = self.core.backend.pids(c.group) if c.group is not None else []
+            if unfinished.intersection(pids):
+                out[c.id] = (
+                    "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
+                    "frees its GPU memory after"
+                )
+            elif self.drain.gpu_pids(c):
+                out[c.id] = "a process of it was exiting as the region began: frozen after its exit"
+        return out
 
     async def _late_in_entry(self, r: Region) -> None:
         """Siblings the probes saw open a GPU device during the entry (--freeze device-holders

@@ -41,19 +41,28 @@ class Exits:
         the same process (its start time), not a reused one."""
         return now - entry.noted < EXITING_KEPT_S and start_time(pid) == entry.start
 
-    async def wait(self, r: Region) -> None:
-        """Wait (--exit-wait, default --lock-wait) for the siblings on r's device that are exiting
-        (Daemon.exit_held): their exit was deferred to an earlier region's end, or began with none
-        on the device; they are tearing their GPU state down now. Those still in user space after
-        that are left unfinished (frozen for the region, Entry.isolate); one already in the kernel's exit
-        cannot be frozen, so it is waited for up to the longer of --exit-wait and --exit-kernel-wait,
-        and so is one begun over --exit-starve ago (starved: frozen through the regions since)."""
+    def take(self, r: Region) -> dict[int, Exiting]:
+        """The exits r waits for (wait): its device's that still stand, no longer noted here."""
         now = time.monotonic()
-        mine = [p for p, e in self.exiting.items() if e.device == r.device and self.still_exiting(p, e, now)]
-        noted = {p: self.exiting[p] for p in mine}
+        mine = {
+            p: e for p, e in self.exiting.items() if e.device == r.device and self.still_exiting(p, e, now)
+        }
         self.exiting = {
             p: v for p, v in self.exiting.items() if v.device != r.device and now - v.noted < EXITING_KEPT_S
         }
+        return mine
+
+    async def wait(self, r: Region, noted: dict[int, Exiting] | None = None) -> None:
+        """Wait (--exit-wait, default --lock-wait) for the siblings on r's device that are exiting
+        (Daemon.exit_held; `noted`, else take(r)): their exit was deferred to an earlier region's
+        end, or began with none on the device; they are tearing their GPU state down now. Those
+        still in user space after that are left unfinished (frozen for the region, Entry.isolate);
+        one already in the kernel's exit cannot be frozen, so it is waited for up to the longer of
+        --exit-wait and --exit-kernel-wait, and so is one begun over --exit-starve ago (starved:
+        frozen through the regions since)."""
+        now = time.monotonic()
+        noted = self.take(r) if noted is None else noted
+        mine = list(noted)
         if mine:
             cfg = self.core.config
             limit = cfg.lock_wait if cfg.exit_wait < 0 else cfg.exit_wait
