@@ -35,9 +35,14 @@ pytestmark = [
 ]
 
 # Takes a region, writes the time of the grant to argv[1], holds it argv[2] s, prints the report.
+# With argv[3], it asks for the region only once that file exists (saying it is ready in argv[3].owner).
 OWNER = """
-import sys, time, msgspec
+import os, sys, time, msgspec
 from krex_async import region
+if len(sys.argv) > 3:
+    open(sys.argv[3] + ".owner", "w").close()
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.002)
 with region("timing") as r:
     open(sys.argv[1], "w").write(str(time.time()))
     time.sleep(float(sys.argv[2]))
@@ -735,20 +740,6 @@ async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for
     assert pid not in rep.get("locked_pids", []) and "held_exited" not in rep, rep
 
 
-# OWNER, asking for its region as soon as argv[3] exists (it says it is ready in argv[3].owner).
-OWNER_ON_CUE = """
-import os, sys, time, msgspec
-from krex_async import region
-open(sys.argv[3] + ".owner", "w").close()
-while not os.path.exists(sys.argv[3]):
-    time.sleep(0.002)
-with region("timing") as r:
-    open(sys.argv[1], "w").write(str(time.time()))
-    time.sleep(float(sys.argv[2]))
-sys.stdout.write(msgspec.json.encode(r.report).decode())
-"""
-
-
 async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_after_it(
     fake: Fake, script, tmp_path: Path
 ) -> None:
@@ -756,7 +747,7 @@ async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_aft
     other siblings meanwhile: one inside a CUDA call past --lock-wait (0.8 s) is frozen as the
     exit ends, not 0.8 s after it. (On the H100 a region's entry spent both one after the other:
     an exit in the kernel's teardown, 73-117 ms, then 50 ms for a sibling inside a call.)"""
-    owner = script("owner_on_cue.py", OWNER_ON_CUE)
+    owner = script("owner.py", OWNER)
     marker = tmp_path / "granted"
     state = str(tmp_path / "sib")
     args = ("--hold", "lock", "--freeze", "all", "--lock-wait", "0.8", "--exit-wait", "8")
