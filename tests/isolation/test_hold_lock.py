@@ -596,7 +596,8 @@ SLOW_S = {"slow": 0.3, "slower": 1.5, "late-open": 1.5, "slowest": 4.0}
 
 
 class _SlowToDie:  # finalised after the exit hooks: the exit lasts longer, as a torch teardown does
-    def __del__(self, sleep=time.sleep, seconds=SLOW_S.get(sys.argv[3], 0.0)):
+    def __del__(self, sleep=time.sleep, seconds=SLOW_S.get(sys.argv[3], 0.0), mark=open, at=state):
+        mark(at + ".finalising", "w").close()  # the exit hooks (the daemon's answer) are behind it
         sleep(seconds)
 
 
@@ -755,14 +756,16 @@ async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_aft
         async with await d.client() as c:
             h, pid = await _start_exiting(c, fake, script, state, "slowest")
             hl, late = await _start_creating(c, fake, "late", 60000)
-            run = asyncio.ensure_future(
-                c.run([PY, owner, str(marker), "0.2", state + ".exiting"], env=py_env())
-            )
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.2", state + ".cue"], env=py_env()))
             deadline = time.monotonic() + 30
-            while not os.path.exists(state + ".exiting.owner"):
+            while not os.path.exists(state + ".cue.owner"):
                 assert time.monotonic() < deadline, "the owner did not start"
                 await asyncio.sleep(0.01)
             Path(state + ".go").write_text("")  # it exits, with no region yet: the region waits for it
+            while not os.path.exists(state + ".finalising"):  # the daemon has noted its exit
+                assert time.monotonic() < deadline, "the sibling did not exit"
+                await asyncio.sleep(0.005)
+            Path(state + ".cue").write_text("")
             res = await run
             assert (await h.wait()).returncode == 0
             await hl.cancel(9)
