@@ -19,7 +19,7 @@ from krex_async.daemon.regions.clock import Clock
 from krex_async.daemon.regions.drain import Drain
 from krex_async.daemon.regions.exits import Exits
 from krex_async.daemon.regions.fence import CoreFence
-from krex_async.daemon.regions.policy import HoldPolicy, d_state
+from krex_async.daemon.regions.policy import HoldPolicy, Plan, d_state
 from krex_async.isolation.base import Freeze, Group
 from krex_async.runtime.quiesce import holds_gpu_file
 
@@ -71,11 +71,6 @@ class Entry:
         rep = r.report
         backend = self.core.backend
         timeout = self.core.config.freeze_timeout
-        noted = self.exits.take(r)
-        # The exits are waited for beside the lock of the other siblings (a sibling inside a CUDA
-        # call is waited for, up to --lock-wait, while the exits end, not after them); nothing is
-        # frozen before that wait ends, or an exit it could have let end would stop where it is.
-        exits = asyncio.ensure_future(self.exits.wait(r, noted)) if noted else None
         pool = self.core.pools.get(r.device)
         quiet: asyncio.Future[float] | None = None
         if pool is not None:
@@ -83,35 +78,28 @@ class Entry:
             # in flight (at most one per node) ends before the grant, waited for beside the freeze.
             quiet = asyncio.ensure_future(pool.quiesce())
             r.paused_pool = True
-        t_select = time.perf_counter()
-        r.select_ns = time.monotonic_ns()  # before the reading: an open after it is caught
-        targets = self._targets(r)
-        r.targets = {c.id for c in targets}
-        # A sibling with a process exiting is frozen (after the wait), not locked: a lock does not
-        # stop an exit, and the driver would free its GPU memory beside the timing; frozen, an
-        # exit still unfinished ends after the region.
-        exiting = [
-            c for c in targets if c.group is not None and not noted.keys().isdisjoint(backend.pids(c.group))
-        ]
-        vendor = self.core.device(r.device).vendor
-        plan = self.hold.plan(
-            vendor,
-            {c.id: [] if c in exiting else self.drain.gpu_pids(c) for c in targets}
-            if self.hold.how(vendor)[0] == "lock"
-            else {c.id: [] for c in targets},
-        )
         held = r.held
-        locking = [c for c in targets if c.id in plan.to_lock]
-        freezing = [c for c in targets if c.id not in plan.to_lock]
-        workers = self._pool_workers(r, plan.how, plan.to_lock)
-        lock = (
-            asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
-            if locking or workers
-            else None
-        )
-        rep.select_s = time.perf_counter() - t_select
-        if exits is not None:
+        noted = self.exits.take(r)
+        ahead = Plan("")  # the siblings locked while the exits are waited for
+        ahead_workers: list[int] = []
+        first: asyncio.Future[list[Command]] | None = None
+        if noted:
+            # Their locks are tried while the exits are waited for: one inside a CUDA call is waited
+            # for (--lock-wait) beside the exits, not after them. Nothing is frozen, nor an open
+            # acted on (select_ns), before that wait ends, or an exit it could let end would stop
+            # where it is; the commands with a process among the exits are planned after it.
+            exits = asyncio.ensure_future(self.exits.wait(r, noted))
             try:
+                cmds = [
+                    c
+                    for c in self._targets(r)
+                    if c.group is not None and noted.keys().isdisjoint(backend.pids(c.group))
+                ]
+                ahead = self._plan(r, cmds, set())
+                ahead_workers = self._pool_workers(r, ahead.how, ahead.to_lock)
+                if ahead.to_lock or ahead_workers:
+                    locking = [c for c in cmds if c.id in ahead.to_lock]
+                    first = asyncio.ensure_future(self._lock(r, locking, ahead.to_lock, ahead_workers))
                 await exits
             except BaseException:
                 for waiting in (exits, quiet):
@@ -119,12 +107,48 @@ class Entry:
                         waiting.cancel()
                 # never the lock: it lands in the held set, or is undone, before release runs
                 await asyncio.gather(
-                    *(x for x in (exits, quiet, lock) if x is not None), return_exceptions=True
+                    *(x for x in (exits, quiet, first) if x is not None), return_exceptions=True
                 )
                 raise
-            if plan.how == "lock":
-                held.fallback(self._exiting_why(r, exiting))
-            freezing = [c for c in freezing if c.state == CommandState.RUNNING]  # not those ended since
+        t_select = time.perf_counter()
+        r.select_ns = time.monotonic_ns()  # before the reading: an open after it is caught
+        targets = self._targets(r)
+        r.targets = {c.id for c in targets}
+        # A sibling still exiting after the wait is frozen, not locked: a lock does not stop an
+        # exit, and the driver would free its GPU memory beside the timing; frozen, it ends after.
+        unfinished = set(rep.exits_unfinished)
+        exiting = {
+            c.id
+            for c in targets
+            if unfinished and c.group is not None and unfinished & set(backend.pids(c.group))
+        }
+        plan = self._plan(r, targets, exiting)
+        if plan.how == "lock":
+            held.fallback(
+                {
+                    cid: "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
+                    "frees its GPU memory after"
+                    for cid in exiting
+                }
+            )
+        locking = [c for c in targets if c.id in plan.to_lock]
+        # (one locked while the exits were waited for stays locked, even with no GPU file left)
+        freezing = [c for c in targets if c.id not in plan.to_lock and c.id not in ahead.to_lock]
+        workers = self._pool_workers(r, plan.how, plan.to_lock)
+        lock = first
+        if first is None and (locking or workers):
+            lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
+        elif first is not None:  # the GPU processes and workers found since, locked after the first
+            extra = {
+                cid: [p for p in pids if p not in ahead.to_lock.get(cid, ())]
+                for cid, pids in plan.to_lock.items()
+            }
+            extra = {cid: pids for cid, pids in extra.items() if pids}
+            extra_workers = [p for p in workers if p not in ahead_workers]
+            if extra or extra_workers:
+                cmds = [c for c in locking if c.id in extra]
+                lock = asyncio.ensure_future(self._lock_after(r, first, cmds, extra, extra_workers))
+        rep.select_s = time.perf_counter() - t_select
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
         asked = self.drain.to_ask(r, freezing)
@@ -224,24 +248,19 @@ class Entry:
                     task.cancel()
             # never cancelled: a lock in flight must land in the held set, or be undone, before
             # release runs (LockPool.lock_many is bounded)
-            await asyncio.gather(*tasks, *(x for x in (lock, lock2) if x is not None), return_exceptions=True)
+            await asyncio.gather(
+                *tasks, *(x for x in (first, lock, lock2) if x is not None), return_exceptions=True
+            )
             raise
 
-    def _exiting_why(self, r: Region, exiting: list[Command]) -> dict[str, str]:
-        """Why the commands with a process exiting as r began are frozen rather than locked (only
-        those with a GPU file left to lock): still exiting after the wait, or the rest of them."""
-        unfinished = set(r.report.exits_unfinished)
-        out = {}
-        for c in exiting:
-            pids = self.core.backend.pids(c.group) if c.group is not None else []
-            if unfinished.intersection(pids):
-                out[c.id] = (
-                    "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
-                    "frees its GPU memory after"
-                )
-            elif self.drain.gpu_pids(c):
-                out[c.id] = "a process of it was exiting as the region began: frozen after its exit"
-        return out
+    def _plan(self, r: Region, cmds: list[Command], exiting: set[str]) -> Plan:
+        """How `cmds` are held: by the lock (their GPU-holding processes), else frozen, as are
+        those in `exiting` (a lock does not stop an exit)."""
+        vendor = self.core.device(r.device).vendor
+        lock = self.hold.how(vendor)[0] == "lock"
+        return self.hold.plan(
+            vendor, {c.id: self.drain.gpu_pids(c) if lock and c.id not in exiting else [] for c in cmds}
+        )
 
     async def _late_in_entry(self, r: Region) -> None:
         """Siblings the probes saw open a GPU device during the entry (--freeze device-holders
@@ -293,6 +312,19 @@ class Entry:
             late=len(held.late),
         )
         return fallback
+
+    async def _lock_after(
+        self,
+        r: Region,
+        first: asyncio.Future[list[Command]],
+        cmds: list[Command],
+        pids: dict[str, list[int]],
+        workers: list[int],
+    ) -> list[Command]:
+        """The lock begun while the exits were waited for (`first`), then the processes and workers
+        found to lock after that wait: both fallbacks."""
+        fallback = await asyncio.shield(first)
+        return fallback + await self._lock(r, cmds, pids, workers)
 
     async def _freeze_some(self, r: Region, groups: list[Group]) -> list[Freeze]:
         out = await r.held.freeze(self.core.backend, groups, self.core.config.freeze_timeout)
