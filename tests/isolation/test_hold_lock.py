@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -778,6 +779,55 @@ async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_aft
     assert pid not in rep.get("locked_pids", []), rep
     # the lock's 0.8 s ran inside the wait for the exit: the entry is not their sum
     assert rep["enter_s"] - rep["exits_wait_s"] < 0.6, rep
+
+
+async def test_a_command_whose_exiting_process_ended_in_the_wait_is_locked_not_frozen(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """A command of two GPU processes, one of them exiting as a region begins (1.5 s of teardown):
+    the region locks its other sibling while it waits for that exit, then locks the command's
+    remaining process, once that first lock has landed. The command is not frozen: its exit ended
+    within the wait (the first form of the overlap froze every command with an exit)."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    exiting = shlex.join([PY, str(script("exiting.py", EXITING)), fake.lib, state, "slower"])
+    sib = shlex.join([fake.sib, fake.lib, "both", "cuda", "/dev/nvidia0"])
+    # (its /dev is a private tmpfs: a plain /dev/null there, for the shell's background job)
+    async with run_daemon(
+        *SLOW, "--hold", "lock", "--freeze", "all", "--exit-wait", "8", env=daemon_env(fake)
+    ) as d:
+        async with await d.client() as c:
+            (fake.state / "both.stats").unlink(missing_ok=True)
+            hb = await c.submit(
+                fake.with_gpu_file(["sh", "-c", f": > /dev/null && {{ {exiting} & }} && exec {sib}"]),
+                env=daemon_env(fake),
+            )
+            ho, other = await start(c, fake, "other")
+            deadline = time.monotonic() + 30
+            while not os.path.exists(state + ".ready") or fake.lock_state(fake.stats("both")[0]) is None:
+                assert time.monotonic() < deadline, "the two-process command did not start"
+                await asyncio.sleep(0.01)
+            pid, both = int(Path(state + ".ready").read_text()), fake.stats("both")[0]
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.2", state + ".cue"], env=py_env()))
+            while not os.path.exists(state + ".cue.owner"):
+                assert time.monotonic() < deadline, "the owner did not start"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the exiting process's runtime has announced itself
+            Path(state + ".go").write_text("")
+            while not os.path.exists(state + ".finalising"):  # the daemon has noted its exit
+                assert time.monotonic() < deadline, "the process did not exit"
+                await asyncio.sleep(0.005)
+            Path(state + ".cue").write_text("")
+            res = await run
+            for h in (hb, ho):
+                await h.cancel(9)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep.get("exits_waited") == [pid] and "exits_unfinished" not in rep, rep
+    assert {both, other} <= set(rep["locked_pids"]) and pid not in rep["locked_pids"], rep
+    assert sorted(rep["locked"]) == sorted([hb.command, ho.command]), rep
+    assert hb.command not in rep.get("frozen", []) and hb.command not in rep.get("hold_fallback", {}), rep
 
 
 async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_until_it_ends(

@@ -254,8 +254,8 @@ class HoldSet:
                 x = bad[0]
                 rep.hold_fallback[c.id] = f"pid {x.pid} holds a GPU device file but was not locked: {x.error}"
                 fallback.append(c)
-            elif any(res[p].ok for p in pids[c.id]):
-                self._locked_ids.append(c.id)
+            elif any(res[p].ok for p in pids[c.id]) and c.id not in self._locked_ids:
+                self._locked_ids.append(c.id)  # (a second call: more of a command locked already)
             # else every GPU process of it exited meanwhile: nothing of it to hold (fenced)
         rep.locked = list(self._locked_ids)
         return fallback

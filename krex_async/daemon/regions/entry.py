@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from krex_async import logs
@@ -24,6 +25,29 @@ from krex_async.isolation.base import Freeze, Group
 from krex_async.runtime.quiesce import holds_gpu_file
 
 log = logs.get("krex.region")
+
+
+async def _undo(
+    waits: Sequence[asyncio.Future[Any] | None], locks: Sequence[asyncio.Future[Any] | None]
+) -> None:
+    """An entry failed: `waits` cancelled, and every lock in flight landed (in the held set, or
+    undone) before release runs, through any cancellation that comes meanwhile (re-raised after;
+    LockPool.lock_many is bounded)."""
+    cancelled = False
+    for lock in locks:
+        while lock is not None and not lock.done():
+            try:
+                await asyncio.shield(lock)
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception:  # noqa: BLE001 (its own failure is the held set's to report)
+                break
+    for w in waits:
+        if w is not None and not w.done():
+            w.cancel()
+    await asyncio.gather(*(w for w in waits if w is not None), return_exceptions=True)
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class Entry:
@@ -102,52 +126,52 @@ class Entry:
                     first = asyncio.ensure_future(self._lock(r, locking, ahead.to_lock, ahead_workers))
                 await exits
             except BaseException:
-                for waiting in (exits, quiet):
-                    if waiting is not None:
-                        waiting.cancel()
-                # never the lock: it lands in the held set, or is undone, before release runs
-                await asyncio.gather(
-                    *(x for x in (exits, quiet, first) if x is not None), return_exceptions=True
-                )
+                if exits.cancelled() or not exits.done() or exits.exception() is not None:
+                    r.exits_left = dict(noted)  # the exits not seen to end: the next region's (give_back)
+                await _undo((exits, quiet), (first,))
                 raise
-        t_select = time.perf_counter()
-        r.select_ns = time.monotonic_ns()  # before the reading: an open after it is caught
-        targets = self._targets(r)
-        r.targets = {c.id for c in targets}
-        # A sibling still exiting after the wait is frozen, not locked: a lock does not stop an
-        # exit, and the driver would free its GPU memory beside the timing; frozen, it ends after.
-        unfinished = set(rep.exits_unfinished)
-        exiting = {
-            c.id
-            for c in targets
-            if unfinished and c.group is not None and unfinished & set(backend.pids(c.group))
-        }
-        plan = self._plan(r, targets, exiting)
-        if plan.how == "lock":
-            held.fallback(
-                {
-                    cid: "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
-                    "frees its GPU memory after"
-                    for cid in exiting
-                }
-            )
-        locking = [c for c in targets if c.id in plan.to_lock]
-        # (one locked while the exits were waited for stays locked, even with no GPU file left)
-        freezing = [c for c in targets if c.id not in plan.to_lock and c.id not in ahead.to_lock]
-        workers = self._pool_workers(r, plan.how, plan.to_lock)
-        lock = first
-        if first is None and (locking or workers):
-            lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
-        elif first is not None:  # the GPU processes and workers found since, locked after the first
-            extra = {
-                cid: [p for p in pids if p not in ahead.to_lock.get(cid, ())]
-                for cid, pids in plan.to_lock.items()
+        try:
+            t_select = time.perf_counter()
+            r.select_ns = time.monotonic_ns()  # before the reading: an open after it is caught
+            targets = self._targets(r)
+            r.targets = {c.id for c in targets}
+            # A sibling still exiting after the wait is frozen, not locked: a lock does not stop an
+            # exit, and the driver would free its GPU memory beside the timing; frozen, it ends after.
+            unfinished = set(rep.exits_unfinished)
+            exiting = {
+                c.id
+                for c in targets
+                if unfinished and c.group is not None and unfinished & set(backend.pids(c.group))
             }
-            extra = {cid: pids for cid, pids in extra.items() if pids}
-            extra_workers = [p for p in workers if p not in ahead_workers]
-            if extra or extra_workers:
-                cmds = [c for c in locking if c.id in extra]
-                lock = asyncio.ensure_future(self._lock_after(r, first, cmds, extra, extra_workers))
+            plan = self._plan(r, targets, exiting)
+            if plan.how == "lock":
+                held.fallback(
+                    {
+                        cid: "still exiting after the wait for exits (--exit-wait): frozen, so that its exit "
+                        "frees its GPU memory after"
+                        for cid in exiting
+                    }
+                )
+            locking = [c for c in targets if c.id in plan.to_lock]
+            # (one locked while the exits were waited for stays locked, even with no GPU file left)
+            freezing = [c for c in targets if c.id not in plan.to_lock and c.id not in ahead.to_lock]
+            workers = self._pool_workers(r, plan.how, plan.to_lock)
+            lock = first
+            if first is None and (locking or workers):
+                lock = asyncio.ensure_future(self._lock(r, locking, plan.to_lock, workers))
+            elif first is not None:  # the GPU processes and workers found since, locked after the first
+                # (not a worker adopted during the wait: locked twice, the driver refuses the second)
+                covered = {p for pids in ahead.to_lock.values() for p in pids}
+                covered |= {*ahead_workers, *held.locked_pids, *held.late}
+                extra = {cid: [p for p in pids if p not in covered] for cid, pids in plan.to_lock.items()}
+                extra = {cid: pids for cid, pids in extra.items() if pids}
+                extra_workers = [p for p in workers if p not in covered]
+                if extra or extra_workers:
+                    cmds = [c for c in locking if c.id in extra]
+                    lock = asyncio.ensure_future(self._lock_after(r, first, cmds, extra, extra_workers))
+        except BaseException:
+            await _undo((quiet,), (first,))
+            raise
         rep.select_s = time.perf_counter() - t_select
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
@@ -246,11 +270,7 @@ class Entry:
             for task in tasks:
                 if not task.done():
                     task.cancel()
-            # never cancelled: a lock in flight must land in the held set, or be undone, before
-            # release runs (LockPool.lock_many is bounded)
-            await asyncio.gather(
-                *tasks, *(x for x in (first, lock, lock2) if x is not None), return_exceptions=True
-            )
+            await _undo(tasks, (first, lock, lock2))
             raise
 
     def _plan(self, r: Region, cmds: list[Command], exiting: set[str]) -> Plan:
