@@ -172,10 +172,10 @@ class Entry:
         except BaseException:
             await _undo((quiet,), (first,))
             raise
-        rep.select_s = time.perf_counter() - t_select
         # A locked sibling starts no GPU work and its queued work is verified by the owner: asking
         # its runtime to stop as well would only take its CPU (and wait on it, often in vain).
         asked = self.drain.to_ask(r, freezing)
+        rep.select_s = time.perf_counter() - t_select
         rep.hold, rep.hold_why = (plan.how, plan.why) if targets else ("", "")
         if plan.why and self.hold.mode == "lock":  # asked for by name: each sibling says why not
             held.fallback({c.id: plan.why for c in freezing if self.drain.gpu_pids(c)})
