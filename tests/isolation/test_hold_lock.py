@@ -830,6 +830,61 @@ async def test_a_command_whose_exiting_process_ended_in_the_wait_is_locked_not_f
     assert hb.command not in rep.get("frozen", []) and hb.command not in rep.get("hold_fallback", {}), rep
 
 
+async def test_a_gpu_process_a_locked_sibling_starts_during_the_wait_is_locked_after_it(
+    fake: Fake, script, tmp_path: Path
+) -> None:
+    """A sibling locked while the region waits for another's exit (4 s of teardown) starts a second
+    GPU process meanwhile: once the wait has ended, that process is locked too, after the first
+    lock, and the sibling is named once among the locked commands, not frozen."""
+    owner = script("owner.py", OWNER)
+    marker = tmp_path / "granted"
+    state = str(tmp_path / "sib")
+    b1, b2 = (shlex.join([fake.sib, fake.lib, n, "cuda", "/dev/nvidia0"]) for n in ("b1", "b2"))
+    more = shlex.quote(state + ".more")
+    # (its /dev is a private tmpfs: a plain /dev/null there, for the shell's background job)
+    two = f": > /dev/null && {{ {b1} & }} && while [ ! -e {more} ]; do sleep 0.01; done && exec {b2}"
+    async with run_daemon(
+        *SLOW, "--hold", "lock", "--freeze", "all", "--exit-wait", "8", env=daemon_env(fake)
+    ) as d:
+        async with await d.client() as c:
+            he, pid = await _start_exiting(c, fake, script, state, "slowest")
+            for n in ("b1", "b2"):
+                (fake.state / f"{n}.stats").unlink(missing_ok=True)
+            hb = await c.submit(fake.with_gpu_file(["sh", "-c", two]), env=daemon_env(fake))
+            deadline = time.monotonic() + 30
+            while fake.lock_state(fake.stats("b1")[0]) is None:
+                assert time.monotonic() < deadline, "the sibling did not start"
+                await asyncio.sleep(0.01)
+            first = fake.stats("b1")[0]
+            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.2", state + ".cue"], env=py_env()))
+            while not os.path.exists(state + ".cue.owner"):
+                assert time.monotonic() < deadline, "the owner did not start"
+                await asyncio.sleep(0.01)
+            Path(state + ".go").write_text("")
+            while not os.path.exists(state + ".finalising"):  # the daemon has noted its exit
+                assert time.monotonic() < deadline, "the sibling did not exit"
+                await asyncio.sleep(0.005)
+            Path(state + ".cue").write_text("")
+            while fake.lock_state(first) != 1:  # locked while the region waits for the exit
+                assert time.monotonic() < deadline, "the sibling was not locked during the wait"
+                await asyncio.sleep(0.005)
+            Path(state + ".more").write_text("")
+            while fake.lock_state(fake.stats("b2")[0]) is None:
+                assert time.monotonic() < deadline, "the second GPU process did not start"
+                await asyncio.sleep(0.005)
+            second = fake.stats("b2")[0]
+            assert not marker.exists(), "granted before the second GPU process started"
+            res = await run
+            for h in (hb, he):
+                await h.cancel(9)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep.get("exits_waited") == [pid] and rep["exits_wait_s"] > 1.0, rep
+    assert {first, second} <= set(rep["locked_pids"]), rep
+    assert rep["locked"] == [hb.command], rep
+    assert hb.command not in rep.get("frozen", []) and not rep.get("hold_fallback"), rep
+
+
 async def test_exit_wait_0_freezes_an_exit_still_in_user_space_for_every_region_until_it_ends(
     fake: Fake, script, tmp_path: Path
 ) -> None:
