@@ -12,7 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -142,6 +142,14 @@ async def until(
             raise AssertionError(f"not within {timeout:g} s: {what if isinstance(what, str) else what()}")
         await asyncio.sleep(step)
     return time.monotonic() - t0
+
+
+async def until_async(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
+    """until for an async check: poll until it holds, AssertionError after `timeout`."""
+    t0 = asyncio.get_running_loop().time()
+    while not await check():
+        assert asyncio.get_running_loop().time() - t0 < timeout, f"not within {timeout:g} s: {what}"
+        await asyncio.sleep(0.05)
 
 
 def cmdline(pid: int | str) -> bytes:

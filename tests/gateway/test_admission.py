@@ -4,7 +4,6 @@ a job that runs out of memory beside another is run again alone, and its job say
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import pwd
@@ -12,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import pytest
 from krex_async.client.submit import Client
 from krex_async.gateway.command import job_features, job_shape
 
+from ..conftest import until_async
 from .conftest import JOB_USER, stack
 
 MiB = 1 << 20
@@ -153,14 +152,6 @@ def test_a_jobs_features_are_its_contents_one_by_one() -> None:
     assert [x.split()[0] for x in ev] == ["candidate", "reference"], ev
     many = job_features({"files": {f"f{i:03}.py": "" for i in range(100)}})
     assert len(many) == 64 and many[-1].startswith("file f063.py"), many[-1]
-
-
-async def until_async(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
-    """conftest.until for an async check: poll until it holds, AssertionError after `timeout`."""
-    t0 = asyncio.get_running_loop().time()
-    while not await check():
-        assert asyncio.get_running_loop().time() - t0 < timeout, f"not within {timeout:g} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 def test_max_running_takes_a_number_or_auto(tmp_path: Path) -> None:

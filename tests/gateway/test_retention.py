@@ -19,7 +19,7 @@ import pytest
 from krex_async.gateway import job_retention, retention
 from krex_async.gateway.retention import Sweeper
 from krex_async.gateway.store import KeyRemoved, Store
-from tests.conftest import run_daemon, until
+from tests.conftest import run_daemon, until, until_async
 from tests.security.helpers import _ensure_user
 
 from .conftest import SOCKET_GROUP, stack, start_gateway
@@ -246,10 +246,11 @@ async def test_a_removed_jobs_idempotency_key_is_refused_not_run_again(tmp_path:
         _, first = await c.request("POST", "/v1/jobs/dev", json=req)
         assert (await c.wait(first["job_id"], 30))["status"] == "succeeded"
         await until(lambda: not (gw.state / "jobs" / first["job_id"]).exists(), "the job went", 10)
-        deadline = time.monotonic() + 10  # its row goes just after its directory (sweep: then forget)
-        while (got := await c.request("GET", f"/v1/jobs/{first['job_id']}"))[0] == 200:
-            assert time.monotonic() < deadline, got
-            await asyncio.sleep(0.02)
+
+        async def forgotten() -> bool:  # its row goes just after its directory (sweep: then forget)
+            return (await c.request("GET", f"/v1/jobs/{first['job_id']}"))[0] != 200
+
+        await until_async(forgotten, "the job's row went", 10)
         status, body = await c.request("POST", "/v1/jobs/dev", json=req)
         assert (status, body["reason"]) == (410, "job_removed"), body
         assert body["details"]["job_id"] == first["job_id"] and first["job_id"] in body["message"]

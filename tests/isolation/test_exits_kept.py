@@ -59,7 +59,7 @@ async def test_an_exit_begun_over_exit_starve_ago_is_waited_for_not_frozen_again
         # killed once the wait began: a loaded host may take longer than any fixed lifetime to get
         # there, and an exit already over is simply waited for (done), never starved
         asyncio.get_running_loop().call_later(0.2, starved.kill)
-        await ex.wait(r)
+        await ex.wait(r, ex.take(r))
         took = time.monotonic() - t0
         rep = r.report
         assert sorted(rep.exits_starved) == sorted([starved.pid, stuck.pid])
@@ -73,7 +73,7 @@ async def test_an_exit_begun_over_exit_starve_ago_is_waited_for_not_frozen_again
         config.exit_starve = 600.0  # the bound off in practice: every exit in user space frozen at once
         r = _region()
         t0 = time.monotonic()
-        await ex.wait(r)
+        await ex.wait(r, ex.take(r))
         assert r.report.exits_starved == [] and time.monotonic() - t0 < 0.2
         assert sorted(r.report.exits_unfinished) == sorted([young.pid, stuck.pid])
     finally:

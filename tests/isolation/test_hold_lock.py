@@ -24,7 +24,7 @@ import pytest
 
 from krex_async import Client
 
-from ..conftest import PY, is_frozen, proc_state, py_env, run_daemon
+from ..conftest import PY, is_frozen, proc_state, py_env, run_daemon, until
 from .fakecuda import Fake, build
 
 pytestmark = [
@@ -742,6 +742,24 @@ async def test_an_exit_with_no_region_goes_at_once_and_the_next_region_waits_for
     assert pid not in rep.get("locked_pids", []) and "held_exited" not in rep, rep
 
 
+async def _region_after_an_exit(
+    c: Client, owner: Path, marker: Path, state: str, deadline: float
+) -> asyncio.Future[Any]:
+    """OWNER run on cue: the EXITING sibling at `state` is told to exit with no region yet, and once
+    it is in its finalisation (the daemon has noted its exit) the owner asks for its region, which
+    waits for that exit. Returns the owner's run."""
+    run = asyncio.ensure_future(c.run([PY, str(owner), str(marker), "0.2", state + ".cue"], env=py_env()))
+    await until(
+        lambda: os.path.exists(state + ".cue.owner"), "the owner's start", deadline - time.monotonic()
+    )
+    Path(state + ".go").write_text("")
+    await until(
+        lambda: os.path.exists(state + ".finalising"), "the sibling's exit", deadline - time.monotonic()
+    )
+    Path(state + ".cue").write_text("")
+    return run
+
+
 async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_after_it(
     fake: Fake, script, tmp_path: Path
 ) -> None:
@@ -757,16 +775,7 @@ async def test_a_sibling_inside_a_cuda_call_is_waited_for_beside_an_exit_not_aft
         async with await d.client() as c:
             h, pid = await _start_exiting(c, fake, script, state, "slowest")
             hl, late = await _start_creating(c, fake, "late", 60000)
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.2", state + ".cue"], env=py_env()))
-            deadline = time.monotonic() + 30
-            while not os.path.exists(state + ".cue.owner"):
-                assert time.monotonic() < deadline, "the owner did not start"
-                await asyncio.sleep(0.01)
-            Path(state + ".go").write_text("")  # it exits, with no region yet: the region waits for it
-            while not os.path.exists(state + ".finalising"):  # the daemon has noted its exit
-                assert time.monotonic() < deadline, "the sibling did not exit"
-                await asyncio.sleep(0.005)
-            Path(state + ".cue").write_text("")
+            run = await _region_after_an_exit(c, owner, marker, state, time.monotonic() + 30)
             res = await run
             assert (await h.wait()).returncode == 0
             await hl.cancel(9)
@@ -805,20 +814,16 @@ async def test_a_command_whose_exiting_process_ended_in_the_wait_is_locked_not_f
             )
             ho, other = await start(c, fake, "other")
             deadline = time.monotonic() + 30
-            while not os.path.exists(state + ".ready") or fake.lock_state(fake.stats("both")[0]) is None:
-                assert time.monotonic() < deadline, "the two-process command did not start"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: (
+                    os.path.exists(state + ".ready") and fake.lock_state(fake.stats("both")[0]) is not None
+                ),
+                "the two-process command's start",
+                deadline - time.monotonic(),
+            )
             pid, both = int(Path(state + ".ready").read_text()), fake.stats("both")[0]
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.2", state + ".cue"], env=py_env()))
-            while not os.path.exists(state + ".cue.owner"):
-                assert time.monotonic() < deadline, "the owner did not start"
-                await asyncio.sleep(0.01)
             await asyncio.sleep(0.5)  # the exiting process's runtime has announced itself
-            Path(state + ".go").write_text("")
-            while not os.path.exists(state + ".finalising"):  # the daemon has noted its exit
-                assert time.monotonic() < deadline, "the process did not exit"
-                await asyncio.sleep(0.005)
-            Path(state + ".cue").write_text("")
+            run = await _region_after_an_exit(c, owner, marker, state, deadline)
             res = await run
             for h in (hb, ho):
                 await h.cancel(9)
@@ -852,26 +857,17 @@ async def test_a_gpu_process_a_locked_sibling_starts_during_the_wait_is_locked_a
                 (fake.state / f"{n}.stats").unlink(missing_ok=True)
             hb = await c.submit(fake.with_gpu_file(["sh", "-c", two]), env=daemon_env(fake))
             deadline = time.monotonic() + 30
-            while fake.lock_state(fake.stats("b1")[0]) is None:
-                assert time.monotonic() < deadline, "the sibling did not start"
-                await asyncio.sleep(0.01)
+            left = deadline - time.monotonic()
+            await until(lambda: fake.lock_state(fake.stats("b1")[0]) is not None, "the sibling's start", left)
             first = fake.stats("b1")[0]
-            run = asyncio.ensure_future(c.run([PY, owner, str(marker), "0.2", state + ".cue"], env=py_env()))
-            while not os.path.exists(state + ".cue.owner"):
-                assert time.monotonic() < deadline, "the owner did not start"
-                await asyncio.sleep(0.01)
-            Path(state + ".go").write_text("")
-            while not os.path.exists(state + ".finalising"):  # the daemon has noted its exit
-                assert time.monotonic() < deadline, "the sibling did not exit"
-                await asyncio.sleep(0.005)
-            Path(state + ".cue").write_text("")
-            while fake.lock_state(first) != 1:  # locked while the region waits for the exit
-                assert time.monotonic() < deadline, "the sibling was not locked during the wait"
-                await asyncio.sleep(0.005)
+            run = await _region_after_an_exit(c, owner, marker, state, deadline)
+            left = deadline - time.monotonic()  # locked while the region waits for the exit:
+            await until(lambda: fake.lock_state(first) == 1, "the sibling's lock during the wait", left)
             Path(state + ".more").write_text("")
-            while fake.lock_state(fake.stats("b2")[0]) is None:
-                assert time.monotonic() < deadline, "the second GPU process did not start"
-                await asyncio.sleep(0.005)
+            left = deadline - time.monotonic()
+            await until(
+                lambda: fake.lock_state(fake.stats("b2")[0]) is not None, "the second GPU process", left
+            )
             second = fake.stats("b2")[0]
             assert not marker.exists(), "granted before the second GPU process started"
             res = await run

@@ -52,16 +52,15 @@ class Exits:
         }
         return mine
 
-    async def wait(self, r: Region, noted: dict[int, Exiting] | None = None) -> None:
+    async def wait(self, r: Region, noted: dict[int, Exiting]) -> None:
         """Wait (--exit-wait, default --lock-wait) for the siblings on r's device that are exiting
-        (Daemon.exit_held; `noted`, else take(r)): their exit was deferred to an earlier region's
+        (Daemon.exit_held; `noted`, from take(r)): their exit was deferred to an earlier region's
         end, or began with none on the device; they are tearing their GPU state down now. Those
         still in user space after that are left unfinished (frozen for the region, Entry.isolate);
         one already in the kernel's exit cannot be frozen, so it is waited for up to the longer of
         --exit-wait and --exit-kernel-wait, and so is one begun over --exit-starve ago (starved:
         frozen through the regions since)."""
         now = time.monotonic()
-        noted = self.take(r) if noted is None else noted
         mine = list(noted)
         if mine:
             cfg = self.core.config
