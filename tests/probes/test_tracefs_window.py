@@ -172,23 +172,27 @@ async def test_an_outsiders_ioctls_after_the_window_closed_are_not_its_strays(de
     regions = SimpleNamespace(get={region.id: region}.get, choosing=list)
     att = Attributor(core, regions, probe, Metrics())  # type: ignore[arg-type]
     seen: list[ProbeEvent] = []
+    out = Outsider(devdir)
+    latest = [0]  # the newest stamp of the outsider's ioctls parsed so far
 
     def on_events(batch: list[ProbeEvent]) -> None:
         seen.extend(batch)
+        latest[0] = max([latest[0]] + [e.ts_ns for e in batch if e.tgid == out.pid])
         att.on_events(batch)
 
-    out = Outsider(devdir)
     try:
         probe.start(asyncio.get_running_loop(), on_events)
         await until(lambda: out.pid in {t for t, _ in probe.fd_paths}, "a scan found the outsider")
         att.region_granted(region)  # type: ignore[arg-type]
         att.counts_snapshot(region)  # type: ignore[arg-type]
         watch = att.watches[region.id]
-        out.start(60000, pace=50)  # about 0.6 s, at a rate the reader keeps up with
+        out.start(10**9, pace=10)  # until killed, at a rate the reader keeps up with
         await until(lambda: probe.counts().get(out.pid, 0) >= 200, "the reader parsed the first strays")
         att.region_released(region)  # type: ignore[arg-type]  # while the outsider goes on
-        assert await asyncio.to_thread(out.stdout.readline) == "done\n"
         assert watch.until_ns is not None
+        until_ns = watch.until_ns
+        await until(lambda: latest[0] >= until_ns, "the reader parsed an ioctl made after the release")
+        out.kill()
         later = probe.settle(10.0)
     finally:
         probe.stop()
