@@ -146,11 +146,13 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
 
 def entry_less_wait(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each region's entry less its wait for the region before it (enter_s - wait_s), p50/p95/max s;
-    and, apart, the part of it that waited for held siblings' share of the device (share_wait_s,
-    --hold-share), which the entry includes."""
+    and, apart, the parts of it that waited for held siblings' share of the device (share_wait_s,
+    --hold-share) and for exiting siblings (exits_wait_s, where it waited for one), which the entry
+    includes; and how many exits regions kept waiting past their release (exits_passed)."""
     regions = [g for r in recs for g in r.get("regions", [])]
     xs = [max(0.0, float(g.get("enter_s", 0.0)) - float(g.get("wait_s", 0.0))) for g in regions]
     share = [float(g.get("share_wait_s") or 0.0) for g in regions]
+    exits = [float(g.get("exits_wait_s") or 0.0) for g in regions if g.get("exits_waited")]
     return {
         "n": len(xs),
         "p50_s": pct(xs, 0.5),
@@ -158,6 +160,9 @@ def entry_less_wait(recs: list[dict[str, Any]]) -> dict[str, Any]:
         "max_s": max(xs, default=None),
         "share_wait_p95_s": pct(share, 0.95),
         "share_waits": sum(1 for x in share if x > 0),
+        "exit_waits": len(exits),
+        "exit_wait_p95_s": pct(exits, 0.95),
+        "exits_passed": sum(len(g.get("exits_passed") or []) for g in regions),
     }
 
 
@@ -342,6 +347,13 @@ def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]], spread: dic
                     if e.get("share_waits")
                     else ""
                 )
+                + (
+                    f"; {e['exit_waits']} waited for exiting siblings "
+                    f"(p95 {e['exit_wait_p95_s'] * 1e3:.1f} ms)"
+                    if e.get("exit_waits")
+                    else ""
+                )
+                + (f"; {e['exits_passed']} exit(s) kept past a release" if e.get("exits_passed") else "")
             )
     return out
 

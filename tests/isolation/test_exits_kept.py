@@ -94,3 +94,71 @@ def test_a_bad_exit_starve_is_refused_naming_it() -> None:
         assert "exit_starve" in str(e)
     else:
         raise AssertionError("a negative exit_starve was taken")
+
+
+def test_an_exit_is_kept_past_a_release_only_while_another_commands_region_is_queued() -> None:
+    """Exits.keep / release_kept: kept past the holder's release while a region of another command
+    is queued (named in the report), let go (Resume, noted exiting) once none is, where a command
+    on the device waits for memory, or once --exit-defer has passed (then as begun when first kept,
+    so the next region waits for it as starved); a region withdrawn while queued decides nothing."""
+    from krex_async import protocol as P
+    from krex_async.daemon.model.command import CommandState
+    from krex_async.scheduler import Scheduler
+
+    proc = subprocess.Popen(["sleep", "30"])  # a live process stands in for one in its exit hook
+    sent: list[P.Msg] = []
+
+    def send(m: P.Msg) -> bool:
+        sent.append(m)
+        return True
+
+    def cmd(cid: str, mem_wait: str = "", state: CommandState = CommandState.RUNNING) -> Any:
+        return SimpleNamespace(id=cid, runtimes={}, mem_wait=mem_wait, device_key="nvidia0", state=state)
+
+    sched = Scheduler("region", ["nvidia0"])
+    sib = cmd("S")
+    sib.runtimes[proc.pid] = send
+    core: Any = SimpleNamespace(
+        config=SimpleNamespace(exit_defer=2.0), scheduler=sched, closing=False, commands={"S": sib}
+    )
+    ex = E.Exits(core)
+
+    def region(rid: str) -> Any:
+        r = _region()
+        r.id = rid
+        return r
+
+    try:
+        assert sched.request_region("a", "A", "nvidia0")  # "a" holds the device
+        a = region("a")
+        assert not ex.keep(a, proc.pid, send), "kept with no region queued"
+        sched.request_region("s", "S", "nvidia0")
+        assert not ex.keep(a, proc.pid, send), "kept for a region of its own command"
+        sched.request_region("b", "B", "nvidia0")
+        ex.note_exiting(proc.pid, "nvidia0")  # deferred exits are noted at once: kept, not exiting
+        assert ex.keep(a, proc.pid, send) and a.report.exits_passed == [proc.pid]
+        assert proc.pid in ex.kept and proc.pid not in ex.exiting and sent == []
+        sched.release_region("s")  # withdrawn while queued: its release decides nothing
+        ex.release_kept(region("s"))
+        assert proc.pid in ex.kept and sent == []
+        sched.release_region("a")  # "b" holds; "c" of another command queued: kept on
+        sched.request_region("c", "C", "nvidia0")
+        b = region("b")
+        ex.release_kept(b)
+        assert b.report.exits_passed == [proc.pid] and sent == []
+        core.commands["W"] = cmd("W", "queued behind 1 on nvidia0", CommandState.QUEUED)
+        ex.release_kept(b)  # a command waits for memory: the exit goes, begun now
+        assert proc.pid not in ex.kept and [type(m) for m in sent] == [P.Resume]
+        assert time.monotonic() - ex.exiting[proc.pid].began < 1.0
+        del core.commands["W"]
+        ex.exiting.clear()
+        assert ex.keep(b, proc.pid, send)
+        ex.kept[proc.pid] = ex.kept[proc.pid]._replace(since=time.monotonic() - 2.5)  # kept 2.5 s ago
+        ex.release_kept(b)  # past --exit-defer: it goes, begun when first kept
+        assert proc.pid not in ex.kept and len(sent) == 2
+        assert time.monotonic() - ex.exiting[proc.pid].began >= 2.5
+        core.closing = True
+        assert not ex.keep(b, proc.pid, send), "kept while the daemon stops"
+    finally:
+        proc.kill()
+        proc.wait()
