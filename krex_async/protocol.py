@@ -367,9 +367,6 @@ class RegionReport(msgspec.Struct, omit_defaults=True):
     exits_waited: list[int] = []  # exiting processes (deferred, or begun before), waited for
     exits_unfinished: list[int] = []  # ... and still exiting after the wait (then frozen)
     exits_starved: list[int] = []  # exits begun over --exit-starve ago: waited for as if in the kernel
-    # exits kept waiting past this region's release, another command's region being queued on the
-    # device: they go in a gap between regions, or once --exit-defer has passed (regions/exits.py)
-    exits_passed: list[int] = []
     exits_wait_s: float = 0.0  # how long this entry waited for them
     pool_locked: list[int] = []  # the device's pool workers outside any command, locked
     # pool workers outside any command that hold a GPU file but could not be locked: pid -> why

@@ -131,9 +131,5 @@ class Scheduler:
     def queued(self, device: str) -> list[str]:
         return list(self._dev(device).waiting)
 
-    def queued_commands(self, device: str) -> list[str]:
-        """The commands of the regions queued on `device`, in their order."""
-        return [self._region_command[r] for r in self._dev(device).waiting]
-
     def regions_of(self, command: str) -> list[str]:
         return [r for r, c in self._region_command.items() if c == command]

@@ -83,12 +83,6 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # back-to-back regions it runs only between them, and on the H100's large set one was frozen
     # through regions for 8 s, its job slot and GPU memory held (bench/RESULTS.md, session 17)
     exit_starve: Annotated[float, msgspec.Meta(ge=0, le=600)] = 2.0
-    # how long an exit that waited for a region may be kept waiting past releases while another
-    # command's region is queued on its device (regions/exits.py), so that region need not wait for
-    # its teardown (0: it goes at the release it waited for). As long as --exit-starve: one kept that
-    # long is then waited for as starved, not frozen again. Under KREX_EXIT_HOLD_MAX_S (120 s), the
-    # runtime's own bound on its wait.
-    exit_defer: Annotated[float, msgspec.Meta(ge=0, le=60)] = 2.0
     # how long a region waits at most for a sibling already in the kernel's exit (the freezer cannot
     # stop it; its driver frees its GPU memory beside the timing), or a starved one: its own bound,
     # so a short --lock-wait (entry latency) does not shorten it. 0.5: --lock-wait's default, which

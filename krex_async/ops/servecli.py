@@ -84,14 +84,6 @@ def add_parser(sub: Any) -> None:
         "otherwise leave it only the gaps between them)",
     )
     p.add_argument(
-        "--exit-defer",
-        type=float,
-        help="seconds an exit that waited for a region may be kept waiting past releases while "
-        "another command's region is queued on its device, so that region does not wait for its "
-        "teardown; it goes in the first gap between regions (default 2; 0: at the release it "
-        "waited for)",
-    )
-    p.add_argument(
         "--quiesce",
         help="whose runtime a region asks to stop and synchronise before freezing: "
         "auto (default) those holding a GPU device file, none on the cpu device; "
@@ -338,7 +330,6 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "lock_wait",
             "exit_wait",
             "exit_starve",
-            "exit_defer",
             "exit_kernel_wait",
             "region_timeout",
             "quiesce_timeout",

@@ -223,11 +223,6 @@ def _head(st: dict[str, Any]) -> list[str]:
             if "exit_starve_s" in ho:
                 starve = float(ho["exit_starve_s"])
                 head[-1] += f"; one begun over {starve:g} s ago waited for (--exit-starve)"
-            if float(ho.get("exit_defer_s") or 0) > 0:
-                head[-1] += (
-                    f"; kept past a release while another region is queued, up to "
-                    f"{float(ho['exit_defer_s']):g} s (--exit-defer)"
-                )
         for key, dv in ho.get("devices", {}).items():
             why = str(dv["why"] or "")
             if ho.get("reason") and str(ho["reason"]) in why:  # the hold line above says it once

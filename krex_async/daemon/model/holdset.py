@@ -50,7 +50,7 @@ class HoldSet:
         # processes that answered the lock NOT_READY (inside a CUDA call), waited for at entry
         self._late: dict[int, P.LateLock] = {}
         self._quiesced: list[Send] = []  # told Quiesce: Resume at the release
-        self._held_runtimes: dict[int, Send] = {}  # told Held: Resume at the release
+        self._held_runtimes: list[Send] = []  # told Held: Resume at the release
         # processes whose exit waits for this region's end (Regions.exit_held): pid -> their runtime
         self._exit_waiters: dict[int, Send] = {}
         self._freezing: set[str] = set()  # commands a late freeze is under way for
@@ -300,9 +300,9 @@ class HoldSet:
         """A runtime told Quiesce: it is told Resume at the release."""
         self._quiesced.append(send)
 
-    def told_held(self, pid: int, send: Send) -> None:
+    def told_held(self, send: Send) -> None:
         """A locked process's runtime told Held (its exit deferred to the release): Resume then."""
-        self._held_runtimes[pid] = send
+        self._held_runtimes.append(send)
 
     def defer_exit(self, pid: int) -> bool:
         """A locked process's exit waits for the release (ExitHeld naming this region); False when
@@ -357,22 +357,16 @@ class HoldSet:
         self._locked_pids.clear()
         return n
 
-    def resume(self, exiting: Callable[[int], None], keep: Callable[[int, Send], bool]) -> None:
+    def resume(self, exiting: Callable[[int], None]) -> None:
         """Tell the quiesced and Held runtimes to resume, then the exit waiters: each is noted
-        `exiting` first (the next region waits for it), then let go. An exit `keep` takes (another
-        region is queued: Exits.keep) is not resumed here: it waits on, past the release."""
-        deferred = set(self.report.exit_deferred)
-        for send in self._quiesced:
+        `exiting` first (the next region waits for it), then let go."""
+        for send in (*self._quiesced, *self._held_runtimes):
             send(P.Resume(id=0, region=self.region))
-        for pid, send in self._held_runtimes.items():
-            if pid not in deferred or not keep(pid, send):
-                send(P.Resume(id=0, region=self.region))
         self._quiesced.clear()
         self._held_runtimes.clear()
         for pid, send in self._exit_waiters.items():
-            if not keep(pid, send):
-                exiting(pid)
-                send(P.Resume(id=0, region=""))
+            exiting(pid)
+            send(P.Resume(id=0, region=""))
         self._exit_waiters.clear()
 
 

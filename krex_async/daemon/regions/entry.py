@@ -321,10 +321,8 @@ class Entry:
         for c in cmds:
             for pid in pids[c.id]:
                 send = c.runtimes.get(pid)
-                # (one whose exit waits already, kept past an earlier release, is not told again)
-                if pid in locked and send is not None and pid not in self.exits.kept:
-                    if send(P.Held(id=0, region=r.id)):
-                        held.told_held(pid, send)
+                if pid in locked and send is not None and send(P.Held(id=0, region=r.id)):
+                    held.told_held(send)
         self.core.trace(
             "lock",
             r,
@@ -395,10 +393,8 @@ class Entry:
         if unlocked:
             self.core.trace("unlock", r, seconds=r.report.unlock_s, pids=unlocked)
         self.exits.begin(r.report.exit_deferred)  # resumed now: their exits start here
-        # the exit waiters' exits go now (the next region waits for them), or wait on past the
-        # release while another command's region is queued (Exits.keep)
-        self.exits.release_kept(r)
-        held.resume(lambda pid: self.exits.note_exiting(pid, r.device), lambda p, s: self.exits.keep(r, p, s))
+        # the exit waiters' exits go now: the next region waits for them
+        held.resume(lambda pid: self.exits.note_exiting(pid, r.device))
         self.exits.give_back(r)
         self.drain.refresh(r)
         await self.cores.restore(r)

@@ -6,40 +6,18 @@ the next region there waits for it first (--exit-wait); one still exiting after 
 the region (entry.py) and noted again at its release. Frozen by region after region, an exit would
 run only in the gaps between them, so one begun over --exit-starve ago is waited for as one in the
 kernel is.
-
-An exit that waited for a region (ExitHeld) and would go at its release while another command's
-region is queued on the device is kept waiting instead (keep): resumed then, it would be tearing
-its context down as that region enters, which would wait for it (on the H100's large set, 41 of 96
-regions waited for an exit, p95 106 ms, and every region queued behind waited with them). Kept, it
-waits in its exit hook, in user space, held by the regions as any sibling, and goes at the first
-release with no other region queued, or once kept --exit-defer seconds (then waited for as a
-starved one), or at once where a command on the device waits for the memory it holds.
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
-from krex_async import protocol as P
-from krex_async.daemon.model.command import CommandState
 from krex_async.daemon.model.core import Core, Exiting, Region
-from krex_async.daemon.model.holdset import Send
 from krex_async.daemon.regions.policy import wait_exits
 from krex_async.isolation.cudalock import start_time
 from krex_async.linux.procfs import exiting_in_kernel
 
 EXITING_KEPT_S = 60.0  # an exiting process no region waited for (or whose exit never ends) is forgotten
-
-
-class Kept(NamedTuple):
-    """An exit kept waiting past a release (Exits.keep)."""
-
-    device: str
-    command: str  # its command: a region of that command alone queued does not keep it
-    send: Send  # its runtime, waiting in its exit hook for a Resume
-    since: float  # monotonic, the first release it was kept past: --exit-defer counts from here
-    start: int | None  # its start time: a reused pid is not it
 
 
 class Exits:
@@ -49,62 +27,13 @@ class Exits:
         # their exit waited for): the next region on that device waits for them to be gone, or
         # they would be locked mid-exit and tear their context down beside its timing
         self.exiting: dict[int, Exiting] = {}
-        self.kept: dict[int, Kept] = {}  # exits kept waiting past a release (keep)
 
-    def note_exiting(self, pid: int, device: str, began: float | None = None) -> None:
-        """`pid` is exiting on `device` now (its exit could first run at `began`, default now): the
-        next region there waits for it (wait). Entries no region consumed within EXITING_KEPT_S
-        are dropped."""
+    def note_exiting(self, pid: int, device: str) -> None:
+        """`pid` is exiting on `device` now: the next region there waits for it (wait). Entries
+        no region consumed within EXITING_KEPT_S are dropped."""
         now = time.monotonic()
         self.exiting = {p: v for p, v in self.exiting.items() if now - v.noted < EXITING_KEPT_S}
-        self.exiting[pid] = Exiting(device, now, start_time(pid), now if began is None else began)
-
-    def _may_keep(self, device: str, command: str, since: float, now: float) -> bool:
-        """Whether an exit of `command` on `device`, kept since `since`, may wait past a release
-        now: --exit-defer not yet passed, a region of another command queued there, and no
-        command there waiting for memory (the exit frees what it holds)."""
-        core = self.core
-        if core.closing or now - since >= core.config.exit_defer:
-            return False
-        if all(c == command for c in core.scheduler.queued_commands(device)):
-            return False
-        return not any(
-            c.mem_wait and c.device_key == device and c.state is not CommandState.ENDED
-            for c in core.commands.values()
-        )
-
-    def keep(self, r: Region, pid: int, send: Send) -> bool:
-        """At r's release: whether the exit of `pid`, which waited for r (its runtime `send`),
-        waits on past it (_may_keep); then noted in kept, not exiting, and named in r's report."""
-        cmd = next((c.id for c in self.core.commands.values() if c.runtimes.get(pid) == send), "")
-        now = time.monotonic()
-        if not cmd or not self._may_keep(r.device, cmd, now, now):
-            return False
-        self.kept[pid] = Kept(r.device, cmd, send, now, start_time(pid))
-        self.exiting.pop(pid, None)
-        r.report.exits_passed.append(pid)
-        return True
-
-    def release_kept(self, r: Region) -> None:
-        """At the release of r, which held its device: each exit kept there waits on (_may_keep,
-        named in r's report), or goes now, noted exiting for the next region to wait for; one
-        kept --exit-defer as begun when first kept (the next region waits for it as starved where
-        --exit-defer is at least --exit-starve)."""
-        now = time.monotonic()
-        if self.core.scheduler.holder(r.device) != r.id:
-            return  # a region withdrawn while queued: the one holding the device decides
-        for pid, k in list(self.kept.items()):
-            if k.device != r.device:
-                continue
-            if start_time(pid) != k.start:  # gone meanwhile (killed, the runtime's own cap)
-                del self.kept[pid]
-            elif self._may_keep(k.device, k.command, k.since, now):
-                r.report.exits_passed.append(pid)
-            else:
-                del self.kept[pid]
-                expired = now - k.since >= self.core.config.exit_defer
-                self.note_exiting(pid, k.device, k.since if expired else None)
-                k.send(P.Resume(id=0, region=""))
+        self.exiting[pid] = Exiting(device, now, start_time(pid), now)
 
     @staticmethod
     def still_exiting(pid: int, entry: Exiting, now: float) -> bool:

@@ -141,7 +141,6 @@ class HoldPolicy:
         st: dict[str, object] = dict(self.status())
         st["exit_wait_s"] = core.config.exit_wait  # 0: an exit in user space is frozen
         st["exit_starve_s"] = core.config.exit_starve  # ... until it began this long ago
-        st["exit_defer_s"] = core.config.exit_defer  # kept past releases, regions queued, this long
         st["exit_kernel_wait_s"] = core.config.exit_kernel_wait  # the longest wait for one in the kernel
         probes = core.attributor is not None
         st["devices"] = {
