@@ -148,7 +148,7 @@ def entry_less_wait(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each region's entry less its wait for the region before it (enter_s - wait_s), p50/p95/max s;
     and, apart, the parts of it that waited for held siblings' share of the device (share_wait_s,
     --hold-share) and for exiting siblings (exits_wait_s, where it waited for one), which the entry
-    includes; and how many exits regions kept waiting past their release (exits_passed)."""
+    includes."""
     regions = [g for r in recs for g in r.get("regions", [])]
     xs = [max(0.0, float(g.get("enter_s", 0.0)) - float(g.get("wait_s", 0.0))) for g in regions]
     share = [float(g.get("share_wait_s") or 0.0) for g in regions]
@@ -162,7 +162,6 @@ def entry_less_wait(recs: list[dict[str, Any]]) -> dict[str, Any]:
         "share_waits": sum(1 for x in share if x > 0),
         "exit_waits": len(exits),
         "exit_wait_p95_s": pct(exits, 0.95),
-        "exits_passed": sum(len(g.get("exits_passed") or []) for g in regions),
     }
 
 
@@ -353,7 +352,6 @@ def goals(v: dict[str, dict[str, Any]], comps: list[dict[str, Any]], spread: dic
                     if e.get("exit_waits")
                     else ""
                 )
-                + (f"; {e['exits_passed']} exit(s) kept past a release" if e.get("exits_passed") else "")
             )
     return out
 
