@@ -312,6 +312,11 @@ class Pool:
             if w.state != "busy" and not w.exited.done() and w is not self._gate.creator
         )
 
+    def free_pids(self) -> list[int]:
+        """The pids of the workers in no command: warming (importing, creating a context), idle, or
+        retired and not yet gone. No command's cpuset reaches them (the region cores' fence)."""
+        return sorted(w.pid for w in self._workers if w.state != "busy" and not w.exited.done())
+
     def creator_pid(self) -> int | None:
         """The worker whose context creation is in flight, if any (outside() leaves it out)."""
         return self._gate.creator.pid if self._gate.creator is not None else None

@@ -1,8 +1,16 @@
 """The region cores: a region's owner gets up to --region-cores cores near its device to itself, and
-every other running command is fenced off them (its cpuset) until the region releases."""
+every other running command is fenced off them (its cpuset) until the region releases.
+
+So are the warm pools' workers in no command (warming: a worker importing torch is seconds of CPU;
+idle; retiring), which no command's cpuset reaches: their threads' affinity is narrowed off the
+reserved cores, and given back once they are in a command (its cpuset fences them then) or no core
+is reserved. Unfenced, the scheduler put them on the region cores first: the fence leaves those the
+only idle ones."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Mapping
 
@@ -10,6 +18,7 @@ from krex_async import logs
 from krex_async.daemon.model.command import CommandState
 from krex_async.daemon.model.core import Core, Region
 from krex_async.isolation.base import IsolationError
+from krex_async.linux.procfs import start_time
 
 log = logs.get("krex.region")
 
@@ -20,6 +29,8 @@ class CoreFence:
         # Regions.active: the regions whose groups are about to be frozen, and the owners of cores
         self.active = active
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
+        # pool workers fenced: pid -> (its start time, its affinity before)
+        self.workers: dict[int, tuple[int | None, set[int]]] = {}
 
     def taken(self) -> frozenset[int]:
         return frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
@@ -65,6 +76,7 @@ class CoreFence:
         release lifting fences) is logged and the other commands are still done."""
         taken = self.taken()
         allowed = None if not taken else self.core.all_cpus - taken
+        self.fence_workers(allowed)
         # groups a region is about to freeze (fenced meanwhile they would be written for nothing)
         freezing = {id(g) for x in self.active.values() for g in x.frozen}
         for cmd in self.core.commands.values():
@@ -88,6 +100,28 @@ class CoreFence:
                 continue
             g.cores = allowed
 
+    def fence_workers(self, allowed: frozenset[int] | None) -> None:
+        """Narrow the affinity of every thread of the pools' workers in no command to `allowed`
+        (within what each had before); give it back to those now in a command or gone, and to
+        all when `allowed` is None. A worker that refuses (gone, another user's under a daemon
+        without the right) is left as it is."""
+        free = (
+            set() if allowed is None else {p for pool in self.core.pools.values() for p in pool.free_pids()}
+        )
+        for pid in [p for p in self.workers if p not in free]:
+            start, before = self.workers.pop(pid)
+            if start_time(pid) == start:  # not a process that took the pid of one gone since
+                _set_affinity(pid, before)
+        if allowed is None:
+            return
+        for pid in free:
+            if pid not in self.workers:
+                try:
+                    self.workers[pid] = (start_time(pid), os.sched_getaffinity(pid))
+                except OSError:
+                    continue
+            _set_affinity(pid, (self.workers[pid][1] & allowed) or set(allowed))
+
     def for_new(self) -> frozenset[int] | None:
         """The cores a command starting now may use: all but the reserved ones (None: no fence)."""
         taken = self.taken()
@@ -107,3 +141,15 @@ class CoreFence:
             await self.refence(best_effort=True)
         except Exception as e:
             log.error("refence_failed", region=r.id, error=repr(e))
+
+
+def _set_affinity(pid: int, cpus: set[int] | frozenset[int]) -> None:
+    """Every thread of `pid` onto `cpus` (threads started later inherit it from their creator);
+    one gone or refusing is skipped."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(int(tid), cpus)
