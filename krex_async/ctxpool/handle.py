@@ -285,12 +285,13 @@ class Workers:
         device: Device,
         config: PoolConfig,
         user: tuple[int, int, list[int]] | None,
-    ) -> None:
-        """spawn() one more. Raises OSError as spawn() does, with nothing added."""
+    ) -> int:
+        """spawn() one more; its pid. Raises OSError as spawn() does, with nothing added."""
         w = spawn(python, env, device, config, user)
         self._all.add(w)
         w.exited.add_done_callback(lambda _f: self._on_exit(w))
         self.task(w.read(self._on_message))
+        return w.pid
 
     def task(self, coro: Any) -> None:
         """Run `coro` as a task of the pool's, cancelled at close()."""

@@ -70,12 +70,14 @@ class Pool:
         cgroup_hook: CgroupHook | None = None,
         env: dict[str, str] | None = None,
         user: tuple[int, int, list[int]] | None = None,
+        on_unsettled: Callable[[int], None] = lambda pid: None,
     ) -> None:
         """`env`: the environment workers start with (default: the daemon's), plus device.env; a
         command is taken only when the variables that shape interpreter start-up (forms.INIT_VARS)
-        agree with it. `user`: (uid, gid, groups) the workers run as (default: the daemon's)."""
+        agree with it. `user`: (uid, gid, groups) the workers run as (default: the daemon's).
+        `on_unsettled`: told the pid of each worker spawned, or back from a command (fence.py)."""
         self.device, self.config, self.cgroup_hook = device, config, cgroup_hook
-        self.user = user
+        self.on_unsettled, self.user = on_unsettled, user
         self._ident = _identity(*(user or (None, None, None)))
         self.python = config.interpreter()
         self.env = {**(os.environ if env is None else env), **device.env}
@@ -297,25 +299,18 @@ class Pool:
         return {w.pid for w in self._workers}
 
     def outside(self) -> list[tuple[int, bool]]:
-        """(pid, has a device context for sure) of the workers in no command: warming, idle, or
-        retired and not yet gone. A region must hold those with a context itself (no command's hold
-        reaches them); a worker not known to have one may still hold a GPU file (ask /proc).
-
-        Less the worker creating its context: the region waits for that creation to end
-        (quiesce()) and holds the worker after. Locked in the middle of it, the worker's next CUDA
-        call would block the very creation the region waits for (on the H200: every region entry
-        60 s, CONTEXT_TIMEOUT_S, while its siblings stayed locked)."""
+        """(pid, has a device context for sure) of the workers in no command: warming, idle, or retired and
+        not yet gone. A region must hold those with a context itself (no command's hold reaches them); a
+        worker not known to have one may still hold a GPU file (ask /proc). Less the worker creating its
+        context: the region waits for that creation to end (quiesce()) and holds the worker after. Locked in
+        the middle of it, the worker's next CUDA call would block the very creation the region waits for (on
+        the H200: every region entry 60 s, CONTEXT_TIMEOUT_S, while its siblings stayed locked)."""
         ctx = self.config.init_context and self.device.vendor != "cpu"
         return sorted(
             (w.pid, ctx and w.warmed)
             for w in self._workers
             if w.state != "busy" and not w.exited.done() and w is not self._gate.creator
         )
-
-    def free_pids(self) -> list[int]:
-        """The pids of the workers in no command: warming (importing, creating a context), idle, or
-        retired and not yet gone. No command's cpuset reaches them (the region cores' fence)."""
-        return sorted(w.pid for w in self._workers if w.state != "busy" and not w.exited.done())
 
     def creator_pid(self) -> int | None:
         """The worker whose context creation is in flight, if any (outside() leaves it out)."""
@@ -391,10 +386,11 @@ class Pool:
             return
         for _ in range(self._demand.target() - self._have()):
             try:
-                self._workers.start(self.python, self.env, self.device, self.config, self.user)
+                pid = self._workers.start(self.python, self.env, self.device, self.config, self.user)
             except OSError as e:
                 self._failed(f"spawn: {e}")
                 return
+            self.on_unsettled(pid)
 
     def _have(self) -> int:
         return self._workers.kept(self.config.max_uses, self.cgroup_hook is not None)
@@ -422,6 +418,7 @@ class Pool:
         elif t == "exited" and w.done is not None and not w.done.done():
             if retire := w.finished(msg):
                 self._retire(w, retire, kill=False)
+            self.on_unsettled(w.pid)  # resetting, or retired
 
     def _on_exit(self, w: Worker) -> None:
         was = w.state

@@ -372,34 +372,3 @@ def _fd_targets(pid: int) -> list[str]:
     except OSError:
         pass
     return out
-
-
-def _threads_affinity(pid: int) -> set[frozenset[int]]:
-    """The distinct CPU affinities of `pid`'s threads."""
-    return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one for the region, one left")
-async def test_a_worker_in_no_command_is_fenced_off_the_region_cores(
-    fake: Fake, script, tmp_path: Path
-) -> None:
-    """A warm worker in no command is in no command's cpuset, and the fence left the region cores
-    the only idle ones for it to run on (a worker importing torch is seconds of CPU): every one of
-    its threads is kept off them while the region holds them, and given back what it had after
-    (fails on 5434726: the worker's threads kept every CPU)."""
-    mods = tmp_path / "mods"
-    mods.mkdir()
-    marker = tmp_path / "granted"
-    async with pool_daemon(fake, mods, init="") as d:
-        async with await d.client() as c:
-            [worker] = await warm(c)
-            before = _threads_affinity(worker)
-            run = _plain_owner(c, script("owner.py", OWNER), marker, "1.0", env(fake, mods))
-            await granted(marker)
-            inside = _threads_affinity(worker)
-            res = await run
-            assert res.returncode == 0, res.stderr
-            cores = set(json.loads(res.stdout)["cores"])
-            await until(lambda: _threads_affinity(worker) == before, "the worker's CPUs given back", 10)
-    assert cores and len(before) == 1 and cores <= next(iter(before)), (cores, before)
-    assert all(a and a.isdisjoint(cores) for a in inside), (inside, cores)

@@ -77,6 +77,8 @@ class WarmPools:
                 ),
                 env=pool_env(d.env),
                 user=user,
+                # a worker started, or back from a command, while a region holds cores is fenced
+                on_unsettled=self.regions.cores.fence_worker,
             )
             await pool.start()
             self.pools[d.key] = pool

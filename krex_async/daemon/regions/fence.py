@@ -1,11 +1,13 @@
 """The region cores: a region's owner gets up to --region-cores cores near its device to itself, and
 every other running command is fenced off them (its cpuset) until the region releases.
 
-So are the warm pools' workers in no command (warming: a worker importing torch is seconds of CPU;
-idle; retiring), which no command's cpuset reaches: their threads' affinity is narrowed off the
-reserved cores, and given back once they are in a command (its cpuset fences them then) or no core
-is reserved. Unfenced, the scheduler put them on the region cores first: the fence leaves those the
-only idle ones."""
+So are the warm pools' workers in no command that are not idle (warming: a worker importing torch is
+seconds of CPU; resetting after a command; retired and tearing down), which no command's cpuset
+reaches: each of their threads' affinity is narrowed off the reserved cores, from the entry or from
+when the pool starts or takes one back (Pool.on_unsettled), and given back at the release that
+leaves no core reserved (one that became a region's owner meanwhile is left to its region cores).
+The fence leaves the region cores the only idle ones, where the scheduler would otherwise put such
+a worker."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import contextlib
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from krex_async import logs
+from krex_async.ctxpool.pool import Pool
 from krex_async.daemon.model.command import CommandState
 from krex_async.daemon.model.core import Core, Region
 from krex_async.isolation.base import IsolationError
@@ -23,14 +27,22 @@ from krex_async.linux.procfs import start_time
 log = logs.get("krex.region")
 
 
+@dataclass
+class Fenced:
+    """A pool worker whose threads' affinity the fence narrowed."""
+
+    start: int | None  # its start time: a reused pid is not it
+    before: dict[int, set[int]]  # each thread's affinity before (tid -> CPUs)
+    applied: frozenset[int] | None = None  # what it was narrowed to last
+
+
 class CoreFence:
     def __init__(self, core: Core, active: Mapping[str, Region]) -> None:
         self.core = core
         # Regions.active: the regions whose groups are about to be frozen, and the owners of cores
         self.active = active
         self.reserved: dict[str, frozenset[int]] = {}  # region id -> its cores
-        # pool workers fenced: pid -> (its start time, its affinity before)
-        self.workers: dict[int, tuple[int | None, set[int]]] = {}
+        self.workers: dict[int, Fenced] = {}  # pool workers fenced off the reserved cores
 
     def taken(self) -> frozenset[int]:
         return frozenset().union(*self.reserved.values()) if self.reserved else frozenset()
@@ -101,26 +113,40 @@ class CoreFence:
             g.cores = allowed
 
     def fence_workers(self, allowed: frozenset[int] | None) -> None:
-        """Narrow the affinity of every thread of the pools' workers in no command to `allowed`
-        (within what each had before); give it back to those now in a command or gone, and to
-        all when `allowed` is None. A worker that refuses (gone, another user's under a daemon
-        without the right) is left as it is."""
-        free = (
-            set() if allowed is None else {p for pool in self.core.pools.values() for p in pool.free_pids()}
-        )
-        for pid in [p for p in self.workers if p not in free]:
-            start, before = self.workers.pop(pid)
-            if start_time(pid) == start:  # not a process that took the pid of one gone since
-                _set_affinity(pid, before)
+        """Narrow the pools' unsettled workers (_unsettled), and every worker narrowed
+        before (now idle, or in a command: fenced as it is), onto `allowed`, less a region's owner
+        (its region cores are its own); with `allowed` None, give each back what it had."""
         if allowed is None:
+            for pid, w in self.workers.items():
+                if start_time(pid) == w.start:  # not a pid reused since
+                    _set_affinity(pid, w.before, None)
+            self.workers.clear()
             return
-        for pid in free:
-            if pid not in self.workers:
-                try:
-                    self.workers[pid] = (start_time(pid), os.sched_getaffinity(pid))
-                except OSError:
-                    continue
-            _set_affinity(pid, (self.workers[pid][1] & allowed) or set(allowed))
+        owners = {x.pid for x in self.active.values() if x.cores}
+        unsettled = {p for pool in self.core.pools.values() for p in _unsettled(pool)}
+        for pid in unsettled | set(self.workers):
+            if pid not in owners:
+                self._narrow(pid, allowed)
+
+    def fence_worker(self, pid: int) -> None:
+        """Pool.on_unsettled: a worker started, or back from a command, while cores are reserved
+        is fenced off them at once (refence would not see it before the next region)."""
+        if taken := self.taken():
+            self._narrow(pid, self.core.all_cpus - taken)
+
+    def _narrow(self, pid: int, allowed: frozenset[int]) -> None:
+        w = self.workers.get(pid)
+        if w is not None and start_time(pid) != w.start:  # gone, and its pid taken since
+            del self.workers[pid]
+            return
+        if w is None:
+            before = _affinities(pid)
+            if not before:
+                return  # gone, or not ours to read
+            w = self.workers[pid] = Fenced(start_time(pid), before)
+        if w.applied != allowed:
+            _set_affinity(pid, w.before, allowed)
+            w.applied = allowed
 
     def for_new(self) -> frozenset[int] | None:
         """The cores a command starting now may use: all but the reserved ones (None: no fence)."""
@@ -143,13 +169,39 @@ class CoreFence:
             log.error("refence_failed", region=r.id, error=repr(e))
 
 
-def _set_affinity(pid: int, cpus: set[int] | frozenset[int]) -> None:
-    """Every thread of `pid` onto `cpus` (threads started later inherit it from their creator);
-    one gone or refusing is skipped."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return
-    for tid in tids:
-        with contextlib.suppress(OSError, ValueError):
-            os.sched_setaffinity(int(tid), cpus)
+def _unsettled(pool: Pool) -> set[int]:
+    """A pool's workers in no command and not idle: warming (importing, creating a context),
+    resetting after a command, or retired and not yet gone. An idle one sleeps."""
+    creator = pool.creator_pid()
+    return {p for p, _ in pool.outside()} - set(pool.idle_pids()) | ({creator} if creator else set())
+
+
+def _affinities(pid: int) -> dict[int, set[int]]:
+    """Each thread of `pid`'s CPU affinity (tid -> CPUs); {} for one gone or not readable."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                out[int(tid)] = os.sched_getaffinity(int(tid))
+    return out
+
+
+def _set_affinity(pid: int, before: dict[int, set[int]], within: frozenset[int] | None) -> None:
+    """Each thread of `pid` onto what it had `before` (a thread started since: what the process's
+    first thread had), `within` those CPUs where given. A thread whose CPUs would all be left out,
+    gone or refusing is skipped (logged once per call); threads started later inherit their
+    creator's affinity."""
+    main = before.get(pid, set())
+    skipped = []
+    with contextlib.suppress(OSError):
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            cpus = before.get(tid, main)
+            cpus = cpus & within if within is not None else cpus
+            try:
+                if not cpus:
+                    raise ValueError("no CPU of its own left outside the region cores")
+                os.sched_setaffinity(tid, cpus)
+            except (OSError, ValueError) as e:
+                skipped.append(f"{tid}: {e}")
+    if skipped:
+        log.info("worker_affinity_skipped", pid=pid, threads=skipped[:4], n=len(skipped))
