@@ -264,16 +264,18 @@ def spawn(
 
 class Workers:
     """A pool's worker processes: each started with its channel read (`on_message`) and its death
-    heard (`on_exit`), all ended at close. Iterating gives those not yet heard dead."""
+    heard (`on_exit`), its pid told to `on_start`, all ended at close. Iterating gives those not yet
+    heard dead."""
 
     def __init__(
         self,
         on_message: Callable[[Worker, dict[str, Any]], None],
         on_exit: Callable[[Worker], None],
+        on_start: Callable[[int], None] = lambda pid: None,
     ) -> None:
         self._all: set[Worker] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._on_message, self._on_exit = on_message, on_exit
+        self._on_message, self._on_exit, self._on_start = on_message, on_exit, on_start
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(self._all)
@@ -285,13 +287,13 @@ class Workers:
         device: Device,
         config: PoolConfig,
         user: tuple[int, int, list[int]] | None,
-    ) -> int:
-        """spawn() one more; its pid. Raises OSError as spawn() does, with nothing added."""
+    ) -> None:
+        """spawn() one more. Raises OSError as spawn() does, with nothing added."""
         w = spawn(python, env, device, config, user)
         self._all.add(w)
         w.exited.add_done_callback(lambda _f: self._on_exit(w))
         self.task(w.read(self._on_message))
-        return w.pid
+        self._on_start(w.pid)
 
     def task(self, coro: Any) -> None:
         """Run `coro` as a task of the pool's, cancelled at close()."""

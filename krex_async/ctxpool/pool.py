@@ -75,14 +75,14 @@ class Pool:
         """`env`: the environment workers start with (default: the daemon's), plus device.env; a
         command is taken only when the variables that shape interpreter start-up (forms.INIT_VARS)
         agree with it. `user`: (uid, gid, groups) the workers run as (default: the daemon's).
-        `on_unsettled`: told the pid of each worker spawned, or back from a command (fence.py)."""
+        `on_unsettled`: told the pid of each worker spawned, retired or back from a command (fence.py)."""
         self.device, self.config, self.cgroup_hook = device, config, cgroup_hook
         self.on_unsettled, self.user = on_unsettled, user
         self._ident = _identity(*(user or (None, None, None)))
         self.python = config.interpreter()
         self.env = {**(os.environ if env is None else env), **device.env}
         self._init_key = forms.init_key(self.env)
-        self._workers = Workers(self._on_message, self._on_exit)  # their processes and tasks
+        self._workers = Workers(self._on_message, self._on_exit, on_unsettled)  # processes, tasks
         self._lending = Lending()  # the idle workers, and the adopters waiting in take()
         self._gate = ContextGate()  # one context created at a time per node, none while paused
         self._changed = asyncio.Event()
@@ -386,11 +386,10 @@ class Pool:
             return
         for _ in range(self._demand.target() - self._have()):
             try:
-                pid = self._workers.start(self.python, self.env, self.device, self.config, self.user)
+                self._workers.start(self.python, self.env, self.device, self.config, self.user)
             except OSError as e:
                 self._failed(f"spawn: {e}")
                 return
-            self.on_unsettled(pid)
 
     def _have(self) -> int:
         return self._workers.kept(self.config.max_uses, self.cgroup_hook is not None)
@@ -418,7 +417,7 @@ class Pool:
         elif t == "exited" and w.done is not None and not w.done.done():
             if retire := w.finished(msg):
                 self._retire(w, retire, kill=False)
-            self.on_unsettled(w.pid)  # resetting, or retired
+            self.on_unsettled(w.pid)  # back from its command: resetting (or retired, told twice)
 
     def _on_exit(self, w: Worker) -> None:
         was = w.state
@@ -439,6 +438,7 @@ class Pool:
             self.retired += 1
             self.retired_why.add(reason)
         w.state, w.error = "retired", reason
+        self.on_unsettled(w.pid)  # it tears down in no command until it is gone
         self._gate.later(functools.partial(_kill, w.pid) if kill else w.sock.close)  # or EOF: it exits
         self._changed.set()
         self._refill()

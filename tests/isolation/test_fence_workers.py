@@ -91,37 +91,39 @@ def _region(rid: str, pid: int) -> Any:
     )
 
 
-async def test_workers_in_no_command_are_kept_off_the_region_cores_and_given_back_what_they_had() -> None:
+async def test_workers_in_no_command_are_kept_off_the_region_cores_and_given_the_daemons_back() -> None:
     """At the entry, each thread of an unsettled worker leaves the region cores (an idle one,
-    asleep, is left alone); one the pool starts (or takes back) during the region is fenced as the
-    pool says so (fence_worker); one whose CPUs all lie in the region cores is left as it is; at
-    the release each thread gets back the CPUs it had (fails on 5434726: the workers' threads kept
-    the region cores)."""
+    asleep, is left alone); one the pool starts (or retires, or takes back) during the region is
+    fenced as the pool says so (fence_worker), again if its affinity changed since; at the release
+    each gets the daemon's CPUs back, also one first seen on its command's fence (fails on
+    5434726: the workers' threads kept the region cores)."""
     here = sorted(os.sched_getaffinity(0))
     everything = frozenset(here[:2])
     warming, late, idle = _worker(set(everything)), _worker(set(everything)), _worker(set(everything))
-    pinned = _worker({here[1]})  # on the CPU the region will take, and no other
+    fenced = _worker({here[0]})  # back from a command that was fenced off the region's CPU
     try:
-        fence, active = _fence([warming.pid, pinned.pid], (idle.pid,))
+        fence, active = _fence([warming.pid, fenced.pid], (idle.pid,))
         r = _region("r1", os.getpid())
         active[r.id] = r
         await fence.reserve(r)
         cores = set(r.report.cores)
         assert cores and cores <= everything, r.report.cores
-        assert _affinities(warming.pid) == {everything - cores}
-        assert _affinities(pinned.pid) == {frozenset({here[1]})}  # nothing of its own left: as it was
+        for p in (warming, fenced):
+            assert _affinities(p.pid) == {everything - cores}, p.pid
         assert _affinities(late.pid) == {everything} and _affinities(idle.pid) == {everything}
         fence.fence_worker(late.pid)  # started during the region (Pool.on_unsettled)
         assert _affinities(late.pid) == {everything - cores}
+        os.sched_setaffinity(late.pid, everything)  # its command set it since
+        fence.fence_worker(late.pid)  # back from that command
+        assert _affinities(late.pid) == {everything - cores}
         await fence.restore(r)
-        for p in (warming, late):
+        for p in (warming, late, fenced):
             assert _affinities(p.pid) == {everything}, p.pid
-        assert _affinities(pinned.pid) == {frozenset({here[1]})}
         assert fence.workers == {}
         fence.fence_worker(late.pid)  # no core reserved: nothing to fence
         assert _affinities(late.pid) == {everything}
     finally:
-        for p in (warming, late, idle, pinned):
+        for p in (warming, late, idle, fenced):
             p.kill()
             p.wait()
 
@@ -137,14 +139,15 @@ async def test_a_worker_that_became_a_regions_owner_is_left_to_its_region_cores(
         r1 = _region("r1", os.getpid())
         active[r1.id] = r1
         await fence.reserve(r1)
-        outside = everything - set(r1.report.cores)
-        assert _affinities(w.pid) == {outside}
-        os.sched_setaffinity(w.pid, set(r1.report.cores))  # as a backend gives an owner its cores
+        mine = frozenset(r1.report.cores)
+        assert _affinities(w.pid) == {everything - mine}
+        os.sched_setaffinity(w.pid, mine)  # as a backend gives an owner its cores
         owner = _region("r2", w.pid)
-        owner.cores = frozenset(r1.report.cores)
+        owner.cores = mine
         active[owner.id] = owner
+        fence.reserved[owner.id] = mine  # as _reserve records them
         await fence.refence()
-        assert frozenset(os.sched_getaffinity(w.pid)) == frozenset(r1.report.cores)
+        assert frozenset(os.sched_getaffinity(w.pid)) == mine
     finally:
         w.kill()
         w.wait()

@@ -3,11 +3,11 @@ every other running command is fenced off them (its cpuset) until the region rel
 
 So are the warm pools' workers in no command that are not idle (warming: a worker importing torch is
 seconds of CPU; resetting after a command; retired and tearing down), which no command's cpuset
-reaches: each of their threads' affinity is narrowed off the reserved cores, from the entry or from
-when the pool starts or takes one back (Pool.on_unsettled), and given back at the release that
-leaves no core reserved (one that became a region's owner meanwhile is left to its region cores).
-The fence leaves the region cores the only idle ones, where the scheduler would otherwise put such
-a worker."""
+reaches: each of their threads is kept off the reserved cores, from the entry or from when the pool
+starts, retires or takes one back (Pool.on_unsettled), and given the daemon's CPUs back (those a
+worker starts with) at the release that leaves no core reserved; one that became a region's owner
+meanwhile is left to its region cores. The fence leaves the region cores the only idle ones, where
+the scheduler would otherwise put such a worker."""
 
 from __future__ import annotations
 
@@ -29,11 +29,10 @@ log = logs.get("krex.region")
 
 @dataclass
 class Fenced:
-    """A pool worker whose threads' affinity the fence narrowed."""
+    """A pool worker whose threads the fence keeps off the reserved cores."""
 
     start: int | None  # its start time: a reused pid is not it
-    before: dict[int, set[int]]  # each thread's affinity before (tid -> CPUs)
-    applied: frozenset[int] | None = None  # what it was narrowed to last
+    applied: frozenset[int] | None = None  # what its threads were set to last
 
 
 class CoreFence:
@@ -113,26 +112,34 @@ class CoreFence:
             g.cores = allowed
 
     def fence_workers(self, allowed: frozenset[int] | None) -> None:
-        """Narrow the pools' unsettled workers (_unsettled), and every worker narrowed
-        before (now idle, or in a command: fenced as it is), onto `allowed`, less a region's owner
-        (its region cores are its own); with `allowed` None, give each back what it had."""
+        """Put the threads of the pools' unsettled workers (_unsettled), and of every worker fenced
+        before (now idle, or in a command: fenced as it is), on `allowed`, less a region's owner
+        (its region cores are its own); with `allowed` None, give each the daemon's CPUs back,
+        those a worker starts with (what it had in a command may have been that command's fence)."""
         if allowed is None:
             for pid, w in self.workers.items():
                 if start_time(pid) == w.start:  # not a pid reused since
-                    _set_affinity(pid, w.before, None)
+                    _set_affinity(pid, self.core.all_cpus)
             self.workers.clear()
             return
-        owners = {x.pid for x in self.active.values() if x.cores}
+        owners = {x.pid for x in self.active.values() if x.id in self.reserved}
         unsettled = {p for pool in self.core.pools.values() for p in _unsettled(pool)}
         for pid in unsettled | set(self.workers):
             if pid not in owners:
                 self._narrow(pid, allowed)
 
     def fence_worker(self, pid: int) -> None:
-        """Pool.on_unsettled: a worker started, or back from a command, while cores are reserved
-        is fenced off them at once (refence would not see it before the next region)."""
-        if taken := self.taken():
-            self._narrow(pid, self.core.all_cpus - taken)
+        """Pool.on_unsettled: a worker started, retired or back from a command while cores are
+        reserved is fenced off them at once (refence would not see it before the next region),
+        set again even if fenced before (its command may have changed its affinity). Never raises
+        into the pool."""
+        try:
+            if taken := self.taken():
+                if (w := self.workers.get(pid)) is not None:
+                    w.applied = None
+                self._narrow(pid, self.core.all_cpus - taken)
+        except Exception:
+            log.exception("worker_fence_failed", pid=pid)
 
     def _narrow(self, pid: int, allowed: frozenset[int]) -> None:
         w = self.workers.get(pid)
@@ -140,12 +147,11 @@ class CoreFence:
             del self.workers[pid]
             return
         if w is None:
-            before = _affinities(pid)
-            if not before:
-                return  # gone, or not ours to read
-            w = self.workers[pid] = Fenced(start_time(pid), before)
+            if (start := start_time(pid)) is None:
+                return  # gone
+            w = self.workers[pid] = Fenced(start)
         if w.applied != allowed:
-            _set_affinity(pid, w.before, allowed)
+            _set_affinity(pid, allowed)
             w.applied = allowed
 
     def for_new(self) -> frozenset[int] | None:
@@ -176,31 +182,14 @@ def _unsettled(pool: Pool) -> set[int]:
     return {p for p, _ in pool.outside()} - set(pool.idle_pids()) | ({creator} if creator else set())
 
 
-def _affinities(pid: int) -> dict[int, set[int]]:
-    """Each thread of `pid`'s CPU affinity (tid -> CPUs); {} for one gone or not readable."""
-    out = {}
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, ValueError):
-                out[int(tid)] = os.sched_getaffinity(int(tid))
-    return out
-
-
-def _set_affinity(pid: int, before: dict[int, set[int]], within: frozenset[int] | None) -> None:
-    """Each thread of `pid` onto what it had `before` (a thread started since: what the process's
-    first thread had), `within` those CPUs where given. A thread whose CPUs would all be left out,
-    gone or refusing is skipped (logged once per call); threads started later inherit their
-    creator's affinity."""
-    main = before.get(pid, set())
+def _set_affinity(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of `pid` onto `cpus` (threads started later inherit their creator's); one
+    gone or refusing is skipped, and logged."""
     skipped = []
     with contextlib.suppress(OSError):
-        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-            cpus = before.get(tid, main)
-            cpus = cpus & within if within is not None else cpus
+        for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                if not cpus:
-                    raise ValueError("no CPU of its own left outside the region cores")
-                os.sched_setaffinity(tid, cpus)
+                os.sched_setaffinity(int(tid), cpus)
             except (OSError, ValueError) as e:
                 skipped.append(f"{tid}: {e}")
     if skipped:
