@@ -11,7 +11,6 @@ the scheduler would otherwise put such a worker."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from krex_async.ctxpool.pool import Pool
 from krex_async.daemon.model.command import CommandState
 from krex_async.daemon.model.core import Core, Region
 from krex_async.isolation.base import IsolationError
+from krex_async.linux import procfs
 from krex_async.linux.procfs import start_time
 
 log = logs.get("krex.region")
@@ -186,11 +186,10 @@ def _set_affinity(pid: int, cpus: frozenset[int]) -> None:
     """Every thread of `pid` onto `cpus` (threads started later inherit their creator's); one
     gone or refusing is skipped, and logged."""
     skipped = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except (OSError, ValueError) as e:
-                skipped.append(f"{tid}: {e}")
+    for tid in procfs.tids(pid) or []:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError as e:
+            skipped.append(f"{tid}: {e}")
     if skipped:
         log.info("worker_affinity_skipped", pid=pid, threads=skipped[:4], n=len(skipped))
