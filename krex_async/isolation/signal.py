@@ -136,12 +136,16 @@ def _members(snap: _Snapshot, group: Group) -> list[int]:
     return snap.tree(group.pid, group.command_id, born if isinstance(born, int) else 0)
 
 
-def _set_affinity(pid: int, cpus: set[int]) -> None:
+def set_affinity(pid: int, cpus: set[int] | frozenset[int]) -> list[str]:
+    """Every thread of `pid` onto `cpus` (threads started later inherit their creator's); the
+    threads that refused, each with why (one exited meanwhile, a CPU outside its cpuset)."""
+    refused = []
     for tid in procfs.tids(pid) or ():
         try:
             os.sched_setaffinity(tid, cpus)
-        except OSError:  # the thread exited meanwhile
-            pass
+        except OSError as e:
+            refused.append(f"{tid}: {e}")
+    return refused
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -242,7 +246,7 @@ class SignalBackend(Backend):
         if group.extra.get("launched_stopped"):
             self._stopping([pid])
         if group.cores is not None:
-            _set_affinity(pid, set(group.cores))
+            set_affinity(pid, set(group.cores))
 
     def pids(self, group: Group) -> list[int]:
         return _members(_Snapshot(), group)
@@ -393,7 +397,7 @@ class SignalBackend(Backend):
             group.cores = cpus
             pids = self.pids(group)
         for pid in pids:
-            _set_affinity(pid, target)
+            set_affinity(pid, target)
 
     async def kill(self, group: Group, sig: int = signal.SIGKILL) -> None:
         """Signal the process group and every process of the tree (a stopped one acts on SIGKILL at

@@ -11,7 +11,6 @@ the scheduler would otherwise put such a worker."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from krex_async.ctxpool.pool import Pool
 from krex_async.daemon.model.command import CommandState
 from krex_async.daemon.model.core import Core, Region
 from krex_async.isolation.base import IsolationError
-from krex_async.linux import procfs
+from krex_async.isolation.signal import set_affinity
 from krex_async.linux.procfs import start_time
 
 log = logs.get("krex.region")
@@ -183,13 +182,6 @@ def _unsettled(pool: Pool) -> set[int]:
 
 
 def _set_affinity(pid: int, cpus: frozenset[int]) -> None:
-    """Every thread of `pid` onto `cpus` (threads started later inherit their creator's); one
-    gone or refusing is skipped, and logged."""
-    skipped = []
-    for tid in procfs.tids(pid) or []:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError as e:
-            skipped.append(f"{tid}: {e}")
-    if skipped:
+    """A worker's threads onto `cpus`; those that refuse are skipped, and logged."""
+    if skipped := set_affinity(pid, cpus):
         log.info("worker_affinity_skipped", pid=pid, threads=skipped[:4], n=len(skipped))
