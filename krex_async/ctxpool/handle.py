@@ -5,7 +5,7 @@ settled then); `Workers` is the set of them, with their channel readers, ended a
 A worker is started with a fresh interpreter (exec, never a fork of a process that holds a context) in
 its own session, with stdin/stdout on /dev/null, the daemon's stderr, and one end of a SOCK_SEQPACKET
 socketpair (channel.py). Its death is learnt from its pidfd, not from the channel. What each message
-means for the pool is pool.py's: this module hands them over in order.
+means for the pool is upkeep.py's: this module hands them over in order.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Worker:
     home: bool = True  # can go back from a command's cgroups (else a command joining one retires it)
     homes: dict[str, str | None] | None = None  # its own cgroups' procs files, where the pool moves it
     accepted: asyncio.Future[Launched | str] | None = None  # an adoption's answer: started or why not
-    surplus: bool = False  # came back one too many: leaves once not kept (Pool._trim: keep_s, resume())
+    surplus: bool = False  # came back one too many: leaves once not kept (Upkeep._trim: keep_s, resume())
     reserved: bool = False  # offered to an adopter by take(), not handed over yet
     rx: channel.Receiver = field(default_factory=channel.Receiver)  # its channel's reassembly
 

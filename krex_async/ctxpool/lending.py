@@ -1,7 +1,7 @@
 """The order a pool lends its warm workers in: the idle ones, oldest first, and the adopters waiting in
 Pool.take() for one, served in arrival order and ahead of any launch (they came first). A worker
 offered to a waiter is out of the idle queue until it is handed over or given back, so nothing takes
-it while the region hold is checked in between. How many workers to keep is pool.py's to decide.
+it while the region hold is checked in between. How many workers to keep is upkeep.py's to decide.
 """
 
 from __future__ import annotations

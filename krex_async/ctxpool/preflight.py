@@ -1,7 +1,7 @@
 """Can a pool's workers import what they are told to? Asked once, as `krex serve` starts.
 
 A worker that cannot import a --pool-preload or --pool-init module dies while warming; after
-pool.MAX_FAILURES such deaths in a row the pool stops warming for good and every command runs
+upkeep.MAX_FAILURES such deaths in a row the pool stops warming for good and every command runs
 plainly, which only `krex status` (failures, last_error) shows. So the daemon asks first, the way a
 worker would meet the modules: the pool's interpreter, in the workers' directory, with their
 environment and as their user (a module in the daemon's own ~/.local is not the pool user's).

@@ -17,6 +17,9 @@ from krex_async.devices.base import Device
 from krex_async.linux.spawn import Launched, LaunchSpec, spawn
 from tests.ctxpool.conftest import CPU, PY, finish, make_spec, run_pooled
 
+# A command that leaves a thread running: the worker that ran it retires as it ends.
+THREAD_LEFT = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
+
 
 async def test_os_exit_reported_and_pool_recovers(pool: Pool, tmp_path: Path) -> None:
     r = await run_pooled(pool, [PY, "-c", "import os; os._exit(9)"], str(tmp_path))
@@ -140,9 +143,8 @@ async def test_reuse_reports_exit_codes_and_exceptions(reuse_pool: Pool, tmp_pat
 async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path: Path) -> None:
     import structlog.testing
 
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
     with structlog.testing.capture_logs() as logged:
-        r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+        r = await run_pooled(reuse_pool, [PY, "-c", THREAD_LEFT], str(tmp_path))
         assert r.returncode == 0
         await reuse_pool.wait_warm(timeout=30)
     (line,) = [e for e in logged if e["event"] == "pool_worker_retired"]  # logged with its particulars
@@ -154,6 +156,26 @@ async def test_reuse_retires_worker_with_thread_left(reuse_pool: Pool, tmp_path:
     assert st["retired_last"]["threads left running"].startswith("threads left running: Thread-"), st
 
 
+async def test_a_worker_retiring_as_its_command_ends_is_told_unsettled_once(tmp_path: Path) -> None:
+    """on_unsettled (the region cores' fence_worker) hears of a worker once each time it comes to be in
+    no command: started, back from a command to reset, and retired as its command ends. The last was
+    told twice: by the retirement and again as a worker back from its command."""
+    told: list[int] = []
+    p = Pool(CPU, PoolConfig(size=1, max_uses=3, preload=["json"]), on_unsettled=told.append)
+    await p.start()
+    try:
+        pid = (await run_pooled(p, [PY, "-c", "pass"], str(tmp_path))).launched.pid
+        assert told == [pid, pid]  # started, then back from its command
+        r = await run_pooled(p, [PY, "-c", THREAD_LEFT], str(tmp_path))
+        assert r.returncode == 0 and r.launched.pid == pid
+        await p.wait_warm(timeout=30)  # its replacement
+        assert p.status()["retired_why"] == {"threads left running": 1}
+        (new,) = p.pids() - {pid}
+        assert sorted(told) == sorted([pid, pid, pid, new]), told  # + retired; the replacement started
+    finally:
+        await p.close()
+
+
 async def test_a_worker_retired_while_a_region_holds_the_device_ends_at_the_regions_end(
     reuse_pool: Pool, tmp_path: Path
 ) -> None:
@@ -163,8 +185,7 @@ async def test_a_worker_retired_while_a_region_holds_the_device_ends_at_the_regi
     if os.uname().machine != "x86_64":
         pytest.skip("reads the x86-64 number of the system call a worker waits in")
     reuse_pool.pause()  # what a region's entry does (quiesce)
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"
-    r = await run_pooled(reuse_pool, [PY, "-c", code], str(tmp_path))
+    r = await run_pooled(reuse_pool, [PY, "-c", THREAD_LEFT], str(tmp_path))
     pid = r.launched.pid
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
