@@ -150,3 +150,40 @@ async def test_a_locked_sibling_frozen_late_is_charged_as_frozen_for_the_whole_r
 def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/schedstat") as f:
         return int(f.read().split()[0]) / 1e9
+
+
+async def test_a_sibling_waiting_for_its_own_region_is_charged_only_until_it_asked() -> None:
+    """A sibling that asks for a region of its own while another command's region holds it waits
+    for that region, not to run (the FIFO gives it its turn; a region's share wait passes it over
+    for the same reason): it is charged only the part of the span before its request. Charged the
+    whole span, it came out of its own region owed its share: on the H100 (bench/RESULTS.md,
+    session 31) two jobs' regions then waited for each other's share in turn."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+    e = engine(set())  # locked, and asleep: no CPU used, the whole span charged before
+    try:
+        e.command("o", [NO_PID])
+        sib = e.command("sib", [sleeper.pid], gpu=[sleeper.pid])
+        t_o = time.monotonic()
+        r, owner = e.enter(e.core.commands["o"], NO_PID)
+        await until(lambda: owner.got, "o's region granted", timeout=60)
+        assert r.held.locked_ids == ["sib"], r.held.locked_ids
+        t_ask = time.monotonic()
+        mine, sib_owner = e.enter(sib, sleeper.pid)
+        await until(lambda: time.monotonic() > t_ask + 0.5, "o's region held 0.5 s past the request")
+        release(e, r)
+        await until(lambda: sib_owner.got, "sib's region granted", timeout=60)
+        assert sib_owner.kinds() == ["RegionGranted"], sib_owner.kinds()
+        assert not mine.report.share_for, mine.report  # nobody owed: o held by nothing
+        release(e, mine)
+        for x in (r, mine):
+            assert x.task is not None
+            await asyncio.wait_for(asyncio.shield(x.task), 30)
+        st = e.regions.share.status("sib", time.monotonic())
+    finally:
+        e.regions.close()
+        sleeper.kill()
+        sleeper.wait()
+    print(f"asked {t_ask - t_o:.3f} s after o's request; status {st}")
+    assert st["held_wall_s"] >= 0.5, st
+    assert st["held_s"] <= t_ask - t_o + 0.002, st  # (the 2 ms: perf_counter against monotonic)
+    assert not st["starved"], st

@@ -342,9 +342,12 @@ class Regions:
 
     def _share_end(self, r: Region, since: float, now: float) -> None:
         """Its siblings were held from its entry to their thaw (`now`), each charged for what it
-        could not run (share.py); the commands ended since are forgotten."""
-        held = r.held.held_ids()
-        charged = self.share.end(r.id, held, since, now, self._locked_cpu(r))
+        could not run before it asked for a region of its own here (share.py); the commands ended
+        since are forgotten."""
+        held, shift = r.held.held_ids(), time.monotonic() - time.perf_counter()  # t_request's clock
+        mine = [x for x in reversed(self.active.values()) if x.device == r.device and x is not r]
+        asked = {x.command.id: x.t_request + shift for x in mine}  # (its first request last: it wins)
+        charged = self.share.end(r.id, held, since, now, self._locked_cpu(r), asked)
         for cid in held:
             self.core.events.emit(E.SiblingHeld(r.device, cid, charged[cid]))
         for cid in [c for c in self.share.total if not self._running(c)]:

@@ -11,7 +11,8 @@ one charged for --hold-share of the last --share-window is owed the time until t
 The region waits that long with its turn kept (queued, never refused, no sibling held), so the
 sibling runs; then it isolates as ever, so a grant still never comes while a sibling runs.
 
-Not owed a share: a sibling whose own region is requested (it waits for that, not to run); one
+Not owed a share, nor charged from its request on: a sibling whose own region is requested (it
+waits for that, not to run: the FIFO, not the share, gives it its turn). Not owed a share: one
 that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of its
 last IDLE_PROBE_S and under 5% of the whole wait, and no thread runnable at its end: blocked,
 sleeping, idle; IdleProbes), whose spans are then forgotten; and a command put back in line to run
@@ -86,13 +87,21 @@ class Share:
             self.open[region] = (held, since, {c: dict(x) for c, x in (cpu or {}).items()})
 
     def end(
-        self, region: str, held: list[str], since: float, now: float, cpu: CpuReading | None = None
+        self,
+        region: str,
+        held: list[str],
+        since: float,
+        now: float,
+        cpu: CpuReading | None = None,
+        asked: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
         """A granted region released: each of `held` (as it ended) was held from `since` to `now`.
         `cpu`: the CPU ns of each process of those still locked alone (not frozen), read now; one
         read at begin too is charged the span less the CPU time its processes read both times used
         in between (one started or gone meanwhile: not credited), the others the whole span.
-        Returns the seconds charged to each."""
+        `asked`: when those of them waiting for a region of their own on the device asked for it
+        (monotonic): from then on each waits for that, not to run, and is charged only the part of
+        the span before, at most what the span charges it. Returns the seconds charged to each."""
         base = self.open.pop(region, ([], since, {}))[2]
         span = max(0.0, now - since)
         out = {}
@@ -101,12 +110,13 @@ class Share:
             if cpu and cid in cpu and cid in base:
                 was, now_ns = base[cid], cpu[cid]
                 used = sum(max(0, ns - was[p]) for p, ns in now_ns.items() if p in was) / 1e9
-            charged = out[cid] = span - min(span, used)
+            end = min(now, max(since, asked.get(cid, now))) if asked else now
+            charged = out[cid] = min(end - since, span - min(span, used))
             self.total[cid] = self.total.get(cid, 0.0) + charged
             self.wall[cid] = self.wall.get(cid, 0.0) + span
             q = self.spans.setdefault(cid, deque())
             if charged > 0:
-                q.append((since, now, charged / span))
+                q.append((since, end, charged / (end - since)))
                 self.sums[cid] = self.sums.get(cid, 0.0) + charged
             self._prune(cid, q, now)
             if self.on and self.held_s(cid, now) >= self.budget:
