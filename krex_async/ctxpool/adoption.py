@@ -171,13 +171,13 @@ async def serve(
     hand: Hand,
     tally: Tally,
     prepare: Callable[[], Awaitable[str | None]] | None = None,
-) -> None:
+) -> bool:
     """Answer one Adopt (the peer already checked to be inside its command): Adopted, then
-    AdoptExited. Cancelled (the adopter's connection closed) while the worker runs: the worker is
-    killed, as the adopter's own program would have died with it. Holds no fd past its return.
-    `prepare` runs once the adoption is allowed, before the hand-over, and may still decline it
-    with a reason (the daemon reserves a worker, and holds the command in a region it must be
-    frozen for)."""
+    AdoptExited; True once a worker ran the program to its end (False: declined). Cancelled (the
+    adopter's connection closed) while the worker runs: the worker is killed, as the adopter's own
+    program would have died with it. Holds no fd past its return. `prepare` runs once the adoption
+    is allowed, before the hand-over, and may still decline it with a reason (the daemon reserves a
+    worker, and holds the command in a region it must be frozen for)."""
     reason = refusal(pool, req, peer_pid)
     if reason is None and prepare is not None:
         reason = await prepare()
@@ -205,7 +205,7 @@ async def serve(
     if isinstance(answer, str):
         tally.decline(answer, pool)
         send(P.Adopted(id=req.id, declined=answer))
-        return
+        return False
     assert pool is not None
     tally.adopted += 1
     pool.adopted += 1
@@ -217,6 +217,7 @@ async def serve(
             _kill(answer.pid)
         raise
     send(P.AdoptExited(id=req.id, returncode=status.returncode))
+    return True
 
 
 def _kill_when_started(fut: asyncio.Future[Launched | str], tally: Tally, pool: Pool) -> None:

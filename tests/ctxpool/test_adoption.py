@@ -116,3 +116,29 @@ def test_a_worker_reaped_meanwhile_is_passed_over_for_the_privilege_check() -> N
         id=1, command="c", token="t", argv=["python", "x.py"], cwd="/", env={}, hexversion=sys.hexversion
     )
     assert adoption.refusal(pool, req, os.getpid()) is None
+
+
+@pytest.mark.parametrize("ends", [True, False])
+async def test_serve_says_whether_a_worker_ran_the_program_to_its_end(
+    monkeypatch: pytest.MonkeyPatch, ends: bool
+) -> None:
+    """True once the worker's program ended and the adopter was told its status (WarmPools.adopt
+    then counts the command as leaving: Command.leaving); False for a declined adoption, whose
+    adopter runs the program itself."""
+    monkeypatch.setattr(adoption, "refusal", lambda *a: None)
+    from krex_async.linux.spawn import ExitStatus
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[ExitStatus] = loop.create_future()
+    done.set_result(ExitStatus(3))
+    answer: Launched | str = Launched(pid=424242, _done=done, via="pool") if ends else "module colorsys"
+    fut: asyncio.Future[Launched | str] = loop.create_future()
+    fut.set_result(answer)
+    pool = cast(Pool, type("FakePool", (), {"adopted": 0, "declined": collections.Counter()})())
+    sent: list[P.Msg] = []
+    req = P.Adopt(id=2, command="c", token="t", argv=["python", "x.py"], cwd="/", env={})
+    got = await adoption.serve(
+        pool, req, os.getpid(), lambda m: sent.append(m) or True, lambda *a: fut, adoption.Tally()
+    )
+    assert got is ends
+    assert [type(m).__name__ for m in sent] == (["Adopted", "AdoptExited"] if ends else ["Adopted"])

@@ -172,8 +172,10 @@ class WarmPools:
             return None
 
         cmd.adopters.add(peer_pid)
+        cmd.adopted_ended_at = 0.0
         try:
-            await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
+            if await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare):
+                cmd.adopted_ended_at = time.monotonic()  # its interpreter leaves: Command.leaving
         finally:
             cmd.adopters.discard(peer_pid)
             if taken and pool is not None:  # reserved, never handed over (no pidfd, cancelled)

@@ -27,6 +27,10 @@ from krex_async.isolation.base import Group
 from krex_async.linux.spawn import Handoff, Launched
 from krex_async.scheduler import Policy
 
+# How long after its adopted program's end a command counts as leaving (Command.leaving): on the
+# H100 a KernelBench job's command ended 0.19-0.23 s after its region's release (session 31).
+LEAVING_S = 1.0
+
 # krex_async/runtime: put on a command's PYTHONPATH (its sitecustomize loads the in-command runtime)
 RUNTIME_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "runtime"
@@ -105,6 +109,9 @@ class Command:
     runtimes: dict[int, Callable[[P.Msg], bool]] = field(default_factory=dict)  # pid -> send
     # interpreters whose program a pool worker runs: each waits, idle, for the worker's status
     adopters: set[int] = field(default_factory=set)
+    # when an adopted program last ran to its end (time.monotonic(); 0: none since the last
+    # adoption began): for LEAVING_S after, with no other adopted, the command is leaving
+    adopted_ended_at: float = 0.0
     # (time.monotonic(), signal) of every signal sent to the whole tree: an interpreter waiting for
     # a worker has them blocked, and its worker, not yet in the tree, must get them (WarmPools.adopt)
     signalled: list[tuple[float, int]] = field(default_factory=list)
@@ -168,6 +175,11 @@ class Command:
     def pid(self) -> int | None:
         return self.launched.pid if self.launched else None
 
+    def leaving(self, now: float) -> bool:
+        """Whether its adopted program ended under LEAVING_S ago and no other is adopted: what is
+        left of it is its interpreter and wrappers exiting (a region does not wait for its share)."""
+        return not self.adopters and 0.0 < now - self.adopted_ended_at < LEAVING_S
+
     def reset_for_rerun(self, reason: str) -> None:
         """Ended, to run again (a re-run after a co-located out-of-memory, admission.py): queued
         (guarded or alone: admission.requeue), with nothing of the first run's processes, output
@@ -185,6 +197,7 @@ class Command:
         )
         self.end_reason = self.end_note = self.start_error = ""
         self.kill_pending, self.handoff, self.spools, self.regions = None, None, {}, []
+        self.adopted_ended_at = 0.0
         for held in (self.pipe_closers, self.runtimes, self.adopters, self.signalled):
             held.clear()
         self.out, self.err = Tail(self.tail_limit), Tail(self.tail_limit)

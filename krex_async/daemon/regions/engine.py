@@ -360,7 +360,7 @@ class Regions:
 
     def owed(self, r: Region) -> dict[str, float]:
         """The siblings r would hold that are owed their share now: {command: seconds owed}. Not
-        one whose own region is requested: it waits for that, not to run."""
+        one whose own region is requested (it waits for that, not to run), nor one leaving."""
         now = time.monotonic()
         out = {}
         for cid in list(self.share.over):
@@ -368,7 +368,7 @@ class Regions:
             if cmd is None or cmd is r.command or cmd.device_key != r.device or not self._running(cid):
                 continue
             owed = self.share.owed_s(cid, now)
-            if owed > 0 and not self.core.scheduler.regions_of(cid):
+            if owed > 0 and not self.core.scheduler.regions_of(cid) and not cmd.leaving(now):
                 out[cid] = owed
         return out
 
