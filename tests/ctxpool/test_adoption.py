@@ -126,6 +126,7 @@ async def test_serve_says_whether_a_worker_ran_the_program_to_its_end(
     then counts the command as leaving: Command.leaving); False for a declined adoption, whose
     adopter runs the program itself."""
     monkeypatch.setattr(adoption, "refusal", lambda *a: None)
+    monkeypatch.setattr(adoption, "_kill", lambda pid: None)  # pid 424242 is no worker of ours
     from krex_async.linux.spawn import ExitStatus
 
     loop = asyncio.get_running_loop()

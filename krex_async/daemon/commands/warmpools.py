@@ -174,8 +174,9 @@ class WarmPools:
         cmd.adopters.add(peer_pid)
         cmd.adopted_ended_at = 0.0
         try:
-            if await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare):
-                cmd.adopted_ended_at = time.monotonic()  # its interpreter leaves: Command.leaving
+            ran = await adoption.serve(pool, req, peer_pid, send, hand, tally, prepare=prepare)
+            # ran: its interpreter leaves (Command.leaving); declined: it runs the program itself
+            cmd.adopted_ended_at = time.monotonic() if ran else 0.0
         finally:
             cmd.adopters.discard(peer_pid)
             if taken and pool is not None:  # reserved, never handed over (no pidfd, cancelled)

@@ -177,7 +177,8 @@ class Command:
 
     def leaving(self, now: float) -> bool:
         """Whether its adopted program ended under LEAVING_S ago and no other is adopted: what is
-        left of it is its interpreter and wrappers exiting (a region does not wait for its share)."""
+        left of it is likely its interpreter and wrappers exiting (a region does not wait for its
+        share if, as well, none of its processes holds a GPU file: Regions.owed)."""
         return not self.adopters and 0.0 < now - self.adopted_ended_at < LEAVING_S
 
     def reset_for_rerun(self, reason: str) -> None:

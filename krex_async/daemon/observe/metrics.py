@@ -158,7 +158,8 @@ class Metrics:
         self._cmd_held = Counter(
             "krex_command_held_seconds",
             "Seconds a running command was kept from running by other commands' regions (frozen: "
-            "the whole hold; locked: less the CPU it used meanwhile; docs/fairness.md)",
+            "the whole hold; locked: less the CPU it used meanwhile; neither once it asked for a "
+            "region of its own; docs/fairness.md)",
             [*_DEV, "command"],
             registry=r,
         )

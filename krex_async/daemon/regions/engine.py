@@ -360,7 +360,8 @@ class Regions:
 
     def owed(self, r: Region) -> dict[str, float]:
         """The siblings r would hold that are owed their share now: {command: seconds owed}. Not
-        one whose own region is requested (it waits for that, not to run), nor one leaving."""
+        one whose own region is requested (it waits for that, not to run), nor one leaving with
+        no process holding a GPU file (Command.leaving)."""
         now = time.monotonic()
         out = {}
         for cid in list(self.share.over):
@@ -368,7 +369,8 @@ class Regions:
             if cmd is None or cmd is r.command or cmd.device_key != r.device or not self._running(cid):
                 continue
             owed = self.share.owed_s(cid, now)
-            if owed > 0 and not self.core.scheduler.regions_of(cid) and not cmd.leaving(now):
+            leaving = cmd.leaving(now) and not self.drain.gpu_pids(cmd)  # (no GPU file: /proc read)
+            if owed > 0 and not self.core.scheduler.regions_of(cid) and not leaving:
                 out[cid] = owed
         return out
 

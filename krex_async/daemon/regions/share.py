@@ -13,6 +13,7 @@ sibling runs; then it isolates as ever, so a grant still never comes while a sib
 
 Not owed a share, nor charged from its request on: a sibling whose own region is requested (it
 waits for that, not to run: the FIFO, not the share, gives it its turn). Not owed a share: one
+leaving (its pool-run program ended, no process of it holds a GPU file: Command.leaving); one
 that did not use the time it was given (on a CPU or in a run queue waiting for one under 1% of its
 last IDLE_PROBE_S and under 5% of the whole wait, and no thread runnable at its end: blocked,
 sleeping, idle; IdleProbes), whose spans are then forgotten; and a command put back in line to run
@@ -111,7 +112,7 @@ class Share:
                 was, now_ns = base[cid], cpu[cid]
                 used = sum(max(0, ns - was[p]) for p, ns in now_ns.items() if p in was) / 1e9
             end = min(now, max(since, asked.get(cid, now))) if asked else now
-            charged = out[cid] = min(end - since, span - min(span, used))
+            charged = out[cid] = max(0.0, min(end - since, span - min(span, used)))
             self.total[cid] = self.total.get(cid, 0.0) + charged
             self.wall[cid] = self.wall.get(cid, 0.0) + span
             q = self.spans.setdefault(cid, deque())
