@@ -246,7 +246,7 @@ class SignalBackend(Backend):
         if group.extra.get("launched_stopped"):
             self._stopping([pid])
         if group.cores is not None:
-            set_affinity(pid, set(group.cores))
+            set_affinity(pid, group.cores)
 
     def pids(self, group: Group) -> list[int]:
         return _members(_Snapshot(), group)
@@ -392,7 +392,7 @@ class SignalBackend(Backend):
         pids: list[int] | None = None,
         exclusive: bool = False,
     ) -> None:
-        target = set(cpus) if cpus is not None else set(self.all_cpus)
+        target = cpus if cpus is not None else self.all_cpus
         if pids is None:
             group.cores = cpus
             pids = self.pids(group)

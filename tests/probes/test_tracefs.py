@@ -203,21 +203,19 @@ print("done", flush=True); sys.stdin.readline()
 """
 
 
+def _talking(script: str, path: str) -> subprocess.Popen[str]:
+    """`script` run by Python on the device file `path`, told and telling by lines (stdin, stdout)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
 async def test_a_closed_device_fd_is_forgotten_by_the_next_scan(devdir: str) -> None:
     """A holder closes one device fd and reuses its number for /dev/null, while another holder
     has a device at that number (so the kernel filter passes it): the scan must forget the
     first one's old fd, or its /dev/null ioctls are GPU events."""
     need_tracefs()
-    import asyncio
-    import subprocess
-    import sys
-
-    p = subprocess.Popen(
-        [sys.executable, "-c", STALE, f"{devdir}/null0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    p = _talking(STALE, f"{devdir}/null0")
     assert p.stdin is not None and p.stdout is not None
     a = int(p.stdout.readline())
     other = WaitingChild(f"{devdir}/null0", 0, 0)
@@ -329,12 +327,7 @@ async def test_holders_found_while_one_makes_ioctls_cost_it_none(devdir: str) ->
     nowhere (6240 of 8440 parsed, lost() 0), so a region held meanwhile came back short and clean.
     Added to, the list loses none: the reader parses every ioctl the busy holder made."""
     need_tracefs()
-    busy = subprocess.Popen(
-        [sys.executable, "-c", BUSY, f"{devdir}/null0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    busy = _talking(BUSY, f"{devdir}/null0")
     assert busy.stdin is not None and busy.stdout is not None
     probe = TracefsProbe([devdir + "/"], rescan_s=0.05)
     holders: list[WaitingChild] = []

@@ -345,7 +345,7 @@ class Regions:
         could not run before it asked for a region of its own here (share.py); the commands ended
         since are forgotten."""
         held, shift = r.held.held_ids(), time.monotonic() - time.perf_counter()  # t_request's clock
-        mine = [x for x in reversed(self.active.values()) if x.device == r.device and x is not r]
+        mine = [x for x in reversed(self.active.values()) if x.device == r.device]  # (r has left it)
         asked = {x.command.id: x.t_request + shift for x in mine}  # (its first request last: it wins)
         charged = self.share.end(r.id, held, since, now, self._locked_cpu(r), asked)
         for cid in held:
